@@ -1,0 +1,317 @@
+"""Provides the DFlash training objective: anchors, block inputs, the attention mask, labels, decay weights, chunked lm_head + CE.
+
+Follows SpecForge's ``OnlineDFlashModel`` (see shared/research/trainers.md, section A):
+
+* ``sample_anchors`` draws ``num_anchors`` anchor positions per sample, uniformly
+  (without replacement) among positions ``t`` where ``loss_mask[t]`` and
+  ``loss_mask[t+1]`` are both set, redrawn every step, sorted ascending. A sample
+  with fewer valid positions than ``num_anchors`` gets all of them, and the
+  remaining slots are marked invalid in ``keep`` (they carry zero loss weight).
+* ``block_inputs``: block ``i`` is ``[input_ids[a_i], MASK, ..., MASK]`` (B tokens)
+  at positions ``a_i + k``.
+* ``build_attention_mask``: one dense bool mask ``[b, 1, N*B, S + N*B]`` (True =
+  may attend). A block token sees the context positions strictly before its
+  anchor plus its whole own block (non-causal), nothing else.
+* ``labels_and_weights``: slot ``k`` predicts ``input_ids[a + k]`` (no shift);
+  slot 0 is the given anchor and carries no loss. Weight ``loss_mask[a+k] *
+  exp(-(k-1)/gamma)``; positions past the sequence end get weight 0.
+* ``decay_gamma``: 7 for B=16, 5 for B=10, 4 for B=8 (the recipe's values).
+  Other block sizes interpolate piecewise-linearly through those three points
+  and extrapolate with the neighbouring slope: ``B/2`` below 8 (min 1), and
+  ``7 + (B-16)/3`` above 16 (B=32 gives 12.33). This keeps the weight of the
+  last slot, ``exp(-(B-2)/gamma)``, in the same range (~0.2-0.15) as the recipe.
+* ``chunked_linear_cross_entropy``: ``sum(w * CE(h @ W.T, y))`` without ever
+  materialising the full ``[M, V]`` logits. Two modes share one autograd Function:
+
+  - ``"fused"`` (default): while the forward walks over row chunks it also
+    computes the chunk's gradient w.r.t. the hidden states (softmax - onehot,
+    times w, times W) and keeps only that ``[M, H]`` result; backward just scales
+    it by the incoming scalar gradient. Peak extra memory is one chunk's logits
+    (plus ``[M, H]``); compute is the same three-matmul budget as the plain
+    version (logits, grad_h, and grad_W only when W requires grad).
+  - ``"recompute"``: the forward saves nothing but its inputs; backward
+    recomputes each chunk's logits (checkpointing). One more matmul than plain.
+
+  The loss value and gradients match plain ``F.cross_entropy`` (tested in float64).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+GAMMA_TABLE = {8: 4.0, 10: 5.0, 16: 7.0}
+
+
+def decay_gamma(block_size: int) -> float:
+    """Return the position-decay gamma for a block size (recipe values, else piecewise-linear)."""
+    if block_size in GAMMA_TABLE:
+        return GAMMA_TABLE[block_size]
+    b = float(block_size)
+    if b < 8:
+        return max(1.0, b / 2.0)
+    if b < 10:
+        return 4.0 + (b - 8.0) * 0.5
+    if b < 16:
+        return 5.0 + (b - 10.0) / 3.0
+    return 7.0 + (b - 16.0) / 3.0
+
+
+def valid_anchor_mask(loss_mask: torch.Tensor) -> torch.Tensor:
+    """Positions t with loss_mask[t] and loss_mask[t+1] set: [b, S] bool (last position never valid)."""
+    lm = loss_mask.bool()
+    valid = torch.zeros_like(lm)
+    valid[:, :-1] = lm[:, :-1] & lm[:, 1:]
+    return valid
+
+
+def sample_anchors(
+    loss_mask: torch.Tensor,
+    num_anchors: int,
+    generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Draw sorted anchor positions per sample, uniformly without replacement among valid positions.
+
+    Returns ``(anchors [b, N] long, keep [b, N] bool)`` with ``N = min(num_anchors, max valid count)``
+    (at least 1). Invalid slots (a sample with fewer valid positions) hold anchor 0 and keep False.
+    The random draw uses ``generator`` on the CPU, so it is reproducible and checkpointable.
+    """
+    valid = valid_anchor_mask(loss_mask).cpu()
+    bsz, seq_len = valid.shape
+    counts = valid.sum(dim=1)
+    n = max(1, min(int(num_anchors), int(counts.max().item()) if bsz else 0))
+    rand = torch.rand((bsz, seq_len), generator=generator)
+    # invalid positions sort last
+    rand = torch.where(valid, rand, torch.full_like(rand, 2.0))
+    order = rand.argsort(dim=1)[:, :n]
+    keep = torch.arange(n).unsqueeze(0) < counts.clamp(max=n).unsqueeze(1)
+    anchors = torch.where(keep, order, torch.zeros_like(order))
+    # sort the kept anchors ascending; invalid ones (pushed to the end) stay at 0
+    big = torch.where(keep, anchors, torch.full_like(anchors, seq_len + 1))
+    big, _ = big.sort(dim=1)
+    anchors = torch.where(keep, big, torch.zeros_like(big))
+    return anchors.to(loss_mask.device), keep.to(loss_mask.device)
+
+
+def block_inputs(
+    input_ids: torch.Tensor, anchors: torch.Tensor, block_size: int, mask_token_id: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block token ids ``[b, N*B]`` (anchor token then MASKs) and their positions ``a + k``."""
+    bsz, n = anchors.shape
+    ids = torch.full((bsz, n, block_size), int(mask_token_id), dtype=input_ids.dtype, device=input_ids.device)
+    ids[:, :, 0] = torch.gather(input_ids, 1, anchors)
+    offs = torch.arange(block_size, device=anchors.device)
+    pos = anchors.unsqueeze(-1) + offs
+    return ids.reshape(bsz, n * block_size), pos.reshape(bsz, n * block_size)
+
+
+def build_attention_mask(anchors: torch.Tensor, seq_len: int, block_size: int) -> torch.Tensor:
+    """Dense bool mask ``[b, 1, N*B, S + N*B]``: context strictly before the anchor + own block."""
+    bsz, n = anchors.shape
+    dev = anchors.device
+    q_anchor = anchors.repeat_interleave(block_size, dim=1)  # [b, NB]
+    ctx = torch.arange(seq_len, device=dev).view(1, 1, seq_len) < q_anchor.unsqueeze(-1)  # [b, NB, S]
+    blk_q = torch.arange(n * block_size, device=dev) // block_size
+    own = (blk_q.view(-1, 1) == blk_q.view(1, -1)).unsqueeze(0).expand(bsz, -1, -1)  # [b, NB, NB]
+    return torch.cat([ctx, own], dim=-1).unsqueeze(1)
+
+
+def labels_and_weights(
+    input_ids: torch.Tensor,
+    loss_mask: torch.Tensor,
+    anchors: torch.Tensor,
+    keep: torch.Tensor,
+    block_size: int,
+    gamma: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Labels ``[b, N, B]`` (slot k -> input_ids[a+k]) and float weights ``[b, N, B]`` (slot 0 and padding 0)."""
+    if gamma is None:
+        gamma = decay_gamma(block_size)
+    bsz, seq_len = input_ids.shape
+    offs = torch.arange(block_size, device=anchors.device)
+    pos = anchors.unsqueeze(-1) + offs  # [b, N, B]
+    inside = pos < seq_len
+    pos_c = pos.clamp(max=seq_len - 1)
+    labels = torch.gather(input_ids, 1, pos_c.view(bsz, -1)).view_as(pos)
+    lm = torch.gather(loss_mask.float(), 1, pos_c.view(bsz, -1)).view_as(pos)
+    decay = torch.exp(-(offs.float() - 1.0) / float(gamma))
+    decay[0] = 0.0
+    w = lm * inside.float() * keep.unsqueeze(-1).float() * decay.to(lm.device)
+    return labels, w
+
+
+# --------------------------------------------------------------------------- chunked lm_head + CE
+
+
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Softmax/accumulation dtype: float64 stays float64, everything else float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _chunk_ce_and_grad(h, weight, y, w, want_grad_h, want_grad_w):
+    """One chunk: weighted CE sum, and (optionally) d/dh and d/dW of it. Logits computed once."""
+    acc = _acc_dtype(h.dtype)
+    logits = h @ weight.t()  # [c, V] in the compute dtype
+    lf = logits.to(acc)
+    del logits
+    lse = torch.logsumexp(lf, dim=-1)
+    tgt = lf.gather(1, y.unsqueeze(1)).squeeze(1)
+    wa = w.to(acc)
+    loss = ((lse - tgt) * wa).sum()
+    if not (want_grad_h or want_grad_w):
+        return loss, None, None
+    # softmax in place, minus one-hot, times the row weight
+    lf.sub_(lse.unsqueeze(1)).exp_()
+    lf.scatter_add_(1, y.unsqueeze(1), torch.full_like(tgt, -1.0).unsqueeze(1))
+    lf.mul_(wa.unsqueeze(1))
+    g = lf.to(h.dtype)
+    del lf
+    gh = g @ weight if want_grad_h else None
+    gw = g.t() @ h if want_grad_w else None
+    return loss, gh, gw
+
+
+class _ChunkedLinearCE(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, labels, weights, chunk_rows, mode, want_h, want_w):
+        m = hidden.shape[0]
+        acc_dtype = torch.float64 if hidden.dtype == torch.float64 else torch.float32
+        total = torch.zeros((), dtype=acc_dtype, device=hidden.device)
+        ctx.mode = mode
+        ctx.weight_dtype = weight.dtype
+        ctx.chunk_rows = chunk_rows
+        ctx.want = (want_h, want_w)
+        fused = mode == "fused" and (want_h or want_w)
+        gh_all = torch.empty_like(hidden) if (fused and want_h) else None
+        gw_all = torch.zeros_like(weight, dtype=acc_dtype) if (fused and want_w) else None
+        for s in range(0, m, chunk_rows):
+            e = min(m, s + chunk_rows)
+            loss, gh, gw = _chunk_ce_and_grad(
+                hidden[s:e], weight, labels[s:e], weights[s:e], fused and want_h, fused and want_w
+            )
+            total += loss
+            if gh is not None:
+                gh_all[s:e] = gh
+            if gw is not None:
+                gw_all += gw.to(acc_dtype)
+        if fused:
+            ctx.save_for_backward(gh_all, gw_all)
+        elif want_h or want_w:
+            ctx.save_for_backward(hidden, weight, labels, weights)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        want_h, want_w = ctx.want
+        if ctx.mode == "fused":
+            gh_all, gw_all = ctx.saved_tensors
+            gh = gh_all * grad_out.to(gh_all.dtype) if gh_all is not None else None
+            gw = gw_all * grad_out.to(gw_all.dtype) if gw_all is not None else None
+        else:
+            hidden, weight, labels, weights = ctx.saved_tensors
+            gh = torch.empty_like(hidden) if want_h else None
+            gw = torch.zeros_like(weight, dtype=_acc_dtype(hidden.dtype)) if want_w else None
+            for s in range(0, hidden.shape[0], ctx.chunk_rows):
+                e = min(hidden.shape[0], s + ctx.chunk_rows)
+                _, ghc, gwc = _chunk_ce_and_grad(hidden[s:e], weight, labels[s:e], weights[s:e], want_h, want_w)
+                if ghc is not None:
+                    gh[s:e] = ghc
+                if gwc is not None:
+                    gw += gwc.to(gw.dtype)
+            if gh is not None:
+                gh = gh * grad_out.to(gh.dtype)
+            if gw is not None:
+                gw = gw * grad_out.to(gw.dtype)
+        if gw is not None:
+            gw = gw.to(ctx.weight_dtype)  # accumulated in float32, returned in the weight's dtype
+        return gh, gw, None, None, None, None, None, None
+
+
+def chunked_linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    weights: torch.Tensor,
+    chunk_rows: int = 2048,
+    mode: str = "fused",
+) -> torch.Tensor:
+    """Return ``sum_i weights[i] * CE(hidden[i] @ weight.T, labels[i])`` (float32 scalar; float64 for float64 input).
+
+    ``hidden`` [M, H], ``weight`` [V, H] (an lm_head weight, frozen or not), ``labels`` [M] long,
+    ``weights`` [M] float. Never materialises more than ``chunk_rows`` rows of logits. ``mode`` is
+    ``"fused"`` (gradients computed during the forward pass) or ``"recompute"`` (checkpointed chunks).
+    """
+    if mode not in ("fused", "recompute"):
+        raise ValueError(f"mode must be 'fused' or 'recompute', not {mode!r}")
+    hidden = hidden.reshape(-1, hidden.shape[-1])
+    labels = labels.reshape(-1)
+    weights = weights.reshape(-1)
+    grad_on = torch.is_grad_enabled()
+    want_h = bool(grad_on and hidden.requires_grad)
+    want_w = bool(grad_on and weight.requires_grad)
+    return _ChunkedLinearCE.apply(hidden, weight, labels, weights, int(chunk_rows), mode, want_h, want_w)
+
+
+def plain_linear_cross_entropy(hidden, weight, labels, weights) -> torch.Tensor:
+    """Reference: the full logits, then ``sum(w * CE)`` (float32 math)."""
+    logits = hidden.reshape(-1, hidden.shape[-1]) @ weight.t()
+    acc = _acc_dtype(hidden.dtype)
+    ce = F.cross_entropy(logits.to(acc), labels.reshape(-1), reduction="none")
+    return (ce * weights.reshape(-1).to(acc)).sum()
+
+
+def dflash_loss(
+    hidden: torch.Tensor,
+    lm_head_weight: torch.Tensor,
+    labels: torch.Tensor,
+    weights: torch.Tensor,
+    chunk_rows: int = 2048,
+    mode: str = "fused",
+    compact: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Return ``(loss, weight_sum)`` with loss = sum(w*CE)/sum(w) over the drafter's block outputs.
+
+    ``hidden`` [b, N*B, H] (drafter output after the final norm), ``labels``/``weights`` [b, N, B].
+    With ``compact`` rows of zero weight (slot 0, padding, masked labels) are dropped before the
+    lm_head, which saves 1/B of the work for free.
+    """
+    h = hidden.reshape(-1, hidden.shape[-1])
+    y = labels.reshape(-1)
+    w = weights.reshape(-1).to(torch.float32 if hidden.dtype != torch.float64 else torch.float64)
+    if compact:
+        idx = (w > 0).nonzero(as_tuple=True)[0]
+        h, y, w = h.index_select(0, idx), y.index_select(0, idx), w.index_select(0, idx)
+    wsum = w.sum()
+    if mode == "plain":
+        total = plain_linear_cross_entropy(h, lm_head_weight, y, w)
+    else:
+        total = chunked_linear_cross_entropy(h, lm_head_weight, y, w, chunk_rows=chunk_rows, mode=mode)
+    return total / wsum.clamp(min=1e-12), wsum
+
+
+@torch.no_grad()
+def simulated_acceptance(hidden, lm_head_weight, labels, weights, block_size) -> float:
+    """Mean simulated acceptance length over valid blocks: 1 + sum_k cumprod(pred_k == label_k)."""
+    bsz = labels.shape[0]
+    h = hidden.reshape(bsz, -1, block_size, hidden.shape[-1])[:, :, 1:]
+    pred = (h @ lm_head_weight.t()).argmax(-1)
+    ok = (pred == labels[:, :, 1:]) & (weights[:, :, 1:] > 0)
+    acc = ok.long().cumprod(-1).sum(-1) + 1
+    valid = weights[:, :, 1] > 0
+    if not bool(valid.any()):
+        return float("nan")
+    return float(acc[valid].float().mean().item())
+
+
+__all__ = [
+    "decay_gamma",
+    "valid_anchor_mask",
+    "sample_anchors",
+    "block_inputs",
+    "build_attention_mask",
+    "labels_and_weights",
+    "chunked_linear_cross_entropy",
+    "plain_linear_cross_entropy",
+    "dflash_loss",
+    "simulated_acceptance",
+]
