@@ -1,0 +1,402 @@
+"""Provides the trainers' data: tokenizers, token streams, packed samples, sharded batches.
+
+Public API (kept stable; dflash imports it):
+
+Tokenizers — both have ``vocab_size``, ``eos_id``, ``bos_id``, ``pad_id``,
+``encode(text) -> list[int]``, ``decode(ids) -> str``, ``save(folder)``,
+``describe() -> dict``:
+    ``ByteTokenizer``  byte-level, needs no files: ids 0..255 are bytes, 256 BOS,
+        257 EOS, 258 PAD, 259 MASK (vocab 260). ``save`` writes
+        ``gpudeck_byte_tokenizer.json``.
+    ``HFTokenizer(path)``  wraps ``AutoTokenizer.from_pretrained(path)`` (local
+        folder only); ``save`` calls ``save_pretrained``.
+    ``load_tokenizer(spec_or_folder=None)``  None / "byte" -> ByteTokenizer; a
+        folder holding ``gpudeck_byte_tokenizer.json`` -> ByteTokenizer; any
+        other folder -> HFTokenizer.
+
+Corpus and token arrays
+    ``builtin_corpus_files(max_bytes) -> list[Path]``  the offline corpus: the
+        Python standard library's ``.py`` sources then installed packages'
+        ``*.dist-info/METADATA`` documents, in sorted path order, until
+        ``max_bytes`` of text are gathered (deterministic on one machine).
+    ``load_documents(data=None, max_bytes=...) -> list[str]``  documents of a
+        text file (one document), a JSONL file (``text`` field, else the first
+        string field, one document per line), a folder (every .txt/.md/.rst/.py/
+        .jsonl file, sorted) or the built-in corpus (data None).
+    ``load_tokens(data=None, tokenizer=None, dtype="uint16", max_bytes=...)
+        -> TokenSource``  a 1-D token array (``np.memmap`` for ``.bin`` files,
+        otherwise the documents encoded and joined with EOS) plus a description.
+
+Samples and batches
+    ``PackedDataset(tokens, seq_len)``  non-overlapping windows of ``seq_len+1``
+        tokens (inputs + shifted labels); ``len(ds)`` samples, ``ds[i]`` ->
+        np.int64 array, ``ds.num_tokens`` (tokens the samples cover, exact),
+        ``ds.source_tokens`` (tokens of the whole stream).
+    ``split_tokens(tokens, val_fraction) -> (train, val)``  holds out the tail
+        of the token stream as validation (no overlap with train).
+    ``ShardedBatches(dataset, batch_size, rank, world_size, seed=0, shuffle=True)``
+        an endless, deterministic iterator of ``torch.LongTensor [B, seq_len+1]``.
+        Each step consumes ``world_size * batch_size`` samples of one epoch-wide
+        permutation (seed, epoch); rank r takes its own contiguous slice, so
+        ranks are disjoint within an epoch. The position is global
+        (epoch, cursor), so ``state_dict()`` is the same on every rank and
+        ``load_state_dict()`` resumes exactly (also with another world size).
+        ``next_batch()`` / ``__next__``; ``samples_per_epoch``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import sysconfig
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+import numpy as np
+
+BYTE_TOKENIZER_FILE = "gpudeck_byte_tokenizer.json"
+DEFAULT_CORPUS_BYTES = 16 * 1024 * 1024
+TEXT_SUFFIXES = (".txt", ".md", ".rst", ".py", ".jsonl", ".json")
+
+
+# ------------------------------------------------------------------ tokenizers
+
+
+class ByteTokenizer:
+    """Byte-level tokenizer: 256 byte ids plus BOS/EOS/PAD/MASK; needs no files."""
+
+    kind = "byte"
+    bos_id = 256
+    eos_id = 257
+    pad_id = 258
+    mask_id = 259
+    vocab_size = 260
+
+    def encode(self, text: str, add_bos: bool = False, add_eos: bool = False) -> list[int]:
+        ids = list(text.encode("utf-8"))
+        if add_bos:
+            ids.insert(0, self.bos_id)
+        if add_eos:
+            ids.append(self.eos_id)
+        return ids
+
+    def encode_np(self, text: str) -> np.ndarray:
+        """Fast path: the UTF-8 bytes as a uint16 array (no specials)."""
+        return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.uint16)
+
+    def decode(self, ids: Iterable[int]) -> str:
+        data = bytes(int(i) for i in ids if 0 <= int(i) < 256)
+        return data.decode("utf-8", errors="replace")
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "kind": "byte", "vocab_size": self.vocab_size, "bos_id": self.bos_id,
+            "eos_id": self.eos_id, "pad_id": self.pad_id, "mask_id": self.mask_id,
+            "note": "ids 0-255 are UTF-8 bytes; load with trainers.data.load_tokenizer(folder)",
+        }
+
+    def save(self, folder: str | os.PathLike) -> Path:
+        path = Path(folder) / BYTE_TOKENIZER_FILE
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(self.describe(), indent=2) + "\n")
+        return path
+
+
+class HFTokenizer:
+    """A local transformers tokenizer folder behind the same small interface."""
+
+    kind = "hf"
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        from transformers import AutoTokenizer
+
+        self.path = str(path)
+        self.tok = AutoTokenizer.from_pretrained(self.path)
+        self.vocab_size = len(self.tok)
+        eos = self.tok.eos_token_id
+        self.eos_id = int(eos) if eos is not None else int(self.tok.sep_token_id or 0)
+        bos = self.tok.bos_token_id
+        self.bos_id = int(bos) if bos is not None else self.eos_id
+        pad = self.tok.pad_token_id
+        self.pad_id = int(pad) if pad is not None else self.eos_id
+        mask = getattr(self.tok, "mask_token_id", None)
+        self.mask_id = int(mask) if mask is not None else None
+
+    def encode(self, text: str, add_bos: bool = False, add_eos: bool = False) -> list[int]:
+        ids = list(self.tok.encode(text, add_special_tokens=False))
+        if add_bos:
+            ids.insert(0, self.bos_id)
+        if add_eos:
+            ids.append(self.eos_id)
+        return ids
+
+    def encode_np(self, text: str) -> np.ndarray:
+        return np.asarray(self.encode(text), dtype=np.int64)
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return self.tok.decode([int(i) for i in ids])
+
+    def describe(self) -> dict[str, Any]:
+        return {"kind": "hf", "path": self.path, "vocab_size": self.vocab_size,
+                "eos_id": self.eos_id, "bos_id": self.bos_id, "pad_id": self.pad_id}
+
+    def save(self, folder: str | os.PathLike) -> Path:
+        self.tok.save_pretrained(str(folder))
+        return Path(folder)
+
+
+def load_tokenizer(spec: str | os.PathLike | None = None) -> ByteTokenizer | HFTokenizer:
+    """None or "byte" -> ByteTokenizer; a folder -> its saved tokenizer."""
+    if spec is None or str(spec) == "byte":
+        return ByteTokenizer()
+    path = Path(spec)
+    if (path / BYTE_TOKENIZER_FILE).is_file():
+        return ByteTokenizer()
+    if not path.exists():
+        raise FileNotFoundError(f"tokenizer folder {path} does not exist")
+    return HFTokenizer(path)
+
+
+# ------------------------------------------------------------------ corpus
+
+
+def _stdlib_dir() -> Path:
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+def _site_dirs() -> list[Path]:
+    dirs = []
+    for key in ("purelib", "platlib"):
+        p = Path(sysconfig.get_paths()[key])
+        if p.is_dir() and p not in dirs:
+            dirs.append(p)
+    return dirs
+
+
+def builtin_corpus_files(max_bytes: int = DEFAULT_CORPUS_BYTES) -> list[Path]:
+    """Sorted stdlib ``.py`` files, then package METADATA docs, up to ``max_bytes``."""
+    stdlib = _stdlib_dir()
+    candidates: list[Path] = sorted(
+        p for p in stdlib.rglob("*.py")
+        if "site-packages" not in p.parts and "__pycache__" not in p.parts
+    )
+    for site in _site_dirs():
+        candidates.extend(sorted(site.glob("*.dist-info/METADATA")))
+    chosen: list[Path] = []
+    total = 0
+    for p in candidates:
+        try:
+            size = p.stat().st_size
+        except OSError:
+            continue
+        if size == 0 or size > 4 * 1024 * 1024:
+            continue
+        chosen.append(p)
+        total += size
+        if total >= max_bytes:
+            break
+    return chosen
+
+
+def _read_text(path: Path) -> str:
+    return path.read_bytes().decode("utf-8", errors="replace")
+
+
+def _jsonl_documents(path: Path) -> list[str]:
+    docs = []
+    with open(path, encoding="utf-8", errors="replace") as fh:
+        for line in fh:
+            line = line.strip()
+            if not line:
+                continue
+            obj = json.loads(line)
+            if isinstance(obj, str):
+                docs.append(obj)
+                continue
+            text = obj.get("text")
+            if not isinstance(text, str):
+                text = next((v for v in obj.values() if isinstance(v, str)), None)
+            if text:
+                docs.append(text)
+    return docs
+
+
+def load_documents(data: str | os.PathLike | None = None,
+                   max_bytes: int = DEFAULT_CORPUS_BYTES) -> list[str]:
+    """Documents from a text/JSONL file, a folder of them, or the built-in corpus."""
+    if data is None:
+        return [_read_text(p) for p in builtin_corpus_files(max_bytes)]
+    path = Path(data)
+    if path.is_dir():
+        docs: list[str] = []
+        for p in sorted(path.rglob("*")):
+            if p.is_file() and p.suffix in TEXT_SUFFIXES:
+                docs.extend(_jsonl_documents(p) if p.suffix == ".jsonl" else [_read_text(p)])
+        if not docs:
+            raise ValueError(f"no text files ({', '.join(TEXT_SUFFIXES)}) under {path}")
+        return docs
+    if not path.is_file():
+        raise FileNotFoundError(f"--data {path} does not exist")
+    if path.suffix == ".jsonl":
+        return _jsonl_documents(path)
+    return [_read_text(path)]
+
+
+@dataclass
+class TokenSource:
+    """A 1-D token stream and what it came from."""
+
+    tokens: np.ndarray
+    description: str
+    documents: int | None  # None for pre-tokenized .bin files
+
+
+def load_tokens(data: str | os.PathLike | None = None, tokenizer: Any = None,
+                dtype: str = "uint16", max_bytes: int = DEFAULT_CORPUS_BYTES) -> TokenSource:
+    """Token stream of ``.bin`` memmap, or documents encoded and joined by EOS."""
+    if data is not None and str(data).endswith(".bin"):
+        arr = np.memmap(str(data), dtype=np.dtype(dtype), mode="r")
+        return TokenSource(arr, f"token file {data} ({dtype}, {arr.shape[0]} tokens)", None)
+    tok = tokenizer if tokenizer is not None else ByteTokenizer()
+    docs = load_documents(data, max_bytes=max_bytes)
+    eos = np.array([tok.eos_id], dtype=np.int64)
+    parts: list[np.ndarray] = []
+    for d in docs:
+        parts.append(tok.encode_np(d).astype(np.int64, copy=False))
+        parts.append(eos)
+    tokens = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+    out_dtype = np.uint16 if tok.vocab_size <= 65535 else np.uint32
+    tokens = tokens.astype(out_dtype)
+    where = "built-in corpus (Python stdlib sources + package docs)" if data is None else str(data)
+    return TokenSource(tokens, f"{where}: {len(docs)} documents, {tokens.shape[0]} tokens", len(docs))
+
+
+def split_tokens(tokens: np.ndarray, val_fraction: float) -> tuple[np.ndarray, np.ndarray]:
+    """Hold out the last ``val_fraction`` of the stream (train, val); no overlap."""
+    if not 0.0 <= val_fraction < 1.0:
+        raise ValueError("val_fraction must be in [0, 1)")
+    cut = int(round(tokens.shape[0] * (1.0 - val_fraction)))
+    return tokens[:cut], tokens[cut:]
+
+
+# ------------------------------------------------------------------ samples
+
+
+class PackedDataset:
+    """Non-overlapping ``seq_len + 1`` windows over a token stream."""
+
+    def __init__(self, tokens: np.ndarray, seq_len: int) -> None:
+        if seq_len <= 0:
+            raise ValueError("seq_len must be positive")
+        self.tokens = tokens
+        self.seq_len = seq_len
+        self._n = max(0, (int(tokens.shape[0]) - 1) // seq_len)
+
+    def __len__(self) -> int:
+        return self._n
+
+    @property
+    def source_tokens(self) -> int:
+        """Tokens in the whole stream."""
+        return int(self.tokens.shape[0])
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens the samples train on (inputs), exact: len(self) * seq_len."""
+        return self._n * self.seq_len
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        if not 0 <= i < self._n:
+            raise IndexError(i)
+        start = i * self.seq_len
+        return np.asarray(self.tokens[start:start + self.seq_len + 1], dtype=np.int64)
+
+    def gather(self, indices: Sequence[int]) -> np.ndarray:
+        return np.stack([self[int(i)] for i in indices]) if len(indices) else \
+            np.zeros((0, self.seq_len + 1), dtype=np.int64)
+
+
+class ShardedBatches:
+    """Deterministic, resumable, rank-disjoint batches of packed samples."""
+
+    def __init__(self, dataset: PackedDataset, batch_size: int, rank: int = 0,
+                 world_size: int = 1, seed: int = 0, shuffle: bool = True) -> None:
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} outside world size {world_size}")
+        per_step = batch_size * world_size
+        if len(dataset) < per_step:
+            raise ValueError(
+                f"dataset has {len(dataset)} samples of {dataset.seq_len + 1} tokens, "
+                f"fewer than one step needs ({world_size} ranks x batch {batch_size}); "
+                "use more data or a shorter --seq-len"
+            )
+        self.dataset = dataset
+        self.batch_size = batch_size
+        self.rank = rank
+        self.world_size = world_size
+        self.seed = seed
+        self.shuffle = shuffle
+        self.epoch = 0
+        self.cursor = 0  # samples of this epoch consumed by all ranks together
+        self._perm_epoch: int | None = None
+        self._perm: np.ndarray | None = None
+
+    @property
+    def samples_per_epoch(self) -> int:
+        per_step = self.batch_size * self.world_size
+        return (len(self.dataset) // per_step) * per_step
+
+    def _order(self) -> np.ndarray:
+        if self._perm_epoch != self.epoch:
+            n = len(self.dataset)
+            if self.shuffle:
+                rng = np.random.default_rng([self.seed, self.epoch])
+                self._perm = rng.permutation(n)
+            else:
+                self._perm = np.arange(n)
+            self._perm_epoch = self.epoch
+        assert self._perm is not None
+        return self._perm
+
+    def next_indices(self) -> np.ndarray:
+        """Sample indices of this rank's next batch (advances the position)."""
+        per_step = self.batch_size * self.world_size
+        if self.cursor + per_step > len(self.dataset):
+            self.epoch += 1
+            self.cursor = 0
+        order = self._order()
+        start = self.cursor + self.rank * self.batch_size
+        idx = order[start:start + self.batch_size]
+        self.cursor += per_step
+        return idx
+
+    def next_batch(self):
+        """This rank's next batch as a LongTensor [batch, seq_len + 1]."""
+        import torch
+
+        return torch.from_numpy(self.dataset.gather(self.next_indices()))
+
+    def __iter__(self) -> "ShardedBatches":
+        return self
+
+    def __next__(self):
+        return self.next_batch()
+
+    def state_dict(self) -> dict[str, Any]:
+        """Global position (same on every rank), JSON-able."""
+        return {"epoch": self.epoch, "cursor": self.cursor, "seed": self.seed,
+                "shuffle": self.shuffle, "num_samples": len(self.dataset),
+                "seq_len": self.dataset.seq_len}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("num_samples") not in (None, len(self.dataset)):
+            print(f"warning: data changed since the checkpoint ({state.get('num_samples')} "
+                  f"samples then, {len(self.dataset)} now); resuming by position",
+                  file=sys.stderr)
+        self.epoch = int(state["epoch"])
+        self.cursor = int(state["cursor"])
+        self.seed = int(state.get("seed", self.seed))
+        self.shuffle = bool(state.get("shuffle", self.shuffle))
+        self._perm_epoch = None

@@ -1,0 +1,149 @@
+"""Provides exact parameter counts, torchtitan-style FLOPs per token, peak detection and MFU.
+
+FLOPs per token (torchtitan ``get_dense_model_nparams_and_flops``; PaLM's 6N + 12·L·H·d·S):
+
+    training:  6 * (N - N_emb) + 6 * L * n_heads * (2 * head_dim) * S
+    forward:   2 * (N - N_emb) + 2 * L * n_heads * (2 * head_dim) * S
+
+N counts every parameter once; N_emb is the token-embedding table. With tied
+input/output embeddings the shared matrix is counted once in N and would vanish
+from ``N - N_emb``; since the lm_head matmul is still done, we add it back
+(``vocab * hidden``) — documented in ``ModelFlops.note``. Causal sparsity and
+activation recomputation are not counted (as torchtitan).
+
+Public API (kept stable; dflash imports it):
+
+    ``count_params(model) -> (total, trainable)``  unique parameters; works on
+        meta-device models and on FSDP2 models (DTensor numel is global).
+    ``embedding_params(model) -> int``  parameters of the input embedding.
+    ``attention_dims(config) -> (n_layers, n_heads, head_dim)``
+    ``flops_per_token(n_params, n_embedding, n_layers, n_heads, head_dim, seq_len,
+        training=True, tied_lm_head_params=0) -> float``
+    ``model_flops(model, config, seq_len, training=True) -> ModelFlops``
+        (total, trainable, embedding, flops_per_token, note).
+    ``peak_flops(device, dtype="bf16") -> (peak_flops_per_s | None, reason | None)``
+        dense bf16 tensor-core peaks: H100/H200 SXM 989e12, H100 PCIe 756e12,
+        H100 NVL 835e12, A100 312e12, B200 2.25e15, ...; CPU and unknown GPUs
+        give (None, reason).
+    ``mfu(tokens_per_s_per_device, flops_per_token, peak) -> float | None``
+        as a fraction (0.51 = 51%); None when the peak is unknown.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+# dense (no sparsity) bf16 tensor-core peaks, FLOP/s, matched in order on the device name
+_PEAKS: list[tuple[tuple[str, ...], float]] = [
+    (("H200",), 989e12),
+    (("H100", "NVL"), 835e12),
+    (("H100", "PCIE"), 756e12),
+    (("H100",), 989e12),
+    (("H800",), 989e12),
+    (("GH200",), 989e12),
+    (("B200",), 2.25e15),
+    (("B100",), 1.75e15),
+    (("A100",), 312e12),
+    (("A800",), 312e12),
+    (("L40S",), 362e12),
+    (("L40",), 181e12),
+    (("A10G",), 70e12),
+    (("L4",), 121e12),
+]
+
+
+def count_params(model: Any) -> tuple[int, int]:
+    """(total, trainable) over unique parameters; tied weights count once."""
+    seen: set[int] = set()
+    total = trainable = 0
+    for p in model.parameters():
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        n = int(p.numel())
+        total += n
+        if p.requires_grad:
+            trainable += n
+    return total, trainable
+
+
+def embedding_params(model: Any) -> int:
+    """Parameters of the input token embedding (``get_input_embeddings``)."""
+    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    return int(emb.weight.numel()) if emb is not None else 0
+
+
+def _tied(model: Any) -> bool:
+    try:
+        out = model.get_output_embeddings()
+        inp = model.get_input_embeddings()
+        return out is not None and inp is not None and out.weight is inp.weight
+    except Exception:
+        return False
+
+
+def attention_dims(config: Any) -> tuple[int, int, int]:
+    """(n_layers, n_heads, head_dim) of a transformers decoder config."""
+    cfg = getattr(config, "text_config", None) or config
+    layers = int(cfg.num_hidden_layers)
+    heads = int(cfg.num_attention_heads)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    return layers, heads, int(head_dim)
+
+
+def flops_per_token(n_params: int, n_embedding: int, n_layers: int, n_heads: int,
+                    head_dim: int, seq_len: int, training: bool = True,
+                    tied_lm_head_params: int = 0) -> float:
+    """torchtitan's count: 6·(N−N_emb) + 6·L·H·(2·d_head)·S (factor 2 for forward only)."""
+    factor = 6 if training else 2
+    dense = factor * (n_params - n_embedding + tied_lm_head_params)
+    attn = factor * n_layers * n_heads * (2 * head_dim) * seq_len
+    return float(dense + attn)
+
+
+@dataclass
+class ModelFlops:
+    params_total: int
+    params_trainable: int
+    params_embedding: int
+    flops_per_token: float
+    seq_len: int
+    note: str
+
+
+def model_flops(model: Any, config: Any, seq_len: int, training: bool = True) -> ModelFlops:
+    """Counts for an (unsharded, e.g. meta-device) model and its config."""
+    total, trainable = count_params(model)
+    emb = embedding_params(model)
+    tied = _tied(model)
+    layers, heads, head_dim = attention_dims(config)
+    fpt = flops_per_token(total, emb, layers, heads, head_dim, seq_len, training,
+                          tied_lm_head_params=emb if tied else 0)
+    note = ("torchtitan 6(N-N_emb)+12*L*H*d_head*S" +
+            ("; tied lm_head added back" if tied else ""))
+    return ModelFlops(total, trainable, emb, fpt, seq_len, note)
+
+
+def peak_flops(device: Any, dtype: str = "bf16") -> tuple[float | None, str | None]:
+    """Dense bf16 peak of ``device``; (None, reason) where it is not known."""
+    import torch
+
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        return None, f"no peak FLOP/s for device type {dev.type!r} (MFU is for GPUs)"
+    if dtype not in ("bf16", "fp16"):
+        return None, f"peak known for bf16/fp16 only, training runs in {dtype}"
+    name = torch.cuda.get_device_name(dev.index if dev.index is not None else 0)
+    upper = name.upper()
+    for keys, peak in _PEAKS:
+        if all(k in upper for k in keys):
+            return peak, None
+    return None, f"unknown GPU {name!r}: no peak FLOP/s in the table"
+
+
+def mfu(tokens_per_s_per_device: float, flops_per_token: float, peak: float | None) -> float | None:
+    """Model FLOPs utilisation as a fraction; None without a peak."""
+    if not peak or tokens_per_s_per_device is None:
+        return None
+    return tokens_per_s_per_device * flops_per_token / peak

@@ -1,0 +1,389 @@
+"""Provides the process plumbing shared by gpudeck's trainers (fsdp_lm, dflash).
+
+Public API (kept stable; dflash imports it):
+
+Command line
+    ``add_common_args(parser)``  adds the options both trainers share:
+        --model-config, --init-from, --data, --tokenizer, --data-dtype,
+        --corpus-bytes, --fresh | --resume latest|N, --new-run-dir,
+        --max-steps, --batch-size, --seq-len, --grad-accum, --lr,
+        --min-lr-ratio, --warmup-steps, --weight-decay, --grad-clip, --seed,
+        --checkpoint-every, --keep, --out DIR, --compile,
+        --activation-checkpointing, --log-every, --device.
+    ``check_common_args(parser, args)``  calls ``parser.error`` (exit 2) unless
+        exactly one of --fresh / --resume was given; validates numbers.
+
+Distributed context
+    ``DistContext``  rank, local_rank, world_size, device (torch.device),
+        backend ("nccl" | "gloo" | None), distributed (bool), is_main.
+    ``init_distributed(device="auto", init_timeout_s=300) -> DistContext``
+        reads torchrun's RANK / WORLD_SIZE / LOCAL_RANK (a plain process is
+        world size 1 without a process group), picks cuda:LOCAL_RANK + NCCL when
+        CUDA is there (unless device="cpu"), else CPU + gloo.
+    ``set_collective_timeout(ctx, seconds)``  shortens the timeout of the
+        default process group (torchtitan: 300 s at init, 100 s after step 1).
+    ``barrier(ctx)``, ``all_reduce_mean(ctx, value) -> float``.
+    ``finish_ok(ctx)``  ``destroy_process_group`` — call on success only.
+    ``abort_and_exit(ctx, exc, telemetry=None, code=1)``  the error path: writes
+        an ``error`` telemetry record, prints the traceback on stderr, aborts the
+        process group (non-collective, bounded in time) and ``os._exit(code)``s
+        so that no rank lingers in a collective or in atexit handlers.
+    ``run_main(main)``  runs ``main() -> int`` and routes any exception to
+        ``abort_and_exit`` (``main`` registers its context with ``register``).
+    ``register(ctx=None, telemetry=None)``  tells ``run_main`` what to tear down.
+
+Device and misc
+    ``device_info(device) -> dict``  {"device": "cuda:3", "gpu_uuid": "GPU-…",
+        "gpu_name": …} ("cpu", None, None on CPU).
+    ``seed_all(seed)``, ``config_hash(obj) -> str`` (sha256 of canonical JSON,
+        first 16 hex digits).
+    ``maybe_fail_for_test(step, rank)``  test hook: when the environment has
+        ``GPUDECK_TEST_FAIL_AT_STEP=N`` (or ``N:R``), raise at step N (on rank R
+        only, when given). Used by the e2e tests to check that a failing rank
+        takes the whole run down promptly. Has no effect when unset.
+
+This module imports torch lazily inside functions where possible so that
+argument errors are reported before the (slow) torch import.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import hashlib
+import json
+import os
+import sys
+import threading
+import traceback
+from dataclasses import dataclass
+from typing import Any, Callable
+
+FAIL_ENV = "GPUDECK_TEST_FAIL_AT_STEP"
+
+
+# --------------------------------------------------------------------------- CLI
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
+def _resume_value(text: str) -> str:
+    if text == "latest":
+        return text
+    try:
+        if int(text) < 0:
+            raise ValueError
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"--resume takes 'latest' or a step number, got {text!r}"
+        ) from None
+    return str(int(text))
+
+
+def add_common_args(parser: argparse.ArgumentParser) -> None:
+    """Add the options shared by fsdp_lm and dflash (see module docstring)."""
+    g = parser.add_argument_group("model")
+    g.add_argument("--model-config", default=None,
+                   help="config.json path or preset name (tiny, llama-1b, qwen3-0.6b)")
+    g.add_argument("--init-from", default=None,
+                   help="local pretrained folder to start from (from_pretrained)")
+
+    g = parser.add_argument_group("data")
+    g.add_argument("--data", default=None,
+                   help="token file (.bin), text/JSONL file or folder; "
+                        "default: the built-in offline corpus (Python stdlib sources)")
+    g.add_argument("--tokenizer", default=None,
+                   help="local tokenizer folder (AutoTokenizer) or 'byte' (default: byte-level)")
+    g.add_argument("--data-dtype", default="uint16", choices=["uint16", "uint32"],
+                   help="element type of .bin token files")
+    g.add_argument("--corpus-bytes", type=_positive_int, default=16 * 1024 * 1024,
+                   help="how many bytes of source text the built-in corpus gathers")
+
+    g = parser.add_argument_group("start (pick exactly one)")
+    start = g.add_mutually_exclusive_group()
+    start.add_argument("--fresh", action="store_true",
+                       help="start at step 0; refuses if OUT already holds checkpoints")
+    start.add_argument("--resume", type=_resume_value, default=None, metavar="latest|N",
+                       help="resume from the latest checkpoint or the one at step N")
+    g.add_argument("--new-run-dir", action="store_true",
+                   help="with --fresh: move existing OUT/checkpoints aside to "
+                        "OUT/checkpoints.archived-<UTC time>/ and start a new run there")
+
+    g = parser.add_argument_group("training")
+    g.add_argument("--max-steps", type=_positive_int, default=100)
+    g.add_argument("--batch-size", type=_positive_int, default=8,
+                   help="sequences per rank per micro-step")
+    g.add_argument("--seq-len", type=_positive_int, default=512)
+    g.add_argument("--grad-accum", type=_positive_int, default=1,
+                   help="micro-steps per optimizer step")
+    g.add_argument("--lr", type=float, default=3e-4)
+    g.add_argument("--min-lr-ratio", type=float, default=0.1,
+                   help="cosine schedule floor as a fraction of --lr")
+    g.add_argument("--warmup-steps", type=int, default=None,
+                   help="linear warmup steps (default: 5%% of --max-steps)")
+    g.add_argument("--weight-decay", type=float, default=0.1)
+    g.add_argument("--grad-clip", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=0)
+
+    g = parser.add_argument_group("checkpoints and output")
+    g.add_argument("--checkpoint-every", type=int, default=0,
+                   help="save a checkpoint every N steps (0: only at the end)")
+    g.add_argument("--keep", type=_positive_int, default=3,
+                   help="keep the last K checkpoints")
+    g.add_argument("--out", required=True, help="output folder (checkpoints/, final/, result.json)")
+    g.add_argument("--log-every", type=_positive_int, default=1)
+
+    g = parser.add_argument_group("performance")
+    g.add_argument("--compile", action="store_true", help="torch.compile each decoder block")
+    g.add_argument("--activation-checkpointing", action="store_true",
+                   help="recompute each decoder block's activations in backward")
+    g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+
+
+def check_common_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Reject a command line without exactly one start, and nonsense numbers (exit 2)."""
+    if not args.fresh and args.resume is None:
+        parser.error(
+            "pick how to start: --fresh (step 0, new checkpoints) or "
+            "--resume latest|N (continue from a checkpoint); there is no default"
+        )
+    if args.new_run_dir and not args.fresh:
+        parser.error("--new-run-dir only goes with --fresh")
+    if args.checkpoint_every < 0:
+        parser.error("--checkpoint-every must be >= 0")
+    if args.warmup_steps is not None and args.warmup_steps < 0:
+        parser.error("--warmup-steps must be >= 0")
+
+
+# ------------------------------------------------------------------ distributed
+
+
+@dataclass
+class DistContext:
+    """Where this process sits in the job."""
+
+    rank: int
+    local_rank: int
+    world_size: int
+    device: Any  # torch.device
+    backend: str | None
+    distributed: bool
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def init_distributed(device: str = "auto", init_timeout_s: float = 300.0) -> DistContext:
+    """Initialise torch.distributed from torchrun's environment (or run alone)."""
+    import torch
+    import torch.distributed as dist
+
+    rank = int(os.environ.get("RANK", "0"))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    use_cuda = torch.cuda.is_available() and device != "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("--device cuda asked for, but torch.cuda.is_available() is False")
+    if use_cuda:
+        torch.cuda.set_device(local_rank)
+        dev = torch.device("cuda", local_rank)
+        backend = "nccl"
+        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")
+    else:
+        dev = torch.device("cpu")
+        backend = "gloo"
+    distributed = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    if distributed:
+        kwargs: dict[str, Any] = dict(
+            backend=backend, timeout=_dt.timedelta(seconds=init_timeout_s)
+        )
+        if use_cuda:
+            kwargs["device_id"] = dev
+        dist.init_process_group(**kwargs)
+        rank, world = dist.get_rank(), dist.get_world_size()
+    else:
+        backend = None
+    ctx = DistContext(rank, local_rank, world, dev, backend, distributed)
+    register(ctx=ctx)
+    return ctx
+
+
+def set_collective_timeout(ctx: DistContext, seconds: float) -> None:
+    """Shorten the default group's collective timeout (best effort)."""
+    if not ctx.distributed:
+        return
+    try:
+        from torch.distributed.distributed_c10d import _set_pg_timeout
+
+        _set_pg_timeout(_dt.timedelta(seconds=seconds), None)
+    except Exception as exc:  # older torch or backend without support
+        print(f"[rank {ctx.rank}] could not shorten collective timeout: {exc}", file=sys.stderr)
+
+
+def barrier(ctx: DistContext) -> None:
+    if ctx.distributed:
+        import torch.distributed as dist
+
+        if ctx.backend == "nccl":
+            dist.barrier(device_ids=[ctx.local_rank])
+        else:
+            dist.barrier()
+
+
+def all_reduce_mean(ctx: DistContext, value: Any) -> float:
+    """Mean over ranks of a float or 0-d tensor; returns a Python float."""
+    import torch
+    import torch.distributed as dist
+
+    t = value.detach().float().reshape(1) if torch.is_tensor(value) else torch.tensor([float(value)])
+    if ctx.distributed:
+        t = t.to(ctx.device)
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        t = t / ctx.world_size
+    return float(t.item())
+
+
+def finish_ok(ctx: DistContext | None) -> None:
+    """Clean shutdown: destroy the process group (success path only)."""
+    if ctx is not None and ctx.distributed:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _abort_pg() -> None:
+    try:
+        import torch.distributed as dist
+
+        if not dist.is_available() or not dist.is_initialized():
+            return
+        try:
+            from torch.distributed.distributed_c10d import _abort_process_group
+
+            _abort_process_group()
+            return
+        except ImportError:
+            pass
+        pg = dist.group.WORLD
+        if hasattr(pg, "abort"):
+            pg.abort()
+    except Exception:
+        pass
+
+
+_REGISTERED: dict[str, Any] = {"ctx": None, "telemetry": None}
+
+
+def register(ctx: DistContext | None = None, telemetry: Any = None) -> None:
+    """Remember what ``run_main`` must tear down on error."""
+    if ctx is not None:
+        _REGISTERED["ctx"] = ctx
+    if telemetry is not None:
+        _REGISTERED["telemetry"] = telemetry
+
+
+def abort_and_exit(ctx: DistContext | None, exc: BaseException, telemetry: Any = None,
+                   code: int = 1) -> None:
+    """Error path: telemetry ``error`` record, traceback on stderr, abort, ``os._exit``."""
+    rank = ctx.rank if ctx is not None else int(os.environ.get("RANK", "0"))
+    message = f"{type(exc).__name__}: {exc}"
+    try:
+        if telemetry is not None:
+            telemetry.emit("error", message=message, exit_code=code)
+    except Exception:
+        pass
+    try:
+        sys.stderr.write(f"[rank {rank}] error: {message}\n")
+        traceback.print_exception(type(exc), exc, exc.__traceback__, file=sys.stderr)
+        sys.stderr.flush()
+        sys.stdout.flush()
+    except Exception:
+        pass
+    # abort is non-collective but can block inside a broken communicator: bound it
+    t = threading.Thread(target=_abort_pg, daemon=True)
+    t.start()
+    t.join(timeout=10.0)
+    try:
+        if telemetry is not None:
+            telemetry.close()
+    except Exception:
+        pass
+    os._exit(code)
+
+
+class ExitWith(Exception):
+    """Raise to leave with a given exit code and a message (e.g. 2 for bad usage)."""
+
+    def __init__(self, code: int, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def run_main(main: Callable[[], int]) -> None:
+    """Run ``main``; exit with its code, or tear everything down on an exception."""
+    try:
+        code = main()
+    except SystemExit:
+        raise
+    except ExitWith as exc:
+        abort_and_exit(_REGISTERED["ctx"], exc, _REGISTERED["telemetry"], code=exc.code)
+        return
+    except BaseException as exc:  # noqa: BLE001 - includes KeyboardInterrupt
+        abort_and_exit(_REGISTERED["ctx"], exc, _REGISTERED["telemetry"], code=1)
+        return
+    sys.exit(code or 0)
+
+
+# ------------------------------------------------------------------ misc
+
+
+def device_info(device: Any) -> dict[str, Any]:
+    """Describe a device for the manifest: name like ``cuda:3`` plus GPU uuid/name."""
+    import torch
+
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        return {"device": str(dev.type), "gpu_uuid": None, "gpu_name": None}
+    index = dev.index if dev.index is not None else torch.cuda.current_device()
+    props = torch.cuda.get_device_properties(index)
+    uuid = getattr(props, "uuid", None)
+    uuid_s = None
+    if uuid is not None:
+        uuid_s = str(uuid)
+        if not uuid_s.startswith("GPU-"):
+            uuid_s = "GPU-" + uuid_s
+    return {"device": f"cuda:{index}", "gpu_uuid": uuid_s, "gpu_name": props.name}
+
+
+def seed_all(seed: int) -> None:
+    import random
+
+    import numpy as np
+    import torch
+
+    random.seed(seed)
+    np.random.seed(seed % (2**32))
+    torch.manual_seed(seed)
+
+
+def config_hash(obj: Any) -> str:
+    """Stable short hash of a JSON-able object (e.g. a model config dict)."""
+    text = json.dumps(obj, sort_keys=True, default=str, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def maybe_fail_for_test(step: int, rank: int) -> None:
+    """Test hook: raise at step N when GPUDECK_TEST_FAIL_AT_STEP=N[:RANK] is set."""
+    spec = os.environ.get(FAIL_ENV)
+    if not spec:
+        return
+    at, _, only_rank = spec.partition(":")
+    if int(at) == step and (not only_rank or int(only_rank) == rank):
+        raise RuntimeError(f"{FAIL_ENV}={spec}: injected failure at step {step} on rank {rank}")
