@@ -16,9 +16,11 @@ Command line
 Distributed context
     ``DistContext``  rank, local_rank, world_size, device (torch.device),
         backend ("nccl" | "gloo" | None), distributed (bool), is_main.
-    ``init_distributed(device="auto", init_timeout_s=300) -> DistContext``
+    ``init_distributed(device="auto", init_timeout_s=300, single_process_group=False)
+        -> DistContext``
         reads torchrun's RANK / WORLD_SIZE / LOCAL_RANK (a plain process is
-        world size 1 without a process group), picks cuda:LOCAL_RANK + NCCL when
+        world size 1 without a process group unless single_process_group),
+        picks cuda:LOCAL_RANK + NCCL when
         CUDA is there (unless device="cpu"), else CPU + gloo.
     ``set_collective_timeout(ctx, seconds)``  shortens the timeout of the
         default process group (torchtitan: 300 s at init, 100 s after step 1).
@@ -179,8 +181,14 @@ class DistContext:
         return self.rank == 0
 
 
-def init_distributed(device: str = "auto", init_timeout_s: float = 300.0) -> DistContext:
-    """Initialise torch.distributed from torchrun's environment (or run alone)."""
+def init_distributed(device: str = "auto", init_timeout_s: float = 300.0,
+                     single_process_group: bool = False) -> DistContext:
+    """Initialise torch.distributed from torchrun's environment (or run alone).
+
+    With ``single_process_group=True`` a plain process (no torchrun) still gets a
+    one-rank process group (in-memory store), which FSDP2 needs; ``distributed``
+    is then True.
+    """
     import torch
     import torch.distributed as dist
 
@@ -207,6 +215,10 @@ def init_distributed(device: str = "auto", init_timeout_s: float = 300.0) -> Dis
             kwargs["device_id"] = dev
         dist.init_process_group(**kwargs)
         rank, world = dist.get_rank(), dist.get_world_size()
+    elif single_process_group:
+        dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1,
+                                timeout=_dt.timedelta(seconds=init_timeout_s))
+        distributed = True
     else:
         backend = None
     ctx = DistContext(rank, local_rank, world, dev, backend, distributed)

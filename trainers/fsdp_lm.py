@@ -1,0 +1,624 @@
+"""Provides causal-LM pretraining with FSDP2 (``python -m trainers.fsdp_lm``), torchtitan-style.
+
+Run it under torchrun (or alone: world size 1)::
+
+    torchrun --nproc-per-node 8 -m trainers.fsdp_lm --model-config llama-1b \\
+        --seq-len 2048 --batch-size 8 --compile --fresh --out runs/llama1b
+
+    python -m trainers.fsdp_lm --model-config tiny --seq-len 64 --batch-size 4 \\
+        --max-steps 20 --fresh --out /tmp/tiny
+
+What it does, in order:
+
+1. Parses the shared command line (``trainers.runtime``); exactly one of
+   ``--fresh`` / ``--resume latest|N`` is required. ``--fresh`` refuses (exit 2)
+   when ``OUT/checkpoints`` already holds checkpoints, unless ``--new-run-dir``
+   (which moves them to ``OUT/checkpoints.archived-<UTC time>/``).
+2. Builds a transformers causal LM from a config (a config.json / folder, or a
+   preset: ``tiny``, ``llama-1b``, ``qwen3-0.6b``) on the meta device; counts
+   its parameters exactly there (unsharded) for the manifest and FLOPs.
+3. Activation checkpointing (optional) -> per-block ``torch.compile``
+   (optional) -> ``fully_shard`` per decoder block, then the embeddings, then
+   norm + lm_head together, then the root. Mixed precision bf16 params / fp32
+   reduce on GPU, fp32 on CPU.
+4. ``to_empty`` on the device, then weights: each parameter's full tensor is
+   drawn from a generator seeded by (seed, parameter name) — or taken from
+   ``--init-from`` — and this rank keeps its dim-0 shard. The rotary
+   ``inv_freq`` buffers are recomputed (they are garbage after ``to_empty``).
+5. AdamW (fused on GPU), linear warmup + cosine decay, gradient accumulation
+   with ``set_requires_gradient_sync``, gradient clipping.
+6. Checkpoints every ``--checkpoint-every`` steps and at the end (DCP; model,
+   optimizer, scheduler, data position, RNG, step), keeping the last ``--keep``.
+7. Exports ``OUT/final/`` (``save_pretrained`` of the gathered full state dict
+   plus the tokenizer) and ``OUT/result.json``.
+
+Telemetry: ``manifest``, ``step``, ``heartbeat``, ``checkpoint``, ``done`` and
+``error`` records through ``trainers.telemetry.Telemetry`` (``GPUDECK_TELEMETRY``).
+
+SIGTERM/SIGINT: the ranks agree (one all-reduce per step) to stop after the
+current step, save a checkpoint, export nothing, and exit 0 with a ``done``
+record whose ``reason`` is ``"stopped"``.
+
+Error path: an ``error`` record, the traceback on stderr, the process group is
+aborted and the process ``os._exit(1)``s, so no rank lingers. Test hook:
+``GPUDECK_TEST_FAIL_AT_STEP=N[:RANK]`` raises at step N (on RANK only).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import os
+import signal
+import socket
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from trainers.runtime import (
+    ExitWith,
+    add_common_args,
+    check_common_args,
+    run_main,
+)
+
+PRESETS: dict[str, dict[str, Any]] = {
+    # a ~3.2M-parameter Llama for CPU tests; vocab fits the byte tokenizer (260)
+    "tiny": dict(model_type="llama", hidden_size=256, intermediate_size=688,
+                 num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                 vocab_size=320, max_position_embeddings=2048, rms_norm_eps=1e-5,
+                 rope_theta=10000.0, tie_word_embeddings=False),
+    # the TinyLlama-1.1B shape
+    "llama-1b": dict(model_type="llama", hidden_size=2048, intermediate_size=5632,
+                     num_hidden_layers=22, num_attention_heads=32, num_key_value_heads=4,
+                     vocab_size=32000, max_position_embeddings=4096, rms_norm_eps=1e-5,
+                     rope_theta=10000.0, tie_word_embeddings=False),
+    # the Qwen3-0.6B shape
+    "qwen3-0.6b": dict(model_type="qwen3", hidden_size=1024, intermediate_size=3072,
+                       num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
+                       head_dim=128, vocab_size=151936, max_position_embeddings=40960,
+                       rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=True),
+}
+
+
+# ------------------------------------------------------------------ command line
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m trainers.fsdp_lm",
+        description="FSDP2 causal-LM pretraining on transformers models (gpudeck).",
+    )
+    add_common_args(p)
+    g = p.add_argument_group("fsdp_lm")
+    g.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32"],
+                   help="compute dtype (auto: bf16 on GPU, fp32 on CPU); master weights stay fp32")
+    g.add_argument("--reshard-after-forward", default="auto", choices=["auto", "yes", "no"],
+                   help="free gathered block params after forward (auto: yes when world size > 1)")
+    g.add_argument("--attn-implementation", default="sdpa")
+    g.add_argument("--no-export", action="store_true", help="skip writing OUT/final/")
+    g.add_argument("--compile-loss", default="auto", choices=["auto", "yes", "no"],
+                   help="torch.compile the cross-entropy (auto: with --compile)")
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = build_parser()
+    args = p.parse_args(argv)
+    check_common_args(p, args)
+    if args.model_config is None and args.init_from is None:
+        args.model_config = "tiny"
+    if args.model_config is not None and args.init_from is not None:
+        p.error("give --model-config or --init-from, not both")
+    return args
+
+
+# ------------------------------------------------------------------ model
+
+
+def build_config(spec: str | None, init_from: str | None):
+    """A transformers config from a preset name, a config.json / folder, or --init-from."""
+    from transformers import AutoConfig
+
+    if init_from is not None:
+        return AutoConfig.from_pretrained(init_from)
+    assert spec is not None
+    if spec in PRESETS:
+        kw = dict(PRESETS[spec])
+        return AutoConfig.for_model(kw.pop("model_type"), **kw)
+    path = Path(spec)
+    if path.is_dir() or path.is_file():
+        if path.is_file():
+            return AutoConfig.from_pretrained(str(path.parent)) if path.name == "config.json" \
+                else _config_from_json(path)
+        return AutoConfig.from_pretrained(str(path))
+    raise ExitWith(2, f"--model-config {spec!r}: not a preset ({', '.join(PRESETS)}) "
+                      "and no such file or folder")
+
+
+def _config_from_json(path: Path):
+    from transformers import AutoConfig
+
+    kw = json.loads(path.read_text())
+    return AutoConfig.for_model(kw.pop("model_type"), **kw)
+
+
+def build_meta_model(config, attn_implementation: str):
+    """The model on the meta device (no memory), fp32."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    config._attn_implementation = attn_implementation
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation)
+    model = model.float()
+    return model
+
+
+def decoder_layers(model):
+    """The ModuleList of decoder blocks of a transformers causal LM."""
+    base = getattr(model, model.base_model_prefix, None) or model.model
+    return base.layers
+
+
+def _clean_fqn(name: str) -> str:
+    return name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
+
+
+def _param_seed(seed: int, fqn: str) -> int:
+    h = hashlib.sha256(f"{seed}:{fqn}".encode()).digest()
+    return int.from_bytes(h[:8], "little") & ((1 << 63) - 1)
+
+
+def _init_full(fqn: str, shape, device, std: float, seed: int):
+    import torch
+
+    leaf = fqn.rsplit(".", 1)[-1]
+    if leaf == "bias":
+        return torch.zeros(shape, device=device)
+    if len(shape) == 1 and "norm" in fqn:
+        return torch.ones(shape, device=device)
+    g = torch.Generator(device=device)
+    g.manual_seed(_param_seed(seed, fqn))
+    return torch.empty(shape, device=device).normal_(mean=0.0, std=std, generator=g)
+
+
+def _local_shard(full, param, rank: int, world: int):
+    """The dim-0 chunk FSDP2 keeps on this rank (torch.chunk semantics)."""
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(param, DTensor):
+        return full
+    mesh_size = param.device_mesh.size()
+    coord = param.device_mesh.get_local_rank()
+    chunks = torch.chunk(full, mesh_size, dim=0)
+    if coord < len(chunks):
+        return chunks[coord]
+    return full.new_empty((0, *full.shape[1:]))
+
+
+def recompute_rotary(model, device) -> int:
+    """Recompute rotary ``inv_freq`` buffers (garbage after ``to_empty``); returns count."""
+    import torch
+
+    n = 0
+    for mod in model.modules():
+        if type(mod).__name__.endswith("RotaryEmbedding") and hasattr(mod, "inv_freq"):
+            fresh = type(mod)(config=mod.config)
+            for name, buf in fresh.named_buffers(recurse=False):
+                if hasattr(mod, name) and torch.is_tensor(getattr(mod, name)):
+                    getattr(mod, name).data = buf.to(device=device, dtype=getattr(mod, name).dtype)
+            if hasattr(fresh, "attention_scaling"):
+                mod.attention_scaling = fresh.attention_scaling
+            n += 1
+    return n
+
+
+def materialize(model, device, seed: int, std: float, source_state: dict | None = None) -> None:
+    """``to_empty`` then fill every parameter (this rank's shard) deterministically."""
+    import torch
+
+    model.to_empty(device=device)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            fqn = _clean_fqn(name)
+            shape = tuple(param.shape)  # global shape for DTensors
+            if source_state is not None:
+                if fqn not in source_state:
+                    raise KeyError(f"--init-from has no weight for {fqn}")
+                full = source_state[fqn].to(device=device, dtype=torch.float32)
+                if tuple(full.shape) != shape:
+                    raise ValueError(f"{fqn}: shape {tuple(full.shape)} in --init-from, {shape} in model")
+            else:
+                full = _init_full(fqn, shape, device, std, seed)
+            local = param.to_local() if hasattr(param, "to_local") else param
+            shard = _local_shard(full, param, 0, 1)
+            if tuple(shard.shape) != tuple(local.shape):
+                raise RuntimeError(f"{fqn}: shard shape {tuple(shard.shape)} != local {tuple(local.shape)}")
+            local.copy_(shard)
+    recompute_rotary(model, device)
+
+
+def apply_parallelism(model, args, ctx, compute_dtype) -> dict[str, Any]:
+    """AC -> per-block compile -> fully_shard (blocks, embeddings, norm+lm_head, root)."""
+    import torch
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    layers = decoder_layers(model)
+    if args.activation_checkpointing:
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+        for i in range(len(layers)):
+            layers[i] = checkpoint_wrapper(layers[i], preserve_rng_state=False)
+    if args.compile:
+        for i in range(len(layers)):
+            layers[i].compile(dynamic=False)
+    mp = None
+    if compute_dtype != torch.float32:
+        mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+    if args.reshard_after_forward == "auto":
+        rafw = ctx.world_size > 1
+    else:
+        rafw = args.reshard_after_forward == "yes"
+    kw: dict[str, Any] = {}
+    if mp is not None:
+        kw["mp_policy"] = mp
+    for block in layers:
+        fully_shard(block, reshard_after_forward=rafw, **kw)
+    emb = model.get_input_embeddings()
+    head = model.get_output_embeddings()
+    tied = head is not None and head.weight is emb.weight
+    base = getattr(model, model.base_model_prefix)
+    norm = getattr(base, "norm", None)
+    if not tied:
+        fully_shard(emb, reshard_after_forward=rafw, **kw)
+        group = [m for m in (norm, head) if m is not None]
+        if group:
+            fully_shard(group, reshard_after_forward=False, **kw)
+    # tied embeddings stay in the root group together with norm
+    fully_shard(model, reshard_after_forward=rafw, **kw)
+    return {"reshard_after_forward": rafw, "tied_embeddings": tied,
+            "mixed_precision": str(compute_dtype).replace("torch.", "")}
+
+
+def lr_lambda_factory(max_steps: int, warmup: int, min_ratio: float):
+    def f(step: int) -> float:  # step = number of optimizer steps already taken
+        if warmup > 0 and step < warmup:
+            return (step + 1) / warmup
+        progress = (step - warmup) / max(1, max_steps - warmup)
+        progress = min(max(progress, 0.0), 1.0)
+        return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    return f
+
+
+def cross_entropy(logits, labels):
+    """Mean next-token CE; the fp32 upcast happens inside (fused away when compiled)."""
+    import torch.nn.functional as F
+
+    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+
+
+# ------------------------------------------------------------------ export
+
+
+def export_final(model, config, tokenizer, out: Path, ctx, attn_impl: str) -> Path | None:
+    """Gather the full state dict (collective) and save_pretrained on rank 0."""
+    import torch
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    final = out / "final"
+    if ctx.rank == 0:
+        sd = {_clean_fqn(k): v for k, v in sd.items()}
+        plain = build_meta_model(config, attn_impl)
+        plain.to_empty(device="cpu")
+        missing, unexpected = plain.load_state_dict(sd, strict=False)
+        missing = [k for k in missing if "rotary" not in k]
+        if unexpected or (missing and not (len(missing) == 1 and missing[0].endswith("lm_head.weight"))):
+            raise RuntimeError(f"export: missing {missing}, unexpected {unexpected}")
+        if getattr(config, "tie_word_embeddings", False):
+            plain.tie_weights()
+        recompute_rotary(plain, torch.device("cpu"))
+        final.mkdir(parents=True, exist_ok=True)
+        plain.save_pretrained(str(final))
+        tokenizer.save(final)
+        (final / "gpudeck_tokenizer.json").write_text(json.dumps(tokenizer.describe(), indent=2) + "\n")
+    del sd
+    return final if ctx.rank == 0 else None
+
+
+# ------------------------------------------------------------------ main
+
+
+class _StopFlag:
+    def __init__(self) -> None:
+        self.requested = False
+
+    def install(self) -> None:
+        def handler(signum, frame):  # noqa: ARG001
+            if self.requested:  # second signal: leave now
+                raise KeyboardInterrupt(f"signal {signum} received twice")
+            self.requested = True
+
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, handler)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    out = Path(args.out)
+
+    from trainers.checkpoint import StartError, resolve_start
+
+    try:
+        plan = resolve_start(out, args.fresh, args.resume, args.new_run_dir)
+    except StartError as exc:
+        print(f"fsdp_lm: {exc}", file=sys.stderr)
+        return 2
+
+    import torch
+
+    from trainers.checkpoint import (
+        archive_checkpoints,
+        list_checkpoints,
+        load_checkpoint,
+        save_checkpoint,
+    )
+    from trainers.data import PackedDataset, ShardedBatches, load_tokenizer, load_tokens
+    from trainers.flops import mfu as compute_mfu
+    from trainers.flops import model_flops, peak_flops
+    from trainers.runtime import (
+        barrier,
+        config_hash,
+        device_info,
+        finish_ok,
+        init_distributed,
+        maybe_fail_for_test,
+        register,
+        seed_all,
+        set_collective_timeout,
+    )
+    from trainers.telemetry import Telemetry
+
+    stop = _StopFlag()
+    stop.install()
+    ctx = init_distributed(args.device, init_timeout_s=300.0, single_process_group=True)
+    tel = Telemetry(rank=ctx.rank)
+    register(ctx=ctx, telemetry=tel)
+    tel.start_heartbeat()
+    t_start = time.time()
+
+    if plan.archive_existing:
+        barrier(ctx)
+        if ctx.rank == 0:
+            dest = archive_checkpoints(out)
+            print(f"fsdp_lm: --new-run-dir: moved old checkpoints to {dest}", file=sys.stderr)
+        barrier(ctx)
+    if ctx.rank == 0:
+        out.mkdir(parents=True, exist_ok=True)
+
+    device = ctx.device
+    on_gpu = device.type == "cuda"
+    if args.dtype == "auto":
+        compute_dtype = torch.bfloat16 if on_gpu else torch.float32
+    else:
+        compute_dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    if on_gpu:
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    seed_all(args.seed)
+
+    # tokenizer and data
+    tok_spec = args.tokenizer
+    if tok_spec is None and args.init_from is not None and _has_tokenizer(Path(args.init_from)):
+        tok_spec = args.init_from
+    tokenizer = load_tokenizer(tok_spec)
+    config = build_config(args.model_config, args.init_from)
+    if tokenizer.vocab_size > config.vocab_size:
+        raise ExitWith(2, f"tokenizer vocab {tokenizer.vocab_size} does not fit the model's "
+                          f"vocab_size {config.vocab_size}")
+    max_pos = getattr(config, "max_position_embeddings", None)
+    if max_pos is not None and args.seq_len > max_pos:
+        raise ExitWith(2, f"--seq-len {args.seq_len} exceeds max_position_embeddings {max_pos}")
+    source = load_tokens(args.data, tokenizer, dtype=args.data_dtype, max_bytes=args.corpus_bytes)
+    if int(source.tokens.max(initial=0)) >= config.vocab_size:
+        raise ExitWith(2, f"data has token id {int(source.tokens.max())} >= vocab_size {config.vocab_size}")
+    dataset = PackedDataset(source.tokens, args.seq_len)
+    batches = ShardedBatches(dataset, args.batch_size, ctx.rank, ctx.world_size, seed=args.seed)
+
+    # model
+    model = build_meta_model(config, args.attn_implementation)
+    counts = model_flops(model, config, args.seq_len, training=True)
+    peak, peak_reason = peak_flops(device, "bf16" if compute_dtype == torch.bfloat16 else "fp32")
+    par = apply_parallelism(model, args, ctx, compute_dtype)
+    source_state = None
+    if args.init_from is not None:
+        from transformers import AutoModelForCausalLM
+
+        src_model = AutoModelForCausalLM.from_pretrained(args.init_from, dtype=torch.float32)
+        source_state = {k: v for k, v in src_model.state_dict().items()}
+        del src_model
+    materialize(model, device, args.seed, float(getattr(config, "initializer_range", 0.02)),
+                source_state)
+    del source_state
+    model.train()
+
+    opt_kw: dict[str, Any] = dict(lr=args.lr, betas=(0.9, 0.95), eps=1e-8,
+                                  weight_decay=args.weight_decay)
+    if on_gpu:
+        opt_kw["fused"] = True
+    else:
+        opt_kw["foreach"] = True
+    optimizer = torch.optim.AdamW(model.parameters(), **opt_kw)
+    warmup = args.warmup_steps if args.warmup_steps is not None else max(1, args.max_steps // 20)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lr_lambda_factory(args.max_steps, warmup, args.min_lr_ratio))
+
+    step = 0
+    if not plan.fresh:
+        extra = load_checkpoint(out, plan.step, model, optimizer, rank=ctx.rank)
+        step = int(extra["step"])
+        scheduler.load_state_dict(extra["scheduler"])
+        batches.load_state_dict(extra["data"])
+        recompute_rotary(model, device)
+
+    loss_fn = cross_entropy
+    if args.compile_loss == "yes" or (args.compile_loss == "auto" and args.compile):
+        loss_fn = torch.compile(cross_entropy, dynamic=False)
+
+    info = device_info(device)
+    tokens_per_step = args.batch_size * args.seq_len * args.grad_accum * ctx.world_size
+    cfg_dict = config.to_dict()
+    manifest = dict(
+        kind="fsdp", role="trainer", params_total=counts.params_total,
+        params_trainable=counts.params_trainable, params_embedding=counts.params_embedding,
+        config_hash=config_hash(cfg_dict), model=args.model_config or args.init_from,
+        model_type=config.model_type, world_size=ctx.world_size, local_rank=ctx.local_rank,
+        host=socket.gethostname(), pid=os.getpid(), **info,
+        dataset_samples=len(dataset), dataset_tokens=dataset.source_tokens,
+        dataset_sample_tokens=dataset.num_tokens, dataset=source.description,
+        tokenizer=tokenizer.describe(), argv=sys.argv, start=plan.describe(),
+        seq_len=args.seq_len, batch_size=args.batch_size, grad_accum=args.grad_accum,
+        tokens_per_step=tokens_per_step, max_steps=args.max_steps,
+        flops_per_token=counts.flops_per_token, flops_note=counts.note, peak_flops=peak,
+        mfu_note=peak_reason, dtype=str(compute_dtype).replace("torch.", ""),
+        compile=args.compile, activation_checkpointing=args.activation_checkpointing,
+        torch=torch.__version__, transformers=_transformers_version(), **par,
+    )
+    tel.manifest(**manifest)
+    if ctx.rank == 0:
+        print(f"fsdp_lm: {counts.params_total:,} params ({config.model_type}), world {ctx.world_size}, "
+              f"{info['device']}, data {source.description}, {len(dataset):,} samples, "
+              f"start {plan.describe()}", flush=True)
+
+    losses: dict[int, float] = {}
+    tps_hist: list[float] = []
+    mfu_hist: list[float] = []
+    saved: list[int] = []
+    last_saved = step if not plan.fresh else None
+    stopped = False
+
+    def do_checkpoint(at: int) -> None:
+        nonlocal last_saved
+        extra = {"step": at, "scheduler": scheduler.state_dict(), "data": batches.state_dict(),
+                 "world_size": ctx.world_size, "config_hash": manifest["config_hash"]}
+        path, seconds = save_checkpoint(out, at, model, optimizer, extra, keep=args.keep,
+                                        rank=ctx.rank, barrier=lambda: barrier(ctx))
+        tel.emit("checkpoint", step=at, path=str(path), seconds=round(seconds, 3))
+        saved.append(at)
+        last_saved = at
+
+    while step < args.max_steps:
+        t0 = time.perf_counter()
+        maybe_fail_for_test(step + 1, ctx.rank)
+        loss_sum = torch.zeros((), device=device)
+        for micro in range(args.grad_accum):
+            batch = batches.next_batch().to(device, non_blocking=True)
+            inputs, labels = batch[:, :-1], batch[:, 1:]
+            model.set_requires_gradient_sync(micro == args.grad_accum - 1)
+            logits = model(input_ids=inputs, use_cache=False).logits
+            loss = loss_fn(logits, labels)
+            (loss / args.grad_accum).backward()
+            loss_sum += loss.detach()
+            del logits, loss
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        scheduler.step()
+        step += 1
+        # one small all-reduce: mean loss over ranks and "anyone asked to stop"
+        red = torch.stack([loss_sum / args.grad_accum,
+                           torch.tensor(float(stop.requested), device=device)]).float()
+        if ctx.distributed and ctx.world_size > 1:
+            import torch.distributed as dist
+
+            dist.all_reduce(red, op=dist.ReduceOp.SUM)
+            red[0] /= ctx.world_size
+        loss_val, stop_votes = red.tolist()
+        gn = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+        gn_val = float(gn)
+        dt = time.perf_counter() - t0
+        tps = tokens_per_step / dt
+        mfu_val = compute_mfu(tps / ctx.world_size, counts.flops_per_token, peak)
+        losses[step] = loss_val
+        if step > 1:
+            tps_hist.append(tps)
+            if mfu_val is not None:
+                mfu_hist.append(mfu_val)
+        mem_alloc = mem_peak = None
+        if on_gpu:
+            mem_alloc = torch.cuda.memory_allocated(device) / 2**30
+            mem_peak = torch.cuda.max_memory_allocated(device) / 2**30
+        tel.step(step, loss=loss_val, tokens_per_s=round(tps, 2),
+                 mfu=None if mfu_val is None else round(mfu_val, 5),
+                 flops_per_token=counts.flops_per_token, peak_flops=peak,
+                 mem_allocated_gib=None if mem_alloc is None else round(mem_alloc, 3),
+                 mem_peak_gib=None if mem_peak is None else round(mem_peak, 3),
+                 lr=scheduler.get_last_lr()[0], grad_norm=gn_val, step_time_s=round(dt, 5),
+                 tokens=step * tokens_per_step)
+        if ctx.rank == 0 and (step % args.log_every == 0 or step == args.max_steps):
+            mfu_s = f"{100 * mfu_val:.1f}%" if mfu_val is not None else "n/a"
+            print(f"step {step} loss {loss_val:.6f} tok/s {tps:,.0f} mfu {mfu_s} "
+                  f"gnorm {gn_val:.3f} lr {scheduler.get_last_lr()[0]:.2e} {dt * 1000:.0f} ms",
+                  flush=True)
+        if step == 1:
+            set_collective_timeout(ctx, 100.0)
+        if stop_votes > 0:
+            stopped = True
+            break
+        if args.checkpoint_every and step % args.checkpoint_every == 0:
+            do_checkpoint(step)
+
+    if last_saved != step:
+        do_checkpoint(step)
+
+    final = None
+    if not stopped and not args.no_export:
+        final = export_final(model, config, tokenizer, out, ctx, args.attn_implementation)
+    result = dict(
+        final_step=step, start=plan.describe(), stopped=stopped,
+        losses={str(k): v for k, v in losses.items()},
+        final_loss=losses.get(step), tokens_per_s=_mean(tps_hist),
+        mfu=_mean(mfu_hist), mfu_note=peak_reason, flops_per_token=counts.flops_per_token,
+        peak_flops=peak, params_total=counts.params_total,
+        params_trainable=counts.params_trainable, world_size=ctx.world_size,
+        device=info["device"], dataset_samples=len(dataset), dataset_tokens=dataset.source_tokens,
+        checkpoints=list_checkpoints(out) if ctx.rank == 0 else None,
+        final_dir=str(final) if final else None, seconds=round(time.time() - t_start, 3),
+    )
+    files = []
+    if ctx.rank == 0:
+        (out / "result.json").write_text(json.dumps(result, indent=2) + "\n")
+        files = [str(out / "result.json")] + ([str(final)] if final else [])
+    tel.emit("done", final_step=step, reason="stopped" if stopped else "max_steps", files=files,
+             tokens_per_s=result["tokens_per_s"], mfu=result["mfu"])
+    barrier(ctx)
+    tel.close()
+    finish_ok(ctx)
+    return 0
+
+
+def _has_tokenizer(folder: Path) -> bool:
+    from trainers.data import BYTE_TOKENIZER_FILE
+
+    return (folder / BYTE_TOKENIZER_FILE).is_file() or (folder / "tokenizer_config.json").is_file() \
+        or (folder / "tokenizer.json").is_file()
+
+
+def _mean(xs: list[float]) -> float | None:
+    return sum(xs) / len(xs) if xs else None
+
+
+def _transformers_version() -> str:
+    import transformers
+
+    return transformers.__version__
+
+
+if __name__ == "__main__":
+    run_main(main)
