@@ -1,0 +1,210 @@
+"""Provides the agent client: requests and streams over one connection, local or over SSH.
+
+The client works on any byte stream pair with ``read(n)`` (a coroutine) and
+``write(data)``/``drain()``: an asyncio Unix connection to the local agent, or
+the stdin/stdout of ``gpudeck agent dial`` run over SSH.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from agents import paths
+from agents.errors import AgentUnavailable, from_wire
+from agents.protocol import (
+    Cancel,
+    Error,
+    FrameReader,
+    Hello,
+    HelloReply,
+    Reply,
+    StreamEnd,
+    decode_reply,
+    encode,
+)
+
+AGENT_START_TIMEOUT_S = 20.0
+_ids = itertools.count(1)
+
+
+def new_request_id(prefix: str = "q") -> str:
+    """A request id unique within this process (and, with the pid and time, across processes)."""
+    return f"{prefix}-{os.getpid()}-{int(time.time() * 1000) % 10**9}-{next(_ids)}"
+
+
+class AgentClient:
+    """Multiplexes requests and streams by request_id over one connection."""
+
+    def __init__(self, reader: Any, writer: Any) -> None:
+        self._reader = reader
+        self._writer = writer
+        self._waiters: dict[str, asyncio.Queue] = {}
+        self._frames = FrameReader(max_frame=64 << 20)
+        self._pump_task = asyncio.ensure_future(self._pump())
+        self._wlock = asyncio.Lock()
+        self.closed = asyncio.Event()
+        self.close_reason = ""
+        self.hello: HelloReply | None = None
+
+    @classmethod
+    async def connect_unix(cls, sock: Path | None = None, *, autostart: bool = True, state_dir: Path | None = None) -> AgentClient:
+        """Connect to the local agent, starting it when ``autostart`` and none answers."""
+        sd = Path(state_dir or paths.state_dir())
+        path = Path(sock or paths.socket_path(sd))
+        try:
+            reader, writer = await asyncio.open_unix_connection(str(path), limit=1 << 20)
+        except (FileNotFoundError, ConnectionRefusedError) as exc:
+            if not autostart:
+                raise AgentUnavailable(f"no agent answers on {path}: start one with `gpudeck agent serve`") from exc
+            reader, writer = await _start_and_connect(sd, path)
+        client = cls(reader, writer)
+        await client.say_hello()
+        return client
+
+    async def say_hello(self, client_name: str = "gpudeck") -> HelloReply:
+        """Exchange Hello; raises VersionMismatch when the agent speaks another protocol."""
+        reply = await self.request(Hello(client=client_name))
+        assert isinstance(reply, HelloReply)
+        self.hello = reply
+        return reply
+
+    async def _pump(self) -> None:
+        try:
+            while True:
+                data = await self._reader.read(1 << 16)
+                if not data:
+                    self.close_reason = "the agent closed the connection"
+                    break
+                if isinstance(data, str):
+                    data = data.encode()
+                for frame in self._frames.feed(data):
+                    if frame is None:
+                        continue
+                    try:
+                        msg = decode_reply(frame)
+                    except (msgspec.DecodeError, msgspec.ValidationError):
+                        continue  # a line we cannot read (a newer agent's message) is skipped
+                    q = self._waiters.get(msg.request_id)
+                    if q is not None:
+                        q.put_nowait(msg)
+        except (ConnectionError, asyncio.IncompleteReadError, OSError) as exc:
+            self.close_reason = f"connection lost: {exc}"
+        except asyncio.CancelledError:
+            self.close_reason = "closed"
+            raise
+        finally:
+            self.closed.set()
+            for q in self._waiters.values():
+                q.put_nowait(None)
+
+    async def _send(self, msg: msgspec.Struct) -> None:
+        if self.closed.is_set():
+            raise AgentUnavailable(f"the agent connection is closed ({self.close_reason})")
+        async with self._wlock:
+            self._writer.write(encode(msg))
+            await self._writer.drain()
+
+    async def request(self, msg: Any, timeout: float | None = None) -> Reply:
+        """Send one request and return its reply; an Error reply raises the typed error."""
+        if not msg.request_id:
+            msg.request_id = new_request_id()
+        q: asyncio.Queue = asyncio.Queue()
+        self._waiters[msg.request_id] = q
+        try:
+            await self._send(msg)
+            reply = await asyncio.wait_for(q.get(), timeout)
+        finally:
+            self._waiters.pop(msg.request_id, None)
+        if reply is None:
+            raise AgentUnavailable(f"the agent connection closed before it answered ({self.close_reason})")
+        if isinstance(reply, Error):
+            raise from_wire(reply.code, reply.message)
+        return reply
+
+    async def stream(self, msg: Any) -> AsyncIterator[Reply]:
+        """Send a streaming request; yield its items until StreamEnd. Breaking out cancels it."""
+        if not msg.request_id:
+            msg.request_id = new_request_id("s")
+        q: asyncio.Queue = asyncio.Queue()
+        self._waiters[msg.request_id] = q
+        finished = False
+        try:
+            await self._send(msg)
+            while True:
+                item = await q.get()
+                if item is None:
+                    raise AgentUnavailable(f"the agent connection closed during the stream ({self.close_reason})")
+                if isinstance(item, Error):
+                    finished = True
+                    raise from_wire(item.code, item.message)
+                if isinstance(item, StreamEnd):
+                    finished = True
+                    return
+                yield item
+        finally:
+            if not finished and not self.closed.is_set():
+                try:
+                    await self._send(Cancel(request_id=new_request_id("c"), target=msg.request_id))
+                except Exception:
+                    pass
+            self._waiters.pop(msg.request_id, None)
+
+    async def close(self) -> None:
+        """Close the connection."""
+        try:
+            if hasattr(self._writer, "write_eof") and not self.closed.is_set():
+                self._writer.write_eof()
+        except (OSError, RuntimeError, NotImplementedError):
+            pass
+        self._writer.close()
+        self._pump_task.cancel()
+        try:
+            await self._pump_task
+        except (asyncio.CancelledError, Exception):
+            pass
+
+
+def spawn_agent(state_dir: Path) -> subprocess.Popen:
+    """Start ``python -m agents serve`` detached, in its own session, logging to agent.log."""
+    paths.ensure_private_dir(state_dir)
+    log = open(paths.log_path(state_dir), "ab")
+    try:
+        return subprocess.Popen(
+            [sys.executable, "-m", "agents", "serve", "--state-dir", str(state_dir)],
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=log,
+            cwd=str(state_dir),
+            start_new_session=True,
+            close_fds=True,
+        )
+    finally:
+        log.close()
+
+
+async def _start_and_connect(state_dir: Path, path: Path):  # type: ignore[no-untyped-def]
+    proc = spawn_agent(state_dir)
+    deadline = time.monotonic() + AGENT_START_TIMEOUT_S
+    delay = 0.02
+    last: Exception | None = None
+    while time.monotonic() < deadline:
+        try:
+            return await asyncio.open_unix_connection(str(path), limit=1 << 20)
+        except (FileNotFoundError, ConnectionRefusedError) as exc:
+            last = exc
+        rc = proc.poll()
+        if rc is not None and rc != 3:  # 3: another agent won the race; keep trying to connect
+            raise AgentUnavailable(f"the agent exited at start (code {rc}): see {paths.log_path(state_dir)}")
+        await asyncio.sleep(delay)
+        delay = min(delay * 1.5, 0.2)
+    raise AgentUnavailable(f"the agent did not open {path} within {AGENT_START_TIMEOUT_S:.0f} s ({last}): see {paths.log_path(state_dir)}")

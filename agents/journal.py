@@ -1,0 +1,266 @@
+"""Provides the agent's journal: runs and an event log in SQLite that survives ``kill -9``.
+
+WAL with ``synchronous=FULL``: a commit is on disk before ``append`` returns, and
+an event is committed before it is sent to anyone. Events are numbered by
+``seq``, strictly increasing with no gaps, within an ``epoch`` (a UUID made with
+the database), so a replica can pull "everything after (epoch, seq)" and never
+duplicate or miss anything.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from agents.errors import StorageError
+from agents.protocol import Event, LaunchSpec, Member, RunInfo
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS runs (
+    id TEXT PRIMARY KEY,
+    request_id TEXT UNIQUE,
+    host TEXT NOT NULL,
+    name TEXT,
+    state TEXT NOT NULL,
+    cause TEXT,
+    exit_code INTEGER,
+    signal TEXT,
+    created REAL NOT NULL,
+    started REAL,
+    ended REAL,
+    spec TEXT NOT NULL,
+    run_dir TEXT,
+    members TEXT NOT NULL DEFAULT '[]'
+);
+CREATE INDEX IF NOT EXISTS runs_state ON runs(state);
+CREATE TABLE IF NOT EXISTS events (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT,
+    ts REAL NOT NULL,
+    kind TEXT NOT NULL,
+    run_id TEXT,
+    data TEXT NOT NULL
+);
+"""
+
+_RUN_FIELDS = ("state", "cause", "exit_code", "signal", "started", "ended", "members", "name")
+
+
+def _storage_error(exc: sqlite3.Error, path: Path) -> StorageError:
+    text = str(exc)
+    if "full" in text or "disk I/O" in text:
+        return StorageError(f"the agent's journal {path} cannot be written ({text}): free space in {path.parent} and retry; nothing was recorded")
+    return StorageError(f"the agent's journal {path} failed: {text}")
+
+
+class Journal:
+    """The agent's durable record of runs and events; thread-safe."""
+
+    def __init__(self, path: Path, host: str) -> None:
+        self.path = Path(path)
+        self.host = host
+        self._lock = threading.RLock()
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._conn = sqlite3.connect(str(self.path), isolation_level=None, check_same_thread=False, timeout=5.0)
+        self._conn.execute("PRAGMA busy_timeout=5000")
+        self._conn.execute("PRAGMA journal_mode=WAL")
+        self._conn.execute("PRAGMA synchronous=FULL")
+        self._conn.execute("PRAGMA foreign_keys=ON")
+        try:
+            self._conn.executescript(_SCHEMA)
+        except sqlite3.Error as exc:
+            raise _storage_error(exc, self.path) from exc
+        with self._tx() as c:
+            row = c.execute("SELECT value FROM meta WHERE key='epoch'").fetchone()
+            if row is None:
+                self.epoch = str(uuid.uuid4())
+                c.execute("INSERT INTO meta(key, value) VALUES ('epoch', ?)", (self.epoch,))
+                c.execute("INSERT INTO meta(key, value) VALUES ('created', ?)", (repr(time.time()),))
+            else:
+                self.epoch = row[0]
+        self._last_seq = self._read_last_seq()
+
+    # ------------------------------------------------------------------ plumbing
+
+    @contextmanager
+    def _tx(self) -> Iterator[sqlite3.Connection]:
+        with self._lock:
+            try:
+                self._conn.execute("BEGIN IMMEDIATE")
+                try:
+                    yield self._conn
+                except BaseException:
+                    self._conn.execute("ROLLBACK")
+                    raise
+                self._conn.execute("COMMIT")
+            except sqlite3.Error as exc:
+                try:
+                    self._conn.execute("ROLLBACK")
+                except sqlite3.Error:
+                    pass
+                raise _storage_error(exc, self.path) from exc
+
+    def _read_last_seq(self) -> int:
+        row = self._conn.execute("SELECT MAX(seq) FROM events").fetchone()
+        return int(row[0] or 0)
+
+    def _insert_event(self, c: sqlite3.Connection, kind: str, run_id: str | None, data: dict[str, Any], ts: float) -> Event:
+        cur = c.execute(
+            "INSERT INTO events(ts, kind, run_id, data) VALUES (?, ?, ?, ?)",
+            (ts, kind, run_id, json.dumps(data, default=str)),
+        )
+        seq = int(cur.lastrowid)
+        return Event(seq=seq, ts=ts, kind=kind, run_id=run_id, data=data)
+
+    def close(self) -> None:
+        """Close the database."""
+        with self._lock:
+            self._conn.close()
+
+    @property
+    def last_seq(self) -> int:
+        """The newest committed seq."""
+        return self._last_seq
+
+    # ------------------------------------------------------------------ events
+
+    def append(self, kind: str, run_id: str | None = None, data: dict[str, Any] | None = None) -> Event:
+        """Commit one event and return it (with its seq)."""
+        return self.append_many([(kind, run_id, data or {})])[0]
+
+    def append_many(self, items: list[tuple[str, str | None, dict[str, Any]]]) -> list[Event]:
+        """Commit several events in one transaction (one fsync)."""
+        ts = time.time()
+        with self._tx() as c:
+            events = [self._insert_event(c, k, r, d, ts) for k, r, d in items]
+        if events:
+            self._last_seq = events[-1].seq
+        return events
+
+    def events_after(self, after_seq: int, limit: int = 10000) -> list[Event]:
+        """Committed events with seq > after_seq, oldest first."""
+        with self._lock:
+            rows = self._conn.execute(
+                "SELECT seq, ts, kind, run_id, data FROM events WHERE seq > ? ORDER BY seq LIMIT ?",
+                (after_seq, limit),
+            ).fetchall()
+        return [Event(seq=r[0], ts=r[1], kind=r[2], run_id=r[3], data=json.loads(r[4])) for r in rows]
+
+    # ------------------------------------------------------------------ runs
+
+    def create_run(self, run: RunInfo) -> Event:
+        """Record a new run and its ``run_created`` event in one transaction."""
+        with self._tx() as c:
+            c.execute(
+                "INSERT INTO runs(id, request_id, host, name, state, cause, exit_code, signal, created, started, ended, spec, run_dir, members)"
+                " VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                (
+                    run.id,
+                    run.request_id or None,
+                    run.host,
+                    run.name,
+                    run.state,
+                    run.cause,
+                    run.exit_code,
+                    run.signal,
+                    run.created,
+                    run.started,
+                    run.ended,
+                    msgspec.json.encode(run.spec).decode(),
+                    run.run_dir,
+                    msgspec.json.encode(run.members).decode(),
+                ),
+            )
+            ev = self._insert_event(c, "run_created", run.id, {"state": run.state, "spec": msgspec.to_builtins(run.spec), "name": run.name}, run.created)
+        self._last_seq = ev.seq
+        return ev
+
+    def update_run(self, run_id: str, event_kind: str | None = None, event_data: dict[str, Any] | None = None, **fields: Any) -> Event | None:
+        """Change a run's fields and (optionally) record an event, atomically."""
+        bad = set(fields) - set(_RUN_FIELDS)
+        if bad:
+            raise ValueError(f"unknown run fields {bad}")
+        values = []
+        for key in fields:
+            value = fields[key]
+            if key == "members":
+                value = msgspec.json.encode(value).decode()
+            values.append(value)
+        ev = None
+        with self._tx() as c:
+            if fields:
+                sets = ", ".join(f"{k}=?" for k in fields)
+                c.execute(f"UPDATE runs SET {sets} WHERE id=?", (*values, run_id))
+            if event_kind:
+                ev = self._insert_event(c, event_kind, run_id, event_data or {}, time.time())
+        if ev is not None:
+            self._last_seq = ev.seq
+        return ev
+
+    def _row_to_run(self, r: tuple) -> RunInfo:
+        return RunInfo(
+            id=r[0],
+            request_id=r[1],
+            host=r[2],
+            name=r[3],
+            state=r[4],
+            cause=r[5],
+            exit_code=r[6],
+            signal=r[7],
+            created=r[8],
+            started=r[9],
+            ended=r[10],
+            spec=msgspec.json.decode(r[11], type=LaunchSpec),
+            run_dir=r[12],
+            members=msgspec.json.decode(r[13], type=list[Member]),
+        )
+
+    _COLS = "id, request_id, host, name, state, cause, exit_code, signal, created, started, ended, spec, run_dir, members"
+
+    def get_run(self, run_id: str) -> RunInfo | None:
+        """A run by exact id."""
+        with self._lock:
+            r = self._conn.execute(f"SELECT {self._COLS} FROM runs WHERE id=?", (run_id,)).fetchone()
+        return self._row_to_run(r) if r else None
+
+    def find_runs(self, prefix: str) -> list[RunInfo]:
+        """Runs whose id starts with ``prefix`` or whose name equals it."""
+        with self._lock:
+            rows = self._conn.execute(
+                f"SELECT {self._COLS} FROM runs WHERE id LIKE ? ESCAPE '\\' OR name=? ORDER BY created DESC",
+                (prefix.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "%", prefix),
+            ).fetchall()
+        return [self._row_to_run(r) for r in rows]
+
+    def run_by_request(self, request_id: str) -> RunInfo | None:
+        """The run a Launch with this request_id created, if any."""
+        with self._lock:
+            r = self._conn.execute(f"SELECT {self._COLS} FROM runs WHERE request_id=?", (request_id,)).fetchone()
+        return self._row_to_run(r) if r else None
+
+    def list_runs(self, limit: int = 1000, states: frozenset[str] | None = None) -> list[RunInfo]:
+        """Runs, newest first, optionally only those in ``states``."""
+        with self._lock:
+            if states:
+                marks = ",".join("?" * len(states))
+                rows = self._conn.execute(
+                    f"SELECT {self._COLS} FROM runs WHERE state IN ({marks}) ORDER BY created DESC LIMIT ?",
+                    (*sorted(states), limit),
+                ).fetchall()
+            else:
+                rows = self._conn.execute(f"SELECT {self._COLS} FROM runs ORDER BY created DESC LIMIT ?", (limit,)).fetchall()
+        return [self._row_to_run(r) for r in rows]
+
+    def integrity_check(self) -> str:
+        """SQLite's own verdict on the file ("ok" when sound)."""
+        with self._lock:
+            return self._conn.execute("PRAGMA integrity_check").fetchone()[0]

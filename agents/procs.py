@@ -1,0 +1,211 @@
+"""Provides the process table: which processes exist, and which run each belongs to.
+
+Run membership comes from the ``GPUDECK_RUN_ID`` tag in a process's environment,
+so torchrun workers in their own sessions and grandchildren re-parented to init
+are found wherever they went. The table is refreshed incrementally: only pids
+that are new since the last refresh are read, so a refresh costs one
+``listdir('/proc')`` in the steady state.
+
+Processes are identified by ``(pid, create_time)``; anything that signals a
+process goes through :func:`signal_exact`, which refuses a pid whose
+create_time changed (PID reuse) and signals through a pidfd, so the check and
+the signal cannot race.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from dataclasses import dataclass, field
+
+import psutil
+
+from agents.protocol import ProcInfo
+
+RUN_TAG = "GPUDECK_RUN_ID"
+_CT_TOLERANCE = 0.02  # seconds; psutil derives create_time from clock ticks
+
+
+@dataclass
+class ProcEntry:
+    """What the table knows of one process; the static parts are read once."""
+
+    pid: int
+    create_time: float
+    uid: int | None
+    run_id: str | None
+    rank: int | None = None
+    local_rank: int | None = None
+    _static: dict = field(default_factory=dict)
+
+
+def _int_or_none(value: str | None) -> int | None:
+    try:
+        return int(value) if value is not None else None
+    except ValueError:
+        return None
+
+
+def read_entry(pid: int) -> ProcEntry | None:
+    """Read one process's identity and run tag; None when it is gone."""
+    try:
+        p = psutil.Process(pid)
+        with p.oneshot():
+            ct = p.create_time()
+            try:
+                uid = p.uids().real
+            except psutil.Error:
+                uid = None
+        try:
+            env = p.environ()
+        except (psutil.AccessDenied, psutil.ZombieProcess, OSError):
+            env = {}
+    except (psutil.NoSuchProcess, ProcessLookupError):
+        return None
+    except psutil.AccessDenied:
+        return ProcEntry(pid=pid, create_time=0.0, uid=None, run_id=None)
+    run_id = env.get(RUN_TAG) or None
+    return ProcEntry(
+        pid=pid,
+        create_time=ct,
+        uid=uid,
+        run_id=run_id,
+        rank=_int_or_none(env.get("RANK")) if run_id else None,
+        local_rank=_int_or_none(env.get("LOCAL_RANK")) if run_id else None,
+    )
+
+
+def _list_pids() -> set[int]:
+    return {int(n) for n in os.listdir("/proc") if n.isdigit()}
+
+
+class ProcTable:
+    """Incrementally refreshed map of live pids to their run tags."""
+
+    def __init__(self) -> None:
+        self._entries: dict[int, ProcEntry] = {}
+        self._self_pid = os.getpid()
+
+    def refresh(self, full: bool = False) -> None:
+        """Re-read /proc: new pids are read; with ``full`` every pid's create_time is re-checked."""
+        pids = _list_pids()
+        for gone in self._entries.keys() - pids:
+            del self._entries[gone]
+        for pid in pids:
+            known = self._entries.get(pid)
+            if known is not None and not full:
+                continue
+            if known is not None and full:
+                ct = create_time_of(pid)
+                if ct is not None and abs(ct - known.create_time) <= _CT_TOLERANCE:
+                    continue
+            entry = read_entry(pid)
+            if entry is None:
+                self._entries.pop(pid, None)
+            else:
+                self._entries[pid] = entry
+
+    def get(self, pid: int) -> ProcEntry | None:
+        """The entry for a pid seen at the last refresh."""
+        return self._entries.get(pid)
+
+    def exists(self, pid: int) -> bool:
+        """Whether the OS shows this pid (checked now, not from the cache)."""
+        return os.path.exists(f"/proc/{pid}")
+
+    def tagged(self, run_id: str | None = None) -> list[ProcEntry]:
+        """Entries carrying a run tag (of one run, or of any)."""
+        return [e for e in self._entries.values() if e.run_id is not None and (run_id is None or e.run_id == run_id)]
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+def create_time_of(pid: int) -> float | None:
+    """A pid's create_time now, or None when it does not exist."""
+    try:
+        return psutil.Process(pid).create_time()
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return None
+
+
+def same_process(pid: int, create_time: float) -> bool:
+    """True when ``pid`` still names the process that had ``create_time``."""
+    ct = create_time_of(pid)
+    return ct is not None and abs(ct - create_time) <= _CT_TOLERANCE
+
+
+def status_of(pid: int, create_time: float | None = None) -> str | None:
+    """psutil status ('running', 'zombie', 'disk-sleep', ...), or None when gone (or reused)."""
+    try:
+        p = psutil.Process(pid)
+        if create_time is not None and abs(p.create_time() - create_time) > _CT_TOLERANCE:
+            return None
+        return p.status()
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return None
+
+
+def alive(pid: int, create_time: float) -> bool:
+    """Alive and not a zombie (a zombie has exited; only its parent's wait is missing)."""
+    st = status_of(pid, create_time)
+    return st is not None and st != psutil.STATUS_ZOMBIE
+
+
+def signal_exact(pid: int, create_time: float, sig: int) -> bool:
+    """Send ``sig`` to the process (pid, create_time) and to nothing else.
+
+    Opens a pidfd first, then checks the create_time, then signals through the
+    pidfd: if the pid was reused, the check fails; if the process exits after
+    the check, the pidfd still names it and the signal goes nowhere else.
+    Returns False when the process is gone or the pid now names another process.
+    """
+    try:
+        fd = os.pidfd_open(pid)
+    except (ProcessLookupError, OSError):
+        return False
+    try:
+        if not same_process(pid, create_time):
+            return False
+        try:
+            signal.pidfd_send_signal(fd, sig)
+        except ProcessLookupError:
+            return False
+        return True
+    finally:
+        os.close(fd)
+
+
+def proc_info(pid: int, run_id: str | None = None, rank: int | None = None, local_rank: int | None = None) -> ProcInfo:
+    """Everything an operator wants to see of one process (NO_SUCH_PROCESS gives just the pid)."""
+    try:
+        p = psutil.Process(pid)
+        with p.oneshot():
+            info = ProcInfo(
+                pid=pid,
+                ppid=p.ppid(),
+                user=_safe(p.username),
+                create_time=p.create_time(),
+                status=p.status(),
+                rss=_safe(lambda: p.memory_info().rss),
+                cpu_seconds=_safe(lambda: p.cpu_times().user + p.cpu_times().system),
+                cmdline=_safe(p.cmdline) or [],
+                run_id=run_id,
+                rank=rank,
+                local_rank=local_rank,
+            )
+        try:
+            info.pgid = os.getpgid(pid)
+            info.sid = os.getsid(pid)
+        except OSError:
+            pass
+        return info
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return ProcInfo(pid=pid, run_id=run_id, rank=rank, status="no such process")
+
+
+def _safe(fn):  # type: ignore[no-untyped-def]
+    try:
+        return fn()
+    except (psutil.Error, OSError):
+        return None

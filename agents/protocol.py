@@ -1,0 +1,457 @@
+"""Provides the agent wire protocol: msgspec Structs, tagged unions, JSON lines, frame limits.
+
+One JSON object per line, in both directions. Every message has a ``type`` tag
+and a client-made ``request_id``; replies and stream items echo the
+``request_id`` of the request they answer, so one connection can carry many
+requests and streams at once. Anything the agent cannot act on gets an
+``Error`` reply with a ``code`` and a ``message`` that says what to do, and the
+connection stays up.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Union
+
+import msgspec
+
+PROTOCOL_VERSION = 1
+MAX_FRAME = 1 << 20  # bytes in one line, newline excluded
+MAX_ARGV = 4096  # arguments in one launch
+MAX_OUTPUT_CHUNK = 256 * 1024
+
+RunState = Literal[
+    "pending",
+    "preflight_failed",
+    "starting",
+    "running",
+    "stopping",
+    "succeeded",
+    "failed",
+    "stopped",
+    "lost",
+]
+TERMINAL_STATES: frozenset[str] = frozenset({"preflight_failed", "succeeded", "failed", "stopped", "lost"})
+LIVE_STATES: frozenset[str] = frozenset({"pending", "starting", "running", "stopping"})
+
+
+class _Msg(msgspec.Struct, kw_only=True, tag_field="type", omit_defaults=True):
+    request_id: str = ""
+
+
+# ----------------------------------------------------------------------------- records
+
+
+class GpuProcess(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """One process NVML reports on a GPU, attributed to a run where possible."""
+
+    pid: int
+    gpu: int
+    used_bytes: int | None = None  # None: the driver does not say (e.g. MIG, some containers)
+    kind: Literal["compute", "graphics"] = "compute"
+    # RUN: member of a live run; STALE: member of an ended run; FOREIGN: no run;
+    # NO_SUCH_PROCESS: NVML sees the pid, the OS does not.
+    attribution: Literal["RUN", "STALE", "FOREIGN", "NO_SUCH_PROCESS"] = "FOREIGN"
+    run_id: str | None = None
+    rank: int | None = None
+    user: str | None = None
+    status: str | None = None  # psutil status: running, sleeping, zombie, disk-sleep, ...
+    create_time: float | None = None
+    cmdline: list[str] = []
+
+
+class Gpu(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """One GPU as NVML sees it."""
+
+    index: int
+    uuid: str
+    name: str
+    memory_used: int
+    memory_total: int
+    util_gpu: int | None = None  # percent
+    util_mem: int | None = None
+    temperature_c: int | None = None
+    power_w: float | None = None
+    power_limit_w: float | None = None
+    unaccounted_bytes: int | None = None  # used memory that no visible process accounts for
+    processes: list[GpuProcess] = []
+
+
+class ProcInfo(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """A process of interest: a run member or a GPU holder."""
+
+    pid: int
+    ppid: int | None = None
+    pgid: int | None = None
+    sid: int | None = None
+    user: str | None = None
+    create_time: float | None = None
+    status: str | None = None
+    rss: int | None = None
+    cpu_seconds: float | None = None  # user + system CPU time so far
+    cmdline: list[str] = []
+    run_id: str | None = None
+    rank: int | None = None
+    local_rank: int | None = None
+
+
+class Member(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """A process that belongs to a run, identified by (pid, create_time) to survive PID reuse."""
+
+    pid: int
+    create_time: float
+    role: str = "worker"  # shim | leader | worker
+    rank: int | None = None
+    local_rank: int | None = None
+    first_seen: float = 0.0
+    cmdline: list[str] = []
+
+
+class LaunchSpec(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """What to run. ``argv`` is a list and is never given to a shell."""
+
+    argv: list[str]
+    name: str | None = None
+    kind: Literal["command", "fsdp", "dflash"] = "command"
+    gpus: list[int] | None = None  # sets CUDA_VISIBLE_DEVICES; None leaves it alone
+    env: dict[str, str] = {}
+    cwd: str | None = None
+    start: str | None = None  # "fresh" | "resume N" for trainers
+    operator: str | None = None
+    parent: str | None = None  # run this one relaunches / rolls back
+
+
+class RunInfo(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """A run as the agent's journal knows it."""
+
+    id: str
+    host: str
+    state: RunState
+    spec: LaunchSpec
+    name: str | None = None
+    cause: str | None = None
+    exit_code: int | None = None
+    signal: str | None = None
+    created: float = 0.0
+    started: float | None = None
+    ended: float | None = None
+    request_id: str | None = None
+    run_dir: str | None = None
+    members: list[Member] = []
+
+
+class StoppedProcess(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """One member process and how the stop ended it."""
+
+    pid: int
+    cmdline: list[str] = []
+    role: str = "worker"
+    how: Literal["exited", "SIGTERM", "SIGKILL", "already_gone", "survived", "zombie"] = "exited"
+    status: str | None = None  # for survivors: psutil status (e.g. disk-sleep)
+
+
+class GpuFreed(msgspec.Struct, kw_only=True):
+    """Memory on one GPU before and after a stop."""
+
+    gpu: int
+    before_bytes: int
+    after_bytes: int
+    freed_bytes: int
+
+
+class StopResult(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """The verified outcome of stopping a run (or reclaiming processes)."""
+
+    run_id: str | None
+    state: str
+    stopped: list[StoppedProcess] = []
+    survivors: list[StoppedProcess] = []
+    needed_kill: list[int] = []
+    gpu_verified: bool = False
+    gpu_note: str = ""
+    still_on_gpu: list[GpuProcess] = []
+    freed: list[GpuFreed] = []
+    freed_bytes: int = 0
+    seconds: float = 0.0
+    message: str = ""
+
+
+class Event(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """A journal event; ``(epoch, seq)`` identifies it forever."""
+
+    seq: int
+    ts: float
+    kind: str
+    run_id: str | None = None
+    data: dict[str, Any] = {}
+
+
+class Snapshot(_Msg, tag="snapshot", kw_only=True):
+    """The host at one instant: GPUs, their processes attributed, live runs."""
+
+    host: str
+    ts: float
+    epoch: str
+    gpus: list[Gpu] = []
+    gpu_error: str | None = None  # why there are no GPUs ("NVML: driver not loaded", ...)
+    simulated: bool = False
+    runs: list[RunInfo] = []
+    processes: list[ProcInfo] = []  # members of live runs and STALE survivors
+    last_seq: int = 0
+    sample_ms: float = 0.0
+
+
+# ----------------------------------------------------------------------------- requests
+
+
+class Hello(_Msg, tag="hello", kw_only=True):
+    """First message a client sends; the agent answers with HelloReply or a version Error."""
+
+    version: int = PROTOCOL_VERSION
+    client: str = ""
+
+
+class Ping(_Msg, tag="ping", kw_only=True):
+    """Liveness check."""
+
+
+class GetSnapshot(_Msg, tag="get_snapshot", kw_only=True):
+    """One snapshot now."""
+
+
+class WatchSnapshots(_Msg, tag="watch_snapshots", kw_only=True):
+    """A snapshot every ``interval_s`` until cancelled."""
+
+    interval_s: float = 1.0
+
+
+class Launch(_Msg, tag="launch", kw_only=True):
+    """Start a run. A retry with the same request_id returns the first result."""
+
+    spec: LaunchSpec
+
+
+class ListRuns(_Msg, tag="list_runs", kw_only=True):
+    """All runs in the journal, newest first."""
+
+    limit: int = 1000
+
+
+class GetRun(_Msg, tag="get_run", kw_only=True):
+    """One run by id (a unique prefix is accepted)."""
+
+    run_id: str
+
+
+class Stop(_Msg, tag="stop", kw_only=True):
+    """Stop a run: TERM to every member, grace, KILL, reap, verify."""
+
+    run_id: str
+    grace_s: float = 30.0
+
+
+class GetEvents(_Msg, tag="get_events", kw_only=True):
+    """Events after ``after_seq``; with ``follow`` the stream stays open."""
+
+    after_seq: int = 0
+    limit: int = 10000
+    follow: bool = False
+
+
+class ReadOutput(_Msg, tag="read_output", kw_only=True):
+    """A run's output from byte ``offset`` (negative: that many bytes before the end); ``follow`` streams new bytes."""
+
+    run_id: str
+    offset: int = 0
+    max_bytes: int = MAX_OUTPUT_CHUNK
+    follow: bool = False
+
+
+class Cancel(_Msg, tag="cancel", kw_only=True):
+    """End the stream started by the request with ``target``."""
+
+    target: str
+
+
+Request = Union[Hello, Ping, GetSnapshot, WatchSnapshots, Launch, ListRuns, GetRun, Stop, GetEvents, ReadOutput, Cancel]
+
+# ----------------------------------------------------------------------------- replies
+
+
+class HelloReply(_Msg, tag="hello_reply", kw_only=True):
+    """The agent's identity."""
+
+    version: int = PROTOCOL_VERSION
+    agent_version: str
+    host: str
+    epoch: str
+    pid: int
+    uid: int
+    state_dir: str
+    gpu_error: str | None = None
+
+
+class Pong(_Msg, tag="pong", kw_only=True):
+    """Reply to Ping."""
+
+    ts: float
+
+
+class LaunchReply(_Msg, tag="launch_reply", kw_only=True):
+    """The run that a Launch started (or the run of an earlier Launch with the same request_id)."""
+
+    run: RunInfo
+    duplicate: bool = False
+
+
+class RunList(_Msg, tag="run_list", kw_only=True):
+    """Reply to ListRuns."""
+
+    runs: list[RunInfo]
+
+
+class RunReply(_Msg, tag="run_reply", kw_only=True):
+    """Reply to GetRun."""
+
+    run: RunInfo
+
+
+class StopReply(_Msg, tag="stop_reply", kw_only=True):
+    """Reply to Stop."""
+
+    result: StopResult
+
+
+class EventBatch(_Msg, tag="event_batch", kw_only=True):
+    """Events in seq order; ``last_seq`` is the journal's newest seq when sent."""
+
+    epoch: str
+    events: list[Event]
+    last_seq: int
+
+
+class OutputChunk(_Msg, tag="output_chunk", kw_only=True):
+    """Bytes of a run's output starting at ``offset`` (decoded as UTF-8 with replacement)."""
+
+    run_id: str
+    offset: int
+    next_offset: int
+    data: str
+    run_ended: bool = False
+
+
+class StreamEnd(_Msg, tag="stream_end", kw_only=True):
+    """A stream ended (cancelled, or nothing more will come)."""
+
+    reason: str = ""
+
+
+class Error(_Msg, tag="error", kw_only=True):
+    """A typed failure; ``message`` says what happened and what to do."""
+
+    code: str
+    message: str
+
+
+Reply = Union[
+    HelloReply,
+    Pong,
+    Snapshot,
+    LaunchReply,
+    RunList,
+    RunReply,
+    StopReply,
+    EventBatch,
+    OutputChunk,
+    StreamEnd,
+    Error,
+]
+
+# ----------------------------------------------------------------------------- codecs
+
+_encoder = msgspec.json.Encoder()
+_request_decoder = msgspec.json.Decoder(Request)
+_reply_decoder = msgspec.json.Decoder(Reply)
+_any_decoder = msgspec.json.Decoder()
+
+
+def encode(msg: msgspec.Struct) -> bytes:
+    """One message as one line, newline included."""
+    return _encoder.encode(msg) + b"\n"
+
+
+def _salvage_request_id(line: bytes) -> str:
+    """Best effort: the request_id of a line that failed validation, so the error can be matched."""
+    try:
+        obj = _any_decoder.decode(line)
+    except msgspec.DecodeError:
+        return ""
+    if isinstance(obj, dict):
+        rid = obj.get("request_id")
+        if isinstance(rid, str) and len(rid) <= 200:
+            return rid
+    return ""
+
+
+def decode_request(line: bytes) -> Request | Error:
+    """Decode one line into a request, or into the Error that should be sent back."""
+    try:
+        return _request_decoder.decode(line)
+    except msgspec.ValidationError as exc:
+        rid = _salvage_request_id(line)
+        return Error(request_id=rid, code="bad_message", message=f"message not understood: {exc}; see agents/protocol.py for the message types")
+    except msgspec.DecodeError as exc:
+        return Error(code="bad_json", message=f"not valid JSON: {exc}; send one JSON object per line")
+
+
+def decode_reply(line: bytes) -> Reply:
+    """Decode one line from the agent; raises msgspec errors on garbage."""
+    return _reply_decoder.decode(line)
+
+
+def to_builtins(msg: Any) -> Any:
+    """A Struct (or list of them) as plain JSON-ready Python objects."""
+    return msgspec.to_builtins(msg)
+
+
+class FrameReader:
+    """Splits a byte stream into lines, bounded by ``max_frame``; sans-IO.
+
+    ``feed`` returns complete frames; a frame longer than ``max_frame`` is
+    discarded up to its newline and reported once as ``None`` so the caller
+    can answer with an error while the connection stays usable.
+    """
+
+    def __init__(self, max_frame: int = MAX_FRAME) -> None:
+        self.max_frame = max_frame
+        self._buf = bytearray()
+        self._discarding = False
+
+    def feed(self, data: bytes) -> list[bytes | None]:
+        """Add bytes; return complete frames (None marks an oversized frame)."""
+        out: list[bytes | None] = []
+        self._buf += data
+        while True:
+            nl = self._buf.find(b"\n")
+            if nl < 0:
+                if not self._discarding and len(self._buf) > self.max_frame:
+                    self._discarding = True
+                    out.append(None)
+                if self._discarding:
+                    self._buf.clear()
+                return out
+            line = bytes(self._buf[:nl])
+            del self._buf[: nl + 1]
+            if self._discarding:
+                self._discarding = False
+                continue
+            if len(line) > self.max_frame:
+                out.append(None)
+                continue
+            line = line.strip()
+            if line:
+                out.append(line)
+
+    @property
+    def pending(self) -> int:
+        """Bytes buffered without a newline yet."""
+        return len(self._buf)

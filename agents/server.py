@@ -1,0 +1,429 @@
+"""Provides the agent daemon: a Unix-socket server over the supervisor, journal and samplers.
+
+The socket lives in a 0700 folder and is itself 0600; each connection's peer
+uid is checked (``SO_PEERCRED``) and only the agent's own user or root is
+served. The agent never listens on TCP. Every request gets a structured reply
+or a typed ``Error``; malformed input never ends the connection, let alone the
+agent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import fcntl
+import logging
+import os
+import signal
+import socket
+import struct
+import sys
+import time
+from pathlib import Path
+
+import msgspec
+
+from agents import __version__, paths
+from agents.errors import AgentError, BadRequest, VersionMismatch
+from agents.gpus import GpuSampler
+from agents.journal import Journal
+from agents.procs import ProcTable
+from agents.protocol import (
+    MAX_OUTPUT_CHUNK,
+    PROTOCOL_VERSION,
+    TERMINAL_STATES,
+    Cancel,
+    Error,
+    Event,
+    EventBatch,
+    FrameReader,
+    GetEvents,
+    GetRun,
+    GetSnapshot,
+    Hello,
+    HelloReply,
+    Launch,
+    LaunchReply,
+    ListRuns,
+    OutputChunk,
+    Ping,
+    Pong,
+    ReadOutput,
+    RunList,
+    RunReply,
+    Stop,
+    StopReply,
+    StreamEnd,
+    WatchSnapshots,
+    decode_request,
+    encode,
+)
+from agents.snapshot import SnapshotBuilder
+from agents.supervisor import Supervisor, hostname
+
+log = logging.getLogger("gpudeck.agent")
+
+TICK_S = 0.5  # supervision tick: member discovery, exit detection
+WRITE_BUFFER_LIMIT = 8 << 20  # a slower client than this skips snapshots instead of growing memory
+_PEERCRED = struct.Struct("3i")
+
+
+class AlreadyRunning(AgentError):
+    """Another agent already serves this state directory."""
+
+    code = "already_running"
+
+
+class Agent:
+    """The host agent: owns the journal, the supervisor and the socket."""
+
+    def __init__(self, state_dir: Path | None = None, host: str | None = None) -> None:
+        self.state_dir = Path(state_dir or paths.state_dir())
+        self.host = host or hostname()
+        paths.ensure_private_dir(self.state_dir)
+        self._lock_fh = open(self.state_dir / "agent.lock", "a+")
+        try:
+            fcntl.flock(self._lock_fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            self._lock_fh.close()
+            raise AlreadyRunning(f"an agent already runs for {self.state_dir}: `gpudeck agent status` shows it")
+        self._lock_fh.seek(0)
+        self._lock_fh.truncate()
+        self._lock_fh.write(str(os.getpid()))
+        self._lock_fh.flush()
+        self.journal = Journal(paths.journal_path(self.state_dir), self.host)
+        self.gpus = GpuSampler()
+        self.procs = ProcTable()
+        self._new_event = asyncio.Event()
+        self.supervisor = Supervisor(self.journal, paths.runs_dir(self.state_dir), self.host, self.gpus, self.procs, on_event=self._on_event)
+        self.snapshots = SnapshotBuilder(self.host, self.journal.epoch, self.gpus, self.procs, self.supervisor)
+        self.socket_path = paths.socket_path(self.state_dir)
+        self._server: asyncio.base_events.Server | None = None
+        self._tasks: set[asyncio.Task] = set()
+        self._stopped = asyncio.Event()
+        self.uid = os.getuid()
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def _on_event(self, ev: Event) -> None:
+        self._new_event.set()
+
+    def _spawn(self, coro) -> asyncio.Task:  # type: ignore[no-untyped-def]
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    async def start(self) -> None:
+        """Adopt runs left by an earlier agent, open the socket, start the supervision tick."""
+        notes = await asyncio.to_thread(self.supervisor.adopt)
+        self.journal.append("agent_started", None, {"pid": os.getpid(), "version": __version__, "gpu_error": self.gpus.error, "adopted": notes})
+        for run in self.supervisor.pending_stops():
+            self._spawn(self.supervisor.stop(run.id, grace_s=10.0))
+        paths.ensure_private_dir(self.socket_path.parent)
+        if self.socket_path.exists():
+            self.socket_path.unlink()  # we hold the lock, so no live agent owns it
+        old_umask = os.umask(0o177)
+        try:
+            self._server = await asyncio.start_unix_server(self._serve_conn, path=str(self.socket_path), limit=1 << 16)
+        finally:
+            os.umask(old_umask)
+        os.chmod(self.socket_path, 0o600)
+        self._spawn(self._tick_loop())
+        log.info("agent %s serving %s (GPUs: %s)", os.getpid(), self.socket_path, self.gpus.error or self.gpus.count)
+
+    async def serve_forever(self) -> None:
+        """Run until SIGTERM/SIGINT."""
+        await self.start()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self._stopped.set)
+        await self._stopped.wait()
+        await self.close()
+
+    async def close(self) -> None:
+        """Stop serving; runs keep going (they outlive the agent by design)."""
+        if self._server is not None:
+            self._server.close()
+        for t in list(self._tasks):
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        try:
+            self.socket_path.unlink()
+        except OSError:
+            pass
+        self.journal.close()
+        self._lock_fh.close()
+
+    async def _tick_loop(self) -> None:
+        while True:
+            try:
+                await asyncio.to_thread(self.supervisor.refresh)
+            except Exception:  # one bad tick must not end supervision
+                log.exception("supervision tick failed")
+            await asyncio.sleep(TICK_S)
+
+    # ------------------------------------------------------------------ connections
+
+    def _peer_uid(self, writer: asyncio.StreamWriter) -> int | None:
+        sock = writer.get_extra_info("socket")
+        if sock is None:
+            return None
+        try:
+            raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size)
+        except OSError:
+            return None
+        _pid, uid, _gid = _PEERCRED.unpack(raw)
+        return uid
+
+    async def _serve_conn(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        conn = _Conn(self, reader, writer)
+        uid = self._peer_uid(writer)
+        if uid is None or uid not in (self.uid, 0):
+            await conn.send(Error(code="permission_denied", message=f"uid {uid} may not use this agent (it serves uid {self.uid}); connect as that user, e.g. over `ssh {self.host}`"))
+            await conn.close()
+            return
+        await conn.run()
+
+
+class _Conn:
+    """One client connection: framing, dispatch, streams."""
+
+    def __init__(self, agent: Agent, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.agent = agent
+        self.reader = reader
+        self.writer = writer
+        self.frames = FrameReader()
+        self.streams: dict[str, asyncio.Task] = {}
+        self._wlock = asyncio.Lock()
+        self._tasks: set[asyncio.Task] = set()
+        self.closed = False
+
+    async def send(self, msg: msgspec.Struct, droppable: bool = False) -> None:
+        if self.closed:
+            return
+        if droppable and self.writer.transport.get_write_buffer_size() > WRITE_BUFFER_LIMIT:
+            return
+        async with self._wlock:
+            try:
+                self.writer.write(encode(msg))
+                await self.writer.drain()
+            except (ConnectionError, RuntimeError):
+                self.closed = True
+
+    async def close(self) -> None:
+        self.closed = True
+        for t in list(self.streams.values()) + list(self._tasks):
+            t.cancel()
+        try:
+            self.writer.close()
+            await self.writer.wait_closed()
+        except (ConnectionError, RuntimeError):
+            pass
+
+    async def run(self) -> None:
+        try:
+            while not self.closed:
+                data = await self.reader.read(65536)
+                if not data:
+                    break
+                for frame in self.frames.feed(data):
+                    if frame is None:
+                        await self.send(Error(code="frame_too_large", message=f"a message was longer than {self.frames.max_frame} bytes and was discarded; send smaller messages"))
+                        continue
+                    req = decode_request(frame)
+                    if isinstance(req, Error):
+                        await self.send(req)
+                        continue
+                    self._start(req)
+        except (ConnectionError, asyncio.IncompleteReadError):
+            self.closed = True
+        finally:
+            # the client may half-close after its last request (dial does): answer what is in flight
+            for t in self.streams.values():
+                t.cancel()
+            pending = [t for t in self._tasks if not t.done()]
+            if pending and not self.closed:
+                await asyncio.gather(*pending, return_exceptions=True)
+            await self.close()
+
+    def _start(self, req) -> None:  # type: ignore[no-untyped-def]
+        task = asyncio.ensure_future(self._handle_safely(req))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        if isinstance(req, (WatchSnapshots, GetEvents, ReadOutput)) and req.request_id:
+            old = self.streams.pop(req.request_id, None)
+            if old is not None:
+                old.cancel()
+            self.streams[req.request_id] = task
+
+    async def _handle_safely(self, req) -> None:  # type: ignore[no-untyped-def]
+        rid = req.request_id
+        try:
+            await self._handle(req)
+        except AgentError as exc:
+            await self.send(Error(request_id=rid, code=exc.code, message=exc.message))
+        except asyncio.CancelledError:
+            await self.send(StreamEnd(request_id=rid, reason="cancelled"))
+            raise
+        except Exception as exc:  # the agent stays up whatever one request does
+            log.exception("request %s failed", type(req).__name__)
+            await self.send(Error(request_id=rid, code="internal", message=f"the agent failed on this request: {type(exc).__name__}: {exc}; see {paths.log_path(self.agent.state_dir)}"))
+        finally:
+            if self.streams.get(rid) is asyncio.current_task():
+                self.streams.pop(rid, None)
+
+    async def _handle(self, req) -> None:  # type: ignore[no-untyped-def]
+        a = self.agent
+        rid = req.request_id
+        if isinstance(req, Hello):
+            if req.version != PROTOCOL_VERSION:
+                raise VersionMismatch(
+                    f"protocol version {req.version} is not spoken here (agent {__version__} speaks {PROTOCOL_VERSION}); install the same gpudeck version on both ends"
+                )
+            await self.send(
+                HelloReply(
+                    request_id=rid,
+                    agent_version=__version__,
+                    host=a.host,
+                    epoch=a.journal.epoch,
+                    pid=os.getpid(),
+                    uid=a.uid,
+                    state_dir=str(a.state_dir),
+                    gpu_error=a.gpus.error,
+                )
+            )
+        elif isinstance(req, Ping):
+            await self.send(Pong(request_id=rid, ts=time.time()))
+        elif isinstance(req, GetSnapshot):
+            snap = await asyncio.to_thread(a.snapshots.build)
+            snap.request_id = rid
+            await self.send(snap)
+        elif isinstance(req, WatchSnapshots):
+            interval = max(0.05, min(req.interval_s, 3600.0))
+            while True:
+                snap = await asyncio.to_thread(a.snapshots.build)
+                snap.request_id = rid
+                await self.send(snap, droppable=True)
+                await asyncio.sleep(interval)
+        elif isinstance(req, Launch):
+            run, dup = await a.supervisor.launch(req.spec, rid)
+            await self.send(LaunchReply(request_id=rid, run=run, duplicate=dup))
+        elif isinstance(req, ListRuns):
+            runs = await asyncio.to_thread(a.journal.list_runs, max(1, min(req.limit, 100000)))
+            live = {r.id: r for r in a.supervisor.live_runs()}
+            await self.send(RunList(request_id=rid, runs=[live.get(r.id, r) for r in runs]))
+        elif isinstance(req, GetRun):
+            await self.send(RunReply(request_id=rid, run=a.supervisor.resolve(req.run_id)))
+        elif isinstance(req, Stop):
+            result = await a.supervisor.stop(req.run_id, req.grace_s)
+            await self.send(StopReply(request_id=rid, result=result))
+        elif isinstance(req, GetEvents):
+            await self._events(req)
+        elif isinstance(req, ReadOutput):
+            await self._output(req)
+        elif isinstance(req, Cancel):
+            task = self.streams.pop(req.target, None)
+            if task is None:
+                raise BadRequest(f"no open stream with request_id {req.target!r}")
+            task.cancel()
+        else:  # pragma: no cover - decode_request only yields known types
+            raise BadRequest(f"unsupported request {type(req).__name__}")
+
+    async def _events(self, req: GetEvents) -> None:
+        a = self.agent
+        after = max(0, req.after_seq)
+        limit = max(1, min(req.limit, 10000))
+        while True:
+            a._new_event.clear()
+            events = await asyncio.to_thread(a.journal.events_after, after, limit)
+            if events or not req.follow:
+                await self.send(EventBatch(request_id=req.request_id, epoch=a.journal.epoch, events=events, last_seq=a.journal.last_seq))
+                if events:
+                    after = events[-1].seq
+                if not req.follow:
+                    return
+                if len(events) == limit:
+                    continue
+            try:
+                await asyncio.wait_for(a._new_event.wait(), timeout=1.0)
+            except asyncio.TimeoutError:
+                pass
+
+    async def _output(self, req: ReadOutput) -> None:
+        a = self.agent
+        run = a.supervisor.resolve(req.run_id)
+        path = Path(run.run_dir or "") / "output.log"
+        if req.offset < 0:  # from the end: the last |offset| bytes
+            size = path.stat().st_size if path.exists() else 0
+            offset = max(0, size + req.offset)
+        else:
+            offset = req.offset
+        max_bytes = max(1, min(req.max_bytes, MAX_OUTPUT_CHUNK))
+        idle_after_end = 0
+        while True:
+            data = await asyncio.to_thread(_read_at, path, offset, max_bytes)
+            state = a.supervisor.run_state(run.id)
+            ended = state in TERMINAL_STATES or state == "ended"
+            if data or not req.follow:
+                # never split a UTF-8 sequence across chunks
+                cut = _utf8_boundary(data) if len(data) == max_bytes else len(data)
+                chunk = data[:cut]
+                await self.send(OutputChunk(request_id=req.request_id, run_id=run.id, offset=offset, next_offset=offset + len(chunk), data=chunk.decode("utf-8", "replace"), run_ended=ended and len(data) < max_bytes))
+                offset += len(chunk)
+                if not req.follow:
+                    return
+                if len(data) == max_bytes:
+                    continue
+            if ended:
+                idle_after_end += 1
+                if idle_after_end > 1:
+                    await self.send(StreamEnd(request_id=req.request_id, reason=f"run {run.id} ended ({state})"))
+                    return
+            await asyncio.sleep(0.2)
+
+
+def _read_at(path: Path, offset: int, n: int) -> bytes:
+    try:
+        with open(path, "rb") as fh:
+            fh.seek(offset)
+            return fh.read(n)
+    except FileNotFoundError:
+        return b""
+
+
+def _utf8_boundary(data: bytes) -> int:
+    """Length of the longest prefix of ``data`` that ends on a UTF-8 character boundary."""
+    end = len(data)
+    for back in range(1, min(4, end) + 1):
+        b = data[end - back]
+        if b & 0xC0 != 0x80:  # a lead byte (or ASCII)
+            need = 1 if b < 0x80 else 2 if b >> 5 == 0b110 else 3 if b >> 4 == 0b1110 else 4
+            return end if back >= need else end - back
+    return end
+
+
+def setup_logging(state_dir: Path) -> None:
+    """Log to the agent's log file (stdout may be an SSH channel or nothing)."""
+    handler = logging.FileHandler(paths.log_path(state_dir))
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger("gpudeck")
+    root.addHandler(handler)
+    root.setLevel(logging.INFO)
+
+
+def serve(state_dir: Path | None = None) -> int:
+    """``gpudeck agent serve``: run the agent in the foreground until SIGTERM."""
+    sd = Path(state_dir or paths.state_dir())
+    paths.ensure_private_dir(sd)
+    setup_logging(sd)
+
+    async def main() -> None:
+        agent = Agent(sd)
+        await agent.serve_forever()
+
+    try:
+        asyncio.run(main())
+    except AlreadyRunning as exc:
+        print(f"gpudeck agent: {exc.message}", file=sys.stderr)
+        return 3
+    return 0

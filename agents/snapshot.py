@@ -1,0 +1,83 @@
+"""Provides the host snapshot: GPUs with every process attributed to a run, or not.
+
+Attribution of a GPU process: ``RUN`` (a member of a live run), ``STALE`` (it
+carries the tag of a run that has ended: an orphan or leftover worker),
+``FOREIGN`` (no gpudeck run), ``NO_SUCH_PROCESS`` (NVML reports the pid, the
+OS cannot see it: another container's process, or one the driver still holds).
+"""
+
+from __future__ import annotations
+
+import time
+
+from agents.gpus import GpuSampler
+from agents.procs import ProcTable, proc_info
+from agents.protocol import GpuProcess, ProcInfo, Snapshot
+from agents.supervisor import Supervisor
+
+
+class SnapshotBuilder:
+    """Builds snapshots from the sampler, the process table and the supervisor."""
+
+    def __init__(self, host: str, epoch: str, gpus: GpuSampler, procs: ProcTable, supervisor: Supervisor) -> None:
+        self.host = host
+        self.epoch = epoch
+        self.gpus = gpus
+        self.procs = procs
+        self.supervisor = supervisor
+        self._static: dict[tuple[int, float], tuple[str | None, list[str]]] = {}
+
+    def attribute(self, p: GpuProcess) -> None:
+        """Fill in a GPU process's attribution, run, rank, user and command line."""
+        entry = self.procs.get(p.pid)
+        if entry is None:
+            self.procs.refresh()  # a pid newer than the last tick
+            entry = self.procs.get(p.pid)
+        if entry is None:
+            p.attribution = "NO_SUCH_PROCESS"
+            return
+        p.create_time = entry.create_time
+        key = (entry.pid, entry.create_time)
+        static = self._static.get(key)
+        if static is None:
+            info = proc_info(p.pid)
+            static = (info.user, info.cmdline[:16])
+            self._static[key] = static
+        p.user, p.cmdline = static
+        if entry.run_id is None:
+            p.attribution = "FOREIGN"
+            return
+        p.run_id = entry.run_id
+        p.rank = entry.rank
+        state = self.supervisor.run_state(entry.run_id)
+        p.attribution = "RUN" if state in ("starting", "running", "stopping") else "STALE"
+
+    def build(self, with_processes: bool = True) -> Snapshot:
+        """A snapshot now."""
+        t0 = time.perf_counter()
+        gpus = self.gpus.sample()
+        for g in gpus:
+            for p in g.processes:
+                self.attribute(p)
+        runs = self.supervisor.live_runs()
+        procs: list[ProcInfo] = []
+        if with_processes:
+            for run in runs:
+                for m in run.members:
+                    if m.role == "shim":
+                        continue
+                    if self.procs.get(m.pid) is not None:
+                        procs.append(proc_info(m.pid, run.id, m.rank, m.local_rank))
+        if len(self._static) > 4096:
+            self._static.clear()
+        return Snapshot(
+            host=self.host,
+            ts=time.time(),
+            epoch=self.epoch,
+            gpus=gpus,
+            gpu_error=self.gpus.error,
+            runs=runs,
+            processes=procs,
+            last_seq=self.supervisor.journal.last_seq,
+            sample_ms=round((time.perf_counter() - t0) * 1000, 3),
+        )

@@ -1,0 +1,658 @@
+"""Provides the run supervisor: launch, watch, stop exactly one run, and re-adopt after a restart.
+
+A run is started through :mod:`agents.shim` in a new session, with
+``GPUDECK_RUN_ID`` and ``GPUDECK_TELEMETRY`` in its environment. Every process
+carrying the tag is a member, found wherever it was re-parented. Members are
+recorded as ``(pid, create_time)``; nothing is signalled whose create_time no
+longer matches. Stop is TERM to every member, a grace period, KILL to what is
+left, a wait until they are gone, then a verification through NVML that none
+of them holds GPU memory any more.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+
+import msgspec
+
+from agents.errors import BadRequest, LaunchFailed, NotFound, StorageError
+from agents.gpus import GpuSampler
+from agents.journal import Journal
+from agents.procs import ProcTable, alive, create_time_of, signal_exact, status_of
+from agents.protocol import (
+    LIVE_STATES,
+    MAX_ARGV,
+    TERMINAL_STATES,
+    Event,
+    GpuFreed,
+    GpuProcess,
+    LaunchSpec,
+    Member,
+    RunInfo,
+    StoppedProcess,
+    StopResult,
+)
+
+log = logging.getLogger("gpudeck.agent")
+
+# run as a script with -I: stdlib only, so the run's own PYTHONPATH and cwd never matter
+_SHIM = str(Path(__file__).resolve().with_name("shim.py"))
+SHIM_START_TIMEOUT_S = 15.0
+KILL_WAIT_S = 5.0  # after SIGKILL, how long to wait for the kernel to take them
+GPU_SETTLE_S = 5.0  # after the processes are gone, how long to wait for NVML to drop them
+
+# Failure causes recognised in the tail of a run's output, most specific first.
+_CAUSE_PATTERNS: list[tuple[re.Pattern[str], str]] = [
+    (re.compile(r"CUDA out of memory|OutOfMemoryError|CUBLAS_STATUS_ALLOC_FAILED"), "CUDA out of memory"),
+    (re.compile(r"Watchdog caught collective operation timeout|NCCL.*[Tt]imeout|ProcessGroupNCCL.*timed out"), "NCCL timeout"),
+    (re.compile(r"NCCL error|ncclInternalError|ncclSystemError|ncclUnhandledCudaError"), "NCCL error"),
+    (re.compile(r"ChildFailedError"), "a rank died (torchrun ChildFailedError)"),
+    (re.compile(r"Traceback \(most recent call last\)"), "Python exception"),
+]
+
+
+def new_run_id() -> str:
+    """A short, unique run id such as ``r-7f3a9c21``."""
+    return "r-" + uuid.uuid4().hex[:8]
+
+
+def classify_output(tail: str) -> str | None:
+    """The most specific known failure cause found in a run's last output, if any."""
+    for pattern, cause in _CAUSE_PATTERNS:
+        if pattern.search(tail):
+            if cause == "Python exception":
+                last = [ln for ln in tail.strip().splitlines() if ln and not ln.startswith(" ")]
+                return f"Python exception: {last[-1][:200]}" if last else cause
+            return cause
+    return None
+
+
+def read_tail(path: Path, max_bytes: int = 64 * 1024) -> str:
+    """The last bytes of a file as text ('' when missing)."""
+    try:
+        with open(path, "rb") as fh:
+            fh.seek(0, os.SEEK_END)
+            size = fh.tell()
+            fh.seek(max(0, size - max_bytes))
+            return fh.read().decode("utf-8", "replace")
+    except OSError:
+        return ""
+
+
+def _fsync_write(path: Path, data: bytes) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    with open(tmp, "wb") as fh:
+        fh.write(data)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+class Supervisor:
+    """Owns every run on this host: launch, membership, exit, stop, re-adoption."""
+
+    def __init__(
+        self,
+        journal: Journal,
+        runs_dir: Path,
+        host: str,
+        gpus: GpuSampler,
+        procs: ProcTable | None = None,
+        on_event: Callable[[Event], None] | None = None,
+    ) -> None:
+        self.journal = journal
+        self.runs_dir = Path(runs_dir)
+        self.host = host
+        self.gpus = gpus
+        self.procs = procs or ProcTable()
+        self._on_event = on_event or (lambda ev: None)
+        self._runs: dict[str, RunInfo] = {}  # live runs, mirrored from the journal
+        self._ended_ids: set[str] = set()  # ended runs whose members may linger (STALE)
+        self._shims: dict[str, subprocess.Popen] = {}
+        self._stopping: dict[str, asyncio.Task] = {}
+        self._launch_lock = asyncio.Lock()
+
+    # ------------------------------------------------------------------ journal helpers
+
+    def _emit(self, ev: Event | None) -> None:
+        if ev is not None:
+            self._on_event(ev)
+
+    def _set(self, run: RunInfo, event_kind: str | None, event_data: dict | None = None, **fields: object) -> None:
+        ev = self.journal.update_run(run.id, event_kind, event_data, **fields)
+        for k, v in fields.items():
+            setattr(run, k, v)
+        if run.state in TERMINAL_STATES:
+            self._runs.pop(run.id, None)
+            self._ended_ids.add(run.id)
+        self._emit(ev)
+
+    def live_runs(self) -> list[RunInfo]:
+        """Runs that are not over, as the supervisor tracks them."""
+        return list(self._runs.values())
+
+    def run_state(self, run_id: str) -> str | None:
+        """State of a run this agent knows; None for an unknown id."""
+        run = self._runs.get(run_id)
+        if run is not None:
+            return run.state
+        if run_id in self._ended_ids:
+            return "ended"
+        r = self.journal.get_run(run_id)
+        if r is None:
+            return None
+        if r.state in TERMINAL_STATES:
+            self._ended_ids.add(run_id)
+        return r.state
+
+    def resolve(self, ref: str) -> RunInfo:
+        """A run by id, unique id prefix, or name; NotFound/BadRequest say what to do."""
+        run = self.journal.get_run(ref)
+        if run is not None:
+            return self._runs.get(run.id, run)
+        matches = self.journal.find_runs(ref)
+        if not matches:
+            raise NotFound(f"no run {ref!r} on {self.host}: `gpudeck runs` lists the runs")
+        if len(matches) > 1:
+            ids = ", ".join(m.id for m in matches[:5])
+            raise BadRequest(f"{ref!r} matches {len(matches)} runs ({ids}): give more of the id")
+        return self._runs.get(matches[0].id, matches[0])
+
+    # ------------------------------------------------------------------ launch
+
+    def _validate(self, spec: LaunchSpec) -> None:
+        if not spec.argv:
+            raise BadRequest("launch needs a command: `gpudeck launch -- python train.py ...`")
+        if len(spec.argv) > MAX_ARGV:
+            raise BadRequest(f"launch argv has {len(spec.argv)} arguments; the limit is {MAX_ARGV}")
+        for a in spec.argv:
+            if "\x00" in a:
+                raise BadRequest("an argument contains a NUL byte; arguments are passed literally and cannot hold NUL")
+        for k, v in spec.env.items():
+            if not k or "=" in k or "\x00" in k or "\x00" in v:
+                raise BadRequest(f"environment variable {k!r} is not valid: names cannot be empty or hold '=' or NUL")
+        if spec.gpus is not None:
+            if any(g < 0 for g in spec.gpus) or len(set(spec.gpus)) != len(spec.gpus):
+                raise BadRequest(f"GPU list {spec.gpus} is not valid: give distinct indices such as 0,1")
+            if self.gpus.available:
+                missing = [g for g in spec.gpus if g >= self.gpus.count]
+                if missing:
+                    raise BadRequest(f"GPU {missing[0]} does not exist on {self.host}: it has {self.gpus.count} GPUs (0-{self.gpus.count - 1})")
+            elif spec.gpus:
+                raise BadRequest(f"--gpus {','.join(map(str, spec.gpus))} asked for, but {self.host} has no usable GPU ({self.gpus.error})")
+
+    def _check_executable(self, spec: LaunchSpec, env: dict[str, str]) -> str | None:
+        cwd = spec.cwd or os.getcwd()
+        if not os.path.isdir(cwd):
+            return f"working directory {cwd} does not exist on {self.host}"
+        exe = spec.argv[0]
+        if os.sep in exe:
+            path = exe if os.path.isabs(exe) else os.path.join(cwd, exe)
+            if not os.path.exists(path):
+                return f"{exe} does not exist on {self.host} (looked in {cwd})"
+            if not os.access(path, os.X_OK):
+                return f"{exe} is not executable on {self.host}: chmod +x it or run it through its interpreter"
+            return None
+        if shutil.which(exe, path=env.get("PATH")) is None:
+            return f"{exe!r} is not on PATH on {self.host}: give its full path or activate its environment"
+        return None
+
+    async def launch(self, spec: LaunchSpec, request_id: str = "") -> tuple[RunInfo, bool]:
+        """Start a run; returns (run, duplicate). A known request_id returns its first run."""
+        self._validate(spec)
+        async with self._launch_lock:
+            if request_id:
+                earlier = self.journal.run_by_request(request_id)
+                if earlier is not None:
+                    return self._runs.get(earlier.id, earlier), True
+            return await self._launch_new(spec, request_id)
+
+    async def _launch_new(self, spec: LaunchSpec, request_id: str) -> tuple[RunInfo, bool]:
+        run_id = new_run_id()
+        run_dir = self.runs_dir / run_id
+        now = time.time()
+        run = RunInfo(
+            id=run_id,
+            host=self.host,
+            state="starting",
+            spec=spec,
+            name=spec.name,
+            created=now,
+            request_id=request_id or None,
+            run_dir=str(run_dir),
+        )
+        try:
+            run_dir.mkdir(parents=True, exist_ok=False)
+            _fsync_write(run_dir / "spec.json", msgspec.json.encode(spec))
+        except OSError as exc:
+            shutil.rmtree(run_dir, ignore_errors=True)
+            raise StorageError(f"cannot create the run folder {run_dir} ({exc.strerror}): free space or fix permissions in {self.runs_dir}; nothing was started") from exc
+        # the record exists before anything starts: a failed start is never unrecorded
+        self._emit(self.journal.create_run(run))
+        self._runs[run_id] = run
+
+        env = dict(os.environ)
+        env.update(spec.env)
+        env["GPUDECK_RUN_ID"] = run_id
+        env["GPUDECK_RUN_DIR"] = str(run_dir)
+        env["GPUDECK_TELEMETRY"] = str(run_dir / "telemetry.jsonl")
+        env.setdefault("PYTHONUNBUFFERED", "1")
+        if spec.gpus is not None:
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in spec.gpus)
+            env.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")  # match NVML's numbering
+        problem = self._check_executable(spec, env)
+        if problem is not None:
+            self._fail_launch(run, problem)
+            raise LaunchFailed(f"{problem}; run {run_id} is recorded as failed")
+        try:
+            pid, shim = await asyncio.to_thread(self._spawn, run, env)
+        except LaunchFailed as exc:
+            self._fail_launch(run, exc.message)
+            raise LaunchFailed(f"{exc.message}; run {run_id} is recorded as failed") from exc
+        self._shims[run_id] = shim
+        members = [
+            Member(pid=shim.pid, create_time=create_time_of(shim.pid) or 0.0, role="shim", first_seen=now, cmdline=["gpudeck-shim"]),
+        ]
+        leader_ct = create_time_of(pid)
+        if leader_ct is not None:
+            members.append(Member(pid=pid, create_time=leader_ct, role="leader", first_seen=time.time(), cmdline=list(spec.argv)))
+        self._set(run, "run_state", {"state": "running", "pid": pid}, state="running", started=time.time(), members=members)
+        return run, False
+
+    def _fail_launch(self, run: RunInfo, cause: str) -> None:
+        self._set(run, "run_state", {"state": "failed", "cause": f"launch failed: {cause}"}, state="failed", cause=f"launch failed: {cause}", ended=time.time())
+
+    def _spawn(self, run: RunInfo, env: dict[str, str]) -> tuple[int, subprocess.Popen]:
+        run_dir = Path(run.run_dir or "")
+        r, w = os.pipe()
+        try:
+            out = open(run_dir / "output.log", "ab", buffering=0)
+        except OSError as exc:
+            os.close(r)
+            os.close(w)
+            raise LaunchFailed(f"cannot open {run_dir / 'output.log'} ({exc.strerror})") from exc
+        try:
+            shim = subprocess.Popen(
+                [sys.executable, "-I", _SHIM, str(w), str(run_dir / "exit.json"), "--", *run.spec.argv],
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                cwd=run.spec.cwd or None,
+                env=env,
+                start_new_session=True,
+                pass_fds=(w,),
+                close_fds=True,
+            )
+        except OSError as exc:
+            os.close(r)
+            os.close(w)
+            out.close()
+            raise LaunchFailed(f"cannot start the run shim ({exc})") from exc
+        os.close(w)
+        out.close()
+        line = _read_line(r, SHIM_START_TIMEOUT_S)
+        os.close(r)
+        try:
+            status = json.loads(line) if line else {}
+        except ValueError:
+            status = {}
+        if "pid" in status:
+            return int(status["pid"]), shim
+        reason = status.get("error") or f"the run shim did not report within {SHIM_START_TIMEOUT_S:.0f} s"
+        if shim.poll() is None:
+            shim.kill()
+        shim.wait()
+        raise LaunchFailed(f"cannot start {run.spec.argv[0]!r}: {reason}")
+
+    # ------------------------------------------------------------------ watching
+
+    def refresh(self) -> None:
+        """One supervision tick: find new members, notice ended runs. Blocking; call in a thread."""
+        self.procs.refresh()
+        for run in list(self._runs.values()):
+            if run.state not in ("running", "starting") or run.id in self._stopping:
+                continue
+            self._discover_members(run)
+            if not self._run_alive(run):
+                self._finish(run)
+
+    def _discover_members(self, run: RunInfo) -> bool:
+        known = {(m.pid, round(m.create_time, 1)) for m in run.members}
+        new: list[Member] = []
+        for e in self.procs.tagged(run.id):
+            if (e.pid, round(e.create_time, 1)) in known or any(m.pid == e.pid and abs(m.create_time - e.create_time) < 0.05 for m in run.members):
+                continue
+            info_cmd = _cmdline(e.pid)
+            new.append(Member(pid=e.pid, create_time=e.create_time, role="worker", rank=e.rank, local_rank=e.local_rank, first_seen=time.time(), cmdline=info_cmd))
+        if not new:
+            return False
+        # workers that came and went (shell helpers, finished DataLoader workers) leave the list;
+        # the journal's "members" events keep their history
+        members = [m for m in run.members if m.role in ("shim", "leader") or alive(m.pid, m.create_time)] + new
+        self._set(
+            run,
+            "members",
+            {"added": [{"pid": m.pid, "rank": m.rank, "local_rank": m.local_rank, "cmdline": m.cmdline[:8]} for m in new]},
+            members=members,
+        )
+        return True
+
+    def _shim_member(self, run: RunInfo) -> Member | None:
+        return next((m for m in run.members if m.role == "shim"), None)
+
+    def _leader_member(self, run: RunInfo) -> Member | None:
+        return next((m for m in run.members if m.role == "leader"), None)
+
+    def _run_alive(self, run: RunInfo) -> bool:
+        shim = self._shims.get(run.id)
+        if shim is not None:
+            return shim.poll() is None
+        m = self._shim_member(run) or self._leader_member(run)
+        if m is None:
+            return False
+        return alive(m.pid, m.create_time)
+
+    def _exit_record(self, run: RunInfo) -> dict | None:
+        try:
+            with open(Path(run.run_dir or "") / "exit.json", encoding="utf-8") as fh:
+                return json.load(fh)
+        except (OSError, ValueError):
+            return None
+
+    def _finish(self, run: RunInfo, *, agent_was_down: bool = False) -> None:
+        shim = self._shims.pop(run.id, None)
+        if shim is not None:
+            shim.poll()
+        rec = self._exit_record(run)
+        tail = read_tail(Path(run.run_dir or "") / "output.log")
+        reason = classify_output(tail)
+        now = time.time()
+        if rec is not None and rec.get("launch_error"):
+            state, cause, code, sig = "failed", f"launch failed: {rec['launch_error']}", None, None
+        elif rec is not None:
+            code, sig = rec.get("returncode"), rec.get("signal")
+            ended = rec.get("ended") or now
+            now = ended
+            if code == 0:
+                state, cause = "succeeded", "exit code 0"
+            elif sig:
+                state, cause = "failed", f"killed by {sig}"
+            else:
+                state, cause = "failed", f"exit code {code}"
+            if state == "failed" and reason:
+                cause += f" ({reason})"
+            if agent_was_down:
+                cause += "; ended while the agent was down"
+        else:
+            code, sig = None, None
+            evidence = self._telemetry_evidence(run)
+            state = "lost"
+            cause = "agent lost track: the run ended while the agent was down and left no exit status"
+            if evidence:
+                cause += f"; {evidence}"
+            if reason:
+                cause += f"; output shows {reason}"
+        lingering = [m for m in run.members if m.role != "shim" and alive(m.pid, m.create_time)]
+        data: dict = {"state": state, "cause": cause, "exit_code": code, "signal": sig}
+        if lingering:
+            data["lingering"] = [m.pid for m in lingering]
+        self._set(run, "run_state", data, state=state, cause=cause, exit_code=code, signal=sig, ended=now)
+
+    def _telemetry_evidence(self, run: RunInfo) -> str:
+        tail = read_tail(Path(run.run_dir or "") / "telemetry.jsonl", 16 * 1024)
+        last_step = None
+        for line in tail.splitlines():
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue
+            if rec.get("type") == "done":
+                return f"the trainer reported done at step {rec.get('final_step')}"
+            if rec.get("type") == "error":
+                return f"the trainer reported an error: {str(rec.get('message'))[:200]}"
+            if rec.get("type") == "step":
+                last_step = rec.get("step")
+        return f"last step reported: {last_step}" if last_step is not None else ""
+
+    # ------------------------------------------------------------------ re-adoption
+
+    def adopt(self) -> list[str]:
+        """After an agent (re)start: take over live runs, settle runs that ended meanwhile."""
+        self.procs.refresh(full=True)
+        notes: list[str] = []
+        for run in self.journal.list_runs(limit=100000, states=LIVE_STATES):
+            self._runs[run.id] = run
+            if run.state == "starting" and not run.members:
+                # the agent died between the record and the start: nothing to adopt
+                self._set(run, "run_state", {"state": "failed", "cause": "launch interrupted: the agent stopped while starting it"},
+                          state="failed", cause="launch interrupted: the agent stopped while starting it; nothing was started", ended=time.time())
+                notes.append(f"{run.id}: launch interrupted")
+                continue
+            self._discover_members(run)
+            if self._run_alive(run) or any(alive(m.pid, m.create_time) for m in run.members if m.role == "leader"):
+                if run.state == "stopping":
+                    notes.append(f"{run.id}: stop was in progress; finishing it")
+                    self._set(run, "run_adopted", {"state": run.state, "resume_stop": True})
+                else:
+                    self._set(run, "run_adopted", {"state": "running"}, state="running")
+                    notes.append(f"{run.id}: re-adopted")
+            else:
+                was_stopping = run.state == "stopping"
+                self._finish(run, agent_was_down=True)
+                if was_stopping and run.state != "stopped":
+                    self._set(run, None, state="stopped", cause=f"stopped by operator (the stop finished while the agent was down; {run.cause})")
+                notes.append(f"{run.id}: ended while the agent was down ({run.state})")
+        for run in self.journal.list_runs(limit=2000, states=TERMINAL_STATES):
+            self._ended_ids.add(run.id)
+        return notes
+
+    def pending_stops(self) -> list[RunInfo]:
+        """Runs left in ``stopping`` by an earlier agent; the server finishes those stops."""
+        return [r for r in self._runs.values() if r.state == "stopping"]
+
+    # ------------------------------------------------------------------ stop
+
+    async def stop(self, ref: str, grace_s: float = 30.0) -> StopResult:
+        """Stop one run entirely and verify; concurrent stops of the same run share one result."""
+        if grace_s < 0 or grace_s > 3600:
+            raise BadRequest(f"grace {grace_s} s is out of range: give 0 to 3600 seconds")
+        run = self.resolve(ref)
+        task = self._stopping.get(run.id)
+        if task is None:
+            task = asyncio.ensure_future(self._stop(run, grace_s))
+            self._stopping[run.id] = task
+            task.add_done_callback(lambda _t, rid=run.id: self._stopping.pop(rid, None))
+        return await asyncio.shield(task)
+
+    async def _stop(self, run: RunInfo, grace_s: float) -> StopResult:
+        t0 = time.monotonic()
+        was_terminal = run.state in TERMINAL_STATES
+        if not was_terminal:
+            self._runs.setdefault(run.id, run)
+            self._set(run, "run_state", {"state": "stopping", "grace_s": grace_s}, state="stopping")
+        # a fresh full scan: every process that carries the tag, wherever it went
+        await asyncio.to_thread(self.procs.refresh, True)
+        if not was_terminal:
+            self._discover_members(run)
+        else:
+            for e in self.procs.tagged(run.id):
+                if not any(m.pid == e.pid and abs(m.create_time - e.create_time) < 0.05 for m in run.members):
+                    run.members.append(Member(pid=e.pid, create_time=e.create_time, rank=e.rank, local_rank=e.local_rank, cmdline=_cmdline(e.pid)))
+        members = list(run.members)
+        shim_m = self._shim_member(run)
+        targets = [m for m in members if m.role != "shim"]
+        live = [m for m in targets if alive(m.pid, m.create_time)]
+        if was_terminal and not live:
+            return StopResult(run_id=run.id, state=run.state, message=f"run {run.id} already ended ({run.cause}); none of its processes is alive", seconds=time.monotonic() - t0)
+
+        gpu_before = await asyncio.to_thread(self.gpus.memory_used) if self.gpus.available else {}
+        result = StopResult(run_id=run.id, state="stopping")
+        for m in live:
+            signal_exact(m.pid, m.create_time, signal.SIGTERM)
+        gone_after_term = await self._wait_gone(live, grace_s)
+        needed_kill = [m for m in live if m not in gone_after_term]
+        for m in needed_kill:
+            signal_exact(m.pid, m.create_time, signal.SIGKILL)
+        gone_after_kill = await self._wait_gone(needed_kill, KILL_WAIT_S) if needed_kill else []
+        # the shim exits by itself once its child is gone; make sure it did
+        if shim_m is not None:
+            shim_list = [shim_m] if alive(shim_m.pid, shim_m.create_time) else []
+            if shim_list and not await self._wait_gone(shim_list, 2.0):
+                signal_exact(shim_m.pid, shim_m.create_time, signal.SIGKILL)
+                await self._wait_gone(shim_list, 2.0)
+            popen = self._shims.pop(run.id, None)
+            if popen is not None:
+                await asyncio.to_thread(_reap, popen, 2.0)
+        for m in targets:
+            cmd = m.cmdline[:12]
+            if m not in live:
+                if m.role != "leader":
+                    continue  # a worker that had already exited is not news
+                result.stopped.append(StoppedProcess(pid=m.pid, cmdline=cmd, role=m.role, how="already_gone"))
+            elif m in gone_after_term:
+                result.stopped.append(StoppedProcess(pid=m.pid, cmdline=cmd, role=m.role, how="zombie" if status_of(m.pid, m.create_time) == "zombie" else "SIGTERM"))
+            elif m in gone_after_kill:
+                result.stopped.append(StoppedProcess(pid=m.pid, cmdline=cmd, role=m.role, how="SIGKILL"))
+            else:
+                result.survivors.append(StoppedProcess(pid=m.pid, cmdline=cmd, role=m.role, how="survived", status=status_of(m.pid, m.create_time)))
+        result.needed_kill = [m.pid for m in needed_kill]
+        await self._verify_gpu(result, members, gpu_before)
+        result.seconds = round(time.monotonic() - t0, 3)
+
+        if was_terminal:
+            result.state = run.state
+            result.message = f"run {run.id} had already ended ({run.cause}); its {len(live)} leftover process(es) were stopped"
+        else:
+            rec = self._exit_record(run)
+            code = rec.get("returncode") if rec else None
+            sig = rec.get("signal") if rec else None
+            cause = "stopped by operator"
+            if result.needed_kill:
+                cause += f"; {len(result.needed_kill)} process(es) ignored SIGTERM for {grace_s:g} s and needed SIGKILL"
+            if result.survivors:
+                cause += f"; {len(result.survivors)} process(es) survived SIGKILL ({', '.join(f'{s.pid} {s.status}' for s in result.survivors)})"
+            result.state = "stopped"
+            self._set(
+                run,
+                "run_state",
+                {"state": "stopped", "cause": cause, "stop": msgspec.to_builtins(result)},
+                state="stopped",
+                cause=cause,
+                exit_code=code,
+                signal=sig,
+                ended=time.time(),
+            )
+            result.message = _summary(result)
+        if was_terminal:
+            self._emit(self.journal.append("reclaimed", run.id, msgspec.to_builtins(result)))
+        return result
+
+    async def _wait_gone(self, members: list[Member], timeout: float) -> list[Member]:
+        """Wait until members are dead (zombies count as dead); return those that went."""
+        deadline = time.monotonic() + timeout
+        pending = list(members)
+        gone: list[Member] = []
+        delay = 0.01
+        while pending:
+            still = []
+            for m in pending:
+                (still if alive(m.pid, m.create_time) else gone).append(m)
+            pending = still
+            if not pending or time.monotonic() >= deadline:
+                break
+            # reap our own child (the shim) so it does not linger as a zombie
+            for popen in self._shims.values():
+                popen.poll()
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 0.1)
+        return gone
+
+    async def _verify_gpu(self, result: StopResult, members: list[Member], before: dict[int, int]) -> None:
+        if not self.gpus.available:
+            result.gpu_verified = False
+            result.gpu_note = f"GPU memory not verified: {self.gpus.error}"
+            return
+        pids = {m.pid for m in members}
+        deadline = time.monotonic() + GPU_SETTLE_S
+        while True:
+            gpus = await asyncio.to_thread(self.gpus.sample)
+            holders = [p for g in gpus for p in g.processes if p.pid in pids]
+            if not holders or time.monotonic() >= deadline:
+                break
+            await asyncio.sleep(0.1)
+        after = {g.index: g.memory_used for g in gpus}
+        result.still_on_gpu = [GpuProcess(pid=p.pid, gpu=p.gpu, used_bytes=p.used_bytes, attribution="STALE", run_id=result.run_id) for p in holders]
+        for idx, b in sorted(before.items()):
+            a = after.get(idx, b)
+            result.freed.append(GpuFreed(gpu=idx, before_bytes=b, after_bytes=a, freed_bytes=max(0, b - a)))
+        result.freed_bytes = sum(f.freed_bytes for f in result.freed)
+        result.gpu_verified = not holders
+        if holders:
+            result.gpu_note = "still holding GPU memory: " + ", ".join(f"pid {p.pid} on GPU {p.gpu} ({(p.used_bytes or 0) / 2**30:.1f} GiB)" for p in holders)
+        else:
+            result.gpu_note = f"verified through NVML: no process of the run holds GPU memory; {result.freed_bytes / 2**30:.2f} GiB freed"
+
+
+def _summary(result: StopResult) -> str:
+    parts = [f"stopped {len(result.stopped)} process(es)"]
+    if result.needed_kill:
+        parts.append(f"{len(result.needed_kill)} needed SIGKILL ({', '.join(map(str, result.needed_kill))})")
+    if result.survivors:
+        parts.append(f"{len(result.survivors)} SURVIVED: " + ", ".join(f"{s.pid} ({s.status})" for s in result.survivors))
+    parts.append(result.gpu_note)
+    return "; ".join(parts)
+
+
+def _reap(popen: subprocess.Popen, timeout: float) -> None:
+    try:
+        popen.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        pass
+
+
+def _cmdline(pid: int) -> list[str]:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as fh:
+            return [a.decode("utf-8", "replace") for a in fh.read().split(b"\0") if a][:32]
+    except OSError:
+        return []
+
+
+def _read_line(fd: int, timeout: float) -> str:
+    """Read one line from a pipe with a deadline (the shim's start report)."""
+    import selectors
+
+    sel = selectors.DefaultSelector()
+    sel.register(fd, selectors.EVENT_READ)
+    buf = b""
+    deadline = time.monotonic() + timeout
+    try:
+        while b"\n" not in buf:
+            left = deadline - time.monotonic()
+            if left <= 0 or not sel.select(left):
+                break
+            chunk = os.read(fd, 4096)
+            if not chunk:
+                break
+            buf += chunk
+    finally:
+        sel.close()
+    return buf.decode("utf-8", "replace").strip()
+
+
+def hostname() -> str:
+    """This host's short name."""
+    return socket.gethostname().split(".")[0]

@@ -1,0 +1,421 @@
+"""Provides the ``gpudeck`` command line: status, launch, runs, tail, stop, agent.
+
+Every command returns a structured result or a structured error: with
+``--json`` the result is one JSON document on stdout; errors go to stderr
+with a non-zero exit code and say what to do.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime as dt
+import getpass
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from agents import paths
+from agents.client import AgentClient
+from agents.errors import AgentError
+from agents.protocol import (
+    GetRun,
+    GetSnapshot,
+    Launch,
+    LaunchReply,
+    LaunchSpec,
+    ListRuns,
+    OutputChunk,
+    ReadOutput,
+    RunInfo,
+    RunList,
+    RunReply,
+    Snapshot,
+    Stop,
+    StopReply,
+    StopResult,
+    to_builtins,
+)
+
+EXIT_ERROR = 1
+EXIT_USAGE = 2
+
+
+class CliError(Exception):
+    """A user-facing failure of the CLI itself (bad arguments, unsupported host)."""
+
+
+# ----------------------------------------------------------------------------- formatting
+
+
+def gib(n: int | None) -> str:
+    """Bytes as GiB with one decimal ('-' for unknown)."""
+    return "-" if n is None else f"{n / 2**30:.1f}"
+
+
+def when(ts: float | None) -> str:
+    """A unix time as local 'YYYY-MM-DD HH:MM:SS' ('-' for none)."""
+    return "-" if not ts else dt.datetime.fromtimestamp(ts).strftime("%Y-%m-%d %H:%M:%S")
+
+
+def duration(seconds: float | None) -> str:
+    """Seconds as '1h02m', '3m05s', '12s'."""
+    if seconds is None:
+        return "-"
+    s = int(seconds)
+    if s >= 3600:
+        return f"{s // 3600}h{(s % 3600) // 60:02d}m"
+    if s >= 60:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s}s"
+
+
+def table(headers: list[str], rows: list[list[str]]) -> str:
+    """A left-aligned text table."""
+    widths = [len(h) for h in headers]
+    for r in rows:
+        for i, c in enumerate(r):
+            widths[i] = max(widths[i], len(c))
+    line = lambda cells: "  ".join(c.ljust(widths[i]) for i, c in enumerate(cells)).rstrip()  # noqa: E731
+    return "\n".join([line(headers), *(line(r) for r in rows)])
+
+
+def format_status(snap: Snapshot) -> str:
+    """Human view of a snapshot: GPUs, GPU processes, live runs."""
+    out = [f"host {snap.host}  ({when(snap.ts)}, sampled in {snap.sample_ms:.2f} ms)"]
+    if snap.gpu_error:
+        out.append(f"GPUs: none ({snap.gpu_error})")
+    else:
+        rows = [
+            [
+                str(g.index),
+                g.name,
+                f"{gib(g.memory_used)}/{gib(g.memory_total)} GiB",
+                "-" if g.util_gpu is None else f"{g.util_gpu}%",
+                "-" if g.temperature_c is None else f"{g.temperature_c}C",
+                "-" if g.power_w is None else f"{g.power_w:.0f}W",
+                gib(g.unaccounted_bytes),
+            ]
+            for g in snap.gpus
+        ]
+        out.append(table(["GPU", "NAME", "MEMORY", "UTIL", "TEMP", "POWER", "UNACCOUNTED GiB"], rows))
+        procs = [p for g in snap.gpus for p in g.processes]
+        if procs:
+            prow = [
+                [
+                    str(p.pid),
+                    str(p.gpu),
+                    gib(p.used_bytes),
+                    p.attribution,
+                    p.run_id or "-",
+                    "-" if p.rank is None else str(p.rank),
+                    p.user or "-",
+                    " ".join(p.cmdline)[:60] or "-",
+                ]
+                for p in procs
+            ]
+            out.append("")
+            out.append(table(["PID", "GPU", "GiB", "HOLDER", "RUN", "RANK", "USER", "COMMAND"], prow))
+        else:
+            out.append("no GPU processes")
+    if snap.runs:
+        out.append("")
+        out.append(table(["RUN", "NAME", "STATE", "MEMBERS", "ELAPSED", "COMMAND"], [
+            [r.id, r.name or "-", r.state, str(sum(1 for m in r.members if m.role != "shim")), duration(_elapsed(r)), " ".join(r.spec.argv)[:50]]
+            for r in snap.runs
+        ]))
+    else:
+        out.append("no live runs")
+    return "\n".join(out)
+
+
+def _elapsed(r: RunInfo) -> float | None:
+    if not r.started:
+        return None
+    import time
+
+    return (r.ended or time.time()) - r.started
+
+
+def format_runs(runs: list[RunInfo]) -> str:
+    """Human view of the run list."""
+    if not runs:
+        return "no runs yet: `gpudeck launch -- CMD ...` starts one"
+    rows = [
+        [r.id, r.host, r.name or "-", r.state, when(r.started or r.created), duration(_elapsed(r)), (r.cause or "-")[:70]]
+        for r in runs
+    ]
+    return table(["RUN", "HOST", "NAME", "STATE", "STARTED", "ELAPSED", "CAUSE"], rows)
+
+
+def format_stop(res: StopResult) -> str:
+    """Human view of a stop's verification."""
+    lines = [f"run {res.run_id}: {res.state} in {res.seconds:.2f} s"]
+    for p in res.stopped:
+        lines.append(f"  stopped  pid {p.pid:<7} {p.how:<12} {' '.join(p.cmdline)[:70]}")
+    for p in res.survivors:
+        lines.append(f"  SURVIVED pid {p.pid:<7} {p.status or '?':<12} {' '.join(p.cmdline)[:70]}")
+    if res.needed_kill:
+        lines.append(f"  needed SIGKILL: {', '.join(map(str, res.needed_kill))}")
+    for f in res.freed:
+        lines.append(f"  GPU {f.gpu}: {gib(f.before_bytes)} -> {gib(f.after_bytes)} GiB used ({gib(f.freed_bytes)} GiB freed)")
+    lines.append(f"  {res.gpu_note}" if res.gpu_note else "")
+    if res.survivors:
+        lines.append("  a process in disk sleep (D) cannot be killed until its I/O returns: check the driver/storage (dmesg); it is not retried in a loop")
+    return "\n".join(ln for ln in lines if ln)
+
+
+def run_json(r: RunInfo) -> dict[str, Any]:
+    """The scripted shape of a run (stable keys for users' scripts)."""
+    d = to_builtins(r)
+    for k in ("exit_code", "signal", "cause", "started", "ended", "name"):
+        d.setdefault(k, None)
+    return d
+
+
+# ----------------------------------------------------------------------------- commands
+
+
+def _check_host(host: str) -> None:
+    if host != "local":
+        raise CliError(f"host {host!r}: this version manages only the local host ('local'); remote hosts come with the fleet")
+
+
+async def _client() -> AgentClient:
+    return await AgentClient.connect_unix()
+
+
+async def cmd_status(args: argparse.Namespace) -> int:
+    _check_host(args.host)
+    c = await _client()
+    try:
+        snap = await c.request(GetSnapshot())
+    finally:
+        await c.close()
+    assert isinstance(snap, Snapshot)
+    if args.json:
+        print(json.dumps(to_builtins(snap)))
+    else:
+        print(format_status(snap))
+    return 0
+
+
+def _parse_gpus(text: str | None) -> list[int] | None:
+    if text is None:
+        return None
+    out: list[int] = []
+    for part in text.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        try:
+            if "-" in part:
+                a, b = part.split("-", 1)
+                out.extend(range(int(a), int(b) + 1))
+            else:
+                out.append(int(part))
+        except ValueError:
+            raise CliError(f"--gpus {text!r} is not a GPU list: write 0,1,2 or 0-3") from None
+    return out
+
+
+def _parse_env(items: list[str]) -> dict[str, str]:
+    env: dict[str, str] = {}
+    for item in items:
+        if "=" not in item:
+            raise CliError(f"--env {item!r} needs the form NAME=VALUE")
+        k, v = item.split("=", 1)
+        env[k] = v
+    return env
+
+
+async def cmd_launch(args: argparse.Namespace) -> int:
+    _check_host(args.host)
+    argv = list(args.argv)
+    if argv and argv[0] == "--":
+        argv = argv[1:]
+    if not argv:
+        raise CliError("launch needs a command after --, e.g. `gpudeck launch -- python train.py`")
+    spec = LaunchSpec(
+        argv=argv,
+        name=args.name,
+        kind=args.kind,
+        gpus=_parse_gpus(args.gpus),
+        env=_parse_env(args.env or []),
+        cwd=os.path.abspath(args.cwd) if args.cwd else os.getcwd(),
+        operator=getpass.getuser(),
+    )
+    c = await _client()
+    try:
+        reply = await c.request(Launch(spec=spec, request_id=args.request_id or ""))
+    finally:
+        await c.close()
+    assert isinstance(reply, LaunchReply)
+    if args.json:
+        print(json.dumps({**run_json(reply.run), "duplicate": reply.duplicate}))
+    else:
+        print(reply.run.id)
+    return 0
+
+
+async def cmd_runs(args: argparse.Namespace) -> int:
+    _check_host(args.host)
+    c = await _client()
+    try:
+        reply = await c.request(ListRuns(limit=args.limit))
+    finally:
+        await c.close()
+    assert isinstance(reply, RunList)
+    if args.json:
+        print(json.dumps([run_json(r) for r in reply.runs]))
+    else:
+        print(format_runs(reply.runs))
+    return 0
+
+
+async def cmd_tail(args: argparse.Namespace) -> int:
+    c = await _client()
+    out = sys.stdout
+    try:
+        run = (await c.request(GetRun(run_id=args.run)))
+        assert isinstance(run, RunReply)
+        rid = run.run.id
+        # the last N lines: read a window from the end, then follow from its end
+        window = await c.request(ReadOutput(run_id=rid, offset=-256 * 1024, max_bytes=256 * 1024))
+        assert isinstance(window, OutputChunk)
+        text = window.data
+        if args.lines >= 0:
+            lines = text.splitlines(keepends=True)
+            text = "".join(lines[-args.lines:]) if args.lines else ""
+        out.write(text)
+        out.flush()
+        if args.follow:
+            async for chunk in c.stream(ReadOutput(run_id=rid, offset=window.next_offset, follow=True)):
+                assert isinstance(chunk, OutputChunk)
+                out.write(chunk.data)
+                out.flush()
+    finally:
+        await c.close()
+    return 0
+
+
+async def cmd_stop(args: argparse.Namespace) -> int:
+    c = await _client()
+    try:
+        reply = await c.request(Stop(run_id=args.run, grace_s=args.grace))
+    finally:
+        await c.close()
+    assert isinstance(reply, StopReply)
+    res = reply.result
+    if args.json:
+        print(json.dumps(to_builtins(res)))
+    else:
+        print(format_stop(res))
+    return 0 if not res.survivors else EXIT_ERROR
+
+
+async def cmd_agent_status(args: argparse.Namespace) -> int:
+    sd = paths.state_dir()
+    try:
+        c = await AgentClient.connect_unix(autostart=False)
+    except AgentError as exc:
+        if args.json:
+            print(json.dumps({"running": False, "state_dir": str(sd), "error": exc.message}))
+        else:
+            print(f"agent: not running ({exc.message})")
+        return 3
+    try:
+        h = c.hello
+        assert h is not None
+        info = {"running": True, "pid": h.pid, "host": h.host, "version": h.agent_version, "epoch": h.epoch, "state_dir": h.state_dir, "gpu_error": h.gpu_error}
+    finally:
+        await c.close()
+    if args.json:
+        print(json.dumps(info))
+    else:
+        print(f"agent: running, pid {info['pid']} on {info['host']}, version {info['version']}, state {info['state_dir']}")
+        print(f"GPUs: {info['gpu_error'] or 'NVML ok'}")
+    return 0
+
+
+# ----------------------------------------------------------------------------- parser
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The gpudeck argument parser."""
+    ap = argparse.ArgumentParser(prog="gpudeck", description="Run and watch PyTorch training on your GPU hosts.")
+    sub = ap.add_subparsers(dest="command", metavar="COMMAND")
+
+    p = sub.add_parser("status", help="this host's GPUs, who holds them, and live runs")
+    p.add_argument("--host", default="local")
+    p.add_argument("--json", action="store_true", help="print the snapshot as JSON")
+    p.set_defaults(func=cmd_status)
+
+    p = sub.add_parser("launch", help="start a run: gpudeck launch [--gpus 0,1] -- CMD ARGS...")
+    p.add_argument("--host", default="local")
+    p.add_argument("--name", default=None, help="a name to find the run by")
+    p.add_argument("--gpus", default=None, help="GPU indices (sets CUDA_VISIBLE_DEVICES), e.g. 0,1 or 0-3")
+    p.add_argument("--kind", default="command", choices=["command", "fsdp", "dflash"])
+    p.add_argument("--env", action="append", metavar="NAME=VALUE", help="extra environment (repeatable)")
+    p.add_argument("--cwd", default=None, help="working directory (default: here)")
+    p.add_argument("--request-id", default=None, help="idempotency key: a retry with the same key starts nothing new")
+    p.add_argument("--json", action="store_true", help="print the run as JSON (with its id)")
+    p.add_argument("argv", nargs=argparse.REMAINDER, help="-- then the command and its arguments (never run by a shell)")
+    p.set_defaults(func=cmd_launch)
+
+    p = sub.add_parser("runs", help="every run this host's agent has recorded")
+    p.add_argument("--host", default="local")
+    p.add_argument("--limit", type=int, default=1000)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_runs)
+
+    p = sub.add_parser("tail", help="a run's output (stdout and stderr of all its ranks)")
+    p.add_argument("run", help="run id, unique id prefix, or name")
+    p.add_argument("-f", "--follow", action="store_true", help="keep printing new output until the run ends (Ctrl-C leaves)")
+    p.add_argument("-n", "--lines", type=int, default=20, help="how many last lines to print first (-1: all of the last 256 KiB)")
+    p.set_defaults(func=cmd_tail)
+
+    p = sub.add_parser("stop", help="stop every process of a run: TERM, grace, KILL, verify")
+    p.add_argument("run", help="run id, unique id prefix, or name")
+    p.add_argument("--grace", type=float, default=30.0, help="seconds between SIGTERM and SIGKILL (default 30)")
+    p.add_argument("--json", action="store_true", help="print the verification result as JSON")
+    p.set_defaults(func=cmd_stop)
+
+    p = sub.add_parser("agent", help="the host agent: serve, dial, status")
+    asub = p.add_subparsers(dest="agent_command", metavar="serve|dial|status", required=True)
+    a = asub.add_parser("serve", help="run the agent in the foreground")
+    a.add_argument("--state-dir", type=Path, default=None)
+    a.set_defaults(func=None, sync=lambda ns: __import__("agents.server", fromlist=["serve"]).serve(ns.state_dir))
+    a = asub.add_parser("dial", help="bridge stdin/stdout to the agent (what the console runs over SSH)")
+    a.add_argument("--state-dir", type=Path, default=None)
+    a.set_defaults(func=None, sync=lambda ns: __import__("agents.dial", fromlist=["dial"]).dial(ns.state_dir))
+    a = asub.add_parser("status", help="is the agent running, and where")
+    a.add_argument("--json", action="store_true")
+    a.set_defaults(func=cmd_agent_status)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``gpudeck`` command."""
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    if args.command is None:
+        args = ap.parse_args(["status"])
+    try:
+        if getattr(args, "func", None) is None:
+            return int(args.sync(args) or 0)
+        return asyncio.run(args.func(args))
+    except CliError as exc:
+        print(f"gpudeck: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except AgentError as exc:
+        print(f"gpudeck: {exc.message}", file=sys.stderr)
+        return EXIT_ERROR
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,138 @@
+"""Provides test helpers that run a real agent process and the real CLI against it."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from agents.client import AgentClient
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+class AgentProc:
+    """A real ``python -m agents serve`` process on a private GPUDECK_HOME; stopped by pid."""
+
+    def __init__(self, home: Path) -> None:
+        self.home = home
+        self.state_dir = home / "agent"
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env["GPUDECK_HOME"] = str(self.home)
+        env["PYTHONPATH"] = str(ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+        return env
+
+    def start(self) -> "AgentProc":
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "agents", "serve", "--state-dir", str(self.state_dir)],
+            env=self.env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+        sock = self.state_dir / "sock" / "agent.sock"
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            if sock.exists() and self._answers():
+                return self
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"agent exited with {self.proc.returncode}; log: {self.log()}")
+            time.sleep(0.05)
+        raise RuntimeError(f"agent did not come up; log: {self.log()}")
+
+    def _answers(self) -> bool:
+        import socket
+
+        s = socket.socket(socket.AF_UNIX)
+        try:
+            s.connect(str(self.state_dir / "sock" / "agent.sock"))
+            return True
+        except OSError:
+            return False
+        finally:
+            s.close()
+
+    def log(self) -> str:
+        try:
+            return (self.state_dir / "agent.log").read_text()[-3000:]
+        except OSError:
+            return ""
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
+
+    def kill9(self) -> None:
+        assert self.proc is not None
+        os.kill(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(10)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+
+    def cli(self, *args: str, check: bool = True, timeout: float = 60, stdin: str | None = None) -> subprocess.CompletedProcess:
+        """Run the real ``gpudeck`` CLI against this agent."""
+        cp = subprocess.run(
+            [sys.executable, "-m", "console.cli", *args],
+            env=self.env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            input=stdin,
+        )
+        if check and cp.returncode != 0:
+            raise AssertionError(f"gpudeck {' '.join(args)} exited {cp.returncode}\nstdout: {cp.stdout}\nstderr: {cp.stderr}\nagent log: {self.log()}")
+        return cp
+
+    def cli_json(self, *args: str) -> Any:
+        # --json goes right after the subcommand: after "--" it would be part of the run's argv
+        return json.loads(self.cli(args[0], "--json", *args[1:]).stdout)
+
+    async def client(self) -> AgentClient:
+        return await AgentClient.connect_unix(state_dir=self.state_dir, autostart=False)
+
+
+def kill_tagged(run_id: str) -> None:
+    """Teardown safety net: SIGKILL processes carrying this test's run tag (by pid, never by name)."""
+    for p in psutil.process_iter(["pid"]):
+        try:
+            if p.environ().get("GPUDECK_RUN_ID") == run_id:
+                p.kill()
+        except (psutil.Error, OSError):
+            pass
+
+
+def wait_for(pred, timeout: float = 10.0, interval: float = 0.05, what: str = "condition") -> Any:  # type: ignore[no-untyped-def]
+    """Poll ``pred`` until it returns a truthy value; fail with ``what`` after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        v = pred()
+        if v:
+            return v
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(interval)
+
+
+def run_async(coro):  # type: ignore[no-untyped-def]
+    return asyncio.run(coro)

@@ -1,0 +1,205 @@
+"""Unit tests for trainers.data (and the pure parts of trainers.checkpoint / flops / runtime)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from trainers import data as D  # noqa: E402
+from trainers.checkpoint import StartError, resolve_start  # noqa: E402
+from trainers.flops import flops_per_token, mfu, peak_flops  # noqa: E402
+from trainers.runtime import add_common_args, check_common_args  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def corpus_tokens() -> np.ndarray:
+    return D.load_tokens(None, D.ByteTokenizer(), max_bytes=2 * 1024 * 1024).tokens
+
+
+# ------------------------------------------------------------------ tokenizer
+
+
+@given(st.text(max_size=200))
+def test_byte_tokenizer_round_trip(text: str) -> None:
+    tok = D.ByteTokenizer()
+    ids = tok.encode(text, add_bos=True, add_eos=True)
+    assert ids[0] == tok.bos_id and ids[-1] == tok.eos_id
+    assert max(ids) < tok.vocab_size
+    assert tok.decode(ids) == text
+    assert np.array_equal(tok.encode_np(text), np.asarray(tok.encode(text), dtype=np.uint16))
+
+
+def test_byte_tokenizer_save_and_reload(tmp_path) -> None:
+    tok = D.ByteTokenizer()
+    tok.save(tmp_path)
+    again = D.load_tokenizer(tmp_path)
+    assert isinstance(again, D.ByteTokenizer)
+    assert json.loads((tmp_path / D.BYTE_TOKENIZER_FILE).read_text())["vocab_size"] == 260
+    assert isinstance(D.load_tokenizer(None), D.ByteTokenizer)
+    assert isinstance(D.load_tokenizer("byte"), D.ByteTokenizer)
+
+
+# ------------------------------------------------------------------ corpus
+
+
+def test_builtin_corpus_is_large_varied_and_deterministic(corpus_tokens) -> None:
+    files = D.builtin_corpus_files(2 * 1024 * 1024)
+    assert files == D.builtin_corpus_files(2 * 1024 * 1024)  # deterministic
+    assert files == sorted(files[: len(files)]) or len(files) > 50
+    assert len(files) > 50, "many distinct source files"
+    assert len({f.name for f in files}) > 50
+    assert corpus_tokens.shape[0] >= 2 * 1024 * 1024
+    # varied: many distinct byte values and many distinct 64-byte lines
+    assert len(np.unique(corpus_tokens)) > 90
+    text = D.ByteTokenizer().decode(corpus_tokens[: 1_000_000].tolist())
+    lines = [ln for ln in text.splitlines() if len(ln.strip()) > 20]
+    assert len(set(lines)) > 0.5 * len(lines) > 5000
+    again = D.load_tokens(None, D.ByteTokenizer(), max_bytes=2 * 1024 * 1024).tokens
+    assert np.array_equal(corpus_tokens, again)
+
+
+def test_text_jsonl_folder_and_bin_sources(tmp_path) -> None:
+    tok = D.ByteTokenizer()
+    (tmp_path / "a.txt").write_text("hello world")
+    (tmp_path / "b.jsonl").write_text(json.dumps({"text": "one"}) + "\n" + json.dumps({"text": "two"}) + "\n")
+    src = D.load_tokens(tmp_path / "a.txt", tok)
+    assert tok.decode(src.tokens.tolist()) == "hello world" and src.tokens[-1] == tok.eos_id
+    src = D.load_tokens(tmp_path / "b.jsonl", tok)
+    assert src.documents == 2 and src.tokens.shape[0] == len("one") + len("two") + 2
+    src = D.load_tokens(tmp_path, tok)
+    assert src.documents == 3
+    arr = np.arange(1000, dtype=np.uint32) * 70
+    arr.tofile(tmp_path / "t.bin")
+    src = D.load_tokens(tmp_path / "t.bin", dtype="uint32")
+    assert np.array_equal(np.asarray(src.tokens), arr)
+    with pytest.raises(FileNotFoundError):
+        D.load_tokens(tmp_path / "missing.txt", tok)
+
+
+def test_split_tokens_holds_out_tail() -> None:
+    toks = np.arange(1000)
+    train, val = D.split_tokens(toks, 0.1)
+    assert train.shape[0] == 900 and val.shape[0] == 100
+    assert np.intersect1d(train, val).size == 0
+
+
+# ------------------------------------------------------------------ samples / sharding
+
+
+def test_packed_dataset_sizes_exact() -> None:
+    ds = D.PackedDataset(np.arange(1001), 10)
+    assert len(ds) == 100 and ds.num_tokens == 1000 and ds.source_tokens == 1001
+    assert ds[0].tolist() == list(range(11)) and ds[99][-1] == 1000
+    assert len(D.PackedDataset(np.arange(1000), 10)) == 99
+
+
+@settings(max_examples=30, deadline=None)
+@given(world=st.integers(1, 4), batch=st.integers(1, 5), seed=st.integers(0, 2**31),
+       n=st.integers(40, 300))
+def test_sharding_is_disjoint_and_covers_epoch(world: int, batch: int, seed: int, n: int) -> None:
+    ds = D.PackedDataset(np.arange(n * 4 + 1), 4)
+    if len(ds) < world * batch:
+        return
+    loaders = [D.ShardedBatches(ds, batch, r, world, seed=seed) for r in range(world)]
+    steps = loaders[0].samples_per_epoch // (world * batch)
+    seen: list[int] = []
+    for _ in range(steps):
+        per_rank = [set(ld.next_indices().tolist()) for ld in loaders]
+        for i in range(world):
+            for j in range(i + 1, world):
+                assert not per_rank[i] & per_rank[j]
+        for s in per_rank:
+            seen.extend(s)
+    assert len(seen) == len(set(seen)) == loaders[0].samples_per_epoch
+    # next step starts a new epoch with another order
+    assert loaders[0].next_indices() is not None and loaders[0].epoch == 1
+
+
+def test_batches_are_deterministic_and_state_round_trips(corpus_tokens) -> None:
+    ds = D.PackedDataset(corpus_tokens, 64)
+    a = D.ShardedBatches(ds, 4, 1, 2, seed=7)
+    b = D.ShardedBatches(ds, 4, 1, 2, seed=7)
+    for _ in range(3):
+        assert torch.equal(a.next_batch(), b.next_batch())
+    state = json.loads(json.dumps(a.state_dict()))  # JSON-able
+    expected = [a.next_batch() for _ in range(5)]
+    c = D.ShardedBatches(ds, 4, 1, 2, seed=0)
+    c.load_state_dict(state)
+    for want in expected:
+        got = c.next_batch()
+        assert got.shape == (4, 65) and got.dtype == torch.int64
+        assert torch.equal(got, want)
+    other = D.ShardedBatches(ds, 4, 0, 2, seed=7)
+    assert not torch.equal(other.next_batch(), D.ShardedBatches(ds, 4, 1, 2, seed=7).next_batch())
+
+
+def test_state_round_trips_across_epoch_boundary() -> None:
+    ds = D.PackedDataset(np.arange(10 * 8 + 1), 8)  # 10 samples
+    a = D.ShardedBatches(ds, 3, 0, 1, seed=1)
+    for _ in range(3):
+        a.next_batch()
+    st_ = a.state_dict()
+    want = [a.next_batch() for _ in range(4)]
+    assert a.epoch >= 1
+    b = D.ShardedBatches(ds, 3, 0, 1, seed=1)
+    b.load_state_dict(st_)
+    assert all(torch.equal(b.next_batch(), w) for w in want)
+
+
+def test_too_small_dataset_is_refused() -> None:
+    with pytest.raises(ValueError, match="fewer than one step"):
+        D.ShardedBatches(D.PackedDataset(np.arange(20), 8), 4, 0, 2)
+
+
+# ------------------------------------------------------------------ start, flops, CLI
+
+
+def test_resolve_start_rules(tmp_path) -> None:
+    assert resolve_start(tmp_path, True, None).describe() == "fresh"
+    with pytest.raises(StartError, match="no complete checkpoint"):
+        resolve_start(tmp_path, False, "latest")
+    step = tmp_path / "checkpoints" / "step_5"
+    step.mkdir(parents=True)
+    (step / ".metadata").write_bytes(b"x")
+    (step / "gpudeck_checkpoint.json").write_text("{}")
+    with pytest.raises(StartError, match="refuses"):
+        resolve_start(tmp_path, True, None)
+    assert resolve_start(tmp_path, True, None, new_run_dir=True).archive_existing
+    assert resolve_start(tmp_path, False, "latest").describe() == "resume 5"
+    with pytest.raises(StartError, match="step_5"):
+        resolve_start(tmp_path, False, "3")
+
+
+def test_cli_requires_exactly_one_start(capsys) -> None:
+    p = argparse.ArgumentParser()
+    add_common_args(p)
+    with pytest.raises(SystemExit) as exc:
+        check_common_args(p, p.parse_args(["--out", "x"]))
+    assert exc.value.code == 2
+    assert "--fresh" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        p.parse_args(["--out", "x", "--fresh", "--resume", "latest"])
+    with pytest.raises(SystemExit):
+        p.parse_args(["--out", "x", "--resume", "soon"])
+    args = p.parse_args(["--out", "x", "--resume", "12"])
+    check_common_args(p, args)
+    assert args.resume == "12"
+
+
+def test_flops_formula_and_peaks() -> None:
+    # llama-1b shape at seq 2048: torchtitan's count by hand
+    n, emb = 1_100_048_384, 32000 * 2048
+    f = flops_per_token(n, emb, 22, 32, 64, 2048)
+    assert f == 6 * (n - emb) + 12 * 22 * 32 * 64 * 2048
+    assert mfu(50_000, f, 989e12) == pytest.approx(50_000 * f / 989e12)
+    assert mfu(50_000, f, None) is None
+    peak, reason = peak_flops("cpu")
+    assert peak is None and "cpu" in reason
