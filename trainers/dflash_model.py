@@ -39,12 +39,18 @@ from transformers.models.qwen3.modeling_qwen3 import (
 
 
 def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
-    """Evenly spaced target layer ids from 1 to L-3 (z-lab/SpecForge rule); a single layer takes L//2."""
+    """Evenly spaced target layer ids from 1 to L-3 (z-lab/SpecForge rule); a single layer takes L//2.
+
+    Targets with fewer than n+3 layers (tiny test models) spread over 0..L-1 instead of repeating ids.
+    """
     if num_draft_layers < 1:
         raise ValueError("num_draft_layers must be >= 1")
     if num_draft_layers == 1:
         return [num_target_layers // 2]
     start, end = 1, max(1, num_target_layers - 3)
+    if end - start + 1 < num_draft_layers:
+        # a target too shallow for the 1..L-3 rule (tiny test models): spread over all layers
+        start, end = 0, num_target_layers - 1
     span = end - start
     ids = [int(round(start + i * span / (num_draft_layers - 1))) for i in range(num_draft_layers)]
     return [min(max(0, i), num_target_layers - 1) for i in ids]
@@ -190,6 +196,10 @@ class DFlashDraftModel(Qwen3PreTrainedModel):
         self.target_layer_ids = list(config.dflash_config["target_layer_ids"])
         self.gradient_checkpointing = False
         self.post_init()
+
+    def should_save_on_this_rank(self, is_main_process: bool) -> bool:
+        """Save where the caller says: the drafter's writer is not global rank 0 in the split topology."""
+        return is_main_process
 
     def reset_rotary(self) -> None:
         """Recompute the non-persistent rotary buffers (needed after meta init / to_empty)."""

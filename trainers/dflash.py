@@ -1,0 +1,1030 @@
+"""Trains a DFlash block-diffusion drafter on a frozen target's hidden states: ``python -m trainers.dflash``.
+
+Run under ``torchrun`` (or as one plain process). The recipe is SpecForge's
+``OnlineDFlashModel`` (shared/research/trainers.md, section A); the drafter lives
+in ``trainers/dflash_model.py`` and the objective in ``trainers/dflash_loss.py``.
+
+Target
+    ``--target PATH`` loads ``AutoModelForCausalLM.from_pretrained(PATH)`` (for
+    instance ``OUT/final`` of ``trainers.fsdp_lm``); ``--target-config
+    qwen3-0.6b|tiny|config.json`` (alias ``--model-config``) builds a
+    random-weight target from a config instead (speed benchmarks). The target is
+    frozen, in eval mode, and runs its base model only (no lm_head) under
+    ``torch.no_grad`` with ``output_hidden_states=True`` (no_grad rather than
+    inference_mode in the colocated topology because the features feed the
+    drafter's trainable ``fc``; the split topology's target ranks and the
+    evaluation's generation use inference_mode).
+
+Drafter
+    ``--drafter-layers`` (1-5) Qwen3-style layers of the target's width,
+    conditioned on ``build_target_layer_ids(L, n)`` target layers, sharing the
+    target's embedding and lm_head (frozen, shared not copied). ``--init-from``
+    starts the drafter from a saved drafter folder (``OUT/drafter``).
+
+Step
+    ``--num-anchors`` anchors per sequence (redrawn every step from the CPU RNG,
+    which the checkpoint restores), blocks of ``--block-size``, decay gamma
+    from ``decay_gamma`` (7/5/4 for B=16/10/8), loss = sum(w*CE)/sum(w) through
+    the chunked fused lm_head + CE (``--loss-chunk-rows``, ``--loss-mode``).
+    All blocks go through the drafter in one pass with one dense bool mask
+    (SDPA) or a flex-attention block mask (``--attn flex``, CUDA only).
+    ``loss_mask`` is all ones: plain text has no prompt/response split, so every
+    position is supervised (JSONL loss masks are not implemented yet).
+
+Topologies
+    ``colocated``: every rank runs the target and the drafter; the drafter is
+    FSDP2-sharded over all ranks; data is sharded over all ranks.
+    ``split``: ``--target-ranks`` (e.g. ``0,1`` or ``0-1``) only run the target
+    and ``--drafter-ranks`` only the drafter (FSDP2 over a ``dist.new_group`` of
+    them). Global batch ``g = (step*grad_accum + micro)*n_drafter + j`` goes to
+    drafter ``j`` and is produced by target ``g % n_target``. Target ranks send
+    ``input_ids|loss_mask`` and the concatenated features with ``dist.isend``;
+    at most ``--queue-depth`` sends are outstanding per target rank (the bounded
+    queue: the oldest is waited for before a new one is posted), and each
+    drafter rank keeps up to ``--queue-depth`` ``irecv``s posted ahead. The
+    ``queue_depth`` telemetry field is, on a drafter rank, how many received
+    batches were ready when a step began, and on a target rank how many of its
+    sends were still in flight. No p2p is in flight across a checkpoint (both
+    sides stop at the checkpoint boundary), so checkpoints are plain collectives
+    over all ranks. On resume, each target rank fast-forwards its data stream to
+    the batches it already produced (the position is a function of the step).
+
+Evaluation (``eval`` records, every ``--eval-every`` steps, at start and end)
+    Held-out prompts (the tail of the token stream, never trained on) of
+    ``--eval-prompt-len`` tokens are continued greedily by the target for
+    ``--eval-gen-len`` tokens, once (the target is frozen). Because the
+    continuation is the target's own greedy output, the target's greedy token
+    after any prefix of it is the next token of the sequence, so block
+    verification reduces to comparing the drafter's argmax with the sequence.
+    The decoding walk starts at the last prompt token as anchor, accepts the
+    longest matching prefix of the B-1 drafted tokens plus one bonus token, and
+    moves the anchor to the bonus token; ``tau`` = generated tokens per target
+    verification (mean accepted + 1), as in DFlash. ``tau_all_anchors`` is the
+    same quantity averaged over every anchor position.
+
+Output
+    ``OUT/checkpoints/step_N`` (trainers.checkpoint; drafter + optimizer +
+    scheduler + data position + RNG + step), ``OUT/drafter/`` (save_pretrained,
+    config with block_size, target_layer_ids, mask token id; plus ``dflash.py``
+    so it loads with trust_remote_code), ``OUT/result.json``.
+
+MFU counts, per step and device, the work required: target forward
+``2*(N_target - N_emb - N_lm_head_if_untied) + 2*L*heads*2*head_dim*S`` per
+context token (torchtitan forward count, lm_head not run); drafter
+``6*N_layers`` per block position, ``6*(fc + context k/v projections)`` per
+context token, attention ``12*L_d*heads*head_dim*(visible keys)`` per block
+position (visible = anchor + B, not the dense mask's S + N*B), and ``4*V*H``
+per supervised lm_head row (the lm_head is frozen: forward plus input gradient,
+no weight gradient).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import sys
+import time
+from collections import deque
+from pathlib import Path
+from typing import Any
+
+from trainers import runtime
+
+ROLE_COLOCATED, ROLE_TARGET, ROLE_DRAFTER = "colocated", "target", "drafter"
+
+
+# ------------------------------------------------------------------ command line
+
+
+def parse_rank_list(text: str) -> list[int]:
+    """'0,1' / '0-1' / '2' -> sorted unique rank list."""
+    out: set[int] = set()
+    for part in str(text).split(","):
+        part = part.strip()
+        if not part:
+            continue
+        if "-" in part:
+            a, b = part.split("-", 1)
+            out.update(range(int(a), int(b) + 1))
+        else:
+            out.add(int(part))
+    return sorted(out)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m trainers.dflash",
+        description="Train a DFlash drafter on a frozen target's hidden states (colocated or split).",
+    )
+    runtime.add_common_args(p)
+    g = p.add_argument_group("dflash")
+    g.add_argument("--target", default=None, help="local pretrained target folder (from_pretrained)")
+    g.add_argument("--target-config", default=None,
+                   help="random-weight target from a preset (tiny, qwen3-0.6b) or config.json "
+                        "(speed benchmarks); --model-config is an alias")
+    g.add_argument("--drafter-layers", type=int, default=1, help="drafter decoder layers (1-5)")
+    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--num-anchors", type=int, default=512)
+    g.add_argument("--gamma", type=float, default=None, help="decay gamma (default: by block size)")
+    g.add_argument("--mask-token-id", type=int, default=None,
+                   help="block mask token (default: tokenizer's MASK, Qwen3's 151669, else vocab-1)")
+    g.add_argument("--loss-chunk-rows", type=int, default=2048)
+    g.add_argument("--loss-mode", default="fused", choices=["fused", "recompute", "plain"])
+    g.add_argument("--attn", default="sdpa", choices=["sdpa", "flex"],
+                   help="drafter attention: dense bool mask + SDPA, or flex attention (CUDA)")
+    g.add_argument("--topology", default="colocated", choices=["colocated", "split"])
+    g.add_argument("--target-ranks", default=None, help="split: ranks running the target (0,1 or 0-1)")
+    g.add_argument("--drafter-ranks", default=None, help="split: ranks training the drafter")
+    g.add_argument("--queue-depth", type=int, default=2, help="split: batches in flight per rank")
+    g.add_argument("--eval-every", type=int, default=0, help="evaluate tau every N steps (0: start/end only)")
+    g.add_argument("--eval-samples", type=int, default=4)
+    g.add_argument("--eval-prompt-len", type=int, default=64)
+    g.add_argument("--eval-gen-len", type=int, default=64)
+    g.add_argument("--val-fraction", type=float, default=0.02, help="tail of the stream held out for eval")
+    g.add_argument("--no-eval", action="store_true", help="skip tau evaluation (benchmarks)")
+    g.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32"],
+                   help="target/compute dtype (auto: bf16 on CUDA, fp32 on CPU)")
+    p.set_defaults(lr=6e-4, weight_decay=0.0, seq_len=512, batch_size=2, max_steps=100)
+    return p
+
+
+def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    runtime.check_common_args(p, args)
+    if args.target_config is None:
+        args.target_config = args.model_config
+    if (args.target is None) == (args.target_config is None):
+        p.error("give exactly one of --target PATH or --target-config/--model-config")
+    if not 1 <= args.drafter_layers <= 8:
+        p.error("--drafter-layers must be in 1..8 (DFlash uses 1-5)")
+    if args.block_size < 2:
+        p.error("--block-size must be >= 2")
+    if args.num_anchors < 1:
+        p.error("--num-anchors must be >= 1")
+    if args.topology == "split" and (not args.target_ranks or not args.drafter_ranks):
+        p.error("--topology split needs --target-ranks and --drafter-ranks")
+    if args.queue_depth < 1:
+        p.error("--queue-depth must be >= 1")
+
+
+# ------------------------------------------------------------------ target
+
+
+def _preset_config(name: str):
+    """A transformers config for a preset name or a config.json path (adapter, see report)."""
+    from transformers import AutoConfig
+
+    path = Path(name)
+    if path.is_dir():
+        return AutoConfig.from_pretrained(str(path))
+    if path.is_file():
+        d = json.loads(path.read_text())
+        return AutoConfig.for_model(d.pop("model_type"), **d)
+    try:  # fsdp_lm owns the preset table; use it when it offers one
+        from trainers import fsdp_lm  # type: ignore
+
+        for fn_name in ("preset_config", "make_config", "build_config", "resolve_model_config"):
+            fn = getattr(fsdp_lm, fn_name, None)
+            if fn is not None:
+                return fn(name)
+    except ImportError:
+        pass
+    raise ValueError(f"unknown target config {name!r} (and no preset table in trainers.fsdp_lm)")
+
+
+def load_target(args, device, dtype):
+    """The frozen target (eval, no grad) on ``device``; from_pretrained or a random config."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    if args.target:
+        model = AutoModelForCausalLM.from_pretrained(args.target, dtype=dtype)
+        model.to(device)
+    else:
+        cfg = _preset_config(args.target_config)
+        torch.manual_seed(args.seed)
+        with torch.device(device):
+            model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+    model.eval().requires_grad_(False)
+    return model
+
+
+def target_features(target, input_ids, layer_ids):
+    """Concatenated hidden_states[id + 1] of the base model: [b, S, n*H] (no lm_head)."""
+    from trainers.dflash_model import extract_context
+
+    out = target.base_model(input_ids=input_ids, output_hidden_states=True, use_cache=False)
+    return extract_context(out.hidden_states, layer_ids)
+
+
+def default_mask_token_id(tokenizer, target_config) -> int:
+    vocab = target_config.vocab_size
+    mask = getattr(tokenizer, "mask_id", None)
+    if mask is not None and 0 <= mask < vocab:
+        return int(mask)
+    if getattr(target_config, "model_type", "") in ("qwen3", "qwen3_moe") and vocab > 151669:
+        return 151669
+    return vocab - 1
+
+
+def _lm_head_params(target) -> int:
+    out = target.get_output_embeddings()
+    inp = target.get_input_embeddings()
+    if out is None or (inp is not None and out.weight is inp.weight):
+        return 0
+    return int(out.weight.numel())
+
+
+# ------------------------------------------------------------------ flops
+
+
+def target_flops_per_token(target, seq_len: int) -> float:
+    from trainers.flops import attention_dims, count_params, embedding_params, flops_per_token
+
+    total, _ = count_params(target)
+    layers, heads, hd = attention_dims(target.config)
+    return flops_per_token(total - _lm_head_params(target), embedding_params(target), layers, heads, hd,
+                           seq_len, training=False)
+
+
+def drafter_step_flops(dcfg, n_layer_params: int, n_fc: int, seq_len: int, anchors, n_rows: int,
+                       vocab: int) -> float:
+    """Required drafter FLOPs of one micro-batch (see module docstring)."""
+    bsz, n = anchors.shape
+    bs = dcfg.block_size
+    hd = dcfg.head_dim
+    h = dcfg.hidden_size
+    kv = dcfg.num_key_value_heads
+    positions = bsz * n * bs
+    dense = 6.0 * n_layer_params * positions
+    ctx = 6.0 * (n_fc + dcfg.num_hidden_layers * 2 * h * kv * hd) * bsz * seq_len
+    visible = float(anchors.float().sum().item()) * bs + positions * bs
+    attn = 12.0 * dcfg.num_hidden_layers * dcfg.num_attention_heads * hd * visible
+    head = 4.0 * vocab * h * n_rows
+    return dense + ctx + attn + head
+
+
+# ------------------------------------------------------------------ evaluation
+
+
+def build_eval_set(target, val_tokens, args, device):
+    """Prompts from held-out tokens + the target's greedy continuation: (ids [E, P+G], feats)."""
+    import torch
+
+    from trainers.data import PackedDataset
+
+    p_len, g_len = args.eval_prompt_len, args.eval_gen_len
+    ds = PackedDataset(val_tokens, p_len)
+    if len(ds) < 1:
+        raise ValueError(f"held-out data too small for one eval prompt of {p_len} tokens")
+    e = min(args.eval_samples, len(ds))
+    step = max(1, len(ds) // e)
+    prompts = torch.stack([torch.from_numpy(ds[i * step][:p_len]) for i in range(e)]).to(device)
+    with torch.inference_mode():
+        gen = target.generate(
+            input_ids=prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=g_len,
+            min_new_tokens=g_len, do_sample=False, pad_token_id=0, eos_token_id=None,
+        )
+        gen = gen[:, : p_len + g_len]
+        feats = target_features(target, gen, args._layer_ids)
+    return gen.clone(), feats.clone()
+
+
+def evaluate_tau(drafter, embed, lm_head_w, ids, feats, prompt_len: int, block_size: int,
+                 mask_token_id: int, attn: str = "sdpa") -> dict[str, float]:
+    """Greedy block verification against the target's greedy sequence (see module docstring)."""
+    import torch
+
+    from trainers.dflash_loss import block_inputs, build_attention_mask
+
+    e, t = ids.shape
+    first, last = prompt_len - 1, t - block_size
+    if last < first:
+        raise ValueError("eval sequence shorter than one block after the prompt")
+    anchors = torch.arange(first, last + 1, device=ids.device).unsqueeze(0).expand(e, -1).contiguous()
+    was_training = drafter.training
+    drafter.eval()
+    with torch.no_grad():
+        bids, bpos = block_inputs(ids, anchors, block_size, mask_token_id)
+        pos = torch.cat([torch.arange(t, device=ids.device).unsqueeze(0).expand(e, -1), bpos], 1)
+        mask = _make_mask(anchors, t, block_size, attn, ids.device)
+        hid = drafter(embed(bids), feats, pos, mask)
+        n = anchors.shape[1]
+        pred = (hid.reshape(e, n, block_size, -1)[:, :, 1:] @ lm_head_w.t()).argmax(-1)
+        lab_pos = anchors.unsqueeze(-1) + torch.arange(1, block_size, device=ids.device)
+        labels = torch.gather(ids, 1, lab_pos.reshape(e, -1)).reshape(e, n, block_size - 1)
+        acc = (pred == labels).long().cumprod(-1).sum(-1).cpu()  # accepted drafted tokens per anchor
+    drafter.train(was_training)
+    walk = []
+    for i in range(e):
+        a = first
+        while a <= last:
+            t_i = int(acc[i, a - first]) + 1
+            walk.append(t_i)
+            a += t_i
+    return {
+        "tau": float(sum(walk) / max(1, len(walk))),
+        "tau_all_anchors": float((acc.float() + 1).mean()),
+        "eval_blocks": len(walk),
+        "eval_sequences": e,
+    }
+
+
+def _make_mask(anchors, seq_len, block_size, attn, device):
+    from trainers.dflash_loss import build_attention_mask
+
+    if attn != "flex":
+        return build_attention_mask(anchors, seq_len, block_size)
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    bsz, n = anchors.shape
+    q_len = n * block_size
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        blk = q_idx // block_size
+        ctx_ok = (kv_idx < seq_len) & (kv_idx < anchors[b, blk])
+        own = (kv_idx >= seq_len) & ((kv_idx - seq_len) // block_size == blk)
+        return ctx_ok | own
+
+    return create_block_mask(mask_mod, bsz, None, q_len, seq_len + q_len, device=device)
+
+
+# ------------------------------------------------------------------ the trainer
+
+
+class Trainer:
+    def __init__(self, args: argparse.Namespace, argv: list[str]) -> None:
+        self.args = args
+        self.argv = argv
+
+    # ---- setup -------------------------------------------------------
+    def setup(self) -> None:
+        import torch
+        import torch.distributed as dist
+
+        from trainers import checkpoint as ckpt
+        from trainers.telemetry import Telemetry
+
+        args = self.args
+        self.ctx = ctx = runtime.init_distributed(args.device)
+        self.tel = Telemetry(rank=ctx.rank)
+        runtime.register(ctx=ctx, telemetry=self.tel)
+        self.tel.start_heartbeat()
+        self.device = ctx.device
+        if args.dtype == "auto":
+            self.dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
+        else:
+            self.dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+        if args.attn == "flex" and self.device.type != "cuda":
+            raise runtime.ExitWith(2, "--attn flex needs CUDA; use --attn sdpa on CPU")
+
+        # roles
+        world = ctx.world_size
+        if args.topology == "colocated":
+            self.target_ranks = list(range(world))
+            self.drafter_ranks = list(range(world))
+            self.role = ROLE_COLOCATED
+        else:
+            self.target_ranks = parse_rank_list(args.target_ranks)
+            self.drafter_ranks = parse_rank_list(args.drafter_ranks)
+            if (set(self.target_ranks) & set(self.drafter_ranks)
+                    or sorted(self.target_ranks + self.drafter_ranks) != list(range(world))):
+                raise runtime.ExitWith(
+                    2, f"split: --target-ranks {self.target_ranks} and --drafter-ranks "
+                       f"{self.drafter_ranks} must be disjoint and cover ranks 0..{world - 1}")
+            if not ctx.distributed:
+                raise runtime.ExitWith(2, "--topology split needs torchrun (several processes)")
+            self.role = ROLE_TARGET if ctx.rank in self.target_ranks else ROLE_DRAFTER
+        self.is_target = self.role in (ROLE_COLOCATED, ROLE_TARGET)
+        self.is_drafter = self.role in (ROLE_COLOCATED, ROLE_DRAFTER)
+        self.drafter_group = None
+        if ctx.distributed:
+            if args.topology == "split":
+                self.drafter_group = dist.new_group(ranks=self.drafter_ranks)
+            else:
+                self.drafter_group = dist.group.WORLD
+        self.d_index = self.drafter_ranks.index(ctx.rank) if self.is_drafter else None
+        self.t_index = self.target_ranks.index(ctx.rank) if self.is_target else None
+        self.lead_drafter = self.drafter_ranks[0]
+
+        # start plan (read-only; every rank agrees)
+        try:
+            self.plan = ckpt.resolve_start(args.out, args.fresh, args.resume, args.new_run_dir)
+        except ckpt.StartError as exc:
+            raise runtime.ExitWith(2, str(exc)) from None
+        if self.plan.archive_existing and ctx.rank == 0:
+            ckpt.archive_checkpoints(args.out)
+        runtime.barrier(ctx)
+        runtime.seed_all(args.seed)
+
+        self._setup_data()
+        self._setup_models()
+        self._setup_optim()
+
+    def _setup_data(self) -> None:
+        from trainers.data import PackedDataset, ShardedBatches, load_tokenizer, load_tokens, split_tokens
+
+        args = self.args
+        tok_spec = args.tokenizer
+        if tok_spec is None and args.target and _has_tokenizer(args.target):
+            tok_spec = args.target
+        self.tokenizer = load_tokenizer(tok_spec)
+        src = load_tokens(args.data, self.tokenizer, dtype=args.data_dtype, max_bytes=args.corpus_bytes)
+        train, val = split_tokens(src.tokens, args.val_fraction)
+        self.data_desc = src.description
+        self.train_ds = PackedDataset(train, args.seq_len)
+        self.val_tokens = val
+        self.loader = None
+        if self.is_target:
+            n_t = len(self.target_ranks)
+            self.loader = ShardedBatches(self.train_ds, args.batch_size, self.t_index, n_t, seed=args.seed)
+
+    def _setup_models(self) -> None:
+        import torch
+
+        from trainers.dflash_model import DFlashDraftModel, drafter_config_from_target
+        from trainers.flops import count_params
+
+        args = self.args
+        # every rank loads the target: target ranks run it, drafter ranks keep its embedding/lm_head
+        where = self.device if self.is_target else torch.device("cpu")
+        target = load_target(args, where, self.dtype)
+        self.target_config = target.config
+        self.target_params_total = count_params(target)[0]
+        mask_id = args.mask_token_id
+        if mask_id is None:
+            mask_id = default_mask_token_id(self.tokenizer, target.config)
+        self.mask_token_id = int(mask_id)
+        if args.init_from:
+            self.dcfg = DFlashDraftModel.config_class.from_pretrained(args.init_from)
+        else:
+            self.dcfg = drafter_config_from_target(target.config, args.drafter_layers, args.block_size,
+                                                   self.mask_token_id)
+        self.block_size = int(self.dcfg.block_size)
+        self.layer_ids = list(self.dcfg.dflash_config["target_layer_ids"])
+        self.mask_token_id = int(self.dcfg.dflash_config["mask_token_id"])
+        args._layer_ids = self.layer_ids
+        self.n_ctx = len(self.layer_ids)
+        self.hidden = int(self.dcfg.hidden_size)
+        self.vocab = int(target.config.vocab_size)
+        self.target_fpt = target_flops_per_token(target, args.seq_len)
+
+        # eval set: computed once by a target rank (colocated: every rank; split: the first
+        # target rank, sent to the drafters) — the target is frozen, so it never changes
+        self.eval_ids = self.eval_feats = None
+        if not args.no_eval:
+            self._setup_eval(target)
+
+        if self.is_drafter:
+            self.embed = target.get_input_embeddings().to(self.device)
+            self.lm_head = target.get_output_embeddings().to(self.device)
+        self.target = target if self.is_target else None
+        if not self.is_target:
+            del target
+
+        self.drafter = None
+        if self.is_drafter:
+            torch.manual_seed(args.seed)
+            if args.init_from:
+                drafter = DFlashDraftModel.from_pretrained(args.init_from, dtype=torch.float32)
+            else:
+                drafter = DFlashDraftModel(self.dcfg)
+            drafter.to(self.device)
+            drafter.train()
+            self.n_layer_params = sum(p.numel() for p in drafter.layers.parameters())
+            self.n_fc = drafter.fc.weight.numel()
+            self.drafter_params = count_params(drafter)[1]
+            if args.activation_checkpointing:
+                drafter.gradient_checkpointing = True
+            if args.compile:
+                for layer in drafter.layers:
+                    layer.compile()
+            if self.ctx.distributed:
+                self._shard(drafter)
+            self.drafter = drafter
+        # the anchor RNG (global CPU RNG) differs per rank; restored exactly by checkpoints
+        torch.manual_seed(args.seed * 1000003 + self.ctx.rank + 1)
+
+    def _shard(self, drafter) -> None:
+        import torch
+        from torch.distributed.device_mesh import DeviceMesh
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        mesh = DeviceMesh.from_group(self.drafter_group, self.device.type)
+        kw: dict[str, Any] = {"mesh": mesh}
+        if self.dtype == torch.bfloat16:
+            kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        for layer in drafter.layers:
+            fully_shard(layer, **kw)
+        fully_shard(drafter, **kw)
+
+    def _setup_eval(self, target) -> None:
+        import torch
+        import torch.distributed as dist
+
+        args = self.args
+        e_len = args.eval_prompt_len + args.eval_gen_len
+        if self.is_target and (self.role == ROLE_COLOCATED or self.ctx.rank == self.target_ranks[0]):
+            ids, feats = build_eval_set(target, self.val_tokens, args, self.device)
+        else:
+            ids = feats = None
+        if self.role != ROLE_COLOCATED:
+            src = self.target_ranks[0]
+            if self.ctx.rank == src:
+                shape = torch.tensor(list(feats.shape), dtype=torch.long)
+                for d in self.drafter_ranks:
+                    dist.send(shape.to(self._comm_device()), d)
+                    dist.send(ids.to(self._comm_device()).contiguous(), d)
+                    dist.send(feats.to(self._comm_device()).contiguous(), d)
+            elif self.is_drafter:
+                shape = torch.zeros(3, dtype=torch.long, device=self._comm_device())
+                dist.recv(shape, src)
+                e, t, c = (int(x) for x in shape.tolist())
+                assert t == e_len, (t, e_len)
+                ids = torch.empty((e, t), dtype=torch.long, device=self._comm_device())
+                feats = torch.empty((e, t, c), dtype=self.dtype, device=self._comm_device())
+                dist.recv(ids, src)
+                dist.recv(feats, src)
+        if self.is_drafter:
+            self.eval_ids, self.eval_feats = ids.to(self.device), feats.to(self.device)
+
+    def _comm_device(self):
+        import torch
+
+        return self.device if self.ctx.backend == "nccl" else torch.device("cpu")
+
+    def _setup_optim(self) -> None:
+        import torch
+
+        args = self.args
+        self.optimizer = self.scheduler = None
+        if not self.is_drafter:
+            return
+        params = [p for p in self.drafter.parameters() if p.requires_grad]
+        kw: dict[str, Any] = {"lr": args.lr, "weight_decay": args.weight_decay, "betas": (0.9, 0.95)}
+        if self.device.type == "cuda":
+            kw["fused"] = True
+        self.optimizer = torch.optim.AdamW(params, **kw)
+        warm = args.warmup_steps if args.warmup_steps is not None else max(1, int(0.04 * args.max_steps))
+        total, floor = args.max_steps, args.min_lr_ratio
+
+        def lr_lambda(step: int) -> float:
+            if step < warm:
+                return (step + 1) / warm
+            frac = min(1.0, (step - warm) / max(1, total - warm))
+            return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * frac))
+
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda)
+
+    # ---- manifest ----------------------------------------------------
+    def manifest(self) -> None:
+        from trainers.runtime import config_hash, device_info
+
+        args = self.args
+        info = device_info(self.device)
+        if self.role == ROLE_TARGET:
+            total, trainable = self.target_params_total, 0
+        else:
+            total, trainable = self.target_params_total + self.drafter_params, self.drafter_params
+        self.tel.manifest(
+            kind="dflash",
+            role=self.role,
+            topology=args.topology,
+            params_total=total,
+            params_trainable=trainable,
+            drafter_params_trainable=(self.drafter_params if self.is_drafter else None),
+            target_params_frozen=self.target_params_total,
+            target=args.target or f"random weights from {args.target_config}",
+            config_hash=config_hash(self.dcfg.to_dict()),
+            world_size=self.ctx.world_size,
+            target_ranks=self.target_ranks,
+            drafter_ranks=self.drafter_ranks,
+            device=info["device"] if info["device"] != "cpu" else "cpu",
+            gpu_uuid=info["gpu_uuid"],
+            gpu_name=info["gpu_name"],
+            dataset_samples=len(self.train_ds),
+            dataset_tokens=self.train_ds.num_tokens,
+            dataset=self.data_desc,
+            loss_mask="all ones (plain text)",
+            block_size=self.block_size,
+            num_anchors=args.num_anchors,
+            target_layer_ids=self.layer_ids,
+            mask_token_id=self.mask_token_id,
+            batch_size=args.batch_size,
+            seq_len=args.seq_len,
+            argv=self.argv,
+            start=self.plan.describe(),
+            pid=os.getpid(),
+        )
+
+    # ---- data flow ---------------------------------------------------
+    def _batch_owner(self, g: int) -> tuple[int, int]:
+        """(target index producing global batch g, drafter index consuming it)."""
+        return g % len(self.target_ranks), g % len(self.drafter_ranks)
+
+    def _global_batches(self, step: int) -> range:
+        """Global batch indices of optimizer step ``step`` (1-based)."""
+        per = self.args.grad_accum * len(self.drafter_ranks)
+        return range((step - 1) * per, step * per)
+
+    def _next_local_batch(self):
+        import torch
+
+        b = self.loader.next_batch()[:, : self.args.seq_len]
+        ids = b.to(self.device)
+        lm = torch.ones_like(ids)
+        return ids, lm
+
+    def _fast_forward(self, start_step: int) -> None:
+        """Split: advance this target rank's stream past the batches it produced before start_step."""
+        per = self.args.grad_accum * len(self.drafter_ranks)
+        n_t = len(self.target_ranks)
+        produced = sum(1 for g in range(start_step * per) if g % n_t == self.t_index)
+        for _ in range(produced):
+            self.loader.next_indices()
+
+    # ---- checkpoints -------------------------------------------------
+    def _extra(self, step: int) -> dict[str, Any]:
+        import torch.distributed as dist
+
+        sched = self.scheduler.state_dict() if self.scheduler is not None else None
+        data = self.loader.state_dict() if self.loader is not None else None
+        extra: dict[str, Any] = {"step": step, "topology": self.args.topology,
+                                 "target_layer_ids": self.layer_ids, "block_size": self.block_size}
+        if self.args.topology == "split":
+            objs = [sched]
+            dist.broadcast_object_list(objs, src=self.lead_drafter)
+            sched = objs[0]
+            gathered: list[Any] = [None] * self.ctx.world_size
+            dist.all_gather_object(gathered, data)
+            extra["data_positions"] = {str(r): gathered[r] for r in self.target_ranks}
+        else:
+            extra["data"] = data
+        extra["scheduler"] = sched
+        return extra
+
+    def save(self, step: int) -> None:
+        from trainers import checkpoint as ckpt
+
+        extra = self._extra(step)
+        model = self.drafter if self.drafter is not None else _placeholder()
+        path, secs = ckpt.save_checkpoint(self.args.out, step, model, self.optimizer, extra,
+                                          keep=self.args.keep, rank=self.ctx.rank,
+                                          barrier=lambda: runtime.barrier(self.ctx))
+        self.tel.emit("checkpoint", step=step, path=str(path), seconds=round(secs, 3))
+
+    def load(self, step: int) -> int:
+        from trainers import checkpoint as ckpt
+
+        model = self.drafter if self.drafter is not None else _placeholder()
+        extra = ckpt.load_checkpoint(self.args.out, step, model, self.optimizer, rank=self.ctx.rank)
+        if int(extra["step"]) != step:
+            raise RuntimeError(f"checkpoint step_{step} says step {extra['step']}")
+        if extra.get("target_layer_ids") not in (None, self.layer_ids):
+            raise RuntimeError("checkpoint was made with other target layers "
+                               f"{extra['target_layer_ids']} (now {self.layer_ids})")
+        if self.scheduler is not None and extra.get("scheduler"):
+            self.scheduler.load_state_dict(extra["scheduler"])
+        if self.loader is not None:
+            if self.args.topology == "split":
+                self._fast_forward(step)
+            elif extra.get("data"):
+                self.loader.load_state_dict(extra["data"])
+        return step
+
+    # ---- one drafter micro-step -------------------------------------
+    def drafter_forward_backward(self, ids, lm, feats, scale: float):
+        import torch
+
+        from trainers.dflash_loss import block_inputs, dflash_loss, labels_and_weights, sample_anchors
+
+        args = self.args
+        bsz, seq = ids.shape
+        anchors, keep = sample_anchors(lm, args.num_anchors)
+        anchors, keep = anchors.to(self.device), keep.to(self.device)
+        bids, bpos = block_inputs(ids, anchors, self.block_size, self.mask_token_id)
+        with torch.no_grad():
+            noise = self.embed(bids)
+        pos = torch.cat([torch.arange(seq, device=self.device).unsqueeze(0).expand(bsz, -1), bpos], 1)
+        mask = _make_mask(anchors, seq, self.block_size, args.attn, self.device)
+        hid = self.drafter(noise, feats, pos, mask)
+        labels, weights = labels_and_weights(ids, lm, anchors, keep, self.block_size, args.gamma)
+        loss, wsum = dflash_loss(hid, self.lm_head.weight, labels, weights,
+                                 chunk_rows=args.loss_chunk_rows, mode=args.loss_mode)
+        (loss * scale).backward()
+        n_rows = int((weights > 0).sum().item())
+        flops = drafter_step_flops(self.dcfg, self.n_layer_params, self.n_fc, seq, anchors, n_rows,
+                                   self.vocab)
+        return loss.detach(), flops
+
+    # ---- loops -------------------------------------------------------
+    def run(self) -> int:
+        import torch
+
+        args = self.args
+        self.setup()
+        start = 0
+        if not self.plan.fresh:
+            start = self.load(self.plan.step)
+        self.manifest()
+        self.peak, self.peak_reason = self._peak()
+        self.t0 = time.perf_counter()
+        self.last_eval: dict[str, Any] | None = None
+        self.first_eval: dict[str, Any] | None = None
+        if self.is_drafter and not args.no_eval:
+            self.eval(start)
+        if self.role == ROLE_TARGET:
+            self.target_loop(start)
+        else:
+            self.drafter_loop(start)
+        final = args.max_steps
+        if self.is_drafter and not args.no_eval and (self.last_eval is None or self.last_eval["step"] != final):
+            self.eval(final)
+        files = self.export(final)
+        runtime.barrier(self.ctx)
+        self.tel.emit("done", final_step=final, result_files=files, wall_s=round(time.perf_counter() - self.t0, 3))
+        self.tel.close()
+        runtime.finish_ok(self.ctx)
+        del torch
+        return 0
+
+    def _peak(self):
+        from trainers.flops import peak_flops
+
+        return peak_flops(self.device, "bf16" if "bfloat16" in str(self.dtype) else "fp32")
+
+    def _mem(self) -> dict[str, Any]:
+        import torch
+
+        if self.device.type != "cuda":
+            return {"mem_allocated_gib": None, "mem_peak_gib": None}
+        return {"mem_allocated_gib": round(torch.cuda.memory_allocated(self.device) / 2**30, 3),
+                "mem_peak_gib": round(torch.cuda.max_memory_allocated(self.device) / 2**30, 3)}
+
+    def _sync(self) -> None:
+        import torch
+
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def _ckpt_due(self, step: int) -> bool:
+        every = self.args.checkpoint_every
+        return step == self.args.max_steps or (every > 0 and step % every == 0)
+
+    def drafter_loop(self, start: int) -> None:
+        import torch
+        import torch.distributed as dist
+
+        from trainers.flops import mfu
+
+        args = self.args
+        split = self.role == ROLE_DRAFTER
+        inbox: deque = deque()
+        n_d = len(self.drafter_ranks)
+
+        def my_batches(step_from: int, step_to: int):
+            for s in range(step_from, step_to + 1):
+                for g in self._global_batches(s):
+                    t_i, d_i = self._batch_owner(g)
+                    if d_i == self.d_index:
+                        yield s, g, self.target_ranks[t_i]
+
+        def post(s, g, src):
+            cdev = self._comm_device()
+            meta = torch.empty((2, args.batch_size, args.seq_len), dtype=torch.long, device=cdev)
+            feats = torch.empty((args.batch_size, args.seq_len, self.n_ctx * self.hidden), dtype=self.dtype,
+                                device=cdev)
+            w1 = dist.irecv(meta, src, tag=2 * g)
+            w2 = dist.irecv(feats, src, tag=2 * g + 1)
+            inbox.append((s, g, meta, feats, w1, w2))
+
+        pending_iter = None
+        for step in range(start + 1, args.max_steps + 1):
+            runtime.maybe_fail_for_test(step, self.ctx.rank)
+            if split and pending_iter is None:
+                # post receives up to the next checkpoint boundary only
+                stop = step
+                while not self._ckpt_due(stop):
+                    stop += 1
+                pending_iter = my_batches(step, stop)
+            self._sync()
+            t_step = time.perf_counter()
+            losses, flops, ctx_tokens = [], 0.0, 0
+            queue_depth = None
+            t_fwd = 0.0
+            for micro in range(args.grad_accum):
+                if split:
+                    while len(inbox) < args.queue_depth:
+                        nxt = next(pending_iter, None)
+                        if nxt is None:
+                            break
+                        post(*nxt)
+                    queue_depth = sum(1 for it in inbox if it[4].is_completed() and it[5].is_completed())
+                    s, g, meta, feats, w1, w2 = inbox.popleft()
+                    assert s == step, (s, step)
+                    w1.wait()
+                    w2.wait()
+                    ids, lm = meta[0].to(self.device), meta[1].to(self.device)
+                    feats = feats.to(self.device)
+                else:
+                    ids, lm = self._next_local_batch()
+                    tf = time.perf_counter()
+                    with torch.no_grad():
+                        feats = target_features(self.target, ids, self.layer_ids)
+                    t_fwd += time.perf_counter() - tf
+                    flops += self.target_fpt * ids.numel()
+                ctx_tokens += ids.numel()
+                sync = micro == args.grad_accum - 1
+                if self.ctx.distributed and hasattr(self.drafter, "set_requires_gradient_sync"):
+                    self.drafter.set_requires_gradient_sync(sync)
+                loss, fl = self.drafter_forward_backward(ids, lm, feats, 1.0 / args.grad_accum)
+                losses.append(loss)
+                flops += fl
+            gnorm = torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), args.grad_clip)
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            lr = self.scheduler.get_last_lr()[0]
+            self.scheduler.step()
+            loss_local = torch.stack(losses).float().mean()
+            loss_val = runtime.all_reduce_mean(self.ctx, loss_local) if not split else \
+                self._drafter_mean(loss_local)
+            self._sync()
+            dt = time.perf_counter() - t_step
+            if split and self._ckpt_due(step):
+                # everything up to the checkpoint boundary is consumed; re-plan after it
+                assert not inbox
+                pending_iter = None
+            n_rank_tokens = ctx_tokens
+            world_tokens = n_rank_tokens * (n_d if split else self.ctx.world_size)
+            rec = dict(
+                loss=round(loss_val, 6), lr=lr, grad_norm=float(gnorm.full_tensor() if hasattr(gnorm, "full_tensor") else gnorm),
+                tokens_per_s=round(world_tokens / dt, 2), tokens_per_s_rank=round(n_rank_tokens / dt, 2),
+                step_s=round(dt, 4), target_forward_s=(round(t_fwd, 4) if not split else None),
+                flops_per_token=round(flops / max(1, n_rank_tokens), 1), step_flops=flops,
+                mfu=mfu(n_rank_tokens / dt, flops / max(1, n_rank_tokens), self.peak),
+                peak_flops=self.peak, role=self.role, **self._mem(),
+            )
+            if split:
+                rec["queue_depth"] = queue_depth
+            if step % args.log_every == 0 or step == args.max_steps:
+                self.tel.step(step, **rec)
+                if self.ctx.rank == self.lead_drafter:
+                    m = f"{rec['mfu'] * 100:.1f}%" if rec["mfu"] is not None else "n/a"
+                    print(f"[dflash] step {step} loss {loss_val:.4f} tok/s {rec['tokens_per_s']:.0f} "
+                          f"mfu {m} step {dt * 1000:.0f} ms", flush=True)
+            if step == start + 1 and self.device.type == "cuda":
+                runtime.set_collective_timeout(self.ctx, 120)
+            if self._eval_due(step) and not args.no_eval and step != args.max_steps:
+                self.eval(step)
+            if self._ckpt_due(step):
+                self.save(step)
+
+    def _eval_due(self, step: int) -> bool:
+        every = self.args.eval_every
+        return not self.args.no_eval and every > 0 and step % every == 0
+
+    def _drafter_mean(self, value) -> float:
+        import torch.distributed as dist
+
+        t = value.detach().float().reshape(1).to(self._comm_device())
+        dist.all_reduce(t, group=self.drafter_group)
+        return float(t.item()) / len(self.drafter_ranks)
+
+    def target_loop(self, start: int) -> None:
+        import torch
+        import torch.distributed as dist
+
+        from trainers.flops import mfu
+
+        args = self.args
+        pending: deque = deque()
+        cdev = self._comm_device()
+
+        def drain():
+            while pending:
+                for w in pending.popleft()[:2]:
+                    w.wait()
+
+        for step in range(start + 1, args.max_steps + 1):
+            runtime.maybe_fail_for_test(step, self.ctx.rank)
+            self._sync()
+            t_step = time.perf_counter()
+            tokens, waited = 0, 0.0
+            for g in self._global_batches(step):
+                t_i, d_i = self._batch_owner(g)
+                if t_i != self.t_index:
+                    continue
+                ids, lm = self._next_local_batch()
+                with torch.inference_mode():
+                    feats = target_features(self.target, ids, self.layer_ids).to(self.dtype)
+                meta = torch.stack([ids, lm]).to(cdev).contiguous()
+                feats = feats.to(cdev).contiguous()
+                tw = time.perf_counter()
+                while len(pending) >= args.queue_depth:
+                    for w in pending.popleft()[:2]:
+                        w.wait()
+                waited += time.perf_counter() - tw
+                dst = self.drafter_ranks[d_i]
+                w1 = dist.isend(meta, dst, tag=2 * g)
+                w2 = dist.isend(feats, dst, tag=2 * g + 1)
+                pending.append((w1, w2, meta, feats))
+                tokens += ids.numel()
+            if self._ckpt_due(step):
+                drain()
+            self._sync()
+            dt = time.perf_counter() - t_step
+            fpt = self.target_fpt
+            if step % args.log_every == 0 or step == args.max_steps:
+                self.tel.step(step, loss=None, role=self.role, tokens_per_s=round(tokens / dt, 2),
+                              step_s=round(dt, 4), send_wait_s=round(waited, 4),
+                              flops_per_token=fpt, mfu=(mfu(tokens / dt, fpt, self.peak) if tokens else 0.0),
+                              peak_flops=self.peak, queue_depth=len(pending), **self._mem())
+            if self._ckpt_due(step):
+                self.save(step)
+        drain()
+
+    def eval(self, step: int) -> None:
+        res = evaluate_tau(self.drafter, self.embed, self.lm_head.weight, self.eval_ids, self.eval_feats,
+                           self.args.eval_prompt_len, self.block_size, self.mask_token_id, self.args.attn)
+        res["step"] = step
+        if self.first_eval is None:
+            self.first_eval = res
+        self.last_eval = res
+        if self.ctx.rank == self.lead_drafter:
+            self.tel.emit("eval", **res)
+            print(f"[dflash] eval step {step} tau {res['tau']:.3f} "
+                  f"(all anchors {res['tau_all_anchors']:.3f}, {res['eval_blocks']} blocks)", flush=True)
+
+    def export(self, step: int) -> list[str]:
+        """Save the drafter (full weights, save_pretrained) to OUT/drafter and OUT/result.json."""
+        import torch
+        import torch.distributed as dist
+
+        from trainers.dflash_model import DFlashDraftModel
+
+        out = Path(self.args.out)
+        files: list[str] = []
+        if self.is_drafter:
+            # gather the FSDP2 shards over the drafter group (every drafter rank, same order)
+            sd = {}
+            for k, v in self.drafter.state_dict().items():
+                full = v.full_tensor() if hasattr(v, "full_tensor") else v
+                sd[k] = full.detach().float().cpu()
+            if self.ctx.rank == self.lead_drafter:
+                plain = DFlashDraftModel(self.dcfg)
+                plain.load_state_dict(sd)
+                ddir = out / "drafter"
+                if ddir.exists():
+                    shutil.rmtree(ddir)
+                plain.save_pretrained(str(ddir))
+                shutil.copy(Path(__file__).with_name("dflash_model.py"), ddir / "dflash.py")
+                meta = {"target": self.args.target or self.args.target_config, "step": step,
+                        "block_size": self.block_size, "target_layer_ids": self.layer_ids,
+                        "mask_token_id": self.mask_token_id, "num_target_layers": self.dcfg.num_target_layers}
+                (ddir / "dflash_train.json").write_text(json.dumps(meta, indent=2) + "\n")
+                result = {"final_step": step, "drafter_dir": str(ddir), "eval_first": self.first_eval,
+                          "eval_last": self.last_eval, "topology": self.args.topology,
+                          "world_size": self.ctx.world_size}
+                (out / "result.json").write_text(json.dumps(result, indent=2) + "\n")
+                files = [str(ddir), str(out / "result.json")]
+        if self.ctx.distributed:
+            objs = [files]
+            dist.broadcast_object_list(objs, src=self.lead_drafter)
+            files = objs[0]
+        del torch
+        return files
+
+
+def _placeholder():
+    """What a split target rank contributes to the (collective) checkpoint: one tiny buffer.
+
+    Adapter: trainers.checkpoint saves model state through get_model_state_dict, which refuses an
+    empty module; target ranks hold no trainable state, but every rank must join the DCP collective.
+    """
+    import torch
+    from torch import nn
+
+    m = nn.Module()
+    m.register_buffer("split_target_placeholder", torch.zeros(1))
+    return m
+
+
+def _has_tokenizer(path: str) -> bool:
+    p = Path(path)
+    return any((p / f).is_file() for f in ("gpudeck_byte_tokenizer.json", "tokenizer.json",
+                                            "tokenizer_config.json", "tokenizer.model"))
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    check_args(parser, args)
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    return Trainer(args, [sys.executable, "-m", "trainers.dflash", *argv]).run()
+
+
+if __name__ == "__main__":
+    runtime.run_main(main)
