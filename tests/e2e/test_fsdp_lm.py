@@ -1,0 +1,258 @@
+"""End-to-end tests of ``python -m trainers.fsdp_lm`` on CPU: real torch, torchrun, gloo.
+
+Every process a test starts is recorded (torchrun's pid and, from telemetry, each
+worker's pid) and stopped by pid in teardown — workers live in their own
+sessions, so a process-group kill would miss them. Before killing a worker pid
+the teardown checks that its environment carries this test's GPUDECK_RUN_ID, so
+a reused pid is never hit.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[2]
+COMMON = ["--model-config", "tiny", "--seq-len", "64", "--batch-size", "4",
+          "--corpus-bytes", str(1024 * 1024), "--lr", "1e-3", "--warmup-steps", "2"]
+
+
+class Runs:
+    """Starts trainer processes and remembers them for teardown."""
+
+    def __init__(self) -> None:
+        self.procs: list[tuple[subprocess.Popen, str]] = []
+        self.telemetry: list[tuple[Path, str]] = []
+
+    def start(self, args: list[str], out: Path, nproc: int | None = 2,
+              env: dict[str, str] | None = None) -> tuple[subprocess.Popen, Path]:
+        run_id = f"test-{uuid.uuid4().hex[:10]}"
+        tel = out.parent / f"{out.name}-{run_id}.jsonl"
+        e = dict(os.environ)
+        e.update({"GPUDECK_RUN_ID": run_id, "GPUDECK_TELEMETRY": str(tel),
+                  "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"})
+        e.pop("GPUDECK_TEST_FAIL_AT_STEP", None)
+        e.update(env or {})
+        if nproc is None:
+            cmd = [sys.executable, "-m", "trainers.fsdp_lm", *args, "--out", str(out)]
+        else:
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                   "--nproc-per-node", str(nproc), "-m", "trainers.fsdp_lm", *args,
+                   "--out", str(out)]
+        p = subprocess.Popen(cmd, cwd=ROOT, env=e, stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        self.procs.append((p, run_id))
+        self.telemetry.append((tel, run_id))
+        return p, tel
+
+    def run(self, args: list[str], out: Path, nproc: int | None = 2,
+            env: dict[str, str] | None = None, timeout: float = 120.0):
+        p, tel = self.start(args, out, nproc, env)
+        t0 = time.monotonic()
+        try:
+            output, _ = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            output, _ = p.communicate()
+            pytest.fail(f"trainer did not finish in {timeout}s:\n{output[-4000:]}")
+        return p.returncode, output, read_telemetry(tel), time.monotonic() - t0
+
+    def worker_pids(self) -> list[tuple[int, str]]:
+        pids = []
+        for tel, run_id in self.telemetry:
+            for r in read_telemetry(tel):
+                if "pid" in r:
+                    pids.append((int(r["pid"]), run_id))
+        return sorted(set(pids))
+
+    def teardown(self) -> None:
+        for p, _ in self.procs:
+            if p.poll() is None:
+                p.terminate()
+                try:
+                    p.wait(timeout=5)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    p.wait(timeout=5)
+        for pid, run_id in self.worker_pids():
+            if _pid_has_tag(pid, run_id):
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+
+
+def _pid_has_tag(pid: int, run_id: str) -> bool:
+    try:
+        env = Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:
+        return False
+    return f"GPUDECK_RUN_ID={run_id}".encode() in env.split(b"\0")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def read_telemetry(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def step_losses(records: list[dict], rank: int = 0) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in records if r["type"] == "step" and r["rank"] == rank}
+
+
+@pytest.fixture(scope="module")
+def runs():
+    r = Runs()
+    yield r
+    r.teardown()
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory, runs):
+    """Reference: 2 ranks trained straight to step 8, checkpoints at 4 and 8."""
+    out = tmp_path_factory.mktemp("fsdp") / "straight"
+    rc, output, tel, _ = runs.run([*COMMON, "--max-steps", "8", "--checkpoint-every", "4",
+                                   "--fresh"], out)
+    assert rc == 0, output[-4000:]
+    return out, tel, output
+
+
+def test_straight_run_writes_telemetry_checkpoints_and_result(straight) -> None:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from trainers.checkpoint import list_checkpoints
+    from trainers.fsdp_lm import PRESETS
+
+    out, tel, _ = straight
+    assert list_checkpoints(out) == [4, 8]
+    manifests = [r for r in tel if r["type"] == "manifest"]
+    assert sorted(m["rank"] for m in manifests) == [0, 1]
+    kw = dict(PRESETS["tiny"])
+    cfg = AutoConfig.for_model(kw.pop("model_type"), **kw)
+    with torch.device("meta"):
+        n = sum(p.numel() for p in AutoModelForCausalLM.from_config(cfg).parameters())
+    for m in manifests:
+        assert m["params_total"] == n == m["params_trainable"]
+        assert m["world_size"] == 2 and m["device"] == "cpu" and m["start"] == "fresh"
+        assert m["dataset_samples"] > 10_000 and m["dataset_tokens"] >= 1024 * 1024
+        assert m["dataset_sample_tokens"] == m["dataset_samples"] * 64
+        assert m["kind"] == "fsdp" and "--fresh" in m["argv"]
+    losses0, losses1 = step_losses(tel, 0), step_losses(tel, 1)
+    assert sorted(losses0) == list(range(1, 9)) and losses0 == losses1
+    assert losses0[8] < losses0[1] - 0.5, losses0  # it learns
+    steps = [r for r in tel if r["type"] == "step"]
+    assert all(r["tokens_per_s"] > 0 and r["mfu"] is None and r["flops_per_token"] > 0 for r in steps)
+    assert {r["step"] for r in tel if r["type"] == "checkpoint" and r["rank"] == 0} == {4, 8}
+    assert any(r["type"] == "heartbeat" for r in tel)
+    assert {r["rank"] for r in tel if r["type"] == "done"} == {0, 1}
+    result = json.loads((out / "result.json").read_text())
+    assert result["final_step"] == 8 and result["world_size"] == 2
+    assert result["params_total"] == n
+    assert {int(k): v for k, v in result["losses"].items()} == losses0
+
+
+def test_export_loads_with_from_pretrained(straight) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from trainers.data import ByteTokenizer, load_tokenizer
+
+    out, tel, _ = straight
+    model = AutoModelForCausalLM.from_pretrained(out / "final")
+    manifest = next(r for r in tel if r["type"] == "manifest")
+    assert sum(p.numel() for p in model.parameters()) == manifest["params_total"]
+    tok = load_tokenizer(out / "final")
+    assert isinstance(tok, ByteTokenizer)
+    ids = torch.tensor([tok.encode("def main():\n    return 0\n")])
+    with torch.no_grad():
+        loss = model(input_ids=ids, labels=ids).loss
+    # trained for 8 steps on Python source: better than uniform over the vocab
+    assert float(loss) < 5.5
+
+
+def test_failing_rank_stops_all_ranks_then_resume_matches_straight(straight, runs, tmp_path) -> None:
+    ref = step_losses(straight[1])
+    out = tmp_path / "crash"
+    args = [*COMMON, "--max-steps", "8", "--checkpoint-every", "4"]
+    rc, output, tel, seconds = runs.run([*args, "--fresh"], out,
+                                        env={"GPUDECK_TEST_FAIL_AT_STEP": "6:1"}, timeout=90)
+    assert rc != 0
+    assert "injected failure at step 6 on rank 1" in output
+    assert seconds < 60
+    errors = [r for r in tel if r["type"] == "error"]
+    assert 1 in {r["rank"] for r in errors}
+    pids = [r["pid"] for r in tel if r["type"] == "manifest"]
+    assert len(pids) == 2
+    deadline = time.monotonic() + 10
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not any(_alive(p) for p in pids), "a rank lingered after the failure"
+    crashed = step_losses(tel)
+    assert crashed == {k: ref[k] for k in range(1, 6)}
+
+    rc, output, tel2, _ = runs.run([*args, "--resume", "latest"], out)
+    assert rc == 0, output[-4000:]
+    assert {r["start"] for r in tel2 if r["type"] == "manifest"} == {"resume 4"}
+    resumed = step_losses(tel2)
+    assert sorted(resumed) == [5, 6, 7, 8]
+    for k in resumed:
+        assert resumed[k] == pytest.approx(ref[k], abs=1e-6), (k, resumed[k], ref[k])
+
+
+def test_fresh_refuses_folder_with_checkpoints(straight, runs) -> None:
+    out = straight[0]
+    rc, output, _, _ = runs.run([*COMMON, "--max-steps", "2", "--fresh"], out, nproc=None)
+    assert rc == 2
+    assert "--fresh refuses" in output and "step_4" in output and "step_8" in output
+    rc, output, _, _ = runs.run([*COMMON, "--max-steps", "2", "--fresh"], out, nproc=2)
+    assert rc != 0 and "--fresh refuses" in output
+
+
+def test_resume_missing_step_lists_existing(straight, runs) -> None:
+    rc, output, _, _ = runs.run([*COMMON, "--max-steps", "8", "--resume", "5"], straight[0],
+                                nproc=None)
+    assert rc == 2
+    assert "step_5" in output and "step_4, step_8" in output
+
+
+def test_missing_start_is_an_error(runs, tmp_path) -> None:
+    rc, output, _, _ = runs.run([*COMMON, "--max-steps", "2"], tmp_path / "x", nproc=None)
+    assert rc == 2
+    assert "pick how to start" in output and "--fresh" in output and "--resume" in output
+    assert not (tmp_path / "x").exists()
+
+
+def test_new_run_dir_archives_old_checkpoints(straight, runs, tmp_path) -> None:
+    out = tmp_path / "again"
+    shutil.copytree(straight[0] / "checkpoints", out / "checkpoints")
+    rc, output, tel, _ = runs.run([*COMMON, "--max-steps", "2", "--fresh", "--new-run-dir",
+                                   "--no-export"], out, nproc=None)
+    assert rc == 0, output[-4000:]
+    archived = [p for p in out.iterdir() if p.name.startswith("checkpoints.archived-")]
+    assert len(archived) == 1 and (archived[0] / "step_8").is_dir()
+    from trainers.checkpoint import list_checkpoints
+
+    assert list_checkpoints(out) == [2]
+    manifest = next(r for r in tel if r["type"] == "manifest")
+    assert manifest["world_size"] == 1 and manifest["start"] == "fresh"
