@@ -58,7 +58,7 @@ def read_entry(pid: int) -> ProcEntry | None:
                 uid = None
         try:
             env = p.environ()
-        except (psutil.AccessDenied, psutil.ZombieProcess, OSError):
+        except (psutil.Error, OSError):  # kernel threads, zombies, other users' processes
             env = {}
     except (psutil.NoSuchProcess, ProcessLookupError):
         return None

@@ -1,0 +1,34 @@
+# gpudeck: `make run` opens gpudeck on this host; `make test` runs the test suite.
+# Both create .venv when it is missing and are fast on a second call.
+
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip install -q --disable-pip-version-check
+
+.PHONY: run test bench clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+
+# the console and agent only: no torch
+$(VENV)/.run-installed: pyproject.toml | $(PY)
+	$(PIP) -e .
+	@touch $@
+
+# tests need the trainers too; constraints-dev.txt pins the CPU build of torch
+$(VENV)/.test-installed: pyproject.toml constraints-dev.txt | $(PY)
+	$(PIP) -c constraints-dev.txt -e '.[dev,train]'
+	@touch $@ $(VENV)/.run-installed
+
+run: $(VENV)/.run-installed
+	$(VENV)/bin/gpudeck
+
+test: $(VENV)/.test-installed
+	$(PY) -m pytest -q
+
+bench: $(VENV)/.test-installed
+	$(PY) bench/agent_sample.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -1,0 +1,216 @@
+"""Benchmark: the cost of one full host snapshot against what users run today, in the same run.
+
+Peers, each measured here on the same host and GPU state:
+  * ``nvidia-smi --query-gpu`` + ``--query-compute-apps`` (two execs, what scripts poll)
+  * one exec of ``gpustat --json``
+  * an in-process nvitop refresh: ``Device.all()``, ``processes()``, ``GpuProcess.take_snapshots``
+  * bare NVML + psutil calls (the floor)
+gpudeck: ``SnapshotBuilder.build()`` — every GPU, every GPU process attributed to its run.
+Then the agent's own CPU at a 1 s snapshot interval, measured from /proc over a real agent process.
+
+Usage: python bench/agent_sample.py [--hold-gib 20] [--cpu-seconds 30]
+Prints one line per figure; ratios are peer / gpudeck.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import psutil  # noqa: E402
+
+from agents.gpus import GpuSampler  # noqa: E402
+from agents.journal import Journal  # noqa: E402
+from agents.procs import ProcTable  # noqa: E402
+from agents.protocol import LaunchSpec, WatchSnapshots  # noqa: E402
+from agents.snapshot import SnapshotBuilder  # noqa: E402
+from agents.supervisor import Supervisor  # noqa: E402
+
+HOLD = (
+    "import sys, time, torch\n"
+    "x = torch.empty(int(float(sys.argv[1]) * 2**30), dtype=torch.uint8, device='cuda'); x.fill_(1)\n"
+    "torch.cuda.synchronize(); print('ready', flush=True); time.sleep(3600)\n"
+)
+
+
+def timeit(fn, n: int, warm: int = 3) -> tuple[float, float]:  # type: ignore[no-untyped-def]
+    """Mean and p99 in milliseconds."""
+    for _ in range(warm):
+        fn()
+    xs = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        fn()
+        xs.append((time.perf_counter() - t0) * 1000)
+    xs.sort()
+    return statistics.fmean(xs), xs[min(len(xs) - 1, int(len(xs) * 0.99))]
+
+
+def line(name: str, mean: float, p99: float, ours: float | None = None, n: int = 0) -> None:
+    ratio = f"  ({mean / ours:.1f}x gpudeck)" if ours else ""
+    print(f"agent_sample {name:<28} {mean:9.3f} ms mean  {p99:9.3f} ms p99  n={n}{ratio}", flush=True)
+
+
+async def main_async(args: argparse.Namespace) -> None:
+    tmp = Path(tempfile.mkdtemp(prefix="gd-bench-", dir="/tmp"))
+    sampler = GpuSampler()
+    print(f"agent_sample host GPUs: {sampler.count} ({sampler.error or 'NVML ok'})", flush=True)
+    journal = Journal(tmp / "journal.db", "bench")
+    procs = ProcTable()
+    sup = Supervisor(journal, tmp / "runs", "bench", sampler, procs)
+    builder = SnapshotBuilder("bench", journal.epoch, sampler, procs, sup)
+    run = None
+    if sampler.available and args.hold_gib > 0:
+        run, _ = await sup.launch(LaunchSpec(argv=[sys.executable, "-c", HOLD, str(args.hold_gib)], gpus=[0], cwd=str(tmp)))
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            await asyncio.to_thread(sup.refresh)
+            snap = builder.build()
+            held = [p for g in snap.gpus for p in g.processes if p.run_id == run.id and (p.used_bytes or 0) >= args.hold_gib * 0.9 * 2**30]
+            if held:
+                print(f"agent_sample holder: pid {held[0].pid} {held[0].used_bytes / 2**30:.1f} GiB attributed {held[0].attribution} {run.id}", flush=True)
+                break
+            await asyncio.sleep(0.5)
+        else:
+            print("agent_sample holder did not appear on the GPU within 120 s", flush=True)
+    sup.refresh()
+
+    ours, ours99 = timeit(builder.build, args.n)
+    line("gpudeck snapshot", ours, ours99, None, args.n)
+    snap = builder.build()
+    nprocs = sum(len(g.processes) for g in snap.gpus)
+    print(f"agent_sample gpudeck snapshot covers {len(snap.gpus)} GPU(s), {nprocs} GPU process(es), {len(snap.runs)} live run(s)", flush=True)
+
+    if sampler.available:
+        import pynvml
+
+        handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(sampler.count)]
+
+        def bare() -> None:
+            for h in handles:
+                pynvml.nvmlDeviceGetMemoryInfo(h)
+                for p in pynvml.nvmlDeviceGetComputeRunningProcesses(h):
+                    try:
+                        psutil.Process(p.pid).create_time()
+                    except psutil.Error:
+                        pass
+
+        m, p = timeit(bare, args.n)
+        line("bare NVML+psutil (floor)", m, p, ours, args.n)
+
+    smi = shutil.which("nvidia-smi")
+    if smi:
+        def smi_pair() -> None:
+            subprocess.run([smi, "--query-gpu=index,uuid,name,memory.used,memory.total,utilization.gpu,temperature.gpu,power.draw", "--format=csv,noheader,nounits"], capture_output=True, check=True)
+            subprocess.run([smi, "--query-compute-apps=pid,gpu_uuid,used_memory", "--format=csv,noheader,nounits"], capture_output=True, check=True)
+
+        m, p = timeit(smi_pair, 20, warm=1)
+        line("nvidia-smi query pair", m, p, ours, 20)
+    else:
+        print("agent_sample nvidia-smi not found", flush=True)
+
+    gpustat = shutil.which("gpustat")
+    if gpustat is None:
+        try:
+            import gpustat as _g  # noqa: F401
+
+            gpustat_cmd = [sys.executable, "-m", "gpustat", "--json"]
+        except ImportError:
+            gpustat_cmd = None
+    else:
+        gpustat_cmd = [gpustat, "--json"]
+    if gpustat_cmd and sampler.available:
+        m, p = timeit(lambda: subprocess.run(gpustat_cmd, capture_output=True, check=True), 5, warm=1)
+        line("gpustat --json exec", m, p, ours, 5)
+    else:
+        print("agent_sample gpustat: not installed or no GPU", flush=True)
+
+    try:
+        from nvitop import Device, GpuProcess
+    except ImportError:
+        print("agent_sample nvitop: not installed", flush=True)
+    else:
+        if sampler.available:
+            def nvitop_refresh() -> None:
+                devices = Device.all()
+                for d in devices:
+                    d.memory_used()
+                    d.memory_total()
+                    d.gpu_utilization()
+                    d.temperature()
+                    d.power_usage()
+                    GpuProcess.take_snapshots(d.processes().values(), failsafe=True)
+
+            m, p = timeit(nvitop_refresh, max(50, args.n // 10))
+            line("nvitop refresh (in-process)", m, p, ours, max(50, args.n // 10))
+
+    if run is not None:
+        await sup.stop(run.id, grace_s=5)
+    journal.close()
+
+    if args.cpu_seconds > 0:
+        cpu_pct = await agent_cpu(args.cpu_seconds)
+        print(f"agent_sample agent CPU at 1 s snapshot interval: {cpu_pct:.3f}% of one core over {args.cpu_seconds} s", flush=True)
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
+async def agent_cpu(seconds: float) -> float:
+    """CPU share of a real agent process that streams a snapshot every second to one watcher."""
+    home = Path(tempfile.mkdtemp(prefix="gd-cpu-", dir="/tmp"))
+    env = {**os.environ, "GPUDECK_HOME": str(home), "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen([sys.executable, "-m", "agents", "serve", "--state-dir", str(home / "agent")], env=env, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        from agents.client import AgentClient
+
+        client = None
+        for _ in range(200):
+            try:
+                client = await AgentClient.connect_unix(state_dir=home / "agent", autostart=False)
+                break
+            except Exception:
+                await asyncio.sleep(0.05)
+        assert client is not None, "agent did not start"
+        await asyncio.sleep(2.0)  # past start-up
+        p = psutil.Process(proc.pid)
+        c0 = p.cpu_times()
+        t0 = time.monotonic()
+        n = 0
+        async for _snap in client.stream(WatchSnapshots(interval_s=1.0)):
+            n += 1
+            if time.monotonic() - t0 >= seconds:
+                break
+        c1 = p.cpu_times()
+        wall = time.monotonic() - t0
+        await client.close()
+        used = (c1.user - c0.user) + (c1.system - c0.system)
+        print(f"agent_sample agent sent {n} snapshots in {wall:.1f} s; CPU {used:.3f} s", flush=True)
+        return 100.0 * used / wall
+    finally:
+        proc.terminate()
+        proc.wait(10)
+        shutil.rmtree(home, ignore_errors=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--hold-gib", type=float, default=20.0, help="GiB a run-attributed holder process keeps on GPU 0")
+    ap.add_argument("-n", type=int, default=2000, help="snapshots to time")
+    ap.add_argument("--cpu-seconds", type=float, default=30.0, help="how long to measure the agent's CPU (0: skip)")
+    args = ap.parse_args()
+    asyncio.run(main_async(args))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,171 @@
+"""The agent's socket under bad input, other users, and the dial bridge; all real processes."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from agents.errors import NotFound
+from agents.protocol import GetEvents, GetRun, Launch, LaunchSpec, Ping
+from tests.agent_harness import ROOT, AgentProc, wait_for
+
+
+def raw_conn(agent: AgentProc) -> socket.socket:
+    s = socket.socket(socket.AF_UNIX)
+    s.settimeout(10)
+    s.connect(str(agent.state_dir / "sock" / "agent.sock"))
+    return s
+
+
+def read_line(s: socket.socket, buf: bytearray) -> dict:
+    while b"\n" not in buf:
+        chunk = s.recv(65536)
+        assert chunk, "agent closed the connection"
+        buf += chunk
+    line, _, rest = bytes(buf).partition(b"\n")
+    buf[:] = rest
+    return json.loads(line)
+
+
+def test_socket_is_private(agent: AgentProc) -> None:
+    sock = agent.state_dir / "sock" / "agent.sock"
+    assert stat.S_IMODE(sock.stat().st_mode) == 0o600
+    assert stat.S_IMODE(sock.parent.stat().st_mode) == 0o700
+    assert stat.S_IMODE(agent.state_dir.stat().st_mode) == 0o700
+
+
+def test_hostile_frames_get_typed_errors_and_the_connection_survives(agent: AgentProc) -> None:
+    s = raw_conn(agent)
+    buf = bytearray()
+    cases = [
+        (b"{not json\n", "bad_json"),
+        (b'{"type":"rm_rf","request_id":"a"}\n', "bad_message"),
+        (b'{"type":"stop","run_id":42,"request_id":"b"}\n', "bad_message"),
+        (b'{"type":"launch","request_id":"c","spec":{"argv":[]}}\n', "bad_request"),
+        (b'{"type":"launch","request_id":"d","spec":{"argv":["a\\u0000b"]}}\n', "bad_request"),
+        (b'{"type":"get_run","request_id":"e","run_id":"r-missing"}\n', "not_found"),
+        (b'{"type":"hello","request_id":"f","version":999}\n', "unsupported_version"),
+        (b'{"type":"cancel","request_id":"g","target":"nothing"}\n', "bad_request"),
+        (b'{"type":"stop","request_id":"h","run_id":"x","grace_s":-5}\n', "bad_request"),
+        (b"\xff\xfe\x00garbage\n", "bad_json"),
+        (b'"just a string"\n', "bad_message"),
+    ]
+    for frame, code in cases:
+        s.sendall(frame)
+        reply = read_line(s, buf)
+        assert reply["type"] == "error" and reply["code"] == code, (frame, reply)
+        assert reply["message"]
+    # an oversized frame (> 1 MiB) is discarded and answered; the connection stays usable
+    s.sendall(b'{"type":"ping","request_id":"' + b"x" * (2 << 20) + b'"}\n')
+    reply = read_line(s, buf)
+    assert reply["code"] == "frame_too_large"
+    s.sendall(b'{"type":"ping","request_id":"after"}\n')
+    reply = read_line(s, buf)
+    assert reply == {"type": "pong", "request_id": "after", "ts": reply["ts"]}
+    s.close()
+    assert agent.proc is not None and agent.proc.poll() is None
+
+
+def test_random_bytes_never_kill_the_agent(agent: AgentProc) -> None:
+    import random
+
+    rng = random.Random(7)
+    for _ in range(30):
+        s = raw_conn(agent)
+        junk = bytes(rng.getrandbits(8) for _ in range(rng.randint(1, 5000)))
+        try:
+            s.sendall(junk + b"\n")
+        except OSError:
+            pass
+        s.close()
+    s = raw_conn(agent)
+    buf = bytearray()
+    s.sendall(b'{"type":"ping","request_id":"ok"}\n')
+    assert read_line(s, buf)["type"] == "pong"
+    s.close()
+
+
+def test_other_users_are_refused(agent: AgentProc) -> None:
+    if os.getuid() != 0:
+        pytest.skip("needs root to act as another uid")
+    probe = (
+        "import os, socket, sys, json\n"
+        "os.setgid(65534); os.setuid(65534)\n"
+        "s = socket.socket(socket.AF_UNIX)\n"
+        "try:\n"
+        "    s.connect(sys.argv[1])\n"
+        "except PermissionError:\n"
+        "    print('EACCES'); sys.exit(0)\n"
+        "s.sendall(b'{\"type\":\"ping\",\"request_id\":\"p\"}\\n')\n"
+        "print(s.recv(4096).decode().strip())\n"
+    )
+    sock = agent.state_dir / "sock" / "agent.sock"
+    out = subprocess.run([sys.executable, "-c", probe, str(sock)], capture_output=True, text=True, timeout=20)
+    assert out.stdout.strip() == "EACCES", out  # the 0700 folder keeps them out
+    # even with the folder opened up by mistake, the peer-credential check refuses them
+    dirs = [agent.home, agent.state_dir, sock.parent]
+    modes = [d.stat().st_mode for d in dirs]
+    try:
+        for d in dirs:
+            os.chmod(d, 0o755)
+        os.chmod(sock, 0o666)
+        out = subprocess.run([sys.executable, "-c", probe, str(sock)], capture_output=True, text=True, timeout=20)
+        reply = json.loads(out.stdout)
+        assert reply["type"] == "error" and reply["code"] == "permission_denied", out
+    finally:
+        for d, m in zip(dirs, modes):
+            os.chmod(d, stat.S_IMODE(m))
+        os.chmod(sock, 0o600)
+
+
+def test_dial_bridges_and_starts_the_agent(gpudeck_home: Path) -> None:
+    env = {**os.environ, "GPUDECK_HOME": str(gpudeck_home), "PYTHONPATH": str(ROOT)}
+    requests = b'{"type":"hello","request_id":"h","version":1}\n{"type":"ping","request_id":"p"}\n{"type":"list_runs","request_id":"l"}\n'
+    out = subprocess.run([sys.executable, "-m", "console.cli", "agent", "dial"], input=requests, capture_output=True, env=env, timeout=60)
+    assert out.returncode == 0, out.stderr
+    replies = [json.loads(ln) for ln in out.stdout.splitlines()]
+    assert {r["request_id"]: r["type"] for r in replies} == {"h": "hello_reply", "p": "pong", "l": "run_list"}
+    hello = next(r for r in replies if r["type"] == "hello_reply")
+    # the agent it started is detached and still serving; stop it by its pid
+    try:
+        st = subprocess.run([sys.executable, "-m", "console.cli", "agent", "status", "--json"], capture_output=True, text=True, env=env, timeout=30)
+        assert json.loads(st.stdout)["pid"] == hello["pid"]
+    finally:
+        os.kill(hello["pid"], 15)
+        wait_for(lambda: not os.path.exists(f"/proc/{hello['pid']}") or open(f"/proc/{hello['pid']}/stat").read().split()[2] == "Z", what="the agent to exit")
+
+
+def test_event_stream_follows_new_events_in_order(agent: AgentProc) -> None:
+    async def go() -> list[int]:
+        c = await agent.client()
+        seen: list = []
+        try:
+            stream = c.stream(GetEvents(after_seq=0, follow=True))
+
+            async def consume() -> None:
+                async for batch in stream:
+                    seen.extend(batch.events)  # type: ignore[attr-defined]
+                    if any(e.kind == "run_state" and e.data.get("state") == "succeeded" for e in seen):
+                        return
+
+            task = asyncio.ensure_future(consume())
+            await asyncio.sleep(0.2)
+            await c.request(Launch(spec=LaunchSpec(argv=["true"], cwd="/")))
+            await asyncio.wait_for(task, 20)
+            assert (await c.request(Ping())).ts > 0  # type: ignore[attr-defined]
+            with pytest.raises(NotFound):
+                await c.request(GetRun(run_id="r-none"))
+        finally:
+            await c.close()
+        return [e.seq for e in seen]
+
+    seqs = asyncio.run(go())
+    assert seqs == list(range(seqs[0], seqs[0] + len(seqs)))
