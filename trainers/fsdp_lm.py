@@ -102,6 +102,18 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--no-export", action="store_true", help="skip writing OUT/final/")
     g.add_argument("--compile-loss", default="auto", choices=["auto", "yes", "no"],
                    help="torch.compile the cross-entropy (auto: with --compile)")
+    g.add_argument("--sdpa-backend", default="auto", choices=["auto", "cudnn", "flash"],
+                   help="preferred scaled-dot-product-attention kernel on GPU (falls back in "
+                        "order cudnn/flash/efficient/math)")
+    g.add_argument("--stop-at-step", type=int, default=None,
+                   help="stop after this step as if asked to (checkpoint, no export); the "
+                        "schedule still follows --max-steps")
+    g.add_argument("--no-final-checkpoint", action="store_true",
+                   help="do not save a checkpoint at the end (benchmarks)")
+    g.add_argument("--deterministic", action="store_true",
+                   help="torch.use_deterministic_algorithms(warn_only) + CUBLAS_WORKSPACE_CONFIG; "
+                        "for bitwise-reproducible GPU resume also pass --attn-implementation "
+                        "eager (the flash-attention backward is not deterministic)")
     return p
 
 
@@ -255,6 +267,11 @@ def apply_parallelism(model, args, ctx, compute_dtype) -> dict[str, Any]:
         for i in range(len(layers)):
             layers[i] = checkpoint_wrapper(layers[i], preserve_rng_state=False)
     if args.compile:
+        import torch._dynamo
+
+        # one graph serves every block; leave room in case guards split them
+        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit,
+                                                    2 * len(layers) + 8)
         for i in range(len(layers)):
             layers[i].compile(dynamic=False)
     mp = None
@@ -361,6 +378,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"fsdp_lm: {exc}", file=sys.stderr)
         return 2
 
+    if args.deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     import torch
 
     from trainers.checkpoint import (
@@ -411,7 +430,11 @@ def main(argv: list[str] | None = None) -> int:
     if on_gpu:
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
+    if args.deterministic:
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        torch.backends.cudnn.benchmark = False
     seed_all(args.seed)
+    sdpa_ctx = _sdpa_context(args.sdpa_backend if on_gpu else "auto")
 
     # tokenizer and data
     tok_spec = args.tokenizer
@@ -488,6 +511,7 @@ def main(argv: list[str] | None = None) -> int:
         flops_per_token=counts.flops_per_token, flops_note=counts.note, peak_flops=peak,
         mfu_note=peak_reason, dtype=str(compute_dtype).replace("torch.", ""),
         compile=args.compile, activation_checkpointing=args.activation_checkpointing,
+        sdpa_backend=args.sdpa_backend, deterministic=args.deterministic,
         torch=torch.__version__, transformers=_transformers_version(), **par,
     )
     tel.manifest(**manifest)
@@ -521,9 +545,10 @@ def main(argv: list[str] | None = None) -> int:
             batch = batches.next_batch().to(device, non_blocking=True)
             inputs, labels = batch[:, :-1], batch[:, 1:]
             model.set_requires_gradient_sync(micro == args.grad_accum - 1)
-            logits = model(input_ids=inputs, use_cache=False).logits
-            loss = loss_fn(logits, labels)
-            (loss / args.grad_accum).backward()
+            with sdpa_ctx():
+                logits = model(input_ids=inputs, use_cache=False).logits
+                loss = loss_fn(logits, labels)
+                (loss / args.grad_accum).backward()
             loss_sum += loss.detach()
             del logits, loss
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
@@ -568,13 +593,13 @@ def main(argv: list[str] | None = None) -> int:
                   flush=True)
         if step == 1:
             set_collective_timeout(ctx, 100.0)
-        if stop_votes > 0:
+        if stop_votes > 0 or (args.stop_at_step is not None and step >= args.stop_at_step):
             stopped = True
             break
         if args.checkpoint_every and step % args.checkpoint_every == 0:
             do_checkpoint(step)
 
-    if last_saved != step:
+    if last_saved != step and not args.no_final_checkpoint:
         do_checkpoint(step)
 
     final = None
@@ -601,6 +626,27 @@ def main(argv: list[str] | None = None) -> int:
     tel.close()
     finish_ok(ctx)
     return 0
+
+
+def _sdpa_context(backend: str):
+    """A context-manager factory that prefers one SDPA kernel (no-op for "auto")."""
+    import contextlib
+
+    if backend == "auto":
+        return contextlib.nullcontext
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    order = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+    if backend == "cudnn":
+        order.insert(0, SDPBackend.CUDNN_ATTENTION)
+
+    def ctx():
+        try:
+            return sdpa_kernel(order, set_priority=True)
+        except TypeError:  # torch without set_priority
+            return sdpa_kernel(order)
+
+    return ctx
 
 
 def _has_tokenizer(folder: Path) -> bool:
