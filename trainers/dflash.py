@@ -33,7 +33,10 @@ Step
 
 Topologies
     ``colocated``: every rank runs the target and the drafter; the drafter is
-    FSDP2-sharded over all ranks; data is sharded over all ranks.
+    FSDP2-sharded over all ranks; data is sharded over all ranks. A plain
+    process (no torchrun) gets a one-rank group, so the same FSDP2 path (with
+    its bf16 mixed precision on GPU) applies. ``--compile`` compiles each
+    drafter layer and each target decoder layer.
     ``split``: ``--target-ranks`` (e.g. ``0,1`` or ``0-1``) only run the target
     and ``--drafter-ranks`` only the drafter (FSDP2 over a ``dist.new_group`` of
     them). Global batch ``g = (step*grad_accum + micro)*n_drafter + j`` goes to
@@ -172,26 +175,14 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
 # ------------------------------------------------------------------ target
 
 
-def _preset_config(name: str):
-    """A transformers config for a preset name or a config.json path (adapter, see report)."""
-    from transformers import AutoConfig
+def _preset_config(spec: str):
+    """A transformers config from a preset name (tiny, qwen3-0.6b, ...) or a config.json / folder.
 
-    path = Path(name)
-    if path.is_dir():
-        return AutoConfig.from_pretrained(str(path))
-    if path.is_file():
-        d = json.loads(path.read_text())
-        return AutoConfig.for_model(d.pop("model_type"), **d)
-    try:  # fsdp_lm owns the preset table; use it when it offers one
-        from trainers import fsdp_lm  # type: ignore
+    Uses fsdp_lm's preset table and config loader (one source of truth for presets).
+    """
+    from trainers.fsdp_lm import build_config
 
-        for fn_name in ("preset_config", "make_config", "build_config", "resolve_model_config"):
-            fn = getattr(fsdp_lm, fn_name, None)
-            if fn is not None:
-                return fn(name)
-    except ImportError:
-        pass
-    raise ValueError(f"unknown target config {name!r} (and no preset table in trainers.fsdp_lm)")
+    return build_config(spec, None)
 
 
 def load_target(args, device, dtype):
@@ -208,6 +199,10 @@ def load_target(args, device, dtype):
         with torch.device(device):
             model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
     model.eval().requires_grad_(False)
+    if getattr(args, "compile", False):
+        # per-block compile of the frozen target too (its forward is a large share of the step)
+        for layer in getattr(model.base_model, "layers", []):
+            layer.compile()
     return model
 
 
@@ -348,7 +343,10 @@ def _make_mask(anchors, seq_len, block_size, attn, device):
         own = (kv_idx >= seq_len) & ((kv_idx - seq_len) // block_size == blk)
         return ctx_ok | own
 
-    return create_block_mask(mask_mod, bsz, None, q_len, seq_len + q_len, device=device)
+    try:  # compiled mask construction avoids materialising [b, Q, KV] index grids
+        return create_block_mask(mask_mod, bsz, None, q_len, seq_len + q_len, device=device, _compile=True)
+    except TypeError:
+        return create_block_mask(mask_mod, bsz, None, q_len, seq_len + q_len, device=device)
 
 
 # ------------------------------------------------------------------ the trainer
@@ -368,7 +366,7 @@ class Trainer:
         from trainers.telemetry import Telemetry
 
         args = self.args
-        self.ctx = ctx = runtime.init_distributed(args.device)
+        self.ctx = ctx = runtime.init_distributed(args.device, single_process_group=True)
         self.tel = Telemetry(rank=ctx.rank)
         runtime.register(ctx=ctx, telemetry=self.tel)
         self.tel.start_heartbeat()
@@ -394,8 +392,8 @@ class Trainer:
                 raise runtime.ExitWith(
                     2, f"split: --target-ranks {self.target_ranks} and --drafter-ranks "
                        f"{self.drafter_ranks} must be disjoint and cover ranks 0..{world - 1}")
-            if not ctx.distributed:
-                raise runtime.ExitWith(2, "--topology split needs torchrun (several processes)")
+            if world < 2:
+                raise runtime.ExitWith(2, "--topology split needs torchrun with at least 2 processes")
             self.role = ROLE_TARGET if ctx.rank in self.target_ranks else ROLE_DRAFTER
         self.is_target = self.role in (ROLE_COLOCATED, ROLE_TARGET)
         self.is_drafter = self.role in (ROLE_COLOCATED, ROLE_DRAFTER)
@@ -513,7 +511,8 @@ class Trainer:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         mesh = DeviceMesh.from_group(self.drafter_group, self.device.type)
-        kw: dict[str, Any] = {"mesh": mesh}
+        # the drafter is small next to the target: keep gathered params from forward to backward
+        kw: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": False}
         if self.dtype == torch.bfloat16:
             kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         for layer in drafter.layers:

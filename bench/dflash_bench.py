@@ -1,0 +1,195 @@
+"""Benchmarks DFlash drafter training on one GPU: the chunked lm_head + CE, and the whole training step.
+
+Two parts, one result line per figure (``RESULT <name> <value> <unit> [details]``):
+
+``loss``  lm_head + cross-entropy, forward + backward, at the scale production drafters use:
+          ``--rows`` positions (default 1024 anchors x block 32 = 32,768), hidden 1024, vocab
+          151,936, bf16, lm_head frozen (as in DFlash; ``--weight-grad`` also measures with a
+          trainable lm_head). Compares the plain version (full logits, fp32 CE) with
+          ``trainers.dflash_loss.chunked_linear_cross_entropy`` in ``fused`` mode (gradient
+          computed in the forward pass, chunk by chunk) and ``recompute`` mode (checkpointed
+          chunks). Extra memory = ``torch.cuda.max_memory_allocated`` after minus before (inputs
+          and the weight are allocated before); time = median of ``--iters`` CUDA-event-timed runs.
+
+``train`` ``python -m trainers.dflash`` itself, colocated, one GPU, a random-weight
+          Qwen3-0.6B-shaped target (``--target-config qwen3-0.6b``), block 16, 512 anchors,
+          seq 2048; tokens/s and MFU are read from the trainer's own telemetry (median over the
+          steps after ``--skip`` warm-up steps) and cross-checked here from its per-step FLOP
+          count and step time.
+
+Run on the accelerator, e.g.::
+
+    python bench/dflash_bench.py --part loss
+    python bench/dflash_bench.py --part train --configs sdpa:5:4,flex:5:4 --steps 12
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def result(name: str, value, unit: str, **details) -> None:
+    extra = " ".join(f"{k}={v}" for k, v in details.items())
+    print(f"RESULT {name} {value} {unit} {extra}".rstrip(), flush=True)
+
+
+# ------------------------------------------------------------------ loss
+
+
+def bench_loss(args) -> None:
+    import torch
+
+    from trainers.dflash_loss import chunked_linear_cross_entropy, plain_linear_cross_entropy
+
+    dev = torch.device("cuda")
+    torch.manual_seed(0)
+    m, h, v = args.rows, args.hidden, args.vocab
+    weight = (torch.randn(v, h, device=dev) * 0.02).to(torch.bfloat16)
+    base_hidden = torch.randn(m, h, device=dev, dtype=torch.bfloat16)
+    labels = torch.randint(0, v, (m,), device=dev)
+    w = torch.ones(m, device=dev)
+
+    def run(kind: str, chunk: int, weight_grad: bool):
+        weight.requires_grad_(weight_grad)
+        weight.grad = None
+        hid = base_hidden.clone().requires_grad_(True)
+        if kind == "plain":
+            loss = plain_linear_cross_entropy(hid, weight, labels, w)
+        else:
+            loss = chunked_linear_cross_entropy(hid, weight, labels, w, chunk_rows=chunk, mode=kind)
+        loss.backward()
+        return loss.detach(), hid.grad
+
+    configs = [("plain", 0)]
+    for c in args.chunks:
+        configs.append(("fused", c))
+    configs.append(("recompute", 4096))
+    ref = {}
+    for weight_grad in ([False, True] if args.weight_grad else [False]):
+        for kind, chunk in configs:
+            label = f"{kind}" + (f"-c{chunk}" if chunk else "") + ("-wgrad" if weight_grad else "")
+            try:
+                run(kind, chunk, weight_grad)  # warm-up
+                torch.cuda.synchronize()
+                weight.grad = None
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats()
+                before = torch.cuda.memory_allocated()
+                loss, grad = run(kind, chunk, weight_grad)
+                torch.cuda.synchronize()
+                extra = (torch.cuda.max_memory_allocated() - before) / 2**30
+                del grad
+                weight.grad = None
+                times = []
+                for _ in range(args.iters):
+                    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    s.record()
+                    run(kind, chunk, weight_grad)
+                    e.record()
+                    torch.cuda.synchronize()
+                    times.append(s.elapsed_time(e))
+                    weight.grad = None
+                ms = statistics.median(times)
+                if kind == "plain":
+                    ref[weight_grad] = (ms, float(loss))
+                pms, ploss = ref.get(weight_grad, (None, None))
+                result(f"loss.{label}.extra_mem", f"{extra:.2f}", "GiB", rows=m, hidden=h, vocab=v)
+                result(f"loss.{label}.time", f"{ms:.1f}", "ms",
+                       x_plain=(f"{ms / pms:.2f}" if pms else "n/a"),
+                       loss_rel_diff=(f"{abs(float(loss) - ploss) / abs(ploss):.2e}" if ploss else "n/a"))
+            except torch.OutOfMemoryError as exc:
+                result(f"loss.{label}", "OOM", "-", error=str(exc).split(".")[0])
+                torch.cuda.empty_cache()
+
+
+# ------------------------------------------------------------------ train
+
+
+def bench_train(args) -> None:
+    for spec in args.configs:
+        attn, layers, batch = spec.split(":")[:3]
+        compile_ = spec.endswith(":compile")
+        out = Path(tempfile.mkdtemp(prefix="dflash_bench_"))
+        tel = out / "telemetry.jsonl"
+        cmd = [sys.executable, "-m", "trainers.dflash", "--target-config", args.target_config,
+               "--fresh", "--out", str(out / "run"), "--no-eval", "--max-steps", str(args.steps),
+               "--seq-len", str(args.seq_len), "--batch-size", batch, "--block-size", str(args.block_size),
+               "--num-anchors", str(args.num_anchors), "--drafter-layers", layers, "--attn", attn,
+               "--corpus-bytes", str(args.corpus_bytes), "--checkpoint-every", "0", "--warmup-steps", "2",
+               "--loss-chunk-rows", str(args.chunk_rows)]
+        if compile_:
+            cmd.append("--compile")
+        env = dict(os.environ, GPUDECK_TELEMETRY=str(tel), PYTHONUNBUFFERED="1")
+        label = f"train.{attn}.L{layers}.B{batch}" + (".compile" if compile_ else "")
+        print("$ " + " ".join(cmd), flush=True)
+        t0 = time.time()
+        p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=args.timeout)
+        print(p.stdout[-3000:], p.stderr[-3000:] if p.returncode else "", flush=True)
+        if p.returncode != 0:
+            result(label, "FAILED", "-", rc=p.returncode, wall_s=f"{time.time() - t0:.0f}")
+            continue
+        recs = [json.loads(x) for x in tel.read_text().splitlines() if x.strip()]
+        steps = [r for r in recs if r["type"] == "step" and r["step"] > args.skip]
+        man = next(r for r in recs if r["type"] == "manifest")
+        tps = statistics.median(r["tokens_per_s"] for r in steps)
+        mfu = statistics.median(r["mfu"] for r in steps)
+        st = statistics.median(r["step_s"] for r in steps)
+        # cross-check from the per-step FLOP count and the step time
+        check = statistics.median(r["step_flops"] / r["step_s"] / r["peak_flops"] for r in steps)
+        fwd = statistics.median(r["target_forward_s"] for r in steps)
+        result(f"{label}.tokens_per_s", f"{tps:.0f}", "tok/s", step_ms=f"{st * 1000:.1f}",
+               target_fwd_ms=f"{fwd * 1000:.1f}", steps=len(steps), device=man["device"],
+               gpu=man.get("gpu_name"))
+        result(f"{label}.mfu", f"{mfu * 100:.1f}", "%", crosscheck=f"{check * 100:.1f}%",
+               flops_per_token=f"{steps[-1]['flops_per_token']:.3e}", peak=f"{steps[-1]['peak_flops']:.3e}",
+               mem_peak_gib=steps[-1]["mem_peak_gib"], drafter_params=man["drafter_params_trainable"],
+               target_params=man["target_params_frozen"])
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--part", default="all", choices=["all", "loss", "train"])
+    ap.add_argument("--rows", type=int, default=1024 * 32)
+    ap.add_argument("--hidden", type=int, default=1024)
+    ap.add_argument("--vocab", type=int, default=151936)
+    ap.add_argument("--chunks", type=lambda s: [int(x) for x in s.split(",")], default=[1024, 2048, 4096])
+    ap.add_argument("--iters", type=int, default=5)
+    ap.add_argument("--weight-grad", action="store_true")
+    ap.add_argument("--configs", type=lambda s: s.split(","), default=["sdpa:5:4", "flex:5:4"],
+                    help="attn:drafter_layers:batch[:compile], comma separated")
+    ap.add_argument("--target-config", default="qwen3-0.6b")
+    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--skip", type=int, default=4, help="warm-up steps left out of the medians")
+    ap.add_argument("--seq-len", type=int, default=2048)
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--num-anchors", type=int, default=512)
+    ap.add_argument("--chunk-rows", type=int, default=2048)
+    ap.add_argument("--corpus-bytes", type=int, default=6 * 1024 * 1024)
+    ap.add_argument("--timeout", type=int, default=240)
+    args = ap.parse_args()
+    import torch
+
+    if not torch.cuda.is_available():
+        print("dflash_bench: needs CUDA", file=sys.stderr)
+        return 2
+    print(f"torch {torch.__version__} cuda {torch.version.cuda} gpu {torch.cuda.get_device_name(0)}", flush=True)
+    if args.part in ("all", "loss"):
+        bench_loss(args)
+    if args.part in ("all", "train"):
+        bench_train(args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,255 @@
+"""End-to-end tests of ``python -m trainers.dflash`` on CPU: real torch + transformers, torchrun, gloo.
+
+* colocated, 2 ranks: runs, checkpoints, and a resume reproduces the straight run's losses exactly;
+* split, 2 target ranks + 1 drafter rank: hidden states travel through isend/irecv, the drafter
+  trains, every rank reports its role, queue depth is reported, everyone exits 0;
+* a failing rank takes the whole job down promptly with a non-zero exit;
+* the real pipeline: ``trainers.fsdp_lm`` trains a small target on the built-in corpus and
+  exports it; ``trainers.dflash`` trains a drafter on it; tau after training is clearly above
+  tau at initialisation, and the exported drafter reloads.
+
+Every process is recorded (torchrun's pid, and each worker's pid from its telemetry) and stopped
+by pid in teardown, after checking the pid's environment carries this test's GPUDECK_RUN_ID.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[2]
+# a random-weight tiny target (fsdp_lm's "tiny" preset: Llama, 4 layers, hidden 256, vocab 320)
+SMALL = ["--target-config", "tiny", "--seq-len", "64", "--batch-size", "2", "--num-anchors", "8",
+         "--block-size", "4", "--drafter-layers", "2", "--corpus-bytes", str(600_000),
+         "--eval-prompt-len", "16", "--eval-gen-len", "16", "--eval-samples", "2"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def read_telemetry(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _pid_has_tag(pid: int, run_id: str) -> bool:
+    try:
+        env = Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:
+        return False
+    return f"GPUDECK_RUN_ID={run_id}".encode() in env.split(b"\0")
+
+
+class Runs:
+    """Starts trainer processes and remembers them (and their workers) for teardown."""
+
+    def __init__(self) -> None:
+        self.procs: list[tuple[subprocess.Popen, str]] = []
+        self.telemetry: list[tuple[Path, str]] = []
+
+    def run(self, module: str, args: list[str], out: Path, nproc: int | None = None,
+            env: dict[str, str] | None = None, timeout: float = 150.0):
+        run_id = f"test-{uuid.uuid4().hex[:10]}"
+        tel = out.parent / f"{out.name}-{run_id}.jsonl"
+        e = dict(os.environ)
+        e.update({"GPUDECK_RUN_ID": run_id, "GPUDECK_TELEMETRY": str(tel), "PYTHONUNBUFFERED": "1"})
+        e.pop("GPUDECK_TEST_FAIL_AT_STEP", None)
+        e.update(env or {})
+        if nproc is None:
+            cmd = [sys.executable, "-m", module, *args, "--out", str(out)]
+        else:
+            e["OMP_NUM_THREADS"] = "1"
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1",
+                   "--nproc-per-node", str(nproc), "--master-addr", "127.0.0.1",
+                   "--master-port", str(_free_port()), "-m", module, *args, "--out", str(out)]
+        p = subprocess.Popen(cmd, cwd=ROOT, env=e, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             text=True, start_new_session=True)
+        self.procs.append((p, run_id))
+        self.telemetry.append((tel, run_id))
+        t0 = time.monotonic()
+        try:
+            output, _ = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.teardown()
+            output, _ = p.communicate()
+            pytest.fail(f"{module} did not finish in {timeout}s:\n{output[-4000:]}")
+        return p.returncode, output, read_telemetry(tel), time.monotonic() - t0
+
+    def teardown(self) -> None:
+        for p, _ in self.procs:
+            if p.poll() is None:
+                p.terminate()
+                try:
+                    p.wait(timeout=5)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    p.wait(timeout=5)
+        for tel, run_id in self.telemetry:
+            for pid in sorted({int(r["pid"]) for r in read_telemetry(tel) if "pid" in r}):
+                if _pid_has_tag(pid, run_id):
+                    try:
+                        os.kill(pid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
+
+
+@pytest.fixture(scope="module")
+def runs():
+    r = Runs()
+    yield r
+    r.teardown()
+
+
+def _steps(tel: list[dict], rank: int) -> dict[int, dict]:
+    return {r["step"]: r for r in tel if r["type"] == "step" and r["rank"] == rank}
+
+
+# ------------------------------------------------------------------ colocated + resume
+
+
+def test_colocated_two_ranks_runs_and_resumes_exactly(tmp_path, runs):
+    out = tmp_path / "colo"
+    rc, output, tel, _ = runs.run("trainers.dflash", [*SMALL, "--max-steps", "4", "--checkpoint-every", "2",
+                                                      "--fresh"], out, nproc=2)
+    assert rc == 0, output[-4000:]
+    manifests = [r for r in tel if r["type"] == "manifest"]
+    assert sorted(m["rank"] for m in manifests) == [0, 1]
+    for m in manifests:
+        assert m["role"] == "colocated" and m["world_size"] == 2 and m["start"] == "fresh"
+        assert m["device"] == "cpu" and m["params_trainable"] == m["drafter_params_trainable"] > 0
+        assert m["params_total"] == m["target_params_frozen"] + m["drafter_params_trainable"]
+        assert m["dataset_samples"] > 0 and m["dataset_tokens"] == m["dataset_samples"] * 64
+    straight = {s: r["loss"] for s, r in _steps(tel, 0).items()}
+    assert sorted(straight) == [1, 2, 3, 4]
+    assert all(r["loss"] == straight[s] for s, r in _steps(tel, 1).items())  # mean over ranks
+    assert {r["step"] for r in tel if r["type"] == "checkpoint"} == {2, 4}
+    assert sum(r["type"] == "done" for r in tel) == 2
+    assert any(r["type"] == "eval" and "tau" in r for r in tel)
+    assert (out / "drafter" / "config.json").is_file()
+
+    # --fresh into a folder with checkpoints is refused (exit 2); no start at all too
+    rc2, output2, _, _ = runs.run("trainers.dflash", [*SMALL, "--max-steps", "4", "--fresh"], out)
+    assert rc2 == 2, output2[-2000:]
+    rc3, output3, _, _ = runs.run("trainers.dflash", [*SMALL, "--max-steps", "4"], out)
+    assert rc3 == 2 and "--fresh" in output3
+
+    rc, output, tel2, _ = runs.run("trainers.dflash", [*SMALL, "--max-steps", "4", "--checkpoint-every", "2",
+                                                       "--resume", "2"], out, nproc=2)
+    assert rc == 0, output[-4000:]
+    assert {m["start"] for m in tel2 if m["type"] == "manifest"} == {"resume 2"}
+    resumed = {s: r["loss"] for s, r in _steps(tel2, 0).items()}
+    assert sorted(resumed) == [3, 4]
+    assert resumed == {3: straight[3], 4: straight[4]}, (resumed, straight)
+
+
+# ------------------------------------------------------------------ split
+
+
+def test_split_two_target_ranks_one_drafter_rank(tmp_path, runs):
+    out = tmp_path / "split"
+    rc, output, tel, _ = runs.run(
+        "trainers.dflash",
+        [*SMALL, "--topology", "split", "--target-ranks", "0,1", "--drafter-ranks", "2",
+         "--queue-depth", "2", "--max-steps", "4", "--checkpoint-every", "2", "--fresh"],
+        out, nproc=3)
+    assert rc == 0, output[-4000:]
+    roles = {r["rank"]: r["role"] for r in tel if r["type"] == "manifest"}
+    assert roles == {0: "target", 1: "target", 2: "drafter"}
+    man = {r["rank"]: r for r in tel if r["type"] == "manifest"}
+    assert man[0]["params_trainable"] == 0 and man[2]["params_trainable"] > 0
+    drafter_steps = _steps(tel, 2)
+    assert sorted(drafter_steps) == [1, 2, 3, 4]
+    for r in drafter_steps.values():
+        assert r["loss"] > 0 and 0 <= r["queue_depth"] <= 2
+    # the two target ranks alternate: each produced 2 of the drafter's 4 batches
+    for rank in (0, 1):
+        st = _steps(tel, rank)
+        assert sorted(st) == [1, 2, 3, 4] and all(r["loss"] is None for r in st.values())
+        assert all(0 <= r["queue_depth"] <= 2 for r in st.values())
+        assert sum(1 for r in st.values() if r["tokens_per_s"] > 0) == 2
+    assert sorted(r["rank"] for r in tel if r["type"] == "done") == [0, 1, 2]
+    assert {r["step"] for r in tel if r["type"] == "checkpoint"} == {2, 4}
+    assert (out / "drafter" / "model.safetensors").is_file()
+
+    # resume the split job: the drafter's losses continue exactly
+    rc, output, tel2, _ = runs.run(
+        "trainers.dflash",
+        [*SMALL, "--topology", "split", "--target-ranks", "0,1", "--drafter-ranks", "2",
+         "--queue-depth", "2", "--max-steps", "4", "--checkpoint-every", "2", "--resume", "latest"],
+        out / ".." / "split", nproc=3)
+    assert rc == 0, output[-4000:]
+    # latest is step 4 == max-steps: nothing left to train, but the job starts and ends cleanly
+    assert {m["start"] for m in tel2 if m["type"] == "manifest"} == {"resume 4"}
+
+
+def test_failing_rank_takes_the_job_down(tmp_path, runs):
+    out = tmp_path / "fail"
+    t0 = time.monotonic()
+    rc, output, tel, _ = runs.run("trainers.dflash", [*SMALL, "--max-steps", "6", "--fresh"], out, nproc=2,
+                                  env={"GPUDECK_TEST_FAIL_AT_STEP": "3:1"}, timeout=120)
+    assert rc != 0
+    assert time.monotonic() - t0 < 100
+    errors = [r for r in tel if r["type"] == "error"]
+    assert any(r["rank"] == 1 and "injected failure" in r["message"] for r in errors)
+    assert not any(r["type"] == "done" for r in tel)
+
+
+# ------------------------------------------------------------------ the real pipeline
+
+
+def test_fsdp_lm_target_then_dflash_drafter_tau_improves(tmp_path, runs):
+    target_out = tmp_path / "target"
+    rc, output, _, secs = runs.run(
+        "trainers.fsdp_lm",
+        ["--model-config", "tiny", "--seq-len", "128", "--batch-size", "8", "--max-steps", "200",
+         "--lr", "2e-3", "--corpus-bytes", str(3_000_000), "--log-every", "50", "--fresh"],
+        target_out, timeout=240)
+    assert rc == 0, output[-4000:]
+    final = target_out / "final"
+    assert (final / "config.json").is_file()
+
+    out = tmp_path / "drafter"
+    rc, output, tel, _ = runs.run(
+        "trainers.dflash",
+        ["--target", str(final), "--seq-len", "128", "--batch-size", "4", "--num-anchors", "32",
+         "--block-size", "8", "--drafter-layers", "1", "--max-steps", "150", "--lr", "2e-3",
+         "--corpus-bytes", str(3_000_000), "--eval-every", "75", "--eval-prompt-len", "64",
+         "--eval-gen-len", "64", "--log-every", "25", "--fresh"],
+        out, timeout=240)
+    assert rc == 0, output[-4000:]
+    evals = [r for r in tel if r["type"] == "eval"]
+    assert [e["step"] for e in evals] == [0, 75, 150]
+    tau0, tau1 = evals[0]["tau"], evals[-1]["tau"]
+    assert 1.0 <= tau0 < 1.15, evals
+    assert tau1 >= tau0 + 0.25, evals  # measured on CPU: 1.02 -> ~1.5
+    man = next(r for r in tel if r["type"] == "manifest")
+    assert man["target"] == str(final) and man["mask_token_id"] == 259  # the byte tokenizer's MASK
+
+    from trainers.dflash_model import DFlashDraftModel
+
+    d = DFlashDraftModel.from_pretrained(str(out / "drafter"))
+    assert d.config.block_size == 8
+    assert d.config.dflash_config["mask_token_id"] == 259
+    assert d.config.dflash_config["target_layer_ids"] == man["target_layer_ids"]
+    assert sum(p.numel() for p in d.parameters()) == man["drafter_params_trainable"]
+    assert (out / "drafter" / "dflash.py").is_file()
+    result = json.loads((out / "result.json").read_text())
+    assert result["eval_last"]["tau"] == tau1
