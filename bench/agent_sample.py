@@ -121,19 +121,19 @@ async def main_async(args: argparse.Namespace) -> None:
     else:
         print("agent_sample nvidia-smi not found", flush=True)
 
-    gpustat = shutil.which("gpustat")
-    if gpustat is None:
-        try:
-            import gpustat as _g  # noqa: F401
+    try:
+        import gpustat as _g  # noqa: F401
 
-            gpustat_cmd = [sys.executable, "-m", "gpustat", "--json"]
-        except ImportError:
-            gpustat_cmd = None
-    else:
-        gpustat_cmd = [gpustat, "--json"]
+        gpustat_cmd: list[str] | None = [sys.executable, "-m", "gpustat", "--json"]
+    except ImportError:
+        gpustat_cmd = [shutil.which("gpustat") or "gpustat", "--json"] if shutil.which("gpustat") else None
     if gpustat_cmd and sampler.available:
-        m, p = timeit(lambda: subprocess.run(gpustat_cmd, capture_output=True, check=True), 5, warm=1)
-        line("gpustat --json exec", m, p, ours, 5)
+        probe = subprocess.run(gpustat_cmd, capture_output=True, text=True)
+        if probe.returncode != 0:
+            print(f"agent_sample gpustat failed (exit {probe.returncode}): {(probe.stderr or probe.stdout).strip()[-400:]}", flush=True)
+        else:
+            m, p = timeit(lambda: subprocess.run(gpustat_cmd, capture_output=True, check=True), 5, warm=1)
+            line("gpustat --json exec", m, p, ours, 5)
     else:
         print("agent_sample gpustat: not installed or no GPU", flush=True)
 

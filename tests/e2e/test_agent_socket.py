@@ -104,7 +104,7 @@ def test_other_users_are_refused(agent: AgentProc) -> None:
         "    s.connect(sys.argv[1])\n"
         "except PermissionError:\n"
         "    print('EACCES'); sys.exit(0)\n"
-        "s.sendall(b'{\"type\":\"ping\",\"request_id\":\"p\"}\\n')\n"
+        # the agent answers at connect time, before any request: read that first
         "print(s.recv(4096).decode().strip())\n"
     )
     sock = agent.state_dir / "sock" / "agent.sock"
