@@ -256,3 +256,18 @@ def test_new_run_dir_archives_old_checkpoints(straight, runs, tmp_path) -> None:
     assert list_checkpoints(out) == [2]
     manifest = next(r for r in tel if r["type"] == "manifest")
     assert manifest["world_size"] == 1 and manifest["start"] == "fresh"
+
+
+def test_init_from_exported_folder_continues_from_trained_weights(straight, runs, tmp_path) -> None:
+    out, tel, _ = straight
+    ref = step_losses(tel)
+    rc, output, tel2, _ = runs.run(["--init-from", str(out / "final"), "--seq-len", "64",
+                                    "--batch-size", "4", "--corpus-bytes", str(1024 * 1024),
+                                    "--max-steps", "2", "--fresh", "--no-export"],
+                                   tmp_path / "from_final")
+    assert rc == 0, output[-4000:]
+    manifest = next(r for r in tel2 if r["type"] == "manifest")
+    assert manifest["tokenizer"]["kind"] == "byte"  # picked up from the exported folder
+    assert manifest["params_total"] == next(r for r in tel if r["type"] == "manifest")["params_total"]
+    # sharded over 2 ranks from the exported weights: starts near where training ended
+    assert step_losses(tel2)[1] < ref[1] - 0.5
