@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import datetime as dt
 import getpass
 import json
 import os
@@ -39,6 +38,8 @@ from agents.protocol import (
     to_builtins,
 )
 
+from console.fmt import duration, elapsed, gib, when
+
 EXIT_ERROR = 1
 EXIT_USAGE = 2
 
@@ -48,28 +49,6 @@ class CliError(Exception):
 
 
 # ----------------------------------------------------------------------------- formatting
-
-
-def gib(n: int | None) -> str:
-    """Bytes as GiB with one decimal ('-' for unknown)."""
-    return "-" if n is None else f"{n / 2**30:.1f}"
-
-
-def when(ts: float | None) -> str:
-    """A unix time as local 'YYYY-MM-DD HH:MM:SS' ('-' for none)."""
-    return "-" if not ts else dt.datetime.fromtimestamp(ts).strftime("%Y-%m-%d %H:%M:%S")
-
-
-def duration(seconds: float | None) -> str:
-    """Seconds as '1h02m', '3m05s', '12s'."""
-    if seconds is None:
-        return "-"
-    s = int(seconds)
-    if s >= 3600:
-        return f"{s // 3600}h{(s % 3600) // 60:02d}m"
-    if s >= 60:
-        return f"{s // 60}m{s % 60:02d}s"
-    return f"{s}s"
 
 
 def table(headers: list[str], rows: list[list[str]]) -> str:
@@ -123,7 +102,7 @@ def format_status(snap: Snapshot) -> str:
     if snap.runs:
         out.append("")
         out.append(table(["RUN", "NAME", "STATE", "MEMBERS", "ELAPSED", "COMMAND"], [
-            [r.id, r.name or "-", r.state, str(sum(1 for m in r.members if m.role != "shim")), duration(_elapsed(r)), " ".join(r.spec.argv)[:50]]
+            [r.id, r.name or "-", r.state, str(sum(1 for m in r.members if m.role != "shim")), duration(elapsed(r.started, r.ended)), " ".join(r.spec.argv)[:50]]
             for r in snap.runs
         ]))
     else:
@@ -131,20 +110,12 @@ def format_status(snap: Snapshot) -> str:
     return "\n".join(out)
 
 
-def _elapsed(r: RunInfo) -> float | None:
-    if not r.started:
-        return None
-    import time
-
-    return (r.ended or time.time()) - r.started
-
-
 def format_runs(runs: list[RunInfo]) -> str:
     """Human view of the run list."""
     if not runs:
         return "no runs yet: `gpudeck launch -- CMD ...` starts one"
     rows = [
-        [r.id, r.host, r.name or "-", r.state, when(r.started or r.created), duration(_elapsed(r)), (r.cause or "-")[:70]]
+        [r.id, r.host, r.name or "-", r.state, when(r.started or r.created), duration(elapsed(r.started, r.ended)), (r.cause or "-")[:70]]
         for r in runs
     ]
     return table(["RUN", "HOST", "NAME", "STATE", "STARTED", "ELAPSED", "CAUSE"], rows)
@@ -348,6 +319,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="gpudeck", description="Run and watch PyTorch training on your GPU hosts.")
     sub = ap.add_subparsers(dest="command", metavar="COMMAND")
 
+    p = sub.add_parser("console", help="open the full-screen console (the default in a terminal)")
+    p.set_defaults(func=None, sync=lambda ns: __import__("console.app", fromlist=["run_console"]).run_console())
+
     p = sub.add_parser("status", help="this host's GPUs, who holds them, and live runs")
     p.add_argument("--host", default="local")
     p.add_argument("--json", action="store_true", help="print the snapshot as JSON")
@@ -402,7 +376,11 @@ def main(argv: list[str] | None = None) -> int:
     ap = build_parser()
     args = ap.parse_args(argv)
     if args.command is None:
-        args = ap.parse_args(["status"])
+        if sys.stdout.isatty() and sys.stdin.isatty():
+            from console.app import run_console
+
+            return run_console()
+        args = ap.parse_args(["status"])  # not a terminal (a pipe, a script): print the status instead
     try:
         if getattr(args, "func", None) is None:
             return int(args.sync(args) or 0)

@@ -1,0 +1,137 @@
+"""Provides the Launch dialog: host, GPUs (with free memory and holders), kind, arguments, explicit start."""
+
+from __future__ import annotations
+
+import shlex
+import sys
+
+from rich.text import Text
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import Horizontal, Vertical
+from textual.screen import ModalScreen
+from textual.widgets import Button, Input, Label, Select, Static
+
+from agents.protocol import LaunchSpec
+from console.fmt import gib
+
+TRAINER_MODULES = {"fsdp": "trainers.fsdp_lm", "dflash": "trainers.dflash"}
+
+
+class LaunchRequest:
+    """What the dialog returns: the host and the spec to launch."""
+
+    def __init__(self, host: str, spec: LaunchSpec) -> None:
+        self.host = host
+        self.spec = spec
+
+
+def build_spec(kind: str, args: str, name: str, gpus: str, start: str, resume_step: str, python: str) -> LaunchSpec:
+    """Turn the form into a spec; ValueError says which field is wrong and how."""
+    try:
+        argv = shlex.split(args)
+    except ValueError as exc:
+        raise ValueError(f"arguments: {exc}") from None
+    gpu_list = None
+    if gpus.strip():
+        try:
+            gpu_list = [int(g) for g in gpus.replace(" ", "").split(",") if g]
+        except ValueError:
+            raise ValueError("GPUs: write indices like 0,1") from None
+    start_value = None
+    if kind in TRAINER_MODULES:
+        if start not in ("fresh", "resume"):
+            raise ValueError("start: choose 'fresh' (step 0, new checkpoints) or 'resume at step N' — there is no default")
+        if start == "resume":
+            if not resume_step.strip().isdigit():
+                raise ValueError("resume: give the checkpoint step N (a number)")
+            start_value = f"resume {int(resume_step)}"
+            argv += ["--resume", str(int(resume_step))]
+        else:
+            start_value = "fresh"
+            argv += ["--fresh"]
+        argv = [python or sys.executable, "-m", TRAINER_MODULES[kind], *argv]
+    elif not argv:
+        raise ValueError("command: give the command to run, e.g. python train.py --lr 3e-4")
+    return LaunchSpec(argv=argv, name=name.strip() or None, kind=kind, gpus=gpu_list, start=start_value)  # type: ignore[arg-type]
+
+
+class LaunchDialog(ModalScreen[LaunchRequest | None]):
+    """The launch form."""
+
+    BINDINGS = [Binding("escape", "cancel", "Cancel"), Binding("ctrl+s", "submit", "Launch")]
+
+    def compose(self) -> ComposeResult:
+        fleet_status = self.app.fleet_status()  # type: ignore[attr-defined]
+        hosts = list(fleet_status)
+        with Vertical(classes="dialog", id="launch-dialog"):
+            yield Static("Launch a run", classes="dialog-title")
+            yield Label("Host")
+            yield Select([(h, h) for h in hosts], value=hosts[0], id="host", allow_blank=False)
+            yield Static(self._gpu_hint(hosts[0]), id="gpu-hint", classes="hint")
+            yield Label("GPUs (e.g. 0,1; empty: leave CUDA_VISIBLE_DEVICES alone)")
+            yield Input(id="gpus", placeholder="0,1")
+            yield Label("Kind")
+            yield Select([("command", "command"), ("fsdp (trainers.fsdp_lm)", "fsdp"), ("dflash (trainers.dflash)", "dflash")], value="command", id="kind", allow_blank=False)
+            yield Label("Command / trainer arguments")
+            yield Input(id="args", placeholder="python train.py --lr 3e-4")
+            yield Label("Name")
+            yield Input(id="name", placeholder="optional")
+            yield Label("Start (trainers: required, no default)")
+            yield Select([("fresh: step 0, new checkpoints", "fresh"), ("resume at step N", "resume")], id="start", prompt="choose fresh or resume")
+            yield Input(id="resume-step", placeholder="N (for resume)")
+            yield Label("Python environment (trainers)")
+            yield Input(id="python", value=sys.executable)
+            yield Static("", id="launch-error", classes="error")
+            with Horizontal(classes="dialog-buttons"):
+                yield Button("Launch", variant="primary", id="launch")
+                yield Button("Cancel", id="cancel")
+
+    def _gpu_hint(self, host: str) -> Text:
+        st = self.app.fleet_status().get(host)  # type: ignore[attr-defined]
+        if st is None or st.snapshot is None:
+            return Text("no snapshot yet", style="dim")
+        snap = st.snapshot
+        if not snap.gpus:
+            return Text(f"no GPUs on {host}: {snap.gpu_error}", style="dim")
+        t = Text()
+        for g in snap.gpus:
+            free = g.memory_total - g.memory_used
+            holders = ", ".join(f"{p.pid} {p.attribution.lower()} {gib(p.used_bytes)}G" for p in g.processes) or "free"
+            t.append(f"GPU {g.index}: {gib(free)} GiB free — {holders}\n", style="red" if any(p.attribution in ("STALE", "FOREIGN") for p in g.processes) else "")
+        return t
+
+    def on_select_changed(self, event: Select.Changed) -> None:
+        if event.select.id == "host" and event.value != Select.NULL:
+            self.query_one("#gpu-hint", Static).update(self._gpu_hint(str(event.value)))
+
+    def on_button_pressed(self, event: Button.Pressed) -> None:
+        if event.button.id == "cancel":
+            self.dismiss(None)
+            return
+        self.submit()
+
+    def submit(self) -> None:
+        """Validate the form and return the request, or show what to fix."""
+        val = lambda wid: self.query_one(f"#{wid}", Input).value  # noqa: E731
+        start = self.query_one("#start", Select).value
+        try:
+            spec = build_spec(
+                kind=str(self.query_one("#kind", Select).value),
+                args=val("args"),
+                name=val("name"),
+                gpus=val("gpus"),
+                start="" if start == Select.NULL else str(start),
+                resume_step=val("resume-step"),
+                python=val("python"),
+            )
+        except ValueError as exc:
+            self.query_one("#launch-error", Static).update(Text(str(exc), style="bold red"))
+            return
+        self.dismiss(LaunchRequest(str(self.query_one("#host", Select).value), spec))
+
+    def action_submit(self) -> None:
+        self.submit()
+
+    def action_cancel(self) -> None:
+        self.dismiss(None)

@@ -1,0 +1,151 @@
+"""Provides the Run screen: live output (batched), the run's facts, and stop with its verification."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from rich.text import Text
+from textual import work
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.screen import Screen
+from textual.widgets import Footer, Header, Log, Static
+
+from agents.errors import AgentError
+from agents.protocol import RunInfo
+from console.fmt import duration, elapsed, when
+from console.screens.dialogs import ConfirmDialog, ResultDialog, stop_result_text
+from console.widgets.cells import state_text
+
+FLUSH_S = 0.1  # output reaches the screen in batches, a few times a second at most
+MAX_LINES = 200_000
+
+
+def run_header(r: RunInfo) -> Text:
+    """The run's facts in two lines."""
+    t = Text()
+    t.append(f"{r.id}", style="bold")
+    if r.name:
+        t.append(f" ({r.name})")
+    t.append(f" on {r.host}  ")
+    t.append_text(state_text(r.state))
+    t.append(f"  started {when(r.started)}  elapsed {duration(elapsed(r.started, r.ended))}")
+    if r.cause:
+        t.append(f"\ncause: {r.cause}", style="red" if r.state in ("failed", "lost") else "")
+    t.append(f"\n$ {' '.join(r.spec.argv)}", style="dim")
+    if r.spec.gpus is not None:
+        t.append(f"   GPUs {','.join(map(str, r.spec.gpus))}", style="dim")
+    return t
+
+
+class RunScreen(Screen):
+    """One run: its output as it comes, and the stop action."""
+
+    BINDINGS = [
+        Binding("escape", "app.pop_screen", "Back"),
+        Binding("s", "stop_run", "Stop run"),
+        Binding("f", "toggle_follow", "Follow"),
+        Binding("g", "top", "Top"),
+        Binding("G", "bottom", "Bottom"),
+    ]
+
+    def __init__(self, host: str, run_id: str) -> None:
+        super().__init__()
+        self.host = host
+        self.run_id = run_id
+        self.run: RunInfo | None = None
+        self._pending: list[str] = []
+        self.lines_received = 0
+
+    def compose(self) -> ComposeResult:
+        yield Header()
+        yield Static("", id="run-header", classes="run-header")
+        yield Log(id="run-log", max_lines=MAX_LINES, highlight=False)
+        yield Static("", id="run-status", classes="note")
+        yield Footer()
+
+    def on_mount(self) -> None:
+        self.set_interval(FLUSH_S, self._flush)
+        self.refresh_run()
+        self.follow_output()
+
+    @work(exclusive=True, group="run-info")
+    async def refresh_run(self) -> None:
+        fleet = self.app.fleet  # type: ignore[attr-defined]
+        while True:
+            try:
+                self.run = await fleet.run(self.host, self.run_id)
+                self.query_one("#run-header", Static).update(run_header(self.run))
+            except AgentError as exc:
+                self.query_one("#run-header", Static).update(Text(f"{self.run_id} on {self.host}: {exc.message}", style="red"))
+            await asyncio.sleep(1.0)
+
+    @work(exclusive=True, group="run-output")
+    async def follow_output(self) -> None:
+        fleet = self.app.fleet  # type: ignore[attr-defined]
+        try:
+            async for chunk in fleet.output(self.host, self.run_id, offset=0, follow=True):
+                if chunk.data:
+                    self._pending.append(chunk.data)
+            self._pending.append("")
+            self.query_one("#run-status", Static).update(Text("— end of output: the run has ended —", style="dim"))
+        except AgentError as exc:
+            self.query_one("#run-status", Static).update(Text(f"output stream lost: {exc.message}", style="red"))
+
+    def _flush(self) -> None:
+        if not self._pending:
+            return
+        data = "".join(self._pending)
+        self._pending.clear()
+        log = self.query_one("#run-log", Log)
+        self.lines_received += data.count("\n")
+        log.write(data)
+
+    def action_toggle_follow(self) -> None:
+        log = self.query_one("#run-log", Log)
+        log.auto_scroll = not log.auto_scroll
+        self.notify(f"follow {'on' if log.auto_scroll else 'off'}")
+
+    def action_top(self) -> None:
+        log = self.query_one("#run-log", Log)
+        log.auto_scroll = False
+        log.scroll_home(animate=False)
+
+    def action_bottom(self) -> None:
+        log = self.query_one("#run-log", Log)
+        log.auto_scroll = True
+        log.scroll_end(animate=False)
+
+    def action_stop_run(self) -> None:
+        self.stop_flow()
+
+    @work(exclusive=True, group="run-stop")
+    async def stop_flow(self) -> None:
+        r = self.run
+        if r is None:
+            return
+        held = 0
+        st = self.app.fleet_status().get(self.host)  # type: ignore[attr-defined]
+        if st is not None and st.snapshot is not None:
+            held = sum(p.used_bytes or 0 for g in st.snapshot.gpus for p in g.processes if p.run_id == r.id)
+        members = [m for m in r.members if m.role != "shim"]
+        body = Text()
+        body.append(f"Stop run {r.id} on {r.host}?\n\n")
+        body.append(f"{len(members)} process(es): SIGTERM now, SIGKILL after 30 s.\n")
+        body.append(f"GPU memory they hold: {held / 2**30:.1f} GiB\n" if held else "No GPU memory held by it right now.\n")
+        ok = await self.app.push_screen_wait(ConfirmDialog("Stop run", body))
+        if not ok:
+            return
+        status = self.query_one("#run-status", Static)
+        t0 = time.monotonic()
+        ticker = self.set_interval(0.5, lambda: status.update(Text(f"stopping {r.id} ... {time.monotonic() - t0:.0f} s (grace 30 s)", style="yellow")))
+        try:
+            res = await self.app.fleet.stop(self.host, r.id, 30.0)  # type: ignore[attr-defined]
+        except AgentError as exc:
+            ticker.stop()
+            status.update(Text(f"stop failed: {exc.message}", style="red"))
+            return
+        ticker.stop()
+        status.update(Text(f"stop finished: {res.message or res.state}", style="green" if not res.survivors else "red"))
+        await self.app.push_screen_wait(ResultDialog(f"Stopped {r.id}", stop_result_text(res)))

@@ -1,0 +1,1 @@
+"""Provides gpudeck's reusable widgets and cell renderers."""
