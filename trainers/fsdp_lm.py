@@ -198,7 +198,7 @@ def _init_full(fqn: str, shape, device, std: float, seed: int):
     return torch.empty(shape, device=device).normal_(mean=0.0, std=std, generator=g)
 
 
-def _local_shard(full, param, rank: int, world: int):
+def _local_shard(full, param):
     """The dim-0 chunk FSDP2 keeps on this rank (torch.chunk semantics)."""
     import torch
     from torch.distributed.tensor import DTensor
@@ -248,7 +248,7 @@ def materialize(model, device, seed: int, std: float, source_state: dict | None 
             else:
                 full = _init_full(fqn, shape, device, std, seed)
             local = param.to_local() if hasattr(param, "to_local") else param
-            shard = _local_shard(full, param, 0, 1)
+            shard = _local_shard(full, param)
             if tuple(shard.shape) != tuple(local.shape):
                 raise RuntimeError(f"{fqn}: shard shape {tuple(shard.shape)} != local {tuple(local.shape)}")
             local.copy_(shard)
@@ -376,6 +376,10 @@ def main(argv: list[str] | None = None) -> int:
         plan = resolve_start(out, args.fresh, args.resume, args.new_run_dir)
     except StartError as exc:
         print(f"fsdp_lm: {exc}", file=sys.stderr)
+        from trainers.telemetry import Telemetry
+
+        with Telemetry() as tel:
+            tel.emit("error", message=f"StartError: {exc}", exit_code=2)
         return 2
 
     if args.deterministic:

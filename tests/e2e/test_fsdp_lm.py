@@ -222,9 +222,10 @@ def test_failing_rank_stops_all_ranks_then_resume_matches_straight(straight, run
 
 def test_fresh_refuses_folder_with_checkpoints(straight, runs) -> None:
     out = straight[0]
-    rc, output, _, _ = runs.run([*COMMON, "--max-steps", "2", "--fresh"], out, nproc=None)
+    rc, output, tel, _ = runs.run([*COMMON, "--max-steps", "2", "--fresh"], out, nproc=None)
     assert rc == 2
     assert "--fresh refuses" in output and "step_4" in output and "step_8" in output
+    assert [r["type"] for r in tel] == ["error"] and tel[0]["exit_code"] == 2
     rc, output, _, _ = runs.run([*COMMON, "--max-steps", "2", "--fresh"], out, nproc=2)
     assert rc != 0 and "--fresh refuses" in output
 
@@ -271,3 +272,25 @@ def test_init_from_exported_folder_continues_from_trained_weights(straight, runs
     assert manifest["params_total"] == next(r for r in tel if r["type"] == "manifest")["params_total"]
     # sharded over 2 ranks from the exported weights: starts near where training ended
     assert step_losses(tel2)[1] < ref[1] - 0.5
+
+
+def test_sigterm_stops_all_ranks_after_a_checkpoint(runs, tmp_path) -> None:
+    from trainers.checkpoint import list_checkpoints
+
+    out = tmp_path / "term"
+    p, tel = runs.start([*COMMON, "--max-steps", "100000", "--fresh"], out)
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline and max(step_losses(read_telemetry(tel)), default=0) < 3:
+        assert p.poll() is None, p.communicate()[0][-3000:]
+        time.sleep(0.1)
+    os.kill(p.pid, signal.SIGTERM)  # what gpudeck's agent sends first; torchrun forwards it
+    output, _ = p.communicate(timeout=60)
+    recs = read_telemetry(tel)
+    done = [r for r in recs if r["type"] == "done"]
+    assert {r["rank"] for r in done} == {0, 1}, output[-3000:]
+    assert {r["reason"] for r in done} == {"stopped"}
+    final = done[0]["final_step"]
+    assert list_checkpoints(out) == [final]
+    pids = [r["pid"] for r in recs if r["type"] == "manifest"]
+    time.sleep(1)
+    assert not any(_alive(x) for x in pids)
