@@ -34,6 +34,23 @@ What it does, in order:
 
 Telemetry: ``manifest``, ``step``, ``heartbeat``, ``checkpoint``, ``done`` and
 ``error`` records through ``trainers.telemetry.Telemetry`` (``GPUDECK_TELEMETRY``).
+Every rank writes its own records. In ``step`` records ``loss`` is the mean over
+ranks and micro-batches, ``tokens_per_s`` is the whole job's (all ranks) over
+the step's wall time, and ``mfu`` is per GPU: tokens_per_s / world_size *
+flops_per_token / peak_flops (null with ``mfu_note`` in the manifest when the
+peak is unknown, e.g. on CPU). Extra step fields: lr, grad_norm, step_time_s,
+tokens (seen so far). The manifest adds params_embedding, dataset_sample_tokens,
+tokens_per_step, flops_per_token, peak_flops, dtype, compile, ... .
+
+Batch sizes: ``--batch-size`` sequences of ``--seq-len`` tokens per rank per
+micro-step; one optimizer step sees batch_size x grad_accum x world_size
+sequences.
+
+Output: ``OUT/checkpoints/step_<N>/``, ``OUT/final/`` (config.json,
+model.safetensors, the tokenizer: ``gpudeck_byte_tokenizer.json`` for the byte
+tokenizer, reloadable with ``trainers.data.load_tokenizer(OUT/final)``), and
+``OUT/result.json`` (final_step, start, losses per step, final_loss,
+tokens_per_s and mfu means excluding step 1, params, world size, checkpoints).
 
 SIGTERM/SIGINT: the ranks agree (one all-reduce per step) to stop after the
 current step, save a checkpoint, export nothing, and exit 0 with a ``done``
