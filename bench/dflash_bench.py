@@ -64,16 +64,21 @@ def bench_loss(args) -> None:
         weight.requires_grad_(weight_grad)
         weight.grad = None
         hid = base_hidden.clone().requires_grad_(True)
+        dl.COMPILE_ON_CUDA = kind != "fused-eager"
         if kind == "plain":
             loss = plain_linear_cross_entropy(hid, weight, labels, w)
         else:
-            loss = chunked_linear_cross_entropy(hid, weight, labels, w, chunk_rows=chunk, mode=kind)
+            mode = "fused" if kind.startswith("fused") else kind
+            loss = chunked_linear_cross_entropy(hid, weight, labels, w, chunk_rows=chunk, mode=mode)
         loss.backward()
         return loss.detach(), hid.grad
+
+    import trainers.dflash_loss as dl
 
     configs = [("plain", 0)]
     for c in args.chunks:
         configs.append(("fused", c))
+    configs.append(("fused-eager", 2048))
     configs.append(("recompute", 4096))
     ref = {}
     for weight_grad in ([False, True] if args.weight_grad else [False]):
@@ -134,13 +139,24 @@ def bench_train(args) -> None:
         label = f"train.{attn}.L{layers}.B{batch}" + (".compile" if compile_ else "")
         print("$ " + " ".join(cmd), flush=True)
         t0 = time.time()
-        p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=args.timeout)
-        print(p.stdout[-3000:], p.stderr[-3000:] if p.returncode else "", flush=True)
-        if p.returncode != 0:
-            result(label, "FAILED", "-", rc=p.returncode, wall_s=f"{time.time() - t0:.0f}")
-            continue
-        recs = [json.loads(x) for x in tel.read_text().splitlines() if x.strip()]
+        log = (Path(args.log_dir) if args.log_dir else out) / f"{label}.log"
+        log.parent.mkdir(parents=True, exist_ok=True)
+        with open(log, "w") as fh:
+            p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=fh, stderr=subprocess.STDOUT, text=True)
+            try:
+                rc = p.wait(timeout=args.timeout)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                rc = p.wait()
+                rc = f"timeout after {args.timeout}s"
+        text = log.read_text()
+        print("\n".join(line for line in text.splitlines() if "Warning" not in line)[-2500:], flush=True)
+        recs = [json.loads(x) for x in tel.read_text().splitlines() if x.strip()] if tel.exists() else []
         steps = [r for r in recs if r["type"] == "step" and r["step"] > args.skip]
+        if rc != 0 or not steps:
+            result(label, "FAILED", "-", rc=str(rc).replace(" ", "_"), wall_s=f"{time.time() - t0:.0f}",
+                   steps_done=len([r for r in recs if r["type"] == "step"]))
+            continue
         man = next(r for r in recs if r["type"] == "manifest")
         tps = statistics.median(r["tokens_per_s"] for r in steps)
         mfu = statistics.median(r["mfu"] for r in steps)
@@ -163,10 +179,10 @@ def main() -> int:
     ap.add_argument("--rows", type=int, default=1024 * 32)
     ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument("--vocab", type=int, default=151936)
-    ap.add_argument("--chunks", type=lambda s: [int(x) for x in s.split(",")], default=[1024, 2048, 4096])
+    ap.add_argument("--chunks", type=lambda s: [int(x) for x in s.split(",")], default=[2048, 4096])
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--weight-grad", action="store_true")
-    ap.add_argument("--configs", type=lambda s: s.split(","), default=["sdpa:5:4", "flex:5:4"],
+    ap.add_argument("--configs", type=lambda s: s.split(","), default=["sdpa:5:4", "flex:5:4", "flex:5:4:compile"],
                     help="attn:drafter_layers:batch[:compile], comma separated")
     ap.add_argument("--target-config", default="qwen3-0.6b")
     ap.add_argument("--steps", type=int, default=12)
@@ -177,6 +193,7 @@ def main() -> int:
     ap.add_argument("--chunk-rows", type=int, default=2048)
     ap.add_argument("--corpus-bytes", type=int, default=6 * 1024 * 1024)
     ap.add_argument("--timeout", type=int, default=240)
+    ap.add_argument("--log-dir", default=None, help="where each training run's output goes")
     args = ap.parse_args()
     import torch
 

@@ -343,10 +343,9 @@ def _make_mask(anchors, seq_len, block_size, attn, device):
         own = (kv_idx >= seq_len) & ((kv_idx - seq_len) // block_size == blk)
         return ctx_ok | own
 
-    try:  # compiled mask construction avoids materialising [b, Q, KV] index grids
-        return create_block_mask(mask_mod, bsz, None, q_len, seq_len + q_len, device=device, _compile=True)
-    except TypeError:
-        return create_block_mask(mask_mod, bsz, None, q_len, seq_len + q_len, device=device)
+    # eager construction: the anchors change every step, and a compiled mask builder would
+    # recompile for every new closure
+    return create_block_mask(mask_mod, bsz, None, q_len, seq_len + q_len, device=device)
 
 
 # ------------------------------------------------------------------ the trainer

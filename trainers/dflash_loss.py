@@ -27,8 +27,11 @@ Follows SpecForge's ``OnlineDFlashModel`` (see shared/research/trainers.md, sect
     computes the chunk's gradient w.r.t. the hidden states (softmax - onehot,
     times w, times W) and keeps only that ``[M, H]`` result; backward just scales
     it by the incoming scalar gradient. Peak extra memory is one chunk's logits
-    (plus ``[M, H]``); compute is the same three-matmul budget as the plain
-    version (logits, grad_h, and grad_W only when W requires grad).
+    and their gradient (plus ``[M, H]``); compute is the plain version's matmul
+    budget (logits, grad_h, and grad_W only when W requires grad). On CUDA the
+    softmax/CE/gradient of a chunk is one ``torch.compile``d kernel
+    (``_softmax_ce_grad``: two reductions and one pointwise pass over bf16
+    logits) instead of ~8 eager passes over fp32 copies.
   - ``"recompute"``: the forward saves nothing but its inputs; backward
     recomputes each chunk's logits (checkpointing). One more matmul than plain.
 
@@ -148,24 +151,79 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _chunk_ce_and_grad(h, weight, y, w, want_grad_h, want_grad_w):
-    """One chunk: weighted CE sum, and (optionally) d/dh and d/dW of it. Logits computed once."""
-    acc = _acc_dtype(h.dtype)
-    logits = h @ weight.t()  # [c, V] in the compute dtype
-    lf = logits.to(acc)
-    del logits
+def _softmax_ce_grad(logits, y, w):
+    """Weighted CE sum of one chunk and its gradient w.r.t. the logits, ``(softmax - onehot) * w``.
+
+    Written as plain tensor ops so that ``torch.compile`` fuses it into two reductions and one
+    pointwise pass over the logits (no fp32 [c, V] temporaries); ``w`` carries the accumulation
+    dtype (float32, or float64 in the exactness tests). The gradient is returned in the logits'
+    dtype.
+    """
+    lf = logits.to(w.dtype)
+    m = lf.amax(dim=-1, keepdim=True)
+    e = torch.exp(lf - m)
+    s = e.sum(dim=-1, keepdim=True)
+    lse = (m + torch.log(s)).squeeze(-1)
+    tgt = lf.gather(1, y.unsqueeze(1)).squeeze(1)
+    loss = ((lse - tgt) * w).sum()
+    onehot = torch.arange(lf.shape[-1], device=lf.device).unsqueeze(0) == y.unsqueeze(1)
+    g = (e / s - onehot.to(lf.dtype)) * w.unsqueeze(1)
+    return loss, g.to(logits.dtype)
+
+
+def _softmax_ce(logits, y, w):
+    """Weighted CE sum of one chunk (no gradient)."""
+    lf = logits.to(w.dtype)
     lse = torch.logsumexp(lf, dim=-1)
     tgt = lf.gather(1, y.unsqueeze(1)).squeeze(1)
-    wa = w.to(acc)
-    loss = ((lse - tgt) * wa).sum()
+    return ((lse - tgt) * w).sum()
+
+
+# compiled on CUDA (fused kernels); eager elsewhere. Chunks are padded to the full chunk size
+# before the compiled call so that one static-shape graph serves every chunk and every step.
+COMPILE_ON_CUDA = True
+_compiled_kernel = None
+_compile_failed = False
+
+
+def _kernel_for(t: torch.Tensor):
+    global _compiled_kernel, _compile_failed
+    if not (COMPILE_ON_CUDA and t.is_cuda) or _compile_failed:
+        return None
+    if _compiled_kernel is None:
+        _compiled_kernel = torch.compile(_softmax_ce_grad, dynamic=False)
+    return _compiled_kernel
+
+
+def _chunk_ce_and_grad(h, weight, y, w, want_grad_h, want_grad_w, chunk_rows=None):
+    """One chunk: weighted CE sum, and (optionally) d/dh and d/dW of it. Logits computed once."""
+    global _compile_failed
+    w = w.to(_acc_dtype(h.dtype))
+    logits = h @ weight.t()  # [c, V] in the compute dtype
     if not (want_grad_h or want_grad_w):
-        return loss, None, None
-    # softmax in place, minus one-hot, times the row weight
-    lf.sub_(lse.unsqueeze(1)).exp_()
-    lf.scatter_add_(1, y.unsqueeze(1), torch.full_like(tgt, -1.0).unsqueeze(1))
-    lf.mul_(wa.unsqueeze(1))
-    g = lf.to(h.dtype)
-    del lf
+        return _softmax_ce(logits, y, w), None, None
+    kernel = _kernel_for(logits)
+    g = None
+    if kernel is not None:
+        c = logits.shape[0]
+        pad = (chunk_rows or c) - c
+        try:
+            if pad > 0:
+                lp = torch.cat([logits, logits.new_zeros(pad, logits.shape[1])])
+                loss, g = kernel(lp, torch.cat([y, y.new_zeros(pad)]), torch.cat([w, w.new_zeros(pad)]))
+                g = g[:c]
+            else:
+                loss, g = kernel(logits, y, w)
+        except Exception as exc:  # no working compiler: stay correct, lose the fusion
+            import sys
+
+            print(f"dflash_loss: torch.compile of the CE kernel failed ({type(exc).__name__}: {exc}); "
+                  "using eager", file=sys.stderr)
+            _compile_failed = True
+            g = None
+    if g is None:
+        loss, g = _softmax_ce_grad(logits, y, w)
+    del logits
     gh = g @ weight if want_grad_h else None
     gw = g.t() @ h if want_grad_w else None
     return loss, gh, gw
@@ -187,7 +245,7 @@ class _ChunkedLinearCE(torch.autograd.Function):
         for s in range(0, m, chunk_rows):
             e = min(m, s + chunk_rows)
             loss, gh, gw = _chunk_ce_and_grad(
-                hidden[s:e], weight, labels[s:e], weights[s:e], fused and want_h, fused and want_w
+                hidden[s:e], weight, labels[s:e], weights[s:e], fused and want_h, fused and want_w, chunk_rows
             )
             total += loss
             if gh is not None:
@@ -213,7 +271,8 @@ class _ChunkedLinearCE(torch.autograd.Function):
             gw = torch.zeros_like(weight, dtype=_acc_dtype(hidden.dtype)) if want_w else None
             for s in range(0, hidden.shape[0], ctx.chunk_rows):
                 e = min(hidden.shape[0], s + ctx.chunk_rows)
-                _, ghc, gwc = _chunk_ce_and_grad(hidden[s:e], weight, labels[s:e], weights[s:e], want_h, want_w)
+                _, ghc, gwc = _chunk_ce_and_grad(hidden[s:e], weight, labels[s:e], weights[s:e], want_h, want_w,
+                                                 ctx.chunk_rows)
                 if ghc is not None:
                     gh[s:e] = ghc
                 if gwc is not None:
