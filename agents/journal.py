@@ -50,6 +50,7 @@ CREATE TABLE IF NOT EXISTS events (
     run_id TEXT,
     data TEXT NOT NULL
 );
+CREATE INDEX IF NOT EXISTS events_run ON events(run_id, kind, seq);
 """
 
 _RUN_FIELDS = ("state", "cause", "exit_code", "signal", "started", "ended", "members", "name")
@@ -154,6 +155,15 @@ class Journal:
                 (after_seq, limit),
             ).fetchall()
         return [Event(seq=r[0], ts=r[1], kind=r[2], run_id=r[3], data=json.loads(r[4])) for r in rows]
+
+    def last_event(self, run_id: str, kind: str) -> Event | None:
+        """The newest event of one kind for one run."""
+        with self._lock:
+            r = self._conn.execute(
+                "SELECT seq, ts, kind, run_id, data FROM events WHERE run_id=? AND kind=? ORDER BY seq DESC LIMIT 1",
+                (run_id, kind),
+            ).fetchone()
+        return Event(seq=r[0], ts=r[1], kind=r[2], run_id=r[3], data=json.loads(r[4])) if r else None
 
     # ------------------------------------------------------------------ runs
 

@@ -120,6 +120,40 @@ class LaunchSpec(msgspec.Struct, kw_only=True, omit_defaults=True):
     parent: str | None = None  # run this one relaunches / rolls back
 
 
+class RankTelemetry(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """What one rank reported last."""
+
+    rank: int
+    role: str | None = None
+    device: str | None = None
+    gpu_uuid: str | None = None
+    pid: int | None = None
+    step: int | None = None
+    last_seen: float | None = None
+
+
+class RunTelemetry(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """The latest of a run's telemetry (trainers/telemetry.py's records, folded)."""
+
+    step: int | None = None
+    loss: float | None = None
+    tokens_per_s: float | None = None
+    mfu: float | None = None
+    queue_depth: float | None = None
+    tau: float | None = None
+    world_size: int | None = None
+    params_total: int | None = None
+    params_trainable: int | None = None
+    start: str | None = None
+    last_checkpoint: int | None = None
+    last_ts: float | None = None
+    done: bool = False
+    error: str | None = None
+    bad_lines: int = 0
+    tps_history: list[float] = []
+    ranks: dict[str, RankTelemetry] = {}
+
+
 class RunInfo(msgspec.Struct, kw_only=True, omit_defaults=True):
     """A run as the agent's journal knows it."""
 
@@ -137,6 +171,7 @@ class RunInfo(msgspec.Struct, kw_only=True, omit_defaults=True):
     request_id: str | None = None
     run_dir: str | None = None
     members: list[Member] = []
+    telemetry: RunTelemetry | None = None  # live runs only (the journal keeps the records as events)
 
 
 class StoppedProcess(msgspec.Struct, kw_only=True, omit_defaults=True):

@@ -45,6 +45,7 @@ from agents.protocol import (
     StoppedProcess,
     StopResult,
 )
+from agents.telemetry import TelemetryTail
 
 log = logging.getLogger("gpudeck.agent")
 
@@ -53,6 +54,7 @@ _SHIM = str(Path(__file__).resolve().with_name("shim.py"))
 SHIM_START_TIMEOUT_S = 15.0
 KILL_WAIT_S = 5.0  # after SIGKILL, how long to wait for the kernel to take them
 GPU_SETTLE_S = 5.0  # after the processes are gone, how long to wait for NVML to drop them
+STEP_EVENT_EVERY_S = 10.0  # step records reach the journal at most this often per run (all other records always)
 
 # Failure causes recognised in the tail of a run's output, most specific first.
 _CAUSE_PATTERNS: list[tuple[re.Pattern[str], str]] = [
@@ -124,6 +126,9 @@ class Supervisor:
         self._shims: dict[str, subprocess.Popen] = {}
         self._stopping: dict[str, asyncio.Task] = {}
         self._launch_lock = asyncio.Lock()
+        self._tails: dict[str, TelemetryTail] = {}
+        self._journaled_offset: dict[str, int] = {}
+        self._last_step_event: dict[str, float] = {}
 
     # ------------------------------------------------------------------ journal helpers
 
@@ -138,6 +143,9 @@ class Supervisor:
         if run.state in TERMINAL_STATES:
             self._runs.pop(run.id, None)
             self._ended_ids.add(run.id)
+            self._tails.pop(run.id, None)
+            self._journaled_offset.pop(run.id, None)
+            self._last_step_event.pop(run.id, None)
         self._emit(ev)
 
     def live_runs(self) -> list[RunInfo]:
@@ -323,11 +331,41 @@ class Supervisor:
         """One supervision tick: find new members, notice ended runs. Blocking; call in a thread."""
         self.procs.refresh()
         for run in list(self._runs.values()):
-            if run.state not in ("running", "starting") or run.id in self._stopping:
+            if run.state not in ("running", "starting", "stopping"):
+                continue
+            self.poll_telemetry(run)
+            if run.id in self._stopping:
                 continue
             self._discover_members(run)
             if not self._run_alive(run):
                 self._finish(run)
+
+    def poll_telemetry(self, run: RunInfo) -> None:
+        """Fold new telemetry into the run's summary; journal what history needs, exactly once."""
+        tail = self._tails.get(run.id)
+        if tail is None:
+            tail = self._tails[run.id] = TelemetryTail(Path(run.run_dir or "") / "telemetry.jsonl")
+            last = self.journal.last_event(run.id, "telemetry")
+            self._journaled_offset[run.id] = int(last.data.get("offset", 0)) if last else 0
+        records = tail.poll()
+        run.telemetry = tail.summary
+        if not records:
+            return
+        floor = self._journaled_offset.get(run.id, 0)
+        now = time.monotonic()
+        items: list[tuple[str, str | None, dict]] = []
+        for rec, offset in records:
+            if offset <= floor or rec.get("type") == "heartbeat":
+                continue
+            if rec.get("type") == "step":
+                if now - self._last_step_event.get(run.id, -1e9) < STEP_EVENT_EVERY_S:
+                    continue
+                self._last_step_event[run.id] = now
+            items.append(("telemetry", run.id, {"record": rec, "offset": offset}))
+        if items:
+            for ev in self.journal.append_many(items):
+                self._emit(ev)
+            self._journaled_offset[run.id] = items[-1][2]["offset"]
 
     def _discover_members(self, run: RunInfo) -> bool:
         known = {(m.pid, round(m.create_time, 1)) for m in run.members}
@@ -373,6 +411,7 @@ class Supervisor:
             return None
 
     def _finish(self, run: RunInfo, *, agent_was_down: bool = False) -> None:
+        self.poll_telemetry(run)  # the last records (done, error) before the run is closed
         shim = self._shims.pop(run.id, None)
         if shim is not None:
             shim.poll()
@@ -536,6 +575,7 @@ class Supervisor:
             result.state = run.state
             result.message = f"run {run.id} had already ended ({run.cause}); its {len(live)} leftover process(es) were stopped"
         else:
+            self.poll_telemetry(run)
             rec = self._exit_record(run)
             code = rec.get("returncode") if rec else None
             sig = rec.get("signal") if rec else None

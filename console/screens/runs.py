@@ -15,15 +15,35 @@ from agents.errors import AgentError
 from agents.protocol import RunInfo
 from console.fmt import duration, elapsed, when
 from console.screens.host import sync_rows
-from console.widgets.cells import state_text
+from console.widgets.cells import sparkline, state_text
 
-COLUMNS = [("id", "RUN"), ("name", "NAME"), ("host", "HOST"), ("kind", "KIND"), ("state", "STATE"), ("started", "STARTED"), ("elapsed", "ELAPSED"), ("cause", "CAUSE")]
+COLUMNS = [
+    ("id", "RUN"),
+    ("name", "NAME"),
+    ("host", "HOST"),
+    ("kind", "KIND"),
+    ("state", "STATE"),
+    ("step", "STEP"),
+    ("loss", "LOSS"),
+    ("tps", "TOK/S"),
+    ("started", "STARTED"),
+    ("elapsed", "ELAPSED"),
+    ("cause", "CAUSE"),
+]
 REFRESH_S = 2.0
 
 
 def run_cells(r: RunInfo) -> dict[str, object]:
     """The cells of one run's row."""
+    tel = r.telemetry
+    tps = Text("-")
+    if tel is not None and tel.tokens_per_s is not None:
+        tps = Text(f"{tel.tokens_per_s:,.0f} ")
+        tps.append(sparkline(tel.tps_history), style="cyan")
     return {
+        "step": "-" if tel is None or tel.step is None else str(tel.step),
+        "loss": "-" if tel is None or tel.loss is None else f"{tel.loss:.4f}",
+        "tps": tps,
         "id": r.id,
         "name": r.name or "-",
         "host": r.host,

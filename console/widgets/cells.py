@@ -45,3 +45,16 @@ def state_text(state: str, extra: str = "") -> Text:
 def attribution_text(attribution: str) -> Text:
     """RUN / STALE / FOREIGN / NO SUCH PROCESS in its colour."""
     return Text(attribution.replace("_", " "), style=ATTRIBUTION_STYLES.get(attribution, ""))
+
+
+_SPARK = "▁▂▃▄▅▆▇█"
+
+
+def sparkline(values: list[float], width: int = 12) -> str:
+    """The last ``width`` values as a unicode sparkline."""
+    vals = values[-width:]
+    if not vals:
+        return ""
+    lo, hi = min(vals), max(vals)
+    span = (hi - lo) or 1.0
+    return "".join(_SPARK[min(len(_SPARK) - 1, int((v - lo) / span * (len(_SPARK) - 1)))] for v in vals)

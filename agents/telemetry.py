@@ -1,0 +1,122 @@
+"""Provides the agent's reader of run telemetry (the JSON lines trainers append, see trainers/telemetry.py).
+
+The file is read incrementally from the last offset each supervision tick;
+a torn last line waits for the rest, a line that is not JSON is counted and
+skipped. The summary keeps what the console shows (step, loss, tokens/s, MFU,
+each rank's manifest and last heartbeat); the supervisor journals the records
+that matter for history (manifest, checkpoint, eval, done, error, and steps
+at a bounded rate).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from agents.protocol import RankTelemetry, RunTelemetry
+
+MAX_READ = 4 << 20  # bytes per poll; the rest waits for the next tick
+MAX_LINE = 1 << 20
+
+
+class TelemetryTail:
+    """Follows one run's telemetry.jsonl and folds it into a RunTelemetry."""
+
+    def __init__(self, path: Path, offset: int = 0) -> None:
+        self.path = path
+        self.offset = offset  # file offset just past the last complete line read
+        self.summary = RunTelemetry()
+
+    def poll(self) -> list[tuple[dict, int]]:
+        """New complete records since the last poll, each with the file offset just past it."""
+        try:
+            with open(self.path, "rb") as fh:
+                size = os.fstat(fh.fileno()).st_size
+                if size < self.offset:  # truncated or replaced: start over
+                    self.offset = 0
+                if size == self.offset:
+                    return []
+                fh.seek(self.offset)
+                data = fh.read(MAX_READ)
+        except OSError:
+            return []
+        end = data.rfind(b"\n")
+        if end < 0:
+            if len(data) > MAX_LINE:  # one endless line: skip it
+                self.offset += len(data)
+                self.summary.bad_lines += 1
+            return []  # a torn last line waits for its newline
+        out: list[tuple[dict, int]] = []
+        pos = self.offset
+        for raw in data[: end + 1].split(b"\n")[:-1]:
+            pos += len(raw) + 1
+            if not raw.strip():
+                continue
+            try:
+                rec = json.loads(raw)
+            except ValueError:
+                self.summary.bad_lines += 1
+                continue
+            if not isinstance(rec, dict) or "type" not in rec:
+                self.summary.bad_lines += 1
+                continue
+            self._fold(rec)
+            out.append((rec, pos))
+        self.offset = pos
+        return out
+
+    def _fold(self, rec: dict) -> None:
+        s = self.summary
+        kind = rec.get("type")
+        ts = _num(rec.get("ts"))
+        rank = rec.get("rank")
+        rank = rank if isinstance(rank, int) else 0
+        r = s.ranks.get(str(rank))
+        if r is None:
+            r = s.ranks[str(rank)] = RankTelemetry(rank=rank)
+        if ts is not None:
+            r.last_seen = max(r.last_seen or 0.0, ts)
+            s.last_ts = max(s.last_ts or 0.0, ts)
+        if kind == "manifest":
+            r.role = _str(rec.get("role"))
+            r.device = _str(rec.get("device"))
+            r.gpu_uuid = _str(rec.get("gpu_uuid"))
+            r.pid = rec.get("pid") if isinstance(rec.get("pid"), int) else None
+            s.world_size = rec.get("world_size") if isinstance(rec.get("world_size"), int) else s.world_size
+            s.params_total = rec.get("params_total") if isinstance(rec.get("params_total"), int) else s.params_total
+            s.params_trainable = rec.get("params_trainable") if isinstance(rec.get("params_trainable"), int) else s.params_trainable
+            s.start = _str(rec.get("start")) or s.start
+        elif kind == "step":
+            step = rec.get("step")
+            if isinstance(step, int):
+                r.step = step
+                if s.step is None or step >= s.step:
+                    s.step = step
+                    s.loss = _num(rec.get("loss"))
+                    s.tokens_per_s = _num(rec.get("tokens_per_s"))
+                    s.mfu = _num(rec.get("mfu"))
+                    s.queue_depth = _num(rec.get("queue_depth"))
+                    if s.tokens_per_s is not None:
+                        s.tps_history = (s.tps_history + [s.tokens_per_s])[-60:]
+        elif kind == "heartbeat":
+            step = rec.get("step")
+            if isinstance(step, int):
+                r.step = step
+        elif kind == "checkpoint":
+            s.last_checkpoint = rec.get("step") if isinstance(rec.get("step"), int) else s.last_checkpoint
+        elif kind == "eval":
+            if _num(rec.get("tau")) is not None:
+                s.tau = _num(rec.get("tau"))
+        elif kind == "done":
+            s.done = True
+        elif kind == "error":
+            s.error = _str(rec.get("message"))
+
+
+def _num(v: object) -> float | None:
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+
+
+def _str(v: object) -> str | None:
+    return v[:500] if isinstance(v, str) else None

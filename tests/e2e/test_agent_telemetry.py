@@ -1,0 +1,49 @@
+"""The agent reads run telemetry: live figures in snapshots, records journaled exactly once across restarts."""
+
+from __future__ import annotations
+
+import sqlite3
+import sys
+from pathlib import Path
+
+from tests.agent_harness import ROOT, AgentProc, wait_for
+
+PROG = Path(__file__).parent / "progs" / "telemetry_writer.py"
+
+
+def telemetry_events(agent: AgentProc, rid: str) -> list[dict]:
+    import json
+
+    db = sqlite3.connect(agent.state_dir / "journal.db")
+    try:
+        rows = db.execute("SELECT data FROM events WHERE run_id=? AND kind='telemetry' ORDER BY seq", (rid,)).fetchall()
+    finally:
+        db.close()
+    return [json.loads(r[0])["record"] for r in rows]
+
+
+def test_telemetry_is_live_and_journaled_once(agent: AgentProc, tmp_path: Path) -> None:
+    gate = tmp_path / "go"
+    rid = agent.cli_json("launch", "--", sys.executable, str(PROG), str(ROOT), str(gate))["id"]
+    wait_for(lambda: Path(str(gate) + ".ready").exists(), what="the first records")
+
+    def live_tel() -> dict | None:
+        run = next((r for r in agent.cli_json("status")["runs"] if r["id"] == rid), None)
+        tel = (run or {}).get("telemetry") or {}
+        return tel if tel.get("step") == 5 else None
+
+    tel = wait_for(live_tel, what="step 5 in the snapshot")
+    assert tel["loss"] == 2.0 and tel["tokens_per_s"] == 5000.0
+    assert tel["params_total"] == 771_000_000 and tel["world_size"] == 1 and tel["last_checkpoint"] == 5
+    assert tel["ranks"]["0"]["device"] == "cpu"
+
+    agent.kill9()  # records already journaled must not be journaled again
+    agent.start()
+    gate.touch()
+    wait_for(lambda: next(r for r in agent.cli_json("runs") if r["id"] == rid)["state"] == "succeeded", what="the run to finish")
+    kinds = [r["type"] for r in telemetry_events(agent, rid)]
+    assert kinds.count("manifest") == 1
+    assert kinds.count("checkpoint") == 1
+    assert kinds.count("done") == 1
+    assert 1 <= kinds.count("step") <= 3  # steps are journaled at a bounded rate
+    assert "heartbeat" not in kinds
