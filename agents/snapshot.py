@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 
 from agents.gpus import GpuSampler
-from agents.procs import ProcTable, proc_info
+from agents.procs import ProcTable, proc_info, status_of
 from agents.protocol import GpuProcess, ProcInfo, Snapshot
 from agents.supervisor import Supervisor
 
@@ -44,6 +44,8 @@ class SnapshotBuilder:
             static = (info.user, info.cmdline[:16])
             self._static[key] = static
         p.user, p.cmdline = static
+        # status is read fresh: a zombie or a disk-sleep process holding GPU memory is what an operator must see
+        p.status = status_of(p.pid, entry.create_time) or "gone"
         if entry.run_id is None:
             p.attribution = "FOREIGN"
             return

@@ -29,7 +29,7 @@ class GpudeckApp(App):
         Binding("f", "show_fleet", "Fleet", tooltip="every host"),
         Binding("r", "show_runs", "Runs", tooltip="every run on every host"),
         Binding("l", "launch", "Launch", tooltip="start a run"),
-        Binding("question_mark", "show_help", "Help", key_display="?"),
+        Binding("question_mark", "show_help_panel", "Help", key_display="?"),
         Binding("q", "quit", "Quit"),
     ]
 
