@@ -27,7 +27,10 @@ Step
     from ``decay_gamma`` (7/5/4 for B=16/10/8), loss = sum(w*CE)/sum(w) through
     the chunked fused lm_head + CE (``--loss-chunk-rows``, ``--loss-mode``).
     All blocks go through the drafter in one pass with one dense bool mask
-    (SDPA) or a flex-attention block mask (``--attn flex``, CUDA only).
+    (SDPA) or a flex-attention block mask (``--attn flex``, CUDA only; the
+    default ``auto`` picks flex on CUDA: it skips the masked-out key blocks,
+    which the dense mask computes and throws away — on one H200 it took the
+    step from 341 ms to 210 ms, bench/RESULTS-dflash.md).
     ``loss_mask`` is all ones: plain text has no prompt/response split, so every
     position is supervised (JSONL loss masks are not implemented yet).
 
@@ -136,8 +139,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="block mask token (default: tokenizer's MASK, Qwen3's 151669, else vocab-1)")
     g.add_argument("--loss-chunk-rows", type=int, default=2048)
     g.add_argument("--loss-mode", default="fused", choices=["fused", "recompute", "plain"])
-    g.add_argument("--attn", default="sdpa", choices=["sdpa", "flex"],
-                   help="drafter attention: dense bool mask + SDPA, or flex attention (CUDA)")
+    g.add_argument("--attn", default="auto", choices=["auto", "sdpa", "flex"],
+                   help="drafter attention in training: dense bool mask + SDPA, or flex attention "
+                        "with a block mask (CUDA); auto: flex on CUDA, sdpa on CPU. Evaluation "
+                        "always uses the dense SDPA mask")
     g.add_argument("--topology", default="colocated", choices=["colocated", "split"])
     g.add_argument("--target-ranks", default=None, help="split: ranks running the target (0,1 or 0-1)")
     g.add_argument("--drafter-ranks", default=None, help="split: ranks training the drafter")
@@ -374,6 +379,8 @@ class Trainer:
             self.dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
         else:
             self.dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+        if args.attn == "auto":
+            args.attn = "flex" if self.device.type == "cuda" else "sdpa"
         if args.attn == "flex" and self.device.type != "cuda":
             raise runtime.ExitWith(2, "--attn flex needs CUDA; use --attn sdpa on CPU")
 
@@ -945,7 +952,7 @@ class Trainer:
 
     def eval(self, step: int) -> None:
         res = evaluate_tau(self.drafter, self.embed, self.lm_head.weight, self.eval_ids, self.eval_feats,
-                           self.args.eval_prompt_len, self.block_size, self.mask_token_id, self.args.attn)
+                           self.args.eval_prompt_len, self.block_size, self.mask_token_id, "sdpa")
         res["step"] = step
         if self.first_eval is None:
             self.first_eval = res

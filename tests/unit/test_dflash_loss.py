@@ -268,3 +268,18 @@ def test_drafter_save_and_reload(tmp_path):
     assert d2.config.dflash_config == cfg.dflash_config
     for (n1, p1), (n2, p2) in zip(d.state_dict().items(), d2.state_dict().items()):
         assert n1 == n2 and torch.equal(p1, p2)
+
+
+def test_compilable_chunk_kernel_matches_inplace_kernel():
+    from trainers.dflash_loss import _softmax_ce_grad, _softmax_ce_grad_inplace
+
+    g = torch.Generator().manual_seed(4)
+    logits = torch.randn(17, 41, generator=g, dtype=torch.float64)
+    y = torch.randint(0, 41, (17,), generator=g)
+    w = torch.rand(17, generator=g, dtype=torch.float64)
+    l1, g1 = _softmax_ce_grad(logits, y, w)
+    l2, g2 = _softmax_ce_grad_inplace(logits.clone(), y, w)
+    assert torch.allclose(l1, l2, rtol=1e-12) and torch.allclose(g1, g2, atol=1e-14)
+    ref = logits.clone().requires_grad_(True)
+    (torch.nn.functional.cross_entropy(ref, y, reduction="none") * w).sum().backward()
+    assert torch.allclose(g1, ref.grad, atol=1e-14)
