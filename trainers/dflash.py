@@ -31,8 +31,11 @@ Step
     default ``auto`` picks flex on CUDA: it skips the masked-out key blocks,
     which the dense mask computes and throws away — on one H200 it took the
     step from 341 ms to 210 ms, bench/RESULTS-dflash.md).
-    ``loss_mask`` is all ones: plain text has no prompt/response split, so every
-    position is supervised (JSONL loss masks are not implemented yet).
+    ``loss_mask`` is all ones for plain text (no prompt/response split, so every
+    position is supervised). A ``--data`` JSONL file whose records are
+    ``{"prompt": ..., "response": ...}`` gives a mask of 0 on prompt tokens and 1
+    on response tokens + EOS (``load_prompt_response_jsonl``); anchors are then
+    drawn only where ``mask[t]`` and ``mask[t+1]`` are set.
 
 Topologies
     ``colocated``: every rank runs the target and the drafter; the drafter is
@@ -435,9 +438,20 @@ class Trainer:
         if tok_spec is None and args.target and _has_tokenizer(args.target):
             tok_spec = args.target
         self.tokenizer = load_tokenizer(tok_spec)
-        src = load_tokens(args.data, self.tokenizer, dtype=args.data_dtype, max_bytes=args.corpus_bytes)
-        train, val = split_tokens(src.tokens, args.val_fraction)
-        self.data_desc = src.description
+        self.mask_ds = None
+        masked = load_prompt_response_jsonl(args.data, self.tokenizer) if args.data else None
+        if masked is not None:
+            tokens, mask, desc = masked
+            train, val = split_tokens(tokens, args.val_fraction)
+            mtrain, _ = split_tokens(mask, args.val_fraction)
+            self.mask_ds = PackedDataset(mtrain, args.seq_len)
+            self.loss_mask_desc = "from JSONL prompt/response: 0 on prompt tokens, 1 on response tokens + EOS"
+            self.data_desc = desc
+        else:
+            src = load_tokens(args.data, self.tokenizer, dtype=args.data_dtype, max_bytes=args.corpus_bytes)
+            train, val = split_tokens(src.tokens, args.val_fraction)
+            self.loss_mask_desc = "all ones (plain text)"
+            self.data_desc = src.description
         self.train_ds = PackedDataset(train, args.seq_len)
         self.val_tokens = val
         self.loader = None
@@ -612,7 +626,7 @@ class Trainer:
             dataset_samples=len(self.train_ds),
             dataset_tokens=self.train_ds.num_tokens,
             dataset=self.data_desc,
-            loss_mask="all ones (plain text)",
+            loss_mask=self.loss_mask_desc,
             block_size=self.block_size,
             num_anchors=args.num_anchors,
             target_layer_ids=self.layer_ids,
@@ -637,9 +651,11 @@ class Trainer:
     def _next_local_batch(self):
         import torch
 
-        b = self.loader.next_batch()[:, : self.args.seq_len]
-        ids = b.to(self.device)
-        lm = torch.ones_like(ids)
+        idx = self.loader.next_indices()
+        ids = torch.from_numpy(self.train_ds.gather(idx))[:, : self.args.seq_len].to(self.device)
+        if self.mask_ds is None:
+            return ids, torch.ones_like(ids)
+        lm = torch.from_numpy(self.mask_ds.gather(idx))[:, : self.args.seq_len].to(self.device)
         return ids, lm
 
     def _fast_forward(self, start_step: int) -> None:
@@ -1000,6 +1016,47 @@ class Trainer:
             files = objs[0]
         del torch
         return files
+
+
+def load_prompt_response_jsonl(path, tokenizer):
+    """Tokens and loss mask from a JSONL file of ``{"prompt": str, "response": str}`` lines.
+
+    Each record becomes ``prompt tokens + response tokens + EOS``; the loss mask is 0 on the
+    prompt and 1 on the response and its EOS (DFlash supervises the assistant's tokens only).
+    Returns ``(tokens, mask, description)`` (1-D arrays of the same length), or None when the
+    file is not JSONL or its first record has no prompt/response pair (then the text path with
+    an all-ones mask applies).
+    """
+    import numpy as np
+
+    p = Path(path)
+    if p.suffix != ".jsonl" or not p.is_file():
+        return None
+    toks: list[np.ndarray] = []
+    masks: list[np.ndarray] = []
+    n = 0
+    with open(p, encoding="utf-8", errors="replace") as fh:
+        for line in fh:
+            line = line.strip()
+            if not line:
+                continue
+            obj = json.loads(line)
+            if not (isinstance(obj, dict) and isinstance(obj.get("prompt"), str)
+                    and isinstance(obj.get("response"), str)):
+                if n == 0:
+                    return None
+                raise ValueError(f"{p}: record {n + 1} lacks a prompt/response pair")
+            a = np.asarray(tokenizer.encode(obj["prompt"]), dtype=np.int64)
+            b = np.asarray(tokenizer.encode(obj["response"]) + [tokenizer.eos_id], dtype=np.int64)
+            toks += [a, b]
+            masks += [np.zeros(len(a), dtype=np.uint8), np.ones(len(b), dtype=np.uint8)]
+            n += 1
+    if n == 0:
+        return None
+    tokens = np.concatenate(toks)
+    mask = np.concatenate(masks)
+    desc = f"{p}: {n} prompt/response records, {tokens.shape[0]} tokens, {int(mask.sum())} supervised"
+    return tokens, mask, desc
 
 
 def _placeholder():

@@ -283,3 +283,27 @@ def test_compilable_chunk_kernel_matches_inplace_kernel():
     ref = logits.clone().requires_grad_(True)
     (torch.nn.functional.cross_entropy(ref, y, reduction="none") * w).sum().backward()
     assert torch.allclose(g1, ref.grad, atol=1e-14)
+
+
+def test_prompt_response_jsonl_gives_a_loss_mask(tmp_path):
+    import json as _json
+
+    from trainers.data import ByteTokenizer
+    from trainers.dflash import load_prompt_response_jsonl
+
+    p = tmp_path / "chat.jsonl"
+    p.write_text("\n".join(_json.dumps({"prompt": f"Q{i}?", "response": f"A-{i}"}) for i in range(3)) + "\n")
+    tokens, mask, desc = load_prompt_response_jsonl(p, ByteTokenizer())
+    assert tokens.shape == mask.shape
+    first = list(b"Q0?") + list(b"A-0") + [257]
+    assert tokens[: len(first)].tolist() == first
+    assert mask[: len(first)].tolist() == [0, 0, 0, 1, 1, 1, 1]
+    assert "3 prompt/response records" in desc
+    # anchors only where mask[t] and mask[t+1]
+    lm = torch.from_numpy(mask.astype("int64")).unsqueeze(0)
+    anchors, keep = sample_anchors(lm, 100, torch.Generator().manual_seed(0))
+    for t in anchors[keep].tolist():
+        assert mask[t] == 1 and mask[t + 1] == 1
+    plain = tmp_path / "plain.jsonl"
+    plain.write_text(_json.dumps({"text": "hello"}) + "\n")
+    assert load_prompt_response_jsonl(plain, ByteTokenizer()) is None
