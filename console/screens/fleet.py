@@ -68,7 +68,7 @@ class FleetScreen(Screen):
         cells = host_cells(st)
         if st.name in table.rows:
             for key, _ in COLUMNS:
-                table.update_cell(st.name, key, cells[key])
+                table.update_cell(st.name, key, cells[key], update_width=True)
         else:
             table.add_row(*(cells[k] for k, _ in COLUMNS), key=st.name)
 

@@ -23,7 +23,7 @@ def sync_rows(table: DataTable, columns: list[tuple[str, str]], rows: dict[str, 
     for key, cells in rows.items():
         if key in table.rows:
             for col, _ in columns:
-                table.update_cell(key, col, cells[col])
+                table.update_cell(key, col, cells[col], update_width=True)
         else:
             table.add_row(*(cells[c] for c, _ in columns), key=key)
 

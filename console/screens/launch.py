@@ -65,23 +65,30 @@ class LaunchDialog(ModalScreen[LaunchRequest | None]):
         fleet_status = self.app.fleet_status()  # type: ignore[attr-defined]
         hosts = list(fleet_status)
         with Vertical(classes="dialog", id="launch-dialog"):
-            yield Static("Launch a run", classes="dialog-title")
-            yield Label("Host")
-            yield Select([(h, h) for h in hosts], value=hosts[0], id="host", allow_blank=False)
+            yield Static("Launch a run  (ctrl+s launches, esc cancels)", classes="dialog-title")
+            with Horizontal(classes="field"):
+                yield Label("Host")
+                yield Select([(h, h) for h in hosts], value=hosts[0], id="host", allow_blank=False)
             yield Static(self._gpu_hint(hosts[0]), id="gpu-hint", classes="hint")
-            yield Label("GPUs (e.g. 0,1; empty: leave CUDA_VISIBLE_DEVICES alone)")
-            yield Input(id="gpus", placeholder="0,1")
-            yield Label("Kind")
-            yield Select([("command", "command"), ("fsdp (trainers.fsdp_lm)", "fsdp"), ("dflash (trainers.dflash)", "dflash")], value="command", id="kind", allow_blank=False)
-            yield Label("Command / trainer arguments")
-            yield Input(id="args", placeholder="python train.py --lr 3e-4")
-            yield Label("Name")
-            yield Input(id="name", placeholder="optional")
-            yield Label("Start (trainers: required, no default)")
-            yield Select([("fresh: step 0, new checkpoints", "fresh"), ("resume at step N", "resume")], id="start", prompt="choose fresh or resume")
-            yield Input(id="resume-step", placeholder="N (for resume)")
-            yield Label("Python environment (trainers)")
-            yield Input(id="python", value=sys.executable)
+            with Horizontal(classes="field"):
+                yield Label("GPUs")
+                yield Input(id="gpus", placeholder="0,1 (empty: leave CUDA_VISIBLE_DEVICES alone)")
+            with Horizontal(classes="field"):
+                yield Label("Kind")
+                yield Select([("command", "command"), ("fsdp (trainers.fsdp_lm)", "fsdp"), ("dflash (trainers.dflash)", "dflash")], value="command", id="kind", allow_blank=False)
+            with Horizontal(classes="field"):
+                yield Label("Arguments")
+                yield Input(id="args", placeholder="python train.py --lr 3e-4  (for trainers: their options)")
+            with Horizontal(classes="field"):
+                yield Label("Name")
+                yield Input(id="name", placeholder="optional")
+            with Horizontal(classes="field"):
+                yield Label("Start")
+                yield Select([("fresh: step 0, new checkpoints", "fresh"), ("resume at step N", "resume")], id="start", prompt="trainers: choose fresh or resume (no default)")
+                yield Input(id="resume-step", placeholder="N", classes="narrow")
+            with Horizontal(classes="field"):
+                yield Label("Python")
+                yield Input(id="python", value=sys.executable)
             yield Static("", id="launch-error", classes="error")
             with Horizontal(classes="dialog-buttons"):
                 yield Button("Launch", variant="primary", id="launch")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import shlex
 import time
 
 from rich.text import Text
@@ -33,7 +34,7 @@ def run_header(r: RunInfo) -> Text:
     t.append(f"  started {when(r.started)}  elapsed {duration(elapsed(r.started, r.ended))}")
     if r.cause:
         t.append(f"\ncause: {r.cause}", style="red" if r.state in ("failed", "lost") else "")
-    t.append(f"\n$ {' '.join(r.spec.argv)}", style="dim")
+    t.append(f"\n$ {shlex.join(r.spec.argv)}", style="dim")
     if r.spec.gpus is not None:
         t.append(f"   GPUs {','.join(map(str, r.spec.gpus))}", style="dim")
     return t
