@@ -110,7 +110,10 @@ class GpuSampler:
 
     def _meminfo(self, handle: object):  # type: ignore[no-untyped-def]
         if self._mem_v2:
-            return pynvml.nvmlDeviceGetMemoryInfo(handle, version=pynvml.nvmlMemory_v2)
+            try:
+                return pynvml.nvmlDeviceGetMemoryInfo(handle, version=pynvml.nvmlMemory_v2)
+            except TypeError:  # an older binding (or a library that wrapped it) without ``version``
+                self._mem_v2 = False
         return pynvml.nvmlDeviceGetMemoryInfo(handle)
 
     def gpu_pids(self) -> dict[int, list[int]]:

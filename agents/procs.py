@@ -23,7 +23,57 @@ import psutil
 from agents.protocol import ProcInfo
 
 RUN_TAG = "GPUDECK_RUN_ID"
-_CT_TOLERANCE = 0.02  # seconds; psutil derives create_time from clock ticks
+CT_TOLERANCE = 0.02  # seconds; psutil derives create_time from clock ticks
+_PAGE = os.sysconf("SC_PAGE_SIZE")
+_TICKS = os.sysconf("SC_CLK_TCK")
+_BOOT = psutil.boot_time()
+_STATE_NAMES = {
+    "R": "running",
+    "S": "sleeping",
+    "D": "disk-sleep",
+    "Z": "zombie",
+    "T": "stopped",
+    "t": "tracing-stop",
+    "X": "dead",
+    "I": "idle",
+    "W": "waking",
+    "P": "parked",
+}
+
+
+@dataclass(frozen=True)
+class StatLine:
+    """The dynamic facts of a process from one read of /proc/PID/stat."""
+
+    status: str
+    ppid: int
+    pgid: int
+    sid: int
+    cpu_seconds: float
+    create_time: float
+    rss: int
+
+
+def read_stat(pid: int) -> StatLine | None:
+    """One read of /proc/PID/stat (the hot path of a snapshot); None when the process is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            data = fh.read()
+    except OSError:
+        return None
+    f = data[data.rfind(b")") + 2 :].split()
+    try:
+        return StatLine(
+            status=_STATE_NAMES.get(f[0].decode(), f[0].decode()),
+            ppid=int(f[1]),
+            pgid=int(f[2]),
+            sid=int(f[3]),
+            cpu_seconds=(int(f[11]) + int(f[12])) / _TICKS,
+            create_time=_BOOT + int(f[19]) / _TICKS,
+            rss=int(f[21]) * _PAGE,
+        )
+    except (IndexError, ValueError):
+        return None
 
 
 @dataclass
@@ -97,7 +147,7 @@ class ProcTable:
                 continue
             if known is not None and full:
                 ct = create_time_of(pid)
-                if ct is not None and abs(ct - known.create_time) <= _CT_TOLERANCE:
+                if ct is not None and abs(ct - known.create_time) <= CT_TOLERANCE:
                     continue
             entry = read_entry(pid)
             if entry is None:
@@ -132,14 +182,14 @@ def create_time_of(pid: int) -> float | None:
 def same_process(pid: int, create_time: float) -> bool:
     """True when ``pid`` still names the process that had ``create_time``."""
     ct = create_time_of(pid)
-    return ct is not None and abs(ct - create_time) <= _CT_TOLERANCE
+    return ct is not None and abs(ct - create_time) <= CT_TOLERANCE
 
 
 def status_of(pid: int, create_time: float | None = None) -> str | None:
     """psutil status ('running', 'zombie', 'disk-sleep', ...), or None when gone (or reused)."""
     try:
         p = psutil.Process(pid)
-        if create_time is not None and abs(p.create_time() - create_time) > _CT_TOLERANCE:
+        if create_time is not None and abs(p.create_time() - create_time) > CT_TOLERANCE:
             return None
         return p.status()
     except (psutil.NoSuchProcess, psutil.AccessDenied):

@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 
 from agents.gpus import GpuSampler
-from agents.procs import ProcTable, proc_info, status_of
+from agents.procs import CT_TOLERANCE, ProcTable, proc_info, read_stat
 from agents.protocol import GpuProcess, ProcInfo, Snapshot
 from agents.supervisor import Supervisor
 
@@ -45,7 +45,8 @@ class SnapshotBuilder:
             self._static[key] = static
         p.user, p.cmdline = static
         # status is read fresh: a zombie or a disk-sleep process holding GPU memory is what an operator must see
-        p.status = status_of(p.pid, entry.create_time) or "gone"
+        st = read_stat(p.pid)
+        p.status = st.status if st is not None and abs(st.create_time - entry.create_time) <= CT_TOLERANCE else "gone"
         if entry.run_id is None:
             p.attribution = "FOREIGN"
             return
@@ -53,6 +54,33 @@ class SnapshotBuilder:
         p.rank = entry.rank
         state = self.supervisor.run_state(entry.run_id)
         p.attribution = "RUN" if state in ("starting", "running", "stopping") else "STALE"
+
+    def _member_info(self, pid: int, create_time: float, run_id: str, rank: int | None, local_rank: int | None) -> ProcInfo | None:
+        """A run member's process row: static parts cached, dynamic parts from one /proc read."""
+        st = read_stat(pid)
+        if st is None or abs(st.create_time - create_time) > CT_TOLERANCE:
+            return None
+        key = (pid, create_time)
+        static = self._static.get(key)
+        if static is None:
+            info = proc_info(pid)
+            static = (info.user, info.cmdline[:16])
+            self._static[key] = static
+        return ProcInfo(
+            pid=pid,
+            ppid=st.ppid,
+            pgid=st.pgid,
+            sid=st.sid,
+            user=static[0],
+            create_time=create_time,
+            status=st.status,
+            rss=st.rss,
+            cpu_seconds=round(st.cpu_seconds, 2),
+            cmdline=static[1],
+            run_id=run_id,
+            rank=rank,
+            local_rank=local_rank,
+        )
 
     def build(self, with_processes: bool = True) -> Snapshot:
         """A snapshot now."""
@@ -68,8 +96,9 @@ class SnapshotBuilder:
                 for m in run.members:
                     if m.role == "shim":
                         continue
-                    if self.procs.get(m.pid) is not None:
-                        procs.append(proc_info(m.pid, run.id, m.rank, m.local_rank))
+                    info = self._member_info(m.pid, m.create_time, run.id, m.rank, m.local_rank)
+                    if info is not None:
+                        procs.append(info)
         if len(self._static) > 4096:
             self._static.clear()
         return Snapshot(

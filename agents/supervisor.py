@@ -119,7 +119,7 @@ class Supervisor:
         self.runs_dir = Path(runs_dir)
         self.host = host
         self.gpus = gpus
-        self.procs = procs or ProcTable()
+        self.procs = procs if procs is not None else ProcTable()
         self._on_event = on_event or (lambda ev: None)
         self._runs: dict[str, RunInfo] = {}  # live runs, mirrored from the journal
         self._ended_ids: set[str] = set()  # ended runs whose members may linger (STALE)

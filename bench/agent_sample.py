@@ -169,8 +169,10 @@ async def main_async(args: argparse.Namespace) -> None:
 async def agent_cpu(seconds: float) -> float:
     """CPU share of a real agent process that streams a snapshot every second to one watcher."""
     home = Path(tempfile.mkdtemp(prefix="gd-cpu-", dir="/tmp"))
-    env = {**os.environ, "GPUDECK_HOME": str(home), "PYTHONPATH": str(ROOT)}
-    proc = subprocess.Popen([sys.executable, "-m", "agents", "serve", "--state-dir", str(home / "agent")], env=env, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    pythonpath = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    env = {**os.environ, "GPUDECK_HOME": str(home), "PYTHONPATH": pythonpath}
+    errlog = open(home / "agent.stderr", "wb")
+    proc = subprocess.Popen([sys.executable, "-m", "agents", "serve", "--state-dir", str(home / "agent")], env=env, start_new_session=True, stdout=errlog, stderr=errlog)
     try:
         from agents.client import AgentClient
 
@@ -181,7 +183,8 @@ async def agent_cpu(seconds: float) -> float:
                 break
             except Exception:
                 await asyncio.sleep(0.05)
-        assert client is not None, "agent did not start"
+        if client is None:
+            raise SystemExit(f"agent did not start: {(home / 'agent.stderr').read_text()[-2000:]}")
         await asyncio.sleep(2.0)  # past start-up
         p = psutil.Process(proc.pid)
         c0 = p.cpu_times()

@@ -210,3 +210,20 @@ def test_orphan_of_a_killed_leader_is_stale_and_stop_reclaims_it(agent: AgentPro
     assert "already ended" in res["message"]
     assert {p["pid"] for p in res["stopped"]} >= {pids["orphan"], pids["stubborn"]}
     assert gone(pids["orphan"]) and gone(pids["stubborn"])
+
+
+def test_snapshot_lists_every_live_member_with_its_process_facts(agent: AgentProc, tmp_path: Path) -> None:
+    pidfile = tmp_path / "pids"
+    rid = agent.cli_json("launch", "--", sys.executable, str(PROGS / "tree.py"), str(pidfile))["id"]
+    pids = wait_for(lambda: pidfile.exists() and read_pids(pidfile), what="the tree")
+
+    def rows() -> dict[int, dict] | None:
+        procs = {p["pid"]: p for p in agent.cli_json("status")["processes"] if p.get("run_id") == rid}
+        return procs if set(pids.values()) <= set(procs) else None
+
+    procs = wait_for(rows, what="every member in the snapshot's process list")
+    main = procs[pids["main"]]
+    assert main["status"] in ("sleeping", "running") and main["rss"] > 0 and main["user"]
+    assert main["cmdline"][1].endswith("tree.py")
+    assert procs[pids["stubborn"]]["sid"] != main["sid"]
+    assert procs[pids["orphan"]]["ppid"] != pids["main"]
