@@ -92,12 +92,15 @@ class TelemetryTail:
             if isinstance(step, int):
                 r.step = step
                 if s.step is None or step >= s.step:
+                    new_step = s.step != step
                     s.step = step
-                    s.loss = _num(rec.get("loss"))
-                    s.tokens_per_s = _num(rec.get("tokens_per_s"))
-                    s.mfu = _num(rec.get("mfu"))
-                    s.queue_depth = _num(rec.get("queue_depth"))
-                    if s.tokens_per_s is not None:
+                    # ranks report different parts of a step (split DFlash: target ranks have no loss):
+                    # a field a rank does not report keeps the value another rank gave
+                    for name in ("loss", "tokens_per_s", "mfu", "queue_depth"):
+                        value = _num(rec.get(name))
+                        if value is not None:
+                            setattr(s, name, value)
+                    if new_step and s.tokens_per_s is not None:
                         s.tps_history = (s.tps_history + [s.tokens_per_s])[-60:]
         elif kind == "heartbeat":
             step = rec.get("step")
