@@ -11,16 +11,16 @@ from textual import work
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.screen import Screen
-from textual.widgets import Footer, Header, Log, Static
+from textual.widgets import Footer, Header, Input, Static
 
 from agents.errors import AgentError
 from agents.protocol import RunInfo
 from console.fmt import duration, elapsed, when
 from console.screens.dialogs import ConfirmDialog, ResultDialog, stop_result_text
 from console.widgets.cells import state_text
+from console.widgets.output_view import OutputView
 
 FLUSH_S = 0.1  # output reaches the screen in batches, a few times a second at most
-MAX_LINES = 200_000
 
 
 def run_header(r: RunInfo) -> Text:
@@ -44,11 +44,14 @@ class RunScreen(Screen):
     """One run: its output as it comes, and the stop action."""
 
     BINDINGS = [
-        Binding("escape", "app.pop_screen", "Back"),
+        Binding("escape", "back", "Back"),
         Binding("s", "stop_run", "Stop run"),
         Binding("f", "toggle_follow", "Follow"),
         Binding("g", "top", "Top"),
         Binding("G", "bottom", "Bottom"),
+        Binding("slash", "search", "Search", key_display="/"),
+        Binding("n", "next_match", "Next", show=False),
+        Binding("N", "prev_match", "Prev", show=False),
     ]
 
     def __init__(self, host: str, run_id: str) -> None:
@@ -57,12 +60,13 @@ class RunScreen(Screen):
         self.run_id = run_id
         self.run: RunInfo | None = None
         self._pending: list[str] = []
-        self.lines_received = 0
+        self._match_line: int | None = None
 
     def compose(self) -> ComposeResult:
         yield Header()
         yield Static("", id="run-header", classes="run-header")
-        yield Log(id="run-log", max_lines=MAX_LINES, highlight=False)
+        yield OutputView(id="run-log")
+        yield Input(id="run-search", placeholder="search the output (enter: find, esc: close)", classes="search")
         yield Static("", id="run-status", classes="note")
         yield Footer()
 
@@ -99,24 +103,70 @@ class RunScreen(Screen):
             return
         data = "".join(self._pending)
         self._pending.clear()
-        log = self.query_one("#run-log", Log)
-        self.lines_received += data.count("\n")
-        log.write(data)
+        self.query_one("#run-log", OutputView).append(data)
 
     def action_toggle_follow(self) -> None:
-        log = self.query_one("#run-log", Log)
-        log.auto_scroll = not log.auto_scroll
-        self.notify(f"follow {'on' if log.auto_scroll else 'off'}")
+        view = self.query_one("#run-log", OutputView)
+        view.follow = not view.follow
+        if view.follow:
+            view.scroll_end(animate=False)
+        self.notify(f"follow {'on' if view.follow else 'off'}")
 
     def action_top(self) -> None:
-        log = self.query_one("#run-log", Log)
-        log.auto_scroll = False
-        log.scroll_home(animate=False)
+        view = self.query_one("#run-log", OutputView)
+        view.follow = False
+        view.scroll_home(animate=False)
 
     def action_bottom(self) -> None:
-        log = self.query_one("#run-log", Log)
-        log.auto_scroll = True
-        log.scroll_end(animate=False)
+        view = self.query_one("#run-log", OutputView)
+        view.follow = True
+        view.scroll_end(animate=False)
+
+    def action_search(self) -> None:
+        box = self.query_one("#run-search", Input)
+        box.display = True
+        box.focus()
+
+    def on_input_submitted(self, event: Input.Submitted) -> None:
+        if event.input.id != "run-search":
+            return
+        view = self.query_one("#run-log", OutputView)
+        view.search_term = event.value or None
+        event.input.display = False
+        view.focus()
+        if view.search_term:
+            if view.follow:  # at the live end: the newest match, searching back
+                self._jump(forward=False, start=view.line_count)
+            else:  # reading: the next match from the top of the screen down
+                self._jump(forward=True, start=view.scroll_offset.y - 1)
+
+    def action_back(self) -> None:
+        box = self.query_one("#run-search", Input)
+        if box.display:
+            box.display = False
+            self.query_one("#run-log", OutputView).focus()
+        else:
+            self.app.pop_screen()
+
+    def action_next_match(self) -> None:
+        view = self.query_one("#run-log", OutputView)
+        self._jump(forward=True, start=self._match_line if self._match_line is not None else view.scroll_offset.y)
+
+    def action_prev_match(self) -> None:
+        view = self.query_one("#run-log", OutputView)
+        self._jump(forward=False, start=self._match_line if self._match_line is not None else view.scroll_offset.y)
+
+    @work(exclusive=True, group="run-search", thread=True)
+    def _jump(self, forward: bool, start: int) -> None:
+        view = self.query_one("#run-log", OutputView)
+        if not view.search_term:
+            return
+        found = view.find(view.search_term, start, forward)
+        if found is None:
+            self.app.call_from_thread(self.notify, f"{view.search_term!r} not found {'below' if forward else 'above'}")
+            return
+        self._match_line = found
+        self.app.call_from_thread(view.go_to_line, found)
 
     def action_stop_run(self) -> None:
         self.stop_flow()

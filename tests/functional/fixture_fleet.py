@@ -65,7 +65,7 @@ class FixtureFleet(Fleet):
     async def output(self, host, run_id, offset=0, follow=True):  # type: ignore[no-untyped-def]
         from agents.protocol import OutputChunk
 
-        text = "".join(f"step {i:5d} loss {10 / (i + 1):.4f}\\n" for i in range(40))
+        text = "".join(f"step {i:5d} loss {10 / (i + 1):.4f}\n" for i in range(40))
         yield OutputChunk(run_id=run_id, offset=0, next_offset=len(text), data=text, run_ended=True)
 
     async def stop(self, host: str, run_id: str, grace_s: float = 30.0) -> StopResult:

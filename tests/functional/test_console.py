@@ -6,7 +6,7 @@ import asyncio
 import sys
 from pathlib import Path
 
-from textual.widgets import DataTable, Input, Log, Static
+from textual.widgets import DataTable, Input, Static
 
 from console.app import GpudeckApp
 from console.fleet import Fleet
@@ -14,6 +14,7 @@ from console.screens.dialogs import ConfirmDialog, ResultDialog
 from console.screens.launch import LaunchDialog, build_spec
 from console.screens.run import RunScreen
 from console.screens.runs import RunsScreen
+from console.widgets.output_view import OutputView
 from tests.agent_harness import AgentProc
 
 PROG = "import time; [print('line', i, flush=True) or time.sleep(0.02) for i in range(100000)]"
@@ -55,9 +56,16 @@ async def test_launch_watch_stop_from_the_console(agent: AgentProc) -> None:
         app.screen.query_one("#name", Input).value = "console-run"
         await pilot.press("ctrl+s")
         screen = await until(lambda: isinstance(app.screen, RunScreen) and app.screen, what=f"the run screen (on {app.screen})")
-        log = screen.query_one("#run-log", Log)
-        await until(lambda: log.line_count > 20, what="output in the log")
-        assert "line 0" in log.lines[0]
+        view = screen.query_one("#run-log", OutputView)
+        await until(lambda: view.line_count > 20, what="output in the view")
+        assert view.line(0) == "line 0"
+
+        # search: '/' then a term jumps to the line and highlights it; following stops
+        await pilot.press("g")  # to the top: reading, not following
+        await pilot.press("slash")
+        await pilot.press(*"line 7", "enter")
+        await until(lambda: screen._match_line == 7, what="the search to find line 7")
+        assert view.follow is False and view.search_term == "line 7"
 
         await pilot.press("s")
         await until(lambda: isinstance(app.screen, ConfirmDialog), what="the stop confirmation")
