@@ -115,7 +115,7 @@ class Agent:
 
     async def start(self) -> None:
         """Adopt runs left by an earlier agent, open the socket, start the supervision tick."""
-        notes = await asyncio.to_thread(self.supervisor.adopt)
+        notes = self.supervisor.adopt()
         self.journal.append("agent_started", None, {"pid": os.getpid(), "version": __version__, "gpu_error": self.gpus.error, "adopted": notes})
         for run in self.supervisor.pending_stops():
             self._spawn(self.supervisor.stop(run.id, grace_s=10.0))
@@ -155,9 +155,11 @@ class Agent:
         self._lock_fh.close()
 
     async def _tick_loop(self) -> None:
+        # the tick, snapshots and stops all run on the event loop thread: the process table and
+        # the live runs have one writer, so no lock is needed (a tick costs well under a millisecond)
         while True:
             try:
-                await asyncio.to_thread(self.supervisor.refresh)
+                self.supervisor.refresh()
             except Exception:  # one bad tick must not end supervision
                 log.exception("supervision tick failed")
             await asyncio.sleep(TICK_S)
@@ -295,13 +297,13 @@ class _Conn:
         elif isinstance(req, Ping):
             await self.send(Pong(request_id=rid, ts=time.time()))
         elif isinstance(req, GetSnapshot):
-            snap = await asyncio.to_thread(a.snapshots.build)
+            snap = a.snapshots.build()
             snap.request_id = rid
             await self.send(snap)
         elif isinstance(req, WatchSnapshots):
             interval = max(0.05, min(req.interval_s, 3600.0))
             while True:
-                snap = await asyncio.to_thread(a.snapshots.build)
+                snap = a.snapshots.build()
                 snap.request_id = rid
                 await self.send(snap, droppable=True)
                 await asyncio.sleep(interval)

@@ -249,7 +249,11 @@ class Supervisor:
             shutil.rmtree(run_dir, ignore_errors=True)
             raise StorageError(f"cannot create the run folder {run_dir} ({exc.strerror}): free space or fix permissions in {self.runs_dir}; nothing was started") from exc
         # the record exists before anything starts: a failed start is never unrecorded
-        self._emit(self.journal.create_run(run))
+        try:
+            self._emit(self.journal.create_run(run))
+        except StorageError as exc:
+            shutil.rmtree(run_dir, ignore_errors=True)
+            raise StorageError(f"{exc.message}; nothing was started") from exc
         self._runs[run_id] = run
 
         env = dict(os.environ)
@@ -328,7 +332,7 @@ class Supervisor:
     # ------------------------------------------------------------------ watching
 
     def refresh(self) -> None:
-        """One supervision tick: find new members, notice ended runs. Blocking; call in a thread."""
+        """One supervision tick: find new members, notice ended runs. Runs on the agent's event loop."""
         self.procs.refresh()
         for run in list(self._runs.values()):
             if run.state not in ("running", "starting", "stopping"):
@@ -399,8 +403,8 @@ class Supervisor:
         if shim is not None:
             return shim.poll() is None
         m = self._shim_member(run) or self._leader_member(run)
-        if m is None:
-            return False
+        if m is None:  # only tagged workers are known (the agent died while starting it)
+            return any(alive(x.pid, x.create_time) for x in run.members)
         return alive(m.pid, m.create_time)
 
     def _exit_record(self, run: RunInfo) -> dict | None:
@@ -474,8 +478,8 @@ class Supervisor:
         notes: list[str] = []
         for run in self.journal.list_runs(limit=100000, states=LIVE_STATES):
             self._runs[run.id] = run
-            if run.state == "starting" and not run.members:
-                # the agent died between the record and the start: nothing to adopt
+            if run.state == "starting" and not run.members and not self.procs.tagged(run.id):
+                # the agent died between the record and the start, and no process carries the tag
                 self._set(run, "run_state", {"state": "failed", "cause": "launch interrupted: the agent stopped while starting it"},
                           state="failed", cause="launch interrupted: the agent stopped while starting it; nothing was started", ended=time.time())
                 notes.append(f"{run.id}: launch interrupted")
@@ -523,7 +527,7 @@ class Supervisor:
             self._runs.setdefault(run.id, run)
             self._set(run, "run_state", {"state": "stopping", "grace_s": grace_s}, state="stopping")
         # a fresh full scan: every process that carries the tag, wherever it went
-        await asyncio.to_thread(self.procs.refresh, True)
+        self.procs.refresh(full=True)
         if not was_terminal:
             self._discover_members(run)
         else:

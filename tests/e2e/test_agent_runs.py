@@ -227,3 +227,30 @@ def test_snapshot_lists_every_live_member_with_its_process_facts(agent: AgentPro
     assert main["cmdline"][1].endswith("tree.py")
     assert procs[pids["stubborn"]]["sid"] != main["sid"]
     assert procs[pids["orphan"]]["ppid"] != pids["main"]
+
+
+def test_runs_caught_between_record_and_start_are_settled_by_evidence(agent: AgentProc) -> None:
+    """The agent dies after recording a launch: a started process is adopted, a missing one is recorded as interrupted."""
+    import time as _time
+
+    from agents.journal import Journal
+    from agents.protocol import LaunchSpec, RunInfo
+
+    agent.kill9()
+    j = Journal(agent.state_dir / "journal.db", "h")
+    for rid in ("r-started0", "r-missing0"):
+        j.create_run(RunInfo(id=rid, host="h", state="starting", spec=LaunchSpec(argv=["sleep", "300"]), created=_time.time(), run_dir=str(agent.state_dir / "runs" / rid)))
+    j.close()
+    worker = subprocess.Popen(["sleep", "300"], env={**os.environ, "GPUDECK_RUN_ID": "r-started0"}, start_new_session=True)
+    try:
+        agent.start()
+        runs = {r["id"]: r for r in agent.cli_json("runs")}
+        assert runs["r-missing0"]["state"] == "failed" and "launch interrupted" in runs["r-missing0"]["cause"]
+        assert runs["r-started0"]["state"] == "running"
+        assert worker.pid in {m["pid"] for m in runs["r-started0"]["members"]}
+        res = agent.cli_json("stop", "r-started0", "--grace", "2")
+        assert res["state"] == "stopped" and worker.wait(5) == -signal.SIGTERM
+    finally:
+        if worker.poll() is None:
+            worker.kill()
+            worker.wait()
