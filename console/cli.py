@@ -42,6 +42,8 @@ from console.fmt import duration, elapsed, gib, when
 
 EXIT_ERROR = 1
 EXIT_USAGE = 2
+# passed from the caller's shell to a local run, so it resolves commands as the caller would
+CALLER_ENV = ("PATH", "VIRTUAL_ENV", "CONDA_PREFIX", "PYTHONPATH", "HF_HOME", "HF_HUB_OFFLINE")
 
 
 class CliError(Exception):
@@ -209,12 +211,15 @@ async def cmd_launch(args: argparse.Namespace) -> int:
         argv = argv[1:]
     if not argv:
         raise CliError("launch needs a command after --, e.g. `gpudeck launch -- python train.py`")
+    # a local launch runs in the caller's environment: `python` means the python of this shell
+    env = {k: os.environ[k] for k in CALLER_ENV if k in os.environ}
+    env.update(_parse_env(args.env or []))
     spec = LaunchSpec(
         argv=argv,
         name=args.name,
         kind=args.kind,
         gpus=_parse_gpus(args.gpus),
-        env=_parse_env(args.env or []),
+        env=env,
         cwd=os.path.abspath(args.cwd) if args.cwd else os.getcwd(),
         operator=getpass.getuser(),
     )
