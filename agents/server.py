@@ -93,7 +93,7 @@ class Agent:
         self.journal = Journal(paths.journal_path(self.state_dir), self.host)
         self.gpus = GpuSampler()
         self.procs = ProcTable()
-        self._new_event = asyncio.Event()
+        self._event_waiters: set[asyncio.Event] = set()  # one per following stream
         self.supervisor = Supervisor(self.journal, paths.runs_dir(self.state_dir), self.host, self.gpus, self.procs, on_event=self._on_event)
         self.snapshots = SnapshotBuilder(self.host, self.journal.epoch, self.gpus, self.procs, self.supervisor)
         self.socket_path = paths.socket_path(self.state_dir)
@@ -105,7 +105,8 @@ class Agent:
     # ------------------------------------------------------------------ lifecycle
 
     def _on_event(self, ev: Event) -> None:
-        self._new_event.set()
+        for waiter in self._event_waiters:
+            waiter.set()
 
     def _spawn(self, coro) -> asyncio.Task:  # type: ignore[no-untyped-def]
         task = asyncio.ensure_future(coro)
@@ -335,21 +336,27 @@ class _Conn:
         a = self.agent
         after = max(0, req.after_seq)
         limit = max(1, min(req.limit, 10000))
-        while True:
-            a._new_event.clear()
-            events = await asyncio.to_thread(a.journal.events_after, after, limit)
-            if events or not req.follow:
-                await self.send(EventBatch(request_id=req.request_id, epoch=a.journal.epoch, events=events, last_seq=a.journal.last_seq))
-                if events:
-                    after = events[-1].seq
-                if not req.follow:
-                    return
-                if len(events) == limit:
-                    continue
-            try:
-                await asyncio.wait_for(a._new_event.wait(), timeout=1.0)
-            except asyncio.TimeoutError:
-                pass
+        wake = asyncio.Event()
+        a._event_waiters.add(wake)
+        try:
+            while True:
+                wake.clear()
+                events = await asyncio.to_thread(a.journal.events_after, after, limit)
+                if events or not req.follow:
+                    await self.send(EventBatch(request_id=req.request_id, epoch=a.journal.epoch, events=events, last_seq=a.journal.last_seq))
+                    if events:
+                        after = events[-1].seq
+                    if not req.follow:
+                        return
+                    if len(events) == limit:
+                        continue
+                try:
+                    # woken by every committed event; the timeout also catches events written by another process
+                    await asyncio.wait_for(wake.wait(), timeout=1.0)
+                except asyncio.TimeoutError:
+                    pass
+        finally:
+            a._event_waiters.discard(wake)
 
     async def _output(self, req: ReadOutput) -> None:
         a = self.agent
