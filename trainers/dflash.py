@@ -19,7 +19,9 @@ Drafter
     ``--drafter-layers`` (1-5) Qwen3-style layers of the target's width,
     conditioned on ``build_target_layer_ids(L, n)`` target layers, sharing the
     target's embedding and lm_head (frozen, shared not copied). ``--init-from``
-    starts the drafter from a saved drafter folder (``OUT/drafter``).
+    starts the drafter from a saved drafter folder (``OUT/drafter``) and keeps its
+    block size: without ``--block-size`` the saved one is used (said on stderr); a
+    different ``--block-size`` is refused with exit 2 (``resolve_block_size``).
 
 Step
     ``--num-anchors`` anchors per sequence (redrawn every step from the CPU RNG,
@@ -58,6 +60,18 @@ Topologies
     over all ranks. On resume, each target rank fast-forwards its data stream to
     the batches it already produced (the position is a function of the step).
 
+Stopping (SIGTERM/SIGINT; ``runtime.install_stop_flag``, as in ``trainers.fsdp_lm``)
+    gpudeck's agent sends SIGTERM to every process (torchrun forwards its own too),
+    then SIGKILLs after a grace period. The signal only sets a flag; all ranks agree
+    on one step to stop after, save a checkpoint there, skip the final eval and the
+    drafter export (``result.json`` says ``stopped: true``), emit ``done`` with
+    ``reason`` ``"stopped"`` and exit 0; ``--resume latest`` continues from it.
+    Colocated: the flag rides on the per-step loss all-reduce
+    (``runtime.reduce_mean_and_stop``), so the job stops after the current step.
+    Split: asynchronous votes on their own gloo group, decided ``--queue-depth``
+    steps later (``_SplitStopVotes``), so the target ranks still run ahead and no
+    receive is ever posted past the stop step.
+
 Evaluation (``eval`` records, every ``--eval-every`` steps, at start and end)
     Held-out prompts (the tail of the token stream, never trained on) of
     ``--eval-prompt-len`` tokens are continued greedily by the target for
@@ -75,7 +89,8 @@ Output
     ``OUT/checkpoints/step_N`` (trainers.checkpoint; drafter + optimizer +
     scheduler + data position + RNG + step), ``OUT/drafter/`` (save_pretrained,
     config with block_size, target_layer_ids, mask token id; plus ``dflash.py``
-    so it loads with trust_remote_code), ``OUT/result.json``.
+    so it loads with trust_remote_code), ``OUT/result.json`` (final_step, stopped,
+    drafter_dir, eval_first, eval_last, topology, world_size).
 
 MFU counts, per step and device, the work required: target forward
 ``2*(N_target - N_emb - N_lm_head_if_untied) + 2*L*heads*2*head_dim*S`` per
@@ -135,7 +150,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="random-weight target from a preset (tiny, qwen3-0.6b) or config.json "
                         "(speed benchmarks); --model-config is an alias")
     g.add_argument("--drafter-layers", type=int, default=1, help="drafter decoder layers (1-5)")
-    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--block-size", type=int, default=None,
+                   help="tokens per block (default 16; with --init-from: the saved drafter's, and a "
+                        "different value is refused)")
     g.add_argument("--num-anchors", type=int, default=512)
     g.add_argument("--gamma", type=float, default=None, help="decay gamma (default: by block size)")
     g.add_argument("--mask-token-id", type=int, default=None,
@@ -170,6 +187,7 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         p.error("give exactly one of --target PATH or --target-config/--model-config")
     if not 1 <= args.drafter_layers <= 8:
         p.error("--drafter-layers must be in 1..8 (DFlash uses 1-5)")
+    resolve_block_size(p, args)
     if args.block_size < 2:
         p.error("--block-size must be >= 2")
     if args.num_anchors < 1:
@@ -178,6 +196,40 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         p.error("--topology split needs --target-ranks and --drafter-ranks")
     if args.queue_depth < 1:
         p.error("--queue-depth must be >= 1")
+
+
+DEFAULT_BLOCK_SIZE = 16
+
+
+def resolve_block_size(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Set ``args.block_size``: the given one, the saved drafter's (``--init-from``), or 16.
+
+    A drafter is trained for one block size, so ``--init-from`` with a different
+    ``--block-size`` is refused (exit 2) rather than silently replaced; without
+    ``--block-size`` the saved value is used and said so on stderr.
+    """
+    if args.init_from is None:
+        if args.block_size is None:
+            args.block_size = DEFAULT_BLOCK_SIZE
+        return
+    cfg_file = Path(args.init_from) / "config.json"
+    try:
+        saved = json.loads(cfg_file.read_text()).get("block_size")
+    except (OSError, ValueError) as exc:
+        p.error(f"--init-from {args.init_from}: cannot read the saved drafter's config.json ({exc})")
+    if not isinstance(saved, int):
+        p.error(f"--init-from {args.init_from}: {cfg_file} has no block_size; is it a saved drafter "
+                "(OUT/drafter of trainers.dflash)?")
+    if args.block_size is None:
+        args.block_size = saved
+        if os.environ.get("RANK", "0") == "0":
+            print(f"dflash: --init-from {args.init_from}: using its block size {saved} "
+                  "(no --block-size given)", file=sys.stderr, flush=True)
+    elif args.block_size != saved:
+        p.error(f"--block-size {args.block_size} differs from the block size {saved} of the drafter in "
+                f"--init-from {args.init_from}; a drafter is trained for one block size: leave out "
+                f"--block-size (or pass --block-size {saved}) to continue training it, or drop "
+                f"--init-from to train a new drafter with block size {args.block_size}")
 
 
 # ------------------------------------------------------------------ target
@@ -356,6 +408,77 @@ def _make_mask(anchors, seq_len, block_size, attn, device):
     return create_block_mask(mask_mod, bsz, None, q_len, seq_len + q_len, device=device)
 
 
+# ------------------------------------------------------------------ stopping (split topology)
+
+
+class _SplitStopVotes:
+    """Split topology: every rank agrees on the step to stop at, without a barrier per step.
+
+    Colocated ranks fold the stop vote into the per-step loss all-reduce
+    (``runtime.reduce_mean_and_stop``). Split target ranks run ahead of the drafter
+    ranks (the queue), so a blocking vote per step would serialise them. Instead, at
+    the end of step s every rank posts an asynchronous all-reduce (SUM, on its own
+    gloo group) of its stop flag, and step s is the last one when the vote of step
+    ``s - lag`` says that some rank was asked to stop. With ``lag = queue depth`` a
+    drafter rank knows whether step s is the last before it posts any receive for
+    step s+1 (it never looks further ahead than that), so no point-to-point message
+    is left unmatched; a target rank can run at most ``lag`` steps ahead of the
+    drafters. A signal thus stops the job ``lag``+1 steps later at most (or the run
+    ends first at --max-steps, normally).
+    """
+
+    def __init__(self, group, lag: int, flag: runtime.StopFlag) -> None:
+        self.group, self.lag, self.flag = group, max(1, int(lag)), flag
+        self.posted: dict[int, tuple[Any, Any]] = {}  # step -> (tensor, async work)
+        self.start = 0  # the run's first step is start + 1 (set by begin)
+        self.decided: dict[int, bool] = {}
+
+    def begin(self, start: int) -> None:
+        self.start = start
+
+    def post(self, step: int) -> None:
+        """This rank's vote of ``step`` (call once per step, in order, on every rank)."""
+        import torch
+        import torch.distributed as dist
+
+        t = torch.tensor([1.0 if self.flag.requested else 0.0])
+        self.posted[step] = (t, dist.all_reduce(t, group=self.group, async_op=True))
+
+    def is_last(self, step: int) -> bool:
+        """Whether the ranks stop after ``step``; waits for the vote of ``step - lag`` if needed."""
+        if step not in self.decided:
+            vote = step - self.lag
+            if vote in self.posted:
+                t, work = self.posted.pop(vote)
+                work.wait()
+                self.decided[step] = float(t.item()) > 0
+            else:
+                # only votes from before this run's start are missing (a later one would mean
+                # this rank asks about a step more than lag steps ahead of its own progress)
+                assert vote <= self.start, (step, vote, self.start)
+                self.decided[step] = False
+        return self.decided[step]
+
+    def finish(self) -> None:
+        """Wait for the votes still in flight (every rank posted the same ones)."""
+        for _, work in self.posted.values():
+            work.wait()
+        self.posted.clear()
+
+
+class _NoVotes:
+    """Colocated topology: the stop vote rides on the loss all-reduce; nothing to do here."""
+
+    def begin(self, start: int) -> None:
+        pass
+
+    def is_last(self, step: int) -> bool:  # noqa: ARG002
+        return False
+
+    def finish(self) -> None:
+        pass
+
+
 # ------------------------------------------------------------------ the trainer
 
 
@@ -412,6 +535,9 @@ class Trainer:
                 self.drafter_group = dist.new_group(ranks=self.drafter_ranks)
             else:
                 self.drafter_group = dist.group.WORLD
+        # split: the stop votes travel on their own gloo group, a few steps behind (_SplitStopVotes)
+        self.votes = _SplitStopVotes(dist.new_group(backend="gloo"), args.queue_depth, self.stop) \
+            if args.topology == "split" else _NoVotes()
         self.d_index = self.drafter_ranks.index(ctx.rank) if self.is_drafter else None
         self.t_index = self.target_ranks.index(ctx.rank) if self.is_target else None
         self.lead_drafter = self.drafter_ranks[0]
@@ -745,6 +871,8 @@ class Trainer:
         import torch
 
         args = self.args
+        # SIGTERM/SIGINT from here on only ask for a stop (checkpoint, done "stopped", exit 0)
+        self.stop = runtime.install_stop_flag()
         self.setup()
         start = 0
         if not self.plan.fresh:
@@ -752,20 +880,23 @@ class Trainer:
         self.manifest()
         self.peak, self.peak_reason = self._peak()
         self.t0 = time.perf_counter()
+        self.votes.begin(start)
         self.last_eval: dict[str, Any] | None = None
         self.first_eval: dict[str, Any] | None = None
         if self.is_drafter and not args.no_eval:
             self.eval(start)
         if self.role == ROLE_TARGET:
-            self.target_loop(start)
+            final, stopped = self.target_loop(start)
         else:
-            self.drafter_loop(start)
-        final = args.max_steps
-        if self.is_drafter and not args.no_eval and (self.last_eval is None or self.last_eval["step"] != final):
+            final, stopped = self.drafter_loop(start)
+        self.votes.finish()
+        if not stopped and self.is_drafter and not args.no_eval and \
+                (self.last_eval is None or self.last_eval["step"] != final):
             self.eval(final)
-        files = self.export(final)
+        files = self.export(final, stopped)
         runtime.barrier(self.ctx)
-        self.tel.emit("done", final_step=final, result_files=files, wall_s=round(time.perf_counter() - self.t0, 3))
+        self.tel.emit("done", final_step=final, reason="stopped" if stopped else "max_steps",
+                      result_files=files, wall_s=round(time.perf_counter() - self.t0, 3))
         self.tel.close()
         runtime.finish_ok(self.ctx)
         del torch
@@ -794,7 +925,8 @@ class Trainer:
         every = self.args.checkpoint_every
         return step == self.args.max_steps or (every > 0 and step % every == 0)
 
-    def drafter_loop(self, start: int) -> None:
+    def drafter_loop(self, start: int) -> tuple[int, bool]:
+        """Train steps start+1..max_steps; returns (last step, whether it stopped on a signal)."""
         import torch
         import torch.distributed as dist
 
@@ -807,6 +939,8 @@ class Trainer:
 
         def my_batches(step_from: int, step_to: int):
             for s in range(step_from, step_to + 1):
+                if self.votes.is_last(s - 1):
+                    return  # the ranks stop after step s-1: post nothing beyond it
                 for g in self._global_batches(s):
                     t_i, d_i = self._batch_owner(g)
                     if d_i == self.d_index:
@@ -822,6 +956,7 @@ class Trainer:
             inbox.append((s, g, meta, feats, w1, w2))
 
         pending_iter = None
+        step, stopped = start, False
         for step in range(start + 1, args.max_steps + 1):
             runtime.maybe_fail_for_test(step, self.ctx.rank)
             if split and pending_iter is None:
@@ -869,13 +1004,18 @@ class Trainer:
             lr = self.scheduler.get_last_lr()[0]
             self.scheduler.step()
             loss_local = torch.stack(losses).float().mean()
-            loss_val = runtime.all_reduce_mean(self.ctx, loss_local) if not split else \
-                self._drafter_mean(loss_local)
+            if split:
+                loss_val = self._drafter_mean(loss_local)
+                self.votes.post(step)
+                stop_now = self.votes.is_last(step)
+            else:
+                # one small all-reduce: mean loss over ranks and "anyone asked to stop"
+                loss_val, stop_now = runtime.reduce_mean_and_stop(self.ctx, loss_local, self.stop.requested)
             self._sync()
             dt = time.perf_counter() - t_step
-            if split and self._ckpt_due(step):
-                # everything up to the checkpoint boundary is consumed; re-plan after it
-                assert not inbox
+            if split and (self._ckpt_due(step) or stop_now):
+                # everything up to the checkpoint boundary (or the stop) is consumed; re-plan after it
+                assert not inbox, [it[:2] for it in inbox]
                 pending_iter = None
             n_rank_tokens = ctx_tokens
             world_tokens = n_rank_tokens * (n_d if split else self.ctx.world_size)
@@ -897,10 +1037,15 @@ class Trainer:
                           f"mfu {m} step {dt * 1000:.0f} ms", flush=True)
             if step == start + 1 and self.device.type == "cuda":
                 runtime.set_collective_timeout(self.ctx, 120)
+            if stop_now:
+                stopped = True
+                self.save(step)
+                break
             if self._eval_due(step) and not args.no_eval and step != args.max_steps:
                 self.eval(step)
             if self._ckpt_due(step):
                 self.save(step)
+        return step, stopped
 
     def _eval_due(self, step: int) -> bool:
         every = self.args.eval_every
@@ -913,7 +1058,8 @@ class Trainer:
         dist.all_reduce(t, group=self.drafter_group)
         return float(t.item()) / len(self.drafter_ranks)
 
-    def target_loop(self, start: int) -> None:
+    def target_loop(self, start: int) -> tuple[int, bool]:
+        """Split target rank: produce and send steps start+1..; returns (last step, stopped)."""
         import torch
         import torch.distributed as dist
 
@@ -928,6 +1074,7 @@ class Trainer:
                 for w in pending.popleft()[:2]:
                     w.wait()
 
+        step, stopped = start, False
         for step in range(start + 1, args.max_steps + 1):
             runtime.maybe_fail_for_test(step, self.ctx.rank)
             self._sync()
@@ -962,9 +1109,16 @@ class Trainer:
                               step_s=round(dt, 4), send_wait_s=round(waited, 4),
                               flops_per_token=fpt, mfu=(mfu(tokens / dt, fpt, self.peak) if tokens else 0.0),
                               peak_flops=self.peak, queue_depth=len(pending), **self._mem())
+            self.votes.post(step)
+            if self.votes.is_last(step):
+                stopped = True
+                drain()
+                self.save(step)
+                break
             if self._ckpt_due(step):
                 self.save(step)
         drain()
+        return step, stopped
 
     def eval(self, step: int) -> None:
         res = evaluate_tau(self.drafter, self.embed, self.lm_head.weight, self.eval_ids, self.eval_feats,
@@ -978,8 +1132,12 @@ class Trainer:
             print(f"[dflash] eval step {step} tau {res['tau']:.3f} "
                   f"(all anchors {res['tau_all_anchors']:.3f}, {res['eval_blocks']} blocks)", flush=True)
 
-    def export(self, step: int) -> list[str]:
-        """Save the drafter (full weights, save_pretrained) to OUT/drafter and OUT/result.json."""
+    def export(self, step: int, stopped: bool = False) -> list[str]:
+        """Save the drafter (full weights, save_pretrained) to OUT/drafter and OUT/result.json.
+
+        After a stop on a signal only result.json is written (``stopped: true``): the
+        checkpoint holds the state, and the grace period is better spent exiting.
+        """
         import torch
         import torch.distributed as dist
 
@@ -987,7 +1145,8 @@ class Trainer:
 
         out = Path(self.args.out)
         files: list[str] = []
-        if self.is_drafter:
+        ddir = None
+        if self.is_drafter and not stopped:
             # gather the FSDP2 shards over the drafter group (every drafter rank, same order)
             sd = {}
             for k, v in self.drafter.state_dict().items():
@@ -1005,11 +1164,13 @@ class Trainer:
                         "block_size": self.block_size, "target_layer_ids": self.layer_ids,
                         "mask_token_id": self.mask_token_id, "num_target_layers": self.dcfg.num_target_layers}
                 (ddir / "dflash_train.json").write_text(json.dumps(meta, indent=2) + "\n")
-                result = {"final_step": step, "drafter_dir": str(ddir), "eval_first": self.first_eval,
-                          "eval_last": self.last_eval, "topology": self.args.topology,
-                          "world_size": self.ctx.world_size}
-                (out / "result.json").write_text(json.dumps(result, indent=2) + "\n")
-                files = [str(ddir), str(out / "result.json")]
+                files.append(str(ddir))
+        if self.ctx.rank == self.lead_drafter:
+            result = {"final_step": step, "stopped": stopped, "drafter_dir": str(ddir) if ddir else None,
+                      "eval_first": self.first_eval, "eval_last": self.last_eval,
+                      "topology": self.args.topology, "world_size": self.ctx.world_size}
+            (out / "result.json").write_text(json.dumps(result, indent=2) + "\n")
+            files.append(str(out / "result.json"))
         if self.ctx.distributed:
             objs = [files]
             dist.broadcast_object_list(objs, src=self.lead_drafter)

@@ -52,9 +52,11 @@ tokenizer, reloadable with ``trainers.data.load_tokenizer(OUT/final)``), and
 ``OUT/result.json`` (final_step, start, losses per step, final_loss,
 tokens_per_s and mfu means excluding step 1, params, world size, checkpoints).
 
-SIGTERM/SIGINT: the ranks agree (one all-reduce per step) to stop after the
-current step, save a checkpoint, export nothing, and exit 0 with a ``done``
-record whose ``reason`` is ``"stopped"``.
+SIGTERM/SIGINT (``trainers.runtime.install_stop_flag``): the ranks agree (one
+all-reduce per step, ``reduce_mean_and_stop``) to stop after the current step,
+save a checkpoint, export nothing, and exit 0 with a ``done`` record whose
+``reason`` is ``"stopped"``. Repeated SIGTERMs are one request; a SIGINT after
+the first signal leaves at once (error path).
 
 Error path: an ``error`` record, the traceback on stderr, the process group is
 aborted and the process ``os._exit(1)``s, so no rank lingers. Test hook:
@@ -68,7 +70,6 @@ import hashlib
 import json
 import math
 import os
-import signal
 import socket
 import sys
 import time
@@ -369,20 +370,6 @@ def export_final(model, config, tokenizer, out: Path, ctx, attn_impl: str) -> Pa
 # ------------------------------------------------------------------ main
 
 
-class _StopFlag:
-    def __init__(self) -> None:
-        self.requested = False
-
-    def install(self) -> None:
-        def handler(signum, frame):  # noqa: ARG001
-            if self.requested:  # second signal: leave now
-                raise KeyboardInterrupt(f"signal {signum} received twice")
-            self.requested = True
-
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, handler)
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     out = Path(args.out)
@@ -418,15 +405,16 @@ def main(argv: list[str] | None = None) -> int:
         device_info,
         finish_ok,
         init_distributed,
+        install_stop_flag,
         maybe_fail_for_test,
+        reduce_mean_and_stop,
         register,
         seed_all,
         set_collective_timeout,
     )
     from trainers.telemetry import Telemetry
 
-    stop = _StopFlag()
-    stop.install()
+    stop = install_stop_flag()
     ctx = init_distributed(args.device, init_timeout_s=300.0, single_process_group=True)
     tel = Telemetry(rank=ctx.rank)
     register(ctx=ctx, telemetry=tel)
@@ -578,14 +566,7 @@ def main(argv: list[str] | None = None) -> int:
         scheduler.step()
         step += 1
         # one small all-reduce: mean loss over ranks and "anyone asked to stop"
-        red = torch.stack([loss_sum / args.grad_accum,
-                           torch.tensor(float(stop.requested), device=device)]).float()
-        if ctx.distributed and ctx.world_size > 1:
-            import torch.distributed as dist
-
-            dist.all_reduce(red, op=dist.ReduceOp.SUM)
-            red[0] /= ctx.world_size
-        loss_val, stop_votes = red.tolist()
+        loss_val, stop_now = reduce_mean_and_stop(ctx, loss_sum / args.grad_accum, stop.requested)
         gn = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
         gn_val = float(gn)
         dt = time.perf_counter() - t0
@@ -614,7 +595,7 @@ def main(argv: list[str] | None = None) -> int:
                   flush=True)
         if step == 1:
             set_collective_timeout(ctx, 100.0)
-        if stop_votes > 0 or (args.stop_at_step is not None and step >= args.stop_at_step):
+        if stop_now or (args.stop_at_step is not None and step >= args.stop_at_step):
             stopped = True
             break
         if args.checkpoint_every and step % args.checkpoint_every == 0:

@@ -34,6 +34,20 @@ Distributed context
         ``abort_and_exit`` (``main`` registers its context with ``register``).
     ``register(ctx=None, telemetry=None)``  tells ``run_main`` what to tear down.
 
+Stopping on a signal (SIGTERM: gpudeck's agent stops a run with SIGTERM to every
+process, waits a grace period, then SIGKILLs)
+    ``install_stop_flag() -> StopFlag``  SIGTERM/SIGINT handlers that only set
+        ``StopFlag.requested``; the trainer polls it once per step, the ranks
+        agree, checkpoint, emit ``done`` with ``reason="stopped"`` and exit 0.
+        A rank usually gets SIGTERM twice (from the agent and forwarded by
+        torchrun): repeated SIGTERMs are the same request. Only a SIGINT after
+        the first request (Ctrl-C again) means "leave now" (KeyboardInterrupt,
+        the error path).
+    ``reduce_mean_and_stop(ctx, value, stop_requested) -> (mean, stop)``  one
+        all-reduce over all ranks per step: the mean of ``value`` (the loss)
+        and whether any rank asked to stop, so every rank stops after the same
+        step.
+
 Device and misc
     ``device_info(device) -> dict``  {"device": "cuda:3", "gpu_uuid": "GPU-…",
         "gpu_name": …} ("cpu", None, None on CPU).
@@ -55,6 +69,7 @@ import datetime as _dt
 import hashlib
 import json
 import os
+import signal
 import sys
 import threading
 import traceback
@@ -351,6 +366,76 @@ def run_main(main: Callable[[], int]) -> None:
         abort_and_exit(_REGISTERED["ctx"], exc, _REGISTERED["telemetry"], code=1)
         return
     sys.exit(code or 0)
+
+
+# ------------------------------------------------------------------ stopping on a signal
+
+
+class StopFlag:
+    """Whether this process was asked to stop; set by the handlers ``install`` puts in place.
+
+    ``requested`` (bool) and ``signal_name`` (the first signal, e.g. "SIGTERM", or None).
+    """
+
+    def __init__(self) -> None:
+        self.requested = False
+        self.signal_name: str | None = None
+
+    def install(self) -> "StopFlag":
+        """Handle SIGTERM and SIGINT in this (main) thread; returns self."""
+
+        def handler(signum, frame):  # noqa: ARG001
+            if self.requested:
+                # the agent signals every process and torchrun forwards what it got, so a
+                # rank commonly sees SIGTERM twice: that is still the one request
+                if signum == signal.SIGINT:
+                    raise KeyboardInterrupt(f"SIGINT after {self.signal_name}: leaving now")
+                return
+            self.requested = True
+            self.signal_name = signal.Signals(signum).name
+            # from now on the OS ignores SIGTERM: a late duplicate cannot kill the process even
+            # while Python shuts down (which puts the handlers it installed back to the default)
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, handler)
+        return self
+
+
+def install_stop_flag() -> StopFlag:
+    """Make SIGTERM / SIGINT ask for a graceful stop instead of killing the process.
+
+    Call it early in ``main`` (before the slow setup): a signal during setup is
+    remembered. The handlers only set ``StopFlag.requested``; the trainer checks it
+    once per step through ``reduce_mean_and_stop`` (or an equivalent vote over all
+    ranks), so all ranks stop after the same step, save a checkpoint, emit a
+    ``done`` record with ``reason="stopped"`` and exit 0 — within the agent's grace
+    period (30 s by default) before its SIGKILL. Further SIGTERMs are ignored (one
+    rank gets one from the agent and one from torchrun), at the OS level from the
+    first request on (``SIG_IGN``, which Python keeps through its shutdown, so a late
+    duplicate cannot turn a clean exit 0 into a death by SIGTERM); a SIGINT after
+    the first signal raises KeyboardInterrupt (leave now, through the error path).
+    """
+    return StopFlag().install()
+
+
+def reduce_mean_and_stop(ctx: DistContext, value: Any, stop_requested: bool) -> tuple[float, bool]:
+    """One all-reduce (SUM) over all ranks of ``[value, stop_requested]``.
+
+    Returns (the mean of ``value`` over ranks as a Python float, whether any rank
+    asked to stop). Collective: every rank calls it once per step, at the same point.
+    Without a process group (or with one rank) it returns the local values.
+    """
+    import torch
+    import torch.distributed as dist
+
+    v = value.detach().float().reshape(()) if torch.is_tensor(value) else torch.tensor(float(value))
+    red = torch.stack([v.to(ctx.device), torch.tensor(float(stop_requested), device=ctx.device)])
+    if ctx.distributed and ctx.world_size > 1:
+        dist.all_reduce(red, op=dist.ReduceOp.SUM)
+        red[0] /= ctx.world_size
+    mean, votes = red.tolist()
+    return mean, votes > 0
 
 
 # ------------------------------------------------------------------ misc

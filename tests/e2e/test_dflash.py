@@ -4,12 +4,18 @@
 * split, 2 target ranks + 1 drafter rank: hidden states travel through isend/irecv, the drafter
   trains, every rank reports its role, queue depth is reported, everyone exits 0;
 * a failing rank takes the whole job down promptly with a non-zero exit;
+* SIGTERM to every rank and to torchrun (what gpudeck's agent does), colocated 2 ranks and split
+  2+1: all ranks stop after the same step, save a checkpoint there, emit ``done`` with reason
+  "stopped", exit 0 within seconds, and ``--resume latest`` continues from that checkpoint;
+* ``--init-from`` a saved drafter: a different ``--block-size`` is refused (exit 2, both values
+  named); without ``--block-size`` the saved one is used and said so on stderr;
 * the real pipeline: ``trainers.fsdp_lm`` trains a small target on the built-in corpus and
   exports it; ``trainers.dflash`` trains a drafter on it; tau after training is clearly above
   tau at initialisation, and the exported drafter reloads.
 
-Every process is recorded (torchrun's pid, and each worker's pid from its telemetry) and stopped
-by pid in teardown, after checking the pid's environment carries this test's GPUDECK_RUN_ID.
+Every process is recorded (torchrun's pid, each worker's pid from its telemetry, and for the
+SIGTERM tests the exit-code wrappers' pids from their pid files) and stopped by pid in teardown,
+after checking the pid's environment carries this test's GPUDECK_RUN_ID.
 """
 
 from __future__ import annotations
@@ -28,10 +34,12 @@ import pytest
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
+psutil = pytest.importorskip("psutil")
 
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
+EXIT_CODE = Path(__file__).resolve().parent / "progs" / "exit_code.py"
 # a random-weight tiny target (fsdp_lm's "tiny" preset: Llama, 4 layers, hidden 256, vocab 320)
 SMALL = ["--target-config", "tiny", "--seq-len", "64", "--batch-size", "2", "--num-anchors", "8",
          "--block-size", "4", "--drafter-layers", "2", "--corpus-bytes", str(600_000),
@@ -64,9 +72,13 @@ class Runs:
     def __init__(self) -> None:
         self.procs: list[tuple[subprocess.Popen, str]] = []
         self.telemetry: list[tuple[Path, str]] = []
+        self.pid_dirs: list[tuple[Path, str]] = []
 
-    def run(self, module: str, args: list[str], out: Path, nproc: int | None = None,
-            env: dict[str, str] | None = None, timeout: float = 150.0):
+    def start(self, module: str, args: list[str], out: Path, nproc: int | None = None,
+              env: dict[str, str] | None = None, exit_codes: Path | None = None,
+              stderr: int = subprocess.STDOUT) -> tuple[subprocess.Popen, Path]:
+        """Start a run; with ``exit_codes`` (torchrun only) each worker goes through
+        progs/exit_code.py, which writes the worker's exit code to that folder."""
         run_id = f"test-{uuid.uuid4().hex[:10]}"
         tel = out.parent / f"{out.name}-{run_id}.jsonl"
         e = dict(os.environ)
@@ -77,20 +89,34 @@ class Runs:
             cmd = [sys.executable, "-m", module, *args, "--out", str(out)]
         else:
             e["OMP_NUM_THREADS"] = "1"
+            entry = ["-m", module]
+            if exit_codes is not None:
+                exit_codes.mkdir(parents=True, exist_ok=True)
+                self.pid_dirs.append((exit_codes, run_id))
+                entry = [str(EXIT_CODE), str(exit_codes), *entry]
             cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1",
                    "--nproc-per-node", str(nproc), "--master-addr", "127.0.0.1",
-                   "--master-port", str(_free_port()), "-m", module, *args, "--out", str(out)]
-        p = subprocess.Popen(cmd, cwd=ROOT, env=e, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                   "--master-port", str(_free_port()), *entry, *args, "--out", str(out)]
+        p = subprocess.Popen(cmd, cwd=ROOT, env=e, stdout=subprocess.PIPE, stderr=stderr,
                              text=True, start_new_session=True)
         self.procs.append((p, run_id))
         self.telemetry.append((tel, run_id))
-        t0 = time.monotonic()
+        return p, tel
+
+    def finish(self, p: subprocess.Popen, timeout: float) -> tuple[str, str | None]:
+        """Wait for a run started here: (stdout, stderr or None when merged); fails on timeout."""
         try:
-            output, _ = p.communicate(timeout=timeout)
+            return p.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
             self.teardown()
             output, _ = p.communicate()
-            pytest.fail(f"{module} did not finish in {timeout}s:\n{output[-4000:]}")
+            pytest.fail(f"{p.args[:6]} did not finish in {timeout}s:\n{output[-4000:]}")
+
+    def run(self, module: str, args: list[str], out: Path, nproc: int | None = None,
+            env: dict[str, str] | None = None, timeout: float = 150.0):
+        t0 = time.monotonic()
+        p, tel = self.start(module, args, out, nproc, env)
+        output, _ = self.finish(p, timeout)
         return p.returncode, output, read_telemetry(tel), time.monotonic() - t0
 
     def teardown(self) -> None:
@@ -102,13 +128,18 @@ class Runs:
                 except subprocess.TimeoutExpired:
                     p.kill()
                     p.wait(timeout=5)
+        tagged: set[tuple[int, str]] = set()
         for tel, run_id in self.telemetry:
-            for pid in sorted({int(r["pid"]) for r in read_telemetry(tel) if "pid" in r}):
-                if _pid_has_tag(pid, run_id):
-                    try:
-                        os.kill(pid, signal.SIGKILL)
-                    except ProcessLookupError:
-                        pass
+            tagged |= {(int(r["pid"]), run_id) for r in read_telemetry(tel) if "pid" in r}
+        for folder, run_id in self.pid_dirs:
+            for f in folder.glob("*.pids"):
+                tagged |= {(int(x), run_id) for x in f.read_text().split()}
+        for pid, run_id in sorted(tagged):
+            if _pid_has_tag(pid, run_id):
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
 
 
 @pytest.fixture(scope="module")
@@ -253,3 +284,97 @@ def test_fsdp_lm_target_then_dflash_drafter_tau_improves(tmp_path, runs):
     assert (out / "drafter" / "dflash.py").is_file()
     result = json.loads((out / "result.json").read_text())
     assert result["eval_last"]["tau"] == tau1
+
+
+# ------------------------------------------------------------------ SIGTERM
+
+
+SPLIT = ["--topology", "split", "--target-ranks", "0,1", "--drafter-ranks", "2", "--queue-depth", "2"]
+
+
+@pytest.mark.parametrize("topology", ["colocated", "split"])
+def test_sigterm_to_every_process_stops_at_a_checkpoint_then_resume_continues(tmp_path, runs, topology):
+    from trainers.checkpoint import list_checkpoints
+
+    nproc, lead = (2, 0) if topology == "colocated" else (3, 2)
+    args = [*SMALL, *(SPLIT if topology == "split" else []), "--max-steps", "40"]
+    out, codes = tmp_path / "term", tmp_path / "exit-codes"
+    p, tel = runs.start("trainers.dflash", [*args, "--fresh"], out, nproc=nproc, exit_codes=codes)
+    deadline = time.monotonic() + 90
+    while max(_steps(read_telemetry(tel), lead), default=0) < 3:
+        assert p.poll() is None, runs.finish(p, 5)[0][-3000:]
+        assert time.monotonic() < deadline, "no training steps within 90 s"
+        time.sleep(0.05)
+    pids = sorted(r["pid"] for r in read_telemetry(tel) if r["type"] == "manifest")
+    assert len(pids) == nproc
+    ranks = [psutil.Process(pid) for pid in pids]
+    # what gpudeck's agent does: SIGTERM to every rank and to torchrun, which forwards its own;
+    # torchrun's comes a little later here so that each rank surely sees SIGTERM twice
+    t0 = time.monotonic()
+    for pid in pids:
+        os.kill(pid, signal.SIGTERM)
+    time.sleep(0.2)
+    os.kill(p.pid, signal.SIGTERM)
+    output, _ = runs.finish(p, 30)
+    _, alive = psutil.wait_procs(ranks, timeout=max(0.1, 30 - (time.monotonic() - t0)))
+    seconds = time.monotonic() - t0
+    assert not alive, output[-3000:]
+    assert seconds < 10, (seconds, output[-3000:])
+
+    exits = {int(f.stem[4:]): json.loads(f.read_text()) for f in codes.glob("rank*.json")}
+    assert sorted(exits) == list(range(nproc)), output[-3000:]
+    assert {e["pid"] for e in exits.values()} == set(pids)
+    assert {r: e["returncode"] for r, e in exits.items()} == {r: 0 for r in range(nproc)}, output[-3000:]
+    recs = read_telemetry(tel)
+    assert not [r for r in recs if r["type"] == "error"], output[-3000:]
+    done = [r for r in recs if r["type"] == "done"]
+    assert sorted(r["rank"] for r in done) == list(range(nproc))
+    assert {r["reason"] for r in done} == {"stopped"}
+    stop = done[0]["final_step"]
+    assert {r["final_step"] for r in done} == {stop} and 3 <= stop < 40
+    assert max(_steps(recs, lead)) == stop  # the drafter trained exactly up to the stop step
+    assert sorted(r["rank"] for r in recs if r["type"] == "checkpoint" and r["step"] == stop) == list(range(nproc))
+    assert list_checkpoints(out) == [stop]
+    result = json.loads((out / "result.json").read_text())
+    assert result["stopped"] is True and result["final_step"] == stop and result["drafter_dir"] is None
+    assert not (out / "drafter").exists()
+
+    rc, output, tel2, _ = runs.run("trainers.dflash", [*args, "--resume", "latest"], out, nproc=nproc)
+    assert rc == 0, output[-4000:]
+    assert {m["start"] for m in tel2 if m["type"] == "manifest"} == {f"resume {stop}"}
+    assert sorted(_steps(tel2, lead)) == list(range(stop + 1, 41))
+    assert {r["reason"] for r in tel2 if r["type"] == "done"} == {"max_steps"}
+    assert (out / "drafter" / "config.json").is_file()
+
+
+# ------------------------------------------------------------------ --init-from and --block-size
+
+
+def test_init_from_drafter_keeps_its_block_size(tmp_path, runs):
+    src = tmp_path / "src"
+    rc, output, _, _ = runs.run("trainers.dflash", [*SMALL, "--max-steps", "1", "--no-eval", "--fresh"], src)
+    assert rc == 0, output[-4000:]
+    drafter = src / "drafter"
+    assert json.loads((drafter / "config.json").read_text())["block_size"] == 4
+    no_bs = [a for i, a in enumerate(SMALL) if "--block-size" not in SMALL[max(0, i - 1):i + 1]]
+    assert "--block-size" not in no_bs and len(no_bs) == len(SMALL) - 2
+
+    # a different --block-size: refused before any work, naming both values and the way out
+    p, _ = runs.start("trainers.dflash", [*no_bs, "--init-from", str(drafter), "--block-size", "8",
+                                          "--max-steps", "1", "--fresh"], tmp_path / "refused",
+                      stderr=subprocess.PIPE)
+    _, err = runs.finish(p, 60)
+    assert p.returncode == 2, err
+    assert "--block-size 8" in err and "block size 4" in err and "leave out" in err, err
+    assert not (tmp_path / "refused" / "checkpoints").exists()
+
+    # the same value is fine; no --block-size: the saved one, said so on stderr
+    out = tmp_path / "continued"
+    p, tel = runs.start("trainers.dflash", [*no_bs, "--init-from", str(drafter), "--max-steps", "1",
+                                            "--no-eval", "--fresh"], out, stderr=subprocess.PIPE)
+    _, err = runs.finish(p, 120)
+    assert p.returncode == 0, err[-4000:]
+    assert f"--init-from {drafter}: using its block size 4 (no --block-size given)" in err
+    man = next(r for r in read_telemetry(tel) if r["type"] == "manifest")
+    assert man["block_size"] == 4
+    assert json.loads((out / "drafter" / "config.json").read_text())["block_size"] == 4
