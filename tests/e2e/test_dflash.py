@@ -23,12 +23,8 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
-import sys
 import time
-import uuid
-from pathlib import Path
 
 import pytest
 
@@ -38,108 +34,11 @@ psutil = pytest.importorskip("psutil")
 
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parents[2]
-EXIT_CODE = Path(__file__).resolve().parent / "progs" / "exit_code.py"
+from tests.trainer_harness import Runs, read_telemetry  # noqa: E402
 # a random-weight tiny target (fsdp_lm's "tiny" preset: Llama, 4 layers, hidden 256, vocab 320)
 SMALL = ["--target-config", "tiny", "--seq-len", "64", "--batch-size", "2", "--num-anchors", "8",
          "--block-size", "4", "--drafter-layers", "2", "--corpus-bytes", str(600_000),
          "--eval-prompt-len", "16", "--eval-gen-len", "16", "--eval-samples", "2"]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def read_telemetry(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
-def _pid_has_tag(pid: int, run_id: str) -> bool:
-    try:
-        env = Path(f"/proc/{pid}/environ").read_bytes()
-    except OSError:
-        return False
-    return f"GPUDECK_RUN_ID={run_id}".encode() in env.split(b"\0")
-
-
-class Runs:
-    """Starts trainer processes and remembers them (and their workers) for teardown."""
-
-    def __init__(self) -> None:
-        self.procs: list[tuple[subprocess.Popen, str]] = []
-        self.telemetry: list[tuple[Path, str]] = []
-        self.pid_dirs: list[tuple[Path, str]] = []
-
-    def start(self, module: str, args: list[str], out: Path, nproc: int | None = None,
-              env: dict[str, str] | None = None, exit_codes: Path | None = None,
-              stderr: int = subprocess.STDOUT) -> tuple[subprocess.Popen, Path]:
-        """Start a run; with ``exit_codes`` (torchrun only) each worker goes through
-        progs/exit_code.py, which writes the worker's exit code to that folder."""
-        run_id = f"test-{uuid.uuid4().hex[:10]}"
-        tel = out.parent / f"{out.name}-{run_id}.jsonl"
-        e = dict(os.environ)
-        e.update({"GPUDECK_RUN_ID": run_id, "GPUDECK_TELEMETRY": str(tel), "PYTHONUNBUFFERED": "1"})
-        e.pop("GPUDECK_TEST_FAIL_AT_STEP", None)
-        e.update(env or {})
-        if nproc is None:
-            cmd = [sys.executable, "-m", module, *args, "--out", str(out)]
-        else:
-            e["OMP_NUM_THREADS"] = "1"
-            entry = ["-m", module]
-            if exit_codes is not None:
-                exit_codes.mkdir(parents=True, exist_ok=True)
-                self.pid_dirs.append((exit_codes, run_id))
-                entry = [str(EXIT_CODE), str(exit_codes), *entry]
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1",
-                   "--nproc-per-node", str(nproc), "--master-addr", "127.0.0.1",
-                   "--master-port", str(_free_port()), *entry, *args, "--out", str(out)]
-        p = subprocess.Popen(cmd, cwd=ROOT, env=e, stdout=subprocess.PIPE, stderr=stderr,
-                             text=True, start_new_session=True)
-        self.procs.append((p, run_id))
-        self.telemetry.append((tel, run_id))
-        return p, tel
-
-    def finish(self, p: subprocess.Popen, timeout: float) -> tuple[str, str | None]:
-        """Wait for a run started here: (stdout, stderr or None when merged); fails on timeout."""
-        try:
-            return p.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            self.teardown()
-            output, _ = p.communicate()
-            pytest.fail(f"{p.args[:6]} did not finish in {timeout}s:\n{output[-4000:]}")
-
-    def run(self, module: str, args: list[str], out: Path, nproc: int | None = None,
-            env: dict[str, str] | None = None, timeout: float = 150.0):
-        t0 = time.monotonic()
-        p, tel = self.start(module, args, out, nproc, env)
-        output, _ = self.finish(p, timeout)
-        return p.returncode, output, read_telemetry(tel), time.monotonic() - t0
-
-    def teardown(self) -> None:
-        for p, _ in self.procs:
-            if p.poll() is None:
-                p.terminate()
-                try:
-                    p.wait(timeout=5)
-                except subprocess.TimeoutExpired:
-                    p.kill()
-                    p.wait(timeout=5)
-        tagged: set[tuple[int, str]] = set()
-        for tel, run_id in self.telemetry:
-            tagged |= {(int(r["pid"]), run_id) for r in read_telemetry(tel) if "pid" in r}
-        for folder, run_id in self.pid_dirs:
-            for f in folder.glob("*.pids"):
-                tagged |= {(int(x), run_id) for x in f.read_text().split()}
-        for pid, run_id in sorted(tagged):
-            if _pid_has_tag(pid, run_id):
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
 
 
 @pytest.fixture(scope="module")

@@ -1,10 +1,7 @@
 """End-to-end tests of ``python -m trainers.fsdp_lm`` on CPU: real torch, torchrun, gloo.
 
-Every process a test starts is recorded (torchrun's pid and, from telemetry, each
-worker's pid) and stopped by pid in teardown — workers live in their own
-sessions, so a process-group kill would miss them. Before killing a worker pid
-the teardown checks that its environment carries this test's GPUDECK_RUN_ID, so
-a reused pid is never hit.
+Processes are started and stopped through tests/trainer_harness.py (by pid, each
+worker checked for this test's GPUDECK_RUN_ID before it is killed).
 """
 
 from __future__ import annotations
@@ -13,11 +10,7 @@ import json
 import os
 import shutil
 import signal
-import subprocess
-import sys
 import time
-import uuid
-from pathlib import Path
 
 import pytest
 
@@ -26,96 +19,12 @@ pytest.importorskip("transformers")
 
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.trainer_harness import Runs, read_telemetry  # noqa: E402
+from tests.trainer_harness import alive as _alive  # noqa: E402
+
+FSDP = "trainers.fsdp_lm"
 COMMON = ["--model-config", "tiny", "--seq-len", "64", "--batch-size", "4",
           "--corpus-bytes", str(1024 * 1024), "--lr", "1e-3", "--warmup-steps", "2"]
-
-
-class Runs:
-    """Starts trainer processes and remembers them for teardown."""
-
-    def __init__(self) -> None:
-        self.procs: list[tuple[subprocess.Popen, str]] = []
-        self.telemetry: list[tuple[Path, str]] = []
-
-    def start(self, args: list[str], out: Path, nproc: int | None = 2,
-              env: dict[str, str] | None = None) -> tuple[subprocess.Popen, Path]:
-        run_id = f"test-{uuid.uuid4().hex[:10]}"
-        tel = out.parent / f"{out.name}-{run_id}.jsonl"
-        e = dict(os.environ)
-        e.update({"GPUDECK_RUN_ID": run_id, "GPUDECK_TELEMETRY": str(tel),
-                  "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"})
-        e.pop("GPUDECK_TEST_FAIL_AT_STEP", None)
-        e.update(env or {})
-        if nproc is None:
-            cmd = [sys.executable, "-m", "trainers.fsdp_lm", *args, "--out", str(out)]
-        else:
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                   "--nproc-per-node", str(nproc), "-m", "trainers.fsdp_lm", *args,
-                   "--out", str(out)]
-        p = subprocess.Popen(cmd, cwd=ROOT, env=e, stdout=subprocess.PIPE,
-                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
-        self.procs.append((p, run_id))
-        self.telemetry.append((tel, run_id))
-        return p, tel
-
-    def run(self, args: list[str], out: Path, nproc: int | None = 2,
-            env: dict[str, str] | None = None, timeout: float = 120.0):
-        p, tel = self.start(args, out, nproc, env)
-        t0 = time.monotonic()
-        try:
-            output, _ = p.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            output, _ = p.communicate()
-            pytest.fail(f"trainer did not finish in {timeout}s:\n{output[-4000:]}")
-        return p.returncode, output, read_telemetry(tel), time.monotonic() - t0
-
-    def worker_pids(self) -> list[tuple[int, str]]:
-        pids = []
-        for tel, run_id in self.telemetry:
-            for r in read_telemetry(tel):
-                if "pid" in r:
-                    pids.append((int(r["pid"]), run_id))
-        return sorted(set(pids))
-
-    def teardown(self) -> None:
-        for p, _ in self.procs:
-            if p.poll() is None:
-                p.terminate()
-                try:
-                    p.wait(timeout=5)
-                except subprocess.TimeoutExpired:
-                    p.kill()
-                    p.wait(timeout=5)
-        for pid, run_id in self.worker_pids():
-            if _pid_has_tag(pid, run_id):
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-
-
-def _pid_has_tag(pid: int, run_id: str) -> bool:
-    try:
-        env = Path(f"/proc/{pid}/environ").read_bytes()
-    except OSError:
-        return False
-    return f"GPUDECK_RUN_ID={run_id}".encode() in env.split(b"\0")
-
-
-def _alive(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
-
-
-def read_telemetry(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def step_losses(records: list[dict], rank: int = 0) -> dict[int, float]:
@@ -133,8 +42,8 @@ def runs():
 def straight(tmp_path_factory, runs):
     """Reference: 2 ranks trained straight to step 8, checkpoints at 4 and 8."""
     out = tmp_path_factory.mktemp("fsdp") / "straight"
-    rc, output, tel, _ = runs.run([*COMMON, "--max-steps", "8", "--checkpoint-every", "4",
-                                   "--fresh"], out)
+    rc, output, tel, _ = runs.run(FSDP, [*COMMON, "--max-steps", "8", "--checkpoint-every", "4",
+                                   "--fresh"], out, nproc=2)
     assert rc == 0, output[-4000:]
     return out, tel, output
 
@@ -195,8 +104,8 @@ def test_failing_rank_stops_all_ranks_then_resume_matches_straight(straight, run
     ref = step_losses(straight[1])
     out = tmp_path / "crash"
     args = [*COMMON, "--max-steps", "8", "--checkpoint-every", "4"]
-    rc, output, tel, seconds = runs.run([*args, "--fresh"], out,
-                                        env={"GPUDECK_TEST_FAIL_AT_STEP": "6:1"}, timeout=90)
+    rc, output, tel, seconds = runs.run(FSDP, [*args, "--fresh"], out,
+                                        nproc=2, env={"GPUDECK_TEST_FAIL_AT_STEP": "6:1"}, timeout=90)
     assert rc != 0
     assert "injected failure at step 6 on rank 1" in output
     assert seconds < 60
@@ -211,7 +120,7 @@ def test_failing_rank_stops_all_ranks_then_resume_matches_straight(straight, run
     crashed = step_losses(tel)
     assert crashed == {k: ref[k] for k in range(1, 6)}
 
-    rc, output, tel2, _ = runs.run([*args, "--resume", "latest"], out)
+    rc, output, tel2, _ = runs.run(FSDP, [*args, "--resume", "latest"], out, nproc=2)
     assert rc == 0, output[-4000:]
     assert {r["start"] for r in tel2 if r["type"] == "manifest"} == {"resume 4"}
     resumed = step_losses(tel2)
@@ -222,23 +131,23 @@ def test_failing_rank_stops_all_ranks_then_resume_matches_straight(straight, run
 
 def test_fresh_refuses_folder_with_checkpoints(straight, runs) -> None:
     out = straight[0]
-    rc, output, tel, _ = runs.run([*COMMON, "--max-steps", "2", "--fresh"], out, nproc=None)
+    rc, output, tel, _ = runs.run(FSDP, [*COMMON, "--max-steps", "2", "--fresh"], out, nproc=None)
     assert rc == 2
     assert "--fresh refuses" in output and "step_4" in output and "step_8" in output
     assert [r["type"] for r in tel] == ["error"] and tel[0]["exit_code"] == 2
-    rc, output, _, _ = runs.run([*COMMON, "--max-steps", "2", "--fresh"], out, nproc=2)
+    rc, output, _, _ = runs.run(FSDP, [*COMMON, "--max-steps", "2", "--fresh"], out, nproc=2)
     assert rc != 0 and "--fresh refuses" in output
 
 
 def test_resume_missing_step_lists_existing(straight, runs) -> None:
-    rc, output, _, _ = runs.run([*COMMON, "--max-steps", "8", "--resume", "5"], straight[0],
+    rc, output, _, _ = runs.run(FSDP, [*COMMON, "--max-steps", "8", "--resume", "5"], straight[0],
                                 nproc=None)
     assert rc == 2
     assert "step_5" in output and "step_4, step_8" in output
 
 
 def test_missing_start_is_an_error(runs, tmp_path) -> None:
-    rc, output, _, _ = runs.run([*COMMON, "--max-steps", "2"], tmp_path / "x", nproc=None)
+    rc, output, _, _ = runs.run(FSDP, [*COMMON, "--max-steps", "2"], tmp_path / "x", nproc=None)
     assert rc == 2
     assert "pick how to start" in output and "--fresh" in output and "--resume" in output
     assert not (tmp_path / "x").exists()
@@ -247,7 +156,7 @@ def test_missing_start_is_an_error(runs, tmp_path) -> None:
 def test_new_run_dir_archives_old_checkpoints(straight, runs, tmp_path) -> None:
     out = tmp_path / "again"
     shutil.copytree(straight[0] / "checkpoints", out / "checkpoints")
-    rc, output, tel, _ = runs.run([*COMMON, "--max-steps", "2", "--fresh", "--new-run-dir",
+    rc, output, tel, _ = runs.run(FSDP, [*COMMON, "--max-steps", "2", "--fresh", "--new-run-dir",
                                    "--no-export"], out, nproc=None)
     assert rc == 0, output[-4000:]
     archived = [p for p in out.iterdir() if p.name.startswith("checkpoints.archived-")]
@@ -262,10 +171,10 @@ def test_new_run_dir_archives_old_checkpoints(straight, runs, tmp_path) -> None:
 def test_init_from_exported_folder_continues_from_trained_weights(straight, runs, tmp_path) -> None:
     out, tel, _ = straight
     ref = step_losses(tel)
-    rc, output, tel2, _ = runs.run(["--init-from", str(out / "final"), "--seq-len", "64",
+    rc, output, tel2, _ = runs.run(FSDP, ["--init-from", str(out / "final"), "--seq-len", "64",
                                     "--batch-size", "4", "--corpus-bytes", str(1024 * 1024),
                                     "--max-steps", "2", "--fresh", "--no-export"],
-                                   tmp_path / "from_final")
+                                   tmp_path / "from_final", nproc=2)
     assert rc == 0, output[-4000:]
     manifest = next(r for r in tel2 if r["type"] == "manifest")
     assert manifest["tokenizer"]["kind"] == "byte"  # picked up from the exported folder
@@ -278,7 +187,7 @@ def test_sigterm_stops_all_ranks_after_a_checkpoint(runs, tmp_path) -> None:
     from trainers.checkpoint import list_checkpoints
 
     out = tmp_path / "term"
-    p, tel = runs.start([*COMMON, "--max-steps", "100000", "--fresh"], out)
+    p, tel = runs.start(FSDP, [*COMMON, "--max-steps", "100000", "--fresh"], out, nproc=2)
     deadline = time.monotonic() + 90
     while time.monotonic() < deadline and max(step_losses(read_telemetry(tel)), default=0) < 3:
         assert p.poll() is None, p.communicate()[0][-3000:]
