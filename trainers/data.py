@@ -64,6 +64,15 @@ TEXT_SUFFIXES = (".txt", ".md", ".rst", ".py", ".jsonl", ".json")
 # ------------------------------------------------------------------ tokenizers
 
 
+def _with_specials(ids: list[int], bos: int | None, eos: int | None) -> list[int]:
+    """``ids`` with a BOS in front and/or an EOS at the end (None: not added)."""
+    if bos is not None:
+        ids.insert(0, bos)
+    if eos is not None:
+        ids.append(eos)
+    return ids
+
+
 class ByteTokenizer:
     """Byte-level tokenizer: 256 byte ids plus BOS/EOS/PAD/MASK; needs no files."""
 
@@ -75,12 +84,7 @@ class ByteTokenizer:
     vocab_size = 260
 
     def encode(self, text: str, add_bos: bool = False, add_eos: bool = False) -> list[int]:
-        ids = list(text.encode("utf-8"))
-        if add_bos:
-            ids.insert(0, self.bos_id)
-        if add_eos:
-            ids.append(self.eos_id)
-        return ids
+        return _with_specials(list(text.encode("utf-8")), self.bos_id if add_bos else None, self.eos_id if add_eos else None)
 
     def encode_np(self, text: str) -> np.ndarray:
         """Fast path: the UTF-8 bytes as a uint16 array (no specials)."""
@@ -126,11 +130,7 @@ class HFTokenizer:
 
     def encode(self, text: str, add_bos: bool = False, add_eos: bool = False) -> list[int]:
         ids = list(self.tok.encode(text, add_special_tokens=False))
-        if add_bos:
-            ids.insert(0, self.bos_id)
-        if add_eos:
-            ids.append(self.eos_id)
-        return ids
+        return _with_specials(ids, self.bos_id if add_bos else None, self.eos_id if add_eos else None)
 
     def encode_np(self, text: str) -> np.ndarray:
         return np.asarray(self.encode(text), dtype=np.int64)
