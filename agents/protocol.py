@@ -301,13 +301,20 @@ class ReadOutput(_Msg, tag="read_output", kw_only=True):
     follow: bool = False
 
 
+class GetMetrics(_Msg, tag="get_metrics", kw_only=True):
+    """A run's step metrics from its telemetry, thinned to at most ``max_points``."""
+
+    run_id: str
+    max_points: int = 300
+
+
 class Cancel(_Msg, tag="cancel", kw_only=True):
     """End the stream started by the request with ``target``."""
 
     target: str
 
 
-Request = Union[Hello, Ping, GetSnapshot, WatchSnapshots, Launch, ListRuns, GetRun, Stop, GetEvents, ReadOutput, Cancel]
+Request = Union[Hello, Ping, GetSnapshot, WatchSnapshots, Launch, ListRuns, GetRun, Stop, GetEvents, ReadOutput, GetMetrics, Cancel]
 
 # ----------------------------------------------------------------------------- replies
 
@@ -374,6 +381,17 @@ class OutputChunk(_Msg, tag="output_chunk", kw_only=True):
     run_ended: bool = False
 
 
+class Metrics(_Msg, tag="metrics", kw_only=True):
+    """Step series of one run (index-aligned lists; None where a step did not report the figure)."""
+
+    run_id: str
+    steps: list[int] = []
+    loss: list[float | None] = []
+    tokens_per_s: list[float | None] = []
+    mfu: list[float | None] = []
+    total_steps: int = 0
+
+
 class StreamEnd(_Msg, tag="stream_end", kw_only=True):
     """A stream ended (cancelled, or nothing more will come)."""
 
@@ -397,6 +415,7 @@ Reply = Union[
     StopReply,
     EventBatch,
     OutputChunk,
+    Metrics,
     StreamEnd,
     Error,
 ]

@@ -37,6 +37,7 @@ from agents.protocol import (
     EventBatch,
     FrameReader,
     GetEvents,
+    GetMetrics,
     GetRun,
     GetSnapshot,
     Hello,
@@ -44,6 +45,7 @@ from agents.protocol import (
     Launch,
     LaunchReply,
     ListRuns,
+    Metrics,
     OutputChunk,
     Ping,
     Pong,
@@ -59,6 +61,7 @@ from agents.protocol import (
 )
 from agents.snapshot import SnapshotBuilder
 from agents.supervisor import Supervisor, hostname
+from agents.telemetry import step_series
 
 log = logging.getLogger("gpudeck.agent")
 
@@ -324,6 +327,11 @@ class _Conn:
             await self._events(req)
         elif isinstance(req, ReadOutput):
             await self._output(req)
+        elif isinstance(req, GetMetrics):
+            run = a.supervisor.resolve(req.run_id)
+            points = max(2, min(req.max_points, 5000))
+            steps, loss, tps, mfu, total = await asyncio.to_thread(step_series, Path(run.run_dir or "") / "telemetry.jsonl", points)
+            await self.send(Metrics(request_id=rid, run_id=run.id, steps=steps, loss=loss, tokens_per_s=tps, mfu=mfu, total_steps=total))
         elif isinstance(req, Cancel):
             task = self.streams.pop(req.target, None)
             if task is None:

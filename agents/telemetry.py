@@ -123,3 +123,37 @@ def _num(v: object) -> float | None:
 
 def _str(v: object) -> str | None:
     return v[:500] if isinstance(v, str) else None
+
+
+def step_series(path: Path, max_points: int = 300) -> tuple[list[int], list[float | None], list[float | None], list[float | None], int]:
+    """(steps, loss, tokens_per_s, mfu, total) from a telemetry file, thinned evenly to ``max_points``.
+
+    Ranks report the same step; a figure one rank leaves out (split DFlash target
+    ranks have no loss) is taken from another.
+    """
+    by_step: dict[int, list[float | None]] = {}
+    try:
+        fh = open(path, "rb")
+    except OSError:
+        return [], [], [], [], 0
+    with fh:
+        for raw in fh:
+            if b'"step"' not in raw:
+                continue
+            try:
+                rec = json.loads(raw)
+            except ValueError:
+                continue
+            if not isinstance(rec, dict) or rec.get("type") != "step" or not isinstance(rec.get("step"), int):
+                continue
+            row = by_step.setdefault(rec["step"], [None, None, None])
+            for i, name in enumerate(("loss", "tokens_per_s", "mfu")):
+                v = _num(rec.get(name))
+                if v is not None:
+                    row[i] = v
+    steps = sorted(by_step)
+    total = len(steps)
+    if total > max_points > 0:
+        stride = total / max_points
+        steps = [steps[int(i * stride)] for i in range(max_points - 1)] + [steps[-1]]
+    return steps, [by_step[s][0] for s in steps], [by_step[s][1] for s in steps], [by_step[s][2] for s in steps], total

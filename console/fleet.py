@@ -24,7 +24,9 @@ from agents.protocol import (
     Launch,
     LaunchReply,
     LaunchSpec,
+    GetMetrics,
     ListRuns,
+    Metrics,
     OutputChunk,
     ReadOutput,
     RunInfo,
@@ -204,6 +206,13 @@ class Fleet:
         reply = await c.request(GetRun(run_id=run_id))
         assert isinstance(reply, RunReply)
         return reply.run
+
+    async def metrics(self, host: str, run_id: str, max_points: int = 300) -> Metrics:
+        """A run's step series (loss, tokens/s, MFU), thinned to ``max_points``."""
+        c = await self.link(host).client()
+        reply = await c.request(GetMetrics(run_id=run_id, max_points=max_points))
+        assert isinstance(reply, Metrics)
+        return reply
 
     async def output(self, host: str, run_id: str, offset: int = 0, follow: bool = True) -> AsyncIterator[OutputChunk]:
         """A run's output from ``offset``; with ``follow`` until the run ends."""

@@ -26,6 +26,34 @@ class LaunchRequest:
         self.spec = spec
 
 
+def prefill_from(spec: LaunchSpec) -> dict[str, str]:
+    """The form's fields for relaunching ``spec``: the same run, with the start left for the operator."""
+    argv = list(spec.argv)
+    python = sys.executable
+    if spec.kind in TRAINER_MODULES and len(argv) >= 3 and argv[1:3] == ["-m", TRAINER_MODULES[spec.kind]]:
+        python, argv = argv[0], argv[3:]
+        cleaned: list[str] = []
+        skip = False
+        for a in argv:  # the old start never carries over: fresh or resume is chosen again
+            if skip:
+                skip = False
+                continue
+            if a == "--fresh":
+                continue
+            if a == "--resume":
+                skip = True
+                continue
+            cleaned.append(a)
+        argv = cleaned
+    return {
+        "kind": spec.kind,
+        "args": shlex.join(argv),
+        "name": spec.name or "",
+        "gpus": ",".join(map(str, spec.gpus)) if spec.gpus is not None else "",
+        "python": python,
+    }
+
+
 def build_spec(kind: str, args: str, name: str, gpus: str, start: str, resume_step: str, python: str) -> LaunchSpec:
     """Turn the form into a spec; ValueError says which field is wrong and how."""
     try:
@@ -61,11 +89,28 @@ class LaunchDialog(ModalScreen[LaunchRequest | None]):
 
     BINDINGS = [Binding("escape", "cancel", "Cancel"), Binding("ctrl+s", "submit", "Launch")]
 
+    def __init__(self, prefill: LaunchSpec | None = None, parent: str | None = None, host: str | None = None) -> None:
+        super().__init__()
+        self._prefill = prefill_from(prefill) if prefill is not None else {}
+        self._parent_run = parent
+        self._first_host = host
+
+    def on_mount(self) -> None:
+        for field in ("args", "name", "gpus", "python"):
+            if field in self._prefill:
+                self.query_one(f"#{field}", Input).value = self._prefill[field]
+        if "kind" in self._prefill:
+            self.query_one("#kind", Select).value = self._prefill["kind"]
+
     def compose(self) -> ComposeResult:
         fleet_status = self.app.fleet_status()  # type: ignore[attr-defined]
         hosts = list(fleet_status)
+        if self._first_host in hosts:
+            hosts.remove(self._first_host)
+            hosts.insert(0, self._first_host)
         with Vertical(classes="dialog", id="launch-dialog"):
-            yield Static("Launch a run  (ctrl+s launches, esc cancels)", classes="dialog-title")
+            title = f"Relaunch {self._parent_run}: choose the start again" if self._parent_run else "Launch a run"
+            yield Static(f"{title}  (ctrl+s launches, esc cancels)", classes="dialog-title")
             with Horizontal(classes="field"):
                 yield Label("Host")
                 yield Select([(h, h) for h in hosts], value=hosts[0], id="host", allow_blank=False)
@@ -135,6 +180,7 @@ class LaunchDialog(ModalScreen[LaunchRequest | None]):
         except ValueError as exc:
             self.query_one("#launch-error", Static).update(Text(str(exc), style="bold red"))
             return
+        spec.parent = self._parent_run
         self.dismiss(LaunchRequest(str(self.query_one("#host", Select).value), spec))
 
     def action_submit(self) -> None:

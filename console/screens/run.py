@@ -11,7 +11,8 @@ from textual import work
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.screen import Screen
-from textual.widgets import Footer, Header, Input, Static
+from textual.containers import Horizontal, Vertical
+from textual.widgets import Footer, Header, Input, Sparkline, Static
 
 from agents.errors import AgentError
 from agents.protocol import RunInfo
@@ -46,6 +47,7 @@ class RunScreen(Screen):
     BINDINGS = [
         Binding("escape", "back", "Back"),
         Binding("s", "stop_run", "Stop run"),
+        Binding("R", "relaunch", "Relaunch"),
         Binding("f", "toggle_follow", "Follow"),
         Binding("g", "top", "Top"),
         Binding("G", "bottom", "Bottom"),
@@ -65,6 +67,13 @@ class RunScreen(Screen):
     def compose(self) -> ComposeResult:
         yield Header()
         yield Static("", id="run-header", classes="run-header")
+        with Horizontal(id="metrics"):
+            with Vertical(classes="metric"):
+                yield Static("loss", id="loss-label", classes="metric-label")
+                yield Sparkline([], id="loss-spark")
+            with Vertical(classes="metric"):
+                yield Static("tokens/s", id="tps-label", classes="metric-label")
+                yield Sparkline([], id="tps-spark")
         yield OutputView(id="run-log")
         yield Input(id="run-search", placeholder="search the output (enter: find, esc: close)", classes="search")
         yield Static("", id="run-status", classes="note")
@@ -74,6 +83,7 @@ class RunScreen(Screen):
         self.set_interval(FLUSH_S, self._flush)
         self.refresh_run()
         self.follow_output()
+        self.refresh_metrics()
 
     @work(exclusive=True, group="run-info")
     async def refresh_run(self) -> None:
@@ -85,6 +95,33 @@ class RunScreen(Screen):
             except AgentError as exc:
                 self.query_one("#run-header", Static).update(Text(f"{self.run_id} on {self.host}: {exc.message}", style="red"))
             await asyncio.sleep(1.0)
+
+    @work(exclusive=True, group="run-metrics")
+    async def refresh_metrics(self) -> None:
+        fleet = self.app.fleet  # type: ignore[attr-defined]
+        panel = self.query_one("#metrics")
+        panel.display = False
+        while True:
+            try:
+                m = await fleet.metrics(self.host, self.run_id, max_points=200)
+            except AgentError:
+                m = None
+            if m is not None and m.steps:
+                panel.display = True
+                self._show_series("loss", "#loss-label", "#loss-spark", m.steps, m.loss, "{:.4f}")
+                self._show_series("tokens/s", "#tps-label", "#tps-spark", m.steps, m.tokens_per_s, "{:,.0f}")
+            ended = self.run is not None and self.run.ended is not None
+            await asyncio.sleep(10.0 if ended else 2.0)
+
+    def _show_series(self, name: str, label_id: str, spark_id: str, steps: list[int], values: list[float | None], fmt: str) -> None:
+        pts = [(s, v) for s, v in zip(steps, values) if v is not None]
+        label = self.query_one(label_id, Static)
+        if not pts:
+            label.update(Text(f"{name}: not reported", style="dim"))
+            return
+        data = [v for _, v in pts]
+        self.query_one(spark_id, Sparkline).data = data
+        label.update(Text.assemble((f"{name} ", "bold"), f"step {pts[-1][0]}: {fmt.format(data[-1])}   min {fmt.format(min(data))}  max {fmt.format(max(data))}"))
 
     @work(exclusive=True, group="run-output")
     async def follow_output(self) -> None:
@@ -167,6 +204,26 @@ class RunScreen(Screen):
             return
         self._match_line = found
         self.app.call_from_thread(view.go_to_line, found)
+
+    def action_relaunch(self) -> None:
+        self.relaunch_flow()
+
+    @work(exclusive=True, group="run-relaunch")
+    async def relaunch_flow(self) -> None:
+        from console.screens.launch import LaunchDialog
+
+        if self.run is None:
+            return
+        req = await self.app.push_screen_wait(LaunchDialog(prefill=self.run.spec, parent=self.run.id, host=self.host))
+        if req is None:
+            return
+        try:
+            reply = await self.app.fleet.launch(req.host, req.spec)  # type: ignore[attr-defined]
+        except AgentError as exc:
+            self.notify(exc.message, title="relaunch failed", severity="error", timeout=15)
+            return
+        self.notify(f"{reply.run.id} started on {req.host} (relaunch of {self.run.id}, {req.spec.start or 'command'})", title="relaunched")
+        self.app.open_run(req.host, reply.run.id)  # type: ignore[attr-defined]
 
     def action_stop_run(self) -> None:
         self.stop_flow()

@@ -47,3 +47,29 @@ def test_telemetry_is_live_and_journaled_once(agent: AgentProc, tmp_path: Path) 
     assert kinds.count("done") == 1
     assert 1 <= kinds.count("step") <= 3  # steps are journaled at a bounded rate
     assert "heartbeat" not in kinds
+
+
+def test_metrics_series_for_a_finished_run(agent: AgentProc, tmp_path: Path) -> None:
+    import asyncio
+
+    from agents.protocol import GetMetrics, Metrics
+
+    gate = tmp_path / "go"
+    gate.touch()  # no pause: the writer runs straight through
+    rid = agent.cli_json("launch", "--", sys.executable, str(PROG), str(ROOT), str(gate))["id"]
+    wait_for(lambda: next(r for r in agent.cli_json("runs") if r["id"] == rid)["state"] == "succeeded", what="the run to finish")
+
+    async def fetch(points: int) -> Metrics:
+        c = await agent.client()
+        try:
+            m = await c.request(GetMetrics(run_id=rid, max_points=points))
+        finally:
+            await c.close()
+        assert isinstance(m, Metrics)
+        return m
+
+    m = asyncio.run(fetch(100))
+    assert m.steps == list(range(1, 9)) and m.total_steps == 8
+    assert m.loss[0] == 10.0 and m.loss[-1] == 10.0 / 8 and m.tokens_per_s[-1] == 8000.0
+    thin = asyncio.run(fetch(3))
+    assert thin.steps[0] == 1 and thin.steps[-1] == 8 and len(thin.steps) == 3 and thin.total_steps == 8

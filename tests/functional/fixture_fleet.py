@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from agents.protocol import Gpu, GpuProcess, LaunchSpec, Member, RunInfo, RunTelemetry, Snapshot, StopResult
+from agents.protocol import Gpu, GpuProcess, LaunchSpec, Member, Metrics, RunInfo, RunTelemetry, Snapshot, StopResult
 from console.fleet import Fleet, HostLink
 
 T0 = 1_790_000_000.0  # a fixed instant, so every rendered time is the same on every run
@@ -67,6 +67,10 @@ class FixtureFleet(Fleet):
 
         text = "".join(f"step {i:5d} loss {10 / (i + 1):.4f}\n" for i in range(40))
         yield OutputChunk(run_id=run_id, offset=0, next_offset=len(text), data=text, run_ended=True)
+
+    async def metrics(self, host: str, run_id: str, max_points: int = 300) -> Metrics:
+        steps = list(range(1, 121))
+        return Metrics(run_id=run_id, steps=steps, loss=[10.0 / (s ** 0.5) for s in steps], tokens_per_s=[60_000.0 + (s % 7) * 900 for s in steps], mfu=[None] * len(steps), total_steps=len(steps))
 
     async def stop(self, host: str, run_id: str, grace_s: float = 30.0) -> StopResult:
         raise NotImplementedError

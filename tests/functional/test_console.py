@@ -96,3 +96,13 @@ async def test_launch_dialog_refuses_a_trainer_without_a_start(agent: AgentProc)
         await pilot.pause()
         assert isinstance(app.screen, LaunchDialog)
         assert "no default" in str(dialog.query_one("#launch-error", Static).render())
+
+
+def test_relaunch_prefill_never_carries_the_old_start() -> None:
+    from agents.protocol import LaunchSpec
+    from console.screens.launch import prefill_from
+
+    spec = LaunchSpec(argv=["/venv/bin/python", "-m", "trainers.fsdp_lm", "--model-config", "llama-1b", "--resume", "400", "--out", "/ckpt"], kind="fsdp", gpus=[0, 1], name="big")
+    form = prefill_from(spec)
+    assert form == {"kind": "fsdp", "args": "--model-config llama-1b --out /ckpt", "name": "big", "gpus": "0,1", "python": "/venv/bin/python"}
+    assert prefill_from(LaunchSpec(argv=["sleep", "1"]))["args"] == "sleep 1"
