@@ -21,7 +21,7 @@ Drafter
     target's embedding and lm_head (frozen, shared not copied). ``--init-from``
     starts the drafter from a saved drafter folder (``OUT/drafter``) and keeps its
     block size: without ``--block-size`` the saved one is used (said on stderr); a
-    different ``--block-size`` is refused with exit 2 (``resolve_block_size``).
+    different ``--block-size`` is refused with exit 2 (``resolve_saved_shape``; the same for ``--drafter-layers``).
 
 Step
     ``--num-anchors`` anchors per sequence (redrawn every step from the CPU RNG,
@@ -149,7 +149,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--target-config", default=None,
                    help="random-weight target from a preset (tiny, qwen3-0.6b) or config.json "
                         "(speed benchmarks); --model-config is an alias")
-    g.add_argument("--drafter-layers", type=int, default=1, help="drafter decoder layers (1-5)")
+    g.add_argument("--drafter-layers", type=int, default=None,
+                   help="drafter decoder layers, 1-5 (default 1; with --init-from: the saved drafter's, "
+                        "and a different value is refused)")
     g.add_argument("--block-size", type=int, default=None,
                    help="tokens per block (default 16; with --init-from: the saved drafter's, and a "
                         "different value is refused)")
@@ -185,9 +187,9 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         args.target_config = args.model_config
     if (args.target is None) == (args.target_config is None):
         p.error("give exactly one of --target PATH or --target-config/--model-config")
+    resolve_saved_shape(p, args)
     if not 1 <= args.drafter_layers <= 8:
         p.error("--drafter-layers must be in 1..8 (DFlash uses 1-5)")
-    resolve_block_size(p, args)
     if args.block_size < 2:
         p.error("--block-size must be >= 2")
     if args.num_anchors < 1:
@@ -199,37 +201,47 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
 
 
 DEFAULT_BLOCK_SIZE = 16
+DEFAULT_DRAFTER_LAYERS = 1
+# (argparse dest, option, key in the saved drafter's config.json, default, what it is)
+_SAVED_SHAPE = [
+    ("block_size", "--block-size", "block_size", DEFAULT_BLOCK_SIZE, "block size"),
+    ("drafter_layers", "--drafter-layers", "num_hidden_layers", DEFAULT_DRAFTER_LAYERS, "number of layers"),
+]
 
 
-def resolve_block_size(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """Set ``args.block_size``: the given one, the saved drafter's (``--init-from``), or 16.
+def resolve_saved_shape(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Set ``--block-size`` and ``--drafter-layers``: as given, the saved drafter's (``--init-from``), or the defaults.
 
-    A drafter is trained for one block size, so ``--init-from`` with a different
-    ``--block-size`` is refused (exit 2) rather than silently replaced; without
-    ``--block-size`` the saved value is used and said so on stderr.
+    A drafter is trained for one shape, so ``--init-from`` with a different value
+    is refused (exit 2) rather than silently replaced; a value left out is taken
+    from the saved drafter and said so on stderr.
     """
     if args.init_from is None:
-        if args.block_size is None:
-            args.block_size = DEFAULT_BLOCK_SIZE
+        for dest, _, _, default, _ in _SAVED_SHAPE:
+            if getattr(args, dest) is None:
+                setattr(args, dest, default)
         return
     cfg_file = Path(args.init_from) / "config.json"
     try:
-        saved = json.loads(cfg_file.read_text()).get("block_size")
+        saved_cfg = json.loads(cfg_file.read_text())
     except (OSError, ValueError) as exc:
         p.error(f"--init-from {args.init_from}: cannot read the saved drafter's config.json ({exc})")
-    if not isinstance(saved, int):
-        p.error(f"--init-from {args.init_from}: {cfg_file} has no block_size; is it a saved drafter "
-                "(OUT/drafter of trainers.dflash)?")
-    if args.block_size is None:
-        args.block_size = saved
-        if os.environ.get("RANK", "0") == "0":
-            print(f"dflash: --init-from {args.init_from}: using its block size {saved} "
-                  "(no --block-size given)", file=sys.stderr, flush=True)
-    elif args.block_size != saved:
-        p.error(f"--block-size {args.block_size} differs from the block size {saved} of the drafter in "
-                f"--init-from {args.init_from}; a drafter is trained for one block size: leave out "
-                f"--block-size (or pass --block-size {saved}) to continue training it, or drop "
-                f"--init-from to train a new drafter with block size {args.block_size}")
+    for dest, option, key, _, what in _SAVED_SHAPE:
+        saved = saved_cfg.get(key)
+        if not isinstance(saved, int):
+            p.error(f"--init-from {args.init_from}: {cfg_file} has no {key}; is it a saved drafter "
+                    "(OUT/drafter of trainers.dflash)?")
+        given = getattr(args, dest)
+        if given is None:
+            setattr(args, dest, saved)
+            if os.environ.get("RANK", "0") == "0":
+                print(f"dflash: --init-from {args.init_from}: using its {what} {saved} "
+                      f"(no {option} given)", file=sys.stderr, flush=True)
+        elif given != saved:
+            p.error(f"{option} {given} differs from the {what} {saved} of the drafter in "
+                    f"--init-from {args.init_from}; a drafter is trained for one shape: leave out "
+                    f"{option} (or pass {option} {saved}) to continue training it, or drop "
+                    f"--init-from to train a new drafter with {option} {given}")
 
 
 # ------------------------------------------------------------------ target

@@ -249,7 +249,7 @@ def test_sigterm_to_every_process_stops_at_a_checkpoint_then_resume_continues(tm
 # ------------------------------------------------------------------ --init-from and --block-size
 
 
-def test_init_from_drafter_keeps_its_block_size(tmp_path, runs):
+def test_init_from_drafter_keeps_its_shape(tmp_path, runs):
     src = tmp_path / "src"
     rc, output, _, _ = runs.run("trainers.dflash", [*SMALL, "--max-steps", "1", "--no-eval", "--fresh"], src)
     assert rc == 0, output[-4000:]
@@ -266,6 +266,12 @@ def test_init_from_drafter_keeps_its_block_size(tmp_path, runs):
     assert p.returncode == 2, err
     assert "--block-size 8" in err and "block size 4" in err and "leave out" in err, err
     assert not (tmp_path / "refused" / "checkpoints").exists()
+    # the same for the number of layers
+    p, _ = runs.start("trainers.dflash", [*no_bs, "--init-from", str(drafter), "--drafter-layers", "3",
+                                          "--max-steps", "1", "--fresh"], tmp_path / "refused2",
+                      stderr=subprocess.PIPE)
+    _, err = runs.finish(p, 60)
+    assert p.returncode == 2 and "--drafter-layers 3" in err and "number of layers 2" in err, err
 
     # the same value is fine; no --block-size: the saved one, said so on stderr
     out = tmp_path / "continued"
