@@ -51,6 +51,7 @@ class FixtureFleet(Fleet):
         down = FixtureLink("gpu2")
         down.status.state = "unreachable"
         down.status.error = "connect timed out after 10 s (fixture)"
+        down.status.since = T0
         self.links = {"gpu1": up, "gpu2": down}
 
     def start(self) -> None:

@@ -13,11 +13,16 @@ SIZE = (150, 36)
 
 
 @pytest.fixture(autouse=True)
-def fixed_tz(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("TZ", "UTC")
+def fixed_clock(monkeypatch: pytest.MonkeyPatch) -> None:
+    """UTC, and 'now' for the console's relative times ('5m00s ago') fixed at T0 + 300 s."""
     import time
+    import types
 
+    from tests.functional.fixture_fleet import T0
+
+    monkeypatch.setenv("TZ", "UTC")
     time.tzset()
+    monkeypatch.setattr("console.fmt.time", types.SimpleNamespace(time=lambda: T0 + 300.0))
 
 
 def make_app() -> GpudeckApp:
@@ -58,7 +63,12 @@ def test_run_screen(snap_compare) -> None:  # type: ignore[no-untyped-def]
 
 def test_launch_dialog(snap_compare) -> None:  # type: ignore[no-untyped-def]
     async def open_launch(pilot) -> None:  # type: ignore[no-untyped-def]
+        from textual.widgets import Input
+
         await pilot.press("l")
+        await pilot.pause()
+        # the default is this venv's python, whose path differs per checkout: pin it for the picture
+        pilot.app.screen.query_one("#python", Input).value = "/opt/venv/bin/python3"
         await pilot.pause()
 
     assert snap_compare(make_app(), terminal_size=(150, 50), run_before=open_launch)
