@@ -146,6 +146,7 @@ class Agent:
 
     async def close(self) -> None:
         """Stop serving; runs keep going (they outlive the agent by design)."""
+        log.info("agent %s stopping; %d live run(s) keep going", os.getpid(), len(self.supervisor.live_runs()))
         if self._server is not None:
             self._server.close()
         for t in list(self._tasks):

@@ -13,6 +13,7 @@ import getpass
 import json
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -316,6 +317,36 @@ async def cmd_agent_status(args: argparse.Namespace) -> int:
     return 0
 
 
+async def cmd_agent_stop(args: argparse.Namespace) -> int:
+    """Stop the agent (SIGTERM by its pid); runs keep going and a new agent re-adopts them."""
+    import signal as _signal
+
+    import psutil
+
+    try:
+        c = await AgentClient.connect_unix(autostart=False)
+    except AgentError as exc:
+        print(f"agent: not running ({exc.message})")
+        return 0
+    assert c.hello is not None
+    pid = c.hello.pid
+    await c.close()
+    p = psutil.Process(pid)
+    p.send_signal(_signal.SIGTERM)
+    deadline = time.monotonic() + 10
+    while True:  # gone, or a zombie its parent has not reaped yet: either way it has exited
+        try:
+            if p.status() == psutil.STATUS_ZOMBIE:
+                break
+        except psutil.NoSuchProcess:
+            break
+        if time.monotonic() > deadline:
+            raise CliError(f"the agent (pid {pid}) did not exit within 10 s of SIGTERM; see {paths.log_path()}")
+        await asyncio.sleep(0.05)
+    print(f"agent {pid} stopped; runs keep going and the next agent re-adopts them")
+    return 0
+
+
 # ----------------------------------------------------------------------------- parser
 
 
@@ -362,14 +393,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the verification result as JSON")
     p.set_defaults(func=cmd_stop)
 
-    p = sub.add_parser("agent", help="the host agent: serve, dial, status")
-    asub = p.add_subparsers(dest="agent_command", metavar="serve|dial|status", required=True)
+    p = sub.add_parser("agent", help="the host agent: serve, dial, status, stop")
+    asub = p.add_subparsers(dest="agent_command", metavar="serve|dial|status|stop", required=True)
     a = asub.add_parser("serve", help="run the agent in the foreground")
     a.add_argument("--state-dir", type=Path, default=None)
     a.set_defaults(func=None, sync=lambda ns: __import__("agents.server", fromlist=["serve"]).serve(ns.state_dir))
     a = asub.add_parser("dial", help="bridge stdin/stdout to the agent (what the console runs over SSH)")
     a.add_argument("--state-dir", type=Path, default=None)
     a.set_defaults(func=None, sync=lambda ns: __import__("agents.dial", fromlist=["dial"]).dial(ns.state_dir))
+    a = asub.add_parser("stop", help="stop the agent (runs keep going; the next agent re-adopts them)")
+    a.set_defaults(func=cmd_agent_stop)
     a = asub.add_parser("status", help="is the agent running, and where")
     a.add_argument("--json", action="store_true")
     a.set_defaults(func=cmd_agent_status)

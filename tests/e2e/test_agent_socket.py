@@ -169,3 +169,14 @@ def test_event_stream_follows_new_events_in_order(agent: AgentProc) -> None:
 
     seqs = asyncio.run(go())
     assert seqs == list(range(seqs[0], seqs[0] + len(seqs)))
+
+
+def test_agent_stop_leaves_runs_running_for_the_next_agent(agent: AgentProc) -> None:
+    rid = agent.cli_json("launch", "--", "sleep", "300")["id"]
+    out = agent.cli("agent", "stop").stdout
+    assert f"agent {agent.pid} stopped" in out
+    assert agent.proc is not None and agent.proc.wait(5) == 0
+    st = agent.cli("agent", "status", check=False)
+    assert st.returncode == 3 and "not running" in st.stdout
+    agent.start()
+    assert next(r for r in agent.cli_json("runs") if r["id"] == rid)["state"] == "running"
