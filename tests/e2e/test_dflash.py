@@ -151,7 +151,7 @@ def test_fsdp_lm_target_then_dflash_drafter_tau_improves(tmp_path, runs):
         "trainers.fsdp_lm",
         ["--model-config", "tiny", "--seq-len", "128", "--batch-size", "8", "--max-steps", "200",
          "--lr", "2e-3", "--corpus-bytes", str(3_000_000), "--log-every", "50", "--fresh"],
-        target_out, timeout=240)
+        target_out, timeout=900)
     assert rc == 0, output[-4000:]
     final = target_out / "final"
     assert (final / "config.json").is_file()
@@ -163,7 +163,7 @@ def test_fsdp_lm_target_then_dflash_drafter_tau_improves(tmp_path, runs):
          "--block-size", "8", "--drafter-layers", "1", "--max-steps", "150", "--lr", "2e-3",
          "--corpus-bytes", str(3_000_000), "--eval-every", "75", "--eval-prompt-len", "64",
          "--eval-gen-len", "64", "--log-every", "25", "--fresh"],
-        out, timeout=240)
+        out, timeout=900)
     assert rc == 0, output[-4000:]
     evals = [r for r in tel if r["type"] == "eval"]
     assert [e["step"] for e in evals] == [0, 75, 150]
