@@ -145,6 +145,7 @@ def test_failing_rank_takes_the_job_down(tmp_path, runs):
 # ------------------------------------------------------------------ the real pipeline
 
 
+@pytest.mark.timeout(1800)
 def test_fsdp_lm_target_then_dflash_drafter_tau_improves(tmp_path, runs):
     target_out = tmp_path / "target"
     rc, output, _, secs = runs.run(
