@@ -31,7 +31,7 @@ import msgspec
 from agents.errors import BadRequest, LaunchFailed, NotFound, StorageError
 from agents.gpus import GpuSampler
 from agents.journal import Journal
-from agents.procs import ProcTable, alive, create_time_of, signal_exact, status_of
+from agents.procs import CT_TOLERANCE, ProcTable, alive, create_time_of, signal_exact, status_of
 from agents.protocol import (
     LIVE_STATES,
     MAX_ARGV,
@@ -372,10 +372,9 @@ class Supervisor:
             self._journaled_offset[run.id] = items[-1][2]["offset"]
 
     def _discover_members(self, run: RunInfo) -> bool:
-        known = {(m.pid, round(m.create_time, 1)) for m in run.members}
         new: list[Member] = []
         for e in self.procs.tagged(run.id):
-            if (e.pid, round(e.create_time, 1)) in known or any(m.pid == e.pid and abs(m.create_time - e.create_time) < 0.05 for m in run.members):
+            if any(m.pid == e.pid and abs(m.create_time - e.create_time) <= CT_TOLERANCE for m in run.members):
                 continue
             info_cmd = _cmdline(e.pid)
             new.append(Member(pid=e.pid, create_time=e.create_time, role="worker", rank=e.rank, local_rank=e.local_rank, first_seen=time.time(), cmdline=info_cmd))
@@ -532,7 +531,7 @@ class Supervisor:
             self._discover_members(run)
         else:
             for e in self.procs.tagged(run.id):
-                if not any(m.pid == e.pid and abs(m.create_time - e.create_time) < 0.05 for m in run.members):
+                if not any(m.pid == e.pid and abs(m.create_time - e.create_time) <= CT_TOLERANCE for m in run.members):
                     run.members.append(Member(pid=e.pid, create_time=e.create_time, rank=e.rank, local_rank=e.local_rank, cmdline=_cmdline(e.pid)))
         members = list(run.members)
         shim_m = self._shim_member(run)
