@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import signal
@@ -132,7 +131,3 @@ def wait_for(pred, timeout: float = 10.0, interval: float = 0.05, what: str = "c
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout} s waiting for {what}")
         time.sleep(interval)
-
-
-def run_async(coro):  # type: ignore[no-untyped-def]
-    return asyncio.run(coro)

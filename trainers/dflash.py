@@ -364,7 +364,7 @@ def evaluate_tau(drafter, embed, lm_head_w, ids, feats, prompt_len: int, block_s
     """Greedy block verification against the target's greedy sequence (see module docstring)."""
     import torch
 
-    from trainers.dflash_loss import block_inputs, build_attention_mask
+    from trainers.dflash_loss import block_inputs
 
     e, t = ids.shape
     first, last = prompt_len - 1, t - block_size

@@ -199,7 +199,7 @@ _compile_failed = False
 
 
 def _kernel_for(t: torch.Tensor):
-    global _compiled_kernel, _compile_failed
+    global _compiled_kernel
     if not (COMPILE_ON_CUDA and t.is_cuda) or _compile_failed:
         return None
     if _compiled_kernel is None:

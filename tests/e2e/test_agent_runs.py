@@ -11,7 +11,6 @@ import time
 from pathlib import Path
 
 import psutil
-import pytest
 
 from agents.procs import alive, create_time_of
 from tests.agent_harness import AgentProc, wait_for

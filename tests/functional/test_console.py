@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import sys
-from pathlib import Path
 
 from textual.widgets import DataTable, Input, Static
 
