@@ -89,6 +89,22 @@ class AgentProc:
                 self.proc.kill()
                 self.proc.wait(10)
 
+    def stop_autostarted(self) -> None:
+        """Stop an agent that a CLI call started on this test's state dir after ours went away (by its pid)."""
+        try:
+            pid = int((self.state_dir / "agent.lock").read_text().strip() or 0)
+        except (OSError, ValueError):
+            return
+        if not pid or (self.proc is not None and pid == self.proc.pid):
+            return
+        try:
+            p = psutil.Process(pid)
+            if "--state-dir" in p.cmdline() and str(self.state_dir) in p.cmdline():
+                p.terminate()
+                p.wait(10)
+        except (psutil.Error, OSError):
+            pass
+
     def cli(self, *args: str, check: bool = True, timeout: float = 60, stdin: str | None = None) -> subprocess.CompletedProcess:
         """Run the real ``gpudeck`` CLI against this agent."""
         cp = subprocess.run(

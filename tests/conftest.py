@@ -33,3 +33,4 @@ def agent(gpudeck_home: Path) -> Iterator[AgentProc]:
     except Exception:
         pass
     a.stop()
+    a.stop_autostarted()
