@@ -52,7 +52,7 @@ import sys
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Iterator, Sequence
 
 import numpy as np
 
@@ -204,22 +204,32 @@ def _read_text(path: Path) -> str:
     return path.read_bytes().decode("utf-8", errors="replace")
 
 
-def _jsonl_documents(path: Path) -> list[str]:
-    docs = []
+def iter_jsonl(path: str | os.PathLike) -> Iterator[tuple[int, Any]]:
+    """``(line number, value)`` for each non-blank line of a JSONL file; a bad line raises ValueError naming it."""
     with open(path, encoding="utf-8", errors="replace") as fh:
-        for line in fh:
+        for number, line in enumerate(fh, 1):
             line = line.strip()
             if not line:
                 continue
-            obj = json.loads(line)
-            if isinstance(obj, str):
-                docs.append(obj)
-                continue
-            text = obj.get("text")
-            if not isinstance(text, str):
-                text = next((v for v in obj.values() if isinstance(v, str)), None)
-            if text:
-                docs.append(text)
+            try:
+                yield number, json.loads(line)
+            except ValueError as exc:
+                raise ValueError(f"{path}:{number}: not valid JSON ({exc}); each line must be one JSON object") from None
+
+
+def _jsonl_documents(path: Path) -> list[str]:
+    docs = []
+    for number, obj in iter_jsonl(path):
+        if isinstance(obj, str):
+            docs.append(obj)
+            continue
+        if not isinstance(obj, dict):
+            raise ValueError(f"{path}:{number}: expected a string or an object with a \"text\" field, got {type(obj).__name__}")
+        text = obj.get("text")
+        if not isinstance(text, str):
+            text = next((v for v in obj.values() if isinstance(v, str)), None)
+        if text:
+            docs.append(text)
     return docs
 
 

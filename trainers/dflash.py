@@ -1202,28 +1202,25 @@ def load_prompt_response_jsonl(path, tokenizer):
     """
     import numpy as np
 
+    from trainers.data import iter_jsonl
+
     p = Path(path)
     if p.suffix != ".jsonl" or not p.is_file():
         return None
     toks: list[np.ndarray] = []
     masks: list[np.ndarray] = []
     n = 0
-    with open(p, encoding="utf-8", errors="replace") as fh:
-        for line in fh:
-            line = line.strip()
-            if not line:
-                continue
-            obj = json.loads(line)
-            if not (isinstance(obj, dict) and isinstance(obj.get("prompt"), str)
-                    and isinstance(obj.get("response"), str)):
-                if n == 0:
-                    return None
-                raise ValueError(f"{p}: record {n + 1} lacks a prompt/response pair")
-            a = np.asarray(tokenizer.encode(obj["prompt"]), dtype=np.int64)
-            b = np.asarray(tokenizer.encode(obj["response"]) + [tokenizer.eos_id], dtype=np.int64)
-            toks += [a, b]
-            masks += [np.zeros(len(a), dtype=np.uint8), np.ones(len(b), dtype=np.uint8)]
-            n += 1
+    for number, obj in iter_jsonl(p):
+        if not (isinstance(obj, dict) and isinstance(obj.get("prompt"), str)
+                and isinstance(obj.get("response"), str)):
+            if n == 0:
+                return None
+            raise ValueError(f"{p}:{number}: record {n + 1} lacks a prompt/response pair")
+        a = np.asarray(tokenizer.encode(obj["prompt"]), dtype=np.int64)
+        b = np.asarray(tokenizer.encode(obj["response"]) + [tokenizer.eos_id], dtype=np.int64)
+        toks += [a, b]
+        masks += [np.zeros(len(a), dtype=np.uint8), np.ones(len(b), dtype=np.uint8)]
+        n += 1
     if n == 0:
         return None
     tokens = np.concatenate(toks)

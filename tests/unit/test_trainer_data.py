@@ -203,3 +203,19 @@ def test_flops_formula_and_peaks() -> None:
     assert mfu(50_000, f, None) is None
     peak, reason = peak_flops("cpu")
     assert peak is None and "cpu" in reason
+
+
+def test_bad_jsonl_lines_are_named(tmp_path) -> None:
+    import pytest
+
+    from trainers.data import load_documents
+
+    f = tmp_path / "d.jsonl"
+    f.write_text('{"text": "fine"}\n\n{"text": broken}\n')
+    with pytest.raises(ValueError, match=r"d.jsonl:3: not valid JSON"):
+        load_documents(f)
+    f.write_text('{"text": "fine"}\n[1, 2]\n')
+    with pytest.raises(ValueError, match=r"d.jsonl:2: expected a string or an object"):
+        load_documents(f)
+    f.write_text('"plain"\n{"text": "doc"}\n')
+    assert load_documents(f) == ["plain", "doc"]
