@@ -20,25 +20,8 @@ from typing import Any
 from agents import paths
 from agents.client import AgentClient
 from agents.errors import AgentError
-from agents.protocol import (
-    GetRun,
-    GetSnapshot,
-    Launch,
-    LaunchReply,
-    LaunchSpec,
-    ListRuns,
-    OutputChunk,
-    ReadOutput,
-    RunInfo,
-    RunList,
-    RunReply,
-    Snapshot,
-    Stop,
-    StopReply,
-    StopResult,
-    to_builtins,
-)
-
+from agents.protocol import LaunchSpec, RunInfo, Snapshot, StopResult, to_builtins
+from console.fleet import Fleet
 from console.fmt import duration, elapsed, gib, when
 
 EXIT_ERROR = 1
@@ -152,23 +135,17 @@ def run_json(r: RunInfo) -> dict[str, Any]:
 # ----------------------------------------------------------------------------- commands
 
 
-def _check_host(host: str) -> None:
-    if host != "local":
-        raise CliError(f"host {host!r}: this version manages only the local host ('local'); remote hosts come with the fleet")
-
-
-async def _client() -> AgentClient:
-    return await AgentClient.connect_unix()
+async def _with_fleet(host: str, fn):  # type: ignore[no-untyped-def]
+    """Run ``fn(fleet)`` on a request-only Fleet that links ``host`` (the same API the console uses)."""
+    fleet = Fleet(hosts=[host], watch=False)
+    try:
+        return await fn(fleet)
+    finally:
+        await fleet.close()
 
 
 async def cmd_status(args: argparse.Namespace) -> int:
-    _check_host(args.host)
-    c = await _client()
-    try:
-        snap = await c.request(GetSnapshot())
-    finally:
-        await c.close()
-    assert isinstance(snap, Snapshot)
+    snap = await _with_fleet(args.host, lambda f: f.snapshot(args.host))
     if args.json:
         print(json.dumps(to_builtins(snap)))
     else:
@@ -206,7 +183,6 @@ def _parse_env(items: list[str]) -> dict[str, str]:
 
 
 async def cmd_launch(args: argparse.Namespace) -> int:
-    _check_host(args.host)
     argv = list(args.argv)
     if argv and argv[0] == "--":
         argv = argv[1:]
@@ -224,12 +200,7 @@ async def cmd_launch(args: argparse.Namespace) -> int:
         cwd=os.path.abspath(args.cwd) if args.cwd else os.getcwd(),
         operator=getpass.getuser(),
     )
-    c = await _client()
-    try:
-        reply = await c.request(Launch(spec=spec, request_id=args.request_id or ""))
-    finally:
-        await c.close()
-    assert isinstance(reply, LaunchReply)
+    reply = await _with_fleet(args.host, lambda f: f.launch(args.host, spec, request_id=args.request_id or ""))
     if args.json:
         print(json.dumps({**run_json(reply.run), "duplicate": reply.duplicate}))
     else:
@@ -238,30 +209,21 @@ async def cmd_launch(args: argparse.Namespace) -> int:
 
 
 async def cmd_runs(args: argparse.Namespace) -> int:
-    _check_host(args.host)
-    c = await _client()
-    try:
-        reply = await c.request(ListRuns(limit=args.limit))
-    finally:
-        await c.close()
-    assert isinstance(reply, RunList)
+    runs = await _with_fleet(args.host, lambda f: f.runs(args.host, limit=args.limit))
     if args.json:
-        print(json.dumps([run_json(r) for r in reply.runs]))
+        print(json.dumps([run_json(r) for r in runs]))
     else:
-        print(format_runs(reply.runs))
+        print(format_runs(runs))
     return 0
 
 
 async def cmd_tail(args: argparse.Namespace) -> int:
-    c = await _client()
     out = sys.stdout
-    try:
-        run = (await c.request(GetRun(run_id=args.run)))
-        assert isinstance(run, RunReply)
-        rid = run.run.id
+
+    async def tail(fleet: Fleet) -> None:
+        rid = (await fleet.run(args.host, args.run)).id
         # the last N lines: read a window from the end, then follow from its end
-        window = await c.request(ReadOutput(run_id=rid, offset=-256 * 1024, max_bytes=256 * 1024))
-        assert isinstance(window, OutputChunk)
+        window = await anext(fleet.output(args.host, rid, offset=-256 * 1024, follow=False))
         text = window.data
         if args.lines >= 0:
             lines = text.splitlines(keepends=True)
@@ -269,23 +231,16 @@ async def cmd_tail(args: argparse.Namespace) -> int:
         out.write(text)
         out.flush()
         if args.follow:
-            async for chunk in c.stream(ReadOutput(run_id=rid, offset=window.next_offset, follow=True)):
-                assert isinstance(chunk, OutputChunk)
+            async for chunk in fleet.output(args.host, rid, offset=window.next_offset, follow=True):
                 out.write(chunk.data)
                 out.flush()
-    finally:
-        await c.close()
+
+    await _with_fleet(args.host, tail)
     return 0
 
 
 async def cmd_stop(args: argparse.Namespace) -> int:
-    c = await _client()
-    try:
-        reply = await c.request(Stop(run_id=args.run, grace_s=args.grace))
-    finally:
-        await c.close()
-    assert isinstance(reply, StopReply)
-    res = reply.result
+    res = await _with_fleet(args.host, lambda f: f.stop(args.host, args.run, args.grace))
     if args.json:
         print(json.dumps(to_builtins(res)))
     else:
@@ -383,12 +338,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("tail", help="a run's output (stdout and stderr of all its ranks)")
     p.add_argument("run", help="run id, unique id prefix, or name")
+    p.add_argument("--host", default="local")
     p.add_argument("-f", "--follow", action="store_true", help="keep printing new output until the run ends (Ctrl-C leaves)")
     p.add_argument("-n", "--lines", type=int, default=20, help="how many last lines to print first (-1: all of the last 256 KiB)")
     p.set_defaults(func=cmd_tail)
 
     p = sub.add_parser("stop", help="stop every process of a run: TERM, grace, KILL, verify")
     p.add_argument("run", help="run id, unique id prefix, or name")
+    p.add_argument("--host", default="local")
     p.add_argument("--grace", type=float, default=30.0, help="seconds between SIGTERM and SIGKILL (default 30)")
     p.add_argument("--json", action="store_true", help="print the verification result as JSON")
     p.set_defaults(func=cmd_stop)

@@ -25,6 +25,7 @@ from agents.protocol import (
     LaunchReply,
     LaunchSpec,
     GetMetrics,
+    GetSnapshot,
     ListRuns,
     Metrics,
     OutputChunk,
@@ -60,10 +61,11 @@ class HostStatus:
 class HostLink:
     """One host: a connection to its agent, kept up, with its latest snapshot."""
 
-    def __init__(self, name: str, state_dir: Path | None = None, interval_s: float = 1.0) -> None:
+    def __init__(self, name: str, state_dir: Path | None = None, interval_s: float = 1.0, watch: bool = True) -> None:
         self.name = name
         self.status = HostStatus(name)
         self.interval_s = interval_s
+        self.watch = watch  # False: connect for requests only (the CLI), no snapshot stream
         self._state_dir = state_dir
         self._client: AgentClient | None = None
         self._ready = asyncio.Event()
@@ -114,6 +116,10 @@ class HostLink:
                 self.status.agent_version = client.hello.agent_version if client.hello else None
                 self._ready.set()
                 backoff = BACKOFF_MIN_S
+                if not self.watch:
+                    self._set_state("up")
+                    await client.closed.wait()
+                    raise AgentError(f"the agent closed the connection ({client.close_reason})")
                 async for snap in client.stream(WatchSnapshots(interval_s=self.interval_s)):
                     assert isinstance(snap, Snapshot)
                     self.status.snapshot = snap
@@ -155,13 +161,13 @@ class HostLink:
 class Fleet:
     """All hosts the console follows; ``local`` is always there."""
 
-    def __init__(self, hosts: list[str] | None = None, state_dir: Path | None = None, interval_s: float = 1.0) -> None:
+    def __init__(self, hosts: list[str] | None = None, state_dir: Path | None = None, interval_s: float = 1.0, watch: bool = True) -> None:
         names = ["local"] + [h for h in (hosts or []) if h != "local"]
         self.links: dict[str, HostLink] = {}
         for n in names:
             if n != "local":
-                raise AgentError(f"host {n!r}: this version links only the local host; remote hosts come with the SSH fleet")
-            self.links[n] = HostLink(n, state_dir=state_dir, interval_s=interval_s)
+                raise AgentError(f"host {n!r}: this version links only the local host ('local'); remote hosts come with the SSH fleet")
+            self.links[n] = HostLink(n, state_dir=state_dir, interval_s=interval_s, watch=watch)
 
     def start(self) -> None:
         """Connect every host."""
@@ -178,6 +184,13 @@ class Fleet:
             return self.links[host]
         except KeyError:
             raise AgentError(f"unknown host {host!r}: known hosts are {', '.join(self.links)}") from None
+
+    async def snapshot(self, host: str) -> Snapshot:
+        """A fresh snapshot of one host (not the streamed one)."""
+        c = await self.link(host).client()
+        reply = await c.request(GetSnapshot())
+        assert isinstance(reply, Snapshot)
+        return reply
 
     async def launch(self, host: str, spec: LaunchSpec, request_id: str = "") -> LaunchReply:
         """Start a run on a host."""
@@ -215,7 +228,7 @@ class Fleet:
         return reply
 
     async def output(self, host: str, run_id: str, offset: int = 0, follow: bool = True) -> AsyncIterator[OutputChunk]:
-        """A run's output from ``offset``; with ``follow`` until the run ends."""
+        """A run's output from ``offset`` (negative: that many bytes before the end); with ``follow`` until the run ends."""
         c = await self.link(host).client()
         if not follow:
             reply = await c.request(ReadOutput(run_id=run_id, offset=offset))
