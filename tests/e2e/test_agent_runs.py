@@ -124,7 +124,8 @@ def test_agent_kill9_runs_survive_and_are_readopted(agent: AgentProc, tmp_path: 
     snap = agent.cli_json("status")
     leader = next(m for r in snap["runs"] if r["id"] == long for m in r["members"] if m["role"] == "leader")
     agent.kill9()
-    time.sleep(2.5)  # the short run ends while no agent watches
+    # the short run ends while no agent watches; its shim leaves the exit status behind
+    wait_for(lambda: (agent.state_dir / "runs" / short / "exit.json").exists(), timeout=20, what="the short run to end")
     assert alive(leader["pid"], leader["create_time"]), "the run died with the agent"
     agent.start()
     runs = {r["id"]: r for r in agent.cli_json("runs")}

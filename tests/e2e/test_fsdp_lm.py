@@ -201,5 +201,7 @@ def test_sigterm_stops_all_ranks_after_a_checkpoint(runs, tmp_path) -> None:
     final = done[0]["final_step"]
     assert list_checkpoints(out) == [final]
     pids = [r["pid"] for r in recs if r["type"] == "manifest"]
-    time.sleep(1)
+    deadline = time.monotonic() + 10
+    while any(_alive(x) for x in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
     assert not any(_alive(x) for x in pids)
