@@ -4,14 +4,24 @@
 memory, power limit) are cached, so a sample is only the calls whose answers
 change. Without NVML (no driver, no GPU, as on CI) the sampler reports no GPUs
 and the reason, and everything else in the agent keeps working.
+
+:func:`make_sampler` picks the sampler: this one, or the labelled simulated
+one (``agents/gpus_sim.py``) when ``GPUDECK_SIMULATE_GPUS`` asks for it.
 """
 
 from __future__ import annotations
 
+import os
 import threading
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Protocol
 
+from agents.gpus_sim import SIMULATE_ENV, SimulatedGpuSampler, SimulatedGpuSpecError, parse_sim_spec
+from agents.procs import ProcTable
 from agents.protocol import Gpu, GpuProcess
+
+__all__ = ["GpuSampler", "GpuSource", "SimulatedGpuSampler", "SimulatedGpuSpecError", "make_sampler"]
 
 try:  # nvidia-ml-py is a dependency, but keep the agent alive if its import fails
     import pynvml
@@ -36,11 +46,34 @@ def _text(value: object) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
+class GpuSource(Protocol):
+    """What the agent needs of a GPU sampler, real (:class:`GpuSampler`) or simulated."""
+
+    error: str | None
+    driver_version: str | None
+    simulated: bool
+
+    @property
+    def available(self) -> bool: ...
+
+    @property
+    def count(self) -> int: ...
+
+    def memory_used(self) -> dict[int, int]: ...
+
+    def gpu_pids(self) -> dict[int, list[int]]: ...
+
+    def sample(self) -> list[Gpu]: ...
+
+
 class GpuSampler:
     """Samples all GPUs through NVML; ``error`` says why there are none."""
 
+    simulated = False
+
     def __init__(self) -> None:
         self.error: str | None = None
+        self.driver_version: str | None = None
         self._devices: list[_Device] = []
         self._lock = threading.Lock()
         self._mem_v2 = False
@@ -55,6 +88,10 @@ class GpuSampler:
         except Exception as exc:  # e.g. libnvidia-ml.so missing raises NVMLError_LibraryNotFound or OSError
             self.error = f"no NVIDIA GPU: NVML could not start ({exc})"
             return
+        try:
+            self.driver_version = _text(pynvml.nvmlSystemGetDriverVersion())
+        except pynvml.NVMLError:
+            self.driver_version = None
         try:
             count = pynvml.nvmlDeviceGetCount()
             for i in range(count):
@@ -182,3 +219,12 @@ class GpuSampler:
                     )
                 )
         return out
+
+
+def make_sampler(procs: ProcTable, env: Mapping[str, str] = os.environ) -> GpuSampler | SimulatedGpuSampler:
+    """The simulated sampler when ``GPUDECK_SIMULATE_GPUS`` is set (a malformed spec raises
+    :class:`SimulatedGpuSpecError`), the real NVML one otherwise."""
+    spec = env.get(SIMULATE_ENV, "")
+    if not spec.strip():  # unset or empty: the real GPUs
+        return GpuSampler()
+    return SimulatedGpuSampler(parse_sim_spec(spec), procs)

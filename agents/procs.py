@@ -6,6 +6,10 @@ are found wherever they went. The table is refreshed incrementally: only pids
 that are new since the last refresh are read, so a refresh costs one
 ``listdir('/proc')`` in the steady state.
 
+A process may also declare GPU memory it holds on *simulated* GPUs through
+``GPUDECK_SIM_GPU_MEM`` (see ``agents/gpus_sim.py``); the declaration is parsed
+in the same single read of the environment.
+
 Processes are identified by ``(pid, create_time)``; anything that signals a
 process goes through :func:`signal_exact`, which refuses a pid whose
 create_time changed (PID reuse) and signals through a pidfd, so the check and
@@ -23,6 +27,7 @@ import psutil
 from agents.protocol import ProcInfo
 
 RUN_TAG = "GPUDECK_RUN_ID"
+SIM_GPU_MEM_TAG = "GPUDECK_SIM_GPU_MEM"  # "<gpu>:<GiB>[,<gpu>:<GiB>...]", read by the simulated GPU sampler
 CT_TOLERANCE = 0.02  # seconds; psutil derives create_time from clock ticks
 _PAGE = os.sysconf("SC_PAGE_SIZE")
 _TICKS = os.sysconf("SC_CLK_TCK")
@@ -76,6 +81,32 @@ def read_stat(pid: int) -> StatLine | None:
         return None
 
 
+@dataclass(frozen=True)
+class SimGpuMem:
+    """A process's ``GPUDECK_SIM_GPU_MEM`` declaration: bytes it holds per simulated GPU index."""
+
+    held: tuple[tuple[int, int], ...]  # (gpu index, bytes), one pair per GPU, sorted by index
+    error: str | None = None  # why the declaration could not be parsed; it then holds nothing
+
+
+def parse_sim_gpu_mem(text: str) -> SimGpuMem:
+    """Parse ``"<gpu>:<GiB>[,<gpu>:<GiB>...]"``; a malformed text gives an empty holding with the reason."""
+    held: dict[int, int] = {}
+    for part in text.split(","):
+        gpu_s, sep, gib_s = part.strip().partition(":")
+        try:
+            gpu, gib = int(gpu_s), float(gib_s)
+        except ValueError:
+            gpu, gib = -1, -1.0
+        if not sep or gpu < 0 or not gib >= 0 or gib == float("inf"):  # "not >=" also catches nan
+            return SimGpuMem(
+                held=(),
+                error=f"{SIM_GPU_MEM_TAG}={text!r}: {part.strip()!r} is not <gpu>:<GiB>; write e.g. {SIM_GPU_MEM_TAG}=0:40,1:12.5",
+            )
+        held[gpu] = held.get(gpu, 0) + int(gib * 2**30)
+    return SimGpuMem(held=tuple(sorted(held.items())))
+
+
 @dataclass
 class ProcEntry:
     """What the table knows of one process; the static parts are read once."""
@@ -86,6 +117,7 @@ class ProcEntry:
     run_id: str | None
     rank: int | None = None
     local_rank: int | None = None
+    sim_gpu_mem: SimGpuMem | None = None  # only processes that declare GPUDECK_SIM_GPU_MEM (tests, benchmarks)
     _static: dict = field(default_factory=dict)
 
 
@@ -115,6 +147,7 @@ def read_entry(pid: int) -> ProcEntry | None:
     except psutil.AccessDenied:
         return ProcEntry(pid=pid, create_time=0.0, uid=None, run_id=None)
     run_id = env.get(RUN_TAG) or None
+    sim = env.get(SIM_GPU_MEM_TAG)
     return ProcEntry(
         pid=pid,
         create_time=ct,
@@ -122,6 +155,7 @@ def read_entry(pid: int) -> ProcEntry | None:
         run_id=run_id,
         rank=_int_or_none(env.get("RANK")) if run_id else None,
         local_rank=_int_or_none(env.get("LOCAL_RANK")) if run_id else None,
+        sim_gpu_mem=parse_sim_gpu_mem(sim) if sim is not None else None,
     )
 
 
@@ -166,6 +200,11 @@ class ProcTable:
     def tagged(self, run_id: str | None = None) -> list[ProcEntry]:
         """Entries carrying a run tag (of one run, or of any)."""
         return [e for e in self._entries.values() if e.run_id is not None and (run_id is None or e.run_id == run_id)]
+
+    def sim_holders(self) -> list[ProcEntry]:
+        """Entries that declare ``GPUDECK_SIM_GPU_MEM`` (parsed or not), as of the last refresh."""
+        # list() copies the values in one step under the GIL, so a worker thread may call this safely
+        return [e for e in list(self._entries.values()) if e.sim_gpu_mem is not None]
 
     def __len__(self) -> int:
         return len(self._entries)

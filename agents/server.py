@@ -24,7 +24,7 @@ import msgspec
 
 from agents import __version__, paths
 from agents.errors import AgentError, BadRequest, VersionMismatch
-from agents.gpus import GpuSampler
+from agents.gpus import make_sampler
 from agents.journal import Journal
 from agents.procs import ProcTable
 from agents.protocol import (
@@ -94,8 +94,11 @@ class Agent:
         self._lock_fh.write(str(os.getpid()))
         self._lock_fh.flush()
         self.journal = Journal(paths.journal_path(self.state_dir), self.host)
-        self.gpus = GpuSampler()
         self.procs = ProcTable()
+        # GPUDECK_SIMULATE_GPUS selects labelled simulated GPUs (CI, benchmarks); otherwise NVML
+        self.gpus = make_sampler(self.procs)
+        if self.gpus.simulated:
+            log.warning("SIMULATED GPUs: %s", getattr(self.gpus, "description", "GPUDECK_SIMULATE_GPUS is set"))
         self._event_waiters: set[asyncio.Event] = set()  # one per following stream
         self.supervisor = Supervisor(self.journal, paths.runs_dir(self.state_dir), self.host, self.gpus, self.procs, on_event=self._on_event)
         self.snapshots = SnapshotBuilder(self.host, self.journal.epoch, self.gpus, self.procs, self.supervisor)
@@ -361,8 +364,9 @@ class _Conn:
                         continue
                 try:
                     # woken by every committed event; the timeout also catches events written by another process
-                    await asyncio.wait_for(wake.wait(), timeout=1.0)
-                except asyncio.TimeoutError:
+                    async with asyncio.timeout(1.0):  # not wait_for: on 3.11 it can swallow the stream's cancel
+                        await wake.wait()
+                except TimeoutError:
                     pass
         finally:
             a._event_waiters.discard(wake)
@@ -444,4 +448,8 @@ def serve(state_dir: Path | None = None) -> int:
     except AlreadyRunning as exc:
         print(f"gpudeck agent: {exc.message}", file=sys.stderr)
         return 3
+    except AgentError as exc:  # a bad setting (e.g. GPUDECK_SIMULATE_GPUS): say it and exit, never start half-configured
+        log.error("agent cannot start: %s", exc.message)
+        print(f"gpudeck agent: {exc.message}", file=sys.stderr)
+        return 2
     return 0

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 
-from agents.gpus import GpuSampler
+from agents.gpus import GpuSource
 from agents.procs import CT_TOLERANCE, ProcTable, proc_info, read_stat
 from agents.protocol import GpuProcess, ProcInfo, Snapshot
 from agents.supervisor import Supervisor
@@ -19,7 +19,7 @@ from agents.supervisor import Supervisor
 class SnapshotBuilder:
     """Builds snapshots from the sampler, the process table and the supervisor."""
 
-    def __init__(self, host: str, epoch: str, gpus: GpuSampler, procs: ProcTable, supervisor: Supervisor) -> None:
+    def __init__(self, host: str, epoch: str, gpus: GpuSource, procs: ProcTable, supervisor: Supervisor) -> None:
         self.host = host
         self.epoch = epoch
         self.gpus = gpus
@@ -107,6 +107,7 @@ class SnapshotBuilder:
             epoch=self.epoch,
             gpus=gpus,
             gpu_error=self.gpus.error,
+            simulated=self.gpus.simulated,
             runs=runs,
             processes=procs,
             last_seq=self.supervisor.journal.last_seq,
