@@ -116,6 +116,7 @@ from pathlib import Path
 from typing import Any
 
 from trainers import runtime
+from trainers.presets import parse_index_list
 
 ROLE_COLOCATED, ROLE_TARGET, ROLE_DRAFTER = "colocated", "target", "drafter"
 
@@ -125,17 +126,7 @@ ROLE_COLOCATED, ROLE_TARGET, ROLE_DRAFTER = "colocated", "target", "drafter"
 
 def parse_rank_list(text: str) -> list[int]:
     """'0,1' / '0-1' / '2' -> sorted unique rank list."""
-    out: set[int] = set()
-    for part in str(text).split(","):
-        part = part.strip()
-        if not part:
-            continue
-        if "-" in part:
-            a, b = part.split("-", 1)
-            out.update(range(int(a), int(b) + 1))
-        else:
-            out.add(int(part))
-    return sorted(out)
+    return parse_index_list(text)
 
 
 def build_parser() -> argparse.ArgumentParser:
