@@ -55,6 +55,11 @@ class AgentClient:
         self.closed = asyncio.Event()
         self.close_reason = ""
         self.hello: HelloReply | None = None
+        self._kept: list[asyncio.Task] = []
+
+    def keep(self, task: asyncio.Task) -> None:
+        """Hold a helper task of the transport (e.g. an SSH stderr reader) and cancel it on close."""
+        self._kept.append(task)
 
     @classmethod
     async def connect_unix(cls, sock: Path | None = None, *, autostart: bool = True, state_dir: Path | None = None) -> AgentClient:
@@ -122,7 +127,8 @@ class AgentClient:
         self._waiters[msg.request_id] = q
         try:
             await self._send(msg)
-            reply = await asyncio.wait_for(q.get(), timeout)
+            async with asyncio.timeout(timeout):  # not wait_for: on 3.11 it can swallow a cancel that races the reply
+                reply = await q.get()
         finally:
             self._waiters.pop(msg.request_id, None)
         if reply is None:
@@ -167,6 +173,8 @@ class AgentClient:
         except (OSError, RuntimeError, NotImplementedError):
             pass
         self._writer.close()
+        for t in self._kept:
+            t.cancel()
         self._pump_task.cancel()
         try:
             await self._pump_task

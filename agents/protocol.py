@@ -106,6 +106,17 @@ class Member(msgspec.Struct, kw_only=True, omit_defaults=True):
     cmdline: list[str] = []
 
 
+class Claims(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """What the operator says a run is (checked against what is observed: failure 7)."""
+
+    gpus: int | None = None
+    params: int | None = None
+    world_size: int | None = None
+    tokens_per_s: float | None = None
+    dataset_samples: int | None = None
+    note: str | None = None
+
+
 class LaunchSpec(msgspec.Struct, kw_only=True, omit_defaults=True):
     """What to run. ``argv`` is a list and is never given to a shell."""
 
@@ -118,6 +129,19 @@ class LaunchSpec(msgspec.Struct, kw_only=True, omit_defaults=True):
     start: str | None = None  # "fresh" | "resume N" for trainers
     operator: str | None = None
     parent: str | None = None  # run this one relaunches / rolls back
+    python: str | None = None  # the interpreter of the run's environment (fingerprinted, pre-flighted)
+    need_gib: float | None = None  # GPU memory each GPU needs; None: estimated for fsdp/dflash
+    force: bool = False  # launch despite FOREIGN/STALE holders on the GPUs (recorded)
+    rdzv_port: int | None = None  # torchrun rendezvous port that must be free
+    checkpoint_dir: str | None = None  # where checkpoints go (room checked; --resume N looked up)
+    on_rank_death: Literal["alert", "stop"] = "alert"
+    expected_ranks: int | None = None  # known from torchrun arguments; the manifest's world size otherwise
+    claims: Claims | None = None
+    # multi-node: every node has the same run id; node_rank 0 is the rendezvous host
+    run_id: str | None = None
+    nnodes: int | None = None
+    node_rank: int | None = None
+    nodes: list[str] = []
 
 
 class RankTelemetry(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -154,6 +178,70 @@ class RunTelemetry(msgspec.Struct, kw_only=True, omit_defaults=True):
     ranks: dict[str, RankTelemetry] = {}
 
 
+class Alert(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """A health or claims problem of a live run (failures 4 and 7); raised once, cleared when it ends."""
+
+    kind: Literal["rank_exited", "heartbeat_lost", "gpu_idle", "throughput_drop", "claim_mismatch", "node_lost"]
+    message: str  # says what happened and what to do
+    ts: float
+    severity: Literal["warning", "critical"] = "warning"
+    rank: int | None = None
+    gpu: int | None = None
+    pid: int | None = None
+    data: dict[str, Any] = {}
+    cleared: float | None = None
+
+
+class PreflightCheck(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """One pre-flight check and its verdict."""
+
+    name: str  # gpus_exist | gpu_memory | gpu_holders | rdzv_port | checkpoint_room | python_env | resume_checkpoint
+    ok: bool
+    message: str  # on failure: what is wrong and the fix
+    overridden: bool = False  # failed but --force was given (only gpu_holders may be)
+    details: dict[str, Any] = {}
+
+
+class MemoryEstimate(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """GPU memory a trainer run needs per GPU, and how that was worked out."""
+
+    per_gpu_bytes: int
+    params: int = 0
+    method: str = ""  # e.g. "given with --need-gib" or "llama config: 1.10e9 params x 16 B (fp32 master + AdamW) / 4 GPUs + activations ..."
+    parts: dict[str, int] = {}
+
+
+class PreflightResult(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """The verdict of pre-flight on one host: nothing starts unless ``ok``."""
+
+    ok: bool
+    host: str = ""
+    checks: list[PreflightCheck] = []
+    estimate: MemoryEstimate | None = None
+    forced: bool = False
+    seconds: float = 0.0
+
+
+class EnvFingerprint(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """A python environment as recorded at launch (failure 5)."""
+
+    python: str  # the interpreter path
+    python_version: str | None = None
+    prefix: str | None = None  # sys.prefix (the venv)
+    torch: str | None = None
+    torch_cuda: str | None = None  # CUDA build, e.g. "13.0"; None for a CPU build
+    torch_git: str | None = None
+    cudnn: str | None = None
+    nccl: str | None = None
+    transformers: str | None = None
+    driver: str | None = None  # NVIDIA driver version (NVML), None without a GPU
+    packages: dict[str, str] = {}  # distribution name (normalized) -> version
+    freeze: list[str] = []  # requirement lines, pip freeze style
+    freeze_hash: str = ""  # sha256 of the sorted freeze lines
+    taken: float = 0.0
+    error: str | None = None  # why the fingerprint is incomplete
+
+
 class RunInfo(msgspec.Struct, kw_only=True, omit_defaults=True):
     """A run as the agent's journal knows it."""
 
@@ -172,6 +260,9 @@ class RunInfo(msgspec.Struct, kw_only=True, omit_defaults=True):
     run_dir: str | None = None
     members: list[Member] = []
     telemetry: RunTelemetry | None = None  # live runs only (the journal keeps the records as events)
+    alerts: list[Alert] = []
+    preflight: PreflightResult | None = None
+    env: EnvFingerprint | None = None
 
 
 class StoppedProcess(msgspec.Struct, kw_only=True, omit_defaults=True):

@@ -15,7 +15,6 @@ import asyncio
 import json
 import logging
 import os
-import re
 import shutil
 import signal
 import socket
@@ -28,8 +27,9 @@ from pathlib import Path
 
 import msgspec
 
+from agents.causes import cause_class, classify_output
 from agents.errors import BadRequest, LaunchFailed, NotFound, StorageError
-from agents.gpus import GpuSampler
+from agents.gpus import GpuSource
 from agents.journal import Journal
 from agents.procs import CT_TOLERANCE, ProcTable, alive, create_time_of, signal_exact, status_of
 from agents.protocol import (
@@ -56,30 +56,9 @@ KILL_WAIT_S = 5.0  # after SIGKILL, how long to wait for the kernel to take them
 GPU_SETTLE_S = 5.0  # after the processes are gone, how long to wait for NVML to drop them
 STEP_EVENT_EVERY_S = 10.0  # step records reach the journal at most this often per run (all other records always)
 
-# Failure causes recognised in the tail of a run's output, most specific first.
-_CAUSE_PATTERNS: list[tuple[re.Pattern[str], str]] = [
-    (re.compile(r"CUDA out of memory|OutOfMemoryError|CUBLAS_STATUS_ALLOC_FAILED"), "CUDA out of memory"),
-    (re.compile(r"Watchdog caught collective operation timeout|NCCL.*[Tt]imeout|ProcessGroupNCCL.*timed out"), "NCCL timeout"),
-    (re.compile(r"NCCL error|ncclInternalError|ncclSystemError|ncclUnhandledCudaError"), "NCCL error"),
-    (re.compile(r"ChildFailedError"), "a rank died (torchrun ChildFailedError)"),
-    (re.compile(r"Traceback \(most recent call last\)"), "Python exception"),
-]
-
-
 def new_run_id() -> str:
     """A short, unique run id such as ``r-7f3a9c21``."""
     return "r-" + uuid.uuid4().hex[:8]
-
-
-def classify_output(tail: str) -> str | None:
-    """The most specific known failure cause found in a run's last output, if any."""
-    for pattern, cause in _CAUSE_PATTERNS:
-        if pattern.search(tail):
-            if cause == "Python exception":
-                last = [ln for ln in tail.strip().splitlines() if ln and not ln.startswith(" ")]
-                return f"Python exception: {last[-1][:200]}" if last else cause
-            return cause
-    return None
 
 
 def read_tail(path: Path, max_bytes: int = 64 * 1024) -> str:
@@ -111,7 +90,7 @@ class Supervisor:
         journal: Journal,
         runs_dir: Path,
         host: str,
-        gpus: GpuSampler,
+        gpus: GpuSource,
         procs: ProcTable | None = None,
         on_event: Callable[[Event], None] | None = None,
     ) -> None:
@@ -137,6 +116,15 @@ class Supervisor:
             self._on_event(ev)
 
     def _set(self, run: RunInfo, event_kind: str | None, event_data: dict | None = None, **fields: object) -> None:
+        if event_kind == "run_state":
+            # the event carries what a replica (the console's history) needs to rebuild the run row
+            event_data = dict(event_data or {})
+            for key in ("started", "ended"):
+                if fields.get(key) is not None:
+                    event_data.setdefault(key, fields[key])
+            state = str(fields.get("state", run.state))
+            if state in TERMINAL_STATES:
+                event_data.setdefault("cause_class", cause_class(state, str(fields.get("cause", run.cause) or "")))
         ev = self.journal.update_run(run.id, event_kind, event_data, **fields)
         for k, v in fields.items():
             setattr(run, k, v)

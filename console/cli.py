@@ -1,8 +1,9 @@
-"""Provides the ``gpudeck`` command line: status, launch, runs, tail, stop, agent.
+"""Provides the ``gpudeck`` command line: status, launch, runs, tail, stop, hosts, history, show, agent.
 
 Every command returns a structured result or a structured error: with
 ``--json`` the result is one JSON document on stdout; errors go to stderr
-with a non-zero exit code and say what to do.
+with a non-zero exit code and say what to do. Every command reaches hosts
+through the :class:`~console.fleet.Fleet`, as the console does.
 """
 
 from __future__ import annotations
@@ -14,162 +15,82 @@ import json
 import os
 import sys
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from agents import paths
 from agents.client import AgentClient
 from agents.errors import AgentError
-from agents.protocol import LaunchSpec, RunInfo, Snapshot, StopResult, to_builtins
-from console.fleet import Fleet
-from console.fmt import duration, elapsed, gib, when
+from agents.protocol import LaunchSpec, RunInfo, to_builtins
+from console import config as cfg
+from console.fleet import Fleet, SyncResult
+from console.formats import format_history, format_hosts, format_runs, format_show, format_status, format_stop, run_json
+from console.history import History, HistoryError
+from console.query import QueryError
+from trainers.presets import parse_index_list
 
 EXIT_ERROR = 1
 EXIT_USAGE = 2
 # passed from the caller's shell to a local run, so it resolves commands as the caller would
 CALLER_ENV = ("PATH", "VIRTUAL_ENV", "CONDA_PREFIX", "PYTHONPATH", "HF_HOME", "HF_HUB_OFFLINE")
+T = TypeVar("T")
 
 
 class CliError(Exception):
-    """A user-facing failure of the CLI itself (bad arguments, unsupported host)."""
-
-
-# ----------------------------------------------------------------------------- formatting
-
-
-def table(headers: list[str], rows: list[list[str]]) -> str:
-    """A left-aligned text table."""
-    widths = [len(h) for h in headers]
-    for r in rows:
-        for i, c in enumerate(r):
-            widths[i] = max(widths[i], len(c))
-    line = lambda cells: "  ".join(c.ljust(widths[i]) for i, c in enumerate(cells)).rstrip()  # noqa: E731
-    return "\n".join([line(headers), *(line(r) for r in rows)])
-
-
-def format_status(snap: Snapshot) -> str:
-    """Human view of a snapshot: GPUs, GPU processes, live runs."""
-    out = [f"host {snap.host}  ({when(snap.ts)}, sampled in {snap.sample_ms:.2f} ms)"]
-    if snap.gpu_error:
-        out.append(f"GPUs: none ({snap.gpu_error})")
-    else:
-        rows = [
-            [
-                str(g.index),
-                g.name,
-                f"{gib(g.memory_used)}/{gib(g.memory_total)} GiB",
-                "-" if g.util_gpu is None else f"{g.util_gpu}%",
-                "-" if g.temperature_c is None else f"{g.temperature_c}C",
-                "-" if g.power_w is None else f"{g.power_w:.0f}W",
-                gib(g.unaccounted_bytes),
-            ]
-            for g in snap.gpus
-        ]
-        out.append(table(["GPU", "NAME", "MEMORY", "UTIL", "TEMP", "POWER", "UNACCOUNTED GiB"], rows))
-        procs = [p for g in snap.gpus for p in g.processes]
-        if procs:
-            prow = [
-                [
-                    str(p.pid),
-                    str(p.gpu),
-                    gib(p.used_bytes),
-                    p.attribution,
-                    p.run_id or "-",
-                    "-" if p.rank is None else str(p.rank),
-                    p.user or "-",
-                    " ".join(p.cmdline)[:60] or "-",
-                ]
-                for p in procs
-            ]
-            out.append("")
-            out.append(table(["PID", "GPU", "GiB", "HOLDER", "RUN", "RANK", "USER", "COMMAND"], prow))
-        else:
-            out.append("no GPU processes")
-    if snap.runs:
-        out.append("")
-        out.append(table(["RUN", "NAME", "STATE", "MEMBERS", "ELAPSED", "COMMAND"], [
-            [r.id, r.name or "-", r.state, str(sum(1 for m in r.members if m.role != "shim")), duration(elapsed(r.started, r.ended)), " ".join(r.spec.argv)[:50]]
-            for r in snap.runs
-        ]))
-    else:
-        out.append("no live runs")
-    return "\n".join(out)
-
-
-def format_runs(runs: list[RunInfo]) -> str:
-    """Human view of the run list."""
-    if not runs:
-        return "no runs yet: `gpudeck launch -- CMD ...` starts one"
-    rows = [
-        [r.id, r.host, r.name or "-", r.state, when(r.started or r.created), duration(elapsed(r.started, r.ended)), (r.cause or "-")[:70]]
-        for r in runs
-    ]
-    return table(["RUN", "HOST", "NAME", "STATE", "STARTED", "ELAPSED", "CAUSE"], rows)
-
-
-def format_stop(res: StopResult) -> str:
-    """Human view of a stop's verification."""
-    lines = [f"run {res.run_id}: {res.state} in {res.seconds:.2f} s"]
-    for p in res.stopped:
-        lines.append(f"  stopped  pid {p.pid:<7} {p.how:<12} {' '.join(p.cmdline)[:70]}")
-    for p in res.survivors:
-        lines.append(f"  SURVIVED pid {p.pid:<7} {p.status or '?':<12} {' '.join(p.cmdline)[:70]}")
-    if res.needed_kill:
-        lines.append(f"  needed SIGKILL: {', '.join(map(str, res.needed_kill))}")
-    for f in res.freed:
-        lines.append(f"  GPU {f.gpu}: {gib(f.before_bytes)} -> {gib(f.after_bytes)} GiB used ({gib(f.freed_bytes)} GiB freed)")
-    lines.append(f"  {res.gpu_note}" if res.gpu_note else "")
-    if res.survivors:
-        lines.append("  a process in disk sleep (D) cannot be killed until its I/O returns: check the driver/storage (dmesg); it is not retried in a loop")
-    return "\n".join(ln for ln in lines if ln)
-
-
-def run_json(r: RunInfo) -> dict[str, Any]:
-    """The scripted shape of a run (stable keys for users' scripts)."""
-    d = to_builtins(r)
-    for k in ("exit_code", "signal", "cause", "started", "ended", "name"):
-        d.setdefault(k, None)
-    return d
+    """A user-facing failure of the CLI itself (bad arguments, unknown host)."""
 
 
 # ----------------------------------------------------------------------------- commands
 
 
-async def _with_fleet(host: str, fn):  # type: ignore[no-untyped-def]
-    """Run ``fn(fleet)`` on a request-only Fleet that links ``host`` (the same API the console uses)."""
-    fleet = Fleet(hosts=[host], watch=False)
+async def _with_fleet(fn: Callable[[Fleet], Awaitable[T]], hosts: list[str] | None = None, history: History | None = None) -> T:
+    """Run ``fn(fleet)`` on a request-only Fleet (the same API the console uses)."""
+    fleet = Fleet(hosts=hosts, watch=False, history=history)
     try:
         return await fn(fleet)
     finally:
         await fleet.close()
 
 
+def _host_arg(args: argparse.Namespace) -> list[str]:
+    return [args.host] if getattr(args, "host", None) else []
+
+
 async def cmd_status(args: argparse.Namespace) -> int:
-    snap = await _with_fleet(args.host, lambda f: f.snapshot(args.host))
+    if args.host:
+        snap = await _with_fleet(lambda f: f.snapshot(args.host), hosts=[args.host])
+        print(json.dumps(to_builtins(snap)) if args.json else format_status(snap))
+        return 0
+
+    async def every(fleet: Fleet) -> list[dict[str, Any]]:
+        names = list(fleet.links)
+        snaps = await asyncio.gather(*(fleet.snapshot(h) for h in names), return_exceptions=True)
+        out = []
+        for h, s in zip(names, snaps):
+            if isinstance(s, BaseException) and not isinstance(s, AgentError):
+                raise s
+            out.append({"host": h, "state": "up" if not isinstance(s, AgentError) else "unreachable", "error": s.message if isinstance(s, AgentError) else None, "snapshot": None if isinstance(s, AgentError) else s})
+        return out
+
+    rows = await _with_fleet(every)
     if args.json:
-        print(json.dumps(to_builtins(snap)))
+        print(json.dumps({"hosts": [{**r, "snapshot": to_builtins(r["snapshot"]) if r["snapshot"] else None} for r in rows]}))
     else:
-        print(format_status(snap))
-    return 0
+        parts = []
+        for r in rows:
+            parts.append(format_status(r["snapshot"]) if r["snapshot"] else f"host {r['host']}  UNREACHABLE: {r['error']}")
+        print("\n\n".join(parts))
+    return 0 if all(r["snapshot"] for r in rows) else EXIT_ERROR
 
 
 def _parse_gpus(text: str | None) -> list[int] | None:
     if text is None:
         return None
-    out: list[int] = []
-    for part in text.split(","):
-        part = part.strip()
-        if not part:
-            continue
-        try:
-            if "-" in part:
-                a, b = part.split("-", 1)
-                out.extend(range(int(a), int(b) + 1))
-            else:
-                out.append(int(part))
-        except ValueError:
-            raise CliError(f"--gpus {text!r} is not a GPU list: write 0,1,2 or 0-3") from None
-    return out
+    try:
+        return parse_index_list(text)
+    except ValueError:
+        raise CliError(f"--gpus {text!r} is not a GPU list: write 0,1,2 or 0-3") from None
 
 
 def _parse_env(items: list[str]) -> dict[str, str]:
@@ -188,42 +109,67 @@ async def cmd_launch(args: argparse.Namespace) -> int:
         argv = argv[1:]
     if not argv:
         raise CliError("launch needs a command after --, e.g. `gpudeck launch -- python train.py`")
-    # a local launch runs in the caller's environment: `python` means the python of this shell
-    env = {k: os.environ[k] for k in CALLER_ENV if k in os.environ}
+    host = args.host or cfg.LOCAL
+    local = host == cfg.LOCAL
+    # a local launch runs in the caller's environment: `python` means the python of this shell;
+    # on another host the agent's own environment applies (the caller's PATH means nothing there)
+    env = {k: os.environ[k] for k in CALLER_ENV if k in os.environ} if local else {}
     env.update(_parse_env(args.env or []))
-    spec = LaunchSpec(
-        argv=argv,
-        name=args.name,
-        kind=args.kind,
-        gpus=_parse_gpus(args.gpus),
-        env=env,
-        cwd=os.path.abspath(args.cwd) if args.cwd else os.getcwd(),
-        operator=getpass.getuser(),
-    )
-    reply = await _with_fleet(args.host, lambda f: f.launch(args.host, spec, request_id=args.request_id or ""))
+    cwd = args.cwd
+    if local:
+        cwd = os.path.abspath(cwd) if cwd else os.getcwd()
+    spec = LaunchSpec(argv=argv, name=args.name, kind=args.kind, gpus=_parse_gpus(args.gpus), env=env, cwd=cwd, operator=getpass.getuser())
+    reply = await _with_fleet(lambda f: f.launch(host, spec, request_id=args.request_id or ""), hosts=[host])
     if args.json:
-        print(json.dumps({**run_json(reply.run), "duplicate": reply.duplicate}))
+        print(json.dumps({**run_json(reply.run), "host": host, "duplicate": reply.duplicate}))
     else:
         print(reply.run.id)
     return 0
 
 
 async def cmd_runs(args: argparse.Namespace) -> int:
-    runs = await _with_fleet(args.host, lambda f: f.runs(args.host, limit=args.limit))
+    async def collect(fleet: Fleet) -> tuple[list[RunInfo], list[str]]:
+        names = [args.host] if args.host else list(fleet.links)
+        results = await asyncio.gather(*(fleet.runs(h, limit=args.limit) for h in names), return_exceptions=True)
+        runs: list[RunInfo] = []
+        errors: list[str] = []
+        for h, r in zip(names, results):
+            if isinstance(r, AgentError):
+                errors.append(f"{h}: {r.message}")
+                continue
+            if isinstance(r, BaseException):
+                raise r
+            for run in r:
+                run.host = h  # the fleet's name for the host, not the agent's own hostname
+            runs.extend(r)
+        runs.sort(key=lambda r: r.created, reverse=True)
+        return runs, errors
+
+    runs, errors = await _with_fleet(collect, hosts=_host_arg(args))
     if args.json:
         print(json.dumps([run_json(r) for r in runs]))
     else:
         print(format_runs(runs))
+    for e in errors:
+        print(f"gpudeck: not reachable: {e}", file=sys.stderr)
+    if errors and args.host:
+        return EXIT_ERROR
     return 0
+
+
+async def _locate(fleet: Fleet, args: argparse.Namespace) -> tuple[str, RunInfo]:
+    if args.host:
+        return args.host, await fleet.run(args.host, args.run)
+    return await fleet.find_run(args.run)
 
 
 async def cmd_tail(args: argparse.Namespace) -> int:
     out = sys.stdout
 
     async def tail(fleet: Fleet) -> None:
-        rid = (await fleet.run(args.host, args.run)).id
+        host, run = await _locate(fleet, args)
         # the last N lines: read a window from the end, then follow from its end
-        window = await anext(fleet.output(args.host, rid, offset=-256 * 1024, follow=False))
+        window = await anext(fleet.output(host, run.id, offset=-256 * 1024, follow=False))
         text = window.data
         if args.lines >= 0:
             lines = text.splitlines(keepends=True)
@@ -231,21 +177,103 @@ async def cmd_tail(args: argparse.Namespace) -> int:
         out.write(text)
         out.flush()
         if args.follow:
-            async for chunk in fleet.output(args.host, rid, offset=window.next_offset, follow=True):
+            async for chunk in fleet.output(host, run.id, offset=window.next_offset, follow=True):
                 out.write(chunk.data)
                 out.flush()
 
-    await _with_fleet(args.host, tail)
+    await _with_fleet(tail, hosts=_host_arg(args))
     return 0
 
 
 async def cmd_stop(args: argparse.Namespace) -> int:
-    res = await _with_fleet(args.host, lambda f: f.stop(args.host, args.run, args.grace))
+    async def stop(fleet: Fleet):  # type: ignore[no-untyped-def]
+        host, run = await _locate(fleet, args)
+        return host, await fleet.stop(host, run.id, args.grace)
+
+    host, res = await _with_fleet(stop, hosts=_host_arg(args))
     if args.json:
-        print(json.dumps(to_builtins(res)))
+        print(json.dumps({**to_builtins(res), "host": host}))
     else:
         print(format_stop(res))
     return 0 if not res.survivors else EXIT_ERROR
+
+
+async def cmd_hosts(args: argparse.Namespace) -> int:
+    action = args.hosts_command or "list"
+    if action == "add":
+        for name in args.names:
+            added = cfg.add_host(name)
+            print(f"{name}: {'added to' if added else 'already in'} {cfg.config_path()}")
+        print("check a new host with `gpudeck hosts --check` (it must be reachable as `ssh NAME` and have gpudeck installed)")
+        return 0
+    if action == "remove":
+        for name in args.names:
+            removed = cfg.remove_host(name)
+            print(f"{name}: {'removed from' if removed else 'not in'} {cfg.config_path()}")
+        return 0
+    conf = cfg.load()
+    rows: list[dict[str, Any]] = [
+        {"name": h.name, "transport": "unix" if h.name == cfg.LOCAL else "ssh", "command": "-" if h.name == cfg.LOCAL else h.command} for h in conf.hosts
+    ]
+    if args.check:
+        async def probe(fleet: Fleet) -> None:
+            async def one(row: dict[str, Any]) -> None:
+                link = fleet.link(row["name"])
+                try:
+                    c = await link.client(timeout=args.timeout)
+                    row.update(state="up", agent_version=c.hello.agent_version if c.hello else None, error=None)
+                except AgentError as exc:
+                    row.update(state=link.status.state, error=exc.message)
+
+            await asyncio.gather(*(one(r) for r in rows))
+
+        await _with_fleet(probe)
+    if args.json:
+        print(json.dumps({"config": str(conf.path), "hosts": rows}))
+    else:
+        print(f"config: {conf.path}" + ("" if conf.path.exists() else " (not created yet: `gpudeck hosts add NAME`)"))
+        print(format_hosts(rows))
+    return 0 if all(r.get("state", "up") == "up" for r in rows) else EXIT_ERROR
+
+
+async def _synced_history(args: argparse.Namespace) -> tuple[History, list[SyncResult]]:
+    history = History()
+    if getattr(args, "no_sync", False):
+        return history, []
+    results = await _with_fleet(lambda f: f.sync_history(timeout=args.sync_timeout), hosts=_host_arg(args), history=history)
+    for r in results:
+        if not r.ok:
+            print(f"gpudeck: {r.host} not reachable, its newest runs may be missing: {r.error}", file=sys.stderr)
+        elif r.new_epoch and r.last_seq and r.new_events == r.last_seq and len(history.epochs(r.host)) > 1:
+            print(f"gpudeck: {r.host}'s agent journal was recreated (new epoch {r.epoch}); the history keeps the old runs too", file=sys.stderr)
+    return history, results
+
+
+async def cmd_history(args: argparse.Namespace) -> int:
+    history, _ = await _synced_history(args)
+    try:
+        rows = await asyncio.to_thread(history.query, " ".join(args.query))
+    finally:
+        history.close()
+    if args.json:
+        print(json.dumps(rows, default=str))
+    else:
+        print(format_history(rows))
+    return 0
+
+
+async def cmd_show(args: argparse.Namespace) -> int:
+    history, _ = await _synced_history(args)
+    try:
+        run = await asyncio.to_thread(history.find, args.run, args.host)
+        events = await asyncio.to_thread(history.events, run["host"], run["id"])
+    finally:
+        history.close()
+    if args.json:
+        print(json.dumps({**run, "events": events}, default=str))
+    else:
+        print(format_show(run, events))
+    return 0
 
 
 async def cmd_agent_status(args: argparse.Namespace) -> int:
@@ -309,46 +337,75 @@ def build_parser() -> argparse.ArgumentParser:
     """The gpudeck argument parser."""
     ap = argparse.ArgumentParser(prog="gpudeck", description="Run and watch PyTorch training on your GPU hosts.")
     sub = ap.add_subparsers(dest="command", metavar="COMMAND")
+    host_help = "a host of the fleet (a name from ~/.ssh/config; `local` is this machine)"
 
     p = sub.add_parser("console", help="open the full-screen console (the default in a terminal)")
     p.set_defaults(func=None, sync=lambda ns: __import__("console.app", fromlist=["run_console"]).run_console())
 
-    p = sub.add_parser("status", help="this host's GPUs, who holds them, and live runs")
-    p.add_argument("--host", default="local")
-    p.add_argument("--json", action="store_true", help="print the snapshot as JSON")
+    p = sub.add_parser("status", help="GPUs, who holds them, and live runs: every host, or one with --host")
+    p.add_argument("--host", default=None, help=host_help + "; default: every host")
+    p.add_argument("--json", action="store_true", help="print the snapshot(s) as JSON")
     p.set_defaults(func=cmd_status)
 
-    p = sub.add_parser("launch", help="start a run: gpudeck launch [--gpus 0,1] -- CMD ARGS...")
-    p.add_argument("--host", default="local")
+    p = sub.add_parser("launch", help="start a run: gpudeck launch [--host H] [--gpus 0,1] -- CMD ARGS...")
+    p.add_argument("--host", default=None, help=host_help + "; default: local")
     p.add_argument("--name", default=None, help="a name to find the run by")
     p.add_argument("--gpus", default=None, help="GPU indices (sets CUDA_VISIBLE_DEVICES), e.g. 0,1 or 0-3")
     p.add_argument("--kind", default="command", choices=["command", "fsdp", "dflash"])
     p.add_argument("--env", action="append", metavar="NAME=VALUE", help="extra environment (repeatable)")
-    p.add_argument("--cwd", default=None, help="working directory (default: here)")
+    p.add_argument("--cwd", default=None, help="working directory (default: here for local, the agent's home elsewhere)")
     p.add_argument("--request-id", default=None, help="idempotency key: a retry with the same key starts nothing new")
     p.add_argument("--json", action="store_true", help="print the run as JSON (with its id)")
     p.add_argument("argv", nargs=argparse.REMAINDER, help="-- then the command and its arguments (never run by a shell)")
     p.set_defaults(func=cmd_launch)
 
-    p = sub.add_parser("runs", help="every run this host's agent has recorded")
-    p.add_argument("--host", default="local")
+    p = sub.add_parser("runs", help="every run the agents have recorded (every host, or one with --host)")
+    p.add_argument("--host", default=None, help=host_help)
     p.add_argument("--limit", type=int, default=1000)
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_runs)
 
     p = sub.add_parser("tail", help="a run's output (stdout and stderr of all its ranks)")
     p.add_argument("run", help="run id, unique id prefix, or name")
-    p.add_argument("--host", default="local")
+    p.add_argument("--host", default=None, help=host_help + "; default: the host that has the run")
     p.add_argument("-f", "--follow", action="store_true", help="keep printing new output until the run ends (Ctrl-C leaves)")
     p.add_argument("-n", "--lines", type=int, default=20, help="how many last lines to print first (-1: all of the last 256 KiB)")
     p.set_defaults(func=cmd_tail)
 
     p = sub.add_parser("stop", help="stop every process of a run: TERM, grace, KILL, verify")
     p.add_argument("run", help="run id, unique id prefix, or name")
-    p.add_argument("--host", default="local")
+    p.add_argument("--host", default=None, help=host_help + "; default: the host that has the run")
     p.add_argument("--grace", type=float, default=30.0, help="seconds between SIGTERM and SIGKILL (default 30)")
     p.add_argument("--json", action="store_true", help="print the verification result as JSON")
     p.set_defaults(func=cmd_stop)
+
+    p = sub.add_parser("hosts", help="the fleet: list hosts (--check probes them), add NAME, remove NAME")
+    p.add_argument("--check", action="store_true", help="connect to every host and show its state")
+    p.add_argument("--timeout", type=float, default=20.0, help="seconds to wait for each host with --check")
+    p.add_argument("--json", action="store_true")
+    hsub = p.add_subparsers(dest="hosts_command", metavar="list|add|remove")
+    hsub.add_parser("list", help="the configured hosts")
+    h = hsub.add_parser("add", help="add hosts (names as in ~/.ssh/config)")
+    h.add_argument("names", nargs="+")
+    h = hsub.add_parser("remove", help="remove hosts")
+    h.add_argument("names", nargs="+")
+    p.set_defaults(func=cmd_hosts)
+
+    sync_args = argparse.ArgumentParser(add_help=False)
+    sync_args.add_argument("--no-sync", action="store_true", help="answer from the history as it is, without asking the hosts first")
+    sync_args.add_argument("--sync-timeout", type=float, default=20.0, help="seconds to wait for each host's new events (default 20)")
+
+    p = sub.add_parser("history", parents=[sync_args], help="every run ever started: gpudeck history state:failed host:gpu1 since:7d cause:oom")
+    p.add_argument("query", nargs="*", help="filters (see README: state host kind name id cause operator parent torch alert since until limit)")
+    p.add_argument("--host", default=None, help="sync only this host first (the query itself takes host:NAME)")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_history)
+
+    p = sub.add_parser("show", parents=[sync_args], help="one run in full from the history: spec, environment, telemetry, timeline")
+    p.add_argument("run", help="run id, unique id prefix, or name")
+    p.add_argument("--host", default=None, help=host_help)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_show)
 
     p = sub.add_parser("agent", help="the host agent: serve, dial, status, stop")
     asub = p.add_subparsers(dest="agent_command", metavar="serve|dial|status|stop", required=True)
@@ -380,9 +437,12 @@ def main(argv: list[str] | None = None) -> int:
         if getattr(args, "func", None) is None:
             return int(args.sync(args) or 0)
         return asyncio.run(args.func(args))
-    except CliError as exc:
+    except (CliError, QueryError, cfg.ConfigError) as exc:
         print(f"gpudeck: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    except HistoryError as exc:
+        print(f"gpudeck: {exc}", file=sys.stderr)
+        return EXIT_ERROR
     except AgentError as exc:
         print(f"gpudeck: {exc.message}", file=sys.stderr)
         return EXIT_ERROR

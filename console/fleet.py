@@ -1,10 +1,16 @@
 """Provides the Fleet: the one API the CLI and the console use to reach host agents.
 
-Each host has a :class:`HostLink` that keeps one long-lived connection, follows
-the agent's snapshot stream, reconnects with exponential backoff and jitter,
-and exposes a visible state (connecting, up, unreachable since ..., version
-mismatch). This version links the local host through the agent's Unix socket;
-remote hosts (SSH) plug in behind the same API.
+Each host has a :class:`HostLink` that keeps one long-lived connection — the
+local agent's Unix socket for ``local``, ``gpudeck agent dial`` over SSH for
+every other host — follows the agent's snapshot stream, reconnects with
+exponential backoff and full jitter, and exposes a visible state
+(connecting, up, unreachable since ..., version mismatch). One slow or dead
+host never delays another: every link is its own task and every request has
+a deadline.
+
+When the Fleet has a :class:`~console.history.History`, each link also pulls
+its agent's journal into it, from the last ``(epoch, seq)`` the history holds,
+so runs that started and ended while the console was away are recorded too.
 """
 
 from __future__ import annotations
@@ -18,14 +24,16 @@ from pathlib import Path
 from typing import Literal
 
 from agents.client import AgentClient
-from agents.errors import AgentError, VersionMismatch
+from agents.errors import AgentError, AgentUnavailable, VersionMismatch
 from agents.protocol import (
+    EventBatch,
+    GetEvents,
+    GetMetrics,
     GetRun,
+    GetSnapshot,
     Launch,
     LaunchReply,
     LaunchSpec,
-    GetMetrics,
-    GetSnapshot,
     ListRuns,
     Metrics,
     OutputChunk,
@@ -39,10 +47,17 @@ from agents.protocol import (
     StopResult,
     WatchSnapshots,
 )
+from console import config as cfg
+from console.history import History
+from console.transport import HostKeyError, SshLink, SshOptions, connect_ssh
 
-LinkState = Literal["connecting", "up", "unreachable", "version_mismatch"]
+LinkState = Literal["connecting", "up", "unreachable", "version_mismatch", "host_key"]
 BACKOFF_MIN_S = 0.5
 BACKOFF_MAX_S = 30.0
+REQUEST_TIMEOUT_S = 60.0  # a request with no answer by then fails (a stop waits its grace on top)
+STALL_FACTOR = 5.0  # no snapshot for this many intervals (at least STALL_MIN_S): the link is dead
+STALL_MIN_S = 10.0
+EVENT_BATCH = 5000
 
 
 @dataclass
@@ -55,26 +70,63 @@ class HostStatus:
     last_seen: float | None = None
     snapshot: Snapshot | None = None
     agent_version: str | None = None
+    epoch: str | None = None
     since: float = field(default_factory=time.time)
+    transport: str = "ssh"  # "unix" for local
+    synced_seq: int = 0  # last event seq held in history for the current epoch
+    connects: int = 0
+
+
+@dataclass
+class SyncResult:
+    """What one pass of history sync did for one host."""
+
+    host: str
+    ok: bool
+    new_events: int = 0
+    last_seq: int = 0
+    epoch: str | None = None
+    new_epoch: bool = False
+    error: str | None = None
 
 
 class HostLink:
     """One host: a connection to its agent, kept up, with its latest snapshot."""
 
-    def __init__(self, name: str, state_dir: Path | None = None, interval_s: float = 1.0, watch: bool = True) -> None:
-        self.name = name
-        self.status = HostStatus(name)
+    def __init__(
+        self,
+        settings: cfg.HostSettings,
+        *,
+        ssh: SshOptions | None = None,
+        state_dir: Path | None = None,
+        interval_s: float = 1.0,
+        watch: bool = True,
+        history: History | None = None,
+    ) -> None:
+        self.settings = settings
+        self.name = settings.name
+        self.is_local = settings.name == cfg.LOCAL
+        self.status = HostStatus(self.name, transport="unix" if self.is_local else "ssh")
         self.interval_s = interval_s
         self.watch = watch  # False: connect for requests only (the CLI), no snapshot stream
+        self.history = history
+        self._ssh = ssh or SshOptions()
         self._state_dir = state_dir
         self._client: AgentClient | None = None
+        self._ssh_link: SshLink | None = None
         self._ready = asyncio.Event()
         self._task: asyncio.Task | None = None
+        self._sync_task: asyncio.Task | None = None
         self._listeners: list[Callable[[HostStatus], None]] = []
+        self._sync_listeners: list[Callable[[str, int], None]] = []
 
     def subscribe(self, fn: Callable[[HostStatus], None]) -> None:
         """Call ``fn`` on every state change and snapshot."""
         self._listeners.append(fn)
+
+    def on_synced(self, fn: Callable[[str, int], None]) -> None:
+        """Call ``fn(host, new_events)`` after each batch of events reaches the history."""
+        self._sync_listeners.append(fn)
 
     def _notify(self) -> None:
         for fn in self._listeners:
@@ -88,7 +140,11 @@ class HostLink:
         self._notify()
 
     async def _connect(self) -> AgentClient:
-        return await AgentClient.connect_unix(state_dir=self._state_dir, autostart=True)
+        if self.is_local:
+            return await AgentClient.connect_unix(state_dir=self._state_dir, autostart=True)
+        link = await connect_ssh(self.name, self.settings.command, self._ssh)
+        self._ssh_link = link
+        return link.client
 
     def start(self) -> None:
         """Start keeping the link up (idempotent)."""
@@ -97,14 +153,26 @@ class HostLink:
 
     async def close(self) -> None:
         """Stop the link."""
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except (asyncio.CancelledError, Exception):
-                pass
-        if self._client is not None:
-            await self._client.close()
+        for t in (self._sync_task, self._task):
+            if t is not None:
+                t.cancel()
+                try:
+                    await t
+                except (asyncio.CancelledError, Exception):
+                    pass
+        await self._drop()
+
+    async def _drop(self) -> None:
+        self._ready.clear()
+        if self._sync_task is not None:
+            self._sync_task.cancel()
+            self._sync_task = None
+        client, link = self._client, self._ssh_link
+        self._client = self._ssh_link = None
+        if link is not None:
+            await link.close()
+        elif client is not None:
+            await client.close()
 
     async def _run(self) -> None:
         backoff = BACKOFF_MIN_S
@@ -113,14 +181,49 @@ class HostLink:
             try:
                 client = await self._connect()
                 self._client = client
-                self.status.agent_version = client.hello.agent_version if client.hello else None
+                hello = client.hello
+                self.status.agent_version = hello.agent_version if hello else None
+                self.status.epoch = hello.epoch if hello else None
+                self.status.connects += 1
                 self._ready.set()
                 backoff = BACKOFF_MIN_S
+                if self.history is not None and self.watch:
+                    self._sync_task = asyncio.ensure_future(self._follow_events(client))
                 if not self.watch:
                     self._set_state("up")
                     await client.closed.wait()
-                    raise AgentError(f"the agent closed the connection ({client.close_reason})")
+                    raise AgentUnavailable(f"the agent connection closed ({client.close_reason})")
+                await self._watch(client)
+            except asyncio.CancelledError:
+                raise
+            except VersionMismatch as exc:
+                await self._drop()
+                self._set_state("version_mismatch", exc.message)
+                await asyncio.sleep(BACKOFF_MAX_S)
+                continue
+            except HostKeyError as exc:
+                await self._drop()
+                self._set_state("host_key", exc.message)
+                await asyncio.sleep(BACKOFF_MAX_S)  # a refused key is not retried fast: it will not fix itself
+                continue
+            except (AgentError, OSError) as exc:
+                msg = exc.message if isinstance(exc, AgentError) else str(exc)
+                await self._drop()
+                self._set_state("unreachable", msg)
+            if self.history is not None:
+                await asyncio.to_thread(self.history.note_host, self.name, self.status.state, self.status.error)
+            # exponential backoff with full jitter, so a fleet does not reconnect in lockstep
+            await asyncio.sleep(random.uniform(backoff / 2, backoff))
+            backoff = min(backoff * 2, BACKOFF_MAX_S)
+
+    async def _watch(self, client: AgentClient) -> None:
+        stall = max(STALL_MIN_S, STALL_FACTOR * self.interval_s)
+        loop = asyncio.get_running_loop()
+        # one deadline, moved on by every snapshot (asyncio.timeout, unlike wait_for on 3.11, never swallows a cancel)
+        try:
+            async with asyncio.timeout(stall) as deadline:
                 async for snap in client.stream(WatchSnapshots(interval_s=self.interval_s)):
+                    deadline.reschedule(loop.time() + stall)
                     assert isinstance(snap, Snapshot)
                     self.status.snapshot = snap
                     self.status.last_seen = time.time()
@@ -128,32 +231,65 @@ class HostLink:
                         self._set_state("up")
                     else:
                         self._notify()
-                raise AgentError("the snapshot stream ended")
-            except asyncio.CancelledError:
-                raise
-            except VersionMismatch as exc:
-                self._ready.clear()
-                self._set_state("version_mismatch", exc.message)
-                await asyncio.sleep(BACKOFF_MAX_S)
-                continue
-            except (AgentError, OSError) as exc:
-                self._ready.clear()
-                msg = exc.message if isinstance(exc, AgentError) else str(exc)
-                self._set_state("unreachable", msg)
-            if self._client is not None:
-                await self._client.close()
-                self._client = None
-            # exponential backoff with full jitter, so a fleet does not reconnect in lockstep
-            await asyncio.sleep(random.uniform(0, backoff))
-            backoff = min(backoff * 2, BACKOFF_MAX_S)
+        except TimeoutError:
+            raise AgentUnavailable(f"no snapshot for {stall:.0f} s: the link is stalled or the host is down") from None
+        raise AgentUnavailable("the snapshot stream ended")
+
+    # ------------------------------------------------------------------ history sync
+
+    async def _follow_events(self, client: AgentClient) -> None:
+        """Pull the journal into the history and keep following it while the link is up."""
+        try:
+            await self.sync_events(client, follow=True)
+        except asyncio.CancelledError:
+            raise
+        except AgentError as exc:
+            # the link's own loop notices a dead connection; a sync failure alone closes it so it is retried
+            self.status.error = f"history sync: {exc.message}"
+            if self._client is client:
+                await client.close()
+
+    async def sync_events(self, client: AgentClient, follow: bool = False) -> SyncResult:
+        """Pull events after the history's cursor for this host; with ``follow`` keep going."""
+        assert self.history is not None
+        hello = client.hello
+        assert hello is not None
+        cur = await asyncio.to_thread(self.history.cursor, self.name, hello.epoch, hello.agent_version, hello.host)
+        result = SyncResult(host=self.name, ok=True, last_seq=cur.last_seq, epoch=hello.epoch, new_epoch=cur.new_epoch)
+        after = cur.last_seq
+        self.status.synced_seq = after
+        while True:
+            restart = False
+            async for batch in client.stream(GetEvents(after_seq=after, limit=EVENT_BATCH, follow=follow)):
+                assert isinstance(batch, EventBatch)
+                if batch.epoch != hello.epoch:
+                    raise AgentUnavailable(f"the agent's journal epoch changed ({hello.epoch} -> {batch.epoch}): reconnecting")
+                events = batch.events
+                if events and events[0].seq != after + 1:
+                    restart = True  # a gap: ask again from what we hold
+                    break
+                if events:
+                    n = await self.history.ingest(self.name, hello.epoch, events)
+                    result.new_events += n
+                    after = events[-1].seq
+                    result.last_seq = after
+                    self.status.synced_seq = after
+                    for fn in self._sync_listeners:
+                        fn(self.name, n)
+                if not follow:
+                    restart = bool(events) and after < batch.last_seq
+                    break
+            if not restart:
+                return result
 
     async def client(self, timeout: float = 15.0) -> AgentClient:
         """The live connection; waits for it, or raises AgentError saying why the host is not reachable."""
         self.start()
         try:
-            await asyncio.wait_for(self._ready.wait(), timeout)
-        except asyncio.TimeoutError:
-            raise AgentError(f"host {self.name} is {self.status.state}: {self.status.error or 'no answer'}") from None
+            async with asyncio.timeout(timeout):
+                await self._ready.wait()
+        except TimeoutError:
+            raise AgentUnavailable(f"host {self.name} is {self.status.state}: {self.status.error or 'no answer within ' + str(int(timeout)) + ' s'}") from None
         assert self._client is not None
         return self._client
 
@@ -161,13 +297,24 @@ class HostLink:
 class Fleet:
     """All hosts the console follows; ``local`` is always there."""
 
-    def __init__(self, hosts: list[str] | None = None, state_dir: Path | None = None, interval_s: float = 1.0, watch: bool = True) -> None:
-        names = ["local"] + [h for h in (hosts or []) if h != "local"]
-        self.links: dict[str, HostLink] = {}
-        for n in names:
-            if n != "local":
-                raise AgentError(f"host {n!r}: this version links only the local host ('local'); remote hosts come with the SSH fleet")
-            self.links[n] = HostLink(n, state_dir=state_dir, interval_s=interval_s, watch=watch)
+    def __init__(
+        self,
+        hosts: list[str] | None = None,
+        *,
+        config: cfg.Config | None = None,
+        state_dir: Path | None = None,
+        interval_s: float = 1.0,
+        watch: bool = True,
+        history: History | None = None,
+        ssh: SshOptions | None = None,
+    ) -> None:
+        self.config = config or cfg.load(extra_hosts=hosts)
+        if config is not None and hosts:
+            self.config = cfg.Config(hosts=tuple([*config.hosts, *(cfg.HostSettings(name=h) for h in hosts if h not in config.names)]), path=config.path)
+        self.history = history
+        self.links: dict[str, HostLink] = {
+            s.name: HostLink(s, ssh=ssh, state_dir=state_dir, interval_s=interval_s, watch=watch, history=history) for s in self.config.hosts
+        }
 
     def start(self) -> None:
         """Connect every host."""
@@ -183,47 +330,63 @@ class Fleet:
         try:
             return self.links[host]
         except KeyError:
-            raise AgentError(f"unknown host {host!r}: known hosts are {', '.join(self.links)}") from None
+            raise AgentError(f"unknown host {host!r}: known hosts are {', '.join(self.links)}; `gpudeck hosts add {host}` adds it") from None
+
+    async def _request(self, host: str, msg, timeout: float = REQUEST_TIMEOUT_S):  # type: ignore[no-untyped-def]
+        c = await self.link(host).client()
+        try:
+            return await c.request(msg, timeout=timeout)
+        except asyncio.TimeoutError:
+            raise AgentUnavailable(f"host {host} did not answer {type(msg).__name__} within {timeout:.0f} s") from None
 
     async def snapshot(self, host: str) -> Snapshot:
         """A fresh snapshot of one host (not the streamed one)."""
-        c = await self.link(host).client()
-        reply = await c.request(GetSnapshot())
+        reply = await self._request(host, GetSnapshot())
         assert isinstance(reply, Snapshot)
         return reply
 
     async def launch(self, host: str, spec: LaunchSpec, request_id: str = "") -> LaunchReply:
         """Start a run on a host."""
-        c = await self.link(host).client()
-        reply = await c.request(Launch(spec=spec, request_id=request_id))
+        reply = await self._request(host, Launch(spec=spec, request_id=request_id), timeout=REQUEST_TIMEOUT_S * 5)
         assert isinstance(reply, LaunchReply)
         return reply
 
     async def stop(self, host: str, run_id: str, grace_s: float = 30.0) -> StopResult:
         """Stop a run on a host and return the verification."""
-        c = await self.link(host).client()
-        reply = await c.request(Stop(run_id=run_id, grace_s=grace_s))
+        reply = await self._request(host, Stop(run_id=run_id, grace_s=grace_s), timeout=grace_s + REQUEST_TIMEOUT_S)
         assert isinstance(reply, StopReply)
         return reply.result
 
     async def runs(self, host: str, limit: int = 1000) -> list[RunInfo]:
         """Runs a host's agent has recorded, newest first."""
-        c = await self.link(host).client()
-        reply = await c.request(ListRuns(limit=limit))
+        reply = await self._request(host, ListRuns(limit=limit))
         assert isinstance(reply, RunList)
         return reply.runs
 
     async def run(self, host: str, run_id: str) -> RunInfo:
         """One run."""
-        c = await self.link(host).client()
-        reply = await c.request(GetRun(run_id=run_id))
+        reply = await self._request(host, GetRun(run_id=run_id))
         assert isinstance(reply, RunReply)
         return reply.run
 
+    async def find_run(self, ref: str) -> tuple[str, RunInfo]:
+        """The host and run that ``ref`` names, asking every host at once; a typed error if none or several."""
+        names = list(self.links)
+        results = await asyncio.gather(*(self.run(h, ref) for h in names), return_exceptions=True)
+        found = [(h, r) for h, r in zip(names, results) if isinstance(r, RunInfo)]
+        if len(found) == 1:
+            return found[0]
+        if len(found) > 1:
+            raise AgentError(f"{ref!r} names runs on several hosts ({', '.join(f'{r.id} on {h}' for h, r in found)}): add --host")
+        down = [f"{h} ({r.message if isinstance(r, AgentError) else r})" for h, r in zip(names, results) if isinstance(r, AgentUnavailable)]
+        msg = f"no run {ref!r} on any host"
+        if down:
+            msg += "; not reachable: " + "; ".join(down)
+        raise AgentError(msg + ": `gpudeck runs` lists them")
+
     async def metrics(self, host: str, run_id: str, max_points: int = 300) -> Metrics:
         """A run's step series (loss, tokens/s, MFU), thinned to ``max_points``."""
-        c = await self.link(host).client()
-        reply = await c.request(GetMetrics(run_id=run_id, max_points=max_points))
+        reply = await self._request(host, GetMetrics(run_id=run_id, max_points=max_points))
         assert isinstance(reply, Metrics)
         return reply
 
@@ -231,10 +394,27 @@ class Fleet:
         """A run's output from ``offset`` (negative: that many bytes before the end); with ``follow`` until the run ends."""
         c = await self.link(host).client()
         if not follow:
-            reply = await c.request(ReadOutput(run_id=run_id, offset=offset))
+            reply = await c.request(ReadOutput(run_id=run_id, offset=offset), timeout=REQUEST_TIMEOUT_S)
             assert isinstance(reply, OutputChunk)
             yield reply
             return
         async for chunk in c.stream(ReadOutput(run_id=run_id, offset=offset, follow=True)):
             assert isinstance(chunk, OutputChunk)
             yield chunk
+
+    async def sync_history(self, timeout: float = 20.0, hosts: list[str] | None = None) -> list[SyncResult]:
+        """One pass: pull every reachable host's new events into the history (hosts in parallel)."""
+        assert self.history is not None, "sync_history needs a Fleet with a History"
+
+        async def one(name: str) -> SyncResult:
+            link = self.link(name)
+            try:
+                c = await link.client(timeout=timeout)
+                async with asyncio.timeout(timeout):
+                    return await link.sync_events(c, follow=False)
+            except TimeoutError:
+                return SyncResult(host=name, ok=False, error=f"no answer within {timeout:.0f} s")
+            except AgentError as exc:
+                return SyncResult(host=name, ok=False, error=exc.message)
+
+        return list(await asyncio.gather(*(one(h) for h in (hosts or list(self.links)))))

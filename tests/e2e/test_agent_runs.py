@@ -39,7 +39,7 @@ def test_stop_ends_whole_tree_and_names_what_needed_kill(agent: AgentProc, tmp_p
     assert os.getsid(pids["stubborn"]) != os.getsid(pids["main"])
 
     def all_members() -> bool:
-        snap = agent.cli_json("status")
+        snap = agent.cli_json("status", "--host", "local")
         run = next((r for r in snap["runs"] if r["id"] == rid), None)
         got = {m["pid"] for m in run["members"]} if run else set()
         return set(pids.values()) <= got
@@ -91,7 +91,7 @@ def test_failed_launch_is_recorded_and_says_what_to_do(agent: AgentProc) -> None
     assert runs[0]["state"] == "failed" and runs[0]["cause"].startswith("launch failed:")
     cp = agent.cli("launch", "--", "no-such-command-xyz", check=False)
     assert cp.returncode != 0 and "not on PATH" in cp.stderr
-    if agent.cli_json("status").get("gpu_error"):
+    if agent.cli_json("status", "--host", "local").get("gpu_error"):
         cp = agent.cli("launch", "--gpus", "0", "--", "true", check=False)
         assert cp.returncode != 0 and "no usable GPU" in cp.stderr
     cp = agent.cli("launch", "--gpus", "999", "--", "true", check=False)
@@ -121,7 +121,7 @@ def test_arguments_are_never_given_to_a_shell(agent: AgentProc, tmp_path: Path) 
 def test_agent_kill9_runs_survive_and_are_readopted(agent: AgentProc, tmp_path: Path) -> None:
     long = agent.cli_json("launch", "--name", "long", "--", "sleep", "300")["id"]
     short = agent.cli_json("launch", "--name", "short", "--", sys.executable, "-c", "import time; time.sleep(1.5); raise SystemExit(4)")["id"]
-    snap = agent.cli_json("status")
+    snap = agent.cli_json("status", "--host", "local")
     leader = next(m for r in snap["runs"] if r["id"] == long for m in r["members"] if m["role"] == "leader")
     agent.kill9()
     # the short run ends while no agent watches; its shim leaves the exit status behind
@@ -139,7 +139,7 @@ def test_agent_kill9_runs_survive_and_are_readopted(agent: AgentProc, tmp_path: 
 
 def test_run_whose_shim_vanished_is_lost_with_what_is_known(agent: AgentProc) -> None:
     rid = agent.cli_json("launch", "--", "sleep", "300")["id"]
-    run = next(r for r in agent.cli_json("status")["runs"] if r["id"] == rid)
+    run = next(r for r in agent.cli_json("status", "--host", "local")["runs"] if r["id"] == rid)
     agent.kill9()
     for m in run["members"]:
         os.kill(m["pid"], signal.SIGKILL)  # shim and leader die together: no exit status anywhere
@@ -201,7 +201,7 @@ def test_orphan_of_a_killed_leader_is_stale_and_stop_reclaims_it(agent: AgentPro
     pidfile = tmp_path / "pids"
     rid = agent.cli_json("launch", "--", sys.executable, str(PROGS / "tree.py"), str(pidfile))["id"]
     pids = wait_for(lambda: pidfile.exists() and read_pids(pidfile), what="the tree")
-    wait_for(lambda: len(next(r for r in agent.cli_json("status")["runs"] if r["id"] == rid)["members"]) >= 4, what="members")
+    wait_for(lambda: len(next(r for r in agent.cli_json("status", "--host", "local")["runs"] if r["id"] == rid)["members"]) >= 4, what="members")
     os.kill(pids["main"], signal.SIGKILL)
     r = wait_for(lambda: next((r for r in agent.cli_json("runs") if r["id"] == rid and r["state"] == "failed"), None), what="the run to fail")
     assert r["signal"] == "SIGKILL"
@@ -218,7 +218,7 @@ def test_snapshot_lists_every_live_member_with_its_process_facts(agent: AgentPro
     pids = wait_for(lambda: pidfile.exists() and read_pids(pidfile), what="the tree")
 
     def rows() -> dict[int, dict] | None:
-        procs = {p["pid"]: p for p in agent.cli_json("status")["processes"] if p.get("run_id") == rid}
+        procs = {p["pid"]: p for p in agent.cli_json("status", "--host", "local")["processes"] if p.get("run_id") == rid}
         return procs if set(pids.values()) <= set(procs) else None
 
     procs = wait_for(rows, what="every member in the snapshot's process list")

@@ -28,7 +28,7 @@ def test_telemetry_is_live_and_journaled_once(agent: AgentProc, tmp_path: Path) 
     wait_for(lambda: Path(str(gate) + ".ready").exists(), what="the first records")
 
     def live_tel() -> dict | None:
-        run = next((r for r in agent.cli_json("status")["runs"] if r["id"] == rid), None)
+        run = next((r for r in agent.cli_json("status", "--host", "local")["runs"] if r["id"] == rid), None)
         tel = (run or {}).get("telemetry") or {}
         return tel if tel.get("step") == 5 else None
 

@@ -20,7 +20,7 @@ def test_torchrun_job_is_supervised_end_to_end(agent: AgentProc, tmp_path: Path)
     rid = agent.cli_json("launch", "--name", "fsdp-tiny", "--cwd", str(ROOT), "--", *argv)["id"]
 
     def running_ranks() -> dict | None:
-        run = next((r for r in agent.cli_json("status")["runs"] if r["id"] == rid), None)
+        run = next((r for r in agent.cli_json("status", "--host", "local")["runs"] if r["id"] == rid), None)
         if run is None:
             return None
         ranks = {m.get("rank") for m in run["members"] if m.get("rank") is not None}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from agents.protocol import Gpu, GpuProcess, LaunchSpec, Member, Metrics, RunInfo, RunTelemetry, Snapshot, StopResult
+from console.config import HostSettings
 from console.fleet import Fleet, HostLink
 
 T0 = 1_790_000_000.0  # a fixed instant, so every rendered time is the same on every run
@@ -43,12 +44,12 @@ class FixtureFleet(Fleet):
     """Fleet over fixture data: one up host with four GPUs, one unreachable host."""
 
     def __init__(self) -> None:
-        self.links = {}
-        up = FixtureLink("gpu1")
+        self.history = None
+        up = FixtureLink(HostSettings(name="gpu1"))
         up.status.state = "up"
         up.status.snapshot = fixture_snapshot()
         up.status.last_seen = T0
-        down = FixtureLink("gpu2")
+        down = FixtureLink(HostSettings(name="gpu2"))
         down.status.state = "unreachable"
         down.status.error = "connect timed out after 10 s (fixture)"
         down.status.since = T0

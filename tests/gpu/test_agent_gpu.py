@@ -26,7 +26,7 @@ PARENT = (
 
 
 def gpu_procs(agent: AgentProc, run_id: str) -> list[dict]:
-    snap = agent.cli_json("status")
+    snap = agent.cli_json("status", "--host", "local")
     return [p for g in snap["gpus"] for p in g.get("processes", []) if p.get("run_id") == run_id]
 
 
@@ -46,7 +46,7 @@ def test_holder_is_attributed_and_stop_frees_it(agent: AgentProc) -> None:
 def test_orphan_of_a_killed_leader_is_stale_then_reclaimed(agent: AgentProc) -> None:
     rid = agent.cli_json("launch", "--gpus", "0", "--", sys.executable, "-c", PARENT, HOLD, "2")["id"]
     wait_for(lambda: [p for p in gpu_procs(agent, rid) if (p.get("used_bytes") or 0) >= 2 * 2**30], timeout=120, what="the worker on the GPU")
-    runs = agent.cli_json("status")["runs"]
+    runs = agent.cli_json("status", "--host", "local")["runs"]
     leader = next(m for r in runs if r["id"] == rid for m in r["members"] if m["role"] == "leader")
     os.kill(leader["pid"], signal.SIGKILL)  # the leader dies alone, like a SIGKILLed torchrun
     wait_for(lambda: next(r for r in agent.cli_json("runs") if r["id"] == rid)["state"] == "failed", what="the run to be failed")

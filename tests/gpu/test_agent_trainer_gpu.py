@@ -16,7 +16,7 @@ def test_trainer_on_gpu_is_attributed_and_stop_frees_its_memory(agent: AgentProc
     rid = agent.cli_json("launch", "--gpus", "0", "--name", "gpu-tiny", "--cwd", str(ROOT), "--", *argv)["id"]
 
     def ready() -> dict | None:
-        snap = agent.cli_json("status")
+        snap = agent.cli_json("status", "--host", "local")
         run = next((r for r in snap["runs"] if r["id"] == rid), None)
         procs = [p for g in snap["gpus"] for p in g.get("processes", []) if p.get("run_id") == rid]
         if run and procs and ((run.get("telemetry") or {}).get("step") or 0) >= 5:

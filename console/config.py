@@ -1,0 +1,191 @@
+"""Provides the console's configuration: where its state lives and which hosts make up the fleet.
+
+``GPUDECK_HOME``, when set, holds all of the console's state (``config.toml``,
+``history.db``) as well as the local agent's, so tests and users with several
+fleets keep them apart. Otherwise the config is in the user config dir
+(``~/.config/gpudeck/config.toml``) and the history in the user data dir.
+
+The config file::
+
+    hosts = ["gpu1", "gpu2"]          # names as in ~/.ssh/config; "local" is always there
+
+    [host.gpu2]                       # optional, per host
+    command = "/opt/gpudeck/.venv/bin/gpudeck agent dial"   # what runs over SSH
+    rdzv_host = "10.1.0.2"            # address other hosts reach it at (multi-node)
+    nccl_socket_ifname = "ib0"
+    gloo_socket_ifname = "eth0"
+
+``gpudeck hosts add/remove`` edit the file with tomlkit, so the user's comments
+and layout survive.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import platformdirs
+import tomlkit
+
+LOCAL = "local"
+DEFAULT_DIAL = "gpudeck agent dial"
+_HOST_RE = re.compile(r"^[A-Za-z0-9_.@:\[\]-]{1,253}$")
+_HOST_KEYS = {"command", "rdzv_host", "nccl_socket_ifname", "gloo_socket_ifname", "env"}
+
+
+class ConfigError(Exception):
+    """The config file cannot be read or a host entry is not valid; the message says how to fix it."""
+
+
+def home() -> Path | None:
+    """``$GPUDECK_HOME`` when set."""
+    h = os.environ.get("GPUDECK_HOME")
+    return Path(h).expanduser().resolve() if h else None
+
+
+def config_path() -> Path:
+    """The console's config file."""
+    h = home()
+    return h / "config.toml" if h else Path(platformdirs.user_config_dir("gpudeck")) / "config.toml"
+
+
+def history_path() -> Path:
+    """The console's SQLite history."""
+    h = home()
+    return h / "history.db" if h else Path(platformdirs.user_data_dir("gpudeck")) / "history.db"
+
+
+@dataclass(frozen=True)
+class HostSettings:
+    """One host of the fleet as the config describes it."""
+
+    name: str
+    command: str = DEFAULT_DIAL
+    rdzv_host: str | None = None
+    nccl_socket_ifname: str | None = None
+    gloo_socket_ifname: str | None = None
+    env: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Config:
+    """The fleet: ``local`` first, then the configured hosts in file order."""
+
+    hosts: tuple[HostSettings, ...]
+    path: Path
+
+    @property
+    def names(self) -> list[str]:
+        """Host names, ``local`` first."""
+        return [h.name for h in self.hosts]
+
+    def settings(self, name: str) -> HostSettings:
+        """A host's settings (defaults for a host given only with ``--host``)."""
+        for h in self.hosts:
+            if h.name == name:
+                return h
+        return HostSettings(name=name)
+
+
+def check_host_name(name: str) -> str:
+    """A host name as it may appear in the config, or ConfigError."""
+    if not _HOST_RE.match(name) or name.startswith("-"):
+        raise ConfigError(f"{name!r} is not a host name: use the name of a Host entry in ~/.ssh/config (letters, digits, . - _)")
+    return name
+
+
+def load(path: Path | None = None, extra_hosts: list[str] | None = None) -> Config:
+    """Read the config (a missing file is an empty fleet: just ``local``), plus ``--host`` names."""
+    path = path or config_path()
+    data: dict = {}
+    if path.exists():
+        try:
+            data = tomllib.loads(path.read_text())
+        except (OSError, tomllib.TOMLDecodeError) as exc:
+            raise ConfigError(f"cannot read {path}: {exc}; fix the file (it is TOML: hosts = [\"gpu1\", ...])") from exc
+    names = data.get("hosts", [])
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+        raise ConfigError(f"{path}: `hosts` must be a list of host names, e.g. hosts = [\"gpu1\", \"gpu2\"]")
+    tables = data.get("host", {})
+    if not isinstance(tables, dict):
+        raise ConfigError(f"{path}: [host.NAME] tables hold per-host settings")
+    out: list[HostSettings] = [HostSettings(name=LOCAL, **_settings(path, LOCAL, tables.get(LOCAL, {})))]
+    seen = {LOCAL}
+    for n in [*names, *(extra_hosts or [])]:
+        if n in seen:
+            continue
+        check_host_name(n)
+        seen.add(n)
+        out.append(HostSettings(name=n, **_settings(path, n, tables.get(n, {}))))
+    return Config(hosts=tuple(out), path=path)
+
+
+def _settings(path: Path, name: str, table: object) -> dict:
+    if not isinstance(table, dict):
+        raise ConfigError(f"{path}: [host.{name}] must be a table")
+    unknown = set(table) - _HOST_KEYS
+    if unknown:
+        raise ConfigError(f"{path}: [host.{name}] has unknown keys {sorted(unknown)}; known: {sorted(_HOST_KEYS)}")
+    out = {k: v for k, v in table.items()}
+    for k, v in out.items():
+        if k == "env":
+            if not isinstance(v, dict) or not all(isinstance(x, str) for x in v.values()):
+                raise ConfigError(f"{path}: [host.{name}] env must be a table of strings")
+        elif not isinstance(v, str) or not v:
+            raise ConfigError(f"{path}: [host.{name}] {k} must be a non-empty string")
+    return out
+
+
+def _read_doc(path: Path) -> tomlkit.TOMLDocument:
+    if not path.exists():
+        return tomlkit.document()
+    try:
+        return tomlkit.parse(path.read_text())
+    except Exception as exc:  # tomlkit raises its own ParseError family
+        raise ConfigError(f"cannot read {path}: {exc}; fix the file first") from exc
+
+
+def _write_doc(path: Path, doc: tomlkit.TOMLDocument) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".toml.tmp")
+    tmp.write_text(tomlkit.dumps(doc))
+    os.replace(tmp, path)
+
+
+def add_host(name: str, path: Path | None = None) -> bool:
+    """Add a host to the config; False when it was already there."""
+    check_host_name(name)
+    if name == LOCAL:
+        raise ConfigError("'local' is always part of the fleet; nothing to add")
+    path = path or config_path()
+    doc = _read_doc(path)
+    hosts = doc.get("hosts")
+    if hosts is None:
+        hosts = tomlkit.array()
+        doc["hosts"] = hosts
+    if name in [str(h) for h in hosts]:
+        return False
+    hosts.append(name)
+    _write_doc(path, doc)
+    return True
+
+
+def remove_host(name: str, path: Path | None = None) -> bool:
+    """Remove a host (and its [host.NAME] table); False when it was not there."""
+    if name == LOCAL:
+        raise ConfigError("'local' is always part of the fleet and cannot be removed")
+    path = path or config_path()
+    doc = _read_doc(path)
+    hosts = doc.get("hosts")
+    names = [str(h) for h in hosts] if hosts is not None else []
+    if name not in names:
+        return False
+    del hosts[names.index(name)]
+    tables = doc.get("host")
+    if tables is not None and name in tables:
+        del tables[name]
+    _write_doc(path, doc)
+    return True

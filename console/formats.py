@@ -1,0 +1,216 @@
+"""Provides the CLI's human views: tables of hosts, runs, stops and history (``--json`` prints the data instead)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from agents.protocol import RunInfo, Snapshot, StopResult, to_builtins
+from console.fmt import duration, elapsed, gib, when
+
+def table(headers: list[str], rows: list[list[str]]) -> str:
+    """A left-aligned text table."""
+    widths = [len(h) for h in headers]
+    for r in rows:
+        for i, c in enumerate(r):
+            widths[i] = max(widths[i], len(c))
+    line = lambda cells: "  ".join(c.ljust(widths[i]) for i, c in enumerate(cells)).rstrip()  # noqa: E731
+    return "\n".join([line(headers), *(line(r) for r in rows)])
+
+
+def format_status(snap: Snapshot) -> str:
+    """Human view of a snapshot: GPUs, GPU processes, live runs."""
+    out = [f"host {snap.host}  ({when(snap.ts)}, sampled in {snap.sample_ms:.2f} ms)"]
+    if snap.simulated:
+        out.append(format_simulated(snap))
+    if snap.gpu_error:
+        out.append(f"GPUs: none ({snap.gpu_error})")
+    else:
+        rows = [
+            [
+                str(g.index),
+                g.name,
+                f"{gib(g.memory_used)}/{gib(g.memory_total)} GiB",
+                "-" if g.util_gpu is None else f"{g.util_gpu}%",
+                "-" if g.temperature_c is None else f"{g.temperature_c}C",
+                "-" if g.power_w is None else f"{g.power_w:.0f}W",
+                gib(g.unaccounted_bytes),
+            ]
+            for g in snap.gpus
+        ]
+        out.append(table(["GPU", "NAME", "MEMORY", "UTIL", "TEMP", "POWER", "UNACCOUNTED GiB"], rows))
+        procs = [p for g in snap.gpus for p in g.processes]
+        if procs:
+            prow = [
+                [
+                    str(p.pid),
+                    str(p.gpu),
+                    gib(p.used_bytes),
+                    p.attribution,
+                    p.run_id or "-",
+                    "-" if p.rank is None else str(p.rank),
+                    p.user or "-",
+                    " ".join(p.cmdline)[:60] or "-",
+                ]
+                for p in procs
+            ]
+            out.append("")
+            out.append(table(["PID", "GPU", "GiB", "HOLDER", "RUN", "RANK", "USER", "COMMAND"], prow))
+        else:
+            out.append("no GPU processes")
+    if snap.runs:
+        out.append("")
+        out.append(table(["RUN", "NAME", "STATE", "MEMBERS", "ELAPSED", "COMMAND"], [
+            [r.id, r.name or "-", r.state, str(sum(1 for m in r.members if m.role != "shim")), duration(elapsed(r.started, r.ended)), " ".join(r.spec.argv)[:50]]
+            for r in snap.runs
+        ]))
+    else:
+        out.append("no live runs")
+    return "\n".join(out)
+
+
+def format_runs(runs: list[RunInfo]) -> str:
+    """Human view of the run list."""
+    if not runs:
+        return "no runs yet: `gpudeck launch -- CMD ...` starts one"
+    rows = [
+        [r.id, r.host, r.name or "-", r.state, when(r.started or r.created), duration(elapsed(r.started, r.ended)), (r.cause or "-")[:70]]
+        for r in runs
+    ]
+    return table(["RUN", "HOST", "NAME", "STATE", "STARTED", "ELAPSED", "CAUSE"], rows)
+
+
+def format_stop(res: StopResult) -> str:
+    """Human view of a stop's verification."""
+    lines = [f"run {res.run_id}: {res.state} in {res.seconds:.2f} s"]
+    for p in res.stopped:
+        lines.append(f"  stopped  pid {p.pid:<7} {p.how:<12} {' '.join(p.cmdline)[:70]}")
+    for p in res.survivors:
+        lines.append(f"  SURVIVED pid {p.pid:<7} {p.status or '?':<12} {' '.join(p.cmdline)[:70]}")
+    if res.needed_kill:
+        lines.append(f"  needed SIGKILL: {', '.join(map(str, res.needed_kill))}")
+    for f in res.freed:
+        lines.append(f"  GPU {f.gpu}: {gib(f.before_bytes)} -> {gib(f.after_bytes)} GiB used ({gib(f.freed_bytes)} GiB freed)")
+    lines.append(f"  {res.gpu_note}" if res.gpu_note else "")
+    if res.survivors:
+        lines.append("  a process in disk sleep (D) cannot be killed until its I/O returns: check the driver/storage (dmesg); it is not retried in a loop")
+    return "\n".join(ln for ln in lines if ln)
+
+
+def run_json(r: RunInfo) -> dict[str, Any]:
+    """The scripted shape of a run (stable keys for users' scripts)."""
+    d = to_builtins(r)
+    for k in ("exit_code", "signal", "cause", "started", "ended", "name"):
+        d.setdefault(k, None)
+    return d
+
+
+
+def format_simulated(snap: Snapshot) -> str:
+    """The label every view of a simulated host carries."""
+    return "SIMULATED GPUs (no real GPU on this host: GPUDECK_SIMULATE_GPUS is set)" if snap.simulated else ""
+
+
+def format_hosts(rows: list[dict[str, Any]]) -> str:
+    """``gpudeck hosts``: configured hosts and (when probed) their link state."""
+    out = []
+    for r in rows:
+        state = r.get("state") or "-"
+        if r.get("error"):
+            state += f": {r['error']}"
+        out.append([r["name"], r.get("transport", "ssh"), r.get("command", "-"), state[:110]])
+    return table(["HOST", "LINK", "COMMAND", "STATE"], out)
+
+
+def format_history(rows: list[dict[str, Any]]) -> str:
+    """``gpudeck history``: one line per run, newest first."""
+    if not rows:
+        return "no runs match"
+    out = []
+    for r in rows:
+        tps = r.get("tokens_per_s")
+        out.append([
+            r["id"],
+            r["host"],
+            r.get("name") or "-",
+            r.get("kind") or "-",
+            r.get("state") or "-",
+            when(r.get("started") or r.get("created")),
+            duration(elapsed(r.get("started"), r.get("ended"))),
+            "-" if r.get("last_step") is None else str(r["last_step"]),
+            "-" if tps is None else f"{tps:,.0f}",
+            str(r.get("alert_count") or "") or "-",
+            (r.get("cause") or "-")[:60],
+        ])
+    return table(["RUN", "HOST", "NAME", "KIND", "STATE", "STARTED", "ELAPSED", "STEP", "TOK/S", "ALERTS", "CAUSE"], out)
+
+
+def _kv(lines: list[str], key: str, value: object) -> None:
+    if value is not None and value != "" and value != [] and value != {}:
+        lines.append(f"  {key:<16} {value}")
+
+
+def format_show(run: dict[str, Any], events: list[dict[str, Any]]) -> str:
+    """``gpudeck show``: one run in full, with its timeline."""
+    lines = [f"run {run['id']} on {run['host']}" + (f" ({run['name']})" if run.get("name") else "")]
+    _kv(lines, "state", run.get("state"))
+    _kv(lines, "cause", run.get("cause"))
+    _kv(lines, "cause class", run.get("cause_class"))
+    _kv(lines, "kind", run.get("kind"))
+    _kv(lines, "command", " ".join(run.get("argv") or []))
+    _kv(lines, "gpus", run.get("gpus"))
+    _kv(lines, "start", run.get("start"))
+    _kv(lines, "cwd", run.get("cwd"))
+    _kv(lines, "operator", run.get("operator"))
+    _kv(lines, "parent", run.get("parent"))
+    _kv(lines, "created", when(run.get("created")))
+    _kv(lines, "started", when(run.get("started")) if run.get("started") else None)
+    _kv(lines, "ended", when(run.get("ended")) if run.get("ended") else None)
+    _kv(lines, "elapsed", duration(elapsed(run.get("started"), run.get("ended"))) if run.get("started") else None)
+    _kv(lines, "exit code", run.get("exit_code"))
+    _kv(lines, "signal", run.get("signal"))
+    _kv(lines, "params", f"{run['params_total']:,}" if run.get("params_total") else None)
+    _kv(lines, "world size", run.get("world_size"))
+    _kv(lines, "ranks seen", run.get("ranks_seen") or None)
+    _kv(lines, "dataset", f"{run.get('dataset_samples'):,} samples, {run.get('dataset_tokens') or 0:,} tokens" if run.get("dataset_samples") else None)
+    _kv(lines, "last step", run.get("last_step"))
+    _kv(lines, "loss", f"{run['last_loss']:.4f}" if run.get("last_loss") is not None else None)
+    _kv(lines, "tokens/s", f"{run['tokens_per_s']:,.0f}" if run.get("tokens_per_s") is not None else None)
+    _kv(lines, "MFU", f"{run['mfu'] * 100:.1f}%" if run.get("mfu") is not None else None)
+    _kv(lines, "peak memory", f"{run['mem_peak_gib']:.2f} GiB" if run.get("mem_peak_gib") is not None else None)
+    _kv(lines, "checkpoint", run.get("last_checkpoint"))
+    _kv(lines, "tau", run.get("tau"))
+    _kv(lines, "error", run.get("error"))
+    env = run.get("env") or {}
+    if env:
+        _kv(lines, "environment", f"python {env.get('python_version')} torch {env.get('torch')} cuda {env.get('torch_cuda')} nccl {env.get('nccl')} "
+            f"driver {env.get('driver')} ({len(env.get('packages') or {})} packages, freeze {str(env.get('freeze_hash'))[:12]})")
+    for a in run.get("alerts") or []:
+        lines.append(f"  ALERT {a.get('kind')}: {a.get('message')}")
+    members = run.get("members") or []
+    if members:
+        lines.append(f"  members ({len(members)}):")
+        for m in members[:32]:
+            rank = "" if m.get("rank") is None else f" rank {m['rank']}"
+            lines.append(f"    pid {m.get('pid')}{rank}: {' '.join(m.get('cmdline') or [])[:90]}")
+    if events:
+        lines.append("  timeline:")
+        for e in events:
+            lines.append(f"    {when(e['ts'])}  #{e['seq']:<6} {e['kind']:<12} {_event_summary(e)}")
+    return "\n".join(lines)
+
+
+def _event_summary(e: dict[str, Any]) -> str:
+    d = e.get("data") or {}
+    k = e["kind"]
+    if k == "run_state":
+        return f"{d.get('state')}" + (f": {d['cause']}" if d.get("cause") else "")
+    if k == "telemetry":
+        rec = d.get("record") or {}
+        t = rec.get("type")
+        if t == "step":
+            return f"step {rec.get('step')} loss {rec.get('loss')} tok/s {rec.get('tokens_per_s')}"
+        return f"{t} " + json.dumps({x: y for x, y in rec.items() if x not in ('ts', 'type', 'argv')}, default=str)[:100]
+    if k == "members":
+        return f"+{len(d.get('added') or [])} process(es)"
+    return json.dumps(d, default=str)[:110]

@@ -1,0 +1,507 @@
+"""Provides the console's run history: a SQLite replica of every agent's journal (sqlite-utils).
+
+Each agent numbers its events by ``(epoch, seq)`` with no gaps. The console
+pulls the events after the last ``seq`` it holds for a host's current epoch
+and inserts them with ``(host, epoch, seq)`` unique, so a reconnect or a
+replay never duplicates anything; the ``runs`` table is rebuilt from events as
+they are inserted, once each. A new epoch (the agent's journal was recreated)
+is recorded in ``epochs`` and starts its own sequence: nothing is merged
+blindly.
+
+Writes go through one writer thread that commits whatever has queued up in a
+single transaction, so the UI's event loop never waits on SQLite and hundreds
+of hosts cost one commit per batch, not one per event.
+
+The file is plain SQLite: ``sqlite-utils`` and ``datasette`` work on it as
+they are (schema in README.md, "History").
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import queue
+import sqlite3
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import sqlite_utils
+
+from agents.causes import cause_class
+from agents.protocol import TERMINAL_STATES, Event
+from console import config
+from console.query import compile_query
+
+SCHEMA_VERSION = 1
+MAX_MEMBERS = 256  # members kept per run row (the events keep all of them)
+_RUN_COLUMNS = {
+    "host": str,
+    "id": str,
+    "epoch": str,
+    "name": str,
+    "kind": str,
+    "state": str,
+    "cause": str,
+    "cause_class": str,
+    "exit_code": int,
+    "signal": str,
+    "created": float,
+    "started": float,
+    "ended": float,
+    "updated": float,
+    "operator": str,
+    "parent": str,
+    "start": str,
+    "cwd": str,
+    "gpus": str,  # JSON list
+    "argv": str,  # JSON list
+    "spec": str,  # JSON
+    "env": str,  # JSON: the environment fingerprint
+    "env_hash": str,
+    "env_torch": str,
+    "members": str,  # JSON list
+    "ranks_seen": int,
+    "params_total": int,
+    "world_size": int,
+    "config_hash": str,
+    "dataset_samples": int,
+    "dataset_tokens": int,
+    "last_step": int,
+    "last_loss": float,
+    "tokens_per_s": float,
+    "mfu": float,
+    "mem_peak_gib": float,
+    "last_checkpoint": int,
+    "tau": float,
+    "final_step": int,
+    "error": str,
+    "telemetry": str,  # JSON: the last record of each type
+    "alerts": str,  # JSON list
+    "alert_count": int,
+    "preflight": str,  # JSON
+    "stop": str,  # JSON: the verified stop result
+}
+
+
+class HistoryError(Exception):
+    """The history cannot answer (unknown or ambiguous run); the message says what to do."""
+
+
+@dataclass(frozen=True)
+class Cursor:
+    """Where a host's replica stands: the agent epoch and the last seq held for it."""
+
+    host: str
+    epoch: str
+    last_seq: int
+    new_epoch: bool = False  # this epoch was not seen before (first contact, or the journal was recreated)
+
+
+def _j(value: Any) -> str:
+    return json.dumps(value, default=str, separators=(",", ":"))
+
+
+def _loads(text: str | None, default: Any) -> Any:
+    if not text:
+        return default
+    try:
+        return json.loads(text)
+    except ValueError:
+        return default
+
+
+def _connect(path: Path) -> sqlite3.Connection:
+    conn = sqlite3.connect(str(path), isolation_level=None, check_same_thread=False, timeout=10.0)
+    conn.execute("PRAGMA busy_timeout=10000")
+    conn.execute("PRAGMA journal_mode=WAL")
+    conn.execute("PRAGMA synchronous=NORMAL")  # a replica: anything lost in a power cut is pulled again
+    return conn
+
+
+def ensure_schema(db: sqlite_utils.Database) -> None:
+    """Create the tables and indexes (idempotent)."""
+    db["hosts"].create(
+        {"name": str, "epoch": str, "first_seen": float, "last_seen": float, "agent_version": str, "agent_host": str, "state": str, "error": str},
+        pk="name",
+        if_not_exists=True,
+    )
+    db["epochs"].create({"host": str, "epoch": str, "first_seen": float, "last_seq": int, "replaces": str}, pk=("host", "epoch"), if_not_exists=True)
+    db["events"].create(
+        {"host": str, "epoch": str, "seq": int, "ts": float, "kind": str, "run_id": str, "data": str},
+        pk=("host", "epoch", "seq"),
+        if_not_exists=True,
+    )
+    db["events"].create_index(["host", "run_id", "seq"], if_not_exists=True)
+    db["runs"].create(_RUN_COLUMNS, pk=("host", "id"), if_not_exists=True)
+    for cols in (["id"], ["state"], ["created"], ["cause_class"], ["config_hash"]):
+        db["runs"].create_index(cols, if_not_exists=True)
+    db["metrics"].create(
+        {"host": str, "run_id": str, "step": int, "ts": float, "loss": float, "tokens_per_s": float, "mfu": float, "mem_peak_gib": float},
+        pk=("host", "run_id", "step"),
+        if_not_exists=True,
+    )
+    db["meta"].create({"key": str, "value": str}, pk="key", if_not_exists=True)
+    db.execute("INSERT OR IGNORE INTO meta(key, value) VALUES ('schema_version', ?)", [str(SCHEMA_VERSION)])
+
+
+class _Apply:
+    """Folds one newly inserted event into the ``runs`` and ``metrics`` tables."""
+
+    def __init__(self, conn: sqlite3.Connection) -> None:
+        self.c = conn
+
+    def __call__(self, host: str, epoch: str, ev: Event) -> None:
+        fn = getattr(self, f"_on_{ev.kind}", None)
+        if fn is not None and ev.run_id:
+            fn(host, epoch, ev)
+
+    def _update(self, host: str, run_id: str, ts: float, **fields: Any) -> None:
+        cols = [k for k in fields if k in _RUN_COLUMNS]
+        sets = ", ".join(f"{k}=?" for k in cols)
+        self.c.execute(f"UPDATE runs SET {sets}, updated=? WHERE host=? AND id=?", [*(fields[k] for k in cols), ts, host, run_id])
+
+    def _row(self, host: str, run_id: str, cols: str) -> tuple | None:
+        return self.c.execute(f"SELECT {cols} FROM runs WHERE host=? AND id=?", (host, run_id)).fetchone()
+
+    def _on_run_created(self, host: str, epoch: str, ev: Event) -> None:
+        d = ev.data
+        spec = d.get("spec") or {}
+        self.c.execute(
+            "INSERT OR IGNORE INTO runs(host, id, epoch, name, kind, state, created, updated, operator, parent, start, cwd, gpus, argv, spec,"
+            " members, ranks_seen, alerts, alert_count) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,'[]',0,'[]',0)",
+            (
+                host,
+                ev.run_id,
+                epoch,
+                d.get("name") or spec.get("name"),
+                spec.get("kind", "command"),
+                d.get("state", "starting"),
+                ev.ts,
+                ev.ts,
+                spec.get("operator"),
+                spec.get("parent"),
+                spec.get("start"),
+                spec.get("cwd"),
+                _j(spec.get("gpus")) if spec.get("gpus") is not None else None,
+                _j(spec.get("argv", [])),
+                _j(spec),
+            ),
+        )
+
+    def _on_run_state(self, host: str, epoch: str, ev: Event) -> None:
+        d = ev.data
+        state = d.get("state")
+        if not state:
+            return
+        fields: dict[str, Any] = {"state": state}
+        for k in ("cause", "exit_code", "signal"):
+            if k in d:
+                fields[k] = d[k]
+        if state == "running":
+            row = self._row(host, ev.run_id or "", "started")
+            if row is not None and row[0] is None:
+                fields["started"] = d.get("started", ev.ts)
+        if state in TERMINAL_STATES:
+            fields["ended"] = d.get("ended", ev.ts)
+            fields["cause_class"] = d.get("cause_class") or cause_class(state, d.get("cause"))
+        if "stop" in d:
+            fields["stop"] = _j(d["stop"])
+        self._update(host, ev.run_id or "", ev.ts, **fields)
+
+    def _on_run_adopted(self, host: str, epoch: str, ev: Event) -> None:
+        state = ev.data.get("state")
+        if state:
+            self._update(host, ev.run_id or "", ev.ts, state=state)
+
+    def _on_members(self, host: str, epoch: str, ev: Event) -> None:
+        row = self._row(host, ev.run_id or "", "members")
+        if row is None:
+            return
+        members = _loads(row[0], [])
+        members.extend(ev.data.get("added", []))
+        members = members[-MAX_MEMBERS:]
+        ranks = {m.get("rank") for m in members if m.get("rank") is not None}
+        self._update(host, ev.run_id or "", ev.ts, members=_j(members), ranks_seen=len(ranks))
+
+    def _on_telemetry(self, host: str, epoch: str, ev: Event) -> None:
+        rec = ev.data.get("record") or {}
+        kind = rec.get("type")
+        rid = ev.run_id or ""
+        row = self._row(host, rid, "telemetry, mem_peak_gib")
+        if row is None:
+            return
+        last = _loads(row[0], {})
+        last[str(kind)] = rec
+        fields: dict[str, Any] = {"telemetry": _j(last)}
+        if kind == "manifest":
+            for k in ("params_total", "world_size", "config_hash", "dataset_samples", "dataset_tokens"):
+                if rec.get(k) is not None:
+                    fields[k] = rec[k]
+        elif kind == "step":
+            step = rec.get("step")
+            fields.update(last_step=step, last_loss=rec.get("loss"), tokens_per_s=rec.get("tokens_per_s"), mfu=rec.get("mfu"))
+            peak = rec.get("mem_peak_gib")
+            if isinstance(peak, (int, float)):
+                fields["mem_peak_gib"] = max(peak, row[1] or 0.0)
+            if isinstance(step, int):
+                self.c.execute(
+                    "INSERT OR REPLACE INTO metrics(host, run_id, step, ts, loss, tokens_per_s, mfu, mem_peak_gib) VALUES (?,?,?,?,?,?,?,?)",
+                    (host, rid, step, rec.get("ts", ev.ts), rec.get("loss"), rec.get("tokens_per_s"), rec.get("mfu"), peak),
+                )
+        elif kind == "checkpoint":
+            fields["last_checkpoint"] = rec.get("step")
+        elif kind == "eval":
+            if rec.get("tau") is not None:
+                fields["tau"] = rec["tau"]
+        elif kind == "done":
+            fields["final_step"] = rec.get("final_step")
+        elif kind == "error":
+            fields["error"] = str(rec.get("message"))[:2000]
+        self._update(host, rid, ev.ts, **fields)
+
+    def _on_alert(self, host: str, epoch: str, ev: Event) -> None:
+        row = self._row(host, ev.run_id or "", "alerts")
+        if row is None:
+            return
+        alerts = _loads(row[0], [])
+        alert = ev.data.get("alert", ev.data)
+        alerts.append(alert)
+        self._update(host, ev.run_id or "", ev.ts, alerts=_j(alerts[-100:]), alert_count=len(alerts))
+
+    def _on_preflight(self, host: str, epoch: str, ev: Event) -> None:
+        self._update(host, ev.run_id or "", ev.ts, preflight=_j(ev.data.get("result", ev.data)))
+
+    def _on_env_fingerprint(self, host: str, epoch: str, ev: Event) -> None:
+        env = ev.data.get("env", ev.data)
+        self._update(host, ev.run_id or "", ev.ts, env=_j(env), env_hash=env.get("freeze_hash"), env_torch=env.get("torch"))
+
+
+@dataclass
+class _Batch:
+    host: str
+    epoch: str
+    events: list[Event]
+    done: Future
+
+
+class History:
+    """The console's history database; safe to use from any thread and from asyncio."""
+
+    def __init__(self, path: Path | None = None) -> None:
+        self.path = Path(path or config.history_path())
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._read_conn = _connect(self.path)
+        self._read_lock = threading.Lock()
+        ensure_schema(sqlite_utils.Database(self._read_conn))
+        self._q: queue.Queue[_Batch | None] = queue.Queue()
+        self._writer: threading.Thread | None = None
+        self._closed = False
+        self.batches_committed = 0
+        self.events_inserted = 0
+
+    # ------------------------------------------------------------------ writer
+
+    def _start_writer(self) -> None:
+        if self._writer is None:
+            self._writer = threading.Thread(target=self._write_loop, name="history-writer", daemon=True)
+            self._writer.start()
+
+    def _write_loop(self) -> None:
+        conn = _connect(self.path)
+        apply = _Apply(conn)
+        while True:
+            item = self._q.get()
+            if item is None:
+                break
+            batch = [item]
+            # whatever else queued up meanwhile goes into the same transaction
+            while len(batch) < 512:
+                try:
+                    nxt = self._q.get_nowait()
+                except queue.Empty:
+                    break
+                if nxt is None:
+                    self._q.put(None)
+                    break
+                batch.append(nxt)
+            try:
+                counts = self._commit(conn, apply, batch)
+            except Exception as exc:  # report to every waiter; the writer keeps going
+                for b in batch:
+                    if not b.done.done():
+                        b.done.set_exception(exc)
+                continue
+            for b, n in zip(batch, counts):
+                b.done.set_result(n)
+        conn.close()
+
+    def _commit(self, conn: sqlite3.Connection, apply: _Apply, batch: list[_Batch]) -> list[int]:
+        counts: list[int] = []
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            for b in batch:
+                n = 0
+                for ev in b.events:
+                    cur = conn.execute(
+                        "INSERT OR IGNORE INTO events(host, epoch, seq, ts, kind, run_id, data) VALUES (?,?,?,?,?,?,?)",
+                        (b.host, b.epoch, ev.seq, ev.ts, ev.kind, ev.run_id, _j(ev.data)),
+                    )
+                    if cur.rowcount == 1:  # new to the replica: fold it into the run once
+                        n += 1
+                        apply(b.host, b.epoch, ev)
+                if b.events:
+                    conn.execute("UPDATE epochs SET last_seq=MAX(last_seq, ?) WHERE host=? AND epoch=?", (b.events[-1].seq, b.host, b.epoch))
+                counts.append(n)
+            conn.execute("COMMIT")
+        except BaseException:
+            conn.execute("ROLLBACK")
+            raise
+        self.batches_committed += 1
+        self.events_inserted += sum(counts)
+        return counts
+
+    def submit(self, host: str, epoch: str, events: list[Event]) -> Future:
+        """Queue events for the writer; the future gives how many were new."""
+        if self._closed:
+            raise HistoryError("the history is closed")
+        self._start_writer()
+        fut: Future = Future()
+        self._q.put(_Batch(host, epoch, list(events), fut))
+        return fut
+
+    async def ingest(self, host: str, epoch: str, events: list[Event]) -> int:
+        """Insert events (idempotent); returns how many were new. Does not block the event loop."""
+        return await asyncio.wrap_future(self.submit(host, epoch, events))
+
+    def close(self) -> None:
+        """Finish queued writes and close."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._writer is not None:
+            self._q.put(None)
+            self._writer.join(30)
+        with self._read_lock:
+            self._read_conn.close()
+
+    # ------------------------------------------------------------------ hosts and cursors
+
+    def _exec(self, sql: str, params: tuple | list = ()) -> list[tuple]:
+        with self._read_lock:
+            return self._read_conn.execute(sql, params).fetchall()
+
+    def cursor(self, host: str, epoch: str, agent_version: str | None = None, agent_host: str | None = None) -> Cursor:
+        """Where to resume pulling ``host``'s events; records a new epoch the first time it is seen."""
+        now = time.time()
+        with self._read_lock:
+            c = self._read_conn
+            c.execute("BEGIN IMMEDIATE")
+            try:
+                row = c.execute("SELECT last_seq FROM epochs WHERE host=? AND epoch=?", (host, epoch)).fetchone()
+                prev = c.execute("SELECT epoch FROM hosts WHERE name=?", (host,)).fetchone()
+                new = row is None
+                if new:
+                    replaces = prev[0] if prev and prev[0] and prev[0] != epoch else None
+                    c.execute("INSERT INTO epochs(host, epoch, first_seen, last_seq, replaces) VALUES (?,?,?,0,?)", (host, epoch, now, replaces))
+                # the epoch table's last_seq can lag a crash; the events themselves are the truth
+                last = c.execute("SELECT MAX(seq) FROM events WHERE host=? AND epoch=?", (host, epoch)).fetchone()[0] or 0
+                c.execute(
+                    "INSERT INTO hosts(name, epoch, first_seen, last_seen, agent_version, agent_host, state) VALUES (?,?,?,?,?,?,'up')"
+                    " ON CONFLICT(name) DO UPDATE SET epoch=excluded.epoch, last_seen=excluded.last_seen, agent_version=excluded.agent_version,"
+                    " agent_host=excluded.agent_host, state='up', error=NULL",
+                    (host, epoch, now, now, agent_version, agent_host),
+                )
+                c.execute("COMMIT")
+            except BaseException:
+                c.execute("ROLLBACK")
+                raise
+        return Cursor(host=host, epoch=epoch, last_seq=int(last), new_epoch=new)
+
+    def note_host(self, host: str, state: str, error: str | None = None) -> None:
+        """Record a host's link state (shown by ``gpudeck history`` for hosts it could not reach)."""
+        with self._read_lock:
+            self._read_conn.execute(
+                "INSERT INTO hosts(name, first_seen, state, error) VALUES (?,?,?,?) ON CONFLICT(name) DO UPDATE SET state=excluded.state, error=excluded.error",
+                (host, time.time(), state, error),
+            )
+
+    def epochs(self, host: str) -> list[dict[str, Any]]:
+        """Every agent epoch seen for a host, oldest first."""
+        rows = self._exec("SELECT epoch, first_seen, last_seq, replaces FROM epochs WHERE host=? ORDER BY first_seen", (host,))
+        return [{"epoch": r[0], "first_seen": r[1], "last_seq": r[2], "replaces": r[3]} for r in rows]
+
+    def hosts(self) -> list[dict[str, Any]]:
+        """Every host the history has heard of."""
+        cols = ("name", "epoch", "first_seen", "last_seen", "agent_version", "agent_host", "state", "error")
+        return [dict(zip(cols, r)) for r in self._exec(f"SELECT {', '.join(cols)} FROM hosts ORDER BY name")]
+
+    # ------------------------------------------------------------------ queries
+
+    def query(self, text: str = "", now: float | None = None) -> list[dict[str, Any]]:
+        """Runs matching a filter (see console/query.py), newest first."""
+        sql, params = compile_query(text, now).sql()
+        with self._read_lock:
+            cur = self._read_conn.execute(sql, params)
+            cols = [d[0] for d in cur.description]
+            rows = cur.fetchall()
+        return [decode_run(dict(zip(cols, r))) for r in rows]
+
+    def find(self, ref: str, host: str | None = None) -> dict[str, Any]:
+        """One run by id, unique id prefix or name (newest of that name); HistoryError says what to do."""
+        esc = ref.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
+        where = "(id = ? OR id LIKE ? ESCAPE '\\' OR name = ?)"
+        params: list[object] = [ref, esc + "%", ref]
+        if host:
+            where += " AND host = ?"
+            params.append(host)
+        with self._read_lock:
+            cur = self._read_conn.execute(f"SELECT * FROM runs WHERE {where} ORDER BY created DESC", params)
+            cols = [d[0] for d in cur.description]
+            rows = [dict(zip(cols, r)) for r in cur.fetchall()]
+        exact = [r for r in rows if r["id"] == ref]
+        if exact:
+            rows = exact
+        elif len({r["id"] for r in rows}) > 1 and all(r["name"] == ref for r in rows):
+            rows = rows[:1]  # a name: its newest run
+        if not rows:
+            raise HistoryError(f"no run {ref!r} in the history{' of ' + host if host else ''}: `gpudeck history` lists them")
+        if len({(r['host'], r['id']) for r in rows}) > 1:
+            ids = ", ".join(f"{r['id']} on {r['host']}" for r in rows[:5])
+            raise HistoryError(f"{ref!r} matches {len(rows)} runs ({ids}): give more of the id, or --host")
+        return decode_run(rows[0])
+
+    def events(self, host: str, run_id: str, limit: int = 10000) -> list[dict[str, Any]]:
+        """A run's events in order."""
+        rows = self._exec("SELECT epoch, seq, ts, kind, data FROM events WHERE host=? AND run_id=? ORDER BY epoch, seq LIMIT ?", (host, run_id, limit))
+        return [{"epoch": r[0], "seq": r[1], "ts": r[2], "kind": r[3], "data": _loads(r[4], {})} for r in rows]
+
+    def metrics(self, host: str, run_id: str) -> list[dict[str, Any]]:
+        """A run's recorded step metrics."""
+        rows = self._exec("SELECT step, ts, loss, tokens_per_s, mfu, mem_peak_gib FROM metrics WHERE host=? AND run_id=? ORDER BY step", (host, run_id))
+        return [dict(zip(("step", "ts", "loss", "tokens_per_s", "mfu", "mem_peak_gib"), r)) for r in rows]
+
+    def event_count(self, host: str | None = None) -> int:
+        """Events held (for one host or all)."""
+        if host is None:
+            return int(self._exec("SELECT COUNT(*) FROM events")[0][0])
+        return int(self._exec("SELECT COUNT(*) FROM events WHERE host=?", (host,))[0][0])
+
+    def seqs(self, host: str, epoch: str) -> list[int]:
+        """Every seq held for one host and epoch, ascending (tests check for gaps and duplicates)."""
+        return [r[0] for r in self._exec("SELECT seq FROM events WHERE host=? AND epoch=? ORDER BY seq", (host, epoch))]
+
+
+_JSON_COLUMNS = {"gpus": None, "argv": [], "spec": {}, "env": None, "members": [], "telemetry": {}, "alerts": [], "preflight": None, "stop": None}
+
+
+def decode_run(row: dict[str, Any]) -> dict[str, Any]:
+    """A runs row with its JSON columns decoded."""
+    out = dict(row)
+    for k, default in _JSON_COLUMNS.items():
+        if k in out:
+            out[k] = _loads(out[k], default)
+    return out

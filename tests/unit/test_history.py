@@ -1,0 +1,138 @@
+"""History replica: idempotent ingest, runs rebuilt from events, epochs, and the filter language (real SQLite files)."""
+
+from __future__ import annotations
+
+import sqlite3
+import time
+from pathlib import Path
+
+import pytest
+
+from agents.protocol import Event
+from console.history import History, HistoryError
+from console.query import QueryError, compile_query, parse_time
+
+T0 = 1_790_000_000.0
+
+
+def _events(run_id: str = "r-aaaa1111", name: str = "llama", start_seq: int = 1, cause: str = "exit code 1 (CUDA out of memory)") -> list[Event]:
+    spec = {"argv": ["python", "-m", "trainers.fsdp_lm", "--fresh"], "kind": "fsdp", "name": name, "gpus": [0, 1], "operator": "ada"}
+    evs = [
+        Event(seq=0, ts=T0, kind="run_created", run_id=run_id, data={"state": "starting", "spec": spec, "name": name}),
+        Event(seq=0, ts=T0 + 1, kind="run_state", run_id=run_id, data={"state": "running", "pid": 42, "started": T0 + 1}),
+        Event(seq=0, ts=T0 + 2, kind="members", run_id=run_id, data={"added": [{"pid": 43, "rank": 0}, {"pid": 44, "rank": 1}]}),
+        Event(seq=0, ts=T0 + 3, kind="telemetry", run_id=run_id, data={"record": {"type": "manifest", "rank": 0, "params_total": 1_100_048_384, "world_size": 2, "config_hash": "abc", "dataset_samples": 5}, "offset": 10}),
+        Event(seq=0, ts=T0 + 4, kind="telemetry", run_id=run_id, data={"record": {"type": "step", "rank": 0, "step": 10, "loss": 3.5, "tokens_per_s": 70000.0, "mfu": 0.5, "mem_peak_gib": 36.8, "ts": T0 + 4}, "offset": 20}),
+        Event(seq=0, ts=T0 + 9, kind="run_state", run_id=run_id, data={"state": "failed", "cause": cause, "exit_code": 1, "ended": T0 + 9}),
+    ]
+    for i, e in enumerate(evs):
+        e.seq = start_seq + i
+    return evs
+
+
+@pytest.fixture
+def hist(tmp_path: Path):
+    h = History(tmp_path / "history.db")
+    yield h
+    h.close()
+
+
+def test_ingest_rebuilds_the_run_and_a_replay_changes_nothing(hist: History) -> None:
+    cur = hist.cursor("gpu1", "epoch-1", "0.1.0", "gpu1")
+    assert cur.last_seq == 0 and cur.new_epoch
+    evs = _events()
+    assert hist.submit("gpu1", "epoch-1", evs).result(10) == len(evs)
+    assert hist.submit("gpu1", "epoch-1", evs).result(10) == 0  # the same events again: nothing new
+    assert hist.submit("gpu1", "epoch-1", evs[2:]).result(10) == 0
+    assert hist.event_count() == len(evs)
+    run = hist.find("r-aaaa1111")
+    assert run["state"] == "failed" and run["cause_class"] == "oom" and run["exit_code"] == 1
+    assert run["started"] == T0 + 1 and run["ended"] == T0 + 9 and run["created"] == T0
+    assert run["params_total"] == 1_100_048_384 and run["world_size"] == 2 and run["ranks_seen"] == 2
+    assert run["last_step"] == 10 and run["tokens_per_s"] == 70000.0 and run["mem_peak_gib"] == 36.8
+    assert run["gpus"] == [0, 1] and run["argv"][-1] == "--fresh" and run["operator"] == "ada"
+    assert hist.metrics("gpu1", "r-aaaa1111")[0]["loss"] == 3.5
+    cur2 = hist.cursor("gpu1", "epoch-1")
+    assert cur2.last_seq == len(evs) and not cur2.new_epoch
+
+
+def test_a_new_epoch_is_recorded_and_starts_its_own_sequence(hist: History) -> None:
+    hist.cursor("gpu1", "epoch-1")
+    hist.submit("gpu1", "epoch-1", _events()).result(10)
+    cur = hist.cursor("gpu1", "epoch-2")
+    assert cur.new_epoch and cur.last_seq == 0
+    hist.submit("gpu1", "epoch-2", _events(run_id="r-bbbb2222")).result(10)  # seq 1.. again, in the new epoch
+    assert hist.event_count("gpu1") == 12
+    assert [e["replaces"] for e in hist.epochs("gpu1")] == [None, "epoch-1"]
+    assert {r["id"] for r in hist.query("host:gpu1")} == {"r-aaaa1111", "r-bbbb2222"}
+
+
+def test_concurrent_hosts_batch_into_few_commits(hist: History) -> None:
+    futs = []
+    for h in range(20):
+        hist.cursor(f"h{h}", "e")
+        futs.append(hist.submit(f"h{h}", "e", _events(run_id=f"r-{h:08x}")))
+    assert sum(f.result(10) for f in futs) == 20 * 6
+    assert hist.batches_committed <= 20
+    assert len(hist.query("limit:500")) == 20
+
+
+def test_the_file_is_plain_sqlite(hist: History, tmp_path: Path) -> None:
+    hist.cursor("gpu1", "e")
+    hist.submit("gpu1", "e", _events()).result(10)
+    with sqlite3.connect(tmp_path / "history.db") as c:
+        tables = {r[0] for r in c.execute("select name from sqlite_master where type='table'")}
+        assert {"hosts", "epochs", "events", "runs", "metrics"} <= tables
+        assert c.execute("select count(*) from runs where cause_class='oom'").fetchone()[0] == 1
+
+
+def test_filters(hist: History) -> None:
+    hist.cursor("gpu1", "e")
+    hist.cursor("gpu2", "e")
+    hist.submit("gpu1", "e", _events("r-aaaa1111", "drafter-v2")).result(10)
+    hist.submit("gpu2", "e", _events("r-bbbb2222", "llama-1b", cause="killed by SIGKILL")).result(10)
+    ids = lambda q: [r["id"] for r in hist.query(q, now=T0 + 3600)]  # noqa: E731
+    assert ids("cause:oom") == ["r-aaaa1111"]
+    assert ids("cause:signal") == ["r-bbbb2222"]
+    assert ids("host:gpu1") == ["r-aaaa1111"]
+    assert ids("name:~drafter") == ["r-aaaa1111"]
+    assert ids("-host:gpu1") == ["r-bbbb2222"]
+    assert sorted(ids("host:gpu1,gpu2")) == ["r-aaaa1111", "r-bbbb2222"]
+    assert sorted(ids("state:failed kind:fsdp since:2h")) == ["r-aaaa1111", "r-bbbb2222"]
+    assert ids("since:10m") == []
+    assert ids("state:live") == []
+    assert ids("r-bbbb") == ["r-bbbb2222"]
+    assert ids("limit:1") and len(ids("limit:1")) == 1
+
+
+def test_a_quote_in_a_value_cannot_change_the_sql(hist: History) -> None:
+    hist.cursor("gpu1", "e")
+    hist.submit("gpu1", "e", _events("r-cccc3333", "x'; DROP TABLE runs; --")).result(10)
+    assert [r["id"] for r in hist.query("name:\"x'; DROP TABLE runs; --\"")] == ["r-cccc3333"]
+    assert hist.query("name:\"' OR 1=1 --\"") == []
+    assert hist.query("name:~%") == []  # LIKE wildcards in a value are literal
+    assert len(hist.query("")) == 1  # the table is still there
+
+
+def test_bad_queries_say_how_to_write_them() -> None:
+    with pytest.raises(QueryError, match="unknown filter 'colour'.*state"):
+        compile_query("colour:red")
+    with pytest.raises(QueryError, match="not a time"):
+        compile_query("since:yesterday")
+    with pytest.raises(QueryError, match="close the quote"):
+        compile_query('name:"open')
+    with pytest.raises(QueryError, match="positive number"):
+        compile_query("limit:x")
+    assert parse_time("7d", now=1000.0 + 7 * 86400) == 1000.0
+    assert abs(parse_time("2026-11-30") - time.mktime((2026, 11, 30, 0, 0, 0, 0, 0, -1))) < 1
+
+
+def test_find_names_ambiguity(hist: History) -> None:
+    hist.cursor("gpu1", "e")
+    hist.submit("gpu1", "e", _events("r-dddd0001", "same")).result(10)
+    hist.submit("gpu1", "e", _events("r-dddd0002", "same", start_seq=7)).result(10)
+    with pytest.raises(HistoryError, match="matches 2 runs"):
+        hist.find("r-dddd")
+    assert hist.find("same")["id"] in ("r-dddd0001", "r-dddd0002")  # a name: the newest of that name
+    with pytest.raises(HistoryError, match="no run 'r-zzzz'"):
+        hist.find("r-zzzz")
