@@ -61,3 +61,53 @@ def cause_class(state: str | None, cause: str | None) -> str | None:
         if pattern.search(cause):
             return cls
     return None
+
+
+_OOM_KILL = re.compile(r"(?:Out of memory|Memory cgroup out of memory|oom-kill).*?(?:Killed process|task_memcg=|pid=)\s*(\d+)|Killed process (\d+)")
+
+
+def _kernel_log() -> str:
+    """The kernel ring buffer, when this user may read it ('' otherwise)."""
+    import subprocess
+
+    try:
+        cp = subprocess.run(["dmesg"], capture_output=True, text=True, timeout=5)
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    return cp.stdout if cp.returncode == 0 else ""
+
+
+def oom_kill_count() -> int | None:
+    """The kernel's count of OOM kills since boot (/proc/vmstat oom_kill)."""
+    try:
+        with open("/proc/vmstat") as fh:
+            for line in fh:
+                if line.startswith("oom_kill "):
+                    return int(line.split()[1])
+    except (OSError, ValueError):
+        return None
+    return None
+
+
+_STAMP = re.compile(r"^\[\s*(\d+\.\d+)\]")
+
+
+def host_oom_note(pids: list[int], since: float | None = None) -> str | None:
+    """Evidence that the host's (or a cgroup's) OOM killer took one of ``pids`` after ``since``, from the kernel log."""
+    wanted = {int(p) for p in pids}
+    if not wanted:
+        return None
+    boot = None
+    if since is not None:
+        import psutil
+
+        boot = psutil.boot_time()
+    for line in _kernel_log().splitlines():
+        stamp = _STAMP.match(line)
+        if boot is not None and stamp is not None and boot + float(stamp.group(1)) < since - 5:  # type: ignore[operator]
+            continue  # an older kill of a pid that has since been reused
+        for m in _OOM_KILL.finditer(line):
+            pid = int(m.group(1) or m.group(2))
+            if pid in wanted:
+                return f"the kernel log says pid {pid} was killed for lack of memory: {line.strip()[-160:]}"
+    return None

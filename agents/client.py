@@ -62,7 +62,7 @@ class AgentClient:
         self._kept.append(task)
 
     @classmethod
-    async def connect_unix(cls, sock: Path | None = None, *, autostart: bool = True, state_dir: Path | None = None) -> AgentClient:
+    async def connect_unix(cls, sock: Path | None = None, *, autostart: bool = True, state_dir: Path | None = None, alias: str = "") -> AgentClient:
         """Connect to the local agent, starting it when ``autostart`` and none answers."""
         sd = Path(state_dir or paths.state_dir())
         path = Path(sock or paths.socket_path(sd))
@@ -73,12 +73,12 @@ class AgentClient:
                 raise AgentUnavailable(f"no agent answers on {path}: start one with `gpudeck agent serve`") from exc
             reader, writer = await _start_and_connect(sd, path)
         client = cls(reader, writer)
-        await client.say_hello()
+        await client.say_hello(alias=alias)
         return client
 
-    async def say_hello(self, client_name: str = "gpudeck") -> HelloReply:
+    async def say_hello(self, client_name: str = "gpudeck", alias: str = "") -> HelloReply:
         """Exchange Hello; raises VersionMismatch when the agent speaks another protocol."""
-        reply = await self.request(Hello(client=client_name))
+        reply = await self.request(Hello(client=client_name, host_alias=alias))
         assert isinstance(reply, HelloReply)
         self.hello = reply
         return reply

@@ -37,7 +37,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-from agents.protocol import Alert, Claims, Gpu, Member, RunInfo, RunTelemetry
+from agents.protocol import Alert, ClaimRow, Claims, Gpu, Member, RunInfo, RunTelemetry
 
 # ----------------------------------------------------------------------------- thresholds
 
@@ -114,18 +114,6 @@ class Baseline:
     run_id: str
     median_tokens_per_s: float
     config_hash: str = ""
-
-
-@dataclass(frozen=True)
-class ClaimRow:
-    """One line of claimed vs observed for ``gpudeck verify RUN``; ``ok`` is None when one side is unknown."""
-
-    what: str  # params | params (model config) | world size | GPUs | dataset samples | dataset tokens | tokens/s
-    claimed: int | float | None
-    observed: int | float | None
-    ok: bool | None
-    source: str = ""  # where the claim comes from: "claims", "run name '...'", "--gpus 0,1", "manifest", ...
-    detail: str = ""  # e.g. "GPU 0, GPU 1" for observed GPUs
 
 
 @dataclass(frozen=True)

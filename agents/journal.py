@@ -22,7 +22,7 @@ from typing import Any
 import msgspec
 
 from agents.errors import StorageError
-from agents.protocol import Event, LaunchSpec, Member, RunInfo
+from agents.protocol import Alert, EnvFingerprint, Event, LaunchSpec, Member, PreflightResult, RunInfo
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -53,7 +53,10 @@ CREATE TABLE IF NOT EXISTS events (
 CREATE INDEX IF NOT EXISTS events_run ON events(run_id, kind, seq);
 """
 
-_RUN_FIELDS = ("state", "cause", "exit_code", "signal", "started", "ended", "members", "name")
+_RUN_FIELDS = ("state", "cause", "exit_code", "signal", "started", "ended", "members", "name", "preflight", "env", "alerts")
+# columns added after the first release: (name, SQL type); added in place to older journals
+_ADDED_COLUMNS = (("preflight", "TEXT"), ("env", "TEXT"), ("alerts", "TEXT NOT NULL DEFAULT '[]'"))
+_STRUCT_FIELDS = {"members": list[Member], "preflight": PreflightResult | None, "env": EnvFingerprint | None, "alerts": list[Alert]}
 
 
 def _storage_error(exc: sqlite3.Error, path: Path) -> StorageError:
@@ -78,6 +81,10 @@ class Journal:
         self._conn.execute("PRAGMA foreign_keys=ON")
         try:
             self._conn.executescript(_SCHEMA)
+            have = {r[1] for r in self._conn.execute("PRAGMA table_info(runs)")}
+            for col, decl in _ADDED_COLUMNS:
+                if col not in have:
+                    self._conn.execute(f"ALTER TABLE runs ADD COLUMN {col} {decl}")
         except sqlite3.Error as exc:
             raise _storage_error(exc, self.path) from exc
         with self._tx() as c:
@@ -171,8 +178,8 @@ class Journal:
         """Record a new run and its ``run_created`` event in one transaction."""
         with self._tx() as c:
             c.execute(
-                "INSERT INTO runs(id, request_id, host, name, state, cause, exit_code, signal, created, started, ended, spec, run_dir, members)"
-                " VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                "INSERT INTO runs(id, request_id, host, name, state, cause, exit_code, signal, created, started, ended, spec, run_dir, members,"
+                " preflight, env, alerts) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
                 (
                     run.id,
                     run.request_id or None,
@@ -188,6 +195,9 @@ class Journal:
                     msgspec.json.encode(run.spec).decode(),
                     run.run_dir,
                     msgspec.json.encode(run.members).decode(),
+                    None if run.preflight is None else msgspec.json.encode(run.preflight).decode(),
+                    None if run.env is None else msgspec.json.encode(run.env).decode(),
+                    msgspec.json.encode(run.alerts).decode(),
                 ),
             )
             ev = self._insert_event(c, "run_created", run.id, {"state": run.state, "spec": msgspec.to_builtins(run.spec), "name": run.name}, run.created)
@@ -202,8 +212,8 @@ class Journal:
         values = []
         for key in fields:
             value = fields[key]
-            if key == "members":
-                value = msgspec.json.encode(value).decode()
+            if key in _STRUCT_FIELDS:
+                value = None if value is None else msgspec.json.encode(value).decode()
             values.append(value)
         ev = None
         with self._tx() as c:
@@ -232,9 +242,12 @@ class Journal:
             spec=msgspec.json.decode(r[11], type=LaunchSpec),
             run_dir=r[12],
             members=msgspec.json.decode(r[13], type=list[Member]),
+            preflight=msgspec.json.decode(r[14], type=PreflightResult) if r[14] else None,
+            env=msgspec.json.decode(r[15], type=EnvFingerprint) if r[15] else None,
+            alerts=msgspec.json.decode(r[16], type=list[Alert]) if r[16] else [],
         )
 
-    _COLS = "id, request_id, host, name, state, cause, exit_code, signal, created, started, ended, spec, run_dir, members"
+    _COLS = "id, request_id, host, name, state, cause, exit_code, signal, created, started, ended, spec, run_dir, members, preflight, env, alerts"
 
     def get_run(self, run_id: str) -> RunInfo | None:
         """A run by exact id."""
@@ -269,6 +282,39 @@ class Journal:
             else:
                 rows = self._conn.execute(f"SELECT {self._COLS} FROM runs ORDER BY created DESC LIMIT ?", (limit,)).fetchall()
         return [self._row_to_run(r) for r in rows]
+
+    def throughput_baseline(self, config_hash: str, world_size: int | None, exclude: str, min_points: int = 5) -> tuple[str, float] | None:
+        """(run id, median tokens/s) of the newest other run with this config hash (and world size) that has enough steps."""
+        with self._lock:
+            rows = self._conn.execute(
+                "SELECT run_id, data FROM events WHERE kind='telemetry' AND run_id != ? AND json_extract(data, '$.record.type')='manifest'"
+                " AND json_extract(data, '$.record.config_hash')=? ORDER BY seq DESC LIMIT 200",
+                (exclude, config_hash),
+            ).fetchall()
+            seen: list[str] = []
+            for rid, data in rows:
+                if rid in seen:
+                    continue
+                rec = json.loads(data).get("record", {})
+                if world_size is not None and rec.get("world_size") not in (None, world_size):
+                    continue
+                seen.append(rid)
+                tps = [
+                    r[0]
+                    for r in self._conn.execute(
+                        "SELECT json_extract(data, '$.record.tokens_per_s') FROM events WHERE run_id=? AND kind='telemetry'"
+                        " AND json_extract(data, '$.record.type')='step'",
+                        (rid,),
+                    )
+                    if isinstance(r[0], (int, float))
+                ]
+                if len(tps) >= min_points:
+                    tps.sort()
+                    mid = len(tps) // 2
+                    return rid, float(tps[mid] if len(tps) % 2 else (tps[mid - 1] + tps[mid]) / 2)
+                if len(seen) >= 10:
+                    break
+        return None
 
     def integrity_check(self) -> str:
         """SQLite's own verdict on the file ("ok" when sound)."""

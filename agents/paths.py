@@ -31,6 +31,11 @@ def runs_dir(base: Path | None = None) -> Path:
     return (base or state_dir()) / "runs"
 
 
+def envs_dir(base: Path | None = None) -> Path:
+    """Where ``--rebuild-env`` recreates recorded python environments."""
+    return (base or state_dir()) / "envs"
+
+
 def log_path(base: Path | None = None) -> Path:
     """The agent's own log file."""
     return (base or state_dir()) / "agent.log"

@@ -525,6 +525,12 @@ def _check_python(spec: LaunchSpec, parsed: LaunchArgv | None, python_check: Cal
         return PreflightCheck(name=name, ok=False,
                               message=f"cannot tell which python runs this launch ({how}): give the environment's interpreter "
                                       "with --python PATH, or start the command with it (`/venv/bin/python -m trainers.fsdp_lm ...`)")
+    if not _is_trainer(spec, parsed):
+        # a plain command in a named environment: the interpreter must exist; torch is the trainers' need, not its
+        exe = python if os.sep in python else (shutil.which(python) or "")
+        if exe and os.access(exe, os.X_OK):
+            return PreflightCheck(name=name, ok=True, message=f"{python} ({how}) exists (torch is only required for trainer runs)", details={"python": python})
+        return PreflightCheck(name=name, ok=False, message=f"{python} ({how}) does not exist or is not executable on this host: give an existing interpreter with --python", details={"python": python})
     if python_check is None:
         return _skip(name, f"{python} ({how}) not checked", python=python)
     ok, text = python_check(python)

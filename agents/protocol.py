@@ -41,7 +41,7 @@ class _Msg(msgspec.Struct, kw_only=True, tag_field="type", omit_defaults=True):
 # ----------------------------------------------------------------------------- records
 
 
-class GpuProcess(msgspec.Struct, kw_only=True, omit_defaults=True):
+class GpuProcess(msgspec.Struct, kw_only=True):  # every field always on the wire: scripts read "attribution"
     """One process NVML reports on a GPU, attributed to a run where possible."""
 
     pid: int
@@ -168,6 +168,9 @@ class RunTelemetry(msgspec.Struct, kw_only=True, omit_defaults=True):
     world_size: int | None = None
     params_total: int | None = None
     params_trainable: int | None = None
+    config_hash: str | None = None
+    dataset_samples: int | None = None
+    dataset_tokens: int | None = None
     start: str | None = None
     last_checkpoint: int | None = None
     last_ts: float | None = None
@@ -242,6 +245,40 @@ class EnvFingerprint(msgspec.Struct, kw_only=True, omit_defaults=True):
     error: str | None = None  # why the fingerprint is incomplete
 
 
+class ClaimRow(msgspec.Struct, omit_defaults=True):
+    """One line of claimed vs observed (``gpudeck verify RUN``); ``ok`` is None when one side is unknown."""
+
+    what: str  # params | params (model config) | world size | GPUs | dataset samples | dataset tokens | tokens/s
+    claimed: int | float | None = None
+    observed: int | float | None = None
+    ok: bool | None = None
+    source: str = ""  # where the claim comes from: "claims", "run name '...'", "--gpus 0,1", "manifest", ...
+    detail: str = ""  # e.g. "GPU 0, GPU 1" for observed GPUs
+
+
+class Leftover(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """A process that ``gpudeck reclaim`` offers to stop, and why it is a leftover."""
+
+    pid: int
+    create_time: float | None = None
+    # orphan: alive, belongs to an ended run; foreign: holds GPU memory, no run; zombie / disk_sleep: holds GPU
+    # memory in that state; no_such_process: NVML reports it, the OS does not; live: a member of a live run
+    kind: Literal["orphan", "foreign", "zombie", "disk_sleep", "no_such_process", "live"]
+    run_id: str | None = None
+    run_state: str | None = None
+    run_ended: float | None = None
+    run_cause: str | None = None
+    rank: int | None = None
+    user: str | None = None
+    status: str | None = None
+    ppid: int | None = None
+    cmdline: list[str] = []
+    gpu_bytes: dict[int, int] = {}  # GPU index -> bytes NVML says it holds
+    rss: int | None = None
+    cpu_percent: float | None = None
+    note: str = ""  # what to do about it
+
+
 class RunInfo(msgspec.Struct, kw_only=True, omit_defaults=True):
     """A run as the agent's journal knows it."""
 
@@ -311,7 +348,7 @@ class Event(msgspec.Struct, kw_only=True, omit_defaults=True):
     data: dict[str, Any] = {}
 
 
-class Snapshot(_Msg, tag="snapshot", kw_only=True):
+class Snapshot(_Msg, tag="snapshot", kw_only=True, omit_defaults=False):  # every field present for scripts
     """The host at one instant: GPUs, their processes attributed, live runs."""
 
     host: str
@@ -334,6 +371,7 @@ class Hello(_Msg, tag="hello", kw_only=True):
 
     version: int = PROTOCOL_VERSION
     client: str = ""
+    host_alias: str = ""  # the name the client knows this host by (used in messages that name commands to run)
 
 
 class Ping(_Msg, tag="ping", kw_only=True):
@@ -405,7 +443,64 @@ class Cancel(_Msg, tag="cancel", kw_only=True):
     target: str
 
 
-Request = Union[Hello, Ping, GetSnapshot, WatchSnapshots, Launch, ListRuns, GetRun, Stop, GetEvents, ReadOutput, GetMetrics, Cancel]
+class Preflight(_Msg, tag="preflight", kw_only=True):
+    """Run pre-flight for a spec without launching anything."""
+
+    spec: LaunchSpec
+
+
+class ListLeftovers(_Msg, tag="list_leftovers", kw_only=True):
+    """Processes ``reclaim`` would offer: orphans of ended runs, FOREIGN / zombie / D-state GPU holders, ghosts."""
+
+    include_live: bool = False
+
+
+class Reclaim(_Msg, tag="reclaim", kw_only=True):
+    """Stop exactly these pids (TERM, grace, KILL, verify); members of live runs only with ``include_live``."""
+
+    pids: list[int]
+    grace_s: float = 10.0
+    include_live: bool = False
+
+
+class Fingerprint(_Msg, tag="fingerprint", kw_only=True):
+    """Fingerprint a python environment on the host."""
+
+    python: str
+
+
+class RebuildEnv(_Msg, tag="rebuild_env", kw_only=True):
+    """Recreate a recorded environment in a new venv under the agent's state dir and prove it matches."""
+
+    env: EnvFingerprint
+
+
+class VerifyRun(_Msg, tag="verify_run", kw_only=True):
+    """Claims vs observed for one run."""
+
+    run_id: str
+
+
+Request = Union[
+    Hello,
+    Ping,
+    GetSnapshot,
+    WatchSnapshots,
+    Launch,
+    ListRuns,
+    GetRun,
+    Stop,
+    GetEvents,
+    ReadOutput,
+    GetMetrics,
+    Cancel,
+    Preflight,
+    ListLeftovers,
+    Reclaim,
+    Fingerprint,
+    RebuildEnv,
+    VerifyRun,
+]
 
 # ----------------------------------------------------------------------------- replies
 
@@ -483,6 +578,35 @@ class Metrics(_Msg, tag="metrics", kw_only=True):
     total_steps: int = 0
 
 
+class PreflightReply(_Msg, tag="preflight_reply", kw_only=True):
+    """Reply to Preflight."""
+
+    result: PreflightResult
+
+
+class LeftoverList(_Msg, tag="leftover_list", kw_only=True):
+    """Reply to ListLeftovers, with the GPUs as sampled at the same time."""
+
+    leftovers: list[Leftover] = []
+    gpus: list[Gpu] = []
+    gpu_error: str | None = None
+
+
+class FingerprintReply(_Msg, tag="fingerprint_reply", kw_only=True):
+    """Reply to Fingerprint and RebuildEnv."""
+
+    env: EnvFingerprint
+    path: str | None = None  # RebuildEnv: the new environment's folder
+
+
+class VerifyReply(_Msg, tag="verify_reply", kw_only=True):
+    """Reply to VerifyRun."""
+
+    run_id: str
+    rows: list[ClaimRow] = []
+    alerts: list[Alert] = []
+
+
 class StreamEnd(_Msg, tag="stream_end", kw_only=True):
     """A stream ended (cancelled, or nothing more will come)."""
 
@@ -507,6 +631,10 @@ Reply = Union[
     EventBatch,
     OutputChunk,
     Metrics,
+    PreflightReply,
+    LeftoverList,
+    FingerprintReply,
+    VerifyReply,
     StreamEnd,
     Error,
 ]

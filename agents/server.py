@@ -27,8 +27,19 @@ from agents.errors import AgentError, BadRequest, VersionMismatch
 from agents.gpus import make_sampler
 from agents.journal import Journal
 from agents.procs import ProcTable
+from agents import envs
 from agents.protocol import (
     MAX_OUTPUT_CHUNK,
+    Fingerprint,
+    FingerprintReply,
+    LeftoverList,
+    ListLeftovers,
+    Preflight,
+    PreflightReply,
+    RebuildEnv,
+    Reclaim,
+    VerifyReply,
+    VerifyRun,
     PROTOCOL_VERSION,
     TERMINAL_STATES,
     Cancel,
@@ -102,6 +113,7 @@ class Agent:
         self._event_waiters: set[asyncio.Event] = set()  # one per following stream
         self.supervisor = Supervisor(self.journal, paths.runs_dir(self.state_dir), self.host, self.gpus, self.procs, on_event=self._on_event)
         self.snapshots = SnapshotBuilder(self.host, self.journal.epoch, self.gpus, self.procs, self.supervisor)
+        self.supervisor.attribute = self.snapshots.attribute
         self.socket_path = paths.socket_path(self.state_dir)
         self._server: asyncio.base_events.Server | None = None
         self._tasks: set[asyncio.Task] = set()
@@ -207,6 +219,7 @@ class _Conn:
         self._wlock = asyncio.Lock()
         self._tasks: set[asyncio.Task] = set()
         self.closed = False
+        self.alias = ""  # what the client calls this host (from Hello), for the commands messages suggest
 
     async def send(self, msg: msgspec.Struct, droppable: bool = False) -> None:
         if self.closed:
@@ -286,6 +299,7 @@ class _Conn:
         a = self.agent
         rid = req.request_id
         if isinstance(req, Hello):
+            self.alias = req.host_alias[:253]
             if req.version != PROTOCOL_VERSION:
                 raise VersionMismatch(
                     f"protocol version {req.version} is not spoken here (agent {__version__} speaks {PROTOCOL_VERSION}); install the same gpudeck version on both ends"
@@ -316,7 +330,7 @@ class _Conn:
                 await self.send(snap, droppable=True)
                 await asyncio.sleep(interval)
         elif isinstance(req, Launch):
-            run, dup = await a.supervisor.launch(req.spec, rid)
+            run, dup = await a.supervisor.launch(req.spec, rid, host_name=self.alias or None)
             await self.send(LaunchReply(request_id=rid, run=run, duplicate=dup))
         elif isinstance(req, ListRuns):
             runs = await asyncio.to_thread(a.journal.list_runs, max(1, min(req.limit, 100000)))
@@ -336,6 +350,26 @@ class _Conn:
             points = max(2, min(req.max_points, 5000))
             steps, loss, tps, mfu, total = await asyncio.to_thread(step_series, Path(run.run_dir or "") / "telemetry.jsonl", points)
             await self.send(Metrics(request_id=rid, run_id=run.id, steps=steps, loss=loss, tokens_per_s=tps, mfu=mfu, total_steps=total))
+        elif isinstance(req, Preflight):
+            result = await a.supervisor.preflight(req.spec, host_name=self.alias or None)
+            await self.send(PreflightReply(request_id=rid, result=result))
+        elif isinstance(req, ListLeftovers):
+            found = await a.supervisor.leftovers(include_live=req.include_live, host_name=self.alias or None)
+            await self.send(LeftoverList(request_id=rid, leftovers=found, gpus=a.supervisor.attributed_gpus() if a.gpus.available else [], gpu_error=a.gpus.error))
+        elif isinstance(req, Reclaim):
+            result = await a.supervisor.reclaim(req.pids, req.grace_s, req.include_live, host_name=self.alias or None)
+            await self.send(StopReply(request_id=rid, result=result))
+        elif isinstance(req, Fingerprint):
+            fp = await asyncio.to_thread(envs.fingerprint, req.python, driver=a.gpus.driver_version)
+            await self.send(FingerprintReply(request_id=rid, env=fp))
+        elif isinstance(req, RebuildEnv):
+            dest = paths.envs_dir(a.state_dir) / f"{(req.env.freeze_hash or 'env')[:12]}-{int(time.time())}"
+            fp = await asyncio.to_thread(envs.rebuild, req.env, dest, driver=a.gpus.driver_version)
+            a.journal.append("env_rebuilt", None, {"path": str(dest), "from": req.env.python, "freeze_hash": fp.freeze_hash, "python": fp.python})
+            await self.send(FingerprintReply(request_id=rid, env=fp, path=str(dest)))
+        elif isinstance(req, VerifyRun):
+            run, rows = a.supervisor.verify(req.run_id)
+            await self.send(VerifyReply(request_id=rid, run_id=run.id, rows=rows, alerts=run.alerts))
         elif isinstance(req, Cancel):
             task = self.streams.pop(req.target, None)
             if task is None:

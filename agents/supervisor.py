@@ -27,20 +27,31 @@ from pathlib import Path
 
 import msgspec
 
-from agents.causes import cause_class, classify_output
-from agents.errors import BadRequest, LaunchFailed, NotFound, StorageError
+from agents import envs
+from agents.causes import cause_class, classify_output, host_oom_note
+from agents.errors import AgentError, BadRequest, LaunchFailed, NotFound, StorageError
+from agents.estimate import estimate_or_reason
 from agents.gpus import GpuSource
+from agents.health import Baseline, Observation, RunHealth, claims_report, observe
 from agents.journal import Journal
-from agents.procs import CT_TOLERANCE, ProcTable, alive, create_time_of, signal_exact, status_of
+from agents.leftovers import find_leftovers
+from agents.preflight import failure_summary, parse_launch_argv, run_preflight, run_python
+from agents.procs import CT_TOLERANCE, ProcTable, alive, create_time_of, read_stat, signal_exact, status_of
 from agents.protocol import (
     LIVE_STATES,
     MAX_ARGV,
     TERMINAL_STATES,
+    Alert,
+    ClaimRow,
+    EnvFingerprint,
     Event,
+    Gpu,
     GpuFreed,
     GpuProcess,
     LaunchSpec,
+    Leftover,
     Member,
+    PreflightResult,
     RunInfo,
     StoppedProcess,
     StopResult,
@@ -55,6 +66,8 @@ SHIM_START_TIMEOUT_S = 15.0
 KILL_WAIT_S = 5.0  # after SIGKILL, how long to wait for the kernel to take them
 GPU_SETTLE_S = 5.0  # after the processes are gone, how long to wait for NVML to drop them
 STEP_EVENT_EVERY_S = 10.0  # step records reach the journal at most this often per run (all other records always)
+RANK_DEATH_STOP_GRACE_S = 30.0  # --on-rank-death stop: the grace the survivors get to checkpoint
+_RUN_ID_RE = __import__("re").compile(r"^r-[0-9a-f]{8}$")
 
 def new_run_id() -> str:
     """A short, unique run id such as ``r-7f3a9c21``."""
@@ -108,6 +121,13 @@ class Supervisor:
         self._tails: dict[str, TelemetryTail] = {}
         self._journaled_offset: dict[str, int] = {}
         self._last_step_event: dict[str, float] = {}
+        self._health: dict[str, RunHealth] = {}
+        self._last_obs: dict[str, Observation] = {}
+        self._baselines: dict[str, Baseline | None] = {}
+        self._first_death: dict[str, Alert] = {}
+        self._bg: set[asyncio.Task] = set()
+        # fills in a GPU process's attribution (RUN/STALE/FOREIGN/NO_SUCH_PROCESS); set by the agent
+        self.attribute: Callable[[GpuProcess], None] = lambda p: None
 
     # ------------------------------------------------------------------ journal helpers
 
@@ -131,6 +151,10 @@ class Supervisor:
         if run.state in TERMINAL_STATES:
             self._runs.pop(run.id, None)
             self._ended_ids.add(run.id)
+            self._health.pop(run.id, None)
+            self._last_obs.pop(run.id, None)
+            self._baselines.pop(run.id, None)
+            self._first_death.pop(run.id, None)
             self._tails.pop(run.id, None)
             self._journaled_offset.pop(run.id, None)
             self._last_step_event.pop(run.id, None)
@@ -183,12 +207,10 @@ class Supervisor:
         if spec.gpus is not None:
             if any(g < 0 for g in spec.gpus) or len(set(spec.gpus)) != len(spec.gpus):
                 raise BadRequest(f"GPU list {spec.gpus} is not valid: give distinct indices such as 0,1")
-            if self.gpus.available:
-                missing = [g for g in spec.gpus if g >= self.gpus.count]
-                if missing:
-                    raise BadRequest(f"GPU {missing[0]} does not exist on {self.host}: it has {self.gpus.count} GPUs (0-{self.gpus.count - 1})")
-            elif spec.gpus:
-                raise BadRequest(f"--gpus {','.join(map(str, spec.gpus))} asked for, but {self.host} has no usable GPU ({self.gpus.error})")
+        if spec.run_id is not None and not _RUN_ID_RE.match(spec.run_id):
+            raise BadRequest(f"run id {spec.run_id!r} is not valid: ids look like r-0123abcd")
+        if spec.need_gib is not None and not (0 <= spec.need_gib <= 1 << 20):
+            raise BadRequest(f"--need-gib {spec.need_gib} is out of range")
 
     def _check_executable(self, spec: LaunchSpec, env: dict[str, str]) -> str | None:
         cwd = spec.cwd or os.getcwd()
@@ -206,18 +228,98 @@ class Supervisor:
             return f"{exe!r} is not on PATH on {self.host}: give its full path or activate its environment"
         return None
 
-    async def launch(self, spec: LaunchSpec, request_id: str = "") -> tuple[RunInfo, bool]:
-        """Start a run; returns (run, duplicate). A known request_id returns its first run."""
+    def attributed_gpus(self) -> list[Gpu]:
+        """One GPU sample with every process attributed (call on the agent's loop thread)."""
+        gpus = self.gpus.sample()
+        for g in gpus:
+            for p in g.processes:
+                self.attribute(p)
+        return gpus
+
+    def _run_env(self, spec: LaunchSpec) -> dict[str, str]:
+        env = dict(os.environ)
+        env.update(spec.env)
+        return env
+
+    async def preflight(self, spec: LaunchSpec, host_name: str | None = None) -> PreflightResult:
+        """Every pre-flight check of ``spec`` here; nothing is started. ``host_name``: what the client calls this host."""
+        self._validate(spec)
+        gpus = self.attributed_gpus() if self.gpus.available else []
+        ended: dict[str, RunInfo] = {}
+        for g in gpus:
+            for p in g.processes:
+                if p.run_id and p.run_id not in ended:
+                    r = self.journal.get_run(p.run_id)
+                    if r is not None:
+                        ended[p.run_id] = r
+        run_env = self._run_env(spec)
+        est, why = await asyncio.to_thread(estimate_or_reason, spec)
+        return await asyncio.to_thread(
+            run_preflight,
+            spec,
+            host=host_name or self.host,
+            gpus=gpus,
+            gpu_error=self.gpus.error,
+            ended=ended,
+            estimate=est,
+            estimate_error=why,
+            python_check=lambda py: envs.check_imports_torch(py, env=run_env),
+        )
+
+    def fingerprint_for(self, spec: LaunchSpec) -> EnvFingerprint | None:
+        """The run's python environment, fingerprinted (None when the run is not a python program)."""
+        python = spec.python
+        if python is None:
+            try:
+                python, _why = run_python(spec, parse_launch_argv(list(spec.argv)))
+            except Exception:  # an argv the parser cannot read is not a python run
+                python = None
+        if python is None:
+            return None
+        if os.sep not in python:
+            python = shutil.which(python, path=self._run_env(spec).get("PATH")) or python
+        try:
+            return envs.fingerprint(python, driver=self.gpus.driver_version)
+        except AgentError as exc:
+            return EnvFingerprint(python=python, error=exc.message, taken=time.time())
+
+    async def launch(self, spec: LaunchSpec, request_id: str = "", host_name: str | None = None) -> tuple[RunInfo, bool]:
+        """Pre-flight, then start a run; returns (run, duplicate). A known request_id returns its first run.
+
+        A failed pre-flight starts nothing; the run is recorded as ``preflight_failed`` with the reasons.
+        """
         self._validate(spec)
         async with self._launch_lock:
             if request_id:
                 earlier = self.journal.run_by_request(request_id)
                 if earlier is not None:
                     return self._runs.get(earlier.id, earlier), True
-            return await self._launch_new(spec, request_id)
+            if spec.run_id is not None and self.journal.get_run(spec.run_id) is not None:
+                raise BadRequest(f"run {spec.run_id} already exists on {self.host}")
+            pf = await self.preflight(spec, host_name)
+            if not pf.ok:
+                return self._record_preflight_failed(spec, request_id, pf), False
+            env = await asyncio.to_thread(self.fingerprint_for, spec)
+            return await self._launch_new(spec, request_id, pf, env)
 
-    async def _launch_new(self, spec: LaunchSpec, request_id: str) -> tuple[RunInfo, bool]:
-        run_id = new_run_id()
+    def _record_preflight_failed(self, spec: LaunchSpec, request_id: str, pf: PreflightResult) -> RunInfo:
+        now = time.time()
+        cause = failure_summary(pf)
+        run = RunInfo(
+            id=spec.run_id or new_run_id(), host=self.host, state="preflight_failed", spec=spec, name=spec.name, created=now,
+            request_id=request_id or None, cause=cause, ended=now, preflight=pf,
+        )
+        self._emit(self.journal.create_run(run))
+        for ev in self.journal.append_many([
+            ("preflight", run.id, {"result": msgspec.to_builtins(pf)}),
+            ("run_state", run.id, {"state": "preflight_failed", "cause": cause, "ended": now, "cause_class": "preflight"}),
+        ]):
+            self._emit(ev)
+        self._ended_ids.add(run.id)
+        return run
+
+    async def _launch_new(self, spec: LaunchSpec, request_id: str, pf: PreflightResult | None = None, env_fp: EnvFingerprint | None = None) -> tuple[RunInfo, bool]:
+        run_id = spec.run_id or new_run_id()
         run_dir = self.runs_dir / run_id
         now = time.time()
         run = RunInfo(
@@ -229,6 +331,8 @@ class Supervisor:
             created=now,
             request_id=request_id or None,
             run_dir=str(run_dir),
+            preflight=pf,
+            env=env_fp,
         )
         try:
             run_dir.mkdir(parents=True, exist_ok=False)
@@ -243,6 +347,17 @@ class Supervisor:
             shutil.rmtree(run_dir, ignore_errors=True)
             raise StorageError(f"{exc.message}; nothing was started") from exc
         self._runs[run_id] = run
+        extra: list[tuple[str, str | None, dict]] = []
+        if pf is not None:
+            extra.append(("preflight", run_id, {"result": msgspec.to_builtins(pf)}))
+        if env_fp is not None:
+            extra.append(("env_fingerprint", run_id, {"env": msgspec.to_builtins(env_fp)}))
+        if extra:
+            try:
+                for ev in self.journal.append_many(extra):
+                    self._emit(ev)
+            except StorageError:
+                log.warning("run %s: could not journal its pre-flight/environment records", run_id)
 
         env = dict(os.environ)
         env.update(spec.env)
@@ -320,8 +435,9 @@ class Supervisor:
     # ------------------------------------------------------------------ watching
 
     def refresh(self) -> None:
-        """One supervision tick: find new members, notice ended runs. Runs on the agent's event loop."""
+        """One supervision tick: find new members, notice ended runs, apply the health rules. Runs on the agent's event loop."""
         self.procs.refresh()
+        gpus: list[Gpu] | None = None
         for run in list(self._runs.values()):
             if run.state not in ("running", "starting", "stopping"):
                 continue
@@ -331,6 +447,79 @@ class Supervisor:
             self._discover_members(run)
             if not self._run_alive(run):
                 self._finish(run)
+                continue
+            if gpus is None:
+                gpus = self.attributed_gpus() if self.gpus.available else []
+            self._check_health(run, gpus)
+
+    # ------------------------------------------------------------------ health (failures 4 and 7)
+
+    def _check_health(self, run: RunInfo, gpus: list[Gpu]) -> None:
+        health = self._health.get(run.id)
+        if health is None:
+            health = self._health[run.id] = RunHealth(run.id)
+        now = time.time()
+        obs = observe(run, now, gpus, lambda m: alive(m.pid, m.create_time), stopping=run.state == "stopping")
+        self._last_obs[run.id] = obs
+        raised = health.update(obs, self._baseline(run))
+        cleared = health.cleared_since_last()
+        if raised or cleared:
+            items: list[tuple[str, str | None, dict]] = [("alert", run.id, {"alert": msgspec.to_builtins(a)}) for a in raised]
+            items += [("alert_cleared", run.id, {"alert": msgspec.to_builtins(a)}) for a in cleared]
+            try:
+                for ev in self.journal.append_many(items):
+                    self._emit(ev)
+            except StorageError:
+                log.warning("run %s: could not journal %d alert event(s)", run.id, len(items))
+            for a in raised:
+                log.warning("run %s: %s", run.id, a.message)
+                if a.kind == "rank_exited" and run.id not in self._first_death:
+                    self._first_death[run.id] = a
+        run.alerts = health.active
+        if health.wants_stop and run.id not in self._stopping:
+            death = self._first_death.get(run.id)
+            why = f"a rank died ({death.message.split(':')[0]})" if death else "a rank died"
+            self._spawn_bg(self.stop(run.id, RANK_DEATH_STOP_GRACE_S, reason=f"stopped by gpudeck: {why} and the run was launched with --on-rank-death stop"))
+
+    def _spawn_bg(self, coro) -> None:  # type: ignore[no-untyped-def]
+        task = asyncio.ensure_future(coro)
+        self._bg.add(task)
+        task.add_done_callback(self._bg.discard)
+
+    def _baseline(self, run: RunInfo) -> Baseline | None:
+        """The median throughput of the newest earlier run with the same config (looked up once per run)."""
+        if run.id in self._baselines:
+            return self._baselines[run.id]
+        tel = run.telemetry
+        if tel is None or not tel.config_hash:
+            return None  # not known yet: look again next tick
+        found = self.journal.throughput_baseline(tel.config_hash, tel.world_size, exclude=run.id)
+        self._baselines[run.id] = Baseline(run_id=found[0], median_tokens_per_s=found[1], config_hash=tel.config_hash) if found else None
+        return self._baselines[run.id]
+
+    def verify(self, ref: str) -> tuple[RunInfo, list[ClaimRow]]:
+        """Claims vs observed: live from the last observation, or as recorded when the run ended."""
+        run = self.resolve(ref)
+        obs = self._last_obs.get(run.id)
+        if obs is not None:
+            return run, claims_report(obs)
+        ev = self.journal.last_event(run.id, "claims")
+        if ev is not None:
+            return run, [msgspec.convert(r, ClaimRow) for r in ev.data.get("rows", [])]
+        if run.state in LIVE_STATES:
+            gpus = self.attributed_gpus() if self.gpus.available else []
+            return run, claims_report(observe(run, time.time(), gpus, lambda m: alive(m.pid, m.create_time)))
+        return run, []
+
+    def _record_claims(self, run: RunInfo) -> None:
+        obs = self._last_obs.get(run.id)
+        if obs is None:
+            return
+        try:
+            rows = claims_report(obs)
+            self._emit(self.journal.append("claims", run.id, {"rows": msgspec.to_builtins(rows)}))
+        except (StorageError, Exception):  # the claims are a report; never let them block the end of a run
+            log.exception("run %s: claims report failed", run.id)
 
     def poll_telemetry(self, run: RunInfo) -> None:
         """Fold new telemetry into the run's summary; journal what history needs, exactly once."""
@@ -435,10 +624,19 @@ class Supervisor:
                 cause += f"; {evidence}"
             if reason:
                 cause += f"; output shows {reason}"
+        if state == "failed":
+            death = self._first_death.get(run.id)
+            if death is not None:
+                cause += f"; rank {death.rank} died first ({death.message.split(':')[0]})"
+            killed = sig == "SIGKILL" or "exitcode: -9" in tail or "Signals.SIGKILL" in tail
+            oom = host_oom_note([m.pid for m in run.members], run.started or run.created) if killed else None
+            if oom:
+                cause = f"{cause} (host OOM killer: {oom})"
         lingering = [m for m in run.members if m.role != "shim" and alive(m.pid, m.create_time)]
         data: dict = {"state": state, "cause": cause, "exit_code": code, "signal": sig}
         if lingering:
             data["lingering"] = [m.pid for m in lingering]
+        self._record_claims(run)
         self._set(run, "run_state", data, state=state, cause=cause, exit_code=code, signal=sig, ended=now)
 
     def _telemetry_evidence(self, run: RunInfo) -> str:
@@ -495,19 +693,30 @@ class Supervisor:
 
     # ------------------------------------------------------------------ stop
 
-    async def stop(self, ref: str, grace_s: float = 30.0) -> StopResult:
+    async def stop(self, ref: str, grace_s: float = 30.0, reason: str = "stopped by operator") -> StopResult:
         """Stop one run entirely and verify; concurrent stops of the same run share one result."""
         if grace_s < 0 or grace_s > 3600:
             raise BadRequest(f"grace {grace_s} s is out of range: give 0 to 3600 seconds")
         run = self.resolve(ref)
         task = self._stopping.get(run.id)
         if task is None:
-            task = asyncio.ensure_future(self._stop(run, grace_s))
+            task = asyncio.ensure_future(self._stop(run, grace_s, reason))
             self._stopping[run.id] = task
             task.add_done_callback(lambda _t, rid=run.id: self._stopping.pop(rid, None))
         return await asyncio.shield(task)
 
-    async def _stop(self, run: RunInfo, grace_s: float) -> StopResult:
+    async def _terminate(self, live: list[Member], grace_s: float) -> tuple[list[Member], list[Member], list[Member]]:
+        """TERM to every process, the grace, KILL to what is left; returns (gone after TERM, needed KILL, gone after KILL)."""
+        for m in live:
+            signal_exact(m.pid, m.create_time, signal.SIGTERM)
+        gone_after_term = await self._wait_gone(live, grace_s)
+        needed_kill = [m for m in live if m not in gone_after_term]
+        for m in needed_kill:
+            signal_exact(m.pid, m.create_time, signal.SIGKILL)
+        gone_after_kill = await self._wait_gone(needed_kill, KILL_WAIT_S) if needed_kill else []
+        return gone_after_term, needed_kill, gone_after_kill
+
+    async def _stop(self, run: RunInfo, grace_s: float, reason: str = "stopped by operator") -> StopResult:
         t0 = time.monotonic()
         was_terminal = run.state in TERMINAL_STATES
         if not was_terminal:
@@ -530,13 +739,7 @@ class Supervisor:
 
         gpu_before = await asyncio.to_thread(self.gpus.memory_used) if self.gpus.available else {}
         result = StopResult(run_id=run.id, state="stopping")
-        for m in live:
-            signal_exact(m.pid, m.create_time, signal.SIGTERM)
-        gone_after_term = await self._wait_gone(live, grace_s)
-        needed_kill = [m for m in live if m not in gone_after_term]
-        for m in needed_kill:
-            signal_exact(m.pid, m.create_time, signal.SIGKILL)
-        gone_after_kill = await self._wait_gone(needed_kill, KILL_WAIT_S) if needed_kill else []
+        gone_after_term, needed_kill, gone_after_kill = await self._terminate(live, grace_s)
         # the shim exits by itself once its child is gone; make sure it did
         if shim_m is not None:
             shim_list = [shim_m] if alive(shim_m.pid, shim_m.create_time) else []
@@ -570,12 +773,13 @@ class Supervisor:
             rec = self._exit_record(run)
             code = rec.get("returncode") if rec else None
             sig = rec.get("signal") if rec else None
-            cause = "stopped by operator"
+            cause = reason
             if result.needed_kill:
                 cause += f"; {len(result.needed_kill)} process(es) ignored SIGTERM for {grace_s:g} s and needed SIGKILL"
             if result.survivors:
                 cause += f"; {len(result.survivors)} process(es) survived SIGKILL ({', '.join(f'{s.pid} {s.status}' for s in result.survivors)})"
             result.state = "stopped"
+            self._record_claims(run)
             self._set(
                 run,
                 "run_state",
@@ -635,6 +839,85 @@ class Supervisor:
             result.gpu_note = "still holding GPU memory: " + ", ".join(f"pid {p.pid} on GPU {p.gpu} ({(p.used_bytes or 0) / 2**30:.1f} GiB)" for p in holders)
         else:
             result.gpu_note = f"verified through NVML: no process of the run holds GPU memory; {result.freed_bytes / 2**30:.2f} GiB freed"
+
+
+    # ------------------------------------------------------------------ reclaim (failures 1-3)
+
+    async def leftovers(self, include_live: bool = False, host_name: str | None = None) -> list[Leftover]:
+        """Every leftover process here (see agents/leftovers.py), with CPU % over a short sample."""
+        self.procs.refresh(full=True)
+        gpus = self.attributed_gpus() if self.gpus.available else []
+        found = find_leftovers(host_name or self.host, self.procs, gpus, self.run_state, self.journal.get_run, include_live=include_live)
+        before = {lo.pid: read_stat(lo.pid) for lo in found}
+        t0 = time.monotonic()
+        await asyncio.sleep(0.25)
+        dt = time.monotonic() - t0
+        for lo in found:
+            a, b = before.get(lo.pid), read_stat(lo.pid)
+            if a is not None and b is not None and abs(a.create_time - b.create_time) <= CT_TOLERANCE:
+                lo.cpu_percent = round(100.0 * (b.cpu_seconds - a.cpu_seconds) / dt, 1)
+        return found
+
+    async def reclaim(self, pids: list[int], grace_s: float = 10.0, include_live: bool = False, host_name: str | None = None) -> StopResult:
+        """Stop exactly these leftovers: TERM, grace, KILL, verify through NVML; never a live run's process unless asked."""
+        host = host_name or self.host
+        if not pids:
+            raise BadRequest(f"name the pids to reclaim: `gpudeck reclaim {host}` lists the leftovers, `gpudeck reclaim {host}:PID` stops one")
+        if grace_s < 0 or grace_s > 3600:
+            raise BadRequest(f"grace {grace_s} s is out of range: give 0 to 3600 seconds")
+        t0 = time.monotonic()
+        found = {lo.pid: lo for lo in await self.leftovers(include_live=True, host_name=host)}
+        chosen: list[Leftover] = []
+        for pid in dict.fromkeys(pids):
+            lo = found.get(pid)
+            if lo is None:
+                raise BadRequest(
+                    f"pid {pid} is not a leftover on {host} (not a process of an ended run, not holding GPU memory outside a run): "
+                    f"reclaim stops only leftovers — `gpudeck reclaim {host}` lists them; a live run is stopped with `gpudeck stop RUN`"
+                )
+            if lo.kind == "live" and not include_live:
+                raise BadRequest(f"pid {pid} belongs to live run {lo.run_id}: `gpudeck stop {lo.run_id}` stops the whole run; to stop this one process alone add --include-live")
+            chosen.append(lo)
+        result = StopResult(run_id=None, state="reclaimed")
+        targets: list[Member] = []
+        unsignalable: list[Leftover] = []
+        for lo in chosen:
+            if lo.kind == "no_such_process" or lo.create_time is None:
+                unsignalable.append(lo)
+            else:
+                targets.append(Member(pid=lo.pid, create_time=lo.create_time, role="leftover", rank=lo.rank, cmdline=lo.cmdline[:12]))
+        live = [m for m in targets if alive(m.pid, m.create_time)]
+        gpu_before = await asyncio.to_thread(self.gpus.memory_used) if self.gpus.available else {}
+        gone_term, needed_kill, gone_kill = await self._terminate(live, grace_s)
+        for m in targets:
+            st = status_of(m.pid, m.create_time)
+            if m not in live:
+                how = "zombie" if st == "zombie" else "already_gone"
+                result.stopped.append(StoppedProcess(pid=m.pid, cmdline=m.cmdline, role="leftover", how=how, status=st))
+            elif m in gone_term:
+                result.stopped.append(StoppedProcess(pid=m.pid, cmdline=m.cmdline, role="leftover", how="zombie" if st == "zombie" else "SIGTERM"))
+            elif m in gone_kill:
+                result.stopped.append(StoppedProcess(pid=m.pid, cmdline=m.cmdline, role="leftover", how="SIGKILL"))
+            else:
+                result.survivors.append(StoppedProcess(pid=m.pid, cmdline=m.cmdline, role="leftover", how="survived", status=st))
+        for lo in unsignalable:
+            result.survivors.append(StoppedProcess(pid=lo.pid, cmdline=lo.cmdline, role="leftover", how="survived", status="no such process"))
+        result.needed_kill = [m.pid for m in needed_kill]
+        await self._verify_gpu(result, targets + [Member(pid=lo.pid, create_time=0.0) for lo in unsignalable], gpu_before)
+        result.seconds = round(time.monotonic() - t0, 3)
+        notes = [f"pid {s.pid}: {found[s.pid].note}" for s in result.survivors] + [
+            f"pid {s.pid}: {found[s.pid].note}" for s in result.stopped if s.how == "zombie"
+        ]
+        result.message = _summary(result) + ("; " + "; ".join(notes) if notes else "")
+        by_run: dict[str | None, list[int]] = {}
+        for lo in chosen:
+            by_run.setdefault(lo.run_id, []).append(lo.pid)
+        try:
+            for rid, rpids in by_run.items():
+                self._emit(self.journal.append("reclaimed", rid, {"pids": rpids, **msgspec.to_builtins(result)}))
+        except StorageError:
+            log.warning("could not journal the reclaim of %s", pids)
+        return result
 
 
 def _summary(result: StopResult) -> str:

@@ -87,6 +87,11 @@ class TelemetryTail:
             s.params_total = rec.get("params_total") if isinstance(rec.get("params_total"), int) else s.params_total
             s.params_trainable = rec.get("params_trainable") if isinstance(rec.get("params_trainable"), int) else s.params_trainable
             s.start = _str(rec.get("start")) or s.start
+            s.config_hash = _str(rec.get("config_hash")) or s.config_hash
+            for name in ("dataset_samples", "dataset_tokens"):
+                v = rec.get(name)
+                if isinstance(v, int) and not isinstance(v, bool):
+                    setattr(s, name, v)
         elif kind == "step":
             step = rec.get("step")
             if isinstance(step, int):

@@ -22,10 +22,14 @@ from typing import Any, TypeVar
 from agents import paths
 from agents.client import AgentClient
 from agents.errors import AgentError
-from agents.protocol import LaunchSpec, RunInfo, to_builtins
+from agents import envs
+from agents.preflight import format_preflight
+from agents.protocol import Claims, LaunchReply, LaunchSpec, RunInfo, to_builtins
 from console import config as cfg
 from console.fleet import Fleet, SyncResult
-from console.formats import format_history, format_hosts, format_runs, format_show, format_status, format_stop, run_json
+from console.formats import format_claims, format_history, format_hosts, format_leftovers, format_runs, format_show, format_status, format_stop, run_json
+from console.relaunch import StartRequired, is_trainer, parse_start, relaunch_spec, with_start
+from console.rundiff import diff_runs, env_of, format_diff
 from console.history import History, HistoryError
 from console.query import QueryError
 from trainers.presets import parse_index_list
@@ -103,13 +107,37 @@ def _parse_env(items: list[str]) -> dict[str, str]:
     return env
 
 
-async def cmd_launch(args: argparse.Namespace) -> int:
+_SIZE = {"k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}
+
+
+def _parse_count(text: str | None, what: str) -> int | None:
+    """'771M', '1.1B', '4' -> an integer; CliError otherwise."""
+    if text is None:
+        return None
+    t = text.strip().lower().replace(",", "").replace("_", "")
+    mult = _SIZE.get(t[-1:], None)
+    try:
+        return int(float(t[:-1]) * mult) if mult else int(t)
+    except ValueError:
+        raise CliError(f"{what} {text!r} is not a count: write 4, 771M or 1.1B") from None
+
+
+def _trainer_argv(kind: str, python: str, gpus: list[int] | None, args: list[str]) -> list[str]:
+    """``--kind fsdp|dflash -- TRAINER ARGS``: the full command, under torchrun when several GPUs are given."""
+    module = "trainers.fsdp_lm" if kind == "fsdp" else "trainers.dflash"
+    n = len(gpus) if gpus else 1
+    if n > 1:
+        return [python, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(n), "-m", module, *args]
+    return [python, "-m", module, *args]
+
+
+def build_spec(args: argparse.Namespace, host: str) -> LaunchSpec:
+    """The LaunchSpec the launch/preflight options describe (argv is never given to a shell)."""
     argv = list(args.argv)
     if argv and argv[0] == "--":
         argv = argv[1:]
     if not argv:
-        raise CliError("launch needs a command after --, e.g. `gpudeck launch -- python train.py`")
-    host = args.host or cfg.LOCAL
+        raise CliError("launch needs a command after --, e.g. `gpudeck launch -- python train.py` (or --kind fsdp -- --model-config llama-1b --out DIR)")
     local = host == cfg.LOCAL
     # a local launch runs in the caller's environment: `python` means the python of this shell;
     # on another host the agent's own environment applies (the caller's PATH means nothing there)
@@ -118,13 +146,191 @@ async def cmd_launch(args: argparse.Namespace) -> int:
     cwd = args.cwd
     if local:
         cwd = os.path.abspath(cwd) if cwd else os.getcwd()
-    spec = LaunchSpec(argv=argv, name=args.name, kind=args.kind, gpus=_parse_gpus(args.gpus), env=env, cwd=cwd, operator=getpass.getuser())
-    reply = await _with_fleet(lambda f: f.launch(host, spec, request_id=args.request_id or ""), hosts=[host])
-    if args.json:
-        print(json.dumps({**run_json(reply.run), "host": host, "duplicate": reply.duplicate}))
-    else:
-        print(reply.run.id)
+    gpus = _parse_gpus(args.gpus)
+    start = None
+    if args.fresh or args.resume is not None:
+        start = parse_start(args.fresh, args.resume)
+    if args.kind in ("fsdp", "dflash") and argv[0].startswith("-"):
+        argv = _trainer_argv(args.kind, args.python or "python3", gpus, argv)
+    if start is not None and is_trainer(argv, args.kind):
+        argv = with_start(argv, start)
+    claims = None
+    if args.claim_gpus is not None or args.claim_params or args.claim_world_size is not None or args.claim_tokens_per_s is not None or args.note:
+        claims = Claims(gpus=args.claim_gpus, params=_parse_count(args.claim_params, "--claim-params"), world_size=args.claim_world_size,
+                        tokens_per_s=args.claim_tokens_per_s, note=args.note)
+    return LaunchSpec(
+        argv=argv, name=args.name, kind=args.kind, gpus=gpus, env=env, cwd=cwd, operator=getpass.getuser(),
+        start=start, python=args.python, need_gib=args.need_gib, force=args.force, rdzv_port=args.rdzv_port,
+        checkpoint_dir=args.checkpoint_dir, on_rank_death=args.on_rank_death, expected_ranks=args.expected_ranks, claims=claims,
+    )
+
+
+def _print_launch(reply: LaunchReply, host: str, as_json: bool) -> int:
+    run = reply.run
+    failed = run.state == "preflight_failed"
+    if as_json:
+        print(json.dumps({**run_json(run), "host": host, "duplicate": reply.duplicate}))
+    elif failed:
+        print(run.id)
+    if failed:
+        assert run.preflight is not None
+        print(format_preflight(run.preflight), file=sys.stderr)
+        print(f"gpudeck: nothing was started on {host}; run {run.id} is recorded as preflight_failed (`gpudeck show {run.id}`)", file=sys.stderr)
+        return EXIT_ERROR
+    if not as_json:
+        print(run.id)
+        if run.preflight is not None and run.preflight.forced:
+            print("gpudeck: launched with --force past GPU holders (recorded with the run)", file=sys.stderr)
     return 0
+
+
+async def cmd_launch(args: argparse.Namespace) -> int:
+    host = args.host or cfg.LOCAL
+    spec = build_spec(args, host)
+    reply = await _with_fleet(lambda f: f.launch(host, spec, request_id=args.request_id or ""), hosts=[host])
+    return _print_launch(reply, host, args.json)
+
+
+async def cmd_preflight(args: argparse.Namespace) -> int:
+    host = args.host or cfg.LOCAL
+    spec = build_spec(args, host)
+    result = await _with_fleet(lambda f: f.preflight(host, spec), hosts=[host])
+    print(json.dumps(to_builtins(result)) if args.json else format_preflight(result))
+    return 0 if result.ok else EXIT_ERROR
+
+
+def _split_targets(targets: list[str]) -> tuple[str | None, dict[str, list[int]]]:
+    """['gpu1'] -> ('gpu1', {}); ['gpu1:4412', 'gpu2:77'] -> (None, {'gpu1': [4412], 'gpu2': [77]})."""
+    if len(targets) == 1 and ":" not in targets[0]:
+        return targets[0], {}
+    pids: dict[str, list[int]] = {}
+    for t in targets:
+        host, sep, pid = t.rpartition(":")
+        if not sep or not pid.isdigit():
+            raise CliError(f"{t!r}: write HOST to list the leftovers, or HOST:PID ... to stop those processes")
+        pids.setdefault(host or cfg.LOCAL, []).append(int(pid))
+    return None, pids
+
+
+async def cmd_reclaim(args: argparse.Namespace) -> int:
+    listing, pids = _split_targets(args.targets)
+    if listing is not None:
+        found = await _with_fleet(lambda f: f.leftovers(listing, include_live=args.include_live), hosts=[listing])
+        if args.json:
+            print(json.dumps({"host": listing, "leftovers": to_builtins(found.leftovers), "gpu_error": found.gpu_error}))
+        else:
+            print(format_leftovers(listing, found.leftovers))
+        return 0
+
+    async def stop_all(fleet: Fleet) -> list[tuple[str, Any]]:
+        hosts = list(pids)
+        results = await asyncio.gather(*(fleet.reclaim(h, pids[h], args.grace, args.include_live) for h in hosts), return_exceptions=True)
+        return list(zip(hosts, results))
+
+    results = await _with_fleet(stop_all, hosts=list(pids))
+    rc = 0
+    out = []
+    for host, res in results:
+        if isinstance(res, AgentError):
+            print(f"gpudeck: {host}: {res.message}", file=sys.stderr)
+            rc = EXIT_ERROR
+            continue
+        if isinstance(res, BaseException):
+            raise res
+        out.append({**to_builtins(res), "host": host})
+        if not args.json:
+            print(f"{host}: " + format_stop(res).replace("run None: ", ""))
+            if res.message:
+                print(f"  {res.message}")
+        if res.survivors:
+            rc = EXIT_ERROR
+    if args.json:
+        print(json.dumps(out))
+    return rc
+
+
+async def cmd_verify(args: argparse.Namespace) -> int:
+    async def verify(fleet: Fleet):  # type: ignore[no-untyped-def]
+        host, run = await _locate(fleet, args)
+        return host, await fleet.verify(host, run.id)
+
+    host, reply = await _with_fleet(verify, hosts=_host_arg(args))
+    if args.json:
+        print(json.dumps({"host": host, **to_builtins(reply)}))
+    else:
+        print(format_claims(reply.run_id, reply.rows, reply.alerts))
+    return EXIT_ERROR if any(r.ok is False for r in reply.rows) else 0
+
+
+async def cmd_diff(args: argparse.Namespace) -> int:
+    history, _ = await _synced_history(args)
+    try:
+        a = await asyncio.to_thread(history.find, args.run_a)
+        b = await asyncio.to_thread(history.find, args.run_b)
+        ma = await asyncio.to_thread(history.metrics, a["host"], a["id"])
+        mb = await asyncio.to_thread(history.metrics, b["host"], b["id"])
+    finally:
+        history.close()
+    d = diff_runs(a, b, ma, mb)
+    if args.json:
+        print(json.dumps({"a": d.a_id, "b": d.b_id, "config": [vars(r) | {"differs": r.differs} for r in d.config],
+                          "environment": [vars(r) | {"differs": r.differs} for r in d.environment],
+                          "outcome": [vars(r) | {"differs": r.differs} for r in d.outcome], "env_note": d.env_note}))
+    else:
+        print(format_diff(d, only_changes=not args.all))
+    return 0
+
+
+async def _relaunch(args: argparse.Namespace, good_ref: str | None) -> int:
+    start = parse_start(args.fresh, args.resume)
+    history, _ = await _synced_history(args)
+    try:
+        row = await asyncio.to_thread(history.find, args.run, args.host)
+        good = await asyncio.to_thread(history.find, good_ref) if good_ref else None
+    finally:
+        history.close()
+    host = args.host or row["host"]
+    python: str | None = None
+
+    async def go(fleet: Fleet) -> LaunchReply:
+        nonlocal python
+        if good is not None:
+            recorded = env_of(good)
+            if recorded is None:
+                raise CliError(f"run {good['id']} has no recorded environment fingerprint: it cannot be rolled back to")
+            current = await fleet.fingerprint(host, recorded.python)
+            changes = envs.diff(recorded, current, ignore=("driver", "prefix"))
+            driver = [c for c in envs.diff(recorded, current) if c.key == "driver"]
+            if driver:
+                print(f"gpudeck: note: the NVIDIA driver on {host} differs from {good['id']}'s: {envs.describe(driver)[0]} (rollback cannot change the driver)", file=sys.stderr)
+            python = recorded.python
+            if changes:
+                lines = "\n  ".join(envs.describe(changes)[:40])
+                if not args.rebuild_env:
+                    raise CliError(
+                        f"{good['id']}'s environment ({recorded.python}) no longer matches its fingerprint on {host}; nothing was started. What changed:\n  {lines}\n"
+                        f"add --rebuild-env to recreate it from the recorded freeze in a new virtual environment"
+                    )
+                print(f"gpudeck: {good['id']}'s environment changed ({len(changes)} difference(s)); rebuilding it from its recorded freeze on {host} ...", file=sys.stderr)
+                rebuilt = await fleet.rebuild_env(host, recorded)
+                again = envs.diff(recorded, rebuilt.env, ignore=envs.REBUILD_IGNORES)
+                if again:
+                    raise CliError(f"the rebuilt environment at {rebuilt.path} still differs: " + "; ".join(envs.describe(again)))
+                python = rebuilt.env.python
+                print(f"gpudeck: rebuilt at {rebuilt.path}: matches the recorded fingerprint (freeze {rebuilt.env.freeze_hash[:12]})", file=sys.stderr)
+        spec = relaunch_spec(row, start, python=python, config_from=good if (good is not None and args.config_from) else None, operator=getpass.getuser())
+        return await fleet.launch(host, spec)
+
+    reply = await _with_fleet(go, hosts=[host])
+    return _print_launch(reply, host, args.json)
+
+
+async def cmd_relaunch(args: argparse.Namespace) -> int:
+    return await _relaunch(args, None)
+
+
+async def cmd_rollback(args: argparse.Namespace) -> int:
+    return await _relaunch(args, args.to)
 
 
 async def cmd_runs(args: argparse.Namespace) -> int:
@@ -347,17 +553,50 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the snapshot(s) as JSON")
     p.set_defaults(func=cmd_status)
 
-    p = sub.add_parser("launch", help="start a run: gpudeck launch [--host H] [--gpus 0,1] -- CMD ARGS...")
-    p.add_argument("--host", default=None, help=host_help + "; default: local")
-    p.add_argument("--name", default=None, help="a name to find the run by")
-    p.add_argument("--gpus", default=None, help="GPU indices (sets CUDA_VISIBLE_DEVICES), e.g. 0,1 or 0-3")
-    p.add_argument("--kind", default="command", choices=["command", "fsdp", "dflash"])
-    p.add_argument("--env", action="append", metavar="NAME=VALUE", help="extra environment (repeatable)")
-    p.add_argument("--cwd", default=None, help="working directory (default: here for local, the agent's home elsewhere)")
+    spec_args = argparse.ArgumentParser(add_help=False)
+    spec_args.add_argument("--host", default=None, help=host_help + "; default: local")
+    spec_args.add_argument("--name", default=None, help="a name to find the run by")
+    spec_args.add_argument("--gpus", default=None, help="GPU indices (sets CUDA_VISIBLE_DEVICES), e.g. 0,1 or 0-3")
+    spec_args.add_argument("--kind", default="command", choices=["command", "fsdp", "dflash"],
+                           help="fsdp/dflash: the arguments after -- may be just the trainer's (the command is built, under torchrun for several GPUs)")
+    spec_args.add_argument("--python", default=None, help="the run's python interpreter (its environment is fingerprinted and pre-flighted)")
+    spec_args.add_argument("--fresh", action="store_true", help="trainers: start from step 0 with new checkpoints")
+    spec_args.add_argument("--resume", default=None, metavar="N|latest", help="trainers: continue from checkpoint step N")
+    spec_args.add_argument("--env", action="append", metavar="NAME=VALUE", help="extra environment (repeatable)")
+    spec_args.add_argument("--cwd", default=None, help="working directory (default: here for local, the agent's home elsewhere)")
+    spec_args.add_argument("--need-gib", type=float, default=None, help="GPU memory each GPU needs (estimated for fsdp/dflash when not given)")
+    spec_args.add_argument("--force", action="store_true", help="launch even with FOREIGN/STALE processes on the GPUs (only that check; recorded)")
+    spec_args.add_argument("--rdzv-port", type=int, default=None, help="the rendezvous port that must be free")
+    spec_args.add_argument("--checkpoint-dir", default=None, help="where checkpoints go (its free space is checked)")
+    spec_args.add_argument("--on-rank-death", default="alert", choices=["alert", "stop"], help="when a rank dies and the run goes on: alert (default) or stop the whole run")
+    spec_args.add_argument("--expected-ranks", type=int, default=None, help="ranks the run must have (default: the manifest's world size)")
+    spec_args.add_argument("--claim-gpus", type=int, default=None, help="GPUs the run is claimed to use (checked against NVML)")
+    spec_args.add_argument("--claim-params", default=None, help="parameters claimed, e.g. 1.1B (checked against the manifest)")
+    spec_args.add_argument("--claim-world-size", type=int, default=None, help="ranks claimed (checked against the rank processes)")
+    spec_args.add_argument("--claim-tokens-per-s", type=float, default=None, help="throughput claimed (checked against the telemetry)")
+    spec_args.add_argument("--note", default=None, help="free text stored with the run (claims in it are checked too)")
+    spec_args.add_argument("--json", action="store_true", help="print the result as JSON")
+    spec_args.add_argument("argv", nargs=argparse.REMAINDER, help="-- then the command and its arguments (never run by a shell)")
+
+    p = sub.add_parser("launch", parents=[spec_args], help="pre-flight, then start a run: gpudeck launch [--host H] [--gpus 0,1] -- CMD ARGS...")
     p.add_argument("--request-id", default=None, help="idempotency key: a retry with the same key starts nothing new")
-    p.add_argument("--json", action="store_true", help="print the run as JSON (with its id)")
-    p.add_argument("argv", nargs=argparse.REMAINDER, help="-- then the command and its arguments (never run by a shell)")
     p.set_defaults(func=cmd_launch)
+
+    p = sub.add_parser("preflight", parents=[spec_args], help="only the pre-flight checks of a launch (nothing starts)")
+    p.set_defaults(func=cmd_preflight)
+
+    p = sub.add_parser("reclaim", help="list leftovers (reclaim HOST) or stop them (reclaim HOST:PID ...): TERM, grace, KILL, verify")
+    p.add_argument("targets", nargs="+", metavar="HOST | HOST:PID")
+    p.add_argument("--grace", type=float, default=10.0, help="seconds between SIGTERM and SIGKILL (default 10)")
+    p.add_argument("--include-live", action="store_true", help="also list / allow members of live runs")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_reclaim)
+
+    p = sub.add_parser("verify", help="a run's claims against what is observed: parameters, ranks, GPUs, data, throughput")
+    p.add_argument("run", help="run id, unique id prefix, or name")
+    p.add_argument("--host", default=None, help=host_help + "; default: the host that has the run")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_verify)
 
     p = sub.add_parser("runs", help="every run the agents have recorded (every host, or one with --host)")
     p.add_argument("--host", default=None, help=host_help)
@@ -407,6 +646,31 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_show)
 
+    p = sub.add_parser("diff", parents=[sync_args], help="two runs side by side: config, environment (torch/CUDA/driver/NCCL first), outcome")
+    p.add_argument("run_a")
+    p.add_argument("run_b")
+    p.add_argument("--all", action="store_true", help="show equal rows too")
+    p.add_argument("--host", default=None, help="sync only this host first")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_diff)
+
+    start_args = argparse.ArgumentParser(add_help=False)
+    start_args.add_argument("--fresh", action="store_true", help="start from step 0 with new checkpoints")
+    start_args.add_argument("--resume", default=None, metavar="N|latest", help="continue from checkpoint step N")
+    start_args.add_argument("--host", default=None, help="launch there (default: where the run ran)")
+    start_args.add_argument("--json", action="store_true")
+
+    p = sub.add_parser("relaunch", parents=[sync_args, start_args], help="run a recorded run's config again: --fresh or --resume N is required")
+    p.add_argument("run")
+    p.set_defaults(func=cmd_relaunch)
+
+    p = sub.add_parser("rollback", parents=[sync_args, start_args], help="relaunch RUN in GOOD_RUN's environment: rollback RUN --to GOOD (--fresh | --resume N)")
+    p.add_argument("run")
+    p.add_argument("--to", required=True, metavar="GOOD_RUN", help="the known-good run whose environment to use")
+    p.add_argument("--config-from", action="store_true", help="use GOOD_RUN's configuration too")
+    p.add_argument("--rebuild-env", action="store_true", help="when GOOD_RUN's environment changed, recreate it from its recorded freeze (new venv under the agent's state dir)")
+    p.set_defaults(func=cmd_rollback)
+
     p = sub.add_parser("agent", help="the host agent: serve, dial, status, stop")
     asub = p.add_subparsers(dest="agent_command", metavar="serve|dial|status|stop", required=True)
     a = asub.add_parser("serve", help="run the agent in the foreground")
@@ -437,7 +701,7 @@ def main(argv: list[str] | None = None) -> int:
         if getattr(args, "func", None) is None:
             return int(args.sync(args) or 0)
         return asyncio.run(args.func(args))
-    except (CliError, QueryError, cfg.ConfigError) as exc:
+    except (CliError, QueryError, cfg.ConfigError, StartRequired) as exc:
         print(f"gpudeck: {exc}", file=sys.stderr)
         return EXIT_USAGE
     except HistoryError as exc:

@@ -26,7 +26,19 @@ from typing import Literal
 from agents.client import AgentClient
 from agents.errors import AgentError, AgentUnavailable, VersionMismatch
 from agents.protocol import (
+    EnvFingerprint,
     EventBatch,
+    Fingerprint,
+    FingerprintReply,
+    LeftoverList,
+    ListLeftovers,
+    Preflight,
+    PreflightReply,
+    PreflightResult,
+    RebuildEnv,
+    Reclaim,
+    VerifyReply,
+    VerifyRun,
     GetEvents,
     GetMetrics,
     GetRun,
@@ -141,7 +153,7 @@ class HostLink:
 
     async def _connect(self) -> AgentClient:
         if self.is_local:
-            return await AgentClient.connect_unix(state_dir=self._state_dir, autostart=True)
+            return await AgentClient.connect_unix(state_dir=self._state_dir, autostart=True, alias=self.name)
         link = await connect_ssh(self.name, self.settings.command, self._ssh)
         self._ssh_link = link
         return link.client
@@ -401,6 +413,42 @@ class Fleet:
         async for chunk in c.stream(ReadOutput(run_id=run_id, offset=offset, follow=True)):
             assert isinstance(chunk, OutputChunk)
             yield chunk
+
+    async def preflight(self, host: str, spec: LaunchSpec) -> PreflightResult:
+        """Pre-flight a spec on a host without starting anything."""
+        reply = await self._request(host, Preflight(spec=spec), timeout=REQUEST_TIMEOUT_S * 3)
+        assert isinstance(reply, PreflightReply)
+        return reply.result
+
+    async def leftovers(self, host: str, include_live: bool = False) -> LeftoverList:
+        """What ``reclaim`` would offer on a host: orphans of ended runs, FOREIGN/zombie/D-state GPU holders, ghosts."""
+        reply = await self._request(host, ListLeftovers(include_live=include_live))
+        assert isinstance(reply, LeftoverList)
+        return reply
+
+    async def reclaim(self, host: str, pids: list[int], grace_s: float = 10.0, include_live: bool = False) -> StopResult:
+        """Stop exactly these pids on a host (TERM, grace, KILL, verify through NVML)."""
+        reply = await self._request(host, Reclaim(pids=pids, grace_s=grace_s, include_live=include_live), timeout=grace_s + REQUEST_TIMEOUT_S)
+        assert isinstance(reply, StopReply)
+        return reply.result
+
+    async def fingerprint(self, host: str, python: str) -> EnvFingerprint:
+        """A python environment on a host, fingerprinted now."""
+        reply = await self._request(host, Fingerprint(python=python))
+        assert isinstance(reply, FingerprintReply)
+        return reply.env
+
+    async def rebuild_env(self, host: str, env: EnvFingerprint, timeout: float = 1800.0) -> FingerprintReply:
+        """Recreate a recorded environment on a host; the reply's env is the new one, proven to match."""
+        reply = await self._request(host, RebuildEnv(env=env), timeout=timeout)
+        assert isinstance(reply, FingerprintReply)
+        return reply
+
+    async def verify(self, host: str, run_id: str) -> VerifyReply:
+        """Claims vs observed for a run."""
+        reply = await self._request(host, VerifyRun(run_id=run_id))
+        assert isinstance(reply, VerifyReply)
+        return reply
 
     async def sync_history(self, timeout: float = 20.0, hosts: list[str] | None = None) -> list[SyncResult]:
         """One pass: pull every reachable host's new events into the history (hosts in parallel)."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from typing import Any
 
 from agents.protocol import RunInfo, Snapshot, StopResult, to_builtins
@@ -214,3 +215,42 @@ def _event_summary(e: dict[str, Any]) -> str:
     if k == "members":
         return f"+{len(d.get('added') or [])} process(es)"
     return json.dumps(d, default=str)[:110]
+
+
+def format_leftovers(host: str, leftovers: list[Any]) -> str:
+    """``gpudeck reclaim HOST``: what could be reclaimed and why, biggest GPU holders first."""
+    if not leftovers:
+        return f"{host}: no leftovers (no process of an ended run is alive, no GPU memory outside a live run)"
+    rows = []
+    for lo in leftovers:
+        gpu = ", ".join(f"GPU {g}: {gib(b)} GiB" for g, b in sorted(lo.gpu_bytes.items())) or "-"
+        run = "-"
+        if lo.run_id:
+            run = lo.run_id + (f" ({lo.run_state}" + (f", ended {duration(time.time() - lo.run_ended)} ago" if lo.run_ended else "") + ")" if lo.run_state else "")
+        rows.append([
+            f"{host}:{lo.pid}", lo.kind, run, lo.user or "-", lo.status or "-", gpu,
+            "-" if lo.cpu_percent is None else f"{lo.cpu_percent:.0f}%",
+            "-" if lo.rss is None else f"{lo.rss / 2**20:.0f} MiB",
+            " ".join(lo.cmdline)[:60] or "-",
+        ])
+    out = [table(["PROCESS", "KIND", "RUN", "USER", "STATUS", "GPU MEMORY", "CPU", "RSS", "COMMAND"], rows), ""]
+    for lo in leftovers:
+        out.append(f"  {host}:{lo.pid}: {lo.note}")
+    out.append("")
+    out.append(f"stop them with `gpudeck reclaim {' '.join(f'{host}:{lo.pid}' for lo in leftovers if lo.kind != 'live')}`")
+    return "\n".join(out)
+
+
+def format_claims(run_id: str, rows: list[Any], alerts: list[Any]) -> str:
+    """``gpudeck verify RUN``: claimed against observed, mismatches marked."""
+    out = [f"run {run_id}: claims vs observed"]
+    body = []
+    for r in rows:
+        mark = "OK" if r.ok else ("MISMATCH" if r.ok is False else "-")
+        claimed = "-" if r.claimed is None else f"{r.claimed:,}" if isinstance(r.claimed, int) else f"{r.claimed:,.4g}"
+        observed = "-" if r.observed is None else f"{r.observed:,}" if isinstance(r.observed, int) else f"{r.observed:,.4g}"
+        body.append([r.what, claimed, observed, mark, r.source or "-", r.detail or ""])
+    out.append(table(["WHAT", "CLAIMED", "OBSERVED", "", "CLAIM FROM", "DETAIL"], body) if body else "  nothing observed yet (no manifest, no ranks)")
+    for a in alerts:
+        out.append(f"  ALERT {a.kind}: {a.message}")
+    return "\n".join(out)

@@ -84,6 +84,7 @@ _RUN_COLUMNS = {
     "alert_count": int,
     "preflight": str,  # JSON
     "stop": str,  # JSON: the verified stop result
+    "claims": str,  # JSON: claimed vs observed rows, as recorded when the run ended
 }
 
 
@@ -137,6 +138,10 @@ def ensure_schema(db: sqlite_utils.Database) -> None:
     )
     db["events"].create_index(["host", "run_id", "seq"], if_not_exists=True)
     db["runs"].create(_RUN_COLUMNS, pk=("host", "id"), if_not_exists=True)
+    have = set(db["runs"].columns_dict)
+    for col, typ in _RUN_COLUMNS.items():  # a history made by an older gpudeck gains the new columns
+        if col not in have:
+            db["runs"].add_column(col, typ)
     for cols in (["id"], ["state"], ["created"], ["cause_class"], ["config_hash"]):
         db["runs"].create_index(cols, if_not_exists=True)
     db["metrics"].create(
@@ -271,6 +276,20 @@ class _Apply:
         alert = ev.data.get("alert", ev.data)
         alerts.append(alert)
         self._update(host, ev.run_id or "", ev.ts, alerts=_j(alerts[-100:]), alert_count=len(alerts))
+
+    def _on_alert_cleared(self, host: str, epoch: str, ev: Event) -> None:
+        row = self._row(host, ev.run_id or "", "alerts")
+        if row is None:
+            return
+        cleared = ev.data.get("alert", {})
+        alerts = _loads(row[0], [])
+        for a in alerts:
+            if a.get("kind") == cleared.get("kind") and a.get("ts") == cleared.get("ts"):
+                a["cleared"] = cleared.get("cleared", ev.ts)
+        self._update(host, ev.run_id or "", ev.ts, alerts=_j(alerts))
+
+    def _on_claims(self, host: str, epoch: str, ev: Event) -> None:
+        self._update(host, ev.run_id or "", ev.ts, claims=_j(ev.data.get("rows", [])))
 
     def _on_preflight(self, host: str, epoch: str, ev: Event) -> None:
         self._update(host, ev.run_id or "", ev.ts, preflight=_j(ev.data.get("result", ev.data)))
@@ -495,7 +514,7 @@ class History:
         return [r[0] for r in self._exec("SELECT seq FROM events WHERE host=? AND epoch=? ORDER BY seq", (host, epoch))]
 
 
-_JSON_COLUMNS = {"gpus": None, "argv": [], "spec": {}, "env": None, "members": [], "telemetry": {}, "alerts": [], "preflight": None, "stop": None}
+_JSON_COLUMNS = {"gpus": None, "argv": [], "spec": {}, "env": None, "members": [], "telemetry": {}, "alerts": [], "preflight": None, "stop": None, "claims": []}
 
 
 def decode_run(row: dict[str, Any]) -> dict[str, Any]:

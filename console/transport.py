@@ -181,7 +181,7 @@ async def connect_ssh(name: str, command: str, options: SshOptions) -> SshLink:
     client.keep(err_task)
     try:
         async with asyncio.timeout(HELLO_TIMEOUT_S):
-            await client.say_hello()
+            await client.say_hello(alias=name)
     except (AgentError, TimeoutError) as exc:
         # the bridge never answered: say why, from its exit status and stderr
         try:

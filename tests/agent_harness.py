@@ -127,6 +127,19 @@ class AgentProc:
         return await AgentClient.connect_unix(state_dir=self.state_dir, autostart=False)
 
 
+def teardown_agent(a: AgentProc) -> None:
+    """Stop every run a test left (through the agent, then by tag), then the agent itself."""
+    try:
+        for r in a.cli_json("runs"):
+            if r["state"] in ("starting", "running", "stopping"):
+                a.cli("stop", r["id"], "--grace", "1", check=False)
+            kill_tagged(r["id"])
+    except Exception:
+        pass
+    a.stop()
+    a.stop_autostarted()
+
+
 def kill_tagged(run_id: str) -> None:
     """Teardown safety net: SIGKILL processes carrying this test's run tag (by pid, never by name)."""
     for p in psutil.process_iter(["pid"]):

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.agent_harness import AgentProc, kill_tagged
+from tests.agent_harness import AgentProc, teardown_agent
 
 
 @pytest.fixture
@@ -23,14 +23,4 @@ def gpudeck_home(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
 def agent(gpudeck_home: Path) -> Iterator[AgentProc]:
     a = AgentProc(gpudeck_home).start()
     yield a
-    # stop every run this test left, through the agent, then the agent itself
-    try:
-        runs = a.cli_json("runs")
-        for r in runs:
-            if r["state"] in ("starting", "running", "stopping"):
-                a.cli("stop", r["id"], "--grace", "1", check=False)
-            kill_tagged(r["id"])
-    except Exception:
-        pass
-    a.stop()
-    a.stop_autostarted()
+    teardown_agent(a)

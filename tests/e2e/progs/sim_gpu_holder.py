@@ -34,6 +34,7 @@ def main() -> None:
     ap.add_argument("--fork-holder", action="store_true", help="fork a child that holds too (it outlives a killed parent)")
     ap.add_argument("--ignore-term", action="store_true", help="ignore SIGTERM")
     ap.add_argument("--seconds", type=float, default=None, help="exit after this long (default: run until killed)")
+    ap.add_argument("--child-seconds", type=float, default=None, help="with --fork-holder: the child's own lifetime (default: --seconds); longer leaves an orphan")
     args = ap.parse_args()
     if args.ignore_term:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -41,14 +42,14 @@ def main() -> None:
     if args.fork_holder:
         child = os.fork()
         if child == 0:
-            run(args.busy, args.seconds)
+            run(args.busy, args.child_seconds if args.child_seconds is not None else args.seconds)
             os._exit(0)
     print(f"pid {os.getpid()}", flush=True)
     if child:
         print(f"child {child}", flush=True)
     print("ready", flush=True)
     run(args.busy, args.seconds)
-    if child:
+    if child and args.child_seconds is None:
         try:
             os.waitpid(child, 0)
         except ChildProcessError:

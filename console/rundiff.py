@@ -1,0 +1,150 @@
+"""Provides what changed between two runs: config and environment side by side, the meaningful first (failure 5).
+
+Both the CLI (``gpudeck diff``) and the console's History screen show this.
+Inputs are history rows (``History.find``); the environment part uses
+:func:`agents.envs.diff`, which orders python, torch and its CUDA build, the
+driver, NCCL, cuDNN and transformers before leaf packages.
+"""
+
+from __future__ import annotations
+
+import shlex
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+from agents import envs
+from agents.protocol import EnvFingerprint
+
+
+@dataclass(frozen=True)
+class Row:
+    """One compared item: its name, the two values, and whether they differ."""
+
+    key: str
+    a: str
+    b: str
+    core: bool = False
+
+    @property
+    def differs(self) -> bool:
+        return self.a != self.b
+
+
+@dataclass
+class RunDiff:
+    """Config, environment and outcome of two runs, compared."""
+
+    a_id: str
+    b_id: str
+    config: list[Row] = field(default_factory=list)
+    environment: list[Row] = field(default_factory=list)
+    outcome: list[Row] = field(default_factory=list)
+    env_note: str = ""
+
+    @property
+    def differences(self) -> int:
+        return sum(r.differs for r in (*self.config, *self.environment))
+
+
+def env_of(row: dict[str, Any]) -> EnvFingerprint | None:
+    """The recorded environment fingerprint of a history row, if any."""
+    env = row.get("env")
+    if not env:
+        return None
+    try:
+        return msgspec.convert(env, EnvFingerprint)
+    except msgspec.ValidationError:
+        return None
+
+
+def _v(x: object) -> str:
+    if x is None or x == "" or x == [] or x == {}:
+        return "-"
+    if isinstance(x, float):
+        return f"{x:,.4g}" if abs(x) < 1000 else f"{x:,.0f}"
+    if isinstance(x, int):
+        return f"{x:,}"
+    if isinstance(x, list):
+        return " ".join(str(i) for i in x)
+    return str(x)
+
+
+def _median(values: list[float]) -> float | None:
+    vs = sorted(v for v in values if isinstance(v, (int, float)))
+    if not vs:
+        return None
+    mid = len(vs) // 2
+    return vs[mid] if len(vs) % 2 else (vs[mid - 1] + vs[mid]) / 2
+
+
+def diff_runs(a: dict[str, Any], b: dict[str, Any], a_metrics: list[dict[str, Any]] | None = None, b_metrics: list[dict[str, Any]] | None = None) -> RunDiff:
+    """Compare two history rows (and, when given, their step metrics)."""
+    out = RunDiff(a_id=a["id"], b_id=b["id"])
+    sa, sb = a.get("spec") or {}, b.get("spec") or {}
+    for key, va, vb in (
+        ("host", a.get("host"), b.get("host")),
+        ("kind", a.get("kind"), b.get("kind")),
+        ("command", shlex.join(a.get("argv") or []), shlex.join(b.get("argv") or [])),
+        ("gpus", a.get("gpus"), b.get("gpus")),
+        ("start", a.get("start"), b.get("start")),
+        ("python", sa.get("python"), sb.get("python")),
+        ("cwd", a.get("cwd"), b.get("cwd")),
+        ("world size", a.get("world_size"), b.get("world_size")),
+        ("params", a.get("params_total"), b.get("params_total")),
+        ("config hash", a.get("config_hash"), b.get("config_hash")),
+        ("dataset samples", a.get("dataset_samples"), b.get("dataset_samples")),
+    ):
+        out.config.append(Row(key, _v(va), _v(vb)))
+    ea, eb = dict(sa.get("env") or {}), dict(sb.get("env") or {})
+    for k in sorted(set(ea) | set(eb)):
+        if k in ("PATH", "VIRTUAL_ENV", "PYTHONPATH", "CONDA_PREFIX") and ea.get(k) == eb.get(k):
+            continue
+        out.config.append(Row(f"env {k}", _v(ea.get(k)), _v(eb.get(k))))
+    fa, fb = env_of(a), env_of(b)
+    if fa is None or fb is None:
+        missing = [r["id"] for r, f in ((a, fa), (b, fb)) if f is None]
+        out.env_note = f"no environment fingerprint recorded for {', '.join(missing)} (not a python run, or recorded before fingerprints)"
+    else:
+        for c in envs.diff(fa, fb, ignore=envs.PATH_KEYS):
+            out.environment.append(Row(c.key.removeprefix("package:") + ("" if c.core else " (package)"), _v(c.a), _v(c.b), core=c.core))
+        if not out.environment:
+            out.env_note = f"same environment (freeze {fa.freeze_hash[:12]})"
+    ta = _median([m["tokens_per_s"] for m in a_metrics or []]) or a.get("tokens_per_s")
+    tb = _median([m["tokens_per_s"] for m in b_metrics or []]) or b.get("tokens_per_s")
+    for key, va, vb in (
+        ("state", a.get("state"), b.get("state")),
+        ("cause", a.get("cause"), b.get("cause")),
+        ("tokens/s (median)", ta, tb),
+        ("peak memory GiB", a.get("mem_peak_gib"), b.get("mem_peak_gib")),
+        ("last step", a.get("last_step"), b.get("last_step")),
+        ("loss", a.get("last_loss"), b.get("last_loss")),
+    ):
+        out.outcome.append(Row(key, _v(va), _v(vb)))
+    return out
+
+
+def format_diff(d: RunDiff, only_changes: bool = False) -> str:
+    """Side-by-side text, differences marked with '*'."""
+    lines = []
+    width = max((len(r.key) for r in (*d.config, *d.environment, *d.outcome)), default=10)
+    col = max(24, max((len(r.a) for r in (*d.config, *d.environment, *d.outcome)), default=0))
+    col = min(col, 60)
+
+    def section(title: str, rows: list[Row], always: bool = False) -> None:
+        shown = [r for r in rows if always or not only_changes or r.differs]
+        lines.append(f"{title}:")
+        if not shown:
+            lines.append("  (no differences)")
+        for r in shown:
+            mark = "*" if r.differs else " "
+            lines.append(f"{mark} {r.key:<{width}}  {r.a[:col]:<{col}}  {r.b[:60]}")
+
+    lines.append(f"  {'':<{width}}  {d.a_id:<{col}}  {d.b_id}")
+    section("config", d.config)
+    section("environment (meaningful first)", d.environment)
+    if d.env_note:
+        lines.append(f"  {d.env_note}")
+    section("outcome", d.outcome, always=True)
+    return "\n".join(lines)
