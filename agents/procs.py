@@ -128,8 +128,13 @@ def _int_or_none(value: str | None) -> int | None:
         return None
 
 
-def read_entry(pid: int) -> ProcEntry | None:
-    """Read one process's identity and run tag; None when it is gone."""
+def read_entry(pid: int, runs_dir: str | None = None) -> ProcEntry | None:
+    """Read one process's identity and run tag; None when it is gone.
+
+    With ``runs_dir``, a tag whose GPUDECK_RUN_DIR lies elsewhere belongs to
+    another agent on this machine (another user's, or another node of the same
+    multi-node run sharing the host) and is not taken as this agent's run.
+    """
     try:
         p = psutil.Process(pid)
         with p.oneshot():
@@ -147,6 +152,9 @@ def read_entry(pid: int) -> ProcEntry | None:
     except psutil.AccessDenied:
         return ProcEntry(pid=pid, create_time=0.0, uid=None, run_id=None)
     run_id = env.get(RUN_TAG) or None
+    run_dir = env.get("GPUDECK_RUN_DIR")
+    if run_id and runs_dir and run_dir and not run_dir.startswith(runs_dir):
+        run_id = None
     sim = env.get(SIM_GPU_MEM_TAG)
     return ProcEntry(
         pid=pid,
@@ -166,9 +174,10 @@ def _list_pids() -> set[int]:
 class ProcTable:
     """Incrementally refreshed map of live pids to their run tags."""
 
-    def __init__(self) -> None:
+    def __init__(self, runs_dir: str | os.PathLike[str] | None = None) -> None:
         self._entries: dict[int, ProcEntry] = {}
         self._self_pid = os.getpid()
+        self._runs_dir = os.path.join(os.fspath(runs_dir), "") if runs_dir is not None else None
 
     def refresh(self, full: bool = False) -> None:
         """Re-read /proc: new pids are read; with ``full`` every pid's create_time is re-checked."""
@@ -183,7 +192,7 @@ class ProcTable:
                 ct = create_time_of(pid)
                 if ct is not None and abs(ct - known.create_time) <= CT_TOLERANCE:
                     continue
-            entry = read_entry(pid)
+            entry = read_entry(pid, self._runs_dir)
             if entry is None:
                 self._entries.pop(pid, None)
             else:

@@ -411,6 +411,7 @@ class Stop(_Msg, tag="stop", kw_only=True):
 
     run_id: str
     grace_s: float = 30.0
+    reason: str = ""  # recorded as the cause instead of "stopped by operator" (e.g. a policy that stopped it)
 
 
 class GetEvents(_Msg, tag="get_events", kw_only=True):

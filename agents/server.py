@@ -105,7 +105,7 @@ class Agent:
         self._lock_fh.write(str(os.getpid()))
         self._lock_fh.flush()
         self.journal = Journal(paths.journal_path(self.state_dir), self.host)
-        self.procs = ProcTable()
+        self.procs = ProcTable(paths.runs_dir(self.state_dir))
         # GPUDECK_SIMULATE_GPUS selects labelled simulated GPUs (CI, benchmarks); otherwise NVML
         self.gpus = make_sampler(self.procs)
         if self.gpus.simulated:
@@ -339,7 +339,8 @@ class _Conn:
         elif isinstance(req, GetRun):
             await self.send(RunReply(request_id=rid, run=a.supervisor.resolve(req.run_id)))
         elif isinstance(req, Stop):
-            result = await a.supervisor.stop(req.run_id, req.grace_s)
+            reason = f"stopped by gpudeck: {req.reason[:500]}" if req.reason else "stopped by operator"
+            result = await a.supervisor.stop(req.run_id, req.grace_s, reason=reason)
             await self.send(StopReply(request_id=rid, result=result))
         elif isinstance(req, GetEvents):
             await self._events(req)

@@ -21,13 +21,16 @@ from typing import Any, TypeVar
 
 from agents import paths
 from agents.client import AgentClient
-from agents.errors import AgentError
+from agents.errors import AgentError, AgentUnavailable
+import msgspec
+
 from agents import envs
 from agents.preflight import format_preflight
 from agents.protocol import Claims, LaunchReply, LaunchSpec, RunInfo, to_builtins
 from console import config as cfg
 from console.fleet import Fleet, SyncResult
 from console.formats import format_claims, format_history, format_hosts, format_leftovers, format_runs, format_show, format_status, format_stop, run_json
+from console.multinode import DEFAULT_RDZV_PORT, MultiNodeError, group, node_specs, program_of, rendezvous_host
 from console.relaunch import StartRequired, is_trainer, parse_start, relaunch_spec, with_start
 from console.rundiff import diff_runs, env_of, format_diff
 from console.history import History, HistoryError
@@ -49,12 +52,20 @@ class CliError(Exception):
 
 
 async def _with_fleet(fn: Callable[[Fleet], Awaitable[T]], hosts: list[str] | None = None, history: History | None = None) -> T:
-    """Run ``fn(fleet)`` on a request-only Fleet (the same API the console uses)."""
+    """Run ``fn(fleet)`` on a request-only Fleet (the same API the console uses).
+
+    The fleet always has the history, so a stop asked for while a host was
+    cut off is delivered the next time any command reaches that host.
+    """
+    own = history is None
+    history = history or History()
     fleet = Fleet(hosts=hosts, watch=False, history=history)
     try:
         return await fn(fleet)
     finally:
         await fleet.close()
+        if own:
+            history.close()
 
 
 def _host_arg(args: argparse.Namespace) -> list[str]:
@@ -185,10 +196,77 @@ def _print_launch(reply: LaunchReply, host: str, as_json: bool) -> int:
 
 
 async def cmd_launch(args: argparse.Namespace) -> int:
+    if args.hosts:
+        return await _launch_multinode(args)
     host = args.host or cfg.LOCAL
     spec = build_spec(args, host)
     reply = await _with_fleet(lambda f: f.launch(host, spec, request_id=args.request_id or ""), hosts=[host])
     return _print_launch(reply, host, args.json)
+
+
+async def _launch_multinode(args: argparse.Namespace) -> int:
+    """Pre-flight on every host; only if all pass, start every node with the same run id."""
+    names = [h.strip() for h in args.hosts.split(",") if h.strip()]
+    conf = cfg.load(extra_hosts=names)
+    settings = [conf.settings(n) for n in names]
+    trainer_args = args.kind in ("fsdp", "dflash") and bool(args.argv) and (args.argv[1:2] if args.argv[:1] == ["--"] else args.argv[:1])[0].startswith("-")
+    base = build_spec(args, names[0])
+    raw = list(args.argv[1:] if args.argv[:1] == ["--"] else args.argv)
+    if base.start is not None and trainer_args:
+        raw = with_start(raw, base.start)
+    gpus = base.gpus
+    nproc = args.nproc_per_node or (len(gpus) if gpus else 1)
+    from console.transport import SshOptions
+
+    rdzv = rendezvous_host(settings[0], SshOptions().config_paths(), args.rdzv_host)
+    specs = node_specs(
+        msgspec.structs.replace(base, env={k: v for k, v in base.env.items() if k not in CALLER_ENV}, cwd=args.cwd),
+        settings, python=args.python or "python3", program=program_of(raw, args.kind, trainer_args),
+        nproc_per_node=nproc, rdzv_host=rdzv, rdzv_port=args.rdzv_port or DEFAULT_RDZV_PORT,
+    )
+
+    async def go(fleet: Fleet) -> tuple[str, list[tuple[str, Any]]]:
+        checks = await asyncio.gather(*(fleet.preflight(h, sp) for h, sp in specs), return_exceptions=True)
+        bad = [(h, c) for (h, _), c in zip(specs, checks) if isinstance(c, BaseException) or not c.ok]
+        if bad:
+            for h, c in bad:
+                if isinstance(c, AgentError):
+                    print(f"gpudeck: {h}: {c.message}", file=sys.stderr)
+                elif isinstance(c, BaseException):
+                    raise c
+                else:
+                    print(format_preflight(c), file=sys.stderr)
+            # the failing nodes are recorded as preflight_failed there (the agent runs the same checks again)
+            failing = {h for h, c in bad if not isinstance(c, BaseException)}
+            await asyncio.gather(*(fleet.launch(h, sp) for h, sp in specs if h in failing), return_exceptions=True)
+            return "preflight_failed", bad
+        replies = await asyncio.gather(*(fleet.launch(h, sp) for h, sp in specs), return_exceptions=True)
+        failed = [(h, r) for (h, _), r in zip(specs, replies) if isinstance(r, BaseException) or r.run.state == "preflight_failed"]
+        if failed:
+            # all or nothing: stop the nodes that did start
+            rid = specs[0][1].run_id or ""
+            await asyncio.gather(*(fleet.stop(h, rid, 5.0) for (h, _), r in zip(specs, replies) if not isinstance(r, BaseException) and r.run.state != "preflight_failed"), return_exceptions=True)
+            return "launch_failed", failed
+        return "running", [(h, r) for (h, _), r in zip(specs, replies)]
+
+    verdict, results = await _with_fleet(go, hosts=names)
+    rid = specs[0][1].run_id
+    if verdict == "preflight_failed":
+        print(f"gpudeck: pre-flight failed on {', '.join(h for h, _ in results)}: nothing was started on any host (run {rid})", file=sys.stderr)
+        return EXIT_ERROR
+    if verdict == "launch_failed":
+        for h, r in results:
+            msg = r.message if isinstance(r, AgentError) else (format_preflight(r.run.preflight) if not isinstance(r, BaseException) and r.run.preflight else str(r))
+            print(f"gpudeck: {h}: {msg}", file=sys.stderr)
+        print(f"gpudeck: run {rid} could not start on every host; the nodes that started were stopped", file=sys.stderr)
+        return EXIT_ERROR
+    if args.json:
+        print(json.dumps({"id": rid, "hosts": names, "rdzv_endpoint": f"{rdzv}:{args.rdzv_port or DEFAULT_RDZV_PORT}",
+                          "nodes": [{**run_json(r.run), "host": h} for h, r in results]}))
+    else:
+        print(rid)
+        print(f"gpudeck: {len(names)} nodes ({', '.join(names)}), {nproc} rank(s) each, rendezvous {rdzv}:{args.rdzv_port or DEFAULT_RDZV_PORT}", file=sys.stderr)
+    return 0
 
 
 async def cmd_preflight(args: argparse.Namespace) -> int:
@@ -352,10 +430,11 @@ async def cmd_runs(args: argparse.Namespace) -> int:
         return runs, errors
 
     runs, errors = await _with_fleet(collect, hosts=_host_arg(args))
+    rows = group([run_json(r) for r in runs], unreachable={e.split(":", 1)[0] for e in errors})
     if args.json:
-        print(json.dumps([run_json(r) for r in runs]))
+        print(json.dumps(rows))
     else:
-        print(format_runs(runs))
+        print(format_runs(rows))
     for e in errors:
         print(f"gpudeck: not reachable: {e}", file=sys.stderr)
     if errors and args.host:
@@ -369,23 +448,67 @@ async def _locate(fleet: Fleet, args: argparse.Namespace) -> tuple[str, RunInfo]
     return await fleet.find_run(args.run)
 
 
+async def _nodes(fleet: Fleet, args: argparse.Namespace) -> tuple[list[tuple[str, RunInfo]], list[str]]:
+    """Every node of the run ``args.run`` (one for a one-host run) and the hosts that may hold more but did not answer."""
+    if args.host:
+        return [(args.host, await fleet.run(args.host, args.run))], []
+    found, down = await fleet.find_runs(args.run)
+    if not found:
+        await fleet.find_run(args.run)  # raises the error that says what was asked and who did not answer
+    ids = {r.id for _h, r in found}
+    if len(ids) > 1:
+        raise AgentError(f"{args.run!r} names runs on several hosts ({', '.join(f'{r.id} on {h}' for h, r in found)}): add --host or give more of the id")
+    run = found[0][1]
+    expected = set(run.spec.nodes or [])
+    missing = [h for h, _m in down if h in expected] if expected else [h for h, _m in down]
+    found.sort(key=lambda hr: hr[1].spec.node_rank or 0)
+    return found, missing
+
+
 async def cmd_tail(args: argparse.Namespace) -> int:
     out = sys.stdout
 
     async def tail(fleet: Fleet) -> None:
-        host, run = await _locate(fleet, args)
-        # the last N lines: read a window from the end, then follow from its end
-        window = await anext(fleet.output(host, run.id, offset=-256 * 1024, follow=False))
-        text = window.data
-        if args.lines >= 0:
-            lines = text.splitlines(keepends=True)
-            text = "".join(lines[-args.lines:]) if args.lines else ""
-        out.write(text)
-        out.flush()
+        nodes, missing = await _nodes(fleet, args)
+        if args.node is not None:
+            nodes = [(h, r) for h, r in nodes if (r.spec.node_rank or 0) == args.node]
+            if not nodes:
+                raise CliError(f"run {args.run} has no node {args.node}")
+        for h in missing:
+            print(f"gpudeck: {h} (a node of this run) is not reachable: its output is missing", file=sys.stderr)
+        prefix = len(nodes) > 1
+
+        async def one(host: str, rid: str) -> None:
+            # the last N lines: read a window from the end, then follow from its end
+            window = await anext(fleet.output(host, rid, offset=-256 * 1024, follow=False))
+            lines = window.data.splitlines(keepends=True)
+            if args.lines >= 0:
+                lines = lines[-args.lines:] if args.lines else []
+            emit(host, "".join(lines))
+            if args.follow:
+                pending = ""
+                async for chunk in fleet.output(host, rid, offset=window.next_offset, follow=True):
+                    pending += chunk.data
+                    cut = pending.rfind("\n") + 1  # whole lines only, so nodes' lines never mix
+                    if cut:
+                        emit(host, pending[:cut])
+                        pending = pending[cut:]
+                if pending:
+                    emit(host, pending + "\n")
+
+        def emit(host: str, text: str) -> None:
+            if not text:
+                return
+            if prefix:
+                text = "".join(f"[{host}] {ln}" for ln in text.splitlines(keepends=True))
+            out.write(text)
+            out.flush()
+
         if args.follow:
-            async for chunk in fleet.output(host, run.id, offset=window.next_offset, follow=True):
-                out.write(chunk.data)
-                out.flush()
+            await asyncio.gather(*(one(h, r.id) for h, r in nodes))
+        else:
+            for h, r in nodes:
+                await one(h, r.id)
 
     await _with_fleet(tail, hosts=_host_arg(args))
     return 0
@@ -393,15 +516,38 @@ async def cmd_tail(args: argparse.Namespace) -> int:
 
 async def cmd_stop(args: argparse.Namespace) -> int:
     async def stop(fleet: Fleet):  # type: ignore[no-untyped-def]
-        host, run = await _locate(fleet, args)
-        return host, await fleet.stop(host, run.id, args.grace)
+        nodes, missing = await _nodes(fleet, args)
+        results = await asyncio.gather(*(fleet.stop(h, r.id, args.grace) for h, r in nodes), return_exceptions=True)
+        return nodes, missing, results
 
-    host, res = await _with_fleet(stop, hosts=_host_arg(args))
+    history = History()
+    try:
+        nodes, missing, results = await _with_fleet(stop, hosts=_host_arg(args))
+        rid = nodes[0][1].id
+        for h in missing:
+            await asyncio.to_thread(history.add_pending_stop, h, rid, args.grace)
+        out, rc = [], 0
+        for (h, _r), res in zip(nodes, results):
+            if isinstance(res, AgentUnavailable):
+                await asyncio.to_thread(history.add_pending_stop, h, rid, args.grace)
+                missing.append(h)
+                continue
+            if isinstance(res, BaseException):
+                raise res
+            out.append({**to_builtins(res), "host": h})
+            if res.survivors:
+                rc = EXIT_ERROR
+    finally:
+        history.close()
     if args.json:
-        print(json.dumps({**to_builtins(res), "host": host}))
+        print(json.dumps(out[0] if len(out) == 1 and not missing else {"run_id": rid, "nodes": out, "unreachable": missing}))
     else:
-        print(format_stop(res))
-    return 0 if not res.survivors else EXIT_ERROR
+        multi = len(nodes) + len(missing) > 1
+        for (h, _r), res in [(n, r) for n, r in zip(nodes, results) if not isinstance(r, BaseException)]:
+            print((f"[{h}] " if multi else "") + format_stop(res))
+        for h in missing:
+            print(f"[{h}] UNREACHABLE: not stopped yet; it will be stopped as soon as gpudeck reaches {h} again (recorded in the history)")
+    return EXIT_ERROR if missing else rc
 
 
 async def cmd_hosts(args: argparse.Namespace) -> int:
@@ -459,8 +605,10 @@ async def cmd_history(args: argparse.Namespace) -> int:
     history, _ = await _synced_history(args)
     try:
         rows = await asyncio.to_thread(history.query, " ".join(args.query))
+        down = {h["name"] for h in await asyncio.to_thread(history.hosts) if h.get("state") not in (None, "up")}
     finally:
         history.close()
+    rows = group(rows, unreachable=down)
     if args.json:
         print(json.dumps(rows, default=str))
     else:
@@ -580,6 +728,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("launch", parents=[spec_args], help="pre-flight, then start a run: gpudeck launch [--host H] [--gpus 0,1] -- CMD ARGS...")
     p.add_argument("--request-id", default=None, help="idempotency key: a retry with the same key starts nothing new")
+    p.add_argument("--hosts", default=None, metavar="H1,H2,...", help="one run across these hosts (torchrun c10d; the first host is the rendezvous)")
+    p.add_argument("--rdzv-host", default=None, help="multi-node: the address the other hosts reach the first one at (default: its rdzv_host or SSH HostName)")
+    p.add_argument("--nproc-per-node", type=int, default=None, help="multi-node: ranks per host (default: the number of --gpus)")
     p.set_defaults(func=cmd_launch)
 
     p = sub.add_parser("preflight", parents=[spec_args], help="only the pre-flight checks of a launch (nothing starts)")
@@ -609,6 +760,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default=None, help=host_help + "; default: the host that has the run")
     p.add_argument("-f", "--follow", action="store_true", help="keep printing new output until the run ends (Ctrl-C leaves)")
     p.add_argument("-n", "--lines", type=int, default=20, help="how many last lines to print first (-1: all of the last 256 KiB)")
+    p.add_argument("--node", type=int, default=None, help="multi-node runs: only this node's output (default: every node, each line prefixed with its host)")
     p.set_defaults(func=cmd_tail)
 
     p = sub.add_parser("stop", help="stop every process of a run: TERM, grace, KILL, verify")
@@ -701,7 +853,7 @@ def main(argv: list[str] | None = None) -> int:
         if getattr(args, "func", None) is None:
             return int(args.sync(args) or 0)
         return asyncio.run(args.func(args))
-    except (CliError, QueryError, cfg.ConfigError, StartRequired) as exc:
+    except (CliError, QueryError, cfg.ConfigError, StartRequired, MultiNodeError) as exc:
         print(f"gpudeck: {exc}", file=sys.stderr)
         return EXIT_USAGE
     except HistoryError as exc:

@@ -70,6 +70,7 @@ REQUEST_TIMEOUT_S = 60.0  # a request with no answer by then fails (a stop waits
 STALL_FACTOR = 5.0  # no snapshot for this many intervals (at least STALL_MIN_S): the link is dead
 STALL_MIN_S = 10.0
 EVENT_BATCH = 5000
+NODE_LOST_S = 30.0  # a multi-node run's host unreachable this long counts as a lost node
 
 
 @dataclass
@@ -129,8 +130,10 @@ class HostLink:
         self._ready = asyncio.Event()
         self._task: asyncio.Task | None = None
         self._sync_task: asyncio.Task | None = None
+        self._pending_task: asyncio.Task | None = None
         self._listeners: list[Callable[[HostStatus], None]] = []
         self._sync_listeners: list[Callable[[str, int], None]] = []
+        self.on_events: Callable[[str, list], None] | None = None  # the Fleet's multi-node watch
 
     def subscribe(self, fn: Callable[[HostStatus], None]) -> None:
         """Call ``fn`` on every state change and snapshot."""
@@ -165,7 +168,7 @@ class HostLink:
 
     async def close(self) -> None:
         """Stop the link."""
-        for t in (self._sync_task, self._task):
+        for t in (self._sync_task, self._pending_task, self._task):
             if t is not None:
                 t.cancel()
                 try:
@@ -201,6 +204,8 @@ class HostLink:
                 backoff = BACKOFF_MIN_S
                 if self.history is not None and self.watch:
                     self._sync_task = asyncio.ensure_future(self._follow_events(client))
+                if self.history is not None:
+                    self._pending_task = asyncio.ensure_future(self._apply_pending_stops(client))
                 if not self.watch:
                     self._set_state("up")
                     await client.closed.wait()
@@ -247,6 +252,18 @@ class HostLink:
             raise AgentUnavailable(f"no snapshot for {stall:.0f} s: the link is stalled or the host is down") from None
         raise AgentUnavailable("the snapshot stream ended")
 
+    async def _apply_pending_stops(self, client: AgentClient) -> None:
+        """Stop what was asked to stop while this host was cut off (a node of a multi-node run, say)."""
+        assert self.history is not None
+        for run_id, grace in await asyncio.to_thread(self.history.pending_stops, self.name):
+            try:
+                await client.request(Stop(run_id=run_id, grace_s=grace), timeout=grace + REQUEST_TIMEOUT_S)
+            except AgentError:
+                pass  # gone already, or not known here: nothing left to stop
+            except TimeoutError:
+                continue  # keep it pending for the next connection
+            await asyncio.to_thread(self.history.clear_pending_stop, self.name, run_id)
+
     # ------------------------------------------------------------------ history sync
 
     async def _follow_events(self, client: AgentClient) -> None:
@@ -282,6 +299,8 @@ class HostLink:
                     break
                 if events:
                     n = await self.history.ingest(self.name, hello.epoch, events)
+                    if self.on_events is not None and n:
+                        self.on_events(self.name, events)
                     result.new_events += n
                     after = events[-1].seq
                     result.last_seq = after
@@ -327,14 +346,73 @@ class Fleet:
         self.links: dict[str, HostLink] = {
             s.name: HostLink(s, ssh=ssh, state_dir=state_dir, interval_s=interval_s, watch=watch, history=history) for s in self.config.hosts
         }
+        self._watch_tasks: set[asyncio.Task] = set()
+        self._acted: set[str] = set()  # multi-node runs the watch already stopped
+        if history is not None and watch:
+            for link in self.links.values():
+                link.on_events = self._on_events
+                link.subscribe(self._on_link_state)
 
     def start(self) -> None:
         """Connect every host."""
         for link in self.links.values():
             link.start()
 
+    # ------------------------------------------------------------------ multi-node watch (--on-rank-death stop across nodes)
+
+    def _spawn(self, coro) -> None:  # type: ignore[no-untyped-def]
+        task = asyncio.ensure_future(coro)
+        self._watch_tasks.add(task)
+        task.add_done_callback(self._watch_tasks.discard)
+
+    def _on_events(self, host: str, events: list) -> None:
+        for ev in events:
+            data = ev.data or {}
+            ended = ev.kind == "run_state" and data.get("state") in ("failed", "lost")
+            died = ev.kind == "alert" and (data.get("alert") or {}).get("kind") == "rank_exited"
+            if (ended or died) and ev.run_id and ev.run_id not in self._acted:
+                self._spawn(self._stop_other_nodes(ev.run_id, host, f"node {host} {'failed' if ended else 'lost a rank'}"))
+
+    def _on_link_state(self, st: HostStatus) -> None:
+        if st.state == "unreachable" and self.history is not None:
+            self._spawn(self._node_lost(st.name, st.since))
+
+    async def _node_lost(self, host: str, since: float) -> None:
+        await asyncio.sleep(NODE_LOST_S)
+        link = self.links.get(host)
+        if link is None or link.status.state == "up" or link.status.since != since or self.history is None:
+            return
+        rows = await asyncio.to_thread(self.history.query, f"host:{host} state:live")
+        for r in rows:
+            if ((r.get("spec") or {}).get("nnodes") or 1) > 1 and r["id"] not in self._acted:
+                await self._stop_other_nodes(r["id"], host, f"node {host} unreachable for {NODE_LOST_S:.0f} s")
+
+    async def _stop_other_nodes(self, run_id: str, culprit: str, why: str) -> None:
+        """``--on-rank-death stop`` across hosts: when one node fails or is lost, stop the others (and the lost one when it is back)."""
+        assert self.history is not None
+        rows = [r for r in await asyncio.to_thread(self.history.query, f"id:{run_id} limit:64") if r["id"] == run_id]
+        if not rows:
+            return
+        spec = rows[0].get("spec") or {}
+        if (spec.get("nnodes") or 1) < 2 or spec.get("on_rank_death") != "stop" or run_id in self._acted:
+            return
+        self._acted.add(run_id)
+        for r in rows:
+            if r["state"] not in ("starting", "running"):
+                continue
+            link = self.links.get(r["host"])
+            if link is None or link.status.state != "up":
+                await asyncio.to_thread(self.history.add_pending_stop, r["host"], run_id, 30.0)
+                continue
+            try:
+                await self.stop(r["host"], run_id, 30.0, reason=f"a rank died on another node ({why}) and the run was launched with --on-rank-death stop")
+            except AgentError:
+                await asyncio.to_thread(self.history.add_pending_stop, r["host"], run_id, 30.0)
+
     async def close(self) -> None:
         """Close every link."""
+        for t in list(self._watch_tasks):
+            t.cancel()
         await asyncio.gather(*(link.close() for link in self.links.values()), return_exceptions=True)
 
     def link(self, host: str) -> HostLink:
@@ -363,9 +441,9 @@ class Fleet:
         assert isinstance(reply, LaunchReply)
         return reply
 
-    async def stop(self, host: str, run_id: str, grace_s: float = 30.0) -> StopResult:
-        """Stop a run on a host and return the verification."""
-        reply = await self._request(host, Stop(run_id=run_id, grace_s=grace_s), timeout=grace_s + REQUEST_TIMEOUT_S)
+    async def stop(self, host: str, run_id: str, grace_s: float = 30.0, reason: str = "") -> StopResult:
+        """Stop a run on a host and return the verification (``reason``: recorded as the cause, for policy stops)."""
+        reply = await self._request(host, Stop(run_id=run_id, grace_s=grace_s, reason=reason), timeout=grace_s + REQUEST_TIMEOUT_S)
         assert isinstance(reply, StopReply)
         return reply.result
 
@@ -381,19 +459,29 @@ class Fleet:
         assert isinstance(reply, RunReply)
         return reply.run
 
-    async def find_run(self, ref: str) -> tuple[str, RunInfo]:
-        """The host and run that ``ref`` names, asking every host at once; a typed error if none or several."""
+    async def find_runs(self, ref: str) -> tuple[list[tuple[str, RunInfo]], list[tuple[str, str]]]:
+        """Every (host, run) that ``ref`` names, asking every host at once, and the hosts that did not answer."""
         names = list(self.links)
         results = await asyncio.gather(*(self.run(h, ref) for h in names), return_exceptions=True)
         found = [(h, r) for h, r in zip(names, results) if isinstance(r, RunInfo)]
+        down = [(h, r.message) for h, r in zip(names, results) if isinstance(r, AgentUnavailable)]
+        for h, r in zip(names, results):
+            if isinstance(r, BaseException) and not isinstance(r, AgentError):
+                raise r
+        return found, down
+
+    async def find_run(self, ref: str) -> tuple[str, RunInfo]:
+        """The host and run that ``ref`` names, asking every host at once; a typed error if none or several."""
+        found, down = await self.find_runs(ref)
         if len(found) == 1:
             return found[0]
         if len(found) > 1:
+            if len({r.id for _h, r in found}) == 1:
+                raise AgentError(f"{ref!r} is a run on several nodes ({', '.join(h for h, _r in found)}): this command takes one node (--host), or use the multi-node form")
             raise AgentError(f"{ref!r} names runs on several hosts ({', '.join(f'{r.id} on {h}' for h, r in found)}): add --host")
-        down = [f"{h} ({r.message if isinstance(r, AgentError) else r})" for h, r in zip(names, results) if isinstance(r, AgentUnavailable)]
         msg = f"no run {ref!r} on any host"
         if down:
-            msg += "; not reachable: " + "; ".join(down)
+            msg += "; not reachable: " + "; ".join(f"{h} ({m})" for h, m in down)
         raise AgentError(msg + ": `gpudeck runs` lists them")
 
     async def metrics(self, host: str, run_id: str, max_points: int = 300) -> Metrics:

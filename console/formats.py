@@ -70,15 +70,16 @@ def format_status(snap: Snapshot) -> str:
     return "\n".join(out)
 
 
-def format_runs(runs: list[RunInfo]) -> str:
-    """Human view of the run list."""
+def format_runs(runs: list[dict[str, Any]]) -> str:
+    """Human view of the run list (rows as ``run_json`` gives them; a multi-node run is one row, hosts joined by +)."""
     if not runs:
         return "no runs yet: `gpudeck launch -- CMD ...` starts one"
     rows = [
-        [r.id, r.host, r.name or "-", r.state, when(r.started or r.created), duration(elapsed(r.started, r.ended)), (r.cause or "-")[:70]]
+        [r["id"], r["host"], r.get("name") or "-", r["state"], when(r.get("started") or r.get("created")), duration(elapsed(r.get("started"), r.get("ended"))),
+         str(len(r.get("alerts") or [])) if r.get("alerts") else "-", (r.get("cause") or "-")[:70]]
         for r in runs
     ]
-    return table(["RUN", "HOST", "NAME", "STATE", "STARTED", "ELAPSED", "CAUSE"], rows)
+    return table(["RUN", "HOST", "NAME", "STATE", "STARTED", "ELAPSED", "ALERTS", "CAUSE"], rows)
 
 
 def format_stop(res: StopResult) -> str:

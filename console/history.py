@@ -150,6 +150,7 @@ def ensure_schema(db: sqlite_utils.Database) -> None:
         if_not_exists=True,
     )
     db["meta"].create({"key": str, "value": str}, pk="key", if_not_exists=True)
+    db["pending_stops"].create({"host": str, "run_id": str, "grace_s": float, "requested": float}, pk=("host", "run_id"), if_not_exists=True)
     db.execute("INSERT OR IGNORE INTO meta(key, value) VALUES ('schema_version', ?)", [str(SCHEMA_VERSION)])
 
 
@@ -447,6 +448,20 @@ class History:
                 "INSERT INTO hosts(name, first_seen, state, error) VALUES (?,?,?,?) ON CONFLICT(name) DO UPDATE SET state=excluded.state, error=excluded.error",
                 (host, time.time(), state, error),
             )
+
+    def add_pending_stop(self, host: str, run_id: str, grace_s: float) -> None:
+        """Remember to stop ``run_id`` on ``host`` when it is reachable again."""
+        with self._read_lock:
+            self._read_conn.execute("INSERT OR REPLACE INTO pending_stops(host, run_id, grace_s, requested) VALUES (?,?,?,?)", (host, run_id, grace_s, time.time()))
+
+    def pending_stops(self, host: str) -> list[tuple[str, float]]:
+        """(run id, grace) of the stops waiting for ``host``."""
+        return [(r[0], float(r[1])) for r in self._exec("SELECT run_id, grace_s FROM pending_stops WHERE host=? ORDER BY requested", (host,))]
+
+    def clear_pending_stop(self, host: str, run_id: str) -> None:
+        """The stop was delivered."""
+        with self._read_lock:
+            self._read_conn.execute("DELETE FROM pending_stops WHERE host=? AND run_id=?", (host, run_id))
 
     def epochs(self, host: str) -> list[dict[str, Any]]:
         """Every agent epoch seen for a host, oldest first."""
