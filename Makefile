@@ -6,7 +6,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip install -q --disable-pip-version-check
 
-.PHONY: run test bench clean sshd
+.PHONY: run test bench clean test-deps
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -24,15 +24,15 @@ $(VENV)/.test-installed: pyproject.toml constraints-dev.txt | $(PY)
 run: $(VENV)/.run-installed
 	$(VENV)/bin/gpudeck
 
-# the SSH tests start real OpenSSH servers on loopback ports: Debian's openssh-server
-sshd:
-	@test -x /usr/sbin/sshd || { \
-	  echo "installing openssh-server (the SSH tests run real sshd on 127.0.0.1; nothing is started system-wide)"; \
+# the SSH and network tests start real OpenSSH servers (loopback, network namespaces) and use iptables
+test-deps:
+	@{ test -x /usr/sbin/sshd && command -v iptables >/dev/null; } || { \
+	  echo "installing openssh-server and iptables (the SSH tests run real sshd on loopback and in network namespaces; nothing is started system-wide)"; \
 	  if [ "$$(id -u)" = 0 ]; then SUDO=; else SUDO=sudo; fi; \
-	  $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -q openssh-server >/dev/null 2>&1 || \
-	  { $$SUDO apt-get update -q >/dev/null && $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -q openssh-server >/dev/null; }; }
+	  $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -q openssh-server iptables >/dev/null 2>&1 || \
+	  { $$SUDO apt-get update -q >/dev/null && $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -q openssh-server iptables >/dev/null; }; }
 
-test: $(VENV)/.test-installed sshd
+test: $(VENV)/.test-installed test-deps
 	$(PY) -m pytest -q
 
 bench: $(VENV)/.test-installed

@@ -97,8 +97,8 @@ class AgentClient:
                         continue
                     try:
                         msg = decode_reply(frame)
-                    except (msgspec.DecodeError, msgspec.ValidationError):
-                        continue  # a line we cannot read (a newer agent's message) is skipped
+                    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
+                        continue  # a line we cannot read (a newer agent's message, garbage) is skipped
                     q = self._waiters.get(msg.request_id)
                     if q is not None:
                         q.put_nowait(msg)

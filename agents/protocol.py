@@ -657,7 +657,7 @@ def _salvage_request_id(line: bytes) -> str:
     """Best effort: the request_id of a line that failed validation, so the error can be matched."""
     try:
         obj = _any_decoder.decode(line)
-    except msgspec.DecodeError:
+    except (msgspec.DecodeError, RecursionError):
         return ""
     if isinstance(obj, dict):
         rid = obj.get("request_id")
@@ -675,6 +675,8 @@ def decode_request(line: bytes) -> Request | Error:
         return Error(request_id=rid, code="bad_message", message=f"message not understood: {exc}; see agents/protocol.py for the message types")
     except msgspec.DecodeError as exc:
         return Error(code="bad_json", message=f"not valid JSON: {exc}; send one JSON object per line")
+    except RecursionError:
+        return Error(code="bad_json", message="the message nests too deeply; send flat JSON objects, one per line")
 
 
 def decode_reply(line: bytes) -> Reply:

@@ -33,6 +33,30 @@ def _write_exit(path: str, record: dict) -> None:
         os.close(dfd)
 
 
+def _report(fd: int, msg: dict) -> None:
+    """Tell the agent how the start went; an agent that died meanwhile must not take the run down with the shim."""
+    try:
+        os.write(fd, json.dumps(msg).encode() + b"\n")
+    except OSError:
+        pass
+    finally:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+
+
+def _record_exit(path: str, record: dict) -> None:
+    """Write exit.json; when that fails (disk full), say so on stderr (the run's output.log): the exit code still reaches the agent."""
+    try:
+        _write_exit(path, record)
+    except OSError as exc:
+        try:
+            print(f"gpudeck-shim: could not write {path} ({exc.strerror}); the run ended with {record}", file=sys.stderr, flush=True)
+        except OSError:
+            pass
+
+
 def main(argv: list[str]) -> int:
     """Run the shim; returns the child's exit code (128+N for a signal)."""
     if len(argv) < 4 or argv[2] != "--":
@@ -54,12 +78,10 @@ def main(argv: list[str]) -> int:
         )
     except OSError as exc:
         reason = f"{type(exc).__name__}: {exc}"
-        _write_exit(exit_file, {"returncode": None, "signal": None, "launch_error": reason, "ended": time.time()})
-        os.write(status_fd, json.dumps({"error": reason}).encode() + b"\n")
-        os.close(status_fd)
+        _record_exit(exit_file, {"returncode": None, "signal": None, "launch_error": reason, "ended": time.time()})
+        _report(status_fd, {"error": reason})
         return 127
-    os.write(status_fd, json.dumps({"pid": child.pid}).encode() + b"\n")
-    os.close(status_fd)
+    _report(status_fd, {"pid": child.pid})
     while True:
         try:
             rc = child.wait()
@@ -72,7 +94,7 @@ def main(argv: list[str]) -> int:
             record["signal"] = signal.Signals(-rc).name
         except ValueError:
             record["signal"] = f"signal {-rc}"
-    _write_exit(exit_file, record)
+    _record_exit(exit_file, record)
     return rc if rc >= 0 else 128 - rc
 
 
@@ -82,4 +104,11 @@ def _default_signals() -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    code = main(sys.argv[1:])
+    # exit without the interpreter's final flush: on a full disk it fails and turns the run's code into 120
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except OSError:
+            pass
+    os._exit(code)

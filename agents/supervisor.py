@@ -368,7 +368,11 @@ class Supervisor:
         if spec.gpus is not None:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in spec.gpus)
             env.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")  # match NVML's numbering
-        problem = self._check_executable(spec, env)
+        # a cwd on a hung NFS/FUSE mount must not freeze the agent: the checks run off the event loop
+        try:
+            problem = await asyncio.wait_for(asyncio.to_thread(self._check_executable, spec, env), 20.0)
+        except asyncio.TimeoutError:
+            problem = f"checking the working directory {spec.cwd} and {spec.argv[0]!r} did not return within 20 s (a hung file system?)"
         if problem is not None:
             self._fail_launch(run, problem)
             raise LaunchFailed(f"{problem}; run {run_id} is recorded as failed")
@@ -590,12 +594,24 @@ class Supervisor:
         except (OSError, ValueError):
             return None
 
-    def _finish(self, run: RunInfo, *, agent_was_down: bool = False) -> None:
+    def _finish(self, run: RunInfo, *, agent_was_down: bool = False, stopped_cause: str | None = None) -> None:
         self.poll_telemetry(run)  # the last records (done, error) before the run is closed
-        shim = self._shims.pop(run.id, None)
+        # the shim is let go only once the end is journaled: a journal that cannot be written now (disk full)
+        # must not cost the exit code on the next try
+        shim = self._shims.get(run.id)
         if shim is not None:
             shim.poll()
         rec = self._exit_record(run)
+        if rec is None and shim is not None and shim.returncode is not None and shim.returncode != 127:
+            # exit.json could not be written (disk full), but this agent reaped the shim: its code is the run's
+            rc = shim.returncode
+            sig_name = None
+            if rc > 128:
+                try:
+                    sig_name = signal.Signals(rc - 128).name
+                except ValueError:
+                    sig_name = None
+            rec = {"returncode": None if sig_name else rc, "signal": sig_name, "ended": time.time(), "note": "exit.json could not be written"}
         tail = read_tail(Path(run.run_dir or "") / "output.log")
         reason = classify_output(tail)
         now = time.time()
@@ -632,12 +648,17 @@ class Supervisor:
             oom = host_oom_note([m.pid for m in run.members], run.started or run.created) if killed else None
             if oom:
                 cause = f"{cause} (host OOM killer: {oom})"
+        if rec is not None and rec.get("note"):
+            cause += f"; {rec['note']} (is the agent's state dir full?)"
+        if stopped_cause is not None:
+            state, cause = "stopped", f"{stopped_cause} ({cause})"
         lingering = [m for m in run.members if m.role != "shim" and alive(m.pid, m.create_time)]
         data: dict = {"state": state, "cause": cause, "exit_code": code, "signal": sig}
         if lingering:
             data["lingering"] = [m.pid for m in lingering]
         self._record_claims(run)
         self._set(run, "run_state", data, state=state, cause=cause, exit_code=code, signal=sig, ended=now)
+        self._shims.pop(run.id, None)
 
     def _telemetry_evidence(self, run: RunInfo) -> str:
         tail = read_tail(Path(run.run_dir or "") / "telemetry.jsonl", 16 * 1024)
@@ -679,9 +700,7 @@ class Supervisor:
                     notes.append(f"{run.id}: re-adopted")
             else:
                 was_stopping = run.state == "stopping"
-                self._finish(run, agent_was_down=True)
-                if was_stopping and run.state != "stopped":
-                    self._set(run, None, state="stopped", cause=f"stopped by operator (the stop finished while the agent was down; {run.cause})")
+                self._finish(run, agent_was_down=True, stopped_cause="stopped by operator (the stop finished while the agent was down)" if was_stopping else None)
                 notes.append(f"{run.id}: ended while the agent was down ({run.state})")
         for run in self.journal.list_runs(limit=2000, states=TERMINAL_STATES):
             self._ended_ids.add(run.id)

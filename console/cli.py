@@ -58,13 +58,18 @@ async def _with_fleet(fn: Callable[[Fleet], Awaitable[T]], hosts: list[str] | No
     cut off is delivered the next time any command reaches that host.
     """
     own = history is None
-    history = history or History()
+    if history is None:
+        try:
+            history = History()
+        except HistoryError as exc:
+            # the history only carries pending stops here: the command still works without it
+            print(f"gpudeck: warning: {exc}", file=sys.stderr)
     fleet = Fleet(hosts=hosts, watch=False, history=history)
     try:
         return await fn(fleet)
     finally:
         await fleet.close()
-        if own:
+        if own and history is not None:
             history.close()
 
 

@@ -313,10 +313,16 @@ class History:
 
     def __init__(self, path: Path | None = None) -> None:
         self.path = Path(path or config.history_path())
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._read_conn = _connect(self.path)
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._read_conn = _connect(self.path)
+            ensure_schema(sqlite_utils.Database(self._read_conn))
+        except (sqlite3.Error, OSError) as exc:
+            raise HistoryError(
+                f"cannot open the history {self.path} ({exc}): free space in {self.path.parent} or fix its permissions "
+                f"(GPUDECK_HOME={config.home() or 'unset'})"
+            ) from None
         self._read_lock = threading.Lock()
-        ensure_schema(sqlite_utils.Database(self._read_conn))
         self._q: queue.Queue[_Batch | None] = queue.Queue()
         self._writer: threading.Thread | None = None
         self._closed = False
