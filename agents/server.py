@@ -137,7 +137,9 @@ class Agent:
         notes = self.supervisor.adopt()
         self.journal.append("agent_started", None, {"pid": os.getpid(), "version": __version__, "gpu_error": self.gpus.error, "adopted": notes})
         for run in self.supervisor.pending_stops():
-            self._spawn(self.supervisor.stop(run.id, grace_s=10.0))
+            ev = self.journal.last_event(run.id, "run_state")
+            grace = float((ev.data if ev else {}).get("grace_s", 10.0))  # the grace the operator asked for
+            self._spawn(self.supervisor.stop(run.id, grace_s=grace))
         paths.ensure_private_dir(self.socket_path.parent)
         if self.socket_path.exists():
             self.socket_path.unlink()  # we hold the lock, so no live agent owns it

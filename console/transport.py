@@ -164,6 +164,8 @@ async def connect_ssh(name: str, command: str, options: SshOptions) -> SshLink:
         raise _host_key_error(name, kh, exc) from None
     except asyncssh.PermissionDenied as exc:
         raise SshError(f"{name}: SSH authentication failed ({exc.reason}): check User and IdentityFile for {name} in ~/.ssh/config, or `ssh-add` the key") from None
+    except asyncssh.ConnectionLost as exc:
+        raise SshError(f"{name}: the SSH connection was lost during the handshake ({exc.reason}): is sshd there overloaded (MaxStartups) or the link dropping?") from None
     except asyncssh.DisconnectError as exc:
         raise SshError(f"{name}: SSH connection refused by the server ({exc.reason})") from None
     except asyncio.TimeoutError:
