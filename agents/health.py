@@ -416,6 +416,19 @@ class RunHealth:
         """True when a rank died and the run was launched with ``--on-rank-death stop``."""
         return self.rank_death and self._on_rank_death == "stop"
 
+    def first_gone(self, run: RunInfo) -> tuple[int, int, float] | None:
+        """(rank, pid, when seen gone) of the rank that went first, alerted or not (the cause of a run that ended fast)."""
+        if not self._gone_since:
+            return None
+        tel_ranks = run.telemetry.ranks if run.telemetry is not None else {}
+
+        def order(item: tuple[int, float]) -> tuple[float, float, int]:
+            rt = tel_ranks.get(str(item[0]))
+            return (item[1], rt.last_seen if rt is not None and rt.last_seen is not None else float("inf"), item[0])
+
+        rank, since = min(self._gone_since.items(), key=order)
+        return rank, self._seen.get(rank, 0), since
+
     def cleared_since_last(self) -> list[Alert]:
         """Alerts cleared since the previous call (each returned once)."""
         out, self._cleared = self._cleared, []
@@ -492,7 +505,16 @@ class RunHealth:
             return
         expected = self._expected(obs) or len(self._seen)
         left = len(obs.live_ranks)
-        for rank, since in sorted(self._gone_since.items()):
+        tel_ranks = run.telemetry.ranks if run.telemetry is not None else {}
+
+        def died_order(item: tuple[int, float]) -> tuple[float, float, int]:
+            # ranks seen gone in the same tick: the one whose telemetry stopped first died first
+            # (torchrun tears the others down within its monitor interval, after they kept stepping)
+            rank, since = item
+            rt = tel_ranks.get(str(rank))
+            return (since, rt.last_seen if rt is not None and rt.last_seen is not None else float("inf"), rank)
+
+        for rank, since in sorted(self._gone_since.items(), key=died_order):
             code = self._exit_codes.get(rank)
             gone_for = now - since
             if code == 0:

@@ -642,8 +642,12 @@ class Supervisor:
                 cause += f"; output shows {reason}"
         if state == "failed":
             death = self._first_death.get(run.id)
+            health = self._health.get(run.id)
+            gone = health.first_gone(run) if health is not None and death is None else None
             if death is not None:
                 cause += f"; rank {death.rank} died first ({death.message.split(':')[0]})"
+            elif gone is not None:
+                cause += f"; rank {gone[0]} died first (pid {gone[1]}; the others were torn down after it)"
             killed = sig == "SIGKILL" or "exitcode: -9" in tail or "Signals.SIGKILL" in tail
             oom = host_oom_note([m.pid for m in run.members], run.started or run.created) if killed else None
             if oom:

@@ -138,10 +138,10 @@ def _parse_count(text: str | None, what: str) -> int | None:
         raise CliError(f"{what} {text!r} is not a count: write 4, 771M or 1.1B") from None
 
 
-def _trainer_argv(kind: str, python: str, gpus: list[int] | None, args: list[str]) -> list[str]:
-    """``--kind fsdp|dflash -- TRAINER ARGS``: the full command, under torchrun when several GPUs are given."""
+def _trainer_argv(kind: str, python: str, gpus: list[int] | None, args: list[str], nproc: int | None = None) -> list[str]:
+    """``--kind fsdp|dflash -- TRAINER ARGS``: the full command, under torchrun when several ranks are asked for."""
     module = "trainers.fsdp_lm" if kind == "fsdp" else "trainers.dflash"
-    n = len(gpus) if gpus else 1
+    n = nproc or (len(gpus) if gpus else 1)
     if n > 1:
         return [python, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(n), "-m", module, *args]
     return [python, "-m", module, *args]
@@ -167,7 +167,7 @@ def build_spec(args: argparse.Namespace, host: str) -> LaunchSpec:
     if args.fresh or args.resume is not None:
         start = parse_start(args.fresh, args.resume)
     if args.kind in ("fsdp", "dflash") and argv[0].startswith("-"):
-        argv = _trainer_argv(args.kind, args.python or "python3", gpus, argv)
+        argv = _trainer_argv(args.kind, args.python or "python3", gpus, argv, args.nproc_per_node)
     if start is not None and is_trainer(argv, args.kind):
         argv = with_start(argv, start)
     claims = None
@@ -728,6 +728,7 @@ def build_parser() -> argparse.ArgumentParser:
     spec_args.add_argument("--claim-world-size", type=int, default=None, help="ranks claimed (checked against the rank processes)")
     spec_args.add_argument("--claim-tokens-per-s", type=float, default=None, help="throughput claimed (checked against the telemetry)")
     spec_args.add_argument("--note", default=None, help="free text stored with the run (claims in it are checked too)")
+    spec_args.add_argument("--nproc-per-node", type=int, default=None, help="--kind fsdp/dflash: ranks per host (default: the number of --gpus)")
     spec_args.add_argument("--json", action="store_true", help="print the result as JSON")
     spec_args.add_argument("argv", nargs=argparse.REMAINDER, help="-- then the command and its arguments (never run by a shell)")
 
@@ -735,7 +736,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--request-id", default=None, help="idempotency key: a retry with the same key starts nothing new")
     p.add_argument("--hosts", default=None, metavar="H1,H2,...", help="one run across these hosts (torchrun c10d; the first host is the rendezvous)")
     p.add_argument("--rdzv-host", default=None, help="multi-node: the address the other hosts reach the first one at (default: its rdzv_host or SSH HostName)")
-    p.add_argument("--nproc-per-node", type=int, default=None, help="multi-node: ranks per host (default: the number of --gpus)")
+
     p.set_defaults(func=cmd_launch)
 
     p = sub.add_parser("preflight", parents=[spec_args], help="only the pre-flight checks of a launch (nothing starts)")
