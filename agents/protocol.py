@@ -356,6 +356,7 @@ class Snapshot(_Msg, tag="snapshot", kw_only=True, omit_defaults=False):  # ever
     epoch: str
     gpus: list[Gpu] = []
     gpu_error: str | None = None  # why there are no GPUs ("NVML: driver not loaded", ...)
+    storage_error: str | None = None  # the journal cannot be written right now (disk full): what is shown may lag
     simulated: bool = False
     runs: list[RunInfo] = []
     processes: list[ProcInfo] = []  # members of live runs and STALE survivors

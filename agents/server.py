@@ -23,7 +23,7 @@ from pathlib import Path
 import msgspec
 
 from agents import __version__, paths
-from agents.errors import AgentError, BadRequest, VersionMismatch
+from agents.errors import AgentError, BadRequest, StorageError, VersionMismatch
 from agents.gpus import make_sampler
 from agents.journal import Journal
 from agents.procs import ProcTable
@@ -182,6 +182,11 @@ class Agent:
         while True:
             try:
                 self.supervisor.refresh()
+                self.snapshots.storage_error = None
+            except StorageError as exc:  # disk full: keep supervising, say so in every snapshot, retry next tick
+                if self.snapshots.storage_error is None:
+                    log.error("journal write failed: %s", exc.message)
+                self.snapshots.storage_error = exc.message
             except Exception:  # one bad tick must not end supervision
                 log.exception("supervision tick failed")
             await asyncio.sleep(TICK_S)

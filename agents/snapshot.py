@@ -26,6 +26,7 @@ class SnapshotBuilder:
         self.procs = procs
         self.supervisor = supervisor
         self._static: dict[tuple[int, float], tuple[str | None, list[str]]] = {}
+        self.storage_error: str | None = None  # set by the agent while the journal cannot be written
 
     def attribute(self, p: GpuProcess) -> None:
         """Fill in a GPU process's attribution, run, rank, user and command line."""
@@ -108,6 +109,7 @@ class SnapshotBuilder:
             gpus=gpus,
             gpu_error=self.gpus.error,
             simulated=self.gpus.simulated,
+            storage_error=self.storage_error,
             runs=runs,
             processes=procs,
             last_seq=self.supervisor.journal.last_seq,

@@ -24,6 +24,8 @@ def format_status(snap: Snapshot) -> str:
     out = [f"host {snap.host}  ({when(snap.ts)}, sampled in {snap.sample_ms:.2f} ms)"]
     if snap.simulated:
         out.append(format_simulated(snap))
+    if snap.storage_error:
+        out.append(f"STORAGE: {snap.storage_error}")
     if snap.gpu_error:
         out.append(f"GPUs: none ({snap.gpu_error})")
     else:
