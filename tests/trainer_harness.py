@@ -65,6 +65,8 @@ class Runs:
         e.pop("GPUDECK_TEST_FAIL_AT_STEP", None)
         e.update(env or {})
         if nproc is None:
+            # threads that sleep while they wait: spinning ones stall badly when the 2 cores are shared
+            e.setdefault("OMP_WAIT_POLICY", "PASSIVE")
             cmd = [sys.executable, "-m", module, *args, "--out", str(out)]
         else:
             e["OMP_NUM_THREADS"] = "1"  # two ranks on two cores
