@@ -126,6 +126,7 @@ class Supervisor:
         self._baselines: dict[str, Baseline | None] = {}
         self._first_death: dict[str, Alert] = {}
         self._bg: set[asyncio.Task] = set()
+        self._launching: set[str] = set()  # recorded, not yet spawned: the tick must not judge them (no shim yet)
         # fills in a GPU process's attribution (RUN/STALE/FOREIGN/NO_SUCH_PROCESS); set by the agent
         self.attribute: Callable[[GpuProcess], None] = lambda p: None
 
@@ -136,6 +137,11 @@ class Supervisor:
             self._on_event(ev)
 
     def _set(self, run: RunInfo, event_kind: str | None, event_data: dict | None = None, **fields: object) -> None:
+        new_state = fields.get("state")
+        if run.state in TERMINAL_STATES and new_state is not None and new_state not in TERMINAL_STATES:
+            # an ended run never comes back to life in the journal: that would be a run nobody supervises
+            log.error("run %s: refusing %s -> %s (the run has ended)", run.id, run.state, new_state)
+            return
         if event_kind == "run_state":
             # the event carries what a replica (the console's history) needs to rebuild the run row
             event_data = dict(event_data or {})
@@ -347,6 +353,14 @@ class Supervisor:
             shutil.rmtree(run_dir, ignore_errors=True)
             raise StorageError(f"{exc.message}; nothing was started") from exc
         self._runs[run_id] = run
+        self._launching.add(run_id)
+        try:
+            return await self._start_recorded(run, spec, run_dir, now, pf, env_fp)
+        finally:
+            self._launching.discard(run_id)
+
+    async def _start_recorded(self, run: RunInfo, spec: LaunchSpec, run_dir: Path, now: float, pf: PreflightResult | None, env_fp: EnvFingerprint | None) -> tuple[RunInfo, bool]:
+        run_id = run.id
         extra: list[tuple[str, str | None, dict]] = []
         if pf is not None:
             extra.append(("preflight", run_id, {"result": msgspec.to_builtins(pf)}))
@@ -446,7 +460,7 @@ class Supervisor:
             if run.state not in ("running", "starting", "stopping"):
                 continue
             self.poll_telemetry(run)
-            if run.id in self._stopping:
+            if run.id in self._stopping or run.id in self._launching:
                 continue
             self._discover_members(run)
             if not self._run_alive(run):
