@@ -13,7 +13,7 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +49,8 @@ class AgentClient:
         self._reader = reader
         self._writer = writer
         self._waiters: dict[str, asyncio.Queue] = {}
+        # streams delivered by callback from the reader itself: no queue, no task switch per item
+        self._handlers: dict[str, Callable[[Reply | None], None]] = {}
         self._frames = FrameReader(max_frame=64 << 20)
         self._pump_task = asyncio.ensure_future(self._pump())
         self._wlock = asyncio.Lock()
@@ -99,6 +101,12 @@ class AgentClient:
                         msg = decode_reply(frame)
                     except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
                         continue  # a line we cannot read (a newer agent's message, garbage) is skipped
+                    handler = self._handlers.get(msg.request_id)
+                    if handler is not None:
+                        if isinstance(msg, (StreamEnd, Error)):
+                            self._handlers.pop(msg.request_id, None)
+                        handler(msg)
+                        continue
                     q = self._waiters.get(msg.request_id)
                     if q is not None:
                         q.put_nowait(msg)
@@ -111,6 +119,9 @@ class AgentClient:
             self.closed.set()
             for q in self._waiters.values():
                 q.put_nowait(None)
+            handlers, self._handlers = self._handlers, {}
+            for handler in handlers.values():
+                handler(None)
 
     async def _send(self, msg: msgspec.Struct) -> None:
         if self.closed.is_set():
@@ -164,6 +175,27 @@ class AgentClient:
                 except Exception:
                     pass
             self._waiters.pop(msg.request_id, None)
+
+    async def watch(self, msg: Any, on_item: Callable[[Reply | None], None]) -> str:
+        """Start a stream whose items go straight to ``on_item`` from the reader (StreamEnd/Error end it; None: the
+        connection closed). For high-rate streams (snapshots of hundreds of hosts). Returns the request id."""
+        if not msg.request_id:
+            msg.request_id = new_request_id("w")
+        self._handlers[msg.request_id] = on_item
+        try:
+            await self._send(msg)
+        except BaseException:
+            self._handlers.pop(msg.request_id, None)
+            raise
+        return msg.request_id
+
+    async def unwatch(self, request_id: str) -> None:
+        """End a stream started with :meth:`watch`."""
+        if self._handlers.pop(request_id, None) is not None and not self.closed.is_set():
+            try:
+                await self._send(Cancel(request_id=new_request_id("c"), target=request_id))
+            except Exception:
+                pass
 
     async def close(self) -> None:
         """Close the connection."""

@@ -60,13 +60,13 @@ class GpuProcess(msgspec.Struct, kw_only=True):  # every field always on the wir
 
 
 class Gpu(msgspec.Struct, kw_only=True, omit_defaults=True):
-    """One GPU as NVML sees it."""
+    """One GPU as NVML sees it (a compact snapshot leaves the static uuid, name and total out after the first)."""
 
     index: int
-    uuid: str
-    name: str
-    memory_used: int
-    memory_total: int
+    uuid: str = ""
+    name: str = ""
+    memory_used: int = 0
+    memory_total: int = 0
     util_gpu: int | None = None  # percent
     util_mem: int | None = None
     temperature_c: int | None = None
@@ -362,6 +362,7 @@ class Snapshot(_Msg, tag="snapshot", kw_only=True, omit_defaults=False):  # ever
     processes: list[ProcInfo] = []  # members of live runs and STALE survivors
     last_seq: int = 0
     sample_ms: float = 0.0
+    compact: bool = False  # the GPUs' static fields (uuid, name, memory_total, power_limit_w) are those of the stream's first snapshot
 
 
 # ----------------------------------------------------------------------------- requests
@@ -384,9 +385,10 @@ class GetSnapshot(_Msg, tag="get_snapshot", kw_only=True):
 
 
 class WatchSnapshots(_Msg, tag="watch_snapshots", kw_only=True):
-    """A snapshot every ``interval_s`` until cancelled."""
+    """A snapshot every ``interval_s`` (a fixed rate) until cancelled; ``compact``: static GPU fields only in the first."""
 
     interval_s: float = 1.0
+    compact: bool = False
 
 
 class Launch(_Msg, tag="launch", kw_only=True):
@@ -416,11 +418,13 @@ class Stop(_Msg, tag="stop", kw_only=True):
 
 
 class GetEvents(_Msg, tag="get_events", kw_only=True):
-    """Events after ``after_seq``; with ``follow`` the stream stays open."""
+    """Events after ``after_seq``; with ``follow`` the stream stays open; ``wait_s`` (without follow): a long poll
+    that answers as soon as there is an event, or empty after ``wait_s`` (one batch in flight: natural back-pressure)."""
 
     after_seq: int = 0
     limit: int = 10000
     follow: bool = False
+    wait_s: float = 0.0
 
 
 class ReadOutput(_Msg, tag="read_output", kw_only=True):

@@ -331,11 +331,25 @@ class _Conn:
             await self.send(snap)
         elif isinstance(req, WatchSnapshots):
             interval = max(0.05, min(req.interval_s, 3600.0))
+            loop = asyncio.get_running_loop()
+            next_t = loop.time()
+            first = True
             while True:
                 snap = a.snapshots.build()
                 snap.request_id = rid
+                if req.compact and not first:
+                    snap.compact = True
+                    for g in snap.gpus:  # static facts went out with the first snapshot of this stream
+                        g.uuid, g.name, g.memory_total, g.power_limit_w = "", "", 0, None
+                first = False
                 await self.send(snap, droppable=True)
-                await asyncio.sleep(interval)
+                # a fixed rate, not interval + work: the console expects one a second
+                next_t += interval
+                delay = next_t - loop.time()
+                if delay < -interval:
+                    next_t = loop.time()
+                    delay = 0.0
+                await asyncio.sleep(max(0.0, delay))
         elif isinstance(req, Launch):
             run, dup = await a.supervisor.launch(req.spec, rid, host_name=self.alias or None)
             await self.send(LaunchReply(request_id=rid, run=run, duplicate=dup))
@@ -392,10 +406,19 @@ class _Conn:
         limit = max(1, min(req.limit, 10000))
         wake = asyncio.Event()
         a._event_waiters.add(wake)
+        waited = False
         try:
             while True:
                 wake.clear()
                 events = await asyncio.to_thread(a.journal.events_after, after, limit)
+                if not events and not req.follow and req.wait_s > 0 and not waited:
+                    waited = True  # long poll: wait once for the next event, then answer (maybe empty)
+                    try:
+                        async with asyncio.timeout(min(req.wait_s, 300.0)):
+                            await wake.wait()
+                    except TimeoutError:
+                        pass
+                    continue
                 if events or not req.follow:
                     await self.send(EventBatch(request_id=req.request_id, epoch=a.journal.epoch, events=events, last_seq=a.journal.last_seq))
                     if events:

@@ -27,6 +27,7 @@ from agents.client import AgentClient
 from agents.errors import AgentError, AgentUnavailable, VersionMismatch
 from agents.protocol import (
     EnvFingerprint,
+    Error,
     EventBatch,
     Fingerprint,
     FingerprintReply,
@@ -70,6 +71,7 @@ REQUEST_TIMEOUT_S = 60.0  # a request with no answer by then fails (a stop waits
 STALL_FACTOR = 5.0  # no snapshot for this many intervals (at least STALL_MIN_S): the link is dead
 STALL_MIN_S = 10.0
 EVENT_BATCH = 5000
+EVENT_POLL_S = 5.0  # a caught-up event pull waits this long for the next event
 NODE_LOST_S = 30.0  # a multi-node run's host unreachable this long counts as a lost node
 
 
@@ -234,23 +236,47 @@ class HostLink:
             backoff = min(backoff * 2, BACKOFF_MAX_S)
 
     async def _watch(self, client: AgentClient) -> None:
+        """Follow the snapshot stream: items arrive by callback from the reader (no task hop per snapshot); a
+        check every few seconds notices a stalled link."""
         stall = max(STALL_MIN_S, STALL_FACTOR * self.interval_s)
         loop = asyncio.get_running_loop()
-        # one deadline, moved on by every snapshot (asyncio.timeout, unlike wait_for on 3.11, never swallows a cancel)
+        ended: asyncio.Future = loop.create_future()
+        static: dict[int, tuple[str, str, int, float | None]] = {}
+        self.status.last_seen = time.time()
+
+        def on_item(msg) -> None:  # type: ignore[no-untyped-def]
+            if isinstance(msg, Snapshot):
+                if msg.compact:  # refill what the agent sent once
+                    for g in msg.gpus:
+                        g.uuid, g.name, g.memory_total, g.power_limit_w = static.get(g.index, ("", "", 0, None))
+                else:
+                    static.clear()
+                    static.update({g.index: (g.uuid, g.name, g.memory_total, g.power_limit_w) for g in msg.gpus})
+                self.status.snapshot = msg
+                self.status.last_seen = time.time()
+                if self.status.state != "up":
+                    self._set_state("up")
+                else:
+                    self._notify()
+            elif not ended.done():
+                why = "the snapshot stream ended" if msg is not None else f"the agent connection closed ({client.close_reason})"
+                if isinstance(msg, Error):
+                    why = f"the agent refused the snapshot stream: {msg.message}"
+                ended.set_exception(AgentUnavailable(why))
+
+        rid = await client.watch(WatchSnapshots(interval_s=self.interval_s, compact=True), on_item)
         try:
-            async with asyncio.timeout(stall) as deadline:
-                async for snap in client.stream(WatchSnapshots(interval_s=self.interval_s)):
-                    deadline.reschedule(loop.time() + stall)
-                    assert isinstance(snap, Snapshot)
-                    self.status.snapshot = snap
-                    self.status.last_seen = time.time()
-                    if self.status.state != "up":
-                        self._set_state("up")
-                    else:
-                        self._notify()
-        except TimeoutError:
-            raise AgentUnavailable(f"no snapshot for {stall:.0f} s: the link is stalled or the host is down") from None
-        raise AgentUnavailable("the snapshot stream ended")
+            while True:
+                await asyncio.wait([ended], timeout=min(stall / 2, 5.0))
+                if ended.done():
+                    ended.result()  # raises why
+                quiet = time.time() - (self.status.last_seen or 0)
+                if quiet > stall:
+                    raise AgentUnavailable(f"no snapshot for {quiet:.0f} s: the link is stalled or the host is down")
+        finally:
+            if not ended.done():
+                ended.cancel()
+            await client.unwatch(rid)
 
     async def _apply_pending_stops(self, client: AgentClient) -> None:
         """Stop what was asked to stop while this host was cut off (a node of a multi-node run, say)."""
@@ -279,7 +305,11 @@ class HostLink:
                 await client.close()
 
     async def sync_events(self, client: AgentClient, follow: bool = False) -> SyncResult:
-        """Pull events after the history's cursor for this host; with ``follow`` keep going."""
+        """Pull events after the history's cursor for this host; with ``follow`` keep going.
+
+        One batch is in flight at a time (a long poll when caught up), so a console
+        that falls behind slows the agent's sending instead of queueing replies in memory.
+        """
         assert self.history is not None
         hello = client.hello
         assert hello is not None
@@ -288,29 +318,28 @@ class HostLink:
         after = cur.last_seq
         self.status.synced_seq = after
         while True:
-            restart = False
-            async for batch in client.stream(GetEvents(after_seq=after, limit=EVENT_BATCH, follow=follow)):
-                assert isinstance(batch, EventBatch)
-                if batch.epoch != hello.epoch:
-                    raise AgentUnavailable(f"the agent's journal epoch changed ({hello.epoch} -> {batch.epoch}): reconnecting")
-                events = batch.events
-                if events and events[0].seq != after + 1:
-                    restart = True  # a gap: ask again from what we hold
-                    break
-                if events:
-                    n = await self.history.ingest(self.name, hello.epoch, events)
-                    if self.on_events is not None and n:
-                        self.on_events(self.name, events)
-                    result.new_events += n
-                    after = events[-1].seq
-                    result.last_seq = after
-                    self.status.synced_seq = after
-                    for fn in self._sync_listeners:
-                        fn(self.name, n)
-                if not follow:
-                    restart = bool(events) and after < batch.last_seq
-                    break
-            if not restart:
+            wait = EVENT_POLL_S if follow else 0.0
+            try:
+                batch = await client.request(GetEvents(after_seq=after, limit=EVENT_BATCH, wait_s=wait), timeout=wait + REQUEST_TIMEOUT_S)
+            except TimeoutError:
+                raise AgentUnavailable(f"no answer to an event pull within {wait + REQUEST_TIMEOUT_S:.0f} s") from None
+            assert isinstance(batch, EventBatch)
+            if batch.epoch != hello.epoch:
+                raise AgentUnavailable(f"the agent's journal epoch changed ({hello.epoch} -> {batch.epoch}): reconnecting")
+            events = batch.events
+            if events and events[0].seq != after + 1:
+                continue  # a gap: ask again from what we hold
+            if events:
+                n = await self.history.ingest(self.name, hello.epoch, events)
+                if self.on_events is not None and n:
+                    self.on_events(self.name, events)
+                result.new_events += n
+                after = events[-1].seq
+                result.last_seq = after
+                self.status.synced_seq = after
+                for fn in self._sync_listeners:
+                    fn(self.name, n)
+            if not follow and (not events or after >= batch.last_seq):
                 return result
 
     async def client(self, timeout: float = 15.0) -> AgentClient:
