@@ -1,109 +1,185 @@
-"""Provides the gpudeck console: a Textual app over the Fleet (hosts, GPUs, runs, output)."""
+"""Provides the gpudeck console: a Textual app over the Fleet (hosts, GPUs, runs, output) and the History.
+
+Host links call back on every snapshot; the app only notes which hosts
+changed and, four times a second, hands the changes to the screens inside one
+``batch_update()`` — 256 hosts at 1 Hz cost a few table cells per tick, not a
+repaint per snapshot. History syncs are noted the same way.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import gc
+import time
+from pathlib import Path
 
 from textual import work
-from textual.app import App, SystemCommand
+from textual.app import App
 from textual.binding import Binding
-from textual.screen import Screen
+from textual.screen import ModalScreen, Screen
 
-from agents.errors import AgentError
+from agents.protocol import LaunchSpec, RunInfo
+from console.commands import GpudeckCommands
 from console.fleet import Fleet, HostStatus
-from console.messages import HostUpdated
+from console.history import History
+from console.screens.base import LiveScreen
 from console.screens.fleet import FleetScreen
+from console.screens.history import HistoryScreen
 from console.screens.host import HostScreen
-from console.screens.launch import LaunchDialog, LaunchRequest
+from console.screens.launch import LaunchDialog, LaunchOutcome
 from console.screens.run import RunScreen
 from console.screens.runs import RunsScreen
+
+# Host changes reach the screens this often at most. A refresh costs the visible cells that changed
+# (KeyedTable), so frequent small refreshes keep a key press from waiting behind a big one.
+FLUSH_S = 0.25
+GC_FREEZE_AFTER_S = 60.0  # freeze the start-up heap once every host has answered, or after this long
+THEMES = ("textual-dark", "textual-light")
 
 
 class GpudeckApp(App):
     """The operator's console."""
 
-    CSS_PATH = "app.tcss"
+    CSS_PATH = Path(__file__).with_name("app.tcss")  # absolute, so a subclass elsewhere (bench/tui.py) finds it
     TITLE = "gpudeck"
     SUB_TITLE = "who holds every GPU, every run supervised"
+    COMMANDS = App.COMMANDS | {GpudeckCommands}
     BINDINGS = [
         Binding("f", "show_fleet", "Fleet", tooltip="every host"),
         Binding("r", "show_runs", "Runs", tooltip="every run on every host"),
-        Binding("l", "launch", "Launch", tooltip="start a run"),
-        Binding("question_mark", "show_help_panel", "Help", key_display="?"),
+        Binding("h", "show_history", "History", tooltip="every recorded run: filter, open, diff two"),
+        Binding("l", "launch", "Launch", tooltip="start a run: pre-flight first, explicit start"),
+        Binding("ctrl+t", "toggle_theme", "Theme", tooltip="dark / light"),
+        Binding("question_mark", "toggle_help", "Help", key_display="?"),
         Binding("q", "quit", "Quit"),
     ]
 
-    def __init__(self, fleet: Fleet | None = None) -> None:
+    def __init__(self, fleet: Fleet | None = None, *, freeze_gc: bool = False) -> None:
+        """``freeze_gc``: once connected, keep the start-up heap out of full collections (the real console does)."""
         super().__init__()
         self.fleet = fleet or Fleet()
-        self._status: dict[str, HostStatus] = {}
+        self._dirty_hosts: set[str] = set()
+        self._history_dirty = False
+        self._gc_frozen = not freeze_gc  # tests and embedders leave their process's collector alone
+        self._mounted_at = time.monotonic()
+        self.flushes = 0
 
     def fleet_status(self) -> dict[str, HostStatus]:
         """The latest state of every host."""
         return {name: link.status for name, link in self.fleet.links.items()}
 
     def on_mount(self) -> None:
-        for link in self.fleet.links.values():
-            link.subscribe(lambda st: self.post_message(HostUpdated(st)))
+        self.theme = THEMES[0]
+        for name, link in self.fleet.links.items():
+            link.subscribe(lambda _st, name=name: self._dirty_hosts.add(name))
+            link.on_synced(self._synced)
         self.fleet.start()
+        self.set_interval(FLUSH_S, self.flush_updates)
+        self._mounted_at = time.monotonic()
         self.push_screen(FleetScreen())
+
+    def _synced(self, host: str, n: int) -> None:
+        if n:
+            self._history_dirty = True
 
     async def on_unmount(self) -> None:
         await self.fleet.close()
 
-    def on_host_updated(self, message: HostUpdated) -> None:
-        for screen in self.screen_stack:
-            handler = getattr(screen, "host_updated", None)
-            if handler is not None:
-                handler(message.status)
+    def flush_updates(self) -> None:
+        """Hand what changed since the last flush to the screens; the visible ones redraw it now, in one batch."""
+        if not self._gc_frozen:
+            self._maybe_freeze_gc()
+        if not self._dirty_hosts and not self._history_dirty:
+            return
+        hosts, self._dirty_hosts = self._dirty_hosts, set()
+        history, self._history_dirty = self._history_dirty, False
+        self.flushes += 1
+        with self.batch_update():
+            for screen in self.screen_stack:
+                if isinstance(screen, LiveScreen):
+                    screen.queue(hosts, history)
+            for screen in self.visible_screens():
+                if isinstance(screen, LiveScreen):
+                    screen.deliver()
+
+    def _maybe_freeze_gc(self) -> None:
+        """Once the fleet is connected, take what start-up built out of the cyclic collector's sight.
+
+        The widgets, the links, hundreds of SSH connections live as long as the console; a full
+        collection walks all of them (170 ms with 256 hosts, measured by bench/tui.py) and a key
+        press waits behind it. Frozen objects are still freed by reference counting when they go.
+        """
+        links = self.fleet.links.values()
+        settled = all(link.status.state != "connecting" for link in links)
+        if settled or time.monotonic() - self._mounted_at > GC_FREEZE_AFTER_S:
+            self._gc_frozen = True
+            gc.collect()
+            gc.freeze()
+
+    def visible_screens(self) -> list[Screen]:
+        """The top screen, and under a modal dialog the screens it lets show through."""
+        out: list[Screen] = []
+        for screen in reversed(self.screen_stack):
+            out.append(screen)
+            if not isinstance(screen, ModalScreen):
+                break
+        return out
 
     # ------------------------------------------------------------------ navigation
-
-    def _top_is(self, cls: type[Screen]) -> bool:
-        return isinstance(self.screen, cls)
 
     def action_show_fleet(self) -> None:
         while len(self.screen_stack) > 2:
             self.pop_screen()
 
     def action_show_runs(self) -> None:
-        if not self._top_is(RunsScreen):
+        if not isinstance(self.screen, RunsScreen):
             self.push_screen(RunsScreen())
+
+    def action_show_history(self) -> None:
+        if not isinstance(self.screen, HistoryScreen):
+            self.push_screen(HistoryScreen())
 
     def open_host(self, host: str) -> None:
         """Show one host's GPUs and processes."""
         self.push_screen(HostScreen(host))
 
-    def open_run(self, host: str, run_id: str) -> None:
-        """Show one run's output and actions."""
-        self.push_screen(RunScreen(host, run_id))
+    def open_run(self, host: str, run_id: str, run: RunInfo | None = None) -> None:
+        """Show one run's output, facts and actions (``run``: what is known of it already)."""
+        self.push_screen(RunScreen(host, run_id, run))
+
+    def action_toggle_theme(self) -> None:
+        self.theme = THEMES[1] if self.theme == THEMES[0] else THEMES[0]
+
+    def action_toggle_help(self) -> None:
+        from textual.widgets import HelpPanel
+
+        if self.screen.query(HelpPanel):
+            self.action_hide_help_panel()
+        else:
+            self.action_show_help_panel()
 
     def action_launch(self) -> None:
         self.launch_flow()
 
     @work(exclusive=True, group="launch")
-    async def launch_flow(self) -> None:
-        req: LaunchRequest | None = await self.push_screen_wait(LaunchDialog())
-        if req is None:
+    async def launch_flow(self, prefill: LaunchSpec | None = None, parent: str | None = None, host: str | None = None, title: str | None = None) -> None:
+        """The launch dialog (pre-flight, confirm, launch), then the new run's screen."""
+        outcome: LaunchOutcome | None = await self.push_screen_wait(LaunchDialog(prefill=prefill, parent=parent, host=host, title=title))
+        if outcome is None:
             return
-        try:
-            reply = await self.fleet.launch(req.host, req.spec)
-        except AgentError as exc:
-            self.notify(exc.message, title="launch failed", severity="error", timeout=15)
-            return
-        self.notify(f"{reply.run.id} started on {req.host}", title="launched")
-        self.open_run(req.host, reply.run.id)
-
-    def get_system_commands(self, screen: Screen) -> Iterable[SystemCommand]:
-        yield from super().get_system_commands(screen)
-        yield SystemCommand("Fleet", "Every host at a glance", self.action_show_fleet)
-        yield SystemCommand("Runs", "Every run on every host", self.action_show_runs)
-        yield SystemCommand("Launch", "Start a run (pre-flight, explicit start)", self.action_launch)
-        if isinstance(screen, RunScreen):
-            yield SystemCommand("Stop this run", "TERM, grace, KILL, verify GPU memory", screen.action_stop_run)
+        run = outcome.run
+        what = f" ({outcome.spec.start})" if outcome.spec.start else ""
+        if run.state == "preflight_failed":
+            self.notify(run.cause or "pre-flight failed on the host", title=f"{run.id} refused by {outcome.host}", severity="error", timeout=15)
+        else:
+            self.notify(f"{run.id} started on {outcome.host}{what}" + (f", relaunching {parent}" if parent else ""), title="launched")
+        self.open_run(outcome.host, run.id, run)
 
 
 def run_console() -> int:
-    """Open the console on the local host (its agent starts if needed)."""
-    GpudeckApp().run()
+    """Open the console on the fleet (this host, its agent started if needed, plus the configured hosts)."""
+    history = History()
+    try:
+        GpudeckApp(Fleet(history=history), freeze_gc=True).run()
+    finally:
+        history.close()
     return 0

@@ -1,15 +1,29 @@
-"""Provides the messages the console's workers post back to the UI."""
+"""Provides the messages the console's thread workers post back to the UI (the live-screen protocol is console/screens/base.py)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from textual.message import Message
 
-from console.fleet import HostStatus
 
+class HistoryLoaded(Message):
+    """A history query finished in a thread: its rows, or the error that says how to fix the filter."""
 
-class HostUpdated(Message):
-    """A host's link state or snapshot changed."""
-
-    def __init__(self, status: HostStatus) -> None:
+    def __init__(self, query: str, rows: list[dict[str, Any]], error: str | None = None, seconds: float = 0.0) -> None:
         super().__init__()
-        self.status = status
+        self.query = query
+        self.rows = rows
+        self.error = error
+        self.seconds = seconds
+
+
+class RecordLoaded(Message):
+    """A run's full history row (or None: the history does not hold it)."""
+
+    def __init__(self, host: str, run_id: str, record: dict[str, Any] | None, error: str | None = None) -> None:
+        super().__init__()
+        self.host = host
+        self.run_id = run_id
+        self.record = record
+        self.error = error

@@ -1,83 +1,148 @@
-"""Provides the Fleet screen: one row per host, updated in place by row key."""
+"""Provides the Fleet screen: one row per host, updated in place by row key (256 hosts scroll and update smoothly)."""
 
 from __future__ import annotations
 
 from rich.text import Text
 from textual.app import ComposeResult
 from textual.binding import Binding
-from textual.screen import Screen
-from textual.widgets import DataTable, Footer, Header, Static
+from textual.widgets import Footer, Static
 
 from console.fleet import HostStatus
-from console.fmt import ago
-from console.widgets.cells import mem_bar, state_text
+from console.fmt import gib
+from console.screens.base import LiveScreen, tolerant
+from console.views import HostFigures, clock, host_figures, since
+from console.widgets.cells import SIMULATED, alerts_text, mem_bar, pct_bar, state_text
+from console.widgets.header import AppHeader
+from console.widgets.keyed_table import Col, KeyedTable, fit
 
-COLUMNS = [("host", "HOST"), ("state", "STATE"), ("gpus", "GPUs BUSY"), ("memory", "MEMORY"), ("util", "UTIL"), ("runs", "RUNS"), ("alerts", "ALERTS")]
+COLUMNS = [
+    Col("host", "HOST", 20),
+    Col("state", "STATE", 36),
+    Col("gpus", "GPUs BUSY", 9),
+    Col("memory", "MEMORY", 30),
+    Col("util", "UTIL", 10),
+    Col("runs", "RUNS", 4),
+    Col("alerts", "ALERTS / LINK", None),  # what the terminal leaves (fixed when the screen is built: see keyed_table.fit)
+]
+NOT_UP_REFRESH_S = 1.0  # 'unreachable since ... (5m00s)' and 'connecting ... 3 s' count on screen
 
 
-def host_cells(st: HostStatus) -> dict[str, object]:
-    """The cells of one host's row."""
-    snap = st.snapshot
+def state_cell(st: HostStatus) -> Text:
+    """The link state as the operator reads it: up, connecting for how long, unreachable since when."""
     if st.state == "unreachable":
-        state = state_text("unreachable", f"since {ago(st.since)}")
+        return state_text("unreachable", f"since {clock(st.since)} ({since(st.since)})")
+    if st.state == "connecting":
+        return state_text("connecting", f"… {since(st.since)}" + (f" (try {st.connects + 1})" if st.connects else ""))
+    if st.state == "up":
+        t = state_text("up")
+        if st.agent_version:
+            t.append(f"  agent {st.agent_version}", style="dim")
+        return t
+    return state_text(st.state, f"since {clock(st.since)}")
+
+
+def host_cells(st: HostStatus) -> tuple[dict[str, object], HostFigures | None]:
+    """The cells of one host's row, and its figures (None when it is not up)."""
+    snap = st.snapshot
+    name = Text(st.name, style="bold")
+    if snap is not None and snap.simulated:
+        name.append(" ")
+        name.append_text(SIMULATED)
+    cells: dict[str, object] = {"host": name, "state": state_cell(st), "gpus": "-", "memory": "-", "util": "-", "runs": "-", "alerts": Text("")}
+    if st.state != "up" or snap is None:
+        if st.error:
+            # host_key and version_mismatch say what to do; unreachable says why
+            cells["alerts"] = Text(st.error, style="bold magenta" if st.state in ("host_key", "version_mismatch") else "red")
+        return cells, None
+    fig = host_figures(snap)
+    if fig.gpus:
+        cells["gpus"] = f"{fig.busy}/{fig.gpus}"
+        cells["memory"] = mem_bar(fig.used, fig.total)
+        cells["util"] = pct_bar(fig.util)
     else:
-        state = state_text(st.state)
-    cells: dict[str, object] = {"host": Text(st.name, style="bold"), "state": state, "gpus": "-", "memory": "-", "util": "-", "runs": "-", "alerts": ""}
-    if snap is not None:
-        if snap.gpus:
-            busy = sum(1 for g in snap.gpus if g.processes)
-            used = sum(g.memory_used for g in snap.gpus)
-            total = sum(g.memory_total for g in snap.gpus)
-            utils = [g.util_gpu for g in snap.gpus if g.util_gpu is not None]
-            cells["gpus"] = f"{busy}/{len(snap.gpus)}"
-            cells["memory"] = mem_bar(used, total)
-            cells["util"] = f"{sum(utils) / len(utils):.0f}%" if utils else "-"
-        else:
-            cells["gpus"] = Text("no GPU", style="dim")
-            cells["memory"] = Text(snap.gpu_error or "", style="dim")
-        cells["runs"] = str(len(snap.runs))
-        stale = sum(1 for g in snap.gpus for p in g.processes if p.attribution in ("STALE", "NO_SUCH_PROCESS"))
-        if stale:
-            cells["alerts"] = Text(f"{stale} stale GPU process(es)", style="bold red")
-    if st.error and st.state != "up":
-        cells["alerts"] = Text(st.error[:80], style="red")
-    return cells
+        cells["gpus"] = Text("no GPU", style="dim")
+        cells["memory"] = Text((snap.gpu_error or "")[:32], style="dim")
+    cells["runs"] = str(fig.runs)
+    cells["alerts"] = alerts_text(fig.alerts, fig.critical)
+    return cells, fig
 
 
-class FleetScreen(Screen):
+class FleetScreen(LiveScreen):
     """Every host at a glance; enter opens a host."""
 
-    BINDINGS = [Binding("enter", "open_host", "Open host", show=True)]
+    BINDINGS = [
+        Binding("enter", "open_host", "Open host", tooltip="GPUs and processes of the highlighted host"),
+        Binding("a", "next_alert", "Next alert", tooltip="move to the next host with an alert or a link problem"),
+    ]
 
     def compose(self) -> ComposeResult:
-        yield Header()
-        yield Static("Fleet", classes="title")
-        table: DataTable = DataTable(id="fleet-table", cursor_type="row", zebra_stripes=True)
-        for key, label in COLUMNS:
-            table.add_column(label, key=key)
-        yield table
+        yield AppHeader()
+        yield Static("Fleet", id="fleet-summary", classes="title")
+        yield KeyedTable(fit(COLUMNS, self.app.size.width), id="fleet-table")
         yield Footer()
 
+    @tolerant
     def on_mount(self) -> None:
-        for st in self.app.fleet_status().values():  # type: ignore[attr-defined]
-            self.host_updated(st)
+        self._figures: dict[str, HostFigures | None] = {}
+        self._states: dict[str, str] = {}
+        self.hosts_changed(set(self.app.fleet.links))  # type: ignore[attr-defined]
+        self.set_interval(NOT_UP_REFRESH_S, self._tick)
 
-    def host_updated(self, st: HostStatus) -> None:
-        """Update (or add) one host's row in place."""
-        table = self.query_one("#fleet-table", DataTable)
-        cells = host_cells(st)
-        if st.name in table.rows:
-            for key, _ in COLUMNS:
-                table.update_cell(st.name, key, cells[key], update_width=True)
-        else:
-            table.add_row(*(cells[k] for k, _ in COLUMNS), key=st.name)
+    @tolerant
+    def _tick(self) -> None:
+        if self.app.screen is not self:
+            return
+        waiting = {h for h, s in self._states.items() if s != "up"}
+        if waiting:
+            self.hosts_changed(waiting)
+
+    def hosts_changed(self, names: set[str]) -> None:
+        """Update (or add) the rows of these hosts only."""
+        table = self.query_one("#fleet-table", KeyedTable)
+        links = self.app.fleet.links  # type: ignore[attr-defined]
+        for name in [n for n in links if n in names]:  # config order for new rows
+            st = links[name].status
+            cells, fig = host_cells(st)
+            table.upsert(name, cells)
+            self._figures[name] = fig
+            self._states[name] = st.state
+        self._summary()
+
+    def _summary(self) -> None:
+        states = list(self._states.values())
+        figs = [f for f in self._figures.values() if f is not None]
+        t = Text()
+        t.append(f"Fleet: {len(states)} host(s)", style="bold")
+        t.append(f"  {states.count('up')} up", style="green")
+        for state, label, style in (("connecting", "connecting", "yellow"), ("unreachable", "unreachable", "bold red"), ("host_key", "host key refused", "bold magenta"), ("version_mismatch", "version mismatch", "bold magenta")):
+            n = states.count(state)
+            if n:
+                t.append(f"  {n} {label}", style=style)
+        gpus = sum(f.gpus for f in figs)
+        t.append(f"   GPUs {sum(f.busy for f in figs)}/{gpus} busy   {gib(sum(f.used for f in figs))}/{gib(sum(f.total for f in figs))} GiB   runs {sum(f.runs for f in figs)}")
+        alerts = sum(len(f.alerts) for f in figs)
+        if alerts:
+            t.append(f"   ⚠ {alerts} alert(s)", style="bold red")
+        self.query_one("#fleet-summary", Static).update(t)
+
+    def action_next_alert(self) -> None:
+        table = self.query_one("#fleet-table", KeyedTable)
+        keys = table.keys()
+        if not keys:
+            return
+        cur = table.cursor_row
+        for i in range(1, len(keys) + 1):
+            k = keys[(cur + i) % len(keys)]
+            fig = self._figures.get(k)
+            if self._states.get(k) != "up" or (fig is not None and fig.alerts):
+                table.move_cursor_to_key(k)
+                return
+        self.notify("no host has an alert or a link problem")
 
     def action_open_host(self) -> None:
-        table = self.query_one("#fleet-table", DataTable)
-        if table.row_count == 0:
-            return
-        key = table.coordinate_to_cell_key(table.cursor_coordinate).row_key.value
-        self.app.open_host(key)  # type: ignore[attr-defined]
+        key = self.query_one("#fleet-table", KeyedTable).cursor_key
+        if key is not None:
+            self.app.open_host(key)  # type: ignore[attr-defined]
 
-    def on_data_table_row_selected(self, event: DataTable.RowSelected) -> None:
-        self.app.open_host(event.row_key.value)  # type: ignore[attr-defined]
+    def on_data_table_row_selected(self, event: KeyedTable.RowSelected) -> None:
+        self.app.open_host(str(event.row_key.value))  # type: ignore[attr-defined]

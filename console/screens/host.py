@@ -1,69 +1,101 @@
-"""Provides the Host screen: its GPUs and every GPU process, attributed to runs (like nvitop, plus who)."""
+"""Provides the Host screen: its GPUs and every GPU process, attributed to runs (like nvitop, plus who), and reclaim."""
 
 from __future__ import annotations
 
 from rich.text import Text
+from textual import work
 from textual.app import ComposeResult
 from textual.binding import Binding
-from textual.screen import Screen
-from textual.widgets import DataTable, Footer, Header, Static
+from textual.widgets import Footer, Static
 
 from console.fleet import HostStatus
 from console.fmt import gib
-from console.widgets.cells import attribution_text, mem_bar, state_text
+from console.screens.base import LiveScreen, tolerant
+from console.screens.fleet import state_cell
+from console.screens.reclaim import ReclaimItem, reclaim_flow
+from console.views import LEFTOVER_HOLDERS, holder_label, since
+from console.widgets.cells import SIMULATED, attribution_text, mem_bar, pct_bar
+from console.widgets.header import AppHeader
+from console.widgets.keyed_table import Col, KeyedTable
+from console.widgets.progress import ProgressLine
 
-GPU_COLUMNS = [("idx", "GPU"), ("name", "NAME"), ("mem", "MEMORY"), ("util", "UTIL"), ("temp", "TEMP"), ("power", "POWER"), ("unacc", "UNACCOUNTED")]
-PROC_COLUMNS = [("pid", "PID"), ("gpu", "GPU"), ("gib", "GiB"), ("holder", "HOLDER"), ("run", "RUN"), ("rank", "RANK"), ("user", "USER"), ("status", "STATUS"), ("cmd", "COMMAND")]
+GPU_COLUMNS = [
+    Col("idx", "GPU", 4),
+    Col("name", "NAME", 26),
+    Col("mem", "MEMORY", 32),
+    Col("util", "UTIL", 10),
+    Col("temp", "TEMP", 6),
+    Col("power", "POWER", 12),
+    Col("unacc", "UNACCOUNTED", 12),
+    Col("holders", "HOLDERS", 40),
+]
+PROC_COLUMNS = [
+    Col("pid", "PID", 8),
+    Col("gpu", "GPU", 4),
+    Col("gib", "GiB", 6),
+    Col("holder", "HOLDER", 16),
+    Col("run", "RUN", 12),
+    Col("rank", "RANK", 5),
+    Col("user", "USER", 10),
+    Col("status", "STATUS", 11),
+    Col("age", "AGE", 8),
+    Col("cmd", "COMMAND", None),
+]
 
 
-def sync_rows(table: DataTable, columns: list[tuple[str, str]], rows: dict[str, dict[str, object]]) -> None:
-    """Make ``table`` show ``rows`` (key -> cells) by updating in place: never clear a live table."""
-    for stale in [k.value for k in table.rows if k.value not in rows]:
-        table.remove_row(stale)
-    for key, cells in rows.items():
-        if key in table.rows:
-            for col, _ in columns:
-                table.update_cell(key, col, cells[col], update_width=True)
-        else:
-            table.add_row(*(cells[c] for c, _ in columns), key=key)
+class HostScreen(LiveScreen):
+    """One host: GPUs, GPU processes with their runs, the link state; mark processes and reclaim them."""
 
-
-class HostScreen(Screen):
-    """One host: GPUs, GPU processes with their runs, and the link state."""
-
-    BINDINGS = [Binding("escape", "app.pop_screen", "Back")]
+    BINDINGS = [
+        Binding("escape", "app.pop_screen", "Back"),
+        Binding("space", "mark", "Mark", tooltip="mark or unmark the highlighted process (enter and click too)"),
+        Binding("a", "mark_leftovers", "Mark leftovers", tooltip="mark every STALE, FOREIGN and NO SUCH PROCESS holder"),
+        Binding("c", "clear_marks", "Clear marks", show=False),
+        Binding("x", "reclaim", "Reclaim marked", tooltip="stop exactly the marked processes (confirm first), then verify through NVML"),
+        Binding("L", "leftovers", "Leftovers", tooltip="what reclaim offers on this host: orphans of ended runs, foreign and ghost holders"),
+        Binding("o", "open_run", "Open run", tooltip="the run of the highlighted process"),
+    ]
 
     def __init__(self, host: str) -> None:
         super().__init__()
         self.host = host
 
     def compose(self) -> ComposeResult:
-        yield Header()
+        yield AppHeader()
         yield Static(f"Host {self.host}", id="host-title", classes="title")
-        gpus: DataTable = DataTable(id="gpu-table", cursor_type="row")
-        for key, label in GPU_COLUMNS:
-            gpus.add_column(label, key=key)
-        yield gpus
-        yield Static("GPU processes", classes="subtitle")
-        procs: DataTable = DataTable(id="proc-table", cursor_type="row", zebra_stripes=True)
-        for key, label in PROC_COLUMNS:
-            procs.add_column(label, key=key)
-        yield procs
+        yield KeyedTable(GPU_COLUMNS, id="gpu-table", zebra_stripes=False)
+        yield Static("GPU processes  (space/enter: mark, a: mark leftovers, x: reclaim marked)", classes="subtitle")
+        yield KeyedTable(PROC_COLUMNS, id="proc-table", markable=True)
+        yield ProgressLine(id="host-progress")
         yield Static("", id="host-note", classes="note")
         yield Footer()
 
+    @tolerant
     def on_mount(self) -> None:
-        st = self.app.fleet_status().get(self.host)  # type: ignore[attr-defined]
-        if st is not None:
-            self.host_updated(st)
+        self.query_one("#proc-table", KeyedTable).focus()
+        self.hosts_changed({self.host})
 
-    def host_updated(self, st: HostStatus) -> None:
-        """Refresh both tables from the host's latest snapshot."""
-        if st.name != self.host:
+    @property
+    def status(self) -> HostStatus | None:
+        link = self.app.fleet.links.get(self.host)  # type: ignore[attr-defined]
+        return None if link is None else link.status
+
+    def hosts_changed(self, names: set[str]) -> None:
+        """Refresh both tables from the host's latest snapshot (only the cells that changed)."""
+        if self.host not in names:
             return
-        title = self.query_one("#host-title", Static)
-        title.update(Text.assemble(Text(f"Host {self.host}  ", style="bold"), state_text(st.state), Text(f"  {st.error or ''}", style="red")))
+        st = self.status
+        if st is None:
+            return
+        title = Text.assemble(Text(f"Host {self.host}  ", style="bold"), state_cell(st))
         snap = st.snapshot
+        if snap is not None and snap.simulated:
+            title.append("  ")
+            title.append_text(SIMULATED)
+            title.append(" GPUs are simulated: memory is what processes declare, load their CPU", style="dim")
+        if st.error and st.state != "up":
+            title.append(f"\n{st.error}", style="red")
+        self.query_one("#host-title", Static).update(title)
         note = self.query_one("#host-note", Static)
         if snap is None:
             note.update("waiting for the first snapshot ...")
@@ -71,14 +103,16 @@ class HostScreen(Screen):
         gpu_rows: dict[str, dict[str, object]] = {}
         proc_rows: dict[str, dict[str, object]] = {}
         for g in snap.gpus:
+            unacc = g.unaccounted_bytes or 0
             gpu_rows[str(g.index)] = {
                 "idx": str(g.index),
                 "name": g.name,
                 "mem": mem_bar(g.memory_used, g.memory_total),
-                "util": "-" if g.util_gpu is None else f"{g.util_gpu}%",
+                "util": pct_bar(g.util_gpu),
                 "temp": "-" if g.temperature_c is None else f"{g.temperature_c}°C",
-                "power": "-" if g.power_w is None else f"{g.power_w:.0f} W",
-                "unacc": Text(f"{gib(g.unaccounted_bytes)} GiB", style="yellow" if (g.unaccounted_bytes or 0) > 2**30 else "dim"),
+                "power": "-" if g.power_w is None else (f"{g.power_w:.0f}/{g.power_limit_w:.0f} W" if g.power_limit_w else f"{g.power_w:.0f} W"),
+                "unacc": Text(f"{gib(unacc)} GiB", style="bold yellow" if unacc > 2**30 else "dim"),
+                "holders": self._holders(g.processes),
             }
             for p in g.processes:
                 proc_rows[f"{p.gpu}:{p.pid}"] = {
@@ -90,11 +124,104 @@ class HostScreen(Screen):
                     "rank": "-" if p.rank is None else str(p.rank),
                     "user": p.user or "-",
                     "status": p.status or "-",
-                    "cmd": " ".join(p.cmdline)[:80] or "-",
+                    "age": since(p.create_time) if p.create_time else "-",
+                    "cmd": " ".join(p.cmdline)[:120] or "-",
                 }
-        sync_rows(self.query_one("#gpu-table", DataTable), GPU_COLUMNS, gpu_rows)
-        sync_rows(self.query_one("#proc-table", DataTable), PROC_COLUMNS, proc_rows)
+        self.query_one("#gpu-table", KeyedTable).sync(gpu_rows)
+        self.query_one("#proc-table", KeyedTable).sync(proc_rows)
         if snap.gpu_error:
             note.update(Text(f"No GPUs: {snap.gpu_error}. Runs and processes are still supervised.", style="dim"))
         else:
-            note.update(Text(f"sampled in {snap.sample_ms:.2f} ms; {len(snap.runs)} live run(s)", style="dim"))
+            leftovers = sum(1 for g in snap.gpus for p in g.processes if p.attribution in LEFTOVER_HOLDERS)
+            t = Text(f"sampled in {snap.sample_ms:.2f} ms; {len(snap.runs)} live run(s)", style="dim")
+            if leftovers:
+                t.append(f"; {leftovers} GPU process(es) belong to no live run: a marks them, x reclaims", style="yellow")
+            note.update(t)
+
+    @staticmethod
+    def _holders(procs: list) -> Text:  # type: ignore[type-arg]
+        if not procs:
+            return Text("free", style="dim")
+        t = Text()
+        for i, p in enumerate(procs[:3]):
+            if i:
+                t.append(", ")
+            t.append_text(attribution_text(p.attribution))
+            t.append(f" {p.pid}")
+        if len(procs) > 3:
+            t.append(f" +{len(procs) - 3}")
+        return t
+
+    # ------------------------------------------------------------------ marks and reclaim
+
+    def action_mark(self) -> None:
+        self.query_one("#proc-table", KeyedTable).toggle_mark_and_advance()
+
+    def on_data_table_row_selected(self, event: KeyedTable.RowSelected) -> None:
+        if event.data_table.id == "proc-table":
+            self.query_one("#proc-table", KeyedTable).toggle_mark(str(event.row_key.value))
+
+    def action_mark_leftovers(self) -> None:
+        st = self.status
+        if st is None or st.snapshot is None:
+            return
+        keys = [f"{p.gpu}:{p.pid}" for g in st.snapshot.gpus for p in g.processes if p.attribution in LEFTOVER_HOLDERS]
+        self.query_one("#proc-table", KeyedTable).mark_all(keys)
+        if not keys:
+            self.notify("no STALE, FOREIGN or NO SUCH PROCESS holder here")
+
+    def action_clear_marks(self) -> None:
+        self.query_one("#proc-table", KeyedTable).mark_all([])
+
+    def reclaim_items(self) -> list[ReclaimItem]:
+        """The marked processes (every GPU each pid holds memory on), for the confirm dialog."""
+        st = self.status
+        table = self.query_one("#proc-table", KeyedTable)
+        if st is None or st.snapshot is None:
+            return []
+        pids = {int(k.split(":", 1)[1]) for k in table.marks}
+        items: dict[int, ReclaimItem] = {}
+        for g in st.snapshot.gpus:
+            for p in g.processes:
+                if p.pid not in pids:
+                    continue
+                cur = items.get(p.pid)
+                held = dict(cur.gpu_bytes) if cur else {}
+                held[p.gpu] = p.used_bytes or 0
+                items[p.pid] = ReclaimItem(
+                    pid=p.pid,
+                    who=holder_label(p),
+                    user=p.user or "-",
+                    command=" ".join(p.cmdline),
+                    gpu_bytes=held,
+                    live_run=p.run_id if p.attribution == "RUN" else None,
+                )
+        return [items[p] for p in sorted(items)]
+
+    def action_reclaim(self) -> None:
+        self.reclaim()
+
+    @work(exclusive=True, group="host-reclaim")
+    @tolerant
+    async def reclaim(self) -> None:
+        """Confirm the marked processes, reclaim them, show the verification."""
+        st = self.status
+        gpus = st.snapshot.gpus if st is not None and st.snapshot is not None else []
+        res = await reclaim_flow(self, self.host, self.reclaim_items(), gpus, self.query_one("#host-progress", ProgressLine))
+        if res is not None:
+            self.action_clear_marks()
+
+    def action_leftovers(self) -> None:
+        from console.screens.leftovers import LeftoversScreen
+
+        self.app.push_screen(LeftoversScreen(self.host))
+
+    def action_open_run(self) -> None:
+        table = self.query_one("#proc-table", KeyedTable)
+        key = table.cursor_key
+        cells = table.cells_of(key) if key else None
+        rid = str(cells.get("run", "-")) if cells else "-"
+        if rid == "-":
+            self.notify("this process belongs to no run", severity="warning")
+            return
+        self.app.open_run(self.host, rid)  # type: ignore[attr-defined]

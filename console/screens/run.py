@@ -1,115 +1,437 @@
-"""Provides the Run screen: live output (batched), the run's facts, and stop with its verification."""
+"""Provides the Run screen: live output (batched), metrics, the run's spec, environment fingerprint,
+claims vs observed and alerts; actions stop (with its verification), relaunch and rollback.
+
+The run comes from its agent (``GetRun``, once a second); when the agent
+cannot be reached or no longer has it, the history's record stands in, so a
+run from the History screen opens even when its host is down.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import shlex
-import time
+from typing import Any
 
+import msgspec
+from rich.console import Group
 from rich.text import Text
-from textual import work
+from textual import on, work
 from textual.app import ComposeResult
 from textual.binding import Binding
-from textual.screen import Screen
-from textual.containers import Horizontal, Vertical
-from textual.widgets import Footer, Header, Input, Sparkline, Static
+from textual.containers import Horizontal, Vertical, VerticalScroll
+from textual.widgets import Footer, Input, Sparkline, Static, TabbedContent, TabPane
 
+from agents import envs
 from agents.errors import AgentError
-from agents.protocol import RunInfo
-from console.fmt import duration, elapsed, when
-from console.screens.dialogs import ConfirmDialog, ResultDialog, stop_result_text
-from console.widgets.cells import state_text
+from agents.protocol import TERMINAL_STATES, Alert, EnvFingerprint, LaunchSpec, PreflightResult, RunInfo, StopResult, VerifyReply
+from console.fmt import duration, elapsed, gib, when
+from console.messages import RecordLoaded
+from console.screens.base import LiveScreen, tolerant
+from console.screens.dialogs import ChoiceDialog, ConfirmDialog, ResultDialog, stop_result_text
+from console.screens.launch import preflight_text
+from console.relaunch import with_python
+from console.views import alerts_of, env_of, history_rows, python_of, record_from_info, run_diff, run_from_record, run_label, short_when, spec_of
+from console.widgets.cells import SIMULATED, ok_text, state_text
+from console.widgets.diff import diff_summary, diff_table
+from console.widgets.header import AppHeader
+from console.widgets.keyed_table import Col, KeyedTable
 from console.widgets.output_view import OutputView
+from console.widgets.progress import ProgressLine
 
 FLUSH_S = 0.1  # output reaches the screen in batches, a few times a second at most
+FLUSH_MAX_CHARS = 1 << 20  # per batch: 10 MB/s at most (50,000 log lines a second are ~3.5 MB/s)
+STOP_GRACE_S = 30.0
+TABS = ("tab-output", "tab-spec", "tab-env", "tab-claims")
+CLAIM_COLUMNS = [Col("ok", " ", 1), Col("what", "WHAT", 22), Col("claimed", "CLAIMED", 16), Col("observed", "OBSERVED", 16), Col("source", "SOURCE", 26), Col("detail", "DETAIL", None)]
+ALERT_COLUMNS = [Col("time", "RAISED", 10), Col("severity", "SEVERITY", 8), Col("kind", "KIND", 16), Col("where", "WHERE", 18), Col("cleared", "CLEARED", 10), Col("message", "MESSAGE", None)]
+PACKAGE_COLUMNS = [Col("name", "PACKAGE", 36), Col("version", "VERSION", None)]
 
 
-def run_header(r: RunInfo) -> Text:
-    """The run's facts in two lines."""
+def _fig(v: int | float | None) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float) and not v.is_integer():
+        return f"{v:,.1f}"
+    n = int(v)
+    if abs(n) >= 10**9:
+        return f"{n / 10**9:.2f}B"
+    if abs(n) >= 10**6:
+        return f"{n / 10**6:.1f}M"
+    return f"{n:,}"
+
+
+def run_header(r: RunInfo, simulated: bool = False, host: str | None = None) -> Text:
+    """The run's facts in a few lines: who, state, how long, what it is doing, its cause or alerts.
+
+    ``host`` is the console's name for the host; the agent's own name for it follows when it differs.
+    """
     t = Text()
     t.append(f"{r.id}", style="bold")
     if r.name:
         t.append(f" ({r.name})")
-    t.append(f" on {r.host}  ")
+    where = host or r.host
+    t.append(f" on {where}" + (f" ({r.host})" if r.host and r.host != where else "") + "  ")
+    if simulated:
+        t.append_text(SIMULATED)
+        t.append("  ")
     t.append_text(state_text(r.state))
-    t.append(f"  started {when(r.started)}  elapsed {duration(elapsed(r.started, r.ended))}")
+    t.append(f"  started {when(r.started or r.created)}  elapsed {duration(elapsed(r.started or r.created, r.ended))}")
+    tel = r.telemetry
+    if tel is not None and tel.step is not None:
+        t.append(f"  step {tel.step}")
+        if tel.loss is not None:
+            t.append(f"  loss {tel.loss:.4f}")
+        if tel.tokens_per_s is not None:
+            t.append(f"  {tel.tokens_per_s:,.0f} tok/s")
     if r.cause:
-        t.append(f"\ncause: {r.cause}", style="red" if r.state in ("failed", "lost") else "")
+        t.append(f"\ncause: {r.cause}", style="bold red" if r.state in ("failed", "lost", "preflight_failed") else "")
+    elif r.state in ("starting", "running") and r.spec.kind != "command" and (tel is None or tel.step is None):
+        # a trainer spends its first minutes loading the model: say so, with the clock, instead of looking stuck
+        what = "waiting for the first step (loading the model, building the optimizer)" if tel is None or tel.world_size is None else "manifest in, waiting for the first step"
+        t.append(f"\n⠿ {what} — {duration(elapsed(r.started or r.created, None))} so far", style="yellow")
     t.append(f"\n$ {shlex.join(r.spec.argv)}", style="dim")
+    extras = []
     if r.spec.gpus is not None:
-        t.append(f"   GPUs {','.join(map(str, r.spec.gpus))}", style="dim")
+        extras.append(f"GPUs {','.join(map(str, r.spec.gpus))}")
+    if r.spec.start:
+        extras.append(f"start {r.spec.start}")
+    if r.spec.parent:
+        extras.append(f"parent {r.spec.parent}")
+    if extras:
+        t.append("   " + "   ".join(extras), style="dim")
+    live = [a for a in r.alerts if a.cleared is None]
+    if live:
+        t.append(f"\n⚠ {len(live)} alert(s): ", style="bold red")
+        t.append("; ".join(a.message for a in live[:2])[:300], style="red")
     return t
 
 
-class RunScreen(Screen):
-    """One run: its output as it comes, and the stop action."""
+def spec_text(spec: LaunchSpec, preflight: PreflightResult | None, stop: dict[str, Any] | None, host: str) -> Group:
+    """The Spec tab: every field of the launch spec, its pre-flight, the verified stop."""
+    t = Text()
+    rows: list[tuple[str, str]] = [
+        ("kind", spec.kind),
+        ("argv", shlex.join(spec.argv)),
+        ("GPUs", ",".join(map(str, spec.gpus)) if spec.gpus is not None else "not set (CUDA_VISIBLE_DEVICES left alone)"),
+        ("start", spec.start or ("-" if spec.kind == "command" else "NOT GIVEN")),
+        ("python", spec.python or "-"),
+        ("cwd", spec.cwd or "-"),
+        ("checkpoints", spec.checkpoint_dir or "-"),
+        ("env", " ".join(f"{k}={v}" for k, v in sorted(spec.env.items())) or "-"),
+        ("parent", spec.parent or "-"),
+        ("operator", spec.operator or "-"),
+        ("rank death", spec.on_rank_death),
+    ]
+    if spec.need_gib is not None:
+        rows.append(("needs", f"{spec.need_gib:g} GiB per GPU"))
+    if spec.expected_ranks is not None:
+        rows.append(("ranks", str(spec.expected_ranks)))
+    if spec.force:
+        rows.append(("forced", "yes: launched past GPU holders (recorded)"))
+    if spec.nodes:
+        rows.append(("nodes", f"{', '.join(spec.nodes)} (node rank {spec.node_rank} of {spec.nnodes})"))
+    if spec.claims is not None:
+        c = spec.claims
+        claimed = [f"{k} {v}" for k, v in (("GPUs", c.gpus), ("params", c.params), ("world size", c.world_size), ("tokens/s", c.tokens_per_s), ("samples", c.dataset_samples)) if v is not None]
+        rows.append(("claims", ", ".join(claimed) + (f" — {c.note}" if c.note else "")))
+    for k, v in rows:
+        t.append(f"{k:<12}", style="bold")
+        t.append(f"{v}\n", style="bold red" if v == "NOT GIVEN" else "")
+    parts: list[Any] = [t]
+    if preflight is not None:
+        parts.append(Text("\npre-flight at launch", style="bold underline"))
+        parts.append(preflight_text(preflight, None, host))
+    if stop:
+        try:
+            res = msgspec.convert(stop, StopResult)
+            parts.append(Text("\nverified stop", style="bold underline"))
+            parts.append(stop_result_text(res))
+        except msgspec.ValidationError:
+            pass
+    return Group(*parts)
+
+
+def env_text(env: EnvFingerprint | None, why_none: str = "") -> Text:
+    """The Environment tab's summary: the fields that decide whether a known-good configuration still works."""
+    if env is None:
+        return Text(
+            "No environment fingerprint recorded for this run"
+            + (f" ({why_none})" if why_none else " (it was launched before fingerprints were taken, or the agent has not sent it yet)"),
+            style="yellow",
+        )
+    t = Text()
+    core = [
+        ("python", env.python_version),
+        ("interpreter", env.python),
+        ("environment", env.prefix),
+        ("torch", env.torch),
+        ("CUDA build", env.torch_cuda or ("none (CPU build)" if env.torch else None)),
+        ("torch git", env.torch_git),
+        ("NCCL", env.nccl),
+        ("cuDNN", env.cudnn),
+        ("transformers", env.transformers),
+        ("driver", env.driver),
+    ]
+    for k, v in core:
+        t.append(f"{k:<13}", style="bold")
+        t.append(f"{v or '-'}\n")
+    t.append(f"{'packages':<13}", style="bold")
+    t.append(f"{len(env.packages)} installed, freeze sha256 {env.freeze_hash[:16] or '-'}, taken {when(env.taken) if env.taken else '-'}\n")
+    if env.error:
+        t.append(f"incomplete: {env.error}\n", style="yellow")
+    return t
+
+
+class RunScreen(LiveScreen):
+    """One run: its output as it comes, its facts, and the stop / relaunch / rollback actions."""
 
     BINDINGS = [
         Binding("escape", "back", "Back"),
-        Binding("s", "stop_run", "Stop run"),
-        Binding("R", "relaunch", "Relaunch"),
+        Binding("s", "stop_run", "Stop", tooltip="SIGTERM every process, grace, SIGKILL, then verify GPU memory came back"),
+        Binding("R", "relaunch", "Relaunch", tooltip="the launch form filled from this run; choose the start again"),
+        Binding("b", "rollback", "Roll back", tooltip="relaunch with a known-good run's environment (diff shown first)"),
+        Binding("v", "verify", "Verify claims", tooltip="claimed vs observed: parameters, world size, GPUs, dataset, tokens/s"),
         Binding("f", "toggle_follow", "Follow"),
         Binding("g", "top", "Top"),
         Binding("G", "bottom", "Bottom"),
         Binding("slash", "search", "Search", key_display="/"),
         Binding("n", "next_match", "Next", show=False),
         Binding("N", "prev_match", "Prev", show=False),
+        Binding("1", "tab('tab-output')", "Output", show=False),
+        Binding("2", "tab('tab-spec')", "Spec", show=False),
+        Binding("3", "tab('tab-env')", "Environment", show=False),
+        Binding("4", "tab('tab-claims')", "Claims & alerts", show=False),
     ]
 
-    def __init__(self, host: str, run_id: str) -> None:
+    def __init__(self, host: str, run_id: str, run: RunInfo | None = None) -> None:
         super().__init__()
         self.host = host
         self.run_id = run_id
-        self.run: RunInfo | None = None
+        self.run: RunInfo | None = run  # what the launch reply said, until the agent is asked
+        self.record: dict[str, Any] | None = None  # the history's row (full), when there is a history
+        self.verify_reply: VerifyReply | None = None
+        self.agent_error: str | None = None
         self._pending: list[str] = []
         self._match_line: int | None = None
+        self._shown_spec: bytes | None = None
+        self._shown_env: bytes | None = None
 
     def compose(self) -> ComposeResult:
-        yield Header()
-        yield Static("", id="run-header", classes="run-header")
-        with Horizontal(id="metrics"):
-            with Vertical(classes="metric"):
-                yield Static("loss", id="loss-label", classes="metric-label")
-                yield Sparkline([], id="loss-spark")
-            with Vertical(classes="metric"):
-                yield Static("tokens/s", id="tps-label", classes="metric-label")
-                yield Sparkline([], id="tps-spark")
-        yield OutputView(id="run-log")
-        yield Input(id="run-search", placeholder="search the output (enter: find, esc: close)", classes="search")
-        yield Static("", id="run-status", classes="note")
+        yield AppHeader()
+        yield Static(Text(f"{self.run_id} on {self.host}: asking its agent ...", style="dim"), id="run-header", classes="run-header")
+        with TabbedContent(initial="tab-output", id="run-tabs"):
+            with TabPane("Output (1)", id="tab-output"):
+                with Horizontal(id="metrics"):
+                    with Vertical(classes="metric"):
+                        yield Static("loss", id="loss-label", classes="metric-label")
+                        yield Sparkline([], id="loss-spark")
+                    with Vertical(classes="metric"):
+                        yield Static("tokens/s", id="tps-label", classes="metric-label")
+                        yield Sparkline([], id="tps-spark")
+                yield OutputView(id="run-log")
+                yield Input(id="run-search", placeholder="search the output (enter: find, esc: close)", classes="search")
+            with TabPane("Spec (2)", id="tab-spec"):
+                with VerticalScroll():
+                    yield Static("", id="run-spec")
+            with TabPane("Environment (3)", id="tab-env"):
+                yield Static("", id="run-env", classes="env-summary")
+                yield KeyedTable(PACKAGE_COLUMNS, id="env-packages")
+            with TabPane("Claims & alerts (4)", id="tab-claims"):
+                yield Static("claimed vs observed (v: check again)", classes="subtitle")
+                yield KeyedTable(CLAIM_COLUMNS, id="claims-table", zebra_stripes=False)
+                yield Static("", id="claims-note", classes="note")
+                yield Static("alerts", classes="subtitle")
+                yield KeyedTable(ALERT_COLUMNS, id="alerts-table")
+        yield ProgressLine(id="run-status")
         yield Footer()
 
+    @tolerant
     def on_mount(self) -> None:
         self.set_interval(FLUSH_S, self._flush)
+        self.query_one("#run-log", OutputView).focus()
+        if self.run is not None:
+            self._show_facts()
         self.refresh_run()
         self.follow_output()
         self.refresh_metrics()
+        self.load_record()
+        self.verify()
+
+    # ------------------------------------------------------------------ facts
+
+    def _simulated(self) -> bool:
+        link = self.app.fleet.links.get(self.host)  # type: ignore[attr-defined]
+        snap = link.status.snapshot if link is not None else None
+        return bool(snap is not None and snap.simulated)
 
     @work(exclusive=True, group="run-info")
+    @tolerant
     async def refresh_run(self) -> None:
+        """Ask the agent for the run once a second (what the header and tabs show)."""
         fleet = self.app.fleet  # type: ignore[attr-defined]
         while True:
             try:
-                self.run = await fleet.run(self.host, self.run_id)
-                self.query_one("#run-header", Static).update(run_header(self.run))
+                run = await fleet.run(self.host, self.run_id)
+                self.agent_error = None
+                ended_now = self.run is not None and self.run.state not in TERMINAL_STATES and run.state in TERMINAL_STATES
+                self.run = run
+                if ended_now:
+                    self.load_record()  # the final cause and stop result come into the history too
             except AgentError as exc:
-                self.query_one("#run-header", Static).update(Text(f"{self.run_id} on {self.host}: {exc.message}", style="red"))
+                self.agent_error = exc.message
+                if self.record is not None and self.run is None:
+                    self.run = run_from_record(self.record)
+            if not self.is_attached:
+                return  # the screen was closed while the agent answered
+            self._show_facts()
             await asyncio.sleep(1.0)
 
+    @work(thread=True, exclusive=True, group="run-record")
+    @tolerant
+    def load_record(self) -> None:
+        """The history's row of this run (a thread: SQLite blocks)."""
+        history = self.app.fleet.history  # type: ignore[attr-defined]
+        if history is None:
+            return
+        try:
+            rec = history.find(self.run_id, self.host)
+            self.post_message(RecordLoaded(self.host, self.run_id, rec))
+        except Exception as exc:  # HistoryError: not recorded (yet); anything else is shown, not raised
+            self.post_message(RecordLoaded(self.host, self.run_id, None, str(exc)))
+
+    @on(RecordLoaded)
+    @tolerant
+    def _record_loaded(self, message: RecordLoaded) -> None:
+        if message.run_id != self.run_id or not self.is_attached:
+            return
+        self.record = message.record
+        if self.run is None and self.record is not None:
+            self.run = run_from_record(self.record)
+        self._show_facts()
+
+    def _env(self) -> EnvFingerprint | None:
+        if self.run is not None and self.run.env is not None:
+            return self.run.env
+        return env_of(self.record) if self.record else None
+
+    def _alerts(self) -> list[Alert]:
+        seen: dict[tuple[str, float], Alert] = {}
+        for a in [*(self.run.alerts if self.run else []), *(alerts_of(self.record) if self.record else []), *(self.verify_reply.alerts if self.verify_reply else [])]:
+            seen.setdefault((a.kind, a.ts), a)
+        return sorted(seen.values(), key=lambda a: a.ts, reverse=True)
+
+    def _show_facts(self) -> None:
+        header = self.query_one("#run-header", Static)
+        r = self.run
+        if r is None:
+            header.update(Text(f"{self.run_id} on {self.host}: {self.agent_error or 'asking its agent ...'}", style="red" if self.agent_error else "dim"))
+            return
+        t = run_header(r, self._simulated(), self.host)
+        if self.agent_error:
+            t.append(f"\nits agent cannot say now ({self.agent_error}): showing the history's record", style="yellow")
+        header.update(t)
+        spec_key = msgspec.json.encode([r.spec, r.preflight, (self.record or {}).get("stop"), (self.record or {}).get("preflight")])
+        if spec_key != self._shown_spec:
+            self._shown_spec = spec_key
+            pre = r.preflight
+            if pre is None and self.record and self.record.get("preflight"):
+                try:
+                    pre = msgspec.convert(self.record["preflight"], PreflightResult)
+                except msgspec.ValidationError:
+                    pre = None
+            self.query_one("#run-spec", Static).update(spec_text(r.spec, pre, (self.record or {}).get("stop"), self.host))
+        env = self._env()
+        env_key = msgspec.json.encode(env)
+        if env_key != self._shown_env:
+            self._shown_env = env_key
+            self.query_one("#run-env", Static).update(env_text(env))
+            pkgs = self.query_one("#env-packages", KeyedTable)
+            pkgs.display = env is not None and bool(env.packages)
+            if env is not None:
+                pkgs.sync({name: {"name": name, "version": ver} for name, ver in sorted(env.packages.items())})
+        self._show_alerts()
+
+    def _show_alerts(self) -> None:
+        rows: dict[str, dict[str, object]] = {}
+        for a in self._alerts():
+            where = ", ".join(x for x in (f"rank {a.rank}" if a.rank is not None else "", f"GPU {a.gpu}" if a.gpu is not None else "", f"pid {a.pid}" if a.pid is not None else "") if x) or "-"
+            rows[f"{a.kind}:{a.ts}"] = {
+                "time": short_when(a.ts),
+                "severity": Text(a.severity, style="bold red" if a.severity == "critical" else "yellow"),
+                "kind": a.kind.replace("_", " "),
+                "where": where,
+                "message": Text(a.message, style="" if a.cleared else "red"),
+                "cleared": short_when(a.cleared) if a.cleared else Text("active", style="bold red"),
+            }
+        self.query_one("#alerts-table", KeyedTable).sync(rows)
+
+    def action_verify(self) -> None:
+        self.verify()
+        self.action_tab("tab-claims")
+
+    @work(exclusive=True, group="run-verify")
+    @tolerant
+    async def verify(self) -> None:
+        """Claimed vs observed, from the agent (which sees the manifest and which GPUs the pids hold)."""
+        note = self.query_one("#claims-note", Static)
+        note.update(Text("asking the agent to check the claims ...", style="dim"))
+        try:
+            reply = await self.app.fleet.verify(self.host, self.run_id)  # type: ignore[attr-defined]
+        except AgentError as exc:
+            if self.is_attached:
+                note.update(Text(f"claims could not be checked: {exc.message}", style="yellow"))
+            return
+        if not self.is_attached:
+            return
+        self.verify_reply = reply
+        rows: dict[str, dict[str, object]] = {}
+        for i, c in enumerate(reply.rows):
+            style = "bold red" if c.ok is False else ""
+            rows[f"{i}:{c.what}"] = {
+                "ok": ok_text(c.ok),
+                "what": Text(c.what, style=style),
+                "claimed": Text(_fig(c.claimed), style=style),
+                "observed": Text(_fig(c.observed), style=style),
+                "source": c.source or "-",
+                "detail": c.detail or "",
+            }
+        self.query_one("#claims-table", KeyedTable).sync(rows)
+        bad = [c.what for c in reply.rows if c.ok is False]
+        if bad:
+            note.update(Text(f"claims differ from what is observed: {', '.join(bad)}", style="bold red"))
+        elif not any(c.ok for c in reply.rows):
+            note.update(Text("nothing to check: this run claims nothing (claims come from its spec, its --gpus and a size in its name such as 'llama-1b')", style="dim"))
+        else:
+            note.update(Text("every claim that can be checked matches what is observed", style="green"))
+        self._show_alerts()
+
+    # ------------------------------------------------------------------ metrics and output
+
     @work(exclusive=True, group="run-metrics")
+    @tolerant
     async def refresh_metrics(self) -> None:
         fleet = self.app.fleet  # type: ignore[attr-defined]
         panel = self.query_one("#metrics")
         panel.display = False
         while True:
+            steps: list[int] = []
+            loss: list[float | None] = []
+            tps: list[float | None] = []
             try:
                 m = await fleet.metrics(self.host, self.run_id, max_points=200)
+                steps, loss, tps = m.steps, m.loss, m.tokens_per_s
             except AgentError:
-                m = None
-            if m is not None and m.steps:
+                if fleet.history is not None:
+                    pts = await asyncio.to_thread(fleet.history.metrics, self.host, self.run_id)
+                    steps = [p["step"] for p in pts]
+                    loss = [p["loss"] for p in pts]
+                    tps = [p["tokens_per_s"] for p in pts]
+            if not self.is_attached:
+                return
+            if steps:
                 panel.display = True
-                self._show_series("loss", "#loss-label", "#loss-spark", m.steps, m.loss, "{:.4f}")
-                self._show_series("tokens/s", "#tps-label", "#tps-spark", m.steps, m.tokens_per_s, "{:,.0f}")
+                self._show_series("loss", "#loss-label", "#loss-spark", steps, loss, "{:.4f}")
+                self._show_series("tokens/s", "#tps-label", "#tps-spark", steps, tps, "{:,.0f}")
             ended = self.run is not None and self.run.ended is not None
             await asyncio.sleep(10.0 if ended else 2.0)
 
@@ -124,23 +446,37 @@ class RunScreen(Screen):
         label.update(Text.assemble((f"{name} ", "bold"), f"step {pts[-1][0]}: {fmt.format(data[-1])}   min {fmt.format(min(data))}  max {fmt.format(max(data))}"))
 
     @work(exclusive=True, group="run-output")
+    @tolerant
     async def follow_output(self) -> None:
         fleet = self.app.fleet  # type: ignore[attr-defined]
+        status = self.query_one("#run-status", ProgressLine)
         try:
             async for chunk in fleet.output(self.host, self.run_id, offset=0, follow=True):
                 if chunk.data:
                     self._pending.append(chunk.data)
             self._pending.append("")
-            self.query_one("#run-status", Static).update(Text("— end of output: the run has ended —", style="dim"))
+            if self.is_attached and not status.running:
+                status.update(Text("— end of output: the run has ended —", style="dim"))
         except AgentError as exc:
-            self.query_one("#run-status", Static).update(Text(f"output stream lost: {exc.message}", style="red"))
+            if self.is_attached and not status.running:
+                status.update(Text(f"output stream lost: {exc.message}", style="red"))
 
+    @tolerant
     def _flush(self) -> None:
-        if not self._pending:
+        if not self._pending or not self.is_attached:
             return
         data = "".join(self._pending)
         self._pending.clear()
+        if len(data) > FLUSH_MAX_CHARS:
+            # catching up on a backlog: a bounded slice per tick keeps every tick short (keys stay responsive)
+            self._pending.append(data[FLUSH_MAX_CHARS:])
+            data = data[:FLUSH_MAX_CHARS]
         self.query_one("#run-log", OutputView).append(data)
+
+    def action_tab(self, tab: str) -> None:
+        self.query_one("#run-tabs", TabbedContent).active = tab
+        if tab == "tab-output":
+            self.query_one("#run-log", OutputView).focus()
 
     def action_toggle_follow(self) -> None:
         view = self.query_one("#run-log", OutputView)
@@ -160,6 +496,9 @@ class RunScreen(Screen):
         view.scroll_end(animate=False)
 
     def action_search(self) -> None:
+        tabs = self.query_one("#run-tabs", TabbedContent)
+        if tabs.active != "tab-output":
+            tabs.active = "tab-output"
         box = self.query_one("#run-search", Input)
         box.display = True
         box.focus()
@@ -194,6 +533,7 @@ class RunScreen(Screen):
         self._jump(forward=False, start=self._match_line if self._match_line is not None else view.scroll_offset.y)
 
     @work(exclusive=True, group="run-search", thread=True)
+    @tolerant
     def _jump(self, forward: bool, start: int) -> None:
         view = self.query_one("#run-log", OutputView)
         if not view.search_term:
@@ -205,55 +545,190 @@ class RunScreen(Screen):
         self._match_line = found
         self.app.call_from_thread(view.go_to_line, found)
 
-    def action_relaunch(self) -> None:
-        self.relaunch_flow()
+    # ------------------------------------------------------------------ relaunch and rollback
 
-    @work(exclusive=True, group="run-relaunch")
-    async def relaunch_flow(self) -> None:
-        from console.screens.launch import LaunchDialog
+    def action_relaunch(self) -> None:
+        if self.run is None:
+            self.notify("the run is not known yet", severity="warning")
+            return
+        self.app.launch_flow(prefill=self.run.spec, parent=self.run.id, host=self.host)  # type: ignore[attr-defined]
+
+    def action_rollback(self) -> None:
+        self.rollback_flow()
+
+    async def _candidates(self) -> list[dict[str, Any]]:
+        """Ended runs of the same kind to roll back to, succeeded first (the history's, else this host's agent's)."""
+        assert self.run is not None
+        fleet = self.app.fleet  # type: ignore[attr-defined]
+        kind = self.run.spec.kind
+        rows: list[dict[str, Any]] = []
+        if fleet.history is not None:
+            rows = await asyncio.to_thread(history_rows, fleet.history.path, f"kind:{kind} state:ended limit:200")
+        else:
+            try:
+                rows = [record_from_info(r) for r in await fleet.runs(self.host, limit=500) if r.spec.kind == kind and r.state in TERMINAL_STATES]
+            except AgentError as exc:
+                self.notify(exc.message, title="no runs to roll back to", severity="error")
+        rows = [r for r in rows if r["id"] != self.run.id]
+        rows.sort(key=lambda r: (r.get("state") != "succeeded", -(r.get("started") or r.get("created") or 0)))
+        return rows
+
+    async def _full_record(self, row: dict[str, Any]) -> dict[str, Any] | None:
+        fleet = self.app.fleet  # type: ignore[attr-defined]
+        if fleet.history is not None:
+            try:
+                return await asyncio.to_thread(fleet.history.find, row["id"], row["host"])
+            except Exception:
+                pass
+        try:
+            return record_from_info(await fleet.run(row["host"], row["id"]))
+        except AgentError as exc:
+            self.notify(exc.message, title=f"cannot read {row['id']}", severity="error")
+            return None
+
+    def _current_record(self) -> dict[str, Any]:
+        assert self.run is not None
+        rec = record_from_info(self.run)
+        if self.record:
+            rec = {**self.record, **{k: v for k, v in rec.items() if v not in (None, [], {})}}
+        if rec.get("env") is None and self._env() is not None:
+            rec["env"] = msgspec.to_builtins(self._env())
+        return rec
+
+    @work(exclusive=True, group="run-rollback")
+    @tolerant
+    async def rollback_flow(self) -> None:
+        """Pick a known-good run, read the diff, check its environment still holds, then relaunch with an explicit start."""
+        from console.screens.picker import RunPicker
 
         if self.run is None:
+            self.notify("the run is not known yet", severity="warning")
             return
-        req = await self.app.push_screen_wait(LaunchDialog(prefill=self.run.spec, parent=self.run.id, host=self.host))
-        if req is None:
+        status = self.query_one("#run-status", ProgressLine)
+        candidates = await self._candidates()
+        if not candidates:
+            self.notify(f"no ended {self.run.spec.kind} run to roll back to", severity="warning")
             return
+        pick = await self.app.push_screen_wait(RunPicker(f"Roll back {self.run.id}: pick the known-good run", "succeeded runs first; enter picks, esc cancels", candidates))
+        if pick is None:
+            return
+        good = await self._full_record(pick)
+        if good is None:
+            return
+        cur = self._current_record()
+        diff = run_diff(cur, good)
+        good_spec, good_env = spec_of(good), env_of(good)
+        if good_spec is None:
+            self.notify(f"{good['id']} has no recorded spec", severity="error")
+            return
+        body = Group(diff_summary(diff), Text(""), diff_table(diff, run_label(cur), run_label(good), only_differences=True, limit=30))
+        how = await self.app.push_screen_wait(
+            ChoiceDialog(
+                f"Roll back {self.run.id} to {good['id']}",
+                body,
+                [("env", "Its environment, this run's config", "e"), ("all", "Its environment and config", "c")],
+            )
+        )
+        if how is None:
+            return
+        python = python_of(good_spec, good_env)
+        if python is None:
+            self.notify(f"{good['id']} records no python interpreter to roll back to", severity="error")
+            return
+        python = await self._checked_python(python, good_env, status)
+        if python is None:
+            return
+        base = good_spec if how == "all" else self.run.spec
+        spec = msgspec.structs.replace(
+            base,
+            argv=with_python(base.argv, python),
+            python=python,
+            name=self.run.spec.name or self.run.name,
+            gpus=self.run.spec.gpus if how == "env" else good_spec.gpus,
+        )
+        self.app.launch_flow(  # type: ignore[attr-defined]
+            prefill=spec,
+            parent=self.run.id,
+            host=self.host,
+            title=f"Roll back {self.run.id} to {good['id']}'s environment{' and config' if how == 'all' else ''}: choose the start",
+        )
+
+    async def _checked_python(self, python: str, recorded: EnvFingerprint | None, status: ProgressLine) -> str | None:
+        """The interpreter to launch in, after proving it still matches its record (or rebuilding it); None: cancelled."""
+        fleet = self.app.fleet  # type: ignore[attr-defined]
+        if recorded is None:
+            ok = await self.app.push_screen_wait(
+                ConfirmDialog("No fingerprint to check", f"The good run recorded no environment fingerprint, so {python} cannot be checked.\nLaunch in it as it is now?", "Launch unchecked", variant="warning")
+            )
+            return python if ok else None
+        status.start(f"fingerprinting {python} on {self.host}", "is it still the environment the good run had?")
         try:
-            reply = await self.app.fleet.launch(req.host, req.spec)  # type: ignore[attr-defined]
+            now = await fleet.fingerprint(self.host, python)
         except AgentError as exc:
-            self.notify(exc.message, title="relaunch failed", severity="error", timeout=15)
-            return
-        self.notify(f"{reply.run.id} started on {req.host} (relaunch of {self.run.id}, {req.spec.start or 'command'})", title="relaunched")
-        self.app.open_run(req.host, reply.run.id)  # type: ignore[attr-defined]
+            status.finish(f"could not fingerprint {python}: {exc.message}", style="bold red")
+            ok = await self.app.push_screen_wait(
+                ConfirmDialog("Cannot check the environment", f"{exc.message}\n\nLaunch in {python} without checking that it still matches the good run's fingerprint?", "Launch unchecked", variant="warning")
+            )
+            return python if ok else None
+        changes = envs.diff(recorded, now)
+        if not changes:
+            status.finish(f"{python} still matches the good run's fingerprint", style="green")
+            return python
+        status.finish(f"{python} changed since the good run: {len(changes)} difference(s)", style="bold yellow")
+        lines = "\n".join(envs.describe(changes)[:20])
+        choice = await self.app.push_screen_wait(
+            ChoiceDialog(
+                "The good environment changed",
+                Text(f"{python} no longer matches what the good run recorded:\n\n{lines}\n\nRebuild it from the recorded pip freeze into a new virtual environment (minutes; the result is checked against the record), or launch in it as it is?"),
+                [("rebuild", "Rebuild it", "r"), ("asis", "Launch as it is", "a")],
+            )
+        )
+        if choice is None:
+            return None
+        if choice == "asis":
+            return python
+        status.start(f"rebuilding the environment on {self.host} from {len(recorded.freeze)} freeze lines", "installing, then checking against the record")
+        try:
+            reply = await fleet.rebuild_env(self.host, recorded)
+        except AgentError as exc:
+            status.finish(f"rebuild failed: {exc.message}", style="bold red")
+            await self.app.push_screen_wait(ResultDialog("Rebuild failed", Text(exc.message, style="red")))
+            return None
+        status.finish(f"rebuilt at {reply.path or reply.env.prefix}: matches the record", style="green")
+        return reply.env.python
+
+    # ------------------------------------------------------------------ stop
 
     def action_stop_run(self) -> None:
         self.stop_flow()
 
     @work(exclusive=True, group="run-stop")
+    @tolerant
     async def stop_flow(self) -> None:
         r = self.run
         if r is None:
             return
         held = 0
-        st = self.app.fleet_status().get(self.host)  # type: ignore[attr-defined]
-        if st is not None and st.snapshot is not None:
-            held = sum(p.used_bytes or 0 for g in st.snapshot.gpus for p in g.processes if p.run_id == r.id)
+        link = self.app.fleet.links.get(self.host)  # type: ignore[attr-defined]
+        snap = link.status.snapshot if link is not None else None
+        if snap is not None:
+            held = sum(p.used_bytes or 0 for g in snap.gpus for p in g.processes if p.run_id == r.id)
         members = [m for m in r.members if m.role != "shim"]
         body = Text()
-        body.append(f"Stop run {r.id} on {r.host}?\n\n")
-        body.append(f"{len(members)} process(es): SIGTERM now, SIGKILL after 30 s.\n")
-        body.append(f"GPU memory they hold: {held / 2**30:.1f} GiB\n" if held else "No GPU memory held by it right now.\n")
+        body.append(f"Stop run {r.id} on {self.host}?\n\n")
+        if r.state in TERMINAL_STATES:
+            body.append(f"It has ended ({r.state}); this stops whatever of it is still alive (orphans).\n", style="yellow")
+        body.append(f"{len(members)} process(es): SIGTERM now, SIGKILL after {STOP_GRACE_S:.0f} s.\n")
+        body.append(f"GPU memory they hold: {gib(held)} GiB\n" if held else "No GPU memory held by it right now.\n")
         ok = await self.app.push_screen_wait(ConfirmDialog("Stop run", body))
         if not ok:
             return
-        status = self.query_one("#run-status", Static)
-        t0 = time.monotonic()
-        ticker = self.set_interval(0.5, lambda: status.update(Text(f"stopping {r.id} ... {time.monotonic() - t0:.0f} s (grace 30 s)", style="yellow")))
+        status = self.query_one("#run-status", ProgressLine)
+        status.start(f"stopping {r.id}: SIGTERM sent", f"grace {STOP_GRACE_S:.0f} s for the checkpoint, then SIGKILL, then NVML verifies")
         try:
-            res = await self.app.fleet.stop(self.host, r.id, 30.0)  # type: ignore[attr-defined]
+            res = await self.app.fleet.stop(self.host, r.id, STOP_GRACE_S)  # type: ignore[attr-defined]
         except AgentError as exc:
-            ticker.stop()
-            status.update(Text(f"stop failed: {exc.message}", style="red"))
+            status.finish(f"stop failed: {exc.message}", style="bold red")
             return
-        ticker.stop()
-        status.update(Text(f"stop finished: {res.message or res.state}", style="green" if not res.survivors else "red"))
+        status.finish(f"stop finished in {res.seconds:.1f} s: {res.message or res.state}", style="green" if not res.survivors else "bold red")
         await self.app.push_screen_wait(ResultDialog(f"Stopped {r.id}", stop_result_text(res)))

@@ -1,108 +1,263 @@
-"""Provides the Runs screen: every run on every host, refreshed in place."""
+"""Provides the Runs screen: every run across the fleet — live ones from the snapshots, the rest from the history."""
 
 from __future__ import annotations
 
 import asyncio
+import time
 
 from rich.text import Text
-from textual import work
+from textual import on, work
 from textual.app import ComposeResult
 from textual.binding import Binding
-from textual.screen import Screen
-from textual.widgets import DataTable, Footer, Header, Static
+from textual.widgets import Footer, Static
 
 from agents.errors import AgentError
-from agents.protocol import RunInfo
-from console.fmt import duration, elapsed, when
-from console.screens.host import sync_rows
-from console.widgets.cells import sparkline, state_text
+from console.fmt import duration, elapsed
+from console.messages import HistoryLoaded
+from console.query import QueryError
+from console.screens.base import LiveScreen, tolerant
+from console.views import short_when, RunRow, history_rows, merge_rows, run_row_from_history, run_row_from_info
+from console.widgets.cells import alerts_text, sortable, sparkline, state_text
+from console.widgets.header import AppHeader
+from console.widgets.keyed_table import Col, KeyedTable, fit
 
 COLUMNS = [
-    ("id", "RUN"),
-    ("name", "NAME"),
-    ("host", "HOST"),
-    ("kind", "KIND"),
-    ("state", "STATE"),
-    ("step", "STEP"),
-    ("loss", "LOSS"),
-    ("tps", "TOK/S"),
-    ("started", "STARTED"),
-    ("elapsed", "ELAPSED"),
-    ("cause", "CAUSE"),
+    Col("id", "RUN", 10),
+    Col("name", "NAME", 16),
+    Col("host", "HOST(S)", 10),
+    Col("kind", "KIND", 7),
+    Col("state", "STATE", 16),
+    Col("step", "STEP", 6),
+    Col("loss", "LOSS", 7),
+    Col("tps", "TOK/S", 20),
+    Col("started", "STARTED", 10),
+    Col("elapsed", "ELAPSED", 8),
+    Col("why", "ALERTS (live) / CAUSE (ended)", None),  # a live run has alerts, an ended one a cause: one column holds both
 ]
-REFRESH_S = 2.0
+HISTORY_QUERY = "limit:500"
+HISTORY_MIN_INTERVAL_S = 2.0  # history changes arrive with every synced event; the table is re-read at most this often
+AGENT_POLL_S = 5.0  # without a history: ask the agents for their runs this often
+AGENT_POLL_CONCURRENCY = 16
 
 
-def run_cells(r: RunInfo) -> dict[str, object]:
+def run_cells(r: RunRow) -> dict[str, object]:
     """The cells of one run's row."""
-    tel = r.telemetry
-    tps = Text("-")
-    if tel is not None and tel.tokens_per_s is not None:
-        tps = Text(f"{tel.tokens_per_s:,.0f} ")
-        tps.append(sparkline(tel.tps_history), style="cyan")
+    tps: Text | str = "-"
+    if r.tokens_per_s is not None:
+        tps = Text(f"{r.tokens_per_s:>9,.0f} ")
+        tps.append(sparkline(r.tps_history, width=10), style="cyan")
+    hosts = r.hosts[0] if len(r.hosts) == 1 else f"{r.hosts[0]} +{len(r.hosts) - 1}"
     return {
-        "step": "-" if tel is None or tel.step is None else str(tel.step),
-        "loss": "-" if tel is None or tel.loss is None else f"{tel.loss:.4f}",
-        "tps": tps,
         "id": r.id,
         "name": r.name or "-",
-        "host": r.host,
-        "kind": r.spec.kind,
+        "host": hosts,
+        "kind": r.kind,
         "state": state_text(r.state),
-        "started": when(r.started or r.created),
+        "step": "-" if r.step is None else str(r.step),
+        "loss": "-" if r.loss is None else f"{r.loss:.4f}",
+        "tps": tps,
+        "started": sortable(short_when(r.started or r.created), r.started or r.created),
         "elapsed": duration(elapsed(r.started, r.ended)),
-        "cause": Text((r.cause or "")[:80], style="red" if r.state in ("failed", "lost") else ""),
+        "why": why_text(r),
     }
 
 
-class RunsScreen(Screen):
-    """All runs across the fleet; enter opens one, l launches."""
+def why_text(r: RunRow) -> Text:
+    """Alerts of a live run, the cause of an ended one."""
+    if not r.ended_state:
+        return alerts_text(r.alerts, r.critical, limit=3)
+    t = Text(r.cause or "", style="red" if r.state in ("failed", "lost", "preflight_failed") else "")
+    if r.alerts:
+        t.append("  ")
+        t.append_text(alerts_text(r.alerts, r.critical, limit=1))
+    return t
 
-    BINDINGS = [Binding("enter", "open_run", "Open run"), Binding("escape", "app.pop_screen", "Back")]
+
+class RunsScreen(LiveScreen):
+    """All runs across the fleet; enter opens one."""
+
+    BINDINGS = [
+        Binding("enter", "open_run", "Open run"),
+        Binding("escape", "app.pop_screen", "Back"),
+        Binding("u", "reload", "Refresh", tooltip="read the history (or ask the agents) again now"),
+    ]
 
     def compose(self) -> ComposeResult:
-        yield Header()
-        yield Static("Runs", classes="title")
-        table: DataTable = DataTable(id="runs-table", cursor_type="row", zebra_stripes=True)
-        for key, label in COLUMNS:
-            table.add_column(label, key=key)
-        yield table
+        yield AppHeader()
+        yield Static("Runs", id="runs-title", classes="title")
+        yield KeyedTable(fit(COLUMNS, self.app.size.width, least=40), id="runs-table")
         yield Static("", id="runs-note", classes="note")
         yield Footer()
 
+    @tolerant
     def on_mount(self) -> None:
-        self._hosts: dict[str, str] = {}
-        self.poll_runs()
+        self._live: dict[str, dict[str, RunRow]] = {}  # host -> run id -> row, from its latest snapshot
+        self._recorded: dict[str, RunRow] = {}  # run id -> row, from the history (or the agents' run lists)
+        self._errors: dict[str, str] = {}
+        self._history_due = True
+        self._history_at = 0.0
+        links = self.app.fleet.links  # type: ignore[attr-defined]
+        self.hosts_changed(set(links))
+        if self.app.fleet.history is not None:  # type: ignore[attr-defined]
+            self.set_interval(0.5, self._maybe_load_history)
+            self._maybe_load_history()
+        else:
+            self.poll_agents()
+
+    # ------------------------------------------------------------------ sources
+
+    def hosts_changed(self, names: set[str]) -> None:
+        """Live runs of these hosts, from their snapshots."""
+        links = self.app.fleet.links  # type: ignore[attr-defined]
+        touched: set[str] = set()
+        for name in names:
+            link = links.get(name)
+            if link is None:
+                continue
+            snap = link.status.snapshot if link.status.state == "up" else None
+            if snap is None and link.status.state == "up":
+                continue
+            before = self._live.get(name, {})
+            now_rows = {r.id: run_row_from_info(r, name) for r in snap.runs} if snap is not None else {}
+            if set(before) - set(now_rows):
+                self._history_due = True  # a run ended there: its final state comes with the history
+                for rid in set(before) - set(now_rows):
+                    if rid not in self._recorded:  # keep showing it until its record arrives
+                        self._recorded[rid] = before[rid]
+            self._live[name] = now_rows
+            touched |= set(before) | set(now_rows)
+        if touched:
+            self._show(touched)
+
+    def history_changed(self) -> None:
+        self._history_due = True
+
+    @tolerant
+    def _maybe_load_history(self) -> None:
+        if self._history_due and self.app.screen is self and time.monotonic() - self._history_at >= HISTORY_MIN_INTERVAL_S:
+            self._history_due = False
+            self._history_at = time.monotonic()
+            self.load_history()
+
+    @work(thread=True, exclusive=True, group="runs-history")
+    @tolerant
+    def load_history(self) -> None:
+        """Read the history's newest runs (a thread: SQLite blocks)."""
+        history = self.app.fleet.history  # type: ignore[attr-defined]
+        t0 = time.monotonic()
+        try:
+            rows = history_rows(history.path, HISTORY_QUERY)
+            self.post_message(HistoryLoaded(HISTORY_QUERY, rows, seconds=time.monotonic() - t0))
+        except (QueryError, OSError, Exception) as exc:  # a locked or missing file must not kill the screen
+            self.post_message(HistoryLoaded(HISTORY_QUERY, [], error=f"history: {exc}"))
+
+    @on(HistoryLoaded)
+    @tolerant
+    def _history_loaded(self, message: HistoryLoaded) -> None:
+        message.stop()
+        if not self.is_attached:
+            return
+        if message.error:
+            self._errors["history"] = message.error
+        else:
+            self._errors.pop("history", None)
+        changed: set[str] = set()
+        fresh = merge_rows(run_row_from_history(d) for d in message.rows)
+        for rid, row in fresh.items():
+            if self._recorded.get(rid) != row:
+                self._recorded[rid] = row
+                changed.add(rid)
+        if changed or message.error:
+            self._show(changed)
 
     @work(exclusive=True, group="runs-poll")
-    async def poll_runs(self) -> None:
+    @tolerant
+    async def poll_agents(self) -> None:
+        """Without a history: ask every reachable agent for its runs, a few at a time."""
         fleet = self.app.fleet  # type: ignore[attr-defined]
-        while True:
-            rows: dict[str, dict[str, object]] = {}
-            errors: list[str] = []
-            for host in list(fleet.links):
+        sem = asyncio.Semaphore(AGENT_POLL_CONCURRENCY)
+
+        async def one(host: str) -> None:
+            async with sem:
                 try:
-                    for r in await fleet.runs(host):
-                        rows[r.id] = run_cells(r)
-                        self._hosts[r.id] = host
+                    runs = await fleet.runs(host, limit=500)
                 except AgentError as exc:
-                    errors.append(f"{host}: {exc.message}")
-            sync_rows(self.query_one("#runs-table", DataTable), COLUMNS, rows)
-            note = f"{len(rows)} run(s)" + (f"; unreachable: {'; '.join(errors)}" if errors else "")
-            self.query_one("#runs-note", Static).update(note)
-            await asyncio.sleep(REFRESH_S)
+                    self._errors[host] = exc.message
+                    return
+                self._errors.pop(host, None)
+                if not self.is_attached:
+                    return
+                changed = set()
+                for r in runs:
+                    row = run_row_from_info(r, host)
+                    if self._recorded.get(r.id) != row:
+                        self._recorded[r.id] = row
+                        changed.add(r.id)
+                if changed:
+                    self._show(changed)
+
+        while True:
+            up = [h for h, link in fleet.links.items() if link.status.state in ("up", "connecting")]
+            await asyncio.gather(*(one(h) for h in up))
+            if not self.is_attached:
+                return
+            self._note()
+            await asyncio.sleep(AGENT_POLL_S)
+
+    def action_reload(self) -> None:
+        if self.app.fleet.history is not None:  # type: ignore[attr-defined]
+            self._history_due = True
+            self._history_at = 0.0
+            self._maybe_load_history()
+        else:
+            self.poll_agents()
 
     def refresh_now(self) -> None:
         """Re-read the run list at once (after a launch or stop)."""
-        self.poll_runs()
+        self.action_reload()
+
+    # ------------------------------------------------------------------ table
+
+    def _row(self, rid: str) -> RunRow | None:
+        live = [rows[rid] for rows in self._live.values() if rid in rows]
+        rec = self._recorded.get(rid)
+        if not live:
+            return rec
+        merged = merge_rows([*live, *([rec] if rec else [])])
+        return merged[rid]
+
+    def _show(self, ids: set[str]) -> None:
+        table = self.query_one("#runs-table", KeyedTable)
+        added = False
+        for rid in ids:
+            row = self._row(rid)
+            if row is None:
+                table.drop(rid)
+                continue
+            added = added or table.cells_of(rid) is None
+            table.upsert(rid, run_cells(row))
+        if added:
+            table.sort_by("started", reverse=True)
+        self._note()
+
+    def _note(self) -> None:
+        table = self.query_one("#runs-table", KeyedTable)
+        live = sum(len(v) for v in self._live.values())
+        t = Text(f"{table.row_count} run(s), {live} live", style="dim")
+        if self._errors:
+            t.append("; " + "; ".join(f"{k}: {v}" for k, v in list(self._errors.items())[:3]), style="red")
+        self.query_one("#runs-note", Static).update(t)
+
+    def host_of(self, rid: str) -> str:
+        """The host to open a run on."""
+        row = self._row(rid)
+        return row.host if row is not None else "local"
 
     def action_open_run(self) -> None:
-        table = self.query_one("#runs-table", DataTable)
-        if table.row_count == 0:
-            return
-        rid = table.coordinate_to_cell_key(table.cursor_coordinate).row_key.value
-        self.app.open_run(self._hosts.get(rid, "local"), rid)  # type: ignore[attr-defined]
+        rid = self.query_one("#runs-table", KeyedTable).cursor_key
+        if rid is not None:
+            self.app.open_run(self.host_of(rid), rid)  # type: ignore[attr-defined]
 
-    def on_data_table_row_selected(self, event: DataTable.RowSelected) -> None:
-        rid = event.row_key.value
-        self.app.open_run(self._hosts.get(rid, "local"), rid)  # type: ignore[attr-defined]
+    def on_data_table_row_selected(self, event: KeyedTable.RowSelected) -> None:
+        rid = str(event.row_key.value)
+        self.app.open_run(self.host_of(rid), rid)  # type: ignore[attr-defined]

@@ -1,4 +1,4 @@
-"""Provides cell renderers shared by the tables: memory bars, states, attributions, durations."""
+"""Provides cell renderers shared by the tables: memory bars, states, attributions, alerts, sparklines."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ STATE_STYLES = {
     "connecting": "yellow",
     "unreachable": "bold red",
     "version_mismatch": "bold magenta",
+    "host_key": "bold magenta",
     "running": "green",
     "starting": "yellow",
     "stopping": "yellow",
@@ -21,8 +22,12 @@ STATE_STYLES = {
     "preflight_failed": "red",
     "pending": "dim",
 }
+STATE_WORDS = {"version_mismatch": "version mismatch", "host_key": "host key refused", "preflight_failed": "preflight failed"}
 
 ATTRIBUTION_STYLES = {"RUN": "green", "STALE": "bold red", "FOREIGN": "yellow", "NO_SUCH_PROCESS": "bold magenta"}
+LEFTOVER_STYLES = {"orphan": "bold red", "foreign": "yellow", "zombie": "bold red", "disk_sleep": "bold red", "no_such_process": "bold magenta", "live": "green"}
+SIMULATED = Text(" SIMULATED ", style="bold black on yellow")
+MARK = "✓"
 
 
 def mem_bar(used: int, total: int, width: int = 12) -> Text:
@@ -37,9 +42,23 @@ def mem_bar(used: int, total: int, width: int = 12) -> Text:
     return t
 
 
+def pct_bar(pct: float | None, width: int = 5) -> Text:
+    """A utilisation figure with a small bar: '▇▇▇░░  62%'."""
+    if pct is None:
+        return Text("-", style="dim")
+    frac = max(0.0, min(1.0, pct / 100))
+    filled = round(frac * width)
+    t = Text()
+    t.append("▇" * filled, style="cyan")
+    t.append("░" * (width - filled), style="dim")
+    t.append(f" {pct:3.0f}%")
+    return t
+
+
 def state_text(state: str, extra: str = "") -> Text:
     """A state word in its colour."""
-    return Text(state + (f" {extra}" if extra else ""), style=STATE_STYLES.get(state, ""))
+    word = STATE_WORDS.get(state, state)
+    return Text(word + (f" {extra}" if extra else ""), style=STATE_STYLES.get(state, ""))
 
 
 def attribution_text(attribution: str) -> Text:
@@ -47,12 +66,45 @@ def attribution_text(attribution: str) -> Text:
     return Text(attribution.replace("_", " "), style=ATTRIBUTION_STYLES.get(attribution, ""))
 
 
+def leftover_text(kind: str) -> Text:
+    """orphan / foreign / zombie / disk sleep / no such process / live, in its colour."""
+    return Text(kind.replace("_", " "), style=LEFTOVER_STYLES.get(kind, ""))
+
+
+def alerts_text(alerts: tuple[str, ...] | list[str], critical: bool = False, limit: int = 3) -> Text:
+    """Alert summaries joined, red when any is critical ('' when none)."""
+    if not alerts:
+        return Text("")
+    shown = "; ".join(alerts[:limit]) + (f" (+{len(alerts) - limit})" if len(alerts) > limit else "")
+    return Text("⚠ " + shown, style="bold red" if critical else "red")
+
+
+def ok_text(ok: bool | None) -> Text:
+    """✓ / ✗ / ? for a check that passed, failed, or could not be decided."""
+    if ok is None:
+        return Text("?", style="dim")
+    return Text("✓", style="bold green") if ok else Text("✗", style="bold red")
+
+
+class SortableText(Text):
+    """A cell whose text is for reading and whose ``sort_value`` is for ordering (a time shown as 14:03:20)."""
+
+    sort_value: float = 0.0
+
+
+def sortable(text: str, value: float, style: str = "") -> SortableText:
+    """A cell that shows ``text`` and sorts by ``value``."""
+    t = SortableText(text, style=style)
+    t.sort_value = value
+    return t
+
+
 _SPARK = "▁▂▃▄▅▆▇█"
 
 
-def sparkline(values: list[float], width: int = 12) -> str:
+def sparkline(values: list[float] | tuple[float, ...], width: int = 12) -> str:
     """The last ``width`` values as a unicode sparkline."""
-    vals = values[-width:]
+    vals = list(values)[-width:]
     if not vals:
         return ""
     lo, hi = min(vals), max(vals)

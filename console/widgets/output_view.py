@@ -9,6 +9,7 @@ one write and one newline scan per batch, not a widget per line.
 
 from __future__ import annotations
 
+import re
 import tempfile
 import threading
 from array import array
@@ -23,6 +24,7 @@ from textual.scroll_view import ScrollView
 from textual.strip import Strip
 
 CACHE_LINES = 4096
+_NEWLINE = re.compile(b"\n")
 SEARCH_CHUNK = 4 << 20
 MATCH_STYLE = Style(bgcolor="yellow", color="black", bold=True)
 
@@ -69,16 +71,12 @@ class OutputView(ScrollView, can_focus=True):
         open_line = len(self._starts) - 1
         self._cache.pop(open_line, None)  # the open line grows
         starts = self._starts
-        idx = raw.find(b"\n")
-        while idx >= 0:
-            end = base + idx
-            if end - starts[-1] > self._max_width:  # bytes approximate the width; good enough for scrolling
-                self._max_width = end - starts[-1]
-            starts.append(end + 1)
-            idx = raw.find(b"\n", idx + 1)
+        # the scans run in C (re, split): a batch of 70,000 lines costs tens of ms, not a Python loop per line
+        widths = [len(part) for part in raw.split(b"\n")]
+        widths[0] += base - starts[-1]  # the first part continues the open line
+        starts.extend(base + m.end() for m in _NEWLINE.finditer(raw))
+        self._max_width = max(self._max_width, max(widths))  # bytes approximate the width; good enough for scrolling
         self._nbytes += len(raw)
-        if self._nbytes - starts[-1] > self._max_width:
-            self._max_width = self._nbytes - starts[-1]
         self.bytes_received += len(raw)
         self.virtual_size = Size(min(self._max_width, 4096), self.line_count)
         if self.follow:

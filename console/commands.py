@@ -1,0 +1,51 @@
+"""Provides the command palette's gpudeck commands: every action of the current screen and of the app, and every host."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import partial
+
+from textual.binding import Binding
+from textual.command import DiscoveryHit, Hit, Hits, Provider
+
+
+class GpudeckCommands(Provider):
+    """What the operator can do from here: the screen's keys, the app's keys, the themes, 'open host X'."""
+
+    def _commands(self) -> list[tuple[str, str, Callable[[], object]]]:
+        app = self.app
+        screen = self.screen
+        out: list[tuple[str, str, Callable[[], object]]] = []
+        seen: set[str] = set()
+
+        def add_bindings(owner, bindings: list) -> None:  # type: ignore[no-untyped-def]
+            for b in bindings:
+                if not isinstance(b, Binding) or not b.description or b.action in seen:
+                    continue
+                seen.add(b.action)
+                key = b.key_display or b.key
+                help_text = (b.tooltip or b.description) + f"  [{key}]"
+                out.append((b.description, help_text, partial(owner.run_action, b.action)))
+
+        add_bindings(screen, list(getattr(screen, "BINDINGS", [])))
+        add_bindings(app, list(getattr(app, "BINDINGS", [])))
+        out.append(("Theme: dark", "switch to the dark theme", partial(setattr, app, "theme", "textual-dark")))
+        out.append(("Theme: light", "switch to the light theme", partial(setattr, app, "theme", "textual-light")))
+        fleet = getattr(app, "fleet", None)
+        if fleet is not None:
+            for name, link in fleet.links.items():
+                out.append((f"Open host {name}", f"GPUs and processes of {name} ({link.status.state})", partial(app.open_host, name)))  # type: ignore[attr-defined]
+        return out
+
+    async def discover(self) -> Hits:
+        for name, help_text, fn in self._commands():
+            if name.startswith("Open host "):
+                continue  # hundreds of them: found by typing, not listed
+            yield DiscoveryHit(name, fn, help=help_text)
+
+    async def search(self, query: str) -> Hits:
+        matcher = self.matcher(query)
+        for name, help_text, fn in self._commands():
+            score = matcher.match(name)
+            if score > 0:
+                yield Hit(score, matcher.highlight(name), fn, help=help_text)

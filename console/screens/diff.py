@@ -1,0 +1,70 @@
+"""Provides the Diff screen: two runs side by side — environment (core first), configuration, outcome — differences highlighted."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.text import Text
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.screen import Screen
+from textual.widgets import Footer, Static
+
+from console.screens.base import tolerant
+from console.views import run_diff, run_label
+from console.widgets.diff import diff_rows, diff_summary
+from console.widgets.header import AppHeader
+from console.widgets.keyed_table import Col, KeyedTable
+
+
+def columns(width: int) -> list[Col]:
+    """The diff's columns; A and B share what the terminal has left."""
+    side = max(24, (width - 60) // 2)
+    return [Col("mark", " ", 1), Col("section", "", 11), Col("key", "FIELD", 30), Col("a", "A", side), Col("b", "B", side)]
+
+
+class DiffScreen(Screen):
+    """Two recorded runs compared; d shows only the differences."""
+
+    BINDINGS = [
+        Binding("escape", "app.pop_screen", "Back"),
+        Binding("d", "toggle_same", "Only differences", tooltip="hide or show the fields that are the same"),
+        Binding("w", "swap", "Swap A/B"),
+    ]
+
+    def __init__(self, a: dict[str, Any], b: dict[str, Any]) -> None:
+        super().__init__()
+        self.a, self.b = a, b
+        self.only_differences = False
+
+    def compose(self) -> ComposeResult:
+        yield AppHeader()
+        yield Static("", id="diff-title", classes="title")
+        yield Static("", id="diff-summary", classes="note")
+        yield KeyedTable(columns(self.app.size.width), id="diff-table", zebra_stripes=False)
+        yield Static(Text("● changed and decides whether a known-good setup still works (torch, CUDA, driver, NCCL, cuDNN, transformers, python)   • changed", style="dim"), classes="note")
+        yield Footer()
+
+    @tolerant
+    def on_mount(self) -> None:
+        self._redraw()
+
+    def _redraw(self) -> None:
+        diff = run_diff(self.a, self.b)
+        a_label, b_label = run_label(self.a), run_label(self.b)
+        self.query_one("#diff-title", Static).update(Text.assemble(("Diff  ", "bold"), ("A ", "dim"), a_label, ("   B ", "dim"), b_label))
+        self.query_one("#diff-summary", Static).update(diff_summary(diff))
+        table = self.query_one("#diff-table", KeyedTable)
+        table.columns[table.cols[3].key].label = Text(f"A  {a_label}")  # type: ignore[index]
+        table.columns[table.cols[4].key].label = Text(f"B  {b_label}")  # type: ignore[index]
+        # a static comparison, not a live table: rebuilt in the diff's order (core first) on every toggle
+        table.reset()
+        table.sync(diff_rows(diff, self.only_differences))
+
+    def action_toggle_same(self) -> None:
+        self.only_differences = not self.only_differences
+        self._redraw()
+
+    def action_swap(self) -> None:
+        self.a, self.b = self.b, self.a
+        self._redraw()

@@ -1,0 +1,236 @@
+"""Provides the History screen: every recorded run, filtered with ``gpudeck history``'s language; open one, or mark two and diff them."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+from rich.text import Text
+from textual import on, work
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.timer import Timer
+from textual.widgets import Footer, Input, Static
+
+from console.fmt import duration, elapsed
+from console.messages import HistoryLoaded
+from console.query import QueryError
+from console.screens.base import LiveScreen, tolerant
+from console.screens.runs import why_text
+from console.views import short_when, history_rows, run_row_from_history
+from console.widgets.cells import sortable, state_text
+from console.widgets.header import AppHeader
+from console.widgets.keyed_table import Col, KeyedTable, fit
+
+COLUMNS = [
+    Col("id", "RUN", 10),
+    Col("name", "NAME", 16),
+    Col("host", "HOST", 10),
+    Col("kind", "KIND", 7),
+    Col("state", "STATE", 16),
+    Col("started", "STARTED", 10),
+    Col("elapsed", "ELAPSED", 8),
+    Col("step", "STEP", 6),
+    Col("loss", "LOSS", 7),
+    Col("tps", "TOK/S", 8),
+    Col("torch", "TORCH", 14),
+    Col("why", "CAUSE / ALERTS", None),
+]
+PLACEHOLDER = "filter: state:failed host:gpu1 kind:dflash since:7d name:~drafter cause:oom torch:2.7 alert:any   (enter applies)"
+RELOAD_MIN_S = 2.0
+TYPE_DELAY_S = 0.4
+
+
+def history_cells(d: dict[str, Any]) -> dict[str, object]:
+    """One recorded run's row."""
+    r = run_row_from_history(d)
+    return {
+        "id": r.id,
+        "name": r.name or "-",
+        "host": r.host,
+        "kind": r.kind,
+        "state": state_text(r.state),
+        "started": sortable(short_when(r.started or r.created), r.started or r.created),
+        "elapsed": duration(elapsed(r.started, r.ended)) if r.started else "-",
+        "step": "-" if r.step is None else str(r.step),
+        "loss": "-" if r.loss is None else f"{r.loss:.4f}",
+        "tps": "-" if r.tokens_per_s is None else f"{r.tokens_per_s:,.0f}",
+        "torch": r.torch or "-",
+        "why": why_text(r),
+    }
+
+
+class HistoryScreen(LiveScreen):
+    """The history: filter, open a run, mark two and diff them."""
+
+    BINDINGS = [
+        Binding("escape", "back", "Back"),
+        Binding("slash", "focus_filter", "Filter", key_display="/"),
+        Binding("enter", "open_run", "Open run"),
+        Binding("space", "mark", "Mark", tooltip="mark a run to diff (two at most)"),
+        Binding("d", "diff", "Diff marked", tooltip="two marked runs side by side: environment (torch, CUDA, driver, NCCL first), config, outcome"),
+        Binding("u", "reload", "Refresh"),
+    ]
+
+    def __init__(self, query: str = "") -> None:
+        super().__init__()
+        self.query_text = query
+        self.rows: dict[str, dict[str, Any]] = {}
+        self._loaded_at = 0.0
+        self._due = False
+        self._typing: Timer | None = None
+
+    def compose(self) -> ComposeResult:
+        yield AppHeader()
+        yield Static("History", id="history-title", classes="title")
+        yield Input(self.query_text, id="history-filter", placeholder=PLACEHOLDER)
+        yield KeyedTable(fit(COLUMNS, self.app.size.width, markable=True, least=40), id="history-table", markable=True)
+        yield Static("", id="history-note", classes="note")
+        yield Footer()
+
+    @tolerant
+    def on_mount(self) -> None:
+        self.query_one("#history-table", KeyedTable).focus()
+        if self.app.fleet.history is None:  # type: ignore[attr-defined]
+            self.query_one("#history-note", Static).update(Text("this console runs without a history database (`gpudeck` opens one by default)", style="yellow"))
+            return
+        self.set_interval(0.5, self._maybe_reload)
+        self.reload()
+
+    # ------------------------------------------------------------------ loading
+
+    def history_changed(self) -> None:
+        self._due = True
+
+    @tolerant
+    def _maybe_reload(self) -> None:
+        if self._due and self.app.screen is self and time.monotonic() - self._loaded_at >= RELOAD_MIN_S:
+            self._due = False
+            self.reload()
+
+    def action_reload(self) -> None:
+        self.reload()
+
+    def reload(self) -> None:
+        """Run the filter again (in a thread)."""
+        self._loaded_at = time.monotonic()
+        self._load(self.query_text)
+
+    @work(thread=True, exclusive=True, group="history-query")
+    @tolerant
+    def _load(self, text: str) -> None:
+        history = self.app.fleet.history  # type: ignore[attr-defined]
+        t0 = time.monotonic()
+        try:
+            rows = history_rows(history.path, text)
+        except QueryError as exc:
+            self.post_message(HistoryLoaded(text, [], error=str(exc)))
+            return
+        except Exception as exc:  # a missing or locked file: say so, keep the screen
+            self.post_message(HistoryLoaded(text, [], error=f"the history cannot be read: {exc}"))
+            return
+        self.post_message(HistoryLoaded(text, rows, seconds=time.monotonic() - t0))
+
+    @on(HistoryLoaded)
+    @tolerant
+    def _loaded(self, message: HistoryLoaded) -> None:
+        message.stop()
+        if not self.is_attached:
+            return
+        note = self.query_one("#history-note", Static)
+        if message.error:
+            note.update(Text(message.error, style="bold red"))
+            return
+        if message.query != self.query_text:
+            return  # an older filter's answer
+        table = self.query_one("#history-table", KeyedTable)
+        self.rows = {f"{d['host']}/{d['id']}": d for d in message.rows}
+        before = set(table.keys())
+        table.sync({k: history_cells(d) for k, d in self.rows.items()})
+        if set(self.rows) - before:
+            table.sort_by("started", reverse=True)
+        t = Text(f"{len(self.rows)} run(s)" + (f" matching {self.query_text!r}" if self.query_text else ""), style="dim")
+        if message.seconds >= 0.5:
+            t.append(f" (the query took {message.seconds:.1f} s)", style="yellow")
+        if table.marks:
+            t.append(f"   {len(table.marks)} marked: " + ", ".join(sorted(k.split('/', 1)[1] for k in table.marks)), style="bold")
+        note.update(t)
+
+    # ------------------------------------------------------------------ filter
+
+    def on_input_changed(self, event: Input.Changed) -> None:
+        if event.input.id != "history-filter":
+            return
+        if self._typing is not None:
+            self._typing.stop()
+        self._typing = self.set_timer(TYPE_DELAY_S, lambda: self._apply(event.value))
+
+    def on_input_submitted(self, event: Input.Submitted) -> None:
+        if event.input.id != "history-filter":
+            return
+        self._apply(event.value)
+        self.query_one("#history-table", KeyedTable).focus()
+
+    def _apply(self, text: str) -> None:
+        if text != self.query_text or not self.rows:
+            self.query_text = text
+            if self.app.fleet.history is not None:  # type: ignore[attr-defined]
+                self.reload()
+
+    def action_focus_filter(self) -> None:
+        self.query_one("#history-filter", Input).focus()
+
+    def action_back(self) -> None:
+        box = self.query_one("#history-filter", Input)
+        if box.has_focus:
+            self.query_one("#history-table", KeyedTable).focus()
+        else:
+            self.app.pop_screen()
+
+    # ------------------------------------------------------------------ open, mark, diff
+
+    def action_open_run(self) -> None:
+        key = self.query_one("#history-table", KeyedTable).cursor_key
+        if key is not None and key in self.rows:
+            d = self.rows[key]
+            self.app.open_run(d["host"], d["id"])  # type: ignore[attr-defined]
+
+    def on_data_table_row_selected(self, event: KeyedTable.RowSelected) -> None:
+        d = self.rows.get(str(event.row_key.value))
+        if d is not None:
+            self.app.open_run(d["host"], d["id"])  # type: ignore[attr-defined]
+
+    def action_mark(self) -> None:
+        table = self.query_one("#history-table", KeyedTable)
+        key = table.cursor_key
+        if key is None:
+            return
+        if key not in table.marks and len(table.marks) >= 2:
+            self.notify("two runs are marked already: d diffs them, space on a marked run unmarks it", severity="warning")
+            return
+        table.toggle_mark_and_advance()
+
+    def action_diff(self) -> None:
+        table = self.query_one("#history-table", KeyedTable)
+        keys = [k for k in table.keys() if k in table.marks]
+        if len(keys) == 1 and table.cursor_key not in (None, keys[0]):
+            keys.append(table.cursor_key)  # type: ignore[arg-type]
+        if len(keys) != 2:
+            self.notify("mark two runs with space (or one, and highlight the other), then d", severity="warning")
+            return
+        self.open_diff(self.rows[keys[0]], self.rows[keys[1]])
+
+    @work(exclusive=True, group="history-diff")
+    @tolerant
+    async def open_diff(self, a: dict[str, Any], b: dict[str, Any]) -> None:
+        """Read both runs' full rows (environment included) in a thread, then show them side by side."""
+        from console.screens.diff import DiffScreen
+
+        history = self.app.fleet.history  # type: ignore[attr-defined]
+        try:
+            full_a, full_b = await asyncio.gather(asyncio.to_thread(history.find, a["id"], a["host"]), asyncio.to_thread(history.find, b["id"], b["host"]))
+        except Exception as exc:
+            self.notify(str(exc), title="cannot diff", severity="error")
+            return
+        self.app.push_screen(DiffScreen(full_a, full_b))

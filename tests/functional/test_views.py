@@ -1,0 +1,83 @@
+"""The console's view models: what rows and diffs say, computed from fixture snapshots and history rows."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from agents.protocol import LaunchSpec
+from console.relaunch import with_python
+from console.views import (
+    argv_flags,
+    argv_rows,
+    core_changes,
+    history_rows,
+    host_figures,
+    merge_rows,
+    python_of,
+    record_from_info,
+    row_label,
+    run_diff,
+    run_from_record,
+    run_row_from_history,
+    run_row_from_info,
+)
+from tests.functional.fixture_fleet import GOOD, LIVE, FixtureFleet, fixture_runs, fixture_snapshot
+
+
+def test_host_figures_count_gpus_and_put_stale_holders_and_critical_alerts_first() -> None:
+    fig = host_figures(fixture_snapshot())
+    assert (fig.gpus, fig.busy, fig.runs) == (4, 3, 1)
+    assert fig.used == 108 * 2**30 and fig.total == 564 * 2**30
+    assert fig.alerts[0] == "2 stale GPU holder(s) 26.0 GiB"  # STALE 21 + NO SUCH PROCESS 5; FOREIGN is not an alert
+    assert fig.alerts[1] == "llama-1b: rank exited" and fig.critical
+
+
+def test_a_multi_node_run_is_one_row_and_live_beats_recorded() -> None:
+    live = run_row_from_info(fixture_runs()[0])
+    recorded = run_row_from_history({"id": LIVE, "host": "gpu9", "state": "lost", "kind": "fsdp", "created": 1.0})
+    rows = merge_rows([recorded, live])
+    assert list(rows) == [LIVE]
+    assert rows[LIVE].hosts == ("gpu9", "gpu1") and rows[LIVE].state == "running" and rows[LIVE].live
+
+
+def test_argv_flags_and_argv_rows_show_which_argument_changed() -> None:
+    assert argv_flags(["python", "-m", "x", "--lr", "3e-4", "--fresh", "--out=/ckpt"]) == {"argv[0]": "python", "argv[1]": "-m", "argv[2]": "x", "--lr": "3e-4", "--fresh": "on", "--out": "/ckpt"}
+    rows = argv_rows(["py", "--lr", "3e-4", "--fresh"], ["py", "--lr", "1e-4", "--resume", "5"])
+    assert [(r.key, r.a, r.b) for r in rows] == [("--lr", "3e-4", "1e-4"), ("--fresh", "on", "-"), ("--resume", "-", "5")]
+
+
+def test_a_live_run_compares_like_a_recorded_one() -> None:
+    live = fixture_runs()[0]
+    rec = record_from_info(live)
+    diff = run_diff(rec, {**rec, "id": "r-other", "argv": [*live.spec.argv[:-1], "--resume", "10"]})
+    assert [r.key for r in diff.config if r.differs] == ["command", "--fresh", "--resume"]
+    back = run_from_record(rec)
+    assert back is not None and (back.id, back.state, back.spec, back.env) == (live.id, live.state, live.spec, live.env)
+
+
+def test_history_rows_use_the_query_language_and_the_diff_reads_full_rows(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    fleet = FixtureFleet(tmp_path / "h.db")
+    try:
+        assert {r["id"] for r in history_rows(fleet.history.path, "kind:fsdp")} == {LIVE, GOOD}
+        failed = history_rows(fleet.history.path, "state:failed")
+        assert [r["cause"] for r in failed] == ["exit code 1 (CUDA out of memory)"]
+        assert "env" not in failed[0]  # the light rows never carry the environment
+        from console.query import QueryError
+
+        with pytest.raises(QueryError, match="unknown filter"):
+            history_rows(fleet.history.path, "colour:red")
+        diff = run_diff(fleet.history.find(LIVE, "gpu1"), fleet.history.find(GOOD, "gpu1"))
+        assert [row_label(r) for r in core_changes(diff)] == ["torch", "torch CUDA build", "driver", "NCCL"]  # what changed among the core fields is read first
+        assert any(r.key == "--lr" and r.differs for r in diff.config)
+        assert run_diff(fleet.history.find(LIVE, "gpu1"), fleet.history.find("r-00aa11bb", "gpu1")).env_note.startswith("no environment fingerprint recorded for r-00aa11bb")
+    finally:
+        fleet.history.close()
+
+
+def test_python_of_reads_the_fingerprint_then_the_spec_then_argv() -> None:
+    spec = LaunchSpec(argv=["/old/bin/python", "-m", "trainers.fsdp_lm"], kind="fsdp")
+    assert python_of(spec) == "/old/bin/python"
+    assert python_of(msgspec.structs.replace(spec, python="/spec/python")) == "/spec/python"
+    assert python_of(spec, fixture_runs()[0].env) == "/opt/venv/bin/python3"
+    assert with_python(spec.argv, "/good/bin/python")[0] == "/good/bin/python"
