@@ -1,20 +1,60 @@
-"""Benchmark: the console following a run that writes 50,000 lines a second.
+"""Benchmark: the console following a run that writes 50,000 lines a second, and 256 hosts — against the peer.
+
+The peer is what issue 4 says an operator uses today: nvitop + ssh + tail. Each
+part that has one measures it in the same run, on the same data.
 
 Part 1 (in-process, headless): the Run screen follows a real run on a real
 local agent; the run prints exactly N numbered lines at the given rate, then
 exits. Reported: lines that reached the OutputView (must equal N, in order),
 the rate they arrived at, and the console process's CPU over the run.
 
-Part 2 (a real terminal): ``gpudeck console`` runs in a pseudo-terminal, opens
-the same kind of run, and while it streams we press ``f`` (follow on/off) and
-time from the key's bytes to the screen bytes that show its notification.
-Reported: p50/p99 key-to-screen latency.
+Part 2 (a real terminal, one host): ``gpudeck console`` runs in a
+pseudo-terminal, opens the same kind of run, and while it streams ``f``
+(follow on/off) is pressed and timed from the key's bytes to the screen bytes
+that show its notification. Reported: p50/p99 key-to-screen latency.
+
+Part 3 (256 hosts, a real terminal): a loopback fleet from
+``bench/fleet_hosts.py`` — N real agent processes with SIMULATED GPUs behind
+one asyncssh in-process SSH server (not OpenSSH) — and the console in a
+pseudo-terminal following all of them over SSH (history sync included).
+
+- Fleet screen, every host streaming a snapshot a second: the console's CPU,
+  the bytes it writes to the terminal per second, the cost of one update
+  (``flush_updates``: every changed host's row handed to the table), how old
+  the figures on screen are (agent sample -> row written, rows on screen
+  only), and key-to-screen latency (a bench-only key that shows a
+  notification).
+- Run screen, a run on h000 writing 50,000 lines a second whose output comes
+  through h000's SSH link: key-to-screen latency (``f``), lines/s reaching the
+  view (none lost, in order: the console process checks a sample into a
+  stats file), the console's CPU.
+- The peer, same fleet, same run, right after the console quits: **ssh +
+  nvitop/watch** — a terminal dashboard in a pseudo-terminal that execs
+  ``gpudeck status --json`` on every host over its SSH connection once a
+  second (gpustat-web's design; nvitop itself needs NVML, which this machine
+  has not) and redraws the screenful of hosts it shows once a second, as
+  ``watch -n 1`` does: its CPU, terminal bytes/s, frame cost, and the age of
+  what it shows. The farm answers that exec in-process, so the peer's cost on
+  the hosts (a python process per exec) is not in it: its best case. And
+  **tail** — ``tail -F`` of the same run's output.log in a pseudo-terminal
+  (no SSH hop: the farm serves only gpudeck's two commands): lines/s reaching
+  the terminal, gaps, its CPU.
+
+The agents stand in for 256 other machines, but here they share the
+console's cores: by default they, the farm and the run (started by a niced
+agent) run at nice 19 so the console and the peer get the CPU they would have
+on their own machine (``--no-nice`` leaves them be); the load average is
+printed.
+
+Part 4 (in-process, headless, fed): the cost of one Fleet-screen refresh when
+every one of 256 hosts changed (each link fed a new simulated snapshot by a
+task in the same process — no agents, labelled so), as the console pays it
+every 0.25 s at worst.
 
 The goals are absolute (issue 4: p99 under 100 ms, no line lost, the console
-under one core); this version follows one host — the 256-host part comes with
-the SSH fleet.
+under one core).
 
-Usage: python bench/tui.py [--rate 50000] [--seconds 10] [--presses 40]
+Usage: python bench/tui.py [--rate 50000] [--seconds 10] [--presses 40] [--hosts 256] [--parts 1,2,3,4]
 """
 
 from __future__ import annotations
@@ -22,8 +62,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import fcntl
+import json
 import os
 import pty
+import re
 import select
 import shutil
 import signal
@@ -34,6 +76,7 @@ import sys
 import tempfile
 import termios
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -57,11 +100,14 @@ while i < total:
     if lag > 0:
         time.sleep(lag)
 """
+ROWS, COLS = 40, 160  # the pseudo-terminals' size
+PING_KEY = b"\x02"  # ctrl+b: the bench-only binding of the part-3 console (a notification, nothing else)
+PEER_COMMAND = "gpudeck status --json"
 
 
 def env_for(home: Path) -> dict[str, str]:
     pythonpath = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
-    return {**os.environ, "GPUDECK_HOME": str(home), "PYTHONPATH": pythonpath}
+    return {**os.environ, "GPUDECK_HOME": str(home), "PYTHONPATH": pythonpath, "TERM": "xterm-256color"}
 
 
 def start_agent(home: Path) -> subprocess.Popen:
@@ -72,6 +118,122 @@ def start_agent(home: Path) -> subprocess.Popen:
             return proc
         time.sleep(0.05)
     raise SystemExit("agent did not start")
+
+
+def quantiles(xs: list[float]) -> tuple[float, float, float]:
+    """p50, p99 and max (NaN when empty)."""
+    if not xs:
+        return float("nan"), float("nan"), float("nan")
+    s = sorted(xs)
+    return statistics.median(s), s[min(len(s) - 1, int(len(s) * 0.99))], s[-1]
+
+
+class Term:
+    """A program in a pseudo-terminal, read as a terminal would be: key presses in, screen bytes out."""
+
+    def __init__(self, argv: list[str], env: dict[str, str]) -> None:
+        pid, fd = pty.fork()
+        if pid == 0:
+            try:
+                fcntl.ioctl(0, termios.TIOCSWINSZ, struct.pack("HHHH", ROWS, COLS, 0, 0))  # before exec: the program reads its size once
+                os.execve(argv[0], argv, env)
+            finally:
+                os._exit(127)  # exec failed: never run the parent's code in the child
+        self.pid, self.fd = pid, fd
+        self.buf = bytearray()
+        self.bytes_read = 0
+        self.sink: Callable[[bytes], None] | None = None  # sees every chunk (for counting lines)
+
+    def pump(self, timeout: float, until: bytes | None = None) -> float | None:
+        """Read for ``timeout`` s, or until ``until`` is on screen (returns when it came)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            r, _, _ = select.select([self.fd], [], [], max(0.0, min(0.1, deadline - time.monotonic())))
+            if not r:
+                continue
+            try:
+                chunk = os.read(self.fd, 1 << 16)
+            except OSError:
+                return None
+            self.bytes_read += len(chunk)
+            if self.sink is not None:
+                self.sink(chunk)
+                continue
+            self.buf.extend(chunk)
+            if until is not None and until in self.buf:
+                return time.monotonic()
+            if len(self.buf) > 1 << 20:
+                del self.buf[: -(1 << 18)]
+        return None
+
+    def press(self, key: bytes) -> None:
+        os.write(self.fd, key)
+
+    def latencies(self, key: bytes, expect: Callable[[int], bytes], n: int) -> list[float]:
+        """Press ``key`` n times; ms from each press to ``expect(i)`` on screen (presses never seen are left out)."""
+        out: list[float] = []
+        for i in range(n):
+            self.buf.clear()
+            t0 = time.monotonic()
+            self.press(key)
+            t1 = self.pump(5.0, expect(i))
+            if t1 is not None:
+                out.append((t1 - t0) * 1000)
+            self.pump(0.15)
+        return out
+
+    def follow_latencies(self, n: int) -> list[float]:
+        """``f`` n times on a Run screen that starts following: 'follow off', 'follow on', ..."""
+        return self.latencies(b"f", lambda i: f"follow {'off' if i % 2 == 0 else 'on'}".encode(), n)
+
+    def alive(self) -> bool:
+        try:
+            return os.waitpid(self.pid, os.WNOHANG) == (0, 0)
+        except ChildProcessError:
+            return False
+
+    def tail_text(self) -> str:
+        """The last screen bytes, escape sequences stripped (for saying where it stopped)."""
+        text = re.sub(rb"\x1b\[[0-9;?]*[A-Za-z]", b"", bytes(self.buf[-4000:])).decode("utf-8", "replace")
+        return text[-1500:]
+
+    def close(self, quit_key: bytes | None = b"q", wait_s: float = 10.0) -> None:
+        """Quit with ``quit_key`` (then SIGTERM after ``wait_s``), and reap it."""
+        self.sink = None
+        try:
+            if quit_key:
+                self.press(quit_key)
+                deadline = time.monotonic() + wait_s
+                while time.monotonic() < deadline and self.alive():
+                    self.pump(0.2)
+            if self.alive():
+                os.kill(self.pid, signal.SIGTERM)
+                os.waitpid(self.pid, 0)
+        except (ProcessLookupError, ChildProcessError, OSError):
+            pass  # gone (and reaped)
+        try:
+            os.close(self.fd)
+        except OSError:
+            pass
+
+
+class Window:
+    """CPU of some processes, wall time, and bytes a terminal read, from start to ``stop()``."""
+
+    def __init__(self, term: Term, pids: list[int]) -> None:
+        from bench.fleet_hosts import cpu_seconds
+
+        self._cpu = lambda: cpu_seconds(pids)
+        self.term = term
+        self.c0, self.b0, self.t0 = self._cpu(), term.bytes_read, time.monotonic()
+
+    def stop(self) -> tuple[float, float, float]:
+        """(share of one core, terminal bytes/s, seconds)."""
+        wall = time.monotonic() - self.t0
+        return (self._cpu() - self.c0) / wall, (self.term.bytes_read - self.b0) / wall, wall
+
+
+# ---------------------------------------------------------------------------- part 1: in-process, one host
 
 
 async def part1(home: Path, rate: int, total: int) -> None:
@@ -113,83 +275,534 @@ async def part1(home: Path, rate: int, total: int) -> None:
         print(f"tui_bench part1 console CPU while following: {100 * cpu / (t1 - t0):.1f}% of one core ({cpu:.2f} s CPU in {t1 - t0:.1f} s)", flush=True)
 
 
+# ---------------------------------------------------------------------------- part 2: a real terminal, one host
+
+
 def part2(home: Path, rate: int, seconds: float, presses: int) -> None:
-    pid, fd = pty.fork()
-    if pid == 0:
-        os.environ.update(env_for(home))
-        os.environ["TERM"] = "xterm-256color"
-        os.execv(sys.executable, [sys.executable, "-m", "console.cli", "console"])
-    fcntl.ioctl(fd, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 140, 0, 0))
-    buf = bytearray()
-
-    def read_for(timeout: float, until: bytes | None = None) -> float | None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            r, _, _ = select.select([fd], [], [], max(0.0, deadline - time.monotonic()))
-            if not r:
-                continue
-            try:
-                chunk = os.read(fd, 1 << 16)
-            except OSError:
-                return None
-            buf.extend(chunk)
-            if until is not None and until in buf:
-                return time.monotonic()
-        return None
-
+    env = env_for(home)
+    term = Term([sys.executable, "-m", "console.cli", "console"], env)
+    rid = ""
     try:
-        read_for(8.0, b"Fleet")
+        term.pump(8.0, b"Fleet")
         # the chatty run is launched through the CLI, then opened from the console's Runs screen
-        env = env_for(home)
         rid = subprocess.run([sys.executable, "-m", "console.cli", "launch", "--name", "tui-keys", "--", sys.executable, "-c", WRITER, str(rate), str(int(rate * (seconds + 30)))], env=env, capture_output=True, text=True, check=True).stdout.strip()
-        os.write(fd, b"r")
-        read_for(5.0, rid.encode())
-        os.write(fd, b"\r")
-        read_for(5.0, b"line 0")
-        lat: list[float] = []
-        state = "off"
-        for _ in range(presses):
-            buf.clear()
-            t0 = time.monotonic()
-            os.write(fd, b"f")
-            t1 = read_for(5.0, f"follow {state}".encode())
-            if t1 is not None:
-                lat.append((t1 - t0) * 1000)
-            state = "on" if state == "off" else "off"
-            read_for(0.15)
-        lat.sort()
+        term.press(b"r")
+        term.pump(5.0, rid.encode())
+        term.press(b"\r")
+        term.pump(5.0, b"line 0")
+        lat = term.follow_latencies(presses)
         if lat:
-            p50 = statistics.median(lat)
-            p99 = lat[min(len(lat) - 1, int(len(lat) * 0.99))]
-            print(f"tui_bench part2 key-to-screen latency while following {rate:,} lines/s: p50 {p50:.1f} ms, p99 {p99:.1f} ms, max {lat[-1]:.1f} ms ({len(lat)}/{presses} presses seen)", flush=True)
+            p50, p99, mx = quantiles(lat)
+            print(f"tui_bench part2 key-to-screen latency while following {rate:,} lines/s: p50 {p50:.1f} ms, p99 {p99:.1f} ms, max {mx:.1f} ms ({len(lat)}/{presses} presses seen)", flush=True)
         else:
             print("tui_bench part2: no key press was seen on screen", flush=True)
-        subprocess.run([sys.executable, "-m", "console.cli", "stop", rid, "--grace", "2"], env=env, capture_output=True)
     finally:
-        os.write(fd, b"q")
-        time.sleep(0.5)
+        if rid:
+            subprocess.run([sys.executable, "-m", "console.cli", "stop", rid, "--grace", "2"], env=env, capture_output=True)
+        term.close(wait_s=0.5)
+
+
+# ---------------------------------------------------------------------------- part 3: 256 hosts in a real terminal, and the peer
+
+
+class Log:
+    """Timestamped figures a child process appends (``kind t value``), read back by the parent for a window."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._fh = open(path, "a", buffering=1 << 16)
+
+    def add(self, kind: str, value: float) -> None:
+        self._fh.write(f"{kind} {time.time():.4f} {value:.4f}\n")
+
+    def flush(self) -> None:
+        self._fh.flush()
+
+    @staticmethod
+    def read(path: Path, kind: str, t0: float, t1: float) -> list[float]:
+        """The values of ``kind`` logged between wall times t0 and t1."""
+        out: list[float] = []
         try:
-            os.kill(pid, signal.SIGTERM)
-        except ProcessLookupError:
-            pass
-        os.waitpid(pid, 0)
+            lines = path.read_text().splitlines()
+        except OSError:
+            return out
+        for ln in lines:
+            parts = ln.split()
+            if len(parts) == 3 and parts[0] == kind and t0 <= float(parts[1]) <= t1:
+                out.append(float(parts[2]))
+        return out
+
+
+def console_child(spec_path: Path, stats_path: Path, total: int) -> None:
+    """The console process of part 3 (runs in the pty): the real app on the loopback fleet, plus a stats file and a log."""
+    from textual.binding import Binding
+
+    from bench.fleet_hosts import FleetSpec
+    from console.app import GpudeckApp
+    from console.fleet import Fleet
+    from console.history import History
+    from console.screens.fleet import FleetScreen
+    from console.screens.run import RunScreen
+    from console.widgets.keyed_table import KeyedTable
+    from console.widgets.output_view import OutputView
+
+    spec = FleetSpec.load(spec_path)
+    log = Log(stats_path.with_suffix(".log"))
+
+    class BenchApp(GpudeckApp):
+        """The console as users get it, with one extra key for latency pings, a stats file and a log of update costs."""
+
+        BINDINGS = [*GpudeckApp.BINDINGS, Binding("ctrl+b", "bench_ping", "ping", show=False)]
+
+        def __init__(self) -> None:
+            super().__init__(Fleet(config=spec.config(), ssh=spec.ssh_options(), interval_s=1.0, history=History(spec.base_dir / "tui-history.db")), freeze_gc=True)
+            self.pings = 0
+            self.checked: dict[str, object] = {}
+
+        def on_mount(self) -> None:
+            super().on_mount()
+            self.set_interval(0.25, self.dump)
+            self.stalls: list[tuple[float, float]] = []  # (wall ms, own CPU ms) of every loop stall over 50 ms
+            self.gc_ms: list[tuple[int, float]] = []  # (generation, ms) of collections over 10 ms
+            import gc
+
+            started: dict[str, float] = {}
+
+            def on_gc(phase: str, info: dict) -> None:
+                if phase == "start":
+                    started["t"] = time.perf_counter()
+                elif "t" in started:
+                    ms = (time.perf_counter() - started.pop("t")) * 1000
+                    if ms > 10:
+                        self.gc_ms.append((info.get("generation", -1), ms))
+
+            gc.callbacks.append(on_gc)
+            self._tick_at = (time.monotonic(), time.process_time())
+            self.set_interval(0.02, self.tick)
+
+        def tick(self) -> None:
+            # a stall where the console's own CPU time is small is time it waited for a core, not work it did
+            now = (time.monotonic(), time.process_time())
+            wall = (now[0] - self._tick_at[0]) * 1000 - 20
+            if wall > 50:
+                self.stalls.append((wall, (now[1] - self._tick_at[1]) * 1000))
+            self._tick_at = now
+
+        def flush_updates(self) -> None:
+            """The app's own, timed; and how old the figures of the hosts it puts on screen are."""
+            dirty = set(self._dirty_hosts)
+            t0 = time.perf_counter()
+            super().flush_updates()
+            if not dirty or not isinstance(self.screen, FleetScreen):
+                return
+            log.add("flush_ms", (time.perf_counter() - t0) * 1000)
+            table = self.screen.query_one("#fleet-table", KeyedTable)
+            top = int(table.scroll_y)
+            now = time.time()
+            for name in table.keys()[top : top + table.size.height - 1]:
+                snap = self.fleet.links[name].status.snapshot
+                if name in dirty and snap is not None:
+                    log.add("age_s", now - snap.ts)
+
+        def action_bench_ping(self) -> None:
+            self.pings += 1
+            self.notify(f"bench ping {self.pings}", timeout=1)
+
+        def dump(self) -> None:
+            from textual.css.query import NoMatches
+
+            log.flush()
+            view = None
+            for screen in self.screen_stack:
+                if isinstance(screen, RunScreen):
+                    try:
+                        view = screen.query_one("#run-log", OutputView)
+                    except NoMatches:
+                        pass  # still being built
+            lines = view.line_count if view is not None else 0
+            if view is not None and lines >= total and not self.checked:
+                step = max(1, total // 1000)
+                sample_ok = all(view.line(i).startswith(f"line {i:09d}") for i in range(0, total, step))
+                self.checked = {"ok": sample_ok and view.line(total - 1).startswith(f"line {total - 1:09d}"), "lines_at_check": lines}
+            up = sum(1 for link in self.fleet.links.values() if link.status.state == "up")
+            data = {"t": time.time(), "lines": lines, "up": up, "flushes": self.flushes, "stalls": self.stalls[-400:], "gc": self.gc_ms[-400:], **self.checked}
+            tmp = stats_path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(data))
+            os.replace(tmp, stats_path)
+
+    if os.environ.get("TUI_BENCH_PROFILE"):  # where the console's time goes, for whoever tunes it
+        import cProfile
+
+        cProfile.runctx("BenchApp().run()", globals(), locals(), os.environ["TUI_BENCH_PROFILE"])
+        return
+    BenchApp().run()
+
+
+async def peer_main(spec_path: Path, log_path: Path) -> None:
+    """The ssh + nvitop/watch peer (runs in a pty): every host's status exec'd once a second, a screenful redrawn once a second."""
+    import asyncssh
+    from rich.console import Console
+    from rich.table import Table
+
+    from bench.fleet_hosts import FleetSpec
+
+    spec = FleetSpec.load(spec_path)
+    log = Log(log_path)
+    opts = spec.ssh_options()
+    sem = asyncio.Semaphore(32)  # gpustat-web connects to its hosts at start; a bound keeps the handshakes from timing out
+
+    async def connect(name: str):  # type: ignore[no-untyped-def]
+        async with sem:
+            try:
+                return await asyncssh.connect(name, config=opts.config_paths(), known_hosts=str(spec.known_hosts), agent_forwarding=False, keepalive_interval=opts.keepalive_s, connect_timeout=60, login_timeout=120)
+            except (OSError, asyncssh.Error) as exc:
+                return exc
+
+    conns = await asyncio.gather(*(connect(nm) for nm in spec.names))
+    docs: dict[str, dict] = {}
+    loop = asyncio.get_running_loop()
+    start = loop.time() + 0.5
+    n = len(spec.names)
+
+    async def poll(i: int, name: str, conn) -> None:  # type: ignore[no-untyped-def]
+        nxt = start + i / n  # staggered across the second, as per-host loops drift apart
+        while True:
+            await asyncio.sleep(max(0.0, nxt - loop.time()))
+            try:
+                r = await conn.run(PEER_COMMAND, check=True, timeout=30)
+                docs[name] = json.loads(r.stdout)
+            except (asyncssh.Error, OSError, ValueError, asyncio.TimeoutError):
+                log.add("failed", 1)
+            nxt += 1.0
+            if nxt < loop.time():  # behind: skip the ticks that passed rather than bursting
+                skipped = int(loop.time() - nxt) + 1
+                log.add("skipped", skipped)
+                nxt += skipped
+
+    tasks = [asyncio.ensure_future(poll(i, nm, c)) for i, (nm, c) in enumerate(zip(spec.names, conns)) if not isinstance(c, BaseException)]
+    log.add("up", len(tasks))
+    log.flush()
+    out = Console(file=sys.stdout, force_terminal=True, color_system="256", width=COLS, height=ROWS)
+    shown = spec.names[: ROWS - 2]
+    while True:
+        await asyncio.sleep(1.0 - (time.time() % 1.0))  # once a second, as watch -n 1
+        t0 = time.perf_counter()
+        table = Table(box=None, pad_edge=False, expand=True, title=f"{n} hosts, {len(tasks)} connected (ssh + {PEER_COMMAND} per host per second)")
+        for col in ("HOST", "GPUs BUSY", "MEMORY", "UTIL", "RUNS"):
+            table.add_column(col)
+        now = time.time()
+        for name in shown:
+            d = docs.get(name)
+            if d is None:
+                table.add_row(name, "-", "-", "-", "-")
+                continue
+            gpus = d.get("gpus") or []
+            used, total = sum(g.get("memory_used", 0) for g in gpus), sum(g.get("memory_total", 0) for g in gpus)
+            utils = [g["util_gpu"] for g in gpus if g.get("util_gpu") is not None]
+            bar = "█" * round(12 * used / total) if total else ""
+            table.add_row(name, f"{sum(1 for g in gpus if g.get('processes'))}/{len(gpus)}", f"{bar:<12} {used / 2**30:.1f}/{total / 2**30:.1f} GiB", f"{sum(utils) / len(utils):.0f}%" if utils else "-", str(len(d.get("runs") or [])))
+            log.add("age_s", now - float(d.get("ts", now)))
+        with out.capture() as cap:
+            out.print(table)
+        sys.stdout.write("\x1b[H\x1b[2J" + cap.get())  # a full redraw, as watch does
+        sys.stdout.flush()
+        log.add("frame_ms", (time.perf_counter() - t0) * 1000)
+        log.flush()
+
+
+def read_stats(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def part3(rate: int, seconds: float, presses: int, hosts: int, gpus: str, nice: bool = True, settle_s: float = 20.0) -> None:
+    from bench.fleet_hosts import FleetHosts, FleetStartError
+
+    t0 = time.monotonic()
+    try:
+        fh = FleetHosts(hosts, gpus, progress=lambda m: print(f"tui_bench part3 (progress) {m}", file=sys.stderr, flush=True))
+    except FleetStartError as exc:
+        print(f"tui_bench part3 {hosts} hosts COULD NOT BE BROUGHT UP: {exc}", flush=True)
+        return
+    with fh:
+        assert fh.spec is not None
+        print(f"tui_bench part3 fleet: {hosts} real agents with SIMULATED GPUs ({gpus} each) behind one asyncssh in-process SSH server (not OpenSSH), up in {time.monotonic() - t0:.1f} s;"
+              f" {'agents, farm and the run at nice 19 (they stand in for other machines)' if nice else 'agents at normal priority'}", flush=True)
+        spec_path = fh.spec.save()
+        stats_path = fh.base_dir / "tui-stats.json"
+        console_log = stats_path.with_suffix(".log")
+        total = int(rate * seconds)
+        child_env = {k: v for k, v in env_for(fh.base_dir / "console-home").items() if not k.startswith("GPUDECK_") or k == "GPUDECK_HOME"}
+        others = [*fh.agent_pids, fh.farm_pid]
+        fleet_figures: dict[str, tuple[float, float, list[float], list[float]]] = {}
+        rid = ""
+        try:
+            term = Term([sys.executable, str(Path(__file__).resolve()), "_console", str(spec_path), str(stats_path), str(total)], child_env)
+            rid = console_part(term, fh, stats_path, console_log, others, rate, seconds, presses, hosts, total, nice, settle_s, fleet_figures)
+            term.close()
+            if rid:
+                tail_peer(fh.spec.state_dir(0) / "runs" / rid / "output.log", rate, seconds, others)
+        finally:
+            if rid:
+                subprocess.run([sys.executable, "-m", "console.cli", "stop", rid, "--grace", "2"], env=fh.agent_env(0), capture_output=True)
+        if "console" in fleet_figures:
+            dashboard_peer(spec_path, fh.base_dir / "peer.log", others, hosts, seconds, fleet_figures)
+
+
+def console_part(term: Term, fh, stats_path: Path, console_log: Path, others: list[int], rate: int, seconds: float, presses: int, hosts: int, total: int,  # type: ignore[no-untyped-def]
+                 nice: bool, settle_s: float, fleet_figures: dict) -> str:
+    """The console on the fleet: the Fleet screen, then the run on h000; returns the run id ('' when it got no further)."""
+
+    def stalls() -> str:
+        stats = read_stats(stats_path)
+        st, gcs = stats.get("stalls", []), stats.get("gc", [])
+        new, new_gc = st[mark[0]:], gcs[mark[1]:]
+        mark[0], mark[1] = len(st), len(gcs)
+        gc_text = f", Python GC pauses over 10 ms: {len(new_gc)} (longest {max(g[1] for g in new_gc):.0f} ms)" if new_gc else ", no GC pause over 10 ms"
+        if not new:
+            return "no event-loop stall over 50 ms" + gc_text
+        worst = max(new, key=lambda s: s[0])
+        return f"{len(new)} event-loop stall(s) over 50 ms, the longest {worst[0]:.0f} ms of which the console itself ran {worst[1]:.0f} ms (the rest: waiting for a CPU)" + gc_text
+
+    mark = [0, 0]
+
+    def show(what: str, lat: list[float], n: int) -> None:
+        if not lat:
+            print(f"tui_bench part3 {what}: no key press was seen on screen", flush=True)
+            return
+        p50, p99, mx = quantiles(lat)
+        print(f"tui_bench part3 key-to-screen latency, {what}: p50 {p50:.1f} ms, p99 {p99:.1f} ms, max {mx:.1f} ms ({len(lat)}/{n} presses seen; {stalls()}; load {os.getloadavg()[0]:.1f})", flush=True)
+
+    def alive(where: str) -> bool:
+        if not term.alive():
+            print(f"tui_bench part3 THE CONSOLE EXITED {where}; its terminal ended with: {term.tail_text()!r}", flush=True)
+            return False
+        return True
+
+    t_up = time.monotonic()
+    while time.monotonic() - t_up < 180 and read_stats(stats_path).get("up", 0) < hosts:
+        term.pump(0.5)
+    print(f"tui_bench part3 console: {read_stats(stats_path).get('up', 0)}/{hosts} hosts up on the Fleet screen {time.monotonic() - t_up:.1f} s after start", flush=True)
+    if read_stats(stats_path).get("up", 0) < hosts:
+        print(f"tui_bench part3 the console did not see every host up; its terminal ended with: {term.tail_text()!r}", flush=True)
+        return ""
+    if nice:
+        # the agents stand in for 256 other machines: here they share the console's 2 cores, so they run
+        # at the lowest priority and the console (what is measured) gets the CPU it would have on its own
+        for p in others:
+            try:
+                os.setpriority(os.PRIO_PROCESS, p, 19)
+            except OSError:
+                pass
+    term.pump(settle_s)  # the first history sync and the agents' start-up are over
+    w, wo, wt0 = Window(term, [term.pid]), Window(term, others), time.time()
+    term.pump(max(10.0, seconds))
+    cpu, bps, wall = w.stop()
+    flush_ms, ages = Log.read(console_log, "flush_ms", wt0, time.time()), Log.read(console_log, "age_s", wt0, time.time())
+    fleet_figures["console"] = (cpu, bps, flush_ms, ages)
+    f50, f99, _ = quantiles(flush_ms)
+    a50, a99, _ = quantiles(ages)
+    print(f"tui_bench part3 console, Fleet screen, {hosts} hosts at 1 Hz, no run, {wall:.0f} s: CPU {100 * cpu:.1f}% of one core, {bps / 1024:.1f} KiB/s to the terminal,"
+          f" update {f50:.1f} ms p50 / {f99:.1f} ms p99 ({len(flush_ms) / wall:.1f} a second), figures on screen {a50:.2f} s old p50 / {a99:.2f} s p99"
+          f" (agents+farm {100 * wo.stop()[0]:.0f}%, load {os.getloadavg()[0]:.1f})", flush=True)
+    stalls()  # only stalls during the measurement count
+    show(f"Fleet screen, {hosts} hosts at 1 Hz", term.latencies(PING_KEY, lambda i: f"bench ping {i + 1}".encode(), presses), presses)
+
+    rid = subprocess.run(
+        [sys.executable, "-m", "console.cli", "launch", "--name", "tui-256", "--", sys.executable, "-c", WRITER, str(rate), str(int(rate * (3 * seconds + 300)))],
+        env=fh.agent_env(0), capture_output=True, text=True, check=True,
+    ).stdout.strip()
+    if not alive("before the run was launched"):
+        return rid
+    term.buf.clear()
+    term.press(b"r")
+    if term.pump(60.0, rid.encode()) is None:
+        print(f"tui_bench part3 run {rid} did not show on the Runs screen within 60 s; the terminal ended with: {term.tail_text()!r}", flush=True)
+        return rid
+    term.pump(1.0)
+    term.press(b"\r")
+    t_open = time.monotonic()
+    if term.pump(60.0, b"line 0") is None or not alive("opening the run"):
+        print(f"tui_bench part3 run {rid}: no output on its screen within 60 s; the terminal ended with: {term.tail_text()!r}", flush=True)
+        return rid
+    term.pump(1.0)  # the Run screen is built (a one-off); what follows is the steady state
+    w, wo = Window(term, [term.pid]), Window(term, others)
+    s0 = read_stats(stats_path)
+    stalls()
+    show(f"Run screen following {rate:,} lines/s from h000 over SSH, {hosts} hosts at 1 Hz", term.follow_latencies(presses), presses)
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        term.pump(0.5)
+    cpu, bps, wall = w.stop()
+    s1 = read_stats(stats_path)
+    rate_seen = (s1.get("lines", 0) - s0.get("lines", 0)) / max(1e-9, s1.get("t", 0) - s0.get("t", 0))
+    print(f"tui_bench part3 lines reaching the view: {rate_seen:,.0f} lines/s over {s1.get('t', 0) - s0.get('t', 0):.1f} s (run written at {rate:,}/s on h000, {hosts} hosts at 1 Hz)", flush=True)
+    print(f"tui_bench part3 console CPU following {hosts} hosts and the run: {100 * cpu:.1f}% of one core ({wall:.1f} s, {bps / 1024:.1f} KiB/s to the terminal; agents+farm {100 * wo.stop()[0]:.0f}%, load {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores)", flush=True)
+    fleet_figures["run"] = (cpu, rate_seen)
+    # no loss: wait until the view holds the first `total` lines, then the child checks a sample of them in order
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and "ok" not in read_stats(stats_path):
+        term.pump(0.5)
+    st = read_stats(stats_path)
+    verdict = "none lost, in order" if st.get("ok") else ("LOST OR OUT OF ORDER" if "ok" in st else f"only {st.get('lines', 0):,} reached the view in time")
+    print(f"tui_bench part3 run {rid}: first {total:,} lines checked in the view: {verdict} ({time.monotonic() - t_open:.0f} s after opening the run)", flush=True)
+    return rid
+
+
+def tail_peer(output: Path, rate: int, seconds: float, others: list[int]) -> None:
+    """The tail peer: ``tail -F`` of the run's output.log in a pseudo-terminal while the run goes on writing."""
+    tail = shutil.which("tail")
+    if tail is None or not output.exists():
+        print(f"tui_bench part3 peer tail: not run ({'no tail' if tail is None else f'{output} missing'})", flush=True)
+        return
+    term = Term([tail, "-F", "-n", "0", str(output)], {"PATH": os.environ.get("PATH", ""), "LC_ALL": "C"})
+    seen = {"lines": 0, "gaps": 0, "last": -1}
+    rest = bytearray()
+    number = re.compile(rb"line (\d{9}) ")
+
+    def sink(chunk: bytes) -> None:
+        rest.extend(chunk)
+        cut = rest.rfind(b"\n") + 1
+        for m in number.finditer(rest, 0, cut):
+            n = int(m.group(1))
+            if seen["last"] >= 0 and n != seen["last"] + 1:
+                seen["gaps"] += 1
+            seen["last"] = n
+            seen["lines"] += 1
+        del rest[:cut]
+
+    term.sink = sink
+    try:
+        term.pump(1.0)
+        w, l0 = Window(term, [term.pid]), seen["lines"]
+        term.pump(seconds)
+        cpu, bps, wall = w.stop()
+        print(f"tui_bench part3 peer tail -F of the same run's output.log (this machine, no SSH hop): {(seen['lines'] - l0) / wall:,.0f} lines/s reached the terminal over {wall:.1f} s"
+              f" ({seen['gaps']} gap(s) in the numbering), tail CPU {100 * cpu:.1f}% of one core, {bps / 2**20:.1f} MiB/s to the terminal; no search, no top/bottom while it follows", flush=True)
+    finally:
+        term.close(quit_key=None)
+
+
+def dashboard_peer(spec_path: Path, log_path: Path, others: list[int], hosts: int, seconds: float, fleet_figures: dict) -> None:
+    """The ssh + nvitop/watch peer on the same fleet, then the console's Fleet figures against it."""
+    env = {**env_for(spec_path.parent), "PYTHONUNBUFFERED": "1"}
+    term = Term([sys.executable, str(Path(__file__).resolve()), "_peer", str(spec_path), str(log_path)], env)
+    try:
+        t_up = time.monotonic()
+        while time.monotonic() - t_up < 180 and not Log.read(log_path, "up", 0, time.time()):
+            term.pump(0.5)
+        up = Log.read(log_path, "up", 0, time.time())
+        if not up or not term.alive():
+            print(f"tui_bench part3 peer dashboard did not start; its terminal ended with: {term.tail_text()!r}", flush=True)
+            return
+        term.pump(10.0)  # every host polled a few times
+        w, wo, wt0 = Window(term, [term.pid]), Window(term, others), time.time()
+        term.pump(max(10.0, seconds))
+        cpu, bps, wall = w.stop()
+        t1 = time.time()
+        frames, ages = Log.read(log_path, "frame_ms", wt0, t1), Log.read(log_path, "age_s", wt0, t1)
+        failed, skipped = len(Log.read(log_path, "failed", wt0, t1)), int(sum(Log.read(log_path, "skipped", wt0, t1)))
+        f50, f99, _ = quantiles(frames)
+        a50, a99, _ = quantiles(ages)
+        print(f"tui_bench part3 peer ssh + status exec per host per second (watch-style dashboard, {int(up[0])}/{hosts} hosts connected), {wall:.0f} s: CPU {100 * cpu:.1f}% of one core,"
+              f" {bps / 1024:.1f} KiB/s to the terminal, frame {f50:.1f} ms p50 / {f99:.1f} ms p99 ({len(frames) / wall:.1f} a second), figures on screen {a50:.2f} s old p50 / {a99:.2f} s p99,"
+              f" {failed} failed and {skipped} skipped polls (agents+farm {100 * wo.stop()[0]:.0f}%, load {os.getloadavg()[0]:.1f}); no keys to time", flush=True)
+        c_cpu, c_bps, _, c_ages = fleet_figures["console"]
+        print(f"tui_bench part3 Fleet screen vs the peer, {hosts} hosts: CPU {cpu / max(c_cpu, 1e-9):.1f}x the console's, terminal bytes {bps / max(c_bps, 1e-9):.1f}x,"
+              f" figures on screen {quantiles(ages)[0] / max(quantiles(c_ages)[0], 1e-9):.1f}x as old (p50)", flush=True)
+    finally:
+        term.close(quit_key=None)
+
+
+# ---------------------------------------------------------------------------- part 4: a full 256-host refresh, fed in-process
+
+
+async def part4(hosts: int) -> None:
+    from agents.protocol import Gpu, GpuProcess, Snapshot
+    from console.app import GpudeckApp
+    from console.config import HostSettings
+    from console.fleet import Fleet, HostLink
+    from console.widgets.keyed_table import KeyedTable
+
+    class FedLink(HostLink):
+        def start(self) -> None:
+            return None
+
+    class FedFleet(Fleet):
+        """SIMULATED snapshots fed by this process (no agents, no SSH): only the console's own cost is measured."""
+
+        def __init__(self, n: int) -> None:
+            self.history = None
+            self.links = {f"h{i:03d}": FedLink(HostSettings(name=f"h{i:03d}")) for i in range(n)}
+
+        def start(self) -> None:
+            return None
+
+        async def close(self) -> None:
+            return None
+
+    def snap(name: str, tick: int) -> Snapshot:
+        gpus = [
+            Gpu(index=g, uuid=f"GPU-SIM-{name}-{g}", name="SIMULATED H200", memory_used=((tick + g) % 140) * 2**30, memory_total=141 * 2**30, util_gpu=(tick * 7 + g) % 100,
+                processes=[GpuProcess(pid=1000 + g, gpu=g, used_bytes=((tick + g) % 140) * 2**30, attribution="STALE" if (tick + g) % 9 == 0 else "RUN")])
+            for g in range(8)
+        ]
+        return Snapshot(host=name, ts=time.time(), epoch="e", gpus=gpus, simulated=True)
+
+    fleet = FedFleet(hosts)
+    app = GpudeckApp(fleet)
+    async with app.run_test(size=(COLS, ROWS)) as pilot:
+        table = app.screen.query_one("#fleet-table", KeyedTable)
+        times: list[float] = []
+        for tick in range(20):
+            for name, link in fleet.links.items():
+                link.status.state = "up"
+                link.status.snapshot = snap(name, tick)
+                link._notify()
+            t0 = time.perf_counter()
+            app.flush_updates()
+            await pilot.pause()  # the repaint of what changed
+            times.append((time.perf_counter() - t0) * 1000)
+        assert table.row_count == hosts
+        times = sorted(times[2:])  # the first ticks add the rows
+        print(f"tui_bench part4 (fed in-process, SIMULATED snapshots, no agents) Fleet screen refresh with all {hosts} hosts changed: p50 {statistics.median(times):.1f} ms, max {times[-1]:.1f} ms per 0.25 s flush", flush=True)
 
 
 def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "_console":
+        console_child(Path(sys.argv[2]), Path(sys.argv[3]), int(sys.argv[4]))
+        return
+    if len(sys.argv) > 1 and sys.argv[1] == "_peer":
+        asyncio.run(peer_main(Path(sys.argv[2]), Path(sys.argv[3])))
+        return
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rate", type=int, default=50_000)
     ap.add_argument("--seconds", type=float, default=10.0)
     ap.add_argument("--presses", type=int, default=40)
+    ap.add_argument("--hosts", type=int, default=256)
+    ap.add_argument("--gpus", default="8:H200")
+    ap.add_argument("--parts", default="1,2,3,4")
+    ap.add_argument("--no-nice", action="store_true", help="part 3: leave the co-located agents at normal priority")
     args = ap.parse_args()
-    home = Path(tempfile.mkdtemp(prefix="gd-tui-", dir="/tmp"))
-    agent = start_agent(home)
-    try:
-        asyncio.run(part1(home, args.rate, int(args.rate * args.seconds)))
-        part2(home, args.rate, args.seconds, args.presses)
-    finally:
-        agent.terminate()
-        agent.wait(10)
-        shutil.rmtree(home, ignore_errors=True)
+    parts = {int(p) for p in args.parts.split(",") if p}
+    if parts & {1, 2}:
+        home = Path(tempfile.mkdtemp(prefix="gd-tui-", dir="/tmp"))
+        agent = start_agent(home)
+        try:
+            if 1 in parts:
+                asyncio.run(part1(home, args.rate, int(args.rate * args.seconds)))
+            if 2 in parts:
+                part2(home, args.rate, args.seconds, args.presses)
+        finally:
+            agent.terminate()
+            agent.wait(10)
+            shutil.rmtree(home, ignore_errors=True)
+    if 4 in parts:
+        asyncio.run(part4(args.hosts))
+    if 3 in parts:
+        part3(args.rate, args.seconds, args.presses, args.hosts, args.gpus, nice=not args.no_nice)
 
 
 if __name__ == "__main__":
