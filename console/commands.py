@@ -5,8 +5,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from functools import partial
 
+from rich.text import Text
 from textual.binding import Binding
 from textual.command import DiscoveryHit, Hit, Hits, Provider
+from textual.markup import escape
 
 
 class GpudeckCommands(Provider):
@@ -41,11 +43,12 @@ class GpudeckCommands(Provider):
         for name, help_text, fn in self._commands():
             if name.startswith("Open host "):
                 continue  # hundreds of them: found by typing, not listed
-            yield DiscoveryHit(name, fn, help=help_text)
+            yield DiscoveryHit(Text(name), fn, text=name, help=escape(help_text))  # both are markup: '[/]' (the search key) would end the app
 
     async def search(self, query: str) -> Hits:
         matcher = self.matcher(query)
         for name, help_text, fn in self._commands():
             score = matcher.match(name)
             if score > 0:
-                yield Hit(score, matcher.highlight(name), fn, help=help_text)
+                shown = matcher.highlight(name) if "[" not in name else Text(name)
+                yield Hit(score, shown, fn, text=name, help=escape(help_text))

@@ -100,7 +100,7 @@ def stop_result_text(res: StopResult) -> Text:
         t.append(f"  {gib(res.freed_bytes)} GiB freed in all\n", style="bold")
     for p in res.still_on_gpu:
         t.append(f"  still on GPU {p.gpu}: pid {p.pid} {p.attribution} {gib(p.used_bytes)} GiB\n", style="bold red")
-    if res.gpu_note:
+    if res.gpu_note and res.gpu_note not in (res.message or ""):
         t.append(f"  {res.gpu_note}\n", style="green" if res.gpu_verified else "yellow")
     return t
 

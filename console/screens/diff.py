@@ -59,7 +59,7 @@ class DiffScreen(Screen):
         table.columns[table.cols[4].key].label = Text(f"B  {b_label}")  # type: ignore[index]
         # a static comparison, not a live table: rebuilt in the diff's order (core first) on every toggle
         table.reset()
-        table.sync(diff_rows(diff, self.only_differences))
+        table.sync(diff_rows(diff, self.only_differences, focus=True))  # one-line cells: show where long values differ
 
     def action_toggle_same(self) -> None:
         self.only_differences = not self.only_differences

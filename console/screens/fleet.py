@@ -61,9 +61,10 @@ def host_cells(st: HostStatus) -> tuple[dict[str, object], HostFigures | None]:
         cells["util"] = pct_bar(fig.util)
     else:
         cells["gpus"] = Text("no GPU", style="dim")
-        cells["memory"] = Text((snap.gpu_error or "")[:32], style="dim")
     cells["runs"] = str(fig.runs)
     cells["alerts"] = alerts_text(fig.alerts, fig.critical)
+    if not fig.gpus and not fig.alerts and snap.gpu_error:
+        cells["alerts"] = Text(snap.gpu_error, style="dim")  # why there are no GPUs, in the column that has the room
     return cells, fig
 
 

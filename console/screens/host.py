@@ -95,6 +95,8 @@ class HostScreen(LiveScreen):
             title.append(" GPUs are simulated: memory is what processes declare, load their CPU", style="dim")
         if st.error and st.state != "up":
             title.append(f"\n{st.error}", style="red")
+        if snap is not None and snap.gpu_error:
+            title.append(f"\nNo GPUs: {snap.gpu_error}. Runs and processes are still supervised.", style="dim")
         self.query_one("#host-title", Static).update(title)
         note = self.query_one("#host-note", Static)
         if snap is None:
@@ -130,7 +132,7 @@ class HostScreen(LiveScreen):
         self.query_one("#gpu-table", KeyedTable).sync(gpu_rows)
         self.query_one("#proc-table", KeyedTable).sync(proc_rows)
         if snap.gpu_error:
-            note.update(Text(f"No GPUs: {snap.gpu_error}. Runs and processes are still supervised.", style="dim"))
+            note.update(Text(f"{len(snap.runs)} live run(s)", style="dim"))
         else:
             leftovers = sum(1 for g in snap.gpus for p in g.processes if p.attribution in LEFTOVER_HOLDERS)
             t = Text(f"sampled in {snap.sample_ms:.2f} ms; {len(snap.runs)} live run(s)", style="dim")

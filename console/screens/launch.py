@@ -161,6 +161,9 @@ class LaunchDialog(ModalScreen[LaunchOutcome | None]):
     BINDINGS = [
         Binding("escape", "cancel", "Cancel"),
         Binding("ctrl+s", "submit", "Pre-flight / Launch", tooltip="first: pre-flight on the host (nothing starts); then: launch"),
+        # priority: the next field gets focus before the keys typed after tab are delivered (a fast typist, a paste)
+        Binding("tab", "app.focus_next", show=False, priority=True),
+        Binding("shift+tab", "app.focus_previous", show=False, priority=True),
     ]
 
     def __init__(self, prefill: LaunchSpec | None = None, parent: str | None = None, host: str | None = None, title: str | None = None) -> None:

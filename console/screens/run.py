@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import shlex
+import time
 from typing import Any
 
 import msgspec
@@ -190,7 +191,7 @@ class RunScreen(LiveScreen):
         Binding("s", "stop_run", "Stop", tooltip="SIGTERM every process, grace, SIGKILL, then verify GPU memory came back"),
         Binding("R", "relaunch", "Relaunch", tooltip="the launch form filled from this run; choose the start again"),
         Binding("b", "rollback", "Roll back", tooltip="relaunch with a known-good run's environment (diff shown first)"),
-        Binding("v", "verify", "Verify claims", tooltip="claimed vs observed: parameters, world size, GPUs, dataset, tokens/s"),
+        Binding("v", "verify", "Verify", tooltip="claimed vs observed: parameters, world size, GPUs, dataset, tokens/s"),
         Binding("f", "toggle_follow", "Follow"),
         Binding("g", "top", "Top"),
         Binding("G", "bottom", "Bottom"),
@@ -212,6 +213,10 @@ class RunScreen(LiveScreen):
         self.verify_reply: VerifyReply | None = None
         self.agent_error: str | None = None
         self._pending: list[str] = []
+        self._output_ended = False
+        self._status_used = False  # the status line holds an operation's outcome (stop, rollback): output notes keep off it
+        self._waiting_note = -1  # the second the 'no output yet' note last showed (-1: not showing)
+        self._opened = time.monotonic()
         self._match_line: int | None = None
         self._shown_spec: bytes | None = None
         self._shown_env: bytes | None = None
@@ -344,7 +349,8 @@ class RunScreen(LiveScreen):
         env_key = msgspec.json.encode(env)
         if env_key != self._shown_env:
             self._shown_env = env_key
-            self.query_one("#run-env", Static).update(env_text(env))
+            plain = r.spec.kind == "command" and python_of(r.spec) is None
+            self.query_one("#run-env", Static).update(env_text(env, "a plain command: no python environment to fingerprint" if plain else ""))
             pkgs = self.query_one("#env-packages", KeyedTable)
             pkgs.display = env is not None and bool(env.packages)
             if env is not None:
@@ -455,15 +461,19 @@ class RunScreen(LiveScreen):
                 if chunk.data:
                     self._pending.append(chunk.data)
             self._pending.append("")
-            if self.is_attached and not status.running:
+            self._output_ended = True
+            if self.is_attached and not status.running and not self._status_used:
                 status.update(Text("— end of output: the run has ended —", style="dim"))
         except AgentError as exc:
-            if self.is_attached and not status.running:
+            if self.is_attached and not status.running and not self._status_used:
                 status.update(Text(f"output stream lost: {exc.message}", style="red"))
 
     @tolerant
     def _flush(self) -> None:
-        if not self._pending or not self.is_attached:
+        if not self.is_attached:
+            return
+        if not self._pending:
+            self._note_no_output()
             return
         data = "".join(self._pending)
         self._pending.clear()
@@ -472,6 +482,19 @@ class RunScreen(LiveScreen):
             self._pending.append(data[FLUSH_MAX_CHARS:])
             data = data[:FLUSH_MAX_CHARS]
         self.query_one("#run-log", OutputView).append(data)
+        if self._waiting_note >= 0 and data:
+            self._waiting_note = -1
+            self.query_one("#run-status", ProgressLine).update("")
+
+    def _note_no_output(self) -> None:
+        """A run that has printed nothing says so (sleep 600 looks like a broken screen otherwise)."""
+        status = self.query_one("#run-status", ProgressLine)
+        waited = int(time.monotonic() - self._opened)
+        if self._output_ended or self._status_used or status.running or waited < 2 or waited == self._waiting_note:
+            return
+        if self.query_one("#run-log", OutputView).bytes_received == 0:
+            self._waiting_note = waited
+            status.update(Text(f"no output yet: the run has written nothing to its stdout or stderr ({waited} s)", style="dim"))
 
     def action_tab(self, tab: str) -> None:
         self.query_one("#run-tabs", TabbedContent).active = tab
@@ -661,6 +684,7 @@ class RunScreen(LiveScreen):
                 ConfirmDialog("No fingerprint to check", f"The good run recorded no environment fingerprint, so {python} cannot be checked.\nLaunch in it as it is now?", "Launch unchecked", variant="warning")
             )
             return python if ok else None
+        self._status_used = True
         status.start(f"fingerprinting {python} on {self.host}", "is it still the environment the good run had?")
         try:
             now = await fleet.fingerprint(self.host, python)
@@ -724,6 +748,7 @@ class RunScreen(LiveScreen):
         if not ok:
             return
         status = self.query_one("#run-status", ProgressLine)
+        self._status_used = True
         status.start(f"stopping {r.id}: SIGTERM sent", f"grace {STOP_GRACE_S:.0f} s for the checkpoint, then SIGKILL, then NVML verifies")
         try:
             res = await self.app.fleet.stop(self.host, r.id, STOP_GRACE_S)  # type: ignore[attr-defined]

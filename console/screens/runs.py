@@ -244,6 +244,8 @@ class RunsScreen(LiveScreen):
         table = self.query_one("#runs-table", KeyedTable)
         live = sum(len(v) for v in self._live.values())
         t = Text(f"{table.row_count} run(s), {live} live", style="dim")
+        if table.row_count == 0 and not self._errors:
+            t.append(" — none yet: l launches one (pre-flight first, nothing starts until you confirm)", style="dim")
         if self._errors:
             t.append("; " + "; ".join(f"{k}: {v}" for k, v in list(self._errors.items())[:3]), style="red")
         self.query_one("#runs-note", Static).update(t)

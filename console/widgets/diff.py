@@ -3,6 +3,8 @@ setups (torch, CUDA, driver, NCCL) in red."""
 
 from __future__ import annotations
 
+import os
+
 from rich.table import Table
 from rich.text import Text
 
@@ -20,21 +22,30 @@ def diff_marker(row: Row) -> Text:
     return Text("●", style=CORE_STYLE) if row.core else Text("•", style=DIFF_STYLE)
 
 
-def diff_cells(section: str, row: Row) -> dict[str, object]:
-    """One diff row as table cells."""
+def from_difference(a: str, b: str, context: int = 16) -> tuple[str, str]:
+    """Two long values that share a long beginning, shown from a little before where they differ ('…' marks the cut)."""
+    same = len(os.path.commonprefix([a, b]))
+    if a == b or same <= 2 * context:
+        return a, b
+    return "…" + a[same - context :], "…" + b[same - context :]
+
+
+def diff_cells(section: str, row: Row, focus: bool = False) -> dict[str, object]:
+    """One diff row as table cells; ``focus``: differing values start near where they differ (for one-line cells)."""
     style = (CORE_STYLE if row.core else DIFF_STYLE) if row.differs else "dim"
+    a, b = from_difference(row.a, row.b) if focus else (row.a, row.b)
     return {
         "mark": diff_marker(row),
         "section": Text(section, style="dim"),
         "key": Text(row_label(row) if section == "environment" else row.key, style="bold" if row.core else ""),
-        "a": Text(row.a, style=style),
-        "b": Text(row.b, style=style),
+        "a": Text(a, style=style),
+        "b": Text(b, style=style),
     }
 
 
-def diff_rows(diff: RunDiff, only_differences: bool = False) -> dict[str, dict[str, object]]:
+def diff_rows(diff: RunDiff, only_differences: bool = False, focus: bool = False) -> dict[str, dict[str, object]]:
     """Every row of the diff as cells, keyed ``section:key``, in reading order."""
-    return {f"{section}:{r.key}": diff_cells(section, r) for section, rows in diff_sections(diff) for r in rows if r.differs or not only_differences}
+    return {f"{section}:{r.key}": diff_cells(section, r, focus) for section, rows in diff_sections(diff) for r in rows if r.differs or not only_differences}
 
 
 def diff_table(diff: RunDiff, a_label: str, b_label: str, only_differences: bool = False, limit: int | None = None) -> Table:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from textual.widgets import Input, Select, SelectionList, Static
+from textual.widgets import Input, OptionList, Select, SelectionList, Static
 
 from agents.errors import BadRequest
 from agents.protocol import Gpu, LaunchSpec, Snapshot
@@ -20,7 +20,7 @@ from console.screens.picker import RunPicker
 from console.screens.run import RunScreen
 from console.screens.runs import RunsScreen
 from console.widgets.keyed_table import KeyedTable
-from tests.functional.fixture_fleet import FAILED, GOOD, LIVE, T0, FixtureFleet, fixture_link
+from tests.functional.fixture_fleet import FAILED, GOOD, LIVE, STOPPED, T0, FixtureFleet, fixture_link
 from tests.functional.helpers import mounted, open_host, open_launch, press_for, text_of, until
 
 SIZE = (180, 50)
@@ -253,6 +253,26 @@ async def test_run_screen_shows_claims_against_observations_and_alerts(fleet: Fi
         assert run.query_one("#env-packages", KeyedTable).row_count == 6
 
 
+class QuietFleet(FixtureFleet):
+    """Runs that have printed nothing yet (sleep 600)."""
+
+    async def output(self, host, run_id, offset=0, follow=True):  # type: ignore[no-untyped-def]
+        import asyncio
+
+        await asyncio.sleep(3600)
+        yield  # pragma: no cover
+
+
+async def test_a_run_without_output_says_so_and_a_plain_command_has_no_fingerprint_to_show(tmp_path: Path) -> None:
+    app = GpudeckApp(QuietFleet(tmp_path / "h.db"))
+    async with app.run_test(size=SIZE) as pilot:
+        app.open_run("gpu1", STOPPED)  # `sleep 1000`: a plain command
+        run = await until(lambda: (s := mounted(app, RunScreen)) is not None and s.run is not None and s, what="the run")
+        await until(lambda: "no output yet" in text_of(run.query_one("#run-status", Static)), timeout=5, what="the no-output note")
+        await pilot.press("3")
+        assert "a plain command: no python environment to fingerprint" in text_of(run.query_one("#run-env", Static))
+
+
 async def test_rollback_shows_the_diff_then_relaunches_in_the_good_environment_with_an_explicit_start(fleet: FixtureFleet) -> None:
     app = GpudeckApp(fleet)
     async with app.run_test(size=SIZE) as pilot:
@@ -320,10 +340,17 @@ async def test_the_palette_offers_every_action_of_the_screen_and_every_host(flee
         names = [name for name, _, _ in GpudeckCommands(screen)._commands()]
         for want in ("Reclaim marked", "Leftovers", "Mark leftovers", "Runs", "History", "Launch", "Theme: light", "Open host gpu3"):
             assert want in names, want
-        await pilot.press("ctrl+p")
         from textual.command import CommandPalette
 
-        await until(lambda: mounted(app, CommandPalette), what="the palette")
+        await pilot.press("escape")
+        app.open_run("gpu1", LIVE)  # its search key is '/', which the palette must not read as markup ('[/]' ends the app)
+        await until(lambda: mounted(app, RunScreen), what="the run screen")
+        palette = await press_for(pilot, "ctrl+p", CommandPalette)
+        await pilot.pause(0.5)
+        assert app.is_running and any("Search" in str(o.prompt) for o in palette.query_one(OptionList).options)
+        await pilot.press(*"sear")
+        await pilot.pause(0.5)
+        assert app.is_running
 
 
 async def test_help_toggles_and_the_theme_switches(fleet: FixtureFleet) -> None:

@@ -81,3 +81,11 @@ def test_python_of_reads_the_fingerprint_then_the_spec_then_argv() -> None:
     assert python_of(msgspec.structs.replace(spec, python="/spec/python")) == "/spec/python"
     assert python_of(spec, fixture_runs()[0].env) == "/opt/venv/bin/python3"
     assert with_python(spec.argv, "/good/bin/python")[0] == "/good/bin/python"
+
+
+def test_a_long_value_in_a_diff_cell_starts_near_where_it_differs() -> None:
+    from console.widgets.diff import from_difference
+
+    a, b = "python -m trainers.fsdp_lm --model-config llama-1b --lr 3e-4", "python -m trainers.fsdp_lm --model-config llama-1b --lr 1e-4"
+    assert from_difference(a, b) == ("…g llama-1b --lr 3e-4", "…g llama-1b --lr 1e-4")  # 16 characters before the first difference
+    assert from_difference("short a", "short b") == ("short a", "short b")
