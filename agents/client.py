@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import os
 import subprocess
 import sys
@@ -34,6 +35,7 @@ from agents.protocol import (
 )
 
 AGENT_START_TIMEOUT_S = 20.0
+log = logging.getLogger(__name__)
 _ids = itertools.count(1)
 
 
@@ -46,18 +48,20 @@ class AgentClient:
     """Multiplexes requests and streams by request_id over one connection."""
 
     def __init__(self, reader: Any, writer: Any) -> None:
+        """``reader``: an object with ``read(n)`` (a coroutine), pumped by a task; or None when the transport pushes
+        bytes itself through :meth:`feed` / :meth:`feed_eof` (the SSH session does: no task wake-up per message)."""
         self._reader = reader
         self._writer = writer
         self._waiters: dict[str, asyncio.Queue] = {}
         # streams delivered by callback from the reader itself: no queue, no task switch per item
         self._handlers: dict[str, Callable[[Reply | None], None]] = {}
         self._frames = FrameReader(max_frame=64 << 20)
-        self._pump_task = asyncio.ensure_future(self._pump())
         self._wlock = asyncio.Lock()
         self.closed = asyncio.Event()
         self.close_reason = ""
         self.hello: HelloReply | None = None
         self._kept: list[asyncio.Task] = []
+        self._pump_task: asyncio.Future | None = asyncio.ensure_future(self._pump()) if reader is not None else None
 
     def keep(self, task: asyncio.Task) -> None:
         """Hold a helper task of the transport (e.g. an SSH stderr reader) and cancel it on close."""
@@ -85,43 +89,55 @@ class AgentClient:
         self.hello = reply
         return reply
 
+    def feed(self, data: bytes) -> None:
+        """Bytes from the agent: every complete frame is decoded and handed to its waiter or stream handler."""
+        for frame in self._frames.feed(data):
+            if frame is None:
+                continue
+            try:
+                msg = decode_reply(frame)
+            except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
+                continue  # a line we cannot read (a newer agent's message, garbage) is skipped
+            handler = self._handlers.get(msg.request_id)
+            if handler is not None:
+                if isinstance(msg, (StreamEnd, Error)):
+                    self._handlers.pop(msg.request_id, None)
+                try:
+                    handler(msg)
+                except Exception:  # a consumer's bug must not take the connection (and every other request) down
+                    log.exception("stream handler for %s failed", msg.request_id)
+                continue
+            q = self._waiters.get(msg.request_id)
+            if q is not None:
+                q.put_nowait(msg)
+
+    def feed_eof(self, reason: str) -> None:
+        """The connection ended: every waiter and stream learns it (once)."""
+        if self.closed.is_set():
+            return
+        self.close_reason = self.close_reason or reason
+        self.closed.set()
+        for q in self._waiters.values():
+            q.put_nowait(None)
+        handlers, self._handlers = self._handlers, {}
+        for handler in handlers.values():
+            handler(None)
+
     async def _pump(self) -> None:
+        reason = "the agent closed the connection"
         try:
             while True:
                 data = await self._reader.read(1 << 16)
                 if not data:
-                    self.close_reason = "the agent closed the connection"
                     break
-                if isinstance(data, str):
-                    data = data.encode()
-                for frame in self._frames.feed(data):
-                    if frame is None:
-                        continue
-                    try:
-                        msg = decode_reply(frame)
-                    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
-                        continue  # a line we cannot read (a newer agent's message, garbage) is skipped
-                    handler = self._handlers.get(msg.request_id)
-                    if handler is not None:
-                        if isinstance(msg, (StreamEnd, Error)):
-                            self._handlers.pop(msg.request_id, None)
-                        handler(msg)
-                        continue
-                    q = self._waiters.get(msg.request_id)
-                    if q is not None:
-                        q.put_nowait(msg)
+                self.feed(data.encode() if isinstance(data, str) else data)
         except (ConnectionError, asyncio.IncompleteReadError, OSError) as exc:
-            self.close_reason = f"connection lost: {exc}"
+            reason = f"connection lost: {exc}"
         except asyncio.CancelledError:
-            self.close_reason = "closed"
+            reason = "closed"
             raise
         finally:
-            self.closed.set()
-            for q in self._waiters.values():
-                q.put_nowait(None)
-            handlers, self._handlers = self._handlers, {}
-            for handler in handlers.values():
-                handler(None)
+            self.feed_eof(reason)
 
     async def _send(self, msg: msgspec.Struct) -> None:
         if self.closed.is_set():
@@ -207,6 +223,9 @@ class AgentClient:
         self._writer.close()
         for t in self._kept:
             t.cancel()
+        if self._pump_task is None:
+            self.feed_eof("closed")
+            return
         self._pump_task.cancel()
         try:
             await self._pump_task

@@ -709,6 +709,9 @@ class FrameReader:
 
     def feed(self, data: bytes) -> list[bytes | None]:
         """Add bytes; return complete frames (None marks an oversized frame)."""
+        if not self._buf and not self._discarding and data.find(b"\n") == len(data) - 1 and len(data) <= self.max_frame + 1:
+            line = data[:-1].strip()  # the common case: exactly one whole frame (no copy into the buffer)
+            return [line] if line else []
         out: list[bytes | None] = []
         self._buf += data
         while True:

@@ -71,7 +71,7 @@ REQUEST_TIMEOUT_S = 60.0  # a request with no answer by then fails (a stop waits
 STALL_FACTOR = 5.0  # no snapshot for this many intervals (at least STALL_MIN_S): the link is dead
 STALL_MIN_S = 10.0
 EVENT_BATCH = 5000
-EVENT_POLL_S = 5.0  # a caught-up event pull waits this long for the next event
+EVENT_POLL_S = 30.0  # a caught-up event pull waits this long for the next event (it answers at once when one comes)
 NODE_LOST_S = 30.0  # a multi-node run's host unreachable this long counts as a lost node
 
 
@@ -265,6 +265,12 @@ class HostLink:
                 ended.set_exception(AgentUnavailable(why))
 
         rid = await client.watch(WatchSnapshots(interval_s=self.interval_s, compact=True), on_item)
+        # while the stream runs it is the keepalive: a snapshot a second, and a stall noticed within `stall`
+        # (sooner than SSH keepalives would, and it proves the agent is alive, not only sshd); asyncssh's own
+        # keepalive would re-arm a timer for every packet received
+        ssh_conn = self._ssh_link.conn if self._ssh_link is not None else None
+        if ssh_conn is not None:
+            ssh_conn.set_keepalive(0)
         try:
             while True:
                 await asyncio.wait([ended], timeout=min(stall / 2, 5.0))
@@ -276,6 +282,8 @@ class HostLink:
         finally:
             if not ended.done():
                 ended.cancel()
+            if ssh_conn is not None:
+                ssh_conn.set_keepalive(self._ssh.keepalive_s, self._ssh.keepalive_count)
             await client.unwatch(rid)
 
     async def _apply_pending_stops(self, client: AgentClient) -> None:

@@ -14,6 +14,7 @@ Fleet.
 from __future__ import annotations
 
 import asyncio
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -113,12 +114,82 @@ def _host_key_error(name: str, kh: _KnownHosts, exc: Exception) -> HostKeyError:
     )
 
 
+class _AgentSession(asyncssh.SSHClientSession):
+    """The agent bridge's channel: stdout bytes go straight into the AgentClient from asyncssh's receive path
+    (no stream buffer and no task wake-up per message: with hundreds of hosts that is most of the console's CPU);
+    the last 8 KiB of stderr are kept to explain a bridge that never answered."""
+
+    def __init__(self) -> None:
+        self.client: AgentClient | None = None
+        self.chan: asyncssh.SSHClientChannel | None = None
+        self.stderr: list[bytes] = []
+        self.exit_status: int | None = None
+        self.closed = asyncio.Event()
+        self._can_write = asyncio.Event()
+        self._can_write.set()
+
+    def connection_made(self, chan: asyncssh.SSHClientChannel) -> None:  # type: ignore[override]
+        self.chan = chan
+
+    def data_received(self, data: bytes, datatype: asyncssh.DataType) -> None:  # type: ignore[override]
+        if datatype == asyncssh.EXTENDED_DATA_STDERR:
+            self.stderr.append(data)
+            while sum(len(c) for c in self.stderr) > 8192:
+                self.stderr.pop(0)
+        elif self.client is not None:
+            self.client.feed(data)
+
+    def eof_received(self) -> bool:
+        if self.client is not None:
+            self.client.feed_eof("the agent closed the connection")
+        return False
+
+    def exit_status_received(self, status: int) -> None:
+        self.exit_status = status
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self.client is not None:
+            self.client.feed_eof(f"connection lost: {exc}" if exc else "the agent closed the connection")
+        self._can_write.set()
+        self.closed.set()
+
+    def pause_writing(self) -> None:
+        self._can_write.clear()
+
+    def resume_writing(self) -> None:
+        self._can_write.set()
+
+
+class _ChannelWriter:
+    """What AgentClient writes through: the channel, with drain honouring SSH flow control."""
+
+    def __init__(self, session: _AgentSession) -> None:
+        self._s = session
+
+    def write(self, data: bytes) -> None:
+        assert self._s.chan is not None
+        self._s.chan.write(data)
+
+    async def drain(self) -> None:
+        if self._s.closed.is_set():
+            raise ConnectionResetError("the SSH channel is closed")
+        await self._s._can_write.wait()
+
+    def write_eof(self) -> None:
+        assert self._s.chan is not None
+        self._s.chan.write_eof()
+
+    def close(self) -> None:
+        if self._s.chan is not None:
+            self._s.chan.close()
+
+
 class SshLink:
     """One SSH connection running the agent bridge; ``client`` speaks the agent protocol over it."""
 
-    def __init__(self, conn: asyncssh.SSHClientConnection, proc: asyncssh.SSHClientProcess, client: AgentClient) -> None:
+    def __init__(self, conn: asyncssh.SSHClientConnection, session: _AgentSession, client: AgentClient) -> None:
         self.conn = conn
-        self.proc = proc
+        self.session = session
         self.client = client
 
     async def close(self) -> None:
@@ -130,17 +201,25 @@ class SshLink:
             pass
 
 
-async def _stderr_tail(proc: asyncssh.SSHClientProcess, into: list[bytes]) -> None:
-    try:
-        while True:
-            chunk = await proc.stderr.read(4096)
-            if not chunk:
-                return
-            into.append(chunk)
-            while sum(len(c) for c in into) > 8192:
-                into.pop(0)
-    except (asyncssh.Error, OSError, asyncio.CancelledError):
-        return
+# AES-GCM first: hardware AES (AES-NI, ARMv8 crypto) and one AEAD call per packet in asyncssh, where
+# chacha20-poly1305 sets up four cipher contexts per packet. Every algorithm asyncssh allows by default
+# stays allowed (a server offering only chacha20 still works); only the preference order changes, and a
+# `Ciphers` line in the user's ssh config (or an `Include`, which might hold one) wins over it.
+PREFERRED_CIPHERS = ("aes128-gcm@openssh.com", "aes256-gcm@openssh.com")
+_CIPHERS_LINE = re.compile(r"^\s*(ciphers|include)\b", re.IGNORECASE | re.MULTILINE)
+
+
+def encryption_preference(config_paths: Sequence[str]) -> list[str] | None:
+    """The cipher order to ask for, or None to leave it to the user's ssh config (it names Ciphers or Includes)."""
+    for p in config_paths:
+        try:
+            if _CIPHERS_LINE.search(Path(p).read_text(errors="replace")):
+                return None
+        except OSError:
+            continue
+    default = [a.decode() for a in asyncssh.encryption.get_default_encryption_algs()]
+    first = [a for a in PREFERRED_CIPHERS if a in default]
+    return first + [a for a in default if a not in first]
 
 
 async def connect_ssh(name: str, command: str, options: SshOptions) -> SshLink:
@@ -156,6 +235,9 @@ async def connect_ssh(name: str, command: str, options: SshOptions) -> SshLink:
         connect_timeout=options.connect_timeout_s,
         login_timeout=LOGIN_TIMEOUT_S,
     )
+    algs = encryption_preference(options.config_paths())
+    if algs is not None:
+        kwargs["encryption_algs"] = algs
     if options.client_keys is not None:
         kwargs["client_keys"] = [str(p) for p in options.client_keys]
     try:
@@ -173,30 +255,28 @@ async def connect_ssh(name: str, command: str, options: SshOptions) -> SshLink:
     except (OSError, asyncssh.Error) as exc:
         raise SshError(f"{name}: cannot connect over SSH: {exc}") from None
     try:
-        proc = await conn.create_process(command, encoding=None, env=options.env or (), term_type=None)
+        _chan, session = await conn.create_session(_AgentSession, command, encoding=None, env=options.env or (), term_type=None)
     except (asyncssh.ChannelOpenError, asyncssh.Error, OSError) as exc:
         conn.close()
         raise SshError(f"{name}: connected, but cannot run `{command}` there: {exc}") from None
-    errors: list[bytes] = []
-    err_task = asyncio.ensure_future(_stderr_tail(proc, errors))
-    client = AgentClient(proc.stdout, proc.stdin)
-    client.keep(err_task)
+    client = AgentClient(None, _ChannelWriter(session))
+    session.client = client
     try:
         async with asyncio.timeout(HELLO_TIMEOUT_S):
             await client.say_hello(alias=name)
     except (AgentError, TimeoutError) as exc:
         # the bridge never answered: say why, from its exit status and stderr
         try:
-            await asyncio.wait_for(proc.wait_closed(), 2.0)
+            await asyncio.wait_for(session.closed.wait(), 2.0)
         except (asyncio.TimeoutError, Exception):
             pass
         await asyncio.sleep(0)
-        stderr = b"".join(errors).decode("utf-8", "replace").strip()
+        stderr = b"".join(session.stderr).decode("utf-8", "replace").strip()
         await client.close()
         conn.close()
         if isinstance(exc, AgentError) and not isinstance(exc, AgentUnavailable):
             raise  # a typed refusal from the agent itself (version mismatch, permission)
-        status = proc.exit_status
+        status = session.exit_status
         detail = stderr.splitlines()[-1] if stderr else (f"exit status {status}" if status is not None else "no answer")
         hint = (
             f"install gpudeck on {name}, or set its path in the config: [host.{name}] command = \"/path/to/gpudeck agent dial\""
@@ -204,5 +284,5 @@ async def connect_ssh(name: str, command: str, options: SshOptions) -> SshLink:
             else f"see the agent log on {name} (`gpudeck agent status` there)"
         )
         raise SshError(f"{name}: `{command}` did not answer the gpudeck protocol ({detail}); {hint}") from None
-    return SshLink(conn, proc, client)
+    return SshLink(conn, session, client)
 
