@@ -1,0 +1,630 @@
+"""Benchmark (issue 3): one console process following N hosts — gpudeck's snapshot stream against exec-per-tick polling.
+
+For each N (default 16, 64, 256) a loopback fleet is brought up with
+:class:`bench.fleet_hosts.FleetHosts`: N real agent processes with SIMULATED
+GPUs (``8:H200`` each by default) behind one asyncssh in-process SSH server
+process (not OpenSSH; see that module). Then, each in its own console process
+so that process's CPU is measured alone:
+
+- **gpudeck**: ``Fleet(config, ssh, interval_s=1.0, history=History(tmp))``
+  following every host — one long-lived SSH connection per host running
+  ``gpudeck agent dial``, the agent's pushed snapshot stream and its event
+  journal into the history.
+- **exec-per-tick** (the peer, gpustat-web's design): one asyncssh connection
+  per host and, every second per host (the hosts staggered evenly across the
+  second), one ``conn.run("gpudeck status --json")`` whose JSON is parsed
+  with ``json.loads``.
+
+Over a window of ``--seconds`` after every host is up, each prints: console
+CPU per host-second (CPU seconds / (N x window)), the console's share of one
+core, RSS, snapshot age at arrival (arrival wall time - ``snapshot.ts``; one
+machine, one clock) p50/p99, and snapshots received against those expected;
+then the ratio of CPU per host-second (exec-per-tick / gpudeck). The farm,
+the agents and the machine's load over the same window are printed too: all
+of them share this machine's cores with the console, so read the figures
+with that line.
+
+Host side: the agent's cost per snapshot (the snapshots' own ``sample_ms``,
+and the agents' CPU over the window from psutil) against what exec-per-tick
+costs a host per tick: an exec of ``python -m console.cli status --host local
+--json`` against one of the agents (wall time and CPU of the process). gpustat
+cannot run here (it needs NVML); its H200 figure from bench/RESULTS.md is
+printed as a reference, not as a measurement of this run.
+
+Usage: python bench/fleet.py [--hosts 16,64,256] [--seconds 30] [--gpus 8:H200] [--execs 10]
+                             [--ciphers ALG] [--profile | --py-spy PATH]
+(``--profile``: cProfile of each console worker; ``--py-spy``: sampled, GIL-holding stacks summarised by package.)
+Prints one line per figure (prefix ``fleet_bench``); ratios are peer / gpudeck.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import cProfile
+import io
+import json
+import os
+import pstats
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import psutil  # noqa: E402
+
+from bench.fleet_hosts import FleetHosts, FleetSpec, FleetStartError, cpu_seconds, rss_bytes, runqueue_wait_s, start_worker, stop_on_signals, worker_messages  # noqa: E402
+
+STATUS_COMMAND = "gpudeck status --json"
+UP_TIMEOUT_S = 300.0
+WARM_S = 3.0  # after every host is up, before the window: the first snapshots and history syncs are past
+GPUSTAT_REFERENCE = "gpustat --json, one exec: 743.5 ms mean, 771.8 ms p99 on one H200 (bench/RESULTS.md section 1; issue 3 quotes 515 ms)"
+MIB = 1 << 20
+
+
+def pct(xs: list[float], q: float) -> float:
+    """The q-quantile (0..1) of xs, nearest rank; NaN when empty."""
+    if not xs:
+        return float("nan")
+    s = sorted(xs)
+    return s[min(len(s) - 1, max(0, int(round(q * (len(s) - 1)))))]
+
+
+def emit(ev: str, **data: Any) -> None:
+    """One line of the worker -> parent protocol on stdout."""
+    print(json.dumps({"ev": ev, **data}), flush=True)
+
+
+# ----------------------------------------------------------------------------- console workers
+
+
+@dataclass
+class AgeRecorder:
+    """Snapshot ages at arrival at the console, per host, while ``on``."""
+
+    on: bool = False
+    ages: list[float] = field(default_factory=list)
+    sample_ms: list[float] = field(default_factory=list)
+    _last: dict[str, object] = field(default_factory=dict)
+
+    def callback(self, name: str):  # type: ignore[no-untyped-def]
+        """A HostLink listener: records each new snapshot once (state changes repeat the last one)."""
+
+        def on_status(status) -> None:  # type: ignore[no-untyped-def]
+            snap = status.snapshot
+            if snap is None or self._last.get(name) is snap:
+                return
+            self._last[name] = snap
+            if self.on:
+                self.ages.append(time.time() - snap.ts)
+                self.sample_ms.append(snap.sample_ms)
+
+        return on_status
+
+    def take(self) -> tuple[list[float], list[float]]:
+        """The ages and sample_ms recorded so far, cleared."""
+        a, s = self.ages, self.sample_ms
+        self.ages, self.sample_ms = [], []
+        return a, s
+
+
+class Window:
+    """The console process's own CPU, RSS (max, sampled each second) and wall time over a window."""
+
+    def __init__(self) -> None:
+        self.proc = psutil.Process()
+        self.rss_max = 0
+        self._task: asyncio.Task | None = None
+
+    async def _sample(self) -> None:
+        while True:
+            self.rss_max = max(self.rss_max, self.proc.memory_info().rss)
+            await asyncio.sleep(1.0)
+
+    def start(self) -> None:
+        self.cpu0 = time.process_time()  # every thread of this process, in ns (psutil's cpu_times count 10 ms ticks)
+        self.wait0 = runqueue_wait_s()
+        self.t0 = time.monotonic()
+        self._task = asyncio.ensure_future(self._sample())
+
+    def stop(self) -> dict[str, float]:
+        cpu = time.process_time()
+        wall = time.monotonic() - self.t0
+        if self._task is not None:
+            self._task.cancel()
+        rss = self.proc.memory_info().rss
+        return {"cpu_s": cpu - self.cpu0, "rq_wait_s": runqueue_wait_s() - self.wait0, "wall_s": wall, "rss": rss, "rss_max": max(rss, self.rss_max)}
+
+
+def _profile_text(prof: cProfile.Profile, limit: int = 30) -> str:
+    buf = io.StringIO()
+    st = pstats.Stats(prof, stream=buf)
+    st.sort_stats("tottime").print_stats(limit)
+    st.sort_stats("cumulative").print_stats(limit)
+    return buf.getvalue()
+
+
+async def worker_gpudeck(spec: FleetSpec, seconds: float, interval: float, profile: Path | None) -> None:
+    """gpudeck's console side: a Fleet with a History following every host; figures over the window."""
+    from console.fleet import Fleet
+    from console.history import History
+
+    hdir = Path(tempfile.mkdtemp(prefix="console-gpudeck-", dir=str(spec.base_dir)))
+    hist = History(hdir / "history.db")
+    fleet = Fleet(config=spec.config(), ssh=spec.ssh_options(), interval_s=interval, history=hist)
+    rec = AgeRecorder()
+    for name, link in fleet.links.items():
+        link.subscribe(rec.callback(name))
+    t0 = time.monotonic()
+    fleet.start()
+    n = len(fleet.links)
+    up = 0
+    while time.monotonic() - t0 < UP_TIMEOUT_S:
+        up = sum(ln.status.state == "up" for ln in fleet.links.values())
+        if up == n:
+            break
+        await asyncio.sleep(0.2)
+    states: dict[str, int] = {}
+    for ln in fleet.links.values():
+        states[ln.status.state] = states.get(ln.status.state, 0) + 1
+    errors = sorted({ln.status.error for ln in fleet.links.values() if ln.status.state != "up" and ln.status.error})[:3]
+    some = next((ln._ssh_link for ln in fleet.links.values() if ln._ssh_link is not None), None)
+    cipher = some.conn.get_extra_info("recv_cipher") if some is not None else None
+    emit("up", up=up, n=n, seconds=time.monotonic() - t0, states=states, errors=errors, cipher=cipher)
+    await asyncio.sleep(WARM_S)
+    connects0 = sum(ln.status.connects for ln in fleet.links.values())
+    prof = cProfile.Profile() if profile else None
+    win = Window()
+    rec.take()
+    emit("window_start")
+    win.start()
+    rec.on = True
+    if prof:
+        prof.enable()
+    await asyncio.sleep(seconds)
+    if prof:
+        prof.disable()
+    rec.on = False
+    w = win.stop()
+    ages, sample_ms = rec.take()
+    connects1 = sum(ln.status.connects for ln in fleet.links.values())
+    up_end = sum(ln.status.state == "up" for ln in fleet.links.values())
+    emit(
+        "window_end",
+        **w,
+        n=n,
+        up=up_end,
+        received=len(ages),
+        expected=n * w["wall_s"] / interval,
+        age_p50=pct(ages, 0.50),
+        age_p99=pct(ages, 0.99),
+        age_max=max(ages) if ages else float("nan"),
+        sample_ms_mean=statistics.fmean(sample_ms) if sample_ms else float("nan"),
+        sample_ms_p99=pct(sample_ms, 0.99),
+        reconnects=connects1 - connects0,
+        history_events=hist.event_count(),
+    )
+    if prof and profile:
+        profile.write_text(_profile_text(prof))
+    await fleet.close()
+    hist.close()
+
+
+async def worker_exec(spec: FleetSpec, seconds: float, interval: float, profile: Path | None) -> None:
+    """The exec-per-tick peer: one asyncssh connection per host, one `gpudeck status --json` exec per host per tick."""
+    import asyncssh
+
+    from console.transport import encryption_preference
+
+    opts = spec.ssh_options()
+    algs = encryption_preference(opts.config_paths())  # the cipher order gpudeck asks for: the designs differ, not the cipher
+    n = len(spec.names)
+    sem = asyncio.Semaphore(32)  # gpustat-web connects to its hosts at start; a bound keeps the handshakes from timing out
+
+    async def connect(name: str) -> asyncssh.SSHClientConnection | BaseException:
+        async with sem:
+            try:
+                return await asyncssh.connect(
+                    name, config=opts.config_paths(), known_hosts=str(spec.known_hosts), agent_forwarding=False,
+                    keepalive_interval=opts.keepalive_s, connect_timeout=60, login_timeout=120,
+                    **({"encryption_algs": algs} if algs is not None else {}),
+                )
+            except (OSError, asyncssh.Error) as exc:
+                return exc
+
+    t0 = time.monotonic()
+    conns = await asyncio.gather(*(connect(nm) for nm in spec.names))
+    ok = [c for c in conns if not isinstance(c, BaseException)]
+    errors = sorted({str(c) for c in conns if isinstance(c, BaseException)})[:3]
+    cipher = ok[0].get_extra_info("recv_cipher") if ok else None
+    emit("up", up=len(ok), n=n, seconds=time.monotonic() - t0, states={"up": len(ok)}, errors=errors, cipher=cipher)
+
+    state = {"on": False, "stop": False}
+    ages: list[float] = []
+    rtts: list[float] = []
+    sample_ms: list[float] = []
+    failures = [0]
+    skipped = [0]
+    loop = asyncio.get_running_loop()
+    start = loop.time() + 0.5
+
+    async def poll(i: int, conn: asyncssh.SSHClientConnection) -> None:
+        nxt = start + i * interval / n  # staggered evenly across the tick, as gpustat-web's per-host loops drift apart
+        while not state["stop"]:
+            delay = nxt - loop.time()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            t_req = time.time()
+            try:
+                r = await conn.run(STATUS_COMMAND, check=True, timeout=30)
+                doc = json.loads(r.stdout)
+                arrival = time.time()
+                if state["on"]:
+                    ages.append(arrival - float(doc["ts"]))
+                    rtts.append(arrival - t_req)
+                    sample_ms.append(float(doc.get("sample_ms", 0.0)))
+            except (asyncssh.Error, OSError, ValueError, KeyError, asyncio.TimeoutError):
+                if state["on"]:
+                    failures[0] += 1
+            nxt += interval
+            now = loop.time()
+            if nxt < now:  # behind: skip the ticks that passed rather than bursting
+                missed = int((now - nxt) / interval) + 1
+                if state["on"]:
+                    skipped[0] += missed
+                nxt += missed * interval
+
+    tasks = [asyncio.ensure_future(poll(i, c)) for i, c in enumerate(ok)]
+    await asyncio.sleep(0.5 + WARM_S)
+    prof = cProfile.Profile() if profile else None
+    win = Window()
+    emit("window_start")
+    win.start()
+    state["on"] = True
+    if prof:
+        prof.enable()
+    await asyncio.sleep(seconds)
+    if prof:
+        prof.disable()
+    state["on"] = False
+    w = win.stop()
+    got = list(ages)
+    emit(
+        "window_end",
+        **w,
+        n=n,
+        up=len(ok),
+        received=len(got),
+        expected=n * w["wall_s"] / interval,
+        age_p50=pct(got, 0.50),
+        age_p99=pct(got, 0.99),
+        age_max=max(got) if got else float("nan"),
+        rtt_p50=pct(rtts, 0.50),
+        rtt_p99=pct(rtts, 0.99),
+        sample_ms_mean=statistics.fmean(sample_ms) if sample_ms else float("nan"),
+        sample_ms_p99=pct(sample_ms, 0.99),
+        failures=failures[0],
+        skipped=skipped[0],
+    )
+    if prof and profile:
+        profile.write_text(_profile_text(prof))
+    state["stop"] = True
+    for t in tasks:
+        t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    for c in ok:
+        c.close()
+
+
+# ----------------------------------------------------------------------------- parent
+
+
+@dataclass
+class Side:
+    """What the rest of the machine did over a window: the farm, the agents, everything."""
+
+    farm_cpu_s: float
+    agents_cpu_s: float
+    agents_wait_s: float
+    parent_cpu_s: float
+    machine_busy_s: float
+    wall_s: float
+    load: tuple[float, float, float]
+    ncpu: int
+
+
+class SideMeter:
+    """Measures farm, agents, this process and the whole machine between start() and stop()."""
+
+    def __init__(self, fh: FleetHosts) -> None:
+        self.fh = fh
+        self.me = psutil.Process()
+
+    @staticmethod
+    def _busy() -> float:
+        t = psutil.cpu_times()
+        return sum(t) - t.idle - getattr(t, "iowait", 0.0)
+
+    def _own(self) -> float:
+        t = self.me.cpu_times()
+        return t.user + t.system
+
+    def start(self) -> None:
+        self.t0 = time.monotonic()
+        self.farm0 = cpu_seconds([self.fh.farm_pid])
+        self.agents0 = cpu_seconds(self.fh.agent_pids)
+        self.agents_wait0 = runqueue_wait_s(self.fh.agent_pids)
+        self.own0 = self._own()
+        self.busy0 = self._busy()
+
+    def stop(self) -> Side:
+        return Side(
+            farm_cpu_s=cpu_seconds([self.fh.farm_pid]) - self.farm0,
+            agents_cpu_s=cpu_seconds(self.fh.agent_pids) - self.agents0,
+            agents_wait_s=runqueue_wait_s(self.fh.agent_pids) - self.agents_wait0,
+            parent_cpu_s=self._own() - self.own0,
+            machine_busy_s=self._busy() - self.busy0,
+            wall_s=time.monotonic() - self.t0,
+            load=os.getloadavg(),
+            ncpu=psutil.cpu_count() or 1,
+        )
+
+
+def out(text: str) -> None:
+    """One result line."""
+    print(f"fleet_bench {text}", flush=True)
+
+
+def run_worker(design: str, fh: FleetHosts, args: argparse.Namespace) -> tuple[dict[str, Any], Side] | None:
+    """Run one console worker in its own process; the window's figures and the machine's over the same window."""
+    assert fh.spec is not None
+    prof_path = fh.base_dir / f"profile-{design}-{fh.n}.txt" if args.profile else None
+    argv = [sys.executable, str(Path(__file__).resolve()), "--worker", design, "--spec", str(fh.spec.path), "--seconds", str(args.seconds), "--interval", str(args.interval)]
+    if prof_path:
+        argv += ["--profile-out", str(prof_path)]
+    proc = start_worker(argv, fh.base_dir / f"worker-{design}.stderr")
+    meter = SideMeter(fh)
+    spy: subprocess.Popen | None = None
+    spy_path = fh.base_dir / f"pyspy-{design}-{fh.n}.txt"
+    result: dict[str, Any] | None = None
+    side: Side | None = None
+    for msg in worker_messages(proc):
+        ev = msg.get("ev")
+        if ev == "up":
+            err = f"; not up: {msg['states']} e.g. {msg['errors']}" if msg["up"] < msg["n"] else ""
+            out(f"N={fh.n} {design:<13} hosts up: {msg['up']}/{msg['n']} after {msg['seconds']:.1f} s (cipher {msg.get('cipher')}){err}")
+        elif ev == "window_start":
+            meter.start()
+            if args.py_spy:
+                spy = subprocess.Popen(
+                    [args.py_spy, "record", "--pid", str(proc.pid), "--duration", str(max(1, int(args.seconds) - 1)), "--rate", "1000", "--format", "raw",
+                     "--full-filenames", "--gil", "--nonblocking", "--output", str(spy_path)],
+                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                )
+        elif ev == "window_end":
+            side = meter.stop()
+            result = msg
+    try:
+        proc.wait(120)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(10)
+    if result is None or side is None:
+        tail = (fh.base_dir / f"worker-{design}.stderr").read_text(errors="replace")[-2000:]
+        out(f"N={fh.n} {design:<13} FAILED: the console worker exited {proc.returncode} without a result: {tail}")
+        return None
+    result["pid"] = proc.pid
+    if spy is not None:
+        spy.wait(60)
+        for text in spy_summary(spy_path):
+            out(f"N={fh.n} {design:<13} py-spy {text}")
+    if prof_path and prof_path.exists():
+        print(f"fleet_bench N={fh.n} {design} cProfile of the console over the window (CPU figures of a profiled run are inflated):", flush=True)
+        print(prof_path.read_text(), flush=True)
+    return result, side
+
+
+_PARTS = (
+    ("asyncssh", "/asyncssh/"),
+    ("cryptography", "/cryptography/"),
+    ("msgspec", "/msgspec/"),
+    ("asyncio", "/asyncio/"),
+    ("gpudeck console/", str(ROOT / "console") + "/"),
+    ("gpudeck agents/", str(ROOT / "agents") + "/"),
+    ("bench", str(ROOT / "bench") + "/"),
+    ("sqlite/json/stdlib", "/lib/python3"),
+)
+
+
+def spy_summary(path: Path, top: int = 12) -> list[str]:
+    """Where the sampled CPU went: share of samples by the package of the innermost frame, and the top functions."""
+    try:
+        lines = path.read_text().splitlines()
+    except OSError:
+        return ["no samples (py-spy wrote nothing)"]
+    by_part: dict[str, int] = {}
+    by_fn: dict[str, int] = {}
+    inclusive: dict[str, int] = {}
+    total = 0
+    no_frames = 0
+    for ln in lines:
+        stack, _, count = ln.rpartition(" ")
+        try:
+            k = int(count)
+        except ValueError:
+            continue
+        if not stack.strip():
+            no_frames += k  # a sample without a Python frame (a thread in native code)
+            continue
+        frames = stack.split(";")
+        leaf = frames[-1]
+        if "select (" in leaf and "selectors.py" in leaf:
+            continue  # waiting in epoll: idle, not CPU
+        total += k
+        part = next((name for name, key in _PARTS if key in leaf), "other")
+        by_part[part] = by_part.get(part, 0) + k
+        fn = leaf.replace(str(ROOT) + "/", "").split("/site-packages/")[-1]
+        by_fn[fn] = by_fn.get(fn, 0) + k
+        seen: set[str] = set()
+        for f in frames:
+            for tag, key in (("gpudeck console/", str(ROOT / "console") + "/"), ("gpudeck agents/", str(ROOT / "agents") + "/"), ("asyncssh", "/asyncssh/")):
+                if key in f and tag not in seen:
+                    seen.add(tag)
+                    inclusive[tag] = inclusive.get(tag, 0) + k
+    if not total:
+        return ["no CPU samples"]
+    out_lines = [f"{total} samples holding the GIL ({no_frames} more without a Python frame, left out); self time by package: " + ", ".join(f"{p} {100 * c / total:.0f}%" for p, c in sorted(by_part.items(), key=lambda x: -x[1]))]
+    out_lines.append("inclusive (a frame of it anywhere on the stack): " + ", ".join(f"{p} {100 * c / total:.0f}%" for p, c in sorted(inclusive.items(), key=lambda x: -x[1])))
+    for fn, c in sorted(by_fn.items(), key=lambda x: -x[1])[:top]:
+        out_lines.append(f"  {100 * c / total:5.1f}% {fn}")
+    return out_lines
+
+
+def report(design: str, n: int, r: dict[str, Any], side: Side) -> tuple[float, float]:
+    """Print a design's lines; returns its CPU per host-second and per snapshot received (ms)."""
+    per_host_s = 1000.0 * r["cpu_s"] / (n * r["wall_s"])
+    per_snap = 1000.0 * r["cpu_s"] / max(1, r["received"])
+    core = 100.0 * r["cpu_s"] / r["wall_s"]
+    tag = f"N={n} {design:<13}"
+    out(f"{tag} console CPU per host-second: {per_host_s:.3f} ms")
+    # a design that falls behind receives fewer snapshots and looks cheaper per host-second: this line shows it
+    out(f"{tag} console CPU per snapshot received: {per_snap:.3f} ms")
+    out(f"{tag} console CPU: {core:.1f}% of one core ({r['cpu_s']:.2f} s CPU in {r['wall_s']:.1f} s); its event-loop thread waited for a CPU {1000 * r['rq_wait_s'] / r['wall_s']:.0f} ms per second (runnable, not running)")
+    out(f"{tag} console RSS: {r['rss'] / MIB:.1f} MiB at the end, {r['rss_max'] / MIB:.1f} MiB max")
+    out(f"{tag} snapshot age at arrival: p50 {1000 * r['age_p50']:.1f} ms, p99 {1000 * r['age_p99']:.1f} ms, max {1000 * r['age_max']:.1f} ms")
+    extra = ""
+    if design == "exec-per-tick":
+        extra = f"; exec round trip p50 {1000 * r['rtt_p50']:.1f} ms p99 {1000 * r['rtt_p99']:.1f} ms; {r['failures']} failed, {r['skipped']} ticks skipped (behind)"
+    else:
+        extra = f"; {r['reconnects']} reconnects, {r['up']}/{n} up at the end"
+    out(f"{tag} snapshots received: {r['received']} of {r['expected']:.0f} expected ({100 * r['received'] / max(1, r['expected']):.1f}%){extra}")
+    busy = side.machine_busy_s / side.wall_s
+    console_c = r["cpu_s"] / r["wall_s"]
+    farm_c = side.farm_cpu_s / side.wall_s
+    agents_c = side.agents_cpu_s / side.wall_s
+    parent_c = side.parent_cpu_s / side.wall_s
+    rest = busy - console_c - farm_c - agents_c - parent_c
+    out(
+        f"{tag} machine over the window: {busy:.2f} of {side.ncpu} cores busy (console {console_c:.2f}, SSH farm {farm_c:.2f}, "
+        f"{n} agents {agents_c:.2f}, bench {parent_c:.2f}, everything else on the machine {rest:.2f}); each agent's main thread waited for a CPU "
+        f"{1000 * side.agents_wait_s / (n * side.wall_s):.0f} ms per second; load average {side.load[0]:.2f} {side.load[1]:.2f} {side.load[2]:.2f}"
+    )
+    return per_host_s, per_snap
+
+
+def host_exec_cost(fh: FleetHosts, n_execs: int) -> tuple[list[float], list[float]] | str:
+    """Wall and CPU seconds of `python -m console.cli status --host local --json` against agent 0, run n times."""
+    env = fh.agent_env(0)
+    env.pop("GPUDECK_SIMULATE_GPUS", None)
+    argv = [sys.executable, "-m", "console.cli", "status", "--host", "local", "--json"]
+    walls: list[float] = []
+    cpus: list[float] = []
+    for _ in range(n_execs + 1):
+        r0 = resource.getrusage(resource.RUSAGE_CHILDREN)
+        t0 = time.perf_counter()
+        cp = subprocess.run(argv, env=env, capture_output=True, text=True, cwd=str(ROOT))
+        wall = time.perf_counter() - t0
+        r1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+        if cp.returncode != 0:
+            return f"exit {cp.returncode}: {cp.stderr.strip()[-400:]}"
+        doc = json.loads(cp.stdout)
+        if not doc.get("simulated") or "ts" not in doc:
+            return f"unexpected output: {cp.stdout[:200]}"
+        walls.append(wall)
+        cpus.append((r1.ru_utime - r0.ru_utime) + (r1.ru_stime - r0.ru_stime))
+    return walls[1:], cpus[1:]  # the first exec warms the page cache
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--hosts", default="16,64,256", help="fleet sizes, comma-separated")
+    ap.add_argument("--seconds", type=float, default=30.0, help="measurement window per design and size")
+    ap.add_argument("--interval", type=float, default=1.0, help="snapshot interval / poll tick (s)")
+    ap.add_argument("--gpus", default="8:H200", help="GPUDECK_SIMULATE_GPUS of every agent")
+    ap.add_argument("--execs", type=int, default=10, help="execs of the status CLI for the host-side cost (0: skip)")
+    ap.add_argument("--designs", default="gpudeck,exec-per-tick")
+    ap.add_argument("--ciphers", default=None, help="a `Ciphers` line for every host in the generated ssh config (default: asyncssh's preference, chacha20-poly1305 first)")
+    ap.add_argument("--batch", type=int, default=16, help="agents started at a time")
+    ap.add_argument("--profile", action="store_true", help="cProfile each console worker over its window and print the top functions")
+    ap.add_argument("--py-spy", default=None, metavar="PATH", help="sample each console worker with this py-spy binary over its window and print where its CPU goes")
+    ap.add_argument("--worker", choices=["gpudeck", "exec-per-tick"], help=argparse.SUPPRESS)
+    ap.add_argument("--spec", type=Path, help=argparse.SUPPRESS)
+    ap.add_argument("--profile-out", type=Path, default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+
+    if args.worker:
+        spec = FleetSpec.load(args.spec)
+        fn = worker_gpudeck if args.worker == "gpudeck" else worker_exec
+        asyncio.run(fn(spec, args.seconds, args.interval, args.profile_out))
+        return
+
+    stop_on_signals()
+    sizes = [int(x) for x in args.hosts.split(",") if x.strip()]
+    designs = [d.strip() for d in args.designs.split(",") if d.strip()]
+    out(f"machine: {psutil.cpu_count()} CPUs, {psutil.virtual_memory().total / 2**30:.1f} GiB; python {sys.version.split()[0]}; "
+        f"SIMULATED GPUs ({args.gpus} per agent); SSH server side: asyncssh in-process (one farm process, no MSG_IGNORE before every packet, as sshd), not OpenSSH; "
+        f"ciphers: {args.ciphers or 'gpudeck default order (AES-GCM first), the same for both designs'}; "
+        f"load average at start {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    for n in sizes:
+        try:
+            fh = FleetHosts(n, args.gpus, batch=args.batch, ciphers=args.ciphers, progress=lambda m: print(f"fleet_bench (progress) {m}", file=sys.stderr, flush=True))
+        except FleetStartError as exc:
+            out(f"N={n} COULD NOT BE BROUGHT UP: {exc}")
+            continue
+        try:
+            mem = psutil.virtual_memory()
+            out(f"N={n} fleet up in {fh.start_seconds:.1f} s: {n} agents ({rss_bytes(fh.agent_pids) / MIB:.0f} MiB RSS together) + SSH farm "
+                f"({rss_bytes([fh.farm_pid]) / MIB:.0f} MiB); machine memory available {mem.available / 2**30:.1f} GiB")
+            per: dict[str, tuple[float, float]] = {}
+            results: dict[str, tuple[dict[str, Any], Side]] = {}
+            for design in designs:
+                got = run_worker(design, fh, args)
+                if got is None:
+                    continue
+                results[design] = got
+                per[design] = report(design, n, *got)
+            if "gpudeck" in per and "exec-per-tick" in per and per["gpudeck"][0] > 0:
+                out(f"N={n} ratio console CPU per host-second, exec-per-tick / gpudeck: {per['exec-per-tick'][0] / per['gpudeck'][0]:.1f}x "
+                    f"(per snapshot received: {per['exec-per-tick'][1] / per['gpudeck'][1]:.1f}x)")
+            if "gpudeck" in results:
+                r, side = results["gpudeck"]
+                rate = r["received"] / (n * r["wall_s"])  # snapshots per host-second actually sent
+                agent_ms = 1000.0 * side.agents_cpu_s / (n * side.wall_s)
+                out(f"N={n} host agent snapshot build (the snapshots' sample_ms): mean {r['sample_ms_mean']:.3f} ms, p99 {r['sample_ms_p99']:.3f} ms")
+                out(f"N={n} host agent CPU while streaming to gpudeck: {agent_ms:.2f} ms per host-second ({agent_ms / 10:.2f}% of one core per agent), "
+                    f"{agent_ms / max(rate, 1e-9):.2f} ms per snapshot sent (tick loop included)")
+            if "exec-per-tick" in results:
+                r, side = results["exec-per-tick"]
+                agent_ms = 1000.0 * side.agents_cpu_s / (n * side.wall_s)
+                out(f"N={n} host agent CPU while answering exec-per-tick (Hello+GetSnapshot per exec, answered in the farm): {agent_ms:.2f} ms per host-second")
+            if args.execs > 0 and n == sizes[-1]:
+                cost = host_exec_cost(fh, args.execs)
+                if isinstance(cost, str):
+                    out(f"N={n} host exec of `python -m console.cli status --host local --json` FAILED: {cost}")
+                else:
+                    walls, cpus = cost
+                    cpu_ms = 1000 * statistics.fmean(cpus)
+                    line = (f"N={n} host exec-per-tick cost, one exec of `python -m console.cli status --host local --json` against an agent: "
+                            f"wall mean {1000 * statistics.fmean(walls):.0f} ms, p99 {1000 * pct(walls, 0.99):.0f} ms; CPU mean {cpu_ms:.0f} ms (n={len(walls)})")
+                    if "gpudeck" in results:
+                        r, side = results["gpudeck"]
+                        rate = r["received"] / (n * r["wall_s"])
+                        agent_snap_ms = 1000.0 * side.agents_cpu_s / (n * side.wall_s) / max(rate, 1e-9)
+                        line += f"; {cpu_ms / max(agent_snap_ms, 1e-9):.0f}x the agent's CPU per streamed snapshot"
+                    out(line)
+                out(f"N={n} host reference, NOT measured in this run: {GPUSTAT_REFERENCE}; gpustat cannot run on this machine (it needs NVML: an NVIDIA driver)")
+        finally:
+            fh.close()
+
+
+if __name__ == "__main__":
+    main()
