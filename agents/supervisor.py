@@ -662,6 +662,8 @@ class Supervisor:
                 cause += f"; rank {death.rank} died first ({death.message.split(':')[0]})"
             elif gone is not None:
                 cause += f"; rank {gone[0]} died first (pid {gone[1]}; the others were torn down after it)"
+                if (run.spec.nnodes or 1) > 1:
+                    self._node_death_alert(run, gone, cause, now)
             killed = sig == "SIGKILL" or "exitcode: -9" in tail or "Signals.SIGKILL" in tail
             oom = host_oom_note([m.pid for m in run.members], run.started or run.created) if killed else None
             if oom:
@@ -677,6 +679,28 @@ class Supervisor:
         self._record_claims(run)
         self._set(run, "run_state", data, state=state, cause=cause, exit_code=code, signal=sig, ended=now)
         self._shims.pop(run.id, None)
+
+    def _node_death_alert(self, run: RunInfo, gone: tuple[int, int, float], cause: str, now: float) -> None:
+        """A multi-node member whose rank died and whose torchrun tore the node down before the health tick's grace:
+        the other nodes go on (until their collectives fail), so this is the rank-death alert, raised as the node ends."""
+        rank, pid, since = gone
+        node = f"node {run.spec.node_rank}" if run.spec.node_rank is not None else "this node"
+        alert = Alert(
+            kind="rank_exited",
+            severity="critical",
+            ts=time.time(),
+            rank=rank,
+            pid=pid,
+            message=f"rank {rank} (pid {pid}) died on {node} ({self.host}), which then ended: {cause}; the other nodes lose their peer; "
+            f"`gpudeck stop {run.id}`, then relaunch",
+            data={"node_rank": run.spec.node_rank, "gone_since": round(since, 3), "member_ended": True},
+        )
+        try:
+            for ev in self.journal.append_many([("alert", run.id, {"alert": msgspec.to_builtins(alert)})]):
+                self._emit(ev)
+        except StorageError:
+            log.warning("run %s: could not journal the node-death alert", run.id)
+        log.warning("run %s: %s", run.id, alert.message)
 
     def _telemetry_evidence(self, run: RunInfo) -> str:
         tail = read_tail(Path(run.run_dir or "") / "telemetry.jsonl", 16 * 1024)

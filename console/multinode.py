@@ -142,6 +142,20 @@ def _node_rank(row: dict[str, Any]) -> int:
     return int(nr) if isinstance(nr, int) else 0
 
 
+def _first_trouble(row: dict[str, Any]) -> float:
+    """When this node's trouble began: its earliest rank death (when the rank was first seen gone), else its end."""
+    times = [float(row.get("ended") or 0) or float("inf")]
+    for a in row.get("alerts") or []:
+        if not isinstance(a, dict) or a.get("kind") != "rank_exited":
+            continue
+        data = a.get("data") or {}
+        if isinstance(data.get("gone_since"), (int, float)):
+            times.append(float(data["gone_since"]))
+        elif isinstance(a.get("ts"), (int, float)):
+            times.append(float(a["ts"]) - float(data.get("gone_s") or 0))
+    return min(times)
+
+
 def combine(rows: list[dict[str, Any]], unreachable: set[str] | None = None) -> CombinedRun:
     """One record from a run's rows on several hosts (history rows or RunInfo dicts)."""
     rows = sorted(rows, key=_node_rank)
@@ -154,7 +168,7 @@ def combine(rows: list[dict[str, Any]], unreachable: set[str] | None = None) -> 
     ends = [r["ended"] for r in rows if r.get("ended")]
     cause: str | None = None
     lost = [r for r in rows if r["state"] in LIVE_STATES and r["host"] in unreachable]
-    failed = sorted((r for r in rows if r["state"] in ("failed", "lost", "preflight_failed")), key=lambda r: r.get("ended") or 0)
+    failed = sorted((r for r in rows if r["state"] in ("failed", "lost", "preflight_failed")), key=_first_trouble)
     missing = expected - len(rows)
     absent = [h for h in (spec.get("nodes") or []) if h not in hosts]
     stopped = [r for r in rows if r["state"] == "stopped"]
