@@ -564,7 +564,9 @@ def console_part(term: Term, fh, stats_path: Path, console_log: Path, others: li
         if not new:
             return "no event-loop stall over 50 ms" + gc_text
         worst = max(new, key=lambda s: s[0])
-        return f"{len(new)} event-loop stall(s) over 50 ms, the longest {worst[0]:.0f} ms of which the console itself ran {worst[1]:.0f} ms (the rest: waiting for a CPU)" + gc_text
+        # own CPU counts every thread of the console: more than the stall means it was busy, not waiting for a core
+        why = "waiting for a CPU the rest" if worst[1] < worst[0] else "its own work (threads included)"
+        return f"{len(new)} event-loop stall(s) over 50 ms, the longest {worst[0]:.0f} ms, the console's own CPU in it {worst[1]:.0f} ms ({why})" + gc_text
 
     mark = [0, 0]
 
