@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from dataclasses import dataclass, field
 
 import psutil
@@ -29,6 +30,9 @@ from agents.protocol import ProcInfo
 RUN_TAG = "GPUDECK_RUN_ID"
 SIM_GPU_MEM_TAG = "GPUDECK_SIM_GPU_MEM"  # "<gpu>:<GiB>[,<gpu>:<GiB>...]", read by the simulated GPU sampler
 CT_TOLERANCE = 0.02  # seconds; psutil derives create_time from clock ticks
+# a process this young is read again at every refresh: one caught between fork and exec still shows its
+# parent's environment and cmdline (a torchrun worker without its RANK, say), and exec changes neither pid nor start time
+YOUNG_S = 3.0
 _PAGE = os.sysconf("SC_PAGE_SIZE")
 _TICKS = os.sysconf("SC_CLK_TCK")
 _BOOT = psutil.boot_time()
@@ -184,9 +188,10 @@ class ProcTable:
         pids = _list_pids()
         for gone in self._entries.keys() - pids:
             del self._entries[gone]
+        young = time.time() - YOUNG_S
         for pid in pids:
             known = self._entries.get(pid)
-            if known is not None and not full:
+            if known is not None and not full and known.create_time < young:
                 continue
             if known is not None and full:
                 ct = create_time_of(pid)
@@ -196,6 +201,8 @@ class ProcTable:
             if entry is None:
                 self._entries.pop(pid, None)
             else:
+                if known is not None and abs(entry.create_time - known.create_time) <= CT_TOLERANCE:
+                    entry.create_time = known.create_time  # the same process read again: keep the key others hold
                 self._entries[pid] = entry
 
     def get(self, pid: int) -> ProcEntry | None:

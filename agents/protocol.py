@@ -34,14 +34,17 @@ TERMINAL_STATES: frozenset[str] = frozenset({"preflight_failed", "succeeded", "f
 LIVE_STATES: frozenset[str] = frozenset({"pending", "starting", "running", "stopping"})
 
 
-class _Msg(msgspec.Struct, kw_only=True, tag_field="type", omit_defaults=True):
+# gc=False on every wire struct: they are plain data (no reference cycles), and untracked they cost the
+# cyclic garbage collector nothing, where a console holding 256 hosts' snapshots otherwise pays for them in
+# every full collection (pauses of tens of milliseconds between key presses)
+class _Msg(msgspec.Struct, gc=False, kw_only=True, tag_field="type", omit_defaults=True):
     request_id: str = ""
 
 
 # ----------------------------------------------------------------------------- records
 
 
-class GpuProcess(msgspec.Struct, kw_only=True):  # every field always on the wire: scripts read "attribution"
+class GpuProcess(msgspec.Struct, gc=False, kw_only=True):  # every field always on the wire: scripts read "attribution"
     """One process NVML reports on a GPU, attributed to a run where possible."""
 
     pid: int
@@ -59,13 +62,13 @@ class GpuProcess(msgspec.Struct, kw_only=True):  # every field always on the wir
     cmdline: list[str] = []
 
 
-class Gpu(msgspec.Struct, kw_only=True, omit_defaults=True):
+class Gpu(msgspec.Struct, gc=False, kw_only=True, omit_defaults=True):
     """One GPU as NVML sees it (a compact snapshot leaves the static uuid, name and total out after the first)."""
 
     index: int
     uuid: str = ""
     name: str = ""
-    memory_used: int = 0
+    memory_used: int
     memory_total: int = 0
     util_gpu: int | None = None  # percent
     util_mem: int | None = None
@@ -76,7 +79,7 @@ class Gpu(msgspec.Struct, kw_only=True, omit_defaults=True):
     processes: list[GpuProcess] = []
 
 
-class ProcInfo(msgspec.Struct, kw_only=True, omit_defaults=True):
+class ProcInfo(msgspec.Struct, gc=False, kw_only=True, omit_defaults=True):
     """A process of interest: a run member or a GPU holder."""
 
     pid: int
@@ -94,7 +97,7 @@ class ProcInfo(msgspec.Struct, kw_only=True, omit_defaults=True):
     local_rank: int | None = None
 
 
-class Member(msgspec.Struct, kw_only=True, omit_defaults=True):
+class Member(msgspec.Struct, gc=False, kw_only=True, omit_defaults=True):
     """A process that belongs to a run, identified by (pid, create_time) to survive PID reuse."""
 
     pid: int
@@ -106,7 +109,7 @@ class Member(msgspec.Struct, kw_only=True, omit_defaults=True):
     cmdline: list[str] = []
 
 
-class Claims(msgspec.Struct, kw_only=True, omit_defaults=True):
+class Claims(msgspec.Struct, gc=False, kw_only=True, omit_defaults=True):
     """What the operator says a run is (checked against what is observed: failure 7)."""
 
     gpus: int | None = None
@@ -117,7 +120,7 @@ class Claims(msgspec.Struct, kw_only=True, omit_defaults=True):
     note: str | None = None
 
 
-class LaunchSpec(msgspec.Struct, kw_only=True, omit_defaults=True):
+class LaunchSpec(msgspec.Struct, gc=False, kw_only=True, omit_defaults=True):
     """What to run. ``argv`` is a list and is never given to a shell."""
 
     argv: list[str]
@@ -144,7 +147,7 @@ class LaunchSpec(msgspec.Struct, kw_only=True, omit_defaults=True):
     nodes: list[str] = []
 
 
-class RankTelemetry(msgspec.Struct, kw_only=True, omit_defaults=True):
+class RankTelemetry(msgspec.Struct, gc=False, kw_only=True, omit_defaults=True):
     """What one rank reported last."""
 
     rank: int
@@ -156,7 +159,7 @@ class RankTelemetry(msgspec.Struct, kw_only=True, omit_defaults=True):
     last_seen: float | None = None
 
 
-class RunTelemetry(msgspec.Struct, kw_only=True, omit_defaults=True):
+class RunTelemetry(msgspec.Struct, gc=False, kw_only=True, omit_defaults=True):
     """The latest of a run's telemetry (trainers/telemetry.py's records, folded)."""
 
     step: int | None = None
@@ -181,7 +184,7 @@ class RunTelemetry(msgspec.Struct, kw_only=True, omit_defaults=True):
     ranks: dict[str, RankTelemetry] = {}
 
 
-class Alert(msgspec.Struct, kw_only=True, omit_defaults=True):
+class Alert(msgspec.Struct, gc=False, kw_only=True, omit_defaults=True):
     """A health or claims problem of a live run (failures 4 and 7); raised once, cleared when it ends."""
 
     kind: Literal["rank_exited", "heartbeat_lost", "gpu_idle", "throughput_drop", "claim_mismatch", "node_lost"]
@@ -195,7 +198,7 @@ class Alert(msgspec.Struct, kw_only=True, omit_defaults=True):
     cleared: float | None = None
 
 
-class PreflightCheck(msgspec.Struct, kw_only=True, omit_defaults=True):
+class PreflightCheck(msgspec.Struct, gc=False, kw_only=True, omit_defaults=True):
     """One pre-flight check and its verdict."""
 
     name: str  # gpus_exist | gpu_memory | gpu_holders | rdzv_port | checkpoint_room | python_env | resume_checkpoint
@@ -205,7 +208,7 @@ class PreflightCheck(msgspec.Struct, kw_only=True, omit_defaults=True):
     details: dict[str, Any] = {}
 
 
-class MemoryEstimate(msgspec.Struct, kw_only=True, omit_defaults=True):
+class MemoryEstimate(msgspec.Struct, gc=False, kw_only=True, omit_defaults=True):
     """GPU memory a trainer run needs per GPU, and how that was worked out."""
 
     per_gpu_bytes: int
@@ -214,7 +217,7 @@ class MemoryEstimate(msgspec.Struct, kw_only=True, omit_defaults=True):
     parts: dict[str, int] = {}
 
 
-class PreflightResult(msgspec.Struct, kw_only=True, omit_defaults=True):
+class PreflightResult(msgspec.Struct, gc=False, kw_only=True, omit_defaults=True):
     """The verdict of pre-flight on one host: nothing starts unless ``ok``."""
 
     ok: bool
@@ -225,7 +228,7 @@ class PreflightResult(msgspec.Struct, kw_only=True, omit_defaults=True):
     seconds: float = 0.0
 
 
-class EnvFingerprint(msgspec.Struct, kw_only=True, omit_defaults=True):
+class EnvFingerprint(msgspec.Struct, gc=False, kw_only=True, omit_defaults=True):
     """A python environment as recorded at launch (failure 5)."""
 
     python: str  # the interpreter path
@@ -245,7 +248,7 @@ class EnvFingerprint(msgspec.Struct, kw_only=True, omit_defaults=True):
     error: str | None = None  # why the fingerprint is incomplete
 
 
-class ClaimRow(msgspec.Struct, omit_defaults=True):
+class ClaimRow(msgspec.Struct, gc=False, omit_defaults=True):
     """One line of claimed vs observed (``gpudeck verify RUN``); ``ok`` is None when one side is unknown."""
 
     what: str  # params | params (model config) | world size | GPUs | dataset samples | dataset tokens | tokens/s
@@ -256,7 +259,7 @@ class ClaimRow(msgspec.Struct, omit_defaults=True):
     detail: str = ""  # e.g. "GPU 0, GPU 1" for observed GPUs
 
 
-class Leftover(msgspec.Struct, kw_only=True, omit_defaults=True):
+class Leftover(msgspec.Struct, gc=False, kw_only=True, omit_defaults=True):
     """A process that ``gpudeck reclaim`` offers to stop, and why it is a leftover."""
 
     pid: int
@@ -279,7 +282,7 @@ class Leftover(msgspec.Struct, kw_only=True, omit_defaults=True):
     note: str = ""  # what to do about it
 
 
-class RunInfo(msgspec.Struct, kw_only=True, omit_defaults=True):
+class RunInfo(msgspec.Struct, gc=False, kw_only=True, omit_defaults=True):
     """A run as the agent's journal knows it."""
 
     id: str
@@ -302,7 +305,7 @@ class RunInfo(msgspec.Struct, kw_only=True, omit_defaults=True):
     env: EnvFingerprint | None = None
 
 
-class StoppedProcess(msgspec.Struct, kw_only=True, omit_defaults=True):
+class StoppedProcess(msgspec.Struct, gc=False, kw_only=True, omit_defaults=True):
     """One member process and how the stop ended it."""
 
     pid: int
@@ -312,7 +315,7 @@ class StoppedProcess(msgspec.Struct, kw_only=True, omit_defaults=True):
     status: str | None = None  # for survivors: psutil status (e.g. disk-sleep)
 
 
-class GpuFreed(msgspec.Struct, kw_only=True):
+class GpuFreed(msgspec.Struct, gc=False, kw_only=True):
     """Memory on one GPU before and after a stop."""
 
     gpu: int
@@ -321,7 +324,7 @@ class GpuFreed(msgspec.Struct, kw_only=True):
     freed_bytes: int
 
 
-class StopResult(msgspec.Struct, kw_only=True, omit_defaults=True):
+class StopResult(msgspec.Struct, gc=False, kw_only=True, omit_defaults=True):
     """The verified outcome of stopping a run (or reclaiming processes)."""
 
     run_id: str | None
@@ -338,7 +341,7 @@ class StopResult(msgspec.Struct, kw_only=True, omit_defaults=True):
     message: str = ""
 
 
-class Event(msgspec.Struct, kw_only=True, omit_defaults=True):
+class Event(msgspec.Struct, gc=False, kw_only=True, omit_defaults=True):
     """A journal event; ``(epoch, seq)`` identifies it forever."""
 
     seq: int
