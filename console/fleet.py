@@ -72,6 +72,7 @@ STALL_FACTOR = 5.0  # no snapshot for this many intervals (at least STALL_MIN_S)
 STALL_MIN_S = 10.0
 EVENT_BATCH = 5000
 EVENT_POLL_S = 30.0  # a caught-up event pull waits this long for the next event (it answers at once when one comes)
+REFUSED_STATES = ("host_key", "version_mismatch")
 NODE_LOST_S = 30.0  # a multi-node run's host unreachable this long counts as a lost node
 
 
@@ -130,6 +131,7 @@ class HostLink:
         self._client: AgentClient | None = None
         self._ssh_link: SshLink | None = None
         self._ready = asyncio.Event()
+        self._refused = asyncio.Event()  # set while the host refuses us in a way retrying will not fix (host key, version)
         self._task: asyncio.Task | None = None
         self._sync_task: asyncio.Task | None = None
         self._pending_task: asyncio.Task | None = None
@@ -154,6 +156,10 @@ class HostLink:
             self.status.since = time.time()
         self.status.state = state
         self.status.error = error
+        if state in REFUSED_STATES:
+            self._refused.set()
+        elif state == "up":
+            self._refused.clear()
         self._notify()
 
     async def _connect(self) -> AgentClient:
@@ -353,11 +359,20 @@ class HostLink:
     async def client(self, timeout: float = 15.0) -> AgentClient:
         """The live connection; waits for it, or raises AgentError saying why the host is not reachable."""
         self.start()
+        ready = asyncio.ensure_future(self._ready.wait())
+        refused = asyncio.ensure_future(self._refused.wait())
         try:
-            async with asyncio.timeout(timeout):
-                await self._ready.wait()
-        except TimeoutError:
-            raise AgentUnavailable(f"host {self.name} is {self.status.state}: {self.status.error or 'no answer within ' + str(int(timeout)) + ' s'}") from None
+            # a refusal that retrying will not fix (an unknown or changed host key, another protocol) is said at once
+            await asyncio.wait([ready, refused], timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            ready.cancel()
+            refused.cancel()
+        if not self._ready.is_set():
+            if self.status.state == "host_key":
+                raise HostKeyError(self.status.error or f"{self.name}: the SSH host key was refused")
+            if self.status.state == "version_mismatch":
+                raise VersionMismatch(self.status.error or f"{self.name}: the agent speaks another protocol version")
+            raise AgentUnavailable(f"host {self.name} is {self.status.state}: {self.status.error or 'no answer within ' + str(int(timeout)) + ' s'}")
         assert self._client is not None
         return self._client
 
