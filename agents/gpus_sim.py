@@ -14,6 +14,10 @@ run on CPU with real process trees:
   GPUs, and is listed as a compute process there. A zombie or a process in disk
   sleep keeps holding (on a real GPU the context is released only when the
   process is fully gone); a pid that is gone, or reused, releases.
+- scope: several simulated machines can share one real one (parallel tests,
+  the fleet benchmark's agents). A holder belongs to the machine named by its
+  ``GPUDECK_SIM_SCOPE``, else its ``GPUDECK_HOME``; a sampler counts the
+  holders of its own scope and those with neither, never another scope's.
 - utilisation: ``min(100, CPU% of the GPU's holders)`` over the last sample
   window, so a busy holder shows load and a sleeping or stopped one shows 0 %.
 - temperature and power: made up from utilisation (30 °C and 10 % of the
@@ -30,13 +34,14 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import re
 import threading
 import time
 from dataclasses import dataclass
 
 from agents.errors import AgentError
-from agents.procs import CT_TOLERANCE, SIM_GPU_MEM_TAG, ProcTable, read_stat
+from agents.procs import CT_TOLERANCE, SIM_GPU_MEM_TAG, ProcTable, read_stat, sim_scope
 from agents.protocol import Gpu, GpuProcess
 
 log = logging.getLogger("gpudeck.agent")
@@ -152,6 +157,7 @@ class SimulatedGpuSampler:
     def __init__(self, spec: SimGpuSpec | str, procs: ProcTable) -> None:
         self.spec = parse_sim_spec(spec) if isinstance(spec, str) else spec
         self.procs = procs
+        self.scope = sim_scope(os.environ)  # this simulated machine: holders of another scope are not ours
         self.error: str | None = None
         self.driver_version: str | None = DRIVER_VERSION
         self.memory_total = int(self.spec.memory_gib * 2**30)
@@ -200,7 +206,7 @@ class SimulatedGpuSampler:
         with self._lock:
             for e in self.procs.sim_holders():
                 decl = e.sim_gpu_mem
-                if decl is None:
+                if decl is None or (e.sim_scope is not None and e.sim_scope != self.scope):
                     continue
                 key = (e.pid, e.create_time)
                 if decl.error is not None or any(g >= self.spec.count for g, _ in decl.held):

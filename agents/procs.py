@@ -21,6 +21,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import psutil
@@ -122,6 +123,7 @@ class ProcEntry:
     rank: int | None = None
     local_rank: int | None = None
     sim_gpu_mem: SimGpuMem | None = None  # only processes that declare GPUDECK_SIM_GPU_MEM (tests, benchmarks)
+    sim_scope: str | None = None  # the simulated machine a holder belongs to (see sim_scope())
     _static: dict = field(default_factory=dict)
 
 
@@ -168,7 +170,17 @@ def read_entry(pid: int, runs_dir: str | None = None) -> ProcEntry | None:
         rank=_int_or_none(env.get("RANK")) if run_id else None,
         local_rank=_int_or_none(env.get("LOCAL_RANK")) if run_id else None,
         sim_gpu_mem=parse_sim_gpu_mem(sim) if sim is not None else None,
+        sim_scope=sim_scope(env) if sim is not None else None,
     )
+
+
+def sim_scope(env: Mapping[str, str]) -> str | None:
+    """Which simulated machine a process belongs to: ``GPUDECK_SIM_SCOPE``, else its ``GPUDECK_HOME``.
+
+    Several agents with SIMULATED GPUs on one real machine (parallel tests, the fleet benchmark) each see
+    the holders of their own scope and the unscoped ones, never another scope's.
+    """
+    return env.get("GPUDECK_SIM_SCOPE") or env.get("GPUDECK_HOME") or None
 
 
 def _list_pids() -> set[int]:

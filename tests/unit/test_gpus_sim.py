@@ -298,3 +298,15 @@ def test_sample_cost_with_8_gpus_and_a_few_holders(holders: Holders, procs: Proc
         f"p99 {xs[int(n * 0.99)]:.1f} us (no process was created meanwhile, so no table refresh; one refresh alone: "
         f"mean {statistics.fmean(ys):.1f} us over {len(procs)} pids)"
     )
+
+
+def test_a_holder_of_another_simulated_machine_is_not_counted(holders: Holders, procs: ProcTable, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("GPUDECK_SIM_SCOPE", "machine-a")
+    s = SimulatedGpuSampler("2", procs)
+    monkeypatch.setenv("GPUDECK_SIM_SCOPE", "machine-b")  # the holders inherit the test's environment
+    holders.start("0:5")
+    monkeypatch.setenv("GPUDECK_SIM_SCOPE", "machine-a")
+    holders.start("1:7")
+    procs.refresh()
+    g = by_index(s.sample())
+    assert g[0].memory_used == 0 and g[1].memory_used == 7 * GIB
