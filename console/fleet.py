@@ -156,7 +156,8 @@ class HostLink:
             self.status.since = time.time()
         self.status.state = state
         self.status.error = error
-        if state in REFUSED_STATES:
+        if state in REFUSED_STATES or (state == "unreachable" and not self.watch):
+            # a request-only link (the CLI) says at once what the first attempt met, rather than retry for 15 s
             self._refused.set()
         elif state == "up":
             self._refused.clear()
