@@ -94,7 +94,12 @@ def by_index(gpus: list[Gpu]) -> dict[int, Gpu]:
 
 
 def settled(s: SimulatedGpuSampler) -> dict[int, Gpu]:
-    """A sample taken a full utilisation window after the previous one."""
+    """A sample whose utilisation window lies wholly after this call began.
+
+    A sample less than a window after the last mark keeps the old window open (one that may reach back
+    to before, say, a SIGSTOP); waiting a window first makes the next sample close it and open a new one.
+    """
+    time.sleep(UTIL_WINDOW_S + 0.1)
     s.sample()
     time.sleep(UTIL_WINDOW_S + 0.2)
     return by_index(s.sample())
