@@ -49,9 +49,14 @@ def app(tmp_path: Path) -> GpudeckApp:
 
 
 async def settle(pilot) -> None:  # type: ignore[no-untyped-def]
-    """Let workers answer and animations (tab underlines) end."""
+    """Let workers answer and animations (tab underlines) end; stop cursors blinking (a focused Input's cursor
+    is then always drawn: a slow machine otherwise catches it in either phase)."""
+    from textual.widgets import Input
+
     await pilot.pause(0.3)
     await pilot.wait_for_scheduled_animations()
+    for field in pilot.app.screen.query(Input):
+        field.cursor_blink = False
     await pilot.pause()
 
 
