@@ -127,8 +127,8 @@ class AgentProc:
         return await AgentClient.connect_unix(state_dir=self.state_dir, autostart=False)
 
 
-def teardown_agent(a: AgentProc) -> None:
-    """Stop every run a test left (through the agent, then by tag), then the agent itself."""
+def stop_runs(a: AgentProc) -> None:
+    """Stop every run a test left on this agent (through the agent, then by tag); never raises."""
     try:
         for r in a.cli_json("runs"):
             if r["state"] in ("starting", "running", "stopping"):
@@ -136,6 +136,11 @@ def teardown_agent(a: AgentProc) -> None:
             kill_tagged(r["id"])
     except Exception:
         pass
+
+
+def teardown_agent(a: AgentProc) -> None:
+    """Stop every run a test left, then the agent itself."""
+    stop_runs(a)
     a.stop()
     a.stop_autostarted()
 

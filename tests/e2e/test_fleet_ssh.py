@@ -17,7 +17,7 @@ from console import config as cfg
 from console.fleet import Fleet
 from console.history import History
 from console.transport import HostKeyError, connect_ssh
-from tests.agent_harness import kill_tagged, wait_for
+from tests.agent_harness import stop_runs, wait_for
 from tests.sshd_harness import ConsoleSide, SshHost, keygen
 
 pytestmark = pytest.mark.slow
@@ -29,13 +29,7 @@ def console_side():
     c = ConsoleSide()
     yield c
     for h in c.hosts:
-        try:
-            for r in h.agent.cli_json("runs"):
-                if r["state"] in ("starting", "running", "stopping"):
-                    h.agent.cli("stop", r["id"], "--grace", "1", check=False)
-                kill_tagged(r["id"])
-        except Exception:
-            pass
+        stop_runs(h.agent)
     c.cleanup()
 
 

@@ -26,7 +26,7 @@ from agents.protocol import LaunchSpec
 from console import config as cfg
 from console.fleet import Fleet
 from console.history import History
-from tests.agent_harness import kill_tagged
+from tests.agent_harness import stop_runs
 from tests.netns_harness import NetnsUnavailable, NsSshHost, netns_pool, require_netns, tcp_sockets
 from tests.sshd_harness import ConsoleSide
 
@@ -70,13 +70,7 @@ def fleet_hosts() -> Iterator[tuple[ConsoleSide, list[NsSshHost]]]:
             yield c, hosts
         finally:
             for h in hosts:
-                try:
-                    for r in h.agent.cli_json("runs"):
-                        if r["state"] in ("starting", "running", "stopping"):
-                            h.agent.cli("stop", r["id"], "--grace", "1", check=False)
-                        kill_tagged(r["id"])
-                except Exception:
-                    pass
+                stop_runs(h.agent)
             c.cleanup()
 
 

@@ -30,7 +30,7 @@ import psutil
 import pytest
 
 from console.transport import connect_ssh
-from tests.agent_harness import AgentProc, kill_tagged, wait_for
+from tests.agent_harness import AgentProc, stop_runs, wait_for
 from tests.netns_harness import tcp_sockets
 from tests.sshd_harness import GPUDECK, ConsoleSide, SshHost, short_tmp
 
@@ -148,13 +148,7 @@ def fleet() -> Iterator[tuple[ConsoleSide, SshHost, Path]]:
         c.cli("hosts", "add", "sec")
         yield c, h, sandbox
     finally:
-        try:
-            for r in h.agent.cli_json("runs"):
-                if r["state"] in ("starting", "running", "stopping"):
-                    h.agent.cli("stop", r["id"], "--grace", "1", check=False)
-                kill_tagged(r["id"])
-        except Exception:
-            pass
+        stop_runs(h.agent)
         c.cleanup()
         shutil.rmtree(sandbox, ignore_errors=True)
 
