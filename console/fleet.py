@@ -131,7 +131,7 @@ class HostLink:
         self._client: AgentClient | None = None
         self._ssh_link: SshLink | None = None
         self._ready = asyncio.Event()
-        self._refused = asyncio.Event()  # set while the host refuses us in a way retrying will not fix (host key, version)
+        self._refused = asyncio.Event()  # client() stops waiting: a refusal retrying will not fix (host key, version), or, for a request-only link, a failed attempt
         self._task: asyncio.Task | None = None
         self._sync_task: asyncio.Task | None = None
         self._pending_task: asyncio.Task | None = None
