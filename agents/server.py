@@ -331,8 +331,6 @@ class _Conn:
             await self.send(snap)
         elif isinstance(req, WatchSnapshots):
             interval = max(0.05, min(req.interval_s, 3600.0))
-            loop = asyncio.get_running_loop()
-            next_t = loop.time()
             first = True
             while True:
                 snap = a.snapshots.build()
@@ -343,13 +341,11 @@ class _Conn:
                         g.uuid, g.name, g.memory_total, g.power_limit_w = "", "", 0, None
                 first = False
                 await self.send(snap, droppable=True)
-                # a fixed rate, not interval + work: the console expects one a second
-                next_t += interval
-                delay = next_t - loop.time()
-                if delay < -interval:
-                    next_t = loop.time()
-                    delay = 0.0
-                await asyncio.sleep(max(0.0, delay))
+                # a fixed rate on the wall clock's grid (every whole interval), not interval + work: every agent
+                # of a fleet samples at the same instant (one coherent picture of the fleet), and the console
+                # takes the fleet's snapshots in one burst rather than one wake-up per host
+                delay = interval - time.time() % interval
+                await asyncio.sleep(delay if delay > interval / 10 else delay + interval)  # just sent for the coming point
         elif isinstance(req, Launch):
             run, dup = await a.supervisor.launch(req.spec, rid, host_name=self.alias or None)
             await self.send(LaunchReply(request_id=rid, run=run, duplicate=dup))

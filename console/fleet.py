@@ -278,15 +278,23 @@ class HostLink:
         ssh_conn = self._ssh_link.conn if self._ssh_link is not None else None
         if ssh_conn is not None:
             ssh_conn.set_keepalive(0)
+        period = min(stall / 2, 5.0)
+        timer: asyncio.TimerHandle | None = None
+
+        def check() -> None:  # a timer, not a task waking up: hundreds of hosts make it add up
+            nonlocal timer
+            quiet = time.time() - (self.status.last_seen or 0)
+            if quiet > stall:
+                if not ended.done():
+                    ended.set_exception(AgentUnavailable(f"no snapshot for {quiet:.0f} s: the link is stalled or the host is down"))
+            else:
+                timer = loop.call_later(period, check)
+
+        timer = loop.call_later(period, check)
         try:
-            while True:
-                await asyncio.wait([ended], timeout=min(stall / 2, 5.0))
-                if ended.done():
-                    ended.result()  # raises why
-                quiet = time.time() - (self.status.last_seen or 0)
-                if quiet > stall:
-                    raise AgentUnavailable(f"no snapshot for {quiet:.0f} s: the link is stalled or the host is down")
+            await ended  # raises why the stream ended
         finally:
+            timer.cancel()
             if not ended.done():
                 ended.cancel()
             if ssh_conn is not None:

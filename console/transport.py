@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import asyncssh
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from agents.client import AgentClient
 from agents.errors import AgentError, AgentUnavailable
@@ -222,6 +224,57 @@ def encryption_preference(config_paths: Sequence[str]) -> list[str] | None:
     return first + [a for a in default if a not in first]
 
 
+class _KeyedGCMCipher(asyncssh.crypto.GCMCipher):
+    """asyncssh's AES-GCM shim, keeping one AESGCM per key: asyncssh builds a new one (a cipher context and a key
+    schedule) for every packet. Same bytes on the wire; a unit test checks them against asyncssh's own class."""
+
+    def __init__(self, cipher_name: str, key: bytes, iv: bytes) -> None:
+        super().__init__(cipher_name, key, iv)
+        self._aead = AESGCM(key)
+
+    def encrypt_and_sign(self, header: bytes, data: bytes) -> tuple[bytes, bytes]:
+        data = self._aead.encrypt(self._iv, data, header)
+        self._update_iv()
+        return header + data[:-_GCM_TAG], data[-_GCM_TAG:]
+
+    def verify_and_decrypt(self, header: bytes, data: bytes, mac: bytes) -> bytes | None:
+        try:
+            plain: bytes | None = self._aead.decrypt(self._iv, data + mac, header)
+        except InvalidTag:
+            plain = None
+        self._update_iv()
+        return plain
+
+
+_GCM_TAG = 16
+
+
+def _install_keyed_gcm() -> bool:
+    """Use :class:`_KeyedGCMCipher` for new connections, if this asyncssh has the shim it replaces (else leave it)."""
+    orig = getattr(asyncssh.encryption, "GCMCipher", None)
+    if orig is not asyncssh.crypto.GCMCipher or not all(hasattr(orig, a) for a in ("_update_iv", "encrypt_and_sign", "verify_and_decrypt")):
+        return False
+    asyncssh.encryption.GCMCipher = _KeyedGCMCipher  # type: ignore[misc]
+    return True
+
+
+_install_keyed_gcm()
+
+
+def _skip_idle_packet_log(chan: asyncssh.SSHClientChannel) -> None:
+    """asyncssh formats a log line for every packet a channel receives before its logger checks whether packet
+    logging is on (debug level 3); with a snapshot a second from hundreds of hosts that is a noticeable share of
+    the console's CPU. The channel's hook only calls through when that level is set (or cannot be read)."""
+    real = chan.log_received_packet
+    logger_cls = type(asyncssh.logging.logger)
+
+    def log_received_packet(pkttype: int, pktid: int | None, packet: object, note: str = "") -> None:
+        if getattr(logger_cls, "_debug_level", 3) >= 3:
+            real(pkttype, pktid, packet, note)  # type: ignore[arg-type]
+
+    chan.log_received_packet = log_received_packet  # type: ignore[method-assign]
+
+
 async def connect_ssh(name: str, command: str, options: SshOptions) -> SshLink:
     """Connect to ``name`` as ``~/.ssh/config`` describes it and start ``command`` (the agent bridge)."""
     kh = _KnownHosts(options.known_hosts_paths())
@@ -259,6 +312,7 @@ async def connect_ssh(name: str, command: str, options: SshOptions) -> SshLink:
     except (asyncssh.ChannelOpenError, asyncssh.Error, OSError) as exc:
         conn.close()
         raise SshError(f"{name}: connected, but cannot run `{command}` there: {exc}") from None
+    _skip_idle_packet_log(_chan)
     client = AgentClient(None, _ChannelWriter(session))
     session.client = client
     try:

@@ -1,4 +1,4 @@
-"""The console's SSH cipher preference: AES-GCM first unless the user's ssh config says otherwise."""
+"""The console's SSH tuning: AES-GCM first unless the user's ssh config says otherwise; no per-packet log work unless packet logging is on."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from pathlib import Path
 
 import asyncssh
 
-from console.transport import PREFERRED_CIPHERS, encryption_preference
+from console.transport import PREFERRED_CIPHERS, _KeyedGCMCipher, _skip_idle_packet_log, encryption_preference
 
 
 def test_aes_gcm_first_and_every_default_still_allowed(tmp_path: Path) -> None:
@@ -23,3 +23,43 @@ def test_a_ciphers_line_or_an_include_leaves_the_choice_to_the_config(tmp_path: 
         cfg.write_text(text)
         assert encryption_preference([str(cfg)]) is None
     assert encryption_preference([str(tmp_path / "missing")]) is not None
+
+
+class _Chan:
+    def __init__(self) -> None:
+        self.logged: list[tuple] = []
+
+    def log_received_packet(self, pkttype, pktid, packet, note=""):  # type: ignore[no-untyped-def]
+        self.logged.append((pkttype, pktid, packet, note))
+
+
+def test_received_packets_are_logged_only_at_asyncssh_debug_level_3() -> None:
+    chan = _Chan()
+    _skip_idle_packet_log(chan)  # type: ignore[arg-type]
+    level = type(asyncssh.logging.logger)._debug_level
+    try:
+        asyncssh.set_debug_level(1)
+        chan.log_received_packet(94, 7, b"data")
+        assert chan.logged == []
+        asyncssh.set_debug_level(3)
+        chan.log_received_packet(94, 8, b"data", "note")
+        assert chan.logged == [(94, 8, b"data", "note")]
+    finally:
+        asyncssh.set_debug_level(level)
+
+
+def test_the_keyed_aes_gcm_shim_is_installed_and_matches_asyncssh_byte_for_byte() -> None:
+    assert asyncssh.encryption.GCMCipher is _KeyedGCMCipher
+    key, iv = bytes(range(16)), bytes(range(100, 112))
+    ours, theirs = _KeyedGCMCipher("aes128-gcm", key, iv), asyncssh.crypto.GCMCipher("aes128-gcm", key, iv)
+    for n in (0, 15, 16, 600, 4096):  # several packets: the invocation counter moves on in step
+        header, data = n.to_bytes(4, "big"), bytes(i % 251 for i in range(n))
+        sealed = ours.encrypt_and_sign(header, data)
+        assert sealed == theirs.encrypt_and_sign(header, data)
+    rx = _KeyedGCMCipher("aes128-gcm", key, iv)
+    tx = asyncssh.crypto.GCMCipher("aes128-gcm", key, iv)
+    for n in (32, 600):
+        body, mac = tx.encrypt_and_sign(b"hdr4", b"x" * n)
+        assert rx.verify_and_decrypt(b"hdr4", body[4:], mac) == b"x" * n
+    body, mac = tx.encrypt_and_sign(b"hdr4", b"y" * 32)
+    assert rx.verify_and_decrypt(b"hdr4", body[4:], bytes(16)) is None  # a bad tag is refused, as asyncssh does
