@@ -33,6 +33,10 @@ from console.screens.runs import RunsScreen
 # (KeyedTable), so frequent small refreshes keep a key press from waiting behind a big one.
 FLUSH_S = 0.25
 GC_FREEZE_AFTER_S = 60.0  # freeze the start-up heap once every host has answered, or after this long
+# Young collections this far apart: what a frame or a snapshot builds dies by reference counting before one
+# runs, instead of being promoted to the old generation, whose churn then sets off full collections (one every
+# couple of seconds while a run's output streams, 50-90 ms each, measured by bench/tui.py).
+GC_THRESHOLDS = (50_000, 20, 100)
 THEMES = ("textual-dark", "textual-light")
 
 
@@ -107,6 +111,7 @@ class GpudeckApp(App):
         The widgets, the links, hundreds of SSH connections live as long as the console; a full
         collection walks all of them (170 ms with 256 hosts, measured by bench/tui.py) and a key
         press waits behind it. Frozen objects are still freed by reference counting when they go.
+        Then the collector runs less often (GC_THRESHOLDS): cycles are still found, a little later.
         """
         links = self.fleet.links.values()
         settled = all(link.status.state != "connecting" for link in links)
@@ -114,6 +119,7 @@ class GpudeckApp(App):
             self._gc_frozen = True
             gc.collect()
             gc.freeze()
+            gc.set_threshold(*GC_THRESHOLDS)
 
     def visible_screens(self) -> list[Screen]:
         """The top screen, and under a modal dialog the screens it lets show through."""
