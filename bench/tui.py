@@ -110,8 +110,10 @@ def env_for(home: Path) -> dict[str, str]:
     return {**os.environ, "GPUDECK_HOME": str(home), "PYTHONPATH": pythonpath, "TERM": "xterm-256color"}
 
 
-def start_agent(home: Path) -> subprocess.Popen:
-    proc = subprocess.Popen([sys.executable, "-m", "agents", "serve", "--state-dir", str(home / "agent")], env=env_for(home), start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+def start_agent(home: Path, nice: bool = False) -> subprocess.Popen:
+    """The local agent of parts 1 and 2; ``nice``: at nice 19, with the runs it starts (as part 3 runs its hosts)."""
+    proc = subprocess.Popen([sys.executable, "-m", "agents", "serve", "--state-dir", str(home / "agent")], env=env_for(home), start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            preexec_fn=(lambda: os.nice(19)) if nice else None)
     sock = home / "agent" / "sock" / "agent.sock"
     for _ in range(400):
         if sock.exists():
@@ -278,7 +280,7 @@ async def part1(home: Path, rate: int, total: int) -> None:
 # ---------------------------------------------------------------------------- part 2: a real terminal, one host
 
 
-def part2(home: Path, rate: int, seconds: float, presses: int) -> None:
+def part2(home: Path, rate: int, seconds: float, presses: int, label: str = "") -> None:
     env = env_for(home)
     term = Term([sys.executable, "-m", "console.cli", "console"], env)
     rid = ""
@@ -290,10 +292,16 @@ def part2(home: Path, rate: int, seconds: float, presses: int) -> None:
         term.pump(5.0, rid.encode())
         term.press(b"\r")
         term.pump(5.0, b"line 0")
+        spy = None
+        if os.environ.get("TUI_BENCH_PYSPY"):  # where a slow key press waited, for whoever tunes it
+            spy = subprocess.Popen([os.environ["TUI_BENCH_PYSPY"], "record", "--pid", str(term.pid), "--rate", "500", "--format", "speedscope", "-o", os.environ["TUI_BENCH_PYSPY_OUT"], "--duration", "30", "--nonblocking", "--idle"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         lat = term.follow_latencies(presses)
+        if spy is not None:
+            spy.send_signal(signal.SIGINT)  # py-spy writes its file on ^C
+            spy.wait(20)
         if lat:
             p50, p99, mx = quantiles(lat)
-            print(f"tui_bench part2 key-to-screen latency while following {rate:,} lines/s: p50 {p50:.1f} ms, p99 {p99:.1f} ms, max {mx:.1f} ms ({len(lat)}/{presses} presses seen)", flush=True)
+            print(f"tui_bench part2 key-to-screen latency while following {rate:,} lines/s{label}: p50 {p50:.1f} ms, p99 {p99:.1f} ms, max {mx:.1f} ms ({len(lat)}/{presses} presses seen)", flush=True)
         else:
             print("tui_bench part2: no key press was seen on screen", flush=True)
     finally:
@@ -425,6 +433,17 @@ def console_child(spec_path: Path, stats_path: Path, total: int) -> None:
                 sample_ok = all(view.line(i).startswith(f"line {i:09d}") for i in range(0, total, step))
                 self.checked = {"ok": sample_ok and view.line(total - 1).startswith(f"line {total - 1:09d}"), "lines_at_check": lines}
             up = sum(1 for link in self.fleet.links.values() if link.status.state == "up")
+            census = os.environ.get("TUI_BENCH_GC_CENSUS")  # what the cyclic collector walks, for whoever tunes it
+            if census and time.monotonic() - getattr(self, "_census_at", 0.0) > 10:
+                import collections
+                import gc
+
+                self._census_at = time.monotonic()
+                objs = gc.get_objects(2)
+                top = collections.Counter(type(o).__qualname__ for o in objs).most_common(15)
+                with open(census, "a") as fh:
+                    fh.write(json.dumps({"t": time.time(), "screen": type(self.screen).__name__, "gen2": len(objs), "frozen": gc.get_freeze_count(), "top": top, "stats": gc.get_stats()}) + "\n")
+                del objs
             data = {"t": time.time(), "lines": lines, "up": up, "flushes": self.flushes, "stalls": self.stalls[-400:], "gc": self.gc_ms[-400:], **self.checked}
             tmp = stats_path.with_suffix(".tmp")
             tmp.write_text(json.dumps(data))
@@ -796,7 +815,16 @@ def main() -> None:
             if 1 in parts:
                 asyncio.run(part1(home, args.rate, int(args.rate * args.seconds)))
             if 2 in parts:
-                part2(home, args.rate, args.seconds, args.presses)
+                part2(home, args.rate, args.seconds, args.presses, " (agent and run at normal priority, sharing the console's 2 cores)")
+        finally:
+            agent.terminate()
+            agent.wait(10)
+            shutil.rmtree(home, ignore_errors=True)
+    if 2 in parts:  # again with the agent and the run at nice 19: the console's own latency, as part 3 measures it
+        home = Path(tempfile.mkdtemp(prefix="gd-tui-", dir="/tmp"))
+        agent = start_agent(home, nice=True)
+        try:
+            part2(home, args.rate, args.seconds, args.presses, " (agent and run at nice 19)")
         finally:
             agent.terminate()
             agent.wait(10)
