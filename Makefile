@@ -32,8 +32,12 @@ test-deps:
 	  $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -q openssh-server iptables >/dev/null 2>&1 || \
 	  { $$SUDO apt-get update -q >/dev/null && $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -q openssh-server iptables >/dev/null; }; }
 
+# two workers, each file's tests on one of them in order (a file's fixtures and its order stay as written);
+# most e2e tests wait on real processes and timeouts, so two workers halve the wall time on two cores
+TEST_WORKERS ?= 2
+
 test: $(VENV)/.test-installed test-deps
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 bench: $(VENV)/.test-installed
 	$(PY) bench/agent_sample.py
