@@ -71,7 +71,10 @@ REQUEST_TIMEOUT_S = 60.0  # a request with no answer by then fails (a stop waits
 STALL_FACTOR = 5.0  # no snapshot for this many intervals (at least STALL_MIN_S): the link is dead
 STALL_MIN_S = 10.0
 EVENT_BATCH = 5000
-EVENT_POLL_S = 30.0  # a caught-up event pull waits this long for the next event (it answers at once when one comes)
+# A caught-up event pull waits this long for the next event (it answers at once when one comes). Long, because
+# liveness is the snapshot stream's job (a stall drops the link, which ends the pull): an idle host's pull
+# coming back empty is pure cost, a request and a reply per host every EVENT_POLL_S (the agent caps it at 300 s).
+EVENT_POLL_S = 300.0
 REFUSED_STATES = ("host_key", "version_mismatch")
 NODE_LOST_S = 30.0  # a multi-node run's host unreachable this long counts as a lost node
 
