@@ -568,28 +568,30 @@ class Supervisor:
 
     def _discover_members(self, run: RunInfo) -> bool:
         new: list[Member] = []
+        updated: list[Member] = []
         for e in self.procs.tagged(run.id):
             known = next((m for m in run.members if m.pid == e.pid and abs(m.create_time - e.create_time) <= CT_TOLERANCE), None)
             if known is not None:
                 if known.rank is None and e.rank is not None and known.role == "worker":
                     # first seen between fork and exec, with its parent's environment: now it has exec'd
                     known.rank, known.local_rank, known.cmdline = e.rank, e.local_rank, _cmdline(e.pid)
-                    new.append(known)
+                    updated.append(known)
                 continue
             info_cmd = _cmdline(e.pid)
             new.append(Member(pid=e.pid, create_time=e.create_time, role="worker", rank=e.rank, local_rank=e.local_rank, first_seen=time.time(), cmdline=info_cmd))
-        if not new:
+        if not new and not updated:
             return False
         # workers that came and went (shell helpers, finished DataLoader workers) leave the list;
         # the journal's "members" events keep their history
-        members = [m for m in run.members if m.role in ("shim", "leader") or alive(m.pid, m.create_time)]
-        members += [m for m in new if not any(m is x for x in members)]
-        self._set(
-            run,
-            "members",
-            {"added": [{"pid": m.pid, "rank": m.rank, "local_rank": m.local_rank, "cmdline": m.cmdline[:8]} for m in new]},
-            members=members,
-        )
+        members = [m for m in run.members if m.role in ("shim", "leader") or alive(m.pid, m.create_time)] + new
+
+        def brief(ms: list[Member]) -> list[dict]:
+            return [{"pid": m.pid, "rank": m.rank, "local_rank": m.local_rank, "cmdline": m.cmdline[:8]} for m in ms]
+
+        data = {"added": brief(new)}
+        if updated:
+            data["updated"] = brief(updated)  # members already journaled, now with their rank: replaced, not added
+        self._set(run, "members", data, members=members)
         return True
 
     def _shim_member(self, run: RunInfo) -> Member | None:

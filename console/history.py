@@ -228,6 +228,10 @@ class _Apply:
         if row is None:
             return
         members = _loads(row[0], [])
+        updated = {m.get("pid"): m for m in ev.data.get("updated", [])}  # a member first read before its exec
+        if updated:
+            members = [updated.pop(m.get("pid"), m) for m in members]
+            members.extend(updated.values())  # not held here (past MAX_MEMBERS): kept as news
         members.extend(ev.data.get("added", []))
         members = members[-MAX_MEMBERS:]
         ranks = {m.get("rank") for m in members if m.get("rank") is not None}

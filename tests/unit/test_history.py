@@ -136,3 +136,17 @@ def test_find_names_ambiguity(hist: History) -> None:
     assert hist.find("same")["id"] in ("r-dddd0001", "r-dddd0002")  # a name: the newest of that name
     with pytest.raises(HistoryError, match="no run 'r-zzzz'"):
         hist.find("r-zzzz")
+
+
+def test_a_member_first_read_before_its_exec_is_replaced_when_its_rank_is_known(hist: History) -> None:
+    evs = _events()[:2] + [
+        Event(seq=0, ts=T0 + 2, kind="members", run_id="r-aaaa1111", data={"added": [{"pid": 43, "rank": None}]}),
+        Event(seq=0, ts=T0 + 3, kind="members", run_id="r-aaaa1111", data={"added": [{"pid": 44, "rank": 1}], "updated": [{"pid": 43, "rank": 0}]}),
+    ]
+    for i, e in enumerate(evs):
+        e.seq = 1 + i
+    hist.cursor("gpu1", "epoch-1")
+    assert hist.submit("gpu1", "epoch-1", evs).result(10) == len(evs)
+    run = hist.find("r-aaaa1111")
+    assert [(m["pid"], m["rank"]) for m in run["members"]] == [(43, 0), (44, 1)]
+    assert run["ranks_seen"] == 2
