@@ -574,7 +574,7 @@ def main() -> None:
     ap.add_argument("--gpus", default="8:H200", help="GPUDECK_SIMULATE_GPUS of every agent")
     ap.add_argument("--execs", type=int, default=10, help="execs of the status CLI for the host-side cost (0: skip)")
     ap.add_argument("--designs", default="gpudeck,exec-per-tick,exec-aligned")
-    ap.add_argument("--ciphers", default=None, help="a `Ciphers` line for every host in the generated ssh config (default: asyncssh's preference, chacha20-poly1305 first)")
+    ap.add_argument("--ciphers", default=None, help="a `Ciphers` line for every host in the generated ssh config, which both designs then follow (default: none, so gpudeck's order, AES-GCM first, for both)")
     ap.add_argument("--batch", type=int, default=16, help="agents started at a time")
     ap.add_argument("--profile", action="store_true", help="cProfile each console worker over its window and print the top functions")
     ap.add_argument("--py-spy", default=None, metavar="PATH", help="sample each console worker with this py-spy binary over its window and print where its CPU goes")
