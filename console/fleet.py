@@ -284,6 +284,11 @@ class HostLink:
         period = min(stall / 2, 5.0)
         timer: asyncio.TimerHandle | None = None
 
+        def on_grid() -> float:
+            # every link's check falls on the same instants of the loop's clock, so a fleet's checks run in one
+            # wake-up of the event loop each period instead of one each, spread across it
+            return (loop.time() // period + 1) * period
+
         def check() -> None:  # a timer, not a task waking up: hundreds of hosts make it add up
             nonlocal timer
             quiet = time.time() - (self.status.last_seen or 0)
@@ -291,9 +296,9 @@ class HostLink:
                 if not ended.done():
                     ended.set_exception(AgentUnavailable(f"no snapshot for {quiet:.0f} s: the link is stalled or the host is down"))
             else:
-                timer = loop.call_later(period, check)
+                timer = loop.call_at(on_grid(), check)
 
-        timer = loop.call_later(period, check)
+        timer = loop.call_at(on_grid(), check)
         try:
             await ended  # raises why the stream ended
         finally:
