@@ -18,7 +18,12 @@ so that process's CPU is measured alone:
   of each tick (gpustat-web's per-host loops all start together; staggered is
   where they drift to). gpudeck's agents send on the wall clock's whole
   seconds, so its snapshots arrive in one burst a second too; the peer is
-  measured both ways and the goal's ratio is against the cheaper of the two.
+  measured both ways.
+- **ssh-floor**: not a design but a yardstick: the stream gpudeck's console
+  gets (the same connections, the agent bridge, the agent's compact snapshot
+  stream) with a session that only counts the lines. What gpudeck costs over
+  it is its own code; what a peer costs over it is the most any design that
+  sends one SSH message per host per tick through asyncssh could beat it by.
 
 Over a window of ``--seconds`` after every host is up, each prints: console
 CPU per host-second (CPU seconds / (N x window)), the console's share of one
@@ -68,7 +73,7 @@ if str(ROOT) not in sys.path:
 
 import psutil  # noqa: E402
 
-from bench.fleet_hosts import FleetHosts, FleetSpec, FleetStartError, cpu_seconds, rss_bytes, runqueue_wait_s, start_worker, stop_on_signals, worker_messages  # noqa: E402
+from bench.fleet_hosts import DIAL_COMMAND, FleetHosts, FleetSpec, FleetStartError, cpu_seconds, rss_bytes, runqueue_wait_s, start_worker, stop_on_signals, worker_messages  # noqa: E402
 
 STATUS_COMMAND = "gpudeck status --json"
 UP_TIMEOUT_S = 300.0
@@ -230,16 +235,16 @@ async def worker_gpudeck(spec: FleetSpec, seconds: float, interval: float, profi
     hist.close()
 
 
-async def worker_exec(spec: FleetSpec, seconds: float, interval: float, profile: Path | None, aligned: bool = False) -> None:
-    """The exec-per-tick peer: one asyncssh connection per host, one `gpudeck status --json` exec per host per tick;
-    the hosts staggered evenly across the tick, or (``aligned``) all polled at the same instant."""
+async def plain_connections(spec: FleetSpec) -> list:
+    """One plain asyncssh connection per host (as gpustat-web makes them), in the cipher order gpudeck asks for:
+    the designs differ, not the cipher. Importing console.transport also gives them gpudeck's AES-GCM shim (one
+    AESGCM per key), so the peers pay no more per packet for the cipher than gpudeck does. Emits ``up``."""
     import asyncssh
 
     from console.transport import encryption_preference
 
     opts = spec.ssh_options()
-    algs = encryption_preference(opts.config_paths())  # the cipher order gpudeck asks for: the designs differ, not the cipher
-    n = len(spec.names)
+    algs = encryption_preference(opts.config_paths())
     sem = asyncio.Semaphore(32)  # gpustat-web connects to its hosts at start; a bound keeps the handshakes from timing out
 
     async def connect(name: str) -> asyncssh.SSHClientConnection | BaseException:
@@ -258,7 +263,61 @@ async def worker_exec(spec: FleetSpec, seconds: float, interval: float, profile:
     ok = [c for c in conns if not isinstance(c, BaseException)]
     errors = sorted({str(c) for c in conns if isinstance(c, BaseException)})[:3]
     cipher = ok[0].get_extra_info("recv_cipher") if ok else None
-    emit("up", up=len(ok), n=n, seconds=time.monotonic() - t0, states={"up": len(ok)}, errors=errors, cipher=cipher)
+    emit("up", up=len(ok), n=len(spec.names), seconds=time.monotonic() - t0, states={"up": len(ok)}, errors=errors, cipher=cipher)
+    return ok
+
+
+async def worker_floor(spec: FleetSpec, seconds: float, interval: float, profile: Path | None) -> None:
+    """The transport's floor under gpudeck: the same stream as gpudeck's console gets (one connection per host
+    running the agent bridge, the agent's compact snapshot stream on it, the channel's idle packet log skipped as
+    gpudeck skips it), but the session only counts the lines that arrive: no decode, no host state, no listeners,
+    no history. gpudeck's console CPU above this line is gpudeck's own code."""
+    import asyncssh
+
+    from agents.protocol import Hello, WatchSnapshots, encode
+    from console.transport import _skip_idle_packet_log
+
+    ok = await plain_connections(spec)
+    n = len(spec.names)
+    lines = [0]
+
+    class Count(asyncssh.SSHClientSession):
+        def data_received(self, data: bytes, datatype: asyncssh.DataType) -> None:  # type: ignore[override]
+            lines[0] += data.count(b"\n")
+
+    for conn in ok:
+        chan, _ = await conn.create_session(Count, DIAL_COMMAND, encoding=None)
+        _skip_idle_packet_log(chan)
+        conn.set_keepalive(0)  # gpudeck's stream is its own keepalive
+        chan.write(encode(Hello(request_id="h", client="floor")) + encode(WatchSnapshots(request_id="w", interval_s=interval, compact=True)))
+    await asyncio.sleep(WARM_S)
+    prof = cProfile.Profile() if profile else None
+    win = Window()
+    emit("window_start")
+    l0 = lines[0]
+    win.start()
+    if prof:
+        prof.enable()
+    await asyncio.sleep(seconds)
+    if prof:
+        prof.disable()
+    w = win.stop()
+    got = lines[0] - l0
+    nan = float("nan")
+    emit("window_end", **w, n=n, up=len(ok), received=got, expected=n * w["wall_s"] / interval, age_p50=nan, age_p99=nan, age_max=nan, reconnects=0)
+    if prof and profile:
+        profile.write_text(_profile_text(prof))
+    for c in ok:
+        c.close()
+
+
+async def worker_exec(spec: FleetSpec, seconds: float, interval: float, profile: Path | None, aligned: bool = False) -> None:
+    """The exec-per-tick peer: one asyncssh connection per host, one `gpudeck status --json` exec per host per tick;
+    the hosts staggered evenly across the tick, or (``aligned``) all polled at the same instant."""
+    import asyncssh
+
+    ok = await plain_connections(spec)
+    n = len(spec.names)
 
     state = {"on": False, "stop": False}
     ages: list[float] = []
@@ -514,7 +573,10 @@ def report(design: str, n: int, r: dict[str, Any], side: Side) -> tuple[float, f
     out(f"{tag} console CPU: {core:.1f}% of one core ({r['cpu_s']:.2f} s CPU in {r['wall_s']:.1f} s, {100 * r['sys_s'] / max(r['cpu_s'], 1e-9):.0f}% of it in the kernel); its event-loop thread waited for a CPU {1000 * r['rq_wait_s'] / r['wall_s']:.0f} ms per second (runnable, not running)")
     out(f"{tag} console time in Python's cyclic GC: " + ", ".join(f"gen{g} {1000 * t:.1f} ms" for g, t in enumerate(r["gc_s"])) + f" over {r['wall_s']:.0f} s")
     out(f"{tag} console RSS: {r['rss'] / MIB:.1f} MiB at the end, {r['rss_max'] / MIB:.1f} MiB at its peak (getrusage)")
-    out(f"{tag} snapshot age at arrival: p50 {1000 * r['age_p50']:.1f} ms, p99 {1000 * r['age_p99']:.1f} ms, max {1000 * r['age_max']:.1f} ms")
+    if design == "ssh-floor":
+        out(f"{tag} snapshot age at arrival: not read (the floor decodes nothing)")
+    else:
+        out(f"{tag} snapshot age at arrival: p50 {1000 * r['age_p50']:.1f} ms, p99 {1000 * r['age_p99']:.1f} ms, max {1000 * r['age_max']:.1f} ms")
     extra = ""
     if design.startswith("exec"):
         extra = f"; exec round trip p50 {1000 * r['rtt_p50']:.1f} ms p99 {1000 * r['rtt_p99']:.1f} ms; {r['failures']} failed, {r['skipped']} ticks skipped (behind)"
@@ -565,12 +627,12 @@ def main() -> None:
     ap.add_argument("--interval", type=float, default=1.0, help="snapshot interval / poll tick (s)")
     ap.add_argument("--gpus", default="8:H200", help="GPUDECK_SIMULATE_GPUS of every agent")
     ap.add_argument("--execs", type=int, default=10, help="execs of the status CLI for the host-side cost (0: skip)")
-    ap.add_argument("--designs", default="gpudeck,exec-per-tick,exec-aligned")
+    ap.add_argument("--designs", default="gpudeck,exec-per-tick,exec-aligned,ssh-floor", help="which console workers to run (ssh-floor: the stream gpudeck gets, counted, not read)")
     ap.add_argument("--ciphers", default=None, help="a `Ciphers` line for every host in the generated ssh config, which both designs then follow (default: none, so gpudeck's order, AES-GCM first, for both)")
     ap.add_argument("--batch", type=int, default=16, help="agents started at a time")
     ap.add_argument("--profile", action="store_true", help="cProfile each console worker over its window and print the top functions")
     ap.add_argument("--py-spy", default=None, metavar="PATH", help="sample each console worker with this py-spy binary over its window and print where its CPU goes")
-    ap.add_argument("--worker", choices=["gpudeck", "exec-per-tick", "exec-aligned"], help=argparse.SUPPRESS)
+    ap.add_argument("--worker", choices=["gpudeck", "exec-per-tick", "exec-aligned", "ssh-floor"], help=argparse.SUPPRESS)
     ap.add_argument("--spec", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--profile-out", type=Path, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -579,6 +641,8 @@ def main() -> None:
         spec = FleetSpec.load(args.spec)
         if args.worker == "gpudeck":
             asyncio.run(worker_gpudeck(spec, args.seconds, args.interval, args.profile_out))
+        elif args.worker == "ssh-floor":
+            asyncio.run(worker_floor(spec, args.seconds, args.interval, args.profile_out))
         else:
             asyncio.run(worker_exec(spec, args.seconds, args.interval, args.profile_out, aligned=args.worker == "exec-aligned"))
         return
@@ -613,8 +677,14 @@ def main() -> None:
                 for d in peers:
                     out(f"N={n} ratio console CPU per host-second, {d} / gpudeck: {per[d][0] / per['gpudeck'][0]:.1f}x "
                         f"(per snapshot received: {per[d][1] / per['gpudeck'][1]:.1f}x)")
-                best = min(peers, key=lambda d: per[d][0])  # the goal is against the peer at its cheapest
+                best = min(peers, key=lambda d: per[d][0])
                 out(f"N={n} ratio against the cheaper peer ({best}): {per[best][0] / per['gpudeck'][0]:.1f}x")
+            if "gpudeck" in per and "ssh-floor" in per and per["ssh-floor"][0] > 0:
+                floor = per["ssh-floor"][0]
+                out(f"N={n} gpudeck's console over the transport's floor (ssh-floor): {per['gpudeck'][0] / floor:.2f}x "
+                    f"({1000 * (per['gpudeck'][0] - floor):.1f} us per host-second of gpudeck's own code)")
+                for d in peers:
+                    out(f"N={n} ratio {d} / ssh-floor: {per[d][0] / floor:.1f}x (the most any design of one SSH message per host per tick could reach against it)")
             if "gpudeck" in results:
                 r, side = results["gpudeck"]
                 rate = r["received"] / (n * r["wall_s"])  # snapshots per host-second actually sent
