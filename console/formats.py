@@ -196,7 +196,10 @@ def format_show(run: dict[str, Any], events: list[dict[str, Any]]) -> str:
         lines.append(f"  members ({len(members)}):")
         for m in members[:32]:
             rank = "" if m.get("rank") is None else f" rank {m['rank']}"
-            lines.append(f"    pid {m.get('pid')}{rank}: {' '.join(m.get('cmdline') or [])[:90]}")
+            role = " (leader)" if m.get("role") == "leader" else ""
+            lines.append(f"    pid {m.get('pid')}{role}{rank}: {' '.join(m.get('cmdline') or [])[:90]}")
+        if len(members) > 32:
+            lines.append(f"    ... and {len(members) - 32} more (gpudeck show --json lists them)")
     if events:
         lines.append("  timeline:")
         for e in events:

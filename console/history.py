@@ -208,9 +208,17 @@ class _Apply:
             if k in d:
                 fields[k] = d[k]
         if state == "running":
-            row = self._row(host, ev.run_id or "", "started")
+            row = self._row(host, ev.run_id or "", "started, members, argv")
             if row is not None and row[0] is None:
                 fields["started"] = d.get("started", ev.ts)
+            pid = d.get("pid")
+            if row is not None and pid is not None:
+                # the process the agent started heads the members list (the "members" events name only the ones
+                # found under it)
+                members = _loads(row[1], [])
+                if not any(m.get("pid") == pid for m in members):
+                    members.insert(0, {"pid": pid, "role": "leader", "rank": None, "local_rank": None, "cmdline": _loads(row[2], [])[:8]})
+                    fields["members"] = _j(members)
         if state in TERMINAL_STATES:
             fields["ended"] = d.get("ended", ev.ts)
             fields["cause_class"] = d.get("cause_class") or cause_class(state, d.get("cause"))
@@ -233,7 +241,10 @@ class _Apply:
             members = [updated.pop(m.get("pid"), m) for m in members]
             members.extend(updated.values())  # not held here (past MAX_MEMBERS): kept as news
         members.extend(ev.data.get("added", []))
-        members = members[-MAX_MEMBERS:]
+        if len(members) > MAX_MEMBERS:  # the leader stays; of the rest, the newest
+            lead = [m for m in members if m.get("role") == "leader"]
+            rest = [m for m in members if m.get("role") != "leader"]
+            members = lead + rest[len(rest) - (MAX_MEMBERS - len(lead)):]
         ranks = {m.get("rank") for m in members if m.get("rank") is not None}
         self._update(host, ev.run_id or "", ev.ts, members=_j(members), ranks_seen=len(ranks))
 

@@ -148,5 +148,27 @@ def test_a_member_first_read_before_its_exec_is_replaced_when_its_rank_is_known(
     hist.cursor("gpu1", "epoch-1")
     assert hist.submit("gpu1", "epoch-1", evs).result(10) == len(evs)
     run = hist.find("r-aaaa1111")
-    assert [(m["pid"], m["rank"]) for m in run["members"]] == [(43, 0), (44, 1)]
+    assert [(m["pid"], m["rank"]) for m in run["members"]] == [(42, None), (43, 0), (44, 1)]
     assert run["ranks_seen"] == 2
+
+
+def test_the_process_the_agent_started_heads_the_members_and_outlives_the_cap(hist: History) -> None:
+    from console.formats import format_show
+    from console.history import MAX_MEMBERS
+
+    evs = _events()[:2] + [
+        Event(seq=0, ts=T0 + 2 + i, kind="members", run_id="r-aaaa1111", data={"added": [{"pid": 100 + i, "rank": None, "cmdline": ["sleep", "0.2"]}]})
+        for i in range(MAX_MEMBERS + 10)  # a shell loop's helpers, one a tick
+    ]
+    for i, e in enumerate(evs):
+        e.seq = 1 + i
+    hist.cursor("gpu1", "epoch-1")
+    assert hist.submit("gpu1", "epoch-1", evs).result(10) == len(evs)
+    run = hist.find("r-aaaa1111")
+    members = run["members"]
+    assert len(members) == MAX_MEMBERS
+    assert members[0] == {"pid": 42, "role": "leader", "rank": None, "local_rank": None, "cmdline": ["python", "-m", "trainers.fsdp_lm", "--fresh"]}
+    assert members[-1]["pid"] == 100 + MAX_MEMBERS + 9 and members[1]["pid"] == 100 + 11  # the newest of the rest
+    text = format_show(run, [])
+    assert "pid 42 (leader): python -m trainers.fsdp_lm --fresh" in text
+    assert f"... and {MAX_MEMBERS - 32} more (gpudeck show --json lists them)" in text
