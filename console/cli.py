@@ -29,7 +29,7 @@ from agents.preflight import format_preflight
 from agents.protocol import Claims, LaunchReply, LaunchSpec, RunInfo, to_builtins
 from console import config as cfg
 from console.fleet import Fleet, SyncResult
-from console.formats import format_claims, format_history, format_hosts, format_leftovers, format_runs, format_show, format_status, format_stop, run_json
+from console.formats import format_claims, format_history, format_hosts, format_leftovers, format_runs, format_show, format_status, format_stop, run_json, why_down
 from console.multinode import DEFAULT_RDZV_PORT, MultiNodeError, group, node_specs, program_of, rendezvous_host
 from console.relaunch import StartRequired, is_trainer, parse_start, relaunch_spec, with_start
 from console.rundiff import diff_runs, env_of, format_diff
@@ -80,7 +80,7 @@ def _host_arg(args: argparse.Namespace) -> list[str]:
 async def cmd_status(args: argparse.Namespace) -> int:
     if args.host:
         snap = await _with_fleet(lambda f: f.snapshot(args.host), hosts=[args.host])
-        print(json.dumps(to_builtins(snap)) if args.json else format_status(snap))
+        print(json.dumps(to_builtins(snap)) if args.json else format_status(snap, args.host))
         return 0
 
     async def every(fleet: Fleet) -> list[dict[str, Any]]:
@@ -99,7 +99,10 @@ async def cmd_status(args: argparse.Namespace) -> int:
     else:
         parts = []
         for r in rows:
-            parts.append(format_status(r["snapshot"]) if r["snapshot"] else f"host {r['host']}  UNREACHABLE: {r['error']}")
+            if r["snapshot"]:
+                parts.append(format_status(r["snapshot"], r["host"]))
+            else:
+                parts.append(f"host {r['host']}  UNREACHABLE: {why_down(r['host'], r['error'])}")
         print("\n\n".join(parts))
     return 0 if all(r["snapshot"] for r in rows) else EXIT_ERROR
 

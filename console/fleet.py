@@ -389,7 +389,9 @@ class HostLink:
                 raise HostKeyError(self.status.error or f"{self.name}: the SSH host key was refused")
             if self.status.state == "version_mismatch":
                 raise VersionMismatch(self.status.error or f"{self.name}: the agent speaks another protocol version")
-            raise AgentUnavailable(f"host {self.name} is {self.status.state}: {self.status.error or 'no answer within ' + str(int(timeout)) + ' s'}")
+            why = self.status.error or f"no answer within {timeout:.0f} s"
+            why = why.removeprefix(f"{self.name}: ")  # the transport's messages start with the host's name too
+            raise AgentUnavailable(f"host {self.name} is {self.status.state}: {why}")
         assert self._client is not None
         return self._client
 

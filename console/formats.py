@@ -19,9 +19,11 @@ def table(headers: list[str], rows: list[list[str]]) -> str:
     return "\n".join([line(headers), *(line(r) for r in rows)])
 
 
-def format_status(snap: Snapshot) -> str:
-    """Human view of a snapshot: GPUs, GPU processes, live runs."""
-    out = [f"host {snap.host}  ({when(snap.ts)}, sampled in {snap.sample_ms:.2f} ms)"]
+def format_status(snap: Snapshot, alias: str | None = None) -> str:
+    """Human view of a snapshot: GPUs, GPU processes, live runs. ``alias``: the fleet's name for the host, shown
+    with the machine's own hostname when they differ."""
+    name = snap.host if not alias or alias == snap.host else f"{alias} ({snap.host})"
+    out = [f"host {name}  ({when(snap.ts)}, sampled in {snap.sample_ms:.2f} ms)"]
     if snap.simulated:
         out.append(format_simulated(snap))
     if snap.storage_error:
@@ -115,14 +117,19 @@ def format_simulated(snap: Snapshot) -> str:
     return "SIMULATED GPUs (no real GPU on this host: GPUDECK_SIMULATE_GPUS is set)" if snap.simulated else ""
 
 
+def why_down(host: str, error: str | None) -> str:
+    """Why a host is down, for a line that already names the host and says it is unreachable."""
+    return (error or "").removeprefix(f"host {host} is unreachable: ").removeprefix(f"{host}: ")
+
+
 def format_hosts(rows: list[dict[str, Any]]) -> str:
     """``gpudeck hosts``: configured hosts and (when probed) their link state."""
     out = []
     for r in rows:
         state = r.get("state") or "-"
         if r.get("error"):
-            state += f": {r['error']}"
-        out.append([r["name"], r.get("transport", "ssh"), r.get("command", "-"), state[:110]])
+            state += f": {why_down(r['name'], r['error'])}"
+        out.append([r["name"], r.get("transport", "ssh"), r.get("command", "-"), state[:240]])
     return table(["HOST", "LINK", "COMMAND", "STATE"], out)
 
 

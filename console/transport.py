@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+import socket
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -305,6 +306,10 @@ async def connect_ssh(name: str, command: str, options: SshOptions) -> SshLink:
         raise SshError(f"{name}: SSH connection refused by the server ({exc.reason})") from None
     except asyncio.TimeoutError:
         raise SshError(f"{name}: no SSH answer within {options.connect_timeout_s:.0f} s: is the host up and reachable from here?") from None
+    except ConnectionRefusedError as exc:
+        raise SshError(f"{name}: nothing accepts SSH connections there ({exc.strerror or exc}): is sshd running, and are HostName and Port for {name} in ~/.ssh/config right?") from None
+    except socket.gaierror as exc:
+        raise SshError(f"{name}: cannot resolve its address ({exc.strerror or exc}): check HostName for {name} in ~/.ssh/config") from None
     except (OSError, asyncssh.Error) as exc:
         raise SshError(f"{name}: cannot connect over SSH: {exc}") from None
     try:

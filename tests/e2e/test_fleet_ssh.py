@@ -6,6 +6,7 @@ import asyncio
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -128,6 +129,13 @@ async def test_a_run_that_ends_while_the_console_is_cut_off_is_recorded_exactly_
         # the other host keeps updating while hostb is down
         seen = fleet.links["hosta"].status.last_seen or 0
         await until(lambda: (fleet.links["hosta"].status.last_seen or 0) > seen + 1, 10, "hosta still streaming")
+        # and the CLI shows every host by the fleet's name, the one that is down with why
+        cp = await asyncio.to_thread(c.cli, "status", check=False)
+        assert cp.returncode == 1, cp
+        me = socket.gethostname().split(".")[0]  # the machine's name, as the agents report it
+        assert f"host hosta ({me})" in cp.stdout and f"host local ({me})" in cp.stdout, cp.stdout
+        assert "host hostb  UNREACHABLE: nothing accepts SSH connections there (" in cp.stdout, cp.stdout
+        assert "is sshd running, and are HostName and Port for hostb in ~/.ssh/config right?" in cp.stdout, cp.stdout
         # the run ends on hostb while nobody watches
         await asyncio.to_thread(wait_for, lambda: next((r for r in hostb.agent.cli_json("runs") if r["id"] == rid and r["state"] == "failed"), None), 30, 0.2, "the run to end on hostb")
         assert _state(history, "hostb", rid) == "running"  # the console could not know yet
