@@ -9,6 +9,7 @@ from textual.widgets import Footer, Static
 
 from console.fleet import HostStatus
 from console.fmt import gib
+from console.formats import why_down
 from console.screens.base import LiveScreen, tolerant
 from console.views import HostFigures, clock, host_figures, since
 from console.widgets.cells import SIMULATED, alerts_text, mem_bar, pct_bar, state_text
@@ -52,7 +53,7 @@ def host_cells(st: HostStatus) -> tuple[dict[str, object], HostFigures | None]:
     if st.state != "up" or snap is None:
         if st.error:
             # host_key and version_mismatch say what to do; unreachable says why
-            cells["alerts"] = Text(st.error, style="bold magenta" if st.state in ("host_key", "version_mismatch") else "red")
+            cells["alerts"] = Text(why_down(st.name, st.error), style="bold magenta" if st.state in ("host_key", "version_mismatch") else "red")
         return cells, None
     fig = host_figures(snap)
     if fig.gpus:
