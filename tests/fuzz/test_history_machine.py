@@ -64,6 +64,7 @@ def make_sequence(epoch_index: int, runs: int, rng_seed: int) -> list[Event]:
 def reference_runs(events: list[Event]) -> dict[str, dict[str, Any]]:
     """The run rows a correct replica folds from these events (applied once each, in seq order)."""
     runs: dict[str, dict[str, Any]] = {}
+    leaders: dict[str, set[int]] = {}  # the started process heads the members, once
     for ev in events:
         if not ev.run_id:
             continue
@@ -81,6 +82,9 @@ def reference_runs(events: list[Event]) -> dict[str, dict[str, Any]]:
                     row[k] = d[k]
             if d["state"] == "running" and row["started"] is None:
                 row["started"] = d.get("started", ev.ts)
+            if d["state"] == "running" and d.get("pid") is not None and d["pid"] not in leaders.setdefault(ev.run_id, set()):
+                leaders[ev.run_id].add(d["pid"])
+                row["members"] += 1
             if d["state"] in TERMINAL_STATES:
                 row["ended"] = d.get("ended", ev.ts)
         elif ev.kind == "members":
