@@ -84,7 +84,19 @@ def test_killing_torchrun_orphans_the_worker_on_the_gpu_and_reclaim_frees_it(age
     held = sum(p["used_bytes"] for p in gpu_procs(agent, rid))
     print(f"\ntorchrun pid {leader['pid']}, worker holds {held / 2**30:.1f} GiB; step {run['telemetry']['step']}, {run['telemetry']['tokens_per_s']:,.0f} tok/s")
     os.kill(leader["pid"], signal.SIGKILL)
-    wait_for(lambda: _run(agent, rid)["state"] == "failed", timeout=30, what="the run to end with torchrun")
+    last: dict = {}
+
+    def ended() -> bool:
+        last.clear()
+        last.update(_run(agent, rid))
+        return last["state"] == "failed"
+
+    try:
+        wait_for(ended, timeout=30, what="the run to end with torchrun")
+    except AssertionError as exc:  # say what the agent showed instead
+        members = [(m.get("pid"), m.get("role")) for m in last.get("members") or []]
+        raise AssertionError(f"{exc}; the run last read: state {last.get('state')!r}, cause {last.get('cause')!r}, members {members}; "
+                             f"agent log tail: {agent.log()[-1500:]}") from None
     time.sleep(2)
     stale = gpu_procs(agent, rid)
     print(f"after SIGKILL of torchrun: {_run(agent, rid)['cause']}; on the GPU: " + ", ".join(f"pid {p['pid']} {p['attribution']} {p['used_bytes'] / 2**30:.1f} GiB" for p in stale))
