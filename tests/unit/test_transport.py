@@ -1,12 +1,14 @@
-"""The console's SSH tuning: AES-GCM first unless the user's ssh config says otherwise; no per-packet log work unless packet logging is on."""
+"""The console's SSH tuning (AES-GCM first unless the user's ssh config says otherwise; no per-packet log work unless packet logging is on) and what a failed connection says."""
 
 from __future__ import annotations
 
+import socket
 from pathlib import Path
 
 import asyncssh
+import pytest
 
-from console.transport import PREFERRED_CIPHERS, _KeyedGCMCipher, _skip_idle_packet_log, encryption_preference
+from console.transport import PREFERRED_CIPHERS, SshError, SshOptions, _KeyedGCMCipher, _skip_idle_packet_log, connect_ssh, encryption_preference
 
 
 def test_aes_gcm_first_and_every_default_still_allowed(tmp_path: Path) -> None:
@@ -63,3 +65,19 @@ def test_the_keyed_aes_gcm_shim_is_installed_and_matches_asyncssh_byte_for_byte(
         assert rx.verify_and_decrypt(b"hdr4", body[4:], mac) == b"x" * n
     body, mac = tx.encrypt_and_sign(b"hdr4", b"y" * 32)
     assert rx.verify_and_decrypt(b"hdr4", body[4:], bytes(16)) is None  # a bad tag is refused, as asyncssh does
+
+
+async def test_a_name_that_does_not_resolve_or_a_port_nobody_listens_on_says_what_to_check(tmp_path: Path) -> None:
+    with socket.socket() as s:  # a loopback port that was free a moment ago: nothing listens there
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cfg = tmp_path / "config"
+    cfg.write_text(f"Host gone\n    HostName no-such-host.invalid\n\nHost down\n    HostName 127.0.0.1\n    Port {port}\n")
+    opts = SshOptions(config=[cfg], known_hosts=[tmp_path / "known_hosts"], client_keys=[], connect_timeout_s=20)
+    with pytest.raises(SshError) as gone:
+        await connect_ssh("gone", "gpudeck agent dial", opts)
+    assert gone.value.message.startswith("gone: cannot resolve its address (") and "check HostName for gone in ~/.ssh/config" in gone.value.message
+    with pytest.raises(SshError) as down:
+        await connect_ssh("down", "gpudeck agent dial", opts)
+    assert down.value.message.startswith("down: nothing accepts SSH connections there (")
+    assert "is sshd running, and are HostName and Port for down in ~/.ssh/config right?" in down.value.message
