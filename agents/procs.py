@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -187,35 +188,96 @@ def _list_pids() -> set[int]:
     return {int(n) for n in os.listdir("/proc") if n.isdigit()}
 
 
+def _fork_mark() -> bytes | None:
+    """What /proc/loadavg says of the process space: its task count and the newest pid ("3/412 58231").
+
+    Unchanged between two reads means no process (nor thread) was created and none ended, so the
+    listing of /proc cannot have changed either; None where it cannot be read.
+    """
+    try:
+        with open("/proc/loadavg", "rb") as fh:
+            parts = fh.read().split()
+    except OSError:
+        return None
+    if len(parts) < 5:
+        return None
+    return parts[3].partition(b"/")[2] + b" " + parts[4]  # the running count (first half of "3/412") changes all the time
+
+
 class ProcTable:
-    """Incrementally refreshed map of live pids to their run tags."""
+    """Incrementally refreshed map of live pids to their run tags; safe to refresh from a worker thread.
+
+    A refresh costs one small read (/proc/loadavg) while no process is created or ends: the listing of
+    /proc is read again only when that changes (or every ``RELIST_S`` as a safety net), and only new pids
+    (and those younger than ``YOUNG_S``) are read. A plain refresh that finds another one running, or one
+    that finished less than ``COALESCE_S`` ago, returns at once: the table is as fresh as it can be.
+    """
+
+    COALESCE_S = 0.1
+    RELIST_S = 10.0
 
     def __init__(self, runs_dir: str | os.PathLike[str] | None = None) -> None:
         self._entries: dict[int, ProcEntry] = {}
         self._self_pid = os.getpid()
         self._runs_dir = os.path.join(os.fspath(runs_dir), "") if runs_dir is not None else None
+        self._lock = threading.Lock()
+        self._mark: bytes | None = None
+        self._listed = -1e9  # monotonic time of the last listing of /proc
+        self._done = -1e9  # monotonic time the last refresh finished
+        self.listings = 0  # how many times /proc was listed (the benchmark reports it)
 
     def refresh(self, full: bool = False) -> None:
         """Re-read /proc: new pids are read; with ``full`` every pid's create_time is re-checked."""
-        pids = _list_pids()
-        for gone in self._entries.keys() - pids:
-            del self._entries[gone]
+        if not full:
+            if time.monotonic() - self._done < self.COALESCE_S:
+                return
+            if not self._lock.acquire(blocking=False):
+                return  # another thread is refreshing right now
+        else:
+            self._lock.acquire()
+        try:
+            self._refresh(full)
+        finally:
+            self._done = time.monotonic()
+            self._lock.release()
+
+    def _refresh(self, full: bool) -> None:
+        mark = _fork_mark()
+        now = time.monotonic()
+        entries = self._entries
         young = time.time() - YOUNG_S
-        for pid in pids:
-            known = self._entries.get(pid)
-            if known is not None and not full and known.create_time < young:
-                continue
+        if full or mark is None or mark != self._mark or now - self._listed > self.RELIST_S:
+            self._mark = mark
+            self._listed = now
+            self.listings += 1
+            pids = _list_pids()
+            for gone in entries.keys() - pids:
+                del entries[gone]
+            todo = [pid for pid in pids if full or (known := entries.get(pid)) is None or known.create_time >= young]
+        else:
+            todo = [pid for pid, e in list(entries.items()) if e.create_time >= young]  # between fork and exec
+        for pid in todo:
+            known = entries.get(pid)
             if known is not None and full:
                 ct = create_time_of(pid)
                 if ct is not None and abs(ct - known.create_time) <= CT_TOLERANCE:
                     continue
             entry = read_entry(pid, self._runs_dir)
             if entry is None:
-                self._entries.pop(pid, None)
+                entries.pop(pid, None)
             else:
                 if known is not None and abs(entry.create_time - known.create_time) <= CT_TOLERANCE:
                     entry.create_time = known.create_time  # the same process read again: keep the key others hold
-                self._entries[pid] = entry
+                entries[pid] = entry
+
+    def lookup(self, pid: int) -> ProcEntry | None:
+        """The entry for ``pid``, read now if the table does not know it yet (a pid newer than the last refresh)."""
+        entry = self._entries.get(pid)
+        if entry is None:
+            entry = read_entry(pid, self._runs_dir)
+            if entry is not None:
+                self._entries.setdefault(pid, entry)
+        return entry
 
     def get(self, pid: int) -> ProcEntry | None:
         """The entry for a pid seen at the last refresh."""
@@ -227,7 +289,7 @@ class ProcTable:
 
     def tagged(self, run_id: str | None = None) -> list[ProcEntry]:
         """Entries carrying a run tag (of one run, or of any)."""
-        return [e for e in self._entries.values() if e.run_id is not None and (run_id is None or e.run_id == run_id)]
+        return [e for e in list(self._entries.values()) if e.run_id is not None and (run_id is None or e.run_id == run_id)]
 
     def sim_holders(self) -> list[ProcEntry]:
         """Entries that declare ``GPUDECK_SIM_GPU_MEM`` (parsed or not), as of the last refresh."""
