@@ -85,6 +85,26 @@ WRITE_BUFFER_LIMIT = 8 << 20  # a slower client than this skips snapshots instea
 _PEERCRED = struct.Struct("3i")
 
 
+LOOP_MONITOR_ENV = "GPUDECK_LOOP_MONITOR"  # a file: the agent appends its event loop's lag there every second (benchmarks)
+LOOP_MONITOR_BEAT_S = 0.001
+
+
+async def _loop_monitor(path: Path) -> None:
+    """How late the event loop runs a 1 ms heartbeat: one JSON line a second with the worst lag, the most CPU the
+    loop's thread spent within one beat (work on the loop; the rest of a lag is waiting for a CPU or the GIL)."""
+    loop = asyncio.get_running_loop()
+    worst, busy, beats, t_report = 0.0, 0.0, 0, loop.time() + 1.0
+    with open(path, "a", buffering=1) as fh:
+        while True:
+            t0, c0 = loop.time(), time.thread_time()
+            await asyncio.sleep(LOOP_MONITOR_BEAT_S)
+            lag = loop.time() - t0 - LOOP_MONITOR_BEAT_S
+            worst, busy, beats = max(worst, lag), max(busy, time.thread_time() - c0), beats + 1
+            if loop.time() >= t_report:
+                fh.write(f'{{"ts": {time.time():.3f}, "max_lag_ms": {worst * 1000:.3f}, "max_busy_ms": {busy * 1000:.3f}, "beats": {beats}}}\n')
+                worst, busy, beats, t_report = 0.0, 0.0, 0, t_report + 1.0
+
+
 class AlreadyRunning(AgentError):
     """Another agent already serves this state directory."""
 
@@ -172,6 +192,9 @@ class Agent:
             os.umask(old_umask)
         os.chmod(self.socket_path, 0o600)
         self._spawn(self._tick_loop())
+        monitor = os.environ.get(LOOP_MONITOR_ENV)
+        if monitor:
+            self._spawn(_loop_monitor(Path(monitor)))
         log.info("agent %s serving %s (GPUs: %s)", os.getpid(), self.socket_path, self.gpus.error or self.gpus.count)
 
     async def serve_forever(self) -> None:
@@ -201,7 +224,7 @@ class Agent:
 
     async def _tick_loop(self) -> None:
         # the process scan runs in the sampler thread; the supervisor's own refresh of the table right after
-        # finds it fresh and costs nothing (ProcTable coalesces), so the tick on the loop is only the runs' logic
+        # finds nothing new (one read of /proc/loadavg), so the tick on the loop is only the runs' logic
         loop = asyncio.get_running_loop()
         while True:
             try:
