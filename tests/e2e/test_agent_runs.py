@@ -120,10 +120,14 @@ def test_arguments_are_never_given_to_a_shell(agent: AgentProc, tmp_path: Path) 
 
 def test_agent_kill9_runs_survive_and_are_readopted(agent: AgentProc, tmp_path: Path) -> None:
     long = agent.cli_json("launch", "--name", "long", "--", "sleep", "300")["id"]
-    short = agent.cli_json("launch", "--name", "short", "--", sys.executable, "-c", "import time; time.sleep(1.5); raise SystemExit(4)")["id"]
+    # the short run ends only when told to, after the agent is gone: a fixed sleep raced the kill on a busy machine
+    go = tmp_path / "go"
+    short = agent.cli_json("launch", "--name", "short", "--", sys.executable, "-c",
+                           f"import os, time\nwhile not os.path.exists({str(go)!r}): time.sleep(0.05)\nraise SystemExit(4)")["id"]
     snap = agent.cli_json("status", "--host", "local")
     leader = next(m for r in snap["runs"] if r["id"] == long for m in r["members"] if m["role"] == "leader")
     agent.kill9()
+    go.touch()
     # the short run ends while no agent watches; its shim leaves the exit status behind
     wait_for(lambda: (agent.state_dir / "runs" / short / "exit.json").exists(), timeout=20, what="the short run to end")
     assert alive(leader["pid"], leader["create_time"]), "the run died with the agent"
