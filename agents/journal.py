@@ -125,7 +125,8 @@ class _Op:
     events: list[Event]  # seq and ts assigned when queued; the seq may shift if another process wrote meanwhile
     encoded: list[str]  # each event's data as stored
     fail_fast: bool
-    fut: Future = field(default_factory=Future)
+    fut: Future = field(default_factory=Future)  # the caller's: done at commit, or failed at once (fail-fast)
+    settled: Future = field(default_factory=Future)  # done when its seqs are on disk (its events, or void ones)
     run_keys: list[tuple[str, str]] = field(default_factory=list)  # (run id, field) this op set in the overlay
     new_run: str | None = None  # a run this op creates (overlay of runs not yet committed)
     error: StorageError | None = None
@@ -229,6 +230,10 @@ class Journal:
     def _forget(self, op: _Op) -> None:
         """Drop a processed op from the queue's view (overlay, pending); caller holds _plock."""
         self._pending.pop(op.opno, None)
+        self._unoverlay(op)
+
+    def _unoverlay(self, op: _Op) -> None:
+        """Readers stop seeing this op's run changes (committed, or given up); caller holds _plock."""
         for rid, k in op.run_keys:
             ov = self._ov_fields.get(rid)
             if ov is not None and ov.get(k, (None,))[0] == op.opno:
@@ -270,6 +275,8 @@ class Journal:
                         if op.fail_fast:
                             op.error = err
                             op.void(f"write failed: {exc}")
+                            with self._plock:
+                                self._unoverlay(op)
                             op.fut.set_exception(err)  # the caller knows now; its seqs get void events
                     with self._plock:
                         closing = self._closing
@@ -280,6 +287,7 @@ class Journal:
                             for op in batch:
                                 if not op.fut.done():
                                     op.fut.set_exception(err)
+                                op.settled.set_result(None)
                             batch = []
                             break
                     time.sleep(RETRY_MAX_S)
@@ -300,6 +308,7 @@ class Journal:
                         op.fut.set_exception(op.error)
                     else:
                         op.fut.set_result(None)
+                op.settled.set_result(None)
             cb = self.on_commit
             if cb is not None:
                 try:
@@ -384,18 +393,18 @@ class Journal:
     def flush(self, timeout: float | None = DURABLE_TIMEOUT_S) -> None:
         """Block until every write queued before this call is processed; StorageError if that takes over ``timeout``."""
         op = self._last_op
-        if op is None or op.fut.done():
+        if op is None or op.settled.done():
             return
         try:
-            op.fut.exception(timeout=timeout)
+            op.settled.result(timeout=timeout)
         except FutureTimeout:
             raise StorageError(f"the agent's journal {self.path} did not commit within {timeout:g} s ({self.storage_error or 'a slow disk'})") from None
 
     async def wait_durable(self) -> None:
         """Wait, without blocking the event loop, until every write queued before this call is processed."""
         op = self._last_op
-        if op is not None and not op.fut.done():
-            await asyncio.wait([asyncio.wrap_future(op.fut)])
+        if op is not None and not op.settled.done():
+            await asyncio.wrap_future(op.settled)
 
     def _result(self, op: _Op, timeout: float | None) -> None:
         try:

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from agents import events
+from agents.errors import StorageError
 from agents.events import BadEvent
 from agents.journal import Journal
 from agents.protocol import LaunchSpec, RunInfo
@@ -276,3 +277,42 @@ def test_decode_bounds_and_unknown_kinds() -> None:
     with pytest.raises(BadEvent, match="version 2"):
         events.decode("telemetry", {"record": {}, "v": 2})
     assert events.to_data(events.validate("telemetry", {"record": {"a": 1}, "offset": 3})) == {"record": {"a": 1}, "offset": 3}
+
+
+def test_a_full_disk_fails_a_durable_create_at_once_and_queued_events_wait_for_space(tmp_path: Path) -> None:
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs needs root")
+    fs = tmp_path / "fs"
+    fs.mkdir()
+    cp = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(fs)], capture_output=True, text=True)
+    if cp.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs: {cp.stderr.strip()}")
+    try:
+        j = Journal(fs / "j.db", "h")
+        j.append_durable("agent_started", None, {"pid": 1})
+        filler = fs / "filler"
+        fd = os.open(filler, os.O_WRONLY | os.O_CREAT, 0o600)
+        try:
+            while True:
+                os.write(fd, b"\0" * 4096)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+        queued = [j.append("telemetry", "r-f", {"record": {"i": i, "pad": "x" * 2000}, "offset": i}) for i in range(50)]
+        with pytest.raises(StorageError, match="free space"):
+            j.create_run(RunInfo(id="r-full", host="h", state="starting", spec=_spec(), created=time.time()))
+        assert j.get_run("r-full") is None, "a run whose record failed is still shown"
+        assert j.storage_error is not None and "free space" in j.storage_error
+        filler.unlink()
+        j.flush()
+        assert j.storage_error is None
+        got = j.events_after(0)
+        assert [e.seq for e in got] == list(range(1, len(got) + 1)), "a gap where the failed write was"
+        kinds = [e.kind for e in got]
+        assert kinds.count("telemetry") == 50 and kinds.count("void") == 1 and "run_created" not in kinds
+        assert [e.data["offset"] for e in got if e.kind == "telemetry"] == [e.data["offset"] for e in queued]
+        assert j.get_run("r-full") is None
+        j.close()
+    finally:
+        subprocess.run(["umount", "-l", str(fs)], capture_output=True)
