@@ -49,6 +49,38 @@ def proc_tree() -> dict[int, StatLine]:
     return out
 
 
+def list_pids() -> set[int]:
+    """Every pid /proc shows now (one listdir)."""
+    return {int(n) for n in os.listdir("/proc") if n.isdigit()}
+
+
+def partial_tree(pids: set[int]) -> dict[int, StatLine]:
+    """``pids`` and every ancestor of theirs: what :func:`descendants` needs to place new processes (cost grows with them, not with the host)."""
+    out: dict[int, StatLine] = {}
+    for pid in pids:
+        while pid > 1 and pid not in out:
+            st = read_stat(pid)
+            if st is None:
+                break
+            out[pid] = st
+            pid = st.ppid
+    return out
+
+
+class TreeWatch:
+    """Parentage for the tick: a full scan the first time, then only the processes that appeared since (and their ancestors)."""
+
+    def __init__(self) -> None:
+        self._seen: set[int] | None = None
+
+    def scan(self) -> dict[int, StatLine]:
+        """The part of the process tree that can hold new members since the last scan."""
+        pids = list_pids()
+        tree = proc_tree() if self._seen is None else partial_tree(pids - self._seen)
+        self._seen = pids
+        return tree
+
+
 def descendants(tree: dict[int, StatLine], roots: dict[int, float], sessions: set[int]) -> dict[int, StatLine]:
     """Processes below the roots ``{pid: create_time}`` (matched by create_time), or in one of ``sessions``/process groups."""
     children: dict[int, list[int]] = {}

@@ -38,7 +38,7 @@ from agents.journal import Journal
 from agents.launcher import LaunchPlan, check_executable, fsync_write, spawn
 from agents.leftovers import find_leftovers
 from agents.liverun import LiveRun
-from agents.membership import discover, proc_tree
+from agents.membership import TreeWatch, discover, proc_tree
 from agents.preflight import failure_summary, run_preflight
 from agents.procs import (
     CT_TOLERANCE,
@@ -124,6 +124,7 @@ class Supervisor:
         self._bg: set[asyncio.Task] = set()
         self.attribution = Attribution(self.containment, self.run_state)
         self.adopt_notes: list[str] = []
+        self._tree = TreeWatch()  # the tick's parentage for tag-level runs: what changed, not the whole host
         # fills in a GPU process's attribution (RUN/STALE/FOREIGN/NO_SUCH_PROCESS); set by the agent
         self.attribute: Callable[[GpuProcess], None] = lambda p: None
         log.info("containment: %s", self.containment.label)
@@ -406,7 +407,7 @@ class Supervisor:
 
     def _scan(self, want_tree: bool, want_gpus: bool) -> tuple[dict[int, StatLine] | None, list[Gpu] | None]:
         """The parts of a tick that read the whole host: parentage (tag-level runs only) and one GPU sample."""
-        tree = proc_tree() if want_tree else None
+        tree = self._tree.scan() if want_tree else None
         gpus = self.gpus.sample() if want_gpus and self.gpus.available else None
         return tree, gpus
 
@@ -768,7 +769,8 @@ class Supervisor:
             lr.resume_stop_started = None
         if not was_terminal:
             self._set(run, "run_state", {"state": "stopping", "grace_s": grace_s, "stop_started": stop_started}, state="stopping")
-        members = await self._members_now(run, group, lr)
+        # with a group the kernel names the members: no full re-read of every process's identity is needed
+        members = await self._members_now(run, group, lr, full=group is None)
         shim_m = next((m for m in members if m.role == "shim"), None)
         targets = [m for m in members if m.role != "shim"]
         live = [m for m in targets if alive(m.pid, m.create_time)]
