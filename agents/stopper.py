@@ -134,8 +134,8 @@ async def terminate(
             t.needed_kill += late
         for m in t.needed_kill:
             signal_exact(m.pid, m.create_time, signal.SIGKILL)
-    if t.needed_kill:
-        await _wait_gone(t.needed_kill, KILL_WAIT_S, poll)
+    if t.needed_kill and group is None:
+        await _wait_gone(t.needed_kill, KILL_WAIT_S, poll)  # with a group, populated 0 (or its time-out) already said it
     t.gone_after_kill = [m for m in t.needed_kill if not alive(m.pid, m.create_time)]
     return t
 

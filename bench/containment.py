@@ -11,7 +11,11 @@ Both levels run in the same process, one after the other, on the same host.
 Goals (issue 21): containment's launch overhead under 20 ms; a stop of 500
 processes verified within grace + 1 s.
 
-Usage: python bench/containment.py [--procs 500] [--launches 7] [--grace 2]
+Also the supervision tick's stall of the event loop with that run live:
+``refresh()`` (everything on the loop, as the agent's tick loop calls it
+today) against ``tick()`` (the full scans and the GPU sample in a thread).
+
+Usage: python bench/containment.py [--procs 500] [--launches 7] [--grace 2] [--ticks 10]
 """
 
 from __future__ import annotations
@@ -49,6 +53,28 @@ open(sys.argv[2], "w").write("up")
 while True:
     time.sleep(1)
 """
+
+
+async def loop_stall(coro_fn) -> float:  # type: ignore[no-untyped-def]
+    """The longest the loop went without running a 1 ms ticker while ``coro_fn()`` ran, in ms."""
+    worst = 0.0
+    done = False
+
+    async def ticker() -> None:
+        nonlocal worst
+        last = time.perf_counter()
+        while not done:
+            await asyncio.sleep(0.001)
+            now = time.perf_counter()
+            worst = max(worst, (now - last) * 1000 - 1.0)
+            last = now
+
+    t = asyncio.ensure_future(ticker())
+    await asyncio.sleep(0.005)
+    await coro_fn()
+    done = True
+    await t
+    return worst
 
 
 def out(name: str, value: float, unit: str, note: str = "") -> None:
@@ -89,6 +115,17 @@ async def one_level(level: str, args: argparse.Namespace, tmp: Path) -> dict[str
             break
         await asyncio.sleep(0.2)
     members = len([m for m in sup.live_runs()[0].members if m.role != "shim"])
+    # the tick's cost on the event loop: all of it (refresh, as the agent calls it today) against tick() (scans in a thread)
+    for name, fn in (("refresh() on the loop", None), ("tick(), scans off the loop", sup.tick)):
+        stalls = []
+        for _ in range(args.ticks):
+            if fn is None:
+                t1 = time.perf_counter()
+                sup.refresh()
+                stalls.append((time.perf_counter() - t1) * 1000)
+            else:
+                stalls.append(await loop_stall(fn))
+        out(f"{level}: tick {name}, worst loop stall", max(stalls), "ms", f"median {statistics.median(stalls):.2f} ms, n={len(stalls)}, {members} processes in the run, {len(os.listdir('/proc'))} /proc entries")
     t0 = time.monotonic()
     res = await sup.stop(run.id, grace_s=args.grace)
     stop_s = time.monotonic() - t0
@@ -118,6 +155,7 @@ def main() -> None:
     ap.add_argument("--procs", type=int, default=500)
     ap.add_argument("--launches", type=int, default=7)
     ap.add_argument("--grace", type=float, default=2.0)
+    ap.add_argument("--ticks", type=int, default=10)
     asyncio.run(main_async(ap.parse_args()))
 
 

@@ -306,7 +306,7 @@ def test_another_uids_tagged_process_is_reported_and_never_signalled(cagent: Age
     run = wait_for(lambda: (r := _run(cagent, rid))["state"] == "running" and r, what="the run")
     env = {"PATH": os.environ["PATH"], "GPUDECK_RUN_ID": rid, "GPUDECK_RUN_DIR": run["run_dir"]}
     nobody = 65534
-    other = subprocess.Popen([PY, "-c", "import time\nwhile True: time.sleep(1)"], env=env, user=nobody, cwd="/")
+    other = subprocess.Popen(["sleep", "300"], env=env, user=nobody, cwd="/")  # nobody may not run the venv's python
     try:
         def reported() -> list:
             c = _run(cagent, rid).get("containment") or {}
