@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -13,7 +12,7 @@ from pathlib import Path
 import psutil
 
 from agents.procs import alive, create_time_of
-from tests.agent_harness import AgentProc, wait_for
+from tests.agent_harness import AgentProc, journal_add_member, wait_for
 
 PROGS = Path(__file__).parent / "progs"
 
@@ -168,15 +167,7 @@ def test_pid_reuse_is_never_signalled(agent: AgentProc) -> None:
         # a journal whose run records that pid with another create_time: stop leaves it alone
         rid = agent.cli_json("launch", "--", "sleep", "300")["id"]
         agent.kill9()
-        import sqlite3
-
-        db = sqlite3.connect(agent.state_dir / "journal.db")
-        members = json.loads(db.execute("SELECT members FROM runs WHERE id=?", (rid,)).fetchone()[0])
-        real = [m for m in members]
-        members.append({"pid": victim.pid, "create_time": ct - 5.0, "role": "worker"})
-        db.execute("UPDATE runs SET members=? WHERE id=?", (json.dumps(members), rid))
-        db.commit()
-        db.close()
+        real = journal_add_member(agent.state_dir, rid, {"pid": victim.pid, "create_time": ct - 5.0, "role": "worker"})
         agent.start()
         res = agent.cli_json("stop", rid, "--grace", "1")
         assert victim.poll() is None, "a reused pid was signalled"
