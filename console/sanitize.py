@@ -42,6 +42,11 @@ def escape_controls(text: str, keep: str = "") -> str:
     return _CONTROLS.sub(lambda m: m.group() if m.group() in keep else _visible(m), text)
 
 
+def has_controls(text: str) -> bool:
+    """Whether :func:`escape_controls` would change ``text``."""
+    return _CONTROLS.search(text) is not None
+
+
 def terminal_text(text: str) -> str:
     """A whole human view, ready to print: its own line breaks and tabs stay, every other control is escaped."""
     return escape_controls(text, keep="\n\t")
