@@ -31,6 +31,7 @@ from typing import Any
 
 import sqlite_utils
 
+from agents import paths
 from agents.causes import cause_class
 from agents.protocol import TERMINAL_STATES, Event
 from console import config
@@ -329,9 +330,13 @@ class History:
     def __init__(self, path: Path | None = None) -> None:
         self.path = Path(path or config.history_path())
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
+            # private whatever the umask (it holds every run's --env), reached without following links
+            paths.ensure_private_dir(self.path.parent)
+            paths.private_file(self.path)
             self._read_conn = _connect(self.path)
             ensure_schema(sqlite_utils.Database(self._read_conn))
+        except paths.UnsafePath as exc:
+            raise HistoryError(f"cannot open the history {self.path}: {exc.message}") from None
         except (sqlite3.Error, OSError) as exc:
             raise HistoryError(
                 f"cannot open the history {self.path} ({exc}): free space in {self.path.parent} or fix its permissions "
