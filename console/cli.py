@@ -34,6 +34,7 @@ from console.multinode import DEFAULT_RDZV_PORT, MultiNodeError, group, node_spe
 from console.relaunch import StartRequired, is_trainer, parse_start, relaunch_spec, with_start
 from console.rundiff import diff_runs, env_of, format_diff
 from console.history import History, HistoryError
+from console.quarantine import format_problems
 from console.query import QueryError
 from console.sanitize import redact_run, terminal_text
 from trainers.presets import parse_index_list
@@ -628,6 +629,13 @@ async def _synced_history(args: argparse.Namespace) -> tuple[History, list[SyncR
 
 async def cmd_history(args: argparse.Namespace) -> int:
     history, synced = await _synced_history(args)
+    if args.problems:
+        try:
+            problems = await asyncio.to_thread(history.problems, args.host)
+        finally:
+            history.close()
+        print(json.dumps(problems) if args.json else terminal_text(format_problems(problems)))
+        return 0
     try:
         rows = await asyncio.to_thread(history.query, " ".join(args.query))
         down = {h["name"] for h in await asyncio.to_thread(history.hosts) if h.get("state") not in (None, "up")}
@@ -823,6 +831,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("query", nargs="*", help="filters (see README: state host kind name id cause operator parent torch alert since until limit)")
     p.add_argument("--host", default=None, help="sync only this host first (the query itself takes host:NAME)")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--problems", action="store_true", help="the events the history kept out (quarantined: a value SQLite cannot store, an event that does not decode), raw, with why")
     p.add_argument("--show-secrets", action="store_true", help="show --env values whose names look like secrets (*_KEY, *_TOKEN, *_SECRET, *PASSWORD*); redacted by default")
     p.set_defaults(func=cmd_history)
 
