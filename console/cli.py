@@ -34,11 +34,14 @@ from console.multinode import DEFAULT_RDZV_PORT, MultiNodeError, group, node_spe
 from console.relaunch import StartRequired, is_trainer, parse_start, relaunch_spec, with_start
 from console.rundiff import diff_runs, env_of, format_diff
 from console.history import History, HistoryError
+from console.quarantine import format_problems
 from console.query import QueryError
+from console.sanitize import redact_run, terminal_text
 from trainers.presets import parse_index_list
 
 EXIT_ERROR = 1
 EXIT_USAGE = 2
+EXIT_UNREACHABLE = 3  # a host the command needed did not answer: the answer is partial (README, Command line)
 # passed from the caller's shell to a local run, so it resolves commands as the caller would
 CALLER_ENV = ("PATH", "VIRTUAL_ENV", "CONDA_PREFIX", "PYTHONPATH", "HF_HOME", "HF_HUB_OFFLINE")
 T = TypeVar("T")
@@ -77,10 +80,24 @@ def _host_arg(args: argparse.Namespace) -> list[str]:
     return [args.host] if getattr(args, "host", None) else []
 
 
+def partial_json(key: str, rows: list[dict[str, Any]], down: list[tuple[str, str]]) -> Any:
+    """The rows as they are when every host answered; else ``{key: rows, "unreachable": [{"host", "error"}]}``."""
+    if not down:
+        return rows
+    return {key: rows, "unreachable": [{"host": h, "error": e} for h, e in down]}
+
+
+def unreachable_exit(down: list[tuple[str, str | None]]) -> int:
+    """Name the hosts that did not answer on stderr; EXIT_UNREACHABLE if any, else 0."""
+    for h, e in down:
+        print(terminal_text(f"gpudeck: {h} not reachable, the answer is missing its part: {e}"), file=sys.stderr)
+    return EXIT_UNREACHABLE if down else 0
+
+
 async def cmd_status(args: argparse.Namespace) -> int:
     if args.host:
         snap = await _with_fleet(lambda f: f.snapshot(args.host), hosts=[args.host])
-        print(json.dumps(to_builtins(snap)) if args.json else format_status(snap, args.host))
+        print(json.dumps(to_builtins(snap)) if args.json else terminal_text(format_status(snap, args.host)))
         return 0
 
     async def every(fleet: Fleet) -> list[dict[str, Any]]:
@@ -95,7 +112,8 @@ async def cmd_status(args: argparse.Namespace) -> int:
 
     rows = await _with_fleet(every)
     if args.json:
-        print(json.dumps({"hosts": [{**r, "snapshot": to_builtins(r["snapshot"]) if r["snapshot"] else None} for r in rows]}))
+        print(json.dumps({"hosts": [{**r, "snapshot": to_builtins(r["snapshot"]) if r["snapshot"] else None} for r in rows],
+                          "unreachable": [{"host": r["host"], "error": r["error"]} for r in rows if not r["snapshot"]]}))
     else:
         parts = []
         for r in rows:
@@ -103,8 +121,8 @@ async def cmd_status(args: argparse.Namespace) -> int:
                 parts.append(format_status(r["snapshot"], r["host"]))
             else:
                 parts.append(f"host {r['host']}  UNREACHABLE: {why_down(r['host'], r['error'])}")
-        print("\n\n".join(parts))
-    return 0 if all(r["snapshot"] for r in rows) else EXIT_ERROR
+        print(terminal_text("\n\n".join(parts)))
+    return unreachable_exit([(r["host"], r["error"]) for r in rows if not r["snapshot"]])
 
 
 def _parse_gpus(text: str | None) -> list[int] | None:
@@ -357,13 +375,15 @@ async def cmd_diff(args: argparse.Namespace) -> int:
         mb = await asyncio.to_thread(history.metrics, b["host"], b["id"])
     finally:
         history.close()
+    if not args.show_secrets:
+        a, b = redact_run(a), redact_run(b)
     d = diff_runs(a, b, ma, mb)
     if args.json:
         print(json.dumps({"a": d.a_id, "b": d.b_id, "config": [vars(r) | {"differs": r.differs} for r in d.config],
                           "environment": [vars(r) | {"differs": r.differs} for r in d.environment],
                           "outcome": [vars(r) | {"differs": r.differs} for r in d.outcome], "env_note": d.env_note}))
     else:
-        print(format_diff(d, only_changes=not args.all))
+        print(terminal_text(format_diff(d, only_changes=not args.all)))
     return 0
 
 
@@ -438,16 +458,14 @@ async def cmd_runs(args: argparse.Namespace) -> int:
         return runs, errors
 
     runs, errors = await _with_fleet(collect, hosts=_host_arg(args))
-    rows = group([run_json(r) for r in runs], unreachable={e.split(":", 1)[0] for e in errors})
+    down = [(e.split(":", 1)[0], e.split(":", 1)[1].strip()) for e in errors]
+    rows = group([run_json(r) for r in runs], unreachable={h for h, _e in down})
+    rows = rows if args.show_secrets else [redact_run(r) for r in rows]
     if args.json:
-        print(json.dumps(rows))
+        print(json.dumps(partial_json("runs", rows, down)))
     else:
-        print(format_runs(rows))
-    for e in errors:
-        print(f"gpudeck: not reachable: {e}", file=sys.stderr)
-    if errors and args.host:
-        return EXIT_ERROR
-    return 0
+        print(terminal_text(format_runs(rows) if rows or not down else f"no runs on the hosts that answered ({len(down)} did not)"))
+    return unreachable_exit(down)
 
 
 async def _locate(fleet: Fleet, args: argparse.Namespace) -> tuple[str, RunInfo]:
@@ -509,7 +527,7 @@ async def cmd_tail(args: argparse.Namespace) -> int:
                 return
             if prefix:
                 text = "".join(f"[{host}] {ln}" for ln in text.splitlines(keepends=True))
-            out.write(text)
+            out.write(text if args.raw else terminal_text(text))
             out.flush()
 
         if args.follow:
@@ -610,18 +628,27 @@ async def _synced_history(args: argparse.Namespace) -> tuple[History, list[SyncR
 
 
 async def cmd_history(args: argparse.Namespace) -> int:
-    history, _ = await _synced_history(args)
+    history, synced = await _synced_history(args)
+    if args.problems:
+        try:
+            problems = await asyncio.to_thread(history.problems, args.host)
+        finally:
+            history.close()
+        print(json.dumps(problems) if args.json else terminal_text(format_problems(problems)))
+        return 0
     try:
         rows = await asyncio.to_thread(history.query, " ".join(args.query))
         down = {h["name"] for h in await asyncio.to_thread(history.hosts) if h.get("state") not in (None, "up")}
     finally:
         history.close()
     rows = group(rows, unreachable=down)
+    rows = rows if args.show_secrets else [redact_run(r) for r in rows]
+    missed = [(r.host, r.error or "not reachable") for r in synced if not r.ok]
     if args.json:
-        print(json.dumps(rows, default=str))
+        print(json.dumps(partial_json("runs", rows, missed), default=str))
     else:
-        print(format_history(rows))
-    return 0
+        print(terminal_text(format_history(rows)))
+    return EXIT_UNREACHABLE if missed else 0  # _synced_history named them on stderr
 
 
 async def cmd_show(args: argparse.Namespace) -> int:
@@ -631,10 +658,13 @@ async def cmd_show(args: argparse.Namespace) -> int:
         events = await asyncio.to_thread(history.events, run["host"], run["id"])
     finally:
         history.close()
+    if not args.show_secrets:
+        shown = redact_run({**run, "events": events})
+        run, events = {k: v for k, v in shown.items() if k != "events"}, shown["events"]
     if args.json:
         print(json.dumps({**run, "events": events}, default=str))
     else:
-        print(format_show(run, events))
+        print(terminal_text(format_show(run, events)))
     return 0
 
 
@@ -762,6 +792,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default=None, help=host_help)
     p.add_argument("--limit", type=int, default=1000)
     p.add_argument("--json", action="store_true")
+    p.add_argument("--show-secrets", action="store_true", help="show --env values whose names look like secrets (*_KEY, *_TOKEN, *_SECRET, *PASSWORD*); redacted by default")
     p.set_defaults(func=cmd_runs)
 
     p = sub.add_parser("tail", help="a run's output (stdout and stderr of all its ranks)")
@@ -770,6 +801,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-f", "--follow", action="store_true", help="keep printing new output until the run ends (Ctrl-C leaves)")
     p.add_argument("-n", "--lines", type=int, default=20, help="how many last lines to print first (-1: all of the last 256 KiB)")
     p.add_argument("--node", type=int, default=None, help="multi-node runs: only this node's output (default: every node, each line prefixed with its host)")
+    p.add_argument("--raw", action="store_true", help="print the output byte for byte (by default control characters and escape sequences are shown as \\x1b-style escapes)")
     p.set_defaults(func=cmd_tail)
 
     p = sub.add_parser("stop", help="stop every process of a run: TERM, grace, KILL, verify")
@@ -799,12 +831,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("query", nargs="*", help="filters (see README: state host kind name id cause operator parent torch alert since until limit)")
     p.add_argument("--host", default=None, help="sync only this host first (the query itself takes host:NAME)")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--problems", action="store_true", help="the events the history kept out (quarantined: a value SQLite cannot store, an event that does not decode), raw, with why")
+    p.add_argument("--show-secrets", action="store_true", help="show --env values whose names look like secrets (*_KEY, *_TOKEN, *_SECRET, *PASSWORD*); redacted by default")
     p.set_defaults(func=cmd_history)
 
     p = sub.add_parser("show", parents=[sync_args], help="one run in full from the history: spec, environment, telemetry, timeline")
     p.add_argument("run", help="run id, unique id prefix, or name")
     p.add_argument("--host", default=None, help=host_help)
     p.add_argument("--json", action="store_true")
+    p.add_argument("--show-secrets", action="store_true", help="show --env values whose names look like secrets (*_KEY, *_TOKEN, *_SECRET, *PASSWORD*); redacted by default")
     p.set_defaults(func=cmd_show)
 
     p = sub.add_parser("diff", parents=[sync_args], help="two runs side by side: config, environment (torch/CUDA/driver/NCCL first), outcome")
@@ -813,6 +848,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--all", action="store_true", help="show equal rows too")
     p.add_argument("--host", default=None, help="sync only this host first")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--show-secrets", action="store_true", help="show --env values whose names look like secrets (*_KEY, *_TOKEN, *_SECRET, *PASSWORD*); redacted by default")
     p.set_defaults(func=cmd_diff)
 
     start_args = argparse.ArgumentParser(add_help=False)
@@ -863,13 +899,13 @@ def main(argv: list[str] | None = None) -> int:
             return int(args.sync(args) or 0)
         return asyncio.run(args.func(args))
     except (CliError, QueryError, cfg.ConfigError, StartRequired, MultiNodeError) as exc:
-        print(f"gpudeck: {exc}", file=sys.stderr)
+        print(terminal_text(f"gpudeck: {exc}"), file=sys.stderr)
         return EXIT_USAGE
     except HistoryError as exc:
-        print(f"gpudeck: {exc}", file=sys.stderr)
+        print(terminal_text(f"gpudeck: {exc}"), file=sys.stderr)
         return EXIT_ERROR
     except AgentError as exc:
-        print(f"gpudeck: {exc.message}", file=sys.stderr)
+        print(terminal_text(f"gpudeck: {exc.message}"), file=sys.stderr)
         return EXIT_ERROR
     except KeyboardInterrupt:
         return 130

@@ -10,8 +10,10 @@ from textual.binding import Binding
 from textual.screen import Screen
 from textual.widgets import Footer, Static
 
+from console.sanitize import redact_run
 from console.screens.base import tolerant
 from console.views import run_diff, run_label
+from console.widgets.cells import shown
 from console.widgets.diff import diff_rows, diff_summary
 from console.widgets.header import AppHeader
 from console.widgets.keyed_table import Col, KeyedTable
@@ -34,7 +36,7 @@ class DiffScreen(Screen):
 
     def __init__(self, a: dict[str, Any], b: dict[str, Any]) -> None:
         super().__init__()
-        self.a, self.b = a, b
+        self.a, self.b = redact_run(a), redact_run(b)  # --env secrets never shown
         self.only_differences = False
 
     def compose(self) -> ComposeResult:
@@ -52,11 +54,11 @@ class DiffScreen(Screen):
     def _redraw(self) -> None:
         diff = run_diff(self.a, self.b)
         a_label, b_label = run_label(self.a), run_label(self.b)
-        self.query_one("#diff-title", Static).update(Text.assemble(("Diff  ", "bold"), ("A ", "dim"), a_label, ("   B ", "dim"), b_label))
+        self.query_one("#diff-title", Static).update(shown(Text.assemble(("Diff  ", "bold"), ("A ", "dim"), a_label, ("   B ", "dim"), b_label)))
         self.query_one("#diff-summary", Static).update(diff_summary(diff))
         table = self.query_one("#diff-table", KeyedTable)
-        table.columns[table.cols[3].key].label = Text(f"A  {a_label}")  # type: ignore[index]
-        table.columns[table.cols[4].key].label = Text(f"B  {b_label}")  # type: ignore[index]
+        table.columns[table.cols[3].key].label = shown(Text(f"A  {a_label}"))  # type: ignore[index]
+        table.columns[table.cols[4].key].label = shown(Text(f"B  {b_label}"))  # type: ignore[index]
         # a static comparison, not a live table: rebuilt in the diff's order (core first) on every toggle
         table.reset()
         table.sync(diff_rows(diff, self.only_differences, focus=True))  # one-line cells: show where long values differ

@@ -14,7 +14,7 @@ from console.screens.base import LiveScreen, tolerant
 from console.screens.fleet import state_cell
 from console.screens.reclaim import ReclaimItem, reclaim_flow
 from console.views import LEFTOVER_HOLDERS, holder_label, since
-from console.widgets.cells import SIMULATED, attribution_text, mem_bar, pct_bar
+from console.widgets.cells import SIMULATED, attribution_text, plain_markup, mem_bar, pct_bar
 from console.widgets.header import AppHeader
 from console.widgets.keyed_table import Col, KeyedTable
 from console.widgets.progress import ProgressLine
@@ -62,7 +62,7 @@ class HostScreen(LiveScreen):
 
     def compose(self) -> ComposeResult:
         yield AppHeader()
-        yield Static(f"Host {self.host}", id="host-title", classes="title")
+        yield Static(plain_markup(f"Host {self.host}"), id="host-title", classes="title")
         yield KeyedTable(GPU_COLUMNS, id="gpu-table", zebra_stripes=False)
         yield Static("GPU processes  (space/enter: mark, a: mark leftovers, x: reclaim marked)", classes="subtitle")
         yield KeyedTable(PROC_COLUMNS, id="proc-table", markable=True)

@@ -30,7 +30,7 @@ from console.fmt import gib
 from console.relaunch import with_start
 from console.screens.base import tolerant
 from console.views import gpu_free, holder_label
-from console.widgets.cells import SIMULATED
+from console.widgets.cells import SIMULATED, plain_markup
 from console.widgets.progress import ProgressLine
 
 TRAINER_MODULES = {"fsdp": "trainers.fsdp_lm", "dflash": "trainers.dflash"}
@@ -186,7 +186,7 @@ class LaunchDialog(ModalScreen[LaunchOutcome | None]):
             hosts.insert(0, self._first_host)
         with VerticalScroll(classes="dialog wide", id="launch-dialog"):
             title = self._title or (f"Relaunch {self._parent_run}: choose the start again" if self._parent_run else "Launch a run")
-            yield Static(f"{title}  (ctrl+s: pre-flight, then launch; esc cancels)", classes="dialog-title")
+            yield Static(plain_markup(f"{title}  (ctrl+s: pre-flight, then launch; esc cancels)"), classes="dialog-title")
             with Horizontal(classes="field"):
                 yield Label("Host")
                 yield Select([(h, h) for h in hosts], value=hosts[0], id="host", allow_blank=False, compact=True)

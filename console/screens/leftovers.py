@@ -15,7 +15,7 @@ from console.fmt import gib
 from console.screens.base import tolerant
 from console.screens.reclaim import ReclaimItem, reclaim_flow
 from console.views import since
-from console.widgets.cells import leftover_text
+from console.widgets.cells import leftover_text, plain_markup
 from console.widgets.header import AppHeader
 from console.widgets.keyed_table import Col, KeyedTable
 from console.widgets.progress import ProgressLine
@@ -83,7 +83,7 @@ class LeftoversScreen(Screen):
 
     def compose(self) -> ComposeResult:
         yield AppHeader()
-        yield Static(f"Leftovers on {self.host}", id="leftovers-title", classes="title")
+        yield Static(plain_markup(f"Leftovers on {self.host}"), id="leftovers-title", classes="title")
         yield KeyedTable(COLUMNS, id="leftovers-table", markable=True)
         yield ProgressLine(id="leftovers-progress")
         yield Static("", id="leftovers-note", classes="note")

@@ -32,7 +32,8 @@ from console.screens.dialogs import ChoiceDialog, ConfirmDialog, ResultDialog, s
 from console.screens.launch import preflight_text
 from console.relaunch import with_python
 from console.views import alerts_of, env_of, history_rows, python_of, record_from_info, run_diff, run_from_record, run_label, short_when, spec_of
-from console.widgets.cells import SIMULATED, ok_text, state_text
+from console.sanitize import redact_env
+from console.widgets.cells import SIMULATED, ok_text, shown, state_text
 from console.widgets.diff import diff_summary, diff_table
 from console.widgets.header import AppHeader
 from console.widgets.keyed_table import Col, KeyedTable
@@ -118,7 +119,7 @@ def spec_text(spec: LaunchSpec, preflight: PreflightResult | None, stop: dict[st
         ("python", spec.python or "-"),
         ("cwd", spec.cwd or "-"),
         ("checkpoints", spec.checkpoint_dir or "-"),
-        ("env", " ".join(f"{k}={v}" for k, v in sorted(spec.env.items())) or "-"),
+        ("env", " ".join(f"{k}={v}" for k, v in sorted((redact_env(spec.env) or {}).items())) or "-"),
         ("parent", spec.parent or "-"),
         ("operator", spec.operator or "-"),
         ("rank death", spec.on_rank_death),
@@ -138,7 +139,7 @@ def spec_text(spec: LaunchSpec, preflight: PreflightResult | None, stop: dict[st
     for k, v in rows:
         t.append(f"{k:<12}", style="bold")
         t.append(f"{v}\n", style="bold red" if v == "NOT GIVEN" else "")
-    parts: list[Any] = [t]
+    parts: list[Any] = [shown(t)]
     if preflight is not None:
         parts.append(Text("\npre-flight at launch", style="bold underline"))
         parts.append(preflight_text(preflight, None, host))
@@ -334,7 +335,7 @@ class RunScreen(LiveScreen):
         t = run_header(r, self._simulated(), self.host)
         if self.agent_error:
             t.append(f"\nits agent cannot say now ({self.agent_error}): showing the history's record", style="yellow")
-        header.update(t)
+        header.update(shown(t))
         spec_key = msgspec.json.encode([r.spec, r.preflight, (self.record or {}).get("stop"), (self.record or {}).get("preflight")])
         if spec_key != self._shown_spec:
             self._shown_spec = spec_key
@@ -350,7 +351,7 @@ class RunScreen(LiveScreen):
         if env_key != self._shown_env:
             self._shown_env = env_key
             plain = r.spec.kind == "command" and python_of(r.spec) is None
-            self.query_one("#run-env", Static).update(env_text(env, "a plain command: no python environment to fingerprint" if plain else ""))
+            self.query_one("#run-env", Static).update(shown(env_text(env, "a plain command: no python environment to fingerprint" if plain else "")))
             pkgs = self.query_one("#env-packages", KeyedTable)
             pkgs.display = env is not None and bool(env.packages)
             if env is not None:

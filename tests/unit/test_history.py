@@ -172,3 +172,33 @@ def test_the_process_the_agent_started_heads_the_members_and_outlives_the_cap(hi
     text = format_show(run, [])
     assert "pid 42 (leader): python -m trainers.fsdp_lm --fresh" in text
     assert f"... and {MAX_MEMBERS - 32} more (gpudeck show --json lists them)" in text
+
+
+def test_an_event_sqlite_cannot_store_is_quarantined_by_itself_and_the_batch_goes_in(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import asyncio
+
+    from agents.protocol import Event
+    from console.history import History
+
+    h = History(tmp_path / "history.db")
+    try:
+        c = h.cursor("gpu1", "ep1")
+        evs = [
+            Event(seq=1, ts=1.0, kind="run_created", run_id="r-1", data={"state": "starting", "spec": {"argv": ["x"]}, "name": "one"}),
+            Event(seq=2, ts=2.0, kind="telemetry", run_id="r-1", data={"record": {"type": "step", "step": 2**64, "loss": 1.0}, "offset": 10}),
+            Event(seq=3, ts=3.0, kind="telemetry", run_id="r-1", data={"record": {"type": "manifest", "params_total": 10**30}}),
+            Event(seq=4, ts=4.0, kind="run_state", run_id="r-1", data={"state": "running", "bad": "\ud800"}),
+            Event(seq=5, ts=5.0, kind="run_state", run_id="r-1", data={"state": "succeeded", "exit_code": 0}),
+        ]
+        assert asyncio.run(h.ingest(c.host, c.epoch, evs)) == 2
+        assert h.find("r-1")["state"] == "succeeded"
+        problems = h.problems()
+        assert [p["seq"] for p in problems] == [2, 3, 4] and h.events_quarantined == 3
+        assert "does not fit SQLite's 64-bit INTEGER" in problems[0]["error"] and "18446744073709551616" in problems[0]["raw"]
+        assert "surrogate" in problems[2]["error"]
+        assert h.cursor("gpu1", "ep1").last_seq == 5  # nothing is pulled again
+        # again: idempotent, nothing new, nothing quarantined twice
+        assert asyncio.run(h.ingest(c.host, c.epoch, evs)) == 0 and len(h.problems()) == 3
+        assert h.query("") and h.find("r-1")["name"] == "one"
+    finally:
+        h.close()
