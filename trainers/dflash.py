@@ -16,6 +16,14 @@ Target
     evaluation's generation use inference_mode).
 
 Drafter
+    ``--drafter-config FILE`` gives a published drafter shape (SpecForge's
+    ``configs/*-dflash.json``: ``layer_types`` of ``sliding_attention`` /
+    ``full_attention`` with a ``sliding_window``, heads, ``intermediate_size``,
+    ``block_size``, ``dflash_config.target_layer_ids`` and ``mask_token_id``); the
+    width and vocabulary are the target's (a file that names others is refused).
+    A sliding layer's block slot k sees the context ``a+k-W+1 .. a-1`` and its own
+    block's slots ``0..k`` (SpecForge's mask); full layers see ``0..a-1`` and the
+    whole block.
     ``--drafter-layers`` (1-5) Qwen3-style layers of the target's width,
     conditioned on ``build_target_layer_ids(L, n)`` target layers, sharing the
     target's embedding and lm_head (frozen, shared not copied). ``--init-from``
@@ -140,6 +148,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--target-config", default=None,
                    help="random-weight target from a preset (tiny, qwen3-0.6b) or config.json "
                         "(speed benchmarks); --model-config is an alias")
+    g.add_argument("--drafter-config", default=None,
+                   help="a drafter config.json of the published shape (SpecForge's configs/*-dflash.json): "
+                        "its num_hidden_layers, layer_types, sliding_window, intermediate_size, heads, "
+                        "block_size and dflash_config (target_layer_ids, mask_token_id) are used; "
+                        "hidden_size and vocab_size, where given, must be the target's")
     g.add_argument("--drafter-layers", type=int, default=None,
                    help="drafter decoder layers, 1-5 (default 1; with --init-from: the saved drafter's, "
                         "and a different value is refused)")
@@ -178,6 +191,7 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         args.target_config = args.model_config
     if (args.target is None) == (args.target_config is None):
         p.error("give exactly one of --target PATH or --target-config/--model-config")
+    resolve_drafter_config(p, args)
     resolve_saved_shape(p, args)
     if not 1 <= args.drafter_layers <= 8:
         p.error("--drafter-layers must be in 1..8 (DFlash uses 1-5)")
@@ -198,6 +212,97 @@ _SAVED_SHAPE = [
     ("block_size", "--block-size", "block_size", DEFAULT_BLOCK_SIZE, "block size"),
     ("drafter_layers", "--drafter-layers", "num_hidden_layers", DEFAULT_DRAFTER_LAYERS, "number of layers"),
 ]
+
+
+def read_drafter_config(path: str) -> dict[str, Any]:
+    """The ``--drafter-config`` file as a dict, checked; ValueError naming the field and the fix."""
+    from trainers.dflash_model import FULL_ATTENTION, LAYER_TYPES, SLIDING_ATTENTION
+
+    try:
+        cfg = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"--drafter-config {path}: cannot read it as JSON ({exc})") from None
+    if not isinstance(cfg, dict):
+        raise ValueError(f"--drafter-config {path}: the file holds a {type(cfg).__name__}, not a config object")
+    n = cfg.get("num_hidden_layers")
+    types = cfg.get("layer_types")
+    if n is None and isinstance(types, list):
+        n = cfg["num_hidden_layers"] = len(types)
+    if not isinstance(n, int) or n < 1:
+        raise ValueError(f"--drafter-config {path}: num_hidden_layers must be a positive integer (got {n!r})")
+    if types is None:
+        types = cfg["layer_types"] = [FULL_ATTENTION] * n
+    if not isinstance(types, list) or len(types) != n or not set(types) <= set(LAYER_TYPES):
+        raise ValueError(f"--drafter-config {path}: layer_types must list {n} entries (num_hidden_layers), each one "
+                         f"of {list(LAYER_TYPES)} (got {types!r})")
+    if SLIDING_ATTENTION in types:
+        w = cfg.get("sliding_window")
+        if not isinstance(w, int) or w <= 0 or cfg.get("use_sliding_window") is False:
+            raise ValueError(f"--drafter-config {path}: sliding_attention layers need a positive sliding_window "
+                             f"and use_sliding_window true (got sliding_window={w!r}, "
+                             f"use_sliding_window={cfg.get('use_sliding_window')!r})")
+    block = cfg.get("block_size")
+    if block is not None and (not isinstance(block, int) or block < 2):
+        raise ValueError(f"--drafter-config {path}: block_size must be an integer >= 2 (got {block!r})")
+    dc = cfg.get("dflash_config") or {}
+    if not isinstance(dc, dict):
+        raise ValueError(f"--drafter-config {path}: dflash_config must be an object")
+    ids = dc.get("target_layer_ids")
+    if ids is not None and (not isinstance(ids, list) or not all(isinstance(i, int) and i >= 0 for i in ids) or not ids):
+        raise ValueError(f"--drafter-config {path}: dflash_config.target_layer_ids must be a list of layer indices")
+    return cfg
+
+
+def resolve_drafter_config(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """``--drafter-config``: read it, and take its layer count and block size where none is given."""
+    args.drafter_cfg = None
+    if args.drafter_config is None:
+        return
+    if args.init_from is not None:
+        p.error("give --drafter-config (a new drafter of that shape) or --init-from (continue a saved one), not both")
+    try:
+        cfg = read_drafter_config(args.drafter_config)
+    except ValueError as exc:
+        p.error(str(exc))
+    n = cfg["num_hidden_layers"]
+    if args.drafter_layers is not None and args.drafter_layers != n:
+        p.error(f"--drafter-layers {args.drafter_layers} differs from the {n} layers (layer_types) of "
+                f"--drafter-config {args.drafter_config}; leave out --drafter-layers")
+    args.drafter_layers = n
+    if args.block_size is None and cfg.get("block_size") is not None:
+        args.block_size = int(cfg["block_size"])
+    elif args.block_size is not None and cfg.get("block_size") not in (None, args.block_size) \
+            and os.environ.get("RANK", "0") == "0":
+        print(f"dflash: --block-size {args.block_size} replaces the block_size {cfg['block_size']} of "
+              f"--drafter-config {args.drafter_config}", file=sys.stderr, flush=True)
+    args.drafter_cfg = cfg
+
+
+def drafter_config_from_file(cfg: dict[str, Any], target_config, block_size: int, mask_token_id: int):
+    """The drafter's Qwen3Config from a ``--drafter-config`` dict on this target (widths checked)."""
+    from trainers.dflash_model import drafter_config_from_target
+
+    tc = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
+    for key in ("hidden_size", "vocab_size"):
+        if cfg.get(key) is not None and int(cfg[key]) != int(getattr(tc, key)):
+            raise ValueError(f"--drafter-config: {key} {cfg[key]} differs from the target's {getattr(tc, key)}; "
+                             "the drafter reads the target's embeddings and hidden states at the target's width "
+                             f"(remove {key} from the file or use a config made for this target)")
+    n_target = int(tc.num_hidden_layers)
+    ids = (cfg.get("dflash_config") or {}).get("target_layer_ids")
+    if ids is not None and max(ids) >= n_target:
+        raise ValueError(f"--drafter-config: dflash_config.target_layer_ids {ids} name layers the target does not "
+                         f"have (it has {n_target}); remove target_layer_ids to space them over this target")
+    dcfg = drafter_config_from_target(
+        target_config, cfg["num_hidden_layers"], block_size, mask_token_id, target_layer_ids=ids,
+        layer_types=cfg["layer_types"], sliding_window=cfg.get("sliding_window"),
+        intermediate_size=cfg.get("intermediate_size"),
+    )
+    # the published shape's attention widths where the file gives them
+    for key in ("num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps"):
+        if cfg.get(key) is not None:
+            setattr(dcfg, key, cfg[key])
+    return dcfg
 
 
 def resolve_saved_shape(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -309,7 +414,14 @@ def target_flops_per_token(target, seq_len: int) -> float:
 
 def drafter_step_flops(dcfg, n_layer_params: int, n_fc: int, seq_len: int, anchors, n_rows: int,
                        vocab: int) -> float:
-    """Required drafter FLOPs of one micro-batch (see module docstring)."""
+    """Required drafter FLOPs of one micro-batch (see module docstring).
+
+    Attention counts the keys each block query sees: a full layer ``anchor + B``, a sliding
+    layer at most its window (``dflash_loss.visible_keys``).
+    """
+    from trainers.dflash_loss import visible_keys
+    from trainers.dflash_model import SLIDING_ATTENTION, attention_layout
+
     bsz, n = anchors.shape
     bs = dcfg.block_size
     hd = dcfg.head_dim
@@ -318,8 +430,9 @@ def drafter_step_flops(dcfg, n_layer_params: int, n_fc: int, seq_len: int, ancho
     positions = bsz * n * bs
     dense = 6.0 * n_layer_params * positions
     ctx = 6.0 * (n_fc + dcfg.num_hidden_layers * 2 * h * kv * hd) * bsz * seq_len
-    visible = float(anchors.float().sum().item()) * bs + positions * bs
-    attn = 12.0 * dcfg.num_hidden_layers * dcfg.num_attention_heads * hd * visible
+    types, window = attention_layout(dcfg)
+    seen = {t: visible_keys(anchors, bs, window if t == SLIDING_ATTENTION else None) for t in set(types)}
+    attn = 12.0 * dcfg.num_attention_heads * hd * sum(seen[t] for t in types)
     head = 4.0 * vocab * h * n_rows
     return dense + ctx + attn + head
 
@@ -367,7 +480,7 @@ def evaluate_tau(drafter, embed, lm_head_w, ids, feats, prompt_len: int, block_s
     with torch.no_grad():
         bids, bpos = block_inputs(ids, anchors, block_size, mask_token_id)
         pos = torch.cat([torch.arange(t, device=ids.device).unsqueeze(0).expand(e, -1), bpos], 1)
-        mask = _make_mask(anchors, t, block_size, attn, ids.device)
+        mask = make_masks(anchors, t, block_size, attn, ids.device, drafter.layer_types, drafter.sliding_window)
         hid = drafter(embed(bids), feats, pos, mask)
         n = anchors.shape[1]
         pred = (hid.reshape(e, n, block_size, -1)[:, :, 1:] @ lm_head_w.t()).argmax(-1)
@@ -390,25 +503,43 @@ def evaluate_tau(drafter, embed, lm_head_w, ids, feats, prompt_len: int, block_s
     }
 
 
-def _make_mask(anchors, seq_len, block_size, attn, device):
+def _make_mask(anchors, seq_len, block_size, attn, device, sliding_window=None):
+    """One layer type's mask: dense bool (SDPA) or a flex BlockMask; a window makes it the sliding one."""
     from trainers.dflash_loss import build_attention_mask
 
     if attn != "flex":
-        return build_attention_mask(anchors, seq_len, block_size)
+        return build_attention_mask(anchors, seq_len, block_size, sliding_window)
     from torch.nn.attention.flex_attention import create_block_mask
 
     bsz, n = anchors.shape
     q_len = n * block_size
+    w = None if sliding_window is None else int(sliding_window)
 
     def mask_mod(b, h, q_idx, kv_idx):
         blk = q_idx // block_size
-        ctx_ok = (kv_idx < seq_len) & (kv_idx < anchors[b, blk])
+        anchor = anchors[b, blk]
+        ctx_ok = (kv_idx < seq_len) & (kv_idx < anchor)
         own = (kv_idx >= seq_len) & ((kv_idx - seq_len) // block_size == blk)
+        if w is not None:
+            off = q_idx % block_size
+            ctx_ok = ctx_ok & (kv_idx >= anchor + off - (w - 1))
+            own = own & ((kv_idx - seq_len) % block_size <= off)
         return ctx_ok | own
 
     # eager construction: the anchors change every step, and a compiled mask builder would
     # recompile for every new closure
     return create_block_mask(mask_mod, bsz, None, q_len, seq_len + q_len, device=device)
+
+
+def make_masks(anchors, seq_len, block_size, attn, device, layer_types, sliding_window):
+    """The drafter's attention mask: one mask when every layer is full, else one per layer type."""
+    from trainers.dflash_model import FULL_ATTENTION, SLIDING_ATTENTION
+
+    full = _make_mask(anchors, seq_len, block_size, attn, device)
+    if SLIDING_ATTENTION not in layer_types:
+        return full
+    return {FULL_ATTENTION: full,
+            SLIDING_ATTENTION: _make_mask(anchors, seq_len, block_size, attn, device, sliding_window)}
 
 
 # ------------------------------------------------------------------ stopping (split topology)
@@ -591,7 +722,7 @@ class Trainer:
     def _setup_models(self) -> None:
         import torch
 
-        from trainers.dflash_model import DFlashDraftModel, drafter_config_from_target
+        from trainers.dflash_model import DFlashDraftModel, attention_layout, drafter_config_from_target
         from trainers.flops import count_params
 
         args = self.args
@@ -606,10 +737,17 @@ class Trainer:
         self.mask_token_id = int(mask_id)
         if args.init_from:
             self.dcfg = DFlashDraftModel.config_class.from_pretrained(args.init_from)
+        elif args.drafter_cfg is not None:
+            try:
+                self.dcfg = drafter_config_from_file(args.drafter_cfg, target.config, args.block_size,
+                                                     self.mask_token_id)
+            except ValueError as exc:
+                raise runtime.ExitWith(2, str(exc)) from None
         else:
             self.dcfg = drafter_config_from_target(target.config, args.drafter_layers, args.block_size,
                                                    self.mask_token_id)
         self.block_size = int(self.dcfg.block_size)
+        self.layer_types, self.sliding_window = attention_layout(self.dcfg)
         self.layer_ids = list(self.dcfg.dflash_config["target_layer_ids"])
         self.mask_token_id = int(self.dcfg.dflash_config["mask_token_id"])
         args._layer_ids = self.layer_ids
@@ -757,6 +895,9 @@ class Trainer:
             dataset=self.data_desc,
             loss_mask=self.loss_mask_desc,
             block_size=self.block_size,
+            drafter_layer_types=self.layer_types,
+            drafter_sliding_window=self.sliding_window,
+            drafter_config=args.drafter_config,
             num_anchors=args.num_anchors,
             target_layer_ids=self.layer_ids,
             mask_token_id=self.mask_token_id,
@@ -858,7 +999,8 @@ class Trainer:
         with torch.no_grad():
             noise = self.embed(bids)
         pos = torch.cat([torch.arange(seq, device=self.device).unsqueeze(0).expand(bsz, -1), bpos], 1)
-        mask = _make_mask(anchors, seq, self.block_size, args.attn, self.device)
+        mask = make_masks(anchors, seq, self.block_size, args.attn, self.device, self.layer_types,
+                          self.sliding_window)
         hid = self.drafter(noise, feats, pos, mask)
         labels, weights = labels_and_weights(ids, lm, anchors, keep, self.block_size, args.gamma)
         loss, wsum = dflash_loss(hid, self.lm_head.weight, labels, weights,

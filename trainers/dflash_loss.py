@@ -108,15 +108,38 @@ def block_inputs(
     return ids.reshape(bsz, n * block_size), pos.reshape(bsz, n * block_size)
 
 
-def build_attention_mask(anchors: torch.Tensor, seq_len: int, block_size: int) -> torch.Tensor:
-    """Dense bool mask ``[b, 1, N*B, S + N*B]``: context strictly before the anchor + own block."""
+def build_attention_mask(anchors: torch.Tensor, seq_len: int, block_size: int,
+                         sliding_window: int | None = None) -> torch.Tensor:
+    """Dense bool mask ``[b, 1, N*B, S + N*B]``: context strictly before the anchor + own block.
+
+    With ``sliding_window`` W (a sliding_attention layer; SpecForge's ``create_dflash_sdpa_mask``):
+    block slot k (anchor a) sees the context positions ``a+k-(W-1) <= j < a`` and the slots
+    ``0..k`` of its own block (the slot itself takes one place of the window).
+    """
     bsz, n = anchors.shape
     dev = anchors.device
     q_anchor = anchors.repeat_interleave(block_size, dim=1)  # [b, NB]
-    ctx = torch.arange(seq_len, device=dev).view(1, 1, seq_len) < q_anchor.unsqueeze(-1)  # [b, NB, S]
-    blk_q = torch.arange(n * block_size, device=dev) // block_size
-    own = (blk_q.view(-1, 1) == blk_q.view(1, -1)).unsqueeze(0).expand(bsz, -1, -1)  # [b, NB, NB]
+    kv = torch.arange(seq_len, device=dev).view(1, 1, seq_len)
+    ctx = kv < q_anchor.unsqueeze(-1)  # [b, NB, S]
+    q_idx = torch.arange(n * block_size, device=dev)
+    blk_q, off_q = q_idx // block_size, q_idx % block_size
+    own = blk_q.view(-1, 1) == blk_q.view(1, -1)  # [NB, NB]
+    if sliding_window is not None:
+        lower = q_anchor + off_q.view(1, -1) - (int(sliding_window) - 1)  # [b, NB]
+        ctx = ctx & (kv >= lower.unsqueeze(-1))
+        own = own & (off_q.view(1, -1) <= off_q.view(-1, 1))
+    own = own.unsqueeze(0).expand(bsz, -1, -1)  # [b, NB, NB]
     return torch.cat([ctx, own], dim=-1).unsqueeze(1)
+
+
+def visible_keys(anchors: torch.Tensor, block_size: int, sliding_window: int | None = None) -> float:
+    """Keys each block query attends to, summed over all queries (what the attention FLOPs need)."""
+    k = torch.arange(block_size, device=anchors.device, dtype=torch.float64)
+    a = anchors.to(torch.float64).unsqueeze(-1)  # [b, N, 1]
+    if sliding_window is None:
+        return float((a + block_size).expand(-1, -1, block_size).sum().item())
+    ctx = torch.minimum(a, (int(sliding_window) - 1 - k).clamp(min=0))
+    return float((ctx + k + 1).sum().item())
 
 
 def labels_and_weights(
@@ -380,6 +403,7 @@ __all__ = [
     "sample_anchors",
     "block_inputs",
     "build_attention_mask",
+    "visible_keys",
     "labels_and_weights",
     "chunked_linear_cross_entropy",
     "plain_linear_cross_entropy",
