@@ -53,7 +53,11 @@ Topologies
     process (no torchrun) gets a one-rank group, so the same FSDP2 path (with
     its bf16 mixed precision on GPU) applies. ``--compile`` compiles each
     drafter layer and each target decoder layer.
-    ``split``: ``--target-ranks`` (e.g. ``0,1`` or ``0-1``) only run the target
+    ``split``: a drafter rank does not load the target: with ``--target PATH`` it reads
+    only the embedding and lm_head by tensor name from the target's safetensors
+    (memory-mapped; ``trainers/dflash_weights.py``), so its host RAM holds no
+    transformer weights (the manifest's ``target_load`` and ``host_rss_*_mib`` say so).
+    ``--target-ranks`` (e.g. ``0,1`` or ``0-1``) only run the target
     and ``--drafter-ranks`` only the drafter (FSDP2 over a ``dist.new_group`` of
     them). Global batch ``g = (step*grad_accum + micro)*n_drafter + j`` goes to
     drafter ``j`` and is produced by target ``g % n_target``. Target ranks send
@@ -726,9 +730,22 @@ class Trainer:
         from trainers.flops import count_params
 
         args = self.args
-        # every rank loads the target: target ranks run it, drafter ranks keep its embedding/lm_head
-        where = self.device if self.is_target else torch.device("cpu")
-        target = load_target(args, where, self.dtype)
+        from trainers.dflash_weights import has_safetensors, host_rss_mib, load_embedding_and_head, target_skeleton
+
+        # target ranks load the whole target and run it; a split drafter rank needs only its
+        # embedding and lm_head: read by name from the safetensors (a meta-device skeleton gives
+        # the config and counts), never the whole target (trainers/dflash_weights.py)
+        self.rss_before_models = host_rss_mib()
+        self.embed = self.lm_head = None
+        if not self.is_target and args.target and has_safetensors(args.target):
+            target = target_skeleton(args.target, self.dtype)
+            self.embed, self.lm_head = load_embedding_and_head(args.target, target, self.device, self.dtype)
+            self.head_load = "embedding and lm_head only, by tensor name from the target's safetensors (mmap)"
+        else:
+            where = self.device if self.is_target else torch.device("cpu")
+            target = load_target(args, where, self.dtype)
+            self.head_load = ("whole target (a random-weight target is built whole to match the target ranks)"
+                              if not self.is_target else "whole target (this rank runs it)")
         self.target_config = target.config
         self.target_params_total = count_params(target)[0]
         mask_id = args.mask_token_id
@@ -762,12 +779,13 @@ class Trainer:
         if not args.no_eval:
             self._setup_eval(target)
 
-        if self.is_drafter:
+        if self.is_drafter and self.embed is None:
             self.embed = target.get_input_embeddings().to(self.device)
             self.lm_head = target.get_output_embeddings().to(self.device)
         self.target = target if self.is_target else None
         if not self.is_target:
             del target
+        self.rss_after_target = host_rss_mib()
 
         self.drafter = None
         if self.is_drafter:
@@ -898,6 +916,10 @@ class Trainer:
             drafter_layer_types=self.layer_types,
             drafter_sliding_window=self.sliding_window,
             drafter_config=args.drafter_config,
+            target_load=self.head_load,
+            host_rss_before_models_mib=self.rss_before_models["rss_mib"],
+            host_rss_after_target_mib=self.rss_after_target["rss_mib"],
+            host_rss_peak_after_target_mib=self.rss_after_target["rss_peak_mib"],
             num_anchors=args.num_anchors,
             target_layer_ids=self.layer_ids,
             mask_token_id=self.mask_token_id,
