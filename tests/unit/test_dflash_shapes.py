@@ -134,3 +134,28 @@ def test_an_exported_sliding_window_drafter_matches_specforges_model_in_float64(
     auto = AutoModel.from_pretrained(str(folder), trust_remote_code=True, dtype=torch.float64).eval()
     with torch.no_grad():
         assert torch.allclose(auto(noise, feats, pos, masks), out_mine, atol=1e-12)
+
+
+def test_the_target_runs_and_counts_only_the_layers_the_features_need():
+    from transformers import AutoModelForCausalLM
+
+    from trainers.dflash import TargetFlops, target_features, truncate_target
+    from trainers.dflash_model import build_target_layer_ids
+
+    tc = _target(layers=10)
+    torch.manual_seed(0)
+    target = AutoModelForCausalLM.from_config(tc).double().eval()
+    ids = build_target_layer_ids(10, 3)
+    assert ids == [1, 4, 7]
+    x = torch.randint(0, 60, (2, 12))
+    with torch.no_grad():
+        want = target_features(target, x, ids)
+    per_layer = sum(p.numel() for p in target.model.layers[0].parameters())
+    fl = TargetFlops(target, ids)
+    assert fl.layers_needed == 8 and fl.dense == 2.0 * 8 * per_layer
+    assert truncate_target(target, ids, "cpu") == 8 and len(target.model.layers) == 8
+    with torch.no_grad():
+        assert torch.equal(target_features(target, x, ids), want)
+    causal, tt = fl.batch(2, 12)
+    attn_full = 2.0 * 8 * 4 * 2 * 8 * 12  # 2 * L_run * heads * 2 * head_dim * S, per token
+    assert tt == 24 * (fl.dense + attn_full) and causal == 24 * (fl.dense + attn_full / 2)
