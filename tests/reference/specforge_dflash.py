@@ -23,7 +23,7 @@ copyright notice and this permission notice shall be included in all copies or s
 portions of the Software. THE SOFTWARE IS PROVIDED "AS IS", WITHOUT WARRANTY OF ANY KIND.
 """
 
-from typing import Callable, Optional
+from typing import Callable
 
 import torch
 from torch import nn

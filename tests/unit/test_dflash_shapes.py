@@ -113,7 +113,7 @@ def test_an_exported_sliding_window_drafter_matches_specforges_model_in_float64(
     ids = torch.randint(0, 60, (2, S), generator=g)
     anchors = torch.stack([torch.sort(torch.randperm(S - 1, generator=g)[:N]).values for _ in range(2)])
     keep = torch.ones_like(anchors, dtype=torch.bool)
-    bids, bpos = block_inputs(ids, anchors, B, 63)
+    _, bpos = block_inputs(ids, anchors, B, 63)
     noise = torch.randn(2, N * B, 32, generator=g, dtype=torch.float64)
     pos = torch.cat([torch.arange(S).unsqueeze(0).expand(2, -1), bpos], 1)
     masks = make_masks(anchors, S, B, "sdpa", "cpu", mine.layer_types, mine.sliding_window)
