@@ -168,16 +168,10 @@ def seed_train_argv(folder: Path, target: str, steps: int, out: Path, compile_: 
     return argv + (["--compile"] if compile_ else [])
 
 
-def bench_seed(args) -> None:
-    from agents.estimate import estimate
-    from agents.protocol import LaunchSpec
-
-    out = Path(tempfile.mkdtemp(prefix="dflash_seed_"))
+def run_trainer(cmd: list[str], out: Path, label: str, args) -> tuple[object, list[dict], float]:
+    """Run one ``trainers.dflash`` command line with its telemetry in ``out``; (exit code, records, wall s)."""
     tel = out / "telemetry.jsonl"
-    argv = seed_train_argv(out / "configs", args.seed_target, args.steps, out / "run", not args.no_compile)
-    cmd = [sys.executable, "-m", "trainers.dflash", *argv]
     env = dict(os.environ, GPUDECK_TELEMETRY=str(tel), PYTHONUNBUFFERED="1")
-    label = f"seed.{args.seed_target}" + ("" if args.no_compile else ".compile")
     print("$ " + " ".join(cmd), flush=True)
     t0 = time.time()
     log = (Path(args.log_dir) if args.log_dir else out) / f"{label}.log"
@@ -185,16 +179,28 @@ def bench_seed(args) -> None:
     with open(log, "w") as fh:
         p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=fh, stderr=subprocess.STDOUT, text=True)
         try:
-            rc = p.wait(timeout=args.timeout)
+            rc: object = p.wait(timeout=args.timeout)
         except subprocess.TimeoutExpired:
             p.kill()
-            rc = f"timeout after {args.timeout}s ({p.wait()})"
+            p.wait()
+            rc = f"timeout after {args.timeout}s"
     text = log.read_text()
     print("\n".join(line for line in text.splitlines() if "Warning" not in line)[-2500:], flush=True)
     recs = [json.loads(x) for x in tel.read_text().splitlines() if x.strip()] if tel.exists() else []
+    return rc, recs, time.time() - t0
+
+
+def bench_seed(args) -> None:
+    from agents.estimate import estimate
+    from agents.protocol import LaunchSpec
+
+    out = Path(tempfile.mkdtemp(prefix="dflash_seed_"))
+    argv = seed_train_argv(out / "configs", args.seed_target, args.steps, out / "run", not args.no_compile)
+    label = f"seed.{args.seed_target}" + ("" if args.no_compile else ".compile")
+    rc, recs, wall = run_trainer([sys.executable, "-m", "trainers.dflash", *argv], out, label, args)
     steps = [r for r in recs if r["type"] == "step" and r["step"] > args.skip]
     if rc != 0 or not steps:
-        result(label, "FAILED", "-", rc=str(rc).replace(" ", "_"), wall_s=f"{time.time() - t0:.0f}")
+        result(label, "FAILED", "-", rc=str(rc).replace(" ", "_"), wall_s=f"{wall:.0f}")
         return
     man = next(r for r in recs if r["type"] == "manifest")
     med = {k: statistics.median(r[k] for r in steps) for k in ("tokens_per_s", "mfu", "mfu_torchtitan", "step_s")}
@@ -219,7 +225,6 @@ def bench_train(args) -> None:
         attn, layers, batch = spec.split(":")[:3]
         compile_ = spec.endswith(":compile")
         out = Path(tempfile.mkdtemp(prefix="dflash_bench_"))
-        tel = out / "telemetry.jsonl"
         cmd = [sys.executable, "-m", "trainers.dflash", "--target-config", args.target_config,
                "--fresh", "--out", str(out / "run"), "--no-eval", "--max-steps", str(args.steps),
                "--seq-len", str(args.seq_len), "--batch-size", batch, "--block-size", str(args.block_size),
@@ -230,26 +235,11 @@ def bench_train(args) -> None:
             cmd.append("--compile")
         if args.gamma is not None:
             cmd += ["--gamma", str(args.gamma)]
-        env = dict(os.environ, GPUDECK_TELEMETRY=str(tel), PYTHONUNBUFFERED="1")
         label = f"train.{attn}.L{layers}.B{batch}" + (".compile" if compile_ else "")
-        print("$ " + " ".join(cmd), flush=True)
-        t0 = time.time()
-        log = (Path(args.log_dir) if args.log_dir else out) / f"{label}.log"
-        log.parent.mkdir(parents=True, exist_ok=True)
-        with open(log, "w") as fh:
-            p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=fh, stderr=subprocess.STDOUT, text=True)
-            try:
-                rc = p.wait(timeout=args.timeout)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                rc = p.wait()
-                rc = f"timeout after {args.timeout}s"
-        text = log.read_text()
-        print("\n".join(line for line in text.splitlines() if "Warning" not in line)[-2500:], flush=True)
-        recs = [json.loads(x) for x in tel.read_text().splitlines() if x.strip()] if tel.exists() else []
+        rc, recs, wall = run_trainer(cmd, out, label, args)
         steps = [r for r in recs if r["type"] == "step" and r["step"] > args.skip]
         if rc != 0 or not steps:
-            result(label, "FAILED", "-", rc=str(rc).replace(" ", "_"), wall_s=f"{time.time() - t0:.0f}",
+            result(label, "FAILED", "-", rc=str(rc).replace(" ", "_"), wall_s=f"{wall:.0f}",
                    steps_done=len([r for r in recs if r["type"] == "step"]))
             continue
         man = next(r for r in recs if r["type"] == "manifest")
