@@ -408,7 +408,7 @@ def _trainer_parser(trainer: str) -> argparse.ArgumentParser:
     if trainer == "trainers.dflash":
         for opt in ("--target", "--target-config", "--gamma", "--mask-token-id", "--target-ranks", "--drafter-ranks",
                     "--eval-every", "--eval-samples", "--eval-prompt-len", "--eval-gen-len", "--val-fraction",
-                    "--drafter-config"):
+                    "--drafter-config", "--profile-steps"):
             p.add_argument(opt, default=None)
         p.add_argument("--token-budget", type=int, default=None)
         p.add_argument("--loss-on-prompt", action="store_true")

@@ -30,7 +30,7 @@ Run on the accelerator, e.g.::
 
     python bench/dflash_bench.py --part loss
     python bench/dflash_bench.py --part train --configs sdpa:5:4,flex:5:4 --steps 12
-    python bench/dflash_bench.py --part seed --seed-target qwen3-14b --steps 12
+    python bench/dflash_bench.py --part seed --seed-target qwen3-14b --steps 12 --profile
 """
 
 from __future__ import annotations
@@ -196,6 +196,8 @@ def bench_seed(args) -> None:
 
     out = Path(tempfile.mkdtemp(prefix="dflash_seed_"))
     argv = seed_train_argv(out / "configs", args.seed_target, args.steps, out / "run", not args.no_compile)
+    if args.profile:
+        argv += ["--profile-steps", f"{args.steps - 1}-{args.steps}"]
     label = f"seed.{args.seed_target}" + ("" if args.no_compile else ".compile")
     rc, recs, wall = run_trainer([sys.executable, "-m", "trainers.dflash", *argv], out, label, args)
     steps = [r for r in recs if r["type"] == "step" and r["step"] > args.skip]
@@ -212,6 +214,9 @@ def bench_seed(args) -> None:
            drafter_params=man["drafter_params_trainable"], target_layers_run=man["target_layers_run"])
     result(f"{label}.mfu", f"{med['mfu'] * 100:.1f}", "%", convention="causal",
            mfu_torchtitan=f"{med['mfu_torchtitan'] * 100:.1f}%")
+    prof = out / "run" / "profile" / "rank0.txt"
+    if prof.is_file():
+        print(prof.read_text()[:6000], flush=True)
     result(f"{label}.mem_peak", f"{peak:.1f}", "GiB", estimate=f"{est.per_gpu_bytes / 2**30:.1f}GiB",
            ratio=f"{est.per_gpu_bytes / 2**30 / peak:.2f}",
            parts=",".join(f"{k}:{v / 2**30:.1f}" for k, v in est.parts.items()))
@@ -265,6 +270,8 @@ def main() -> int:
     ap.add_argument("--part", default="all", choices=["all", "loss", "train", "seed"])
     ap.add_argument("--seed-target", default="qwen3-14b", choices=sorted(SEED_TARGETS))
     ap.add_argument("--no-compile", action="store_true", help="seed: eager drafter and target")
+    ap.add_argument("--profile", action="store_true",
+                    help="seed: torch.profiler over the last two steps; prints where the step time goes")
     ap.add_argument("--rows", type=int, default=1024 * 32)
     ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument("--vocab", type=int, default=151936)

@@ -113,6 +113,12 @@ Output
     so it loads with trust_remote_code), ``OUT/result.json`` (final_step, stopped,
     drafter_dir, eval_first, eval_last, topology, world_size).
 
+``--profile-steps A-B`` runs torch.profiler over those steps and writes
+``OUT/profile/rank<r>.txt``: the step's phases (``dflash.target_forward``,
+``dflash.drafter_forward``, ``dflash.lm_head_loss``, ``dflash.drafter_backward``,
+``dflash.anchors_and_masks``) and the top ops by device time, which is where an MFU
+short of its goal is looked for.
+
 MFU counts, per step and device, the work required (``mfu_convention`` in the manifest):
 the target's forward over only the layers the features need (``hidden_states[id + 1]``
 up to the largest target layer id; the layers after it are dropped once the eval set is
@@ -152,6 +158,17 @@ ROLE_COLOCATED, ROLE_TARGET, ROLE_DRAFTER = "colocated", "target", "drafter"
 def parse_rank_list(text: str) -> list[int]:
     """'0,1' / '0-1' / '2' -> sorted unique rank list."""
     return parse_index_list(text)
+
+
+def _step_span(text: str) -> tuple[int, int]:
+    a, _, b = str(text).partition("-")
+    try:
+        lo, hi = int(a), int(b or a)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give steps as A-B (e.g. 6-7)") from None
+    if lo < 1 or hi < lo:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a rising span of steps >= 1 (e.g. 6-7)")
+    return lo, hi
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -204,6 +221,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--eval-gen-len", type=int, default=64)
     g.add_argument("--val-fraction", type=float, default=0.02, help="tail of the stream held out for eval")
     g.add_argument("--no-eval", action="store_true", help="skip tau evaluation (benchmarks)")
+    g.add_argument("--profile-steps", type=_step_span, default=None,
+                   help="A-B: torch.profiler over steps A..B; the table goes to OUT/profile/rank<r>.txt "
+                        "(the dflash.* phases and the top ops by device time)")
     g.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32"],
                    help="target/compute dtype (auto: bf16 on CUDA, fp32 on CPU)")
     p.set_defaults(lr=6e-4, weight_decay=0.0, seq_len=512, batch_size=2, max_steps=100)
@@ -1185,20 +1205,25 @@ class Trainer:
 
         args = self.args
         bsz, seq = ids.shape
-        anchors, keep = sample_anchors(lm, args.num_anchors)
-        anchors, keep = anchors.to(self.device), keep.to(self.device)
-        bids, bpos = block_inputs(ids, anchors, self.block_size, self.mask_token_id)
-        with torch.no_grad():
-            noise = self.embed(bids)
-        pos = torch.cat([torch.arange(seq, device=self.device).unsqueeze(0).expand(bsz, -1), bpos], 1)
-        mask = make_masks(anchors, seq, self.block_size, args.attn, self.device, self.layer_types,
-                          self.sliding_window)
-        hid = self.drafter(noise, feats, pos, mask)
+        rf = torch.profiler.record_function
+        with rf("dflash.anchors_and_masks"):
+            anchors, keep = sample_anchors(lm, args.num_anchors)
+            anchors, keep = anchors.to(self.device), keep.to(self.device)
+            bids, bpos = block_inputs(ids, anchors, self.block_size, self.mask_token_id)
+            with torch.no_grad():
+                noise = self.embed(bids)
+            pos = torch.cat([torch.arange(seq, device=self.device).unsqueeze(0).expand(bsz, -1), bpos], 1)
+            mask = make_masks(anchors, seq, self.block_size, args.attn, self.device, self.layer_types,
+                              self.sliding_window)
+        with rf("dflash.drafter_forward"):
+            hid = self.drafter(noise, feats, pos, mask)
         labels, weights = labels_and_weights(ids, lm, anchors, keep, self.block_size, self.gamma)
         # the weighted CE *sum*: normalised once per step by the global weight (finish_global_mean)
-        loss_sum, wsum = dflash_loss(hid, self.lm_head.weight, labels, weights,
-                                     chunk_rows=args.loss_chunk_rows, mode=args.loss_mode, normalize=False)
-        (loss_sum * scale).backward()
+        with rf("dflash.lm_head_loss"):
+            loss_sum, wsum = dflash_loss(hid, self.lm_head.weight, labels, weights,
+                                         chunk_rows=args.loss_chunk_rows, mode=args.loss_mode, normalize=False)
+        with rf("dflash.drafter_backward"):
+            (loss_sum * scale).backward()
         n_rows = int((weights > 0).sum().item())
         flops = drafter_step_flops(self.dcfg, self.n_layer_params, self.n_fc, seq, anchors, n_rows,
                                    self.vocab)
@@ -1303,6 +1328,7 @@ class Trainer:
                 while not self._ckpt_due(stop):
                     stop += 1
                 pending_iter = my_batches(step, stop)
+            self._profile_begin(step)
             self._sync()
             t_step = time.perf_counter()
             loss_sum, weight_sum, flops, flops_tt, ctx_tokens = 0.0, 0.0, 0.0, 0.0, 0
@@ -1324,7 +1350,7 @@ class Trainer:
                 else:
                     ids, lm = self._next_local_batch()
                     tf = time.perf_counter()
-                    with torch.no_grad():
+                    with torch.no_grad(), torch.profiler.record_function("dflash.target_forward"):
                         feats = target_features(self.target, ids, self.layer_ids)
                     t_fwd += time.perf_counter() - tf
                     f_causal, f_tt = self.target_flops.batch(*ids.shape)
@@ -1357,6 +1383,7 @@ class Trainer:
                 stop_now = votes[0] > 0
             self._sync()
             dt = time.perf_counter() - t_step
+            self._profile_end(step)
             if split and (self._ckpt_due(step) or stop_now):
                 # everything up to the checkpoint boundary (or the stop) is consumed; re-plan after it
                 assert not inbox, [it[:2] for it in inbox]
@@ -1392,6 +1419,42 @@ class Trainer:
             if self._ckpt_due(step):
                 self.save(step)
         return step, stopped
+
+    def _profile_begin(self, step: int) -> None:
+        """``--profile-steps A-B``: start torch.profiler before step A (CPU + CUDA activity)."""
+        import torch
+
+        span = self.args.profile_steps
+        if span and step == span[0]:
+            acts = [torch.profiler.ProfilerActivity.CPU]
+            if self.device.type == "cuda":
+                acts.append(torch.profiler.ProfilerActivity.CUDA)
+            self._prof = torch.profiler.profile(activities=acts, record_shapes=False)
+            self._prof.__enter__()
+
+    def _profile_end(self, step: int) -> None:
+        """After step B: OUT/profile/rank<r>.txt, the ops and the dflash.* phases by device time."""
+        span = self.args.profile_steps
+        prof = getattr(self, "_prof", None)
+        if not span or prof is None or step != span[1]:
+            return
+        prof.__exit__(None, None, None)
+        self._prof = None
+        cuda = self.device.type == "cuda"
+        key = "self_cuda_time_total" if cuda else "self_cpu_time_total"
+        avg = prof.key_averages()
+        phases = [e for e in avg if e.key.startswith("dflash.")]
+        folder = Path(self.args.out) / "profile"
+        folder.mkdir(parents=True, exist_ok=True)
+        path = folder / f"rank{self.ctx.rank}.txt"
+        n = span[1] - span[0] + 1
+        lines = [f"steps {span[0]}-{span[1]} ({n}), rank {self.ctx.rank}, sorted by {key}", "", "phases:"]
+        for e in sorted(phases, key=lambda e: -(e.device_time_total if cuda else e.cpu_time_total)):
+            dev = f" device {e.device_time_total / 1000 / n:10.2f} ms/step" if cuda else ""
+            lines.append(f"  {e.key:28s} cpu {e.cpu_time_total / 1000 / n:10.2f} ms/step{dev}")
+        lines += ["", avg.table(sort_by=key, row_limit=40)]
+        path.write_text("\n".join(lines) + "\n")
+        self.tel.emit("profile", steps=list(span), path=str(path))
 
     def _eval_due(self, step: int) -> bool:
         every = self.args.eval_every
