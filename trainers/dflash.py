@@ -420,11 +420,17 @@ def load_target(args, device, dtype):
         with torch.device(device):
             model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
     model.eval().requires_grad_(False)
-    if getattr(args, "compile", False):
-        # per-block compile of the frozen target too (its forward is a large share of the step)
-        for layer in getattr(model.base_model, "layers", []):
-            layer.compile()
     return model
+
+
+def compile_target(model) -> None:
+    """Per-block compile of the frozen target (its forward is a large share of the step).
+
+    Done after the eval set and ``truncate_target``, so that the compiled blocks first see
+    the training shapes.
+    """
+    for layer in getattr(model.base_model, "layers", []):
+        layer.compile()
 
 
 def target_features(target, input_ids, layer_ids):
@@ -933,6 +939,8 @@ class Trainer:
         if self.is_target:
             # after the eval set (its greedy continuation needs the whole target and its lm_head)
             self.target_layers_run = truncate_target(target, self.layer_ids, self.device)
+            if args.compile:
+                compile_target(target)
         self.target = target if self.is_target else None
         if not self.is_target:
             del target
