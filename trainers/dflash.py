@@ -351,10 +351,15 @@ def drafter_config_from_file(cfg: dict[str, Any], target_config, block_size: int
         layer_types=cfg["layer_types"], sliding_window=cfg.get("sliding_window"),
         intermediate_size=cfg.get("intermediate_size"),
     )
-    # the published shape's attention widths where the file gives them
-    for key in ("num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps"):
+    # the published shape's attention widths and RoPE where the file gives them
+    for key in ("num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps", "max_position_embeddings"):
         if cfg.get(key) is not None:
             setattr(dcfg, key, cfg[key])
+    rope = cfg.get("rope_parameters")
+    theta = rope.get("rope_theta") if isinstance(rope, dict) else None
+    theta = theta or cfg.get("rope_theta")
+    if theta:
+        dcfg.rope_parameters = {"rope_type": "default", "rope_theta": float(theta)}
     return dcfg
 
 

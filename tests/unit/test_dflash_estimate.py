@@ -49,6 +49,10 @@ def test_the_seed_drafter_rank_estimate_is_split_by_part_and_names_the_largest(t
     assert e.per_gpu_bytes < 96e9  # the seed's drafter ranks fit a 96 GB GPU
     compiled = estimate(LaunchSpec(kind="dflash", argv=_seed_argv(tmp_path, "--compile")))
     assert compiled is not None and compiled.parts["activations"] < e.parts["activations"]
+    # a token budget of two full-length records: twice the block positions and features
+    budget = estimate(LaunchSpec(kind="dflash", argv=_seed_argv(tmp_path, "--token-budget", "8192")))
+    assert budget is not None and 1.9 < budget.parts["activations"] / e.parts["activations"] < 2.1
+    assert budget.parts["weights"] == e.parts["weights"] and budget.parts["optimizer"] == e.parts["optimizer"]
 
 
 def test_the_estimated_drafter_is_the_one_the_trainer_builds_from_the_config():

@@ -48,6 +48,7 @@ def test_the_qwen36_27b_drafter_config_is_read_as_published():
     assert dcfg.dflash_config == {"mask_token_id": 248070, "target_layer_ids": [1, 16, 31, 46, 61]}
     assert (dcfg.num_attention_heads, dcfg.num_key_value_heads, dcfg.head_dim) == (32, 8, 128)
     assert dcfg.intermediate_size == 17408 and dcfg.block_size == 32
+    assert dcfg.rope_parameters["rope_theta"] == 1e7 and dcfg.max_position_embeddings == 262144
     with torch.device("meta"):
         d = DFlashDraftModel(dcfg)
     assert [layer.self_attn.sliding_window for layer in d.layers] == [2048] * 4 + [None]
