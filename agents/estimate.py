@@ -206,20 +206,32 @@ def param_count(config: dict[str, Any]) -> int:
     return model_shape(config).params
 
 
-def drafter_params(target: ModelShape, drafter_layers: int) -> int:
+def drafter_params(target: ModelShape, drafter_layers: int, drafter_config: dict[str, Any] | None = None,
+                   n_context_layers: int | None = None) -> int:
     """Trainable parameters of a DFlash drafter on ``target`` (trainers/dflash_model.py's DFlashDraftModel).
 
     Qwen3-style blocks of the target's width and heads (q_norm/k_norm, no biases), a final norm,
-    ``fc`` from the concatenated target layers (one per drafter layer) to the hidden size, and its norm.
+    ``fc`` from the concatenated target layers (one per drafter layer, or the config's
+    ``target_layer_ids``) to the hidden size, and its norm. A ``--drafter-config`` dict gives the
+    blocks' heads and intermediate size.
     """
-    block = _drafter_block(target)
+    block = _drafter_block(target, drafter_config)
     h = target.hidden
-    return drafter_layers * block.layer_params + h + drafter_layers * h * h + h
+    n_ctx = n_context_layers if n_context_layers is not None else drafter_layers
+    return drafter_layers * block.layer_params + h + n_ctx * h * h + h
 
 
-def _drafter_block(target: ModelShape) -> ModelShape:
-    return ModelShape(model_type="qwen3", vocab=target.vocab, hidden=target.hidden, intermediate=target.intermediate,
-                      layers=1, heads=target.heads, kv_heads=target.kv_heads, head_dim=target.head_dim, tied=False,
+def _drafter_block(target: ModelShape, drafter_config: dict[str, Any] | None = None) -> ModelShape:
+    c = drafter_config or {}
+
+    def pick(key: str, default: int) -> int:
+        v = c.get(key)
+        return int(v) if isinstance(v, int) and not isinstance(v, bool) and v > 0 else default
+
+    return ModelShape(model_type="qwen3", vocab=target.vocab, hidden=target.hidden,
+                      intermediate=pick("intermediate_size", target.intermediate), layers=1,
+                      heads=pick("num_attention_heads", target.heads), kv_heads=pick("num_key_value_heads", target.kv_heads),
+                      head_dim=pick("head_dim", target.head_dim), tied=False,
                       qkv_bias=False, o_bias=False, mlp_bias=False, qk_norm=True)
 
 
@@ -395,8 +407,11 @@ def _trainer_parser(trainer: str) -> argparse.ArgumentParser:
     p.add_argument("--grad-accum", type=int, default=1)
     if trainer == "trainers.dflash":
         for opt in ("--target", "--target-config", "--gamma", "--mask-token-id", "--target-ranks", "--drafter-ranks",
-                    "--eval-every", "--eval-samples", "--eval-prompt-len", "--eval-gen-len", "--val-fraction"):
+                    "--eval-every", "--eval-samples", "--eval-prompt-len", "--eval-gen-len", "--val-fraction",
+                    "--drafter-config", "--profile-steps"):
             p.add_argument(opt, default=None)
+        p.add_argument("--token-budget", type=int, default=None)
+        p.add_argument("--loss-on-prompt", action="store_true")
         p.add_argument("--drafter-layers", type=int, default=None)
         p.add_argument("--block-size", type=int, default=None)
         p.add_argument("--num-anchors", type=int, default=512)
@@ -575,29 +590,57 @@ def _dflash_target(a: argparse.Namespace, cwd: Path) -> tuple[dict[str, Any], st
     return config, f"target {source}"
 
 
-def _dflash_shape_args(a: argparse.Namespace, cwd: Path) -> tuple[int, int]:
-    """Drafter layers and block size: as given, else the saved drafter's (--init-from), else the defaults."""
+def _dflash_shape_args(a: argparse.Namespace, cwd: Path) -> tuple[int, int, dict[str, Any] | None]:
+    """Drafter layers, block size and the --drafter-config dict: as given, else the saved drafter's
+    (--init-from) or the config file's, else the defaults."""
     layers, block = a.drafter_layers, a.block_size
+    dcfg = None
+    if a.drafter_config is not None:
+        dcfg = _read_json(_resolve(a.drafter_config, cwd), f"--drafter-config {a.drafter_config}")
+        types = dcfg.get("layer_types")
+        n = dcfg.get("num_hidden_layers", len(types) if isinstance(types, list) else None)
+        layers = layers if layers is not None else n
+        block = block if block is not None else dcfg.get("block_size")
     if a.init_from is not None and (layers is None or block is None):
         saved = _read_json(_resolve(a.init_from, cwd) / "config.json", f"--init-from {a.init_from}")
+        dcfg = saved
         layers = layers if layers is not None else saved.get("num_hidden_layers")
         block = block if block is not None else saved.get("block_size")
     layers = layers if isinstance(layers, int) else DFLASH_DEFAULTS["drafter_layers"]
     block = block if isinstance(block, int) else DFLASH_DEFAULTS["block_size"]
-    return layers, block
+    return layers, block, dcfg
+
+
+def _largest(parts: dict[str, int]) -> str:
+    name = max(parts, key=lambda k: parts[k])
+    return f"largest part: {name.replace('_', ' ')} {_gib(parts[name])}"
 
 
 def estimate_dflash(parsed: LaunchArgv, world: int, world_note: str, cwd: Path) -> MemoryEstimate:
-    """Per-GPU memory of a trainers.dflash run (colocated, or the larger side of split)."""
+    """Per-GPU memory of a trainers.dflash run (colocated, or the larger side of split).
+
+    ``parts`` are the four the question asks about — ``weights`` (the frozen target, or a
+    split drafter rank's embedding and lm_head, plus the drafter's gathered bf16 parameters),
+    ``optimizer`` (the drafter's fp32 weights, gradients and AdamW moments, sharded),
+    ``activations`` (what the drafter keeps for backward, its masks, the target features) and
+    ``lm_head_chunk`` (the chunked lm_head + cross-entropy) — and the CUDA context; ``method``
+    names the largest and breaks each down.
+    """
     a = parse_trainer_args("trainers.dflash", parsed.trainer_args)
     config, source = _dflash_target(a, cwd)
     t_shape = model_shape(config)
     n_target = t_shape.params
-    d_layers, block = _dflash_shape_args(a, cwd)
-    n_drafter = drafter_params(t_shape, d_layers)
-    d_block = _drafter_block(t_shape)
+    d_layers, block, dcfg = _dflash_shape_args(a, cwd)
+    ids = ((dcfg or {}).get("dflash_config") or {}).get("target_layer_ids")
+    n_ctx = len(ids) if isinstance(ids, list) and ids else d_layers
+    n_drafter = drafter_params(t_shape, d_layers, dcfg, n_ctx)
+    d_block = _drafter_block(t_shape, dcfg)
+    types = (dcfg or {}).get("layer_types") or []
+    sliding = "sliding_attention" in types
     elem = _elem(a.dtype)
-    b, t = a.batch_size, a.seq_len
+    t = a.seq_len
+    # a token budget packs budget // seq_len full-length records (the batch the budget allows at worst)
+    b = max(1, a.token_budget // t) if a.token_budget else a.batch_size
     anchors = min(a.num_anchors, t)
     q_per_seq = anchors * block  # block positions the drafter runs per sequence
     q_pos = b * q_per_seq
@@ -612,8 +655,9 @@ def estimate_dflash(parsed: LaunchArgv, world: int, world_note: str, cwd: Path) 
         attn = "flex"  # on CUDA
     mask = 0
     if attn == "sdpa":
-        # the dense bool mask (1 B), its bf16 additive copy per layer, and k/v repeated to all heads (SDPA without GQA)
-        mask = b * q_per_seq * (t + q_per_seq) * (1 + 2 * d_layers)
+        # the dense bool mask (1 B; a second one for the sliding layers), its bf16 additive copy per layer,
+        # and k/v repeated to all heads (SDPA without GQA)
+        mask = b * q_per_seq * (t + q_per_seq) * ((2 if sliding else 1) + 2 * d_layers)
         mask += d_layers * kv_pos * 2 * (d_block.q_dim - d_block.kv_dim) * elem
     if a.loss_mode == "plain":
         loss = q_pos * t_shape.vocab * 12
@@ -621,27 +665,30 @@ def estimate_dflash(parsed: LaunchArgv, world: int, world_note: str, cwd: Path) 
         loss = a.loss_chunk_rows * t_shape.vocab * 10
     else:
         loss = a.loss_chunk_rows * t_shape.vocab * 4 + q_pos * h * 4
-    features = b * t * d_layers * h * elem
+    features = b * t * n_ctx * h * elem
+    shape_note = (f"{d_layers}-layer drafter" + (f" ({types.count('sliding_attention')} sliding, window "
+                                                   f"{(dcfg or {}).get('sliding_window')})" if sliding else "")
+                  + f", {n_drafter:,} params")
 
     if a.topology == "split":
         if not a.target_ranks or not a.drafter_ranks:
             raise EstimateError("--topology split needs --target-ranks and --drafter-ranks")
         n_d = len(parse_rank_list(a.drafter_ranks))
+        hidden_states = b * t * (t_shape.layers + 1) * h * elem
         target_side = {
-            "target_weights": n_target * elem,
+            "weights": n_target * elem,
+            "optimizer": 0,
             # the base model keeps every layer's hidden states (output_hidden_states) while it runs
-            "target_hidden_states": b * t * (t_shape.layers + 1) * h * elem,
-            "queued_features": a.queue_depth * features,
+            "activations": hidden_states + a.queue_depth * features,
+            "lm_head_chunk": 0,
             "cuda_context": CUDA_SLACK_BYTES,
         }
         head = t_shape.embedding_params + t_shape.lm_head_params
         drafter_side = {
-            "embedding_lm_head": head * elem,
-            "drafter_weights_grads_adamw": SHARDED_STATE_BYTES * n_drafter // max(1, n_d),
-            "drafter_params_in_flight": n_drafter * elem,
-            "queued_features": a.queue_depth * features,
-            "drafter_activations": int(act + mask),
-            "loss": int(loss),
+            "weights": head * elem + n_drafter * elem,
+            "optimizer": SHARDED_STATE_BYTES * n_drafter // max(1, n_d),
+            "activations": int(act + mask + a.queue_depth * features),
+            "lm_head_chunk": int(loss),
             "cuda_context": CUDA_SLACK_BYTES,
         }
         t_total, d_total = _sum_parts(target_side), _sum_parts(drafter_side)
@@ -649,32 +696,32 @@ def estimate_dflash(parsed: LaunchArgv, world: int, world_note: str, cwd: Path) 
         total = max(t_total, d_total)
         side = "drafter" if d_total >= t_total else "target"
         method = (
-            f"dflash split, {source} ({t_shape.model_type}, {n_target:,} params, frozen) and a {d_layers}-layer drafter "
-            f"({n_drafter:,} params): target ranks need {_gib(t_total)} (weights {_gib(target_side['target_weights'])} "
-            f"+ hidden states B={b} T={t} {_gib(target_side['target_hidden_states'])}), drafter ranks need {_gib(d_total)} "
-            f"({SHARDED_STATE_BYTES} B/param / {n_d} drafter rank{'s' if n_d != 1 else ''} {_gib(drafter_side['drafter_weights_grads_adamw'])} "
-            f"+ activations {anchors} anchors x block {block} {_gib(act + mask)} + loss {_gib(loss)}); the {side} side is the need, "
-            f"{_gib(total)} per GPU; an estimate, +-30%"
+            f"dflash split, {source} ({t_shape.model_type}, {n_target:,} params, frozen) and a {shape_note}: "
+            f"target ranks need {_gib(t_total)} (weights {_gib(target_side['weights'])} + hidden states B={b} T={t} "
+            f"{_gib(hidden_states)}), drafter ranks need {_gib(d_total)} (weights: embedding + lm_head "
+            f"{_gib(head * elem)} + gathered drafter {_gib(n_drafter * elem)}; optimizer {SHARDED_STATE_BYTES} B/param / "
+            f"{n_d} drafter rank{'s' if n_d != 1 else ''} {_gib(drafter_side['optimizer'])}; activations {anchors} anchors "
+            f"x block {block} {_gib(act + mask)} + queued features {_gib(a.queue_depth * features)}; lm_head chunk "
+            f"{_gib(loss)}); the {side} side is the need, {_gib(total)} per GPU, {_largest(parts)}; an estimate, +-30%"
         )
         return MemoryEstimate(per_gpu_bytes=total, params=n_drafter, method=method, parts={k: int(v) for k, v in parts.items()})
 
     parts = {
-        "target_weights": n_target * elem,
-        "target_features": features,
-        "drafter_weights_grads_adamw": SHARDED_STATE_BYTES * n_drafter // world,
-        "drafter_params_in_flight": n_drafter * elem,
-        "drafter_activations": int(act + mask),
-        "loss": int(loss),
+        "weights": n_target * elem + n_drafter * elem,
+        "optimizer": SHARDED_STATE_BYTES * n_drafter // world,
+        "activations": int(act + mask + features),
+        "lm_head_chunk": int(loss),
         "cuda_context": CUDA_SLACK_BYTES,
     }
     total = _sum_parts(parts)
     method = (
-        f"dflash colocated, {source} ({t_shape.model_type}): {n_target:,} target params frozen in "
-        f"{'bf16' if elem == 2 else 'fp32'} {_gib(parts['target_weights'])} + a {d_layers}-layer drafter, {n_drafter:,} params, "
-        f"{SHARDED_STATE_BYTES} B/param / {world} rank{'s' if world != 1 else ''} ({world_note}) "
-        f"{_gib(parts['drafter_weights_grads_adamw'])} + drafter activations B={b} T={t} {anchors} anchors x block {block} "
-        f"({'compiled' if a.compile else 'eager'}, {attn} attention) {_gib(act + mask)} + {a.loss_mode} loss {_gib(loss)} "
-        f"+ target features {_gib(features)} + CUDA context {_gib(CUDA_SLACK_BYTES)} = {_gib(total)} per GPU; an estimate, +-30%"
+        f"dflash colocated, {source} ({t_shape.model_type}): weights: {n_target:,} target params frozen in "
+        f"{'bf16' if elem == 2 else 'fp32'} {_gib(n_target * elem)} + the gathered {shape_note} {_gib(n_drafter * elem)}; "
+        f"optimizer {SHARDED_STATE_BYTES} B/param / {world} rank{'s' if world != 1 else ''} ({world_note}) "
+        f"{_gib(parts['optimizer'])}; activations B={b} T={t} {anchors} anchors x block {block} "
+        f"({'compiled' if a.compile else 'eager'}, {attn} attention) {_gib(act + mask)} + target features {_gib(features)}; "
+        f"{a.loss_mode} lm_head chunk {_gib(loss)}; CUDA context {_gib(CUDA_SLACK_BYTES)} = {_gib(total)} per GPU, "
+        f"{_largest(parts)}; an estimate, +-30%"
     )
     return MemoryEstimate(per_gpu_bytes=total, params=n_drafter, method=method, parts=parts)
 

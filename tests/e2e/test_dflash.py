@@ -39,7 +39,7 @@ pytestmark = pytest.mark.slow
 from tests.trainer_harness import Runs, read_telemetry  # noqa: E402
 # a random-weight tiny target (fsdp_lm's "tiny" preset: Llama, 4 layers, hidden 256, vocab 320)
 SMALL = ["--target-config", "tiny", "--seq-len", "64", "--batch-size", "2", "--num-anchors", "8",
-         "--block-size", "4", "--drafter-layers", "2", "--corpus-bytes", str(600_000),
+         "--block-size", "4", "--gamma", "2", "--drafter-layers", "2", "--corpus-bytes", str(600_000),
          "--eval-prompt-len", "16", "--eval-gen-len", "16", "--eval-samples", "2"]
 
 
@@ -244,7 +244,8 @@ def test_fsdp_lm_target_then_dflash_drafter_tau_improves(tmp_path, runs):
     assert tau1 >= 2.0, evals
     man = next(r for r in tel if r["type"] == "manifest")
     assert man["target"] == str(final) and man["mask_token_id"] == 259  # the byte tokenizer's MASK
-    assert man["loss_mask"].startswith("from JSONL prompt/response"), man["loss_mask"]
+    assert man["loss_mask"].startswith("per record: 0 on prompt tokens"), man["loss_mask"]
+    assert man["mask_token_source"] == "tokenizer mask token"
 
     from trainers.dflash_model import DFlashDraftModel
 

@@ -19,7 +19,7 @@ from tests.agent_harness import ROOT, AgentProc, wait_for
 
 pytest.importorskip("torch")
 pytestmark = pytest.mark.slow
-SMALL = ["--target-config", "tiny", "--seq-len", "64", "--batch-size", "2", "--num-anchors", "8", "--block-size", "4",
+SMALL = ["--target-config", "tiny", "--seq-len", "64", "--batch-size", "2", "--num-anchors", "8", "--block-size", "4", "--gamma", "2",
          "--drafter-layers", "2", "--corpus-bytes", str(600_000), "--no-eval", "--log-every", "1"]
 SPLIT = ["--topology", "split", "--target-ranks", "0,1", "--drafter-ranks", "2", "--queue-depth", "2"]
 
