@@ -111,6 +111,21 @@ def build_parser() -> argparse.ArgumentParser:
                         "schedule still follows --max-steps")
     g.add_argument("--no-final-checkpoint", action="store_true",
                    help="do not save a checkpoint at the end (benchmarks)")
+    g.add_argument("--text-column", default=None,
+                   help="the column of a dataset / parquet / arrow --data (or field of JSONL) that "
+                        "holds the text (default: 'text', else the only string column)")
+    g.add_argument("--data-split", default=None,
+                   help="split of a saved DatasetDict --data (default: train, or its only split)")
+    g.add_argument("--val-data", default=None,
+                   help="a second source for the validation loss (any --data kind)")
+    g.add_argument("--val-fraction", type=float, default=0.0,
+                   help="hold out this tail fraction of the tokens for the validation loss "
+                        "(default 0: a prepared --data's val split if it has one, else none)")
+    g.add_argument("--val-every", type=int, default=None,
+                   help="validation loss every N steps and at the end (default: max_steps/10 "
+                        "when there is a validation set; 0: only at the end)")
+    g.add_argument("--val-batches", type=int, default=8,
+                   help="batches of --batch-size per rank that one validation pass reads")
     g.add_argument("--deterministic", action="store_true",
                    help="torch.use_deterministic_algorithms(warn_only) + CUBLAS_WORKSPACE_CONFIG; "
                         "for bitwise-reproducible GPU resume also pass --attn-implementation "
@@ -126,6 +141,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.model_config = "tiny"
     if args.model_config is not None and args.init_from is not None:
         p.error("give --model-config or --init-from, not both")
+    if not 0.0 <= args.val_fraction < 1.0:
+        p.error(f"--val-fraction {args.val_fraction}: must be in [0, 1)")
+    if args.val_fraction > 0 and args.val_data is not None:
+        p.error("give --val-data or --val-fraction, not both")
+    if args.val_every is not None and args.val_every < 0:
+        p.error("--val-every must be >= 0")
+    if args.val_batches <= 0:
+        p.error("--val-batches must be positive")
     return args
 
 
@@ -321,6 +344,34 @@ def cross_entropy(logits, labels):
     return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
 
 
+def evaluate(model, val_set, ctx, device, sdpa_ctx) -> tuple[float, int]:
+    """Mean next-token loss over the validation batches of all ranks: (loss, tokens scored).
+
+    No gradients, no RNG, no data position: training after it is bit-identical to
+    training without it. The model stays in train mode (the presets have no dropout,
+    and switching modes would recompile the compiled blocks).
+    """
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    sums = torch.zeros(2, device=device, dtype=torch.float64)
+    with torch.no_grad():
+        for batch in val_set:
+            batch = batch.to(device, non_blocking=True)
+            inputs, labels = batch[:, :-1], batch[:, 1:]
+            with sdpa_ctx():
+                logits = model(input_ids=inputs, use_cache=False).logits
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum")
+            sums[0] += loss.double()
+            sums[1] += labels.numel()
+            del logits, loss
+    if ctx.distributed and ctx.world_size > 1:
+        dist.all_reduce(sums, op=dist.ReduceOp.SUM)
+    total, count = sums.tolist()
+    return total / count, int(count)
+
+
 # ------------------------------------------------------------------ export
 
 
@@ -379,7 +430,18 @@ def main(argv: list[str] | None = None) -> int:
         load_checkpoint,
         save_checkpoint,
     )
-    from trainers.data import PackedDataset, ShardedBatches, load_tokenizer, load_tokens
+    from trainers.data import (
+        DataError,
+        PackedDataset,
+        ShardedBatches,
+        ValidationBatches,
+        is_prepared,
+        load_prepared,
+        load_tokenizer,
+        load_tokens,
+        read_prepared_manifest,
+        split_tokens,
+    )
     from trainers.flops import mfu as compute_mfu
     from trainers.flops import model_flops, peak_flops
     from trainers.runtime import (
@@ -430,9 +492,21 @@ def main(argv: list[str] | None = None) -> int:
 
     # tokenizer and data
     tok_spec = args.tokenizer
+    prepared = None
+    if args.data is not None and is_prepared(args.data):
+        try:
+            prepared = read_prepared_manifest(args.data)
+        except DataError as exc:
+            raise ExitWith(2, str(exc)) from None
+        if tok_spec is None:  # the tokenizer the corpus was prepared with
+            tok_spec = str(Path(args.data) / "tokenizer")
     if tok_spec is None and args.init_from is not None and _has_tokenizer(Path(args.init_from)):
         tok_spec = args.init_from
     tokenizer = load_tokenizer(tok_spec)
+    if prepared is not None and not _same_tokenizer(tokenizer.describe(), prepared["tokenizer"]):
+        raise ExitWith(2, f"--tokenizer {args.tokenizer}: {tokenizer.describe()} is not the tokenizer "
+                          f"{args.data} was prepared with ({prepared['tokenizer']}); drop --tokenizer "
+                          "(the prepared one is used) or prepare the corpus again with this one")
     config = build_config(args.model_config, args.init_from)
     if tokenizer.vocab_size > config.vocab_size:
         raise ExitWith(2, f"tokenizer vocab {tokenizer.vocab_size} does not fit the model's "
@@ -440,11 +514,40 @@ def main(argv: list[str] | None = None) -> int:
     max_pos = getattr(config, "max_position_embeddings", None)
     if max_pos is not None and args.seq_len > max_pos:
         raise ExitWith(2, f"--seq-len {args.seq_len} exceeds max_position_embeddings {max_pos}")
-    source = load_tokens(args.data, tokenizer, dtype=args.data_dtype, max_bytes=args.corpus_bytes)
-    if int(source.tokens.max(initial=0)) >= config.vocab_size:
-        raise ExitWith(2, f"data has token id {int(source.tokens.max())} >= vocab_size {config.vocab_size}")
-    dataset = PackedDataset(source.tokens, args.seq_len)
+    try:
+        source = load_tokens(args.data, tokenizer, dtype=args.data_dtype, max_bytes=args.corpus_bytes,
+                             text_column=args.text_column, split=args.data_split)
+    except (DataError, FileNotFoundError) as exc:
+        raise ExitWith(2, str(exc)) from None
+    top = _max_token(source)
+    if top >= config.vocab_size:
+        raise ExitWith(2, f"data has token id {top} >= vocab_size {config.vocab_size}")
+    train_tokens, val_tokens, val_desc = source.tokens, None, None
+    try:
+        if args.val_data is not None:
+            vsrc = load_tokens(args.val_data, tokenizer, dtype=args.data_dtype,
+                               text_column=args.text_column)
+            val_tokens, val_desc = vsrc.tokens, vsrc.description
+        elif args.val_fraction > 0:
+            train_tokens, val_tokens = split_tokens(source.tokens, args.val_fraction)
+            val_desc = f"last {args.val_fraction:g} of --data's tokens"
+        elif prepared is not None and "val" in prepared["splits"]:
+            vsrc = load_prepared(args.data, "val")
+            val_tokens, val_desc = vsrc.tokens, vsrc.description
+    except (DataError, FileNotFoundError) as exc:
+        raise ExitWith(2, str(exc)) from None
+    dataset = PackedDataset(train_tokens, args.seq_len)
     batches = ShardedBatches(dataset, args.batch_size, ctx.rank, ctx.world_size, seed=args.seed)
+    val_set = None
+    if val_tokens is not None:
+        try:
+            val_set = ValidationBatches(PackedDataset(val_tokens, args.seq_len), args.batch_size,
+                                        args.val_batches, ctx.rank, ctx.world_size, where=val_desc)
+        except DataError as exc:
+            raise ExitWith(2, str(exc)) from None
+    val_every = args.val_every
+    if val_every is None:
+        val_every = max(1, args.max_steps // 10) if val_set is not None else 0
 
     # model
     model = build_meta_model(config, args.attn_implementation)
@@ -497,6 +600,11 @@ def main(argv: list[str] | None = None) -> int:
         host=socket.gethostname(), pid=os.getpid(), **info,
         dataset_samples=len(dataset), dataset_tokens=dataset.source_tokens,
         dataset_sample_tokens=dataset.num_tokens, dataset=source.description,
+        dataset_documents=source.documents, dataset_unique_documents=source.unique_documents,
+        dataset_sha256=source.sha256, dataset_prepared=prepared is not None,
+        val_dataset=val_desc, val_samples=None if val_set is None else len(val_set.dataset),
+        val_tokens_per_eval=None if val_set is None else val_set.tokens_per_rank * ctx.world_size,
+        val_every=val_every if val_set is not None else None,
         tokenizer=tokenizer.describe(), argv=sys.argv, start=plan.describe(),
         seq_len=args.seq_len, batch_size=args.batch_size, grad_accum=args.grad_accum,
         tokens_per_step=tokens_per_step, max_steps=args.max_steps,
@@ -513,6 +621,17 @@ def main(argv: list[str] | None = None) -> int:
               f"start {plan.describe()}", flush=True)
 
     losses: dict[int, float] = {}
+    val_losses: dict[int, float] = {}
+
+    def do_validation(at: int) -> None:
+        t_val = time.perf_counter()
+        vloss, vtokens = evaluate(model, val_set, ctx, device, sdpa_ctx)
+        val_losses[at] = vloss
+        tel.emit("val_loss", step=at, val_loss=vloss, val_tokens=vtokens,
+                 seconds=round(time.perf_counter() - t_val, 3))
+        if ctx.rank == 0:
+            print(f"step {at} val_loss {vloss:.6f} ({vtokens:,} tokens)", flush=True)
+
     tps_hist: list[float] = []
     mfu_hist: list[float] = []
     saved: list[int] = []
@@ -581,6 +700,8 @@ def main(argv: list[str] | None = None) -> int:
         if stop_now or (args.stop_at_step is not None and step >= args.stop_at_step):
             stopped = True
             break
+        if val_set is not None and ((val_every and step % val_every == 0) or step == args.max_steps):
+            do_validation(step)
         if args.checkpoint_every and step % args.checkpoint_every == 0:
             do_checkpoint(step)
 
@@ -593,7 +714,8 @@ def main(argv: list[str] | None = None) -> int:
     result = dict(
         final_step=step, start=plan.describe(), stopped=stopped,
         losses={str(k): v for k, v in losses.items()},
-        final_loss=losses.get(step), tokens_per_s=_mean(tps_hist),
+        final_loss=losses.get(step), val_losses={str(k): v for k, v in val_losses.items()},
+        final_val_loss=val_losses.get(step), tokens_per_s=_mean(tps_hist),
         mfu=_mean(mfu_hist), mfu_note=peak_reason, flops_per_token=counts.flops_per_token,
         peak_flops=peak, params_total=counts.params_total,
         params_trainable=counts.params_trainable, world_size=ctx.world_size,
@@ -632,6 +754,19 @@ def _sdpa_context(backend: str):
             return sdpa_kernel(order)
 
     return ctx
+
+
+def _same_tokenizer(a: dict, b: dict) -> bool:
+    """Same ids for the same text: kind, vocabulary and specials agree (paths may differ)."""
+    keys = ("kind", "vocab_size", "eos_id", "bos_id", "pad_id")
+    return all(a.get(k) == b.get(k) for k in keys)
+
+
+def _max_token(source) -> int:
+    """Largest token id of a source (a prepared folder's manifest says it without a scan)."""
+    if source.manifest is not None and "max_token_id" in source.manifest:
+        return int(source.manifest["max_token_id"])
+    return int(source.tokens.max(initial=0))
 
 
 def _has_tokenizer(folder: Path) -> bool:
