@@ -443,7 +443,7 @@ def main(argv: list[str] | None = None) -> int:
         split_tokens,
     )
     from trainers.flops import mfu as compute_mfu
-    from trainers.flops import model_flops, peak_flops
+    from trainers.flops import MFU_CONVENTION, model_flops, peak_flops
     from trainers.runtime import (
         barrier,
         config_hash,
@@ -608,8 +608,9 @@ def main(argv: list[str] | None = None) -> int:
         tokenizer=tokenizer.describe(), argv=sys.argv, start=plan.describe(),
         seq_len=args.seq_len, batch_size=args.batch_size, grad_accum=args.grad_accum,
         tokens_per_step=tokens_per_step, max_steps=args.max_steps,
-        flops_per_token=counts.flops_per_token, flops_note=counts.note, peak_flops=peak,
-        mfu_note=peak_reason, dtype=str(compute_dtype).replace("torch.", ""),
+        flops_per_token=counts.flops_per_token,
+        flops_per_token_torchtitan=counts.flops_per_token_torchtitan, flops_note=counts.note,
+        mfu_convention=MFU_CONVENTION, peak_flops=peak, mfu_note=peak_reason, dtype=str(compute_dtype).replace("torch.", ""),
         compile=args.compile, activation_checkpointing=args.activation_checkpointing,
         sdpa_backend=args.sdpa_backend, deterministic=args.deterministic,
         torch=torch.__version__, transformers=_transformers_version(), **par,
@@ -634,6 +635,7 @@ def main(argv: list[str] | None = None) -> int:
 
     tps_hist: list[float] = []
     mfu_hist: list[float] = []
+    mfu_tt_hist: list[float] = []
     saved: list[int] = []
     last_saved = step if not plan.fresh else None
     stopped = False
@@ -674,17 +676,20 @@ def main(argv: list[str] | None = None) -> int:
         dt = time.perf_counter() - t0
         tps = tokens_per_step / dt
         mfu_val = compute_mfu(tps / ctx.world_size, counts.flops_per_token, peak)
+        mfu_tt = compute_mfu(tps / ctx.world_size, counts.flops_per_token_torchtitan, peak)
         losses[step] = loss_val
         if step > 1:
             tps_hist.append(tps)
             if mfu_val is not None:
                 mfu_hist.append(mfu_val)
+                mfu_tt_hist.append(mfu_tt)
         mem_alloc = mem_peak = None
         if on_gpu:
             mem_alloc = torch.cuda.memory_allocated(device) / 2**30
             mem_peak = torch.cuda.max_memory_allocated(device) / 2**30
         tel.step(step, loss=loss_val, tokens_per_s=round(tps, 2),
                  mfu=None if mfu_val is None else round(mfu_val, 5),
+                 mfu_torchtitan=None if mfu_tt is None else round(mfu_tt, 5),
                  flops_per_token=counts.flops_per_token, peak_flops=peak,
                  mem_allocated_gib=None if mem_alloc is None else round(mem_alloc, 3),
                  mem_peak_gib=None if mem_peak is None else round(mem_peak, 3),
@@ -692,6 +697,8 @@ def main(argv: list[str] | None = None) -> int:
                  tokens=step * tokens_per_step)
         if ctx.rank == 0 and (step % args.log_every == 0 or step == args.max_steps):
             mfu_s = f"{100 * mfu_val:.1f}%" if mfu_val is not None else "n/a"
+            if mfu_tt is not None:
+                mfu_s += f" (torchtitan {100 * mfu_tt:.1f}%)"
             print(f"step {step} loss {loss_val:.6f} tok/s {tps:,.0f} mfu {mfu_s} "
                   f"gnorm {gn_val:.3f} lr {scheduler.get_last_lr()[0]:.2e} {dt * 1000:.0f} ms",
                   flush=True)
@@ -716,7 +723,9 @@ def main(argv: list[str] | None = None) -> int:
         losses={str(k): v for k, v in losses.items()},
         final_loss=losses.get(step), val_losses={str(k): v for k, v in val_losses.items()},
         final_val_loss=val_losses.get(step), tokens_per_s=_mean(tps_hist),
-        mfu=_mean(mfu_hist), mfu_note=peak_reason, flops_per_token=counts.flops_per_token,
+        mfu=_mean(mfu_hist), mfu_torchtitan=_mean(mfu_tt_hist), mfu_convention=MFU_CONVENTION,
+        mfu_note=peak_reason, flops_per_token=counts.flops_per_token,
+        flops_per_token_torchtitan=counts.flops_per_token_torchtitan,
         peak_flops=peak, params_total=counts.params_total,
         params_trainable=counts.params_trainable, world_size=ctx.world_size,
         device=info["device"], dataset_samples=len(dataset), dataset_tokens=dataset.source_tokens,
@@ -728,7 +737,8 @@ def main(argv: list[str] | None = None) -> int:
         (out / "result.json").write_text(json.dumps(result, indent=2) + "\n")
         files = [str(out / "result.json")] + ([str(final)] if final else [])
     tel.emit("done", final_step=step, reason="stopped" if stopped else "max_steps", files=files,
-             tokens_per_s=result["tokens_per_s"], mfu=result["mfu"])
+             tokens_per_s=result["tokens_per_s"], mfu=result["mfu"],
+             mfu_torchtitan=result["mfu_torchtitan"])
     barrier(ctx)
     tel.close()
     finish_ok(ctx)

@@ -73,6 +73,9 @@ def test_straight_run_writes_telemetry_checkpoints_and_result(straight) -> None:
     assert losses0[8] < losses0[1] - 0.5, losses0  # it learns
     steps = [r for r in tel if r["type"] == "step"]
     assert all(r["tokens_per_s"] > 0 and r["mfu"] is None and r["flops_per_token"] > 0 for r in steps)
+    assert all(r["mfu_torchtitan"] is None for r in steps)
+    m = manifests[0]
+    assert m["mfu_convention"].startswith("causal") and m["flops_per_token_torchtitan"] > m["flops_per_token"]
     assert {r["step"] for r in tel if r["type"] == "checkpoint" and r["rank"] == 0} == {4, 8}
     assert any(r["type"] == "heartbeat" for r in tel)
     assert {r["rank"] for r in tel if r["type"] == "done"} == {0, 1}
