@@ -32,15 +32,42 @@ What it does, in order:
 7. Exports ``OUT/final/`` (``save_pretrained`` of the gathered full state dict
    plus the tokenizer) and ``OUT/result.json``.
 
-Telemetry: ``manifest``, ``step``, ``heartbeat``, ``checkpoint``, ``done`` and
-``error`` records through ``trainers.telemetry.Telemetry`` (``GPUDECK_TELEMETRY``).
-Every rank writes its own records. In ``step`` records ``loss`` is the mean over
-ranks and micro-batches, ``tokens_per_s`` is the whole job's (all ranks) over
-the step's wall time, and ``mfu`` is per GPU: tokens_per_s / world_size *
-flops_per_token / peak_flops (null with ``mfu_note`` in the manifest when the
-peak is unknown, e.g. on CPU). Extra step fields: lr, grad_norm, step_time_s,
-tokens (seen so far). The manifest adds params_embedding, dataset_sample_tokens,
-tokens_per_step, flops_per_token, peak_flops, dtype, compile, ... .
+Data (``--data``): a token file (``.bin``), a folder written by
+``python -m trainers.prepare`` (memory-mapped, never re-tokenised; its tokenizer
+is used unless ``--tokenizer`` names the same one), text / JSONL files or
+folders, a Hugging Face dataset saved with ``save_to_disk`` (``--data-split``
+picks a split), parquet / arrow files or folders of them (read offline through
+``datasets``; ``--text-column`` names the text, default ``text`` or the only
+string column), or the built-in corpus.
+
+Validation: ``--val-data SRC`` (a second source), ``--val-fraction F`` (the
+tail of the token stream), or a prepared folder's ``val`` split; every
+``--val-every`` steps (default max_steps/10) and at the last step the mean
+next-token loss over ``--val-batches`` fixed batches per rank goes into a
+``val_loss`` record (no gradients, no RNG, no data position: resume stays exact).
+
+Telemetry: ``manifest``, ``step``, ``val_loss``, ``heartbeat``, ``checkpoint``,
+``done`` and ``error`` records through ``trainers.telemetry.Telemetry``
+(``GPUDECK_TELEMETRY``). Every rank writes its own records. In ``step`` records
+``loss`` is the mean over ranks and micro-batches, ``tokens_per_s`` is the whole
+job's (all ranks) over the step's wall time, and ``mfu`` is per GPU:
+tokens_per_s / world_size * flops_per_token / peak_flops under the causal
+convention (attention FLOPs halved for the causal mask; ``mfu_torchtitan``
+beside it counts full attention, the manifest's ``mfu_convention`` says so;
+both null with ``mfu_note`` in the manifest when the peak is unknown, e.g. on
+CPU). Extra step fields: lr, grad_norm, step_time_s, tokens (seen so far). The
+manifest adds params_embedding, dataset_sample_tokens, dataset_documents,
+dataset_unique_documents, dataset_sha256, tokens_per_step, flops_per_token,
+flops_per_token_torchtitan, peak_flops, dtype, compile, loss_impl, ... .
+
+Performance options (all measured by ``bench/fsdp_mfu.py``): ``--compile``
+(per block) with ``--compile-mode``, ``--activation-checkpointing`` with
+``--ac-every N`` (every Nth block only), ``--loss-impl chunked`` (lm_head + CE
+over row chunks, no [tokens, vocab] logits kept), ``--optimizer-impl``,
+``--reduce-dtype``, ``--prefetch`` (next batch pinned and copied while the GPU
+works), ``--sdpa-backend``; ``--profile-steps N`` prints the top kernels of N
+steps from ``--profile-start`` and the time per kernel class
+(``trainers.profiling``).
 
 Batch sizes: ``--batch-size`` sequences of ``--seq-len`` tokens per rank per
 micro-step; one optimizer step sees batch_size x grad_accum x world_size
@@ -103,9 +130,35 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--no-export", action="store_true", help="skip writing OUT/final/")
     g.add_argument("--compile-loss", default="auto", choices=["auto", "yes", "no"],
                    help="torch.compile the cross-entropy (auto: with --compile)")
-    g.add_argument("--sdpa-backend", default="auto", choices=["auto", "cudnn", "flash"],
+    g.add_argument("--sdpa-backend", default="auto", choices=["auto", "cudnn", "flash", "efficient"],
                    help="preferred scaled-dot-product-attention kernel on GPU (falls back in "
                         "order cudnn/flash/efficient/math)")
+    g = p.add_argument_group("fsdp_lm performance")
+    g.add_argument("--compile-mode", default="default",
+                   choices=["default", "max-autotune-no-cudagraphs", "max-autotune"],
+                   help="torch.compile mode of the blocks (with --compile); max-autotune tunes "
+                        "the matmuls (minutes of compile time)")
+    g.add_argument("--ac-every", type=int, default=1,
+                   help="with --activation-checkpointing: checkpoint every Nth block only "
+                        "(selective by layer; 1: all blocks)")
+    g.add_argument("--loss-impl", default="plain", choices=["plain", "chunked"],
+                   help="plain: lm_head logits then cross-entropy; chunked: lm_head + CE over "
+                        "row chunks, gradients computed in the forward, the full [tokens, vocab] "
+                        "logits never stored (less memory: room for a larger --batch-size)")
+    g.add_argument("--loss-chunk-rows", type=int, default=4096,
+                   help="rows (tokens) per chunk of --loss-impl chunked")
+    g.add_argument("--optimizer-impl", default="auto", choices=["auto", "fused", "foreach"],
+                   help="AdamW kernel (auto: fused on GPU, foreach on CPU)")
+    g.add_argument("--reduce-dtype", default="fp32", choices=["fp32", "bf16"],
+                   help="gradient reduce-scatter dtype under bf16 mixed precision")
+    g.add_argument("--prefetch", default="auto", choices=["auto", "yes", "no"],
+                   help="gather the next batch (pinned, copied ahead on its own) while the GPU "
+                        "works (auto: on GPU)")
+    g.add_argument("--profile-steps", type=int, default=0,
+                   help="profile this many steps with torch.profiler and print the top kernels "
+                        "and where the time went (lines starting with 'profile')")
+    g.add_argument("--profile-start", type=int, default=6,
+                   help="first profiled step (after compilation and warm-up)")
     g.add_argument("--stop-at-step", type=int, default=None,
                    help="stop after this step as if asked to (checkpoint, no export); the "
                         "schedule still follows --max-steps")
@@ -149,6 +202,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--val-every must be >= 0")
     if args.val_batches <= 0:
         p.error("--val-batches must be positive")
+    if args.ac_every < 1:
+        p.error("--ac-every must be >= 1")
+    if args.loss_chunk_rows < 1:
+        p.error("--loss-chunk-rows must be positive")
+    if args.profile_steps < 0 or args.profile_start < 1:
+        p.error("--profile-steps must be >= 0 and --profile-start >= 1")
     return args
 
 
@@ -288,7 +347,7 @@ def apply_parallelism(model, args, ctx, compute_dtype) -> dict[str, Any]:
     if args.activation_checkpointing:
         from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
-        for i in range(len(layers)):
+        for i in range(0, len(layers), args.ac_every):
             layers[i] = checkpoint_wrapper(layers[i], preserve_rng_state=False)
     if args.compile:
         import torch._dynamo
@@ -297,10 +356,12 @@ def apply_parallelism(model, args, ctx, compute_dtype) -> dict[str, Any]:
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit,
                                                     2 * len(layers) + 8)
         for i in range(len(layers)):
-            layers[i].compile(dynamic=False)
+            layers[i].compile(dynamic=False,
+                              mode=None if args.compile_mode == "default" else args.compile_mode)
     mp = None
     if compute_dtype != torch.float32:
-        mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+        reduce = torch.bfloat16 if args.reduce_dtype == "bf16" else torch.float32
+        mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=reduce)
     if args.reshard_after_forward == "auto":
         rafw = ctx.world_size > 1
     else:
@@ -342,6 +403,93 @@ def cross_entropy(logits, labels):
     import torch.nn.functional as F
 
     return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+
+
+class BatchFeeder:
+    """This rank's batches on the device; with ``ahead`` the next one is gathered and copied early.
+
+    ``prefetch()`` (called once the step's kernels are queued) gathers the next batch,
+    pins it and starts its copy; ``next()`` hands it over. ``state_dict()`` is the data
+    position *before* a batch fetched ahead, so a checkpoint resumes exactly.
+    """
+
+    def __init__(self, batches, device, pin: bool, ahead: bool) -> None:
+        self.batches = batches
+        self.device = device
+        self.pin = pin
+        self.ahead = ahead
+        self._pending = None  # (state before it, the batch on the device)
+
+    def _fetch(self):
+        batch = self.batches.next_batch()
+        if self.pin:
+            batch = batch.pin_memory()
+        return batch.to(self.device, non_blocking=True)
+
+    def prefetch(self) -> None:
+        if self.ahead and self._pending is None:
+            state = self.batches.state_dict()
+            self._pending = (state, self._fetch())
+
+    def next(self):
+        if self._pending is not None:
+            batch, self._pending = self._pending[1], None
+            return batch
+        return self._fetch()
+
+    def state_dict(self) -> dict[str, Any]:
+        return self._pending[0] if self._pending is not None else self.batches.state_dict()
+
+
+class _ChunkedLossHead:
+    """Mixed into the lm_head's class: ``head(hidden, labels)`` is the mean CE, chunked.
+
+    Called as a module (so FSDP2's hooks gather the weight); without labels it is the
+    plain linear layer. The chunks are ``trainers.dflash_loss.chunked_linear_cross_entropy``
+    (fused mode: each chunk's gradients are computed in the forward, no [tokens, vocab]
+    logits are kept).
+    """
+
+    loss_chunk_rows = 4096
+
+    def forward(self, hidden, labels=None):  # noqa: D102
+        if labels is None:
+            return super().forward(hidden)
+        import torch
+
+        from trainers.dflash_loss import chunked_linear_cross_entropy
+
+        h = hidden.reshape(-1, hidden.shape[-1])
+        y = labels.reshape(-1)
+        w = torch.full(y.shape, 1.0 / y.numel(), device=y.device, dtype=torch.float32)
+        if h.dtype == torch.float64:
+            w = w.double()
+        return chunked_linear_cross_entropy(h, self.weight, y, w, chunk_rows=self.loss_chunk_rows,
+                                            mode="fused")
+
+
+def install_chunked_loss(model, chunk_rows: int) -> None:
+    """``model(input_ids=..., labels=...)`` returns the mean next-token loss through the chunked head.
+
+    Same parameters and names (checkpoints and exports are unchanged); ``labels`` are
+    the already shifted targets, as the trainer passes them. Without labels the model
+    behaves as before.
+    """
+    import types
+
+    head = model.get_output_embeddings()
+    head.__class__ = type(f"Chunked{type(head).__name__}", (_ChunkedLossHead, type(head)), {})
+    head.loss_chunk_rows = chunk_rows
+    plain_forward = model.forward
+    base = getattr(model, model.base_model_prefix)
+
+    def forward(self, input_ids=None, labels=None, **kw):
+        if labels is None:
+            return plain_forward(input_ids=input_ids, **kw)
+        hidden = base(input_ids=input_ids, use_cache=False).last_hidden_state
+        return head(hidden, labels)
+
+    model.forward = types.MethodType(forward, model)
 
 
 def evaluate(model, val_set, ctx, device, sdpa_ctx) -> tuple[float, int]:
@@ -457,6 +605,7 @@ def main(argv: list[str] | None = None) -> int:
         seed_all,
         set_collective_timeout,
     )
+    from trainers.profiling import StepProfiler
     from trainers.telemetry import Telemetry
 
     stop = install_stop_flag()
@@ -568,10 +717,8 @@ def main(argv: list[str] | None = None) -> int:
 
     opt_kw: dict[str, Any] = dict(lr=args.lr, betas=(0.9, 0.95), eps=1e-8,
                                   weight_decay=args.weight_decay)
-    if on_gpu:
-        opt_kw["fused"] = True
-    else:
-        opt_kw["foreach"] = True
+    opt_impl = args.optimizer_impl if args.optimizer_impl != "auto" else ("fused" if on_gpu else "foreach")
+    opt_kw[opt_impl] = True
     optimizer = torch.optim.AdamW(model.parameters(), **opt_kw)
     warmup = args.warmup_steps if args.warmup_steps is not None else max(1, args.max_steps // 20)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -588,6 +735,11 @@ def main(argv: list[str] | None = None) -> int:
     loss_fn = cross_entropy
     if args.compile_loss == "yes" or (args.compile_loss == "auto" and args.compile):
         loss_fn = torch.compile(cross_entropy, dynamic=False)
+    if args.loss_impl == "chunked":
+        install_chunked_loss(model, args.loss_chunk_rows)
+    prefetch = args.prefetch == "yes" or (args.prefetch == "auto" and on_gpu)
+    feeder = BatchFeeder(batches, device, pin=on_gpu, ahead=prefetch)
+    profiler = StepProfiler(args.profile_start, args.profile_steps, on_gpu, ctx.rank)
 
     info = device_info(device)
     tokens_per_step = args.batch_size * args.seq_len * args.grad_accum * ctx.world_size
@@ -611,7 +763,11 @@ def main(argv: list[str] | None = None) -> int:
         flops_per_token=counts.flops_per_token,
         flops_per_token_torchtitan=counts.flops_per_token_torchtitan, flops_note=counts.note,
         mfu_convention=MFU_CONVENTION, peak_flops=peak, mfu_note=peak_reason, dtype=str(compute_dtype).replace("torch.", ""),
-        compile=args.compile, activation_checkpointing=args.activation_checkpointing,
+        compile=args.compile, compile_mode=args.compile_mode,
+        activation_checkpointing=args.activation_checkpointing,
+        ac_every=args.ac_every if args.activation_checkpointing else None,
+        loss_impl=args.loss_impl, optimizer_impl=opt_impl, reduce_dtype=args.reduce_dtype,
+        prefetch=prefetch,
         sdpa_backend=args.sdpa_backend, deterministic=args.deterministic,
         torch=torch.__version__, transformers=_transformers_version(), **par,
     )
@@ -642,7 +798,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def do_checkpoint(at: int) -> None:
         nonlocal last_saved
-        extra = {"step": at, "scheduler": scheduler.state_dict(), "data": batches.state_dict(),
+        extra = {"step": at, "scheduler": scheduler.state_dict(), "data": feeder.state_dict(),
                  "world_size": ctx.world_size, "config_hash": manifest["config_hash"]}
         path, seconds = save_checkpoint(out, at, model, optimizer, extra, keep=args.keep,
                                         rank=ctx.rank, barrier=lambda: barrier(ctx))
@@ -653,22 +809,31 @@ def main(argv: list[str] | None = None) -> int:
     while step < args.max_steps:
         t0 = time.perf_counter()
         maybe_fail_for_test(step + 1, ctx.rank)
+        profiler.before_step(step + 1)
         loss_sum = torch.zeros((), device=device)
         for micro in range(args.grad_accum):
-            batch = batches.next_batch().to(device, non_blocking=True)
+            batch = feeder.next()
             inputs, labels = batch[:, :-1], batch[:, 1:]
             model.set_requires_gradient_sync(micro == args.grad_accum - 1)
             with sdpa_ctx():
-                logits = model(input_ids=inputs, use_cache=False).logits
-                loss = loss_fn(logits, labels)
+                if args.loss_impl == "chunked":
+                    loss = model(input_ids=inputs, labels=labels)
+                else:
+                    logits = model(input_ids=inputs, use_cache=False).logits
+                    loss = loss_fn(logits, labels)
+                    del logits
                 (loss / args.grad_accum).backward()
             loss_sum += loss.detach()
-            del logits, loss
+            del loss
+            if micro < args.grad_accum - 1:
+                feeder.prefetch()
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         scheduler.step()
         step += 1
+        if step < args.max_steps:
+            feeder.prefetch()  # the GPU still works through this step's kernels
         # one small all-reduce: mean loss over ranks and "anyone asked to stop"
         loss_val, stop_now = reduce_mean_and_stop(ctx, loss_sum / args.grad_accum, stop.requested)
         gn = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
@@ -702,6 +867,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"step {step} loss {loss_val:.6f} tok/s {tps:,.0f} mfu {mfu_s} "
                   f"gnorm {gn_val:.3f} lr {scheduler.get_last_lr()[0]:.2e} {dt * 1000:.0f} ms",
                   flush=True)
+        profiler.after_step(step)
         if step == 1:
             set_collective_timeout(ctx, 100.0)
         if stop_now or (args.stop_at_step is not None and step >= args.stop_at_step):

@@ -228,7 +228,8 @@ def test_prepare_then_train_with_validation_then_resume_is_exact(runs, tmp_path)
     shutil.rmtree(src)
 
     args = [*COMMON, "--data", str(prep), "--max-steps", "6", "--checkpoint-every", "3",
-            "--val-every", "2", "--val-batches", "2", "--no-export"]
+            "--val-every", "2", "--val-batches", "2", "--no-export",
+            "--prefetch", "yes"]  # a batch fetched ahead is not counted as consumed in a checkpoint
     out = tmp_path / "straight"
     rc, output, tel, _ = runs.run(FSDP, [*args, "--fresh"], out, nproc=2)
     assert rc == 0, output[-4000:]
@@ -274,3 +275,22 @@ def test_bad_corpus_options_exit_2_with_the_fix(runs, tmp_path) -> None:
                                   tmp_path / "o", nproc=None)
     assert rc == 2 and "--text-column" in output, output[-3000:]
     assert [r["type"] for r in tel if r["type"] == "error"] == ["error"]
+
+
+def test_chunked_loss_matches_plain_and_profile_prints_top_kernels(runs, tmp_path) -> None:
+    args = [*COMMON, "--max-steps", "3", "--no-export", "--no-final-checkpoint", "--fresh"]
+    rc, output, tel, _ = runs.run(FSDP, [*args, "--profile-steps", "1", "--profile-start", "2"],
+                                  tmp_path / "plain", nproc=None)
+    assert rc == 0, output[-3000:]
+    lines = [ln for ln in output.splitlines() if ln.startswith("profile")]
+    assert lines[0].startswith("profile: steps 2..2, 1 steps")
+    assert any(ln.startswith("profile class gemm") for ln in lines)
+    assert any(ln.startswith("profile top  1") and "aten::" in ln for ln in lines)
+    rc, output, tel2, _ = runs.run(FSDP, [*args, "--loss-impl", "chunked", "--loss-chunk-rows", "100"],
+                                   tmp_path / "chunked", nproc=None)
+    assert rc == 0, output[-3000:]
+    assert next(r for r in tel2 if r["type"] == "manifest")["loss_impl"] == "chunked"
+    plain, chunked = step_losses(tel), step_losses(tel2)
+    assert sorted(chunked) == [1, 2, 3]
+    for k in plain:  # same maths in other summation orders: equal to float32 rounding
+        assert chunked[k] == pytest.approx(plain[k], abs=2e-5), (k, plain[k], chunked[k])
