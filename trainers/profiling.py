@@ -63,6 +63,11 @@ def kernel_times(prof: Any, on_gpu: bool) -> list[tuple[str, float, int]]:
             us = evt.self_cpu_time_total
         if us > 0:
             rows.append((evt.key, us / 1000.0, int(evt.count)))
+    if on_gpu and not rows:  # a profiler build without kernel events: operators' device time
+        for evt in prof.key_averages():
+            us = getattr(evt, "self_device_time_total", None) or getattr(evt, "self_cuda_time_total", 0.0)
+            if us > 0:
+                rows.append((evt.key, us / 1000.0, int(evt.count)))
     rows.sort(key=lambda r: -r[1])
     return rows
 
