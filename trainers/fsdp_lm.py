@@ -126,7 +126,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="compute dtype (auto: bf16 on GPU, fp32 on CPU); master weights stay fp32")
     g.add_argument("--reshard-after-forward", default="auto", choices=["auto", "yes", "no"],
                    help="free gathered block params after forward (auto: yes when world size > 1)")
-    g.add_argument("--attn-implementation", default="sdpa")
+    g.add_argument("--attn-implementation", default="sdpa",
+                   help="transformers attention (sdpa, eager, ...) or sdpa_repeat_kv: SDPA with "
+                        "the key/value heads repeated, so kernels without grouped-query support "
+                        "(--sdpa-backend cudnn) can run")
     g.add_argument("--no-export", action="store_true", help="skip writing OUT/final/")
     g.add_argument("--compile-loss", default="auto", choices=["auto", "yes", "no"],
                    help="torch.compile the cross-entropy (auto: with --compile)")
@@ -241,10 +244,49 @@ def _config_from_json(path: Path):
     return AutoConfig.for_model(kw.pop("model_type"), **kw)
 
 
+REPEAT_KV_ATTENTION = "sdpa_repeat_kv"
+
+
+def sdpa_repeat_kv(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
+                   is_causal=None, **kwargs):
+    """SDPA with the key/value heads repeated to the query heads (no ``enable_gqa``).
+
+    transformers' ``sdpa`` passes grouped-query attention to SDPA as ``enable_gqa``,
+    which not every kernel accepts (cuDNN attention may not, and then SDPA quietly
+    takes flash attention). Repeating the heads costs a copy of K and V per layer
+    but lets ``--sdpa-backend cudnn`` really run cuDNN. transformers builds no mask
+    for an attention it does not know, so this is the causal, unpadded case
+    (``is_causal=True``) — what fsdp_lm trains on.
+    """
+    import torch.nn.functional as F
+
+    if attention_mask is not None:
+        raise ValueError(f"{REPEAT_KV_ATTENTION}: padded or masked inputs are not supported")
+    n_rep = query.shape[1] // key.shape[1]
+    if n_rep > 1:
+        b, h, t, d = key.shape
+        key = key[:, :, None].expand(b, h, n_rep, t, d).reshape(b, h * n_rep, t, d)
+        value = value[:, :, None].expand(b, h, n_rep, t, value.shape[-1]).reshape(b, h * n_rep, t, -1)
+    causal = query.shape[2] > 1 and (is_causal if is_causal is not None else getattr(module, "is_causal", True))
+    out = F.scaled_dot_product_attention(query, key, value, dropout_p=dropout if module.training else 0.0,
+                                         scale=scaling, is_causal=causal)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _register_attention(name: str) -> None:
+    if name != REPEAT_KV_ATTENTION:
+        return
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(REPEAT_KV_ATTENTION, sdpa_repeat_kv)
+
+
 def build_meta_model(config, attn_implementation: str):
     """The model on the meta device (no memory), fp32."""
     import torch
     from transformers import AutoModelForCausalLM
+
+    _register_attention(attn_implementation)
 
     config._attn_implementation = attn_implementation
     with torch.device("meta"):
@@ -461,9 +503,8 @@ class _ChunkedLossHead:
 
         h = hidden.reshape(-1, hidden.shape[-1])
         y = labels.reshape(-1)
-        w = torch.full(y.shape, 1.0 / y.numel(), device=y.device, dtype=torch.float32)
-        if h.dtype == torch.float64:
-            w = w.double()
+        acc = torch.float64 if h.dtype == torch.float64 else torch.float32
+        w = torch.full(y.shape, 1.0 / y.numel(), device=y.device, dtype=acc)
         return chunked_linear_cross_entropy(h, self.weight, y, w, chunk_rows=self.loss_chunk_rows,
                                             mode="fused")
 
@@ -532,7 +573,7 @@ def export_final(model, config, tokenizer, out: Path, ctx, attn_impl: str) -> Pa
     final = out / "final"
     if ctx.rank == 0:
         sd = {_clean_fqn(k): v for k, v in sd.items()}
-        plain = build_meta_model(config, attn_impl)
+        plain = build_meta_model(config, "sdpa" if attn_impl == REPEAT_KV_ATTENTION else attn_impl)
         plain.to_empty(device="cpu")
         missing, unexpected = plain.load_state_dict(sd, strict=False)
         missing = [k for k in missing if "rotary" not in k]
