@@ -156,7 +156,7 @@ def test_gpu_prepared_corpus_validation_chunked_loss_mfu_and_profile(tmp_path, p
     cfg = tmp_path / "model.json"
     cfg.write_text(json.dumps(CONFIG))
     shape = ["--seq-len", "64", "--batch-size", "2"] if ON_CPU else ["--seq-len", "512", "--batch-size", "8"]
-    common = ["--model-config", str(cfg), "--data", str(prep), *shape,
+    common = ["--model-config", "tiny" if ON_CPU else str(cfg), "--data", str(prep), *shape,
               "--max-steps", "12", "--val-every", "4", "--no-export", "--no-final-checkpoint",
               "--fresh"] + (["--device", "cpu"] if ON_CPU else ["--compile"])
     plain, _ = _run([*common, "--out", str(tmp_path / "plain"), "--profile-steps", "2",
