@@ -963,6 +963,8 @@ def _sdpa_context(backend: str):
     order = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
     if backend == "cudnn":
         order.insert(0, SDPBackend.CUDNN_ATTENTION)
+    elif backend == "efficient":
+        order = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]
 
     def ctx():
         try:
