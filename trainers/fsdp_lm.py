@@ -631,8 +631,9 @@ def main(argv: list[str] | None = None) -> int:
         read_prepared_manifest,
         split_tokens,
     )
-    from trainers.flops import mfu as compute_mfu
     from trainers.flops import MFU_CONVENTION, model_flops, peak_flops
+    from trainers.flops import mfu as compute_mfu
+    from trainers.profiling import StepProfiler
     from trainers.runtime import (
         barrier,
         config_hash,
@@ -646,7 +647,6 @@ def main(argv: list[str] | None = None) -> int:
         seed_all,
         set_collective_timeout,
     )
-    from trainers.profiling import StepProfiler
     from trainers.telemetry import Telemetry
 
     stop = install_stop_flag()

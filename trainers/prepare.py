@@ -142,7 +142,7 @@ class SplitWriter:
     hashes: list[np.ndarray] = field(default_factory=list)
     max_token: int = 0
 
-    def open(self) -> "SplitWriter":
+    def open(self) -> SplitWriter:
         self.fh = open(self.folder / f".{self.name}.bin.part", "wb")
         return self
 

@@ -8,9 +8,9 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from trainers import data as D  # noqa: E402
-from trainers import fsdp_lm as F  # noqa: E402
-from trainers.profiling import StepProfiler, classify  # noqa: E402
+from trainers import data as D
+from trainers import fsdp_lm as F
+from trainers.profiling import StepProfiler, classify
 
 
 def _tiny(attn: str = "sdpa", seed: int = 0):

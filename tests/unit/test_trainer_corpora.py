@@ -13,8 +13,8 @@ import pytest
 pytest.importorskip("torch")
 datasets = pytest.importorskip("datasets")
 
-from trainers import data as D  # noqa: E402
-from trainers import prepare as P  # noqa: E402
+from trainers import data as D
+from trainers import prepare as P
 
 DOCS = [f"document {i}: " + "word " * (i % 7) + "end" for i in range(40)] + ["document 3: end"] * 3
 
@@ -40,8 +40,7 @@ def sources(tmp_path_factory):
         with pa.ipc.new_file(sink, table.schema) as writer:
             writer.write_table(table)
     with open(root / "docs.jsonl", "w") as fh:
-        for d in DOCS:
-            fh.write(json.dumps({"body": d, "other": "x"}) + "\n")
+        fh.writelines(json.dumps({"body": d, "other": "x"}) + "\n" for d in DOCS)
     return root
 
 
