@@ -3,13 +3,17 @@
 For each configuration it runs the real trainer (``python -m trainers.fsdp_lm``,
 world size 1) for a few steps and prints one line::
 
-    fsdp_mfu llama-1b B=8 T=2048 compile=1 sdpa=auto: 51.2% MFU (trainer) 50.9% (bench) 23,456 tok/s
+    fsdp_mfu llama-1b B=8 T=2048 compile=1 sdpa=auto: 48.9% MFU causal (trainer) 48.7% (bench), 52.9% torchtitan (trainer) 52.7% (bench) 71,313 tok/s [...]
+
+Two conventions (``trainers.flops``): **causal** — the headline, the
+trainer's ``mfu`` — counts attention FLOPs halved for the causal mask,
+6·(N − N_emb) + 6·L·H·d_head·S; **torchtitan** counts full attention,
+6·(N − N_emb) + 12·L·H·d_head·S (the trainer's ``mfu_torchtitan``).
 
 "trainer" is the mean of the MFU the trainer itself reported in its telemetry
 over the measured steps. "bench" is computed here, independently: the FLOPs per
-token are counted from a meta-device copy of the model with the torchtitan /
-PaLM formula 6·(N − N_emb) + 12·L·H·d_head·S (N, N_emb counted here), the
-throughput is tokens of the measured steps over the wall time between the
+token are counted from a meta-device copy of the model (N, N_emb counted here),
+the throughput is tokens of the measured steps over the wall time between the
 telemetry timestamps of the last warm-up step and the last step, and the peak
 is 989 TFLOP/s bf16 dense for H100/H200 SXM.
 
@@ -17,9 +21,14 @@ Usage::
 
     python3 bench/fsdp_mfu.py [--model llama-1b] [--seq-len 2048] [--steps 25]
         [--warmup 8] [--configs 8:1:auto,16:1:auto,8:0:auto] [--budget-s 420] [--out DIR]
+        [--extra "TRAINER ARGS"]
 
-Each config is ``BATCH:COMPILE:SDPA`` (SDPA: auto | cudnn | flash). Configs that
-would not fit in the remaining ``--budget-s`` are skipped (and said so).
+Each config is ``BATCH:COMPILE:SDPA[:TRAINER ARGS]`` (SDPA: auto | cudnn |
+flash | efficient); the optional fourth field is passed to the trainer as
+more arguments, e.g. ``16:1:auto:--loss-impl chunked`` (``--extra`` goes to every
+config). Configs that would not fit in the remaining ``--budget-s`` are skipped
+(and said so). With ``--profile-steps N`` in a config's arguments the trainer
+prints its top kernels; the bench copies those lines into its output.
 """
 
 from __future__ import annotations
@@ -39,8 +48,8 @@ sys.path.insert(0, str(ROOT))
 PEAKS = {"H100": 989e12, "H200": 989e12}
 
 
-def bench_flops_per_token(model_spec: str, seq_len: int) -> tuple[float, int]:
-    """(FLOPs/token, params) counted here from a meta-device model."""
+def bench_flops_per_token(model_spec: str, seq_len: int) -> tuple[float, float, int]:
+    """(causal FLOPs/token, torchtitan FLOPs/token, params) counted here from a meta-device model."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -55,8 +64,8 @@ def bench_flops_per_token(model_spec: str, seq_len: int) -> tuple[float, int]:
     tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     dense = n - n_emb + (n_emb if tied else 0)
-    fpt = 6 * dense + 12 * cfg.num_hidden_layers * cfg.num_attention_heads * head_dim * seq_len
-    return float(fpt), int(n)
+    attn_full = 12 * cfg.num_hidden_layers * cfg.num_attention_heads * head_dim * seq_len
+    return float(6 * dense + attn_full / 2), float(6 * dense + attn_full), int(n)
 
 
 def gpu_peak() -> tuple[float | None, str]:
@@ -71,9 +80,10 @@ def gpu_peak() -> tuple[float | None, str]:
     return None, name
 
 
-def run_one(args, batch: int, compile_: bool, sdpa: str, workdir: Path, log_dir: Path | None,
-            timeout: float) -> dict:
-    tag = f"B{batch}_c{int(compile_)}_{sdpa}"
+def run_one(args, batch: int, compile_: bool, sdpa: str, extra: list[str], workdir: Path,
+            log_dir: Path | None, timeout: float) -> dict:
+    tag = f"B{batch}_c{int(compile_)}_{sdpa}" + "".join(
+        "_" + a.lstrip("-").replace("/", "") for a in extra)[:80]
     out = workdir / tag
     tel = workdir / f"{tag}.jsonl"
     cmd = [sys.executable, "-m", "trainers.fsdp_lm", "--model-config", args.model,
@@ -83,6 +93,7 @@ def run_one(args, batch: int, compile_: bool, sdpa: str, workdir: Path, log_dir:
            "--sdpa-backend", sdpa, "--log-every", "5", "--fresh", "--out", str(out)]
     if compile_:
         cmd.append("--compile")
+    cmd += extra
     env = dict(os.environ, GPUDECK_TELEMETRY=str(tel), PYTHONUNBUFFERED="1")
     log_path = (log_dir or workdir) / f"trainer_{tag}.log"
     t0 = time.monotonic()
@@ -100,7 +111,8 @@ def run_one(args, batch: int, compile_: bool, sdpa: str, workdir: Path, log_dir:
     recs = [json.loads(line) for line in tel.read_text().splitlines()] if tel.exists() else []
     steps = [r for r in recs if r["type"] == "step"]
     manifest = next((r for r in recs if r["type"] == "manifest"), {})
-    res = {"tag": tag, "batch": batch, "compile": compile_, "sdpa": sdpa, "rc": rc,
+    res = {"tag": tag, "batch": batch, "compile": compile_, "sdpa": sdpa, "extra": " ".join(extra),
+           "rc": rc,
            "seconds": round(time.monotonic() - t0, 1), "steps": len(steps), "log": str(log_path)}
     if rc != 0 or len(steps) <= args.warmup + 1:
         tail = log_path.read_text()[-2500:]
@@ -113,8 +125,10 @@ def run_one(args, batch: int, compile_: bool, sdpa: str, workdir: Path, log_dir:
     wall = last["ts"] - w["ts"]
     res.update(
         tokens_per_s_bench=tokens / wall,
-        trainer_mfu=sum(s["mfu"] for s in measured) / len(measured) if all(
-            s["mfu"] is not None for s in measured) else None,
+        trainer_mfu=_mean_of(measured, "mfu"),
+        trainer_mfu_torchtitan=_mean_of(measured, "mfu_torchtitan"),
+        mfu_convention=manifest.get("mfu_convention"),
+        profile=[line for line in log_path.read_text().splitlines() if line.startswith("profile")],
         trainer_tokens_per_s=sum(s["tokens_per_s"] for s in measured) / len(measured),
         trainer_flops_per_token=manifest.get("flops_per_token"),
         params_total=manifest.get("params_total"),
@@ -122,6 +136,17 @@ def run_one(args, batch: int, compile_: bool, sdpa: str, workdir: Path, log_dir:
         final_loss=last["loss"], first_loss=steps[0]["loss"],
     )
     return res
+
+
+def _mean_of(steps: list[dict], key: str) -> float | None:
+    values = [s.get(key) for s in steps]
+    if not values or any(v is None for v in values):
+        return None
+    return sum(values) / len(values)
+
+
+def _pct(x: float | None) -> str:
+    return f"{100 * x:.1f}%" if x is not None else "n/a"
 
 
 def main() -> int:
@@ -134,12 +159,14 @@ def main() -> int:
     ap.add_argument("--corpus-bytes", type=int, default=8 * 1024 * 1024)
     ap.add_argument("--budget-s", type=float, default=420.0)
     ap.add_argument("--out", default=None, help="folder for logs and results.jsonl")
+    ap.add_argument("--extra", default="", help="more trainer arguments for every config")
     args = ap.parse_args()
 
     t_start = time.monotonic()
-    fpt, n_params = bench_flops_per_token(args.model, args.seq_len)
+    fpt, fpt_tt, n_params = bench_flops_per_token(args.model, args.seq_len)
     peak, gpu = gpu_peak()
-    print(f"fsdp_mfu: {args.model} {n_params:,} params, {fpt / 1e9:.3f} GFLOP/token (bench count), "
+    print(f"fsdp_mfu: {args.model} {n_params:,} params, {fpt / 1e9:.3f} GFLOP/token causal, "
+          f"{fpt_tt / 1e9:.3f} torchtitan (bench count), "
           f"GPU {gpu}, peak {peak / 1e12 if peak else float('nan'):.0f} TFLOP/s", flush=True)
     out_dir = Path(args.out) if args.out else None
     if out_dir:
@@ -147,32 +174,39 @@ def main() -> int:
     results = []
     with tempfile.TemporaryDirectory(prefix="fsdp_mfu_") as tmp:
         for spec in args.configs.split(","):
-            b, c, sdpa = spec.split(":")
+            b, c, sdpa, *more = spec.split(":", 3)
+            extra = (more[0].split() if more else []) + args.extra.split()
+            label = f" [{' '.join(extra)}]" if extra else ""
             left = args.budget_s - (time.monotonic() - t_start)
             if left < 60:
-                print(f"fsdp_mfu {args.model} B={b} T={args.seq_len} compile={c} sdpa={sdpa}: "
+                print(f"fsdp_mfu {args.model} B={b} T={args.seq_len} compile={c} sdpa={sdpa}{label}: "
                       f"skipped, {left:.0f} s of the budget left", flush=True)
                 continue
-            r = run_one(args, int(b), c == "1", sdpa, Path(tmp), out_dir, timeout=left)
+            r = run_one(args, int(b), c == "1", sdpa, extra, Path(tmp), out_dir, timeout=left)
             results.append(r)
             if out_dir:
                 with open(out_dir / "fsdp_mfu_results.jsonl", "a") as fh:
                     fh.write(json.dumps({k: v for k, v in r.items() if k != "error"}) + "\n")
-            head = f"fsdp_mfu {args.model} B={b} T={args.seq_len} compile={c} sdpa={sdpa}"
+            head = f"fsdp_mfu {args.model} B={b} T={args.seq_len} compile={c} sdpa={sdpa}{label}"
             if "error" in r:
                 print(f"{head}: FAILED rc={r['rc']} after {r['seconds']} s, {r['steps']} steps\n"
                       f"{r['error']}", flush=True)
                 continue
             bench_mfu = r["tokens_per_s_bench"] * fpt / peak if peak else None
+            bench_mfu_tt = r["tokens_per_s_bench"] * fpt_tt / peak if peak else None
             if out_dir:
                 with open(out_dir / "fsdp_mfu_results.jsonl", "a") as fh:
                     fh.write(json.dumps({"tag": r["tag"], "bench_mfu": bench_mfu,
-                                         "bench_flops_per_token": fpt}) + "\n")
+                                         "bench_mfu_torchtitan": bench_mfu_tt,
+                                         "bench_flops_per_token": fpt,
+                                         "bench_flops_per_token_torchtitan": fpt_tt}) + "\n")
             r["bench_mfu"] = bench_mfu
             r["bench_flops_per_token"] = fpt
-            tm = f"{100 * r['trainer_mfu']:.1f}%" if r["trainer_mfu"] is not None else "n/a"
-            bm = f"{100 * bench_mfu:.1f}%" if bench_mfu is not None else "n/a"
-            print(f"{head}: {tm} MFU (trainer) {bm} (bench) {r['tokens_per_s_bench']:,.0f} tok/s "
+            for line in r["profile"]:
+                print(f"  {line}", flush=True)
+            print(f"{head}: {_pct(r['trainer_mfu'])} MFU causal (trainer) {_pct(bench_mfu)} (bench), "
+                  f"{_pct(r['trainer_mfu_torchtitan'])} torchtitan (trainer) {_pct(bench_mfu_tt)} (bench) "
+                  f"{r['tokens_per_s_bench']:,.0f} tok/s "
                   f"[trainer {r['trainer_tokens_per_s']:,.0f} tok/s, peak mem "
                   f"{r['mem_peak_gib']:.1f} GiB, loss {r['first_loss']:.3f}->{r['final_loss']:.3f}, "
                   f"steps {args.warmup + 1}..{r['steps']} measured, {r['seconds']} s total]",

@@ -19,13 +19,25 @@ Corpus and token arrays
         Python standard library's ``.py`` sources then installed packages'
         ``*.dist-info/METADATA`` documents, in sorted path order, until
         ``max_bytes`` of text are gathered (deterministic on one machine).
-    ``load_documents(data=None, max_bytes=...) -> list[str]``  documents of a
-        text file (one document), a JSONL file (``text`` field, else the first
-        string field, one document per line), a folder (every .txt/.md/.rst/.py/
-        .jsonl file, sorted) or the built-in corpus (data None).
-    ``load_tokens(data=None, tokenizer=None, dtype="uint16", max_bytes=...)
-        -> TokenSource``  a 1-D token array (``np.memmap`` for ``.bin`` files,
+    ``load_documents(data=None, max_bytes=..., text_column=None) -> list[str]``
+        documents of a text file (one document), a JSONL file (``text`` field,
+        else the first string field, one document per line), a folder (every
+        .txt/.md/.rst/.py/.jsonl file, sorted), a Hugging Face dataset saved
+        with ``save_to_disk``, parquet / arrow files (or a folder of them), or
+        the built-in corpus (data None). Datasets are read offline through
+        ``datasets``; their text column is ``text_column``, else ``text``, else
+        the only string column (``DataError`` naming the columns otherwise).
+    ``open_documents(data=None, max_bytes=..., text_column=None, split=None)
+        -> DocumentSource``  the same documents, read lazily by index range
+        (``len(src)``, ``src.texts(start, end)``, ``src.description``) — what
+        ``trainers.prepare`` hands to its worker processes.
+    ``load_tokens(data=None, tokenizer=None, dtype="uint16", max_bytes=...,
+        text_column=None) -> TokenSource``  a 1-D token array (``np.memmap``
+        for ``.bin`` files and for a folder written by ``trainers.prepare``,
         otherwise the documents encoded and joined with EOS) plus a description.
+    ``is_prepared(path)``, ``load_prepared(path, split="train") -> TokenSource``
+        a prepared folder's split, memory-mapped (never re-tokenised), with the
+        document index and the figures of its manifest (see trainers.prepare).
 
 Samples and batches
     ``PackedDataset(tokens, seq_len)``  non-overlapping windows of ``seq_len+1``
@@ -57,8 +69,16 @@ from typing import Any, Iterable, Iterator, Sequence
 import numpy as np
 
 BYTE_TOKENIZER_FILE = "gpudeck_byte_tokenizer.json"
+PREPARED_MANIFEST = "gpudeck_prepared.json"
+PREPARED_FORMAT = "gpudeck-prepared/1"
 DEFAULT_CORPUS_BYTES = 16 * 1024 * 1024
 TEXT_SUFFIXES = (".txt", ".md", ".rst", ".py", ".jsonl", ".json")
+DATASET_SUFFIXES = (".parquet", ".arrow")
+HF_DATASET_MARKERS = ("dataset_dict.json", "state.json", "dataset_info.json")
+
+
+class DataError(ValueError):
+    """Bad ``--data`` (or ``--val-data``): the message names what is wrong and the fix."""
 
 
 # ------------------------------------------------------------------ tokenizers
@@ -89,6 +109,10 @@ class ByteTokenizer:
     def encode_np(self, text: str) -> np.ndarray:
         """Fast path: the UTF-8 bytes as a uint16 array (no specials)."""
         return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.uint16)
+
+    def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
+        """Each text's ids (no specials), as arrays."""
+        return [self.encode_np(t) for t in texts]
 
     def decode(self, ids: Iterable[int]) -> str:
         data = bytes(int(i) for i in ids if 0 <= int(i) < 256)
@@ -134,6 +158,13 @@ class HFTokenizer:
 
     def encode_np(self, text: str) -> np.ndarray:
         return np.asarray(self.encode(text), dtype=np.int64)
+
+    def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
+        """Each text's ids (no specials), as arrays; one batched call to the fast tokenizer."""
+        if not texts:
+            return []
+        ids = self.tok(list(texts), add_special_tokens=False)["input_ids"]
+        return [np.asarray(x, dtype=np.int64) for x in ids]
 
     def decode(self, ids: Iterable[int]) -> str:
         return self.tok.decode([int(i) for i in ids])
@@ -217,41 +248,185 @@ def iter_jsonl(path: str | os.PathLike) -> Iterator[tuple[int, Any]]:
                 raise ValueError(f"{path}:{number}: not valid JSON ({exc}); each line must be one JSON object") from None
 
 
-def _jsonl_documents(path: Path) -> list[str]:
+def _jsonl_documents(path: Path, text_column: str | None = None) -> list[str]:
     docs = []
     for number, obj in iter_jsonl(path):
-        if isinstance(obj, str):
+        if isinstance(obj, str) and text_column is None:
             docs.append(obj)
             continue
         if not isinstance(obj, dict):
             raise ValueError(f"{path}:{number}: expected a string or an object with a \"text\" field, got {type(obj).__name__}")
-        text = obj.get("text")
-        if not isinstance(text, str):
-            text = next((v for v in obj.values() if isinstance(v, str)), None)
+        if text_column is not None:
+            text = obj.get(text_column)
+            if text is not None and not isinstance(text, str):
+                raise DataError(f"--text-column {text_column!r}: {path}:{number} holds a "
+                                f"{type(text).__name__} there, not text")
+        else:
+            text = obj.get("text")
+            if not isinstance(text, str):
+                text = next((v for v in obj.values() if isinstance(v, str)), None)
         if text:
             docs.append(text)
     return docs
 
 
-def load_documents(data: str | os.PathLike | None = None,
-                   max_bytes: int = DEFAULT_CORPUS_BYTES) -> list[str]:
-    """Documents from a text/JSONL file, a folder of them, or the built-in corpus."""
-    if data is None:
-        return [_read_text(p) for p in builtin_corpus_files(max_bytes)]
+class DocumentSource:
+    """Documents readable by index range: ``len(src)``, ``src.texts(start, end)``, ``description``."""
+
+    description: str = ""
+
+    def __len__(self) -> int:
+        raise NotImplementedError
+
+    def texts(self, start: int, end: int) -> list[str]:
+        raise NotImplementedError
+
+
+class ListDocuments(DocumentSource):
+    """Documents already in memory (text, JSONL, folders, the built-in corpus)."""
+
+    def __init__(self, docs: list[str], description: str) -> None:
+        self.docs = docs
+        self.description = description
+
+    def __len__(self) -> int:
+        return len(self.docs)
+
+    def texts(self, start: int, end: int) -> list[str]:
+        return self.docs[start:end]
+
+
+class DatasetDocuments(DocumentSource):
+    """One text column of a ``datasets.Dataset`` (memory-mapped Arrow; read by range)."""
+
+    def __init__(self, dataset: Any, column: str, description: str) -> None:
+        self.dataset = dataset.select_columns([column])
+        self.column = column
+        self.description = description
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def texts(self, start: int, end: int) -> list[str]:
+        # missing and empty texts are no documents (as blank JSONL texts are not)
+        return [v for v in self.dataset[start:end][self.column] if v]
+
+
+def is_hf_dataset_dir(path: str | os.PathLike) -> bool:
+    """True for a folder written by ``Dataset.save_to_disk`` / ``DatasetDict.save_to_disk``."""
+    p = Path(path)
+    return p.is_dir() and any((p / m).is_file() for m in HF_DATASET_MARKERS)
+
+
+def _dataset_files(path: Path) -> list[Path]:
+    if path.is_file():
+        return [path]
+    return sorted(f for f in path.rglob("*") if f.is_file() and f.suffix in DATASET_SUFFIXES)
+
+
+def _is_dataset_source(path: Path) -> bool:
+    if path.is_file():
+        return path.suffix in DATASET_SUFFIXES
+    return is_hf_dataset_dir(path) or (path.is_dir() and bool(_dataset_files(path))
+                                       and not any(f.suffix in TEXT_SUFFIXES for f in path.rglob("*")))
+
+
+def open_hf_dataset(data: str | os.PathLike, split: str | None = None, option: str = "--data"):
+    """A ``datasets.Dataset`` from a saved dataset folder or parquet/arrow files, offline."""
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    try:
+        import datasets
+    except ImportError:
+        raise DataError(f"{option} {data}: reading saved datasets, parquet and arrow files needs the "
+                        "'datasets' package: pip install 'gpudeck[train]' (or pip install datasets)") from None
+    datasets.disable_progress_bars()
     path = Path(data)
+    if is_hf_dataset_dir(path):
+        ds = datasets.load_from_disk(str(path))
+        if isinstance(ds, datasets.DatasetDict):
+            names = list(ds)
+            pick = split
+            if pick is None:
+                pick = "train" if "train" in ds else (names[0] if len(names) == 1 else None)
+            if pick is None or pick not in ds:
+                raise DataError(f"{option} {path}: a dataset with splits {', '.join(names)}; "
+                                f"{'no split ' + repr(split) if split else 'none is called train'} — "
+                                "pick one with --data-split NAME")
+            ds = ds[pick]
+        elif split not in (None, "train"):
+            raise DataError(f"{option} {path}: a dataset without splits; drop --data-split {split}")
+        return ds
+    files = _dataset_files(path)
+    kinds = {f.suffix for f in files}
+    if not files:
+        raise DataError(f"{option} {path}: no {', '.join(DATASET_SUFFIXES)} files")
+    if len(kinds) > 1:
+        raise DataError(f"{option} {path}: mixes parquet and arrow files; point it at one kind")
+    builder = "parquet" if kinds == {".parquet"} else "arrow"
+    return datasets.load_dataset(builder, data_files=[str(f) for f in files], split="train")
+
+
+def text_column_of(dataset: Any, requested: str | None = None, where: str = "--data") -> str:
+    """The column holding the documents: ``requested``, else ``text``, else the only string column."""
+    features = dataset.features
+    strings = [name for name, f in features.items()
+               if getattr(f, "dtype", None) in ("string", "large_string")]
+    listing = ", ".join(f"{n} ({getattr(f, 'dtype', type(f).__name__)})" for n, f in features.items())
+    if requested is not None:
+        if requested not in features:
+            raise DataError(f"--text-column {requested!r}: {where} has no such column (columns: {listing})")
+        if requested not in strings:
+            raise DataError(f"--text-column {requested!r}: not a string column in {where} "
+                            f"(columns: {listing}); name a text column")
+        return requested
+    if "text" in strings:
+        return "text"
+    if len(strings) == 1:
+        return strings[0]
+    if not strings:
+        raise DataError(f"{where}: no string column to train on (columns: {listing})")
+    raise DataError(f"{where}: several string columns ({', '.join(strings)}) and none is called "
+                    "'text'; name one with --text-column NAME")
+
+
+def open_documents(data: str | os.PathLike | None = None, max_bytes: int = DEFAULT_CORPUS_BYTES,
+                   text_column: str | None = None, split: str | None = None,
+                   option: str = "--data") -> DocumentSource:
+    """Documents of any supported source, read lazily by range (see module docstring)."""
+    if data is None:
+        files = builtin_corpus_files(max_bytes)
+        return ListDocuments([_read_text(p) for p in files],
+                             "built-in corpus (Python stdlib sources + package docs)")
+    path = Path(data)
+    if not path.exists():
+        raise FileNotFoundError(f"{option} {path} does not exist")
+    if _is_dataset_source(path):
+        ds = open_hf_dataset(path, split, option)
+        column = text_column_of(ds, text_column, f"{option} {path}")
+        return DatasetDocuments(ds, column, f"{path} [{column}]")
+    if text_column is not None and path.suffix != ".jsonl" and not path.is_dir():
+        raise DataError(f"--text-column {text_column!r}: {option} {path} is a plain text file, which has "
+                        "no columns; drop --text-column")
     if path.is_dir():
         docs: list[str] = []
         for p in sorted(path.rglob("*")):
             if p.is_file() and p.suffix in TEXT_SUFFIXES:
-                docs.extend(_jsonl_documents(p) if p.suffix == ".jsonl" else [_read_text(p)])
+                docs.extend(_jsonl_documents(p, text_column) if p.suffix == ".jsonl" else [_read_text(p)])
         if not docs:
-            raise ValueError(f"no text files ({', '.join(TEXT_SUFFIXES)}) under {path}")
-        return docs
-    if not path.is_file():
-        raise FileNotFoundError(f"--data {path} does not exist")
+            raise DataError(f"{option} {path}: no text files ({', '.join(TEXT_SUFFIXES)}), no saved "
+                            f"dataset and no {', '.join(DATASET_SUFFIXES)} files")
+        return ListDocuments(docs, str(path))
     if path.suffix == ".jsonl":
-        return _jsonl_documents(path)
-    return [_read_text(path)]
+        return ListDocuments(_jsonl_documents(path, text_column), str(path))
+    return ListDocuments([_read_text(path)], str(path))
+
+
+def load_documents(data: str | os.PathLike | None = None,
+                   max_bytes: int = DEFAULT_CORPUS_BYTES, text_column: str | None = None,
+                   split: str | None = None) -> list[str]:
+    """Documents from a text/JSONL file, a folder, a saved dataset, parquet/arrow, or the built-in corpus."""
+    src = open_documents(data, max_bytes=max_bytes, text_column=text_column, split=split)
+    return src.texts(0, len(src))
 
 
 @dataclass
@@ -261,26 +436,91 @@ class TokenSource:
     tokens: np.ndarray
     description: str
     documents: int | None  # None for pre-tokenized .bin files
+    unique_documents: int | None = None  # prepared folders: distinct documents (by token content)
+    sha256: str | None = None  # prepared folders: hash of the token file
+    offsets: np.ndarray | None = None  # prepared folders: document start offsets (+ end)
+    manifest: dict[str, Any] | None = None  # prepared folders: the whole manifest
+
+
+def _out_dtype(vocab_size: int) -> Any:
+    return np.uint16 if vocab_size <= 65535 else np.uint32
 
 
 def load_tokens(data: str | os.PathLike | None = None, tokenizer: Any = None,
-                dtype: str = "uint16", max_bytes: int = DEFAULT_CORPUS_BYTES) -> TokenSource:
-    """Token stream of ``.bin`` memmap, or documents encoded and joined by EOS."""
+                dtype: str = "uint16", max_bytes: int = DEFAULT_CORPUS_BYTES,
+                text_column: str | None = None, split: str | None = None) -> TokenSource:
+    """Token stream of a ``.bin`` memmap or a prepared folder, or documents encoded and joined by EOS."""
     if data is not None and str(data).endswith(".bin"):
         arr = np.memmap(str(data), dtype=np.dtype(dtype), mode="r")
         return TokenSource(arr, f"token file {data} ({dtype}, {arr.shape[0]} tokens)", None)
+    if data is not None and is_prepared(data):
+        return load_prepared(data, "train")
     tok = tokenizer if tokenizer is not None else ByteTokenizer()
-    docs = load_documents(data, max_bytes=max_bytes)
+    src = open_documents(data, max_bytes=max_bytes, text_column=text_column, split=split)
+    tokens, lengths = encode_documents(tok, src.texts(0, len(src)))
+    return TokenSource(tokens, f"{src.description}: {lengths.shape[0]} documents, {tokens.shape[0]} tokens",
+                       int(lengths.shape[0]))
+
+
+def encode_documents(tok: Any, texts: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
+    """(tokens, per-document lengths): each document's ids followed by EOS, joined."""
+    out_dtype = _out_dtype(tok.vocab_size)
     eos = np.array([tok.eos_id], dtype=np.int64)
     parts: list[np.ndarray] = []
-    for d in docs:
-        parts.append(tok.encode_np(d).astype(np.int64, copy=False))
+    lengths = np.zeros(len(texts), dtype=np.int64)
+    for i, ids in enumerate(tok.encode_batch(texts)):
+        parts.append(ids.astype(np.int64, copy=False))
         parts.append(eos)
-    tokens = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
-    out_dtype = np.uint16 if tok.vocab_size <= 65535 else np.uint32
-    tokens = tokens.astype(out_dtype)
-    where = "built-in corpus (Python stdlib sources + package docs)" if data is None else str(data)
-    return TokenSource(tokens, f"{where}: {len(docs)} documents, {tokens.shape[0]} tokens", len(docs))
+        lengths[i] = ids.shape[0] + 1
+    tokens = np.concatenate(parts).astype(out_dtype) if parts else np.zeros(0, dtype=out_dtype)
+    return tokens, lengths
+
+
+# ------------------------------------------------------------------ prepared folders
+
+
+def is_prepared(path: str | os.PathLike) -> bool:
+    """True for a folder written by ``python -m trainers.prepare``."""
+    return (Path(path) / PREPARED_MANIFEST).is_file()
+
+
+def read_prepared_manifest(path: str | os.PathLike) -> dict[str, Any]:
+    """The manifest of a prepared folder (format checked)."""
+    folder = Path(path)
+    try:
+        manifest = json.loads((folder / PREPARED_MANIFEST).read_text())
+    except (OSError, ValueError) as exc:
+        raise DataError(f"--data {folder}: unreadable {PREPARED_MANIFEST} ({exc}); "
+                        "prepare it again with python -m trainers.prepare") from None
+    if manifest.get("format") != PREPARED_FORMAT:
+        raise DataError(f"--data {folder}: format {manifest.get('format')!r}, this trainer reads "
+                        f"{PREPARED_FORMAT!r}; prepare it again with python -m trainers.prepare")
+    return manifest
+
+
+def load_prepared(path: str | os.PathLike, split: str = "train") -> TokenSource:
+    """A prepared split, memory-mapped; the figures come from its files and manifest."""
+    folder = Path(path)
+    manifest = read_prepared_manifest(folder)
+    info = manifest["splits"].get(split)
+    if info is None:
+        raise DataError(f"--data {folder}: no {split!r} split (has {', '.join(manifest['splits'])})")
+    dtype = np.dtype(manifest["dtype"])
+    tok_file = folder / info["tokens_file"]
+    size = tok_file.stat().st_size if tok_file.is_file() else -1
+    if size != info["tokens"] * dtype.itemsize:
+        raise DataError(f"--data {folder}: {info['tokens_file']} holds {max(size, 0)} bytes, the manifest "
+                        f"says {info['tokens']} tokens of {dtype.name}; the folder is incomplete — "
+                        "prepare it again")
+    tokens = np.memmap(str(tok_file), dtype=dtype, mode="r") if size > 0 else np.zeros(0, dtype)
+    offsets = np.load(str(folder / info["index_file"]), mmap_mode="r")
+    if offsets.shape[0] != info["documents"] + 1 or int(offsets[-1]) != info["tokens"]:
+        raise DataError(f"--data {folder}: {info['index_file']} does not match {info['tokens_file']}; "
+                        "prepare it again")
+    desc = (f"prepared {folder} [{split}] ({manifest['source']}): {info['documents']} documents, "
+            f"{info['tokens']} tokens, sha256 {info['sha256'][:12]}")
+    return TokenSource(tokens, desc, int(offsets.shape[0] - 1), int(info["unique_documents"]),
+                       info["sha256"], offsets, manifest)
 
 
 def split_tokens(tokens: np.ndarray, val_fraction: float) -> tuple[np.ndarray, np.ndarray]:
@@ -410,3 +650,39 @@ class ShardedBatches:
         self.seed = int(state.get("seed", self.seed))
         self.shuffle = bool(state.get("shuffle", self.shuffle))
         self._perm_epoch = None
+
+
+class ValidationBatches:
+    """The same rank-disjoint validation batches at every evaluation (no shuffle, no state).
+
+    Each rank reads ``per_rank`` samples: ``min(len(dataset) // world_size,
+    max_batches * batch_size)``, rounded down to whole batches when at least one
+    fits; rank r takes samples r, r + world_size, ... Every rank gets the same
+    number of batches of the same shape (FSDP's collectives need that).
+    """
+
+    def __init__(self, dataset: PackedDataset, batch_size: int, max_batches: int,
+                 rank: int = 0, world_size: int = 1, where: str = "validation data") -> None:
+        per_rank = min(len(dataset) // world_size, max_batches * batch_size)
+        if per_rank == 0:
+            raise DataError(
+                f"{where}: {len(dataset)} samples of {dataset.seq_len + 1} tokens, fewer than the "
+                f"{world_size} ranks need (one each); give more validation data (a larger "
+                "--val-fraction or --val-data) or a shorter --seq-len")
+        if per_rank >= batch_size:
+            per_rank -= per_rank % batch_size
+        self.dataset = dataset
+        self.batch_size = min(batch_size, per_rank)
+        self.per_rank = per_rank
+        self.indices = np.arange(rank, per_rank * world_size, world_size)
+
+    @property
+    def tokens_per_rank(self) -> int:
+        """Predicted tokens (labels) one evaluation scores on each rank."""
+        return self.per_rank * self.dataset.seq_len
+
+    def __iter__(self):
+        import torch
+
+        for s in range(0, self.per_rank, self.batch_size):
+            yield torch.from_numpy(self.dataset.gather(self.indices[s:s + self.batch_size]))

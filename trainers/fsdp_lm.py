@@ -32,15 +32,42 @@ What it does, in order:
 7. Exports ``OUT/final/`` (``save_pretrained`` of the gathered full state dict
    plus the tokenizer) and ``OUT/result.json``.
 
-Telemetry: ``manifest``, ``step``, ``heartbeat``, ``checkpoint``, ``done`` and
-``error`` records through ``trainers.telemetry.Telemetry`` (``GPUDECK_TELEMETRY``).
-Every rank writes its own records. In ``step`` records ``loss`` is the mean over
-ranks and micro-batches, ``tokens_per_s`` is the whole job's (all ranks) over
-the step's wall time, and ``mfu`` is per GPU: tokens_per_s / world_size *
-flops_per_token / peak_flops (null with ``mfu_note`` in the manifest when the
-peak is unknown, e.g. on CPU). Extra step fields: lr, grad_norm, step_time_s,
-tokens (seen so far). The manifest adds params_embedding, dataset_sample_tokens,
-tokens_per_step, flops_per_token, peak_flops, dtype, compile, ... .
+Data (``--data``): a token file (``.bin``), a folder written by
+``python -m trainers.prepare`` (memory-mapped, never re-tokenised; its tokenizer
+is used unless ``--tokenizer`` names the same one), text / JSONL files or
+folders, a Hugging Face dataset saved with ``save_to_disk`` (``--data-split``
+picks a split), parquet / arrow files or folders of them (read offline through
+``datasets``; ``--text-column`` names the text, default ``text`` or the only
+string column), or the built-in corpus.
+
+Validation: ``--val-data SRC`` (a second source), ``--val-fraction F`` (the
+tail of the token stream), or a prepared folder's ``val`` split; every
+``--val-every`` steps (default max_steps/10) and at the last step the mean
+next-token loss over ``--val-batches`` fixed batches per rank goes into a
+``val_loss`` record (no gradients, no RNG, no data position: resume stays exact).
+
+Telemetry: ``manifest``, ``step``, ``val_loss``, ``heartbeat``, ``checkpoint``,
+``done`` and ``error`` records through ``trainers.telemetry.Telemetry``
+(``GPUDECK_TELEMETRY``). Every rank writes its own records. In ``step`` records
+``loss`` is the mean over ranks and micro-batches, ``tokens_per_s`` is the whole
+job's (all ranks) over the step's wall time, and ``mfu`` is per GPU:
+tokens_per_s / world_size * flops_per_token / peak_flops under the causal
+convention (attention FLOPs halved for the causal mask; ``mfu_torchtitan``
+beside it counts full attention, the manifest's ``mfu_convention`` says so;
+both null with ``mfu_note`` in the manifest when the peak is unknown, e.g. on
+CPU). Extra step fields: lr, grad_norm, step_time_s, tokens (seen so far). The
+manifest adds params_embedding, dataset_sample_tokens, dataset_documents,
+dataset_unique_documents, dataset_sha256, tokens_per_step, flops_per_token,
+flops_per_token_torchtitan, peak_flops, dtype, compile, loss_impl, ... .
+
+Performance options (all measured by ``bench/fsdp_mfu.py``): ``--compile``
+(per block) with ``--compile-mode``, ``--activation-checkpointing`` with
+``--ac-every N`` (every Nth block only), ``--loss-impl chunked`` (lm_head + CE
+over row chunks, no [tokens, vocab] logits kept), ``--optimizer-impl``,
+``--reduce-dtype``, ``--prefetch`` (next batch pinned and copied while the GPU
+works), ``--sdpa-backend``; ``--profile-steps N`` prints the top kernels of N
+steps from ``--profile-start`` and the time per kernel class
+(``trainers.profiling``).
 
 Batch sizes: ``--batch-size`` sequences of ``--seq-len`` tokens per rank per
 micro-step; one optimizer step sees batch_size x grad_accum x world_size
@@ -99,18 +126,62 @@ def build_parser() -> argparse.ArgumentParser:
                    help="compute dtype (auto: bf16 on GPU, fp32 on CPU); master weights stay fp32")
     g.add_argument("--reshard-after-forward", default="auto", choices=["auto", "yes", "no"],
                    help="free gathered block params after forward (auto: yes when world size > 1)")
-    g.add_argument("--attn-implementation", default="sdpa")
+    g.add_argument("--attn-implementation", default="sdpa",
+                   help="transformers attention (sdpa, eager, ...) or sdpa_repeat_kv: SDPA with "
+                        "the key/value heads repeated, so kernels without grouped-query support "
+                        "(--sdpa-backend cudnn) can run")
     g.add_argument("--no-export", action="store_true", help="skip writing OUT/final/")
     g.add_argument("--compile-loss", default="auto", choices=["auto", "yes", "no"],
                    help="torch.compile the cross-entropy (auto: with --compile)")
-    g.add_argument("--sdpa-backend", default="auto", choices=["auto", "cudnn", "flash"],
+    g.add_argument("--sdpa-backend", default="auto", choices=["auto", "cudnn", "flash", "efficient"],
                    help="preferred scaled-dot-product-attention kernel on GPU (falls back in "
                         "order cudnn/flash/efficient/math)")
+    g = p.add_argument_group("fsdp_lm performance")
+    g.add_argument("--compile-mode", default="default",
+                   choices=["default", "max-autotune-no-cudagraphs", "max-autotune"],
+                   help="torch.compile mode of the blocks (with --compile); max-autotune tunes "
+                        "the matmuls (minutes of compile time)")
+    g.add_argument("--ac-every", type=int, default=1,
+                   help="with --activation-checkpointing: checkpoint every Nth block only "
+                        "(selective by layer; 1: all blocks)")
+    g.add_argument("--loss-impl", default="plain", choices=["plain", "chunked"],
+                   help="plain: lm_head logits then cross-entropy; chunked: lm_head + CE over "
+                        "row chunks, gradients computed in the forward, the full [tokens, vocab] "
+                        "logits never stored (less memory: room for a larger --batch-size)")
+    g.add_argument("--loss-chunk-rows", type=int, default=4096,
+                   help="rows (tokens) per chunk of --loss-impl chunked")
+    g.add_argument("--optimizer-impl", default="auto", choices=["auto", "fused", "foreach"],
+                   help="AdamW kernel (auto: fused on GPU, foreach on CPU)")
+    g.add_argument("--reduce-dtype", default="fp32", choices=["fp32", "bf16"],
+                   help="gradient reduce-scatter dtype under bf16 mixed precision")
+    g.add_argument("--prefetch", default="auto", choices=["auto", "yes", "no"],
+                   help="gather the next batch (pinned, copied ahead on its own) while the GPU "
+                        "works (auto: on GPU)")
+    g.add_argument("--profile-steps", type=int, default=0,
+                   help="profile this many steps with torch.profiler and print the top kernels "
+                        "and where the time went (lines starting with 'profile')")
+    g.add_argument("--profile-start", type=int, default=6,
+                   help="first profiled step (after compilation and warm-up)")
     g.add_argument("--stop-at-step", type=int, default=None,
                    help="stop after this step as if asked to (checkpoint, no export); the "
                         "schedule still follows --max-steps")
     g.add_argument("--no-final-checkpoint", action="store_true",
                    help="do not save a checkpoint at the end (benchmarks)")
+    g.add_argument("--text-column", default=None,
+                   help="the column of a dataset / parquet / arrow --data (or field of JSONL) that "
+                        "holds the text (default: 'text', else the only string column)")
+    g.add_argument("--data-split", default=None,
+                   help="split of a saved DatasetDict --data (default: train, or its only split)")
+    g.add_argument("--val-data", default=None,
+                   help="a second source for the validation loss (any --data kind)")
+    g.add_argument("--val-fraction", type=float, default=0.0,
+                   help="hold out this tail fraction of the tokens for the validation loss "
+                        "(default 0: a prepared --data's val split if it has one, else none)")
+    g.add_argument("--val-every", type=int, default=None,
+                   help="validation loss every N steps and at the end (default: max_steps/10 "
+                        "when there is a validation set; 0: only at the end)")
+    g.add_argument("--val-batches", type=int, default=8,
+                   help="batches of --batch-size per rank that one validation pass reads")
     g.add_argument("--deterministic", action="store_true",
                    help="torch.use_deterministic_algorithms(warn_only) + CUBLAS_WORKSPACE_CONFIG; "
                         "for bitwise-reproducible GPU resume also pass --attn-implementation "
@@ -126,6 +197,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.model_config = "tiny"
     if args.model_config is not None and args.init_from is not None:
         p.error("give --model-config or --init-from, not both")
+    if not 0.0 <= args.val_fraction < 1.0:
+        p.error(f"--val-fraction {args.val_fraction}: must be in [0, 1)")
+    if args.val_fraction > 0 and args.val_data is not None:
+        p.error("give --val-data or --val-fraction, not both")
+    if args.val_every is not None and args.val_every < 0:
+        p.error("--val-every must be >= 0")
+    if args.val_batches <= 0:
+        p.error("--val-batches must be positive")
+    if args.ac_every < 1:
+        p.error("--ac-every must be >= 1")
+    if args.loss_chunk_rows < 1:
+        p.error("--loss-chunk-rows must be positive")
+    if args.profile_steps < 0 or args.profile_start < 1:
+        p.error("--profile-steps must be >= 0 and --profile-start >= 1")
     return args
 
 
@@ -159,10 +244,49 @@ def _config_from_json(path: Path):
     return AutoConfig.for_model(kw.pop("model_type"), **kw)
 
 
+REPEAT_KV_ATTENTION = "sdpa_repeat_kv"
+
+
+def sdpa_repeat_kv(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
+                   is_causal=None, **kwargs):
+    """SDPA with the key/value heads repeated to the query heads (no ``enable_gqa``).
+
+    transformers' ``sdpa`` passes grouped-query attention to SDPA as ``enable_gqa``,
+    which not every kernel accepts (cuDNN attention may not, and then SDPA quietly
+    takes flash attention). Repeating the heads costs a copy of K and V per layer
+    but lets ``--sdpa-backend cudnn`` really run cuDNN. transformers builds no mask
+    for an attention it does not know, so this is the causal, unpadded case
+    (``is_causal=True``) — what fsdp_lm trains on.
+    """
+    import torch.nn.functional as F
+
+    if attention_mask is not None:
+        raise ValueError(f"{REPEAT_KV_ATTENTION}: padded or masked inputs are not supported")
+    n_rep = query.shape[1] // key.shape[1]
+    if n_rep > 1:
+        b, h, t, d = key.shape
+        key = key[:, :, None].expand(b, h, n_rep, t, d).reshape(b, h * n_rep, t, d)
+        value = value[:, :, None].expand(b, h, n_rep, t, value.shape[-1]).reshape(b, h * n_rep, t, -1)
+    causal = query.shape[2] > 1 and (is_causal if is_causal is not None else getattr(module, "is_causal", True))
+    out = F.scaled_dot_product_attention(query, key, value, dropout_p=dropout if module.training else 0.0,
+                                         scale=scaling, is_causal=causal)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _register_attention(name: str) -> None:
+    if name != REPEAT_KV_ATTENTION:
+        return
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(REPEAT_KV_ATTENTION, sdpa_repeat_kv)
+
+
 def build_meta_model(config, attn_implementation: str):
     """The model on the meta device (no memory), fp32."""
     import torch
     from transformers import AutoModelForCausalLM
+
+    _register_attention(attn_implementation)
 
     config._attn_implementation = attn_implementation
     with torch.device("meta"):
@@ -265,7 +389,7 @@ def apply_parallelism(model, args, ctx, compute_dtype) -> dict[str, Any]:
     if args.activation_checkpointing:
         from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
-        for i in range(len(layers)):
+        for i in range(0, len(layers), args.ac_every):
             layers[i] = checkpoint_wrapper(layers[i], preserve_rng_state=False)
     if args.compile:
         import torch._dynamo
@@ -274,10 +398,12 @@ def apply_parallelism(model, args, ctx, compute_dtype) -> dict[str, Any]:
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit,
                                                     2 * len(layers) + 8)
         for i in range(len(layers)):
-            layers[i].compile(dynamic=False)
+            layers[i].compile(dynamic=False,
+                              mode=None if args.compile_mode == "default" else args.compile_mode)
     mp = None
     if compute_dtype != torch.float32:
-        mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+        reduce = torch.bfloat16 if args.reduce_dtype == "bf16" else torch.float32
+        mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=reduce)
     if args.reshard_after_forward == "auto":
         rafw = ctx.world_size > 1
     else:
@@ -321,6 +447,120 @@ def cross_entropy(logits, labels):
     return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
 
 
+class BatchFeeder:
+    """This rank's batches on the device; with ``ahead`` the next one is gathered and copied early.
+
+    ``prefetch()`` (called once the step's kernels are queued) gathers the next batch,
+    pins it and starts its copy; ``next()`` hands it over. ``state_dict()`` is the data
+    position *before* a batch fetched ahead, so a checkpoint resumes exactly.
+    """
+
+    def __init__(self, batches, device, pin: bool, ahead: bool) -> None:
+        self.batches = batches
+        self.device = device
+        self.pin = pin
+        self.ahead = ahead
+        self._pending = None  # (state before it, the batch on the device)
+
+    def _fetch(self):
+        batch = self.batches.next_batch()
+        if self.pin:
+            batch = batch.pin_memory()
+        return batch.to(self.device, non_blocking=True)
+
+    def prefetch(self) -> None:
+        if self.ahead and self._pending is None:
+            state = self.batches.state_dict()
+            self._pending = (state, self._fetch())
+
+    def next(self):
+        if self._pending is not None:
+            batch, self._pending = self._pending[1], None
+            return batch
+        return self._fetch()
+
+    def state_dict(self) -> dict[str, Any]:
+        return self._pending[0] if self._pending is not None else self.batches.state_dict()
+
+
+class _ChunkedLossHead:
+    """Mixed into the lm_head's class: ``head(hidden, labels)`` is the mean CE, chunked.
+
+    Called as a module (so FSDP2's hooks gather the weight); without labels it is the
+    plain linear layer. The chunks are ``trainers.dflash_loss.chunked_linear_cross_entropy``
+    (fused mode: each chunk's gradients are computed in the forward, no [tokens, vocab]
+    logits are kept).
+    """
+
+    loss_chunk_rows = 4096
+
+    def forward(self, hidden, labels=None):  # noqa: D102
+        if labels is None:
+            return super().forward(hidden)
+        import torch
+
+        from trainers.dflash_loss import chunked_linear_cross_entropy
+
+        h = hidden.reshape(-1, hidden.shape[-1])
+        y = labels.reshape(-1)
+        acc = torch.float64 if h.dtype == torch.float64 else torch.float32
+        w = torch.full(y.shape, 1.0 / y.numel(), device=y.device, dtype=acc)
+        return chunked_linear_cross_entropy(h, self.weight, y, w, chunk_rows=self.loss_chunk_rows,
+                                            mode="fused")
+
+
+def install_chunked_loss(model, chunk_rows: int) -> None:
+    """``model(input_ids=..., labels=...)`` returns the mean next-token loss through the chunked head.
+
+    Same parameters and names (checkpoints and exports are unchanged); ``labels`` are
+    the already shifted targets, as the trainer passes them. Without labels the model
+    behaves as before.
+    """
+    import types
+
+    head = model.get_output_embeddings()
+    head.__class__ = type(f"Chunked{type(head).__name__}", (_ChunkedLossHead, type(head)), {})
+    head.loss_chunk_rows = chunk_rows
+    plain_forward = model.forward
+    base = getattr(model, model.base_model_prefix)
+
+    def forward(self, input_ids=None, labels=None, **kw):
+        if labels is None:
+            return plain_forward(input_ids=input_ids, **kw)
+        hidden = base(input_ids=input_ids, use_cache=False).last_hidden_state
+        return head(hidden, labels)
+
+    model.forward = types.MethodType(forward, model)
+
+
+def evaluate(model, val_set, ctx, device, sdpa_ctx) -> tuple[float, int]:
+    """Mean next-token loss over the validation batches of all ranks: (loss, tokens scored).
+
+    No gradients, no RNG, no data position: training after it is bit-identical to
+    training without it. The model stays in train mode (the presets have no dropout,
+    and switching modes would recompile the compiled blocks).
+    """
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    sums = torch.zeros(2, device=device, dtype=torch.float64)
+    with torch.no_grad():
+        for batch in val_set:
+            batch = batch.to(device, non_blocking=True)
+            inputs, labels = batch[:, :-1], batch[:, 1:]
+            with sdpa_ctx():
+                logits = model(input_ids=inputs, use_cache=False).logits
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum")
+            sums[0] += loss.double()
+            sums[1] += labels.numel()
+            del logits, loss
+    if ctx.distributed and ctx.world_size > 1:
+        dist.all_reduce(sums, op=dist.ReduceOp.SUM)
+    total, count = sums.tolist()
+    return total / count, int(count)
+
+
 # ------------------------------------------------------------------ export
 
 
@@ -333,7 +573,7 @@ def export_final(model, config, tokenizer, out: Path, ctx, attn_impl: str) -> Pa
     final = out / "final"
     if ctx.rank == 0:
         sd = {_clean_fqn(k): v for k, v in sd.items()}
-        plain = build_meta_model(config, attn_impl)
+        plain = build_meta_model(config, "sdpa" if attn_impl == REPEAT_KV_ATTENTION else attn_impl)
         plain.to_empty(device="cpu")
         missing, unexpected = plain.load_state_dict(sd, strict=False)
         missing = [k for k in missing if "rotary" not in k]
@@ -379,9 +619,21 @@ def main(argv: list[str] | None = None) -> int:
         load_checkpoint,
         save_checkpoint,
     )
-    from trainers.data import PackedDataset, ShardedBatches, load_tokenizer, load_tokens
+    from trainers.data import (
+        DataError,
+        PackedDataset,
+        ShardedBatches,
+        ValidationBatches,
+        is_prepared,
+        load_prepared,
+        load_tokenizer,
+        load_tokens,
+        read_prepared_manifest,
+        split_tokens,
+    )
+    from trainers.flops import MFU_CONVENTION, model_flops, peak_flops
     from trainers.flops import mfu as compute_mfu
-    from trainers.flops import model_flops, peak_flops
+    from trainers.profiling import StepProfiler
     from trainers.runtime import (
         barrier,
         config_hash,
@@ -430,9 +682,21 @@ def main(argv: list[str] | None = None) -> int:
 
     # tokenizer and data
     tok_spec = args.tokenizer
+    prepared = None
+    if args.data is not None and is_prepared(args.data):
+        try:
+            prepared = read_prepared_manifest(args.data)
+        except DataError as exc:
+            raise ExitWith(2, str(exc)) from None
+        if tok_spec is None:  # the tokenizer the corpus was prepared with
+            tok_spec = str(Path(args.data) / "tokenizer")
     if tok_spec is None and args.init_from is not None and _has_tokenizer(Path(args.init_from)):
         tok_spec = args.init_from
     tokenizer = load_tokenizer(tok_spec)
+    if prepared is not None and not _same_tokenizer(tokenizer.describe(), prepared["tokenizer"]):
+        raise ExitWith(2, f"--tokenizer {args.tokenizer}: {tokenizer.describe()} is not the tokenizer "
+                          f"{args.data} was prepared with ({prepared['tokenizer']}); drop --tokenizer "
+                          "(the prepared one is used) or prepare the corpus again with this one")
     config = build_config(args.model_config, args.init_from)
     if tokenizer.vocab_size > config.vocab_size:
         raise ExitWith(2, f"tokenizer vocab {tokenizer.vocab_size} does not fit the model's "
@@ -440,11 +704,40 @@ def main(argv: list[str] | None = None) -> int:
     max_pos = getattr(config, "max_position_embeddings", None)
     if max_pos is not None and args.seq_len > max_pos:
         raise ExitWith(2, f"--seq-len {args.seq_len} exceeds max_position_embeddings {max_pos}")
-    source = load_tokens(args.data, tokenizer, dtype=args.data_dtype, max_bytes=args.corpus_bytes)
-    if int(source.tokens.max(initial=0)) >= config.vocab_size:
-        raise ExitWith(2, f"data has token id {int(source.tokens.max())} >= vocab_size {config.vocab_size}")
-    dataset = PackedDataset(source.tokens, args.seq_len)
+    try:
+        source = load_tokens(args.data, tokenizer, dtype=args.data_dtype, max_bytes=args.corpus_bytes,
+                             text_column=args.text_column, split=args.data_split)
+    except (DataError, FileNotFoundError) as exc:
+        raise ExitWith(2, str(exc)) from None
+    top = _max_token(source)
+    if top >= config.vocab_size:
+        raise ExitWith(2, f"data has token id {top} >= vocab_size {config.vocab_size}")
+    train_tokens, val_tokens, val_desc = source.tokens, None, None
+    try:
+        if args.val_data is not None:
+            vsrc = load_tokens(args.val_data, tokenizer, dtype=args.data_dtype,
+                               text_column=args.text_column)
+            val_tokens, val_desc = vsrc.tokens, vsrc.description
+        elif args.val_fraction > 0:
+            train_tokens, val_tokens = split_tokens(source.tokens, args.val_fraction)
+            val_desc = f"last {args.val_fraction:g} of --data's tokens"
+        elif prepared is not None and "val" in prepared["splits"]:
+            vsrc = load_prepared(args.data, "val")
+            val_tokens, val_desc = vsrc.tokens, vsrc.description
+    except (DataError, FileNotFoundError) as exc:
+        raise ExitWith(2, str(exc)) from None
+    dataset = PackedDataset(train_tokens, args.seq_len)
     batches = ShardedBatches(dataset, args.batch_size, ctx.rank, ctx.world_size, seed=args.seed)
+    val_set = None
+    if val_tokens is not None:
+        try:
+            val_set = ValidationBatches(PackedDataset(val_tokens, args.seq_len), args.batch_size,
+                                        args.val_batches, ctx.rank, ctx.world_size, where=val_desc)
+        except DataError as exc:
+            raise ExitWith(2, str(exc)) from None
+    val_every = args.val_every
+    if val_every is None:
+        val_every = max(1, args.max_steps // 10) if val_set is not None else 0
 
     # model
     model = build_meta_model(config, args.attn_implementation)
@@ -465,10 +758,8 @@ def main(argv: list[str] | None = None) -> int:
 
     opt_kw: dict[str, Any] = dict(lr=args.lr, betas=(0.9, 0.95), eps=1e-8,
                                   weight_decay=args.weight_decay)
-    if on_gpu:
-        opt_kw["fused"] = True
-    else:
-        opt_kw["foreach"] = True
+    opt_impl = args.optimizer_impl if args.optimizer_impl != "auto" else ("fused" if on_gpu else "foreach")
+    opt_kw[opt_impl] = True
     optimizer = torch.optim.AdamW(model.parameters(), **opt_kw)
     warmup = args.warmup_steps if args.warmup_steps is not None else max(1, args.max_steps // 20)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -485,6 +776,11 @@ def main(argv: list[str] | None = None) -> int:
     loss_fn = cross_entropy
     if args.compile_loss == "yes" or (args.compile_loss == "auto" and args.compile):
         loss_fn = torch.compile(cross_entropy, dynamic=False)
+    if args.loss_impl == "chunked":
+        install_chunked_loss(model, args.loss_chunk_rows)
+    prefetch = args.prefetch == "yes" or (args.prefetch == "auto" and on_gpu)
+    feeder = BatchFeeder(batches, device, pin=on_gpu, ahead=prefetch)
+    profiler = StepProfiler(args.profile_start, args.profile_steps, on_gpu, ctx.rank)
 
     info = device_info(device)
     tokens_per_step = args.batch_size * args.seq_len * args.grad_accum * ctx.world_size
@@ -497,12 +793,22 @@ def main(argv: list[str] | None = None) -> int:
         host=socket.gethostname(), pid=os.getpid(), **info,
         dataset_samples=len(dataset), dataset_tokens=dataset.source_tokens,
         dataset_sample_tokens=dataset.num_tokens, dataset=source.description,
+        dataset_documents=source.documents, dataset_unique_documents=source.unique_documents,
+        dataset_sha256=source.sha256, dataset_prepared=prepared is not None,
+        val_dataset=val_desc, val_samples=None if val_set is None else len(val_set.dataset),
+        val_tokens_per_eval=None if val_set is None else val_set.tokens_per_rank * ctx.world_size,
+        val_every=val_every if val_set is not None else None,
         tokenizer=tokenizer.describe(), argv=sys.argv, start=plan.describe(),
         seq_len=args.seq_len, batch_size=args.batch_size, grad_accum=args.grad_accum,
         tokens_per_step=tokens_per_step, max_steps=args.max_steps,
-        flops_per_token=counts.flops_per_token, flops_note=counts.note, peak_flops=peak,
-        mfu_note=peak_reason, dtype=str(compute_dtype).replace("torch.", ""),
-        compile=args.compile, activation_checkpointing=args.activation_checkpointing,
+        flops_per_token=counts.flops_per_token,
+        flops_per_token_torchtitan=counts.flops_per_token_torchtitan, flops_note=counts.note,
+        mfu_convention=MFU_CONVENTION, peak_flops=peak, mfu_note=peak_reason, dtype=str(compute_dtype).replace("torch.", ""),
+        compile=args.compile, compile_mode=args.compile_mode,
+        activation_checkpointing=args.activation_checkpointing,
+        ac_every=args.ac_every if args.activation_checkpointing else None,
+        loss_impl=args.loss_impl, optimizer_impl=opt_impl, reduce_dtype=args.reduce_dtype,
+        prefetch=prefetch,
         sdpa_backend=args.sdpa_backend, deterministic=args.deterministic,
         torch=torch.__version__, transformers=_transformers_version(), **par,
     )
@@ -513,15 +819,27 @@ def main(argv: list[str] | None = None) -> int:
               f"start {plan.describe()}", flush=True)
 
     losses: dict[int, float] = {}
+    val_losses: dict[int, float] = {}
+
+    def do_validation(at: int) -> None:
+        t_val = time.perf_counter()
+        vloss, vtokens = evaluate(model, val_set, ctx, device, sdpa_ctx)
+        val_losses[at] = vloss
+        tel.emit("val_loss", step=at, val_loss=vloss, val_tokens=vtokens,
+                 seconds=round(time.perf_counter() - t_val, 3))
+        if ctx.rank == 0:
+            print(f"step {at} val_loss {vloss:.6f} ({vtokens:,} tokens)", flush=True)
+
     tps_hist: list[float] = []
     mfu_hist: list[float] = []
+    mfu_tt_hist: list[float] = []
     saved: list[int] = []
     last_saved = step if not plan.fresh else None
     stopped = False
 
     def do_checkpoint(at: int) -> None:
         nonlocal last_saved
-        extra = {"step": at, "scheduler": scheduler.state_dict(), "data": batches.state_dict(),
+        extra = {"step": at, "scheduler": scheduler.state_dict(), "data": feeder.state_dict(),
                  "world_size": ctx.world_size, "config_hash": manifest["config_hash"]}
         path, seconds = save_checkpoint(out, at, model, optimizer, extra, keep=args.keep,
                                         rank=ctx.rank, barrier=lambda: barrier(ctx))
@@ -532,22 +850,31 @@ def main(argv: list[str] | None = None) -> int:
     while step < args.max_steps:
         t0 = time.perf_counter()
         maybe_fail_for_test(step + 1, ctx.rank)
+        profiler.before_step(step + 1)
         loss_sum = torch.zeros((), device=device)
         for micro in range(args.grad_accum):
-            batch = batches.next_batch().to(device, non_blocking=True)
+            batch = feeder.next()
             inputs, labels = batch[:, :-1], batch[:, 1:]
             model.set_requires_gradient_sync(micro == args.grad_accum - 1)
             with sdpa_ctx():
-                logits = model(input_ids=inputs, use_cache=False).logits
-                loss = loss_fn(logits, labels)
+                if args.loss_impl == "chunked":
+                    loss = model(input_ids=inputs, labels=labels)
+                else:
+                    logits = model(input_ids=inputs, use_cache=False).logits
+                    loss = loss_fn(logits, labels)
+                    del logits
                 (loss / args.grad_accum).backward()
             loss_sum += loss.detach()
-            del logits, loss
+            del loss
+            if micro < args.grad_accum - 1:
+                feeder.prefetch()
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         scheduler.step()
         step += 1
+        if step < args.max_steps:
+            feeder.prefetch()  # the GPU still works through this step's kernels
         # one small all-reduce: mean loss over ranks and "anyone asked to stop"
         loss_val, stop_now = reduce_mean_and_stop(ctx, loss_sum / args.grad_accum, stop.requested)
         gn = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
@@ -555,17 +882,20 @@ def main(argv: list[str] | None = None) -> int:
         dt = time.perf_counter() - t0
         tps = tokens_per_step / dt
         mfu_val = compute_mfu(tps / ctx.world_size, counts.flops_per_token, peak)
+        mfu_tt = compute_mfu(tps / ctx.world_size, counts.flops_per_token_torchtitan, peak)
         losses[step] = loss_val
         if step > 1:
             tps_hist.append(tps)
             if mfu_val is not None:
                 mfu_hist.append(mfu_val)
+                mfu_tt_hist.append(mfu_tt)
         mem_alloc = mem_peak = None
         if on_gpu:
             mem_alloc = torch.cuda.memory_allocated(device) / 2**30
             mem_peak = torch.cuda.max_memory_allocated(device) / 2**30
         tel.step(step, loss=loss_val, tokens_per_s=round(tps, 2),
                  mfu=None if mfu_val is None else round(mfu_val, 5),
+                 mfu_torchtitan=None if mfu_tt is None else round(mfu_tt, 5),
                  flops_per_token=counts.flops_per_token, peak_flops=peak,
                  mem_allocated_gib=None if mem_alloc is None else round(mem_alloc, 3),
                  mem_peak_gib=None if mem_peak is None else round(mem_peak, 3),
@@ -573,14 +903,19 @@ def main(argv: list[str] | None = None) -> int:
                  tokens=step * tokens_per_step)
         if ctx.rank == 0 and (step % args.log_every == 0 or step == args.max_steps):
             mfu_s = f"{100 * mfu_val:.1f}%" if mfu_val is not None else "n/a"
+            if mfu_tt is not None:
+                mfu_s += f" (torchtitan {100 * mfu_tt:.1f}%)"
             print(f"step {step} loss {loss_val:.6f} tok/s {tps:,.0f} mfu {mfu_s} "
                   f"gnorm {gn_val:.3f} lr {scheduler.get_last_lr()[0]:.2e} {dt * 1000:.0f} ms",
                   flush=True)
+        profiler.after_step(step)
         if step == 1:
             set_collective_timeout(ctx, 100.0)
         if stop_now or (args.stop_at_step is not None and step >= args.stop_at_step):
             stopped = True
             break
+        if val_set is not None and ((val_every and step % val_every == 0) or step == args.max_steps):
+            do_validation(step)
         if args.checkpoint_every and step % args.checkpoint_every == 0:
             do_checkpoint(step)
 
@@ -593,8 +928,11 @@ def main(argv: list[str] | None = None) -> int:
     result = dict(
         final_step=step, start=plan.describe(), stopped=stopped,
         losses={str(k): v for k, v in losses.items()},
-        final_loss=losses.get(step), tokens_per_s=_mean(tps_hist),
-        mfu=_mean(mfu_hist), mfu_note=peak_reason, flops_per_token=counts.flops_per_token,
+        final_loss=losses.get(step), val_losses={str(k): v for k, v in val_losses.items()},
+        final_val_loss=val_losses.get(step), tokens_per_s=_mean(tps_hist),
+        mfu=_mean(mfu_hist), mfu_torchtitan=_mean(mfu_tt_hist), mfu_convention=MFU_CONVENTION,
+        mfu_note=peak_reason, flops_per_token=counts.flops_per_token,
+        flops_per_token_torchtitan=counts.flops_per_token_torchtitan,
         peak_flops=peak, params_total=counts.params_total,
         params_trainable=counts.params_trainable, world_size=ctx.world_size,
         device=info["device"], dataset_samples=len(dataset), dataset_tokens=dataset.source_tokens,
@@ -606,7 +944,8 @@ def main(argv: list[str] | None = None) -> int:
         (out / "result.json").write_text(json.dumps(result, indent=2) + "\n")
         files = [str(out / "result.json")] + ([str(final)] if final else [])
     tel.emit("done", final_step=step, reason="stopped" if stopped else "max_steps", files=files,
-             tokens_per_s=result["tokens_per_s"], mfu=result["mfu"])
+             tokens_per_s=result["tokens_per_s"], mfu=result["mfu"],
+             mfu_torchtitan=result["mfu_torchtitan"])
     barrier(ctx)
     tel.close()
     finish_ok(ctx)
@@ -624,6 +963,8 @@ def _sdpa_context(backend: str):
     order = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
     if backend == "cudnn":
         order.insert(0, SDPBackend.CUDNN_ATTENTION)
+    elif backend == "efficient":
+        order = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]
 
     def ctx():
         try:
@@ -632,6 +973,19 @@ def _sdpa_context(backend: str):
             return sdpa_kernel(order)
 
     return ctx
+
+
+def _same_tokenizer(a: dict, b: dict) -> bool:
+    """Same ids for the same text: kind, vocabulary and specials agree (paths may differ)."""
+    keys = ("kind", "vocab_size", "eos_id", "bos_id", "pad_id")
+    return all(a.get(k) == b.get(k) for k in keys)
+
+
+def _max_token(source) -> int:
+    """Largest token id of a source (a prepared folder's manifest says it without a scan)."""
+    if source.manifest is not None and "max_token_id" in source.manifest:
+        return int(source.manifest["max_token_id"])
+    return int(source.tokens.max(initial=0))
 
 
 def _has_tokenizer(folder: Path) -> bool:

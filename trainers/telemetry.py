@@ -7,9 +7,12 @@ seconds, float), ``rank`` (global rank, int) and ``type``:
 
 ``manifest``   once per rank at start: params_total, params_trainable,
                config_hash, world_size, role, device, gpu_uuid, dataset_samples,
-               dataset_tokens, argv, start ("fresh" | "resume N"), kind
-``step``       step, loss, tokens_per_s, mfu, flops_per_token, peak_flops,
-               mem_allocated_gib, mem_peak_gib, (queue_depth for split DFlash)
+               dataset_tokens, argv, start ("fresh" | "resume N"), kind,
+               mfu_convention (what ``mfu`` counts)
+``step``       step, loss, tokens_per_s, mfu (causal convention), mfu_torchtitan
+               (fsdp_lm), flops_per_token, peak_flops, mem_allocated_gib,
+               mem_peak_gib, (queue_depth for split DFlash)
+``val_loss``   step, val_loss, val_tokens, seconds (fsdp_lm's validation loss)
 ``heartbeat``  from every rank at least every 10 s, even while stalled
 ``checkpoint`` step, path, seconds
 ``eval``       step, tau (DFlash acceptance length) or other metrics

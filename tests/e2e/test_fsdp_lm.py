@@ -73,6 +73,9 @@ def test_straight_run_writes_telemetry_checkpoints_and_result(straight) -> None:
     assert losses0[8] < losses0[1] - 0.5, losses0  # it learns
     steps = [r for r in tel if r["type"] == "step"]
     assert all(r["tokens_per_s"] > 0 and r["mfu"] is None and r["flops_per_token"] > 0 for r in steps)
+    assert all(r["mfu_torchtitan"] is None for r in steps)
+    m = manifests[0]
+    assert m["mfu_convention"].startswith("causal") and m["flops_per_token_torchtitan"] > m["flops_per_token"]
     assert {r["step"] for r in tel if r["type"] == "checkpoint" and r["rank"] == 0} == {4, 8}
     assert any(r["type"] == "heartbeat" for r in tel)
     assert {r["rank"] for r in tel if r["type"] == "done"} == {0, 1}
@@ -205,3 +208,92 @@ def test_sigterm_stops_all_ranks_after_a_checkpoint(runs, tmp_path) -> None:
     while any(_alive(x) for x in pids) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not any(_alive(x) for x in pids)
+
+
+def test_prepare_then_train_with_validation_then_resume_is_exact(runs, tmp_path) -> None:
+    """A saved dataset -> trainers.prepare (2 processes) -> 2 ranks train from the token file
+    (the source deleted: nothing re-tokenises) with val_loss records -> resume is exact."""
+    datasets = pytest.importorskip("datasets")
+    from trainers.checkpoint import list_checkpoints
+    from trainers.data import PREPARED_MANIFEST, load_documents
+
+    docs = load_documents(None, max_bytes=600 * 1024)
+    src = tmp_path / "corpus"
+    datasets.Dataset.from_dict({"n": list(range(len(docs))), "text": docs}).save_to_disk(str(src))
+    prep = tmp_path / "prep"
+    rc, output, _, _ = runs.run("trainers.prepare", ["--data", str(src), "--num-proc", "2",
+                                                    "--val-fraction", "0.1"], prep, nproc=None)
+    assert rc == 0, output[-3000:]
+    prepared = json.loads((prep / PREPARED_MANIFEST).read_text())
+    shutil.rmtree(src)
+
+    args = [*COMMON, "--data", str(prep), "--max-steps", "6", "--checkpoint-every", "3",
+            "--val-every", "2", "--val-batches", "2", "--no-export",
+            "--prefetch", "yes"]  # a batch fetched ahead is not counted as consumed in a checkpoint
+    out = tmp_path / "straight"
+    rc, output, tel, _ = runs.run(FSDP, [*args, "--fresh"], out, nproc=2)
+    assert rc == 0, output[-4000:]
+    assert list_checkpoints(out) == [3, 6]
+    train = prepared["splits"]["train"]
+    for m in (r for r in tel if r["type"] == "manifest"):
+        assert m["dataset_prepared"] and m["dataset_tokens"] == train["tokens"]
+        assert m["dataset_documents"] == train["documents"]
+        assert m["dataset_unique_documents"] == train["unique_documents"]
+        assert m["dataset_sha256"] == train["sha256"]
+        assert m["dataset_samples"] == (train["tokens"] - 1) // 64
+        assert m["tokenizer"]["kind"] == "byte" and m["val_every"] == 2
+        assert m["val_samples"] == (prepared["splits"]["val"]["tokens"] - 1) // 64
+    vals = [r for r in tel if r["type"] == "val_loss"]
+    assert sorted({r["step"] for r in vals}) == [2, 4, 6]
+    assert {r["rank"] for r in vals} == {0, 1}
+    by_step = {r["step"]: r["val_loss"] for r in vals if r["rank"] == 0}
+    assert all(r["val_loss"] == by_step[r["step"]] for r in vals)  # one figure, all ranks
+    assert all(r["val_tokens"] == 2 * 2 * 4 * 64 for r in vals)  # ranks x batches x batch x seq
+    assert 0 < by_step[6] < by_step[2]  # it learns, also on held-out documents
+    result = json.loads((out / "result.json").read_text())
+    assert result["final_val_loss"] == by_step[6]
+
+    again = tmp_path / "again"
+    (again / "checkpoints").mkdir(parents=True)
+    shutil.copytree(out / "checkpoints" / "step_3", again / "checkpoints" / "step_3")
+    rc, output, tel2, _ = runs.run(FSDP, [*args, "--resume", "latest"], again, nproc=2)
+    assert rc == 0, output[-4000:]
+    ref, resumed = step_losses(tel), step_losses(tel2)
+    assert sorted(resumed) == [4, 5, 6]
+    for k in resumed:
+        assert resumed[k] == pytest.approx(ref[k], abs=1e-6), (k, resumed[k], ref[k])
+    vals2 = {r["step"]: r["val_loss"] for r in tel2 if r["type"] == "val_loss" and r["rank"] == 0}
+    assert sorted(vals2) == [4, 6]
+    assert vals2[6] == pytest.approx(by_step[6], abs=1e-6)
+
+
+def test_bad_corpus_options_exit_2_with_the_fix(runs, tmp_path) -> None:
+    datasets = pytest.importorskip("datasets")
+    src = tmp_path / "two_columns"
+    datasets.Dataset.from_dict({"a": ["x" * 500] * 4, "b": ["y"] * 4}).save_to_disk(str(src))
+    rc, output, tel, _ = runs.run(FSDP, [*COMMON, "--data", str(src), "--max-steps", "1", "--fresh"],
+                                  tmp_path / "o", nproc=None)
+    assert rc == 2 and "--text-column" in output, output[-3000:]
+    assert [r["type"] for r in tel if r["type"] == "error"] == ["error"]
+
+
+def test_chunked_loss_matches_plain_and_profile_prints_top_kernels(runs, tmp_path) -> None:
+    args = [*COMMON, "--max-steps", "3", "--no-export", "--no-final-checkpoint", "--fresh"]
+    # 2 ranks: the head's gradients, made inside its forward, must still be reduce-scattered
+    rc, output, tel, _ = runs.run(FSDP, [*args, "--profile-steps", "1", "--profile-start", "2"],
+                                  tmp_path / "plain", nproc=2)
+    assert rc == 0, output[-3000:]
+    lines = [ln for ln in output.splitlines() if ln.startswith("profile")]
+    assert lines[0].startswith("profile: steps 2..2, 1 steps")
+    assert any(ln.startswith("profile class gemm") for ln in lines)
+    assert any(ln.startswith("profile top  1") and "aten::" in ln for ln in lines)
+    rc, output, tel2, _ = runs.run(FSDP, [*args, "--loss-impl", "chunked", "--loss-chunk-rows", "100"],
+                                   tmp_path / "chunked", nproc=2)
+    assert rc == 0, output[-3000:]
+    assert next(r for r in tel2 if r["type"] == "manifest")["loss_impl"] == "chunked"
+    plain, chunked = step_losses(tel), step_losses(tel2)
+    assert sorted(chunked) == [1, 2, 3]
+    # same maths in other summation orders: equal to float32 rounding; steps 2 and 3 follow
+    # updates, equal only if the head's gradients were averaged over the ranks as plain's are
+    for k in plain:
+        assert chunked[k] == pytest.approx(plain[k], abs=2e-5), (k, plain[k], chunked[k])

@@ -132,3 +132,50 @@ def test_gpu_kill9_then_resume_gives_identical_losses(tmp_path, procs) -> None:
           + ", ".join(f"{k}: {first[k]:.6f}/{resumed[k]:.6f}" for k in sorted(resumed)))
     assert max(diffs.values()) <= 1e-6, diffs
     assert {r["start"] for r in _records(tel2) if r["type"] == "manifest"} == {"resume 5"}
+
+
+def _run(args: list[str], tmp_path: Path, name: str, procs) -> tuple[list[dict], str]:
+    tel, log = tmp_path / f"{name}.jsonl", tmp_path / f"{name}.log"
+    p = _start(args, tel, log)
+    procs.append(p)
+    p.wait(timeout=400)
+    text = log.read_text()
+    assert p.returncode == 0, text[-3000:]
+    return _records(tel), text
+
+
+def test_gpu_prepared_corpus_validation_chunked_loss_mfu_and_profile(tmp_path, procs) -> None:
+    """prepare -> train on the GPU from the token file with val_loss; --loss-impl chunked gives the
+    plain losses (bf16: close, not equal); mfu (causal) / mfu_torchtitan is the FLOP ratio; the
+    profile names the kernels."""
+    from trainers.prepare import main as prepare_main
+
+    prep = tmp_path / "prep"
+    assert prepare_main(["--corpus-bytes", str(4 * 1024 * 1024), "--out", str(prep),
+                         "--val-fraction", "0.02", "--num-proc", "4"]) == 0
+    cfg = tmp_path / "model.json"
+    cfg.write_text(json.dumps(CONFIG))
+    shape = ["--seq-len", "64", "--batch-size", "2"] if ON_CPU else ["--seq-len", "512", "--batch-size", "8"]
+    common = ["--model-config", "tiny" if ON_CPU else str(cfg), "--data", str(prep), *shape,
+              "--max-steps", "12", "--val-every", "4", "--no-export", "--no-final-checkpoint",
+              "--fresh"] + (["--device", "cpu"] if ON_CPU else ["--compile"])
+    plain, _ = _run([*common, "--out", str(tmp_path / "plain"), "--profile-steps", "2",
+                     "--profile-start", "8"], tmp_path, "plain", procs)
+    log = (tmp_path / "plain.log").read_text()
+    profile = [ln for ln in log.splitlines() if ln.startswith("profile")]
+    print("\n".join(profile))
+    assert profile and profile[0].startswith("profile: steps 8..9")
+    chunked, _ = _run([*common, "--out", str(tmp_path / "chunked"), "--loss-impl", "chunked"],
+                      tmp_path, "chunked", procs)
+    lp, lc = _losses(plain), _losses(chunked)
+    print("plain vs chunked:", {k: (round(lp[k], 4), round(lc[k], 4)) for k in lp})
+    assert sorted(lc) == list(range(1, 13))
+    assert all(abs(lp[k] - lc[k]) < 0.05 for k in lp), (lp, lc)
+    vals = [r for r in plain if r["type"] == "val_loss"]
+    assert sorted(r["step"] for r in vals) == [4, 8, 12] and all(r["val_loss"] > 0 for r in vals)
+    manifest = next(r for r in plain if r["type"] == "manifest")
+    assert manifest["dataset_prepared"] and manifest["mfu_convention"].startswith("causal")
+    if manifest["peak_flops"] and not ON_CPU:
+        ratio = manifest["flops_per_token"] / manifest["flops_per_token_torchtitan"]
+        for r in (r for r in plain if r["type"] == "step"):
+            assert r["mfu"] == pytest.approx(r["mfu_torchtitan"] * ratio, rel=1e-3)

@@ -205,6 +205,41 @@ def test_flops_formula_and_peaks() -> None:
     assert peak is None and "cpu" in reason
 
 
+def test_causal_convention_halves_attention_only() -> None:
+    from trainers.flops import attention_flops, causal_pairs, dense_flops, full_pairs, window_pairs
+
+    n, emb, L, H, d, S = 1_100_048_384, 32000 * 2048, 22, 32, 64, 2048
+    titan = flops_per_token(n, emb, L, H, d, S)
+    causal = flops_per_token(n, emb, L, H, d, S, causal=True)
+    assert causal == 6 * (n - emb) + 6 * L * H * d * S
+    assert titan - causal == 6 * L * H * d * S  # exactly the halved attention term
+    # the published llama-1b figures, converted: 52.9% / 56.3% torchtitan -> 48.9% / 52.1% causal
+    assert round(52.9 * causal / titan, 1) == 48.9 and abs(56.3 * causal / titan - 52.1) < 0.1
+    # the building blocks add up, and forward-only is a third of training
+    assert dense_flops(n - emb) + attention_flops(L, H, d, causal_pairs(S)) / S == causal
+    assert flops_per_token(n, emb, L, H, d, S, training=False, causal=True) == pytest.approx(causal / 3)
+    assert full_pairs(S) == 2 * causal_pairs(S)
+    # a sliding window: query i sees min(i + 1, W) keys; a window as long as S is causal (+S/2)
+    brute = sum(min(i + 1, 5) for i in range(12))
+    assert window_pairs(12, 5) == brute and window_pairs(12, 12) == causal_pairs(12) + 6
+
+
+def test_model_flops_gives_both_conventions() -> None:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from trainers.flops import model_flops
+    from trainers.presets import PRESETS
+
+    kw = dict(PRESETS["tiny"])
+    cfg = AutoConfig.for_model(kw.pop("model_type"), **kw)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg)
+    c = model_flops(model, cfg, 64)
+    L, H, d = 4, 4, 64
+    assert c.flops_per_token_torchtitan - c.flops_per_token == 6 * L * H * d * 64
+    assert c.flops_per_token == flops_per_token(c.params_total, c.params_embedding, L, H, d, 64, causal=True)
+
+
 def test_bad_jsonl_lines_are_named(tmp_path) -> None:
     import pytest
 
