@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 
 from agents import envs, paths
 from agents.client import AgentClient
-from agents.errors import AgentError, AgentUnavailable
+from agents.errors import AgentError
 from agents.preflight import format_preflight
 from agents.protocol import RunInfo, to_builtins
 from console import config as cfg
@@ -32,6 +32,8 @@ from console.ops import ClaimsIntent, LaunchIntent, LaunchResult, OpsError, Reso
 from console.ops.intent import check_start, env_items
 from console.ops.launch import launch as ops_launch
 from console.ops.launch import plan_here
+from console.ops.stop import StopOutcome, reclaim_targets, stop_run
+from console.ops.stop import reclaim as ops_reclaim
 from console.ops.launch import preflight as ops_preflight
 from console.ops.relaunch import changed_environment, check_environment, rebuild_environment, recorded_environment, spec_from_row
 from console.query import QueryError
@@ -194,21 +196,8 @@ async def cmd_preflight(args: argparse.Namespace) -> int:
     return rc
 
 
-def _split_targets(targets: list[str]) -> tuple[str | None, dict[str, list[int]]]:
-    """['gpu1'] -> ('gpu1', {}); ['gpu1:4412', 'gpu2:77'] -> (None, {'gpu1': [4412], 'gpu2': [77]})."""
-    if len(targets) == 1 and ":" not in targets[0]:
-        return targets[0], {}
-    pids: dict[str, list[int]] = {}
-    for t in targets:
-        host, sep, pid = t.rpartition(":")
-        if not sep or not pid.isdigit():
-            raise CliError(f"{t!r}: write HOST to list the leftovers, or HOST:PID ... to stop those processes")
-        pids.setdefault(host or cfg.LOCAL, []).append(int(pid))
-    return None, pids
-
-
 async def cmd_reclaim(args: argparse.Namespace) -> int:
-    listing, pids = _split_targets(args.targets)
+    listing, pids = reclaim_targets(args.targets)
     if listing is not None:
         found = await _with_fleet(lambda f: f.leftovers(listing, include_live=args.include_live), hosts=[listing])
         if args.json:
@@ -216,22 +205,14 @@ async def cmd_reclaim(args: argparse.Namespace) -> int:
         else:
             print(format_leftovers(listing, found.leftovers))
         return 0
-
-    async def stop_all(fleet: Fleet) -> list[tuple[str, Any]]:
-        hosts = list(pids)
-        results = await asyncio.gather(*(fleet.reclaim(h, pids[h], args.grace, args.include_live) for h in hosts), return_exceptions=True)
-        return list(zip(hosts, results))
-
-    results = await _with_fleet(stop_all, hosts=list(pids))
+    results = await _with_fleet(lambda f: ops_reclaim(f, pids, args.grace, args.include_live), hosts=list(pids))
     rc = 0
     out = []
     for host, res in results:
-        if isinstance(res, AgentError):
-            print(f"gpudeck: {host}: {res.message}", file=sys.stderr)
+        if isinstance(res, str):
+            print(f"gpudeck: {host}: {res}", file=sys.stderr)
             rc = EXIT_ERROR
             continue
-        if isinstance(res, BaseException):
-            raise res
         out.append({**to_builtins(res), "host": host})
         if not args.json:
             print(f"{host}: " + format_stop(res).replace("run None: ", ""))
@@ -282,13 +263,13 @@ async def _relaunch(args: argparse.Namespace, good_ref: str | None) -> int:
     history, syncs = await _synced_history(args)
     down = [r.host for r in syncs if not r.ok]
     try:
-        row = await asyncio.to_thread(history.find, args.run, args.host, down)
+        row = await asyncio.to_thread(history.find, args.run, args.host, down, good_ref is not None)  # a rollback is destructive
         good = await asyncio.to_thread(history.find, good_ref, None, down) if good_ref else None
     finally:
         history.close()
     spec = spec_from_row(row)
     host = args.host or row["host"]
-    hosts = list(spec.nodes) if len(spec.nodes) > 1 and not args.host else [host]
+    hosts = list(spec.nodes) if len(spec.nodes) > 1 else [host]  # a multi-node run is relaunched on all its hosts
 
     async def go(fleet: Fleet) -> LaunchResult:
         if good is None:
@@ -410,40 +391,24 @@ async def cmd_tail(args: argparse.Namespace) -> int:
 
 
 async def cmd_stop(args: argparse.Namespace) -> int:
-    async def stop(fleet: Fleet):  # type: ignore[no-untyped-def]
-        found = await _resolve(fleet, args, destructive=True)
-        nodes, missing = found.nodes, list(found.missing)
-        results = await asyncio.gather(*(fleet.stop(h, r.id, args.grace) for h, r in nodes), return_exceptions=True)
-        return nodes, missing, results
-
     history = History()
     try:
-        nodes, missing, results = await _with_fleet(stop, hosts=_host_arg(args))
-        rid = nodes[0][1].id
-        for h in missing:
-            await asyncio.to_thread(history.add_pending_stop, h, rid, args.grace)
-        out, rc = [], 0
-        for (h, _r), res in zip(nodes, results):
-            if isinstance(res, AgentUnavailable):
-                await asyncio.to_thread(history.add_pending_stop, h, rid, args.grace)
-                missing.append(h)
-                continue
-            if isinstance(res, BaseException):
-                raise res
-            out.append({**to_builtins(res), "host": h})
-            if res.survivors:
-                rc = EXIT_ERROR
+        async def stop(fleet: Fleet) -> StopOutcome:
+            return await stop_run(fleet, await _resolve(fleet, args, destructive=True), args.grace, history)
+
+        done = await _with_fleet(stop, hosts=_host_arg(args), history=history)
     finally:
         history.close()
+    out = [{**to_builtins(res), "host": h} for h, res in done.results]
     if args.json:
-        print(json.dumps(out[0] if len(out) == 1 and not missing else {"run_id": rid, "nodes": out, "unreachable": missing}))
+        print(json.dumps(out[0] if len(out) == 1 and not done.pending else {"run_id": done.run_id, "nodes": out, "unreachable": done.pending}))
     else:
-        multi = len(nodes) + len(missing) > 1
-        for (h, _r), res in [(n, r) for n, r in zip(nodes, results) if not isinstance(r, BaseException)]:
+        multi = len(done.results) + len(done.pending) > 1
+        for h, res in done.results:
             print((f"[{h}] " if multi else "") + format_stop(res))
-        for h in missing:
+        for h in done.pending:
             print(f"[{h}] UNREACHABLE: not stopped yet; it will be stopped as soon as gpudeck reaches {h} again (recorded in the history)")
-    return EXIT_ERROR if missing else rc
+    return EXIT_ERROR if done.pending or done.survivors else 0
 
 
 async def cmd_hosts(args: argparse.Namespace) -> int:

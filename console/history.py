@@ -519,11 +519,11 @@ class History:
             rows = [dict(zip(cols, r)) for r in cur.fetchall()]
         return [decode_run(r) for r in rows]
 
-    def find(self, ref: str, host: str | None = None, unanswered: list[str] | None = None) -> dict[str, Any]:
+    def find(self, ref: str, host: str | None = None, unanswered: list[str] | None = None, destructive: bool = False) -> dict[str, Any]:
         """One run by id, unique id prefix or unique name; several matches are refused with the candidates (AmbiguousRun)."""
         from console.ops.resolve import resolve_record
 
-        return resolve_record(self.matches(ref, host), ref, host, unanswered or [])
+        return resolve_record(self.matches(ref, host), ref, host, unanswered or [], destructive)
 
     def events(self, host: str, run_id: str, limit: int = 10000) -> list[dict[str, Any]]:
         """A run's events in order."""

@@ -149,7 +149,7 @@ def plan_launch(intent: LaunchIntent, caller: Caller, conf: cfg.Config | None = 
     if intent.python is not None and not intent.python.strip():
         raise IntentError("python", "the interpreter is empty", "give a python interpreter (a path or a name on PATH), or leave it out")
     if not intent.argv and kind not in TRAINER_MODULES:
-        raise IntentError("command", "no command given",
+        raise IntentError("command", "launch needs a command",
                           "give the command after --, e.g. `gpudeck launch -- python train.py` (or --kind fsdp -- --model-config llama-1b --out DIR)")
     if nproc is not None and kind not in TRAINER_MODULES and not intent.hosts:
         raise IntentError("ranks per node", "only a trainer kind (fsdp, dflash) or a multi-node run is started under torchrun by gpudeck",

@@ -30,7 +30,8 @@ from console.messages import RecordLoaded
 from console.screens.base import deck, LiveScreen, tolerant
 from console.screens.dialogs import ChoiceDialog, ConfirmDialog, ResultDialog, stop_result_text
 from console.screens.launch import preflight_text
-from console.ops import OpsError, relaunch_intent, rollback_intent
+from console.ops import OpsError, Resolved, relaunch_intent, resolve_run, rollback_intent
+from console.ops.stop import stop_run
 from console.ops.relaunch import check_environment, rebuild_environment, recorded_environment
 from console.views import alerts_of, env_of, history_rows, python_of, record_from_info, run_diff, run_from_record, run_label, short_when, spec_of
 from console.widgets.cells import SIMULATED, ok_text, state_text
@@ -736,10 +737,23 @@ class RunScreen(LiveScreen):
         status = self.query_one("#run-status", ProgressLine)
         self._status_used = True
         status.start(f"stopping {r.id}: SIGTERM sent", f"grace {STOP_GRACE_S:.0f} s for the checkpoint, then SIGKILL, then NVML verifies")
+        fleet = deck(self).fleet
         try:
-            res = await deck(self).fleet.stop(self.host, r.id, STOP_GRACE_S)
-        except AgentError as exc:
+            # every node of the run (a multi-node run is stopped on each host), as `gpudeck stop` does
+            found = await resolve_run(fleet, r.id) if r.spec.nnodes and r.spec.nnodes > 1 else Resolved(r.id, r.id, [(self.host, r)])
+            done = await stop_run(fleet, found, STOP_GRACE_S, fleet.history)
+        except (AgentError, OpsError) as exc:
             status.finish(f"stop failed: {exc.message}", style="bold red")
             return
-        status.finish(f"stop finished in {res.seconds:.1f} s: {res.message or res.state}", style="green" if not res.survivors else "bold red")
-        await self.app.push_screen_wait(ResultDialog(f"Stopped {r.id}", stop_result_text(res)))
+        if not done.results:
+            status.finish(f"{', '.join(done.pending)} did not answer: the stop is recorded and delivered when it is back", style="bold yellow")
+            return
+        res = done.results[0][1]
+        more = f"; {', '.join(done.pending)} did not answer: its stop is recorded for later" if done.pending else ""
+        status.finish(f"stop finished in {res.seconds:.1f} s: {res.message or res.state}{more}", style="green" if not done.survivors else "bold red")
+        body = Text()
+        for i, (h, one) in enumerate(done.results):
+            if len(done.results) > 1:
+                body.append(("\n" if i else "") + f"[{h}]\n", style="bold")
+            body.append_text(stop_result_text(one))
+        await self.app.push_screen_wait(ResultDialog(f"Stopped {r.id}", body))

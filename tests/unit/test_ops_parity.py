@@ -133,7 +133,7 @@ MISTAKES = [
     (["--kind", "fsdp", "--resume", "abc", "--", "--out", "o"], dict(host="local", kind="fsdp", start="resume", resume_step="abc", args="--out o"),
      "start: resume step 'abc' is not a step"),
     (["--hosts", "gpu1,gpu1", "--kind", "fsdp", "--fresh"], dict(host="local", hosts="gpu1,gpu1", kind="fsdp", start="fresh"), "hosts: a host is listed twice"),
-    (["--"], dict(host="local", args=""), "command: no command given"),
+    (["--"], dict(host="local", args=""), "command: launch needs a command"),
 ]
 
 
