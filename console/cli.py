@@ -21,7 +21,7 @@ from agents import envs, paths
 from agents.client import AgentClient
 from agents.errors import AgentError
 from agents.preflight import format_preflight
-from agents.protocol import RunInfo, to_builtins
+from agents.protocol import to_builtins
 from console import config as cfg
 from console.fleet import Fleet, SyncResult
 from console.formats import format_claims, format_history, format_hosts, format_leftovers, format_runs, format_show, format_status, format_stop, run_json, why_down
@@ -32,6 +32,7 @@ from console.ops import ClaimsIntent, LaunchIntent, LaunchResult, OpsError, Reso
 from console.ops.intent import check_start, env_items
 from console.ops.launch import launch as ops_launch
 from console.ops.launch import plan_here
+from console.ops.resolve import fleet_runs
 from console.ops.stop import StopOutcome, reclaim_targets, stop_run
 from console.ops.stop import reclaim as ops_reclaim
 from console.ops.launch import preflight as ops_preflight
@@ -302,32 +303,19 @@ async def cmd_rollback(args: argparse.Namespace) -> int:
 
 
 async def cmd_runs(args: argparse.Namespace) -> int:
-    async def collect(fleet: Fleet) -> tuple[list[RunInfo], list[str]]:
-        names = [args.host] if args.host else list(fleet.links)
-        results = await asyncio.gather(*(fleet.runs(h, limit=args.limit) for h in names), return_exceptions=True)
-        runs: list[RunInfo] = []
-        errors: list[str] = []
-        for h, r in zip(names, results):
-            if isinstance(r, AgentError):
-                errors.append(f"{h}: {r.message}")
-                continue
-            if isinstance(r, BaseException):
-                raise r
-            for run in r:
-                run.host = h  # the fleet's name for the host, not the agent's own hostname
-            runs.extend(r)
-        runs.sort(key=lambda r: r.created, reverse=True)
-        return runs, errors
-
-    runs, errors = await _with_fleet(collect, hosts=_host_arg(args))
-    rows = group([run_json(r) for r in runs], unreachable={e.split(":", 1)[0] for e in errors})
+    listed = await _with_fleet(lambda f: fleet_runs(f, _host_arg(args), limit=args.limit), hosts=_host_arg(args))
+    runs = []
+    for h, run in listed.runs:
+        run.host = h  # the fleet's name for the host, not the agent's own hostname
+        runs.append(run)
+    rows = group([run_json(r) for r in runs], unreachable=set(listed.unanswered))
     if args.json:
         print(json.dumps(rows))
     else:
         print(format_runs(rows))
-    for e in errors:
-        print(f"gpudeck: not reachable: {e}", file=sys.stderr)
-    if errors and args.host:
+    for h, why in listed.unanswered.items():
+        print(f"gpudeck: not reachable: {h}: {why}", file=sys.stderr)
+    if listed.unanswered and args.host:
         return EXIT_ERROR
     return 0
 

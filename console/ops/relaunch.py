@@ -25,7 +25,7 @@ from console import config as cfg
 from console.fleet import Fleet
 from console.ops.errors import OpsError
 from console.ops.intent import CALLER_ENV, LaunchIntent
-from console.ops.launch import node_env
+from console.ops.launch import is_trainer, node_env
 from trainers.contract import TRAINER_MODULES, strip_start
 
 _TORCHRUN_FLAGS_WITH_VALUE = ("--nnodes", "--node-rank", "--nproc-per-node", "--rdzv-backend", "--rdzv-endpoint", "--rdzv-id", "--rdzv-conf", "--local-addr")
@@ -96,12 +96,14 @@ def intent_from_spec(spec: LaunchSpec, host: str, conf: cfg.Config | None = None
     if trainer_args is not None:
         gpus = len(spec.gpus) if spec.gpus else 1
         intent_argv = tuple(trainer_args)
-        if nproc is not None and not hosts and nproc == gpus:
+        if nproc is None and gpus > 1:
+            nproc = 1  # recorded as one process over several GPUs: relaunched as recorded (the form shows it)
+        elif nproc is not None and not hosts and nproc == gpus:
             nproc = None  # one rank per GPU, as planned by default
     elif hosts:
-        intent_argv = tuple(strip_start(program) if spec.start else program)  # what torchrun starts on every node
+        intent_argv = tuple(strip_start(program) if spec.start and is_trainer(program, spec.kind) else program)  # what torchrun starts on every node
     else:
-        intent_argv = tuple(strip_start(argv) if spec.start else argv)
+        intent_argv = tuple(strip_start(argv) if spec.start and is_trainer(argv, spec.kind) else argv)
         python, nproc, rdzv_host = spec.python, None, None
     if host == cfg.LOCAL or hosts:
         env = {k: v for k, v in env.items() if k not in CALLER_ENV}  # the caller's environment is taken again

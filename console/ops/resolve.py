@@ -75,6 +75,30 @@ class Resolved:
         return self.nodes[0][1]
 
 
+@dataclass
+class FleetRuns:
+    """Every run the asked hosts' agents recorded, newest first, each named by the fleet's name for its host, and who did not answer."""
+
+    runs: list[tuple[str, RunInfo]] = field(default_factory=list)
+    unanswered: dict[str, str] = field(default_factory=dict)  # host -> why
+
+
+async def fleet_runs(fleet: Fleet, hosts: Sequence[str] | None = None, limit: int = LIST_LIMIT) -> FleetRuns:
+    """Ask every host (or ``hosts``) for its runs at once."""
+    names = list(hosts) if hosts else list(fleet.links)
+    lists = await asyncio.gather(*(fleet.runs(h, limit=limit) for h in names), return_exceptions=True)
+    out = FleetRuns()
+    for h, listed in zip(names, lists):
+        if isinstance(listed, AgentError):
+            out.unanswered[h] = listed.message
+        elif isinstance(listed, BaseException):
+            raise listed
+        else:
+            out.runs.extend((h, r) for r in listed)
+    out.runs.sort(key=lambda hr: hr[1].created, reverse=True)
+    return out
+
+
 def _match(host: str, r: RunInfo) -> Match:
     return Match(host, r.id, r.name or r.spec.name, r.state, r.started or r.created or None, r.spec.node_rank or 0)
 
@@ -90,14 +114,11 @@ async def resolve_run(fleet: Fleet, ref: str, host: str | None = None, destructi
         if isinstance(r, RunInfo) and r.id == ref:
             found.setdefault(h, []).append(r)
     if not found:
-        lists = await asyncio.gather(*(fleet.runs(h, limit=LIST_LIMIT) for h in names), return_exceptions=True)
-        for h, listed in zip(names, lists):
-            if isinstance(listed, AgentError):
-                down.append(h)
-            elif isinstance(listed, BaseException):
-                raise listed
-            else:
-                found[h] = [x for x in listed if x.id.startswith(ref) or (x.name or x.spec.name) == ref]
+        listed = await fleet_runs(fleet, names)
+        down = list(listed.unanswered)
+        for h, x in listed.runs:
+            if x.id.startswith(ref) or (x.name or x.spec.name) == ref:
+                found.setdefault(h, []).append(x)
     else:
         down = [h for h, r in zip(names, exact) if isinstance(r, AgentError) and not _is_no_such(r)]
     by_key = {(h, r.id): r for h, rs in found.items() for r in rs}

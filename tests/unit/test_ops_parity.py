@@ -15,7 +15,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from agents.protocol import EnvFingerprint
+from agents.protocol import EnvFingerprint, LaunchSpec
 from console import config as cfg
 from console.cli import build_parser, intent_from_args
 from console.ops import Caller, IntentError, LaunchIntent, LaunchPlan, plan_launch, relaunch_intent, rollback_intent
@@ -99,6 +99,26 @@ def test_relaunch_round_trips_from_both(name: str, argv: list[str], form: dict[s
         assert new.argv.count("--fresh") <= 1 and new.argv.count(new.argv[0]) == 1
         assert new.python == old.python or new.python == old.argv[0]  # the recorded interpreter, not the console's
         assert new.parent == "r-old" and new.gpus == old.gpus and new.env == old.env and new.cwd == old.cwd
+
+
+# specs recorded by other hands: older gpudeck versions, a hand-written torchrun, a script's own --fresh
+LEGACY = [
+    LaunchSpec(argv=["/venv/bin/python", "-m", "trainers.fsdp_lm", "--out", "/o", "--fresh"], kind="fsdp", gpus=[0, 1], start="fresh"),
+    LaunchSpec(argv=["torchrun", "--nproc-per-node", "4", "-m", "trainers.dflash", "--target", "t", "--resume", "9"], kind="dflash", start="resume 9"),
+    LaunchSpec(argv=["python3", "my_script.py", "--fresh"], kind="command", start="fresh", env={"A": "1"}, cwd="/w"),
+    LaunchSpec(argv=["python3", "-m", "trainers.fsdp_lm", "--fresh", "--out", "o"], kind="command", gpus=[3]),
+    LaunchSpec(argv=["bash", "-c", "echo hi"], name="sh", python="/usr/bin/python3"),
+]
+
+
+@pytest.mark.parametrize("spec", LEGACY, ids=["one process on 2 GPUs", "torchrun by hand", "a script's own --fresh", "a trainer as a command", "a shell"])
+@pytest.mark.parametrize("start", ["fresh", "resume 7"])
+def test_relaunch_of_any_recorded_spec_round_trips(spec: LaunchSpec, start: str) -> None:
+    new = plan_launch(relaunch_intent(spec, "r-old", "gpu1", start), CALLER, CONF).spec
+    trainer = spec.kind != "command" or "trainers.fsdp_lm" in spec.argv
+    assert new.argv == (with_start(spec.argv, start) if trainer else spec.argv)
+    assert new.python == spec.python or new.python == spec.argv[0]
+    assert (new.gpus, new.env, new.cwd, new.name, new.kind) == (spec.gpus, spec.env, spec.cwd, spec.name, spec.kind)
 
 
 GOOD_ENV = EnvFingerprint(python="/good/venv/bin/python", python_version="3.11.9", torch="2.7.1", freeze_hash="abc")
