@@ -23,7 +23,7 @@ from agents import envs
 from agents.protocol import EnvFingerprint, LaunchSpec
 from console import config as cfg
 from console.fleet import Fleet
-from console.ops.errors import OpsError
+from console.ops.errors import EXIT_USAGE, OpsError
 from console.ops.intent import CALLER_ENV, LaunchIntent
 from console.ops.launch import is_trainer, node_env
 from trainers.contract import TRAINER_MODULES, strip_start
@@ -189,10 +189,16 @@ async def rebuild_environment(fleet: Fleet, host: str, recorded: EnvFingerprint)
     return rebuilt.env.python, rebuilt.path or rebuilt.env.prefix or "(its own prefix)"
 
 
+class EnvironmentChanged(OpsError):
+    """The known-good environment no longer matches its fingerprint and no rebuild was asked for: nothing started."""
+
+    exit_code = EXIT_USAGE
+
+
 def changed_environment(good_id: str, host: str, check: EnvironmentCheck) -> OpsError:
     """The refusal when the known-good environment moved and no rebuild was asked for."""
     lines = "\n  ".join(check.describe())
-    return OpsError(
+    return EnvironmentChanged(
         f"{good_id}'s environment ({check.python}) no longer matches its fingerprint on {host}; nothing was started. What changed:\n  {lines}\n"
         "rebuild it from the recorded freeze in a new virtual environment (--rebuild-env; the console offers it)"
     )
