@@ -59,10 +59,9 @@ from typing import Any, Literal
 
 from agents.errors import AgentError
 from agents.protocol import LaunchSpec, MemoryEstimate
-from trainers.presets import PRESETS, parse_index_list
+from trainers.contract import PRESETS, TRAINER_MODULES, parse_index_list, trainer_args
 
 GIB = 2**30
-TRAINER_MODULES = {"fsdp": "trainers.fsdp_lm", "dflash": "trainers.dflash"}
 KNOWN_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 # bytes per parameter of what FSDP2 shards: fp32 weights + fp32 grads + AdamW m and v
@@ -388,46 +387,16 @@ class _Parser(argparse.ArgumentParser):
 def _trainer_parser(trainer: str) -> argparse.ArgumentParser:
     """The options of trainers/runtime.py, fsdp_lm.py and dflash.py that shape memory and starts.
 
-    Every option that takes a value is declared (with type str where we ignore it), so a value is
-    never mistaken for something else; defaults follow the trainers (tests/unit/test_estimate.py
-    compares this parser with theirs).
+    Built from the declared table (:data:`trainers.contract.TRAINER_ARGS`): every option that takes a
+    value is declared, so a value is never mistaken for something else; tests/unit/test_estimate.py
+    compares this parser with the trainers' own.
     """
     p = _Parser(add_help=False, allow_abbrev=True)
-    for opt in ("--model-config", "--init-from", "--data", "--tokenizer", "--data-dtype", "--corpus-bytes",
-                "--max-steps", "--lr", "--min-lr-ratio", "--warmup-steps", "--weight-decay", "--grad-clip", "--seed",
-                "--checkpoint-every", "--keep", "--out", "--log-every", "--resume"):
-        p.add_argument(opt, default=None)
-    p.add_argument("--device", default="auto")
-    p.add_argument("--dtype", default="auto")
-    for flag in ("--fresh", "--new-run-dir", "--compile", "--activation-checkpointing"):
-        p.add_argument(flag, action="store_true")
-    defaults = DFLASH_DEFAULTS if trainer == "trainers.dflash" else FSDP_DEFAULTS
-    p.add_argument("--batch-size", type=int, default=defaults["batch_size"])
-    p.add_argument("--seq-len", type=int, default=defaults["seq_len"])
-    p.add_argument("--grad-accum", type=int, default=1)
-    if trainer == "trainers.dflash":
-        for opt in ("--target", "--target-config", "--gamma", "--mask-token-id", "--target-ranks", "--drafter-ranks",
-                    "--eval-every", "--eval-samples", "--eval-prompt-len", "--eval-gen-len", "--val-fraction",
-                    "--drafter-config", "--profile-steps"):
-            p.add_argument(opt, default=None)
-        p.add_argument("--token-budget", type=int, default=None)
-        p.add_argument("--loss-on-prompt", action="store_true")
-        p.add_argument("--drafter-layers", type=int, default=None)
-        p.add_argument("--block-size", type=int, default=None)
-        p.add_argument("--num-anchors", type=int, default=512)
-        p.add_argument("--loss-chunk-rows", type=int, default=2048)
-        p.add_argument("--loss-mode", default="fused")
-        p.add_argument("--attn", default="auto")
-        p.add_argument("--topology", default="colocated")
-        p.add_argument("--queue-depth", type=int, default=2)
-        p.add_argument("--no-eval", action="store_true")
-    else:
-        for opt in ("--attn-implementation", "--sdpa-backend", "--stop-at-step"):
-            p.add_argument(opt, default=None)
-        p.add_argument("--compile-loss", default="auto")
-        p.add_argument("--reshard-after-forward", default="auto")
-        for flag in ("--no-export", "--no-final-checkpoint", "--deterministic"):
-            p.add_argument(flag, action="store_true")
+    for a in trainer_args(trainer):
+        if a.takes == "flag":
+            p.add_argument(a.flag, action="store_true")
+        else:
+            p.add_argument(a.flag, type=int if a.takes == "int" else str, default=a.default)
     return p
 
 
@@ -539,7 +508,7 @@ def _elem(dtype: str | None) -> int:
 
 def estimate_fsdp(parsed: LaunchArgv, world: int, world_note: str, cwd: Path) -> MemoryEstimate:
     """Per-GPU memory of a trainers.fsdp_lm run."""
-    a = parse_trainer_args("trainers.fsdp_lm", parsed.trainer_args)
+    a = parse_trainer_args(TRAINER_MODULES["fsdp"], parsed.trainer_args)
     if a.model_config is not None and a.init_from is not None:
         raise EstimateError("give --model-config or --init-from, not both (trainers.fsdp_lm refuses both)")
     config, source = resolve_model_config(a.model_config, a.init_from, cwd)
@@ -626,7 +595,7 @@ def estimate_dflash(parsed: LaunchArgv, world: int, world_note: str, cwd: Path) 
     ``lm_head_chunk`` (the chunked lm_head + cross-entropy) — and the CUDA context; ``method``
     names the largest and breaks each down.
     """
-    a = parse_trainer_args("trainers.dflash", parsed.trainer_args)
+    a = parse_trainer_args(TRAINER_MODULES["dflash"], parsed.trainer_args)
     config, source = _dflash_target(a, cwd)
     t_shape = model_shape(config)
     n_target = t_shape.params

@@ -18,10 +18,11 @@ from textual.binding import Binding
 from textual.notifications import SeverityLevel
 from textual.screen import ModalScreen, Screen
 
-from agents.protocol import LaunchSpec, RunInfo
+from agents.protocol import RunInfo
 from console.commands import GpudeckCommands
 from console.fleet import Fleet, HostStatus
 from console.history import History
+from console.ops import LaunchIntent
 from console.sanitize import escape_controls
 from console.screens.base import LiveScreen
 from console.screens.fleet import FleetScreen
@@ -173,9 +174,10 @@ class GpudeckApp(App):
         self.launch_flow()
 
     @work(exclusive=True, group="launch")
-    async def launch_flow(self, prefill: LaunchSpec | None = None, parent: str | None = None, host: str | None = None, title: str | None = None) -> None:
-        """The launch dialog (pre-flight, confirm, launch), then the new run's screen."""
-        outcome: LaunchOutcome | None = await self.push_screen_wait(LaunchDialog(prefill=prefill, parent=parent, host=host, title=title))
+    async def launch_flow(self, prefill: LaunchIntent | None = None, host: str | None = None, title: str | None = None) -> None:
+        """The launch dialog (pre-flight, confirm, launch), then the new run's screen (``prefill``: a relaunch's intent)."""
+        parent = prefill.parent if prefill is not None else None
+        outcome: LaunchOutcome | None = await self.push_screen_wait(LaunchDialog(prefill=prefill, host=host, title=title))
         if outcome is None:
             return
         run = outcome.run

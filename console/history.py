@@ -526,10 +526,10 @@ class History:
             cur = self._read_conn.execute(sql, params)
             cols = [d[0] for d in cur.description]
             rows = cur.fetchall()
-        return [decode_run(dict(zip(cols, r))) for r in rows]
+            return add_tokens_median(self._read_conn, [decode_run(dict(zip(cols, r))) for r in rows])
 
-    def find(self, ref: str, host: str | None = None) -> dict[str, Any]:
-        """One run by id, unique id prefix or name (newest of that name); HistoryError says what to do."""
+    def matches(self, ref: str, host: str | None = None) -> list[dict[str, Any]]:
+        """Every run whose id is ``ref``, starts with it, or whose name is it (the resolver picks: console/ops/resolve.py)."""
         esc = ref.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
         where = "(id = ? OR id LIKE ? ESCAPE '\\' OR name = ?)"
         params: list[object] = [ref, esc + "%", ref]
@@ -540,17 +540,13 @@ class History:
             cur = self._read_conn.execute(f"SELECT * FROM runs WHERE {where} ORDER BY created DESC", params)
             cols = [d[0] for d in cur.description]
             rows = [dict(zip(cols, r)) for r in cur.fetchall()]
-        exact = [r for r in rows if r["id"] == ref]
-        if exact:
-            rows = exact
-        elif len({r["id"] for r in rows}) > 1 and all(r["name"] == ref for r in rows):
-            rows = rows[:1]  # a name: its newest run
-        if not rows:
-            raise HistoryError(f"no run {ref!r} in the history{' of ' + host if host else ''}: `gpudeck history` lists them")
-        if len({(r['host'], r['id']) for r in rows}) > 1:
-            ids = ", ".join(f"{r['id']} on {r['host']}" for r in rows[:5])
-            raise HistoryError(f"{ref!r} matches {len(rows)} runs ({ids}): give more of the id, or --host")
-        return decode_run(rows[0])
+        return [decode_run(r) for r in rows]
+
+    def find(self, ref: str, host: str | None = None, unanswered: list[str] | None = None, destructive: bool = False) -> dict[str, Any]:
+        """One run by id, unique id prefix or unique name; several matches are refused with the candidates (AmbiguousRun)."""
+        from console.ops.resolve import resolve_record
+
+        return resolve_record(self.matches(ref, host), ref, host, unanswered or [], destructive)
 
     def events(self, host: str, run_id: str, limit: int = 10000) -> list[dict[str, Any]]:
         """A run's events in order."""
@@ -576,6 +572,27 @@ class History:
     def seqs(self, host: str, epoch: str) -> list[int]:
         """Every seq held for one host and epoch, ascending (tests check for gaps and duplicates)."""
         return [r[0] for r in self._exec("SELECT seq FROM events WHERE host=? AND epoch=? ORDER BY seq", (host, epoch))]
+
+
+def add_tokens_median(conn: sqlite3.Connection, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each row with ``tokens_per_s_median``: the median over its recorded steps (what every view shows as tokens/s)."""
+    import statistics
+
+    if not rows:
+        return rows
+    want = {(r["host"], r["id"]) for r in rows}
+    values: dict[tuple[str, str], list[float]] = {}
+    ids = sorted({r["id"] for r in rows})
+    for i in range(0, len(ids), 500):
+        chunk = ids[i:i + 500]
+        q = f"SELECT host, run_id, tokens_per_s FROM metrics WHERE tokens_per_s IS NOT NULL AND run_id IN ({','.join('?' * len(chunk))})"
+        for host, rid, tps in conn.execute(q, chunk).fetchall():
+            if (host, rid) in want:
+                values.setdefault((host, rid), []).append(float(tps))
+    for r in rows:
+        vs = values.get((r["host"], r["id"]))
+        r["tokens_per_s_median"] = statistics.median(vs) if vs else None
+    return rows
 
 
 _JSON_COLUMNS = {"gpus": None, "argv": [], "spec": {}, "env": None, "members": [], "telemetry": {}, "alerts": [], "preflight": None, "stop": None, "claims": []}

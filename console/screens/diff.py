@@ -34,9 +34,10 @@ class DiffScreen(Screen):
         Binding("w", "swap", "Swap A/B"),
     ]
 
-    def __init__(self, a: dict[str, Any], b: dict[str, Any]) -> None:
+    def __init__(self, a: dict[str, Any], b: dict[str, Any], a_metrics: list[dict[str, Any]] | None = None, b_metrics: list[dict[str, Any]] | None = None) -> None:
         super().__init__()
         self.a, self.b = redact_run(a), redact_run(b)  # --env secrets never shown
+        self.ma, self.mb = a_metrics, b_metrics
         self.only_differences = False
 
     def compose(self) -> ComposeResult:
@@ -52,7 +53,7 @@ class DiffScreen(Screen):
         self._redraw()
 
     def _redraw(self) -> None:
-        diff = run_diff(self.a, self.b)
+        diff = run_diff(self.a, self.b, self.ma, self.mb)
         a_label, b_label = run_label(self.a), run_label(self.b)
         self.query_one("#diff-title", Static).update(shown(Text.assemble(("Diff  ", "bold"), ("A ", "dim"), a_label, ("   B ", "dim"), b_label)))
         self.query_one("#diff-summary", Static).update(diff_summary(diff))
@@ -69,4 +70,5 @@ class DiffScreen(Screen):
 
     def action_swap(self) -> None:
         self.a, self.b = self.b, self.a
+        self.ma, self.mb = self.mb, self.ma
         self._redraw()

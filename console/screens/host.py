@@ -10,7 +10,7 @@ from textual.widgets import Footer, Static
 
 from console.fleet import HostStatus
 from console.fmt import gib
-from console.screens.base import LiveScreen, tolerant
+from console.screens.base import deck, LiveScreen, tolerant
 from console.screens.fleet import state_cell
 from console.screens.reclaim import ReclaimItem, reclaim_flow
 from console.views import LEFTOVER_HOLDERS, holder_label, since
@@ -77,7 +77,7 @@ class HostScreen(LiveScreen):
 
     @property
     def status(self) -> HostStatus | None:
-        link = self.app.fleet.links.get(self.host)  # type: ignore[attr-defined]
+        link = deck(self).fleet.links.get(self.host)
         return None if link is None else link.status
 
     def hosts_changed(self, names: set[str]) -> None:
@@ -226,4 +226,4 @@ class HostScreen(LiveScreen):
         if rid == "-":
             self.notify("this process belongs to no run", severity="warning")
             return
-        self.app.open_run(self.host, rid)  # type: ignore[attr-defined]
+        deck(self).open_run(self.host, rid)

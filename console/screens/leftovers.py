@@ -12,7 +12,7 @@ from textual.widgets import Footer, Static
 from agents.errors import AgentError
 from agents.protocol import Gpu, Leftover, LeftoverList
 from console.fmt import gib
-from console.screens.base import tolerant
+from console.screens.base import deck, tolerant
 from console.screens.reclaim import ReclaimItem, reclaim_flow
 from console.views import since
 from console.widgets.cells import leftover_text, plain_markup
@@ -110,7 +110,7 @@ class LeftoversScreen(Screen):
         note = self.query_one("#leftovers-note", Static)
         progress.start(f"asking {self.host} for its leftovers")
         try:
-            reply = await self.app.fleet.leftovers(self.host, include_live=self.include_live)  # type: ignore[attr-defined]
+            reply = await deck(self).fleet.leftovers(self.host, include_live=self.include_live)
         except AgentError as exc:
             if self.is_attached:
                 progress.finish(f"{self.host} could not list its leftovers: {exc.message}", style="bold red")

@@ -110,6 +110,14 @@ def test_launch_request_id_is_idempotent(agent: AgentProc) -> None:
     assert len(live) == 1
 
 
+def test_a_request_id_reused_with_another_command_is_refused(agent: AgentProc) -> None:
+    a = agent.cli_json("launch", "--request-id", "abc-2", "--", "sleep", "30")
+    cp = agent.cli("launch", "--request-id", "abc-2", "--", "sleep", "31", check=False)
+    assert cp.returncode == 1 and "request id: 'abc-2' was already used for another launch (sleep 30)" in cp.stderr, cp.stderr
+    assert a["id"] not in cp.stdout  # not answered with the first run
+    assert [r["id"] for r in agent.cli_json("runs")] == [a["id"]]
+
+
 def test_arguments_are_never_given_to_a_shell(agent: AgentProc, tmp_path: Path) -> None:
     marker = tmp_path / "pwned"
     rid = agent.cli_json("launch", "--", "echo", f"; touch {marker}", "$(id)")["id"]

@@ -10,6 +10,7 @@ import pytest
 
 from agents.protocol import Event
 from console.history import History, HistoryError
+from console.ops.errors import AmbiguousRun, NoSuchRun
 from console.query import QueryError, compile_query, parse_time
 
 T0 = 1_790_000_000.0
@@ -131,10 +132,11 @@ def test_find_names_ambiguity(hist: History) -> None:
     hist.cursor("gpu1", "e")
     hist.submit("gpu1", "e", _events("r-dddd0001", "same")).result(10)
     hist.submit("gpu1", "e", _events("r-dddd0002", "same", start_seq=7)).result(10)
-    with pytest.raises(HistoryError, match="matches 2 runs"):
+    with pytest.raises(AmbiguousRun, match="matches 2 runs"):
         hist.find("r-dddd")
-    assert hist.find("same")["id"] in ("r-dddd0001", "r-dddd0002")  # a name: the newest of that name
-    with pytest.raises(HistoryError, match="no run 'r-zzzz'"):
+    with pytest.raises(AmbiguousRun, match="'same' matches 2 runs"):  # a name of two runs: never a silent pick of the newest
+        hist.find("same")
+    with pytest.raises(NoSuchRun, match="no run 'r-zzzz'"):
         hist.find("r-zzzz")
 
 
