@@ -140,6 +140,12 @@ TRAINER_ARGS: tuple[TrainerArg, ...] = (
     TrainerArg("--compile-loss", default="auto", trainers=_FSDP),
     TrainerArg("--reshard-after-forward", default="auto", trainers=_FSDP),
     *(TrainerArg(f, "flag", False, _FSDP) for f in ("--no-export", "--no-final-checkpoint", "--deterministic")),
+    *(TrainerArg(f, trainers=_FSDP) for f in (
+        "--compile-mode", "--loss-impl", "--optimizer-impl", "--reduce-dtype", "--prefetch", "--text-column", "--data-split",
+        "--val-data", "--val-fraction")),
+    TrainerArg("--ac-every", "int", 1, _FSDP),
+    TrainerArg("--loss-chunk-rows", "int", 4096, _FSDP),
+    *(TrainerArg(f, "int", None, _FSDP) for f in ("--profile-steps", "--profile-start", "--val-every", "--val-batches")),
 )
 
 
