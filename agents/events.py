@@ -18,7 +18,7 @@ from typing import Any, Union
 import msgspec
 
 from agents.errors import AgentError
-from agents.protocol import Alert, ClaimRow, EnvFingerprint, LaunchSpec, PreflightResult, StopResult
+from agents.protocol import Alert, ClaimRow, ContainmentInfo, EnvFingerprint, LaunchSpec, PreflightResult, StopResult
 
 TAG = "event_kind"  # the tag field; put next to the payload's own fields only while converting, never stored
 PAYLOAD_VERSION = 1
@@ -55,6 +55,8 @@ class RunState(Payload, tag="run_state"):
     signal: str | None = None
     cause_class: str | None = None
     grace_s: float | None = None  # state "stopping": the grace the operator asked for
+    stop_started: float | None = None  # state "stopping": when the stop began (wall clock; a restarted agent counts from it)
+    containment: ContainmentInfo | None = None  # at the end: the run's containment and the kernel's figures for its group
     stop: StopResult | None = None  # state "stopped": the verified outcome
     lingering: list[int] = []
 
@@ -62,6 +64,14 @@ class RunState(Payload, tag="run_state"):
 class RunAdopted(Payload, tag="run_adopted"):
     state: str
     resume_stop: bool = False
+    stop_started: float | None = None  # a stop an earlier agent began, finished by this one
+    containment: str | None = None  # the containment found again (its label)
+
+
+class Containment(Payload, tag="containment"):
+    """How a run is contained (written once at launch, again when re-adoption finds its group)."""
+
+    containment: ContainmentInfo
 
 
 class MemberBrief(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -138,7 +148,7 @@ class Unknown(msgspec.Struct, kw_only=True):
 
 
 EventPayload = Union[
-    RunCreated, RunState, RunAdopted, Members, Telemetry, AlertRaised, AlertCleared, Claims, Preflight,
+    RunCreated, RunState, RunAdopted, Containment, Members, Telemetry, AlertRaised, AlertCleared, Claims, Preflight,
     EnvFingerprinted, Reclaimed, AgentStarted, EnvRebuilt, Void,
 ]
 KINDS: dict[str, type] = {t.__struct_config__.tag: t for t in EventPayload.__args__}  # type: ignore[attr-defined]
