@@ -6,19 +6,19 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip install -q --disable-pip-version-check
 
-.PHONY: run test test-under-load bench clean test-deps
+.PHONY: run test test-under-load lint bench clean test-deps
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
 
 # the console and agent only: no torch
 $(VENV)/.run-installed: pyproject.toml | $(PY)
-	$(PIP) -e .
+	$(PIP) -e '.[console]'
 	@touch $@
 
 # tests need the trainers too; constraints-dev.txt pins the CPU build of torch
 $(VENV)/.test-installed: pyproject.toml constraints-dev.txt | $(PY)
-	$(PIP) -c constraints-dev.txt -e '.[dev,train]'
+	$(PIP) -c constraints-dev.txt -e '.[console,dev,train]'
 	@touch $@ $(VENV)/.run-installed
 
 run: $(VENV)/.run-installed
@@ -54,8 +54,19 @@ test-under-load: $(VENV)/.test-installed test-deps
 	  $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile; rc=$$?; \
 	  echo "load at the end: $$(cut -d' ' -f1-3 /proc/loadavg)"; exit $$rc
 
+# ruff (format check + rules), mypy on the three packages, import-linter's contracts for the rooms
+# (pyproject.toml says which and why). The packages install as gpudeck.console/.agents/.trainers while
+# the checkout keeps console/, agents/, trainers/ at the top: .lint/gpudeck links them for mypy and import-linter.
+LINT_NS := .lint/gpudeck
+lint: $(VENV)/.test-installed
+	@mkdir -p $(LINT_NS) && for p in console agents trainers; do ln -sfn ../../$$p $(LINT_NS)/$$p; done
+	$(VENV)/bin/ruff format --check console agents trainers tests bench
+	$(VENV)/bin/ruff check console agents trainers tests bench
+	$(PY) -m mypy -p gpudeck.console -p gpudeck.agents -p gpudeck.trainers
+	PYTHONPATH=.lint $(VENV)/bin/lint-imports
+
 bench: $(VENV)/.test-installed
 	$(PY) bench/agent_sample.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis
+	rm -rf $(VENV) .pytest_cache .hypothesis .lint
