@@ -211,7 +211,7 @@ def _print_launch(reply: LaunchReply, host: str, as_json: bool) -> int:
         print(run.id)
     if failed:
         assert run.preflight is not None
-        print(format_preflight(run.preflight), file=sys.stderr)
+        print(terminal_text(format_preflight(run.preflight)), file=sys.stderr)
         print(f"gpudeck: nothing was started on {host}; run {run.id} is recorded as preflight_failed (`gpudeck show {run.id}`)", file=sys.stderr)
         return EXIT_ERROR
     if not as_json:
@@ -261,7 +261,7 @@ async def _launch_multinode(args: argparse.Namespace) -> int:
                 elif isinstance(c, BaseException):
                     raise c
                 else:
-                    print(format_preflight(c), file=sys.stderr)
+                    print(terminal_text(format_preflight(c)), file=sys.stderr)
             # the failing nodes are recorded as preflight_failed there (the agent runs the same checks again)
             failing = {h for h, c in bad if not isinstance(c, BaseException)}
             await asyncio.gather(*(fleet.launch(h, sp) for h, sp in specs if h in failing), return_exceptions=True)
@@ -323,7 +323,7 @@ async def cmd_reclaim(args: argparse.Namespace) -> int:
         if args.json:
             print(json.dumps({"host": listing, "leftovers": to_builtins(found.leftovers), "gpu_error": found.gpu_error}))
         else:
-            print(format_leftovers(listing, found.leftovers))
+            print(terminal_text(format_leftovers(listing, found.leftovers)))
         return 0
 
     async def stop_all(fleet: Fleet) -> list[tuple[str, Any]]:
@@ -343,7 +343,7 @@ async def cmd_reclaim(args: argparse.Namespace) -> int:
             raise res
         out.append({**to_builtins(res), "host": host})
         if not args.json:
-            print(f"{host}: " + format_stop(res).replace("run None: ", ""))
+            print(terminal_text(f"{host}: " + format_stop(res).replace("run None: ", "")))
             if res.message:
                 print(f"  {res.message}")
         if res.survivors:
@@ -362,7 +362,7 @@ async def cmd_verify(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"host": host, **to_builtins(reply)}))
     else:
-        print(format_claims(reply.run_id, reply.rows, reply.alerts))
+        print(terminal_text(format_claims(reply.run_id, reply.rows, reply.alerts)))
     return EXIT_ERROR if any(r.ok is False for r in reply.rows) else 0
 
 
@@ -570,7 +570,7 @@ async def cmd_stop(args: argparse.Namespace) -> int:
     else:
         multi = len(nodes) + len(missing) > 1
         for (h, _r), res in [(n, r) for n, r in zip(nodes, results) if not isinstance(r, BaseException)]:
-            print((f"[{h}] " if multi else "") + format_stop(res))
+            print(terminal_text((f"[{h}] " if multi else "") + format_stop(res)))
         for h in missing:
             print(f"[{h}] UNREACHABLE: not stopped yet; it will be stopped as soon as gpudeck reaches {h} again (recorded in the history)")
     return EXIT_ERROR if missing else rc
@@ -610,7 +610,7 @@ async def cmd_hosts(args: argparse.Namespace) -> int:
         print(json.dumps({"config": str(conf.path), "hosts": rows}))
     else:
         print(f"config: {conf.path}" + ("" if conf.path.exists() else " (not created yet: `gpudeck hosts add NAME`)"))
-        print(format_hosts(rows))
+        print(terminal_text(format_hosts(rows)))
     return 0 if all(r.get("state", "up") == "up" for r in rows) else EXIT_ERROR
 
 

@@ -16,7 +16,7 @@ from textual.widgets import Footer, Input, Static
 from console.fmt import duration, elapsed
 from console.messages import HistoryLoaded
 from console.query import QueryError
-from console.screens.base import LiveScreen, tolerant
+from console.screens.base import LiveScreen
 from console.screens.runs import why_text
 from console.views import short_when, history_rows, run_row_from_history
 from console.widgets.cells import sortable, state_text
@@ -89,7 +89,6 @@ class HistoryScreen(LiveScreen):
         yield Static("", id="history-note", classes="note")
         yield Footer()
 
-    @tolerant
     def on_mount(self) -> None:
         self.query_one("#history-table", KeyedTable).focus()
         if self.app.fleet.history is None:  # type: ignore[attr-defined]
@@ -103,7 +102,6 @@ class HistoryScreen(LiveScreen):
     def history_changed(self) -> None:
         self._due = True
 
-    @tolerant
     def _maybe_reload(self) -> None:
         if self._due and self.app.screen is self and time.monotonic() - self._loaded_at >= RELOAD_MIN_S:
             self._due = False
@@ -118,7 +116,6 @@ class HistoryScreen(LiveScreen):
         self._load(self.query_text)
 
     @work(thread=True, exclusive=True, group="history-query")
-    @tolerant
     def _load(self, text: str) -> None:
         history = self.app.fleet.history  # type: ignore[attr-defined]
         t0 = time.monotonic()
@@ -133,7 +130,6 @@ class HistoryScreen(LiveScreen):
         self.post_message(HistoryLoaded(text, rows, seconds=time.monotonic() - t0))
 
     @on(HistoryLoaded)
-    @tolerant
     def _loaded(self, message: HistoryLoaded) -> None:
         message.stop()
         if not self.is_attached:
@@ -222,7 +218,6 @@ class HistoryScreen(LiveScreen):
         self.open_diff(self.rows[keys[0]], self.rows[keys[1]])
 
     @work(exclusive=True, group="history-diff")
-    @tolerant
     async def open_diff(self, a: dict[str, Any], b: dict[str, Any]) -> None:
         """Read both runs' full rows (environment included) in a thread, then show them side by side."""
         from console.screens.diff import DiffScreen

@@ -28,7 +28,7 @@ from agents.errors import AgentError
 from agents.protocol import LaunchSpec, PreflightResult, RunInfo, Snapshot
 from console.fmt import gib
 from console.relaunch import with_start
-from console.screens.base import tolerant
+from console.screens.base import Guarded
 from console.views import gpu_free, holder_label
 from console.widgets.cells import SIMULATED, plain_markup
 from console.widgets.progress import ProgressLine
@@ -155,7 +155,7 @@ def only_holders_failed(result: PreflightResult) -> bool:
     return bool(failed) and all(c.name == "gpu_holders" for c in failed)
 
 
-class LaunchDialog(ModalScreen[LaunchOutcome | None]):
+class LaunchDialog(Guarded, ModalScreen[LaunchOutcome | None]):
     """The launch form: fill it in, pre-flight, confirm, launch."""
 
     BINDINGS = [
@@ -218,7 +218,6 @@ class LaunchDialog(ModalScreen[LaunchOutcome | None]):
                 yield Button("Pre-flight (ctrl+s)", variant="primary", id="launch")
                 yield Button("Cancel (esc)", id="cancel")
 
-    @tolerant
     def on_mount(self) -> None:
         for field in ("args", "name", "python"):
             if field in self._prefill:
@@ -229,7 +228,6 @@ class LaunchDialog(ModalScreen[LaunchOutcome | None]):
         self.query_one("#args", Input).focus()
         self.call_after_refresh(self._arm)
 
-    @tolerant
     def _arm(self) -> None:
         self._armed = True  # the prefill's own Changed events are not edits
 
@@ -345,7 +343,6 @@ class LaunchDialog(ModalScreen[LaunchOutcome | None]):
             self.preflight(req, key)
 
     @work(exclusive=True, group="launch-preflight")
-    @tolerant
     async def preflight(self, req: LaunchRequest, key: bytes) -> None:
         """Pre-flight on the host; the result decides what the confirm button does."""
         progress = self.query_one("#launch-progress", ProgressLine)
@@ -375,7 +372,6 @@ class LaunchDialog(ModalScreen[LaunchOutcome | None]):
             self._button("Pre-flight failed", disabled=True, variant="error")
 
     @work(exclusive=True, group="launch-run")
-    @tolerant
     async def launch(self, req: LaunchRequest) -> None:
         """Launch what was confirmed; the dialog stays (with the error) if the agent refuses."""
         progress = self.query_one("#launch-progress", ProgressLine)

@@ -27,7 +27,7 @@ from agents.errors import AgentError
 from agents.protocol import TERMINAL_STATES, Alert, EnvFingerprint, LaunchSpec, PreflightResult, RunInfo, StopResult, VerifyReply
 from console.fmt import duration, elapsed, gib, when
 from console.messages import RecordLoaded
-from console.screens.base import LiveScreen, tolerant
+from console.screens.base import LiveScreen
 from console.screens.dialogs import ChoiceDialog, ConfirmDialog, ResultDialog, stop_result_text
 from console.screens.launch import preflight_text
 from console.relaunch import with_python
@@ -251,7 +251,6 @@ class RunScreen(LiveScreen):
         yield ProgressLine(id="run-status")
         yield Footer()
 
-    @tolerant
     def on_mount(self) -> None:
         self.set_interval(FLUSH_S, self._flush)
         self.query_one("#run-log", OutputView).focus()
@@ -271,7 +270,6 @@ class RunScreen(LiveScreen):
         return bool(snap is not None and snap.simulated)
 
     @work(exclusive=True, group="run-info")
-    @tolerant
     async def refresh_run(self) -> None:
         """Ask the agent for the run once a second (what the header and tabs show)."""
         fleet = self.app.fleet  # type: ignore[attr-defined]
@@ -293,7 +291,6 @@ class RunScreen(LiveScreen):
             await asyncio.sleep(1.0)
 
     @work(thread=True, exclusive=True, group="run-record")
-    @tolerant
     def load_record(self) -> None:
         """The history's row of this run (a thread: SQLite blocks)."""
         history = self.app.fleet.history  # type: ignore[attr-defined]
@@ -306,7 +303,6 @@ class RunScreen(LiveScreen):
             self.post_message(RecordLoaded(self.host, self.run_id, None, str(exc)))
 
     @on(RecordLoaded)
-    @tolerant
     def _record_loaded(self, message: RecordLoaded) -> None:
         if message.run_id != self.run_id or not self.is_attached:
             return
@@ -377,7 +373,6 @@ class RunScreen(LiveScreen):
         self.action_tab("tab-claims")
 
     @work(exclusive=True, group="run-verify")
-    @tolerant
     async def verify(self) -> None:
         """Claimed vs observed, from the agent (which sees the manifest and which GPUs the pids hold)."""
         note = self.query_one("#claims-note", Static)
@@ -415,7 +410,6 @@ class RunScreen(LiveScreen):
     # ------------------------------------------------------------------ metrics and output
 
     @work(exclusive=True, group="run-metrics")
-    @tolerant
     async def refresh_metrics(self) -> None:
         fleet = self.app.fleet  # type: ignore[attr-defined]
         panel = self.query_one("#metrics")
@@ -453,7 +447,6 @@ class RunScreen(LiveScreen):
         label.update(Text.assemble((f"{name} ", "bold"), f"step {pts[-1][0]}: {fmt.format(data[-1])}   min {fmt.format(min(data))}  max {fmt.format(max(data))}"))
 
     @work(exclusive=True, group="run-output")
-    @tolerant
     async def follow_output(self) -> None:
         fleet = self.app.fleet  # type: ignore[attr-defined]
         status = self.query_one("#run-status", ProgressLine)
@@ -469,7 +462,6 @@ class RunScreen(LiveScreen):
             if self.is_attached and not status.running and not self._status_used:
                 status.update(Text(f"output stream lost: {exc.message}", style="red"))
 
-    @tolerant
     def _flush(self) -> None:
         if not self.is_attached:
             return
@@ -557,7 +549,6 @@ class RunScreen(LiveScreen):
         self._jump(forward=False, start=self._match_line if self._match_line is not None else view.scroll_offset.y)
 
     @work(exclusive=True, group="run-search", thread=True)
-    @tolerant
     def _jump(self, forward: bool, start: int) -> None:
         view = self.query_one("#run-log", OutputView)
         if not view.search_term:
@@ -620,7 +611,6 @@ class RunScreen(LiveScreen):
         return rec
 
     @work(exclusive=True, group="run-rollback")
-    @tolerant
     async def rollback_flow(self) -> None:
         """Pick a known-good run, read the diff, check its environment still holds, then relaunch with an explicit start."""
         from console.screens.picker import RunPicker
@@ -728,7 +718,6 @@ class RunScreen(LiveScreen):
         self.stop_flow()
 
     @work(exclusive=True, group="run-stop")
-    @tolerant
     async def stop_flow(self) -> None:
         r = self.run
         if r is None:
