@@ -155,7 +155,7 @@ def _print_launch(result: LaunchResult, as_json: bool) -> int:
         print(run.id)
     if failed:
         assert run.preflight is not None
-        print(format_preflight(run.preflight), file=sys.stderr)
+        print(terminal_text(format_preflight(run.preflight)), file=sys.stderr)
         print(f"gpudeck: nothing was started on {host}; run {run.id} is recorded as preflight_failed (`gpudeck show {run.id}`)", file=sys.stderr)
         return EXIT_ERROR
     if not as_json:
@@ -169,11 +169,11 @@ def _print_multinode(result: LaunchResult, as_json: bool) -> int:
     rid, names, ep = result.run_id, result.plan.hosts, result.plan.rdzv_endpoint
     for n in result.failed:
         if n.error is not None:
-            print(f"gpudeck: {n.host}: {n.error}", file=sys.stderr)
+            print(terminal_text(f"gpudeck: {n.host}: {n.error}"), file=sys.stderr)
         elif n.preflight is not None:
-            print(format_preflight(n.preflight), file=sys.stderr)
+            print(terminal_text(format_preflight(n.preflight)), file=sys.stderr)
         elif n.reply is not None and n.reply.run.preflight is not None:
-            print(f"gpudeck: {n.host}: {format_preflight(n.reply.run.preflight)}", file=sys.stderr)
+            print(terminal_text(f"gpudeck: {n.host}: {format_preflight(n.reply.run.preflight)}"), file=sys.stderr)
     if result.verdict == "preflight_failed":
         print(f"gpudeck: pre-flight failed on {', '.join(n.host for n in result.failed)}: nothing was started on any host (run {rid})", file=sys.stderr)
         return EXIT_ERROR
@@ -222,7 +222,7 @@ async def cmd_reclaim(args: argparse.Namespace) -> int:
         if args.json:
             print(json.dumps({"host": listing, "leftovers": to_builtins(found.leftovers), "gpu_error": found.gpu_error}))
         else:
-            print(format_leftovers(listing, found.leftovers))
+            print(terminal_text(format_leftovers(listing, found.leftovers)))
         return 0
     results = await _with_fleet(lambda f: ops_reclaim(f, pids, args.grace, args.include_live), hosts=list(pids))
     rc = 0
@@ -234,7 +234,7 @@ async def cmd_reclaim(args: argparse.Namespace) -> int:
             continue
         out.append({**to_builtins(res), "host": host})
         if not args.json:
-            print(f"{host}: " + format_stop(res).replace("run None: ", ""))
+            print(terminal_text(f"{host}: " + format_stop(res).replace("run None: ", "")))
             if res.message:
                 print(f"  {res.message}")
         if res.survivors:
@@ -253,7 +253,7 @@ async def cmd_verify(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"host": host, **to_builtins(reply)}))
     else:
-        print(format_claims(reply.run_id, reply.rows, reply.alerts))
+        print(terminal_text(format_claims(reply.run_id, reply.rows, reply.alerts)))
     return EXIT_ERROR if any(r.ok is False for r in reply.rows) else 0
 
 
@@ -411,7 +411,7 @@ async def cmd_stop(args: argparse.Namespace) -> int:
     else:
         multi = len(done.results) + len(done.pending) > 1
         for h, res in done.results:
-            print((f"[{h}] " if multi else "") + format_stop(res))
+            print(terminal_text((f"[{h}] " if multi else "") + format_stop(res)))
         for h in done.pending:
             print(f"[{h}] UNREACHABLE: not stopped yet; it will be stopped as soon as gpudeck reaches {h} again (recorded in the history)")
     return EXIT_ERROR if done.pending or done.survivors else 0
@@ -451,7 +451,7 @@ async def cmd_hosts(args: argparse.Namespace) -> int:
         print(json.dumps({"config": str(conf.path), "hosts": rows}))
     else:
         print(f"config: {conf.path}" + ("" if conf.path.exists() else " (not created yet: `gpudeck hosts add NAME`)"))
-        print(format_hosts(rows))
+        print(terminal_text(format_hosts(rows)))
     return 0 if all(r.get("state", "up") == "up" for r in rows) else EXIT_ERROR
 
 

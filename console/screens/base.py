@@ -1,4 +1,5 @@
-"""Provides LiveScreen: a screen the app feeds with batched host and history changes.
+"""Provides Guarded, the one guard for work that outlives its screen, and LiveScreen: a screen the app feeds with
+batched host and history changes.
 
 Links call back on every snapshot (256 hosts: 256 calls a second). The app
 collects the names of the hosts that changed and, a few times a second, hands
@@ -11,19 +12,18 @@ from __future__ import annotations
 
 import functools
 import inspect
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar, cast
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 from textual.css.query import NoMatches
 from textual.dom import DOMNode
 from textual.screen import Screen
+from textual.timer import Timer
 
 if TYPE_CHECKING:
     from agents.protocol import RunInfo
     from console.fleet import Fleet
     from console.ops import LaunchIntent
-
-F = TypeVar("F", bound=Callable[..., Any])
 
 
 class DeckApp(Protocol):
@@ -43,47 +43,81 @@ def deck(node: DOMNode) -> DeckApp:
     return cast(DeckApp, node.app)
 
 
-def tolerant(fn: F) -> F:
-    """Let a screen method end quietly when the screen was closed under it (its widgets are gone).
+class Guarded:
+    """The one guard between a screen and the work that outlives it (mixed into every console screen).
 
-    Escape pressed right after a screen opens removes its widgets while its
-    ``on_mount``, a worker or a queued message handler is still to run; those
-    find nothing to query, which is not an error. Only NoMatches is swallowed,
-    and only once the screen is no longer on the stack.
+    A worker, a queued message, a timer or a mount handler of a screen can still
+    run after Escape took the screen off the stack (or before its widgets were
+    composed): then it finds no widget to query. Here, and only here, that ends
+    the piece of work quietly: a ``NoMatches`` raised while the screen is not
+    mounted or not on the app's stack is swallowed; raised while the screen is
+    shown, it is a bug and propagates. Messages and events (``_on_message``),
+    ``@work`` workers (``run_worker``), ``set_interval`` and ``set_timer``
+    callbacks all pass through it.
     """
 
-    def gone(self: Screen) -> bool:
+    def screen_gone(self) -> bool:
+        """Whether this screen is no longer (or not yet) mounted on the app's screen stack."""
         try:
-            return self not in self.app.screen_stack
+            return not self.is_mounted or not self.is_attached or self not in self.app.screen_stack  # type: ignore[attr-defined]
         except Exception:
             return True
 
-    if inspect.iscoroutinefunction(fn):
+    def _guard(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        if inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "func", None)):
+
+            @functools.wraps(fn)
+            async def guarded_async(*args: Any, **kwargs: Any) -> Any:
+                try:
+                    return await fn(*args, **kwargs)
+                except NoMatches:
+                    if self.screen_gone():
+                        return None
+                    raise
+
+            return guarded_async
 
         @functools.wraps(fn)
-        async def async_wrapper(self: Screen, *args: Any, **kwargs: Any) -> Any:
+        def guarded(*args: Any, **kwargs: Any) -> Any:
             try:
-                return await fn(self, *args, **kwargs)
+                result = fn(*args, **kwargs)
             except NoMatches:
-                if gone(self):
+                if self.screen_gone():
                     return None
                 raise
+            if inspect.isawaitable(result):
+                return self._guard_awaitable(result)
+            return result
 
-        return async_wrapper  # type: ignore[return-value]
+        return guarded
 
-    @functools.wraps(fn)
-    def wrapper(self: Screen, *args: Any, **kwargs: Any) -> Any:
+    async def _guard_awaitable(self, aw: Awaitable[Any]) -> Any:
         try:
-            return fn(self, *args, **kwargs)
+            return await aw
         except NoMatches:
-            if gone(self):
+            if self.screen_gone():
                 return None
             raise
 
-    return wrapper  # type: ignore[return-value]
+    async def _on_message(self, message: Any) -> None:
+        try:
+            await super()._on_message(message)  # type: ignore[misc]
+        except NoMatches:
+            if not self.screen_gone():
+                raise
+
+    def run_worker(self, work: Any, *args: Any, **kwargs: Any) -> Any:
+        work = self._guard_awaitable(work) if inspect.isawaitable(work) else self._guard(work)
+        return super().run_worker(work, *args, **kwargs)  # type: ignore[misc]
+
+    def set_interval(self, interval: float, callback: Any = None, *args: Any, **kwargs: Any) -> Timer:
+        return super().set_interval(interval, self._guard(callback) if callback is not None else None, *args, **kwargs)  # type: ignore[misc]
+
+    def set_timer(self, delay: float, callback: Any = None, *args: Any, **kwargs: Any) -> Timer:
+        return super().set_timer(delay, self._guard(callback) if callback is not None else None, *args, **kwargs)  # type: ignore[misc]
 
 
-class LiveScreen(Screen):
+class LiveScreen(Guarded, Screen):
     """A screen that redraws from host and history changes, only while visible."""
 
     def __init__(self) -> None:
@@ -98,7 +132,7 @@ class LiveScreen(Screen):
 
     def deliver(self) -> None:
         """Apply what changed since the last delivery."""
-        if not self.is_mounted or not self.is_attached:
+        if self.screen_gone():
             return
         try:
             if self._pending_hosts:

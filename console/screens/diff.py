@@ -11,7 +11,7 @@ from textual.screen import Screen
 from textual.widgets import Footer, Static
 
 from console.sanitize import redact_run
-from console.screens.base import tolerant
+from console.screens.base import Guarded
 from console.views import run_diff, run_label
 from console.widgets.cells import shown
 from console.widgets.diff import diff_rows, diff_summary
@@ -25,7 +25,7 @@ def columns(width: int) -> list[Col]:
     return [Col("mark", " ", 1), Col("section", "", 11), Col("key", "FIELD", 30), Col("a", "A", side), Col("b", "B", side)]
 
 
-class DiffScreen(Screen):
+class DiffScreen(Guarded, Screen):
     """Two recorded runs compared; d shows only the differences."""
 
     BINDINGS = [
@@ -48,7 +48,6 @@ class DiffScreen(Screen):
         yield Static(Text("● changed and decides whether a known-good setup still works (torch, CUDA, driver, NCCL, cuDNN, transformers, python)   • changed", style="dim"), classes="note")
         yield Footer()
 
-    @tolerant
     def on_mount(self) -> None:
         self._redraw()
 

@@ -10,7 +10,7 @@ from textual.widgets import Footer, Static
 from console.fleet import HostStatus
 from console.fmt import gib
 from console.formats import why_down
-from console.screens.base import deck, LiveScreen, tolerant
+from console.screens.base import LiveScreen, deck
 from console.views import HostFigures, clock, host_figures, since
 from console.widgets.cells import SIMULATED, alerts_text, mem_bar, pct_bar, state_text
 from console.widgets.header import AppHeader
@@ -83,14 +83,12 @@ class FleetScreen(LiveScreen):
         yield KeyedTable(fit(COLUMNS, self.app.size.width), id="fleet-table")
         yield Footer()
 
-    @tolerant
     def on_mount(self) -> None:
         self._figures: dict[str, HostFigures | None] = {}
         self._states: dict[str, str] = {}
         self.hosts_changed(set(deck(self).fleet.links))
         self.set_interval(NOT_UP_REFRESH_S, self._tick)
 
-    @tolerant
     def _tick(self) -> None:
         if self.app.screen is not self:
             return

@@ -17,7 +17,7 @@ from console.fmt import duration
 from console.ops.figures import run_figures, tokens_text
 from console.messages import HistoryLoaded
 from console.query import QueryError
-from console.screens.base import deck, LiveScreen, tolerant
+from console.screens.base import LiveScreen, deck
 from console.screens.runs import why_text
 from console.views import short_when, history_rows, run_row_from_history
 from console.widgets.cells import sortable, state_text
@@ -91,7 +91,6 @@ class HistoryScreen(LiveScreen):
         yield Static("", id="history-note", classes="note")
         yield Footer()
 
-    @tolerant
     def on_mount(self) -> None:
         self.query_one("#history-table", KeyedTable).focus()
         if deck(self).fleet.history is None:
@@ -105,7 +104,6 @@ class HistoryScreen(LiveScreen):
     def history_changed(self) -> None:
         self._due = True
 
-    @tolerant
     def _maybe_reload(self) -> None:
         if self._due and self.app.screen is self and time.monotonic() - self._loaded_at >= RELOAD_MIN_S:
             self._due = False
@@ -120,7 +118,6 @@ class HistoryScreen(LiveScreen):
         self._load(self.query_text)
 
     @work(thread=True, exclusive=True, group="history-query")
-    @tolerant
     def _load(self, text: str) -> None:
         history = deck(self).fleet.history
         assert history is not None  # loads are started only with a history (on_mount)
@@ -136,7 +133,6 @@ class HistoryScreen(LiveScreen):
         self.post_message(HistoryLoaded(text, rows, seconds=time.monotonic() - t0))
 
     @on(HistoryLoaded)
-    @tolerant
     def _loaded(self, message: HistoryLoaded) -> None:
         message.stop()
         if not self.is_attached:
@@ -225,7 +221,6 @@ class HistoryScreen(LiveScreen):
         self.open_diff(self.rows[keys[0]], self.rows[keys[1]])
 
     @work(exclusive=True, group="history-diff")
-    @tolerant
     async def open_diff(self, a: dict[str, Any], b: dict[str, Any]) -> None:
         """Read both runs' full rows (environment included) in a thread, then show them side by side."""
         from console.screens.diff import DiffScreen

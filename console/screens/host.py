@@ -10,7 +10,7 @@ from textual.widgets import Footer, Static
 
 from console.fleet import HostStatus
 from console.fmt import gib
-from console.screens.base import deck, LiveScreen, tolerant
+from console.screens.base import LiveScreen, deck
 from console.screens.fleet import state_cell
 from console.screens.reclaim import ReclaimItem, reclaim_flow
 from console.views import LEFTOVER_HOLDERS, holder_label, since
@@ -70,7 +70,6 @@ class HostScreen(LiveScreen):
         yield Static("", id="host-note", classes="note")
         yield Footer()
 
-    @tolerant
     def on_mount(self) -> None:
         self.query_one("#proc-table", KeyedTable).focus()
         self.hosts_changed({self.host})
@@ -204,7 +203,6 @@ class HostScreen(LiveScreen):
         self.reclaim()
 
     @work(exclusive=True, group="host-reclaim")
-    @tolerant
     async def reclaim(self) -> None:
         """Confirm the marked processes, reclaim them, show the verification."""
         st = self.status

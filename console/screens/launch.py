@@ -36,7 +36,7 @@ from console.ops.intent import count_text, form_start
 from console.ops.launch import NodeOutcome, plan_here
 from console.ops.launch import launch as ops_launch
 from console.ops.launch import preflight as ops_preflight
-from console.screens.base import deck, tolerant
+from console.screens.base import Guarded, deck
 from console.views import gpu_free, holder_label
 from console.widgets.cells import SIMULATED, plain_markup
 from console.widgets.progress import ProgressLine
@@ -171,7 +171,7 @@ def only_holders_failed(result: PreflightResult) -> bool:
 
 
 
-class LaunchDialog(ModalScreen[LaunchOutcome | None]):
+class LaunchDialog(Guarded, ModalScreen[LaunchOutcome | None]):
     """The launch form: fill it in, pre-flight, confirm, launch."""
 
     BINDINGS = [
@@ -239,7 +239,6 @@ class LaunchDialog(ModalScreen[LaunchOutcome | None]):
                 yield Button("Pre-flight (ctrl+s)", variant="primary", id="launch")
                 yield Button("Cancel (esc)", id="cancel")
 
-    @tolerant
     def on_mount(self) -> None:
         for field in ("args", "name", "python", "ranks", "hosts"):
             if field in self._prefill:
@@ -250,7 +249,6 @@ class LaunchDialog(ModalScreen[LaunchOutcome | None]):
         self.query_one("#args", Input).focus()
         self.call_after_refresh(self._arm)
 
-    @tolerant
     def _arm(self) -> None:
         self._armed = True  # the prefill's own Changed events are not edits
 
@@ -363,7 +361,6 @@ class LaunchDialog(ModalScreen[LaunchOutcome | None]):
             self.preflight(plan, key)
 
     @work(exclusive=True, group="launch-preflight")
-    @tolerant
     async def preflight(self, plan: LaunchPlan, key: bytes) -> None:
         """Pre-flight on every host of the plan; the result decides what the confirm button does."""
         progress = self.query_one("#launch-progress", ProgressLine)
@@ -395,7 +392,6 @@ class LaunchDialog(ModalScreen[LaunchOutcome | None]):
             self._button("Pre-flight failed", disabled=True, variant="error")
 
     @work(exclusive=True, group="launch-run")
-    @tolerant
     async def launch(self, plan: LaunchPlan) -> None:
         """Launch what was confirmed; the dialog stays (with the error) if the agent refuses."""
         progress = self.query_one("#launch-progress", ProgressLine)

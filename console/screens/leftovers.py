@@ -12,7 +12,7 @@ from textual.widgets import Footer, Static
 from agents.errors import AgentError
 from agents.protocol import Gpu, Leftover, LeftoverList
 from console.fmt import gib
-from console.screens.base import deck, tolerant
+from console.screens.base import Guarded, deck
 from console.screens.reclaim import ReclaimItem, reclaim_flow
 from console.views import since
 from console.widgets.cells import leftover_text, plain_markup
@@ -63,7 +63,7 @@ def leftover_item(lo: Leftover) -> ReclaimItem:
     return ReclaimItem(pid=lo.pid, who=who, user=lo.user or "-", command=" ".join(lo.cmdline), gpu_bytes=dict(lo.gpu_bytes), live_run=lo.run_id if lo.kind == "live" else None)
 
 
-class LeftoversScreen(Screen):
+class LeftoversScreen(Guarded, Screen):
     """The host's leftovers, asked of its agent; mark and reclaim them."""
 
     BINDINGS = [
@@ -89,7 +89,6 @@ class LeftoversScreen(Screen):
         yield Static("", id="leftovers-note", classes="note")
         yield Footer()
 
-    @tolerant
     def on_mount(self) -> None:
         self.query_one("#leftovers-table", KeyedTable).focus()
         self.reload()
@@ -103,7 +102,6 @@ class LeftoversScreen(Screen):
         self.reload()
 
     @work(exclusive=True, group="leftovers")
-    @tolerant
     async def reload(self) -> None:
         """Ask the host's agent what is left over."""
         progress = self.query_one("#leftovers-progress", ProgressLine)
@@ -144,7 +142,6 @@ class LeftoversScreen(Screen):
         self.reclaim()
 
     @work(exclusive=True, group="leftovers-reclaim")
-    @tolerant
     async def reclaim(self) -> None:
         """Reclaim the marked leftovers, then list again."""
         if self.reply is None:

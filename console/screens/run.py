@@ -27,7 +27,7 @@ from agents.errors import AgentError
 from agents.protocol import TERMINAL_STATES, Alert, EnvFingerprint, LaunchSpec, PreflightResult, RunInfo, StopResult, VerifyReply
 from console.fmt import duration, elapsed, gib, when
 from console.messages import RecordLoaded
-from console.screens.base import deck, LiveScreen, tolerant
+from console.screens.base import LiveScreen, deck
 from console.screens.dialogs import ChoiceDialog, ConfirmDialog, ResultDialog, stop_result_text
 from console.screens.launch import preflight_text
 from console.ops import OpsError, Resolved, relaunch_intent, resolve_run, rollback_intent
@@ -253,7 +253,6 @@ class RunScreen(LiveScreen):
         yield ProgressLine(id="run-status")
         yield Footer()
 
-    @tolerant
     def on_mount(self) -> None:
         self.set_interval(FLUSH_S, self._flush)
         self.query_one("#run-log", OutputView).focus()
@@ -273,7 +272,6 @@ class RunScreen(LiveScreen):
         return bool(snap is not None and snap.simulated)
 
     @work(exclusive=True, group="run-info")
-    @tolerant
     async def refresh_run(self) -> None:
         """Ask the agent for the run once a second (what the header and tabs show)."""
         fleet = deck(self).fleet
@@ -295,7 +293,6 @@ class RunScreen(LiveScreen):
             await asyncio.sleep(1.0)
 
     @work(thread=True, exclusive=True, group="run-record")
-    @tolerant
     def load_record(self) -> None:
         """The history's row of this run (a thread: SQLite blocks)."""
         history = deck(self).fleet.history
@@ -308,7 +305,6 @@ class RunScreen(LiveScreen):
             self.post_message(RecordLoaded(self.host, self.run_id, None, str(exc)))
 
     @on(RecordLoaded)
-    @tolerant
     def _record_loaded(self, message: RecordLoaded) -> None:
         if message.run_id != self.run_id or not self.is_attached:
             return
@@ -379,7 +375,6 @@ class RunScreen(LiveScreen):
         self.action_tab("tab-claims")
 
     @work(exclusive=True, group="run-verify")
-    @tolerant
     async def verify(self) -> None:
         """Claimed vs observed, from the agent (which sees the manifest and which GPUs the pids hold)."""
         note = self.query_one("#claims-note", Static)
@@ -417,7 +412,6 @@ class RunScreen(LiveScreen):
     # ------------------------------------------------------------------ metrics and output
 
     @work(exclusive=True, group="run-metrics")
-    @tolerant
     async def refresh_metrics(self) -> None:
         fleet = deck(self).fleet
         panel = self.query_one("#metrics")
@@ -455,7 +449,6 @@ class RunScreen(LiveScreen):
         label.update(Text.assemble((f"{name} ", "bold"), f"step {pts[-1][0]}: {fmt.format(data[-1])}   min {fmt.format(min(data))}  max {fmt.format(max(data))}"))
 
     @work(exclusive=True, group="run-output")
-    @tolerant
     async def follow_output(self) -> None:
         fleet = deck(self).fleet
         status = self.query_one("#run-status", ProgressLine)
@@ -471,7 +464,6 @@ class RunScreen(LiveScreen):
             if self.is_attached and not status.running and not self._status_used:
                 status.update(Text(f"output stream lost: {exc.message}", style="red"))
 
-    @tolerant
     def _flush(self) -> None:
         if not self.is_attached:
             return
@@ -559,7 +551,6 @@ class RunScreen(LiveScreen):
         self._jump(forward=False, start=self._match_line if self._match_line is not None else view.scroll_offset.y)
 
     @work(exclusive=True, group="run-search", thread=True)
-    @tolerant
     def _jump(self, forward: bool, start: int) -> None:
         view = self.query_one("#run-log", OutputView)
         if not view.search_term:
@@ -622,7 +613,6 @@ class RunScreen(LiveScreen):
         return rec
 
     @work(exclusive=True, group="run-rollback")
-    @tolerant
     async def rollback_flow(self) -> None:
         """Pick a known-good run, read the diff, check its environment still holds, then relaunch with an explicit start."""
         from console.screens.picker import RunPicker
@@ -715,7 +705,6 @@ class RunScreen(LiveScreen):
         self.stop_flow()
 
     @work(exclusive=True, group="run-stop")
-    @tolerant
     async def stop_flow(self) -> None:
         r = self.run
         if r is None:

@@ -15,7 +15,7 @@ from agents.errors import AgentError
 from console.fmt import duration, elapsed
 from console.messages import HistoryLoaded
 from console.query import QueryError
-from console.screens.base import deck, LiveScreen, tolerant
+from console.screens.base import LiveScreen, deck
 from console.views import short_when, RunRow, history_rows, merge_rows, run_row_from_history, run_row_from_info
 from console.widgets.cells import alerts_text, sortable, sparkline, state_text
 from console.widgets.header import AppHeader
@@ -89,7 +89,6 @@ class RunsScreen(LiveScreen):
         yield Static("", id="runs-note", classes="note")
         yield Footer()
 
-    @tolerant
     def on_mount(self) -> None:
         self._live: dict[str, dict[str, RunRow]] = {}  # host -> run id -> row, from its latest snapshot
         self._recorded: dict[str, RunRow] = {}  # run id -> row, from the history (or the agents' run lists)
@@ -132,7 +131,6 @@ class RunsScreen(LiveScreen):
     def history_changed(self) -> None:
         self._history_due = True
 
-    @tolerant
     def _maybe_load_history(self) -> None:
         if self._history_due and self.app.screen is self and time.monotonic() - self._history_at >= HISTORY_MIN_INTERVAL_S:
             self._history_due = False
@@ -140,7 +138,6 @@ class RunsScreen(LiveScreen):
             self.load_history()
 
     @work(thread=True, exclusive=True, group="runs-history")
-    @tolerant
     def load_history(self) -> None:
         """Read the history's newest runs (a thread: SQLite blocks)."""
         history = deck(self).fleet.history
@@ -154,7 +151,6 @@ class RunsScreen(LiveScreen):
             self.post_message(HistoryLoaded(HISTORY_QUERY, [], error=f"history: {exc}"))
 
     @on(HistoryLoaded)
-    @tolerant
     def _history_loaded(self, message: HistoryLoaded) -> None:
         message.stop()
         if not self.is_attached:
@@ -173,7 +169,6 @@ class RunsScreen(LiveScreen):
             self._show(changed)
 
     @work(exclusive=True, group="runs-poll")
-    @tolerant
     async def poll_agents(self) -> None:
         """Without a history: ask every reachable agent for its runs, a few at a time."""
         fleet = deck(self).fleet
