@@ -178,4 +178,5 @@ def test_gpu_prepared_corpus_validation_chunked_loss_mfu_and_profile(tmp_path, p
     if manifest["peak_flops"] and not ON_CPU:
         ratio = manifest["flops_per_token"] / manifest["flops_per_token_torchtitan"]
         for r in (r for r in plain if r["type"] == "step"):
-            assert r["mfu"] == pytest.approx(r["mfu_torchtitan"] * ratio, rel=1e-3)
+            # both are rounded in the record (a tiny model's mfu is ~5e-05: 5 decimals are all it keeps)
+            assert r["mfu"] == pytest.approx(r["mfu_torchtitan"] * ratio, rel=1e-3, abs=1e-5)
