@@ -93,6 +93,7 @@ async def one_level(level: str, args: argparse.Namespace, tmp: Path) -> dict[str
         print(f"containment {level}: not available here ({containment.label})", flush=True)
         return {}
     sup = Supervisor(Journal(home / "journal.db", "bench"), runs, "bench", sampler, procs, containment=containment)
+    sup.attribute = SnapshotBuilder("bench", sup.journal.epoch, sampler, procs, sup).attribute  # as the agent wires it
     launch_ms: list[float] = []
     for i in range(args.launches):
         mark = home / f"first-{i}"
