@@ -38,6 +38,7 @@ from agents.gpus_sim import SimulatedGpuSampler
 from agents.journal import Journal
 from agents.procs import ProcTable
 from agents.protocol import LaunchSpec
+from agents.snapshot import SnapshotBuilder
 from agents.supervisor import Supervisor
 
 # the leader spawns N-1 sleepers (every tenth with SIGTERM ignored), then says how many are up
