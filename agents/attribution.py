@@ -55,8 +55,12 @@ class Attribution:
         return None
 
     def correct(self, p: GpuProcess, entry: ProcEntry | None) -> None:
-        """Fix a GPU process's attribution where the group or a recorded member says more than the tag did."""
-        if p.attribution == "NO_SUCH_PROCESS":
+        """Fix a GPU process's attribution where the group or a recorded member says more than the tag did.
+
+        Only an untagged process is looked up (a tagged one is its tag's run; its group agrees): the
+        tick's cost stays with the processes the tag cannot place.
+        """
+        if p.attribution == "NO_SUCH_PROCESS" or (p.attribution in ("RUN", "STALE") and p.run_id):
             return
         own = self.owner(p.pid, p.create_time, entry)
         if own is None or (own.run_id == p.run_id and p.attribution in ("RUN", "STALE")):

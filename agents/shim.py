@@ -118,7 +118,19 @@ def main(argv: list[str]) -> int:
         except ValueError:
             record["signal"] = f"signal {-rc}"
     _record_exit(exit_file, record)
+    _reap_orphans()
     return rc if rc >= 0 else 128 - rc
+
+
+def _reap_orphans() -> None:
+    """Reap the run's orphans that already exited (they came to the subreaper): left, they would wait for init."""
+    while True:
+        try:
+            pid, _status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
 
 
 def _wait_child(pid: int) -> int:

@@ -405,25 +405,29 @@ class Supervisor:
     def _needs_tree(self) -> bool:
         return any(lr.group is None and lr.info.state in ("running", "starting") and not lr.launching for lr in self._live.values())
 
-    def _scan(self, want_tree: bool, want_gpus: bool) -> tuple[dict[int, StatLine] | None, list[Gpu] | None]:
-        """The parts of a tick that read the whole host: parentage (tag-level runs only) and one GPU sample."""
+    def _scan(self, want_tree: bool, want_gpus: bool, members: list[Member]) -> tuple[dict[int, StatLine] | None, list[Gpu] | None, dict[tuple[int, float], bool]]:
+        """The parts of a tick that read the whole host: parentage (tag-level runs only), one GPU sample, whether each member lives."""
         tree = self._tree.scan() if want_tree else None
         gpus = self.gpus.sample() if want_gpus and self.gpus.available else None
-        return tree, gpus
+        alive_now = {(m.pid, m.create_time): alive(m.pid, m.create_time) for m in members}
+        return tree, gpus, alive_now
+
+    def _scan_args(self) -> tuple[bool, bool, list[Member]]:
+        members = [m for lr in self._live.values() for m in lr.info.members]
+        return self._needs_tree(), bool(self._live) and self.gpus.available, members
 
     def refresh(self) -> None:
         """One supervision tick, all on the calling thread (tests, benchmarks; the agent uses :meth:`tick`)."""
         self.procs.refresh()
-        tree, gpus = self._scan(self._needs_tree(), bool(self._live) and self.gpus.available)
-        self._judge(tree, gpus)
+        self._judge(*self._scan(*self._scan_args()))
 
     async def tick(self) -> None:
-        """One supervision tick; the full scans and the NVML sample run in a thread, off the event loop."""
+        """One supervision tick; the full scans, the NVML sample and the members' liveness run in a thread, off the event loop."""
         self.procs.refresh()  # incremental: one listdir in the steady state (the table has one writer: this loop)
-        tree, gpus = await asyncio.to_thread(self._scan, self._needs_tree(), bool(self._live) and self.gpus.available)
-        self._judge(tree, gpus)  # back on the loop: request handlers may have changed runs meanwhile, so judge what is there now
+        scanned = await asyncio.to_thread(self._scan, *self._scan_args())
+        self._judge(*scanned)  # back on the loop: request handlers may have changed runs meanwhile, so judge what is there now
 
-    def _judge(self, tree: dict[int, StatLine] | None, raw_gpus: list[Gpu] | None) -> None:
+    def _judge(self, tree: dict[int, StatLine] | None, raw_gpus: list[Gpu] | None, alive_now: dict[tuple[int, float], bool] | None = None) -> None:
         gpus: list[Gpu] | None = None
         for lr in list(self._live.values()):
             run = lr.info
@@ -438,7 +442,7 @@ class Supervisor:
                 continue
             if gpus is None:
                 gpus = self.attributed_gpus(raw_gpus) if raw_gpus is not None else []
-            self._check_health(lr, gpus)
+            self._check_health(lr, gpus, alive_now or {})
         for rid, group in list(self._ended_groups.items()):
             if not group.populated():
                 self._settle_group(rid, group)
@@ -502,10 +506,15 @@ class Supervisor:
 
     # ------------------------------------------------------------------ health (failures 4 and 7)
 
-    def _check_health(self, lr: LiveRun, gpus: list[Gpu]) -> None:
+    def _check_health(self, lr: LiveRun, gpus: list[Gpu], alive_now: dict[tuple[int, float], bool]) -> None:
         run = lr.info
         health = lr.health_state()
-        obs = observe(run, time.time(), gpus, lambda m: alive(m.pid, m.create_time), stopping=run.state == "stopping")
+
+        def is_alive(m: Member) -> bool:
+            known = alive_now.get((m.pid, m.create_time))
+            return alive(m.pid, m.create_time) if known is None else known
+
+        obs = observe(run, time.time(), gpus, is_alive, stopping=run.state == "stopping")
         lr.last_obs = obs
         raised = health.update(obs, self._baseline(lr))
         cleared = health.cleared_since_last()

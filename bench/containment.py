@@ -38,6 +38,7 @@ from agents.gpus_sim import SimulatedGpuSampler
 from agents.journal import Journal
 from agents.procs import ProcTable
 from agents.protocol import LaunchSpec
+from agents.snapshot import SnapshotBuilder
 from agents.supervisor import Supervisor
 
 # the leader spawns N-1 sleepers (every tenth with SIGTERM ignored), then says how many are up
@@ -93,6 +94,7 @@ async def one_level(level: str, args: argparse.Namespace, tmp: Path) -> dict[str
         print(f"containment {level}: not available here ({containment.label})", flush=True)
         return {}
     sup = Supervisor(Journal(home / "journal.db", "bench"), runs, "bench", sampler, procs, containment=containment)
+    sup.attribute = SnapshotBuilder("bench", sup.journal.epoch, sampler, procs, sup).attribute  # as the agent wires it
     launch_ms: list[float] = []
     for i in range(args.launches):
         mark = home / f"first-{i}"
