@@ -11,6 +11,9 @@ import asyncio
 import itertools
 import logging
 import os
+import socket
+import stat
+import struct
 import subprocess
 import sys
 import time
@@ -21,7 +24,7 @@ from typing import Any
 import msgspec
 
 from agents import paths
-from agents.errors import AgentUnavailable, from_wire
+from agents.errors import AgentUnavailable, PermissionDenied, from_wire
 from agents.protocol import (
     Cancel,
     Error,
@@ -72,12 +75,18 @@ class AgentClient:
         """Connect to the local agent, starting it when ``autostart`` and none answers."""
         sd = Path(state_dir or paths.state_dir())
         path = Path(sock or paths.socket_path(sd))
+        check_socket(path)
         try:
             reader, writer = await asyncio.open_unix_connection(str(path), limit=1 << 20)
         except (FileNotFoundError, ConnectionRefusedError) as exc:
             if not autostart:
                 raise AgentUnavailable(f"no agent answers on {path}: start one with `gpudeck agent serve`") from exc
             reader, writer = await _start_and_connect(sd, path)
+        try:
+            check_peer(writer.get_extra_info("socket"), path)
+        except PermissionDenied:
+            writer.close()
+            raise
         client = cls(reader, writer)
         await client.say_hello(alias=alias)
         return client
@@ -231,6 +240,30 @@ class AgentClient:
             await self._pump_task
         except (asyncio.CancelledError, Exception):
             pass
+
+
+def check_socket(path: Path) -> None:
+    """Refuse an agent socket that is a link, not a socket, or not owned by this user (or root), before connecting."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return  # nothing there yet: the agent is started, or the connection says so
+    me = os.geteuid()
+    if stat.S_ISLNK(st.st_mode) or not stat.S_ISSOCK(st.st_mode):
+        raise PermissionDenied(f"{path} is not a Unix socket (a link or a file put there?): nothing was sent; remove it and run `gpudeck agent serve`")
+    if st.st_uid not in (me, 0):
+        raise PermissionDenied(f"the agent socket {path} belongs to uid {st.st_uid}, not to you (uid {me}): nothing was sent to it (another user's "
+                               f"process would see every request); remove it, or use a GPUDECK_HOME of your own")
+    paths.check_path(path.parent)
+
+
+def check_peer(sock: socket.socket | None, path: Path) -> None:
+    """Refuse the connection when the process answering on it runs as another user (not this one, not root)."""
+    if sock is None or not hasattr(socket, "SO_PEERCRED"):
+        return
+    _pid, uid, _gid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+    if uid not in (os.geteuid(), 0):
+        raise PermissionDenied(f"the process answering on {path} runs as uid {uid}, not as you (uid {os.geteuid()}): nothing was sent to it")
 
 
 def spawn_agent(state_dir: Path) -> subprocess.Popen:

@@ -59,10 +59,9 @@ from typing import Any, Literal
 
 from agents.errors import AgentError
 from agents.protocol import LaunchSpec, MemoryEstimate
-from trainers.presets import PRESETS, parse_index_list
+from trainers.contract import PRESETS, TRAINER_MODULES, parse_index_list, trainer_args
 
 GIB = 2**30
-TRAINER_MODULES = {"fsdp": "trainers.fsdp_lm", "dflash": "trainers.dflash"}
 KNOWN_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 # bytes per parameter of what FSDP2 shards: fp32 weights + fp32 grads + AdamW m and v
@@ -206,20 +205,32 @@ def param_count(config: dict[str, Any]) -> int:
     return model_shape(config).params
 
 
-def drafter_params(target: ModelShape, drafter_layers: int) -> int:
+def drafter_params(target: ModelShape, drafter_layers: int, drafter_config: dict[str, Any] | None = None,
+                   n_context_layers: int | None = None) -> int:
     """Trainable parameters of a DFlash drafter on ``target`` (trainers/dflash_model.py's DFlashDraftModel).
 
     Qwen3-style blocks of the target's width and heads (q_norm/k_norm, no biases), a final norm,
-    ``fc`` from the concatenated target layers (one per drafter layer) to the hidden size, and its norm.
+    ``fc`` from the concatenated target layers (one per drafter layer, or the config's
+    ``target_layer_ids``) to the hidden size, and its norm. A ``--drafter-config`` dict gives the
+    blocks' heads and intermediate size.
     """
-    block = _drafter_block(target)
+    block = _drafter_block(target, drafter_config)
     h = target.hidden
-    return drafter_layers * block.layer_params + h + drafter_layers * h * h + h
+    n_ctx = n_context_layers if n_context_layers is not None else drafter_layers
+    return drafter_layers * block.layer_params + h + n_ctx * h * h + h
 
 
-def _drafter_block(target: ModelShape) -> ModelShape:
-    return ModelShape(model_type="qwen3", vocab=target.vocab, hidden=target.hidden, intermediate=target.intermediate,
-                      layers=1, heads=target.heads, kv_heads=target.kv_heads, head_dim=target.head_dim, tied=False,
+def _drafter_block(target: ModelShape, drafter_config: dict[str, Any] | None = None) -> ModelShape:
+    c = drafter_config or {}
+
+    def pick(key: str, default: int) -> int:
+        v = c.get(key)
+        return int(v) if isinstance(v, int) and not isinstance(v, bool) and v > 0 else default
+
+    return ModelShape(model_type="qwen3", vocab=target.vocab, hidden=target.hidden,
+                      intermediate=pick("intermediate_size", target.intermediate), layers=1,
+                      heads=pick("num_attention_heads", target.heads), kv_heads=pick("num_key_value_heads", target.kv_heads),
+                      head_dim=pick("head_dim", target.head_dim), tied=False,
                       qkv_bias=False, o_bias=False, mlp_bias=False, qk_norm=True)
 
 
@@ -376,43 +387,16 @@ class _Parser(argparse.ArgumentParser):
 def _trainer_parser(trainer: str) -> argparse.ArgumentParser:
     """The options of trainers/runtime.py, fsdp_lm.py and dflash.py that shape memory and starts.
 
-    Every option that takes a value is declared (with type str where we ignore it), so a value is
-    never mistaken for something else; defaults follow the trainers (tests/unit/test_estimate.py
-    compares this parser with theirs).
+    Built from the declared table (:data:`trainers.contract.TRAINER_ARGS`): every option that takes a
+    value is declared, so a value is never mistaken for something else; tests/unit/test_estimate.py
+    compares this parser with the trainers' own.
     """
     p = _Parser(add_help=False, allow_abbrev=True)
-    for opt in ("--model-config", "--init-from", "--data", "--tokenizer", "--data-dtype", "--corpus-bytes",
-                "--max-steps", "--lr", "--min-lr-ratio", "--warmup-steps", "--weight-decay", "--grad-clip", "--seed",
-                "--checkpoint-every", "--keep", "--out", "--log-every", "--resume"):
-        p.add_argument(opt, default=None)
-    p.add_argument("--device", default="auto")
-    p.add_argument("--dtype", default="auto")
-    for flag in ("--fresh", "--new-run-dir", "--compile", "--activation-checkpointing"):
-        p.add_argument(flag, action="store_true")
-    defaults = DFLASH_DEFAULTS if trainer == "trainers.dflash" else FSDP_DEFAULTS
-    p.add_argument("--batch-size", type=int, default=defaults["batch_size"])
-    p.add_argument("--seq-len", type=int, default=defaults["seq_len"])
-    p.add_argument("--grad-accum", type=int, default=1)
-    if trainer == "trainers.dflash":
-        for opt in ("--target", "--target-config", "--gamma", "--mask-token-id", "--target-ranks", "--drafter-ranks",
-                    "--eval-every", "--eval-samples", "--eval-prompt-len", "--eval-gen-len", "--val-fraction"):
-            p.add_argument(opt, default=None)
-        p.add_argument("--drafter-layers", type=int, default=None)
-        p.add_argument("--block-size", type=int, default=None)
-        p.add_argument("--num-anchors", type=int, default=512)
-        p.add_argument("--loss-chunk-rows", type=int, default=2048)
-        p.add_argument("--loss-mode", default="fused")
-        p.add_argument("--attn", default="auto")
-        p.add_argument("--topology", default="colocated")
-        p.add_argument("--queue-depth", type=int, default=2)
-        p.add_argument("--no-eval", action="store_true")
-    else:
-        for opt in ("--attn-implementation", "--sdpa-backend", "--stop-at-step"):
-            p.add_argument(opt, default=None)
-        p.add_argument("--compile-loss", default="auto")
-        p.add_argument("--reshard-after-forward", default="auto")
-        for flag in ("--no-export", "--no-final-checkpoint", "--deterministic"):
-            p.add_argument(flag, action="store_true")
+    for a in trainer_args(trainer):
+        if a.takes == "flag":
+            p.add_argument(a.flag, action="store_true")
+        else:
+            p.add_argument(a.flag, type=int if a.takes == "int" else str, default=a.default)
     return p
 
 
@@ -524,7 +508,7 @@ def _elem(dtype: str | None) -> int:
 
 def estimate_fsdp(parsed: LaunchArgv, world: int, world_note: str, cwd: Path) -> MemoryEstimate:
     """Per-GPU memory of a trainers.fsdp_lm run."""
-    a = parse_trainer_args("trainers.fsdp_lm", parsed.trainer_args)
+    a = parse_trainer_args(TRAINER_MODULES["fsdp"], parsed.trainer_args)
     if a.model_config is not None and a.init_from is not None:
         raise EstimateError("give --model-config or --init-from, not both (trainers.fsdp_lm refuses both)")
     config, source = resolve_model_config(a.model_config, a.init_from, cwd)
@@ -575,29 +559,57 @@ def _dflash_target(a: argparse.Namespace, cwd: Path) -> tuple[dict[str, Any], st
     return config, f"target {source}"
 
 
-def _dflash_shape_args(a: argparse.Namespace, cwd: Path) -> tuple[int, int]:
-    """Drafter layers and block size: as given, else the saved drafter's (--init-from), else the defaults."""
+def _dflash_shape_args(a: argparse.Namespace, cwd: Path) -> tuple[int, int, dict[str, Any] | None]:
+    """Drafter layers, block size and the --drafter-config dict: as given, else the saved drafter's
+    (--init-from) or the config file's, else the defaults."""
     layers, block = a.drafter_layers, a.block_size
+    dcfg = None
+    if a.drafter_config is not None:
+        dcfg = _read_json(_resolve(a.drafter_config, cwd), f"--drafter-config {a.drafter_config}")
+        types = dcfg.get("layer_types")
+        n = dcfg.get("num_hidden_layers", len(types) if isinstance(types, list) else None)
+        layers = layers if layers is not None else n
+        block = block if block is not None else dcfg.get("block_size")
     if a.init_from is not None and (layers is None or block is None):
         saved = _read_json(_resolve(a.init_from, cwd) / "config.json", f"--init-from {a.init_from}")
+        dcfg = saved
         layers = layers if layers is not None else saved.get("num_hidden_layers")
         block = block if block is not None else saved.get("block_size")
     layers = layers if isinstance(layers, int) else DFLASH_DEFAULTS["drafter_layers"]
     block = block if isinstance(block, int) else DFLASH_DEFAULTS["block_size"]
-    return layers, block
+    return layers, block, dcfg
+
+
+def _largest(parts: dict[str, int]) -> str:
+    name = max(parts, key=lambda k: parts[k])
+    return f"largest part: {name.replace('_', ' ')} {_gib(parts[name])}"
 
 
 def estimate_dflash(parsed: LaunchArgv, world: int, world_note: str, cwd: Path) -> MemoryEstimate:
-    """Per-GPU memory of a trainers.dflash run (colocated, or the larger side of split)."""
-    a = parse_trainer_args("trainers.dflash", parsed.trainer_args)
+    """Per-GPU memory of a trainers.dflash run (colocated, or the larger side of split).
+
+    ``parts`` are the four the question asks about — ``weights`` (the frozen target, or a
+    split drafter rank's embedding and lm_head, plus the drafter's gathered bf16 parameters),
+    ``optimizer`` (the drafter's fp32 weights, gradients and AdamW moments, sharded),
+    ``activations`` (what the drafter keeps for backward, its masks, the target features) and
+    ``lm_head_chunk`` (the chunked lm_head + cross-entropy) — and the CUDA context; ``method``
+    names the largest and breaks each down.
+    """
+    a = parse_trainer_args(TRAINER_MODULES["dflash"], parsed.trainer_args)
     config, source = _dflash_target(a, cwd)
     t_shape = model_shape(config)
     n_target = t_shape.params
-    d_layers, block = _dflash_shape_args(a, cwd)
-    n_drafter = drafter_params(t_shape, d_layers)
-    d_block = _drafter_block(t_shape)
+    d_layers, block, dcfg = _dflash_shape_args(a, cwd)
+    ids = ((dcfg or {}).get("dflash_config") or {}).get("target_layer_ids")
+    n_ctx = len(ids) if isinstance(ids, list) and ids else d_layers
+    n_drafter = drafter_params(t_shape, d_layers, dcfg, n_ctx)
+    d_block = _drafter_block(t_shape, dcfg)
+    types = (dcfg or {}).get("layer_types") or []
+    sliding = "sliding_attention" in types
     elem = _elem(a.dtype)
-    b, t = a.batch_size, a.seq_len
+    t = a.seq_len
+    # a token budget packs budget // seq_len full-length records (the batch the budget allows at worst)
+    b = max(1, a.token_budget // t) if a.token_budget else a.batch_size
     anchors = min(a.num_anchors, t)
     q_per_seq = anchors * block  # block positions the drafter runs per sequence
     q_pos = b * q_per_seq
@@ -612,8 +624,9 @@ def estimate_dflash(parsed: LaunchArgv, world: int, world_note: str, cwd: Path) 
         attn = "flex"  # on CUDA
     mask = 0
     if attn == "sdpa":
-        # the dense bool mask (1 B), its bf16 additive copy per layer, and k/v repeated to all heads (SDPA without GQA)
-        mask = b * q_per_seq * (t + q_per_seq) * (1 + 2 * d_layers)
+        # the dense bool mask (1 B; a second one for the sliding layers), its bf16 additive copy per layer,
+        # and k/v repeated to all heads (SDPA without GQA)
+        mask = b * q_per_seq * (t + q_per_seq) * ((2 if sliding else 1) + 2 * d_layers)
         mask += d_layers * kv_pos * 2 * (d_block.q_dim - d_block.kv_dim) * elem
     if a.loss_mode == "plain":
         loss = q_pos * t_shape.vocab * 12
@@ -621,27 +634,30 @@ def estimate_dflash(parsed: LaunchArgv, world: int, world_note: str, cwd: Path) 
         loss = a.loss_chunk_rows * t_shape.vocab * 10
     else:
         loss = a.loss_chunk_rows * t_shape.vocab * 4 + q_pos * h * 4
-    features = b * t * d_layers * h * elem
+    features = b * t * n_ctx * h * elem
+    shape_note = (f"{d_layers}-layer drafter" + (f" ({types.count('sliding_attention')} sliding, window "
+                                                   f"{(dcfg or {}).get('sliding_window')})" if sliding else "")
+                  + f", {n_drafter:,} params")
 
     if a.topology == "split":
         if not a.target_ranks or not a.drafter_ranks:
             raise EstimateError("--topology split needs --target-ranks and --drafter-ranks")
         n_d = len(parse_rank_list(a.drafter_ranks))
+        hidden_states = b * t * (t_shape.layers + 1) * h * elem
         target_side = {
-            "target_weights": n_target * elem,
+            "weights": n_target * elem,
+            "optimizer": 0,
             # the base model keeps every layer's hidden states (output_hidden_states) while it runs
-            "target_hidden_states": b * t * (t_shape.layers + 1) * h * elem,
-            "queued_features": a.queue_depth * features,
+            "activations": hidden_states + a.queue_depth * features,
+            "lm_head_chunk": 0,
             "cuda_context": CUDA_SLACK_BYTES,
         }
         head = t_shape.embedding_params + t_shape.lm_head_params
         drafter_side = {
-            "embedding_lm_head": head * elem,
-            "drafter_weights_grads_adamw": SHARDED_STATE_BYTES * n_drafter // max(1, n_d),
-            "drafter_params_in_flight": n_drafter * elem,
-            "queued_features": a.queue_depth * features,
-            "drafter_activations": int(act + mask),
-            "loss": int(loss),
+            "weights": head * elem + n_drafter * elem,
+            "optimizer": SHARDED_STATE_BYTES * n_drafter // max(1, n_d),
+            "activations": int(act + mask + a.queue_depth * features),
+            "lm_head_chunk": int(loss),
             "cuda_context": CUDA_SLACK_BYTES,
         }
         t_total, d_total = _sum_parts(target_side), _sum_parts(drafter_side)
@@ -649,32 +665,32 @@ def estimate_dflash(parsed: LaunchArgv, world: int, world_note: str, cwd: Path) 
         total = max(t_total, d_total)
         side = "drafter" if d_total >= t_total else "target"
         method = (
-            f"dflash split, {source} ({t_shape.model_type}, {n_target:,} params, frozen) and a {d_layers}-layer drafter "
-            f"({n_drafter:,} params): target ranks need {_gib(t_total)} (weights {_gib(target_side['target_weights'])} "
-            f"+ hidden states B={b} T={t} {_gib(target_side['target_hidden_states'])}), drafter ranks need {_gib(d_total)} "
-            f"({SHARDED_STATE_BYTES} B/param / {n_d} drafter rank{'s' if n_d != 1 else ''} {_gib(drafter_side['drafter_weights_grads_adamw'])} "
-            f"+ activations {anchors} anchors x block {block} {_gib(act + mask)} + loss {_gib(loss)}); the {side} side is the need, "
-            f"{_gib(total)} per GPU; an estimate, +-30%"
+            f"dflash split, {source} ({t_shape.model_type}, {n_target:,} params, frozen) and a {shape_note}: "
+            f"target ranks need {_gib(t_total)} (weights {_gib(target_side['weights'])} + hidden states B={b} T={t} "
+            f"{_gib(hidden_states)}), drafter ranks need {_gib(d_total)} (weights: embedding + lm_head "
+            f"{_gib(head * elem)} + gathered drafter {_gib(n_drafter * elem)}; optimizer {SHARDED_STATE_BYTES} B/param / "
+            f"{n_d} drafter rank{'s' if n_d != 1 else ''} {_gib(drafter_side['optimizer'])}; activations {anchors} anchors "
+            f"x block {block} {_gib(act + mask)} + queued features {_gib(a.queue_depth * features)}; lm_head chunk "
+            f"{_gib(loss)}); the {side} side is the need, {_gib(total)} per GPU, {_largest(parts)}; an estimate, +-30%"
         )
         return MemoryEstimate(per_gpu_bytes=total, params=n_drafter, method=method, parts={k: int(v) for k, v in parts.items()})
 
     parts = {
-        "target_weights": n_target * elem,
-        "target_features": features,
-        "drafter_weights_grads_adamw": SHARDED_STATE_BYTES * n_drafter // world,
-        "drafter_params_in_flight": n_drafter * elem,
-        "drafter_activations": int(act + mask),
-        "loss": int(loss),
+        "weights": n_target * elem + n_drafter * elem,
+        "optimizer": SHARDED_STATE_BYTES * n_drafter // world,
+        "activations": int(act + mask + features),
+        "lm_head_chunk": int(loss),
         "cuda_context": CUDA_SLACK_BYTES,
     }
     total = _sum_parts(parts)
     method = (
-        f"dflash colocated, {source} ({t_shape.model_type}): {n_target:,} target params frozen in "
-        f"{'bf16' if elem == 2 else 'fp32'} {_gib(parts['target_weights'])} + a {d_layers}-layer drafter, {n_drafter:,} params, "
-        f"{SHARDED_STATE_BYTES} B/param / {world} rank{'s' if world != 1 else ''} ({world_note}) "
-        f"{_gib(parts['drafter_weights_grads_adamw'])} + drafter activations B={b} T={t} {anchors} anchors x block {block} "
-        f"({'compiled' if a.compile else 'eager'}, {attn} attention) {_gib(act + mask)} + {a.loss_mode} loss {_gib(loss)} "
-        f"+ target features {_gib(features)} + CUDA context {_gib(CUDA_SLACK_BYTES)} = {_gib(total)} per GPU; an estimate, +-30%"
+        f"dflash colocated, {source} ({t_shape.model_type}): weights: {n_target:,} target params frozen in "
+        f"{'bf16' if elem == 2 else 'fp32'} {_gib(n_target * elem)} + the gathered {shape_note} {_gib(n_drafter * elem)}; "
+        f"optimizer {SHARDED_STATE_BYTES} B/param / {world} rank{'s' if world != 1 else ''} ({world_note}) "
+        f"{_gib(parts['optimizer'])}; activations B={b} T={t} {anchors} anchors x block {block} "
+        f"({'compiled' if a.compile else 'eager'}, {attn} attention) {_gib(act + mask)} + target features {_gib(features)}; "
+        f"{a.loss_mode} lm_head chunk {_gib(loss)}; CUDA context {_gib(CUDA_SLACK_BYTES)} = {_gib(total)} per GPU, "
+        f"{_largest(parts)}; an estimate, +-30%"
     )
     return MemoryEstimate(per_gpu_bytes=total, params=n_drafter, method=method, parts=parts)
 

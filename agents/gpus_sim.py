@@ -52,7 +52,6 @@ NAME_PREFIX = "SIMULATED "
 DEFAULT_NAME = "H100-80GB"
 DEFAULT_GIB = 80.0
 MAX_GPUS = 64
-LOADAVG = "/proc/loadavg"  # its last field is the newest pid of this pid namespace
 # CPU time is counted in clock ticks (10 ms), so utilisation is measured over at least this long;
 # samples closer together repeat the last figure instead of jumping between 0 and 100
 UTIL_WINDOW_S = 0.5
@@ -140,15 +139,6 @@ class _CpuMark:
     util: float
 
 
-def _newest_pid() -> int | None:
-    """The most recently created pid (the last field of /proc/loadavg), None when unreadable."""
-    try:
-        with open(LOADAVG, "rb") as fh:
-            return int(fh.read().rsplit(None, 1)[-1])
-    except (OSError, ValueError, IndexError):
-        return None
-
-
 class SimulatedGpuSampler:
     """Simulated GPUs whose memory and load are what real processes declare and do (labelled SIMULATED)."""
 
@@ -167,10 +157,6 @@ class SimulatedGpuSampler:
         digest = hashlib.sha1(f"{self.spec.name}|{self.spec.memory_gib:g}".encode()).hexdigest()[:8]
         self._uuids = [f"GPU-SIM-{digest}-{i}" for i in range(self.spec.count)]
         self._name = NAME_PREFIX + self.spec.name
-        # the agent's process table has one writer, the event loop thread (which builds this sampler);
-        # from other threads (the supervisor samples in asyncio.to_thread) the table is read as is
-        self._owner = threading.get_ident()
-        self._last_pid: int | None = None  # newest pid when the table was last refreshed here
         self._lock = threading.Lock()
         self._marks: dict[tuple[int, float], _CpuMark] = {}
         self._warned: set[tuple[int, float]] = set()
@@ -194,11 +180,8 @@ class SimulatedGpuSampler:
         return self.spec.count
 
     def _holdings(self) -> list[_Holding]:
-        if threading.get_ident() == self._owner:
-            last = _newest_pid()  # read before the refresh: a process made after it changes it again
-            if last is None or last != self._last_pid:
-                self.procs.refresh()
-                self._last_pid = last
+        # thread-safe, one read of /proc/loadavg when no process was made, and never waits for a refresh in progress
+        self.procs.refresh()
         now = time.monotonic()
         wall = time.time()
         out: list[_Holding] = []

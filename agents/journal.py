@@ -1,28 +1,62 @@
 """Provides the agent's journal: runs and an event log in SQLite that survives ``kill -9``.
 
-WAL with ``synchronous=FULL``: a commit is on disk before ``append`` returns, and
-an event is committed before it is sent to anyone. Events are numbered by
-``seq``, strictly increasing with no gaps, within an ``epoch`` (a UUID made with
-the database), so a replica can pull "everything after (epoch, seq)" and never
-duplicate or miss anything.
+WAL with ``synchronous=FULL``. Every write goes through ONE writer thread that
+commits whatever has queued up in one transaction (one fsync per batch), so the
+agent's event loop never waits on the disk: ``append``, ``append_many`` and
+``update_run`` queue the write and return at once. Events are numbered by
+``seq`` when they are queued, strictly increasing with no gaps, within an
+``epoch`` (a UUID made with the database), so a replica can pull "everything
+after (epoch, seq)" and never duplicate or miss anything. An event is readable
+(``events_after``) only once committed, and so is sent to nobody before.
+
+Durability, for a caller that acknowledges something only once it is on disk
+(a launch is acknowledged only after its record is durable):
+
+* ``create_run`` (and ``append_durable``) block until their commit and raise
+  ``StorageError`` if it failed (disk full: such writes fail fast);
+* from the event loop, ``await durable_create_run(run)`` /
+  ``await durable_append_many(items)`` / ``await durable_update_run(...)`` do the
+  same without blocking it; ``await wait_durable()`` / ``flush()`` wait for
+  everything queued so far.
+
+A queued (not fail-fast) write that cannot be committed (disk full, the file
+locked for longer than the busy timeout) is retried until it can be, in order;
+``storage_error`` says why meanwhile. A fail-fast write that fails leaves a
+``void`` event in each seq it was given, so seqs stay gapless.
+
+Reads see the writer's queue: a run's queued field changes are applied to what
+``get_run``/``find_runs``/``list_runs``/``run_by_request`` return and
+``last_event`` looks at queued events first; ``events_after`` waits (unless
+``wait=False``) for what was queued before it was called. Reads use their own
+connection, so a commit in progress never holds them up.
+
+Payloads are typed (``agents/events.py``): each is validated against its kind's
+type when it is queued; the stored JSON is the dict the caller gave.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
 import sqlite3
 import threading
 import time
 import uuid
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import msgspec
 
+from agents import events as payloads
 from agents.errors import StorageError
 from agents.protocol import Alert, EnvFingerprint, Event, LaunchSpec, Member, PreflightResult, RunInfo
+
+log = logging.getLogger("gpudeck.journal")
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -58,115 +92,373 @@ _RUN_FIELDS = ("state", "cause", "exit_code", "signal", "started", "ended", "mem
 _ADDED_COLUMNS = (("preflight", "TEXT"), ("env", "TEXT"), ("alerts", "TEXT NOT NULL DEFAULT '[]'"))
 _STRUCT_FIELDS = {"members": list[Member], "preflight": PreflightResult | None, "env": EnvFingerprint | None, "alerts": list[Alert]}
 
+BATCH_MAX = 512  # writes folded into one transaction
+RETRY_MAX_S = 0.25  # a failing commit is retried at least this often (and newly queued writes join it)
+DURABLE_TIMEOUT_S = 60.0  # a blocking durable write gives up (StorageError) after this long
+CLOSE_TIMEOUT_S = 10.0  # close() waits this long for queued writes on a failing disk, then drops them (logged)
+
 
 def _storage_error(exc: sqlite3.Error, path: Path) -> StorageError:
     text = str(exc)
     if "full" in text or "disk I/O" in text:
         return StorageError(f"the agent's journal {path} cannot be written ({text}): free space in {path.parent} and retry; nothing was recorded")
+    if "locked" in text or "busy" in text:
+        return StorageError(f"the agent's journal {path} is locked by another process ({text}): the write is retried; `fuser {path}` shows who holds it")
     return StorageError(f"the agent's journal {path} failed: {text}")
 
 
+def _connect(path: Path) -> sqlite3.Connection:
+    conn = sqlite3.connect(str(path), isolation_level=None, check_same_thread=False, timeout=5.0)
+    conn.execute("PRAGMA busy_timeout=5000")
+    conn.execute("PRAGMA journal_mode=WAL")
+    conn.execute("PRAGMA synchronous=FULL")
+    conn.execute("PRAGMA foreign_keys=ON")
+    return conn
+
+
+@dataclass
+class _Op:
+    """One write: its statements and events, committed together or not at all."""
+
+    opno: int
+    stmts: list[tuple[str, tuple]]
+    events: list[Event]  # seq and ts assigned when queued; the seq may shift if another process wrote meanwhile
+    encoded: list[str]  # each event's data as stored
+    fail_fast: bool
+    fut: Future = field(default_factory=Future)  # the caller's: done at commit, or failed at once (fail-fast)
+    settled: Future = field(default_factory=Future)  # done when its seqs are on disk (its events, or void ones)
+    run_keys: list[tuple[str, str]] = field(default_factory=list)  # (run id, field) this op set in the overlay
+    new_run: str | None = None  # a run this op creates (overlay of runs not yet committed)
+    error: StorageError | None = None
+
+    def void(self, reason: str) -> None:
+        """Give up this write; its seqs get ``void`` events instead."""
+        self.stmts = []
+        self.encoded = [json.dumps({"reason": reason[:500]}) for _ in self.events]
+        self.events = [Event(seq=e.seq, ts=e.ts, kind="void", run_id=e.run_id, data={"reason": reason[:500]}) for e in self.events]
+        self.fail_fast = False
+
+
 class Journal:
-    """The agent's durable record of runs and events; thread-safe."""
+    """The agent's durable record of runs and events; thread-safe, writes never block the caller (see module doc)."""
 
     def __init__(self, path: Path, host: str) -> None:
         self.path = Path(path)
         self.host = host
-        self._lock = threading.RLock()
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._conn = sqlite3.connect(str(self.path), isolation_level=None, check_same_thread=False, timeout=5.0)
-        self._conn.execute("PRAGMA busy_timeout=5000")
-        self._conn.execute("PRAGMA journal_mode=WAL")
-        self._conn.execute("PRAGMA synchronous=FULL")
-        self._conn.execute("PRAGMA foreign_keys=ON")
         try:
-            self._conn.executescript(_SCHEMA)
-            have = {r[1] for r in self._conn.execute("PRAGMA table_info(runs)")}
+            self._wconn = _connect(self.path)
+            self._wconn.executescript(_SCHEMA)
+            have = {r[1] for r in self._wconn.execute("PRAGMA table_info(runs)")}
             for col, decl in _ADDED_COLUMNS:
                 if col not in have:
-                    self._conn.execute(f"ALTER TABLE runs ADD COLUMN {col} {decl}")
-        except sqlite3.Error as exc:
-            raise _storage_error(exc, self.path) from exc
-        with self._tx() as c:
-            row = c.execute("SELECT value FROM meta WHERE key='epoch'").fetchone()
+                    self._wconn.execute(f"ALTER TABLE runs ADD COLUMN {col} {decl}")
+            self._wconn.execute("BEGIN IMMEDIATE")
+            row = self._wconn.execute("SELECT value FROM meta WHERE key='epoch'").fetchone()
             if row is None:
                 self.epoch = str(uuid.uuid4())
-                c.execute("INSERT INTO meta(key, value) VALUES ('epoch', ?)", (self.epoch,))
-                c.execute("INSERT INTO meta(key, value) VALUES ('created', ?)", (repr(time.time()),))
+                self._wconn.execute("INSERT INTO meta(key, value) VALUES ('epoch', ?)", (self.epoch,))
+                self._wconn.execute("INSERT INTO meta(key, value) VALUES ('created', ?)", (repr(time.time()),))
             else:
                 self.epoch = row[0]
-        self._last_seq = self._read_last_seq()
+            self._wconn.execute("COMMIT")
+            self._rconn = _connect(self.path)
+        except sqlite3.Error as exc:
+            raise _storage_error(exc, self.path) from exc
+        self._rlock = threading.Lock()  # the read connection
+        self._plock = threading.Lock()  # the queue, the seq counter and the overlay
+        self._cond = threading.Condition(self._plock)
+        self._queue: list[_Op] = []  # queued, not yet taken by the writer
+        self._pending: dict[int, _Op] = {}  # queued or in flight, by opno, oldest first
+        self._ov_fields: dict[str, dict[str, tuple[int, Any]]] = {}
+        self._ov_new: dict[str, tuple[int, RunInfo]] = {}
+        self._opno = 0
+        self._committed_seq = self._read_last_seq()
+        self._next_seq = self._committed_seq + 1
+        self._last_op: _Op | None = None
+        self._closing = False
+        self._closed = False
+        self.storage_error: str | None = None  # why commits fail right now (None when they succeed)
+        self.on_commit: Callable[[int], None] | None = None  # called from the writer thread after each commit
+        self.batches_committed = 0
+        self._writer = threading.Thread(target=self._write_loop, name="journal-writer", daemon=True)
+        self._writer.start()
 
     # ------------------------------------------------------------------ plumbing
 
-    @contextmanager
-    def _tx(self) -> Iterator[sqlite3.Connection]:
-        with self._lock:
-            try:
-                self._conn.execute("BEGIN IMMEDIATE")
-                try:
-                    yield self._conn
-                except BaseException:
-                    self._conn.execute("ROLLBACK")
-                    raise
-                self._conn.execute("COMMIT")
-            except sqlite3.Error as exc:
-                try:
-                    self._conn.execute("ROLLBACK")
-                except sqlite3.Error:
-                    pass
-                raise _storage_error(exc, self.path) from exc
-
     def _read_last_seq(self) -> int:
-        row = self._conn.execute("SELECT MAX(seq) FROM events").fetchone()
+        row = self._wconn.execute("SELECT MAX(seq) FROM events").fetchone()
         return int(row[0] or 0)
 
-    def _insert_event(self, c: sqlite3.Connection, kind: str, run_id: str | None, data: dict[str, Any], ts: float) -> Event:
-        cur = c.execute(
-            "INSERT INTO events(ts, kind, run_id, data) VALUES (?, ?, ?, ?)",
-            (ts, kind, run_id, json.dumps(data, default=str)),
-        )
-        seq = int(cur.lastrowid)
-        return Event(seq=seq, ts=ts, kind=kind, run_id=run_id, data=data)
+    def _submit(
+        self,
+        stmts: list[tuple[str, tuple]],
+        items: list[tuple[str, str | None, dict[str, Any]]],
+        *,
+        fail_fast: bool = False,
+        ts: float | None = None,
+        run_fields: tuple[str, dict[str, Any]] | None = None,
+        new_run: RunInfo | None = None,
+    ) -> _Op:
+        for kind, _rid, data in items:
+            payloads.validate(kind, data)  # BadEvent names the kind and the field
+        encoded = [json.dumps(d, default=str) for _k, _r, d in items]
+        ts = time.time() if ts is None else ts
+        with self._plock:
+            if self._closing:
+                raise StorageError(f"the agent's journal {self.path} is closed; nothing was recorded")
+            self._opno += 1
+            seq0 = self._next_seq
+            self._next_seq += len(items)
+            evs = [Event(seq=seq0 + i, ts=ts, kind=k, run_id=r, data=d) for i, (k, r, d) in enumerate(items)]
+            op = _Op(opno=self._opno, stmts=stmts, events=evs, encoded=encoded, fail_fast=fail_fast)
+            if run_fields is not None:
+                rid, fields = run_fields
+                ov = self._ov_fields.setdefault(rid, {})
+                for k, v in fields.items():
+                    ov[k] = (op.opno, v)
+                    op.run_keys.append((rid, k))
+            if new_run is not None:
+                self._ov_new[new_run.id] = (op.opno, msgspec.structs.replace(new_run))
+                op.new_run = new_run.id
+            self._queue.append(op)
+            self._pending[op.opno] = op
+            self._last_op = op
+            self._cond.notify()
+        return op
+
+    def _forget(self, op: _Op) -> None:
+        """Drop a processed op from the queue's view (overlay, pending); caller holds _plock."""
+        self._pending.pop(op.opno, None)
+        self._unoverlay(op)
+
+    def _unoverlay(self, op: _Op) -> None:
+        """Readers stop seeing this op's run changes (committed, or given up); caller holds _plock."""
+        for rid, k in op.run_keys:
+            ov = self._ov_fields.get(rid)
+            if ov is not None and ov.get(k, (None,))[0] == op.opno:
+                del ov[k]
+                if not ov:
+                    del self._ov_fields[rid]
+        if op.new_run is not None and self._ov_new.get(op.new_run, (None,))[0] == op.opno:
+            del self._ov_new[op.new_run]
+
+    def _take(self, batch: list[_Op], block: bool) -> bool:
+        """Move queued ops into ``batch``; False when closing and nothing is left."""
+        with self._cond:
+            while block and not self._queue and not self._closing:
+                self._cond.wait()
+            room = BATCH_MAX - len(batch)
+            batch.extend(self._queue[:room])
+            del self._queue[:room]
+            return bool(batch) or not self._closing
+
+    def _write_loop(self) -> None:
+        conn = self._wconn
+        while True:
+            batch: list[_Op] = []
+            if not self._take(batch, block=True):
+                break
+            if not batch:
+                continue
+            give_up_at: float | None = None
+            while True:
+                try:
+                    self._commit(conn, batch)
+                    break
+                except sqlite3.Error as exc:
+                    err = _storage_error(exc, self.path)
+                    if self.storage_error != err.message:
+                        log.error("journal commit failed (retrying): %s", err.message)
+                    self.storage_error = err.message
+                    for op in batch:
+                        if op.fail_fast:
+                            op.error = err
+                            op.void(f"write failed: {exc}")
+                            with self._plock:
+                                self._unoverlay(op)
+                            op.fut.set_exception(err)  # the caller knows now; its seqs get void events
+                    with self._plock:
+                        closing = self._closing
+                    if closing:
+                        give_up_at = give_up_at or time.monotonic() + CLOSE_TIMEOUT_S
+                        if time.monotonic() >= give_up_at:
+                            log.error("journal closed with %d queued write(s) never committed: %s", len(batch), err.message)
+                            for op in batch:
+                                if not op.fut.done():
+                                    op.fut.set_exception(err)
+                                op.settled.set_result(None)
+                            batch = []
+                            break
+                    time.sleep(RETRY_MAX_S)
+                    self._take(batch, block=False)  # what was queued meanwhile joins the retry (fail-fast ops fail now)
+            if not batch:
+                continue
+            self.storage_error = None
+            self.batches_committed += 1
+            with self._plock:
+                for op in batch:
+                    self._forget(op)
+                    if op.events:
+                        self._committed_seq = max(self._committed_seq, op.events[-1].seq)
+                top = self._committed_seq
+            for op in batch:
+                if not op.fut.done():
+                    if op.error is not None:
+                        op.fut.set_exception(op.error)
+                    else:
+                        op.fut.set_result(None)
+                op.settled.set_result(None)
+            cb = self.on_commit
+            if cb is not None:
+                try:
+                    cb(top)
+                except Exception:  # a listener must not stop the writer
+                    log.exception("journal on_commit callback failed")
+
+    def _commit(self, conn: sqlite3.Connection, batch: list[_Op]) -> None:
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            top = int(conn.execute("SELECT MAX(seq) FROM events").fetchone()[0] or 0)
+            first = next((op.events[0].seq for op in batch if op.events), None)
+            if first is not None and top != first - 1:
+                self._renumber(top + 1 - first)  # another process wrote to this file: shift ours past its events
+            for op in batch:
+                conn.execute("SAVEPOINT op")
+                try:
+                    for sql, params in op.stmts:
+                        conn.execute(sql, params)
+                    self._insert_events(conn, op)
+                except sqlite3.IntegrityError as exc:  # this write is impossible (a duplicate id): it alone fails
+                    conn.execute("ROLLBACK TO op")
+                    op.error = StorageError(f"the agent's journal {self.path} refused a write: {exc}")
+                    op.void(f"write refused: {exc}")
+                    self._insert_events(conn, op)
+                conn.execute("RELEASE op")
+            conn.execute("COMMIT")
+        except BaseException:
+            try:
+                conn.execute("ROLLBACK")
+            except sqlite3.Error:
+                pass
+            raise
+
+    @staticmethod
+    def _insert_events(conn: sqlite3.Connection, op: _Op) -> None:
+        if op.events:
+            conn.executemany(
+                "INSERT INTO events(seq, ts, kind, run_id, data) VALUES (?, ?, ?, ?, ?)",
+                [(e.seq, e.ts, e.kind, e.run_id, d) for e, d in zip(op.events, op.encoded)],
+            )
+
+    def _renumber(self, shift: int) -> None:
+        with self._plock:
+            log.warning("journal %s: another process wrote events; shifting %d queued seq(s) by %d", self.path, sum(len(o.events) for o in self._pending.values()), shift)
+            for op in self._pending.values():
+                for e in op.events:
+                    e.seq += shift
+            self._next_seq += shift
 
     def close(self) -> None:
-        """Close the database."""
-        with self._lock:
-            self._conn.close()
+        """Commit what is queued (waiting up to CLOSE_TIMEOUT_S on a failing disk), then close the database."""
+        with self._cond:
+            if self._closed:
+                return
+            self._closing = True
+            self._cond.notify_all()
+        self._writer.join(CLOSE_TIMEOUT_S + 30)
+        self._closed = True
+        with self._rlock:
+            self._rconn.close()
+        self._wconn.close()
 
     @property
     def last_seq(self) -> int:
-        """The newest committed seq."""
-        return self._last_seq
+        """The newest seq handed out (committed, or queued to be committed in order)."""
+        with self._plock:
+            return self._next_seq - 1
+
+    @property
+    def committed_seq(self) -> int:
+        """The newest seq on disk: what a replica can read now."""
+        return self._committed_seq
+
+    @property
+    def queued(self) -> int:
+        """Writes queued or being committed."""
+        return len(self._pending)
+
+    # ------------------------------------------------------------------ durability
+
+    def flush(self, timeout: float | None = DURABLE_TIMEOUT_S) -> None:
+        """Block until every write queued before this call is processed; StorageError if that takes over ``timeout``."""
+        op = self._last_op
+        if op is None or op.settled.done():
+            return
+        try:
+            op.settled.result(timeout=timeout)
+        except FutureTimeout:
+            raise StorageError(f"the agent's journal {self.path} did not commit within {timeout:g} s ({self.storage_error or 'a slow disk'})") from None
+
+    async def wait_durable(self) -> None:
+        """Wait, without blocking the event loop, until every write queued before this call is processed."""
+        op = self._last_op
+        if op is not None and not op.settled.done():
+            await asyncio.wrap_future(op.settled)
+
+    def _result(self, op: _Op, timeout: float | None) -> None:
+        try:
+            op.fut.result(timeout=timeout)
+        except FutureTimeout:
+            raise StorageError(f"the agent's journal {self.path} did not commit within {timeout:g} s ({self.storage_error or 'a slow disk'}); the write stays queued") from None
 
     # ------------------------------------------------------------------ events
 
     def append(self, kind: str, run_id: str | None = None, data: dict[str, Any] | None = None) -> Event:
-        """Commit one event and return it (with its seq)."""
+        """Queue one event and return it (with its seq); it is committed shortly, in order."""
         return self.append_many([(kind, run_id, data or {})])[0]
 
     def append_many(self, items: list[tuple[str, str | None, dict[str, Any]]]) -> list[Event]:
-        """Commit several events in one transaction (one fsync)."""
-        ts = time.time()
-        with self._tx() as c:
-            events = [self._insert_event(c, k, r, d, ts) for k, r, d in items]
-        if events:
-            self._last_seq = events[-1].seq
-        return events
+        """Queue several events, committed in one transaction."""
+        if not items:
+            return []
+        return self._submit([], items).events
 
-    def events_after(self, after_seq: int, limit: int = 10000) -> list[Event]:
-        """Committed events with seq > after_seq, oldest first."""
-        with self._lock:
-            rows = self._conn.execute(
+    def append_durable(self, kind: str, run_id: str | None = None, data: dict[str, Any] | None = None, timeout: float | None = DURABLE_TIMEOUT_S) -> Event:
+        """Commit one event and return once it is on disk (blocking); StorageError if it cannot be."""
+        op = self._submit([], [(kind, run_id, data or {})], fail_fast=True)
+        self._result(op, timeout)
+        return op.events[0]
+
+    async def durable_append_many(self, items: list[tuple[str, str | None, dict[str, Any]]]) -> list[Event]:
+        """Commit events and return once they are on disk, without blocking the loop; StorageError if they cannot be."""
+        op = self._submit([], items, fail_fast=True)
+        await asyncio.wrap_future(op.fut)
+        return op.events
+
+    def events_after(self, after_seq: int, limit: int = 10000, wait: bool = True) -> list[Event]:
+        """Committed events with seq > after_seq, oldest first; with ``wait``, once what was queued before is committed."""
+        if wait:
+            try:
+                self.flush()
+            except StorageError:
+                pass  # what is committed is still the truth
+        with self._rlock:
+            rows = self._rconn.execute(
                 "SELECT seq, ts, kind, run_id, data FROM events WHERE seq > ? ORDER BY seq LIMIT ?",
                 (after_seq, limit),
             ).fetchall()
         return [Event(seq=r[0], ts=r[1], kind=r[2], run_id=r[3], data=json.loads(r[4])) for r in rows]
 
     def last_event(self, run_id: str, kind: str) -> Event | None:
-        """The newest event of one kind for one run."""
-        with self._lock:
-            r = self._conn.execute(
+        """The newest event of one kind for one run (queued ones included)."""
+        with self._plock:
+            for op in reversed(self._pending.values()):
+                for e in reversed(op.events):
+                    if e.run_id == run_id and e.kind == kind:
+                        return e
+        with self._rlock:
+            r = self._rconn.execute(
                 "SELECT seq, ts, kind, run_id, data FROM events WHERE run_id=? AND kind=? ORDER BY seq DESC LIMIT 1",
                 (run_id, kind),
             ).fetchone()
@@ -174,57 +466,92 @@ class Journal:
 
     # ------------------------------------------------------------------ runs
 
-    def create_run(self, run: RunInfo) -> Event:
-        """Record a new run and its ``run_created`` event in one transaction."""
-        with self._tx() as c:
-            c.execute(
-                "INSERT INTO runs(id, request_id, host, name, state, cause, exit_code, signal, created, started, ended, spec, run_dir, members,"
-                " preflight, env, alerts) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
-                (
-                    run.id,
-                    run.request_id or None,
-                    run.host,
-                    run.name,
-                    run.state,
-                    run.cause,
-                    run.exit_code,
-                    run.signal,
-                    run.created,
-                    run.started,
-                    run.ended,
-                    msgspec.json.encode(run.spec).decode(),
-                    run.run_dir,
-                    msgspec.json.encode(run.members).decode(),
-                    None if run.preflight is None else msgspec.json.encode(run.preflight).decode(),
-                    None if run.env is None else msgspec.json.encode(run.env).decode(),
-                    msgspec.json.encode(run.alerts).decode(),
-                ),
-            )
-            ev = self._insert_event(c, "run_created", run.id, {"state": run.state, "spec": msgspec.to_builtins(run.spec), "name": run.name}, run.created)
-        self._last_seq = ev.seq
-        return ev
+    def _create_op(self, run: RunInfo) -> _Op:
+        stmt = (
+            "INSERT INTO runs(id, request_id, host, name, state, cause, exit_code, signal, created, started, ended, spec, run_dir, members,"
+            " preflight, env, alerts) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+            (
+                run.id,
+                run.request_id or None,
+                run.host,
+                run.name,
+                run.state,
+                run.cause,
+                run.exit_code,
+                run.signal,
+                run.created,
+                run.started,
+                run.ended,
+                msgspec.json.encode(run.spec).decode(),
+                run.run_dir,
+                msgspec.json.encode(run.members).decode(),
+                None if run.preflight is None else msgspec.json.encode(run.preflight).decode(),
+                None if run.env is None else msgspec.json.encode(run.env).decode(),
+                msgspec.json.encode(run.alerts).decode(),
+            ),
+        )
+        item = ("run_created", run.id, {"state": run.state, "spec": msgspec.to_builtins(run.spec), "name": run.name})
+        return self._submit([stmt], [item], fail_fast=True, ts=run.created, new_run=run)
 
-    def update_run(self, run_id: str, event_kind: str | None = None, event_data: dict[str, Any] | None = None, **fields: Any) -> Event | None:
-        """Change a run's fields and (optionally) record an event, atomically."""
+    def create_run(self, run: RunInfo) -> Event:
+        """Record a new run and its ``run_created`` event in one transaction; returns once it is on disk (blocking).
+
+        A launch must not start what is not recorded, so this waits for the commit and raises StorageError when it
+        fails. On the event loop prefer ``await durable_create_run(run)``.
+        """
+        op = self._create_op(run)
+        self._result(op, DURABLE_TIMEOUT_S)
+        return op.events[0]
+
+    async def durable_create_run(self, run: RunInfo) -> Event:
+        """``create_run`` without blocking the event loop: returns once the record is on disk; StorageError if not."""
+        op = self._create_op(run)
+        await asyncio.wrap_future(op.fut)
+        return op.events[0]
+
+    def _update_op(self, run_id: str, event_kind: str | None, event_data: dict[str, Any] | None, fields: dict[str, Any], fail_fast: bool) -> _Op:
         bad = set(fields) - set(_RUN_FIELDS)
         if bad:
             raise ValueError(f"unknown run fields {bad}")
         values = []
-        for key in fields:
-            value = fields[key]
+        for key, value in fields.items():
             if key in _STRUCT_FIELDS:
                 value = None if value is None else msgspec.json.encode(value).decode()
             values.append(value)
-        ev = None
-        with self._tx() as c:
-            if fields:
-                sets = ", ".join(f"{k}=?" for k in fields)
-                c.execute(f"UPDATE runs SET {sets} WHERE id=?", (*values, run_id))
-            if event_kind:
-                ev = self._insert_event(c, event_kind, run_id, event_data or {}, time.time())
-        if ev is not None:
-            self._last_seq = ev.seq
-        return ev
+        stmts = []
+        if fields:
+            sets = ", ".join(f"{k}=?" for k in fields)
+            stmts.append((f"UPDATE runs SET {sets} WHERE id=?", (*values, run_id)))
+        items = [(event_kind, run_id, event_data or {})] if event_kind else []
+        return self._submit(stmts, items, fail_fast=fail_fast, run_fields=(run_id, dict(fields)) if fields else None)
+
+    def update_run(self, run_id: str, event_kind: str | None = None, event_data: dict[str, Any] | None = None, **fields: Any) -> Event | None:
+        """Queue a change of a run's fields and (optionally) an event, committed atomically."""
+        op = self._update_op(run_id, event_kind, event_data, fields, fail_fast=False)
+        return op.events[0] if op.events else None
+
+    async def durable_update_run(self, run_id: str, event_kind: str | None = None, event_data: dict[str, Any] | None = None, **fields: Any) -> Event | None:
+        """``update_run``, returning once it is on disk (without blocking the loop); StorageError if it cannot be."""
+        op = self._update_op(run_id, event_kind, event_data, fields, fail_fast=True)
+        await asyncio.wrap_future(op.fut)
+        return op.events[0] if op.events else None
+
+    def _overlay(self) -> tuple[dict[str, dict[str, Any]], dict[str, RunInfo]]:
+        """Queued run changes, copied BEFORE a read (so a commit between the copy and the read loses nothing)."""
+        with self._plock:
+            fields = {rid: {k: v for k, (_n, v) in ov.items()} for rid, ov in self._ov_fields.items()}
+            new = {rid: msgspec.structs.replace(r) for rid, (_n, r) in self._ov_new.items()}
+        return fields, new
+
+    @staticmethod
+    def _apply(run: RunInfo, fields: dict[str, dict[str, Any]]) -> RunInfo:
+        for k, v in fields.get(run.id, {}).items():
+            setattr(run, k, v)
+        return run
+
+    def _select(self, sql: str, params: tuple) -> list[tuple]:
+        with self._rlock:
+            return self._rconn.execute(sql, params).fetchall()
 
     def _row_to_run(self, r: tuple) -> RunInfo:
         return RunInfo(
@@ -251,42 +578,57 @@ class Journal:
 
     def get_run(self, run_id: str) -> RunInfo | None:
         """A run by exact id."""
-        with self._lock:
-            r = self._conn.execute(f"SELECT {self._COLS} FROM runs WHERE id=?", (run_id,)).fetchone()
-        return self._row_to_run(r) if r else None
+        fields, new = self._overlay()
+        rows = self._select(f"SELECT {self._COLS} FROM runs WHERE id=?", (run_id,))
+        run = self._row_to_run(rows[0]) if rows else new.get(run_id)
+        return self._apply(run, fields) if run is not None else None
 
     def find_runs(self, prefix: str) -> list[RunInfo]:
         """Runs whose id starts with ``prefix`` or whose name equals it."""
-        with self._lock:
-            rows = self._conn.execute(
-                f"SELECT {self._COLS} FROM runs WHERE id LIKE ? ESCAPE '\\' OR name=? ORDER BY created DESC",
-                (prefix.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "%", prefix),
-            ).fetchall()
-        return [self._row_to_run(r) for r in rows]
+        fields, new = self._overlay()
+        rows = self._select(
+            f"SELECT {self._COLS} FROM runs WHERE id LIKE ? ESCAPE '\\' OR name=? ORDER BY created DESC",
+            (prefix.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "%", prefix),
+        )
+        runs = [self._apply(self._row_to_run(r), fields) for r in rows]
+        have = {r.id for r in runs}
+        extra = [self._apply(r, fields) for rid, r in new.items() if rid not in have and (rid.startswith(prefix) or r.name == prefix)]
+        return sorted(runs + extra, key=lambda r: -r.created) if extra else runs
 
     def run_by_request(self, request_id: str) -> RunInfo | None:
         """The run a Launch with this request_id created, if any."""
-        with self._lock:
-            r = self._conn.execute(f"SELECT {self._COLS} FROM runs WHERE request_id=?", (request_id,)).fetchone()
-        return self._row_to_run(r) if r else None
+        fields, new = self._overlay()
+        rows = self._select(f"SELECT {self._COLS} FROM runs WHERE request_id=?", (request_id,))
+        run = self._row_to_run(rows[0]) if rows else next((r for r in new.values() if r.request_id == request_id), None)
+        return self._apply(run, fields) if run is not None else None
 
     def list_runs(self, limit: int = 1000, states: frozenset[str] | None = None) -> list[RunInfo]:
         """Runs, newest first, optionally only those in ``states``."""
-        with self._lock:
-            if states:
-                marks = ",".join("?" * len(states))
-                rows = self._conn.execute(
-                    f"SELECT {self._COLS} FROM runs WHERE state IN ({marks}) ORDER BY created DESC LIMIT ?",
-                    (*sorted(states), limit),
-                ).fetchall()
-            else:
-                rows = self._conn.execute(f"SELECT {self._COLS} FROM runs ORDER BY created DESC LIMIT ?", (limit,)).fetchall()
-        return [self._row_to_run(r) for r in rows]
+        fields, new = self._overlay()
+        if states:
+            marks = ",".join("?" * len(states))
+            rows = self._select(f"SELECT {self._COLS} FROM runs WHERE state IN ({marks}) ORDER BY created DESC LIMIT ?", (*sorted(states), limit))
+        else:
+            rows = self._select(f"SELECT {self._COLS} FROM runs ORDER BY created DESC LIMIT ?", (limit,))
+        runs = [self._apply(self._row_to_run(r), fields) for r in rows]
+        if not fields and not new:
+            return runs
+        # queued changes may move runs into or out of ``states``, and queued creates are not in the table yet
+        have = {r.id for r in runs}
+        moved = [rid for rid, f in fields.items() if rid not in have and "state" in f and rid not in new]
+        if states and moved:
+            marks = ",".join("?" * len(moved))
+            runs += [self._apply(self._row_to_run(r), fields) for r in self._select(f"SELECT {self._COLS} FROM runs WHERE id IN ({marks})", tuple(moved))]
+        runs += [self._apply(r, fields) for rid, r in new.items() if rid not in have]
+        if states:
+            runs = [r for r in runs if r.state in states]
+        runs.sort(key=lambda r: -r.created)
+        return runs[:limit]
 
     def throughput_baseline(self, config_hash: str, world_size: int | None, exclude: str, min_points: int = 5) -> tuple[str, float] | None:
         """(run id, median tokens/s) of the newest other run with this config hash (and world size) that has enough steps."""
-        with self._lock:
-            rows = self._conn.execute(
+        with self._rlock:
+            rows = self._rconn.execute(
                 "SELECT run_id, data FROM events WHERE kind='telemetry' AND run_id != ? AND json_extract(data, '$.record.type')='manifest'"
                 " AND json_extract(data, '$.record.config_hash')=? ORDER BY seq DESC LIMIT 200",
                 (exclude, config_hash),
@@ -301,7 +643,7 @@ class Journal:
                 seen.append(rid)
                 tps = [
                     r[0]
-                    for r in self._conn.execute(
+                    for r in self._rconn.execute(
                         "SELECT json_extract(data, '$.record.tokens_per_s') FROM events WHERE run_id=? AND kind='telemetry'"
                         " AND json_extract(data, '$.record.type')='step'",
                         (rid,),
@@ -318,5 +660,5 @@ class Journal:
 
     def integrity_check(self) -> str:
         """SQLite's own verdict on the file ("ok" when sound)."""
-        with self._lock:
-            return self._conn.execute("PRAGMA integrity_check").fetchone()[0]
+        with self._rlock:
+            return self._rconn.execute("PRAGMA integrity_check").fetchone()[0]

@@ -3,8 +3,9 @@
 A leftover is one of (failures 1-3 of ARCHITECTURE.md):
 
 - ``orphan``: a process carrying the tag of a run that has ended (a
-  re-parented torchrun worker, a DataLoader or compile worker), with the GPU
-  memory it holds, its CPU and RSS;
+  re-parented torchrun worker, a DataLoader or compile worker), or still in
+  the cgroup of a run that has ended whatever its environment says, with the
+  GPU memory it holds, its CPU and RSS;
 - ``foreign``: a process holding GPU memory that belongs to no gpudeck run;
 - ``zombie`` / ``disk_sleep``: a GPU holder in that state (signals do not
   reach it; the note says what can);
@@ -45,8 +46,12 @@ def find_leftovers(
     get_run: Callable[[str], RunInfo | None],
     *,
     include_live: bool = False,
+    grouped: dict[int, str] | None = None,
 ) -> list[Leftover]:
-    """Every leftover on this host; ``gpus`` are attributed (GpuProcess.attribution)."""
+    """Every leftover on this host; ``gpus`` are attributed (GpuProcess.attribution).
+
+    ``grouped``: pid -> run id for the processes still in the cgroup of an ended run.
+    """
     out: dict[int, Leftover] = {}
     runs: dict[str, RunInfo | None] = {}
 
@@ -109,4 +114,13 @@ def find_leftovers(
         if st is None or st.status == "zombie" and ended:
             continue  # gone, or an already-dead worker whose parent will reap it (holds nothing)
         add(e.pid, "orphan" if ended else "live", e.run_id, e.rank)
+    # the kernel's word: anything in an ended run's group is its leftover, tagged or not
+    for pid, rid in (grouped or {}).items():
+        if pid in out:
+            continue
+        st = read_stat(pid)
+        if st is None or st.status == "zombie":
+            continue
+        e = procs.get(pid)
+        add(pid, "orphan", rid, e.rank if e is not None and e.run_id == rid else None)
     return sorted(out.values(), key=lambda lo: (lo.kind == "live", -sum(lo.gpu_bytes.values()), lo.pid))

@@ -42,16 +42,14 @@ from agents.estimate import (
     parse_trainer_args,
 )
 from agents.protocol import Gpu, GpuProcess, LaunchSpec, MemoryEstimate, PreflightCheck, PreflightResult, RunInfo
+# the checkpoint layout trainers/checkpoint.py writes: OUT/checkpoints/step_<N>/ with both files when complete
+from trainers.contract import CHECKPOINT_MARKER, CHECKPOINT_METADATA, CHECKPOINTS_DIRNAME
+from trainers.contract import STEP_RE as _STEP_RE
 
 GIB = 2**30
 CHECKPOINT_MARGIN_BYTES = GIB  # room beyond one checkpoint: logs, result.json, the next write's temp files
 TORCHRUN_STATIC_PORT = 29500  # torchrun's --master-port default (static rendezvous)
 TORCHRUN_C10D_PORT = 29400  # torchrun's port when --rdzv-endpoint names no port
-# trainers/checkpoint.py's layout (agents may not import it): OUT/checkpoints/step_<N>/ with both files when complete
-CHECKPOINTS_DIRNAME = "checkpoints"
-CHECKPOINT_MARKER = "gpudeck_checkpoint.json"
-CHECKPOINT_METADATA = ".metadata"
-_STEP_RE = re.compile(r"^step_(\d+)$")
 _LOCAL_HOSTS = {"localhost", "127.0.0.1", "::1", "0.0.0.0", ""}
 
 CHECK_NAMES = (

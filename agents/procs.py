@@ -20,9 +20,10 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import psutil
 
@@ -62,6 +63,7 @@ class StatLine:
     cpu_seconds: float
     create_time: float
     rss: int
+    exec_mark: tuple[int, int] = (0, 0)  # (startcode, startstack): new at every exec; (0, 0) where hidden
 
 
 def read_stat(pid: int) -> StatLine | None:
@@ -81,6 +83,7 @@ def read_stat(pid: int) -> StatLine | None:
             cpu_seconds=(int(f[11]) + int(f[12])) / _TICKS,
             create_time=_BOOT + int(f[19]) / _TICKS,
             rss=int(f[21]) * _PAGE,
+            exec_mark=(int(f[23]), int(f[25])) if len(f) > 25 else (0, 0),
         )
     except (IndexError, ValueError):
         return None
@@ -124,7 +127,7 @@ class ProcEntry:
     local_rank: int | None = None
     sim_gpu_mem: SimGpuMem | None = None  # only processes that declare GPUDECK_SIM_GPU_MEM (tests, benchmarks)
     sim_scope: str | None = None  # the simulated machine a holder belongs to (see sim_scope())
-    _static: dict = field(default_factory=dict)
+    exec_mark: tuple[int, int] = (0, 0)  # read_stat's at the time the environment was read
 
 
 def _int_or_none(value: str | None) -> int | None:
@@ -134,29 +137,68 @@ def _int_or_none(value: str | None) -> int | None:
         return None
 
 
-def read_entry(pid: int, runs_dir: str | None = None) -> ProcEntry | None:
-    """Read one process's identity and run tag; None when it is gone.
+_ENV_KEYS = (RUN_TAG, "GPUDECK_RUN_DIR", SIM_GPU_MEM_TAG, "RANK", "LOCAL_RANK", "GPUDECK_SIM_SCOPE", "GPUDECK_HOME")
+
+
+def parse_environ(data: bytes, keys: tuple[str, ...] = _ENV_KEYS) -> dict[str, str]:
+    """The ``keys`` of a /proc/PID/environ block, parsed as psutil parses it (the last of a repeated key wins;
+    the block ends at an empty entry or an unterminated one; an entry without ``=`` after its first byte is skipped)."""
+    out: dict[str, str] = {}
+    if b"GPUDECK_" not in data:  # nearly every process: nothing of ours, and no RANK worth reading
+        return out
+    want = {k.encode() + b"=": k for k in keys}
+    pos = 0
+    while True:
+        nxt = data.find(b"\0", pos)
+        if nxt <= pos:
+            break
+        eq = data.find(b"=", pos, nxt)
+        if eq > pos:
+            key = want.get(data[pos : eq + 1])
+            if key is not None:
+                out[key] = data[eq + 1 : nxt].decode("utf-8", "surrogateescape")
+        pos = nxt + 1
+    return out
+
+
+def _status_ids(pid: int) -> tuple[int, int | None] | None:
+    """(Tgid, real uid) from /proc/PID/status; None when the id is gone. Tgid != pid: the id names a thread."""
+    try:
+        with open(f"/proc/{pid}/status", "rb") as fh:
+            data = fh.read()
+    except OSError:
+        return None
+    tgid, uid = pid, None
+    for line in data.split(b"\n"):
+        if line.startswith(b"Tgid:"):
+            tgid = int(line.split()[1])
+        elif line.startswith(b"Uid:"):
+            uid = int(line.split()[1])
+            break
+    return tgid, uid
+
+
+def read_entry(pid: int, runs_dir: str | None = None, thread_ok: bool = True) -> ProcEntry | None:
+    """Read one process's identity and run tag; None when it is gone (or, without ``thread_ok``, names a thread).
 
     With ``runs_dir``, a tag whose GPUDECK_RUN_DIR lies elsewhere belongs to
     another agent on this machine (another user's, or another node of the same
     multi-node run sharing the host) and is not taken as this agent's run.
+    Reads /proc directly (stat, status, environ): three small reads, no psutil objects.
     """
-    try:
-        p = psutil.Process(pid)
-        with p.oneshot():
-            ct = p.create_time()
-            try:
-                uid = p.uids().real
-            except psutil.Error:
-                uid = None
-        try:
-            env = p.environ()
-        except (psutil.Error, OSError):  # kernel threads, zombies, other users' processes
-            env = {}
-    except (psutil.NoSuchProcess, ProcessLookupError):
+    st = read_stat(pid)
+    if st is None:
         return None
-    except psutil.AccessDenied:
-        return ProcEntry(pid=pid, create_time=0.0, uid=None, run_id=None)
+    ids = _status_ids(pid)
+    if ids is None:
+        return None
+    if not thread_ok and ids[0] != pid:
+        return None
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as fh:
+            env = parse_environ(fh.read())
+    except OSError:  # kernel threads, zombies, other users' processes
+        env = {}
     run_id = env.get(RUN_TAG) or None
     run_dir = env.get("GPUDECK_RUN_DIR")
     if run_id and runs_dir and run_dir and not run_dir.startswith(runs_dir):
@@ -164,13 +206,14 @@ def read_entry(pid: int, runs_dir: str | None = None) -> ProcEntry | None:
     sim = env.get(SIM_GPU_MEM_TAG)
     return ProcEntry(
         pid=pid,
-        create_time=ct,
-        uid=uid,
+        create_time=st.create_time,
+        uid=ids[1],
         run_id=run_id,
         rank=_int_or_none(env.get("RANK")) if run_id else None,
         local_rank=_int_or_none(env.get("LOCAL_RANK")) if run_id else None,
         sim_gpu_mem=parse_sim_gpu_mem(sim) if sim is not None else None,
         sim_scope=sim_scope(env) if sim is not None else None,
+        exec_mark=st.exec_mark,
     )
 
 
@@ -187,35 +230,152 @@ def _list_pids() -> set[int]:
     return {int(n) for n in os.listdir("/proc") if n.isdigit()}
 
 
+def _pid_max() -> int:
+    try:
+        with open("/proc/sys/kernel/pid_max", "rb") as fh:
+            return int(fh.read())
+    except (OSError, ValueError):
+        return 1 << 22
+
+
+_PID_MAX = _pid_max()
+_RESERVED_PIDS = 300  # the kernel wraps pid allocation around to here
+
+
+def fork_mark() -> tuple[int, int] | None:
+    """(task count, newest pid) from /proc/loadavg ("3/412 58231"); None where it cannot be read.
+
+    Pids are handed out in increasing order (wrapping at pid_max), so the pids made since an earlier
+    mark are the ones after its newest pid up to this one; an unchanged mark means nothing was created.
+    """
+    try:
+        with open("/proc/loadavg", "rb") as fh:
+            parts = fh.read().split()
+        return int(parts[3].partition(b"/")[2]), int(parts[4])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _new_ids(prev: int, cur: int) -> range | list[int]:
+    """Ids handed out after ``prev`` up to ``cur``, wrap included."""
+    if cur >= prev:
+        return range(prev + 1, cur + 1)
+    return [*range(prev + 1, _PID_MAX), *range(_RESERVED_PIDS, cur + 1)]
+
+
 class ProcTable:
-    """Incrementally refreshed map of live pids to their run tags."""
+    """Incrementally refreshed map of live pids to their run tags; safe to refresh from a worker thread.
+
+    A refresh costs one small read (/proc/loadavg) while no process is created: the ids handed out since
+    the last refresh are read one by one (threads are told apart and skipped); the listing of /proc, whose
+    cost grows with every process on the host (7 ms of CPU with 5,000), is read only for ``full``, when
+    more than ``PROBE_MAX`` ids were handed out, and every ``RELIST_S`` as a safety net. Processes that end
+    leave the table at the next listing; tagged ones and simulated-GPU holders are checked at every refresh,
+    so ``tagged()`` and ``sim_holders()`` never name a process that has ended. Entries younger than
+    ``YOUNG_S`` are re-read when they have exec'd since. A plain refresh that finds another one running
+    returns at once (the event loop never waits for a scan in the sampler thread).
+    """
+
+    RELIST_S = 30.0
+    PROBE_MAX = 2048
 
     def __init__(self, runs_dir: str | os.PathLike[str] | None = None) -> None:
         self._entries: dict[int, ProcEntry] = {}
+        self._young: dict[int, ProcEntry] = {}
+        self._watched: dict[int, ProcEntry] = {}  # tagged or simulated-GPU holders: checked at every refresh
         self._self_pid = os.getpid()
         self._runs_dir = os.path.join(os.fspath(runs_dir), "") if runs_dir is not None else None
+        self._lock = threading.Lock()
+        self._newest: int | None = None
+        self._listed = -1e9  # monotonic time of the last listing of /proc
+        self.listings = 0  # how many times /proc was listed (the benchmark reports it)
+        self.probed = 0  # ids read one by one
 
     def refresh(self, full: bool = False) -> None:
         """Re-read /proc: new pids are read; with ``full`` every pid's create_time is re-checked."""
-        pids = _list_pids()
-        for gone in self._entries.keys() - pids:
-            del self._entries[gone]
-        young = time.time() - YOUNG_S
-        for pid in pids:
-            known = self._entries.get(pid)
-            if known is not None and not full and known.create_time < young:
-                continue
-            if known is not None and full:
-                ct = create_time_of(pid)
-                if ct is not None and abs(ct - known.create_time) <= CT_TOLERANCE:
+        if not full:
+            if not self._lock.acquire(blocking=False):
+                return  # another thread is refreshing right now: what it finds is as fresh as this one would be
+        else:
+            self._lock.acquire()
+        try:
+            self._refresh(full)
+        finally:
+            self._lock.release()
+
+    def _put(self, pid: int, entry: ProcEntry | None, known: ProcEntry | None) -> None:
+        if entry is None:
+            self._drop(pid)
+            return
+        if known is not None and abs(entry.create_time - known.create_time) <= CT_TOLERANCE:
+            entry.create_time = known.create_time  # the same process read again: keep the key others hold
+        self._entries[pid] = entry
+        if entry.create_time >= time.time() - YOUNG_S:
+            self._young[pid] = entry
+        else:
+            self._young.pop(pid, None)
+        if entry.run_id is not None or entry.sim_gpu_mem is not None:
+            self._watched[pid] = entry
+        else:
+            self._watched.pop(pid, None)
+
+    def _drop(self, pid: int) -> None:
+        self._entries.pop(pid, None)
+        self._young.pop(pid, None)
+        self._watched.pop(pid, None)
+
+    def _refresh(self, full: bool) -> None:
+        mark = fork_mark()
+        now = time.monotonic()
+        entries = self._entries
+        new = None if mark is None or self._newest is None else _new_ids(self._newest, mark[1])
+        if full or new is None or len(new) > self.PROBE_MAX or now - self._listed > self.RELIST_S:
+            self._listed = now
+            self.listings += 1
+            if mark is not None:
+                self._newest = mark[1]
+            pids = _list_pids()
+            for gone in entries.keys() - pids:
+                self._drop(gone)
+            young = time.time() - YOUNG_S
+            for pid in pids:
+                known = entries.get(pid)
+                if known is not None and not full and known.create_time < young:
                     continue
-            entry = read_entry(pid, self._runs_dir)
-            if entry is None:
-                self._entries.pop(pid, None)
-            else:
-                if known is not None and abs(entry.create_time - known.create_time) <= CT_TOLERANCE:
-                    entry.create_time = known.create_time  # the same process read again: keep the key others hold
-                self._entries[pid] = entry
+                if known is not None:
+                    st = read_stat(pid)
+                    if st is not None and abs(st.create_time - known.create_time) <= CT_TOLERANCE and (
+                        st.status == "zombie" or (known.exec_mark[0] and st.exec_mark == known.exec_mark)
+                    ):
+                        continue  # the same process, not exec'd since it was read (a zombie execs no more)
+                self._put(pid, read_entry(pid, self._runs_dir), known)
+            return
+        self._newest = mark[1]
+        for pid in new:  # made since the last refresh: processes are read, threads skipped
+            self.probed += 1
+            known = entries.get(pid)
+            entry = read_entry(pid, self._runs_dir, thread_ok=False)
+            if entry is not None or known is not None:
+                self._put(pid, entry, known)
+        for pid, known in list(self._young.items()) + list(self._watched.items()):
+            st = read_stat(pid)
+            if st is None or abs(st.create_time - known.create_time) > CT_TOLERANCE:
+                self._drop(pid)  # ended (or its pid was reused: read again when the new one is seen)
+            elif known.create_time < time.time() - YOUNG_S and pid in self._young:
+                del self._young[pid]
+            elif pid in self._young and st.status != "zombie" and (not known.exec_mark[0] or st.exec_mark != known.exec_mark):
+                self._put(pid, read_entry(pid, self._runs_dir), known)  # exec'd since (or cannot tell): its own environment now
+
+    def lookup(self, pid: int) -> ProcEntry | None:
+        """The entry for ``pid``, read now if the table does not know it yet (a pid newer than the last refresh)."""
+        entry = self._entries.get(pid)
+        if entry is None:
+            entry = read_entry(pid, self._runs_dir, thread_ok=False)
+            if entry is not None:
+                with self._lock:
+                    if pid not in self._entries:
+                        self._put(pid, entry, None)
+        return entry
 
     def get(self, pid: int) -> ProcEntry | None:
         """The entry for a pid seen at the last refresh."""
@@ -227,12 +387,12 @@ class ProcTable:
 
     def tagged(self, run_id: str | None = None) -> list[ProcEntry]:
         """Entries carrying a run tag (of one run, or of any)."""
-        return [e for e in self._entries.values() if e.run_id is not None and (run_id is None or e.run_id == run_id)]
+        return [e for e in list(self._watched.values()) if e.run_id is not None and (run_id is None or e.run_id == run_id)]
 
     def sim_holders(self) -> list[ProcEntry]:
         """Entries that declare ``GPUDECK_SIM_GPU_MEM`` (parsed or not), as of the last refresh."""
         # list() copies the values in one step under the GIL, so a worker thread may call this safely
-        return [e for e in list(self._entries.values()) if e.sim_gpu_mem is not None]
+        return [e for e in list(self._watched.values()) if e.sim_gpu_mem is not None]
 
     def __len__(self) -> int:
         return len(self._entries)

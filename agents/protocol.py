@@ -107,6 +107,35 @@ class Member(msgspec.Struct, gc=False, kw_only=True, omit_defaults=True):
     local_rank: int | None = None
     first_seen: float = 0.0
     cmdline: list[str] = []
+    # how the agent knows it belongs: "cgroup" (in the run's group), "tag" (GPUDECK_RUN_ID), "ancestry"
+    # (a descendant of the run's shim, or in its session / process group, without the tag); "" for the shim
+    found_by: str = ""
+    tagged: bool = True  # False: in the run (its group or its tree) without the GPUDECK_RUN_ID tag
+
+
+class Reported(msgspec.Struct, gc=False, kw_only=True, omit_defaults=True):
+    """A process the agent saw near a run and did not treat as a member (or could not stop), and why."""
+
+    pid: int
+    create_time: float | None = None
+    uid: int | None = None
+    cmdline: list[str] = []
+    why: str = ""
+
+
+class ContainmentInfo(msgspec.Struct, gc=False, kw_only=True, omit_defaults=True):
+    """How a run is contained, and what the kernel counted for it where it keeps a group."""
+
+    level: str  # "systemd" | "cgroupfs" | "tag"
+    label: str  # "cgroup (systemd scope)" | "cgroup (cgroupfs)" | "tag + ancestry only: <why no cgroup>"
+    group: str | None = None  # the cgroup v2 directory
+    cpu_seconds: float | None = None  # cpu.stat usage_usec
+    memory_peak_bytes: int | None = None  # memory.peak
+    oom_kills: int | None = None  # memory.events oom_kill
+    figures_note: str = ""  # which figures are not available, and why
+    outside: list[Reported] = []  # tagged processes outside the group: reported, never signalled
+    untagged: list[int] = []  # pids in the group (members) without the tag
+    other_uid: list[Reported] = []  # tagged processes of another uid: reported, never signalled
 
 
 class Claims(msgspec.Struct, gc=False, kw_only=True, omit_defaults=True):
@@ -303,6 +332,7 @@ class RunInfo(msgspec.Struct, gc=False, kw_only=True, omit_defaults=True):
     alerts: list[Alert] = []
     preflight: PreflightResult | None = None
     env: EnvFingerprint | None = None
+    containment: ContainmentInfo | None = None
 
 
 class StoppedProcess(msgspec.Struct, gc=False, kw_only=True, omit_defaults=True):
@@ -339,6 +369,10 @@ class StopResult(msgspec.Struct, gc=False, kw_only=True, omit_defaults=True):
     freed_bytes: int = 0
     seconds: float = 0.0
     message: str = ""
+    containment: str = ""  # the level the stop went through, as its label says
+    group_note: str = ""  # what became of the run's cgroup (emptied and removed, or kept and why)
+    reported: list[Reported] = []  # seen and not signalled (outside the group, another uid), or not findable at this level
+    resumed_after_s: float | None = None  # a stop an earlier agent began: the seconds already spent when this agent took it over
 
 
 class Event(msgspec.Struct, gc=False, kw_only=True, omit_defaults=True):
@@ -525,6 +559,7 @@ class HelloReply(_Msg, tag="hello_reply", kw_only=True):
     uid: int
     state_dir: str
     gpu_error: str | None = None
+    containment: str | None = None  # the containment this agent gives its runs (its label)
 
 
 class Pong(_Msg, tag="pong", kw_only=True):

@@ -18,7 +18,10 @@ import socket
 import struct
 import sys
 import time
+from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import msgspec
 
@@ -63,6 +66,7 @@ from agents.protocol import (
     ReadOutput,
     RunList,
     RunReply,
+    Snapshot,
     Stop,
     StopReply,
     StreamEnd,
@@ -79,6 +83,26 @@ log = logging.getLogger("gpudeck.agent")
 TICK_S = 0.5  # supervision tick: member discovery, exit detection
 WRITE_BUFFER_LIMIT = 8 << 20  # a slower client than this skips snapshots instead of growing memory
 _PEERCRED = struct.Struct("3i")
+
+
+LOOP_MONITOR_ENV = "GPUDECK_LOOP_MONITOR"  # a file: the agent appends its event loop's lag there every second (benchmarks)
+LOOP_MONITOR_BEAT_S = 0.001
+
+
+async def _loop_monitor(path: Path) -> None:
+    """How late the event loop runs a 1 ms heartbeat: one JSON line a second with the worst lag, the most CPU the
+    loop's thread spent within one beat (work on the loop; the rest of a lag is waiting for a CPU or the GIL)."""
+    loop = asyncio.get_running_loop()
+    worst, busy, beats, t_report = 0.0, 0.0, 0, loop.time() + 1.0
+    with open(path, "a", buffering=1) as fh:
+        while True:
+            t0, c0 = loop.time(), time.thread_time()
+            await asyncio.sleep(LOOP_MONITOR_BEAT_S)
+            lag = loop.time() - t0 - LOOP_MONITOR_BEAT_S
+            worst, busy, beats = max(worst, lag), max(busy, time.thread_time() - c0), beats + 1
+            if loop.time() >= t_report:
+                fh.write(f'{{"ts": {time.time():.3f}, "max_lag_ms": {worst * 1000:.3f}, "max_busy_ms": {busy * 1000:.3f}, "beats": {beats}}}\n')
+                worst, busy, beats, t_report = 0.0, 0.0, 0, t_report + 1.0
 
 
 class AlreadyRunning(AgentError):
@@ -119,12 +143,28 @@ class Agent:
         self._tasks: set[asyncio.Task] = set()
         self._stopped = asyncio.Event()
         self.uid = os.getuid()
+        # process scans and NVML samples run here, one at a time, never on the event loop: a big /proc or a
+        # slow driver delays the snapshot that needs it, not a ping or another client's request
+        self._sampler = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gpudeck-sample")
+
+    async def snapshot(self) -> Snapshot:
+        """A snapshot built off the event loop."""
+        return await asyncio.get_running_loop().run_in_executor(self._sampler, self.snapshots.build)
 
     # ------------------------------------------------------------------ lifecycle
 
     def _on_event(self, ev: Event) -> None:
+        pass  # queued, not yet readable: followers are woken by the journal's commit (_on_commit)
+
+    def _wake_followers(self) -> None:
         for waiter in self._event_waiters:
             waiter.set()
+
+    def _on_commit(self, seq: int) -> None:  # the journal's writer thread
+        try:
+            self._loop.call_soon_threadsafe(self._wake_followers)
+        except RuntimeError:  # the loop is closed (shutdown)
+            pass
 
     def _spawn(self, coro) -> asyncio.Task:  # type: ignore[no-untyped-def]
         task = asyncio.ensure_future(coro)
@@ -134,6 +174,8 @@ class Agent:
 
     async def start(self) -> None:
         """Adopt runs left by an earlier agent, open the socket, start the supervision tick."""
+        self._loop = asyncio.get_running_loop()
+        self.journal.on_commit = self._on_commit
         notes = self.supervisor.adopt()
         self.journal.append("agent_started", None, {"pid": os.getpid(), "version": __version__, "gpu_error": self.gpus.error, "adopted": notes})
         for run in self.supervisor.pending_stops():
@@ -150,6 +192,9 @@ class Agent:
             os.umask(old_umask)
         os.chmod(self.socket_path, 0o600)
         self._spawn(self._tick_loop())
+        monitor = os.environ.get(LOOP_MONITOR_ENV)
+        if monitor:
+            self._spawn(_loop_monitor(Path(monitor)))
         log.info("agent %s serving %s (GPUs: %s)", os.getpid(), self.socket_path, self.gpus.error or self.gpus.count)
 
     async def serve_forever(self) -> None:
@@ -173,14 +218,17 @@ class Agent:
             self.socket_path.unlink()
         except OSError:
             pass
-        self.journal.close()
+        self._sampler.shutdown(wait=False, cancel_futures=True)
+        await asyncio.to_thread(self.journal.close)  # commits what is queued
         self._lock_fh.close()
 
     async def _tick_loop(self) -> None:
-        # the tick, snapshots and stops all run on the event loop thread: the process table and
-        # the live runs have one writer, so no lock is needed (a tick costs well under a millisecond)
+        # the process scan runs in the sampler thread; the supervisor's own refresh of the table right after
+        # finds nothing new (one read of /proc/loadavg), so the tick on the loop is only the runs' logic
+        loop = asyncio.get_running_loop()
         while True:
             try:
+                await loop.run_in_executor(self._sampler, self.procs.refresh)
                 self.supervisor.refresh()
                 self.snapshots.storage_error = None
             except StorageError as exc:  # disk full: keep supervising, say so in every snapshot, retry next tick
@@ -280,7 +328,7 @@ class _Conn:
         task = asyncio.ensure_future(self._handle_safely(req))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
-        if isinstance(req, (WatchSnapshots, GetEvents, ReadOutput)) and req.request_id:
+        if type(req) in _STREAMS and req.request_id:
             old = self.streams.pop(req.request_id, None)
             if old is not None:
                 old.cancel()
@@ -303,98 +351,116 @@ class _Conn:
                 self.streams.pop(rid, None)
 
     async def _handle(self, req) -> None:  # type: ignore[no-untyped-def]
-        a = self.agent
-        rid = req.request_id
-        if isinstance(req, Hello):
-            self.alias = req.host_alias[:253]
-            if req.version != PROTOCOL_VERSION:
-                raise VersionMismatch(
-                    f"protocol version {req.version} is not spoken here (agent {__version__} speaks {PROTOCOL_VERSION}); install the same gpudeck version on both ends"
-                )
-            await self.send(
-                HelloReply(
-                    request_id=rid,
-                    agent_version=__version__,
-                    host=a.host,
-                    epoch=a.journal.epoch,
-                    pid=os.getpid(),
-                    uid=a.uid,
-                    state_dir=str(a.state_dir),
-                    gpu_error=a.gpus.error,
-                )
-            )
-        elif isinstance(req, Ping):
-            await self.send(Pong(request_id=rid, ts=time.time()))
-        elif isinstance(req, GetSnapshot):
-            snap = a.snapshots.build()
-            snap.request_id = rid
-            await self.send(snap)
-        elif isinstance(req, WatchSnapshots):
-            interval = max(0.05, min(req.interval_s, 3600.0))
-            first = True
-            while True:
-                snap = a.snapshots.build()
-                snap.request_id = rid
-                if req.compact and not first:
-                    snap.compact = True
-                    for g in snap.gpus:  # static facts went out with the first snapshot of this stream
-                        g.uuid, g.name, g.memory_total, g.power_limit_w = "", "", 0, None
-                first = False
-                await self.send(snap, droppable=True)
-                # a fixed rate on the wall clock's grid (every whole interval), not interval + work: every agent
-                # of a fleet samples at the same instant (one coherent picture of the fleet), and the console
-                # takes the fleet's snapshots in one burst rather than one wake-up per host
-                delay = interval - time.time() % interval
-                await asyncio.sleep(delay if delay > interval / 10 else delay + interval)  # just sent for the coming point
-        elif isinstance(req, Launch):
-            run, dup = await a.supervisor.launch(req.spec, rid, host_name=self.alias or None)
-            await self.send(LaunchReply(request_id=rid, run=run, duplicate=dup))
-        elif isinstance(req, ListRuns):
-            runs = await asyncio.to_thread(a.journal.list_runs, max(1, min(req.limit, 100000)))
-            live = {r.id: r for r in a.supervisor.live_runs()}
-            await self.send(RunList(request_id=rid, runs=[live.get(r.id, r) for r in runs]))
-        elif isinstance(req, GetRun):
-            await self.send(RunReply(request_id=rid, run=a.supervisor.resolve(req.run_id)))
-        elif isinstance(req, Stop):
-            reason = f"stopped by gpudeck: {req.reason[:500]}" if req.reason else "stopped by operator"
-            result = await a.supervisor.stop(req.run_id, req.grace_s, reason=reason)
-            await self.send(StopReply(request_id=rid, result=result))
-        elif isinstance(req, GetEvents):
-            await self._events(req)
-        elif isinstance(req, ReadOutput):
-            await self._output(req)
-        elif isinstance(req, GetMetrics):
-            run = a.supervisor.resolve(req.run_id)
-            points = max(2, min(req.max_points, 5000))
-            steps, loss, tps, mfu, total = await asyncio.to_thread(step_series, Path(run.run_dir or "") / "telemetry.jsonl", points)
-            await self.send(Metrics(request_id=rid, run_id=run.id, steps=steps, loss=loss, tokens_per_s=tps, mfu=mfu, total_steps=total))
-        elif isinstance(req, Preflight):
-            result = await a.supervisor.preflight(req.spec, host_name=self.alias or None)
-            await self.send(PreflightReply(request_id=rid, result=result))
-        elif isinstance(req, ListLeftovers):
-            found = await a.supervisor.leftovers(include_live=req.include_live, host_name=self.alias or None)
-            await self.send(LeftoverList(request_id=rid, leftovers=found, gpus=a.supervisor.attributed_gpus() if a.gpus.available else [], gpu_error=a.gpus.error))
-        elif isinstance(req, Reclaim):
-            result = await a.supervisor.reclaim(req.pids, req.grace_s, req.include_live, host_name=self.alias or None)
-            await self.send(StopReply(request_id=rid, result=result))
-        elif isinstance(req, Fingerprint):
-            fp = await asyncio.to_thread(envs.fingerprint, req.python, driver=a.gpus.driver_version)
-            await self.send(FingerprintReply(request_id=rid, env=fp))
-        elif isinstance(req, RebuildEnv):
-            dest = paths.envs_dir(a.state_dir) / f"{(req.env.freeze_hash or 'env')[:12]}-{int(time.time())}"
-            fp = await asyncio.to_thread(envs.rebuild, req.env, dest, driver=a.gpus.driver_version)
-            a.journal.append("env_rebuilt", None, {"path": str(dest), "from": req.env.python, "freeze_hash": fp.freeze_hash, "python": fp.python})
-            await self.send(FingerprintReply(request_id=rid, env=fp, path=str(dest)))
-        elif isinstance(req, VerifyRun):
-            run, rows = a.supervisor.verify(req.run_id)
-            await self.send(VerifyReply(request_id=rid, run_id=run.id, rows=rows, alerts=run.alerts))
-        elif isinstance(req, Cancel):
-            task = self.streams.pop(req.target, None)
-            if task is None:
-                raise BadRequest(f"no open stream with request_id {req.target!r}")
-            task.cancel()
-        else:  # pragma: no cover - decode_request only yields known types
+        handler = _HANDLERS.get(type(req))
+        if handler is None:  # pragma: no cover - decode_request only yields known types (a test checks the table is complete)
             raise BadRequest(f"unsupported request {type(req).__name__}")
+        await handler(self, req)
+
+    # one handler per request type; _HANDLERS (below the class) maps each type to its handler
+
+    async def _hello(self, req: Hello) -> None:
+        a = self.agent
+        self.alias = req.host_alias[:253]
+        if req.version != PROTOCOL_VERSION:
+            raise VersionMismatch(
+                f"protocol version {req.version} is not spoken here (agent {__version__} speaks {PROTOCOL_VERSION}); install the same gpudeck version on both ends"
+            )
+        await self.send(
+            HelloReply(
+                request_id=req.request_id,
+                agent_version=__version__,
+                host=a.host,
+                epoch=a.journal.epoch,
+                pid=os.getpid(),
+                uid=a.uid,
+                state_dir=str(a.state_dir),
+                gpu_error=a.gpus.error,
+            )
+        )
+
+    async def _ping(self, req: Ping) -> None:
+        await self.send(Pong(request_id=req.request_id, ts=time.time()))
+
+    async def _get_snapshot(self, req: GetSnapshot) -> None:
+        snap = await self.agent.snapshot()
+        snap.request_id = req.request_id
+        await self.send(snap)
+
+    async def _watch_snapshots(self, req: WatchSnapshots) -> None:
+        interval = max(0.05, min(req.interval_s, 3600.0))
+        first = True
+        while True:
+            snap = await self.agent.snapshot()
+            snap.request_id = req.request_id
+            if req.compact and not first:
+                snap.compact = True
+                for g in snap.gpus:  # static facts went out with the first snapshot of this stream
+                    g.uuid, g.name, g.memory_total, g.power_limit_w = "", "", 0, None
+            first = False
+            await self.send(snap, droppable=True)
+            # a fixed rate on the wall clock's grid (every whole interval), not interval + work: every agent
+            # of a fleet samples at the same instant (one coherent picture of the fleet), and the console
+            # takes the fleet's snapshots in one burst rather than one wake-up per host
+            delay = interval - time.time() % interval
+            await asyncio.sleep(delay if delay > interval / 10 else delay + interval)  # just sent for the coming point
+
+    async def _launch(self, req: Launch) -> None:
+        run, dup = await self.agent.supervisor.launch(req.spec, req.request_id, host_name=self.alias or None)
+        await self.send(LaunchReply(request_id=req.request_id, run=run, duplicate=dup))
+
+    async def _list_runs(self, req: ListRuns) -> None:
+        a = self.agent
+        runs = await asyncio.to_thread(a.journal.list_runs, max(1, min(req.limit, 100000)))
+        live = {r.id: r for r in a.supervisor.live_runs()}
+        await self.send(RunList(request_id=req.request_id, runs=[live.get(r.id, r) for r in runs]))
+
+    async def _get_run(self, req: GetRun) -> None:
+        await self.send(RunReply(request_id=req.request_id, run=self.agent.supervisor.resolve(req.run_id)))
+
+    async def _stop(self, req: Stop) -> None:
+        reason = f"stopped by gpudeck: {req.reason[:500]}" if req.reason else "stopped by operator"
+        result = await self.agent.supervisor.stop(req.run_id, req.grace_s, reason=reason)
+        await self.send(StopReply(request_id=req.request_id, result=result))
+
+    async def _get_metrics(self, req: GetMetrics) -> None:
+        run = self.agent.supervisor.resolve(req.run_id)
+        points = max(2, min(req.max_points, 5000))
+        steps, loss, tps, mfu, total = await asyncio.to_thread(step_series, Path(run.run_dir or "") / "telemetry.jsonl", points)
+        await self.send(Metrics(request_id=req.request_id, run_id=run.id, steps=steps, loss=loss, tokens_per_s=tps, mfu=mfu, total_steps=total))
+
+    async def _preflight(self, req: Preflight) -> None:
+        result = await self.agent.supervisor.preflight(req.spec, host_name=self.alias or None)
+        await self.send(PreflightReply(request_id=req.request_id, result=result))
+
+    async def _list_leftovers(self, req: ListLeftovers) -> None:
+        a = self.agent
+        found = await a.supervisor.leftovers(include_live=req.include_live, host_name=self.alias or None)
+        await self.send(LeftoverList(request_id=req.request_id, leftovers=found, gpus=a.supervisor.attributed_gpus() if a.gpus.available else [], gpu_error=a.gpus.error))
+
+    async def _reclaim(self, req: Reclaim) -> None:
+        result = await self.agent.supervisor.reclaim(req.pids, req.grace_s, req.include_live, host_name=self.alias or None)
+        await self.send(StopReply(request_id=req.request_id, result=result))
+
+    async def _fingerprint(self, req: Fingerprint) -> None:
+        fp = await asyncio.to_thread(envs.fingerprint, req.python, driver=self.agent.gpus.driver_version)
+        await self.send(FingerprintReply(request_id=req.request_id, env=fp))
+
+    async def _rebuild_env(self, req: RebuildEnv) -> None:
+        a = self.agent
+        dest = paths.envs_dir(a.state_dir) / f"{(req.env.freeze_hash or 'env')[:12]}-{int(time.time())}"
+        fp = await asyncio.to_thread(envs.rebuild, req.env, dest, driver=a.gpus.driver_version)
+        a.journal.append("env_rebuilt", None, {"path": str(dest), "from": req.env.python, "freeze_hash": fp.freeze_hash, "python": fp.python})
+        await self.send(FingerprintReply(request_id=req.request_id, env=fp, path=str(dest)))
+
+    async def _verify_run(self, req: VerifyRun) -> None:
+        run, rows = self.agent.supervisor.verify(req.run_id)
+        await self.send(VerifyReply(request_id=req.request_id, run_id=run.id, rows=rows, alerts=run.alerts))
+
+    async def _cancel(self, req: Cancel) -> None:
+        task = self.streams.pop(req.target, None)
+        if task is None:
+            raise BadRequest(f"no open stream with request_id {req.target!r}")
+        task.cancel()
 
     async def _events(self, req: GetEvents) -> None:
         a = self.agent
@@ -406,7 +472,7 @@ class _Conn:
         try:
             while True:
                 wake.clear()
-                events = await asyncio.to_thread(a.journal.events_after, after, limit)
+                events = await asyncio.to_thread(a.journal.events_after, after, limit, False)
                 if not events and not req.follow and req.wait_s > 0 and not waited:
                     waited = True  # long poll: wait once for the next event, then answer (maybe empty)
                     try:
@@ -416,7 +482,7 @@ class _Conn:
                         pass
                     continue
                 if events or not req.follow:
-                    await self.send(EventBatch(request_id=req.request_id, epoch=a.journal.epoch, events=events, last_seq=a.journal.last_seq))
+                    await self.send(EventBatch(request_id=req.request_id, epoch=a.journal.epoch, events=events, last_seq=a.journal.committed_seq))
                     if events:
                         after = events[-1].seq
                     if not req.follow:
@@ -463,6 +529,31 @@ class _Conn:
                     await self.send(StreamEnd(request_id=req.request_id, reason=f"run {run.id} ended ({state})"))
                     return
             await asyncio.sleep(0.2)
+
+
+# the dispatch table: request type -> handler (tests check every Request type has one)
+_HANDLERS: dict[type, Callable[[_Conn, Any], Awaitable[None]]] = {
+    Hello: _Conn._hello,
+    Ping: _Conn._ping,
+    GetSnapshot: _Conn._get_snapshot,
+    WatchSnapshots: _Conn._watch_snapshots,
+    Launch: _Conn._launch,
+    ListRuns: _Conn._list_runs,
+    GetRun: _Conn._get_run,
+    Stop: _Conn._stop,
+    GetEvents: _Conn._events,
+    ReadOutput: _Conn._output,
+    GetMetrics: _Conn._get_metrics,
+    Preflight: _Conn._preflight,
+    ListLeftovers: _Conn._list_leftovers,
+    Reclaim: _Conn._reclaim,
+    Fingerprint: _Conn._fingerprint,
+    RebuildEnv: _Conn._rebuild_env,
+    VerifyRun: _Conn._verify_run,
+    Cancel: _Conn._cancel,
+}
+# requests that open a stream (cancelled with Cancel, or replaced by a new one with the same request_id)
+_STREAMS = frozenset({WatchSnapshots, GetEvents, ReadOutput})
 
 
 def _read_at(path: Path, offset: int, n: int) -> bytes:

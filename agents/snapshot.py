@@ -30,10 +30,7 @@ class SnapshotBuilder:
 
     def attribute(self, p: GpuProcess) -> None:
         """Fill in a GPU process's attribution, run, rank, user and command line."""
-        entry = self.procs.get(p.pid)
-        if entry is None:
-            self.procs.refresh()  # a pid newer than the last tick
-            entry = self.procs.get(p.pid)
+        entry = self.procs.lookup(p.pid)  # read now if newer than the last tick
         if entry is None:
             p.attribution = "NO_SUCH_PROCESS"
             return
@@ -109,9 +106,9 @@ class SnapshotBuilder:
             gpus=gpus,
             gpu_error=self.gpus.error,
             simulated=self.gpus.simulated,
-            storage_error=self.storage_error,
+            storage_error=self.storage_error or self.supervisor.journal.storage_error,
             runs=runs,
             processes=procs,
-            last_seq=self.supervisor.journal.last_seq,
+            last_seq=self.supervisor.journal.committed_seq,
             sample_ms=round((time.perf_counter() - t0) * 1000, 3),
         )

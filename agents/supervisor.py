@@ -1,25 +1,23 @@
 """Provides the run supervisor: launch, watch, stop exactly one run, and re-adopt after a restart.
 
-A run is started through :mod:`agents.shim` in a new session, with
-``GPUDECK_RUN_ID`` and ``GPUDECK_TELEMETRY`` in its environment. Every process
-carrying the tag is a member, found wherever it was re-parented. Members are
-recorded as ``(pid, create_time)``; nothing is signalled whose create_time no
-longer matches. Stop is TERM to every member, a grace period, KILL to what is
-left, a wait until they are gone, then a verification through NVML that none
-of them holds GPU memory any more.
+Each live run is a :class:`~agents.liverun.LiveRun`. A run is started through
+:mod:`agents.shim` (see :mod:`agents.launcher`) into its own cgroup where the
+host allows one (:mod:`agents.containment`); membership comes from the group,
+or from the tag and parentage without one (:mod:`agents.membership`). Members
+are recorded as ``(pid, create_time)``; nothing is signalled whose create_time
+no longer matches. Stop and reclaim share one sequence (:mod:`agents.stopper`);
+how a run ended is decided in :mod:`agents.exit_cause`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 import shutil
 import signal
 import socket
 import subprocess
-import sys
 import time
 import uuid
 from collections.abc import Callable
@@ -27,26 +25,39 @@ from pathlib import Path
 
 import msgspec
 
-from agents import envs
-from agents.causes import cause_class, classify_output, host_oom_note
+from agents import envs, stopper
+from agents.attribution import Attribution
+from agents.causes import cause_class, classify_output
+from agents.containment import LABELS, Containment, RunGroup, detect
 from agents.errors import AgentError, BadRequest, LaunchFailed, NotFound, StorageError
 from agents.estimate import estimate_or_reason
+from agents.exit_cause import ExitFacts, decide, read_exit_record, telemetry_evidence
 from agents.gpus import GpuSource
-from agents.health import Baseline, Observation, RunHealth, claims_report, observe
+from agents.health import Baseline, claims_report, observe
 from agents.journal import Journal
+from agents.launcher import LaunchPlan, check_executable, fsync_write, spawn
 from agents.leftovers import find_leftovers
-from agents.preflight import failure_summary, parse_launch_argv, run_preflight, run_python
-from agents.procs import CT_TOLERANCE, ProcTable, alive, create_time_of, read_stat, signal_exact, status_of
+from agents.liverun import LiveRun
+from agents.membership import TreeWatch, discover, proc_tree
+from agents.preflight import failure_summary, run_preflight
+from agents.procs import (
+    CT_TOLERANCE,
+    ProcTable,
+    StatLine,
+    alive,
+    create_time_of,
+    read_stat,
+    signal_exact,
+)
 from agents.protocol import (
     LIVE_STATES,
-    MAX_ARGV,
     TERMINAL_STATES,
     Alert,
     ClaimRow,
+    ContainmentInfo,
     EnvFingerprint,
     Event,
     Gpu,
-    GpuFreed,
     GpuProcess,
     LaunchSpec,
     Leftover,
@@ -56,18 +67,16 @@ from agents.protocol import (
     StoppedProcess,
     StopResult,
 )
-from agents.telemetry import TelemetryTail
 
 log = logging.getLogger("gpudeck.agent")
 
-# run as a script with -I: stdlib only, so the run's own PYTHONPATH and cwd never matter
-_SHIM = str(Path(__file__).resolve().with_name("shim.py"))
-SHIM_START_TIMEOUT_S = 15.0
-KILL_WAIT_S = 5.0  # after SIGKILL, how long to wait for the kernel to take them
-GPU_SETTLE_S = 5.0  # after the processes are gone, how long to wait for NVML to drop them
 STEP_EVENT_EVERY_S = 10.0  # step records reach the journal at most this often per run (all other records always)
 RANK_DEATH_STOP_GRACE_S = 30.0  # --on-rank-death stop: the grace the survivors get to checkpoint
-_RUN_ID_RE = __import__("re").compile(r"^r-[0-9a-f]{8}$")
+TAG_LIMIT = (
+    "at the tag + ancestry level a process that cleared its environment and left the run's process tree, "
+    "session and process group cannot be found; a cgroup (root, or a delegated cgroup v2 subtree) closes that gap"
+)
+
 
 def new_run_id() -> str:
     """A short, unique run id such as ``r-7f3a9c21``."""
@@ -86,15 +95,6 @@ def read_tail(path: Path, max_bytes: int = 64 * 1024) -> str:
         return ""
 
 
-def _fsync_write(path: Path, data: bytes) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    with open(tmp, "wb") as fh:
-        fh.write(data)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
-
-
 class Supervisor:
     """Owns every run on this host: launch, membership, exit, stop, re-adoption."""
 
@@ -106,6 +106,7 @@ class Supervisor:
         gpus: GpuSource,
         procs: ProcTable | None = None,
         on_event: Callable[[Event], None] | None = None,
+        containment: Containment | None = None,
     ) -> None:
         self.journal = journal
         self.runs_dir = Path(runs_dir)
@@ -113,28 +114,33 @@ class Supervisor:
         self.gpus = gpus
         self.procs = procs if procs is not None else ProcTable()
         self._on_event = on_event or (lambda ev: None)
-        self._runs: dict[str, RunInfo] = {}  # live runs, mirrored from the journal
+        self.containment = containment if containment is not None else detect(self.runs_dir)
+        self.uid = os.getuid()
+        self._live: dict[str, LiveRun] = {}
         self._ended_ids: set[str] = set()  # ended runs whose members may linger (STALE)
-        self._shims: dict[str, subprocess.Popen] = {}
-        self._stopping: dict[str, asyncio.Task] = {}
+        self._ended_groups: dict[str, RunGroup] = {}  # groups of ended runs that still hold processes (leftovers)
+        self._stopping: dict[str, asyncio.Task] = {}  # live and ended runs alike (a stop of an ended run reclaims)
         self._launch_lock = asyncio.Lock()
-        self._tails: dict[str, TelemetryTail] = {}
-        self._journaled_offset: dict[str, int] = {}
-        self._last_step_event: dict[str, float] = {}
-        self._health: dict[str, RunHealth] = {}
-        self._last_obs: dict[str, Observation] = {}
-        self._baselines: dict[str, Baseline | None] = {}
-        self._first_death: dict[str, Alert] = {}
         self._bg: set[asyncio.Task] = set()
-        self._launching: set[str] = set()  # recorded, not yet spawned: the tick must not judge them (no shim yet)
+        self.attribution = Attribution(self.containment, self.run_state)
+        self.adopt_notes: list[str] = []
+        self._tree = TreeWatch()  # the tick's parentage for tag-level runs: what changed, not the whole host
         # fills in a GPU process's attribution (RUN/STALE/FOREIGN/NO_SUCH_PROCESS); set by the agent
         self.attribute: Callable[[GpuProcess], None] = lambda p: None
+        log.info("containment: %s", self.containment.label)
 
     # ------------------------------------------------------------------ journal helpers
 
     def _emit(self, ev: Event | None) -> None:
         if ev is not None:
             self._on_event(ev)
+
+    def _emit_many(self, items: list[tuple[str, str | None, dict]], what: str) -> None:
+        try:
+            for ev in self.journal.append_many(items):
+                self._emit(ev)
+        except StorageError:
+            log.warning("could not journal %s", what)
 
     def _set(self, run: RunInfo, event_kind: str | None, event_data: dict | None = None, **fields: object) -> None:
         new_state = fields.get("state")
@@ -155,26 +161,38 @@ class Supervisor:
         for k, v in fields.items():
             setattr(run, k, v)
         if run.state in TERMINAL_STATES:
-            self._runs.pop(run.id, None)
+            lr = self._live.pop(run.id, None)
             self._ended_ids.add(run.id)
-            self._health.pop(run.id, None)
-            self._last_obs.pop(run.id, None)
-            self._baselines.pop(run.id, None)
-            self._first_death.pop(run.id, None)
-            self._tails.pop(run.id, None)
-            self._journaled_offset.pop(run.id, None)
-            self._last_step_event.pop(run.id, None)
+            if lr is not None and lr.group is not None:
+                self._settle_group(run.id, lr.group)
+            self._reindex()
         self._emit(ev)
+
+    def _settle_group(self, run_id: str, group: RunGroup) -> str | None:
+        """Remove an ended run's group when empty; keep it (its processes are leftovers) otherwise. None when removed."""
+        if group.populated():
+            self._ended_groups[run_id] = group
+            return f"{group.path} kept: {len(group.pids())} process(es) still in it (leftovers: `gpudeck reclaim {self.host}`)"
+        why = group.remove()
+        if why is None:
+            self._ended_groups.pop(run_id, None)
+            self.containment.release()  # this agent's own group goes with its last run's (refused while any remains)
+        else:
+            self._ended_groups[run_id] = group
+        return why
+
+    def _reindex(self) -> None:
+        self.attribution.index({rid: lr.info.members for rid, lr in self._live.items()})
 
     def live_runs(self) -> list[RunInfo]:
         """Runs that are not over, as the supervisor tracks them."""
-        return list(self._runs.values())
+        return [lr.info for lr in self._live.values()]
 
     def run_state(self, run_id: str) -> str | None:
         """State of a run this agent knows; None for an unknown id."""
-        run = self._runs.get(run_id)
-        if run is not None:
-            return run.state
+        lr = self._live.get(run_id)
+        if lr is not None:
+            return lr.info.state
         if run_id in self._ended_ids:
             return "ended"
         r = self.journal.get_run(run_id)
@@ -184,72 +202,52 @@ class Supervisor:
             self._ended_ids.add(run_id)
         return r.state
 
+    def _with_containment(self, run: RunInfo) -> RunInfo:
+        lr = self._live.get(run.id)
+        if lr is not None:
+            return lr.info
+        if run.containment is None:
+            ev = self.journal.last_event(run.id, "containment")
+            if ev is not None:
+                try:
+                    run.containment = msgspec.convert(ev.data.get("containment", {}), ContainmentInfo)
+                except msgspec.ValidationError:
+                    pass
+        return run
+
     def resolve(self, ref: str) -> RunInfo:
         """A run by id, unique id prefix, or name; NotFound/BadRequest say what to do."""
         run = self.journal.get_run(ref)
         if run is not None:
-            return self._runs.get(run.id, run)
+            return self._with_containment(run)
         matches = self.journal.find_runs(ref)
         if not matches:
             raise NotFound(f"no run {ref!r} on {self.host}: `gpudeck runs` lists the runs")
         if len(matches) > 1:
             ids = ", ".join(m.id for m in matches[:5])
             raise BadRequest(f"{ref!r} matches {len(matches)} runs ({ids}): give more of the id")
-        return self._runs.get(matches[0].id, matches[0])
+        return self._with_containment(matches[0])
+
+    # ------------------------------------------------------------------ GPU attribution
+
+    def _attribute(self, p: GpuProcess) -> None:
+        self.attribute(p)
+        self.attribution.correct(p, self.procs.get(p.pid))
+
+    def attributed_gpus(self, gpus: list[Gpu] | None = None) -> list[Gpu]:
+        """One GPU sample (or ``gpus``) with every process attributed (call on the agent's loop thread)."""
+        if gpus is None:
+            gpus = self.gpus.sample()
+        for g in gpus:
+            for p in g.processes:
+                self._attribute(p)
+        return gpus
 
     # ------------------------------------------------------------------ launch
 
-    def _validate(self, spec: LaunchSpec) -> None:
-        if not spec.argv:
-            raise BadRequest("launch needs a command: `gpudeck launch -- python train.py ...`")
-        if len(spec.argv) > MAX_ARGV:
-            raise BadRequest(f"launch argv has {len(spec.argv)} arguments; the limit is {MAX_ARGV}")
-        for a in spec.argv:
-            if "\x00" in a:
-                raise BadRequest("an argument contains a NUL byte; arguments are passed literally and cannot hold NUL")
-        for k, v in spec.env.items():
-            if not k or "=" in k or "\x00" in k or "\x00" in v:
-                raise BadRequest(f"environment variable {k!r} is not valid: names cannot be empty or hold '=' or NUL")
-        if spec.gpus is not None:
-            if any(g < 0 for g in spec.gpus) or len(set(spec.gpus)) != len(spec.gpus):
-                raise BadRequest(f"GPU list {spec.gpus} is not valid: give distinct indices such as 0,1")
-        if spec.run_id is not None and not _RUN_ID_RE.match(spec.run_id):
-            raise BadRequest(f"run id {spec.run_id!r} is not valid: ids look like r-0123abcd")
-        if spec.need_gib is not None and not (0 <= spec.need_gib <= 1 << 20):
-            raise BadRequest(f"--need-gib {spec.need_gib} is out of range")
-
-    def _check_executable(self, spec: LaunchSpec, env: dict[str, str]) -> str | None:
-        cwd = spec.cwd or os.getcwd()
-        if not os.path.isdir(cwd):
-            return f"working directory {cwd} does not exist on {self.host}"
-        exe = spec.argv[0]
-        if os.sep in exe:
-            path = exe if os.path.isabs(exe) else os.path.join(cwd, exe)
-            if not os.path.exists(path):
-                return f"{exe} does not exist on {self.host} (looked in {cwd})"
-            if not os.access(path, os.X_OK):
-                return f"{exe} is not executable on {self.host}: chmod +x it or run it through its interpreter"
-            return None
-        if shutil.which(exe, path=env.get("PATH")) is None:
-            return f"{exe!r} is not on PATH on {self.host}: give its full path or activate its environment"
-        return None
-
-    def attributed_gpus(self) -> list[Gpu]:
-        """One GPU sample with every process attributed (call on the agent's loop thread)."""
-        gpus = self.gpus.sample()
-        for g in gpus:
-            for p in g.processes:
-                self.attribute(p)
-        return gpus
-
-    def _run_env(self, spec: LaunchSpec) -> dict[str, str]:
-        env = dict(os.environ)
-        env.update(spec.env)
-        return env
-
-    async def preflight(self, spec: LaunchSpec, host_name: str | None = None) -> PreflightResult:
+    async def preflight(self, spec: LaunchSpec, host_name: str | None = None, plan: LaunchPlan | None = None) -> PreflightResult:
         """Every pre-flight check of ``spec`` here; nothing is started. ``host_name``: what the client calls this host."""
-        self._validate(spec)
+        plan = plan or LaunchPlan.of(spec)
         gpus = self.attributed_gpus() if self.gpus.available else []
         ended: dict[str, RunInfo] = {}
         for g in gpus:
@@ -258,7 +256,7 @@ class Supervisor:
                     r = self.journal.get_run(p.run_id)
                     if r is not None:
                         ended[p.run_id] = r
-        run_env = self._run_env(spec)
+        run_env = plan.base_env
         est, why = await asyncio.to_thread(estimate_or_reason, spec)
         return await asyncio.to_thread(
             run_preflight,
@@ -272,18 +270,11 @@ class Supervisor:
             python_check=lambda py: envs.check_imports_torch(py, env=run_env),
         )
 
-    def fingerprint_for(self, spec: LaunchSpec) -> EnvFingerprint | None:
+    def fingerprint_for(self, spec: LaunchSpec, plan: LaunchPlan | None = None) -> EnvFingerprint | None:
         """The run's python environment, fingerprinted (None when the run is not a python program)."""
-        python = spec.python
-        if python is None:
-            try:
-                python, _why = run_python(spec, parse_launch_argv(list(spec.argv)))
-            except Exception:  # an argv the parser cannot read is not a python run
-                python = None
+        python = (plan or LaunchPlan.of(spec)).python
         if python is None:
             return None
-        if os.sep not in python:
-            python = shutil.which(python, path=self._run_env(spec).get("PATH")) or python
         try:
             return envs.fingerprint(python, driver=self.gpus.driver_version)
         except AgentError as exc:
@@ -294,19 +285,19 @@ class Supervisor:
 
         A failed pre-flight starts nothing; the run is recorded as ``preflight_failed`` with the reasons.
         """
-        self._validate(spec)
+        plan = LaunchPlan.of(spec)  # validated, its argv parsed and its environment built: once
         async with self._launch_lock:
             if request_id:
                 earlier = self.journal.run_by_request(request_id)
                 if earlier is not None:
-                    return self._runs.get(earlier.id, earlier), True
+                    return self._with_containment(earlier), True
             if spec.run_id is not None and self.journal.get_run(spec.run_id) is not None:
                 raise BadRequest(f"run {spec.run_id} already exists on {self.host}")
-            pf = await self.preflight(spec, host_name)
+            pf = await self.preflight(spec, host_name, plan)
             if not pf.ok:
                 return self._record_preflight_failed(spec, request_id, pf), False
-            env = await asyncio.to_thread(self.fingerprint_for, spec)
-            return await self._launch_new(spec, request_id, pf, env)
+            env = await asyncio.to_thread(self.fingerprint_for, spec, plan)
+            return await self._launch_new(plan, request_id, pf, env)
 
     def _record_preflight_failed(self, spec: LaunchSpec, request_id: str, pf: PreflightResult) -> RunInfo:
         now = time.time()
@@ -316,33 +307,32 @@ class Supervisor:
             request_id=request_id or None, cause=cause, ended=now, preflight=pf,
         )
         self._emit(self.journal.create_run(run))
-        for ev in self.journal.append_many([
+        self._emit_many([
             ("preflight", run.id, {"result": msgspec.to_builtins(pf)}),
             ("run_state", run.id, {"state": "preflight_failed", "cause": cause, "ended": now, "cause_class": "preflight"}),
-        ]):
-            self._emit(ev)
+        ], f"run {run.id}'s pre-flight failure")
         self._ended_ids.add(run.id)
         return run
 
-    async def _launch_new(self, spec: LaunchSpec, request_id: str, pf: PreflightResult | None = None, env_fp: EnvFingerprint | None = None) -> tuple[RunInfo, bool]:
+    def _containment_info(self, group: RunGroup | None) -> ContainmentInfo:
+        if group is not None:
+            return ContainmentInfo(level="cgroupfs", label=LABELS["cgroupfs"], group=str(group.path))
+        if self.containment.has_groups:  # adopted from an agent that gave it no group
+            return ContainmentInfo(level="tag", label=Containment("the run was started without a cgroup").label)
+        return ContainmentInfo(level="tag", label=self.containment.label)
+
+    async def _launch_new(self, plan: LaunchPlan, request_id: str, pf: PreflightResult | None = None, env_fp: EnvFingerprint | None = None) -> tuple[RunInfo, bool]:
+        spec = plan.spec
         run_id = spec.run_id or new_run_id()
         run_dir = self.runs_dir / run_id
         now = time.time()
         run = RunInfo(
-            id=run_id,
-            host=self.host,
-            state="starting",
-            spec=spec,
-            name=spec.name,
-            created=now,
-            request_id=request_id or None,
-            run_dir=str(run_dir),
-            preflight=pf,
-            env=env_fp,
+            id=run_id, host=self.host, state="starting", spec=spec, name=spec.name, created=now,
+            request_id=request_id or None, run_dir=str(run_dir), preflight=pf, env=env_fp,
         )
         try:
             run_dir.mkdir(parents=True, exist_ok=False)
-            _fsync_write(run_dir / "spec.json", msgspec.json.encode(spec))
+            fsync_write(run_dir / "spec.json", msgspec.json.encode(spec))
         except OSError as exc:
             shutil.rmtree(run_dir, ignore_errors=True)
             raise StorageError(f"cannot create the run folder {run_dir} ({exc.strerror}): free space or fix permissions in {self.runs_dir}; nothing was started") from exc
@@ -352,40 +342,38 @@ class Supervisor:
         except StorageError as exc:
             shutil.rmtree(run_dir, ignore_errors=True)
             raise StorageError(f"{exc.message}; nothing was started") from exc
-        self._runs[run_id] = run
-        self._launching.add(run_id)
+        lr = self._live[run_id] = LiveRun(info=run, launching=True)
         try:
-            return await self._start_recorded(run, spec, run_dir, now, pf, env_fp)
+            return await self._start_recorded(lr, plan, run_dir, pf, env_fp)
         finally:
-            self._launching.discard(run_id)
+            lr.launching = False
 
-    async def _start_recorded(self, run: RunInfo, spec: LaunchSpec, run_dir: Path, now: float, pf: PreflightResult | None, env_fp: EnvFingerprint | None) -> tuple[RunInfo, bool]:
+    async def _start_recorded(self, lr: LiveRun, plan: LaunchPlan, run_dir: Path, pf: PreflightResult | None, env_fp: EnvFingerprint | None) -> tuple[RunInfo, bool]:
+        run = lr.info
         run_id = run.id
-        extra: list[tuple[str, str | None, dict]] = []
+        spec = plan.spec
+        group: RunGroup | None = None
+        if self.containment.has_groups:
+            try:
+                group = self.containment.create(run_id)
+            except OSError as exc:
+                problem = f"cannot create the run's cgroup under {getattr(self.containment, 'base', '?')} ({exc.strerror}); set GPUDECK_CONTAINMENT=tag to run without one"
+                self._fail_launch(run, problem)
+                raise LaunchFailed(f"{problem}; run {run_id} is recorded as failed") from exc
+        lr.group = group
+        run.containment = self._containment_info(group)
+        extra: list[tuple[str, str | None, dict]] = [("containment", run_id, {"containment": msgspec.to_builtins(run.containment)})]
         if pf is not None:
             extra.append(("preflight", run_id, {"result": msgspec.to_builtins(pf)}))
         if env_fp is not None:
             extra.append(("env_fingerprint", run_id, {"env": msgspec.to_builtins(env_fp)}))
-        if extra:
-            try:
-                for ev in self.journal.append_many(extra):
-                    self._emit(ev)
-            except StorageError:
-                log.warning("run %s: could not journal its pre-flight/environment records", run_id)
+        self._emit_many(extra, f"run {run_id}'s containment/pre-flight/environment records")
 
-        env = dict(os.environ)
-        env.update(spec.env)
-        env["GPUDECK_RUN_ID"] = run_id
-        env["GPUDECK_RUN_DIR"] = str(run_dir)
-        env["GPUDECK_TELEMETRY"] = str(run_dir / "telemetry.jsonl")
-        env.setdefault("PYTHONUNBUFFERED", "1")
-        if spec.gpus is not None:
-            env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in spec.gpus)
-            env.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")  # match NVML's numbering
+        env = plan.run_env(run_id, run_dir)
         # a cwd on a hung NFS/FUSE mount must not freeze the agent: the checks run off the event loop
         try:
-            problem = await asyncio.wait_for(asyncio.to_thread(self._check_executable, spec, env), 20.0)
-        except asyncio.TimeoutError:
+            problem = await asyncio.wait_for(asyncio.to_thread(check_executable, spec, env, self.host), 20.0)
+        except TimeoutError:
             problem = f"checking the working directory {spec.cwd} and {spec.argv[0]!r} did not return within 20 s (a hung file system?)"
         if problem is not None:
             self._fail_launch(run, problem)
@@ -395,107 +383,143 @@ class Supervisor:
         except LaunchFailed as exc:
             self._fail_launch(run, exc.message)
             raise LaunchFailed(f"{exc.message}; run {run_id} is recorded as failed") from exc
-        self._shims[run_id] = shim
-        members = [
-            Member(pid=shim.pid, create_time=create_time_of(shim.pid) or 0.0, role="shim", first_seen=now, cmdline=["gpudeck-shim"]),
-        ]
+        lr.shim = shim
+        now = time.time()
+        members = [Member(pid=shim.pid, create_time=create_time_of(shim.pid) or 0.0, role="shim", first_seen=now, cmdline=["gpudeck-shim"])]
         leader_ct = create_time_of(pid)
         if leader_ct is not None:
-            members.append(Member(pid=pid, create_time=leader_ct, role="leader", first_seen=time.time(), cmdline=list(spec.argv)))
+            members.append(Member(pid=pid, create_time=leader_ct, role="leader", first_seen=now, cmdline=list(spec.argv), found_by="cgroup" if group else "tag"))
         self._set(run, "run_state", {"state": "running", "pid": pid}, state="running", started=time.time(), members=members)
+        self._reindex()
         return run, False
+
+    def _spawn(self, run: RunInfo, env: dict[str, str]) -> tuple[int, subprocess.Popen]:
+        lr = self._live.get(run.id)
+        return spawn(run, env, lr.group if lr is not None else None)
 
     def _fail_launch(self, run: RunInfo, cause: str) -> None:
         self._set(run, "run_state", {"state": "failed", "cause": f"launch failed: {cause}"}, state="failed", cause=f"launch failed: {cause}", ended=time.time())
 
-    def _spawn(self, run: RunInfo, env: dict[str, str]) -> tuple[int, subprocess.Popen]:
-        run_dir = Path(run.run_dir or "")
-        r, w = os.pipe()
-        try:
-            out = open(run_dir / "output.log", "ab", buffering=0)
-        except OSError as exc:
-            os.close(r)
-            os.close(w)
-            raise LaunchFailed(f"cannot open {run_dir / 'output.log'} ({exc.strerror})") from exc
-        try:
-            shim = subprocess.Popen(
-                [sys.executable, "-I", _SHIM, str(w), str(run_dir / "exit.json"), "--", *run.spec.argv],
-                stdin=subprocess.DEVNULL,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                cwd=run.spec.cwd or None,
-                env=env,
-                start_new_session=True,
-                pass_fds=(w,),
-                close_fds=True,
-            )
-        except OSError as exc:
-            os.close(r)
-            os.close(w)
-            out.close()
-            raise LaunchFailed(f"cannot start the run shim ({exc})") from exc
-        os.close(w)
-        out.close()
-        line = _read_line(r, SHIM_START_TIMEOUT_S)
-        os.close(r)
-        try:
-            status = json.loads(line) if line else {}
-        except ValueError:
-            status = {}
-        if "pid" in status:
-            return int(status["pid"]), shim
-        reason = status.get("error") or f"the run shim did not report within {SHIM_START_TIMEOUT_S:.0f} s"
-        if shim.poll() is None:
-            shim.kill()
-        shim.wait()
-        raise LaunchFailed(f"cannot start {run.spec.argv[0]!r}: {reason}")
-
     # ------------------------------------------------------------------ watching
 
+    def _needs_tree(self) -> bool:
+        return any(lr.group is None and lr.info.state in ("running", "starting") and not lr.launching for lr in self._live.values())
+
+    def _scan(self, want_tree: bool, want_gpus: bool) -> tuple[dict[int, StatLine] | None, list[Gpu] | None]:
+        """The parts of a tick that read the whole host: parentage (tag-level runs only) and one GPU sample."""
+        tree = self._tree.scan() if want_tree else None
+        gpus = self.gpus.sample() if want_gpus and self.gpus.available else None
+        return tree, gpus
+
     def refresh(self) -> None:
-        """One supervision tick: find new members, notice ended runs, apply the health rules. Runs on the agent's event loop."""
+        """One supervision tick, all on the calling thread (tests, benchmarks; the agent uses :meth:`tick`)."""
         self.procs.refresh()
+        tree, gpus = self._scan(self._needs_tree(), bool(self._live) and self.gpus.available)
+        self._judge(tree, gpus)
+
+    async def tick(self) -> None:
+        """One supervision tick; the full scans and the NVML sample run in a thread, off the event loop."""
+        self.procs.refresh()  # incremental: one listdir in the steady state (the table has one writer: this loop)
+        tree, gpus = await asyncio.to_thread(self._scan, self._needs_tree(), bool(self._live) and self.gpus.available)
+        self._judge(tree, gpus)  # back on the loop: request handlers may have changed runs meanwhile, so judge what is there now
+
+    def _judge(self, tree: dict[int, StatLine] | None, raw_gpus: list[Gpu] | None) -> None:
         gpus: list[Gpu] | None = None
-        for run in list(self._runs.values()):
-            if run.state not in ("running", "starting", "stopping"):
+        for lr in list(self._live.values()):
+            run = lr.info
+            if run.state not in ("running", "starting", "stopping") or run.id not in self._live:
                 continue
-            self.poll_telemetry(run)
-            if run.id in self._stopping or run.id in self._launching:
+            self._poll_telemetry(lr)
+            if run.id in self._stopping or lr.launching:
                 continue
-            self._discover_members(run)
-            if not self._run_alive(run):
-                self._finish(run)
+            self._discover(lr, tree)
+            if not self._run_alive(lr):
+                self._finish(lr)
                 continue
             if gpus is None:
-                gpus = self.attributed_gpus() if self.gpus.available else []
-            self._check_health(run, gpus)
+                gpus = self.attributed_gpus(raw_gpus) if raw_gpus is not None else []
+            self._check_health(lr, gpus)
+        for rid, group in list(self._ended_groups.items()):
+            if not group.populated():
+                self._settle_group(rid, group)
+
+    # ------------------------------------------------------------------ membership
+
+    def _discover(self, lr: LiveRun, tree: dict[int, StatLine] | None) -> bool:
+        run = lr.info
+        if lr.group is None and tree is None:
+            tree = proc_tree()
+        d = discover(run, self.procs, lr.group, tree, self.uid)
+        info = run.containment
+        if info is not None:
+            if lr.group is not None:
+                info.untagged = sorted(set(info.untagged) & set(lr.group.pids()) | set(d.untagged))
+                f = lr.group.figures()
+                info.cpu_seconds, info.memory_peak_bytes, info.oom_kills, info.figures_note = f.cpu_seconds, f.memory_peak_bytes, f.oom_kills, f.note
+            info.outside = d.outside
+            info.other_uid = d.other_uid
+            for r in d.outside + d.other_uid:
+                if r.pid not in lr.reported_pids:
+                    lr.reported_pids.add(r.pid)
+                    log.warning("run %s: pid %d %s", run.id, r.pid, r.why)
+        if not d.new and not d.updated:
+            return False
+        # workers that came and went (shell helpers, finished DataLoader workers) leave the list;
+        # the journal's "members" events keep their history
+        members = [m for m in run.members if m.role in ("shim", "leader") or alive(m.pid, m.create_time)] + d.new
+
+        def brief(ms: list[Member]) -> list[dict]:
+            out = []
+            for m in ms:
+                b: dict = {"pid": m.pid, "rank": m.rank, "local_rank": m.local_rank, "cmdline": m.cmdline[:8]}
+                if m.found_by:
+                    b["found_by"] = m.found_by
+                if not m.tagged:
+                    b["tagged"] = False
+                out.append(b)
+            return out
+
+        data = {"added": brief(d.new)}
+        if d.updated:
+            data["updated"] = brief(d.updated)  # members already journaled, now with their rank: replaced, not added
+        self._set(run, "members", data, members=members)
+        self._reindex()
+        return True
+
+    def _run_alive(self, lr: LiveRun) -> bool:
+        if lr.shim is not None:
+            return lr.shim.poll() is None
+        m = lr.member("shim") or lr.member("leader")
+        if m is None:  # only tagged workers are known (the agent died while starting it)
+            return any(alive(x.pid, x.create_time) for x in lr.info.members)
+        return alive(m.pid, m.create_time)
+
+    def _poll_shims(self) -> None:
+        # reap our own children (the shims) so none lingers as a zombie
+        for lr in self._live.values():
+            if lr.shim is not None:
+                lr.shim.poll()
 
     # ------------------------------------------------------------------ health (failures 4 and 7)
 
-    def _check_health(self, run: RunInfo, gpus: list[Gpu]) -> None:
-        health = self._health.get(run.id)
-        if health is None:
-            health = self._health[run.id] = RunHealth(run.id)
-        now = time.time()
-        obs = observe(run, now, gpus, lambda m: alive(m.pid, m.create_time), stopping=run.state == "stopping")
-        self._last_obs[run.id] = obs
-        raised = health.update(obs, self._baseline(run))
+    def _check_health(self, lr: LiveRun, gpus: list[Gpu]) -> None:
+        run = lr.info
+        health = lr.health_state()
+        obs = observe(run, time.time(), gpus, lambda m: alive(m.pid, m.create_time), stopping=run.state == "stopping")
+        lr.last_obs = obs
+        raised = health.update(obs, self._baseline(lr))
         cleared = health.cleared_since_last()
         if raised or cleared:
             items: list[tuple[str, str | None, dict]] = [("alert", run.id, {"alert": msgspec.to_builtins(a)}) for a in raised]
             items += [("alert_cleared", run.id, {"alert": msgspec.to_builtins(a)}) for a in cleared]
-            try:
-                for ev in self.journal.append_many(items):
-                    self._emit(ev)
-            except StorageError:
-                log.warning("run %s: could not journal %d alert event(s)", run.id, len(items))
+            self._emit_many(items, f"run {run.id}'s {len(items)} alert event(s)")
             for a in raised:
                 log.warning("run %s: %s", run.id, a.message)
-                if a.kind == "rank_exited" and run.id not in self._first_death:
-                    self._first_death[run.id] = a
+                if a.kind == "rank_exited" and lr.first_death is None:
+                    lr.first_death = a
         run.alerts = health.active
         if health.wants_stop and run.id not in self._stopping:
-            death = self._first_death.get(run.id)
+            death = lr.first_death
             why = f"a rank died ({death.message.split(':')[0]})" if death else "a rank died"
             self._spawn_bg(self.stop(run.id, RANK_DEATH_STOP_GRACE_S, reason=f"stopped by gpudeck: {why} and the run was launched with --on-rank-death stop"))
 
@@ -504,23 +528,23 @@ class Supervisor:
         self._bg.add(task)
         task.add_done_callback(self._bg.discard)
 
-    def _baseline(self, run: RunInfo) -> Baseline | None:
+    def _baseline(self, lr: LiveRun) -> Baseline | None:
         """The median throughput of the newest earlier run with the same config (looked up once per run)."""
-        if run.id in self._baselines:
-            return self._baselines[run.id]
-        tel = run.telemetry
+        if lr.baseline_known():
+            return lr.baseline_value()
+        tel = lr.info.telemetry
         if tel is None or not tel.config_hash:
             return None  # not known yet: look again next tick
-        found = self.journal.throughput_baseline(tel.config_hash, tel.world_size, exclude=run.id)
-        self._baselines[run.id] = Baseline(run_id=found[0], median_tokens_per_s=found[1], config_hash=tel.config_hash) if found else None
-        return self._baselines[run.id]
+        found = self.journal.throughput_baseline(tel.config_hash, tel.world_size, exclude=lr.id)
+        lr.baseline = Baseline(run_id=found[0], median_tokens_per_s=found[1], config_hash=tel.config_hash) if found else None
+        return lr.baseline_value()
 
     def verify(self, ref: str) -> tuple[RunInfo, list[ClaimRow]]:
         """Claims vs observed: live from the last observation, or as recorded when the run ended."""
         run = self.resolve(ref)
-        obs = self._last_obs.get(run.id)
-        if obs is not None:
-            return run, claims_report(obs)
+        lr = self._live.get(run.id)
+        if lr is not None and lr.last_obs is not None:
+            return run, claims_report(lr.last_obs)
         ev = self.journal.last_event(run.id, "claims")
         if ev is not None:
             return run, [msgspec.convert(r, ClaimRow) for r in ev.data.get("rows", [])]
@@ -529,166 +553,88 @@ class Supervisor:
             return run, claims_report(observe(run, time.time(), gpus, lambda m: alive(m.pid, m.create_time)))
         return run, []
 
-    def _record_claims(self, run: RunInfo) -> None:
-        obs = self._last_obs.get(run.id)
-        if obs is None:
+    def _record_claims(self, lr: LiveRun | None) -> None:
+        if lr is None or lr.last_obs is None:
             return
         try:
-            rows = claims_report(obs)
-            self._emit(self.journal.append("claims", run.id, {"rows": msgspec.to_builtins(rows)}))
+            rows = claims_report(lr.last_obs)
+            self._emit(self.journal.append("claims", lr.id, {"rows": msgspec.to_builtins(rows)}))
         except (StorageError, Exception):  # the claims are a report; never let them block the end of a run
-            log.exception("run %s: claims report failed", run.id)
+            log.exception("run %s: claims report failed", lr.id)
 
     def poll_telemetry(self, run: RunInfo) -> None:
-        """Fold new telemetry into the run's summary; journal what history needs, exactly once."""
-        tail = self._tails.get(run.id)
-        if tail is None:
-            tail = self._tails[run.id] = TelemetryTail(Path(run.run_dir or "") / "telemetry.jsonl")
+        """Fold new telemetry into a live run's summary; journal what history needs, exactly once."""
+        lr = self._live.get(run.id)
+        if lr is not None:
+            self._poll_telemetry(lr)
+
+    def _poll_telemetry(self, lr: LiveRun) -> None:
+        run = lr.info
+        if lr.tail is None:
             last = self.journal.last_event(run.id, "telemetry")
-            self._journaled_offset[run.id] = int(last.data.get("offset", 0)) if last else 0
+            lr.journaled_offset = int(last.data.get("offset", 0)) if last else 0
+        tail = lr.telemetry_tail()
         records = tail.poll()
         run.telemetry = tail.summary
         if not records:
             return
-        floor = self._journaled_offset.get(run.id, 0)
+        floor = lr.journaled_offset
         now = time.monotonic()
         items: list[tuple[str, str | None, dict]] = []
         for rec, offset in records:
             if offset <= floor or rec.get("type") == "heartbeat":
                 continue
             if rec.get("type") == "step":
-                if now - self._last_step_event.get(run.id, -1e9) < STEP_EVENT_EVERY_S:
+                if now - lr.last_step_event < STEP_EVENT_EVERY_S:
                     continue
-                self._last_step_event[run.id] = now
+                lr.last_step_event = now
             items.append(("telemetry", run.id, {"record": rec, "offset": offset}))
         if items:
             for ev in self.journal.append_many(items):
                 self._emit(ev)
-            self._journaled_offset[run.id] = items[-1][2]["offset"]
+            lr.journaled_offset = items[-1][2]["offset"]
 
-    def _discover_members(self, run: RunInfo) -> bool:
-        new: list[Member] = []
-        updated: list[Member] = []
-        for e in self.procs.tagged(run.id):
-            known = next((m for m in run.members if m.pid == e.pid and abs(m.create_time - e.create_time) <= CT_TOLERANCE), None)
-            if known is not None:
-                if known.rank is None and e.rank is not None and known.role == "worker":
-                    # first seen between fork and exec, with its parent's environment: now it has exec'd
-                    known.rank, known.local_rank, known.cmdline = e.rank, e.local_rank, _cmdline(e.pid)
-                    updated.append(known)
-                continue
-            info_cmd = _cmdline(e.pid)
-            new.append(Member(pid=e.pid, create_time=e.create_time, role="worker", rank=e.rank, local_rank=e.local_rank, first_seen=time.time(), cmdline=info_cmd))
-        if not new and not updated:
-            return False
-        # workers that came and went (shell helpers, finished DataLoader workers) leave the list;
-        # the journal's "members" events keep their history
-        members = [m for m in run.members if m.role in ("shim", "leader") or alive(m.pid, m.create_time)] + new
+    # ------------------------------------------------------------------ the end of a run
 
-        def brief(ms: list[Member]) -> list[dict]:
-            return [{"pid": m.pid, "rank": m.rank, "local_rank": m.local_rank, "cmdline": m.cmdline[:8]} for m in ms]
-
-        data = {"added": brief(new)}
-        if updated:
-            data["updated"] = brief(updated)  # members already journaled, now with their rank: replaced, not added
-        self._set(run, "members", data, members=members)
-        return True
-
-    def _shim_member(self, run: RunInfo) -> Member | None:
-        return next((m for m in run.members if m.role == "shim"), None)
-
-    def _leader_member(self, run: RunInfo) -> Member | None:
-        return next((m for m in run.members if m.role == "leader"), None)
-
-    def _run_alive(self, run: RunInfo) -> bool:
-        shim = self._shims.get(run.id)
-        if shim is not None:
-            return shim.poll() is None
-        m = self._shim_member(run) or self._leader_member(run)
-        if m is None:  # only tagged workers are known (the agent died while starting it)
-            return any(alive(x.pid, x.create_time) for x in run.members)
-        return alive(m.pid, m.create_time)
-
-    def _exit_record(self, run: RunInfo) -> dict | None:
-        try:
-            with open(Path(run.run_dir or "") / "exit.json", encoding="utf-8") as fh:
-                return json.load(fh)
-        except (OSError, ValueError):
-            return None
-
-    def _finish(self, run: RunInfo, *, agent_was_down: bool = False, stopped_cause: str | None = None) -> None:
-        self.poll_telemetry(run)  # the last records (done, error) before the run is closed
+    def _finish(self, lr: LiveRun, *, agent_was_down: bool = False, stopped_cause: str | None = None) -> None:
+        run = lr.info
+        self._poll_telemetry(lr)  # the last records (done, error) before the run is closed
         # the shim is let go only once the end is journaled: a journal that cannot be written now (disk full)
         # must not cost the exit code on the next try
-        shim = self._shims.get(run.id)
-        if shim is not None:
-            shim.poll()
-        rec = self._exit_record(run)
-        if rec is None and shim is not None and shim.returncode is not None and shim.returncode != 127:
-            # exit.json could not be written (disk full), but this agent reaped the shim: its code is the run's
-            rc = shim.returncode
-            sig_name = None
-            if rc > 128:
-                try:
-                    sig_name = signal.Signals(rc - 128).name
-                except ValueError:
-                    sig_name = None
-            rec = {"returncode": None if sig_name else rc, "signal": sig_name, "ended": time.time(), "note": "exit.json could not be written"}
+        if lr.shim is not None:
+            lr.shim.poll()
         tail = read_tail(Path(run.run_dir or "") / "output.log")
-        reason = classify_output(tail)
-        now = time.time()
-        if rec is not None and rec.get("launch_error"):
-            state, cause, code, sig = "failed", f"launch failed: {rec['launch_error']}", None, None
-        elif rec is not None:
-            code, sig = rec.get("returncode"), rec.get("signal")
-            ended = rec.get("ended") or now
-            now = ended
-            if code == 0:
-                state, cause = "succeeded", "exit code 0"
-            elif sig:
-                state, cause = "failed", f"killed by {sig}"
-            else:
-                state, cause = "failed", f"exit code {code}"
-            if state == "failed" and reason:
-                cause += f" ({reason})"
-            if agent_was_down:
-                cause += "; ended while the agent was down"
-        else:
-            code, sig = None, None
-            evidence = self._telemetry_evidence(run)
-            state = "lost"
-            cause = "agent lost track: the run ended while the agent was down and left no exit status"
-            if evidence:
-                cause += f"; {evidence}"
-            if reason:
-                cause += f"; output shows {reason}"
-        if state == "failed":
-            death = self._first_death.get(run.id)
-            health = self._health.get(run.id)
-            gone = health.first_gone(run) if health is not None and death is None else None
-            if death is not None:
-                cause += f"; rank {death.rank} died first ({death.message.split(':')[0]})"
-            elif gone is not None:
-                cause += f"; rank {gone[0]} died first (pid {gone[1]}; the others were torn down after it)"
-                if (run.spec.nnodes or 1) > 1:
-                    self._node_death_alert(run, gone, cause, now)
-            killed = sig == "SIGKILL" or "exitcode: -9" in tail or "Signals.SIGKILL" in tail
-            oom = host_oom_note([m.pid for m in run.members], run.started or run.created) if killed else None
-            if oom:
-                cause = f"{cause} (host OOM killer: {oom})"
-        if rec is not None and rec.get("note"):
-            cause += f"; {rec['note']} (is the agent's state dir full?)"
-        if stopped_cause is not None:
-            state, cause = "stopped", f"{stopped_cause} ({cause})"
+        figures = lr.group.figures() if lr.group is not None else None
+        health = lr.health
+        facts = ExitFacts(
+            record=read_exit_record(run.run_dir),
+            shim_returncode=lr.shim.returncode if lr.shim is not None else None,
+            output_tail=tail,
+            output_reason=classify_output(tail),
+            telemetry_evidence=telemetry_evidence(read_tail(Path(run.run_dir or "") / "telemetry.jsonl", 16 * 1024)),
+            agent_was_down=agent_was_down,
+            first_death=lr.first_death,
+            first_gone=health.first_gone(run) if health is not None and lr.first_death is None else None,
+            group_oom_kills=figures.oom_kills if figures is not None else None,
+            stopped_cause=stopped_cause,
+        )
+        end = decide(run, facts)
+        if end.node_death is not None:
+            self._node_death_alert(run, end.node_death, end.cause)
         lingering = [m for m in run.members if m.role != "shim" and alive(m.pid, m.create_time)]
-        data: dict = {"state": state, "cause": cause, "exit_code": code, "signal": sig}
+        data: dict = {"state": end.state, "cause": end.cause, "exit_code": end.exit_code, "signal": end.signal}
         if lingering:
             data["lingering"] = [m.pid for m in lingering]
-        self._record_claims(run)
-        self._set(run, "run_state", data, state=state, cause=cause, exit_code=code, signal=sig, ended=now)
-        self._shims.pop(run.id, None)
+        if run.containment is not None:
+            if figures is not None:
+                c = run.containment
+                c.cpu_seconds, c.memory_peak_bytes, c.oom_kills, c.figures_note = figures.cpu_seconds, figures.memory_peak_bytes, figures.oom_kills, figures.note
+            data["containment"] = msgspec.to_builtins(run.containment)
+        self._record_claims(lr)
+        self._set(run, "run_state", data, state=end.state, cause=end.cause, exit_code=end.exit_code, signal=end.signal, ended=end.ended)
+        lr.shim = None
 
-    def _node_death_alert(self, run: RunInfo, gone: tuple[int, int, float], cause: str, now: float) -> None:
+    def _node_death_alert(self, run: RunInfo, gone: tuple[int, int, float], cause: str) -> None:
         """A multi-node member whose rank died and whose torchrun tore the node down before the health tick's grace:
         the other nodes go on (until their collectives fail), so this is the rank-death alert, raised as the node ends."""
         rank, pid, since = gone
@@ -703,62 +649,82 @@ class Supervisor:
             f"`gpudeck stop {run.id}`, then relaunch",
             data={"node_rank": run.spec.node_rank, "gone_since": round(since, 3), "member_ended": True},
         )
-        try:
-            for ev in self.journal.append_many([("alert", run.id, {"alert": msgspec.to_builtins(alert)})]):
-                self._emit(ev)
-        except StorageError:
-            log.warning("run %s: could not journal the node-death alert", run.id)
+        self._emit_many([("alert", run.id, {"alert": msgspec.to_builtins(alert)})], f"run {run.id}'s node-death alert")
         log.warning("run %s: %s", run.id, alert.message)
-
-    def _telemetry_evidence(self, run: RunInfo) -> str:
-        tail = read_tail(Path(run.run_dir or "") / "telemetry.jsonl", 16 * 1024)
-        last_step = None
-        for line in tail.splitlines():
-            try:
-                rec = json.loads(line)
-            except ValueError:
-                continue
-            if rec.get("type") == "done":
-                return f"the trainer reported done at step {rec.get('final_step')}"
-            if rec.get("type") == "error":
-                return f"the trainer reported an error: {str(rec.get('message'))[:200]}"
-            if rec.get("type") == "step":
-                last_step = rec.get("step")
-        return f"last step reported: {last_step}" if last_step is not None else ""
 
     # ------------------------------------------------------------------ re-adoption
 
+    def _group_of(self, run: RunInfo) -> RunGroup | None:
+        """The run's group, as its containment record names it (or by its name under this agent's group)."""
+        info = run.containment
+        if info is not None and info.group:
+            p = Path(info.group)
+            return RunGroup(p, run.id) if p.is_dir() else None
+        return self.containment.group(run.id) if self.containment.has_groups else None
+
     def adopt(self) -> list[str]:
-        """After an agent (re)start: take over live runs, settle runs that ended meanwhile."""
+        """After an agent (re)start: take over live runs, settle runs that ended meanwhile, tidy this agent's groups."""
         self.procs.refresh(full=True)
         notes: list[str] = []
+        tree = proc_tree()
         for run in self.journal.list_runs(limit=100000, states=LIVE_STATES):
-            self._runs[run.id] = run
-            if run.state == "starting" and not run.members and not self.procs.tagged(run.id):
+            run = self._with_containment(run)
+            lr = self._live[run.id] = LiveRun(info=run, group=self._group_of(run))
+            if run.containment is None:  # a run an older agent started: it has what the tag gives
+                run.containment = self._containment_info(None) if lr.group is None else self._containment_info(lr.group)
+            if run.state == "starting" and not run.members and not self.procs.tagged(run.id) and not (lr.group and lr.group.populated()):
                 # the agent died between the record and the start, and no process carries the tag
                 self._set(run, "run_state", {"state": "failed", "cause": "launch interrupted: the agent stopped while starting it"},
                           state="failed", cause="launch interrupted: the agent stopped while starting it; nothing was started", ended=time.time())
                 notes.append(f"{run.id}: launch interrupted")
                 continue
-            self._discover_members(run)
-            if self._run_alive(run) or any(alive(m.pid, m.create_time) for m in run.members if m.role == "leader"):
+            self._discover(lr, tree)
+            # a stop under way is finished while anything of the run lives (its leader may be gone, a deaf worker not)
+            stop_left = run.state == "stopping" and (
+                any(alive(m.pid, m.create_time) for m in run.members if m.role != "shim") or (lr.group is not None and lr.group.populated())
+            )
+            if stop_left or self._run_alive(lr) or any(alive(m.pid, m.create_time) for m in run.members if m.role == "leader"):
                 if run.state == "stopping":
-                    notes.append(f"{run.id}: stop was in progress; finishing it")
-                    self._set(run, "run_adopted", {"state": run.state, "resume_stop": True})
+                    ev = self.journal.last_event(run.id, "run_state")
+                    data = ev.data if ev is not None and ev.data.get("state") == "stopping" else {}
+                    lr.resume_stop_started = float(data.get("stop_started") or (ev.ts if ev is not None and data else time.time()))
+                    notes.append(f"{run.id}: stop was in progress ({time.time() - lr.resume_stop_started:.1f} s ago); finishing it")
+                    self._set(run, "run_adopted", {"state": run.state, "resume_stop": True, "stop_started": lr.resume_stop_started})
                 else:
-                    self._set(run, "run_adopted", {"state": "running"}, state="running")
-                    notes.append(f"{run.id}: re-adopted")
+                    self._set(run, "run_adopted", {"state": "running", "containment": run.containment.label if run.containment else None}, state="running")
+                    notes.append(f"{run.id}: re-adopted ({run.containment.label if run.containment else 'tag'})")
             else:
                 was_stopping = run.state == "stopping"
-                self._finish(run, agent_was_down=True, stopped_cause="stopped by operator (the stop finished while the agent was down)" if was_stopping else None)
+                self._finish(lr, agent_was_down=True, stopped_cause="stopped by operator (the stop finished while the agent was down)" if was_stopping else None)
                 notes.append(f"{run.id}: ended while the agent was down ({run.state})")
         for run in self.journal.list_runs(limit=2000, states=TERMINAL_STATES):
             self._ended_ids.add(run.id)
+        notes += self._tidy_groups()
+        self._reindex()
+        self.adopt_notes = notes
+        return notes
+
+    def _tidy_groups(self) -> list[str]:
+        """Remove the empty groups of ended runs; keep those still holding processes; report, never delete, unknown ones."""
+        notes = []
+        for rid, group in self.containment.groups().items():
+            if rid in self._live:
+                continue
+            known = self.journal.get_run(rid)
+            if known is None:
+                n = len(group.pids())
+                msg = f"unknown cgroup {group.path} ({n} process(es)): no run {rid} in this agent's journal; left as it is"
+                log.warning(msg)
+                notes.append(msg)
+                continue
+            why = self._settle_group(rid, group)
+            if why is not None:
+                notes.append(f"{rid}: {why}")
         return notes
 
     def pending_stops(self) -> list[RunInfo]:
         """Runs left in ``stopping`` by an earlier agent; the server finishes those stops."""
-        return [r for r in self._runs.values() if r.state == "stopping"]
+        return [lr.info for lr in self._live.values() if lr.info.state == "stopping"]
 
     # ------------------------------------------------------------------ stop
 
@@ -774,149 +740,139 @@ class Supervisor:
             task.add_done_callback(lambda _t, rid=run.id: self._stopping.pop(rid, None))
         return await asyncio.shield(task)
 
-    async def _terminate(self, live: list[Member], grace_s: float) -> tuple[list[Member], list[Member], list[Member]]:
-        """TERM to every process, the grace, KILL to what is left; returns (gone after TERM, needed KILL, gone after KILL)."""
-        for m in live:
-            signal_exact(m.pid, m.create_time, signal.SIGTERM)
-        gone_after_term = await self._wait_gone(live, grace_s)
-        needed_kill = [m for m in live if m not in gone_after_term]
-        for m in needed_kill:
-            signal_exact(m.pid, m.create_time, signal.SIGKILL)
-        gone_after_kill = await self._wait_gone(needed_kill, KILL_WAIT_S) if needed_kill else []
-        return gone_after_term, needed_kill, gone_after_kill
+    async def _members_now(self, run: RunInfo, group: RunGroup | None, lr: LiveRun | None, full: bool = True) -> list[Member]:
+        """A fresh look at the run's processes (``full``: every pid's identity checked again): recorded members plus what is found now."""
+        self.procs.refresh(full=full)
+        tree = None if group is not None else await asyncio.to_thread(proc_tree)
+        if lr is not None:
+            self._discover(lr, tree)
+            return list(run.members)
+        d = discover(run, self.procs, group, tree, self.uid)
+        run.members = list(run.members) + d.new
+        return list(run.members)
 
     async def _stop(self, run: RunInfo, grace_s: float, reason: str = "stopped by operator") -> StopResult:
         t0 = time.monotonic()
         was_terminal = run.state in TERMINAL_STATES
+        lr = self._live.get(run.id)
+        if lr is None and not was_terminal:
+            lr = self._live[run.id] = LiveRun(info=run, group=self._group_of(run))
+        group = lr.group if lr is not None else (self._ended_groups.get(run.id) or self._group_of(run))
+        result = StopResult(run_id=run.id, state="stopping", containment=(run.containment.label if run.containment else self._containment_info(group).label))
+        stop_started = time.time()
+        grace_left = grace_s
+        if lr is not None and lr.resume_stop_started is not None:
+            spent = max(0.0, time.time() - lr.resume_stop_started)
+            stop_started = lr.resume_stop_started
+            grace_left = max(0.0, grace_s - spent)
+            result.resumed_after_s = round(spent, 3)
+            lr.resume_stop_started = None
         if not was_terminal:
-            self._runs.setdefault(run.id, run)
-            self._set(run, "run_state", {"state": "stopping", "grace_s": grace_s}, state="stopping")
-        # a fresh full scan: every process that carries the tag, wherever it went
-        self.procs.refresh(full=True)
-        if not was_terminal:
-            self._discover_members(run)
-        else:
-            for e in self.procs.tagged(run.id):
-                if not any(m.pid == e.pid and abs(m.create_time - e.create_time) <= CT_TOLERANCE for m in run.members):
-                    run.members.append(Member(pid=e.pid, create_time=e.create_time, rank=e.rank, local_rank=e.local_rank, cmdline=_cmdline(e.pid)))
-        members = list(run.members)
-        shim_m = self._shim_member(run)
+            self._set(run, "run_state", {"state": "stopping", "grace_s": grace_s, "stop_started": stop_started}, state="stopping")
+        # with a group the kernel names the members: no full re-read of every process's identity is needed
+        members = await self._members_now(run, group, lr, full=group is None)
+        shim_m = next((m for m in members if m.role == "shim"), None)
         targets = [m for m in members if m.role != "shim"]
         live = [m for m in targets if alive(m.pid, m.create_time)]
-        if was_terminal and not live:
+        if was_terminal and not live and (group is None or not group.populated()):
+            if group is not None:
+                self._settle_group(run.id, group)
             return StopResult(run_id=run.id, state=run.state, message=f"run {run.id} already ended ({run.cause}); none of its processes is alive", seconds=time.monotonic() - t0)
 
         gpu_before = await asyncio.to_thread(self.gpus.memory_used) if self.gpus.available else {}
-        result = StopResult(run_id=run.id, state="stopping")
-        gone_after_term, needed_kill, gone_after_kill = await self._terminate(live, grace_s)
+
+        async def rescan() -> list[Member]:
+            ms = await self._members_now(run, None, lr, full=False)
+            return [m for m in ms if m.role != "shim" and alive(m.pid, m.create_time)]
+
+        t = await stopper.terminate(live, grace_left, group=group, rescan=rescan if group is None else None, poll=self._poll_shims)
         # the shim exits by itself once its child is gone; make sure it did
         if shim_m is not None:
             shim_list = [shim_m] if alive(shim_m.pid, shim_m.create_time) else []
-            if shim_list and not await self._wait_gone(shim_list, 2.0):
+            if shim_list and not await stopper.wait_gone(shim_list, 2.0, None):
                 signal_exact(shim_m.pid, shim_m.create_time, signal.SIGKILL)
-                await self._wait_gone(shim_list, 2.0)
-            popen = self._shims.pop(run.id, None)
-            if popen is not None:
-                await asyncio.to_thread(_reap, popen, 2.0)
-        for m in targets:
-            cmd = m.cmdline[:12]
-            if m not in live:
-                if m.role != "leader":
-                    continue  # a worker that had already exited is not news
-                result.stopped.append(StoppedProcess(pid=m.pid, cmdline=cmd, role=m.role, how="already_gone"))
-            elif m in gone_after_term:
-                result.stopped.append(StoppedProcess(pid=m.pid, cmdline=cmd, role=m.role, how="zombie" if status_of(m.pid, m.create_time) == "zombie" else "SIGTERM"))
-            elif m in gone_after_kill:
-                result.stopped.append(StoppedProcess(pid=m.pid, cmdline=cmd, role=m.role, how="SIGKILL"))
+                await stopper.wait_gone(shim_list, 2.0, None)
+            if lr is not None and lr.shim is not None:
+                await asyncio.to_thread(_reap, lr.shim, 2.0)
+        stopper.classify(result, targets, t, report_gone=lambda m: m.role == "leader")
+        info = run.containment
+        if info is not None:
+            result.reported = list(info.outside) + list(info.other_uid)
+        if group is not None:
+            kept = None if t.group_empty else f"{len(group.pids())} process(es) still in it"
+            if kept is None:
+                if lr is not None and info is not None:
+                    f = group.figures()
+                    info.cpu_seconds, info.memory_peak_bytes, info.oom_kills, info.figures_note = f.cpu_seconds, f.memory_peak_bytes, f.oom_kills, f.note
+                why = self._settle_group(run.id, group) if was_terminal or lr is None else None  # a live run's group goes when its end is journaled
+                result.group_note = f"cgroup {group.path} emptied (populated 0)" + (f" by {t.kill_how}" if t.needed_kill else "") + ("" if why is None else f"; {why}")
             else:
-                result.survivors.append(StoppedProcess(pid=m.pid, cmdline=cmd, role=m.role, how="survived", status=status_of(m.pid, m.create_time)))
-        result.needed_kill = [m.pid for m in needed_kill]
-        await self._verify_gpu(result, members, gpu_before)
+                result.group_note = f"cgroup {group.path} kept: {kept}"
+        else:
+            result.group_note = TAG_LIMIT
+        await stopper.verify_gpu(self.gpus, result, t.signalled + targets, gpu_before)
         result.seconds = round(time.monotonic() - t0, 3)
 
         if was_terminal:
             result.state = run.state
-            result.message = f"run {run.id} had already ended ({run.cause}); its {len(live)} leftover process(es) were stopped"
-        else:
-            self.poll_telemetry(run)
-            rec = self._exit_record(run)
-            code = rec.get("returncode") if rec else None
-            sig = rec.get("signal") if rec else None
-            cause = reason
-            if result.needed_kill:
-                cause += f"; {len(result.needed_kill)} process(es) ignored SIGTERM for {grace_s:g} s and needed SIGKILL"
-            if result.survivors:
-                cause += f"; {len(result.survivors)} process(es) survived SIGKILL ({', '.join(f'{s.pid} {s.status}' for s in result.survivors)})"
-            result.state = "stopped"
-            self._record_claims(run)
-            self._set(
-                run,
-                "run_state",
-                {"state": "stopped", "cause": cause, "stop": msgspec.to_builtins(result)},
-                state="stopped",
-                cause=cause,
-                exit_code=code,
-                signal=sig,
-                ended=time.time(),
-            )
-            result.message = _summary(result)
-        if was_terminal:
+            result.message = f"run {run.id} had already ended ({run.cause}); its {len(t.signalled)} leftover process(es) were stopped; " + stopper.summary(result)
+            if group is not None:
+                self._settle_group(run.id, group)
             self._emit(self.journal.append("reclaimed", run.id, msgspec.to_builtins(result)))
+            return result
+        assert lr is not None
+        self._poll_telemetry(lr)
+        rec = read_exit_record(run.run_dir)
+        code = rec.get("returncode") if rec else None
+        sig = rec.get("signal") if rec else None
+        cause = reason
+        if result.resumed_after_s is not None:
+            cause += f"; finished by a restarted agent {result.resumed_after_s:.1f} s after the stop began ({grace_left:.1f} s of the {grace_s:g} s grace were left)"
+        if result.needed_kill:
+            cause += f"; {len(result.needed_kill)} process(es) ignored SIGTERM for {grace_s:g} s and needed SIGKILL"
+        if result.survivors:
+            cause += f"; {len(result.survivors)} process(es) survived SIGKILL ({', '.join(f'{s.pid} {s.status}' for s in result.survivors)})"
+        if result.reported:
+            cause += f"; {len(result.reported)} process(es) reported and not signalled"
+        result.state = "stopped"
+        self._record_claims(lr)
+        data: dict = {"state": "stopped", "cause": cause, "stop": msgspec.to_builtins(result)}
+        if info is not None:
+            data["containment"] = msgspec.to_builtins(info)
+        self._set(run, "run_state", data, state="stopped", cause=cause, exit_code=code, signal=sig, ended=time.time())
+        if group is not None and t.group_empty:
+            # _set removed it with the run's end; say if it could not
+            if group.exists():
+                result.group_note += f"; {group.path} could not be removed"
+            else:
+                result.group_note += " and removed"
+        result.message = stopper.summary(result)
+        if result.resumed_after_s is not None:
+            result.message = f"resumed a stop begun {result.resumed_after_s:.1f} s earlier by the previous agent ({grace_left:.1f} s of grace left); " + result.message
         return result
 
-    async def _wait_gone(self, members: list[Member], timeout: float) -> list[Member]:
-        """Wait until members are dead (zombies count as dead); return those that went."""
-        deadline = time.monotonic() + timeout
-        pending = list(members)
-        gone: list[Member] = []
-        delay = 0.01
-        while pending:
-            still = []
-            for m in pending:
-                (still if alive(m.pid, m.create_time) else gone).append(m)
-            pending = still
-            if not pending or time.monotonic() >= deadline:
-                break
-            # reap our own child (the shim) so it does not linger as a zombie
-            for popen in self._shims.values():
-                popen.poll()
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 0.1)
-        return gone
-
-    async def _verify_gpu(self, result: StopResult, members: list[Member], before: dict[int, int]) -> None:
-        if not self.gpus.available:
-            result.gpu_verified = False
-            result.gpu_note = f"GPU memory not verified: {self.gpus.error}"
-            return
-        pids = {m.pid for m in members}
-        deadline = time.monotonic() + GPU_SETTLE_S
-        while True:
-            gpus = await asyncio.to_thread(self.gpus.sample)
-            holders = [p for g in gpus for p in g.processes if p.pid in pids]
-            if not holders or time.monotonic() >= deadline:
-                break
-            await asyncio.sleep(0.1)
-        after = {g.index: g.memory_used for g in gpus}
-        result.still_on_gpu = [GpuProcess(pid=p.pid, gpu=p.gpu, used_bytes=p.used_bytes, attribution="STALE", run_id=result.run_id) for p in holders]
-        for idx, b in sorted(before.items()):
-            a = after.get(idx, b)
-            result.freed.append(GpuFreed(gpu=idx, before_bytes=b, after_bytes=a, freed_bytes=max(0, b - a)))
-        result.freed_bytes = sum(f.freed_bytes for f in result.freed)
-        result.gpu_verified = not holders
-        if holders:
-            result.gpu_note = "still holding GPU memory: " + ", ".join(f"pid {p.pid} on GPU {p.gpu} ({(p.used_bytes or 0) / 2**30:.1f} GiB)" for p in holders)
-        else:
-            result.gpu_note = f"verified through NVML: no process of the run holds GPU memory; {result.freed_bytes / 2**30:.2f} GiB freed"
-
-
     # ------------------------------------------------------------------ reclaim (failures 1-3)
+
+    def _grouped_leftovers(self) -> dict[int, str]:
+        """pid -> run id for every process in the group of an ended run (a leftover whatever its environment says)."""
+        out: dict[int, str] = {}
+        groups = dict(self.containment.groups())
+        groups.update(self._ended_groups)
+        for rid, group in groups.items():
+            if rid in self._live:
+                continue
+            state = self.run_state(rid)
+            if state is None:
+                continue  # an unknown group: reported at adoption, not offered
+            for pid in group.pids():
+                out[pid] = rid
+        return out
 
     async def leftovers(self, include_live: bool = False, host_name: str | None = None) -> list[Leftover]:
         """Every leftover process here (see agents/leftovers.py), with CPU % over a short sample."""
         self.procs.refresh(full=True)
         gpus = self.attributed_gpus() if self.gpus.available else []
-        found = find_leftovers(host_name or self.host, self.procs, gpus, self.run_state, self.journal.get_run, include_live=include_live)
+        found = find_leftovers(host_name or self.host, self.procs, gpus, self.run_state, self.journal.get_run, include_live=include_live, grouped=self._grouped_leftovers())
         before = {lo.pid: read_stat(lo.pid) for lo in found}
         t0 = time.monotonic()
         await asyncio.sleep(0.25)
@@ -947,7 +903,7 @@ class Supervisor:
             if lo.kind == "live" and not include_live:
                 raise BadRequest(f"pid {pid} belongs to live run {lo.run_id}: `gpudeck stop {lo.run_id}` stops the whole run; to stop this one process alone add --include-live")
             chosen.append(lo)
-        result = StopResult(run_id=None, state="reclaimed")
+        result = StopResult(run_id=None, state="reclaimed", containment=self.containment.label)
         targets: list[Member] = []
         unsignalable: list[Leftover] = []
         for lo in chosen:
@@ -957,27 +913,19 @@ class Supervisor:
                 targets.append(Member(pid=lo.pid, create_time=lo.create_time, role="leftover", rank=lo.rank, cmdline=lo.cmdline[:12]))
         live = [m for m in targets if alive(m.pid, m.create_time)]
         gpu_before = await asyncio.to_thread(self.gpus.memory_used) if self.gpus.available else {}
-        gone_term, needed_kill, gone_kill = await self._terminate(live, grace_s)
-        for m in targets:
-            st = status_of(m.pid, m.create_time)
-            if m not in live:
-                how = "zombie" if st == "zombie" else "already_gone"
-                result.stopped.append(StoppedProcess(pid=m.pid, cmdline=m.cmdline, role="leftover", how=how, status=st))
-            elif m in gone_term:
-                result.stopped.append(StoppedProcess(pid=m.pid, cmdline=m.cmdline, role="leftover", how="zombie" if st == "zombie" else "SIGTERM"))
-            elif m in gone_kill:
-                result.stopped.append(StoppedProcess(pid=m.pid, cmdline=m.cmdline, role="leftover", how="SIGKILL"))
-            else:
-                result.survivors.append(StoppedProcess(pid=m.pid, cmdline=m.cmdline, role="leftover", how="survived", status=st))
+        t = await stopper.terminate(live, grace_s, poll=self._poll_shims)
+        stopper.classify(result, targets, t)
         for lo in unsignalable:
             result.survivors.append(StoppedProcess(pid=lo.pid, cmdline=lo.cmdline, role="leftover", how="survived", status="no such process"))
-        result.needed_kill = [m.pid for m in needed_kill]
-        await self._verify_gpu(result, targets + [Member(pid=lo.pid, create_time=0.0) for lo in unsignalable], gpu_before)
+        await stopper.verify_gpu(self.gpus, result, targets + [Member(pid=lo.pid, create_time=0.0) for lo in unsignalable], gpu_before)
         result.seconds = round(time.monotonic() - t0, 3)
         notes = [f"pid {s.pid}: {found[s.pid].note}" for s in result.survivors] + [
             f"pid {s.pid}: {found[s.pid].note}" for s in result.stopped if s.how == "zombie"
         ]
-        result.message = _summary(result) + ("; " + "; ".join(notes) if notes else "")
+        result.message = stopper.summary(result) + ("; " + "; ".join(notes) if notes else "")
+        for rid, group in list(self._ended_groups.items()):
+            if not group.populated():
+                self._settle_group(rid, group)
         by_run: dict[str | None, list[int]] = {}
         for lo in chosen:
             by_run.setdefault(lo.run_id, []).append(lo.pid)
@@ -989,51 +937,11 @@ class Supervisor:
         return result
 
 
-def _summary(result: StopResult) -> str:
-    parts = [f"stopped {len(result.stopped)} process(es)"]
-    if result.needed_kill:
-        parts.append(f"{len(result.needed_kill)} needed SIGKILL ({', '.join(map(str, result.needed_kill))})")
-    if result.survivors:
-        parts.append(f"{len(result.survivors)} SURVIVED: " + ", ".join(f"{s.pid} ({s.status})" for s in result.survivors))
-    parts.append(result.gpu_note)
-    return "; ".join(parts)
-
-
 def _reap(popen: subprocess.Popen, timeout: float) -> None:
     try:
         popen.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
         pass
-
-
-def _cmdline(pid: int) -> list[str]:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as fh:
-            return [a.decode("utf-8", "replace") for a in fh.read().split(b"\0") if a][:32]
-    except OSError:
-        return []
-
-
-def _read_line(fd: int, timeout: float) -> str:
-    """Read one line from a pipe with a deadline (the shim's start report)."""
-    import selectors
-
-    sel = selectors.DefaultSelector()
-    sel.register(fd, selectors.EVENT_READ)
-    buf = b""
-    deadline = time.monotonic() + timeout
-    try:
-        while b"\n" not in buf:
-            left = deadline - time.monotonic()
-            if left <= 0 or not sel.select(left):
-                break
-            chunk = os.read(fd, 4096)
-            if not chunk:
-                break
-            buf += chunk
-    finally:
-        sel.close()
-    return buf.decode("utf-8", "replace").strip()
 
 
 def hostname() -> str:

@@ -1,23 +1,175 @@
 """Provides the agent's reader of run telemetry (the JSON lines trainers append, see trainers/telemetry.py).
 
 The file is read incrementally from the last offset each supervision tick;
-a torn last line waits for the rest, a line that is not JSON is counted and
-skipped. The summary keeps what the console shows (step, loss, tokens/s, MFU,
-each rank's manifest and last heartbeat); the supervisor journals the records
-that matter for history (manifest, checkpoint, eval, done, error, and steps
-at a bounded rate).
+a torn last line waits for the rest (or is read as it is once the run has
+ended: ``poll(final=True)``). Every line is hostile input, written by the run:
+it is decoded with explicit limits (:func:`decode_line`) and either accepted
+or rejected by itself, with the reason kept (``take_rejections``), never an
+exception out of :meth:`TelemetryTail.poll`. The limits:
+
+- a line is at most ``MAX_LINE`` bytes (1 MiB); a longer one is skipped up to
+  its newline, as one rejection;
+- valid UTF-8 JSON, one object with a string ``type`` (at most 64 characters);
+- nesting at most ``MAX_DEPTH`` (64) arrays and objects deep;
+- every integer, anywhere in the record, within SQLite's 64-bit range (a
+  larger one could not be stored in the history); floats finite (JSON has no
+  NaN or infinity; a literal past 1e308 is refused);
+- the fields the summary and the history read are typed (:class:`TelemetryLine`:
+  ``step`` an integer, ``loss`` a number, ``rank`` 0..65535 ...);
+  other fields are kept as they are;
+- at most ``MAX_RANKS`` distinct ranks per run (the summary has one entry each).
+
+The file itself is opened without following a symbolic link and read only if it
+is a regular file (a run that puts a FIFO or a link to /dev/zero there gets a
+rejection, not a stuck agent).
+
+The summary keeps what the console shows (step, loss, tokens/s, MFU, each
+rank's manifest and last heartbeat); the supervisor journals the records that
+matter for history (manifest, checkpoint, eval, done, error, and steps at a
+bounded rate).
 """
 
 from __future__ import annotations
 
-import json
+import errno
 import os
+import re
+import stat
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Annotated, Any
+
+import msgspec
 
 from agents.protocol import RankTelemetry, RunTelemetry
 
 MAX_READ = 4 << 20  # bytes per poll; the rest waits for the next tick
-MAX_LINE = 1 << 20
+MAX_LINE = 1 << 20  # bytes in one line
+MAX_DEPTH = 64  # arrays and objects inside each other
+MAX_RANK = 65535
+MAX_RANKS = 4096  # distinct ranks one run's summary keeps
+MAX_REJECTIONS_KEPT = 100  # pending rejections held for take_rejections(); the count goes on
+INT_MIN, INT_MAX = -(2**63), 2**63 - 1
+
+Int64 = Annotated[int, msgspec.Meta(ge=INT_MIN, le=INT_MAX)]
+Text = Annotated[str, msgspec.Meta(max_length=4096)]
+
+
+class TelemetryLine(msgspec.Struct, kw_only=True):
+    """The fields of a telemetry record that the agent reads, typed; any other field is kept untyped."""
+
+    type: Annotated[str, msgspec.Meta(min_length=1, max_length=64)]
+    ts: float | None = None
+    rank: Annotated[int, msgspec.Meta(ge=0, le=MAX_RANK)] | None = None
+    step: Int64 | None = None
+    loss: float | None = None
+    tokens_per_s: float | None = None
+    mfu: float | None = None
+    queue_depth: float | None = None
+    mem_peak_gib: float | None = None
+    tau: float | None = None
+    pid: Int64 | None = None
+    world_size: Int64 | None = None
+    params_total: Int64 | None = None
+    params_trainable: Int64 | None = None
+    dataset_samples: Int64 | None = None
+    dataset_tokens: Int64 | None = None
+    final_step: Int64 | None = None
+    role: Text | None = None
+    device: Text | None = None
+    gpu_uuid: Text | None = None
+    start: Text | None = None
+    config_hash: Text | None = None
+    message: str | None = None
+
+
+class TelemetryRejection(msgspec.Struct, frozen=True, kw_only=True):
+    """One telemetry line the reader refused, and why."""
+
+    line: int  # 1-based line number in the file
+    offset: int  # byte offset where the line starts
+    reason: str
+
+    def describe(self) -> str:
+        """``telemetry line 812 rejected: nesting deeper than 64``."""
+        return f"telemetry line {self.line} rejected: {self.reason}"
+
+
+class LineRejected(ValueError):
+    """A telemetry line outside the limits; the message is the reason."""
+
+
+_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.DOTALL)
+_NOT_BRACKET = re.compile(rb"[^\[\]{}]+")
+_ANY = msgspec.json.Decoder()
+
+
+def _depth(raw: bytes) -> int:
+    """How deep arrays and objects nest in ``raw`` (brackets inside strings do not count)."""
+    if raw.count(b"[") + raw.count(b"{") <= MAX_DEPTH:
+        return 0  # the common case: too few brackets to nest that deep
+    depth = deepest = 0
+    for ch in _NOT_BRACKET.sub(b"", _STRING.sub(b'""', raw)):
+        if ch in (0x5B, 0x7B):  # [ {
+            depth += 1
+            deepest = max(deepest, depth)
+        else:
+            depth -= 1
+    return deepest
+
+
+def _walk(value: Any, path: str = "$") -> None:
+    stack: list[tuple[Any, str]] = [(value, path)]
+    while stack:
+        v, p = stack.pop()
+        if isinstance(v, bool) or v is None or isinstance(v, (str, float)):
+            continue
+        if isinstance(v, int):
+            if not INT_MIN <= v <= INT_MAX:
+                raise LineRejected(f"integer at {p} out of range (more than 64 bits: SQLite cannot store it)")
+        elif isinstance(v, dict):
+            stack.extend((x, f"{p}.{k}"[:200]) for k, x in v.items())
+        elif isinstance(v, list):
+            stack.extend((x, f"{p}[{i}]") for i, x in enumerate(v))
+
+
+def decode_line(raw: bytes) -> tuple[dict[str, Any], TelemetryLine]:
+    """One telemetry line as (the record as written, its typed fields); :class:`LineRejected` says why not."""
+    if len(raw) > MAX_LINE:
+        raise LineRejected(f"longer than {MAX_LINE} bytes")
+    if _depth(raw) > MAX_DEPTH:
+        raise LineRejected(f"nesting deeper than {MAX_DEPTH}")
+    try:
+        obj = _ANY.decode(raw)
+    except msgspec.ValidationError as exc:  # a number literal past what a float or a 64-bit int holds
+        raise LineRejected(f"number out of range ({exc})") from None
+    except msgspec.DecodeError as exc:
+        raise LineRejected(f"not valid UTF-8 JSON ({exc})") from None
+    if not isinstance(obj, dict):
+        raise LineRejected(f"not a JSON object (a {type(obj).__name__})")
+    _walk(obj)
+    try:
+        typed = msgspec.convert(obj, TelemetryLine)
+    except msgspec.ValidationError as exc:
+        raise LineRejected(f"field {exc}") from None
+    return obj, typed
+
+
+def _open_regular(path: Path) -> int:
+    """A read-only fd for ``path`` if it is a regular file reached without following a link (else OSError)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise OSError(errno.ELOOP, f"{path} is a symbolic link (not followed)") from None
+        raise
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, f"{path} is not a regular file")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 class TelemetryTail:
@@ -27,44 +179,118 @@ class TelemetryTail:
         self.path = path
         self.offset = offset  # file offset just past the last complete line read
         self.summary = RunTelemetry()
+        self.rejected = 0  # every line refused so far (also summary.bad_lines)
+        self._pending: list[TelemetryRejection] = []
+        self._line = 0 if offset == 0 else -1  # lines before offset; -1: not counted yet
+        self._skipping = False  # inside a line longer than MAX_LINE: drop bytes up to its newline
+        self._skip_start = (0, 0)
+        self._file_refused = False
 
-    def poll(self) -> list[tuple[dict, int]]:
-        """New complete records since the last poll, each with the file offset just past it."""
+    def take_rejections(self) -> list[TelemetryRejection]:
+        """The lines refused since the last call (at most MAX_REJECTIONS_KEPT; ``rejected`` counts all)."""
+        out, self._pending = self._pending, []
+        return out
+
+    def _reject(self, line: int, offset: int, reason: str) -> None:
+        self.rejected += 1
+        self.summary.bad_lines += 1
+        if len(self._pending) < MAX_REJECTIONS_KEPT:
+            self._pending.append(TelemetryRejection(line=line, offset=offset, reason=reason))
+
+    def _count_lines_before(self, fd: int) -> None:
+        n, pos = 0, 0
+        while pos < self.offset:
+            chunk = os.pread(fd, min(1 << 20, self.offset - pos), pos)
+            if not chunk:
+                break
+            n += chunk.count(b"\n")
+            pos += len(chunk)
+        self._line = n
+
+    def poll(self, final: bool = False) -> list[tuple[dict, int]]:
+        """New complete records since the last poll, each with the file offset just past it.
+
+        ``final``: the run has ended; a last line without a newline is read as it is.
+        """
         try:
-            with open(self.path, "rb") as fh:
-                size = os.fstat(fh.fileno()).st_size
-                if size < self.offset:  # truncated or replaced: start over
-                    self.offset = 0
-                if size == self.offset:
-                    return []
-                fh.seek(self.offset)
-                data = fh.read(MAX_READ)
+            fd = _open_regular(self.path)
+        except FileNotFoundError:
+            return []
+        except OSError as exc:
+            if not self._file_refused:  # said once, not every tick
+                self._file_refused = True
+                self._reject(max(self._line, 0) + 1, self.offset, f"the file cannot be read as a regular file ({exc.strerror or exc})")
+            return []
+        self._file_refused = False
+        try:
+            size = os.fstat(fd).st_size
+            if size < self.offset:  # truncated or replaced: start over
+                self.offset, self._line, self._skipping = 0, 0, False
+            if self._line < 0:
+                self._count_lines_before(fd)
+            if size == self.offset:
+                return []
+            data = os.pread(fd, MAX_READ, self.offset)
         except OSError:
             return []
-        end = data.rfind(b"\n")
-        if end < 0:
-            if len(data) > MAX_LINE:  # one endless line: skip it
-                self.offset += len(data)
-                self.summary.bad_lines += 1
-            return []  # a torn last line waits for its newline
-        out: list[tuple[dict, int]] = []
+        finally:
+            os.close(fd)
+        return list(self._take(data, final))
+
+    def _take(self, data: bytes, final: bool) -> Iterator[tuple[dict, int]]:
         pos = self.offset
-        for raw in data[: end + 1].split(b"\n")[:-1]:
+        view = memoryview(data)
+        start = 0
+        while start < len(data):
+            nl = data.find(b"\n", start)
+            if nl < 0:
+                rest = len(data) - start
+                if self._skipping:
+                    pos += rest
+                elif rest > MAX_LINE:
+                    self._line += 1
+                    self._skipping, self._skip_start = True, (self._line, pos)
+                    pos += rest
+                elif final:
+                    self._line += 1
+                    rec = self._accept(bytes(view[start:]), pos)
+                    pos += rest
+                    if rec is not None:
+                        yield rec[0], pos
+                self.offset = pos  # a torn last line (not final) waits for its newline
+                if self._skipping and final:
+                    self._skipping = False
+                    self._reject(*self._skip_start, f"longer than {MAX_LINE} bytes")
+                return
+            raw = view[start:nl]
+            line_start = pos
             pos += len(raw) + 1
-            if not raw.strip():
+            start = nl + 1
+            if self._skipping:  # the end of an over-long line
+                self._skipping = False
+                self._reject(*self._skip_start, f"longer than {MAX_LINE} bytes")
+                self.offset = pos
                 continue
-            try:
-                rec = json.loads(raw)
-            except ValueError:
-                self.summary.bad_lines += 1
+            self._line += 1
+            self.offset = pos
+            if not bytes(raw).strip():
                 continue
-            if not isinstance(rec, dict) or "type" not in rec:
-                self.summary.bad_lines += 1
-                continue
-            self._fold(rec)
-            out.append((rec, pos))
-        self.offset = pos
-        return out
+            rec = self._accept(bytes(raw), line_start)
+            if rec is not None:
+                yield rec[0], pos
+
+    def _accept(self, raw: bytes, line_start: int) -> tuple[dict, TelemetryLine] | None:
+        try:
+            obj, typed = decode_line(raw)
+        except LineRejected as exc:
+            self._reject(self._line, line_start, str(exc))
+            return None
+        rank = typed.rank or 0
+        if str(rank) not in self.summary.ranks and len(self.summary.ranks) >= MAX_RANKS:
+            self._reject(self._line, line_start, f"rank {rank}: more than {MAX_RANKS} ranks in one run")
+            return None
+        self._fold(obj)
+        return obj, typed
 
     def _fold(self, rec: dict) -> None:
         s = self.summary
@@ -138,7 +364,7 @@ def step_series(path: Path, max_points: int = 300) -> tuple[list[int], list[floa
     """
     by_step: dict[int, list[float | None]] = {}
     try:
-        fh = open(path, "rb")
+        fh = os.fdopen(_open_regular(path), "rb")
     except OSError:
         return [], [], [], [], 0
     with fh:
@@ -146,10 +372,10 @@ def step_series(path: Path, max_points: int = 300) -> tuple[list[int], list[floa
             if b'"step"' not in raw:
                 continue
             try:
-                rec = json.loads(raw)
-            except ValueError:
+                rec, _typed = decode_line(raw.rstrip(b"\n"))
+            except LineRejected:
                 continue
-            if not isinstance(rec, dict) or rec.get("type") != "step" or not isinstance(rec.get("step"), int):
+            if rec.get("type") != "step" or not isinstance(rec.get("step"), int):
                 continue
             row = by_step.setdefault(rec["step"], [None, None, None])
             for i, name in enumerate(("loss", "tokens_per_s", "mfu")):

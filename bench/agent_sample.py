@@ -8,8 +8,10 @@ Peers, each measured here on the same host and GPU state:
 gpudeck: ``SnapshotBuilder.build()`` — every GPU, every GPU process attributed to its run.
 Then the agent's own CPU at a 1 s snapshot interval, measured from /proc over a real agent process.
 
-Usage: python bench/agent_sample.py [--hold-gib 20] [--cpu-seconds 30]
-Prints one line per figure; ratios are peer / gpudeck.
+Usage: python bench/agent_sample.py [--hold-gib 20] [--cpu-seconds 30] [--extra-procs 5000] [--profile FILE]
+Prints one line per figure; ratios are peer / gpudeck. ``--extra-procs N`` starts N sleeping processes
+for the CPU measurement (stopped by pid afterwards); ``--profile FILE`` runs the measured agent under
+cProfile (thread CPU time) in every thread and prints where its time went (the profile's own cost inflates the CPU figure).
 """
 
 from __future__ import annotations
@@ -160,23 +162,89 @@ async def main_async(args: argparse.Namespace) -> None:
     journal.close()
 
     if args.cpu_seconds > 0:
-        cpu_pct = await agent_cpu(args.cpu_seconds)
-        print(f"agent_sample agent CPU at 1 s snapshot interval: {cpu_pct:.3f}% of one core over {args.cpu_seconds} s", flush=True)
+        extra = start_sleepers(args.extra_procs)
+        try:
+            n_host = len([n for n in os.listdir("/proc") if n.isdigit()])
+            cpu_pct = await agent_cpu(args.cpu_seconds, profile=args.profile, warmup=args.warmup)
+        finally:
+            stop_sleepers(extra)
+        print(f"agent_sample agent CPU at 1 s snapshot interval: {cpu_pct:.3f}% of one core over {args.cpu_seconds} s "
+              f"({n_host} processes on the host, {len(extra)} of them started by the benchmark)", flush=True)
     shutil.rmtree(tmp, ignore_errors=True)
 
 
-async def agent_cpu(seconds: float) -> float:
+def _newest_id() -> int | None:
+    try:
+        return int(Path("/proc/loadavg").read_text().split()[4])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def start_sleepers(n: int) -> list[subprocess.Popen]:
+    """``n`` idle processes (``sleep``), the host's process count a big machine has."""
+    out: list[subprocess.Popen] = []
+    try:
+        for _ in range(n):
+            out.append(subprocess.Popen(["sleep", "3600"], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+    except BaseException:
+        stop_sleepers(out)
+        raise
+    if n:
+        print(f"agent_sample started {n} sleeping processes", flush=True)
+    return out
+
+
+def stop_sleepers(procs: list[subprocess.Popen]) -> None:
+    """Stop exactly the processes start_sleepers started, by pid."""
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+    for p in procs:
+        p.wait()
+
+
+# the agent under cProfile in every thread (the sampler and journal threads do the work now), stats merged at exit
+PROFILED_AGENT = r"""
+import cProfile, pstats, sys, threading, time
+from pathlib import Path
+profiles = []
+_run = threading.Thread.run
+def run(self):
+    p = cProfile.Profile(time.thread_time); profiles.append(p); p.enable()
+    try:
+        _run(self)
+    finally:
+        p.disable()
+threading.Thread.run = run
+main = cProfile.Profile(time.thread_time); profiles.append(main); main.enable()
+from agents.server import serve
+try:
+    serve(Path(sys.argv[2]))
+finally:
+    main.disable()
+    st = pstats.Stats(profiles[0])
+    for p in profiles[1:]:
+        try:
+            st.add(p)
+        except TypeError:
+            pass
+    st.dump_stats(sys.argv[1])
+"""
+
+
+async def agent_cpu(seconds: float, profile: str | None = None, warmup: float = 2.0) -> float:
     """CPU share of a real agent process that streams a snapshot every second to one watcher."""
     home = Path(tempfile.mkdtemp(prefix="gd-cpu-", dir="/tmp"))
     pythonpath = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
     env = {**os.environ, "GPUDECK_HOME": str(home), "PYTHONPATH": pythonpath}
     errlog = open(home / "agent.stderr", "wb")
-    proc = subprocess.Popen([sys.executable, "-m", "agents", "serve", "--state-dir", str(home / "agent")], env=env, start_new_session=True, stdout=errlog, stderr=errlog)
+    cmd = [sys.executable, "-c", PROFILED_AGENT, profile, str(home / "agent")] if profile else [sys.executable, "-m", "agents", "serve", "--state-dir", str(home / "agent")]
+    proc = subprocess.Popen(cmd, env=env, start_new_session=True, stdout=errlog, stderr=errlog)
     try:
         from agents.client import AgentClient
 
         client = None
-        for _ in range(200):
+        for _ in range(1200):  # a minute: with thousands of processes (and a profiler) start-up reads each once
             try:
                 client = await AgentClient.connect_unix(state_dir=home / "agent", autostart=False)
                 break
@@ -184,8 +252,9 @@ async def agent_cpu(seconds: float) -> float:
                 await asyncio.sleep(0.05)
         if client is None:
             raise SystemExit(f"agent did not start: {(home / 'agent.stderr').read_text()[-2000:]}")
-        await asyncio.sleep(2.0)  # past start-up
+        await asyncio.sleep(warmup)  # past start-up (reading every process once)
         p = psutil.Process(proc.pid)
+        ids0 = _newest_id()
         c0 = p.cpu_times()
         t0 = time.monotonic()
         n = 0
@@ -195,14 +264,23 @@ async def agent_cpu(seconds: float) -> float:
                 break
         c1 = p.cpu_times()
         wall = time.monotonic() - t0
+        ids1 = _newest_id()
+        if ids0 is not None and ids1 is not None:
+            made = ids1 - ids0 if ids1 >= ids0 else ids1 + int(Path("/proc/sys/kernel/pid_max").read_text()) - ids0
+            print(f"agent_sample the host handed out {made} new pids/tids during the window ({made / wall:.1f}/s): the agent reads each once", flush=True)
         await client.close()
         used = (c1.user - c0.user) + (c1.system - c0.system)
         print(f"agent_sample agent sent {n} snapshots in {wall:.1f} s; CPU {used:.3f} s", flush=True)
         return 100.0 * used / wall
     finally:
         proc.terminate()
-        proc.wait(10)
+        proc.wait(30)
         shutil.rmtree(home, ignore_errors=True)
+        if profile:
+            import pstats
+
+            print(f"agent_sample profile of the agent (all threads) in {profile}; top by own time:", flush=True)
+            pstats.Stats(profile).sort_stats("tottime").print_stats(25)
 
 
 def main() -> None:
@@ -210,6 +288,9 @@ def main() -> None:
     ap.add_argument("--hold-gib", type=float, default=20.0, help="GiB a run-attributed holder process keeps on GPU 0")
     ap.add_argument("-n", type=int, default=2000, help="snapshots to time")
     ap.add_argument("--cpu-seconds", type=float, default=30.0, help="how long to measure the agent's CPU (0: skip)")
+    ap.add_argument("--warmup", type=float, default=2.0, help="seconds between the agent answering and the CPU window")
+    ap.add_argument("--extra-procs", type=int, default=0, help="sleeping processes to start for the CPU measurement (stopped by pid after it)")
+    ap.add_argument("--profile", default=None, help="write a cProfile of the measured agent (every thread) here and print its top")
     args = ap.parse_args()
     asyncio.run(main_async(args))
 

@@ -17,10 +17,20 @@ Two parts, one result line per figure (``RESULT <name> <value> <unit> [details]`
           steps after ``--skip`` warm-up steps) and cross-checked here from its per-step FLOP
           count and step time.
 
+``seed``  the seed's drafter shape: SpecForge's Qwen3.6-27B drafter config
+          (tests/reference/qwen3.6-27b-dflash.json: 4 sliding-window layers, window 2048,
+          1 full layer, hidden 5120, intermediate 17408, 32 heads of 128, 8 kv heads) at
+          1024 anchors x block 32 (``--gamma 7``), seq 4096, batch 1, flex attention,
+          ``--compile``, colocated on one GPU with a random-weight dense Qwen3 target of the
+          same width (``--seed-target qwen3-14b``, or ``qwen3-32b``: the largest of them that
+          fits one H200). Reports tokens/s, ``mfu`` (causal) and ``mfu_torchtitan``, the peak
+          memory and pre-flight's estimate for the same command line (ratio).
+
 Run on the accelerator, e.g.::
 
     python bench/dflash_bench.py --part loss
     python bench/dflash_bench.py --part train --configs sdpa:5:4,flex:5:4 --steps 12
+    python bench/dflash_bench.py --part seed --seed-target qwen3-14b --steps 12 --profile
 """
 
 from __future__ import annotations
@@ -118,6 +128,100 @@ def bench_loss(args) -> None:
                 torch.cuda.empty_cache()
 
 
+# ------------------------------------------------------------------ the seed's drafter shape
+
+SEED_DRAFTER = ROOT / "tests" / "reference" / "qwen3.6-27b-dflash.json"
+# dense Qwen3 targets of the seed drafter's width (hidden 5120), from their published config.json
+SEED_TARGETS = {
+    "qwen3-14b": dict(hidden_size=5120, intermediate_size=17408, num_hidden_layers=40, num_attention_heads=40),
+    "qwen3-32b": dict(hidden_size=5120, intermediate_size=25600, num_hidden_layers=64, num_attention_heads=64),
+}
+
+
+def write_seed_configs(folder: Path, target: str = "qwen3-14b") -> tuple[Path, Path]:
+    """(target config.json, drafter config) for the seed's drafter shape on a dense Qwen3 ``target``.
+
+    The drafter config is SpecForge's Qwen3.6-27B one without what belongs to that target
+    (vocab_size, num_target_layers, dflash_config: its target layer ids and mask token), so the
+    trainer spaces the layer ids over this target and picks its mask token.
+    """
+    folder.mkdir(parents=True, exist_ok=True)
+    tcfg = dict(model_type="qwen3", architectures=["Qwen3ForCausalLM"], num_key_value_heads=8, head_dim=128,
+                vocab_size=151936, max_position_embeddings=40960, rms_norm_eps=1e-6, rope_theta=1000000.0,
+                tie_word_embeddings=False, torch_dtype="bfloat16", **SEED_TARGETS[target])
+    tpath = folder / f"{target}.json"
+    tpath.write_text(json.dumps(tcfg, indent=1))
+    dcfg = json.loads(SEED_DRAFTER.read_text())
+    for key in ("vocab_size", "num_target_layers", "dflash_config", "eos_token_id", "pad_token_id", "bos_token_id"):
+        dcfg.pop(key, None)
+    dpath = folder / "seed-drafter.json"
+    dpath.write_text(json.dumps(dcfg, indent=1))
+    return tpath, dpath
+
+
+def seed_train_argv(folder: Path, target: str, steps: int, out: Path, compile_: bool = True) -> list[str]:
+    tpath, dpath = write_seed_configs(folder, target)
+    argv = ["--target-config", str(tpath), "--drafter-config", str(dpath), "--block-size", "32",
+            "--num-anchors", "1024", "--gamma", "7", "--seq-len", "4096", "--batch-size", "1", "--attn", "flex",
+            "--no-eval", "--max-steps", str(steps), "--checkpoint-every", "0", "--warmup-steps", "2",
+            "--corpus-bytes", str(8 * 1024 * 1024), "--loss-chunk-rows", "2048", "--fresh", "--out", str(out)]
+    return argv + (["--compile"] if compile_ else [])
+
+
+def run_trainer(cmd: list[str], out: Path, label: str, args) -> tuple[object, list[dict], float]:
+    """Run one ``trainers.dflash`` command line with its telemetry in ``out``; (exit code, records, wall s)."""
+    tel = out / "telemetry.jsonl"
+    env = dict(os.environ, GPUDECK_TELEMETRY=str(tel), PYTHONUNBUFFERED="1")
+    print("$ " + " ".join(cmd), flush=True)
+    t0 = time.time()
+    log = (Path(args.log_dir) if args.log_dir else out) / f"{label}.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "w") as fh:
+        p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=fh, stderr=subprocess.STDOUT, text=True)
+        try:
+            rc: object = p.wait(timeout=args.timeout)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+            rc = f"timeout after {args.timeout}s"
+    text = log.read_text()
+    print("\n".join(line for line in text.splitlines() if "Warning" not in line)[-2500:], flush=True)
+    recs = [json.loads(x) for x in tel.read_text().splitlines() if x.strip()] if tel.exists() else []
+    return rc, recs, time.time() - t0
+
+
+def bench_seed(args) -> None:
+    from agents.estimate import estimate
+    from agents.protocol import LaunchSpec
+
+    out = Path(tempfile.mkdtemp(prefix="dflash_seed_"))
+    argv = seed_train_argv(out / "configs", args.seed_target, args.steps, out / "run", not args.no_compile)
+    if args.profile:
+        argv += ["--profile-steps", f"{args.steps - 1}-{args.steps}"]
+    label = f"seed.{args.seed_target}" + ("" if args.no_compile else ".compile")
+    rc, recs, wall = run_trainer([sys.executable, "-m", "trainers.dflash", *argv], out, label, args)
+    steps = [r for r in recs if r["type"] == "step" and r["step"] > args.skip]
+    if rc != 0 or not steps:
+        result(label, "FAILED", "-", rc=str(rc).replace(" ", "_"), wall_s=f"{wall:.0f}")
+        return
+    man = next(r for r in recs if r["type"] == "manifest")
+    med = {k: statistics.median(r[k] for r in steps) for k in ("tokens_per_s", "mfu", "mfu_torchtitan", "step_s")}
+    peak = max(r["mem_peak_gib"] for r in steps)
+    est = estimate(LaunchSpec(kind="dflash", argv=["python", "-m", "trainers.dflash", *argv], cwd=str(ROOT)))
+    result(f"{label}.tokens_per_s", f"{med['tokens_per_s']:.0f}", "tok/s", step_ms=f"{med['step_s'] * 1000:.1f}",
+           target_fwd_ms=f"{statistics.median(r['target_forward_s'] for r in steps) * 1000:.1f}",
+           steps=len(steps), gpu=man.get("gpu_name"), target_params=man["target_params_frozen"],
+           drafter_params=man["drafter_params_trainable"], target_layers_run=man["target_layers_run"])
+    result(f"{label}.mfu", f"{med['mfu'] * 100:.1f}", "%", convention="causal",
+           mfu_torchtitan=f"{med['mfu_torchtitan'] * 100:.1f}%")
+    prof = out / "run" / "profile" / "rank0.txt"
+    if prof.is_file():
+        print(prof.read_text()[:6000], flush=True)
+    result(f"{label}.mem_peak", f"{peak:.1f}", "GiB", estimate=f"{est.per_gpu_bytes / 2**30:.1f}GiB",
+           ratio=f"{est.per_gpu_bytes / 2**30 / peak:.2f}",
+           parts=",".join(f"{k}:{v / 2**30:.1f}" for k, v in est.parts.items()))
+
+
 # ------------------------------------------------------------------ train
 
 
@@ -126,7 +230,6 @@ def bench_train(args) -> None:
         attn, layers, batch = spec.split(":")[:3]
         compile_ = spec.endswith(":compile")
         out = Path(tempfile.mkdtemp(prefix="dflash_bench_"))
-        tel = out / "telemetry.jsonl"
         cmd = [sys.executable, "-m", "trainers.dflash", "--target-config", args.target_config,
                "--fresh", "--out", str(out / "run"), "--no-eval", "--max-steps", str(args.steps),
                "--seq-len", str(args.seq_len), "--batch-size", batch, "--block-size", str(args.block_size),
@@ -135,31 +238,19 @@ def bench_train(args) -> None:
                "--loss-chunk-rows", str(args.chunk_rows)]
         if compile_:
             cmd.append("--compile")
-        env = dict(os.environ, GPUDECK_TELEMETRY=str(tel), PYTHONUNBUFFERED="1")
+        if args.gamma is not None:
+            cmd += ["--gamma", str(args.gamma)]
         label = f"train.{attn}.L{layers}.B{batch}" + (".compile" if compile_ else "")
-        print("$ " + " ".join(cmd), flush=True)
-        t0 = time.time()
-        log = (Path(args.log_dir) if args.log_dir else out) / f"{label}.log"
-        log.parent.mkdir(parents=True, exist_ok=True)
-        with open(log, "w") as fh:
-            p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=fh, stderr=subprocess.STDOUT, text=True)
-            try:
-                rc = p.wait(timeout=args.timeout)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                rc = p.wait()
-                rc = f"timeout after {args.timeout}s"
-        text = log.read_text()
-        print("\n".join(line for line in text.splitlines() if "Warning" not in line)[-2500:], flush=True)
-        recs = [json.loads(x) for x in tel.read_text().splitlines() if x.strip()] if tel.exists() else []
+        rc, recs, wall = run_trainer(cmd, out, label, args)
         steps = [r for r in recs if r["type"] == "step" and r["step"] > args.skip]
         if rc != 0 or not steps:
-            result(label, "FAILED", "-", rc=str(rc).replace(" ", "_"), wall_s=f"{time.time() - t0:.0f}",
+            result(label, "FAILED", "-", rc=str(rc).replace(" ", "_"), wall_s=f"{wall:.0f}",
                    steps_done=len([r for r in recs if r["type"] == "step"]))
             continue
         man = next(r for r in recs if r["type"] == "manifest")
         tps = statistics.median(r["tokens_per_s"] for r in steps)
         mfu = statistics.median(r["mfu"] for r in steps)
+        mfu_tt = statistics.median(r["mfu_torchtitan"] for r in steps)
         st = statistics.median(r["step_s"] for r in steps)
         # cross-check from the per-step FLOP count and the step time
         check = statistics.median(r["step_flops"] / r["step_s"] / r["peak_flops"] for r in steps)
@@ -167,7 +258,8 @@ def bench_train(args) -> None:
         result(f"{label}.tokens_per_s", f"{tps:.0f}", "tok/s", step_ms=f"{st * 1000:.1f}",
                target_fwd_ms=f"{fwd * 1000:.1f}", steps=len(steps), device=man["device"],
                gpu=man.get("gpu_name"))
-        result(f"{label}.mfu", f"{mfu * 100:.1f}", "%", crosscheck=f"{check * 100:.1f}%",
+        result(f"{label}.mfu", f"{mfu * 100:.1f}", "%", convention="causal", mfu_torchtitan=f"{mfu_tt * 100:.1f}%",
+               crosscheck=f"{check * 100:.1f}%",
                flops_per_token=f"{steps[-1]['flops_per_token']:.3e}", peak=f"{steps[-1]['peak_flops']:.3e}",
                mem_peak_gib=steps[-1]["mem_peak_gib"], drafter_params=man["drafter_params_trainable"],
                target_params=man["target_params_frozen"])
@@ -175,7 +267,11 @@ def bench_train(args) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--part", default="all", choices=["all", "loss", "train"])
+    ap.add_argument("--part", default="all", choices=["all", "loss", "train", "seed"])
+    ap.add_argument("--seed-target", default="qwen3-14b", choices=sorted(SEED_TARGETS))
+    ap.add_argument("--no-compile", action="store_true", help="seed: eager drafter and target")
+    ap.add_argument("--profile", action="store_true",
+                    help="seed: torch.profiler over the last two steps; prints where the step time goes")
     ap.add_argument("--rows", type=int, default=1024 * 32)
     ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument("--vocab", type=int, default=151936)
@@ -189,6 +285,7 @@ def main() -> int:
     ap.add_argument("--skip", type=int, default=4, help="warm-up steps left out of the medians")
     ap.add_argument("--seq-len", type=int, default=2048)
     ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--gamma", type=float, default=None, help="train: loss decay gamma (needed off B=8/10/16)")
     ap.add_argument("--num-anchors", type=int, default=512)
     ap.add_argument("--chunk-rows", type=int, default=2048)
     ap.add_argument("--corpus-bytes", type=int, default=6 * 1024 * 1024)
@@ -205,6 +302,8 @@ def main() -> int:
         bench_loss(args)
     if args.part in ("all", "train"):
         bench_train(args)
+    if args.part in ("all", "seed"):
+        bench_seed(args)
     return 0
 
 

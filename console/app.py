@@ -15,12 +15,15 @@ from pathlib import Path
 from textual import work
 from textual.app import App
 from textual.binding import Binding
+from textual.notifications import SeverityLevel
 from textual.screen import ModalScreen, Screen
 
-from agents.protocol import LaunchSpec, RunInfo
+from agents.protocol import RunInfo
 from console.commands import GpudeckCommands
 from console.fleet import Fleet, HostStatus
 from console.history import History
+from console.ops import LaunchIntent
+from console.sanitize import escape_controls
 from console.screens.base import LiveScreen
 from console.screens.fleet import FleetScreen
 from console.screens.history import HistoryScreen
@@ -66,6 +69,10 @@ class GpudeckApp(App):
         self._gc_frozen = not freeze_gc  # tests and embedders leave their process's collector alone
         self._mounted_at = time.monotonic()
         self.flushes = 0
+
+    def notify(self, message: str, *, title: str = "", severity: SeverityLevel = "information", timeout: float | None = None, markup: bool = False) -> None:
+        """A toast; its text often carries run names and agent messages, so it is never parsed as markup by default."""
+        super().notify(escape_controls(message), title=escape_controls(title), severity=severity, timeout=timeout, markup=markup)
 
     def fleet_status(self) -> dict[str, HostStatus]:
         """The latest state of every host."""
@@ -167,9 +174,10 @@ class GpudeckApp(App):
         self.launch_flow()
 
     @work(exclusive=True, group="launch")
-    async def launch_flow(self, prefill: LaunchSpec | None = None, parent: str | None = None, host: str | None = None, title: str | None = None) -> None:
-        """The launch dialog (pre-flight, confirm, launch), then the new run's screen."""
-        outcome: LaunchOutcome | None = await self.push_screen_wait(LaunchDialog(prefill=prefill, parent=parent, host=host, title=title))
+    async def launch_flow(self, prefill: LaunchIntent | None = None, host: str | None = None, title: str | None = None) -> None:
+        """The launch dialog (pre-flight, confirm, launch), then the new run's screen (``prefill``: a relaunch's intent)."""
+        parent = prefill.parent if prefill is not None else None
+        outcome: LaunchOutcome | None = await self.push_screen_wait(LaunchDialog(prefill=prefill, host=host, title=title))
         if outcome is None:
             return
         run = outcome.run

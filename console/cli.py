@@ -10,37 +10,41 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import getpass
 import json
-import os
 import sys
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
-from agents import paths
+from agents import envs, paths
 from agents.client import AgentClient
-from agents.errors import AgentError, AgentUnavailable
-import msgspec
-
-from agents import envs
+from agents.errors import AgentError
 from agents.preflight import format_preflight
-from agents.protocol import Claims, LaunchReply, LaunchSpec, RunInfo, to_builtins
+from agents.protocol import to_builtins
 from console import config as cfg
 from console.fleet import Fleet, SyncResult
 from console.formats import format_claims, format_history, format_hosts, format_leftovers, format_runs, format_show, format_status, format_stop, run_json, why_down
-from console.multinode import DEFAULT_RDZV_PORT, MultiNodeError, group, node_specs, program_of, rendezvous_host
-from console.relaunch import StartRequired, is_trainer, parse_start, relaunch_spec, with_start
-from console.rundiff import diff_runs, env_of, format_diff
 from console.history import History, HistoryError
+from console.multinode import group
+from console.ops import run_figures
+from console.ops import ClaimsIntent, LaunchIntent, LaunchResult, OpsError, Resolved, relaunch_intent, resolve_run, rollback_intent, start_of
+from console.ops.intent import check_start, env_items
+from console.ops.launch import launch as ops_launch
+from console.ops.launch import plan_here
+from console.ops.resolve import fleet_runs
+from console.ops.stop import StopOutcome, reclaim_targets, stop_run
+from console.ops.stop import reclaim as ops_reclaim
+from console.ops.launch import preflight as ops_preflight
+from console.ops.relaunch import changed_environment, check_environment, rebuild_environment, recorded_environment, spec_from_row
+from console.quarantine import format_problems
 from console.query import QueryError
-from trainers.presets import parse_index_list
+from console.rundiff import diff_runs, env_of, format_diff
+from console.sanitize import redact_run, terminal_text
 
 EXIT_ERROR = 1
 EXIT_USAGE = 2
-# passed from the caller's shell to a local run, so it resolves commands as the caller would
-CALLER_ENV = ("PATH", "VIRTUAL_ENV", "CONDA_PREFIX", "PYTHONPATH", "HF_HOME", "HF_HUB_OFFLINE")
+EXIT_UNREACHABLE = 3  # a host the command needed did not answer: the answer is partial (README, Command line)
 T = TypeVar("T")
 
 
@@ -77,10 +81,24 @@ def _host_arg(args: argparse.Namespace) -> list[str]:
     return [args.host] if getattr(args, "host", None) else []
 
 
+def partial_json(key: str, rows: list[dict[str, Any]], down: list[tuple[str, str]]) -> Any:
+    """The rows as they are when every host answered; else ``{key: rows, "unreachable": [{"host", "error"}]}``."""
+    if not down:
+        return rows
+    return {key: rows, "unreachable": [{"host": h, "error": e} for h, e in down]}
+
+
+def unreachable_exit(down: list[tuple[str, str | None]]) -> int:
+    """Name the hosts that did not answer on stderr; EXIT_UNREACHABLE if any, else 0."""
+    for h, e in down:
+        print(terminal_text(f"gpudeck: {h} not reachable, the answer is missing its part: {e}"), file=sys.stderr)
+    return EXIT_UNREACHABLE if down else 0
+
+
 async def cmd_status(args: argparse.Namespace) -> int:
     if args.host:
         snap = await _with_fleet(lambda f: f.snapshot(args.host), hosts=[args.host])
-        print(json.dumps(to_builtins(snap)) if args.json else format_status(snap, args.host))
+        print(json.dumps(to_builtins(snap)) if args.json else terminal_text(format_status(snap, args.host)))
         return 0
 
     async def every(fleet: Fleet) -> list[dict[str, Any]]:
@@ -95,7 +113,8 @@ async def cmd_status(args: argparse.Namespace) -> int:
 
     rows = await _with_fleet(every)
     if args.json:
-        print(json.dumps({"hosts": [{**r, "snapshot": to_builtins(r["snapshot"]) if r["snapshot"] else None} for r in rows]}))
+        print(json.dumps({"hosts": [{**r, "snapshot": to_builtins(r["snapshot"]) if r["snapshot"] else None} for r in rows],
+                          "unreachable": [{"host": r["host"], "error": r["error"]} for r in rows if not r["snapshot"]]}))
     else:
         parts = []
         for r in rows:
@@ -103,92 +122,35 @@ async def cmd_status(args: argparse.Namespace) -> int:
                 parts.append(format_status(r["snapshot"], r["host"]))
             else:
                 parts.append(f"host {r['host']}  UNREACHABLE: {why_down(r['host'], r['error'])}")
-        print("\n\n".join(parts))
-    return 0 if all(r["snapshot"] for r in rows) else EXIT_ERROR
+        print(terminal_text("\n\n".join(parts)))
+    return unreachable_exit([(r["host"], r["error"]) for r in rows if not r["snapshot"]])
 
 
-def _parse_gpus(text: str | None) -> list[int] | None:
-    if text is None:
-        return None
-    try:
-        return parse_index_list(text)
-    except ValueError:
-        raise CliError(f"--gpus {text!r} is not a GPU list: write 0,1,2 or 0-3") from None
-
-
-def _parse_env(items: list[str]) -> dict[str, str]:
-    env: dict[str, str] = {}
-    for item in items:
-        if "=" not in item:
-            raise CliError(f"--env {item!r} needs the form NAME=VALUE")
-        k, v = item.split("=", 1)
-        env[k] = v
-    return env
-
-
-_SIZE = {"k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}
-
-
-def _parse_count(text: str | None, what: str) -> int | None:
-    """'771M', '1.1B', '4' -> an integer; CliError otherwise."""
-    if text is None:
-        return None
-    t = text.strip().lower().replace(",", "").replace("_", "")
-    mult = _SIZE.get(t[-1:], None)
-    try:
-        return int(float(t[:-1]) * mult) if mult else int(t)
-    except ValueError:
-        raise CliError(f"{what} {text!r} is not a count: write 4, 771M or 1.1B") from None
-
-
-def _trainer_argv(kind: str, python: str, gpus: list[int] | None, args: list[str], nproc: int | None = None) -> list[str]:
-    """``--kind fsdp|dflash -- TRAINER ARGS``: the full command, under torchrun when several ranks are asked for."""
-    module = "trainers.fsdp_lm" if kind == "fsdp" else "trainers.dflash"
-    n = nproc or (len(gpus) if gpus else 1)
-    if n > 1:
-        return [python, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(n), "-m", module, *args]
-    return [python, "-m", module, *args]
-
-
-def build_spec(args: argparse.Namespace, host: str) -> LaunchSpec:
-    """The LaunchSpec the launch/preflight options describe (argv is never given to a shell)."""
+def intent_from_args(args: argparse.Namespace) -> LaunchIntent:
+    """The launch/preflight options as an intent (every field is checked by the operations layer)."""
     argv = list(args.argv)
     if argv and argv[0] == "--":
         argv = argv[1:]
-    if not argv:
-        raise CliError("launch needs a command after --, e.g. `gpudeck launch -- python train.py` (or --kind fsdp -- --model-config llama-1b --out DIR)")
-    local = host == cfg.LOCAL
-    # a local launch runs in the caller's environment: `python` means the python of this shell;
-    # on another host the agent's own environment applies (the caller's PATH means nothing there)
-    env = {k: os.environ[k] for k in CALLER_ENV if k in os.environ} if local else {}
-    env.update(_parse_env(args.env or []))
-    cwd = args.cwd
-    if local:
-        cwd = os.path.abspath(cwd) if cwd else os.getcwd()
-    gpus = _parse_gpus(args.gpus)
-    start = None
-    if args.fresh or args.resume is not None:
-        start = parse_start(args.fresh, args.resume)
-    if args.kind in ("fsdp", "dflash") and argv[0].startswith("-"):
-        argv = _trainer_argv(args.kind, args.python or "python3", gpus, argv, args.nproc_per_node)
-    if start is not None and is_trainer(argv, args.kind):
-        argv = with_start(argv, start)
-    claims = None
-    if args.claim_gpus is not None or args.claim_params or args.claim_world_size is not None or args.claim_tokens_per_s is not None or args.note:
-        claims = Claims(gpus=args.claim_gpus, params=_parse_count(args.claim_params, "--claim-params"), world_size=args.claim_world_size,
-                        tokens_per_s=args.claim_tokens_per_s, note=args.note)
-    return LaunchSpec(
-        argv=argv, name=args.name, kind=args.kind, gpus=gpus, env=env, cwd=cwd, operator=getpass.getuser(),
-        start=start, python=args.python, need_gib=args.need_gib, force=args.force, rdzv_port=args.rdzv_port,
-        checkpoint_dir=args.checkpoint_dir, on_rank_death=args.on_rank_death, expected_ranks=args.expected_ranks, claims=claims,
+    hosts = tuple(h.strip() for h in args.hosts.split(",") if h.strip()) if getattr(args, "hosts", None) else ()
+    return LaunchIntent(
+        host=args.host or cfg.LOCAL, kind=args.kind, argv=tuple(argv), gpus=args.gpus, nproc_per_node=args.nproc_per_node,
+        start=start_of(args.fresh, args.resume), python=args.python, env=env_items(args.env), name=args.name, cwd=args.cwd,
+        claims=ClaimsIntent(args.claim_gpus, args.claim_params, args.claim_world_size, args.claim_tokens_per_s, args.note),
+        hosts=hosts, need_gib=args.need_gib, force=args.force, rdzv_port=args.rdzv_port, rdzv_host=getattr(args, "rdzv_host", None),
+        checkpoint_dir=args.checkpoint_dir, on_rank_death=args.on_rank_death, expected_ranks=args.expected_ranks,
     )
 
 
-def _print_launch(reply: LaunchReply, host: str, as_json: bool) -> int:
-    run = reply.run
+def _print_launch(result: LaunchResult, as_json: bool) -> int:
+    """Print a launch's outcome: the run id on stdout; what refused it on stderr."""
+    if result.plan.multinode:
+        return _print_multinode(result, as_json)
+    node = result.nodes[0]
+    assert node.reply is not None
+    run, host = node.reply.run, node.host
     failed = run.state == "preflight_failed"
     if as_json:
-        print(json.dumps({**run_json(run), "host": host, "duplicate": reply.duplicate}))
+        print(json.dumps({**run_json(run), "host": host, "duplicate": node.reply.duplicate}))
     elif failed:
         print(run.id)
     if failed:
@@ -203,103 +165,58 @@ def _print_launch(reply: LaunchReply, host: str, as_json: bool) -> int:
     return 0
 
 
-async def cmd_launch(args: argparse.Namespace) -> int:
-    if args.hosts:
-        return await _launch_multinode(args)
-    host = args.host or cfg.LOCAL
-    spec = build_spec(args, host)
-    reply = await _with_fleet(lambda f: f.launch(host, spec, request_id=args.request_id or ""), hosts=[host])
-    return _print_launch(reply, host, args.json)
-
-
-async def _launch_multinode(args: argparse.Namespace) -> int:
-    """Pre-flight on every host; only if all pass, start every node with the same run id."""
-    names = [h.strip() for h in args.hosts.split(",") if h.strip()]
-    conf = cfg.load(extra_hosts=names)
-    settings = [conf.settings(n) for n in names]
-    trainer_args = args.kind in ("fsdp", "dflash") and bool(args.argv) and (args.argv[1:2] if args.argv[:1] == ["--"] else args.argv[:1])[0].startswith("-")
-    base = build_spec(args, names[0])
-    raw = list(args.argv[1:] if args.argv[:1] == ["--"] else args.argv)
-    if base.start is not None and trainer_args:
-        raw = with_start(raw, base.start)
-    gpus = base.gpus
-    nproc = args.nproc_per_node or (len(gpus) if gpus else 1)
-    from console.transport import SshOptions
-
-    rdzv = rendezvous_host(settings[0], SshOptions().config_paths(), args.rdzv_host)
-    specs = node_specs(
-        msgspec.structs.replace(base, env={k: v for k, v in base.env.items() if k not in CALLER_ENV}, cwd=args.cwd),
-        settings, python=args.python or "python3", program=program_of(raw, args.kind, trainer_args),
-        nproc_per_node=nproc, rdzv_host=rdzv, rdzv_port=args.rdzv_port or DEFAULT_RDZV_PORT,
-    )
-
-    async def go(fleet: Fleet) -> tuple[str, list[tuple[str, Any]]]:
-        checks = await asyncio.gather(*(fleet.preflight(h, sp) for h, sp in specs), return_exceptions=True)
-        bad = [(h, c) for (h, _), c in zip(specs, checks) if isinstance(c, BaseException) or not c.ok]
-        if bad:
-            for h, c in bad:
-                if isinstance(c, AgentError):
-                    print(f"gpudeck: {h}: {c.message}", file=sys.stderr)
-                elif isinstance(c, BaseException):
-                    raise c
-                else:
-                    print(format_preflight(c), file=sys.stderr)
-            # the failing nodes are recorded as preflight_failed there (the agent runs the same checks again)
-            failing = {h for h, c in bad if not isinstance(c, BaseException)}
-            await asyncio.gather(*(fleet.launch(h, sp) for h, sp in specs if h in failing), return_exceptions=True)
-            return "preflight_failed", bad
-        replies = await asyncio.gather(*(fleet.launch(h, sp) for h, sp in specs), return_exceptions=True)
-        failed = [(h, r) for (h, _), r in zip(specs, replies) if isinstance(r, BaseException) or r.run.state == "preflight_failed"]
-        if failed:
-            # all or nothing: stop the nodes that did start
-            rid = specs[0][1].run_id or ""
-            await asyncio.gather(*(fleet.stop(h, rid, 5.0) for (h, _), r in zip(specs, replies) if not isinstance(r, BaseException) and r.run.state != "preflight_failed"), return_exceptions=True)
-            return "launch_failed", failed
-        return "running", [(h, r) for (h, _), r in zip(specs, replies)]
-
-    verdict, results = await _with_fleet(go, hosts=names)
-    rid = specs[0][1].run_id
-    if verdict == "preflight_failed":
-        print(f"gpudeck: pre-flight failed on {', '.join(h for h, _ in results)}: nothing was started on any host (run {rid})", file=sys.stderr)
+def _print_multinode(result: LaunchResult, as_json: bool) -> int:
+    rid, names, ep = result.run_id, result.plan.hosts, result.plan.rdzv_endpoint
+    for n in result.failed:
+        if n.error is not None:
+            print(f"gpudeck: {n.host}: {n.error}", file=sys.stderr)
+        elif n.preflight is not None:
+            print(format_preflight(n.preflight), file=sys.stderr)
+        elif n.reply is not None and n.reply.run.preflight is not None:
+            print(f"gpudeck: {n.host}: {format_preflight(n.reply.run.preflight)}", file=sys.stderr)
+    if result.verdict == "preflight_failed":
+        print(f"gpudeck: pre-flight failed on {', '.join(n.host for n in result.failed)}: nothing was started on any host (run {rid})", file=sys.stderr)
         return EXIT_ERROR
-    if verdict == "launch_failed":
-        for h, r in results:
-            msg = r.message if isinstance(r, AgentError) else (format_preflight(r.run.preflight) if not isinstance(r, BaseException) and r.run.preflight else str(r))
-            print(f"gpudeck: {h}: {msg}", file=sys.stderr)
+    if result.verdict == "launch_failed":
         print(f"gpudeck: run {rid} could not start on every host; the nodes that started were stopped", file=sys.stderr)
         return EXIT_ERROR
-    if args.json:
-        print(json.dumps({"id": rid, "hosts": names, "rdzv_endpoint": f"{rdzv}:{args.rdzv_port or DEFAULT_RDZV_PORT}",
-                          "nodes": [{**run_json(r.run), "host": h} for h, r in results]}))
+    if as_json:
+        print(json.dumps({"id": rid, "hosts": names, "rdzv_endpoint": ep,
+                          "nodes": [{**run_json(n.reply.run), "host": n.host} for n in result.nodes if n.reply is not None]}))
     else:
         print(rid)
-        print(f"gpudeck: {len(names)} nodes ({', '.join(names)}), {nproc} rank(s) each, rendezvous {rdzv}:{args.rdzv_port or DEFAULT_RDZV_PORT}", file=sys.stderr)
+        print(f"gpudeck: {len(names)} nodes ({', '.join(names)}), {result.plan.nproc_per_node} rank(s) each, rendezvous {ep}", file=sys.stderr)
     return 0
 
 
+async def cmd_launch(args: argparse.Namespace) -> int:
+    p = plan_here(intent_from_args(args))
+    result = await _with_fleet(lambda f: ops_launch(f, p, request_id=args.request_id or ""), hosts=p.hosts)
+    return _print_launch(result, args.json)
+
+
 async def cmd_preflight(args: argparse.Namespace) -> int:
-    host = args.host or cfg.LOCAL
-    spec = build_spec(args, host)
-    result = await _with_fleet(lambda f: f.preflight(host, spec), hosts=[host])
-    print(json.dumps(to_builtins(result)) if args.json else format_preflight(result))
-    return 0 if result.ok else EXIT_ERROR
-
-
-def _split_targets(targets: list[str]) -> tuple[str | None, dict[str, list[int]]]:
-    """['gpu1'] -> ('gpu1', {}); ['gpu1:4412', 'gpu2:77'] -> (None, {'gpu1': [4412], 'gpu2': [77]})."""
-    if len(targets) == 1 and ":" not in targets[0]:
-        return targets[0], {}
-    pids: dict[str, list[int]] = {}
-    for t in targets:
-        host, sep, pid = t.rpartition(":")
-        if not sep or not pid.isdigit():
-            raise CliError(f"{t!r}: write HOST to list the leftovers, or HOST:PID ... to stop those processes")
-        pids.setdefault(host or cfg.LOCAL, []).append(int(pid))
-    return None, pids
+    p = plan_here(intent_from_args(args))
+    checks = await _with_fleet(lambda f: ops_preflight(f, p), hosts=p.hosts)
+    rc = 0
+    for c in checks:
+        if c.error is not None:
+            print(f"gpudeck: {c.host}: {c.error}", file=sys.stderr)
+            rc = EXIT_ERROR
+            continue
+        assert c.preflight is not None
+        if not c.preflight.ok:
+            rc = EXIT_ERROR
+        if not args.json:
+            print(format_preflight(c.preflight))
+    if args.json:
+        results = [to_builtins(c.preflight) for c in checks if c.preflight is not None]
+        print(json.dumps(results[0] if len(results) == 1 and not p.multinode else results))
+    return rc
 
 
 async def cmd_reclaim(args: argparse.Namespace) -> int:
-    listing, pids = _split_targets(args.targets)
+    listing, pids = reclaim_targets(args.targets)
     if listing is not None:
         found = await _with_fleet(lambda f: f.leftovers(listing, include_live=args.include_live), hosts=[listing])
         if args.json:
@@ -307,22 +224,14 @@ async def cmd_reclaim(args: argparse.Namespace) -> int:
         else:
             print(format_leftovers(listing, found.leftovers))
         return 0
-
-    async def stop_all(fleet: Fleet) -> list[tuple[str, Any]]:
-        hosts = list(pids)
-        results = await asyncio.gather(*(fleet.reclaim(h, pids[h], args.grace, args.include_live) for h in hosts), return_exceptions=True)
-        return list(zip(hosts, results))
-
-    results = await _with_fleet(stop_all, hosts=list(pids))
+    results = await _with_fleet(lambda f: ops_reclaim(f, pids, args.grace, args.include_live), hosts=list(pids))
     rc = 0
     out = []
     for host, res in results:
-        if isinstance(res, AgentError):
-            print(f"gpudeck: {host}: {res.message}", file=sys.stderr)
+        if isinstance(res, str):
+            print(f"gpudeck: {host}: {res}", file=sys.stderr)
             rc = EXIT_ERROR
             continue
-        if isinstance(res, BaseException):
-            raise res
         out.append({**to_builtins(res), "host": host})
         if not args.json:
             print(f"{host}: " + format_stop(res).replace("run None: ", ""))
@@ -337,8 +246,8 @@ async def cmd_reclaim(args: argparse.Namespace) -> int:
 
 async def cmd_verify(args: argparse.Namespace) -> int:
     async def verify(fleet: Fleet):  # type: ignore[no-untyped-def]
-        host, run = await _locate(fleet, args)
-        return host, await fleet.verify(host, run.id)
+        found = await _resolve(fleet, args)
+        return found.host, await fleet.verify(found.host, found.id)
 
     host, reply = await _with_fleet(verify, hosts=_host_arg(args))
     if args.json:
@@ -349,66 +258,60 @@ async def cmd_verify(args: argparse.Namespace) -> int:
 
 
 async def cmd_diff(args: argparse.Namespace) -> int:
-    history, _ = await _synced_history(args)
+    history, syncs = await _synced_history(args)
+    down = [r.host for r in syncs if not r.ok]
     try:
-        a = await asyncio.to_thread(history.find, args.run_a)
-        b = await asyncio.to_thread(history.find, args.run_b)
+        a = await asyncio.to_thread(history.find, args.run_a, None, down)
+        b = await asyncio.to_thread(history.find, args.run_b, None, down)
         ma = await asyncio.to_thread(history.metrics, a["host"], a["id"])
         mb = await asyncio.to_thread(history.metrics, b["host"], b["id"])
     finally:
         history.close()
+    if not args.show_secrets:
+        a, b = redact_run(a), redact_run(b)
     d = diff_runs(a, b, ma, mb)
     if args.json:
         print(json.dumps({"a": d.a_id, "b": d.b_id, "config": [vars(r) | {"differs": r.differs} for r in d.config],
                           "environment": [vars(r) | {"differs": r.differs} for r in d.environment],
                           "outcome": [vars(r) | {"differs": r.differs} for r in d.outcome], "env_note": d.env_note}))
     else:
-        print(format_diff(d, only_changes=not args.all))
+        print(terminal_text(format_diff(d, only_changes=not args.all)))
     return 0
 
 
 async def _relaunch(args: argparse.Namespace, good_ref: str | None) -> int:
-    start = parse_start(args.fresh, args.resume)
-    history, _ = await _synced_history(args)
+    start = check_start(start_of(args.fresh, args.resume), needed=True)
+    history, syncs = await _synced_history(args)
+    down = [r.host for r in syncs if not r.ok]
     try:
-        row = await asyncio.to_thread(history.find, args.run, args.host)
-        good = await asyncio.to_thread(history.find, good_ref) if good_ref else None
+        row = await asyncio.to_thread(history.find, args.run, args.host, down, good_ref is not None)  # a rollback is destructive
+        good = await asyncio.to_thread(history.find, good_ref, None, down) if good_ref else None
     finally:
         history.close()
+    spec = spec_from_row(row)
     host = args.host or row["host"]
-    python: str | None = None
+    hosts = list(spec.nodes) if len(spec.nodes) > 1 else [host]  # a multi-node run is relaunched on all its hosts
 
-    async def go(fleet: Fleet) -> LaunchReply:
-        nonlocal python
-        if good is not None:
-            recorded = env_of(good)
-            if recorded is None:
-                raise CliError(f"run {good['id']} has no recorded environment fingerprint: it cannot be rolled back to")
-            current = await fleet.fingerprint(host, recorded.python)
-            changes = envs.diff(recorded, current, ignore=("driver", "prefix"))
-            driver = [c for c in envs.diff(recorded, current) if c.key == "driver"]
-            if driver:
-                print(f"gpudeck: note: the NVIDIA driver on {host} differs from {good['id']}'s: {envs.describe(driver)[0]} (rollback cannot change the driver)", file=sys.stderr)
+    async def go(fleet: Fleet) -> LaunchResult:
+        if good is None:
+            intent = relaunch_intent(spec, row["id"], row["host"], start, to_host=host)
+        else:
+            recorded = recorded_environment(good["id"], env_of(good))
+            check = await check_environment(fleet, host, recorded)
+            if check.driver:
+                print(f"gpudeck: note: the NVIDIA driver on {host} differs from {good['id']}'s: {envs.describe(check.driver)[0]} (rollback cannot change the driver)", file=sys.stderr)
             python = recorded.python
-            if changes:
-                lines = "\n  ".join(envs.describe(changes)[:40])
+            if not check.holds:
                 if not args.rebuild_env:
-                    raise CliError(
-                        f"{good['id']}'s environment ({recorded.python}) no longer matches its fingerprint on {host}; nothing was started. What changed:\n  {lines}\n"
-                        f"add --rebuild-env to recreate it from the recorded freeze in a new virtual environment"
-                    )
-                print(f"gpudeck: {good['id']}'s environment changed ({len(changes)} difference(s)); rebuilding it from its recorded freeze on {host} ...", file=sys.stderr)
-                rebuilt = await fleet.rebuild_env(host, recorded)
-                again = envs.diff(recorded, rebuilt.env, ignore=envs.REBUILD_IGNORES)
-                if again:
-                    raise CliError(f"the rebuilt environment at {rebuilt.path} still differs: " + "; ".join(envs.describe(again)))
-                python = rebuilt.env.python
-                print(f"gpudeck: rebuilt at {rebuilt.path}: matches the recorded fingerprint (freeze {rebuilt.env.freeze_hash[:12]})", file=sys.stderr)
-        spec = relaunch_spec(row, start, python=python, config_from=good if (good is not None and args.config_from) else None, operator=getpass.getuser())
-        return await fleet.launch(host, spec)
+                    raise changed_environment(good["id"], host, check)
+                print(f"gpudeck: {good['id']}'s environment changed ({len(check.changes)} difference(s)); rebuilding it from its recorded freeze on {host} ...", file=sys.stderr)
+                python, path = await rebuild_environment(fleet, host, recorded)
+                print(f"gpudeck: rebuilt at {path}: matches the recorded fingerprint (freeze {recorded.freeze_hash[:12]})", file=sys.stderr)
+            intent = rollback_intent(spec, row["id"], spec_from_row(good), host, start, python, args.config_from, good_host=good["host"])
+        return await ops_launch(fleet, plan_here(intent))
 
-    reply = await _with_fleet(go, hosts=[host])
-    return _print_launch(reply, host, args.json)
+    result = await _with_fleet(go, hosts=hosts)
+    return _print_launch(result, args.json)
 
 
 async def cmd_relaunch(args: argparse.Namespace) -> int:
@@ -420,64 +323,35 @@ async def cmd_rollback(args: argparse.Namespace) -> int:
 
 
 async def cmd_runs(args: argparse.Namespace) -> int:
-    async def collect(fleet: Fleet) -> tuple[list[RunInfo], list[str]]:
-        names = [args.host] if args.host else list(fleet.links)
-        results = await asyncio.gather(*(fleet.runs(h, limit=args.limit) for h in names), return_exceptions=True)
-        runs: list[RunInfo] = []
-        errors: list[str] = []
-        for h, r in zip(names, results):
-            if isinstance(r, AgentError):
-                errors.append(f"{h}: {r.message}")
-                continue
-            if isinstance(r, BaseException):
-                raise r
-            for run in r:
-                run.host = h  # the fleet's name for the host, not the agent's own hostname
-            runs.extend(r)
-        runs.sort(key=lambda r: r.created, reverse=True)
-        return runs, errors
-
-    runs, errors = await _with_fleet(collect, hosts=_host_arg(args))
-    rows = group([run_json(r) for r in runs], unreachable={e.split(":", 1)[0] for e in errors})
+    listed = await _with_fleet(lambda f: fleet_runs(f, _host_arg(args), limit=args.limit), hosts=_host_arg(args))
+    runs = []
+    for h, run in listed.runs:
+        run.host = h  # the fleet's name for the host, not the agent's own hostname
+        runs.append(run)
+    down = list(listed.unanswered.items())
+    rows = group([run_json(r) for r in runs], unreachable={h for h, _e in down})
+    rows = rows if args.show_secrets else [redact_run(r) for r in rows]
     if args.json:
-        print(json.dumps(rows))
+        print(json.dumps(partial_json("runs", rows, down)))
     else:
-        print(format_runs(rows))
-    for e in errors:
-        print(f"gpudeck: not reachable: {e}", file=sys.stderr)
-    if errors and args.host:
-        return EXIT_ERROR
-    return 0
+        print(terminal_text(format_runs(rows) if rows or not down else f"no runs on the hosts that answered ({len(down)} did not)"))
+    return unreachable_exit(down)
 
 
-async def _locate(fleet: Fleet, args: argparse.Namespace) -> tuple[str, RunInfo]:
-    if args.host:
-        return args.host, await fleet.run(args.host, args.run)
-    return await fleet.find_run(args.run)
-
-
-async def _nodes(fleet: Fleet, args: argparse.Namespace) -> tuple[list[tuple[str, RunInfo]], list[str]]:
-    """Every node of the run ``args.run`` (one for a one-host run) and the hosts that may hold more but did not answer."""
-    if args.host:
-        return [(args.host, await fleet.run(args.host, args.run))], []
-    found, down = await fleet.find_runs(args.run)
-    if not found:
-        await fleet.find_run(args.run)  # raises the error that says what was asked and who did not answer
-    ids = {r.id for _h, r in found}
-    if len(ids) > 1:
-        raise AgentError(f"{args.run!r} names runs on several hosts ({', '.join(f'{r.id} on {h}' for h, r in found)}): add --host or give more of the id")
-    run = found[0][1]
-    expected = set(run.spec.nodes or [])
-    missing = [h for h, _m in down if h in expected] if expected else [h for h, _m in down]
-    found.sort(key=lambda hr: hr[1].spec.node_rank or 0)
-    return found, missing
+async def _resolve(fleet: Fleet, args: argparse.Namespace, destructive: bool = False) -> Resolved:
+    """The run ``args.run`` names (every node of it), by the one resolver; warns about hosts that did not answer."""
+    found = await resolve_run(fleet, args.run, args.host, destructive=destructive)
+    if found.unanswered and found.id != args.run and not found.missing:
+        print(f"gpudeck: note: {', '.join(found.unanswered)} did not answer; {args.run!r} was resolved on the hosts that did", file=sys.stderr)
+    return found
 
 
 async def cmd_tail(args: argparse.Namespace) -> int:
     out = sys.stdout
 
     async def tail(fleet: Fleet) -> None:
-        nodes, missing = await _nodes(fleet, args)
+        found = await _resolve(fleet, args)
+        nodes, missing = found.nodes, found.missing
         if args.node is not None:
             nodes = [(h, r) for h, r in nodes if (r.spec.node_rank or 0) == args.node]
             if not nodes:
@@ -509,7 +383,7 @@ async def cmd_tail(args: argparse.Namespace) -> int:
                 return
             if prefix:
                 text = "".join(f"[{host}] {ln}" for ln in text.splitlines(keepends=True))
-            out.write(text)
+            out.write(text if args.raw else terminal_text(text))
             out.flush()
 
         if args.follow:
@@ -523,39 +397,24 @@ async def cmd_tail(args: argparse.Namespace) -> int:
 
 
 async def cmd_stop(args: argparse.Namespace) -> int:
-    async def stop(fleet: Fleet):  # type: ignore[no-untyped-def]
-        nodes, missing = await _nodes(fleet, args)
-        results = await asyncio.gather(*(fleet.stop(h, r.id, args.grace) for h, r in nodes), return_exceptions=True)
-        return nodes, missing, results
-
     history = History()
     try:
-        nodes, missing, results = await _with_fleet(stop, hosts=_host_arg(args))
-        rid = nodes[0][1].id
-        for h in missing:
-            await asyncio.to_thread(history.add_pending_stop, h, rid, args.grace)
-        out, rc = [], 0
-        for (h, _r), res in zip(nodes, results):
-            if isinstance(res, AgentUnavailable):
-                await asyncio.to_thread(history.add_pending_stop, h, rid, args.grace)
-                missing.append(h)
-                continue
-            if isinstance(res, BaseException):
-                raise res
-            out.append({**to_builtins(res), "host": h})
-            if res.survivors:
-                rc = EXIT_ERROR
+        async def stop(fleet: Fleet) -> StopOutcome:
+            return await stop_run(fleet, await _resolve(fleet, args, destructive=True), args.grace, history)
+
+        done = await _with_fleet(stop, hosts=_host_arg(args), history=history)
     finally:
         history.close()
+    out = [{**to_builtins(res), "host": h} for h, res in done.results]
     if args.json:
-        print(json.dumps(out[0] if len(out) == 1 and not missing else {"run_id": rid, "nodes": out, "unreachable": missing}))
+        print(json.dumps(out[0] if len(out) == 1 and not done.pending else {"run_id": done.run_id, "nodes": out, "unreachable": done.pending}))
     else:
-        multi = len(nodes) + len(missing) > 1
-        for (h, _r), res in [(n, r) for n, r in zip(nodes, results) if not isinstance(r, BaseException)]:
+        multi = len(done.results) + len(done.pending) > 1
+        for h, res in done.results:
             print((f"[{h}] " if multi else "") + format_stop(res))
-        for h in missing:
+        for h in done.pending:
             print(f"[{h}] UNREACHABLE: not stopped yet; it will be stopped as soon as gpudeck reaches {h} again (recorded in the history)")
-    return EXIT_ERROR if missing else rc
+    return EXIT_ERROR if done.pending or done.survivors else 0
 
 
 async def cmd_hosts(args: argparse.Namespace) -> int:
@@ -610,31 +469,45 @@ async def _synced_history(args: argparse.Namespace) -> tuple[History, list[SyncR
 
 
 async def cmd_history(args: argparse.Namespace) -> int:
-    history, _ = await _synced_history(args)
+    history, synced = await _synced_history(args)
+    if args.problems:
+        try:
+            problems = await asyncio.to_thread(history.problems, args.host)
+        finally:
+            history.close()
+        print(json.dumps(problems) if args.json else terminal_text(format_problems(problems)))
+        return 0
     try:
         rows = await asyncio.to_thread(history.query, " ".join(args.query))
         down = {h["name"] for h in await asyncio.to_thread(history.hosts) if h.get("state") not in (None, "up")}
     finally:
         history.close()
     rows = group(rows, unreachable=down)
+    rows = rows if args.show_secrets else [redact_run(r) for r in rows]
+    missed = [(r.host, r.error or "not reachable") for r in synced if not r.ok]
     if args.json:
-        print(json.dumps(rows, default=str))
+        print(json.dumps(partial_json("runs", rows, missed), default=str))
     else:
-        print(format_history(rows))
-    return 0
+        print(terminal_text(format_history(rows)))
+    return EXIT_UNREACHABLE if missed else 0  # _synced_history named them on stderr
 
 
 async def cmd_show(args: argparse.Namespace) -> int:
-    history, _ = await _synced_history(args)
+    history, syncs = await _synced_history(args)
     try:
-        run = await asyncio.to_thread(history.find, args.run, args.host)
+        run = await asyncio.to_thread(history.find, args.run, args.host, [r.host for r in syncs if not r.ok])
         events = await asyncio.to_thread(history.events, run["host"], run["id"])
+        metrics = await asyncio.to_thread(history.metrics, run["host"], run["id"])
     finally:
         history.close()
+    figures = run_figures(run, metrics)
+    if not args.show_secrets:
+        shown = redact_run({**run, "events": events})
+        run, events = {k: v for k, v in shown.items() if k != "events"}, shown["events"]
     if args.json:
-        print(json.dumps({**run, "events": events}, default=str))
+        print(json.dumps({**run, "figures": vars(figures), "events": events}, default=str))
     else:
-        print(format_show(run, events))
+        print(terminal_text(format_show(run, events, figures)))
     return 0
 
 
@@ -762,6 +635,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default=None, help=host_help)
     p.add_argument("--limit", type=int, default=1000)
     p.add_argument("--json", action="store_true")
+    p.add_argument("--show-secrets", action="store_true", help="show --env values whose names look like secrets (*_KEY, *_TOKEN, *_SECRET, *PASSWORD*); redacted by default")
     p.set_defaults(func=cmd_runs)
 
     p = sub.add_parser("tail", help="a run's output (stdout and stderr of all its ranks)")
@@ -770,6 +644,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-f", "--follow", action="store_true", help="keep printing new output until the run ends (Ctrl-C leaves)")
     p.add_argument("-n", "--lines", type=int, default=20, help="how many last lines to print first (-1: all of the last 256 KiB)")
     p.add_argument("--node", type=int, default=None, help="multi-node runs: only this node's output (default: every node, each line prefixed with its host)")
+    p.add_argument("--raw", action="store_true", help="print the output byte for byte (by default control characters and escape sequences are shown as \\x1b-style escapes)")
     p.set_defaults(func=cmd_tail)
 
     p = sub.add_parser("stop", help="stop every process of a run: TERM, grace, KILL, verify")
@@ -799,12 +674,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("query", nargs="*", help="filters (see README: state host kind name id cause operator parent torch alert since until limit)")
     p.add_argument("--host", default=None, help="sync only this host first (the query itself takes host:NAME)")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--problems", action="store_true", help="the events the history kept out (quarantined: a value SQLite cannot store, an event that does not decode), raw, with why")
+    p.add_argument("--show-secrets", action="store_true", help="show --env values whose names look like secrets (*_KEY, *_TOKEN, *_SECRET, *PASSWORD*); redacted by default")
     p.set_defaults(func=cmd_history)
 
     p = sub.add_parser("show", parents=[sync_args], help="one run in full from the history: spec, environment, telemetry, timeline")
     p.add_argument("run", help="run id, unique id prefix, or name")
     p.add_argument("--host", default=None, help=host_help)
     p.add_argument("--json", action="store_true")
+    p.add_argument("--show-secrets", action="store_true", help="show --env values whose names look like secrets (*_KEY, *_TOKEN, *_SECRET, *PASSWORD*); redacted by default")
     p.set_defaults(func=cmd_show)
 
     p = sub.add_parser("diff", parents=[sync_args], help="two runs side by side: config, environment (torch/CUDA/driver/NCCL first), outcome")
@@ -813,6 +691,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--all", action="store_true", help="show equal rows too")
     p.add_argument("--host", default=None, help="sync only this host first")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--show-secrets", action="store_true", help="show --env values whose names look like secrets (*_KEY, *_TOKEN, *_SECRET, *PASSWORD*); redacted by default")
     p.set_defaults(func=cmd_diff)
 
     start_args = argparse.ArgumentParser(add_help=False)
@@ -862,14 +741,17 @@ def main(argv: list[str] | None = None) -> int:
         if getattr(args, "func", None) is None:
             return int(args.sync(args) or 0)
         return asyncio.run(args.func(args))
-    except (CliError, QueryError, cfg.ConfigError, StartRequired, MultiNodeError) as exc:
-        print(f"gpudeck: {exc}", file=sys.stderr)
+    except OpsError as exc:
+        print(terminal_text(f"gpudeck: {exc.message}"), file=sys.stderr)
+        return exc.exit_code
+    except (CliError, QueryError, cfg.ConfigError) as exc:
+        print(terminal_text(f"gpudeck: {exc}"), file=sys.stderr)
         return EXIT_USAGE
     except HistoryError as exc:
-        print(f"gpudeck: {exc}", file=sys.stderr)
+        print(terminal_text(f"gpudeck: {exc}"), file=sys.stderr)
         return EXIT_ERROR
     except AgentError as exc:
-        print(f"gpudeck: {exc.message}", file=sys.stderr)
+        print(terminal_text(f"gpudeck: {exc.message}"), file=sys.stderr)
         return EXIT_ERROR
     except KeyboardInterrupt:
         return 130

@@ -10,6 +10,8 @@ from textual.binding import Binding
 from textual.command import DiscoveryHit, Hit, Hits, Provider
 from textual.markup import escape
 
+from console.screens.base import deck
+
 
 class GpudeckCommands(Provider):
     """What the operator can do from here: the screen's keys, the app's keys, the themes, 'open host X'."""
@@ -36,7 +38,7 @@ class GpudeckCommands(Provider):
         fleet = getattr(app, "fleet", None)
         if fleet is not None:
             for name, link in fleet.links.items():
-                out.append((f"Open host {name}", f"GPUs and processes of {name} ({link.status.state})", partial(app.open_host, name)))  # type: ignore[attr-defined]
+                out.append((f"Open host {name}", f"GPUs and processes of {name} ({link.status.state})", partial(deck(app).open_host, name)))
         return out
 
     async def discover(self) -> Hits:

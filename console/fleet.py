@@ -530,31 +530,6 @@ class Fleet:
         assert isinstance(reply, RunReply)
         return reply.run
 
-    async def find_runs(self, ref: str) -> tuple[list[tuple[str, RunInfo]], list[tuple[str, str]]]:
-        """Every (host, run) that ``ref`` names, asking every host at once, and the hosts that did not answer."""
-        names = list(self.links)
-        results = await asyncio.gather(*(self.run(h, ref) for h in names), return_exceptions=True)
-        found = [(h, r) for h, r in zip(names, results) if isinstance(r, RunInfo)]
-        down = [(h, r.message) for h, r in zip(names, results) if isinstance(r, AgentUnavailable)]
-        for h, r in zip(names, results):
-            if isinstance(r, BaseException) and not isinstance(r, AgentError):
-                raise r
-        return found, down
-
-    async def find_run(self, ref: str) -> tuple[str, RunInfo]:
-        """The host and run that ``ref`` names, asking every host at once; a typed error if none or several."""
-        found, down = await self.find_runs(ref)
-        if len(found) == 1:
-            return found[0]
-        if len(found) > 1:
-            if len({r.id for _h, r in found}) == 1:
-                raise AgentError(f"{ref!r} is a run on several nodes ({', '.join(h for h, _r in found)}): this command takes one node (--host), or use the multi-node form")
-            raise AgentError(f"{ref!r} names runs on several hosts ({', '.join(f'{r.id} on {h}' for h, r in found)}): add --host")
-        msg = f"no run {ref!r} on any host"
-        if down:
-            msg += "; not reachable: " + "; ".join(f"{h} ({m})" for h, m in down)
-        raise AgentError(msg + ": `gpudeck runs` lists them")
-
     async def metrics(self, host: str, run_id: str, max_points: int = 300) -> Metrics:
         """A run's step series (loss, tokens/s, MFU), thinned to ``max_points``."""
         reply = await self._request(host, GetMetrics(run_id=run_id, max_points=max_points))

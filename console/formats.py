@@ -8,6 +8,7 @@ from typing import Any
 
 from agents.protocol import RunInfo, Snapshot, StopResult, to_builtins
 from console.fmt import duration, elapsed, gib, when
+from console.ops.figures import RunFigures, run_figures, tokens_text
 
 def table(headers: list[str], rows: list[list[str]]) -> str:
     """A left-aligned text table."""
@@ -139,7 +140,7 @@ def format_history(rows: list[dict[str, Any]]) -> str:
         return "no runs match"
     out = []
     for r in rows:
-        tps = r.get("tokens_per_s")
+        fig = run_figures(r)
         out.append([
             r["id"],
             r["host"],
@@ -147,9 +148,9 @@ def format_history(rows: list[dict[str, Any]]) -> str:
             r.get("kind") or "-",
             r.get("state") or "-",
             when(r.get("started") or r.get("created")),
-            duration(elapsed(r.get("started"), r.get("ended"))),
-            "-" if r.get("last_step") is None else str(r["last_step"]),
-            "-" if tps is None else f"{tps:,.0f}",
+            duration(fig.elapsed_s) if fig.elapsed_s is not None else "-",
+            "-" if fig.last_step is None else str(fig.last_step),
+            tokens_text(fig.tokens_per_s),
             str(r.get("alert_count") or "") or "-",
             (r.get("cause") or "-")[:60],
         ])
@@ -161,12 +162,13 @@ def _kv(lines: list[str], key: str, value: object) -> None:
         lines.append(f"  {key:<16} {value}")
 
 
-def format_show(run: dict[str, Any], events: list[dict[str, Any]]) -> str:
-    """``gpudeck show``: one run in full, with its timeline."""
+def format_show(run: dict[str, Any], events: list[dict[str, Any]], figures: RunFigures | None = None) -> str:
+    """``gpudeck show``: one run in full, with its timeline (the shared figures: console/ops/figures.py)."""
+    fig = figures or run_figures(run)
     lines = [f"run {run['id']} on {run['host']}" + (f" ({run['name']})" if run.get("name") else "")]
     _kv(lines, "state", run.get("state"))
     _kv(lines, "cause", run.get("cause"))
-    _kv(lines, "cause class", run.get("cause_class"))
+    _kv(lines, "cause class", fig.cause_class)
     _kv(lines, "kind", run.get("kind"))
     _kv(lines, "command", " ".join(run.get("argv") or []))
     _kv(lines, "gpus", run.get("gpus"))
@@ -177,18 +179,18 @@ def format_show(run: dict[str, Any], events: list[dict[str, Any]]) -> str:
     _kv(lines, "created", when(run.get("created")))
     _kv(lines, "started", when(run.get("started")) if run.get("started") else None)
     _kv(lines, "ended", when(run.get("ended")) if run.get("ended") else None)
-    _kv(lines, "elapsed", duration(elapsed(run.get("started"), run.get("ended"))) if run.get("started") else None)
+    _kv(lines, "elapsed", duration(fig.elapsed_s) if fig.elapsed_s is not None else None)
     _kv(lines, "exit code", run.get("exit_code"))
     _kv(lines, "signal", run.get("signal"))
     _kv(lines, "params", f"{run['params_total']:,}" if run.get("params_total") else None)
     _kv(lines, "world size", run.get("world_size"))
     _kv(lines, "ranks seen", run.get("ranks_seen") or None)
     _kv(lines, "dataset", f"{run.get('dataset_samples'):,} samples, {run.get('dataset_tokens') or 0:,} tokens" if run.get("dataset_samples") else None)
-    _kv(lines, "last step", run.get("last_step"))
+    _kv(lines, "last step", fig.last_step)
     _kv(lines, "loss", f"{run['last_loss']:.4f}" if run.get("last_loss") is not None else None)
-    _kv(lines, "tokens/s", f"{run['tokens_per_s']:,.0f}" if run.get("tokens_per_s") is not None else None)
+    _kv(lines, "tokens/s median", tokens_text(fig.tokens_per_s) if fig.tokens_per_s is not None else None)
     _kv(lines, "MFU", f"{run['mfu'] * 100:.1f}%" if run.get("mfu") is not None else None)
-    _kv(lines, "peak memory", f"{run['mem_peak_gib']:.2f} GiB" if run.get("mem_peak_gib") is not None else None)
+    _kv(lines, "peak memory", f"{fig.peak_mem_gib:.2f} GiB" if fig.peak_mem_gib is not None else None)
     _kv(lines, "checkpoint", run.get("last_checkpoint"))
     _kv(lines, "tau", run.get("tau"))
     _kv(lines, "error", run.get("error"))

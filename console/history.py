@@ -31,9 +31,11 @@ from typing import Any
 
 import sqlite_utils
 
+from agents import paths
 from agents.causes import cause_class
 from agents.protocol import TERMINAL_STATES, Event
 from console import config
+from console import quarantine
 from console.query import compile_query
 
 SCHEMA_VERSION = 1
@@ -151,6 +153,7 @@ def ensure_schema(db: sqlite_utils.Database) -> None:
     )
     db["meta"].create({"key": str, "value": str}, pk="key", if_not_exists=True)
     db["pending_stops"].create({"host": str, "run_id": str, "grace_s": float, "requested": float}, pk=("host", "run_id"), if_not_exists=True)
+    quarantine.create_table(db.conn)
     db.execute("INSERT OR IGNORE INTO meta(key, value) VALUES ('schema_version', ?)", [str(SCHEMA_VERSION)])
 
 
@@ -329,9 +332,13 @@ class History:
     def __init__(self, path: Path | None = None) -> None:
         self.path = Path(path or config.history_path())
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
+            # private whatever the umask (it holds every run's --env), reached without following links
+            paths.ensure_private_dir(self.path.parent)
+            paths.private_file(self.path)
             self._read_conn = _connect(self.path)
             ensure_schema(sqlite_utils.Database(self._read_conn))
+        except paths.UnsafePath as exc:
+            raise HistoryError(f"cannot open the history {self.path}: {exc.message}") from None
         except (sqlite3.Error, OSError) as exc:
             raise HistoryError(
                 f"cannot open the history {self.path} ({exc}): free space in {self.path.parent} or fix its permissions "
@@ -343,6 +350,7 @@ class History:
         self._closed = False
         self.batches_committed = 0
         self.events_inserted = 0
+        self.events_quarantined = 0
 
     # ------------------------------------------------------------------ writer
 
@@ -386,16 +394,29 @@ class History:
         try:
             for b in batch:
                 n = 0
+                last = None
                 for ev in b.events:
-                    cur = conn.execute(
-                        "INSERT OR IGNORE INTO events(host, epoch, seq, ts, kind, run_id, data) VALUES (?,?,?,?,?,?,?)",
-                        (b.host, b.epoch, ev.seq, ev.ts, ev.kind, ev.run_id, _j(ev.data)),
-                    )
-                    if cur.rowcount == 1:  # new to the replica: fold it into the run once
-                        n += 1
-                        apply(b.host, b.epoch, ev)
-                if b.events:
-                    conn.execute("UPDATE epochs SET last_seq=MAX(last_seq, ?) WHERE host=? AND epoch=?", (b.events[-1].seq, b.host, b.epoch))
+                    # each event by itself: one that fails validation, or that SQLite refuses while it is folded into
+                    # the runs table, is quarantined raw and the rest of the batch goes in (console/quarantine.py)
+                    conn.execute("SAVEPOINT one_event")
+                    try:
+                        quarantine.check_event(ev)
+                        cur = conn.execute(
+                            "INSERT OR IGNORE INTO events(host, epoch, seq, ts, kind, run_id, data) VALUES (?,?,?,?,?,?,?)",
+                            (b.host, b.epoch, ev.seq, ev.ts, ev.kind, ev.run_id, _j(ev.data)),
+                        )
+                        if cur.rowcount == 1:  # new to the replica: fold it into the run once
+                            n += 1
+                            apply(b.host, b.epoch, ev)
+                    except (quarantine.BadEvent, sqlite3.Error, OverflowError, ValueError, TypeError, AttributeError, KeyError, RecursionError) as exc:
+                        conn.execute("ROLLBACK TO one_event")
+                        quarantine.put(conn, b.host, b.epoch, ev, f"{type(exc).__name__}: {exc}" if not isinstance(exc, quarantine.BadEvent) else str(exc))
+                        self.events_quarantined += 1
+                    conn.execute("RELEASE one_event")
+                    if isinstance(ev.seq, int) and 0 < ev.seq <= quarantine.INT_MAX:
+                        last = ev.seq if last is None else max(last, ev.seq)
+                if last is not None:
+                    conn.execute("UPDATE epochs SET last_seq=MAX(last_seq, ?) WHERE host=? AND epoch=?", (last, b.host, b.epoch))
                 counts.append(n)
             conn.execute("COMMIT")
         except BaseException:
@@ -450,6 +471,8 @@ class History:
                     c.execute("INSERT INTO epochs(host, epoch, first_seen, last_seq, replaces) VALUES (?,?,?,0,?)", (host, epoch, now, replaces))
                 # the epoch table's last_seq can lag a crash; the events themselves are the truth
                 last = c.execute("SELECT MAX(seq) FROM events WHERE host=? AND epoch=?", (host, epoch)).fetchone()[0] or 0
+                held = c.execute("SELECT MAX(seq) FROM quarantine WHERE host=? AND epoch=?", (host, epoch)).fetchone()[0] or 0
+                last = max(last, held)  # a quarantined event is not pulled again
                 c.execute(
                     "INSERT INTO hosts(name, epoch, first_seen, last_seen, agent_version, agent_host, state) VALUES (?,?,?,?,?,?,'up')"
                     " ON CONFLICT(name) DO UPDATE SET epoch=excluded.epoch, last_seen=excluded.last_seen, agent_version=excluded.agent_version,"
@@ -503,10 +526,10 @@ class History:
             cur = self._read_conn.execute(sql, params)
             cols = [d[0] for d in cur.description]
             rows = cur.fetchall()
-        return [decode_run(dict(zip(cols, r))) for r in rows]
+            return add_tokens_median(self._read_conn, [decode_run(dict(zip(cols, r))) for r in rows])
 
-    def find(self, ref: str, host: str | None = None) -> dict[str, Any]:
-        """One run by id, unique id prefix or name (newest of that name); HistoryError says what to do."""
+    def matches(self, ref: str, host: str | None = None) -> list[dict[str, Any]]:
+        """Every run whose id is ``ref``, starts with it, or whose name is it (the resolver picks: console/ops/resolve.py)."""
         esc = ref.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
         where = "(id = ? OR id LIKE ? ESCAPE '\\' OR name = ?)"
         params: list[object] = [ref, esc + "%", ref]
@@ -517,17 +540,13 @@ class History:
             cur = self._read_conn.execute(f"SELECT * FROM runs WHERE {where} ORDER BY created DESC", params)
             cols = [d[0] for d in cur.description]
             rows = [dict(zip(cols, r)) for r in cur.fetchall()]
-        exact = [r for r in rows if r["id"] == ref]
-        if exact:
-            rows = exact
-        elif len({r["id"] for r in rows}) > 1 and all(r["name"] == ref for r in rows):
-            rows = rows[:1]  # a name: its newest run
-        if not rows:
-            raise HistoryError(f"no run {ref!r} in the history{' of ' + host if host else ''}: `gpudeck history` lists them")
-        if len({(r['host'], r['id']) for r in rows}) > 1:
-            ids = ", ".join(f"{r['id']} on {r['host']}" for r in rows[:5])
-            raise HistoryError(f"{ref!r} matches {len(rows)} runs ({ids}): give more of the id, or --host")
-        return decode_run(rows[0])
+        return [decode_run(r) for r in rows]
+
+    def find(self, ref: str, host: str | None = None, unanswered: list[str] | None = None, destructive: bool = False) -> dict[str, Any]:
+        """One run by id, unique id prefix or unique name; several matches are refused with the candidates (AmbiguousRun)."""
+        from console.ops.resolve import resolve_record
+
+        return resolve_record(self.matches(ref, host), ref, host, unanswered or [], destructive)
 
     def events(self, host: str, run_id: str, limit: int = 10000) -> list[dict[str, Any]]:
         """A run's events in order."""
@@ -545,9 +564,35 @@ class History:
             return int(self._exec("SELECT COUNT(*) FROM events")[0][0])
         return int(self._exec("SELECT COUNT(*) FROM events WHERE host=?", (host,))[0][0])
 
+    def problems(self, host: str | None = None) -> list[dict[str, Any]]:
+        """The events kept out of the history (quarantined), oldest first."""
+        with self._read_lock:
+            return quarantine.rows(self._read_conn, host)
+
     def seqs(self, host: str, epoch: str) -> list[int]:
         """Every seq held for one host and epoch, ascending (tests check for gaps and duplicates)."""
         return [r[0] for r in self._exec("SELECT seq FROM events WHERE host=? AND epoch=? ORDER BY seq", (host, epoch))]
+
+
+def add_tokens_median(conn: sqlite3.Connection, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each row with ``tokens_per_s_median``: the median over its recorded steps (what every view shows as tokens/s)."""
+    import statistics
+
+    if not rows:
+        return rows
+    want = {(r["host"], r["id"]) for r in rows}
+    values: dict[tuple[str, str], list[float]] = {}
+    ids = sorted({r["id"] for r in rows})
+    for i in range(0, len(ids), 500):
+        chunk = ids[i:i + 500]
+        q = f"SELECT host, run_id, tokens_per_s FROM metrics WHERE tokens_per_s IS NOT NULL AND run_id IN ({','.join('?' * len(chunk))})"
+        for host, rid, tps in conn.execute(q, chunk).fetchall():
+            if (host, rid) in want:
+                values.setdefault((host, rid), []).append(float(tps))
+    for r in rows:
+        vs = values.get((r["host"], r["id"]))
+        r["tokens_per_s_median"] = statistics.median(vs) if vs else None
+    return rows
 
 
 _JSON_COLUMNS = {"gpus": None, "argv": [], "spec": {}, "env": None, "members": [], "telemetry": {}, "alerts": [], "preflight": None, "stop": None, "claims": []}

@@ -1,15 +1,8 @@
-"""Provides runs across several hosts: one run id, one node per host, one combined record.
+"""Provides the one record of a run across several hosts: one run id, one node per host, one combined state.
 
-Training across hosts is torch.distributed's job (torchrun's c10d rendezvous,
-NCCL or gloo); gpudeck places the pieces, starts each host's node with the
-same run id, watches and stops them together, and shows them as one run:
+Placing and starting the nodes is the operations layer's (console/ops/launch.py);
+this folds what they report into one run:
 
-- every node runs ``torchrun --nnodes N --node-rank i --nproc-per-node G
-  --rdzv-backend c10d --rdzv-endpoint <first host>:<port> --rdzv-id <run id>``;
-- the rendezvous address is the first host as the others reach it: its
-  ``rdzv_host`` from the config, else its SSH HostName;
-- per host, ``nccl_socket_ifname`` / ``gloo_socket_ifname`` / ``env`` from the
-  config go into that node's environment;
 - the combined state is running while every node runs; the first node to fail
   is named in the cause; a node whose host is unreachable and never reported
   its end is ``lost``.
@@ -17,97 +10,10 @@ same run id, watches and stops them together, and shows them as one run:
 
 from __future__ import annotations
 
-import getpass
-from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-import msgspec
-
-from agents.protocol import LIVE_STATES, TERMINAL_STATES, LaunchSpec
-from agents.supervisor import new_run_id
-from console import config as cfg
-
-DEFAULT_RDZV_PORT = 29400
-
-
-class MultiNodeError(Exception):
-    """A multi-node launch cannot be placed as asked; the message says what to change."""
-
-
-def ssh_hostname(name: str, config_paths: Sequence[str]) -> str | None:
-    """The HostName that ``~/.ssh/config`` gives ``name`` (None when the config names none)."""
-    from asyncssh.config import SSHClientConfig
-
-    try:
-        conf = SSHClientConfig.load(None, list(config_paths), False, False, False, getpass.getuser(), "", name, ())
-    except (OSError, ValueError):
-        return None
-    value = conf.get("Hostname")
-    return str(value) if value else None
-
-
-def rendezvous_host(first: cfg.HostSettings, config_paths: Sequence[str], override: str | None = None) -> str:
-    """The address the other nodes reach the first host at."""
-    if override:
-        return override
-    if first.rdzv_host:
-        return first.rdzv_host
-    if first.name == cfg.LOCAL:
-        raise MultiNodeError("the first host is 'local': give --rdzv-host ADDRESS (how the other hosts reach this machine), or put another host first")
-    return ssh_hostname(first.name, config_paths) or first.name
-
-
-def node_env(settings: cfg.HostSettings) -> dict[str, str]:
-    """The environment a host's config adds to its node (interfaces, extra variables)."""
-    env = dict(settings.env)
-    if settings.nccl_socket_ifname:
-        env["NCCL_SOCKET_IFNAME"] = settings.nccl_socket_ifname
-    if settings.gloo_socket_ifname:
-        env["GLOO_SOCKET_IFNAME"] = settings.gloo_socket_ifname
-    return env
-
-
-def node_specs(
-    base: LaunchSpec,
-    hosts: list[cfg.HostSettings],
-    *,
-    python: str,
-    program: list[str],
-    nproc_per_node: int,
-    rdzv_host: str,
-    rdzv_port: int = DEFAULT_RDZV_PORT,
-    run_id: str | None = None,
-    local_addrs: list[str | None] | None = None,
-) -> list[tuple[str, LaunchSpec]]:
-    """One spec per host: the same run id, its node rank, torchrun around ``program`` (``-m module args`` or ``script args``)."""
-    if len(hosts) < 2:
-        raise MultiNodeError("a multi-node run needs at least two hosts: --hosts gpu1,gpu2")
-    if len({h.name for h in hosts}) != len(hosts):
-        raise MultiNodeError("a host is listed twice in --hosts")
-    rid = run_id or new_run_id()
-    names = [h.name for h in hosts]
-    # the address each node's workers are reached at (torchrun --local-addr; else torchrun guesses from the hostname)
-    local_addrs = local_addrs or [rdzv_host if i == 0 else h.rdzv_host for i, h in enumerate(hosts)]
-    out = []
-    for rank, h in enumerate(hosts):
-        argv = [
-            python, "-m", "torch.distributed.run",
-            "--nnodes", str(len(hosts)), "--node-rank", str(rank), "--nproc-per-node", str(nproc_per_node),
-            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{rdzv_host}:{rdzv_port}", "--rdzv-id", rid,
-            # say who hosts the rendezvous store: the address may not be one torchrun recognises as its own (NAT, several NICs)
-            "--rdzv-conf", f"is_host={'true' if rank == 0 else 'false'}",
-            *(["--local-addr", local_addrs[rank]] if local_addrs[rank] else []),
-            *program,
-        ]
-        env = {**node_env(h), **base.env}
-        out.append((h.name, msgspec.structs.replace(
-            base, argv=argv, env=env, run_id=rid, nnodes=len(hosts), node_rank=rank, nodes=names,
-            rdzv_port=rdzv_port if rank == 0 else None, expected_ranks=nproc_per_node,
-        )))
-    return out
-
+from agents.protocol import LIVE_STATES, TERMINAL_STATES
 
 # ----------------------------------------------------------------------------- one record
 
@@ -230,14 +136,3 @@ def group(rows: list[dict[str, Any]], unreachable: set[str] | None = None) -> li
         multi = len(rs) > 1 or ((rs[0].get("spec") or {}).get("nnodes") or 1) > 1
         out.append(combine(rs, unreachable).as_row() if multi else rs[0])
     return out
-
-
-def program_of(argv: list[str], kind: str, trainer_args: bool) -> list[str]:
-    """What torchrun runs: ``-m trainers.X args`` for --kind with trainer arguments, else the argv (a script or ``-m module``)."""
-    if trainer_args:
-        return ["-m", "trainers.fsdp_lm" if kind == "fsdp" else "trainers.dflash", *argv]
-    if argv and (argv[0] == "-m" or argv[0].endswith(".py")):
-        return list(argv)
-    if len(argv) >= 3 and Path(argv[0]).name.startswith("python") and argv[1] == "-m":
-        return list(argv[1:])  # `python -m module ...`: torchrun brings its own python
-    raise MultiNodeError("a multi-node run's command is what torchrun starts on each node: `-m package.module ARGS` or `script.py ARGS` (or --kind fsdp -- TRAINER ARGS)")

@@ -16,6 +16,8 @@ import msgspec
 
 from agents import envs
 from agents.protocol import EnvFingerprint
+from console.fmt import duration
+from console.ops.figures import run_figures
 
 
 @dataclass(frozen=True)
@@ -71,14 +73,6 @@ def _v(x: object) -> str:
     return str(x)
 
 
-def _median(values: list[float]) -> float | None:
-    vs = sorted(v for v in values if isinstance(v, (int, float)))
-    if not vs:
-        return None
-    mid = len(vs) // 2
-    return vs[mid] if len(vs) % 2 else (vs[mid - 1] + vs[mid]) / 2
-
-
 def diff_runs(a: dict[str, Any], b: dict[str, Any], a_metrics: list[dict[str, Any]] | None = None, b_metrics: list[dict[str, Any]] | None = None) -> RunDiff:
     """Compare two history rows (and, when given, their step metrics)."""
     out = RunDiff(a_id=a["id"], b_id=b["id"])
@@ -111,14 +105,15 @@ def diff_runs(a: dict[str, Any], b: dict[str, Any], a_metrics: list[dict[str, An
             out.environment.append(Row(c.key.removeprefix("package:") + ("" if c.core else " (package)"), _v(c.a), _v(c.b), core=c.core))
         if not out.environment:
             out.env_note = f"same environment (freeze {fa.freeze_hash[:12]})"
-    ta = _median([m["tokens_per_s"] for m in a_metrics or []]) or a.get("tokens_per_s")
-    tb = _median([m["tokens_per_s"] for m in b_metrics or []]) or b.get("tokens_per_s")
+    fa_, fb_ = run_figures(a, a_metrics), run_figures(b, b_metrics)  # the figures every view shows (console/ops/figures.py)
     for key, va, vb in (
         ("state", a.get("state"), b.get("state")),
         ("cause", a.get("cause"), b.get("cause")),
-        ("tokens/s (median)", ta, tb),
-        ("peak memory GiB", a.get("mem_peak_gib"), b.get("mem_peak_gib")),
-        ("last step", a.get("last_step"), b.get("last_step")),
+        ("cause class", fa_.cause_class, fb_.cause_class),
+        ("tokens/s (median)", fa_.tokens_per_s, fb_.tokens_per_s),
+        ("peak memory GiB", fa_.peak_mem_gib, fb_.peak_mem_gib),
+        ("last step", fa_.last_step, fb_.last_step),
+        ("elapsed", duration(fa_.elapsed_s) if fa_.elapsed_s is not None else None, duration(fb_.elapsed_s) if fb_.elapsed_s is not None else None),
         ("loss", a.get("last_loss"), b.get("last_loss")),
     ):
         out.outcome.append(Row(key, _v(va), _v(vb)))

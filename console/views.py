@@ -19,8 +19,9 @@ import msgspec
 from agents import envs
 from agents.protocol import TERMINAL_STATES, Alert, EnvFingerprint, Gpu, GpuProcess, LaunchSpec, RunInfo, Snapshot
 from console import fmt
+from console.history import add_tokens_median
 from console.query import compile_query
-from console.relaunch import spec_from_row
+from console.ops.relaunch import spec_from_row
 from console.rundiff import Row, RunDiff, diff_runs, env_of
 
 LEFTOVER_HOLDERS = frozenset({"STALE", "FOREIGN", "NO_SUCH_PROCESS"})
@@ -229,8 +230,8 @@ def merge_rows(rows: Iterable[RunRow]) -> dict[str, RunRow]:
 
 # the columns the Runs and History tables need: never the environment (its freeze list is large)
 LIGHT_COLUMNS = (
-    "host, id, name, kind, state, cause, cause_class, created, started, ended, last_step, last_loss, tokens_per_s, mfu,"
-    " alert_count, alerts, env_torch, world_size, params_total, parent, start"
+    "host, id, name, kind, state, cause, cause_class, created, started, ended, last_step, final_step, last_loss, tokens_per_s, mfu,"
+    " mem_peak_gib, alert_count, alerts, env_torch, world_size, params_total, parent, start"
 )
 
 
@@ -245,7 +246,7 @@ def history_rows(path: Path, text: str = "", *, when: float | None = None) -> li
     try:
         cur = conn.execute(sql, params)
         cols = [d[0] for d in cur.description]
-        rows = [dict(zip(cols, r)) for r in cur.fetchall()]
+        rows = add_tokens_median(conn, [dict(zip(cols, r)) for r in cur.fetchall()])
     finally:
         conn.close()
     for r in rows:
@@ -343,9 +344,9 @@ def argv_rows(a: Sequence[str], b: Sequence[str]) -> list[Row]:
     return [Row(k, fa.get(k, "-"), fb.get(k, "-")) for k in dict.fromkeys([*fa, *fb]) if fa.get(k) != fb.get(k)]
 
 
-def run_diff(ra: Mapping[str, Any], rb: Mapping[str, Any]) -> RunDiff:
-    """Two history rows compared by :func:`console.rundiff.diff_runs`, the differing arguments after the command."""
-    diff = diff_runs(dict(ra), dict(rb))
+def run_diff(ra: Mapping[str, Any], rb: Mapping[str, Any], ma: list[dict[str, Any]] | None = None, mb: list[dict[str, Any]] | None = None) -> RunDiff:
+    """Two history rows (and their step metrics) compared by :func:`console.rundiff.diff_runs`, the differing arguments after the command."""
+    diff = diff_runs(dict(ra), dict(rb), ma, mb)
     at = next((i + 1 for i, r in enumerate(diff.config) if r.key == "command"), len(diff.config))
     diff.config[at:at] = argv_rows(_argv(ra), _argv(rb))
     return diff

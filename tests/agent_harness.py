@@ -33,7 +33,7 @@ class AgentProc:
         env["PYTHONPATH"] = str(ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
         return env
 
-    def start(self) -> "AgentProc":
+    def start(self) -> AgentProc:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "agents", "serve", "--state-dir", str(self.state_dir)],
             env=self.env,
@@ -165,3 +165,17 @@ def wait_for(pred, timeout: float = 10.0, interval: float = 0.05, what: str = "c
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout} s waiting for {what}")
         time.sleep(interval)
+
+
+def journal_add_member(state_dir: Path, run_id: str, member: dict) -> list[dict]:
+    """Write one more member into a run's row of a stopped agent's journal (a PID-reuse stand-in); returns the members before."""
+    import sqlite3
+
+    db = sqlite3.connect(state_dir / "journal.db")
+    try:
+        members = json.loads(db.execute("SELECT members FROM runs WHERE id=?", (run_id,)).fetchone()[0])
+        db.execute("UPDATE runs SET members=? WHERE id=?", (json.dumps([*members, member]), run_id))
+        db.commit()
+    finally:
+        db.close()
+    return members

@@ -38,16 +38,13 @@ from __future__ import annotations
 import datetime as _dt
 import json
 import os
-import re
 import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-CHECKPOINTS_DIRNAME = "checkpoints"
-MARKER_FILE = "gpudeck_checkpoint.json"
-_STEP_RE = re.compile(r"^step_(\d+)$")
+from trainers.contract import CHECKPOINT_MARKER as MARKER_FILE, CHECKPOINTS_DIRNAME, STEP_RE as _STEP_RE
 
 
 def checkpoints_dir(out: str | os.PathLike) -> Path:

@@ -16,6 +16,14 @@ Target
     evaluation's generation use inference_mode).
 
 Drafter
+    ``--drafter-config FILE`` gives a published drafter shape (SpecForge's
+    ``configs/*-dflash.json``: ``layer_types`` of ``sliding_attention`` /
+    ``full_attention`` with a ``sliding_window``, heads, ``intermediate_size``,
+    ``block_size``, ``dflash_config.target_layer_ids`` and ``mask_token_id``); the
+    width and vocabulary are the target's (a file that names others is refused).
+    A sliding layer's block slot k sees the context ``a+k-W+1 .. a-1`` and its own
+    block's slots ``0..k`` (SpecForge's mask); full layers see ``0..a-1`` and the
+    whole block.
     ``--drafter-layers`` (1-5) Qwen3-style layers of the target's width,
     conditioned on ``build_target_layer_ids(L, n)`` target layers, sharing the
     target's embedding and lm_head (frozen, shared not copied). ``--init-from``
@@ -26,8 +34,11 @@ Drafter
 Step
     ``--num-anchors`` anchors per sequence (redrawn every step from the CPU RNG,
     which the checkpoint restores), blocks of ``--block-size``, decay gamma
-    from ``decay_gamma`` (7/5/4 for B=16/10/8), loss = sum(w*CE)/sum(w) through
-    the chunked fused lm_head + CE (``--loss-chunk-rows``, ``--loss-mode``).
+    from ``decay_gamma`` (the published 7/5/4 for B=16/10/8; any other block
+    size needs ``--gamma``), loss = sum(w*CE)/sum(w) through the chunked fused
+    lm_head + CE (``--loss-chunk-rows``, ``--loss-mode``), normalised by the
+    weight of every supervised position of the step over all drafter ranks and
+    micro-batches (``dflash_loss.finish_global_mean``, SpecForge's rule).
     All blocks go through the drafter in one pass with one dense bool mask
     (SDPA) or a flex-attention block mask (``--attn flex``, CUDA only; the
     default ``auto`` picks flex on CUDA: it skips the masked-out key blocks,
@@ -35,9 +46,15 @@ Step
     step from 341 ms to 210 ms, bench/RESULTS-dflash.md).
     ``loss_mask`` is all ones for plain text (no prompt/response split, so every
     position is supervised). A ``--data`` JSONL file whose records are
-    ``{"prompt": ..., "response": ...}`` gives a mask of 0 on prompt tokens and 1
-    on response tokens + EOS (``load_prompt_response_jsonl``); anchors are then
-    drawn only where ``mask[t]`` and ``mask[t+1]`` are set.
+    ``{"prompt": ..., "response": ...}`` is read as the references read theirs
+    (``trainers/dflash_data.py``): one sample per record, truncated to
+    ``--seq-len`` and padded, mask 0 on the prompt (``--loss-on-prompt``: 1) and
+    on padding, 1 on the response + EOS; no record is split or packed with
+    another. Batches are ``--batch-size`` records padded to ``--seq-len``, or with
+    ``--token-budget N`` as many whole records as fit ``count x padded length <=
+    N`` (deterministic per seed and epoch, resumed exactly). Anchors are drawn
+    only where ``mask[t]`` and ``mask[t+1]`` are set. The mask token follows
+    SpecForge's order (``resolve_mask_token``; the manifest's ``mask_token_source``).
 
 Topologies
     ``colocated``: every rank runs the target and the drafter; the drafter is
@@ -45,7 +62,11 @@ Topologies
     process (no torchrun) gets a one-rank group, so the same FSDP2 path (with
     its bf16 mixed precision on GPU) applies. ``--compile`` compiles each
     drafter layer and each target decoder layer.
-    ``split``: ``--target-ranks`` (e.g. ``0,1`` or ``0-1``) only run the target
+    ``split``: a drafter rank does not load the target: with ``--target PATH`` it reads
+    only the embedding and lm_head by tensor name from the target's safetensors
+    (memory-mapped; ``trainers/dflash_weights.py``), so its host RAM holds no
+    transformer weights (the manifest's ``target_load`` and ``host_rss_*_mib`` say so).
+    ``--target-ranks`` (e.g. ``0,1`` or ``0-1``) only run the target
     and ``--drafter-ranks`` only the drafter (FSDP2 over a ``dist.new_group`` of
     them). Global batch ``g = (step*grad_accum + micro)*n_drafter + j`` goes to
     drafter ``j`` and is produced by target ``g % n_target``. Target ranks send
@@ -67,7 +88,7 @@ Stopping (SIGTERM/SIGINT; ``runtime.install_stop_flag``, as in ``trainers.fsdp_l
     drafter export (``result.json`` says ``stopped: true``), emit ``done`` with
     ``reason`` ``"stopped"`` and exit 0; ``--resume latest`` continues from it.
     Colocated: the flag rides on the per-step loss all-reduce
-    (``runtime.reduce_mean_and_stop``), so the job stops after the current step.
+    (``dflash_loss.finish_global_mean``), so the job stops after the current step.
     Split: asynchronous votes on their own gloo group, decided ``--queue-depth``
     steps later (``_SplitStopVotes``), so the target ranks still run ahead and no
     receive is ever posted past the stop step.
@@ -92,14 +113,24 @@ Output
     so it loads with trust_remote_code), ``OUT/result.json`` (final_step, stopped,
     drafter_dir, eval_first, eval_last, topology, world_size).
 
-MFU counts, per step and device, the work required: target forward
-``2*(N_target - N_emb - N_lm_head_if_untied) + 2*L*heads*2*head_dim*S`` per
-context token (torchtitan forward count, lm_head not run); drafter
-``6*N_layers`` per block position, ``6*(fc + context k/v projections)`` per
-context token, attention ``12*L_d*heads*head_dim*(visible keys)`` per block
-position (visible = anchor + B, not the dense mask's S + N*B), and ``4*V*H``
-per supervised lm_head row (the lm_head is frozen: forward plus input gradient,
-no weight gradient).
+``--profile-steps A-B`` runs torch.profiler over those steps and writes
+``OUT/profile/rank<r>.txt``: the step's phases (``dflash.target_forward``,
+``dflash.drafter_forward``, ``dflash.lm_head_loss``, ``dflash.drafter_backward``,
+``dflash.anchors_and_masks``) and the top ops by device time, which is where an MFU
+short of its goal is looked for.
+
+MFU counts, per step and device, the work required (``mfu_convention`` in the manifest):
+the target's forward over only the layers the features need (``hidden_states[id + 1]``
+up to the largest target layer id; the layers after it are dropped once the eval set is
+built, ``truncate_target``), ``2*N_layers_run`` per context token plus attention
+``2*L_run*heads*2*head_dim*S`` per token under torchtitan's convention
+(``mfu_torchtitan``) and half of it under the causal one (``mfu``, the headline); the
+lm_head is not run. Drafter (the same under both): ``6*N_layers`` per block position,
+``6*(fc + context k/v projections)`` per context token, attention
+``12*heads*head_dim*(visible keys)`` per block position and layer (a full layer sees
+anchor + B keys, a sliding one at most its window; ``dflash_loss.visible_keys``, not the
+dense mask's S + N*B), and ``4*V*H`` per supervised lm_head row (the lm_head is frozen:
+forward plus input gradient, no weight gradient).
 """
 
 from __future__ import annotations
@@ -129,6 +160,17 @@ def parse_rank_list(text: str) -> list[int]:
     return parse_index_list(text)
 
 
+def _step_span(text: str) -> tuple[int, int]:
+    a, _, b = str(text).partition("-")
+    try:
+        lo, hi = int(a), int(b or a)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give steps as A-B (e.g. 6-7)") from None
+    if lo < 1 or hi < lo:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a rising span of steps >= 1 (e.g. 6-7)")
+    return lo, hi
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m trainers.dflash",
@@ -140,6 +182,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--target-config", default=None,
                    help="random-weight target from a preset (tiny, qwen3-0.6b) or config.json "
                         "(speed benchmarks); --model-config is an alias")
+    g.add_argument("--drafter-config", default=None,
+                   help="a drafter config.json of the published shape (SpecForge's configs/*-dflash.json): "
+                        "its num_hidden_layers, layer_types, sliding_window, intermediate_size, heads, "
+                        "block_size and dflash_config (target_layer_ids, mask_token_id) are used; "
+                        "hidden_size and vocab_size, where given, must be the target's")
     g.add_argument("--drafter-layers", type=int, default=None,
                    help="drafter decoder layers, 1-5 (default 1; with --init-from: the saved drafter's, "
                         "and a different value is refused)")
@@ -147,9 +194,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tokens per block (default 16; with --init-from: the saved drafter's, and a "
                         "different value is refused)")
     g.add_argument("--num-anchors", type=int, default=512)
-    g.add_argument("--gamma", type=float, default=None, help="decay gamma (default: by block size)")
+    g.add_argument("--gamma", type=float, default=None,
+                   help="loss decay gamma (default: the published 4/5/7 for block 8/10/16; other block "
+                        "sizes need it)")
     g.add_argument("--mask-token-id", type=int, default=None,
-                   help="block mask token (default: tokenizer's MASK, Qwen3's 151669, else vocab-1)")
+                   help="block mask token (default, SpecForge's rule: the drafter config's, the tokenizer's "
+                        "mask token, the first unused embedding slot len(tokenizer), then pad/eos)")
+    g.add_argument("--token-budget", type=int, default=None,
+                   help="prompt/response data: batches of whole records with count x padded length <= "
+                        "this many tokens (instead of --batch-size records padded to --seq-len)")
+    g.add_argument("--loss-on-prompt", action="store_true",
+                   help="prompt/response data: supervise the prompt tokens too (default: mask 0 there)")
     g.add_argument("--loss-chunk-rows", type=int, default=2048)
     g.add_argument("--loss-mode", default="fused", choices=["fused", "recompute", "plain"])
     g.add_argument("--attn", default="auto", choices=["auto", "sdpa", "flex"],
@@ -166,6 +221,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--eval-gen-len", type=int, default=64)
     g.add_argument("--val-fraction", type=float, default=0.02, help="tail of the stream held out for eval")
     g.add_argument("--no-eval", action="store_true", help="skip tau evaluation (benchmarks)")
+    g.add_argument("--profile-steps", type=_step_span, default=None,
+                   help="A-B: torch.profiler over steps A..B; the table goes to OUT/profile/rank<r>.txt "
+                        "(the dflash.* phases and the top ops by device time)")
     g.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32"],
                    help="target/compute dtype (auto: bf16 on CUDA, fp32 on CPU)")
     p.set_defaults(lr=6e-4, weight_decay=0.0, seq_len=512, batch_size=2, max_steps=100)
@@ -178,6 +236,7 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         args.target_config = args.model_config
     if (args.target is None) == (args.target_config is None):
         p.error("give exactly one of --target PATH or --target-config/--model-config")
+    resolve_drafter_config(p, args)
     resolve_saved_shape(p, args)
     if not 1 <= args.drafter_layers <= 8:
         p.error("--drafter-layers must be in 1..8 (DFlash uses 1-5)")
@@ -185,6 +244,14 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         p.error("--block-size must be >= 2")
     if args.num_anchors < 1:
         p.error("--num-anchors must be >= 1")
+    from trainers.dflash_loss import GammaError, decay_gamma
+
+    try:
+        decay_gamma(args.block_size, args.gamma)
+    except GammaError as exc:
+        p.error(f"--block-size {args.block_size}: {exc}")
+    if args.token_budget is not None and args.token_budget < 1:
+        p.error("--token-budget must be a positive number of tokens")
     if args.topology == "split" and (not args.target_ranks or not args.drafter_ranks):
         p.error("--topology split needs --target-ranks and --drafter-ranks")
     if args.queue_depth < 1:
@@ -198,6 +265,102 @@ _SAVED_SHAPE = [
     ("block_size", "--block-size", "block_size", DEFAULT_BLOCK_SIZE, "block size"),
     ("drafter_layers", "--drafter-layers", "num_hidden_layers", DEFAULT_DRAFTER_LAYERS, "number of layers"),
 ]
+
+
+def read_drafter_config(path: str) -> dict[str, Any]:
+    """The ``--drafter-config`` file as a dict, checked; ValueError naming the field and the fix."""
+    from trainers.dflash_model import FULL_ATTENTION, LAYER_TYPES, SLIDING_ATTENTION
+
+    try:
+        cfg = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"--drafter-config {path}: cannot read it as JSON ({exc})") from None
+    if not isinstance(cfg, dict):
+        raise ValueError(f"--drafter-config {path}: the file holds a {type(cfg).__name__}, not a config object")
+    n = cfg.get("num_hidden_layers")
+    types = cfg.get("layer_types")
+    if n is None and isinstance(types, list):
+        n = cfg["num_hidden_layers"] = len(types)
+    if not isinstance(n, int) or n < 1:
+        raise ValueError(f"--drafter-config {path}: num_hidden_layers must be a positive integer (got {n!r})")
+    if types is None:
+        types = cfg["layer_types"] = [FULL_ATTENTION] * n
+    if not isinstance(types, list) or len(types) != n or not set(types) <= set(LAYER_TYPES):
+        raise ValueError(f"--drafter-config {path}: layer_types must list {n} entries (num_hidden_layers), each one "
+                         f"of {list(LAYER_TYPES)} (got {types!r})")
+    if SLIDING_ATTENTION in types:
+        w = cfg.get("sliding_window")
+        if not isinstance(w, int) or w <= 0 or cfg.get("use_sliding_window") is False:
+            raise ValueError(f"--drafter-config {path}: sliding_attention layers need a positive sliding_window "
+                             f"and use_sliding_window true (got sliding_window={w!r}, "
+                             f"use_sliding_window={cfg.get('use_sliding_window')!r})")
+    block = cfg.get("block_size")
+    if block is not None and (not isinstance(block, int) or block < 2):
+        raise ValueError(f"--drafter-config {path}: block_size must be an integer >= 2 (got {block!r})")
+    dc = cfg.get("dflash_config") or {}
+    if not isinstance(dc, dict):
+        raise ValueError(f"--drafter-config {path}: dflash_config must be an object")
+    ids = dc.get("target_layer_ids")
+    if ids is not None and (not isinstance(ids, list) or not all(isinstance(i, int) and i >= 0 for i in ids) or not ids):
+        raise ValueError(f"--drafter-config {path}: dflash_config.target_layer_ids must be a list of layer indices")
+    return cfg
+
+
+def resolve_drafter_config(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """``--drafter-config``: read it, and take its layer count and block size where none is given."""
+    args.drafter_cfg = None
+    if args.drafter_config is None:
+        return
+    if args.init_from is not None:
+        p.error("give --drafter-config (a new drafter of that shape) or --init-from (continue a saved one), not both")
+    try:
+        cfg = read_drafter_config(args.drafter_config)
+    except ValueError as exc:
+        p.error(str(exc))
+    n = cfg["num_hidden_layers"]
+    if args.drafter_layers is not None and args.drafter_layers != n:
+        p.error(f"--drafter-layers {args.drafter_layers} differs from the {n} layers (layer_types) of "
+                f"--drafter-config {args.drafter_config}; leave out --drafter-layers")
+    args.drafter_layers = n
+    if args.block_size is None and cfg.get("block_size") is not None:
+        args.block_size = int(cfg["block_size"])
+    elif args.block_size is not None and cfg.get("block_size") not in (None, args.block_size) \
+            and os.environ.get("RANK", "0") == "0":
+        print(f"dflash: --block-size {args.block_size} replaces the block_size {cfg['block_size']} of "
+              f"--drafter-config {args.drafter_config}", file=sys.stderr, flush=True)
+    args.drafter_cfg = cfg
+
+
+def drafter_config_from_file(cfg: dict[str, Any], target_config, block_size: int, mask_token_id: int):
+    """The drafter's Qwen3Config from a ``--drafter-config`` dict on this target (widths checked)."""
+    from trainers.dflash_model import drafter_config_from_target
+
+    tc = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
+    for key in ("hidden_size", "vocab_size"):
+        if cfg.get(key) is not None and int(cfg[key]) != int(getattr(tc, key)):
+            raise ValueError(f"--drafter-config: {key} {cfg[key]} differs from the target's {getattr(tc, key)}; "
+                             "the drafter reads the target's embeddings and hidden states at the target's width "
+                             f"(remove {key} from the file or use a config made for this target)")
+    n_target = int(tc.num_hidden_layers)
+    ids = (cfg.get("dflash_config") or {}).get("target_layer_ids")
+    if ids is not None and max(ids) >= n_target:
+        raise ValueError(f"--drafter-config: dflash_config.target_layer_ids {ids} name layers the target does not "
+                         f"have (it has {n_target}); remove target_layer_ids to space them over this target")
+    dcfg = drafter_config_from_target(
+        target_config, cfg["num_hidden_layers"], block_size, mask_token_id, target_layer_ids=ids,
+        layer_types=cfg["layer_types"], sliding_window=cfg.get("sliding_window"),
+        intermediate_size=cfg.get("intermediate_size"),
+    )
+    # the published shape's attention widths and RoPE where the file gives them
+    for key in ("num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps", "max_position_embeddings"):
+        if cfg.get(key) is not None:
+            setattr(dcfg, key, cfg[key])
+    rope = cfg.get("rope_parameters")
+    theta = rope.get("rope_theta") if isinstance(rope, dict) else None
+    theta = theta or cfg.get("rope_theta")
+    if theta:
+        dcfg.rope_parameters = {"rope_type": "default", "rope_theta": float(theta)}
+    return dcfg
 
 
 def resolve_saved_shape(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -262,11 +425,17 @@ def load_target(args, device, dtype):
         with torch.device(device):
             model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
     model.eval().requires_grad_(False)
-    if getattr(args, "compile", False):
-        # per-block compile of the frozen target too (its forward is a large share of the step)
-        for layer in getattr(model.base_model, "layers", []):
-            layer.compile()
     return model
+
+
+def compile_target(model) -> None:
+    """Per-block compile of the frozen target (its forward is a large share of the step).
+
+    Done after the eval set and ``truncate_target``, so that the compiled blocks first see
+    the training shapes.
+    """
+    for layer in getattr(model.base_model, "layers", []):
+        layer.compile()
 
 
 def target_features(target, input_ids, layer_ids):
@@ -277,39 +446,105 @@ def target_features(target, input_ids, layer_ids):
     return extract_context(out.hidden_states, layer_ids)
 
 
-def default_mask_token_id(tokenizer, target_config) -> int:
-    vocab = target_config.vocab_size
-    mask = getattr(tokenizer, "mask_id", None)
-    if mask is not None and 0 <= mask < vocab:
-        return int(mask)
-    if getattr(target_config, "model_type", "") in ("qwen3", "qwen3_moe") and vocab > 151669:
-        return 151669
-    return vocab - 1
+def resolve_mask_token(explicit: int | None, drafter_cfg: dict[str, Any] | None, tokenizer,
+                       vocab: int) -> tuple[int, str]:
+    """(mask token id, where it came from): SpecForge's ``resolve_mask_token_id`` order.
 
-
-def _lm_head_params(target) -> int:
-    out = target.get_output_embeddings()
-    inp = target.get_input_embeddings()
-    if out is None or (inp is not None and out.weight is inp.weight):
-        return 0
-    return int(out.weight.numel())
+    The explicit ``--mask-token-id``, the drafter config's ``dflash_config.mask_token_id``, the
+    tokenizer's mask token, the first embedding slot the tokenizer does not use
+    (``len(tokenizer)``, when the embedding is larger), then the tokenizer's pad and eos tokens;
+    the first candidate inside the embedding (``0 <= id < vocab``) wins. An explicit id outside
+    it is an error, not skipped.
+    """
+    if explicit is not None:
+        if not 0 <= int(explicit) < vocab:
+            raise ValueError(f"--mask-token-id {explicit} is outside the target's embedding (0..{vocab - 1})")
+        return int(explicit), "--mask-token-id"
+    size = getattr(tokenizer, "vocab_size", None)
+    candidates = [
+        ("drafter config dflash_config.mask_token_id", ((drafter_cfg or {}).get("dflash_config") or {}).get("mask_token_id")),
+        ("tokenizer mask token", getattr(tokenizer, "mask_id", None)),
+        ("first unused embedding slot len(tokenizer)", size if size is not None and size < vocab else None),
+        ("tokenizer pad token", getattr(tokenizer, "pad_id", None)),
+        ("tokenizer eos token", getattr(tokenizer, "eos_id", None)),
+    ]
+    for source, cand in candidates:
+        if cand is not None and 0 <= int(cand) < vocab:
+            return int(cand), source
+    raise ValueError(f"no mask token inside the target's embedding (0..{vocab - 1}); give --mask-token-id")
 
 
 # ------------------------------------------------------------------ flops
 
 
-def target_flops_per_token(target, seq_len: int) -> float:
-    from trainers.flops import attention_dims, count_params, embedding_params, flops_per_token
+MFU_CONVENTION = (
+    "mfu: causal convention (the target's attention FLOPs halved: a causal token attends to the ones "
+    "before it; the drafter's attention counts the keys its masks let through); mfu_torchtitan: the "
+    "target's attention over the whole sequence (torchtitan's 12*L*H*d_head*S, forward third), the "
+    "drafter's the same; both count only the target layers the features need")
 
-    total, _ = count_params(target)
-    layers, heads, hd = attention_dims(target.config)
-    return flops_per_token(total - _lm_head_params(target), embedding_params(target), layers, heads, hd,
-                           seq_len, training=False)
+
+class TargetFlops:
+    """Forward FLOPs of the target layers the drafter's features need (the lm_head is never run)."""
+
+    def __init__(self, target, layer_ids: list[int]) -> None:
+        from trainers.flops import attention_dims
+
+        layers = list(getattr(target.base_model, "layers", []))
+        _, heads, hd = attention_dims(target.config)
+        self.layers_needed = needed_target_layers(layer_ids)
+        self.dense = 2.0 * sum(p.numel() for layer in layers[: self.layers_needed] for p in layer.parameters())
+        self.attn_coeff = 2.0 * self.layers_needed * heads * 2 * hd  # x S per token: torchtitan's, full
+
+    def batch(self, b: int, length: int) -> tuple[float, float]:
+        """(causal, torchtitan) FLOPs of a [b, length] batch."""
+        tokens = float(b * length)
+        return (tokens * (self.dense + self.attn_coeff * length / 2.0),
+                tokens * (self.dense + self.attn_coeff * length))
+
+
+def needed_target_layers(layer_ids: list[int]) -> int:
+    """Target layers the features need: ``hidden_states[id + 1]`` is layer ``id``'s output."""
+    return max(layer_ids) + 1
+
+
+def truncate_target(target, layer_ids: list[int], device) -> int:
+    """Drop the target layers after the last one the features need; returns the layers kept.
+
+    The base model's last hidden state is the final norm's output, so with the tail cut off the
+    norm is replaced by the identity (the kept layers' outputs are then the raw hidden states, as
+    before). Checked on a short probe against the full model; anything else (another model
+    layout) keeps the whole target.
+    """
+    import torch
+
+    base = target.base_model
+    layers = getattr(base, "layers", None)
+    need = needed_target_layers(layer_ids)
+    if layers is None or not hasattr(base, "norm") or need >= len(layers):
+        return len(layers) if layers is not None else int(target.config.num_hidden_layers)
+    probe = torch.arange(8, device=device).remainder(int(target.config.vocab_size)).unsqueeze(0)
+    with torch.no_grad():
+        want = target_features(target, probe, layer_ids)
+        full_layers, norm = base.layers, base.norm
+        base.layers, base.norm = full_layers[:need], torch.nn.Identity()
+        got = target_features(target, probe, layer_ids)
+    if got.shape != want.shape or not torch.equal(got, want):
+        base.layers, base.norm = full_layers, norm
+        return len(full_layers)
+    return need
 
 
 def drafter_step_flops(dcfg, n_layer_params: int, n_fc: int, seq_len: int, anchors, n_rows: int,
                        vocab: int) -> float:
-    """Required drafter FLOPs of one micro-batch (see module docstring)."""
+    """Required drafter FLOPs of one micro-batch (see module docstring).
+
+    Attention counts the keys each block query sees: a full layer ``anchor + B``, a sliding
+    layer at most its window (``dflash_loss.visible_keys``).
+    """
+    from trainers.dflash_loss import visible_keys
+    from trainers.dflash_model import SLIDING_ATTENTION, attention_layout
+
     bsz, n = anchors.shape
     bs = dcfg.block_size
     hd = dcfg.head_dim
@@ -318,8 +553,9 @@ def drafter_step_flops(dcfg, n_layer_params: int, n_fc: int, seq_len: int, ancho
     positions = bsz * n * bs
     dense = 6.0 * n_layer_params * positions
     ctx = 6.0 * (n_fc + dcfg.num_hidden_layers * 2 * h * kv * hd) * bsz * seq_len
-    visible = float(anchors.float().sum().item()) * bs + positions * bs
-    attn = 12.0 * dcfg.num_hidden_layers * dcfg.num_attention_heads * hd * visible
+    types, window = attention_layout(dcfg)
+    seen = {t: visible_keys(anchors, bs, window if t == SLIDING_ATTENTION else None) for t in set(types)}
+    attn = 12.0 * dcfg.num_attention_heads * hd * sum(seen[t] for t in types)
     head = 4.0 * vocab * h * n_rows
     return dense + ctx + attn + head
 
@@ -367,7 +603,7 @@ def evaluate_tau(drafter, embed, lm_head_w, ids, feats, prompt_len: int, block_s
     with torch.no_grad():
         bids, bpos = block_inputs(ids, anchors, block_size, mask_token_id)
         pos = torch.cat([torch.arange(t, device=ids.device).unsqueeze(0).expand(e, -1), bpos], 1)
-        mask = _make_mask(anchors, t, block_size, attn, ids.device)
+        mask = make_masks(anchors, t, block_size, attn, ids.device, drafter.layer_types, drafter.sliding_window)
         hid = drafter(embed(bids), feats, pos, mask)
         n = anchors.shape[1]
         pred = (hid.reshape(e, n, block_size, -1)[:, :, 1:] @ lm_head_w.t()).argmax(-1)
@@ -390,25 +626,43 @@ def evaluate_tau(drafter, embed, lm_head_w, ids, feats, prompt_len: int, block_s
     }
 
 
-def _make_mask(anchors, seq_len, block_size, attn, device):
+def _make_mask(anchors, seq_len, block_size, attn, device, sliding_window=None):
+    """One layer type's mask: dense bool (SDPA) or a flex BlockMask; a window makes it the sliding one."""
     from trainers.dflash_loss import build_attention_mask
 
     if attn != "flex":
-        return build_attention_mask(anchors, seq_len, block_size)
+        return build_attention_mask(anchors, seq_len, block_size, sliding_window)
     from torch.nn.attention.flex_attention import create_block_mask
 
     bsz, n = anchors.shape
     q_len = n * block_size
+    w = None if sliding_window is None else int(sliding_window)
 
     def mask_mod(b, h, q_idx, kv_idx):
         blk = q_idx // block_size
-        ctx_ok = (kv_idx < seq_len) & (kv_idx < anchors[b, blk])
+        anchor = anchors[b, blk]
+        ctx_ok = (kv_idx < seq_len) & (kv_idx < anchor)
         own = (kv_idx >= seq_len) & ((kv_idx - seq_len) // block_size == blk)
+        if w is not None:
+            off = q_idx % block_size
+            ctx_ok = ctx_ok & (kv_idx >= anchor + off - (w - 1))
+            own = own & ((kv_idx - seq_len) % block_size <= off)
         return ctx_ok | own
 
     # eager construction: the anchors change every step, and a compiled mask builder would
     # recompile for every new closure
     return create_block_mask(mask_mod, bsz, None, q_len, seq_len + q_len, device=device)
+
+
+def make_masks(anchors, seq_len, block_size, attn, device, layer_types, sliding_window):
+    """The drafter's attention mask: one mask when every layer is full, else one per layer type."""
+    from trainers.dflash_model import FULL_ATTENTION, SLIDING_ATTENTION
+
+    full = _make_mask(anchors, seq_len, block_size, attn, device)
+    if SLIDING_ATTENTION not in layer_types:
+        return full
+    return {FULL_ATTENTION: full,
+            SLIDING_ATTENTION: _make_mask(anchors, seq_len, block_size, attn, device, sliding_window)}
 
 
 # ------------------------------------------------------------------ stopping (split topology)
@@ -418,7 +672,7 @@ class _SplitStopVotes:
     """Split topology: every rank agrees on the step to stop at, without a barrier per step.
 
     Colocated ranks fold the stop vote into the per-step loss all-reduce
-    (``runtime.reduce_mean_and_stop``). Split target ranks run ahead of the drafter
+    (``dflash_loss.finish_global_mean``). Split target ranks run ahead of the drafter
     ranks (the queue), so a blocking vote per step would serialise them. Instead, at
     the end of step s every rank posts an asynchronous all-reduce (SUM, on its own
     gloo group) of its stop flag, and step s is the last one when the vote of step
@@ -561,62 +815,121 @@ class Trainer:
 
     def _setup_data(self) -> None:
         from trainers.data import PackedDataset, ShardedBatches, load_tokenizer, load_tokens, split_tokens
+        from trainers.dflash_data import RecordBatches, load_records, max_batch_tokens
 
         args = self.args
         tok_spec = args.tokenizer
         if tok_spec is None and args.target and _has_tokenizer(args.target):
             tok_spec = args.target
         self.tokenizer = load_tokenizer(tok_spec)
-        self.mask_ds = None
-        masked = load_prompt_response_jsonl(args.data, self.tokenizer) if args.data else None
-        if masked is not None:
-            tokens, mask, desc = masked
-            train, val = split_tokens(tokens, args.val_fraction)
-            mtrain, _ = split_tokens(mask, args.val_fraction)
-            self.mask_ds = PackedDataset(mtrain, args.seq_len)
-            self.loss_mask_desc = "from JSONL prompt/response: 0 on prompt tokens, 1 on response tokens + EOS"
-            self.data_desc = desc
-        else:
-            src = load_tokens(args.data, self.tokenizer, dtype=args.data_dtype, max_bytes=args.corpus_bytes)
-            train, val = split_tokens(src.tokens, args.val_fraction)
-            self.loss_mask_desc = "all ones (plain text)"
-            self.data_desc = src.description
+        self.records = None
+        try:
+            records = load_records(args.data, self.tokenizer, args.seq_len, args.loss_on_prompt) if args.data else None
+        except ValueError as exc:
+            raise runtime.ExitWith(2, str(exc)) from None
+        n_consumers = len(self.target_ranks)
+        if records is not None:
+            # one sample per record (the references' treatment): no packing, no context across records
+            train, held = records.split(args.val_fraction)
+            self.records = train
+            self.val_tokens = held.concatenated()
+            self.loss_mask_desc = ("per record: " + ("1 on prompt and response" if args.loss_on_prompt else
+                                   "0 on prompt tokens, 1 on response tokens + EOS") + ", 0 on padding")
+            self.data_desc = (f"{records.source}: {len(records)} prompt/response records kept ({records.truncated} "
+                              f"truncated to {args.seq_len} tokens, {records.dropped} dropped without two "
+                              f"consecutive supervised tokens), {records.num_tokens} tokens, "
+                              f"{records.supervised_tokens} supervised")
+            self.batching_desc = (f"token budget {args.token_budget}: whole records, count x padded length <= budget"
+                                  if args.token_budget else
+                                  f"{args.batch_size} records per batch, padded to {args.seq_len}")
+            self.dataset_samples, self.dataset_tokens = len(train), train.num_tokens
+            self.loader = None
+            if self.is_target:
+                try:
+                    self.loader = RecordBatches(train, args.batch_size, self.t_index, n_consumers, seed=args.seed,
+                                                token_budget=args.token_budget)
+                except ValueError as exc:
+                    raise runtime.ExitWith(2, str(exc)) from None
+            self.capacity = max_batch_tokens(args.batch_size, args.seq_len, args.token_budget)
+            return
+        src = load_tokens(args.data, self.tokenizer, dtype=args.data_dtype, max_bytes=args.corpus_bytes)
+        train, val = split_tokens(src.tokens, args.val_fraction)
+        self.loss_mask_desc = "all ones (plain text)"
+        self.data_desc = src.description
         self.train_ds = PackedDataset(train, args.seq_len)
+        self.dataset_samples, self.dataset_tokens = len(self.train_ds), self.train_ds.num_tokens
+        if args.token_budget:
+            args.batch_size = max(1, args.token_budget // args.seq_len)
+        self.batching_desc = f"{args.batch_size} packed windows of {args.seq_len} tokens per batch"
         self.val_tokens = val
         self.loader = None
         if self.is_target:
-            n_t = len(self.target_ranks)
-            self.loader = ShardedBatches(self.train_ds, args.batch_size, self.t_index, n_t, seed=args.seed)
+            self.loader = ShardedBatches(self.train_ds, args.batch_size, self.t_index, n_consumers, seed=args.seed)
+        self.capacity = args.batch_size * args.seq_len
 
     def _setup_models(self) -> None:
         import torch
 
-        from trainers.dflash_model import DFlashDraftModel, drafter_config_from_target
+        from trainers.dflash_model import DFlashDraftModel, attention_layout, drafter_config_from_target
         from trainers.flops import count_params
 
         args = self.args
-        # every rank loads the target: target ranks run it, drafter ranks keep its embedding/lm_head
-        where = self.device if self.is_target else torch.device("cpu")
-        target = load_target(args, where, self.dtype)
+        from trainers.dflash_weights import has_safetensors, host_rss_mib, load_embedding_and_head, target_skeleton
+
+        # target ranks load the whole target and run it; a split drafter rank needs only its
+        # embedding and lm_head: read by name from the safetensors (a meta-device skeleton gives
+        # the config and counts), never the whole target (trainers/dflash_weights.py)
+        self.rss_before_models = host_rss_mib()
+        self.embed = self.lm_head = None
+        if not self.is_target and args.target and has_safetensors(args.target):
+            target = target_skeleton(args.target, self.dtype)
+            self.embed, self.lm_head = load_embedding_and_head(args.target, target, self.device, self.dtype)
+            self.head_load = "embedding and lm_head only, by tensor name from the target's safetensors (mmap)"
+        else:
+            where = self.device if self.is_target else torch.device("cpu")
+            target = load_target(args, where, self.dtype)
+            self.head_load = ("whole target (a random-weight target is built whole to match the target ranks)"
+                              if not self.is_target else "whole target (this rank runs it)")
         self.target_config = target.config
         self.target_params_total = count_params(target)[0]
-        mask_id = args.mask_token_id
-        if mask_id is None:
-            mask_id = default_mask_token_id(self.tokenizer, target.config)
+        saved_cfg = args.drafter_cfg
+        if args.init_from:
+            saved_cfg = json.loads((Path(args.init_from) / "config.json").read_text())
+        tc = target.config.get_text_config() if hasattr(target.config, "get_text_config") else target.config
+        try:
+            mask_id, self.mask_token_source = resolve_mask_token(args.mask_token_id, saved_cfg, self.tokenizer,
+                                                                 int(tc.vocab_size))
+        except ValueError as exc:
+            raise runtime.ExitWith(2, str(exc)) from None
+        if args.init_from and args.mask_token_id is not None and \
+                mask_id != int(saved_cfg["dflash_config"]["mask_token_id"]):
+            raise runtime.ExitWith(2, f"--mask-token-id {mask_id} differs from the mask token "
+                                      f"{saved_cfg['dflash_config']['mask_token_id']} the drafter in --init-from "
+                                      "was trained with; leave it out")
         self.mask_token_id = int(mask_id)
         if args.init_from:
             self.dcfg = DFlashDraftModel.config_class.from_pretrained(args.init_from)
+        elif args.drafter_cfg is not None:
+            try:
+                self.dcfg = drafter_config_from_file(args.drafter_cfg, target.config, args.block_size,
+                                                     self.mask_token_id)
+            except ValueError as exc:
+                raise runtime.ExitWith(2, str(exc)) from None
         else:
             self.dcfg = drafter_config_from_target(target.config, args.drafter_layers, args.block_size,
                                                    self.mask_token_id)
         self.block_size = int(self.dcfg.block_size)
+        from trainers.dflash_loss import decay_gamma
+
+        self.gamma = decay_gamma(self.block_size, args.gamma)
+        self.layer_types, self.sliding_window = attention_layout(self.dcfg)
         self.layer_ids = list(self.dcfg.dflash_config["target_layer_ids"])
         self.mask_token_id = int(self.dcfg.dflash_config["mask_token_id"])
         args._layer_ids = self.layer_ids
         self.n_ctx = len(self.layer_ids)
         self.hidden = int(self.dcfg.hidden_size)
         self.vocab = int(target.config.vocab_size)
-        self.target_fpt = target_flops_per_token(target, args.seq_len)
+        self.target_flops = TargetFlops(target, self.layer_ids)
 
         # eval set: computed once by a target rank (colocated: every rank; split: the first
         # target rank, sent to the drafters) — the target is frozen, so it never changes
@@ -624,12 +937,19 @@ class Trainer:
         if not args.no_eval:
             self._setup_eval(target)
 
-        if self.is_drafter:
+        if self.is_drafter and self.embed is None:
             self.embed = target.get_input_embeddings().to(self.device)
             self.lm_head = target.get_output_embeddings().to(self.device)
+        self.target_layers_run = None
+        if self.is_target:
+            # after the eval set (its greedy continuation needs the whole target and its lm_head)
+            self.target_layers_run = truncate_target(target, self.layer_ids, self.device)
+            if args.compile:
+                compile_target(target)
         self.target = target if self.is_target else None
         if not self.is_target:
             del target
+        self.rss_after_target = host_rss_mib()
 
         self.drafter = None
         if self.is_drafter:
@@ -752,14 +1072,29 @@ class Trainer:
             device=info["device"] if info["device"] != "cpu" else "cpu",
             gpu_uuid=info["gpu_uuid"],
             gpu_name=info["gpu_name"],
-            dataset_samples=len(self.train_ds),
-            dataset_tokens=self.train_ds.num_tokens,
+            dataset_samples=self.dataset_samples,
+            dataset_tokens=self.dataset_tokens,
             dataset=self.data_desc,
             loss_mask=self.loss_mask_desc,
+            batching=self.batching_desc,
+            token_budget=args.token_budget,
+            loss_normalisation="sum(w*CE) / sum(w) over every drafter rank and micro-batch of the step",
+            gamma=self.gamma,
+            mfu_convention=MFU_CONVENTION,
+            target_layers_needed=self.target_flops.layers_needed,
+            target_layers_run=self.target_layers_run,
             block_size=self.block_size,
+            drafter_layer_types=self.layer_types,
+            drafter_sliding_window=self.sliding_window,
+            drafter_config=args.drafter_config,
+            target_load=self.head_load,
+            host_rss_before_models_mib=self.rss_before_models["rss_mib"],
+            host_rss_after_target_mib=self.rss_after_target["rss_mib"],
+            host_rss_peak_after_target_mib=self.rss_after_target["rss_peak_mib"],
             num_anchors=args.num_anchors,
             target_layer_ids=self.layer_ids,
             mask_token_id=self.mask_token_id,
+            mask_token_source=self.mask_token_source,
             batch_size=args.batch_size,
             seq_len=args.seq_len,
             argv=self.argv,
@@ -780,12 +1115,43 @@ class Trainer:
     def _next_local_batch(self):
         import torch
 
+        if self.records is not None:
+            ids, lm = self.loader.next_batch()
+            return torch.from_numpy(ids).to(self.device), torch.from_numpy(lm).to(self.device)
         idx = self.loader.next_indices()
         ids = torch.from_numpy(self.train_ds.gather(idx))[:, : self.args.seq_len].to(self.device)
-        if self.mask_ds is None:
-            return ids, torch.ones_like(ids)
-        lm = torch.from_numpy(self.mask_ds.gather(idx))[:, : self.args.seq_len].to(self.device)
-        return ids, lm
+        return ids, torch.ones_like(ids)
+
+    def _pack(self, ids, lm, feats, cdev):
+        """Split: one batch as the fixed-size message every batch uses (shapes vary with --token-budget).
+
+        ``meta`` [2C+2] long: b, L, then ids and the loss mask flattened (C = ``self.capacity``
+        tokens each); ``feats`` [C, n*H]. Fixed sizes keep NCCL's in-order p2p matching simple.
+        """
+        import torch
+
+        b, length = ids.shape
+        n, c = b * length, self.capacity
+        meta = torch.zeros((2 * c + 2,), dtype=torch.long, device=cdev)
+        meta[0], meta[1] = b, length
+        meta[2:2 + n] = ids.reshape(-1).to(cdev)
+        meta[2 + c:2 + c + n] = lm.reshape(-1).to(cdev)
+        buf = torch.zeros((c, feats.shape[-1]), dtype=self.dtype, device=cdev)
+        buf[:n] = feats.reshape(n, -1).to(device=cdev, dtype=self.dtype)
+        return meta, buf
+
+    def _unpack(self, meta, feats):
+        b, length = int(meta[0]), int(meta[1])
+        n, c = b * length, self.capacity
+        ids = meta[2:2 + n].view(b, length).to(self.device)
+        lm = meta[2 + c:2 + c + n].view(b, length).to(self.device)
+        return ids, lm, feats[:n].view(b, length, -1).to(self.device)
+
+    def _skip_local_batch(self) -> None:
+        if self.records is not None:
+            self.loader.next_batch_plan()
+        else:
+            self.loader.next_indices()
 
     def _fast_forward(self, start_step: int) -> None:
         """Split: advance this target rank's stream past the batches it produced before start_step."""
@@ -793,7 +1159,7 @@ class Trainer:
         n_t = len(self.target_ranks)
         produced = sum(1 for g in range(start_step * per) if g % n_t == self.t_index)
         for _ in range(produced):
-            self.loader.next_indices()
+            self._skip_local_batch()
 
     # ---- checkpoints -------------------------------------------------
     def _extra(self, step: int) -> dict[str, Any]:
@@ -852,22 +1218,29 @@ class Trainer:
 
         args = self.args
         bsz, seq = ids.shape
-        anchors, keep = sample_anchors(lm, args.num_anchors)
-        anchors, keep = anchors.to(self.device), keep.to(self.device)
-        bids, bpos = block_inputs(ids, anchors, self.block_size, self.mask_token_id)
-        with torch.no_grad():
-            noise = self.embed(bids)
-        pos = torch.cat([torch.arange(seq, device=self.device).unsqueeze(0).expand(bsz, -1), bpos], 1)
-        mask = _make_mask(anchors, seq, self.block_size, args.attn, self.device)
-        hid = self.drafter(noise, feats, pos, mask)
-        labels, weights = labels_and_weights(ids, lm, anchors, keep, self.block_size, args.gamma)
-        loss, wsum = dflash_loss(hid, self.lm_head.weight, labels, weights,
-                                 chunk_rows=args.loss_chunk_rows, mode=args.loss_mode)
-        (loss * scale).backward()
+        rf = torch.profiler.record_function
+        with rf("dflash.anchors_and_masks"):
+            anchors, keep = sample_anchors(lm, args.num_anchors)
+            anchors, keep = anchors.to(self.device), keep.to(self.device)
+            bids, bpos = block_inputs(ids, anchors, self.block_size, self.mask_token_id)
+            with torch.no_grad():
+                noise = self.embed(bids)
+            pos = torch.cat([torch.arange(seq, device=self.device).unsqueeze(0).expand(bsz, -1), bpos], 1)
+            mask = make_masks(anchors, seq, self.block_size, args.attn, self.device, self.layer_types,
+                              self.sliding_window)
+        with rf("dflash.drafter_forward"):
+            hid = self.drafter(noise, feats, pos, mask)
+        labels, weights = labels_and_weights(ids, lm, anchors, keep, self.block_size, self.gamma)
+        # the weighted CE *sum*: normalised once per step by the global weight (finish_global_mean)
+        with rf("dflash.lm_head_loss"):
+            loss_sum, wsum = dflash_loss(hid, self.lm_head.weight, labels, weights,
+                                         chunk_rows=args.loss_chunk_rows, mode=args.loss_mode, normalize=False)
+        with rf("dflash.drafter_backward"):
+            (loss_sum * scale).backward()
         n_rows = int((weights > 0).sum().item())
         flops = drafter_step_flops(self.dcfg, self.n_layer_params, self.n_fc, seq, anchors, n_rows,
                                    self.vocab)
-        return loss.detach(), flops
+        return loss_sum.detach(), wsum.detach(), flops
 
     # ---- loops -------------------------------------------------------
     def run(self) -> int:
@@ -933,6 +1306,7 @@ class Trainer:
         import torch
         import torch.distributed as dist
 
+        from trainers.dflash_loss import finish_global_mean
         from trainers.flops import mfu
 
         args = self.args
@@ -951,9 +1325,8 @@ class Trainer:
 
         def post(s, g, src):
             cdev = self._comm_device()
-            meta = torch.empty((2, args.batch_size, args.seq_len), dtype=torch.long, device=cdev)
-            feats = torch.empty((args.batch_size, args.seq_len, self.n_ctx * self.hidden), dtype=self.dtype,
-                                device=cdev)
+            meta = torch.empty((2 * self.capacity + 2,), dtype=torch.long, device=cdev)
+            feats = torch.empty((self.capacity, self.n_ctx * self.hidden), dtype=self.dtype, device=cdev)
             w1 = dist.irecv(meta, src, tag=2 * g)
             w2 = dist.irecv(feats, src, tag=2 * g + 1)
             inbox.append((s, g, meta, feats, w1, w2))
@@ -968,9 +1341,10 @@ class Trainer:
                 while not self._ckpt_due(stop):
                     stop += 1
                 pending_iter = my_batches(step, stop)
+            self._profile_begin(step)
             self._sync()
             t_step = time.perf_counter()
-            losses, flops, ctx_tokens = [], 0.0, 0
+            loss_sum, weight_sum, flops, flops_tt, ctx_tokens = 0.0, 0.0, 0.0, 0.0, 0
             queue_depth = None
             t_fwd = 0.0
             for micro in range(args.grad_accum):
@@ -985,37 +1359,44 @@ class Trainer:
                     assert s == step, (s, step)
                     w1.wait()
                     w2.wait()
-                    ids, lm = meta[0].to(self.device), meta[1].to(self.device)
-                    feats = feats.to(self.device)
+                    ids, lm, feats = self._unpack(meta, feats)
                 else:
                     ids, lm = self._next_local_batch()
                     tf = time.perf_counter()
-                    with torch.no_grad():
+                    with torch.no_grad(), torch.profiler.record_function("dflash.target_forward"):
                         feats = target_features(self.target, ids, self.layer_ids)
                     t_fwd += time.perf_counter() - tf
-                    flops += self.target_fpt * ids.numel()
+                    f_causal, f_tt = self.target_flops.batch(*ids.shape)
+                    flops += f_causal
+                    flops_tt += f_tt
                 ctx_tokens += ids.numel()
                 sync = micro == args.grad_accum - 1
                 if self.ctx.distributed and hasattr(self.drafter, "set_requires_gradient_sync"):
                     self.drafter.set_requires_gradient_sync(sync)
-                loss, fl = self.drafter_forward_backward(ids, lm, feats, 1.0 / args.grad_accum)
-                losses.append(loss)
+                part, wpart, fl = self.drafter_forward_backward(ids, lm, feats, 1.0)
+                loss_sum += float(part)
+                weight_sum += float(wpart)
                 flops += fl
+                flops_tt += fl
+            # gradients of sum(w*CE) / sum(w) over every drafter rank and micro-batch (SpecForge's rule);
+            # colocated, the stop vote rides on the same all-reduce
+            n_group = n_d if self.ctx.distributed else 1
+            loss_val, _, votes = finish_global_mean(
+                self.drafter.parameters(), loss_sum, weight_sum, group=self.drafter_group, world=n_group,
+                extra=[] if split else [1.0 if self.stop.requested else 0.0])
             gnorm = torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), args.grad_clip)
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
             lr = self.scheduler.get_last_lr()[0]
             self.scheduler.step()
-            loss_local = torch.stack(losses).float().mean()
             if split:
-                loss_val = self._drafter_mean(loss_local)
                 self.votes.post(step)
                 stop_now = self.votes.is_last(step)
             else:
-                # one small all-reduce: mean loss over ranks and "anyone asked to stop"
-                loss_val, stop_now = runtime.reduce_mean_and_stop(self.ctx, loss_local, self.stop.requested)
+                stop_now = votes[0] > 0
             self._sync()
             dt = time.perf_counter() - t_step
+            self._profile_end(step)
             if split and (self._ckpt_due(step) or stop_now):
                 # everything up to the checkpoint boundary (or the stop) is consumed; re-plan after it
                 assert not inbox, [it[:2] for it in inbox]
@@ -1027,7 +1408,9 @@ class Trainer:
                 tokens_per_s=round(world_tokens / dt, 2), tokens_per_s_rank=round(n_rank_tokens / dt, 2),
                 step_s=round(dt, 4), target_forward_s=(round(t_fwd, 4) if not split else None),
                 flops_per_token=round(flops / max(1, n_rank_tokens), 1), step_flops=flops,
+                flops_per_token_torchtitan=round(flops_tt / max(1, n_rank_tokens), 1),
                 mfu=mfu(n_rank_tokens / dt, flops / max(1, n_rank_tokens), self.peak),
+                mfu_torchtitan=mfu(n_rank_tokens / dt, flops_tt / max(1, n_rank_tokens), self.peak),
                 peak_flops=self.peak, role=self.role, **self._mem(),
             )
             if split:
@@ -1050,16 +1433,45 @@ class Trainer:
                 self.save(step)
         return step, stopped
 
+    def _profile_begin(self, step: int) -> None:
+        """``--profile-steps A-B``: start torch.profiler before step A (CPU + CUDA activity)."""
+        import torch
+
+        span = self.args.profile_steps
+        if span and step == span[0]:
+            acts = [torch.profiler.ProfilerActivity.CPU]
+            if self.device.type == "cuda":
+                acts.append(torch.profiler.ProfilerActivity.CUDA)
+            self._prof = torch.profiler.profile(activities=acts, record_shapes=False)
+            self._prof.__enter__()
+
+    def _profile_end(self, step: int) -> None:
+        """After step B: OUT/profile/rank<r>.txt, the ops and the dflash.* phases by device time."""
+        span = self.args.profile_steps
+        prof = getattr(self, "_prof", None)
+        if not span or prof is None or step != span[1]:
+            return
+        prof.__exit__(None, None, None)
+        self._prof = None
+        cuda = self.device.type == "cuda"
+        key = "self_cuda_time_total" if cuda else "self_cpu_time_total"
+        avg = prof.key_averages()
+        phases = [e for e in avg if e.key.startswith("dflash.")]
+        folder = Path(self.args.out) / "profile"
+        folder.mkdir(parents=True, exist_ok=True)
+        path = folder / f"rank{self.ctx.rank}.txt"
+        n = span[1] - span[0] + 1
+        lines = [f"steps {span[0]}-{span[1]} ({n}), rank {self.ctx.rank}, sorted by {key}", "", "phases:"]
+        for e in sorted(phases, key=lambda e: -(e.device_time_total if cuda else e.cpu_time_total)):
+            dev = f" device {e.device_time_total / 1000 / n:10.2f} ms/step" if cuda else ""
+            lines.append(f"  {e.key:28s} cpu {e.cpu_time_total / 1000 / n:10.2f} ms/step{dev}")
+        lines += ["", avg.table(sort_by=key, row_limit=40)]
+        path.write_text("\n".join(lines) + "\n")
+        self.tel.emit("profile", steps=list(span), path=str(path))
+
     def _eval_due(self, step: int) -> bool:
         every = self.args.eval_every
         return not self.args.no_eval and every > 0 and step % every == 0
-
-    def _drafter_mean(self, value) -> float:
-        import torch.distributed as dist
-
-        t = value.detach().float().reshape(1).to(self._comm_device())
-        dist.all_reduce(t, group=self.drafter_group)
-        return float(t.item()) / len(self.drafter_ranks)
 
     def target_loop(self, start: int) -> tuple[int, bool]:
         """Split target rank: produce and send steps start+1..; returns (last step, stopped)."""
@@ -1082,7 +1494,7 @@ class Trainer:
             runtime.maybe_fail_for_test(step, self.ctx.rank)
             self._sync()
             t_step = time.perf_counter()
-            tokens, waited = 0, 0.0
+            tokens, waited, flops, flops_tt = 0, 0.0, 0.0, 0.0
             for g in self._global_batches(step):
                 t_i, d_i = self._batch_owner(g)
                 if t_i != self.t_index:
@@ -1090,8 +1502,7 @@ class Trainer:
                 ids, lm = self._next_local_batch()
                 with torch.inference_mode():
                     feats = target_features(self.target, ids, self.layer_ids).to(self.dtype)
-                meta = torch.stack([ids, lm]).to(cdev).contiguous()
-                feats = feats.to(cdev).contiguous()
+                meta, feats = self._pack(ids, lm, feats, cdev)
                 tw = time.perf_counter()
                 while len(pending) >= args.queue_depth:
                     for w in pending.popleft()[:2]:
@@ -1102,15 +1513,19 @@ class Trainer:
                 w2 = dist.isend(feats, dst, tag=2 * g + 1)
                 pending.append((w1, w2, meta, feats))
                 tokens += ids.numel()
+                f_causal, f_tt = self.target_flops.batch(*ids.shape)
+                flops, flops_tt = flops + f_causal, flops_tt + f_tt
             if self._ckpt_due(step):
                 drain()
             self._sync()
             dt = time.perf_counter() - t_step
-            fpt = self.target_fpt
+            fpt, fpt_tt = flops / max(1, tokens), flops_tt / max(1, tokens)
             if step % args.log_every == 0 or step == args.max_steps:
                 self.tel.step(step, loss=None, role=self.role, tokens_per_s=round(tokens / dt, 2),
                               step_s=round(dt, 4), send_wait_s=round(waited, 4),
-                              flops_per_token=fpt, mfu=(mfu(tokens / dt, fpt, self.peak) if tokens else 0.0),
+                              flops_per_token=round(fpt, 1), flops_per_token_torchtitan=round(fpt_tt, 1),
+                              mfu=(mfu(tokens / dt, fpt, self.peak) if tokens else 0.0),
+                              mfu_torchtitan=(mfu(tokens / dt, fpt_tt, self.peak) if tokens else 0.0),
                               peak_flops=self.peak, queue_depth=len(pending), **self._mem())
             self.votes.post(step)
             if self.votes.is_last(step):
@@ -1180,44 +1595,6 @@ class Trainer:
             files = objs[0]
         del torch
         return files
-
-
-def load_prompt_response_jsonl(path, tokenizer):
-    """Tokens and loss mask from a JSONL file of ``{"prompt": str, "response": str}`` lines.
-
-    Each record becomes ``prompt tokens + response tokens + EOS``; the loss mask is 0 on the
-    prompt and 1 on the response and its EOS (DFlash supervises the assistant's tokens only).
-    Returns ``(tokens, mask, description)`` (1-D arrays of the same length), or None when the
-    file is not JSONL or its first record has no prompt/response pair (then the text path with
-    an all-ones mask applies).
-    """
-    import numpy as np
-
-    from trainers.data import iter_jsonl
-
-    p = Path(path)
-    if p.suffix != ".jsonl" or not p.is_file():
-        return None
-    toks: list[np.ndarray] = []
-    masks: list[np.ndarray] = []
-    n = 0
-    for number, obj in iter_jsonl(p):
-        if not (isinstance(obj, dict) and isinstance(obj.get("prompt"), str)
-                and isinstance(obj.get("response"), str)):
-            if n == 0:
-                return None
-            raise ValueError(f"{p}:{number}: record {n + 1} lacks a prompt/response pair")
-        a = np.asarray(tokenizer.encode(obj["prompt"]), dtype=np.int64)
-        b = np.asarray(tokenizer.encode(obj["response"]) + [tokenizer.eos_id], dtype=np.int64)
-        toks += [a, b]
-        masks += [np.zeros(len(a), dtype=np.uint8), np.ones(len(b), dtype=np.uint8)]
-        n += 1
-    if n == 0:
-        return None
-    tokens = np.concatenate(toks)
-    mask = np.concatenate(masks)
-    desc = f"{p}: {n} prompt/response records, {tokens.shape[0]} tokens, {int(mask.sum())} supervised"
-    return tokens, mask, desc
 
 
 def _placeholder():

@@ -15,11 +15,13 @@ Follows SpecForge's ``OnlineDFlashModel`` (see shared/research/trainers.md, sect
 * ``labels_and_weights``: slot ``k`` predicts ``input_ids[a + k]`` (no shift);
   slot 0 is the given anchor and carries no loss. Weight ``loss_mask[a+k] *
   exp(-(k-1)/gamma)``; positions past the sequence end get weight 0.
-* ``decay_gamma``: 7 for B=16, 5 for B=10, 4 for B=8 (the recipe's values).
-  Other block sizes interpolate piecewise-linearly through those three points
-  and extrapolate with the neighbouring slope: ``B/2`` below 8 (min 1), and
-  ``7 + (B-16)/3`` above 16 (B=32 gives 12.33). This keeps the weight of the
-  last slot, ``exp(-(B-2)/gamma)``, in the same range (~0.2-0.15) as the recipe.
+* ``decay_gamma``: 7 for B=16, 5 for B=10, 4 for B=8 (the published values);
+  any other block size needs an explicit gamma (``GammaError``: no invented default).
+* Normalisation (SpecForge's ``TrainerCore``): each micro-batch backpropagates its
+  weighted CE *sum*; once per optimizer step ``finish_global_mean`` all-reduces the
+  sums and the weight totals over the drafter ranks and scales the gradients so
+  that they are those of ``sum(w*CE) / sum(w)`` over every rank and micro-batch
+  (not a mean of per-micro-batch means).
 * ``chunked_linear_cross_entropy``: ``sum(w * CE(h @ W.T, y))`` without ever
   materialising the full ``[M, V]`` logits. Two modes share one autograd Function:
 
@@ -46,18 +48,25 @@ import torch.nn.functional as F
 GAMMA_TABLE = {8: 4.0, 10: 5.0, 16: 7.0}
 
 
-def decay_gamma(block_size: int) -> float:
-    """Return the position-decay gamma for a block size (recipe values, else piecewise-linear)."""
+class GammaError(ValueError):
+    """A block size outside the published gamma table, and no gamma given."""
+
+
+def decay_gamma(block_size: int, gamma: float | None = None) -> float:
+    """The position-decay gamma: ``gamma`` when given, else the published value for the block size.
+
+    The DFlash paper and SpecForge's recipes publish gamma for B=8 (4), B=10 (5) and B=16 (7)
+    only; for any other block size there is no reference value, so none is invented.
+    """
+    if gamma is not None:
+        if not gamma > 0:
+            raise GammaError(f"gamma must be positive (got {gamma})")
+        return float(gamma)
     if block_size in GAMMA_TABLE:
         return GAMMA_TABLE[block_size]
-    b = float(block_size)
-    if b < 8:
-        return max(1.0, b / 2.0)
-    if b < 10:
-        return 4.0 + (b - 8.0) * 0.5
-    if b < 16:
-        return 5.0 + (b - 10.0) / 3.0
-    return 7.0 + (b - 16.0) / 3.0
+    raise GammaError(f"block size {block_size} has no published loss-decay gamma (published: "
+                     + ", ".join(f"B={b}: {g:g}" for b, g in GAMMA_TABLE.items())
+                     + "); give --gamma")
 
 
 def valid_anchor_mask(loss_mask: torch.Tensor) -> torch.Tensor:
@@ -108,15 +117,38 @@ def block_inputs(
     return ids.reshape(bsz, n * block_size), pos.reshape(bsz, n * block_size)
 
 
-def build_attention_mask(anchors: torch.Tensor, seq_len: int, block_size: int) -> torch.Tensor:
-    """Dense bool mask ``[b, 1, N*B, S + N*B]``: context strictly before the anchor + own block."""
+def build_attention_mask(anchors: torch.Tensor, seq_len: int, block_size: int,
+                         sliding_window: int | None = None) -> torch.Tensor:
+    """Dense bool mask ``[b, 1, N*B, S + N*B]``: context strictly before the anchor + own block.
+
+    With ``sliding_window`` W (a sliding_attention layer; SpecForge's ``create_dflash_sdpa_mask``):
+    block slot k (anchor a) sees the context positions ``a+k-(W-1) <= j < a`` and the slots
+    ``0..k`` of its own block (the slot itself takes one place of the window).
+    """
     bsz, n = anchors.shape
     dev = anchors.device
     q_anchor = anchors.repeat_interleave(block_size, dim=1)  # [b, NB]
-    ctx = torch.arange(seq_len, device=dev).view(1, 1, seq_len) < q_anchor.unsqueeze(-1)  # [b, NB, S]
-    blk_q = torch.arange(n * block_size, device=dev) // block_size
-    own = (blk_q.view(-1, 1) == blk_q.view(1, -1)).unsqueeze(0).expand(bsz, -1, -1)  # [b, NB, NB]
+    kv = torch.arange(seq_len, device=dev).view(1, 1, seq_len)
+    ctx = kv < q_anchor.unsqueeze(-1)  # [b, NB, S]
+    q_idx = torch.arange(n * block_size, device=dev)
+    blk_q, off_q = q_idx // block_size, q_idx % block_size
+    own = blk_q.view(-1, 1) == blk_q.view(1, -1)  # [NB, NB]
+    if sliding_window is not None:
+        lower = q_anchor + off_q.view(1, -1) - (int(sliding_window) - 1)  # [b, NB]
+        ctx = ctx & (kv >= lower.unsqueeze(-1))
+        own = own & (off_q.view(1, -1) <= off_q.view(-1, 1))
+    own = own.unsqueeze(0).expand(bsz, -1, -1)  # [b, NB, NB]
     return torch.cat([ctx, own], dim=-1).unsqueeze(1)
+
+
+def visible_keys(anchors: torch.Tensor, block_size: int, sliding_window: int | None = None) -> float:
+    """Keys each block query attends to, summed over all queries (what the attention FLOPs need)."""
+    k = torch.arange(block_size, device=anchors.device, dtype=torch.float64)
+    a = anchors.to(torch.float64).unsqueeze(-1)  # [b, N, 1]
+    if sliding_window is None:
+        return float((a + block_size).expand(-1, -1, block_size).sum().item())
+    ctx = torch.minimum(a, (int(sliding_window) - 1 - k).clamp(min=0))
+    return float((ctx + k + 1).sum().item())
 
 
 def labels_and_weights(
@@ -128,8 +160,7 @@ def labels_and_weights(
     gamma: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Labels ``[b, N, B]`` (slot k -> input_ids[a+k]) and float weights ``[b, N, B]`` (slot 0 and padding 0)."""
-    if gamma is None:
-        gamma = decay_gamma(block_size)
+    gamma = decay_gamma(block_size, gamma)
     bsz, seq_len = input_ids.shape
     offs = torch.arange(block_size, device=anchors.device)
     pos = anchors.unsqueeze(-1) + offs  # [b, N, B]
@@ -339,8 +370,12 @@ def dflash_loss(
     chunk_rows: int = 2048,
     mode: str = "fused",
     compact: bool = True,
+    normalize: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Return ``(loss, weight_sum)`` with loss = sum(w*CE)/sum(w) over the drafter's block outputs.
+
+    With ``normalize=False`` the loss is the sum ``sum(w*CE)`` (to be normalised globally,
+    ``finish_global_mean``).
 
     ``hidden`` [b, N*B, H] (drafter output after the final norm), ``labels``/``weights`` [b, N, B].
     With ``compact`` rows of zero weight (slot 0, padding, masked labels) are dropped before the
@@ -357,7 +392,36 @@ def dflash_loss(
         total = plain_linear_cross_entropy(h, lm_head_weight, y, w)
     else:
         total = chunked_linear_cross_entropy(h, lm_head_weight, y, w, chunk_rows=chunk_rows, mode=mode)
+    if not normalize:
+        return total, wsum
     return total / wsum.clamp(min=1e-12), wsum
+
+
+def finish_global_mean(parameters, loss_sum, weight_sum, group=None, world: int = 1,
+                       extra: list[float] | None = None) -> tuple[float, float, list[float]]:
+    """Make accumulated gradients of weighted-CE *sums* those of the global mean; return the global figures.
+
+    ``loss_sum``/``weight_sum``: this rank's totals over its micro-batches (tensors or floats).
+    One SUM all-reduce over ``group`` (when ``world > 1``) carries them and ``extra`` (e.g. a stop
+    vote). The gradients, which FSDP averaged over the ``world`` ranks, are multiplied by
+    ``world / global weight sum``. Returns ``(global loss, global weight sum, reduced extra)``.
+    """
+    import torch.distributed as dist
+
+    extra = list(extra or [])
+    vals = [float(loss_sum), float(weight_sum), *map(float, extra)]
+    params = [p for p in parameters if p.grad is not None]
+    dev = params[0].grad.device if params else torch.device("cpu")
+    t = torch.tensor(vals, dtype=torch.float64, device=dev)
+    if world > 1 and dist.is_available() and dist.is_initialized():
+        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
+    total, wsum, *rest = t.tolist()
+    if wsum <= 0:
+        raise ValueError("no supervised position in this step on any rank (global loss weight is 0)")
+    scale = world / wsum
+    for p in params:
+        p.grad.mul_(scale)
+    return total / wsum, wsum, rest
 
 
 @torch.no_grad()
@@ -380,9 +444,12 @@ __all__ = [
     "sample_anchors",
     "block_inputs",
     "build_attention_mask",
+    "visible_keys",
     "labels_and_weights",
     "chunked_linear_cross_entropy",
     "plain_linear_cross_entropy",
     "dflash_loss",
+    "finish_global_mean",
+    "GammaError",
     "simulated_acceptance",
 ]

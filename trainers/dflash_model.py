@@ -17,7 +17,13 @@ and the folder loads with ``AutoModel.from_pretrained(dir, trust_remote_code=Tru
   ``[0..S-1]`` for the context and ``anchor + k`` for the block). The attention
   mask decides who sees what (non-causal inside a block; see dflash_loss).
 * ``attention_mask`` is a dense bool ``[b, 1, Q, S+Q]`` (True = attend; SDPA) or a
-  flex-attention ``BlockMask`` (GPU, used with ``torch.compile``'d flex_attention).
+  flex-attention ``BlockMask`` (GPU, used with ``torch.compile``'d flex_attention), or a dict
+  of them keyed by layer type (``{"full_attention": m, "sliding_attention": m_w}``), as
+  SpecForge's ``DFlashDraftModel`` takes it.
+* Layers are ``full_attention`` or ``sliding_attention`` per ``config.layer_types`` (SpecForge's
+  DFlash configs; its Qwen3.6-27B drafter: four sliding layers with ``sliding_window`` 2048, then
+  one full layer). A sliding layer attends through the window mask (``dflash_loss.
+  build_attention_mask(..., sliding_window=W)``); the layer itself only records its window.
 """
 
 from __future__ import annotations
@@ -56,14 +62,50 @@ def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> lis
     return [min(max(0, i), num_target_layers - 1) for i in ids]
 
 
+FULL_ATTENTION, SLIDING_ATTENTION = "full_attention", "sliding_attention"
+LAYER_TYPES = (FULL_ATTENTION, SLIDING_ATTENTION)
+
+
+def attention_layout(config: Any) -> tuple[list[str], int | None]:
+    """``(layer_types, sliding_window)`` of a drafter config; ValueError naming the field when inconsistent.
+
+    The rule of SpecForge's ``resolve_dflash_attention_layout``: one entry per layer, each
+    ``full_attention`` or ``sliding_attention``; a sliding layer needs a positive ``sliding_window``
+    (and, in a Qwen3Config, ``use_sliding_window: true``, without which transformers drops the window).
+    The window is None when no layer slides.
+    """
+    n = int(config.num_hidden_layers)
+    types = list(getattr(config, "layer_types", None) or [FULL_ATTENTION] * n)
+    if len(types) != n:
+        raise ValueError(f"drafter config: layer_types has {len(types)} entries but num_hidden_layers is {n}; "
+                         "give one entry per layer")
+    bad = sorted(set(types) - set(LAYER_TYPES))
+    if bad:
+        raise ValueError(f"drafter config: layer_types {bad} unknown; each must be one of {list(LAYER_TYPES)}")
+    if SLIDING_ATTENTION not in types:
+        return types, None
+    window = getattr(config, "sliding_window", None)
+    if not isinstance(window, int) or window <= 0:
+        raise ValueError("drafter config: sliding_attention layers need a positive sliding_window and "
+                         f"use_sliding_window: true (got sliding_window={window!r})")
+    return types, int(window)
+
+
 def drafter_config_from_target(
     target_config: PreTrainedConfig,
     num_draft_layers: int,
     block_size: int,
     mask_token_id: int,
     target_layer_ids: list[int] | None = None,
+    layer_types: list[str] | None = None,
+    sliding_window: int | None = None,
+    intermediate_size: int | None = None,
 ) -> Qwen3Config:
-    """A Qwen3Config for the drafter with the target's width, heads and rope, plus DFlash fields."""
+    """A Qwen3Config for the drafter with the target's width, heads and rope, plus DFlash fields.
+
+    ``layer_types`` (default: all full attention) and ``sliding_window`` give the per-layer
+    attention of a published drafter shape; ``intermediate_size`` defaults to the target's.
+    """
     tc = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
     hidden = tc.hidden_size
     heads = tc.num_attention_heads
@@ -80,7 +122,7 @@ def drafter_config_from_target(
     cfg = Qwen3Config(
         vocab_size=tc.vocab_size,
         hidden_size=hidden,
-        intermediate_size=getattr(tc, "intermediate_size", 4 * hidden),
+        intermediate_size=int(intermediate_size or getattr(tc, "intermediate_size", 4 * hidden)),
         num_hidden_layers=num_draft_layers,
         num_attention_heads=heads,
         num_key_value_heads=kv,
@@ -91,8 +133,12 @@ def drafter_config_from_target(
         rope_parameters={"rope_type": "default", "rope_theta": float(theta)},
         attention_bias=False,
         tie_word_embeddings=False,
-        layer_types=["full_attention"] * num_draft_layers,
+        layer_types=list(layer_types or [FULL_ATTENTION] * num_draft_layers),
+        use_sliding_window=sliding_window is not None,
+        sliding_window=sliding_window,
+        max_window_layers=num_draft_layers,
     )
+    attention_layout(cfg)  # refuse an inconsistent layout here, not at the first forward
     cfg.architectures = ["DFlashDraftModel"]
     cfg.block_size = int(block_size)
     cfg.num_target_layers = int(n_target)
@@ -135,6 +181,10 @@ class DFlashAttention(nn.Module):
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, h, bias=config.attention_bias)
         self.q_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
         self.k_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        types, window = attention_layout(config)
+        self.layer_type = types[layer_idx]
+        # the window is applied by the mask the caller passes for this layer type
+        self.sliding_window = window if self.layer_type == SLIDING_ATTENTION else None
 
     def forward(self, hidden_states, context, position_embeddings, attention_mask):
         bsz, q_len, _ = hidden_states.shape
@@ -186,6 +236,7 @@ class DFlashDraftModel(Qwen3PreTrainedModel):
         super().__init__(config)
         self.config = config
         n_ctx = len(config.dflash_config["target_layer_ids"])
+        self.layer_types, self.sliding_window = attention_layout(config)
         self.layers = nn.ModuleList([DFlashDecoderLayer(config, i) for i in range(config.num_hidden_layers)])
         self.norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = Qwen3RotaryEmbedding(config=config)
@@ -216,17 +267,21 @@ class DFlashDraftModel(Qwen3PreTrainedModel):
         position_ids: torch.Tensor,
         attention_mask: Any = None,
     ) -> torch.Tensor:
-        """noise_embedding [b, Q, H], target_hidden [b, S, n*H], position_ids [b, S+Q] -> [b, Q, H] (normed)."""
+        """noise_embedding [b, Q, H], target_hidden [b, S, n*H], position_ids [b, S+Q] -> [b, Q, H] (normed).
+
+        ``attention_mask``: one mask for every layer, or a dict keyed by layer type.
+        """
         context = self.hidden_norm(self.fc(target_hidden.to(self.fc.weight.dtype)))
         hidden = noise_embedding.to(self.fc.weight.dtype)
         pos_emb = self.rotary_emb(hidden, position_ids)
-        for layer in self.layers:
+        for layer_type, layer in zip(self.layer_types, self.layers):
+            mask = attention_mask[layer_type] if isinstance(attention_mask, dict) else attention_mask
             if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
                 hidden = torch.utils.checkpoint.checkpoint(
-                    layer, hidden, context, pos_emb, attention_mask, use_reentrant=False
+                    layer, hidden, context, pos_emb, mask, use_reentrant=False
                 )
             else:
-                hidden = layer(hidden, context, pos_emb, attention_mask)
+                hidden = layer(hidden, context, pos_emb, mask)
         return self.norm(hidden)
 
 
@@ -236,6 +291,9 @@ def extract_context(hidden_states: tuple[torch.Tensor, ...], target_layer_ids: l
 
 
 __all__ = [
+    "FULL_ATTENTION",
+    "SLIDING_ATTENTION",
+    "attention_layout",
     "build_target_layer_ids",
     "drafter_config_from_target",
     "DFlashDraftModel",

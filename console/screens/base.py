@@ -12,12 +12,35 @@ from __future__ import annotations
 import functools
 import inspect
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar, cast
 
 from textual.css.query import NoMatches
+from textual.dom import DOMNode
 from textual.screen import Screen
 
+if TYPE_CHECKING:
+    from agents.protocol import RunInfo
+    from console.fleet import Fleet
+    from console.ops import LaunchIntent
+
 F = TypeVar("F", bound=Callable[..., Any])
+
+
+class DeckApp(Protocol):
+    """What the screens may ask of the gpudeck app (console/app.py implements it)."""
+
+    fleet: Fleet
+
+    def open_run(self, host: str, run_id: str, run: RunInfo | None = None) -> None: ...
+
+    def open_host(self, host: str) -> None: ...
+
+    def launch_flow(self, prefill: LaunchIntent | None = None, host: str | None = None, title: str | None = None) -> Any: ...
+
+
+def deck(node: DOMNode) -> DeckApp:
+    """The gpudeck app a screen or widget runs in, typed (instead of ``self.app`` plus ``type: ignore``)."""
+    return cast(DeckApp, node.app)
 
 
 def tolerant(fn: F) -> F:

@@ -12,6 +12,7 @@ from textual.widgets import Button, Static
 
 from agents.protocol import StopResult
 from console.fmt import gib
+from console.widgets.cells import plain_markup
 
 
 class ConfirmDialog(ModalScreen[bool]):
@@ -28,8 +29,8 @@ class ConfirmDialog(ModalScreen[bool]):
 
     def compose(self) -> ComposeResult:
         with Vertical(classes="dialog"):
-            yield Static(self._title, classes="dialog-title")
-            yield Static(self.body, classes="dialog-body", id="confirm-body")
+            yield Static(plain_markup(self._title), classes="dialog-title")
+            yield Static(plain_markup(self.body), classes="dialog-body", id="confirm-body")
             with Horizontal(classes="dialog-buttons"):
                 yield Button(f"{self._confirm_label} (y)", variant=self._variant, id="confirm")  # type: ignore[arg-type]
                 yield Button("Cancel (esc)", id="cancel")
@@ -58,8 +59,8 @@ class ChoiceDialog(ModalScreen[str | None]):
 
     def compose(self) -> ComposeResult:
         with Vertical(classes="dialog wide"):
-            yield Static(self._title, classes="dialog-title")
-            yield Static(self.body, classes="dialog-body", id="choice-body")
+            yield Static(plain_markup(self._title), classes="dialog-title")
+            yield Static(plain_markup(self.body), classes="dialog-body", id="choice-body")
             with Horizontal(classes="dialog-buttons"):
                 for i, (cid, label, key) in enumerate(self._choices):
                     yield Button(f"{label} ({key})", id=f"choice-{cid}", variant="primary" if i == 0 else "default")
@@ -117,8 +118,8 @@ class ResultDialog(ModalScreen[None]):
 
     def compose(self) -> ComposeResult:
         with Vertical(classes="dialog"):
-            yield Static(self._title, classes="dialog-title")
-            yield Static(self.body, classes="dialog-body", id="result-body")
+            yield Static(plain_markup(self._title), classes="dialog-title")
+            yield Static(plain_markup(self.body), classes="dialog-body", id="result-body")
             with Horizontal(classes="dialog-buttons"):
                 yield Button("Close", id="close", variant="primary")
 

@@ -10,8 +10,10 @@ from textual.binding import Binding
 from textual.screen import Screen
 from textual.widgets import Footer, Static
 
+from console.sanitize import redact_run
 from console.screens.base import tolerant
 from console.views import run_diff, run_label
+from console.widgets.cells import shown
 from console.widgets.diff import diff_rows, diff_summary
 from console.widgets.header import AppHeader
 from console.widgets.keyed_table import Col, KeyedTable
@@ -32,9 +34,10 @@ class DiffScreen(Screen):
         Binding("w", "swap", "Swap A/B"),
     ]
 
-    def __init__(self, a: dict[str, Any], b: dict[str, Any]) -> None:
+    def __init__(self, a: dict[str, Any], b: dict[str, Any], a_metrics: list[dict[str, Any]] | None = None, b_metrics: list[dict[str, Any]] | None = None) -> None:
         super().__init__()
-        self.a, self.b = a, b
+        self.a, self.b = redact_run(a), redact_run(b)  # --env secrets never shown
+        self.ma, self.mb = a_metrics, b_metrics
         self.only_differences = False
 
     def compose(self) -> ComposeResult:
@@ -50,13 +53,13 @@ class DiffScreen(Screen):
         self._redraw()
 
     def _redraw(self) -> None:
-        diff = run_diff(self.a, self.b)
+        diff = run_diff(self.a, self.b, self.ma, self.mb)
         a_label, b_label = run_label(self.a), run_label(self.b)
-        self.query_one("#diff-title", Static).update(Text.assemble(("Diff  ", "bold"), ("A ", "dim"), a_label, ("   B ", "dim"), b_label))
+        self.query_one("#diff-title", Static).update(shown(Text.assemble(("Diff  ", "bold"), ("A ", "dim"), a_label, ("   B ", "dim"), b_label)))
         self.query_one("#diff-summary", Static).update(diff_summary(diff))
         table = self.query_one("#diff-table", KeyedTable)
-        table.columns[table.cols[3].key].label = Text(f"A  {a_label}")  # type: ignore[index]
-        table.columns[table.cols[4].key].label = Text(f"B  {b_label}")  # type: ignore[index]
+        table.columns[table.cols[3].key].label = shown(Text(f"A  {a_label}"))  # type: ignore[index]
+        table.columns[table.cols[4].key].label = shown(Text(f"B  {b_label}"))  # type: ignore[index]
         # a static comparison, not a live table: rebuilt in the diff's order (core first) on every toggle
         table.reset()
         table.sync(diff_rows(diff, self.only_differences, focus=True))  # one-line cells: show where long values differ
@@ -67,4 +70,5 @@ class DiffScreen(Screen):
 
     def action_swap(self) -> None:
         self.a, self.b = self.b, self.a
+        self.ma, self.mb = self.mb, self.ma
         self._redraw()

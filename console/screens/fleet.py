@@ -10,7 +10,7 @@ from textual.widgets import Footer, Static
 from console.fleet import HostStatus
 from console.fmt import gib
 from console.formats import why_down
-from console.screens.base import LiveScreen, tolerant
+from console.screens.base import deck, LiveScreen, tolerant
 from console.views import HostFigures, clock, host_figures, since
 from console.widgets.cells import SIMULATED, alerts_text, mem_bar, pct_bar, state_text
 from console.widgets.header import AppHeader
@@ -87,7 +87,7 @@ class FleetScreen(LiveScreen):
     def on_mount(self) -> None:
         self._figures: dict[str, HostFigures | None] = {}
         self._states: dict[str, str] = {}
-        self.hosts_changed(set(self.app.fleet.links))  # type: ignore[attr-defined]
+        self.hosts_changed(set(deck(self).fleet.links))
         self.set_interval(NOT_UP_REFRESH_S, self._tick)
 
     @tolerant
@@ -101,7 +101,7 @@ class FleetScreen(LiveScreen):
     def hosts_changed(self, names: set[str]) -> None:
         """Update (or add) the rows of these hosts only."""
         table = self.query_one("#fleet-table", KeyedTable)
-        links = self.app.fleet.links  # type: ignore[attr-defined]
+        links = deck(self).fleet.links
         for name in [n for n in links if n in names]:  # config order for new rows
             st = links[name].status
             cells, fig = host_cells(st)
@@ -144,7 +144,7 @@ class FleetScreen(LiveScreen):
     def action_open_host(self) -> None:
         key = self.query_one("#fleet-table", KeyedTable).cursor_key
         if key is not None:
-            self.app.open_host(key)  # type: ignore[attr-defined]
+            deck(self).open_host(key)
 
     def on_data_table_row_selected(self, event: KeyedTable.RowSelected) -> None:
-        self.app.open_host(str(event.row_key.value))  # type: ignore[attr-defined]
+        deck(self).open_host(str(event.row_key.value))

@@ -13,10 +13,11 @@ from textual.binding import Binding
 from textual.timer import Timer
 from textual.widgets import Footer, Input, Static
 
-from console.fmt import duration, elapsed
+from console.fmt import duration
+from console.ops.figures import run_figures, tokens_text
 from console.messages import HistoryLoaded
 from console.query import QueryError
-from console.screens.base import LiveScreen, tolerant
+from console.screens.base import deck, LiveScreen, tolerant
 from console.screens.runs import why_text
 from console.views import short_when, history_rows, run_row_from_history
 from console.widgets.cells import sortable, state_text
@@ -45,6 +46,7 @@ TYPE_DELAY_S = 0.4
 def history_cells(d: dict[str, Any]) -> dict[str, object]:
     """One recorded run's row."""
     r = run_row_from_history(d)
+    fig = run_figures(d)  # the figures the CLI and the Diff screen show too
     return {
         "id": r.id,
         "name": r.name or "-",
@@ -52,10 +54,10 @@ def history_cells(d: dict[str, Any]) -> dict[str, object]:
         "kind": r.kind,
         "state": state_text(r.state),
         "started": sortable(short_when(r.started or r.created), r.started or r.created),
-        "elapsed": duration(elapsed(r.started, r.ended)) if r.started else "-",
-        "step": "-" if r.step is None else str(r.step),
+        "elapsed": duration(fig.elapsed_s) if fig.elapsed_s is not None else "-",
+        "step": "-" if fig.last_step is None else str(fig.last_step),
         "loss": "-" if r.loss is None else f"{r.loss:.4f}",
-        "tps": "-" if r.tokens_per_s is None else f"{r.tokens_per_s:,.0f}",
+        "tps": tokens_text(fig.tokens_per_s),
         "torch": r.torch or "-",
         "why": why_text(r),
     }
@@ -92,7 +94,7 @@ class HistoryScreen(LiveScreen):
     @tolerant
     def on_mount(self) -> None:
         self.query_one("#history-table", KeyedTable).focus()
-        if self.app.fleet.history is None:  # type: ignore[attr-defined]
+        if deck(self).fleet.history is None:
             self.query_one("#history-note", Static).update(Text("this console runs without a history database (`gpudeck` opens one by default)", style="yellow"))
             return
         self.set_interval(0.5, self._maybe_reload)
@@ -120,7 +122,8 @@ class HistoryScreen(LiveScreen):
     @work(thread=True, exclusive=True, group="history-query")
     @tolerant
     def _load(self, text: str) -> None:
-        history = self.app.fleet.history  # type: ignore[attr-defined]
+        history = deck(self).fleet.history
+        assert history is not None  # loads are started only with a history (on_mount)
         t0 = time.monotonic()
         try:
             rows = history_rows(history.path, text)
@@ -175,7 +178,7 @@ class HistoryScreen(LiveScreen):
     def _apply(self, text: str) -> None:
         if text != self.query_text or not self.rows:
             self.query_text = text
-            if self.app.fleet.history is not None:  # type: ignore[attr-defined]
+            if deck(self).fleet.history is not None:
                 self.reload()
 
     def action_focus_filter(self) -> None:
@@ -194,12 +197,12 @@ class HistoryScreen(LiveScreen):
         key = self.query_one("#history-table", KeyedTable).cursor_key
         if key is not None and key in self.rows:
             d = self.rows[key]
-            self.app.open_run(d["host"], d["id"])  # type: ignore[attr-defined]
+            deck(self).open_run(d["host"], d["id"])
 
     def on_data_table_row_selected(self, event: KeyedTable.RowSelected) -> None:
         d = self.rows.get(str(event.row_key.value))
         if d is not None:
-            self.app.open_run(d["host"], d["id"])  # type: ignore[attr-defined]
+            deck(self).open_run(d["host"], d["id"])
 
     def action_mark(self) -> None:
         table = self.query_one("#history-table", KeyedTable)
@@ -227,10 +230,15 @@ class HistoryScreen(LiveScreen):
         """Read both runs' full rows (environment included) in a thread, then show them side by side."""
         from console.screens.diff import DiffScreen
 
-        history = self.app.fleet.history  # type: ignore[attr-defined]
+        history = deck(self).fleet.history
+        if history is None:
+            return
         try:
-            full_a, full_b = await asyncio.gather(asyncio.to_thread(history.find, a["id"], a["host"]), asyncio.to_thread(history.find, b["id"], b["host"]))
+            full_a, full_b, ma, mb = await asyncio.gather(
+                asyncio.to_thread(history.find, a["id"], a["host"]), asyncio.to_thread(history.find, b["id"], b["host"]),
+                asyncio.to_thread(history.metrics, a["host"], a["id"]), asyncio.to_thread(history.metrics, b["host"], b["id"]),
+            )
         except Exception as exc:
             self.notify(str(exc), title="cannot diff", severity="error")
             return
-        self.app.push_screen(DiffScreen(full_a, full_b))
+        self.app.push_screen(DiffScreen(full_a, full_b, ma, mb))

@@ -10,11 +10,11 @@ from textual.widgets import Footer, Static
 
 from console.fleet import HostStatus
 from console.fmt import gib
-from console.screens.base import LiveScreen, tolerant
+from console.screens.base import deck, LiveScreen, tolerant
 from console.screens.fleet import state_cell
 from console.screens.reclaim import ReclaimItem, reclaim_flow
 from console.views import LEFTOVER_HOLDERS, holder_label, since
-from console.widgets.cells import SIMULATED, attribution_text, mem_bar, pct_bar
+from console.widgets.cells import SIMULATED, attribution_text, plain_markup, mem_bar, pct_bar
 from console.widgets.header import AppHeader
 from console.widgets.keyed_table import Col, KeyedTable
 from console.widgets.progress import ProgressLine
@@ -62,7 +62,7 @@ class HostScreen(LiveScreen):
 
     def compose(self) -> ComposeResult:
         yield AppHeader()
-        yield Static(f"Host {self.host}", id="host-title", classes="title")
+        yield Static(plain_markup(f"Host {self.host}"), id="host-title", classes="title")
         yield KeyedTable(GPU_COLUMNS, id="gpu-table", zebra_stripes=False)
         yield Static("GPU processes  (space/enter: mark, a: mark leftovers, x: reclaim marked)", classes="subtitle")
         yield KeyedTable(PROC_COLUMNS, id="proc-table", markable=True)
@@ -77,7 +77,7 @@ class HostScreen(LiveScreen):
 
     @property
     def status(self) -> HostStatus | None:
-        link = self.app.fleet.links.get(self.host)  # type: ignore[attr-defined]
+        link = deck(self).fleet.links.get(self.host)
         return None if link is None else link.status
 
     def hosts_changed(self, names: set[str]) -> None:
@@ -226,4 +226,4 @@ class HostScreen(LiveScreen):
         if rid == "-":
             self.notify("this process belongs to no run", severity="warning")
             return
-        self.app.open_run(self.host, rid)  # type: ignore[attr-defined]
+        deck(self).open_run(self.host, rid)

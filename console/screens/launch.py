@@ -1,7 +1,10 @@
-"""Provides the Launch dialog: host, GPUs (with free memory and holders), kind, arguments, python, an explicit start,
-then the pre-flight result before the final confirm, and the launch itself with its progress.
+"""Provides the Launch dialog: host (or hosts), GPUs (with free memory and holders), kind, arguments, ranks, python, an
+explicit start, then the pre-flight result before the final confirm, and the launch itself with its progress.
 
-ctrl+s first runs pre-flight on the chosen host (nothing starts); the result
+The dialog only collects the form (:class:`LaunchForm`) and shows results: the
+form becomes a :class:`~console.ops.LaunchIntent` and the operations layer
+plans it (the same spec the CLI builds for the same intent) and launches it.
+ctrl+s first runs pre-flight on the chosen host(s) (nothing starts); the result
 shows in the dialog and the button turns into the final confirm. Changing any
 field afterwards asks for pre-flight again. If only the GPU-holder check
 failed, the confirm becomes "launch with --force" (the agent records it).
@@ -9,8 +12,8 @@ failed, the confirm becomes "launch with --force" (the agent records it).
 
 from __future__ import annotations
 
+import dataclasses
 import shlex
-import sys
 import uuid
 from dataclasses import dataclass
 
@@ -26,79 +29,90 @@ from textual.widgets.selection_list import Selection
 
 from agents.errors import AgentError
 from agents.protocol import LaunchSpec, PreflightResult, RunInfo, Snapshot
+from agents.supervisor import new_run_id
 from console.fmt import gib
-from console.relaunch import with_start
-from console.screens.base import tolerant
+from console.ops import IntentError, LaunchIntent, LaunchPlan, LaunchResult, OpsError
+from console.ops.intent import count_text, form_start
+from console.ops.launch import NodeOutcome, plan_here
+from console.ops.launch import launch as ops_launch
+from console.ops.launch import preflight as ops_preflight
+from console.screens.base import deck, tolerant
 from console.views import gpu_free, holder_label
-from console.widgets.cells import SIMULATED
+from console.widgets.cells import SIMULATED, plain_markup
 from console.widgets.progress import ProgressLine
-
-TRAINER_MODULES = {"fsdp": "trainers.fsdp_lm", "dflash": "trainers.dflash"}
 
 
 @dataclass(frozen=True)
-class LaunchRequest:
-    """A validated form: the host and the spec to pre-flight and launch."""
+class LaunchForm:
+    """What the dialog's fields hold, as typed."""
 
     host: str
-    spec: LaunchSpec
+    kind: str = "command"
+    args: str = ""
+    name: str = ""
+    gpus: str = ""
+    ranks: str = ""
+    hosts: str = ""
+    python: str = ""
+    start: str = ""  # fresh | resume | ''
+    resume_step: str = ""
 
 
 @dataclass(frozen=True)
 class LaunchOutcome:
-    """What the dialog returns: the run that started (or was refused by the agent's own pre-flight)."""
+    """What the dialog returns: the launch's result (the run that started, or what refused it)."""
 
-    host: str
-    run: RunInfo
-    spec: LaunchSpec
+    result: LaunchResult
+
+    @property
+    def host(self) -> str:
+        """The first node's host."""
+        return self.result.nodes[0].host
+
+    @property
+    def run(self) -> RunInfo:
+        """The first node's run."""
+        reply = self.result.nodes[0].reply
+        assert reply is not None
+        return reply.run
+
+    @property
+    def spec(self) -> LaunchSpec:
+        """The first node's spec."""
+        return self.result.plan.spec
 
 
-def prefill_from(spec: LaunchSpec) -> dict[str, str]:
-    """The form's fields for relaunching ``spec``: the same run, with the start left for the operator."""
-    argv = list(spec.argv)
-    python = spec.python or sys.executable
-    if spec.kind in TRAINER_MODULES and len(argv) >= 3 and argv[1:3] == ["-m", TRAINER_MODULES[spec.kind]]:
-        # the old start never carries over: fresh or resume is chosen again (with_start's own --fresh dropped too)
-        python, argv = argv[0], with_start(argv[3:], "fresh")[:-1]
+def form_from(intent: LaunchIntent) -> dict[str, str]:
+    """The form's fields for an intent (a relaunch's: the same run, with the start left for the operator)."""
     return {
-        "kind": spec.kind,
-        "args": shlex.join(argv),
-        "name": spec.name or "",
-        "gpus": ",".join(map(str, spec.gpus)) if spec.gpus is not None else "",
-        "python": python,
+        "kind": intent.kind,
+        "args": shlex.join(intent.argv),
+        "name": intent.name or "",
+        "gpus": intent.gpus or "",
+        "ranks": str(intent.nproc_per_node) if intent.nproc_per_node else "",
+        "hosts": ",".join(intent.hosts),
+        "python": intent.python or "",
     }
 
 
-def build_spec(kind: str, args: str, name: str, gpus: str, start: str, resume_step: str, python: str) -> LaunchSpec:
-    """Turn the form into a spec; ValueError says which field is wrong and how."""
+def intent_from_form(form: LaunchForm, base: LaunchIntent | None = None) -> LaunchIntent:
+    """The form as an intent (what it does not show carries over from ``base``); IntentError names the field."""
     try:
-        argv = shlex.split(args)
+        argv = tuple(shlex.split(form.args))
     except ValueError as exc:
-        raise ValueError(f"arguments: {exc}") from None
-    gpu_list = None
-    if gpus.strip():
-        try:
-            gpu_list = [int(g) for g in gpus.replace(" ", "").split(",") if g]
-        except ValueError:
-            raise ValueError("GPUs: write indices like 0,1") from None
-    start_value = None
-    spec_python = None
-    if kind in TRAINER_MODULES:
-        if start not in ("fresh", "resume"):
-            raise ValueError("start: choose 'fresh' (step 0, new checkpoints) or 'resume at step N' — there is no default")
-        if start == "resume":
-            if not resume_step.strip().isdigit():
-                raise ValueError("resume: give the checkpoint step N (a number)")
-            start_value = f"resume {int(resume_step)}"
-            argv += ["--resume", str(int(resume_step))]
-        else:
-            start_value = "fresh"
-            argv += ["--fresh"]
-        spec_python = python or sys.executable
-        argv = [spec_python, "-m", TRAINER_MODULES[kind], *argv]
-    elif not argv:
-        raise ValueError("command: give the command to run, e.g. python train.py --lr 3e-4")
-    return LaunchSpec(argv=argv, name=name.strip() or None, kind=kind, gpus=gpu_list, start=start_value, python=spec_python)  # type: ignore[arg-type]
+        raise IntentError("arguments", str(exc), "close the quote or escape the character") from None
+    return dataclasses.replace(
+        base or LaunchIntent(),
+        host=form.host,
+        kind=form.kind,
+        argv=argv,
+        name=form.name.strip() or None,
+        gpus=form.gpus.strip() or None,
+        nproc_per_node=count_text(form.ranks, "ranks per node", "give how many ranks each host starts (1 or more), or leave it out: one per GPU"),
+        hosts=tuple(h.strip() for h in form.hosts.split(",") if h.strip()),
+        python=form.python.strip() or None,
+        start=form_start(form.start, form.resume_step),
+    )
 
 
 def gpu_choice(g, host_simulated: bool) -> Text:  # type: ignore[no-untyped-def]
@@ -155,6 +169,8 @@ def only_holders_failed(result: PreflightResult) -> bool:
     return bool(failed) and all(c.name == "gpu_holders" for c in failed)
 
 
+
+
 class LaunchDialog(ModalScreen[LaunchOutcome | None]):
     """The launch form: fill it in, pre-flight, confirm, launch."""
 
@@ -166,27 +182,28 @@ class LaunchDialog(ModalScreen[LaunchOutcome | None]):
         Binding("shift+tab", "app.focus_previous", show=False, priority=True),
     ]
 
-    def __init__(self, prefill: LaunchSpec | None = None, parent: str | None = None, host: str | None = None, title: str | None = None) -> None:
+    def __init__(self, prefill: LaunchIntent | None = None, host: str | None = None, title: str | None = None) -> None:
         super().__init__()
-        self._prefill_spec = prefill
-        self._prefill = prefill_from(prefill) if prefill is not None else {}
-        self._parent_run = parent
+        self._base = prefill
+        self._prefill = form_from(prefill) if prefill is not None else {}
+        self._parent_run = prefill.parent if prefill is not None else None
         self._first_host = host
         self._title = title
-        self._checked: bytes | None = None  # the (host, spec) that pre-flight ran on
-        self._result: PreflightResult | None = None
+        self._checked: bytes | None = None  # the plan that pre-flight ran on
+        self._result: list[NodeOutcome] | None = None
         self._request_id = f"console-{uuid.uuid4().hex[:12]}"  # a retried launch from this dialog never starts a second run
+        self._run_id = new_run_id()  # a multi-node plan keeps its id while the form is checked and confirmed
         self._gpu_host: str | None = None
         self._armed = False
 
     def compose(self) -> ComposeResult:
-        hosts = list(self.app.fleet.links)  # type: ignore[attr-defined]
+        hosts = list(deck(self).fleet.links)
         if self._first_host in hosts:
             hosts.remove(self._first_host)
             hosts.insert(0, self._first_host)
         with VerticalScroll(classes="dialog wide", id="launch-dialog"):
             title = self._title or (f"Relaunch {self._parent_run}: choose the start again" if self._parent_run else "Launch a run")
-            yield Static(f"{title}  (ctrl+s: pre-flight, then launch; esc cancels)", classes="dialog-title")
+            yield Static(plain_markup(f"{title}  (ctrl+s: pre-flight, then launch; esc cancels)"), classes="dialog-title")
             with Horizontal(classes="field"):
                 yield Label("Host")
                 yield Select([(h, h) for h in hosts], value=hosts[0], id="host", allow_blank=False, compact=True)
@@ -206,7 +223,11 @@ class LaunchDialog(ModalScreen[LaunchOutcome | None]):
                 yield Input(id="name", placeholder="optional", compact=True)
             with Horizontal(classes="field"):
                 yield Label("Python")
-                yield Input(id="python", value=sys.executable, compact=True)
+                yield Input(id="python", placeholder="python3 (the host's; a local run: this shell's PATH)", compact=True)
+            with Horizontal(classes="field"):
+                yield Label("Ranks/host")
+                yield Input(id="ranks", placeholder="1/GPU", classes="narrow", compact=True)
+                yield Input(id="hosts", placeholder="several hosts for one run: gpu1,gpu2 (the host above is then not used)", compact=True)
             with Horizontal(classes="field"):
                 yield Label("Start")
                 yield Select([("fresh: step 0, new checkpoints", "fresh"), ("resume at step N", "resume")], id="start", prompt="trainers: choose fresh or resume (no default)", compact=True)
@@ -220,7 +241,7 @@ class LaunchDialog(ModalScreen[LaunchOutcome | None]):
 
     @tolerant
     def on_mount(self) -> None:
-        for field in ("args", "name", "python"):
+        for field in ("args", "name", "python", "ranks", "hosts"):
             if field in self._prefill:
                 self.query_one(f"#{field}", Input).value = self._prefill[field]
         if "kind" in self._prefill:
@@ -236,7 +257,7 @@ class LaunchDialog(ModalScreen[LaunchOutcome | None]):
     # ------------------------------------------------------------------ GPUs
 
     def _snapshot(self, host: str) -> Snapshot | None:
-        link = self.app.fleet.links.get(host)  # type: ignore[attr-defined]
+        link = deck(self).fleet.links.get(host)
         return None if link is None else link.status.snapshot
 
     def _fill_gpus(self, host: str) -> None:
@@ -247,7 +268,11 @@ class LaunchDialog(ModalScreen[LaunchOutcome | None]):
         hint = self.query_one("#gpu-hint", Static)
         picker.clear_options()
         snap = self._snapshot(host)
-        want = set(self._prefill_spec.gpus or []) if self._prefill_spec is not None and self._prefill_spec.gpus is not None else set()
+        want: set[int] = set()
+        if self._prefill.get("gpus"):
+            from trainers.contract import parse_index_list
+
+            want = set(parse_index_list(self._prefill["gpus"]))
         if snap is None:
             picker.display = False
             hint.update(Text(f"no snapshot of {host} yet: the run gets the GPUs its command picks", style="dim"))
@@ -298,98 +323,99 @@ class LaunchDialog(ModalScreen[LaunchOutcome | None]):
 
     # ------------------------------------------------------------------ submit
 
-    def request(self) -> LaunchRequest:
-        """The form as a request; ValueError says which field to fix."""
+    def form(self) -> LaunchForm:
+        """What the fields hold."""
         val = lambda wid: self.query_one(f"#{wid}", Input).value  # noqa: E731
         start = self.query_one("#start", Select).value
-        spec = build_spec(
-            kind=str(self.query_one("#kind", Select).value),
-            args=val("args"),
-            name=val("name"),
-            gpus=self._gpus_text(),
-            start="" if start == Select.NULL else str(start),
-            resume_step=val("resume-step"),
-            python=val("python"),
+        return LaunchForm(
+            host=str(self.query_one("#host", Select).value), kind=str(self.query_one("#kind", Select).value), args=val("args"),
+            name=val("name"), gpus=self._gpus_text(), ranks=val("ranks"), hosts=val("hosts"), python=val("python"),
+            start="" if start == Select.NULL else str(start), resume_step=val("resume-step"),
         )
-        spec.parent = self._parent_run
-        if self._prefill_spec is not None:
-            # what the form does not show carries over from the run being relaunched
-            spec.env = dict(self._prefill_spec.env)
-            spec.cwd = self._prefill_spec.cwd
-            spec.checkpoint_dir = self._prefill_spec.checkpoint_dir
-            spec.claims = self._prefill_spec.claims
-            spec.on_rank_death = self._prefill_spec.on_rank_death
-            if spec.python is None and self._prefill_spec.python:
-                spec.python = self._prefill_spec.python
-        return LaunchRequest(str(self.query_one("#host", Select).value), spec)
+
+    def plan(self, force: bool = False) -> LaunchPlan:
+        """The form planned by the operations layer; IntentError says which field to fix."""
+        intent = intent_from_form(self.form(), self._base)
+        if force:
+            intent = dataclasses.replace(intent, force=True)
+        return plan_here(intent, run_id=self._run_id)
 
     def submit(self) -> None:
         """ctrl+s: pre-flight the form, or launch what pre-flight accepted."""
         if self.query_one("#launch-progress", ProgressLine).running:
             return
         try:
-            req = self.request()
-        except ValueError as exc:
-            self.query_one("#launch-error", Static).update(Text(str(exc), style="bold red"))
+            plan = self.plan()
+        except OpsError as exc:
+            self.query_one("#launch-error", Static).update(Text(exc.message, style="bold red"))
             return
-        key = msgspec.json.encode([req.host, req.spec])
+        key = msgspec.json.encode([list(n) for n in plan.nodes])
         if self._checked == key:
-            res = self._result
-            if res is not None and not res.ok:
-                if not only_holders_failed(res):
+            results = self._result or []
+            bad = [c.preflight for c in results if c.preflight is not None and not c.preflight.ok]
+            if bad:
+                if not all(only_holders_failed(r) for r in bad):
                     self.query_one("#launch-error", Static).update(Text("pre-flight failed: fix what it says, then ctrl+s checks again", style="bold red"))
                     return
-                req = LaunchRequest(req.host, msgspec.structs.replace(req.spec, force=True))
-            self.launch(req)
+                plan = self.plan(force=True)
+            self.launch(plan)
         else:
-            self.preflight(req, key)
+            self.preflight(plan, key)
 
     @work(exclusive=True, group="launch-preflight")
     @tolerant
-    async def preflight(self, req: LaunchRequest, key: bytes) -> None:
-        """Pre-flight on the host; the result decides what the confirm button does."""
+    async def preflight(self, plan: LaunchPlan, key: bytes) -> None:
+        """Pre-flight on every host of the plan; the result decides what the confirm button does."""
         progress = self.query_one("#launch-progress", ProgressLine)
         panel = self.query_one("#preflight", Static)
+        where = ", ".join(plan.hosts)
         self._button("Pre-flight running ...", disabled=True)
-        progress.start(f"pre-flight on {req.host}", "GPUs, memory, holders, rendezvous port, disk, python, start")
-        error: str | None = None
-        result: PreflightResult | None = None
-        try:
-            result = await self.app.fleet.preflight(req.host, req.spec)  # type: ignore[attr-defined]
-        except AgentError as exc:
-            error = exc.message
+        progress.start(f"pre-flight on {where}", "GPUs, memory, holders, rendezvous port, disk, python, start")
+        results = await ops_preflight(deck(self).fleet, plan)
         took = progress.finish("")
         if took >= 1:
             progress.update(Text(f"pre-flight took {took:.1f} s", style="dim"))
         self._checked = key
-        self._result = result
-        panel.update(preflight_text(result, error, req.host))
+        self._result = results
+        text = Text()
+        for i, c in enumerate(results):
+            if i:
+                text.append("\n")
+            text.append_text(preflight_text(c.preflight, c.error, c.host))
+        panel.update(text)
         panel.scroll_visible()
-        if result is None:
+        checked = [c.preflight for c in results if c.preflight is not None]
+        if any(c.error is not None for c in results):
             self._button("Launch anyway (ctrl+s)", variant="warning")
-        elif result.ok:
+        elif all(r.ok for r in checked):
             self._button("Launch (ctrl+s)", variant="success")
-        elif only_holders_failed(result):
+        elif all(r.ok or only_holders_failed(r) for r in checked):
             self._button("Launch with --force (ctrl+s)", variant="error")
         else:
             self._button("Pre-flight failed", disabled=True, variant="error")
 
     @work(exclusive=True, group="launch-run")
     @tolerant
-    async def launch(self, req: LaunchRequest) -> None:
+    async def launch(self, plan: LaunchPlan) -> None:
         """Launch what was confirmed; the dialog stays (with the error) if the agent refuses."""
         progress = self.query_one("#launch-progress", ProgressLine)
         self._button("Launching ...", disabled=True)
-        progress.start(f"launching on {req.host}", "the agent records the spec, checks and starts the processes")
+        progress.start(f"launching on {', '.join(plan.hosts)}", "the agent records the spec, checks and starts the processes")
         try:
-            reply = await self.app.fleet.launch(req.host, req.spec, request_id=self._request_id)  # type: ignore[attr-defined]
-        except AgentError as exc:
+            result = await ops_launch(deck(self).fleet, plan, request_id=self._request_id)
+        except (AgentError, OpsError) as exc:
             progress.finish(f"launch failed: {exc.message}", style="bold red")
             self.query_one("#launch-error", Static).update(Text(exc.message, style="bold red"))
             self._button("Launch (ctrl+s)")
             return
-        progress.finish(f"{reply.run.id}: {reply.run.state}")
-        self.dismiss(LaunchOutcome(req.host, reply.run, req.spec))
+        if result.verdict != "running" and plan.multinode:
+            why = "; ".join(f"{n.host}: {n.error or 'pre-flight failed'}" for n in result.failed)
+            progress.finish(f"{result.run_id}: {result.verdict}", style="bold red")
+            self.query_one("#launch-error", Static).update(Text(f"nothing runs on any host: {why}", style="bold red"))
+            self._button("Launch (ctrl+s)")
+            return
+        progress.finish(f"{result.run_id}: {result.verdict}")
+        self.dismiss(LaunchOutcome(result))
 
     def on_button_pressed(self, event: Button.Pressed) -> None:
         if event.button.id == "cancel":

@@ -12,10 +12,10 @@ from textual.widgets import Footer, Static
 from agents.errors import AgentError
 from agents.protocol import Gpu, Leftover, LeftoverList
 from console.fmt import gib
-from console.screens.base import tolerant
+from console.screens.base import deck, tolerant
 from console.screens.reclaim import ReclaimItem, reclaim_flow
 from console.views import since
-from console.widgets.cells import leftover_text
+from console.widgets.cells import leftover_text, plain_markup
 from console.widgets.header import AppHeader
 from console.widgets.keyed_table import Col, KeyedTable
 from console.widgets.progress import ProgressLine
@@ -83,7 +83,7 @@ class LeftoversScreen(Screen):
 
     def compose(self) -> ComposeResult:
         yield AppHeader()
-        yield Static(f"Leftovers on {self.host}", id="leftovers-title", classes="title")
+        yield Static(plain_markup(f"Leftovers on {self.host}"), id="leftovers-title", classes="title")
         yield KeyedTable(COLUMNS, id="leftovers-table", markable=True)
         yield ProgressLine(id="leftovers-progress")
         yield Static("", id="leftovers-note", classes="note")
@@ -110,7 +110,7 @@ class LeftoversScreen(Screen):
         note = self.query_one("#leftovers-note", Static)
         progress.start(f"asking {self.host} for its leftovers")
         try:
-            reply = await self.app.fleet.leftovers(self.host, include_live=self.include_live)  # type: ignore[attr-defined]
+            reply = await deck(self).fleet.leftovers(self.host, include_live=self.include_live)
         except AgentError as exc:
             if self.is_attached:
                 progress.finish(f"{self.host} could not list its leftovers: {exc.message}", style="bold red")

@@ -12,7 +12,7 @@ from textual.screen import ModalScreen
 from textual.widgets import Static
 
 from console.fmt import when
-from console.widgets.cells import state_text
+from console.widgets.cells import plain_markup, state_text
 from console.widgets.keyed_table import Col, KeyedTable
 
 COLUMNS = [Col("id", "RUN", 12), Col("name", "NAME", 18), Col("host", "HOST", 12), Col("state", "STATE", 10), Col("started", "STARTED", 19), Col("torch", "TORCH", 16), Col("cause", "CAUSE", None)]
@@ -31,7 +31,7 @@ class RunPicker(ModalScreen[dict[str, Any] | None]):
 
     def compose(self) -> ComposeResult:
         with Vertical(classes="dialog wide", id="picker"):
-            yield Static(self._title, classes="dialog-title")
+            yield Static(plain_markup(self._title), classes="dialog-title")
             yield Static(Text(self._hint, style="dim"), classes="hint")
             yield KeyedTable(COLUMNS, id="picker-table")
 

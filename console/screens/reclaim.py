@@ -13,6 +13,7 @@ from agents.protocol import Gpu, StopResult
 from console.fmt import gib
 from console.screens.dialogs import ConfirmDialog, ResultDialog, stop_result_text
 from console.widgets.progress import ProgressLine
+from console.screens.base import deck
 
 GRACE_S = 10.0
 
@@ -79,7 +80,7 @@ async def reclaim_flow(screen: Screen, host: str, items: list[ReclaimItem], gpus
     pids = sorted({it.pid for it in items})
     progress.start(f"reclaiming {len(pids)} process(es) on {host}: SIGTERM sent", f"SIGKILL after {grace_s:.0f} s, then NVML verifies")
     try:
-        res = await screen.app.fleet.reclaim(host, pids, grace_s=grace_s, include_live=include_live)  # type: ignore[attr-defined]
+        res = await deck(screen).fleet.reclaim(host, pids, grace_s=grace_s, include_live=include_live)
     except AgentError as exc:
         progress.finish(f"reclaim failed: {exc.message}", style="bold red")
         await screen.app.push_screen_wait(ResultDialog(f"Reclaim on {host} failed", Text(exc.message, style="red")))

@@ -27,12 +27,15 @@ from agents.errors import AgentError
 from agents.protocol import TERMINAL_STATES, Alert, EnvFingerprint, LaunchSpec, PreflightResult, RunInfo, StopResult, VerifyReply
 from console.fmt import duration, elapsed, gib, when
 from console.messages import RecordLoaded
-from console.screens.base import LiveScreen, tolerant
+from console.screens.base import deck, LiveScreen, tolerant
 from console.screens.dialogs import ChoiceDialog, ConfirmDialog, ResultDialog, stop_result_text
 from console.screens.launch import preflight_text
-from console.relaunch import with_python
+from console.ops import OpsError, Resolved, relaunch_intent, resolve_run, rollback_intent
+from console.ops.stop import stop_run
+from console.ops.relaunch import check_environment, rebuild_environment, recorded_environment
 from console.views import alerts_of, env_of, history_rows, python_of, record_from_info, run_diff, run_from_record, run_label, short_when, spec_of
-from console.widgets.cells import SIMULATED, ok_text, state_text
+from console.sanitize import redact_env
+from console.widgets.cells import SIMULATED, ok_text, shown, state_text
 from console.widgets.diff import diff_summary, diff_table
 from console.widgets.header import AppHeader
 from console.widgets.keyed_table import Col, KeyedTable
@@ -118,7 +121,7 @@ def spec_text(spec: LaunchSpec, preflight: PreflightResult | None, stop: dict[st
         ("python", spec.python or "-"),
         ("cwd", spec.cwd or "-"),
         ("checkpoints", spec.checkpoint_dir or "-"),
-        ("env", " ".join(f"{k}={v}" for k, v in sorted(spec.env.items())) or "-"),
+        ("env", " ".join(f"{k}={v}" for k, v in sorted((redact_env(spec.env) or {}).items())) or "-"),
         ("parent", spec.parent or "-"),
         ("operator", spec.operator or "-"),
         ("rank death", spec.on_rank_death),
@@ -138,7 +141,7 @@ def spec_text(spec: LaunchSpec, preflight: PreflightResult | None, stop: dict[st
     for k, v in rows:
         t.append(f"{k:<12}", style="bold")
         t.append(f"{v}\n", style="bold red" if v == "NOT GIVEN" else "")
-    parts: list[Any] = [t]
+    parts: list[Any] = [shown(t)]
     if preflight is not None:
         parts.append(Text("\npre-flight at launch", style="bold underline"))
         parts.append(preflight_text(preflight, None, host))
@@ -265,7 +268,7 @@ class RunScreen(LiveScreen):
     # ------------------------------------------------------------------ facts
 
     def _simulated(self) -> bool:
-        link = self.app.fleet.links.get(self.host)  # type: ignore[attr-defined]
+        link = deck(self).fleet.links.get(self.host)
         snap = link.status.snapshot if link is not None else None
         return bool(snap is not None and snap.simulated)
 
@@ -273,7 +276,7 @@ class RunScreen(LiveScreen):
     @tolerant
     async def refresh_run(self) -> None:
         """Ask the agent for the run once a second (what the header and tabs show)."""
-        fleet = self.app.fleet  # type: ignore[attr-defined]
+        fleet = deck(self).fleet
         while True:
             try:
                 run = await fleet.run(self.host, self.run_id)
@@ -295,7 +298,7 @@ class RunScreen(LiveScreen):
     @tolerant
     def load_record(self) -> None:
         """The history's row of this run (a thread: SQLite blocks)."""
-        history = self.app.fleet.history  # type: ignore[attr-defined]
+        history = deck(self).fleet.history
         if history is None:
             return
         try:
@@ -334,7 +337,7 @@ class RunScreen(LiveScreen):
         t = run_header(r, self._simulated(), self.host)
         if self.agent_error:
             t.append(f"\nits agent cannot say now ({self.agent_error}): showing the history's record", style="yellow")
-        header.update(t)
+        header.update(shown(t))
         spec_key = msgspec.json.encode([r.spec, r.preflight, (self.record or {}).get("stop"), (self.record or {}).get("preflight")])
         if spec_key != self._shown_spec:
             self._shown_spec = spec_key
@@ -350,7 +353,7 @@ class RunScreen(LiveScreen):
         if env_key != self._shown_env:
             self._shown_env = env_key
             plain = r.spec.kind == "command" and python_of(r.spec) is None
-            self.query_one("#run-env", Static).update(env_text(env, "a plain command: no python environment to fingerprint" if plain else ""))
+            self.query_one("#run-env", Static).update(shown(env_text(env, "a plain command: no python environment to fingerprint" if plain else "")))
             pkgs = self.query_one("#env-packages", KeyedTable)
             pkgs.display = env is not None and bool(env.packages)
             if env is not None:
@@ -382,7 +385,7 @@ class RunScreen(LiveScreen):
         note = self.query_one("#claims-note", Static)
         note.update(Text("asking the agent to check the claims ...", style="dim"))
         try:
-            reply = await self.app.fleet.verify(self.host, self.run_id)  # type: ignore[attr-defined]
+            reply = await deck(self).fleet.verify(self.host, self.run_id)
         except AgentError as exc:
             if self.is_attached:
                 note.update(Text(f"claims could not be checked: {exc.message}", style="yellow"))
@@ -416,7 +419,7 @@ class RunScreen(LiveScreen):
     @work(exclusive=True, group="run-metrics")
     @tolerant
     async def refresh_metrics(self) -> None:
-        fleet = self.app.fleet  # type: ignore[attr-defined]
+        fleet = deck(self).fleet
         panel = self.query_one("#metrics")
         panel.display = False
         while True:
@@ -454,7 +457,7 @@ class RunScreen(LiveScreen):
     @work(exclusive=True, group="run-output")
     @tolerant
     async def follow_output(self) -> None:
-        fleet = self.app.fleet  # type: ignore[attr-defined]
+        fleet = deck(self).fleet
         status = self.query_one("#run-status", ProgressLine)
         try:
             async for chunk in fleet.output(self.host, self.run_id, offset=0, follow=True):
@@ -574,7 +577,7 @@ class RunScreen(LiveScreen):
         if self.run is None:
             self.notify("the run is not known yet", severity="warning")
             return
-        self.app.launch_flow(prefill=self.run.spec, parent=self.run.id, host=self.host)  # type: ignore[attr-defined]
+        deck(self).launch_flow(prefill=relaunch_intent(self.run.spec, self.run.id, self.host, None), host=self.host)
 
     def action_rollback(self) -> None:
         self.rollback_flow()
@@ -582,7 +585,7 @@ class RunScreen(LiveScreen):
     async def _candidates(self) -> list[dict[str, Any]]:
         """Ended runs of the same kind to roll back to, succeeded first (the history's, else this host's agent's)."""
         assert self.run is not None
-        fleet = self.app.fleet  # type: ignore[attr-defined]
+        fleet = deck(self).fleet
         kind = self.run.spec.kind
         rows: list[dict[str, Any]] = []
         if fleet.history is not None:
@@ -597,7 +600,7 @@ class RunScreen(LiveScreen):
         return rows
 
     async def _full_record(self, row: dict[str, Any]) -> dict[str, Any] | None:
-        fleet = self.app.fleet  # type: ignore[attr-defined]
+        fleet = deck(self).fleet
         if fleet.history is not None:
             try:
                 return await asyncio.to_thread(fleet.history.find, row["id"], row["host"])
@@ -654,72 +657,57 @@ class RunScreen(LiveScreen):
         )
         if how is None:
             return
-        python = python_of(good_spec, good_env)
-        if python is None:
-            self.notify(f"{good['id']} records no python interpreter to roll back to", severity="error")
+        try:
+            recorded = recorded_environment(good["id"], good_env)
+        except OpsError as exc:
+            self.notify(exc.message, severity="error")
             return
-        python = await self._checked_python(python, good_env, status)
+        python = await self._checked_python(recorded, status)
         if python is None:
             return
-        base = good_spec if how == "all" else self.run.spec
-        spec = msgspec.structs.replace(
-            base,
-            argv=with_python(base.argv, python),
-            python=python,
-            name=self.run.spec.name or self.run.name,
-            gpus=self.run.spec.gpus if how == "env" else good_spec.gpus,
-        )
-        self.app.launch_flow(  # type: ignore[attr-defined]
-            prefill=spec,
-            parent=self.run.id,
+        intent = rollback_intent(self.run.spec, self.run.id, good_spec, self.host, None, python, config_from=how == "all", good_host=good["host"])
+        deck(self).launch_flow(
+            prefill=intent,
             host=self.host,
             title=f"Roll back {self.run.id} to {good['id']}'s environment{' and config' if how == 'all' else ''}: choose the start",
         )
 
-    async def _checked_python(self, python: str, recorded: EnvFingerprint | None, status: ProgressLine) -> str | None:
-        """The interpreter to launch in, after proving it still matches its record (or rebuilding it); None: cancelled."""
-        fleet = self.app.fleet  # type: ignore[attr-defined]
-        if recorded is None:
-            ok = await self.app.push_screen_wait(
-                ConfirmDialog("No fingerprint to check", f"The good run recorded no environment fingerprint, so {python} cannot be checked.\nLaunch in it as it is now?", "Launch unchecked", variant="warning")
-            )
-            return python if ok else None
+    async def _checked_python(self, recorded: EnvFingerprint, status: ProgressLine) -> str | None:
+        """The interpreter to launch in, after proving it still matches its record (or rebuilding it); None: not launched."""
+        fleet = deck(self).fleet
+        python = recorded.python
         self._status_used = True
         status.start(f"fingerprinting {python} on {self.host}", "is it still the environment the good run had?")
         try:
-            now = await fleet.fingerprint(self.host, python)
+            check = await check_environment(fleet, self.host, recorded)
         except AgentError as exc:
             status.finish(f"could not fingerprint {python}: {exc.message}", style="bold red")
-            ok = await self.app.push_screen_wait(
-                ConfirmDialog("Cannot check the environment", f"{exc.message}\n\nLaunch in {python} without checking that it still matches the good run's fingerprint?", "Launch unchecked", variant="warning")
-            )
-            return python if ok else None
-        changes = envs.diff(recorded, now)
-        if not changes:
-            status.finish(f"{python} still matches the good run's fingerprint", style="green")
+            await self.app.push_screen_wait(ResultDialog("Cannot check the environment", Text(f"{exc.message}\n\nnothing was started", style="red")))
+            return None
+        if check.holds:
+            note = f"; the driver differs: {envs.describe(check.driver)[0]} (rollback cannot change the driver)" if check.driver else ""
+            status.finish(f"{python} still matches the good run's fingerprint{note}", style="green")
             return python
-        status.finish(f"{python} changed since the good run: {len(changes)} difference(s)", style="bold yellow")
-        lines = "\n".join(envs.describe(changes)[:20])
-        choice = await self.app.push_screen_wait(
-            ChoiceDialog(
+        status.finish(f"{python} changed since the good run: {len(check.changes)} difference(s)", style="bold yellow")
+        lines = "\n".join(check.describe(20))
+        ok = await self.app.push_screen_wait(
+            ConfirmDialog(
                 "The good environment changed",
-                Text(f"{python} no longer matches what the good run recorded:\n\n{lines}\n\nRebuild it from the recorded pip freeze into a new virtual environment (minutes; the result is checked against the record), or launch in it as it is?"),
-                [("rebuild", "Rebuild it", "r"), ("asis", "Launch as it is", "a")],
+                Text(f"{python} no longer matches what the good run recorded:\n\n{lines}\n\nRebuild it from the recorded pip freeze into a new virtual environment (minutes; the result is checked against the record)? Nothing starts in the changed one."),
+                "Rebuild it",
             )
         )
-        if choice is None:
+        if not ok:
             return None
-        if choice == "asis":
-            return python
         status.start(f"rebuilding the environment on {self.host} from {len(recorded.freeze)} freeze lines", "installing, then checking against the record")
         try:
-            reply = await fleet.rebuild_env(self.host, recorded)
-        except AgentError as exc:
+            python, path = await rebuild_environment(fleet, self.host, recorded)
+        except (AgentError, OpsError) as exc:
             status.finish(f"rebuild failed: {exc.message}", style="bold red")
             await self.app.push_screen_wait(ResultDialog("Rebuild failed", Text(exc.message, style="red")))
             return None
-        status.finish(f"rebuilt at {reply.path or reply.env.prefix}: matches the record", style="green")
-        return reply.env.python
+        status.finish(f"rebuilt at {path}: matches the record", style="green")
+        return python
 
     # ------------------------------------------------------------------ stop
 
@@ -733,7 +721,7 @@ class RunScreen(LiveScreen):
         if r is None:
             return
         held = 0
-        link = self.app.fleet.links.get(self.host)  # type: ignore[attr-defined]
+        link = deck(self).fleet.links.get(self.host)
         snap = link.status.snapshot if link is not None else None
         if snap is not None:
             held = sum(p.used_bytes or 0 for g in snap.gpus for p in g.processes if p.run_id == r.id)
@@ -750,10 +738,23 @@ class RunScreen(LiveScreen):
         status = self.query_one("#run-status", ProgressLine)
         self._status_used = True
         status.start(f"stopping {r.id}: SIGTERM sent", f"grace {STOP_GRACE_S:.0f} s for the checkpoint, then SIGKILL, then NVML verifies")
+        fleet = deck(self).fleet
         try:
-            res = await self.app.fleet.stop(self.host, r.id, STOP_GRACE_S)  # type: ignore[attr-defined]
-        except AgentError as exc:
+            # every node of the run (a multi-node run is stopped on each host), as `gpudeck stop` does
+            found = await resolve_run(fleet, r.id) if r.spec.nnodes and r.spec.nnodes > 1 else Resolved(r.id, r.id, [(self.host, r)])
+            done = await stop_run(fleet, found, STOP_GRACE_S, fleet.history)
+        except (AgentError, OpsError) as exc:
             status.finish(f"stop failed: {exc.message}", style="bold red")
             return
-        status.finish(f"stop finished in {res.seconds:.1f} s: {res.message or res.state}", style="green" if not res.survivors else "bold red")
-        await self.app.push_screen_wait(ResultDialog(f"Stopped {r.id}", stop_result_text(res)))
+        if not done.results:
+            status.finish(f"{', '.join(done.pending)} did not answer: the stop is recorded and delivered when it is back", style="bold yellow")
+            return
+        res = done.results[0][1]
+        more = f"; {', '.join(done.pending)} did not answer: its stop is recorded for later" if done.pending else ""
+        status.finish(f"stop finished in {res.seconds:.1f} s: {res.message or res.state}{more}", style="green" if not done.survivors else "bold red")
+        body = Text()
+        for i, (h, one) in enumerate(done.results):
+            if len(done.results) > 1:
+                body.append(("\n" if i else "") + f"[{h}]\n", style="bold")
+            body.append_text(stop_result_text(one))
+        await self.app.push_screen_wait(ResultDialog(f"Stopped {r.id}", body))

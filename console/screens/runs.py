@@ -15,7 +15,7 @@ from agents.errors import AgentError
 from console.fmt import duration, elapsed
 from console.messages import HistoryLoaded
 from console.query import QueryError
-from console.screens.base import LiveScreen, tolerant
+from console.screens.base import deck, LiveScreen, tolerant
 from console.views import short_when, RunRow, history_rows, merge_rows, run_row_from_history, run_row_from_info
 from console.widgets.cells import alerts_text, sortable, sparkline, state_text
 from console.widgets.header import AppHeader
@@ -96,9 +96,9 @@ class RunsScreen(LiveScreen):
         self._errors: dict[str, str] = {}
         self._history_due = True
         self._history_at = 0.0
-        links = self.app.fleet.links  # type: ignore[attr-defined]
+        links = deck(self).fleet.links
         self.hosts_changed(set(links))
-        if self.app.fleet.history is not None:  # type: ignore[attr-defined]
+        if deck(self).fleet.history is not None:
             self.set_interval(0.5, self._maybe_load_history)
             self._maybe_load_history()
         else:
@@ -108,7 +108,7 @@ class RunsScreen(LiveScreen):
 
     def hosts_changed(self, names: set[str]) -> None:
         """Live runs of these hosts, from their snapshots."""
-        links = self.app.fleet.links  # type: ignore[attr-defined]
+        links = deck(self).fleet.links
         touched: set[str] = set()
         for name in names:
             link = links.get(name)
@@ -143,7 +143,9 @@ class RunsScreen(LiveScreen):
     @tolerant
     def load_history(self) -> None:
         """Read the history's newest runs (a thread: SQLite blocks)."""
-        history = self.app.fleet.history  # type: ignore[attr-defined]
+        history = deck(self).fleet.history
+        if history is None:
+            return
         t0 = time.monotonic()
         try:
             rows = history_rows(history.path, HISTORY_QUERY)
@@ -174,7 +176,7 @@ class RunsScreen(LiveScreen):
     @tolerant
     async def poll_agents(self) -> None:
         """Without a history: ask every reachable agent for its runs, a few at a time."""
-        fleet = self.app.fleet  # type: ignore[attr-defined]
+        fleet = deck(self).fleet
         sem = asyncio.Semaphore(AGENT_POLL_CONCURRENCY)
 
         async def one(host: str) -> None:
@@ -205,7 +207,7 @@ class RunsScreen(LiveScreen):
             await asyncio.sleep(AGENT_POLL_S)
 
     def action_reload(self) -> None:
-        if self.app.fleet.history is not None:  # type: ignore[attr-defined]
+        if deck(self).fleet.history is not None:
             self._history_due = True
             self._history_at = 0.0
             self._maybe_load_history()
@@ -258,8 +260,8 @@ class RunsScreen(LiveScreen):
     def action_open_run(self) -> None:
         rid = self.query_one("#runs-table", KeyedTable).cursor_key
         if rid is not None:
-            self.app.open_run(self.host_of(rid), rid)  # type: ignore[attr-defined]
+            deck(self).open_run(self.host_of(rid), rid)
 
     def on_data_table_row_selected(self, event: KeyedTable.RowSelected) -> None:
         rid = str(event.row_key.value)
-        self.app.open_run(self.host_of(rid), rid)  # type: ignore[attr-defined]
+        deck(self).open_run(self.host_of(rid), rid)

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from rich.markup import escape as rich_escape
 from rich.text import Text
+from textual.markup import escape as textual_escape
 
 from console.fmt import gib
+from console.sanitize import escape_controls, has_controls
 
 STATE_STYLES = {
     "up": "bold green",
@@ -28,6 +31,48 @@ ATTRIBUTION_STYLES = {"RUN": "green", "STALE": "bold red", "FOREIGN": "yellow", 
 LEFTOVER_STYLES = {"orphan": "bold red", "foreign": "yellow", "zombie": "bold red", "disk_sleep": "bold red", "no_such_process": "bold magenta", "live": "green"}
 SIMULATED = Text(" SIMULATED ", style="bold black on yellow")
 MARK = "✓"
+
+
+def literal(value: object) -> object:
+    """A table cell shown as text: a str's markup is escaped (DataTable and Rich tables parse str cells as Rich
+    markup: a run named ``[/]`` would end the app), and control characters show as escapes in str and Text alike."""
+    if isinstance(value, str):
+        return rich_escape(escape_controls(value))
+    if isinstance(value, Text):
+        return shown(value)
+    return value
+
+
+def plain_markup(value: object) -> object:
+    """For a Static: a str with Textual's markup escaped and its controls shown as escapes (a Text: controls only)."""
+    if isinstance(value, str):
+        return textual_escape(escape_controls(value, keep="\n\t"))
+    if isinstance(value, Text):
+        return shown(value)
+    return value
+
+
+def shown(text: Text) -> Text:
+    """``text`` (built from run-controlled strings) with its control characters escaped, styles kept (line breaks and
+    tabs are the view's own and stay)."""
+    plain = text.plain
+    if not has_controls(plain.replace("\n", "").replace("\t", "")):
+        return text
+
+    def bad(c: str) -> bool:
+        return c not in "\n\t" and has_controls(c)
+
+    cuts = sorted({i for i, c in enumerate(plain) if bad(c)} | {i + 1 for i, c in enumerate(plain) if bad(c)})
+    out = Text(end=text.end, justify=text.justify, no_wrap=text.no_wrap, overflow=text.overflow)
+    for part in text.divide(cuts):
+        if len(part.plain) == 1 and bad(part.plain):
+            visible = Text(escape_controls(part.plain), style=part.style)
+            for span in part.spans:  # the one character's styles cover its whole escape
+                visible.stylize(span.style, 0, len(visible))
+            out.append_text(visible)
+        else:
+            out.append_text(part)
+    return out
 
 
 def mem_bar(used: int, total: int, width: int = 12) -> Text:

@@ -8,6 +8,8 @@ import os
 from rich.table import Table
 from rich.text import Text
 
+from console.widgets.cells import literal
+
 from console.rundiff import Row, RunDiff
 from console.views import core_changes, diff_sections, row_label
 
@@ -54,11 +56,11 @@ def diff_table(diff: RunDiff, a_label: str, b_label: str, only_differences: bool
     t.add_column("", width=1)
     t.add_column("", style="dim", no_wrap=True)
     t.add_column("", no_wrap=True)
-    t.add_column(a_label, overflow="fold")
-    t.add_column(b_label, overflow="fold")
+    t.add_column(Text(a_label), overflow="fold")  # run names: text, never markup
+    t.add_column(Text(b_label), overflow="fold")
     rows = list(diff_rows(diff, only_differences).values())
     for c in rows[:limit] if limit else rows:
-        t.add_row(c["mark"], c["section"], c["key"], c["a"], c["b"])  # type: ignore[arg-type]
+        t.add_row(*(literal(c[k]) for k in ("mark", "section", "key", "a", "b")))  # type: ignore[arg-type]
     if limit and len(rows) > limit:
         t.add_row("", "", Text(f"... {len(rows) - limit} more", style="dim"), "", "")
     return t

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from rich.text import Text
 from textual.widgets import DataTable
 
-from console.widgets.cells import MARK
+from console.widgets.cells import MARK, literal
 
 MARK_COLUMN = "_mark"
 
@@ -76,7 +76,7 @@ class KeyedTable(DataTable):
         old = self._cells.get(key)
         if old is None:
             row = [Text(MARK if key in self.marks else "", style="bold green")] if self.markable else []
-            row.extend(cells.get(c.key, "") for c in self.cols)
+            row.extend(literal(cells.get(c.key, "")) for c in self.cols)
             self.add_row(*row, key=key)
             self._cells[key] = dict(cells)
             self.cells_written += len(row)
@@ -93,9 +93,9 @@ class KeyedTable(DataTable):
             v = cells.get(c.key, "")
             if old.get(c.key) != v:
                 if c.key in self._fixed and self._targeted:
-                    self._set_in_place(key, c.key, v)
+                    self._set_in_place(key, c.key, literal(v))
                 else:
-                    self.update_cell(key, c.key, v, update_width=c.key not in self._fixed)
+                    self.update_cell(key, c.key, literal(v), update_width=c.key not in self._fixed)
                 old[c.key] = v
                 n += 1
         self.cells_written += n

@@ -23,6 +23,8 @@ from textual.reactive import reactive
 from textual.scroll_view import ScrollView
 from textual.strip import Strip
 
+from console.sanitize import escape_controls
+
 CACHE_LINES = 4096
 _NEWLINE = re.compile(b"\n")
 SEARCH_CHUNK = 4 << 20
@@ -97,7 +99,8 @@ class OutputView(ScrollView, can_focus=True):
         with self._io:
             self._spool.seek(start)
             raw = self._spool.read(max(0, end - start))
-        text = raw.decode("utf-8", "replace").rstrip("\r").expandtabs(8)
+        # the run's bytes: an escape sequence would reach the operator's terminal, so controls show as escapes
+        text = escape_controls(raw.decode("utf-8", "replace").rstrip("\r").expandtabs(8))
         self._cache[index] = text
         if len(self._cache) > CACHE_LINES:
             self._cache.popitem(last=False)

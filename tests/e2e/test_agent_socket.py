@@ -180,3 +180,60 @@ def test_agent_stop_leaves_runs_running_for_the_next_agent(agent: AgentProc) -> 
     assert st.returncode == 3 and "not running" in st.stdout
     agent.start()
     assert next(r for r in agent.cli_json("runs") if r["id"] == rid)["state"] == "running"
+
+
+def test_every_request_type_has_a_handler_in_the_dispatch_table() -> None:
+    from agents.protocol import Request
+    from agents.server import _HANDLERS
+
+    assert set(_HANDLERS) == set(Request.__args__), "a request type without a handler (or a handler for no request)"  # type: ignore[attr-defined]
+
+
+def test_a_held_journal_write_lock_delays_no_ping_or_snapshot_and_the_queued_events_follow(agent: AgentProc, tmp_path: Path) -> None:
+    """The journal's disk is 'slow' (another connection holds its write lock): the agent keeps answering; what the
+    supervisor journaled meanwhile is committed, in order and gapless, once the lock is let go."""
+    import sqlite3
+    import time
+
+    from agents.protocol import GetSnapshot
+
+    gate = tmp_path / "go"
+    rid = agent.cli_json("launch", "--", "sh", "-c", f"while [ ! -e '{gate}' ]; do sleep 0.05; done; exit 3")["id"]
+    wait_for(lambda: next(r for r in agent.cli_json("runs") if r["id"] == rid)["state"] == "running", timeout=30, what="the run to start")
+    held = sqlite3.connect(agent.state_dir / "journal.db", isolation_level=None, timeout=10)
+    held.execute("BEGIN IMMEDIATE")
+    released = False
+    gate.touch()  # the run ends now, while its end cannot be written
+
+    async def go() -> tuple[list[float], str]:
+        c = await agent.client()
+        try:
+            rtts = []
+            t_end = time.monotonic() + 3.0  # the run ends (and its end is journaled) while the lock is held
+            state = ""
+            while time.monotonic() < t_end:
+                t0 = time.monotonic()
+                await c.request(Ping(), timeout=30)
+                rtts.append(time.monotonic() - t0)
+                snap = await c.request(GetSnapshot(), timeout=30)
+                state = next((r.state for r in snap.runs if r.id == rid), "ended")  # type: ignore[attr-defined]
+                await asyncio.sleep(0.05)
+            return rtts, state
+        finally:
+            await c.close()
+
+    try:
+        rtts, state = asyncio.run(go())
+        assert not released
+        print(f"\nwith the journal's write lock held 3 s: {len(rtts)} pings, slowest {max(rtts) * 1000:.1f} ms; the run is {state} in the last snapshot")
+        assert state == "ended", "the run's end was not seen while its record waited for the disk"
+    finally:
+        held.execute("COMMIT")
+        held.close()
+        released = True
+    row = wait_for(lambda: (r := next(r for r in agent.cli_json("runs") if r["id"] == rid))["state"] == "failed" and r, what="the queued end to be committed")
+    assert row["exit_code"] == 3
+    db = sqlite3.connect(agent.state_dir / "journal.db")
+    seqs = [s for (s,) in db.execute("SELECT seq FROM events ORDER BY seq")]
+    db.close()
+    assert seqs == list(range(1, len(seqs) + 1))

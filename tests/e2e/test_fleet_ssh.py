@@ -131,7 +131,7 @@ async def test_a_run_that_ends_while_the_console_is_cut_off_is_recorded_exactly_
         await until(lambda: (fleet.links["hosta"].status.last_seen or 0) > seen + 1, 10, "hosta still streaming")
         # and the CLI shows every host by the fleet's name, the one that is down with why
         cp = await asyncio.to_thread(c.cli, "status", check=False)
-        assert cp.returncode == 1, cp
+        assert cp.returncode == 3, cp  # a host it needed did not answer
         me = socket.gethostname().split(".")[0]  # the machine's name, as the agents report it
         assert f"host hosta ({me})" in cp.stdout and f"host local ({me})" in cp.stdout, cp.stdout
         assert "host hostb  UNREACHABLE: nothing accepts SSH connections there (" in cp.stdout, cp.stdout

@@ -12,7 +12,7 @@ from textual.widgets import Static
 T = TypeVar("T")
 
 
-async def until(pred: Callable[[], T], timeout: float = 15.0, what: str = "condition") -> T:
+async def until(pred: Callable[[], T], timeout: float = 60.0, what: str = "condition") -> T:
     """Poll ``pred`` until it returns something truthy (and return that), or fail saying what did not happen."""
     deadline = asyncio.get_running_loop().time() + timeout
     while True:

@@ -13,7 +13,8 @@ from console.fleet import Fleet
 from console.history import History
 from console.screens.dialogs import ConfirmDialog, ResultDialog
 from console.screens.history import HistoryScreen
-from console.screens.launch import LaunchDialog, build_spec, prefill_from
+from console.ops import Caller, IntentError, plan_launch, relaunch_intent
+from console.screens.launch import LaunchDialog, LaunchForm, form_from, intent_from_form
 from console.screens.leftovers import LeftoversScreen
 from console.screens.run import RunScreen
 from console.screens.runs import RunsScreen
@@ -27,24 +28,29 @@ PROG = "import time; [print('line', i, flush=True) or time.sleep(0.02) for i in 
 SIZE = (160, 45)
 
 
-def test_build_spec_requires_an_explicit_start_for_trainers() -> None:
-    with pytest.raises(ValueError, match="no default"):
-        build_spec("fsdp", "--max-steps 10", "", "", "", "", sys.executable)
-    spec = build_spec("fsdp", "--max-steps 10", "x", "0,1", "resume", "200", "/usr/bin/python3")
+def _form_spec(**fields: str):  # type: ignore[no-untyped-def]
+    return plan_launch(intent_from_form(LaunchForm(host="gpu1", **fields)), Caller("op", "/", {})).spec
+
+
+def test_the_form_requires_an_explicit_start_for_trainers() -> None:
+    with pytest.raises(IntentError, match="no default"):
+        _form_spec(kind="fsdp", args="--max-steps 10")
+    spec = _form_spec(kind="fsdp", args="--max-steps 10", name="x", gpus="0", start="resume", resume_step="200", python="/usr/bin/python3")
     assert spec.argv == ["/usr/bin/python3", "-m", "trainers.fsdp_lm", "--max-steps", "10", "--resume", "200"]
-    assert spec.start == "resume 200" and spec.gpus == [0, 1] and spec.python == "/usr/bin/python3"
-    assert build_spec("dflash", "", "", "", "fresh", "", "py").argv[-1] == "--fresh"
-    with pytest.raises(ValueError, match="command"):
-        build_spec("command", "", "", "", "", "", "py")
+    assert spec.start == "resume 200" and spec.gpus == [0] and spec.python == "/usr/bin/python3"
+    assert _form_spec(kind="dflash", start="fresh").argv[-1] == "--fresh"
+    with pytest.raises(IntentError, match="command"):
+        _form_spec(kind="command")
 
 
 def test_relaunch_prefill_never_carries_the_old_start() -> None:
     from agents.protocol import LaunchSpec
 
-    spec = LaunchSpec(argv=["/venv/bin/python", "-m", "trainers.fsdp_lm", "--model-config", "llama-1b", "--resume", "400", "--out", "/ckpt"], kind="fsdp", gpus=[0, 1], name="big")
-    form = prefill_from(spec)
-    assert form == {"kind": "fsdp", "args": "--model-config llama-1b --out /ckpt", "name": "big", "gpus": "0,1", "python": "/venv/bin/python"}
-    assert prefill_from(LaunchSpec(argv=["sleep", "1"]))["args"] == "sleep 1"
+    spec = LaunchSpec(argv=["/venv/bin/python", "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "trainers.fsdp_lm",
+                            "--model-config", "llama-1b", "--resume", "400", "--out", "/ckpt"], kind="fsdp", gpus=[0, 1], name="big", start="resume 400")
+    form = form_from(relaunch_intent(spec, "r-old", "gpu1", None))
+    assert form == {"kind": "fsdp", "args": "--model-config llama-1b --out /ckpt", "name": "big", "gpus": "0,1", "ranks": "", "hosts": "", "python": "/venv/bin/python"}
+    assert form_from(relaunch_intent(LaunchSpec(argv=["sleep", "1"]), "r-old", "gpu1", None))["args"] == "sleep 1"
 
 
 async def _local_up(app: GpudeckApp) -> None:

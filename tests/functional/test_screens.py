@@ -395,3 +395,31 @@ async def test_the_console_freezes_its_start_up_heap_once_the_fleet_has_answered
     async with GpudeckApp(FixtureFleet()).run_test(size=SIZE) as pilot:  # tests and embedders: never
         await pilot.pause(0.6)
         assert frozen == [True]
+
+
+@pytest.mark.parametrize(
+    "fields,cli",
+    [
+        (dict(kind="fsdp", args="--model-config tiny"), ["--kind", "fsdp", "--", "--model-config", "tiny"]),
+        (dict(kind="dflash", args="--target t", start="resume", resume_step="abc"), ["--kind", "dflash", "--resume", "abc", "--", "--target", "t"]),
+        (dict(kind="fsdp", args="--out o", start="fresh", ranks="0"), ["--kind", "fsdp", "--fresh", "--nproc-per-node", "0", "--", "--out", "o"]),
+        (dict(args="python 'train.py"), None),
+    ],
+    ids=["no start", "resume step", "ranks", "a quote"],
+)
+async def test_the_dialog_says_what_the_cli_says_for_the_same_mistake(fleet: FixtureFleet, fields: dict, cli: list[str] | None) -> None:
+    import subprocess
+    import sys
+
+    app = GpudeckApp(fleet)
+    async with app.run_test(size=SIZE) as pilot:
+        dialog = await open_launch(pilot, **fields)
+        await pilot.press("ctrl+s")
+        await pilot.pause()
+        shown = text_of(dialog.query_one("#launch-error", Static))
+        assert shown and fleet.preflighted == []
+    if cli is None:
+        assert shown.startswith("arguments: ")
+        return
+    cp = subprocess.run([sys.executable, "-m", "console.cli", "preflight", "--host", "gpu1", *cli], capture_output=True, text=True, timeout=60)
+    assert cp.returncode == 2 and cp.stderr.strip() == f"gpudeck: {shown}", (cp.stderr, shown)

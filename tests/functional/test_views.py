@@ -6,7 +6,7 @@ import msgspec
 import pytest
 
 from agents.protocol import LaunchSpec
-from console.relaunch import with_python
+from console.ops.relaunch import with_python
 from console.views import (
     argv_flags,
     argv_rows,

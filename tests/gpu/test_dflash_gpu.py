@@ -1,4 +1,12 @@
-"""DFlash on a real GPU (skipped without CUDA): chunked CE vs plain in bf16, flex vs SDPA mask, a short run."""
+"""DFlash on a real GPU (skipped without CUDA): chunked CE vs plain in bf16, flex vs SDPA masks (full and
+sliding-window), a short run, and the seed's drafter shape (SpecForge's Qwen3.6-27B drafter config, 1024
+anchors x block 32) colocated with a Qwen3-14B-shaped target: its measured peak against pre-flight's
+estimate (within 15%), tokens/s and MFU under both conventions.
+
+The coordinator runs, on one H200::
+
+    PYTHONPATH=$PWD python -m pytest -q -s -p no:cacheprovider tests/gpu/test_dflash_gpu.py
+"""
 
 from __future__ import annotations
 
@@ -47,17 +55,19 @@ def test_chunked_ce_matches_plain_and_saves_memory_on_gpu():
         assert mc < 0.4 * mp, (mode, mc, mp)
 
 
-def test_flex_mask_matches_dense_sdpa_mask():
+@pytest.mark.parametrize("window", [None, 40])
+def test_flex_mask_matches_dense_sdpa_mask(window):
     from transformers import Qwen3Config
 
-    from trainers.dflash import _make_mask
+    from trainers.dflash import make_masks
     from trainers.dflash_loss import block_inputs, sample_anchors
     from trainers.dflash_model import DFlashDraftModel, drafter_config_from_target
 
     dev = torch.device("cuda")
     tc = Qwen3Config(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=8,
                      num_attention_heads=4, num_key_value_heads=2, head_dim=64)
-    cfg = drafter_config_from_target(tc, 2, 16, mask_token_id=511)
+    types = ["sliding_attention", "full_attention"] if window else None
+    cfg = drafter_config_from_target(tc, 2, 16, mask_token_id=511, layer_types=types, sliding_window=window)
     torch.manual_seed(0)
     d = DFlashDraftModel(cfg).to(dev).bfloat16().eval()
     b, s = 2, 256
@@ -68,8 +78,8 @@ def test_flex_mask_matches_dense_sdpa_mask():
     ctx = torch.randn(b, s, 2 * 256, device=dev, dtype=torch.bfloat16)
     noise = torch.randn(b, 8 * 16, 256, device=dev, dtype=torch.bfloat16)
     with torch.no_grad():
-        dense = d(noise, ctx, pos, _make_mask(anchors, s, 16, "sdpa", dev)).float()
-        flex = d(noise, ctx, pos, _make_mask(anchors, s, 16, "flex", dev)).float()
+        dense = d(noise, ctx, pos, make_masks(anchors, s, 16, "sdpa", dev, d.layer_types, d.sliding_window)).float()
+        flex = d(noise, ctx, pos, make_masks(anchors, s, 16, "flex", dev, d.layer_types, d.sliding_window)).float()
     assert (dense - flex).abs().max() < 5e-2 * dense.abs().max()
 
 
@@ -89,3 +99,37 @@ def test_trainer_runs_on_gpu_and_reports_mfu(tmp_path):
     assert len(steps) == 4 and all(r["mfu"] is not None and r["mfu"] > 0 for r in steps)
     assert all(r["mem_peak_gib"] > 0 for r in steps)
     assert any(r["type"] == "eval" for r in recs)
+    assert all(r["mfu_torchtitan"] is not None and r["mfu_torchtitan"] >= r["mfu"] for r in steps)
+
+
+@pytest.mark.timeout(1200)
+def test_seed_drafter_shape_peak_is_within_15_percent_of_the_estimate(tmp_path):
+    """SpecForge's Qwen3.6-27B drafter shape at 1024 anchors x block 32, colocated, one GPU (the bench's seed part)."""
+    sys.path.insert(0, str(ROOT))
+    from agents.estimate import GIB, estimate
+    from agents.protocol import LaunchSpec
+    from bench.dflash_bench import seed_train_argv
+
+    target = os.environ.get("DFLASH_SEED_TARGET", "qwen3-14b")
+    argv = seed_train_argv(tmp_path / "cfg", target, 6, tmp_path / "out")
+    tel = tmp_path / "tel.jsonl"
+    env = dict(os.environ, GPUDECK_TELEMETRY=str(tel))
+    p = subprocess.run([sys.executable, "-m", "trainers.dflash", *argv], cwd=ROOT, env=env, capture_output=True,
+                       text=True, timeout=1100)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    recs = [json.loads(x) for x in tel.read_text().splitlines()]
+    man = next(r for r in recs if r["type"] == "manifest")
+    steps = [r for r in recs if r["type"] == "step"]
+    assert man["drafter_layer_types"] == ["sliding_attention"] * 4 + ["full_attention"]
+    assert man["drafter_sliding_window"] == 2048 and man["block_size"] == 32 and man["num_anchors"] == 1024
+    peak = max(r["mem_peak_gib"] for r in steps)
+    e = estimate(LaunchSpec(kind="dflash", argv=["python", "-m", "trainers.dflash", *argv], cwd=str(ROOT)))
+    ratio = e.per_gpu_bytes / GIB / peak
+    late = steps[2:]
+    tps = sorted(r["tokens_per_s"] for r in late)[len(late) // 2]
+    mfu = sorted(r["mfu"] for r in late)[len(late) // 2]
+    mfu_tt = sorted(r["mfu_torchtitan"] for r in late)[len(late) // 2]
+    print(f"\nseed drafter on {target} ({man['gpu_name']}): {tps:.0f} tok/s, mfu {mfu * 100:.1f}% (causal), "
+          f"mfu_torchtitan {mfu_tt * 100:.1f}%, peak {peak:.1f} GiB, estimate {e.per_gpu_bytes / GIB:.1f} GiB "
+          f"(ratio {ratio:.2f}; " + ", ".join(f"{k} {v / GIB:.1f}" for k, v in e.parts.items()) + ")")
+    assert 0.85 <= ratio <= 1.15, e.method

@@ -129,11 +129,16 @@ def test_block_inputs_and_labels():
     assert w2[0, 1, 2] > 0
 
 
-def test_decay_gamma_recipe_and_monotone():
+def test_decay_gamma_is_the_published_table_or_given():
+    from trainers.dflash_loss import GammaError
+
     assert decay_gamma(16) == 7 and decay_gamma(10) == 5 and decay_gamma(8) == 4
-    gs = [decay_gamma(b) for b in range(2, 65)]
-    assert all(x <= y for x, y in zip(gs, gs[1:]))
-    assert abs(decay_gamma(32) - (7 + 16 / 3)) < 1e-9
+    assert decay_gamma(32, 7.0) == 7.0
+    for b in (4, 12, 32):
+        with pytest.raises(GammaError, match="give --gamma"):
+            decay_gamma(b)
+    with pytest.raises(GammaError, match="positive"):
+        decay_gamma(16, 0.0)
 
 
 # ------------------------------------------------------------------ chunked lm_head + CE
@@ -283,27 +288,3 @@ def test_compilable_chunk_kernel_matches_inplace_kernel():
     ref = logits.clone().requires_grad_(True)
     (torch.nn.functional.cross_entropy(ref, y, reduction="none") * w).sum().backward()
     assert torch.allclose(g1, ref.grad, atol=1e-14)
-
-
-def test_prompt_response_jsonl_gives_a_loss_mask(tmp_path):
-    import json as _json
-
-    from trainers.data import ByteTokenizer
-    from trainers.dflash import load_prompt_response_jsonl
-
-    p = tmp_path / "chat.jsonl"
-    p.write_text("\n".join(_json.dumps({"prompt": f"Q{i}?", "response": f"A-{i}"}) for i in range(3)) + "\n")
-    tokens, mask, desc = load_prompt_response_jsonl(p, ByteTokenizer())
-    assert tokens.shape == mask.shape
-    first = list(b"Q0?") + list(b"A-0") + [257]
-    assert tokens[: len(first)].tolist() == first
-    assert mask[: len(first)].tolist() == [0, 0, 0, 1, 1, 1, 1]
-    assert "3 prompt/response records" in desc
-    # anchors only where mask[t] and mask[t+1]
-    lm = torch.from_numpy(mask.astype("int64")).unsqueeze(0)
-    anchors, keep = sample_anchors(lm, 100, torch.Generator().manual_seed(0))
-    for t in anchors[keep].tolist():
-        assert mask[t] == 1 and mask[t + 1] == 1
-    plain = tmp_path / "plain.jsonl"
-    plain.write_text(_json.dumps({"text": "hello"}) + "\n")
-    assert load_prompt_response_jsonl(plain, ByteTokenizer()) is None

@@ -205,15 +205,17 @@ def test_dflash_colocated_and_split() -> None:
     colo = estimate(LaunchSpec(kind="dflash", argv=["torchrun", "--nproc-per-node", "2", *base]))
     assert colo is not None
     assert colo.params == 83_899_648  # the drafter: what is trained and checkpointed
-    assert colo.parts["target_weights"] == 596_049_920 * 2
-    assert colo.parts["drafter_weights_grads_adamw"] == SHARDED_STATE_BYTES * 83_899_648 // 2
+    assert colo.parts["weights"] == 596_049_920 * 2 + 83_899_648 * 2  # the target + the gathered drafter
+    assert colo.parts["optimizer"] == SHARDED_STATE_BYTES * 83_899_648 // 2
+    assert set(colo.parts) == {"weights", "optimizer", "activations", "lm_head_chunk", "cuda_context"}
+    assert "largest part: activations" in colo.method
     assert "dflash colocated" in colo.method and "5-layer drafter" in colo.method and "512 anchors x block 16" in colo.method
     split = estimate(LaunchSpec(kind="dflash", argv=["torchrun", "--nproc-per-node", "4", *base, "--topology", "split",
                                                      "--target-ranks", "0", "--drafter-ranks", "1-3"]))
     assert split is not None
     assert "dflash split" in split.method and "target ranks need" in split.method and "drafter ranks need" in split.method
     # the drafter side (activations, loss) is the larger one here, sharded over 3 drafter ranks
-    assert split.parts["drafter_weights_grads_adamw"] == SHARDED_STATE_BYTES * 83_899_648 // 3
+    assert split.parts["optimizer"] == SHARDED_STATE_BYTES * 83_899_648 // 3
     assert split.per_gpu_bytes == sum(split.parts.values())
 
 

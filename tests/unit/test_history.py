@@ -10,6 +10,7 @@ import pytest
 
 from agents.protocol import Event
 from console.history import History, HistoryError
+from console.ops.errors import AmbiguousRun, NoSuchRun
 from console.query import QueryError, compile_query, parse_time
 
 T0 = 1_790_000_000.0
@@ -131,10 +132,11 @@ def test_find_names_ambiguity(hist: History) -> None:
     hist.cursor("gpu1", "e")
     hist.submit("gpu1", "e", _events("r-dddd0001", "same")).result(10)
     hist.submit("gpu1", "e", _events("r-dddd0002", "same", start_seq=7)).result(10)
-    with pytest.raises(HistoryError, match="matches 2 runs"):
+    with pytest.raises(AmbiguousRun, match="matches 2 runs"):
         hist.find("r-dddd")
-    assert hist.find("same")["id"] in ("r-dddd0001", "r-dddd0002")  # a name: the newest of that name
-    with pytest.raises(HistoryError, match="no run 'r-zzzz'"):
+    with pytest.raises(AmbiguousRun, match="'same' matches 2 runs"):  # a name of two runs: never a silent pick of the newest
+        hist.find("same")
+    with pytest.raises(NoSuchRun, match="no run 'r-zzzz'"):
         hist.find("r-zzzz")
 
 
@@ -172,3 +174,33 @@ def test_the_process_the_agent_started_heads_the_members_and_outlives_the_cap(hi
     text = format_show(run, [])
     assert "pid 42 (leader): python -m trainers.fsdp_lm --fresh" in text
     assert f"... and {MAX_MEMBERS - 32} more (gpudeck show --json lists them)" in text
+
+
+def test_an_event_sqlite_cannot_store_is_quarantined_by_itself_and_the_batch_goes_in(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import asyncio
+
+    from agents.protocol import Event
+    from console.history import History
+
+    h = History(tmp_path / "history.db")
+    try:
+        c = h.cursor("gpu1", "ep1")
+        evs = [
+            Event(seq=1, ts=1.0, kind="run_created", run_id="r-1", data={"state": "starting", "spec": {"argv": ["x"]}, "name": "one"}),
+            Event(seq=2, ts=2.0, kind="telemetry", run_id="r-1", data={"record": {"type": "step", "step": 2**64, "loss": 1.0}, "offset": 10}),
+            Event(seq=3, ts=3.0, kind="telemetry", run_id="r-1", data={"record": {"type": "manifest", "params_total": 10**30}}),
+            Event(seq=4, ts=4.0, kind="run_state", run_id="r-1", data={"state": "running", "bad": "\ud800"}),
+            Event(seq=5, ts=5.0, kind="run_state", run_id="r-1", data={"state": "succeeded", "exit_code": 0}),
+        ]
+        assert asyncio.run(h.ingest(c.host, c.epoch, evs)) == 2
+        assert h.find("r-1")["state"] == "succeeded"
+        problems = h.problems()
+        assert [p["seq"] for p in problems] == [2, 3, 4] and h.events_quarantined == 3
+        assert "does not fit SQLite's 64-bit INTEGER" in problems[0]["error"] and "18446744073709551616" in problems[0]["raw"]
+        assert "surrogate" in problems[2]["error"]
+        assert h.cursor("gpu1", "ep1").last_seq == 5  # nothing is pulled again
+        # again: idempotent, nothing new, nothing quarantined twice
+        assert asyncio.run(h.ingest(c.host, c.epoch, evs)) == 0 and len(h.problems()) == 3
+        assert h.query("") and h.find("r-1")["name"] == "one"
+    finally:
+        h.close()

@@ -1,0 +1,193 @@
+"""Provides the typed payloads of the agent's journal events: one msgspec tagged union, one type per kind.
+
+The journal stores each event as ``(seq, ts, kind, run_id, data)`` with ``data`` a JSON object; the kind
+is the tag. :func:`validate` checks a payload against its kind's type when it is appended (callers keep
+passing ``kind`` + ``dict``); :func:`decode` turns a stored or received payload back into its typed
+struct, for the journal's own readers and the console's history alike.
+
+Versions: every payload has ``v`` (omitted while it is 1, so journals written before this module read as
+version 1 unchanged). A payload whose shape changes gets a new ``v`` and the decoder keeps accepting the
+old one. Unknown fields are ignored (a newer agent may add some); a kind this module does not know decodes
+to :class:`Unknown` rather than failing, so an old console reads a newer agent's journal.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Union
+
+import msgspec
+
+from agents.errors import AgentError
+from agents.protocol import Alert, ClaimRow, EnvFingerprint, LaunchSpec, PreflightResult, StopResult
+
+TAG = "event_kind"  # the tag field; put next to the payload's own fields only while converting, never stored
+PAYLOAD_VERSION = 1
+MAX_PAYLOAD_BYTES = 1 << 20  # a stored payload longer than this is refused by decode() (the wire's frame limit)
+
+
+class BadEvent(AgentError):
+    """A journal event whose payload does not match its kind's type (a bug in the writer, or a corrupt record)."""
+
+    code = "bad_event"
+
+
+class Payload(msgspec.Struct, kw_only=True, omit_defaults=True, tag_field=TAG):
+    """Base of every payload: the version of its shape."""
+
+    v: int = PAYLOAD_VERSION
+
+
+class RunCreated(Payload, tag="run_created"):
+    state: str
+    spec: LaunchSpec
+    name: str | None = None
+
+
+class RunState(Payload, tag="run_state"):
+    """A run's state change; carries what a replica needs to rebuild the run row."""
+
+    state: str
+    cause: str | None = None
+    pid: int | None = None
+    started: float | None = None
+    ended: float | None = None
+    exit_code: int | None = None
+    signal: str | None = None
+    cause_class: str | None = None
+    grace_s: float | None = None  # state "stopping": the grace the operator asked for
+    stop: StopResult | None = None  # state "stopped": the verified outcome
+    lingering: list[int] = []
+
+
+class RunAdopted(Payload, tag="run_adopted"):
+    state: str
+    resume_stop: bool = False
+
+
+class MemberBrief(msgspec.Struct, kw_only=True, omit_defaults=True):
+    pid: int
+    rank: int | None = None
+    local_rank: int | None = None
+    cmdline: list[str] = []
+
+
+class Members(Payload, tag="members"):
+    added: list[MemberBrief] = []
+    updated: list[MemberBrief] = []  # already journaled, now with their rank: replaced, not added
+
+
+class Telemetry(Payload, tag="telemetry"):
+    """One record of the run's telemetry.jsonl (the trainer's schema, kept as it was written) and its offset."""
+
+    record: dict[str, Any]
+    offset: int = 0
+
+
+class AlertRaised(Payload, tag="alert"):
+    alert: Alert
+
+
+class AlertCleared(Payload, tag="alert_cleared"):
+    alert: Alert
+
+
+class Claims(Payload, tag="claims"):
+    rows: list[ClaimRow] = []
+
+
+class Preflight(Payload, tag="preflight"):
+    result: PreflightResult
+
+
+class EnvFingerprinted(Payload, tag="env_fingerprint"):
+    env: EnvFingerprint
+
+
+class Reclaimed(StopResult, kw_only=True, omit_defaults=True, tag_field=TAG, tag="reclaimed"):
+    """A StopResult (flattened), for a stop of an ended run or a reclaim; ``pids`` are the run's processes reclaimed."""
+
+    pids: list[int] = []
+    v: int = PAYLOAD_VERSION
+
+
+class AgentStarted(Payload, tag="agent_started"):
+    pid: int
+    version: str = ""
+    gpu_error: str | None = None
+    adopted: list[str] = []
+
+
+class EnvRebuilt(Payload, tag="env_rebuilt", rename={"from_": "from"}):
+    path: str
+    from_: str | None = None
+    freeze_hash: str | None = None
+    python: str | None = None
+
+
+class Void(Payload, tag="void"):
+    """Holds the seq of a write that failed after its seq was handed out (seqs have no gaps)."""
+
+    reason: str
+
+
+class Unknown(msgspec.Struct, kw_only=True):
+    """What :func:`decode` gives for a kind this version does not know (a newer agent's)."""
+
+    kind: str
+    data: dict[str, Any]
+
+
+EventPayload = Union[
+    RunCreated, RunState, RunAdopted, Members, Telemetry, AlertRaised, AlertCleared, Claims, Preflight,
+    EnvFingerprinted, Reclaimed, AgentStarted, EnvRebuilt, Void,
+]
+KINDS: dict[str, type] = {t.__struct_config__.tag: t for t in EventPayload.__args__}  # type: ignore[attr-defined]
+
+_json = msgspec.json.Decoder(dict[str, Any])
+
+
+def _check_version(kind: str, p: Payload | Reclaimed) -> None:
+    if p.v > PAYLOAD_VERSION:
+        raise BadEvent(f"event {kind!r} has payload version {p.v}; this gpudeck reads up to {PAYLOAD_VERSION}: upgrade it")
+
+
+def validate(kind: str, data: dict[str, Any]) -> Payload | Reclaimed:
+    """The typed payload of an event about to be appended; BadEvent names the kind, the field and the fix."""
+    t = KINDS.get(kind)
+    if t is None:
+        raise BadEvent(f"unknown journal event kind {kind!r}: add its payload type to agents/events.py (known: {', '.join(sorted(KINDS))})")
+    if not isinstance(data, dict):
+        raise BadEvent(f"event {kind!r}: the payload must be a JSON object, got {type(data).__name__}")
+    try:
+        p = msgspec.convert({**data, TAG: kind}, t, str_keys=True)
+    except msgspec.ValidationError as exc:
+        raise BadEvent(f"event {kind!r}: {exc}; see {t.__name__} in agents/events.py for its fields") from None
+    _check_version(kind, p)
+    return p
+
+
+def decode(kind: str, data: dict[str, Any] | bytes | str) -> Payload | Reclaimed | Unknown:
+    """A stored or received payload as its typed struct; JSON text is bounded by MAX_PAYLOAD_BYTES.
+
+    Old records (no ``v``) read as version 1; unknown kinds give :class:`Unknown`; a payload that does not
+    fit its kind's type raises BadEvent naming the field.
+    """
+    if isinstance(data, (bytes, str)):
+        raw = data.encode() if isinstance(data, str) else data
+        if len(raw) > MAX_PAYLOAD_BYTES:
+            raise BadEvent(f"event {kind!r}: payload of {len(raw)} bytes is over the {MAX_PAYLOAD_BYTES}-byte limit")
+        try:
+            data = _json.decode(raw)
+        except (msgspec.DecodeError, RecursionError) as exc:
+            raise BadEvent(f"event {kind!r}: the payload is not a JSON object ({exc})") from None
+    t = KINDS.get(kind)
+    if t is None:
+        return Unknown(kind=kind, data=dict(data))
+    return validate(kind, data)
+
+
+def to_data(p: Payload | Reclaimed) -> dict[str, Any]:
+    """A typed payload as the dict the journal stores (no tag; ``v`` only when it is not 1)."""
+    d = msgspec.to_builtins(p)
+    d.pop(TAG, None)
+    return d

@@ -1,0 +1,143 @@
+"""Provides how an ended run's state and cause are decided from what it left: exit.json, output, telemetry, its group.
+
+A pure decision (:func:`decide`) over facts the supervisor gathers, so the
+rules read in one place: the shim's exit record first; the shim's own return
+code when the record could not be written; "lost" with the telemetry's
+evidence when neither exists; the first rank that died; the OOM killer, from
+the run's cgroup (``memory.events`` ``oom_kill``) where the kernel counts it,
+else from the kernel log.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from agents.causes import host_oom_note
+from agents.protocol import Alert, RunInfo
+
+
+@dataclass(frozen=True)
+class ExitFacts:
+    """What is known of a run at its end."""
+
+    record: dict | None  # exit.json
+    shim_returncode: int | None  # when this agent reaped the shim
+    output_tail: str
+    output_reason: str | None  # classify_output(output_tail)
+    telemetry_evidence: str
+    agent_was_down: bool = False
+    first_death: Alert | None = None
+    first_gone: tuple[int, int, float] | None = None  # (rank, pid, since) from the health state
+    group_oom_kills: int | None = None  # memory.events oom_kill of the run's group (None: not counted here)
+    stopped_cause: str | None = None
+
+
+@dataclass(frozen=True)
+class ExitCause:
+    """The decided end."""
+
+    state: str
+    cause: str
+    exit_code: int | None
+    signal: str | None
+    ended: float
+    node_death: tuple[int, int, float] | None = None  # a multi-node member's first gone rank, for the node alert
+
+
+def read_exit_record(run_dir: str | None) -> dict | None:
+    """The shim's exit.json, or None."""
+    try:
+        with open(Path(run_dir or "") / "exit.json", encoding="utf-8") as fh:
+            return json.load(fh)
+    except (OSError, ValueError):
+        return None
+
+
+def telemetry_evidence(tail: str) -> str:
+    """What the trainer's telemetry says of its end ('' when nothing)."""
+    last_step = None
+    for line in tail.splitlines():
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        if rec.get("type") == "done":
+            return f"the trainer reported done at step {rec.get('final_step')}"
+        if rec.get("type") == "error":
+            return f"the trainer reported an error: {str(rec.get('message'))[:200]}"
+        if rec.get("type") == "step":
+            last_step = rec.get("step")
+    return f"last step reported: {last_step}" if last_step is not None else ""
+
+
+def _record_from_shim(rc: int) -> dict:
+    sig_name = None
+    if rc > 128:
+        try:
+            sig_name = signal.Signals(rc - 128).name
+        except ValueError:
+            sig_name = None
+    return {"returncode": None if sig_name else rc, "signal": sig_name, "ended": time.time(), "note": "exit.json could not be written"}
+
+
+def decide(run: RunInfo, f: ExitFacts) -> ExitCause:
+    """The run's final state, cause, exit code and signal."""
+    rec = f.record
+    if rec is None and f.shim_returncode is not None and f.shim_returncode != 127:
+        # exit.json could not be written (disk full), but this agent reaped the shim: its code is the run's
+        rec = _record_from_shim(f.shim_returncode)
+    now = time.time()
+    node_death = None
+    if rec is not None and rec.get("launch_error"):
+        state, cause, code, sig = "failed", f"launch failed: {rec['launch_error']}", None, None
+    elif rec is not None:
+        code, sig = rec.get("returncode"), rec.get("signal")
+        now = rec.get("ended") or now
+        if code == 0:
+            state, cause = "succeeded", "exit code 0"
+        elif sig:
+            state, cause = "failed", f"killed by {sig}"
+        else:
+            state, cause = "failed", f"exit code {code}"
+        if state == "failed" and f.output_reason:
+            cause += f" ({f.output_reason})"
+        if f.agent_was_down:
+            cause += "; ended while the agent was down"
+    else:
+        code, sig = None, None
+        state = "lost"
+        cause = "agent lost track: the run ended while the agent was down and left no exit status"
+        if f.telemetry_evidence:
+            cause += f"; {f.telemetry_evidence}"
+        if f.output_reason:
+            cause += f"; output shows {f.output_reason}"
+    if state == "failed":
+        gone = f.first_gone if f.first_death is None else None
+        if f.first_death is not None:
+            cause += f"; rank {f.first_death.rank} died first ({f.first_death.message.split(':')[0]})"
+        elif gone is not None:
+            cause += f"; rank {gone[0]} died first (pid {gone[1]}; the others were torn down after it)"
+            if (run.spec.nnodes or 1) > 1:
+                node_death = gone
+        tail = f.output_tail
+        killed = sig == "SIGKILL" or "exitcode: -9" in tail or "Signals.SIGKILL" in tail
+        if killed:
+            oom = None
+            if f.group_oom_kills:
+                oom = f"the run's cgroup counted {f.group_oom_kills} OOM kill(s) (memory.events oom_kill)"
+                detail = host_oom_note([m.pid for m in run.members], run.started or run.created)
+                if detail:
+                    oom += f"; {detail}"
+            else:
+                oom = host_oom_note([m.pid for m in run.members], run.started or run.created)
+            if oom:
+                cause = f"{cause} (host OOM killer: {oom})"
+    if rec is not None and rec.get("note"):
+        cause += f"; {rec['note']} (is the agent's state dir full?)"
+    if f.stopped_cause is not None:
+        state, cause = "stopped", f"{f.stopped_cause} ({cause})"
+    return ExitCause(state=state, cause=cause, exit_code=code, signal=sig, ended=now, node_death=node_death)

@@ -1,0 +1,21 @@
+"""Provides gpudeck's operations layer: every operator action, once, under the CLI and the console.
+
+A front-end fills an intent (:class:`LaunchIntent`), calls an operation here and
+shows what comes back; nothing here prints or touches Textual. Launch planning
+(:mod:`.launch`), relaunch and rollback (:mod:`.relaunch`), the run-reference
+resolver (:mod:`.resolve`) and the shared figures (:mod:`.figures`) live here,
+and nowhere else.
+"""
+
+from console.ops.errors import AmbiguousRun, Candidate, IntentError, NoSuchRun, OpsError, Unanswered
+from console.ops.figures import RunFigures, run_figures
+from console.ops.intent import Caller, ClaimsIntent, LaunchIntent, start_of
+from console.ops.launch import LaunchPlan, LaunchResult, launch, plan_launch, preflight
+from console.ops.relaunch import intent_from_spec, relaunch_intent, rollback_intent
+from console.ops.resolve import Resolved, resolve_record, resolve_run
+
+__all__ = [
+    "AmbiguousRun", "Caller", "Candidate", "ClaimsIntent", "IntentError", "LaunchIntent", "LaunchPlan", "LaunchResult", "NoSuchRun",
+    "OpsError", "Resolved", "RunFigures", "Unanswered", "intent_from_spec", "launch", "plan_launch", "preflight", "relaunch_intent",
+    "resolve_record", "resolve_run", "rollback_intent", "run_figures", "start_of",
+]

@@ -1,0 +1,81 @@
+"""Provides the typed errors of the operations layer: each names what was asked and what to do, and its exit code."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+EXIT_ERROR = 1
+EXIT_USAGE = 2
+
+
+class OpsError(Exception):
+    """An operation refused or failed; ``str()`` is the message a front-end shows, ``exit_code`` what the CLI returns."""
+
+    exit_code = EXIT_ERROR
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+class IntentError(OpsError):
+    """A field of an intent is wrong: the message names the field and the fix (the CLI and the console show it as is)."""
+
+    exit_code = EXIT_USAGE
+
+    def __init__(self, field: str, problem: str, fix: str) -> None:
+        super().__init__(f"{field}: {problem}; {fix}")
+        self.field = field
+        self.problem = problem
+        self.fix = fix
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One run a reference could mean: where it is, what it is called, its state and when it started."""
+
+    host: str
+    id: str
+    name: str | None
+    state: str
+    started: float | None
+
+    def line(self) -> str:
+        """One line of the candidates list: host, id, name, state, started."""
+        import time
+
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self.started)) if self.started else "-"
+        return f"{self.host:<12} {self.id:<14} {self.name or '-':<16} {self.state:<16} {when}"
+
+
+class AmbiguousRun(OpsError):
+    """A run reference matches more than one run: never a silent pick; the candidates are listed."""
+
+    exit_code = EXIT_USAGE
+
+    def __init__(self, ref: str, candidates: list[Candidate], unanswered: list[str] | None = None) -> None:
+        head = f"{ref!r} matches {len(candidates)} runs: give the full id (or more of it), or --host"
+        lines = "\n".join(f"  {c.line()}" for c in candidates)
+        more = f"\n{', '.join(unanswered)} did not answer and may hold more" if unanswered else ""
+        super().__init__(f"{head}\n  {'HOST':<12} {'ID':<14} {'NAME':<16} {'STATE':<16} STARTED\n{lines}{more}")
+        self.ref = ref
+        self.candidates = candidates
+        self.unanswered = unanswered or []
+
+
+class NoSuchRun(OpsError):
+    """No run matches a reference on the hosts that answered; the ones that did not are named."""
+
+    def __init__(self, ref: str, where: str, unanswered: list[str] | None = None, listing: str = "gpudeck runs") -> None:
+        msg = f"no run {ref!r} {where}"
+        if unanswered:
+            msg += f"; {', '.join(unanswered)} did not answer: give --host or the full id, or try again when it is back"
+        super().__init__(msg + f" (`{listing}` lists them)")
+        self.ref = ref
+        self.unanswered = unanswered or []
+
+
+class Unanswered(OpsError):
+    """A destructive command by name while a host that may hold a live run of that name did not answer."""
+
+    exit_code = EXIT_USAGE

@@ -1,0 +1,181 @@
+"""Provides the one run-reference resolver of every command and screen.
+
+The rules, the same for the agents' runs and for the history's:
+
+- an exact id wins (the nodes of a multi-node run share it: one run);
+- else a unique id prefix or a unique name, across every host asked;
+- more than one run matches: :class:`~console.ops.errors.AmbiguousRun` (exit
+  code 2) with the candidates (host, id, name, state, started) — never a
+  silent pick, never "no run" when there are several;
+- a host that did not answer and might hold a match is named; a destructive
+  command (stop, reclaim, rollback) refuses a name or prefix while a host did
+  not answer and a live run matches it, since the host that did not answer may
+  hold another.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from agents.errors import AgentError
+from agents.protocol import LIVE_STATES, RunInfo
+from console.fleet import Fleet
+from console.ops.errors import AmbiguousRun, Candidate, NoSuchRun, Unanswered
+
+LIST_LIMIT = 100_000  # runs asked of each host when a reference is not an exact id
+
+
+@dataclass(frozen=True)
+class Match:
+    """One run's record on one host, as the resolver compares them."""
+
+    host: str
+    id: str
+    name: str | None
+    state: str
+    started: float | None
+    node_rank: int = 0
+
+
+def pick(ref: str, matches: Sequence[Match]) -> list[Match]:
+    """The matches that ``ref`` names by the rules (every node of the one run); AmbiguousRun when several runs."""
+    exact = [m for m in matches if m.id == ref]
+    named = exact or [m for m in matches if m.id.startswith(ref) or m.name == ref]
+    ids = list(dict.fromkeys(m.id for m in named))
+    if len(ids) > 1:
+        firsts: dict[str, Match] = {}
+        for m in sorted(named, key=lambda m: (m.node_rank, m.host)):
+            firsts.setdefault(m.id, m)
+        cands = sorted(firsts.values(), key=lambda m: -(m.started or 0))
+        raise AmbiguousRun(ref, [Candidate(m.host, m.id, m.name, m.state, m.started) for m in cands])
+    return sorted(named, key=lambda m: m.node_rank)
+
+
+@dataclass
+class Resolved:
+    """The run a reference names: its nodes (one for a one-host run) and the hosts of it that did not answer."""
+
+    ref: str
+    id: str
+    nodes: list[tuple[str, RunInfo]]
+    missing: list[str] = field(default_factory=list)  # hosts that did not answer and are (or may be) nodes of it
+    unanswered: list[str] = field(default_factory=list)  # every host that did not answer
+
+    @property
+    def host(self) -> str:
+        """The first node's host."""
+        return self.nodes[0][0]
+
+    @property
+    def run(self) -> RunInfo:
+        """The first node's run."""
+        return self.nodes[0][1]
+
+
+@dataclass
+class FleetRuns:
+    """Every run the asked hosts' agents recorded, newest first, each named by the fleet's name for its host, and who did not answer."""
+
+    runs: list[tuple[str, RunInfo]] = field(default_factory=list)
+    unanswered: dict[str, str] = field(default_factory=dict)  # host -> why
+
+
+async def fleet_runs(fleet: Fleet, hosts: Sequence[str] | None = None, limit: int = LIST_LIMIT) -> FleetRuns:
+    """Ask every host (or ``hosts``) for its runs at once."""
+    names = list(hosts) if hosts else list(fleet.links)
+    lists = await asyncio.gather(*(fleet.runs(h, limit=limit) for h in names), return_exceptions=True)
+    out = FleetRuns()
+    for h, listed in zip(names, lists):
+        if isinstance(listed, AgentError):
+            out.unanswered[h] = listed.message
+        elif isinstance(listed, BaseException):
+            raise listed
+        else:
+            out.runs.extend((h, r) for r in listed)
+    out.runs.sort(key=lambda hr: hr[1].created, reverse=True)
+    return out
+
+
+def _match(host: str, r: RunInfo) -> Match:
+    return Match(host, r.id, r.name or r.spec.name, r.state, r.started or r.created or None, r.spec.node_rank or 0)
+
+
+async def resolve_run(fleet: Fleet, ref: str, host: str | None = None, destructive: bool = False) -> Resolved:
+    """The run ``ref`` names on the fleet's hosts (or on ``host``), by the rules above."""
+    names = [host] if host else list(fleet.links)
+    found: dict[str, list[RunInfo]] = {}
+    down: list[str] = []
+    # an exact id first: one request each, and it wins over any prefix or name
+    exact = await asyncio.gather(*(fleet.run(h, ref) for h in names), return_exceptions=True)
+    for h, r in zip(names, exact):
+        if isinstance(r, RunInfo) and r.id == ref:
+            found.setdefault(h, []).append(r)
+    if not found:
+        listed = await fleet_runs(fleet, names)
+        down = list(listed.unanswered)
+        for h, x in listed.runs:
+            if x.id.startswith(ref) or (x.name or x.spec.name) == ref:
+                found.setdefault(h, []).append(x)
+    else:
+        down = [h for h, r in zip(names, exact) if isinstance(r, AgentError) and not _is_no_such(r)]
+    by_key = {(h, r.id): r for h, rs in found.items() for r in rs}
+    try:
+        chosen = pick(ref, [_match(h, r) for (h, _), r in by_key.items()])
+    except AmbiguousRun as exc:
+        raise AmbiguousRun(ref, exc.candidates, down) from None
+    where = f"on {host}" if host else "on any host that answered"
+    if not chosen:
+        raise NoSuchRun(ref, where, down)
+    nodes = [(m.host, by_key[(m.host, m.id)]) for m in chosen]
+    run = nodes[0][1]
+    exact_id = run.id == ref
+    if destructive and down and not exact_id and any(r.state in LIVE_STATES for _h, r in nodes):
+        raise Unanswered(
+            f"{', '.join(down)} did not answer and may hold another run named {ref!r}: "
+            f"give --host or the full id ({run.id} on {nodes[0][0]}) to act on this one"
+        )
+    expected = set(run.spec.nodes or [])
+    missing = [h for h in down if h in expected] if expected else ([] if exact_id else list(down))
+    return Resolved(ref=ref, id=run.id, nodes=nodes, missing=missing, unanswered=down)
+
+
+def _is_no_such(exc: AgentError) -> bool:
+    """The agent answered (no such run, or several there): the host is reachable."""
+    from agents.errors import AgentUnavailable
+
+    return not isinstance(exc, AgentUnavailable)
+
+
+# ----------------------------------------------------------------------------- the history
+
+
+def _record_match(row: dict[str, Any]) -> Match:
+    spec = row.get("spec") or {}
+    nr = spec.get("node_rank") if isinstance(spec, dict) else None
+    return Match(row["host"], row["id"], row.get("name"), row.get("state") or "?", row.get("started") or row.get("created"), nr if isinstance(nr, int) else 0)
+
+
+def resolve_record(rows: Sequence[dict[str, Any]], ref: str, host: str | None = None, unanswered: Sequence[str] = (),
+                   destructive: bool = False) -> dict[str, Any]:
+    """The history row ``ref`` names among ``rows`` (the history's candidates), by the same rules; the first node's row.
+
+    ``unanswered``: hosts whose newest runs the history may lack (their sync did not answer).
+    """
+    rows = [r for r in rows if host is None or r["host"] == host]
+    by_key = {(r["host"], r["id"]): r for r in rows}
+    try:
+        chosen = pick(ref, [_record_match(r) for r in by_key.values()])
+    except AmbiguousRun as exc:
+        raise AmbiguousRun(ref, exc.candidates, list(unanswered)) from None
+    if not chosen:
+        raise NoSuchRun(ref, f"in the history{' of ' + host if host else ''}", list(unanswered), listing="gpudeck history")
+    row = by_key[(chosen[0].host, chosen[0].id)]
+    if destructive and unanswered and row["id"] != ref and row.get("state") in LIVE_STATES:
+        raise Unanswered(
+            f"{', '.join(unanswered)} did not answer and may hold another run named {ref!r}: "
+            f"give --host or the full id ({row['id']} on {row['host']}) to act on this one"
+        )
+    return row

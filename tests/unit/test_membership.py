@@ -1,0 +1,45 @@
+"""Parentage at the tag level: new processes are placed by reading only them and their ancestors."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+from agents.membership import TreeWatch, descendants, partial_tree, proc_tree
+from agents.procs import create_time_of
+
+
+def test_a_grandchild_that_cleared_its_environment_is_found_below_its_root_from_a_partial_tree() -> None:
+    watch = TreeWatch()
+    assert len(watch.scan()) > 1, "the first scan reads the whole host"
+    code = "import os, sys, time\nif os.fork() == 0:\n    os.execve(sys.executable, [sys.executable, '-c', 'import time; time.sleep(30)'], {})\ntime.sleep(30)"
+    root = subprocess.Popen([sys.executable, "-c", code])
+    try:
+        deadline = time.monotonic() + 10
+        found: dict = {}
+        while time.monotonic() < deadline:
+            ct = create_time_of(root.pid)
+            found = descendants(watch.scan() | partial_tree({root.pid}), {root.pid: ct or 0.0}, set()) if ct else {}
+            if found:
+                break
+            time.sleep(0.05)
+        assert len(found) == 1
+        (child,) = found
+        assert "GPUDECK_RUN_ID" not in open(f"/proc/{child}/environ", "rb").read().decode(errors="replace")
+        # later scans read only what is new: the settled host costs nothing
+        assert len(watch.scan()) < len(proc_tree())
+        assert os.getpid() not in descendants(proc_tree(), {root.pid: create_time_of(root.pid) or 0.0}, set())
+    finally:
+        for pid in found:
+            os.kill(pid, 9)
+        root.kill()
+        root.wait()
+
+
+def test_a_root_whose_pid_was_reused_has_no_descendants() -> None:
+    tree = proc_tree()
+    me = os.getpid()
+    assert descendants(tree, {os.getppid(): tree[os.getppid()].create_time - 100.0}, set()) == {}
+    assert me in descendants(tree, {os.getppid(): tree[os.getppid()].create_time}, set())

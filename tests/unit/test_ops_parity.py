@@ -1,0 +1,172 @@
+"""Parity: the CLI path and the Launch screen's path give byte-identical specs for every way to ask for a run.
+
+The CLI path parses ``gpudeck launch ...`` into an intent (console/cli.py); the
+screen path turns the dialog's form into one (console/screens/launch.py); both
+are planned by console/ops. Relaunch and rollback go through the same layer,
+and a relaunch of any recorded spec gives the same argv except the start, in
+the recorded python.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from agents.protocol import EnvFingerprint, LaunchSpec
+from console import config as cfg
+from console.cli import build_parser, intent_from_args
+from console.ops import Caller, IntentError, LaunchIntent, LaunchPlan, plan_launch, relaunch_intent, rollback_intent
+from console.ops.launch import with_start
+from console.screens.launch import LaunchForm, form_from, intent_from_form
+
+CALLER = Caller(operator="op", cwd="/work/here", env={"PATH": "/usr/bin:/bin", "VIRTUAL_ENV": "/venv"})
+CONF = cfg.Config(hosts=(cfg.HostSettings("local"), cfg.HostSettings("gpu1", rdzv_host="10.0.0.1", nccl_socket_ifname="eth1"),
+                         cfg.HostSettings("gpu2", nccl_socket_ifname="eth2", env={"X": "2"})), path=Path("/nonexistent/config.toml"))
+RID = "r-0123abcd"
+
+# name, CLI arguments after `gpudeck launch`, the same ask as the Launch screen's form
+CASES: list[tuple[str, list[str], dict[str, str]]] = [
+    ("command, local", ["--", "python", "train.py", "--lr", "3e-4"], dict(host="local", args="python train.py --lr 3e-4")),
+    ("command, 2 GPUs on gpu1", ["--host", "gpu1", "--gpus", "0,1", "--name", "n", "--", "sleep", "1"], dict(host="gpu1", gpus="0,1", name="n", args="sleep 1")),
+    ("fsdp, 1 GPU, fresh", ["--host", "gpu1", "--kind", "fsdp", "--gpus", "0", "--fresh", "--", "--model-config", "tiny", "--out", "/o"],
+     dict(host="gpu1", kind="fsdp", gpus="0", start="fresh", args="--model-config tiny --out /o")),
+    ("fsdp, GPUs 0,1, fresh", ["--host", "gpu1", "--kind", "fsdp", "--gpus", "0,1", "--fresh", "--", "--out", "/o"],
+     dict(host="gpu1", kind="fsdp", gpus="0,1", start="fresh", args="--out /o")),
+    ("fsdp, GPUs 0-3, 2 ranks, resume 200", ["--host", "gpu1", "--kind", "fsdp", "--gpus", "0-3", "--nproc-per-node", "2", "--resume", "200", "--", "--out", "/o"],
+     dict(host="gpu1", kind="fsdp", gpus="0,1,2,3", ranks="2", start="resume", resume_step="200", args="--out /o")),
+    ("dflash, local, 1 GPU, resume latest", ["--kind", "dflash", "--gpus", "1", "--resume", "latest", "--python", "/venv/bin/python", "--", "--target", "t"],
+     dict(host="local", kind="dflash", gpus="1", start="resume", resume_step="latest", python="/venv/bin/python", args="--target t")),
+    ("dflash, 3 GPUs, fresh, python", ["--host", "gpu2", "--kind", "dflash", "--gpus", "0,1,2", "--fresh", "--python", "/opt/py/bin/python3", "--", "--target-ranks", "0", "--drafter-ranks", "1,2"],
+     dict(host="gpu2", kind="dflash", gpus="0,1,2", start="fresh", python="/opt/py/bin/python3", args="--target-ranks 0 --drafter-ranks 1,2")),
+    ("fsdp, two hosts, 2 ranks each, fresh", ["--hosts", "gpu1,gpu2", "--kind", "fsdp", "--gpus", "0,1", "--fresh", "--", "--out", "/o"],
+     dict(host="local", hosts="gpu1,gpu2", kind="fsdp", gpus="0,1", start="fresh", args="--out /o")),
+    ("dflash, two hosts, 4 ranks each, resume 10", ["--hosts", "gpu2,gpu1", "--kind", "dflash", "--nproc-per-node", "4", "--resume", "10", "--", "--target", "t"],
+     dict(host="local", hosts="gpu2,gpu1", kind="dflash", ranks="4", start="resume", resume_step="10", args="--target t")),
+    ("command, two hosts, a module", ["--hosts", "gpu1,gpu2", "--nproc-per-node", "2", "--", "-m", "mypkg.train", "--x", "1"],
+     dict(host="local", hosts="gpu1,gpu2", ranks="2", args="-m mypkg.train --x 1")),
+]
+
+
+def encode(plan: LaunchPlan) -> bytes:
+    return msgspec.json.encode([[h, s] for h, s in plan.nodes])
+
+
+def cli_plan(argv: list[str]) -> LaunchPlan:
+    return plan_launch(intent_from_args(build_parser().parse_args(["launch", *argv])), CALLER, CONF, run_id=RID)
+
+
+def screen_plan(form: dict[str, str], base: LaunchIntent | None = None) -> LaunchPlan:
+    return plan_launch(intent_from_form(LaunchForm(**form), base), CALLER, CONF, run_id=RID)
+
+
+@pytest.mark.parametrize("name,argv,form", CASES, ids=[c[0] for c in CASES])
+def test_the_cli_and_the_screen_build_the_same_spec(name: str, argv: list[str], form: dict[str, str]) -> None:
+    assert encode(cli_plan(argv)) == encode(screen_plan(form))
+
+
+def test_fsdp_on_two_gpus_is_two_ranks_from_both() -> None:
+    """The drift that started this: the screen ran one process that saw two GPUs."""
+    for plan in (cli_plan(CASES[3][1]), screen_plan(CASES[3][2])):
+        assert plan.spec.argv[:6] == ["python3", "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+        assert plan.spec.argv[6:8] == ["-m", "trainers.fsdp_lm"]
+
+
+def _recorded(plan: LaunchPlan) -> list[tuple[str, msgspec.Struct]]:
+    """What the agents record: the specs as launched, decoded again (as a history row holds them)."""
+    return [(h, msgspec.json.decode(msgspec.json.encode(s), type=type(s))) for h, s in plan.nodes]
+
+
+@pytest.mark.parametrize("name,argv,form", CASES, ids=[c[0] for c in CASES])
+@pytest.mark.parametrize("start", ["fresh", "resume 7"])
+def test_relaunch_round_trips_from_both(name: str, argv: list[str], form: dict[str, str], start: str) -> None:
+    original = cli_plan(argv)
+    host, spec = _recorded(original)[0]
+    # the CLI: gpudeck relaunch RUN --fresh | --resume N
+    cli = plan_launch(relaunch_intent(spec, "r-old", host, start, CONF), CALLER, CONF, run_id=RID)
+    # the console: R on the Run screen fills the form from the run; the operator picks the start and confirms
+    base = relaunch_intent(spec, "r-old", host, None, CONF)
+    fields = {**form_from(base), "host": host}
+    choice, _, step = start.partition(" ")
+    screen = screen_plan({**fields, "start": choice, "resume_step": step}, base)
+    assert encode(cli) == encode(screen)
+    trainer = spec.kind != "command"
+    for (_, old), (_, new) in zip(original.nodes, cli.nodes):
+        want = with_start(old.argv, start) if trainer else old.argv
+        assert new.argv == want  # the same command, only the start asked again (never the interpreter or --fresh twice)
+        assert new.argv.count("--fresh") <= 1 and new.argv.count(new.argv[0]) == 1
+        assert new.python == old.python or new.python == old.argv[0]  # the recorded interpreter, not the console's
+        assert new.parent == "r-old" and new.gpus == old.gpus and new.env == old.env and new.cwd == old.cwd
+
+
+# specs recorded by other hands: older gpudeck versions, a hand-written torchrun, a script's own --fresh
+LEGACY = [
+    LaunchSpec(argv=["/venv/bin/python", "-m", "trainers.fsdp_lm", "--out", "/o", "--fresh"], kind="fsdp", gpus=[0, 1], start="fresh"),
+    LaunchSpec(argv=["torchrun", "--nproc-per-node", "4", "-m", "trainers.dflash", "--target", "t", "--resume", "9"], kind="dflash", start="resume 9"),
+    LaunchSpec(argv=["python3", "my_script.py", "--fresh"], kind="command", start="fresh", env={"A": "1"}, cwd="/w"),
+    LaunchSpec(argv=["python3", "-m", "trainers.fsdp_lm", "--fresh", "--out", "o"], kind="command", gpus=[3]),
+    LaunchSpec(argv=["bash", "-c", "echo hi"], name="sh", python="/usr/bin/python3"),
+]
+
+
+@pytest.mark.parametrize("spec", LEGACY, ids=["one process on 2 GPUs", "torchrun by hand", "a script's own --fresh", "a trainer as a command", "a shell"])
+@pytest.mark.parametrize("start", ["fresh", "resume 7"])
+def test_relaunch_of_any_recorded_spec_round_trips(spec: LaunchSpec, start: str) -> None:
+    new = plan_launch(relaunch_intent(spec, "r-old", "gpu1", start), CALLER, CONF).spec
+    trainer = spec.kind != "command" or "trainers.fsdp_lm" in spec.argv
+    assert new.argv == (with_start(spec.argv, start) if trainer else spec.argv)
+    assert new.python == spec.python or new.python == spec.argv[0]
+    assert (new.gpus, new.env, new.cwd, new.name, new.kind) == (spec.gpus, spec.env, spec.cwd, spec.name, spec.kind)
+
+
+GOOD_ENV = EnvFingerprint(python="/good/venv/bin/python", python_version="3.11.9", torch="2.7.1", freeze_hash="abc")
+
+
+@pytest.mark.parametrize("config_from", [False, True], ids=["its environment", "with --config-from"])
+@pytest.mark.parametrize("run_case,good_case", [(3, 2), (0, 1), (5, 6)])
+def test_rollback_is_one_decision(config_from: bool, run_case: int, good_case: int) -> None:
+    run_host, run = _recorded(cli_plan(CASES[run_case][1]))[0]
+    good_host, good = _recorded(cli_plan(CASES[good_case][1]))[0]
+    python = GOOD_ENV.python
+    cli = plan_launch(rollback_intent(run, "r-bad", good, run_host, "fresh", python, config_from, CONF, good_host=good_host), CALLER, CONF)
+    base = rollback_intent(run, "r-bad", good, run_host, None, python, config_from, CONF, good_host=good_host)
+    needs_start = base.trainer_args or any("trainers." in a for a in base.argv)
+    screen = screen_plan({**form_from(base), "host": run_host, "start": "fresh"}, base)
+    assert encode(cli) == encode(screen)
+    spec = cli.spec
+    src = good if config_from else run
+    assert spec.python == python and spec.parent == "r-bad" and spec.name == run.name
+    assert spec.gpus == src.gpus
+    if needs_start or spec.kind != "command":
+        assert spec.argv[0] == python and spec.argv[-1] == "--fresh"
+    elif src.argv[0].startswith("python"):
+        assert spec.argv == [python, *src.argv[1:]]
+
+
+# ----------------------------------------------------------------------------- bad input: one message for one mistake
+
+MISTAKES = [
+    (["--gpus", "0,a", "--", "x"], dict(host="local", gpus="0,a", args="x"), "gpus: '0,a' is not a GPU list"),
+    (["--kind", "fsdp", "--", "--out", "o"], dict(host="local", kind="fsdp", args="--out o"), "start: no start given"),
+    (["--kind", "fsdp", "--resume", "abc", "--", "--out", "o"], dict(host="local", kind="fsdp", start="resume", resume_step="abc", args="--out o"),
+     "start: resume step 'abc' is not a step"),
+    (["--hosts", "gpu1,gpu1", "--kind", "fsdp", "--fresh"], dict(host="local", hosts="gpu1,gpu1", kind="fsdp", start="fresh"), "hosts: a host is listed twice"),
+    (["--"], dict(host="local", args=""), "command: launch needs a command"),
+]
+
+
+@pytest.mark.parametrize("argv,form,message", MISTAKES, ids=[m[2].split(":")[0] + " " + str(i) for i, m in enumerate(MISTAKES)])
+def test_the_same_mistake_gets_the_same_message(argv: list[str], form: dict[str, str], message: str) -> None:
+    with pytest.raises(IntentError) as from_cli:
+        cli_plan(argv)
+    with pytest.raises(IntentError) as from_screen:
+        screen_plan(form)
+    assert str(from_cli.value) == str(from_screen.value)
+    assert str(from_cli.value).startswith(message)
+
+
+def test_the_intent_is_frozen() -> None:
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        LaunchIntent().kind = "fsdp"  # type: ignore[misc]

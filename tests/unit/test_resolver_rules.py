@@ -1,0 +1,59 @@
+"""The run-reference rules (console/ops/resolve.py) on their own: exact id wins, unique prefix or name, never a silent pick."""
+
+from __future__ import annotations
+
+import pytest
+
+from console.ops.errors import AmbiguousRun, NoSuchRun, Unanswered
+from console.ops.resolve import Match, pick, resolve_record
+
+
+def m(host: str, rid: str, name: str | None = None, state: str = "running", started: float = 0.0, rank: int = 0) -> Match:
+    return Match(host, rid, name, state, started, rank)
+
+
+RUNS = [m("gpu1", "r-aa11", "dup", started=3), m("gpu1", "r-aa12", "dup", started=2), m("gpu2", "r-bb11", "dup", started=1),
+        m("gpu2", "r-cc11", "r-aa11x"), m("gpu1", "r-dd11", "multi", rank=0), m("gpu2", "r-dd11", "multi", rank=1)]
+
+
+def test_an_exact_id_wins_over_a_prefix_and_a_name() -> None:
+    assert [x.id for x in pick("r-aa11", RUNS)] == ["r-aa11"]
+
+
+def test_a_name_of_several_runs_is_refused_with_every_candidate_newest_first() -> None:
+    with pytest.raises(AmbiguousRun) as e:
+        pick("dup", RUNS)
+    assert [c.id for c in e.value.candidates] == ["r-aa11", "r-aa12", "r-bb11"]
+    assert e.value.exit_code == 2
+    text = str(e.value)
+    assert "'dup' matches 3 runs" in text and all(h in text for h in ("gpu1", "gpu2")) and "STARTED" in text
+
+
+def test_a_prefix_of_several_is_refused_and_a_unique_one_resolves() -> None:
+    with pytest.raises(AmbiguousRun, match="matches 2 runs"):
+        pick("r-aa", RUNS)
+    assert [x.id for x in pick("r-bb", RUNS)] == ["r-bb11"]
+    assert pick("r-zz", RUNS) == []
+
+
+def test_the_nodes_of_one_multi_node_run_are_one_run() -> None:
+    nodes = pick("multi", RUNS)
+    assert [(x.host, x.node_rank) for x in nodes] == [("gpu1", 0), ("gpu2", 1)]
+
+
+def _row(host: str, rid: str, name: str | None, state: str = "running") -> dict:
+    return {"host": host, "id": rid, "name": name, "state": state, "started": 1.0, "spec": {}}
+
+
+def test_history_references_follow_the_same_rules() -> None:
+    rows = [_row("gpu1", "r-1", "a"), _row("gpu2", "r-2", "a"), _row("gpu1", "r-3", "b", "failed")]
+    with pytest.raises(AmbiguousRun):
+        resolve_record(rows, "a")
+    assert resolve_record(rows, "a", host="gpu2")["id"] == "r-2"
+    with pytest.raises(NoSuchRun, match="gpu3 did not answer"):
+        resolve_record(rows, "zz", unanswered=["gpu3"])
+    # a destructive command by name while a host is silent: refused for a live run, fine for an ended one and by id
+    with pytest.raises(Unanswered, match="gpu3 did not answer"):
+        resolve_record([rows[0]], "a", unanswered=["gpu3"], destructive=True)
+    assert resolve_record(rows, "b", unanswered=["gpu3"], destructive=True)["id"] == "r-3"
+    assert resolve_record(rows, "r-1", unanswered=["gpu3"], destructive=True)["id"] == "r-1"
