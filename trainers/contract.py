@@ -140,12 +140,14 @@ TRAINER_ARGS: tuple[TrainerArg, ...] = (
     TrainerArg("--compile-loss", default="auto", trainers=_FSDP),
     TrainerArg("--reshard-after-forward", default="auto", trainers=_FSDP),
     *(TrainerArg(f, "flag", False, _FSDP) for f in ("--no-export", "--no-final-checkpoint", "--deterministic")),
+    # fsdp_lm corpora, validation and performance options (--loss-impl chunked and --ac-every change
+    # the activations; the estimate does not read them yet)
     *(TrainerArg(f, trainers=_FSDP) for f in (
-        "--compile-mode", "--loss-impl", "--optimizer-impl", "--reduce-dtype", "--prefetch", "--text-column", "--data-split",
-        "--val-data", "--val-fraction")),
-    TrainerArg("--ac-every", "int", 1, _FSDP),
+        "--text-column", "--data-split", "--val-data", "--val-fraction", "--val-every", "--val-batches",
+        "--compile-mode", "--ac-every", "--optimizer-impl", "--reduce-dtype", "--prefetch", "--profile-steps",
+        "--profile-start")),
+    TrainerArg("--loss-impl", default="plain", trainers=_FSDP),
     TrainerArg("--loss-chunk-rows", "int", 4096, _FSDP),
-    *(TrainerArg(f, "int", None, _FSDP) for f in ("--profile-steps", "--profile-start", "--val-every", "--val-batches")),
 )
 
 

@@ -179,3 +179,27 @@ def test_validation_batches_are_fixed_disjoint_and_even() -> None:
     assert len(small) == 1 and small[0].shape == (1, 5)
     with pytest.raises(D.DataError, match="--val-fraction"):
         D.ValidationBatches(D.PackedDataset(np.arange(9), 4), 8, 4, 0, 3)
+
+
+def test_prepare_with_a_transformers_tokenizer_in_parallel(sources, tmp_path) -> None:
+    """A local fast tokenizer (trained here): the workers load the saved copy and give the same ids."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    raw = Tokenizer(models.WordLevel(unk_token="[UNK]"))
+    raw.pre_tokenizer = pre_tokenizers.Whitespace()
+    raw.train_from_iterator(DOCS, trainers.WordLevelTrainer(special_tokens=["[UNK]", "</s>"]))
+    tok_dir = tmp_path / "tok"
+    PreTrainedTokenizerFast(tokenizer_object=raw, eos_token="</s>", unk_token="[UNK]").save_pretrained(tok_dir)
+    P.CHUNK_DOCS, old = 5, P.CHUNK_DOCS
+    try:
+        m = _prepare(sources / "docs.jsonl", tmp_path / "p", "--text-column", "body",
+                     "--tokenizer", str(tok_dir), "--num-proc", "2")
+    finally:
+        P.CHUNK_DOCS = old
+    tok = D.load_tokenizer(tok_dir)
+    direct = D.load_tokens(sources / "docs.jsonl", tok, text_column="body")
+    assert np.array_equal(np.asarray(D.load_prepared(tmp_path / "p").tokens), direct.tokens)
+    assert m["tokenizer"]["kind"] == "hf" and m["tokenizer"]["vocab_size"] == tok.vocab_size
+    assert direct.tokens.max() < tok.vocab_size and tok.eos_id in direct.tokens
+    assert D.load_tokenizer(tmp_path / "p" / "tokenizer").encode("document 3: end") == tok.encode("document 3: end")
