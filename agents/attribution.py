@@ -10,9 +10,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from agents.containment import Containment
-from agents.procs import CT_TOLERANCE, ProcEntry, create_time_of
-from agents.protocol import GpuProcess, Member
+from gpudeck.agents.containment import Containment
+from gpudeck.agents.procs import CT_TOLERANCE, ProcEntry, create_time_of
+from gpudeck.agents.protocol import GpuProcess, Member
 
 LIVE = ("starting", "running", "stopping")
 

@@ -23,9 +23,9 @@ from typing import Any
 
 import msgspec
 
-from agents import paths
-from agents.errors import AgentUnavailable, PermissionDenied, from_wire
-from agents.protocol import (
+from gpudeck.agents import paths
+from gpudeck.agents.errors import AgentUnavailable, PermissionDenied, from_wire
+from gpudeck.agents.protocol import (
     Cancel,
     Error,
     FrameReader,
@@ -267,12 +267,12 @@ def check_peer(sock: socket.socket | None, path: Path) -> None:
 
 
 def spawn_agent(state_dir: Path) -> subprocess.Popen:
-    """Start ``python -m agents serve`` detached, in its own session, logging to agent.log."""
+    """Start ``python -m gpudeck.agents serve`` detached, in its own session, logging to agent.log."""
     paths.ensure_private_dir(state_dir)
     log = open(paths.log_path(state_dir), "ab")
     try:
         return subprocess.Popen(
-            [sys.executable, "-m", "agents", "serve", "--state-dir", str(state_dir)],
+            [sys.executable, "-m", "gpudeck.agents", "serve", "--state-dir", str(state_dir)],
             stdin=subprocess.DEVNULL,
             stdout=log,
             stderr=log,

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from agents.errors import BadRequest
+from gpudeck.agents.errors import BadRequest
 
 CONTAINMENT_ENV = "GPUDECK_CONTAINMENT"
 GROUP_ROOT = "gpudeck"

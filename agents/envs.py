@@ -30,8 +30,8 @@ from urllib.parse import unquote, urlsplit
 
 import msgspec
 
-from agents.errors import AgentError
-from agents.protocol import EnvFingerprint
+from gpudeck.agents.errors import AgentError
+from gpudeck.agents.protocol import EnvFingerprint
 
 
 class EnvError(AgentError):

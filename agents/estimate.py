@@ -2,7 +2,7 @@
 
 No torch here (the agent has none): parameters are counted analytically from a
 transformers ``config.json`` (llama, mistral, qwen2, qwen3), and the memory of
-an ``fsdp`` (``trainers.fsdp_lm``) or ``dflash`` (``trainers.dflash``) run is
+an ``fsdp`` (``gpudeck.trainers.fsdp_lm``) or ``dflash`` (``gpudeck.trainers.dflash``) run is
 worked out from its command line, read the way torchrun and the trainers read
 it (:func:`parse_launch_argv`).
 
@@ -57,16 +57,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from agents.errors import AgentError
-from agents.protocol import LaunchSpec, MemoryEstimate
-from trainers.contract import PRESETS, TRAINER_MODULES, parse_index_list, trainer_args
+from gpudeck.agents.errors import AgentError
+from gpudeck.agents.protocol import LaunchSpec, MemoryEstimate
+from gpudeck.trainers.contract import PRESETS, TRAINER_MODULES, parse_index_list, trainer_args, trainer_module
 
 GIB = 2**30
 KNOWN_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 # bytes per parameter of what FSDP2 shards: fp32 weights + fp32 grads + AdamW m and v
 SHARDED_STATE_BYTES = 16
-# bytes per parameter of a checkpoint: fp32 weights + AdamW m and v (what trainers.checkpoint saves)
+# bytes per parameter of a checkpoint: fp32 weights + AdamW m and v (what gpudeck.trainers.checkpoint saves)
 CHECKPOINT_BYTES_PER_PARAM = 12
 # what per-block torch.compile keeps of the eager activations (calibrated: llama-1b, H200, bench/RESULTS.md)
 COMPILED_ACTIVATION_RATIO = 0.65
@@ -244,7 +244,7 @@ class LaunchArgv:
     launcher: Literal["torchrun", "python", "other"]
     executable: str  # argv[0]
     python: str | None = None  # the interpreter when argv[0] is one (python -m torch.distributed.run counts)
-    trainer: str | None = None  # "trainers.fsdp_lm" | "trainers.dflash" when the argv runs one
+    trainer: str | None = None  # "gpudeck.trainers.fsdp_lm" | "gpudeck.trainers.dflash" when the argv runs one
     trainer_args: tuple[str, ...] = ()
     nproc_per_node: str | None = None  # as given ("4", "gpu", "auto")
     nnodes: str | None = None  # as given ("2", "1:4")
@@ -271,13 +271,7 @@ def _is_python(exe: str) -> bool:
 
 
 def _trainer_of(module_or_script: str) -> str | None:
-    if module_or_script in TRAINER_MODULES.values():
-        return module_or_script
-    p = module_or_script.replace(os.sep, "/")
-    for module in TRAINER_MODULES.values():
-        if p.endswith(module.replace(".", "/") + ".py"):
-            return module
-    return None
+    return trainer_module(module_or_script)
 
 
 def _parse_torchrun(rest: list[str]) -> tuple[dict[str, Any], str | None, list[str]]:
@@ -387,7 +381,7 @@ class _Parser(argparse.ArgumentParser):
 def _trainer_parser(trainer: str) -> argparse.ArgumentParser:
     """The options of trainers/runtime.py, fsdp_lm.py and dflash.py that shape memory and starts.
 
-    Built from the declared table (:data:`trainers.contract.TRAINER_ARGS`): every option that takes a
+    Built from the declared table (:data:`gpudeck.trainers.contract.TRAINER_ARGS`): every option that takes a
     value is declared, so a value is never mistaken for something else; tests/unit/test_estimate.py
     compares this parser with the trainers' own.
     """
@@ -407,7 +401,7 @@ def parse_trainer_args(trainer: str, args: list[str] | tuple[str, ...]) -> argpa
 
 
 def parse_rank_list(text: str) -> list[int]:
-    """'0,1' / '0-1' / '2' -> sorted unique ranks (the trainers' own rule, from trainers.presets)."""
+    """'0,1' / '0-1' / '2' -> sorted unique ranks (the trainers' own rule, from gpudeck.trainers.presets)."""
     try:
         return parse_index_list(text)
     except ValueError:
@@ -465,7 +459,7 @@ def resolve_model_config(spec_text: str | None, init_from: str | None, cwd: Path
         folder = _resolve(init_from, cwd)
         return _read_json(folder / "config.json", f"--init-from {init_from}"), f"--init-from {init_from}"
     if spec_text is None:
-        spec_text = "tiny"  # trainers.fsdp_lm's default
+        spec_text = "tiny"  # gpudeck.trainers.fsdp_lm's default
     if spec_text in PRESETS:
         return dict(PRESETS[spec_text]), f"{spec_text} preset"
     path = _resolve(spec_text, cwd)
@@ -507,10 +501,10 @@ def _elem(dtype: str | None) -> int:
 
 
 def estimate_fsdp(parsed: LaunchArgv, world: int, world_note: str, cwd: Path) -> MemoryEstimate:
-    """Per-GPU memory of a trainers.fsdp_lm run."""
+    """Per-GPU memory of a gpudeck.trainers.fsdp_lm run."""
     a = parse_trainer_args(TRAINER_MODULES["fsdp"], parsed.trainer_args)
     if a.model_config is not None and a.init_from is not None:
-        raise EstimateError("give --model-config or --init-from, not both (trainers.fsdp_lm refuses both)")
+        raise EstimateError("give --model-config or --init-from, not both (gpudeck.trainers.fsdp_lm refuses both)")
     config, source = resolve_model_config(a.model_config, a.init_from, cwd)
     shape = model_shape(config)
     n = shape.params
@@ -552,7 +546,7 @@ def estimate_fsdp(parsed: LaunchArgv, world: int, world_note: str, cwd: Path) ->
 def _dflash_target(a: argparse.Namespace, cwd: Path) -> tuple[dict[str, Any], str]:
     target_config = a.target_config if a.target_config is not None else a.model_config
     if (a.target is None) == (target_config is None):
-        raise EstimateError("give exactly one of --target PATH or --target-config/--model-config (trainers.dflash refuses otherwise)")
+        raise EstimateError("give exactly one of --target PATH or --target-config/--model-config (gpudeck.trainers.dflash refuses otherwise)")
     if a.target is not None:
         return resolve_model_config(None, a.target, cwd)[0], f"target {a.target}"
     config, source = resolve_model_config(target_config, None, cwd, option="--target-config")
@@ -586,7 +580,7 @@ def _largest(parts: dict[str, int]) -> str:
 
 
 def estimate_dflash(parsed: LaunchArgv, world: int, world_note: str, cwd: Path) -> MemoryEstimate:
-    """Per-GPU memory of a trainers.dflash run (colocated, or the larger side of split).
+    """Per-GPU memory of a gpudeck.trainers.dflash run (colocated, or the larger side of split).
 
     ``parts`` are the four the question asks about — ``weights`` (the frozen target, or a
     split drafter rank's embedding and lm_head, plus the drafter's gathered bf16 parameters),

@@ -17,8 +17,8 @@ from typing import Any, Union
 
 import msgspec
 
-from agents.errors import AgentError
-from agents.protocol import Alert, ClaimRow, ContainmentInfo, EnvFingerprint, LaunchSpec, PreflightResult, StopResult
+from gpudeck.agents.errors import AgentError
+from gpudeck.agents.protocol import Alert, ClaimRow, ContainmentInfo, EnvFingerprint, LaunchSpec, PreflightResult, StopResult
 
 TAG = "event_kind"  # the tag field; put next to the payload's own fields only while converting, never stored
 PAYLOAD_VERSION = 1

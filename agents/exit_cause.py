@@ -16,8 +16,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from agents.causes import host_oom_note
-from agents.protocol import Alert, RunInfo
+from gpudeck.agents.causes import host_oom_note
+from gpudeck.agents.protocol import Alert, RunInfo
 
 
 @dataclass(frozen=True)

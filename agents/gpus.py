@@ -17,9 +17,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
-from agents.gpus_sim import SIMULATE_ENV, SimulatedGpuSampler, SimulatedGpuSpecError, parse_sim_spec
-from agents.procs import ProcTable
-from agents.protocol import Gpu, GpuProcess
+from gpudeck.agents.gpus_sim import SIMULATE_ENV, SimulatedGpuSampler, SimulatedGpuSpecError, parse_sim_spec
+from gpudeck.agents.procs import ProcTable
+from gpudeck.agents.protocol import Gpu, GpuProcess
 
 __all__ = ["GpuSampler", "GpuSource", "SimulatedGpuSampler", "SimulatedGpuSpecError", "make_sampler"]
 

@@ -52,9 +52,9 @@ from typing import Any
 
 import msgspec
 
-from agents import events as payloads
-from agents.errors import StorageError
-from agents.protocol import Alert, EnvFingerprint, Event, LaunchSpec, Member, PreflightResult, RunInfo
+from gpudeck.agents import events as payloads
+from gpudeck.agents.errors import StorageError
+from gpudeck.agents.protocol import Alert, EnvFingerprint, Event, LaunchSpec, Member, PreflightResult, RunInfo
 
 log = logging.getLogger("gpudeck.journal")
 

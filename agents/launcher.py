@@ -17,10 +17,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from agents.containment import RunGroup
-from agents.errors import BadRequest, LaunchFailed
-from agents.preflight import parse_launch_argv, run_python
-from agents.protocol import MAX_ARGV, LaunchSpec, RunInfo
+from gpudeck.agents.containment import RunGroup
+from gpudeck.agents.errors import BadRequest, LaunchFailed
+from gpudeck.agents.preflight import parse_launch_argv, run_python
+from gpudeck.agents.protocol import MAX_ARGV, LaunchSpec, RunInfo
 
 # run as a script with -I: stdlib only, so the run's own PYTHONPATH and cwd never matter
 SHIM = str(Path(__file__).resolve().with_name("shim.py"))
@@ -55,7 +55,7 @@ class LaunchPlan:
 
     spec: LaunchSpec
     base_env: dict[str, str]  # the agent's environment with the spec's on top (pre-flight runs the python with it)
-    parsed: object | None  # agents.estimate.LaunchArgv, or None when the argv is not one it reads
+    parsed: object | None  # gpudeck.agents.estimate.LaunchArgv, or None when the argv is not one it reads
     python: str | None  # the run's interpreter (resolved on PATH), or None when it is not a python program
 
     @classmethod

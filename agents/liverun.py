@@ -7,10 +7,10 @@ import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from agents.containment import RunGroup
-from agents.health import Baseline, Observation, RunHealth
-from agents.protocol import Alert, ContainmentInfo, Member, RunInfo
-from agents.telemetry import TelemetryTail
+from gpudeck.agents.containment import RunGroup
+from gpudeck.agents.health import Baseline, Observation, RunHealth
+from gpudeck.agents.protocol import Alert, ContainmentInfo, Member, RunInfo
+from gpudeck.agents.telemetry import TelemetryTail
 
 _UNSET = object()
 

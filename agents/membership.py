@@ -14,8 +14,8 @@ import os
 import time
 from dataclasses import dataclass, field
 
-from agents.containment import RunGroup
-from agents.procs import (
+from gpudeck.agents.containment import RunGroup
+from gpudeck.agents.procs import (
     CT_TOLERANCE,
     YOUNG_S,
     ProcEntry,
@@ -24,7 +24,7 @@ from agents.procs import (
     read_entry,
     read_stat,
 )
-from agents.protocol import Member, Reported, RunInfo
+from gpudeck.agents.protocol import Member, Reported, RunInfo
 
 PROC_TREE_ROLES = ("shim", "leader")
 

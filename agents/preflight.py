@@ -3,7 +3,7 @@
 :func:`run_preflight` is logic over facts handed to it (the GPUs, already
 attributed; the ended runs; the memory estimate; a python checker; port and
 disk probes), so it is tested without GPUs. Each check gives one
-:class:`~agents.protocol.PreflightCheck`; a failed check's message says what is
+:class:`~gpudeck.agents.protocol.PreflightCheck`; a failed check's message says what is
 wrong and what to do. A check that does not apply passes with
 ``details["skipped"]`` set and says why.
 
@@ -33,7 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from agents.estimate import (
+from gpudeck.agents.estimate import (
     CHECKPOINT_BYTES_PER_PARAM,
     TRAINER_MODULES,
     EstimateError,
@@ -41,10 +41,10 @@ from agents.estimate import (
     parse_launch_argv,
     parse_trainer_args,
 )
-from agents.protocol import Gpu, GpuProcess, LaunchSpec, MemoryEstimate, PreflightCheck, PreflightResult, RunInfo
+from gpudeck.agents.protocol import Gpu, GpuProcess, LaunchSpec, MemoryEstimate, PreflightCheck, PreflightResult, RunInfo
 # the checkpoint layout trainers/checkpoint.py writes: OUT/checkpoints/step_<N>/ with both files when complete
-from trainers.contract import CHECKPOINT_MARKER, CHECKPOINT_METADATA, CHECKPOINTS_DIRNAME
-from trainers.contract import STEP_RE as _STEP_RE
+from gpudeck.trainers.contract import CHECKPOINT_MARKER, CHECKPOINT_METADATA, CHECKPOINTS_DIRNAME
+from gpudeck.trainers.contract import STEP_RE as _STEP_RE
 
 GIB = 2**30
 CHECKPOINT_MARGIN_BYTES = GIB  # room beyond one checkpoint: logs, result.json, the next write's temp files
@@ -522,7 +522,7 @@ def _check_python(spec: LaunchSpec, parsed: LaunchArgv | None, python_check: Cal
     if python is None:
         return PreflightCheck(name=name, ok=False,
                               message=f"cannot tell which python runs this launch ({how}): give the environment's interpreter "
-                                      "with --python PATH, or start the command with it (`/venv/bin/python -m trainers.fsdp_lm ...`)")
+                                      "with --python PATH, or start the command with it (`/venv/bin/python -m gpudeck.trainers.fsdp_lm ...`)")
     if not _is_trainer(spec, parsed):
         # a plain command in a named environment: the interpreter must exist; torch is the trainers' need, not its
         exe = python if os.sep in python else (shutil.which(python) or "")
@@ -642,8 +642,8 @@ def run_preflight(
 
     ``gpus`` are this host's GPUs with their processes attributed; ``ended`` maps run ids to ended
     runs (to say when a STALE holder's run ended); ``estimate`` is the memory each GPU needs
-    (:func:`agents.estimate.estimate`), ``estimate_error`` why there is none; ``python_check``
-    answers whether an interpreter imports torch (``agents.envs.check_imports_torch``).
+    (:func:`gpudeck.agents.estimate.estimate`), ``estimate_error`` why there is none; ``python_check``
+    answers whether an interpreter imports torch (``gpudeck.agents.envs.check_imports_torch``).
     """
     t0 = time.monotonic()
     now = time.time() if now is None else now

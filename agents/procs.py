@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import psutil
 
-from agents.protocol import ProcInfo
+from gpudeck.agents.protocol import ProcInfo
 
 RUN_TAG = "GPUDECK_RUN_ID"
 SIM_GPU_MEM_TAG = "GPUDECK_SIM_GPU_MEM"  # "<gpu>:<GiB>[,<gpu>:<GiB>...]", read by the simulated GPU sampler

@@ -25,13 +25,13 @@ from typing import Any
 
 import msgspec
 
-from agents import __version__, paths
-from agents.errors import AgentError, BadRequest, StorageError, VersionMismatch
-from agents.gpus import make_sampler
-from agents.journal import Journal
-from agents.procs import ProcTable
-from agents import envs
-from agents.protocol import (
+from gpudeck.agents import __version__, paths
+from gpudeck.agents.errors import AgentError, BadRequest, StorageError, VersionMismatch
+from gpudeck.agents.gpus import make_sampler
+from gpudeck.agents.journal import Journal
+from gpudeck.agents.procs import ProcTable
+from gpudeck.agents import envs
+from gpudeck.agents.protocol import (
     MAX_OUTPUT_CHUNK,
     Fingerprint,
     FingerprintReply,
@@ -74,9 +74,9 @@ from agents.protocol import (
     decode_request,
     encode,
 )
-from agents.snapshot import SnapshotBuilder
-from agents.supervisor import Supervisor, hostname
-from agents.telemetry import step_series
+from gpudeck.agents.snapshot import SnapshotBuilder
+from gpudeck.agents.supervisor import Supervisor, hostname
+from gpudeck.agents.telemetry import step_series
 
 log = logging.getLogger("gpudeck.agent")
 

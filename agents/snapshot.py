@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import time
 
-from agents.gpus import GpuSource
-from agents.procs import CT_TOLERANCE, ProcTable, proc_info, read_stat
-from agents.protocol import GpuProcess, ProcInfo, Snapshot
-from agents.supervisor import Supervisor
+from gpudeck.agents.gpus import GpuSource
+from gpudeck.agents.procs import CT_TOLERANCE, ProcTable, proc_info, read_stat
+from gpudeck.agents.protocol import GpuProcess, ProcInfo, Snapshot
+from gpudeck.agents.supervisor import Supervisor
 
 
 class SnapshotBuilder:

@@ -20,9 +20,9 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
-from agents.containment import RunGroup
-from agents.gpus import GpuSource
-from agents.procs import (
+from gpudeck.agents.containment import RunGroup
+from gpudeck.agents.gpus import GpuSource
+from gpudeck.agents.procs import (
     CT_TOLERANCE,
     alive,
     create_time_of,
@@ -30,7 +30,7 @@ from agents.procs import (
     signal_exact,
     status_of,
 )
-from agents.protocol import GpuFreed, GpuProcess, Member, StoppedProcess, StopResult
+from gpudeck.agents.protocol import GpuFreed, GpuProcess, Member, StoppedProcess, StopResult
 
 KILL_WAIT_S = 5.0  # after SIGKILL, how long to wait for the kernel to take them
 GPU_SETTLE_S = 5.0  # after the processes are gone, how long to wait for NVML to drop them

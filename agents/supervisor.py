@@ -1,12 +1,12 @@
 """Provides the run supervisor: launch, watch, stop exactly one run, and re-adopt after a restart.
 
-Each live run is a :class:`~agents.liverun.LiveRun`. A run is started through
-:mod:`agents.shim` (see :mod:`agents.launcher`) into its own cgroup where the
-host allows one (:mod:`agents.containment`); membership comes from the group,
-or from the tag and parentage without one (:mod:`agents.membership`). Members
+Each live run is a :class:`~gpudeck.agents.liverun.LiveRun`. A run is started through
+:mod:`gpudeck.agents.shim` (see :mod:`gpudeck.agents.launcher`) into its own cgroup where the
+host allows one (:mod:`gpudeck.agents.containment`); membership comes from the group,
+or from the tag and parentage without one (:mod:`gpudeck.agents.membership`). Members
 are recorded as ``(pid, create_time)``; nothing is signalled whose create_time
-no longer matches. Stop and reclaim share one sequence (:mod:`agents.stopper`);
-how a run ended is decided in :mod:`agents.exit_cause`.
+no longer matches. Stop and reclaim share one sequence (:mod:`gpudeck.agents.stopper`);
+how a run ended is decided in :mod:`gpudeck.agents.exit_cause`.
 """
 
 from __future__ import annotations
@@ -25,22 +25,22 @@ from pathlib import Path
 
 import msgspec
 
-from agents import envs, stopper
-from agents.attribution import Attribution
-from agents.causes import cause_class, classify_output
-from agents.containment import LABELS, Containment, RunGroup, detect
-from agents.errors import AgentError, BadRequest, LaunchFailed, NotFound, StorageError
-from agents.estimate import estimate_or_reason
-from agents.exit_cause import ExitFacts, decide, read_exit_record, telemetry_evidence
-from agents.gpus import GpuSource
-from agents.health import Baseline, claims_report, observe
-from agents.journal import Journal
-from agents.launcher import LaunchPlan, check_executable, fsync_write, spawn
-from agents.leftovers import find_leftovers
-from agents.liverun import LiveRun
-from agents.membership import TreeWatch, discover, proc_tree
-from agents.preflight import failure_summary, run_preflight
-from agents.procs import (
+from gpudeck.agents import envs, stopper
+from gpudeck.agents.attribution import Attribution
+from gpudeck.agents.causes import cause_class, classify_output
+from gpudeck.agents.containment import LABELS, Containment, RunGroup, detect
+from gpudeck.agents.errors import AgentError, BadRequest, LaunchFailed, NotFound, StorageError
+from gpudeck.agents.estimate import estimate_or_reason
+from gpudeck.agents.exit_cause import ExitFacts, decide, read_exit_record, telemetry_evidence
+from gpudeck.agents.gpus import GpuSource
+from gpudeck.agents.health import Baseline, claims_report, observe
+from gpudeck.agents.journal import Journal
+from gpudeck.agents.launcher import LaunchPlan, check_executable, fsync_write, spawn
+from gpudeck.agents.leftovers import find_leftovers
+from gpudeck.agents.liverun import LiveRun
+from gpudeck.agents.membership import TreeWatch, discover, proc_tree
+from gpudeck.agents.preflight import failure_summary, run_preflight
+from gpudeck.agents.procs import (
     CT_TOLERANCE,
     ProcTable,
     StatLine,
@@ -49,7 +49,7 @@ from agents.procs import (
     read_stat,
     signal_exact,
 )
-from agents.protocol import (
+from gpudeck.agents.protocol import (
     LIVE_STATES,
     TERMINAL_STATES,
     Alert,

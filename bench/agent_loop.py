@@ -29,8 +29,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from agents.client import AgentClient  # noqa: E402
-from agents.protocol import GetSnapshot, Launch, LaunchSpec, Ping  # noqa: E402
+from gpudeck.agents.client import AgentClient  # noqa: E402
+from gpudeck.agents.protocol import GetSnapshot, Launch, LaunchSpec, Ping  # noqa: E402
 
 # telemetry as fast as the agent takes it: every record becomes one journal event (eval records are never thinned)
 WRITER = r"""
@@ -71,7 +71,7 @@ async def main_async(args: argparse.Namespace) -> None:
     pythonpath = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
     env = {**os.environ, "GPUDECK_HOME": str(home), "PYTHONPATH": pythonpath, "GPUDECK_LOOP_MONITOR": str(monitor)}
     errlog = open(home / "agent.stderr", "wb")
-    agent = subprocess.Popen([sys.executable, "-m", "agents", "serve", "--state-dir", str(state)], env=env, start_new_session=True, stdout=errlog, stderr=errlog)
+    agent = subprocess.Popen([sys.executable, "-m", "gpudeck.agents", "serve", "--state-dir", str(state)], env=env, start_new_session=True, stdout=errlog, stderr=errlog)
     stop = threading.Event()
     client = None
     try:

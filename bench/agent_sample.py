@@ -32,12 +32,12 @@ sys.path.insert(0, str(ROOT))
 
 import psutil  # noqa: E402
 
-from agents.gpus import GpuSampler  # noqa: E402
-from agents.journal import Journal  # noqa: E402
-from agents.procs import ProcTable  # noqa: E402
-from agents.protocol import LaunchSpec, WatchSnapshots  # noqa: E402
-from agents.snapshot import SnapshotBuilder  # noqa: E402
-from agents.supervisor import Supervisor  # noqa: E402
+from gpudeck.agents.gpus import GpuSampler  # noqa: E402
+from gpudeck.agents.journal import Journal  # noqa: E402
+from gpudeck.agents.procs import ProcTable  # noqa: E402
+from gpudeck.agents.protocol import LaunchSpec, WatchSnapshots  # noqa: E402
+from gpudeck.agents.snapshot import SnapshotBuilder  # noqa: E402
+from gpudeck.agents.supervisor import Supervisor  # noqa: E402
 
 HOLD = (
     "import sys, time, torch\n"
@@ -217,7 +217,7 @@ def run(self):
         p.disable()
 threading.Thread.run = run
 main = cProfile.Profile(time.thread_time); profiles.append(main); main.enable()
-from agents.server import serve
+from gpudeck.agents.server import serve
 try:
     serve(Path(sys.argv[2]))
 finally:
@@ -238,10 +238,10 @@ async def agent_cpu(seconds: float, profile: str | None = None, warmup: float = 
     pythonpath = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
     env = {**os.environ, "GPUDECK_HOME": str(home), "PYTHONPATH": pythonpath}
     errlog = open(home / "agent.stderr", "wb")
-    cmd = [sys.executable, "-c", PROFILED_AGENT, profile, str(home / "agent")] if profile else [sys.executable, "-m", "agents", "serve", "--state-dir", str(home / "agent")]
+    cmd = [sys.executable, "-c", PROFILED_AGENT, profile, str(home / "agent")] if profile else [sys.executable, "-m", "gpudeck.agents", "serve", "--state-dir", str(home / "agent")]
     proc = subprocess.Popen(cmd, env=env, start_new_session=True, stdout=errlog, stderr=errlog)
     try:
-        from agents.client import AgentClient
+        from gpudeck.agents.client import AgentClient
 
         client = None
         for _ in range(1200):  # a minute: with thousands of processes (and a profiler) start-up reads each once

@@ -33,13 +33,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from agents.containment import detect
-from agents.gpus_sim import SimulatedGpuSampler
-from agents.journal import Journal
-from agents.procs import ProcTable
-from agents.protocol import LaunchSpec
-from agents.snapshot import SnapshotBuilder
-from agents.supervisor import Supervisor
+from gpudeck.agents.containment import detect
+from gpudeck.agents.gpus_sim import SimulatedGpuSampler
+from gpudeck.agents.journal import Journal
+from gpudeck.agents.procs import ProcTable
+from gpudeck.agents.protocol import LaunchSpec
+from gpudeck.agents.snapshot import SnapshotBuilder
+from gpudeck.agents.supervisor import Supervisor
 
 # the leader spawns N-1 sleepers (every tenth with SIGTERM ignored), then says how many are up
 TREE = r"""

@@ -6,12 +6,12 @@ Two parts, one result line per figure (``RESULT <name> <value> <unit> [details]`
           ``--rows`` positions (default 1024 anchors x block 32 = 32,768), hidden 1024, vocab
           151,936, bf16, lm_head frozen (as in DFlash; ``--weight-grad`` also measures with a
           trainable lm_head). Compares the plain version (full logits, fp32 CE) with
-          ``trainers.dflash_loss.chunked_linear_cross_entropy`` in ``fused`` mode (gradient
+          ``gpudeck.trainers.dflash_loss.chunked_linear_cross_entropy`` in ``fused`` mode (gradient
           computed in the forward pass, chunk by chunk) and ``recompute`` mode (checkpointed
           chunks). Extra memory = ``torch.cuda.max_memory_allocated`` after minus before (inputs
           and the weight are allocated before); time = median of ``--iters`` CUDA-event-timed runs.
 
-``train`` ``python -m trainers.dflash`` itself, colocated, one GPU, a random-weight
+``train`` ``python -m gpudeck.trainers.dflash`` itself, colocated, one GPU, a random-weight
           Qwen3-0.6B-shaped target (``--target-config qwen3-0.6b``), block 16, 512 anchors,
           seq 2048; tokens/s and MFU are read from the trainer's own telemetry (median over the
           steps after ``--skip`` warm-up steps) and cross-checked here from its per-step FLOP
@@ -60,7 +60,7 @@ def result(name: str, value, unit: str, **details) -> None:
 def bench_loss(args) -> None:
     import torch
 
-    from trainers.dflash_loss import chunked_linear_cross_entropy, plain_linear_cross_entropy
+    from gpudeck.trainers.dflash_loss import chunked_linear_cross_entropy, plain_linear_cross_entropy
 
     dev = torch.device("cuda")
     torch.manual_seed(0)
@@ -83,7 +83,7 @@ def bench_loss(args) -> None:
         loss.backward()
         return loss.detach(), hid.grad
 
-    import trainers.dflash_loss as dl
+    import gpudeck.trainers.dflash_loss as dl
 
     configs = [("plain", 0)]
     for c in args.chunks:
@@ -169,7 +169,7 @@ def seed_train_argv(folder: Path, target: str, steps: int, out: Path, compile_: 
 
 
 def run_trainer(cmd: list[str], out: Path, label: str, args) -> tuple[object, list[dict], float]:
-    """Run one ``trainers.dflash`` command line with its telemetry in ``out``; (exit code, records, wall s)."""
+    """Run one ``gpudeck.trainers.dflash`` command line with its telemetry in ``out``; (exit code, records, wall s)."""
     tel = out / "telemetry.jsonl"
     env = dict(os.environ, GPUDECK_TELEMETRY=str(tel), PYTHONUNBUFFERED="1")
     print("$ " + " ".join(cmd), flush=True)
@@ -191,15 +191,15 @@ def run_trainer(cmd: list[str], out: Path, label: str, args) -> tuple[object, li
 
 
 def bench_seed(args) -> None:
-    from agents.estimate import estimate
-    from agents.protocol import LaunchSpec
+    from gpudeck.agents.estimate import estimate
+    from gpudeck.agents.protocol import LaunchSpec
 
     out = Path(tempfile.mkdtemp(prefix="dflash_seed_"))
     argv = seed_train_argv(out / "configs", args.seed_target, args.steps, out / "run", not args.no_compile)
     if args.profile:
         argv += ["--profile-steps", f"{args.steps - 1}-{args.steps}"]
     label = f"seed.{args.seed_target}" + ("" if args.no_compile else ".compile")
-    rc, recs, wall = run_trainer([sys.executable, "-m", "trainers.dflash", *argv], out, label, args)
+    rc, recs, wall = run_trainer([sys.executable, "-m", "gpudeck.trainers.dflash", *argv], out, label, args)
     steps = [r for r in recs if r["type"] == "step" and r["step"] > args.skip]
     if rc != 0 or not steps:
         result(label, "FAILED", "-", rc=str(rc).replace(" ", "_"), wall_s=f"{wall:.0f}")
@@ -207,7 +207,7 @@ def bench_seed(args) -> None:
     man = next(r for r in recs if r["type"] == "manifest")
     med = {k: statistics.median(r[k] for r in steps) for k in ("tokens_per_s", "mfu", "mfu_torchtitan", "step_s")}
     peak = max(r["mem_peak_gib"] for r in steps)
-    est = estimate(LaunchSpec(kind="dflash", argv=["python", "-m", "trainers.dflash", *argv], cwd=str(ROOT)))
+    est = estimate(LaunchSpec(kind="dflash", argv=["python", "-m", "gpudeck.trainers.dflash", *argv], cwd=str(ROOT)))
     result(f"{label}.tokens_per_s", f"{med['tokens_per_s']:.0f}", "tok/s", step_ms=f"{med['step_s'] * 1000:.1f}",
            target_fwd_ms=f"{statistics.median(r['target_forward_s'] for r in steps) * 1000:.1f}",
            steps=len(steps), gpu=man.get("gpu_name"), target_params=man["target_params_frozen"],
@@ -230,7 +230,7 @@ def bench_train(args) -> None:
         attn, layers, batch = spec.split(":")[:3]
         compile_ = spec.endswith(":compile")
         out = Path(tempfile.mkdtemp(prefix="dflash_bench_"))
-        cmd = [sys.executable, "-m", "trainers.dflash", "--target-config", args.target_config,
+        cmd = [sys.executable, "-m", "gpudeck.trainers.dflash", "--target-config", args.target_config,
                "--fresh", "--out", str(out / "run"), "--no-eval", "--max-steps", str(args.steps),
                "--seq-len", str(args.seq_len), "--batch-size", batch, "--block-size", str(args.block_size),
                "--num-anchors", str(args.num_anchors), "--drafter-layers", layers, "--attn", attn,

@@ -36,7 +36,7 @@ with that line.
 
 Host side: the agent's cost per snapshot (the snapshots' own ``sample_ms``,
 and the agents' CPU over the window from psutil) against what exec-per-tick
-costs a host per tick: an exec of ``python -m console.cli status --host local
+costs a host per tick: an exec of ``python -m gpudeck.console.cli status --host local
 --json`` against one of the agents (wall time and CPU of the process). gpustat
 cannot run here (it needs NVML); its H200 figure from bench/RESULTS.md is
 printed as a reference, not as a measurement of this run.
@@ -171,8 +171,8 @@ def _profile_text(prof: cProfile.Profile, limit: int = 30) -> str:
 
 async def worker_gpudeck(spec: FleetSpec, seconds: float, interval: float, profile: Path | None) -> None:
     """gpudeck's console side: a Fleet with a History following every host; figures over the window."""
-    from console.fleet import Fleet
-    from console.history import History
+    from gpudeck.console.fleet import Fleet
+    from gpudeck.console.history import History
 
     hdir = Path(tempfile.mkdtemp(prefix="console-gpudeck-", dir=str(spec.base_dir)))
     hist = History(hdir / "history.db")
@@ -237,11 +237,11 @@ async def worker_gpudeck(spec: FleetSpec, seconds: float, interval: float, profi
 
 async def plain_connections(spec: FleetSpec) -> list:
     """One plain asyncssh connection per host (as gpustat-web makes them), in the cipher order gpudeck asks for:
-    the designs differ, not the cipher. Importing console.transport also gives them gpudeck's AES-GCM shim (one
+    the designs differ, not the cipher. Importing gpudeck.console.transport also gives them gpudeck's AES-GCM shim (one
     AESGCM per key), so the peers pay no more per packet for the cipher than gpudeck does. Emits ``up``."""
     import asyncssh
 
-    from console.transport import encryption_preference
+    from gpudeck.console.transport import encryption_preference
 
     opts = spec.ssh_options()
     algs = encryption_preference(opts.config_paths())
@@ -274,8 +274,8 @@ async def worker_floor(spec: FleetSpec, seconds: float, interval: float, profile
     no history. gpudeck's console CPU above this line is gpudeck's own code."""
     import asyncssh
 
-    from agents.protocol import Hello, WatchSnapshots, encode
-    from console.transport import _skip_idle_packet_log
+    from gpudeck.agents.protocol import Hello, WatchSnapshots, encode
+    from gpudeck.console.transport import _skip_idle_packet_log
 
     ok = await plain_connections(spec)
     n = len(spec.names)
@@ -598,10 +598,10 @@ def report(design: str, n: int, r: dict[str, Any], side: Side) -> tuple[float, f
 
 
 def host_exec_cost(fh: FleetHosts, n_execs: int) -> tuple[list[float], list[float]] | str:
-    """Wall and CPU seconds of `python -m console.cli status --host local --json` against agent 0, run n times."""
+    """Wall and CPU seconds of `python -m gpudeck.console.cli status --host local --json` against agent 0, run n times."""
     env = fh.agent_env(0)
     env.pop("GPUDECK_SIMULATE_GPUS", None)
-    argv = [sys.executable, "-m", "console.cli", "status", "--host", "local", "--json"]
+    argv = [sys.executable, "-m", "gpudeck.console.cli", "status", "--host", "local", "--json"]
     walls: list[float] = []
     cpus: list[float] = []
     for _ in range(n_execs + 1):
@@ -699,11 +699,11 @@ def main() -> None:
             if args.execs > 0 and n == sizes[-1]:
                 cost = host_exec_cost(fh, args.execs)
                 if isinstance(cost, str):
-                    out(f"N={n} host exec of `python -m console.cli status --host local --json` FAILED: {cost}")
+                    out(f"N={n} host exec of `python -m gpudeck.console.cli status --host local --json` FAILED: {cost}")
                 else:
                     walls, cpus = cost
                     cpu_ms = 1000 * statistics.fmean(cpus)
-                    line = (f"N={n} host exec-per-tick cost, one exec of `python -m console.cli status --host local --json` against an agent: "
+                    line = (f"N={n} host exec-per-tick cost, one exec of `python -m gpudeck.console.cli status --host local --json` against an agent: "
                             f"wall mean {1000 * statistics.fmean(walls):.0f} ms, p99 {1000 * pct(walls, 0.99):.0f} ms; CPU mean {cpu_ms:.0f} ms (n={len(walls)})")
                     if "gpudeck" in results:
                         r, side = results["gpudeck"]

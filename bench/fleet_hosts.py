@@ -2,7 +2,7 @@
 
 What is real and what is not, so nobody reads more into a figure than it holds:
 
-- **Agents are real**: each host is its own ``python -m agents serve`` process
+- **Agents are real**: each host is its own ``python -m gpudeck.agents serve`` process
   with its own ``GPUDECK_HOME`` (journal, socket, run folders), started in
   batches so the machine is not swamped, each waited for on its socket.
 - **GPUs are SIMULATED**: every agent runs with
@@ -23,7 +23,7 @@ What is real and what is not, so nobody reads more into a figure than it holds:
   and is measured separately by bench/fleet.py. The client side (the
   console) is the real one: asyncssh with a generated ssh config
   (``Host hNNN`` / HostName / Port / User / IdentityFile / IdentitiesOnly)
-  and known_hosts, through :class:`console.transport.SshOptions`.
+  and known_hosts, through :class:`gpudeck.console.transport.SshOptions`.
 
 :class:`FleetHosts` starts and stops all of it (by pid); :class:`FleetSpec`
 is the part a console process in another process needs (``fleet.json``).
@@ -130,13 +130,13 @@ class FleetSpec:
 
     def ssh_options(self, keepalive_s: float = 10.0):  # type: ignore[no-untyped-def]
         """The console's SSH settings for this fleet (its ssh config and known_hosts, nothing of ~/.ssh)."""
-        from console.transport import SshOptions
+        from gpudeck.console.transport import SshOptions
 
         return SshOptions(config=[self.ssh_config], known_hosts=[self.known_hosts], keepalive_s=keepalive_s)
 
     def config(self):  # type: ignore[no-untyped-def]
         """A console Config with one HostSettings per host (no ``local``: only the loopback hosts are followed)."""
-        from console import config as cfg
+        from gpudeck.console import config as cfg
 
         return cfg.Config(hosts=tuple(cfg.HostSettings(name=n) for n in self.names), path=self.base_dir / "config.toml")
 
@@ -344,7 +344,7 @@ class FleetHosts:
                 try:
                     self.agents.append(
                         subprocess.Popen(
-                            [self.python, "-m", "agents", "serve", "--state-dir", str(home / "agent")],
+                            [self.python, "-m", "gpudeck.agents", "serve", "--state-dir", str(home / "agent")],
                             env=self.agent_env(i),
                             cwd=str(home),
                             stdin=subprocess.DEVNULL,
@@ -551,9 +551,9 @@ class _Farm:
     async def _status(self, process, sock: Path) -> None:  # type: ignore[no-untyped-def]
         import msgspec
 
-        from agents.client import AgentClient
-        from agents.errors import AgentError
-        from agents.protocol import GetSnapshot
+        from gpudeck.agents.client import AgentClient
+        from gpudeck.agents.errors import AgentError
+        from gpudeck.agents.protocol import GetSnapshot
 
         self.status_execs += 1
         try:
@@ -633,8 +633,8 @@ async def _farm_main(spec_path: Path) -> None:
 
 
 async def _smoke(spec: FleetSpec, seconds: float) -> None:
-    from console.fleet import Fleet
-    from console.history import History
+    from gpudeck.console.fleet import Fleet
+    from gpudeck.console.history import History
 
     hist = History(spec.base_dir / "smoke-history.db")
     fleet = Fleet(config=spec.config(), ssh=spec.ssh_options(), interval_s=1.0, history=hist)

@@ -1,11 +1,11 @@
-"""Benchmark: MFU of ``trainers.fsdp_lm`` on one GPU, cross-checked from wall time.
+"""Benchmark: MFU of ``gpudeck.trainers.fsdp_lm`` on one GPU, cross-checked from wall time.
 
-For each configuration it runs the real trainer (``python -m trainers.fsdp_lm``,
+For each configuration it runs the real trainer (``python -m gpudeck.trainers.fsdp_lm``,
 world size 1) for a few steps and prints one line::
 
     fsdp_mfu llama-1b B=8 T=2048 compile=1 sdpa=auto: 48.9% MFU causal (trainer) 48.7% (bench), 52.9% torchtitan (trainer) 52.7% (bench) 71,313 tok/s [...]
 
-Two conventions (``trainers.flops``): **causal** — the headline, the
+Two conventions (``gpudeck.trainers.flops``): **causal** — the headline, the
 trainer's ``mfu`` — counts attention FLOPs halved for the causal mask,
 6·(N − N_emb) + 6·L·H·d_head·S; **torchtitan** counts full attention,
 6·(N − N_emb) + 12·L·H·d_head·S (the trainer's ``mfu_torchtitan``).
@@ -53,7 +53,7 @@ def bench_flops_per_token(model_spec: str, seq_len: int) -> tuple[float, float, 
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from trainers.fsdp_lm import PRESETS
+    from gpudeck.trainers.fsdp_lm import PRESETS
 
     kw = dict(PRESETS[model_spec])
     cfg = AutoConfig.for_model(kw.pop("model_type"), **kw)
@@ -86,7 +86,7 @@ def run_one(args, batch: int, compile_: bool, sdpa: str, extra: list[str], workd
         "_" + a.lstrip("-").replace("/", "") for a in extra)[:80]
     out = workdir / tag
     tel = workdir / f"{tag}.jsonl"
-    cmd = [sys.executable, "-m", "trainers.fsdp_lm", "--model-config", args.model,
+    cmd = [sys.executable, "-m", "gpudeck.trainers.fsdp_lm", "--model-config", args.model,
            "--seq-len", str(args.seq_len), "--batch-size", str(batch),
            "--max-steps", str(args.steps), "--warmup-steps", "2", "--checkpoint-every", "0",
            "--no-final-checkpoint", "--no-export", "--corpus-bytes", str(args.corpus_bytes),

@@ -25,9 +25,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import msgspec  # noqa: E402
 
-from agents.protocol import Event  # noqa: E402
-from agents.telemetry import INT_MAX, INT_MIN, LineRejected, decode_line  # noqa: E402
-from console import quarantine  # noqa: E402
+from gpudeck.agents.protocol import Event  # noqa: E402
+from gpudeck.agents.telemetry import INT_MAX, INT_MIN, LineRejected, decode_line  # noqa: E402
+from gpudeck.console import quarantine  # noqa: E402
 
 SEEDS = [
     b'{"ts": 1.5, "rank": 0, "type": "step", "step": 12, "loss": 2.25, "tokens_per_s": 1000.0, "mfu": 0.4}',

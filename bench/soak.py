@@ -147,8 +147,8 @@ class Launcher:
         return max(1, round(self.events_per_s / self.run_rate))
 
     async def _launch_one(self, k: int, dur: float) -> None:
-        from agents.errors import AgentError
-        from agents.protocol import LaunchSpec
+        from gpudeck.agents.errors import AgentError
+        from gpudeck.agents.protocol import LaunchSpec
 
         host = random.choice(self.names)
                 # force: the simulated GPUs show every GPUDECK_SIM_GPU_MEM process of this machine, other tests' holders included,
@@ -195,8 +195,8 @@ def _history_bytes(path: Path) -> int:
 
 async def soak_worker(spec: FleetSpec, args: argparse.Namespace) -> None:
     """The console side of the soak: a Fleet with a History, launching the load, reporting every interval."""
-    from console.fleet import Fleet
-    from console.history import History
+    from gpudeck.console.fleet import Fleet
+    from gpudeck.console.history import History
 
     hdir = Path(tempfile.mkdtemp(prefix="console-soak-", dir=str(spec.base_dir)))
     hpath = hdir / "history.db"

@@ -112,7 +112,7 @@ def env_for(home: Path) -> dict[str, str]:
 
 def start_agent(home: Path, nice: bool = False) -> subprocess.Popen:
     """The local agent of parts 1 and 2; ``nice``: at nice 19, with the runs it starts (as part 3 runs its hosts)."""
-    proc = subprocess.Popen([sys.executable, "-m", "agents", "serve", "--state-dir", str(home / "agent")], env=env_for(home), start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    proc = subprocess.Popen([sys.executable, "-m", "gpudeck.agents", "serve", "--state-dir", str(home / "agent")], env=env_for(home), start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             preexec_fn=(lambda: os.nice(19)) if nice else None)
     sock = home / "agent" / "sock" / "agent.sock"
     for _ in range(400):
@@ -239,11 +239,11 @@ class Window:
 
 
 async def part1(home: Path, rate: int, total: int) -> None:
-    from agents.protocol import LaunchSpec
-    from console.app import GpudeckApp
-    from console.fleet import Fleet
-    from console.screens.run import RunScreen
-    from console.widgets.output_view import OutputView
+    from gpudeck.agents.protocol import LaunchSpec
+    from gpudeck.console.app import GpudeckApp
+    from gpudeck.console.fleet import Fleet
+    from gpudeck.console.screens.run import RunScreen
+    from gpudeck.console.widgets.output_view import OutputView
 
     app = GpudeckApp(Fleet(state_dir=home / "agent"))
     me = psutil.Process()
@@ -282,12 +282,12 @@ async def part1(home: Path, rate: int, total: int) -> None:
 
 def part2(home: Path, rate: int, seconds: float, presses: int, label: str = "") -> None:
     env = env_for(home)
-    term = Term([sys.executable, "-m", "console.cli", "console"], env)
+    term = Term([sys.executable, "-m", "gpudeck.console.cli", "console"], env)
     rid = ""
     try:
         term.pump(8.0, b"Fleet")
         # the chatty run is launched through the CLI, then opened from the console's Runs screen
-        rid = subprocess.run([sys.executable, "-m", "console.cli", "launch", "--name", "tui-keys", "--", sys.executable, "-c", WRITER, str(rate), str(int(rate * (seconds + 30)))], env=env, capture_output=True, text=True, check=True).stdout.strip()
+        rid = subprocess.run([sys.executable, "-m", "gpudeck.console.cli", "launch", "--name", "tui-keys", "--", sys.executable, "-c", WRITER, str(rate), str(int(rate * (seconds + 30)))], env=env, capture_output=True, text=True, check=True).stdout.strip()
         term.press(b"r")
         term.pump(5.0, rid.encode())
         term.press(b"\r")
@@ -306,7 +306,7 @@ def part2(home: Path, rate: int, seconds: float, presses: int, label: str = "") 
             print("tui_bench part2: no key press was seen on screen", flush=True)
     finally:
         if rid:
-            subprocess.run([sys.executable, "-m", "console.cli", "stop", rid, "--grace", "2"], env=env, capture_output=True)
+            subprocess.run([sys.executable, "-m", "gpudeck.console.cli", "stop", rid, "--grace", "2"], env=env, capture_output=True)
         term.close(wait_s=0.5)
 
 
@@ -346,13 +346,13 @@ def console_child(spec_path: Path, stats_path: Path, total: int) -> None:
     from textual.binding import Binding
 
     from bench.fleet_hosts import FleetSpec
-    from console.app import GpudeckApp
-    from console.fleet import Fleet
-    from console.history import History
-    from console.screens.fleet import FleetScreen
-    from console.screens.run import RunScreen
-    from console.widgets.keyed_table import KeyedTable
-    from console.widgets.output_view import OutputView
+    from gpudeck.console.app import GpudeckApp
+    from gpudeck.console.fleet import Fleet
+    from gpudeck.console.history import History
+    from gpudeck.console.screens.fleet import FleetScreen
+    from gpudeck.console.screens.run import RunScreen
+    from gpudeck.console.widgets.keyed_table import KeyedTable
+    from gpudeck.console.widgets.output_view import OutputView
 
     spec = FleetSpec.load(spec_path)
     log = Log(stats_path.with_suffix(".log"))
@@ -565,7 +565,7 @@ def part3(rate: int, seconds: float, presses: int, hosts: int, gpus: str, nice: 
                 tail_peer(fh.spec.state_dir(0) / "runs" / rid / "output.log", rate, seconds, others)
         finally:
             if rid:
-                subprocess.run([sys.executable, "-m", "console.cli", "stop", rid, "--grace", "2"], env=fh.agent_env(0), capture_output=True)
+                subprocess.run([sys.executable, "-m", "gpudeck.console.cli", "stop", rid, "--grace", "2"], env=fh.agent_env(0), capture_output=True)
         if "console" in fleet_figures:
             dashboard_peer(spec_path, fh.base_dir / "peer.log", others, hosts, seconds, fleet_figures)
 
@@ -632,7 +632,7 @@ def console_part(term: Term, fh, stats_path: Path, console_log: Path, others: li
     show(f"Fleet screen, {hosts} hosts at 1 Hz", term.latencies(PING_KEY, lambda i: f"bench ping {i + 1}".encode(), presses), presses)
 
     rid = subprocess.run(
-        [sys.executable, "-m", "console.cli", "launch", "--name", "tui-256", "--", sys.executable, "-c", WRITER, str(rate), str(int(rate * (3 * seconds + 300)))],
+        [sys.executable, "-m", "gpudeck.console.cli", "launch", "--name", "tui-256", "--", sys.executable, "-c", WRITER, str(rate), str(int(rate * (3 * seconds + 300)))],
         env=fh.agent_env(0), capture_output=True, text=True, check=True,
     ).stdout.strip()
     if not alive("before the run was launched"):
@@ -741,11 +741,11 @@ def dashboard_peer(spec_path: Path, log_path: Path, others: list[int], hosts: in
 
 
 async def part4(hosts: int) -> None:
-    from agents.protocol import Gpu, GpuProcess, Snapshot
-    from console.app import GpudeckApp
-    from console.config import HostSettings
-    from console.fleet import Fleet, HostLink
-    from console.widgets.keyed_table import KeyedTable
+    from gpudeck.agents.protocol import Gpu, GpuProcess, Snapshot
+    from gpudeck.console.app import GpudeckApp
+    from gpudeck.console.config import HostSettings
+    from gpudeck.console.fleet import Fleet, HostLink
+    from gpudeck.console.widgets.keyed_table import KeyedTable
 
     class FedLink(HostLink):
         def start(self) -> None:

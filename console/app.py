@@ -18,19 +18,19 @@ from textual.binding import Binding
 from textual.notifications import SeverityLevel
 from textual.screen import ModalScreen, Screen
 
-from agents.protocol import RunInfo
-from console.commands import GpudeckCommands
-from console.fleet import Fleet, HostStatus
-from console.history import History
-from console.ops import LaunchIntent
-from console.sanitize import escape_controls
-from console.screens.base import LiveScreen
-from console.screens.fleet import FleetScreen
-from console.screens.history import HistoryScreen
-from console.screens.host import HostScreen
-from console.screens.launch import LaunchDialog, LaunchOutcome
-from console.screens.run import RunScreen
-from console.screens.runs import RunsScreen
+from gpudeck.agents.protocol import RunInfo
+from gpudeck.console.commands import GpudeckCommands
+from gpudeck.console.fleet import Fleet, HostStatus
+from gpudeck.console.history import History
+from gpudeck.console.ops import LaunchIntent
+from gpudeck.console.sanitize import escape_controls
+from gpudeck.console.screens.base import LiveScreen
+from gpudeck.console.screens.fleet import FleetScreen
+from gpudeck.console.screens.history import HistoryScreen
+from gpudeck.console.screens.host import HostScreen
+from gpudeck.console.screens.launch import LaunchDialog, LaunchOutcome
+from gpudeck.console.screens.run import RunScreen
+from gpudeck.console.screens.runs import RunsScreen
 
 # Host changes reach the screens this often at most. A refresh costs the visible cells that changed
 # (KeyedTable), so frequent small refreshes keep a key press from waiting behind a big one.

@@ -3,7 +3,7 @@
 Every command returns a structured result or a structured error: with
 ``--json`` the result is one JSON document on stdout; errors go to stderr
 with a non-zero exit code and say what to do. Every command reaches hosts
-through the :class:`~console.fleet.Fleet`, as the console does.
+through the :class:`~gpudeck.console.fleet.Fleet`, as the console does.
 """
 
 from __future__ import annotations
@@ -17,30 +17,30 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
-from agents import envs, paths
-from agents.client import AgentClient
-from agents.errors import AgentError
-from agents.preflight import format_preflight
-from agents.protocol import to_builtins
-from console import config as cfg
-from console.fleet import Fleet, SyncResult
-from console.formats import format_claims, format_history, format_hosts, format_leftovers, format_runs, format_show, format_status, format_stop, run_json, why_down
-from console.history import History, HistoryError
-from console.multinode import group
-from console.ops import run_figures
-from console.ops import ClaimsIntent, LaunchIntent, LaunchResult, OpsError, Resolved, relaunch_intent, resolve_run, rollback_intent, start_of
-from console.ops.intent import check_start, env_items
-from console.ops.launch import launch as ops_launch
-from console.ops.launch import plan_here
-from console.ops.resolve import fleet_runs
-from console.ops.stop import StopOutcome, reclaim_targets, stop_run
-from console.ops.stop import reclaim as ops_reclaim
-from console.ops.launch import preflight as ops_preflight
-from console.ops.relaunch import changed_environment, check_environment, rebuild_environment, recorded_environment, spec_from_row
-from console.quarantine import format_problems
-from console.query import QueryError
-from console.rundiff import diff_runs, env_of, format_diff
-from console.sanitize import redact_run, terminal_text
+from gpudeck.agents import envs, paths
+from gpudeck.agents.client import AgentClient
+from gpudeck.agents.errors import AgentError
+from gpudeck.agents.preflight import format_preflight
+from gpudeck.agents.protocol import to_builtins
+from gpudeck.console import config as cfg
+from gpudeck.console.fleet import Fleet, SyncResult
+from gpudeck.console.formats import format_claims, format_history, format_hosts, format_leftovers, format_runs, format_show, format_status, format_stop, run_json, why_down
+from gpudeck.console.history import History, HistoryError
+from gpudeck.console.multinode import group
+from gpudeck.console.ops import run_figures
+from gpudeck.console.ops import ClaimsIntent, LaunchIntent, LaunchResult, OpsError, Resolved, relaunch_intent, resolve_run, rollback_intent, start_of
+from gpudeck.console.ops.intent import check_start, env_items
+from gpudeck.console.ops.launch import launch as ops_launch
+from gpudeck.console.ops.launch import plan_here
+from gpudeck.console.ops.resolve import fleet_runs
+from gpudeck.console.ops.stop import StopOutcome, reclaim_targets, stop_run
+from gpudeck.console.ops.stop import reclaim as ops_reclaim
+from gpudeck.console.ops.launch import preflight as ops_preflight
+from gpudeck.console.ops.relaunch import changed_environment, check_environment, rebuild_environment, recorded_environment, spec_from_row
+from gpudeck.console.quarantine import format_problems
+from gpudeck.console.query import QueryError
+from gpudeck.console.rundiff import diff_runs, env_of, format_diff
+from gpudeck.console.sanitize import redact_run, terminal_text
 
 EXIT_ERROR = 1
 EXIT_USAGE = 2
@@ -575,7 +575,7 @@ def build_parser() -> argparse.ArgumentParser:
     host_help = "a host of the fleet (a name from ~/.ssh/config; `local` is this machine)"
 
     p = sub.add_parser("console", help="open the full-screen console (the default in a terminal)")
-    p.set_defaults(func=None, sync=lambda ns: __import__("console.app", fromlist=["run_console"]).run_console())
+    p.set_defaults(func=None, sync=lambda ns: __import__("gpudeck.console.app", fromlist=["run_console"]).run_console())
 
     p = sub.add_parser("status", help="GPUs, who holds them, and live runs: every host, or one with --host")
     p.add_argument("--host", default=None, help=host_help + "; default: every host")
@@ -715,10 +715,10 @@ def build_parser() -> argparse.ArgumentParser:
     asub = p.add_subparsers(dest="agent_command", metavar="serve|dial|status|stop", required=True)
     a = asub.add_parser("serve", help="run the agent in the foreground")
     a.add_argument("--state-dir", type=Path, default=None)
-    a.set_defaults(func=None, sync=lambda ns: __import__("agents.server", fromlist=["serve"]).serve(ns.state_dir))
+    a.set_defaults(func=None, sync=lambda ns: __import__("gpudeck.agents.server", fromlist=["serve"]).serve(ns.state_dir))
     a = asub.add_parser("dial", help="bridge stdin/stdout to the agent (what the console runs over SSH)")
     a.add_argument("--state-dir", type=Path, default=None)
-    a.set_defaults(func=None, sync=lambda ns: __import__("agents.dial", fromlist=["dial"]).dial(ns.state_dir))
+    a.set_defaults(func=None, sync=lambda ns: __import__("gpudeck.agents.dial", fromlist=["dial"]).dial(ns.state_dir))
     a = asub.add_parser("stop", help="stop the agent (runs keep going; the next agent re-adopts them)")
     a.set_defaults(func=cmd_agent_stop)
     a = asub.add_parser("status", help="is the agent running, and where")
@@ -733,7 +733,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.command is None:
         if sys.stdout.isatty() and sys.stdin.isatty():
-            from console.app import run_console
+            from gpudeck.console.app import run_console
 
             return run_console()
         args = ap.parse_args(["status"])  # not a terminal (a pipe, a script): print the status instead

@@ -10,7 +10,7 @@ from textual.binding import Binding
 from textual.command import DiscoveryHit, Hit, Hits, Provider
 from textual.markup import escape
 
-from console.screens.base import deck
+from gpudeck.console.screens.base import deck
 
 
 class GpudeckCommands(Provider):

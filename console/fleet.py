@@ -8,7 +8,7 @@ exponential backoff and full jitter, and exposes a visible state
 host never delays another: every link is its own task and every request has
 a deadline.
 
-When the Fleet has a :class:`~console.history.History`, each link also pulls
+When the Fleet has a :class:`~gpudeck.console.history.History`, each link also pulls
 its agent's journal into it, from the last ``(epoch, seq)`` the history holds,
 so runs that started and ended while the console was away are recorded too.
 """
@@ -23,9 +23,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from agents.client import AgentClient
-from agents.errors import AgentError, AgentUnavailable, VersionMismatch
-from agents.protocol import (
+from gpudeck.agents.client import AgentClient
+from gpudeck.agents.errors import AgentError, AgentUnavailable, VersionMismatch
+from gpudeck.agents.protocol import (
     EnvFingerprint,
     Error,
     EventBatch,
@@ -60,9 +60,9 @@ from agents.protocol import (
     StopResult,
     WatchSnapshots,
 )
-from console import config as cfg
-from console.history import History
-from console.transport import HostKeyError, SshLink, SshOptions, connect_ssh
+from gpudeck.console import config as cfg
+from gpudeck.console.history import History
+from gpudeck.console.transport import HostKeyError, SshLink, SshOptions, connect_ssh
 
 LinkState = Literal["connecting", "up", "unreachable", "version_mismatch", "host_key"]
 BACKOFF_MIN_S = 0.5

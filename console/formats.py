@@ -6,9 +6,9 @@ import json
 import time
 from typing import Any
 
-from agents.protocol import RunInfo, Snapshot, StopResult, to_builtins
-from console.fmt import duration, elapsed, gib, when
-from console.ops.figures import RunFigures, run_figures, tokens_text
+from gpudeck.agents.protocol import RunInfo, Snapshot, StopResult, to_builtins
+from gpudeck.console.fmt import duration, elapsed, gib, when
+from gpudeck.console.ops.figures import RunFigures, run_figures, tokens_text
 
 def table(headers: list[str], rows: list[list[str]]) -> str:
     """A left-aligned text table."""

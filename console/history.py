@@ -31,12 +31,12 @@ from typing import Any
 
 import sqlite_utils
 
-from agents import paths
-from agents.causes import cause_class
-from agents.protocol import TERMINAL_STATES, Event
-from console import config
-from console import quarantine
-from console.query import compile_query
+from gpudeck.agents import paths
+from gpudeck.agents.causes import cause_class
+from gpudeck.agents.protocol import TERMINAL_STATES, Event
+from gpudeck.console import config
+from gpudeck.console import quarantine
+from gpudeck.console.query import compile_query
 
 SCHEMA_VERSION = 1
 MAX_MEMBERS = 256  # members kept per run row (the events keep all of them)
@@ -544,7 +544,7 @@ class History:
 
     def find(self, ref: str, host: str | None = None, unanswered: list[str] | None = None, destructive: bool = False) -> dict[str, Any]:
         """One run by id, unique id prefix or unique name; several matches are refused with the candidates (AmbiguousRun)."""
-        from console.ops.resolve import resolve_record
+        from gpudeck.console.ops.resolve import resolve_record
 
         return resolve_record(self.matches(ref, host), ref, host, unanswered or [], destructive)
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from agents.protocol import LIVE_STATES, TERMINAL_STATES
+from gpudeck.agents.protocol import LIVE_STATES, TERMINAL_STATES
 
 # ----------------------------------------------------------------------------- one record
 

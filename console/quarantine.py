@@ -19,7 +19,7 @@ import sqlite3
 import time
 from typing import Any
 
-from agents.protocol import Event
+from gpudeck.agents.protocol import Event
 
 INT_MIN, INT_MAX = -(2**63), 2**63 - 1
 MAX_DEPTH = 64

@@ -2,7 +2,7 @@
 
 Both the CLI (``gpudeck diff``) and the console's History screen show this.
 Inputs are history rows (``History.find``); the environment part uses
-:func:`agents.envs.diff`, which orders python, torch and its CUDA build, the
+:func:`gpudeck.agents.envs.diff`, which orders python, torch and its CUDA build, the
 driver, NCCL, cuDNN and transformers before leaf packages.
 """
 
@@ -14,10 +14,10 @@ from typing import Any
 
 import msgspec
 
-from agents import envs
-from agents.protocol import EnvFingerprint
-from console.fmt import duration
-from console.ops.figures import run_figures
+from gpudeck.agents import envs
+from gpudeck.agents.protocol import EnvFingerprint
+from gpudeck.console.fmt import duration
+from gpudeck.console.ops.figures import run_figures
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ say what to do, and there is no option that turns the check off. Agent
 forwarding stays off. Keepalives notice a dead link within about 30 s; the
 fleet's snapshot watchdog usually notices sooner.
 
-Only :mod:`console.fleet` uses this module; the CLI and the TUI go through the
+Only :mod:`gpudeck.console.fleet` uses this module; the CLI and the TUI go through the
 Fleet.
 """
 
@@ -23,8 +23,8 @@ from pathlib import Path
 
 import asyncssh
 
-from agents.client import AgentClient
-from agents.errors import AgentError, AgentUnavailable
+from gpudeck.agents.client import AgentClient
+from gpudeck.agents.errors import AgentError, AgentUnavailable
 
 KEEPALIVE_S = 10.0
 KEEPALIVE_COUNT = 3

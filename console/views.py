@@ -2,7 +2,7 @@
 
 Everything here is plain Python (no Textual), so it is tested on its own and
 the screens stay thin: a screen turns these records into cells. Times go
-through :func:`now`, which reads ``console.fmt``'s clock, so a test that pins
+through :func:`now`, which reads ``gpudeck.console.fmt``'s clock, so a test that pins
 that clock pins every figure on screen.
 """
 
@@ -16,20 +16,20 @@ from typing import Any
 
 import msgspec
 
-from agents import envs
-from agents.protocol import TERMINAL_STATES, Alert, EnvFingerprint, Gpu, GpuProcess, LaunchSpec, RunInfo, Snapshot
-from console import fmt
-from console.history import add_tokens_median
-from console.query import compile_query
-from console.ops.relaunch import spec_from_row
-from console.rundiff import Row, RunDiff, diff_runs, env_of
+from gpudeck.agents import envs
+from gpudeck.agents.protocol import TERMINAL_STATES, Alert, EnvFingerprint, Gpu, GpuProcess, LaunchSpec, RunInfo, Snapshot
+from gpudeck.console import fmt
+from gpudeck.console.history import add_tokens_median
+from gpudeck.console.query import compile_query
+from gpudeck.console.ops.relaunch import spec_from_row
+from gpudeck.console.rundiff import Row, RunDiff, diff_runs, env_of
 
 LEFTOVER_HOLDERS = frozenset({"STALE", "FOREIGN", "NO_SUCH_PROCESS"})
 ALERT_HOLDERS = frozenset({"STALE", "NO_SUCH_PROCESS"})  # a FOREIGN holder is someone's notebook, not a fault
 
 
 def now() -> float:
-    """The console's clock (``console.fmt``'s, so tests pin one clock for every screen)."""
+    """The console's clock (``gpudeck.console.fmt``'s, so tests pin one clock for every screen)."""
     return fmt.time.time()
 
 
@@ -239,7 +239,7 @@ def history_rows(path: Path, text: str = "", *, when: float | None = None) -> li
     """Runs matching a history filter (console/query.py's language), newest first, light columns only.
 
     Blocking SQLite on a read-only connection of its own: call it from a thread.
-    Raises :class:`console.query.QueryError` for a filter the language does not understand.
+    Raises :class:`gpudeck.console.query.QueryError` for a filter the language does not understand.
     """
     sql, params = compile_query(text, when).sql(LIGHT_COLUMNS)
     conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=10.0)
@@ -345,7 +345,7 @@ def argv_rows(a: Sequence[str], b: Sequence[str]) -> list[Row]:
 
 
 def run_diff(ra: Mapping[str, Any], rb: Mapping[str, Any], ma: list[dict[str, Any]] | None = None, mb: list[dict[str, Any]] | None = None) -> RunDiff:
-    """Two history rows (and their step metrics) compared by :func:`console.rundiff.diff_runs`, the differing arguments after the command."""
+    """Two history rows (and their step metrics) compared by :func:`gpudeck.console.rundiff.diff_runs`, the differing arguments after the command."""
     diff = diff_runs(dict(ra), dict(rb), ma, mb)
     at = next((i + 1 for i, r in enumerate(diff.config) if r.key == "command"), len(diff.config))
     diff.config[at:at] = argv_rows(_argv(ra), _argv(rb))

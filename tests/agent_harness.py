@@ -13,13 +13,13 @@ from typing import Any
 
 import psutil
 
-from agents.client import AgentClient
+from gpudeck.agents.client import AgentClient
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 class AgentProc:
-    """A real ``python -m agents serve`` process on a private GPUDECK_HOME; stopped by pid."""
+    """A real ``python -m gpudeck.agents serve`` process on a private GPUDECK_HOME; stopped by pid."""
 
     def __init__(self, home: Path) -> None:
         self.home = home
@@ -35,7 +35,7 @@ class AgentProc:
 
     def start(self) -> AgentProc:
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "agents", "serve", "--state-dir", str(self.state_dir)],
+            [sys.executable, "-m", "gpudeck.agents", "serve", "--state-dir", str(self.state_dir)],
             env=self.env,
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
@@ -108,7 +108,7 @@ class AgentProc:
     def cli(self, *args: str, check: bool = True, timeout: float = 60, stdin: str | None = None) -> subprocess.CompletedProcess:
         """Run the real ``gpudeck`` CLI against this agent."""
         cp = subprocess.run(
-            [sys.executable, "-m", "console.cli", *args],
+            [sys.executable, "-m", "gpudeck.console.cli", *args],
             env=self.env,
             capture_output=True,
             text=True,

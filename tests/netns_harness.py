@@ -375,7 +375,7 @@ class NsAgentProc(AgentProc):
     def start(self) -> "NsAgentProc":
         # `ip netns exec` execs the command after setns, so proc.pid is the agent itself
         self.proc = subprocess.Popen(
-            ["ip", "netns", "exec", self.netns, sys.executable, "-m", "agents", "serve", "--state-dir", str(self.state_dir)],
+            ["ip", "netns", "exec", self.netns, sys.executable, "-m", "gpudeck.agents", "serve", "--state-dir", str(self.state_dir)],
             env=self.env,
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,

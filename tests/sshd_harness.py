@@ -217,7 +217,7 @@ class ConsoleSide:
                 fh.write(host.known_hosts_line() + "\n")
 
     def ssh_options(self):  # type: ignore[no-untyped-def]
-        from console.transport import SshOptions
+        from gpudeck.console.transport import SshOptions
 
         return SshOptions(config=[self.ssh_config], known_hosts=[self.known_hosts], keepalive_s=2.0, keepalive_count=3)
 
@@ -231,7 +231,7 @@ class ConsoleSide:
 
     def cli(self, *args: str, check: bool = True, timeout: float = 120) -> subprocess.CompletedProcess:
         """The real ``gpudeck`` CLI as the operator runs it (their HOME, their ~/.ssh)."""
-        cp = subprocess.run([sys.executable, "-m", "console.cli", *args], env=self.env, capture_output=True, text=True, timeout=timeout)
+        cp = subprocess.run([sys.executable, "-m", "gpudeck.console.cli", *args], env=self.env, capture_output=True, text=True, timeout=timeout)
         if check and cp.returncode != 0:
             logs = "\n".join(f"--- {h.name} sshd log:\n{h.log.read_text()[-1500:] if h.log.exists() else ''}\n--- {h.name} agent log:\n{h.agent.log()[-1500:]}" for h in self.hosts)
             raise AssertionError(f"gpudeck {' '.join(args)} exited {cp.returncode}\nstdout: {cp.stdout}\nstderr: {cp.stderr}\n{logs}")

@@ -44,7 +44,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from trainers.contract import CHECKPOINT_MARKER as MARKER_FILE, CHECKPOINTS_DIRNAME, STEP_RE as _STEP_RE
+from gpudeck.trainers.contract import CHECKPOINT_MARKER as MARKER_FILE, CHECKPOINTS_DIRNAME, STEP_RE as _STEP_RE
 
 
 def checkpoints_dir(out: str | os.PathLike) -> Path:

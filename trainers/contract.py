@@ -21,24 +21,48 @@ import re
 from dataclasses import dataclass
 from typing import Literal
 
-from trainers.presets import PRESETS, parse_index_list
+from gpudeck.trainers.presets import PRESETS, parse_index_list
 
 __all__ = [
     "CHECKPOINTS_DIRNAME", "CHECKPOINT_MARKER", "CHECKPOINT_METADATA", "KINDS", "PRESETS", "START_FLAGS", "STEP_RE",
-    "TRAINER_ARGS", "TRAINER_KINDS", "TRAINER_MODULES", "TrainerArg", "kind_of_module", "parse_index_list",
+    "LEGACY_MODULES", "TRAINER_ARGS", "TRAINER_KINDS", "TRAINER_MODULES", "TrainerArg", "kind_of_module", "parse_index_list",
+    "trainer_module",
     "start_argv", "step_dirname", "strip_start", "trainer_args",
 ]
 
 # ----------------------------------------------------------------------------- kinds
 
 KINDS = ("command", "fsdp", "dflash")
-TRAINER_MODULES: dict[str, str] = {"fsdp": "trainers.fsdp_lm", "dflash": "trainers.dflash"}
+TRAINER_MODULES: dict[str, str] = {"fsdp": "gpudeck.trainers.fsdp_lm", "dflash": "gpudeck.trainers.dflash"}
 TRAINER_KINDS = tuple(TRAINER_MODULES)
+
+
+# Runs recorded before gpudeck's packages moved under the ``gpudeck`` namespace ran ``-m trainers.X``
+# from a checkout: their specs still name that module, and relaunching one must still find its trainer.
+LEGACY_MODULES: dict[str, str] = {m.removeprefix("gpudeck."): m for m in TRAINER_MODULES.values()}
+
+
+def trainer_module(module_or_script: str) -> str | None:
+    """The trainer module that ``-m MODULE`` or ``python SCRIPT`` runs, or None for any other program.
+
+    Accepts the module name, its pre-namespace name (``trainers.fsdp_lm``) and a path to the file
+    (``trainers/fsdp_lm.py``, ``/src/gpudeck/trainers/dflash.py``).
+    """
+    if module_or_script in TRAINER_MODULES.values():
+        return module_or_script
+    if module_or_script in LEGACY_MODULES:
+        return LEGACY_MODULES[module_or_script]
+    path = module_or_script.replace("\\", "/")
+    for module in TRAINER_MODULES.values():
+        if path == (tail := "/".join(module.split(".")[-2:]) + ".py") or path.endswith("/" + tail):
+            return module
+    return None
 
 
 def kind_of_module(module: str) -> str | None:
     """The launch kind whose trainer is ``module`` (None for any other module)."""
-    return next((k for k, m in TRAINER_MODULES.items() if m == module), None)
+    found = trainer_module(module)
+    return next((k for k, m in TRAINER_MODULES.items() if m == found), None)
 
 
 # ----------------------------------------------------------------------------- starts
@@ -101,8 +125,8 @@ class TrainerArg:
 
 
 _BOTH = tuple(TRAINER_MODULES.values())
-_FSDP = ("trainers.fsdp_lm",)
-_DFLASH = ("trainers.dflash",)
+_FSDP = ("gpudeck.trainers.fsdp_lm",)
+_DFLASH = ("gpudeck.trainers.dflash",)
 
 # Every option that takes a value is declared (as str where the estimate ignores it), so a value is never
 # mistaken for something else. Defaults follow the trainers (tests/unit/test_estimate.py compares them).

@@ -30,14 +30,14 @@ Corpus and token arrays
     ``open_documents(data=None, max_bytes=..., text_column=None, split=None)
         -> DocumentSource``  the same documents, read lazily by index range
         (``len(src)``, ``src.texts(start, end)``, ``src.description``) — what
-        ``trainers.prepare`` hands to its worker processes.
+        ``gpudeck.trainers.prepare`` hands to its worker processes.
     ``load_tokens(data=None, tokenizer=None, dtype="uint16", max_bytes=...,
         text_column=None) -> TokenSource``  a 1-D token array (``np.memmap``
-        for ``.bin`` files and for a folder written by ``trainers.prepare``,
+        for ``.bin`` files and for a folder written by ``gpudeck.trainers.prepare``,
         otherwise the documents encoded and joined with EOS) plus a description.
     ``is_prepared(path)``, ``load_prepared(path, split="train") -> TokenSource``
         a prepared folder's split, memory-mapped (never re-tokenised), with the
-        document index and the figures of its manifest (see trainers.prepare).
+        document index and the figures of its manifest (see gpudeck.trainers.prepare).
 
 Samples and batches
     ``PackedDataset(tokens, seq_len)``  non-overlapping windows of ``seq_len+1``
@@ -122,7 +122,7 @@ class ByteTokenizer:
         return {
             "kind": "byte", "vocab_size": self.vocab_size, "bos_id": self.bos_id,
             "eos_id": self.eos_id, "pad_id": self.pad_id, "mask_id": self.mask_id,
-            "note": "ids 0-255 are UTF-8 bytes; load with trainers.data.load_tokenizer(folder)",
+            "note": "ids 0-255 are UTF-8 bytes; load with gpudeck.trainers.data.load_tokenizer(folder)",
         }
 
     def save(self, folder: str | os.PathLike) -> Path:
@@ -480,7 +480,7 @@ def encode_documents(tok: Any, texts: Sequence[str]) -> tuple[np.ndarray, np.nda
 
 
 def is_prepared(path: str | os.PathLike) -> bool:
-    """True for a folder written by ``python -m trainers.prepare``."""
+    """True for a folder written by ``python -m gpudeck.trainers.prepare``."""
     return (Path(path) / PREPARED_MANIFEST).is_file()
 
 
@@ -491,10 +491,10 @@ def read_prepared_manifest(path: str | os.PathLike) -> dict[str, Any]:
         manifest = json.loads((folder / PREPARED_MANIFEST).read_text())
     except (OSError, ValueError) as exc:
         raise DataError(f"--data {folder}: unreadable {PREPARED_MANIFEST} ({exc}); "
-                        "prepare it again with python -m trainers.prepare") from None
+                        "prepare it again with python -m gpudeck.trainers.prepare") from None
     if manifest.get("format") != PREPARED_FORMAT:
         raise DataError(f"--data {folder}: format {manifest.get('format')!r}, this trainer reads "
-                        f"{PREPARED_FORMAT!r}; prepare it again with python -m trainers.prepare")
+                        f"{PREPARED_FORMAT!r}; prepare it again with python -m gpudeck.trainers.prepare")
     return manifest
 
 

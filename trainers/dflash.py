@@ -1,4 +1,4 @@
-"""Trains a DFlash block-diffusion drafter on a frozen target's hidden states: ``python -m trainers.dflash``.
+"""Trains a DFlash block-diffusion drafter on a frozen target's hidden states: ``python -m gpudeck.trainers.dflash``.
 
 Run under ``torchrun`` (or as one plain process). The recipe is SpecForge's
 ``OnlineDFlashModel`` (shared/research/trainers.md, section A); the drafter lives
@@ -6,7 +6,7 @@ in ``trainers/dflash_model.py`` and the objective in ``trainers/dflash_loss.py``
 
 Target
     ``--target PATH`` loads ``AutoModelForCausalLM.from_pretrained(PATH)`` (for
-    instance ``OUT/final`` of ``trainers.fsdp_lm``); ``--target-config
+    instance ``OUT/final`` of ``gpudeck.trainers.fsdp_lm``); ``--target-config
     qwen3-0.6b|tiny|config.json`` (alias ``--model-config``) builds a
     random-weight target from a config instead (speed benchmarks). The target is
     frozen, in eval mode, and runs its base model only (no lm_head) under
@@ -81,7 +81,7 @@ Topologies
     over all ranks. On resume, each target rank fast-forwards its data stream to
     the batches it already produced (the position is a function of the step).
 
-Stopping (SIGTERM/SIGINT; ``runtime.install_stop_flag``, as in ``trainers.fsdp_lm``)
+Stopping (SIGTERM/SIGINT; ``runtime.install_stop_flag``, as in ``gpudeck.trainers.fsdp_lm``)
     gpudeck's agent sends SIGTERM to every process (torchrun forwards its own too),
     then SIGKILLs after a grace period. The signal only sets a flag; all ranks agree
     on one step to stop after, save a checkpoint there, skip the final eval and the
@@ -107,7 +107,7 @@ Evaluation (``eval`` records, every ``--eval-every`` steps, at start and end)
     same quantity averaged over every anchor position.
 
 Output
-    ``OUT/checkpoints/step_N`` (trainers.checkpoint; drafter + optimizer +
+    ``OUT/checkpoints/step_N`` (gpudeck.trainers.checkpoint; drafter + optimizer +
     scheduler + data position + RNG + step), ``OUT/drafter/`` (save_pretrained,
     config with block_size, target_layer_ids, mask token id; plus ``dflash.py``
     so it loads with trust_remote_code), ``OUT/result.json`` (final_step, stopped,
@@ -146,8 +146,8 @@ from collections import deque
 from pathlib import Path
 from typing import Any
 
-from trainers import runtime
-from trainers.presets import parse_index_list
+from gpudeck.trainers import runtime
+from gpudeck.trainers.presets import parse_index_list
 
 ROLE_COLOCATED, ROLE_TARGET, ROLE_DRAFTER = "colocated", "target", "drafter"
 
@@ -173,7 +173,7 @@ def _step_span(text: str) -> tuple[int, int]:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m trainers.dflash",
+        prog="python -m gpudeck.trainers.dflash",
         description="Train a DFlash drafter on a frozen target's hidden states (colocated or split).",
     )
     runtime.add_common_args(p)
@@ -244,7 +244,7 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         p.error("--block-size must be >= 2")
     if args.num_anchors < 1:
         p.error("--num-anchors must be >= 1")
-    from trainers.dflash_loss import GammaError, decay_gamma
+    from gpudeck.trainers.dflash_loss import GammaError, decay_gamma
 
     try:
         decay_gamma(args.block_size, args.gamma)
@@ -269,7 +269,7 @@ _SAVED_SHAPE = [
 
 def read_drafter_config(path: str) -> dict[str, Any]:
     """The ``--drafter-config`` file as a dict, checked; ValueError naming the field and the fix."""
-    from trainers.dflash_model import FULL_ATTENTION, LAYER_TYPES, SLIDING_ATTENTION
+    from gpudeck.trainers.dflash_model import FULL_ATTENTION, LAYER_TYPES, SLIDING_ATTENTION
 
     try:
         cfg = json.loads(Path(path).read_text())
@@ -333,7 +333,7 @@ def resolve_drafter_config(p: argparse.ArgumentParser, args: argparse.Namespace)
 
 def drafter_config_from_file(cfg: dict[str, Any], target_config, block_size: int, mask_token_id: int):
     """The drafter's Qwen3Config from a ``--drafter-config`` dict on this target (widths checked)."""
-    from trainers.dflash_model import drafter_config_from_target
+    from gpudeck.trainers.dflash_model import drafter_config_from_target
 
     tc = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
     for key in ("hidden_size", "vocab_size"):
@@ -384,7 +384,7 @@ def resolve_saved_shape(p: argparse.ArgumentParser, args: argparse.Namespace) ->
         saved = saved_cfg.get(key)
         if not isinstance(saved, int):
             p.error(f"--init-from {args.init_from}: {cfg_file} has no {key}; is it a saved drafter "
-                    "(OUT/drafter of trainers.dflash)?")
+                    "(OUT/drafter of gpudeck.trainers.dflash)?")
         given = getattr(args, dest)
         if given is None:
             setattr(args, dest, saved)
@@ -406,7 +406,7 @@ def _preset_config(spec: str):
 
     Uses fsdp_lm's preset table and config loader (one source of truth for presets).
     """
-    from trainers.fsdp_lm import build_config
+    from gpudeck.trainers.fsdp_lm import build_config
 
     return build_config(spec, None)
 
@@ -440,7 +440,7 @@ def compile_target(model) -> None:
 
 def target_features(target, input_ids, layer_ids):
     """Concatenated hidden_states[id + 1] of the base model: [b, S, n*H] (no lm_head)."""
-    from trainers.dflash_model import extract_context
+    from gpudeck.trainers.dflash_model import extract_context
 
     out = target.base_model(input_ids=input_ids, output_hidden_states=True, use_cache=False)
     return extract_context(out.hidden_states, layer_ids)
@@ -488,7 +488,7 @@ class TargetFlops:
     """Forward FLOPs of the target layers the drafter's features need (the lm_head is never run)."""
 
     def __init__(self, target, layer_ids: list[int]) -> None:
-        from trainers.flops import attention_dims
+        from gpudeck.trainers.flops import attention_dims
 
         layers = list(getattr(target.base_model, "layers", []))
         _, heads, hd = attention_dims(target.config)
@@ -542,8 +542,8 @@ def drafter_step_flops(dcfg, n_layer_params: int, n_fc: int, seq_len: int, ancho
     Attention counts the keys each block query sees: a full layer ``anchor + B``, a sliding
     layer at most its window (``dflash_loss.visible_keys``).
     """
-    from trainers.dflash_loss import visible_keys
-    from trainers.dflash_model import SLIDING_ATTENTION, attention_layout
+    from gpudeck.trainers.dflash_loss import visible_keys
+    from gpudeck.trainers.dflash_model import SLIDING_ATTENTION, attention_layout
 
     bsz, n = anchors.shape
     bs = dcfg.block_size
@@ -567,7 +567,7 @@ def build_eval_set(target, val_tokens, args, device):
     """Prompts from held-out tokens + the target's greedy continuation: (ids [E, P+G], feats)."""
     import torch
 
-    from trainers.data import PackedDataset
+    from gpudeck.trainers.data import PackedDataset
 
     p_len, g_len = args.eval_prompt_len, args.eval_gen_len
     ds = PackedDataset(val_tokens, p_len)
@@ -591,7 +591,7 @@ def evaluate_tau(drafter, embed, lm_head_w, ids, feats, prompt_len: int, block_s
     """Greedy block verification against the target's greedy sequence (see module docstring)."""
     import torch
 
-    from trainers.dflash_loss import block_inputs
+    from gpudeck.trainers.dflash_loss import block_inputs
 
     e, t = ids.shape
     first, last = prompt_len - 1, t - block_size
@@ -628,7 +628,7 @@ def evaluate_tau(drafter, embed, lm_head_w, ids, feats, prompt_len: int, block_s
 
 def _make_mask(anchors, seq_len, block_size, attn, device, sliding_window=None):
     """One layer type's mask: dense bool (SDPA) or a flex BlockMask; a window makes it the sliding one."""
-    from trainers.dflash_loss import build_attention_mask
+    from gpudeck.trainers.dflash_loss import build_attention_mask
 
     if attn != "flex":
         return build_attention_mask(anchors, seq_len, block_size, sliding_window)
@@ -656,7 +656,7 @@ def _make_mask(anchors, seq_len, block_size, attn, device, sliding_window=None):
 
 def make_masks(anchors, seq_len, block_size, attn, device, layer_types, sliding_window):
     """The drafter's attention mask: one mask when every layer is full, else one per layer type."""
-    from trainers.dflash_model import FULL_ATTENTION, SLIDING_ATTENTION
+    from gpudeck.trainers.dflash_model import FULL_ATTENTION, SLIDING_ATTENTION
 
     full = _make_mask(anchors, seq_len, block_size, attn, device)
     if SLIDING_ATTENTION not in layer_types:
@@ -749,8 +749,8 @@ class Trainer:
         import torch
         import torch.distributed as dist
 
-        from trainers import checkpoint as ckpt
-        from trainers.telemetry import Telemetry
+        from gpudeck.trainers import checkpoint as ckpt
+        from gpudeck.trainers.telemetry import Telemetry
 
         args = self.args
         self.ctx = ctx = runtime.init_distributed(args.device, single_process_group=True)
@@ -814,8 +814,8 @@ class Trainer:
         self._setup_optim()
 
     def _setup_data(self) -> None:
-        from trainers.data import PackedDataset, ShardedBatches, load_tokenizer, load_tokens, split_tokens
-        from trainers.dflash_data import RecordBatches, load_records, max_batch_tokens
+        from gpudeck.trainers.data import PackedDataset, ShardedBatches, load_tokenizer, load_tokens, split_tokens
+        from gpudeck.trainers.dflash_data import RecordBatches, load_records, max_batch_tokens
 
         args = self.args
         tok_spec = args.tokenizer
@@ -870,11 +870,11 @@ class Trainer:
     def _setup_models(self) -> None:
         import torch
 
-        from trainers.dflash_model import DFlashDraftModel, attention_layout, drafter_config_from_target
-        from trainers.flops import count_params
+        from gpudeck.trainers.dflash_model import DFlashDraftModel, attention_layout, drafter_config_from_target
+        from gpudeck.trainers.flops import count_params
 
         args = self.args
-        from trainers.dflash_weights import has_safetensors, host_rss_mib, load_embedding_and_head, target_skeleton
+        from gpudeck.trainers.dflash_weights import has_safetensors, host_rss_mib, load_embedding_and_head, target_skeleton
 
         # target ranks load the whole target and run it; a split drafter rank needs only its
         # embedding and lm_head: read by name from the safetensors (a meta-device skeleton gives
@@ -919,7 +919,7 @@ class Trainer:
             self.dcfg = drafter_config_from_target(target.config, args.drafter_layers, args.block_size,
                                                    self.mask_token_id)
         self.block_size = int(self.dcfg.block_size)
-        from trainers.dflash_loss import decay_gamma
+        from gpudeck.trainers.dflash_loss import decay_gamma
 
         self.gamma = decay_gamma(self.block_size, args.gamma)
         self.layer_types, self.sliding_window = attention_layout(self.dcfg)
@@ -1048,7 +1048,7 @@ class Trainer:
 
     # ---- manifest ----------------------------------------------------
     def manifest(self) -> None:
-        from trainers.runtime import config_hash, device_info
+        from gpudeck.trainers.runtime import config_hash, device_info
 
         args = self.args
         info = device_info(self.device)
@@ -1182,7 +1182,7 @@ class Trainer:
         return extra
 
     def save(self, step: int) -> None:
-        from trainers import checkpoint as ckpt
+        from gpudeck.trainers import checkpoint as ckpt
 
         extra = self._extra(step)
         model = self.drafter if self.drafter is not None else _placeholder()
@@ -1192,7 +1192,7 @@ class Trainer:
         self.tel.emit("checkpoint", step=step, path=str(path), seconds=round(secs, 3))
 
     def load(self, step: int) -> int:
-        from trainers import checkpoint as ckpt
+        from gpudeck.trainers import checkpoint as ckpt
 
         model = self.drafter if self.drafter is not None else _placeholder()
         extra = ckpt.load_checkpoint(self.args.out, step, model, self.optimizer, rank=self.ctx.rank)
@@ -1214,7 +1214,7 @@ class Trainer:
     def drafter_forward_backward(self, ids, lm, feats, scale: float):
         import torch
 
-        from trainers.dflash_loss import block_inputs, dflash_loss, labels_and_weights, sample_anchors
+        from gpudeck.trainers.dflash_loss import block_inputs, dflash_loss, labels_and_weights, sample_anchors
 
         args = self.args
         bsz, seq = ids.shape
@@ -1279,7 +1279,7 @@ class Trainer:
         return 0
 
     def _peak(self):
-        from trainers.flops import peak_flops
+        from gpudeck.trainers.flops import peak_flops
 
         return peak_flops(self.device, "bf16" if "bfloat16" in str(self.dtype) else "fp32")
 
@@ -1306,8 +1306,8 @@ class Trainer:
         import torch
         import torch.distributed as dist
 
-        from trainers.dflash_loss import finish_global_mean
-        from trainers.flops import mfu
+        from gpudeck.trainers.dflash_loss import finish_global_mean
+        from gpudeck.trainers.flops import mfu
 
         args = self.args
         split = self.role == ROLE_DRAFTER
@@ -1478,7 +1478,7 @@ class Trainer:
         import torch
         import torch.distributed as dist
 
-        from trainers.flops import mfu
+        from gpudeck.trainers.flops import mfu
 
         args = self.args
         pending: deque = deque()
@@ -1559,7 +1559,7 @@ class Trainer:
         import torch
         import torch.distributed as dist
 
-        from trainers.dflash_model import DFlashDraftModel
+        from gpudeck.trainers.dflash_model import DFlashDraftModel
 
         out = Path(self.args.out)
         files: list[str] = []
@@ -1600,7 +1600,7 @@ class Trainer:
 def _placeholder():
     """What a split target rank contributes to the (collective) checkpoint: one tiny buffer.
 
-    Adapter: trainers.checkpoint saves model state through get_model_state_dict, which refuses an
+    Adapter: gpudeck.trainers.checkpoint saves model state through get_model_state_dict, which refuses an
     empty module; target ranks hold no trainable state, but every rank must join the DCP collective.
     """
     import torch
@@ -1623,7 +1623,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     check_args(parser, args)
     Path(args.out).mkdir(parents=True, exist_ok=True)
-    return Trainer(args, [sys.executable, "-m", "trainers.dflash", *argv]).run()
+    return Trainer(args, [sys.executable, "-m", "gpudeck.trainers.dflash", *argv]).run()
 
 
 if __name__ == "__main__":

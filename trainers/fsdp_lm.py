@@ -1,16 +1,16 @@
-"""Provides causal-LM pretraining with FSDP2 (``python -m trainers.fsdp_lm``), torchtitan-style.
+"""Provides causal-LM pretraining with FSDP2 (``python -m gpudeck.trainers.fsdp_lm``), torchtitan-style.
 
 Run it under torchrun (or alone: world size 1)::
 
-    torchrun --nproc-per-node 8 -m trainers.fsdp_lm --model-config llama-1b \\
+    torchrun --nproc-per-node 8 -m gpudeck.trainers.fsdp_lm --model-config llama-1b \\
         --seq-len 2048 --batch-size 8 --compile --fresh --out runs/llama1b
 
-    python -m trainers.fsdp_lm --model-config tiny --seq-len 64 --batch-size 4 \\
+    python -m gpudeck.trainers.fsdp_lm --model-config tiny --seq-len 64 --batch-size 4 \\
         --max-steps 20 --fresh --out /tmp/tiny
 
 What it does, in order:
 
-1. Parses the shared command line (``trainers.runtime``); exactly one of
+1. Parses the shared command line (``gpudeck.trainers.runtime``); exactly one of
    ``--fresh`` / ``--resume latest|N`` is required. ``--fresh`` refuses (exit 2)
    when ``OUT/checkpoints`` already holds checkpoints, unless ``--new-run-dir``
    (which moves them to ``OUT/checkpoints.archived-<UTC time>/``).
@@ -33,7 +33,7 @@ What it does, in order:
    plus the tokenizer) and ``OUT/result.json``.
 
 Data (``--data``): a token file (``.bin``), a folder written by
-``python -m trainers.prepare`` (memory-mapped, never re-tokenised; its tokenizer
+``python -m gpudeck.trainers.prepare`` (memory-mapped, never re-tokenised; its tokenizer
 is used unless ``--tokenizer`` names the same one), text / JSONL files or
 folders, a Hugging Face dataset saved with ``save_to_disk`` (``--data-split``
 picks a split), parquet / arrow files or folders of them (read offline through
@@ -47,7 +47,7 @@ next-token loss over ``--val-batches`` fixed batches per rank goes into a
 ``val_loss`` record (no gradients, no RNG, no data position: resume stays exact).
 
 Telemetry: ``manifest``, ``step``, ``val_loss``, ``heartbeat``, ``checkpoint``,
-``done`` and ``error`` records through ``trainers.telemetry.Telemetry``
+``done`` and ``error`` records through ``gpudeck.trainers.telemetry.Telemetry``
 (``GPUDECK_TELEMETRY``). Every rank writes its own records. In ``step`` records
 ``loss`` is the mean over ranks and micro-batches, ``tokens_per_s`` is the whole
 job's (all ranks) over the step's wall time, and ``mfu`` is per GPU:
@@ -67,7 +67,7 @@ over row chunks, no [tokens, vocab] logits kept), ``--optimizer-impl``,
 ``--reduce-dtype``, ``--prefetch`` (next batch pinned and copied while the GPU
 works), ``--sdpa-backend``; ``--profile-steps N`` prints the top kernels of N
 steps from ``--profile-start`` and the time per kernel class
-(``trainers.profiling``).
+(``gpudeck.trainers.profiling``).
 
 Batch sizes: ``--batch-size`` sequences of ``--seq-len`` tokens per rank per
 micro-step; one optimizer step sees batch_size x grad_accum x world_size
@@ -75,11 +75,11 @@ sequences.
 
 Output: ``OUT/checkpoints/step_<N>/``, ``OUT/final/`` (config.json,
 model.safetensors, the tokenizer: ``gpudeck_byte_tokenizer.json`` for the byte
-tokenizer, reloadable with ``trainers.data.load_tokenizer(OUT/final)``), and
+tokenizer, reloadable with ``gpudeck.trainers.data.load_tokenizer(OUT/final)``), and
 ``OUT/result.json`` (final_step, start, losses per step, final_loss,
 tokens_per_s and mfu means excluding step 1, params, world size, checkpoints).
 
-SIGTERM/SIGINT (``trainers.runtime.install_stop_flag``): the ranks agree (one
+SIGTERM/SIGINT (``gpudeck.trainers.runtime.install_stop_flag``): the ranks agree (one
 all-reduce per step, ``reduce_mean_and_stop``) to stop after the current step,
 save a checkpoint, export nothing, and exit 0 with a ``done`` record whose
 ``reason`` is ``"stopped"``. Repeated SIGTERMs are one request; a SIGINT after
@@ -103,8 +103,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from trainers.presets import PRESETS
-from trainers.runtime import (
+from gpudeck.trainers.presets import PRESETS
+from gpudeck.trainers.runtime import (
     ExitWith,
     add_common_args,
     check_common_args,
@@ -117,7 +117,7 @@ from trainers.runtime import (
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m trainers.fsdp_lm",
+        prog="python -m gpudeck.trainers.fsdp_lm",
         description="FSDP2 causal-LM pretraining on transformers models (gpudeck).",
     )
     add_common_args(p)
@@ -487,7 +487,7 @@ class _ChunkedLossHead:
     """Mixed into the lm_head's class: ``head(hidden, labels)`` is the mean CE, chunked.
 
     Called as a module (so FSDP2's hooks gather the weight); without labels it is the
-    plain linear layer. The chunks are ``trainers.dflash_loss.chunked_linear_cross_entropy``
+    plain linear layer. The chunks are ``gpudeck.trainers.dflash_loss.chunked_linear_cross_entropy``
     (fused mode: each chunk's gradients are computed in the forward, no [tokens, vocab]
     logits are kept).
     """
@@ -499,7 +499,7 @@ class _ChunkedLossHead:
             return super().forward(hidden)
         import torch
 
-        from trainers.dflash_loss import chunked_linear_cross_entropy
+        from gpudeck.trainers.dflash_loss import chunked_linear_cross_entropy
 
         h = hidden.reshape(-1, hidden.shape[-1])
         y = labels.reshape(-1)
@@ -597,13 +597,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     out = Path(args.out)
 
-    from trainers.checkpoint import StartError, resolve_start
+    from gpudeck.trainers.checkpoint import StartError, resolve_start
 
     try:
         plan = resolve_start(out, args.fresh, args.resume, args.new_run_dir)
     except StartError as exc:
         print(f"fsdp_lm: {exc}", file=sys.stderr)
-        from trainers.telemetry import Telemetry
+        from gpudeck.trainers.telemetry import Telemetry
 
         with Telemetry() as tel:
             tel.emit("error", message=f"StartError: {exc}", exit_code=2)
@@ -613,13 +613,13 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     import torch
 
-    from trainers.checkpoint import (
+    from gpudeck.trainers.checkpoint import (
         archive_checkpoints,
         list_checkpoints,
         load_checkpoint,
         save_checkpoint,
     )
-    from trainers.data import (
+    from gpudeck.trainers.data import (
         DataError,
         PackedDataset,
         ShardedBatches,
@@ -631,10 +631,10 @@ def main(argv: list[str] | None = None) -> int:
         read_prepared_manifest,
         split_tokens,
     )
-    from trainers.flops import MFU_CONVENTION, model_flops, peak_flops
-    from trainers.flops import mfu as compute_mfu
-    from trainers.profiling import StepProfiler
-    from trainers.runtime import (
+    from gpudeck.trainers.flops import MFU_CONVENTION, model_flops, peak_flops
+    from gpudeck.trainers.flops import mfu as compute_mfu
+    from gpudeck.trainers.profiling import StepProfiler
+    from gpudeck.trainers.runtime import (
         barrier,
         config_hash,
         device_info,
@@ -647,7 +647,7 @@ def main(argv: list[str] | None = None) -> int:
         seed_all,
         set_collective_timeout,
     )
-    from trainers.telemetry import Telemetry
+    from gpudeck.trainers.telemetry import Telemetry
 
     stop = install_stop_flag()
     ctx = init_distributed(args.device, init_timeout_s=300.0, single_process_group=True)
@@ -989,7 +989,7 @@ def _max_token(source) -> int:
 
 
 def _has_tokenizer(folder: Path) -> bool:
-    from trainers.data import BYTE_TOKENIZER_FILE
+    from gpudeck.trainers.data import BYTE_TOKENIZER_FILE
 
     return (folder / BYTE_TOKENIZER_FILE).is_file() or (folder / "tokenizer_config.json").is_file() \
         or (folder / "tokenizer.json").is_file()

@@ -1,14 +1,14 @@
-"""Provides ``python -m trainers.prepare``: tokenise a corpus once, in parallel, into memory-mapped token files.
+"""Provides ``python -m gpudeck.trainers.prepare``: tokenise a corpus once, in parallel, into memory-mapped token files.
 
 Usage::
 
-    python -m trainers.prepare --data CORPUS --tokenizer TOK_FOLDER --out PREP \\
+    python -m gpudeck.trainers.prepare --data CORPUS --tokenizer TOK_FOLDER --out PREP \\
         [--text-column text] [--data-split train] [--val-fraction 0.01 | --val-data OTHER] \\
         [--num-proc N] [--seed 0] [--overwrite]
 
-    python -m trainers.fsdp_lm --data PREP ... --fresh --out RUN
+    python -m gpudeck.trainers.fsdp_lm --data PREP ... --fresh --out RUN
 
-``--data`` is anything ``trainers.fsdp_lm --data`` reads (text / JSONL files and
+``--data`` is anything ``gpudeck.trainers.fsdp_lm --data`` reads (text / JSONL files and
 folders, a dataset saved with ``save_to_disk``, parquet / arrow files, the
 built-in corpus when omitted). Documents are tokenised by ``--num-proc``
 worker processes (default: the CPUs this process may use), each reading its own
@@ -23,7 +23,7 @@ manifest last)::
     PREP/train.bin               tokens of the train split (uint16, or uint32 for vocabularies > 65535)
     PREP/train.idx.npy           int64 document offsets into train.bin (documents + 1 entries)
     PREP/val.bin, val.idx.npy    the validation split, when --val-fraction or --val-data
-    PREP/tokenizer/              the tokenizer (trainers.data.load_tokenizer reads it)
+    PREP/tokenizer/              the tokenizer (gpudeck.trainers.data.load_tokenizer reads it)
 
 Manifest: ``format`` (``gpudeck-prepared/1``), ``source``, ``text_column``,
 ``tokenizer`` (``describe()``), ``dtype``, ``max_token_id``, ``splits``:
@@ -32,7 +32,7 @@ Manifest: ``format`` (``gpudeck-prepared/1``), ``source``, ``text_column``,
 (of the token file)}}, ``val_fraction``, ``val_source``, ``seed``,
 ``num_proc``, ``seconds``, ``created``.
 
-Training ranks memory-map ``train.bin`` (``trainers.data.load_prepared``) and
+Training ranks memory-map ``train.bin`` (``gpudeck.trainers.data.load_prepared``) and
 never tokenise; the trainer's manifest takes its dataset figures (samples,
 tokens, documents, unique documents, hash) from these files.
 
@@ -57,7 +57,7 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
-from trainers.data import (
+from gpudeck.trainers.data import (
     BYTE_TOKENIZER_FILE,
     DEFAULT_CORPUS_BYTES,
     PREPARED_FORMAT,
@@ -80,7 +80,7 @@ class PrepareError(Exception):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m trainers.prepare",
+    p = argparse.ArgumentParser(prog="python -m gpudeck.trainers.prepare",
                                 description="Tokenise a corpus once into memory-mapped token files (gpudeck).")
     p.add_argument("--data", default=None,
                    help="text/JSONL file or folder, saved dataset, parquet/arrow files "

@@ -7,12 +7,12 @@ resolver (:mod:`.resolve`) and the shared figures (:mod:`.figures`) live here,
 and nowhere else.
 """
 
-from console.ops.errors import AmbiguousRun, Candidate, IntentError, NoSuchRun, OpsError, Unanswered
-from console.ops.figures import RunFigures, run_figures
-from console.ops.intent import Caller, ClaimsIntent, LaunchIntent, start_of
-from console.ops.launch import LaunchPlan, LaunchResult, launch, plan_launch, preflight
-from console.ops.relaunch import intent_from_spec, relaunch_intent, rollback_intent
-from console.ops.resolve import Resolved, resolve_record, resolve_run
+from gpudeck.console.ops.errors import AmbiguousRun, Candidate, IntentError, NoSuchRun, OpsError, Unanswered
+from gpudeck.console.ops.figures import RunFigures, run_figures
+from gpudeck.console.ops.intent import Caller, ClaimsIntent, LaunchIntent, start_of
+from gpudeck.console.ops.launch import LaunchPlan, LaunchResult, launch, plan_launch, preflight
+from gpudeck.console.ops.relaunch import intent_from_spec, relaunch_intent, rollback_intent
+from gpudeck.console.ops.resolve import Resolved, resolve_record, resolve_run
 
 __all__ = [
     "AmbiguousRun", "Caller", "Candidate", "ClaimsIntent", "IntentError", "LaunchIntent", "LaunchPlan", "LaunchResult", "NoSuchRun",

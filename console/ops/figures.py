@@ -12,8 +12,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from agents.causes import cause_class
-from console import fmt  # the console's one clock (tests pin it)
+from gpudeck.agents.causes import cause_class
+from gpudeck.console import fmt  # the console's one clock (tests pin it)
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,8 @@
 """Provides the intents an operator states (launch, relaunch, rollback) and their validation: each field once, here.
 
 A front-end fills an intent with what the operator typed (the CLI from its
-options, a screen from its form) and hands it to :mod:`console.ops.launch`;
-every mistake comes back as an :class:`~console.ops.errors.IntentError` that
+options, a screen from its form) and hands it to :mod:`gpudeck.console.ops.launch`;
+every mistake comes back as an :class:`~gpudeck.console.ops.errors.IntentError` that
 names the field and the fix, the same words in the CLI and in the console.
 """
 
@@ -13,10 +13,10 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from agents.protocol import Claims
-from console import config as cfg
-from console.ops.errors import IntentError
-from trainers.contract import KINDS, TRAINER_MODULES, parse_index_list
+from gpudeck.agents.protocol import Claims
+from gpudeck.console import config as cfg
+from gpudeck.console.ops.errors import IntentError
+from gpudeck.trainers.contract import KINDS, TRAINER_MODULES, parse_index_list
 
 # passed from the caller's shell to a local run, so it resolves commands as the caller would
 CALLER_ENV = ("PATH", "VIRTUAL_ENV", "CONDA_PREFIX", "PYTHONPATH", "HF_HOME", "HF_HUB_OFFLINE")

@@ -1,6 +1,6 @@
 """Provides launch planning and launching: an intent becomes the spec of every node, then runs (all or nothing).
 
-:func:`plan_launch` is the one place a :class:`~agents.protocol.LaunchSpec` is
+:func:`plan_launch` is the one place a :class:`~gpudeck.agents.protocol.LaunchSpec` is
 built. A trainer kind with trainer options becomes ``python -m trainers.X``, or
 ``python -m torch.distributed.run --standalone --nproc-per-node N -m
 trainers.X`` when several ranks are asked for (``--nproc-per-node``, else one
@@ -26,13 +26,13 @@ import os
 
 import msgspec
 
-from agents.errors import AgentError
-from agents.protocol import LaunchReply, LaunchSpec, PreflightResult
-from agents.supervisor import new_run_id
-from console import config as cfg
-from console.fleet import Fleet
-from console.ops.errors import IntentError, OpsError
-from console.ops.intent import (
+from gpudeck.agents.errors import AgentError
+from gpudeck.agents.protocol import LaunchReply, LaunchSpec, PreflightResult
+from gpudeck.agents.supervisor import new_run_id
+from gpudeck.console import config as cfg
+from gpudeck.console.fleet import Fleet
+from gpudeck.console.ops.errors import IntentError, OpsError
+from gpudeck.console.ops.intent import (
     DEFAULT_PYTHON,
     Caller,
     LaunchIntent,
@@ -44,7 +44,7 @@ from console.ops.intent import (
     check_positive,
     check_start,
 )
-from trainers.contract import TRAINER_MODULES, start_argv, strip_start
+from gpudeck.trainers.contract import TRAINER_MODULES, start_argv, strip_start
 
 DEFAULT_RDZV_PORT = 29400
 
@@ -258,7 +258,7 @@ def _plan_multinode(intent: LaunchIntent, base: LaunchSpec, program: list[str], 
 
 def plan_here(intent: LaunchIntent, run_id: str | None = None) -> LaunchPlan:
     """:func:`plan_launch` for this process's caller, the fleet's config and the user's SSH config (what the CLI and the console use)."""
-    from console.transport import SshOptions
+    from gpudeck.console.transport import SshOptions
 
     return plan_launch(intent, Caller.here(), ssh_config_paths=SshOptions().config_paths() if intent.hosts else (), run_id=run_id)
 

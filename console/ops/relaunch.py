@@ -2,7 +2,7 @@
 
 :func:`intent_from_spec` reads a recorded spec back into the intent that
 built it (the trainer's options without the start, the interpreter, ranks per
-node, hosts), so a relaunch goes through :func:`~console.ops.launch.plan_launch`
+node, hosts), so a relaunch goes through :func:`~gpudeck.console.ops.launch.plan_launch`
 like any launch and gives the same argv except the start. Rollback swaps in
 a known-good run's python environment (and, with ``config_from``, its
 configuration) after proving that environment still matches its fingerprint
@@ -19,14 +19,14 @@ from typing import Any
 
 import msgspec
 
-from agents import envs
-from agents.protocol import EnvFingerprint, LaunchSpec
-from console import config as cfg
-from console.fleet import Fleet
-from console.ops.errors import EXIT_USAGE, OpsError
-from console.ops.intent import CALLER_ENV, LaunchIntent
-from console.ops.launch import is_trainer, node_env
-from trainers.contract import TRAINER_MODULES, strip_start
+from gpudeck.agents import envs
+from gpudeck.agents.protocol import EnvFingerprint, LaunchSpec
+from gpudeck.console import config as cfg
+from gpudeck.console.fleet import Fleet
+from gpudeck.console.ops.errors import EXIT_USAGE, OpsError
+from gpudeck.console.ops.intent import CALLER_ENV, LaunchIntent
+from gpudeck.console.ops.launch import is_trainer, node_env
+from gpudeck.trainers.contract import TRAINER_MODULES, strip_start
 
 _TORCHRUN_FLAGS_WITH_VALUE = ("--nnodes", "--node-rank", "--nproc-per-node", "--rdzv-backend", "--rdzv-endpoint", "--rdzv-id", "--rdzv-conf", "--local-addr")
 

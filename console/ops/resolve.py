@@ -4,7 +4,7 @@ The rules, the same for the agents' runs and for the history's:
 
 - an exact id wins (the nodes of a multi-node run share it: one run);
 - else a unique id prefix or a unique name, across every host asked;
-- more than one run matches: :class:`~console.ops.errors.AmbiguousRun` (exit
+- more than one run matches: :class:`~gpudeck.console.ops.errors.AmbiguousRun` (exit
   code 2) with the candidates (host, id, name, state, started) — never a
   silent pick, never "no run" when there are several;
 - a host that did not answer and might hold a match is named; a destructive
@@ -20,10 +20,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from agents.errors import AgentError
-from agents.protocol import LIVE_STATES, RunInfo
-from console.fleet import Fleet
-from console.ops.errors import AmbiguousRun, Candidate, NoSuchRun, Unanswered
+from gpudeck.agents.errors import AgentError
+from gpudeck.agents.protocol import LIVE_STATES, RunInfo
+from gpudeck.console.fleet import Fleet
+from gpudeck.console.ops.errors import AmbiguousRun, Candidate, NoSuchRun, Unanswered
 
 LIST_LIMIT = 100_000  # runs asked of each host when a reference is not an exact id
 
@@ -144,7 +144,7 @@ async def resolve_run(fleet: Fleet, ref: str, host: str | None = None, destructi
 
 def _is_no_such(exc: AgentError) -> bool:
     """The agent answered (no such run, or several there): the host is reachable."""
-    from agents.errors import AgentUnavailable
+    from gpudeck.agents.errors import AgentUnavailable
 
     return not isinstance(exc, AgentUnavailable)
 

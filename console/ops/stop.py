@@ -9,13 +9,13 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 
-from agents.errors import AgentError, AgentUnavailable
-from agents.protocol import StopResult
-from console import config as cfg
-from console.fleet import Fleet
-from console.history import History
-from console.ops.errors import IntentError
-from console.ops.resolve import Resolved
+from gpudeck.agents.errors import AgentError, AgentUnavailable
+from gpudeck.agents.protocol import StopResult
+from gpudeck.console import config as cfg
+from gpudeck.console.fleet import Fleet
+from gpudeck.console.history import History
+from gpudeck.console.ops.errors import IntentError
+from gpudeck.console.ops.resolve import Resolved
 
 
 @dataclass

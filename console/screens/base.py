@@ -21,9 +21,9 @@ from textual.screen import Screen
 from textual.timer import Timer
 
 if TYPE_CHECKING:
-    from agents.protocol import RunInfo
-    from console.fleet import Fleet
-    from console.ops import LaunchIntent
+    from gpudeck.agents.protocol import RunInfo
+    from gpudeck.console.fleet import Fleet
+    from gpudeck.console.ops import LaunchIntent
 
 
 class DeckApp(Protocol):

@@ -10,9 +10,9 @@ from textual.containers import Horizontal, Vertical
 from textual.screen import ModalScreen
 from textual.widgets import Button, Static
 
-from agents.protocol import StopResult
-from console.fmt import gib
-from console.widgets.cells import plain_markup
+from gpudeck.agents.protocol import StopResult
+from gpudeck.console.fmt import gib
+from gpudeck.console.widgets.cells import plain_markup
 
 
 class ConfirmDialog(ModalScreen[bool]):

@@ -10,13 +10,13 @@ from textual.binding import Binding
 from textual.screen import Screen
 from textual.widgets import Footer, Static
 
-from console.sanitize import redact_run
-from console.screens.base import Guarded
-from console.views import run_diff, run_label
-from console.widgets.cells import shown
-from console.widgets.diff import diff_rows, diff_summary
-from console.widgets.header import AppHeader
-from console.widgets.keyed_table import Col, KeyedTable
+from gpudeck.console.sanitize import redact_run
+from gpudeck.console.screens.base import Guarded
+from gpudeck.console.views import run_diff, run_label
+from gpudeck.console.widgets.cells import shown
+from gpudeck.console.widgets.diff import diff_rows, diff_summary
+from gpudeck.console.widgets.header import AppHeader
+from gpudeck.console.widgets.keyed_table import Col, KeyedTable
 
 
 def columns(width: int) -> list[Col]:

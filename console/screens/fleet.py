@@ -7,14 +7,14 @@ from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.widgets import Footer, Static
 
-from console.fleet import HostStatus
-from console.fmt import gib
-from console.formats import why_down
-from console.screens.base import LiveScreen, deck
-from console.views import HostFigures, clock, host_figures, since
-from console.widgets.cells import SIMULATED, alerts_text, mem_bar, pct_bar, state_text
-from console.widgets.header import AppHeader
-from console.widgets.keyed_table import Col, KeyedTable, fit
+from gpudeck.console.fleet import HostStatus
+from gpudeck.console.fmt import gib
+from gpudeck.console.formats import why_down
+from gpudeck.console.screens.base import LiveScreen, deck
+from gpudeck.console.views import HostFigures, clock, host_figures, since
+from gpudeck.console.widgets.cells import SIMULATED, alerts_text, mem_bar, pct_bar, state_text
+from gpudeck.console.widgets.header import AppHeader
+from gpudeck.console.widgets.keyed_table import Col, KeyedTable, fit
 
 COLUMNS = [
     Col("host", "HOST", 20),

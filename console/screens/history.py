@@ -13,16 +13,16 @@ from textual.binding import Binding
 from textual.timer import Timer
 from textual.widgets import Footer, Input, Static
 
-from console.fmt import duration
-from console.ops.figures import run_figures, tokens_text
-from console.messages import HistoryLoaded
-from console.query import QueryError
-from console.screens.base import LiveScreen, deck
-from console.screens.runs import why_text
-from console.views import short_when, history_rows, run_row_from_history
-from console.widgets.cells import sortable, state_text
-from console.widgets.header import AppHeader
-from console.widgets.keyed_table import Col, KeyedTable, fit
+from gpudeck.console.fmt import duration
+from gpudeck.console.ops.figures import run_figures, tokens_text
+from gpudeck.console.messages import HistoryLoaded
+from gpudeck.console.query import QueryError
+from gpudeck.console.screens.base import LiveScreen, deck
+from gpudeck.console.screens.runs import why_text
+from gpudeck.console.views import short_when, history_rows, run_row_from_history
+from gpudeck.console.widgets.cells import sortable, state_text
+from gpudeck.console.widgets.header import AppHeader
+from gpudeck.console.widgets.keyed_table import Col, KeyedTable, fit
 
 COLUMNS = [
     Col("id", "RUN", 10),
@@ -223,7 +223,7 @@ class HistoryScreen(LiveScreen):
     @work(exclusive=True, group="history-diff")
     async def open_diff(self, a: dict[str, Any], b: dict[str, Any]) -> None:
         """Read both runs' full rows (environment included) in a thread, then show them side by side."""
-        from console.screens.diff import DiffScreen
+        from gpudeck.console.screens.diff import DiffScreen
 
         history = deck(self).fleet.history
         if history is None:

@@ -8,16 +8,16 @@ from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.widgets import Footer, Static
 
-from console.fleet import HostStatus
-from console.fmt import gib
-from console.screens.base import LiveScreen, deck
-from console.screens.fleet import state_cell
-from console.screens.reclaim import ReclaimItem, reclaim_flow
-from console.views import LEFTOVER_HOLDERS, holder_label, since
-from console.widgets.cells import SIMULATED, attribution_text, plain_markup, mem_bar, pct_bar
-from console.widgets.header import AppHeader
-from console.widgets.keyed_table import Col, KeyedTable
-from console.widgets.progress import ProgressLine
+from gpudeck.console.fleet import HostStatus
+from gpudeck.console.fmt import gib
+from gpudeck.console.screens.base import LiveScreen, deck
+from gpudeck.console.screens.fleet import state_cell
+from gpudeck.console.screens.reclaim import ReclaimItem, reclaim_flow
+from gpudeck.console.views import LEFTOVER_HOLDERS, holder_label, since
+from gpudeck.console.widgets.cells import SIMULATED, attribution_text, plain_markup, mem_bar, pct_bar
+from gpudeck.console.widgets.header import AppHeader
+from gpudeck.console.widgets.keyed_table import Col, KeyedTable
+from gpudeck.console.widgets.progress import ProgressLine
 
 GPU_COLUMNS = [
     Col("idx", "GPU", 4),
@@ -212,7 +212,7 @@ class HostScreen(LiveScreen):
             self.action_clear_marks()
 
     def action_leftovers(self) -> None:
-        from console.screens.leftovers import LeftoversScreen
+        from gpudeck.console.screens.leftovers import LeftoversScreen
 
         self.app.push_screen(LeftoversScreen(self.host))
 

@@ -2,7 +2,7 @@
 explicit start, then the pre-flight result before the final confirm, and the launch itself with its progress.
 
 The dialog only collects the form (:class:`LaunchForm`) and shows results: the
-form becomes a :class:`~console.ops.LaunchIntent` and the operations layer
+form becomes a :class:`~gpudeck.console.ops.LaunchIntent` and the operations layer
 plans it (the same spec the CLI builds for the same intent) and launches it.
 ctrl+s first runs pre-flight on the chosen host(s) (nothing starts); the result
 shows in the dialog and the button turns into the final confirm. Changing any
@@ -27,19 +27,19 @@ from textual.screen import ModalScreen
 from textual.widgets import Button, Input, Label, Select, SelectionList, Static
 from textual.widgets.selection_list import Selection
 
-from agents.errors import AgentError
-from agents.protocol import LaunchSpec, PreflightResult, RunInfo, Snapshot
-from agents.supervisor import new_run_id
-from console.fmt import gib
-from console.ops import IntentError, LaunchIntent, LaunchPlan, LaunchResult, OpsError
-from console.ops.intent import count_text, form_start
-from console.ops.launch import NodeOutcome, plan_here
-from console.ops.launch import launch as ops_launch
-from console.ops.launch import preflight as ops_preflight
-from console.screens.base import Guarded, deck
-from console.views import gpu_free, holder_label
-from console.widgets.cells import SIMULATED, plain_markup
-from console.widgets.progress import ProgressLine
+from gpudeck.agents.errors import AgentError
+from gpudeck.agents.protocol import LaunchSpec, PreflightResult, RunInfo, Snapshot
+from gpudeck.agents.supervisor import new_run_id
+from gpudeck.console.fmt import gib
+from gpudeck.console.ops import IntentError, LaunchIntent, LaunchPlan, LaunchResult, OpsError
+from gpudeck.console.ops.intent import count_text, form_start
+from gpudeck.console.ops.launch import NodeOutcome, plan_here
+from gpudeck.console.ops.launch import launch as ops_launch
+from gpudeck.console.ops.launch import preflight as ops_preflight
+from gpudeck.console.screens.base import Guarded, deck
+from gpudeck.console.views import gpu_free, holder_label
+from gpudeck.console.widgets.cells import SIMULATED, plain_markup
+from gpudeck.console.widgets.progress import ProgressLine
 
 
 @dataclass(frozen=True)
@@ -214,7 +214,7 @@ class LaunchDialog(Guarded, ModalScreen[LaunchOutcome | None]):
                     yield Static("", id="gpu-hint", classes="hint")
             with Horizontal(classes="field"):
                 yield Label("Kind")
-                yield Select([("command", "command"), ("fsdp (trainers.fsdp_lm)", "fsdp"), ("dflash (trainers.dflash)", "dflash")], value="command", id="kind", allow_blank=False, compact=True)
+                yield Select([("command", "command"), ("fsdp (gpudeck.trainers.fsdp_lm)", "fsdp"), ("dflash (gpudeck.trainers.dflash)", "dflash")], value="command", id="kind", allow_blank=False, compact=True)
             with Horizontal(classes="field"):
                 yield Label("Arguments")
                 yield Input(id="args", placeholder="python train.py --lr 3e-4  (for trainers: their options)", compact=True)
@@ -268,7 +268,7 @@ class LaunchDialog(Guarded, ModalScreen[LaunchOutcome | None]):
         snap = self._snapshot(host)
         want: set[int] = set()
         if self._prefill.get("gpus"):
-            from trainers.contract import parse_index_list
+            from gpudeck.trainers.contract import parse_index_list
 
             want = set(parse_index_list(self._prefill["gpus"]))
         if snap is None:

@@ -9,16 +9,16 @@ from textual.binding import Binding
 from textual.screen import Screen
 from textual.widgets import Footer, Static
 
-from agents.errors import AgentError
-from agents.protocol import Gpu, Leftover, LeftoverList
-from console.fmt import gib
-from console.screens.base import Guarded, deck
-from console.screens.reclaim import ReclaimItem, reclaim_flow
-from console.views import since
-from console.widgets.cells import leftover_text, plain_markup
-from console.widgets.header import AppHeader
-from console.widgets.keyed_table import Col, KeyedTable
-from console.widgets.progress import ProgressLine
+from gpudeck.agents.errors import AgentError
+from gpudeck.agents.protocol import Gpu, Leftover, LeftoverList
+from gpudeck.console.fmt import gib
+from gpudeck.console.screens.base import Guarded, deck
+from gpudeck.console.screens.reclaim import ReclaimItem, reclaim_flow
+from gpudeck.console.views import since
+from gpudeck.console.widgets.cells import leftover_text, plain_markup
+from gpudeck.console.widgets.header import AppHeader
+from gpudeck.console.widgets.keyed_table import Col, KeyedTable
+from gpudeck.console.widgets.progress import ProgressLine
 
 COLUMNS = [
     Col("pid", "PID", 8),

@@ -11,9 +11,9 @@ from textual.containers import Vertical
 from textual.screen import ModalScreen
 from textual.widgets import Static
 
-from console.fmt import when
-from console.widgets.cells import plain_markup, state_text
-from console.widgets.keyed_table import Col, KeyedTable
+from gpudeck.console.fmt import when
+from gpudeck.console.widgets.cells import plain_markup, state_text
+from gpudeck.console.widgets.keyed_table import Col, KeyedTable
 
 COLUMNS = [Col("id", "RUN", 12), Col("name", "NAME", 18), Col("host", "HOST", 12), Col("state", "STATE", 10), Col("started", "STARTED", 19), Col("torch", "TORCH", 16), Col("cause", "CAUSE", None)]
 

@@ -8,12 +8,12 @@ from dataclasses import dataclass, field
 from rich.text import Text
 from textual.screen import Screen
 
-from agents.errors import AgentError
-from agents.protocol import Gpu, StopResult
-from console.fmt import gib
-from console.screens.dialogs import ConfirmDialog, ResultDialog, stop_result_text
-from console.widgets.progress import ProgressLine
-from console.screens.base import deck
+from gpudeck.agents.errors import AgentError
+from gpudeck.agents.protocol import Gpu, StopResult
+from gpudeck.console.fmt import gib
+from gpudeck.console.screens.dialogs import ConfirmDialog, ResultDialog, stop_result_text
+from gpudeck.console.widgets.progress import ProgressLine
+from gpudeck.console.screens.base import deck
 
 GRACE_S = 10.0
 

@@ -22,25 +22,25 @@ from textual.binding import Binding
 from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.widgets import Footer, Input, Sparkline, Static, TabbedContent, TabPane
 
-from agents import envs
-from agents.errors import AgentError
-from agents.protocol import TERMINAL_STATES, Alert, EnvFingerprint, LaunchSpec, PreflightResult, RunInfo, StopResult, VerifyReply
-from console.fmt import duration, elapsed, gib, when
-from console.messages import RecordLoaded
-from console.screens.base import LiveScreen, deck
-from console.screens.dialogs import ChoiceDialog, ConfirmDialog, ResultDialog, stop_result_text
-from console.screens.launch import preflight_text
-from console.ops import OpsError, Resolved, relaunch_intent, resolve_run, rollback_intent
-from console.ops.stop import stop_run
-from console.ops.relaunch import check_environment, rebuild_environment, recorded_environment
-from console.views import alerts_of, env_of, history_rows, python_of, record_from_info, run_diff, run_from_record, run_label, short_when, spec_of
-from console.sanitize import redact_env
-from console.widgets.cells import SIMULATED, ok_text, shown, state_text
-from console.widgets.diff import diff_summary, diff_table
-from console.widgets.header import AppHeader
-from console.widgets.keyed_table import Col, KeyedTable
-from console.widgets.output_view import OutputView
-from console.widgets.progress import ProgressLine
+from gpudeck.agents import envs
+from gpudeck.agents.errors import AgentError
+from gpudeck.agents.protocol import TERMINAL_STATES, Alert, EnvFingerprint, LaunchSpec, PreflightResult, RunInfo, StopResult, VerifyReply
+from gpudeck.console.fmt import duration, elapsed, gib, when
+from gpudeck.console.messages import RecordLoaded
+from gpudeck.console.screens.base import LiveScreen, deck
+from gpudeck.console.screens.dialogs import ChoiceDialog, ConfirmDialog, ResultDialog, stop_result_text
+from gpudeck.console.screens.launch import preflight_text
+from gpudeck.console.ops import OpsError, Resolved, relaunch_intent, resolve_run, rollback_intent
+from gpudeck.console.ops.stop import stop_run
+from gpudeck.console.ops.relaunch import check_environment, rebuild_environment, recorded_environment
+from gpudeck.console.views import alerts_of, env_of, history_rows, python_of, record_from_info, run_diff, run_from_record, run_label, short_when, spec_of
+from gpudeck.console.sanitize import redact_env
+from gpudeck.console.widgets.cells import SIMULATED, ok_text, shown, state_text
+from gpudeck.console.widgets.diff import diff_summary, diff_table
+from gpudeck.console.widgets.header import AppHeader
+from gpudeck.console.widgets.keyed_table import Col, KeyedTable
+from gpudeck.console.widgets.output_view import OutputView
+from gpudeck.console.widgets.progress import ProgressLine
 
 FLUSH_S = 0.1  # output reaches the screen in batches, a few times a second at most
 FLUSH_MAX_CHARS = 1 << 20  # per batch: 10 MB/s at most (50,000 log lines a second are ~3.5 MB/s)
@@ -615,7 +615,7 @@ class RunScreen(LiveScreen):
     @work(exclusive=True, group="run-rollback")
     async def rollback_flow(self) -> None:
         """Pick a known-good run, read the diff, check its environment still holds, then relaunch with an explicit start."""
-        from console.screens.picker import RunPicker
+        from gpudeck.console.screens.picker import RunPicker
 
         if self.run is None:
             self.notify("the run is not known yet", severity="warning")

@@ -11,15 +11,15 @@ from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.widgets import Footer, Static
 
-from agents.errors import AgentError
-from console.fmt import duration, elapsed
-from console.messages import HistoryLoaded
-from console.query import QueryError
-from console.screens.base import LiveScreen, deck
-from console.views import short_when, RunRow, history_rows, merge_rows, run_row_from_history, run_row_from_info
-from console.widgets.cells import alerts_text, sortable, sparkline, state_text
-from console.widgets.header import AppHeader
-from console.widgets.keyed_table import Col, KeyedTable, fit
+from gpudeck.agents.errors import AgentError
+from gpudeck.console.fmt import duration, elapsed
+from gpudeck.console.messages import HistoryLoaded
+from gpudeck.console.query import QueryError
+from gpudeck.console.screens.base import LiveScreen, deck
+from gpudeck.console.views import short_when, RunRow, history_rows, merge_rows, run_row_from_history, run_row_from_info
+from gpudeck.console.widgets.cells import alerts_text, sortable, sparkline, state_text
+from gpudeck.console.widgets.header import AppHeader
+from gpudeck.console.widgets.keyed_table import Col, KeyedTable, fit
 
 COLUMNS = [
     Col("id", "RUN", 10),

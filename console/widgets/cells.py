@@ -6,8 +6,8 @@ from rich.markup import escape as rich_escape
 from rich.text import Text
 from textual.markup import escape as textual_escape
 
-from console.fmt import gib
-from console.sanitize import escape_controls, has_controls
+from gpudeck.console.fmt import gib
+from gpudeck.console.sanitize import escape_controls, has_controls
 
 STATE_STYLES = {
     "up": "bold green",

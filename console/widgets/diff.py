@@ -8,10 +8,10 @@ import os
 from rich.table import Table
 from rich.text import Text
 
-from console.widgets.cells import literal
+from gpudeck.console.widgets.cells import literal
 
-from console.rundiff import Row, RunDiff
-from console.views import core_changes, diff_sections, row_label
+from gpudeck.console.rundiff import Row, RunDiff
+from gpudeck.console.views import core_changes, diff_sections, row_label
 
 CORE_STYLE = "bold red"
 DIFF_STYLE = "bold yellow"

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from rich.text import Text
 from textual.widgets import DataTable
 
-from console.widgets.cells import MARK, literal
+from gpudeck.console.widgets.cells import MARK, literal
 
 MARK_COLUMN = "_mark"
 

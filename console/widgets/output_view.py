@@ -23,7 +23,7 @@ from textual.reactive import reactive
 from textual.scroll_view import ScrollView
 from textual.strip import Strip
 
-from console.sanitize import escape_controls
+from gpudeck.console.sanitize import escape_controls
 
 CACHE_LINES = 4096
 _NEWLINE = re.compile(b"\n")

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import psutil
 
-from agents.procs import alive, create_time_of
+from gpudeck.agents.procs import alive, create_time_of
 from tests.agent_harness import AgentProc, journal_add_member, wait_for
 
 PROGS = Path(__file__).parent / "progs"
@@ -162,7 +162,7 @@ def test_run_whose_shim_vanished_is_lost_with_what_is_known(agent: AgentProc) ->
 
 
 def test_pid_reuse_is_never_signalled(agent: AgentProc) -> None:
-    from agents.procs import signal_exact
+    from gpudeck.agents.procs import signal_exact
 
     victim = subprocess.Popen(["sleep", "60"])
     try:
@@ -237,8 +237,8 @@ def test_runs_caught_between_record_and_start_are_settled_by_evidence(agent: Age
     """The agent dies after recording a launch: a started process is adopted, a missing one is recorded as interrupted."""
     import time as _time
 
-    from agents.journal import Journal
-    from agents.protocol import LaunchSpec, RunInfo
+    from gpudeck.agents.journal import Journal
+    from gpudeck.agents.protocol import LaunchSpec, RunInfo
 
     agent.kill9()
     j = Journal(agent.state_dir / "journal.db", "h")

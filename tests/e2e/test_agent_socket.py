@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from agents.errors import NotFound
-from agents.protocol import GetEvents, GetRun, Launch, LaunchSpec, Ping
+from gpudeck.agents.errors import NotFound
+from gpudeck.agents.protocol import GetEvents, GetRun, Launch, LaunchSpec, Ping
 from tests.agent_harness import ROOT, AgentProc, wait_for
 
 
@@ -129,14 +129,14 @@ def test_other_users_are_refused(agent: AgentProc) -> None:
 def test_dial_bridges_and_starts_the_agent(gpudeck_home: Path) -> None:
     env = {**os.environ, "GPUDECK_HOME": str(gpudeck_home), "PYTHONPATH": str(ROOT)}
     requests = b'{"type":"hello","request_id":"h","version":1}\n{"type":"ping","request_id":"p"}\n{"type":"list_runs","request_id":"l"}\n'
-    out = subprocess.run([sys.executable, "-m", "console.cli", "agent", "dial"], input=requests, capture_output=True, env=env, timeout=60)
+    out = subprocess.run([sys.executable, "-m", "gpudeck.console.cli", "agent", "dial"], input=requests, capture_output=True, env=env, timeout=60)
     assert out.returncode == 0, out.stderr
     replies = [json.loads(ln) for ln in out.stdout.splitlines()]
     assert {r["request_id"]: r["type"] for r in replies} == {"h": "hello_reply", "p": "pong", "l": "run_list"}
     hello = next(r for r in replies if r["type"] == "hello_reply")
     # the agent it started is detached and still serving; stop it by its pid
     try:
-        st = subprocess.run([sys.executable, "-m", "console.cli", "agent", "status", "--json"], capture_output=True, text=True, env=env, timeout=30)
+        st = subprocess.run([sys.executable, "-m", "gpudeck.console.cli", "agent", "status", "--json"], capture_output=True, text=True, env=env, timeout=30)
         assert json.loads(st.stdout)["pid"] == hello["pid"]
     finally:
         os.kill(hello["pid"], 15)
@@ -183,8 +183,8 @@ def test_agent_stop_leaves_runs_running_for_the_next_agent(agent: AgentProc) -> 
 
 
 def test_every_request_type_has_a_handler_in_the_dispatch_table() -> None:
-    from agents.protocol import Request
-    from agents.server import _HANDLERS
+    from gpudeck.agents.protocol import Request
+    from gpudeck.agents.server import _HANDLERS
 
     assert set(_HANDLERS) == set(Request.__args__), "a request type without a handler (or a handler for no request)"  # type: ignore[attr-defined]
 
@@ -195,7 +195,7 @@ def test_a_held_journal_write_lock_delays_no_ping_or_snapshot_and_the_queued_eve
     import sqlite3
     import time
 
-    from agents.protocol import GetSnapshot
+    from gpudeck.agents.protocol import GetSnapshot
 
     gate = tmp_path / "go"
     rid = agent.cli_json("launch", "--", "sh", "-c", f"while [ ! -e '{gate}' ]; do sleep 0.05; done; exit 3")["id"]

@@ -52,7 +52,7 @@ def test_telemetry_is_live_and_journaled_once(agent: AgentProc, tmp_path: Path) 
 def test_metrics_series_for_a_finished_run(agent: AgentProc, tmp_path: Path) -> None:
     import asyncio
 
-    from agents.protocol import GetMetrics, Metrics
+    from gpudeck.agents.protocol import GetMetrics, Metrics
 
     gate = tmp_path / "go"
     gate.touch()  # no pause: the writer runs straight through

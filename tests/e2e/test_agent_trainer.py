@@ -1,11 +1,11 @@
-"""The agent supervising a real torchrun job of trainers.fsdp_lm (CPU, gloo): ranks, telemetry, verified stop."""
+"""The agent supervising a real torchrun job of gpudeck.trainers.fsdp_lm (CPU, gloo): ranks, telemetry, verified stop."""
 
 from __future__ import annotations
 
 import sys
 from pathlib import Path
 
-from agents.procs import alive
+from gpudeck.agents.procs import alive
 from tests.agent_harness import ROOT, AgentProc, wait_for
 
 
@@ -13,7 +13,7 @@ def test_torchrun_job_is_supervised_end_to_end(agent: AgentProc, tmp_path: Path)
     out = tmp_path / "run"
     argv = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-        "-m", "trainers.fsdp_lm", "--model-config", "tiny", "--fresh", "--out", str(out),
+        "-m", "gpudeck.trainers.fsdp_lm", "--model-config", "tiny", "--fresh", "--out", str(out),
         "--max-steps", "100000", "--batch-size", "2", "--seq-len", "64", "--checkpoint-every", "1000",
         "--corpus-bytes", "400000", "--log-every", "1", "--no-export",
     ]

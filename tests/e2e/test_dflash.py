@@ -1,4 +1,4 @@
-"""End-to-end tests of ``python -m trainers.dflash`` on CPU: real torch + transformers, torchrun, gloo.
+"""End-to-end tests of ``python -m gpudeck.trainers.dflash`` on CPU: real torch + transformers, torchrun, gloo.
 
 * colocated, 2 ranks: runs, checkpoints, and a resume reproduces the straight run's losses exactly;
 * split, 2 target ranks + 1 drafter rank: hidden states travel through isend/irecv, the drafter
@@ -9,9 +9,9 @@
   "stopped", exit 0 within seconds, and ``--resume latest`` continues from that checkpoint;
 * ``--init-from`` a saved drafter: a different ``--block-size`` is refused (exit 2, both values
   named); without ``--block-size`` the saved one is used and said so on stderr;
-* the real pipeline: ``trainers.fsdp_lm`` trains a small target on the built-in corpus and
+* the real pipeline: ``gpudeck.trainers.fsdp_lm`` trains a small target on the built-in corpus and
   exports it; the target continues training prompts greedily (prompt/response JSONL, as DFlash
-  regenerates its data with the target); ``trainers.dflash`` trains a drafter on it; tau after
+  regenerates its data with the target); ``gpudeck.trainers.dflash`` trains a drafter on it; tau after
   training is clearly above tau at initialisation (>= 2 from ~1.0), and the exported drafter reloads.
 
 Every process is recorded (torchrun's pid, each worker's pid from its telemetry, and for the
@@ -59,7 +59,7 @@ def _steps(tel: list[dict], rank: int) -> dict[int, dict]:
 
 def test_colocated_two_ranks_runs_and_resumes_exactly(tmp_path, runs):
     out = tmp_path / "colo"
-    rc, output, tel, _ = runs.run("trainers.dflash", [*SMALL, "--max-steps", "4", "--checkpoint-every", "2",
+    rc, output, tel, _ = runs.run("gpudeck.trainers.dflash", [*SMALL, "--max-steps", "4", "--checkpoint-every", "2",
                                                       "--fresh"], out, nproc=2)
     assert rc == 0, output[-4000:]
     manifests = [r for r in tel if r["type"] == "manifest"]
@@ -78,12 +78,12 @@ def test_colocated_two_ranks_runs_and_resumes_exactly(tmp_path, runs):
     assert (out / "drafter" / "config.json").is_file()
 
     # --fresh into a folder with checkpoints is refused (exit 2); no start at all too
-    rc2, output2, _, _ = runs.run("trainers.dflash", [*SMALL, "--max-steps", "4", "--fresh"], out)
+    rc2, output2, _, _ = runs.run("gpudeck.trainers.dflash", [*SMALL, "--max-steps", "4", "--fresh"], out)
     assert rc2 == 2, output2[-2000:]
-    rc3, output3, _, _ = runs.run("trainers.dflash", [*SMALL, "--max-steps", "4"], out)
+    rc3, output3, _, _ = runs.run("gpudeck.trainers.dflash", [*SMALL, "--max-steps", "4"], out)
     assert rc3 == 2 and "--fresh" in output3
 
-    rc, output, tel2, _ = runs.run("trainers.dflash", [*SMALL, "--max-steps", "4", "--checkpoint-every", "2",
+    rc, output, tel2, _ = runs.run("gpudeck.trainers.dflash", [*SMALL, "--max-steps", "4", "--checkpoint-every", "2",
                                                        "--resume", "2"], out, nproc=2)
     assert rc == 0, output[-4000:]
     assert {m["start"] for m in tel2 if m["type"] == "manifest"} == {"resume 2"}
@@ -98,7 +98,7 @@ def test_colocated_two_ranks_runs_and_resumes_exactly(tmp_path, runs):
 def test_split_two_target_ranks_one_drafter_rank(tmp_path, runs):
     out = tmp_path / "split"
     rc, output, tel, _ = runs.run(
-        "trainers.dflash",
+        "gpudeck.trainers.dflash",
         [*SMALL, "--topology", "split", "--target-ranks", "0,1", "--drafter-ranks", "2",
          "--queue-depth", "2", "--max-steps", "4", "--checkpoint-every", "2", "--fresh"],
         out, nproc=3)
@@ -123,7 +123,7 @@ def test_split_two_target_ranks_one_drafter_rank(tmp_path, runs):
 
     # resume the split job: the drafter's losses continue exactly
     rc, output, tel2, _ = runs.run(
-        "trainers.dflash",
+        "gpudeck.trainers.dflash",
         [*SMALL, "--topology", "split", "--target-ranks", "0,1", "--drafter-ranks", "2",
          "--queue-depth", "2", "--max-steps", "4", "--checkpoint-every", "2", "--resume", "latest"],
         out / ".." / "split", nproc=3)
@@ -134,7 +134,7 @@ def test_split_two_target_ranks_one_drafter_rank(tmp_path, runs):
 
 def test_failing_rank_takes_the_job_down(tmp_path, runs):
     out = tmp_path / "fail"
-    rc, output, tel, _ = runs.run("trainers.dflash", [*SMALL, "--max-steps", "6", "--fresh"], out, nproc=2,
+    rc, output, tel, _ = runs.run("gpudeck.trainers.dflash", [*SMALL, "--max-steps", "6", "--fresh"], out, nproc=2,
                                   env={"GPUDECK_TEST_FAIL_AT_STEP": "3:1"}, timeout=120)
     assert rc != 0
     errors = [r for r in tel if r["type"] == "error"]
@@ -178,7 +178,7 @@ def _target_continuations(final: Path, corpus_bytes: int, out: Path) -> int:
     import numpy as np
     from transformers import AutoModelForCausalLM
 
-    from trainers.data import ByteTokenizer, load_tokens, split_tokens
+    from gpudeck.trainers.data import ByteTokenizer, load_tokens, split_tokens
 
     train, _ = split_tokens(load_tokens(None, ByteTokenizer(), max_bytes=corpus_bytes).tokens, 0.02)
     tokens = torch.from_numpy(train.astype(np.int64))
@@ -209,7 +209,7 @@ def _target_continuations(final: Path, corpus_bytes: int, out: Path) -> int:
 def test_fsdp_lm_target_then_dflash_drafter_tau_improves(tmp_path, runs):
     target_out = tmp_path / "target"
     rc, output, _, secs_target = runs.run(
-        "trainers.fsdp_lm",
+        "gpudeck.trainers.fsdp_lm",
         ["--model-config", "tiny", "--seq-len", "128", "--batch-size", "8", "--max-steps", "150",
          "--lr", "2e-3", "--corpus-bytes", str(3_000_000), "--log-every", "50", "--fresh"],
         target_out, env=TRAINER_THREADS, timeout=900)
@@ -224,7 +224,7 @@ def test_fsdp_lm_target_then_dflash_drafter_tau_improves(tmp_path, runs):
 
     out = tmp_path / "drafter"
     rc, output, tel, secs_drafter = runs.run(
-        "trainers.dflash",
+        "gpudeck.trainers.dflash",
         ["--target", str(final), "--data", str(data), "--seq-len", "128", "--batch-size", "4",
          "--num-anchors", "32", "--block-size", "8", "--drafter-layers", "1", "--max-steps", "150",
          "--lr", "2e-3", "--eval-every", "75", "--eval-prompt-len", "64", "--eval-gen-len", "64",
@@ -247,7 +247,7 @@ def test_fsdp_lm_target_then_dflash_drafter_tau_improves(tmp_path, runs):
     assert man["loss_mask"].startswith("per record: 0 on prompt tokens"), man["loss_mask"]
     assert man["mask_token_source"] == "tokenizer mask token"
 
-    from trainers.dflash_model import DFlashDraftModel
+    from gpudeck.trainers.dflash_model import DFlashDraftModel
 
     d = DFlashDraftModel.from_pretrained(str(out / "drafter"))
     assert d.config.block_size == 8
@@ -267,12 +267,12 @@ SPLIT = ["--topology", "split", "--target-ranks", "0,1", "--drafter-ranks", "2",
 
 @pytest.mark.parametrize("topology", ["colocated", "split"])
 def test_sigterm_to_every_process_stops_at_a_checkpoint_then_resume_continues(tmp_path, runs, topology):
-    from trainers.checkpoint import list_checkpoints
+    from gpudeck.trainers.checkpoint import list_checkpoints
 
     nproc, lead = (2, 0) if topology == "colocated" else (3, 2)
     args = [*SMALL, *(SPLIT if topology == "split" else []), "--max-steps", "40"]
     out, codes = tmp_path / "term", tmp_path / "exit-codes"
-    p, tel = runs.start("trainers.dflash", [*args, "--fresh"], out, nproc=nproc, exit_codes=codes)
+    p, tel = runs.start("gpudeck.trainers.dflash", [*args, "--fresh"], out, nproc=nproc, exit_codes=codes)
     deadline = time.monotonic() + 90
     while max(_steps(read_telemetry(tel), lead), default=0) < 3:
         assert p.poll() is None, runs.finish(p, 5)[0][-3000:]
@@ -312,7 +312,7 @@ def test_sigterm_to_every_process_stops_at_a_checkpoint_then_resume_continues(tm
     assert result["stopped"] is True and result["final_step"] == stop and result["drafter_dir"] is None
     assert not (out / "drafter").exists()
 
-    rc, output, tel2, _ = runs.run("trainers.dflash", [*args, "--resume", "latest"], out, nproc=nproc)
+    rc, output, tel2, _ = runs.run("gpudeck.trainers.dflash", [*args, "--resume", "latest"], out, nproc=nproc)
     assert rc == 0, output[-4000:]
     assert {m["start"] for m in tel2 if m["type"] == "manifest"} == {f"resume {stop}"}
     assert sorted(_steps(tel2, lead)) == list(range(stop + 1, 41))
@@ -325,7 +325,7 @@ def test_sigterm_to_every_process_stops_at_a_checkpoint_then_resume_continues(tm
 
 def test_init_from_drafter_keeps_its_shape(tmp_path, runs):
     src = tmp_path / "src"
-    rc, output, _, _ = runs.run("trainers.dflash", [*SMALL, "--max-steps", "1", "--no-eval", "--fresh"], src)
+    rc, output, _, _ = runs.run("gpudeck.trainers.dflash", [*SMALL, "--max-steps", "1", "--no-eval", "--fresh"], src)
     assert rc == 0, output[-4000:]
     drafter = src / "drafter"
     assert json.loads((drafter / "config.json").read_text())["block_size"] == 4
@@ -333,7 +333,7 @@ def test_init_from_drafter_keeps_its_shape(tmp_path, runs):
     assert "--block-size" not in no_bs and len(no_bs) == len(SMALL) - 2
 
     # a different --block-size: refused before any work, naming both values and the way out
-    p, _ = runs.start("trainers.dflash", [*no_bs, "--init-from", str(drafter), "--block-size", "8",
+    p, _ = runs.start("gpudeck.trainers.dflash", [*no_bs, "--init-from", str(drafter), "--block-size", "8",
                                           "--max-steps", "1", "--fresh"], tmp_path / "refused",
                       stderr=subprocess.PIPE)
     _, err = runs.finish(p, 60)
@@ -341,7 +341,7 @@ def test_init_from_drafter_keeps_its_shape(tmp_path, runs):
     assert "--block-size 8" in err and "block size 4" in err and "leave out" in err, err
     assert not (tmp_path / "refused" / "checkpoints").exists()
     # the same for the number of layers
-    p, _ = runs.start("trainers.dflash", [*no_bs, "--init-from", str(drafter), "--drafter-layers", "3",
+    p, _ = runs.start("gpudeck.trainers.dflash", [*no_bs, "--init-from", str(drafter), "--drafter-layers", "3",
                                           "--max-steps", "1", "--fresh"], tmp_path / "refused2",
                       stderr=subprocess.PIPE)
     _, err = runs.finish(p, 60)
@@ -349,7 +349,7 @@ def test_init_from_drafter_keeps_its_shape(tmp_path, runs):
 
     # the same value is fine; no --block-size: the saved one, said so on stderr
     out = tmp_path / "continued"
-    p, tel = runs.start("trainers.dflash", [*no_bs, "--init-from", str(drafter), "--max-steps", "1",
+    p, tel = runs.start("gpudeck.trainers.dflash", [*no_bs, "--init-from", str(drafter), "--max-steps", "1",
                                             "--no-eval", "--fresh"], out, stderr=subprocess.PIPE)
     _, err = runs.finish(p, 120)
     assert p.returncode == 0, err[-4000:]

@@ -1,4 +1,4 @@
-"""``trainers.dflash`` on prompt/response records with a token budget and a sliding-window drafter, on CPU.
+"""``gpudeck.trainers.dflash`` on prompt/response records with a token budget and a sliding-window drafter, on CPU.
 
 * colocated, 2 ranks, ``--token-budget``: one sample per record (the manifest says so, with the
   mask token's source), losses finite; a resume from step 2 reproduces steps 3-4 exactly (the
@@ -55,7 +55,7 @@ def setup(tmp_path):
 
 def test_records_with_a_token_budget_train_and_resume_exactly(tmp_path, runs, setup):
     out = tmp_path / "colo"
-    rc, output, tel, _ = runs.run("trainers.dflash", [*setup, "--max-steps", "4", "--checkpoint-every", "2",
+    rc, output, tel, _ = runs.run("gpudeck.trainers.dflash", [*setup, "--max-steps", "4", "--checkpoint-every", "2",
                                                       "--fresh"], out, nproc=2)
     assert rc == 0, output[-4000:]
     man = next(r for r in tel if r["type"] == "manifest")
@@ -71,7 +71,7 @@ def test_records_with_a_token_budget_train_and_resume_exactly(tmp_path, runs, se
     saved = json.loads((out / "drafter" / "config.json").read_text())
     assert saved["layer_types"] == ["sliding_attention", "full_attention"] and saved["sliding_window"] == 8
 
-    rc, output, tel2, _ = runs.run("trainers.dflash", [*setup, "--max-steps", "4", "--checkpoint-every", "2",
+    rc, output, tel2, _ = runs.run("gpudeck.trainers.dflash", [*setup, "--max-steps", "4", "--checkpoint-every", "2",
                                                        "--resume", "2"], out, nproc=2)
     assert rc == 0, output[-4000:]
     resumed = {s: r["loss"] for s, r in _steps(tel2, 0).items()}
@@ -81,7 +81,7 @@ def test_records_with_a_token_budget_train_and_resume_exactly(tmp_path, runs, se
 def test_records_with_a_token_budget_in_the_split_topology(tmp_path, runs, setup):
     out = tmp_path / "split"
     rc, output, tel, _ = runs.run(
-        "trainers.dflash", [*setup, "--topology", "split", "--target-ranks", "0", "--drafter-ranks", "1",
+        "gpudeck.trainers.dflash", [*setup, "--topology", "split", "--target-ranks", "0", "--drafter-ranks", "1",
                             "--max-steps", "3", "--fresh"], out, nproc=2)
     assert rc == 0, output[-4000:]
     steps = _steps(tel, 1)

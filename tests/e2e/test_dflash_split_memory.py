@@ -54,7 +54,7 @@ def test_split_drafter_rank_reads_only_embedding_and_lm_head(tmp_path, runs):
     assert (target / "model.safetensors").is_file()
     out = tmp_path / "out"
     rc, output, tel, _ = runs.run(
-        "trainers.dflash",
+        "gpudeck.trainers.dflash",
         ["--target", str(target), "--seq-len", "64", "--batch-size", "2", "--num-anchors", "8",
          "--block-size", "8", "--drafter-layers", "1", "--corpus-bytes", "200000", "--no-eval",
          "--topology", "split", "--target-ranks", "0", "--drafter-ranks", "1", "--max-steps", "2",

@@ -12,8 +12,8 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from agents.envs import REBUILD_IGNORES, EnvChange, EnvError, describe, diff, fingerprint, rebuild, verify
-from agents.protocol import EnvFingerprint
+from gpudeck.agents.envs import REBUILD_IGNORES, EnvChange, EnvError, describe, diff, fingerprint, rebuild, verify
+from gpudeck.agents.protocol import EnvFingerprint
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 

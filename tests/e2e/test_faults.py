@@ -35,9 +35,9 @@ from typing import Any
 import psutil
 import pytest
 
-from agents.errors import AgentError, AgentUnavailable
-from agents.journal import Journal
-from agents.protocol import Launch, LaunchSpec, Ping, Reclaim, Stop
+from gpudeck.agents.errors import AgentError, AgentUnavailable
+from gpudeck.agents.journal import Journal
+from gpudeck.agents.protocol import Launch, LaunchSpec, Ping, Reclaim, Stop
 from tests.agent_harness import ROOT, AgentProc, kill_tagged, wait_for
 
 pytestmark = pytest.mark.slow
@@ -424,7 +424,7 @@ async def test_agent_kill9_during_heavy_event_writes_loses_no_acknowledged_event
     try:
         c = await a.client()
         got: list = []
-        from agents.protocol import GetEvents
+        from gpudeck.agents.protocol import GetEvents
 
         async def follow() -> None:
             try:
@@ -473,7 +473,7 @@ def _fill_journal(state_dir: Path, runs: int, per_run: int) -> int:
         t = time.time() - 86400
         for i in range(runs):
             rid = f"r-{i:08x}"
-            spec = {"argv": ["python", "-m", "trainers.fsdp_lm", "--fresh"], "kind": "fsdp", "name": f"run{i}", "operator": "ada"}
+            spec = {"argv": ["python", "-m", "gpudeck.trainers.fsdp_lm", "--fresh"], "kind": "fsdp", "name": f"run{i}", "operator": "ada"}
             items: list[tuple[str, str | None, dict]] = [
                 ("run_created", rid, {"state": "starting", "spec": spec, "name": f"run{i}"}),
                 ("run_state", rid, {"state": "running", "pid": 1000 + i, "started": t + i}),
@@ -519,7 +519,7 @@ def test_console_kill9_during_history_sync_catches_up_with_no_duplicates(home: P
     hist = home / "history.db"
     try:
         env = {**a.env, "HOME": str(home)}
-        argv = [PY, "-m", "console.cli", "history", "--json", "limit:1"]
+        argv = [PY, "-m", "gpudeck.console.cli", "history", "--json", "limit:1"]
         t0 = time.monotonic()
         p = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         at_kill = 0
@@ -542,13 +542,13 @@ def test_console_kill9_during_history_sync_catches_up_with_no_duplicates(home: P
         journal_total = len(journal_events(state_dir))
         assert seqs == list(range(1, journal_total + 1)), f"history has {len(seqs)} events, the journal {journal_total}; duplicates {len(seqs) - len(set(seqs))}"
         # the runs table after crash + resume equals one built in a single pass from the same journal
-        from console.history import History
+        from gpudeck.console.history import History
 
         ref_path = home / "reference.db"
         ref = History(ref_path)
         try:
             ref.cursor("local", epoch)
-            from agents.protocol import Event
+            from gpudeck.agents.protocol import Event
 
             evs = [Event(seq=s, ts=0.0, kind=k, run_id=r, data=d) for s, k, r, d in journal_events(state_dir)]
             ts = {r[0]: r[1] for r in _table(state_dir / "journal.db", "SELECT seq, ts FROM events")}

@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from console import config as cfg
-from console.fleet import Fleet
-from console.history import History
-from console.transport import HostKeyError, connect_ssh
+from gpudeck.console import config as cfg
+from gpudeck.console.fleet import Fleet
+from gpudeck.console.history import History
+from gpudeck.console.transport import HostKeyError, connect_ssh
 from tests.agent_harness import stop_runs, wait_for
 from tests.sshd_harness import ConsoleSide, SshHost, keygen
 
@@ -160,7 +160,7 @@ async def test_a_run_that_ends_while_the_console_is_cut_off_is_recorded_exactly_
 
 
 def _spec(args: list[str]):  # type: ignore[no-untyped-def]
-    from agents.protocol import LaunchSpec
+    from gpudeck.agents.protocol import LaunchSpec
 
     return LaunchSpec(argv=[PY, *args], name="away")
 

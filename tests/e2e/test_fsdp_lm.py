@@ -1,4 +1,4 @@
-"""End-to-end tests of ``python -m trainers.fsdp_lm`` on CPU: real torch, torchrun, gloo.
+"""End-to-end tests of ``python -m gpudeck.trainers.fsdp_lm`` on CPU: real torch, torchrun, gloo.
 
 Processes are started and stopped through tests/trainer_harness.py (by pid, each
 worker checked for this test's GPUDECK_RUN_ID before it is killed).
@@ -22,7 +22,7 @@ pytestmark = pytest.mark.slow
 from tests.trainer_harness import Runs, read_telemetry  # noqa: E402
 from tests.trainer_harness import alive as _alive  # noqa: E402
 
-FSDP = "trainers.fsdp_lm"
+FSDP = "gpudeck.trainers.fsdp_lm"
 COMMON = ["--model-config", "tiny", "--seq-len", "64", "--batch-size", "4",
           "--corpus-bytes", str(1024 * 1024), "--lr", "1e-3", "--warmup-steps", "2"]
 
@@ -51,8 +51,8 @@ def straight(tmp_path_factory, runs):
 def test_straight_run_writes_telemetry_checkpoints_and_result(straight) -> None:
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from trainers.checkpoint import list_checkpoints
-    from trainers.fsdp_lm import PRESETS
+    from gpudeck.trainers.checkpoint import list_checkpoints
+    from gpudeck.trainers.fsdp_lm import PRESETS
 
     out, tel, _ = straight
     assert list_checkpoints(out) == [4, 8]
@@ -88,7 +88,7 @@ def test_straight_run_writes_telemetry_checkpoints_and_result(straight) -> None:
 def test_export_loads_with_from_pretrained(straight) -> None:
     from transformers import AutoModelForCausalLM
 
-    from trainers.data import ByteTokenizer, load_tokenizer
+    from gpudeck.trainers.data import ByteTokenizer, load_tokenizer
 
     out, tel, _ = straight
     model = AutoModelForCausalLM.from_pretrained(out / "final")
@@ -164,7 +164,7 @@ def test_new_run_dir_archives_old_checkpoints(straight, runs, tmp_path) -> None:
     assert rc == 0, output[-4000:]
     archived = [p for p in out.iterdir() if p.name.startswith("checkpoints.archived-")]
     assert len(archived) == 1 and (archived[0] / "step_8").is_dir()
-    from trainers.checkpoint import list_checkpoints
+    from gpudeck.trainers.checkpoint import list_checkpoints
 
     assert list_checkpoints(out) == [2]
     manifest = next(r for r in tel if r["type"] == "manifest")
@@ -187,7 +187,7 @@ def test_init_from_exported_folder_continues_from_trained_weights(straight, runs
 
 
 def test_sigterm_stops_all_ranks_after_a_checkpoint(runs, tmp_path) -> None:
-    from trainers.checkpoint import list_checkpoints
+    from gpudeck.trainers.checkpoint import list_checkpoints
 
     out = tmp_path / "term"
     p, tel = runs.start(FSDP, [*COMMON, "--max-steps", "100000", "--fresh"], out, nproc=2)
@@ -211,17 +211,17 @@ def test_sigterm_stops_all_ranks_after_a_checkpoint(runs, tmp_path) -> None:
 
 
 def test_prepare_then_train_with_validation_then_resume_is_exact(runs, tmp_path) -> None:
-    """A saved dataset -> trainers.prepare (2 processes) -> 2 ranks train from the token file
+    """A saved dataset -> gpudeck.trainers.prepare (2 processes) -> 2 ranks train from the token file
     (the source deleted: nothing re-tokenises) with val_loss records -> resume is exact."""
     datasets = pytest.importorskip("datasets")
-    from trainers.checkpoint import list_checkpoints
-    from trainers.data import PREPARED_MANIFEST, load_documents
+    from gpudeck.trainers.checkpoint import list_checkpoints
+    from gpudeck.trainers.data import PREPARED_MANIFEST, load_documents
 
     docs = load_documents(None, max_bytes=600 * 1024)
     src = tmp_path / "corpus"
     datasets.Dataset.from_dict({"n": list(range(len(docs))), "text": docs}).save_to_disk(str(src))
     prep = tmp_path / "prep"
-    rc, output, _, _ = runs.run("trainers.prepare", ["--data", str(src), "--num-proc", "2",
+    rc, output, _, _ = runs.run("gpudeck.trainers.prepare", ["--data", str(src), "--num-proc", "2",
                                                     "--val-fraction", "0.1"], prep, nproc=None)
     assert rc == 0, output[-3000:]
     prepared = json.loads((prep / PREPARED_MANIFEST).read_text())

@@ -149,7 +149,7 @@ def test_a_two_node_run_trains_stops_resumes_and_is_one_record(cluster: ConsoleS
     final = next(x for x in c.cli_json("runs") if x["id"] == rid2)
     assert final["state"] == "succeeded", c.cli("tail", rid2, "-n", "40").stdout
     # every host's history is complete: gapless, no duplicates
-    from console.history import History
+    from gpudeck.console.history import History
 
     h = History(c.gpudeck_home / "history.db")
     try:
@@ -169,7 +169,7 @@ def test_killing_one_nodes_ranks_raises_the_alert_and_names_the_node_in_the_caus
     nodeb = c.hosts[1]
 
     def ranks_b() -> list[int]:
-        return [p.pid for p in psutil.process_iter() if _tag(p.pid) == rid and "trainers.fsdp_lm" in " ".join(_cmd(p)) and p.pid in nodeb.ns.pids() and "torch.distributed.run" not in " ".join(_cmd(p))]
+        return [p.pid for p in psutil.process_iter() if _tag(p.pid) == rid and "gpudeck.trainers.fsdp_lm" in " ".join(_cmd(p)) and p.pid in nodeb.ns.pids() and "torch.distributed.run" not in " ".join(_cmd(p))]
 
     pids = wait_for(lambda: len(ranks_b()) == 1 and ranks_b(), timeout=240, interval=0.5, what="nodeb's rank")
     wait_for(lambda: (out / "checkpoints").exists(), timeout=240, interval=1.0, what="training started")
@@ -241,7 +241,7 @@ def test_a_node_cut_off_during_the_run_is_reported_then_stopped_when_it_is_back(
     print(f"history after heal: {hist[0]['state']}: {hist[0]['cause']}")
     # nodeb ended with nodea's stop (the trainer's agreed stop step) or by the stop delivered on reconnect
     assert hist[0]["state"] == "stopped" and hist[0]["nodes"][0]["state"] == "stopped" and hist[0]["nodes"][1]["state"] in ("stopped", "succeeded"), hist[0]
-    from console.history import History
+    from gpudeck.console.history import History
 
     h = History(c.gpudeck_home / "history.db")
     try:

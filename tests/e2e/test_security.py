@@ -29,7 +29,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from console.transport import connect_ssh
+from gpudeck.console.transport import connect_ssh
 from tests.agent_harness import AgentProc, stop_runs, wait_for
 from tests.netns_harness import tcp_sockets
 from tests.sshd_harness import GPUDECK, ConsoleSide, SshHost, short_tmp
@@ -86,7 +86,7 @@ def dial_processes(h: SshHost, besides: set[int] | None = None) -> list[psutil.P
     for p in psutil.Process(h.proc.pid).children(recursive=True):
         try:
             cmd = p.cmdline()
-            if "dial" in cmd and any(x.endswith("gpudeck") or x == "console.cli" for x in cmd) and p.pid not in (besides or set()):
+            if "dial" in cmd and any(x.endswith("gpudeck") or x == "gpudeck.console.cli" for x in cmd) and p.pid not in (besides or set()):
                 out.append(p)
         except psutil.Error:
             continue
@@ -210,9 +210,9 @@ def test_shell_metacharacters_in_arguments_env_and_name_are_passed_literally_ove
 
 def test_history_filters_are_parameterised_through_the_cli(fleet) -> None:
     c, h, _ = fleet
-    from agents.protocol import LaunchSpec
-    from console import config as cfg
-    from console.fleet import Fleet
+    from gpudeck.agents.protocol import LaunchSpec
+    from gpudeck.console import config as cfg
+    from gpudeck.console.fleet import Fleet
 
     names = ["x'; DROP TABLE runs; --", "' OR '1'='1", "100%", "1000x", "a_b", "axb", 'q"uote']
 
@@ -252,7 +252,7 @@ def test_the_agent_opens_no_tcp_port_while_serving_ssh_launches_and_streams(flee
     async def busy() -> None:
         link = await connect_ssh("sec", "gpudeck agent dial", c.ssh_options())
         try:
-            from agents.protocol import GetEvents, Launch, LaunchSpec, WatchSnapshots
+            from gpudeck.agents.protocol import GetEvents, Launch, LaunchSpec, WatchSnapshots
 
             await link.client.request(Launch(spec=LaunchSpec(argv=["sleep", "1"], name="tcp-probe")), timeout=60)
             snaps = link.client.stream(WatchSnapshots(interval_s=0.1))

@@ -13,8 +13,8 @@ from typing import Any
 
 import msgspec
 
-from agents.errors import AgentError
-from agents.protocol import (
+from gpudeck.agents.errors import AgentError
+from gpudeck.agents.protocol import (
     Alert,
     ClaimRow,
     EnvFingerprint,
@@ -39,9 +39,9 @@ from agents.protocol import (
     StopResult,
     VerifyReply,
 )
-from console.config import HostSettings
-from console.fleet import Fleet, HostLink
-from console.history import History
+from gpudeck.console.config import HostSettings
+from gpudeck.console.fleet import Fleet, HostLink
+from gpudeck.console.history import History
 
 T0 = 1_790_000_000.0  # a fixed instant, so every rendered time is the same on every run
 GIB = 2**30
@@ -84,7 +84,7 @@ def fixture_runs() -> list[RunInfo]:
         host="gpu1",
         state="running",
         name="llama-1b",
-        spec=LaunchSpec(argv=["/opt/venv/bin/python3", "-m", "trainers.fsdp_lm", "--model-config", "llama-1b", "--lr", "3e-4", "--fresh"], kind="fsdp", gpus=[0], start="fresh", python="/opt/venv/bin/python3", parent=GOOD),
+        spec=LaunchSpec(argv=["/opt/venv/bin/python3", "-m", "gpudeck.trainers.fsdp_lm", "--model-config", "llama-1b", "--lr", "3e-4", "--fresh"], kind="fsdp", gpus=[0], start="fresh", python="/opt/venv/bin/python3", parent=GOOD),
         created=T0 - 3600,
         started=T0 - 3600,
         members=[Member(pid=4412, create_time=T0 - 3600, role="leader")],
@@ -92,14 +92,14 @@ def fixture_runs() -> list[RunInfo]:
         alerts=fixture_alerts(),
         env=env_fixture("2.7.0+cu128", "12.8", "2.26.2", "570.86.10", {"triton": "3.3.0"}),
     )
-    failed = RunInfo(id=FAILED, host="gpu1", state="failed", name="drafter", spec=LaunchSpec(argv=["python", "-m", "trainers.dflash", "--fresh"], kind="dflash", gpus=[1, 2], start="fresh"), created=T0 - 7200, started=T0 - 7200, ended=T0 - 5400, cause="exit code 1 (CUDA out of memory)", exit_code=1)
+    failed = RunInfo(id=FAILED, host="gpu1", state="failed", name="drafter", spec=LaunchSpec(argv=["python", "-m", "gpudeck.trainers.dflash", "--fresh"], kind="dflash", gpus=[1, 2], start="fresh"), created=T0 - 7200, started=T0 - 7200, ended=T0 - 5400, cause="exit code 1 (CUDA out of memory)", exit_code=1)
     stopped = RunInfo(id=STOPPED, host="gpu1", state="stopped", spec=LaunchSpec(argv=["sleep", "1000"]), created=T0 - 9000, started=T0 - 9000, ended=T0 - 8000, cause="stopped by operator; 1 process(es) ignored SIGTERM for 30 s and needed SIGKILL")
     return [live, failed, stopped]
 
 
 def fixture_snapshot() -> Snapshot:
-    run_proc = GpuProcess(pid=4412, gpu=0, used_bytes=78 * GIB, attribution="RUN", run_id=LIVE, rank=0, user="ada", status="running", create_time=T0 - 3600, cmdline=["python", "-m", "trainers.fsdp_lm", "--model-config", "llama-1b"])
-    stale = GpuProcess(pid=3301, gpu=1, used_bytes=21 * GIB, attribution="STALE", run_id=FAILED, rank=2, user="ada", status="sleeping", create_time=T0 - 7200, cmdline=["python", "-m", "trainers.dflash"])
+    run_proc = GpuProcess(pid=4412, gpu=0, used_bytes=78 * GIB, attribution="RUN", run_id=LIVE, rank=0, user="ada", status="running", create_time=T0 - 3600, cmdline=["python", "-m", "gpudeck.trainers.fsdp_lm", "--model-config", "llama-1b"])
+    stale = GpuProcess(pid=3301, gpu=1, used_bytes=21 * GIB, attribution="STALE", run_id=FAILED, rank=2, user="ada", status="sleeping", create_time=T0 - 7200, cmdline=["python", "-m", "gpudeck.trainers.dflash"])
     foreign = GpuProcess(pid=999, gpu=1, used_bytes=3 * GIB, attribution="FOREIGN", user="bob", status="running", create_time=T0 - 86400 * 2, cmdline=["jupyter-kernel"])
     ghost = GpuProcess(pid=123456, gpu=2, used_bytes=5 * GIB, attribution="NO_SUCH_PROCESS")
     gpus = [
@@ -135,7 +135,7 @@ def fixture_preflight(spec: LaunchSpec) -> PreflightResult:
 def fixture_leftovers() -> LeftoverList:
     return LeftoverList(
         leftovers=[
-            Leftover(pid=3301, create_time=T0 - 7200, kind="orphan", run_id=FAILED, run_state="failed", run_ended=T0 - 5400, run_cause="exit code 1 (CUDA out of memory)", rank=2, user="ada", status="sleeping", cmdline=["python", "-m", "trainers.dflash"], gpu_bytes={1: 21 * GIB}, note="its run ended 1h35m ago: reclaim it (fixture)"),
+            Leftover(pid=3301, create_time=T0 - 7200, kind="orphan", run_id=FAILED, run_state="failed", run_ended=T0 - 5400, run_cause="exit code 1 (CUDA out of memory)", rank=2, user="ada", status="sleeping", cmdline=["python", "-m", "gpudeck.trainers.dflash"], gpu_bytes={1: 21 * GIB}, note="its run ended 1h35m ago: reclaim it (fixture)"),
             Leftover(pid=999, create_time=T0 - 86400 * 2, kind="foreign", user="bob", status="running", cmdline=["jupyter-kernel"], gpu_bytes={1: 3 * GIB}, note="not a gpudeck run: ask bob first (fixture)"),
             Leftover(pid=123456, kind="no_such_process", gpu_bytes={2: 5 * GIB}, note="NVML reports it, the OS does not: a container's process, or a driver leak (fixture)"),
         ],
@@ -147,7 +147,7 @@ def fixture_reclaim(pids: list[int]) -> StopResult:
     return StopResult(
         run_id=None,
         state="reclaimed",
-        stopped=[StoppedProcess(pid=p, cmdline=["python", "-m", "trainers.dflash"] if p == 3301 else ["jupyter-kernel"], how="SIGTERM") for p in pids],
+        stopped=[StoppedProcess(pid=p, cmdline=["python", "-m", "gpudeck.trainers.dflash"] if p == 3301 else ["jupyter-kernel"], how="SIGTERM") for p in pids],
         gpu_verified=True,
         gpu_note="NVML: none of the reclaimed pids holds GPU memory (fixture)",
         freed=[GpuFreed(gpu=1, before_bytes=24 * GIB, after_bytes=0, freed_bytes=24 * GIB)],
@@ -200,7 +200,7 @@ def fill_history(history: History) -> None:
         host="gpu1",
         state="succeeded",
         name="llama-1b",
-        spec=LaunchSpec(argv=["/opt/venv/bin/python3", "-m", "trainers.fsdp_lm", "--model-config", "llama-1b", "--lr", "1e-4", "--fresh"], kind="fsdp", gpus=[0, 1], start="fresh", python="/opt/venv/bin/python3"),
+        spec=LaunchSpec(argv=["/opt/venv/bin/python3", "-m", "gpudeck.trainers.fsdp_lm", "--model-config", "llama-1b", "--lr", "1e-4", "--fresh"], kind="fsdp", gpus=[0, 1], start="fresh", python="/opt/venv/bin/python3"),
         created=T0 - 86400 * 3,
         started=T0 - 86400 * 3,
         ended=T0 - 86400 * 3 + 5400,
@@ -295,7 +295,7 @@ class FixtureFleet(Fleet):
         return Metrics(run_id=run_id, steps=steps, loss=[10.0 / (s**0.5) for s in steps], tokens_per_s=[60_000.0 + (s % 7) * 900 for s in steps], mfu=[None] * len(steps), total_steps=len(steps))
 
     async def stop(self, host: str, run_id: str, grace_s: float = 30.0) -> StopResult:
-        return StopResult(run_id=run_id, state="stopped", stopped=[StoppedProcess(pid=4412, cmdline=["python", "-m", "trainers.fsdp_lm"], how="SIGTERM")], gpu_verified=True, gpu_note="NVML: GPU 0 no longer lists pid 4412 (fixture)", freed=[GpuFreed(gpu=0, before_bytes=79 * GIB, after_bytes=1 * GIB, freed_bytes=78 * GIB)], freed_bytes=78 * GIB, seconds=2.5)
+        return StopResult(run_id=run_id, state="stopped", stopped=[StoppedProcess(pid=4412, cmdline=["python", "-m", "gpudeck.trainers.fsdp_lm"], how="SIGTERM")], gpu_verified=True, gpu_note="NVML: GPU 0 no longer lists pid 4412 (fixture)", freed=[GpuFreed(gpu=0, before_bytes=79 * GIB, after_bytes=1 * GIB, freed_bytes=78 * GIB)], freed_bytes=78 * GIB, seconds=2.5)
 
     async def preflight(self, host: str, spec: LaunchSpec) -> PreflightResult:
         self._host(host)

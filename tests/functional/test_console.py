@@ -8,18 +8,18 @@ import sys
 import pytest
 from textual.widgets import Input, Static
 
-from console.app import GpudeckApp
-from console.fleet import Fleet
-from console.history import History
-from console.screens.dialogs import ConfirmDialog, ResultDialog
-from console.screens.history import HistoryScreen
-from console.ops import Caller, IntentError, plan_launch, relaunch_intent
-from console.screens.launch import LaunchDialog, LaunchForm, form_from, intent_from_form
-from console.screens.leftovers import LeftoversScreen
-from console.screens.run import RunScreen
-from console.screens.runs import RunsScreen
-from console.widgets.keyed_table import KeyedTable
-from console.widgets.output_view import OutputView
+from gpudeck.console.app import GpudeckApp
+from gpudeck.console.fleet import Fleet
+from gpudeck.console.history import History
+from gpudeck.console.screens.dialogs import ConfirmDialog, ResultDialog
+from gpudeck.console.screens.history import HistoryScreen
+from gpudeck.console.ops import Caller, IntentError, plan_launch, relaunch_intent
+from gpudeck.console.screens.launch import LaunchDialog, LaunchForm, form_from, intent_from_form
+from gpudeck.console.screens.leftovers import LeftoversScreen
+from gpudeck.console.screens.run import RunScreen
+from gpudeck.console.screens.runs import RunsScreen
+from gpudeck.console.widgets.keyed_table import KeyedTable
+from gpudeck.console.widgets.output_view import OutputView
 from tests.agent_harness import AgentProc
 from tests.functional.conftest import Holder
 from tests.functional.helpers import mounted, open_host, open_launch, press_for, text_of, until
@@ -36,7 +36,7 @@ def test_the_form_requires_an_explicit_start_for_trainers() -> None:
     with pytest.raises(IntentError, match="no default"):
         _form_spec(kind="fsdp", args="--max-steps 10")
     spec = _form_spec(kind="fsdp", args="--max-steps 10", name="x", gpus="0", start="resume", resume_step="200", python="/usr/bin/python3")
-    assert spec.argv == ["/usr/bin/python3", "-m", "trainers.fsdp_lm", "--max-steps", "10", "--resume", "200"]
+    assert spec.argv == ["/usr/bin/python3", "-m", "gpudeck.trainers.fsdp_lm", "--max-steps", "10", "--resume", "200"]
     assert spec.start == "resume 200" and spec.gpus == [0] and spec.python == "/usr/bin/python3"
     assert _form_spec(kind="dflash", start="fresh").argv[-1] == "--fresh"
     with pytest.raises(IntentError, match="command"):
@@ -44,9 +44,9 @@ def test_the_form_requires_an_explicit_start_for_trainers() -> None:
 
 
 def test_relaunch_prefill_never_carries_the_old_start() -> None:
-    from agents.protocol import LaunchSpec
+    from gpudeck.agents.protocol import LaunchSpec
 
-    spec = LaunchSpec(argv=["/venv/bin/python", "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "trainers.fsdp_lm",
+    spec = LaunchSpec(argv=["/venv/bin/python", "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "gpudeck.trainers.fsdp_lm",
                             "--model-config", "llama-1b", "--resume", "400", "--out", "/ckpt"], kind="fsdp", gpus=[0, 1], name="big", start="resume 400")
     form = form_from(relaunch_intent(spec, "r-old", "gpu1", None))
     assert form == {"kind": "fsdp", "args": "--model-config llama-1b --out /ckpt", "name": "big", "gpus": "0,1", "ranks": "", "hosts": "", "python": "/venv/bin/python"}

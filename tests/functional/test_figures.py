@@ -12,13 +12,13 @@ from pathlib import Path
 
 import pytest
 
-from agents.protocol import LaunchSpec, RunInfo
-from console.formats import format_history, format_show
-from console.history import History
-from console.ops.figures import run_figures
-from console.rundiff import diff_runs
-from console.screens.history import history_cells
-from console.views import history_rows, run_diff
+from gpudeck.agents.protocol import LaunchSpec, RunInfo
+from gpudeck.console.formats import format_history, format_show
+from gpudeck.console.history import History
+from gpudeck.console.ops.figures import run_figures
+from gpudeck.console.rundiff import diff_runs
+from gpudeck.console.screens.history import history_cells
+from gpudeck.console.views import history_rows, run_diff
 from tests.functional.fixture_fleet import history_events
 
 T0 = 1_790_000_000.0
@@ -26,7 +26,7 @@ RID, OTHER = "r-f1900001", "r-f1900002"
 
 
 def _run(rid: str) -> RunInfo:
-    return RunInfo(id=rid, host="gpu1", state="succeeded", spec=LaunchSpec(argv=["python3", "-m", "trainers.fsdp_lm", "--fresh"], kind="fsdp"),
+    return RunInfo(id=rid, host="gpu1", state="succeeded", spec=LaunchSpec(argv=["python3", "-m", "gpudeck.trainers.fsdp_lm", "--fresh"], kind="fsdp"),
                    name="fig", created=T0, started=T0 + 1, ended=T0 + 3601, cause="exit code 0", exit_code=0)
 
 

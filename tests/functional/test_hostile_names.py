@@ -12,15 +12,15 @@ import sys
 from rich.text import Text as RichText
 from textual.widgets import Static
 
-from console.app import GpudeckApp
-from console.fleet import Fleet
-from console.history import History
-from console.screens.diff import DiffScreen
-from console.screens.history import HistoryScreen
-from console.screens.leftovers import LeftoversScreen
-from console.screens.run import RunScreen
-from console.screens.runs import RunsScreen
-from console.widgets.keyed_table import KeyedTable
+from gpudeck.console.app import GpudeckApp
+from gpudeck.console.fleet import Fleet
+from gpudeck.console.history import History
+from gpudeck.console.screens.diff import DiffScreen
+from gpudeck.console.screens.history import HistoryScreen
+from gpudeck.console.screens.leftovers import LeftoversScreen
+from gpudeck.console.screens.run import RunScreen
+from gpudeck.console.screens.runs import RunsScreen
+from gpudeck.console.widgets.keyed_table import KeyedTable
 from tests.agent_harness import AgentProc, wait_for
 from tests.functional.helpers import mounted, open_host, press_for, until
 

@@ -6,7 +6,7 @@ import time
 
 from textual.app import App, ComposeResult
 
-from console.widgets.output_view import OutputView
+from gpudeck.console.widgets.output_view import OutputView
 
 
 class ViewApp(App):

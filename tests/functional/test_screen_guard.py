@@ -13,7 +13,7 @@ from textual.message import Message
 from textual.screen import Screen
 from textual.widgets import Static
 
-from console.screens.base import Guarded
+from gpudeck.console.screens.base import Guarded
 from tests.functional.helpers import until
 
 

@@ -7,19 +7,19 @@ from pathlib import Path
 import pytest
 from textual.widgets import Input, OptionList, Select, SelectionList, Static
 
-from agents.errors import BadRequest
-from agents.protocol import Gpu, LaunchSpec, Snapshot
-from console.app import GpudeckApp
-from console.commands import GpudeckCommands
-from console.screens.diff import DiffScreen
-from console.screens.dialogs import ChoiceDialog, ConfirmDialog, ResultDialog
-from console.screens.history import HistoryScreen
-from console.screens.launch import LaunchDialog
-from console.screens.leftovers import LeftoversScreen
-from console.screens.picker import RunPicker
-from console.screens.run import RunScreen
-from console.screens.runs import RunsScreen
-from console.widgets.keyed_table import KeyedTable
+from gpudeck.agents.errors import BadRequest
+from gpudeck.agents.protocol import Gpu, LaunchSpec, Snapshot
+from gpudeck.console.app import GpudeckApp
+from gpudeck.console.commands import GpudeckCommands
+from gpudeck.console.screens.diff import DiffScreen
+from gpudeck.console.screens.dialogs import ChoiceDialog, ConfirmDialog, ResultDialog
+from gpudeck.console.screens.history import HistoryScreen
+from gpudeck.console.screens.launch import LaunchDialog
+from gpudeck.console.screens.leftovers import LeftoversScreen
+from gpudeck.console.screens.picker import RunPicker
+from gpudeck.console.screens.run import RunScreen
+from gpudeck.console.screens.runs import RunsScreen
+from gpudeck.console.widgets.keyed_table import KeyedTable
 from tests.functional.fixture_fleet import FAILED, GOOD, LIVE, STOPPED, T0, FixtureFleet, fixture_link
 from tests.functional.helpers import mounted, open_host, open_launch, press_for, text_of, until
 
@@ -421,5 +421,5 @@ async def test_the_dialog_says_what_the_cli_says_for_the_same_mistake(fleet: Fix
     if cli is None:
         assert shown.startswith("arguments: ")
         return
-    cp = subprocess.run([sys.executable, "-m", "console.cli", "preflight", "--host", "gpu1", *cli], capture_output=True, text=True, timeout=60)
+    cp = subprocess.run([sys.executable, "-m", "gpudeck.console.cli", "preflight", "--host", "gpu1", *cli], capture_output=True, text=True, timeout=60)
     assert cp.returncode == 2 and cp.stderr.strip() == f"gpudeck: {shown}", (cp.stderr, shown)

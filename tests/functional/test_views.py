@@ -5,9 +5,9 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from agents.protocol import LaunchSpec
-from console.ops.relaunch import with_python
-from console.views import (
+from gpudeck.agents.protocol import LaunchSpec
+from gpudeck.console.ops.relaunch import with_python
+from gpudeck.console.views import (
     argv_flags,
     argv_rows,
     core_changes,
@@ -63,7 +63,7 @@ def test_history_rows_use_the_query_language_and_the_diff_reads_full_rows(tmp_pa
         failed = history_rows(fleet.history.path, "state:failed")
         assert [r["cause"] for r in failed] == ["exit code 1 (CUDA out of memory)"]
         assert "env" not in failed[0]  # the light rows never carry the environment
-        from console.query import QueryError
+        from gpudeck.console.query import QueryError
 
         with pytest.raises(QueryError, match="unknown filter"):
             history_rows(fleet.history.path, "colour:red")
@@ -76,7 +76,7 @@ def test_history_rows_use_the_query_language_and_the_diff_reads_full_rows(tmp_pa
 
 
 def test_python_of_reads_the_fingerprint_then_the_spec_then_argv() -> None:
-    spec = LaunchSpec(argv=["/old/bin/python", "-m", "trainers.fsdp_lm"], kind="fsdp")
+    spec = LaunchSpec(argv=["/old/bin/python", "-m", "gpudeck.trainers.fsdp_lm"], kind="fsdp")
     assert python_of(spec) == "/old/bin/python"
     assert python_of(msgspec.structs.replace(spec, python="/spec/python")) == "/spec/python"
     assert python_of(spec, fixture_runs()[0].env) == "/opt/venv/bin/python3"
@@ -84,8 +84,8 @@ def test_python_of_reads_the_fingerprint_then_the_spec_then_argv() -> None:
 
 
 def test_a_long_value_in_a_diff_cell_starts_near_where_it_differs() -> None:
-    from console.widgets.diff import from_difference
+    from gpudeck.console.widgets.diff import from_difference
 
-    a, b = "python -m trainers.fsdp_lm --model-config llama-1b --lr 3e-4", "python -m trainers.fsdp_lm --model-config llama-1b --lr 1e-4"
+    a, b = "python -m gpudeck.trainers.fsdp_lm --model-config llama-1b --lr 3e-4", "python -m gpudeck.trainers.fsdp_lm --model-config llama-1b --lr 1e-4"
     assert from_difference(a, b) == ("…g llama-1b --lr 3e-4", "…g llama-1b --lr 1e-4")  # 16 characters before the first difference
     assert from_difference("short a", "short b") == ("short a", "short b")

@@ -38,9 +38,9 @@ sys.path.insert(0, ROOT)
 with atheris.instrument_imports():
     import sqlite_utils
 
-    from agents import protocol
-    from console.history import ensure_schema
-    from console.query import QueryError, compile_query
+    from gpudeck.agents import protocol
+    from gpudeck.console.history import ensure_schema
+    from gpudeck.console.query import QueryError, compile_query
 
 import typing
 

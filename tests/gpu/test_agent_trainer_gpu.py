@@ -10,7 +10,7 @@ from tests.agent_harness import ROOT, AgentProc, wait_for
 
 def test_trainer_on_gpu_is_attributed_and_stop_frees_its_memory(agent: AgentProc, tmp_path: Path) -> None:
     out = tmp_path / "run"
-    argv = [sys.executable, "-m", "trainers.fsdp_lm", "--model-config", "tiny", "--fresh", "--out", str(out),
+    argv = [sys.executable, "-m", "gpudeck.trainers.fsdp_lm", "--model-config", "tiny", "--fresh", "--out", str(out),
             "--max-steps", "100000", "--batch-size", "8", "--seq-len", "256", "--checkpoint-every", "100000",
             "--corpus-bytes", "2000000", "--log-every", "1", "--no-export"]
     rid = agent.cli_json("launch", "--gpus", "0", "--name", "gpu-tiny", "--cwd", str(ROOT), "--", *argv)["id"]

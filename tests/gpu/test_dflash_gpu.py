@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_chunked_ce_matches_plain_and_saves_memory_on_gpu():
-    from trainers.dflash_loss import chunked_linear_cross_entropy, plain_linear_cross_entropy
+    from gpudeck.trainers.dflash_loss import chunked_linear_cross_entropy, plain_linear_cross_entropy
 
     dev = torch.device("cuda")
     g = torch.Generator(device=dev).manual_seed(0)
@@ -59,9 +59,9 @@ def test_chunked_ce_matches_plain_and_saves_memory_on_gpu():
 def test_flex_mask_matches_dense_sdpa_mask(window):
     from transformers import Qwen3Config
 
-    from trainers.dflash import make_masks
-    from trainers.dflash_loss import block_inputs, sample_anchors
-    from trainers.dflash_model import DFlashDraftModel, drafter_config_from_target
+    from gpudeck.trainers.dflash import make_masks
+    from gpudeck.trainers.dflash_loss import block_inputs, sample_anchors
+    from gpudeck.trainers.dflash_model import DFlashDraftModel, drafter_config_from_target
 
     dev = torch.device("cuda")
     tc = Qwen3Config(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=8,
@@ -86,7 +86,7 @@ def test_flex_mask_matches_dense_sdpa_mask(window):
 def test_trainer_runs_on_gpu_and_reports_mfu(tmp_path):
     tel = tmp_path / "tel.jsonl"
     env = dict(os.environ, GPUDECK_TELEMETRY=str(tel))
-    cmd = [sys.executable, "-m", "trainers.dflash", "--target-config", "tiny", "--fresh",
+    cmd = [sys.executable, "-m", "gpudeck.trainers.dflash", "--target-config", "tiny", "--fresh",
            "--out", str(tmp_path / "out"), "--max-steps", "4", "--seq-len", "256", "--batch-size", "2",
            "--num-anchors", "32", "--block-size", "8", "--drafter-layers", "2", "--corpus-bytes", "600000",
            "--eval-prompt-len", "32", "--eval-gen-len", "32"]
@@ -106,15 +106,15 @@ def test_trainer_runs_on_gpu_and_reports_mfu(tmp_path):
 def test_seed_drafter_shape_peak_is_within_15_percent_of_the_estimate(tmp_path):
     """SpecForge's Qwen3.6-27B drafter shape at 1024 anchors x block 32, colocated, one GPU (the bench's seed part)."""
     sys.path.insert(0, str(ROOT))
-    from agents.estimate import GIB, estimate
-    from agents.protocol import LaunchSpec
+    from gpudeck.agents.estimate import GIB, estimate
+    from gpudeck.agents.protocol import LaunchSpec
     from bench.dflash_bench import seed_train_argv
 
     target = os.environ.get("DFLASH_SEED_TARGET", "qwen3-14b")
     argv = seed_train_argv(tmp_path / "cfg", target, 6, tmp_path / "out")
     tel = tmp_path / "tel.jsonl"
     env = dict(os.environ, GPUDECK_TELEMETRY=str(tel))
-    p = subprocess.run([sys.executable, "-m", "trainers.dflash", *argv], cwd=ROOT, env=env, capture_output=True,
+    p = subprocess.run([sys.executable, "-m", "gpudeck.trainers.dflash", *argv], cwd=ROOT, env=env, capture_output=True,
                        text=True, timeout=1100)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     recs = [json.loads(x) for x in tel.read_text().splitlines()]
@@ -123,7 +123,7 @@ def test_seed_drafter_shape_peak_is_within_15_percent_of_the_estimate(tmp_path):
     assert man["drafter_layer_types"] == ["sliding_attention"] * 4 + ["full_attention"]
     assert man["drafter_sliding_window"] == 2048 and man["block_size"] == 32 and man["num_anchors"] == 1024
     peak = max(r["mem_peak_gib"] for r in steps)
-    e = estimate(LaunchSpec(kind="dflash", argv=["python", "-m", "trainers.dflash", *argv], cwd=str(ROOT)))
+    e = estimate(LaunchSpec(kind="dflash", argv=["python", "-m", "gpudeck.trainers.dflash", *argv], cwd=str(ROOT)))
     ratio = e.per_gpu_bytes / GIB / peak
     late = steps[2:]
     tps = sorted(r["tokens_per_s"] for r in late)[len(late) // 2]

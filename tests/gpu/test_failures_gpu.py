@@ -69,7 +69,7 @@ def test_a_run_that_hits_cuda_oom_has_cause_oom(agent: AgentProc) -> None:
 
 def test_killing_torchrun_orphans_the_worker_on_the_gpu_and_reclaim_frees_it(agent: AgentProc, tmp_path: Path) -> None:
     out = tmp_path / "orphan"
-    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1", "-m", "trainers.fsdp_lm",
+    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1", "-m", "gpudeck.trainers.fsdp_lm",
             "--model-config", "llama-1b", "--out", str(out), "--max-steps", "100000", "--batch-size", "4", "--seq-len", "2048",
             "--corpus-bytes", "4000000", "--no-export", "--checkpoint-every", "100000", "--fresh"]
     rid = agent.cli_json("launch", "--gpus", "0", "--name", "torchrun-1b", "--cwd", str(ROOT), "--", *argv)["id"]

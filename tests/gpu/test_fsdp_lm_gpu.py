@@ -1,4 +1,4 @@
-"""GPU tests of ``python -m trainers.fsdp_lm`` (run on the accelerator; skipped without CUDA).
+"""GPU tests of ``python -m gpudeck.trainers.fsdp_lm`` (run on the accelerator; skipped without CUDA).
 
 Run there with::
 
@@ -61,7 +61,7 @@ def _losses(recs: list[dict]) -> dict[int, float]:
 def _start(args: list[str], tel: Path, log: Path) -> subprocess.Popen:
     env = dict(os.environ, GPUDECK_TELEMETRY=str(tel), PYTHONUNBUFFERED="1")
     env.pop("GPUDECK_TEST_FAIL_AT_STEP", None)
-    return subprocess.Popen([sys.executable, "-m", "trainers.fsdp_lm", *args], cwd=ROOT, env=env,
+    return subprocess.Popen([sys.executable, "-m", "gpudeck.trainers.fsdp_lm", *args], cwd=ROOT, env=env,
                             stdout=open(log, "w"), stderr=subprocess.STDOUT,
                             start_new_session=True)
 
@@ -148,7 +148,7 @@ def test_gpu_prepared_corpus_validation_chunked_loss_mfu_and_profile(tmp_path, p
     """prepare -> train on the GPU from the token file with val_loss; --loss-impl chunked gives the
     plain losses (bf16: close, not equal); mfu (causal) / mfu_torchtitan is the FLOP ratio; the
     profile names the kernels."""
-    from trainers.prepare import main as prepare_main
+    from gpudeck.trainers.prepare import main as prepare_main
 
     prep = tmp_path / "prep"
     assert prepare_main(["--corpus-bytes", str(4 * 1024 * 1024), "--out", str(prep),

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from agents.containment import (
+from gpudeck.agents.containment import (
     CgroupFs,
     Containment,
     RunGroup,
@@ -19,9 +19,9 @@ from agents.containment import (
     detect,
     own_cgroup,
 )
-from agents.errors import BadRequest
-from agents.exit_cause import ExitFacts, decide
-from agents.protocol import LaunchSpec, Member, RunInfo
+from gpudeck.agents.errors import BadRequest
+from gpudeck.agents.exit_cause import ExitFacts, decide
+from gpudeck.agents.protocol import LaunchSpec, Member, RunInfo
 
 HYBRID = """\
 31 23 0:28 / /sys/fs/cgroup rw,relatime - tmpfs tmpfs rw,mode=755

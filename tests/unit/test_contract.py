@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from trainers import contract
+from gpudeck.trainers import contract
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -17,7 +17,7 @@ def test_contract_is_stdlib_only() -> None:
     tree = ast.parse((ROOT / "trainers" / "contract.py").read_text())
     mods = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     mods |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
-    assert mods <= {"__future__", "re", "dataclasses", "typing", "trainers.presets"}, mods
+    assert mods <= {"__future__", "re", "dataclasses", "typing", "gpudeck.trainers.presets"}, mods
 
 
 def test_the_kind_table_is_written_once() -> None:
@@ -42,7 +42,7 @@ def test_start_flags_round_trip() -> None:
 
 def test_checkpoint_layout_is_the_trainers() -> None:
     pytest.importorskip("torch")
-    ckpt = importlib.import_module("trainers.checkpoint")
+    ckpt = importlib.import_module("gpudeck.trainers.checkpoint")
     assert ckpt.checkpoint_path("o", 5).name == contract.step_dirname(5)
     assert ckpt.CHECKPOINTS_DIRNAME == contract.CHECKPOINTS_DIRNAME
     assert ckpt.MARKER_FILE == contract.CHECKPOINT_MARKER

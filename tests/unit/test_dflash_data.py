@@ -22,10 +22,10 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from trainers.data import ByteTokenizer  # noqa: E402
-from trainers.dflash import resolve_mask_token  # noqa: E402
-from trainers.dflash_data import RecordBatches, load_records  # noqa: E402
-from trainers.dflash_loss import dflash_loss, finish_global_mean  # noqa: E402
+from gpudeck.trainers.data import ByteTokenizer  # noqa: E402
+from gpudeck.trainers.dflash import resolve_mask_token  # noqa: E402
+from gpudeck.trainers.dflash_data import RecordBatches, load_records  # noqa: E402
+from gpudeck.trainers.dflash_loss import dflash_loss, finish_global_mean  # noqa: E402
 
 EOS = ByteTokenizer.eos_id
 

@@ -1,7 +1,7 @@
 """Pre-flight's memory estimate for the seed's DFlash run: SpecForge's Qwen3.6-27B drafter config, 1024 anchors x block 32.
 
 The estimate is split into weights, optimizer, activations and the lm_head chunk (plus the CUDA
-context) and names the largest; the drafter it counts is the one trainers.dflash builds from the
+context) and names the largest; the drafter it counts is the one gpudeck.trainers.dflash builds from the
 same --drafter-config (parameter count equal to the meta-device model's). Its accuracy against a
 measured peak is tests/gpu/test_dflash_gpu.py's (on an H200).
 """
@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from agents.estimate import GIB, drafter_params, estimate, model_shape
-from agents.protocol import LaunchSpec
+from gpudeck.agents.estimate import GIB, drafter_params, estimate, model_shape
+from gpudeck.agents.protocol import LaunchSpec
 
 SEED_CONFIG = Path(__file__).resolve().parents[1] / "reference" / "qwen3.6-27b-dflash.json"
 # a dense Qwen3 of Qwen3.6-27B's widths (its config.json's text part: 64 layers, hidden 5120, 24 heads of 256,
@@ -28,7 +28,7 @@ PARTS = {"weights", "optimizer", "activations", "lm_head_chunk", "cuda_context"}
 def _seed_argv(tmp_path: Path, *extra: str) -> list[str]:
     (tmp_path / "target").mkdir(exist_ok=True)
     (tmp_path / "target" / "config.json").write_text(json.dumps(TARGET_27B))
-    return ["torchrun", "--nproc-per-node", "8", "-m", "trainers.dflash", "--target", str(tmp_path / "target"),
+    return ["torchrun", "--nproc-per-node", "8", "-m", "gpudeck.trainers.dflash", "--target", str(tmp_path / "target"),
             "--drafter-config", str(SEED_CONFIG), "--block-size", "32", "--num-anchors", "1024", "--gamma", "7",
             "--seq-len", "4096", "--batch-size", "1", "--topology", "split", "--target-ranks", "0-4",
             "--drafter-ranks", "5-7", "--fresh", "--out", "o", *extra]
@@ -60,8 +60,8 @@ def test_the_estimated_drafter_is_the_one_the_trainer_builds_from_the_config():
     pytest.importorskip("transformers")
     from transformers import Qwen3Config
 
-    from trainers.dflash import drafter_config_from_file, read_drafter_config
-    from trainers.dflash_model import DFlashDraftModel
+    from gpudeck.trainers.dflash import drafter_config_from_file, read_drafter_config
+    from gpudeck.trainers.dflash_model import DFlashDraftModel
 
     cfg = read_drafter_config(str(SEED_CONFIG))
     target = Qwen3Config(**{k: v for k, v in TARGET_27B.items() if k != "model_type"})
@@ -78,8 +78,8 @@ def test_the_bench_seed_command_is_one_the_trainer_takes_and_its_estimate_counts
     from transformers import AutoModelForCausalLM
 
     from bench.dflash_bench import seed_train_argv
-    from trainers import dflash
-    from trainers.dflash_model import DFlashDraftModel, attention_layout
+    from gpudeck.trainers import dflash
+    from gpudeck.trainers.dflash_model import DFlashDraftModel, attention_layout
 
     argv = seed_train_argv(tmp_path / "cfg", target, 4, tmp_path / "out")
     parser = dflash.build_parser()
@@ -93,7 +93,7 @@ def test_the_bench_seed_command_is_one_the_trainer_takes_and_its_estimate_counts
     assert attention_layout(dcfg) == (["sliding_attention"] * 4 + ["full_attention"], 2048)
     with torch.device("meta"):
         d = DFlashDraftModel(dcfg)
-    e = estimate(LaunchSpec(kind="dflash", argv=["python", "-m", "trainers.dflash", *argv]))
+    e = estimate(LaunchSpec(kind="dflash", argv=["python", "-m", "gpudeck.trainers.dflash", *argv]))
     n_t = sum(p.numel() for p in t.parameters())
     n_d = sum(p.numel() for p in d.parameters())
     assert e is not None and e.params == n_d

@@ -12,7 +12,7 @@ pytest.importorskip("transformers")
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from trainers.dflash_loss import (  # noqa: E402
+from gpudeck.trainers.dflash_loss import (  # noqa: E402
     block_inputs,
     build_attention_mask,
     chunked_linear_cross_entropy,
@@ -23,7 +23,7 @@ from trainers.dflash_loss import (  # noqa: E402
     sample_anchors,
     valid_anchor_mask,
 )
-from trainers.dflash_model import (  # noqa: E402
+from gpudeck.trainers.dflash_model import (  # noqa: E402
     DFlashDraftModel,
     build_target_layer_ids,
     drafter_config_from_target,
@@ -130,7 +130,7 @@ def test_block_inputs_and_labels():
 
 
 def test_decay_gamma_is_the_published_table_or_given():
-    from trainers.dflash_loss import GammaError
+    from gpudeck.trainers.dflash_loss import GammaError
 
     assert decay_gamma(16) == 7 and decay_gamma(10) == 5 and decay_gamma(8) == 4
     assert decay_gamma(32, 7.0) == 7.0
@@ -276,7 +276,7 @@ def test_drafter_save_and_reload(tmp_path):
 
 
 def test_compilable_chunk_kernel_matches_inplace_kernel():
-    from trainers.dflash_loss import _softmax_ce_grad, _softmax_ce_grad_inplace
+    from gpudeck.trainers.dflash_loss import _softmax_ce_grad, _softmax_ce_grad_inplace
 
     g = torch.Generator().manual_seed(4)
     logits = torch.randn(17, 41, generator=g, dtype=torch.float64)

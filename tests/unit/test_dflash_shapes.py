@@ -4,7 +4,7 @@
   ``tests/reference/specforge_dflash.py``, MIT, sgl-project/SpecForge a6b6b023): four sliding
   layers, window 2048, one full layer, its target layers and mask token;
 * the dense masks equal SpecForge's ``create_dflash_sdpa_mask`` (full and sliding);
-* a drafter of that shape (small widths), exported the way ``trainers.dflash`` exports it, loads in
+* a drafter of that shape (small widths), exported the way ``gpudeck.trainers.dflash`` exports it, loads in
   SpecForge's ``DFlashDraftModel`` from the same config and state dict, and both give the same
   outputs on CPU in float64 (and the window really bites: all-full masks give other outputs);
 * the attention FLOPs count exactly the keys the masks let through.
@@ -22,9 +22,9 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from tests.reference import specforge_dflash as ref  # noqa: E402
-from trainers.dflash import drafter_config_from_file, make_masks, read_drafter_config  # noqa: E402
-from trainers.dflash_loss import block_inputs, build_attention_mask, visible_keys  # noqa: E402
-from trainers.dflash_model import DFlashDraftModel, attention_layout, drafter_config_from_target  # noqa: E402
+from gpudeck.trainers.dflash import drafter_config_from_file, make_masks, read_drafter_config  # noqa: E402
+from gpudeck.trainers.dflash_loss import block_inputs, build_attention_mask, visible_keys  # noqa: E402
+from gpudeck.trainers.dflash_model import DFlashDraftModel, attention_layout, drafter_config_from_target  # noqa: E402
 
 SEED_CONFIG = Path(__file__).resolve().parents[1] / "reference" / "qwen3.6-27b-dflash.json"
 SEED_TYPES = ["sliding_attention"] * 4 + ["full_attention"]
@@ -140,8 +140,8 @@ def test_an_exported_sliding_window_drafter_matches_specforges_model_in_float64(
 def test_the_target_runs_and_counts_only_the_layers_the_features_need():
     from transformers import AutoModelForCausalLM
 
-    from trainers.dflash import TargetFlops, target_features, truncate_target
-    from trainers.dflash_model import build_target_layer_ids
+    from gpudeck.trainers.dflash import TargetFlops, target_features, truncate_target
+    from gpudeck.trainers.dflash_model import build_target_layer_ids
 
     tc = _target(layers=10)
     torch.manual_seed(0)

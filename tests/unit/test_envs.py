@@ -16,7 +16,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from agents.envs import (
+from gpudeck.agents.envs import (
     REBUILD_IGNORES,
     EnvChange,
     EnvError,
@@ -28,7 +28,7 @@ from agents.envs import (
     normalize,
     verify,
 )
-from agents.protocol import EnvFingerprint
+from gpudeck.agents.protocol import EnvFingerprint
 
 
 @pytest.fixture(scope="module")

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from agents.errors import AgentError
-from agents.estimate import (
+from gpudeck.agents.errors import AgentError
+from gpudeck.agents.estimate import (
     DFLASH_DEFAULTS,
     FSDP_DEFAULTS,
     GIB,
@@ -23,8 +23,8 @@ from agents.estimate import (
     parse_launch_argv,
     parse_trainer_args,
 )
-from agents.protocol import LaunchSpec
-from trainers.presets import PRESETS
+from gpudeck.agents.protocol import LaunchSpec
+from gpudeck.trainers.presets import PRESETS
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -69,7 +69,7 @@ def test_param_count_of_the_presets_as_documented() -> None:
 
 @pytest.mark.parametrize("target,layers", [("qwen3-0.6b", 5), ("qwen3-0.6b", 1), ("tiny", 2)])
 def test_drafter_params_equal_the_dflash_model(target: str, layers: int) -> None:
-    from trainers.dflash_model import DFlashDraftModel, drafter_config_from_target
+    from gpudeck.trainers.dflash_model import DFlashDraftModel, drafter_config_from_target
 
     kw = dict(PRESETS[target])
     tc = transformers.AutoConfig.for_model(kw.pop("model_type"), **kw)
@@ -94,30 +94,30 @@ def test_unknown_model_type_is_a_typed_error_that_says_what_to_do() -> None:
 
 
 def test_parse_launch_argv_forms() -> None:
-    p = parse_launch_argv(["torchrun", "--nproc_per_node=4", "--master-port", "29512", "-m", "trainers.fsdp_lm", "--fresh", "--out", "o"])
-    assert (p.launcher, p.trainer, p.nproc_per_node, p.master_port) == ("torchrun", "trainers.fsdp_lm", "4", 29512)
+    p = parse_launch_argv(["torchrun", "--nproc_per_node=4", "--master-port", "29512", "-m", "gpudeck.trainers.fsdp_lm", "--fresh", "--out", "o"])
+    assert (p.launcher, p.trainer, p.nproc_per_node, p.master_port) == ("torchrun", "gpudeck.trainers.fsdp_lm", "4", 29512)
     assert p.trainer_args == ("--fresh", "--out", "o")
     p = parse_launch_argv(["/v/bin/python3", "-u", "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
-                           "--nproc-per-node", "gpu", "-m", "trainers.dflash", "--fresh"])
-    assert (p.launcher, p.python, p.standalone, p.nproc_per_node, p.trainer) == ("torchrun", "/v/bin/python3", True, "gpu", "trainers.dflash")
+                           "--nproc-per-node", "gpu", "-m", "gpudeck.trainers.dflash", "--fresh"])
+    assert (p.launcher, p.python, p.standalone, p.nproc_per_node, p.trainer) == ("torchrun", "/v/bin/python3", True, "gpu", "gpudeck.trainers.dflash")
     p = parse_launch_argv(["python", "trainers/fsdp_lm.py", "--resume", "latest"])
-    assert (p.launcher, p.trainer, p.trainer_args) == ("python", "trainers.fsdp_lm", ("--resume", "latest"))
-    p = parse_launch_argv(["env", "X=1", "python", "-m", "trainers.dflash", "--fresh"])
-    assert (p.launcher, p.trainer) == ("other", "trainers.dflash")
-    p = parse_launch_argv(["python", "-c", "import trainers.fsdp_lm"])
+    assert (p.launcher, p.trainer, p.trainer_args) == ("python", "gpudeck.trainers.fsdp_lm", ("--resume", "latest"))
+    p = parse_launch_argv(["env", "X=1", "python", "-m", "gpudeck.trainers.dflash", "--fresh"])
+    assert (p.launcher, p.trainer) == ("other", "gpudeck.trainers.dflash")
+    p = parse_launch_argv(["python", "-c", "import gpudeck.trainers.fsdp_lm"])
     assert p.trainer is None
     p = parse_launch_argv(["torchrun", "--rdzv-backend", "c10d", "--rdzv-endpoint", "node0:29400", "--node-rank", "1", "train.py"])
     assert (p.rdzv_backend, p.rdzv_endpoint, p.node_rank, p.trainer) == ("c10d", "node0:29400", 1, None)
 
 
 ARGVS = {
-    "trainers.fsdp_lm": [
+    "gpudeck.trainers.fsdp_lm": [
         ["--fresh", "--out", "o"],
         ["--resume", "12", "--out", "o", "--batch-size", "16", "--seq-len", "2048", "--grad-accum", "4", "--compile",
          "--activation-checkpointing", "--dtype", "bf16", "--model-config", "llama-1b", "--lr", "1e-3", "--reshard-after-forward", "yes"],
         ["--fresh", "--out=o", "--batch=4", "--init-from", "x/final", "--sdpa-backend", "cudnn", "--no-export"],
     ],
-    "trainers.dflash": [
+    "gpudeck.trainers.dflash": [
         ["--fresh", "--out", "o", "--target-config", "qwen3-0.6b"],
         ["--resume", "latest", "--out", "o", "--target", "t", "--drafter-layers", "3", "--block-size", "10", "--num-anchors", "256",
          "--topology", "split", "--target-ranks", "0", "--drafter-ranks", "1-3", "--queue-depth", "4", "--attn", "sdpa",
@@ -138,9 +138,9 @@ def test_trainer_args_are_read_as_the_trainer_reads_them(trainer: str, i: int) -
     argv = ARGVS[trainer][i]
     real = importlib.import_module(trainer).build_parser().parse_args(argv)
     mine = parse_trainer_args(trainer, argv)
-    for field in FIELDS + (DFLASH_FIELDS if trainer == "trainers.dflash" else ["reshard_after_forward", "compile_loss"]):
+    for field in FIELDS + (DFLASH_FIELDS if trainer == "gpudeck.trainers.dflash" else ["reshard_after_forward", "compile_loss"]):
         assert getattr(mine, field) == getattr(real, field), field
-    if trainer == "trainers.dflash":
+    if trainer == "gpudeck.trainers.dflash":
         assert (mine.drafter_layers, mine.block_size) == (real.drafter_layers, real.block_size)  # None until resolved
 
 
@@ -149,7 +149,7 @@ def test_every_option_with_a_value_is_known(trainer: str) -> None:
     """An option the mirror did not know would leave its value to be misread; so it knows them all."""
     import importlib
 
-    from agents.estimate import _trainer_parser
+    from gpudeck.agents.estimate import _trainer_parser
 
     def value_options(parser) -> set[str]:
         return {s for a in parser._actions if a.nargs != 0 for s in a.option_strings}
@@ -160,8 +160,8 @@ def test_every_option_with_a_value_is_known(trainer: str) -> None:
 
 
 def test_defaults_follow_the_trainers() -> None:
-    import trainers.dflash as dflash
-    import trainers.fsdp_lm as fsdp_lm
+    import gpudeck.trainers.dflash as dflash
+    import gpudeck.trainers.fsdp_lm as fsdp_lm
 
     f = fsdp_lm.build_parser().parse_args(["--fresh", "--out", "o"])
     assert {k: getattr(f, k) for k in FSDP_DEFAULTS} == FSDP_DEFAULTS
@@ -174,7 +174,7 @@ def test_defaults_follow_the_trainers() -> None:
 
 
 def test_fsdp_under_torchrun_with_four_procs() -> None:
-    spec = LaunchSpec(kind="fsdp", argv=["torchrun", "--nproc-per-node", "4", "-m", "trainers.fsdp_lm", "--model-config", "llama-1b",
+    spec = LaunchSpec(kind="fsdp", argv=["torchrun", "--nproc-per-node", "4", "-m", "gpudeck.trainers.fsdp_lm", "--model-config", "llama-1b",
                                          "--batch-size", "8", "--seq-len", "2048", "--compile", "--fresh", "--out", "/tmp/o"])
     e = estimate(spec)
     assert e is not None
@@ -200,7 +200,7 @@ def test_fsdp_under_torchrun_with_four_procs() -> None:
 
 
 def test_dflash_colocated_and_split() -> None:
-    base = ["-m", "trainers.dflash", "--target-config", "qwen3-0.6b", "--drafter-layers", "5", "--seq-len", "2048",
+    base = ["-m", "gpudeck.trainers.dflash", "--target-config", "qwen3-0.6b", "--drafter-layers", "5", "--seq-len", "2048",
             "--batch-size", "4", "--num-anchors", "512", "--fresh", "--out", "/tmp/d"]
     colo = estimate(LaunchSpec(kind="dflash", argv=["torchrun", "--nproc-per-node", "2", *base]))
     assert colo is not None
@@ -229,12 +229,12 @@ def test_configs_from_files_and_the_errors(tmp_path: Path) -> None:
     cfg = dict(CONFIGS["qwen3 tied embeddings"])
     (tmp_path / "m").mkdir()
     (tmp_path / "m" / "config.json").write_text(json.dumps(cfg))
-    argv = ["python", "-m", "trainers.fsdp_lm", "--fresh", "--out", "o"]
+    argv = ["python", "-m", "gpudeck.trainers.fsdp_lm", "--fresh", "--out", "o"]
     by_path = estimate(LaunchSpec(kind="fsdp", argv=argv + ["--model-config", "m/config.json"], cwd=str(tmp_path)))
     by_init = estimate(LaunchSpec(kind="fsdp", argv=argv + ["--init-from", str(tmp_path / "m")]))
     assert by_path is not None and by_init is not None
     assert by_path.params == by_init.params == meta_count(cfg)
-    dflash = estimate(LaunchSpec(kind="dflash", argv=["python", "-m", "trainers.dflash", "--target", str(tmp_path / "m"), "--fresh", "--out", "o"]))
+    dflash = estimate(LaunchSpec(kind="dflash", argv=["python", "-m", "gpudeck.trainers.dflash", "--target", str(tmp_path / "m"), "--fresh", "--out", "o"]))
     assert dflash is not None and dflash.params == drafter_params(model_shape(cfg), DFLASH_DEFAULTS["drafter_layers"])
     e, why = estimate_or_reason(LaunchSpec(kind="fsdp", argv=argv + ["--model-config", "nope-7b"]))
     assert e is None and why is not None and "not a preset" in why and "--need-gib" in why
@@ -243,15 +243,15 @@ def test_configs_from_files_and_the_errors(tmp_path: Path) -> None:
     assert e is None and why is not None and "gpt2" in why
     with pytest.raises(EstimateError, match="does not run a gpudeck trainer"):
         estimate(LaunchSpec(kind="fsdp", argv=["python", "train.py"]))
-    with pytest.raises(EstimateError, match="runs trainers.dflash"):
-        estimate(LaunchSpec(kind="fsdp", argv=["python", "-m", "trainers.dflash", "--fresh", "--out", "o"]))
+    with pytest.raises(EstimateError, match="runs gpudeck.trainers.dflash"):
+        estimate(LaunchSpec(kind="fsdp", argv=["python", "-m", "gpudeck.trainers.dflash", "--fresh", "--out", "o"]))
 
 
 # ----------------------------------------------------------------------------- against measured peaks
 
-FSDP_BENCH = ("python3 -m trainers.fsdp_lm --model-config llama-1b --seq-len 2048 --max-steps 20 --warmup-steps 2 "
+FSDP_BENCH = ("python3 -m gpudeck.trainers.fsdp_lm --model-config llama-1b --seq-len 2048 --max-steps 20 --warmup-steps 2 "
               "--checkpoint-every 0 --no-final-checkpoint --no-export --corpus-bytes 8388608 --log-every 5 --fresh --out /tmp/b").split()
-DFLASH_BENCH = ("python3 -m trainers.dflash --target-config qwen3-0.6b --fresh --out /tmp/r --no-eval --max-steps 10 --seq-len 2048 "
+DFLASH_BENCH = ("python3 -m gpudeck.trainers.dflash --target-config qwen3-0.6b --fresh --out /tmp/r --no-eval --max-steps 10 --seq-len 2048 "
                 "--batch-size 4 --block-size 16 --num-anchors 512 --drafter-layers 5 --corpus-bytes 6291456 --checkpoint-every 0 "
                 "--warmup-steps 2 --loss-chunk-rows 2048").split()
 # (what, kind, argv, measured peak GiB, the text of bench/RESULTS.md it comes from)
@@ -272,9 +272,9 @@ MEASURED = [
 # Configurations the model was not fitted on, run on one H200 (torch 2.11.0+cu130, transformers 5.17.0)
 # on 2026-12-01 for this test: `GPUDECK_TELEMETRY=/tmp/N.jsonl python3 -m TRAINER ARGS --out /tmp/run_N`,
 # the figure being the largest mem_peak_gib (torch.cuda.max_memory_allocated) of its 4 step records.
-CHECK_FSDP = ("python3 -m trainers.fsdp_lm --seq-len 2048 --max-steps 4 --warmup-steps 1 --checkpoint-every 0 --no-final-checkpoint "
+CHECK_FSDP = ("python3 -m gpudeck.trainers.fsdp_lm --seq-len 2048 --max-steps 4 --warmup-steps 1 --checkpoint-every 0 --no-final-checkpoint "
               "--no-export --corpus-bytes 4194304 --log-every 1 --fresh --out /tmp/run").split()
-CHECK_DFLASH = ("python3 -m trainers.dflash --seq-len 2048 --max-steps 4 --warmup-steps 1 --checkpoint-every 0 --corpus-bytes 4194304 "
+CHECK_DFLASH = ("python3 -m gpudeck.trainers.dflash --seq-len 2048 --max-steps 4 --warmup-steps 1 --checkpoint-every 0 --corpus-bytes 4194304 "
                 "--fresh --no-eval --target-config qwen3-0.6b --loss-chunk-rows 2048 --out /tmp/run").split()
 MEASURED_HERE = [
     ("fsdp qwen3-0.6b B=8 compiled", "fsdp", CHECK_FSDP + ["--model-config", "qwen3-0.6b", "--batch-size", "8", "--compile"], 36.877),

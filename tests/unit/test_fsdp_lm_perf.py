@@ -8,15 +8,15 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from trainers import data as D
-from trainers import fsdp_lm as F
-from trainers.profiling import StepProfiler, classify
+from gpudeck.trainers import data as D
+from gpudeck.trainers import fsdp_lm as F
+from gpudeck.trainers.profiling import StepProfiler, classify
 
 
 def _tiny(attn: str = "sdpa", seed: int = 0):
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from trainers.presets import PRESETS
+    from gpudeck.trainers.presets import PRESETS
 
     kw = dict(PRESETS["tiny"], hidden_size=64, intermediate_size=128, num_hidden_layers=2)
     cfg = AutoConfig.for_model(kw.pop("model_type"), **kw)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from agents.health import (
+from gpudeck.agents.health import (
     GIB,
     GPU_IDLE_S,
     HEARTBEAT_LOST_S,
@@ -16,7 +16,7 @@ from agents.health import (
     observe,
     parse_claims,
 )
-from agents.protocol import (
+from gpudeck.agents.protocol import (
     Claims,
     Gpu,
     GpuProcess,

@@ -8,16 +8,16 @@ from pathlib import Path
 
 import pytest
 
-from agents.protocol import Event
-from console.history import History, HistoryError
-from console.ops.errors import AmbiguousRun, NoSuchRun
-from console.query import QueryError, compile_query, parse_time
+from gpudeck.agents.protocol import Event
+from gpudeck.console.history import History, HistoryError
+from gpudeck.console.ops.errors import AmbiguousRun, NoSuchRun
+from gpudeck.console.query import QueryError, compile_query, parse_time
 
 T0 = 1_790_000_000.0
 
 
 def _events(run_id: str = "r-aaaa1111", name: str = "llama", start_seq: int = 1, cause: str = "exit code 1 (CUDA out of memory)") -> list[Event]:
-    spec = {"argv": ["python", "-m", "trainers.fsdp_lm", "--fresh"], "kind": "fsdp", "name": name, "gpus": [0, 1], "operator": "ada"}
+    spec = {"argv": ["python", "-m", "gpudeck.trainers.fsdp_lm", "--fresh"], "kind": "fsdp", "name": name, "gpus": [0, 1], "operator": "ada"}
     evs = [
         Event(seq=0, ts=T0, kind="run_created", run_id=run_id, data={"state": "starting", "spec": spec, "name": name}),
         Event(seq=0, ts=T0 + 1, kind="run_state", run_id=run_id, data={"state": "running", "pid": 42, "started": T0 + 1}),
@@ -155,8 +155,8 @@ def test_a_member_first_read_before_its_exec_is_replaced_when_its_rank_is_known(
 
 
 def test_the_process_the_agent_started_heads_the_members_and_outlives_the_cap(hist: History) -> None:
-    from console.formats import format_show
-    from console.history import MAX_MEMBERS
+    from gpudeck.console.formats import format_show
+    from gpudeck.console.history import MAX_MEMBERS
 
     evs = _events()[:2] + [
         Event(seq=0, ts=T0 + 2 + i, kind="members", run_id="r-aaaa1111", data={"added": [{"pid": 100 + i, "rank": None, "cmdline": ["sleep", "0.2"]}]})
@@ -169,18 +169,18 @@ def test_the_process_the_agent_started_heads_the_members_and_outlives_the_cap(hi
     run = hist.find("r-aaaa1111")
     members = run["members"]
     assert len(members) == MAX_MEMBERS
-    assert members[0] == {"pid": 42, "role": "leader", "rank": None, "local_rank": None, "cmdline": ["python", "-m", "trainers.fsdp_lm", "--fresh"]}
+    assert members[0] == {"pid": 42, "role": "leader", "rank": None, "local_rank": None, "cmdline": ["python", "-m", "gpudeck.trainers.fsdp_lm", "--fresh"]}
     assert members[-1]["pid"] == 100 + MAX_MEMBERS + 9 and members[1]["pid"] == 100 + 11  # the newest of the rest
     text = format_show(run, [])
-    assert "pid 42 (leader): python -m trainers.fsdp_lm --fresh" in text
+    assert "pid 42 (leader): python -m gpudeck.trainers.fsdp_lm --fresh" in text
     assert f"... and {MAX_MEMBERS - 32} more (gpudeck show --json lists them)" in text
 
 
 def test_an_event_sqlite_cannot_store_is_quarantined_by_itself_and_the_batch_goes_in(tmp_path) -> None:  # type: ignore[no-untyped-def]
     import asyncio
 
-    from agents.protocol import Event
-    from console.history import History
+    from gpudeck.agents.protocol import Event
+    from gpudeck.console.history import History
 
     h = History(tmp_path / "history.db")
     try:

@@ -15,11 +15,11 @@ from pathlib import Path
 
 import pytest
 
-from agents import events
-from agents.errors import StorageError
-from agents.events import BadEvent
-from agents.journal import Journal
-from agents.protocol import LaunchSpec, RunInfo
+from gpudeck.agents import events
+from gpudeck.agents.errors import StorageError
+from gpudeck.agents.events import BadEvent
+from gpudeck.agents.journal import Journal
+from gpudeck.agents.protocol import LaunchSpec, RunInfo
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -60,7 +60,7 @@ def test_epoch_is_stable_and_new_for_a_new_file(tmp_path: Path) -> None:
 WRITER = r"""
 import sys
 from pathlib import Path
-from agents.journal import Journal
+from gpudeck.agents.journal import Journal
 j = Journal(Path(sys.argv[1]), "h")
 i = 0
 while True:

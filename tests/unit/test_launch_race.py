@@ -6,11 +6,11 @@ import asyncio
 import time
 from pathlib import Path
 
-from agents.gpus_sim import SimulatedGpuSampler
-from agents.journal import Journal
-from agents.procs import ProcTable
-from agents.protocol import LaunchSpec
-from agents.supervisor import Supervisor
+from gpudeck.agents.gpus_sim import SimulatedGpuSampler
+from gpudeck.agents.journal import Journal
+from gpudeck.agents.procs import ProcTable
+from gpudeck.agents.protocol import LaunchSpec
+from gpudeck.agents.supervisor import Supervisor
 
 
 async def test_a_slow_spawn_racing_the_tick_still_ends_as_the_run_really_ended(tmp_path: Path) -> None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from console.multinode import combine
+from gpudeck.console.multinode import combine
 
 
 def _row(host: str, node_rank: int, ended: float, alerts: list[dict] | None = None) -> dict:

@@ -15,12 +15,12 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from agents.protocol import EnvFingerprint, LaunchSpec
-from console import config as cfg
-from console.cli import build_parser, intent_from_args
-from console.ops import Caller, IntentError, LaunchIntent, LaunchPlan, plan_launch, relaunch_intent, rollback_intent
-from console.ops.launch import with_start
-from console.screens.launch import LaunchForm, form_from, intent_from_form
+from gpudeck.agents.protocol import EnvFingerprint, LaunchSpec
+from gpudeck.console import config as cfg
+from gpudeck.console.cli import build_parser, intent_from_args
+from gpudeck.console.ops import Caller, IntentError, LaunchIntent, LaunchPlan, plan_launch, relaunch_intent, rollback_intent
+from gpudeck.console.ops.launch import with_start
+from gpudeck.console.screens.launch import LaunchForm, form_from, intent_from_form
 
 CALLER = Caller(operator="op", cwd="/work/here", env={"PATH": "/usr/bin:/bin", "VIRTUAL_ENV": "/venv"})
 CONF = cfg.Config(hosts=(cfg.HostSettings("local"), cfg.HostSettings("gpu1", rdzv_host="10.0.0.1", nccl_socket_ifname="eth1"),
@@ -71,7 +71,7 @@ def test_fsdp_on_two_gpus_is_two_ranks_from_both() -> None:
     """The drift that started this: the screen ran one process that saw two GPUs."""
     for plan in (cli_plan(CASES[3][1]), screen_plan(CASES[3][2])):
         assert plan.spec.argv[:6] == ["python3", "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-        assert plan.spec.argv[6:8] == ["-m", "trainers.fsdp_lm"]
+        assert plan.spec.argv[6:8] == ["-m", "gpudeck.trainers.fsdp_lm"]
 
 
 def _recorded(plan: LaunchPlan) -> list[tuple[str, msgspec.Struct]]:
@@ -103,10 +103,10 @@ def test_relaunch_round_trips_from_both(name: str, argv: list[str], form: dict[s
 
 # specs recorded by other hands: older gpudeck versions, a hand-written torchrun, a script's own --fresh
 LEGACY = [
-    LaunchSpec(argv=["/venv/bin/python", "-m", "trainers.fsdp_lm", "--out", "/o", "--fresh"], kind="fsdp", gpus=[0, 1], start="fresh"),
-    LaunchSpec(argv=["torchrun", "--nproc-per-node", "4", "-m", "trainers.dflash", "--target", "t", "--resume", "9"], kind="dflash", start="resume 9"),
+    LaunchSpec(argv=["/venv/bin/python", "-m", "gpudeck.trainers.fsdp_lm", "--out", "/o", "--fresh"], kind="fsdp", gpus=[0, 1], start="fresh"),
+    LaunchSpec(argv=["torchrun", "--nproc-per-node", "4", "-m", "gpudeck.trainers.dflash", "--target", "t", "--resume", "9"], kind="dflash", start="resume 9"),
     LaunchSpec(argv=["python3", "my_script.py", "--fresh"], kind="command", start="fresh", env={"A": "1"}, cwd="/w"),
-    LaunchSpec(argv=["python3", "-m", "trainers.fsdp_lm", "--fresh", "--out", "o"], kind="command", gpus=[3]),
+    LaunchSpec(argv=["python3", "-m", "gpudeck.trainers.fsdp_lm", "--fresh", "--out", "o"], kind="command", gpus=[3]),
     LaunchSpec(argv=["bash", "-c", "echo hi"], name="sh", python="/usr/bin/python3"),
 ]
 
@@ -115,7 +115,7 @@ LEGACY = [
 @pytest.mark.parametrize("start", ["fresh", "resume 7"])
 def test_relaunch_of_any_recorded_spec_round_trips(spec: LaunchSpec, start: str) -> None:
     new = plan_launch(relaunch_intent(spec, "r-old", "gpu1", start), CALLER, CONF).spec
-    trainer = spec.kind != "command" or "trainers.fsdp_lm" in spec.argv
+    trainer = spec.kind != "command" or "gpudeck.trainers.fsdp_lm" in spec.argv
     assert new.argv == (with_start(spec.argv, start) if trainer else spec.argv)
     assert new.python == spec.python or new.python == spec.argv[0]
     assert (new.gpus, new.env, new.cwd, new.name, new.kind) == (spec.gpus, spec.env, spec.cwd, spec.name, spec.kind)

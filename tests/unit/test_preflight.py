@@ -5,9 +5,9 @@ from __future__ import annotations
 import socket
 from pathlib import Path
 
-from agents.estimate import GIB, estimate
-from agents.preflight import CHECK_NAMES, format_preflight, free_bytes_at, port_is_free, run_preflight
-from agents.protocol import Gpu, GpuProcess, LaunchSpec, MemoryEstimate, PreflightCheck, PreflightResult, RunInfo
+from gpudeck.agents.estimate import GIB, estimate
+from gpudeck.agents.preflight import CHECK_NAMES, format_preflight, free_bytes_at, port_is_free, run_preflight
+from gpudeck.agents.protocol import Gpu, GpuProcess, LaunchSpec, MemoryEstimate, PreflightCheck, PreflightResult, RunInfo
 
 NOW = 1_800_000_000.0
 HOST = "gpu1"
@@ -25,7 +25,7 @@ def proc(pid: int, on: int, gib: float | None, attribution: str = "FOREIGN", run
 
 
 def ended_run(run_id: str, hours_ago: float, cause: str) -> RunInfo:
-    return RunInfo(id=run_id, host=HOST, state="failed", spec=LaunchSpec(argv=["python", "-m", "trainers.fsdp_lm"]),
+    return RunInfo(id=run_id, host=HOST, state="failed", spec=LaunchSpec(argv=["python", "-m", "gpudeck.trainers.fsdp_lm"]),
                    cause=cause, started=NOW - hours_ago * 3600 - 600, ended=NOW - hours_ago * 3600)
 
 
@@ -52,7 +52,7 @@ STALE_HOST = [
     gpu(1),
     gpu(2),
     gpu(3, used_gib=78, procs=[proc(4412, 3, 78.0, "STALE", run_id="r-7f3a", user="alice",
-                                    cmdline=["/venv/bin/python", "-m", "trainers.fsdp_lm", "--model-config", "llama-1b"])]),
+                                    cmdline=["/venv/bin/python", "-m", "gpudeck.trainers.fsdp_lm", "--model-config", "llama-1b"])]),
 ]
 STALE_ENDED = {"r-7f3a": ended_run("r-7f3a", 2, "killed by SIGKILL")}
 
@@ -69,7 +69,7 @@ def test_stale_holder_of_an_ended_run_blocks_and_is_named() -> None:
     holders = check(r, "gpu_holders")
     assert not holders.ok and not holders.overridden
     for text in ("pid 4412", "alice", "78.0 GiB", "run r-7f3a", "ended 2 h ago", "killed by SIGKILL",
-                 "/venv/bin/python -m trainers.fsdp_lm --model-config llama-1b", "`gpudeck reclaim gpu1:4412`", "--force"):
+                 "/venv/bin/python -m gpudeck.trainers.fsdp_lm --model-config llama-1b", "`gpudeck reclaim gpu1:4412`", "--force"):
         assert text in holders.message, text
     assert holders.details["holders"][0]["run_ended"] == NOW - 7200
     memory = check(r, "gpu_memory")
@@ -141,9 +141,9 @@ def test_memory_check_passes_skips_and_uses_the_estimate() -> None:
     why = check(preflight(spec, gpus, estimate_error="model_type 'gpt2' is not known; give --need-gib"), "gpu_memory")
     assert why.ok and "gpt2" in why.message
     # a trainer without --gpus: its one process uses cuda:0, so only GPU 0 needs the room
-    trainer = LaunchSpec(kind="fsdp", argv=["python", "-m", "trainers.fsdp_lm", "--fresh", "--out", "o"])
+    trainer = LaunchSpec(kind="fsdp", argv=["python", "-m", "gpudeck.trainers.fsdp_lm", "--fresh", "--out", "o"])
     assert check(preflight(trainer, gpus, est=need(60)), "gpu_memory").ok
-    torchrun2 = LaunchSpec(kind="fsdp", argv=["torchrun", "--nproc-per-node", "2", "-m", "trainers.fsdp_lm", "--fresh", "--out", "o"])
+    torchrun2 = LaunchSpec(kind="fsdp", argv=["torchrun", "--nproc-per-node", "2", "-m", "gpudeck.trainers.fsdp_lm", "--fresh", "--out", "o"])
     assert not check(preflight(torchrun2, gpus, est=need(60)), "gpu_memory").ok
 
 
@@ -154,7 +154,7 @@ def test_rdzv_port_held_by_a_real_socket_fails() -> None:
     port = s.getsockname()[1]
     try:
         assert not port_is_free(port)
-        spec = LaunchSpec(kind="fsdp", argv=["torchrun", "--nproc-per-node", "2", f"--master-port={port}", "-m", "trainers.fsdp_lm",
+        spec = LaunchSpec(kind="fsdp", argv=["torchrun", "--nproc-per-node", "2", f"--master-port={port}", "-m", "gpudeck.trainers.fsdp_lm",
                                              "--fresh", "--out", "o"])
         r = run_preflight(spec, host=HOST, gpus=[], gpu_error=None, ended={}, estimate=None, python_check=None)
         c = check(r, "rdzv_port")
@@ -175,7 +175,7 @@ def test_rdzv_port_which_port_or_none() -> None:
         return True
 
     def run(argv: list[str], **kw) -> PreflightCheck:
-        return check(preflight(LaunchSpec(kind="fsdp", argv=argv + ["-m", "trainers.fsdp_lm", "--fresh", "--out", "o"], **kw),
+        return check(preflight(LaunchSpec(kind="fsdp", argv=argv + ["-m", "gpudeck.trainers.fsdp_lm", "--fresh", "--out", "o"], **kw),
                                port_free=free), "rdzv_port")
 
     assert run(["torchrun", "--nproc-per-node", "2"]).ok and asked[-1] == 29500  # torchrun's default --master-port
@@ -189,7 +189,7 @@ def test_rdzv_port_which_port_or_none() -> None:
 
 
 def test_checkpoint_room(tmp_path: Path) -> None:
-    spec = LaunchSpec(kind="fsdp", argv=["python", "-m", "trainers.fsdp_lm", "--fresh", "--out", str(tmp_path / "out")])
+    spec = LaunchSpec(kind="fsdp", argv=["python", "-m", "gpudeck.trainers.fsdp_lm", "--fresh", "--out", str(tmp_path / "out")])
     est = MemoryEstimate(per_gpu_bytes=GIB, params=1_000_000_000)
     seen: list[Path] = []
 
@@ -215,7 +215,7 @@ def make_checkpoint(out: Path, step: int, complete: bool = True) -> None:
 
 
 def trainer(out: Path, *start: str) -> LaunchSpec:
-    return LaunchSpec(kind="fsdp", argv=["python", "-m", "trainers.fsdp_lm", "--model-config", "tiny", *start, "--out", str(out)])
+    return LaunchSpec(kind="fsdp", argv=["python", "-m", "gpudeck.trainers.fsdp_lm", "--model-config", "tiny", *start, "--out", str(out)])
 
 
 def test_resume_n_needs_that_complete_checkpoint(tmp_path: Path) -> None:
@@ -272,7 +272,7 @@ def test_python_check_is_called_with_the_run_python(tmp_path: Path) -> None:
         calls.append(python)
         return False, "import torch failed: No module named 'torch'; install torch into that environment"
 
-    spec = LaunchSpec(kind="fsdp", argv=["/envs/a/bin/python", "-m", "trainers.fsdp_lm", "--fresh", "--out", "o"])
+    spec = LaunchSpec(kind="fsdp", argv=["/envs/a/bin/python", "-m", "gpudeck.trainers.fsdp_lm", "--fresh", "--out", "o"])
     r = preflight(spec, python_check=no_torch)
     c = check(r, "python_env")
     assert not r.ok and not c.ok and calls == ["/envs/a/bin/python"] and "No module named 'torch'" in c.message
@@ -284,7 +284,7 @@ def test_python_check_is_called_with_the_run_python(tmp_path: Path) -> None:
     bin_dir.mkdir(parents=True)
     (bin_dir / "torchrun").write_text(f"#!{bin_dir / 'python3'}\nimport sys\n")
     calls.clear()
-    spec = LaunchSpec(kind="dflash", argv=[str(bin_dir / "torchrun"), "--nproc-per-node", "2", "-m", "trainers.dflash", "--fresh", "--out", "o"])
+    spec = LaunchSpec(kind="dflash", argv=[str(bin_dir / "torchrun"), "--nproc-per-node", "2", "-m", "gpudeck.trainers.dflash", "--fresh", "--out", "o"])
     preflight(spec, python_check=no_torch)
     assert calls == [str(bin_dir / "python3")]
     # a plain command is not python-checked unless it names its python
@@ -296,7 +296,7 @@ def test_python_check_is_called_with_the_run_python(tmp_path: Path) -> None:
 
 
 def test_a_real_fsdp_estimate_flows_through(tmp_path: Path) -> None:
-    spec = LaunchSpec(kind="fsdp", gpus=[0, 1], argv=["torchrun", "--nproc-per-node", "2", "-m", "trainers.fsdp_lm", "--model-config",
+    spec = LaunchSpec(kind="fsdp", gpus=[0, 1], argv=["torchrun", "--nproc-per-node", "2", "-m", "gpudeck.trainers.fsdp_lm", "--model-config",
                                                       "llama-1b", "--batch-size", "8", "--seq-len", "2048", "--fresh", "--out", str(tmp_path)])
     est = estimate(spec)
     assert est is not None
@@ -312,7 +312,7 @@ def test_a_real_fsdp_estimate_flows_through(tmp_path: Path) -> None:
 def test_every_failure_says_what_to_do(tmp_path: Path) -> None:
     """Each failing check's message carries a fix (a command, a flag or an action), not only the problem."""
     out = tmp_path / "o"
-    spec = LaunchSpec(kind="fsdp", gpus=[3, 9], rdzv_port=1, argv=["bash", "-m", "trainers.fsdp_lm", "--resume", "3", "--out", str(out)])
+    spec = LaunchSpec(kind="fsdp", gpus=[3, 9], rdzv_port=1, argv=["bash", "-m", "gpudeck.trainers.fsdp_lm", "--resume", "3", "--out", str(out)])
     r = preflight(spec, STALE_HOST, ended=STALE_ENDED, est=MemoryEstimate(per_gpu_bytes=100 * GIB, params=10**10, method="x"),
                   port_free=lambda p: False, disk_free=lambda p: 0, python_check=lambda p: (False, "no"))
     failed = [c for c in r.checks if not c.ok]
@@ -323,9 +323,9 @@ def test_every_failure_says_what_to_do(tmp_path: Path) -> None:
 
 
 def test_the_checkpoint_layout_matches_trainers_checkpoint(tmp_path: Path) -> None:
-    """agents may not import trainers.checkpoint, so pre-flight restates its layout; this keeps them equal."""
-    from agents import preflight as pf
-    from trainers import checkpoint as ckpt
+    """agents may not import gpudeck.trainers.checkpoint, so pre-flight restates its layout; this keeps them equal."""
+    from gpudeck.agents import preflight as pf
+    from gpudeck.trainers import checkpoint as ckpt
 
     assert (pf.CHECKPOINTS_DIRNAME, pf.CHECKPOINT_MARKER) == (ckpt.CHECKPOINTS_DIRNAME, ckpt.MARKER_FILE)
     out = tmp_path / "out"

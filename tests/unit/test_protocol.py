@@ -6,7 +6,7 @@ import msgspec
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from agents.protocol import (
+from gpudeck.agents.protocol import (
     MAX_FRAME,
     Error,
     FrameReader,

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from console.ops.errors import AmbiguousRun, NoSuchRun, Unanswered
-from console.ops.resolve import Match, pick, resolve_record
+from gpudeck.console.ops.errors import AmbiguousRun, NoSuchRun, Unanswered
+from gpudeck.console.ops.resolve import Match, pick, resolve_record
 
 
 def m(host: str, rid: str, name: str | None = None, state: str = "running", started: float = 0.0, rank: int = 0) -> Match:

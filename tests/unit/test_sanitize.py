@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from console.sanitize import REDACTED, escape_controls, escape_tree, is_secret_name, redact_env, redact_run, terminal_text
+from gpudeck.console.sanitize import REDACTED, escape_controls, escape_tree, is_secret_name, redact_env, redact_run, terminal_text
 
 
 def test_escape_sequences_c0_c1_and_bidi_controls_become_visible_escapes() -> None:

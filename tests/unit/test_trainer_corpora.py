@@ -1,4 +1,4 @@
-"""Unit tests for real corpora in trainers.data (saved datasets, parquet, arrow) and trainers.prepare.
+"""Unit tests for real corpora in gpudeck.trainers.data (saved datasets, parquet, arrow) and gpudeck.trainers.prepare.
 
 The datasets are made here (``datasets`` offline; no hub access).
 """
@@ -13,8 +13,8 @@ import pytest
 pytest.importorskip("torch")
 datasets = pytest.importorskip("datasets")
 
-from trainers import data as D
-from trainers import prepare as P
+from gpudeck.trainers import data as D
+from gpudeck.trainers import prepare as P
 
 DOCS = [f"document {i}: " + "word " * (i % 7) + "end" for i in range(40)] + ["document 3: end"] * 3
 

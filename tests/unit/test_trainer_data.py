@@ -1,4 +1,4 @@
-"""Unit tests for trainers.data (and the pure parts of trainers.checkpoint / flops / runtime)."""
+"""Unit tests for gpudeck.trainers.data (and the pure parts of gpudeck.trainers.checkpoint / flops / runtime)."""
 
 from __future__ import annotations
 
@@ -13,10 +13,10 @@ torch = pytest.importorskip("torch")
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from trainers import data as D  # noqa: E402
-from trainers.checkpoint import StartError, resolve_start  # noqa: E402
-from trainers.flops import flops_per_token, mfu, peak_flops  # noqa: E402
-from trainers.runtime import add_common_args, check_common_args  # noqa: E402
+from gpudeck.trainers import data as D  # noqa: E402
+from gpudeck.trainers.checkpoint import StartError, resolve_start  # noqa: E402
+from gpudeck.trainers.flops import flops_per_token, mfu, peak_flops  # noqa: E402
+from gpudeck.trainers.runtime import add_common_args, check_common_args  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -206,7 +206,7 @@ def test_flops_formula_and_peaks() -> None:
 
 
 def test_causal_convention_halves_attention_only() -> None:
-    from trainers.flops import attention_flops, causal_pairs, dense_flops, full_pairs, window_pairs
+    from gpudeck.trainers.flops import attention_flops, causal_pairs, dense_flops, full_pairs, window_pairs
 
     n, emb, L, H, d, S = 1_100_048_384, 32000 * 2048, 22, 32, 64, 2048
     titan = flops_per_token(n, emb, L, H, d, S)
@@ -227,8 +227,8 @@ def test_causal_convention_halves_attention_only() -> None:
 def test_model_flops_gives_both_conventions() -> None:
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from trainers.flops import model_flops
-    from trainers.presets import PRESETS
+    from gpudeck.trainers.flops import model_flops
+    from gpudeck.trainers.presets import PRESETS
 
     kw = dict(PRESETS["tiny"])
     cfg = AutoConfig.for_model(kw.pop("model_type"), **kw)
@@ -243,7 +243,7 @@ def test_model_flops_gives_both_conventions() -> None:
 def test_bad_jsonl_lines_are_named(tmp_path) -> None:
     import pytest
 
-    from trainers.data import load_documents
+    from gpudeck.trainers.data import load_documents
 
     f = tmp_path / "d.jsonl"
     f.write_text('{"text": "fine"}\n\n{"text": broken}\n')

@@ -8,7 +8,7 @@ from pathlib import Path
 import asyncssh
 import pytest
 
-from console.transport import PREFERRED_CIPHERS, SshError, SshOptions, _skip_idle_packet_log, connect_ssh, encryption_preference
+from gpudeck.console.transport import PREFERRED_CIPHERS, SshError, SshOptions, _skip_idle_packet_log, connect_ssh, encryption_preference
 
 
 def test_aes_gcm_first_and_every_default_still_allowed(tmp_path: Path) -> None:

@@ -1,7 +1,7 @@
 """A torchrun worker that runs the real worker as its child and records the child's exit code.
 
 torchrun does not report its workers' exit codes when it shuts down on a signal, so the SIGTERM
-tests start ``torchrun ... exit_code.py DIR -m trainers.dflash ...``. This process ignores SIGTERM
+tests start ``torchrun ... exit_code.py DIR -m gpudeck.trainers.dflash ...``. This process ignores SIGTERM
 and SIGINT (the child gets the signals itself: torchrun signals the worker's whole process group,
 the test signals the child's pid), waits for the child and writes ``DIR/rank<RANK>.json``
 ({"pid": child pid, "returncode": its exit code, negative for a signal}), then exits with that

@@ -19,7 +19,7 @@ import time
 RANK_CODE = r"""
 import os, sys, time
 sys.path.insert(0, sys.argv[1])
-from trainers.telemetry import Telemetry
+from gpudeck.trainers.telemetry import Telemetry
 rank = int(os.environ["RANK"]); world = int(os.environ["WORLD_SIZE"]); tps = float(sys.argv[3])
 tel = Telemetry()
 tel.manifest(params_total=3_066_112, params_trainable=3_066_112, world_size=world, role="trainer", device=f"cpu:{rank}",

@@ -5,7 +5,7 @@ import sys
 import time
 
 sys.path.insert(0, sys.argv[1])
-from trainers.telemetry import Telemetry  # noqa: E402
+from gpudeck.trainers.telemetry import Telemetry  # noqa: E402
 
 gate = sys.argv[2]
 tel = Telemetry()
