@@ -176,6 +176,7 @@ class Journal:
         self._committed_seq = self._read_last_seq()
         self._next_seq = self._committed_seq + 1
         self._last_op: _Op | None = None
+        self._inflight: list[_Op] = []  # the batch the writer is committing
         self._closing = False
         self._closed = False
         self.storage_error: str | None = None  # why commits fail right now (None when they succeed)
@@ -212,6 +213,9 @@ class Journal:
             self._next_seq += len(items)
             evs = [Event(seq=seq0 + i, ts=ts, kind=k, run_id=r, data=d) for i, (k, r, d) in enumerate(items)]
             op = _Op(opno=self._opno, stmts=stmts, events=evs, encoded=encoded, fail_fast=fail_fast)
+            # running: a waiter that gives up (a cancelled wrap_future, a timeout) cannot cancel them under the writer
+            op.fut.set_running_or_notify_cancel()
+            op.settled.set_running_or_notify_cancel()
             if run_fields is not None:
                 rid, fields = run_fields
                 ov = self._ov_fields.setdefault(rid, {})
@@ -254,67 +258,82 @@ class Journal:
             return bool(batch) or not self._closing
 
     def _write_loop(self) -> None:
-        conn = self._wconn
         while True:
-            batch: list[_Op] = []
+            try:
+                if not self._write_some():
+                    return
+            except Exception:  # the writer must outlive anything one batch does; what it held is retried
+                log.exception("journal writer failed; retrying")
+                time.sleep(RETRY_MAX_S)
+
+    def _write_some(self) -> bool:
+        """One batch, committed (retried until it is); False once closed and drained. The batch stays in
+        ``_inflight`` until it is committed, so an unexpected error loses none of it (the loop calls again)."""
+        conn = self._wconn
+        batch = self._inflight
+        if not batch:
             if not self._take(batch, block=True):
+                return False
+            if not batch:
+                return True
+        give_up_at: float | None = None
+        while True:
+            try:
+                self._commit(conn, batch)
                 break
-            if not batch:
-                continue
-            give_up_at: float | None = None
-            while True:
-                try:
-                    self._commit(conn, batch)
-                    break
-                except sqlite3.Error as exc:
-                    err = _storage_error(exc, self.path)
-                    if self.storage_error != err.message:
-                        log.error("journal commit failed (retrying): %s", err.message)
-                    self.storage_error = err.message
-                    for op in batch:
-                        if op.fail_fast:
-                            op.error = err
-                            op.void(f"write failed: {exc}")
-                            with self._plock:
-                                self._unoverlay(op)
-                            op.fut.set_exception(err)  # the caller knows now; its seqs get void events
-                    with self._plock:
-                        closing = self._closing
-                    if closing:
-                        give_up_at = give_up_at or time.monotonic() + CLOSE_TIMEOUT_S
-                        if time.monotonic() >= give_up_at:
-                            log.error("journal closed with %d queued write(s) never committed: %s", len(batch), err.message)
-                            for op in batch:
-                                if not op.fut.done():
-                                    op.fut.set_exception(err)
-                                op.settled.set_result(None)
-                            batch = []
-                            break
-                    time.sleep(RETRY_MAX_S)
-                    self._take(batch, block=False)  # what was queued meanwhile joins the retry (fail-fast ops fail now)
-            if not batch:
-                continue
-            self.storage_error = None
-            self.batches_committed += 1
-            with self._plock:
+            except sqlite3.Error as exc:
+                err = _storage_error(exc, self.path)
+                if self.storage_error != err.message:
+                    log.error("journal commit failed (retrying): %s", err.message)
+                self.storage_error = err.message
                 for op in batch:
-                    self._forget(op)
-                    if op.events:
-                        self._committed_seq = max(self._committed_seq, op.events[-1].seq)
-                top = self._committed_seq
+                    if op.fail_fast:
+                        op.error = err
+                        op.void(f"write failed: {exc}")
+                        with self._plock:
+                            self._unoverlay(op)
+                        if not op.fut.done():
+                            op.fut.set_exception(err)  # the caller knows now; its seqs get void events
+                with self._plock:
+                    closing = self._closing
+                if closing:
+                    give_up_at = give_up_at or time.monotonic() + CLOSE_TIMEOUT_S
+                    if time.monotonic() >= give_up_at:
+                        log.error("journal closed with %d queued write(s) never committed: %s", len(batch), err.message)
+                        for op in batch:
+                            if not op.fut.done():
+                                op.fut.set_exception(err)
+                            if not op.settled.done():
+                                op.settled.set_result(None)
+                        batch.clear()
+                        return True
+                time.sleep(RETRY_MAX_S)
+                self._take(batch, block=False)  # what was queued meanwhile joins the retry (fail-fast ops fail now)
+        self.storage_error = None
+        self.batches_committed += 1
+        with self._plock:
             for op in batch:
-                if not op.fut.done():
-                    if op.error is not None:
-                        op.fut.set_exception(op.error)
-                    else:
-                        op.fut.set_result(None)
+                self._forget(op)
+                if op.events:
+                    self._committed_seq = max(self._committed_seq, op.events[-1].seq)
+            top = self._committed_seq
+        done = list(batch)
+        batch.clear()
+        for op in done:
+            if not op.fut.done():
+                if op.error is not None:
+                    op.fut.set_exception(op.error)
+                else:
+                    op.fut.set_result(None)
+            if not op.settled.done():
                 op.settled.set_result(None)
-            cb = self.on_commit
-            if cb is not None:
-                try:
-                    cb(top)
-                except Exception:  # a listener must not stop the writer
-                    log.exception("journal on_commit callback failed")
+        cb = self.on_commit
+        if cb is not None:
+            try:
+                cb(top)
+            except Exception:  # a listener must not stop the writer
+                log.exception("journal on_commit callback failed")
+        return True
 
     def _commit(self, conn: sqlite3.Connection, batch: list[_Op]) -> None:
         conn.execute("BEGIN IMMEDIATE")

@@ -10,6 +10,7 @@ agent.
 from __future__ import annotations
 
 import asyncio
+import faulthandler
 import fcntl
 import logging
 import os
@@ -81,6 +82,7 @@ from gpudeck.agents.telemetry import step_series
 log = logging.getLogger("gpudeck.agent")
 
 TICK_S = 0.5  # supervision tick: member discovery, exit detection
+REPLY_DURABLE_S = 5.0  # a Launch/Stop/Reclaim reply waits this long at most for its journal records to be on disk
 WRITE_BUFFER_LIMIT = 8 << 20  # a slower client than this skips snapshots instead of growing memory
 _PEERCRED = struct.Struct("3i")
 
@@ -178,6 +180,12 @@ class Agent:
         self.journal.on_commit = self._on_commit
         notes = self.supervisor.adopt()
         self.journal.append("agent_started", None, {"pid": os.getpid(), "version": __version__, "gpu_error": self.gpus.error, "adopted": notes})
+        # what adoption settled is on disk before anyone is served (a client reading the journal sees it)
+        try:
+            async with asyncio.timeout(REPLY_DURABLE_S):
+                await self.journal.wait_durable()
+        except TimeoutError:
+            log.warning("serving before the adoption's records are on disk (%s)", self.journal.storage_error or "slow disk")
         for run in self.supervisor.pending_stops():
             ev = self.journal.last_event(run.id, "run_state")
             grace = float((ev.data if ev else {}).get("grace_s", 10.0))  # the grace the operator asked for
@@ -404,8 +412,19 @@ class _Conn:
             delay = interval - time.time() % interval
             await asyncio.sleep(delay if delay > interval / 10 else delay + interval)  # just sent for the coming point
 
+    async def _settled(self) -> None:
+        """Before answering a request that changed something: what it queued in the journal is on disk (a reply is
+        an acknowledgement). On a disk that stays full the answer goes after REPLY_DURABLE_S anyway: what the
+        request did is real, its record is queued and retried, and snapshots say the journal cannot be written."""
+        try:
+            async with asyncio.timeout(REPLY_DURABLE_S):
+                await self.agent.journal.wait_durable()
+        except TimeoutError:
+            log.warning("replying before the journal committed (%s)", self.agent.journal.storage_error or "slow disk")
+
     async def _launch(self, req: Launch) -> None:
         run, dup = await self.agent.supervisor.launch(req.spec, req.request_id, host_name=self.alias or None)
+        await self._settled()
         await self.send(LaunchReply(request_id=req.request_id, run=run, duplicate=dup))
 
     async def _list_runs(self, req: ListRuns) -> None:
@@ -420,6 +439,7 @@ class _Conn:
     async def _stop(self, req: Stop) -> None:
         reason = f"stopped by gpudeck: {req.reason[:500]}" if req.reason else "stopped by operator"
         result = await self.agent.supervisor.stop(req.run_id, req.grace_s, reason=reason)
+        await self._settled()
         await self.send(StopReply(request_id=req.request_id, result=result))
 
     async def _get_metrics(self, req: GetMetrics) -> None:
@@ -439,6 +459,7 @@ class _Conn:
 
     async def _reclaim(self, req: Reclaim) -> None:
         result = await self.agent.supervisor.reclaim(req.pids, req.grace_s, req.include_live, host_name=self.alias or None)
+        await self._settled()
         await self.send(StopReply(request_id=req.request_id, result=result))
 
     async def _fingerprint(self, req: Fingerprint) -> None:
@@ -450,6 +471,7 @@ class _Conn:
         dest = paths.envs_dir(a.state_dir) / f"{(req.env.freeze_hash or 'env')[:12]}-{int(time.time())}"
         fp = await asyncio.to_thread(envs.rebuild, req.env, dest, driver=a.gpus.driver_version)
         a.journal.append("env_rebuilt", None, {"path": str(dest), "from": req.env.python, "freeze_hash": fp.freeze_hash, "python": fp.python})
+        await self._settled()
         await self.send(FingerprintReply(request_id=req.request_id, env=fp, path=str(dest)))
 
     async def _verify_run(self, req: VerifyRun) -> None:
@@ -590,6 +612,8 @@ def serve(state_dir: Path | None = None) -> int:
     sd = Path(state_dir or paths.state_dir())
     paths.ensure_private_dir(sd)
     setup_logging(sd)
+    # `kill -USR1 <agent pid>` writes every thread's stack to the agent's log (a stuck agent says where it is)
+    faulthandler.register(signal.SIGUSR1, file=open(paths.log_path(sd), "a"), all_threads=True)
 
     async def main() -> None:
         agent = Agent(sd)

@@ -262,22 +262,23 @@ def test_a_holder_exits_on_its_own_after_seconds(holders: Holders, procs: ProcTa
     assert s.memory_used()[0] == 0
 
 
-def test_a_worker_thread_sample_sees_the_exit_without_writing_the_table(holders: Holders, procs: ProcTable, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_worker_thread_sample_sees_the_exit_and_a_new_holder(holders: Holders, procs: ProcTable) -> None:
+    """The agent samples in its sampler thread: the table (thread-safe) is refreshed from there."""
     s = SimulatedGpuSampler("1", procs)
     p, _ = holders.start("0:5")
     assert s.memory_used()[0] == 5 * GIB
     p.kill()
     p.wait()
-    holders.start(None)  # a new process: the owner thread would refresh the table now, a worker must not
-    refreshes: list[int] = []
-    monkeypatch.setattr(procs, "refresh", lambda full=False: refreshes.append(threading.get_ident()))
     out: list[dict[int, int]] = []
     t = threading.Thread(target=lambda: out.append(s.memory_used()))
     t.start()
     t.join()
-    assert out == [{0: 0}] and refreshes == []
-    s.memory_used()
-    assert refreshes == [threading.get_ident()]
+    assert out == [{0: 0}]
+    q, _ = holders.start("0:7")
+    t = threading.Thread(target=lambda: out.append(s.memory_used()))
+    t.start()
+    t.join()
+    assert out[-1] == {0: 7 * GIB} and [e.pid for e in procs.sim_holders()] == [q.pid]
 
 
 def test_sample_cost_with_8_gpus_and_a_few_holders(holders: Holders, procs: ProcTable) -> None:

@@ -316,3 +316,22 @@ def test_a_full_disk_fails_a_durable_create_at_once_and_queued_events_wait_for_s
         j.close()
     finally:
         subprocess.run(["umount", "-l", str(fs)], capture_output=True)
+
+
+async def test_a_waiter_that_gives_up_does_not_break_the_writer(tmp_path: Path) -> None:
+    j = Journal(tmp_path / "j.db", "h")
+    locker = _Locker(tmp_path / "j.db")
+    j.append("agent_started", None, {"pid": 1})
+    with pytest.raises(TimeoutError):
+        async with asyncio.timeout(0.2):
+            await j.wait_durable()  # cancelled while the write waits for the disk
+    task = asyncio.ensure_future(j.durable_append_many([("agent_started", None, {"pid": 2})]))
+    await asyncio.sleep(0.1)
+    task.cancel()
+    locker.release()
+    j.flush()
+    assert [e.data["pid"] for e in j.events_after(0)] == [1, 2]
+    j.append("agent_started", None, {"pid": 3})
+    j.flush()
+    assert j.committed_seq == 3, "the writer stopped after a waiter gave up"
+    j.close()
