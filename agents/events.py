@@ -93,6 +93,14 @@ class Telemetry(Payload, tag="telemetry"):
     offset: int = 0
 
 
+class TelemetryRejected(Payload, tag="telemetry_rejected"):
+    """A line of the run's telemetry.jsonl the reader refused (by itself: the run's other lines go on)."""
+
+    line: int
+    offset: int
+    reason: str
+
+
 class AlertRaised(Payload, tag="alert"):
     alert: Alert
 
@@ -148,7 +156,7 @@ class Unknown(msgspec.Struct, kw_only=True):
 
 
 EventPayload = Union[
-    RunCreated, RunState, RunAdopted, Containment, Members, Telemetry, AlertRaised, AlertCleared, Claims, Preflight,
+    RunCreated, RunState, RunAdopted, Containment, Members, Telemetry, TelemetryRejected, AlertRaised, AlertCleared, Claims, Preflight,
     EnvFingerprinted, Reclaimed, AgentStarted, EnvRebuilt, Void,
 ]
 KINDS: dict[str, type] = {t.__struct_config__.tag: t for t in EventPayload.__args__}  # type: ignore[attr-defined]

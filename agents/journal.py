@@ -53,6 +53,7 @@ from typing import Any
 import msgspec
 
 from gpudeck.agents import events as payloads
+from gpudeck.agents import paths
 from gpudeck.agents.errors import StorageError
 from gpudeck.agents.protocol import Alert, EnvFingerprint, Event, LaunchSpec, Member, PreflightResult, RunInfo
 
@@ -108,6 +109,8 @@ def _storage_error(exc: sqlite3.Error, path: Path) -> StorageError:
 
 
 def _connect(path: Path) -> sqlite3.Connection:
+    # 0600 whatever the umask (specs hold --env values; SQLite gives -wal/-shm the database's mode), never through a link
+    paths.private_file(path)
     conn = sqlite3.connect(str(path), isolation_level=None, check_same_thread=False, timeout=5.0)
     conn.execute("PRAGMA busy_timeout=5000")
     conn.execute("PRAGMA journal_mode=WAL")

@@ -28,6 +28,7 @@ class LiveRun:
     tail: TelemetryTail | None = None
     journaled_offset: int = 0
     last_step_event: float = -1e9
+    rejections_journaled: int = 0  # telemetry_rejected events written for this run (capped: the count goes on in bad_lines)
     health: RunHealth | None = None
     last_obs: Observation | None = None
     baseline: object = _UNSET  # Baseline | None once looked up

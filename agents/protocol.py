@@ -208,7 +208,8 @@ class RunTelemetry(msgspec.Struct, gc=False, kw_only=True, omit_defaults=True):
     last_ts: float | None = None
     done: bool = False
     error: str | None = None
-    bad_lines: int = 0
+    bad_lines: int = 0  # telemetry lines the reader refused (each refused by itself; supervision goes on)
+    last_rejection: str | None = None  # the latest, e.g. "telemetry line 812 rejected: nesting deeper than 64"
     tps_history: list[float] = []
     ranks: dict[str, RankTelemetry] = {}
 

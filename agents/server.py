@@ -227,17 +227,19 @@ class Agent:
         except OSError:
             pass
         self._sampler.shutdown(wait=False, cancel_futures=True)
+        self.supervisor.containment.release()
         await asyncio.to_thread(self.journal.close)  # commits what is queued
         self._lock_fh.close()
 
     async def _tick_loop(self) -> None:
         # the process scan runs in the sampler thread; the supervisor's own refresh of the table right after
-        # finds nothing new (one read of /proc/loadavg), so the tick on the loop is only the runs' logic
+        # finds nothing new (one read of /proc/loadavg), and its scans run in a thread: the tick on the loop
+        # is only the runs' logic
         loop = asyncio.get_running_loop()
         while True:
             try:
                 await loop.run_in_executor(self._sampler, self.procs.refresh)
-                self.supervisor.refresh()
+                await self.supervisor.tick()  # its full scans, NVML sample and liveness checks run in a thread too
                 self.snapshots.storage_error = None
             except StorageError as exc:  # disk full: keep supervising, say so in every snapshot, retry next tick
                 if self.snapshots.storage_error is None:
@@ -383,6 +385,7 @@ class _Conn:
                 uid=a.uid,
                 state_dir=str(a.state_dir),
                 gpu_error=a.gpus.error,
+                containment=a.supervisor.containment.label,
             )
         )
 

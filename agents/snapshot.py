@@ -29,7 +29,12 @@ class SnapshotBuilder:
         self.storage_error: str | None = None  # set by the agent while the journal cannot be written
 
     def attribute(self, p: GpuProcess) -> None:
-        """Fill in a GPU process's attribution, run, rank, user and command line."""
+        """Fill in a GPU process's attribution, run, rank, user and command line (the supervisor's one rule)."""
+        self._attribute_by_tag(p)
+        # the run's group (or its recorded members) places a process whose environment lost the tag
+        self.supervisor.attribution.correct(p, self.procs.lookup(p.pid) if p.attribution != "NO_SUCH_PROCESS" else None)
+
+    def _attribute_by_tag(self, p: GpuProcess) -> None:
         entry = self.procs.lookup(p.pid)  # read now if newer than the last tick
         if entry is None:
             p.attribution = "NO_SUCH_PROCESS"

@@ -70,6 +70,7 @@ from gpudeck.agents.protocol import (
 
 log = logging.getLogger("gpudeck.agent")
 
+MAX_REJECTIONS_JOURNALED = 20  # per run: the first refused telemetry lines are journaled; later ones are only counted
 STEP_EVENT_EVERY_S = 10.0  # step records reach the journal at most this often per run (all other records always)
 RANK_DEATH_STOP_GRACE_S = 30.0  # --on-rank-death stop: the grace the survivors get to checkpoint
 TAG_LIMIT = (
@@ -583,13 +584,18 @@ class Supervisor:
             last = self.journal.last_event(run.id, "telemetry")
             lr.journaled_offset = int(last.data.get("offset", 0)) if last else 0
         tail = lr.telemetry_tail()
-        records = tail.poll()
+        records = tail.poll(final=run.state not in ("starting", "running", "stopping"))
         run.telemetry = tail.summary
-        if not records:
+        items: list[tuple[str, str | None, dict]] = []
+        for rej in tail.take_rejections():
+            tail.summary.last_rejection = rej.describe()
+            if lr.rejections_journaled < MAX_REJECTIONS_JOURNALED:
+                lr.rejections_journaled += 1
+                items.append(("telemetry_rejected", run.id, {"line": rej.line, "offset": rej.offset, "reason": rej.reason[:500]}))
+        if not records and not items:
             return
         floor = lr.journaled_offset
         now = time.monotonic()
-        items: list[tuple[str, str | None, dict]] = []
         for rec, offset in records:
             if offset <= floor or rec.get("type") == "heartbeat":
                 continue
@@ -601,7 +607,9 @@ class Supervisor:
         if items:
             for ev in self.journal.append_many(items):
                 self._emit(ev)
-            lr.journaled_offset = items[-1][2]["offset"]
+            offsets = [d["offset"] for kind, _r, d in items if kind == "telemetry"]
+            if offsets:
+                lr.journaled_offset = offsets[-1]
 
     # ------------------------------------------------------------------ the end of a run
 

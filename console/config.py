@@ -30,6 +30,8 @@ from pathlib import Path
 import platformdirs
 import tomlkit
 
+from gpudeck.agents import paths
+
 LOCAL = "local"
 DEFAULT_DIAL = "gpudeck agent dial"
 _HOST_RE = re.compile(r"^[A-Za-z0-9_.@:\[\]-]{1,253}$")
@@ -149,9 +151,11 @@ def _read_doc(path: Path) -> tomlkit.TOMLDocument:
 
 
 def _write_doc(path: Path, doc: tomlkit.TOMLDocument) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".toml.tmp")
-    tmp.write_text(tomlkit.dumps(doc))
+    # 0700 folder, 0600 file whatever the umask, never written through a link (paths.private_file checks)
+    paths.ensure_private_dir(path.parent)
+    tmp = paths.private_file(path.with_suffix(".toml.tmp"))
+    with open(tmp, "w") as fh:
+        fh.write(tomlkit.dumps(doc))
     os.replace(tmp, path)
 
 
