@@ -675,29 +675,3 @@ def failure_summary(result: PreflightResult) -> str:
     """One line for a ``preflight_failed`` run's cause: the failed checks' messages."""
     failed = [c for c in result.checks if not c.ok and not c.overridden]
     return "pre-flight failed: " + " | ".join(f"{c.name}: {c.message}" for c in failed) if failed else "pre-flight passed"
-
-
-def format_preflight(result: PreflightResult) -> str:
-    """Human text: a verdict line, then one line per check (✓ passed, ✗ failed, forced, – skipped)."""
-    failed = [c for c in result.checks if not c.ok and not c.overridden]
-    if failed:
-        verdict = f"FAILED ({len(failed)} of {len(result.checks)} checks): nothing was started"
-    elif result.forced:
-        verdict = "ok, with --force past the GPU holders (recorded)"
-    else:
-        verdict = "ok"
-    lines = [f"pre-flight on {result.host or 'this host'}: {verdict}"]
-    width = max((len(c.name) for c in result.checks), default=0)
-    for c in result.checks:
-        if c.overridden:
-            mark = "forced"
-        elif not c.ok:
-            mark = "✗"
-        elif c.details.get("skipped"):
-            mark = "–"
-        else:
-            mark = "✓"
-        lines.append(f"  {mark:<6} {c.name:<{width}}  {c.message}")
-    if result.estimate is not None and result.estimate.method:
-        lines.append(f"  memory: {result.estimate.method}")
-    return "\n".join(lines)

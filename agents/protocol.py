@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from typing import Any, Literal, Union
 
+import uuid
+
 import msgspec
 
 PROTOCOL_VERSION = 1
@@ -778,3 +780,8 @@ class FrameReader:
     def pending(self) -> int:
         """Bytes buffered without a newline yet."""
         return len(self._buf)
+
+
+def new_run_id() -> str:
+    """A short, unique run id such as ``r-7f3a9c21`` (the console makes one for a multi-node run, the agent otherwise)."""
+    return "r-" + uuid.uuid4().hex[:8]

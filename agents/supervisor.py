@@ -19,7 +19,6 @@ import signal
 import socket
 import subprocess
 import time
-import uuid
 from collections.abc import Callable
 from pathlib import Path
 
@@ -51,6 +50,7 @@ from gpudeck.agents.procs import (
 )
 from gpudeck.agents.protocol import (
     LIVE_STATES,
+    new_run_id,
     TERMINAL_STATES,
     Alert,
     ClaimRow,
@@ -77,11 +77,6 @@ TAG_LIMIT = (
     "at the tag + ancestry level a process that cleared its environment and left the run's process tree, "
     "session and process group cannot be found; a cgroup (root, or a delegated cgroup v2 subtree) closes that gap"
 )
-
-
-def new_run_id() -> str:
-    """A short, unique run id such as ``r-7f3a9c21``."""
-    return "r-" + uuid.uuid4().hex[:8]
 
 
 def read_tail(path: Path, max_bytes: int = 64 * 1024) -> str:

@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 from gpudeck.agents import envs, paths
 from gpudeck.agents.client import AgentClient
 from gpudeck.agents.errors import AgentError
-from gpudeck.agents.preflight import format_preflight
+from gpudeck.console.formats import format_preflight
 from gpudeck.agents.protocol import to_builtins
 from gpudeck.console import config as cfg
 from gpudeck.console.fleet import Fleet, SyncResult

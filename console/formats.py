@@ -6,7 +6,7 @@ import json
 import time
 from typing import Any
 
-from gpudeck.agents.protocol import RunInfo, Snapshot, StopResult, to_builtins
+from gpudeck.agents.protocol import PreflightResult, RunInfo, Snapshot, StopResult, to_builtins
 from gpudeck.console.fmt import duration, elapsed, gib, when
 from gpudeck.console.ops.figures import RunFigures, run_figures, tokens_text
 
@@ -269,3 +269,29 @@ def format_claims(run_id: str, rows: list[Any], alerts: list[Any]) -> str:
     for a in alerts:
         out.append(f"  ALERT {a.kind}: {a.message}")
     return "\n".join(out)
+
+
+def format_preflight(result: PreflightResult) -> str:
+    """Human text: a verdict line, then one line per check (✓ passed, ✗ failed, forced, – skipped)."""
+    failed = [c for c in result.checks if not c.ok and not c.overridden]
+    if failed:
+        verdict = f"FAILED ({len(failed)} of {len(result.checks)} checks): nothing was started"
+    elif result.forced:
+        verdict = "ok, with --force past the GPU holders (recorded)"
+    else:
+        verdict = "ok"
+    lines = [f"pre-flight on {result.host or 'this host'}: {verdict}"]
+    width = max((len(c.name) for c in result.checks), default=0)
+    for c in result.checks:
+        if c.overridden:
+            mark = "forced"
+        elif not c.ok:
+            mark = "✗"
+        elif c.details.get("skipped"):
+            mark = "–"
+        else:
+            mark = "✓"
+        lines.append(f"  {mark:<6} {c.name:<{width}}  {c.message}")
+    if result.estimate is not None and result.estimate.method:
+        lines.append(f"  memory: {result.estimate.method}")
+    return "\n".join(lines)

@@ -28,7 +28,7 @@ import msgspec
 
 from gpudeck.agents.errors import AgentError
 from gpudeck.agents.protocol import LaunchReply, LaunchSpec, PreflightResult
-from gpudeck.agents.supervisor import new_run_id
+from gpudeck.agents.protocol import new_run_id
 from gpudeck.console import config as cfg
 from gpudeck.console.fleet import Fleet
 from gpudeck.console.ops.errors import IntentError, OpsError

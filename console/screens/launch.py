@@ -29,7 +29,7 @@ from textual.widgets.selection_list import Selection
 
 from gpudeck.agents.errors import AgentError
 from gpudeck.agents.protocol import LaunchSpec, PreflightResult, RunInfo, Snapshot
-from gpudeck.agents.supervisor import new_run_id
+from gpudeck.agents.protocol import new_run_id
 from gpudeck.console.fmt import gib
 from gpudeck.console.ops import IntentError, LaunchIntent, LaunchPlan, LaunchResult, OpsError
 from gpudeck.console.ops.intent import count_text, form_start

@@ -6,7 +6,8 @@ import socket
 from pathlib import Path
 
 from gpudeck.agents.estimate import GIB, estimate
-from gpudeck.agents.preflight import CHECK_NAMES, format_preflight, free_bytes_at, port_is_free, run_preflight
+from gpudeck.agents.preflight import CHECK_NAMES, free_bytes_at, port_is_free, run_preflight
+from gpudeck.console.formats import format_preflight
 from gpudeck.agents.protocol import Gpu, GpuProcess, LaunchSpec, MemoryEstimate, PreflightCheck, PreflightResult, RunInfo
 
 NOW = 1_800_000_000.0
