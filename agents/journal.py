@@ -109,8 +109,6 @@ def _storage_error(exc: sqlite3.Error, path: Path) -> StorageError:
 
 
 def _connect(path: Path) -> sqlite3.Connection:
-    # 0600 whatever the umask (specs hold --env values; SQLite gives -wal/-shm the database's mode), never through a link
-    paths.private_file(path)
     conn = sqlite3.connect(str(path), isolation_level=None, check_same_thread=False, timeout=5.0)
     conn.execute("PRAGMA busy_timeout=5000")
     conn.execute("PRAGMA journal_mode=WAL")
@@ -149,6 +147,10 @@ class Journal:
         self.path = Path(path)
         self.host = host
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        # 0600 whatever the umask (specs hold --env values; SQLite gives -wal/-shm the database's mode), never through
+        # a link. Once, before any connection: closing another descriptor of the file would drop SQLite's POSIX locks
+        # on it (fcntl locks belong to the process), and then readers elsewhere stop seeing the writer's commits.
+        paths.private_file(self.path)
         try:
             self._wconn = _connect(self.path)
             self._wconn.executescript(_SCHEMA)

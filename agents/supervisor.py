@@ -291,18 +291,18 @@ class Supervisor:
                 raise BadRequest(f"run {spec.run_id} already exists on {self.host}")
             pf = await self.preflight(spec, host_name, plan)
             if not pf.ok:
-                return self._record_preflight_failed(spec, request_id, pf), False
+                return await self._record_preflight_failed(spec, request_id, pf), False
             env = await asyncio.to_thread(self.fingerprint_for, spec, plan)
             return await self._launch_new(plan, request_id, pf, env)
 
-    def _record_preflight_failed(self, spec: LaunchSpec, request_id: str, pf: PreflightResult) -> RunInfo:
+    async def _record_preflight_failed(self, spec: LaunchSpec, request_id: str, pf: PreflightResult) -> RunInfo:
         now = time.time()
         cause = failure_summary(pf)
         run = RunInfo(
             id=spec.run_id or new_run_id(), host=self.host, state="preflight_failed", spec=spec, name=spec.name, created=now,
             request_id=request_id or None, cause=cause, ended=now, preflight=pf,
         )
-        self._emit(self.journal.create_run(run))
+        self._emit(await self.journal.durable_create_run(run))  # on disk before the reply; the loop never waits on the disk
         self._emit_many([
             ("preflight", run.id, {"result": msgspec.to_builtins(pf)}),
             ("run_state", run.id, {"state": "preflight_failed", "cause": cause, "ended": now, "cause_class": "preflight"}),
@@ -334,7 +334,7 @@ class Supervisor:
             raise StorageError(f"cannot create the run folder {run_dir} ({exc.strerror}): free space or fix permissions in {self.runs_dir}; nothing was started") from exc
         # the record exists before anything starts: a failed start is never unrecorded
         try:
-            self._emit(self.journal.create_run(run))
+            self._emit(await self.journal.durable_create_run(run))  # on disk before anything starts; the loop keeps serving meanwhile
         except StorageError as exc:
             shutil.rmtree(run_dir, ignore_errors=True)
             raise StorageError(f"{exc.message}; nothing was started") from exc

@@ -335,3 +335,26 @@ async def test_a_waiter_that_gives_up_does_not_break_the_writer(tmp_path: Path) 
     j.flush()
     assert j.committed_seq == 3, "the writer stopped after a waiter gave up"
     j.close()
+
+
+def test_the_journal_is_private_whatever_the_umask_and_readers_elsewhere_see_its_commits(tmp_path: Path) -> None:
+    """0600 with umask 0; and making it so must not drop SQLite's locks (another process reads every commit)."""
+    import os
+    import sqlite3
+    import stat
+
+    old = os.umask(0)
+    try:
+        j = Journal(tmp_path / "journal.db", "h")
+    finally:
+        os.umask(old)
+    try:
+        assert stat.S_IMODE(os.stat(tmp_path / "journal.db").st_mode) == 0o600
+        j.append_durable("agent_started", None, {"pid": 1})
+        db = sqlite3.connect(tmp_path / "journal.db")
+        try:
+            assert db.execute("SELECT COUNT(*) FROM events WHERE kind='agent_started'").fetchone()[0] == 1
+        finally:
+            db.close()
+    finally:
+        j.close()
