@@ -231,6 +231,7 @@ class DFlashDecoderLayer(nn.Module):
 class DFlashDraftModel(Qwen3PreTrainedModel):
     """The DFlash drafter (z-lab interface): forward(noise_embedding, target_hidden, position_ids, attention_mask)."""
 
+    config_class: type[Qwen3Config] = Qwen3Config  # what transformers sets from Qwen3PreTrainedModel's config, typed
     _no_split_modules = ["DFlashDecoderLayer"]
     _can_record_outputs: dict[str, Any] = {}
 
