@@ -284,7 +284,7 @@ def spawn_agent(state_dir: Path) -> subprocess.Popen:
         log.close()
 
 
-async def _start_and_connect(state_dir: Path, path: Path):  # type: ignore[no-untyped-def]
+async def _start_and_connect(state_dir: Path, path: Path):
     proc = spawn_agent(state_dir)
     deadline = time.monotonic() + AGENT_START_TIMEOUT_S
     delay = 0.02

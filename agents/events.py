@@ -177,7 +177,7 @@ def validate(kind: str, data: dict[str, Any]) -> Payload | Reclaimed:
     if not isinstance(data, dict):
         raise BadEvent(f"event {kind!r}: the payload must be a JSON object, got {type(data).__name__}")
     try:
-        p = msgspec.convert({**data, TAG: kind}, t, str_keys=True)
+        p: Payload | Reclaimed = msgspec.convert({**data, TAG: kind}, t, str_keys=True)
     except msgspec.ValidationError as exc:
         raise BadEvent(f"event {kind!r}: {exc}; see {t.__name__} in agents/events.py for its fields") from None
     _check_version(kind, p)

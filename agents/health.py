@@ -223,9 +223,9 @@ def parse_claims(text: str | None) -> NameClaims:
             params.add(value)
     tps: set[float] = set()
     for m in _TPS_RE.finditer(text):
-        value = float(m.group(1).replace(",", "")) * {"k": 1e3, "m": 1e6}.get((m.group(2) or "").lower(), 1.0)
-        if value > 0:
-            tps.add(value)
+        rate = float(m.group(1).replace(",", "")) * {"k": 1e3, "m": 1e6}.get((m.group(2) or "").lower(), 1.0)
+        if rate > 0:
+            tps.add(rate)
     return NameClaims(gpus=_one(gpus), params=_one(params), tokens_per_s=_one(tps))
 
 
@@ -527,7 +527,7 @@ class RunHealth:
             ckpt = tel.last_checkpoint if tel is not None else None
             resume = f"relaunch with `--resume {ckpt}`" if ckpt is not None else "relaunch (no checkpoint recorded yet: it starts fresh)"
             action = "stopping the run (--on-rank-death stop)" if run.spec.on_rank_death == "stop" else f"`gpudeck stop {run.id}` or {resume}"
-            self._raise(raised, ("rank_exited", str(rank)), lambda rank=rank, pid=pid, code=code: Alert(
+            self._raise(raised, ("rank_exited", str(rank)), lambda: Alert(
                 kind="rank_exited",
                 severity="critical",
                 ts=now,
@@ -551,7 +551,7 @@ class RunHealth:
                 if age <= HEARTBEAT_LOST_S:
                     continue
                 lost.add(str(rank))
-                self._raise(raised, ("heartbeat_lost", str(rank)), lambda rank=rank, pid=pid, age=age, rt=rt: Alert(
+                self._raise(raised, ("heartbeat_lost", str(rank)), lambda: Alert(
                     kind="heartbeat_lost",
                     severity="critical",
                     ts=now,
@@ -597,7 +597,7 @@ class RunHealth:
             pids = ", ".join(str(p) for _, p in sorted(obs.live_ranks.items()))
             where = f"with {held / GIB:.1f} GiB still held by the run" if held else "and the run holds no memory there"
             hint = f"`py-spy dump --pid PID` on its ranks (pids {pids})" if pids else "look at its output (`gpudeck tail`)"
-            self._raise(raised, ("gpu_idle", str(g)), lambda g=g, idle_for=idle_for, held=held, where=where, hint=hint: Alert(
+            self._raise(raised, ("gpu_idle", str(g)), lambda: Alert(
                 kind="gpu_idle",
                 severity="warning",
                 ts=now,
@@ -651,7 +651,7 @@ class RunHealth:
                 continue
             self._reference[subject] = median
             pct = 100 * latest / median
-            self._raise(raised, key, lambda median=median, what=what, extra=extra, pct=pct: Alert(
+            self._raise(raised, key, lambda: Alert(
                 kind="throughput_drop",
                 severity="warning",
                 ts=now,
@@ -682,7 +682,7 @@ class RunHealth:
             if row.ok is not False:
                 continue
             bad.add(row.what)
-            self._raise(raised, ("claim_mismatch", row.what), lambda row=row: Alert(
+            self._raise(raised, ("claim_mismatch", row.what), lambda: Alert(
                 kind="claim_mismatch",
                 severity="warning",
                 ts=now,

@@ -71,7 +71,7 @@ class LaunchPlan:
         python = spec.python
         if python is None and parsed is not None:
             try:
-                python, _why = run_python(spec, parsed)  # type: ignore[arg-type]
+                python, _why = run_python(spec, parsed)
             except Exception:
                 python = None
         if python is not None and os.sep not in python:

@@ -121,6 +121,6 @@ def find_leftovers(
         st = read_stat(pid)
         if st is None or st.status == "zombie":
             continue
-        e = procs.get(pid)
-        add(pid, "orphan", rid, e.rank if e is not None and e.run_id == rid else None)
+        entry = procs.get(pid)
+        add(pid, "orphan", rid, entry.rank if entry is not None and entry.run_id == rid else None)
     return sorted(out.values(), key=lambda lo: (lo.kind == "live", -sum(lo.gpu_bytes.values()), lo.pid))

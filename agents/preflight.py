@@ -330,14 +330,14 @@ def _check_gpu_memory(spec: LaunchSpec, host: str, gpus: list[Gpu], used: list[i
         if holders:
             parts = []
             for p in holders:
-                who, fix = _holder_text(p, host, ended, now)
-                parts.append(f"{who} — {fix}")
+                who, remedy = _holder_text(p, host, ended, now)
+                parts.append(f"{who} — {remedy}")
             text += ": " + "; ".join(parts)
         elif g.unaccounted_bytes:
             text += f": {_gib(g.unaccounted_bytes)} is held by no visible process (another container?)"
         lines.append(text)
     roomy = [g.index for g in gpus if g.memory_total - g.memory_used >= need]
-    fix = []
+    fix: list[str] = []
     if roomy and set(roomy) != set(used):
         fix.append(f"use GPUs with room (--gpus {_gpu_list(roomy)})")
     fix.append("free the memory")

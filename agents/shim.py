@@ -111,7 +111,7 @@ def main(argv: list[str]) -> int:
         return 127
     _report(status_fd, {"pid": child.pid})
     rc = _wait_child(child.pid)
-    record = {"pid": child.pid, "returncode": rc if rc >= 0 else None, "signal": None, "ended": time.time()}
+    record: dict[str, object] = {"pid": child.pid, "returncode": rc if rc >= 0 else None, "signal": None, "ended": time.time()}
     if rc < 0:
         try:
             record["signal"] = signal.Signals(-rc).name
@@ -146,7 +146,7 @@ def _wait_child(pid: int) -> int:
             return os.waitstatus_to_exitcode(status)
 
 
-def _child_setup(cgroup_procs: str | None):  # type: ignore[no-untyped-def]
+def _child_setup(cgroup_procs: str | None):
     def setup() -> None:
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT):
             signal.signal(sig, signal.SIG_DFL)

@@ -160,7 +160,7 @@ async def _wait_gone(members: list[Member], timeout: float, poll: Callable[[], N
     gone: list[Member] = []
     delay = 0.01
     while pending:
-        still = []
+        still: list[Member] = []
         for m in pending:
             (still if alive(m.pid, m.create_time) else gone).append(m)
         pending = still

@@ -349,6 +349,7 @@ class Supervisor:
         run_id = run.id
         spec = plan.spec
         group: RunGroup | None = None
+        problem: str | None  # why the launch cannot go on, or None
         if self.containment.has_groups:
             try:
                 group = self.containment.create(run_id)
@@ -528,7 +529,7 @@ class Supervisor:
             why = f"a rank died ({death.message.split(':')[0]})" if death else "a rank died"
             self._spawn_bg(self.stop(run.id, RANK_DEATH_STOP_GRACE_S, reason=f"stopped by gpudeck: {why} and the run was launched with --on-rank-death stop"))
 
-    def _spawn_bg(self, coro) -> None:  # type: ignore[no-untyped-def]
+    def _spawn_bg(self, coro) -> None:
         task = asyncio.ensure_future(coro)
         self._bg.add(task)
         task.add_done_callback(self._bg.discard)
@@ -749,7 +750,8 @@ class Supervisor:
         if task is None:
             task = asyncio.ensure_future(self._stop(run, grace_s, reason))
             self._stopping[run.id] = task
-            task.add_done_callback(lambda _t, rid=run.id: self._stopping.pop(rid, None))
+            rid = run.id
+            task.add_done_callback(lambda _t: self._stopping.pop(rid, None))
         return await asyncio.shield(task)
 
     async def _members_now(self, run: RunInfo, group: RunGroup | None, lr: LiveRun | None, full: bool = True) -> list[Member]:
@@ -942,8 +944,8 @@ class Supervisor:
         for lo in chosen:
             by_run.setdefault(lo.run_id, []).append(lo.pid)
         try:
-            for rid, rpids in by_run.items():
-                self._emit(self.journal.append("reclaimed", rid, {"pids": rpids, **msgspec.to_builtins(result)}))
+            for owner, rpids in by_run.items():
+                self._emit(self.journal.append("reclaimed", owner, {"pids": rpids, **msgspec.to_builtins(result)}))
         except StorageError:
             log.warning("could not journal the reclaim of %s", pids)
         return result

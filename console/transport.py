@@ -91,7 +91,7 @@ class _KnownHosts:
         self.looked_up: tuple[str, str, int | None] | None = None
         self.recorded_keys = 0
 
-    def __call__(self, host: str, addr: str, port: int | None):  # type: ignore[no-untyped-def]
+    def __call__(self, host: str, addr: str, port: int | None):
         if self.alias:
             host, port = self.alias, None  # asyncssh passes the alias with the port; OpenSSH looks it up bare
         self.looked_up = (host, addr, port)
@@ -171,10 +171,10 @@ class _AgentSession(asyncssh.SSHClientSession):
         self._can_write = asyncio.Event()
         self._can_write.set()
 
-    def connection_made(self, chan: asyncssh.SSHClientChannel) -> None:  # type: ignore[override]
+    def connection_made(self, chan: asyncssh.SSHClientChannel) -> None:
         self.chan = chan
 
-    def data_received(self, data: bytes, datatype: asyncssh.DataType) -> None:  # type: ignore[override]
+    def data_received(self, data: bytes, datatype: asyncssh.DataType) -> None:
         if datatype == asyncssh.EXTENDED_DATA_STDERR:
             self.stderr.append(data)
             while sum(len(c) for c in self.stderr) > 8192:
@@ -321,10 +321,13 @@ async def connect_ssh(name: str, command: str, options: SshOptions) -> SshLink:
     except (OSError, asyncssh.Error) as exc:
         raise SshError(f"{name}: cannot connect over SSH: {exc}") from None
     try:
-        _chan, session = await conn.create_session(_AgentSession, command, encoding=None, env=options.env or (), term_type=None)
+        _chan, session = await conn.create_session(_AgentSession, command, encoding=None, env=options.env or (), term_type=None)  # type: ignore[arg-type]  # asyncssh types env as a Mapping keyed by bytes | str (invariant key), so a dict[str, str] does not match
     except (asyncssh.ChannelOpenError, asyncssh.Error, OSError) as exc:
         conn.close()
         raise SshError(f"{name}: connected, but cannot run `{command}` there: {exc}") from None
+    if not isinstance(session, _AgentSession):  # asyncssh types the session as its base class, not the factory's
+        conn.close()
+        raise TypeError(f"{name}: asyncssh returned a {type(session).__name__} session, not the _AgentSession it was asked for")
     _skip_idle_packet_log(_chan)
     client = AgentClient(None, _ChannelWriter(session))
     session.client = client

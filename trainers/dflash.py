@@ -729,6 +729,9 @@ class _NoVotes:
     def begin(self, start: int) -> None:
         pass
 
+    def post(self, step: int) -> None:
+        pass
+
     def is_last(self, step: int) -> bool:  # noqa: ARG002
         return False
 
@@ -813,6 +816,12 @@ class Trainer:
         self._setup_models()
         self._setup_optim()
 
+    def _target_index(self) -> int:
+        """This target rank's index among the data consumers; only target ranks read batches."""
+        if self.t_index is None:
+            raise RuntimeError(f"rank {self.ctx.rank} is not a target rank: it has no data consumer index")
+        return self.t_index
+
     def _setup_data(self) -> None:
         from gpudeck.trainers.data import PackedDataset, ShardedBatches, load_tokenizer, load_tokens, split_tokens
         from gpudeck.trainers.dflash_data import RecordBatches, load_records, max_batch_tokens
@@ -843,20 +852,20 @@ class Trainer:
                                   if args.token_budget else
                                   f"{args.batch_size} records per batch, padded to {args.seq_len}")
             self.dataset_samples, self.dataset_tokens = len(train), train.num_tokens
-            self.loader = None
+            self.loader: RecordBatches | ShardedBatches | None = None
             if self.is_target:
                 try:
-                    self.loader = RecordBatches(train, args.batch_size, self.t_index, n_consumers, seed=args.seed,
+                    self.loader = RecordBatches(train, args.batch_size, self._target_index(), n_consumers, seed=args.seed,
                                                 token_budget=args.token_budget)
                 except ValueError as exc:
                     raise runtime.ExitWith(2, str(exc)) from None
             self.capacity = max_batch_tokens(args.batch_size, args.seq_len, args.token_budget)
             return
         src = load_tokens(args.data, self.tokenizer, dtype=args.data_dtype, max_bytes=args.corpus_bytes)
-        train, val = split_tokens(src.tokens, args.val_fraction)
+        train_tokens, val = split_tokens(src.tokens, args.val_fraction)
         self.loss_mask_desc = "all ones (plain text)"
         self.data_desc = src.description
-        self.train_ds = PackedDataset(train, args.seq_len)
+        self.train_ds = PackedDataset(train_tokens, args.seq_len)
         self.dataset_samples, self.dataset_tokens = len(self.train_ds), self.train_ds.num_tokens
         if args.token_budget:
             args.batch_size = max(1, args.token_budget // args.seq_len)
@@ -864,7 +873,7 @@ class Trainer:
         self.val_tokens = val
         self.loader = None
         if self.is_target:
-            self.loader = ShardedBatches(self.train_ds, args.batch_size, self.t_index, n_consumers, seed=args.seed)
+            self.loader = ShardedBatches(self.train_ds, args.batch_size, self._target_index(), n_consumers, seed=args.seed)
         self.capacity = args.batch_size * args.seq_len
 
     def _setup_models(self) -> None:
@@ -979,6 +988,8 @@ class Trainer:
         from torch.distributed.device_mesh import DeviceMesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+        if self.drafter_group is None:
+            raise RuntimeError("sharding the drafter needs its process group: run distributed (torchrun)")
         mesh = DeviceMesh.from_group(self.drafter_group, self.device.type)
         # the drafter is small next to the target: keep gathered params from forward to backward
         kw: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": False}
@@ -1030,6 +1041,8 @@ class Trainer:
         self.optimizer = self.scheduler = None
         if not self.is_drafter:
             return
+        if self.drafter is None:
+            raise RuntimeError("a drafter rank has no drafter: _setup_models must run before _setup_optim")
         params = [p for p in self.drafter.parameters() if p.requires_grad]
         kw: dict[str, Any] = {"lr": args.lr, "weight_decay": args.weight_decay, "betas": (0.9, 0.95)}
         if self.device.type == "cuda":
@@ -1148,9 +1161,17 @@ class Trainer:
         return ids, lm, feats[:n].view(b, length, -1).to(self.device)
 
     def _skip_local_batch(self) -> None:
+        from gpudeck.trainers.dflash_data import RecordBatches
+
+        if self.loader is None:
+            raise RuntimeError(f"rank {self.ctx.rank} has no batch loader: only target ranks read batches")
         if self.records is not None:
+            if not isinstance(self.loader, RecordBatches):
+                raise RuntimeError("records were loaded but the loader is not a RecordBatches")
             self.loader.next_batch_plan()
         else:
+            if isinstance(self.loader, RecordBatches):
+                raise RuntimeError("plain tokens were loaded but the loader is a RecordBatches")
             self.loader.next_indices()
 
     def _fast_forward(self, start_step: int) -> None:
@@ -1217,6 +1238,8 @@ class Trainer:
         from gpudeck.trainers.dflash_loss import block_inputs, dflash_loss, labels_and_weights, sample_anchors
 
         args = self.args
+        if self.drafter is None or self.embed is None or self.lm_head is None:
+            raise RuntimeError(f"rank {self.ctx.rank} has no drafter, embedding or lm_head: only drafter ranks train")
         bsz, seq = ids.shape
         rf = torch.profiler.record_function
         with rf("dflash.anchors_and_masks"):
@@ -1252,6 +1275,8 @@ class Trainer:
         self.setup()
         start = 0
         if not self.plan.fresh:
+            if self.plan.step is None:
+                raise RuntimeError("the start plan resumes but names no checkpoint step")
             start = self.load(self.plan.step)
         self.manifest()
         self.peak, self.peak_reason = self._peak()
@@ -1310,6 +1335,8 @@ class Trainer:
         from gpudeck.trainers.flops import mfu
 
         args = self.args
+        if self.drafter is None or self.optimizer is None or self.scheduler is None:
+            raise RuntimeError(f"rank {self.ctx.rank} has no drafter, optimizer or scheduler: only drafter ranks train")
         split = self.role == ROLE_DRAFTER
         inbox: deque = deque()
         n_d = len(self.drafter_ranks)
@@ -1349,6 +1376,8 @@ class Trainer:
             t_fwd = 0.0
             for micro in range(args.grad_accum):
                 if split:
+                    if pending_iter is None:
+                        raise RuntimeError("split drafter: no receive schedule was set up for this step")
                     while len(inbox) < args.queue_depth:
                         nxt = next(pending_iter, None)
                         if nxt is None:
@@ -1372,7 +1401,7 @@ class Trainer:
                 ctx_tokens += ids.numel()
                 sync = micro == args.grad_accum - 1
                 if self.ctx.distributed and hasattr(self.drafter, "set_requires_gradient_sync"):
-                    self.drafter.set_requires_gradient_sync(sync)
+                    self.drafter.set_requires_gradient_sync(sync)  # type: ignore[operator]  # fully_shard makes it an FSDPModule at run time; torch's types still see the nn.Module
                 part, wpart, fl = self.drafter_forward_backward(ids, lm, feats, 1.0)
                 loss_sum += float(part)
                 weight_sum += float(wpart)
@@ -1442,7 +1471,7 @@ class Trainer:
             acts = [torch.profiler.ProfilerActivity.CPU]
             if self.device.type == "cuda":
                 acts.append(torch.profiler.ProfilerActivity.CUDA)
-            self._prof = torch.profiler.profile(activities=acts, record_shapes=False)
+            self._prof: torch.profiler.profile | None = torch.profiler.profile(activities=acts, record_shapes=False)
             self._prof.__enter__()
 
     def _profile_end(self, step: int) -> None:
@@ -1539,6 +1568,8 @@ class Trainer:
         return step, stopped
 
     def eval(self, step: int) -> None:
+        if self.lm_head is None:
+            raise RuntimeError(f"rank {self.ctx.rank} has no lm_head: only drafter ranks evaluate")
         res = evaluate_tau(self.drafter, self.embed, self.lm_head.weight, self.eval_ids, self.eval_feats,
                            self.args.eval_prompt_len, self.block_size, self.mask_token_id, "sdpa")
         res["step"] = step
@@ -1566,6 +1597,8 @@ class Trainer:
         ddir = None
         if self.is_drafter and not stopped:
             # gather the FSDP2 shards over the drafter group (every drafter rank, same order)
+            if self.drafter is None:
+                raise RuntimeError(f"rank {self.ctx.rank} is a drafter rank without a drafter to export")
             sd = {}
             for k, v in self.drafter.state_dict().items():
                 full = v.full_tensor() if hasattr(v, "full_tensor") else v

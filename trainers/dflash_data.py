@@ -81,7 +81,7 @@ class Records:
         """All records' tokens end to end (the evaluation's prompts come from the held-out ones)."""
         return np.concatenate(self.ids) if self.ids else np.zeros(0, dtype=np.int64)
 
-    def collate(self, indices: Sequence[int], length: int) -> tuple[np.ndarray, np.ndarray]:
+    def collate(self, indices: Sequence[int] | np.ndarray, length: int) -> tuple[np.ndarray, np.ndarray]:
         """``(ids, mask)`` of shape ``[len(indices), length]``: each record, then padding (pad id, mask 0)."""
         ids = np.full((len(indices), length), self.pad_id, dtype=np.int64)
         mask = np.zeros((len(indices), length), dtype=np.int64)

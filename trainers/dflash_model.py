@@ -172,6 +172,8 @@ class DFlashAttention(nn.Module):
         self.layer_idx = layer_idx
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.num_heads = config.num_attention_heads
+        if config.num_key_value_heads is None:
+            raise ValueError("the drafter's config has num_key_value_heads None: Qwen3Config fills it from num_attention_heads, so give a config built by Qwen3Config")
         self.num_kv = config.num_key_value_heads
         self.scaling = self.head_dim**-0.5
         h = config.hidden_size
@@ -229,6 +231,7 @@ class DFlashDecoderLayer(nn.Module):
 class DFlashDraftModel(Qwen3PreTrainedModel):
     """The DFlash drafter (z-lab interface): forward(noise_embedding, target_hidden, position_ids, attention_mask)."""
 
+    config_class: type[Qwen3Config] = Qwen3Config  # what transformers sets from Qwen3PreTrainedModel's config, typed
     _no_split_modules = ["DFlashDecoderLayer"]
     _can_record_outputs: dict[str, Any] = {}
 
@@ -256,8 +259,8 @@ class DFlashDraftModel(Qwen3PreTrainedModel):
         """Recompute the non-persistent rotary buffers (needed after meta init / to_empty)."""
         inv, scale = self.rotary_emb.compute_default_rope_parameters(self.config)
         dev = self.fc.weight.device
-        self.rotary_emb.inv_freq = inv.to(dev)
-        self.rotary_emb.original_inv_freq = inv.clone().to(dev)
+        self.rotary_emb.inv_freq = inv.to(dev)  # type: ignore[assignment]  # transformers declares it an nn.Buffer; torch keeps a Tensor set on a buffer's name as that buffer
+        self.rotary_emb.original_inv_freq = inv.clone().to(dev)  # type: ignore[assignment]  # as above
         self.rotary_emb.attention_scaling = scale
 
     def forward(

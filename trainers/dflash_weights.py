@@ -64,7 +64,7 @@ def head_tensor_names(model) -> tuple[str, str | None]:
     """(embedding weight name, lm_head weight name or None when it is tied to the embedding)."""
     emb = model.get_input_embeddings()
     out = model.get_output_embeddings()
-    names = {}
+    names: dict[int, str] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         names.setdefault(id(p), name)
     emb_name = names[id(emb.weight)]
