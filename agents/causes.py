@@ -35,7 +35,21 @@ _CLASSES: list[tuple[re.Pattern[str], str]] = [
     (re.compile(r"^exit code"), "exit_code"),
 ]
 
-CLASSES = ("preflight", "oom", "host_oom", "nccl_timeout", "nccl", "rank_died", "operator", "launch_failed", "lost", "signal", "exception", "ok", "exit_code")
+CLASSES = (
+    "preflight",
+    "oom",
+    "host_oom",
+    "nccl_timeout",
+    "nccl",
+    "rank_died",
+    "operator",
+    "launch_failed",
+    "lost",
+    "signal",
+    "exception",
+    "ok",
+    "exit_code",
+)
 
 
 def classify_output(tail: str) -> str | None:
@@ -63,7 +77,9 @@ def cause_class(state: str | None, cause: str | None) -> str | None:
     return None
 
 
-_OOM_KILL = re.compile(r"(?:Out of memory|Memory cgroup out of memory|oom-kill).*?(?:Killed process|task_memcg=|pid=)\s*(\d+)|Killed process (\d+)")
+_OOM_KILL = re.compile(
+    r"(?:Out of memory|Memory cgroup out of memory|oom-kill).*?(?:Killed process|task_memcg=|pid=)\s*(\d+)|Killed process (\d+)"
+)
 
 
 def _kernel_log() -> str:

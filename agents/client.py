@@ -71,7 +71,9 @@ class AgentClient:
         self._kept.append(task)
 
     @classmethod
-    async def connect_unix(cls, sock: Path | None = None, *, autostart: bool = True, state_dir: Path | None = None, alias: str = "") -> AgentClient:
+    async def connect_unix(
+        cls, sock: Path | None = None, *, autostart: bool = True, state_dir: Path | None = None, alias: str = ""
+    ) -> AgentClient:
         """Connect to the local agent, starting it when ``autostart`` and none answers."""
         sd = Path(state_dir or paths.state_dir())
         path = Path(sock or paths.socket_path(sd))
@@ -250,10 +252,14 @@ def check_socket(path: Path) -> None:
         return  # nothing there yet: the agent is started, or the connection says so
     me = os.geteuid()
     if stat.S_ISLNK(st.st_mode) or not stat.S_ISSOCK(st.st_mode):
-        raise PermissionDenied(f"{path} is not a Unix socket (a link or a file put there?): nothing was sent; remove it and run `gpudeck agent serve`")
+        raise PermissionDenied(
+            f"{path} is not a Unix socket (a link or a file put there?): nothing was sent; remove it and run `gpudeck agent serve`"
+        )
     if st.st_uid not in (me, 0):
-        raise PermissionDenied(f"the agent socket {path} belongs to uid {st.st_uid}, not to you (uid {me}): nothing was sent to it (another user's "
-                               f"process would see every request); remove it, or use a GPUDECK_HOME of your own")
+        raise PermissionDenied(
+            f"the agent socket {path} belongs to uid {st.st_uid}, not to you (uid {me}): nothing was sent to it (another user's "
+            f"process would see every request); remove it, or use a GPUDECK_HOME of your own"
+        )
     paths.check_path(path.parent)
 
 
@@ -263,7 +269,9 @@ def check_peer(sock: socket.socket | None, path: Path) -> None:
         return
     _pid, uid, _gid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
     if uid not in (os.geteuid(), 0):
-        raise PermissionDenied(f"the process answering on {path} runs as uid {uid}, not as you (uid {os.geteuid()}): nothing was sent to it")
+        raise PermissionDenied(
+            f"the process answering on {path} runs as uid {uid}, not as you (uid {os.geteuid()}): nothing was sent to it"
+        )
 
 
 def spawn_agent(state_dir: Path) -> subprocess.Popen:

@@ -39,7 +39,9 @@ def connect(state_dir: Path, autostart: bool = True) -> socket.socket:
             if rc is not None and rc != 3:
                 raise SystemExit(f"gpudeck agent dial: the agent exited at start (code {rc}): see {paths.log_path(state_dir)}") from exc
             if time.monotonic() > deadline:
-                raise SystemExit(f"gpudeck agent dial: the agent did not answer within {AGENT_START_TIMEOUT_S:.0f} s: see {paths.log_path(state_dir)}") from exc
+                raise SystemExit(
+                    f"gpudeck agent dial: the agent did not answer within {AGENT_START_TIMEOUT_S:.0f} s: see {paths.log_path(state_dir)}"
+                ) from exc
             time.sleep(0.05)
 
 

@@ -69,7 +69,7 @@ _TORCH_WHEELS = frozenset({"torch", "torchvision", "torchaudio"})
 _TORCH_LABEL = re.compile(r"\+(cu\d+|cpu|rocm[\d.]+|xpu)$")
 
 # Runs inside the probed interpreter: stdlib only, Python >= 3.8 syntax, never imports torch.
-PROBE = r'''
+PROBE = r"""
 import ast, json, os, platform, sys
 from importlib import metadata, util
 
@@ -152,7 +152,7 @@ if has_torch:
     except Exception as e:
         out["errors"].append("cannot read %s: %s" % (path, e))
 sys.stdout.write("GPUDECK-ENV " + json.dumps(out) + "\n")
-'''
+"""
 
 
 class _ProbeTorch(msgspec.Struct):
@@ -525,7 +525,9 @@ def _base_python(recorded: EnvFingerprint, patch_may_differ: bool) -> tuple[str,
     """An interpreter to create the new venv with: (path, version), the record's exact version preferred."""
     want = recorded.python_version
     if not want:
-        raise EnvError("the recorded environment has no python version (its fingerprint failed): it cannot be rebuilt; pick another good run")
+        raise EnvError(
+            "the recorded environment has no python version (its fingerprint failed): it cannot be rebuilt; pick another good run"
+        )
     minor = ".".join(want.split(".")[:2])
     cands: list[str] = []
     if os.path.exists(recorded.python):
@@ -584,7 +586,9 @@ def _run_logged(argv: list[str], fh: IO[bytes], log: Path, deadline: float, env:
     if rc != 0:
         fh.seek(0)
         tail = _tail(fh.read().decode(errors="replace"))
-        raise EnvError(f"{what} failed (exit {rc}):\n{tail}\nfull log: {log}; the half-built environment is left for inspection, remove it before retrying")
+        raise EnvError(
+            f"{what} failed (exit {rc}):\n{tail}\nfull log: {log}; the half-built environment is left for inspection, remove it before retrying"
+        )
 
 
 def _torch_indexes(lines: list[str]) -> list[str]:

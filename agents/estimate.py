@@ -79,16 +79,49 @@ DFLASH_DEFAULTS = {"batch_size": 2, "seq_len": 512, "drafter_layers": 1, "block_
 
 # transformers' defaults for keys a config.json may leave out (configuration_<type>.py, transformers 5)
 _CONFIG_DEFAULTS: dict[str, dict[str, Any]] = {
-    "llama": dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
-                  num_attention_heads=32, num_key_value_heads=None, head_dim=None, tie_word_embeddings=False,
-                  attention_bias=False, mlp_bias=False),
-    "mistral": dict(vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                    num_attention_heads=32, num_key_value_heads=8, head_dim=None, tie_word_embeddings=False),
-    "qwen2": dict(vocab_size=151936, hidden_size=4096, intermediate_size=22016, num_hidden_layers=32,
-                  num_attention_heads=32, num_key_value_heads=32, head_dim=None, tie_word_embeddings=False),
-    "qwen3": dict(vocab_size=151936, hidden_size=4096, intermediate_size=22016, num_hidden_layers=32,
-                  num_attention_heads=32, num_key_value_heads=32, head_dim=128, tie_word_embeddings=False,
-                  attention_bias=False),
+    "llama": dict(
+        vocab_size=32000,
+        hidden_size=4096,
+        intermediate_size=11008,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=None,
+        head_dim=None,
+        tie_word_embeddings=False,
+        attention_bias=False,
+        mlp_bias=False,
+    ),
+    "mistral": dict(
+        vocab_size=32000,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=None,
+        tie_word_embeddings=False,
+    ),
+    "qwen2": dict(
+        vocab_size=151936,
+        hidden_size=4096,
+        intermediate_size=22016,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=32,
+        head_dim=None,
+        tie_word_embeddings=False,
+    ),
+    "qwen3": dict(
+        vocab_size=151936,
+        hidden_size=4096,
+        intermediate_size=22016,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=32,
+        head_dim=128,
+        tie_word_embeddings=False,
+        attention_bias=False,
+    ),
 }
 
 
@@ -205,8 +238,9 @@ def param_count(config: dict[str, Any]) -> int:
     return model_shape(config).params
 
 
-def drafter_params(target: ModelShape, drafter_layers: int, drafter_config: dict[str, Any] | None = None,
-                   n_context_layers: int | None = None) -> int:
+def drafter_params(
+    target: ModelShape, drafter_layers: int, drafter_config: dict[str, Any] | None = None, n_context_layers: int | None = None
+) -> int:
     """Trainable parameters of a DFlash drafter on ``target`` (trainers/dflash_model.py's DFlashDraftModel).
 
     Qwen3-style blocks of the target's width and heads (q_norm/k_norm, no biases), a final norm,
@@ -227,11 +261,21 @@ def _drafter_block(target: ModelShape, drafter_config: dict[str, Any] | None = N
         v = c.get(key)
         return int(v) if isinstance(v, int) and not isinstance(v, bool) and v > 0 else default
 
-    return ModelShape(model_type="qwen3", vocab=target.vocab, hidden=target.hidden,
-                      intermediate=pick("intermediate_size", target.intermediate), layers=1,
-                      heads=pick("num_attention_heads", target.heads), kv_heads=pick("num_key_value_heads", target.kv_heads),
-                      head_dim=pick("head_dim", target.head_dim), tied=False,
-                      qkv_bias=False, o_bias=False, mlp_bias=False, qk_norm=True)
+    return ModelShape(
+        model_type="qwen3",
+        vocab=target.vocab,
+        hidden=target.hidden,
+        intermediate=pick("intermediate_size", target.intermediate),
+        layers=1,
+        heads=pick("num_attention_heads", target.heads),
+        kv_heads=pick("num_key_value_heads", target.kv_heads),
+        head_dim=pick("head_dim", target.head_dim),
+        tied=False,
+        qkv_bias=False,
+        o_bias=False,
+        mlp_bias=False,
+        qk_norm=True,
+    )
 
 
 # ----------------------------------------------------------------------------- command lines
@@ -257,10 +301,30 @@ class LaunchArgv:
 
 # torchrun options that take a value (both spellings are accepted by torchrun)
 _TORCHRUN_VALUE_OPTS = {
-    "nnodes", "nproc-per-node", "rdzv-backend", "rdzv-endpoint", "rdzv-id", "rdzv-conf", "max-restarts",
-    "monitor-interval", "start-method", "role", "node-rank", "master-addr", "master-port", "local-addr",
-    "log-dir", "redirects", "tee", "local-ranks-filter", "logs-specs", "event-log-handler", "numa-binding",
-    "signals-to-handle", "duplicate-stdout-filters", "duplicate-stderr-filters",
+    "nnodes",
+    "nproc-per-node",
+    "rdzv-backend",
+    "rdzv-endpoint",
+    "rdzv-id",
+    "rdzv-conf",
+    "max-restarts",
+    "monitor-interval",
+    "start-method",
+    "role",
+    "node-rank",
+    "master-addr",
+    "master-port",
+    "local-addr",
+    "log-dir",
+    "redirects",
+    "tee",
+    "local-ranks-filter",
+    "logs-specs",
+    "event-log-handler",
+    "numa-binding",
+    "signals-to-handle",
+    "duplicate-stdout-filters",
+    "duplicate-stderr-filters",
 }
 _TORCHRUN_SHORT_VALUE_OPTS = {"-r", "-t"}
 _PYTHON_RE = re.compile(r"^python(\d+(\.\d+)?)?$")
@@ -305,7 +369,7 @@ def _parse_torchrun(rest: list[str]) -> tuple[dict[str, Any], str | None, list[s
         i += 1
     if i >= len(rest):
         return opts, None, []
-    return opts, rest[i], rest[i + 1:]
+    return opts, rest[i], rest[i + 1 :]
 
 
 def parse_launch_argv(argv: list[str]) -> LaunchArgv:
@@ -333,14 +397,14 @@ def parse_launch_argv(argv: list[str]) -> LaunchArgv:
                 break
             if tok == "-m" or (tok.startswith("-m") and len(tok) > 2):
                 module = rest[i + 1] if tok == "-m" and i + 1 < len(rest) else tok[2:]
-                after = rest[i + 2:] if tok == "-m" else rest[i + 1:]
+                after = rest[i + 2 :] if tok == "-m" else rest[i + 1 :]
                 if module in ("torch.distributed.run", "torch.distributed.launch"):
                     torchrun_args = after
                 else:
                     program, program_args = module, after
                 break
             if not tok.startswith("-"):
-                program, program_args = tok, rest[i + 1:]
+                program, program_args = tok, rest[i + 1 :]
                 break
             i += 1
     opts: dict[str, Any] = {}
@@ -351,7 +415,7 @@ def parse_launch_argv(argv: list[str]) -> LaunchArgv:
         # a wrapper (env, nice, uv run, ...): look for `-m trainers.X` anywhere
         for j in range(1, len(argv) - 1):
             if argv[j] == "-m" and argv[j + 1] in TRAINER_MODULES.values():
-                trainer, program_args = argv[j + 1], argv[j + 2:]
+                trainer, program_args = argv[j + 1], argv[j + 2 :]
                 break
     master_port = opts.get("master-port")
     node_rank = opts.get("node-rank")
@@ -453,7 +517,9 @@ def _read_json(path: Path, what: str) -> dict[str, Any]:
     return data
 
 
-def resolve_model_config(spec_text: str | None, init_from: str | None, cwd: Path, option: str = "--model-config") -> tuple[dict[str, Any], str]:
+def resolve_model_config(
+    spec_text: str | None, init_from: str | None, cwd: Path, option: str = "--model-config"
+) -> tuple[dict[str, Any], str]:
     """The config dict the trainer would build and a description ("llama-1b preset", "config /x/config.json")."""
     if init_from is not None:
         folder = _resolve(init_from, cwd)
@@ -546,7 +612,9 @@ def estimate_fsdp(parsed: LaunchArgv, world: int, world_note: str, cwd: Path) ->
 def _dflash_target(a: argparse.Namespace, cwd: Path) -> tuple[dict[str, Any], str]:
     target_config = a.target_config if a.target_config is not None else a.model_config
     if (a.target is None) == (target_config is None):
-        raise EstimateError("give exactly one of --target PATH or --target-config/--model-config (gpudeck.trainers.dflash refuses otherwise)")
+        raise EstimateError(
+            "give exactly one of --target PATH or --target-config/--model-config (gpudeck.trainers.dflash refuses otherwise)"
+        )
     if a.target is not None:
         return resolve_model_config(None, a.target, cwd)[0], f"target {a.target}"
     config, source = resolve_model_config(target_config, None, cwd, option="--target-config")
@@ -629,9 +697,11 @@ def estimate_dflash(parsed: LaunchArgv, world: int, world_note: str, cwd: Path) 
     else:
         loss = a.loss_chunk_rows * t_shape.vocab * 4 + q_pos * h * 4
     features = b * t * n_ctx * h * elem
-    shape_note = (f"{d_layers}-layer drafter" + (f" ({types.count('sliding_attention')} sliding, window "
-                                                   f"{(dcfg or {}).get('sliding_window')})" if sliding else "")
-                  + f", {n_drafter:,} params")
+    shape_note = (
+        f"{d_layers}-layer drafter"
+        + (f" ({types.count('sliding_attention')} sliding, window {(dcfg or {}).get('sliding_window')})" if sliding else "")
+        + f", {n_drafter:,} params"
+    )
 
     if a.topology == "split":
         if not a.target_ranks or not a.drafter_ranks:

@@ -156,8 +156,22 @@ class Unknown(msgspec.Struct, kw_only=True):
 
 
 EventPayload = Union[
-    RunCreated, RunState, RunAdopted, Containment, Members, Telemetry, TelemetryRejected, AlertRaised, AlertCleared, Claims, Preflight,
-    EnvFingerprinted, Reclaimed, AgentStarted, EnvRebuilt, Void,
+    RunCreated,
+    RunState,
+    RunAdopted,
+    Containment,
+    Members,
+    Telemetry,
+    TelemetryRejected,
+    AlertRaised,
+    AlertCleared,
+    Claims,
+    Preflight,
+    EnvFingerprinted,
+    Reclaimed,
+    AgentStarted,
+    EnvRebuilt,
+    Void,
 ]
 KINDS: dict[str, type] = {t.__struct_config__.tag: t for t in EventPayload.__args__}  # type: ignore[attr-defined]
 

@@ -197,7 +197,9 @@ class GpuSampler:
                             used = None
                         prev = procs.get(p.pid)
                         if prev is None:
-                            procs[p.pid] = GpuProcess(pid=int(p.pid), gpu=d.index, used_bytes=None if used is None else int(used), kind=kind)  # type: ignore[arg-type]
+                            procs[p.pid] = GpuProcess(
+                                pid=int(p.pid), gpu=d.index, used_bytes=None if used is None else int(used), kind=kind
+                            )  # type: ignore[arg-type]
                         elif used is not None:
                             prev.used_bytes = (prev.used_bytes or 0) + int(used)
                 plist_out = list(procs.values())

@@ -282,9 +282,27 @@ def claims_report(obs: Observation, measured_tokens_per_s: float | None = None, 
     rows: list[ClaimRow] = []
     params_obs = tel.params_total if tel is not None else None
     claimed, source = _claim_from(run, "params")
-    rows.append(ClaimRow("params", claimed, params_obs, None if claimed is None or params_obs is None else _within(params_obs, claimed, PARAMS_CLAIM_LOW, PARAMS_CLAIM_HIGH), source, "manifest params_total" if params_obs is not None else ""))
+    rows.append(
+        ClaimRow(
+            "params",
+            claimed,
+            params_obs,
+            None if claimed is None or params_obs is None else _within(params_obs, claimed, PARAMS_CLAIM_LOW, PARAMS_CLAIM_HIGH),
+            source,
+            "manifest params_total" if params_obs is not None else "",
+        )
+    )
     if obs.config_params is not None:
-        rows.append(ClaimRow("params (model config)", obs.config_params, params_obs, None if params_obs is None else _within(params_obs, obs.config_params, 1 - PARAMS_CONFIG_TOL, 1 + PARAMS_CONFIG_TOL), "model config", ""))
+        rows.append(
+            ClaimRow(
+                "params (model config)",
+                obs.config_params,
+                params_obs,
+                None if params_obs is None else _within(params_obs, obs.config_params, 1 - PARAMS_CONFIG_TOL, 1 + PARAMS_CONFIG_TOL),
+                "model config",
+                "",
+            )
+        )
 
     ws_obs = world_size_observed if world_size_observed is not None else (len(obs.live_ranks) or None)
     explicit_ws = (run.spec.claims or Claims()).world_size
@@ -300,7 +318,16 @@ def claims_report(obs: Observation, measured_tokens_per_s: float | None = None, 
     # (pass the union of all hosts' ranks and GPUs to compare the whole run)
     partial = not obs.covers_whole_run
     ranks_text = ", ".join(f"rank {r}" for r in sorted(obs.live_ranks)) + (" (this host only: multi-node run)" if partial else "")
-    rows.append(ClaimRow("world size", ws_claim, ws_obs, None if ws_claim is None or ws_obs is None or partial else ws_obs == ws_claim, ws_source, ranks_text))
+    rows.append(
+        ClaimRow(
+            "world size",
+            ws_claim,
+            ws_obs,
+            None if ws_claim is None or ws_obs is None or partial else ws_obs == ws_claim,
+            ws_source,
+            ranks_text,
+        )
+    )
 
     gpu_claim, gpu_source = _claim_from(run, "gpus")
     if gpu_claim is None and run.spec.gpus:
@@ -308,17 +335,44 @@ def claims_report(obs: Observation, measured_tokens_per_s: float | None = None, 
     held = sorted(obs.run_gpu_memory)
     gpu_obs = len(held) if obs.gpu_util else None  # no GPUs here: nothing to observe
     gpu_partial = partial and not gpu_source.startswith("--gpus")  # --gpus is this host's own share
-    rows.append(ClaimRow("GPUs", gpu_claim, gpu_obs, None if gpu_claim is None or gpu_obs is None or gpu_partial else gpu_obs == gpu_claim, gpu_source, _gpu_list(held) if gpu_obs is not None else "no GPUs on this host"))
+    rows.append(
+        ClaimRow(
+            "GPUs",
+            gpu_claim,
+            gpu_obs,
+            None if gpu_claim is None or gpu_obs is None or gpu_partial else gpu_obs == gpu_claim,
+            gpu_source,
+            _gpu_list(held) if gpu_obs is not None else "no GPUs on this host",
+        )
+    )
 
     samples = _manifest(obs, "dataset_samples")
     ds_claim, ds_source = _claim_from(run, "dataset_samples")
-    rows.append(ClaimRow("dataset samples", ds_claim, samples, None if ds_claim is None or samples is None else _within(samples, ds_claim, 1 - DATASET_TOL, 1 + DATASET_TOL), ds_source, "manifest" if samples is not None else ""))
+    rows.append(
+        ClaimRow(
+            "dataset samples",
+            ds_claim,
+            samples,
+            None if ds_claim is None or samples is None else _within(samples, ds_claim, 1 - DATASET_TOL, 1 + DATASET_TOL),
+            ds_source,
+            "manifest" if samples is not None else "",
+        )
+    )
     tokens = _manifest(obs, "dataset_tokens")
     rows.append(ClaimRow("dataset tokens", None, tokens, None, "", "manifest" if tokens is not None else ""))
 
     measured = measured_tokens_per_s if measured_tokens_per_s is not None else _median_tps(tel)
     tps_claim, tps_source = _claim_from(run, "tokens_per_s")
-    rows.append(ClaimRow("tokens/s", tps_claim, measured, None if tps_claim is None or measured is None else measured >= tps_claim * (1 - TPS_CLAIM_TOL), tps_source, "median of recent steps" if measured is not None else ""))
+    rows.append(
+        ClaimRow(
+            "tokens/s",
+            tps_claim,
+            measured,
+            None if tps_claim is None or measured is None else measured >= tps_claim * (1 - TPS_CLAIM_TOL),
+            tps_source,
+            "median of recent steps" if measured is not None else "",
+        )
+    )
     return rows
 
 
@@ -526,16 +580,28 @@ class RunHealth:
             tel = run.telemetry
             ckpt = tel.last_checkpoint if tel is not None else None
             resume = f"relaunch with `--resume {ckpt}`" if ckpt is not None else "relaunch (no checkpoint recorded yet: it starts fresh)"
-            action = "stopping the run (--on-rank-death stop)" if run.spec.on_rank_death == "stop" else f"`gpudeck stop {run.id}` or {resume}"
-            self._raise(raised, ("rank_exited", str(rank)), lambda: Alert(
-                kind="rank_exited",
-                severity="critical",
-                ts=now,
-                rank=rank,
-                pid=pid,
-                message=f"rank {rank} (pid {pid}) {_exit_text(code)} while the run goes on: {left} of {expected} ranks left; {action}",
-                data={"exit_code": code, "live_ranks": sorted(obs.live_ranks), "expected_ranks": expected, "gone_s": round(gone_for, 1), "last_checkpoint": ckpt},
-            ))
+            action = (
+                "stopping the run (--on-rank-death stop)" if run.spec.on_rank_death == "stop" else f"`gpudeck stop {run.id}` or {resume}"
+            )
+            self._raise(
+                raised,
+                ("rank_exited", str(rank)),
+                lambda: Alert(
+                    kind="rank_exited",
+                    severity="critical",
+                    ts=now,
+                    rank=rank,
+                    pid=pid,
+                    message=f"rank {rank} (pid {pid}) {_exit_text(code)} while the run goes on: {left} of {expected} ranks left; {action}",
+                    data={
+                        "exit_code": code,
+                        "live_ranks": sorted(obs.live_ranks),
+                        "expected_ranks": expected,
+                        "gone_s": round(gone_for, 1),
+                        "last_checkpoint": ckpt,
+                    },
+                ),
+            )
 
     def _heartbeats(self, obs: Observation, going_on: bool, raised: list[Alert]) -> None:
         now, tel = obs.now, obs.run.telemetry
@@ -551,18 +617,22 @@ class RunHealth:
                 if age <= HEARTBEAT_LOST_S:
                     continue
                 lost.add(str(rank))
-                self._raise(raised, ("heartbeat_lost", str(rank)), lambda: Alert(
-                    kind="heartbeat_lost",
-                    severity="critical",
-                    ts=now,
-                    rank=rank,
-                    pid=pid,
-                    message=(
-                        f"rank {rank} (pid {pid}) is alive but sent no telemetry for {age:.0f} s (heartbeats come every 5 s): "
-                        f"it may be hung — `py-spy dump --pid {pid}` shows where"
+                self._raise(
+                    raised,
+                    ("heartbeat_lost", str(rank)),
+                    lambda: Alert(
+                        kind="heartbeat_lost",
+                        severity="critical",
+                        ts=now,
+                        rank=rank,
+                        pid=pid,
+                        message=(
+                            f"rank {rank} (pid {pid}) is alive but sent no telemetry for {age:.0f} s (heartbeats come every 5 s): "
+                            f"it may be hung — `py-spy dump --pid {pid}` shows where"
+                        ),
+                        data={"seconds": round(age, 1), "last_seen": rt.last_seen, "step": rt.step},
                     ),
-                    data={"seconds": round(age, 1), "last_seen": rt.last_seen, "step": rt.step},
-                ))
+                )
         self._clear_kind("heartbeat_lost", lost, now)
 
     def _run_gpus(self, obs: Observation) -> list[int]:
@@ -597,14 +667,18 @@ class RunHealth:
             pids = ", ".join(str(p) for _, p in sorted(obs.live_ranks.items()))
             where = f"with {held / GIB:.1f} GiB still held by the run" if held else "and the run holds no memory there"
             hint = f"`py-spy dump --pid PID` on its ranks (pids {pids})" if pids else "look at its output (`gpudeck tail`)"
-            self._raise(raised, ("gpu_idle", str(g)), lambda: Alert(
-                kind="gpu_idle",
-                severity="warning",
-                ts=now,
-                gpu=g,
-                message=f"GPU {g} idle for {idle_for:.0f} s {where} (0% utilisation while the run is running): it may be stalled — {hint}, or `gpudeck stop {obs.run.id}`",
-                data={"seconds": round(idle_for, 1), "held_bytes": held, "uuid": obs.gpu_uuids.get(g)},
-            ))
+            self._raise(
+                raised,
+                ("gpu_idle", str(g)),
+                lambda: Alert(
+                    kind="gpu_idle",
+                    severity="warning",
+                    ts=now,
+                    gpu=g,
+                    message=f"GPU {g} idle for {idle_for:.0f} s {where} (0% utilisation while the run is running): it may be stalled — {hint}, or `gpudeck stop {obs.run.id}`",
+                    data={"seconds": round(idle_for, 1), "held_bytes": held, "uuid": obs.gpu_uuids.get(g)},
+                ),
+            )
         for g in [g for g in self._idle_since if g not in gpus]:
             del self._idle_since[g]
         self._clear_kind("gpu_idle", idle, now)
@@ -651,16 +725,26 @@ class RunHealth:
                 continue
             self._reference[subject] = median
             pct = 100 * latest / median
-            self._raise(raised, key, lambda: Alert(
-                kind="throughput_drop",
-                severity="warning",
-                ts=now,
-                message=(
-                    f"{latest:,.0f} tok/s is {pct:.0f}% of {what}: look for a lost or slow rank, a throttled GPU "
-                    f"(`gpudeck status`), or data loading (`py-spy dump` on a rank)"
+            self._raise(
+                raised,
+                key,
+                lambda: Alert(
+                    kind="throughput_drop",
+                    severity="warning",
+                    ts=now,
+                    message=(
+                        f"{latest:,.0f} tok/s is {pct:.0f}% of {what}: look for a lost or slow rank, a throttled GPU "
+                        f"(`gpudeck status`), or data loading (`py-spy dump` on a rank)"
+                    ),
+                    data={
+                        "tokens_per_s": latest,
+                        "median_tokens_per_s": median,
+                        "ratio": round(latest / median, 3),
+                        "compared_with": subject,
+                        **extra,
+                    },
                 ),
-                data={"tokens_per_s": latest, "median_tokens_per_s": median, "ratio": round(latest / median, 3), "compared_with": subject, **extra},
-            ))
+            )
 
     def claims_report(self, obs: Observation) -> list[ClaimRow]:
         """Claimed vs observed, with this run's own throughput median when it has one."""
@@ -682,11 +766,15 @@ class RunHealth:
             if row.ok is not False:
                 continue
             bad.add(row.what)
-            self._raise(raised, ("claim_mismatch", row.what), lambda: Alert(
-                kind="claim_mismatch",
-                severity="warning",
-                ts=now,
-                message=_mismatch_message(row, run),
-                data={"what": row.what, "claimed": row.claimed, "observed": row.observed, "source": row.source, "detail": row.detail},
-            ))
+            self._raise(
+                raised,
+                ("claim_mismatch", row.what),
+                lambda: Alert(
+                    kind="claim_mismatch",
+                    severity="warning",
+                    ts=now,
+                    message=_mismatch_message(row, run),
+                    data={"what": row.what, "claimed": row.claimed, "observed": row.observed, "source": row.source, "detail": row.detail},
+                ),
+            )
         self._clear_kind("claim_mismatch", bad, now)

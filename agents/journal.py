@@ -102,9 +102,13 @@ CLOSE_TIMEOUT_S = 10.0  # close() waits this long for queued writes on a failing
 def _storage_error(exc: sqlite3.Error, path: Path) -> StorageError:
     text = str(exc)
     if "full" in text or "disk I/O" in text:
-        return StorageError(f"the agent's journal {path} cannot be written ({text}): free space in {path.parent} and retry; nothing was recorded")
+        return StorageError(
+            f"the agent's journal {path} cannot be written ({text}): free space in {path.parent} and retry; nothing was recorded"
+        )
     if "locked" in text or "busy" in text:
-        return StorageError(f"the agent's journal {path} is locked by another process ({text}): the write is retried; `fuser {path}` shows who holds it")
+        return StorageError(
+            f"the agent's journal {path} is locked by another process ({text}): the write is retried; `fuser {path}` shows who holds it"
+        )
     return StorageError(f"the agent's journal {path} failed: {text}")
 
 
@@ -377,7 +381,12 @@ class Journal:
 
     def _renumber(self, shift: int) -> None:
         with self._plock:
-            log.warning("journal %s: another process wrote events; shifting %d queued seq(s) by %d", self.path, sum(len(o.events) for o in self._pending.values()), shift)
+            log.warning(
+                "journal %s: another process wrote events; shifting %d queued seq(s) by %d",
+                self.path,
+                sum(len(o.events) for o in self._pending.values()),
+                shift,
+            )
             for op in self._pending.values():
                 for e in op.events:
                     e.seq += shift
@@ -422,7 +431,9 @@ class Journal:
         try:
             op.settled.result(timeout=timeout)
         except FutureTimeout:
-            raise StorageError(f"the agent's journal {self.path} did not commit within {timeout:g} s ({self.storage_error or 'a slow disk'})") from None
+            raise StorageError(
+                f"the agent's journal {self.path} did not commit within {timeout:g} s ({self.storage_error or 'a slow disk'})"
+            ) from None
 
     async def wait_durable(self) -> None:
         """Wait, without blocking the event loop, until every write queued before this call is processed."""
@@ -434,7 +445,9 @@ class Journal:
         try:
             op.fut.result(timeout=timeout)
         except FutureTimeout:
-            raise StorageError(f"the agent's journal {self.path} did not commit within {timeout:g} s ({self.storage_error or 'a slow disk'}); the write stays queued") from None
+            raise StorageError(
+                f"the agent's journal {self.path} did not commit within {timeout:g} s ({self.storage_error or 'a slow disk'}); the write stays queued"
+            ) from None
 
     # ------------------------------------------------------------------ events
 
@@ -448,7 +461,9 @@ class Journal:
             return []
         return self._submit([], items).events
 
-    def append_durable(self, kind: str, run_id: str | None = None, data: dict[str, Any] | None = None, timeout: float | None = DURABLE_TIMEOUT_S) -> Event:
+    def append_durable(
+        self, kind: str, run_id: str | None = None, data: dict[str, Any] | None = None, timeout: float | None = DURABLE_TIMEOUT_S
+    ) -> Event:
         """Commit one event and return once it is on disk (blocking); StorageError if it cannot be."""
         op = self._submit([], [(kind, run_id, data or {})], fail_fast=True)
         self._result(op, timeout)
@@ -533,7 +548,9 @@ class Journal:
         await asyncio.wrap_future(op.fut)
         return op.events[0]
 
-    def _update_op(self, run_id: str, event_kind: str | None, event_data: dict[str, Any] | None, fields: dict[str, Any], fail_fast: bool) -> _Op:
+    def _update_op(
+        self, run_id: str, event_kind: str | None, event_data: dict[str, Any] | None, fields: dict[str, Any], fail_fast: bool
+    ) -> _Op:
         bad = set(fields) - set(_RUN_FIELDS)
         if bad:
             raise ValueError(f"unknown run fields {bad}")
@@ -549,12 +566,16 @@ class Journal:
         items = [(event_kind, run_id, event_data or {})] if event_kind else []
         return self._submit(stmts, items, fail_fast=fail_fast, run_fields=(run_id, dict(fields)) if fields else None)
 
-    def update_run(self, run_id: str, event_kind: str | None = None, event_data: dict[str, Any] | None = None, **fields: Any) -> Event | None:
+    def update_run(
+        self, run_id: str, event_kind: str | None = None, event_data: dict[str, Any] | None = None, **fields: Any
+    ) -> Event | None:
         """Queue a change of a run's fields and (optionally) an event, committed atomically."""
         op = self._update_op(run_id, event_kind, event_data, fields, fail_fast=False)
         return op.events[0] if op.events else None
 
-    async def durable_update_run(self, run_id: str, event_kind: str | None = None, event_data: dict[str, Any] | None = None, **fields: Any) -> Event | None:
+    async def durable_update_run(
+        self, run_id: str, event_kind: str | None = None, event_data: dict[str, Any] | None = None, **fields: Any
+    ) -> Event | None:
         """``update_run``, returning once it is on disk (without blocking the loop); StorageError if it cannot be."""
         op = self._update_op(run_id, event_kind, event_data, fields, fail_fast=True)
         await asyncio.wrap_future(op.fut)
@@ -631,7 +652,9 @@ class Journal:
         fields, new = self._overlay()
         if states:
             marks = ",".join("?" * len(states))
-            rows = self._select(f"SELECT {self._COLS} FROM runs WHERE state IN ({marks}) ORDER BY created DESC LIMIT ?", (*sorted(states), limit))
+            rows = self._select(
+                f"SELECT {self._COLS} FROM runs WHERE state IN ({marks}) ORDER BY created DESC LIMIT ?", (*sorted(states), limit)
+            )
         else:
             rows = self._select(f"SELECT {self._COLS} FROM runs ORDER BY created DESC LIMIT ?", (limit,))
         runs = [self._apply(self._row_to_run(r), fields) for r in rows]
@@ -642,7 +665,10 @@ class Journal:
         moved = [rid for rid, f in fields.items() if rid not in have and "state" in f and rid not in new]
         if states and moved:
             marks = ",".join("?" * len(moved))
-            runs += [self._apply(self._row_to_run(r), fields) for r in self._select(f"SELECT {self._COLS} FROM runs WHERE id IN ({marks})", tuple(moved))]
+            runs += [
+                self._apply(self._row_to_run(r), fields)
+                for r in self._select(f"SELECT {self._COLS} FROM runs WHERE id IN ({marks})", tuple(moved))
+            ]
         runs += [self._apply(r, fields) for rid, r in new.items() if rid not in have]
         if states:
             runs = [r for r in runs if r.state in states]

@@ -85,7 +85,14 @@ def find_leftovers(
             cmdline=(info.cmdline[:24] if info else []),
             rss=info.rss if info else None,
         )
-        lo.note = _NOTES[lo.kind].format(host=host, pid=pid, run=run_id or "-", cause=(lo.run_cause or lo.run_state or "ended"), user=lo.user or "another user", ppid=lo.ppid or "?")
+        lo.note = _NOTES[lo.kind].format(
+            host=host,
+            pid=pid,
+            run=run_id or "-",
+            cause=(lo.run_cause or lo.run_state or "ended"),
+            user=lo.user or "another user",
+            ppid=lo.ppid or "?",
+        )
         out[pid] = lo
         return lo
 

@@ -144,11 +144,19 @@ def discover(run: RunInfo, procs: ProcTable, group: RunGroup | None, tree: dict[
                 known.rank, known.local_rank, known.cmdline = e.rank, e.local_rank, cmdline_of(pid)
                 d.updated.append(known)
             return
-        d.new.append(Member(
-            pid=pid, create_time=ct, role="worker", rank=e.rank if tagged and e else None,
-            local_rank=e.local_rank if tagged and e else None, first_seen=now, cmdline=cmdline_of(pid),
-            found_by=found_by, tagged=tagged,
-        ))
+        d.new.append(
+            Member(
+                pid=pid,
+                create_time=ct,
+                role="worker",
+                rank=e.rank if tagged and e else None,
+                local_rank=e.local_rank if tagged and e else None,
+                first_seen=now,
+                cmdline=cmdline_of(pid),
+                found_by=found_by,
+                tagged=tagged,
+            )
+        )
 
     if group is not None:
         in_group: set[int] = set()
@@ -173,16 +181,30 @@ def discover(run: RunInfo, procs: ProcTable, group: RunGroup | None, tree: dict[
             st = read_stat(e.pid)
             if st is None or st.status == "zombie" or abs(st.create_time - e.create_time) > CT_TOLERANCE:
                 continue
-            d.outside.append(Reported(pid=e.pid, create_time=e.create_time, uid=e.uid, cmdline=cmdline_of(e.pid)[:12],
-                                      why=f"carries the tag of run {run.id} but is outside its cgroup ({group.path}): reported, not signalled"))
+            d.outside.append(
+                Reported(
+                    pid=e.pid,
+                    create_time=e.create_time,
+                    uid=e.uid,
+                    cmdline=cmdline_of(e.pid)[:12],
+                    why=f"carries the tag of run {run.id} but is outside its cgroup ({group.path}): reported, not signalled",
+                )
+            )
         return d
 
     for e in procs.tagged(run.id):
         if e.pid in shim_pids:
             continue
         if e.uid is not None and e.uid != uid:
-            d.other_uid.append(Reported(pid=e.pid, create_time=e.create_time, uid=e.uid, cmdline=cmdline_of(e.pid)[:12],
-                                        why=f"carries the tag of run {run.id} but runs as uid {e.uid}, not the agent's {uid}: reported, never signalled"))
+            d.other_uid.append(
+                Reported(
+                    pid=e.pid,
+                    create_time=e.create_time,
+                    uid=e.uid,
+                    cmdline=cmdline_of(e.pid)[:12],
+                    why=f"carries the tag of run {run.id} but runs as uid {e.uid}, not the agent's {uid}: reported, never signalled",
+                )
+            )
             continue
         take(e.pid, e.create_time, e, "tag")
     if tree is not None:
@@ -197,8 +219,15 @@ def discover(run: RunInfo, procs: ProcTable, group: RunGroup | None, tree: dict[
             if e is not None and e.run_id is not None and e.run_id != run.id:
                 continue  # another run's process (its own tag wins)
             if e is not None and e.uid is not None and e.uid != uid:
-                d.other_uid.append(Reported(pid=pid, create_time=st.create_time, uid=e.uid, cmdline=cmdline_of(pid)[:12],
-                                            why=f"descends from run {run.id} but runs as uid {e.uid}: reported, never signalled"))
+                d.other_uid.append(
+                    Reported(
+                        pid=pid,
+                        create_time=st.create_time,
+                        uid=e.uid,
+                        cmdline=cmdline_of(pid)[:12],
+                        why=f"descends from run {run.id} but runs as uid {e.uid}: reported, never signalled",
+                    )
+                )
                 continue
             take(pid, st.create_time, e, "ancestry")
     return d

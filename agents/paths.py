@@ -86,13 +86,19 @@ def check_path(path: Path, root: Path | None = None) -> None:
         except FileNotFoundError:
             return  # what does not exist yet is created by this user
         if stat.S_ISLNK(st.st_mode):
-            raise UnsafePath(f"{p} is a symbolic link; gpudeck does not follow links in its state: replace it with a real "
-                             f"{'file' if p == full else 'folder'} (`rm {p}`), or point GPUDECK_HOME at the real place")
+            raise UnsafePath(
+                f"{p} is a symbolic link; gpudeck does not follow links in its state: replace it with a real "
+                f"{'file' if p == full else 'folder'} (`rm {p}`), or point GPUDECK_HOME at the real place"
+            )
         if st.st_uid != me and (p == full or st.st_uid != 0):
-            raise UnsafePath(f"{p} belongs to uid {st.st_uid}, not to you (uid {me}): another user could read or replace gpudeck's "
-                             f"state there; use a GPUDECK_HOME of your own, or `chown {me} {p}` if it is yours")
+            raise UnsafePath(
+                f"{p} belongs to uid {st.st_uid}, not to you (uid {me}): another user could read or replace gpudeck's "
+                f"state there; use a GPUDECK_HOME of your own, or `chown {me} {p}` if it is yours"
+            )
         if p != full and stat.S_ISDIR(st.st_mode) and st.st_mode & 0o002 and not st.st_mode & stat.S_ISVTX:
-            raise UnsafePath(f"{p} is writable by every user (mode {stat.S_IMODE(st.st_mode):o}): anyone could swap what is inside; `chmod o-w {p}`")
+            raise UnsafePath(
+                f"{p} is writable by every user (mode {stat.S_IMODE(st.st_mode):o}): anyone could swap what is inside; `chmod o-w {p}`"
+            )
 
 
 def ensure_private_dir(path: Path) -> Path:

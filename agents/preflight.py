@@ -42,6 +42,7 @@ from gpudeck.agents.estimate import (
     parse_trainer_args,
 )
 from gpudeck.agents.protocol import Gpu, GpuProcess, LaunchSpec, MemoryEstimate, PreflightCheck, PreflightResult, RunInfo
+
 # the checkpoint layout trainers/checkpoint.py writes: OUT/checkpoints/step_<N>/ with both files when complete
 from gpudeck.trainers.contract import CHECKPOINT_MARKER, CHECKPOINT_METADATA, CHECKPOINTS_DIRNAME
 from gpudeck.trainers.contract import STEP_RE as _STEP_RE
@@ -53,7 +54,14 @@ TORCHRUN_C10D_PORT = 29400  # torchrun's port when --rdzv-endpoint names no port
 _LOCAL_HOSTS = {"localhost", "127.0.0.1", "::1", "0.0.0.0", ""}
 
 CHECK_NAMES = (
-    "gpus_exist", "gpu_memory", "gpu_holders", "rdzv_port", "checkpoint_room", "python_env", "start_explicit", "resume_checkpoint",
+    "gpus_exist",
+    "gpu_memory",
+    "gpu_holders",
+    "rdzv_port",
+    "checkpoint_room",
+    "python_env",
+    "start_explicit",
+    "resume_checkpoint",
 )
 
 
@@ -259,9 +267,10 @@ def _check_gpus_exist(spec: LaunchSpec, host: str, gpus: list[Gpu], gpu_error: s
         return PreflightCheck(name=name, ok=True, message="no GPU requested (--gpus empty)")
     if not gpus:
         return PreflightCheck(
-            name=name, ok=False,
+            name=name,
+            ok=False,
             message=f"GPU {_gpu_list(spec.gpus)} requested, but {host} has no usable GPU ({gpu_error or 'NVML reports none'}): "
-                    "launch on a host with GPUs, or without --gpus to run on the CPU",
+            "launch on a host with GPUs, or without --gpus to run on the CPU",
             details={"requested": list(spec.gpus), "gpu_error": gpu_error},
         )
     dupes = sorted({g for g in spec.gpus if spec.gpus.count(g) > 1})
@@ -273,13 +282,16 @@ def _check_gpus_exist(spec: LaunchSpec, host: str, gpus: list[Gpu], gpu_error: s
         if dupes:
             why.append(f"GPU {_gpu_list(dupes)} is listed twice")
         return PreflightCheck(
-            name=name, ok=False,
+            name=name,
+            ok=False,
             message=f"{'; '.join(why)}: it has {len(have)} GPU{'s' if len(have) != 1 else ''} ({_gpu_list(have)}); "
-                    "pick distinct indices from those with --gpus",
+            "pick distinct indices from those with --gpus",
             details={"requested": list(spec.gpus), "missing": missing, "duplicates": dupes, "have": have},
         )
     plural = len(spec.gpus) > 1
-    return PreflightCheck(name=name, ok=True, message=f"GPU{'s' if plural else ''} {_gpu_list(spec.gpus)} exist{'' if plural else 's'} on {host}")
+    return PreflightCheck(
+        name=name, ok=True, message=f"GPU{'s' if plural else ''} {_gpu_list(spec.gpus)} exist{'' if plural else 's'} on {host}"
+    )
 
 
 def _holder_text(p: GpuProcess, host: str, ended: dict[str, RunInfo], now: float) -> tuple[str, str]:
@@ -297,15 +309,26 @@ def _holder_text(p: GpuProcess, host: str, ended: dict[str, RunInfo], now: float
         rank = f" rank {p.rank}" if p.rank is not None else ""
         return f"pid {p.pid} ({user}, live run {p.run_id}{rank}) holds {held}", f"`gpudeck stop {p.run_id}` if it should not be there"
     if p.attribution == "NO_SUCH_PROCESS":
-        return (f"pid {p.pid} (NVML reports it, the OS here does not: another container or PID namespace) holds {held}",
-                "stop it where it runs; it cannot be reclaimed from here")
-    return (f"pid {p.pid} ({user}, not a gpudeck run) holds {held}",
-            f"`gpudeck reclaim {host}:{p.pid}` if it is yours to stop, else ask {user}")
+        return (
+            f"pid {p.pid} (NVML reports it, the OS here does not: another container or PID namespace) holds {held}",
+            "stop it where it runs; it cannot be reclaimed from here",
+        )
+    return (
+        f"pid {p.pid} ({user}, not a gpudeck run) holds {held}",
+        f"`gpudeck reclaim {host}:{p.pid}` if it is yours to stop, else ask {user}",
+    )
 
 
-def _check_gpu_memory(spec: LaunchSpec, host: str, gpus: list[Gpu], used: list[int],
-                      estimate: MemoryEstimate | None, estimate_error: str | None,
-                      ended: dict[str, RunInfo], now: float) -> PreflightCheck:
+def _check_gpu_memory(
+    spec: LaunchSpec,
+    host: str,
+    gpus: list[Gpu],
+    used: list[int],
+    estimate: MemoryEstimate | None,
+    estimate_error: str | None,
+    ended: dict[str, RunInfo],
+    now: float,
+) -> PreflightCheck:
     name = "gpu_memory"
     if estimate is None:
         if estimate_error:
@@ -349,8 +372,9 @@ def _check_gpu_memory(spec: LaunchSpec, host: str, gpus: list[Gpu], used: list[i
     return PreflightCheck(name=name, ok=False, message="; ".join(lines) + ". Fix: " + ", ".join(fix), details=details)
 
 
-def _check_holders(spec: LaunchSpec, host: str, gpus: list[Gpu], used: list[int], used_note: str,
-                   ended: dict[str, RunInfo], now: float) -> PreflightCheck:
+def _check_holders(
+    spec: LaunchSpec, host: str, gpus: list[Gpu], used: list[int], used_note: str, ended: dict[str, RunInfo], now: float
+) -> PreflightCheck:
     name = "gpu_holders"
     used_set = set(used)
     on = [g for g in gpus if g.index in used_set]
@@ -369,18 +393,33 @@ def _check_holders(spec: LaunchSpec, host: str, gpus: list[Gpu], used: list[int]
         who, fix = _holder_text(p, host, ended, now)
         items.append(f"GPU {p.gpu}: {who}: `{_cmd(p.cmdline)}` — {fix}")
         run = ended.get(p.run_id or "")
-        holders.append({
-            "pid": p.pid, "gpu": p.gpu, "attribution": p.attribution, "user": p.user, "used_bytes": p.used_bytes,
-            "run_id": p.run_id, "run_ended": run.ended if run else None, "run_cause": run.cause if run else None,
-            "cmdline": list(p.cmdline), "status": p.status,
-        })
+        holders.append(
+            {
+                "pid": p.pid,
+                "gpu": p.gpu,
+                "attribution": p.attribution,
+                "user": p.user,
+                "used_bytes": p.used_bytes,
+                "run_id": p.run_id,
+                "run_ended": run.ended if run else None,
+                "run_cause": run.cause if run else None,
+                "cmdline": list(p.cmdline),
+                "status": p.status,
+            }
+        )
     n = len(blocking)
     body = f"{n} process{'es' if n > 1 else ''} not of a live run hold{'' if n > 1 else 's'} memory on {where}. " + "; ".join(items)
     if spec.force:
-        return PreflightCheck(name=name, ok=False, overridden=True, message=f"overridden with --force (recorded): {body}",
-                              details={"holders": holders, "forced": True})
+        return PreflightCheck(
+            name=name,
+            ok=False,
+            overridden=True,
+            message=f"overridden with --force (recorded): {body}",
+            details={"holders": holders, "forced": True},
+        )
     return PreflightCheck(
-        name=name, ok=False,
+        name=name,
+        ok=False,
         message=f"{body}. Reclaim them, pick other GPUs with --gpus, or launch anyway with --force (recorded)",
         details={"holders": holders},
     )
@@ -427,15 +466,17 @@ def _check_rdzv_port(spec: LaunchSpec, host: str, parsed: LaunchArgv | None, por
     if port_free(port):
         return PreflightCheck(name=name, ok=True, message=f"port {port} ({why}) is free on {host}", details={"port": port})
     return PreflightCheck(
-        name=name, ok=False,
+        name=name,
+        ok=False,
         message=f"port {port} ({why}) is in use on {host} (another torchrun, or anything listening there): "
-                "give a free one with --master-port PORT (torchrun), or use torchrun --standalone on a single node",
+        "give a free one with --master-port PORT (torchrun), or use torchrun --standalone on a single node",
         details={"port": port},
     )
 
 
-def _check_checkpoint_room(spec: LaunchSpec, out: str | None, estimate: MemoryEstimate | None,
-                           disk_free: Callable[[Path], int]) -> PreflightCheck:
+def _check_checkpoint_room(
+    spec: LaunchSpec, out: str | None, estimate: MemoryEstimate | None, disk_free: Callable[[Path], int]
+) -> PreflightCheck:
     name = "checkpoint_room"
     folder = _resolve(spec.checkpoint_dir, spec) if spec.checkpoint_dir else (_resolve(out, spec) / CHECKPOINTS_DIRNAME if out else None)
     if folder is None:
@@ -447,17 +488,24 @@ def _check_checkpoint_room(spec: LaunchSpec, out: str | None, estimate: MemoryEs
     try:
         free = disk_free(folder)
     except OSError as exc:
-        return PreflightCheck(name=name, ok=False, message=f"cannot read the free space at {where} ({exc.strerror or exc}): "
-                                                            "fix the path or its permissions", details={"folder": str(folder)})
+        return PreflightCheck(
+            name=name,
+            ok=False,
+            message=f"cannot read the free space at {where} ({exc.strerror or exc}): fix the path or its permissions",
+            details={"folder": str(folder)},
+        )
     details = {"folder": str(folder), "checked_at": str(where), "free_bytes": free, "need_bytes": need}
-    size = (f"one checkpoint of {estimate.params:,} params needs {_gib(estimate.params * CHECKPOINT_BYTES_PER_PARAM)} "
-            f"({CHECKPOINT_BYTES_PER_PARAM} B/param: fp32 weights + AdamW) + {_gib(CHECKPOINT_MARGIN_BYTES)}")
+    size = (
+        f"one checkpoint of {estimate.params:,} params needs {_gib(estimate.params * CHECKPOINT_BYTES_PER_PARAM)} "
+        f"({CHECKPOINT_BYTES_PER_PARAM} B/param: fp32 weights + AdamW) + {_gib(CHECKPOINT_MARGIN_BYTES)}"
+    )
     if free >= need:
         return PreflightCheck(name=name, ok=True, message=f"{_gib(free)} free at {where}; {size}", details=details)
     return PreflightCheck(
-        name=name, ok=False,
+        name=name,
+        ok=False,
         message=f"{folder} has {_gib(free)} free (filesystem of {where}); {size}: free space there, lower --keep, "
-                "or point --out at a bigger disk",
+        "or point --out at a bigger disk",
         details=details,
     )
 
@@ -520,15 +568,25 @@ def _check_python(spec: LaunchSpec, parsed: LaunchArgv | None, python_check: Cal
         return _skip(name, "a plain command names no python environment")
     python, how = run_python(spec, parsed)
     if python is None:
-        return PreflightCheck(name=name, ok=False,
-                              message=f"cannot tell which python runs this launch ({how}): give the environment's interpreter "
-                                      "with --python PATH, or start the command with it (`/venv/bin/python -m gpudeck.trainers.fsdp_lm ...`)")
+        return PreflightCheck(
+            name=name,
+            ok=False,
+            message=f"cannot tell which python runs this launch ({how}): give the environment's interpreter "
+            "with --python PATH, or start the command with it (`/venv/bin/python -m gpudeck.trainers.fsdp_lm ...`)",
+        )
     if not _is_trainer(spec, parsed):
         # a plain command in a named environment: the interpreter must exist; torch is the trainers' need, not its
         exe = python if os.sep in python else (shutil.which(python) or "")
         if exe and os.access(exe, os.X_OK):
-            return PreflightCheck(name=name, ok=True, message=f"{python} ({how}) exists (torch is only required for trainer runs)", details={"python": python})
-        return PreflightCheck(name=name, ok=False, message=f"{python} ({how}) does not exist or is not executable on this host: give an existing interpreter with --python", details={"python": python})
+            return PreflightCheck(
+                name=name, ok=True, message=f"{python} ({how}) exists (torch is only required for trainer runs)", details={"python": python}
+            )
+        return PreflightCheck(
+            name=name,
+            ok=False,
+            message=f"{python} ({how}) does not exist or is not executable on this host: give an existing interpreter with --python",
+            details={"python": python},
+        )
     if python_check is None:
         return _skip(name, f"{python} ({how}) not checked", python=python)
     ok, text = python_check(python)
@@ -553,7 +611,9 @@ def _check_start(spec: LaunchSpec, parsed: LaunchArgv | None, flags: _TrainerFla
     if not _is_trainer(spec, parsed):
         return _skip(name, "not a trainer run"), None
     if flags.error:
-        return PreflightCheck(name=name, ok=False, message=f"cannot read the trainer's arguments: {flags.error}; fix the command line"), None
+        return PreflightCheck(
+            name=name, ok=False, message=f"cannot read the trainer's arguments: {flags.error}; fix the command line"
+        ), None
     out, argv_start, new_run_dir = flags.out, flags.start, flags.new_run_dir
     given, bad = _spec_start(spec)
     if bad:
@@ -562,13 +622,15 @@ def _check_start(spec: LaunchSpec, parsed: LaunchArgv | None, flags: _TrainerFla
         argv_start = f"resume {int(argv_start.split()[1])}"
     if given is None and argv_start is None:
         return PreflightCheck(
-            name=name, ok=False,
+            name=name,
+            ok=False,
             message="no start given: choose `fresh` (step 0, new checkpoints; --fresh) or `resume at step N` (--resume N); "
-                    "there is no default, so a resume is never taken for a fresh start or the other way round",
+            "there is no default, so a resume is never taken for a fresh start or the other way round",
         ), None
     if given is not None and argv_start is not None and given != argv_start:
         return PreflightCheck(
-            name=name, ok=False,
+            name=name,
+            ok=False,
             message=f"the launch says start {given!r} but its command line says {argv_start!r}: make them agree",
         ), None
     start = given or argv_start
@@ -579,10 +641,11 @@ def _check_start(spec: LaunchSpec, parsed: LaunchArgv | None, flags: _TrainerFla
             if complete or incomplete:
                 latest = f"`resume at step {complete[-1]}`" if complete else "a resume"
                 return PreflightCheck(
-                    name=name, ok=False,
+                    name=name,
+                    ok=False,
                     message=f"start fresh, but {root} already holds checkpoints ({_steps(complete + incomplete)}) that a fresh "
-                            f"start would mix with: continue with {latest}, add --new-run-dir to move them aside, "
-                            "or pick another --out",
+                    f"start would mix with: continue with {latest}, add --new-run-dir to move them aside, "
+                    "or pick another --out",
                     details={"complete": complete, "incomplete": incomplete},
                 ), start
     return PreflightCheck(name=name, ok=True, message=f"start: {start}"), start
@@ -595,27 +658,39 @@ def _check_resume(spec: LaunchSpec, out: str | None, start: str | None) -> Prefl
     which = start.split()[1]
     root = _checkpoint_root(spec, out)
     if root is None:
-        return PreflightCheck(name=name, ok=False,
-                              message=f"cannot look up the checkpoint for {start}: the command has no --out and the launch "
-                                      "no checkpoint folder; add --out OUT (the run's output folder)")
+        return PreflightCheck(
+            name=name,
+            ok=False,
+            message=f"cannot look up the checkpoint for {start}: the command has no --out and the launch "
+            "no checkpoint folder; add --out OUT (the run's output folder)",
+        )
     complete, incomplete = _scan_checkpoints(root)
     details = {"folder": str(root), "complete": complete, "incomplete": incomplete}
-    partial = f" ({_steps(incomplete)} incomplete: no {CHECKPOINT_MARKER} or {CHECKPOINT_METADATA}, a save that did not finish)" \
-        if incomplete else ""
+    partial = (
+        f" ({_steps(incomplete)} incomplete: no {CHECKPOINT_MARKER} or {CHECKPOINT_METADATA}, a save that did not finish)"
+        if incomplete
+        else ""
+    )
     if which == "latest":
         if complete:
             return PreflightCheck(name=name, ok=True, message=f"resume latest: step_{complete[-1]} in {root} is complete", details=details)
-        return PreflightCheck(name=name, ok=False,
-                              message=f"resume latest: no complete checkpoint in {root}{partial}; start `fresh` instead, "
-                                      "or point --out at the run's output folder", details=details)
+        return PreflightCheck(
+            name=name,
+            ok=False,
+            message=f"resume latest: no complete checkpoint in {root}{partial}; start `fresh` instead, "
+            "or point --out at the run's output folder",
+            details=details,
+        )
     step = int(which)
     if step in complete:
-        return PreflightCheck(name=name, ok=True,
-                              message=f"step_{step} in {root} is complete ({CHECKPOINT_MARKER}, {CHECKPOINT_METADATA})", details=details)
+        return PreflightCheck(
+            name=name, ok=True, message=f"step_{step} in {root} is complete ({CHECKPOINT_MARKER}, {CHECKPOINT_METADATA})", details=details
+        )
     state = "is incomplete" if step in incomplete else "does not exist"
     pick = f"resume from one of those (`resume at step {complete[-1]}`)" if complete else "start `fresh`"
     return PreflightCheck(
-        name=name, ok=False,
+        name=name,
+        ok=False,
         message=f"step_{step} {state} in {root}; complete checkpoints there: {_steps(complete)}{partial}; {pick}",
         details=details,
     )

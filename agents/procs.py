@@ -344,8 +344,10 @@ class ProcTable:
                     continue
                 if known is not None:
                     st = read_stat(pid)
-                    if st is not None and abs(st.create_time - known.create_time) <= CT_TOLERANCE and (
-                        st.status == "zombie" or (known.exec_mark[0] and st.exec_mark == known.exec_mark)
+                    if (
+                        st is not None
+                        and abs(st.create_time - known.create_time) <= CT_TOLERANCE
+                        and (st.status == "zombie" or (known.exec_mark[0] and st.exec_mark == known.exec_mark))
                     ):
                         continue  # the same process, not exec'd since it was read (a zombie execs no more)
                 self._put(pid, read_entry(pid, self._runs_dir), known)

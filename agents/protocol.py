@@ -10,9 +10,8 @@ connection stays up.
 
 from __future__ import annotations
 
-from typing import Any, Literal, Union
-
 import uuid
+from typing import Any, Literal, Union
 
 import msgspec
 
@@ -245,7 +244,9 @@ class MemoryEstimate(msgspec.Struct, gc=False, kw_only=True, omit_defaults=True)
 
     per_gpu_bytes: int
     params: int = 0
-    method: str = ""  # e.g. "given with --need-gib" or "llama config: 1.10e9 params x 16 B (fp32 master + AdamW) / 4 GPUs + activations ..."
+    method: str = (
+        ""  # e.g. "given with --need-gib" or "llama config: 1.10e9 params x 16 B (fp32 master + AdamW) / 4 GPUs + activations ..."
+    )
     parts: dict[str, int] = {}
 
 
@@ -718,7 +719,9 @@ def decode_request(line: bytes) -> Request | Error:
         return _request_decoder.decode(line)
     except msgspec.ValidationError as exc:
         rid = _salvage_request_id(line)
-        return Error(request_id=rid, code="bad_message", message=f"message not understood: {exc}; see agents/protocol.py for the message types")
+        return Error(
+            request_id=rid, code="bad_message", message=f"message not understood: {exc}; see agents/protocol.py for the message types"
+        )
     except msgspec.DecodeError as exc:
         return Error(code="bad_json", message=f"not valid JSON: {exc}; send one JSON object per line")
     except RecursionError:

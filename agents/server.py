@@ -26,30 +26,21 @@ from typing import Any
 
 import msgspec
 
-from gpudeck.agents import __version__, paths
+from gpudeck.agents import __version__, envs, paths
 from gpudeck.agents.errors import AgentError, BadRequest, StorageError, VersionMismatch
 from gpudeck.agents.gpus import make_sampler
 from gpudeck.agents.journal import Journal
 from gpudeck.agents.procs import ProcTable
-from gpudeck.agents import envs
 from gpudeck.agents.protocol import (
     MAX_OUTPUT_CHUNK,
-    Fingerprint,
-    FingerprintReply,
-    LeftoverList,
-    ListLeftovers,
-    Preflight,
-    PreflightReply,
-    RebuildEnv,
-    Reclaim,
-    VerifyReply,
-    VerifyRun,
     PROTOCOL_VERSION,
     TERMINAL_STATES,
     Cancel,
     Error,
     Event,
     EventBatch,
+    Fingerprint,
+    FingerprintReply,
     FrameReader,
     GetEvents,
     GetMetrics,
@@ -59,18 +50,26 @@ from gpudeck.agents.protocol import (
     HelloReply,
     Launch,
     LaunchReply,
+    LeftoverList,
+    ListLeftovers,
     ListRuns,
     Metrics,
     OutputChunk,
     Ping,
     Pong,
+    Preflight,
+    PreflightReply,
     ReadOutput,
+    RebuildEnv,
+    Reclaim,
     RunList,
     RunReply,
     Snapshot,
     Stop,
     StopReply,
     StreamEnd,
+    VerifyReply,
+    VerifyRun,
     WatchSnapshots,
     decode_request,
     encode,
@@ -103,7 +102,9 @@ async def _loop_monitor(path: Path) -> None:
             lag = loop.time() - t0 - LOOP_MONITOR_BEAT_S
             worst, busy, beats = max(worst, lag), max(busy, time.thread_time() - c0), beats + 1
             if loop.time() >= t_report:
-                fh.write(f'{{"ts": {time.time():.3f}, "max_lag_ms": {worst * 1000:.3f}, "max_busy_ms": {busy * 1000:.3f}, "beats": {beats}}}\n')
+                fh.write(
+                    f'{{"ts": {time.time():.3f}, "max_lag_ms": {worst * 1000:.3f}, "max_busy_ms": {busy * 1000:.3f}, "beats": {beats}}}\n'
+                )
                 worst, busy, beats, t_report = 0.0, 0.0, 0, t_report + 1.0
 
 
@@ -125,7 +126,7 @@ class Agent:
             fcntl.flock(self._lock_fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
             self._lock_fh.close()
-            raise AlreadyRunning(f"an agent already runs for {self.state_dir}: `gpudeck agent status` shows it")
+            raise AlreadyRunning(f"an agent already runs for {self.state_dir}: `gpudeck agent status` shows it") from None
         self._lock_fh.seek(0)
         self._lock_fh.truncate()
         self._lock_fh.write(str(os.getpid()))
@@ -137,7 +138,9 @@ class Agent:
         if self.gpus.simulated:
             log.warning("SIMULATED GPUs: %s", getattr(self.gpus, "description", "GPUDECK_SIMULATE_GPUS is set"))
         self._event_waiters: set[asyncio.Event] = set()  # one per following stream
-        self.supervisor = Supervisor(self.journal, paths.runs_dir(self.state_dir), self.host, self.gpus, self.procs, on_event=self._on_event)
+        self.supervisor = Supervisor(
+            self.journal, paths.runs_dir(self.state_dir), self.host, self.gpus, self.procs, on_event=self._on_event
+        )
         self.snapshots = SnapshotBuilder(self.host, self.journal.epoch, self.gpus, self.procs, self.supervisor)
         self.supervisor.attribute = self.snapshots.attribute
         self.socket_path = paths.socket_path(self.state_dir)
@@ -179,7 +182,9 @@ class Agent:
         self._loop = asyncio.get_running_loop()
         self.journal.on_commit = self._on_commit
         notes = self.supervisor.adopt()
-        self.journal.append("agent_started", None, {"pid": os.getpid(), "version": __version__, "gpu_error": self.gpus.error, "adopted": notes})
+        self.journal.append(
+            "agent_started", None, {"pid": os.getpid(), "version": __version__, "gpu_error": self.gpus.error, "adopted": notes}
+        )
         # what adoption settled is on disk before anyone is served (a client reading the journal sees it)
         try:
             async with asyncio.timeout(REPLY_DURABLE_S):
@@ -266,7 +271,12 @@ class Agent:
         conn = _Conn(self, reader, writer)
         uid = self._peer_uid(writer)
         if uid is None or uid not in (self.uid, 0):
-            await conn.send(Error(code="permission_denied", message=f"uid {uid} may not use this agent (it serves uid {self.uid}); connect as that user, e.g. over `ssh {self.host}`"))
+            await conn.send(
+                Error(
+                    code="permission_denied",
+                    message=f"uid {uid} may not use this agent (it serves uid {self.uid}); connect as that user, e.g. over `ssh {self.host}`",
+                )
+            )
             await conn.close()
             return
         await conn.run()
@@ -316,7 +326,12 @@ class _Conn:
                     break
                 for frame in self.frames.feed(data):
                     if frame is None:
-                        await self.send(Error(code="frame_too_large", message=f"a message was longer than {self.frames.max_frame} bytes and was discarded; send smaller messages"))
+                        await self.send(
+                            Error(
+                                code="frame_too_large",
+                                message=f"a message was longer than {self.frames.max_frame} bytes and was discarded; send smaller messages",
+                            )
+                        )
                         continue
                     req = decode_request(frame)
                     if isinstance(req, Error):
@@ -355,7 +370,13 @@ class _Conn:
             raise
         except Exception as exc:  # the agent stays up whatever one request does
             log.exception("request %s failed", type(req).__name__)
-            await self.send(Error(request_id=rid, code="internal", message=f"the agent failed on this request: {type(exc).__name__}: {exc}; see {paths.log_path(self.agent.state_dir)}"))
+            await self.send(
+                Error(
+                    request_id=rid,
+                    code="internal",
+                    message=f"the agent failed on this request: {type(exc).__name__}: {exc}; see {paths.log_path(self.agent.state_dir)}",
+                )
+            )
         finally:
             if self.streams.get(rid) is asyncio.current_task():
                 self.streams.pop(rid, None)
@@ -449,7 +470,9 @@ class _Conn:
         run = self.agent.supervisor.resolve(req.run_id)
         points = max(2, min(req.max_points, 5000))
         steps, loss, tps, mfu, total = await asyncio.to_thread(step_series, Path(run.run_dir or "") / "telemetry.jsonl", points)
-        await self.send(Metrics(request_id=req.request_id, run_id=run.id, steps=steps, loss=loss, tokens_per_s=tps, mfu=mfu, total_steps=total))
+        await self.send(
+            Metrics(request_id=req.request_id, run_id=run.id, steps=steps, loss=loss, tokens_per_s=tps, mfu=mfu, total_steps=total)
+        )
 
     async def _preflight(self, req: Preflight) -> None:
         result = await self.agent.supervisor.preflight(req.spec, host_name=self.alias or None)
@@ -458,7 +481,14 @@ class _Conn:
     async def _list_leftovers(self, req: ListLeftovers) -> None:
         a = self.agent
         found = await a.supervisor.leftovers(include_live=req.include_live, host_name=self.alias or None)
-        await self.send(LeftoverList(request_id=req.request_id, leftovers=found, gpus=a.supervisor.attributed_gpus() if a.gpus.available else [], gpu_error=a.gpus.error))
+        await self.send(
+            LeftoverList(
+                request_id=req.request_id,
+                leftovers=found,
+                gpus=a.supervisor.attributed_gpus() if a.gpus.available else [],
+                gpu_error=a.gpus.error,
+            )
+        )
 
     async def _reclaim(self, req: Reclaim) -> None:
         result = await self.agent.supervisor.reclaim(req.pids, req.grace_s, req.include_live, host_name=self.alias or None)
@@ -473,7 +503,9 @@ class _Conn:
         a = self.agent
         dest = paths.envs_dir(a.state_dir) / f"{(req.env.freeze_hash or 'env')[:12]}-{int(time.time())}"
         fp = await asyncio.to_thread(envs.rebuild, req.env, dest, driver=a.gpus.driver_version)
-        a.journal.append("env_rebuilt", None, {"path": str(dest), "from": req.env.python, "freeze_hash": fp.freeze_hash, "python": fp.python})
+        a.journal.append(
+            "env_rebuilt", None, {"path": str(dest), "from": req.env.python, "freeze_hash": fp.freeze_hash, "python": fp.python}
+        )
         await self._settled()
         await self.send(FingerprintReply(request_id=req.request_id, env=fp, path=str(dest)))
 
@@ -507,7 +539,9 @@ class _Conn:
                         pass
                     continue
                 if events or not req.follow:
-                    await self.send(EventBatch(request_id=req.request_id, epoch=a.journal.epoch, events=events, last_seq=a.journal.committed_seq))
+                    await self.send(
+                        EventBatch(request_id=req.request_id, epoch=a.journal.epoch, events=events, last_seq=a.journal.committed_seq)
+                    )
                     if events:
                         after = events[-1].seq
                     if not req.follow:
@@ -542,7 +576,16 @@ class _Conn:
                 # never split a UTF-8 sequence across chunks
                 cut = _utf8_boundary(data) if len(data) == max_bytes else len(data)
                 chunk = data[:cut]
-                await self.send(OutputChunk(request_id=req.request_id, run_id=run.id, offset=offset, next_offset=offset + len(chunk), data=chunk.decode("utf-8", "replace"), run_ended=ended and len(data) < max_bytes))
+                await self.send(
+                    OutputChunk(
+                        request_id=req.request_id,
+                        run_id=run.id,
+                        offset=offset,
+                        next_offset=offset + len(chunk),
+                        data=chunk.decode("utf-8", "replace"),
+                        run_ended=ended and len(data) < max_bytes,
+                    )
+                )
                 offset += len(chunk)
                 if not req.follow:
                     return

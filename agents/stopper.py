@@ -199,7 +199,9 @@ def classify(
         st = status_of(m.pid, m.create_time)
         if k not in signalled:
             if report_gone(m):
-                result.stopped.append(StoppedProcess(pid=m.pid, cmdline=cmd, role=m.role, how="zombie" if st == "zombie" else "already_gone", status=st))
+                result.stopped.append(
+                    StoppedProcess(pid=m.pid, cmdline=cmd, role=m.role, how="zombie" if st == "zombie" else "already_gone", status=st)
+                )
         elif k in term_keys:
             result.stopped.append(StoppedProcess(pid=m.pid, cmdline=cmd, role=m.role, how="zombie" if st == "zombie" else "SIGTERM"))
         elif k in kill_keys:
@@ -240,14 +242,19 @@ async def verify_gpu(gpus: GpuSource, result: StopResult, members: list[Member],
             break
         await asyncio.sleep(0.1)
     after = {g.index: g.memory_used for g in sample}
-    result.still_on_gpu = [GpuProcess(pid=p.pid, gpu=p.gpu, used_bytes=p.used_bytes, attribution="STALE", run_id=result.run_id, create_time=p.create_time) for p in holders]
+    result.still_on_gpu = [
+        GpuProcess(pid=p.pid, gpu=p.gpu, used_bytes=p.used_bytes, attribution="STALE", run_id=result.run_id, create_time=p.create_time)
+        for p in holders
+    ]
     for idx, b in sorted(before.items()):
         a = after.get(idx, b)
         result.freed.append(GpuFreed(gpu=idx, before_bytes=b, after_bytes=a, freed_bytes=max(0, b - a)))
     result.freed_bytes = sum(f.freed_bytes for f in result.freed)
     result.gpu_verified = not holders
     if holders:
-        result.gpu_note = "still holding GPU memory: " + ", ".join(f"pid {p.pid} on GPU {p.gpu} ({(p.used_bytes or 0) / 2**30:.1f} GiB)" for p in holders)
+        result.gpu_note = "still holding GPU memory: " + ", ".join(
+            f"pid {p.pid} on GPU {p.gpu} ({(p.used_bytes or 0) / 2**30:.1f} GiB)" for p in holders
+        )
     else:
         result.gpu_note = f"verified through NVML: no process of the run holds GPU memory; {result.freed_bytes / 2**30:.2f} GiB freed"
 
@@ -256,7 +263,9 @@ def summary(result: StopResult) -> str:
     """One line: what was stopped, what needed SIGKILL, what survived, the GPU verification."""
     parts = [f"stopped {len(result.stopped)} process(es)"]
     if result.needed_kill:
-        shown = ", ".join(map(str, result.needed_kill[:16])) + (f", … {len(result.needed_kill) - 16} more" if len(result.needed_kill) > 16 else "")
+        shown = ", ".join(map(str, result.needed_kill[:16])) + (
+            f", … {len(result.needed_kill) - 16} more" if len(result.needed_kill) > 16 else ""
+        )
         parts.append(f"{len(result.needed_kill)} needed SIGKILL ({shown})")
     if result.survivors:
         parts.append(f"{len(result.survivors)} SURVIVED: " + ", ".join(f"{s.pid} ({s.status})" for s in result.survivors))

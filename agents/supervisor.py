@@ -50,7 +50,6 @@ from gpudeck.agents.procs import (
 )
 from gpudeck.agents.protocol import (
     LIVE_STATES,
-    new_run_id,
     TERMINAL_STATES,
     Alert,
     ClaimRow,
@@ -66,6 +65,7 @@ from gpudeck.agents.protocol import (
     RunInfo,
     StoppedProcess,
     StopResult,
+    new_run_id,
 )
 
 log = logging.getLogger("gpudeck.agent")
@@ -299,14 +299,25 @@ class Supervisor:
         now = time.time()
         cause = failure_summary(pf)
         run = RunInfo(
-            id=spec.run_id or new_run_id(), host=self.host, state="preflight_failed", spec=spec, name=spec.name, created=now,
-            request_id=request_id or None, cause=cause, ended=now, preflight=pf,
+            id=spec.run_id or new_run_id(),
+            host=self.host,
+            state="preflight_failed",
+            spec=spec,
+            name=spec.name,
+            created=now,
+            request_id=request_id or None,
+            cause=cause,
+            ended=now,
+            preflight=pf,
         )
         self._emit(await self.journal.durable_create_run(run))  # on disk before the reply; the loop never waits on the disk
-        self._emit_many([
-            ("preflight", run.id, {"result": msgspec.to_builtins(pf)}),
-            ("run_state", run.id, {"state": "preflight_failed", "cause": cause, "ended": now, "cause_class": "preflight"}),
-        ], f"run {run.id}'s pre-flight failure")
+        self._emit_many(
+            [
+                ("preflight", run.id, {"result": msgspec.to_builtins(pf)}),
+                ("run_state", run.id, {"state": "preflight_failed", "cause": cause, "ended": now, "cause_class": "preflight"}),
+            ],
+            f"run {run.id}'s pre-flight failure",
+        )
         self._ended_ids.add(run.id)
         return run
 
@@ -317,21 +328,33 @@ class Supervisor:
             return ContainmentInfo(level="tag", label=Containment("the run was started without a cgroup").label)
         return ContainmentInfo(level="tag", label=self.containment.label)
 
-    async def _launch_new(self, plan: LaunchPlan, request_id: str, pf: PreflightResult | None = None, env_fp: EnvFingerprint | None = None) -> tuple[RunInfo, bool]:
+    async def _launch_new(
+        self, plan: LaunchPlan, request_id: str, pf: PreflightResult | None = None, env_fp: EnvFingerprint | None = None
+    ) -> tuple[RunInfo, bool]:
         spec = plan.spec
         run_id = spec.run_id or new_run_id()
         run_dir = self.runs_dir / run_id
         now = time.time()
         run = RunInfo(
-            id=run_id, host=self.host, state="starting", spec=spec, name=spec.name, created=now,
-            request_id=request_id or None, run_dir=str(run_dir), preflight=pf, env=env_fp,
+            id=run_id,
+            host=self.host,
+            state="starting",
+            spec=spec,
+            name=spec.name,
+            created=now,
+            request_id=request_id or None,
+            run_dir=str(run_dir),
+            preflight=pf,
+            env=env_fp,
         )
         try:
             run_dir.mkdir(parents=True, exist_ok=False)
             fsync_write(run_dir / "spec.json", msgspec.json.encode(spec))
         except OSError as exc:
             shutil.rmtree(run_dir, ignore_errors=True)
-            raise StorageError(f"cannot create the run folder {run_dir} ({exc.strerror}): free space or fix permissions in {self.runs_dir}; nothing was started") from exc
+            raise StorageError(
+                f"cannot create the run folder {run_dir} ({exc.strerror}): free space or fix permissions in {self.runs_dir}; nothing was started"
+            ) from exc
         # the record exists before anything starts: a failed start is never unrecorded
         try:
             self._emit(await self.journal.durable_create_run(run))  # on disk before anything starts; the loop keeps serving meanwhile
@@ -344,7 +367,9 @@ class Supervisor:
         finally:
             lr.launching = False
 
-    async def _start_recorded(self, lr: LiveRun, plan: LaunchPlan, run_dir: Path, pf: PreflightResult | None, env_fp: EnvFingerprint | None) -> tuple[RunInfo, bool]:
+    async def _start_recorded(
+        self, lr: LiveRun, plan: LaunchPlan, run_dir: Path, pf: PreflightResult | None, env_fp: EnvFingerprint | None
+    ) -> tuple[RunInfo, bool]:
         run = lr.info
         run_id = run.id
         spec = plan.spec
@@ -385,7 +410,16 @@ class Supervisor:
         members = [Member(pid=shim.pid, create_time=create_time_of(shim.pid) or 0.0, role="shim", first_seen=now, cmdline=["gpudeck-shim"])]
         leader_ct = create_time_of(pid)
         if leader_ct is not None:
-            members.append(Member(pid=pid, create_time=leader_ct, role="leader", first_seen=now, cmdline=list(spec.argv), found_by="cgroup" if group else "tag"))
+            members.append(
+                Member(
+                    pid=pid,
+                    create_time=leader_ct,
+                    role="leader",
+                    first_seen=now,
+                    cmdline=list(spec.argv),
+                    found_by="cgroup" if group else "tag",
+                )
+            )
         self._set(run, "run_state", {"state": "running", "pid": pid}, state="running", started=time.time(), members=members)
         self._reindex()
         return run, False
@@ -395,14 +429,23 @@ class Supervisor:
         return spawn(run, env, lr.group if lr is not None else None)
 
     def _fail_launch(self, run: RunInfo, cause: str) -> None:
-        self._set(run, "run_state", {"state": "failed", "cause": f"launch failed: {cause}"}, state="failed", cause=f"launch failed: {cause}", ended=time.time())
+        self._set(
+            run,
+            "run_state",
+            {"state": "failed", "cause": f"launch failed: {cause}"},
+            state="failed",
+            cause=f"launch failed: {cause}",
+            ended=time.time(),
+        )
 
     # ------------------------------------------------------------------ watching
 
     def _needs_tree(self) -> bool:
         return any(lr.group is None and lr.info.state in ("running", "starting") and not lr.launching for lr in self._live.values())
 
-    def _scan(self, want_tree: bool, want_gpus: bool, members: list[Member]) -> tuple[dict[int, StatLine] | None, list[Gpu] | None, dict[tuple[int, float], bool]]:
+    def _scan(
+        self, want_tree: bool, want_gpus: bool, members: list[Member]
+    ) -> tuple[dict[int, StatLine] | None, list[Gpu] | None, dict[tuple[int, float], bool]]:
         """The parts of a tick that read the whole host: parentage (tag-level runs only), one GPU sample, whether each member lives."""
         tree = self._tree.scan() if want_tree else None
         gpus = self.gpus.sample() if want_gpus and self.gpus.available else None
@@ -424,7 +467,9 @@ class Supervisor:
         scanned = await asyncio.to_thread(self._scan, *self._scan_args())
         self._judge(*scanned)  # back on the loop: request handlers may have changed runs meanwhile, so judge what is there now
 
-    def _judge(self, tree: dict[int, StatLine] | None, raw_gpus: list[Gpu] | None, alive_now: dict[tuple[int, float], bool] | None = None) -> None:
+    def _judge(
+        self, tree: dict[int, StatLine] | None, raw_gpus: list[Gpu] | None, alive_now: dict[tuple[int, float], bool] | None = None
+    ) -> None:
         gpus: list[Gpu] | None = None
         for lr in list(self._live.values()):
             run = lr.info
@@ -456,7 +501,12 @@ class Supervisor:
             if lr.group is not None:
                 info.untagged = sorted(set(info.untagged) & set(lr.group.pids()) | set(d.untagged))
                 f = lr.group.figures()
-                info.cpu_seconds, info.memory_peak_bytes, info.oom_kills, info.figures_note = f.cpu_seconds, f.memory_peak_bytes, f.oom_kills, f.note
+                info.cpu_seconds, info.memory_peak_bytes, info.oom_kills, info.figures_note = (
+                    f.cpu_seconds,
+                    f.memory_peak_bytes,
+                    f.oom_kills,
+                    f.note,
+                )
             info.outside = d.outside
             info.other_uid = d.other_uid
             for r in d.outside + d.other_uid:
@@ -527,7 +577,11 @@ class Supervisor:
         if health.wants_stop and run.id not in self._stopping:
             death = lr.first_death
             why = f"a rank died ({death.message.split(':')[0]})" if death else "a rank died"
-            self._spawn_bg(self.stop(run.id, RANK_DEATH_STOP_GRACE_S, reason=f"stopped by gpudeck: {why} and the run was launched with --on-rank-death stop"))
+            self._spawn_bg(
+                self.stop(
+                    run.id, RANK_DEATH_STOP_GRACE_S, reason=f"stopped by gpudeck: {why} and the run was launched with --on-rank-death stop"
+                )
+            )
 
     def _spawn_bg(self, coro) -> None:
         task = asyncio.ensure_future(coro)
@@ -641,7 +695,12 @@ class Supervisor:
         if run.containment is not None:
             if figures is not None:
                 c = run.containment
-                c.cpu_seconds, c.memory_peak_bytes, c.oom_kills, c.figures_note = figures.cpu_seconds, figures.memory_peak_bytes, figures.oom_kills, figures.note
+                c.cpu_seconds, c.memory_peak_bytes, c.oom_kills, c.figures_note = (
+                    figures.cpu_seconds,
+                    figures.memory_peak_bytes,
+                    figures.oom_kills,
+                    figures.note,
+                )
             data["containment"] = msgspec.to_builtins(run.containment)
         self._record_claims(lr)
         self._set(run, "run_state", data, state=end.state, cause=end.cause, exit_code=end.exit_code, signal=end.signal, ended=end.ended)
@@ -687,8 +746,14 @@ class Supervisor:
                 run.containment = self._containment_info(None) if lr.group is None else self._containment_info(lr.group)
             if run.state == "starting" and not run.members and not self.procs.tagged(run.id) and not (lr.group and lr.group.populated()):
                 # the agent died between the record and the start, and no process carries the tag
-                self._set(run, "run_state", {"state": "failed", "cause": "launch interrupted: the agent stopped while starting it"},
-                          state="failed", cause="launch interrupted: the agent stopped while starting it; nothing was started", ended=time.time())
+                self._set(
+                    run,
+                    "run_state",
+                    {"state": "failed", "cause": "launch interrupted: the agent stopped while starting it"},
+                    state="failed",
+                    cause="launch interrupted: the agent stopped while starting it; nothing was started",
+                    ended=time.time(),
+                )
                 notes.append(f"{run.id}: launch interrupted")
                 continue
             self._discover(lr, tree)
@@ -704,11 +769,20 @@ class Supervisor:
                     notes.append(f"{run.id}: stop was in progress ({time.time() - lr.resume_stop_started:.1f} s ago); finishing it")
                     self._set(run, "run_adopted", {"state": run.state, "resume_stop": True, "stop_started": lr.resume_stop_started})
                 else:
-                    self._set(run, "run_adopted", {"state": "running", "containment": run.containment.label if run.containment else None}, state="running")
+                    self._set(
+                        run,
+                        "run_adopted",
+                        {"state": "running", "containment": run.containment.label if run.containment else None},
+                        state="running",
+                    )
                     notes.append(f"{run.id}: re-adopted ({run.containment.label if run.containment else 'tag'})")
             else:
                 was_stopping = run.state == "stopping"
-                self._finish(lr, agent_was_down=True, stopped_cause="stopped by operator (the stop finished while the agent was down)" if was_stopping else None)
+                self._finish(
+                    lr,
+                    agent_was_down=True,
+                    stopped_cause="stopped by operator (the stop finished while the agent was down)" if was_stopping else None,
+                )
                 notes.append(f"{run.id}: ended while the agent was down ({run.state})")
         for run in self.journal.list_runs(limit=2000, states=TERMINAL_STATES):
             self._ended_ids.add(run.id)
@@ -772,7 +846,9 @@ class Supervisor:
         if lr is None and not was_terminal:
             lr = self._live[run.id] = LiveRun(info=run, group=self._group_of(run))
         group = lr.group if lr is not None else (self._ended_groups.get(run.id) or self._group_of(run))
-        result = StopResult(run_id=run.id, state="stopping", containment=(run.containment.label if run.containment else self._containment_info(group).label))
+        result = StopResult(
+            run_id=run.id, state="stopping", containment=(run.containment.label if run.containment else self._containment_info(group).label)
+        )
         stop_started = time.time()
         grace_left = grace_s
         if lr is not None and lr.resume_stop_started is not None:
@@ -791,7 +867,12 @@ class Supervisor:
         if was_terminal and not live and (group is None or not group.populated()):
             if group is not None:
                 self._settle_group(run.id, group)
-            return StopResult(run_id=run.id, state=run.state, message=f"run {run.id} already ended ({run.cause}); none of its processes is alive", seconds=time.monotonic() - t0)
+            return StopResult(
+                run_id=run.id,
+                state=run.state,
+                message=f"run {run.id} already ended ({run.cause}); none of its processes is alive",
+                seconds=time.monotonic() - t0,
+            )
 
         gpu_before = await asyncio.to_thread(self.gpus.memory_used) if self.gpus.available else {}
 
@@ -817,9 +898,20 @@ class Supervisor:
             if kept is None:
                 if lr is not None and info is not None:
                     f = group.figures()
-                    info.cpu_seconds, info.memory_peak_bytes, info.oom_kills, info.figures_note = f.cpu_seconds, f.memory_peak_bytes, f.oom_kills, f.note
-                why = self._settle_group(run.id, group) if was_terminal or lr is None else None  # a live run's group goes when its end is journaled
-                result.group_note = f"cgroup {group.path} emptied (populated 0)" + (f" by {t.kill_how}" if t.needed_kill else "") + ("" if why is None else f"; {why}")
+                    info.cpu_seconds, info.memory_peak_bytes, info.oom_kills, info.figures_note = (
+                        f.cpu_seconds,
+                        f.memory_peak_bytes,
+                        f.oom_kills,
+                        f.note,
+                    )
+                why = (
+                    self._settle_group(run.id, group) if was_terminal or lr is None else None
+                )  # a live run's group goes when its end is journaled
+                result.group_note = (
+                    f"cgroup {group.path} emptied (populated 0)"
+                    + (f" by {t.kill_how}" if t.needed_kill else "")
+                    + ("" if why is None else f"; {why}")
+                )
             else:
                 result.group_note = f"cgroup {group.path} kept: {kept}"
         else:
@@ -829,7 +921,10 @@ class Supervisor:
 
         if was_terminal:
             result.state = run.state
-            result.message = f"run {run.id} had already ended ({run.cause}); its {len(t.signalled)} leftover process(es) were stopped; " + stopper.summary(result)
+            result.message = (
+                f"run {run.id} had already ended ({run.cause}); its {len(t.signalled)} leftover process(es) were stopped; "
+                + stopper.summary(result)
+            )
             if group is not None:
                 self._settle_group(run.id, group)
             self._emit(self.journal.append("reclaimed", run.id, msgspec.to_builtins(result)))
@@ -845,7 +940,9 @@ class Supervisor:
         if result.needed_kill:
             cause += f"; {len(result.needed_kill)} process(es) ignored SIGTERM for {grace_s:g} s and needed SIGKILL"
         if result.survivors:
-            cause += f"; {len(result.survivors)} process(es) survived SIGKILL ({', '.join(f'{s.pid} {s.status}' for s in result.survivors)})"
+            cause += (
+                f"; {len(result.survivors)} process(es) survived SIGKILL ({', '.join(f'{s.pid} {s.status}' for s in result.survivors)})"
+            )
         if result.reported:
             cause += f"; {len(result.reported)} process(es) reported and not signalled"
         result.state = "stopped"
@@ -862,7 +959,10 @@ class Supervisor:
                 result.group_note += " and removed"
         result.message = stopper.summary(result)
         if result.resumed_after_s is not None:
-            result.message = f"resumed a stop begun {result.resumed_after_s:.1f} s earlier by the previous agent ({grace_left:.1f} s of grace left); " + result.message
+            result.message = (
+                f"resumed a stop begun {result.resumed_after_s:.1f} s earlier by the previous agent ({grace_left:.1f} s of grace left); "
+                + result.message
+            )
         return result
 
     # ------------------------------------------------------------------ reclaim (failures 1-3)
@@ -886,7 +986,15 @@ class Supervisor:
         """Every leftover process here (see agents/leftovers.py), with CPU % over a short sample."""
         self.procs.refresh(full=True)
         gpus = self.attributed_gpus() if self.gpus.available else []
-        found = find_leftovers(host_name or self.host, self.procs, gpus, self.run_state, self.journal.get_run, include_live=include_live, grouped=self._grouped_leftovers())
+        found = find_leftovers(
+            host_name or self.host,
+            self.procs,
+            gpus,
+            self.run_state,
+            self.journal.get_run,
+            include_live=include_live,
+            grouped=self._grouped_leftovers(),
+        )
         before = {lo.pid: read_stat(lo.pid) for lo in found}
         t0 = time.monotonic()
         await asyncio.sleep(0.25)
@@ -901,7 +1009,9 @@ class Supervisor:
         """Stop exactly these leftovers: TERM, grace, KILL, verify through NVML; never a live run's process unless asked."""
         host = host_name or self.host
         if not pids:
-            raise BadRequest(f"name the pids to reclaim: `gpudeck reclaim {host}` lists the leftovers, `gpudeck reclaim {host}:PID` stops one")
+            raise BadRequest(
+                f"name the pids to reclaim: `gpudeck reclaim {host}` lists the leftovers, `gpudeck reclaim {host}:PID` stops one"
+            )
         if grace_s < 0 or grace_s > 3600:
             raise BadRequest(f"grace {grace_s} s is out of range: give 0 to 3600 seconds")
         t0 = time.monotonic()
@@ -915,7 +1025,9 @@ class Supervisor:
                     f"reclaim stops only leftovers — `gpudeck reclaim {host}` lists them; a live run is stopped with `gpudeck stop RUN`"
                 )
             if lo.kind == "live" and not include_live:
-                raise BadRequest(f"pid {pid} belongs to live run {lo.run_id}: `gpudeck stop {lo.run_id}` stops the whole run; to stop this one process alone add --include-live")
+                raise BadRequest(
+                    f"pid {pid} belongs to live run {lo.run_id}: `gpudeck stop {lo.run_id}` stops the whole run; to stop this one process alone add --include-live"
+                )
             chosen.append(lo)
         result = StopResult(run_id=None, state="reclaimed", containment=self.containment.label)
         targets: list[Member] = []
@@ -930,7 +1042,9 @@ class Supervisor:
         t = await stopper.terminate(live, grace_s, poll=self._poll_shims)
         stopper.classify(result, targets, t)
         for lo in unsignalable:
-            result.survivors.append(StoppedProcess(pid=lo.pid, cmdline=lo.cmdline, role="leftover", how="survived", status="no such process"))
+            result.survivors.append(
+                StoppedProcess(pid=lo.pid, cmdline=lo.cmdline, role="leftover", how="survived", status="no such process")
+            )
         await stopper.verify_gpu(self.gpus, result, targets + [Member(pid=lo.pid, create_time=0.0) for lo in unsignalable], gpu_before)
         result.seconds = round(time.monotonic() - t0, 3)
         notes = [f"pid {s.pid}: {found[s.pid].note}" for s in result.survivors] + [

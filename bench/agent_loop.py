@@ -29,8 +29,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from gpudeck.agents.client import AgentClient  # noqa: E402
-from gpudeck.agents.protocol import GetSnapshot, Launch, LaunchSpec, Ping  # noqa: E402
+from gpudeck.agents.client import AgentClient
+from gpudeck.agents.protocol import GetSnapshot, Launch, LaunchSpec, Ping
 
 # telemetry as fast as the agent takes it: every record becomes one journal event (eval records are never thinned)
 WRITER = r"""
@@ -71,7 +71,13 @@ async def main_async(args: argparse.Namespace) -> None:
     pythonpath = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
     env = {**os.environ, "GPUDECK_HOME": str(home), "PYTHONPATH": pythonpath, "GPUDECK_LOOP_MONITOR": str(monitor)}
     errlog = open(home / "agent.stderr", "wb")
-    agent = subprocess.Popen([sys.executable, "-m", "gpudeck.agents", "serve", "--state-dir", str(state)], env=env, start_new_session=True, stdout=errlog, stderr=errlog)
+    agent = subprocess.Popen(
+        [sys.executable, "-m", "gpudeck.agents", "serve", "--state-dir", str(state)],
+        env=env,
+        start_new_session=True,
+        stdout=errlog,
+        stderr=errlog,
+    )
     stop = threading.Event()
     client = None
     try:
@@ -87,7 +93,9 @@ async def main_async(args: argparse.Namespace) -> None:
         run_id = launched.run.id  # type: ignore[attr-defined]
         await asyncio.sleep(2.0)
         held: list[float] = []
-        t_lock = threading.Thread(target=holder, args=(state / "journal.db", args.hold_ms / 1000, args.gap_ms / 1000, stop, held), daemon=True)
+        t_lock = threading.Thread(
+            target=holder, args=(state / "journal.db", args.hold_ms / 1000, args.gap_ms / 1000, stop, held), daemon=True
+        )
         mon_from = monitor.stat().st_size if monitor.exists() else 0
         if args.hold_ms > 0:
             t_lock.start()
@@ -108,19 +116,34 @@ async def main_async(args: argparse.Namespace) -> None:
         stop.set()
         if t_lock.is_alive():
             t_lock.join(10)
-        print(f"agent_loop journal write lock held {len(held)} times, {statistics.fmean(held or [0]) * 1000:.0f} ms each (gap {args.gap_ms} ms), over {args.seconds:.0f} s; run {run_id} journaling telemetry", flush=True)
-        print(f"agent_loop ping RTT      p50 {pct(pings, 0.5):7.2f} ms  p99 {pct(pings, 0.99):7.2f} ms  max {max(pings):7.2f} ms  n={len(pings)}", flush=True)
-        print(f"agent_loop snapshot RTT  p50 {pct(snaps, 0.5):7.2f} ms  p99 {pct(snaps, 0.99):7.2f} ms  max {max(snaps):7.2f} ms  n={len(snaps)}", flush=True)
+        print(
+            f"agent_loop journal write lock held {len(held)} times, {statistics.fmean(held or [0]) * 1000:.0f} ms each (gap {args.gap_ms} ms), over {args.seconds:.0f} s; run {run_id} journaling telemetry",
+            flush=True,
+        )
+        print(
+            f"agent_loop ping RTT      p50 {pct(pings, 0.5):7.2f} ms  p99 {pct(pings, 0.99):7.2f} ms  max {max(pings):7.2f} ms  n={len(pings)}",
+            flush=True,
+        )
+        print(
+            f"agent_loop snapshot RTT  p50 {pct(snaps, 0.5):7.2f} ms  p99 {pct(snaps, 0.99):7.2f} ms  max {max(snaps):7.2f} ms  n={len(snaps)}",
+            flush=True,
+        )
         if monitor.exists():
             with open(monitor, "rb") as fh:
                 fh.seek(mon_from)
                 lines = [json.loads(x) for x in fh.read().splitlines() if x.strip()]
             lags = [x["max_lag_ms"] for x in lines]
             busy = [x["max_busy_ms"] for x in lines]
-            print(f"agent_loop event-loop lag (1 ms heartbeat, worst per second): p50 {pct(lags, 0.5):.2f} ms  max {max(lags):.2f} ms; "
-                  f"{sum(1 for x in lags if x > 5.0)} of {len(lags)} seconds had a lag over 5 ms", flush=True)
-            print(f"agent_loop event-loop work (CPU the loop's thread spent within one beat, worst per second): p50 {pct(busy, 0.5):.2f} ms  "
-                  f"max {max(busy):.2f} ms; {sum(1 for x in busy if x > 5.0)} of {len(busy)} seconds over 5 ms (a lag beyond it is the host's scheduler)", flush=True)
+            print(
+                f"agent_loop event-loop lag (1 ms heartbeat, worst per second): p50 {pct(lags, 0.5):.2f} ms  max {max(lags):.2f} ms; "
+                f"{sum(1 for x in lags if x > 5.0)} of {len(lags)} seconds had a lag over 5 ms",
+                flush=True,
+            )
+            print(
+                f"agent_loop event-loop work (CPU the loop's thread spent within one beat, worst per second): p50 {pct(busy, 0.5):.2f} ms  "
+                f"max {max(busy):.2f} ms; {sum(1 for x in busy if x > 5.0)} of {len(busy)} seconds over 5 ms (a lag beyond it is the host's scheduler)",
+                flush=True,
+            )
         else:
             print("agent_loop event-loop lag: this agent has no GPUDECK_LOOP_MONITOR (an older build); ping RTT stands for it", flush=True)
         db = sqlite3.connect(str(state / "journal.db"))

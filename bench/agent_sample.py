@@ -30,14 +30,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-import psutil  # noqa: E402
+import psutil
 
-from gpudeck.agents.gpus import GpuSampler  # noqa: E402
-from gpudeck.agents.journal import Journal  # noqa: E402
-from gpudeck.agents.procs import ProcTable  # noqa: E402
-from gpudeck.agents.protocol import LaunchSpec, WatchSnapshots  # noqa: E402
-from gpudeck.agents.snapshot import SnapshotBuilder  # noqa: E402
-from gpudeck.agents.supervisor import Supervisor  # noqa: E402
+from gpudeck.agents.gpus import GpuSampler
+from gpudeck.agents.journal import Journal
+from gpudeck.agents.procs import ProcTable
+from gpudeck.agents.protocol import LaunchSpec, WatchSnapshots
+from gpudeck.agents.snapshot import SnapshotBuilder
+from gpudeck.agents.supervisor import Supervisor
 
 HOLD = (
     "import sys, time, torch\n"
@@ -81,7 +81,10 @@ async def main_async(args: argparse.Namespace) -> None:
             snap = builder.build()
             held = [p for g in snap.gpus for p in g.processes if p.run_id == run.id and (p.used_bytes or 0) >= args.hold_gib * 0.9 * 2**30]
             if held:
-                print(f"agent_sample holder: pid {held[0].pid} {held[0].used_bytes / 2**30:.1f} GiB attributed {held[0].attribution} {run.id}", flush=True)
+                print(
+                    f"agent_sample holder: pid {held[0].pid} {held[0].used_bytes / 2**30:.1f} GiB attributed {held[0].attribution} {run.id}",
+                    flush=True,
+                )
                 break
             await asyncio.sleep(0.5)
         else:
@@ -92,7 +95,9 @@ async def main_async(args: argparse.Namespace) -> None:
     line("gpudeck snapshot", ours, ours99, None, args.n)
     snap = builder.build()
     nprocs = sum(len(g.processes) for g in snap.gpus)
-    print(f"agent_sample gpudeck snapshot covers {len(snap.gpus)} GPU(s), {nprocs} GPU process(es), {len(snap.runs)} live run(s)", flush=True)
+    print(
+        f"agent_sample gpudeck snapshot covers {len(snap.gpus)} GPU(s), {nprocs} GPU process(es), {len(snap.runs)} live run(s)", flush=True
+    )
 
     if sampler.available:
         import pynvml
@@ -113,9 +118,20 @@ async def main_async(args: argparse.Namespace) -> None:
 
     smi = shutil.which("nvidia-smi")
     if smi:
+
         def smi_pair() -> None:
-            subprocess.run([smi, "--query-gpu=index,uuid,name,memory.used,memory.total,utilization.gpu,temperature.gpu,power.draw", "--format=csv,noheader,nounits"], capture_output=True, check=True)
-            subprocess.run([smi, "--query-compute-apps=pid,gpu_uuid,used_memory", "--format=csv,noheader,nounits"], capture_output=True, check=True)
+            subprocess.run(
+                [
+                    smi,
+                    "--query-gpu=index,uuid,name,memory.used,memory.total,utilization.gpu,temperature.gpu,power.draw",
+                    "--format=csv,noheader,nounits",
+                ],
+                capture_output=True,
+                check=True,
+            )
+            subprocess.run(
+                [smi, "--query-compute-apps=pid,gpu_uuid,used_memory", "--format=csv,noheader,nounits"], capture_output=True, check=True
+            )
 
         m, p = timeit(smi_pair, 20, warm=1)
         line("nvidia-smi query pair", m, p, ours, 20)
@@ -144,6 +160,7 @@ async def main_async(args: argparse.Namespace) -> None:
         print("agent_sample nvitop: not installed", flush=True)
     else:
         if sampler.available:
+
             def nvitop_refresh() -> None:
                 devices = Device.all()
                 for d in devices:
@@ -168,8 +185,11 @@ async def main_async(args: argparse.Namespace) -> None:
             cpu_pct = await agent_cpu(args.cpu_seconds, profile=args.profile, warmup=args.warmup)
         finally:
             stop_sleepers(extra)
-        print(f"agent_sample agent CPU at 1 s snapshot interval: {cpu_pct:.3f}% of one core over {args.cpu_seconds} s "
-              f"({n_host} processes on the host, {len(extra)} of them started by the benchmark)", flush=True)
+        print(
+            f"agent_sample agent CPU at 1 s snapshot interval: {cpu_pct:.3f}% of one core over {args.cpu_seconds} s "
+            f"({n_host} processes on the host, {len(extra)} of them started by the benchmark)",
+            flush=True,
+        )
     shutil.rmtree(tmp, ignore_errors=True)
 
 
@@ -238,7 +258,11 @@ async def agent_cpu(seconds: float, profile: str | None = None, warmup: float = 
     pythonpath = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
     env = {**os.environ, "GPUDECK_HOME": str(home), "PYTHONPATH": pythonpath}
     errlog = open(home / "agent.stderr", "wb")
-    cmd = [sys.executable, "-c", PROFILED_AGENT, profile, str(home / "agent")] if profile else [sys.executable, "-m", "gpudeck.agents", "serve", "--state-dir", str(home / "agent")]
+    cmd = (
+        [sys.executable, "-c", PROFILED_AGENT, profile, str(home / "agent")]
+        if profile
+        else [sys.executable, "-m", "gpudeck.agents", "serve", "--state-dir", str(home / "agent")]
+    )
     proc = subprocess.Popen(cmd, env=env, start_new_session=True, stdout=errlog, stderr=errlog)
     try:
         from gpudeck.agents.client import AgentClient
@@ -267,7 +291,10 @@ async def agent_cpu(seconds: float, profile: str | None = None, warmup: float = 
         ids1 = _newest_id()
         if ids0 is not None and ids1 is not None:
             made = ids1 - ids0 if ids1 >= ids0 else ids1 + int(Path("/proc/sys/kernel/pid_max").read_text()) - ids0
-            print(f"agent_sample the host handed out {made} new pids/tids during the window ({made / wall:.1f}/s): the agent reads each once", flush=True)
+            print(
+                f"agent_sample the host handed out {made} new pids/tids during the window ({made / wall:.1f}/s): the agent reads each once",
+                flush=True,
+            )
         await client.close()
         used = (c1.user - c0.user) + (c1.system - c0.system)
         print(f"agent_sample agent sent {n} snapshots in {wall:.1f} s; CPU {used:.3f} s", flush=True)
@@ -289,7 +316,9 @@ def main() -> None:
     ap.add_argument("-n", type=int, default=2000, help="snapshots to time")
     ap.add_argument("--cpu-seconds", type=float, default=30.0, help="how long to measure the agent's CPU (0: skip)")
     ap.add_argument("--warmup", type=float, default=2.0, help="seconds between the agent answering and the CPU window")
-    ap.add_argument("--extra-procs", type=int, default=0, help="sleeping processes to start for the CPU measurement (stopped by pid after it)")
+    ap.add_argument(
+        "--extra-procs", type=int, default=0, help="sleeping processes to start for the CPU measurement (stopped by pid after it)"
+    )
     ap.add_argument("--profile", default=None, help="write a cProfile of the measured agent (every thread) here and print its top")
     args = ap.parse_args()
     asyncio.run(main_async(args))

@@ -106,7 +106,9 @@ async def one_level(level: str, args: argparse.Namespace, tmp: Path) -> dict[str
         await sup.stop(run.id, grace_s=1)
     # a big run: every process holds a little simulated GPU memory, so the verification waits for each
     up = home / "big-up"
-    run, _ = await sup.launch(LaunchSpec(argv=[sys.executable, "-c", TREE, str(args.procs), str(up)], cwd=str(home), env={"GPUDECK_SIM_GPU_MEM": "0:0.01"}))
+    run, _ = await sup.launch(
+        LaunchSpec(argv=[sys.executable, "-c", TREE, str(args.procs), str(up)], cwd=str(home), env={"GPUDECK_SIM_GPU_MEM": "0:0.01"})
+    )
     while not up.exists():
         await asyncio.sleep(0.05)
     deadline = time.monotonic() + 120
@@ -127,14 +129,28 @@ async def one_level(level: str, args: argparse.Namespace, tmp: Path) -> dict[str
                 stalls.append((time.perf_counter() - t1) * 1000)
             else:
                 stalls.append(await loop_stall(fn))
-        out(f"{level}: tick {name}, worst loop stall", max(stalls), "ms", f"median {statistics.median(stalls):.2f} ms, n={len(stalls)}, {members} processes in the run, {len(os.listdir('/proc'))} /proc entries")
+        out(
+            f"{level}: tick {name}, worst loop stall",
+            max(stalls),
+            "ms",
+            f"median {statistics.median(stalls):.2f} ms, n={len(stalls)}, {members} processes in the run, {len(os.listdir('/proc'))} /proc entries",
+        )
     t0 = time.monotonic()
     res = await sup.stop(run.id, grace_s=args.grace)
     stop_s = time.monotonic() - t0
     ok = res.gpu_verified and not res.survivors
-    out(f"{level}: launch to first instruction (median)", statistics.median(launch_ms), "ms", f"n={len(launch_ms)} min {min(launch_ms):.1f} max {max(launch_ms):.1f}")
-    out(f"{level}: stop of {members} processes, verified", stop_s * 1000, "ms",
-        f"grace {args.grace:g} s; over grace {stop_s - args.grace:+.2f} s; {len(res.needed_kill)} needed kill; verified={ok}; {res.group_note[:80]}")
+    out(
+        f"{level}: launch to first instruction (median)",
+        statistics.median(launch_ms),
+        "ms",
+        f"n={len(launch_ms)} min {min(launch_ms):.1f} max {max(launch_ms):.1f}",
+    )
+    out(
+        f"{level}: stop of {members} processes, verified",
+        stop_s * 1000,
+        "ms",
+        f"grace {args.grace:g} s; over grace {stop_s - args.grace:+.2f} s; {len(res.needed_kill)} needed kill; verified={ok}; {res.group_note[:80]}",
+    )
     sup.journal.close()
     return {"launch": statistics.median(launch_ms), "stop": stop_s, "verified": float(ok)}
 
@@ -148,7 +164,12 @@ async def main_async(args: argparse.Namespace) -> None:
     tag, cg = got.get("tag"), got.get("cgroupfs")
     if tag and cg:
         out("cgroupfs launch overhead over tag (goal < 20 ms)", cg["launch"] - tag["launch"], "ms")
-        out("cgroupfs stop over grace (goal < 1000 ms)", (cg["stop"] - args.grace) * 1000, "ms", f"tag: {(tag['stop'] - args.grace) * 1000:.1f} ms; ratio tag/cgroupfs {tag['stop'] / cg['stop']:.2f}x")
+        out(
+            "cgroupfs stop over grace (goal < 1000 ms)",
+            (cg["stop"] - args.grace) * 1000,
+            "ms",
+            f"tag: {(tag['stop'] - args.grace) * 1000:.1f} ms; ratio tag/cgroupfs {tag['stop'] / cg['stop']:.2f}x",
+        )
 
 
 def main() -> None:

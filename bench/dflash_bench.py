@@ -91,7 +91,7 @@ def bench_loss(args) -> None:
     configs.append(("fused-eager", 2048))
     configs.append(("recompute", 4096))
     ref = {}
-    for weight_grad in ([False, True] if args.weight_grad else [False]):
+    for weight_grad in [False, True] if args.weight_grad else [False]:
         for kind, chunk in configs:
             label = f"{kind}" + (f"-c{chunk}" if chunk else "") + ("-wgrad" if weight_grad else "")
             try:
@@ -120,9 +120,13 @@ def bench_loss(args) -> None:
                     ref[weight_grad] = (ms, float(loss))
                 pms, ploss = ref.get(weight_grad, (None, None))
                 result(f"loss.{label}.extra_mem", f"{extra:.2f}", "GiB", rows=m, hidden=h, vocab=v)
-                result(f"loss.{label}.time", f"{ms:.1f}", "ms",
-                       x_plain=(f"{ms / pms:.2f}" if pms else "n/a"),
-                       loss_rel_diff=(f"{abs(float(loss) - ploss) / abs(ploss):.2e}" if ploss else "n/a"))
+                result(
+                    f"loss.{label}.time",
+                    f"{ms:.1f}",
+                    "ms",
+                    x_plain=(f"{ms / pms:.2f}" if pms else "n/a"),
+                    loss_rel_diff=(f"{abs(float(loss) - ploss) / abs(ploss):.2e}" if ploss else "n/a"),
+                )
             except torch.OutOfMemoryError as exc:
                 result(f"loss.{label}", "OOM", "-", error=str(exc).split(".")[0])
                 torch.cuda.empty_cache()
@@ -146,9 +150,19 @@ def write_seed_configs(folder: Path, target: str = "qwen3-14b") -> tuple[Path, P
     trainer spaces the layer ids over this target and picks its mask token.
     """
     folder.mkdir(parents=True, exist_ok=True)
-    tcfg = dict(model_type="qwen3", architectures=["Qwen3ForCausalLM"], num_key_value_heads=8, head_dim=128,
-                vocab_size=151936, max_position_embeddings=40960, rms_norm_eps=1e-6, rope_theta=1000000.0,
-                tie_word_embeddings=False, torch_dtype="bfloat16", **SEED_TARGETS[target])
+    tcfg = dict(
+        model_type="qwen3",
+        architectures=["Qwen3ForCausalLM"],
+        num_key_value_heads=8,
+        head_dim=128,
+        vocab_size=151936,
+        max_position_embeddings=40960,
+        rms_norm_eps=1e-6,
+        rope_theta=1000000.0,
+        tie_word_embeddings=False,
+        torch_dtype="bfloat16",
+        **SEED_TARGETS[target],
+    )
     tpath = folder / f"{target}.json"
     tpath.write_text(json.dumps(tcfg, indent=1))
     dcfg = json.loads(SEED_DRAFTER.read_text())
@@ -161,10 +175,38 @@ def write_seed_configs(folder: Path, target: str = "qwen3-14b") -> tuple[Path, P
 
 def seed_train_argv(folder: Path, target: str, steps: int, out: Path, compile_: bool = True) -> list[str]:
     tpath, dpath = write_seed_configs(folder, target)
-    argv = ["--target-config", str(tpath), "--drafter-config", str(dpath), "--block-size", "32",
-            "--num-anchors", "1024", "--gamma", "7", "--seq-len", "4096", "--batch-size", "1", "--attn", "flex",
-            "--no-eval", "--max-steps", str(steps), "--checkpoint-every", "0", "--warmup-steps", "2",
-            "--corpus-bytes", str(8 * 1024 * 1024), "--loss-chunk-rows", "2048", "--fresh", "--out", str(out)]
+    argv = [
+        "--target-config",
+        str(tpath),
+        "--drafter-config",
+        str(dpath),
+        "--block-size",
+        "32",
+        "--num-anchors",
+        "1024",
+        "--gamma",
+        "7",
+        "--seq-len",
+        "4096",
+        "--batch-size",
+        "1",
+        "--attn",
+        "flex",
+        "--no-eval",
+        "--max-steps",
+        str(steps),
+        "--checkpoint-every",
+        "0",
+        "--warmup-steps",
+        "2",
+        "--corpus-bytes",
+        str(8 * 1024 * 1024),
+        "--loss-chunk-rows",
+        "2048",
+        "--fresh",
+        "--out",
+        str(out),
+    ]
     return argv + (["--compile"] if compile_ else [])
 
 
@@ -208,18 +250,30 @@ def bench_seed(args) -> None:
     med = {k: statistics.median(r[k] for r in steps) for k in ("tokens_per_s", "mfu", "mfu_torchtitan", "step_s")}
     peak = max(r["mem_peak_gib"] for r in steps)
     est = estimate(LaunchSpec(kind="dflash", argv=["python", "-m", "gpudeck.trainers.dflash", *argv], cwd=str(ROOT)))
-    result(f"{label}.tokens_per_s", f"{med['tokens_per_s']:.0f}", "tok/s", step_ms=f"{med['step_s'] * 1000:.1f}",
-           target_fwd_ms=f"{statistics.median(r['target_forward_s'] for r in steps) * 1000:.1f}",
-           steps=len(steps), gpu=man.get("gpu_name"), target_params=man["target_params_frozen"],
-           drafter_params=man["drafter_params_trainable"], target_layers_run=man["target_layers_run"])
-    result(f"{label}.mfu", f"{med['mfu'] * 100:.1f}", "%", convention="causal",
-           mfu_torchtitan=f"{med['mfu_torchtitan'] * 100:.1f}%")
+    result(
+        f"{label}.tokens_per_s",
+        f"{med['tokens_per_s']:.0f}",
+        "tok/s",
+        step_ms=f"{med['step_s'] * 1000:.1f}",
+        target_fwd_ms=f"{statistics.median(r['target_forward_s'] for r in steps) * 1000:.1f}",
+        steps=len(steps),
+        gpu=man.get("gpu_name"),
+        target_params=man["target_params_frozen"],
+        drafter_params=man["drafter_params_trainable"],
+        target_layers_run=man["target_layers_run"],
+    )
+    result(f"{label}.mfu", f"{med['mfu'] * 100:.1f}", "%", convention="causal", mfu_torchtitan=f"{med['mfu_torchtitan'] * 100:.1f}%")
     prof = out / "run" / "profile" / "rank0.txt"
     if prof.is_file():
         print(prof.read_text()[:6000], flush=True)
-    result(f"{label}.mem_peak", f"{peak:.1f}", "GiB", estimate=f"{est.per_gpu_bytes / 2**30:.1f}GiB",
-           ratio=f"{est.per_gpu_bytes / 2**30 / peak:.2f}",
-           parts=",".join(f"{k}:{v / 2**30:.1f}" for k, v in est.parts.items()))
+    result(
+        f"{label}.mem_peak",
+        f"{peak:.1f}",
+        "GiB",
+        estimate=f"{est.per_gpu_bytes / 2**30:.1f}GiB",
+        ratio=f"{est.per_gpu_bytes / 2**30 / peak:.2f}",
+        parts=",".join(f"{k}:{v / 2**30:.1f}" for k, v in est.parts.items()),
+    )
 
 
 # ------------------------------------------------------------------ train
@@ -230,12 +284,39 @@ def bench_train(args) -> None:
         attn, layers, batch = spec.split(":")[:3]
         compile_ = spec.endswith(":compile")
         out = Path(tempfile.mkdtemp(prefix="dflash_bench_"))
-        cmd = [sys.executable, "-m", "gpudeck.trainers.dflash", "--target-config", args.target_config,
-               "--fresh", "--out", str(out / "run"), "--no-eval", "--max-steps", str(args.steps),
-               "--seq-len", str(args.seq_len), "--batch-size", batch, "--block-size", str(args.block_size),
-               "--num-anchors", str(args.num_anchors), "--drafter-layers", layers, "--attn", attn,
-               "--corpus-bytes", str(args.corpus_bytes), "--checkpoint-every", "0", "--warmup-steps", "2",
-               "--loss-chunk-rows", str(args.chunk_rows)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "gpudeck.trainers.dflash",
+            "--target-config",
+            args.target_config,
+            "--fresh",
+            "--out",
+            str(out / "run"),
+            "--no-eval",
+            "--max-steps",
+            str(args.steps),
+            "--seq-len",
+            str(args.seq_len),
+            "--batch-size",
+            batch,
+            "--block-size",
+            str(args.block_size),
+            "--num-anchors",
+            str(args.num_anchors),
+            "--drafter-layers",
+            layers,
+            "--attn",
+            attn,
+            "--corpus-bytes",
+            str(args.corpus_bytes),
+            "--checkpoint-every",
+            "0",
+            "--warmup-steps",
+            "2",
+            "--loss-chunk-rows",
+            str(args.chunk_rows),
+        ]
         if compile_:
             cmd.append("--compile")
         if args.gamma is not None:
@@ -244,8 +325,14 @@ def bench_train(args) -> None:
         rc, recs, wall = run_trainer(cmd, out, label, args)
         steps = [r for r in recs if r["type"] == "step" and r["step"] > args.skip]
         if rc != 0 or not steps:
-            result(label, "FAILED", "-", rc=str(rc).replace(" ", "_"), wall_s=f"{wall:.0f}",
-                   steps_done=len([r for r in recs if r["type"] == "step"]))
+            result(
+                label,
+                "FAILED",
+                "-",
+                rc=str(rc).replace(" ", "_"),
+                wall_s=f"{wall:.0f}",
+                steps_done=len([r for r in recs if r["type"] == "step"]),
+            )
             continue
         man = next(r for r in recs if r["type"] == "manifest")
         tps = statistics.median(r["tokens_per_s"] for r in steps)
@@ -255,14 +342,29 @@ def bench_train(args) -> None:
         # cross-check from the per-step FLOP count and the step time
         check = statistics.median(r["step_flops"] / r["step_s"] / r["peak_flops"] for r in steps)
         fwd = statistics.median(r["target_forward_s"] for r in steps)
-        result(f"{label}.tokens_per_s", f"{tps:.0f}", "tok/s", step_ms=f"{st * 1000:.1f}",
-               target_fwd_ms=f"{fwd * 1000:.1f}", steps=len(steps), device=man["device"],
-               gpu=man.get("gpu_name"))
-        result(f"{label}.mfu", f"{mfu * 100:.1f}", "%", convention="causal", mfu_torchtitan=f"{mfu_tt * 100:.1f}%",
-               crosscheck=f"{check * 100:.1f}%",
-               flops_per_token=f"{steps[-1]['flops_per_token']:.3e}", peak=f"{steps[-1]['peak_flops']:.3e}",
-               mem_peak_gib=steps[-1]["mem_peak_gib"], drafter_params=man["drafter_params_trainable"],
-               target_params=man["target_params_frozen"])
+        result(
+            f"{label}.tokens_per_s",
+            f"{tps:.0f}",
+            "tok/s",
+            step_ms=f"{st * 1000:.1f}",
+            target_fwd_ms=f"{fwd * 1000:.1f}",
+            steps=len(steps),
+            device=man["device"],
+            gpu=man.get("gpu_name"),
+        )
+        result(
+            f"{label}.mfu",
+            f"{mfu * 100:.1f}",
+            "%",
+            convention="causal",
+            mfu_torchtitan=f"{mfu_tt * 100:.1f}%",
+            crosscheck=f"{check * 100:.1f}%",
+            flops_per_token=f"{steps[-1]['flops_per_token']:.3e}",
+            peak=f"{steps[-1]['peak_flops']:.3e}",
+            mem_peak_gib=steps[-1]["mem_peak_gib"],
+            drafter_params=man["drafter_params_trainable"],
+            target_params=man["target_params_frozen"],
+        )
 
 
 def main() -> int:
@@ -270,16 +372,19 @@ def main() -> int:
     ap.add_argument("--part", default="all", choices=["all", "loss", "train", "seed"])
     ap.add_argument("--seed-target", default="qwen3-14b", choices=sorted(SEED_TARGETS))
     ap.add_argument("--no-compile", action="store_true", help="seed: eager drafter and target")
-    ap.add_argument("--profile", action="store_true",
-                    help="seed: torch.profiler over the last two steps; prints where the step time goes")
+    ap.add_argument("--profile", action="store_true", help="seed: torch.profiler over the last two steps; prints where the step time goes")
     ap.add_argument("--rows", type=int, default=1024 * 32)
     ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument("--vocab", type=int, default=151936)
     ap.add_argument("--chunks", type=lambda s: [int(x) for x in s.split(",")], default=[2048, 4096])
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--weight-grad", action="store_true")
-    ap.add_argument("--configs", type=lambda s: s.split(","), default=["sdpa:5:4", "flex:5:4", "flex:5:4:compile"],
-                    help="attn:drafter_layers:batch[:compile], comma separated")
+    ap.add_argument(
+        "--configs",
+        type=lambda s: s.split(","),
+        default=["sdpa:5:4", "flex:5:4", "flex:5:4:compile"],
+        help="attn:drafter_layers:batch[:compile], comma separated",
+    )
     ap.add_argument("--target-config", default="qwen3-0.6b")
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--skip", type=int, default=4, help="warm-up steps left out of the medians")

@@ -71,9 +71,20 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-import psutil  # noqa: E402
+import psutil
 
-from bench.fleet_hosts import DIAL_COMMAND, FleetHosts, FleetSpec, FleetStartError, cpu_seconds, rss_bytes, runqueue_wait_s, start_worker, stop_on_signals, worker_messages  # noqa: E402
+from bench.fleet_hosts import (
+    DIAL_COMMAND,
+    FleetHosts,
+    FleetSpec,
+    FleetStartError,
+    cpu_seconds,
+    rss_bytes,
+    runqueue_wait_s,
+    start_worker,
+    stop_on_signals,
+    worker_messages,
+)
 
 STATUS_COMMAND = "gpudeck status --json"
 UP_TIMEOUT_S = 300.0
@@ -158,7 +169,15 @@ class Window:
         wall = time.monotonic() - self.t0
         gc.callbacks.remove(self._on_gc)
         rss = self.proc.memory_info().rss
-        return {"cpu_s": cpu - self.cpu0, "sys_s": ru.ru_stime - self.ru0.ru_stime, "gc_s": self.gc_s, "rq_wait_s": runqueue_wait_s() - self.wait0, "wall_s": wall, "rss": rss, "rss_max": max(rss, ru.ru_maxrss * 1024)}
+        return {
+            "cpu_s": cpu - self.cpu0,
+            "sys_s": ru.ru_stime - self.ru0.ru_stime,
+            "gc_s": self.gc_s,
+            "rq_wait_s": runqueue_wait_s() - self.wait0,
+            "wall_s": wall,
+            "rss": rss,
+            "rss_max": max(rss, ru.ru_maxrss * 1024),
+        }
 
 
 def _profile_text(prof: cProfile.Profile, limit: int = 30) -> str:
@@ -251,8 +270,13 @@ async def plain_connections(spec: FleetSpec) -> list:
         async with sem:
             try:
                 return await asyncssh.connect(
-                    name, config=opts.config_paths(), known_hosts=str(spec.known_hosts), agent_forwarding=False,
-                    keepalive_interval=opts.keepalive_s, connect_timeout=60, login_timeout=120,
+                    name,
+                    config=opts.config_paths(),
+                    known_hosts=str(spec.known_hosts),
+                    agent_forwarding=False,
+                    keepalive_interval=opts.keepalive_s,
+                    connect_timeout=60,
+                    login_timeout=120,
                     **({"encryption_algs": algs} if algs is not None else {}),
                 )
             except (OSError, asyncssh.Error) as exc:
@@ -289,7 +313,9 @@ async def worker_floor(spec: FleetSpec, seconds: float, interval: float, profile
         chan, _ = await conn.create_session(Count, DIAL_COMMAND, encoding=None)
         _skip_idle_packet_log(chan)
         conn.set_keepalive(0)  # gpudeck's stream is its own keepalive
-        chan.write(encode(Hello(request_id="h", client="floor")) + encode(WatchSnapshots(request_id="w", interval_s=interval, compact=True)))
+        chan.write(
+            encode(Hello(request_id="h", client="floor")) + encode(WatchSnapshots(request_id="w", interval_s=interval, compact=True))
+        )
     await asyncio.sleep(WARM_S)
     prof = cProfile.Profile() if profile else None
     win = Window()
@@ -304,7 +330,18 @@ async def worker_floor(spec: FleetSpec, seconds: float, interval: float, profile
     w = win.stop()
     got = lines[0] - l0
     nan = float("nan")
-    emit("window_end", **w, n=n, up=len(ok), received=got, expected=n * w["wall_s"] / interval, age_p50=nan, age_p99=nan, age_max=nan, reconnects=0)
+    emit(
+        "window_end",
+        **w,
+        n=n,
+        up=len(ok),
+        received=got,
+        expected=n * w["wall_s"] / interval,
+        age_p50=nan,
+        age_p99=nan,
+        age_max=nan,
+        reconnects=0,
+    )
     if prof and profile:
         profile.write_text(_profile_text(prof))
     for c in ok:
@@ -344,7 +381,7 @@ async def worker_exec(spec: FleetSpec, seconds: float, interval: float, profile:
                     ages.append(arrival - float(doc["ts"]))
                     rtts.append(arrival - t_req)
                     sample_ms.append(float(doc.get("sample_ms", 0.0)))
-            except (asyncssh.Error, OSError, ValueError, KeyError, asyncio.TimeoutError):
+            except (TimeoutError, asyncssh.Error, OSError, ValueError, KeyError):
                 if state["on"]:
                     failures[0] += 1
             nxt += interval
@@ -460,7 +497,18 @@ def run_worker(design: str, fh: FleetHosts, args: argparse.Namespace) -> tuple[d
     """Run one console worker in its own process; the window's figures and the machine's over the same window."""
     assert fh.spec is not None
     prof_path = fh.base_dir / f"profile-{design}-{fh.n}.txt" if args.profile else None
-    argv = [sys.executable, str(Path(__file__).resolve()), "--worker", design, "--spec", str(fh.spec.path), "--seconds", str(args.seconds), "--interval", str(args.interval)]
+    argv = [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "--worker",
+        design,
+        "--spec",
+        str(fh.spec.path),
+        "--seconds",
+        str(args.seconds),
+        "--interval",
+        str(args.interval),
+    ]
     if prof_path:
         argv += ["--profile-out", str(prof_path)]
     proc = start_worker(argv, fh.base_dir / f"worker-{design}.stderr")
@@ -478,9 +526,25 @@ def run_worker(design: str, fh: FleetHosts, args: argparse.Namespace) -> tuple[d
             meter.start()
             if args.py_spy:
                 spy = subprocess.Popen(
-                    [args.py_spy, "record", "--pid", str(proc.pid), "--duration", str(max(1, int(args.seconds) - 1)), "--rate", "1000", "--format", "raw",
-                     "--full-filenames", "--gil", "--nonblocking", "--output", str(spy_path)],
-                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                    [
+                        args.py_spy,
+                        "record",
+                        "--pid",
+                        str(proc.pid),
+                        "--duration",
+                        str(max(1, int(args.seconds) - 1)),
+                        "--rate",
+                        "1000",
+                        "--format",
+                        "raw",
+                        "--full-filenames",
+                        "--gil",
+                        "--nonblocking",
+                        "--output",
+                        str(spy_path),
+                    ],
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL,
                 )
         elif ev == "window_end":
             side = meter.stop()
@@ -500,7 +564,10 @@ def run_worker(design: str, fh: FleetHosts, args: argparse.Namespace) -> tuple[d
         for text in spy_summary(spy_path):
             out(f"N={fh.n} {design:<13} py-spy {text}")
     if prof_path and prof_path.exists():
-        print(f"fleet_bench N={fh.n} {design} cProfile of the console over the window (CPU figures of a profiled run are inflated):", flush=True)
+        print(
+            f"fleet_bench N={fh.n} {design} cProfile of the console over the window (CPU figures of a profiled run are inflated):",
+            flush=True,
+        )
         print(prof_path.read_text(), flush=True)
     return result, side
 
@@ -548,14 +615,24 @@ def spy_summary(path: Path, top: int = 12) -> list[str]:
         by_fn[fn] = by_fn.get(fn, 0) + k
         seen: set[str] = set()
         for f in frames:
-            for tag, key in (("gpudeck console/", str(ROOT / "console") + "/"), ("gpudeck agents/", str(ROOT / "agents") + "/"), ("asyncssh", "/asyncssh/")):
+            for tag, key in (
+                ("gpudeck console/", str(ROOT / "console") + "/"),
+                ("gpudeck agents/", str(ROOT / "agents") + "/"),
+                ("asyncssh", "/asyncssh/"),
+            ):
                 if key in f and tag not in seen:
                     seen.add(tag)
                     inclusive[tag] = inclusive.get(tag, 0) + k
     if not total:
         return ["no CPU samples"]
-    out_lines = [f"{total} samples holding the GIL ({no_frames} more without a Python frame, left out); self time by package: " + ", ".join(f"{p} {100 * c / total:.0f}%" for p, c in sorted(by_part.items(), key=lambda x: -x[1]))]
-    out_lines.append("inclusive (a frame of it anywhere on the stack): " + ", ".join(f"{p} {100 * c / total:.0f}%" for p, c in sorted(inclusive.items(), key=lambda x: -x[1])))
+    out_lines = [
+        f"{total} samples holding the GIL ({no_frames} more without a Python frame, left out); self time by package: "
+        + ", ".join(f"{p} {100 * c / total:.0f}%" for p, c in sorted(by_part.items(), key=lambda x: -x[1]))
+    ]
+    out_lines.append(
+        "inclusive (a frame of it anywhere on the stack): "
+        + ", ".join(f"{p} {100 * c / total:.0f}%" for p, c in sorted(inclusive.items(), key=lambda x: -x[1]))
+    )
     for fn, c in sorted(by_fn.items(), key=lambda x: -x[1])[:top]:
         out_lines.append(f"  {100 * c / total:5.1f}% {fn}")
     return out_lines
@@ -570,19 +647,29 @@ def report(design: str, n: int, r: dict[str, Any], side: Side) -> tuple[float, f
     out(f"{tag} console CPU per host-second: {per_host_s:.3f} ms")
     # a design that falls behind receives fewer snapshots and looks cheaper per host-second: this line shows it
     out(f"{tag} console CPU per snapshot received: {per_snap:.3f} ms")
-    out(f"{tag} console CPU: {core:.1f}% of one core ({r['cpu_s']:.2f} s CPU in {r['wall_s']:.1f} s, {100 * r['sys_s'] / max(r['cpu_s'], 1e-9):.0f}% of it in the kernel); its event-loop thread waited for a CPU {1000 * r['rq_wait_s'] / r['wall_s']:.0f} ms per second (runnable, not running)")
-    out(f"{tag} console time in Python's cyclic GC: " + ", ".join(f"gen{g} {1000 * t:.1f} ms" for g, t in enumerate(r["gc_s"])) + f" over {r['wall_s']:.0f} s")
+    out(
+        f"{tag} console CPU: {core:.1f}% of one core ({r['cpu_s']:.2f} s CPU in {r['wall_s']:.1f} s, {100 * r['sys_s'] / max(r['cpu_s'], 1e-9):.0f}% of it in the kernel); its event-loop thread waited for a CPU {1000 * r['rq_wait_s'] / r['wall_s']:.0f} ms per second (runnable, not running)"
+    )
+    out(
+        f"{tag} console time in Python's cyclic GC: "
+        + ", ".join(f"gen{g} {1000 * t:.1f} ms" for g, t in enumerate(r["gc_s"]))
+        + f" over {r['wall_s']:.0f} s"
+    )
     out(f"{tag} console RSS: {r['rss'] / MIB:.1f} MiB at the end, {r['rss_max'] / MIB:.1f} MiB at its peak (getrusage)")
     if design == "ssh-floor":
         out(f"{tag} snapshot age at arrival: not read (the floor decodes nothing)")
     else:
-        out(f"{tag} snapshot age at arrival: p50 {1000 * r['age_p50']:.1f} ms, p99 {1000 * r['age_p99']:.1f} ms, max {1000 * r['age_max']:.1f} ms")
+        out(
+            f"{tag} snapshot age at arrival: p50 {1000 * r['age_p50']:.1f} ms, p99 {1000 * r['age_p99']:.1f} ms, max {1000 * r['age_max']:.1f} ms"
+        )
     extra = ""
     if design.startswith("exec"):
         extra = f"; exec round trip p50 {1000 * r['rtt_p50']:.1f} ms p99 {1000 * r['rtt_p99']:.1f} ms; {r['failures']} failed, {r['skipped']} ticks skipped (behind)"
     else:
         extra = f"; {r['reconnects']} reconnects, {r['up']}/{n} up at the end"
-    out(f"{tag} snapshots received: {r['received']} of {r['expected']:.0f} expected ({100 * r['received'] / max(1, r['expected']):.1f}%){extra}")
+    out(
+        f"{tag} snapshots received: {r['received']} of {r['expected']:.0f} expected ({100 * r['received'] / max(1, r['expected']):.1f}%){extra}"
+    )
     busy = side.machine_busy_s / side.wall_s
     console_c = r["cpu_s"] / r["wall_s"]
     farm_c = side.farm_cpu_s / side.wall_s
@@ -627,11 +714,24 @@ def main() -> None:
     ap.add_argument("--interval", type=float, default=1.0, help="snapshot interval / poll tick (s)")
     ap.add_argument("--gpus", default="8:H200", help="GPUDECK_SIMULATE_GPUS of every agent")
     ap.add_argument("--execs", type=int, default=10, help="execs of the status CLI for the host-side cost (0: skip)")
-    ap.add_argument("--designs", default="gpudeck,exec-per-tick,exec-aligned,ssh-floor", help="which console workers to run (ssh-floor: the stream gpudeck gets, counted, not read)")
-    ap.add_argument("--ciphers", default=None, help="a `Ciphers` line for every host in the generated ssh config, which both designs then follow (default: none, so gpudeck's order, AES-GCM first, for both)")
+    ap.add_argument(
+        "--designs",
+        default="gpudeck,exec-per-tick,exec-aligned,ssh-floor",
+        help="which console workers to run (ssh-floor: the stream gpudeck gets, counted, not read)",
+    )
+    ap.add_argument(
+        "--ciphers",
+        default=None,
+        help="a `Ciphers` line for every host in the generated ssh config, which both designs then follow (default: none, so gpudeck's order, AES-GCM first, for both)",
+    )
     ap.add_argument("--batch", type=int, default=16, help="agents started at a time")
     ap.add_argument("--profile", action="store_true", help="cProfile each console worker over its window and print the top functions")
-    ap.add_argument("--py-spy", default=None, metavar="PATH", help="sample each console worker with this py-spy binary over its window and print where its CPU goes")
+    ap.add_argument(
+        "--py-spy",
+        default=None,
+        metavar="PATH",
+        help="sample each console worker with this py-spy binary over its window and print where its CPU goes",
+    )
     ap.add_argument("--worker", choices=["gpudeck", "exec-per-tick", "exec-aligned", "ssh-floor"], help=argparse.SUPPRESS)
     ap.add_argument("--spec", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--profile-out", type=Path, default=None, help=argparse.SUPPRESS)
@@ -650,20 +750,30 @@ def main() -> None:
     stop_on_signals()
     sizes = [int(x) for x in args.hosts.split(",") if x.strip()]
     designs = [d.strip() for d in args.designs.split(",") if d.strip()]
-    out(f"machine: {psutil.cpu_count()} CPUs, {psutil.virtual_memory().total / 2**30:.1f} GiB; python {sys.version.split()[0]}; "
+    out(
+        f"machine: {psutil.cpu_count()} CPUs, {psutil.virtual_memory().total / 2**30:.1f} GiB; python {sys.version.split()[0]}; "
         f"SIMULATED GPUs ({args.gpus} per agent); SSH server side: asyncssh in-process (one farm process, no MSG_IGNORE before every packet, as sshd), not OpenSSH; "
         f"ciphers: {args.ciphers or 'gpudeck default order (AES-GCM first), the same for both designs'}; "
-        f"load average at start {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+        f"load average at start {' '.join(f'{x:.2f}' for x in os.getloadavg())}"
+    )
     for n in sizes:
         try:
-            fh = FleetHosts(n, args.gpus, batch=args.batch, ciphers=args.ciphers, progress=lambda m: print(f"fleet_bench (progress) {m}", file=sys.stderr, flush=True))
+            fh = FleetHosts(
+                n,
+                args.gpus,
+                batch=args.batch,
+                ciphers=args.ciphers,
+                progress=lambda m: print(f"fleet_bench (progress) {m}", file=sys.stderr, flush=True),
+            )
         except FleetStartError as exc:
             out(f"N={n} COULD NOT BE BROUGHT UP: {exc}")
             continue
         try:
             mem = psutil.virtual_memory()
-            out(f"N={n} fleet up in {fh.start_seconds:.1f} s: {n} agents ({rss_bytes(fh.agent_pids) / MIB:.0f} MiB RSS together) + SSH farm "
-                f"({rss_bytes([fh.farm_pid]) / MIB:.0f} MiB); machine memory available {mem.available / 2**30:.1f} GiB")
+            out(
+                f"N={n} fleet up in {fh.start_seconds:.1f} s: {n} agents ({rss_bytes(fh.agent_pids) / MIB:.0f} MiB RSS together) + SSH farm "
+                f"({rss_bytes([fh.farm_pid]) / MIB:.0f} MiB); machine memory available {mem.available / 2**30:.1f} GiB"
+            )
             per: dict[str, tuple[float, float]] = {}
             results: dict[str, tuple[dict[str, Any], Side]] = {}
             for design in designs:
@@ -675,27 +785,39 @@ def main() -> None:
             peers = [d for d in ("exec-per-tick", "exec-aligned") if d in per]
             if "gpudeck" in per and peers and per["gpudeck"][0] > 0:
                 for d in peers:
-                    out(f"N={n} ratio console CPU per host-second, {d} / gpudeck: {per[d][0] / per['gpudeck'][0]:.1f}x "
-                        f"(per snapshot received: {per[d][1] / per['gpudeck'][1]:.1f}x)")
+                    out(
+                        f"N={n} ratio console CPU per host-second, {d} / gpudeck: {per[d][0] / per['gpudeck'][0]:.1f}x "
+                        f"(per snapshot received: {per[d][1] / per['gpudeck'][1]:.1f}x)"
+                    )
                 best = min(peers, key=lambda d: per[d][0])
                 out(f"N={n} ratio against the cheaper peer ({best}): {per[best][0] / per['gpudeck'][0]:.1f}x")
             if "gpudeck" in per and "ssh-floor" in per and per["ssh-floor"][0] > 0:
                 floor = per["ssh-floor"][0]
-                out(f"N={n} gpudeck's console over the transport's floor (ssh-floor): {per['gpudeck'][0] / floor:.2f}x "
-                    f"({1000 * (per['gpudeck'][0] - floor):.1f} us per host-second of gpudeck's own code)")
+                out(
+                    f"N={n} gpudeck's console over the transport's floor (ssh-floor): {per['gpudeck'][0] / floor:.2f}x "
+                    f"({1000 * (per['gpudeck'][0] - floor):.1f} us per host-second of gpudeck's own code)"
+                )
                 for d in peers:
-                    out(f"N={n} ratio {d} / ssh-floor: {per[d][0] / floor:.1f}x (the most any design of one SSH message per host per tick could reach against it)")
+                    out(
+                        f"N={n} ratio {d} / ssh-floor: {per[d][0] / floor:.1f}x (the most any design of one SSH message per host per tick could reach against it)"
+                    )
             if "gpudeck" in results:
                 r, side = results["gpudeck"]
                 rate = r["received"] / (n * r["wall_s"])  # snapshots per host-second actually sent
                 agent_ms = 1000.0 * side.agents_cpu_s / (n * side.wall_s)
-                out(f"N={n} host agent snapshot build (the snapshots' sample_ms): mean {r['sample_ms_mean']:.3f} ms, p99 {r['sample_ms_p99']:.3f} ms")
-                out(f"N={n} host agent CPU while streaming to gpudeck: {agent_ms:.2f} ms per host-second ({agent_ms / 10:.2f}% of one core per agent), "
-                    f"{agent_ms / max(rate, 1e-9):.2f} ms per snapshot sent (tick loop included)")
+                out(
+                    f"N={n} host agent snapshot build (the snapshots' sample_ms): mean {r['sample_ms_mean']:.3f} ms, p99 {r['sample_ms_p99']:.3f} ms"
+                )
+                out(
+                    f"N={n} host agent CPU while streaming to gpudeck: {agent_ms:.2f} ms per host-second ({agent_ms / 10:.2f}% of one core per agent), "
+                    f"{agent_ms / max(rate, 1e-9):.2f} ms per snapshot sent (tick loop included)"
+                )
             if "exec-per-tick" in results:
                 r, side = results["exec-per-tick"]
                 agent_ms = 1000.0 * side.agents_cpu_s / (n * side.wall_s)
-                out(f"N={n} host agent CPU while answering exec-per-tick (Hello+GetSnapshot per exec, answered in the farm): {agent_ms:.2f} ms per host-second")
+                out(
+                    f"N={n} host agent CPU while answering exec-per-tick (Hello+GetSnapshot per exec, answered in the farm): {agent_ms:.2f} ms per host-second"
+                )
             if args.execs > 0 and n == sizes[-1]:
                 cost = host_exec_cost(fh, args.execs)
                 if isinstance(cost, str):
@@ -703,15 +825,19 @@ def main() -> None:
                 else:
                     walls, cpus = cost
                     cpu_ms = 1000 * statistics.fmean(cpus)
-                    line = (f"N={n} host exec-per-tick cost, one exec of `python -m gpudeck.console.cli status --host local --json` against an agent: "
-                            f"wall mean {1000 * statistics.fmean(walls):.0f} ms, p99 {1000 * pct(walls, 0.99):.0f} ms; CPU mean {cpu_ms:.0f} ms (n={len(walls)})")
+                    line = (
+                        f"N={n} host exec-per-tick cost, one exec of `python -m gpudeck.console.cli status --host local --json` against an agent: "
+                        f"wall mean {1000 * statistics.fmean(walls):.0f} ms, p99 {1000 * pct(walls, 0.99):.0f} ms; CPU mean {cpu_ms:.0f} ms (n={len(walls)})"
+                    )
                     if "gpudeck" in results:
                         r, side = results["gpudeck"]
                         rate = r["received"] / (n * r["wall_s"])
                         agent_snap_ms = 1000.0 * side.agents_cpu_s / (n * side.wall_s) / max(rate, 1e-9)
                         line += f"; {cpu_ms / max(agent_snap_ms, 1e-9):.0f}x the agent's CPU per streamed snapshot"
                     out(line)
-                out(f"N={n} host reference, NOT measured in this run: {GPUSTAT_REFERENCE}; gpustat cannot run on this machine (it needs NVML: an NVIDIA driver)")
+                out(
+                    f"N={n} host reference, NOT measured in this run: {GPUSTAT_REFERENCE}; gpustat cannot run on this machine (it needs NVML: an NVIDIA driver)"
+                )
         finally:
             fh.close()
 

@@ -53,7 +53,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-import psutil  # noqa: E402
+import psutil
 
 AGENT_START_TIMEOUT_S = 120.0  # per batch, on a loaded 2-core machine
 FARM_START_TIMEOUT_S = 120.0
@@ -73,7 +73,9 @@ def die_with_parent() -> None:
 def start_worker(argv: list[str], stderr_path: Path) -> subprocess.Popen:
     """A bench worker process (dies with us; stderr to a file) whose stdout is JSON lines."""
     with open(stderr_path, "wb") as errlog:
-        return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=errlog, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)}, preexec_fn=die_with_parent)
+        return subprocess.Popen(
+            argv, stdout=subprocess.PIPE, stderr=errlog, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)}, preexec_fn=die_with_parent
+        )
 
 
 def worker_messages(proc: subprocess.Popen) -> Iterator[dict[str, Any]]:
@@ -366,7 +368,9 @@ class FleetHosts:
         proc = self.agents[i]
         while True:
             if proc.poll() is not None:
-                raise FleetStartError(f"agent {self.names[i]} (pid {proc.pid}) exited with {proc.returncode} at start: {self._tail(self.homes[i] / 'agent.stderr')} {self._tail(self.homes[i] / 'agent' / 'agent.log')}")
+                raise FleetStartError(
+                    f"agent {self.names[i]} (pid {proc.pid}) exited with {proc.returncode} at start: {self._tail(self.homes[i] / 'agent.stderr')} {self._tail(self.homes[i] / 'agent' / 'agent.log')}"
+                )
             if sock_path.exists():
                 s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
                 try:
@@ -410,7 +414,12 @@ class FleetHosts:
         try:
             self.farm = subprocess.Popen(
                 [self.python, str(Path(__file__).resolve()), "farm", str(spec_path)],
-                env=env, cwd=str(self.base_dir), stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True,
+                env=env,
+                cwd=str(self.base_dir),
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=log,
+                start_new_session=True,
                 preexec_fn=die_with_parent,
             )
         finally:
@@ -421,7 +430,9 @@ class FleetHosts:
             if self.farm.poll() is not None:
                 raise FleetStartError(f"the SSH farm exited with {self.farm.returncode}: {self._tail(self.base_dir / 'farm.log')}")
             if time.monotonic() > deadline:
-                raise FleetStartError(f"the SSH farm did not listen on {self.n} ports within {FARM_START_TIMEOUT_S:.0f} s: {self._tail(self.base_dir / 'farm.log')}")
+                raise FleetStartError(
+                    f"the SSH farm did not listen on {self.n} ports within {FARM_START_TIMEOUT_S:.0f} s: {self._tail(self.base_dir / 'farm.log')}"
+                )
             time.sleep(0.05)
         ports = json.loads(ready.read_text())["ports"]
         host_pub = host_key.export_public_key().decode().strip()
@@ -429,7 +440,9 @@ class FleetHosts:
         ssh_config = keys / "config"
         with open(ssh_config, "w") as fh:
             for nm, port in zip(self.names, ports):
-                fh.write(f"Host {nm}\n    HostName 127.0.0.1\n    Port {port}\n    User {user}\n    IdentityFile {client_key_path}\n    IdentitiesOnly yes\n")
+                fh.write(
+                    f"Host {nm}\n    HostName 127.0.0.1\n    Port {port}\n    User {user}\n    IdentityFile {client_key_path}\n    IdentitiesOnly yes\n"
+                )
                 if self.ciphers:
                     fh.write(f"    Ciphers {self.ciphers}\n")
                 fh.write("\n")
@@ -495,7 +508,9 @@ class _Farm:
             elif cmd.endswith(STATUS_COMMAND):
                 await self._status(process, self.sockets[i])
             else:
-                process.stderr.write(f"{cmd or '(shell)'}: command not found (bench SSH farm: only `{DIAL_COMMAND}` and `{STATUS_COMMAND}`)\n".encode())
+                process.stderr.write(
+                    f"{cmd or '(shell)'}: command not found (bench SSH farm: only `{DIAL_COMMAND}` and `{STATUS_COMMAND}`)\n".encode()
+                )
                 process.exit(127)
         except (asyncssh.Error, OSError, BrokenPipeError, ConnectionError):
             try:
@@ -650,8 +665,11 @@ async def _smoke(spec: FleetSpec, seconds: float) -> None:
         await asyncio.sleep(seconds)
         for name, ln in fleet.links.items():
             snap = ln.status.snapshot
-            print(f"fleet_hosts smoke {name}: {ln.status.state} {len(snap.gpus) if snap else 0} GPUs simulated={snap.simulated if snap else None} "
-                  f"synced_seq={ln.status.synced_seq} err={ln.status.error}", flush=True)
+            print(
+                f"fleet_hosts smoke {name}: {ln.status.state} {len(snap.gpus) if snap else 0} GPUs simulated={snap.simulated if snap else None} "
+                f"synced_seq={ln.status.synced_seq} err={ln.status.error}",
+                flush=True,
+            )
     finally:
         await fleet.close()
         hist.close()

@@ -80,17 +80,38 @@ def gpu_peak() -> tuple[float | None, str]:
     return None, name
 
 
-def run_one(args, batch: int, compile_: bool, sdpa: str, extra: list[str], workdir: Path,
-            log_dir: Path | None, timeout: float) -> dict:
-    tag = f"B{batch}_c{int(compile_)}_{sdpa}" + "".join(
-        "_" + a.lstrip("-").replace("/", "") for a in extra)[:80]
+def run_one(args, batch: int, compile_: bool, sdpa: str, extra: list[str], workdir: Path, log_dir: Path | None, timeout: float) -> dict:
+    tag = f"B{batch}_c{int(compile_)}_{sdpa}" + "".join("_" + a.lstrip("-").replace("/", "") for a in extra)[:80]
     out = workdir / tag
     tel = workdir / f"{tag}.jsonl"
-    cmd = [sys.executable, "-m", "gpudeck.trainers.fsdp_lm", "--model-config", args.model,
-           "--seq-len", str(args.seq_len), "--batch-size", str(batch),
-           "--max-steps", str(args.steps), "--warmup-steps", "2", "--checkpoint-every", "0",
-           "--no-final-checkpoint", "--no-export", "--corpus-bytes", str(args.corpus_bytes),
-           "--sdpa-backend", sdpa, "--log-every", "5", "--fresh", "--out", str(out)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "gpudeck.trainers.fsdp_lm",
+        "--model-config",
+        args.model,
+        "--seq-len",
+        str(args.seq_len),
+        "--batch-size",
+        str(batch),
+        "--max-steps",
+        str(args.steps),
+        "--warmup-steps",
+        "2",
+        "--checkpoint-every",
+        "0",
+        "--no-final-checkpoint",
+        "--no-export",
+        "--corpus-bytes",
+        str(args.corpus_bytes),
+        "--sdpa-backend",
+        sdpa,
+        "--log-every",
+        "5",
+        "--fresh",
+        "--out",
+        str(out),
+    ]
     if compile_:
         cmd.append("--compile")
     cmd += extra
@@ -100,8 +121,7 @@ def run_one(args, batch: int, compile_: bool, sdpa: str, extra: list[str], workd
     with open(log_path, "w") as log:
         log.write("$ " + " ".join(cmd) + "\n")
         log.flush()
-        p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
-                             start_new_session=True)
+        p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         try:
             rc = p.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -111,9 +131,17 @@ def run_one(args, batch: int, compile_: bool, sdpa: str, extra: list[str], workd
     recs = [json.loads(line) for line in tel.read_text().splitlines()] if tel.exists() else []
     steps = [r for r in recs if r["type"] == "step"]
     manifest = next((r for r in recs if r["type"] == "manifest"), {})
-    res = {"tag": tag, "batch": batch, "compile": compile_, "sdpa": sdpa, "extra": " ".join(extra),
-           "rc": rc,
-           "seconds": round(time.monotonic() - t0, 1), "steps": len(steps), "log": str(log_path)}
+    res = {
+        "tag": tag,
+        "batch": batch,
+        "compile": compile_,
+        "sdpa": sdpa,
+        "extra": " ".join(extra),
+        "rc": rc,
+        "seconds": round(time.monotonic() - t0, 1),
+        "steps": len(steps),
+        "log": str(log_path),
+    }
     if rc != 0 or len(steps) <= args.warmup + 1:
         tail = log_path.read_text()[-2500:]
         res["error"] = tail
@@ -133,7 +161,8 @@ def run_one(args, batch: int, compile_: bool, sdpa: str, extra: list[str], workd
         trainer_flops_per_token=manifest.get("flops_per_token"),
         params_total=manifest.get("params_total"),
         mem_peak_gib=max(s["mem_peak_gib"] or 0 for s in steps),
-        final_loss=last["loss"], first_loss=steps[0]["loss"],
+        final_loss=last["loss"],
+        first_loss=steps[0]["loss"],
     )
     return res
 
@@ -165,9 +194,12 @@ def main() -> int:
     t_start = time.monotonic()
     fpt, fpt_tt, n_params = bench_flops_per_token(args.model, args.seq_len)
     peak, gpu = gpu_peak()
-    print(f"fsdp_mfu: {args.model} {n_params:,} params, {fpt / 1e9:.3f} GFLOP/token causal, "
-          f"{fpt_tt / 1e9:.3f} torchtitan (bench count), "
-          f"GPU {gpu}, peak {peak / 1e12 if peak else float('nan'):.0f} TFLOP/s", flush=True)
+    print(
+        f"fsdp_mfu: {args.model} {n_params:,} params, {fpt / 1e9:.3f} GFLOP/token causal, "
+        f"{fpt_tt / 1e9:.3f} torchtitan (bench count), "
+        f"GPU {gpu}, peak {peak / 1e12 if peak else float('nan'):.0f} TFLOP/s",
+        flush=True,
+    )
     out_dir = Path(args.out) if args.out else None
     if out_dir:
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -179,8 +211,11 @@ def main() -> int:
             label = f" [{' '.join(extra)}]" if extra else ""
             left = args.budget_s - (time.monotonic() - t_start)
             if left < 60:
-                print(f"fsdp_mfu {args.model} B={b} T={args.seq_len} compile={c} sdpa={sdpa}{label}: "
-                      f"skipped, {left:.0f} s of the budget left", flush=True)
+                print(
+                    f"fsdp_mfu {args.model} B={b} T={args.seq_len} compile={c} sdpa={sdpa}{label}: "
+                    f"skipped, {left:.0f} s of the budget left",
+                    flush=True,
+                )
                 continue
             r = run_one(args, int(b), c == "1", sdpa, extra, Path(tmp), out_dir, timeout=left)
             results.append(r)
@@ -189,28 +224,37 @@ def main() -> int:
                     fh.write(json.dumps({k: v for k, v in r.items() if k != "error"}) + "\n")
             head = f"fsdp_mfu {args.model} B={b} T={args.seq_len} compile={c} sdpa={sdpa}{label}"
             if "error" in r:
-                print(f"{head}: FAILED rc={r['rc']} after {r['seconds']} s, {r['steps']} steps\n"
-                      f"{r['error']}", flush=True)
+                print(f"{head}: FAILED rc={r['rc']} after {r['seconds']} s, {r['steps']} steps\n{r['error']}", flush=True)
                 continue
             bench_mfu = r["tokens_per_s_bench"] * fpt / peak if peak else None
             bench_mfu_tt = r["tokens_per_s_bench"] * fpt_tt / peak if peak else None
             if out_dir:
                 with open(out_dir / "fsdp_mfu_results.jsonl", "a") as fh:
-                    fh.write(json.dumps({"tag": r["tag"], "bench_mfu": bench_mfu,
-                                         "bench_mfu_torchtitan": bench_mfu_tt,
-                                         "bench_flops_per_token": fpt,
-                                         "bench_flops_per_token_torchtitan": fpt_tt}) + "\n")
+                    fh.write(
+                        json.dumps(
+                            {
+                                "tag": r["tag"],
+                                "bench_mfu": bench_mfu,
+                                "bench_mfu_torchtitan": bench_mfu_tt,
+                                "bench_flops_per_token": fpt,
+                                "bench_flops_per_token_torchtitan": fpt_tt,
+                            }
+                        )
+                        + "\n"
+                    )
             r["bench_mfu"] = bench_mfu
             r["bench_flops_per_token"] = fpt
             for line in r["profile"]:
                 print(f"  {line}", flush=True)
-            print(f"{head}: {_pct(r['trainer_mfu'])} MFU causal (trainer) {_pct(bench_mfu)} (bench), "
-                  f"{_pct(r['trainer_mfu_torchtitan'])} torchtitan (trainer) {_pct(bench_mfu_tt)} (bench) "
-                  f"{r['tokens_per_s_bench']:,.0f} tok/s "
-                  f"[trainer {r['trainer_tokens_per_s']:,.0f} tok/s, peak mem "
-                  f"{r['mem_peak_gib']:.1f} GiB, loss {r['first_loss']:.3f}->{r['final_loss']:.3f}, "
-                  f"steps {args.warmup + 1}..{r['steps']} measured, {r['seconds']} s total]",
-                  flush=True)
+            print(
+                f"{head}: {_pct(r['trainer_mfu'])} MFU causal (trainer) {_pct(bench_mfu)} (bench), "
+                f"{_pct(r['trainer_mfu_torchtitan'])} torchtitan (trainer) {_pct(bench_mfu_tt)} (bench) "
+                f"{r['tokens_per_s_bench']:,.0f} tok/s "
+                f"[trainer {r['trainer_tokens_per_s']:,.0f} tok/s, peak mem "
+                f"{r['mem_peak_gib']:.1f} GiB, loss {r['first_loss']:.3f}->{r['final_loss']:.3f}, "
+                f"steps {args.warmup + 1}..{r['steps']} measured, {r['seconds']} s total]",
+                flush=True,
+            )
     return 0 if results and all("error" not in r for r in results) else 1
 
 

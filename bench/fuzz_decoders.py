@@ -23,11 +23,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import msgspec  # noqa: E402
+import msgspec
 
-from gpudeck.agents.protocol import Event  # noqa: E402
-from gpudeck.agents.telemetry import INT_MAX, INT_MIN, LineRejected, decode_line  # noqa: E402
-from gpudeck.console import quarantine  # noqa: E402
+from gpudeck.agents.protocol import Event
+from gpudeck.agents.telemetry import INT_MAX, INT_MIN, LineRejected, decode_line
+from gpudeck.console import quarantine
 
 SEEDS = [
     b'{"ts": 1.5, "rank": 0, "type": "step", "step": 12, "loss": 2.25, "tokens_per_s": 1000.0, "mfu": 0.4}',
@@ -36,7 +36,28 @@ SEEDS = [
     b'{"type": "error", "message": "CUDA out of memory \\u00e9"}',
     b'{"type": "eval", "tau": 3.5, "nested": {"a": [1, 2, {"b": null}]}}',
 ]
-INSERTS = [b"[", b"]", b"{", b"}", b'"', b"\\", b",", b":", b"1e999", b"18446744073709551616", b"9" * 30, b"\xff", b"\xc3", b"\\ud800", b"-", b"NaN", b"\x00", b"[" * 70, b"true", b"null"]
+INSERTS = [
+    b"[",
+    b"]",
+    b"{",
+    b"}",
+    b'"',
+    b"\\",
+    b",",
+    b":",
+    b"1e999",
+    b"18446744073709551616",
+    b"9" * 30,
+    b"\xff",
+    b"\xc3",
+    b"\\ud800",
+    b"-",
+    b"NaN",
+    b"\x00",
+    b"[" * 70,
+    b"true",
+    b"null",
+]
 
 
 def mutate(rng: random.Random, data: bytes) -> bytes:
@@ -104,9 +125,13 @@ def fuzz_history(n: int, rng: random.Random) -> tuple[int, int, float]:
         except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
             data = {"undecodable": raw.decode("utf-8", "surrogateescape")}  # a journal row that holds garbage
         odd = rng.random() < 0.05  # now and then the envelope itself is bad too
-        ev = Event(seq=rng.choice([0, 2**64, -5]) if odd else i + 1, ts=float("inf") if odd and rng.random() < 0.5 else 1.5,
-                   kind=rng.choice(["", "x" * 80]) if odd else "telemetry", run_id="\ud800" if odd and rng.random() < 0.3 else "r-1",
-                   data={"record": data})
+        ev = Event(
+            seq=rng.choice([0, 2**64, -5]) if odd else i + 1,
+            ts=float("inf") if odd and rng.random() < 0.5 else 1.5,
+            kind=rng.choice(["", "x" * 80]) if odd else "telemetry",
+            run_id="\ud800" if odd and rng.random() < 0.3 else "r-1",
+            data={"record": data},
+        )
         try:
             quarantine.check_event(ev)
         except quarantine.BadEvent as exc:
@@ -132,11 +157,15 @@ def main() -> None:
     args = ap.parse_args()
     if args.only in (None, "telemetry"):
         a, r, dt = fuzz_telemetry(args.n, random.Random(args.seed))
-        print(f"fuzz telemetry decode_line: {args.n:,} executions in {dt:.1f} s ({args.n / dt:,.0f}/s): {a:,} accepted (all storable), {r:,} rejected by line, 0 crashes")
+        print(
+            f"fuzz telemetry decode_line: {args.n:,} executions in {dt:.1f} s ({args.n / dt:,.0f}/s): {a:,} accepted (all storable), {r:,} rejected by line, 0 crashes"
+        )
     if args.only == "telemetry":
         return
     s, q, dt = fuzz_history(args.n, random.Random(args.seed + 1))
-    print(f"fuzz history check_event: {args.n:,} executions in {dt:.1f} s ({args.n / dt:,.0f}/s): {s:,} stored in SQLite, {q:,} quarantined, 0 crashes")
+    print(
+        f"fuzz history check_event: {args.n:,} executions in {dt:.1f} s ({args.n / dt:,.0f}/s): {s:,} stored in SQLite, {q:,} quarantined, 0 crashes"
+    )
 
 
 if __name__ == "__main__":

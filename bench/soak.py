@@ -51,10 +51,21 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-import psutil  # noqa: E402
+import psutil
 
-from bench.fleet import UP_TIMEOUT_S, AgeRecorder, emit, pct  # noqa: E402
-from bench.fleet_hosts import FleetHosts, FleetSpec, FleetStartError, cpu_seconds, rss_bytes, rss_parts, runqueue_wait_s, start_worker, stop_on_signals, worker_messages  # noqa: E402
+from bench.fleet import UP_TIMEOUT_S, AgeRecorder, emit, pct
+from bench.fleet_hosts import (
+    FleetHosts,
+    FleetSpec,
+    FleetStartError,
+    cpu_seconds,
+    rss_bytes,
+    rss_parts,
+    runqueue_wait_s,
+    start_worker,
+    stop_on_signals,
+    worker_messages,
+)
 
 MIB = 1 << 20
 MAX_LAUNCHES_IN_FLIGHT = 8
@@ -108,7 +119,7 @@ class LogHistogram:
         for i, c in enumerate(self.bins):
             run += c
             if run >= want:
-                return self.LO * self.STEP ** i
+                return self.LO * self.STEP**i
         return self.max
 
 
@@ -151,9 +162,15 @@ class Launcher:
         from gpudeck.agents.protocol import LaunchSpec
 
         host = random.choice(self.names)
-                # force: the simulated GPUs show every GPUDECK_SIM_GPU_MEM process of this machine, other tests' holders included,
+        # force: the simulated GPUs show every GPUDECK_SIM_GPU_MEM process of this machine, other tests' holders included,
         # and the pre-flight rightly refuses those; the load here needs no GPU memory (force is recorded in the run)
-        spec = LaunchSpec(argv=[sys.executable, "-c", WRITER, str(self.run_rate), f"{dur:.1f}"], name=f"soak-{k}", kind="command", cwd=self.cwd, force=True)
+        spec = LaunchSpec(
+            argv=[sys.executable, "-c", WRITER, str(self.run_rate), f"{dur:.1f}"],
+            name=f"soak-{k}",
+            kind="command",
+            cwd=self.cwd,
+            force=True,
+        )
         t0 = time.monotonic()
         try:
             reply = await self.fleet.launch(host, spec, request_id=f"soak-{os.getpid()}-{k}")
@@ -255,7 +272,9 @@ async def soak_worker(spec: FleetSpec, args: argparse.Namespace) -> None:
         dt = t - prev_t
         live = sum(len(ln.status.snapshot.runs) for ln in fleet.links.values() if ln.status.snapshot is not None)
         # a streamed snapshot's last_seq can be a second older than the sync's cursor: count only hosts behind it
-        lag = sum(max(0, ln.status.snapshot.last_seq - ln.status.synced_seq) for ln in fleet.links.values() if ln.status.snapshot is not None)
+        lag = sum(
+            max(0, ln.status.snapshot.last_seq - ln.status.synced_seq) for ln in fleet.links.values() if ln.status.snapshot is not None
+        )
         emit(
             "interval",
             t=t - start,
@@ -345,8 +364,18 @@ async def soak_worker(spec: FleetSpec, args: argparse.Namespace) -> None:
                 # every agent reports no live run now: a live row here is a run the agent lost track of
                 kinds = [f"{e['kind']}:{e['data'].get('state', '')}" for e in hist.events(r["host"], r["id"]) if e["kind"] == "run_state"]
                 stuck.append(f"{r['host']}/{r['id']} state changes {' -> '.join(kinds)}")
-        return {"hosts_checked": len(last), "events": total, "agent_events": sum(last.values()), "gaps": gaps, "duplicates": dups,
-                "beyond_last": extra, "bad_hosts": bad_hosts, "epoch_mismatch": epoch_mismatch, "run_states": states, "stuck": stuck}
+        return {
+            "hosts_checked": len(last),
+            "events": total,
+            "agent_events": sum(last.values()),
+            "gaps": gaps,
+            "duplicates": dups,
+            "beyond_last": extra,
+            "bad_hosts": bad_hosts,
+            "epoch_mismatch": epoch_mismatch,
+            "run_states": states,
+            "stuck": stuck,
+        }
 
     result = await asyncio.to_thread(check)
     connects1 = sum(ln.status.connects for ln in fleet.links.values())
@@ -394,7 +423,11 @@ def main() -> None:
     ap.add_argument("--run-seconds", type=float, default=60.0, help="mean run length (uniform in 0.5x..1.5x)")
     ap.add_argument("--sample-s", type=float, default=30.0)
     ap.add_argument("--gpus", default="8:H200")
-    ap.add_argument("--tracemalloc", action="store_true", help="trace the console's allocations (slower) and print what grew from the first interval to the end")
+    ap.add_argument(
+        "--tracemalloc",
+        action="store_true",
+        help="trace the console's allocations (slower) and print what grew from the first interval to the end",
+    )
     ap.add_argument("--keep", action="store_true", help="keep the fleet's folder (journals, history) for a look afterwards")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--spec", type=Path, help=argparse.SUPPRESS)
@@ -405,21 +438,39 @@ def main() -> None:
         return
 
     stop_on_signals()
-    out(f"machine: {psutil.cpu_count()} CPUs, {psutil.virtual_memory().total / 2**30:.1f} GiB; {args.hosts} hosts, SIMULATED GPUs ({args.gpus} each), "
+    out(
+        f"machine: {psutil.cpu_count()} CPUs, {psutil.virtual_memory().total / 2**30:.1f} GiB; {args.hosts} hosts, SIMULATED GPUs ({args.gpus} each), "
         f"SSH server side asyncssh in-process (not OpenSSH); {args.minutes:g} min, target {args.events_per_s:g} events/s "
         f"({args.run_rate:g} records/s per run, runs of {0.5 * args.run_seconds:.0f}-{1.5 * args.run_seconds:.0f} s); load average at start "
-        + " ".join(f"{x:.2f}" for x in os.getloadavg()))
+        + " ".join(f"{x:.2f}" for x in os.getloadavg())
+    )
     try:
-        fh = FleetHosts(args.hosts, args.gpus, keep=args.keep, progress=lambda m: print(f"soak (progress) {m}", file=sys.stderr, flush=True))
+        fh = FleetHosts(
+            args.hosts, args.gpus, keep=args.keep, progress=lambda m: print(f"soak (progress) {m}", file=sys.stderr, flush=True)
+        )
     except FleetStartError as exc:
         out(f"COULD NOT BRING UP {args.hosts} hosts: {exc}")
         sys.exit(1)
     try:
         assert fh.spec is not None
         out(f"fleet up in {fh.start_seconds:.1f} s: {args.hosts} agents ({rss_bytes(fh.agent_pids) / MIB:.0f} MiB RSS together) + SSH farm")
-        argv = [sys.executable, str(Path(__file__).resolve()), "--worker", "--spec", str(fh.spec.path), "--minutes", str(args.minutes),
-                "--events-per-s", str(args.events_per_s), "--run-rate", str(args.run_rate), "--run-seconds", str(args.run_seconds),
-                "--sample-s", str(args.sample_s)] + (["--tracemalloc"] if args.tracemalloc else [])
+        argv = [
+            sys.executable,
+            str(Path(__file__).resolve()),
+            "--worker",
+            "--spec",
+            str(fh.spec.path),
+            "--minutes",
+            str(args.minutes),
+            "--events-per-s",
+            str(args.events_per_s),
+            "--run-rate",
+            str(args.run_rate),
+            "--run-seconds",
+            str(args.run_seconds),
+            "--sample-s",
+            str(args.sample_s),
+        ] + (["--tracemalloc"] if args.tracemalloc else [])
         proc = start_worker(argv, fh.base_dir / "soak-worker.stderr")
         series: list[dict[str, Any]] = []
         complete: dict[str, Any] | None = None
@@ -445,7 +496,8 @@ def main() -> None:
                     f"t={msg['t']:5.0f}s events/s into history {msg['events_per_s']:7.1f} (agents journaled {msg['journaled_per_s']:7.1f}/s, lag {msg['lag_events']} events, {msg['queued']} replies queued in the console) "
                     f"history {msg['history_bytes'] / MIB:7.1f} MiB  console CPU {msg['cpu_pct']:5.1f}% (loop thread waited for a CPU {msg['wait_ms_per_s']:4.0f} ms/s) "
                     f"RSS {msg['rss'] / MIB:6.1f} MiB (anon {msg['rss_parts']['RssAnon'] / MIB:.1f}, file {msg['rss_parts']['RssFile'] / MIB:.1f}, shmem {msg['rss_parts']['RssShmem'] / MIB:.1f}"
-                    + (f", Python heap traced {msg['traced'] / MIB:.1f}" if msg.get("traced") is not None else "") + f", {msg['py_blocks']} Python blocks)  "
+                    + (f", Python heap traced {msg['traced'] / MIB:.1f}" if msg.get("traced") is not None else "")
+                    + f", {msg['py_blocks']} Python blocks)  "
                     f"age p50 {1000 * msg['age_p50']:6.1f} ms p99 {1000 * msg['age_p99']:7.1f} ms (n={msg['ages']})  runs live {msg['live_runs']} "
                     f"launched {msg['launched']} failed {msg['failed']} up {msg['up']}  farm {msg['farm_cores']:.2f} agents {msg['agents_cores']:.2f} "
                     f"(each main thread waited {msg['agent_wait_ms_per_s']:.0f} ms/s) machine {msg['machine_cores']:.2f}/{psutil.cpu_count()} cores, load {msg['load1']:.1f}"
@@ -471,13 +523,17 @@ def summarize(series: list[dict[str, Any]], c: dict[str, Any], args: argparse.Na
     steady = series[1:] if len(series) > 1 else series  # the first interval holds the start-up
     if steady:
         ev = [s["events_per_s"] for s in steady]
-        out(f"events/s sustained into history: mean {statistics.fmean(ev):.1f}, min {min(ev):.1f}, max {max(ev):.1f} over {len(steady)} intervals "
-            f"after the first (target {args.events_per_s:g}); agents journaled mean {statistics.fmean(s['journaled_per_s'] for s in steady):.1f}/s")
+        out(
+            f"events/s sustained into history: mean {statistics.fmean(ev):.1f}, min {min(ev):.1f}, max {max(ev):.1f} over {len(steady)} intervals "
+            f"after the first (target {args.events_per_s:g}); agents journaled mean {statistics.fmean(s['journaled_per_s'] for s in steady):.1f}/s"
+        )
         out(f"history lag at the samples: max {max(s['lag_events'] for s in steady)} events behind the agents' journals")
         xs = [s["t"] / 60.0 for s in steady]
         rss = [s["rss"] / MIB for s in steady]
         cpu = [s["cpu_pct"] for s in steady]
-        out(f"console RSS: {rss[0]:.1f} MiB at t={steady[0]['t']:.0f}s, {rss[-1]:.1f} MiB at the end, max {max(rss):.1f}; least-squares slope {slope(xs, rss):+.3f} MiB/min")
+        out(
+            f"console RSS: {rss[0]:.1f} MiB at t={steady[0]['t']:.0f}s, {rss[-1]:.1f} MiB at the end, max {max(rss):.1f}; least-squares slope {slope(xs, rss):+.3f} MiB/min"
+        )
         anon = [s["rss_parts"]["RssAnon"] / MIB for s in steady]
         filed = [s["rss_parts"]["RssFile"] / MIB + s["rss_parts"]["RssShmem"] / MIB for s in steady]
         line = f"console RSS parts: anonymous {anon[0]:.1f} -> {anon[-1]:.1f} MiB (slope {slope(xs, anon):+.3f} MiB/min), file+shmem {filed[0]:.1f} -> {filed[-1]:.1f} MiB (slope {slope(xs, filed):+.3f})"
@@ -490,28 +546,55 @@ def summarize(series: list[dict[str, Any]], c: dict[str, Any], args: argparse.Na
         calm = [s for s in steady if s["lag_events"] == 0 and s["queued"] <= 1]
         if len(calm) >= 2:
             cx = [s["t"] / 60.0 for s in calm]
-            out(f"console over the {len(calm)} intervals with no backlog (lag 0, nothing queued): RSS {calm[0]['rss'] / MIB:.1f} -> {calm[-1]['rss'] / MIB:.1f} MiB, "
+            out(
+                f"console over the {len(calm)} intervals with no backlog (lag 0, nothing queued): RSS {calm[0]['rss'] / MIB:.1f} -> {calm[-1]['rss'] / MIB:.1f} MiB, "
                 f"slope {slope(cx, [s['rss'] / MIB for s in calm]):+.3f} MiB/min; Python blocks slope {slope(cx, [s['py_blocks'] / 1000 for s in calm]):+.1f}k/min; "
                 f"CPU mean {statistics.fmean(s['cpu_pct'] for s in calm):.1f}%, slope {slope(cx, [s['cpu_pct'] for s in calm]):+.3f} points/min; "
-                f"events/s mean {statistics.fmean(s['events_per_s'] for s in calm):.1f}; snapshot age p99 max {1000 * max(s['age_p99'] for s in calm):.1f} ms")
-        out(f"console CPU: mean {statistics.fmean(cpu):.1f}% of one core, max {max(cpu):.1f}%; least-squares slope {slope(xs, cpu):+.3f} points/min")
-        out(f"CPU starvation: the console's event-loop thread waited for a CPU {statistics.fmean(s['wait_ms_per_s'] for s in steady):.0f} ms/s on average "
+                f"events/s mean {statistics.fmean(s['events_per_s'] for s in calm):.1f}; snapshot age p99 max {1000 * max(s['age_p99'] for s in calm):.1f} ms"
+            )
+        out(
+            f"console CPU: mean {statistics.fmean(cpu):.1f}% of one core, max {max(cpu):.1f}%; least-squares slope {slope(xs, cpu):+.3f} points/min"
+        )
+        out(
+            f"CPU starvation: the console's event-loop thread waited for a CPU {statistics.fmean(s['wait_ms_per_s'] for s in steady):.0f} ms/s on average "
             f"(max {max(s['wait_ms_per_s'] for s in steady):.0f}); each agent's main thread {statistics.fmean(s['agent_wait_ms_per_s'] for s in steady):.0f} ms/s "
-            f"(max {max(s['agent_wait_ms_per_s'] for s in steady):.0f})")
-        out(f"snapshot age p99 per interval: max {1000 * max(s['age_p99'] for s in steady):.1f} ms, median {1000 * statistics.median(s['age_p99'] for s in steady):.1f} ms")
-        out(f"machine: mean {statistics.fmean(s['machine_cores'] for s in steady):.2f} cores busy (farm {statistics.fmean(s['farm_cores'] for s in steady):.2f}, "
-            f"agents {statistics.fmean(s['agents_cores'] for s in steady):.2f}); load average max {max(s['load1'] for s in steady):.1f}")
-    out(f"snapshot age over the whole soak: p50 {1000 * c['age_p50']:.1f} ms, p99 {1000 * c['age_p99']:.1f} ms, max {1000 * c['age_max']:.1f} ms (n={c['ages']})")
-    out(f"history size at the end: {c['history_bytes'] / MIB:.1f} MiB for {c['events']} events ({c['history_bytes'] / max(1, c['events']):.0f} bytes/event, db+wal)")
-    out(f"runs: {c['launched']} launched, {c['launch_failed']} launches failed {c['launch_errors'] or ''}; launch round trip p50 {1000 * c['launch_p50']:.0f} ms, "
-        f"p99 {1000 * c['launch_p99']:.0f} ms; in the history by state: {c['run_states']}; all ended {c['runs_ended_s']:.0f} s after the load stopped")
+            f"(max {max(s['agent_wait_ms_per_s'] for s in steady):.0f})"
+        )
+        out(
+            f"snapshot age p99 per interval: max {1000 * max(s['age_p99'] for s in steady):.1f} ms, median {1000 * statistics.median(s['age_p99'] for s in steady):.1f} ms"
+        )
+        out(
+            f"machine: mean {statistics.fmean(s['machine_cores'] for s in steady):.2f} cores busy (farm {statistics.fmean(s['farm_cores'] for s in steady):.2f}, "
+            f"agents {statistics.fmean(s['agents_cores'] for s in steady):.2f}); load average max {max(s['load1'] for s in steady):.1f}"
+        )
+    out(
+        f"snapshot age over the whole soak: p50 {1000 * c['age_p50']:.1f} ms, p99 {1000 * c['age_p99']:.1f} ms, max {1000 * c['age_max']:.1f} ms (n={c['ages']})"
+    )
+    out(
+        f"history size at the end: {c['history_bytes'] / MIB:.1f} MiB for {c['events']} events ({c['history_bytes'] / max(1, c['events']):.0f} bytes/event, db+wal)"
+    )
+    out(
+        f"runs: {c['launched']} launched, {c['launch_failed']} launches failed {c['launch_errors'] or ''}; launch round trip p50 {1000 * c['launch_p50']:.0f} ms, "
+        f"p99 {1000 * c['launch_p99']:.0f} ms; in the history by state: {c['run_states']}; all ended {c['runs_ended_s']:.0f} s after the load stopped"
+    )
     if c["stuck"]:
         out(f"runs the history still shows live after every agent reported none: {len(c['stuck'])}: " + "; ".join(c["stuck"][:5]))
-    verdict = "COMPLETE" if c["gaps"] == 0 and c["duplicates"] == 0 and c["beyond_last"] == 0 and c["bad_hosts"] == 0 and not c["errors"] and c["epoch_mismatch"] == 0 else "INCOMPLETE"
-    out(f"history completeness: {verdict}: {c['hosts_checked']} hosts, {c['events']} events held vs {c['agent_events']} in the agents' journals; "
+    verdict = (
+        "COMPLETE"
+        if c["gaps"] == 0
+        and c["duplicates"] == 0
+        and c["beyond_last"] == 0
+        and c["bad_hosts"] == 0
+        and not c["errors"]
+        and c["epoch_mismatch"] == 0
+        else "INCOMPLETE"
+    )
+    out(
+        f"history completeness: {verdict}: {c['hosts_checked']} hosts, {c['events']} events held vs {c['agent_events']} in the agents' journals; "
         f"{c['gaps']} gaps, {c['duplicates']} duplicates, {c['beyond_last']} beyond the agent's last seq, {c['bad_hosts']} hosts off, "
         f"{c['epoch_mismatch']} epoch changes, {c['reconnects']} reconnects; synced {c['synced_s']:.1f} s after the runs ended"
-        + (f"; snapshot errors: {c['errors']}" if c["errors"] else ""))
+        + (f"; snapshot errors: {c['errors']}" if c["errors"] else "")
+    )
 
 
 if __name__ == "__main__":

@@ -82,7 +82,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-import psutil  # noqa: E402
+import psutil
 
 WRITER = r"""
 import sys, time
@@ -112,8 +112,14 @@ def env_for(home: Path) -> dict[str, str]:
 
 def start_agent(home: Path, nice: bool = False) -> subprocess.Popen:
     """The local agent of parts 1 and 2; ``nice``: at nice 19, with the runs it starts (as part 3 runs its hosts)."""
-    proc = subprocess.Popen([sys.executable, "-m", "gpudeck.agents", "serve", "--state-dir", str(home / "agent")], env=env_for(home), start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            preexec_fn=(lambda: os.nice(19)) if nice else None)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gpudeck.agents", "serve", "--state-dir", str(home / "agent")],
+        env=env_for(home),
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        preexec_fn=(lambda: os.nice(19)) if nice else None,
+    )
     sock = home / "agent" / "sock" / "agent.sock"
     for _ in range(400):
         if sock.exists():
@@ -248,7 +254,9 @@ async def part1(home: Path, rate: int, total: int) -> None:
     app = GpudeckApp(Fleet(state_dir=home / "agent"))
     me = psutil.Process()
     async with app.run_test(size=(140, 40)) as pilot:
-        reply = await app.fleet.launch("local", LaunchSpec(argv=[sys.executable, "-c", WRITER, str(rate), str(total)], cwd=str(home), name="tui-bench"))
+        reply = await app.fleet.launch(
+            "local", LaunchSpec(argv=[sys.executable, "-c", WRITER, str(rate), str(total)], cwd=str(home), name="tui-bench")
+        )
         rid = reply.run.id
         app.open_run("local", rid)
         await pilot.pause()
@@ -272,9 +280,15 @@ async def part1(home: Path, rate: int, total: int) -> None:
         ok_sample = all(s.startswith(f"line {i * max(1, got // 1000):09d}") for i, s in enumerate(sample))
         cpu = (c1.user - c0.user) + (c1.system - c0.system)
         span = t1 - (first or t0)
-        print(f"tui_bench part1 run {rid}: {total:,} lines written at {rate:,}/s; {got:,} reached the view ({'none lost, in order' if ok_order and ok_sample else 'LOST OR OUT OF ORDER'})", flush=True)
+        print(
+            f"tui_bench part1 run {rid}: {total:,} lines written at {rate:,}/s; {got:,} reached the view ({'none lost, in order' if ok_order and ok_sample else 'LOST OR OUT OF ORDER'})",
+            flush=True,
+        )
         print(f"tui_bench part1 lines reaching the view: {got / span:,.0f} lines/s over {span:.1f} s", flush=True)
-        print(f"tui_bench part1 console CPU while following: {100 * cpu / (t1 - t0):.1f}% of one core ({cpu:.2f} s CPU in {t1 - t0:.1f} s)", flush=True)
+        print(
+            f"tui_bench part1 console CPU while following: {100 * cpu / (t1 - t0):.1f}% of one core ({cpu:.2f} s CPU in {t1 - t0:.1f} s)",
+            flush=True,
+        )
 
 
 # ---------------------------------------------------------------------------- part 2: a real terminal, one host
@@ -287,21 +301,62 @@ def part2(home: Path, rate: int, seconds: float, presses: int, label: str = "") 
     try:
         term.pump(8.0, b"Fleet")
         # the chatty run is launched through the CLI, then opened from the console's Runs screen
-        rid = subprocess.run([sys.executable, "-m", "gpudeck.console.cli", "launch", "--name", "tui-keys", "--", sys.executable, "-c", WRITER, str(rate), str(int(rate * (seconds + 30)))], env=env, capture_output=True, text=True, check=True).stdout.strip()
+        rid = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "gpudeck.console.cli",
+                "launch",
+                "--name",
+                "tui-keys",
+                "--",
+                sys.executable,
+                "-c",
+                WRITER,
+                str(rate),
+                str(int(rate * (seconds + 30))),
+            ],
+            env=env,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
         term.press(b"r")
         term.pump(5.0, rid.encode())
         term.press(b"\r")
         term.pump(5.0, b"line 0")
         spy = None
         if os.environ.get("TUI_BENCH_PYSPY"):  # where a slow key press waited, for whoever tunes it
-            spy = subprocess.Popen([os.environ["TUI_BENCH_PYSPY"], "record", "--pid", str(term.pid), "--rate", "500", "--format", "speedscope", "-o", os.environ["TUI_BENCH_PYSPY_OUT"], "--duration", "30", "--nonblocking", "--idle"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            spy = subprocess.Popen(
+                [
+                    os.environ["TUI_BENCH_PYSPY"],
+                    "record",
+                    "--pid",
+                    str(term.pid),
+                    "--rate",
+                    "500",
+                    "--format",
+                    "speedscope",
+                    "-o",
+                    os.environ["TUI_BENCH_PYSPY_OUT"],
+                    "--duration",
+                    "30",
+                    "--nonblocking",
+                    "--idle",
+                ],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
         lat = term.follow_latencies(presses)
         if spy is not None:
             spy.send_signal(signal.SIGINT)  # py-spy writes its file on ^C
             spy.wait(20)
         if lat:
             p50, p99, mx = quantiles(lat)
-            print(f"tui_bench part2 key-to-screen latency while following {rate:,} lines/s{label}: p50 {p50:.1f} ms, p99 {p99:.1f} ms, max {mx:.1f} ms ({len(lat)}/{presses} presses seen)", flush=True)
+            print(
+                f"tui_bench part2 key-to-screen latency while following {rate:,} lines/s{label}: p50 {p50:.1f} ms, p99 {p99:.1f} ms, max {mx:.1f} ms ({len(lat)}/{presses} presses seen)",
+                flush=True,
+            )
         else:
             print("tui_bench part2: no key press was seen on screen", flush=True)
     finally:
@@ -363,7 +418,10 @@ def console_child(spec_path: Path, stats_path: Path, total: int) -> None:
         BINDINGS = [*GpudeckApp.BINDINGS, Binding("ctrl+b", "bench_ping", "ping", show=False)]
 
         def __init__(self) -> None:
-            super().__init__(Fleet(config=spec.config(), ssh=spec.ssh_options(), interval_s=1.0, history=History(spec.base_dir / "tui-history.db")), freeze_gc=True)
+            super().__init__(
+                Fleet(config=spec.config(), ssh=spec.ssh_options(), interval_s=1.0, history=History(spec.base_dir / "tui-history.db")),
+                freeze_gc=True,
+            )
             self.pings = 0
             self.checked: dict[str, object] = {}
 
@@ -442,9 +500,29 @@ def console_child(spec_path: Path, stats_path: Path, total: int) -> None:
                 objs = gc.get_objects(2)
                 top = collections.Counter(type(o).__qualname__ for o in objs).most_common(15)
                 with open(census, "a") as fh:
-                    fh.write(json.dumps({"t": time.time(), "screen": type(self.screen).__name__, "gen2": len(objs), "frozen": gc.get_freeze_count(), "top": top, "stats": gc.get_stats()}) + "\n")
+                    fh.write(
+                        json.dumps(
+                            {
+                                "t": time.time(),
+                                "screen": type(self.screen).__name__,
+                                "gen2": len(objs),
+                                "frozen": gc.get_freeze_count(),
+                                "top": top,
+                                "stats": gc.get_stats(),
+                            }
+                        )
+                        + "\n"
+                    )
                 del objs
-            data = {"t": time.time(), "lines": lines, "up": up, "flushes": self.flushes, "stalls": self.stalls[-400:], "gc": self.gc_ms[-400:], **self.checked}
+            data = {
+                "t": time.time(),
+                "lines": lines,
+                "up": up,
+                "flushes": self.flushes,
+                "stalls": self.stalls[-400:],
+                "gc": self.gc_ms[-400:],
+                **self.checked,
+            }
             tmp = stats_path.with_suffix(".tmp")
             tmp.write_text(json.dumps(data))
             os.replace(tmp, stats_path)
@@ -473,7 +551,15 @@ async def peer_main(spec_path: Path, log_path: Path) -> None:
     async def connect(name: str):  # type: ignore[no-untyped-def]
         async with sem:
             try:
-                return await asyncssh.connect(name, config=opts.config_paths(), known_hosts=str(spec.known_hosts), agent_forwarding=False, keepalive_interval=opts.keepalive_s, connect_timeout=60, login_timeout=120)
+                return await asyncssh.connect(
+                    name,
+                    config=opts.config_paths(),
+                    known_hosts=str(spec.known_hosts),
+                    agent_forwarding=False,
+                    keepalive_interval=opts.keepalive_s,
+                    connect_timeout=60,
+                    login_timeout=120,
+                )
             except (OSError, asyncssh.Error) as exc:
                 return exc
 
@@ -490,7 +576,7 @@ async def peer_main(spec_path: Path, log_path: Path) -> None:
             try:
                 r = await conn.run(PEER_COMMAND, check=True, timeout=30)
                 docs[name] = json.loads(r.stdout)
-            except (asyncssh.Error, OSError, ValueError, asyncio.TimeoutError):
+            except (TimeoutError, asyncssh.Error, OSError, ValueError):
                 log.add("failed", 1)
             nxt += 1.0
             if nxt < loop.time():  # behind: skip the ticks that passed rather than bursting
@@ -506,7 +592,9 @@ async def peer_main(spec_path: Path, log_path: Path) -> None:
     while True:
         await asyncio.sleep(1.0 - (time.time() % 1.0))  # once a second, as watch -n 1
         t0 = time.perf_counter()
-        table = Table(box=None, pad_edge=False, expand=True, title=f"{n} hosts, {len(tasks)} connected (ssh + {PEER_COMMAND} per host per second)")
+        table = Table(
+            box=None, pad_edge=False, expand=True, title=f"{n} hosts, {len(tasks)} connected (ssh + {PEER_COMMAND} per host per second)"
+        )
         for col in ("HOST", "GPUs BUSY", "MEMORY", "UTIL", "RUNS"):
             table.add_column(col)
         now = time.time()
@@ -519,7 +607,13 @@ async def peer_main(spec_path: Path, log_path: Path) -> None:
             used, total = sum(g.get("memory_used", 0) for g in gpus), sum(g.get("memory_total", 0) for g in gpus)
             utils = [g["util_gpu"] for g in gpus if g.get("util_gpu") is not None]
             bar = "█" * round(12 * used / total) if total else ""
-            table.add_row(name, f"{sum(1 for g in gpus if g.get('processes'))}/{len(gpus)}", f"{bar:<12} {used / 2**30:.1f}/{total / 2**30:.1f} GiB", f"{sum(utils) / len(utils):.0f}%" if utils else "-", str(len(d.get("runs") or [])))
+            table.add_row(
+                name,
+                f"{sum(1 for g in gpus if g.get('processes'))}/{len(gpus)}",
+                f"{bar:<12} {used / 2**30:.1f}/{total / 2**30:.1f} GiB",
+                f"{sum(utils) / len(utils):.0f}%" if utils else "-",
+                str(len(d.get("runs") or [])),
+            )
             log.add("age_s", now - float(d.get("ts", now)))
         with out.capture() as cap:
             out.print(table)
@@ -547,8 +641,11 @@ def part3(rate: int, seconds: float, presses: int, hosts: int, gpus: str, nice: 
         return
     with fh:
         assert fh.spec is not None
-        print(f"tui_bench part3 fleet: {hosts} real agents with SIMULATED GPUs ({gpus} each) behind one asyncssh in-process SSH server (not OpenSSH), up in {time.monotonic() - t0:.1f} s;"
-              f" {'agents, farm and the run at nice 19 (they stand in for other machines)' if nice else 'agents at normal priority'}", flush=True)
+        print(
+            f"tui_bench part3 fleet: {hosts} real agents with SIMULATED GPUs ({gpus} each) behind one asyncssh in-process SSH server (not OpenSSH), up in {time.monotonic() - t0:.1f} s;"
+            f" {'agents, farm and the run at nice 19 (they stand in for other machines)' if nice else 'agents at normal priority'}",
+            flush=True,
+        )
         spec_path = fh.spec.save()
         stats_path = fh.base_dir / "tui-stats.json"
         console_log = stats_path.with_suffix(".log")
@@ -559,33 +656,57 @@ def part3(rate: int, seconds: float, presses: int, hosts: int, gpus: str, nice: 
         rid = ""
         try:
             term = Term([sys.executable, str(Path(__file__).resolve()), "_console", str(spec_path), str(stats_path), str(total)], child_env)
-            rid = console_part(term, fh, stats_path, console_log, others, rate, seconds, presses, hosts, total, nice, settle_s, fleet_figures)
+            rid = console_part(
+                term, fh, stats_path, console_log, others, rate, seconds, presses, hosts, total, nice, settle_s, fleet_figures
+            )
             term.close()
             if rid:
                 tail_peer(fh.spec.state_dir(0) / "runs" / rid / "output.log", rate, seconds, others)
         finally:
             if rid:
-                subprocess.run([sys.executable, "-m", "gpudeck.console.cli", "stop", rid, "--grace", "2"], env=fh.agent_env(0), capture_output=True)
+                subprocess.run(
+                    [sys.executable, "-m", "gpudeck.console.cli", "stop", rid, "--grace", "2"], env=fh.agent_env(0), capture_output=True
+                )
         if "console" in fleet_figures:
             dashboard_peer(spec_path, fh.base_dir / "peer.log", others, hosts, seconds, fleet_figures)
 
 
-def console_part(term: Term, fh, stats_path: Path, console_log: Path, others: list[int], rate: int, seconds: float, presses: int, hosts: int, total: int,  # type: ignore[no-untyped-def]
-                 nice: bool, settle_s: float, fleet_figures: dict) -> str:
+def console_part(
+    term: Term,
+    fh,
+    stats_path: Path,
+    console_log: Path,
+    others: list[int],
+    rate: int,
+    seconds: float,
+    presses: int,
+    hosts: int,
+    total: int,  # type: ignore[no-untyped-def]
+    nice: bool,
+    settle_s: float,
+    fleet_figures: dict,
+) -> str:
     """The console on the fleet: the Fleet screen, then the run on h000; returns the run id ('' when it got no further)."""
 
     def stalls() -> str:
         stats = read_stats(stats_path)
         st, gcs = stats.get("stalls", []), stats.get("gc", [])
-        new, new_gc = st[mark[0]:], gcs[mark[1]:]
+        new, new_gc = st[mark[0] :], gcs[mark[1] :]
         mark[0], mark[1] = len(st), len(gcs)
-        gc_text = f", Python GC pauses over 10 ms: {len(new_gc)} (longest {max(g[1] for g in new_gc):.0f} ms)" if new_gc else ", no GC pause over 10 ms"
+        gc_text = (
+            f", Python GC pauses over 10 ms: {len(new_gc)} (longest {max(g[1] for g in new_gc):.0f} ms)"
+            if new_gc
+            else ", no GC pause over 10 ms"
+        )
         if not new:
             return "no event-loop stall over 50 ms" + gc_text
         worst = max(new, key=lambda s: s[0])
         # own CPU counts every thread of the console: more than the stall means it was busy, not waiting for a core
         why = "waiting for a CPU the rest" if worst[1] < worst[0] else "its own work (threads included)"
-        return f"{len(new)} event-loop stall(s) over 50 ms, the longest {worst[0]:.0f} ms, the console's own CPU in it {worst[1]:.0f} ms ({why})" + gc_text
+        return (
+            f"{len(new)} event-loop stall(s) over 50 ms, the longest {worst[0]:.0f} ms, the console's own CPU in it {worst[1]:.0f} ms ({why})"
+            + gc_text
+        )
 
     mark = [0, 0]
 
@@ -594,7 +715,10 @@ def console_part(term: Term, fh, stats_path: Path, console_log: Path, others: li
             print(f"tui_bench part3 {what}: no key press was seen on screen", flush=True)
             return
         p50, p99, mx = quantiles(lat)
-        print(f"tui_bench part3 key-to-screen latency, {what}: p50 {p50:.1f} ms, p99 {p99:.1f} ms, max {mx:.1f} ms ({len(lat)}/{n} presses seen; {stalls()}; load {os.getloadavg()[0]:.1f})", flush=True)
+        print(
+            f"tui_bench part3 key-to-screen latency, {what}: p50 {p50:.1f} ms, p99 {p99:.1f} ms, max {mx:.1f} ms ({len(lat)}/{n} presses seen; {stalls()}; load {os.getloadavg()[0]:.1f})",
+            flush=True,
+        )
 
     def alive(where: str) -> bool:
         if not term.alive():
@@ -605,7 +729,10 @@ def console_part(term: Term, fh, stats_path: Path, console_log: Path, others: li
     t_up = time.monotonic()
     while time.monotonic() - t_up < 180 and read_stats(stats_path).get("up", 0) < hosts:
         term.pump(0.5)
-    print(f"tui_bench part3 console: {read_stats(stats_path).get('up', 0)}/{hosts} hosts up on the Fleet screen {time.monotonic() - t_up:.1f} s after start", flush=True)
+    print(
+        f"tui_bench part3 console: {read_stats(stats_path).get('up', 0)}/{hosts} hosts up on the Fleet screen {time.monotonic() - t_up:.1f} s after start",
+        flush=True,
+    )
     if read_stats(stats_path).get("up", 0) < hosts:
         print(f"tui_bench part3 the console did not see every host up; its terminal ended with: {term.tail_text()!r}", flush=True)
         return ""
@@ -625,22 +752,44 @@ def console_part(term: Term, fh, stats_path: Path, console_log: Path, others: li
     fleet_figures["console"] = (cpu, bps, flush_ms, ages)
     f50, f99, _ = quantiles(flush_ms)
     a50, a99, _ = quantiles(ages)
-    print(f"tui_bench part3 console, Fleet screen, {hosts} hosts at 1 Hz, no run, {wall:.0f} s: CPU {100 * cpu:.1f}% of one core, {bps / 1024:.1f} KiB/s to the terminal,"
-          f" update {f50:.1f} ms p50 / {f99:.1f} ms p99 ({len(flush_ms) / wall:.1f} a second), figures on screen {a50:.2f} s old p50 / {a99:.2f} s p99"
-          f" (agents+farm {100 * wo.stop()[0]:.0f}%, load {os.getloadavg()[0]:.1f})", flush=True)
+    print(
+        f"tui_bench part3 console, Fleet screen, {hosts} hosts at 1 Hz, no run, {wall:.0f} s: CPU {100 * cpu:.1f}% of one core, {bps / 1024:.1f} KiB/s to the terminal,"
+        f" update {f50:.1f} ms p50 / {f99:.1f} ms p99 ({len(flush_ms) / wall:.1f} a second), figures on screen {a50:.2f} s old p50 / {a99:.2f} s p99"
+        f" (agents+farm {100 * wo.stop()[0]:.0f}%, load {os.getloadavg()[0]:.1f})",
+        flush=True,
+    )
     stalls()  # only stalls during the measurement count
     show(f"Fleet screen, {hosts} hosts at 1 Hz", term.latencies(PING_KEY, lambda i: f"bench ping {i + 1}".encode(), presses), presses)
 
     rid = subprocess.run(
-        [sys.executable, "-m", "gpudeck.console.cli", "launch", "--name", "tui-256", "--", sys.executable, "-c", WRITER, str(rate), str(int(rate * (3 * seconds + 300)))],
-        env=fh.agent_env(0), capture_output=True, text=True, check=True,
+        [
+            sys.executable,
+            "-m",
+            "gpudeck.console.cli",
+            "launch",
+            "--name",
+            "tui-256",
+            "--",
+            sys.executable,
+            "-c",
+            WRITER,
+            str(rate),
+            str(int(rate * (3 * seconds + 300))),
+        ],
+        env=fh.agent_env(0),
+        capture_output=True,
+        text=True,
+        check=True,
     ).stdout.strip()
     if not alive("before the run was launched"):
         return rid
     term.buf.clear()
     term.press(b"r")
     if term.pump(60.0, rid.encode()) is None:
-        print(f"tui_bench part3 run {rid} did not show on the Runs screen within 60 s; the terminal ended with: {term.tail_text()!r}", flush=True)
+        print(
+            f"tui_bench part3 run {rid} did not show on the Runs screen within 60 s; the terminal ended with: {term.tail_text()!r}",
+            flush=True,
+        )
         return rid
     term.pump(1.0)
     term.press(b"\r")
@@ -659,16 +808,29 @@ def console_part(term: Term, fh, stats_path: Path, console_log: Path, others: li
     cpu, bps, wall = w.stop()
     s1 = read_stats(stats_path)
     rate_seen = (s1.get("lines", 0) - s0.get("lines", 0)) / max(1e-9, s1.get("t", 0) - s0.get("t", 0))
-    print(f"tui_bench part3 lines reaching the view: {rate_seen:,.0f} lines/s over {s1.get('t', 0) - s0.get('t', 0):.1f} s (run written at {rate:,}/s on h000, {hosts} hosts at 1 Hz)", flush=True)
-    print(f"tui_bench part3 console CPU following {hosts} hosts and the run: {100 * cpu:.1f}% of one core ({wall:.1f} s, {bps / 1024:.1f} KiB/s to the terminal; agents+farm {100 * wo.stop()[0]:.0f}%, load {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores)", flush=True)
+    print(
+        f"tui_bench part3 lines reaching the view: {rate_seen:,.0f} lines/s over {s1.get('t', 0) - s0.get('t', 0):.1f} s (run written at {rate:,}/s on h000, {hosts} hosts at 1 Hz)",
+        flush=True,
+    )
+    print(
+        f"tui_bench part3 console CPU following {hosts} hosts and the run: {100 * cpu:.1f}% of one core ({wall:.1f} s, {bps / 1024:.1f} KiB/s to the terminal; agents+farm {100 * wo.stop()[0]:.0f}%, load {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores)",
+        flush=True,
+    )
     fleet_figures["run"] = (cpu, rate_seen)
     # no loss: wait until the view holds the first `total` lines, then the child checks a sample of them in order
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and "ok" not in read_stats(stats_path):
         term.pump(0.5)
     st = read_stats(stats_path)
-    verdict = "none lost, in order" if st.get("ok") else ("LOST OR OUT OF ORDER" if "ok" in st else f"only {st.get('lines', 0):,} reached the view in time")
-    print(f"tui_bench part3 run {rid}: first {total:,} lines checked in the view: {verdict} ({time.monotonic() - t_open:.0f} s after opening the run)", flush=True)
+    verdict = (
+        "none lost, in order"
+        if st.get("ok")
+        else ("LOST OR OUT OF ORDER" if "ok" in st else f"only {st.get('lines', 0):,} reached the view in time")
+    )
+    print(
+        f"tui_bench part3 run {rid}: first {total:,} lines checked in the view: {verdict} ({time.monotonic() - t_open:.0f} s after opening the run)",
+        flush=True,
+    )
     return rid
 
 
@@ -700,8 +862,11 @@ def tail_peer(output: Path, rate: int, seconds: float, others: list[int]) -> Non
         w, l0 = Window(term, [term.pid]), seen["lines"]
         term.pump(seconds)
         cpu, bps, wall = w.stop()
-        print(f"tui_bench part3 peer tail -F of the same run's output.log (this machine, no SSH hop): {(seen['lines'] - l0) / wall:,.0f} lines/s reached the terminal over {wall:.1f} s"
-              f" ({seen['gaps']} gap(s) in the numbering), tail CPU {100 * cpu:.1f}% of one core, {bps / 2**20:.1f} MiB/s to the terminal; no search, no top/bottom while it follows", flush=True)
+        print(
+            f"tui_bench part3 peer tail -F of the same run's output.log (this machine, no SSH hop): {(seen['lines'] - l0) / wall:,.0f} lines/s reached the terminal over {wall:.1f} s"
+            f" ({seen['gaps']} gap(s) in the numbering), tail CPU {100 * cpu:.1f}% of one core, {bps / 2**20:.1f} MiB/s to the terminal; no search, no top/bottom while it follows",
+            flush=True,
+        )
     finally:
         term.close(quit_key=None)
 
@@ -727,12 +892,18 @@ def dashboard_peer(spec_path: Path, log_path: Path, others: list[int], hosts: in
         failed, skipped = len(Log.read(log_path, "failed", wt0, t1)), int(sum(Log.read(log_path, "skipped", wt0, t1)))
         f50, f99, _ = quantiles(frames)
         a50, a99, _ = quantiles(ages)
-        print(f"tui_bench part3 peer ssh + status exec per host per second (watch-style dashboard, {int(up[0])}/{hosts} hosts connected), {wall:.0f} s: CPU {100 * cpu:.1f}% of one core,"
-              f" {bps / 1024:.1f} KiB/s to the terminal, frame {f50:.1f} ms p50 / {f99:.1f} ms p99 ({len(frames) / wall:.1f} a second), figures on screen {a50:.2f} s old p50 / {a99:.2f} s p99,"
-              f" {failed} failed and {skipped} skipped polls (agents+farm {100 * wo.stop()[0]:.0f}%, load {os.getloadavg()[0]:.1f}); no keys to time", flush=True)
+        print(
+            f"tui_bench part3 peer ssh + status exec per host per second (watch-style dashboard, {int(up[0])}/{hosts} hosts connected), {wall:.0f} s: CPU {100 * cpu:.1f}% of one core,"
+            f" {bps / 1024:.1f} KiB/s to the terminal, frame {f50:.1f} ms p50 / {f99:.1f} ms p99 ({len(frames) / wall:.1f} a second), figures on screen {a50:.2f} s old p50 / {a99:.2f} s p99,"
+            f" {failed} failed and {skipped} skipped polls (agents+farm {100 * wo.stop()[0]:.0f}%, load {os.getloadavg()[0]:.1f}); no keys to time",
+            flush=True,
+        )
         c_cpu, c_bps, _, c_ages = fleet_figures["console"]
-        print(f"tui_bench part3 Fleet screen vs the peer, {hosts} hosts: CPU {cpu / max(c_cpu, 1e-9):.1f}x the console's, terminal bytes {bps / max(c_bps, 1e-9):.1f}x,"
-              f" figures on screen {quantiles(ages)[0] / max(quantiles(c_ages)[0], 1e-9):.1f}x as old (p50)", flush=True)
+        print(
+            f"tui_bench part3 Fleet screen vs the peer, {hosts} hosts: CPU {cpu / max(c_cpu, 1e-9):.1f}x the console's, terminal bytes {bps / max(c_bps, 1e-9):.1f}x,"
+            f" figures on screen {quantiles(ages)[0] / max(quantiles(c_ages)[0], 1e-9):.1f}x as old (p50)",
+            flush=True,
+        )
     finally:
         term.close(quit_key=None)
 
@@ -766,8 +937,19 @@ async def part4(hosts: int) -> None:
 
     def snap(name: str, tick: int) -> Snapshot:
         gpus = [
-            Gpu(index=g, uuid=f"GPU-SIM-{name}-{g}", name="SIMULATED H200", memory_used=((tick + g) % 140) * 2**30, memory_total=141 * 2**30, util_gpu=(tick * 7 + g) % 100,
-                processes=[GpuProcess(pid=1000 + g, gpu=g, used_bytes=((tick + g) % 140) * 2**30, attribution="STALE" if (tick + g) % 9 == 0 else "RUN")])
+            Gpu(
+                index=g,
+                uuid=f"GPU-SIM-{name}-{g}",
+                name="SIMULATED H200",
+                memory_used=((tick + g) % 140) * 2**30,
+                memory_total=141 * 2**30,
+                util_gpu=(tick * 7 + g) % 100,
+                processes=[
+                    GpuProcess(
+                        pid=1000 + g, gpu=g, used_bytes=((tick + g) % 140) * 2**30, attribution="STALE" if (tick + g) % 9 == 0 else "RUN"
+                    )
+                ],
+            )
             for g in range(8)
         ]
         return Snapshot(host=name, ts=time.time(), epoch="e", gpus=gpus, simulated=True)
@@ -788,7 +970,10 @@ async def part4(hosts: int) -> None:
             times.append((time.perf_counter() - t0) * 1000)
         assert table.row_count == hosts
         times = sorted(times[2:])  # the first ticks add the rows
-        print(f"tui_bench part4 (fed in-process, SIMULATED snapshots, no agents) Fleet screen refresh with all {hosts} hosts changed: p50 {statistics.median(times):.1f} ms, max {times[-1]:.1f} ms per 0.25 s flush", flush=True)
+        print(
+            f"tui_bench part4 (fed in-process, SIMULATED snapshots, no agents) Fleet screen refresh with all {hosts} hosts changed: p50 {statistics.median(times):.1f} ms, max {times[-1]:.1f} ms per 0.25 s flush",
+            flush=True,
+        )
 
 
 def main() -> None:

@@ -70,7 +70,9 @@ class GpudeckApp(App):
         self._mounted_at = time.monotonic()
         self.flushes = 0
 
-    def notify(self, message: str, *, title: str = "", severity: SeverityLevel = "information", timeout: float | None = None, markup: bool = False) -> None:
+    def notify(
+        self, message: str, *, title: str = "", severity: SeverityLevel = "information", timeout: float | None = None, markup: bool = False
+    ) -> None:
         """A toast; its text often carries run names and agent messages, so it is never parsed as markup by default."""
         super().notify(escape_controls(message), title=escape_controls(title), severity=severity, timeout=timeout, markup=markup)
 
@@ -183,7 +185,9 @@ class GpudeckApp(App):
         run = outcome.run
         what = f" ({outcome.spec.start})" if outcome.spec.start else ""
         if run.state == "preflight_failed":
-            self.notify(run.cause or "pre-flight failed on the host", title=f"{run.id} refused by {outcome.host}", severity="error", timeout=15)
+            self.notify(
+                run.cause or "pre-flight failed on the host", title=f"{run.id} refused by {outcome.host}", severity="error", timeout=15
+            )
         else:
             self.notify(f"{run.id} started on {outcome.host}{what}" + (f", relaunching {parent}" if parent else ""), title="launched")
         self.open_run(outcome.host, run.id, run)

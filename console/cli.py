@@ -20,23 +20,44 @@ from typing import Any, TypeVar
 from gpudeck.agents import envs, paths
 from gpudeck.agents.client import AgentClient
 from gpudeck.agents.errors import AgentError
-from gpudeck.console.formats import format_preflight
 from gpudeck.agents.protocol import to_builtins
 from gpudeck.console import config as cfg
 from gpudeck.console.fleet import Fleet, SyncResult
-from gpudeck.console.formats import format_claims, format_history, format_hosts, format_leftovers, format_runs, format_show, format_status, format_stop, run_json, why_down
+from gpudeck.console.formats import (
+    format_claims,
+    format_history,
+    format_hosts,
+    format_leftovers,
+    format_preflight,
+    format_runs,
+    format_show,
+    format_status,
+    format_stop,
+    run_json,
+    why_down,
+)
 from gpudeck.console.history import History, HistoryError
 from gpudeck.console.multinode import group
-from gpudeck.console.ops import run_figures
-from gpudeck.console.ops import ClaimsIntent, LaunchIntent, LaunchResult, OpsError, Resolved, relaunch_intent, resolve_run, rollback_intent, start_of
+from gpudeck.console.ops import (
+    ClaimsIntent,
+    LaunchIntent,
+    LaunchResult,
+    OpsError,
+    Resolved,
+    relaunch_intent,
+    resolve_run,
+    rollback_intent,
+    run_figures,
+    start_of,
+)
 from gpudeck.console.ops.intent import check_start, env_items
 from gpudeck.console.ops.launch import launch as ops_launch
 from gpudeck.console.ops.launch import plan_here
+from gpudeck.console.ops.launch import preflight as ops_preflight
+from gpudeck.console.ops.relaunch import changed_environment, check_environment, rebuild_environment, recorded_environment, spec_from_row
 from gpudeck.console.ops.resolve import fleet_runs
 from gpudeck.console.ops.stop import StopOutcome, reclaim_targets, stop_run
 from gpudeck.console.ops.stop import reclaim as ops_reclaim
-from gpudeck.console.ops.launch import preflight as ops_preflight
-from gpudeck.console.ops.relaunch import changed_environment, check_environment, rebuild_environment, recorded_environment, spec_from_row
 from gpudeck.console.quarantine import format_problems
 from gpudeck.console.query import QueryError
 from gpudeck.console.rundiff import diff_runs, env_of, format_diff
@@ -108,13 +129,26 @@ async def cmd_status(args: argparse.Namespace) -> int:
         for h, s in zip(names, snaps):
             if isinstance(s, BaseException) and not isinstance(s, AgentError):
                 raise s
-            out.append({"host": h, "state": "up" if not isinstance(s, AgentError) else "unreachable", "error": s.message if isinstance(s, AgentError) else None, "snapshot": None if isinstance(s, AgentError) else s})
+            out.append(
+                {
+                    "host": h,
+                    "state": "up" if not isinstance(s, AgentError) else "unreachable",
+                    "error": s.message if isinstance(s, AgentError) else None,
+                    "snapshot": None if isinstance(s, AgentError) else s,
+                }
+            )
         return out
 
     rows = await _with_fleet(every)
     if args.json:
-        print(json.dumps({"hosts": [{**r, "snapshot": to_builtins(r["snapshot"]) if r["snapshot"] else None} for r in rows],
-                          "unreachable": [{"host": r["host"], "error": r["error"]} for r in rows if not r["snapshot"]]}))
+        print(
+            json.dumps(
+                {
+                    "hosts": [{**r, "snapshot": to_builtins(r["snapshot"]) if r["snapshot"] else None} for r in rows],
+                    "unreachable": [{"host": r["host"], "error": r["error"]} for r in rows if not r["snapshot"]],
+                }
+            )
+        )
     else:
         parts = []
         for r in rows:
@@ -133,11 +167,25 @@ def intent_from_args(args: argparse.Namespace) -> LaunchIntent:
         argv = argv[1:]
     hosts = tuple(h.strip() for h in args.hosts.split(",") if h.strip()) if getattr(args, "hosts", None) else ()
     return LaunchIntent(
-        host=args.host or cfg.LOCAL, kind=args.kind, argv=tuple(argv), gpus=args.gpus, nproc_per_node=args.nproc_per_node,
-        start=start_of(args.fresh, args.resume), python=args.python, env=env_items(args.env), name=args.name, cwd=args.cwd,
+        host=args.host or cfg.LOCAL,
+        kind=args.kind,
+        argv=tuple(argv),
+        gpus=args.gpus,
+        nproc_per_node=args.nproc_per_node,
+        start=start_of(args.fresh, args.resume),
+        python=args.python,
+        env=env_items(args.env),
+        name=args.name,
+        cwd=args.cwd,
         claims=ClaimsIntent(args.claim_gpus, args.claim_params, args.claim_world_size, args.claim_tokens_per_s, args.note),
-        hosts=hosts, need_gib=args.need_gib, force=args.force, rdzv_port=args.rdzv_port, rdzv_host=getattr(args, "rdzv_host", None),
-        checkpoint_dir=args.checkpoint_dir, on_rank_death=args.on_rank_death, expected_ranks=args.expected_ranks,
+        hosts=hosts,
+        need_gib=args.need_gib,
+        force=args.force,
+        rdzv_port=args.rdzv_port,
+        rdzv_host=getattr(args, "rdzv_host", None),
+        checkpoint_dir=args.checkpoint_dir,
+        on_rank_death=args.on_rank_death,
+        expected_ranks=args.expected_ranks,
     )
 
 
@@ -156,7 +204,10 @@ def _print_launch(result: LaunchResult, as_json: bool) -> int:
     if failed:
         assert run.preflight is not None
         print(terminal_text(format_preflight(run.preflight)), file=sys.stderr)
-        print(f"gpudeck: nothing was started on {host}; run {run.id} is recorded as preflight_failed (`gpudeck show {run.id}`)", file=sys.stderr)
+        print(
+            f"gpudeck: nothing was started on {host}; run {run.id} is recorded as preflight_failed (`gpudeck show {run.id}`)",
+            file=sys.stderr,
+        )
         return EXIT_ERROR
     if not as_json:
         print(run.id)
@@ -175,17 +226,30 @@ def _print_multinode(result: LaunchResult, as_json: bool) -> int:
         elif n.reply is not None and n.reply.run.preflight is not None:
             print(terminal_text(f"gpudeck: {n.host}: {format_preflight(n.reply.run.preflight)}"), file=sys.stderr)
     if result.verdict == "preflight_failed":
-        print(f"gpudeck: pre-flight failed on {', '.join(n.host for n in result.failed)}: nothing was started on any host (run {rid})", file=sys.stderr)
+        print(
+            f"gpudeck: pre-flight failed on {', '.join(n.host for n in result.failed)}: nothing was started on any host (run {rid})",
+            file=sys.stderr,
+        )
         return EXIT_ERROR
     if result.verdict == "launch_failed":
         print(f"gpudeck: run {rid} could not start on every host; the nodes that started were stopped", file=sys.stderr)
         return EXIT_ERROR
     if as_json:
-        print(json.dumps({"id": rid, "hosts": names, "rdzv_endpoint": ep,
-                          "nodes": [{**run_json(n.reply.run), "host": n.host} for n in result.nodes if n.reply is not None]}))
+        print(
+            json.dumps(
+                {
+                    "id": rid,
+                    "hosts": names,
+                    "rdzv_endpoint": ep,
+                    "nodes": [{**run_json(n.reply.run), "host": n.host} for n in result.nodes if n.reply is not None],
+                }
+            )
+        )
     else:
         print(rid)
-        print(f"gpudeck: {len(names)} nodes ({', '.join(names)}), {result.plan.nproc_per_node} rank(s) each, rendezvous {ep}", file=sys.stderr)
+        print(
+            f"gpudeck: {len(names)} nodes ({', '.join(names)}), {result.plan.nproc_per_node} rank(s) each, rendezvous {ep}", file=sys.stderr
+        )
     return 0
 
 
@@ -271,9 +335,18 @@ async def cmd_diff(args: argparse.Namespace) -> int:
         a, b = redact_run(a), redact_run(b)
     d = diff_runs(a, b, ma, mb)
     if args.json:
-        print(json.dumps({"a": d.a_id, "b": d.b_id, "config": [vars(r) | {"differs": r.differs} for r in d.config],
-                          "environment": [vars(r) | {"differs": r.differs} for r in d.environment],
-                          "outcome": [vars(r) | {"differs": r.differs} for r in d.outcome], "env_note": d.env_note}))
+        print(
+            json.dumps(
+                {
+                    "a": d.a_id,
+                    "b": d.b_id,
+                    "config": [vars(r) | {"differs": r.differs} for r in d.config],
+                    "environment": [vars(r) | {"differs": r.differs} for r in d.environment],
+                    "outcome": [vars(r) | {"differs": r.differs} for r in d.outcome],
+                    "env_note": d.env_note,
+                }
+            )
+        )
     else:
         print(terminal_text(format_diff(d, only_changes=not args.all)))
     return 0
@@ -299,12 +372,18 @@ async def _relaunch(args: argparse.Namespace, good_ref: str | None) -> int:
             recorded = recorded_environment(good["id"], env_of(good))
             check = await check_environment(fleet, host, recorded)
             if check.driver:
-                print(f"gpudeck: note: the NVIDIA driver on {host} differs from {good['id']}'s: {envs.describe(check.driver)[0]} (rollback cannot change the driver)", file=sys.stderr)
+                print(
+                    f"gpudeck: note: the NVIDIA driver on {host} differs from {good['id']}'s: {envs.describe(check.driver)[0]} (rollback cannot change the driver)",
+                    file=sys.stderr,
+                )
             python = recorded.python
             if not check.holds:
                 if not args.rebuild_env:
                     raise changed_environment(good["id"], host, check)
-                print(f"gpudeck: {good['id']}'s environment changed ({len(check.changes)} difference(s)); rebuilding it from its recorded freeze on {host} ...", file=sys.stderr)
+                print(
+                    f"gpudeck: {good['id']}'s environment changed ({len(check.changes)} difference(s)); rebuilding it from its recorded freeze on {host} ...",
+                    file=sys.stderr,
+                )
                 python, path = await rebuild_environment(fleet, host, recorded)
                 print(f"gpudeck: rebuilt at {path}: matches the recorded fingerprint (freeze {recorded.freeze_hash[:12]})", file=sys.stderr)
             intent = rollback_intent(spec, row["id"], spec_from_row(good), host, start, python, args.config_from, good_host=good["host"])
@@ -342,7 +421,9 @@ async def _resolve(fleet: Fleet, args: argparse.Namespace, destructive: bool = F
     """The run ``args.run`` names (every node of it), by the one resolver; warns about hosts that did not answer."""
     found = await resolve_run(fleet, args.run, args.host, destructive=destructive)
     if found.unanswered and found.id != args.run and not found.missing:
-        print(f"gpudeck: note: {', '.join(found.unanswered)} did not answer; {args.run!r} was resolved on the hosts that did", file=sys.stderr)
+        print(
+            f"gpudeck: note: {', '.join(found.unanswered)} did not answer; {args.run!r} was resolved on the hosts that did", file=sys.stderr
+        )
     return found
 
 
@@ -365,7 +446,7 @@ async def cmd_tail(args: argparse.Namespace) -> int:
             window = await anext(fleet.output(host, rid, offset=-256 * 1024, follow=False))
             lines = window.data.splitlines(keepends=True)
             if args.lines >= 0:
-                lines = lines[-args.lines:] if args.lines else []
+                lines = lines[-args.lines :] if args.lines else []
             emit(host, "".join(lines))
             if args.follow:
                 pending = ""
@@ -399,6 +480,7 @@ async def cmd_tail(args: argparse.Namespace) -> int:
 async def cmd_stop(args: argparse.Namespace) -> int:
     history = History()
     try:
+
         async def stop(fleet: Fleet) -> StopOutcome:
             return await stop_run(fleet, await _resolve(fleet, args, destructive=True), args.grace, history)
 
@@ -407,7 +489,9 @@ async def cmd_stop(args: argparse.Namespace) -> int:
         history.close()
     out = [{**to_builtins(res), "host": h} for h, res in done.results]
     if args.json:
-        print(json.dumps(out[0] if len(out) == 1 and not done.pending else {"run_id": done.run_id, "nodes": out, "unreachable": done.pending}))
+        print(
+            json.dumps(out[0] if len(out) == 1 and not done.pending else {"run_id": done.run_id, "nodes": out, "unreachable": done.pending})
+        )
     else:
         multi = len(done.results) + len(done.pending) > 1
         for h, res in done.results:
@@ -432,9 +516,11 @@ async def cmd_hosts(args: argparse.Namespace) -> int:
         return 0
     conf = cfg.load()
     rows: list[dict[str, Any]] = [
-        {"name": h.name, "transport": "unix" if h.name == cfg.LOCAL else "ssh", "command": "-" if h.name == cfg.LOCAL else h.command} for h in conf.hosts
+        {"name": h.name, "transport": "unix" if h.name == cfg.LOCAL else "ssh", "command": "-" if h.name == cfg.LOCAL else h.command}
+        for h in conf.hosts
     ]
     if args.check:
+
         async def probe(fleet: Fleet) -> None:
             async def one(row: dict[str, Any]) -> None:
                 link = fleet.link(row["name"])
@@ -464,7 +550,10 @@ async def _synced_history(args: argparse.Namespace) -> tuple[History, list[SyncR
         if not r.ok:
             print(f"gpudeck: {r.host} not reachable, its newest runs may be missing: {r.error}", file=sys.stderr)
         elif r.new_epoch and r.last_seq and r.new_events == r.last_seq and len(history.epochs(r.host)) > 1:
-            print(f"gpudeck: {r.host}'s agent journal was recreated (new epoch {r.epoch}); the history keeps the old runs too", file=sys.stderr)
+            print(
+                f"gpudeck: {r.host}'s agent journal was recreated (new epoch {r.epoch}); the history keeps the old runs too",
+                file=sys.stderr,
+            )
     return history, results
 
 
@@ -524,7 +613,15 @@ async def cmd_agent_status(args: argparse.Namespace) -> int:
     try:
         h = c.hello
         assert h is not None
-        info = {"running": True, "pid": h.pid, "host": h.host, "version": h.agent_version, "epoch": h.epoch, "state_dir": h.state_dir, "gpu_error": h.gpu_error}
+        info = {
+            "running": True,
+            "pid": h.pid,
+            "host": h.host,
+            "version": h.agent_version,
+            "epoch": h.epoch,
+            "state_dir": h.state_dir,
+            "gpu_error": h.gpu_error,
+        }
     finally:
         await c.close()
     if args.json:
@@ -586,32 +683,57 @@ def build_parser() -> argparse.ArgumentParser:
     spec_args.add_argument("--host", default=None, help=host_help + "; default: local")
     spec_args.add_argument("--name", default=None, help="a name to find the run by")
     spec_args.add_argument("--gpus", default=None, help="GPU indices (sets CUDA_VISIBLE_DEVICES), e.g. 0,1 or 0-3")
-    spec_args.add_argument("--kind", default="command", choices=["command", "fsdp", "dflash"],
-                           help="fsdp/dflash: the arguments after -- may be just the trainer's (the command is built, under torchrun for several GPUs)")
-    spec_args.add_argument("--python", default=None, help="the run's python interpreter (its environment is fingerprinted and pre-flighted)")
+    spec_args.add_argument(
+        "--kind",
+        default="command",
+        choices=["command", "fsdp", "dflash"],
+        help="fsdp/dflash: the arguments after -- may be just the trainer's (the command is built, under torchrun for several GPUs)",
+    )
+    spec_args.add_argument(
+        "--python", default=None, help="the run's python interpreter (its environment is fingerprinted and pre-flighted)"
+    )
     spec_args.add_argument("--fresh", action="store_true", help="trainers: start from step 0 with new checkpoints")
     spec_args.add_argument("--resume", default=None, metavar="N|latest", help="trainers: continue from checkpoint step N")
     spec_args.add_argument("--env", action="append", metavar="NAME=VALUE", help="extra environment (repeatable)")
     spec_args.add_argument("--cwd", default=None, help="working directory (default: here for local, the agent's home elsewhere)")
-    spec_args.add_argument("--need-gib", type=float, default=None, help="GPU memory each GPU needs (estimated for fsdp/dflash when not given)")
-    spec_args.add_argument("--force", action="store_true", help="launch even with FOREIGN/STALE processes on the GPUs (only that check; recorded)")
+    spec_args.add_argument(
+        "--need-gib", type=float, default=None, help="GPU memory each GPU needs (estimated for fsdp/dflash when not given)"
+    )
+    spec_args.add_argument(
+        "--force", action="store_true", help="launch even with FOREIGN/STALE processes on the GPUs (only that check; recorded)"
+    )
     spec_args.add_argument("--rdzv-port", type=int, default=None, help="the rendezvous port that must be free")
     spec_args.add_argument("--checkpoint-dir", default=None, help="where checkpoints go (its free space is checked)")
-    spec_args.add_argument("--on-rank-death", default="alert", choices=["alert", "stop"], help="when a rank dies and the run goes on: alert (default) or stop the whole run")
+    spec_args.add_argument(
+        "--on-rank-death",
+        default="alert",
+        choices=["alert", "stop"],
+        help="when a rank dies and the run goes on: alert (default) or stop the whole run",
+    )
     spec_args.add_argument("--expected-ranks", type=int, default=None, help="ranks the run must have (default: the manifest's world size)")
     spec_args.add_argument("--claim-gpus", type=int, default=None, help="GPUs the run is claimed to use (checked against NVML)")
     spec_args.add_argument("--claim-params", default=None, help="parameters claimed, e.g. 1.1B (checked against the manifest)")
     spec_args.add_argument("--claim-world-size", type=int, default=None, help="ranks claimed (checked against the rank processes)")
     spec_args.add_argument("--claim-tokens-per-s", type=float, default=None, help="throughput claimed (checked against the telemetry)")
     spec_args.add_argument("--note", default=None, help="free text stored with the run (claims in it are checked too)")
-    spec_args.add_argument("--nproc-per-node", type=int, default=None, help="--kind fsdp/dflash: ranks per host (default: the number of --gpus)")
+    spec_args.add_argument(
+        "--nproc-per-node", type=int, default=None, help="--kind fsdp/dflash: ranks per host (default: the number of --gpus)"
+    )
     spec_args.add_argument("--json", action="store_true", help="print the result as JSON")
     spec_args.add_argument("argv", nargs=argparse.REMAINDER, help="-- then the command and its arguments (never run by a shell)")
 
-    p = sub.add_parser("launch", parents=[spec_args], help="pre-flight, then start a run: gpudeck launch [--host H] [--gpus 0,1] -- CMD ARGS...")
+    p = sub.add_parser(
+        "launch", parents=[spec_args], help="pre-flight, then start a run: gpudeck launch [--host H] [--gpus 0,1] -- CMD ARGS..."
+    )
     p.add_argument("--request-id", default=None, help="idempotency key: a retry with the same key starts nothing new")
-    p.add_argument("--hosts", default=None, metavar="H1,H2,...", help="one run across these hosts (torchrun c10d; the first host is the rendezvous)")
-    p.add_argument("--rdzv-host", default=None, help="multi-node: the address the other hosts reach the first one at (default: its rdzv_host or SSH HostName)")
+    p.add_argument(
+        "--hosts", default=None, metavar="H1,H2,...", help="one run across these hosts (torchrun c10d; the first host is the rendezvous)"
+    )
+    p.add_argument(
+        "--rdzv-host",
+        default=None,
+        help="multi-node: the address the other hosts reach the first one at (default: its rdzv_host or SSH HostName)",
+    )
 
     p.set_defaults(func=cmd_launch)
 
@@ -635,7 +757,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default=None, help=host_help)
     p.add_argument("--limit", type=int, default=1000)
     p.add_argument("--json", action="store_true")
-    p.add_argument("--show-secrets", action="store_true", help="show --env values whose names look like secrets (*_KEY, *_TOKEN, *_SECRET, *PASSWORD*); redacted by default")
+    p.add_argument(
+        "--show-secrets",
+        action="store_true",
+        help="show --env values whose names look like secrets (*_KEY, *_TOKEN, *_SECRET, *PASSWORD*); redacted by default",
+    )
     p.set_defaults(func=cmd_runs)
 
     p = sub.add_parser("tail", help="a run's output (stdout and stderr of all its ranks)")
@@ -643,8 +769,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default=None, help=host_help + "; default: the host that has the run")
     p.add_argument("-f", "--follow", action="store_true", help="keep printing new output until the run ends (Ctrl-C leaves)")
     p.add_argument("-n", "--lines", type=int, default=20, help="how many last lines to print first (-1: all of the last 256 KiB)")
-    p.add_argument("--node", type=int, default=None, help="multi-node runs: only this node's output (default: every node, each line prefixed with its host)")
-    p.add_argument("--raw", action="store_true", help="print the output byte for byte (by default control characters and escape sequences are shown as \\x1b-style escapes)")
+    p.add_argument(
+        "--node",
+        type=int,
+        default=None,
+        help="multi-node runs: only this node's output (default: every node, each line prefixed with its host)",
+    )
+    p.add_argument(
+        "--raw",
+        action="store_true",
+        help="print the output byte for byte (by default control characters and escape sequences are shown as \\x1b-style escapes)",
+    )
     p.set_defaults(func=cmd_tail)
 
     p = sub.add_parser("stop", help="stop every process of a run: TERM, grace, KILL, verify")
@@ -670,28 +805,50 @@ def build_parser() -> argparse.ArgumentParser:
     sync_args.add_argument("--no-sync", action="store_true", help="answer from the history as it is, without asking the hosts first")
     sync_args.add_argument("--sync-timeout", type=float, default=20.0, help="seconds to wait for each host's new events (default 20)")
 
-    p = sub.add_parser("history", parents=[sync_args], help="every run ever started: gpudeck history state:failed host:gpu1 since:7d cause:oom")
-    p.add_argument("query", nargs="*", help="filters (see README: state host kind name id cause operator parent torch alert since until limit)")
+    p = sub.add_parser(
+        "history", parents=[sync_args], help="every run ever started: gpudeck history state:failed host:gpu1 since:7d cause:oom"
+    )
+    p.add_argument(
+        "query", nargs="*", help="filters (see README: state host kind name id cause operator parent torch alert since until limit)"
+    )
     p.add_argument("--host", default=None, help="sync only this host first (the query itself takes host:NAME)")
     p.add_argument("--json", action="store_true")
-    p.add_argument("--problems", action="store_true", help="the events the history kept out (quarantined: a value SQLite cannot store, an event that does not decode), raw, with why")
-    p.add_argument("--show-secrets", action="store_true", help="show --env values whose names look like secrets (*_KEY, *_TOKEN, *_SECRET, *PASSWORD*); redacted by default")
+    p.add_argument(
+        "--problems",
+        action="store_true",
+        help="the events the history kept out (quarantined: a value SQLite cannot store, an event that does not decode), raw, with why",
+    )
+    p.add_argument(
+        "--show-secrets",
+        action="store_true",
+        help="show --env values whose names look like secrets (*_KEY, *_TOKEN, *_SECRET, *PASSWORD*); redacted by default",
+    )
     p.set_defaults(func=cmd_history)
 
     p = sub.add_parser("show", parents=[sync_args], help="one run in full from the history: spec, environment, telemetry, timeline")
     p.add_argument("run", help="run id, unique id prefix, or name")
     p.add_argument("--host", default=None, help=host_help)
     p.add_argument("--json", action="store_true")
-    p.add_argument("--show-secrets", action="store_true", help="show --env values whose names look like secrets (*_KEY, *_TOKEN, *_SECRET, *PASSWORD*); redacted by default")
+    p.add_argument(
+        "--show-secrets",
+        action="store_true",
+        help="show --env values whose names look like secrets (*_KEY, *_TOKEN, *_SECRET, *PASSWORD*); redacted by default",
+    )
     p.set_defaults(func=cmd_show)
 
-    p = sub.add_parser("diff", parents=[sync_args], help="two runs side by side: config, environment (torch/CUDA/driver/NCCL first), outcome")
+    p = sub.add_parser(
+        "diff", parents=[sync_args], help="two runs side by side: config, environment (torch/CUDA/driver/NCCL first), outcome"
+    )
     p.add_argument("run_a")
     p.add_argument("run_b")
     p.add_argument("--all", action="store_true", help="show equal rows too")
     p.add_argument("--host", default=None, help="sync only this host first")
     p.add_argument("--json", action="store_true")
-    p.add_argument("--show-secrets", action="store_true", help="show --env values whose names look like secrets (*_KEY, *_TOKEN, *_SECRET, *PASSWORD*); redacted by default")
+    p.add_argument(
+        "--show-secrets",
+        action="store_true",
+        help="show --env values whose names look like secrets (*_KEY, *_TOKEN, *_SECRET, *PASSWORD*); redacted by default",
+    )
     p.set_defaults(func=cmd_diff)
 
     start_args = argparse.ArgumentParser(add_help=False)
@@ -700,15 +857,25 @@ def build_parser() -> argparse.ArgumentParser:
     start_args.add_argument("--host", default=None, help="launch there (default: where the run ran)")
     start_args.add_argument("--json", action="store_true")
 
-    p = sub.add_parser("relaunch", parents=[sync_args, start_args], help="run a recorded run's config again: --fresh or --resume N is required")
+    p = sub.add_parser(
+        "relaunch", parents=[sync_args, start_args], help="run a recorded run's config again: --fresh or --resume N is required"
+    )
     p.add_argument("run")
     p.set_defaults(func=cmd_relaunch)
 
-    p = sub.add_parser("rollback", parents=[sync_args, start_args], help="relaunch RUN in GOOD_RUN's environment: rollback RUN --to GOOD (--fresh | --resume N)")
+    p = sub.add_parser(
+        "rollback",
+        parents=[sync_args, start_args],
+        help="relaunch RUN in GOOD_RUN's environment: rollback RUN --to GOOD (--fresh | --resume N)",
+    )
     p.add_argument("run")
     p.add_argument("--to", required=True, metavar="GOOD_RUN", help="the known-good run whose environment to use")
     p.add_argument("--config-from", action="store_true", help="use GOOD_RUN's configuration too")
-    p.add_argument("--rebuild-env", action="store_true", help="when GOOD_RUN's environment changed, recreate it from its recorded freeze (new venv under the agent's state dir)")
+    p.add_argument(
+        "--rebuild-env",
+        action="store_true",
+        help="when GOOD_RUN's environment changed, recreate it from its recorded freeze (new venv under the agent's state dir)",
+    )
     p.set_defaults(func=cmd_rollback)
 
     p = sub.add_parser("agent", help="the host agent: serve, dial, status, stop")

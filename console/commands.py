@@ -45,7 +45,9 @@ class GpudeckCommands(Provider):
         for name, help_text, fn in self._commands():
             if name.startswith("Open host "):
                 continue  # hundreds of them: found by typing, not listed
-            yield DiscoveryHit(Text(name), fn, text=name, help=escape(help_text))  # both are markup: '[/]' (the search key) would end the app
+            yield DiscoveryHit(
+                Text(name), fn, text=name, help=escape(help_text)
+            )  # both are markup: '[/]' (the search key) would end the app
 
     async def search(self, query: str) -> Hits:
         matcher = self.matcher(query)

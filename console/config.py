@@ -107,10 +107,10 @@ def load(path: Path | None = None, extra_hosts: list[str] | None = None) -> Conf
         try:
             data = tomllib.loads(path.read_text())
         except (OSError, tomllib.TOMLDecodeError) as exc:
-            raise ConfigError(f"cannot read {path}: {exc}; fix the file (it is TOML: hosts = [\"gpu1\", ...])") from exc
+            raise ConfigError(f'cannot read {path}: {exc}; fix the file (it is TOML: hosts = ["gpu1", ...])') from exc
     names = data.get("hosts", [])
     if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
-        raise ConfigError(f"{path}: `hosts` must be a list of host names, e.g. hosts = [\"gpu1\", \"gpu2\"]")
+        raise ConfigError(f'{path}: `hosts` must be a list of host names, e.g. hosts = ["gpu1", "gpu2"]')
     tables = data.get("host", {})
     if not isinstance(tables, dict):
         raise ConfigError(f"{path}: [host.NAME] tables hold per-host settings")

@@ -31,15 +31,6 @@ from gpudeck.agents.protocol import (
     EventBatch,
     Fingerprint,
     FingerprintReply,
-    LeftoverList,
-    ListLeftovers,
-    Preflight,
-    PreflightReply,
-    PreflightResult,
-    RebuildEnv,
-    Reclaim,
-    VerifyReply,
-    VerifyRun,
     GetEvents,
     GetMetrics,
     GetRun,
@@ -47,10 +38,17 @@ from gpudeck.agents.protocol import (
     Launch,
     LaunchReply,
     LaunchSpec,
+    LeftoverList,
+    ListLeftovers,
     ListRuns,
     Metrics,
     OutputChunk,
+    Preflight,
+    PreflightReply,
+    PreflightResult,
     ReadOutput,
+    RebuildEnv,
+    Reclaim,
     RunInfo,
     RunList,
     RunReply,
@@ -58,6 +56,8 @@ from gpudeck.agents.protocol import (
     Stop,
     StopReply,
     StopResult,
+    VerifyReply,
+    VerifyRun,
     WatchSnapshots,
 )
 from gpudeck.console import config as cfg
@@ -134,7 +134,9 @@ class HostLink:
         self._client: AgentClient | None = None
         self._ssh_link: SshLink | None = None
         self._ready = asyncio.Event()
-        self._refused = asyncio.Event()  # client() stops waiting: a refusal retrying will not fix (host key, version), or, for a request-only link, a failed attempt
+        self._refused = (
+            asyncio.Event()
+        )  # client() stops waiting: a refusal retrying will not fix (host key, version), or, for a request-only link, a failed attempt
         self._task: asyncio.Task | None = None
         self._sync_task: asyncio.Task | None = None
         self._pending_task: asyncio.Task | None = None
@@ -412,10 +414,13 @@ class Fleet:
     ) -> None:
         self.config = config or cfg.load(extra_hosts=hosts)
         if config is not None and hosts:
-            self.config = cfg.Config(hosts=tuple([*config.hosts, *(cfg.HostSettings(name=h) for h in hosts if h not in config.names)]), path=config.path)
+            self.config = cfg.Config(
+                hosts=tuple([*config.hosts, *(cfg.HostSettings(name=h) for h in hosts if h not in config.names)]), path=config.path
+            )
         self.history = history
         self.links: dict[str, HostLink] = {
-            s.name: HostLink(s, ssh=ssh, state_dir=state_dir, interval_s=interval_s, watch=watch, history=history) for s in self.config.hosts
+            s.name: HostLink(s, ssh=ssh, state_dir=state_dir, interval_s=interval_s, watch=watch, history=history)
+            for s in self.config.hosts
         }
         self._watch_tasks: set[asyncio.Task] = set()
         self._acted: set[str] = set()  # multi-node runs the watch already stopped
@@ -476,7 +481,12 @@ class Fleet:
                 await asyncio.to_thread(self.history.add_pending_stop, r["host"], run_id, 30.0)
                 continue
             try:
-                await self.stop(r["host"], run_id, 30.0, reason=f"a rank died on another node ({why}) and the run was launched with --on-rank-death stop")
+                await self.stop(
+                    r["host"],
+                    run_id,
+                    30.0,
+                    reason=f"a rank died on another node ({why}) and the run was launched with --on-rank-death stop",
+                )
             except AgentError:
                 await asyncio.to_thread(self.history.add_pending_stop, r["host"], run_id, 30.0)
 
@@ -491,13 +501,15 @@ class Fleet:
         try:
             return self.links[host]
         except KeyError:
-            raise AgentError(f"unknown host {host!r}: known hosts are {', '.join(self.links)}; `gpudeck hosts add {host}` adds it") from None
+            raise AgentError(
+                f"unknown host {host!r}: known hosts are {', '.join(self.links)}; `gpudeck hosts add {host}` adds it"
+            ) from None
 
     async def _request(self, host: str, msg, timeout: float = REQUEST_TIMEOUT_S):  # type: ignore[no-untyped-def]
         c = await self.link(host).client()
         try:
             return await c.request(msg, timeout=timeout)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise AgentUnavailable(f"host {host} did not answer {type(msg).__name__} within {timeout:.0f} s") from None
 
     async def snapshot(self, host: str) -> Snapshot:
@@ -562,7 +574,9 @@ class Fleet:
 
     async def reclaim(self, host: str, pids: list[int], grace_s: float = 10.0, include_live: bool = False) -> StopResult:
         """Stop exactly these pids on a host (TERM, grace, KILL, verify through NVML)."""
-        reply = await self._request(host, Reclaim(pids=pids, grace_s=grace_s, include_live=include_live), timeout=grace_s + REQUEST_TIMEOUT_S)
+        reply = await self._request(
+            host, Reclaim(pids=pids, grace_s=grace_s, include_live=include_live), timeout=grace_s + REQUEST_TIMEOUT_S
+        )
         assert isinstance(reply, StopReply)
         return reply.result
 

@@ -10,6 +10,7 @@ from gpudeck.agents.protocol import PreflightResult, RunInfo, Snapshot, StopResu
 from gpudeck.console.fmt import duration, elapsed, gib, when
 from gpudeck.console.ops.figures import RunFigures, run_figures, tokens_text
 
+
 def table(headers: list[str], rows: list[list[str]]) -> str:
     """A left-aligned text table."""
     widths = [len(h) for h in headers]
@@ -66,10 +67,22 @@ def format_status(snap: Snapshot, alias: str | None = None) -> str:
             out.append("no GPU processes")
     if snap.runs:
         out.append("")
-        out.append(table(["RUN", "NAME", "STATE", "MEMBERS", "ELAPSED", "COMMAND"], [
-            [r.id, r.name or "-", r.state, str(sum(1 for m in r.members if m.role != "shim")), duration(elapsed(r.started, r.ended)), " ".join(r.spec.argv)[:50]]
-            for r in snap.runs
-        ]))
+        out.append(
+            table(
+                ["RUN", "NAME", "STATE", "MEMBERS", "ELAPSED", "COMMAND"],
+                [
+                    [
+                        r.id,
+                        r.name or "-",
+                        r.state,
+                        str(sum(1 for m in r.members if m.role != "shim")),
+                        duration(elapsed(r.started, r.ended)),
+                        " ".join(r.spec.argv)[:50],
+                    ]
+                    for r in snap.runs
+                ],
+            )
+        )
     else:
         out.append("no live runs")
     return "\n".join(out)
@@ -80,8 +93,16 @@ def format_runs(runs: list[dict[str, Any]]) -> str:
     if not runs:
         return "no runs yet: `gpudeck launch -- CMD ...` starts one"
     rows = [
-        [r["id"], r["host"], r.get("name") or "-", r["state"], when(r.get("started") or r.get("created")), duration(elapsed(r.get("started"), r.get("ended"))),
-         str(len(r.get("alerts") or [])) if r.get("alerts") else "-", (r.get("cause") or "-")[:70]]
+        [
+            r["id"],
+            r["host"],
+            r.get("name") or "-",
+            r["state"],
+            when(r.get("started") or r.get("created")),
+            duration(elapsed(r.get("started"), r.get("ended"))),
+            str(len(r.get("alerts") or [])) if r.get("alerts") else "-",
+            (r.get("cause") or "-")[:70],
+        ]
         for r in runs
     ]
     return table(["RUN", "HOST", "NAME", "STATE", "STARTED", "ELAPSED", "ALERTS", "CAUSE"], rows)
@@ -100,7 +121,9 @@ def format_stop(res: StopResult) -> str:
         lines.append(f"  GPU {f.gpu}: {gib(f.before_bytes)} -> {gib(f.after_bytes)} GiB used ({gib(f.freed_bytes)} GiB freed)")
     lines.append(f"  {res.gpu_note}" if res.gpu_note else "")
     if res.survivors:
-        lines.append("  a process in disk sleep (D) cannot be killed until its I/O returns: check the driver/storage (dmesg); it is not retried in a loop")
+        lines.append(
+            "  a process in disk sleep (D) cannot be killed until its I/O returns: check the driver/storage (dmesg); it is not retried in a loop"
+        )
     return "\n".join(ln for ln in lines if ln)
 
 
@@ -110,7 +133,6 @@ def run_json(r: RunInfo) -> dict[str, Any]:
     for k in ("exit_code", "signal", "cause", "started", "ended", "name"):
         d.setdefault(k, None)
     return d
-
 
 
 def format_simulated(snap: Snapshot) -> str:
@@ -141,19 +163,21 @@ def format_history(rows: list[dict[str, Any]]) -> str:
     out = []
     for r in rows:
         fig = run_figures(r)
-        out.append([
-            r["id"],
-            r["host"],
-            r.get("name") or "-",
-            r.get("kind") or "-",
-            r.get("state") or "-",
-            when(r.get("started") or r.get("created")),
-            duration(fig.elapsed_s) if fig.elapsed_s is not None else "-",
-            "-" if fig.last_step is None else str(fig.last_step),
-            tokens_text(fig.tokens_per_s),
-            str(r.get("alert_count") or "") or "-",
-            (r.get("cause") or "-")[:60],
-        ])
+        out.append(
+            [
+                r["id"],
+                r["host"],
+                r.get("name") or "-",
+                r.get("kind") or "-",
+                r.get("state") or "-",
+                when(r.get("started") or r.get("created")),
+                duration(fig.elapsed_s) if fig.elapsed_s is not None else "-",
+                "-" if fig.last_step is None else str(fig.last_step),
+                tokens_text(fig.tokens_per_s),
+                str(r.get("alert_count") or "") or "-",
+                (r.get("cause") or "-")[:60],
+            ]
+        )
     return table(["RUN", "HOST", "NAME", "KIND", "STATE", "STARTED", "ELAPSED", "STEP", "TOK/S", "ALERTS", "CAUSE"], out)
 
 
@@ -185,7 +209,11 @@ def format_show(run: dict[str, Any], events: list[dict[str, Any]], figures: RunF
     _kv(lines, "params", f"{run['params_total']:,}" if run.get("params_total") else None)
     _kv(lines, "world size", run.get("world_size"))
     _kv(lines, "ranks seen", run.get("ranks_seen") or None)
-    _kv(lines, "dataset", f"{run.get('dataset_samples'):,} samples, {run.get('dataset_tokens') or 0:,} tokens" if run.get("dataset_samples") else None)
+    _kv(
+        lines,
+        "dataset",
+        f"{run.get('dataset_samples'):,} samples, {run.get('dataset_tokens') or 0:,} tokens" if run.get("dataset_samples") else None,
+    )
     _kv(lines, "last step", fig.last_step)
     _kv(lines, "loss", f"{run['last_loss']:.4f}" if run.get("last_loss") is not None else None)
     _kv(lines, "tokens/s median", tokens_text(fig.tokens_per_s) if fig.tokens_per_s is not None else None)
@@ -196,8 +224,12 @@ def format_show(run: dict[str, Any], events: list[dict[str, Any]], figures: RunF
     _kv(lines, "error", run.get("error"))
     env = run.get("env") or {}
     if env:
-        _kv(lines, "environment", f"python {env.get('python_version')} torch {env.get('torch')} cuda {env.get('torch_cuda')} nccl {env.get('nccl')} "
-            f"driver {env.get('driver')} ({len(env.get('packages') or {})} packages, freeze {str(env.get('freeze_hash'))[:12]})")
+        _kv(
+            lines,
+            "environment",
+            f"python {env.get('python_version')} torch {env.get('torch')} cuda {env.get('torch_cuda')} nccl {env.get('nccl')} "
+            f"driver {env.get('driver')} ({len(env.get('packages') or {})} packages, freeze {str(env.get('freeze_hash'))[:12]})",
+        )
     for a in run.get("alerts") or []:
         lines.append(f"  ALERT {a.get('kind')}: {a.get('message')}")
     members = run.get("members") or []
@@ -226,7 +258,7 @@ def _event_summary(e: dict[str, Any]) -> str:
         t = rec.get("type")
         if t == "step":
             return f"step {rec.get('step')} loss {rec.get('loss')} tok/s {rec.get('tokens_per_s')}"
-        return f"{t} " + json.dumps({x: y for x, y in rec.items() if x not in ('ts', 'type', 'argv')}, default=str)[:100]
+        return f"{t} " + json.dumps({x: y for x, y in rec.items() if x not in ("ts", "type", "argv")}, default=str)[:100]
     if k == "members":
         return f"+{len(d.get('added') or [])} process(es)"
     return json.dumps(d, default=str)[:110]
@@ -241,13 +273,24 @@ def format_leftovers(host: str, leftovers: list[Any]) -> str:
         gpu = ", ".join(f"GPU {g}: {gib(b)} GiB" for g, b in sorted(lo.gpu_bytes.items())) or "-"
         run = "-"
         if lo.run_id:
-            run = lo.run_id + (f" ({lo.run_state}" + (f", ended {duration(time.time() - lo.run_ended)} ago" if lo.run_ended else "") + ")" if lo.run_state else "")
-        rows.append([
-            f"{host}:{lo.pid}", lo.kind, run, lo.user or "-", lo.status or "-", gpu,
-            "-" if lo.cpu_percent is None else f"{lo.cpu_percent:.0f}%",
-            "-" if lo.rss is None else f"{lo.rss / 2**20:.0f} MiB",
-            " ".join(lo.cmdline)[:60] or "-",
-        ])
+            run = lo.run_id + (
+                f" ({lo.run_state}" + (f", ended {duration(time.time() - lo.run_ended)} ago" if lo.run_ended else "") + ")"
+                if lo.run_state
+                else ""
+            )
+        rows.append(
+            [
+                f"{host}:{lo.pid}",
+                lo.kind,
+                run,
+                lo.user or "-",
+                lo.status or "-",
+                gpu,
+                "-" if lo.cpu_percent is None else f"{lo.cpu_percent:.0f}%",
+                "-" if lo.rss is None else f"{lo.rss / 2**20:.0f} MiB",
+                " ".join(lo.cmdline)[:60] or "-",
+            ]
+        )
     out = [table(["PROCESS", "KIND", "RUN", "USER", "STATUS", "GPU MEMORY", "CPU", "RSS", "COMMAND"], rows), ""]
     for lo in leftovers:
         out.append(f"  {host}:{lo.pid}: {lo.note}")
@@ -265,7 +308,11 @@ def format_claims(run_id: str, rows: list[Any], alerts: list[Any]) -> str:
         claimed = "-" if r.claimed is None else f"{r.claimed:,}" if isinstance(r.claimed, int) else f"{r.claimed:,.4g}"
         observed = "-" if r.observed is None else f"{r.observed:,}" if isinstance(r.observed, int) else f"{r.observed:,.4g}"
         body.append([r.what, claimed, observed, mark, r.source or "-", r.detail or ""])
-    out.append(table(["WHAT", "CLAIMED", "OBSERVED", "", "CLAIM FROM", "DETAIL"], body) if body else "  nothing observed yet (no manifest, no ranks)")
+    out.append(
+        table(["WHAT", "CLAIMED", "OBSERVED", "", "CLAIM FROM", "DETAIL"], body)
+        if body
+        else "  nothing observed yet (no manifest, no ranks)"
+    )
     for a in alerts:
         out.append(f"  ALERT {a.kind}: {a.message}")
     return "\n".join(out)

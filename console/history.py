@@ -34,8 +34,7 @@ import sqlite_utils
 from gpudeck.agents import paths
 from gpudeck.agents.causes import cause_class
 from gpudeck.agents.protocol import TERMINAL_STATES, Event
-from gpudeck.console import config
-from gpudeck.console import quarantine
+from gpudeck.console import config, quarantine
 from gpudeck.console.query import compile_query
 
 SCHEMA_VERSION = 1
@@ -128,11 +127,22 @@ def _connect(path: Path) -> sqlite3.Connection:
 def ensure_schema(db: sqlite_utils.Database) -> None:
     """Create the tables and indexes (idempotent)."""
     db["hosts"].create(
-        {"name": str, "epoch": str, "first_seen": float, "last_seen": float, "agent_version": str, "agent_host": str, "state": str, "error": str},
+        {
+            "name": str,
+            "epoch": str,
+            "first_seen": float,
+            "last_seen": float,
+            "agent_version": str,
+            "agent_host": str,
+            "state": str,
+            "error": str,
+        },
         pk="name",
         if_not_exists=True,
     )
-    db["epochs"].create({"host": str, "epoch": str, "first_seen": float, "last_seq": int, "replaces": str}, pk=("host", "epoch"), if_not_exists=True)
+    db["epochs"].create(
+        {"host": str, "epoch": str, "first_seen": float, "last_seq": int, "replaces": str}, pk=("host", "epoch"), if_not_exists=True
+    )
     db["events"].create(
         {"host": str, "epoch": str, "seq": int, "ts": float, "kind": str, "run_id": str, "data": str},
         pk=("host", "epoch", "seq"),
@@ -152,7 +162,9 @@ def ensure_schema(db: sqlite_utils.Database) -> None:
         if_not_exists=True,
     )
     db["meta"].create({"key": str, "value": str}, pk="key", if_not_exists=True)
-    db["pending_stops"].create({"host": str, "run_id": str, "grace_s": float, "requested": float}, pk=("host", "run_id"), if_not_exists=True)
+    db["pending_stops"].create(
+        {"host": str, "run_id": str, "grace_s": float, "requested": float}, pk=("host", "run_id"), if_not_exists=True
+    )
     quarantine.create_table(db.conn)
     db.execute("INSERT OR IGNORE INTO meta(key, value) VALUES ('schema_version', ?)", [str(SCHEMA_VERSION)])
 
@@ -247,7 +259,7 @@ class _Apply:
         if len(members) > MAX_MEMBERS:  # the leader stays; of the rest, the newest
             lead = [m for m in members if m.get("role") == "leader"]
             rest = [m for m in members if m.get("role") != "leader"]
-            members = lead + rest[len(rest) - (MAX_MEMBERS - len(lead)):]
+            members = lead + rest[len(rest) - (MAX_MEMBERS - len(lead)) :]
         ranks = {m.get("rank") for m in members if m.get("rank") is not None}
         self._update(host, ev.run_id or "", ev.ts, members=_j(members), ranks_seen=len(ranks))
 
@@ -408,9 +420,24 @@ class History:
                         if cur.rowcount == 1:  # new to the replica: fold it into the run once
                             n += 1
                             apply(b.host, b.epoch, ev)
-                    except (quarantine.BadEvent, sqlite3.Error, OverflowError, ValueError, TypeError, AttributeError, KeyError, RecursionError) as exc:
+                    except (
+                        quarantine.BadEvent,
+                        sqlite3.Error,
+                        OverflowError,
+                        ValueError,
+                        TypeError,
+                        AttributeError,
+                        KeyError,
+                        RecursionError,
+                    ) as exc:
                         conn.execute("ROLLBACK TO one_event")
-                        quarantine.put(conn, b.host, b.epoch, ev, f"{type(exc).__name__}: {exc}" if not isinstance(exc, quarantine.BadEvent) else str(exc))
+                        quarantine.put(
+                            conn,
+                            b.host,
+                            b.epoch,
+                            ev,
+                            f"{type(exc).__name__}: {exc}" if not isinstance(exc, quarantine.BadEvent) else str(exc),
+                        )
                         self.events_quarantined += 1
                     conn.execute("RELEASE one_event")
                     if isinstance(ev.seq, int) and 0 < ev.seq <= quarantine.INT_MAX:
@@ -468,7 +495,9 @@ class History:
                 new = row is None
                 if new:
                     replaces = prev[0] if prev and prev[0] and prev[0] != epoch else None
-                    c.execute("INSERT INTO epochs(host, epoch, first_seen, last_seq, replaces) VALUES (?,?,?,0,?)", (host, epoch, now, replaces))
+                    c.execute(
+                        "INSERT INTO epochs(host, epoch, first_seen, last_seq, replaces) VALUES (?,?,?,0,?)", (host, epoch, now, replaces)
+                    )
                 # the epoch table's last_seq can lag a crash; the events themselves are the truth
                 last = c.execute("SELECT MAX(seq) FROM events WHERE host=? AND epoch=?", (host, epoch)).fetchone()[0] or 0
                 held = c.execute("SELECT MAX(seq) FROM quarantine WHERE host=? AND epoch=?", (host, epoch)).fetchone()[0] or 0
@@ -496,11 +525,16 @@ class History:
     def add_pending_stop(self, host: str, run_id: str, grace_s: float) -> None:
         """Remember to stop ``run_id`` on ``host`` when it is reachable again."""
         with self._read_lock:
-            self._read_conn.execute("INSERT OR REPLACE INTO pending_stops(host, run_id, grace_s, requested) VALUES (?,?,?,?)", (host, run_id, grace_s, time.time()))
+            self._read_conn.execute(
+                "INSERT OR REPLACE INTO pending_stops(host, run_id, grace_s, requested) VALUES (?,?,?,?)",
+                (host, run_id, grace_s, time.time()),
+            )
 
     def pending_stops(self, host: str) -> list[tuple[str, float]]:
         """(run id, grace) of the stops waiting for ``host``."""
-        return [(r[0], float(r[1])) for r in self._exec("SELECT run_id, grace_s FROM pending_stops WHERE host=? ORDER BY requested", (host,))]
+        return [
+            (r[0], float(r[1])) for r in self._exec("SELECT run_id, grace_s FROM pending_stops WHERE host=? ORDER BY requested", (host,))
+        ]
 
     def clear_pending_stop(self, host: str, run_id: str) -> None:
         """The stop was delivered."""
@@ -550,12 +584,16 @@ class History:
 
     def events(self, host: str, run_id: str, limit: int = 10000) -> list[dict[str, Any]]:
         """A run's events in order."""
-        rows = self._exec("SELECT epoch, seq, ts, kind, data FROM events WHERE host=? AND run_id=? ORDER BY epoch, seq LIMIT ?", (host, run_id, limit))
+        rows = self._exec(
+            "SELECT epoch, seq, ts, kind, data FROM events WHERE host=? AND run_id=? ORDER BY epoch, seq LIMIT ?", (host, run_id, limit)
+        )
         return [{"epoch": r[0], "seq": r[1], "ts": r[2], "kind": r[3], "data": _loads(r[4], {})} for r in rows]
 
     def metrics(self, host: str, run_id: str) -> list[dict[str, Any]]:
         """A run's recorded step metrics."""
-        rows = self._exec("SELECT step, ts, loss, tokens_per_s, mfu, mem_peak_gib FROM metrics WHERE host=? AND run_id=? ORDER BY step", (host, run_id))
+        rows = self._exec(
+            "SELECT step, ts, loss, tokens_per_s, mfu, mem_peak_gib FROM metrics WHERE host=? AND run_id=? ORDER BY step", (host, run_id)
+        )
         return [dict(zip(("step", "ts", "loss", "tokens_per_s", "mfu", "mem_peak_gib"), r)) for r in rows]
 
     def event_count(self, host: str | None = None) -> int:
@@ -584,7 +622,7 @@ def add_tokens_median(conn: sqlite3.Connection, rows: list[dict[str, Any]]) -> l
     values: dict[tuple[str, str], list[float]] = {}
     ids = sorted({r["id"] for r in rows})
     for i in range(0, len(ids), 500):
-        chunk = ids[i:i + 500]
+        chunk = ids[i : i + 500]
         q = f"SELECT host, run_id, tokens_per_s FROM metrics WHERE tokens_per_s IS NOT NULL AND run_id IN ({','.join('?' * len(chunk))})"
         for host, rid, tps in conn.execute(q, chunk).fetchall():
             if (host, rid) in want:
@@ -595,7 +633,18 @@ def add_tokens_median(conn: sqlite3.Connection, rows: list[dict[str, Any]]) -> l
     return rows
 
 
-_JSON_COLUMNS = {"gpus": None, "argv": [], "spec": {}, "env": None, "members": [], "telemetry": {}, "alerts": [], "preflight": None, "stop": None, "claims": []}
+_JSON_COLUMNS = {
+    "gpus": None,
+    "argv": [],
+    "spec": {},
+    "env": None,
+    "members": [],
+    "telemetry": {},
+    "alerts": [],
+    "preflight": None,
+    "stop": None,
+    "claims": [],
+}
 
 
 def decode_run(row: dict[str, Any]) -> dict[str, Any]:

@@ -35,8 +35,16 @@ class CombinedRun:
     def as_row(self) -> dict[str, Any]:
         """The first node's row with the combined fields (what `history` and `runs` print)."""
         base = dict(self.rows[0]) if self.rows else {"id": self.id}
-        base.update(host="+".join(self.hosts), hosts=self.hosts, state=self.state, cause=self.cause, ranks_seen=self.ranks_seen,
-                    started=self.started, ended=self.ended, nodes=[{"host": r["host"], "state": r["state"], "cause": r.get("cause")} for r in self.rows])
+        base.update(
+            host="+".join(self.hosts),
+            hosts=self.hosts,
+            state=self.state,
+            cause=self.cause,
+            ranks_seen=self.ranks_seen,
+            started=self.started,
+            ended=self.ended,
+            nodes=[{"host": r["host"], "state": r["state"], "cause": r.get("cause")} for r in self.rows],
+        )
         if self.world_size is not None:
             base["world_size"] = self.world_size
         return base
@@ -114,8 +122,14 @@ def combine(rows: list[dict[str, Any]], unreachable: set[str] | None = None) -> 
     if missing > 0 and state in TERMINAL_STATES and cause is None:
         cause = f"{missing} node(s) never reported"
     return CombinedRun(
-        id=rows[0]["id"], hosts=hosts, state=state, cause=cause, rows=rows,
-        ranks_seen=sum(int(r.get("ranks_seen") or len({m.get('rank') for m in r.get('members') or [] if m.get('rank') is not None})) for r in rows),
+        id=rows[0]["id"],
+        hosts=hosts,
+        state=state,
+        cause=cause,
+        rows=rows,
+        ranks_seen=sum(
+            int(r.get("ranks_seen") or len({m.get("rank") for m in r.get("members") or [] if m.get("rank") is not None})) for r in rows
+        ),
         world_size=next((r.get("world_size") for r in rows if r.get("world_size")), None),
         started=min(starts) if starts else None,
         ended=max(ends) if ends and state in TERMINAL_STATES else None,

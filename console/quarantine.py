@@ -95,7 +95,9 @@ def check_event(ev: Event) -> None:
 def raw_json(ev: Event) -> str:
     """The event as JSON that SQLite can always store (ASCII; huge integers and odd values kept as text)."""
     try:
-        return json.dumps({"seq": ev.seq, "ts": ev.ts, "kind": ev.kind, "run_id": ev.run_id, "data": ev.data}, default=repr, ensure_ascii=True)
+        return json.dumps(
+            {"seq": ev.seq, "ts": ev.ts, "kind": ev.kind, "run_id": ev.run_id, "data": ev.data}, default=repr, ensure_ascii=True
+        )
     except (ValueError, RecursionError) as exc:  # deeper than json can write: keep what can be said
         return json.dumps({"seq": repr(ev.seq)[:40], "kind": repr(ev.kind)[:80], "unprintable": str(exc)[:200]})
 
@@ -107,8 +109,16 @@ def put(conn: sqlite3.Connection, host: str, epoch: str, ev: Event, error: str) 
     run_id = ev.run_id if isinstance(ev.run_id, str) else None
     conn.execute(
         "INSERT OR IGNORE INTO quarantine(host, epoch, seq, kind, run_id, raw, error, quarantined) VALUES (?,?,?,?,?,?,?,?)",
-        (host, epoch, seq, kind.encode("utf-8", "backslashreplace").decode()[:MAX_KIND * 2],
-         run_id.encode("utf-8", "backslashreplace").decode()[:MAX_RUN_ID] if run_id else None, raw_json(ev), error[:2000], time.time()),
+        (
+            host,
+            epoch,
+            seq,
+            kind.encode("utf-8", "backslashreplace").decode()[: MAX_KIND * 2],
+            run_id.encode("utf-8", "backslashreplace").decode()[:MAX_RUN_ID] if run_id else None,
+            raw_json(ev),
+            error[:2000],
+            time.time(),
+        ),
     )
 
 
@@ -125,5 +135,7 @@ def format_problems(problems: list[dict[str, Any]]) -> str:
         return "no problems: every event the agents sent is in the history"
     lines = [f"{len(problems)} event(s) kept out of the history (raw copies in its quarantine table):"]
     for p in problems:
-        lines.append(f"  {p['host']} epoch {p['epoch'][:12]} seq {p['seq']} {p['kind']}{' run ' + p['run_id'] if p['run_id'] else ''}: {p['error']}")
+        lines.append(
+            f"  {p['host']} epoch {p['epoch'][:12]} seq {p['seq']} {p['kind']}{' run ' + p['run_id'] if p['run_id'] else ''}: {p['error']}"
+        )
     return "\n".join(lines)

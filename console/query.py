@@ -53,7 +53,10 @@ class Compiled:
 
     def sql(self, columns: str = "*") -> tuple[str, list[object]]:
         """The full SELECT over ``runs``, newest first."""
-        return (f"SELECT {columns} FROM runs WHERE {self.where} ORDER BY COALESCE(started, created) DESC, id LIMIT ?", [*self.params, self.limit])
+        return (
+            f"SELECT {columns} FROM runs WHERE {self.where} ORDER BY COALESCE(started, created) DESC, id LIMIT ?",
+            [*self.params, self.limit],
+        )
 
 
 def parse_time(value: str, now: float | None = None) -> float:

@@ -73,7 +73,9 @@ def _v(x: object) -> str:
     return str(x)
 
 
-def diff_runs(a: dict[str, Any], b: dict[str, Any], a_metrics: list[dict[str, Any]] | None = None, b_metrics: list[dict[str, Any]] | None = None) -> RunDiff:
+def diff_runs(
+    a: dict[str, Any], b: dict[str, Any], a_metrics: list[dict[str, Any]] | None = None, b_metrics: list[dict[str, Any]] | None = None
+) -> RunDiff:
     """Compare two history rows (and, when given, their step metrics)."""
     out = RunDiff(a_id=a["id"], b_id=b["id"])
     sa, sb = a.get("spec") or {}, b.get("spec") or {}
@@ -113,7 +115,11 @@ def diff_runs(a: dict[str, Any], b: dict[str, Any], a_metrics: list[dict[str, An
         ("tokens/s (median)", fa_.tokens_per_s, fb_.tokens_per_s),
         ("peak memory GiB", fa_.peak_mem_gib, fb_.peak_mem_gib),
         ("last step", fa_.last_step, fb_.last_step),
-        ("elapsed", duration(fa_.elapsed_s) if fa_.elapsed_s is not None else None, duration(fb_.elapsed_s) if fb_.elapsed_s is not None else None),
+        (
+            "elapsed",
+            duration(fa_.elapsed_s) if fa_.elapsed_s is not None else None,
+            duration(fb_.elapsed_s) if fb_.elapsed_s is not None else None,
+        ),
         ("loss", a.get("last_loss"), b.get("last_loss")),
     ):
         out.outcome.append(Row(key, _v(va), _v(vb)))

@@ -240,7 +240,7 @@ class SshLink:
         self.conn.close()
         try:
             await asyncio.wait_for(self.conn.wait_closed(), 5.0)
-        except (asyncio.TimeoutError, Exception):
+        except (TimeoutError, Exception):
             pass
 
 
@@ -307,15 +307,21 @@ async def connect_ssh(name: str, command: str, options: SshOptions) -> SshLink:
     except asyncssh.HostKeyNotVerifiable as exc:
         raise _host_key_error(name, kh, exc) from None
     except asyncssh.PermissionDenied as exc:
-        raise SshError(f"{name}: SSH authentication failed ({exc.reason}): check User and IdentityFile for {name} in ~/.ssh/config, or `ssh-add` the key") from None
+        raise SshError(
+            f"{name}: SSH authentication failed ({exc.reason}): check User and IdentityFile for {name} in ~/.ssh/config, or `ssh-add` the key"
+        ) from None
     except asyncssh.ConnectionLost as exc:
-        raise SshError(f"{name}: the SSH connection was lost during the handshake ({exc.reason}): is sshd there overloaded (MaxStartups) or the link dropping?") from None
+        raise SshError(
+            f"{name}: the SSH connection was lost during the handshake ({exc.reason}): is sshd there overloaded (MaxStartups) or the link dropping?"
+        ) from None
     except asyncssh.DisconnectError as exc:
         raise SshError(f"{name}: SSH connection refused by the server ({exc.reason})") from None
-    except asyncio.TimeoutError:
+    except TimeoutError:
         raise SshError(f"{name}: no SSH answer within {options.connect_timeout_s:.0f} s: is the host up and reachable from here?") from None
     except ConnectionRefusedError as exc:
-        raise SshError(f"{name}: nothing accepts SSH connections there ({exc.strerror or exc}): is sshd running, and are HostName and Port for {name} in ~/.ssh/config right?") from None
+        raise SshError(
+            f"{name}: nothing accepts SSH connections there ({exc.strerror or exc}): is sshd running, and are HostName and Port for {name} in ~/.ssh/config right?"
+        ) from None
     except socket.gaierror as exc:
         raise SshError(f"{name}: cannot resolve its address ({exc.strerror or exc}): check HostName for {name} in ~/.ssh/config") from None
     except (OSError, asyncssh.Error) as exc:
@@ -338,7 +344,7 @@ async def connect_ssh(name: str, command: str, options: SshOptions) -> SshLink:
         # the bridge never answered: say why, from its exit status and stderr
         try:
             await asyncio.wait_for(session.closed.wait(), 2.0)
-        except (asyncio.TimeoutError, Exception):
+        except (TimeoutError, Exception):
             pass
         await asyncio.sleep(0)
         stderr = b"".join(session.stderr).decode("utf-8", "replace").strip()
@@ -349,10 +355,9 @@ async def connect_ssh(name: str, command: str, options: SshOptions) -> SshLink:
         status = session.exit_status
         detail = stderr.splitlines()[-1] if stderr else (f"exit status {status}" if status is not None else "no answer")
         hint = (
-            f"install gpudeck on {name}, or set its path in the config: [host.{name}] command = \"/path/to/gpudeck agent dial\""
+            f'install gpudeck on {name}, or set its path in the config: [host.{name}] command = "/path/to/gpudeck agent dial"'
             if status == 127 or "not found" in stderr
             else f"see the agent log on {name} (`gpudeck agent status` there)"
         )
         raise SshError(f"{name}: `{command}` did not answer the gpudeck protocol ({detail}); {hint}") from None
     return SshLink(conn, session, client)
-

@@ -20,8 +20,8 @@ from gpudeck.agents import envs
 from gpudeck.agents.protocol import TERMINAL_STATES, Alert, EnvFingerprint, Gpu, GpuProcess, LaunchSpec, RunInfo, Snapshot
 from gpudeck.console import fmt
 from gpudeck.console.history import add_tokens_median
-from gpudeck.console.query import compile_query
 from gpudeck.console.ops.relaunch import spec_from_row
+from gpudeck.console.query import compile_query
 from gpudeck.console.rundiff import Row, RunDiff, diff_runs, env_of
 
 LEFTOVER_HOLDERS = frozenset({"STALE", "FOREIGN", "NO_SUCH_PROCESS"})
@@ -294,7 +294,14 @@ def run_from_record(record: Mapping[str, Any]) -> RunInfo | None:
     if spec is None:
         return None
     facts = {k: record[k] for k in RECORD_FACTS if record.get(k) is not None}
-    return RunInfo(**facts, state=record.get("state") or "pending", spec=spec, created=float(record.get("created") or 0.0), alerts=alerts_of(record), env=env_of(record))
+    return RunInfo(
+        **facts,
+        state=record.get("state") or "pending",
+        spec=spec,
+        created=float(record.get("created") or 0.0),
+        alerts=alerts_of(record),
+        env=env_of(record),
+    )
 
 
 def python_of(spec: LaunchSpec, env: EnvFingerprint | None = None) -> str | None:
@@ -344,7 +351,9 @@ def argv_rows(a: Sequence[str], b: Sequence[str]) -> list[Row]:
     return [Row(k, fa.get(k, "-"), fb.get(k, "-")) for k in dict.fromkeys([*fa, *fb]) if fa.get(k) != fb.get(k)]
 
 
-def run_diff(ra: Mapping[str, Any], rb: Mapping[str, Any], ma: list[dict[str, Any]] | None = None, mb: list[dict[str, Any]] | None = None) -> RunDiff:
+def run_diff(
+    ra: Mapping[str, Any], rb: Mapping[str, Any], ma: list[dict[str, Any]] | None = None, mb: list[dict[str, Any]] | None = None
+) -> RunDiff:
     """Two history rows (and their step metrics) compared by :func:`gpudeck.console.rundiff.diff_runs`, the differing arguments after the command."""
     diff = diff_runs(dict(ra), dict(rb), ma, mb)
     at = next((i + 1 for i, r in enumerate(diff.config) if r.key == "command"), len(diff.config))

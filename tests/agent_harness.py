@@ -116,7 +116,9 @@ class AgentProc:
             input=stdin,
         )
         if check and cp.returncode != 0:
-            raise AssertionError(f"gpudeck {' '.join(args)} exited {cp.returncode}\nstdout: {cp.stdout}\nstderr: {cp.stderr}\nagent log: {self.log()}")
+            raise AssertionError(
+                f"gpudeck {' '.join(args)} exited {cp.returncode}\nstdout: {cp.stdout}\nstderr: {cp.stderr}\nagent log: {self.log()}"
+            )
         return cp
 
     def cli_json(self, *args: str) -> Any:

@@ -84,7 +84,9 @@ def require_netns(need_impair: bool = False) -> None:
         raise NetnsUnavailable("`ip` is missing: apt-get install -y iproute2")
     # a "drop" cut and an impairment need netem, or iptables where the kernel has no netem
     if not (shutil.which("tc") and has_netem()) and shutil.which("iptables") is None:
-        raise NetnsUnavailable("this kernel has no netem and `iptables` is missing (DROP and NFQUEUE stand in for netem): apt-get install -y iptables")
+        raise NetnsUnavailable(
+            "this kernel has no netem and `iptables` is missing (DROP and NFQUEUE stand in for netem): apt-get install -y iptables"
+        )
 
 
 def _pid_alive(pid: int) -> bool:
@@ -233,10 +235,14 @@ class Netns:
             self.impairment = Impairment(delay_ms, loss_pct, "netem")
         else:
             if shutil.which("iptables") is None:
-                raise NetnsUnavailable("this kernel has no netem and `iptables` is missing for the NFQUEUE fallback: apt-get install -y iptables")
+                raise NetnsUnavailable(
+                    "this kernel has no netem and `iptables` is missing for the NFQUEUE fallback: apt-get install -y iptables"
+                )
             qnum = self.index % 65000 + 1
             proc = subprocess.Popen(
-                self.exec_argv([sys.executable, "-m", "tests.netns_harness", "nfqueue", str(qnum), str(delay_ms), str(loss_pct), str(seed)]),
+                self.exec_argv(
+                    [sys.executable, "-m", "tests.netns_harness", "nfqueue", str(qnum), str(delay_ms), str(loss_pct), str(seed)]
+                ),
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
@@ -372,7 +378,7 @@ class NsAgentProc(AgentProc):
         super().__init__(home)
         self.netns = netns
 
-    def start(self) -> "NsAgentProc":
+    def start(self) -> NsAgentProc:
         # `ip netns exec` execs the command after setns, so proc.pid is the agent itself
         self.proc = subprocess.Popen(
             ["ip", "netns", "exec", self.netns, sys.executable, "-m", "gpudeck.agents", "serve", "--state-dir", str(self.state_dir)],
@@ -415,8 +421,19 @@ class TcpSocket:
     inode: int
 
 
-_TCP_STATES = {"01": "ESTABLISHED", "02": "SYN_SENT", "03": "SYN_RECV", "04": "FIN_WAIT1", "05": "FIN_WAIT2", "06": "TIME_WAIT",
-               "07": "CLOSE", "08": "CLOSE_WAIT", "09": "LAST_ACK", "0A": "LISTEN", "0B": "CLOSING"}
+_TCP_STATES = {
+    "01": "ESTABLISHED",
+    "02": "SYN_SENT",
+    "03": "SYN_RECV",
+    "04": "FIN_WAIT1",
+    "05": "FIN_WAIT2",
+    "06": "TIME_WAIT",
+    "07": "CLOSE",
+    "08": "CLOSE_WAIT",
+    "09": "LAST_ACK",
+    "0A": "LISTEN",
+    "0B": "CLOSING",
+}
 
 
 def socket_inodes(pid: int) -> set[int]:
@@ -500,7 +517,11 @@ def nfqueue_delayer(qnum: int, delay_ms: float, loss_pct: float, seed: int) -> i
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8 << 20)
     sock.bind((0, 0))
     _nfq_config(sock, qnum, [_nlattr(_NFQA_CFG_CMD, struct.pack("=BBH", _NFQNL_CFG_CMD_BIND, 0, socket.htons(socket.AF_INET)))])
-    _nfq_config(sock, qnum, [_nlattr(_NFQA_CFG_PARAMS, struct.pack("!IB", 0, _NFQNL_COPY_META)), _nlattr(_NFQA_CFG_QUEUE_MAXLEN, struct.pack("!I", 1 << 16))])
+    _nfq_config(
+        sock,
+        qnum,
+        [_nlattr(_NFQA_CFG_PARAMS, struct.pack("!IB", 0, _NFQNL_COPY_META)), _nlattr(_NFQA_CFG_QUEUE_MAXLEN, struct.pack("!I", 1 << 16))],
+    )
     rng = random.Random(seed)
     delay = delay_ms / 1000.0
     loss = loss_pct / 100.0

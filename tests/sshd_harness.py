@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -61,7 +60,16 @@ def short_tmp(prefix: str) -> Path:
 class SshHost:
     """sshd + agent for one fleet host, on 127.0.0.1 (or an address inside a network namespace)."""
 
-    def __init__(self, name: str, client_pub: str, *, address: str = "127.0.0.1", netns: str | None = None, port: int | None = None, start_agent: bool = True) -> None:
+    def __init__(
+        self,
+        name: str,
+        client_pub: str,
+        *,
+        address: str = "127.0.0.1",
+        netns: str | None = None,
+        port: int | None = None,
+        start_agent: bool = True,
+    ) -> None:
         require_sshd()
         self.name = name
         self.address = address
@@ -82,27 +90,45 @@ class SshHost:
 
     def sshd_argv(self) -> list[str]:
         argv = [
-            SSHD, "-D", "-e", "-f", "/dev/null",
-            "-o", f"ListenAddress={self.address}",
-            "-o", f"Port={self.port}",
-            "-o", f"HostKey={self.host_key}",
-            "-o", f"AuthorizedKeysFile={self.authorized}",
-            "-o", "StrictModes=no",
-            "-o", "PasswordAuthentication=no",
-            "-o", "KbdInteractiveAuthentication=no",
-            "-o", "PubkeyAuthentication=yes",
-            "-o", "UsePAM=no",
-            "-o", "PermitRootLogin=prohibit-password",
-            "-o", f"PidFile={self.dir / 'sshd.pid'}",
-            "-o", f"SetEnv=GPUDECK_HOME={self.home}",
-            "-o", "LogLevel=VERBOSE",
-            "-o", "MaxStartups=100:30:200",
+            SSHD,
+            "-D",
+            "-e",
+            "-f",
+            "/dev/null",
+            "-o",
+            f"ListenAddress={self.address}",
+            "-o",
+            f"Port={self.port}",
+            "-o",
+            f"HostKey={self.host_key}",
+            "-o",
+            f"AuthorizedKeysFile={self.authorized}",
+            "-o",
+            "StrictModes=no",
+            "-o",
+            "PasswordAuthentication=no",
+            "-o",
+            "KbdInteractiveAuthentication=no",
+            "-o",
+            "PubkeyAuthentication=yes",
+            "-o",
+            "UsePAM=no",
+            "-o",
+            "PermitRootLogin=prohibit-password",
+            "-o",
+            f"PidFile={self.dir / 'sshd.pid'}",
+            "-o",
+            f"SetEnv=GPUDECK_HOME={self.home}",
+            "-o",
+            "LogLevel=VERBOSE",
+            "-o",
+            "MaxStartups=100:30:200",
         ]
         if self.netns:
             return ["ip", "netns", "exec", self.netns, *argv]
         return argv
 
-    def start(self) -> "SshHost":
+    def start(self) -> SshHost:
         if self._start_agent and (self.agent.proc is None or self.agent.proc.poll() is not None):
             self.agent.start()
         self.start_sshd()
@@ -211,7 +237,9 @@ class ConsoleSide:
         """Describe a host in ~/.ssh/config (and trust its key unless told not to)."""
         self.hosts.append(host)
         with open(self.ssh_config, "a") as fh:
-            fh.write(f"Host {host.name}\n    HostName {host.address}\n    Port {host.port}\n    User {os.environ.get('USER') or 'root'}\n    IdentityFile {self.key}\n    IdentitiesOnly yes\n\n")
+            fh.write(
+                f"Host {host.name}\n    HostName {host.address}\n    Port {host.port}\n    User {os.environ.get('USER') or 'root'}\n    IdentityFile {self.key}\n    IdentitiesOnly yes\n\n"
+            )
         if trust:
             with open(self.known_hosts, "a") as fh:
                 fh.write(host.known_hosts_line() + "\n")
@@ -231,9 +259,14 @@ class ConsoleSide:
 
     def cli(self, *args: str, check: bool = True, timeout: float = 120) -> subprocess.CompletedProcess:
         """The real ``gpudeck`` CLI as the operator runs it (their HOME, their ~/.ssh)."""
-        cp = subprocess.run([sys.executable, "-m", "gpudeck.console.cli", *args], env=self.env, capture_output=True, text=True, timeout=timeout)
+        cp = subprocess.run(
+            [sys.executable, "-m", "gpudeck.console.cli", *args], env=self.env, capture_output=True, text=True, timeout=timeout
+        )
         if check and cp.returncode != 0:
-            logs = "\n".join(f"--- {h.name} sshd log:\n{h.log.read_text()[-1500:] if h.log.exists() else ''}\n--- {h.name} agent log:\n{h.agent.log()[-1500:]}" for h in self.hosts)
+            logs = "\n".join(
+                f"--- {h.name} sshd log:\n{h.log.read_text()[-1500:] if h.log.exists() else ''}\n--- {h.name} agent log:\n{h.agent.log()[-1500:]}"
+                for h in self.hosts
+            )
             raise AssertionError(f"gpudeck {' '.join(args)} exited {cp.returncode}\nstdout: {cp.stdout}\nstderr: {cp.stderr}\n{logs}")
         return cp
 

@@ -53,9 +53,16 @@ class Runs:
         self.telemetry: list[tuple[Path, str]] = []
         self.pid_dirs: list[tuple[Path, str]] = []
 
-    def start(self, module: str, args: list[str], out: Path, nproc: int | None = None,
-              env: dict[str, str] | None = None, exit_codes: Path | None = None,
-              stderr: int = subprocess.STDOUT) -> tuple[subprocess.Popen, Path]:
+    def start(
+        self,
+        module: str,
+        args: list[str],
+        out: Path,
+        nproc: int | None = None,
+        env: dict[str, str] | None = None,
+        exit_codes: Path | None = None,
+        stderr: int = subprocess.STDOUT,
+    ) -> tuple[subprocess.Popen, Path]:
         """Start a run; with ``exit_codes`` (torchrun only) each worker goes through
         progs/exit_code.py, which writes the worker's exit code to that folder."""
         run_id = f"test-{uuid.uuid4().hex[:10]}"
@@ -75,11 +82,24 @@ class Runs:
                 exit_codes.mkdir(parents=True, exist_ok=True)
                 self.pid_dirs.append((exit_codes, run_id))
                 entry = [str(EXIT_CODE), str(exit_codes), *entry]
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1",
-                   "--nproc-per-node", str(nproc), "--master-addr", "127.0.0.1",
-                   "--master-port", str(_free_port()), *entry, *args, "--out", str(out)]
-        p = subprocess.Popen(cmd, cwd=ROOT, env=e, stdout=subprocess.PIPE, stderr=stderr,
-                             text=True, start_new_session=True)
+            cmd = [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nnodes",
+                "1",
+                "--nproc-per-node",
+                str(nproc),
+                "--master-addr",
+                "127.0.0.1",
+                "--master-port",
+                str(_free_port()),
+                *entry,
+                *args,
+                "--out",
+                str(out),
+            ]
+        p = subprocess.Popen(cmd, cwd=ROOT, env=e, stdout=subprocess.PIPE, stderr=stderr, text=True, start_new_session=True)
         self.procs.append((p, run_id))
         self.telemetry.append((tel, run_id))
         return p, tel
@@ -93,8 +113,9 @@ class Runs:
             output, _ = p.communicate()
             pytest.fail(f"{p.args[:6]} did not finish in {timeout}s:\n{output[-4000:]}")
 
-    def run(self, module: str, args: list[str], out: Path, nproc: int | None = None,
-            env: dict[str, str] | None = None, timeout: float = 150.0):
+    def run(
+        self, module: str, args: list[str], out: Path, nproc: int | None = None, env: dict[str, str] | None = None, timeout: float = 150.0
+    ):
         t0 = time.monotonic()
         p, tel = self.start(module, args, out, nproc, env)
         output, _ = self.finish(p, timeout)
@@ -123,8 +144,6 @@ class Runs:
                     os.kill(pid, signal.SIGKILL)
                 except ProcessLookupError:
                     pass
-
-
 
 
 def alive(pid: int) -> bool:

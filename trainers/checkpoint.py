@@ -40,11 +40,14 @@ import json
 import os
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
-from gpudeck.trainers.contract import CHECKPOINT_MARKER as MARKER_FILE, CHECKPOINTS_DIRNAME, STEP_RE as _STEP_RE
+from gpudeck.trainers.contract import CHECKPOINT_MARKER as MARKER_FILE
+from gpudeck.trainers.contract import CHECKPOINTS_DIRNAME
+from gpudeck.trainers.contract import STEP_RE as _STEP_RE
 
 
 def checkpoints_dir(out: str | os.PathLike) -> Path:
@@ -90,8 +93,7 @@ def _existing_desc(out: str | os.PathLike, steps: list[int]) -> str:
     return ", ".join(f"step_{s}" for s in steps) if steps else "none"
 
 
-def resolve_start(out: str | os.PathLike, fresh: bool, resume: str | int | None,
-                  new_run_dir: bool = False) -> StartPlan:
+def resolve_start(out: str | os.PathLike, fresh: bool, resume: str | int | None, new_run_dir: bool = False) -> StartPlan:
     """Turn --fresh / --resume into a plan, or raise StartError saying why not."""
     if fresh == (resume is not None):
         raise StartError("pick exactly one start: --fresh or --resume latest|N")
@@ -112,10 +114,7 @@ def resolve_start(out: str | os.PathLike, fresh: bool, resume: str | int | None,
         return StartPlan(fresh=False, step=steps[-1])
     want = int(resume)  # type: ignore[arg-type]
     if want not in steps:
-        raise StartError(
-            f"--resume {want}: no complete checkpoint step_{want} in {root}; "
-            f"checkpoints there: {_existing_desc(out, steps)}"
-        )
+        raise StartError(f"--resume {want}: no complete checkpoint step_{want} in {root}; checkpoints there: {_existing_desc(out, steps)}")
     return StartPlan(fresh=False, step=want)
 
 
@@ -124,7 +123,7 @@ def archive_checkpoints(out: str | os.PathLike) -> Path | None:
     root = checkpoints_dir(out)
     if not root.exists():
         return None
-    stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    stamp = _dt.datetime.now(_dt.UTC).strftime("%Y%m%dT%H%M%SZ")
     dest = root.with_name(f"{CHECKPOINTS_DIRNAME}.archived-{stamp}")
     n = 1
     while dest.exists():
@@ -169,9 +168,16 @@ def _app_state(model: Any, optimizer: Any) -> dict[str, Any]:
     return {"model": model_sd, "optim": optim_sd}
 
 
-def save_checkpoint(out: str | os.PathLike, step: int, model: Any, optimizer: Any,
-                    extra: dict[str, Any], keep: int | None = None, rank: int = 0,
-                    barrier: Callable[[], None] | None = None) -> tuple[Path, float]:
+def save_checkpoint(
+    out: str | os.PathLike,
+    step: int,
+    model: Any,
+    optimizer: Any,
+    extra: dict[str, Any],
+    keep: int | None = None,
+    rank: int = 0,
+    barrier: Callable[[], None] | None = None,
+) -> tuple[Path, float]:
     """Save (collective on every rank); returns (path, seconds). Prunes old ones."""
     import torch.distributed.checkpoint as dcp
 
@@ -189,8 +195,7 @@ def save_checkpoint(out: str | os.PathLike, step: int, model: Any, optimizer: An
         barrier()
     seconds = time.perf_counter() - t0
     if rank == 0:
-        marker = {"step": int(step), "saved_at": time.time(), "seconds": seconds,
-                  "extra_keys": sorted(extra)}
+        marker = {"step": int(step), "saved_at": time.time(), "seconds": seconds, "extra_keys": sorted(extra)}
         tmp = path / (MARKER_FILE + ".tmp")
         tmp.write_text(json.dumps(marker, indent=2) + "\n")
         os.replace(tmp, path / MARKER_FILE)
@@ -210,27 +215,24 @@ def prune_checkpoints(out: str | os.PathLike, keep: int) -> list[int]:
     return doomed
 
 
-def load_checkpoint(out: str | os.PathLike, step: int, model: Any, optimizer: Any,
-                    rank: int = 0) -> dict[str, Any]:
+def load_checkpoint(out: str | os.PathLike, step: int, model: Any, optimizer: Any, rank: int = 0) -> dict[str, Any]:
     """Load into model/optimizer in place (collective); restores RNG; returns extra."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import set_state_dict, set_model_state_dict
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
 
     path = checkpoint_path(out, step)
     state = _app_state(model, optimizer)
     state["extra_json"] = ""
     metadata = dcp.FileSystemReader(str(path)).read_metadata()
     rng_key = f"rng_rank{rank}"
-    have_rng = any(k.startswith(rng_key + ".") or k == rng_key
-                   for k in metadata.state_dict_metadata)
+    have_rng = any(k.startswith(rng_key + ".") or k == rng_key for k in metadata.state_dict_metadata)
     if have_rng:
         state[rng_key] = rng_state()
     dcp.load(state, checkpoint_id=str(path))
     if optimizer is None:
         set_model_state_dict(model, state["model"])
     else:
-        set_state_dict(model, optimizer, model_state_dict=state["model"],
-                       optim_state_dict=state["optim"])
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     if have_rng:
         set_rng_state(state[rng_key])
     return json.loads(state["extra_json"])

@@ -24,10 +24,25 @@ from typing import Literal
 from gpudeck.trainers.presets import PRESETS, parse_index_list
 
 __all__ = [
-    "CHECKPOINTS_DIRNAME", "CHECKPOINT_MARKER", "CHECKPOINT_METADATA", "KINDS", "PRESETS", "START_FLAGS", "STEP_RE",
-    "LEGACY_MODULES", "TRAINER_ARGS", "TRAINER_KINDS", "TRAINER_MODULES", "TrainerArg", "kind_of_module", "parse_index_list",
+    "CHECKPOINTS_DIRNAME",
+    "CHECKPOINT_MARKER",
+    "CHECKPOINT_METADATA",
+    "KINDS",
+    "PRESETS",
+    "START_FLAGS",
+    "STEP_RE",
+    "LEGACY_MODULES",
+    "TRAINER_ARGS",
+    "TRAINER_KINDS",
+    "TRAINER_MODULES",
+    "TrainerArg",
+    "kind_of_module",
+    "parse_index_list",
     "trainer_module",
-    "start_argv", "step_dirname", "strip_start", "trainer_args",
+    "start_argv",
+    "step_dirname",
+    "strip_start",
+    "trainer_args",
 ]
 
 # ----------------------------------------------------------------------------- kinds
@@ -131,10 +146,29 @@ _DFLASH = ("gpudeck.trainers.dflash",)
 # Every option that takes a value is declared (as str where the estimate ignores it), so a value is never
 # mistaken for something else. Defaults follow the trainers (tests/unit/test_estimate.py compares them).
 TRAINER_ARGS: tuple[TrainerArg, ...] = (
-    *(TrainerArg(f) for f in (
-        "--model-config", "--init-from", "--data", "--tokenizer", "--data-dtype", "--corpus-bytes", "--max-steps", "--lr",
-        "--min-lr-ratio", "--warmup-steps", "--weight-decay", "--grad-clip", "--seed", "--checkpoint-every", "--keep",
-        "--out", "--log-every", "--resume")),
+    *(
+        TrainerArg(f)
+        for f in (
+            "--model-config",
+            "--init-from",
+            "--data",
+            "--tokenizer",
+            "--data-dtype",
+            "--corpus-bytes",
+            "--max-steps",
+            "--lr",
+            "--min-lr-ratio",
+            "--warmup-steps",
+            "--weight-decay",
+            "--grad-clip",
+            "--seed",
+            "--checkpoint-every",
+            "--keep",
+            "--out",
+            "--log-every",
+            "--resume",
+        )
+    ),
     TrainerArg("--device", default="auto"),
     TrainerArg("--dtype", default="auto"),
     *(TrainerArg(f, "flag", False) for f in ("--fresh", "--new-run-dir", "--compile", "--activation-checkpointing")),
@@ -144,9 +178,22 @@ TRAINER_ARGS: tuple[TrainerArg, ...] = (
     TrainerArg("--seq-len", "int", 512, _DFLASH),
     TrainerArg("--grad-accum", "int", 1),
     # dflash
-    *(TrainerArg(f, trainers=_DFLASH) for f in (
-        "--target", "--target-config", "--gamma", "--mask-token-id", "--target-ranks", "--drafter-ranks", "--eval-every",
-        "--eval-samples", "--eval-prompt-len", "--eval-gen-len", "--val-fraction")),
+    *(
+        TrainerArg(f, trainers=_DFLASH)
+        for f in (
+            "--target",
+            "--target-config",
+            "--gamma",
+            "--mask-token-id",
+            "--target-ranks",
+            "--drafter-ranks",
+            "--eval-every",
+            "--eval-samples",
+            "--eval-prompt-len",
+            "--eval-gen-len",
+            "--val-fraction",
+        )
+    ),
     TrainerArg("--drafter-layers", "int", None, _DFLASH),  # None until resolved (from the target's depth)
     TrainerArg("--block-size", "int", None, _DFLASH),
     TrainerArg("--num-anchors", "int", 512, _DFLASH),
@@ -166,10 +213,24 @@ TRAINER_ARGS: tuple[TrainerArg, ...] = (
     *(TrainerArg(f, "flag", False, _FSDP) for f in ("--no-export", "--no-final-checkpoint", "--deterministic")),
     # fsdp_lm corpora, validation and performance options (--loss-impl chunked and --ac-every change
     # the activations; the estimate does not read them yet)
-    *(TrainerArg(f, trainers=_FSDP) for f in (
-        "--text-column", "--data-split", "--val-data", "--val-fraction", "--val-every", "--val-batches",
-        "--compile-mode", "--ac-every", "--optimizer-impl", "--reduce-dtype", "--prefetch", "--profile-steps",
-        "--profile-start")),
+    *(
+        TrainerArg(f, trainers=_FSDP)
+        for f in (
+            "--text-column",
+            "--data-split",
+            "--val-data",
+            "--val-fraction",
+            "--val-every",
+            "--val-batches",
+            "--compile-mode",
+            "--ac-every",
+            "--optimizer-impl",
+            "--reduce-dtype",
+            "--prefetch",
+            "--profile-steps",
+            "--profile-start",
+        )
+    ),
     TrainerArg("--loss-impl", default="plain", trainers=_FSDP),
     TrainerArg("--loss-chunk-rows", "int", 4096, _FSDP),
 )

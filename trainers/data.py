@@ -62,9 +62,10 @@ import json
 import os
 import sys
 import sysconfig
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -120,8 +121,12 @@ class ByteTokenizer:
 
     def describe(self) -> dict[str, Any]:
         return {
-            "kind": "byte", "vocab_size": self.vocab_size, "bos_id": self.bos_id,
-            "eos_id": self.eos_id, "pad_id": self.pad_id, "mask_id": self.mask_id,
+            "kind": "byte",
+            "vocab_size": self.vocab_size,
+            "bos_id": self.bos_id,
+            "eos_id": self.eos_id,
+            "pad_id": self.pad_id,
+            "mask_id": self.mask_id,
             "note": "ids 0-255 are UTF-8 bytes; load with gpudeck.trainers.data.load_tokenizer(folder)",
         }
 
@@ -170,8 +175,14 @@ class HFTokenizer:
         return self.tok.decode([int(i) for i in ids])
 
     def describe(self) -> dict[str, Any]:
-        return {"kind": "hf", "path": self.path, "vocab_size": self.vocab_size,
-                "eos_id": self.eos_id, "bos_id": self.bos_id, "pad_id": self.pad_id}
+        return {
+            "kind": "hf",
+            "path": self.path,
+            "vocab_size": self.vocab_size,
+            "eos_id": self.eos_id,
+            "bos_id": self.bos_id,
+            "pad_id": self.pad_id,
+        }
 
     def save(self, folder: str | os.PathLike) -> Path:
         self.tok.save_pretrained(str(folder))
@@ -209,10 +220,7 @@ def _site_dirs() -> list[Path]:
 def builtin_corpus_files(max_bytes: int = DEFAULT_CORPUS_BYTES) -> list[Path]:
     """Sorted stdlib ``.py`` files, then package METADATA docs, up to ``max_bytes``."""
     stdlib = _stdlib_dir()
-    candidates: list[Path] = sorted(
-        p for p in stdlib.rglob("*.py")
-        if "site-packages" not in p.parts and "__pycache__" not in p.parts
-    )
+    candidates: list[Path] = sorted(p for p in stdlib.rglob("*.py") if "site-packages" not in p.parts and "__pycache__" not in p.parts)
     for site in _site_dirs():
         candidates.extend(sorted(site.glob("*.dist-info/METADATA")))
     chosen: list[Path] = []
@@ -255,12 +263,11 @@ def _jsonl_documents(path: Path, text_column: str | None = None) -> list[str]:
             docs.append(obj)
             continue
         if not isinstance(obj, dict):
-            raise ValueError(f"{path}:{number}: expected a string or an object with a \"text\" field, got {type(obj).__name__}")
+            raise ValueError(f'{path}:{number}: expected a string or an object with a "text" field, got {type(obj).__name__}')
         if text_column is not None:
             text = obj.get(text_column)
             if text is not None and not isinstance(text, str):
-                raise DataError(f"--text-column {text_column!r}: {path}:{number} holds a "
-                                f"{type(text).__name__} there, not text")
+                raise DataError(f"--text-column {text_column!r}: {path}:{number} holds a {type(text).__name__} there, not text")
         else:
             text = obj.get("text")
             if not isinstance(text, str):
@@ -327,8 +334,9 @@ def _dataset_files(path: Path) -> list[Path]:
 def _is_dataset_source(path: Path) -> bool:
     if path.is_file():
         return path.suffix in DATASET_SUFFIXES
-    return is_hf_dataset_dir(path) or (path.is_dir() and bool(_dataset_files(path))
-                                       and not any(f.suffix in TEXT_SUFFIXES for f in path.rglob("*")))
+    return is_hf_dataset_dir(path) or (
+        path.is_dir() and bool(_dataset_files(path)) and not any(f.suffix in TEXT_SUFFIXES for f in path.rglob("*"))
+    )
 
 
 def open_hf_dataset(data: str | os.PathLike, split: str | None = None, option: str = "--data"):
@@ -337,8 +345,10 @@ def open_hf_dataset(data: str | os.PathLike, split: str | None = None, option: s
     try:
         import datasets
     except ImportError:
-        raise DataError(f"{option} {data}: reading saved datasets, parquet and arrow files needs the "
-                        "'datasets' package: pip install 'gpudeck[train]' (or pip install datasets)") from None
+        raise DataError(
+            f"{option} {data}: reading saved datasets, parquet and arrow files needs the "
+            "'datasets' package: pip install 'gpudeck[train]' (or pip install datasets)"
+        ) from None
     datasets.disable_progress_bars()
     path = Path(data)
     if is_hf_dataset_dir(path):
@@ -349,9 +359,11 @@ def open_hf_dataset(data: str | os.PathLike, split: str | None = None, option: s
             if pick is None:
                 pick = "train" if "train" in ds else (names[0] if len(names) == 1 else None)
             if pick is None or pick not in ds:
-                raise DataError(f"{option} {path}: a dataset with splits {', '.join(names)}; "
-                                f"{'no split ' + repr(split) if split else 'none is called train'} — "
-                                "pick one with --data-split NAME")
+                raise DataError(
+                    f"{option} {path}: a dataset with splits {', '.join(names)}; "
+                    f"{'no split ' + repr(split) if split else 'none is called train'} — "
+                    "pick one with --data-split NAME"
+                )
             ds = ds[pick]
         elif split not in (None, "train"):
             raise DataError(f"{option} {path}: a dataset without splits; drop --data-split {split}")
@@ -369,15 +381,13 @@ def open_hf_dataset(data: str | os.PathLike, split: str | None = None, option: s
 def text_column_of(dataset: Any, requested: str | None = None, where: str = "--data") -> str:
     """The column holding the documents: ``requested``, else ``text``, else the only string column."""
     features = dataset.features
-    strings = [name for name, f in features.items()
-               if getattr(f, "dtype", None) in ("string", "large_string")]
+    strings = [name for name, f in features.items() if getattr(f, "dtype", None) in ("string", "large_string")]
     listing = ", ".join(f"{n} ({getattr(f, 'dtype', type(f).__name__)})" for n, f in features.items())
     if requested is not None:
         if requested not in features:
             raise DataError(f"--text-column {requested!r}: {where} has no such column (columns: {listing})")
         if requested not in strings:
-            raise DataError(f"--text-column {requested!r}: not a string column in {where} "
-                            f"(columns: {listing}); name a text column")
+            raise DataError(f"--text-column {requested!r}: not a string column in {where} (columns: {listing}); name a text column")
         return requested
     if "text" in strings:
         return "text"
@@ -385,18 +395,20 @@ def text_column_of(dataset: Any, requested: str | None = None, where: str = "--d
         return strings[0]
     if not strings:
         raise DataError(f"{where}: no string column to train on (columns: {listing})")
-    raise DataError(f"{where}: several string columns ({', '.join(strings)}) and none is called "
-                    "'text'; name one with --text-column NAME")
+    raise DataError(f"{where}: several string columns ({', '.join(strings)}) and none is called 'text'; name one with --text-column NAME")
 
 
-def open_documents(data: str | os.PathLike | None = None, max_bytes: int = DEFAULT_CORPUS_BYTES,
-                   text_column: str | None = None, split: str | None = None,
-                   option: str = "--data") -> DocumentSource:
+def open_documents(
+    data: str | os.PathLike | None = None,
+    max_bytes: int = DEFAULT_CORPUS_BYTES,
+    text_column: str | None = None,
+    split: str | None = None,
+    option: str = "--data",
+) -> DocumentSource:
     """Documents of any supported source, read lazily by range (see module docstring)."""
     if data is None:
         files = builtin_corpus_files(max_bytes)
-        return ListDocuments([_read_text(p) for p in files],
-                             "built-in corpus (Python stdlib sources + package docs)")
+        return ListDocuments([_read_text(p) for p in files], "built-in corpus (Python stdlib sources + package docs)")
     path = Path(data)
     if not path.exists():
         raise FileNotFoundError(f"{option} {path} does not exist")
@@ -405,25 +417,25 @@ def open_documents(data: str | os.PathLike | None = None, max_bytes: int = DEFAU
         column = text_column_of(ds, text_column, f"{option} {path}")
         return DatasetDocuments(ds, column, f"{path} [{column}]")
     if text_column is not None and path.suffix != ".jsonl" and not path.is_dir():
-        raise DataError(f"--text-column {text_column!r}: {option} {path} is a plain text file, which has "
-                        "no columns; drop --text-column")
+        raise DataError(f"--text-column {text_column!r}: {option} {path} is a plain text file, which has no columns; drop --text-column")
     if path.is_dir():
         docs: list[str] = []
         for p in sorted(path.rglob("*")):
             if p.is_file() and p.suffix in TEXT_SUFFIXES:
                 docs.extend(_jsonl_documents(p, text_column) if p.suffix == ".jsonl" else [_read_text(p)])
         if not docs:
-            raise DataError(f"{option} {path}: no text files ({', '.join(TEXT_SUFFIXES)}), no saved "
-                            f"dataset and no {', '.join(DATASET_SUFFIXES)} files")
+            raise DataError(
+                f"{option} {path}: no text files ({', '.join(TEXT_SUFFIXES)}), no saved dataset and no {', '.join(DATASET_SUFFIXES)} files"
+            )
         return ListDocuments(docs, str(path))
     if path.suffix == ".jsonl":
         return ListDocuments(_jsonl_documents(path, text_column), str(path))
     return ListDocuments([_read_text(path)], str(path))
 
 
-def load_documents(data: str | os.PathLike | None = None,
-                   max_bytes: int = DEFAULT_CORPUS_BYTES, text_column: str | None = None,
-                   split: str | None = None) -> list[str]:
+def load_documents(
+    data: str | os.PathLike | None = None, max_bytes: int = DEFAULT_CORPUS_BYTES, text_column: str | None = None, split: str | None = None
+) -> list[str]:
     """Documents from a text/JSONL file, a folder, a saved dataset, parquet/arrow, or the built-in corpus."""
     src = open_documents(data, max_bytes=max_bytes, text_column=text_column, split=split)
     return src.texts(0, len(src))
@@ -446,9 +458,14 @@ def _out_dtype(vocab_size: int) -> Any:
     return np.uint16 if vocab_size <= 65535 else np.uint32
 
 
-def load_tokens(data: str | os.PathLike | None = None, tokenizer: Any = None,
-                dtype: str = "uint16", max_bytes: int = DEFAULT_CORPUS_BYTES,
-                text_column: str | None = None, split: str | None = None) -> TokenSource:
+def load_tokens(
+    data: str | os.PathLike | None = None,
+    tokenizer: Any = None,
+    dtype: str = "uint16",
+    max_bytes: int = DEFAULT_CORPUS_BYTES,
+    text_column: str | None = None,
+    split: str | None = None,
+) -> TokenSource:
     """Token stream of a ``.bin`` memmap or a prepared folder, or documents encoded and joined by EOS."""
     if data is not None and str(data).endswith(".bin"):
         arr = np.memmap(str(data), dtype=np.dtype(dtype), mode="r")
@@ -458,8 +475,7 @@ def load_tokens(data: str | os.PathLike | None = None, tokenizer: Any = None,
     tok = tokenizer if tokenizer is not None else ByteTokenizer()
     src = open_documents(data, max_bytes=max_bytes, text_column=text_column, split=split)
     tokens, lengths = encode_documents(tok, src.texts(0, len(src)))
-    return TokenSource(tokens, f"{src.description}: {lengths.shape[0]} documents, {tokens.shape[0]} tokens",
-                       int(lengths.shape[0]))
+    return TokenSource(tokens, f"{src.description}: {lengths.shape[0]} documents, {tokens.shape[0]} tokens", int(lengths.shape[0]))
 
 
 def encode_documents(tok: Any, texts: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
@@ -490,11 +506,14 @@ def read_prepared_manifest(path: str | os.PathLike) -> dict[str, Any]:
     try:
         manifest = json.loads((folder / PREPARED_MANIFEST).read_text())
     except (OSError, ValueError) as exc:
-        raise DataError(f"--data {folder}: unreadable {PREPARED_MANIFEST} ({exc}); "
-                        "prepare it again with python -m gpudeck.trainers.prepare") from None
+        raise DataError(
+            f"--data {folder}: unreadable {PREPARED_MANIFEST} ({exc}); prepare it again with python -m gpudeck.trainers.prepare"
+        ) from None
     if manifest.get("format") != PREPARED_FORMAT:
-        raise DataError(f"--data {folder}: format {manifest.get('format')!r}, this trainer reads "
-                        f"{PREPARED_FORMAT!r}; prepare it again with python -m gpudeck.trainers.prepare")
+        raise DataError(
+            f"--data {folder}: format {manifest.get('format')!r}, this trainer reads "
+            f"{PREPARED_FORMAT!r}; prepare it again with python -m gpudeck.trainers.prepare"
+        )
     return manifest
 
 
@@ -509,18 +528,20 @@ def load_prepared(path: str | os.PathLike, split: str = "train") -> TokenSource:
     tok_file = folder / info["tokens_file"]
     size = tok_file.stat().st_size if tok_file.is_file() else -1
     if size != info["tokens"] * dtype.itemsize:
-        raise DataError(f"--data {folder}: {info['tokens_file']} holds {max(size, 0)} bytes, the manifest "
-                        f"says {info['tokens']} tokens of {dtype.name}; the folder is incomplete — "
-                        "prepare it again")
+        raise DataError(
+            f"--data {folder}: {info['tokens_file']} holds {max(size, 0)} bytes, the manifest "
+            f"says {info['tokens']} tokens of {dtype.name}; the folder is incomplete — "
+            "prepare it again"
+        )
     tokens = np.memmap(str(tok_file), dtype=dtype, mode="r") if size > 0 else np.zeros(0, dtype)
     offsets = np.load(str(folder / info["index_file"]), mmap_mode="r")
     if offsets.shape[0] != info["documents"] + 1 or int(offsets[-1]) != info["tokens"]:
-        raise DataError(f"--data {folder}: {info['index_file']} does not match {info['tokens_file']}; "
-                        "prepare it again")
-    desc = (f"prepared {folder} [{split}] ({manifest['source']}): {info['documents']} documents, "
-            f"{info['tokens']} tokens, sha256 {info['sha256'][:12]}")
-    return TokenSource(tokens, desc, int(offsets.shape[0] - 1), int(info["unique_documents"]),
-                       info["sha256"], offsets, manifest)
+        raise DataError(f"--data {folder}: {info['index_file']} does not match {info['tokens_file']}; prepare it again")
+    desc = (
+        f"prepared {folder} [{split}] ({manifest['source']}): {info['documents']} documents, "
+        f"{info['tokens']} tokens, sha256 {info['sha256'][:12]}"
+    )
+    return TokenSource(tokens, desc, int(offsets.shape[0] - 1), int(info["unique_documents"]), info["sha256"], offsets, manifest)
 
 
 def split_tokens(tokens: np.ndarray, val_fraction: float) -> tuple[np.ndarray, np.ndarray]:
@@ -561,18 +582,18 @@ class PackedDataset:
         if not 0 <= i < self._n:
             raise IndexError(i)
         start = i * self.seq_len
-        return np.asarray(self.tokens[start:start + self.seq_len + 1], dtype=np.int64)
+        return np.asarray(self.tokens[start : start + self.seq_len + 1], dtype=np.int64)
 
     def gather(self, indices: Sequence[int]) -> np.ndarray:
-        return np.stack([self[int(i)] for i in indices]) if len(indices) else \
-            np.zeros((0, self.seq_len + 1), dtype=np.int64)
+        return np.stack([self[int(i)] for i in indices]) if len(indices) else np.zeros((0, self.seq_len + 1), dtype=np.int64)
 
 
 class ShardedBatches:
     """Deterministic, resumable, rank-disjoint batches of packed samples."""
 
-    def __init__(self, dataset: PackedDataset, batch_size: int, rank: int = 0,
-                 world_size: int = 1, seed: int = 0, shuffle: bool = True) -> None:
+    def __init__(
+        self, dataset: PackedDataset, batch_size: int, rank: int = 0, world_size: int = 1, seed: int = 0, shuffle: bool = True
+    ) -> None:
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} outside world size {world_size}")
         per_step = batch_size * world_size
@@ -618,7 +639,7 @@ class ShardedBatches:
             self.cursor = 0
         order = self._order()
         start = self.cursor + self.rank * self.batch_size
-        idx = order[start:start + self.batch_size]
+        idx = order[start : start + self.batch_size]
         self.cursor += per_step
         return idx
 
@@ -628,7 +649,7 @@ class ShardedBatches:
 
         return torch.from_numpy(self.dataset.gather(self.next_indices()))
 
-    def __iter__(self) -> "ShardedBatches":
+    def __iter__(self) -> ShardedBatches:
         return self
 
     def __next__(self):
@@ -636,15 +657,22 @@ class ShardedBatches:
 
     def state_dict(self) -> dict[str, Any]:
         """Global position (same on every rank), JSON-able."""
-        return {"epoch": self.epoch, "cursor": self.cursor, "seed": self.seed,
-                "shuffle": self.shuffle, "num_samples": len(self.dataset),
-                "seq_len": self.dataset.seq_len}
+        return {
+            "epoch": self.epoch,
+            "cursor": self.cursor,
+            "seed": self.seed,
+            "shuffle": self.shuffle,
+            "num_samples": len(self.dataset),
+            "seq_len": self.dataset.seq_len,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state.get("num_samples") not in (None, len(self.dataset)):
-            print(f"warning: data changed since the checkpoint ({state.get('num_samples')} "
-                  f"samples then, {len(self.dataset)} now); resuming by position",
-                  file=sys.stderr)
+            print(
+                f"warning: data changed since the checkpoint ({state.get('num_samples')} "
+                f"samples then, {len(self.dataset)} now); resuming by position",
+                file=sys.stderr,
+            )
         self.epoch = int(state["epoch"])
         self.cursor = int(state["cursor"])
         self.seed = int(state.get("seed", self.seed))
@@ -661,14 +689,16 @@ class ValidationBatches:
     number of batches of the same shape (FSDP's collectives need that).
     """
 
-    def __init__(self, dataset: PackedDataset, batch_size: int, max_batches: int,
-                 rank: int = 0, world_size: int = 1, where: str = "validation data") -> None:
+    def __init__(
+        self, dataset: PackedDataset, batch_size: int, max_batches: int, rank: int = 0, world_size: int = 1, where: str = "validation data"
+    ) -> None:
         per_rank = min(len(dataset) // world_size, max_batches * batch_size)
         if per_rank == 0:
             raise DataError(
                 f"{where}: {len(dataset)} samples of {dataset.seq_len + 1} tokens, fewer than the "
                 f"{world_size} ranks need (one each); give more validation data (a larger "
-                "--val-fraction or --val-data) or a shorter --seq-len")
+                "--val-fraction or --val-data) or a shorter --seq-len"
+            )
         if per_rank >= batch_size:
             per_rank -= per_rank % batch_size
         self.dataset = dataset
@@ -685,4 +715,4 @@ class ValidationBatches:
         import torch
 
         for s in range(0, self.per_rank, self.batch_size):
-            yield torch.from_numpy(self.dataset.gather(self.indices[s:s + self.batch_size]))
+            yield torch.from_numpy(self.dataset.gather(self.indices[s : s + self.batch_size]))

@@ -179,38 +179,65 @@ def build_parser() -> argparse.ArgumentParser:
     runtime.add_common_args(p)
     g = p.add_argument_group("dflash")
     g.add_argument("--target", default=None, help="local pretrained target folder (from_pretrained)")
-    g.add_argument("--target-config", default=None,
-                   help="random-weight target from a preset (tiny, qwen3-0.6b) or config.json "
-                        "(speed benchmarks); --model-config is an alias")
-    g.add_argument("--drafter-config", default=None,
-                   help="a drafter config.json of the published shape (SpecForge's configs/*-dflash.json): "
-                        "its num_hidden_layers, layer_types, sliding_window, intermediate_size, heads, "
-                        "block_size and dflash_config (target_layer_ids, mask_token_id) are used; "
-                        "hidden_size and vocab_size, where given, must be the target's")
-    g.add_argument("--drafter-layers", type=int, default=None,
-                   help="drafter decoder layers, 1-5 (default 1; with --init-from: the saved drafter's, "
-                        "and a different value is refused)")
-    g.add_argument("--block-size", type=int, default=None,
-                   help="tokens per block (default 16; with --init-from: the saved drafter's, and a "
-                        "different value is refused)")
+    g.add_argument(
+        "--target-config",
+        default=None,
+        help="random-weight target from a preset (tiny, qwen3-0.6b) or config.json (speed benchmarks); --model-config is an alias",
+    )
+    g.add_argument(
+        "--drafter-config",
+        default=None,
+        help="a drafter config.json of the published shape (SpecForge's configs/*-dflash.json): "
+        "its num_hidden_layers, layer_types, sliding_window, intermediate_size, heads, "
+        "block_size and dflash_config (target_layer_ids, mask_token_id) are used; "
+        "hidden_size and vocab_size, where given, must be the target's",
+    )
+    g.add_argument(
+        "--drafter-layers",
+        type=int,
+        default=None,
+        help="drafter decoder layers, 1-5 (default 1; with --init-from: the saved drafter's, and a different value is refused)",
+    )
+    g.add_argument(
+        "--block-size",
+        type=int,
+        default=None,
+        help="tokens per block (default 16; with --init-from: the saved drafter's, and a different value is refused)",
+    )
     g.add_argument("--num-anchors", type=int, default=512)
-    g.add_argument("--gamma", type=float, default=None,
-                   help="loss decay gamma (default: the published 4/5/7 for block 8/10/16; other block "
-                        "sizes need it)")
-    g.add_argument("--mask-token-id", type=int, default=None,
-                   help="block mask token (default, SpecForge's rule: the drafter config's, the tokenizer's "
-                        "mask token, the first unused embedding slot len(tokenizer), then pad/eos)")
-    g.add_argument("--token-budget", type=int, default=None,
-                   help="prompt/response data: batches of whole records with count x padded length <= "
-                        "this many tokens (instead of --batch-size records padded to --seq-len)")
-    g.add_argument("--loss-on-prompt", action="store_true",
-                   help="prompt/response data: supervise the prompt tokens too (default: mask 0 there)")
+    g.add_argument(
+        "--gamma",
+        type=float,
+        default=None,
+        help="loss decay gamma (default: the published 4/5/7 for block 8/10/16; other block sizes need it)",
+    )
+    g.add_argument(
+        "--mask-token-id",
+        type=int,
+        default=None,
+        help="block mask token (default, SpecForge's rule: the drafter config's, the tokenizer's "
+        "mask token, the first unused embedding slot len(tokenizer), then pad/eos)",
+    )
+    g.add_argument(
+        "--token-budget",
+        type=int,
+        default=None,
+        help="prompt/response data: batches of whole records with count x padded length <= "
+        "this many tokens (instead of --batch-size records padded to --seq-len)",
+    )
+    g.add_argument(
+        "--loss-on-prompt", action="store_true", help="prompt/response data: supervise the prompt tokens too (default: mask 0 there)"
+    )
     g.add_argument("--loss-chunk-rows", type=int, default=2048)
     g.add_argument("--loss-mode", default="fused", choices=["fused", "recompute", "plain"])
-    g.add_argument("--attn", default="auto", choices=["auto", "sdpa", "flex"],
-                   help="drafter attention in training: dense bool mask + SDPA, or flex attention "
-                        "with a block mask (CUDA); auto: flex on CUDA, sdpa on CPU. Evaluation "
-                        "always uses the dense SDPA mask")
+    g.add_argument(
+        "--attn",
+        default="auto",
+        choices=["auto", "sdpa", "flex"],
+        help="drafter attention in training: dense bool mask + SDPA, or flex attention "
+        "with a block mask (CUDA); auto: flex on CUDA, sdpa on CPU. Evaluation "
+        "always uses the dense SDPA mask",
+    )
     g.add_argument("--topology", default="colocated", choices=["colocated", "split"])
     g.add_argument("--target-ranks", default=None, help="split: ranks running the target (0,1 or 0-1)")
     g.add_argument("--drafter-ranks", default=None, help="split: ranks training the drafter")
@@ -221,11 +248,16 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--eval-gen-len", type=int, default=64)
     g.add_argument("--val-fraction", type=float, default=0.02, help="tail of the stream held out for eval")
     g.add_argument("--no-eval", action="store_true", help="skip tau evaluation (benchmarks)")
-    g.add_argument("--profile-steps", type=_step_span, default=None,
-                   help="A-B: torch.profiler over steps A..B; the table goes to OUT/profile/rank<r>.txt "
-                        "(the dflash.* phases and the top ops by device time)")
-    g.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32"],
-                   help="target/compute dtype (auto: bf16 on CUDA, fp32 on CPU)")
+    g.add_argument(
+        "--profile-steps",
+        type=_step_span,
+        default=None,
+        help="A-B: torch.profiler over steps A..B; the table goes to OUT/profile/rank<r>.txt "
+        "(the dflash.* phases and the top ops by device time)",
+    )
+    g.add_argument(
+        "--dtype", default="auto", choices=["auto", "bf16", "fp32"], help="target/compute dtype (auto: bf16 on CUDA, fp32 on CPU)"
+    )
     p.set_defaults(lr=6e-4, weight_decay=0.0, seq_len=512, batch_size=2, max_steps=100)
     return p
 
@@ -286,14 +318,18 @@ def read_drafter_config(path: str) -> dict[str, Any]:
     if types is None:
         types = cfg["layer_types"] = [FULL_ATTENTION] * n
     if not isinstance(types, list) or len(types) != n or not set(types) <= set(LAYER_TYPES):
-        raise ValueError(f"--drafter-config {path}: layer_types must list {n} entries (num_hidden_layers), each one "
-                         f"of {list(LAYER_TYPES)} (got {types!r})")
+        raise ValueError(
+            f"--drafter-config {path}: layer_types must list {n} entries (num_hidden_layers), each one "
+            f"of {list(LAYER_TYPES)} (got {types!r})"
+        )
     if SLIDING_ATTENTION in types:
         w = cfg.get("sliding_window")
         if not isinstance(w, int) or w <= 0 or cfg.get("use_sliding_window") is False:
-            raise ValueError(f"--drafter-config {path}: sliding_attention layers need a positive sliding_window "
-                             f"and use_sliding_window true (got sliding_window={w!r}, "
-                             f"use_sliding_window={cfg.get('use_sliding_window')!r})")
+            raise ValueError(
+                f"--drafter-config {path}: sliding_attention layers need a positive sliding_window "
+                f"and use_sliding_window true (got sliding_window={w!r}, "
+                f"use_sliding_window={cfg.get('use_sliding_window')!r})"
+            )
     block = cfg.get("block_size")
     if block is not None and (not isinstance(block, int) or block < 2):
         raise ValueError(f"--drafter-config {path}: block_size must be an integer >= 2 (got {block!r})")
@@ -319,15 +355,19 @@ def resolve_drafter_config(p: argparse.ArgumentParser, args: argparse.Namespace)
         p.error(str(exc))
     n = cfg["num_hidden_layers"]
     if args.drafter_layers is not None and args.drafter_layers != n:
-        p.error(f"--drafter-layers {args.drafter_layers} differs from the {n} layers (layer_types) of "
-                f"--drafter-config {args.drafter_config}; leave out --drafter-layers")
+        p.error(
+            f"--drafter-layers {args.drafter_layers} differs from the {n} layers (layer_types) of "
+            f"--drafter-config {args.drafter_config}; leave out --drafter-layers"
+        )
     args.drafter_layers = n
     if args.block_size is None and cfg.get("block_size") is not None:
         args.block_size = int(cfg["block_size"])
-    elif args.block_size is not None and cfg.get("block_size") not in (None, args.block_size) \
-            and os.environ.get("RANK", "0") == "0":
-        print(f"dflash: --block-size {args.block_size} replaces the block_size {cfg['block_size']} of "
-              f"--drafter-config {args.drafter_config}", file=sys.stderr, flush=True)
+    elif args.block_size is not None and cfg.get("block_size") not in (None, args.block_size) and os.environ.get("RANK", "0") == "0":
+        print(
+            f"dflash: --block-size {args.block_size} replaces the block_size {cfg['block_size']} of --drafter-config {args.drafter_config}",
+            file=sys.stderr,
+            flush=True,
+        )
     args.drafter_cfg = cfg
 
 
@@ -338,17 +378,26 @@ def drafter_config_from_file(cfg: dict[str, Any], target_config, block_size: int
     tc = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
     for key in ("hidden_size", "vocab_size"):
         if cfg.get(key) is not None and int(cfg[key]) != int(getattr(tc, key)):
-            raise ValueError(f"--drafter-config: {key} {cfg[key]} differs from the target's {getattr(tc, key)}; "
-                             "the drafter reads the target's embeddings and hidden states at the target's width "
-                             f"(remove {key} from the file or use a config made for this target)")
+            raise ValueError(
+                f"--drafter-config: {key} {cfg[key]} differs from the target's {getattr(tc, key)}; "
+                "the drafter reads the target's embeddings and hidden states at the target's width "
+                f"(remove {key} from the file or use a config made for this target)"
+            )
     n_target = int(tc.num_hidden_layers)
     ids = (cfg.get("dflash_config") or {}).get("target_layer_ids")
     if ids is not None and max(ids) >= n_target:
-        raise ValueError(f"--drafter-config: dflash_config.target_layer_ids {ids} name layers the target does not "
-                         f"have (it has {n_target}); remove target_layer_ids to space them over this target")
+        raise ValueError(
+            f"--drafter-config: dflash_config.target_layer_ids {ids} name layers the target does not "
+            f"have (it has {n_target}); remove target_layer_ids to space them over this target"
+        )
     dcfg = drafter_config_from_target(
-        target_config, cfg["num_hidden_layers"], block_size, mask_token_id, target_layer_ids=ids,
-        layer_types=cfg["layer_types"], sliding_window=cfg.get("sliding_window"),
+        target_config,
+        cfg["num_hidden_layers"],
+        block_size,
+        mask_token_id,
+        target_layer_ids=ids,
+        layer_types=cfg["layer_types"],
+        sliding_window=cfg.get("sliding_window"),
         intermediate_size=cfg.get("intermediate_size"),
     )
     # the published shape's attention widths and RoPE where the file gives them
@@ -383,19 +432,21 @@ def resolve_saved_shape(p: argparse.ArgumentParser, args: argparse.Namespace) ->
     for dest, option, key, _, what in _SAVED_SHAPE:
         saved = saved_cfg.get(key)
         if not isinstance(saved, int):
-            p.error(f"--init-from {args.init_from}: {cfg_file} has no {key}; is it a saved drafter "
-                    "(OUT/drafter of gpudeck.trainers.dflash)?")
+            p.error(
+                f"--init-from {args.init_from}: {cfg_file} has no {key}; is it a saved drafter (OUT/drafter of gpudeck.trainers.dflash)?"
+            )
         given = getattr(args, dest)
         if given is None:
             setattr(args, dest, saved)
             if os.environ.get("RANK", "0") == "0":
-                print(f"dflash: --init-from {args.init_from}: using its {what} {saved} "
-                      f"(no {option} given)", file=sys.stderr, flush=True)
+                print(f"dflash: --init-from {args.init_from}: using its {what} {saved} (no {option} given)", file=sys.stderr, flush=True)
         elif given != saved:
-            p.error(f"{option} {given} differs from the {what} {saved} of the drafter in "
-                    f"--init-from {args.init_from}; a drafter is trained for one shape: leave out "
-                    f"{option} (or pass {option} {saved}) to continue training it, or drop "
-                    f"--init-from to train a new drafter with {option} {given}")
+            p.error(
+                f"{option} {given} differs from the {what} {saved} of the drafter in "
+                f"--init-from {args.init_from}; a drafter is trained for one shape: leave out "
+                f"{option} (or pass {option} {saved}) to continue training it, or drop "
+                f"--init-from to train a new drafter with {option} {given}"
+            )
 
 
 # ------------------------------------------------------------------ target
@@ -446,8 +497,7 @@ def target_features(target, input_ids, layer_ids):
     return extract_context(out.hidden_states, layer_ids)
 
 
-def resolve_mask_token(explicit: int | None, drafter_cfg: dict[str, Any] | None, tokenizer,
-                       vocab: int) -> tuple[int, str]:
+def resolve_mask_token(explicit: int | None, drafter_cfg: dict[str, Any] | None, tokenizer, vocab: int) -> tuple[int, str]:
     """(mask token id, where it came from): SpecForge's ``resolve_mask_token_id`` order.
 
     The explicit ``--mask-token-id``, the drafter config's ``dflash_config.mask_token_id``, the
@@ -481,7 +531,8 @@ MFU_CONVENTION = (
     "mfu: causal convention (the target's attention FLOPs halved: a causal token attends to the ones "
     "before it; the drafter's attention counts the keys its masks let through); mfu_torchtitan: the "
     "target's attention over the whole sequence (torchtitan's 12*L*H*d_head*S, forward third), the "
-    "drafter's the same; both count only the target layers the features need")
+    "drafter's the same; both count only the target layers the features need"
+)
 
 
 class TargetFlops:
@@ -499,8 +550,7 @@ class TargetFlops:
     def batch(self, b: int, length: int) -> tuple[float, float]:
         """(causal, torchtitan) FLOPs of a [b, length] batch."""
         tokens = float(b * length)
-        return (tokens * (self.dense + self.attn_coeff * length / 2.0),
-                tokens * (self.dense + self.attn_coeff * length))
+        return (tokens * (self.dense + self.attn_coeff * length / 2.0), tokens * (self.dense + self.attn_coeff * length))
 
 
 def needed_target_layers(layer_ids: list[int]) -> int:
@@ -535,8 +585,7 @@ def truncate_target(target, layer_ids: list[int], device) -> int:
     return need
 
 
-def drafter_step_flops(dcfg, n_layer_params: int, n_fc: int, seq_len: int, anchors, n_rows: int,
-                       vocab: int) -> float:
+def drafter_step_flops(dcfg, n_layer_params: int, n_fc: int, seq_len: int, anchors, n_rows: int, vocab: int) -> float:
     """Required drafter FLOPs of one micro-batch (see module docstring).
 
     Attention counts the keys each block query sees: a full layer ``anchor + B``, a sliding
@@ -578,16 +627,22 @@ def build_eval_set(target, val_tokens, args, device):
     prompts = torch.stack([torch.from_numpy(ds[i * step][:p_len]) for i in range(e)]).to(device)
     with torch.inference_mode():
         gen = target.generate(
-            input_ids=prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=g_len,
-            min_new_tokens=g_len, do_sample=False, pad_token_id=0, eos_token_id=None,
+            input_ids=prompts,
+            attention_mask=torch.ones_like(prompts),
+            max_new_tokens=g_len,
+            min_new_tokens=g_len,
+            do_sample=False,
+            pad_token_id=0,
+            eos_token_id=None,
         )
         gen = gen[:, : p_len + g_len]
         feats = target_features(target, gen, args._layer_ids)
     return gen.clone(), feats.clone()
 
 
-def evaluate_tau(drafter, embed, lm_head_w, ids, feats, prompt_len: int, block_size: int,
-                 mask_token_id: int, attn: str = "sdpa") -> dict[str, float]:
+def evaluate_tau(
+    drafter, embed, lm_head_w, ids, feats, prompt_len: int, block_size: int, mask_token_id: int, attn: str = "sdpa"
+) -> dict[str, float]:
     """Greedy block verification against the target's greedy sequence (see module docstring)."""
     import torch
 
@@ -661,8 +716,7 @@ def make_masks(anchors, seq_len, block_size, attn, device, layer_types, sliding_
     full = _make_mask(anchors, seq_len, block_size, attn, device)
     if SLIDING_ATTENTION not in layer_types:
         return full
-    return {FULL_ATTENTION: full,
-            SLIDING_ATTENTION: _make_mask(anchors, seq_len, block_size, attn, device, sliding_window)}
+    return {FULL_ATTENTION: full, SLIDING_ATTENTION: _make_mask(anchors, seq_len, block_size, attn, device, sliding_window)}
 
 
 # ------------------------------------------------------------------ stopping (split topology)
@@ -732,7 +786,7 @@ class _NoVotes:
     def post(self, step: int) -> None:
         pass
 
-    def is_last(self, step: int) -> bool:  # noqa: ARG002
+    def is_last(self, step: int) -> bool:
         return False
 
     def finish(self) -> None:
@@ -779,11 +833,12 @@ class Trainer:
         else:
             self.target_ranks = parse_rank_list(args.target_ranks)
             self.drafter_ranks = parse_rank_list(args.drafter_ranks)
-            if (set(self.target_ranks) & set(self.drafter_ranks)
-                    or sorted(self.target_ranks + self.drafter_ranks) != list(range(world))):
+            if set(self.target_ranks) & set(self.drafter_ranks) or sorted(self.target_ranks + self.drafter_ranks) != list(range(world)):
                 raise runtime.ExitWith(
-                    2, f"split: --target-ranks {self.target_ranks} and --drafter-ranks "
-                       f"{self.drafter_ranks} must be disjoint and cover ranks 0..{world - 1}")
+                    2,
+                    f"split: --target-ranks {self.target_ranks} and --drafter-ranks "
+                    f"{self.drafter_ranks} must be disjoint and cover ranks 0..{world - 1}",
+                )
             if world < 2:
                 raise runtime.ExitWith(2, "--topology split needs torchrun with at least 2 processes")
             self.role = ROLE_TARGET if ctx.rank in self.target_ranks else ROLE_DRAFTER
@@ -796,8 +851,9 @@ class Trainer:
             else:
                 self.drafter_group = dist.group.WORLD
         # split: the stop votes travel on their own gloo group, a few steps behind (_SplitStopVotes)
-        self.votes = _SplitStopVotes(dist.new_group(backend="gloo"), args.queue_depth, self.stop) \
-            if args.topology == "split" else _NoVotes()
+        self.votes = (
+            _SplitStopVotes(dist.new_group(backend="gloo"), args.queue_depth, self.stop) if args.topology == "split" else _NoVotes()
+        )
         self.d_index = self.drafter_ranks.index(ctx.rank) if self.is_drafter else None
         self.t_index = self.target_ranks.index(ctx.rank) if self.is_target else None
         self.lead_drafter = self.drafter_ranks[0]
@@ -842,21 +898,29 @@ class Trainer:
             train, held = records.split(args.val_fraction)
             self.records = train
             self.val_tokens = held.concatenated()
-            self.loss_mask_desc = ("per record: " + ("1 on prompt and response" if args.loss_on_prompt else
-                                   "0 on prompt tokens, 1 on response tokens + EOS") + ", 0 on padding")
-            self.data_desc = (f"{records.source}: {len(records)} prompt/response records kept ({records.truncated} "
-                              f"truncated to {args.seq_len} tokens, {records.dropped} dropped without two "
-                              f"consecutive supervised tokens), {records.num_tokens} tokens, "
-                              f"{records.supervised_tokens} supervised")
-            self.batching_desc = (f"token budget {args.token_budget}: whole records, count x padded length <= budget"
-                                  if args.token_budget else
-                                  f"{args.batch_size} records per batch, padded to {args.seq_len}")
+            self.loss_mask_desc = (
+                "per record: "
+                + ("1 on prompt and response" if args.loss_on_prompt else "0 on prompt tokens, 1 on response tokens + EOS")
+                + ", 0 on padding"
+            )
+            self.data_desc = (
+                f"{records.source}: {len(records)} prompt/response records kept ({records.truncated} "
+                f"truncated to {args.seq_len} tokens, {records.dropped} dropped without two "
+                f"consecutive supervised tokens), {records.num_tokens} tokens, "
+                f"{records.supervised_tokens} supervised"
+            )
+            self.batching_desc = (
+                f"token budget {args.token_budget}: whole records, count x padded length <= budget"
+                if args.token_budget
+                else f"{args.batch_size} records per batch, padded to {args.seq_len}"
+            )
             self.dataset_samples, self.dataset_tokens = len(train), train.num_tokens
             self.loader: RecordBatches | ShardedBatches | None = None
             if self.is_target:
                 try:
-                    self.loader = RecordBatches(train, args.batch_size, self._target_index(), n_consumers, seed=args.seed,
-                                                token_budget=args.token_budget)
+                    self.loader = RecordBatches(
+                        train, args.batch_size, self._target_index(), n_consumers, seed=args.seed, token_budget=args.token_budget
+                    )
                 except ValueError as exc:
                     raise runtime.ExitWith(2, str(exc)) from None
             self.capacity = max_batch_tokens(args.batch_size, args.seq_len, args.token_budget)
@@ -897,8 +961,11 @@ class Trainer:
         else:
             where = self.device if self.is_target else torch.device("cpu")
             target = load_target(args, where, self.dtype)
-            self.head_load = ("whole target (a random-weight target is built whole to match the target ranks)"
-                              if not self.is_target else "whole target (this rank runs it)")
+            self.head_load = (
+                "whole target (a random-weight target is built whole to match the target ranks)"
+                if not self.is_target
+                else "whole target (this rank runs it)"
+            )
         self.target_config = target.config
         self.target_params_total = count_params(target)[0]
         saved_cfg = args.drafter_cfg
@@ -906,27 +973,26 @@ class Trainer:
             saved_cfg = json.loads((Path(args.init_from) / "config.json").read_text())
         tc = target.config.get_text_config() if hasattr(target.config, "get_text_config") else target.config
         try:
-            mask_id, self.mask_token_source = resolve_mask_token(args.mask_token_id, saved_cfg, self.tokenizer,
-                                                                 int(tc.vocab_size))
+            mask_id, self.mask_token_source = resolve_mask_token(args.mask_token_id, saved_cfg, self.tokenizer, int(tc.vocab_size))
         except ValueError as exc:
             raise runtime.ExitWith(2, str(exc)) from None
-        if args.init_from and args.mask_token_id is not None and \
-                mask_id != int(saved_cfg["dflash_config"]["mask_token_id"]):
-            raise runtime.ExitWith(2, f"--mask-token-id {mask_id} differs from the mask token "
-                                      f"{saved_cfg['dflash_config']['mask_token_id']} the drafter in --init-from "
-                                      "was trained with; leave it out")
+        if args.init_from and args.mask_token_id is not None and mask_id != int(saved_cfg["dflash_config"]["mask_token_id"]):
+            raise runtime.ExitWith(
+                2,
+                f"--mask-token-id {mask_id} differs from the mask token "
+                f"{saved_cfg['dflash_config']['mask_token_id']} the drafter in --init-from "
+                "was trained with; leave it out",
+            )
         self.mask_token_id = int(mask_id)
         if args.init_from:
             self.dcfg = DFlashDraftModel.config_class.from_pretrained(args.init_from)
         elif args.drafter_cfg is not None:
             try:
-                self.dcfg = drafter_config_from_file(args.drafter_cfg, target.config, args.block_size,
-                                                     self.mask_token_id)
+                self.dcfg = drafter_config_from_file(args.drafter_cfg, target.config, args.block_size, self.mask_token_id)
             except ValueError as exc:
                 raise runtime.ExitWith(2, str(exc)) from None
         else:
-            self.dcfg = drafter_config_from_target(target.config, args.drafter_layers, args.block_size,
-                                                   self.mask_token_id)
+            self.dcfg = drafter_config_from_target(target.config, args.drafter_layers, args.block_size, self.mask_token_id)
         self.block_size = int(self.dcfg.block_size)
         from gpudeck.trainers.dflash_loss import decay_gamma
 
@@ -1147,8 +1213,8 @@ class Trainer:
         n, c = b * length, self.capacity
         meta = torch.zeros((2 * c + 2,), dtype=torch.long, device=cdev)
         meta[0], meta[1] = b, length
-        meta[2:2 + n] = ids.reshape(-1).to(cdev)
-        meta[2 + c:2 + c + n] = lm.reshape(-1).to(cdev)
+        meta[2 : 2 + n] = ids.reshape(-1).to(cdev)
+        meta[2 + c : 2 + c + n] = lm.reshape(-1).to(cdev)
         buf = torch.zeros((c, feats.shape[-1]), dtype=self.dtype, device=cdev)
         buf[:n] = feats.reshape(n, -1).to(device=cdev, dtype=self.dtype)
         return meta, buf
@@ -1156,8 +1222,8 @@ class Trainer:
     def _unpack(self, meta, feats):
         b, length = int(meta[0]), int(meta[1])
         n, c = b * length, self.capacity
-        ids = meta[2:2 + n].view(b, length).to(self.device)
-        lm = meta[2 + c:2 + c + n].view(b, length).to(self.device)
+        ids = meta[2 : 2 + n].view(b, length).to(self.device)
+        lm = meta[2 + c : 2 + c + n].view(b, length).to(self.device)
         return ids, lm, feats[:n].view(b, length, -1).to(self.device)
 
     def _skip_local_batch(self) -> None:
@@ -1188,8 +1254,12 @@ class Trainer:
 
         sched = self.scheduler.state_dict() if self.scheduler is not None else None
         data = self.loader.state_dict() if self.loader is not None else None
-        extra: dict[str, Any] = {"step": step, "topology": self.args.topology,
-                                 "target_layer_ids": self.layer_ids, "block_size": self.block_size}
+        extra: dict[str, Any] = {
+            "step": step,
+            "topology": self.args.topology,
+            "target_layer_ids": self.layer_ids,
+            "block_size": self.block_size,
+        }
         if self.args.topology == "split":
             objs = [sched]
             dist.broadcast_object_list(objs, src=self.lead_drafter)
@@ -1207,9 +1277,16 @@ class Trainer:
 
         extra = self._extra(step)
         model = self.drafter if self.drafter is not None else _placeholder()
-        path, secs = ckpt.save_checkpoint(self.args.out, step, model, self.optimizer, extra,
-                                          keep=self.args.keep, rank=self.ctx.rank,
-                                          barrier=lambda: runtime.barrier(self.ctx))
+        path, secs = ckpt.save_checkpoint(
+            self.args.out,
+            step,
+            model,
+            self.optimizer,
+            extra,
+            keep=self.args.keep,
+            rank=self.ctx.rank,
+            barrier=lambda: runtime.barrier(self.ctx),
+        )
         self.tel.emit("checkpoint", step=step, path=str(path), seconds=round(secs, 3))
 
     def load(self, step: int) -> int:
@@ -1220,8 +1297,7 @@ class Trainer:
         if int(extra["step"]) != step:
             raise RuntimeError(f"checkpoint step_{step} says step {extra['step']}")
         if extra.get("target_layer_ids") not in (None, self.layer_ids):
-            raise RuntimeError("checkpoint was made with other target layers "
-                               f"{extra['target_layer_ids']} (now {self.layer_ids})")
+            raise RuntimeError(f"checkpoint was made with other target layers {extra['target_layer_ids']} (now {self.layer_ids})")
         if self.scheduler is not None and extra.get("scheduler"):
             self.scheduler.load_state_dict(extra["scheduler"])
         if self.loader is not None:
@@ -1249,20 +1325,19 @@ class Trainer:
             with torch.no_grad():
                 noise = self.embed(bids)
             pos = torch.cat([torch.arange(seq, device=self.device).unsqueeze(0).expand(bsz, -1), bpos], 1)
-            mask = make_masks(anchors, seq, self.block_size, args.attn, self.device, self.layer_types,
-                              self.sliding_window)
+            mask = make_masks(anchors, seq, self.block_size, args.attn, self.device, self.layer_types, self.sliding_window)
         with rf("dflash.drafter_forward"):
             hid = self.drafter(noise, feats, pos, mask)
         labels, weights = labels_and_weights(ids, lm, anchors, keep, self.block_size, self.gamma)
         # the weighted CE *sum*: normalised once per step by the global weight (finish_global_mean)
         with rf("dflash.lm_head_loss"):
-            loss_sum, wsum = dflash_loss(hid, self.lm_head.weight, labels, weights,
-                                         chunk_rows=args.loss_chunk_rows, mode=args.loss_mode, normalize=False)
+            loss_sum, wsum = dflash_loss(
+                hid, self.lm_head.weight, labels, weights, chunk_rows=args.loss_chunk_rows, mode=args.loss_mode, normalize=False
+            )
         with rf("dflash.drafter_backward"):
             (loss_sum * scale).backward()
         n_rows = int((weights > 0).sum().item())
-        flops = drafter_step_flops(self.dcfg, self.n_layer_params, self.n_fc, seq, anchors, n_rows,
-                                   self.vocab)
+        flops = drafter_step_flops(self.dcfg, self.n_layer_params, self.n_fc, seq, anchors, n_rows, self.vocab)
         return loss_sum.detach(), wsum.detach(), flops
 
     # ---- loops -------------------------------------------------------
@@ -1291,13 +1366,17 @@ class Trainer:
         else:
             final, stopped = self.drafter_loop(start)
         self.votes.finish()
-        if not stopped and self.is_drafter and not args.no_eval and \
-                (self.last_eval is None or self.last_eval["step"] != final):
+        if not stopped and self.is_drafter and not args.no_eval and (self.last_eval is None or self.last_eval["step"] != final):
             self.eval(final)
         files = self.export(final, stopped)
         runtime.barrier(self.ctx)
-        self.tel.emit("done", final_step=final, reason="stopped" if stopped else "max_steps",
-                      result_files=files, wall_s=round(time.perf_counter() - self.t0, 3))
+        self.tel.emit(
+            "done",
+            final_step=final,
+            reason="stopped" if stopped else "max_steps",
+            result_files=files,
+            wall_s=round(time.perf_counter() - self.t0, 3),
+        )
         self.tel.close()
         runtime.finish_ok(self.ctx)
         del torch
@@ -1313,8 +1392,10 @@ class Trainer:
 
         if self.device.type != "cuda":
             return {"mem_allocated_gib": None, "mem_peak_gib": None}
-        return {"mem_allocated_gib": round(torch.cuda.memory_allocated(self.device) / 2**30, 3),
-                "mem_peak_gib": round(torch.cuda.max_memory_allocated(self.device) / 2**30, 3)}
+        return {
+            "mem_allocated_gib": round(torch.cuda.memory_allocated(self.device) / 2**30, 3),
+            "mem_peak_gib": round(torch.cuda.max_memory_allocated(self.device) / 2**30, 3),
+        }
 
     def _sync(self) -> None:
         import torch
@@ -1411,8 +1492,13 @@ class Trainer:
             # colocated, the stop vote rides on the same all-reduce
             n_group = n_d if self.ctx.distributed else 1
             loss_val, _, votes = finish_global_mean(
-                self.drafter.parameters(), loss_sum, weight_sum, group=self.drafter_group, world=n_group,
-                extra=[] if split else [1.0 if self.stop.requested else 0.0])
+                self.drafter.parameters(),
+                loss_sum,
+                weight_sum,
+                group=self.drafter_group,
+                world=n_group,
+                extra=[] if split else [1.0 if self.stop.requested else 0.0],
+            )
             gnorm = torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), args.grad_clip)
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
@@ -1433,14 +1519,21 @@ class Trainer:
             n_rank_tokens = ctx_tokens
             world_tokens = n_rank_tokens * (n_d if split else self.ctx.world_size)
             rec = dict(
-                loss=round(loss_val, 6), lr=lr, grad_norm=float(gnorm.full_tensor() if hasattr(gnorm, "full_tensor") else gnorm),
-                tokens_per_s=round(world_tokens / dt, 2), tokens_per_s_rank=round(n_rank_tokens / dt, 2),
-                step_s=round(dt, 4), target_forward_s=(round(t_fwd, 4) if not split else None),
-                flops_per_token=round(flops / max(1, n_rank_tokens), 1), step_flops=flops,
+                loss=round(loss_val, 6),
+                lr=lr,
+                grad_norm=float(gnorm.full_tensor() if hasattr(gnorm, "full_tensor") else gnorm),
+                tokens_per_s=round(world_tokens / dt, 2),
+                tokens_per_s_rank=round(n_rank_tokens / dt, 2),
+                step_s=round(dt, 4),
+                target_forward_s=(round(t_fwd, 4) if not split else None),
+                flops_per_token=round(flops / max(1, n_rank_tokens), 1),
+                step_flops=flops,
                 flops_per_token_torchtitan=round(flops_tt / max(1, n_rank_tokens), 1),
                 mfu=mfu(n_rank_tokens / dt, flops / max(1, n_rank_tokens), self.peak),
                 mfu_torchtitan=mfu(n_rank_tokens / dt, flops_tt / max(1, n_rank_tokens), self.peak),
-                peak_flops=self.peak, role=self.role, **self._mem(),
+                peak_flops=self.peak,
+                role=self.role,
+                **self._mem(),
             )
             if split:
                 rec["queue_depth"] = queue_depth
@@ -1448,8 +1541,10 @@ class Trainer:
                 self.tel.step(step, **rec)
                 if self.ctx.rank == self.lead_drafter:
                     m = f"{rec['mfu'] * 100:.1f}%" if rec["mfu"] is not None else "n/a"
-                    print(f"[dflash] step {step} loss {loss_val:.4f} tok/s {rec['tokens_per_s']:.0f} "
-                          f"mfu {m} step {dt * 1000:.0f} ms", flush=True)
+                    print(
+                        f"[dflash] step {step} loss {loss_val:.4f} tok/s {rec['tokens_per_s']:.0f} mfu {m} step {dt * 1000:.0f} ms",
+                        flush=True,
+                    )
             if step == start + 1 and self.device.type == "cuda":
                 runtime.set_collective_timeout(self.ctx, 120)
             if stop_now:
@@ -1550,12 +1645,21 @@ class Trainer:
             dt = time.perf_counter() - t_step
             fpt, fpt_tt = flops / max(1, tokens), flops_tt / max(1, tokens)
             if step % args.log_every == 0 or step == args.max_steps:
-                self.tel.step(step, loss=None, role=self.role, tokens_per_s=round(tokens / dt, 2),
-                              step_s=round(dt, 4), send_wait_s=round(waited, 4),
-                              flops_per_token=round(fpt, 1), flops_per_token_torchtitan=round(fpt_tt, 1),
-                              mfu=(mfu(tokens / dt, fpt, self.peak) if tokens else 0.0),
-                              mfu_torchtitan=(mfu(tokens / dt, fpt_tt, self.peak) if tokens else 0.0),
-                              peak_flops=self.peak, queue_depth=len(pending), **self._mem())
+                self.tel.step(
+                    step,
+                    loss=None,
+                    role=self.role,
+                    tokens_per_s=round(tokens / dt, 2),
+                    step_s=round(dt, 4),
+                    send_wait_s=round(waited, 4),
+                    flops_per_token=round(fpt, 1),
+                    flops_per_token_torchtitan=round(fpt_tt, 1),
+                    mfu=(mfu(tokens / dt, fpt, self.peak) if tokens else 0.0),
+                    mfu_torchtitan=(mfu(tokens / dt, fpt_tt, self.peak) if tokens else 0.0),
+                    peak_flops=self.peak,
+                    queue_depth=len(pending),
+                    **self._mem(),
+                )
             self.votes.post(step)
             if self.votes.is_last(step):
                 stopped = True
@@ -1570,16 +1674,27 @@ class Trainer:
     def eval(self, step: int) -> None:
         if self.lm_head is None:
             raise RuntimeError(f"rank {self.ctx.rank} has no lm_head: only drafter ranks evaluate")
-        res = evaluate_tau(self.drafter, self.embed, self.lm_head.weight, self.eval_ids, self.eval_feats,
-                           self.args.eval_prompt_len, self.block_size, self.mask_token_id, "sdpa")
+        res = evaluate_tau(
+            self.drafter,
+            self.embed,
+            self.lm_head.weight,
+            self.eval_ids,
+            self.eval_feats,
+            self.args.eval_prompt_len,
+            self.block_size,
+            self.mask_token_id,
+            "sdpa",
+        )
         res["step"] = step
         if self.first_eval is None:
             self.first_eval = res
         self.last_eval = res
         if self.ctx.rank == self.lead_drafter:
             self.tel.emit("eval", **res)
-            print(f"[dflash] eval step {step} tau {res['tau']:.3f} "
-                  f"(all anchors {res['tau_all_anchors']:.3f}, {res['eval_blocks']} blocks)", flush=True)
+            print(
+                f"[dflash] eval step {step} tau {res['tau']:.3f} (all anchors {res['tau_all_anchors']:.3f}, {res['eval_blocks']} blocks)",
+                flush=True,
+            )
 
     def export(self, step: int, stopped: bool = False) -> list[str]:
         """Save the drafter (full weights, save_pretrained) to OUT/drafter and OUT/result.json.
@@ -1611,15 +1726,26 @@ class Trainer:
                     shutil.rmtree(ddir)
                 plain.save_pretrained(str(ddir))
                 shutil.copy(Path(__file__).with_name("dflash_model.py"), ddir / "dflash.py")
-                meta = {"target": self.args.target or self.args.target_config, "step": step,
-                        "block_size": self.block_size, "target_layer_ids": self.layer_ids,
-                        "mask_token_id": self.mask_token_id, "num_target_layers": self.dcfg.num_target_layers}
+                meta = {
+                    "target": self.args.target or self.args.target_config,
+                    "step": step,
+                    "block_size": self.block_size,
+                    "target_layer_ids": self.layer_ids,
+                    "mask_token_id": self.mask_token_id,
+                    "num_target_layers": self.dcfg.num_target_layers,
+                }
                 (ddir / "dflash_train.json").write_text(json.dumps(meta, indent=2) + "\n")
                 files.append(str(ddir))
         if self.ctx.rank == self.lead_drafter:
-            result = {"final_step": step, "stopped": stopped, "drafter_dir": str(ddir) if ddir else None,
-                      "eval_first": self.first_eval, "eval_last": self.last_eval,
-                      "topology": self.args.topology, "world_size": self.ctx.world_size}
+            result = {
+                "final_step": step,
+                "stopped": stopped,
+                "drafter_dir": str(ddir) if ddir else None,
+                "eval_first": self.first_eval,
+                "eval_last": self.last_eval,
+                "topology": self.args.topology,
+                "world_size": self.ctx.world_size,
+            }
             (out / "result.json").write_text(json.dumps(result, indent=2) + "\n")
             files.append(str(out / "result.json"))
         if self.ctx.distributed:
@@ -1646,8 +1772,7 @@ def _placeholder():
 
 def _has_tokenizer(path: str) -> bool:
     p = Path(path)
-    return any((p / f).is_file() for f in ("gpudeck_byte_tokenizer.json", "tokenizer.json",
-                                            "tokenizer_config.json", "tokenizer.model"))
+    return any((p / f).is_file() for f in ("gpudeck_byte_tokenizer.json", "tokenizer.json", "tokenizer_config.json", "tokenizer.model"))
 
 
 def main(argv: list[str] | None = None) -> int:

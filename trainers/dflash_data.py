@@ -30,9 +30,10 @@ windows, no context from one record reaching another). Here:
 from __future__ import annotations
 
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -64,7 +65,7 @@ class Records:
     def supervised_tokens(self) -> int:
         return int(sum(int(m.sum()) for m in self.masks))
 
-    def split(self, val_fraction: float) -> tuple["Records", "Records"]:
+    def split(self, val_fraction: float) -> tuple[Records, Records]:
         """(train, held-out): the last ``val_fraction`` of the records are held out (whole records)."""
         if not 0.0 <= val_fraction < 1.0:
             raise ValueError("val_fraction must be in [0, 1)")
@@ -109,18 +110,17 @@ def load_records(path: str | Path, tokenizer: Any, seq_len: int, loss_on_prompt:
     masks: list[np.ndarray] = []
     n = dropped = truncated = 0
     for number, obj in iter_jsonl(p):
-        if not (isinstance(obj, dict) and isinstance(obj.get("prompt"), str)
-                and isinstance(obj.get("response"), str)):
+        if not (isinstance(obj, dict) and isinstance(obj.get("prompt"), str) and isinstance(obj.get("response"), str)):
             if n == 0:
                 return None
-            raise ValueError(f"{p}:{number}: record {n + 1} lacks a prompt/response pair "
-                             "(every line needs string fields 'prompt' and 'response')")
+            raise ValueError(
+                f"{p}:{number}: record {n + 1} lacks a prompt/response pair (every line needs string fields 'prompt' and 'response')"
+            )
         n += 1
         a = np.asarray(tokenizer.encode(obj["prompt"]), dtype=np.int64)
         b = np.asarray(tokenizer.encode(obj["response"]) + [tokenizer.eos_id], dtype=np.int64)
         tok = np.concatenate([a, b])
-        mask = np.concatenate([np.full(len(a), 1 if loss_on_prompt else 0, dtype=np.uint8),
-                               np.ones(len(b), dtype=np.uint8)])
+        mask = np.concatenate([np.full(len(a), 1 if loss_on_prompt else 0, dtype=np.uint8), np.ones(len(b), dtype=np.uint8)])
         if tok.shape[0] > seq_len:
             truncated += 1
             tok, mask = tok[:seq_len], mask[:seq_len]
@@ -139,8 +139,17 @@ def load_records(path: str | Path, tokenizer: Any, seq_len: int, loss_on_prompt:
 class RecordBatches:
     """Deterministic, resumable batches of whole records for consumer ``rank`` of ``world`` (module docstring)."""
 
-    def __init__(self, records: Records, batch_size: int, rank: int = 0, world_size: int = 1, seed: int = 0,
-                 token_budget: int | None = None, pad_multiple: int = 64, pad_to_seq_len: bool = False) -> None:
+    def __init__(
+        self,
+        records: Records,
+        batch_size: int,
+        rank: int = 0,
+        world_size: int = 1,
+        seed: int = 0,
+        token_budget: int | None = None,
+        pad_multiple: int = 64,
+        pad_to_seq_len: bool = False,
+    ) -> None:
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} outside world size {world_size}")
         self.records = records
@@ -154,9 +163,11 @@ class RecordBatches:
         self._plan_epoch: int | None = None
         self._plan: list[tuple[np.ndarray, int]] = []
         if len(self._batches(0)) < world_size:
-            raise ValueError(f"{len(records)} records make {len(self._batches(0))} batches an epoch, fewer than "
-                             f"one round of {world_size} consumers needs; use more data, a smaller "
-                             "--batch-size or --token-budget")
+            raise ValueError(
+                f"{len(records)} records make {len(self._batches(0))} batches an epoch, fewer than "
+                f"one round of {world_size} consumers needs; use more data, a smaller "
+                "--batch-size or --token-budget"
+            )
 
     def padded_length(self, longest: int) -> int:
         s = self.records.seq_len
@@ -214,13 +225,22 @@ class RecordBatches:
         return self.records.collate(idx, length)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"epoch": self.epoch, "round": self.round, "seed": self.seed, "num_records": len(self.records),
-                "token_budget": self.token_budget, "batch_size": self.batch_size}
+        return {
+            "epoch": self.epoch,
+            "round": self.round,
+            "seed": self.seed,
+            "num_records": len(self.records),
+            "token_budget": self.token_budget,
+            "batch_size": self.batch_size,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state.get("num_records") not in (None, len(self.records)):
-            print(f"warning: data changed since the checkpoint ({state.get('num_records')} records then, "
-                  f"{len(self.records)} now); resuming by position", file=sys.stderr)
+            print(
+                f"warning: data changed since the checkpoint ({state.get('num_records')} records then, "
+                f"{len(self.records)} now); resuming by position",
+                file=sys.stderr,
+            )
         self.epoch, self.round = int(state["epoch"]), int(state["round"])
         self.seed = int(state.get("seed", self.seed))
 

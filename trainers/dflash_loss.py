@@ -64,9 +64,11 @@ def decay_gamma(block_size: int, gamma: float | None = None) -> float:
         return float(gamma)
     if block_size in GAMMA_TABLE:
         return GAMMA_TABLE[block_size]
-    raise GammaError(f"block size {block_size} has no published loss-decay gamma (published: "
-                     + ", ".join(f"B={b}: {g:g}" for b, g in GAMMA_TABLE.items())
-                     + "); give --gamma")
+    raise GammaError(
+        f"block size {block_size} has no published loss-decay gamma (published: "
+        + ", ".join(f"B={b}: {g:g}" for b, g in GAMMA_TABLE.items())
+        + "); give --gamma"
+    )
 
 
 def valid_anchor_mask(loss_mask: torch.Tensor) -> torch.Tensor:
@@ -105,9 +107,7 @@ def sample_anchors(
     return anchors.to(loss_mask.device), keep.to(loss_mask.device)
 
 
-def block_inputs(
-    input_ids: torch.Tensor, anchors: torch.Tensor, block_size: int, mask_token_id: int
-) -> tuple[torch.Tensor, torch.Tensor]:
+def block_inputs(input_ids: torch.Tensor, anchors: torch.Tensor, block_size: int, mask_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Block token ids ``[b, N*B]`` (anchor token then MASKs) and their positions ``a + k``."""
     bsz, n = anchors.shape
     ids = torch.full((bsz, n, block_size), int(mask_token_id), dtype=input_ids.dtype, device=input_ids.device)
@@ -117,8 +117,7 @@ def block_inputs(
     return ids.reshape(bsz, n * block_size), pos.reshape(bsz, n * block_size)
 
 
-def build_attention_mask(anchors: torch.Tensor, seq_len: int, block_size: int,
-                         sliding_window: int | None = None) -> torch.Tensor:
+def build_attention_mask(anchors: torch.Tensor, seq_len: int, block_size: int, sliding_window: int | None = None) -> torch.Tensor:
     """Dense bool mask ``[b, 1, N*B, S + N*B]``: context strictly before the anchor + own block.
 
     With ``sliding_window`` W (a sliding_attention layer; SpecForge's ``create_dflash_sdpa_mask``):
@@ -260,8 +259,7 @@ def _chunk_ce_and_grad(h, weight, y, w, want_grad_h, want_grad_w, chunk_rows=Non
         except Exception as exc:  # no working compiler: stay correct, lose the fusion
             import sys
 
-            print(f"dflash_loss: torch.compile of the CE kernel failed ({type(exc).__name__}: {exc}); "
-                  "using eager", file=sys.stderr)
+            print(f"dflash_loss: torch.compile of the CE kernel failed ({type(exc).__name__}: {exc}); using eager", file=sys.stderr)
             _compile_failed = True
             g = None
     if g is None:
@@ -314,8 +312,7 @@ class _ChunkedLinearCE(torch.autograd.Function):
             gw = torch.zeros_like(weight, dtype=_acc_dtype(hidden.dtype)) if want_w else None
             for s in range(0, hidden.shape[0], ctx.chunk_rows):
                 e = min(hidden.shape[0], s + ctx.chunk_rows)
-                _, ghc, gwc = _chunk_ce_and_grad(hidden[s:e], weight, labels[s:e], weights[s:e], want_h, want_w,
-                                                 ctx.chunk_rows)
+                _, ghc, gwc = _chunk_ce_and_grad(hidden[s:e], weight, labels[s:e], weights[s:e], want_h, want_w, ctx.chunk_rows)
                 if ghc is not None:
                     gh[s:e] = ghc
                 if gwc is not None:
@@ -397,8 +394,9 @@ def dflash_loss(
     return total / wsum.clamp(min=1e-12), wsum
 
 
-def finish_global_mean(parameters, loss_sum, weight_sum, group=None, world: int = 1,
-                       extra: list[float] | None = None) -> tuple[float, float, list[float]]:
+def finish_global_mean(
+    parameters, loss_sum, weight_sum, group=None, world: int = 1, extra: list[float] | None = None
+) -> tuple[float, float, list[float]]:
     """Make accumulated gradients of weighted-CE *sums* those of the global mean; return the global figures.
 
     ``loss_sum``/``weight_sum``: this rank's totals over its micro-batches (tensors or floats).

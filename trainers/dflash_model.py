@@ -77,8 +77,7 @@ def attention_layout(config: Any) -> tuple[list[str], int | None]:
     n = int(config.num_hidden_layers)
     types = list(getattr(config, "layer_types", None) or [FULL_ATTENTION] * n)
     if len(types) != n:
-        raise ValueError(f"drafter config: layer_types has {len(types)} entries but num_hidden_layers is {n}; "
-                         "give one entry per layer")
+        raise ValueError(f"drafter config: layer_types has {len(types)} entries but num_hidden_layers is {n}; give one entry per layer")
     bad = sorted(set(types) - set(LAYER_TYPES))
     if bad:
         raise ValueError(f"drafter config: layer_types {bad} unknown; each must be one of {list(LAYER_TYPES)}")
@@ -86,8 +85,10 @@ def attention_layout(config: Any) -> tuple[list[str], int | None]:
         return types, None
     window = getattr(config, "sliding_window", None)
     if not isinstance(window, int) or window <= 0:
-        raise ValueError("drafter config: sliding_attention layers need a positive sliding_window and "
-                         f"use_sliding_window: true (got sliding_window={window!r})")
+        raise ValueError(
+            "drafter config: sliding_attention layers need a positive sliding_window and "
+            f"use_sliding_window: true (got sliding_window={window!r})"
+        )
     return types, int(window)
 
 
@@ -173,7 +174,9 @@ class DFlashAttention(nn.Module):
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.num_heads = config.num_attention_heads
         if config.num_key_value_heads is None:
-            raise ValueError("the drafter's config has num_key_value_heads None: Qwen3Config fills it from num_attention_heads, so give a config built by Qwen3Config")
+            raise ValueError(
+                "the drafter's config has num_key_value_heads None: Qwen3Config fills it from num_attention_heads, so give a config built by Qwen3Config"
+            )
         self.num_kv = config.num_key_value_heads
         self.scaling = self.head_dim**-0.5
         h = config.hidden_size
@@ -280,9 +283,7 @@ class DFlashDraftModel(Qwen3PreTrainedModel):
         for layer_type, layer in zip(self.layer_types, self.layers):
             mask = attention_mask[layer_type] if isinstance(attention_mask, dict) else attention_mask
             if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
-                hidden = torch.utils.checkpoint.checkpoint(
-                    layer, hidden, context, pos_emb, mask, use_reentrant=False
-                )
+                hidden = torch.utils.checkpoint.checkpoint(layer, hidden, context, pos_emb, mask, use_reentrant=False)
             else:
                 hidden = layer(hidden, context, pos_emb, mask)
         return self.norm(hidden)

@@ -86,8 +86,10 @@ def _files_for(folder: Path, names: list[str]) -> dict[str, Path]:
         with safe_open(str(single), framework="pt") as f:
             keys = set(f.keys())
         return {n: single for n in names if n in keys}
-    raise HeadLoadError(f"{folder}: no {SINGLE_FILE} or {INDEX_FILE}; a drafter rank reads the target's "
-                        "embedding and lm_head from safetensors (save the target with save_pretrained)")
+    raise HeadLoadError(
+        f"{folder}: no {SINGLE_FILE} or {INDEX_FILE}; a drafter rank reads the target's "
+        "embedding and lm_head from safetensors (save the target with save_pretrained)"
+    )
 
 
 def read_tensors(folder: str | Path, names: list[str]) -> dict[str, Any]:
@@ -98,8 +100,10 @@ def read_tensors(folder: str | Path, names: list[str]) -> dict[str, Any]:
     where = _files_for(folder, names)
     missing = [n for n in names if n not in where]
     if missing:
-        raise HeadLoadError(f"{folder}: tensors {missing} are not in the checkpoint's safetensors; "
-                            "the drafter ranks read the target's embedding and lm_head by these names")
+        raise HeadLoadError(
+            f"{folder}: tensors {missing} are not in the checkpoint's safetensors; "
+            "the drafter ranks read the target's embedding and lm_head by these names"
+        )
     out: dict[str, Any] = {}
     for path in sorted(set(where.values())):
         with safe_open(str(path), framework="pt") as f:
@@ -128,8 +132,7 @@ def load_embedding_and_head(folder: str | Path, skeleton, device, dtype):
         head_name = None
     w_emb = tensors[emb_name].to(device=device, dtype=dtype)
     src = skeleton.get_input_embeddings()
-    embed = nn.Embedding(w_emb.shape[0], w_emb.shape[1], padding_idx=getattr(src, "padding_idx", None),
-                         device="meta")
+    embed = nn.Embedding(w_emb.shape[0], w_emb.shape[1], padding_idx=getattr(src, "padding_idx", None), device="meta")
     embed.weight = nn.Parameter(w_emb, requires_grad=False)
     head = nn.Linear(w_emb.shape[1], w_emb.shape[0], bias=False, device="meta")
     w_head = tensors[head_name].to(device=device, dtype=dtype) if head_name else embed.weight
@@ -137,5 +140,12 @@ def load_embedding_and_head(folder: str | Path, skeleton, device, dtype):
     return embed.requires_grad_(False), head.requires_grad_(False)
 
 
-__all__ = ["HeadLoadError", "host_rss_mib", "has_safetensors", "target_skeleton", "head_tensor_names",
-           "read_tensors", "load_embedding_and_head"]
+__all__ = [
+    "HeadLoadError",
+    "host_rss_mib",
+    "has_safetensors",
+    "target_skeleton",
+    "head_tensor_names",
+    "read_tensors",
+    "load_embedding_and_head",
+]

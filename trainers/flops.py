@@ -110,8 +110,10 @@ def attention_dims(config: Any) -> tuple[int, int, int]:
     return layers, heads, int(head_dim)
 
 
-MFU_CONVENTION = ("causal: 6(N-N_emb) + 6*L*H*d_head*S (attention FLOPs halved for the causal "
-                  "mask); mfu_torchtitan counts full attention, 12*L*H*d_head*S")
+MFU_CONVENTION = (
+    "causal: 6(N-N_emb) + 6*L*H*d_head*S (attention FLOPs halved for the causal "
+    "mask); mfu_torchtitan counts full attention, 12*L*H*d_head*S"
+)
 
 
 def dense_flops(n_matmul_params: int, tokens: float = 1.0, training: bool = True) -> float:
@@ -119,8 +121,7 @@ def dense_flops(n_matmul_params: int, tokens: float = 1.0, training: bool = True
     return float((6 if training else 2) * n_matmul_params * tokens)
 
 
-def attention_flops(n_layers: int, n_heads: int, head_dim: int, visible_keys: float,
-                    training: bool = True) -> float:
+def attention_flops(n_layers: int, n_heads: int, head_dim: int, visible_keys: float, training: bool = True) -> float:
     """QK^T and PV FLOPs for ``visible_keys`` (query, key) pairs in all (factor 6 or 2 · 2·d_head per pair)."""
     return float((6 if training else 2) * n_layers * n_heads * 2 * head_dim * visible_keys)
 
@@ -141,9 +142,17 @@ def window_pairs(seq_len: int, window: int) -> float:
     return float(w * (w + 1) // 2 + (seq_len - w) * w)
 
 
-def flops_per_token(n_params: int, n_embedding: int, n_layers: int, n_heads: int,
-                    head_dim: int, seq_len: int, training: bool = True,
-                    tied_lm_head_params: int = 0, causal: bool = False) -> float:
+def flops_per_token(
+    n_params: int,
+    n_embedding: int,
+    n_layers: int,
+    n_heads: int,
+    head_dim: int,
+    seq_len: int,
+    training: bool = True,
+    tied_lm_head_params: int = 0,
+    causal: bool = False,
+) -> float:
     """torchtitan's count 6·(N−N_emb) + 6·L·H·(2·d_head)·S; ``causal`` halves the attention term."""
     dense = dense_flops(n_params - n_embedding + tied_lm_head_params, 1.0, training)
     pairs = causal_pairs(seq_len) if causal else full_pairs(seq_len)
@@ -172,8 +181,7 @@ def model_flops(model: Any, config: Any, seq_len: int, training: bool = True) ->
     kw = dict(training=training, tied_lm_head_params=emb if tied else 0)
     causal = flops_per_token(total, emb, layers, heads, head_dim, seq_len, causal=True, **kw)
     titan = flops_per_token(total, emb, layers, heads, head_dim, seq_len, causal=False, **kw)
-    note = ("causal 6(N-N_emb)+6*L*H*d_head*S (torchtitan's 12*L*H*d_head*S beside it)" +
-            ("; tied lm_head added back" if tied else ""))
+    note = "causal 6(N-N_emb)+6*L*H*d_head*S (torchtitan's 12*L*H*d_head*S beside it)" + ("; tied lm_head added back" if tied else "")
     return ModelFlops(total, trainable, emb, causal, seq_len, note, titan)
 
 

@@ -111,7 +111,6 @@ from gpudeck.trainers.runtime import (
     run_main,
 )
 
-
 # ------------------------------------------------------------------ command line
 
 
@@ -122,70 +121,113 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_common_args(p)
     g = p.add_argument_group("fsdp_lm")
-    g.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32"],
-                   help="compute dtype (auto: bf16 on GPU, fp32 on CPU); master weights stay fp32")
-    g.add_argument("--reshard-after-forward", default="auto", choices=["auto", "yes", "no"],
-                   help="free gathered block params after forward (auto: yes when world size > 1)")
-    g.add_argument("--attn-implementation", default="sdpa",
-                   help="transformers attention (sdpa, eager, ...) or sdpa_repeat_kv: SDPA with "
-                        "the key/value heads repeated, so kernels without grouped-query support "
-                        "(--sdpa-backend cudnn) can run")
+    g.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "bf16", "fp32"],
+        help="compute dtype (auto: bf16 on GPU, fp32 on CPU); master weights stay fp32",
+    )
+    g.add_argument(
+        "--reshard-after-forward",
+        default="auto",
+        choices=["auto", "yes", "no"],
+        help="free gathered block params after forward (auto: yes when world size > 1)",
+    )
+    g.add_argument(
+        "--attn-implementation",
+        default="sdpa",
+        help="transformers attention (sdpa, eager, ...) or sdpa_repeat_kv: SDPA with "
+        "the key/value heads repeated, so kernels without grouped-query support "
+        "(--sdpa-backend cudnn) can run",
+    )
     g.add_argument("--no-export", action="store_true", help="skip writing OUT/final/")
-    g.add_argument("--compile-loss", default="auto", choices=["auto", "yes", "no"],
-                   help="torch.compile the cross-entropy (auto: with --compile)")
-    g.add_argument("--sdpa-backend", default="auto", choices=["auto", "cudnn", "flash", "efficient"],
-                   help="preferred scaled-dot-product-attention kernel on GPU (falls back in "
-                        "order cudnn/flash/efficient/math)")
+    g.add_argument(
+        "--compile-loss", default="auto", choices=["auto", "yes", "no"], help="torch.compile the cross-entropy (auto: with --compile)"
+    )
+    g.add_argument(
+        "--sdpa-backend",
+        default="auto",
+        choices=["auto", "cudnn", "flash", "efficient"],
+        help="preferred scaled-dot-product-attention kernel on GPU (falls back in order cudnn/flash/efficient/math)",
+    )
     g = p.add_argument_group("fsdp_lm performance")
-    g.add_argument("--compile-mode", default="default",
-                   choices=["default", "max-autotune-no-cudagraphs", "max-autotune"],
-                   help="torch.compile mode of the blocks (with --compile); max-autotune tunes "
-                        "the matmuls (minutes of compile time)")
-    g.add_argument("--ac-every", type=int, default=1,
-                   help="with --activation-checkpointing: checkpoint every Nth block only "
-                        "(selective by layer; 1: all blocks)")
-    g.add_argument("--loss-impl", default="plain", choices=["plain", "chunked"],
-                   help="plain: lm_head logits then cross-entropy; chunked: lm_head + CE over "
-                        "row chunks, gradients computed in the forward, the full [tokens, vocab] "
-                        "logits never stored (less memory: room for a larger --batch-size)")
-    g.add_argument("--loss-chunk-rows", type=int, default=4096,
-                   help="rows (tokens) per chunk of --loss-impl chunked")
-    g.add_argument("--optimizer-impl", default="auto", choices=["auto", "fused", "foreach"],
-                   help="AdamW kernel (auto: fused on GPU, foreach on CPU)")
-    g.add_argument("--reduce-dtype", default="fp32", choices=["fp32", "bf16"],
-                   help="gradient reduce-scatter dtype under bf16 mixed precision")
-    g.add_argument("--prefetch", default="auto", choices=["auto", "yes", "no"],
-                   help="gather the next batch (pinned, copied ahead on its own) while the GPU "
-                        "works (auto: on GPU)")
-    g.add_argument("--profile-steps", type=int, default=0,
-                   help="profile this many steps with torch.profiler and print the top kernels "
-                        "and where the time went (lines starting with 'profile')")
-    g.add_argument("--profile-start", type=int, default=6,
-                   help="first profiled step (after compilation and warm-up)")
-    g.add_argument("--stop-at-step", type=int, default=None,
-                   help="stop after this step as if asked to (checkpoint, no export); the "
-                        "schedule still follows --max-steps")
-    g.add_argument("--no-final-checkpoint", action="store_true",
-                   help="do not save a checkpoint at the end (benchmarks)")
-    g.add_argument("--text-column", default=None,
-                   help="the column of a dataset / parquet / arrow --data (or field of JSONL) that "
-                        "holds the text (default: 'text', else the only string column)")
-    g.add_argument("--data-split", default=None,
-                   help="split of a saved DatasetDict --data (default: train, or its only split)")
-    g.add_argument("--val-data", default=None,
-                   help="a second source for the validation loss (any --data kind)")
-    g.add_argument("--val-fraction", type=float, default=0.0,
-                   help="hold out this tail fraction of the tokens for the validation loss "
-                        "(default 0: a prepared --data's val split if it has one, else none)")
-    g.add_argument("--val-every", type=int, default=None,
-                   help="validation loss every N steps and at the end (default: max_steps/10 "
-                        "when there is a validation set; 0: only at the end)")
-    g.add_argument("--val-batches", type=int, default=8,
-                   help="batches of --batch-size per rank that one validation pass reads")
-    g.add_argument("--deterministic", action="store_true",
-                   help="torch.use_deterministic_algorithms(warn_only) + CUBLAS_WORKSPACE_CONFIG; "
-                        "for bitwise-reproducible GPU resume also pass --attn-implementation "
-                        "eager (the flash-attention backward is not deterministic)")
+    g.add_argument(
+        "--compile-mode",
+        default="default",
+        choices=["default", "max-autotune-no-cudagraphs", "max-autotune"],
+        help="torch.compile mode of the blocks (with --compile); max-autotune tunes the matmuls (minutes of compile time)",
+    )
+    g.add_argument(
+        "--ac-every",
+        type=int,
+        default=1,
+        help="with --activation-checkpointing: checkpoint every Nth block only (selective by layer; 1: all blocks)",
+    )
+    g.add_argument(
+        "--loss-impl",
+        default="plain",
+        choices=["plain", "chunked"],
+        help="plain: lm_head logits then cross-entropy; chunked: lm_head + CE over "
+        "row chunks, gradients computed in the forward, the full [tokens, vocab] "
+        "logits never stored (less memory: room for a larger --batch-size)",
+    )
+    g.add_argument("--loss-chunk-rows", type=int, default=4096, help="rows (tokens) per chunk of --loss-impl chunked")
+    g.add_argument(
+        "--optimizer-impl", default="auto", choices=["auto", "fused", "foreach"], help="AdamW kernel (auto: fused on GPU, foreach on CPU)"
+    )
+    g.add_argument(
+        "--reduce-dtype", default="fp32", choices=["fp32", "bf16"], help="gradient reduce-scatter dtype under bf16 mixed precision"
+    )
+    g.add_argument(
+        "--prefetch",
+        default="auto",
+        choices=["auto", "yes", "no"],
+        help="gather the next batch (pinned, copied ahead on its own) while the GPU works (auto: on GPU)",
+    )
+    g.add_argument(
+        "--profile-steps",
+        type=int,
+        default=0,
+        help="profile this many steps with torch.profiler and print the top kernels "
+        "and where the time went (lines starting with 'profile')",
+    )
+    g.add_argument("--profile-start", type=int, default=6, help="first profiled step (after compilation and warm-up)")
+    g.add_argument(
+        "--stop-at-step",
+        type=int,
+        default=None,
+        help="stop after this step as if asked to (checkpoint, no export); the schedule still follows --max-steps",
+    )
+    g.add_argument("--no-final-checkpoint", action="store_true", help="do not save a checkpoint at the end (benchmarks)")
+    g.add_argument(
+        "--text-column",
+        default=None,
+        help="the column of a dataset / parquet / arrow --data (or field of JSONL) that "
+        "holds the text (default: 'text', else the only string column)",
+    )
+    g.add_argument("--data-split", default=None, help="split of a saved DatasetDict --data (default: train, or its only split)")
+    g.add_argument("--val-data", default=None, help="a second source for the validation loss (any --data kind)")
+    g.add_argument(
+        "--val-fraction",
+        type=float,
+        default=0.0,
+        help="hold out this tail fraction of the tokens for the validation loss "
+        "(default 0: a prepared --data's val split if it has one, else none)",
+    )
+    g.add_argument(
+        "--val-every",
+        type=int,
+        default=None,
+        help="validation loss every N steps and at the end (default: max_steps/10 when there is a validation set; 0: only at the end)",
+    )
+    g.add_argument("--val-batches", type=int, default=8, help="batches of --batch-size per rank that one validation pass reads")
+    g.add_argument(
+        "--deterministic",
+        action="store_true",
+        help="torch.use_deterministic_algorithms(warn_only) + CUBLAS_WORKSPACE_CONFIG; "
+        "for bitwise-reproducible GPU resume also pass --attn-implementation "
+        "eager (the flash-attention backward is not deterministic)",
+    )
     return p
 
 
@@ -230,11 +272,9 @@ def build_config(spec: str | None, init_from: str | None):
     path = Path(spec)
     if path.is_dir() or path.is_file():
         if path.is_file():
-            return AutoConfig.from_pretrained(str(path.parent)) if path.name == "config.json" \
-                else _config_from_json(path)
+            return AutoConfig.from_pretrained(str(path.parent)) if path.name == "config.json" else _config_from_json(path)
         return AutoConfig.from_pretrained(str(path))
-    raise ExitWith(2, f"--model-config {spec!r}: not a preset ({', '.join(PRESETS)}) "
-                      "and no such file or folder")
+    raise ExitWith(2, f"--model-config {spec!r}: not a preset ({', '.join(PRESETS)}) and no such file or folder")
 
 
 def _config_from_json(path: Path):
@@ -247,8 +287,7 @@ def _config_from_json(path: Path):
 REPEAT_KV_ATTENTION = "sdpa_repeat_kv"
 
 
-def sdpa_repeat_kv(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
-                   is_causal=None, **kwargs):
+def sdpa_repeat_kv(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
     """SDPA with the key/value heads repeated to the query heads (no ``enable_gqa``).
 
     transformers' ``sdpa`` passes grouped-query attention to SDPA as ``enable_gqa``,
@@ -268,8 +307,7 @@ def sdpa_repeat_kv(module, query, key, value, attention_mask, dropout=0.0, scali
         key = key[:, :, None].expand(b, h, n_rep, t, d).reshape(b, h * n_rep, t, d)
         value = value[:, :, None].expand(b, h, n_rep, t, value.shape[-1]).reshape(b, h * n_rep, t, -1)
     causal = query.shape[2] > 1 and (is_causal if is_causal is not None else getattr(module, "is_causal", True))
-    out = F.scaled_dot_product_attention(query, key, value, dropout_p=dropout if module.training else 0.0,
-                                         scale=scaling, is_causal=causal)
+    out = F.scaled_dot_product_attention(query, key, value, dropout_p=dropout if module.training else 0.0, scale=scaling, is_causal=causal)
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -395,11 +433,9 @@ def apply_parallelism(model, args, ctx, compute_dtype) -> dict[str, Any]:
         import torch._dynamo
 
         # one graph serves every block; leave room in case guards split them
-        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit,
-                                                    2 * len(layers) + 8)
+        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 2 * len(layers) + 8)
         for i in range(len(layers)):
-            layers[i].compile(dynamic=False,
-                              mode=None if args.compile_mode == "default" else args.compile_mode)
+            layers[i].compile(dynamic=False, mode=None if args.compile_mode == "default" else args.compile_mode)
     mp = None
     if compute_dtype != torch.float32:
         reduce = torch.bfloat16 if args.reduce_dtype == "bf16" else torch.float32
@@ -425,8 +461,7 @@ def apply_parallelism(model, args, ctx, compute_dtype) -> dict[str, Any]:
             fully_shard(group, reshard_after_forward=False, **kw)
     # tied embeddings stay in the root group together with norm
     fully_shard(model, reshard_after_forward=rafw, **kw)
-    return {"reshard_after_forward": rafw, "tied_embeddings": tied,
-            "mixed_precision": str(compute_dtype).replace("torch.", "")}
+    return {"reshard_after_forward": rafw, "tied_embeddings": tied, "mixed_precision": str(compute_dtype).replace("torch.", "")}
 
 
 def lr_lambda_factory(max_steps: int, warmup: int, min_ratio: float):
@@ -494,7 +529,7 @@ class _ChunkedLossHead:
 
     loss_chunk_rows = 4096
 
-    def forward(self, hidden, labels=None):  # noqa: D102
+    def forward(self, hidden, labels=None):
         if labels is None:
             return super().forward(hidden)
         import torch
@@ -505,8 +540,7 @@ class _ChunkedLossHead:
         y = labels.reshape(-1)
         acc = torch.float64 if h.dtype == torch.float64 else torch.float32
         w = torch.full(y.shape, 1.0 / y.numel(), device=y.device, dtype=acc)
-        return chunked_linear_cross_entropy(h, self.weight, y, w, chunk_rows=self.loss_chunk_rows,
-                                            mode="fused")
+        return chunked_linear_cross_entropy(h, self.weight, y, w, chunk_rows=self.loss_chunk_rows, mode="fused")
 
 
 def install_chunked_loss(model, chunk_rows: int) -> None:
@@ -694,19 +728,22 @@ def main(argv: list[str] | None = None) -> int:
         tok_spec = args.init_from
     tokenizer = load_tokenizer(tok_spec)
     if prepared is not None and not _same_tokenizer(tokenizer.describe(), prepared["tokenizer"]):
-        raise ExitWith(2, f"--tokenizer {args.tokenizer}: {tokenizer.describe()} is not the tokenizer "
-                          f"{args.data} was prepared with ({prepared['tokenizer']}); drop --tokenizer "
-                          "(the prepared one is used) or prepare the corpus again with this one")
+        raise ExitWith(
+            2,
+            f"--tokenizer {args.tokenizer}: {tokenizer.describe()} is not the tokenizer "
+            f"{args.data} was prepared with ({prepared['tokenizer']}); drop --tokenizer "
+            "(the prepared one is used) or prepare the corpus again with this one",
+        )
     config = build_config(args.model_config, args.init_from)
     if tokenizer.vocab_size > config.vocab_size:
-        raise ExitWith(2, f"tokenizer vocab {tokenizer.vocab_size} does not fit the model's "
-                          f"vocab_size {config.vocab_size}")
+        raise ExitWith(2, f"tokenizer vocab {tokenizer.vocab_size} does not fit the model's vocab_size {config.vocab_size}")
     max_pos = getattr(config, "max_position_embeddings", None)
     if max_pos is not None and args.seq_len > max_pos:
         raise ExitWith(2, f"--seq-len {args.seq_len} exceeds max_position_embeddings {max_pos}")
     try:
-        source = load_tokens(args.data, tokenizer, dtype=args.data_dtype, max_bytes=args.corpus_bytes,
-                             text_column=args.text_column, split=args.data_split)
+        source = load_tokens(
+            args.data, tokenizer, dtype=args.data_dtype, max_bytes=args.corpus_bytes, text_column=args.text_column, split=args.data_split
+        )
     except (DataError, FileNotFoundError) as exc:
         raise ExitWith(2, str(exc)) from None
     top = _max_token(source)
@@ -715,8 +752,7 @@ def main(argv: list[str] | None = None) -> int:
     train_tokens, val_tokens, val_desc = source.tokens, None, None
     try:
         if args.val_data is not None:
-            vsrc = load_tokens(args.val_data, tokenizer, dtype=args.data_dtype,
-                               text_column=args.text_column)
+            vsrc = load_tokens(args.val_data, tokenizer, dtype=args.data_dtype, text_column=args.text_column)
             val_tokens, val_desc = vsrc.tokens, vsrc.description
         elif args.val_fraction > 0:
             train_tokens, val_tokens = split_tokens(source.tokens, args.val_fraction)
@@ -731,8 +767,9 @@ def main(argv: list[str] | None = None) -> int:
     val_set = None
     if val_tokens is not None:
         try:
-            val_set = ValidationBatches(PackedDataset(val_tokens, args.seq_len), args.batch_size,
-                                        args.val_batches, ctx.rank, ctx.world_size, where=val_desc)
+            val_set = ValidationBatches(
+                PackedDataset(val_tokens, args.seq_len), args.batch_size, args.val_batches, ctx.rank, ctx.world_size, where=val_desc
+            )
         except DataError as exc:
             raise ExitWith(2, str(exc)) from None
     val_every = args.val_every
@@ -751,19 +788,16 @@ def main(argv: list[str] | None = None) -> int:
         src_model = AutoModelForCausalLM.from_pretrained(args.init_from, dtype=torch.float32)
         source_state = {k: v for k, v in src_model.state_dict().items()}
         del src_model
-    materialize(model, device, args.seed, float(getattr(config, "initializer_range", 0.02)),
-                source_state)
+    materialize(model, device, args.seed, float(getattr(config, "initializer_range", 0.02)), source_state)
     del source_state
     model.train()
 
-    opt_kw: dict[str, Any] = dict(lr=args.lr, betas=(0.9, 0.95), eps=1e-8,
-                                  weight_decay=args.weight_decay)
+    opt_kw: dict[str, Any] = dict(lr=args.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=args.weight_decay)
     opt_impl = args.optimizer_impl if args.optimizer_impl != "auto" else ("fused" if on_gpu else "foreach")
     opt_kw[opt_impl] = True
     optimizer = torch.optim.AdamW(model.parameters(), **opt_kw)
     warmup = args.warmup_steps if args.warmup_steps is not None else max(1, args.max_steps // 20)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lr_lambda_factory(args.max_steps, warmup, args.min_lr_ratio))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda_factory(args.max_steps, warmup, args.min_lr_ratio))
 
     step = 0
     if not plan.fresh:
@@ -786,37 +820,68 @@ def main(argv: list[str] | None = None) -> int:
     tokens_per_step = args.batch_size * args.seq_len * args.grad_accum * ctx.world_size
     cfg_dict = config.to_dict()
     manifest = dict(
-        kind="fsdp", role="trainer", params_total=counts.params_total,
-        params_trainable=counts.params_trainable, params_embedding=counts.params_embedding,
-        config_hash=config_hash(cfg_dict), model=args.model_config or args.init_from,
-        model_type=config.model_type, world_size=ctx.world_size, local_rank=ctx.local_rank,
-        host=socket.gethostname(), pid=os.getpid(), **info,
-        dataset_samples=len(dataset), dataset_tokens=dataset.source_tokens,
-        dataset_sample_tokens=dataset.num_tokens, dataset=source.description,
-        dataset_documents=source.documents, dataset_unique_documents=source.unique_documents,
-        dataset_sha256=source.sha256, dataset_prepared=prepared is not None,
-        val_dataset=val_desc, val_samples=None if val_set is None else len(val_set.dataset),
+        kind="fsdp",
+        role="trainer",
+        params_total=counts.params_total,
+        params_trainable=counts.params_trainable,
+        params_embedding=counts.params_embedding,
+        config_hash=config_hash(cfg_dict),
+        model=args.model_config or args.init_from,
+        model_type=config.model_type,
+        world_size=ctx.world_size,
+        local_rank=ctx.local_rank,
+        host=socket.gethostname(),
+        pid=os.getpid(),
+        **info,
+        dataset_samples=len(dataset),
+        dataset_tokens=dataset.source_tokens,
+        dataset_sample_tokens=dataset.num_tokens,
+        dataset=source.description,
+        dataset_documents=source.documents,
+        dataset_unique_documents=source.unique_documents,
+        dataset_sha256=source.sha256,
+        dataset_prepared=prepared is not None,
+        val_dataset=val_desc,
+        val_samples=None if val_set is None else len(val_set.dataset),
         val_tokens_per_eval=None if val_set is None else val_set.tokens_per_rank * ctx.world_size,
         val_every=val_every if val_set is not None else None,
-        tokenizer=tokenizer.describe(), argv=sys.argv, start=plan.describe(),
-        seq_len=args.seq_len, batch_size=args.batch_size, grad_accum=args.grad_accum,
-        tokens_per_step=tokens_per_step, max_steps=args.max_steps,
+        tokenizer=tokenizer.describe(),
+        argv=sys.argv,
+        start=plan.describe(),
+        seq_len=args.seq_len,
+        batch_size=args.batch_size,
+        grad_accum=args.grad_accum,
+        tokens_per_step=tokens_per_step,
+        max_steps=args.max_steps,
         flops_per_token=counts.flops_per_token,
-        flops_per_token_torchtitan=counts.flops_per_token_torchtitan, flops_note=counts.note,
-        mfu_convention=MFU_CONVENTION, peak_flops=peak, mfu_note=peak_reason, dtype=str(compute_dtype).replace("torch.", ""),
-        compile=args.compile, compile_mode=args.compile_mode,
+        flops_per_token_torchtitan=counts.flops_per_token_torchtitan,
+        flops_note=counts.note,
+        mfu_convention=MFU_CONVENTION,
+        peak_flops=peak,
+        mfu_note=peak_reason,
+        dtype=str(compute_dtype).replace("torch.", ""),
+        compile=args.compile,
+        compile_mode=args.compile_mode,
         activation_checkpointing=args.activation_checkpointing,
         ac_every=args.ac_every if args.activation_checkpointing else None,
-        loss_impl=args.loss_impl, optimizer_impl=opt_impl, reduce_dtype=args.reduce_dtype,
+        loss_impl=args.loss_impl,
+        optimizer_impl=opt_impl,
+        reduce_dtype=args.reduce_dtype,
         prefetch=prefetch,
-        sdpa_backend=args.sdpa_backend, deterministic=args.deterministic,
-        torch=torch.__version__, transformers=_transformers_version(), **par,
+        sdpa_backend=args.sdpa_backend,
+        deterministic=args.deterministic,
+        torch=torch.__version__,
+        transformers=_transformers_version(),
+        **par,
     )
     tel.manifest(**manifest)
     if ctx.rank == 0:
-        print(f"fsdp_lm: {counts.params_total:,} params ({config.model_type}), world {ctx.world_size}, "
-              f"{info['device']}, data {source.description}, {len(dataset):,} samples, "
-              f"start {plan.describe()}", flush=True)
+        print(
+            f"fsdp_lm: {counts.params_total:,} params ({config.model_type}), world {ctx.world_size}, "
+            f"{info['device']}, data {source.description}, {len(dataset):,} samples, "
+            f"start {plan.describe()}",
+            flush=True,
+        )
 
     losses: dict[int, float] = {}
     val_losses: dict[int, float] = {}
@@ -825,8 +890,7 @@ def main(argv: list[str] | None = None) -> int:
         t_val = time.perf_counter()
         vloss, vtokens = evaluate(model, val_set, ctx, device, sdpa_ctx)
         val_losses[at] = vloss
-        tel.emit("val_loss", step=at, val_loss=vloss, val_tokens=vtokens,
-                 seconds=round(time.perf_counter() - t_val, 3))
+        tel.emit("val_loss", step=at, val_loss=vloss, val_tokens=vtokens, seconds=round(time.perf_counter() - t_val, 3))
         if ctx.rank == 0:
             print(f"step {at} val_loss {vloss:.6f} ({vtokens:,} tokens)", flush=True)
 
@@ -839,10 +903,14 @@ def main(argv: list[str] | None = None) -> int:
 
     def do_checkpoint(at: int) -> None:
         nonlocal last_saved
-        extra = {"step": at, "scheduler": scheduler.state_dict(), "data": feeder.state_dict(),
-                 "world_size": ctx.world_size, "config_hash": manifest["config_hash"]}
-        path, seconds = save_checkpoint(out, at, model, optimizer, extra, keep=args.keep,
-                                        rank=ctx.rank, barrier=lambda: barrier(ctx))
+        extra = {
+            "step": at,
+            "scheduler": scheduler.state_dict(),
+            "data": feeder.state_dict(),
+            "world_size": ctx.world_size,
+            "config_hash": manifest["config_hash"],
+        }
+        path, seconds = save_checkpoint(out, at, model, optimizer, extra, keep=args.keep, rank=ctx.rank, barrier=lambda: barrier(ctx))
         tel.emit("checkpoint", step=at, path=str(path), seconds=round(seconds, 3))
         saved.append(at)
         last_saved = at
@@ -893,21 +961,30 @@ def main(argv: list[str] | None = None) -> int:
         if on_gpu:
             mem_alloc = torch.cuda.memory_allocated(device) / 2**30
             mem_peak = torch.cuda.max_memory_allocated(device) / 2**30
-        tel.step(step, loss=loss_val, tokens_per_s=round(tps, 2),
-                 mfu=None if mfu_val is None else round(mfu_val, 5),
-                 mfu_torchtitan=None if mfu_tt is None else round(mfu_tt, 5),
-                 flops_per_token=counts.flops_per_token, peak_flops=peak,
-                 mem_allocated_gib=None if mem_alloc is None else round(mem_alloc, 3),
-                 mem_peak_gib=None if mem_peak is None else round(mem_peak, 3),
-                 lr=scheduler.get_last_lr()[0], grad_norm=gn_val, step_time_s=round(dt, 5),
-                 tokens=step * tokens_per_step)
+        tel.step(
+            step,
+            loss=loss_val,
+            tokens_per_s=round(tps, 2),
+            mfu=None if mfu_val is None else round(mfu_val, 5),
+            mfu_torchtitan=None if mfu_tt is None else round(mfu_tt, 5),
+            flops_per_token=counts.flops_per_token,
+            peak_flops=peak,
+            mem_allocated_gib=None if mem_alloc is None else round(mem_alloc, 3),
+            mem_peak_gib=None if mem_peak is None else round(mem_peak, 3),
+            lr=scheduler.get_last_lr()[0],
+            grad_norm=gn_val,
+            step_time_s=round(dt, 5),
+            tokens=step * tokens_per_step,
+        )
         if ctx.rank == 0 and (step % args.log_every == 0 or step == args.max_steps):
             mfu_s = f"{100 * mfu_val:.1f}%" if mfu_val is not None else "n/a"
             if mfu_tt is not None:
                 mfu_s += f" (torchtitan {100 * mfu_tt:.1f}%)"
-            print(f"step {step} loss {loss_val:.6f} tok/s {tps:,.0f} mfu {mfu_s} "
-                  f"gnorm {gn_val:.3f} lr {scheduler.get_last_lr()[0]:.2e} {dt * 1000:.0f} ms",
-                  flush=True)
+            print(
+                f"step {step} loss {loss_val:.6f} tok/s {tps:,.0f} mfu {mfu_s} "
+                f"gnorm {gn_val:.3f} lr {scheduler.get_last_lr()[0]:.2e} {dt * 1000:.0f} ms",
+                flush=True,
+            )
         profiler.after_step(step)
         if step == 1:
             set_collective_timeout(ctx, 100.0)
@@ -926,26 +1003,44 @@ def main(argv: list[str] | None = None) -> int:
     if not stopped and not args.no_export:
         final = export_final(model, config, tokenizer, out, ctx, args.attn_implementation)
     result = dict(
-        final_step=step, start=plan.describe(), stopped=stopped,
+        final_step=step,
+        start=plan.describe(),
+        stopped=stopped,
         losses={str(k): v for k, v in losses.items()},
-        final_loss=losses.get(step), val_losses={str(k): v for k, v in val_losses.items()},
-        final_val_loss=val_losses.get(step), tokens_per_s=_mean(tps_hist),
-        mfu=_mean(mfu_hist), mfu_torchtitan=_mean(mfu_tt_hist), mfu_convention=MFU_CONVENTION,
-        mfu_note=peak_reason, flops_per_token=counts.flops_per_token,
+        final_loss=losses.get(step),
+        val_losses={str(k): v for k, v in val_losses.items()},
+        final_val_loss=val_losses.get(step),
+        tokens_per_s=_mean(tps_hist),
+        mfu=_mean(mfu_hist),
+        mfu_torchtitan=_mean(mfu_tt_hist),
+        mfu_convention=MFU_CONVENTION,
+        mfu_note=peak_reason,
+        flops_per_token=counts.flops_per_token,
         flops_per_token_torchtitan=counts.flops_per_token_torchtitan,
-        peak_flops=peak, params_total=counts.params_total,
-        params_trainable=counts.params_trainable, world_size=ctx.world_size,
-        device=info["device"], dataset_samples=len(dataset), dataset_tokens=dataset.source_tokens,
+        peak_flops=peak,
+        params_total=counts.params_total,
+        params_trainable=counts.params_trainable,
+        world_size=ctx.world_size,
+        device=info["device"],
+        dataset_samples=len(dataset),
+        dataset_tokens=dataset.source_tokens,
         checkpoints=list_checkpoints(out) if ctx.rank == 0 else None,
-        final_dir=str(final) if final else None, seconds=round(time.time() - t_start, 3),
+        final_dir=str(final) if final else None,
+        seconds=round(time.time() - t_start, 3),
     )
     files = []
     if ctx.rank == 0:
         (out / "result.json").write_text(json.dumps(result, indent=2) + "\n")
         files = [str(out / "result.json")] + ([str(final)] if final else [])
-    tel.emit("done", final_step=step, reason="stopped" if stopped else "max_steps", files=files,
-             tokens_per_s=result["tokens_per_s"], mfu=result["mfu"],
-             mfu_torchtitan=result["mfu_torchtitan"])
+    tel.emit(
+        "done",
+        final_step=step,
+        reason="stopped" if stopped else "max_steps",
+        files=files,
+        tokens_per_s=result["tokens_per_s"],
+        mfu=result["mfu"],
+        mfu_torchtitan=result["mfu_torchtitan"],
+    )
     barrier(ctx)
     tel.close()
     finish_ok(ctx)
@@ -991,8 +1086,7 @@ def _max_token(source) -> int:
 def _has_tokenizer(folder: Path) -> bool:
     from gpudeck.trainers.data import BYTE_TOKENIZER_FILE
 
-    return (folder / BYTE_TOKENIZER_FILE).is_file() or (folder / "tokenizer_config.json").is_file() \
-        or (folder / "tokenizer.json").is_file()
+    return (folder / BYTE_TOKENIZER_FILE).is_file() or (folder / "tokenizer_config.json").is_file() or (folder / "tokenizer.json").is_file()
 
 
 def _mean(xs: list[float]) -> float | None:

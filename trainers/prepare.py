@@ -80,25 +80,25 @@ class PrepareError(Exception):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m gpudeck.trainers.prepare",
-                                description="Tokenise a corpus once into memory-mapped token files (gpudeck).")
-    p.add_argument("--data", default=None,
-                   help="text/JSONL file or folder, saved dataset, parquet/arrow files "
-                        "(default: the built-in offline corpus)")
-    p.add_argument("--text-column", default=None,
-                   help="column (or JSONL field) holding the text (default: 'text', else the only string column)")
+    p = argparse.ArgumentParser(
+        prog="python -m gpudeck.trainers.prepare", description="Tokenise a corpus once into memory-mapped token files (gpudeck)."
+    )
+    p.add_argument(
+        "--data", default=None, help="text/JSONL file or folder, saved dataset, parquet/arrow files (default: the built-in offline corpus)"
+    )
+    p.add_argument(
+        "--text-column", default=None, help="column (or JSONL field) holding the text (default: 'text', else the only string column)"
+    )
     p.add_argument("--data-split", default=None, help="split of a saved DatasetDict (default: train)")
-    p.add_argument("--corpus-bytes", type=int, default=DEFAULT_CORPUS_BYTES,
-                   help="bytes of text the built-in corpus gathers (no --data)")
-    p.add_argument("--tokenizer", default=None,
-                   help="local tokenizer folder (AutoTokenizer) or 'byte' (default: byte-level)")
+    p.add_argument("--corpus-bytes", type=int, default=DEFAULT_CORPUS_BYTES, help="bytes of text the built-in corpus gathers (no --data)")
+    p.add_argument("--tokenizer", default=None, help="local tokenizer folder (AutoTokenizer) or 'byte' (default: byte-level)")
     p.add_argument("--out", required=True, help="folder to write (see the module docstring)")
-    p.add_argument("--val-fraction", type=float, default=0.0,
-                   help="fraction of the documents held out as the val split (seeded, whole documents)")
+    p.add_argument(
+        "--val-fraction", type=float, default=0.0, help="fraction of the documents held out as the val split (seeded, whole documents)"
+    )
     p.add_argument("--val-data", default=None, help="a second source tokenised as the val split")
     p.add_argument("--seed", type=int, default=0, help="seed of the held-out choice")
-    p.add_argument("--num-proc", type=int, default=None,
-                   help="worker processes (default: the CPUs this process may use)")
+    p.add_argument("--num-proc", type=int, default=None, help="worker processes (default: the CPUs this process may use)")
     p.add_argument("--overwrite", action="store_true", help="replace a prepared folder already at --out")
     return p
 
@@ -120,7 +120,7 @@ def _encode_range(task: tuple[str, int, int]) -> tuple[np.ndarray, np.ndarray, n
     hashes = np.zeros(lengths.shape[0], dtype=np.uint64)
     pos = 0
     for i, n in enumerate(lengths.tolist()):
-        digest = hashlib.blake2b(tokens[pos:pos + n].tobytes(), digest_size=8).digest()
+        digest = hashlib.blake2b(tokens[pos : pos + n].tobytes(), digest_size=8).digest()
         hashes[i] = int.from_bytes(digest, "little")
         pos += n
     return tokens, lengths, hashes
@@ -170,9 +170,14 @@ class SplitWriter:
             np.save(fh, offsets)
         os.replace(self.folder / f".{self.name}.bin.part", self.folder / tokens_file)
         os.replace(self.folder / f".{index_file}.part", self.folder / index_file)
-        return {"tokens_file": tokens_file, "index_file": index_file,
-                "documents": int(lengths.shape[0]), "tokens": int(offsets[-1]),
-                "unique_documents": int(np.unique(hashes).shape[0]), "sha256": self.sha.hexdigest()}
+        return {
+            "tokens_file": tokens_file,
+            "index_file": index_file,
+            "documents": int(lengths.shape[0]),
+            "tokens": int(offsets[-1]),
+            "unique_documents": int(np.unique(hashes).shape[0]),
+            "sha256": self.sha.hexdigest(),
+        }
 
 
 def _held_out(n_docs: int, fraction: float, seed: int) -> np.ndarray:
@@ -181,8 +186,10 @@ def _held_out(n_docs: int, fraction: float, seed: int) -> np.ndarray:
     if fraction <= 0:
         return mask
     if n_docs < 2:
-        raise PrepareError(f"--val-fraction {fraction}: the source has {n_docs} document(s), a split by "
-                           "documents needs at least 2; pass --val-data OTHER instead")
+        raise PrepareError(
+            f"--val-fraction {fraction}: the source has {n_docs} document(s), a split by "
+            "documents needs at least 2; pass --val-data OTHER instead"
+        )
     k = min(n_docs - 1, max(1, int(round(n_docs * fraction))))
     mask[np.random.default_rng([seed, n_docs]).permutation(n_docs)[:k]] = True
     return mask
@@ -209,16 +216,14 @@ def prepare(args: argparse.Namespace) -> dict[str, Any]:
         raise PrepareError("give --val-fraction or --val-data, not both")
     if (out / PREPARED_MANIFEST).exists() and not args.overwrite:
         raise PrepareError(f"--out {out} already holds a prepared corpus; pass --overwrite to replace it")
-    if out.exists() and not (out / PREPARED_MANIFEST).exists() and any(out.iterdir()) \
-            and not args.overwrite:
+    if out.exists() and not (out / PREPARED_MANIFEST).exists() and any(out.iterdir()) and not args.overwrite:
         raise PrepareError(f"--out {out} is a folder with other files; name an empty or new folder")
     num_proc = args.num_proc or len(os.sched_getaffinity(0))
     if num_proc < 1:
         raise PrepareError(f"--num-proc {args.num_proc}: must be at least 1")
 
     tok = load_tokenizer(args.tokenizer)
-    source = open_documents(args.data, max_bytes=args.corpus_bytes, text_column=args.text_column,
-                            split=args.data_split)
+    source = open_documents(args.data, max_bytes=args.corpus_bytes, text_column=args.text_column, split=args.data_split)
     val_source = None
     if args.val_data is not None:
         val_source = open_documents(args.val_data, text_column=args.text_column, option="--val-data")
@@ -256,8 +261,7 @@ def prepare(args: argparse.Namespace) -> dict[str, Any]:
         consume(_encode_range(j) for j in jobs)
     else:
         ctx = multiprocessing.get_context("fork")
-        with ctx.Pool(num_proc, initializer=_init_worker,
-                      initargs=(source, val_source, tok_spec)) as pool:
+        with ctx.Pool(num_proc, initializer=_init_worker, initargs=(source, val_source, tok_spec)) as pool:
             consume(pool.imap(_encode_range, jobs, chunksize=1))
 
     splits = {"train": train.finish()}
@@ -266,13 +270,19 @@ def prepare(args: argparse.Namespace) -> dict[str, Any]:
     if splits["train"]["documents"] == 0:
         raise PrepareError(f"--data {args.data}: no documents to train on (all were empty)")
     manifest = {
-        "format": PREPARED_FORMAT, "source": source.description,
+        "format": PREPARED_FORMAT,
+        "source": source.description,
         "text_column": getattr(source, "column", args.text_column),
-        "tokenizer": tok.describe(), "dtype": np.dtype(dtype).name,
+        "tokenizer": tok.describe(),
+        "dtype": np.dtype(dtype).name,
         "max_token_id": max(w.max_token for w in (train, val) if w is not None),
-        "splits": splits, "val_fraction": args.val_fraction,
-        "val_source": val_source.description if val_source else None, "seed": args.seed,
-        "num_proc": num_proc, "seconds": round(time.time() - t0, 3), "created": time.time(),
+        "splits": splits,
+        "val_fraction": args.val_fraction,
+        "val_source": val_source.description if val_source else None,
+        "seed": args.seed,
+        "num_proc": num_proc,
+        "seconds": round(time.time() - t0, 3),
+        "created": time.time(),
     }
     tmp = out / f".{PREPARED_MANIFEST}.part"
     tmp.write_text(json.dumps(manifest, indent=2) + "\n")
@@ -280,8 +290,9 @@ def prepare(args: argparse.Namespace) -> dict[str, Any]:
     return manifest
 
 
-def _write_split(train: SplitWriter, val: SplitWriter | None, held: np.ndarray,
-                 tokens: np.ndarray, lengths: np.ndarray, hashes: np.ndarray) -> None:
+def _write_split(
+    train: SplitWriter, val: SplitWriter | None, held: np.ndarray, tokens: np.ndarray, lengths: np.ndarray, hashes: np.ndarray
+) -> None:
     """Route a chunk's documents to train and val by the held-out mask (order kept)."""
     if val is None or not held.any():
         train.write(tokens, lengths, hashes)
@@ -299,9 +310,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"prepare: {exc}", file=sys.stderr)
         return 2
     for name, info in manifest["splits"].items():
-        print(f"prepare: {name}: {info['documents']:,} documents ({info['unique_documents']:,} unique), "
-              f"{info['tokens']:,} tokens -> {Path(args.out) / info['tokens_file']} "
-              f"(sha256 {info['sha256'][:12]})", flush=True)
+        print(
+            f"prepare: {name}: {info['documents']:,} documents ({info['unique_documents']:,} unique), "
+            f"{info['tokens']:,} tokens -> {Path(args.out) / info['tokens_file']} "
+            f"(sha256 {info['sha256'][:12]})",
+            flush=True,
+        )
     print(f"prepare: {manifest['num_proc']} processes, {manifest['seconds']:.1f} s", flush=True)
     return 0
 

@@ -11,20 +11,48 @@ from typing import Any
 
 PRESETS: dict[str, dict[str, Any]] = {
     # a ~3.2M-parameter Llama for CPU tests; vocab fits the byte tokenizer (260)
-    "tiny": dict(model_type="llama", hidden_size=256, intermediate_size=688,
-                 num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-                 vocab_size=320, max_position_embeddings=2048, rms_norm_eps=1e-5,
-                 rope_theta=10000.0, tie_word_embeddings=False),
+    "tiny": dict(
+        model_type="llama",
+        hidden_size=256,
+        intermediate_size=688,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=320,
+        max_position_embeddings=2048,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+    ),
     # the TinyLlama-1.1B shape
-    "llama-1b": dict(model_type="llama", hidden_size=2048, intermediate_size=5632,
-                     num_hidden_layers=22, num_attention_heads=32, num_key_value_heads=4,
-                     vocab_size=32000, max_position_embeddings=4096, rms_norm_eps=1e-5,
-                     rope_theta=10000.0, tie_word_embeddings=False),
+    "llama-1b": dict(
+        model_type="llama",
+        hidden_size=2048,
+        intermediate_size=5632,
+        num_hidden_layers=22,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        vocab_size=32000,
+        max_position_embeddings=4096,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+    ),
     # the Qwen3-0.6B shape
-    "qwen3-0.6b": dict(model_type="qwen3", hidden_size=1024, intermediate_size=3072,
-                       num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
-                       head_dim=128, vocab_size=151936, max_position_embeddings=40960,
-                       rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=True),
+    "qwen3-0.6b": dict(
+        model_type="qwen3",
+        hidden_size=1024,
+        intermediate_size=3072,
+        num_hidden_layers=28,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=128,
+        vocab_size=151936,
+        max_position_embeddings=40960,
+        rms_norm_eps=1e-6,
+        rope_theta=1000000.0,
+        tie_word_embeddings=True,
+    ),
 }
 
 
@@ -41,4 +69,3 @@ def parse_index_list(text: str) -> list[int]:
             raise ValueError(f"{part!r} is not an index or a rising range")
         out.update(range(lo, hi + 1))
     return sorted(out)
-

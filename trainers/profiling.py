@@ -27,14 +27,40 @@ TOP = 20
 
 _CLASSES: list[tuple[str, tuple[str, ...]]] = [
     ("nccl", ("nccl",)),
-    ("attention", ("flash", "fmha", "attention", "sdpa", "cudnn_generated_fort_native_sdpa",
-                   "_efficient_attention", "softmax_warp")),
-    ("gemm", ("gemm", "xmma", "cutlass", "nvjet", "aten::mm", "aten::addmm", "aten::bmm",
-              "aten::matmul", "aten::linear", "sm90_", "sm80_", "cublas", "ampere_", "hopper")),
+    ("attention", ("flash", "fmha", "attention", "sdpa", "cudnn_generated_fort_native_sdpa", "_efficient_attention", "softmax_warp")),
+    (
+        "gemm",
+        (
+            "gemm",
+            "xmma",
+            "cutlass",
+            "nvjet",
+            "aten::mm",
+            "aten::addmm",
+            "aten::bmm",
+            "aten::matmul",
+            "aten::linear",
+            "sm90_",
+            "sm80_",
+            "cublas",
+            "ampere_",
+            "hopper",
+        ),
+    ),
     ("optimizer", ("adam", "multi_tensor_apply", "foreach")),
     ("triton", ("triton_",)),
-    ("memory", ("memcpy", "memset", "copy_", "fill_", "cat", "elementwise_kernel_with_index",
-                "vectorized_elementwise_kernel<4, at::native::FillFunctor")),
+    (
+        "memory",
+        (
+            "memcpy",
+            "memset",
+            "copy_",
+            "fill_",
+            "cat",
+            "elementwise_kernel_with_index",
+            "vectorized_elementwise_kernel<4, at::native::FillFunctor",
+        ),
+    ),
 ]
 
 
@@ -124,8 +150,10 @@ class StepProfiler:
         """The ``profile`` lines for kernel rows over a window of ``wall_ms``."""
         busy = sum(r[1] for r in rows)
         what = "GPU kernels" if self.on_gpu else "CPU operators (self time)"
-        out = [f"profile: steps {self.start}..{last}, {self.steps} steps, {wall_ms:.1f} ms wall, "
-               f"{busy:.1f} ms in {what} ({100 * busy / max(wall_ms, 1e-9):.1f}%)"]
+        out = [
+            f"profile: steps {self.start}..{last}, {self.steps} steps, {wall_ms:.1f} ms wall, "
+            f"{busy:.1f} ms in {what} ({100 * busy / max(wall_ms, 1e-9):.1f}%)"
+        ]
         by_class: dict[str, float] = {}
         for name, ms, _ in rows:
             cls = classify(name)
@@ -134,9 +162,12 @@ class StepProfiler:
             out.append(f"profile class {cls:<10} {ms:9.1f} ms {100 * ms / max(wall_ms, 1e-9):5.1f}%")
         if self.on_gpu:
             idle = max(0.0, wall_ms - busy)
-            out.append(f"profile class {'(idle)':<10} {idle:9.1f} ms {100 * idle / max(wall_ms, 1e-9):5.1f}%"
-                       "  (wall time without a kernel, if one stream)")
+            out.append(
+                f"profile class {'(idle)':<10} {idle:9.1f} ms {100 * idle / max(wall_ms, 1e-9):5.1f}%"
+                "  (wall time without a kernel, if one stream)"
+            )
         for i, (name, ms, calls) in enumerate(rows[:TOP], 1):
-            out.append(f"profile top {i:2d} {ms:9.1f} ms {100 * ms / max(wall_ms, 1e-9):5.1f}% x{calls:<5d} "
-                       f"[{classify(name)}] {name[:140]}")
+            out.append(
+                f"profile top {i:2d} {ms:9.1f} ms {100 * ms / max(wall_ms, 1e-9):5.1f}% x{calls:<5d} [{classify(name)}] {name[:140]}"
+            )
         return out

@@ -73,8 +73,9 @@ import signal
 import sys
 import threading
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 FAIL_ENV = "GPUDECK_TEST_FAIL_AT_STEP"
 
@@ -96,69 +97,61 @@ def _resume_value(text: str) -> str:
         if int(text) < 0:
             raise ValueError
     except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"--resume takes 'latest' or a step number, got {text!r}"
-        ) from None
+        raise argparse.ArgumentTypeError(f"--resume takes 'latest' or a step number, got {text!r}") from None
     return str(int(text))
 
 
 def add_common_args(parser: argparse.ArgumentParser) -> None:
     """Add the options shared by fsdp_lm and dflash (see module docstring)."""
     g = parser.add_argument_group("model")
-    g.add_argument("--model-config", default=None,
-                   help="config.json path or preset name (tiny, llama-1b, qwen3-0.6b)")
-    g.add_argument("--init-from", default=None,
-                   help="local pretrained folder to start from (from_pretrained)")
+    g.add_argument("--model-config", default=None, help="config.json path or preset name (tiny, llama-1b, qwen3-0.6b)")
+    g.add_argument("--init-from", default=None, help="local pretrained folder to start from (from_pretrained)")
 
     g = parser.add_argument_group("data")
-    g.add_argument("--data", default=None,
-                   help="token file (.bin), text/JSONL file or folder; "
-                        "default: the built-in offline corpus (Python stdlib sources)")
-    g.add_argument("--tokenizer", default=None,
-                   help="local tokenizer folder (AutoTokenizer) or 'byte' (default: byte-level)")
-    g.add_argument("--data-dtype", default="uint16", choices=["uint16", "uint32"],
-                   help="element type of .bin token files")
-    g.add_argument("--corpus-bytes", type=_positive_int, default=16 * 1024 * 1024,
-                   help="how many bytes of source text the built-in corpus gathers")
+    g.add_argument(
+        "--data",
+        default=None,
+        help="token file (.bin), text/JSONL file or folder; default: the built-in offline corpus (Python stdlib sources)",
+    )
+    g.add_argument("--tokenizer", default=None, help="local tokenizer folder (AutoTokenizer) or 'byte' (default: byte-level)")
+    g.add_argument("--data-dtype", default="uint16", choices=["uint16", "uint32"], help="element type of .bin token files")
+    g.add_argument(
+        "--corpus-bytes", type=_positive_int, default=16 * 1024 * 1024, help="how many bytes of source text the built-in corpus gathers"
+    )
 
     g = parser.add_argument_group("start (pick exactly one)")
     start = g.add_mutually_exclusive_group()
-    start.add_argument("--fresh", action="store_true",
-                       help="start at step 0; refuses if OUT already holds checkpoints")
-    start.add_argument("--resume", type=_resume_value, default=None, metavar="latest|N",
-                       help="resume from the latest checkpoint or the one at step N")
-    g.add_argument("--new-run-dir", action="store_true",
-                   help="with --fresh: move existing OUT/checkpoints aside to "
-                        "OUT/checkpoints.archived-<UTC time>/ and start a new run there")
+    start.add_argument("--fresh", action="store_true", help="start at step 0; refuses if OUT already holds checkpoints")
+    start.add_argument(
+        "--resume", type=_resume_value, default=None, metavar="latest|N", help="resume from the latest checkpoint or the one at step N"
+    )
+    g.add_argument(
+        "--new-run-dir",
+        action="store_true",
+        help="with --fresh: move existing OUT/checkpoints aside to OUT/checkpoints.archived-<UTC time>/ and start a new run there",
+    )
 
     g = parser.add_argument_group("training")
     g.add_argument("--max-steps", type=_positive_int, default=100)
-    g.add_argument("--batch-size", type=_positive_int, default=8,
-                   help="sequences per rank per micro-step")
+    g.add_argument("--batch-size", type=_positive_int, default=8, help="sequences per rank per micro-step")
     g.add_argument("--seq-len", type=_positive_int, default=512)
-    g.add_argument("--grad-accum", type=_positive_int, default=1,
-                   help="micro-steps per optimizer step")
+    g.add_argument("--grad-accum", type=_positive_int, default=1, help="micro-steps per optimizer step")
     g.add_argument("--lr", type=float, default=3e-4)
-    g.add_argument("--min-lr-ratio", type=float, default=0.1,
-                   help="cosine schedule floor as a fraction of --lr")
-    g.add_argument("--warmup-steps", type=int, default=None,
-                   help="linear warmup steps (default: 5%% of --max-steps)")
+    g.add_argument("--min-lr-ratio", type=float, default=0.1, help="cosine schedule floor as a fraction of --lr")
+    g.add_argument("--warmup-steps", type=int, default=None, help="linear warmup steps (default: 5%% of --max-steps)")
     g.add_argument("--weight-decay", type=float, default=0.1)
     g.add_argument("--grad-clip", type=float, default=1.0)
     g.add_argument("--seed", type=int, default=0)
 
     g = parser.add_argument_group("checkpoints and output")
-    g.add_argument("--checkpoint-every", type=int, default=0,
-                   help="save a checkpoint every N steps (0: only at the end)")
-    g.add_argument("--keep", type=_positive_int, default=3,
-                   help="keep the last K checkpoints")
+    g.add_argument("--checkpoint-every", type=int, default=0, help="save a checkpoint every N steps (0: only at the end)")
+    g.add_argument("--keep", type=_positive_int, default=3, help="keep the last K checkpoints")
     g.add_argument("--out", required=True, help="output folder (checkpoints/, final/, result.json)")
     g.add_argument("--log-every", type=_positive_int, default=1)
 
     g = parser.add_argument_group("performance")
     g.add_argument("--compile", action="store_true", help="torch.compile each decoder block")
-    g.add_argument("--activation-checkpointing", action="store_true",
-                   help="recompute each decoder block's activations in backward")
+    g.add_argument("--activation-checkpointing", action="store_true", help="recompute each decoder block's activations in backward")
     g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
 
 
@@ -166,8 +159,7 @@ def check_common_args(parser: argparse.ArgumentParser, args: argparse.Namespace)
     """Reject a command line without exactly one start, and nonsense numbers (exit 2)."""
     if not args.fresh and args.resume is None:
         parser.error(
-            "pick how to start: --fresh (step 0, new checkpoints) or "
-            "--resume latest|N (continue from a checkpoint); there is no default"
+            "pick how to start: --fresh (step 0, new checkpoints) or --resume latest|N (continue from a checkpoint); there is no default"
         )
     if args.new_run_dir and not args.fresh:
         parser.error("--new-run-dir only goes with --fresh")
@@ -196,8 +188,7 @@ class DistContext:
         return self.rank == 0
 
 
-def init_distributed(device: str = "auto", init_timeout_s: float = 300.0,
-                     single_process_group: bool = False) -> DistContext:
+def init_distributed(device: str = "auto", init_timeout_s: float = 300.0, single_process_group: bool = False) -> DistContext:
     """Initialise torch.distributed from torchrun's environment (or run alone).
 
     With ``single_process_group=True`` a plain process (no torchrun) still gets a
@@ -223,16 +214,15 @@ def init_distributed(device: str = "auto", init_timeout_s: float = 300.0,
         backend = "gloo"
     distributed = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     if distributed:
-        kwargs: dict[str, Any] = dict(
-            backend=backend, timeout=_dt.timedelta(seconds=init_timeout_s)
-        )
+        kwargs: dict[str, Any] = dict(backend=backend, timeout=_dt.timedelta(seconds=init_timeout_s))
         if use_cuda:
             kwargs["device_id"] = dev
         dist.init_process_group(**kwargs)
         rank, world = dist.get_rank(), dist.get_world_size()
     elif single_process_group:
-        dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1,
-                                timeout=_dt.timedelta(seconds=init_timeout_s))
+        dist.init_process_group(
+            backend=backend, store=dist.HashStore(), rank=0, world_size=1, timeout=_dt.timedelta(seconds=init_timeout_s)
+        )
         distributed = True
     else:
         backend = None
@@ -316,8 +306,7 @@ def register(ctx: DistContext | None = None, telemetry: Any = None) -> None:
         _REGISTERED["telemetry"] = telemetry
 
 
-def abort_and_exit(ctx: DistContext | None, exc: BaseException, telemetry: Any = None,
-                   code: int = 1) -> None:
+def abort_and_exit(ctx: DistContext | None, exc: BaseException, telemetry: Any = None, code: int = 1) -> None:
     """Error path: telemetry ``error`` record, traceback on stderr, abort, ``os._exit``."""
     rank = ctx.rank if ctx is not None else int(os.environ.get("RANK", "0"))
     message = f"{type(exc).__name__}: {exc}"
@@ -362,7 +351,7 @@ def run_main(main: Callable[[], int]) -> None:
     except ExitWith as exc:
         abort_and_exit(_REGISTERED["ctx"], exc, _REGISTERED["telemetry"], code=exc.code)
         return
-    except BaseException as exc:  # noqa: BLE001 - includes KeyboardInterrupt
+    except BaseException as exc:
         abort_and_exit(_REGISTERED["ctx"], exc, _REGISTERED["telemetry"], code=1)
         return
     sys.exit(code or 0)
@@ -381,10 +370,10 @@ class StopFlag:
         self.requested = False
         self.signal_name: str | None = None
 
-    def install(self) -> "StopFlag":
+    def install(self) -> StopFlag:
         """Handle SIGTERM and SIGINT in this (main) thread; returns self."""
 
-        def handler(signum, frame):  # noqa: ARG001
+        def handler(signum, frame):
             if self.requested:
                 # the agent signals every process and torchrun forwards what it got, so a
                 # rank commonly sees SIGTERM twice: that is still the one request

@@ -97,7 +97,7 @@ class Telemetry:
                 self._fh.close()
                 self._fh = None
 
-    def __enter__(self) -> "Telemetry":
+    def __enter__(self) -> Telemetry:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -104,7 +104,8 @@ def check_start(start: str | None, needed: bool) -> str | None:
     if start is None or not start.strip():
         if needed:
             raise IntentError(
-                "start", "no start given",
+                "start",
+                "no start given",
                 "choose fresh (step 0, new checkpoints; --fresh) or resume N (continue from checkpoint step N; --resume N): "
                 "there is no default, so 'start from scratch' can never be read as 'resume'",
             )
@@ -116,7 +117,9 @@ def check_start(start: str | None, needed: bool) -> str | None:
         return f"resume {words[1] if words[1] == 'latest' else int(words[1])}"
     if words[:1] == ["resume"]:
         step = " ".join(words[1:]) or "(none)"
-        raise IntentError("start", f"resume step {step!r} is not a step", "give the checkpoint step N to continue from (a number) or 'latest'")
+        raise IntentError(
+            "start", f"resume step {step!r} is not a step", "give the checkpoint step N to continue from (a number) or 'latest'"
+        )
     raise IntentError("start", f"{start!r} is not a start", "choose fresh or resume N")
 
 
@@ -173,8 +176,13 @@ def check_claims(claims: ClaimsIntent | Claims | None) -> Claims | None:
     for name, value in (("claim gpus", claims.gpus), ("claim world size", claims.world_size)):
         if value is not None and value < 1:
             raise IntentError(name, f"{value} is not a count of 1 or more", "give how many the run is claimed to use")
-    return Claims(gpus=claims.gpus, params=check_count(claims.params, "claim params"), world_size=claims.world_size,
-                  tokens_per_s=claims.tokens_per_s, note=claims.note)
+    return Claims(
+        gpus=claims.gpus,
+        params=check_count(claims.params, "claim params"),
+        world_size=claims.world_size,
+        tokens_per_s=claims.tokens_per_s,
+        note=claims.note,
+    )
 
 
 def check_positive(value: int | None, field_name: str, fix: str) -> int | None:

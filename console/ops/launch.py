@@ -18,17 +18,16 @@ from __future__ import annotations
 
 import asyncio
 import getpass
+import os
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-import os
 
 import msgspec
 
 from gpudeck.agents.errors import AgentError
-from gpudeck.agents.protocol import LaunchReply, LaunchSpec, PreflightResult
-from gpudeck.agents.protocol import new_run_id
+from gpudeck.agents.protocol import LaunchReply, LaunchSpec, PreflightResult, new_run_id
 from gpudeck.console import config as cfg
 from gpudeck.console.fleet import Fleet
 from gpudeck.console.ops.errors import IntentError, OpsError
@@ -103,8 +102,13 @@ class LaunchResult:
     @property
     def failed(self) -> list[NodeOutcome]:
         """The nodes that refused or could not be reached."""
-        return [n for n in self.nodes if n.error is not None or (n.reply is not None and n.reply.run.state == "preflight_failed")
-                or (n.preflight is not None and not n.preflight.ok)]
+        return [
+            n
+            for n in self.nodes
+            if n.error is not None
+            or (n.reply is not None and n.reply.run.state == "preflight_failed")
+            or (n.preflight is not None and not n.preflight.ok)
+        ]
 
 
 def is_trainer(argv: Sequence[str], kind: str) -> bool:
@@ -131,14 +135,17 @@ def _program(intent: LaunchIntent, start: str | None) -> list[str]:
     return argv
 
 
-def plan_launch(intent: LaunchIntent, caller: Caller, conf: cfg.Config | None = None, ssh_config_paths: Sequence[str] = (),
-                run_id: str | None = None) -> LaunchPlan:
+def plan_launch(
+    intent: LaunchIntent, caller: Caller, conf: cfg.Config | None = None, ssh_config_paths: Sequence[str] = (), run_id: str | None = None
+) -> LaunchPlan:
     """Validate every field of ``intent`` and build the spec of every node; IntentError names the field and the fix."""
     kind = check_kind(intent.kind)
     gpus = check_gpus(intent.gpus)
     env = check_env(intent.env)
     claims = check_claims(intent.claims)
-    nproc = check_positive(intent.nproc_per_node, "ranks per node", "give how many ranks each host starts (1 or more), or leave it out: one per GPU")
+    nproc = check_positive(
+        intent.nproc_per_node, "ranks per node", "give how many ranks each host starts (1 or more), or leave it out: one per GPU"
+    )
     check_positive(intent.expected_ranks, "expected ranks", "give the ranks the run must have, or leave it out")
     if intent.on_rank_death not in ("alert", "stop"):
         raise IntentError("on rank death", f"{intent.on_rank_death!r} is not a choice", "choose alert or stop")
@@ -149,21 +156,39 @@ def plan_launch(intent: LaunchIntent, caller: Caller, conf: cfg.Config | None = 
     if intent.python is not None and not intent.python.strip():
         raise IntentError("python", "the interpreter is empty", "give a python interpreter (a path or a name on PATH), or leave it out")
     if not intent.argv and kind not in TRAINER_MODULES:
-        raise IntentError("command", "launch needs a command",
-                          "give the command after --, e.g. `gpudeck launch -- python train.py` (or --kind fsdp -- --model-config llama-1b --out DIR)")
+        raise IntentError(
+            "command",
+            "launch needs a command",
+            "give the command after --, e.g. `gpudeck launch -- python train.py` (or --kind fsdp -- --model-config llama-1b --out DIR)",
+        )
     if nproc is not None and kind not in TRAINER_MODULES and not intent.hosts:
-        raise IntentError("ranks per node", "only a trainer kind (fsdp, dflash) or a multi-node run is started under torchrun by gpudeck",
-                          "put torchrun in the command yourself, or choose --kind fsdp/dflash")
+        raise IntentError(
+            "ranks per node",
+            "only a trainer kind (fsdp, dflash) or a multi-node run is started under torchrun by gpudeck",
+            "put torchrun in the command yourself, or choose --kind fsdp/dflash",
+        )
     start = check_start(intent.start, needed=intent.trainer_args)
     python = intent.python or DEFAULT_PYTHON
     n = nproc or (len(gpus) if gpus else 1)
     program = _program(intent, start)
     base = LaunchSpec(
-        argv=[], name=(intent.name or "").strip() or None, kind=kind, gpus=gpus, env=env, cwd=intent.cwd,  # type: ignore[arg-type]
-        operator=intent.operator or caller.operator, start=start, parent=intent.parent, python=intent.python, need_gib=intent.need_gib,
-        force=intent.force, rdzv_port=intent.rdzv_port, checkpoint_dir=intent.checkpoint_dir,
+        argv=[],
+        name=(intent.name or "").strip() or None,
+        kind=kind,
+        gpus=gpus,
+        env=env,
+        cwd=intent.cwd,  # type: ignore[arg-type]
+        operator=intent.operator or caller.operator,
+        start=start,
+        parent=intent.parent,
+        python=intent.python,
+        need_gib=intent.need_gib,
+        force=intent.force,
+        rdzv_port=intent.rdzv_port,
+        checkpoint_dir=intent.checkpoint_dir,
         on_rank_death=intent.on_rank_death,  # type: ignore[arg-type]
-        expected_ranks=intent.expected_ranks, claims=claims,
+        expected_ranks=intent.expected_ranks,
+        claims=claims,
     )
     if intent.hosts:
         return _plan_multinode(intent, base, program, python, n, nproc, conf, ssh_config_paths, run_id)
@@ -202,8 +227,11 @@ def rendezvous_host(first: cfg.HostSettings, config_paths: Sequence[str], overri
     if first.rdzv_host:
         return first.rdzv_host
     if first.name == cfg.LOCAL:
-        raise IntentError("rendezvous host", "the first host is 'local'",
-                          "give --rdzv-host ADDRESS (how the other hosts reach this machine), or put another host first")
+        raise IntentError(
+            "rendezvous host",
+            "the first host is 'local'",
+            "give --rdzv-host ADDRESS (how the other hosts reach this machine), or put another host first",
+        )
     return ssh_hostname(first.name, config_paths) or first.name
 
 
@@ -223,12 +251,24 @@ def _torchrun_program(program: list[str]) -> list[str]:
         return program
     if len(program) >= 3 and Path(program[0]).name.startswith("python") and program[1] == "-m":
         return program[1:]  # torchrun brings its own python
-    raise IntentError("command", "a multi-node run's command is what torchrun starts on each node",
-                      "give `-m package.module ARGS` or `script.py ARGS` (or --kind fsdp -- TRAINER ARGS)")
+    raise IntentError(
+        "command",
+        "a multi-node run's command is what torchrun starts on each node",
+        "give `-m package.module ARGS` or `script.py ARGS` (or --kind fsdp -- TRAINER ARGS)",
+    )
 
 
-def _plan_multinode(intent: LaunchIntent, base: LaunchSpec, program: list[str], python: str, n: int, nproc: int | None,
-                    conf: cfg.Config | None, ssh_config_paths: Sequence[str], run_id: str | None) -> LaunchPlan:
+def _plan_multinode(
+    intent: LaunchIntent,
+    base: LaunchSpec,
+    program: list[str],
+    python: str,
+    n: int,
+    nproc: int | None,
+    conf: cfg.Config | None,
+    ssh_config_paths: Sequence[str],
+    run_id: str | None,
+) -> LaunchPlan:
     names = check_hosts(intent.hosts)
     conf = conf or cfg.load(extra_hosts=names)
     hosts = [conf.settings(h) for h in names]
@@ -241,18 +281,43 @@ def _plan_multinode(intent: LaunchIntent, base: LaunchSpec, program: list[str], 
     nodes = []
     for rank, h in enumerate(hosts):
         argv = [
-            python, "-m", "torch.distributed.run",
-            "--nnodes", str(len(hosts)), "--node-rank", str(rank), "--nproc-per-node", str(n),
-            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{rdzv_host}:{rdzv_port}", "--rdzv-id", rid,
+            python,
+            "-m",
+            "torch.distributed.run",
+            "--nnodes",
+            str(len(hosts)),
+            "--node-rank",
+            str(rank),
+            "--nproc-per-node",
+            str(n),
+            "--rdzv-backend",
+            "c10d",
+            "--rdzv-endpoint",
+            f"{rdzv_host}:{rdzv_port}",
+            "--rdzv-id",
+            rid,
             # say who hosts the rendezvous store: the address may not be one torchrun recognises as its own (NAT, several NICs)
-            "--rdzv-conf", f"is_host={'true' if rank == 0 else 'false'}",
+            "--rdzv-conf",
+            f"is_host={'true' if rank == 0 else 'false'}",
             *(["--local-addr", local_addrs[rank]] if local_addrs[rank] else []),
             *prog,
         ]
-        nodes.append((h.name, msgspec.structs.replace(
-            base, argv=argv, env={**node_env(h), **base.env}, run_id=rid, nnodes=len(hosts), node_rank=rank, nodes=names,
-            rdzv_port=rdzv_port if rank == 0 else None, expected_ranks=intent.expected_ranks or n,
-        )))
+        nodes.append(
+            (
+                h.name,
+                msgspec.structs.replace(
+                    base,
+                    argv=argv,
+                    env={**node_env(h), **base.env},
+                    run_id=rid,
+                    nnodes=len(hosts),
+                    node_rank=rank,
+                    nodes=names,
+                    rdzv_port=rdzv_port if rank == 0 else None,
+                    expected_ranks=intent.expected_ranks or n,
+                ),
+            )
+        )
     return LaunchPlan(nodes=tuple(nodes), nproc_per_node=n, rdzv_endpoint=f"{rdzv_host}:{rdzv_port}")
 
 
@@ -301,8 +366,10 @@ async def launch(fleet: Fleet, plan: LaunchPlan, request_id: str = "") -> Launch
         failing = {c.host for c in bad if c.error is None}
         await asyncio.gather(*(fleet.launch(h, sp) for h, sp in plan.nodes if h in failing), return_exceptions=True)
         return LaunchResult("preflight_failed", plan, checks)
-    replies = await asyncio.gather(*(fleet.launch(h, sp, request_id=f"{request_id}-{i}" if request_id else "")
-                                     for i, (h, sp) in enumerate(plan.nodes)), return_exceptions=True)
+    replies = await asyncio.gather(
+        *(fleet.launch(h, sp, request_id=f"{request_id}-{i}" if request_id else "") for i, (h, sp) in enumerate(plan.nodes)),
+        return_exceptions=True,
+    )
     nodes = []
     for (h, _), r in zip(plan.nodes, replies):
         if isinstance(r, AgentError):

@@ -28,7 +28,16 @@ from gpudeck.console.ops.intent import CALLER_ENV, LaunchIntent
 from gpudeck.console.ops.launch import is_trainer, node_env
 from gpudeck.trainers.contract import TRAINER_MODULES, strip_start
 
-_TORCHRUN_FLAGS_WITH_VALUE = ("--nnodes", "--node-rank", "--nproc-per-node", "--rdzv-backend", "--rdzv-endpoint", "--rdzv-id", "--rdzv-conf", "--local-addr")
+_TORCHRUN_FLAGS_WITH_VALUE = (
+    "--nnodes",
+    "--node-rank",
+    "--nproc-per-node",
+    "--rdzv-backend",
+    "--rdzv-endpoint",
+    "--rdzv-id",
+    "--rdzv-conf",
+    "--local-addr",
+)
 
 
 def _is_python(exe: str) -> bool:
@@ -101,23 +110,40 @@ def intent_from_spec(spec: LaunchSpec, host: str, conf: cfg.Config | None = None
         elif nproc is not None and not hosts and nproc == gpus:
             nproc = None  # one rank per GPU, as planned by default
     elif hosts:
-        intent_argv = tuple(strip_start(program) if spec.start and is_trainer(program, spec.kind) else program)  # what torchrun starts on every node
+        intent_argv = tuple(
+            strip_start(program) if spec.start and is_trainer(program, spec.kind) else program
+        )  # what torchrun starts on every node
     else:
         intent_argv = tuple(strip_start(argv) if spec.start and is_trainer(argv, spec.kind) else argv)
         python, nproc, rdzv_host = spec.python, None, None
     if host == cfg.LOCAL or hosts:
         env = {k: v for k, v in env.items() if k not in CALLER_ENV}  # the caller's environment is taken again
     return LaunchIntent(
-        host=host, kind=spec.kind, argv=intent_argv, gpus=",".join(map(str, spec.gpus)) if spec.gpus is not None else None,
-        nproc_per_node=nproc, start=None, python=python, env=env, name=spec.name, cwd=spec.cwd, claims=spec.claims, hosts=hosts,
-        need_gib=spec.need_gib, rdzv_port=spec.rdzv_port if not hosts else (spec.rdzv_port or None), rdzv_host=rdzv_host,
-        checkpoint_dir=spec.checkpoint_dir, on_rank_death=spec.on_rank_death,
-        expected_ranks=spec.expected_ranks if not hosts and trainer_args is None else None, operator=spec.operator,
+        host=host,
+        kind=spec.kind,
+        argv=intent_argv,
+        gpus=",".join(map(str, spec.gpus)) if spec.gpus is not None else None,
+        nproc_per_node=nproc,
+        start=None,
+        python=python,
+        env=env,
+        name=spec.name,
+        cwd=spec.cwd,
+        claims=spec.claims,
+        hosts=hosts,
+        need_gib=spec.need_gib,
+        rdzv_port=spec.rdzv_port if not hosts else (spec.rdzv_port or None),
+        rdzv_host=rdzv_host,
+        checkpoint_dir=spec.checkpoint_dir,
+        on_rank_death=spec.on_rank_death,
+        expected_ranks=spec.expected_ranks if not hosts and trainer_args is None else None,
+        operator=spec.operator,
     )
 
 
-def relaunch_intent(spec: LaunchSpec, run_id: str, host: str, start: str | None, conf: cfg.Config | None = None,
-                    to_host: str | None = None) -> LaunchIntent:
+def relaunch_intent(
+    spec: LaunchSpec, run_id: str, host: str, start: str | None, conf: cfg.Config | None = None, to_host: str | None = None
+) -> LaunchIntent:
     """A recorded run (on ``host``) again: same configuration, the given (explicit) start, the run as its parent."""
     intent = intent_from_spec(spec, host, conf)
     return dataclasses.replace(intent, host=to_host or host, start=start, parent=run_id, operator=None)
@@ -130,8 +156,17 @@ def with_python(argv: list[str], python: str) -> list[str]:
     return list(argv)
 
 
-def rollback_intent(run: LaunchSpec, run_id: str, good: LaunchSpec, host: str, start: str | None, python: str,
-                    config_from: bool, conf: cfg.Config | None = None, good_host: str | None = None) -> LaunchIntent:
+def rollback_intent(
+    run: LaunchSpec,
+    run_id: str,
+    good: LaunchSpec,
+    host: str,
+    start: str | None,
+    python: str,
+    config_from: bool,
+    conf: cfg.Config | None = None,
+    good_host: str | None = None,
+) -> LaunchIntent:
     """Relaunch ``run`` (on ``host``) in ``good``'s environment (``python``), with ``good``'s configuration too when ``config_from``.
 
     The run keeps its name and, unless the configuration comes from ``good``, its GPUs.

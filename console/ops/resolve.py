@@ -155,11 +155,19 @@ def _is_no_such(exc: AgentError) -> bool:
 def _record_match(row: dict[str, Any]) -> Match:
     spec = row.get("spec") or {}
     nr = spec.get("node_rank") if isinstance(spec, dict) else None
-    return Match(row["host"], row["id"], row.get("name"), row.get("state") or "?", row.get("started") or row.get("created"), nr if isinstance(nr, int) else 0)
+    return Match(
+        row["host"],
+        row["id"],
+        row.get("name"),
+        row.get("state") or "?",
+        row.get("started") or row.get("created"),
+        nr if isinstance(nr, int) else 0,
+    )
 
 
-def resolve_record(rows: Sequence[dict[str, Any]], ref: str, host: str | None = None, unanswered: Sequence[str] = (),
-                   destructive: bool = False) -> dict[str, Any]:
+def resolve_record(
+    rows: Sequence[dict[str, Any]], ref: str, host: str | None = None, unanswered: Sequence[str] = (), destructive: bool = False
+) -> dict[str, Any]:
     """The history row ``ref`` names among ``rows`` (the history's candidates), by the same rules; the first node's row.
 
     ``unanswered``: hosts whose newest runs the history may lack (their sync did not answer).

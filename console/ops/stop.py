@@ -57,12 +57,18 @@ def reclaim_targets(targets: list[str]) -> tuple[str | None, dict[str, list[int]
     for t in targets:
         host, sep, pid = t.rpartition(":")
         if not sep or not pid.isdigit():
-            raise IntentError("targets", f"{t!r} is neither HOST nor HOST:PID", "write HOST to list the leftovers, or HOST:PID ... to stop those processes")
+            raise IntentError(
+                "targets",
+                f"{t!r} is neither HOST nor HOST:PID",
+                "write HOST to list the leftovers, or HOST:PID ... to stop those processes",
+            )
         pids.setdefault(host or cfg.LOCAL, []).append(int(pid))
     return None, pids
 
 
-async def reclaim(fleet: Fleet, pids: dict[str, list[int]], grace_s: float, include_live: bool = False) -> list[tuple[str, StopResult | str]]:
+async def reclaim(
+    fleet: Fleet, pids: dict[str, list[int]], grace_s: float, include_live: bool = False
+) -> list[tuple[str, StopResult | str]]:
     """Stop exactly these pids on each host (verified through NVML); a host's error message in place of its result."""
     hosts = list(pids)
     replies = await asyncio.gather(*(fleet.reclaim(h, pids[h], grace_s, include_live) for h in hosts), return_exceptions=True)

@@ -34,7 +34,13 @@ class DiffScreen(Guarded, Screen):
         Binding("w", "swap", "Swap A/B"),
     ]
 
-    def __init__(self, a: dict[str, Any], b: dict[str, Any], a_metrics: list[dict[str, Any]] | None = None, b_metrics: list[dict[str, Any]] | None = None) -> None:
+    def __init__(
+        self,
+        a: dict[str, Any],
+        b: dict[str, Any],
+        a_metrics: list[dict[str, Any]] | None = None,
+        b_metrics: list[dict[str, Any]] | None = None,
+    ) -> None:
         super().__init__()
         self.a, self.b = redact_run(a), redact_run(b)  # --env secrets never shown
         self.ma, self.mb = a_metrics, b_metrics
@@ -45,7 +51,13 @@ class DiffScreen(Guarded, Screen):
         yield Static("", id="diff-title", classes="title")
         yield Static("", id="diff-summary", classes="note")
         yield KeyedTable(columns(self.app.size.width), id="diff-table", zebra_stripes=False)
-        yield Static(Text("● changed and decides whether a known-good setup still works (torch, CUDA, driver, NCCL, cuDNN, transformers, python)   • changed", style="dim"), classes="note")
+        yield Static(
+            Text(
+                "● changed and decides whether a known-good setup still works (torch, CUDA, driver, NCCL, cuDNN, transformers, python)   • changed",
+                style="dim",
+            ),
+            classes="note",
+        )
         yield Footer()
 
     def on_mount(self) -> None:
@@ -54,7 +66,9 @@ class DiffScreen(Guarded, Screen):
     def _redraw(self) -> None:
         diff = run_diff(self.a, self.b, self.ma, self.mb)
         a_label, b_label = run_label(self.a), run_label(self.b)
-        self.query_one("#diff-title", Static).update(shown(Text.assemble(("Diff  ", "bold"), ("A ", "dim"), a_label, ("   B ", "dim"), b_label)))
+        self.query_one("#diff-title", Static).update(
+            shown(Text.assemble(("Diff  ", "bold"), ("A ", "dim"), a_label, ("   B ", "dim"), b_label))
+        )
         self.query_one("#diff-summary", Static).update(diff_summary(diff))
         table = self.query_one("#diff-table", KeyedTable)
         table.columns[table.cols[3].key].label = shown(Text(f"A  {a_label}"))  # type: ignore[index]

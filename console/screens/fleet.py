@@ -49,11 +49,21 @@ def host_cells(st: HostStatus) -> tuple[dict[str, object], HostFigures | None]:
     if snap is not None and snap.simulated:
         name.append(" ")
         name.append_text(SIMULATED)
-    cells: dict[str, object] = {"host": name, "state": state_cell(st), "gpus": "-", "memory": "-", "util": "-", "runs": "-", "alerts": Text("")}
+    cells: dict[str, object] = {
+        "host": name,
+        "state": state_cell(st),
+        "gpus": "-",
+        "memory": "-",
+        "util": "-",
+        "runs": "-",
+        "alerts": Text(""),
+    }
     if st.state != "up" or snap is None:
         if st.error:
             # host_key and version_mismatch say what to do; unreachable says why
-            cells["alerts"] = Text(why_down(st.name, st.error), style="bold magenta" if st.state in ("host_key", "version_mismatch") else "red")
+            cells["alerts"] = Text(
+                why_down(st.name, st.error), style="bold magenta" if st.state in ("host_key", "version_mismatch") else "red"
+            )
         return cells, None
     fig = host_figures(snap)
     if fig.gpus:
@@ -114,12 +124,19 @@ class FleetScreen(LiveScreen):
         t = Text()
         t.append(f"Fleet: {len(states)} host(s)", style="bold")
         t.append(f"  {states.count('up')} up", style="green")
-        for state, label, style in (("connecting", "connecting", "yellow"), ("unreachable", "unreachable", "bold red"), ("host_key", "host key refused", "bold magenta"), ("version_mismatch", "version mismatch", "bold magenta")):
+        for state, label, style in (
+            ("connecting", "connecting", "yellow"),
+            ("unreachable", "unreachable", "bold red"),
+            ("host_key", "host key refused", "bold magenta"),
+            ("version_mismatch", "version mismatch", "bold magenta"),
+        ):
             n = states.count(state)
             if n:
                 t.append(f"  {n} {label}", style=style)
         gpus = sum(f.gpus for f in figs)
-        t.append(f"   GPUs {sum(f.busy for f in figs)}/{gpus} busy   {gib(sum(f.used for f in figs))}/{gib(sum(f.total for f in figs))} GiB   runs {sum(f.runs for f in figs)}")
+        t.append(
+            f"   GPUs {sum(f.busy for f in figs)}/{gpus} busy   {gib(sum(f.used for f in figs))}/{gib(sum(f.total for f in figs))} GiB   runs {sum(f.runs for f in figs)}"
+        )
         alerts = sum(len(f.alerts) for f in figs)
         if alerts:
             t.append(f"   ⚠ {alerts} alert(s)", style="bold red")

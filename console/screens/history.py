@@ -14,12 +14,12 @@ from textual.timer import Timer
 from textual.widgets import Footer, Input, Static
 
 from gpudeck.console.fmt import duration
-from gpudeck.console.ops.figures import run_figures, tokens_text
 from gpudeck.console.messages import HistoryLoaded
+from gpudeck.console.ops.figures import run_figures, tokens_text
 from gpudeck.console.query import QueryError
 from gpudeck.console.screens.base import LiveScreen, deck
 from gpudeck.console.screens.runs import why_text
-from gpudeck.console.views import short_when, history_rows, run_row_from_history
+from gpudeck.console.views import history_rows, run_row_from_history, short_when
 from gpudeck.console.widgets.cells import sortable, state_text
 from gpudeck.console.widgets.header import AppHeader
 from gpudeck.console.widgets.keyed_table import Col, KeyedTable, fit
@@ -71,7 +71,12 @@ class HistoryScreen(LiveScreen):
         Binding("slash", "focus_filter", "Filter", key_display="/"),
         Binding("enter", "open_run", "Open run"),
         Binding("space", "mark", "Mark", tooltip="mark a run to diff (two at most)"),
-        Binding("d", "diff", "Diff marked", tooltip="two marked runs side by side: environment (torch, CUDA, driver, NCCL first), config, outcome"),
+        Binding(
+            "d",
+            "diff",
+            "Diff marked",
+            tooltip="two marked runs side by side: environment (torch, CUDA, driver, NCCL first), config, outcome",
+        ),
         Binding("u", "reload", "Refresh"),
     ]
 
@@ -94,7 +99,9 @@ class HistoryScreen(LiveScreen):
     def on_mount(self) -> None:
         self.query_one("#history-table", KeyedTable).focus()
         if deck(self).fleet.history is None:
-            self.query_one("#history-note", Static).update(Text("this console runs without a history database (`gpudeck` opens one by default)", style="yellow"))
+            self.query_one("#history-note", Static).update(
+                Text("this console runs without a history database (`gpudeck` opens one by default)", style="yellow")
+            )
             return
         self.set_interval(0.5, self._maybe_reload)
         self.reload()
@@ -153,7 +160,7 @@ class HistoryScreen(LiveScreen):
         if message.seconds >= 0.5:
             t.append(f" (the query took {message.seconds:.1f} s)", style="yellow")
         if table.marks:
-            t.append(f"   {len(table.marks)} marked: " + ", ".join(sorted(k.split('/', 1)[1] for k in table.marks)), style="bold")
+            t.append(f"   {len(table.marks)} marked: " + ", ".join(sorted(k.split("/", 1)[1] for k in table.marks)), style="bold")
         note.update(t)
 
     # ------------------------------------------------------------------ filter
@@ -230,8 +237,10 @@ class HistoryScreen(LiveScreen):
             return
         try:
             full_a, full_b, ma, mb = await asyncio.gather(
-                asyncio.to_thread(history.find, a["id"], a["host"]), asyncio.to_thread(history.find, b["id"], b["host"]),
-                asyncio.to_thread(history.metrics, a["host"], a["id"]), asyncio.to_thread(history.metrics, b["host"], b["id"]),
+                asyncio.to_thread(history.find, a["id"], a["host"]),
+                asyncio.to_thread(history.find, b["id"], b["host"]),
+                asyncio.to_thread(history.metrics, a["host"], a["id"]),
+                asyncio.to_thread(history.metrics, b["host"], b["id"]),
             )
         except Exception as exc:
             self.notify(str(exc), title="cannot diff", severity="error")

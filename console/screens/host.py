@@ -14,7 +14,7 @@ from gpudeck.console.screens.base import LiveScreen, deck
 from gpudeck.console.screens.fleet import state_cell
 from gpudeck.console.screens.reclaim import ReclaimItem, reclaim_flow
 from gpudeck.console.views import LEFTOVER_HOLDERS, holder_label, since
-from gpudeck.console.widgets.cells import SIMULATED, attribution_text, plain_markup, mem_bar, pct_bar
+from gpudeck.console.widgets.cells import SIMULATED, attribution_text, mem_bar, pct_bar, plain_markup
 from gpudeck.console.widgets.header import AppHeader
 from gpudeck.console.widgets.keyed_table import Col, KeyedTable
 from gpudeck.console.widgets.progress import ProgressLine
@@ -52,7 +52,9 @@ class HostScreen(LiveScreen):
         Binding("a", "mark_leftovers", "Mark leftovers", tooltip="mark every STALE, FOREIGN and NO SUCH PROCESS holder"),
         Binding("c", "clear_marks", "Clear marks", show=False),
         Binding("x", "reclaim", "Reclaim marked", tooltip="stop exactly the marked processes (confirm first), then verify through NVML"),
-        Binding("L", "leftovers", "Leftovers", tooltip="what reclaim offers on this host: orphans of ended runs, foreign and ghost holders"),
+        Binding(
+            "L", "leftovers", "Leftovers", tooltip="what reclaim offers on this host: orphans of ended runs, foreign and ghost holders"
+        ),
         Binding("o", "open_run", "Open run", tooltip="the run of the highlighted process"),
     ]
 
@@ -111,7 +113,9 @@ class HostScreen(LiveScreen):
                 "mem": mem_bar(g.memory_used, g.memory_total),
                 "util": pct_bar(g.util_gpu),
                 "temp": "-" if g.temperature_c is None else f"{g.temperature_c}°C",
-                "power": "-" if g.power_w is None else (f"{g.power_w:.0f}/{g.power_limit_w:.0f} W" if g.power_limit_w else f"{g.power_w:.0f} W"),
+                "power": "-"
+                if g.power_w is None
+                else (f"{g.power_w:.0f}/{g.power_limit_w:.0f} W" if g.power_limit_w else f"{g.power_w:.0f} W"),
                 "unacc": Text(f"{gib(unacc)} GiB", style="bold yellow" if unacc > 2**30 else "dim"),
                 "holders": self._holders(g.processes),
             }

@@ -28,8 +28,7 @@ from textual.widgets import Button, Input, Label, Select, SelectionList, Static
 from textual.widgets.selection_list import Selection
 
 from gpudeck.agents.errors import AgentError
-from gpudeck.agents.protocol import LaunchSpec, PreflightResult, RunInfo, Snapshot
-from gpudeck.agents.protocol import new_run_id
+from gpudeck.agents.protocol import LaunchSpec, PreflightResult, RunInfo, Snapshot, new_run_id
 from gpudeck.console.fmt import gib
 from gpudeck.console.ops import IntentError, LaunchIntent, LaunchPlan, LaunchResult, OpsError
 from gpudeck.console.ops.intent import count_text, form_start
@@ -108,7 +107,9 @@ def intent_from_form(form: LaunchForm, base: LaunchIntent | None = None) -> Laun
         argv=argv,
         name=form.name.strip() or None,
         gpus=form.gpus.strip() or None,
-        nproc_per_node=count_text(form.ranks, "ranks per node", "give how many ranks each host starts (1 or more), or leave it out: one per GPU"),
+        nproc_per_node=count_text(
+            form.ranks, "ranks per node", "give how many ranks each host starts (1 or more), or leave it out: one per GPU"
+        ),
         hosts=tuple(h.strip() for h in form.hosts.split(",") if h.strip()),
         python=form.python.strip() or None,
         start=form_start(form.start, form.resume_step),
@@ -144,9 +145,17 @@ def preflight_text(result: PreflightResult | None, error: str | None, host: str)
         return t
     failed = [c for c in result.checks if not c.ok and not c.overridden]
     if failed:
-        t.append(f"pre-flight on {result.host or host}: FAILED ({len(failed)} of {len(result.checks)} checks) — nothing was started\n", style="bold red")
+        t.append(
+            f"pre-flight on {result.host or host}: FAILED ({len(failed)} of {len(result.checks)} checks) — nothing was started\n",
+            style="bold red",
+        )
     else:
-        t.append(f"pre-flight on {result.host or host}: ok" + (" (forced past the GPU holders)" if result.forced else "") + f" in {result.seconds:.1f} s\n", style="bold green")
+        t.append(
+            f"pre-flight on {result.host or host}: ok"
+            + (" (forced past the GPU holders)" if result.forced else "")
+            + f" in {result.seconds:.1f} s\n",
+            style="bold green",
+        )
     for c in result.checks:
         if c.overridden:
             mark, style = "forced", "yellow"
@@ -167,8 +176,6 @@ def only_holders_failed(result: PreflightResult) -> bool:
     """Whether --force would get past this result (only the GPU-holder check may be overridden)."""
     failed = [c for c in result.checks if not c.ok and not c.overridden]
     return bool(failed) and all(c.name == "gpu_holders" for c in failed)
-
-
 
 
 class LaunchDialog(Guarded, ModalScreen[LaunchOutcome | None]):
@@ -214,7 +221,13 @@ class LaunchDialog(Guarded, ModalScreen[LaunchOutcome | None]):
                     yield Static("", id="gpu-hint", classes="hint")
             with Horizontal(classes="field"):
                 yield Label("Kind")
-                yield Select([("command", "command"), ("fsdp (gpudeck.trainers.fsdp_lm)", "fsdp"), ("dflash (gpudeck.trainers.dflash)", "dflash")], value="command", id="kind", allow_blank=False, compact=True)
+                yield Select(
+                    [("command", "command"), ("fsdp (gpudeck.trainers.fsdp_lm)", "fsdp"), ("dflash (gpudeck.trainers.dflash)", "dflash")],
+                    value="command",
+                    id="kind",
+                    allow_blank=False,
+                    compact=True,
+                )
             with Horizontal(classes="field"):
                 yield Label("Arguments")
                 yield Input(id="args", placeholder="python train.py --lr 3e-4  (for trainers: their options)", compact=True)
@@ -230,10 +243,19 @@ class LaunchDialog(Guarded, ModalScreen[LaunchOutcome | None]):
                 yield Input(id="hosts", placeholder="several hosts for one run: gpu1,gpu2 (the host above is then not used)", compact=True)
             with Horizontal(classes="field"):
                 yield Label("Start")
-                yield Select([("fresh: step 0, new checkpoints", "fresh"), ("resume at step N", "resume")], id="start", prompt="trainers: choose fresh or resume (no default)", compact=True)
+                yield Select(
+                    [("fresh: step 0, new checkpoints", "fresh"), ("resume at step N", "resume")],
+                    id="start",
+                    prompt="trainers: choose fresh or resume (no default)",
+                    compact=True,
+                )
                 yield Input(id="resume-step", placeholder="N", classes="narrow", compact=True)
             yield Static("", id="launch-error", classes="error")
-            yield Static(Text("ctrl+s runs pre-flight on the host first: nothing starts until you confirm its result.", style="dim"), id="preflight", classes="preflight")
+            yield Static(
+                Text("ctrl+s runs pre-flight on the host first: nothing starts until you confirm its result.", style="dim"),
+                id="preflight",
+                classes="preflight",
+            )
             yield ProgressLine(id="launch-progress")
             with Horizontal(classes="dialog-buttons"):
                 yield Button("Pre-flight (ctrl+s)", variant="primary", id="launch")
@@ -283,7 +305,9 @@ class LaunchDialog(Guarded, ModalScreen[LaunchOutcome | None]):
         picker.add_options([Selection(gpu_choice(g, snap.simulated), g.index, g.index in want) for g in snap.gpus])
         t = Text("none marked: CUDA_VISIBLE_DEVICES is left alone", style="dim")
         if snap.simulated:
-            t = Text.assemble(SIMULATED, Text(" GPUs of this host are simulated; none marked: CUDA_VISIBLE_DEVICES is left alone", style="dim"))
+            t = Text.assemble(
+                SIMULATED, Text(" GPUs of this host are simulated; none marked: CUDA_VISIBLE_DEVICES is left alone", style="dim")
+            )
         hint.update(t)
 
     def _gpus_text(self) -> str:
@@ -326,9 +350,16 @@ class LaunchDialog(Guarded, ModalScreen[LaunchOutcome | None]):
         val = lambda wid: self.query_one(f"#{wid}", Input).value  # noqa: E731
         start = self.query_one("#start", Select).value
         return LaunchForm(
-            host=str(self.query_one("#host", Select).value), kind=str(self.query_one("#kind", Select).value), args=val("args"),
-            name=val("name"), gpus=self._gpus_text(), ranks=val("ranks"), hosts=val("hosts"), python=val("python"),
-            start="" if start == Select.NULL else str(start), resume_step=val("resume-step"),
+            host=str(self.query_one("#host", Select).value),
+            kind=str(self.query_one("#kind", Select).value),
+            args=val("args"),
+            name=val("name"),
+            gpus=self._gpus_text(),
+            ranks=val("ranks"),
+            hosts=val("hosts"),
+            python=val("python"),
+            start="" if start == Select.NULL else str(start),
+            resume_step=val("resume-step"),
         )
 
     def plan(self, force: bool = False) -> LaunchPlan:
@@ -353,7 +384,9 @@ class LaunchDialog(Guarded, ModalScreen[LaunchOutcome | None]):
             bad = [c.preflight for c in results if c.preflight is not None and not c.preflight.ok]
             if bad:
                 if not all(only_holders_failed(r) for r in bad):
-                    self.query_one("#launch-error", Static).update(Text("pre-flight failed: fix what it says, then ctrl+s checks again", style="bold red"))
+                    self.query_one("#launch-error", Static).update(
+                        Text("pre-flight failed: fix what it says, then ctrl+s checks again", style="bold red")
+                    )
                     return
                 plan = self.plan(force=True)
             self.launch(plan)

@@ -60,7 +60,14 @@ def leftover_item(lo: Leftover) -> ReclaimItem:
     who = lo.kind.replace("_", " ").upper()
     if lo.run_id:
         who += f" {lo.run_id}" + (f" rank {lo.rank}" if lo.rank is not None else "")
-    return ReclaimItem(pid=lo.pid, who=who, user=lo.user or "-", command=" ".join(lo.cmdline), gpu_bytes=dict(lo.gpu_bytes), live_run=lo.run_id if lo.kind == "live" else None)
+    return ReclaimItem(
+        pid=lo.pid,
+        who=who,
+        user=lo.user or "-",
+        command=" ".join(lo.cmdline),
+        gpu_bytes=dict(lo.gpu_bytes),
+        live_run=lo.run_id if lo.kind == "live" else None,
+    )
 
 
 class LeftoversScreen(Guarded, Screen):
@@ -120,7 +127,11 @@ class LeftoversScreen(Guarded, Screen):
         rows = {str(lo.pid): leftover_cells(lo) for lo in reply.leftovers}
         self.query_one("#leftovers-table", KeyedTable).sync(rows)
         held = sum(sum(lo.gpu_bytes.values()) for lo in reply.leftovers)
-        t = Text(f"{len(reply.leftovers)} leftover(s) holding {gib(held)} GiB of GPU memory" + (f" (the agent took {took:.1f} s)" if took >= 1 else ""), style="bold")
+        t = Text(
+            f"{len(reply.leftovers)} leftover(s) holding {gib(held)} GiB of GPU memory"
+            + (f" (the agent took {took:.1f} s)" if took >= 1 else ""),
+            style="bold",
+        )
         if not reply.leftovers:
             t = Text(f"nothing left over on {self.host}: every process is a member of a live run or holds no GPU", style="green")
         if reply.gpu_error:

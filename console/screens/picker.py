@@ -15,7 +15,15 @@ from gpudeck.console.fmt import when
 from gpudeck.console.widgets.cells import plain_markup, state_text
 from gpudeck.console.widgets.keyed_table import Col, KeyedTable
 
-COLUMNS = [Col("id", "RUN", 12), Col("name", "NAME", 18), Col("host", "HOST", 12), Col("state", "STATE", 10), Col("started", "STARTED", 19), Col("torch", "TORCH", 16), Col("cause", "CAUSE", None)]
+COLUMNS = [
+    Col("id", "RUN", 12),
+    Col("name", "NAME", 18),
+    Col("host", "HOST", 12),
+    Col("state", "STATE", 10),
+    Col("started", "STARTED", 19),
+    Col("torch", "TORCH", 16),
+    Col("cause", "CAUSE", None),
+]
 
 
 class RunPicker(ModalScreen[dict[str, Any] | None]):

@@ -11,9 +11,9 @@ from textual.screen import Screen
 from gpudeck.agents.errors import AgentError
 from gpudeck.agents.protocol import Gpu, StopResult
 from gpudeck.console.fmt import gib
+from gpudeck.console.screens.base import deck
 from gpudeck.console.screens.dialogs import ConfirmDialog, ResultDialog, stop_result_text
 from gpudeck.console.widgets.progress import ProgressLine
-from gpudeck.console.screens.base import deck
 
 GRACE_S = 10.0
 
@@ -54,7 +54,10 @@ def reclaim_body(host: str, items: list[ReclaimItem], gpus: list[Gpu], grace_s: 
             t.append(f"  {gib(gpu.memory_used)} of {gib(gpu.memory_total)} GiB used")
         t.append(f"  → frees {gib(freed)} GiB\n", style="bold green")
         for it in by_gpu[g]:
-            t.append(f"  pid {it.pid:<8} {it.who:<28.28} {it.user:<8.8} {gib(it.gpu_bytes.get(g)):>6} GiB  {it.command[:26]}\n", style="bold red" if it.live_run else "")
+            t.append(
+                f"  pid {it.pid:<8} {it.who:<28.28} {it.user:<8.8} {gib(it.gpu_bytes.get(g)):>6} GiB  {it.command[:26]}\n",
+                style="bold red" if it.live_run else "",
+            )
     if no_gpu:
         t.append("\nholding no GPU memory\n", style="bold")
         for it in no_gpu:
@@ -63,18 +66,25 @@ def reclaim_body(host: str, items: list[ReclaimItem], gpus: list[Gpu], grace_s: 
     live = sorted({it.live_run for it in items if it.live_run})
     for rid in live:
         pids = ", ".join(str(it.pid) for it in items if it.live_run == rid)
-        t.append(f"⚠ pid {pids} belong(s) to live run {rid}: reclaiming breaks that run. To end the run cleanly, stop it instead (s on its Run screen).\n", style="bold red")
+        t.append(
+            f"⚠ pid {pids} belong(s) to live run {rid}: reclaiming breaks that run. To end the run cleanly, stop it instead (s on its Run screen).\n",
+            style="bold red",
+        )
     return t
 
 
-async def reclaim_flow(screen: Screen, host: str, items: list[ReclaimItem], gpus: list[Gpu], progress: ProgressLine, grace_s: float = GRACE_S) -> StopResult | None:
+async def reclaim_flow(
+    screen: Screen, host: str, items: list[ReclaimItem], gpus: list[Gpu], progress: ProgressLine, grace_s: float = GRACE_S
+) -> StopResult | None:
     """Confirm, reclaim exactly these pids with progress and elapsed time, then show the verified result."""
     if not items:
         screen.notify("mark processes first (space), then x", title="nothing to reclaim", severity="warning")
         return None
     include_live = any(it.live_run for it in items)
     label = "Reclaim, breaking the live run" if include_live else "Reclaim"
-    ok = await screen.app.push_screen_wait(ConfirmDialog(f"Reclaim on {host}", reclaim_body(host, items, gpus, grace_s), confirm_label=label))
+    ok = await screen.app.push_screen_wait(
+        ConfirmDialog(f"Reclaim on {host}", reclaim_body(host, items, gpus, grace_s), confirm_label=label)
+    )
     if not ok:
         return None
     pids = sorted({it.pid for it in items})
@@ -86,9 +96,9 @@ async def reclaim_flow(screen: Screen, host: str, items: list[ReclaimItem], gpus
         await screen.app.push_screen_wait(ResultDialog(f"Reclaim on {host} failed", Text(exc.message, style="red")))
         return None
     progress.finish(
-        f"reclaim on {host}: {res.state}, {gib(res.freed_bytes)} GiB freed in {res.seconds:.2f} s" + (f", {len(res.survivors)} SURVIVED" if res.survivors else ""),
+        f"reclaim on {host}: {res.state}, {gib(res.freed_bytes)} GiB freed in {res.seconds:.2f} s"
+        + (f", {len(res.survivors)} SURVIVED" if res.survivors else ""),
         style="bold red" if res.survivors else "green",
     )
     await screen.app.push_screen_wait(ResultDialog(f"Reclaimed on {host}", stop_result_text(res)))
     return res
-

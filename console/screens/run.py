@@ -27,14 +27,25 @@ from gpudeck.agents.errors import AgentError
 from gpudeck.agents.protocol import TERMINAL_STATES, Alert, EnvFingerprint, LaunchSpec, PreflightResult, RunInfo, StopResult, VerifyReply
 from gpudeck.console.fmt import duration, elapsed, gib, when
 from gpudeck.console.messages import RecordLoaded
+from gpudeck.console.ops import OpsError, Resolved, relaunch_intent, resolve_run, rollback_intent
+from gpudeck.console.ops.relaunch import check_environment, rebuild_environment, recorded_environment
+from gpudeck.console.ops.stop import stop_run
+from gpudeck.console.sanitize import redact_env
 from gpudeck.console.screens.base import LiveScreen, deck
 from gpudeck.console.screens.dialogs import ChoiceDialog, ConfirmDialog, ResultDialog, stop_result_text
 from gpudeck.console.screens.launch import preflight_text
-from gpudeck.console.ops import OpsError, Resolved, relaunch_intent, resolve_run, rollback_intent
-from gpudeck.console.ops.stop import stop_run
-from gpudeck.console.ops.relaunch import check_environment, rebuild_environment, recorded_environment
-from gpudeck.console.views import alerts_of, env_of, history_rows, python_of, record_from_info, run_diff, run_from_record, run_label, short_when, spec_of
-from gpudeck.console.sanitize import redact_env
+from gpudeck.console.views import (
+    alerts_of,
+    env_of,
+    history_rows,
+    python_of,
+    record_from_info,
+    run_diff,
+    run_from_record,
+    run_label,
+    short_when,
+    spec_of,
+)
 from gpudeck.console.widgets.cells import SIMULATED, ok_text, shown, state_text
 from gpudeck.console.widgets.diff import diff_summary, diff_table
 from gpudeck.console.widgets.header import AppHeader
@@ -46,8 +57,22 @@ FLUSH_S = 0.1  # output reaches the screen in batches, a few times a second at m
 FLUSH_MAX_CHARS = 1 << 20  # per batch: 10 MB/s at most (50,000 log lines a second are ~3.5 MB/s)
 STOP_GRACE_S = 30.0
 TABS = ("tab-output", "tab-spec", "tab-env", "tab-claims")
-CLAIM_COLUMNS = [Col("ok", " ", 1), Col("what", "WHAT", 22), Col("claimed", "CLAIMED", 16), Col("observed", "OBSERVED", 16), Col("source", "SOURCE", 26), Col("detail", "DETAIL", None)]
-ALERT_COLUMNS = [Col("time", "RAISED", 10), Col("severity", "SEVERITY", 8), Col("kind", "KIND", 16), Col("where", "WHERE", 18), Col("cleared", "CLEARED", 10), Col("message", "MESSAGE", None)]
+CLAIM_COLUMNS = [
+    Col("ok", " ", 1),
+    Col("what", "WHAT", 22),
+    Col("claimed", "CLAIMED", 16),
+    Col("observed", "OBSERVED", 16),
+    Col("source", "SOURCE", 26),
+    Col("detail", "DETAIL", None),
+]
+ALERT_COLUMNS = [
+    Col("time", "RAISED", 10),
+    Col("severity", "SEVERITY", 8),
+    Col("kind", "KIND", 16),
+    Col("where", "WHERE", 18),
+    Col("cleared", "CLEARED", 10),
+    Col("message", "MESSAGE", None),
+]
 PACKAGE_COLUMNS = [Col("name", "PACKAGE", 36), Col("version", "VERSION", None)]
 
 
@@ -91,7 +116,11 @@ def run_header(r: RunInfo, simulated: bool = False, host: str | None = None) -> 
         t.append(f"\ncause: {r.cause}", style="bold red" if r.state in ("failed", "lost", "preflight_failed") else "")
     elif r.state in ("starting", "running") and r.spec.kind != "command" and (tel is None or tel.step is None):
         # a trainer spends its first minutes loading the model: say so, with the clock, instead of looking stuck
-        what = "waiting for the first step (loading the model, building the optimizer)" if tel is None or tel.world_size is None else "manifest in, waiting for the first step"
+        what = (
+            "waiting for the first step (loading the model, building the optimizer)"
+            if tel is None or tel.world_size is None
+            else "manifest in, waiting for the first step"
+        )
         t.append(f"\n⠿ {what} — {duration(elapsed(r.started or r.created, None))} so far", style="yellow")
     t.append(f"\n$ {shlex.join(r.spec.argv)}", style="dim")
     extras = []
@@ -136,7 +165,17 @@ def spec_text(spec: LaunchSpec, preflight: PreflightResult | None, stop: dict[st
         rows.append(("nodes", f"{', '.join(spec.nodes)} (node rank {spec.node_rank} of {spec.nnodes})"))
     if spec.claims is not None:
         c = spec.claims
-        claimed = [f"{k} {v}" for k, v in (("GPUs", c.gpus), ("params", c.params), ("world size", c.world_size), ("tokens/s", c.tokens_per_s), ("samples", c.dataset_samples)) if v is not None]
+        claimed = [
+            f"{k} {v}"
+            for k, v in (
+                ("GPUs", c.gpus),
+                ("params", c.params),
+                ("world size", c.world_size),
+                ("tokens/s", c.tokens_per_s),
+                ("samples", c.dataset_samples),
+            )
+            if v is not None
+        ]
         rows.append(("claims", ", ".join(claimed) + (f" — {c.note}" if c.note else "")))
     for k, v in rows:
         t.append(f"{k:<12}", style="bold")
@@ -320,7 +359,11 @@ class RunScreen(LiveScreen):
 
     def _alerts(self) -> list[Alert]:
         seen: dict[tuple[str, float], Alert] = {}
-        for a in [*(self.run.alerts if self.run else []), *(alerts_of(self.record) if self.record else []), *(self.verify_reply.alerts if self.verify_reply else [])]:
+        for a in [
+            *(self.run.alerts if self.run else []),
+            *(alerts_of(self.record) if self.record else []),
+            *(self.verify_reply.alerts if self.verify_reply else []),
+        ]:
             seen.setdefault((a.kind, a.ts), a)
         return sorted(seen.values(), key=lambda a: a.ts, reverse=True)
 
@@ -328,7 +371,12 @@ class RunScreen(LiveScreen):
         header = self.query_one("#run-header", Static)
         r = self.run
         if r is None:
-            header.update(Text(f"{self.run_id} on {self.host}: {self.agent_error or 'asking its agent ...'}", style="red" if self.agent_error else "dim"))
+            header.update(
+                Text(
+                    f"{self.run_id} on {self.host}: {self.agent_error or 'asking its agent ...'}",
+                    style="red" if self.agent_error else "dim",
+                )
+            )
             return
         t = run_header(r, self._simulated(), self.host)
         if self.agent_error:
@@ -349,7 +397,9 @@ class RunScreen(LiveScreen):
         if env_key != self._shown_env:
             self._shown_env = env_key
             plain = r.spec.kind == "command" and python_of(r.spec) is None
-            self.query_one("#run-env", Static).update(shown(env_text(env, "a plain command: no python environment to fingerprint" if plain else "")))
+            self.query_one("#run-env", Static).update(
+                shown(env_text(env, "a plain command: no python environment to fingerprint" if plain else ""))
+            )
             pkgs = self.query_one("#env-packages", KeyedTable)
             pkgs.display = env is not None and bool(env.packages)
             if env is not None:
@@ -359,7 +409,18 @@ class RunScreen(LiveScreen):
     def _show_alerts(self) -> None:
         rows: dict[str, dict[str, object]] = {}
         for a in self._alerts():
-            where = ", ".join(x for x in (f"rank {a.rank}" if a.rank is not None else "", f"GPU {a.gpu}" if a.gpu is not None else "", f"pid {a.pid}" if a.pid is not None else "") if x) or "-"
+            where = (
+                ", ".join(
+                    x
+                    for x in (
+                        f"rank {a.rank}" if a.rank is not None else "",
+                        f"GPU {a.gpu}" if a.gpu is not None else "",
+                        f"pid {a.pid}" if a.pid is not None else "",
+                    )
+                    if x
+                )
+                or "-"
+            )
             rows[f"{a.kind}:{a.ts}"] = {
                 "time": short_when(a.ts),
                 "severity": Text(a.severity, style="bold red" if a.severity == "critical" else "yellow"),
@@ -404,7 +465,12 @@ class RunScreen(LiveScreen):
         if bad:
             note.update(Text(f"claims differ from what is observed: {', '.join(bad)}", style="bold red"))
         elif not any(c.ok for c in reply.rows):
-            note.update(Text("nothing to check: this run claims nothing (claims come from its spec, its --gpus and a size in its name such as 'llama-1b')", style="dim"))
+            note.update(
+                Text(
+                    "nothing to check: this run claims nothing (claims come from its spec, its --gpus and a size in its name such as 'llama-1b')",
+                    style="dim",
+                )
+            )
         else:
             note.update(Text("every claim that can be checked matches what is observed", style="green"))
         self._show_alerts()
@@ -446,7 +512,12 @@ class RunScreen(LiveScreen):
             return
         data = [v for _, v in pts]
         self.query_one(spark_id, Sparkline).data = data
-        label.update(Text.assemble((f"{name} ", "bold"), f"step {pts[-1][0]}: {fmt.format(data[-1])}   min {fmt.format(min(data))}  max {fmt.format(max(data))}"))
+        label.update(
+            Text.assemble(
+                (f"{name} ", "bold"),
+                f"step {pts[-1][0]}: {fmt.format(data[-1])}   min {fmt.format(min(data))}  max {fmt.format(max(data))}",
+            )
+        )
 
     @work(exclusive=True, group="run-output")
     async def follow_output(self) -> None:
@@ -583,7 +654,11 @@ class RunScreen(LiveScreen):
             rows = await asyncio.to_thread(history_rows, fleet.history.path, f"kind:{kind} state:ended limit:200")
         else:
             try:
-                rows = [record_from_info(r) for r in await fleet.runs(self.host, limit=500) if r.spec.kind == kind and r.state in TERMINAL_STATES]
+                rows = [
+                    record_from_info(r)
+                    for r in await fleet.runs(self.host, limit=500)
+                    if r.spec.kind == kind and r.state in TERMINAL_STATES
+                ]
             except AgentError as exc:
                 self.notify(exc.message, title="no runs to roll back to", severity="error")
         rows = [r for r in rows if r["id"] != self.run.id]
@@ -625,7 +700,9 @@ class RunScreen(LiveScreen):
         if not candidates:
             self.notify(f"no ended {self.run.spec.kind} run to roll back to", severity="warning")
             return
-        pick = await self.app.push_screen_wait(RunPicker(f"Roll back {self.run.id}: pick the known-good run", "succeeded runs first; enter picks, esc cancels", candidates))
+        pick = await self.app.push_screen_wait(
+            RunPicker(f"Roll back {self.run.id}: pick the known-good run", "succeeded runs first; enter picks, esc cancels", candidates)
+        )
         if pick is None:
             return
         good = await self._full_record(pick)
@@ -655,7 +732,9 @@ class RunScreen(LiveScreen):
         python = await self._checked_python(recorded, status)
         if python is None:
             return
-        intent = rollback_intent(self.run.spec, self.run.id, good_spec, self.host, None, python, config_from=how == "all", good_host=good["host"])
+        intent = rollback_intent(
+            self.run.spec, self.run.id, good_spec, self.host, None, python, config_from=how == "all", good_host=good["host"]
+        )
         deck(self).launch_flow(
             prefill=intent,
             host=self.host,
@@ -672,7 +751,9 @@ class RunScreen(LiveScreen):
             check = await check_environment(fleet, self.host, recorded)
         except AgentError as exc:
             status.finish(f"could not fingerprint {python}: {exc.message}", style="bold red")
-            await self.app.push_screen_wait(ResultDialog("Cannot check the environment", Text(f"{exc.message}\n\nnothing was started", style="red")))
+            await self.app.push_screen_wait(
+                ResultDialog("Cannot check the environment", Text(f"{exc.message}\n\nnothing was started", style="red"))
+            )
             return None
         if check.holds:
             note = f"; the driver differs: {envs.describe(check.driver)[0]} (rollback cannot change the driver)" if check.driver else ""
@@ -683,13 +764,18 @@ class RunScreen(LiveScreen):
         ok = await self.app.push_screen_wait(
             ConfirmDialog(
                 "The good environment changed",
-                Text(f"{python} no longer matches what the good run recorded:\n\n{lines}\n\nRebuild it from the recorded pip freeze into a new virtual environment (minutes; the result is checked against the record)? Nothing starts in the changed one."),
+                Text(
+                    f"{python} no longer matches what the good run recorded:\n\n{lines}\n\nRebuild it from the recorded pip freeze into a new virtual environment (minutes; the result is checked against the record)? Nothing starts in the changed one."
+                ),
                 "Rebuild it",
             )
         )
         if not ok:
             return None
-        status.start(f"rebuilding the environment on {self.host} from {len(recorded.freeze)} freeze lines", "installing, then checking against the record")
+        status.start(
+            f"rebuilding the environment on {self.host} from {len(recorded.freeze)} freeze lines",
+            "installing, then checking against the record",
+        )
         try:
             python, path = await rebuild_environment(fleet, self.host, recorded)
         except (AgentError, OpsError) as exc:
@@ -736,11 +822,15 @@ class RunScreen(LiveScreen):
             status.finish(f"stop failed: {exc.message}", style="bold red")
             return
         if not done.results:
-            status.finish(f"{', '.join(done.pending)} did not answer: the stop is recorded and delivered when it is back", style="bold yellow")
+            status.finish(
+                f"{', '.join(done.pending)} did not answer: the stop is recorded and delivered when it is back", style="bold yellow"
+            )
             return
         res = done.results[0][1]
         more = f"; {', '.join(done.pending)} did not answer: its stop is recorded for later" if done.pending else ""
-        status.finish(f"stop finished in {res.seconds:.1f} s: {res.message or res.state}{more}", style="green" if not done.survivors else "bold red")
+        status.finish(
+            f"stop finished in {res.seconds:.1f} s: {res.message or res.state}{more}", style="green" if not done.survivors else "bold red"
+        )
         body = Text()
         for i, (h, one) in enumerate(done.results):
             if len(done.results) > 1:

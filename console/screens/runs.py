@@ -16,7 +16,7 @@ from gpudeck.console.fmt import duration, elapsed
 from gpudeck.console.messages import HistoryLoaded
 from gpudeck.console.query import QueryError
 from gpudeck.console.screens.base import LiveScreen, deck
-from gpudeck.console.views import short_when, RunRow, history_rows, merge_rows, run_row_from_history, run_row_from_info
+from gpudeck.console.views import RunRow, history_rows, merge_rows, run_row_from_history, run_row_from_info, short_when
 from gpudeck.console.widgets.cells import alerts_text, sortable, sparkline, state_text
 from gpudeck.console.widgets.header import AppHeader
 from gpudeck.console.widgets.keyed_table import Col, KeyedTable, fit

@@ -28,7 +28,14 @@ STATE_STYLES = {
 STATE_WORDS = {"version_mismatch": "version mismatch", "host_key": "host key refused", "preflight_failed": "preflight failed"}
 
 ATTRIBUTION_STYLES = {"RUN": "green", "STALE": "bold red", "FOREIGN": "yellow", "NO_SUCH_PROCESS": "bold magenta"}
-LEFTOVER_STYLES = {"orphan": "bold red", "foreign": "yellow", "zombie": "bold red", "disk_sleep": "bold red", "no_such_process": "bold magenta", "live": "green"}
+LEFTOVER_STYLES = {
+    "orphan": "bold red",
+    "foreign": "yellow",
+    "zombie": "bold red",
+    "disk_sleep": "bold red",
+    "no_such_process": "bold magenta",
+    "live": "green",
+}
 SIMULATED = Text(" SIMULATED ", style="bold black on yellow")
 MARK = "✓"
 

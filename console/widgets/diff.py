@@ -8,10 +8,9 @@ import os
 from rich.table import Table
 from rich.text import Text
 
-from gpudeck.console.widgets.cells import literal
-
 from gpudeck.console.rundiff import Row, RunDiff
 from gpudeck.console.views import core_changes, diff_sections, row_label
+from gpudeck.console.widgets.cells import literal
 
 CORE_STYLE = "bold red"
 DIFF_STYLE = "bold yellow"
@@ -47,7 +46,12 @@ def diff_cells(section: str, row: Row, focus: bool = False) -> dict[str, object]
 
 def diff_rows(diff: RunDiff, only_differences: bool = False, focus: bool = False) -> dict[str, dict[str, object]]:
     """Every row of the diff as cells, keyed ``section:key``, in reading order."""
-    return {f"{section}:{r.key}": diff_cells(section, r, focus) for section, rows in diff_sections(diff) for r in rows if r.differs or not only_differences}
+    return {
+        f"{section}:{r.key}": diff_cells(section, r, focus)
+        for section, rows in diff_sections(diff)
+        for r in rows
+        if r.differs or not only_differences
+    }
 
 
 def diff_table(diff: RunDiff, a_label: str, b_label: str, only_differences: bool = False, limit: int | None = None) -> Table:

@@ -53,7 +53,15 @@ def fit(columns: Sequence[Col], width: int, *, markable: bool = False, least: in
 class KeyedTable(DataTable):
     """A DataTable updated by row key (never cleared), with optional row marks."""
 
-    def __init__(self, columns: Sequence[Col], *, markable: bool = False, id: str | None = None, classes: str | None = None, zebra_stripes: bool = True) -> None:
+    def __init__(
+        self,
+        columns: Sequence[Col],
+        *,
+        markable: bool = False,
+        id: str | None = None,
+        classes: str | None = None,
+        zebra_stripes: bool = True,
+    ) -> None:
         super().__init__(id=id, classes=classes, cursor_type="row", zebra_stripes=zebra_stripes)
         self.cols = list(columns)
         self.markable = markable

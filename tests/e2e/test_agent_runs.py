@@ -130,8 +130,15 @@ def test_agent_kill9_runs_survive_and_are_readopted(agent: AgentProc, tmp_path: 
     long = agent.cli_json("launch", "--name", "long", "--", "sleep", "300")["id"]
     # the short run ends only when told to, after the agent is gone: a fixed sleep raced the kill on a busy machine
     go = tmp_path / "go"
-    short = agent.cli_json("launch", "--name", "short", "--", sys.executable, "-c",
-                           f"import os, time\nwhile not os.path.exists({str(go)!r}): time.sleep(0.05)\nraise SystemExit(4)")["id"]
+    short = agent.cli_json(
+        "launch",
+        "--name",
+        "short",
+        "--",
+        sys.executable,
+        "-c",
+        f"import os, time\nwhile not os.path.exists({str(go)!r}): time.sleep(0.05)\nraise SystemExit(4)",
+    )["id"]
     snap = agent.cli_json("status", "--host", "local")
     leader = next(m for r in snap["runs"] if r["id"] == long for m in r["members"] if m["role"] == "leader")
     agent.kill9()
@@ -188,7 +195,9 @@ def test_pid_reuse_is_never_signalled(agent: AgentProc) -> None:
 
 
 def test_tail_follow_streams_until_the_run_ends(agent: AgentProc) -> None:
-    rid = agent.cli_json("launch", "--", sys.executable, "-c", "import time\nfor i in range(5):\n    print('tick', i, flush=True); time.sleep(0.3)")["id"]
+    rid = agent.cli_json(
+        "launch", "--", sys.executable, "-c", "import time\nfor i in range(5):\n    print('tick', i, flush=True); time.sleep(0.3)"
+    )["id"]
     cp = agent.cli("tail", rid, "-f", "-n", "-1", timeout=30)
     assert [ln for ln in cp.stdout.splitlines()] == [f"tick {i}" for i in range(5)]
 
@@ -205,9 +214,13 @@ def test_orphan_of_a_killed_leader_is_stale_and_stop_reclaims_it(agent: AgentPro
     pidfile = tmp_path / "pids"
     rid = agent.cli_json("launch", "--", sys.executable, str(PROGS / "tree.py"), str(pidfile))["id"]
     pids = wait_for(lambda: pidfile.exists() and read_pids(pidfile), what="the tree")
-    wait_for(lambda: len(next(r for r in agent.cli_json("status", "--host", "local")["runs"] if r["id"] == rid)["members"]) >= 4, what="members")
+    wait_for(
+        lambda: len(next(r for r in agent.cli_json("status", "--host", "local")["runs"] if r["id"] == rid)["members"]) >= 4, what="members"
+    )
     os.kill(pids["main"], signal.SIGKILL)
-    r = wait_for(lambda: next((r for r in agent.cli_json("runs") if r["id"] == rid and r["state"] == "failed"), None), what="the run to fail")
+    r = wait_for(
+        lambda: next((r for r in agent.cli_json("runs") if r["id"] == rid and r["state"] == "failed"), None), what="the run to fail"
+    )
     assert r["signal"] == "SIGKILL"
     assert psutil.pid_exists(pids["orphan"]) and psutil.pid_exists(pids["stubborn"])
     res = agent.cli_json("stop", rid, "--grace", "1")
@@ -243,7 +256,16 @@ def test_runs_caught_between_record_and_start_are_settled_by_evidence(agent: Age
     agent.kill9()
     j = Journal(agent.state_dir / "journal.db", "h")
     for rid in ("r-started0", "r-missing0"):
-        j.create_run(RunInfo(id=rid, host="h", state="starting", spec=LaunchSpec(argv=["sleep", "300"]), created=_time.time(), run_dir=str(agent.state_dir / "runs" / rid)))
+        j.create_run(
+            RunInfo(
+                id=rid,
+                host="h",
+                state="starting",
+                spec=LaunchSpec(argv=["sleep", "300"]),
+                created=_time.time(),
+                run_dir=str(agent.state_dir / "runs" / rid),
+            )
+        )
     j.close()
     worker = subprocess.Popen(["sleep", "300"], env={**os.environ, "GPUDECK_RUN_ID": "r-started0"}, start_new_session=True)
     try:

@@ -129,18 +129,25 @@ def test_other_users_are_refused(agent: AgentProc) -> None:
 def test_dial_bridges_and_starts_the_agent(gpudeck_home: Path) -> None:
     env = {**os.environ, "GPUDECK_HOME": str(gpudeck_home), "PYTHONPATH": str(ROOT)}
     requests = b'{"type":"hello","request_id":"h","version":1}\n{"type":"ping","request_id":"p"}\n{"type":"list_runs","request_id":"l"}\n'
-    out = subprocess.run([sys.executable, "-m", "gpudeck.console.cli", "agent", "dial"], input=requests, capture_output=True, env=env, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-m", "gpudeck.console.cli", "agent", "dial"], input=requests, capture_output=True, env=env, timeout=60
+    )
     assert out.returncode == 0, out.stderr
     replies = [json.loads(ln) for ln in out.stdout.splitlines()]
     assert {r["request_id"]: r["type"] for r in replies} == {"h": "hello_reply", "p": "pong", "l": "run_list"}
     hello = next(r for r in replies if r["type"] == "hello_reply")
     # the agent it started is detached and still serving; stop it by its pid
     try:
-        st = subprocess.run([sys.executable, "-m", "gpudeck.console.cli", "agent", "status", "--json"], capture_output=True, text=True, env=env, timeout=30)
+        st = subprocess.run(
+            [sys.executable, "-m", "gpudeck.console.cli", "agent", "status", "--json"], capture_output=True, text=True, env=env, timeout=30
+        )
         assert json.loads(st.stdout)["pid"] == hello["pid"]
     finally:
         os.kill(hello["pid"], 15)
-        wait_for(lambda: not os.path.exists(f"/proc/{hello['pid']}") or open(f"/proc/{hello['pid']}/stat").read().split()[2] == "Z", what="the agent to exit")
+        wait_for(
+            lambda: not os.path.exists(f"/proc/{hello['pid']}") or open(f"/proc/{hello['pid']}/stat").read().split()[2] == "Z",
+            what="the agent to exit",
+        )
 
 
 def test_event_stream_follows_new_events_in_order(agent: AgentProc) -> None:
@@ -225,13 +232,18 @@ def test_a_held_journal_write_lock_delays_no_ping_or_snapshot_and_the_queued_eve
     try:
         rtts, state = asyncio.run(go())
         assert not released
-        print(f"\nwith the journal's write lock held 3 s: {len(rtts)} pings, slowest {max(rtts) * 1000:.1f} ms; the run is {state} in the last snapshot")
+        print(
+            f"\nwith the journal's write lock held 3 s: {len(rtts)} pings, slowest {max(rtts) * 1000:.1f} ms; the run is {state} in the last snapshot"
+        )
         assert state == "ended", "the run's end was not seen while its record waited for the disk"
     finally:
         held.execute("COMMIT")
         held.close()
         released = True
-    row = wait_for(lambda: (r := next(r for r in agent.cli_json("runs") if r["id"] == rid))["state"] == "failed" and r, what="the queued end to be committed")
+    row = wait_for(
+        lambda: (r := next(r for r in agent.cli_json("runs") if r["id"] == rid))["state"] == "failed" and r,
+        what="the queued end to be committed",
+    )
     assert row["exit_code"] == 3
     db = sqlite3.connect(agent.state_dir / "journal.db")
     seqs = [s for (s,) in db.execute("SELECT seq FROM events ORDER BY seq")]

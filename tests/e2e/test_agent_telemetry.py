@@ -79,7 +79,9 @@ def test_hostile_telemetry_lines_are_rejected_one_by_one_and_supervision_goes_on
     """Deep nesting, 2**64, 5000-digit numbers, invalid UTF-8 and 1e999 in a run's telemetry: each line is refused
     by itself, the good lines around them are read, another run is supervised meanwhile, and the agent restarts."""
     gate = tmp_path / "go"
-    hostile = agent.cli_json("launch", "--name", "hostile", "--", sys.executable, str(Path(__file__).parent / "progs" / "hostile_telemetry.py"), str(gate))["id"]
+    hostile = agent.cli_json(
+        "launch", "--name", "hostile", "--", sys.executable, str(Path(__file__).parent / "progs" / "hostile_telemetry.py"), str(gate)
+    )["id"]
     wait_for(lambda: Path(str(gate) + ".ready").exists(), timeout=60, what="the hostile lines")
 
     def live() -> dict | None:
@@ -90,10 +92,18 @@ def test_hostile_telemetry_lines_are_rejected_one_by_one_and_supervision_goes_on
     tel = wait_for(live, timeout=60, what="step 3 and 6 rejected lines in the snapshot")
     assert tel["loss"] == 2.0
     other = agent.cli_json("launch", "--", sys.executable, "-c", "print('fine')")["id"]
-    wait_for(lambda: next(r for r in agent.cli_json("runs") if r["id"] == other)["state"] == "succeeded", timeout=60, what="another run to be supervised to its end")
+    wait_for(
+        lambda: next(r for r in agent.cli_json("runs") if r["id"] == other)["state"] == "succeeded",
+        timeout=60,
+        what="another run to be supervised to its end",
+    )
     agent.kill9()
     agent.start()  # the file is still there: the agent starts and reads it again
     gate.touch()
-    wait_for(lambda: next(r for r in agent.cli_json("runs") if r["id"] == hostile)["state"] == "succeeded", timeout=60, what="the hostile run to end")
+    wait_for(
+        lambda: next(r for r in agent.cli_json("runs") if r["id"] == hostile)["state"] == "succeeded",
+        timeout=60,
+        what="the hostile run to end",
+    )
     kinds = [r["type"] for r in telemetry_events(agent, hostile)]
     assert kinds.count("manifest") == 0 and "error" not in kinds and "eval" not in kinds, kinds

@@ -12,10 +12,32 @@ from tests.agent_harness import ROOT, AgentProc, wait_for
 def test_torchrun_job_is_supervised_end_to_end(agent: AgentProc, tmp_path: Path) -> None:
     out = tmp_path / "run"
     argv = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-        "-m", "gpudeck.trainers.fsdp_lm", "--model-config", "tiny", "--fresh", "--out", str(out),
-        "--max-steps", "100000", "--batch-size", "2", "--seq-len", "64", "--checkpoint-every", "1000",
-        "--corpus-bytes", "400000", "--log-every", "1", "--no-export",
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "-m",
+        "gpudeck.trainers.fsdp_lm",
+        "--model-config",
+        "tiny",
+        "--fresh",
+        "--out",
+        str(out),
+        "--max-steps",
+        "100000",
+        "--batch-size",
+        "2",
+        "--seq-len",
+        "64",
+        "--checkpoint-every",
+        "1000",
+        "--corpus-bytes",
+        "400000",
+        "--log-every",
+        "1",
+        "--no-export",
     ]
     rid = agent.cli_json("launch", "--name", "fsdp-tiny", "--cwd", str(ROOT), "--", *argv)["id"]
 

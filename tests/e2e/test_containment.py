@@ -204,7 +204,9 @@ def test_a_daemon_left_behind_by_a_finished_run_is_a_leftover_of_its_group(cagen
         _kill_pids([daemon])
 
 
-def test_pid_reuse_during_a_stop_a_stranger_is_neither_signalled_nor_blamed(level: str, gpudeck_home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_pid_reuse_during_a_stop_a_stranger_is_neither_signalled_nor_blamed(
+    level: str, gpudeck_home: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("GPUDECK_SIMULATE_GPUS", "2:H200:141")
     a = AgentProc(gpudeck_home).start()
     # a stranger (no tag, not in any run) holding GPU memory, as a process given a member's old pid would
@@ -212,7 +214,10 @@ def test_pid_reuse_during_a_stop_a_stranger_is_neither_signalled_nor_blamed(leve
     try:
         rid = a.cli_json("launch", "--gpus", "1", "--", "sleep", "300")["id"]
         wait_for(lambda: _run(a, rid)["state"] == "running", what="the run")
-        wait_for(lambda: any(p["pid"] == stranger.pid for p in a.cli_json("status", "--host", "local")["gpus"][0]["processes"]), what="the stranger on GPU 0")
+        wait_for(
+            lambda: any(p["pid"] == stranger.pid for p in a.cli_json("status", "--host", "local")["gpus"][0]["processes"]),
+            what="the stranger on GPU 0",
+        )
         ct = create_time_of(stranger.pid)
         assert ct is not None
         a.kill9()
@@ -273,7 +278,11 @@ def test_agent_kill9_mid_stop_the_restarted_agent_counts_the_grace_already_spent
     asyncio.run(begin_and_die())
     assert not gone(pids["deaf"]), "the run died with the agent"
     cagent.start()
-    row = wait_for(lambda: _journal_state(cagent, rid) == "stopped" and _journal_row(cagent, rid), timeout=60, what="the restarted agent to finish the stop")
+    row = wait_for(
+        lambda: _journal_state(cagent, rid) == "stopped" and _journal_row(cagent, rid),
+        timeout=60,
+        what="the restarted agent to finish the stop",
+    )
     left = {role: pid for role, pid in pids.items() if not gone(pid)}
     assert not left, f"{left} outlived the finished stop: {row['cause']}; agent log: {cagent.log()}"
     assert "finished by a restarted agent" in row["cause"], row["cause"]
@@ -308,6 +317,7 @@ def test_another_uids_tagged_process_is_reported_and_never_signalled(cagent: Age
     nobody = 65534
     other = subprocess.Popen(["sleep", "300"], env=env, user=nobody, cwd="/")  # nobody may not run the venv's python
     try:
+
         def reported() -> list:
             c = _run(cagent, rid).get("containment") or {}
             return [r for r in c.get("outside", []) + c.get("other_uid", []) if r["pid"] == other.pid]
@@ -324,7 +334,9 @@ def test_another_uids_tagged_process_is_reported_and_never_signalled(cagent: Age
         other.wait()
 
 
-def test_unknown_groups_are_reported_never_deleted_and_ended_runs_groups_are_removed(gpudeck_home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_unknown_groups_are_reported_never_deleted_and_ended_runs_groups_are_removed(
+    gpudeck_home: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     if CGROUPFS_SKIP is not None:
         pytest.skip(f"no cgroupfs containment here: {CGROUPFS_SKIP}")
     monkeypatch.setenv("GPUDECK_CONTAINMENT", "cgroupfs")

@@ -36,11 +36,33 @@ psutil = pytest.importorskip("psutil")
 
 pytestmark = pytest.mark.slow
 
-from tests.trainer_harness import Runs, read_telemetry  # noqa: E402
+from tests.trainer_harness import Runs, read_telemetry
+
 # a random-weight tiny target (fsdp_lm's "tiny" preset: Llama, 4 layers, hidden 256, vocab 320)
-SMALL = ["--target-config", "tiny", "--seq-len", "64", "--batch-size", "2", "--num-anchors", "8",
-         "--block-size", "4", "--gamma", "2", "--drafter-layers", "2", "--corpus-bytes", str(600_000),
-         "--eval-prompt-len", "16", "--eval-gen-len", "16", "--eval-samples", "2"]
+SMALL = [
+    "--target-config",
+    "tiny",
+    "--seq-len",
+    "64",
+    "--batch-size",
+    "2",
+    "--num-anchors",
+    "8",
+    "--block-size",
+    "4",
+    "--gamma",
+    "2",
+    "--drafter-layers",
+    "2",
+    "--corpus-bytes",
+    str(600_000),
+    "--eval-prompt-len",
+    "16",
+    "--eval-gen-len",
+    "16",
+    "--eval-samples",
+    "2",
+]
 
 
 @pytest.fixture(scope="module")
@@ -59,8 +81,9 @@ def _steps(tel: list[dict], rank: int) -> dict[int, dict]:
 
 def test_colocated_two_ranks_runs_and_resumes_exactly(tmp_path, runs):
     out = tmp_path / "colo"
-    rc, output, tel, _ = runs.run("gpudeck.trainers.dflash", [*SMALL, "--max-steps", "4", "--checkpoint-every", "2",
-                                                      "--fresh"], out, nproc=2)
+    rc, output, tel, _ = runs.run(
+        "gpudeck.trainers.dflash", [*SMALL, "--max-steps", "4", "--checkpoint-every", "2", "--fresh"], out, nproc=2
+    )
     assert rc == 0, output[-4000:]
     manifests = [r for r in tel if r["type"] == "manifest"]
     assert sorted(m["rank"] for m in manifests) == [0, 1]
@@ -83,8 +106,9 @@ def test_colocated_two_ranks_runs_and_resumes_exactly(tmp_path, runs):
     rc3, output3, _, _ = runs.run("gpudeck.trainers.dflash", [*SMALL, "--max-steps", "4"], out)
     assert rc3 == 2 and "--fresh" in output3
 
-    rc, output, tel2, _ = runs.run("gpudeck.trainers.dflash", [*SMALL, "--max-steps", "4", "--checkpoint-every", "2",
-                                                       "--resume", "2"], out, nproc=2)
+    rc, output, tel2, _ = runs.run(
+        "gpudeck.trainers.dflash", [*SMALL, "--max-steps", "4", "--checkpoint-every", "2", "--resume", "2"], out, nproc=2
+    )
     assert rc == 0, output[-4000:]
     assert {m["start"] for m in tel2 if m["type"] == "manifest"} == {"resume 2"}
     resumed = {s: r["loss"] for s, r in _steps(tel2, 0).items()}
@@ -99,9 +123,25 @@ def test_split_two_target_ranks_one_drafter_rank(tmp_path, runs):
     out = tmp_path / "split"
     rc, output, tel, _ = runs.run(
         "gpudeck.trainers.dflash",
-        [*SMALL, "--topology", "split", "--target-ranks", "0,1", "--drafter-ranks", "2",
-         "--queue-depth", "2", "--max-steps", "4", "--checkpoint-every", "2", "--fresh"],
-        out, nproc=3)
+        [
+            *SMALL,
+            "--topology",
+            "split",
+            "--target-ranks",
+            "0,1",
+            "--drafter-ranks",
+            "2",
+            "--queue-depth",
+            "2",
+            "--max-steps",
+            "4",
+            "--checkpoint-every",
+            "2",
+            "--fresh",
+        ],
+        out,
+        nproc=3,
+    )
     assert rc == 0, output[-4000:]
     roles = {r["rank"]: r["role"] for r in tel if r["type"] == "manifest"}
     assert roles == {0: "target", 1: "target", 2: "drafter"}
@@ -124,9 +164,26 @@ def test_split_two_target_ranks_one_drafter_rank(tmp_path, runs):
     # resume the split job: the drafter's losses continue exactly
     rc, output, tel2, _ = runs.run(
         "gpudeck.trainers.dflash",
-        [*SMALL, "--topology", "split", "--target-ranks", "0,1", "--drafter-ranks", "2",
-         "--queue-depth", "2", "--max-steps", "4", "--checkpoint-every", "2", "--resume", "latest"],
-        out / ".." / "split", nproc=3)
+        [
+            *SMALL,
+            "--topology",
+            "split",
+            "--target-ranks",
+            "0,1",
+            "--drafter-ranks",
+            "2",
+            "--queue-depth",
+            "2",
+            "--max-steps",
+            "4",
+            "--checkpoint-every",
+            "2",
+            "--resume",
+            "latest",
+        ],
+        out / ".." / "split",
+        nproc=3,
+    )
     assert rc == 0, output[-4000:]
     # latest is step 4 == max-steps: nothing left to train, but the job starts and ends cleanly
     assert {m["start"] for m in tel2 if m["type"] == "manifest"} == {"resume 4"}
@@ -134,8 +191,14 @@ def test_split_two_target_ranks_one_drafter_rank(tmp_path, runs):
 
 def test_failing_rank_takes_the_job_down(tmp_path, runs):
     out = tmp_path / "fail"
-    rc, output, tel, _ = runs.run("gpudeck.trainers.dflash", [*SMALL, "--max-steps", "6", "--fresh"], out, nproc=2,
-                                  env={"GPUDECK_TEST_FAIL_AT_STEP": "3:1"}, timeout=120)
+    rc, output, tel, _ = runs.run(
+        "gpudeck.trainers.dflash",
+        [*SMALL, "--max-steps", "6", "--fresh"],
+        out,
+        nproc=2,
+        env={"GPUDECK_TEST_FAIL_AT_STEP": "3:1"},
+        timeout=120,
+    )
     assert rc != 0
     errors = [r for r in tel if r["type"] == "error"]
     assert any(r["rank"] == 1 and "injected failure" in r["message"] for r in errors)
@@ -183,7 +246,7 @@ def _target_continuations(final: Path, corpus_bytes: int, out: Path) -> int:
     train, _ = split_tokens(load_tokens(None, ByteTokenizer(), max_bytes=corpus_bytes).tokens, 0.02)
     tokens = torch.from_numpy(train.astype(np.int64))
     starts = np.random.default_rng(0).integers(0, len(tokens) - GEN_PROMPT, GEN_SAMPLES)
-    prompts = torch.stack([tokens[s:s + GEN_PROMPT] for s in starts.tolist()])
+    prompts = torch.stack([tokens[s : s + GEN_PROMPT] for s in starts.tolist()])
     target = AutoModelForCausalLM.from_pretrained(str(final)).eval()
     written = 0
     threads = torch.get_num_threads()
@@ -192,13 +255,20 @@ def _target_continuations(final: Path, corpus_bytes: int, out: Path) -> int:
         with open(out, "w") as fh, torch.inference_mode():
             # batches of 150: one batch of 600 took 11 s, four of 150 took 6 s (2 threads)
             for chunk in prompts.split(GEN_BATCH):
-                gen = target.generate(input_ids=chunk, attention_mask=torch.ones_like(chunk),
-                                      max_new_tokens=GEN_LEN, min_new_tokens=GEN_LEN, do_sample=False,
-                                      pad_token_id=0, eos_token_id=None)
+                gen = target.generate(
+                    input_ids=chunk,
+                    attention_mask=torch.ones_like(chunk),
+                    max_new_tokens=GEN_LEN,
+                    min_new_tokens=GEN_LEN,
+                    do_sample=False,
+                    pad_token_id=0,
+                    eos_token_id=None,
+                )
                 for row in gen.tolist():
                     if max(row) < 128:
-                        fh.write(json.dumps({"prompt": bytes(row[:GEN_PROMPT]).decode(),
-                                             "response": bytes(row[GEN_PROMPT:]).decode()}) + "\n")
+                        fh.write(
+                            json.dumps({"prompt": bytes(row[:GEN_PROMPT]).decode(), "response": bytes(row[GEN_PROMPT:]).decode()}) + "\n"
+                        )
                         written += 1
     finally:
         torch.set_num_threads(threads)
@@ -210,9 +280,27 @@ def test_fsdp_lm_target_then_dflash_drafter_tau_improves(tmp_path, runs):
     target_out = tmp_path / "target"
     rc, output, _, secs_target = runs.run(
         "gpudeck.trainers.fsdp_lm",
-        ["--model-config", "tiny", "--seq-len", "128", "--batch-size", "8", "--max-steps", "150",
-         "--lr", "2e-3", "--corpus-bytes", str(3_000_000), "--log-every", "50", "--fresh"],
-        target_out, env=TRAINER_THREADS, timeout=900)
+        [
+            "--model-config",
+            "tiny",
+            "--seq-len",
+            "128",
+            "--batch-size",
+            "8",
+            "--max-steps",
+            "150",
+            "--lr",
+            "2e-3",
+            "--corpus-bytes",
+            str(3_000_000),
+            "--log-every",
+            "50",
+            "--fresh",
+        ],
+        target_out,
+        env=TRAINER_THREADS,
+        timeout=900,
+    )
     assert rc == 0, output[-4000:]
     final = target_out / "final"
     assert (final / "config.json").is_file()
@@ -225,19 +313,53 @@ def test_fsdp_lm_target_then_dflash_drafter_tau_improves(tmp_path, runs):
     out = tmp_path / "drafter"
     rc, output, tel, secs_drafter = runs.run(
         "gpudeck.trainers.dflash",
-        ["--target", str(final), "--data", str(data), "--seq-len", "128", "--batch-size", "4",
-         "--num-anchors", "32", "--block-size", "8", "--drafter-layers", "1", "--max-steps", "150",
-         "--lr", "2e-3", "--eval-every", "75", "--eval-prompt-len", "64", "--eval-gen-len", "64",
-         # 32 held-out sequences (5% of the records) rather than 4: one drafter measured 2.2 on
-         # 8 prompts and 3.9 on 16
-         "--eval-samples", "32", "--val-fraction", "0.05", "--log-every", "25", "--fresh"],
-        out, env=TRAINER_THREADS, timeout=900)
+        [
+            "--target",
+            str(final),
+            "--data",
+            str(data),
+            "--seq-len",
+            "128",
+            "--batch-size",
+            "4",
+            "--num-anchors",
+            "32",
+            "--block-size",
+            "8",
+            "--drafter-layers",
+            "1",
+            "--max-steps",
+            "150",
+            "--lr",
+            "2e-3",
+            "--eval-every",
+            "75",
+            "--eval-prompt-len",
+            "64",
+            "--eval-gen-len",
+            "64",
+            # 32 held-out sequences (5% of the records) rather than 4: one drafter measured 2.2 on
+            # 8 prompts and 3.9 on 16
+            "--eval-samples",
+            "32",
+            "--val-fraction",
+            "0.05",
+            "--log-every",
+            "25",
+            "--fresh",
+        ],
+        out,
+        env=TRAINER_THREADS,
+        timeout=900,
+    )
     assert rc == 0, output[-4000:]
     evals = [r for r in tel if r["type"] == "eval"]
     assert [e["step"] for e in evals] == [0, 75, 150]
     tau0, tau1 = evals[0]["tau"], evals[-1]["tau"]
-    print(f"\ntau {tau0:.3f} -> {evals[1]['tau']:.3f} -> {tau1:.3f} (target {secs_target:.0f} s, "
-          f"continuations {secs_gen:.0f} s, drafter {secs_drafter:.0f} s)")
+    print(
+        f"\ntau {tau0:.3f} -> {evals[1]['tau']:.3f} -> {tau1:.3f} (target {secs_target:.0f} s, "
+        f"continuations {secs_gen:.0f} s, drafter {secs_drafter:.0f} s)"
+    )
     assert 1.0 <= tau0 < 1.15, evals
     # 2.0: on average one drafted token accepted per verification, a drafter that has learnt its
     # target (measured: 1.00-1.03 -> 2.6-6.2, see _target_continuations' notes above)
@@ -329,28 +451,38 @@ def test_init_from_drafter_keeps_its_shape(tmp_path, runs):
     assert rc == 0, output[-4000:]
     drafter = src / "drafter"
     assert json.loads((drafter / "config.json").read_text())["block_size"] == 4
-    no_bs = [a for i, a in enumerate(SMALL) if "--block-size" not in SMALL[max(0, i - 1):i + 1]]
+    no_bs = [a for i, a in enumerate(SMALL) if "--block-size" not in SMALL[max(0, i - 1) : i + 1]]
     assert "--block-size" not in no_bs and len(no_bs) == len(SMALL) - 2
 
     # a different --block-size: refused before any work, naming both values and the way out
-    p, _ = runs.start("gpudeck.trainers.dflash", [*no_bs, "--init-from", str(drafter), "--block-size", "8",
-                                          "--max-steps", "1", "--fresh"], tmp_path / "refused",
-                      stderr=subprocess.PIPE)
+    p, _ = runs.start(
+        "gpudeck.trainers.dflash",
+        [*no_bs, "--init-from", str(drafter), "--block-size", "8", "--max-steps", "1", "--fresh"],
+        tmp_path / "refused",
+        stderr=subprocess.PIPE,
+    )
     _, err = runs.finish(p, 60)
     assert p.returncode == 2, err
     assert "--block-size 8" in err and "block size 4" in err and "leave out" in err, err
     assert not (tmp_path / "refused" / "checkpoints").exists()
     # the same for the number of layers
-    p, _ = runs.start("gpudeck.trainers.dflash", [*no_bs, "--init-from", str(drafter), "--drafter-layers", "3",
-                                          "--max-steps", "1", "--fresh"], tmp_path / "refused2",
-                      stderr=subprocess.PIPE)
+    p, _ = runs.start(
+        "gpudeck.trainers.dflash",
+        [*no_bs, "--init-from", str(drafter), "--drafter-layers", "3", "--max-steps", "1", "--fresh"],
+        tmp_path / "refused2",
+        stderr=subprocess.PIPE,
+    )
     _, err = runs.finish(p, 60)
     assert p.returncode == 2 and "--drafter-layers 3" in err and "number of layers 2" in err, err
 
     # the same value is fine; no --block-size: the saved one, said so on stderr
     out = tmp_path / "continued"
-    p, tel = runs.start("gpudeck.trainers.dflash", [*no_bs, "--init-from", str(drafter), "--max-steps", "1",
-                                            "--no-eval", "--fresh"], out, stderr=subprocess.PIPE)
+    p, tel = runs.start(
+        "gpudeck.trainers.dflash",
+        [*no_bs, "--init-from", str(drafter), "--max-steps", "1", "--no-eval", "--fresh"],
+        out,
+        stderr=subprocess.PIPE,
+    )
     _, err = runs.finish(p, 120)
     assert p.returncode == 0, err[-4000:]
     assert f"--init-from {drafter}: using its block size 4 (no --block-size given)" in err

@@ -19,14 +19,54 @@ from tests.agent_harness import ROOT, AgentProc, wait_for
 
 pytest.importorskip("torch")
 pytestmark = pytest.mark.slow
-SMALL = ["--target-config", "tiny", "--seq-len", "64", "--batch-size", "2", "--num-anchors", "8", "--block-size", "4", "--gamma", "2",
-         "--drafter-layers", "2", "--corpus-bytes", str(600_000), "--no-eval", "--log-every", "1"]
+SMALL = [
+    "--target-config",
+    "tiny",
+    "--seq-len",
+    "64",
+    "--batch-size",
+    "2",
+    "--num-anchors",
+    "8",
+    "--block-size",
+    "4",
+    "--gamma",
+    "2",
+    "--drafter-layers",
+    "2",
+    "--corpus-bytes",
+    str(600_000),
+    "--no-eval",
+    "--log-every",
+    "1",
+]
 SPLIT = ["--topology", "split", "--target-ranks", "0,1", "--drafter-ranks", "2", "--queue-depth", "2"]
 
 
 def test_a_dead_drafter_rank_raises_the_alert_within_10_s_and_is_named_in_the_cause(agent: AgentProc, tmp_path: Path) -> None:
-    run = agent.cli_json("launch", "--kind", "dflash", "--nproc-per-node", "3", "--python", sys.executable, "--cwd", str(ROOT), "--name", "split-drafter",
-                         "--env", "OMP_NUM_THREADS=1", "--fresh", "--", *SMALL, *SPLIT, "--max-steps", "100000", "--out", str(tmp_path / "out"))
+    run = agent.cli_json(
+        "launch",
+        "--kind",
+        "dflash",
+        "--nproc-per-node",
+        "3",
+        "--python",
+        sys.executable,
+        "--cwd",
+        str(ROOT),
+        "--name",
+        "split-drafter",
+        "--env",
+        "OMP_NUM_THREADS=1",
+        "--fresh",
+        "--",
+        *SMALL,
+        *SPLIT,
+        "--max-steps",
+        "100000",
+        "--out",
+        str(tmp_path / "out"),
+    )
     rid = run["id"]
     assert run["spec"]["argv"][:6] == [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3"]
 
@@ -43,6 +83,7 @@ def test_a_dead_drafter_rank_raises_the_alert_within_10_s_and_is_named_in_the_ca
     drafter = wait_for(drafter_training, timeout=240, interval=0.5, what="the split job training (3 ranks, steps)")
     t_kill = time.time()
     os.kill(drafter["pid"], signal.SIGKILL)
+
     # either the run goes on and the alert is raised, or torchrun tears the job down at once and the end says who died first
     def noticed() -> tuple[str, dict] | None:
         r = live()
@@ -57,7 +98,11 @@ def test_a_dead_drafter_rank_raises_the_alert_within_10_s_and_is_named_in_the_ca
     # within 10 s on a quiet machine (the promise); a loaded test machine stretches the time, so only the outcome is asserted
     if how == "alert":
         assert what["rank"] == 2 and str(drafter["pid"]) in what["message"]
-    ended = wait_for(lambda: (r := next((x for x in agent.cli_json("runs") if x["id"] == rid), None)) and r["state"] != "running" and r, timeout=120, what="the run to end")
+    ended = wait_for(
+        lambda: (r := next((x for x in agent.cli_json("runs") if x["id"] == rid), None)) and r["state"] != "running" and r,
+        timeout=120,
+        what="the run to end",
+    )
     print(f"run: {ended['state']}: {ended['cause']}")
     assert ended["state"] == "failed" and "rank 2 died first" in ended["cause"], ended["cause"]
     assert agent.cli_json("show", rid)["cause_class"] == "rank_died"

@@ -20,7 +20,7 @@ pytest.importorskip("transformers")
 
 pytestmark = pytest.mark.slow
 
-from tests.trainer_harness import Runs  # noqa: E402
+from tests.trainer_harness import Runs
 
 
 @pytest.fixture(scope="module")
@@ -45,18 +45,41 @@ def setup(tmp_path):
             response = " ".join(rng.choice(words, int(rng.integers(2, 14))))
             fh.write(json.dumps({"prompt": prompt, "response": response}) + "\n")
     dcfg = tmp_path / "drafter.json"
-    dcfg.write_text(json.dumps({"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 8,
-                                "use_sliding_window": True, "block_size": 4}))
-    args = ["--target-config", "tiny", "--data", str(data), "--seq-len", "64", "--token-budget", "192",
-            "--num-anchors", "8", "--drafter-config", str(dcfg), "--gamma", "2", "--eval-prompt-len", "16",
-            "--eval-gen-len", "16", "--eval-samples", "2"]
+    dcfg.write_text(
+        json.dumps(
+            {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 8, "use_sliding_window": True, "block_size": 4}
+        )
+    )
+    args = [
+        "--target-config",
+        "tiny",
+        "--data",
+        str(data),
+        "--seq-len",
+        "64",
+        "--token-budget",
+        "192",
+        "--num-anchors",
+        "8",
+        "--drafter-config",
+        str(dcfg),
+        "--gamma",
+        "2",
+        "--eval-prompt-len",
+        "16",
+        "--eval-gen-len",
+        "16",
+        "--eval-samples",
+        "2",
+    ]
     return args
 
 
 def test_records_with_a_token_budget_train_and_resume_exactly(tmp_path, runs, setup):
     out = tmp_path / "colo"
-    rc, output, tel, _ = runs.run("gpudeck.trainers.dflash", [*setup, "--max-steps", "4", "--checkpoint-every", "2",
-                                                      "--fresh"], out, nproc=2)
+    rc, output, tel, _ = runs.run(
+        "gpudeck.trainers.dflash", [*setup, "--max-steps", "4", "--checkpoint-every", "2", "--fresh"], out, nproc=2
+    )
     assert rc == 0, output[-4000:]
     man = next(r for r in tel if r["type"] == "manifest")
     assert man["batching"].startswith("token budget 192") and man["token_budget"] == 192
@@ -71,8 +94,9 @@ def test_records_with_a_token_budget_train_and_resume_exactly(tmp_path, runs, se
     saved = json.loads((out / "drafter" / "config.json").read_text())
     assert saved["layer_types"] == ["sliding_attention", "full_attention"] and saved["sliding_window"] == 8
 
-    rc, output, tel2, _ = runs.run("gpudeck.trainers.dflash", [*setup, "--max-steps", "4", "--checkpoint-every", "2",
-                                                       "--resume", "2"], out, nproc=2)
+    rc, output, tel2, _ = runs.run(
+        "gpudeck.trainers.dflash", [*setup, "--max-steps", "4", "--checkpoint-every", "2", "--resume", "2"], out, nproc=2
+    )
     assert rc == 0, output[-4000:]
     resumed = {s: r["loss"] for s, r in _steps(tel2, 0).items()}
     assert resumed == {3: straight[3], 4: straight[4]}, (resumed, straight)
@@ -81,8 +105,11 @@ def test_records_with_a_token_budget_train_and_resume_exactly(tmp_path, runs, se
 def test_records_with_a_token_budget_in_the_split_topology(tmp_path, runs, setup):
     out = tmp_path / "split"
     rc, output, tel, _ = runs.run(
-        "gpudeck.trainers.dflash", [*setup, "--topology", "split", "--target-ranks", "0", "--drafter-ranks", "1",
-                            "--max-steps", "3", "--fresh"], out, nproc=2)
+        "gpudeck.trainers.dflash",
+        [*setup, "--topology", "split", "--target-ranks", "0", "--drafter-ranks", "1", "--max-steps", "3", "--fresh"],
+        out,
+        nproc=2,
+    )
     assert rc == 0, output[-4000:]
     steps = _steps(tel, 1)
     assert sorted(steps) == [1, 2, 3] and all(r["loss"] > 0 for r in steps.values())

@@ -64,7 +64,9 @@ def test_verify_then_rebuild_from_the_record(tmp_path: Path, installer: str) -> 
     log = (b / "rebuild.log").read_text()
     assert ("uv pip install" in log) if installer == "uv" else ("-m pip install --no-deps -r" in log)
     # B is a real environment: its six is the recorded one
-    out = subprocess.run([str(b / "bin" / "python"), "-c", "import six; print(six.__version__)"], capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [str(b / "bin" / "python"), "-c", "import six; print(six.__version__)"], capture_output=True, text=True, check=True
+    )
     assert out.stdout.strip() == "1.16.0"
     assert verify(rebuilt) == []
     # A still has the moved six: the rebuild did not touch it
@@ -88,7 +90,11 @@ def test_rebuild_refuses_what_it_cannot_reproduce_up_front(tmp_path: Path) -> No
         python=sys.executable,
         python_version="3.11.7",
         packages={"six": "1.16.0", "mylib": "0.3", "data-tool": "1.0"},
-        freeze=["data-tool @ file:///srv/nowhere/data_tool-1.0-py3-none-any.whl", "mylib @ file:///home/me/mylib  # editable", "six==1.16.0"],
+        freeze=[
+            "data-tool @ file:///srv/nowhere/data_tool-1.0-py3-none-any.whl",
+            "mylib @ file:///home/me/mylib  # editable",
+            "six==1.16.0",
+        ],
     )
     dest = tmp_path / "B"
     with pytest.raises(EnvError) as e:

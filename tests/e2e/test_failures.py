@@ -48,7 +48,21 @@ def _gpu0_used(agent: AgentProc) -> float:
 def test_a_stale_holder_blocks_the_launch_by_name_and_reclaim_frees_it(sim_agent: AgentProc) -> None:
     a = sim_agent
     # run 1 forks a worker that outlives it, holding 20 GiB on GPU 0 (a leftover of an ended run)
-    r1 = a.cli_json("launch", "--name", "leaky", "--env", "GPUDECK_SIM_GPU_MEM=0:20", "--", PY, HOLDER, "--fork-holder", "--seconds", "1", "--child-seconds", "120")["id"]
+    r1 = a.cli_json(
+        "launch",
+        "--name",
+        "leaky",
+        "--env",
+        "GPUDECK_SIM_GPU_MEM=0:20",
+        "--",
+        PY,
+        HOLDER,
+        "--fork-holder",
+        "--seconds",
+        "1",
+        "--child-seconds",
+        "120",
+    )["id"]
     wait_for(lambda: next(r for r in a.cli_json("runs") if r["id"] == r1)["state"] == "succeeded", 20, what="run 1 to end")
     snap = a.cli_json("status", "--host", "local")
     assert snap["simulated"] is True
@@ -85,12 +99,20 @@ def test_a_stale_holder_blocks_the_launch_by_name_and_reclaim_frees_it(sim_agent
 def test_force_overrides_only_the_holder_check_and_is_recorded(sim_agent: AgentProc) -> None:
     a = sim_agent
     holder = a.cli_json("launch", "--env", "GPUDECK_SIM_GPU_MEM=1:10", "--", PY, HOLDER)["id"]
-    wait_for(lambda: any(p["attribution"] == "RUN" for p in a.cli_json("status", "--host", "local")["gpus"][1]["processes"]), 10, what="holder on GPU 1")
+    wait_for(
+        lambda: any(p["attribution"] == "RUN" for p in a.cli_json("status", "--host", "local")["gpus"][1]["processes"]),
+        10,
+        what="holder on GPU 1",
+    )
     # a live run on the GPU is not a FOREIGN/STALE holder; a process outside gpudeck is
     env = dict(a.env, GPUDECK_SIM_GPU_MEM="1:10")
     foreign = subprocess.Popen([PY, HOLDER], env=env, stdout=subprocess.DEVNULL)
     try:
-        wait_for(lambda: any(p["attribution"] == "FOREIGN" for p in a.cli_json("status", "--host", "local")["gpus"][1]["processes"]), 10, what="foreign holder")
+        wait_for(
+            lambda: any(p["attribution"] == "FOREIGN" for p in a.cli_json("status", "--host", "local")["gpus"][1]["processes"]),
+            10,
+            what="foreign holder",
+        )
         cp = a.cli("launch", "--gpus", "1", "--", "sleep", "5", check=False)
         assert cp.returncode == 1 and f"pid {foreign.pid}" in cp.stderr and "not a gpudeck run" in cp.stderr
         forced = a.cli_json("launch", "--gpus", "1", "--force", "--", "sleep", "5")
@@ -108,7 +130,21 @@ def test_killing_the_launcher_leaves_orphans_that_reclaim_finds_and_stops(sim_ag
     a = sim_agent
     r = a.cli_json("launch", "--", PY, str(PROGS / "ranks.py"), str(ROOT), "2", "--sim-gib", "3", "--seconds", "120")
     rid = r["id"]
-    ranks = wait_for(lambda: (ms := [m for m in next(x for x in a.cli_json("status", "--host", "local")["runs"] if x["id"] == rid)["members"] if m.get("rank") is not None]) and len(ms) == 2 and ms, 20, what="2 ranks")
+    ranks = wait_for(
+        lambda: (
+            (
+                ms := [
+                    m
+                    for m in next(x for x in a.cli_json("status", "--host", "local")["runs"] if x["id"] == rid)["members"]
+                    if m.get("rank") is not None
+                ]
+            )
+            and len(ms) == 2
+            and ms
+        ),
+        20,
+        what="2 ranks",
+    )
     leader = next(m["pid"] for m in r["members"] if m["role"] == "leader")
     os.kill(leader, signal.SIGKILL)  # like killing torchrun: the ranks are in their own sessions and live on
     wait_for(lambda: next(x for x in a.cli_json("runs") if x["id"] == rid)["state"] == "failed", 15, what="run ended")
@@ -123,7 +159,15 @@ def test_killing_the_launcher_leaves_orphans_that_reclaim_finds_and_stops(sim_ag
     assert a.cli_json("reclaim", "local")["leftovers"] == []
     # a live run's process is refused without --include-live
     live = a.cli_json("launch", "--", PY, str(PROGS / "ranks.py"), str(ROOT), "1", "--seconds", "60")["id"]
-    rank0 = wait_for(lambda: [m["pid"] for m in next(x for x in a.cli_json("status", "--host", "local")["runs"] if x["id"] == live)["members"] if m.get("rank") == 0], 20, what="rank")[0]
+    rank0 = wait_for(
+        lambda: [
+            m["pid"]
+            for m in next(x for x in a.cli_json("status", "--host", "local")["runs"] if x["id"] == live)["members"]
+            if m.get("rank") == 0
+        ],
+        20,
+        what="rank",
+    )[0]
     cp = a.cli("reclaim", f"local:{rank0}", check=False)
     assert cp.returncode == 1 and f"gpudeck stop {live}" in cp.stderr and "--include-live" in cp.stderr
     cp = a.cli("reclaim", "local:1", check=False)
@@ -133,15 +177,49 @@ def test_killing_the_launcher_leaves_orphans_that_reclaim_finds_and_stops(sim_ag
 @pytest.mark.parametrize("policy", ["alert", "stop"])
 def test_a_rank_that_dies_while_the_run_goes_on_raises_the_alert_within_10_s(sim_agent: AgentProc, policy: str) -> None:
     a = sim_agent
-    r = a.cli_json("launch", "--name", f"crawl-{policy}", "--on-rank-death", policy, "--", PY, str(PROGS / "ranks.py"), str(ROOT), "3", "--sim-gib", "2", "--seconds", "120")
+    r = a.cli_json(
+        "launch",
+        "--name",
+        f"crawl-{policy}",
+        "--on-rank-death",
+        policy,
+        "--",
+        PY,
+        str(PROGS / "ranks.py"),
+        str(ROOT),
+        "3",
+        "--sim-gib",
+        "2",
+        "--seconds",
+        "120",
+    )
     rid = r["id"]
-    members = wait_for(lambda: [m for m in next(x for x in a.cli_json("status", "--host", "local")["runs"] if x["id"] == rid)["members"] if m.get("rank") is not None and len(_ranks(a, rid)) == 3], 30, what="3 ranks")
+    members = wait_for(
+        lambda: [
+            m
+            for m in next(x for x in a.cli_json("status", "--host", "local")["runs"] if x["id"] == rid)["members"]
+            if m.get("rank") is not None and len(_ranks(a, rid)) == 3
+        ],
+        30,
+        what="3 ranks",
+    )
     time.sleep(1.0)
     victim = next(m for m in members if m["rank"] == 1)
     t_kill = time.time()
     os.kill(victim["pid"], signal.SIGKILL)
     if policy == "alert":
-        alert = wait_for(lambda: next((al for al in (next((x for x in a.cli_json("status", "--host", "local")["runs"] if x["id"] == rid), {}) .get("alerts") or []) if al["kind"] == "rank_exited"), None), 10, what="rank_exited alert")
+        alert = wait_for(
+            lambda: next(
+                (
+                    al
+                    for al in (next((x for x in a.cli_json("status", "--host", "local")["runs"] if x["id"] == rid), {}).get("alerts") or [])
+                    if al["kind"] == "rank_exited"
+                ),
+                None,
+            ),
+            10,
+            what="rank_exited alert",
+        )
         assert alert["ts"] - t_kill < 10.0 and alert["rank"] == 1 and str(victim["pid"]) in alert["message"]
         assert alert["severity"] == "critical" and "2 of 3 ranks" in alert["message"]
         assert next(x for x in a.cli_json("runs") if x["id"] == rid)["state"] == "running"  # the run crawls on
@@ -165,8 +243,33 @@ def _ranks(a: AgentProc, rid: str) -> list[int]:
 def test_claims_against_what_is_observed(sim_agent: AgentProc) -> None:
     a = sim_agent
     # claimed: 4 GPUs and 1B params; the run holds memory on GPU 0 only and reports 3,066,112 params
-    rid = a.cli_json("launch", "--name", "1b-4gpu", "--gpus", "0,1,2,3", "--claim-params", "1B", "--", PY, str(PROGS / "ranks.py"), str(ROOT), "1", "--sim-gib", "5", "--seconds", "60")["id"]
-    alerts = wait_for(lambda: [al for al in next(x for x in a.cli_json("status", "--host", "local")["runs"] if x["id"] == rid).get("alerts", []) if al["kind"] == "claim_mismatch"], 20, what="claim alerts")
+    rid = a.cli_json(
+        "launch",
+        "--name",
+        "1b-4gpu",
+        "--gpus",
+        "0,1,2,3",
+        "--claim-params",
+        "1B",
+        "--",
+        PY,
+        str(PROGS / "ranks.py"),
+        str(ROOT),
+        "1",
+        "--sim-gib",
+        "5",
+        "--seconds",
+        "60",
+    )["id"]
+    alerts = wait_for(
+        lambda: [
+            al
+            for al in next(x for x in a.cli_json("status", "--host", "local")["runs"] if x["id"] == rid).get("alerts", [])
+            if al["kind"] == "claim_mismatch"
+        ],
+        20,
+        what="claim alerts",
+    )
     texts = " | ".join(al["message"] for al in alerts)
     assert "claimed 4 GPUs, observed 1: GPU 0" in texts, texts
     assert "params" in texts
@@ -184,14 +287,22 @@ def test_claims_against_what_is_observed(sim_agent: AgentProc) -> None:
 def test_causes_are_classified_from_real_outputs(sim_agent: AgentProc) -> None:
     a = sim_agent
     cases = {
-        "oom": [PY, "-c", "import torch; raise torch.OutOfMemoryError('CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 139.81 GiB')"],
+        "oom": [
+            PY,
+            "-c",
+            "import torch; raise torch.OutOfMemoryError('CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 139.81 GiB')",
+        ],
         "exception": [PY, "-c", "raise ValueError('bad batch')"],
         "signal": ["sh", "-c", "kill -9 $$"],
         "exit_code": ["sh", "-c", "exit 3"],
         "ok": ["true"],
     }
     ids = {k: a.cli_json("launch", "--name", f"cause-{k}", "--", *argv)["id"] for k, argv in cases.items()}
-    wait_for(lambda: all(r["state"] in ("failed", "succeeded") for r in a.cli_json("runs") if r["id"] in ids.values()), 60, what="all runs to end")
+    wait_for(
+        lambda: all(r["state"] in ("failed", "succeeded") for r in a.cli_json("runs") if r["id"] in ids.values()),
+        60,
+        what="all runs to end",
+    )
     for k, rid in ids.items():
         row = a.cli_json("show", rid)
         assert row["cause_class"] == k, (k, row["cause"])
@@ -208,7 +319,11 @@ def _memcg() -> Path | None:
             if os.access(base, os.W_OK):
                 return base
     v2 = Path("/sys/fs/cgroup")
-    return v2 if (v2 / "cgroup.controllers").exists() and "memory" in (v2 / "cgroup.subtree_control").read_text() and os.access(v2, os.W_OK) else None
+    return (
+        v2
+        if (v2 / "cgroup.controllers").exists() and "memory" in (v2 / "cgroup.subtree_control").read_text() and os.access(v2, os.W_OK)
+        else None
+    )
 
 
 def test_the_host_oom_killer_is_named_as_the_cause(sim_agent: AgentProc) -> None:
@@ -220,8 +335,12 @@ def test_the_host_oom_killer_is_named_as_the_cause(sim_agent: AgentProc) -> None
     try:
         limit = "memory.limit_in_bytes" if (cg / "memory.limit_in_bytes").exists() else "memory.max"
         (cg / limit).write_text(str(64 * 2**20))
-        rid = sim_agent.cli_json("launch", "--name", "hog", "--", "sh", "-c", f"echo $$ > {cg}/cgroup.procs && exec {PY} -c 'x = bytearray(400 * 2**20)'")["id"]
-        wait_for(lambda: next(r for r in sim_agent.cli_json("runs") if r["id"] == rid)["state"] == "failed", 30, what="the hog to be killed")
+        rid = sim_agent.cli_json(
+            "launch", "--name", "hog", "--", "sh", "-c", f"echo $$ > {cg}/cgroup.procs && exec {PY} -c 'x = bytearray(400 * 2**20)'"
+        )["id"]
+        wait_for(
+            lambda: next(r for r in sim_agent.cli_json("runs") if r["id"] == rid)["state"] == "failed", 30, what="the hog to be killed"
+        )
         row = sim_agent.cli_json("show", rid)
         assert "host OOM killer" in row["cause"] and row["cause_class"] == "host_oom", row["cause"]
         assert [r["id"] for r in sim_agent.cli_json("history", "cause:host_oom")] == [rid]
@@ -237,8 +356,30 @@ def test_the_host_oom_killer_is_named_as_the_cause(sim_agent: AgentProc) -> None
 def test_relaunch_needs_an_explicit_start_and_resume_checks_the_checkpoint(sim_agent: AgentProc, tmp_path: Path) -> None:
     a = sim_agent
     out = tmp_path / "out"
-    rid = a.cli_json("launch", "--kind", "fsdp", "--python", PY, "--fresh", "--", "--model-config", "tiny", "--max-steps", "2", "--seq-len", "32", "--batch-size", "2",
-                     "--out", str(out), "--device", "cpu", "--corpus-bytes", "200000", "--no-export")["id"]
+    rid = a.cli_json(
+        "launch",
+        "--kind",
+        "fsdp",
+        "--python",
+        PY,
+        "--fresh",
+        "--",
+        "--model-config",
+        "tiny",
+        "--max-steps",
+        "2",
+        "--seq-len",
+        "32",
+        "--batch-size",
+        "2",
+        "--out",
+        str(out),
+        "--device",
+        "cpu",
+        "--corpus-bytes",
+        "200000",
+        "--no-export",
+    )["id"]
     wait_for(lambda: next(r for r in a.cli_json("runs") if r["id"] == rid)["state"] in ("succeeded", "failed"), 180, what="tiny fsdp run")
     run = next(r for r in a.cli_json("runs") if r["id"] == rid)
     assert run["state"] == "succeeded", a.cli("tail", rid, "-n", "30").stdout
@@ -249,7 +390,9 @@ def test_relaunch_needs_an_explicit_start_and_resume_checks_the_checkpoint(sim_a
     assert cp.returncode == 1 and "resume_checkpoint" in cp.stderr and "step_7" in cp.stderr and "step_2" in cp.stderr
     again = a.cli_json("relaunch", rid, "--resume", "2")
     assert again["state"] == "running" and again["spec"]["parent"] == rid and again["spec"]["argv"][-2:] == ["--resume", "2"]
-    wait_for(lambda: next(r for r in a.cli_json("runs") if r["id"] == again["id"])["state"] in ("succeeded", "failed"), 180, what="resumed run")
+    wait_for(
+        lambda: next(r for r in a.cli_json("runs") if r["id"] == again["id"])["state"] in ("succeeded", "failed"), 180, what="resumed run"
+    )
 
 
 @pytest.mark.timeout(900)
@@ -277,7 +420,9 @@ def test_rollback_refuses_a_changed_environment_and_rebuild_env_recreates_it(sim
     cp = a.cli("rollback", bad, "--to", good, check=False)
     assert cp.returncode == 2 and "--fresh" in cp.stderr  # no default start
     cp = a.cli("rollback", bad, "--to", good, "--fresh", check=False)
-    assert cp.returncode == 2 and "no longer matches" in cp.stderr and "six 1.16.0 -> 1.17.0" in cp.stderr and "--rebuild-env" in cp.stderr, cp.stderr
+    assert (
+        cp.returncode == 2 and "no longer matches" in cp.stderr and "six 1.16.0 -> 1.17.0" in cp.stderr and "--rebuild-env" in cp.stderr
+    ), cp.stderr
     assert len(a.cli_json("runs")) == n_runs  # nothing started
 
     cp = a.cli("rollback", bad, "--to", good, "--fresh", "--rebuild-env", "--json", check=False, timeout=900)

@@ -129,9 +129,16 @@ def check_nothing_half_made(state_dir: Path) -> dict[str, int]:
     procs = processes_of(state_dir)
     unrecorded = {rid: pids for rid, pids in procs.items() if rid not in rows}
     assert not unrecorded, f"processes of runs the journal does not know: {unrecorded}"
-    dead_record = {rid: pids for rid, pids in procs.items() if rid in rows and rows[rid]["state"] not in ("starting", "running", "stopping")}
+    dead_record = {
+        rid: pids for rid, pids in procs.items() if rid in rows and rows[rid]["state"] not in ("starting", "running", "stopping")
+    }
     stray = {rid: [p for p in pids if not gone(p)] for rid, pids in dead_record.items()}
-    return {"rows": len(rows), "folders": len(folders), "live_processes": sum(len(v) for v in procs.values()), "ended_with_processes": len([s for s in stray.values() if s])}
+    return {
+        "rows": len(rows),
+        "folders": len(folders),
+        "live_processes": sum(len(v) for v in procs.values()),
+        "ended_with_processes": len([s for s in stray.values() if s]),
+    }
 
 
 @pytest.fixture
@@ -247,10 +254,14 @@ async def test_agent_kill9_during_a_launch_leaves_no_run_half_started_without_a_
                     await c.close()
                 assert again.run.id == run["id"] and again.duplicate  # type: ignore[attr-defined]
                 assert set(processes_of(a.state_dir)) <= set(rows), "the retry started an unrecorded run"
-            outcomes.append(f"{when}: at kill {state_at_kill}, reply {type(err).__name__ if err else 'ok'}, after restart {run['state'] if run else 'no record'} "
-                            f"({figures['rows']} journal rows, {figures['folders']} run folders, {figures['live_processes']} run processes alive, all recorded)")
+            outcomes.append(
+                f"{when}: at kill {state_at_kill}, reply {type(err).__name__ if err else 'ok'}, after restart {run['state'] if run else 'no record'} "
+                f"({figures['rows']} journal rows, {figures['folders']} run folders, {figures['live_processes']} run processes alive, all recorded)"
+            )
             a.stop()
-        print("\nagent kill -9 during launch:\n  " + "\n  ".join(outcomes) + f"\n  integrity_check: {integrity(a.state_dir / 'journal.db')}")
+        print(
+            "\nagent kill -9 during launch:\n  " + "\n  ".join(outcomes) + f"\n  integrity_check: {integrity(a.state_dir / 'journal.db')}"
+        )
         assert integrity(a.state_dir / "journal.db") == "ok"
     finally:
         _stop_all(a)
@@ -272,7 +283,11 @@ async def test_a_run_forked_as_the_agent_dies_still_gets_its_real_exit_status(ho
                 results.append("not started")
                 a.stop()
                 continue
-            final = wait_for(lambda: (r := journal_runs(a.state_dir)[run["id"]])["state"] not in ("running", "starting") and r, timeout=30, what="the run to end")
+            final = wait_for(
+                lambda: (r := journal_runs(a.state_dir)[run["id"]])["state"] not in ("running", "starting") and r,
+                timeout=30,
+                what="the run to end",
+            )
             results.append(f"{final['state']}: {final['cause']}")
             a.stop()
         print("\nruns forked while the agent died:", results)
@@ -362,7 +377,11 @@ async def test_agent_kill9_during_a_stop_the_restarted_agent_finishes_it(home: P
         assert not any(gone(p) for p in pids), "the run died with the agent"
         t0 = time.monotonic()
         a.start()
-        row = wait_for(lambda: (r := journal_runs(a.state_dir)[rid])["state"] == "stopped" and r, timeout=30, what="the restarted agent to finish the stop")
+        row = wait_for(
+            lambda: (r := journal_runs(a.state_dir)[rid])["state"] == "stopped" and r,
+            timeout=30,
+            what="the restarted agent to finish the stop",
+        )
         took = time.monotonic() - t0
         assert all(gone(p) for p in pids)
         events = journal_events(a.state_dir, rid)
@@ -399,7 +418,9 @@ async def test_a_stop_that_finished_while_the_agent_was_down_is_recorded_as_stop
         a.start()
         row = journal_runs(a.state_dir)[rid]
         assert row["state"] == "stopped", row
-        assert replica_state(a.state_dir, rid) == "stopped", f"the journal row says stopped, the event log (what history replays) says {replica_state(a.state_dir, rid)}"
+        assert replica_state(a.state_dir, rid) == "stopped", (
+            f"the journal row says stopped, the event log (what history replays) says {replica_state(a.state_dir, rid)}"
+        )
     finally:
         _stop_all(a)
 
@@ -455,9 +476,15 @@ async def test_agent_kill9_during_heavy_event_writes_loses_no_acknowledged_event
         a.start()
         wait_for(lambda: journal_runs(a.state_dir)[rid]["state"] not in ("running", "starting"), timeout=60, what="the flood to finish")
         time.sleep(1.0)  # one more tick for the last records
-        steps = [d["record"]["step"] for _s, k, _r, d in journal_events(a.state_dir, rid) if k == "telemetry" and d["record"].get("type") == "eval"]
-        print(f"\nagent kill -9 during heavy writes: {len(acked)} events acknowledged before the kill, {at_kill} in the journal at the kill, "
-              f"all present; after restart {len(steps)} of {n} records journaled, duplicates {len(steps) - len(set(steps))}; integrity ok")
+        steps = [
+            d["record"]["step"]
+            for _s, k, _r, d in journal_events(a.state_dir, rid)
+            if k == "telemetry" and d["record"].get("type") == "eval"
+        ]
+        print(
+            f"\nagent kill -9 during heavy writes: {len(acked)} events acknowledged before the kill, {at_kill} in the journal at the kill, "
+            f"all present; after restart {len(steps)} of {n} records journaled, duplicates {len(steps) - len(set(steps))}; integrity ok"
+        )
         assert steps == list(range(n)), f"telemetry records lost or doubled across the restart ({len(steps)} journaled of {n})"
     finally:
         _stop_all(a)
@@ -479,9 +506,37 @@ def _fill_journal(state_dir: Path, runs: int, per_run: int) -> int:
                 ("run_state", rid, {"state": "running", "pid": 1000 + i, "started": t + i}),
                 ("members", rid, {"added": [{"pid": 2000 + i, "rank": 0}, {"pid": 3000 + i, "rank": 1}]}),
             ]
-            items += [("telemetry", rid, {"record": {"type": "step", "rank": 0, "step": s, "loss": 1.0 / (s + 1), "tokens_per_s": 1000.0 + s, "ts": t + i + s}, "offset": s}) for s in range(per_run)]
+            items += [
+                (
+                    "telemetry",
+                    rid,
+                    {
+                        "record": {
+                            "type": "step",
+                            "rank": 0,
+                            "step": s,
+                            "loss": 1.0 / (s + 1),
+                            "tokens_per_s": 1000.0 + s,
+                            "ts": t + i + s,
+                        },
+                        "offset": s,
+                    },
+                )
+                for s in range(per_run)
+            ]
             items += [("alert", rid, {"alert": {"kind": "gpu_idle", "message": "GPU 0 idle", "ts": t + i}})]
-            items += [("run_state", rid, {"state": "failed" if i % 3 else "succeeded", "cause": "exit code 1" if i % 3 else "exit code 0", "exit_code": 1 if i % 3 else 0, "ended": t + i + per_run})]
+            items += [
+                (
+                    "run_state",
+                    rid,
+                    {
+                        "state": "failed" if i % 3 else "succeeded",
+                        "cause": "exit code 1" if i % 3 else "exit code 0",
+                        "exit_code": 1 if i % 3 else 0,
+                        "ended": t + i + per_run,
+                    },
+                )
+            ]
             j.append_many(items)
         return j.last_seq
     finally:
@@ -540,7 +595,9 @@ def test_console_kill9_during_history_sync_catches_up_with_no_duplicates(home: P
         epoch = _table(state_dir / "journal.db", "SELECT value FROM meta WHERE key='epoch'")[0][0]
         seqs = [r[0] for r in _table(hist, f"SELECT seq FROM events WHERE host='local' AND epoch='{epoch}' ORDER BY seq")]
         journal_total = len(journal_events(state_dir))
-        assert seqs == list(range(1, journal_total + 1)), f"history has {len(seqs)} events, the journal {journal_total}; duplicates {len(seqs) - len(set(seqs))}"
+        assert seqs == list(range(1, journal_total + 1)), (
+            f"history has {len(seqs)} events, the journal {journal_total}; duplicates {len(seqs) - len(set(seqs))}"
+        )
         # the runs table after crash + resume equals one built in a single pass from the same journal
         from gpudeck.console.history import History
 
@@ -564,8 +621,10 @@ def test_console_kill9_during_history_sync_catches_up_with_no_duplicates(home: P
         assert got == want, "the history's runs differ from a single-pass replica after the console was killed mid-sync"
         assert _table(hist, "SELECT COUNT(*) FROM metrics") == _table(ref_path, "SELECT COUNT(*) FROM metrics")
         assert integrity(hist) == "ok"
-        print(f"\nconsole kill -9 during history sync: {at_kill} of {journal_total} events held at the kill; after restart {len(seqs)} held, "
-              f"duplicates {len(seqs) - len(set(seqs))}, gaps {journal_total - len(set(seqs))}; {len(got)} runs identical to a single-pass replica; {took:.1f} s")
+        print(
+            f"\nconsole kill -9 during history sync: {at_kill} of {journal_total} events held at the kill; after restart {len(seqs)} held, "
+            f"duplicates {len(seqs) - len(set(seqs))}, gaps {journal_total - len(set(seqs))}; {len(got)} runs identical to a single-pass replica; {took:.1f} s"
+        )
     finally:
         _stop_all(a)
 
@@ -594,7 +653,9 @@ def test_a_run_that_ignores_sigterm_and_forks_is_stopped_and_the_stop_says_sigki
         assert not res.get("survivors")
         row = journal_runs(a.state_dir)[rid]
         assert row["state"] == "stopped" and f"{len(pids)} process(es) ignored SIGTERM" in row["cause"] and "SIGKILL" in row["cause"], row
-        print(f"\nSIGTERM-deaf forking run: stopped in {took:.1f} s (grace {grace:g} s); needed SIGKILL: {res['needed_kill']}; cause: {row['cause']}")
+        print(
+            f"\nSIGTERM-deaf forking run: stopped in {took:.1f} s (grace {grace:g} s); needed SIGKILL: {res['needed_kill']}; cause: {row['cause']}"
+        )
     finally:
         _stop_all(a)
 
@@ -673,11 +734,17 @@ class StuckFs:
         self.log = self.mnt.with_name(self.mnt.name + ".log")
         self.proc: subprocess.Popen | None = None
 
-    def start(self) -> "StuckFs":
+    def start(self) -> StuckFs:
         if os.geteuid() != 0 or not os.path.exists("/dev/fuse"):
             raise RuntimeError("needs root and /dev/fuse")
         self.proc = subprocess.Popen(
-            [PY, "-c", "import sys; from tests.e2e.test_faults import serve_stuck_fs; serve_stuck_fs(sys.argv[1], sys.argv[2])", str(self.mnt), str(self.log)],
+            [
+                PY,
+                "-c",
+                "import sys; from tests.e2e.test_faults import serve_stuck_fs; serve_stuck_fs(sys.argv[1], sys.argv[2])",
+                str(self.mnt),
+                str(self.log),
+            ],
             env={**os.environ, "PYTHONPATH": str(ROOT)},
             stdin=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
@@ -750,8 +817,10 @@ async def test_stop_and_reclaim_of_a_process_in_real_disk_sleep_report_it_and_re
         again = json.loads(a.cli("stop", rid, "--grace", "0", "--json", check=False, timeout=60).stdout)
         took_again = time.monotonic() - t1
         assert pid in {s["pid"] for s in again.get("survivors", [])}, again
-        print(f"\nreal D state (FUSE read never answered, wchan {Path(f'/proc/{pid}/wchan').read_text() or '?'}): stop returned in {took:.1f} s "
-              f"(grace {grace:g} s) with survivor {pid} status {surv[pid]['status']}; cause: {row['cause']}; a second stop returned in {took_again:.1f} s")
+        print(
+            f"\nreal D state (FUSE read never answered, wchan {Path(f'/proc/{pid}/wchan').read_text() or '?'}): stop returned in {took:.1f} s "
+            f"(grace {grace:g} s) with survivor {pid} status {surv[pid]['status']}; cause: {row['cause']}; a second stop returned in {took_again:.1f} s"
+        )
     finally:
         stuck_fs.release()
         _stop_all(a)
@@ -792,12 +861,14 @@ async def test_a_launch_into_a_hung_file_system_does_not_freeze_the_agent(home: 
             try:
                 await other.request(Ping(), timeout=5)  # another client must still be served
             except TimeoutError:
-                raise AssertionError("the agent did not answer a Ping within 5 s while one launch's cwd hung: its event loop is blocked") from None
+                raise AssertionError(
+                    "the agent did not answer a Ping within 5 s while one launch's cwd hung: its event loop is blocked"
+                ) from None
         finally:
             stuck_fs.release()  # the hung lookup fails now; the launch finishes one way or another
             try:
                 await asyncio.wait_for(launch, 30)
-            except (AgentError, asyncio.TimeoutError, TimeoutError):
+            except (AgentError, TimeoutError):
                 pass
             await c.close()
             await other.close()
@@ -822,7 +893,9 @@ def test_sigstop_stand_in_for_a_stuck_process_is_stopped_with_sigkill_and_report
         took = time.monotonic() - t0
         assert all(gone(p) for p in pids)
         assert sorted(res["needed_kill"]) == sorted(pids) and not res.get("survivors"), res
-        print(f"\nSIGSTOP stand-in (NOT a D state: SIGKILL ends a stopped process): stop returned in {took:.1f} s, needed SIGKILL: {res['needed_kill']}")
+        print(
+            f"\nSIGSTOP stand-in (NOT a D state: SIGKILL ends a stopped process): stop returned in {took:.1f} s, needed SIGKILL: {res['needed_kill']}"
+        )
     finally:
         _stop_all(a)
 
@@ -892,7 +965,9 @@ def test_disk_full_in_the_state_dir_fails_the_launch_clearly_leaves_nothing_half
             if cp.returncode != 0:
                 refused += 1
                 msg = cp.stderr.strip()
-                assert "space" in msg.lower() and ("free" in msg.lower() or "full" in msg.lower()), f"the error does not say what to do: {msg}"
+                assert "space" in msg.lower() and ("free" in msg.lower() or "full" in msg.lower()), (
+                    f"the error does not say what to do: {msg}"
+                )
                 outcomes.append(f"{free:>7} B free: launch refused: {msg.splitlines()[-1][:150]}")
             else:
                 rid = cp.stdout.strip()
@@ -907,10 +982,20 @@ def test_disk_full_in_the_state_dir_fails_the_launch_clearly_leaves_nothing_half
             if rid is not None:
                 t0 = time.monotonic()
                 try:
-                    final = wait_for(lambda: (r := journal_runs(a.state_dir)[rid])["state"] not in ("starting", "running") and r, timeout=20, what="the run's end to be recorded once space is back")
+                    final = wait_for(
+                        lambda: (r := journal_runs(a.state_dir)[rid])["state"] not in ("starting", "running") and r,
+                        timeout=20,
+                        what="the run's end to be recorded once space is back",
+                    )
                 except AssertionError as exc:
-                    raise AssertionError(f"{exc}: {journal_runs(a.state_dir)[rid]}; files {[(f.name, f.stat().st_size) for f in (a.state_dir / 'runs' / rid).iterdir()]}; agent log: {a.log()[-1500:]}") from None
-                ends = [d for _s, k, _r, d in journal_events(a.state_dir, rid) if k == "run_state" and d.get("state") in ("succeeded", "failed", "lost")]
+                    raise AssertionError(
+                        f"{exc}: {journal_runs(a.state_dir)[rid]}; files {[(f.name, f.stat().st_size) for f in (a.state_dir / 'runs' / rid).iterdir()]}; agent log: {a.log()[-1500:]}"
+                    ) from None
+                ends = [
+                    d
+                    for _s, k, _r, d in journal_events(a.state_dir, rid)
+                    if k == "run_state" and d.get("state") in ("succeeded", "failed", "lost")
+                ]
                 assert len(ends) == 1, ends  # the run's end is recorded once, whatever the disk did meanwhile
                 outcomes[-1] += f", recorded {final['state']} {time.monotonic() - t0:.1f} s after space was freed"
         assert refused >= 1, "the disk was never full enough to refuse a launch"
@@ -918,7 +1003,11 @@ def test_disk_full_in_the_state_dir_fails_the_launch_clearly_leaves_nothing_half
         after = a.cli_json("launch", "--name", "after", "--", "true")["id"]
         wait_for(lambda: journal_runs(a.state_dir)[after]["state"] == "succeeded", what="a launch once space is back")
         check_nothing_half_made(a.state_dir)
-        print("\ndisk full (the agent's state dir on an 8 MiB tmpfs):\n  " + "\n  ".join(outcomes) + "\n  space freed: a new launch succeeded; integrity_check ok; nothing half-written")
+        print(
+            "\ndisk full (the agent's state dir on an 8 MiB tmpfs):\n  "
+            + "\n  ".join(outcomes)
+            + "\n  space freed: a new launch succeeded; integrity_check ok; nothing half-written"
+        )
     finally:
         _stop_all(a)
 
@@ -928,14 +1017,20 @@ def test_a_run_that_ends_while_the_state_dir_is_full_keeps_its_exit_status(small
     a = AgentProc(small_home).start()
     try:
         gate = tmp_path / "go"  # outside the full file system
-        rid = a.cli_json("launch", "--name", "ends-when-full", "--", "sh", "-c", f"while [ ! -e '{gate}' ]; do sleep 0.05; done; exit 5")["id"]
+        rid = a.cli_json("launch", "--name", "ends-when-full", "--", "sh", "-c", f"while [ ! -e '{gate}' ]; do sleep 0.05; done; exit 5")[
+            "id"
+        ]
         wait_for(lambda: journal_runs(a.state_dir)[rid]["state"] == "running", what="the run to start")
         _fill(small_home / "agent", 0)
         gate.touch()
         time.sleep(2.0)  # it ends now, with nowhere to write its exit status
         for f in (small_home / "agent").glob("filler-*"):
             f.unlink()
-        final = wait_for(lambda: (r := journal_runs(a.state_dir)[rid])["state"] not in ("starting", "running") and r, timeout=20, what="the run's end to be recorded")
+        final = wait_for(
+            lambda: (r := journal_runs(a.state_dir)[rid])["state"] not in ("starting", "running") and r,
+            timeout=20,
+            what="the run's end to be recorded",
+        )
         print(f"\na run that ended on a full disk was recorded as {final['state']}: {final['cause']}")
         assert final["state"] == "failed" and final["exit_code"] == 5, final
         assert "agent was down" not in (final["cause"] or ""), final
@@ -950,7 +1045,9 @@ def test_the_cli_on_a_full_home_says_so_instead_of_a_traceback(home: Path) -> No
         try:
             _fill(home, 0)
             cp = a.cli("launch", "--name", "on-full-home", "--", "true", check=False)
-            print(f"\nlaunch with GPUDECK_HOME full: exit {cp.returncode}, stderr: {cp.stderr.strip().splitlines()[-1] if cp.stderr.strip() else ''}")
+            print(
+                f"\nlaunch with GPUDECK_HOME full: exit {cp.returncode}, stderr: {cp.stderr.strip().splitlines()[-1] if cp.stderr.strip() else ''}"
+            )
             assert cp.returncode != 0
             assert "Traceback" not in cp.stderr, cp.stderr[-600:]
             assert "space" in cp.stderr.lower(), cp.stderr

@@ -52,13 +52,17 @@ def test_launch_tail_stop_on_a_remote_host_and_find_it_in_history(two_hosts: Con
     check = c.cli_json("hosts", "--check")
     assert {h["name"]: h["state"] for h in check["hosts"]} == {"local": "up", "hosta": "up", "hostb": "up"}
 
-    rid = c.cli("launch", "--host", "hostb", "--name", "greeter", "--", PY, "-c", "print('hello from b', flush=True); import time; time.sleep(120)").stdout.strip()
+    rid = c.cli(
+        "launch", "--host", "hostb", "--name", "greeter", "--", PY, "-c", "print('hello from b', flush=True); import time; time.sleep(120)"
+    ).stdout.strip()
     assert rid.startswith("r-")
     # the run lives on hostb's agent, not on hosta's or the local one
     assert any(r["id"] == rid for r in two_hosts.hosts[1].agent.cli_json("runs"))
     assert not any(r["id"] == rid for r in two_hosts.hosts[0].agent.cli_json("runs"))
 
-    out = wait_for(lambda: (t := c.cli("tail", rid, "-n", "5").stdout) and "hello from b" in t and t, timeout=30, what="the run's output over SSH")
+    out = wait_for(
+        lambda: (t := c.cli("tail", rid, "-n", "5").stdout) and "hello from b" in t and t, timeout=30, what="the run's output over SSH"
+    )
     assert "hello from b" in out
     runs = c.cli_json("runs")
     assert next(r for r in runs if r["id"] == rid)["host"] == "hostb"
@@ -84,7 +88,11 @@ def test_launch_tail_stop_on_a_remote_host_and_find_it_in_history(two_hosts: Con
 
     # syncing again adds nothing: the replica is idempotent
     db = c.gpudeck_home / "history.db"
-    n1 = subprocess.run(["sqlite3", str(db), "select count(*) from events"], capture_output=True, text=True).stdout if shutil.which("sqlite3") else None
+    n1 = (
+        subprocess.run(["sqlite3", str(db), "select count(*) from events"], capture_output=True, text=True).stdout
+        if shutil.which("sqlite3")
+        else None
+    )
     c.cli("history")
     h = History(db)
     try:
@@ -109,6 +117,7 @@ async def test_a_run_that_ends_while_the_console_is_cut_off_is_recorded_exactly_
     fleet = _fleet(c, history)
     fleet.start()
     try:
+
         async def until(pred, timeout: float, what: str):  # type: ignore[no-untyped-def]
             deadline = time.monotonic() + timeout
             while time.monotonic() < deadline:
@@ -137,7 +146,13 @@ async def test_a_run_that_ends_while_the_console_is_cut_off_is_recorded_exactly_
         assert "host hostb  UNREACHABLE: nothing accepts SSH connections there (" in cp.stdout, cp.stdout
         assert "is sshd running, and are HostName and Port for hostb in ~/.ssh/config right?" in cp.stdout, cp.stdout
         # the run ends on hostb while nobody watches
-        await asyncio.to_thread(wait_for, lambda: next((r for r in hostb.agent.cli_json("runs") if r["id"] == rid and r["state"] == "failed"), None), 30, 0.2, "the run to end on hostb")
+        await asyncio.to_thread(
+            wait_for,
+            lambda: next((r for r in hostb.agent.cli_json("runs") if r["id"] == rid and r["state"] == "failed"), None),
+            30,
+            0.2,
+            "the run to end on hostb",
+        )
         assert _state(history, "hostb", rid) == "running"  # the console could not know yet
 
         hostb.start_sshd()  # same port, same keys: the link comes back by itself
@@ -232,13 +247,21 @@ def test_the_locked_down_key_runs_the_agent_bridge_and_nothing_else(console_side
     marker = tmp_path / "ran"
     cp = subprocess.run(
         ["ssh", "-F", str(c.ssh_config), "-o", f"UserKnownHostsFile={c.known_hosts}", "-o", "BatchMode=yes", "hoste", f"touch {marker}"],
-        input="", capture_output=True, text=True, timeout=30, env=c.env,
+        input="",
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env=c.env,
     )
     assert not marker.exists(), "a shell command ran through the restricted key"
     # what ran instead is the bridge: its first line is the agent's answer to garbage, a typed error
     cp = subprocess.run(
         ["ssh", "-F", str(c.ssh_config), "-o", f"UserKnownHostsFile={c.known_hosts}", "-o", "BatchMode=yes", "hoste", "anything"],
-        input="not json\n", capture_output=True, text=True, timeout=30, env=c.env,
+        input="not json\n",
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env=c.env,
     )
     assert json.loads(cp.stdout.splitlines()[0])["code"] == "bad_json", cp.stdout + cp.stderr
     assert os.path.exists(h.home / "agent" / "journal.db")

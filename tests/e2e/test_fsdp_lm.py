@@ -19,12 +19,24 @@ pytest.importorskip("transformers")
 
 pytestmark = pytest.mark.slow
 
-from tests.trainer_harness import Runs, read_telemetry  # noqa: E402
-from tests.trainer_harness import alive as _alive  # noqa: E402
+from tests.trainer_harness import Runs, read_telemetry
+from tests.trainer_harness import alive as _alive
 
 FSDP = "gpudeck.trainers.fsdp_lm"
-COMMON = ["--model-config", "tiny", "--seq-len", "64", "--batch-size", "4",
-          "--corpus-bytes", str(1024 * 1024), "--lr", "1e-3", "--warmup-steps", "2"]
+COMMON = [
+    "--model-config",
+    "tiny",
+    "--seq-len",
+    "64",
+    "--batch-size",
+    "4",
+    "--corpus-bytes",
+    str(1024 * 1024),
+    "--lr",
+    "1e-3",
+    "--warmup-steps",
+    "2",
+]
 
 
 def step_losses(records: list[dict], rank: int = 0) -> dict[int, float]:
@@ -42,8 +54,7 @@ def runs():
 def straight(tmp_path_factory, runs):
     """Reference: 2 ranks trained straight to step 8, checkpoints at 4 and 8."""
     out = tmp_path_factory.mktemp("fsdp") / "straight"
-    rc, output, tel, _ = runs.run(FSDP, [*COMMON, "--max-steps", "8", "--checkpoint-every", "4",
-                                   "--fresh"], out, nproc=2)
+    rc, output, tel, _ = runs.run(FSDP, [*COMMON, "--max-steps", "8", "--checkpoint-every", "4", "--fresh"], out, nproc=2)
     assert rc == 0, output[-4000:]
     return out, tel, output
 
@@ -107,8 +118,7 @@ def test_failing_rank_stops_all_ranks_then_resume_matches_straight(straight, run
     ref = step_losses(straight[1])
     out = tmp_path / "crash"
     args = [*COMMON, "--max-steps", "8", "--checkpoint-every", "4"]
-    rc, output, tel, seconds = runs.run(FSDP, [*args, "--fresh"], out,
-                                        nproc=2, env={"GPUDECK_TEST_FAIL_AT_STEP": "6:1"}, timeout=90)
+    rc, output, tel, seconds = runs.run(FSDP, [*args, "--fresh"], out, nproc=2, env={"GPUDECK_TEST_FAIL_AT_STEP": "6:1"}, timeout=90)
     assert rc != 0
     assert "injected failure at step 6 on rank 1" in output
     assert seconds < 60
@@ -143,8 +153,7 @@ def test_fresh_refuses_folder_with_checkpoints(straight, runs) -> None:
 
 
 def test_resume_missing_step_lists_existing(straight, runs) -> None:
-    rc, output, _, _ = runs.run(FSDP, [*COMMON, "--max-steps", "8", "--resume", "5"], straight[0],
-                                nproc=None)
+    rc, output, _, _ = runs.run(FSDP, [*COMMON, "--max-steps", "8", "--resume", "5"], straight[0], nproc=None)
     assert rc == 2
     assert "step_5" in output and "step_4, step_8" in output
 
@@ -159,8 +168,7 @@ def test_missing_start_is_an_error(runs, tmp_path) -> None:
 def test_new_run_dir_archives_old_checkpoints(straight, runs, tmp_path) -> None:
     out = tmp_path / "again"
     shutil.copytree(straight[0] / "checkpoints", out / "checkpoints")
-    rc, output, tel, _ = runs.run(FSDP, [*COMMON, "--max-steps", "2", "--fresh", "--new-run-dir",
-                                   "--no-export"], out, nproc=None)
+    rc, output, tel, _ = runs.run(FSDP, [*COMMON, "--max-steps", "2", "--fresh", "--new-run-dir", "--no-export"], out, nproc=None)
     assert rc == 0, output[-4000:]
     archived = [p for p in out.iterdir() if p.name.startswith("checkpoints.archived-")]
     assert len(archived) == 1 and (archived[0] / "step_8").is_dir()
@@ -174,10 +182,25 @@ def test_new_run_dir_archives_old_checkpoints(straight, runs, tmp_path) -> None:
 def test_init_from_exported_folder_continues_from_trained_weights(straight, runs, tmp_path) -> None:
     out, tel, _ = straight
     ref = step_losses(tel)
-    rc, output, tel2, _ = runs.run(FSDP, ["--init-from", str(out / "final"), "--seq-len", "64",
-                                    "--batch-size", "4", "--corpus-bytes", str(1024 * 1024),
-                                    "--max-steps", "2", "--fresh", "--no-export"],
-                                   tmp_path / "from_final", nproc=2)
+    rc, output, tel2, _ = runs.run(
+        FSDP,
+        [
+            "--init-from",
+            str(out / "final"),
+            "--seq-len",
+            "64",
+            "--batch-size",
+            "4",
+            "--corpus-bytes",
+            str(1024 * 1024),
+            "--max-steps",
+            "2",
+            "--fresh",
+            "--no-export",
+        ],
+        tmp_path / "from_final",
+        nproc=2,
+    )
     assert rc == 0, output[-4000:]
     manifest = next(r for r in tel2 if r["type"] == "manifest")
     assert manifest["tokenizer"]["kind"] == "byte"  # picked up from the exported folder
@@ -221,15 +244,29 @@ def test_prepare_then_train_with_validation_then_resume_is_exact(runs, tmp_path)
     src = tmp_path / "corpus"
     datasets.Dataset.from_dict({"n": list(range(len(docs))), "text": docs}).save_to_disk(str(src))
     prep = tmp_path / "prep"
-    rc, output, _, _ = runs.run("gpudeck.trainers.prepare", ["--data", str(src), "--num-proc", "2",
-                                                    "--val-fraction", "0.1"], prep, nproc=None)
+    rc, output, _, _ = runs.run(
+        "gpudeck.trainers.prepare", ["--data", str(src), "--num-proc", "2", "--val-fraction", "0.1"], prep, nproc=None
+    )
     assert rc == 0, output[-3000:]
     prepared = json.loads((prep / PREPARED_MANIFEST).read_text())
     shutil.rmtree(src)
 
-    args = [*COMMON, "--data", str(prep), "--max-steps", "6", "--checkpoint-every", "3",
-            "--val-every", "2", "--val-batches", "2", "--no-export",
-            "--prefetch", "yes"]  # a batch fetched ahead is not counted as consumed in a checkpoint
+    args = [
+        *COMMON,
+        "--data",
+        str(prep),
+        "--max-steps",
+        "6",
+        "--checkpoint-every",
+        "3",
+        "--val-every",
+        "2",
+        "--val-batches",
+        "2",
+        "--no-export",
+        "--prefetch",
+        "yes",
+    ]  # a batch fetched ahead is not counted as consumed in a checkpoint
     out = tmp_path / "straight"
     rc, output, tel, _ = runs.run(FSDP, [*args, "--fresh"], out, nproc=2)
     assert rc == 0, output[-4000:]
@@ -271,8 +308,7 @@ def test_bad_corpus_options_exit_2_with_the_fix(runs, tmp_path) -> None:
     datasets = pytest.importorskip("datasets")
     src = tmp_path / "two_columns"
     datasets.Dataset.from_dict({"a": ["x" * 500] * 4, "b": ["y"] * 4}).save_to_disk(str(src))
-    rc, output, tel, _ = runs.run(FSDP, [*COMMON, "--data", str(src), "--max-steps", "1", "--fresh"],
-                                  tmp_path / "o", nproc=None)
+    rc, output, tel, _ = runs.run(FSDP, [*COMMON, "--data", str(src), "--max-steps", "1", "--fresh"], tmp_path / "o", nproc=None)
     assert rc == 2 and "--text-column" in output, output[-3000:]
     assert [r["type"] for r in tel if r["type"] == "error"] == ["error"]
 
@@ -280,15 +316,13 @@ def test_bad_corpus_options_exit_2_with_the_fix(runs, tmp_path) -> None:
 def test_chunked_loss_matches_plain_and_profile_prints_top_kernels(runs, tmp_path) -> None:
     args = [*COMMON, "--max-steps", "3", "--no-export", "--no-final-checkpoint", "--fresh"]
     # 2 ranks: the head's gradients, made inside its forward, must still be reduce-scattered
-    rc, output, tel, _ = runs.run(FSDP, [*args, "--profile-steps", "1", "--profile-start", "2"],
-                                  tmp_path / "plain", nproc=2)
+    rc, output, tel, _ = runs.run(FSDP, [*args, "--profile-steps", "1", "--profile-start", "2"], tmp_path / "plain", nproc=2)
     assert rc == 0, output[-3000:]
     lines = [ln for ln in output.splitlines() if ln.startswith("profile")]
     assert lines[0].startswith("profile: steps 2..2, 1 steps")
     assert any(ln.startswith("profile class gemm") for ln in lines)
     assert any(ln.startswith("profile top  1") and "aten::" in ln for ln in lines)
-    rc, output, tel2, _ = runs.run(FSDP, [*args, "--loss-impl", "chunked", "--loss-chunk-rows", "100"],
-                                   tmp_path / "chunked", nproc=2)
+    rc, output, tel2, _ = runs.run(FSDP, [*args, "--loss-impl", "chunked", "--loss-chunk-rows", "100"], tmp_path / "chunked", nproc=2)
     assert rc == 0, output[-3000:]
     assert next(r for r in tel2 if r["type"] == "manifest")["loss_impl"] == "chunked"
     plain, chunked = step_losses(tel), step_losses(tel2)

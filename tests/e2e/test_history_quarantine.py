@@ -42,7 +42,10 @@ def test_bad_journal_events_are_quarantined_and_the_history_goes_on(agent: Agent
     assert "2 event(s) kept out of the history" in human and "local" in human
     second = agent.cli_json("launch", "--name", "after", "--", sys.executable, "-c", "pass")["id"]
     wait_for(lambda: _ended(agent, second), timeout=60, what="the second run to end")
-    wait_for(lambda: next((r for r in agent.cli_json("history") if r["id"] == second), {}).get("state") == "succeeded", timeout=60,
-             what="the run after the bad events to reach the history")
+    wait_for(
+        lambda: next((r for r in agent.cli_json("history") if r["id"] == second), {}).get("state") == "succeeded",
+        timeout=60,
+        what="the run after the bad events to reach the history",
+    )
     assert len(agent.cli_json("history", "--problems")) == 2  # quarantined once, never pulled again
     assert json.loads(agent.cli("show", first, "--json").stdout)["state"] == "succeeded"

@@ -52,7 +52,11 @@ def _openssh_accepts(c: ConsoleSide, cfg: Path, kh: Path, tag: str) -> tuple[boo
     shutil.copy(kh, copy)
     cp = subprocess.run(
         ["ssh", "-F", str(cfg), "-o", f"UserKnownHostsFile={copy}", "-o", "GlobalKnownHostsFile=/dev/null", "-o", "BatchMode=yes", tag],
-        stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=60, env=c.env,
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=c.env,
     )
     refused = "Host key verification failed" in cp.stderr or "REMOTE HOST IDENTIFICATION HAS CHANGED" in cp.stderr
     return not refused, cp.stderr
@@ -80,7 +84,12 @@ CASES = [
     ("name-missing-ip-right", "    HostName localhost\n", [("IP", "RIGHT")], False),
     ("name-wrong-ip-right", "    HostName localhost\n", [("NAME", "WRONG"), ("IP", "RIGHT")], False),
     ("name-right-ip-wrong", "    HostName localhost\n", [("NAME", "RIGHT"), ("IP", "WRONG")], True),
-    ("name-right-ip-wrong-checkhostip", "    HostName localhost\n    CheckHostIP yes\n", [("NAME", "RIGHT"), ("IP", "WRONG")], True),  # a warning
+    (
+        "name-right-ip-wrong-checkhostip",
+        "    HostName localhost\n    CheckHostIP yes\n",
+        [("NAME", "RIGHT"), ("IP", "WRONG")],
+        True,
+    ),  # a warning
     ("name-right-ip-right-checkhostip", "    HostName localhost\n    CheckHostIP yes\n", [("NAME", "RIGHT"), ("IP", "RIGHT")], True),
     ("name-right-ip-missing-checkhostip", "    HostName localhost\n    CheckHostIP yes\n", [("NAME", "RIGHT")], True),
     ("alias-right", "    HostName 127.0.0.1\n    HostKeyAlias mybox\n", [("ALIAS", "RIGHT")], True),
@@ -90,7 +99,9 @@ CASES = [
 
 
 @pytest.mark.parametrize("tag,options,entries,expected", CASES, ids=[c[0] for c in CASES])
-def test_the_console_trusts_a_host_key_exactly_when_openssh_does(box, tag: str, options: str, entries: list[tuple[str, str]], expected: bool) -> None:
+def test_the_console_trusts_a_host_key_exactly_when_openssh_does(
+    box, tag: str, options: str, entries: list[tuple[str, str]], expected: bool
+) -> None:
     c, h, wrong = box
     where = {"NAME": f"[localhost]:{h.port}", "IP": f"[127.0.0.1]:{h.port}", "ALIAS": "mybox"}
     lines = [f"{where[w]} {_key(h) if k == 'RIGHT' else wrong}" for w, k in entries]
@@ -98,4 +109,6 @@ def test_the_console_trusts_a_host_key_exactly_when_openssh_does(box, tag: str, 
     ssh_ok, ssh_err = _openssh_accepts(c, cfg, kh, tag)
     ours_ok, ours_err = _console_accepts(cfg, kh, tag, c.key)
     assert ssh_ok == expected, f"OpenSSH itself answered otherwise than this case expects (the case is wrong): {ssh_err}"
-    assert ours_ok == ssh_ok, f"ssh {'accepted' if ssh_ok else 'refused'} ({ssh_err.strip()[-300:]}); the console {'accepted' if ours_ok else 'refused'} ({ours_err})"
+    assert ours_ok == ssh_ok, (
+        f"ssh {'accepted' if ssh_ok else 'refused'} ({ssh_err.strip()[-300:]}); the console {'accepted' if ours_ok else 'refused'} ({ours_err})"
+    )

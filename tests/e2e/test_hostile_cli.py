@@ -20,7 +20,9 @@ def _no_controls(text: str) -> None:
 
 def test_hostile_name_argv_and_output_are_escaped_and_secrets_redacted(agent: AgentProc) -> None:
     name = f"evil{EVIL}[bold red]x[/]"
-    rid = agent.cli_json("launch", "--name", name, "--env", "HF_TOKEN=hf_sekrit", "--env", f"PLAIN=ok{EVIL}", "--", sys.executable, "-c", PRINT, f"out{EVIL}")["id"]
+    rid = agent.cli_json(
+        "launch", "--name", name, "--env", "HF_TOKEN=hf_sekrit", "--env", f"PLAIN=ok{EVIL}", "--", sys.executable, "-c", PRINT, f"out{EVIL}"
+    )["id"]
     wait_for(lambda: next(r for r in agent.cli_json("runs") if r["id"] == rid)["state"] == "succeeded", timeout=60, what="the run to end")
 
     for args in (["runs"], ["history"], ["show", rid], ["tail", rid], ["diff", rid, rid], ["status"]):
@@ -39,14 +41,21 @@ def test_hostile_name_argv_and_output_are_escaped_and_secrets_redacted(agent: Ag
     for args in (["history"], ["show", rid]):
         out = agent.cli(*args, "--json").stdout
         assert "hf_sekrit" not in out and "REDACTED" in out, args
-    assert next(r for r in json.loads(agent.cli("runs", "--json", "--show-secrets").stdout) if r["id"] == rid)["spec"]["env"]["HF_TOKEN"] == "hf_sekrit"
+    assert (
+        next(r for r in json.loads(agent.cli("runs", "--json", "--show-secrets").stdout) if r["id"] == rid)["spec"]["env"]["HF_TOKEN"]
+        == "hf_sekrit"
+    )
     assert "hf_sekrit" in agent.cli("show", rid, "--json", "--show-secrets").stdout
 
 
 def test_a_host_that_does_not_answer_exits_3_and_is_named(agent: AgentProc) -> None:
     agent.cli("hosts", "add", "ghost.invalid")
     rid = agent.cli_json("launch", "--", sys.executable, "-c", "pass")["id"]
-    wait_for(lambda: next(r for r in agent.cli_json("runs", "--host", "local") if r["id"] == rid)["state"] == "succeeded", timeout=60, what="the run to end")
+    wait_for(
+        lambda: next(r for r in agent.cli_json("runs", "--host", "local") if r["id"] == rid)["state"] == "succeeded",
+        timeout=60,
+        what="the run to end",
+    )
     cp = agent.cli("runs", "--json", check=False)
     assert cp.returncode == 3, cp
     out = json.loads(cp.stdout)

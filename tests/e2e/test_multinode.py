@@ -82,7 +82,13 @@ def cluster(tmp_path: Path):
                 host = netns.NsSshHost(name, console.pub, ns)
                 host.start()
                 console.add(host)
-                conf += [f"[host.{name}]", f'rdzv_host = "{addr}"', f'gloo_socket_ifname = "{ifname}"', 'env = { OMP_NUM_THREADS = "1" }', ""]
+                conf += [
+                    f"[host.{name}]",
+                    f'rdzv_host = "{addr}"',
+                    f'gloo_socket_ifname = "{ifname}"',
+                    'env = { OMP_NUM_THREADS = "1" }',
+                    "",
+                ]
             (console.gpudeck_home / "config.toml").write_text("\n".join(conf))
             yield console
         finally:
@@ -101,16 +107,55 @@ def _agent_runs(h) -> list[dict]:  # type: ignore[no-untyped-def]
         return []
 
 
-TRAIN = ["--model-config", "tiny", "--seq-len", "64", "--batch-size", "4", "--corpus-bytes", str(1024 * 1024),
-         "--lr", "1e-3", "--warmup-steps", "2", "--checkpoint-every", "3", "--log-every", "1", "--no-export"]
+TRAIN = [
+    "--model-config",
+    "tiny",
+    "--seq-len",
+    "64",
+    "--batch-size",
+    "4",
+    "--corpus-bytes",
+    str(1024 * 1024),
+    "--lr",
+    "1e-3",
+    "--warmup-steps",
+    "2",
+    "--checkpoint-every",
+    "3",
+    "--log-every",
+    "1",
+    "--no-export",
+]
 
 
 @pytest.mark.timeout(900)  # a hang limit: two nodes of real training on a loaded 2-core machine take minutes
 def test_a_two_node_run_trains_stops_resumes_and_is_one_record(cluster: ConsoleSide, tmp_path: Path) -> None:
     c = cluster
     out = tmp_path / "shared-out"
-    cp = c.cli("launch", "--hosts", "nodea,nodeb", "--kind", "fsdp", "--nproc-per-node", "2", "--python", PY, "--cwd", str(ROOT),
-               "--name", "two-node", "--fresh", "--json", "--", *TRAIN, "--max-steps", "10000", "--out", str(out), timeout=180)
+    cp = c.cli(
+        "launch",
+        "--hosts",
+        "nodea,nodeb",
+        "--kind",
+        "fsdp",
+        "--nproc-per-node",
+        "2",
+        "--python",
+        PY,
+        "--cwd",
+        str(ROOT),
+        "--name",
+        "two-node",
+        "--fresh",
+        "--json",
+        "--",
+        *TRAIN,
+        "--max-steps",
+        "10000",
+        "--out",
+        str(out),
+        timeout=180,
+    )
     launched = json.loads(cp.stdout)
     rid = launched["id"]
     print(f"\nlaunched {rid} on {launched['hosts']}, rendezvous {launched['rdzv_endpoint']}")
@@ -142,10 +187,38 @@ def test_a_two_node_run_trains_stops_resumes_and_is_one_record(cluster: ConsoleS
     steps = sorted(int(p.name.split("_")[1]) for p in (out / "checkpoints").glob("step_*") if (p / "gpudeck_checkpoint.json").exists())
     assert steps, "the stop should leave a complete checkpoint"
 
-    cp = c.cli("launch", "--hosts", "nodea,nodeb", "--kind", "fsdp", "--nproc-per-node", "2", "--python", PY, "--cwd", str(ROOT),
-               "--name", "two-node-resumed", "--resume", str(steps[-1]), "--json", "--", *TRAIN, "--max-steps", str(steps[-1] + 3), "--out", str(out), timeout=180)
+    cp = c.cli(
+        "launch",
+        "--hosts",
+        "nodea,nodeb",
+        "--kind",
+        "fsdp",
+        "--nproc-per-node",
+        "2",
+        "--python",
+        PY,
+        "--cwd",
+        str(ROOT),
+        "--name",
+        "two-node-resumed",
+        "--resume",
+        str(steps[-1]),
+        "--json",
+        "--",
+        *TRAIN,
+        "--max-steps",
+        str(steps[-1] + 3),
+        "--out",
+        str(out),
+        timeout=180,
+    )
     rid2 = json.loads(cp.stdout)["id"]
-    wait_for(lambda: (r := next((x for x in c.cli_json("runs") if x["id"] == rid2), None)) and r["state"] in ("succeeded", "failed") and r, timeout=300, interval=1.0, what="the resumed run to finish")
+    wait_for(
+        lambda: (r := next((x for x in c.cli_json("runs") if x["id"] == rid2), None)) and r["state"] in ("succeeded", "failed") and r,
+        timeout=300,
+        interval=1.0,
+        what="the resumed run to finish",
+    )
     final = next(x for x in c.cli_json("runs") if x["id"] == rid2)
     assert final["state"] == "succeeded", c.cli("tail", rid2, "-n", "40").stdout
     # every host's history is complete: gapless, no duplicates
@@ -164,18 +237,52 @@ def test_a_two_node_run_trains_stops_resumes_and_is_one_record(cluster: ConsoleS
 def test_killing_one_nodes_ranks_raises_the_alert_and_names_the_node_in_the_cause(cluster: ConsoleSide, tmp_path: Path) -> None:
     c = cluster
     out = tmp_path / "kill-out"
-    rid = json.loads(c.cli("launch", "--hosts", "nodea,nodeb", "--kind", "fsdp", "--nproc-per-node", "1", "--python", PY, "--cwd", str(ROOT),
-                           "--fresh", "--json", "--", *TRAIN, "--max-steps", "10000", "--out", str(out), timeout=180).stdout)["id"]
+    rid = json.loads(
+        c.cli(
+            "launch",
+            "--hosts",
+            "nodea,nodeb",
+            "--kind",
+            "fsdp",
+            "--nproc-per-node",
+            "1",
+            "--python",
+            PY,
+            "--cwd",
+            str(ROOT),
+            "--fresh",
+            "--json",
+            "--",
+            *TRAIN,
+            "--max-steps",
+            "10000",
+            "--out",
+            str(out),
+            timeout=180,
+        ).stdout
+    )["id"]
     nodeb = c.hosts[1]
 
     def ranks_b() -> list[int]:
-        return [p.pid for p in psutil.process_iter() if _tag(p.pid) == rid and "gpudeck.trainers.fsdp_lm" in " ".join(_cmd(p)) and p.pid in nodeb.ns.pids() and "torch.distributed.run" not in " ".join(_cmd(p))]
+        return [
+            p.pid
+            for p in psutil.process_iter()
+            if _tag(p.pid) == rid
+            and "gpudeck.trainers.fsdp_lm" in " ".join(_cmd(p))
+            and p.pid in nodeb.ns.pids()
+            and "torch.distributed.run" not in " ".join(_cmd(p))
+        ]
 
     pids = wait_for(lambda: len(ranks_b()) == 1 and ranks_b(), timeout=240, interval=0.5, what="nodeb's rank")
     wait_for(lambda: (out / "checkpoints").exists(), timeout=240, interval=1.0, what="training started")
     os.kill(pids[0], signal.SIGKILL)
     t_kill = time.time()
-    row = wait_for(lambda: (r := next((x for x in c.cli_json("runs") if x["id"] == rid), None)) and r["state"] in ("failed", "stopped", "lost") and r, timeout=300, interval=1.0, what="the run to end")
+    row = wait_for(
+        lambda: (r := next((x for x in c.cli_json("runs") if x["id"] == rid), None)) and r["state"] in ("failed", "stopped", "lost") and r,
+        timeout=300,
+        interval=1.0,
+        what="the run to end",
+    )
     print(f"\nafter killing a rank on nodeb: {row['state']}: {row['cause']}")
     assert "nodeb" in row["cause"] or "nodea" in row["cause"]
     show = c.cli_json("show", rid, "--host", "nodeb")
@@ -205,8 +312,30 @@ def _cmd(p: psutil.Process) -> list[str]:
 def test_a_node_cut_off_during_the_run_is_reported_then_stopped_when_it_is_back(cluster: ConsoleSide, tmp_path: Path) -> None:
     c = cluster
     out = tmp_path / "cut-out"
-    rid = json.loads(c.cli("launch", "--hosts", "nodea,nodeb", "--kind", "fsdp", "--nproc-per-node", "1", "--python", PY, "--cwd", str(ROOT),
-                           "--fresh", "--json", "--", *TRAIN, "--max-steps", "10000", "--out", str(out), timeout=180).stdout)["id"]
+    rid = json.loads(
+        c.cli(
+            "launch",
+            "--hosts",
+            "nodea,nodeb",
+            "--kind",
+            "fsdp",
+            "--nproc-per-node",
+            "1",
+            "--python",
+            PY,
+            "--cwd",
+            str(ROOT),
+            "--fresh",
+            "--json",
+            "--",
+            *TRAIN,
+            "--max-steps",
+            "10000",
+            "--out",
+            str(out),
+            timeout=180,
+        ).stdout
+    )["id"]
     wait_for(lambda: (out / "checkpoints").exists(), timeout=240, interval=1.0, what="training started")
     c.cli("history")  # the history holds both nodes as running
     nodeb = c.hosts[1]
@@ -233,14 +362,31 @@ def test_a_node_cut_off_during_the_run_is_reported_then_stopped_when_it_is_back(
         nodeb.ns.heal()
     # the next contact with nodeb delivers the stop that was asked for while it was away
     try:
-        wait_for(lambda: c.cli("history", check=False) and next((r for r in _agent_runs(nodeb) if r["id"] == rid), {}).get("state") in ("stopped", "failed", "succeeded"), timeout=120, interval=2.0, what="nodeb's node to end")
+        wait_for(
+            lambda: (
+                c.cli("history", check=False)
+                and next((r for r in _agent_runs(nodeb) if r["id"] == rid), {}).get("state") in ("stopped", "failed", "succeeded")
+            ),
+            timeout=120,
+            interval=2.0,
+            what="nodeb's node to end",
+        )
     except AssertionError:
-        raise AssertionError(json.dumps(next((r for r in _agent_runs(nodeb) if r["id"] == rid), {}))[:3000] + nodeb.agent.log()[-3000:]) from None
-    print("nodeb after heal:", json.dumps({k: v for k, v in next(r for r in _agent_runs(nodeb) if r["id"] == rid).items() if k in ("state", "cause", "ended")}))
+        raise AssertionError(
+            json.dumps(next((r for r in _agent_runs(nodeb) if r["id"] == rid), {}))[:3000] + nodeb.agent.log()[-3000:]
+        ) from None
+    print(
+        "nodeb after heal:",
+        json.dumps({k: v for k, v in next(r for r in _agent_runs(nodeb) if r["id"] == rid).items() if k in ("state", "cause", "ended")}),
+    )
     hist = c.cli_json("history", f"id:{rid}")
     print(f"history after heal: {hist[0]['state']}: {hist[0]['cause']}")
     # nodeb ended with nodea's stop (the trainer's agreed stop step) or by the stop delivered on reconnect
-    assert hist[0]["state"] == "stopped" and hist[0]["nodes"][0]["state"] == "stopped" and hist[0]["nodes"][1]["state"] in ("stopped", "succeeded"), hist[0]
+    assert (
+        hist[0]["state"] == "stopped"
+        and hist[0]["nodes"][0]["state"] == "stopped"
+        and hist[0]["nodes"][1]["state"] in ("stopped", "succeeded")
+    ), hist[0]
     from gpudeck.console.history import History
 
     h = History(c.gpudeck_home / "history.db")

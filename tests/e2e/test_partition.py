@@ -179,11 +179,16 @@ def test_the_harness_cuts_degrades_and_heals_a_link_for_real() -> None:
         ns.heal()
         healed = statistics.median(_rtt(ns.ns_addr))
         name, host_if = ns.name, ns.host_if
-        print(f"\nharness ({imp.via}): rtt {clean * 1000:.2f} ms clean, {slow * 1000:.0f} ms with 200 ms delay, {healed * 1000:.2f} ms healed; "
-              f"drop: connect timed out after {blackhole_s:.1f} s; down: refused after {down_s:.2f} s")
+        print(
+            f"\nharness ({imp.via}): rtt {clean * 1000:.2f} ms clean, {slow * 1000:.0f} ms with 200 ms delay, {healed * 1000:.2f} ms healed; "
+            f"drop: connect timed out after {blackhole_s:.1f} s; down: refused after {down_s:.2f} s"
+        )
         assert slow >= 0.19 and clean < 0.05 and healed < 0.05
         assert blackhole_s >= 1.4 and down_s < 1.0
-    out = sp.run(["ip", "netns", "list"], capture_output=True, text=True).stdout + sp.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
+    out = (
+        sp.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+        + sp.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
+    )
     assert name not in out and host_if not in out, "the namespace or its veth outlived the test"
 
 
@@ -193,7 +198,11 @@ async def test_a_host_cut_off_past_the_keepalive_while_it_writes_thousands_of_ev
     fleet = _fleet(c, history)
     states: dict[str, list[tuple[float, str]]] = {"hosta": [], "hostb": []}
     for name, link in fleet.links.items():
-        link.subscribe(lambda st, name=name: states[name].append((time.monotonic(), st.state)) if not states[name] or states[name][-1][1] != st.state else None)
+        link.subscribe(
+            lambda st, name=name: (
+                states[name].append((time.monotonic(), st.state)) if not states[name] or states[name][-1][1] != st.state else None
+            )
+        )
     fleet.start()
     n_burst = 4000
     try:
@@ -202,8 +211,18 @@ async def test_a_host_cut_off_past_the_keepalive_while_it_writes_thousands_of_ev
         ticker = (await fleet.launch("hosta", _spec(["600", "-", "0", "10"], "ticker"))).run.id
         gate = tmp_path / "go"
         burst = (await fleet.launch("hostb", _spec([str(n_burst), str(gate), "3", "1000"], "burst"))).run.id
-        short = (await fleet.launch("hostb", LaunchSpec(argv=[PY, "-c", f"import os, time\nwhile not os.path.exists({str(gate)!r}): time.sleep(0.05)\ntime.sleep(1)"], name="short"))).run.id
-        await until(lambda: history.event_count("hostb") >= 4 and _state(history, "hostb", burst) == "running", 30, "hostb's runs in history")
+        short = (
+            await fleet.launch(
+                "hostb",
+                LaunchSpec(
+                    argv=[PY, "-c", f"import os, time\nwhile not os.path.exists({str(gate)!r}): time.sleep(0.05)\ntime.sleep(1)"],
+                    name="short",
+                ),
+            )
+        ).run.id
+        await until(
+            lambda: history.event_count("hostb") >= 4 and _state(history, "hostb", burst) == "running", 30, "hostb's runs in history"
+        )
         await until(lambda: fleet.links["hosta"].status.synced_seq > 0, 30, "hosta synced")
         # no agent listens on TCP, in its own namespace or elsewhere (the ssh links are sshd's)
         assert tcp_sockets(hosta.agent.pid) == [] and tcp_sockets(hostb.agent.pid) == []
@@ -216,7 +235,9 @@ async def test_a_host_cut_off_past_the_keepalive_while_it_writes_thousands_of_ev
         await until(lambda: fleet.links["hostb"].status.state == "unreachable", 60, "hostb seen unreachable")
         detection_s = time.monotonic() - t_cut
         # the burst and the short run end on hostb while nobody can see it
-        await until(lambda: _agent_state(hostb, burst) == "failed" and _agent_state(hostb, short) == "succeeded", 60, "hostb's runs to end", 0.5)
+        await until(
+            lambda: _agent_state(hostb, burst) == "failed" and _agent_state(hostb, short) == "succeeded", 60, "hostb's runs to end", 0.5
+        )
         keepalive = c.ssh_options().keepalive_s * c.ssh_options().keepalive_count
         await until(lambda: time.monotonic() - t_cut > max(2 * keepalive, 15.0), 60, "the outage to outlast the keepalive")
         assert _state(history, "hostb", burst) == "running"  # the console could not know yet
@@ -240,7 +261,9 @@ async def test_a_host_cut_off_past_the_keepalive_while_it_writes_thousands_of_ev
         replayed = fleet.links["hostb"].status.synced_seq - b_synced_at_cut
         row = history.find(burst, "hostb")
         assert row["state"] == "failed" and row["exit_code"] == 3, row
-        evals = [e for e in history.events("hostb", burst, limit=100000) if e["kind"] == "telemetry" and e["data"]["record"]["type"] == "eval"]
+        evals = [
+            e for e in history.events("hostb", burst, limit=100000) if e["kind"] == "telemetry" and e["data"]["record"]["type"] == "eval"
+        ]
         assert [e["data"]["record"]["step"] for e in evals] == list(range(n_burst)), "an eval record is missing, doubled or out of order"
         ends = [e for e in history.events("hostb", burst) if e["kind"] == "run_state" and e["data"]["state"] in ("failed", "succeeded")]
         assert len(ends) == 1
@@ -291,7 +314,9 @@ async def test_ten_percent_loss_and_200ms_delay_keep_the_console_usable_and_lose
         assert "burst done 1500" in chunks[0].data
         res = await timed("stop", fleet.stop("hostb", long, grace_s=2))
         assert res.state == "stopped" and not res.survivors
-        await until(lambda: fleet.links["hostb"].status.synced_seq >= agent_journal(hostb)[1][-1][0], 60, "history to catch up over the lossy link")
+        await until(
+            lambda: fleet.links["hostb"].status.synced_seq >= agent_journal(hostb)[1][-1][0], 60, "history to catch up over the lossy link"
+        )
         catchup_s = time.monotonic() - t0
         b = replica_check(history, hostb)  # checked while still degraded: nothing waits for the heal
         imp = hostb.ns.heal() or imp
@@ -307,7 +332,9 @@ async def test_ten_percent_loss_and_200ms_delay_keep_the_console_usable_and_lose
         assert all_lat[-1] < bound_s
         row = history.find(burst, "hostb")
         assert row["state"] == "succeeded"
-        evals = [e for e in history.events("hostb", burst, limit=100000) if e["kind"] == "telemetry" and e["data"]["record"]["type"] == "eval"]
+        evals = [
+            e for e in history.events("hostb", burst, limit=100000) if e["kind"] == "telemetry" and e["data"]["record"]["type"] == "eval"
+        ]
         assert len(evals) == 1500
         replica_check(history, hosta)
     finally:

@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
-import socket
 import stat
 import subprocess
 import sys
@@ -109,8 +108,12 @@ def _listener_as(uid: int, where: Path) -> subprocess.Popen:
         "    c, _ = s.accept(); data = c.recv(65536); open(sys.argv[1] + '.got', 'ab').write(data); c.close()\n"
     )
     py = shutil.which("python3", path="/usr/bin:/bin") or sys.executable  # the test venv may not be readable by that user
-    return subprocess.Popen([py, "-c", prog, str(where)], preexec_fn=lambda: (os.setgid(65534), os.setuid(uid)),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return subprocess.Popen(
+        [py, "-c", prog, str(where)],
+        preexec_fn=lambda: (os.setgid(65534), os.setuid(uid)),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
 
 
 def test_the_client_sends_nothing_to_a_socket_another_user_owns_or_serves(home: Path, other_uid: int) -> None:

@@ -17,11 +17,11 @@ import asyncio
 import json
 import os
 import shlex
+import shutil
 import socket
 import stat
 import subprocess
 import sys
-import shutil
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -59,7 +59,7 @@ def _sandbox() -> Path:
     (sb / "bin").mkdir()
     for name in ("rm", "reboot", "shutdown", "curl"):
         stub = sb / "bin" / name
-        stub.write_text(f"#!/bin/sh\necho \"$0 $*\" >> {sb}/STUB-RAN\nexit 0\n")
+        stub.write_text(f'#!/bin/sh\necho "$0 $*" >> {sb}/STUB-RAN\nexit 0\n')
         stub.chmod(0o755)
     (sb / "canary").write_text("still here\n")
     return sb
@@ -177,7 +177,21 @@ def test_shell_metacharacters_in_arguments_env_and_name_are_passed_literally_ove
         f"| touch {markers[2]}",
         f"&& touch {markers[3]} &&",
         f"`touch {markers[4]}`",
-        "'", '"', "\\", "*", "~", "$HOME", "${PATH}", "", "  two  spaces  ", "-c", "--", "a\nb", "tab\there", "ünïcødé ✓", "%s%n%x",
+        "'",
+        '"',
+        "\\",
+        "*",
+        "~",
+        "$HOME",
+        "${PATH}",
+        "",
+        "  two  spaces  ",
+        "-c",
+        "--",
+        "a\nb",
+        "tab\there",
+        "ünïcødé ✓",
+        "%s%n%x",
         '{"type":"launch","spec":{"argv":["reboot"]}}',
     ]
     env_value = f"$(touch {markers[5]}); rm -rf ~"
@@ -190,7 +204,9 @@ def test_shell_metacharacters_in_arguments_env_and_name_are_passed_literally_ove
         rd = h.agent.state_dir / "runs" / rid
         files = {f.name: f.read_text()[-500:] for f in rd.iterdir()} if rd.exists() else {}
         procs = [(p.pid, p.status(), p.cmdline()[:3]) for p in psutil.process_iter() if _safe_env(p).get("GPUDECK_RUN_ID") == rid]
-        raise AssertionError(f"{exc}: state {_agent_states(h).get(rid)}, files {files}, processes {procs}, agent log {h.agent.log()[-1500:]}") from None
+        raise AssertionError(
+            f"{exc}: state {_agent_states(h).get(rid)}, files {files}, processes {procs}, agent log {h.agent.log()[-1500:]}"
+        ) from None
     row = next(r for r in c.cli_json("runs", "--host", "sec") if r["id"] == rid)
     assert row["state"] == "succeeded", row
     printed = json.loads(c.cli("tail", rid, "--host", "sec", "-n", "-1").stdout.strip().splitlines()[-1])
@@ -204,8 +220,10 @@ def test_shell_metacharacters_in_arguments_env_and_name_are_passed_literally_ove
     hits = c.cli_json("history", f"name:{shlex.quote(name)}")
     assert [r["id"] for r in hits] == [rid], [(r["id"], r["host"], r["name"]) for r in hits]
     assert c.cli_json("show", rid)["name"] == name
-    print(f"\n{len(payloads)} hostile arguments, a hostile --env value and name went over SSH and came back byte for byte; "
-          f"no marker file, no stub ran, the canary in HOME survived")
+    print(
+        f"\n{len(payloads)} hostile arguments, a hostile --env value and name went over SSH and came back byte for byte; "
+        f"no marker file, no stub ran, the canary in HOME survived"
+    )
 
 
 def test_history_filters_are_parameterised_through_the_cli(fleet) -> None:
@@ -237,12 +255,14 @@ def test_history_filters_are_parameterised_through_the_cli(fleet) -> None:
     # LIKE wildcards in a value are literal: as wildcards they would also match the decoys 1000x and axb
     assert found("name:~100%") == [(ids["100%"], "100%")]
     assert found("name:~a_b") == [(ids["a_b"], "a_b")]
-    for q in ("host:\"sec' OR 1=1 --\"", "state:\"' OR ''='\"", "\"' OR 1=1 --\""):
+    for q in ('host:"sec\' OR 1=1 --"', "state:\"' OR ''='\"", '"\' OR 1=1 --"'):
         assert found(q) == [], q
     # the tables are all still there and nothing was rewritten
     assert found("limit:10000") == everything
     db = c.gpudeck_home / "history.db"
-    tables = subprocess.run(["sqlite3", str(db), "select name from sqlite_master where type='table' order by name"], capture_output=True, text=True).stdout.split()
+    tables = subprocess.run(
+        ["sqlite3", str(db), "select name from sqlite_master where type='table' order by name"], capture_output=True, text=True
+    ).stdout.split()
     assert {"events", "runs", "hosts", "epochs"} <= set(tables), tables
 
 
@@ -331,8 +351,13 @@ def test_the_console_never_forwards_the_users_ssh_agent(monkeypatch: pytest.Monk
 
         # the control: OpenSSH with -A does get an agent socket through this key, and sshd logs the request
         t0 = dial_pids(h)
-        ctl = subprocess.Popen(ssh_argv(c, "fwd", "-A"), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                               env={**c.env, "SSH_AUTH_SOCK": agent_sock})
+        ctl = subprocess.Popen(
+            ssh_argv(c, "fwd", "-A"),
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env={**c.env, "SSH_AUTH_SOCK": agent_sock},
+        )
         try:
             dials = wait_for(lambda: dial_processes(h, t0), what="the control's dial bridge")
             assert "SSH_AUTH_SOCK" in dials[0].environ(), "the control did not get a forwarded agent: this check could not fail"
@@ -384,8 +409,16 @@ def test_the_restricted_key_gives_no_pty_no_forwarding_no_subsystem_and_no_clien
 
         # no local forwarding: the tunnel's far end refuses, nothing reaches the service
         lport = _free_port()
-        fwd = subprocess.Popen(ssh_argv(c, "sec", "-N", "-L", f"127.0.0.1:{lport}:127.0.0.1:{port}"), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=c.env)
+        fwd = subprocess.Popen(
+            ssh_argv(c, "sec", "-N", "-L", f"127.0.0.1:{lport}:127.0.0.1:{port}"),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=c.env,
+        )
         try:
+
             def try_tunnel() -> bytes | None:
                 try:
                     with socket.create_connection(("127.0.0.1", lport), timeout=2) as s:
@@ -407,8 +440,14 @@ def test_the_restricted_key_gives_no_pty_no_forwarding_no_subsystem_and_no_clien
 
         # no remote forwarding
         rport = _free_port()
-        cp = subprocess.run(ssh_argv(c, "sec", "-N", "-o", "ExitOnForwardFailure=yes", "-R", f"127.0.0.1:{rport}:127.0.0.1:{port}"),
-                            stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=30, env=c.env)
+        cp = subprocess.run(
+            ssh_argv(c, "sec", "-N", "-o", "ExitOnForwardFailure=yes", "-R", f"127.0.0.1:{rport}:127.0.0.1:{port}"),
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            text=True,
+            timeout=30,
+            env=c.env,
+        )
         assert cp.returncode != 0 and "forwarding failed" in cp.stderr, cp.stderr
         assert got == []
 
@@ -418,14 +457,27 @@ def test_the_restricted_key_gives_no_pty_no_forwarding_no_subsystem_and_no_clien
 
         # a command after the host, even a whole shell line, is not run: the bridge runs and answers in protocol
         marker = tmp_path / "shell-ran"
-        cp = subprocess.run([*ssh_argv(c, "sec"), "sh", "-c", f"'touch {marker}'"], input='{"type":"ping","request_id":"p"}\n', capture_output=True, text=True, timeout=30, env=c.env)
+        cp = subprocess.run(
+            [*ssh_argv(c, "sec"), "sh", "-c", f"'touch {marker}'"],
+            input='{"type":"ping","request_id":"p"}\n',
+            capture_output=True,
+            text=True,
+            timeout=30,
+            env=c.env,
+        )
         assert not marker.exists()
         assert json.loads(cp.stdout.splitlines()[0])["type"] == "pong", cp.stdout + cp.stderr
 
         # the client cannot set the bridge's environment (no AcceptEnv, no PermitUserEnvironment)
         evil = tmp_path / "evil-home"
         t0 = dial_pids(h)
-        ctl = subprocess.Popen(ssh_argv(c, "sec", "-o", f"SetEnv=GPUDECK_HOME={evil} LD_PRELOAD=/tmp/evil.so"), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=c.env)
+        ctl = subprocess.Popen(
+            ssh_argv(c, "sec", "-o", f"SetEnv=GPUDECK_HOME={evil} LD_PRELOAD=/tmp/evil.so"),
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env=c.env,
+        )
         try:
             dials = wait_for(lambda: dial_processes(h, t0), what="the bridge")
             env = dials[0].environ()
@@ -435,14 +487,22 @@ def test_the_restricted_key_gives_no_pty_no_forwarding_no_subsystem_and_no_clien
         assert not evil.exists()
         # and through this key no agent was forwarded either
         t0 = dial_pids(h)
-        ctl = subprocess.Popen(ssh_argv(c, "sec", "-A"), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**c.env, "SSH_AUTH_SOCK": "/nonexistent"})
+        ctl = subprocess.Popen(
+            ssh_argv(c, "sec", "-A"),
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env={**c.env, "SSH_AUTH_SOCK": "/nonexistent"},
+        )
         try:
             dials = wait_for(lambda: dial_processes(h, t0), what="the bridge")
             assert "SSH_AUTH_SOCK" not in dials[0].environ()
         finally:
             _end_session(ctl, h, t0)
-        print("\nrestricted key: PTY refused, -L and -R refused (nothing reached the service), sftp subsystem not served, "
-              "a shell line not run, client SetEnv ignored, no agent forwarded")
+        print(
+            "\nrestricted key: PTY refused, -L and -R refused (nothing reached the service), sftp subsystem not served, "
+            "a shell line not run, client SetEnv ignored, no agent forwarded"
+        )
     finally:
         srv.close()
     assert_no_tcp(h.agent.pid)

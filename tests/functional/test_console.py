@@ -11,9 +11,9 @@ from textual.widgets import Input, Static
 from gpudeck.console.app import GpudeckApp
 from gpudeck.console.fleet import Fleet
 from gpudeck.console.history import History
+from gpudeck.console.ops import Caller, IntentError, plan_launch, relaunch_intent
 from gpudeck.console.screens.dialogs import ConfirmDialog, ResultDialog
 from gpudeck.console.screens.history import HistoryScreen
-from gpudeck.console.ops import Caller, IntentError, plan_launch, relaunch_intent
 from gpudeck.console.screens.launch import LaunchDialog, LaunchForm, form_from, intent_from_form
 from gpudeck.console.screens.leftovers import LeftoversScreen
 from gpudeck.console.screens.run import RunScreen
@@ -46,10 +46,38 @@ def test_the_form_requires_an_explicit_start_for_trainers() -> None:
 def test_relaunch_prefill_never_carries_the_old_start() -> None:
     from gpudeck.agents.protocol import LaunchSpec
 
-    spec = LaunchSpec(argv=["/venv/bin/python", "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "gpudeck.trainers.fsdp_lm",
-                            "--model-config", "llama-1b", "--resume", "400", "--out", "/ckpt"], kind="fsdp", gpus=[0, 1], name="big", start="resume 400")
+    spec = LaunchSpec(
+        argv=[
+            "/venv/bin/python",
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "-m",
+            "gpudeck.trainers.fsdp_lm",
+            "--model-config",
+            "llama-1b",
+            "--resume",
+            "400",
+            "--out",
+            "/ckpt",
+        ],
+        kind="fsdp",
+        gpus=[0, 1],
+        name="big",
+        start="resume 400",
+    )
     form = form_from(relaunch_intent(spec, "r-old", "gpu1", None))
-    assert form == {"kind": "fsdp", "args": "--model-config llama-1b --out /ckpt", "name": "big", "gpus": "0,1", "ranks": "", "hosts": "", "python": "/venv/bin/python"}
+    assert form == {
+        "kind": "fsdp",
+        "args": "--model-config llama-1b --out /ckpt",
+        "name": "big",
+        "gpus": "0,1",
+        "ranks": "",
+        "hosts": "",
+        "python": "/venv/bin/python",
+    }
     assert form_from(relaunch_intent(LaunchSpec(argv=["sleep", "1"]), "r-old", "gpu1", None))["args"] == "sleep 1"
 
 
@@ -69,7 +97,10 @@ async def _open_cli_run(app: GpudeckApp, agent: AgentProc, name: str) -> RunScre
 async def _launch_command(app: GpudeckApp, pilot, argv: str, name: str) -> RunScreen:  # type: ignore[no-untyped-def]
     dialog = await open_launch(pilot, args=argv, name=name)
     await pilot.press("ctrl+s")  # pre-flight first: its verdict (or why it could not run) shows before anything starts
-    await until(lambda: "pre-flight" in text_of(dialog.query_one("#preflight", Static)) and not dialog.query_one("#launch-progress").running, what="the pre-flight verdict")
+    await until(
+        lambda: "pre-flight" in text_of(dialog.query_one("#preflight", Static)) and not dialog.query_one("#launch-progress").running,
+        what="the pre-flight verdict",
+    )
     assert isinstance(app.screen, LaunchDialog), "nothing starts before the confirm"
     await pilot.press("ctrl+s")
     return await until(lambda: mounted(app, RunScreen), timeout=30, what=f"the run screen (on {app.screen})")
@@ -79,7 +110,7 @@ async def test_launch_watch_stop_from_the_console_and_find_the_cause_in_history(
     app = GpudeckApp(Fleet(state_dir=agent.state_dir, interval_s=0.2, history=history))
     async with app.run_test(size=SIZE) as pilot:
         await _local_up(app)
-        screen = await _launch_command(app, pilot, f"{sys.executable} -u -c \"{PROG}\"", "console-run")
+        screen = await _launch_command(app, pilot, f'{sys.executable} -u -c "{PROG}"', "console-run")
         view = screen.query_one("#run-log", OutputView)
         await until(lambda: view.line_count > 20, what="output in the view")
         assert view.line(0) == "line 0"
@@ -168,7 +199,11 @@ async def test_leftovers_from_the_real_agent(sim_agent: AgentProc, foreign_holde
         app.push_screen(LeftoversScreen("local"))
         screen = await until(lambda: mounted(app, LeftoversScreen), what="the leftovers screen")
         table = screen.query_one("#leftovers-table", KeyedTable)
-        await until(lambda: str(foreign_holder.pid) in table.keys(), timeout=20, what=f"the foreign holder listed ({text_of(screen.query_one('#leftovers-progress', Static))})")
+        await until(
+            lambda: str(foreign_holder.pid) in table.keys(),
+            timeout=20,
+            what=f"the foreign holder listed ({text_of(screen.query_one('#leftovers-progress', Static))})",
+        )
         assert str(table.get_cell(str(foreign_holder.pid), "kind")) == "foreign"
 
 

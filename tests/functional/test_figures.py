@@ -26,16 +26,36 @@ RID, OTHER = "r-f1900001", "r-f1900002"
 
 
 def _run(rid: str) -> RunInfo:
-    return RunInfo(id=rid, host="gpu1", state="succeeded", spec=LaunchSpec(argv=["python3", "-m", "gpudeck.trainers.fsdp_lm", "--fresh"], kind="fsdp"),
-                   name="fig", created=T0, started=T0 + 1, ended=T0 + 3601, cause="exit code 0", exit_code=0)
+    return RunInfo(
+        id=rid,
+        host="gpu1",
+        state="succeeded",
+        spec=LaunchSpec(argv=["python3", "-m", "gpudeck.trainers.fsdp_lm", "--fresh"], kind="fsdp"),
+        name="fig",
+        created=T0,
+        started=T0 + 1,
+        ended=T0 + 3601,
+        cause="exit code 0",
+        exit_code=0,
+    )
 
 
 @pytest.fixture
 def history(tmp_path: Path):  # type: ignore[no-untyped-def]
     h = History(tmp_path / "history.db")
     run = _run(RID)
-    step = lambda s, tps: (T0 + 10 + s, "telemetry", {"record": {"type": "step", "rank": 0, "step": s, "loss": 2.0, "tokens_per_s": tps, "mem_peak_gib": 61.2 if s == 50 else 40.0}})  # noqa: E731
-    extra = [step(10, 100.0), step(50, 300.0), step(90, 250.0), step(98, 900.0), (T0 + 3000, "telemetry", {"record": {"type": "done", "final_step": 100}})]
+    step = lambda s, tps: (
+        T0 + 10 + s,
+        "telemetry",
+        {"record": {"type": "step", "rank": 0, "step": s, "loss": 2.0, "tokens_per_s": tps, "mem_peak_gib": 61.2 if s == 50 else 40.0}},
+    )
+    extra = [
+        step(10, 100.0),
+        step(50, 300.0),
+        step(90, 250.0),
+        step(98, 900.0),
+        (T0 + 3000, "telemetry", {"record": {"type": "done", "final_step": 100}}),
+    ]
     h.cursor("gpu1", "e")
     h.submit("gpu1", "e", history_events(run, 1, None, extra) + history_events(_run(OTHER), 100)).result(30)
     yield h
@@ -49,7 +69,12 @@ def test_every_view_shows_the_same_figures(history: History) -> None:
     assert (fig.tokens_per_s, fig.last_step, fig.peak_mem_gib, fig.elapsed_s) == (275.0, 100, 61.2, 3600.0)  # not the last 900, not step 98
     # the CLI's show
     show = format_show(row, [], fig)
-    assert re.search(r"tokens/s median\s+275\b", show) and re.search(r"last step\s+100\b", show) and "61.20 GiB" in show and re.search(r"elapsed\s+1h00m", show)
+    assert (
+        re.search(r"tokens/s median\s+275\b", show)
+        and re.search(r"last step\s+100\b", show)
+        and "61.20 GiB" in show
+        and re.search(r"elapsed\s+1h00m", show)
+    )
     # the CLI's history listing (the history's rows carry the median)
     listing = format_history(history.query(f"id:{RID}"))
     assert " 275 " in listing and " 100 " in listing and "1h00m" in listing and " 900 " not in listing
@@ -57,7 +82,12 @@ def test_every_view_shows_the_same_figures(history: History) -> None:
     other = history.find(OTHER)
     for d in (diff_runs(row, other, metrics, []), run_diff(row, other, metrics, [])):
         out = {r.key: r.a for r in d.outcome}
-        assert out["tokens/s (median)"] == "275" and out["last step"] == "100" and out["peak memory GiB"] == "61.2" and out["elapsed"] == "1h00m"
+        assert (
+            out["tokens/s (median)"] == "275"
+            and out["last step"] == "100"
+            and out["peak memory GiB"] == "61.2"
+            and out["elapsed"] == "1h00m"
+        )
         assert out["cause class"] == (fig.cause_class or "-")
     # the History screen's row
     cells = history_cells(next(r for r in history_rows(history.path, "") if r["id"] == RID))

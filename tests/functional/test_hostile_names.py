@@ -21,10 +21,17 @@ from gpudeck.console.screens.leftovers import LeftoversScreen
 from gpudeck.console.screens.run import RunScreen
 from gpudeck.console.screens.runs import RunsScreen
 from gpudeck.console.widgets.keyed_table import KeyedTable
-from tests.agent_harness import AgentProc, wait_for
+from tests.agent_harness import AgentProc
 from tests.functional.helpers import mounted, open_host, press_for, until
 
-NAMES = ["[bold red]red[/]", "[/]", "[link=https://evil.example]click[/link]", "esc\x1b]0;pwned\x07\x1b[2Jname", "[", "x[/bold]y[@click=app.quit]q"]
+NAMES = [
+    "[bold red]red[/]",
+    "[/]",
+    "[link=https://evil.example]click[/link]",
+    "esc\x1b]0;pwned\x07\x1b[2Jname",
+    "[",
+    "x[/bold]y[@click=app.quit]q",
+]
 PRINT = "import sys; print(sys.argv[1]); print('[bold]out[/] \\x1b[31mred\\x1b[0m [/]', flush=True); import time; time.sleep(60)"
 SIZE = (160, 45)
 
@@ -51,7 +58,9 @@ def _plain(app: GpudeckApp) -> str:
 async def test_hostile_names_argv_env_and_output_show_literally_on_every_screen(agent: AgentProc, history: History) -> None:
     ids = []
     for n in NAMES:
-        out = agent.cli("launch", "--name", n, "--env", "HF_TOKEN=hf_sekrit", "--env", f"NOTE={n}", "--", sys.executable, "-c", PRINT, f"argv {n}")
+        out = agent.cli(
+            "launch", "--name", n, "--env", "HF_TOKEN=hf_sekrit", "--env", f"NOTE={n}", "--", sys.executable, "-c", PRINT, f"argv {n}"
+        )
         ids.append(out.stdout.strip())
     app = GpudeckApp(Fleet(state_dir=agent.state_dir, interval_s=0.2, history=history))
     async with app.run_test(size=SIZE) as pilot:
@@ -64,7 +73,7 @@ async def test_hostile_names_argv_env_and_output_show_literally_on_every_screen(
             assert safe in shown, f"{safe!r} is not shown literally on the Runs screen"
         for rid in ids:
             app.open_run("local", rid)
-            screen = await until(lambda: mounted(app, RunScreen), what="the run screen")
+            await until(lambda: mounted(app, RunScreen), what="the run screen")
             for tab in "1234":
                 await pilot.press(tab)
                 await pilot.pause()
@@ -83,12 +92,12 @@ async def test_hostile_names_argv_env_and_output_show_literally_on_every_screen(
         await pilot.press("space")
         await pilot.press("space")
         await pilot.press("d")
-        diff = await until(lambda: mounted(app, DiffScreen), what="the diff screen")
+        await until(lambda: mounted(app, DiffScreen), what="the diff screen")
         await pilot.pause()
         assert "hf_sekrit" not in _plain(app)
         await pilot.press("escape")
         await pilot.press("escape")
-        host = await open_host(app, "local")
+        await open_host(app, "local")
         await pilot.pause()
         await press_for(pilot, "L", LeftoversScreen)
         await pilot.pause()

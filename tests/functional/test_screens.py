@@ -11,8 +11,8 @@ from gpudeck.agents.errors import BadRequest
 from gpudeck.agents.protocol import Gpu, LaunchSpec, Snapshot
 from gpudeck.console.app import GpudeckApp
 from gpudeck.console.commands import GpudeckCommands
-from gpudeck.console.screens.diff import DiffScreen
 from gpudeck.console.screens.dialogs import ChoiceDialog, ConfirmDialog, ResultDialog
+from gpudeck.console.screens.diff import DiffScreen
 from gpudeck.console.screens.history import HistoryScreen
 from gpudeck.console.screens.launch import LaunchDialog
 from gpudeck.console.screens.leftovers import LeftoversScreen
@@ -41,8 +41,13 @@ class BigFleet(FixtureFleet):
         super().__init__(None)
         self.links = {}
         for i in range(n):
-            gpus = [Gpu(index=g, uuid=f"GPU-SIM-{i}-{g}", name="SIMULATED H200", memory_used=0, memory_total=141 * 2**30, util_gpu=0) for g in range(2)]
-            self.links[f"h{i:03d}"] = fixture_link(f"h{i:03d}", "up", snapshot=Snapshot(host=f"h{i:03d}", ts=T0, epoch="e", gpus=gpus, simulated=True))
+            gpus = [
+                Gpu(index=g, uuid=f"GPU-SIM-{i}-{g}", name="SIMULATED H200", memory_used=0, memory_total=141 * 2**30, util_gpu=0)
+                for g in range(2)
+            ]
+            self.links[f"h{i:03d}"] = fixture_link(
+                f"h{i:03d}", "up", snapshot=Snapshot(host=f"h{i:03d}", ts=T0, epoch="e", gpus=gpus, simulated=True)
+            )
 
 
 async def test_fleet_of_256_hosts_updates_only_the_rows_that_changed(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -73,7 +78,9 @@ async def test_fleet_of_256_hosts_updates_only_the_rows_that_changed(monkeypatch
         # h007 is on screen: its memory and util cells are redrawn; h100 and h255 are below the fold and wait
         assert changed == 2, f"{changed} cells written for 3 changed hosts, one of them on screen"
         assert "70.0/282.0" in str(table.get_cell("h007", "memory"))
-        assert "70.0/282.0" in table.render_line(1 + 7).text and "0.0/282.0" in table.render_line(1 + 8).text  # what is painted, not only stored
+        assert (
+            "70.0/282.0" in table.render_line(1 + 7).text and "0.0/282.0" in table.render_line(1 + 8).text
+        )  # what is painted, not only stored
         assert "70.0/282.0" in str(table.cells_of("h100")["memory"]) and "0.0/282.0" in str(table.get_cell("h100", "memory"))
         table.move_cursor_to_key("h100")  # scrolling there writes what waited
         await pilot.pause()
@@ -174,7 +181,9 @@ async def test_requests_the_agent_cannot_answer_show_its_message(tmp_path: Path)
         await pilot.press("escape")
         dialog = await open_launch(pilot, args="sleep 5")
         await pilot.press("ctrl+s")
-        await until(lambda: "pre-flight could not run on gpu1" in text_of(dialog.query_one("#preflight", Static)), what="the pre-flight error")
+        await until(
+            lambda: "pre-flight could not run on gpu1" in text_of(dialog.query_one("#preflight", Static)), what="the pre-flight error"
+        )
         assert "unsupported request Preflight" in text_of(dialog.query_one("#preflight", Static))
         await pilot.press("ctrl+s")  # the agent checks at launch anyway: launching is allowed, and said so
         await until(lambda: mounted(app, RunScreen), what="the new run")
@@ -381,7 +390,9 @@ async def test_closing_a_screen_at_once_does_not_end_the_app(fleet: FixtureFleet
         assert app.is_running and isinstance(app.screen, type(app.screen_stack[1]))
 
 
-async def test_the_console_freezes_its_start_up_heap_once_the_fleet_has_answered(fleet: FixtureFleet, monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_the_console_freezes_its_start_up_heap_once_the_fleet_has_answered(
+    fleet: FixtureFleet, monkeypatch: pytest.MonkeyPatch
+) -> None:
     import gc
 
     frozen: list[bool] = []
@@ -401,8 +412,14 @@ async def test_the_console_freezes_its_start_up_heap_once_the_fleet_has_answered
     "fields,cli",
     [
         (dict(kind="fsdp", args="--model-config tiny"), ["--kind", "fsdp", "--", "--model-config", "tiny"]),
-        (dict(kind="dflash", args="--target t", start="resume", resume_step="abc"), ["--kind", "dflash", "--resume", "abc", "--", "--target", "t"]),
-        (dict(kind="fsdp", args="--out o", start="fresh", ranks="0"), ["--kind", "fsdp", "--fresh", "--nproc-per-node", "0", "--", "--out", "o"]),
+        (
+            dict(kind="dflash", args="--target t", start="resume", resume_step="abc"),
+            ["--kind", "dflash", "--resume", "abc", "--", "--target", "t"],
+        ),
+        (
+            dict(kind="fsdp", args="--out o", start="fresh", ranks="0"),
+            ["--kind", "fsdp", "--fresh", "--nproc-per-node", "0", "--", "--out", "o"],
+        ),
         (dict(args="python 'train.py"), None),
     ],
     ids=["no start", "resume step", "ranks", "a quote"],
@@ -421,5 +438,7 @@ async def test_the_dialog_says_what_the_cli_says_for_the_same_mistake(fleet: Fix
     if cli is None:
         assert shown.startswith("arguments: ")
         return
-    cp = subprocess.run([sys.executable, "-m", "gpudeck.console.cli", "preflight", "--host", "gpu1", *cli], capture_output=True, text=True, timeout=60)
+    cp = subprocess.run(
+        [sys.executable, "-m", "gpudeck.console.cli", "preflight", "--host", "gpu1", *cli], capture_output=True, text=True, timeout=60
+    )
     assert cp.returncode == 2 and cp.stderr.strip() == f"gpudeck: {shown}", (cp.stderr, shown)

@@ -122,7 +122,10 @@ def test_runs_screen(snap_compare, app) -> None:  # type: ignore[no-untyped-def]
 def _open_run(run_id: str, tab: str | None = None, ready=None):  # type: ignore[no-untyped-def]
     async def go(pilot) -> None:  # type: ignore[no-untyped-def]
         pilot.app.open_run("gpu1", run_id)
-        screen = await until(lambda: (s := mounted(pilot.app, RunScreen)) is not None and s.run is not None and s.record is not None and s, what="the run and its record")
+        screen = await until(
+            lambda: (s := mounted(pilot.app, RunScreen)) is not None and s.run is not None and s.record is not None and s,
+            what="the run and its record",
+        )
         await until(lambda: screen.query_one("#claims-table", KeyedTable).row_count == 5, what="the claims")
         if tab:
             await pilot.press(tab)
@@ -173,7 +176,9 @@ def test_launch_dialog(snap_compare, app) -> None:  # type: ignore[no-untyped-de
 
 def test_launch_dialog_with_the_preflight_result(snap_compare, app) -> None:  # type: ignore[no-untyped-def]
     async def preflight(pilot) -> None:  # type: ignore[no-untyped-def]
-        dialog = await open_launch(pilot, python=PINNED_PYTHON, kind="fsdp", args="--model-config llama-1b --lr 3e-4", name="llama-1b", start="fresh")
+        dialog = await open_launch(
+            pilot, python=PINNED_PYTHON, kind="fsdp", args="--model-config llama-1b --lr 3e-4", name="llama-1b", start="fresh"
+        )
         dialog.query_one("#gpus", SelectionList).select(1)
         await pilot.pause()
         await pilot.press("ctrl+s")

@@ -42,7 +42,14 @@ def test_a_multi_node_run_is_one_row_and_live_beats_recorded() -> None:
 
 
 def test_argv_flags_and_argv_rows_show_which_argument_changed() -> None:
-    assert argv_flags(["python", "-m", "x", "--lr", "3e-4", "--fresh", "--out=/ckpt"]) == {"argv[0]": "python", "argv[1]": "-m", "argv[2]": "x", "--lr": "3e-4", "--fresh": "on", "--out": "/ckpt"}
+    assert argv_flags(["python", "-m", "x", "--lr", "3e-4", "--fresh", "--out=/ckpt"]) == {
+        "argv[0]": "python",
+        "argv[1]": "-m",
+        "argv[2]": "x",
+        "--lr": "3e-4",
+        "--fresh": "on",
+        "--out": "/ckpt",
+    }
     rows = argv_rows(["py", "--lr", "3e-4", "--fresh"], ["py", "--lr", "1e-4", "--resume", "5"])
     assert [(r.key, r.a, r.b) for r in rows] == [("--lr", "3e-4", "1e-4"), ("--fresh", "on", "-"), ("--resume", "-", "5")]
 
@@ -68,9 +75,16 @@ def test_history_rows_use_the_query_language_and_the_diff_reads_full_rows(tmp_pa
         with pytest.raises(QueryError, match="unknown filter"):
             history_rows(fleet.history.path, "colour:red")
         diff = run_diff(fleet.history.find(LIVE, "gpu1"), fleet.history.find(GOOD, "gpu1"))
-        assert [row_label(r) for r in core_changes(diff)] == ["torch", "torch CUDA build", "driver", "NCCL"]  # what changed among the core fields is read first
+        assert [row_label(r) for r in core_changes(diff)] == [
+            "torch",
+            "torch CUDA build",
+            "driver",
+            "NCCL",
+        ]  # what changed among the core fields is read first
         assert any(r.key == "--lr" and r.differs for r in diff.config)
-        assert run_diff(fleet.history.find(LIVE, "gpu1"), fleet.history.find("r-00aa11bb", "gpu1")).env_note.startswith("no environment fingerprint recorded for r-00aa11bb")
+        assert run_diff(fleet.history.find(LIVE, "gpu1"), fleet.history.find("r-00aa11bb", "gpu1")).env_note.startswith(
+            "no environment fingerprint recorded for r-00aa11bb"
+        )
     finally:
         fleet.history.close()
 
@@ -86,6 +100,9 @@ def test_python_of_reads_the_fingerprint_then_the_spec_then_argv() -> None:
 def test_a_long_value_in_a_diff_cell_starts_near_where_it_differs() -> None:
     from gpudeck.console.widgets.diff import from_difference
 
-    a, b = "python -m gpudeck.trainers.fsdp_lm --model-config llama-1b --lr 3e-4", "python -m gpudeck.trainers.fsdp_lm --model-config llama-1b --lr 1e-4"
+    a, b = (
+        "python -m gpudeck.trainers.fsdp_lm --model-config llama-1b --lr 3e-4",
+        "python -m gpudeck.trainers.fsdp_lm --model-config llama-1b --lr 1e-4",
+    )
     assert from_difference(a, b) == ("…g llama-1b --lr 3e-4", "…g llama-1b --lr 1e-4")  # 16 characters before the first difference
     assert from_difference("short a", "short b") == ("short a", "short b")

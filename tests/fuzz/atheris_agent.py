@@ -52,7 +52,9 @@ COUNTS = {"decode": 0, "query": 0, "known_deep_nesting": 0}
 
 _db = sqlite3.connect(":memory:")
 ensure_schema(sqlite_utils.Database(_db))
-_db.execute("INSERT INTO runs(host, id, name, state, created, alerts, alert_count) VALUES ('h', 'r-00000001', 'x''y', 'failed', 1.0, '[]', 0)")
+_db.execute(
+    "INSERT INTO runs(host, id, name, state, created, alerts, alert_count) VALUES ('h', 'r-00000001', 'x''y', 'failed', 1.0, '[]', 0)"
+)
 
 
 def _nesting(data: bytes) -> int:
@@ -121,7 +123,10 @@ def one_input(data: bytes) -> None:
 
 def _report() -> None:
     total = COUNTS["decode"] + COUNTS["query"]
-    print(f"\natheris_agent: {total} executions (decode {COUNTS['decode']}, query {COUNTS['query']}); known deep-nesting RecursionErrors skipped: {COUNTS['known_deep_nesting']}", flush=True)
+    print(
+        f"\natheris_agent: {total} executions (decode {COUNTS['decode']}, query {COUNTS['query']}); known deep-nesting RecursionErrors skipped: {COUNTS['known_deep_nesting']}",
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

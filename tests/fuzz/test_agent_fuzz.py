@@ -33,7 +33,20 @@ from tests.fuzz.test_protocol_fuzz import FRAMES, TAGS, json_values, mutated
 from tests.sshd_harness import short_tmp
 
 pytestmark = pytest.mark.slow
-SAFE = (p.Hello, p.Ping, p.GetSnapshot, p.ListRuns, p.GetRun, p.Stop, p.GetEvents, p.ReadOutput, p.GetMetrics, p.Cancel, p.ListLeftovers, p.VerifyRun)
+SAFE = (
+    p.Hello,
+    p.Ping,
+    p.GetSnapshot,
+    p.ListRuns,
+    p.GetRun,
+    p.Stop,
+    p.GetEvents,
+    p.ReadOutput,
+    p.GetMetrics,
+    p.Cancel,
+    p.ListLeftovers,
+    p.VerifyRun,
+)
 STREAMS = (p.WatchSnapshots, p.GetEvents, p.ReadOutput)
 SAFE_FRAMES = [f for f in FRAMES if isinstance(decode_request(f), SAFE)]
 REPLY_TIMEOUT_S = 10.0
@@ -171,7 +184,13 @@ def test_mutated_safe_requests_are_answered(live, frame: bytes) -> None:
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
-@given(st.lists(st.one_of(st.binary(min_size=1, max_size=300).map(_strip), safe_field_garbage(), mutated(SAFE_FRAMES).map(_strip)), min_size=1, max_size=25))
+@given(
+    st.lists(
+        st.one_of(st.binary(min_size=1, max_size=300).map(_strip), safe_field_garbage(), mutated(SAFE_FRAMES).map(_strip)),
+        min_size=1,
+        max_size=25,
+    )
+)
 def test_many_fuzzed_frames_pipelined_on_one_connection_are_all_answered(live, frames: list[bytes]) -> None:
     a, _ = live
     frames = [f for f in frames if f.strip() and _safe(f)]
@@ -245,7 +264,9 @@ def test_zz_fuzz_figures(live) -> None:
     lat = sorted(pinger.latencies)
     assert lat, "the background client never got an answer"
     p99 = lat[int(0.99 * (len(lat) - 1))]
-    print(f"\nbackground client during the agent fuzz: {len(lat)} pings, median {statistics.median(lat) * 1000:.1f} ms, p99 {p99 * 1000:.1f} ms, max {lat[-1] * 1000:.1f} ms")
+    print(
+        f"\nbackground client during the agent fuzz: {len(lat)} pings, median {statistics.median(lat) * 1000:.1f} ms, p99 {p99 * 1000:.1f} ms, max {lat[-1] * 1000:.1f} ms"
+    )
     assert lat[-1] < 5.0
 
 

@@ -41,13 +41,19 @@ def make_sequence(epoch_index: int, runs: int, rng_seed: int) -> list[Event]:
     for r in range(runs):
         rid = f"r-{epoch_index:04x}{r:04x}"  # unique per host across its epochs
         steps: list[tuple[str, str | None, dict[str, Any]]] = [
-            ("run_created", rid, {"state": "starting", "spec": {"argv": ["python", "t.py"], "kind": "command", "name": f"n{r}"}, "name": f"n{r}"}),
+            (
+                "run_created",
+                rid,
+                {"state": "starting", "spec": {"argv": ["python", "t.py"], "kind": "command", "name": f"n{r}"}, "name": f"n{r}"},
+            ),
             ("run_state", rid, {"state": "running", "pid": 100 + r, "started": 1000.0 + r}),
         ]
         for k in range(rng.randint(0, 3)):
             steps.append(("members", rid, {"added": [{"pid": 200 + 10 * r + k, "rank": k}]}))
         for s in range(rng.randint(0, 4)):
-            steps.append(("telemetry", rid, {"record": {"type": "step", "rank": 0, "step": s, "loss": 1.0 / (s + 1), "ts": 1000.0 + s}, "offset": s}))
+            steps.append(
+                ("telemetry", rid, {"record": {"type": "step", "rank": 0, "step": s, "loss": 1.0 / (s + 1), "ts": 1000.0 + s}, "offset": s})
+            )
         if rng.random() < 0.5:
             steps.append(("alert", rid, {"alert": {"kind": "gpu_idle", "message": "idle", "ts": 1001.0}}))
         if rng.random() < 0.8:
@@ -70,7 +76,20 @@ def reference_runs(events: list[Event]) -> dict[str, dict[str, Any]]:
             continue
         d = ev.data
         if ev.kind == "run_created":
-            runs.setdefault(ev.run_id, {"state": d["state"], "cause": None, "exit_code": None, "started": None, "ended": None, "members": 0, "alerts": 0, "last_step": None, "created": ev.ts})
+            runs.setdefault(
+                ev.run_id,
+                {
+                    "state": d["state"],
+                    "cause": None,
+                    "exit_code": None,
+                    "started": None,
+                    "ended": None,
+                    "members": 0,
+                    "alerts": 0,
+                    "last_step": None,
+                    "created": ev.ts,
+                },
+            )
             continue
         row = runs.get(ev.run_id)
         if row is None:
@@ -159,7 +178,7 @@ class HistoryReplica(RuleBasedStateMachine):
     def exactly_once_and_equal_to_the_agent(self) -> None:
         if not hasattr(self, "history"):
             return
-        for (host, epoch), seq in self.journals.items():
+        for host, epoch in self.journals:
             held = self.held[(host, epoch)]
             assert self.history.seqs(host, epoch) == list(range(1, held + 1))
             assert self.history.cursor(host, epoch).last_seq == held
@@ -172,14 +191,27 @@ class HistoryReplica(RuleBasedStateMachine):
         for (host, epoch), seq in self.journals.items():
             want = reference_runs(seq[: self.held[(host, epoch)]])
             rows = self.history._exec(
-                "SELECT id, state, cause, exit_code, started, ended, members, alert_count, last_step, created FROM runs WHERE host=? AND epoch=?", (host, epoch)
+                "SELECT id, state, cause, exit_code, started, ended, members, alert_count, last_step, created FROM runs WHERE host=? AND epoch=?",
+                (host, epoch),
             )
             got = {
-                r[0]: {"state": r[1], "cause": r[2], "exit_code": r[3], "started": r[4], "ended": r[5], "members": len(json.loads(r[6] or "[]")), "alerts": r[7] or 0, "last_step": r[8], "created": r[9]}
+                r[0]: {
+                    "state": r[1],
+                    "cause": r[2],
+                    "exit_code": r[3],
+                    "started": r[4],
+                    "ended": r[5],
+                    "members": len(json.loads(r[6] or "[]")),
+                    "alerts": r[7] or 0,
+                    "last_step": r[8],
+                    "created": r[9],
+                }
                 for r in rows
             }
             assert got == want, f"{host}/{epoch}: runs differ from the reference fold"
 
 
-HistoryReplica.TestCase.settings = settings(max_examples=40, stateful_step_count=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+HistoryReplica.TestCase.settings = settings(
+    max_examples=40, stateful_step_count=25, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
 TestHistoryReplica = HistoryReplica.TestCase

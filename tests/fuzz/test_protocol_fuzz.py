@@ -24,7 +24,9 @@ REQUEST_TYPES: tuple[type, ...] = typing.get_args(p.Request)
 ERROR_CODES = {"bad_json", "bad_message"}
 FAST = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
-_spec = p.LaunchSpec(argv=["python", "-c", "print(1)"], name="n", gpus=[0, 1], env={"A": "b"}, cwd="/tmp", start="fresh", claims=p.Claims(gpus=2, note="x"))
+_spec = p.LaunchSpec(
+    argv=["python", "-c", "print(1)"], name="n", gpus=[0, 1], env={"A": "b"}, cwd="/tmp", start="fresh", claims=p.Claims(gpus=2, note="x")
+)
 EXAMPLES: list[msgspec.Struct] = [
     p.Hello(request_id="h", client="fuzz", host_alias="gpu1"),
     p.Ping(request_id="p"),
@@ -81,8 +83,12 @@ def test_arbitrary_bytes_decode_to_a_request_or_a_typed_error(data: bytes) -> No
     check(decode_request(data), data)
 
 
-json_scalars = st.none() | st.booleans() | st.integers(min_value=-(2**70), max_value=2**70) | st.floats(allow_nan=False) | st.text(max_size=30)
-json_values = st.recursive(json_scalars, lambda kids: st.lists(kids, max_size=4) | st.dictionaries(st.text(max_size=8), kids, max_size=4), max_leaves=25)
+json_scalars = (
+    st.none() | st.booleans() | st.integers(min_value=-(2**70), max_value=2**70) | st.floats(allow_nan=False) | st.text(max_size=30)
+)
+json_values = st.recursive(
+    json_scalars, lambda kids: st.lists(kids, max_size=4) | st.dictionaries(st.text(max_size=8), kids, max_size=4), max_leaves=25
+)
 
 
 @st.composite
@@ -105,7 +111,25 @@ def test_every_field_of_every_request_type_with_wrong_values_gets_a_typed_error_
     check(decode_request(frame), frame)
 
 
-PUNCT = [b"{", b"}", b"[", b"]", b'"', b":", b",", b"\\", b"\x00", b"\xff", b"1e999", b"-0", b"null", b"true", b"\\u0000", b"\\ud800", b'"type":"x"']
+PUNCT = [
+    b"{",
+    b"}",
+    b"[",
+    b"]",
+    b'"',
+    b":",
+    b",",
+    b"\\",
+    b"\x00",
+    b"\xff",
+    b"1e999",
+    b"-0",
+    b"null",
+    b"true",
+    b"\\u0000",
+    b"\\ud800",
+    b'"type":"x"',
+]
 
 
 @st.composite
@@ -141,8 +165,10 @@ def test_mutated_frames_of_every_type_decode_to_a_request_or_a_typed_error(frame
 @given(st.integers(1, 900), st.sampled_from([b"[", b'{"a":']))
 def test_nesting_below_the_recursion_limit_is_a_typed_error(depth: int, opener: bytes) -> None:
     closer = b"]" if opener == b"[" else b"}"
-    for frame in (opener * depth + (b"1" if opener != b"[" else b"") + closer * depth,
-                  b'{"type":"ping","request_id":"n","x":' + opener * depth + b"1" * (opener != b"[") + closer * depth + b"}"):
+    for frame in (
+        opener * depth + (b"1" if opener != b"[" else b"") + closer * depth,
+        b'{"type":"ping","request_id":"n","x":' + opener * depth + b"1" * (opener != b"[") + closer * depth + b"}",
+    ):
         check(decode_request(frame), frame)
 
 

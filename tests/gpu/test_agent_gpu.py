@@ -32,7 +32,9 @@ def gpu_procs(agent: AgentProc, run_id: str) -> list[dict]:
 
 def test_holder_is_attributed_and_stop_frees_it(agent: AgentProc) -> None:
     rid = agent.cli_json("launch", "--gpus", "0", "--name", "holder", "--", sys.executable, "-c", HOLD, "3")["id"]
-    procs = wait_for(lambda: [p for p in gpu_procs(agent, rid) if (p.get("used_bytes") or 0) >= 3 * 2**30], timeout=120, what="the holder on the GPU")
+    procs = wait_for(
+        lambda: [p for p in gpu_procs(agent, rid) if (p.get("used_bytes") or 0) >= 3 * 2**30], timeout=120, what="the holder on the GPU"
+    )
     p = procs[0]
     assert p["attribution"] == "RUN" and p["gpu"] == 0
     print(f"\nstatus: pid {p['pid']} holds {p['used_bytes'] / 2**30:.2f} GiB on GPU 0, attributed {p['attribution']} {rid}")
@@ -45,7 +47,9 @@ def test_holder_is_attributed_and_stop_frees_it(agent: AgentProc) -> None:
 
 def test_orphan_of_a_killed_leader_is_stale_then_reclaimed(agent: AgentProc) -> None:
     rid = agent.cli_json("launch", "--gpus", "0", "--", sys.executable, "-c", PARENT, HOLD, "2")["id"]
-    wait_for(lambda: [p for p in gpu_procs(agent, rid) if (p.get("used_bytes") or 0) >= 2 * 2**30], timeout=120, what="the worker on the GPU")
+    wait_for(
+        lambda: [p for p in gpu_procs(agent, rid) if (p.get("used_bytes") or 0) >= 2 * 2**30], timeout=120, what="the worker on the GPU"
+    )
     runs = agent.cli_json("status", "--host", "local")["runs"]
     leader = next(m for r in runs if r["id"] == rid for m in r["members"] if m["role"] == "leader")
     os.kill(leader["pid"], signal.SIGKILL)  # the leader dies alone, like a SIGKILLed torchrun

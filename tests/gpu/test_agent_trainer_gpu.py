@@ -10,9 +10,29 @@ from tests.agent_harness import ROOT, AgentProc, wait_for
 
 def test_trainer_on_gpu_is_attributed_and_stop_frees_its_memory(agent: AgentProc, tmp_path: Path) -> None:
     out = tmp_path / "run"
-    argv = [sys.executable, "-m", "gpudeck.trainers.fsdp_lm", "--model-config", "tiny", "--fresh", "--out", str(out),
-            "--max-steps", "100000", "--batch-size", "8", "--seq-len", "256", "--checkpoint-every", "100000",
-            "--corpus-bytes", "2000000", "--log-every", "1", "--no-export"]
+    argv = [
+        sys.executable,
+        "-m",
+        "gpudeck.trainers.fsdp_lm",
+        "--model-config",
+        "tiny",
+        "--fresh",
+        "--out",
+        str(out),
+        "--max-steps",
+        "100000",
+        "--batch-size",
+        "8",
+        "--seq-len",
+        "256",
+        "--checkpoint-every",
+        "100000",
+        "--corpus-bytes",
+        "2000000",
+        "--log-every",
+        "1",
+        "--no-export",
+    ]
     rid = agent.cli_json("launch", "--gpus", "0", "--name", "gpu-tiny", "--cwd", str(ROOT), "--", *argv)["id"]
 
     def ready() -> dict | None:
@@ -32,8 +52,10 @@ def test_trainer_on_gpu_is_attributed_and_stop_frees_its_memory(agent: AgentProc
     assert rank0["gpu_uuid"] == snap["gpus"][0]["uuid"], (rank0, snap["gpus"][0]["uuid"])
     assert procs[0]["attribution"] == "RUN" and procs[0]["gpu"] == 0
     held = sum(p.get("used_bytes") or 0 for p in procs)
-    print(f"\ntrainer pid {procs[0]['pid']} holds {held / 2**30:.2f} GiB on GPU 0 ({rank0['gpu_uuid']}); "
-          f"step {tel['step']} loss {tel['loss']:.4f} {tel['tokens_per_s']:,.0f} tok/s; world size {tel['world_size']}, {tel['params_total']:,} params")
+    print(
+        f"\ntrainer pid {procs[0]['pid']} holds {held / 2**30:.2f} GiB on GPU 0 ({rank0['gpu_uuid']}); "
+        f"step {tel['step']} loss {tel['loss']:.4f} {tel['tokens_per_s']:,.0f} tok/s; world size {tel['world_size']}, {tel['params_total']:,} params"
+    )
     res = agent.cli_json("stop", rid, "--grace", "60")
     print(f"stop: {res['message']}")
     assert res["gpu_verified"] and res["freed_bytes"] >= 0.9 * held

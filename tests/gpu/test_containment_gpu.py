@@ -53,14 +53,21 @@ def test_a_gpu_run_stopped_through_its_cgroup_frees_its_memory(cg_agent: AgentPr
         snap = a.cli_json("status", "--host", "local")
         run = next(r for r in snap["runs"] if r["id"] == rid)
         members = {m["pid"] for m in run["members"] if m.get("found_by") == "cgroup" and m.get("tagged") is False}
-        return [p for g in snap["gpus"] for p in g.get("processes", []) if p["pid"] in members and (p.get("used_bytes") or 0) >= gib * 2**30 * 0.95]
+        return [
+            p
+            for g in snap["gpus"]
+            for p in g.get("processes", [])
+            if p["pid"] in members and (p.get("used_bytes") or 0) >= gib * 2**30 * 0.95
+        ]
 
     got = wait_for(holders, timeout=180, what="the env-cleared holder on GPU 0, a member of the run through its cgroup")
     run = next(r for r in a.cli_json("status", "--host", "local")["runs"] if r["id"] == rid)
     assert run["containment"]["label"] == "cgroup (cgroupfs)" and got[0]["pid"] in run["containment"]["untagged"]
     res = a.cli_json("stop", rid, "--grace", "10")
-    print(f"\ncgroupfs stop of a GPU run: verified={res['gpu_verified']} freed={res['freed_bytes'] / 2**30:.2f} GiB in {res['seconds']:.2f} s; "
-          f"{res['group_note']}; {res['gpu_note']}")
+    print(
+        f"\ncgroupfs stop of a GPU run: verified={res['gpu_verified']} freed={res['freed_bytes'] / 2**30:.2f} GiB in {res['seconds']:.2f} s; "
+        f"{res['group_note']}; {res['gpu_note']}"
+    )
     assert res["gpu_verified"] is True and not res.get("survivors")
     assert res["freed_bytes"] >= gib * 2**30 * 0.95
     assert "emptied (populated 0)" in res["group_note"]

@@ -64,8 +64,15 @@ def test_flex_mask_matches_dense_sdpa_mask(window):
     from gpudeck.trainers.dflash_model import DFlashDraftModel, drafter_config_from_target
 
     dev = torch.device("cuda")
-    tc = Qwen3Config(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=8,
-                     num_attention_heads=4, num_key_value_heads=2, head_dim=64)
+    tc = Qwen3Config(
+        vocab_size=512,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=8,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+    )
     types = ["sliding_attention", "full_attention"] if window else None
     cfg = drafter_config_from_target(tc, 2, 16, mask_token_id=511, layer_types=types, sliding_window=window)
     torch.manual_seed(0)
@@ -86,10 +93,34 @@ def test_flex_mask_matches_dense_sdpa_mask(window):
 def test_trainer_runs_on_gpu_and_reports_mfu(tmp_path):
     tel = tmp_path / "tel.jsonl"
     env = dict(os.environ, GPUDECK_TELEMETRY=str(tel))
-    cmd = [sys.executable, "-m", "gpudeck.trainers.dflash", "--target-config", "tiny", "--fresh",
-           "--out", str(tmp_path / "out"), "--max-steps", "4", "--seq-len", "256", "--batch-size", "2",
-           "--num-anchors", "32", "--block-size", "8", "--drafter-layers", "2", "--corpus-bytes", "600000",
-           "--eval-prompt-len", "32", "--eval-gen-len", "32"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "gpudeck.trainers.dflash",
+        "--target-config",
+        "tiny",
+        "--fresh",
+        "--out",
+        str(tmp_path / "out"),
+        "--max-steps",
+        "4",
+        "--seq-len",
+        "256",
+        "--batch-size",
+        "2",
+        "--num-anchors",
+        "32",
+        "--block-size",
+        "8",
+        "--drafter-layers",
+        "2",
+        "--corpus-bytes",
+        "600000",
+        "--eval-prompt-len",
+        "32",
+        "--eval-gen-len",
+        "32",
+    ]
     p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     recs = [json.loads(x) for x in tel.read_text().splitlines()]
@@ -106,16 +137,17 @@ def test_trainer_runs_on_gpu_and_reports_mfu(tmp_path):
 def test_seed_drafter_shape_peak_is_within_15_percent_of_the_estimate(tmp_path):
     """SpecForge's Qwen3.6-27B drafter shape at 1024 anchors x block 32, colocated, one GPU (the bench's seed part)."""
     sys.path.insert(0, str(ROOT))
+    from bench.dflash_bench import seed_train_argv
     from gpudeck.agents.estimate import GIB, estimate
     from gpudeck.agents.protocol import LaunchSpec
-    from bench.dflash_bench import seed_train_argv
 
     target = os.environ.get("DFLASH_SEED_TARGET", "qwen3-14b")
     argv = seed_train_argv(tmp_path / "cfg", target, 6, tmp_path / "out")
     tel = tmp_path / "tel.jsonl"
     env = dict(os.environ, GPUDECK_TELEMETRY=str(tel))
-    p = subprocess.run([sys.executable, "-m", "gpudeck.trainers.dflash", *argv], cwd=ROOT, env=env, capture_output=True,
-                       text=True, timeout=1100)
+    p = subprocess.run(
+        [sys.executable, "-m", "gpudeck.trainers.dflash", *argv], cwd=ROOT, env=env, capture_output=True, text=True, timeout=1100
+    )
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     recs = [json.loads(x) for x in tel.read_text().splitlines()]
     man = next(r for r in recs if r["type"] == "manifest")
@@ -129,7 +161,9 @@ def test_seed_drafter_shape_peak_is_within_15_percent_of_the_estimate(tmp_path):
     tps = sorted(r["tokens_per_s"] for r in late)[len(late) // 2]
     mfu = sorted(r["mfu"] for r in late)[len(late) // 2]
     mfu_tt = sorted(r["mfu_torchtitan"] for r in late)[len(late) // 2]
-    print(f"\nseed drafter on {target} ({man['gpu_name']}): {tps:.0f} tok/s, mfu {mfu * 100:.1f}% (causal), "
-          f"mfu_torchtitan {mfu_tt * 100:.1f}%, peak {peak:.1f} GiB, estimate {e.per_gpu_bytes / GIB:.1f} GiB "
-          f"(ratio {ratio:.2f}; " + ", ".join(f"{k} {v / GIB:.1f}" for k, v in e.parts.items()) + ")")
+    print(
+        f"\nseed drafter on {target} ({man['gpu_name']}): {tps:.0f} tok/s, mfu {mfu * 100:.1f}% (causal), "
+        f"mfu_torchtitan {mfu_tt * 100:.1f}%, peak {peak:.1f} GiB, estimate {e.per_gpu_bytes / GIB:.1f} GiB "
+        f"(ratio {ratio:.2f}; " + ", ".join(f"{k} {v / GIB:.1f}" for k, v in e.parts.items()) + ")"
+    )
     assert 0.85 <= ratio <= 1.15, e.method

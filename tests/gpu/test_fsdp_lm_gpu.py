@@ -28,18 +28,26 @@ pytest.importorskip("transformers")
 ON_CPU = os.environ.get("GPUDECK_GPU_TEST_ON_CPU") == "1"
 pytestmark = [
     pytest.mark.gpu,
-    pytest.mark.skipif(not (torch.cuda.is_available() or ON_CPU),
-                       reason="needs an NVIDIA GPU (torch.cuda)"),
+    pytest.mark.skipif(not (torch.cuda.is_available() or ON_CPU), reason="needs an NVIDIA GPU (torch.cuda)"),
 ]
 
 ROOT = Path(__file__).resolve().parents[2]
 
 # a ~40M-parameter Llama: big enough to exercise bf16 mixed precision and flash
 # attention, small enough that a step takes tens of milliseconds
-CONFIG = dict(model_type="llama", hidden_size=512, intermediate_size=1408, num_hidden_layers=8,
-              num_attention_heads=8, num_key_value_heads=4, vocab_size=320,
-              max_position_embeddings=2048, rms_norm_eps=1e-5, rope_theta=10000.0,
-              tie_word_embeddings=False)
+CONFIG = dict(
+    model_type="llama",
+    hidden_size=512,
+    intermediate_size=1408,
+    num_hidden_layers=8,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    vocab_size=320,
+    max_position_embeddings=2048,
+    rms_norm_eps=1e-5,
+    rope_theta=10000.0,
+    tie_word_embeddings=False,
+)
 
 
 def _records(path: Path) -> list[dict]:
@@ -61,9 +69,14 @@ def _losses(recs: list[dict]) -> dict[int, float]:
 def _start(args: list[str], tel: Path, log: Path) -> subprocess.Popen:
     env = dict(os.environ, GPUDECK_TELEMETRY=str(tel), PYTHONUNBUFFERED="1")
     env.pop("GPUDECK_TEST_FAIL_AT_STEP", None)
-    return subprocess.Popen([sys.executable, "-m", "gpudeck.trainers.fsdp_lm", *args], cwd=ROOT, env=env,
-                            stdout=open(log, "w"), stderr=subprocess.STDOUT,
-                            start_new_session=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "gpudeck.trainers.fsdp_lm", *args],
+        cwd=ROOT,
+        env=env,
+        stdout=open(log, "w"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
 
 
 def _check_gpu_telemetry(tel: Path, manifest: dict) -> None:
@@ -89,12 +102,29 @@ def test_gpu_kill9_then_resume_gives_identical_losses(tmp_path, procs) -> None:
     cfg = tmp_path / "model.json"
     cfg.write_text(json.dumps(CONFIG))
     out = tmp_path / "run"
-    common = ["--model-config", str(cfg), "--seq-len", "512", "--batch-size", "8",
-              "--max-steps", "400", "--checkpoint-every", "5", "--keep", "1000",
-              "--corpus-bytes", str(4 * 1024 * 1024), "--deterministic", "--no-export",
-              # eager attention: PyTorch's flash-attention backward is not deterministic
-              "--attn-implementation", "eager",
-              "--out", str(out)] + (["--device", "cpu"] if ON_CPU else [])
+    common = [
+        "--model-config",
+        str(cfg),
+        "--seq-len",
+        "512",
+        "--batch-size",
+        "8",
+        "--max-steps",
+        "400",
+        "--checkpoint-every",
+        "5",
+        "--keep",
+        "1000",
+        "--corpus-bytes",
+        str(4 * 1024 * 1024),
+        "--deterministic",
+        "--no-export",
+        # eager attention: PyTorch's flash-attention backward is not deterministic
+        "--attn-implementation",
+        "eager",
+        "--out",
+        str(out),
+    ] + (["--device", "cpu"] if ON_CPU else [])
     tel1 = tmp_path / "first.jsonl"
     p = _start([*common, "--fresh"], tel1, tmp_path / "first.log")
     procs.append(p)
@@ -119,17 +149,17 @@ def test_gpu_kill9_then_resume_gives_identical_losses(tmp_path, procs) -> None:
 
     stop_at = max(first)
     tel2 = tmp_path / "resumed.jsonl"
-    p2 = _start([*common, "--resume", "5", "--stop-at-step", str(stop_at)], tel2,
-                tmp_path / "resumed.log")
+    p2 = _start([*common, "--resume", "5", "--stop-at-step", str(stop_at)], tel2, tmp_path / "resumed.log")
     procs.append(p2)
     p2.wait(timeout=300)
     assert p2.returncode == 0, (tmp_path / "resumed.log").read_text()[-3000:]
     resumed = _losses(_records(tel2))
     assert sorted(resumed) == list(range(6, stop_at + 1))
     diffs = {k: abs(resumed[k] - first[k]) for k in resumed}
-    print(f"GPU resume check: killed after step {killed_after}; resumed steps 6..{stop_at}; "
-          f"max |loss diff| = {max(diffs.values()):.3g}; "
-          + ", ".join(f"{k}: {first[k]:.6f}/{resumed[k]:.6f}" for k in sorted(resumed)))
+    print(
+        f"GPU resume check: killed after step {killed_after}; resumed steps 6..{stop_at}; "
+        f"max |loss diff| = {max(diffs.values()):.3g}; " + ", ".join(f"{k}: {first[k]:.6f}/{resumed[k]:.6f}" for k in sorted(resumed))
+    )
     assert max(diffs.values()) <= 1e-6, diffs
     assert {r["start"] for r in _records(tel2) if r["type"] == "manifest"} == {"resume 5"}
 
@@ -151,22 +181,30 @@ def test_gpu_prepared_corpus_validation_chunked_loss_mfu_and_profile(tmp_path, p
     from gpudeck.trainers.prepare import main as prepare_main
 
     prep = tmp_path / "prep"
-    assert prepare_main(["--corpus-bytes", str(4 * 1024 * 1024), "--out", str(prep),
-                         "--val-fraction", "0.02", "--num-proc", "4"]) == 0
+    assert prepare_main(["--corpus-bytes", str(4 * 1024 * 1024), "--out", str(prep), "--val-fraction", "0.02", "--num-proc", "4"]) == 0
     cfg = tmp_path / "model.json"
     cfg.write_text(json.dumps(CONFIG))
     shape = ["--seq-len", "64", "--batch-size", "2"] if ON_CPU else ["--seq-len", "512", "--batch-size", "8"]
-    common = ["--model-config", "tiny" if ON_CPU else str(cfg), "--data", str(prep), *shape,
-              "--max-steps", "12", "--val-every", "4", "--no-export", "--no-final-checkpoint",
-              "--fresh"] + (["--device", "cpu"] if ON_CPU else ["--compile"])
-    plain, _ = _run([*common, "--out", str(tmp_path / "plain"), "--profile-steps", "2",
-                     "--profile-start", "8"], tmp_path, "plain", procs)
+    common = [
+        "--model-config",
+        "tiny" if ON_CPU else str(cfg),
+        "--data",
+        str(prep),
+        *shape,
+        "--max-steps",
+        "12",
+        "--val-every",
+        "4",
+        "--no-export",
+        "--no-final-checkpoint",
+        "--fresh",
+    ] + (["--device", "cpu"] if ON_CPU else ["--compile"])
+    plain, _ = _run([*common, "--out", str(tmp_path / "plain"), "--profile-steps", "2", "--profile-start", "8"], tmp_path, "plain", procs)
     log = (tmp_path / "plain.log").read_text()
     profile = [ln for ln in log.splitlines() if ln.startswith("profile")]
     print("\n".join(profile))
     assert profile and profile[0].startswith("profile: steps 8..9")
-    chunked, _ = _run([*common, "--out", str(tmp_path / "chunked"), "--loss-impl", "chunked"],
-                      tmp_path, "chunked", procs)
+    chunked, _ = _run([*common, "--out", str(tmp_path / "chunked"), "--loss-impl", "chunked"], tmp_path, "chunked", procs)
     lp, lc = _losses(plain), _losses(chunked)
     print("plain vs chunked:", {k: (round(lp[k], 4), round(lc[k], 4)) for k in lp})
     assert sorted(lc) == list(range(1, 13))

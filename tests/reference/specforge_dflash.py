@@ -23,7 +23,7 @@ copyright notice and this permission notice shall be included in all copies or s
 portions of the Software. THE SOFTWARE IS PROVIDED "AS IS", WITHOUT WARRANTY OF ANY KIND.
 """
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -101,19 +101,13 @@ class Qwen3DFlashAttention(nn.Module):
         self.scaling = self.head_dim**-0.5
         self.attention_dropout = config.attention_dropout
         self.is_causal = False
-        self.q_proj = nn.Linear(config.hidden_size, config.num_attention_heads * self.head_dim,
-                                bias=config.attention_bias)
-        self.k_proj = nn.Linear(config.hidden_size, config.num_key_value_heads * self.head_dim,
-                                bias=config.attention_bias)
-        self.v_proj = nn.Linear(config.hidden_size, config.num_key_value_heads * self.head_dim,
-                                bias=config.attention_bias)
-        self.o_proj = nn.Linear(config.num_attention_heads * self.head_dim, config.hidden_size,
-                                bias=config.attention_bias)
+        self.q_proj = nn.Linear(config.hidden_size, config.num_attention_heads * self.head_dim, bias=config.attention_bias)
+        self.k_proj = nn.Linear(config.hidden_size, config.num_key_value_heads * self.head_dim, bias=config.attention_bias)
+        self.v_proj = nn.Linear(config.hidden_size, config.num_key_value_heads * self.head_dim, bias=config.attention_bias)
+        self.o_proj = nn.Linear(config.num_attention_heads * self.head_dim, config.hidden_size, bias=config.attention_bias)
         self.q_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
         self.k_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
-        self.sliding_window = (
-            config.sliding_window if config.layer_types[layer_idx] == SLIDING_ATTENTION else None
-        )
+        self.sliding_window = config.sliding_window if config.layer_types[layer_idx] == SLIDING_ATTENTION else None
 
     def forward(self, hidden_states, target_hidden, position_embeddings, attention_mask, **kwargs):
         bsz, q_len = hidden_states.shape[:-1]
@@ -135,9 +129,14 @@ class Qwen3DFlashAttention(nn.Module):
         if self.config._attn_implementation != "eager":
             attn_fn = ALL_ATTENTION_FUNCTIONS[self.config._attn_implementation]
         attn_output, attn_weights = attn_fn(
-            self, q, k, v, attention_mask,
+            self,
+            q,
+            k,
+            v,
+            attention_mask,
             dropout=0.0 if not self.training else self.attention_dropout,
-            scaling=self.scaling, sliding_window=self.sliding_window,
+            scaling=self.scaling,
+            sliding_window=self.sliding_window,
         )
         attn_output = attn_output.reshape(bsz, q_len, -1)
         return self.o_proj(attn_output), attn_weights
@@ -152,13 +151,12 @@ class Qwen3DFlashDecoderLayer(nn.Module):
         self.input_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
-    def forward(self, target_hidden=None, hidden_states=None, attention_mask=None, position_embeddings=None,
-                **kwargs):
+    def forward(self, target_hidden=None, hidden_states=None, attention_mask=None, position_embeddings=None, **kwargs):
         residual = hidden_states
         hidden_states = self.input_layernorm(hidden_states)
-        hidden_states = self.self_attn(hidden_states=hidden_states, target_hidden=target_hidden,
-                                       attention_mask=attention_mask,
-                                       position_embeddings=position_embeddings)[0]
+        hidden_states = self.self_attn(
+            hidden_states=hidden_states, target_hidden=target_hidden, attention_mask=attention_mask, position_embeddings=position_embeddings
+        )[0]
         hidden_states = residual + hidden_states
         residual = hidden_states
         hidden_states = self.post_attention_layernorm(hidden_states)
@@ -174,9 +172,7 @@ class DFlashDraftModel(Qwen3PreTrainedModel):
         super().__init__(config)
         self.config = config
         self.layer_types, self.sliding_window = resolve_dflash_attention_layout(config)
-        self.layers = nn.ModuleList(
-            [Qwen3DFlashDecoderLayer(config, layer_idx) for layer_idx in range(config.num_hidden_layers)]
-        )
+        self.layers = nn.ModuleList([Qwen3DFlashDecoderLayer(config, layer_idx) for layer_idx in range(config.num_hidden_layers)])
         dflash_config = getattr(config, "dflash_config", {}) or {}
         self.target_layer_ids = dflash_config["target_layer_ids"]
         self.norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
@@ -192,10 +188,12 @@ class DFlashDraftModel(Qwen3PreTrainedModel):
         target_hidden = self.hidden_norm(self.fc(target_hidden))
         position_embeddings = self.rotary_emb(hidden_states, position_ids)
         for layer_type, layer in zip(self.layer_types, self.layers):
-            layer_attention_mask = (
-                attention_mask[layer_type] if isinstance(attention_mask, dict) else attention_mask
+            layer_attention_mask = attention_mask[layer_type] if isinstance(attention_mask, dict) else attention_mask
+            hidden_states = layer(
+                hidden_states=hidden_states,
+                target_hidden=target_hidden,
+                attention_mask=layer_attention_mask,
+                position_ids=position_ids,
+                position_embeddings=position_embeddings,
             )
-            hidden_states = layer(hidden_states=hidden_states, target_hidden=target_hidden,
-                                  attention_mask=layer_attention_mask, position_ids=position_ids,
-                                  position_embeddings=position_embeddings)
         return self.norm(hidden_states)

@@ -106,11 +106,24 @@ def test_groups_are_listed_by_run_id(cgfs: CgroupFs) -> None:
 
 
 def _run() -> RunInfo:
-    return RunInfo(id="r-1", host="h", state="running", spec=LaunchSpec(argv=["x"]), members=[Member(pid=999999, create_time=1.0, role="leader")], started=time.time())
+    return RunInfo(
+        id="r-1",
+        host="h",
+        state="running",
+        spec=LaunchSpec(argv=["x"]),
+        members=[Member(pid=999999, create_time=1.0, role="leader")],
+        started=time.time(),
+    )
 
 
 def _facts(**kw: object) -> ExitFacts:
-    base = dict(record={"returncode": None, "signal": "SIGKILL", "ended": 1.0}, shim_returncode=None, output_tail="", output_reason=None, telemetry_evidence="")
+    base = dict(
+        record={"returncode": None, "signal": "SIGKILL", "ended": 1.0},
+        shim_returncode=None,
+        output_tail="",
+        output_reason=None,
+        telemetry_evidence="",
+    )
     base.update(kw)
     return ExitFacts(**base)  # type: ignore[arg-type]
 

@@ -22,10 +22,10 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from gpudeck.trainers.data import ByteTokenizer  # noqa: E402
-from gpudeck.trainers.dflash import resolve_mask_token  # noqa: E402
-from gpudeck.trainers.dflash_data import RecordBatches, load_records  # noqa: E402
-from gpudeck.trainers.dflash_loss import dflash_loss, finish_global_mean  # noqa: E402
+from gpudeck.trainers.data import ByteTokenizer
+from gpudeck.trainers.dflash import resolve_mask_token
+from gpudeck.trainers.dflash_data import RecordBatches, load_records
+from gpudeck.trainers.dflash_loss import dflash_loss, finish_global_mean
 
 EOS = ByteTokenizer.eos_id
 
@@ -82,8 +82,9 @@ def test_token_budget_batches_are_whole_records_within_budget_deterministic_and_
     assert len(seen) == len(set(seen))  # every record at most once an epoch, across both ranks
     assert len(seen) >= len(rec) - 2 * 3  # only an incomplete last round is left out
     again = RecordBatches(rec, 2, 0, 2, seed=3, token_budget=budget)
-    assert [again.next_batch_plan()[0].tolist() for _ in range(3)] == \
-        [RecordBatches(rec, 2, 0, 2, seed=3, token_budget=budget)._batches(0)[2 * k][0].tolist() for k in range(3)]
+    assert [again.next_batch_plan()[0].tolist() for _ in range(3)] == [
+        RecordBatches(rec, 2, 0, 2, seed=3, token_budget=budget)._batches(0)[2 * k][0].tolist() for k in range(3)
+    ]
 
 
 def test_record_batches_resume_exactly(tmp_path):
@@ -137,8 +138,7 @@ def test_loss_is_normalised_by_the_step_weight_over_micro_batches():
     micros = [_micro(gen, 5), _micro(gen, 13)]  # unequal supervised counts: mean of means would differ
     total = wsum = 0.0
     for h, y, w in micros:
-        s, ws = dflash_loss(lin(h).unsqueeze(0), head, y.view(1, 1, -1), w.view(1, 1, -1), normalize=False,
-                            chunk_rows=4)
+        s, ws = dflash_loss(lin(h).unsqueeze(0), head, y.view(1, 1, -1), w.view(1, 1, -1), normalize=False, chunk_rows=4)
         s.backward()
         total, wsum = total + float(s.detach()), wsum + float(ws)
     loss, wtot, _ = finish_global_mean(lin.parameters(), total, wsum)

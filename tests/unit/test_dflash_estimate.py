@@ -19,19 +19,54 @@ from gpudeck.agents.protocol import LaunchSpec
 SEED_CONFIG = Path(__file__).resolve().parents[1] / "reference" / "qwen3.6-27b-dflash.json"
 # a dense Qwen3 of Qwen3.6-27B's widths (its config.json's text part: 64 layers, hidden 5120, 24 heads of 256,
 # 4 kv heads, intermediate 17408, vocab 248320); the estimate's target stand-in
-TARGET_27B = dict(model_type="qwen3", hidden_size=5120, intermediate_size=17408, num_hidden_layers=64,
-                  num_attention_heads=24, num_key_value_heads=4, head_dim=256, vocab_size=248320,
-                  tie_word_embeddings=False)
+TARGET_27B = dict(
+    model_type="qwen3",
+    hidden_size=5120,
+    intermediate_size=17408,
+    num_hidden_layers=64,
+    num_attention_heads=24,
+    num_key_value_heads=4,
+    head_dim=256,
+    vocab_size=248320,
+    tie_word_embeddings=False,
+)
 PARTS = {"weights", "optimizer", "activations", "lm_head_chunk", "cuda_context"}
 
 
 def _seed_argv(tmp_path: Path, *extra: str) -> list[str]:
     (tmp_path / "target").mkdir(exist_ok=True)
     (tmp_path / "target" / "config.json").write_text(json.dumps(TARGET_27B))
-    return ["torchrun", "--nproc-per-node", "8", "-m", "gpudeck.trainers.dflash", "--target", str(tmp_path / "target"),
-            "--drafter-config", str(SEED_CONFIG), "--block-size", "32", "--num-anchors", "1024", "--gamma", "7",
-            "--seq-len", "4096", "--batch-size", "1", "--topology", "split", "--target-ranks", "0-4",
-            "--drafter-ranks", "5-7", "--fresh", "--out", "o", *extra]
+    return [
+        "torchrun",
+        "--nproc-per-node",
+        "8",
+        "-m",
+        "gpudeck.trainers.dflash",
+        "--target",
+        str(tmp_path / "target"),
+        "--drafter-config",
+        str(SEED_CONFIG),
+        "--block-size",
+        "32",
+        "--num-anchors",
+        "1024",
+        "--gamma",
+        "7",
+        "--seq-len",
+        "4096",
+        "--batch-size",
+        "1",
+        "--topology",
+        "split",
+        "--target-ranks",
+        "0-4",
+        "--drafter-ranks",
+        "5-7",
+        "--fresh",
+        "--out",
+        "o",
+        *extra,
+    ]
 
 
 def test_the_seed_drafter_rank_estimate_is_split_by_part_and_names_the_largest(tmp_path):
@@ -44,8 +79,11 @@ def test_the_seed_drafter_rank_estimate_is_split_by_part_and_names_the_largest(t
     head = 2 * 248320 * 5120 * 2
     assert e.parts["weights"] == head + 2 * e.params
     assert e.parts["optimizer"] == 16 * e.params // 3
-    print("\nseed drafter rank: " + ", ".join(f"{k} {v / GIB:.1f} GiB" for k, v in e.parts.items())
-          + f"; total {e.per_gpu_bytes / GIB:.1f} GiB of a 96 GB GPU ({96e9 / GIB:.1f} GiB)")
+    print(
+        "\nseed drafter rank: "
+        + ", ".join(f"{k} {v / GIB:.1f} GiB" for k, v in e.parts.items())
+        + f"; total {e.per_gpu_bytes / GIB:.1f} GiB of a 96 GB GPU ({96e9 / GIB:.1f} GiB)"
+    )
     assert e.per_gpu_bytes < 96e9  # the seed's drafter ranks fit a 96 GB GPU
     compiled = estimate(LaunchSpec(kind="dflash", argv=_seed_argv(tmp_path, "--compile")))
     assert compiled is not None and compiled.parts["activations"] < e.parts["activations"]
@@ -98,5 +136,8 @@ def test_the_bench_seed_command_is_one_the_trainer_takes_and_its_estimate_counts
     n_d = sum(p.numel() for p in d.parameters())
     assert e is not None and e.params == n_d
     assert e.parts["weights"] == 2 * n_t + 2 * n_d and e.parts["optimizer"] == 16 * n_d
-    print(f"\n{target}: target {n_t / 1e9:.2f}B, drafter {n_d / 1e9:.2f}B params; estimate "
-          + ", ".join(f"{k} {v / GIB:.1f}" for k, v in e.parts.items()) + f" = {e.per_gpu_bytes / GIB:.1f} GiB")
+    print(
+        f"\n{target}: target {n_t / 1e9:.2f}B, drafter {n_d / 1e9:.2f}B params; estimate "
+        + ", ".join(f"{k} {v / GIB:.1f}" for k, v in e.parts.items())
+        + f" = {e.per_gpu_bytes / GIB:.1f} GiB"
+    )

@@ -9,10 +9,10 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from hypothesis import given, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from gpudeck.trainers.dflash_loss import (  # noqa: E402
+from gpudeck.trainers.dflash_loss import (
     block_inputs,
     build_attention_mask,
     chunked_linear_cross_entropy,
@@ -23,7 +23,7 @@ from gpudeck.trainers.dflash_loss import (  # noqa: E402
     sample_anchors,
     valid_anchor_mask,
 )
-from gpudeck.trainers.dflash_model import (  # noqa: E402
+from gpudeck.trainers.dflash_model import (
     DFlashDraftModel,
     build_target_layer_ids,
     drafter_config_from_target,
@@ -176,9 +176,7 @@ def test_chunked_ce_gradcheck():
     y = torch.randint(0, 11, (9,), generator=g)
     wt = torch.rand(9, generator=g, dtype=torch.float64)
     for mode in ("fused", "recompute"):
-        assert torch.autograd.gradcheck(
-            lambda a, b: chunked_linear_cross_entropy(a, b, y, wt, chunk_rows=4, mode=mode), (hid, w)
-        )
+        assert torch.autograd.gradcheck(lambda a, b: chunked_linear_cross_entropy(a, b, y, wt, chunk_rows=4, mode=mode), (hid, w))
 
 
 def test_chunked_ce_no_grad_and_float32():
@@ -227,8 +225,13 @@ def _tiny_drafter(layers=2, block=4):
     from transformers import Qwen3Config
 
     tc = Qwen3Config(
-        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=6,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
     )
     cfg = drafter_config_from_target(tc, layers, block, mask_token_id=63)
     torch.manual_seed(0)

@@ -21,10 +21,10 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from tests.reference import specforge_dflash as ref  # noqa: E402
-from gpudeck.trainers.dflash import drafter_config_from_file, make_masks, read_drafter_config  # noqa: E402
-from gpudeck.trainers.dflash_loss import block_inputs, build_attention_mask, visible_keys  # noqa: E402
-from gpudeck.trainers.dflash_model import DFlashDraftModel, attention_layout, drafter_config_from_target  # noqa: E402
+from gpudeck.trainers.dflash import drafter_config_from_file, make_masks, read_drafter_config
+from gpudeck.trainers.dflash_loss import block_inputs, build_attention_mask, visible_keys
+from gpudeck.trainers.dflash_model import DFlashDraftModel, attention_layout, drafter_config_from_target
+from tests.reference import specforge_dflash as ref
 
 SEED_CONFIG = Path(__file__).resolve().parents[1] / "reference" / "qwen3.6-27b-dflash.json"
 SEED_TYPES = ["sliding_attention"] * 4 + ["full_attention"]
@@ -33,16 +33,30 @@ SEED_TYPES = ["sliding_attention"] * 4 + ["full_attention"]
 def _target(hidden=32, layers=8, vocab=64):
     from transformers import Qwen3Config
 
-    return Qwen3Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-                       num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+    return Qwen3Config(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+    )
 
 
 def test_the_qwen36_27b_drafter_config_is_read_as_published():
     from transformers import Qwen3Config
 
     cfg = read_drafter_config(str(SEED_CONFIG))
-    target = Qwen3Config(vocab_size=248320, hidden_size=5120, intermediate_size=17408, num_hidden_layers=64,
-                         num_attention_heads=24, num_key_value_heads=4, head_dim=256)
+    target = Qwen3Config(
+        vocab_size=248320,
+        hidden_size=5120,
+        intermediate_size=17408,
+        num_hidden_layers=64,
+        num_attention_heads=24,
+        num_key_value_heads=4,
+        head_dim=256,
+    )
     dcfg = drafter_config_from_file(cfg, target, block_size=32, mask_token_id=248070)
     assert attention_layout(dcfg) == (SEED_TYPES, 2048)
     assert dcfg.dflash_config == {"mask_token_id": 248070, "target_layer_ids": [1, 16, 31, 46, 61]}
@@ -118,12 +132,13 @@ def test_an_exported_sliding_window_drafter_matches_specforges_model_in_float64(
     noise = torch.randn(2, N * B, 32, generator=g, dtype=torch.float64)
     pos = torch.cat([torch.arange(S).unsqueeze(0).expand(2, -1), bpos], 1)
     masks = make_masks(anchors, S, B, "sdpa", "cpu", mine.layer_types, mine.sliding_window)
-    their_masks = {t: ref.create_dflash_sdpa_mask(anchors, keep, S, B, "cpu", sliding_window=w)
-                   for t, w in (("full_attention", None), ("sliding_attention", W))}
+    their_masks = {
+        t: ref.create_dflash_sdpa_mask(anchors, keep, S, B, "cpu", sliding_window=w)
+        for t, w in (("full_attention", None), ("sliding_attention", W))
+    }
     with torch.no_grad():
         out_mine = mine(noise, feats, pos, masks)
-        out_theirs = theirs(position_ids=pos, attention_mask=their_masks, noise_embedding=noise,
-                            target_hidden=feats)
+        out_theirs = theirs(position_ids=pos, attention_mask=their_masks, noise_embedding=noise, target_hidden=feats)
         all_full = mine(noise, feats, pos, masks["full_attention"])
     assert out_mine.shape == (2, N * B, 32)
     assert torch.allclose(out_mine, out_theirs, atol=1e-10, rtol=1e-10), (out_mine - out_theirs).abs().max()

@@ -49,8 +49,9 @@ CONFIGS = {
     "qwen3 attention_bias": dict(model_type="qwen3", **SMALL, num_key_value_heads=4, head_dim=16, attention_bias=True),
     "llama attention_bias + mlp_bias": dict(model_type="llama", **SMALL, num_key_value_heads=2, attention_bias=True, mlp_bias=True),
     "llama explicit head_dim, kv heads null": dict(model_type="llama", **SMALL, head_dim=8, num_key_value_heads=None),
-    "mistral (kv heads default 8)": dict(model_type="mistral", hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                                         num_attention_heads=8, vocab_size=101),
+    "mistral (kv heads default 8)": dict(
+        model_type="mistral", hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=8, vocab_size=101
+    ),
     "qwen2 (q/k/v biases)": dict(model_type="qwen2", **SMALL, num_key_value_heads=2, tie_word_embeddings=True),
 }
 
@@ -94,12 +95,34 @@ def test_unknown_model_type_is_a_typed_error_that_says_what_to_do() -> None:
 
 
 def test_parse_launch_argv_forms() -> None:
-    p = parse_launch_argv(["torchrun", "--nproc_per_node=4", "--master-port", "29512", "-m", "gpudeck.trainers.fsdp_lm", "--fresh", "--out", "o"])
+    p = parse_launch_argv(
+        ["torchrun", "--nproc_per_node=4", "--master-port", "29512", "-m", "gpudeck.trainers.fsdp_lm", "--fresh", "--out", "o"]
+    )
     assert (p.launcher, p.trainer, p.nproc_per_node, p.master_port) == ("torchrun", "gpudeck.trainers.fsdp_lm", "4", 29512)
     assert p.trainer_args == ("--fresh", "--out", "o")
-    p = parse_launch_argv(["/v/bin/python3", "-u", "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
-                           "--nproc-per-node", "gpu", "-m", "gpudeck.trainers.dflash", "--fresh"])
-    assert (p.launcher, p.python, p.standalone, p.nproc_per_node, p.trainer) == ("torchrun", "/v/bin/python3", True, "gpu", "gpudeck.trainers.dflash")
+    p = parse_launch_argv(
+        [
+            "/v/bin/python3",
+            "-u",
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nnodes",
+            "1",
+            "--nproc-per-node",
+            "gpu",
+            "-m",
+            "gpudeck.trainers.dflash",
+            "--fresh",
+        ]
+    )
+    assert (p.launcher, p.python, p.standalone, p.nproc_per_node, p.trainer) == (
+        "torchrun",
+        "/v/bin/python3",
+        True,
+        "gpu",
+        "gpudeck.trainers.dflash",
+    )
     p = parse_launch_argv(["python", "trainers/fsdp_lm.py", "--resume", "latest"])
     assert (p.launcher, p.trainer, p.trainer_args) == ("python", "gpudeck.trainers.fsdp_lm", ("--resume", "latest"))
     p = parse_launch_argv(["env", "X=1", "python", "-m", "gpudeck.trainers.dflash", "--fresh"])
@@ -113,21 +136,92 @@ def test_parse_launch_argv_forms() -> None:
 ARGVS = {
     "gpudeck.trainers.fsdp_lm": [
         ["--fresh", "--out", "o"],
-        ["--resume", "12", "--out", "o", "--batch-size", "16", "--seq-len", "2048", "--grad-accum", "4", "--compile",
-         "--activation-checkpointing", "--dtype", "bf16", "--model-config", "llama-1b", "--lr", "1e-3", "--reshard-after-forward", "yes"],
+        [
+            "--resume",
+            "12",
+            "--out",
+            "o",
+            "--batch-size",
+            "16",
+            "--seq-len",
+            "2048",
+            "--grad-accum",
+            "4",
+            "--compile",
+            "--activation-checkpointing",
+            "--dtype",
+            "bf16",
+            "--model-config",
+            "llama-1b",
+            "--lr",
+            "1e-3",
+            "--reshard-after-forward",
+            "yes",
+        ],
         ["--fresh", "--out=o", "--batch=4", "--init-from", "x/final", "--sdpa-backend", "cudnn", "--no-export"],
     ],
     "gpudeck.trainers.dflash": [
         ["--fresh", "--out", "o", "--target-config", "qwen3-0.6b"],
-        ["--resume", "latest", "--out", "o", "--target", "t", "--drafter-layers", "3", "--block-size", "10", "--num-anchors", "256",
-         "--topology", "split", "--target-ranks", "0", "--drafter-ranks", "1-3", "--queue-depth", "4", "--attn", "sdpa",
-         "--loss-mode", "plain", "--loss-chunk-rows", "4096", "--compile", "--seq-len", "1024", "--batch-size", "3"],
+        [
+            "--resume",
+            "latest",
+            "--out",
+            "o",
+            "--target",
+            "t",
+            "--drafter-layers",
+            "3",
+            "--block-size",
+            "10",
+            "--num-anchors",
+            "256",
+            "--topology",
+            "split",
+            "--target-ranks",
+            "0",
+            "--drafter-ranks",
+            "1-3",
+            "--queue-depth",
+            "4",
+            "--attn",
+            "sdpa",
+            "--loss-mode",
+            "plain",
+            "--loss-chunk-rows",
+            "4096",
+            "--compile",
+            "--seq-len",
+            "1024",
+            "--batch-size",
+            "3",
+        ],
     ],
 }
-FIELDS = ["batch_size", "seq_len", "grad_accum", "compile", "activation_checkpointing", "dtype", "out", "fresh", "resume",
-          "model_config", "init_from"]
-DFLASH_FIELDS = ["target", "target_config", "num_anchors", "loss_chunk_rows", "loss_mode", "attn", "topology",
-                 "target_ranks", "drafter_ranks", "queue_depth"]
+FIELDS = [
+    "batch_size",
+    "seq_len",
+    "grad_accum",
+    "compile",
+    "activation_checkpointing",
+    "dtype",
+    "out",
+    "fresh",
+    "resume",
+    "model_config",
+    "init_from",
+]
+DFLASH_FIELDS = [
+    "target",
+    "target_config",
+    "num_anchors",
+    "loss_chunk_rows",
+    "loss_mode",
+    "attn",
+    "topology",
+    "target_ranks",
+    "drafter_ranks",
+    "queue_depth",
+]
 
 
 @pytest.mark.parametrize("trainer,i", [(t, i) for t, argvs in ARGVS.items() for i in range(len(argvs))])
@@ -174,8 +268,26 @@ def test_defaults_follow_the_trainers() -> None:
 
 
 def test_fsdp_under_torchrun_with_four_procs() -> None:
-    spec = LaunchSpec(kind="fsdp", argv=["torchrun", "--nproc-per-node", "4", "-m", "gpudeck.trainers.fsdp_lm", "--model-config", "llama-1b",
-                                         "--batch-size", "8", "--seq-len", "2048", "--compile", "--fresh", "--out", "/tmp/o"])
+    spec = LaunchSpec(
+        kind="fsdp",
+        argv=[
+            "torchrun",
+            "--nproc-per-node",
+            "4",
+            "-m",
+            "gpudeck.trainers.fsdp_lm",
+            "--model-config",
+            "llama-1b",
+            "--batch-size",
+            "8",
+            "--seq-len",
+            "2048",
+            "--compile",
+            "--fresh",
+            "--out",
+            "/tmp/o",
+        ],
+    )
     e = estimate(spec)
     assert e is not None
     n = 1_100_048_384
@@ -186,8 +298,16 @@ def test_fsdp_under_torchrun_with_four_procs() -> None:
     assert e.parts["params_in_flight"] == 2 * (2 * shape.layer_params + shape.lm_head_params)
     assert e.parts["logits"] == 8 * 2048 * 32000 * 6
     assert e.per_gpu_bytes == sum(e.parts.values())
-    for text in ("llama-1b preset", "1,100,048,384 params", "16 B/param", "/ 4 ranks", "torchrun --nproc-per-node 4",
-                 "B=8 T=2048", "compiled", "an estimate, +-30%"):
+    for text in (
+        "llama-1b preset",
+        "1,100,048,384 params",
+        "16 B/param",
+        "/ 4 ranks",
+        "torchrun --nproc-per-node 4",
+        "B=8 T=2048",
+        "compiled",
+        "an estimate, +-30%",
+    ):
         assert text in e.method, text
     # fewer ranks, more memory each; activation checkpointing needs less
     one = estimate(LaunchSpec(kind="fsdp", argv=spec.argv[:1] + ["--nproc-per-node", "1"] + spec.argv[3:]))
@@ -200,8 +320,23 @@ def test_fsdp_under_torchrun_with_four_procs() -> None:
 
 
 def test_dflash_colocated_and_split() -> None:
-    base = ["-m", "gpudeck.trainers.dflash", "--target-config", "qwen3-0.6b", "--drafter-layers", "5", "--seq-len", "2048",
-            "--batch-size", "4", "--num-anchors", "512", "--fresh", "--out", "/tmp/d"]
+    base = [
+        "-m",
+        "gpudeck.trainers.dflash",
+        "--target-config",
+        "qwen3-0.6b",
+        "--drafter-layers",
+        "5",
+        "--seq-len",
+        "2048",
+        "--batch-size",
+        "4",
+        "--num-anchors",
+        "512",
+        "--fresh",
+        "--out",
+        "/tmp/d",
+    ]
     colo = estimate(LaunchSpec(kind="dflash", argv=["torchrun", "--nproc-per-node", "2", *base]))
     assert colo is not None
     assert colo.params == 83_899_648  # the drafter: what is trained and checkpointed
@@ -210,8 +345,12 @@ def test_dflash_colocated_and_split() -> None:
     assert set(colo.parts) == {"weights", "optimizer", "activations", "lm_head_chunk", "cuda_context"}
     assert "largest part: activations" in colo.method
     assert "dflash colocated" in colo.method and "5-layer drafter" in colo.method and "512 anchors x block 16" in colo.method
-    split = estimate(LaunchSpec(kind="dflash", argv=["torchrun", "--nproc-per-node", "4", *base, "--topology", "split",
-                                                     "--target-ranks", "0", "--drafter-ranks", "1-3"]))
+    split = estimate(
+        LaunchSpec(
+            kind="dflash",
+            argv=["torchrun", "--nproc-per-node", "4", *base, "--topology", "split", "--target-ranks", "0", "--drafter-ranks", "1-3"],
+        )
+    )
     assert split is not None
     assert "dflash split" in split.method and "target ranks need" in split.method and "drafter ranks need" in split.method
     # the drafter side (activations, loss) is the larger one here, sharded over 3 drafter ranks
@@ -234,7 +373,11 @@ def test_configs_from_files_and_the_errors(tmp_path: Path) -> None:
     by_init = estimate(LaunchSpec(kind="fsdp", argv=argv + ["--init-from", str(tmp_path / "m")]))
     assert by_path is not None and by_init is not None
     assert by_path.params == by_init.params == meta_count(cfg)
-    dflash = estimate(LaunchSpec(kind="dflash", argv=["python", "-m", "gpudeck.trainers.dflash", "--target", str(tmp_path / "m"), "--fresh", "--out", "o"]))
+    dflash = estimate(
+        LaunchSpec(
+            kind="dflash", argv=["python", "-m", "gpudeck.trainers.dflash", "--target", str(tmp_path / "m"), "--fresh", "--out", "o"]
+        )
+    )
     assert dflash is not None and dflash.params == drafter_params(model_shape(cfg), DFLASH_DEFAULTS["drafter_layers"])
     e, why = estimate_or_reason(LaunchSpec(kind="fsdp", argv=argv + ["--model-config", "nope-7b"]))
     assert e is None and why is not None and "not a preset" in why and "--need-gib" in why
@@ -249,45 +392,99 @@ def test_configs_from_files_and_the_errors(tmp_path: Path) -> None:
 
 # ----------------------------------------------------------------------------- against measured peaks
 
-FSDP_BENCH = ("python3 -m gpudeck.trainers.fsdp_lm --model-config llama-1b --seq-len 2048 --max-steps 20 --warmup-steps 2 "
-              "--checkpoint-every 0 --no-final-checkpoint --no-export --corpus-bytes 8388608 --log-every 5 --fresh --out /tmp/b").split()
-DFLASH_BENCH = ("python3 -m gpudeck.trainers.dflash --target-config qwen3-0.6b --fresh --out /tmp/r --no-eval --max-steps 10 --seq-len 2048 "
-                "--batch-size 4 --block-size 16 --num-anchors 512 --drafter-layers 5 --corpus-bytes 6291456 --checkpoint-every 0 "
-                "--warmup-steps 2 --loss-chunk-rows 2048").split()
+FSDP_BENCH = (
+    "python3 -m gpudeck.trainers.fsdp_lm --model-config llama-1b --seq-len 2048 --max-steps 20 --warmup-steps 2 "
+    "--checkpoint-every 0 --no-final-checkpoint --no-export --corpus-bytes 8388608 --log-every 5 --fresh --out /tmp/b"
+).split()
+DFLASH_BENCH = (
+    "python3 -m gpudeck.trainers.dflash --target-config qwen3-0.6b --fresh --out /tmp/r --no-eval --max-steps 10 --seq-len 2048 "
+    "--batch-size 4 --block-size 16 --num-anchors 512 --drafter-layers 5 --corpus-bytes 6291456 --checkpoint-every 0 "
+    "--warmup-steps 2 --loss-chunk-rows 2048"
+).split()
 # (what, kind, argv, measured peak GiB, the text of bench/RESULTS.md it comes from)
 MEASURED = [
-    ("fsdp llama-1b B=8 compiled", "fsdp", FSDP_BENCH + ["--batch-size", "8", "--compile"], 36.8,
-     "fsdp_mfu llama-1b B=8 T=2048 compile=1 sdpa=auto: 52.9% MFU (trainer) 52.7% (bench) 71,313 tok/s [trainer 71,503 tok/s, peak mem 36.8 GiB"),
-    ("fsdp llama-1b B=16 compiled", "fsdp", FSDP_BENCH + ["--batch-size", "16", "--compile"], 59.0,
-     "fsdp_mfu llama-1b B=16 T=2048 compile=1 sdpa=auto: 56.3% MFU (trainer) 56.3% (bench) 76,068 tok/s [trainer 76,165 tok/s, peak mem 59.0 GiB"),
-    ("fsdp llama-1b B=8 eager", "fsdp", FSDP_BENCH + ["--batch-size", "8"], 50.8,
-     "fsdp_mfu llama-1b B=8 T=2048 compile=0 sdpa=auto: 38.2% MFU (trainer) 38.1% (bench) 51,495 tok/s [trainer 51,610 tok/s, peak mem 50.8 GiB"),
-    ("dflash 5 layers, sdpa, eager", "dflash", DFLASH_BENCH + ["--attn", "sdpa"], 20.4,
-     "| dense bool mask + SDPA | no | 24,014 | 341.1 ms | 38.5 ms | 15.0% | 15.0% | 20.4 GiB |"),
-    ("dflash 5 layers, flex, eager", "dflash", DFLASH_BENCH + ["--attn", "flex"], 16.2,
-     "| flex attention (block mask) | no | 39,015 | 210.0 ms | 28.2 ms | 24.3% | 24.3% | 16.2 GiB |"),
-    ("dflash 5 layers, flex, compiled", "dflash", DFLASH_BENCH + ["--attn", "flex", "--compile"], 12.0,
-     "| **flex attention (block mask)** | **`--compile`** | **61,521** | **133.2 ms** | **21.8 ms** | **38.3%** | **38.3%** | **12.0 GiB** |"),
+    (
+        "fsdp llama-1b B=8 compiled",
+        "fsdp",
+        FSDP_BENCH + ["--batch-size", "8", "--compile"],
+        36.8,
+        "fsdp_mfu llama-1b B=8 T=2048 compile=1 sdpa=auto: 52.9% MFU (trainer) 52.7% (bench) 71,313 tok/s [trainer 71,503 tok/s, peak mem 36.8 GiB",
+    ),
+    (
+        "fsdp llama-1b B=16 compiled",
+        "fsdp",
+        FSDP_BENCH + ["--batch-size", "16", "--compile"],
+        59.0,
+        "fsdp_mfu llama-1b B=16 T=2048 compile=1 sdpa=auto: 56.3% MFU (trainer) 56.3% (bench) 76,068 tok/s [trainer 76,165 tok/s, peak mem 59.0 GiB",
+    ),
+    (
+        "fsdp llama-1b B=8 eager",
+        "fsdp",
+        FSDP_BENCH + ["--batch-size", "8"],
+        50.8,
+        "fsdp_mfu llama-1b B=8 T=2048 compile=0 sdpa=auto: 38.2% MFU (trainer) 38.1% (bench) 51,495 tok/s [trainer 51,610 tok/s, peak mem 50.8 GiB",
+    ),
+    (
+        "dflash 5 layers, sdpa, eager",
+        "dflash",
+        DFLASH_BENCH + ["--attn", "sdpa"],
+        20.4,
+        "| dense bool mask + SDPA | no | 24,014 | 341.1 ms | 38.5 ms | 15.0% | 15.0% | 20.4 GiB |",
+    ),
+    (
+        "dflash 5 layers, flex, eager",
+        "dflash",
+        DFLASH_BENCH + ["--attn", "flex"],
+        16.2,
+        "| flex attention (block mask) | no | 39,015 | 210.0 ms | 28.2 ms | 24.3% | 24.3% | 16.2 GiB |",
+    ),
+    (
+        "dflash 5 layers, flex, compiled",
+        "dflash",
+        DFLASH_BENCH + ["--attn", "flex", "--compile"],
+        12.0,
+        "| **flex attention (block mask)** | **`--compile`** | **61,521** | **133.2 ms** | **21.8 ms** | **38.3%** | **38.3%** | **12.0 GiB** |",
+    ),
 ]
 # Configurations the model was not fitted on, run on one H200 (torch 2.11.0+cu130, transformers 5.17.0)
 # on 2026-12-01 for this test: `GPUDECK_TELEMETRY=/tmp/N.jsonl python3 -m TRAINER ARGS --out /tmp/run_N`,
 # the figure being the largest mem_peak_gib (torch.cuda.max_memory_allocated) of its 4 step records.
-CHECK_FSDP = ("python3 -m gpudeck.trainers.fsdp_lm --seq-len 2048 --max-steps 4 --warmup-steps 1 --checkpoint-every 0 --no-final-checkpoint "
-              "--no-export --corpus-bytes 4194304 --log-every 1 --fresh --out /tmp/run").split()
-CHECK_DFLASH = ("python3 -m gpudeck.trainers.dflash --seq-len 2048 --max-steps 4 --warmup-steps 1 --checkpoint-every 0 --corpus-bytes 4194304 "
-                "--fresh --no-eval --target-config qwen3-0.6b --loss-chunk-rows 2048 --out /tmp/run").split()
+CHECK_FSDP = (
+    "python3 -m gpudeck.trainers.fsdp_lm --seq-len 2048 --max-steps 4 --warmup-steps 1 --checkpoint-every 0 --no-final-checkpoint "
+    "--no-export --corpus-bytes 4194304 --log-every 1 --fresh --out /tmp/run"
+).split()
+CHECK_DFLASH = (
+    "python3 -m gpudeck.trainers.dflash --seq-len 2048 --max-steps 4 --warmup-steps 1 --checkpoint-every 0 --corpus-bytes 4194304 "
+    "--fresh --no-eval --target-config qwen3-0.6b --loss-chunk-rows 2048 --out /tmp/run"
+).split()
 MEASURED_HERE = [
     ("fsdp qwen3-0.6b B=8 compiled", "fsdp", CHECK_FSDP + ["--model-config", "qwen3-0.6b", "--batch-size", "8", "--compile"], 36.877),
     ("fsdp qwen3-0.6b B=4 eager", "fsdp", CHECK_FSDP + ["--model-config", "qwen3-0.6b", "--batch-size", "4"], 39.476),
-    ("fsdp llama-1b B=8 compiled, activation checkpointing", "fsdp",
-     CHECK_FSDP + ["--model-config", "llama-1b", "--batch-size", "8", "--compile", "--activation-checkpointing"], 18.879),
-    ("fsdp llama-1b B=4 grad-accum 2 compiled", "fsdp",
-     CHECK_FSDP + ["--model-config", "llama-1b", "--batch-size", "4", "--grad-accum", "2", "--compile"], 29.754),
-    ("dflash 1 layer, 256 anchors, B=4, flex, compiled", "dflash",
-     CHECK_DFLASH + ["--batch-size", "4", "--drafter-layers", "1", "--num-anchors", "256", "--attn", "flex", "--compile"], 3.877),
-    ("dflash 3 layers, block 8, B=2, flex, compiled", "dflash",
-     CHECK_DFLASH + ["--batch-size", "2", "--drafter-layers", "3", "--block-size", "8", "--num-anchors", "512", "--attn", "flex",
-                     "--compile"], 4.601),
+    (
+        "fsdp llama-1b B=8 compiled, activation checkpointing",
+        "fsdp",
+        CHECK_FSDP + ["--model-config", "llama-1b", "--batch-size", "8", "--compile", "--activation-checkpointing"],
+        18.879,
+    ),
+    (
+        "fsdp llama-1b B=4 grad-accum 2 compiled",
+        "fsdp",
+        CHECK_FSDP + ["--model-config", "llama-1b", "--batch-size", "4", "--grad-accum", "2", "--compile"],
+        29.754,
+    ),
+    (
+        "dflash 1 layer, 256 anchors, B=4, flex, compiled",
+        "dflash",
+        CHECK_DFLASH + ["--batch-size", "4", "--drafter-layers", "1", "--num-anchors", "256", "--attn", "flex", "--compile"],
+        3.877,
+    ),
+    (
+        "dflash 3 layers, block 8, B=2, flex, compiled",
+        "dflash",
+        CHECK_DFLASH
+        + ["--batch-size", "2", "--drafter-layers", "3", "--block-size", "8", "--num-anchors", "512", "--attn", "flex", "--compile"],
+        4.601,
+    ),
 ]
 # The measured figure is torch.cuda.max_memory_allocated: it leaves out the CUDA context and the
 # allocator's fragmentation, which the GPU must also have free. So the estimate may not be below it,
@@ -300,7 +497,9 @@ def _compare(what: str, kind: str, argv: list[str], measured_gib: float) -> None
     assert e is not None
     ratio = e.per_gpu_bytes / GIB / measured_gib
     print(f"\n{what}: estimate {e.per_gpu_bytes / GIB:.1f} GiB, measured peak {measured_gib} GiB, ratio {ratio:.2f}")
-    assert LOW <= ratio <= HIGH, f"{what}: estimate {e.per_gpu_bytes / GIB:.1f} GiB vs measured {measured_gib} GiB ({ratio:.2f}x); {e.method}"
+    assert LOW <= ratio <= HIGH, (
+        f"{what}: estimate {e.per_gpu_bytes / GIB:.1f} GiB vs measured {measured_gib} GiB ({ratio:.2f}x); {e.method}"
+    )
 
 
 @pytest.mark.parametrize("what", [m[0] for m in MEASURED])

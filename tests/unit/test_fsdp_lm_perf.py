@@ -42,8 +42,7 @@ def test_chunked_loss_head_gives_the_plain_loss_and_gradients() -> None:
         assert torch.allclose(a.grad, b.grad, atol=1e-10), name
     # without labels it is the plain model (what validation and export call)
     with torch.no_grad():
-        assert torch.allclose(chunked(input_ids=inputs, use_cache=False).logits,
-                              plain(input_ids=inputs, use_cache=False).logits)
+        assert torch.allclose(chunked(input_ids=inputs, use_cache=False).logits, plain(input_ids=inputs, use_cache=False).logits)
 
 
 def test_repeat_kv_attention_matches_sdpa() -> None:
@@ -77,11 +76,11 @@ def test_kernel_classes_and_report_lines() -> None:
     assert classify("cudnn_generated_fort_native_sdpa_sm90_flash_fprop") == "attention"
     assert classify("triton_per_fused__to_copy_add_mean_mul_pow_rsqrt_0") == "triton"
     assert classify("ncclDevKernel_ReduceScatter_Sum_f32") == "nccl"
-    assert classify("void at::native::(anonymous namespace)::multi_tensor_apply_kernel<FusedAdamMathFunctor>") \
-        == "optimizer"
+    assert classify("void at::native::(anonymous namespace)::multi_tensor_apply_kernel<FusedAdamMathFunctor>") == "optimizer"
     assert classify("Memcpy HtoD (Pinned -> Device)") == "memory"
     lines = StepProfiler(5, 2, on_gpu=True).report(
-        [("sm90_xmma_gemm_x", 60.0, 10), ("flash_bwd", 20.0, 4), ("triton_poi_fused_1", 10.0, 8)], 100.0, 6)
+        [("sm90_xmma_gemm_x", 60.0, 10), ("flash_bwd", 20.0, 4), ("triton_poi_fused_1", 10.0, 8)], 100.0, 6
+    )
     assert lines[0] == "profile: steps 5..6, 2 steps, 100.0 ms wall, 90.0 ms in GPU kernels (90.0%)"
     assert lines[1].startswith("profile class gemm") and "60.0%" in lines[1]
     assert any(ln.startswith("profile class (idle)") and "10.0%" in ln for ln in lines)

@@ -124,7 +124,9 @@ def test_spec_forms(text: str, count: int, name: str, gib: float) -> None:
     assert (spec.count, spec.name, spec.memory_gib) == (count, name, gib)
 
 
-@pytest.mark.parametrize("text", ["", "abc", "0", "-2", "65", "8:", "8::80", "8:H200:x", "8:H200:0", "8:H200:-1", "8:H200:nan", "8:H200:141:1", "2.5"])
+@pytest.mark.parametrize(
+    "text", ["", "abc", "0", "-2", "65", "8:", "8::80", "8:H200:x", "8:H200:0", "8:H200:-1", "8:H200:nan", "8:H200:141:1", "2.5"]
+)
 def test_malformed_spec_is_a_typed_error_naming_the_forms(text: str) -> None:
     with pytest.raises(SimulatedGpuSpecError) as err:
         parse_sim_spec(text)

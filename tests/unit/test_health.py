@@ -21,8 +21,8 @@ from gpudeck.agents.protocol import (
     Gpu,
     GpuProcess,
     LaunchSpec,
-    MemoryEstimate,
     Member,
+    MemoryEstimate,
     PreflightResult,
     RankTelemetry,
     RunInfo,
@@ -236,7 +236,9 @@ def test_assigned_gpu_without_the_runs_memory_says_so_and_idle_only_counts_while
 # ----------------------------------------------------------------------------- throughput
 
 
-def feed_steps(h: RunHealth, run: RunInfo, start: float, values: list[float], every: float = 2.0, step0: int = 1, baseline: Baseline | None = None) -> list:
+def feed_steps(
+    h: RunHealth, run: RunInfo, start: float, values: list[float], every: float = 2.0, step0: int = 1, baseline: Baseline | None = None
+) -> list:
     tel = run.telemetry
     assert tel is not None
     raised = []
@@ -290,8 +292,15 @@ def test_throughput_drop_vs_baseline_names_the_run() -> None:
 
 def gpus_with(holders: dict[int, int], run_id: str) -> list[Gpu]:
     return [
-        Gpu(index=i, uuid=f"GPU-{i}", name="H200", memory_used=0, memory_total=141 * GIB, util_gpu=90,
-            processes=[GpuProcess(pid=holders[i], gpu=i, used_bytes=30 * GIB, attribution="RUN", run_id=run_id)] if i in holders else [])
+        Gpu(
+            index=i,
+            uuid=f"GPU-{i}",
+            name="H200",
+            memory_used=0,
+            memory_total=141 * GIB,
+            util_gpu=90,
+            processes=[GpuProcess(pid=holders[i], gpu=i, used_bytes=30 * GIB, attribution="RUN", run_id=run_id)] if i in holders else [],
+        )
         for i in range(4)
     ]
 
@@ -360,8 +369,15 @@ def test_claims_report_rows_without_claims() -> None:
     assert tel is not None
     tel.params_total, tel.tps_history = 1_100_048_384, [1000.0, 1010.0, 990.0, 1005.0, 995.0]
     run.preflight = PreflightResult(ok=True, estimate=MemoryEstimate(per_gpu_bytes=1, params=1_100_000_000))
-    o = obs(run, T0, gpu_util={0: 80, 1: 80}, run_gpu_memory={0: GIB, 1: GIB}, dataset_samples=5, dataset_tokens=10_240,
-            config_params=1_100_000_000)
+    o = obs(
+        run,
+        T0,
+        gpu_util={0: 80, 1: 80},
+        run_gpu_memory={0: GIB, 1: GIB},
+        dataset_samples=5,
+        dataset_tokens=10_240,
+        config_params=1_100_000_000,
+    )
     rows = {r.what: r for r in claims_report(o)}
     assert list(rows) == ["params", "params (model config)", "world size", "GPUs", "dataset samples", "dataset tokens", "tokens/s"]
     assert rows["params"].claimed is None and rows["params"].observed == 1_100_048_384 and rows["params"].ok is None

@@ -9,21 +9,63 @@ from pathlib import Path
 import pytest
 
 from gpudeck.agents.protocol import Event
-from gpudeck.console.history import History, HistoryError
+from gpudeck.console.history import History
 from gpudeck.console.ops.errors import AmbiguousRun, NoSuchRun
 from gpudeck.console.query import QueryError, compile_query, parse_time
 
 T0 = 1_790_000_000.0
 
 
-def _events(run_id: str = "r-aaaa1111", name: str = "llama", start_seq: int = 1, cause: str = "exit code 1 (CUDA out of memory)") -> list[Event]:
-    spec = {"argv": ["python", "-m", "gpudeck.trainers.fsdp_lm", "--fresh"], "kind": "fsdp", "name": name, "gpus": [0, 1], "operator": "ada"}
+def _events(
+    run_id: str = "r-aaaa1111", name: str = "llama", start_seq: int = 1, cause: str = "exit code 1 (CUDA out of memory)"
+) -> list[Event]:
+    spec = {
+        "argv": ["python", "-m", "gpudeck.trainers.fsdp_lm", "--fresh"],
+        "kind": "fsdp",
+        "name": name,
+        "gpus": [0, 1],
+        "operator": "ada",
+    }
     evs = [
         Event(seq=0, ts=T0, kind="run_created", run_id=run_id, data={"state": "starting", "spec": spec, "name": name}),
         Event(seq=0, ts=T0 + 1, kind="run_state", run_id=run_id, data={"state": "running", "pid": 42, "started": T0 + 1}),
         Event(seq=0, ts=T0 + 2, kind="members", run_id=run_id, data={"added": [{"pid": 43, "rank": 0}, {"pid": 44, "rank": 1}]}),
-        Event(seq=0, ts=T0 + 3, kind="telemetry", run_id=run_id, data={"record": {"type": "manifest", "rank": 0, "params_total": 1_100_048_384, "world_size": 2, "config_hash": "abc", "dataset_samples": 5}, "offset": 10}),
-        Event(seq=0, ts=T0 + 4, kind="telemetry", run_id=run_id, data={"record": {"type": "step", "rank": 0, "step": 10, "loss": 3.5, "tokens_per_s": 70000.0, "mfu": 0.5, "mem_peak_gib": 36.8, "ts": T0 + 4}, "offset": 20}),
+        Event(
+            seq=0,
+            ts=T0 + 3,
+            kind="telemetry",
+            run_id=run_id,
+            data={
+                "record": {
+                    "type": "manifest",
+                    "rank": 0,
+                    "params_total": 1_100_048_384,
+                    "world_size": 2,
+                    "config_hash": "abc",
+                    "dataset_samples": 5,
+                },
+                "offset": 10,
+            },
+        ),
+        Event(
+            seq=0,
+            ts=T0 + 4,
+            kind="telemetry",
+            run_id=run_id,
+            data={
+                "record": {
+                    "type": "step",
+                    "rank": 0,
+                    "step": 10,
+                    "loss": 3.5,
+                    "tokens_per_s": 70000.0,
+                    "mfu": 0.5,
+                    "mem_peak_gib": 36.8,
+                    "ts": T0 + 4,
+                },
+                "offset": 20,
+            },
+        ),
         Event(seq=0, ts=T0 + 9, kind="run_state", run_id=run_id, data={"state": "failed", "cause": cause, "exit_code": 1, "ended": T0 + 9}),
     ]
     for i, e in enumerate(evs):
@@ -92,7 +134,7 @@ def test_filters(hist: History) -> None:
     hist.cursor("gpu2", "e")
     hist.submit("gpu1", "e", _events("r-aaaa1111", "drafter-v2")).result(10)
     hist.submit("gpu2", "e", _events("r-bbbb2222", "llama-1b", cause="killed by SIGKILL")).result(10)
-    ids = lambda q: [r["id"] for r in hist.query(q, now=T0 + 3600)]  # noqa: E731
+    ids = lambda q: [r["id"] for r in hist.query(q, now=T0 + 3600)]
     assert ids("cause:oom") == ["r-aaaa1111"]
     assert ids("cause:signal") == ["r-bbbb2222"]
     assert ids("host:gpu1") == ["r-aaaa1111"]
@@ -109,8 +151,8 @@ def test_filters(hist: History) -> None:
 def test_a_quote_in_a_value_cannot_change_the_sql(hist: History) -> None:
     hist.cursor("gpu1", "e")
     hist.submit("gpu1", "e", _events("r-cccc3333", "x'; DROP TABLE runs; --")).result(10)
-    assert [r["id"] for r in hist.query("name:\"x'; DROP TABLE runs; --\"")] == ["r-cccc3333"]
-    assert hist.query("name:\"' OR 1=1 --\"") == []
+    assert [r["id"] for r in hist.query('name:"x\'; DROP TABLE runs; --"')] == ["r-cccc3333"]
+    assert hist.query('name:"\' OR 1=1 --"') == []
     assert hist.query("name:~%") == []  # LIKE wildcards in a value are literal
     assert len(hist.query("")) == 1  # the table is still there
 
@@ -143,7 +185,13 @@ def test_find_names_ambiguity(hist: History) -> None:
 def test_a_member_first_read_before_its_exec_is_replaced_when_its_rank_is_known(hist: History) -> None:
     evs = _events()[:2] + [
         Event(seq=0, ts=T0 + 2, kind="members", run_id="r-aaaa1111", data={"added": [{"pid": 43, "rank": None}]}),
-        Event(seq=0, ts=T0 + 3, kind="members", run_id="r-aaaa1111", data={"added": [{"pid": 44, "rank": 1}], "updated": [{"pid": 43, "rank": 0}]}),
+        Event(
+            seq=0,
+            ts=T0 + 3,
+            kind="members",
+            run_id="r-aaaa1111",
+            data={"added": [{"pid": 44, "rank": 1}], "updated": [{"pid": 43, "rank": 0}]},
+        ),
     ]
     for i, e in enumerate(evs):
         e.seq = 1 + i
@@ -159,7 +207,13 @@ def test_the_process_the_agent_started_heads_the_members_and_outlives_the_cap(hi
     from gpudeck.console.history import MAX_MEMBERS
 
     evs = _events()[:2] + [
-        Event(seq=0, ts=T0 + 2 + i, kind="members", run_id="r-aaaa1111", data={"added": [{"pid": 100 + i, "rank": None, "cmdline": ["sleep", "0.2"]}]})
+        Event(
+            seq=0,
+            ts=T0 + 2 + i,
+            kind="members",
+            run_id="r-aaaa1111",
+            data={"added": [{"pid": 100 + i, "rank": None, "cmdline": ["sleep", "0.2"]}]},
+        )
         for i in range(MAX_MEMBERS + 10)  # a shell loop's helpers, one a tick
     ]
     for i, e in enumerate(evs):
@@ -169,7 +223,13 @@ def test_the_process_the_agent_started_heads_the_members_and_outlives_the_cap(hi
     run = hist.find("r-aaaa1111")
     members = run["members"]
     assert len(members) == MAX_MEMBERS
-    assert members[0] == {"pid": 42, "role": "leader", "rank": None, "local_rank": None, "cmdline": ["python", "-m", "gpudeck.trainers.fsdp_lm", "--fresh"]}
+    assert members[0] == {
+        "pid": 42,
+        "role": "leader",
+        "rank": None,
+        "local_rank": None,
+        "cmdline": ["python", "-m", "gpudeck.trainers.fsdp_lm", "--fresh"],
+    }
     assert members[-1]["pid"] == 100 + MAX_MEMBERS + 9 and members[1]["pid"] == 100 + 11  # the newest of the rest
     text = format_show(run, [])
     assert "pid 42 (leader): python -m gpudeck.trainers.fsdp_lm --fresh" in text
@@ -187,7 +247,9 @@ def test_an_event_sqlite_cannot_store_is_quarantined_by_itself_and_the_batch_goe
         c = h.cursor("gpu1", "ep1")
         evs = [
             Event(seq=1, ts=1.0, kind="run_created", run_id="r-1", data={"state": "starting", "spec": {"argv": ["x"]}, "name": "one"}),
-            Event(seq=2, ts=2.0, kind="telemetry", run_id="r-1", data={"record": {"type": "step", "step": 2**64, "loss": 1.0}, "offset": 10}),
+            Event(
+                seq=2, ts=2.0, kind="telemetry", run_id="r-1", data={"record": {"type": "step", "step": 2**64, "loss": 1.0}, "offset": 10}
+            ),
             Event(seq=3, ts=3.0, kind="telemetry", run_id="r-1", data={"record": {"type": "manifest", "params_total": 10**30}}),
             Event(seq=4, ts=4.0, kind="run_state", run_id="r-1", data={"state": "running", "bad": "\ud800"}),
             Event(seq=5, ts=5.0, kind="run_state", run_id="r-1", data={"state": "succeeded", "exit_code": 0}),

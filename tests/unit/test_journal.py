@@ -73,7 +73,9 @@ while True:
 
 def test_kill9_of_the_writer_loses_no_acknowledged_event(tmp_path: Path) -> None:
     db = tmp_path / "j.db"
-    p = subprocess.Popen([sys.executable, "-c", WRITER, str(db)], stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    p = subprocess.Popen(
+        [sys.executable, "-c", WRITER, str(db)], stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)}
+    )
     acked: list[int] = []
     assert p.stdout is not None
     for line in p.stdout:
@@ -232,8 +234,17 @@ OLD_EVENTS = [
     ("claims", "r-old", {"rows": [{"what": "GPUs", "claimed": 1, "observed": 1, "ok": True}]}),
     ("run_adopted", "r-old", {"state": "stopping", "resume_stop": True}),
     ("run_state", "r-old", {"state": "stopping", "grace_s": 10.0}),
-    ("run_state", "r-old", {"state": "stopped", "cause": "stopped by operator", "ended": 5.0, "cause_class": "operator",
-                            "stop": {"run_id": "r-old", "state": "stopped", "stopped": [{"pid": 13, "how": "SIGTERM"}], "seconds": 0.5}}),
+    (
+        "run_state",
+        "r-old",
+        {
+            "state": "stopped",
+            "cause": "stopped by operator",
+            "ended": 5.0,
+            "cause_class": "operator",
+            "stop": {"run_id": "r-old", "state": "stopped", "stopped": [{"pid": 13, "how": "SIGTERM"}], "seconds": 0.5},
+        },
+    ),
     ("reclaimed", "r-old", {"pids": [14], "run_id": None, "state": "reclaimed", "survivors": [], "freed_bytes": 0}),
     ("env_rebuilt", None, {"path": "/envs/x", "from": "/usr/bin/python3", "freeze_hash": "ab", "python": "/envs/x/bin/python"}),
 ]
@@ -244,8 +255,10 @@ def test_a_journal_written_before_typed_payloads_keeps_reading_and_decodes(tmp_p
     c = sqlite3.connect(db)
     c.executescript(OLD_SCHEMA)
     c.execute("INSERT INTO meta VALUES ('epoch', 'old-epoch')")
-    c.execute("INSERT INTO runs(id, host, name, state, created, spec, members) VALUES ('r-old', 'h', 'old', 'stopped', 1.0, ?, '[]')",
-              (json.dumps({"argv": ["python", "train.py"], "kind": "fsdp"}),))
+    c.execute(
+        "INSERT INTO runs(id, host, name, state, created, spec, members) VALUES ('r-old', 'h', 'old', 'stopped', 1.0, ?, '[]')",
+        (json.dumps({"argv": ["python", "train.py"], "kind": "fsdp"}),),
+    )
     for i, (kind, rid, data) in enumerate(OLD_EVENTS):
         c.execute("INSERT INTO events(ts, kind, run_id, data) VALUES (?, ?, ?, ?)", (float(i), kind, rid, json.dumps(data, default=str)))
     c.commit()

@@ -6,8 +6,15 @@ from gpudeck.console.multinode import combine
 
 
 def _row(host: str, node_rank: int, ended: float, alerts: list[dict] | None = None) -> dict:
-    return {"id": "r-1", "host": host, "state": "failed", "cause": f"{host} exit code 1", "ended": ended,
-            "spec": {"node_rank": node_rank, "nodes": ["nodea", "nodeb"]}, "alerts": alerts or []}
+    return {
+        "id": "r-1",
+        "host": host,
+        "state": "failed",
+        "cause": f"{host} exit code 1",
+        "ended": ended,
+        "spec": {"node_rank": node_rank, "nodes": ["nodea", "nodeb"]},
+        "alerts": alerts or [],
+    }
 
 
 def test_the_node_whose_rank_died_first_is_named_even_if_it_ended_later() -> None:

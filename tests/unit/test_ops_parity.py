@@ -23,30 +23,86 @@ from gpudeck.console.ops.launch import with_start
 from gpudeck.console.screens.launch import LaunchForm, form_from, intent_from_form
 
 CALLER = Caller(operator="op", cwd="/work/here", env={"PATH": "/usr/bin:/bin", "VIRTUAL_ENV": "/venv"})
-CONF = cfg.Config(hosts=(cfg.HostSettings("local"), cfg.HostSettings("gpu1", rdzv_host="10.0.0.1", nccl_socket_ifname="eth1"),
-                         cfg.HostSettings("gpu2", nccl_socket_ifname="eth2", env={"X": "2"})), path=Path("/nonexistent/config.toml"))
+CONF = cfg.Config(
+    hosts=(
+        cfg.HostSettings("local"),
+        cfg.HostSettings("gpu1", rdzv_host="10.0.0.1", nccl_socket_ifname="eth1"),
+        cfg.HostSettings("gpu2", nccl_socket_ifname="eth2", env={"X": "2"}),
+    ),
+    path=Path("/nonexistent/config.toml"),
+)
 RID = "r-0123abcd"
 
 # name, CLI arguments after `gpudeck launch`, the same ask as the Launch screen's form
 CASES: list[tuple[str, list[str], dict[str, str]]] = [
     ("command, local", ["--", "python", "train.py", "--lr", "3e-4"], dict(host="local", args="python train.py --lr 3e-4")),
-    ("command, 2 GPUs on gpu1", ["--host", "gpu1", "--gpus", "0,1", "--name", "n", "--", "sleep", "1"], dict(host="gpu1", gpus="0,1", name="n", args="sleep 1")),
-    ("fsdp, 1 GPU, fresh", ["--host", "gpu1", "--kind", "fsdp", "--gpus", "0", "--fresh", "--", "--model-config", "tiny", "--out", "/o"],
-     dict(host="gpu1", kind="fsdp", gpus="0", start="fresh", args="--model-config tiny --out /o")),
-    ("fsdp, GPUs 0,1, fresh", ["--host", "gpu1", "--kind", "fsdp", "--gpus", "0,1", "--fresh", "--", "--out", "/o"],
-     dict(host="gpu1", kind="fsdp", gpus="0,1", start="fresh", args="--out /o")),
-    ("fsdp, GPUs 0-3, 2 ranks, resume 200", ["--host", "gpu1", "--kind", "fsdp", "--gpus", "0-3", "--nproc-per-node", "2", "--resume", "200", "--", "--out", "/o"],
-     dict(host="gpu1", kind="fsdp", gpus="0,1,2,3", ranks="2", start="resume", resume_step="200", args="--out /o")),
-    ("dflash, local, 1 GPU, resume latest", ["--kind", "dflash", "--gpus", "1", "--resume", "latest", "--python", "/venv/bin/python", "--", "--target", "t"],
-     dict(host="local", kind="dflash", gpus="1", start="resume", resume_step="latest", python="/venv/bin/python", args="--target t")),
-    ("dflash, 3 GPUs, fresh, python", ["--host", "gpu2", "--kind", "dflash", "--gpus", "0,1,2", "--fresh", "--python", "/opt/py/bin/python3", "--", "--target-ranks", "0", "--drafter-ranks", "1,2"],
-     dict(host="gpu2", kind="dflash", gpus="0,1,2", start="fresh", python="/opt/py/bin/python3", args="--target-ranks 0 --drafter-ranks 1,2")),
-    ("fsdp, two hosts, 2 ranks each, fresh", ["--hosts", "gpu1,gpu2", "--kind", "fsdp", "--gpus", "0,1", "--fresh", "--", "--out", "/o"],
-     dict(host="local", hosts="gpu1,gpu2", kind="fsdp", gpus="0,1", start="fresh", args="--out /o")),
-    ("dflash, two hosts, 4 ranks each, resume 10", ["--hosts", "gpu2,gpu1", "--kind", "dflash", "--nproc-per-node", "4", "--resume", "10", "--", "--target", "t"],
-     dict(host="local", hosts="gpu2,gpu1", kind="dflash", ranks="4", start="resume", resume_step="10", args="--target t")),
-    ("command, two hosts, a module", ["--hosts", "gpu1,gpu2", "--nproc-per-node", "2", "--", "-m", "mypkg.train", "--x", "1"],
-     dict(host="local", hosts="gpu1,gpu2", ranks="2", args="-m mypkg.train --x 1")),
+    (
+        "command, 2 GPUs on gpu1",
+        ["--host", "gpu1", "--gpus", "0,1", "--name", "n", "--", "sleep", "1"],
+        dict(host="gpu1", gpus="0,1", name="n", args="sleep 1"),
+    ),
+    (
+        "fsdp, 1 GPU, fresh",
+        ["--host", "gpu1", "--kind", "fsdp", "--gpus", "0", "--fresh", "--", "--model-config", "tiny", "--out", "/o"],
+        dict(host="gpu1", kind="fsdp", gpus="0", start="fresh", args="--model-config tiny --out /o"),
+    ),
+    (
+        "fsdp, GPUs 0,1, fresh",
+        ["--host", "gpu1", "--kind", "fsdp", "--gpus", "0,1", "--fresh", "--", "--out", "/o"],
+        dict(host="gpu1", kind="fsdp", gpus="0,1", start="fresh", args="--out /o"),
+    ),
+    (
+        "fsdp, GPUs 0-3, 2 ranks, resume 200",
+        ["--host", "gpu1", "--kind", "fsdp", "--gpus", "0-3", "--nproc-per-node", "2", "--resume", "200", "--", "--out", "/o"],
+        dict(host="gpu1", kind="fsdp", gpus="0,1,2,3", ranks="2", start="resume", resume_step="200", args="--out /o"),
+    ),
+    (
+        "dflash, local, 1 GPU, resume latest",
+        ["--kind", "dflash", "--gpus", "1", "--resume", "latest", "--python", "/venv/bin/python", "--", "--target", "t"],
+        dict(host="local", kind="dflash", gpus="1", start="resume", resume_step="latest", python="/venv/bin/python", args="--target t"),
+    ),
+    (
+        "dflash, 3 GPUs, fresh, python",
+        [
+            "--host",
+            "gpu2",
+            "--kind",
+            "dflash",
+            "--gpus",
+            "0,1,2",
+            "--fresh",
+            "--python",
+            "/opt/py/bin/python3",
+            "--",
+            "--target-ranks",
+            "0",
+            "--drafter-ranks",
+            "1,2",
+        ],
+        dict(
+            host="gpu2",
+            kind="dflash",
+            gpus="0,1,2",
+            start="fresh",
+            python="/opt/py/bin/python3",
+            args="--target-ranks 0 --drafter-ranks 1,2",
+        ),
+    ),
+    (
+        "fsdp, two hosts, 2 ranks each, fresh",
+        ["--hosts", "gpu1,gpu2", "--kind", "fsdp", "--gpus", "0,1", "--fresh", "--", "--out", "/o"],
+        dict(host="local", hosts="gpu1,gpu2", kind="fsdp", gpus="0,1", start="fresh", args="--out /o"),
+    ),
+    (
+        "dflash, two hosts, 4 ranks each, resume 10",
+        ["--hosts", "gpu2,gpu1", "--kind", "dflash", "--nproc-per-node", "4", "--resume", "10", "--", "--target", "t"],
+        dict(host="local", hosts="gpu2,gpu1", kind="dflash", ranks="4", start="resume", resume_step="10", args="--target t"),
+    ),
+    (
+        "command, two hosts, a module",
+        ["--hosts", "gpu1,gpu2", "--nproc-per-node", "2", "--", "-m", "mypkg.train", "--x", "1"],
+        dict(host="local", hosts="gpu1,gpu2", ranks="2", args="-m mypkg.train --x 1"),
+    ),
 ]
 
 
@@ -103,15 +159,23 @@ def test_relaunch_round_trips_from_both(name: str, argv: list[str], form: dict[s
 
 # specs recorded by other hands: older gpudeck versions, a hand-written torchrun, a script's own --fresh
 LEGACY = [
-    LaunchSpec(argv=["/venv/bin/python", "-m", "gpudeck.trainers.fsdp_lm", "--out", "/o", "--fresh"], kind="fsdp", gpus=[0, 1], start="fresh"),
-    LaunchSpec(argv=["torchrun", "--nproc-per-node", "4", "-m", "gpudeck.trainers.dflash", "--target", "t", "--resume", "9"], kind="dflash", start="resume 9"),
+    LaunchSpec(
+        argv=["/venv/bin/python", "-m", "gpudeck.trainers.fsdp_lm", "--out", "/o", "--fresh"], kind="fsdp", gpus=[0, 1], start="fresh"
+    ),
+    LaunchSpec(
+        argv=["torchrun", "--nproc-per-node", "4", "-m", "gpudeck.trainers.dflash", "--target", "t", "--resume", "9"],
+        kind="dflash",
+        start="resume 9",
+    ),
     LaunchSpec(argv=["python3", "my_script.py", "--fresh"], kind="command", start="fresh", env={"A": "1"}, cwd="/w"),
     LaunchSpec(argv=["python3", "-m", "gpudeck.trainers.fsdp_lm", "--fresh", "--out", "o"], kind="command", gpus=[3]),
     LaunchSpec(argv=["bash", "-c", "echo hi"], name="sh", python="/usr/bin/python3"),
 ]
 
 
-@pytest.mark.parametrize("spec", LEGACY, ids=["one process on 2 GPUs", "torchrun by hand", "a script's own --fresh", "a trainer as a command", "a shell"])
+@pytest.mark.parametrize(
+    "spec", LEGACY, ids=["one process on 2 GPUs", "torchrun by hand", "a script's own --fresh", "a trainer as a command", "a shell"]
+)
 @pytest.mark.parametrize("start", ["fresh", "resume 7"])
 def test_relaunch_of_any_recorded_spec_round_trips(spec: LaunchSpec, start: str) -> None:
     new = plan_launch(relaunch_intent(spec, "r-old", "gpu1", start), CALLER, CONF).spec
@@ -150,9 +214,16 @@ def test_rollback_is_one_decision(config_from: bool, run_case: int, good_case: i
 MISTAKES = [
     (["--gpus", "0,a", "--", "x"], dict(host="local", gpus="0,a", args="x"), "gpus: '0,a' is not a GPU list"),
     (["--kind", "fsdp", "--", "--out", "o"], dict(host="local", kind="fsdp", args="--out o"), "start: no start given"),
-    (["--kind", "fsdp", "--resume", "abc", "--", "--out", "o"], dict(host="local", kind="fsdp", start="resume", resume_step="abc", args="--out o"),
-     "start: resume step 'abc' is not a step"),
-    (["--hosts", "gpu1,gpu1", "--kind", "fsdp", "--fresh"], dict(host="local", hosts="gpu1,gpu1", kind="fsdp", start="fresh"), "hosts: a host is listed twice"),
+    (
+        ["--kind", "fsdp", "--resume", "abc", "--", "--out", "o"],
+        dict(host="local", kind="fsdp", start="resume", resume_step="abc", args="--out o"),
+        "start: resume step 'abc' is not a step",
+    ),
+    (
+        ["--hosts", "gpu1,gpu1", "--kind", "fsdp", "--fresh"],
+        dict(host="local", hosts="gpu1,gpu1", kind="fsdp", start="fresh"),
+        "hosts: a host is listed twice",
+    ),
     (["--"], dict(host="local", args=""), "command: launch needs a command"),
 ]
 

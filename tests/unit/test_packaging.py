@@ -13,7 +13,11 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_every_package_folder_is_installed_under_the_gpudeck_namespace() -> None:
     conf = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
-    dirs = {str(p.parent.relative_to(ROOT)).replace("/", ".") for top in ("console", "agents", "trainers") for p in (ROOT / top).rglob("__init__.py")}
+    dirs = {
+        str(p.parent.relative_to(ROOT)).replace("/", ".")
+        for top in ("console", "agents", "trainers")
+        for p in (ROOT / top).rglob("__init__.py")
+    }
     assert {f"gpudeck.{d}" for d in dirs} == set(conf["packages"]), "add the new package to [tool.setuptools] packages"
     assert conf["package-dir"] == {f"gpudeck.{t}": t for t in ("console", "agents", "trainers")}
 

@@ -7,36 +7,80 @@ from pathlib import Path
 
 from gpudeck.agents.estimate import GIB, estimate
 from gpudeck.agents.preflight import CHECK_NAMES, free_bytes_at, port_is_free, run_preflight
-from gpudeck.console.formats import format_preflight
 from gpudeck.agents.protocol import Gpu, GpuProcess, LaunchSpec, MemoryEstimate, PreflightCheck, PreflightResult, RunInfo
+from gpudeck.console.formats import format_preflight
 
 NOW = 1_800_000_000.0
 HOST = "gpu1"
 
 
 def gpu(index: int, used_gib: float = 0.0, total_gib: float = 80.0, procs: list[GpuProcess] | None = None) -> Gpu:
-    return Gpu(index=index, uuid=f"GPU-{index:04d}", name="NVIDIA H200", memory_used=int(used_gib * GIB),
-               memory_total=int(total_gib * GIB), processes=procs or [])
+    return Gpu(
+        index=index,
+        uuid=f"GPU-{index:04d}",
+        name="NVIDIA H200",
+        memory_used=int(used_gib * GIB),
+        memory_total=int(total_gib * GIB),
+        processes=procs or [],
+    )
 
 
-def proc(pid: int, on: int, gib: float | None, attribution: str = "FOREIGN", run_id: str | None = None, user: str | None = "alice",
-         cmdline: list[str] | None = None) -> GpuProcess:
-    return GpuProcess(pid=pid, gpu=on, used_bytes=None if gib is None else int(gib * GIB), attribution=attribution,  # type: ignore[arg-type]
-                      run_id=run_id, user=user, cmdline=cmdline or ["python", "train.py", "--lr", "3e-4"])
+def proc(
+    pid: int,
+    on: int,
+    gib: float | None,
+    attribution: str = "FOREIGN",
+    run_id: str | None = None,
+    user: str | None = "alice",
+    cmdline: list[str] | None = None,
+) -> GpuProcess:
+    return GpuProcess(
+        pid=pid,
+        gpu=on,
+        used_bytes=None if gib is None else int(gib * GIB),
+        attribution=attribution,  # type: ignore[arg-type]
+        run_id=run_id,
+        user=user,
+        cmdline=cmdline or ["python", "train.py", "--lr", "3e-4"],
+    )
 
 
 def ended_run(run_id: str, hours_ago: float, cause: str) -> RunInfo:
-    return RunInfo(id=run_id, host=HOST, state="failed", spec=LaunchSpec(argv=["python", "-m", "gpudeck.trainers.fsdp_lm"]),
-                   cause=cause, started=NOW - hours_ago * 3600 - 600, ended=NOW - hours_ago * 3600)
+    return RunInfo(
+        id=run_id,
+        host=HOST,
+        state="failed",
+        spec=LaunchSpec(argv=["python", "-m", "gpudeck.trainers.fsdp_lm"]),
+        cause=cause,
+        started=NOW - hours_ago * 3600 - 600,
+        ended=NOW - hours_ago * 3600,
+    )
 
 
-def preflight(spec: LaunchSpec, gpus: list[Gpu] | None = None, *, ended: dict[str, RunInfo] | None = None,
-              est: MemoryEstimate | None = None, python_check=None, port_free=lambda port: True,
-              disk_free=lambda path: 10**15, gpu_error: str | None = None, estimate_error: str | None = None) -> PreflightResult:
+def preflight(
+    spec: LaunchSpec,
+    gpus: list[Gpu] | None = None,
+    *,
+    ended: dict[str, RunInfo] | None = None,
+    est: MemoryEstimate | None = None,
+    python_check=None,
+    port_free=lambda port: True,
+    disk_free=lambda path: 10**15,
+    gpu_error: str | None = None,
+    estimate_error: str | None = None,
+) -> PreflightResult:
     return run_preflight(
-        spec, host=HOST, gpus=[gpu(i) for i in range(4)] if gpus is None else gpus, gpu_error=gpu_error,
-        ended=ended or {}, estimate=est, python_check=python_check, port_free=port_free, disk_free=disk_free,
-        estimate_error=estimate_error, now=NOW,
+        spec,
+        host=HOST,
+        gpus=[gpu(i) for i in range(4)] if gpus is None else gpus,
+        gpu_error=gpu_error,
+        ended=ended or {},
+        estimate=est,
+        python_check=python_check,
+        port_free=port_free,
+        disk_free=disk_free,
+        estimate_error=estimate_error,
+        now=NOW,
     )
 
 
@@ -52,8 +96,21 @@ STALE_HOST = [
     gpu(0),
     gpu(1),
     gpu(2),
-    gpu(3, used_gib=78, procs=[proc(4412, 3, 78.0, "STALE", run_id="r-7f3a", user="alice",
-                                    cmdline=["/venv/bin/python", "-m", "gpudeck.trainers.fsdp_lm", "--model-config", "llama-1b"])]),
+    gpu(
+        3,
+        used_gib=78,
+        procs=[
+            proc(
+                4412,
+                3,
+                78.0,
+                "STALE",
+                run_id="r-7f3a",
+                user="alice",
+                cmdline=["/venv/bin/python", "-m", "gpudeck.trainers.fsdp_lm", "--model-config", "llama-1b"],
+            )
+        ],
+    ),
 ]
 STALE_ENDED = {"r-7f3a": ended_run("r-7f3a", 2, "killed by SIGKILL")}
 
@@ -69,15 +126,31 @@ def test_stale_holder_of_an_ended_run_blocks_and_is_named() -> None:
     assert not r.ok
     holders = check(r, "gpu_holders")
     assert not holders.ok and not holders.overridden
-    for text in ("pid 4412", "alice", "78.0 GiB", "run r-7f3a", "ended 2 h ago", "killed by SIGKILL",
-                 "/venv/bin/python -m gpudeck.trainers.fsdp_lm --model-config llama-1b", "`gpudeck reclaim gpu1:4412`", "--force"):
+    for text in (
+        "pid 4412",
+        "alice",
+        "78.0 GiB",
+        "run r-7f3a",
+        "ended 2 h ago",
+        "killed by SIGKILL",
+        "/venv/bin/python -m gpudeck.trainers.fsdp_lm --model-config llama-1b",
+        "`gpudeck reclaim gpu1:4412`",
+        "--force",
+    ):
         assert text in holders.message, text
     assert holders.details["holders"][0]["run_ended"] == NOW - 7200
     memory = check(r, "gpu_memory")
     assert not memory.ok
     # STYLE.md's message: free, need, the holder and its run, the reclaim command, and other GPUs with room
-    for text in ("GPU 3 has 2.0 GiB free, the run needs 60.0 GiB", "pid 4412", "r-7f3a", "ended 2 h ago", "holds 78.0 GiB",
-                 "`gpudeck reclaim gpu1:4412`", "--gpus 0,1,2"):
+    for text in (
+        "GPU 3 has 2.0 GiB free, the run needs 60.0 GiB",
+        "pid 4412",
+        "r-7f3a",
+        "ended 2 h ago",
+        "holds 78.0 GiB",
+        "`gpudeck reclaim gpu1:4412`",
+        "--gpus 0,1,2",
+    ):
         assert text in memory.message, text
 
 
@@ -99,13 +172,24 @@ def test_force_overrides_only_the_holder_check() -> None:
 
 
 def test_foreign_and_invisible_holders_and_live_runs() -> None:
-    gpus = [gpu(0, used_gib=20, procs=[proc(991, 0, 3.2, "FOREIGN", user="bob"), proc(77, 0, None, "NO_SUCH_PROCESS", user=None),
-                                       proc(500, 0, 16, "RUN", run_id="r-live")])]
+    gpus = [
+        gpu(
+            0,
+            used_gib=20,
+            procs=[
+                proc(991, 0, 3.2, "FOREIGN", user="bob"),
+                proc(77, 0, None, "NO_SUCH_PROCESS", user=None),
+                proc(500, 0, 16, "RUN", run_id="r-live"),
+            ],
+        )
+    ]
     r = preflight(LaunchSpec(argv=["python", "x.py"]), gpus)
     holders = check(r, "gpu_holders")
     assert not holders.ok
     assert "pid 991 (bob, not a gpudeck run) holds 3.2 GiB" in holders.message and "ask bob" in holders.message
-    assert "pid 77" in holders.message and "another container or PID namespace" in holders.message and "an unknown amount" in holders.message
+    assert (
+        "pid 77" in holders.message and "another container or PID namespace" in holders.message and "an unknown amount" in holders.message
+    )
     assert "500" not in holders.message  # a member of a live run is not a stray holder
     only_live = [gpu(0, used_gib=16, procs=[proc(500, 0, 16, "RUN", run_id="r-live")])]
     ok = check(preflight(LaunchSpec(argv=["python", "x.py"], gpus=[0]), only_live), "gpu_holders")
@@ -144,7 +228,9 @@ def test_memory_check_passes_skips_and_uses_the_estimate() -> None:
     # a trainer without --gpus: its one process uses cuda:0, so only GPU 0 needs the room
     trainer = LaunchSpec(kind="fsdp", argv=["python", "-m", "gpudeck.trainers.fsdp_lm", "--fresh", "--out", "o"])
     assert check(preflight(trainer, gpus, est=need(60)), "gpu_memory").ok
-    torchrun2 = LaunchSpec(kind="fsdp", argv=["torchrun", "--nproc-per-node", "2", "-m", "gpudeck.trainers.fsdp_lm", "--fresh", "--out", "o"])
+    torchrun2 = LaunchSpec(
+        kind="fsdp", argv=["torchrun", "--nproc-per-node", "2", "-m", "gpudeck.trainers.fsdp_lm", "--fresh", "--out", "o"]
+    )
     assert not check(preflight(torchrun2, gpus, est=need(60)), "gpu_memory").ok
 
 
@@ -155,13 +241,22 @@ def test_rdzv_port_held_by_a_real_socket_fails() -> None:
     port = s.getsockname()[1]
     try:
         assert not port_is_free(port)
-        spec = LaunchSpec(kind="fsdp", argv=["torchrun", "--nproc-per-node", "2", f"--master-port={port}", "-m", "gpudeck.trainers.fsdp_lm",
-                                             "--fresh", "--out", "o"])
+        spec = LaunchSpec(
+            kind="fsdp",
+            argv=["torchrun", "--nproc-per-node", "2", f"--master-port={port}", "-m", "gpudeck.trainers.fsdp_lm", "--fresh", "--out", "o"],
+        )
         r = run_preflight(spec, host=HOST, gpus=[], gpu_error=None, ended={}, estimate=None, python_check=None)
         c = check(r, "rdzv_port")
         assert not r.ok and not c.ok and f"port {port}" in c.message and "--master-port" in c.message
-        r = run_preflight(LaunchSpec(argv=["python", "x.py"], rdzv_port=port), host=HOST, gpus=[], gpu_error=None, ended={},
-                          estimate=None, python_check=None)
+        r = run_preflight(
+            LaunchSpec(argv=["python", "x.py"], rdzv_port=port),
+            host=HOST,
+            gpus=[],
+            gpu_error=None,
+            ended={},
+            estimate=None,
+            python_check=None,
+        )
         assert not check(r, "rdzv_port").ok
     finally:
         s.close()
@@ -176,8 +271,12 @@ def test_rdzv_port_which_port_or_none() -> None:
         return True
 
     def run(argv: list[str], **kw) -> PreflightCheck:
-        return check(preflight(LaunchSpec(kind="fsdp", argv=argv + ["-m", "gpudeck.trainers.fsdp_lm", "--fresh", "--out", "o"], **kw),
-                               port_free=free), "rdzv_port")
+        return check(
+            preflight(
+                LaunchSpec(kind="fsdp", argv=argv + ["-m", "gpudeck.trainers.fsdp_lm", "--fresh", "--out", "o"], **kw), port_free=free
+            ),
+            "rdzv_port",
+        )
 
     assert run(["torchrun", "--nproc-per-node", "2"]).ok and asked[-1] == 29500  # torchrun's default --master-port
     assert run(["torchrun", "--rdzv-backend", "c10d", "--rdzv-endpoint", "localhost:29611"]).ok and asked[-1] == 29611
@@ -212,7 +311,7 @@ def make_checkpoint(out: Path, step: int, complete: bool = True) -> None:
     (d / ".metadata").write_bytes(b"x")
     (d / "__0_0.distcp").write_bytes(b"x")
     if complete:
-        (d / "gpudeck_checkpoint.json").write_text('{"step": %d}' % step)
+        (d / "gpudeck_checkpoint.json").write_text(f'{{"step": {step}}}')
 
 
 def trainer(out: Path, *start: str) -> LaunchSpec:
@@ -277,15 +376,22 @@ def test_python_check_is_called_with_the_run_python(tmp_path: Path) -> None:
     r = preflight(spec, python_check=no_torch)
     c = check(r, "python_env")
     assert not r.ok and not c.ok and calls == ["/envs/a/bin/python"] and "No module named 'torch'" in c.message
-    ok = check(preflight(LaunchSpec(kind="fsdp", argv=spec.argv, python="/envs/b/bin/python"),
-                         python_check=lambda py: (True, f"torch 2.13 imports ({py})")), "python_env")
+    ok = check(
+        preflight(
+            LaunchSpec(kind="fsdp", argv=spec.argv, python="/envs/b/bin/python"),
+            python_check=lambda py: (True, f"torch 2.13 imports ({py})"),
+        ),
+        "python_env",
+    )
     assert ok.ok and "/envs/b/bin/python" in ok.message
     # torchrun: the interpreter of its shebang
     bin_dir = tmp_path / "venv" / "bin"
     bin_dir.mkdir(parents=True)
     (bin_dir / "torchrun").write_text(f"#!{bin_dir / 'python3'}\nimport sys\n")
     calls.clear()
-    spec = LaunchSpec(kind="dflash", argv=[str(bin_dir / "torchrun"), "--nproc-per-node", "2", "-m", "gpudeck.trainers.dflash", "--fresh", "--out", "o"])
+    spec = LaunchSpec(
+        kind="dflash", argv=[str(bin_dir / "torchrun"), "--nproc-per-node", "2", "-m", "gpudeck.trainers.dflash", "--fresh", "--out", "o"]
+    )
     preflight(spec, python_check=no_torch)
     assert calls == [str(bin_dir / "python3")]
     # a plain command is not python-checked unless it names its python
@@ -297,8 +403,26 @@ def test_python_check_is_called_with_the_run_python(tmp_path: Path) -> None:
 
 
 def test_a_real_fsdp_estimate_flows_through(tmp_path: Path) -> None:
-    spec = LaunchSpec(kind="fsdp", gpus=[0, 1], argv=["torchrun", "--nproc-per-node", "2", "-m", "gpudeck.trainers.fsdp_lm", "--model-config",
-                                                      "llama-1b", "--batch-size", "8", "--seq-len", "2048", "--fresh", "--out", str(tmp_path)])
+    spec = LaunchSpec(
+        kind="fsdp",
+        gpus=[0, 1],
+        argv=[
+            "torchrun",
+            "--nproc-per-node",
+            "2",
+            "-m",
+            "gpudeck.trainers.fsdp_lm",
+            "--model-config",
+            "llama-1b",
+            "--batch-size",
+            "8",
+            "--seq-len",
+            "2048",
+            "--fresh",
+            "--out",
+            str(tmp_path),
+        ],
+    )
     est = estimate(spec)
     assert est is not None
     r = preflight(spec, [gpu(0, used_gib=0, total_gib=140), gpu(1, used_gib=120, total_gib=140)], est=est)
@@ -313,12 +437,28 @@ def test_a_real_fsdp_estimate_flows_through(tmp_path: Path) -> None:
 def test_every_failure_says_what_to_do(tmp_path: Path) -> None:
     """Each failing check's message carries a fix (a command, a flag or an action), not only the problem."""
     out = tmp_path / "o"
-    spec = LaunchSpec(kind="fsdp", gpus=[3, 9], rdzv_port=1, argv=["bash", "-m", "gpudeck.trainers.fsdp_lm", "--resume", "3", "--out", str(out)])
-    r = preflight(spec, STALE_HOST, ended=STALE_ENDED, est=MemoryEstimate(per_gpu_bytes=100 * GIB, params=10**10, method="x"),
-                  port_free=lambda p: False, disk_free=lambda p: 0, python_check=lambda p: (False, "no"))
+    spec = LaunchSpec(
+        kind="fsdp", gpus=[3, 9], rdzv_port=1, argv=["bash", "-m", "gpudeck.trainers.fsdp_lm", "--resume", "3", "--out", str(out)]
+    )
+    r = preflight(
+        spec,
+        STALE_HOST,
+        ended=STALE_ENDED,
+        est=MemoryEstimate(per_gpu_bytes=100 * GIB, params=10**10, method="x"),
+        port_free=lambda p: False,
+        disk_free=lambda p: 0,
+        python_check=lambda p: (False, "no"),
+    )
     failed = [c for c in r.checks if not c.ok]
-    assert {c.name for c in failed} == {"gpus_exist", "gpu_memory", "gpu_holders", "rdzv_port", "checkpoint_room", "python_env",
-                                        "resume_checkpoint"}
+    assert {c.name for c in failed} == {
+        "gpus_exist",
+        "gpu_memory",
+        "gpu_holders",
+        "rdzv_port",
+        "checkpoint_room",
+        "python_env",
+        "resume_checkpoint",
+    }
     for c in failed:
         assert any(w in c.message for w in ("--", "`", "pick", "free space", "give", "start")), (c.name, c.message)
 

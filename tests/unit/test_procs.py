@@ -43,6 +43,7 @@ def test_a_new_tagged_process_is_found_without_listing_proc_and_leaves_when_it_e
     listings = t.listings
     p = _spawn({"GPUDECK_RUN_ID": "r-new", "RANK": "3", "LOCAL_RANK": "1"})
     try:
+
         def found():  # type: ignore[no-untyped-def]
             t.refresh()
             return [e for e in t.tagged("r-new") if e.pid == p.pid and e.rank == 3]

@@ -55,7 +55,11 @@ json_values = st.recursive(
 @settings(max_examples=400, deadline=None)
 @given(
     st.sampled_from(["hello", "ping", "launch", "stop", "get_events", "read_output", "cancel", "get_run", "watch_snapshots", "x"]),
-    st.dictionaries(st.sampled_from(["request_id", "spec", "run_id", "after_seq", "offset", "follow", "grace_s", "target", "argv"]), json_values, max_size=5),
+    st.dictionaries(
+        st.sampled_from(["request_id", "spec", "run_id", "after_seq", "offset", "follow", "grace_s", "target", "argv"]),
+        json_values,
+        max_size=5,
+    ),
 )
 def test_decoder_on_structured_garbage(tag: str, fields: dict) -> None:
     line = msgspec.json.encode({"type": tag, **fields})

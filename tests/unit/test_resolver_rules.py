@@ -12,8 +12,14 @@ def m(host: str, rid: str, name: str | None = None, state: str = "running", star
     return Match(host, rid, name, state, started, rank)
 
 
-RUNS = [m("gpu1", "r-aa11", "dup", started=3), m("gpu1", "r-aa12", "dup", started=2), m("gpu2", "r-bb11", "dup", started=1),
-        m("gpu2", "r-cc11", "r-aa11x"), m("gpu1", "r-dd11", "multi", rank=0), m("gpu2", "r-dd11", "multi", rank=1)]
+RUNS = [
+    m("gpu1", "r-aa11", "dup", started=3),
+    m("gpu1", "r-aa12", "dup", started=2),
+    m("gpu2", "r-bb11", "dup", started=1),
+    m("gpu2", "r-cc11", "r-aa11x"),
+    m("gpu1", "r-dd11", "multi", rank=0),
+    m("gpu2", "r-dd11", "multi", rank=1),
+]
 
 
 def test_an_exact_id_wins_over_a_prefix_and_a_name() -> None:

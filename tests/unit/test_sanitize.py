@@ -23,7 +23,13 @@ def test_escape_sequences_c0_c1_and_bidi_controls_become_visible_escapes() -> No
 def test_no_control_character_survives_and_printable_text_is_unchanged(text: str) -> None:
     out = terminal_text(text)
     assert not any((ord(c) < 0x20 and c not in "\n\t") or 0x7F <= ord(c) <= 0x9F for c in out)
-    if all(c.isprintable() and c not in "\u061c\u200e\u200f\u2028\u2029\ufeff" and not 0x202A <= ord(c) <= 0x202E and not 0x2066 <= ord(c) <= 0x2069 for c in text):
+    if all(
+        c.isprintable()
+        and c not in "\u061c\u200e\u200f\u2028\u2029\ufeff"
+        and not 0x202A <= ord(c) <= 0x202E
+        and not 0x2066 <= ord(c) <= 0x2069
+        for c in text
+    ):
         assert out == text
 
 
@@ -32,7 +38,18 @@ def test_escape_tree_escapes_every_string_and_key() -> None:
 
 
 def test_secret_looking_names() -> None:
-    for name in ("HF_TOKEN", "AWS_SECRET_ACCESS_KEY", "OPENAI_API_KEY", "DB_PASSWORD", "MYPASSWORD", "WANDB_API_KEY", "GITHUB_TOKEN", "api_key", "SSH_PRIVATE_KEY_PATH", "SECRET"):
+    for name in (
+        "HF_TOKEN",
+        "AWS_SECRET_ACCESS_KEY",
+        "OPENAI_API_KEY",
+        "DB_PASSWORD",
+        "MYPASSWORD",
+        "WANDB_API_KEY",
+        "GITHUB_TOKEN",
+        "api_key",
+        "SSH_PRIVATE_KEY_PATH",
+        "SECRET",
+    ):
         assert is_secret_name(name), name
     for name in ("PATH", "HF_HOME", "CUDA_VISIBLE_DEVICES", "MONKEY", "KEYBOARD", "TOKENIZERS_PARALLELISM", "NCCL_SOCKET_IFNAME"):
         assert not is_secret_name(name), name

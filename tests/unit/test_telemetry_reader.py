@@ -93,7 +93,10 @@ def test_each_hostile_line_is_rejected_by_itself_with_its_line_number_and_the_re
     assert reasons[24] == f"longer than {1 << 20} bytes"
     assert tail.summary.bad_lines == len(bad) and tail.summary.step == 99
     assert TelemetryTail(f).take_rejections() == []  # nothing read yet, nothing refused yet
-    assert f"telemetry line 2 rejected: nesting deeper than 64" == TelemetryRejection(line=2, offset=0, reason="nesting deeper than 64").describe()
+    assert (
+        "telemetry line 2 rejected: nesting deeper than 64"
+        == TelemetryRejection(line=2, offset=0, reason="nesting deeper than 64").describe()
+    )
 
 
 def test_an_endless_line_is_skipped_to_its_newline_as_one_rejection(tmp_path: Path) -> None:
@@ -160,10 +163,14 @@ def test_too_many_ranks_are_refused_past_the_cap(tmp_path: Path) -> None:
 
 
 KEYS = ["type", "ts", "rank", "step", "loss", "tokens_per_s", "mfu", "pid", "world_size", "role", "message", "final_step", "tau", "x"]
-records = st.dictionaries(st.sampled_from(KEYS) | st.text(max_size=6), json_values, max_size=6).map(
-    lambda d: d) | st.builds(lambda t, d: {"type": t, **d}, st.sampled_from(["step", "manifest", "heartbeat", "eval", "done", "error", "checkpoint"]) | st.text(max_size=70),
-                             st.dictionaries(st.sampled_from(KEYS[1:]), json_values, max_size=6))
-nested = st.builds(lambda n, inner: {"type": "step", "deep": json.loads("[" * n + json.dumps(inner) + "]" * n)}, st.integers(0, 300), json_values)
+records = st.dictionaries(st.sampled_from(KEYS) | st.text(max_size=6), json_values, max_size=6).map(lambda d: d) | st.builds(
+    lambda t, d: {"type": t, **d},
+    st.sampled_from(["step", "manifest", "heartbeat", "eval", "done", "error", "checkpoint"]) | st.text(max_size=70),
+    st.dictionaries(st.sampled_from(KEYS[1:]), json_values, max_size=6),
+)
+nested = st.builds(
+    lambda n, inner: {"type": "step", "deep": json.loads("[" * n + json.dumps(inner) + "]" * n)}, st.integers(0, 300), json_values
+)
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])

@@ -23,8 +23,7 @@ DOCS = [f"document {i}: " + "word " * (i % 7) + "end" for i in range(40)] + ["do
 def sources(tmp_path_factory):
     """The same documents as a saved dataset, a DatasetDict, parquet, arrow and JSONL."""
     root = tmp_path_factory.mktemp("corpora")
-    ds = datasets.Dataset.from_dict({"id": list(range(len(DOCS))), "body": DOCS,
-                                     "lang": ["en"] * len(DOCS)})
+    ds = datasets.Dataset.from_dict({"id": list(range(len(DOCS))), "body": DOCS, "lang": ["en"] * len(DOCS)})
     ds.save_to_disk(str(root / "saved"))
     datasets.DatasetDict({"train": ds, "test": ds.select(range(5))}).save_to_disk(str(root / "dict"))
     (root / "pq").mkdir()
@@ -111,49 +110,43 @@ def test_prepare_writes_the_tokens_training_would_make(sources, tmp_path) -> Non
     offs = prepared.offsets
     tok = D.ByteTokenizer()
     for d in (0, 7, len(DOCS) - 1):
-        ids = prepared.tokens[offs[d]:offs[d + 1]]
+        ids = prepared.tokens[offs[d] : offs[d + 1]]
         assert ids[-1] == tok.eos_id and tok.decode(ids[:-1].tolist()) == DOCS[d]
     assert isinstance(D.load_tokenizer(tmp_path / "p" / "tokenizer"), D.ByteTokenizer)
 
 
 def test_prepare_in_parallel_equals_serial_and_holds_out_whole_documents(sources, tmp_path) -> None:
-    serial = _prepare(sources / "pq", tmp_path / "s", "--text-column", "body", "--num-proc", "1",
-                      "--val-fraction", "0.2", "--seed", "3")
+    serial = _prepare(sources / "pq", tmp_path / "s", "--text-column", "body", "--num-proc", "1", "--val-fraction", "0.2", "--seed", "3")
     P.CHUNK_DOCS, old = 4, P.CHUNK_DOCS  # many tasks over 2 processes
     try:
-        par = _prepare(sources / "pq", tmp_path / "m", "--text-column", "body", "--num-proc", "2",
-                       "--val-fraction", "0.2", "--seed", "3")
+        par = _prepare(sources / "pq", tmp_path / "m", "--text-column", "body", "--num-proc", "2", "--val-fraction", "0.2", "--seed", "3")
     finally:
         P.CHUNK_DOCS = old
     assert par["num_proc"] == 2
     for split in ("train", "val"):
         assert par["splits"][split]["sha256"] == serial["splits"][split]["sha256"]
-        assert np.array_equal(np.load(tmp_path / "s" / f"{split}.idx.npy"),
-                              np.load(tmp_path / "m" / f"{split}.idx.npy"))
+        assert np.array_equal(np.load(tmp_path / "s" / f"{split}.idx.npy"), np.load(tmp_path / "m" / f"{split}.idx.npy"))
     train, val = D.load_prepared(tmp_path / "m"), D.load_prepared(tmp_path / "m", "val")
     assert val.documents == round(0.2 * len(DOCS)) and train.documents + val.documents == len(DOCS)
 
     def docs(src):
         tok = D.ByteTokenizer()
-        return [tok.decode(src.tokens[a:b - 1].tolist()) for a, b in zip(src.offsets[:-1], src.offsets[1:])]
+        return [tok.decode(src.tokens[a : b - 1].tolist()) for a, b in zip(src.offsets[:-1], src.offsets[1:])]
 
     assert sorted(docs(train) + docs(val)) == sorted(DOCS)  # every document once, none split
-    other = _prepare(sources / "pq", tmp_path / "o", "--text-column", "body", "--val-fraction", "0.2",
-                     "--seed", "4")
+    other = _prepare(sources / "pq", tmp_path / "o", "--text-column", "body", "--val-fraction", "0.2", "--seed", "4")
     assert other["splits"]["val"]["sha256"] != par["splits"]["val"]["sha256"]  # the seed picks
 
 
 def test_prepare_val_data_and_refusals(sources, tmp_path, capsys) -> None:
-    m = _prepare(sources / "docs.jsonl", tmp_path / "v", "--text-column", "body",
-                 "--val-data", str(sources / "saved"))
+    m = _prepare(sources / "docs.jsonl", tmp_path / "v", "--text-column", "body", "--val-data", str(sources / "saved"))
     assert m["splits"]["val"]["documents"] == len(DOCS) and m["val_source"].endswith("[body]")
     assert P.main(["--data", str(sources / "docs.jsonl"), "--out", str(tmp_path / "v")]) == 2
     assert "--overwrite" in capsys.readouterr().err
     assert P.main(["--data", str(sources / "saved"), "--out", str(tmp_path / "x")]) == 2
     assert "--text-column" in capsys.readouterr().err
     (tmp_path / "one.txt").write_text("just one")
-    assert P.main(["--data", str(tmp_path / "one.txt"), "--out", str(tmp_path / "y"),
-                   "--val-fraction", "0.1"]) == 2
+    assert P.main(["--data", str(tmp_path / "one.txt"), "--out", str(tmp_path / "y"), "--val-fraction", "0.1"]) == 2
     assert "--val-data" in capsys.readouterr().err
 
 
@@ -193,8 +186,7 @@ def test_prepare_with_a_transformers_tokenizer_in_parallel(sources, tmp_path) ->
     PreTrainedTokenizerFast(tokenizer_object=raw, eos_token="</s>", unk_token="[UNK]").save_pretrained(tok_dir)
     P.CHUNK_DOCS, old = 5, P.CHUNK_DOCS
     try:
-        m = _prepare(sources / "docs.jsonl", tmp_path / "p", "--text-column", "body",
-                     "--tokenizer", str(tok_dir), "--num-proc", "2")
+        m = _prepare(sources / "docs.jsonl", tmp_path / "p", "--text-column", "body", "--tokenizer", str(tok_dir), "--num-proc", "2")
     finally:
         P.CHUNK_DOCS = old
     tok = D.load_tokenizer(tok_dir)

@@ -10,13 +10,13 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from hypothesis import given, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from gpudeck.trainers import data as D  # noqa: E402
-from gpudeck.trainers.checkpoint import StartError, resolve_start  # noqa: E402
-from gpudeck.trainers.flops import flops_per_token, mfu, peak_flops  # noqa: E402
-from gpudeck.trainers.runtime import add_common_args, check_common_args  # noqa: E402
+from gpudeck.trainers import data as D
+from gpudeck.trainers.checkpoint import StartError, resolve_start
+from gpudeck.trainers.flops import flops_per_token, mfu, peak_flops
+from gpudeck.trainers.runtime import add_common_args, check_common_args
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +59,7 @@ def test_builtin_corpus_is_large_varied_and_deterministic(corpus_tokens) -> None
     assert corpus_tokens.shape[0] >= 2 * 1024 * 1024
     # varied: many distinct byte values and many distinct 64-byte lines
     assert len(np.unique(corpus_tokens)) > 90
-    text = D.ByteTokenizer().decode(corpus_tokens[: 1_000_000].tolist())
+    text = D.ByteTokenizer().decode(corpus_tokens[:1_000_000].tolist())
     lines = [ln for ln in text.splitlines() if len(ln.strip()) > 20]
     assert len(set(lines)) > 0.5 * len(lines) > 5000
     again = D.load_tokens(None, D.ByteTokenizer(), max_bytes=2 * 1024 * 1024).tokens
@@ -102,8 +102,7 @@ def test_packed_dataset_sizes_exact() -> None:
 
 
 @settings(max_examples=30, deadline=None)
-@given(world=st.integers(1, 4), batch=st.integers(1, 5), seed=st.integers(0, 2**31),
-       n=st.integers(40, 300))
+@given(world=st.integers(1, 4), batch=st.integers(1, 5), seed=st.integers(0, 2**31), n=st.integers(40, 300))
 def test_sharding_is_disjoint_and_covers_epoch(world: int, batch: int, seed: int, n: int) -> None:
     ds = D.PackedDataset(np.arange(n * 4 + 1), 4)
     if len(ds) < world * batch:

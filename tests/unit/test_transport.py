@@ -65,7 +65,10 @@ async def test_a_name_that_does_not_resolve_or_a_port_nobody_listens_on_says_wha
     opts = SshOptions(config=[cfg], known_hosts=[tmp_path / "known_hosts"], client_keys=[], connect_timeout_s=20)
     with pytest.raises(SshError) as gone:
         await connect_ssh("gone", "gpudeck agent dial", opts)
-    assert gone.value.message.startswith("gone: cannot resolve its address (") and "check HostName for gone in ~/.ssh/config" in gone.value.message
+    assert (
+        gone.value.message.startswith("gone: cannot resolve its address (")
+        and "check HostName for gone in ~/.ssh/config" in gone.value.message
+    )
     with pytest.raises(SshError) as down:
         await connect_ssh("down", "gpudeck agent dial", opts)
     assert down.value.message.startswith("down: nothing accepts SSH connections there (")

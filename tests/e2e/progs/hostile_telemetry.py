@@ -9,7 +9,7 @@ gate = sys.argv[1]
 lines = [
     b'{"ts": 1, "rank": 0, "type": "step", "step": 1, "loss": 3.0}',
     b"[" * 5000 + b"]" * 5000,
-    b'{"type": "step", "step": 2, "x": ' + b"{\"a\":" * 2000 + b"1" + b"}" * 2000 + b"}",
+    b'{"type": "step", "step": 2, "x": ' + b'{"a":' * 2000 + b"1" + b"}" * 2000 + b"}",
     b'{"type": "manifest", "params_total": 18446744073709551616}',
     b'{"type": "step", "step": ' + b"9" * 5000 + b"}",
     b'{"type": "error", "message": "\xff\xfe not utf-8"}',

@@ -14,7 +14,6 @@ import argparse
 import os
 import subprocess
 import sys
-import time
 
 RANK_CODE = r"""
 import os, sys, time
@@ -47,7 +46,9 @@ def main() -> int:
         env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(a.n))
         if a.sim_gib is not None:
             env["GPUDECK_SIM_GPU_MEM"] = f"{rank}:{a.sim_gib}"
-        procs.append(subprocess.Popen([sys.executable, "-c", RANK_CODE, a.root, str(a.seconds), str(a.tps)], env=env, start_new_session=True))
+        procs.append(
+            subprocess.Popen([sys.executable, "-c", RANK_CODE, a.root, str(a.seconds), str(a.tps)], env=env, start_new_session=True)
+        )
     print("ranks " + " ".join(str(p.pid) for p in procs), flush=True)
     for p in procs:
         p.wait()

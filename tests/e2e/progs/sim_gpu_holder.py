@@ -34,7 +34,12 @@ def main() -> None:
     ap.add_argument("--fork-holder", action="store_true", help="fork a child that holds too (it outlives a killed parent)")
     ap.add_argument("--ignore-term", action="store_true", help="ignore SIGTERM")
     ap.add_argument("--seconds", type=float, default=None, help="exit after this long (default: run until killed)")
-    ap.add_argument("--child-seconds", type=float, default=None, help="with --fork-holder: the child's own lifetime (default: --seconds); longer leaves an orphan")
+    ap.add_argument(
+        "--child-seconds",
+        type=float,
+        default=None,
+        help="with --fork-holder: the child's own lifetime (default: --seconds); longer leaves an orphan",
+    )
     args = ap.parse_args()
     if args.ignore_term:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
