@@ -17,6 +17,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
+from gpudeck.agents import __version__ as agent_version
 from gpudeck.agents import envs, paths
 from gpudeck.agents.client import AgentClient
 from gpudeck.agents.errors import AgentError
@@ -621,6 +622,7 @@ async def cmd_agent_status(args: argparse.Namespace) -> int:
             "epoch": h.epoch,
             "state_dir": h.state_dir,
             "gpu_error": h.gpu_error,
+            "containment": h.containment,
         }
     finally:
         await c.close()
@@ -629,6 +631,7 @@ async def cmd_agent_status(args: argparse.Namespace) -> int:
     else:
         print(f"agent: running, pid {info['pid']} on {info['host']}, version {info['version']}, state {info['state_dir']}")
         print(f"GPUs: {info['gpu_error'] or 'NVML ok'}")
+        print(f"containment: {info['containment'] or 'not reported (an older agent)'}")
     return 0
 
 
@@ -668,6 +671,7 @@ async def cmd_agent_stop(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     """The gpudeck argument parser."""
     ap = argparse.ArgumentParser(prog="gpudeck", description="Run and watch PyTorch training on your GPU hosts.")
+    ap.add_argument("--version", action="version", version=f"gpudeck {agent_version}")
     sub = ap.add_subparsers(dest="command", metavar="COMMAND")
     host_help = "a host of the fleet (a name from ~/.ssh/config; `local` is this machine)"
 

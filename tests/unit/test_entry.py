@@ -1,0 +1,26 @@
+"""The agent-only install: without the console's packages, `gpudeck agent serve|dial` and `--version` still work."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+BLOCK = "import sys\nfor m in ('textual', 'asyncssh', 'sqlite_utils', 'rich'):\n    sys.modules[m] = None\n"
+
+
+def _run(code: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-c", BLOCK + code], capture_output=True, text=True, timeout=120)
+
+
+def test_version_and_the_agents_commands_need_no_console_package() -> None:
+    cp = _run("from gpudeck.console.entry import main\nraise SystemExit(main(['--version']))")
+    assert cp.returncode == 0 and cp.stdout.startswith("gpudeck "), cp.stderr
+    # what `gpudeck agent dial` and `gpudeck agent serve` import
+    cp = _run("import gpudeck.agents.__main__, gpudeck.agents.dial, gpudeck.agents.server\nprint('ok')")
+    assert cp.returncode == 0 and cp.stdout.strip() == "ok", cp.stderr
+
+
+def test_a_console_command_on_an_agent_only_install_says_what_to_install() -> None:
+    cp = _run("from gpudeck.console.entry import main\nraise SystemExit(main(['status']))")
+    assert cp.returncode == 2, cp.stderr
+    assert "needs the console's packages" in cp.stderr and "[console]" in cp.stderr and "Traceback" not in cp.stderr
