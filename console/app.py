@@ -83,7 +83,11 @@ class GpudeckApp(App):
     def on_mount(self) -> None:
         self.theme = THEMES[0]
         for name, link in self.fleet.links.items():
-            link.subscribe(lambda _st, name=name: self._dirty_hosts.add(name))
+
+            def mark_dirty(_st: HostStatus, name: str = name) -> None:
+                self._dirty_hosts.add(name)
+
+            link.subscribe(mark_dirty)
             link.on_synced(self._synced)
         self.fleet.start()
         self.set_interval(FLUSH_S, self.flush_updates)

@@ -13,7 +13,7 @@ import asyncio
 import json
 import sys
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -21,7 +21,7 @@ from gpudeck.agents import __version__ as agent_version
 from gpudeck.agents import envs, paths
 from gpudeck.agents.client import AgentClient
 from gpudeck.agents.errors import AgentError
-from gpudeck.agents.protocol import to_builtins
+from gpudeck.agents.protocol import VerifyReply, to_builtins
 from gpudeck.console import config as cfg
 from gpudeck.console.fleet import Fleet, SyncResult
 from gpudeck.console.formats import (
@@ -110,7 +110,7 @@ def partial_json(key: str, rows: list[dict[str, Any]], down: list[tuple[str, str
     return {key: rows, "unreachable": [{"host": h, "error": e} for h, e in down]}
 
 
-def unreachable_exit(down: list[tuple[str, str | None]]) -> int:
+def unreachable_exit(down: Sequence[tuple[str, str | None]]) -> int:
     """Name the hosts that did not answer on stderr; EXIT_UNREACHABLE if any, else 0."""
     for h, e in down:
         print(terminal_text(f"gpudeck: {h} not reachable, the answer is missing its part: {e}"), file=sys.stderr)
@@ -310,7 +310,7 @@ async def cmd_reclaim(args: argparse.Namespace) -> int:
 
 
 async def cmd_verify(args: argparse.Namespace) -> int:
-    async def verify(fleet: Fleet):  # type: ignore[no-untyped-def]
+    async def verify(fleet: Fleet) -> tuple[str, VerifyReply]:
         found = await _resolve(fleet, args)
         return found.host, await fleet.verify(found.host, found.id)
 

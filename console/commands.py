@@ -4,11 +4,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from functools import partial
+from typing import Any
 
 from rich.text import Text
+from textual.app import App
 from textual.binding import Binding
 from textual.command import DiscoveryHit, Hit, Hits, Provider
 from textual.markup import escape
+from textual.widget import Widget
 
 from gpudeck.console.screens.base import deck
 
@@ -22,7 +25,7 @@ class GpudeckCommands(Provider):
         out: list[tuple[str, str, Callable[[], object]]] = []
         seen: set[str] = set()
 
-        def add_bindings(owner, bindings: list) -> None:  # type: ignore[no-untyped-def]
+        def add_bindings(owner: App[Any] | Widget, bindings: list[object]) -> None:
             for b in bindings:
                 if not isinstance(b, Binding) or not b.description or b.action in seen:
                     continue

@@ -185,7 +185,7 @@ def remove_host(name: str, path: Path | None = None) -> bool:
     doc = _read_doc(path)
     hosts = doc.get("hosts")
     names = [str(h) for h in hosts] if hosts is not None else []
-    if name not in names:
+    if hosts is None or name not in names:
         return False
     del hosts[names.index(name)]
     tables = doc.get("host")

@@ -18,10 +18,10 @@ from __future__ import annotations
 import asyncio
 import random
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from gpudeck.agents.client import AgentClient
 from gpudeck.agents.errors import AgentError, AgentUnavailable, VersionMismatch
@@ -49,6 +49,7 @@ from gpudeck.agents.protocol import (
     ReadOutput,
     RebuildEnv,
     Reclaim,
+    Reply,
     RunInfo,
     RunList,
     RunReply,
@@ -256,7 +257,7 @@ class HostLink:
         static: dict[int, tuple[str, str, int, float | None]] = {}
         self.status.last_seen = time.time()
 
-        def on_item(msg) -> None:  # type: ignore[no-untyped-def]
+        def on_item(msg: Reply | None) -> None:
             if isinstance(msg, Snapshot):
                 if msg.compact:  # refill what the agent sent once
                     for g in msg.gpus:
@@ -436,7 +437,7 @@ class Fleet:
 
     # ------------------------------------------------------------------ multi-node watch (--on-rank-death stop across nodes)
 
-    def _spawn(self, coro) -> None:  # type: ignore[no-untyped-def]
+    def _spawn(self, coro: Coroutine[Any, Any, object]) -> None:
         task = asyncio.ensure_future(coro)
         self._watch_tasks.add(task)
         task.add_done_callback(self._watch_tasks.discard)
@@ -505,7 +506,7 @@ class Fleet:
                 f"unknown host {host!r}: known hosts are {', '.join(self.links)}; `gpudeck hosts add {host}` adds it"
             ) from None
 
-    async def _request(self, host: str, msg, timeout: float = REQUEST_TIMEOUT_S):  # type: ignore[no-untyped-def]
+    async def _request(self, host: str, msg: object, timeout: float = REQUEST_TIMEOUT_S) -> Reply:
         c = await self.link(host).client()
         try:
             return await c.request(msg, timeout=timeout)

@@ -126,7 +126,7 @@ def _connect(path: Path) -> sqlite3.Connection:
 
 def ensure_schema(db: sqlite_utils.Database) -> None:
     """Create the tables and indexes (idempotent)."""
-    db["hosts"].create(
+    db.table("hosts").create(
         {
             "name": str,
             "epoch": str,
@@ -140,29 +140,29 @@ def ensure_schema(db: sqlite_utils.Database) -> None:
         pk="name",
         if_not_exists=True,
     )
-    db["epochs"].create(
+    db.table("epochs").create(
         {"host": str, "epoch": str, "first_seen": float, "last_seq": int, "replaces": str}, pk=("host", "epoch"), if_not_exists=True
     )
-    db["events"].create(
+    db.table("events").create(
         {"host": str, "epoch": str, "seq": int, "ts": float, "kind": str, "run_id": str, "data": str},
         pk=("host", "epoch", "seq"),
         if_not_exists=True,
     )
-    db["events"].create_index(["host", "run_id", "seq"], if_not_exists=True)
-    db["runs"].create(_RUN_COLUMNS, pk=("host", "id"), if_not_exists=True)
+    db.table("events").create_index(["host", "run_id", "seq"], if_not_exists=True)
+    db.table("runs").create(_RUN_COLUMNS, pk=("host", "id"), if_not_exists=True)
     have = set(db["runs"].columns_dict)
     for col, typ in _RUN_COLUMNS.items():  # a history made by an older gpudeck gains the new columns
         if col not in have:
-            db["runs"].add_column(col, typ)
+            db.table("runs").add_column(col, typ)
     for cols in (["id"], ["state"], ["created"], ["cause_class"], ["config_hash"]):
-        db["runs"].create_index(cols, if_not_exists=True)
-    db["metrics"].create(
+        db.table("runs").create_index(cols, if_not_exists=True)
+    db.table("metrics").create(
         {"host": str, "run_id": str, "step": int, "ts": float, "loss": float, "tokens_per_s": float, "mfu": float, "mem_peak_gib": float},
         pk=("host", "run_id", "step"),
         if_not_exists=True,
     )
-    db["meta"].create({"key": str, "value": str}, pk="key", if_not_exists=True)
-    db["pending_stops"].create(
+    db.table("meta").create({"key": str, "value": str}, pk="key", if_not_exists=True)
+    db.table("pending_stops").create(
         {"host": str, "run_id": str, "grace_s": float, "requested": float}, pk=("host", "run_id"), if_not_exists=True
     )
     quarantine.create_table(db.conn)
@@ -633,7 +633,7 @@ def add_tokens_median(conn: sqlite3.Connection, rows: list[dict[str, Any]]) -> l
     return rows
 
 
-_JSON_COLUMNS = {
+_JSON_COLUMNS: dict[str, Any] = {
     "gpus": None,
     "argv": [],
     "spec": {},

@@ -34,7 +34,7 @@ class CombinedRun:
 
     def as_row(self) -> dict[str, Any]:
         """The first node's row with the combined fields (what `history` and `runs` print)."""
-        base = dict(self.rows[0]) if self.rows else {"id": self.id}
+        base: dict[str, Any] = dict(self.rows[0]) if self.rows else {"id": self.id}
         base.update(
             host="+".join(self.hosts),
             hosts=self.hosts,

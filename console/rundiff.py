@@ -9,6 +9,7 @@ driver, NCCL, cuDNN and transformers before leaf packages.
 from __future__ import annotations
 
 import shlex
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -50,7 +51,7 @@ class RunDiff:
         return sum(r.differs for r in (*self.config, *self.environment))
 
 
-def env_of(row: dict[str, Any]) -> EnvFingerprint | None:
+def env_of(row: Mapping[str, Any]) -> EnvFingerprint | None:
     """The recorded environment fingerprint of a history row, if any."""
     env = row.get("env")
     if not env:

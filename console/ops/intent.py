@@ -12,11 +12,14 @@ import getpass
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Literal, cast
 
 from gpudeck.agents.protocol import Claims
 from gpudeck.console import config as cfg
 from gpudeck.console.ops.errors import IntentError
 from gpudeck.trainers.contract import KINDS, TRAINER_MODULES, parse_index_list
+
+LaunchKind = Literal["command", "fsdp", "dflash"]  # LaunchSpec.kind; KINDS lists the same
 
 # passed from the caller's shell to a local run, so it resolves commands as the caller would
 CALLER_ENV = ("PATH", "VIRTUAL_ENV", "CONDA_PREFIX", "PYTHONPATH", "HF_HOME", "HF_HUB_OFFLINE")
@@ -211,11 +214,11 @@ def form_start(choice: str, step: str) -> str | None:
     return None
 
 
-def check_kind(kind: str) -> str:
+def check_kind(kind: str) -> LaunchKind:
     """One of the launch kinds."""
     if kind not in KINDS:
         raise IntentError("kind", f"{kind!r} is not a kind", f"choose one of {', '.join(KINDS)}")
-    return kind
+    return cast(LaunchKind, kind)  # checked against KINDS just above
 
 
 def check_hosts(hosts: tuple[str, ...]) -> list[str]:

@@ -177,7 +177,7 @@ def plan_launch(
         kind=kind,
         gpus=gpus,
         env=env,
-        cwd=intent.cwd,  # type: ignore[arg-type]
+        cwd=intent.cwd,
         operator=intent.operator or caller.operator,
         start=start,
         parent=intent.parent,

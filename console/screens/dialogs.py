@@ -99,8 +99,8 @@ def stop_result_text(res: StopResult) -> Text:
         t.append(f"  GPU {f.gpu}: {gib(f.before_bytes)} → {gib(f.after_bytes)} GiB used, {gib(f.freed_bytes)} GiB freed\n")
     if res.freed_bytes:
         t.append(f"  {gib(res.freed_bytes)} GiB freed in all\n", style="bold")
-    for p in res.still_on_gpu:
-        t.append(f"  still on GPU {p.gpu}: pid {p.pid} {p.attribution} {gib(p.used_bytes)} GiB\n", style="bold red")
+    for g in res.still_on_gpu:
+        t.append(f"  still on GPU {g.gpu}: pid {g.pid} {g.attribution} {gib(g.used_bytes)} GiB\n", style="bold red")
     if res.gpu_note and res.gpu_note not in (res.message or ""):
         t.append(f"  {res.gpu_note}\n", style="green" if res.gpu_verified else "yellow")
     return t

@@ -221,7 +221,7 @@ class HistoryScreen(LiveScreen):
         table = self.query_one("#history-table", KeyedTable)
         keys = [k for k in table.keys() if k in table.marks]
         if len(keys) == 1 and table.cursor_key not in (None, keys[0]):
-            keys.append(table.cursor_key)  # type: ignore[arg-type]
+            keys.append(table.cursor_key)
         if len(keys) != 2:
             self.notify("mark two runs with space (or one, and highlight the other), then d", severity="warning")
             return

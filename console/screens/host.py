@@ -8,6 +8,7 @@ from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.widgets import Footer, Static
 
+from gpudeck.agents.protocol import GpuProcess
 from gpudeck.console.fleet import HostStatus
 from gpudeck.console.fmt import gib
 from gpudeck.console.screens.base import LiveScreen, deck
@@ -144,7 +145,7 @@ class HostScreen(LiveScreen):
             note.update(t)
 
     @staticmethod
-    def _holders(procs: list) -> Text:  # type: ignore[type-arg]
+    def _holders(procs: list[GpuProcess]) -> Text:
         if not procs:
             return Text("free", style="dim")
         t = Text()

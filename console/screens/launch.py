@@ -28,7 +28,7 @@ from textual.widgets import Button, Input, Label, Select, SelectionList, Static
 from textual.widgets.selection_list import Selection
 
 from gpudeck.agents.errors import AgentError
-from gpudeck.agents.protocol import LaunchSpec, PreflightResult, RunInfo, Snapshot, new_run_id
+from gpudeck.agents.protocol import Gpu, LaunchSpec, PreflightResult, RunInfo, Snapshot, new_run_id
 from gpudeck.console.fmt import gib
 from gpudeck.console.ops import IntentError, LaunchIntent, LaunchPlan, LaunchResult, OpsError
 from gpudeck.console.ops.intent import count_text, form_start
@@ -116,7 +116,7 @@ def intent_from_form(form: LaunchForm, base: LaunchIntent | None = None) -> Laun
     )
 
 
-def gpu_choice(g, host_simulated: bool) -> Text:  # type: ignore[no-untyped-def]
+def gpu_choice(g: Gpu, host_simulated: bool) -> Text:
     """One GPU in the picker: index, name, free memory, and who holds the rest."""
     t = Text()
     t.append(f"GPU {g.index}  ", style="bold")
@@ -341,7 +341,7 @@ class LaunchDialog(Guarded, ModalScreen[LaunchOutcome | None]):
         b = self.query_one("#launch", Button)
         b.label = label
         b.disabled = disabled
-        b.variant = variant  # type: ignore[assignment]
+        b.variant = variant
 
     # ------------------------------------------------------------------ submit
 

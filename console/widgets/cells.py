@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import TypeVar, overload
+
 from rich.markup import escape as rich_escape
 from rich.text import Text
 from textual.markup import escape as textual_escape
@@ -48,6 +50,17 @@ def literal(value: object) -> object:
     if isinstance(value, Text):
         return shown(value)
     return value
+
+
+_V = TypeVar("_V")
+
+
+@overload
+def plain_markup(value: str) -> str: ...
+
+
+@overload
+def plain_markup(value: _V) -> _V: ...
 
 
 def plain_markup(value: object) -> object:

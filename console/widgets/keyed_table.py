@@ -20,6 +20,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from rich.text import Text
+from textual.geometry import Region
+from textual.strip import Strip
 from textual.widgets import DataTable
 
 from gpudeck.console.widgets.cells import MARK, literal
@@ -83,7 +85,7 @@ class KeyedTable(DataTable):
         """Show ``cells`` in row ``key`` (added when new); returns the number of cells written."""
         old = self._cells.get(key)
         if old is None:
-            row = [Text(MARK if key in self.marks else "", style="bold green")] if self.markable else []
+            row: list[object] = [Text(MARK if key in self.marks else "", style="bold green")] if self.markable else []
             row.extend(literal(cells.get(c.key, "")) for c in self.cols)
             self.add_row(*row, key=key)
             self._cells[key] = dict(cells)
@@ -139,20 +141,20 @@ class KeyedTable(DataTable):
             for k in [k for k in cells.keys() if (k[0].value, k[1].value) in stale]:
                 cells.discard(k)
             row_renders = self._row_render_cache
-            for k in [k for k in row_renders.keys() if k[0].value in rows]:
-                row_renders.discard(k)
+            for rk in [rk for rk in row_renders.keys() if rk[0].value in rows]:
+                row_renders.discard(rk)
             renderables = self._row_renderable_cache
-            for k in [k for k in renderables.keys() if k[1] in lines]:
-                renderables.discard(k)
+            for lk in [lk for lk in renderables.keys() if lk[1] in lines]:
+                renderables.discard(lk)
             line_cache = self._line_cache
             ys = {i + header for i in lines}
-            for k in [k for k in line_cache.keys() if k[0] in ys]:
-                line_cache.discard(k)
+            for yk in [yk for yk in line_cache.keys() if yk[0] in ys]:
+                line_cache.discard(yk)
         except AttributeError:
             KeyedTable._targeted = False
             self._update_count += 1  # the safe way: every cache misses once
 
-    def render_lines(self, crop):  # type: ignore[no-untyped-def]
+    def render_lines(self, crop: Region) -> list[Strip]:
         if self._stale:
             self._drop_stale_renders()
         return super().render_lines(crop)
