@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Literal, Protocol
 
 from gpudeck.agents.gpus_sim import SIMULATE_ENV, SimulatedGpuSampler, SimulatedGpuSpecError, parse_sim_spec
 from gpudeck.agents.procs import ProcTable
@@ -26,7 +26,7 @@ __all__ = ["GpuSampler", "GpuSource", "SimulatedGpuSampler", "SimulatedGpuSpecEr
 try:  # nvidia-ml-py is a dependency, but keep the agent alive if its import fails
     import pynvml
 except Exception as exc:  # pragma: no cover - exercised only on broken installs
-    pynvml = None  # type: ignore[assignment]
+    pynvml = None
     _IMPORT_ERROR: str | None = f"nvidia-ml-py cannot be imported: {exc}"
 else:
     _IMPORT_ERROR = None
@@ -145,7 +145,7 @@ class GpuSampler:
                     continue
         return out
 
-    def _meminfo(self, handle: object):  # type: ignore[no-untyped-def]
+    def _meminfo(self, handle: object) -> Any:  # pynvml's memory-info struct
         if self._mem_v2:
             try:
                 return pynvml.nvmlDeviceGetMemoryInfo(handle, version=pynvml.nvmlMemory_v2)
@@ -183,10 +183,11 @@ class GpuSampler:
                 except pynvml.NVMLError:
                     pass
                 procs: dict[int, GpuProcess] = {}
-                for kind, fn in (
+                kinds: tuple[tuple[Literal["compute", "graphics"], Callable[[object], Any]], ...] = (
                     ("compute", pynvml.nvmlDeviceGetComputeRunningProcesses),
                     ("graphics", pynvml.nvmlDeviceGetGraphicsRunningProcesses),
-                ):
+                )
+                for kind, fn in kinds:
                     try:
                         plist = fn(h)
                     except pynvml.NVMLError:
@@ -199,7 +200,7 @@ class GpuSampler:
                         if prev is None:
                             procs[p.pid] = GpuProcess(
                                 pid=int(p.pid), gpu=d.index, used_bytes=None if used is None else int(used), kind=kind
-                            )  # type: ignore[arg-type]
+                            )
                         elif used is not None:
                             prev.used_bytes = (prev.used_bytes or 0) + int(used)
                 plist_out = list(procs.values())

@@ -563,7 +563,7 @@ class Journal:
         if fields:
             sets = ", ".join(f"{k}=?" for k in fields)
             stmts.append((f"UPDATE runs SET {sets} WHERE id=?", (*values, run_id)))
-        items = [(event_kind, run_id, event_data or {})] if event_kind else []
+        items: list[tuple[str, str | None, dict[str, Any]]] = [(event_kind, run_id, event_data or {})] if event_kind else []
         return self._submit(stmts, items, fail_fast=fail_fast, run_fields=(run_id, dict(fields)) if fields else None)
 
     def update_run(

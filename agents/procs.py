@@ -22,8 +22,9 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import TypeVar
 
 import psutil
 
@@ -38,6 +39,7 @@ YOUNG_S = 3.0
 _PAGE = os.sysconf("SC_PAGE_SIZE")
 _TICKS = os.sysconf("SC_CLK_TCK")
 _BOOT = psutil.boot_time()
+_T = TypeVar("_T")
 _STATE_NAMES = {
     "R": "running",
     "S": "sleeping",
@@ -352,6 +354,8 @@ class ProcTable:
                         continue  # the same process, not exec'd since it was read (a zombie execs no more)
                 self._put(pid, read_entry(pid, self._runs_dir), known)
             return
+        if mark is None:  # new is None whenever mark is None, and that case listed and returned above
+            raise RuntimeError("process table: new pids computed without a fork mark")
         self._newest = mark[1]
         for pid in new:  # made since the last refresh: processes are read, threads skipped
             self.probed += 1
@@ -483,7 +487,7 @@ def proc_info(pid: int, run_id: str | None = None, rank: int | None = None, loca
         return ProcInfo(pid=pid, run_id=run_id, rank=rank, status="no such process")
 
 
-def _safe(fn):  # type: ignore[no-untyped-def]
+def _safe(fn: Callable[[], _T]) -> _T | None:
     try:
         return fn()
     except (psutil.Error, OSError):

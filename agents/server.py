@@ -19,7 +19,7 @@ import socket
 import struct
 import sys
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -62,6 +62,7 @@ from gpudeck.agents.protocol import (
     ReadOutput,
     RebuildEnv,
     Reclaim,
+    Request,
     RunList,
     RunReply,
     Snapshot,
@@ -171,7 +172,7 @@ class Agent:
         except RuntimeError:  # the loop is closed (shutdown)
             pass
 
-    def _spawn(self, coro) -> asyncio.Task:  # type: ignore[no-untyped-def]
+    def _spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task:
         task = asyncio.ensure_future(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -349,7 +350,7 @@ class _Conn:
                 await asyncio.gather(*pending, return_exceptions=True)
             await self.close()
 
-    def _start(self, req) -> None:  # type: ignore[no-untyped-def]
+    def _start(self, req: Request) -> None:
         task = asyncio.ensure_future(self._handle_safely(req))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -359,7 +360,7 @@ class _Conn:
                 old.cancel()
             self.streams[req.request_id] = task
 
-    async def _handle_safely(self, req) -> None:  # type: ignore[no-untyped-def]
+    async def _handle_safely(self, req: Request) -> None:
         rid = req.request_id
         try:
             await self._handle(req)
@@ -381,7 +382,7 @@ class _Conn:
             if self.streams.get(rid) is asyncio.current_task():
                 self.streams.pop(rid, None)
 
-    async def _handle(self, req) -> None:  # type: ignore[no-untyped-def]
+    async def _handle(self, req: Request) -> None:
         handler = _HANDLERS.get(type(req))
         if handler is None:  # pragma: no cover - decode_request only yields known types (a test checks the table is complete)
             raise BadRequest(f"unsupported request {type(req).__name__}")

@@ -172,7 +172,10 @@ class HFTokenizer:
         return [np.asarray(x, dtype=np.int64) for x in ids]
 
     def decode(self, ids: Iterable[int]) -> str:
-        return self.tok.decode([int(i) for i in ids])
+        text = self.tok.decode([int(i) for i in ids])
+        if not isinstance(text, str):  # one sequence of ids decodes to one string
+            raise TypeError(f"{self.path}: the tokenizer's decode returned {type(text).__name__}, expected str")
+        return text
 
     def describe(self) -> dict[str, Any]:
         return {

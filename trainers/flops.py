@@ -178,9 +178,9 @@ def model_flops(model: Any, config: Any, seq_len: int, training: bool = True) ->
     emb = embedding_params(model)
     tied = _tied(model)
     layers, heads, head_dim = attention_dims(config)
-    kw = dict(training=training, tied_lm_head_params=emb if tied else 0)
-    causal = flops_per_token(total, emb, layers, heads, head_dim, seq_len, causal=True, **kw)
-    titan = flops_per_token(total, emb, layers, heads, head_dim, seq_len, causal=False, **kw)
+    tied_params = emb if tied else 0
+    causal = flops_per_token(total, emb, layers, heads, head_dim, seq_len, training=training, tied_lm_head_params=tied_params, causal=True)
+    titan = flops_per_token(total, emb, layers, heads, head_dim, seq_len, training=training, tied_lm_head_params=tied_params, causal=False)
     note = "causal 6(N-N_emb)+6*L*H*d_head*S (torchtitan's 12*L*H*d_head*S beside it)" + ("; tied lm_head added back" if tied else "")
     return ModelFlops(total, trainable, emb, causal, seq_len, note, titan)
 

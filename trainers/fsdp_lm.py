@@ -495,7 +495,7 @@ class BatchFeeder:
         self.device = device
         self.pin = pin
         self.ahead = ahead
-        self._pending = None  # (state before it, the batch on the device)
+        self._pending: tuple[dict[str, Any], Any] | None = None  # (state before it, the batch on the device)
 
     def _fetch(self):
         batch = self.batches.next_batch()
@@ -766,6 +766,8 @@ def main(argv: list[str] | None = None) -> int:
     batches = ShardedBatches(dataset, args.batch_size, ctx.rank, ctx.world_size, seed=args.seed)
     val_set = None
     if val_tokens is not None:
+        if val_desc is None:  # every branch that sets val_tokens names them too
+            raise RuntimeError("validation tokens were loaded without a description")
         try:
             val_set = ValidationBatches(
                 PackedDataset(val_tokens, args.seq_len), args.batch_size, args.val_batches, ctx.rank, ctx.world_size, where=val_desc
@@ -801,6 +803,8 @@ def main(argv: list[str] | None = None) -> int:
 
     step = 0
     if not plan.fresh:
+        if plan.step is None:  # resolve_start gives every resume plan its step
+            raise RuntimeError(f"resume plan without a checkpoint step: {plan}")
         extra = load_checkpoint(out, plan.step, model, optimizer, rank=ctx.rank)
         step = int(extra["step"])
         scheduler.load_state_dict(extra["scheduler"])
@@ -954,7 +958,7 @@ def main(argv: list[str] | None = None) -> int:
         losses[step] = loss_val
         if step > 1:
             tps_hist.append(tps)
-            if mfu_val is not None:
+            if mfu_val is not None and mfu_tt is not None:  # both None together: no peak
                 mfu_hist.append(mfu_val)
                 mfu_tt_hist.append(mfu_tt)
         mem_alloc = mem_peak = None

@@ -82,16 +82,15 @@ def kernel_times(prof: Any, on_gpu: bool) -> list[tuple[str, float, int]]:
         if on_gpu:
             if getattr(evt, "device_type", None) != torch.autograd.DeviceType.CUDA:
                 continue
-            us = getattr(evt, "self_device_time_total", None)
-            if us is None:
-                us = getattr(evt, "self_cuda_time_total", 0.0)
+            dev_us = getattr(evt, "self_device_time_total", None)
+            us: float = dev_us if dev_us is not None else getattr(evt, "self_cuda_time_total", 0.0)
         else:
             us = evt.self_cpu_time_total
         if us > 0:
             rows.append((evt.key, us / 1000.0, int(evt.count)))
     if on_gpu and not rows:  # a profiler build without kernel events: operators' device time
         for evt in prof.key_averages():
-            us = getattr(evt, "self_device_time_total", None) or getattr(evt, "self_cuda_time_total", 0.0)
+            us = getattr(evt, "self_device_time_total", 0.0) or getattr(evt, "self_cuda_time_total", 0.0)
             if us > 0:
                 rows.append((evt.key, us / 1000.0, int(evt.count)))
     rows.sort(key=lambda r: -r[1])

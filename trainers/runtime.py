@@ -207,7 +207,7 @@ def init_distributed(device: str = "auto", init_timeout_s: float = 300.0, single
     if use_cuda:
         torch.cuda.set_device(local_rank)
         dev = torch.device("cuda", local_rank)
-        backend = "nccl"
+        backend: str | None = "nccl"
         os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")
     else:
         dev = torch.device("cpu")
@@ -289,7 +289,7 @@ def _abort_pg() -> None:
         except ImportError:
             pass
         pg = dist.group.WORLD
-        if hasattr(pg, "abort"):
+        if pg is not None and hasattr(pg, "abort"):
             pg.abort()
     except Exception:
         pass
