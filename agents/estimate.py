@@ -510,7 +510,7 @@ def _read_json(path: Path, what: str) -> dict[str, Any]:
         data = json.loads(path.read_text())
     except OSError as exc:
         raise EstimateError(f"{what}: cannot read {path} ({exc.strerror or exc}); fix the path or give --need-gib GIB") from None
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:
         raise EstimateError(f"{what}: {path} is not valid JSON ({exc}); fix it or give --need-gib GIB") from None
     if not isinstance(data, dict):
         raise EstimateError(f"{what}: {path} does not hold a JSON object; give --need-gib GIB")

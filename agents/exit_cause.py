@@ -10,7 +10,6 @@ else from the kernel log.
 
 from __future__ import annotations
 
-import json
 import signal
 import time
 from dataclasses import dataclass
@@ -18,6 +17,7 @@ from pathlib import Path
 
 from gpudeck.agents.causes import host_oom_note
 from gpudeck.agents.protocol import Alert, RunInfo
+from gpudeck.agents.telemetry import LineRejected, decode_line, decode_object
 
 
 @dataclass(frozen=True)
@@ -48,22 +48,27 @@ class ExitCause:
     node_death: tuple[int, int, float] | None = None  # a multi-node member's first gone rank, for the node alert
 
 
+MAX_EXIT_RECORD = 64 * 1024  # the shim writes ~100 bytes; the run's folder is the run's to write, so anything may be there
+
+
 def read_exit_record(run_dir: str | None) -> dict | None:
-    """The shim's exit.json, or None."""
+    """The shim's exit.json, or None (also when the run replaced it with something that is not a small JSON object)."""
     try:
-        with open(Path(run_dir or "") / "exit.json", encoding="utf-8") as fh:
-            return json.load(fh)
-    except (OSError, ValueError):
+        with open(Path(run_dir or "") / "exit.json", "rb") as fh:
+            raw = fh.read(MAX_EXIT_RECORD + 1)
+        rec = decode_object(raw) if len(raw) <= MAX_EXIT_RECORD else {}
+    except (OSError, LineRejected):
         return None
+    return rec or None
 
 
 def telemetry_evidence(tail: str) -> str:
     """What the trainer's telemetry says of its end ('' when nothing)."""
     last_step = None
     for line in tail.splitlines():
-        try:
-            rec = json.loads(line)
-        except ValueError:
+        try:  # the run's own lines: bounded, typed decoding (a hostile line is skipped, never raised)
+            rec, _typed = decode_line(line.encode("utf-8", "surrogateescape"))
+        except LineRejected:
             continue
         if rec.get("type") == "done":
             return f"the trainer reported done at step {rec.get('final_step')}"

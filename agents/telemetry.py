@@ -135,6 +135,16 @@ def _walk(value: Any, path: str = "$") -> None:
 
 def decode_line(raw: bytes) -> tuple[dict[str, Any], TelemetryLine]:
     """One telemetry line as (the record as written, its typed fields); :class:`LineRejected` says why not."""
+    obj = decode_object(raw)
+    try:
+        typed = msgspec.convert(obj, TelemetryLine)
+    except msgspec.ValidationError as exc:
+        raise LineRejected(f"field {exc}") from None
+    return obj, typed
+
+
+def decode_object(raw: bytes) -> dict[str, Any]:
+    """A JSON object a run wrote (a telemetry line, an exit record), within the same limits; LineRejected if not."""
     if len(raw) > MAX_LINE:
         raise LineRejected(f"longer than {MAX_LINE} bytes")
     if _depth(raw) > MAX_DEPTH:
@@ -148,11 +158,7 @@ def decode_line(raw: bytes) -> tuple[dict[str, Any], TelemetryLine]:
     if not isinstance(obj, dict):
         raise LineRejected(f"not a JSON object (a {type(obj).__name__})")
     _walk(obj)
-    try:
-        typed = msgspec.convert(obj, TelemetryLine)
-    except msgspec.ValidationError as exc:
-        raise LineRejected(f"field {exc}") from None
-    return obj, typed
+    return obj
 
 
 def _open_regular(path: Path) -> int:
