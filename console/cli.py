@@ -119,7 +119,13 @@ def unreachable_exit(down: Sequence[tuple[str, str | None]]) -> int:
 
 async def cmd_status(args: argparse.Namespace) -> int:
     if args.host:
-        snap = await _with_fleet(lambda f: f.snapshot(args.host), hosts=[args.host])
+        try:
+            snap = await _with_fleet(lambda f: f.snapshot(args.host), hosts=[args.host])
+        except AgentError as exc:  # the one host asked for did not answer (or not safely): nothing to show, exit 3
+            if args.json:
+                print(json.dumps({"unreachable": [{"host": args.host, "error": exc.message}]}))
+            print(terminal_text(f"gpudeck: {exc.message}"), file=sys.stderr)
+            return EXIT_UNREACHABLE
         print(json.dumps(to_builtins(snap)) if args.json else terminal_text(format_status(snap, args.host)))
         return 0
 

@@ -192,7 +192,7 @@ async def test_unknown_and_changed_host_keys_are_refused_before_anything_is_sent
     stranger = SshHost("hostc", c.pub, start_agent=False).start()
     c.add(stranger, trust=False)
     cp = c.cli("status", "--host", "hostc", check=False)
-    assert cp.returncode == 1
+    assert cp.returncode == 3  # not reached (safely): EXIT_UNREACHABLE
     assert "is not known" in cp.stderr and "ssh hostc" in cp.stderr, cp.stderr
 
     # a key recorded for that address that is not the host's: a changed key
@@ -200,7 +200,7 @@ async def test_unknown_and_changed_host_keys_are_refused_before_anything_is_sent
     with open(c.known_hosts, "a") as fh:
         fh.write(f"[{stranger.address}]:{stranger.port} {other}\n")
     cp = c.cli("status", "--host", "hostc", check=False)
-    assert cp.returncode == 1
+    assert cp.returncode == 3  # not reached (safely): EXIT_UNREACHABLE
     assert "CHANGED" in cp.stderr and "possible attack" in cp.stderr and "ssh-keygen -R" in cp.stderr, cp.stderr
     with pytest.raises(HostKeyError):
         await connect_ssh("hostc", "gpudeck agent dial", c.ssh_options())
@@ -215,7 +215,7 @@ def test_a_host_given_with_host_that_is_not_configured_still_works(console_side:
     snap = c.cli_json("status", "--host", "hostd")
     assert snap["epoch"] and "gpus" in snap or "gpu_error" in snap
     cp = c.cli("status", "--host", "nosuchhost", check=False)
-    assert cp.returncode == 1 and "nosuchhost" in cp.stderr
+    assert cp.returncode == 3 and "nosuchhost" in cp.stderr
 
 
 async def test_a_recreated_agent_journal_is_a_new_epoch_and_old_runs_stay(two_hosts: ConsoleSide) -> None:
