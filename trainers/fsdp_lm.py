@@ -15,7 +15,7 @@ What it does, in order:
    when ``OUT/checkpoints`` already holds checkpoints, unless ``--new-run-dir``
    (which moves them to ``OUT/checkpoints.archived-<UTC time>/``).
 2. Builds a transformers causal LM from a config (a config.json / folder, or a
-   preset: ``tiny``, ``llama-1b``, ``qwen3-0.6b``) on the meta device; counts
+   preset: ``tiny``, ``llama-1b``, ``llama-3b``, ``qwen3-0.6b``) on the meta device; counts
    its parameters exactly there (unsharded) for the manifest and FLOPs.
 3. Activation checkpointing (optional) -> per-block ``torch.compile``
    (optional) -> ``fully_shard`` per decoder block, then the embeddings, then

@@ -38,6 +38,22 @@ PRESETS: dict[str, dict[str, Any]] = {
         rope_theta=10000.0,
         tie_word_embeddings=False,
     ),
+    # the Llama-3.2-3B shape (tied embeddings, head_dim 128): the largest Llama shape whose full
+    # FSDP state (fp32 master weights, gradients, AdamW moments) fits one 141 GB GPU with activations
+    "llama-3b": dict(
+        model_type="llama",
+        hidden_size=3072,
+        intermediate_size=8192,
+        num_hidden_layers=28,
+        num_attention_heads=24,
+        num_key_value_heads=8,
+        head_dim=128,
+        vocab_size=128256,
+        max_position_embeddings=8192,
+        rms_norm_eps=1e-5,
+        rope_theta=500000.0,
+        tie_word_embeddings=True,
+    ),
     # the Qwen3-0.6B shape
     "qwen3-0.6b": dict(
         model_type="qwen3",

@@ -104,7 +104,7 @@ def _resume_value(text: str) -> str:
 def add_common_args(parser: argparse.ArgumentParser) -> None:
     """Add the options shared by fsdp_lm and dflash (see module docstring)."""
     g = parser.add_argument_group("model")
-    g.add_argument("--model-config", default=None, help="config.json path or preset name (tiny, llama-1b, qwen3-0.6b)")
+    g.add_argument("--model-config", default=None, help="config.json path or preset name (tiny, llama-1b, llama-3b, qwen3-0.6b)")
     g.add_argument("--init-from", default=None, help="local pretrained folder to start from (from_pretrained)")
 
     g = parser.add_argument_group("data")
