@@ -25,6 +25,45 @@ ROOT = Path(__file__).resolve().parent.parent
 EXIT_CODE = Path(__file__).resolve().parent / "e2e" / "progs" / "exit_code.py"
 
 
+# fsdp_lm's "tiny" preset on a 1 MiB built-in corpus: the arguments every CPU test of fsdp_lm starts from
+FSDP_SMALL = [
+    "--model-config",
+    "tiny",
+    "--seq-len",
+    "64",
+    "--batch-size",
+    "4",
+    "--corpus-bytes",
+    str(1024 * 1024),
+    "--lr",
+    "1e-3",
+    "--warmup-steps",
+    "2",
+]
+# a random-weight tiny target (fsdp_lm's "tiny" preset: Llama, 4 layers, hidden 256, vocab 320) and a
+# 2-layer drafter: the DFlash arguments every CPU test of the trainer starts from
+DFLASH_SMALL = [
+    "--target-config",
+    "tiny",
+    "--seq-len",
+    "64",
+    "--batch-size",
+    "2",
+    "--num-anchors",
+    "8",
+    "--block-size",
+    "4",
+    "--gamma",
+    "2",
+    "--drafter-layers",
+    "2",
+    "--corpus-bytes",
+    str(600_000),
+]
+# the split topology on three ranks: two target ranks feed one drafter rank
+DFLASH_SPLIT = ["--topology", "split", "--target-ranks", "0,1", "--drafter-ranks", "2", "--queue-depth", "2"]
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

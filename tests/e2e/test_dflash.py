@@ -36,26 +36,10 @@ psutil = pytest.importorskip("psutil")
 
 pytestmark = pytest.mark.slow
 
-from tests.trainer_harness import Runs, read_telemetry
+from tests.trainer_harness import DFLASH_SMALL, DFLASH_SPLIT, Runs, read_telemetry
 
-# a random-weight tiny target (fsdp_lm's "tiny" preset: Llama, 4 layers, hidden 256, vocab 320)
 SMALL = [
-    "--target-config",
-    "tiny",
-    "--seq-len",
-    "64",
-    "--batch-size",
-    "2",
-    "--num-anchors",
-    "8",
-    "--block-size",
-    "4",
-    "--gamma",
-    "2",
-    "--drafter-layers",
-    "2",
-    "--corpus-bytes",
-    str(600_000),
+    *DFLASH_SMALL,
     "--eval-prompt-len",
     "16",
     "--eval-gen-len",
@@ -125,14 +109,7 @@ def test_split_two_target_ranks_one_drafter_rank(tmp_path, runs):
         "gpudeck.trainers.dflash",
         [
             *SMALL,
-            "--topology",
-            "split",
-            "--target-ranks",
-            "0,1",
-            "--drafter-ranks",
-            "2",
-            "--queue-depth",
-            "2",
+            *DFLASH_SPLIT,
             "--max-steps",
             "4",
             "--checkpoint-every",
@@ -166,14 +143,7 @@ def test_split_two_target_ranks_one_drafter_rank(tmp_path, runs):
         "gpudeck.trainers.dflash",
         [
             *SMALL,
-            "--topology",
-            "split",
-            "--target-ranks",
-            "0,1",
-            "--drafter-ranks",
-            "2",
-            "--queue-depth",
-            "2",
+            *DFLASH_SPLIT,
             "--max-steps",
             "4",
             "--checkpoint-every",
@@ -384,15 +354,12 @@ def test_fsdp_lm_target_then_dflash_drafter_tau_improves(tmp_path, runs):
 # ------------------------------------------------------------------ SIGTERM
 
 
-SPLIT = ["--topology", "split", "--target-ranks", "0,1", "--drafter-ranks", "2", "--queue-depth", "2"]
-
-
 @pytest.mark.parametrize("topology", ["colocated", "split"])
 def test_sigterm_to_every_process_stops_at_a_checkpoint_then_resume_continues(tmp_path, runs, topology):
     from gpudeck.trainers.checkpoint import list_checkpoints
 
     nproc, lead = (2, 0) if topology == "colocated" else (3, 2)
-    args = [*SMALL, *(SPLIT if topology == "split" else []), "--max-steps", "40"]
+    args = [*SMALL, *(DFLASH_SPLIT if topology == "split" else []), "--max-steps", "40"]
     out, codes = tmp_path / "term", tmp_path / "exit-codes"
     p, tel = runs.start("gpudeck.trainers.dflash", [*args, "--fresh"], out, nproc=nproc, exit_codes=codes)
     deadline = time.monotonic() + 90

@@ -16,31 +16,16 @@ from pathlib import Path
 import pytest
 
 from tests.agent_harness import ROOT, AgentProc, wait_for
+from tests.trainer_harness import DFLASH_SMALL, DFLASH_SPLIT
 
 pytest.importorskip("torch")
 pytestmark = pytest.mark.slow
 SMALL = [
-    "--target-config",
-    "tiny",
-    "--seq-len",
-    "64",
-    "--batch-size",
-    "2",
-    "--num-anchors",
-    "8",
-    "--block-size",
-    "4",
-    "--gamma",
-    "2",
-    "--drafter-layers",
-    "2",
-    "--corpus-bytes",
-    str(600_000),
+    *DFLASH_SMALL,
     "--no-eval",
     "--log-every",
     "1",
 ]
-SPLIT = ["--topology", "split", "--target-ranks", "0,1", "--drafter-ranks", "2", "--queue-depth", "2"]
 
 
 def test_a_dead_drafter_rank_raises_the_alert_within_10_s_and_is_named_in_the_cause(agent: AgentProc, tmp_path: Path) -> None:
@@ -61,7 +46,7 @@ def test_a_dead_drafter_rank_raises_the_alert_within_10_s_and_is_named_in_the_ca
         "--fresh",
         "--",
         *SMALL,
-        *SPLIT,
+        *DFLASH_SPLIT,
         "--max-steps",
         "100000",
         "--out",

@@ -19,24 +19,11 @@ pytest.importorskip("transformers")
 
 pytestmark = pytest.mark.slow
 
-from tests.trainer_harness import Runs, read_telemetry
+from tests.trainer_harness import FSDP_SMALL, Runs, read_telemetry
 from tests.trainer_harness import alive as _alive
 
 FSDP = "gpudeck.trainers.fsdp_lm"
-COMMON = [
-    "--model-config",
-    "tiny",
-    "--seq-len",
-    "64",
-    "--batch-size",
-    "4",
-    "--corpus-bytes",
-    str(1024 * 1024),
-    "--lr",
-    "1e-3",
-    "--warmup-steps",
-    "2",
-]
+COMMON = FSDP_SMALL
 
 
 def step_losses(records: list[dict], rank: int = 0) -> dict[int, float]:

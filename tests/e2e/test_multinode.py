@@ -24,6 +24,7 @@ import pytest
 
 from tests.agent_harness import ROOT, wait_for
 from tests.sshd_harness import ConsoleSide
+from tests.trainer_harness import FSDP_SMALL
 
 pytest.importorskip("torch")
 netns = pytest.importorskip("tests.netns_harness")
@@ -108,18 +109,7 @@ def _agent_runs(h) -> list[dict]:  # type: ignore[no-untyped-def]
 
 
 TRAIN = [
-    "--model-config",
-    "tiny",
-    "--seq-len",
-    "64",
-    "--batch-size",
-    "4",
-    "--corpus-bytes",
-    str(1024 * 1024),
-    "--lr",
-    "1e-3",
-    "--warmup-steps",
-    "2",
+    *FSDP_SMALL,
     "--checkpoint-every",
     "3",
     "--log-every",
@@ -237,30 +227,7 @@ def test_a_two_node_run_trains_stops_resumes_and_is_one_record(cluster: ConsoleS
 def test_killing_one_nodes_ranks_raises_the_alert_and_names_the_node_in_the_cause(cluster: ConsoleSide, tmp_path: Path) -> None:
     c = cluster
     out = tmp_path / "kill-out"
-    rid = json.loads(
-        c.cli(
-            "launch",
-            "--hosts",
-            "nodea,nodeb",
-            "--kind",
-            "fsdp",
-            "--nproc-per-node",
-            "1",
-            "--python",
-            PY,
-            "--cwd",
-            str(ROOT),
-            "--fresh",
-            "--json",
-            "--",
-            *TRAIN,
-            "--max-steps",
-            "10000",
-            "--out",
-            str(out),
-            timeout=180,
-        ).stdout
-    )["id"]
+    rid = _launch_long_two_node_run(c, out)
     nodeb = c.hosts[1]
 
     def ranks_b() -> list[int]:
@@ -291,6 +258,33 @@ def test_killing_one_nodes_ranks_raises_the_alert_and_names_the_node_in_the_caus
     print(f"rank_exited alert {alerts[0]['ts'] - t_kill:.1f} s after the kill")
 
 
+def _launch_long_two_node_run(c: ConsoleSide, out: Path) -> str:
+    """A two-node fsdp run (one rank per node) long enough to be cut or killed; returns its id."""
+    cp = c.cli(
+        "launch",
+        "--hosts",
+        "nodea,nodeb",
+        "--kind",
+        "fsdp",
+        "--nproc-per-node",
+        "1",
+        "--python",
+        PY,
+        "--cwd",
+        str(ROOT),
+        "--fresh",
+        "--json",
+        "--",
+        *TRAIN,
+        "--max-steps",
+        "10000",
+        "--out",
+        str(out),
+        timeout=180,
+    )
+    return str(json.loads(cp.stdout)["id"])
+
+
 def _tag(pid: int) -> str | None:
     try:
         env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
@@ -312,30 +306,7 @@ def _cmd(p: psutil.Process) -> list[str]:
 def test_a_node_cut_off_during_the_run_is_reported_then_stopped_when_it_is_back(cluster: ConsoleSide, tmp_path: Path) -> None:
     c = cluster
     out = tmp_path / "cut-out"
-    rid = json.loads(
-        c.cli(
-            "launch",
-            "--hosts",
-            "nodea,nodeb",
-            "--kind",
-            "fsdp",
-            "--nproc-per-node",
-            "1",
-            "--python",
-            PY,
-            "--cwd",
-            str(ROOT),
-            "--fresh",
-            "--json",
-            "--",
-            *TRAIN,
-            "--max-steps",
-            "10000",
-            "--out",
-            str(out),
-            timeout=180,
-        ).stdout
-    )["id"]
+    rid = _launch_long_two_node_run(c, out)
     wait_for(lambda: (out / "checkpoints").exists(), timeout=240, interval=1.0, what="training started")
     c.cli("history")  # the history holds both nodes as running
     nodeb = c.hosts[1]
