@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import sqlite_utils
+from gpudeck.console.sqlite_lib import sqlite_utils
 
 from gpudeck.agents import paths
 from gpudeck.agents.causes import cause_class
