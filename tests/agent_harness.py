@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -132,10 +133,11 @@ class AgentProc:
 def stop_runs(a: AgentProc) -> None:
     """Stop every run a test left on this agent (through the agent, then by tag); never raises."""
     try:
-        for r in a.cli_json("runs"):
-            if r["state"] in ("starting", "running", "stopping"):
-                a.cli("stop", r["id"], "--grace", "1", check=False)
-            kill_tagged(r["id"])
+        runs = a.cli_json("runs")
+        live = [r["id"] for r in runs if r["state"] in ("starting", "running", "stopping")]
+        with ThreadPoolExecutor(max_workers=max(1, min(8, len(live)))) as pool:  # the stops wait on their graces together
+            list(pool.map(lambda rid: a.cli("stop", rid, "--grace", "1", check=False), live))
+        kill_tagged(*(r["id"] for r in runs))
     except Exception:
         pass
 
@@ -147,11 +149,14 @@ def teardown_agent(a: AgentProc) -> None:
     a.stop_autostarted()
 
 
-def kill_tagged(run_id: str) -> None:
-    """Teardown safety net: SIGKILL processes carrying this test's run tag (by pid, never by name)."""
+def kill_tagged(*run_ids: str) -> None:
+    """Teardown safety net: SIGKILL processes carrying one of these runs' tags (by pid, never by name)."""
+    tags = set(run_ids)
+    if not tags:
+        return
     for p in psutil.process_iter(["pid"]):
         try:
-            if p.environ().get("GPUDECK_RUN_ID") == run_id:
+            if p.environ().get("GPUDECK_RUN_ID") in tags:
                 p.kill()
         except (psutil.Error, OSError):
             pass
