@@ -147,7 +147,7 @@ from pathlib import Path
 from typing import Any
 
 from gpudeck.trainers import runtime
-from gpudeck.trainers.presets import parse_index_list
+from gpudeck.trainers.presets import PRESETS, parse_index_list
 
 ROLE_COLOCATED, ROLE_TARGET, ROLE_DRAFTER = "colocated", "target", "drafter"
 
@@ -182,7 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--target-config",
         default=None,
-        help="random-weight target from a preset (tiny, qwen3-0.6b) or config.json (speed benchmarks); --model-config is an alias",
+        help=f"random-weight target from a preset ({', '.join(PRESETS)}) or config.json (speed benchmarks); --model-config is an alias",
     )
     g.add_argument(
         "--drafter-config",

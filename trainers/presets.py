@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 PRESETS: dict[str, dict[str, Any]] = {
-    # a ~3.2M-parameter Llama for CPU tests; vocab fits the byte tokenizer (260)
+    # a 3.07M-parameter Llama for CPU tests; vocab fits the byte tokenizer (260)
     "tiny": dict(
         model_type="llama",
         hidden_size=256,

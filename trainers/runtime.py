@@ -77,6 +77,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from gpudeck.trainers.presets import PRESETS
+
 FAIL_ENV = "GPUDECK_TEST_FAIL_AT_STEP"
 
 
@@ -104,14 +106,14 @@ def _resume_value(text: str) -> str:
 def add_common_args(parser: argparse.ArgumentParser) -> None:
     """Add the options shared by fsdp_lm and dflash (see module docstring)."""
     g = parser.add_argument_group("model")
-    g.add_argument("--model-config", default=None, help="config.json path or preset name (tiny, llama-1b, llama-3b, qwen3-0.6b)")
+    g.add_argument("--model-config", default=None, help=f"config.json path or preset name ({', '.join(PRESETS)})")
     g.add_argument("--init-from", default=None, help="local pretrained folder to start from (from_pretrained)")
 
     g = parser.add_argument_group("data")
     g.add_argument(
         "--data",
         default=None,
-        help="token file (.bin), text/JSONL file or folder; default: the built-in offline corpus (Python stdlib sources)",
+        help="a folder made by `python -m gpudeck.trainers.prepare`, a token file (.bin), a Hugging Face dataset saved to disk, parquet/arrow files, or a text/JSONL file or folder; default: the built-in offline corpus (Python stdlib sources)",
     )
     g.add_argument("--tokenizer", default=None, help="local tokenizer folder (AutoTokenizer) or 'byte' (default: byte-level)")
     g.add_argument("--data-dtype", default="uint16", choices=["uint16", "uint32"], help="element type of .bin token files")
