@@ -90,5 +90,5 @@ def test_every_view_shows_the_same_figures(history: History) -> None:
         )
         assert out["cause class"] == (fig.cause_class or "-")
     # the History screen's row
-    cells = history_cells(next(r for r in history_rows(history.path, "") if r["id"] == RID))
+    cells = history_cells(next(r for r in history_rows(history.path, "") if r.id == RID))
     assert (cells["tps"], cells["step"], cells["elapsed"]) == ("275", "100", "1h00m")
