@@ -133,7 +133,7 @@ def format_stop(res: StopResult) -> str:
 
 
 def run_json(r: RunInfo) -> dict[str, Any]:
-    """The scripted shape of a run (stable keys for users' scripts)."""
+    """The scripted shape of a run (stable keys for users' scripts): the JSON object ``--json`` prints, the printing edge."""
     d = to_builtins(r)
     for k in ("exit_code", "signal", "cause", "started", "ended", "name"):
         d.setdefault(k, None)

@@ -211,7 +211,7 @@ class _Apply:
         state = d.get("state")
         if not state:
             return
-        fields: dict[str, Any] = {"state": state}
+        fields: dict[str, object] = {"state": state}  # column -> value
         for k in ("cause", "exit_code", "signal"):
             if k in d:
                 fields[k] = d[k]
@@ -265,7 +265,7 @@ class _Apply:
             return
         last = loads(row[0], {})
         last[str(kind)] = rec
-        fields: dict[str, Any] = {"telemetry": _j(last)}
+        fields: dict[str, object] = {"telemetry": _j(last)}  # column -> value
         if kind == "manifest":
             for k in ("params_total", "world_size", "config_hash", "dataset_samples", "dataset_tokens"):
                 if rec.get(k) is not None:

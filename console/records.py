@@ -168,11 +168,11 @@ class RunRecord(msgspec.Struct, kw_only=True, frozen=True):
 
     def as_json(self) -> dict[str, Any]:
         """The record as ``gpudeck history --json`` / ``show --json`` print it (the printing edge: a JSON object)."""
-        out: dict[str, Any] = to_builtins(self)
+        out: dict[str, Any] = to_builtins(self)  # a JSON object, printed as it is
         return out
 
     @classmethod
-    def from_columns(cls, row: dict[str, Any]) -> RunRecord:
+    def from_columns(cls, row: dict[str, object]) -> RunRecord:
         """A ``runs`` row as SQLite returns it (column name -> value, the JSON columns still text)."""
         return cls(**{k: _decode(k, v) for k, v in row.items() if k in _FIELDS})
 
@@ -224,7 +224,7 @@ class RunRecord(msgspec.Struct, kw_only=True, frozen=True):
 
 
 _FIELDS = frozenset(RunRecord.__struct_fields__)
-JSON_COLUMNS: dict[str, Any] = {  # the JSON columns and what an empty one reads as
+JSON_COLUMNS: dict[str, object] = {  # the JSON columns and what an empty one reads as
     "gpus": None,
     "argv": [],
     "spec": {},
