@@ -109,7 +109,9 @@ def _host_arg(args: argparse.Namespace) -> list[str]:
 
 
 def partial_json(key: str, rows: list[dict[str, Any]], down: list[tuple[str, str]]) -> Any:
-    """The rows as they are when every host answered; else ``{key: rows, "unreachable": [{"host", "error"}]}``."""
+    """The rows as they are when every host answered; else ``{key: rows, "unreachable": [{"host", "error"}]}``.
+
+    The printing edge: ``rows`` are the JSON objects ``--json`` prints (``RunRecord.as_json``, ``group_runs``)."""
     if not down:
         return rows
     return {key: rows, "unreachable": [{"host": h, "error": e} for h, e in down]}
@@ -173,7 +175,7 @@ def intent_from_args(args: argparse.Namespace) -> LaunchIntent:
     argv = list(args.argv)
     if argv and argv[0] == "--":
         argv = argv[1:]
-    hosts = tuple(h.strip() for h in args.hosts.split(",") if h.strip()) if getattr(args, "hosts", None) else ()
+    hosts = tuple(h.strip() for h in args.hosts.split(",") if h.strip()) if args.hosts else ()
     return LaunchIntent(
         host=args.host or cfg.LOCAL,
         kind=args.kind,
@@ -190,7 +192,7 @@ def intent_from_args(args: argparse.Namespace) -> LaunchIntent:
         need_gib=args.need_gib,
         force=args.force,
         rdzv_port=args.rdzv_port,
-        rdzv_host=getattr(args, "rdzv_host", None),
+        rdzv_host=args.rdzv_host,
         checkpoint_dir=args.checkpoint_dir,
         on_rank_death=args.on_rank_death,
         expected_ranks=args.expected_ranks,
@@ -696,8 +698,8 @@ def build_parser() -> argparse.ArgumentParser:
     spec_args.add_argument(
         "--kind",
         default="command",
-        choices=["command", "fsdp", "dflash"],
-        help="fsdp/dflash: the arguments after -- may be just the trainer's (the command is built, under torchrun for several GPUs)",
+        help="command (default), fsdp or dflash (checked by the operations layer, as the console checks it); fsdp/dflash: the "
+        "arguments after -- may be just the trainer's (the command is built, under torchrun for several GPUs)",
     )
     spec_args.add_argument(
         "--python", default=None, help="the run's python interpreter (its environment is fingerprinted and pre-flighted)"
@@ -717,7 +719,6 @@ def build_parser() -> argparse.ArgumentParser:
     spec_args.add_argument(
         "--on-rank-death",
         default="alert",
-        choices=["alert", "stop"],
         help="when a rank dies and the run goes on: alert (default) or stop the whole run",
     )
     spec_args.add_argument("--expected-ranks", type=int, default=None, help="ranks the run must have (default: the manifest's world size)")
@@ -729,6 +730,14 @@ def build_parser() -> argparse.ArgumentParser:
     spec_args.add_argument(
         "--nproc-per-node", type=int, default=None, help="--kind fsdp/dflash: ranks per host (default: the number of --gpus)"
     )
+    spec_args.add_argument(
+        "--hosts", default=None, metavar="H1,H2,...", help="one run across these hosts (torchrun c10d; the first host is the rendezvous)"
+    )
+    spec_args.add_argument(
+        "--rdzv-host",
+        default=None,
+        help="multi-node: the address the other hosts reach the first one at (default: its rdzv_host or SSH HostName)",
+    )
     spec_args.add_argument("--json", action="store_true", help="print the result as JSON")
     spec_args.add_argument("argv", nargs=argparse.REMAINDER, help="-- then the command and its arguments (never run by a shell)")
 
@@ -736,14 +745,6 @@ def build_parser() -> argparse.ArgumentParser:
         "launch", parents=[spec_args], help="pre-flight, then start a run: gpudeck launch [--host H] [--gpus 0,1] -- CMD ARGS..."
     )
     p.add_argument("--request-id", default=None, help="idempotency key: a retry with the same key starts nothing new")
-    p.add_argument(
-        "--hosts", default=None, metavar="H1,H2,...", help="one run across these hosts (torchrun c10d; the first host is the rendezvous)"
-    )
-    p.add_argument(
-        "--rdzv-host",
-        default=None,
-        help="multi-node: the address the other hosts reach the first one at (default: its rdzv_host or SSH HostName)",
-    )
 
     p.set_defaults(func=cmd_launch)
 
