@@ -262,7 +262,7 @@ async def test_a_host_cut_off_past_the_keepalive_while_it_writes_thousands_of_ev
         row = history.find(burst, "hostb")
         assert row.state == "failed" and row.exit_code == 3, row
         evals = [e for e in history.events("hostb", burst, limit=100000) if e.kind == "telemetry" and e.data["record"]["type"] == "eval"]
-        assert [e["data"]["record"]["step"] for e in evals] == list(range(n_burst)), "an eval record is missing, doubled or out of order"
+        assert [e.data["record"]["step"] for e in evals] == list(range(n_burst)), "an eval record is missing, doubled or out of order"
         ends = [e for e in history.events("hostb", burst) if e.kind == "run_state" and e.data["state"] in ("failed", "succeeded")]
         assert len(ends) == 1
         assert history.find(short, "hostb").state == "succeeded"
