@@ -17,6 +17,9 @@ from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
+import msgspec
+from msgspec import UNSET
+
 from gpudeck.agents import __version__ as agent_version
 from gpudeck.agents import envs, paths
 from gpudeck.agents.client import AgentClient
@@ -25,6 +28,8 @@ from gpudeck.agents.protocol import VerifyReply, to_builtins
 from gpudeck.console import config as cfg
 from gpudeck.console.fleet import Fleet, SyncResult
 from gpudeck.console.formats import (
+    HostLine,
+    HostStatus,
     format_claims,
     format_history,
     format_hosts,
@@ -38,7 +43,7 @@ from gpudeck.console.formats import (
     why_down,
 )
 from gpudeck.console.history import History, HistoryError
-from gpudeck.console.multinode import group
+from gpudeck.console.multinode import group, group_runs
 from gpudeck.console.ops import (
     ClaimsIntent,
     LaunchIntent,
@@ -55,14 +60,14 @@ from gpudeck.console.ops.intent import check_start, env_items
 from gpudeck.console.ops.launch import launch as ops_launch
 from gpudeck.console.ops.launch import plan_here
 from gpudeck.console.ops.launch import preflight as ops_preflight
-from gpudeck.console.ops.relaunch import changed_environment, check_environment, rebuild_environment, recorded_environment, spec_from_row
+from gpudeck.console.ops.relaunch import changed_environment, check_environment, rebuild_environment, recorded_environment
 from gpudeck.console.ops.resolve import fleet_runs
 from gpudeck.console.ops.stop import StopOutcome, reclaim_targets, stop_run
 from gpudeck.console.ops.stop import reclaim as ops_reclaim
 from gpudeck.console.quarantine import format_problems
 from gpudeck.console.query import QueryError
-from gpudeck.console.rundiff import diff_runs, env_of, format_diff
-from gpudeck.console.sanitize import redact_run, terminal_text
+from gpudeck.console.rundiff import diff_runs, format_diff
+from gpudeck.console.sanitize import redact_events, redact_record, redact_run, terminal_text
 
 EXIT_ERROR = 1
 EXIT_USAGE = 2
@@ -104,7 +109,9 @@ def _host_arg(args: argparse.Namespace) -> list[str]:
 
 
 def partial_json(key: str, rows: list[dict[str, Any]], down: list[tuple[str, str]]) -> Any:
-    """The rows as they are when every host answered; else ``{key: rows, "unreachable": [{"host", "error"}]}``."""
+    """The rows as they are when every host answered; else ``{key: rows, "unreachable": [{"host", "error"}]}``.
+
+    The printing edge: ``rows`` are the JSON objects ``--json`` prints (``RunRecord.as_json``, ``group_runs``)."""
     if not down:
         return rows
     return {key: rows, "unreachable": [{"host": h, "error": e} for h, e in down]}
@@ -129,21 +136,17 @@ async def cmd_status(args: argparse.Namespace) -> int:
         print(json.dumps(to_builtins(snap)) if args.json else terminal_text(format_status(snap, args.host)))
         return 0
 
-    async def every(fleet: Fleet) -> list[dict[str, Any]]:
+    async def every(fleet: Fleet) -> list[HostStatus]:
         names = list(fleet.links)
         snaps = await asyncio.gather(*(fleet.snapshot(h) for h in names), return_exceptions=True)
         out = []
         for h, s in zip(names, snaps):
-            if isinstance(s, BaseException) and not isinstance(s, AgentError):
+            if isinstance(s, AgentError):
+                out.append(HostStatus(h, "unreachable", s.message, None))
+            elif isinstance(s, BaseException):
                 raise s
-            out.append(
-                {
-                    "host": h,
-                    "state": "up" if not isinstance(s, AgentError) else "unreachable",
-                    "error": s.message if isinstance(s, AgentError) else None,
-                    "snapshot": None if isinstance(s, AgentError) else s,
-                }
-            )
+            else:
+                out.append(HostStatus(h, "up", None, s))
         return out
 
     rows = await _with_fleet(every)
@@ -151,20 +154,20 @@ async def cmd_status(args: argparse.Namespace) -> int:
         print(
             json.dumps(
                 {
-                    "hosts": [{**r, "snapshot": to_builtins(r["snapshot"]) if r["snapshot"] else None} for r in rows],
-                    "unreachable": [{"host": r["host"], "error": r["error"]} for r in rows if not r["snapshot"]],
+                    "hosts": to_builtins(rows),
+                    "unreachable": [{"host": r.host, "error": r.error} for r in rows if not r.snapshot],
                 }
             )
         )
     else:
         parts = []
         for r in rows:
-            if r["snapshot"]:
-                parts.append(format_status(r["snapshot"], r["host"]))
+            if r.snapshot:
+                parts.append(format_status(r.snapshot, r.host))
             else:
-                parts.append(f"host {r['host']}  UNREACHABLE: {why_down(r['host'], r['error'])}")
+                parts.append(f"host {r.host}  UNREACHABLE: {why_down(r.host, r.error)}")
         print(terminal_text("\n\n".join(parts)))
-    return unreachable_exit([(r["host"], r["error"]) for r in rows if not r["snapshot"]])
+    return unreachable_exit([(r.host, r.error) for r in rows if not r.snapshot])
 
 
 def intent_from_args(args: argparse.Namespace) -> LaunchIntent:
@@ -172,7 +175,7 @@ def intent_from_args(args: argparse.Namespace) -> LaunchIntent:
     argv = list(args.argv)
     if argv and argv[0] == "--":
         argv = argv[1:]
-    hosts = tuple(h.strip() for h in args.hosts.split(",") if h.strip()) if getattr(args, "hosts", None) else ()
+    hosts = tuple(h.strip() for h in args.hosts.split(",") if h.strip()) if args.hosts else ()
     return LaunchIntent(
         host=args.host or cfg.LOCAL,
         kind=args.kind,
@@ -189,7 +192,7 @@ def intent_from_args(args: argparse.Namespace) -> LaunchIntent:
         need_gib=args.need_gib,
         force=args.force,
         rdzv_port=args.rdzv_port,
-        rdzv_host=getattr(args, "rdzv_host", None),
+        rdzv_host=args.rdzv_host,
         checkpoint_dir=args.checkpoint_dir,
         on_rank_death=args.on_rank_death,
         expected_ranks=args.expected_ranks,
@@ -334,12 +337,12 @@ async def cmd_diff(args: argparse.Namespace) -> int:
     try:
         a = await asyncio.to_thread(history.find, args.run_a, None, down)
         b = await asyncio.to_thread(history.find, args.run_b, None, down)
-        ma = await asyncio.to_thread(history.metrics, a["host"], a["id"])
-        mb = await asyncio.to_thread(history.metrics, b["host"], b["id"])
+        ma = await asyncio.to_thread(history.metrics, a.host, a.id)
+        mb = await asyncio.to_thread(history.metrics, b.host, b.id)
     finally:
         history.close()
     if not args.show_secrets:
-        a, b = redact_run(a), redact_run(b)
+        a, b = redact_record(a), redact_record(b)
     d = diff_runs(a, b, ma, mb)
     if args.json:
         print(
@@ -368,32 +371,32 @@ async def _relaunch(args: argparse.Namespace, good_ref: str | None) -> int:
         good = await asyncio.to_thread(history.find, good_ref, None, down) if good_ref else None
     finally:
         history.close()
-    spec = spec_from_row(row)
-    host = args.host or row["host"]
+    spec = row.launch_spec()
+    host = args.host or row.host
     hosts = list(spec.nodes) if len(spec.nodes) > 1 else [host]  # a multi-node run is relaunched on all its hosts
 
     async def go(fleet: Fleet) -> LaunchResult:
         if good is None:
-            intent = relaunch_intent(spec, row["id"], row["host"], start, to_host=host)
+            intent = relaunch_intent(spec, row.id, row.host, start, to_host=host)
         else:
-            recorded = recorded_environment(good["id"], env_of(good))
+            recorded = recorded_environment(good.id, good.env_fingerprint())
             check = await check_environment(fleet, host, recorded)
             if check.driver:
                 print(
-                    f"gpudeck: note: the NVIDIA driver on {host} differs from {good['id']}'s: {envs.describe(check.driver)[0]} (rollback cannot change the driver)",
+                    f"gpudeck: note: the NVIDIA driver on {host} differs from {good.id}'s: {envs.describe(check.driver)[0]} (rollback cannot change the driver)",
                     file=sys.stderr,
                 )
             python = recorded.python
             if not check.holds:
                 if not args.rebuild_env:
-                    raise changed_environment(good["id"], host, check)
+                    raise changed_environment(good.id, host, check)
                 print(
-                    f"gpudeck: {good['id']}'s environment changed ({len(check.changes)} difference(s)); rebuilding it from its recorded freeze on {host} ...",
+                    f"gpudeck: {good.id}'s environment changed ({len(check.changes)} difference(s)); rebuilding it from its recorded freeze on {host} ...",
                     file=sys.stderr,
                 )
                 python, path = await rebuild_environment(fleet, host, recorded)
                 print(f"gpudeck: rebuilt at {path}: matches the recorded fingerprint (freeze {recorded.freeze_hash[:12]})", file=sys.stderr)
-            intent = rollback_intent(spec, row["id"], spec_from_row(good), host, start, python, args.config_from, good_host=good["host"])
+            intent = rollback_intent(spec, row.id, good.launch_spec(), host, start, python, args.config_from, good_host=good.host)
         return await ops_launch(fleet, plan_here(intent))
 
     result = await _with_fleet(go, hosts=hosts)
@@ -415,7 +418,7 @@ async def cmd_runs(args: argparse.Namespace) -> int:
         run.host = h  # the fleet's name for the host, not the agent's own hostname
         runs.append(run)
     down = list(listed.unanswered.items())
-    rows = group([run_json(r) for r in runs], unreachable={h for h, _e in down})
+    rows = group_runs(runs, unreachable={h for h, _e in down})  # JSON objects: what --json prints and the table shows
     rows = rows if args.show_secrets else [redact_run(r) for r in rows]
     if args.json:
         print(json.dumps(partial_json("runs", rows, down)))
@@ -522,30 +525,30 @@ async def cmd_hosts(args: argparse.Namespace) -> int:
             print(f"{name}: {'removed from' if removed else 'not in'} {cfg.config_path()}")
         return 0
     conf = cfg.load()
-    rows: list[dict[str, Any]] = [
-        {"name": h.name, "transport": "unix" if h.name == cfg.LOCAL else "ssh", "command": "-" if h.name == cfg.LOCAL else h.command}
+    rows = [
+        HostLine(name=h.name, transport="unix" if h.name == cfg.LOCAL else "ssh", command="-" if h.name == cfg.LOCAL else h.command)
         for h in conf.hosts
     ]
     if args.check:
 
-        async def probe(fleet: Fleet) -> None:
-            async def one(row: dict[str, Any]) -> None:
-                link = fleet.link(row["name"])
+        async def probe(fleet: Fleet) -> list[HostLine]:
+            async def one(row: HostLine) -> HostLine:
+                link = fleet.link(row.name)
                 try:
                     c = await link.client(timeout=args.timeout)
-                    row.update(state="up", agent_version=c.hello.agent_version if c.hello else None, error=None)
+                    return msgspec.structs.replace(row, state="up", agent_version=c.hello.agent_version if c.hello else None, error=None)
                 except AgentError as exc:
-                    row.update(state=link.status.state, error=exc.message)
+                    return msgspec.structs.replace(row, state=link.status.state, error=exc.message)
 
-            await asyncio.gather(*(one(r) for r in rows))
+            return list(await asyncio.gather(*(one(r) for r in rows)))
 
-        await _with_fleet(probe)
+        rows = await _with_fleet(probe)
     if args.json:
-        print(json.dumps({"config": str(conf.path), "hosts": rows}))
+        print(json.dumps({"config": str(conf.path), "hosts": to_builtins(rows)}))
     else:
         print(f"config: {conf.path}" + ("" if conf.path.exists() else " (not created yet: `gpudeck hosts add NAME`)"))
         print(terminal_text(format_hosts(rows)))
-    return 0 if all(r.get("state", "up") == "up" for r in rows) else EXIT_ERROR
+    return 0 if all(r.state in (UNSET, "up") for r in rows) else EXIT_ERROR
 
 
 async def _synced_history(args: argparse.Namespace) -> tuple[History, list[SyncResult]]:
@@ -571,18 +574,18 @@ async def cmd_history(args: argparse.Namespace) -> int:
             problems = await asyncio.to_thread(history.problems, args.host)
         finally:
             history.close()
-        print(json.dumps(problems) if args.json else terminal_text(format_problems(problems)))
+        print(json.dumps(to_builtins(problems)) if args.json else terminal_text(format_problems(problems)))
         return 0
     try:
         rows = await asyncio.to_thread(history.query, " ".join(args.query))
-        down = {h["name"] for h in await asyncio.to_thread(history.hosts) if h.get("state") not in (None, "up")}
+        down = {h.name for h in await asyncio.to_thread(history.hosts) if h.state not in (None, "up")}
     finally:
         history.close()
     rows = group(rows, unreachable=down)
-    rows = rows if args.show_secrets else [redact_run(r) for r in rows]
+    rows = rows if args.show_secrets else [redact_record(r) for r in rows]
     missed = [(r.host, r.error or "not reachable") for r in synced if not r.ok]
     if args.json:
-        print(json.dumps(partial_json("runs", rows, missed), default=str))
+        print(json.dumps(partial_json("runs", [r.as_json() for r in rows], missed), default=str))
     else:
         print(terminal_text(format_history(rows)))
     return EXIT_UNREACHABLE if missed else 0  # _synced_history named them on stderr
@@ -592,16 +595,15 @@ async def cmd_show(args: argparse.Namespace) -> int:
     history, syncs = await _synced_history(args)
     try:
         run = await asyncio.to_thread(history.find, args.run, args.host, [r.host for r in syncs if not r.ok])
-        events = await asyncio.to_thread(history.events, run["host"], run["id"])
-        metrics = await asyncio.to_thread(history.metrics, run["host"], run["id"])
+        events = await asyncio.to_thread(history.events, run.host, run.id)
+        metrics = await asyncio.to_thread(history.metrics, run.host, run.id)
     finally:
         history.close()
     figures = run_figures(run, metrics)
     if not args.show_secrets:
-        shown = redact_run({**run, "events": events})
-        run, events = {k: v for k, v in shown.items() if k != "events"}, shown["events"]
+        run, events = redact_record(run), redact_events(events)
     if args.json:
-        print(json.dumps({**run, "figures": vars(figures), "events": events}, default=str))
+        print(json.dumps({**run.as_json(), "figures": vars(figures), "events": to_builtins(events)}, default=str))
     else:
         print(terminal_text(format_show(run, events, figures)))
     return 0
@@ -696,8 +698,8 @@ def build_parser() -> argparse.ArgumentParser:
     spec_args.add_argument(
         "--kind",
         default="command",
-        choices=["command", "fsdp", "dflash"],
-        help="fsdp/dflash: the arguments after -- may be just the trainer's (the command is built, under torchrun for several GPUs)",
+        help="command (default), fsdp or dflash (checked by the operations layer, as the console checks it); fsdp/dflash: the "
+        "arguments after -- may be just the trainer's (the command is built, under torchrun for several GPUs)",
     )
     spec_args.add_argument(
         "--python", default=None, help="the run's python interpreter (its environment is fingerprinted and pre-flighted)"
@@ -717,7 +719,6 @@ def build_parser() -> argparse.ArgumentParser:
     spec_args.add_argument(
         "--on-rank-death",
         default="alert",
-        choices=["alert", "stop"],
         help="when a rank dies and the run goes on: alert (default) or stop the whole run",
     )
     spec_args.add_argument("--expected-ranks", type=int, default=None, help="ranks the run must have (default: the manifest's world size)")
@@ -729,6 +730,14 @@ def build_parser() -> argparse.ArgumentParser:
     spec_args.add_argument(
         "--nproc-per-node", type=int, default=None, help="--kind fsdp/dflash: ranks per host (default: the number of --gpus)"
     )
+    spec_args.add_argument(
+        "--hosts", default=None, metavar="H1,H2,...", help="one run across these hosts (torchrun c10d; the first host is the rendezvous)"
+    )
+    spec_args.add_argument(
+        "--rdzv-host",
+        default=None,
+        help="multi-node: the address the other hosts reach the first one at (default: its rdzv_host or SSH HostName)",
+    )
     spec_args.add_argument("--json", action="store_true", help="print the result as JSON")
     spec_args.add_argument("argv", nargs=argparse.REMAINDER, help="-- then the command and its arguments (never run by a shell)")
 
@@ -736,14 +745,6 @@ def build_parser() -> argparse.ArgumentParser:
         "launch", parents=[spec_args], help="pre-flight, then start a run: gpudeck launch [--host H] [--gpus 0,1] -- CMD ARGS..."
     )
     p.add_argument("--request-id", default=None, help="idempotency key: a retry with the same key starts nothing new")
-    p.add_argument(
-        "--hosts", default=None, metavar="H1,H2,...", help="one run across these hosts (torchrun c10d; the first host is the rendezvous)"
-    )
-    p.add_argument(
-        "--rdzv-host",
-        default=None,
-        help="multi-node: the address the other hosts reach the first one at (default: its rdzv_host or SSH HostName)",
-    )
 
     p.set_defaults(func=cmd_launch)
 

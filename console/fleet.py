@@ -461,35 +461,35 @@ class Fleet:
             return
         rows = await asyncio.to_thread(self.history.query, f"host:{host} state:live")
         for r in rows:
-            if ((r.get("spec") or {}).get("nnodes") or 1) > 1 and r["id"] not in self._acted:
-                await self._stop_other_nodes(r["id"], host, f"node {host} unreachable for {NODE_LOST_S:.0f} s")
+            if r.spec_nnodes > 1 and r.id not in self._acted:
+                await self._stop_other_nodes(r.id, host, f"node {host} unreachable for {NODE_LOST_S:.0f} s")
 
     async def _stop_other_nodes(self, run_id: str, culprit: str, why: str) -> None:
         """``--on-rank-death stop`` across hosts: when one node fails or is lost, stop the others (and the lost one when it is back)."""
         assert self.history is not None
-        rows = [r for r in await asyncio.to_thread(self.history.query, f"id:{run_id} limit:64") if r["id"] == run_id]
+        rows = [r for r in await asyncio.to_thread(self.history.query, f"id:{run_id} limit:64") if r.id == run_id]
         if not rows:
             return
-        spec = rows[0].get("spec") or {}
-        if (spec.get("nnodes") or 1) < 2 or spec.get("on_rank_death") != "stop" or run_id in self._acted:
+        spec = rows[0].launch_spec_or_none()
+        if rows[0].spec_nnodes < 2 or spec is None or spec.on_rank_death != "stop" or run_id in self._acted:
             return
         self._acted.add(run_id)
         for r in rows:
-            if r["state"] not in ("starting", "running"):
+            if r.state not in ("starting", "running"):
                 continue
-            link = self.links.get(r["host"])
+            link = self.links.get(r.host)
             if link is None or link.status.state != "up":
-                await asyncio.to_thread(self.history.add_pending_stop, r["host"], run_id, 30.0)
+                await asyncio.to_thread(self.history.add_pending_stop, r.host, run_id, 30.0)
                 continue
             try:
                 await self.stop(
-                    r["host"],
+                    r.host,
                     run_id,
                     30.0,
                     reason=f"a rank died on another node ({why}) and the run was launched with --on-rank-death stop",
                 )
             except AgentError:
-                await asyncio.to_thread(self.history.add_pending_stop, r["host"], run_id, 30.0)
+                await asyncio.to_thread(self.history.add_pending_stop, r.host, run_id, 30.0)
 
     async def close(self) -> None:
         """Close every link."""

@@ -6,9 +6,13 @@ import json
 import time
 from typing import Any
 
+import msgspec
+from msgspec import UNSET, UnsetType
+
 from gpudeck.agents.protocol import PreflightResult, RunInfo, Snapshot, StopResult, to_builtins
 from gpudeck.console.fmt import duration, elapsed, gib, when
 from gpudeck.console.ops.figures import RunFigures, run_figures, tokens_text
+from gpudeck.console.records import EventRecord, RunRecord
 
 
 def table(headers: list[str], rows: list[list[str]]) -> str:
@@ -89,7 +93,8 @@ def format_status(snap: Snapshot, alias: str | None = None) -> str:
 
 
 def format_runs(runs: list[dict[str, Any]]) -> str:
-    """Human view of the run list (rows as ``run_json`` gives them; a multi-node run is one row, hosts joined by +)."""
+    """Human view of the run list: the very objects ``runs --json`` prints (``run_json``'s, a multi-node run one object
+    with its hosts joined by +), so the table and the JSON never disagree."""
     if not runs:
         return "no runs yet: `gpudeck launch -- CMD ...` starts one"
     rows = [
@@ -128,7 +133,7 @@ def format_stop(res: StopResult) -> str:
 
 
 def run_json(r: RunInfo) -> dict[str, Any]:
-    """The scripted shape of a run (stable keys for users' scripts)."""
+    """The scripted shape of a run (stable keys for users' scripts): the JSON object ``--json`` prints, the printing edge."""
     d = to_builtins(r)
     for k in ("exit_code", "signal", "cause", "started", "ended", "name"):
         d.setdefault(k, None)
@@ -145,18 +150,38 @@ def why_down(host: str, error: str | None) -> str:
     return (error or "").removeprefix(f"host {host} is unreachable: ").removeprefix(f"{host}: ")
 
 
-def format_hosts(rows: list[dict[str, Any]]) -> str:
+class HostLine(msgspec.Struct, kw_only=True, frozen=True):
+    """``gpudeck hosts``: one configured host, and (after ``--check``) its link state; unset fields are left out of ``--json``."""
+
+    name: str
+    transport: str = "ssh"
+    command: str = "-"
+    state: str | UnsetType = UNSET
+    agent_version: str | None | UnsetType = UNSET
+    error: str | None | UnsetType = UNSET
+
+
+class HostStatus(msgspec.Struct, frozen=True):
+    """``gpudeck status``: one host's snapshot, or why it did not answer."""
+
+    host: str
+    state: str  # up | unreachable
+    error: str | None
+    snapshot: Snapshot | None
+
+
+def format_hosts(rows: list[HostLine]) -> str:
     """``gpudeck hosts``: configured hosts and (when probed) their link state."""
     out = []
     for r in rows:
-        state = r.get("state") or "-"
-        if r.get("error"):
-            state += f": {why_down(r['name'], r['error'])}"
-        out.append([r["name"], r.get("transport", "ssh"), r.get("command", "-"), state[:240]])
+        state = r.state if isinstance(r.state, str) and r.state else "-"
+        if isinstance(r.error, str) and r.error:
+            state += f": {why_down(r.name, r.error)}"
+        out.append([r.name, r.transport, r.command, state[:240]])
     return table(["HOST", "LINK", "COMMAND", "STATE"], out)
 
 
-def format_history(rows: list[dict[str, Any]]) -> str:
+def format_history(rows: list[RunRecord]) -> str:
     """``gpudeck history``: one line per run, newest first."""
     if not rows:
         return "no runs match"
@@ -165,17 +190,17 @@ def format_history(rows: list[dict[str, Any]]) -> str:
         fig = run_figures(r)
         out.append(
             [
-                r["id"],
-                r["host"],
-                r.get("name") or "-",
-                r.get("kind") or "-",
-                r.get("state") or "-",
-                when(r.get("started") or r.get("created")),
+                r.id,
+                r.host,
+                r.name or "-",
+                r.kind or "-",
+                r.state or "-",
+                when(r.started or r.created),
                 duration(fig.elapsed_s) if fig.elapsed_s is not None else "-",
                 "-" if fig.last_step is None else str(fig.last_step),
                 tokens_text(fig.tokens_per_s),
-                str(r.get("alert_count") or "") or "-",
-                (r.get("cause") or "-")[:60],
+                str(r.alert_count or "") or "-",
+                (r.cause or "-")[:60],
             ]
         )
     return table(["RUN", "HOST", "NAME", "KIND", "STATE", "STARTED", "ELAPSED", "STEP", "TOK/S", "ALERTS", "CAUSE"], out)
@@ -186,43 +211,43 @@ def _kv(lines: list[str], key: str, value: object) -> None:
         lines.append(f"  {key:<16} {value}")
 
 
-def format_show(run: dict[str, Any], events: list[dict[str, Any]], figures: RunFigures | None = None) -> str:
+def format_show(run: RunRecord, events: list[EventRecord], figures: RunFigures | None = None) -> str:
     """``gpudeck show``: one run in full, with its timeline (the shared figures: console/ops/figures.py)."""
     fig = figures or run_figures(run)
-    lines = [f"run {run['id']} on {run['host']}" + (f" ({run['name']})" if run.get("name") else "")]
-    _kv(lines, "state", run.get("state"))
-    _kv(lines, "cause", run.get("cause"))
+    lines = [f"run {run.id} on {run.host}" + (f" ({run.name})" if run.name else "")]
+    _kv(lines, "state", run.state)
+    _kv(lines, "cause", run.cause)
     _kv(lines, "cause class", fig.cause_class)
-    _kv(lines, "kind", run.get("kind"))
-    _kv(lines, "command", " ".join(run.get("argv") or []))
-    _kv(lines, "gpus", run.get("gpus"))
-    _kv(lines, "start", run.get("start"))
-    _kv(lines, "cwd", run.get("cwd"))
-    _kv(lines, "operator", run.get("operator"))
-    _kv(lines, "parent", run.get("parent"))
-    _kv(lines, "created", when(run.get("created")))
-    _kv(lines, "started", when(run.get("started")) if run.get("started") else None)
-    _kv(lines, "ended", when(run.get("ended")) if run.get("ended") else None)
+    _kv(lines, "kind", run.kind)
+    _kv(lines, "command", " ".join(run.argv or []))
+    _kv(lines, "gpus", run.gpus)
+    _kv(lines, "start", run.start)
+    _kv(lines, "cwd", run.cwd)
+    _kv(lines, "operator", run.operator)
+    _kv(lines, "parent", run.parent)
+    _kv(lines, "created", when(run.created))
+    _kv(lines, "started", when(run.started) if run.started else None)
+    _kv(lines, "ended", when(run.ended) if run.ended else None)
     _kv(lines, "elapsed", duration(fig.elapsed_s) if fig.elapsed_s is not None else None)
-    _kv(lines, "exit code", run.get("exit_code"))
-    _kv(lines, "signal", run.get("signal"))
-    _kv(lines, "params", f"{run['params_total']:,}" if run.get("params_total") else None)
-    _kv(lines, "world size", run.get("world_size"))
-    _kv(lines, "ranks seen", run.get("ranks_seen") or None)
+    _kv(lines, "exit code", run.exit_code)
+    _kv(lines, "signal", run.signal)
+    _kv(lines, "params", f"{run.params_total:,}" if run.params_total else None)
+    _kv(lines, "world size", run.world_size)
+    _kv(lines, "ranks seen", run.ranks_seen or None)
     _kv(
         lines,
         "dataset",
-        f"{run.get('dataset_samples'):,} samples, {run.get('dataset_tokens') or 0:,} tokens" if run.get("dataset_samples") else None,
+        f"{run.dataset_samples:,} samples, {run.dataset_tokens or 0:,} tokens" if run.dataset_samples else None,
     )
     _kv(lines, "last step", fig.last_step)
-    _kv(lines, "loss", f"{run['last_loss']:.4f}" if run.get("last_loss") is not None else None)
+    _kv(lines, "loss", f"{run.last_loss:.4f}" if run.last_loss is not None else None)
     _kv(lines, "tokens/s median", tokens_text(fig.tokens_per_s) if fig.tokens_per_s is not None else None)
-    _kv(lines, "MFU", f"{run['mfu'] * 100:.1f}%" if run.get("mfu") is not None else None)
+    _kv(lines, "MFU", f"{run.mfu * 100:.1f}%" if run.mfu is not None else None)
     _kv(lines, "peak memory", f"{fig.peak_mem_gib:.2f} GiB" if fig.peak_mem_gib is not None else None)
-    _kv(lines, "checkpoint", run.get("last_checkpoint"))
-    _kv(lines, "tau", run.get("tau"))
-    _kv(lines, "error", run.get("error"))
-    env = run.get("env") or {}
+    _kv(lines, "checkpoint", run.last_checkpoint)
+    _kv(lines, "tau", run.tau)
+    _kv(lines, "error", run.error)
+    env = run.env or {}  # the recorded fingerprint as written (any gpudeck version's): shown field by field
     if env:
         _kv(
             lines,
@@ -230,9 +255,9 @@ def format_show(run: dict[str, Any], events: list[dict[str, Any]], figures: RunF
             f"python {env.get('python_version')} torch {env.get('torch')} cuda {env.get('torch_cuda')} nccl {env.get('nccl')} "
             f"driver {env.get('driver')} ({len(env.get('packages') or {})} packages, freeze {str(env.get('freeze_hash'))[:12]})",
         )
-    for a in run.get("alerts") or []:
+    for a in run.alerts or []:
         lines.append(f"  ALERT {a.get('kind')}: {a.get('message')}")
-    members = run.get("members") or []
+    members = run.members or []
     if members:
         lines.append(f"  members ({len(members)}):")
         for m in members[:32]:
@@ -244,13 +269,13 @@ def format_show(run: dict[str, Any], events: list[dict[str, Any]], figures: RunF
     if events:
         lines.append("  timeline:")
         for e in events:
-            lines.append(f"    {when(e['ts'])}  #{e['seq']:<6} {e['kind']:<12} {_event_summary(e)}")
+            lines.append(f"    {when(e.ts)}  #{e.seq:<6} {e.kind:<12} {_event_summary(e)}")
     return "\n".join(lines)
 
 
-def _event_summary(e: dict[str, Any]) -> str:
-    d = e.get("data") or {}
-    k = e["kind"]
+def _event_summary(e: EventRecord) -> str:
+    d = e.data or {}
+    k = e.kind
     if k == "run_state":
         return f"{d.get('state')}" + (f": {d['cause']}" if d.get("cause") else "")
     if k == "telemetry":

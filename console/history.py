@@ -29,13 +29,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gpudeck.console.sqlite_lib import sqlite_utils
+import msgspec
 
 from gpudeck.agents import paths
 from gpudeck.agents.causes import cause_class
 from gpudeck.agents.protocol import TERMINAL_STATES, Event
 from gpudeck.console import config, quarantine
 from gpudeck.console.query import compile_query
+from gpudeck.console.records import EpochRecord, EventRecord, HostRecord, MetricPoint, Problem, RunRecord, loads
+from gpudeck.console.sqlite_lib import sqlite_utils
 
 SCHEMA_VERSION = 1
 MAX_MEMBERS = 256  # members kept per run row (the events keep all of them)
@@ -105,15 +107,6 @@ class Cursor:
 
 def _j(value: Any) -> str:
     return json.dumps(value, default=str, separators=(",", ":"))
-
-
-def _loads(text: str | None, default: Any) -> Any:
-    if not text:
-        return default
-    try:
-        return json.loads(text)
-    except ValueError:
-        return default
 
 
 def _connect(path: Path) -> sqlite3.Connection:
@@ -218,7 +211,7 @@ class _Apply:
         state = d.get("state")
         if not state:
             return
-        fields: dict[str, Any] = {"state": state}
+        fields: dict[str, object] = {"state": state}  # column -> value
         for k in ("cause", "exit_code", "signal"):
             if k in d:
                 fields[k] = d[k]
@@ -230,9 +223,9 @@ class _Apply:
             if row is not None and pid is not None:
                 # the process the agent started heads the members list (the "members" events name only the ones
                 # found under it)
-                members = _loads(row[1], [])
+                members = loads(row[1], [])
                 if not any(m.get("pid") == pid for m in members):
-                    members.insert(0, {"pid": pid, "role": "leader", "rank": None, "local_rank": None, "cmdline": _loads(row[2], [])[:8]})
+                    members.insert(0, {"pid": pid, "role": "leader", "rank": None, "local_rank": None, "cmdline": loads(row[2], [])[:8]})
                     fields["members"] = _j(members)
         if state in TERMINAL_STATES:
             fields["ended"] = d.get("ended", ev.ts)
@@ -250,7 +243,7 @@ class _Apply:
         row = self._row(host, ev.run_id or "", "members")
         if row is None:
             return
-        members = _loads(row[0], [])
+        members = loads(row[0], [])
         updated = {m.get("pid"): m for m in ev.data.get("updated", [])}  # a member first read before its exec
         if updated:
             members = [updated.pop(m.get("pid"), m) for m in members]
@@ -270,9 +263,9 @@ class _Apply:
         row = self._row(host, rid, "telemetry, mem_peak_gib")
         if row is None:
             return
-        last = _loads(row[0], {})
+        last = loads(row[0], {})
         last[str(kind)] = rec
-        fields: dict[str, Any] = {"telemetry": _j(last)}
+        fields: dict[str, object] = {"telemetry": _j(last)}  # column -> value
         if kind == "manifest":
             for k in ("params_total", "world_size", "config_hash", "dataset_samples", "dataset_tokens"):
                 if rec.get(k) is not None:
@@ -303,7 +296,7 @@ class _Apply:
         row = self._row(host, ev.run_id or "", "alerts")
         if row is None:
             return
-        alerts = _loads(row[0], [])
+        alerts = loads(row[0], [])
         alert = ev.data.get("alert", ev.data)
         alerts.append(alert)
         self._update(host, ev.run_id or "", ev.ts, alerts=_j(alerts[-100:]), alert_count=len(alerts))
@@ -313,7 +306,7 @@ class _Apply:
         if row is None:
             return
         cleared = ev.data.get("alert", {})
-        alerts = _loads(row[0], [])
+        alerts = loads(row[0], [])
         for a in alerts:
             if a.get("kind") == cleared.get("kind") and a.get("ts") == cleared.get("ts"):
                 a["cleared"] = cleared.get("cleared", ev.ts)
@@ -541,28 +534,25 @@ class History:
         with self._read_lock:
             self._read_conn.execute("DELETE FROM pending_stops WHERE host=? AND run_id=?", (host, run_id))
 
-    def epochs(self, host: str) -> list[dict[str, Any]]:
+    def epochs(self, host: str) -> list[EpochRecord]:
         """Every agent epoch seen for a host, oldest first."""
         rows = self._exec("SELECT epoch, first_seen, last_seq, replaces FROM epochs WHERE host=? ORDER BY first_seen", (host,))
-        return [{"epoch": r[0], "first_seen": r[1], "last_seq": r[2], "replaces": r[3]} for r in rows]
+        return [EpochRecord(*r) for r in rows]
 
-    def hosts(self) -> list[dict[str, Any]]:
+    def hosts(self) -> list[HostRecord]:
         """Every host the history has heard of."""
         cols = ("name", "epoch", "first_seen", "last_seen", "agent_version", "agent_host", "state", "error")
-        return [dict(zip(cols, r)) for r in self._exec(f"SELECT {', '.join(cols)} FROM hosts ORDER BY name")]
+        return [HostRecord(*r) for r in self._exec(f"SELECT {', '.join(cols)} FROM hosts ORDER BY name")]
 
     # ------------------------------------------------------------------ queries
 
-    def query(self, text: str = "", now: float | None = None) -> list[dict[str, Any]]:
-        """Runs matching a filter (see console/query.py), newest first."""
+    def query(self, text: str = "", now: float | None = None) -> list[RunRecord]:
+        """Runs matching a filter (see console/query.py), newest first, each with its median tokens/s."""
         sql, params = compile_query(text, now).sql()
         with self._read_lock:
-            cur = self._read_conn.execute(sql, params)
-            cols = [d[0] for d in cur.description]
-            rows = cur.fetchall()
-            return add_tokens_median(self._read_conn, [decode_run(dict(zip(cols, r))) for r in rows])
+            return add_tokens_median(self._read_conn, read_runs(self._read_conn.execute(sql, params)))
 
-    def matches(self, ref: str, host: str | None = None) -> list[dict[str, Any]]:
+    def matches(self, ref: str, host: str | None = None) -> list[RunRecord]:
         """Every run whose id is ``ref``, starts with it, or whose name is it (the resolver picks: console/ops/resolve.py)."""
         esc = ref.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
         where = "(id = ? OR id LIKE ? ESCAPE '\\' OR name = ?)"
@@ -571,30 +561,27 @@ class History:
             where += " AND host = ?"
             params.append(host)
         with self._read_lock:
-            cur = self._read_conn.execute(f"SELECT * FROM runs WHERE {where} ORDER BY created DESC", params)
-            cols = [d[0] for d in cur.description]
-            rows = [dict(zip(cols, r)) for r in cur.fetchall()]
-        return [decode_run(r) for r in rows]
+            return read_runs(self._read_conn.execute(f"SELECT * FROM runs WHERE {where} ORDER BY created DESC", params))
 
-    def find(self, ref: str, host: str | None = None, unanswered: list[str] | None = None, destructive: bool = False) -> dict[str, Any]:
+    def find(self, ref: str, host: str | None = None, unanswered: list[str] | None = None, destructive: bool = False) -> RunRecord:
         """One run by id, unique id prefix or unique name; several matches are refused with the candidates (AmbiguousRun)."""
         from gpudeck.console.ops.resolve import resolve_record
 
         return resolve_record(self.matches(ref, host), ref, host, unanswered or [], destructive)
 
-    def events(self, host: str, run_id: str, limit: int = 10000) -> list[dict[str, Any]]:
+    def events(self, host: str, run_id: str, limit: int = 10000) -> list[EventRecord]:
         """A run's events in order."""
         rows = self._exec(
             "SELECT epoch, seq, ts, kind, data FROM events WHERE host=? AND run_id=? ORDER BY epoch, seq LIMIT ?", (host, run_id, limit)
         )
-        return [{"epoch": r[0], "seq": r[1], "ts": r[2], "kind": r[3], "data": _loads(r[4], {})} for r in rows]
+        return [EventRecord(r[0], r[1], r[2], r[3], loads(r[4], {})) for r in rows]
 
-    def metrics(self, host: str, run_id: str) -> list[dict[str, Any]]:
+    def metrics(self, host: str, run_id: str) -> list[MetricPoint]:
         """A run's recorded step metrics."""
         rows = self._exec(
             "SELECT step, ts, loss, tokens_per_s, mfu, mem_peak_gib FROM metrics WHERE host=? AND run_id=? ORDER BY step", (host, run_id)
         )
-        return [dict(zip(("step", "ts", "loss", "tokens_per_s", "mfu", "mem_peak_gib"), r)) for r in rows]
+        return [MetricPoint(*r) for r in rows]
 
     def event_count(self, host: str | None = None) -> int:
         """Events held (for one host or all)."""
@@ -602,7 +589,7 @@ class History:
             return int(self._exec("SELECT COUNT(*) FROM events")[0][0])
         return int(self._exec("SELECT COUNT(*) FROM events WHERE host=?", (host,))[0][0])
 
-    def problems(self, host: str | None = None) -> list[dict[str, Any]]:
+    def problems(self, host: str | None = None) -> list[Problem]:
         """The events kept out of the history (quarantined), oldest first."""
         with self._read_lock:
             return quarantine.rows(self._read_conn, host)
@@ -612,45 +599,29 @@ class History:
         return [r[0] for r in self._exec("SELECT seq FROM events WHERE host=? AND epoch=? ORDER BY seq", (host, epoch))]
 
 
-def add_tokens_median(conn: sqlite3.Connection, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Each row with ``tokens_per_s_median``: the median over its recorded steps (what every view shows as tokens/s)."""
+def read_runs(cur: sqlite3.Cursor) -> list[RunRecord]:
+    """The ``runs`` rows a query returned, as records (the JSON columns decoded)."""
+    cols = [d[0] for d in cur.description]
+    return [RunRecord.from_columns(dict(zip(cols, r))) for r in cur.fetchall()]
+
+
+def add_tokens_median(conn: sqlite3.Connection, rows: list[RunRecord]) -> list[RunRecord]:
+    """Each record with ``tokens_per_s_median``: the median over its recorded steps (what every view shows as tokens/s)."""
     import statistics
 
     if not rows:
         return rows
-    want = {(r["host"], r["id"]) for r in rows}
+    want = {(r.host, r.id) for r in rows}
     values: dict[tuple[str, str], list[float]] = {}
-    ids = sorted({r["id"] for r in rows})
+    ids = sorted({r.id for r in rows})
     for i in range(0, len(ids), 500):
         chunk = ids[i : i + 500]
         q = f"SELECT host, run_id, tokens_per_s FROM metrics WHERE tokens_per_s IS NOT NULL AND run_id IN ({','.join('?' * len(chunk))})"
         for host, rid, tps in conn.execute(q, chunk).fetchall():
             if (host, rid) in want:
                 values.setdefault((host, rid), []).append(float(tps))
+    out = []
     for r in rows:
-        vs = values.get((r["host"], r["id"]))
-        r["tokens_per_s_median"] = statistics.median(vs) if vs else None
-    return rows
-
-
-_JSON_COLUMNS: dict[str, Any] = {
-    "gpus": None,
-    "argv": [],
-    "spec": {},
-    "env": None,
-    "members": [],
-    "telemetry": {},
-    "alerts": [],
-    "preflight": None,
-    "stop": None,
-    "claims": [],
-}
-
-
-def decode_run(row: dict[str, Any]) -> dict[str, Any]:
-    """A runs row with its JSON columns decoded."""
-    out = dict(row)
-    for k, default in _JSON_COLUMNS.items():
-        if k in out:
-            out[k] = _loads(out[k], default)
+        vs = values.get((r.host, r.id))
+        out.append(msgspec.structs.replace(r, tokens_per_s_median=statistics.median(vs) if vs else None))
     return out

@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from textual.message import Message
+
+from gpudeck.console.records import RunRecord
 
 
 class HistoryLoaded(Message):
     """A history query finished in a thread: its rows, or the error that says how to fix the filter."""
 
-    def __init__(self, query: str, rows: list[dict[str, Any]], error: str | None = None, seconds: float = 0.0) -> None:
+    def __init__(self, query: str, rows: list[RunRecord], error: str | None = None, seconds: float = 0.0) -> None:
         super().__init__()
         self.query = query
         self.rows = rows
@@ -19,9 +19,9 @@ class HistoryLoaded(Message):
 
 
 class RecordLoaded(Message):
-    """A run's full history row (or None: the history does not hold it)."""
+    """A run's full history record (or None: the history does not hold it)."""
 
-    def __init__(self, host: str, run_id: str, record: dict[str, Any] | None, error: str | None = None) -> None:
+    def __init__(self, host: str, run_id: str, record: RunRecord | None, error: str | None = None) -> None:
         super().__init__()
         self.host = host
         self.run_id = run_id

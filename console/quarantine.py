@@ -20,6 +20,7 @@ import time
 from typing import Any
 
 from gpudeck.agents.protocol import Event
+from gpudeck.console.records import Problem
 
 INT_MIN, INT_MAX = -(2**63), 2**63 - 1
 MAX_DEPTH = 64
@@ -122,20 +123,18 @@ def put(conn: sqlite3.Connection, host: str, epoch: str, ev: Event, error: str) 
     )
 
 
-def rows(conn: sqlite3.Connection, host: str | None = None) -> list[dict[str, Any]]:
+def rows(conn: sqlite3.Connection, host: str | None = None) -> list[Problem]:
     """Every quarantined event (one host's, or all), oldest first."""
     cols = ("host", "epoch", "seq", "kind", "run_id", "error", "quarantined", "raw")
     sql = f"SELECT {', '.join(cols)} FROM quarantine" + (" WHERE host=?" if host else "") + " ORDER BY quarantined, host, seq"
-    return [dict(zip(cols, r)) for r in conn.execute(sql, (host,) if host else ()).fetchall()]
+    return [Problem(*r) for r in conn.execute(sql, (host,) if host else ()).fetchall()]
 
 
-def format_problems(problems: list[dict[str, Any]]) -> str:
+def format_problems(problems: list[Problem]) -> str:
     """Human view of ``gpudeck history --problems``."""
     if not problems:
         return "no problems: every event the agents sent is in the history"
     lines = [f"{len(problems)} event(s) kept out of the history (raw copies in its quarantine table):"]
     for p in problems:
-        lines.append(
-            f"  {p['host']} epoch {p['epoch'][:12]} seq {p['seq']} {p['kind']}{' run ' + p['run_id'] if p['run_id'] else ''}: {p['error']}"
-        )
+        lines.append(f"  {p.host} epoch {p.epoch[:12]} seq {p.seq} {p.kind}{' run ' + p.run_id if p.run_id else ''}: {p.error}")
     return "\n".join(lines)

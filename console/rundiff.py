@@ -1,7 +1,7 @@
 """Provides what changed between two runs: config and environment side by side, the meaningful first (failure 5).
 
 Both the CLI (``gpudeck diff``) and the console's History screen show this.
-Inputs are history rows (``History.find``); the environment part uses
+Inputs are run records (``History.find``); the environment part uses
 :func:`gpudeck.agents.envs.diff`, which orders python, torch and its CUDA build, the
 driver, NCCL, cuDNN and transformers before leaf packages.
 """
@@ -9,16 +9,12 @@ driver, NCCL, cuDNN and transformers before leaf packages.
 from __future__ import annotations
 
 import shlex
-from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
-
-import msgspec
 
 from gpudeck.agents import envs
-from gpudeck.agents.protocol import EnvFingerprint
 from gpudeck.console.fmt import duration
 from gpudeck.console.ops.figures import run_figures
+from gpudeck.console.records import MetricPoint, RunRecord
 
 
 @dataclass(frozen=True)
@@ -51,17 +47,6 @@ class RunDiff:
         return sum(r.differs for r in (*self.config, *self.environment))
 
 
-def env_of(row: Mapping[str, Any]) -> EnvFingerprint | None:
-    """The recorded environment fingerprint of a history row, if any."""
-    env = row.get("env")
-    if not env:
-        return None
-    try:
-        return msgspec.convert(env, EnvFingerprint)
-    except msgspec.ValidationError:
-        return None
-
-
 def _v(x: object) -> str:
     if x is None or x == "" or x == [] or x == {}:
         return "-"
@@ -75,33 +60,33 @@ def _v(x: object) -> str:
 
 
 def diff_runs(
-    a: dict[str, Any], b: dict[str, Any], a_metrics: list[dict[str, Any]] | None = None, b_metrics: list[dict[str, Any]] | None = None
+    a: RunRecord, b: RunRecord, a_metrics: list[MetricPoint] | None = None, b_metrics: list[MetricPoint] | None = None
 ) -> RunDiff:
-    """Compare two history rows (and, when given, their step metrics)."""
-    out = RunDiff(a_id=a["id"], b_id=b["id"])
-    sa, sb = a.get("spec") or {}, b.get("spec") or {}
+    """Compare two runs' records (and, when given, their step metrics)."""
+    out = RunDiff(a_id=a.id, b_id=b.id)
+    sa, sb = a.launch_spec_or_none(), b.launch_spec_or_none()
     for key, va, vb in (
-        ("host", a.get("host"), b.get("host")),
-        ("kind", a.get("kind"), b.get("kind")),
-        ("command", shlex.join(a.get("argv") or []), shlex.join(b.get("argv") or [])),
-        ("gpus", a.get("gpus"), b.get("gpus")),
-        ("start", a.get("start"), b.get("start")),
-        ("python", sa.get("python"), sb.get("python")),
-        ("cwd", a.get("cwd"), b.get("cwd")),
-        ("world size", a.get("world_size"), b.get("world_size")),
-        ("params", a.get("params_total"), b.get("params_total")),
-        ("config hash", a.get("config_hash"), b.get("config_hash")),
-        ("dataset samples", a.get("dataset_samples"), b.get("dataset_samples")),
+        ("host", a.host, b.host),
+        ("kind", a.kind, b.kind),
+        ("command", shlex.join(a.argv or []), shlex.join(b.argv or [])),
+        ("gpus", a.gpus, b.gpus),
+        ("start", a.start, b.start),
+        ("python", sa.python if sa else None, sb.python if sb else None),
+        ("cwd", a.cwd, b.cwd),
+        ("world size", a.world_size, b.world_size),
+        ("params", a.params_total, b.params_total),
+        ("config hash", a.config_hash, b.config_hash),
+        ("dataset samples", a.dataset_samples, b.dataset_samples),
     ):
         out.config.append(Row(key, _v(va), _v(vb)))
-    ea, eb = dict(sa.get("env") or {}), dict(sb.get("env") or {})
+    ea, eb = dict(sa.env if sa else {}), dict(sb.env if sb else {})
     for k in sorted(set(ea) | set(eb)):
         if k in ("PATH", "VIRTUAL_ENV", "PYTHONPATH", "CONDA_PREFIX") and ea.get(k) == eb.get(k):
             continue
         out.config.append(Row(f"env {k}", _v(ea.get(k)), _v(eb.get(k))))
-    fa, fb = env_of(a), env_of(b)
+    fa, fb = a.env_fingerprint(), b.env_fingerprint()
     if fa is None or fb is None:
-        missing = [r["id"] for r, f in ((a, fa), (b, fb)) if f is None]
+        missing = [r.id for r, f in ((a, fa), (b, fb)) if f is None]
         out.env_note = f"no environment fingerprint recorded for {', '.join(missing)} (not a python run, or recorded before fingerprints)"
     else:
         for c in envs.diff(fa, fb, ignore=envs.PATH_KEYS):
@@ -109,9 +94,9 @@ def diff_runs(
         if not out.environment:
             out.env_note = f"same environment (freeze {fa.freeze_hash[:12]})"
     fa_, fb_ = run_figures(a, a_metrics), run_figures(b, b_metrics)  # the figures every view shows (console/ops/figures.py)
-    for key, va, vb in (
-        ("state", a.get("state"), b.get("state")),
-        ("cause", a.get("cause"), b.get("cause")),
+    outcome: tuple[tuple[str, object, object], ...] = (
+        ("state", a.state, b.state),
+        ("cause", a.cause, b.cause),
         ("cause class", fa_.cause_class, fb_.cause_class),
         ("tokens/s (median)", fa_.tokens_per_s, fb_.tokens_per_s),
         ("peak memory GiB", fa_.peak_mem_gib, fb_.peak_mem_gib),
@@ -121,9 +106,10 @@ def diff_runs(
             duration(fa_.elapsed_s) if fa_.elapsed_s is not None else None,
             duration(fb_.elapsed_s) if fb_.elapsed_s is not None else None,
         ),
-        ("loss", a.get("last_loss"), b.get("last_loss")),
-    ):
-        out.outcome.append(Row(key, _v(va), _v(vb)))
+        ("loss", a.last_loss, b.last_loss),
+    )
+    for key, oa, ob in outcome:
+        out.outcome.append(Row(key, _v(oa), _v(ob)))
     return out
 
 

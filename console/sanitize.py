@@ -11,7 +11,7 @@ bidirectional overrides that reorder what is shown, or secrets passed with
   tab a caller keeps), DEL, C1, the bidirectional controls and the line and
   paragraph separators. An ESC sequence is defused by escaping its ESC; the
   rest of it shows as plain text.
-- :func:`redact_env` and :func:`redact_run` replace the values of environment
+- :func:`redact_env`, :func:`redact_record` and :func:`redact_run` replace the values of environment
   variables whose names look like secrets (``*_KEY``, ``*_TOKEN``,
   ``*_SECRET``, ``*PASSWORD*``, also ``*_KEY_*`` and the like) with
   ``REDACTED``, for every view, ``--json`` included, unless asked not to.
@@ -22,6 +22,10 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 from typing import Any
+
+import msgspec
+
+from gpudeck.console.records import EventRecord, RunRecord
 
 REDACTED = "REDACTED"
 
@@ -75,8 +79,26 @@ def redact_env(env: Mapping[str, str] | None) -> dict[str, str] | None:
     return {k: (REDACTED if is_secret_name(str(k)) and v else v) for k, v in env.items()}
 
 
+def redact_record(rec: RunRecord) -> RunRecord:
+    """A history record with its ``--env`` secrets redacted (the recorded spec's env)."""
+    if not isinstance(rec.spec, Mapping) or not isinstance(rec.spec.get("env"), Mapping):
+        return rec
+    return msgspec.structs.replace(rec, spec={**rec.spec, "env": redact_env(rec.spec["env"])})
+
+
+def redact_events(events: list[EventRecord]) -> list[EventRecord]:
+    """A run's events with the ``--env`` secrets of the specs they carry redacted."""
+    out = []
+    for e in events:
+        spec = e.data.get("spec") if isinstance(e.data, Mapping) else None
+        if isinstance(spec, Mapping) and isinstance(spec.get("env"), Mapping):
+            e = msgspec.structs.replace(e, data={**e.data, "spec": {**spec, "env": redact_env(spec["env"])}})
+        out.append(e)
+    return out
+
+
 def redact_run(run: Mapping[str, Any]) -> dict[str, Any]:
-    """A run record (the CLI's or the history's dict) with its ``--env`` secrets redacted wherever they appear."""
+    """``gpudeck runs --json``'s object for a run (the printing edge: RunInfo's JSON shape) with its ``--env`` secrets redacted."""
     out = dict(run)
     spec = out.get("spec")
     if isinstance(spec, Mapping):

@@ -9,20 +9,18 @@ that clock pins every figure on screen.
 from __future__ import annotations
 
 import sqlite3
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-import msgspec
+from typing import cast, get_args
 
 from gpudeck.agents import envs
-from gpudeck.agents.protocol import TERMINAL_STATES, Alert, EnvFingerprint, Gpu, GpuProcess, LaunchSpec, RunInfo, Snapshot
+from gpudeck.agents.protocol import TERMINAL_STATES, Alert, EnvFingerprint, Gpu, GpuProcess, LaunchSpec, RunInfo, RunState, Snapshot
 from gpudeck.console import fmt
-from gpudeck.console.history import add_tokens_median
-from gpudeck.console.ops.relaunch import spec_from_row
+from gpudeck.console.history import add_tokens_median, read_runs
 from gpudeck.console.query import compile_query
-from gpudeck.console.rundiff import Row, RunDiff, diff_runs, env_of
+from gpudeck.console.records import MetricPoint, Recorded, RunRecord
+from gpudeck.console.rundiff import Row, RunDiff, diff_runs
 
 LEFTOVER_HOLDERS = frozenset({"STALE", "FOREIGN", "NO_SUCH_PROCESS"})
 ALERT_HOLDERS = frozenset({"STALE", "NO_SUCH_PROCESS"})  # a FOREIGN holder is someone's notebook, not a fault
@@ -178,7 +176,7 @@ def run_row_from_info(r: RunInfo, host: str | None = None) -> RunRow:
     )
 
 
-def _alert_kinds(alerts: Any) -> tuple[tuple[str, ...], bool]:
+def _alert_kinds(alerts: list[Recorded]) -> tuple[tuple[str, ...], bool]:
     kinds: list[str] = []
     critical = False
     for a in alerts or []:
@@ -189,28 +187,28 @@ def _alert_kinds(alerts: Any) -> tuple[tuple[str, ...], bool]:
     return tuple(dict.fromkeys(kinds)), critical
 
 
-def run_row_from_history(d: Mapping[str, Any]) -> RunRow:
-    """A run as the history recorded it (a ``runs`` row with its JSON columns decoded)."""
-    alerts, critical = _alert_kinds(d.get("alerts"))
-    if not alerts and (d.get("alert_count") or 0) > 0:
-        alerts = (f"{d['alert_count']} alert(s)",)
+def run_row_from_history(d: RunRecord) -> RunRow:
+    """A run as the history recorded it."""
+    alerts, critical = _alert_kinds(d.alerts)
+    if not alerts and (d.alert_count or 0) > 0:
+        alerts = (f"{d.alert_count} alert(s)",)
     return RunRow(
-        id=str(d["id"]),
-        hosts=(str(d["host"]),),
-        state=str(d.get("state") or "pending"),
-        kind=str(d.get("kind") or "command"),
-        name=d.get("name"),
-        step=d.get("last_step"),
-        loss=d.get("last_loss"),
-        tokens_per_s=d.get("tokens_per_s"),
-        created=float(d.get("created") or 0.0),
-        started=d.get("started"),
-        ended=d.get("ended"),
-        cause=d.get("cause"),
+        id=str(d.id),
+        hosts=(str(d.host),),
+        state=str(d.state or "pending"),
+        kind=str(d.kind or "command"),
+        name=d.name,
+        step=d.last_step,
+        loss=d.last_loss,
+        tokens_per_s=d.tokens_per_s,
+        created=float(d.created or 0.0),
+        started=d.started,
+        ended=d.ended,
+        cause=d.cause,
         alerts=alerts,
         critical=critical,
-        torch=d.get("env_torch"),
-        parent=d.get("parent"),
+        torch=d.env_torch,
+        parent=d.parent,
     )
 
 
@@ -235,7 +233,7 @@ LIGHT_COLUMNS = (
 )
 
 
-def history_rows(path: Path, text: str = "", *, when: float | None = None) -> list[dict[str, Any]]:
+def history_rows(path: Path, text: str = "", *, when: float | None = None) -> list[RunRecord]:
     """Runs matching a history filter (console/query.py's language), newest first, light columns only.
 
     Blocking SQLite on a read-only connection of its own: call it from a thread.
@@ -244,63 +242,35 @@ def history_rows(path: Path, text: str = "", *, when: float | None = None) -> li
     sql, params = compile_query(text, when).sql(LIGHT_COLUMNS)
     conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=10.0)
     try:
-        cur = conn.execute(sql, params)
-        cols = [d[0] for d in cur.description]
-        rows = add_tokens_median(conn, [dict(zip(cols, r)) for r in cur.fetchall()])
+        return add_tokens_median(conn, read_runs(conn.execute(sql, params)))
     finally:
         conn.close()
-    for r in rows:
-        r["alerts"] = _json(r.get("alerts"), [])
-    return rows
-
-
-def _json(text: Any, default: Any) -> Any:
-    if not isinstance(text, str) or not text:
-        return default
-    try:
-        return msgspec.json.decode(text)
-    except msgspec.DecodeError:
-        return default
 
 
 # ----------------------------------------------------------------------------- records
 
 
-def spec_of(record: Mapping[str, Any]) -> LaunchSpec | None:
-    """The launch spec in a history row, or None when it is missing or not understood."""
-    try:
-        return spec_from_row(dict(record))
-    except msgspec.ValidationError:
-        return None
-
-
-def alerts_of(record: Mapping[str, Any]) -> list[Alert]:
-    """The alerts in a history row (those that decode)."""
-    out: list[Alert] = []
-    for a in record.get("alerts") or []:
-        try:
-            out.append(msgspec.convert(a, Alert))
-        except msgspec.ValidationError:
-            continue
-    return out
-
-
 RECORD_FACTS = ("id", "host", "name", "cause", "exit_code", "signal", "started", "ended")  # the same name in a history row and a RunInfo
 
 
-def run_from_record(record: Mapping[str, Any]) -> RunInfo | None:
-    """A history row as a RunInfo (what the Run screen shows when the agent cannot say); None without a spec."""
-    spec = spec_of(record)
+def _run_state(state: str | None) -> RunState:
+    """A recorded state as RunInfo's literal (one it does not know reads as pending)."""
+    return cast(RunState, state) if state in get_args(RunState) else "pending"  # checked against RunState's own literals
+
+
+def run_from_record(record: RunRecord) -> RunInfo | None:
+    """A history record as a RunInfo (what the Run screen shows when the agent cannot say); None without a spec."""
+    spec = record.launch_spec_or_none()
     if spec is None:
         return None
-    facts = {k: record[k] for k in RECORD_FACTS if record.get(k) is not None}
+    facts = {k: v for k in RECORD_FACTS if (v := getattr(record, k)) is not None}
     return RunInfo(
         **facts,
-        state=record.get("state") or "pending",
+        state=_run_state(record.state),
         spec=spec,
-        created=float(record.get("created") or 0.0),
-        alerts=alerts_of(record),
-        env=env_of(record),
+        created=float(record.created or 0.0),
+        alerts=record.alert_list(),
+        env=record.env_fingerprint(),
     )
 
 
@@ -351,19 +321,20 @@ def argv_rows(a: Sequence[str], b: Sequence[str]) -> list[Row]:
     return [Row(k, fa.get(k, "-"), fb.get(k, "-")) for k in dict.fromkeys([*fa, *fb]) if fa.get(k) != fb.get(k)]
 
 
-def run_diff(
-    ra: Mapping[str, Any], rb: Mapping[str, Any], ma: list[dict[str, Any]] | None = None, mb: list[dict[str, Any]] | None = None
-) -> RunDiff:
-    """Two history rows (and their step metrics) compared by :func:`gpudeck.console.rundiff.diff_runs`, the differing arguments after the command."""
-    diff = diff_runs(dict(ra), dict(rb), ma, mb)
+def run_diff(ra: RunRecord, rb: RunRecord, ma: list[MetricPoint] | None = None, mb: list[MetricPoint] | None = None) -> RunDiff:
+    """Two runs' records (and their step metrics) compared by :func:`gpudeck.console.rundiff.diff_runs`, the differing arguments after the command."""
+    diff = diff_runs(ra, rb, ma, mb)
     at = next((i + 1 for i, r in enumerate(diff.config) if r.key == "command"), len(diff.config))
     diff.config[at:at] = argv_rows(_argv(ra), _argv(rb))
     return diff
 
 
-def _argv(record: Mapping[str, Any]) -> list[str]:
-    """The command a row records: the history's ``argv`` column (what rundiff compares), else its spec's."""
-    return list(record.get("argv") or (record.get("spec") or {}).get("argv") or [])
+def _argv(record: RunRecord) -> list[str]:
+    """The command a record holds: the history's ``argv`` column (what rundiff compares), else its spec's."""
+    if record.argv:
+        return list(record.argv)
+    spec = record.launch_spec_or_none()
+    return list(spec.argv) if spec is not None else []
 
 
 def core_changes(diff: RunDiff) -> list[Row]:
@@ -376,36 +347,9 @@ def diff_sections(diff: RunDiff) -> list[tuple[str, list[Row]]]:
     return [("environment", diff.environment), ("config", diff.config), ("outcome", diff.outcome)]
 
 
-def run_label(record: Mapping[str, Any]) -> str:
-    """A run in a few words for a diff's column: 'r-7f3a9c21 llama-1b on gpu1'."""
-    return " ".join(str(x) for x in (record.get("id"), record.get("name"), "on", record.get("host")) if x)
-
-
 def row_label(row: Row) -> str:
     """An environment row's name as people say it ('torch CUDA build' for ``torch_cuda``)."""
     return envs._LABELS.get(row.key, row.key)
-
-
-def record_from_info(r: RunInfo) -> dict[str, Any]:
-    """A RunInfo in the shape of a history row (for diffs when a run is known only to its agent)."""
-    tel = r.telemetry
-    d = msgspec.to_builtins(r)
-    d.update(
-        last_step=tel.step if tel else None,
-        last_loss=tel.loss if tel else None,
-        tokens_per_s=tel.tokens_per_s if tel else None,
-        mfu=tel.mfu if tel else None,
-        world_size=tel.world_size if tel else None,
-        params_total=tel.params_total if tel else None,
-        alert_count=len(r.alerts),
-        env_torch=r.env.torch if r.env else None,
-        kind=r.spec.kind,
-        argv=list(r.spec.argv),  # the history's own columns for what the spec holds
-        gpus=r.spec.gpus,
-        start=r.spec.start,
-        cwd=r.spec.cwd,
-    )
-    return d
 
 
 def gpu_free(g: Gpu) -> int:

@@ -8,12 +8,14 @@
 from __future__ import annotations
 
 import statistics
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
+
+from msgspec import UNSET
 
 from gpudeck.agents.causes import cause_class
 from gpudeck.console import fmt  # the console's one clock (tests pin it)
+from gpudeck.console.records import MetricPoint, RunRecord
 
 
 @dataclass(frozen=True)
@@ -27,27 +29,28 @@ class RunFigures:
     cause_class: str | None
 
 
-def median_tokens_per_s(metrics: Iterable[Mapping[str, Any]]) -> float | None:
+def median_tokens_per_s(metrics: Iterable[MetricPoint]) -> float | None:
     """The median tokens/s over recorded steps (None when none recorded one)."""
-    values = [float(m["tokens_per_s"]) for m in metrics if isinstance(m.get("tokens_per_s"), (int, float))]
+    values = [float(m.tokens_per_s) for m in metrics if isinstance(m.tokens_per_s, (int, float))]
     return statistics.median(values) if values else None
 
 
-def run_figures(row: Mapping[str, Any], metrics: Iterable[Mapping[str, Any]] | None = None, now: float | None = None) -> RunFigures:
-    """The figures of a history row (and its step metrics, when read)."""
+def run_figures(row: RunRecord, metrics: Iterable[MetricPoint] | None = None, now: float | None = None) -> RunFigures:
+    """The figures of a run's record (and its step metrics, when read)."""
     tps = median_tokens_per_s(metrics or [])
     if tps is None:
-        tps = row.get("tokens_per_s_median") if row.get("tokens_per_s_median") is not None else row.get("tokens_per_s")
-    step = row.get("final_step") if row.get("final_step") is not None else row.get("last_step")
-    started, ended = row.get("started"), row.get("ended")
+        median = row.tokens_per_s_median
+        tps = median if median is not UNSET and median is not None else row.tokens_per_s
+    step = row.final_step if row.final_step is not None else row.last_step
+    started, ended = row.started, row.ended
     elapsed = fmt.elapsed(started, ended) if now is None else (max(0.0, float(ended or now) - float(started)) if started else None)
-    cls = row.get("cause_class")
-    if not cls and row.get("cause"):
-        cls = cause_class(row.get("state"), str(row["cause"]))
+    cls = row.cause_class
+    if not cls and row.cause:
+        cls = cause_class(row.state, str(row.cause))
     return RunFigures(
         tokens_per_s=float(tps) if isinstance(tps, (int, float)) else None,
         last_step=int(step) if isinstance(step, int) else None,
-        peak_mem_gib=float(row["mem_peak_gib"]) if isinstance(row.get("mem_peak_gib"), (int, float)) else None,
+        peak_mem_gib=float(row.mem_peak_gib) if isinstance(row.mem_peak_gib, (int, float)) else None,
         elapsed_s=elapsed,
         cause_class=cls or None,
     )

@@ -127,13 +127,29 @@ def check_start(start: str | None, needed: bool) -> str | None:
 
 
 def check_gpus(text: str | None) -> list[int] | None:
-    """``0,1`` / ``0-3`` -> indices (None: leave CUDA_VISIBLE_DEVICES alone)."""
+    """``0,1`` / ``0-3`` -> indices (None: leave CUDA_VISIBLE_DEVICES alone).
+
+    Stricter than the contract's parser, which skips an empty entry and folds a repeated index: ``0,,1``
+    is a typo and ``0,0`` asks for one GPU twice, so both are refused here rather than read as ``0,1`` / ``0``.
+    """
     if text is None or not str(text).strip():
         return None
+    fix = "write indices like 0,1,2 or a range like 0-3"
+    entries = [e.strip() for e in str(text).split(",")]
+    if any(not e for e in entries):
+        raise IntentError("gpus", f"{text!r} is not a GPU list: an entry is empty", fix + " (one index between commas)")
+    for e in entries:
+        lo, dash, hi = e.partition("-")
+        if dash and lo.strip().isdigit() and hi.strip().isdigit() and int(lo) > int(hi):
+            raise IntentError("gpus", f"{text!r} is not a GPU list: the range {e} runs backwards", f"write it low to high: {hi}-{lo}")
     try:
-        return parse_index_list(text)
+        gpus = parse_index_list(text)
     except ValueError:
-        raise IntentError("gpus", f"{text!r} is not a GPU list", "write indices like 0,1,2 or a range like 0-3") from None
+        raise IntentError("gpus", f"{text!r} is not a GPU list", fix) from None
+    asked = sum(int(e.partition("-")[2]) - int(e.partition("-")[0]) + 1 if "-" in e else 1 for e in entries)
+    if asked != len(gpus):
+        raise IntentError("gpus", f"{text!r} names a GPU more than once", "name each GPU once")
+    return gpus
 
 
 def check_env(env: Mapping[str, str]) -> dict[str, str]:
@@ -219,6 +235,16 @@ def check_kind(kind: str) -> LaunchKind:
     if kind not in KINDS:
         raise IntentError("kind", f"{kind!r} is not a kind", f"choose one of {', '.join(KINDS)}")
     return cast(LaunchKind, kind)  # checked against KINDS just above
+
+
+def check_host(host: str) -> str:
+    """The one host of a launch: a name the config can hold (``local`` is this machine)."""
+    try:
+        return cfg.check_host_name(host)
+    except cfg.ConfigError:
+        raise IntentError(
+            "host", f"{host!r} is not a host name", "give the name of a Host entry in ~/.ssh/config (letters, digits, . - _) or local"
+        ) from None
 
 
 def check_hosts(hosts: tuple[str, ...]) -> list[str]:

@@ -38,6 +38,7 @@ from gpudeck.console.ops.intent import (
     check_claims,
     check_env,
     check_gpus,
+    check_host,
     check_hosts,
     check_kind,
     check_positive,
@@ -168,6 +169,8 @@ def plan_launch(
             "put torchrun in the command yourself, or choose --kind fsdp/dflash",
         )
     start = check_start(intent.start, needed=intent.trainer_args)
+    if not intent.hosts:
+        check_host(intent.host or cfg.LOCAL)
     python = intent.python or DEFAULT_PYTHON
     n = nproc or (len(gpus) if gpus else 1)
     program = _program(intent, start)
@@ -371,12 +374,14 @@ async def launch(fleet: Fleet, plan: LaunchPlan, request_id: str = "") -> Launch
         return_exceptions=True,
     )
     nodes = []
-    for (h, _), r in zip(plan.nodes, replies):
+    for (h, sp), r in zip(plan.nodes, replies):
         if isinstance(r, AgentError):
             nodes.append(NodeOutcome(h, error=r.message))
         elif isinstance(r, BaseException):
             raise r
         else:
+            if r.duplicate:  # node i's key is f"{request_id}-{i}": the same key for another command is refused here too
+                refuse_reused_request(r.run.spec, sp, request_id)
             nodes.append(NodeOutcome(h, reply=r))
     result = LaunchResult("running", plan, nodes)
     if result.failed:

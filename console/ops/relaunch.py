@@ -12,12 +12,8 @@ configuration) after proving that environment still matches its fingerprint
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-import msgspec
 
 from gpudeck.agents import envs
 from gpudeck.agents.protocol import EnvFingerprint, LaunchSpec
@@ -61,13 +57,6 @@ def _torchrun_options(rest: list[str]) -> tuple[dict[str, str], bool, list[str]]
         else:
             break
     return (opts, standalone, rest[i:]) if rest[i:] else None
-
-
-def spec_from_row(row: Mapping[str, Any]) -> LaunchSpec:
-    """The LaunchSpec a history row recorded (msgspec.ValidationError when it does not decode)."""
-    spec = dict(row.get("spec") or {})
-    spec.setdefault("argv", row.get("argv") or [])
-    return msgspec.convert(spec, LaunchSpec)
 
 
 def intent_from_spec(spec: LaunchSpec, host: str, conf: cfg.Config | None = None) -> LaunchIntent:

@@ -18,12 +18,12 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 from gpudeck.agents.errors import AgentError
 from gpudeck.agents.protocol import LIVE_STATES, RunInfo
 from gpudeck.console.fleet import Fleet
 from gpudeck.console.ops.errors import AmbiguousRun, Candidate, NoSuchRun, Unanswered
+from gpudeck.console.records import RunRecord
 
 LIST_LIMIT = 100_000  # runs asked of each host when a reference is not an exact id
 
@@ -152,28 +152,19 @@ def _is_no_such(exc: AgentError) -> bool:
 # ----------------------------------------------------------------------------- the history
 
 
-def _record_match(row: dict[str, Any]) -> Match:
-    spec = row.get("spec") or {}
-    nr = spec.get("node_rank") if isinstance(spec, dict) else None
-    return Match(
-        row["host"],
-        row["id"],
-        row.get("name"),
-        row.get("state") or "?",
-        row.get("started") or row.get("created"),
-        nr if isinstance(nr, int) else 0,
-    )
+def _record_match(row: RunRecord) -> Match:
+    return Match(row.host, row.id, row.name, row.state or "?", row.started or row.created, row.node_rank)
 
 
 def resolve_record(
-    rows: Sequence[dict[str, Any]], ref: str, host: str | None = None, unanswered: Sequence[str] = (), destructive: bool = False
-) -> dict[str, Any]:
+    rows: Sequence[RunRecord], ref: str, host: str | None = None, unanswered: Sequence[str] = (), destructive: bool = False
+) -> RunRecord:
     """The history row ``ref`` names among ``rows`` (the history's candidates), by the same rules; the first node's row.
 
     ``unanswered``: hosts whose newest runs the history may lack (their sync did not answer).
     """
-    rows = [r for r in rows if host is None or r["host"] == host]
-    by_key = {(r["host"], r["id"]): r for r in rows}
+    rows = [r for r in rows if host is None or r.host == host]
+    by_key = {(r.host, r.id): r for r in rows}
     try:
         chosen = pick(ref, [_record_match(r) for r in by_key.values()])
     except AmbiguousRun as exc:
@@ -181,9 +172,9 @@ def resolve_record(
     if not chosen:
         raise NoSuchRun(ref, f"in the history{' of ' + host if host else ''}", list(unanswered), listing="gpudeck history")
     row = by_key[(chosen[0].host, chosen[0].id)]
-    if destructive and unanswered and row["id"] != ref and row.get("state") in LIVE_STATES:
+    if destructive and unanswered and row.id != ref and row.state in LIVE_STATES:
         raise Unanswered(
             f"{', '.join(unanswered)} did not answer and may hold another run named {ref!r}: "
-            f"give --host or the full id ({row['id']} on {row['host']}) to act on this one"
+            f"give --host or the full id ({row.id} on {row.host}) to act on this one"
         )
     return row

@@ -58,8 +58,11 @@ class Guarded:
 
     def screen_gone(self) -> bool:
         """Whether this screen is no longer (or not yet) mounted on the app's screen stack."""
+        screen = self if isinstance(self, Screen) else None  # Guarded is mixed into screens only (typed, not ignored)
+        if screen is None:
+            return True
         try:
-            return not self.is_mounted or not self.is_attached or self not in self.app.screen_stack  # type: ignore[attr-defined]
+            return not screen.is_mounted or not screen.is_attached or screen not in screen.app.screen_stack
         except Exception:
             return True
 

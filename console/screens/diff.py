@@ -2,17 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from rich.text import Text
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.screen import Screen
 from textual.widgets import Footer, Static
 
-from gpudeck.console.sanitize import redact_run
+from gpudeck.console.records import MetricPoint, RunRecord
+from gpudeck.console.sanitize import redact_record
 from gpudeck.console.screens.base import Guarded
-from gpudeck.console.views import run_diff, run_label
+from gpudeck.console.views import run_diff
 from gpudeck.console.widgets.cells import shown
 from gpudeck.console.widgets.diff import diff_rows, diff_summary
 from gpudeck.console.widgets.header import AppHeader
@@ -36,13 +35,13 @@ class DiffScreen(Guarded, Screen):
 
     def __init__(
         self,
-        a: dict[str, Any],
-        b: dict[str, Any],
-        a_metrics: list[dict[str, Any]] | None = None,
-        b_metrics: list[dict[str, Any]] | None = None,
+        a: RunRecord,
+        b: RunRecord,
+        a_metrics: list[MetricPoint] | None = None,
+        b_metrics: list[MetricPoint] | None = None,
     ) -> None:
         super().__init__()
-        self.a, self.b = redact_run(a), redact_run(b)  # --env secrets never shown
+        self.a, self.b = redact_record(a), redact_record(b)  # --env secrets never shown
         self.ma, self.mb = a_metrics, b_metrics
         self.only_differences = False
 
@@ -65,7 +64,7 @@ class DiffScreen(Guarded, Screen):
 
     def _redraw(self) -> None:
         diff = run_diff(self.a, self.b, self.ma, self.mb)
-        a_label, b_label = run_label(self.a), run_label(self.b)
+        a_label, b_label = self.a.label(), self.b.label()
         self.query_one("#diff-title", Static).update(
             shown(Text.assemble(("Diff  ", "bold"), ("A ", "dim"), a_label, ("   B ", "dim"), b_label))
         )

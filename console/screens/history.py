@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any
 
 from rich.text import Text
 from textual import on, work
@@ -17,6 +16,7 @@ from gpudeck.console.fmt import duration
 from gpudeck.console.messages import HistoryLoaded
 from gpudeck.console.ops.figures import run_figures, tokens_text
 from gpudeck.console.query import QueryError
+from gpudeck.console.records import RunRecord
 from gpudeck.console.screens.base import LiveScreen, deck
 from gpudeck.console.screens.runs import why_text
 from gpudeck.console.views import history_rows, run_row_from_history, short_when
@@ -43,7 +43,7 @@ RELOAD_MIN_S = 2.0
 TYPE_DELAY_S = 0.4
 
 
-def history_cells(d: dict[str, Any]) -> dict[str, object]:
+def history_cells(d: RunRecord) -> dict[str, object]:
     """One recorded run's row."""
     r = run_row_from_history(d)
     fig = run_figures(d)  # the figures the CLI and the Diff screen show too
@@ -83,7 +83,7 @@ class HistoryScreen(LiveScreen):
     def __init__(self, query: str = "") -> None:
         super().__init__()
         self.query_text = query
-        self.rows: dict[str, dict[str, Any]] = {}
+        self.rows: dict[str, RunRecord] = {}
         self._loaded_at = 0.0
         self._due = False
         self._typing: Timer | None = None
@@ -151,7 +151,7 @@ class HistoryScreen(LiveScreen):
         if message.query != self.query_text:
             return  # an older filter's answer
         table = self.query_one("#history-table", KeyedTable)
-        self.rows = {f"{d['host']}/{d['id']}": d for d in message.rows}
+        self.rows = {f"{d.host}/{d.id}": d for d in message.rows}
         before = set(table.keys())
         table.sync({k: history_cells(d) for k, d in self.rows.items()})
         if set(self.rows) - before:
@@ -200,12 +200,12 @@ class HistoryScreen(LiveScreen):
         key = self.query_one("#history-table", KeyedTable).cursor_key
         if key is not None and key in self.rows:
             d = self.rows[key]
-            deck(self).open_run(d["host"], d["id"])
+            deck(self).open_run(d.host, d.id)
 
     def on_data_table_row_selected(self, event: KeyedTable.RowSelected) -> None:
         d = self.rows.get(str(event.row_key.value))
         if d is not None:
-            deck(self).open_run(d["host"], d["id"])
+            deck(self).open_run(d.host, d.id)
 
     def action_mark(self) -> None:
         table = self.query_one("#history-table", KeyedTable)
@@ -228,7 +228,7 @@ class HistoryScreen(LiveScreen):
         self.open_diff(self.rows[keys[0]], self.rows[keys[1]])
 
     @work(exclusive=True, group="history-diff")
-    async def open_diff(self, a: dict[str, Any], b: dict[str, Any]) -> None:
+    async def open_diff(self, a: RunRecord, b: RunRecord) -> None:
         """Read both runs' full rows (environment included) in a thread, then show them side by side."""
         from gpudeck.console.screens.diff import DiffScreen
 
@@ -237,10 +237,10 @@ class HistoryScreen(LiveScreen):
             return
         try:
             full_a, full_b, ma, mb = await asyncio.gather(
-                asyncio.to_thread(history.find, a["id"], a["host"]),
-                asyncio.to_thread(history.find, b["id"], b["host"]),
-                asyncio.to_thread(history.metrics, a["host"], a["id"]),
-                asyncio.to_thread(history.metrics, b["host"], b["id"]),
+                asyncio.to_thread(history.find, a.id, a.host),
+                asyncio.to_thread(history.find, b.id, b.host),
+                asyncio.to_thread(history.metrics, a.host, a.id),
+                asyncio.to_thread(history.metrics, b.host, b.id),
             )
         except Exception as exc:
             self.notify(str(exc), title="cannot diff", severity="error")

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from rich.text import Text
 from textual.app import ComposeResult
 from textual.binding import Binding
@@ -12,6 +10,7 @@ from textual.screen import ModalScreen
 from textual.widgets import Static
 
 from gpudeck.console.fmt import when
+from gpudeck.console.records import RunRecord
 from gpudeck.console.widgets.cells import plain_markup, state_text
 from gpudeck.console.widgets.keyed_table import Col, KeyedTable
 
@@ -26,16 +25,16 @@ COLUMNS = [
 ]
 
 
-class RunPicker(ModalScreen[dict[str, Any] | None]):
+class RunPicker(ModalScreen[RunRecord | None]):
     """A table of candidate runs; enter picks one, esc cancels."""
 
     BINDINGS = [Binding("escape", "cancel", "Cancel"), Binding("enter", "pick", "Pick")]
 
-    def __init__(self, title: str, hint: str, rows: list[dict[str, Any]]) -> None:
+    def __init__(self, title: str, hint: str, rows: list[RunRecord]) -> None:
         super().__init__()
         self._title = title
         self._hint = hint
-        self._rows = {f"{r['host']}/{r['id']}": r for r in rows}
+        self._rows = {f"{r.host}/{r.id}": r for r in rows}
 
     def compose(self) -> ComposeResult:
         with Vertical(classes="dialog wide", id="picker"):
@@ -48,13 +47,13 @@ class RunPicker(ModalScreen[dict[str, Any] | None]):
         table.sync(
             {
                 k: {
-                    "id": r["id"],
-                    "name": r.get("name") or "-",
-                    "host": r["host"],
-                    "state": state_text(str(r.get("state"))),
-                    "started": when(r.get("started") or r.get("created")),
-                    "torch": r.get("env_torch") or "-",
-                    "cause": r.get("cause") or "",
+                    "id": r.id,
+                    "name": r.name or "-",
+                    "host": r.host,
+                    "state": state_text(str(r.state)),
+                    "started": when(r.started or r.created),
+                    "torch": r.env_torch or "-",
+                    "cause": r.cause or "",
                 }
                 for k, r in self._rows.items()
             }

@@ -30,22 +30,12 @@ from gpudeck.console.messages import RecordLoaded
 from gpudeck.console.ops import OpsError, Resolved, relaunch_intent, resolve_run, rollback_intent
 from gpudeck.console.ops.relaunch import check_environment, rebuild_environment, recorded_environment
 from gpudeck.console.ops.stop import stop_run
+from gpudeck.console.records import RunRecord
 from gpudeck.console.sanitize import redact_env
 from gpudeck.console.screens.base import LiveScreen, deck
 from gpudeck.console.screens.dialogs import ChoiceDialog, ConfirmDialog, ResultDialog, stop_result_text
 from gpudeck.console.screens.launch import preflight_text
-from gpudeck.console.views import (
-    alerts_of,
-    env_of,
-    history_rows,
-    python_of,
-    record_from_info,
-    run_diff,
-    run_from_record,
-    run_label,
-    short_when,
-    spec_of,
-)
+from gpudeck.console.views import history_rows, python_of, run_diff, run_from_record, short_when
 from gpudeck.console.widgets.cells import SIMULATED, ok_text, shown, state_text
 from gpudeck.console.widgets.diff import diff_summary, diff_table
 from gpudeck.console.widgets.header import AppHeader
@@ -139,7 +129,7 @@ def run_header(r: RunInfo, simulated: bool = False, host: str | None = None) -> 
     return t
 
 
-def spec_text(spec: LaunchSpec, preflight: PreflightResult | None, stop: dict[str, Any] | None, host: str) -> Group:
+def spec_text(spec: LaunchSpec, preflight: PreflightResult | None, stop: StopResult | None, host: str) -> Group:
     """The Spec tab: every field of the launch spec, its pre-flight, the verified stop."""
     t = Text()
     rows: list[tuple[str, str]] = [
@@ -184,13 +174,9 @@ def spec_text(spec: LaunchSpec, preflight: PreflightResult | None, stop: dict[st
     if preflight is not None:
         parts.append(Text("\npre-flight at launch", style="bold underline"))
         parts.append(preflight_text(preflight, None, host))
-    if stop:
-        try:
-            res = msgspec.convert(stop, StopResult)
-            parts.append(Text("\nverified stop", style="bold underline"))
-            parts.append(stop_result_text(res))
-        except msgspec.ValidationError:
-            pass
+    if stop is not None:
+        parts.append(Text("\nverified stop", style="bold underline"))
+        parts.append(stop_result_text(stop))
     return Group(*parts)
 
 
@@ -251,7 +237,7 @@ class RunScreen(LiveScreen):
         self.host = host
         self.run_id = run_id
         self.run: RunInfo | None = run  # what the launch reply said, until the agent is asked
-        self.record: dict[str, Any] | None = None  # the history's row (full), when there is a history
+        self.record: RunRecord | None = None  # the history's record (full), when there is a history
         self.verify_reply: VerifyReply | None = None
         self.agent_error: str | None = None
         self._pending: list[str] = []
@@ -355,13 +341,13 @@ class RunScreen(LiveScreen):
     def _env(self) -> EnvFingerprint | None:
         if self.run is not None and self.run.env is not None:
             return self.run.env
-        return env_of(self.record) if self.record else None
+        return self.record.env_fingerprint() if self.record else None
 
     def _alerts(self) -> list[Alert]:
         seen: dict[tuple[str, float], Alert] = {}
         for a in [
             *(self.run.alerts if self.run else []),
-            *(alerts_of(self.record) if self.record else []),
+            *(self.record.alert_list() if self.record else []),
             *(self.verify_reply.alerts if self.verify_reply else []),
         ]:
             seen.setdefault((a.kind, a.ts), a)
@@ -382,16 +368,14 @@ class RunScreen(LiveScreen):
         if self.agent_error:
             t.append(f"\nits agent cannot say now ({self.agent_error}): showing the history's record", style="yellow")
         header.update(shown(t))
-        spec_key = msgspec.json.encode([r.spec, r.preflight, (self.record or {}).get("stop"), (self.record or {}).get("preflight")])
+        rec = self.record
+        spec_key = msgspec.json.encode([r.spec, r.preflight, rec.stop if rec else None, rec.preflight if rec else None])
         if spec_key != self._shown_spec:
             self._shown_spec = spec_key
             pre = r.preflight
-            if pre is None and self.record and self.record.get("preflight"):
-                try:
-                    pre = msgspec.convert(self.record["preflight"], PreflightResult)
-                except msgspec.ValidationError:
-                    pre = None
-            self.query_one("#run-spec", Static).update(spec_text(r.spec, pre, (self.record or {}).get("stop"), self.host))
+            if pre is None and rec is not None:
+                pre = rec.preflight_result()
+            self.query_one("#run-spec", Static).update(spec_text(r.spec, pre, rec.stop_result() if rec else None, self.host))
         env = self._env()
         env_key = msgspec.json.encode(env)
         if env_key != self._shown_env:
@@ -492,9 +476,9 @@ class RunScreen(LiveScreen):
             except AgentError:
                 if fleet.history is not None:
                     pts = await asyncio.to_thread(fleet.history.metrics, self.host, self.run_id)
-                    steps = [p["step"] for p in pts]
-                    loss = [p["loss"] for p in pts]
-                    tps = [p["tokens_per_s"] for p in pts]
+                    steps = [p.step for p in pts]
+                    loss = [p.loss for p in pts]
+                    tps = [p.tokens_per_s for p in pts]
             if not self.is_attached:
                 return
             if steps:
@@ -644,47 +628,49 @@ class RunScreen(LiveScreen):
     def action_rollback(self) -> None:
         self.rollback_flow()
 
-    async def _candidates(self) -> list[dict[str, Any]]:
+    async def _candidates(self) -> list[RunRecord]:
         """Ended runs of the same kind to roll back to, succeeded first (the history's, else this host's agent's)."""
         assert self.run is not None
         fleet = deck(self).fleet
         kind = self.run.spec.kind
-        rows: list[dict[str, Any]] = []
+        rows: list[RunRecord] = []
         if fleet.history is not None:
             rows = await asyncio.to_thread(history_rows, fleet.history.path, f"kind:{kind} state:ended limit:200")
         else:
             try:
                 rows = [
-                    record_from_info(r)
+                    RunRecord.from_info(r)
                     for r in await fleet.runs(self.host, limit=500)
                     if r.spec.kind == kind and r.state in TERMINAL_STATES
                 ]
             except AgentError as exc:
                 self.notify(exc.message, title="no runs to roll back to", severity="error")
-        rows = [r for r in rows if r["id"] != self.run.id]
-        rows.sort(key=lambda r: (r.get("state") != "succeeded", -(r.get("started") or r.get("created") or 0)))
+        rows = [r for r in rows if r.id != self.run.id]
+        rows.sort(key=lambda r: (r.state != "succeeded", -(r.started or r.created or 0)))
         return rows
 
-    async def _full_record(self, row: dict[str, Any]) -> dict[str, Any] | None:
+    async def _full_record(self, row: RunRecord) -> RunRecord | None:
         fleet = deck(self).fleet
         if fleet.history is not None:
             try:
-                return await asyncio.to_thread(fleet.history.find, row["id"], row["host"])
+                return await asyncio.to_thread(fleet.history.find, row.id, row.host)
             except Exception:
                 pass
         try:
-            return record_from_info(await fleet.run(row["host"], row["id"]))
+            return RunRecord.from_info(await fleet.run(row.host, row.id))
         except AgentError as exc:
-            self.notify(exc.message, title=f"cannot read {row['id']}", severity="error")
+            self.notify(exc.message, title=f"cannot read {row.id}", severity="error")
             return None
 
-    def _current_record(self) -> dict[str, Any]:
+    def _current_record(self) -> RunRecord:
+        """This run as a record: the history's, with what its agent says now on top (and the fingerprint either knows)."""
         assert self.run is not None
-        rec = record_from_info(self.run)
-        if self.record:
-            rec = {**self.record, **{k: v for k, v in rec.items() if v not in (None, [], {})}}
-        if rec.get("env") is None and self._env() is not None:
-            rec["env"] = msgspec.to_builtins(self._env())
+        rec = RunRecord.from_info(self.run)
+        if self.record is not None:
+            rec = self.record.overlaid(rec)
+        env = self._env()
+        if rec.env is None and env is not None:
+            rec = msgspec.structs.replace(rec, env=msgspec.to_builtins(env))
         return rec
 
     @work(exclusive=True, group="run-rollback")
@@ -710,14 +696,14 @@ class RunScreen(LiveScreen):
             return
         cur = self._current_record()
         diff = run_diff(cur, good)
-        good_spec, good_env = spec_of(good), env_of(good)
+        good_spec, good_env = good.launch_spec_or_none(), good.env_fingerprint()
         if good_spec is None:
-            self.notify(f"{good['id']} has no recorded spec", severity="error")
+            self.notify(f"{good.id} has no recorded spec", severity="error")
             return
-        body = Group(diff_summary(diff), Text(""), diff_table(diff, run_label(cur), run_label(good), only_differences=True, limit=30))
+        body = Group(diff_summary(diff), Text(""), diff_table(diff, cur.label(), good.label(), only_differences=True, limit=30))
         how = await self.app.push_screen_wait(
             ChoiceDialog(
-                f"Roll back {self.run.id} to {good['id']}",
+                f"Roll back {self.run.id} to {good.id}",
                 body,
                 [("env", "Its environment, this run's config", "e"), ("all", "Its environment and config", "c")],
             )
@@ -725,7 +711,7 @@ class RunScreen(LiveScreen):
         if how is None:
             return
         try:
-            recorded = recorded_environment(good["id"], good_env)
+            recorded = recorded_environment(good.id, good_env)
         except OpsError as exc:
             self.notify(exc.message, severity="error")
             return
@@ -733,12 +719,12 @@ class RunScreen(LiveScreen):
         if python is None:
             return
         intent = rollback_intent(
-            self.run.spec, self.run.id, good_spec, self.host, None, python, config_from=how == "all", good_host=good["host"]
+            self.run.spec, self.run.id, good_spec, self.host, None, python, config_from=how == "all", good_host=good.host
         )
         deck(self).launch_flow(
             prefill=intent,
             host=self.host,
-            title=f"Roll back {self.run.id} to {good['id']}'s environment{' and config' if how == 'all' else ''}: choose the start",
+            title=f"Roll back {self.run.id} to {good.id}'s environment{' and config' if how == 'all' else ''}: choose the start",
         )
 
     async def _checked_python(self, recorded: EnvFingerprint, status: ProgressLine) -> str | None:

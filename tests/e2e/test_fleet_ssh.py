@@ -98,7 +98,7 @@ def test_launch_tail_stop_on_a_remote_host_and_find_it_in_history(two_hosts: Con
     try:
         counts = {host: h.event_count(host) for host in ("hosta", "hostb")}
         for host in ("hosta", "hostb"):
-            epoch = h.hosts()[[x["name"] for x in h.hosts()].index(host)]["epoch"]
+            epoch = next(x.epoch for x in h.hosts() if x.name == host)
             seqs = h.seqs(host, epoch)
             assert seqs == list(range(1, len(seqs) + 1)), f"{host}: gap or duplicate in {seqs}"
         assert counts["hostb"] > 0
@@ -159,9 +159,9 @@ async def test_a_run_that_ends_while_the_console_is_cut_off_is_recorded_exactly_
         await until(lambda: fleet.links["hostb"].status.state == "up", 60, "hostb back up")
         await until(lambda: _state(history, "hostb", rid) == "failed", 30, "the run's end in history")
         row = history.find(rid)
-        assert row["exit_code"] == 3 and row["cause"].startswith("exit code 3") and row["cause_class"] == "exit_code"
+        assert row.exit_code == 3 and row.cause is not None and row.cause.startswith("exit code 3") and row.cause_class == "exit_code"
         events = history.events("hostb", rid)
-        ends = [e for e in events if e["kind"] == "run_state" and e["data"]["state"] == "failed"]
+        ends = [e for e in events if e.kind == "run_state" and e.data["state"] == "failed"]
         assert len(ends) == 1, events
         epoch = fleet.links["hostb"].status.epoch
         seqs = history.seqs("hostb", epoch)
@@ -182,7 +182,7 @@ def _spec(args: list[str]):  # type: ignore[no-untyped-def]
 
 def _state(history: History, host: str, rid: str) -> str | None:
     try:
-        return history.find(rid, host)["state"]
+        return history.find(rid, host).state
     except Exception:
         return None
 
@@ -235,7 +235,7 @@ async def test_a_recreated_agent_journal_is_a_new_epoch_and_old_runs_stay(two_ho
     h = History(c.gpudeck_home / "history.db")
     try:
         epochs = h.epochs("hostb")
-        assert len(epochs) == 2 and epochs[1]["replaces"] == epochs[0]["epoch"]
+        assert len(epochs) == 2 and epochs[1].replaces == epochs[0].epoch
     finally:
         h.close()
 

@@ -217,8 +217,8 @@ def test_a_two_node_run_trains_stops_resumes_and_is_one_record(cluster: ConsoleS
     h = History(c.gpudeck_home / "history.db")
     try:
         for host in h.hosts():
-            if host["name"] in ("nodea", "nodeb"):
-                seqs = h.seqs(host["name"], host["epoch"])
+            if host.name in ("nodea", "nodeb"):
+                seqs = h.seqs(host.name, host.epoch or "")
                 assert seqs == list(range(1, len(seqs) + 1))
     finally:
         h.close()
@@ -363,9 +363,9 @@ def test_a_node_cut_off_during_the_run_is_reported_then_stopped_when_it_is_back(
     h = History(c.gpudeck_home / "history.db")
     try:
         for host in h.hosts():
-            if host["name"] in ("nodea", "nodeb"):
-                seqs = h.seqs(host["name"], host["epoch"])
-                assert seqs == list(range(1, len(seqs) + 1)), f"{host['name']}: gap or duplicate"
+            if host.name in ("nodea", "nodeb"):
+                seqs = h.seqs(host.name, host.epoch or "")
+                assert seqs == list(range(1, len(seqs) + 1)), f"{host.name}: gap or duplicate"
         assert h.pending_stops("nodeb") == []
     finally:
         h.close()

@@ -260,14 +260,12 @@ async def test_a_host_cut_off_past_the_keepalive_while_it_writes_thousands_of_ev
         b = replica_check(history, hostb)
         replayed = fleet.links["hostb"].status.synced_seq - b_synced_at_cut
         row = history.find(burst, "hostb")
-        assert row["state"] == "failed" and row["exit_code"] == 3, row
-        evals = [
-            e for e in history.events("hostb", burst, limit=100000) if e["kind"] == "telemetry" and e["data"]["record"]["type"] == "eval"
-        ]
-        assert [e["data"]["record"]["step"] for e in evals] == list(range(n_burst)), "an eval record is missing, doubled or out of order"
-        ends = [e for e in history.events("hostb", burst) if e["kind"] == "run_state" and e["data"]["state"] in ("failed", "succeeded")]
+        assert row.state == "failed" and row.exit_code == 3, row
+        evals = [e for e in history.events("hostb", burst, limit=100000) if e.kind == "telemetry" and e.data["record"]["type"] == "eval"]
+        assert [e.data["record"]["step"] for e in evals] == list(range(n_burst)), "an eval record is missing, doubled or out of order"
+        ends = [e for e in history.events("hostb", burst) if e.kind == "run_state" and e.data["state"] in ("failed", "succeeded")]
         assert len(ends) == 1
-        assert history.find(short, "hostb")["state"] == "succeeded"
+        assert history.find(short, "hostb").state == "succeeded"
         await fleet.stop("hosta", ticker, grace_s=2)
         await until(lambda: fleet.links["hosta"].status.synced_seq >= agent_journal(hosta)[1][-1][0], 30, "hosta synced")
         a = replica_check(history, hosta)
@@ -331,10 +329,8 @@ async def test_ten_percent_loss_and_200ms_delay_keep_the_console_usable_and_lose
         assert imp.via == "netem" or imp.packets > 100, "the impairment saw no traffic: it was not in the path"
         assert all_lat[-1] < bound_s
         row = history.find(burst, "hostb")
-        assert row["state"] == "succeeded"
-        evals = [
-            e for e in history.events("hostb", burst, limit=100000) if e["kind"] == "telemetry" and e["data"]["record"]["type"] == "eval"
-        ]
+        assert row.state == "succeeded"
+        evals = [e for e in history.events("hostb", burst, limit=100000) if e.kind == "telemetry" and e.data["record"]["type"] == "eval"]
         assert len(evals) == 1500
         replica_check(history, hosta)
     finally:
@@ -344,7 +340,7 @@ async def test_ten_percent_loss_and_200ms_delay_keep_the_console_usable_and_lose
 
 def _state(history: History, host: str, rid: str) -> str | None:
     try:
-        return history.find(rid, host)["state"]
+        return history.find(rid, host).state
     except Exception:
         return None
 

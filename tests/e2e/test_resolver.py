@@ -89,3 +89,15 @@ def test_a_host_that_did_not_answer_is_named_and_a_stop_by_name_refused(two_host
     assert cp.returncode == 0, cp.stderr
     cp = c.cli("tail", "nosuch", check=False, timeout=180)
     assert cp.returncode != 0 and "hostb did not answer" in cp.stderr and "no run 'nosuch'" in cp.stderr
+
+
+def test_a_request_id_reused_with_another_command_is_refused_not_answered_with_the_first_run(two_hosts: ConsoleSide) -> None:
+    """--request-id names one launch: a retry gets its run back; another command under the same key is refused, nothing starts."""
+    c = two_hosts
+    first = c.cli("launch", "--host", "hosta", "--request-id", "job-1", "--name", "keyed", *SLEEP).stdout.strip()
+    again = c.cli("launch", "--host", "hosta", "--request-id", "job-1", "--name", "keyed", *SLEEP).stdout.strip()
+    assert again == first  # a retry of the same launch: the same run
+    cp = c.cli("launch", "--host", "hosta", "--request-id", "job-1", "--name", "keyed", "--", "sleep", "301", check=False)
+    assert cp.returncode != 0 and cp.stdout == "", (cp.stdout, cp.stderr)
+    assert "request id: 'job-1' was already used for another launch (sleep 300)" in cp.stderr and "--request-id" in cp.stderr
+    assert [r["id"] for r in c.cli_json("runs", "--host", "hosta")] == [first]  # nothing else was started

@@ -421,8 +421,16 @@ async def test_the_console_freezes_its_start_up_heap_once_the_fleet_has_answered
             ["--kind", "fsdp", "--fresh", "--nproc-per-node", "0", "--", "--out", "o"],
         ),
         (dict(args="python 'train.py"), None),
+        (
+            dict(kind="fsdp", hosts="gpu1,gpu1", start="fresh", args="--out o"),
+            ["--hosts", "gpu1,gpu1", "--kind", "fsdp", "--fresh", "--", "--out", "o"],
+        ),
+        (
+            dict(kind="fsdp", hosts="gpu1,bad host", start="fresh", args="--out o"),
+            ["--hosts", "gpu1,bad host", "--kind", "fsdp", "--fresh", "--", "--out", "o"],
+        ),
     ],
-    ids=["no start", "resume step", "ranks", "a quote"],
+    ids=["no start", "resume step", "ranks", "a quote", "a host twice", "a bad host name"],
 )
 async def test_the_dialog_says_what_the_cli_says_for_the_same_mistake(fleet: FixtureFleet, fields: dict, cli: list[str] | None) -> None:
     import subprocess

@@ -7,6 +7,7 @@ import pytest
 
 from gpudeck.agents.protocol import LaunchSpec
 from gpudeck.console.ops.relaunch import with_python
+from gpudeck.console.records import RunRecord
 from gpudeck.console.views import (
     argv_flags,
     argv_rows,
@@ -15,7 +16,6 @@ from gpudeck.console.views import (
     host_figures,
     merge_rows,
     python_of,
-    record_from_info,
     row_label,
     run_diff,
     run_from_record,
@@ -35,7 +35,7 @@ def test_host_figures_count_gpus_and_put_stale_holders_and_critical_alerts_first
 
 def test_a_multi_node_run_is_one_row_and_live_beats_recorded() -> None:
     live = run_row_from_info(fixture_runs()[0])
-    recorded = run_row_from_history({"id": LIVE, "host": "gpu9", "state": "lost", "kind": "fsdp", "created": 1.0})
+    recorded = run_row_from_history(RunRecord(id=LIVE, host="gpu9", state="lost", kind="fsdp", created=1.0))
     rows = merge_rows([recorded, live])
     assert list(rows) == [LIVE]
     assert rows[LIVE].hosts == ("gpu9", "gpu1") and rows[LIVE].state == "running" and rows[LIVE].live
@@ -56,8 +56,8 @@ def test_argv_flags_and_argv_rows_show_which_argument_changed() -> None:
 
 def test_a_live_run_compares_like_a_recorded_one() -> None:
     live = fixture_runs()[0]
-    rec = record_from_info(live)
-    diff = run_diff(rec, {**rec, "id": "r-other", "argv": [*live.spec.argv[:-1], "--resume", "10"]})
+    rec = RunRecord.from_info(live)
+    diff = run_diff(rec, msgspec.structs.replace(rec, id="r-other", argv=[*live.spec.argv[:-1], "--resume", "10"]))
     assert [r.key for r in diff.config if r.differs] == ["command", "--fresh", "--resume"]
     back = run_from_record(rec)
     assert back is not None and (back.id, back.state, back.spec, back.env) == (live.id, live.state, live.spec, live.env)
@@ -66,10 +66,10 @@ def test_a_live_run_compares_like_a_recorded_one() -> None:
 def test_history_rows_use_the_query_language_and_the_diff_reads_full_rows(tmp_path) -> None:  # type: ignore[no-untyped-def]
     fleet = FixtureFleet(tmp_path / "h.db")
     try:
-        assert {r["id"] for r in history_rows(fleet.history.path, "kind:fsdp")} == {LIVE, GOOD}
+        assert {r.id for r in history_rows(fleet.history.path, "kind:fsdp")} == {LIVE, GOOD}
         failed = history_rows(fleet.history.path, "state:failed")
-        assert [r["cause"] for r in failed] == ["exit code 1 (CUDA out of memory)"]
-        assert "env" not in failed[0]  # the light rows never carry the environment
+        assert [r.cause for r in failed] == ["exit code 1 (CUDA out of memory)"]
+        assert failed[0].env is None  # the light rows never carry the environment
         from gpudeck.console.query import QueryError
 
         with pytest.raises(QueryError, match="unknown filter"):

@@ -89,12 +89,12 @@ def test_ingest_rebuilds_the_run_and_a_replay_changes_nothing(hist: History) -> 
     assert hist.submit("gpu1", "epoch-1", evs[2:]).result(10) == 0
     assert hist.event_count() == len(evs)
     run = hist.find("r-aaaa1111")
-    assert run["state"] == "failed" and run["cause_class"] == "oom" and run["exit_code"] == 1
-    assert run["started"] == T0 + 1 and run["ended"] == T0 + 9 and run["created"] == T0
-    assert run["params_total"] == 1_100_048_384 and run["world_size"] == 2 and run["ranks_seen"] == 2
-    assert run["last_step"] == 10 and run["tokens_per_s"] == 70000.0 and run["mem_peak_gib"] == 36.8
-    assert run["gpus"] == [0, 1] and run["argv"][-1] == "--fresh" and run["operator"] == "ada"
-    assert hist.metrics("gpu1", "r-aaaa1111")[0]["loss"] == 3.5
+    assert run.state == "failed" and run.cause_class == "oom" and run.exit_code == 1
+    assert run.started == T0 + 1 and run.ended == T0 + 9 and run.created == T0
+    assert run.params_total == 1_100_048_384 and run.world_size == 2 and run.ranks_seen == 2
+    assert run.last_step == 10 and run.tokens_per_s == 70000.0 and run.mem_peak_gib == 36.8
+    assert run.gpus == [0, 1] and run.argv[-1] == "--fresh" and run.operator == "ada"
+    assert hist.metrics("gpu1", "r-aaaa1111")[0].loss == 3.5
     cur2 = hist.cursor("gpu1", "epoch-1")
     assert cur2.last_seq == len(evs) and not cur2.new_epoch
 
@@ -106,8 +106,8 @@ def test_a_new_epoch_is_recorded_and_starts_its_own_sequence(hist: History) -> N
     assert cur.new_epoch and cur.last_seq == 0
     hist.submit("gpu1", "epoch-2", _events(run_id="r-bbbb2222")).result(10)  # seq 1.. again, in the new epoch
     assert hist.event_count("gpu1") == 12
-    assert [e["replaces"] for e in hist.epochs("gpu1")] == [None, "epoch-1"]
-    assert {r["id"] for r in hist.query("host:gpu1")} == {"r-aaaa1111", "r-bbbb2222"}
+    assert [e.replaces for e in hist.epochs("gpu1")] == [None, "epoch-1"]
+    assert {r.id for r in hist.query("host:gpu1")} == {"r-aaaa1111", "r-bbbb2222"}
 
 
 def test_concurrent_hosts_batch_into_few_commits(hist: History) -> None:
@@ -134,7 +134,7 @@ def test_filters(hist: History) -> None:
     hist.cursor("gpu2", "e")
     hist.submit("gpu1", "e", _events("r-aaaa1111", "drafter-v2")).result(10)
     hist.submit("gpu2", "e", _events("r-bbbb2222", "llama-1b", cause="killed by SIGKILL")).result(10)
-    ids = lambda q: [r["id"] for r in hist.query(q, now=T0 + 3600)]
+    ids = lambda q: [r.id for r in hist.query(q, now=T0 + 3600)]
     assert ids("cause:oom") == ["r-aaaa1111"]
     assert ids("cause:signal") == ["r-bbbb2222"]
     assert ids("host:gpu1") == ["r-aaaa1111"]
@@ -151,7 +151,7 @@ def test_filters(hist: History) -> None:
 def test_a_quote_in_a_value_cannot_change_the_sql(hist: History) -> None:
     hist.cursor("gpu1", "e")
     hist.submit("gpu1", "e", _events("r-cccc3333", "x'; DROP TABLE runs; --")).result(10)
-    assert [r["id"] for r in hist.query('name:"x\'; DROP TABLE runs; --"')] == ["r-cccc3333"]
+    assert [r.id for r in hist.query('name:"x\'; DROP TABLE runs; --"')] == ["r-cccc3333"]
     assert hist.query('name:"\' OR 1=1 --"') == []
     assert hist.query("name:~%") == []  # LIKE wildcards in a value are literal
     assert len(hist.query("")) == 1  # the table is still there
@@ -198,8 +198,8 @@ def test_a_member_first_read_before_its_exec_is_replaced_when_its_rank_is_known(
     hist.cursor("gpu1", "epoch-1")
     assert hist.submit("gpu1", "epoch-1", evs).result(10) == len(evs)
     run = hist.find("r-aaaa1111")
-    assert [(m["pid"], m["rank"]) for m in run["members"]] == [(42, None), (43, 0), (44, 1)]
-    assert run["ranks_seen"] == 2
+    assert [(m["pid"], m["rank"]) for m in run.members] == [(42, None), (43, 0), (44, 1)]
+    assert run.ranks_seen == 2
 
 
 def test_the_process_the_agent_started_heads_the_members_and_outlives_the_cap(hist: History) -> None:
@@ -221,7 +221,7 @@ def test_the_process_the_agent_started_heads_the_members_and_outlives_the_cap(hi
     hist.cursor("gpu1", "epoch-1")
     assert hist.submit("gpu1", "epoch-1", evs).result(10) == len(evs)
     run = hist.find("r-aaaa1111")
-    members = run["members"]
+    members = run.members
     assert len(members) == MAX_MEMBERS
     assert members[0] == {
         "pid": 42,
@@ -255,14 +255,14 @@ def test_an_event_sqlite_cannot_store_is_quarantined_by_itself_and_the_batch_goe
             Event(seq=5, ts=5.0, kind="run_state", run_id="r-1", data={"state": "succeeded", "exit_code": 0}),
         ]
         assert asyncio.run(h.ingest(c.host, c.epoch, evs)) == 2
-        assert h.find("r-1")["state"] == "succeeded"
+        assert h.find("r-1").state == "succeeded"
         problems = h.problems()
-        assert [p["seq"] for p in problems] == [2, 3, 4] and h.events_quarantined == 3
-        assert "does not fit SQLite's 64-bit INTEGER" in problems[0]["error"] and "18446744073709551616" in problems[0]["raw"]
-        assert "surrogate" in problems[2]["error"]
+        assert [p.seq for p in problems] == [2, 3, 4] and h.events_quarantined == 3
+        assert "does not fit SQLite's 64-bit INTEGER" in problems[0].error and "18446744073709551616" in problems[0].raw
+        assert "surrogate" in problems[2].error
         assert h.cursor("gpu1", "ep1").last_seq == 5  # nothing is pulled again
         # again: idempotent, nothing new, nothing quarantined twice
         assert asyncio.run(h.ingest(c.host, c.epoch, evs)) == 0 and len(h.problems()) == 3
-        assert h.query("") and h.find("r-1")["name"] == "one"
+        assert h.query("") and h.find("r-1").name == "one"
     finally:
         h.close()

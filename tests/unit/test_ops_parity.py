@@ -15,7 +15,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from gpudeck.agents.protocol import EnvFingerprint, LaunchSpec
+from gpudeck.agents.protocol import EnvFingerprint, LaunchReply, LaunchSpec, PreflightResult, RunInfo
 from gpudeck.console import config as cfg
 from gpudeck.console.cli import build_parser, intent_from_args
 from gpudeck.console.ops import Caller, IntentError, LaunchIntent, LaunchPlan, plan_launch, relaunch_intent, rollback_intent
@@ -189,12 +189,14 @@ GOOD_ENV = EnvFingerprint(python="/good/venv/bin/python", python_version="3.11.9
 
 
 @pytest.mark.parametrize("config_from", [False, True], ids=["its environment", "with --config-from"])
-@pytest.mark.parametrize("run_case,good_case", [(3, 2), (0, 1), (5, 6)])
+@pytest.mark.parametrize("run_case,good_case", [(3, 2), (0, 1), (5, 6), (7, 4), (8, 5), (9, 1)])
 def test_rollback_is_one_decision(config_from: bool, run_case: int, good_case: int) -> None:
     run_host, run = _recorded(cli_plan(CASES[run_case][1]))[0]
     good_host, good = _recorded(cli_plan(CASES[good_case][1]))[0]
     python = GOOD_ENV.python
-    cli = plan_launch(rollback_intent(run, "r-bad", good, run_host, "fresh", python, config_from, CONF, good_host=good_host), CALLER, CONF)
+    cli = plan_launch(
+        rollback_intent(run, "r-bad", good, run_host, "fresh", python, config_from, CONF, good_host=good_host), CALLER, CONF, run_id=RID
+    )
     base = rollback_intent(run, "r-bad", good, run_host, None, python, config_from, CONF, good_host=good_host)
     needs_start = base.trainer_args or any("trainers." in a for a in base.argv)
     screen = screen_plan({**form_from(base), "host": run_host, "start": "fresh"}, base)
@@ -225,6 +227,16 @@ MISTAKES = [
         "hosts: a host is listed twice",
     ),
     (["--"], dict(host="local", args=""), "command: launch needs a command"),
+    (["--gpus", "0,,1", "--", "x"], dict(host="local", gpus="0,,1", args="x"), "gpus: '0,,1' is not a GPU list: an entry is empty"),
+    (["--gpus", "3-1", "--", "x"], dict(host="local", gpus="3-1", args="x"), "gpus: '3-1' is not a GPU list: the range 3-1 runs backwards"),
+    (["--gpus", "0,0", "--", "x"], dict(host="local", gpus="0,0", args="x"), "gpus: '0,0' names a GPU more than once"),
+    (["--kind", "bogus", "--", "x"], dict(host="local", kind="bogus", args="x"), "kind: 'bogus' is not a kind; choose one of command"),
+    (
+        ["--kind", "fsdp", "--gpus", "0,1", "--nproc-per-node", "0", "--fresh", "--", "--out", "o"],
+        dict(host="local", kind="fsdp", gpus="0,1", ranks="0", start="fresh", args="--out o"),
+        "ranks per node: 0 is not 1 or more",
+    ),
+    (["--host", "bad host", "--", "x"], dict(host="bad host", args="x"), "host: 'bad host' is not a host name"),
 ]
 
 
@@ -238,6 +250,77 @@ def test_the_same_mistake_gets_the_same_message(argv: list[str], form: dict[str,
     assert str(from_cli.value).startswith(message)
 
 
+# mistakes only the CLI can make (the Launch dialog has no field for them): still one check, in ops, naming the field
+CLI_ONLY = [
+    (["--env", "NCCL_DEBUG", "--", "x"], "env: 'NCCL_DEBUG' is not NAME=VALUE; write it as NAME=VALUE"),
+    (["--env", "=1", "--", "x"], "env: '=1' is not NAME=VALUE"),
+    (["--on-rank-death", "panic", "--", "x"], "on rank death: 'panic' is not a choice; choose alert or stop"),
+    (["--expected-ranks", "0", "--", "x"], "expected ranks: 0 is not 1 or more"),
+    (["--rdzv-port", "70000", "--", "x"], "rendezvous port: 70000 is not a port"),
+]
+
+
+@pytest.mark.parametrize(
+    "argv,message", [(m[0], m[2]) for m in MISTAKES] + CLI_ONLY, ids=lambda x: " ".join(x) if isinstance(x, list) else ""
+)
+def test_the_cli_prints_the_operations_layers_message_and_exits_2(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """What the operator sees from `gpudeck launch ...`: the ops message word for word (not argparse's own), exit 2, nothing started."""
+    from gpudeck.console.cli import main
+
+    assert main(["launch", *argv]) == 2
+    out = capsys.readouterr()
+    assert out.out == "" and out.err.startswith(f"gpudeck: {message}"), out.err
+    assert out.err.count("\n") == 1  # one line: the field, what is wrong, the fix
+
+
 def test_the_intent_is_frozen() -> None:
     with pytest.raises(dataclasses.FrozenInstanceError):
         LaunchIntent().kind = "fsdp"  # type: ignore[misc]
+
+
+# ----------------------------------------------------------------------------- --request-id: one key, one launch
+
+
+class _Agents:
+    """The agents' side of Launch as far as ops sees it: a request id already seen returns its first run (duplicate)."""
+
+    def __init__(self) -> None:
+        self.by_key: dict[tuple[str, str], RunInfo] = {}
+        self.started: list[tuple[str, LaunchSpec]] = []
+
+    async def preflight(self, host: str, spec: LaunchSpec) -> PreflightResult:
+        return PreflightResult(ok=True, host=host)
+
+    async def launch(self, host: str, spec: LaunchSpec, request_id: str = "") -> LaunchReply:
+        if request_id and (host, request_id) in self.by_key:
+            return LaunchReply(run=self.by_key[(host, request_id)], duplicate=True)
+        run = RunInfo(id=spec.run_id or f"r-{len(self.started):08x}", host=host, state="running", spec=spec)
+        self.started.append((host, spec))
+        if request_id:
+            self.by_key[(host, request_id)] = run
+        return LaunchReply(run=run)
+
+    async def stop(self, host: str, run_id: str, grace_s: float) -> None:
+        return None
+
+
+@pytest.mark.parametrize(
+    "argv", [["--host", "gpu1", "--", "sleep", "1"], ["--hosts", "gpu1,gpu2", "--kind", "fsdp", "--fresh", "--", "--out", "/o"]]
+)
+def test_a_request_id_reused_for_another_command_is_refused_not_answered_with_the_first_run(argv: list[str]) -> None:
+    import asyncio
+
+    from gpudeck.console.ops import OpsError
+    from gpudeck.console.ops.launch import launch
+
+    agents = _Agents()
+    first = asyncio.run(launch(agents, cli_plan(argv), request_id="k1"))  # type: ignore[arg-type]
+    again = asyncio.run(launch(agents, cli_plan(argv), request_id="k1"))  # type: ignore[arg-type]
+    assert [n.reply.run.id for n in again.nodes] == [n.reply.run.id for n in first.nodes]  # a retry: the same run, nothing new
+    assert all(n.reply.duplicate for n in again.nodes) and len(agents.started) == len(first.nodes)
+    other = [*argv[:-1], "/elsewhere"]
+    with pytest.raises(OpsError, match="request id: 'k1' was already used for another launch") as refused:
+        asyncio.run(launch(agents, cli_plan(other), request_id="k1"))  # type: ignore[arg-type]
+    assert "give a new --request-id" in refused.value.message and len(agents.started) == len(first.nodes)

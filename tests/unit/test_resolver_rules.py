@@ -6,6 +6,7 @@ import pytest
 
 from gpudeck.console.ops.errors import AmbiguousRun, NoSuchRun, Unanswered
 from gpudeck.console.ops.resolve import Match, pick, resolve_record
+from gpudeck.console.records import RunRecord
 
 
 def m(host: str, rid: str, name: str | None = None, state: str = "running", started: float = 0.0, rank: int = 0) -> Match:
@@ -47,19 +48,19 @@ def test_the_nodes_of_one_multi_node_run_are_one_run() -> None:
     assert [(x.host, x.node_rank) for x in nodes] == [("gpu1", 0), ("gpu2", 1)]
 
 
-def _row(host: str, rid: str, name: str | None, state: str = "running") -> dict:
-    return {"host": host, "id": rid, "name": name, "state": state, "started": 1.0, "spec": {}}
+def _row(host: str, rid: str, name: str | None, state: str = "running") -> RunRecord:
+    return RunRecord(host=host, id=rid, name=name, state=state, started=1.0)
 
 
 def test_history_references_follow_the_same_rules() -> None:
     rows = [_row("gpu1", "r-1", "a"), _row("gpu2", "r-2", "a"), _row("gpu1", "r-3", "b", "failed")]
     with pytest.raises(AmbiguousRun):
         resolve_record(rows, "a")
-    assert resolve_record(rows, "a", host="gpu2")["id"] == "r-2"
+    assert resolve_record(rows, "a", host="gpu2").id == "r-2"
     with pytest.raises(NoSuchRun, match="gpu3 did not answer"):
         resolve_record(rows, "zz", unanswered=["gpu3"])
     # a destructive command by name while a host is silent: refused for a live run, fine for an ended one and by id
     with pytest.raises(Unanswered, match="gpu3 did not answer"):
         resolve_record([rows[0]], "a", unanswered=["gpu3"], destructive=True)
-    assert resolve_record(rows, "b", unanswered=["gpu3"], destructive=True)["id"] == "r-3"
-    assert resolve_record(rows, "r-1", unanswered=["gpu3"], destructive=True)["id"] == "r-1"
+    assert resolve_record(rows, "b", unanswered=["gpu3"], destructive=True).id == "r-3"
+    assert resolve_record(rows, "r-1", unanswered=["gpu3"], destructive=True).id == "r-1"
