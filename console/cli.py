@@ -629,6 +629,7 @@ async def cmd_agent_status(args: argparse.Namespace) -> int:
             "state_dir": h.state_dir,
             "gpu_error": h.gpu_error,
             "containment": h.containment,
+            "journal": h.journal,
         }
     finally:
         await c.close()
@@ -638,6 +639,7 @@ async def cmd_agent_status(args: argparse.Namespace) -> int:
         print(f"agent: running, pid {info['pid']} on {info['host']}, version {info['version']}, state {info['state_dir']}")
         print(f"GPUs: {info['gpu_error'] or 'NVML ok'}")
         print(f"containment: {info['containment'] or 'not reported (an older agent)'}")
+        print(terminal_text(f"journal: {info['journal'] or 'ok'}"))
     return 0
 
 
