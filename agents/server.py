@@ -101,7 +101,9 @@ WRITE_BUFFER_LIMIT = 8 << 20  # a slower client than this skips snapshots instea
 MAX_INFLIGHT = 16  # requests (streams included) of one connection being served at once
 WRITE_PAUSE_AT = 1 << 20  # bytes waiting to go to the client: past this, nothing more is read from it
 MAX_CONNECTIONS = 128  # connections served at once; one more gets a typed `busy` error and is closed
+IDLE_EVICT_S = 5.0  # at the cap, a connection with nothing in flight and silent this long gives its place to a new one
 FD_RESERVE = 64  # file descriptors never given to clients: the tick, launches and the journal always have these
+FD_HEADROOM = 32  # fds between the connection cap and the reserve: runs' files, journal reopen, the busy replies
 ACCEPT_BATCH = 32  # connections accepted per wake-up of the listening socket
 DRAIN_AT_EOF_S = 30.0  # a client that half-closed gets its in-flight answers for this long at most
 SHUTDOWN_GRACE_S = 0.5  # SIGTERM: what is in flight gets this long, then every connection is cut
@@ -171,6 +173,8 @@ class Agent:
         self._conn_tasks: set[asyncio.Task] = set()
         self.conn_cap = MAX_CONNECTIONS  # set at start from RLIMIT_NOFILE (see _fd_budget)
         self.busy_refused = 0  # connections turned away with `busy` (a figure for tests and the log)
+        self.idle_evicted = 0  # idle connections closed at the cap to let a new one in
+        self._fd_paused = False
         self._journal_seen: str | None = None
         self._tasks: set[asyncio.Task] = set()
         self._stopped = asyncio.Event()
@@ -388,9 +392,16 @@ class Agent:
             return
         for _ in range(ACCEPT_BATCH):
             if not _fds_left_for_clients():
-                self._stop_accepting()  # resumed by _conn_done: the backlog waits in the kernel, costing us nothing
-                log.warning("accepting paused: file descriptors are down to the supervision's reserve (%d)", FD_RESERVE)
+                # the backlog waits in the kernel, costing us nothing; resumed when a connection closes, and
+                # looked at again shortly (an idle connection may be closed to make room meanwhile)
+                self._evict_idle()
+                self._stop_accepting()
+                self._loop.call_later(0.5, self._resume_accepting)
+                if not self._fd_paused:
+                    log.warning("accepting paused: file descriptors are down to the supervision's reserve (%d)", FD_RESERVE)
+                self._fd_paused = True
                 return
+            self._fd_paused = False
             try:
                 sock, _addr = lsock.accept()
             except (BlockingIOError, InterruptedError):
@@ -400,13 +411,31 @@ class Agent:
                 self._stop_accepting()
                 self._loop.call_later(0.5, self._resume_accepting)
                 return
-            if len(self._conns) >= self.conn_cap:
+            if len(self._conn_tasks) >= self.conn_cap and not self._evict_idle():  # tasks: counted from the accept on
                 self._refuse_busy(sock)
                 continue
             sock.setblocking(False)
             task = asyncio.ensure_future(self._open_conn(sock))
             self._conn_tasks.add(task)
             task.add_done_callback(self._conn_done)
+
+    def _evict_idle(self) -> bool:
+        """At the cap: close the connection idle longest (nothing in flight, no stream, silent for IDLE_EVICT_S) to make
+        room, so connections held open and unused never lock fresh clients out. False when none qualifies."""
+        now = time.monotonic()
+        idle = [c for c in self._conns if not c.closed and not c.busy() and now - c.last_active >= IDLE_EVICT_S]
+        if not idle:
+            return False
+        victim = min(idle, key=lambda c: c.last_active)
+        self.idle_evicted += 1
+        victim.refuse(
+            Error(
+                code="busy",
+                message=f"closed by the agent on {self.host}: idle for {now - victim.last_active:.0f} s while all "
+                f"{self.conn_cap} connections were taken; reconnect when needed",
+            )
+        )
+        return True
 
     def _resume_accepting(self) -> None:
         if self._listener is not None and not self._stopped.is_set():
@@ -422,7 +451,7 @@ class Agent:
         if self.busy_refused in (1, 10, 100, 1000) or self.busy_refused % 10000 == 0:
             log.warning(
                 "connection refused as busy (%d served, the cap is %d); %d refused so far",
-                len(self._conns),
+                len(self._conn_tasks),
                 self.conn_cap,
                 self.busy_refused,
             )
@@ -493,6 +522,24 @@ class _Conn:
             pass
         self.closed = False
         self.alias = ""  # what the client calls this host (from Hello), for the commands messages suggest
+        self.last_active = time.monotonic()  # the last byte read from the client or reply sent to it
+
+    def busy(self) -> bool:
+        """Serving something: a request in flight or an open stream."""
+        return bool(self._tasks) or bool(self.streams)
+
+    def refuse(self, err: Error) -> None:
+        """Send one last error frame (if the socket takes it now) and cut the connection."""
+        try:
+            if self.writer.transport.get_write_buffer_size() == 0:
+                self.writer.write(encode(err))
+        except (RuntimeError, OSError):
+            pass
+        self.closed = True
+        try:
+            self.writer.transport.close()  # flushes what it can, then closes; the reader sees EOF
+        except (RuntimeError, OSError):
+            pass
 
     def abort(self) -> None:
         """Cut the connection now (shutdown): buffered replies are dropped, every drain waiting on it returns."""
@@ -516,6 +563,7 @@ class _Conn:
             try:
                 self.writer.write(encode(msg))
                 await self.writer.drain()
+                self.last_active = time.monotonic()
             except (ConnectionError, RuntimeError):
                 self.closed = True
 
@@ -536,6 +584,7 @@ class _Conn:
                 data = await self.reader.read(65536)
                 if not data:
                     break
+                self.last_active = time.monotonic()
                 for frame in self.frames.feed(data):
                     if frame is None:
                         await self.send(
@@ -961,7 +1010,9 @@ def _fds_left_for_clients() -> bool:
 def _fd_budget() -> int:
     """Connections served at once: MAX_CONNECTIONS, or fewer when RLIMIT_NOFILE leaves less beside the reserve."""
     limit = _nofile()
-    return max(1, min(MAX_CONNECTIONS, limit - FD_RESERVE - _fds_open()))
+    # FD_HEADROOM more than the reserve: connections past the cap still get their `busy` frame (accepting pauses only
+    # when something else in the agent has used the headroom as well)
+    return max(1, min(MAX_CONNECTIONS, limit - FD_RESERVE - FD_HEADROOM - _fds_open()))
 
 
 def setup_logging(state_dir: Path) -> None:
