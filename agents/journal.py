@@ -45,6 +45,7 @@ import sqlite3
 import stat
 import threading
 import time
+import urllib.parse
 import uuid
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
@@ -328,7 +329,7 @@ class Journal:
         if found is not None:
             return found
         try:
-            conn = sqlite3.connect(f"file:{self.path}?mode=ro", uri=True, timeout=1.0)
+            conn = sqlite3.connect(f"file:{urllib.parse.quote(str(self.path))}?mode=ro", uri=True, timeout=1.0)
             try:
                 row = conn.execute("SELECT value FROM meta WHERE key='epoch'").fetchone()
             finally:
