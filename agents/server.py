@@ -95,12 +95,15 @@ WRITE_BUFFER_LIMIT = 8 << 20  # a slower client than this skips snapshots instea
 
 # What any client can make the agent hold (README, Reliability). Per connection: the socket read (64 KiB chunk, at
 # most 128 KiB buffered by the StreamReader), the framer's partial line (MAX_FRAME, 1 MiB), MAX_INFLIGHT requests
-# (each a decoded frame of at most 1 MiB, and its reply once built), and the write buffer (WRITE_PAUSE_AT, plus the
-# one reply being written). Past MAX_INFLIGHT unanswered requests, or with more than WRITE_PAUSE_AT not taken by the
-# client, the agent stops reading that connection: a client that sends and never reads stalls itself, nobody else.
-MAX_INFLIGHT = 16  # requests (streams included) of one connection being served at once
+# (each a decoded frame of at most 1 MiB, and its reply once built), MAX_STREAMS streams (each holding at most the
+# one item it is sending), and the write buffer (WRITE_PAUSE_AT, plus the one reply being written). Past
+# MAX_INFLIGHT unanswered requests, or with more than WRITE_PAUSE_AT not taken by the client, the agent stops
+# reading that connection: a client that sends and never reads stalls itself, nobody else. A stream past
+# MAX_STREAMS gets a typed error (a console never waits on it).
+MAX_INFLIGHT = 8  # requests (not streams) of one connection being served at once
+MAX_STREAMS = 16  # streams (watch_snapshots, get_events, read_output) open on one connection
 WRITE_PAUSE_AT = 1 << 20  # bytes waiting to go to the client: past this, nothing more is read from it
-MAX_CONNECTIONS = 128  # connections served at once; one more gets a typed `busy` error and is closed
+MAX_CONNECTIONS = 256  # connections served at once; one more gets a typed `busy` error and is closed
 IDLE_EVICT_S = 5.0  # at the cap, a connection with nothing in flight and silent this long gives its place to a new one
 FD_RESERVE = 64  # file descriptors never given to clients: the tick, launches and the journal always have these
 FD_HEADROOM = 32  # fds between the connection cap and the reserve: runs' files, journal reopen, the busy replies
@@ -516,6 +519,8 @@ class _Conn:
         self._wlock = asyncio.Lock()
         self._tasks: set[asyncio.Task] = set()
         self._slots = asyncio.Semaphore(MAX_INFLIGHT)  # requests in flight; the reader waits for a free one
+        self._slotted: set[asyncio.Task] = set()  # the requests holding a slot
+        self._open_streams: set[asyncio.Task] = set()
         try:
             writer.transport.set_write_buffer_limits(high=WRITE_PAUSE_AT)
         except (AttributeError, RuntimeError, ValueError):
@@ -598,11 +603,23 @@ class _Conn:
                     if isinstance(req, Error):
                         await self.send(req)
                         continue
+                    if type(req) in _STREAMS:
+                        if len(self._open_streams) >= MAX_STREAMS and not (req.request_id and req.request_id in self.streams):
+                            await self.send(
+                                Error(
+                                    request_id=req.request_id,
+                                    code="too_many_streams",
+                                    message=f"{MAX_STREAMS} streams are open on this connection already; cancel one first",
+                                )
+                            )
+                            continue
+                        self._start(req, slotted=False)
+                        continue
                     await self._slots.acquire()  # past MAX_INFLIGHT, this connection waits (and is not read)
                     if self.closed:
                         self._slots.release()
                         break
-                    self._start(req)
+                    self._start(req, slotted=True)
         except (ConnectionError, asyncio.IncompleteReadError):
             self.closed = True
         finally:
@@ -614,10 +631,12 @@ class _Conn:
                 await asyncio.wait(pending, timeout=DRAIN_AT_EOF_S)
             await self.close()
 
-    def _start(self, req: Request) -> None:
-        """Serve one request in its own task; it holds one of the connection's slots until it is answered."""
+    def _start(self, req: Request, slotted: bool) -> None:
+        """Serve one request in its own task; a request holds one of the connection's slots until it is answered,
+        a stream counts against MAX_STREAMS while it is open."""
         task = asyncio.ensure_future(self._handle_safely(req))
         self._tasks.add(task)
+        (self._slotted if slotted else self._open_streams).add(task)
         task.add_done_callback(self._finished)
         if type(req) in _STREAMS and req.request_id:
             old = self.streams.pop(req.request_id, None)
@@ -627,7 +646,10 @@ class _Conn:
 
     def _finished(self, task: asyncio.Task) -> None:
         self._tasks.discard(task)
-        self._slots.release()
+        self._open_streams.discard(task)
+        if task in self._slotted:
+            self._slotted.discard(task)
+            self._slots.release()
 
     async def _handle_safely(self, req: Request) -> None:
         rid = req.request_id

@@ -3,8 +3,8 @@ leave half a frame, or all of it at once while the agent is told to stop. Real a
 real file-descriptor limits (RLIMIT_NOFILE lowered for the agent). Figures are printed, never asserted as speeds.
 
 The bound (README, Reliability): per connection the StreamReader's 128 KiB, the framer's partial line (1 MiB), at most
-16 requests in flight with their replies, and 1 MiB of replies waiting unread; at most 128 connections (fewer under a
-low RLIMIT_NOFILE: 64 fds stay reserved for supervision).
+8 requests in flight with their replies and 16 streams, and 1 MiB of replies waiting unread; at most 256 connections
+(fewer under a low RLIMIT_NOFILE: 64 fds stay reserved for supervision, 32 more of headroom).
 """
 
 from __future__ import annotations
@@ -140,7 +140,7 @@ def test_a_client_that_sends_and_never_reads_stalls_only_itself_and_the_agent_st
         f"then {[n // 1024 for n in more]} KiB more; agent RSS {base / MiB:.0f} -> {peak / MiB:.0f} MiB; a fresh ping {ping_s * 1000:.0f} ms"
     )
     assert all(n < 16 * MiB for n in sent), "the agent stops reading a connection whose replies are not read"
-    assert peak - base < 400 * MiB  # 4 x (16 in flight x 256 KiB + 1 MiB unread + 1 MiB framer) is ~24 MiB; far from the GBs of before
+    assert peak - base < 400 * MiB  # 4 x (16 streams x 256 KiB + 1 MiB unread + 1 MiB framer) is ~24 MiB; far from the GBs of before
     for s in hogs:
         s.close()
     assert asyncio.run(_ping(agent)) < 30
