@@ -556,6 +556,16 @@ async def _synced_history(args: argparse.Namespace) -> tuple[History, list[SyncR
     for r in results:
         if not r.ok:
             print(f"gpudeck: {r.host} not reachable, its newest runs may be missing: {r.error}", file=sys.stderr)
+        elif r.new_epoch and r.epoch and (story := history.recreations(r.host, r.epoch)):
+            s = story[-1]
+            where = f"; the old file is kept on the host as {s['moved_to']}" if s.get("moved_to") else ""
+            print(
+                terminal_text(
+                    f"gpudeck: {r.host}'s agent journal was recreated ({s.get('reason')}: {s.get('detail') or '-'}{where}); "
+                    f"new epoch {r.epoch}, {len(s.get('runs') or [])} live run(s) re-recorded; the history keeps the old runs too"
+                ),
+                file=sys.stderr,
+            )
         elif r.new_epoch and r.last_seq and r.new_events == r.last_seq and len(history.epochs(r.host)) > 1:
             print(
                 f"gpudeck: {r.host}'s agent journal was recreated (new epoch {r.epoch}); the history keeps the old runs too",

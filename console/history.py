@@ -589,6 +589,15 @@ class History:
         )
         return [{"epoch": r[0], "seq": r[1], "ts": r[2], "kind": r[3], "data": _loads(r[4], {})} for r in rows]
 
+    def recreations(self, host: str, epoch: str | None = None) -> list[dict[str, Any]]:
+        """The host's ``journal_recreated`` events (its agent found its journal deleted, replaced or corrupt), oldest first."""
+        sql = "SELECT epoch, ts, data FROM events WHERE host=? AND kind='journal_recreated'"
+        params: tuple = (host,)
+        if epoch is not None:
+            sql, params = sql + " AND epoch=?", (host, epoch)
+        rows = self._exec(sql + " ORDER BY ts", params)
+        return [{"epoch": r[0], "ts": r[1], **_loads(r[2], {})} for r in rows]
+
     def metrics(self, host: str, run_id: str) -> list[dict[str, Any]]:
         """A run's recorded step metrics."""
         rows = self._exec(

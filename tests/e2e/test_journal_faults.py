@@ -193,7 +193,10 @@ def test_a_corrupt_journal_at_start_is_moved_aside_and_live_runs_are_found_again
         stop = json.loads(a.cli("stop", live, "--grace", "1", "--json").stdout)
         print(f"stop after re-adoption: {stop.get('result', stop).get('outcome', stop)}")
         assert _runs(a)[live]["state"] == "stopped"
-        hist = {r["id"]: r for r in a.cli_json("history")}
+        synced = a.cli("history", "--json")  # the first sync of the new epoch says what happened on stderr
+        print(synced.stderr.strip())
+        assert "journal was recreated (corrupt" in synced.stderr and aside[0].name in synced.stderr
+        hist = {r["id"]: r for r in json.loads(synced.stdout)}
         assert live in hist and hist[live]["state"] == "stopped", hist.get(live)
         assert ended in hist, "the old epoch's runs stay in the history"
         assert "journal_recreated" in _history_kinds(gpudeck_home)
