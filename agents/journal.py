@@ -597,9 +597,12 @@ class Journal:
                     # nothing goes into a file the path no longer names: fail-fast writes fail now, others wait
                     raise sqlite3.OperationalError(self.problem or "the journal's path names no journal")
                 self._commit(self._wconn, batch)
-                if self._path_problem() is not None and self._mend(self._path_problem()):
+                after = self._path_problem()
+                if after is not None and after[0] != "unreadable":
                     # committed into a file the path no longer names: the new one has the runs (carried over);
                     # the batch's events go in too, renumbered, before anyone is told it is done
+                    if not self._mend(after):
+                        raise sqlite3.OperationalError(self.problem or after[1])  # not acknowledged: fail-fast writes fail
                     self._commit_events(self._wconn, batch)
                 break
             except sqlite3.Error as exc:
