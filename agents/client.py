@@ -109,6 +109,8 @@ class AgentClient:
                 msg = decode_reply(frame)
             except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
                 continue  # a line we cannot read (a newer agent's message, garbage) is skipped
+            if isinstance(msg, Error) and not msg.request_id and msg.code == "busy":
+                self.close_reason = f"the agent is busy: {msg.message}"  # it closes the connection next
             handler = self._handlers.get(msg.request_id)
             if handler is not None:
                 if isinstance(msg, (StreamEnd, Error)):

@@ -50,7 +50,9 @@ tests/unit/test_estimate.py; an estimate is good to about +-30%.
 from __future__ import annotations
 
 import argparse
+import contextvars
 import json
+import math
 import os
 import re
 from dataclasses import dataclass
@@ -505,15 +507,56 @@ def world_size_of(spec: LaunchSpec, parsed: LaunchArgv) -> tuple[int, str]:
 # ----------------------------------------------------------------------------- configs
 
 
+MAX_CONFIG_BYTES = 16 << 20  # a model config is a few KiB; a bigger file is not one
+MAX_CONFIG_DEPTH = 32  # transformers' configs nest two or three levels
+MAX_CONFIG_INT = 1 << 53  # any real size, count or id fits; past it the arithmetic is meaningless
+_READ: contextvars.ContextVar[list[str] | None] = contextvars.ContextVar("estimate_files_read", default=None)
+
+
+def _check_config_value(value: Any, depth: int = 0) -> str | None:
+    """Why a decoded config value is out of the estimate's limits (nesting, integer size, non-finite numbers), or None."""
+    if depth > MAX_CONFIG_DEPTH:
+        return f"it nests deeper than {MAX_CONFIG_DEPTH} levels"
+    if isinstance(value, bool) or value is None or isinstance(value, str):
+        return None
+    if isinstance(value, int):
+        return None if -MAX_CONFIG_INT <= value <= MAX_CONFIG_INT else f"the number {str(value)[:20]}... is out of range (|n| <= 2**53)"
+    if isinstance(value, float):
+        return None if math.isfinite(value) else "a number is not finite or has more than 20 digits"
+    items = value.values() if isinstance(value, dict) else value
+    for v in items:
+        why = _check_config_value(v, depth + 1)
+        if why is not None:
+            return why
+    return None
+
+
 def _read_json(path: Path, what: str) -> dict[str, Any]:
+    """A config file as a dict within the limits above; EstimateError naming the file otherwise (never a traceback)."""
+    read = _READ.get()
+    if read is not None:
+        read.append(str(path))
     try:
-        data = json.loads(path.read_text())
+        with open(path, "rb") as fh:
+            raw = fh.read(MAX_CONFIG_BYTES + 1)
+        if len(raw) > MAX_CONFIG_BYTES:
+            raise EstimateError(f"{what}: {path} is over {MAX_CONFIG_BYTES >> 20} MiB, not a model config; give --need-gib GIB")
+        # parse_constant: NaN/Infinity are refused; parse_int: a 10**5000 literal fails fast instead of costing the
+        # quadratic int conversion
+        data = json.loads(
+            raw.decode("utf-8"),
+            parse_constant=lambda c: (_ for _ in ()).throw(ValueError(f"{c} is not a number JSON allows")),
+            parse_int=lambda t: int(t) if len(t) <= 20 else float("inf"),
+        )
     except OSError as exc:
         raise EstimateError(f"{what}: cannot read {path} ({exc.strerror or exc}); fix the path or give --need-gib GIB") from None
-    except (ValueError, RecursionError) as exc:
-        raise EstimateError(f"{what}: {path} is not valid JSON ({exc}); fix it or give --need-gib GIB") from None
+    except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
+        raise EstimateError(f"{what}: {path} is not valid JSON ({str(exc)[:200]}); fix it or give --need-gib GIB") from None
     if not isinstance(data, dict):
         raise EstimateError(f"{what}: {path} does not hold a JSON object; give --need-gib GIB")
+    why = _check_config_value(data)
+    if why is not None:
+        raise EstimateError(f"{what}: {path} cannot be a model config: {why}; fix it or give --need-gib GIB")
     return data
 
 
@@ -784,9 +827,26 @@ def estimate(spec: LaunchSpec, world_size: int | None = None) -> MemoryEstimate 
     else:
         world, note = world_size_of(spec, parsed)
     cwd = Path(spec.cwd or os.getcwd())
-    if spec.kind == "fsdp":
-        return estimate_fsdp(parsed, world, note, cwd)
-    return estimate_dflash(parsed, world, note, cwd)
+    read: list[str] = []
+    token = _READ.set(read)
+    try:
+        if spec.kind == "fsdp":
+            return estimate_fsdp(parsed, world, note, cwd)
+        return estimate_dflash(parsed, world, note, cwd)
+    except EstimateError as exc:
+        if read and not any(f in exc.message for f in read):
+            raise type(exc)(f"{exc.message} (read from {', '.join(read)})") from None
+        raise
+    except (TypeError, ValueError, AttributeError, KeyError, IndexError, ArithmeticError, RecursionError) as exc:
+        # a config of the right shape with values of the wrong type or size (a list where a count goes, a head
+        # count of 10**15): the arithmetic refuses it; the operator learns which file, not a traceback
+        files = ", ".join(read) or "the trainer's arguments"
+        raise EstimateError(
+            f"cannot estimate the GPU memory from {files}: a value has the wrong type or size ({type(exc).__name__}: "
+            f"{str(exc)[:200]}); fix it or give --need-gib GIB"
+        ) from None
+    finally:
+        _READ.reset(token)
 
 
 def estimate_or_reason(spec: LaunchSpec, world_size: int | None = None) -> tuple[MemoryEstimate | None, str | None]:

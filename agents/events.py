@@ -142,6 +142,18 @@ class EnvRebuilt(Payload, tag="env_rebuilt", rename={"from_": "from"}):
     python: str | None = None
 
 
+class JournalRecreated(Payload, tag="journal_recreated"):
+    """The journal's file was found deleted, replaced or corrupt: a new one (this epoch) was started; ``runs`` are the
+    live runs re-recorded in it (re-adopted through their containment when the old file could not be read)."""
+
+    reason: str  # deleted | replaced | corrupt | missing
+    detail: str = ""
+    moved_to: str | None = None  # where the old file was moved aside (journal.db.corrupt-<UTC time>)
+    previous_epoch: str | None = None
+    runs: list[str] = []
+    at_start: bool = False
+
+
 class Void(Payload, tag="void"):
     """Holds the seq of a write that failed after its seq was handed out (seqs have no gaps)."""
 
@@ -171,6 +183,7 @@ EventPayload = Union[
     Reclaimed,
     AgentStarted,
     EnvRebuilt,
+    JournalRecreated,
     Void,
 ]
 KINDS: dict[str, type] = {t.__struct_config__.tag: t for t in EventPayload.__args__}  # type: ignore[attr-defined]

@@ -10,7 +10,9 @@ else from the kernel log.
 
 from __future__ import annotations
 
+import os
 import signal
+import stat
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -51,15 +53,43 @@ class ExitCause:
 MAX_EXIT_RECORD = 64 * 1024  # the shim writes ~100 bytes; the run's folder is the run's to write, so anything may be there
 
 
+_EXIT_TEXT_MAX = 2000  # launch_error and note as kept (the shim writes a line)
+
+
+def _typed_exit_record(rec: dict) -> dict | None:
+    """Only the fields the shim writes, each of its type (a run can rewrite its exit.json with anything): returncode an
+    int in 0..255 (or a negative signal number), signal a short string, ended a finite time, launch_error and note
+    strings; a field of another type is dropped, so the decision never sees it. None when nothing usable is left."""
+    out: dict = {}
+    code = rec.get("returncode")
+    if isinstance(code, int) and not isinstance(code, bool) and -128 <= code <= 255:
+        out["returncode"] = code
+    sig = rec.get("signal")
+    if isinstance(sig, str) and 0 < len(sig) <= 32:
+        out["signal"] = sig
+    ended = rec.get("ended")
+    if isinstance(ended, (int, float)) and not isinstance(ended, bool) and 0 < ended < 1e11:
+        out["ended"] = float(ended)
+    for key in ("launch_error", "note"):
+        v = rec.get(key)
+        if isinstance(v, str) and v:
+            out[key] = v[:_EXIT_TEXT_MAX]
+    return out or None
+
+
 def read_exit_record(run_dir: str | None) -> dict | None:
-    """The shim's exit.json, or None (also when the run replaced it with something that is not a small JSON object)."""
-    try:
-        with open(Path(run_dir or "") / "exit.json", "rb") as fh:
+    """The shim's exit.json, typed (:func:`_typed_exit_record`), or None: missing, or replaced by the run with something
+    that is not a small JSON object (over 64 KiB, nested deeper than the telemetry reader's limit, invalid UTF-8)."""
+    try:  # never through a link, never blocking on a FIFO the run put there
+        fd = os.open(Path(run_dir or "") / "exit.json", os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        with os.fdopen(fd, "rb") as fh:
+            if not stat.S_ISREG(os.fstat(fh.fileno()).st_mode):
+                return None
             raw = fh.read(MAX_EXIT_RECORD + 1)
         rec = decode_object(raw) if len(raw) <= MAX_EXIT_RECORD else {}
     except (OSError, LineRejected):
         return None
-    return rec or None
+    return _typed_exit_record(rec) if isinstance(rec, dict) else None
 
 
 def telemetry_evidence(tail: str) -> str:

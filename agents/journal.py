@@ -37,13 +37,17 @@ type when it is queued; the stored JSON is the dict the caller gave.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
+import os
 import sqlite3
+import stat
 import threading
 import time
+import urllib.parse
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
@@ -54,8 +58,19 @@ import msgspec
 
 from gpudeck.agents import events as payloads
 from gpudeck.agents import paths
-from gpudeck.agents.errors import StorageError
-from gpudeck.agents.protocol import Alert, EnvFingerprint, Event, LaunchSpec, Member, PreflightResult, RunInfo
+from gpudeck.agents.errors import AgentError, StorageError
+from gpudeck.agents.protocol import (
+    Alert,
+    EnvFingerprint,
+    Event,
+    LaunchSpec,
+    Member,
+    PreflightResult,
+    RunInfo,
+    encode_safe,
+    scrub,
+    scrub_text,
+)
 
 log = logging.getLogger("gpudeck.journal")
 
@@ -97,6 +112,7 @@ BATCH_MAX = 512  # writes folded into one transaction
 RETRY_MAX_S = 0.25  # a failing commit is retried at least this often (and newly queued writes join it)
 DURABLE_TIMEOUT_S = 60.0  # a blocking durable write gives up (StorageError) after this long
 CLOSE_TIMEOUT_S = 10.0  # close() waits this long for queued writes on a failing disk, then drops them (logged)
+CHECK_EVERY_S = 0.5  # the journal's path is probed (deleted? replaced? corrupt?) at least this often, and around every commit
 
 
 def _storage_error(exc: sqlite3.Error, path: Path) -> StorageError:
@@ -110,6 +126,41 @@ def _storage_error(exc: sqlite3.Error, path: Path) -> StorageError:
             f"the agent's journal {path} is locked by another process ({text}): the write is retried; `fuser {path}` shows who holds it"
         )
     return StorageError(f"the agent's journal {path} failed: {text}")
+
+
+class _Corrupt(Exception):
+    """What the journal's path holds is not a sound SQLite journal."""
+
+    def __init__(self, why: str) -> None:
+        super().__init__(why)
+        self.why = why
+
+
+_SQLITE_CORRUPT, _SQLITE_NOTADB = 11, 26
+
+
+def _is_corrupt(exc: sqlite3.Error) -> bool:
+    """SQLITE_CORRUPT or SQLITE_NOTADB: the file's bytes are wrong (not a passing condition like a full disk)."""
+    code = getattr(exc, "sqlite_errorcode", None)
+    if isinstance(code, int) and code & 0xFF in (_SQLITE_CORRUPT, _SQLITE_NOTADB):
+        return True
+    text = str(exc)
+    return "malformed" in text or "not a database" in text
+
+
+@contextlib.contextmanager
+def _transaction(conn: sqlite3.Connection) -> Iterator[None]:
+    """BEGIN IMMEDIATE ... COMMIT, rolled back on any error (the error goes on)."""
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        yield
+        conn.execute("COMMIT")
+    except BaseException:
+        try:
+            conn.execute("ROLLBACK")
+        except sqlite3.Error:
+            pass
+        raise
 
 
 def _connect(path: Path) -> sqlite3.Connection:
@@ -151,29 +202,20 @@ class Journal:
         self.path = Path(path)
         self.host = host
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        # 0600 whatever the umask (specs hold --env values; SQLite gives -wal/-shm the database's mode), never through
-        # a link. Once, before any connection: closing another descriptor of the file would drop SQLite's POSIX locks
-        # on it (fcntl locks belong to the process), and then readers elsewhere stop seeing the writer's commits.
-        paths.private_file(self.path)
+        self.recreated: list[dict[str, Any]] = []  # each time the file was found gone, replaced or corrupt (newest last)
+        self.problem: str | None = None  # what is wrong with the path right now, when it cannot be mended yet
+        # the runs that are live, from their supervisor's memory (set by the agent): re-recorded in a new file
+        self.live_source: Callable[[], list[RunInfo]] | None = None
+        self.on_recreate: Callable[[dict[str, Any]], None] | None = None  # called from the writer thread
         try:
-            self._wconn = _connect(self.path)
-            self._wconn.executescript(_SCHEMA)
-            have = {r[1] for r in self._wconn.execute("PRAGMA table_info(runs)")}
-            for col, decl in _ADDED_COLUMNS:
-                if col not in have:
-                    self._wconn.execute(f"ALTER TABLE runs ADD COLUMN {col} {decl}")
-            self._wconn.execute("BEGIN IMMEDIATE")
-            row = self._wconn.execute("SELECT value FROM meta WHERE key='epoch'").fetchone()
-            if row is None:
-                self.epoch = str(uuid.uuid4())
-                self._wconn.execute("INSERT INTO meta(key, value) VALUES ('epoch', ?)", (self.epoch,))
-                self._wconn.execute("INSERT INTO meta(key, value) VALUES ('created', ?)", (repr(time.time()),))
-            else:
-                self.epoch = row[0]
-            self._wconn.execute("COMMIT")
-            self._rconn = _connect(self.path)
-        except sqlite3.Error as exc:
-            raise _storage_error(exc, self.path) from exc
+            self._open_file()
+        except _Corrupt as exc:  # garbage, truncated, not SQLite: moved aside, a new epoch starts (never a traceback)
+            moved = self._move_aside("corrupt")
+            log.error("journal %s is corrupt (%s); moved aside to %s, starting a new one", self.path, exc.why, moved)
+            self._open_file()
+            self.recreated.append(
+                {"reason": "corrupt", "detail": exc.why, "moved_to": moved, "previous_epoch": None, "at_start": True, "ts": time.time()}
+            )
         self._rlock = threading.Lock()  # the read connection
         self._plock = threading.Lock()  # the queue, the seq counter and the overlay
         self._cond = threading.Condition(self._plock)
@@ -188,11 +230,260 @@ class Journal:
         self._inflight: list[_Op] = []  # the batch the writer is committing
         self._closing = False
         self._closed = False
+        self._suspect = False  # check() saw the path change: the writer looks at once
+        self._probed = time.monotonic()
         self.storage_error: str | None = None  # why commits fail right now (None when they succeed)
         self.on_commit: Callable[[int], None] | None = None  # called from the writer thread after each commit
         self.batches_committed = 0
         self._writer = threading.Thread(target=self._write_loop, name="journal-writer", daemon=True)
         self._writer.start()
+
+    # ------------------------------------------------------------------ the file itself
+
+    def _open_file(self) -> None:
+        """Open (or create) the database at the path: connections, schema, epoch, and the (st_dev, st_ino) it names.
+
+        Raises _Corrupt when what is there is not a sound SQLite journal; StorageError when it cannot be opened."""
+        # 0600 whatever the umask (specs hold --env values; SQLite gives -wal/-shm the database's mode), never through
+        # a link. Once, before any connection: closing another descriptor of the file would drop SQLite's POSIX locks
+        # on it (fcntl locks belong to the process), and then readers elsewhere stop seeing the writer's commits.
+        paths.private_file(self.path)
+        wconn: sqlite3.Connection | None = None
+        try:
+            wconn = _connect(self.path)
+            ok = wconn.execute("PRAGMA quick_check").fetchone()[0]
+            if ok != "ok":
+                raise _Corrupt(f"SQLite's quick_check: {str(ok)[:300]}")
+            wconn.executescript(_SCHEMA)
+            have = {r[1] for r in wconn.execute("PRAGMA table_info(runs)")}
+            for col, decl in _ADDED_COLUMNS:
+                if col not in have:
+                    wconn.execute(f"ALTER TABLE runs ADD COLUMN {col} {decl}")
+            wconn.execute("BEGIN IMMEDIATE")
+            row = wconn.execute("SELECT value FROM meta WHERE key='epoch'").fetchone()
+            if row is None:
+                self.epoch = str(uuid.uuid4())
+                wconn.execute("INSERT INTO meta(key, value) VALUES ('epoch', ?)", (self.epoch,))
+                wconn.execute("INSERT INTO meta(key, value) VALUES ('created', ?)", (repr(time.time()),))
+            else:
+                self.epoch = str(row[0])
+            wconn.execute("COMMIT")
+            rconn = _connect(self.path)
+            st = os.stat(self.path)
+        except _Corrupt:
+            if wconn is not None:
+                wconn.close()
+            raise
+        except sqlite3.Error as exc:
+            if wconn is not None:
+                wconn.close()
+            if _is_corrupt(exc):
+                raise _Corrupt(str(exc)) from None
+            raise _storage_error(exc, self.path) from exc
+        self._wconn, self._rconn = wconn, rconn
+        self._ident = (st.st_dev, st.st_ino)
+
+    def _move_aside(self, why: str) -> str | None:
+        """Rename what the path names (and its -wal/-shm) to ``journal.db.<why>-<UTC time>``, 0600; the new name, or
+        None when nothing was there. A name taken already gets a counter."""
+        stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+        base = self.path.with_name(f"{self.path.name}.{why}-{stamp}")
+        n = 1
+        while os.path.lexists(base):
+            n += 1
+            base = self.path.with_name(f"{self.path.name}.{why}-{stamp}.{n}")
+        moved = None
+        for suffix in ("", "-wal", "-shm"):
+            src = Path(str(self.path) + suffix)
+            if not os.path.lexists(src):
+                continue
+            dst = Path(str(base) + suffix)
+            os.rename(src, dst)
+            if not suffix:
+                moved = str(dst)
+            try:
+                if not os.path.islink(dst):
+                    os.chmod(dst, 0o600)
+            except OSError:
+                pass
+        return moved
+
+    def _path_problem(self) -> tuple[str, str] | None:
+        """(kind, detail) when the path no longer names the file this journal writes: ``deleted``, ``replaced``,
+        ``corrupt`` (what it names is not SQLite any more), ``unreadable``; None when all is well. Reads through a
+        new SQLite connection only (never a bare descriptor of the file: closing one would drop SQLite's locks)."""
+        try:
+            st = os.lstat(self.path)
+        except FileNotFoundError:
+            return "deleted", f"{self.path} was deleted"
+        except OSError as exc:
+            return "unreadable", f"{self.path} cannot be looked at ({exc.strerror})"
+        if (st.st_dev, st.st_ino) != self._ident:
+            what = "a symbolic link" if stat.S_ISLNK(st.st_mode) else "a folder" if stat.S_ISDIR(st.st_mode) else "another file"
+            return "replaced", f"{self.path} was replaced by {what}"
+        return None
+
+    def _probe(self) -> tuple[str, str] | None:
+        """:meth:`_path_problem`, then a read of the meta table through a fresh connection (the header and page 1)."""
+        found = self._path_problem()
+        if found is not None:
+            return found
+        try:
+            conn = sqlite3.connect(f"file:{urllib.parse.quote(str(self.path))}?mode=ro", uri=True, timeout=1.0)
+            try:
+                row = conn.execute("SELECT value FROM meta WHERE key='epoch'").fetchone()
+            finally:
+                conn.close()
+        except sqlite3.Error as exc:
+            if _is_corrupt(exc):
+                return "corrupt", f"{self.path} is no longer a sound SQLite file ({exc})"
+            if "locked" in str(exc) or "busy" in str(exc):
+                return None
+            return "unreadable", f"{self.path} cannot be read ({exc})"
+        if row is None or row[0] != self.epoch:
+            return "replaced", f"{self.path} holds another journal (epoch {row[0] if row else 'none'}, this agent wrote {self.epoch})"
+        return None
+
+    def _live_now(self) -> list[RunInfo]:
+        source = self.live_source
+        if source is None:
+            return []
+        for _ in range(20):
+            try:
+                return [msgspec.structs.replace(r) for r in source()]
+            except RuntimeError:  # the supervisor's dict changed under us (another thread): read it again
+                time.sleep(0.001)
+        return []
+
+    def _recreate(self, kind: str, detail: str) -> None:
+        """The path no longer names a sound journal of ours: move aside what is there, open a new file (a new epoch)
+        and re-record in it every run the old file held (read through the connection still open on it, when it reads)
+        and every live run as the supervisor holds it; a ``journal_recreated`` event says what happened. Writer thread
+        only (the one user of the write connection). Pending writes follow in the new file, renumbered."""
+        old_epoch = self.epoch
+        salvaged: list[tuple] = []
+        salvage_note = ""
+        try:
+            salvaged = self._wconn.execute(f"SELECT {self._COLS} FROM runs").fetchall()
+        except sqlite3.Error as exc:
+            salvage_note = f"the old file's runs could not be read ({exc})"
+        live = self._live_now()
+        moved = None
+        if kind != "deleted":
+            moved = self._move_aside("corrupt" if kind == "corrupt" else kind)
+        else:
+            for suffix in ("-wal", "-shm"):  # the deleted file's own: a new database must not pick them up
+                if os.path.lexists(str(self.path) + suffix):
+                    self._move_aside("deleted")
+                    break
+        with self._rlock:
+            for conn in (self._rconn, self._wconn):
+                try:
+                    conn.close()
+                except sqlite3.Error:
+                    pass
+            self._open_file()  # StorageError when the folder itself is gone or unwritable: the caller retries
+        conn = self._wconn
+        live_ids = [r.id for r in live]
+        info: dict[str, Any] = {
+            "reason": kind,
+            "detail": detail[:500] + (f"; {salvage_note}" if salvage_note else ""),
+            "moved_to": moved,
+            "previous_epoch": old_epoch,
+            "runs": live_ids,
+            "at_start": False,
+        }
+        items: list[tuple[str, str | None, dict[str, Any]]] = [("journal_recreated", None, info)]
+        try:
+            self._rerecord(conn, salvaged, live, items)
+        except BaseException:
+            self._ident = (-1, -1)  # this new file lacks the runs: the next check finds it "replaced" and starts over
+            raise
+        top = len(items)
+        with self._plock:
+            pend = [e for op in self._pending.values() for e in op.events]
+            if pend:
+                shift = top + 1 - pend[0].seq
+                for e in pend:
+                    e.seq += shift
+                self._next_seq += shift
+            else:
+                self._next_seq = top + 1
+            self._committed_seq = top
+        info["ts"] = time.time()
+        self.recreated.append(info)
+        self.problem = None
+        log.error(
+            "journal %s: %s; a new journal (epoch %s) was started%s and %d live run(s) re-recorded (%d run record(s) carried over)",
+            self.path,
+            detail,
+            self.epoch,
+            f", the old file moved aside to {moved}" if moved else "",
+            len(live),
+            len(salvaged),
+        )
+        cb = self.on_recreate
+        if cb is not None:
+            try:
+                cb(info)
+            except Exception:
+                log.exception("journal on_recreate callback failed")
+
+    def _rerecord(
+        self, conn: sqlite3.Connection, salvaged: list[tuple], live: list[RunInfo], items: list[tuple[str, str | None, dict[str, Any]]]
+    ) -> None:
+        """Into a new file: the old file's run rows, the live runs as the supervisor holds them, and ``items`` (the
+        ``journal_recreated`` event) followed by each live run's ``run_created`` and ``run_adopted``; one transaction."""
+        with _transaction(conn):
+            cols = self._COLS.split(", ")
+            marks = ",".join("?" * len(cols))
+            for row in salvaged:
+                conn.execute(f"INSERT OR REPLACE INTO runs({self._COLS}) VALUES ({marks})", row)
+            for run in live:
+                stmt, created = self._create_stmt(run, replace=True)
+                conn.execute(*stmt)
+                items.append(created)
+                items.append(
+                    ("run_adopted", run.id, {"state": run.state, "containment": run.containment.label if run.containment else None})
+                )
+            for i, (k, rid, d) in enumerate(items):
+                payloads.validate(k, d)
+                conn.execute(
+                    "INSERT INTO events(seq, ts, kind, run_id, data) VALUES (?, ?, ?, ?, ?)", (i + 1, time.time(), k, rid, json.dumps(d))
+                )
+
+    def _mend(self, found: tuple[str, str] | None) -> bool:
+        """Act on what :meth:`_probe`/:meth:`_path_problem` found; True when the journal was recreated."""
+        if found is None:
+            self.problem = None
+            return False
+        kind, detail = found
+        if kind == "unreadable":  # the file we hold is still the path's: keep writing it, say so, look again
+            if self.problem != detail:
+                log.error("journal %s: %s", self.path, detail)
+            self.problem = detail
+            return False
+        try:
+            self._recreate(kind, detail)
+        except (AgentError, _Corrupt, OSError, sqlite3.Error) as exc:  # AgentError: StorageError, UnsafePath
+            why = exc.message if isinstance(exc, AgentError) else str(exc)
+            problem = f"{detail}, and a new journal cannot be made there yet ({why})"
+            if self.problem != problem:
+                log.error("journal %s: %s", self.path, problem)
+            self.problem = problem
+            return False
+        return True
+
+    def check(self) -> str | None:
+        """From any thread (the agent's tick): what is wrong with the journal's path now, if anything; the writer
+        thread is woken to mend it (it checks on its own every CHECK_EVERY_S too)."""
+        found = self._path_problem()
+        if found is not None:
+            with self._cond:
+                self._suspect = True
+                self._cond.notify()
+            return found[1]
+        return self.problem
 
     # ------------------------------------------------------------------ plumbing
 
@@ -213,6 +504,9 @@ class Journal:
         for kind, _rid, data in items:
             payloads.validate(kind, data)  # BadEvent names the kind and the field
         encoded = [json.dumps(d, default=str) for _k, _r, d in items]
+        if any("\\ud" in e for e in encoded):  # a lone surrogate (a run's text): stored, and so served, as U+FFFD
+            items = [(k, r, scrub(d)) for k, r, d in items]
+            encoded = [json.dumps(d, default=str) for _k, _r, d in items]
         ts = time.time() if ts is None else ts
         with self._plock:
             if self._closing:
@@ -257,10 +551,11 @@ class Journal:
             del self._ov_new[op.new_run]
 
     def _take(self, batch: list[_Op], block: bool) -> bool:
-        """Move queued ops into ``batch``; False when closing and nothing is left."""
+        """Move queued ops into ``batch``; False when closing and nothing is left. Waits at most CHECK_EVERY_S
+        (the journal's path is probed that often while idle)."""
         with self._cond:
-            while block and not self._queue and not self._closing:
-                self._cond.wait()
+            if block and not self._queue and not self._closing and not self._suspect:
+                self._cond.wait(CHECK_EVERY_S)
             room = BATCH_MAX - len(batch)
             batch.extend(self._queue[:room])
             del self._queue[:room]
@@ -277,20 +572,42 @@ class Journal:
 
     def _write_some(self) -> bool:
         """One batch, committed (retried until it is); False once closed and drained. The batch stays in
-        ``_inflight`` until it is committed, so an unexpected error loses none of it (the loop calls again)."""
-        conn = self._wconn
+        ``_inflight`` until it is committed, so an unexpected error loses none of it (the loop calls again).
+
+        Before the batch, the path is checked against the file this journal opened (a full probe every
+        CHECK_EVERY_S); after it too: a commit is done (and so a launch acknowledged) only once it is in the file
+        the path names. A journal found gone, replaced or corrupt is recreated first (:meth:`_recreate`)."""
         batch = self._inflight
         if not batch:
             if not self._take(batch, block=True):
                 return False
+            with self._plock:
+                suspect, self._suspect = self._suspect, False
+            if suspect or time.monotonic() - self._probed >= CHECK_EVERY_S:
+                self._probed = time.monotonic()
+                self._mend(self._probe())
             if not batch:
                 return True
+        elif self._path_problem() is not None:
+            self._mend(self._path_problem())
         give_up_at: float | None = None
         while True:
             try:
-                self._commit(conn, batch)
+                if not self._inflight_checked():
+                    # nothing goes into a file the path no longer names: fail-fast writes fail now, others wait
+                    raise sqlite3.OperationalError(self.problem or "the journal's path names no journal")
+                self._commit(self._wconn, batch)
+                after = self._path_problem()
+                if after is not None and after[0] != "unreadable":
+                    # committed into a file the path no longer names: the new one has the runs (carried over);
+                    # the batch's events go in too, renumbered, before anyone is told it is done
+                    if not self._mend(after):
+                        raise sqlite3.OperationalError(self.problem or after[1])  # not acknowledged: fail-fast writes fail
+                    self._commit_events(self._wconn, batch)
                 break
             except sqlite3.Error as exc:
+                if _is_corrupt(exc) and self._mend(("corrupt", f"{self.path} is no longer a sound SQLite file ({exc})")):
+                    continue  # the batch goes into the new file
                 err = _storage_error(exc, self.path)
                 if self.storage_error != err.message:
                     log.error("journal commit failed (retrying): %s", err.message)
@@ -344,9 +661,20 @@ class Journal:
                 log.exception("journal on_commit callback failed")
         return True
 
+    def _inflight_checked(self) -> bool:
+        """False while the path is known bad and cannot be mended (nothing is committed into a lost file meanwhile)."""
+        found = self._path_problem()
+        if found is None:
+            return True
+        return self._mend(found) or found[0] == "unreadable"
+
+    def _commit_events(self, conn: sqlite3.Connection, batch: list[_Op]) -> None:
+        with _transaction(conn):
+            for op in batch:
+                self._insert_events(conn, op)
+
     def _commit(self, conn: sqlite3.Connection, batch: list[_Op]) -> None:
-        conn.execute("BEGIN IMMEDIATE")
-        try:
+        with _transaction(conn):
             top = int(conn.execute("SELECT MAX(seq) FROM events").fetchone()[0] or 0)
             first = next((op.events[0].seq for op in batch if op.events), None)
             if first is not None and top != first - 1:
@@ -363,13 +691,6 @@ class Journal:
                     op.void(f"write refused: {exc}")
                     self._insert_events(conn, op)
                 conn.execute("RELEASE op")
-            conn.execute("COMMIT")
-        except BaseException:
-            try:
-                conn.execute("ROLLBACK")
-            except sqlite3.Error:
-                pass
-            raise
 
     @staticmethod
     def _insert_events(conn: sqlite3.Connection, op: _Op) -> None:
@@ -482,11 +803,7 @@ class Journal:
                 self.flush()
             except StorageError:
                 pass  # what is committed is still the truth
-        with self._rlock:
-            rows = self._rconn.execute(
-                "SELECT seq, ts, kind, run_id, data FROM events WHERE seq > ? ORDER BY seq LIMIT ?",
-                (after_seq, limit),
-            ).fetchall()
+        rows = self._select("SELECT seq, ts, kind, run_id, data FROM events WHERE seq > ? ORDER BY seq LIMIT ?", (after_seq, limit))
         return [Event(seq=r[0], ts=r[1], kind=r[2], run_id=r[3], data=json.loads(r[4])) for r in rows]
 
     def last_event(self, run_id: str, kind: str) -> Event | None:
@@ -496,40 +813,49 @@ class Journal:
                 for e in reversed(op.events):
                     if e.run_id == run_id and e.kind == kind:
                         return e
-        with self._rlock:
-            r = self._rconn.execute(
-                "SELECT seq, ts, kind, run_id, data FROM events WHERE run_id=? AND kind=? ORDER BY seq DESC LIMIT 1",
-                (run_id, kind),
-            ).fetchone()
+        rows = self._select(
+            "SELECT seq, ts, kind, run_id, data FROM events WHERE run_id=? AND kind=? ORDER BY seq DESC LIMIT 1", (run_id, kind)
+        )
+        r = rows[0] if rows else None
         return Event(seq=r[0], ts=r[1], kind=r[2], run_id=r[3], data=json.loads(r[4])) if r else None
 
     # ------------------------------------------------------------------ runs
 
-    def _create_op(self, run: RunInfo) -> _Op:
+    def _create_stmt(self, run: RunInfo, replace: bool = False) -> tuple[tuple[str, tuple], tuple[str, str | None, dict[str, Any]]]:
+        """The INSERT of a run's row and its ``run_created`` event."""
+        verb = "INSERT OR REPLACE" if replace else "INSERT"
         stmt = (
-            "INSERT INTO runs(id, request_id, host, name, state, cause, exit_code, signal, created, started, ended, spec, run_dir, members,"
+            f"{verb} INTO runs(id, request_id, host, name, state, cause, exit_code, signal, created, started, ended, spec, run_dir, members,"
             " preflight, env, alerts) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
             (
                 run.id,
                 run.request_id or None,
                 run.host,
-                run.name,
+                None if run.name is None else scrub_text(run.name),
                 run.state,
-                run.cause,
+                None if run.cause is None else scrub_text(run.cause),
                 run.exit_code,
                 run.signal,
                 run.created,
                 run.started,
                 run.ended,
-                msgspec.json.encode(run.spec).decode(),
+                encode_safe(run.spec).decode(),
                 run.run_dir,
-                msgspec.json.encode(run.members).decode(),
-                None if run.preflight is None else msgspec.json.encode(run.preflight).decode(),
-                None if run.env is None else msgspec.json.encode(run.env).decode(),
-                msgspec.json.encode(run.alerts).decode(),
+                encode_safe(run.members).decode(),
+                None if run.preflight is None else encode_safe(run.preflight).decode(),
+                None if run.env is None else encode_safe(run.env).decode(),
+                encode_safe(run.alerts).decode(),
             ),
         )
-        item = ("run_created", run.id, {"state": run.state, "spec": msgspec.to_builtins(run.spec), "name": run.name})
+        item: tuple[str, str | None, dict[str, Any]] = (
+            "run_created",
+            run.id,
+            {"state": run.state, "spec": msgspec.to_builtins(run.spec), "name": run.name},
+        )
+        return stmt, item
+
+    def _create_op(self, run: RunInfo) -> _Op:
+        stmt, item = self._create_stmt(run)
         return self._submit([stmt], [item], fail_fast=True, ts=run.created, new_run=run)
 
     def create_run(self, run: RunInfo) -> Event:
@@ -557,7 +883,9 @@ class Journal:
         values = []
         for key, value in fields.items():
             if key in _STRUCT_FIELDS:
-                value = None if value is None else msgspec.json.encode(value).decode()
+                value = None if value is None else encode_safe(value).decode()
+            elif isinstance(value, str):
+                value = scrub_text(value)  # SQLite (UTF-8) cannot bind a lone surrogate
             values.append(value)
         stmts = []
         if fields:
@@ -595,8 +923,16 @@ class Journal:
         return run
 
     def _select(self, sql: str, params: tuple) -> list[tuple]:
-        with self._rlock:
-            return self._rconn.execute(sql, params).fetchall()
+        """A read; a file found corrupt under it wakes the writer to mend it and fails as a StorageError (typed)."""
+        try:
+            with self._rlock:
+                return self._rconn.execute(sql, params).fetchall()
+        except sqlite3.DatabaseError as exc:
+            if _is_corrupt(exc):
+                with self._cond:
+                    self._suspect = True
+                    self._cond.notify()
+            raise _storage_error(exc, self.path) from exc
 
     def _row_to_run(self, r: tuple) -> RunInfo:
         return RunInfo(

@@ -10,6 +10,7 @@ connection stays up.
 
 from __future__ import annotations
 
+import json
 import uuid
 from typing import Any, Literal, Union
 
@@ -398,6 +399,7 @@ class Snapshot(_Msg, tag="snapshot", kw_only=True, omit_defaults=False):  # ever
     gpus: list[Gpu] = []
     gpu_error: str | None = None  # why there are no GPUs ("NVML: driver not loaded", ...)
     storage_error: str | None = None  # the journal cannot be written right now (disk full): what is shown may lag
+    journal_note: str | None = None  # the journal was found deleted/replaced/corrupt and recreated (what, when, where moved)
     simulated: bool = False
     runs: list[RunInfo] = []
     processes: list[ProcInfo] = []  # members of live runs and STALE survivors
@@ -564,6 +566,7 @@ class HelloReply(_Msg, tag="hello_reply", kw_only=True):
     state_dir: str
     gpu_error: str | None = None
     containment: str | None = None  # the containment this agent gives its runs (its label)
+    journal: str | None = None  # the journal's story when it is not plain: recreated (why, when, moved where), or a problem now
 
 
 class Pong(_Msg, tag="pong", kw_only=True):
@@ -695,9 +698,53 @@ _reply_decoder = msgspec.json.Decoder(Reply)
 _any_decoder = msgspec.json.Decoder()
 
 
+def scrub_text(text: str) -> str:
+    """``text`` with every lone surrogate (``'\\ud800'``, a ``surrogateescape``d byte) replaced by U+FFFD; a valid
+    surrogate pair becomes its character. UTF-8 (and so msgspec, the wire and SQLite's JSON) cannot hold a lone one."""
+    return text.encode("utf-16-le", "surrogatepass").decode("utf-16-le", "replace")
+
+
+def scrub(obj: Any, _depth: int = 0) -> Any:
+    """Plain data (dicts, lists, strings, numbers) with every string :func:`scrub_text`-ed, keys too; bounded depth."""
+    if isinstance(obj, str):
+        return scrub_text(obj)
+    if _depth > 256:  # deeper than any message: cut (our own data never nests like this)
+        return None
+    if isinstance(obj, dict):
+        return {scrub(k, _depth + 1): scrub(v, _depth + 1) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [scrub(v, _depth + 1) for v in obj]
+    return obj
+
+
+def encode_safe(obj: Any) -> bytes:
+    """``obj`` (a Struct or plain data) as JSON; a string holding a lone surrogate, which msgspec refuses to encode,
+    goes out with U+FFFD in its place instead of failing the whole message (a run's name, output or telemetry may
+    hold one). The fast path is msgspec's own: the scrub runs only when it refuses."""
+    try:
+        return _encoder.encode(obj)
+    except UnicodeEncodeError:
+        return _encoder.encode(scrub(msgspec.to_builtins(obj)))
+
+
 def encode(msg: msgspec.Struct) -> bytes:
-    """One message as one line, newline included."""
-    return _encoder.encode(msg) + b"\n"
+    """One message as one line, newline included (lone surrogates replaced: :func:`encode_safe`)."""
+    return encode_safe(msg) + b"\n"
+
+
+def _lenient(line: bytes) -> bytes | None:
+    """A line msgspec refused, re-encoded with its lone-surrogate escapes (``"\\ud800"``, as Python's ``json.dumps``
+    writes a ``surrogateescape``d string) as U+FFFD; None when it is not valid JSON for other reasons too."""
+    if b"\\u" not in line:
+        return None
+    try:
+        obj = json.loads(line)
+    except (ValueError, RecursionError):
+        return None
+    try:
+        return _encoder.encode(scrub(obj))
+    except (TypeError, ValueError, OverflowError):
+        return None
 
 
 def _salvage_request_id(line: bytes) -> str:
@@ -723,6 +770,9 @@ def decode_request(line: bytes) -> Request | Error:
             request_id=rid, code="bad_message", message=f"message not understood: {exc}; see agents/protocol.py for the message types"
         )
     except msgspec.DecodeError as exc:
+        fixed = _lenient(line)
+        if fixed is not None:
+            return decode_request(fixed)  # lone surrogates only: decoded with U+FFFD in their place
         return Error(code="bad_json", message=f"not valid JSON: {exc}; send one JSON object per line")
     except RecursionError:
         return Error(code="bad_json", message="the message nests too deeply; send flat JSON objects, one per line")

@@ -14,10 +14,13 @@ import faulthandler
 import fcntl
 import logging
 import os
+import resource
 import signal
 import socket
+import stat
 import struct
 import sys
+import threading
 import time
 from collections.abc import Awaitable, Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
@@ -30,6 +33,8 @@ from gpudeck.agents import __version__, envs, paths
 from gpudeck.agents.errors import AgentError, BadRequest, StorageError, VersionMismatch
 from gpudeck.agents.gpus import make_sampler
 from gpudeck.agents.journal import Journal
+from gpudeck.agents.launcher import SHIM
+from gpudeck.agents.membership import cmdline_of
 from gpudeck.agents.procs import ProcTable
 from gpudeck.agents.protocol import (
     MAX_OUTPUT_CHUNK,
@@ -50,9 +55,11 @@ from gpudeck.agents.protocol import (
     HelloReply,
     Launch,
     LaunchReply,
+    LaunchSpec,
     LeftoverList,
     ListLeftovers,
     ListRuns,
+    Member,
     Metrics,
     OutputChunk,
     Ping,
@@ -63,6 +70,7 @@ from gpudeck.agents.protocol import (
     RebuildEnv,
     Reclaim,
     Request,
+    RunInfo,
     RunList,
     RunReply,
     Snapshot,
@@ -84,6 +92,24 @@ log = logging.getLogger("gpudeck.agent")
 TICK_S = 0.5  # supervision tick: member discovery, exit detection
 REPLY_DURABLE_S = 5.0  # a Launch/Stop/Reclaim reply waits this long at most for its journal records to be on disk
 WRITE_BUFFER_LIMIT = 8 << 20  # a slower client than this skips snapshots instead of growing memory
+
+# What any client can make the agent hold (README, Reliability). Per connection: the socket read (64 KiB chunk, at
+# most 128 KiB buffered by the StreamReader), the framer's partial line (MAX_FRAME, 1 MiB), MAX_INFLIGHT requests
+# (each a decoded frame of at most 1 MiB, and its reply once built), MAX_STREAMS streams (each holding at most the
+# one item it is sending), and the write buffer (WRITE_PAUSE_AT, plus the one reply being written). Past
+# MAX_INFLIGHT unanswered requests, or with more than WRITE_PAUSE_AT not taken by the client, the agent stops
+# reading that connection: a client that sends and never reads stalls itself, nobody else. A stream past
+# MAX_STREAMS gets a typed error (a console never waits on it).
+MAX_INFLIGHT = 8  # requests (not streams) of one connection being served at once
+MAX_STREAMS = 16  # streams (watch_snapshots, get_events, read_output) open on one connection
+WRITE_PAUSE_AT = 1 << 20  # bytes waiting to go to the client: past this, nothing more is read from it
+MAX_CONNECTIONS = 256  # connections served at once; one more gets a typed `busy` error and is closed
+IDLE_EVICT_S = 5.0  # at the cap, a connection with nothing in flight and silent this long gives its place to a new one
+FD_RESERVE = 64  # file descriptors never given to clients: the tick, launches and the journal always have these
+FD_HEADROOM = 32  # fds between the connection cap and the reserve: runs' files, journal reopen, the busy replies
+ACCEPT_BATCH = 32  # connections accepted per wake-up of the listening socket
+DRAIN_AT_EOF_S = 30.0  # a client that half-closed gets its in-flight answers for this long at most
+SHUTDOWN_GRACE_S = 0.5  # SIGTERM: what is in flight gets this long, then every connection is cut
 _PEERCRED = struct.Struct("3i")
 
 
@@ -145,7 +171,14 @@ class Agent:
         self.snapshots = SnapshotBuilder(self.host, self.journal.epoch, self.gpus, self.procs, self.supervisor)
         self.supervisor.attribute = self.snapshots.attribute
         self.socket_path = paths.socket_path(self.state_dir)
-        self._server: asyncio.base_events.Server | None = None
+        self._listener: socket.socket | None = None
+        self._conns: set[_Conn] = set()
+        self._conn_tasks: set[asyncio.Task] = set()
+        self.conn_cap = MAX_CONNECTIONS  # set at start from RLIMIT_NOFILE (see _fd_budget)
+        self.busy_refused = 0  # connections turned away with `busy` (a figure for tests and the log)
+        self.idle_evicted = 0  # idle connections closed at the cap to let a new one in
+        self._fd_paused = False
+        self._journal_seen: str | None = None
         self._tasks: set[asyncio.Task] = set()
         self._stopped = asyncio.Event()
         self.uid = os.getuid()
@@ -155,7 +188,37 @@ class Agent:
 
     async def snapshot(self) -> Snapshot:
         """A snapshot built off the event loop."""
-        return await asyncio.get_running_loop().run_in_executor(self._sampler, self.snapshots.build)
+        snap = await asyncio.get_running_loop().run_in_executor(self._sampler, self.snapshots.build)
+        snap.journal_note = self.journal_note()
+        return snap
+
+    def journal_note(self) -> str | None:
+        """What `agent status`, snapshots and the console say of the journal: a problem now, else its last recreation."""
+        j = self.journal
+        if j.problem:
+            return f"journal problem: {j.problem}"
+        if not j.recreated:
+            return None
+        r = j.recreated[-1]
+        when = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(r.get("ts", time.time())))
+        runs = r.get("runs") or []
+        text = f"journal recreated {when} ({r['reason']}: {r.get('detail') or r['reason']})"
+        if r.get("moved_to"):
+            text += f"; the old file is kept as {r['moved_to']}"
+        text += f"; new epoch {j.epoch}; {len(runs)} live run(s) re-recorded"
+        if len(j.recreated) > 1:
+            text += f" ({len(j.recreated)} recreations since the agent started)"
+        return text
+
+    def _journal_recreated(self, info: dict[str, Any]) -> None:  # the journal's writer thread
+        try:
+            self._loop.call_soon_threadsafe(self._after_recreate)
+        except RuntimeError:  # the loop is closed (shutdown)
+            pass
+
+    def _after_recreate(self) -> None:
+        self.snapshots.epoch = self.journal.epoch  # followers see the new epoch (and start it from seq 0)
+        self._wake_followers()
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -182,7 +245,11 @@ class Agent:
         """Adopt runs left by an earlier agent, open the socket, start the supervision tick."""
         self._loop = asyncio.get_running_loop()
         self.journal.on_commit = self._on_commit
+        self.journal.live_source = self.supervisor.live_runs
+        self.journal.on_recreate = self._journal_recreated
+        found = await asyncio.to_thread(rediscover_runs, self.journal, self.supervisor)
         notes = self.supervisor.adopt()
+        self._record_start_recovery(found)
         self.journal.append(
             "agent_started", None, {"pid": os.getpid(), "version": __version__, "gpu_error": self.gpus.error, "adopted": notes}
         )
@@ -199,17 +266,44 @@ class Agent:
         paths.ensure_private_dir(self.socket_path.parent)
         if self.socket_path.exists():
             self.socket_path.unlink()  # we hold the lock, so no live agent owns it
+        self.conn_cap = _fd_budget()
+        lsock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         old_umask = os.umask(0o177)
         try:
-            self._server = await asyncio.start_unix_server(self._serve_conn, path=str(self.socket_path), limit=1 << 16)
+            lsock.bind(str(self.socket_path))
         finally:
             os.umask(old_umask)
         os.chmod(self.socket_path, 0o600)
+        lsock.listen(128)
+        lsock.setblocking(False)
+        self._listener = lsock
+        self._loop.add_reader(lsock.fileno(), self._accept_ready)
         self._spawn(self._tick_loop())
         monitor = os.environ.get(LOOP_MONITOR_ENV)
         if monitor:
             self._spawn(_loop_monitor(Path(monitor)))
         log.info("agent %s serving %s (GPUs: %s)", os.getpid(), self.socket_path, self.gpus.error or self.gpus.count)
+
+    def _record_start_recovery(self, found: list[str]) -> None:
+        """A journal recreated at start (corrupt), or one that lacked live runs (deleted while the agent was down):
+        a typed ``journal_recreated`` event says so, with the runs found again through their containment."""
+        at_start = [r for r in self.journal.recreated if r.get("at_start")]
+        if not at_start and not found:
+            return
+        info: dict[str, Any] = at_start[-1] if at_start else {"reason": "missing", "detail": "", "moved_to": None, "previous_epoch": None}
+        if not at_start:
+            info["detail"] = (
+                f"{len(found)} live run(s) in {paths.runs_dir(self.state_dir)} had no record in {self.journal.path} "
+                "(deleted or replaced while the agent was down)"
+            )
+            info["at_start"] = True
+            info["ts"] = time.time()
+            self.journal.recreated.append(info)
+        info["runs"] = [f.split(":", 1)[0] for f in found]
+        data = {k: info[k] for k in ("reason", "detail", "moved_to", "previous_epoch", "runs", "at_start")}
+        data["detail"] = (data["detail"] + "; " if data["detail"] else "") + "; ".join(found)[:2000] if found else data["detail"]
+        self.journal.append("journal_recreated", None, data)
+        log.error("journal: %s", self.journal_note())
 
     async def serve_forever(self) -> None:
         """Run until SIGTERM/SIGINT."""
@@ -221,13 +315,26 @@ class Agent:
         await self.close()
 
     async def close(self) -> None:
-        """Stop serving; runs keep going (they outlive the agent by design)."""
+        """Stop serving; runs keep going (they outlive the agent by design). Bounded whatever the clients do: the
+        listener closes, what is in flight gets SHUTDOWN_GRACE_S, then every connection is cut (its transport
+        aborted: no drain waits on a client that does not read)."""
         log.info("agent %s stopping; %d live run(s) keep going", os.getpid(), len(self.supervisor.live_runs()))
-        if self._server is not None:
-            self._server.close()
+        self._stop_accepting()
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
+        if self._conn_tasks:
+            await asyncio.wait(list(self._conn_tasks), timeout=SHUTDOWN_GRACE_S)
+        for conn in list(self._conns):
+            conn.abort()
+        for t in list(self._conn_tasks):
+            t.cancel()
+        if self._conn_tasks:
+            await asyncio.wait(list(self._conn_tasks), timeout=SHUTDOWN_GRACE_S)
         for t in list(self._tasks):
             t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._tasks:
+            await asyncio.wait(list(self._tasks), timeout=SHUTDOWN_GRACE_S)
         try:
             self.socket_path.unlink()
         except OSError:
@@ -244,6 +351,10 @@ class Agent:
         loop = asyncio.get_running_loop()
         while True:
             try:
+                problem = await asyncio.to_thread(self.journal.check)  # gone, replaced? the writer mends it before any commit
+                if problem is not None and problem != self._journal_seen:
+                    log.error("journal: %s", problem)
+                self._journal_seen = problem
                 await loop.run_in_executor(self._sampler, self.procs.refresh)
                 await self.supervisor.tick()  # its full scans, NVML sample and liveness checks run in a thread too
                 self.snapshots.storage_error = None
@@ -268,8 +379,121 @@ class Agent:
         _pid, uid, _gid = _PEERCRED.unpack(raw)
         return uid
 
+    def _stop_accepting(self) -> None:
+        if self._listener is not None:
+            try:
+                self._loop.remove_reader(self._listener.fileno())
+            except (ValueError, OSError):
+                pass
+
+    def _accept_ready(self) -> None:
+        """The listening socket is readable: accept what the connection cap and the fd budget allow. Past the cap a
+        connection gets one `busy` frame and is closed; when even that would eat the supervision's reserve
+        (another part of the agent holds many fds), accepting pauses until a connection closes."""
+        lsock = self._listener
+        if lsock is None:
+            return
+        for _ in range(ACCEPT_BATCH):
+            if not _fds_left_for_clients():
+                # the backlog waits in the kernel, costing us nothing; resumed when a connection closes, and
+                # looked at again shortly (an idle connection may be closed to make room meanwhile)
+                self._evict_idle()
+                self._stop_accepting()
+                self._loop.call_later(0.5, self._resume_accepting)
+                if not self._fd_paused:
+                    log.warning("accepting paused: file descriptors are down to the supervision's reserve (%d)", FD_RESERVE)
+                self._fd_paused = True
+                return
+            self._fd_paused = False
+            try:
+                sock, _addr = lsock.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:  # EMFILE/ENFILE from elsewhere: stop for now, a closing connection resumes
+                log.warning("accept failed: %s", exc)
+                self._stop_accepting()
+                self._loop.call_later(0.5, self._resume_accepting)
+                return
+            if len(self._conn_tasks) >= self.conn_cap and not self._evict_idle():  # tasks: counted from the accept on
+                self._refuse_busy(sock)
+                continue
+            sock.setblocking(False)
+            task = asyncio.ensure_future(self._open_conn(sock))
+            self._conn_tasks.add(task)
+            task.add_done_callback(self._conn_done)
+
+    def _evict_idle(self) -> bool:
+        """At the cap: close the connection idle longest (nothing in flight, no stream, silent for IDLE_EVICT_S) to make
+        room, so connections held open and unused never lock fresh clients out. False when none qualifies."""
+        now = time.monotonic()
+        idle = [c for c in self._conns if not c.closed and not c.busy() and now - c.last_active >= IDLE_EVICT_S]
+        if not idle:
+            return False
+        victim = min(idle, key=lambda c: c.last_active)
+        self.idle_evicted += 1
+        victim.refuse(
+            Error(
+                code="busy",
+                message=f"closed by the agent on {self.host}: idle for {now - victim.last_active:.0f} s while all "
+                f"{self.conn_cap} connections were taken; reconnect when needed",
+            )
+        )
+        return True
+
+    def _resume_accepting(self) -> None:
+        if self._listener is not None and not self._stopped.is_set():
+            self._stop_accepting()
+            self._loop.add_reader(self._listener.fileno(), self._accept_ready)
+
+    def _conn_done(self, task: asyncio.Task) -> None:
+        self._conn_tasks.discard(task)
+        self._resume_accepting()
+
+    def _refuse_busy(self, sock: socket.socket) -> None:
+        self.busy_refused += 1
+        if self.busy_refused in (1, 10, 100, 1000) or self.busy_refused % 10000 == 0:
+            log.warning(
+                "connection refused as busy (%d served, the cap is %d); %d refused so far",
+                len(self._conn_tasks),
+                self.conn_cap,
+                self.busy_refused,
+            )
+        frame = encode(
+            Error(
+                code="busy",
+                message=f"the agent on {self.host} serves {self.conn_cap} connections at most and all are taken; "
+                "close idle consoles or CLIs (`ss -xp | grep agent.sock` shows them) and retry",
+            )
+        )
+        try:
+            sock.setblocking(False)
+            sock.send(frame)  # one small frame into an empty socket buffer: never blocks
+        except OSError:
+            pass
+        finally:
+            sock.close()
+
+    async def _open_conn(self, sock: socket.socket) -> None:
+        loop = self._loop
+        reader = asyncio.StreamReader(limit=1 << 16, loop=loop)
+        protocol = asyncio.StreamReaderProtocol(reader, loop=loop)
+        try:
+            transport, _ = await loop.connect_accepted_socket(lambda: protocol, sock)
+        except OSError:
+            sock.close()
+            return
+        writer = asyncio.StreamWriter(transport, protocol, reader, loop)
+        await self._serve_conn(reader, writer)
+
     async def _serve_conn(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         conn = _Conn(self, reader, writer)
+        self._conns.add(conn)
+        try:
+            await self._serve_checked(conn, writer)
+        finally:
+            self._conns.discard(conn)
+
+    async def _serve_checked(self, conn: _Conn, writer: asyncio.StreamWriter) -> None:
         uid = self._peer_uid(writer)
         if uid is None or uid not in (self.uid, 0):
             await conn.send(
@@ -294,8 +518,46 @@ class _Conn:
         self.streams: dict[str, asyncio.Task] = {}
         self._wlock = asyncio.Lock()
         self._tasks: set[asyncio.Task] = set()
+        self._slots = asyncio.Semaphore(MAX_INFLIGHT)  # requests in flight; the reader waits for a free one
+        self._slotted: set[asyncio.Task] = set()  # the requests holding a slot
+        self._open_streams: set[asyncio.Task] = set()
+        try:
+            writer.transport.set_write_buffer_limits(high=WRITE_PAUSE_AT)
+        except (AttributeError, RuntimeError, ValueError):
+            pass
         self.closed = False
         self.alias = ""  # what the client calls this host (from Hello), for the commands messages suggest
+        self.last_active = time.monotonic()  # the last byte read from the client or reply sent to it
+
+    def busy(self) -> bool:
+        """Serving something: a request in flight or an open stream."""
+        return bool(self._tasks) or bool(self.streams)
+
+    def refuse(self, err: Error) -> None:
+        """Send one last error frame (if the socket takes it now) and cut the connection."""
+        try:
+            if self.writer.transport.get_write_buffer_size() == 0:
+                self.writer.write(encode(err))
+        except (RuntimeError, OSError):
+            pass
+        self.closed = True
+        try:
+            self.writer.transport.close()  # flushes what it can, then closes; the reader sees EOF
+        except (RuntimeError, OSError):
+            pass
+
+    def abort(self) -> None:
+        """Cut the connection now (shutdown): buffered replies are dropped, every drain waiting on it returns."""
+        self.closed = True
+        try:
+            self.writer.transport.abort()
+        except (RuntimeError, OSError):
+            pass
+
+    async def _backpressure(self) -> None:
+        """Read no more while the client leaves more than WRITE_PAUSE_AT of our replies unread."""
+        if not self.closed and self.writer.transport.get_write_buffer_size() > WRITE_PAUSE_AT:
+            await self.writer.drain()  # returns once the transport is below its low-water mark (or raises: gone)
 
     async def send(self, msg: msgspec.Struct, droppable: bool = False) -> None:
         if self.closed:
@@ -306,6 +568,7 @@ class _Conn:
             try:
                 self.writer.write(encode(msg))
                 await self.writer.drain()
+                self.last_active = time.monotonic()
             except (ConnectionError, RuntimeError):
                 self.closed = True
 
@@ -322,9 +585,11 @@ class _Conn:
     async def run(self) -> None:
         try:
             while not self.closed:
+                await self._backpressure()
                 data = await self.reader.read(65536)
                 if not data:
                     break
+                self.last_active = time.monotonic()
                 for frame in self.frames.feed(data):
                     if frame is None:
                         await self.send(
@@ -338,27 +603,53 @@ class _Conn:
                     if isinstance(req, Error):
                         await self.send(req)
                         continue
-                    self._start(req)
+                    if type(req) in _STREAMS:
+                        if len(self._open_streams) >= MAX_STREAMS and not (req.request_id and req.request_id in self.streams):
+                            await self.send(
+                                Error(
+                                    request_id=req.request_id,
+                                    code="too_many_streams",
+                                    message=f"{MAX_STREAMS} streams are open on this connection already; cancel one first",
+                                )
+                            )
+                            continue
+                        self._start(req, slotted=False)
+                        continue
+                    await self._slots.acquire()  # past MAX_INFLIGHT, this connection waits (and is not read)
+                    if self.closed:
+                        self._slots.release()
+                        break
+                    self._start(req, slotted=True)
         except (ConnectionError, asyncio.IncompleteReadError):
             self.closed = True
         finally:
-            # the client may half-close after its last request (dial does): answer what is in flight
+            # the client may half-close after its last request (dial does): answer what is in flight (bounded)
             for t in self.streams.values():
                 t.cancel()
             pending = [t for t in self._tasks if not t.done()]
             if pending and not self.closed:
-                await asyncio.gather(*pending, return_exceptions=True)
+                await asyncio.wait(pending, timeout=DRAIN_AT_EOF_S)
             await self.close()
 
-    def _start(self, req: Request) -> None:
+    def _start(self, req: Request, slotted: bool) -> None:
+        """Serve one request in its own task; a request holds one of the connection's slots until it is answered,
+        a stream counts against MAX_STREAMS while it is open."""
         task = asyncio.ensure_future(self._handle_safely(req))
         self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        (self._slotted if slotted else self._open_streams).add(task)
+        task.add_done_callback(self._finished)
         if type(req) in _STREAMS and req.request_id:
             old = self.streams.pop(req.request_id, None)
             if old is not None:
                 old.cancel()
             self.streams[req.request_id] = task
+
+    def _finished(self, task: asyncio.Task) -> None:
+        self._tasks.discard(task)
+        self._open_streams.discard(task)
+        if task in self._slotted:
+            self._slotted.discard(task)
+            self._slots.release()
 
     async def _handle_safely(self, req: Request) -> None:
         rid = req.request_id
@@ -408,6 +699,7 @@ class _Conn:
                 state_dir=str(a.state_dir),
                 gpu_error=a.gpus.error,
                 containment=a.supervisor.containment.label,
+                journal=a.journal_note(),
             )
         )
 
@@ -645,6 +937,106 @@ def _utf8_boundary(data: bytes) -> int:
     return end
 
 
+MAX_SPEC_BYTES = 4 << 20  # a run folder's spec.json read when the journal lost the run (the agent wrote it: small)
+
+
+def rediscover_runs(journal: Journal, supervisor: Supervisor) -> list[str]:
+    """Live runs the journal has no record of — it was recreated (corrupt) or deleted while the agent was down — found
+    through their containment, as adoption finds members: a populated cgroup of this agent named after the run, or
+    processes of this user carrying the run's tag (GPUDECK_RUN_ID), with the run's folder and its spec.json under
+    this agent's runs folder. Each is recorded as ``running`` (created at its spec.json's time) for
+    :meth:`Supervisor.adopt` to take over: members by cgroup/tag + ancestry, the end from exit.json. One note each."""
+    procs = supervisor.procs
+    procs.refresh(full=True)
+    evidence: dict[str, str] = {}
+    try:
+        groups = supervisor.containment.groups()
+    except OSError:
+        groups = {}
+    for rid, group in groups.items():
+        if group.populated():
+            evidence[rid] = "cgroup"
+    me = os.getuid()
+    for e in procs.tagged():
+        if e.run_id and (e.uid is None or e.uid == me):
+            evidence.setdefault(e.run_id, "tag")
+    found = []
+    runs_dir = supervisor.runs_dir
+    for rid, how in sorted(evidence.items()):
+        if not rid or "/" in rid or rid.startswith(".") or len(rid) > 128 or journal.get_run(rid) is not None:
+            continue
+        spec_path = runs_dir / rid / "spec.json"
+        try:
+            st = os.lstat(spec_path)
+            if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_SPEC_BYTES:
+                continue
+            spec = msgspec.json.decode(spec_path.read_bytes(), type=LaunchSpec)
+        except (OSError, msgspec.DecodeError, msgspec.ValidationError, RecursionError) as exc:
+            log.warning("run %s has live processes (by %s) but its spec.json cannot be read (%s): left as a leftover", rid, how, exc)
+            continue
+        now = time.time()
+        # the shim (outside the run's cgroup by design, it writes exit.json) is the run's shim again: the run ends
+        # when it does, and a stop never signals it as a stray
+        shims = [
+            Member(pid=e.pid, create_time=e.create_time, role="shim", first_seen=now, cmdline=["gpudeck-shim"])
+            for e in procs.tagged(rid)
+            if SHIM in cmdline_of(e.pid)[:4]
+        ]
+        run = RunInfo(
+            id=rid,
+            host=journal.host,
+            state="running",
+            spec=spec,
+            name=spec.name,
+            created=st.st_mtime,
+            started=st.st_mtime,
+            run_dir=str(runs_dir / rid),
+            members=shims[:1],
+        )
+        try:
+            journal.create_run(run)
+        except StorageError as exc:
+            log.error("run %s found again by its %s but not recorded: %s", rid, how, exc.message)
+            continue
+        found.append(f"{rid}: found again by its {how}")
+    if found:
+        log.warning("runs the journal did not know, found again through their containment: %s", "; ".join(found))
+    return found
+
+
+def _nofile() -> int:
+    """The soft RLIMIT_NOFILE, raised to the hard limit (up to 65536) first: clients and supervision share it."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = min(hard if hard != resource.RLIM_INFINITY else 65536, 65536)
+    if soft != resource.RLIM_INFINITY and soft < want:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+            soft = want
+        except (ValueError, OSError):
+            pass
+    return 65536 if soft == resource.RLIM_INFINITY else int(soft)
+
+
+def _fds_open() -> int:
+    try:
+        return len(os.listdir("/proc/self/fd")) - 1  # the listing's own descriptor
+    except OSError:
+        return 0
+
+
+def _fds_left_for_clients() -> bool:
+    """Whether one more client fits without eating into FD_RESERVE (counted now: runs, logs and the journal vary)."""
+    return _fds_open() + 1 < resource.getrlimit(resource.RLIMIT_NOFILE)[0] - FD_RESERVE
+
+
+def _fd_budget() -> int:
+    """Connections served at once: MAX_CONNECTIONS, or fewer when RLIMIT_NOFILE leaves less beside the reserve."""
+    limit = _nofile()
+    # FD_HEADROOM more than the reserve: connections past the cap still get their `busy` frame (accepting pauses only
+    # when something else in the agent has used the headroom as well)
+    return max(1, min(MAX_CONNECTIONS, limit - FD_RESERVE - FD_HEADROOM - _fds_open()))
+
+
 def setup_logging(state_dir: Path) -> None:
     """Log to the agent's log file (stdout may be an SSH channel or nothing)."""
     handler = logging.FileHandler(paths.log_path(state_dir))
@@ -666,8 +1058,9 @@ def serve(state_dir: Path | None = None) -> int:
         agent = Agent(sd)
         await agent.serve_forever()
 
+    loop = asyncio.new_event_loop()
     try:
-        asyncio.run(main())
+        loop.run_until_complete(main())
     except AlreadyRunning as exc:
         print(f"gpudeck agent: {exc.message}", file=sys.stderr)
         return 3
@@ -675,4 +1068,15 @@ def serve(state_dir: Path | None = None) -> int:
         log.error("agent cannot start: %s", exc.message)
         print(f"gpudeck agent: {exc.message}", file=sys.stderr)
         return 2
+    finally:
+        # not asyncio.run: its shutdown waits for every worker thread still busy (a slow fingerprint, a stat on a
+        # hung mount); SIGTERM is answered within a second whatever those do. The journal is closed by now.
+        loop.close()
+    busy = [t for t in threading.enumerate() if t is not threading.main_thread() and not t.daemon and t.is_alive()]
+    if busy:
+        log.info("agent exits with %d worker thread(s) still busy: %s", len(busy), ", ".join(t.name for t in busy[:5]))
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)  # interpreter shutdown would join them (concurrent.futures waits for its workers)
     return 0

@@ -559,6 +559,16 @@ async def _synced_history(args: argparse.Namespace) -> tuple[History, list[SyncR
     for r in results:
         if not r.ok:
             print(f"gpudeck: {r.host} not reachable, its newest runs may be missing: {r.error}", file=sys.stderr)
+        elif r.new_epoch and r.epoch and (story := history.recreations(r.host, r.epoch)):
+            s = story[-1]
+            where = f"; the old file is kept on the host as {s['moved_to']}" if s.get("moved_to") else ""
+            print(
+                terminal_text(
+                    f"gpudeck: {r.host}'s agent journal was recreated ({s.get('reason')}: {s.get('detail') or '-'}{where}); "
+                    f"new epoch {r.epoch}, {len(s.get('runs') or [])} live run(s) re-recorded; the history keeps the old runs too"
+                ),
+                file=sys.stderr,
+            )
         elif r.new_epoch and r.last_seq and r.new_events == r.last_seq and len(history.epochs(r.host)) > 1:
             print(
                 f"gpudeck: {r.host}'s agent journal was recreated (new epoch {r.epoch}); the history keeps the old runs too",
@@ -631,6 +641,7 @@ async def cmd_agent_status(args: argparse.Namespace) -> int:
             "state_dir": h.state_dir,
             "gpu_error": h.gpu_error,
             "containment": h.containment,
+            "journal": h.journal,
         }
     finally:
         await c.close()
@@ -640,6 +651,7 @@ async def cmd_agent_status(args: argparse.Namespace) -> int:
         print(f"agent: running, pid {info['pid']} on {info['host']}, version {info['version']}, state {info['state_dir']}")
         print(f"GPUs: {info['gpu_error'] or 'NVML ok'}")
         print(f"containment: {info['containment'] or 'not reported (an older agent)'}")
+        print(terminal_text(f"journal: {info['journal'] or 'ok'}"))
     return 0
 
 

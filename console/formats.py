@@ -34,6 +34,8 @@ def format_status(snap: Snapshot, alias: str | None = None) -> str:
         out.append(format_simulated(snap))
     if snap.storage_error:
         out.append(f"STORAGE: {snap.storage_error}")
+    if snap.journal_note:
+        out.append(f"JOURNAL: {snap.journal_note}")
     if snap.gpu_error:
         out.append(f"GPUs: none ({snap.gpu_error})")
     else:

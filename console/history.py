@@ -576,6 +576,15 @@ class History:
         )
         return [EventRecord(r[0], r[1], r[2], r[3], loads(r[4], {})) for r in rows]
 
+    def recreations(self, host: str, epoch: str | None = None) -> list[dict[str, Any]]:
+        """The host's ``journal_recreated`` events (its agent found its journal deleted, replaced or corrupt), oldest first."""
+        sql = "SELECT epoch, ts, data FROM events WHERE host=? AND kind='journal_recreated'"
+        params: tuple = (host,)
+        if epoch is not None:
+            sql, params = sql + " AND epoch=?", (host, epoch)
+        rows = self._exec(sql + " ORDER BY ts", params)
+        return [{"epoch": r[0], "ts": r[1], **loads(r[2], {})} for r in rows]
+
     def metrics(self, host: str, run_id: str) -> list[MetricPoint]:
         """A run's recorded step metrics."""
         rows = self._exec(

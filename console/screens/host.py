@@ -99,6 +99,8 @@ class HostScreen(LiveScreen):
             title.append(f"\n{st.error}", style="red")
         if snap is not None and snap.gpu_error:
             title.append(f"\nNo GPUs: {snap.gpu_error}. Runs and processes are still supervised.", style="dim")
+        if snap is not None and snap.journal_note:  # Text.append: shown as text, never parsed as markup
+            title.append(f"\n{snap.journal_note}", style="yellow")
         self.query_one("#host-title", Static).update(title)
         note = self.query_one("#host-note", Static)
         if snap is None:
