@@ -1,8 +1,9 @@
 """A real agent journal carrying events the history cannot store: each is quarantined by itself, the rest of the
 host's history goes in, `gpudeck history --problems` shows them, and later runs keep reaching the history.
 
-(A journal event holding a lone surrogate is not in this test: the agent itself cannot encode it into an event batch
-today, so it never reaches the console; tests/unit/test_history.py quarantines one given to the history directly.)"""
+(A journal event holding a lone surrogate is not in this test: the agent stores such text as U+FFFD, so it never
+reaches the console (tests/e2e/test_hostile_run_files.py); tests/unit/test_history.py quarantines one given to the
+history directly.)"""
 
 from __future__ import annotations
 
