@@ -18,6 +18,7 @@ the signal cannot race.
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import threading
@@ -171,13 +172,25 @@ def _status_ids(pid: int) -> tuple[int, int | None] | None:
     except OSError:
         return None
     tgid, uid = pid, None
-    for line in data.split(b"\n"):
-        if line.startswith(b"Tgid:"):
-            tgid = int(line.split()[1])
-        elif line.startswith(b"Uid:"):
-            uid = int(line.split()[1])
-            break
+    i = data.find(b"\nTgid:")
+    if i >= 0:
+        tgid = int(data[i + 6 : data.index(b"\n", i + 1)])
+    i = data.find(b"\nUid:")
+    if i >= 0:
+        uid = int(data[i + 5 : data.index(b"\n", i + 1)].split()[0])
     return tgid, uid
+
+
+def _is_process(pid: int) -> bool:
+    """Whether ``pid`` names a live process (a thread group's leader), not another thread: pidfd_open refuses a
+    thread that does not lead its group (EINVAL) and a gone id (ESRCH) in one syscall, where /proc/PID/status
+    costs the kernel a page of text to format."""
+    try:
+        fd = os.pidfd_open(pid)
+    except OSError as exc:
+        return exc.errno not in (errno.EINVAL, errno.ESRCH, errno.ENOENT)  # anything else (no fds left): read status to tell
+    os.close(fd)
+    return True
 
 
 def read_entry(pid: int, runs_dir: str | None = None, thread_ok: bool = True) -> ProcEntry | None:
@@ -188,7 +201,9 @@ def read_entry(pid: int, runs_dir: str | None = None, thread_ok: bool = True) ->
     multi-node run sharing the host) and is not taken as this agent's run.
     Reads /proc directly (stat, status, environ): three small reads, no psutil objects.
     """
-    ids = _status_ids(pid)  # first: a thread (Tgid != pid, most new ids on a busy host) costs this one read
+    if not thread_ok and not _is_process(pid):
+        return None  # a thread (most new ids on a busy host), or gone: one syscall, no read
+    ids = _status_ids(pid)
     if ids is None or (not thread_ok and ids[0] != pid):
         return None
     st = read_stat(pid)
