@@ -168,14 +168,21 @@ def refresh(sup: Supervisor) -> None:
     judge(sup, scan(sup, _watched(sup)))
 
 
+def _refreshed_scan(sup: Supervisor, runs: list[LiveRun]) -> Scan:
+    # the agent's sampler thread refreshed the table a moment ago (then this reads nothing again); a caller without
+    # one (tests, benchmarks) pays for the re-check of every tagged process here, in the thread, not on the loop
+    sup.procs.refresh(max_age=FRESH_S)
+    return scan(sup, runs)
+
+
 async def tick(sup: Supervisor) -> None:
     """One supervision tick: the reading half in a thread, the deciding half back on the loop."""
-    sup.procs.refresh(max_age=FRESH_S)  # the agent's sampler thread refreshed it a moment ago: nothing to read again
     if not sup._live:
+        sup.procs.refresh(max_age=FRESH_S)  # idle: nothing tagged to re-check, and no thread hop for nothing
         if sup._ended_groups:
             judge(sup, Scan())
-        return  # idle: no thread hop for nothing
-    got = await asyncio.to_thread(scan, sup, _watched(sup))
+        return
+    got = await asyncio.to_thread(_refreshed_scan, sup, _watched(sup))
     judge(sup, got)  # back on the loop: request handlers may have changed runs meanwhile, so judge what is there now
 
 
