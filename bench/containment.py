@@ -12,8 +12,12 @@ Goals (issue 21): containment's launch overhead under 20 ms; a stop of 500
 processes verified within grace + 1 s.
 
 Also the supervision tick's stall of the event loop with that run live:
-``refresh()`` (everything on the loop, as the agent's tick loop calls it
-today) against ``tick()`` (the full scans and the GPU sample in a thread).
+``refresh()`` (everything on the calling thread, as tests call it) against
+``tick()`` (what the agent's tick loop calls: every read in a worker thread,
+the decisions on the loop), each as the worst wall-clock gap between two 1 ms
+beats and as the most CPU the loop's own thread spent within one beat. The
+stop's phases (TERM + grace + kill + wait for ``populated 0``; the GPU
+verification; the rest) are timed by wrapping the stopper's functions.
 
 Usage: python bench/containment.py [--procs 500] [--launches 7] [--grace 2] [--ticks 10]
 """
