@@ -23,6 +23,7 @@ from __future__ import annotations
 import errno
 import hashlib
 import os
+import select
 import signal
 import time
 from dataclasses import dataclass
@@ -30,6 +31,7 @@ from pathlib import Path
 from typing import Literal
 
 from gpudeck.agents.errors import BadRequest
+from gpudeck.agents.protocol import ContainmentInfo
 
 CONTAINMENT_ENV = "GPUDECK_CONTAINMENT"
 GROUP_ROOT = "gpudeck"
@@ -92,6 +94,11 @@ class GroupFigures:
     note: str = ""
 
 
+def put_figures(info: ContainmentInfo, f: GroupFigures) -> None:
+    """Copy the kernel's figures of a run's group onto its containment record (what every reply carries)."""
+    info.cpu_seconds, info.memory_peak_bytes, info.oom_kills, info.figures_note = f.cpu_seconds, f.memory_peak_bytes, f.oom_kills, f.note
+
+
 def _read(path: Path) -> str | None:
     try:
         with open(path, encoding="utf-8") as fh:
@@ -140,6 +147,34 @@ class RunGroup:
         """cgroup.events' ``populated``: any live process in the group or below (False when removed)."""
         ev = _keyed(_read(self.path / "cgroup.events"))
         return ev.get("populated", "0") == "1"
+
+    def wait_empty(self, timeout: float) -> bool:
+        """Block until ``cgroup.events`` says ``populated 0``, at most ``timeout`` s; True when the group is empty (or gone).
+
+        Event-driven: the kernel notifies a poll(POLLPRI) on cgroup.events when ``populated`` changes, so
+        this returns within a scheduling delay of the last process's exit, without a polling interval.
+        """
+        deadline = time.monotonic() + timeout
+        try:
+            fd = os.open(self.path / "cgroup.events", os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            return True  # removed: nothing is in it
+        try:
+            waiter = select.poll()
+            waiter.register(fd, select.POLLPRI | select.POLLERR)
+            while True:
+                try:
+                    text = os.pread(fd, 4096, 0)  # each read re-arms the notification
+                except OSError:
+                    return True
+                if b"populated 0" in text:
+                    return True
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                waiter.poll(max(1, int(min(left, 0.5) * 1000)))  # a cap in case a notification is ever missed
+        finally:
+            os.close(fd)
 
     def freeze(self, on: bool = True) -> bool:
         """Freeze (or thaw) the whole group; False when the kernel has no cgroup.freeze."""
@@ -354,15 +389,3 @@ def detect(state_dir: os.PathLike[str] | str, forced: str | None = None) -> Cont
             return Containment(f"{CONTAINMENT_ENV}=cgroupfs, but {got}")
         return Containment(f"{got}; systemd scope: {sysd}")
     return got
-
-
-def wait_empty_sync(group: RunGroup, timeout: float) -> bool:
-    """Block until the group holds no live process (populated 0); True when it emptied in time."""
-    deadline = time.monotonic() + timeout
-    delay = 0.005
-    while group.populated():
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(delay)
-        delay = min(delay * 2, 0.05)
-    return True

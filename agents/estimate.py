@@ -55,7 +55,7 @@ import json
 import math
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
@@ -299,6 +299,25 @@ class LaunchArgv:
     master_port: int | None = None  # --master-port / --master_port
     rdzv_endpoint: str | None = None  # --rdzv-endpoint host[:port]
     rdzv_backend: str = "static"  # torchrun's default
+    # the trainer's own arguments, read once (from the declared table, trainers/contract.py's TRAINER_ARGS) with the argv;
+    # None when it runs no trainer, or when they could not be read (``trainer_error`` says why)
+    trainer_ns: argparse.Namespace | None = field(default=None, compare=False)
+    trainer_error: str | None = None
+
+    def trainer_options(self, trainer: str | None = None) -> argparse.Namespace:
+        """The trainer's arguments as read with the argv (raises :class:`EstimateError` when they could not be read).
+
+        ``trainer``: read as that trainer's instead (only when it is not the one the argv runs: no second read otherwise).
+        """
+        want = trainer or self.trainer
+        if want is None:
+            raise EstimateError("the launch runs no gpudeck trainer")
+        if want == self.trainer:
+            if self.trainer_error is not None:
+                raise EstimateError(self.trainer_error)
+            if self.trainer_ns is not None:
+                return self.trainer_ns
+        return parse_trainer_args(want, self.trainer_args)
 
 
 # torchrun options that take a value (both spellings are accepted by torchrun)
@@ -421,6 +440,13 @@ def parse_launch_argv(argv: list[str]) -> LaunchArgv:
                 break
     master_port = opts.get("master-port")
     node_rank = opts.get("node-rank")
+    trainer_ns: argparse.Namespace | None = None
+    trainer_error: str | None = None
+    if trainer:
+        try:
+            trainer_ns = parse_trainer_args(trainer, program_args)
+        except EstimateError as exc:
+            trainer_error = exc.message
     return LaunchArgv(
         launcher="torchrun" if torchrun_args is not None else ("python" if python else "other"),
         executable=exe,
@@ -434,6 +460,8 @@ def parse_launch_argv(argv: list[str]) -> LaunchArgv:
         master_port=int(master_port) if master_port and str(master_port).isdigit() else None,
         rdzv_endpoint=opts.get("rdzv-endpoint") or None,
         rdzv_backend=opts.get("rdzv-backend") or "static",
+        trainer_ns=trainer_ns,
+        trainer_error=trainer_error,
     )
 
 
@@ -611,7 +639,7 @@ def _elem(dtype: str | None) -> int:
 
 def estimate_fsdp(parsed: LaunchArgv, world: int, world_note: str, cwd: Path) -> MemoryEstimate:
     """Per-GPU memory of a gpudeck.trainers.fsdp_lm run."""
-    a = parse_trainer_args(TRAINER_MODULES["fsdp"], parsed.trainer_args)
+    a = parsed.trainer_options(TRAINER_MODULES["fsdp"])
     if a.model_config is not None and a.init_from is not None:
         raise EstimateError("give --model-config or --init-from, not both (gpudeck.trainers.fsdp_lm refuses both)")
     config, source = resolve_model_config(a.model_config, a.init_from, cwd)
@@ -700,7 +728,7 @@ def estimate_dflash(parsed: LaunchArgv, world: int, world_note: str, cwd: Path) 
     ``lm_head_chunk`` (the chunked lm_head + cross-entropy) — and the CUDA context; ``method``
     names the largest and breaks each down.
     """
-    a = parse_trainer_args(TRAINER_MODULES["dflash"], parsed.trainer_args)
+    a = parsed.trainer_options(TRAINER_MODULES["dflash"])
     config, source = _dflash_target(a, cwd)
     t_shape = model_shape(config)
     n_target = t_shape.params
@@ -802,7 +830,7 @@ def estimate_dflash(parsed: LaunchArgv, world: int, world_note: str, cwd: Path) 
     return MemoryEstimate(per_gpu_bytes=total, params=n_drafter, method=method, parts=parts)
 
 
-def estimate(spec: LaunchSpec, world_size: int | None = None) -> MemoryEstimate | None:
+def estimate(spec: LaunchSpec, world_size: int | None = None, parsed: LaunchArgv | None = None) -> MemoryEstimate | None:
     """GPU memory each GPU of the run needs: from ``--need-gib``, or estimated for fsdp/dflash; None for a plain command.
 
     Raises :class:`EstimateError` (or :class:`UnknownModelType`) when a trainer run's need cannot be
@@ -814,7 +842,8 @@ def estimate(spec: LaunchSpec, world_size: int | None = None) -> MemoryEstimate 
         return MemoryEstimate(per_gpu_bytes=int(spec.need_gib * GIB), method="given with --need-gib")
     if spec.kind not in TRAINER_MODULES:
         return None
-    parsed = parse_launch_argv(spec.argv)
+    if parsed is None:  # a caller without the launch's one parse (the agent passes its LaunchPlan's)
+        parsed = parse_launch_argv(spec.argv)
     want = TRAINER_MODULES[spec.kind]
     if parsed.trainer != want:
         found = f"it runs {parsed.trainer}" if parsed.trainer else "it does not run a gpudeck trainer"
@@ -849,9 +878,11 @@ def estimate(spec: LaunchSpec, world_size: int | None = None) -> MemoryEstimate 
         _READ.reset(token)
 
 
-def estimate_or_reason(spec: LaunchSpec, world_size: int | None = None) -> tuple[MemoryEstimate | None, str | None]:
+def estimate_or_reason(
+    spec: LaunchSpec, world_size: int | None = None, parsed: LaunchArgv | None = None
+) -> tuple[MemoryEstimate | None, str | None]:
     """:func:`estimate`, with an :class:`EstimateError` turned into its message (for pre-flight to report)."""
     try:
-        return estimate(spec, world_size), None
+        return estimate(spec, world_size, parsed), None
     except EstimateError as exc:
         return None, exc.message

@@ -11,9 +11,11 @@ run on CPU with real process trees:
 
 - memory: a live process whose environment holds
   ``GPUDECK_SIM_GPU_MEM=<gpu>:<GiB>[,<gpu>:<GiB>...]`` holds that much on those
-  GPUs, and is listed as a compute process there. A zombie or a process in disk
-  sleep keeps holding (on a real GPU the context is released only when the
-  process is fully gone); a pid that is gone, or reused, releases.
+  GPUs, and is listed as a compute process there. A process in disk sleep (or
+  stopped) keeps holding; one that has exited releases at once, even while it is
+  a zombie not yet reaped by its parent (as on a real GPU: the driver tears the
+  context down at exit, and NVML stops listing the process; a zombie holds no
+  memory); a pid that is gone, or reused, releases.
 - scope: several simulated machines can share one real one (parallel tests,
   the fleet benchmark's agents). A holder belongs to the machine named by its
   ``GPUDECK_SIM_SCOPE``, else its ``GPUDECK_HOME``; a sampler counts the
@@ -57,6 +59,7 @@ MAX_GPUS = 64
 UTIL_WINDOW_S = 0.5
 _GIB_BY_FAMILY = (("B200", 180.0), ("H200", 141.0), ("H100", 80.0), ("A100", 80.0), ("L40", 48.0))
 _POWER_BY_FAMILY = (("B200", 1000.0), ("H200", 700.0), ("H100", 700.0), ("A100", 400.0), ("L40", 350.0))
+_EXITED = ("zombie", "dead")  # an exited process holds no GPU memory (NVML drops it at exit, reaped or not)
 _FORMS = 'N, N:NAME or N:NAME:GiB (e.g. "8", "8:H200:141", "2:A100-80GB:80")'
 
 
@@ -198,8 +201,8 @@ class SimulatedGpuSampler:
                     continue
                 # the table is refreshed at most every REFRESH_S; the stat read says whether the holder is still there
                 st = read_stat(e.pid)
-                if st is None or abs(st.create_time - e.create_time) > CT_TOLERANCE or st.status == "dead":
-                    continue  # gone (or the pid now names another process): its memory is released
+                if st is None or abs(st.create_time - e.create_time) > CT_TOLERANCE or st.status in _EXITED:
+                    continue  # exited (a zombie too), gone, or the pid now names another process: its memory is released
                 seen.add(key)
                 mark = self._marks.get(key)
                 if mark is None:

@@ -19,7 +19,8 @@ from pathlib import Path
 
 from gpudeck.agents.containment import RunGroup
 from gpudeck.agents.errors import BadRequest, LaunchFailed
-from gpudeck.agents.preflight import parse_launch_argv, run_python
+from gpudeck.agents.estimate import LaunchArgv
+from gpudeck.agents.preflight import UNPARSED, Unparsed, parse_launch_argv, run_python
 from gpudeck.agents.protocol import MAX_ARGV, LaunchSpec, RunInfo
 
 # run as a script with -I: stdlib only, so the run's own PYTHONPATH and cwd never matter
@@ -55,7 +56,7 @@ class LaunchPlan:
 
     spec: LaunchSpec
     base_env: dict[str, str]  # the agent's environment with the spec's on top (pre-flight runs the python with it)
-    parsed: object | None  # gpudeck.agents.estimate.LaunchArgv, or None when the argv is not one it reads
+    parsed: LaunchArgv | None  # the argv (and a trainer's own arguments) read once; None when it cannot be read
     python: str | None  # the run's interpreter (resolved on PATH), or None when it is not a python program
 
     @classmethod
@@ -77,6 +78,11 @@ class LaunchPlan:
         if python is not None and os.sep not in python:
             python = shutil.which(python, path=env.get("PATH")) or python
         return cls(spec=spec, base_env=env, parsed=parsed, python=python)
+
+    @property
+    def preflight_argv(self) -> LaunchArgv | Unparsed:
+        """What pre-flight is given for the argv: the one parse, or the mark that it could not be read (never read again)."""
+        return self.parsed if self.parsed is not None else UNPARSED
 
     def run_env(self, run_id: str, run_dir: Path) -> dict[str, str]:
         """The run's environment: the base plus its tag, telemetry path and GPU selection."""

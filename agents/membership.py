@@ -14,6 +14,8 @@ import os
 import time
 from dataclasses import dataclass, field
 
+import msgspec
+
 from gpudeck.agents.containment import RunGroup
 from gpudeck.agents.procs import (
     CT_TOLERANCE,
@@ -109,6 +111,8 @@ class Discovery:
     outside: list[Reported] = field(default_factory=list)
     other_uid: list[Reported] = field(default_factory=list)
     untagged: list[int] = field(default_factory=list)
+    in_group: set[int] | None = None  # with a group: every pid it listed
+    replaces: dict[int, Member] = field(default_factory=dict)  # id() of a recorded member -> its updated copy (in ``updated``)
 
 
 def _index(run: RunInfo) -> dict[int, list[Member]]:
@@ -141,8 +145,10 @@ def discover(run: RunInfo, procs: ProcTable, group: RunGroup | None, tree: dict[
         if known is not None:
             if tagged and known.rank is None and e is not None and e.rank is not None and known.role == "worker":
                 # first seen between fork and exec, with its parent's environment: now it has exec'd
-                known.rank, known.local_rank, known.cmdline = e.rank, e.local_rank, cmdline_of(pid)
-                d.updated.append(known)
+                # (a copy: this may run in the tick's thread; the loop swaps it in when it applies the discovery)
+                upd = msgspec.structs.replace(known, rank=e.rank, local_rank=e.local_rank, cmdline=cmdline_of(pid))
+                d.replaces[id(known)] = upd
+                d.updated.append(upd)
             return
         d.new.append(
             Member(
@@ -163,6 +169,7 @@ def discover(run: RunInfo, procs: ProcTable, group: RunGroup | None, tree: dict[
         # a recorded member that is still in the group is not read again (the tick's steady state: one read of cgroup.procs)
         # (a young tagged worker without a rank is read again: it may have been caught between fork and exec)
         settled = {m.pid for m in run.members if not (m.role == "worker" and m.rank is None and m.tagged and now - m.first_seen < YOUNG_S)}
+        d.in_group = in_group
         for pid in group.pids():
             in_group.add(pid)
             if pid in settled:

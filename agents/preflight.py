@@ -39,7 +39,6 @@ from gpudeck.agents.estimate import (
     EstimateError,
     LaunchArgv,
     parse_launch_argv,
-    parse_trainer_args,
 )
 from gpudeck.agents.protocol import Gpu, GpuProcess, LaunchSpec, MemoryEstimate, PreflightCheck, PreflightResult, RunInfo
 
@@ -177,6 +176,13 @@ def _memory_gpus(spec: LaunchSpec, parsed: LaunchArgv | None, gpus: list[Gpu], u
     return sorted(g.index for g in gpus)[:n]
 
 
+class Unparsed:
+    """The launch's argv was read and could not be (run_preflight must not read it again)."""
+
+
+UNPARSED = Unparsed()
+
+
 def _parsed(spec: LaunchSpec) -> LaunchArgv | None:
     try:
         return parse_launch_argv(spec.argv)
@@ -211,7 +217,7 @@ def _trainer_flags(parsed: LaunchArgv | None) -> _TrainerFlags:
     if parsed is None or parsed.trainer is None:
         return _TrainerFlags()
     try:
-        a = parse_trainer_args(parsed.trainer, parsed.trainer_args)
+        a = parsed.trainer_options()  # read with the argv, once per launch
     except EstimateError as exc:
         return _TrainerFlags(error=exc.message)
     if a.fresh and a.resume is not None:
@@ -712,17 +718,20 @@ def run_preflight(
     disk_free: Callable[[Path], int] = free_bytes_at,
     estimate_error: str | None = None,
     now: float | None = None,
+    parsed: LaunchArgv | None | Unparsed = None,
 ) -> PreflightResult:
     """Every pre-flight check of ``spec`` on ``host``; nothing may start unless the result is ``ok``.
 
     ``gpus`` are this host's GPUs with their processes attributed; ``ended`` maps run ids to ended
     runs (to say when a STALE holder's run ended); ``estimate`` is the memory each GPU needs
     (:func:`gpudeck.agents.estimate.estimate`), ``estimate_error`` why there is none; ``python_check``
-    answers whether an interpreter imports torch (``gpudeck.agents.envs.check_imports_torch``).
+    answers whether an interpreter imports torch (``gpudeck.agents.envs.check_imports_torch``);
+    ``parsed``: the launch's argv as its :class:`~gpudeck.agents.launcher.LaunchPlan` read it (once per launch;
+    :data:`UNPARSED` when it could not be read), else it is read here.
     """
     t0 = time.monotonic()
     now = time.time() if now is None else now
-    parsed = _parsed(spec)
+    parsed = _parsed(spec) if parsed is None else (None if isinstance(parsed, Unparsed) else parsed)
     flags = _trainer_flags(parsed)
     used, used_note = _gpus_used(spec, gpus)
     start_check, start = _check_start(spec, parsed, flags)

@@ -18,6 +18,7 @@ the signal cannot race.
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import threading
@@ -171,13 +172,25 @@ def _status_ids(pid: int) -> tuple[int, int | None] | None:
     except OSError:
         return None
     tgid, uid = pid, None
-    for line in data.split(b"\n"):
-        if line.startswith(b"Tgid:"):
-            tgid = int(line.split()[1])
-        elif line.startswith(b"Uid:"):
-            uid = int(line.split()[1])
-            break
+    i = data.find(b"\nTgid:")
+    if i >= 0:
+        tgid = int(data[i + 6 : data.index(b"\n", i + 1)])
+    i = data.find(b"\nUid:")
+    if i >= 0:
+        uid = int(data[i + 5 : data.index(b"\n", i + 1)].split()[0])
     return tgid, uid
+
+
+def _is_process(pid: int) -> bool:
+    """Whether ``pid`` names a live process (a thread group's leader), not another thread: pidfd_open refuses a
+    thread that does not lead its group (EINVAL) and a gone id (ESRCH) in one syscall, where /proc/PID/status
+    costs the kernel a page of text to format."""
+    try:
+        fd = os.pidfd_open(pid)
+    except OSError as exc:
+        return exc.errno not in (errno.EINVAL, errno.ESRCH, errno.ENOENT)  # anything else (no fds left): read status to tell
+    os.close(fd)
+    return True
 
 
 def read_entry(pid: int, runs_dir: str | None = None, thread_ok: bool = True) -> ProcEntry | None:
@@ -188,13 +201,13 @@ def read_entry(pid: int, runs_dir: str | None = None, thread_ok: bool = True) ->
     multi-node run sharing the host) and is not taken as this agent's run.
     Reads /proc directly (stat, status, environ): three small reads, no psutil objects.
     """
+    if not thread_ok and not _is_process(pid):
+        return None  # a thread (most new ids on a busy host), or gone: one syscall, no read
+    ids = _status_ids(pid)
+    if ids is None or (not thread_ok and ids[0] != pid):
+        return None
     st = read_stat(pid)
     if st is None:
-        return None
-    ids = _status_ids(pid)
-    if ids is None:
-        return None
-    if not thread_ok and ids[0] != pid:
         return None
     try:
         with open(f"/proc/{pid}/environ", "rb") as fh:
@@ -290,18 +303,26 @@ class ProcTable:
         self._lock = threading.Lock()
         self._newest: int | None = None
         self._listed = -1e9  # monotonic time of the last listing of /proc
+        self._refreshed = -1e9  # monotonic time the last refresh finished
         self.listings = 0  # how many times /proc was listed (the benchmark reports it)
         self.probed = 0  # ids read one by one
 
-    def refresh(self, full: bool = False) -> None:
-        """Re-read /proc: new pids are read; with ``full`` every pid's create_time is re-checked."""
+    def refresh(self, full: bool = False, max_age: float = 0.0) -> None:
+        """Re-read /proc: new pids are read; with ``full`` every pid's create_time is re-checked.
+
+        ``max_age``: a plain refresh finished less than this many seconds ago is fresh enough (the agent's tick
+        refreshes in its sampler thread and then asks again on the loop: the second one costs nothing).
+        """
         if not full:
+            if max_age > 0 and time.monotonic() - self._refreshed < max_age:
+                return
             if not self._lock.acquire(blocking=False):
                 return  # another thread is refreshing right now: what it finds is as fresh as this one would be
         else:
             self._lock.acquire()
         try:
             self._refresh(full)
+            self._refreshed = time.monotonic()
         finally:
             self._lock.release()
 
@@ -405,11 +426,9 @@ class ProcTable:
 
 
 def create_time_of(pid: int) -> float | None:
-    """A pid's create_time now, or None when it does not exist."""
-    try:
-        return psutil.Process(pid).create_time()
-    except (psutil.NoSuchProcess, psutil.AccessDenied):
-        return None
+    """A pid's create_time now, or None when it does not exist (one read of /proc/PID/stat, as psutil computes it)."""
+    st = read_stat(pid)
+    return st.create_time if st is not None else None
 
 
 def same_process(pid: int, create_time: float) -> bool:
@@ -419,20 +438,20 @@ def same_process(pid: int, create_time: float) -> bool:
 
 
 def status_of(pid: int, create_time: float | None = None) -> str | None:
-    """psutil status ('running', 'zombie', 'disk-sleep', ...), or None when gone (or reused)."""
-    try:
-        p = psutil.Process(pid)
-        if create_time is not None and abs(p.create_time() - create_time) > CT_TOLERANCE:
-            return None
-        return p.status()
-    except (psutil.NoSuchProcess, psutil.AccessDenied):
+    """Status ('running', 'zombie', 'disk-sleep', ... as psutil names them), or None when gone (or reused).
+
+    One read of /proc/PID/stat (a stop checks hundreds of members: psutil's object and two reads each cost 5x more).
+    """
+    st = read_stat(pid)
+    if st is None or (create_time is not None and abs(st.create_time - create_time) > CT_TOLERANCE):
         return None
+    return st.status
 
 
 def alive(pid: int, create_time: float) -> bool:
     """Alive and not a zombie (a zombie has exited; only its parent's wait is missing)."""
     st = status_of(pid, create_time)
-    return st is not None and st != psutil.STATUS_ZOMBIE
+    return st is not None and st != "zombie" and st != "dead"
 
 
 def signal_exact(pid: int, create_time: float, sig: int) -> bool:

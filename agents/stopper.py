@@ -15,6 +15,7 @@ stranger got after a member exited is neither blamed nor waited for.
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 import time
 from collections.abc import Awaitable, Callable
@@ -35,6 +36,8 @@ from gpudeck.agents.protocol import GpuFreed, GpuProcess, Member, StoppedProcess
 KILL_WAIT_S = 5.0  # after SIGKILL, how long to wait for the kernel to take them
 GPU_SETTLE_S = 5.0  # after the processes are gone, how long to wait for NVML to drop them
 RESCAN_EVERY_S = 0.5  # without a group: how often the grace re-scans for processes forked meanwhile
+GROUP_RESCAN_S = 0.05  # with a group: how often the grace looks for a process that joined it (the end itself is an event)
+PIDFD_WAIT_MAX = 256  # up to this many processes are waited for through pidfds (one fd each); more are polled
 
 
 @dataclass
@@ -73,7 +76,12 @@ async def terminate(
     rescan: Callable[[], Awaitable[list[Member]]] | None = None,
     poll: Callable[[], None] | None = None,
 ) -> Terminated:
-    """SIGTERM, the grace (newcomers get SIGTERM too), then kill what is left and wait; see the module docstring."""
+    """SIGTERM, the grace (newcomers get SIGTERM too), then kill what is left and wait; see the module docstring.
+
+    With a group every wait is on ``cgroup.events`` (the kernel's notification that ``populated`` changed),
+    in a thread, so the stop returns as soon as the last process exits and the event loop never reads
+    hundreds of processes' files itself.
+    """
     t = Terminated()
     seen: set[tuple[int, float]] = set()
 
@@ -86,90 +94,146 @@ async def terminate(
             t.signalled.append(m)
             signal_exact(m.pid, m.create_time, signal.SIGTERM)
 
-    term(live)
-    if group is not None:
-        term(group_members(group))
     deadline = time.monotonic() + grace_s
+    if group is not None:
+
+        def first() -> None:
+            term(live)
+            term(group_members(group))
+
+        def step(timeout: float) -> bool:
+            # the kernel says when the run is over: populated 0; a process that joined meanwhile gets its SIGTERM
+            if group.wait_empty(timeout):
+                return True
+            term(group_members(group, skip={m.pid for m in t.signalled}))
+            return False
+
+        await asyncio.to_thread(first)
+        while True:
+            if poll is not None:
+                poll()
+            left = deadline - time.monotonic()
+            if left <= 0 or await asyncio.to_thread(step, min(left, GROUP_RESCAN_S)):
+                break
+
+        def kill() -> bool:
+            for m in t.signalled:
+                (t.needed_kill if alive(m.pid, m.create_time) else t.gone_after_term).append(m)
+            if not group.populated():
+                return True
+            late = [m for m in group_members(group) if _key(m) not in seen]
+            t.signalled += late
+            t.needed_kill += late
+            t.kill_how = group.kill()
+            return group.wait_empty(KILL_WAIT_S)
+
+        t.group_empty = await asyncio.to_thread(kill)
+        t.gone_after_kill = await asyncio.to_thread(lambda: [m for m in t.needed_kill if not alive(m.pid, m.create_time)])
+        return t
+
+    term(live)
     last_rescan = time.monotonic()
     delay = 0.01
     while True:
         if poll is not None:
             poll()
-        if group is not None:
-            # the kernel says when the run is over: populated 0; a process that joined meanwhile gets its SIGTERM
-            if not group.populated():
+        if rescan is not None and time.monotonic() - last_rescan >= RESCAN_EVERY_S:
+            term(await rescan())
+            last_rescan = time.monotonic()
+        if not any(alive(m.pid, m.create_time) for m in t.signalled):
+            if rescan is None:
                 break
-            signalled_pids = {m.pid for m in t.signalled}
-            term([m for m in group_members(group, skip=signalled_pids)])
-        else:
-            if rescan is not None and time.monotonic() - last_rescan >= RESCAN_EVERY_S:
-                term(await rescan())
-                last_rescan = time.monotonic()
-            if not any(alive(m.pid, m.create_time) for m in t.signalled):
-                if rescan is None:
-                    break
-                more = [m for m in await rescan() if _key(m) not in seen]  # nothing forked at the very end?
-                last_rescan = time.monotonic()
-                if not more:
-                    break
-                term(more)
-                continue
+            more = [m for m in await rescan() if _key(m) not in seen]  # nothing forked at the very end?
+            last_rescan = time.monotonic()
+            if not more:
+                break
+            term(more)
+            continue
         if time.monotonic() >= deadline:
             break
         await asyncio.sleep(delay)
         delay = min(delay * 2, 0.05)
     for m in t.signalled:
         (t.needed_kill if alive(m.pid, m.create_time) else t.gone_after_term).append(m)
-    if group is not None:
-        if group.populated():
-            late = [m for m in group_members(group) if _key(m) not in seen]
-            t.signalled += late
-            t.needed_kill += late
-            t.kill_how = await asyncio.to_thread(group.kill)
-        t.group_empty = await _wait_group(group, KILL_WAIT_S, poll)
-    else:
-        if rescan is not None and t.needed_kill:
-            late = [m for m in await rescan() if _key(m) not in seen]
-            t.signalled += late
-            t.needed_kill += late
-        for m in t.needed_kill:
-            signal_exact(m.pid, m.create_time, signal.SIGKILL)
-    if t.needed_kill and group is None:
-        await _wait_gone(t.needed_kill, KILL_WAIT_S, poll)  # with a group, populated 0 (or its time-out) already said it
+    if rescan is not None and t.needed_kill:
+        late = [m for m in await rescan() if _key(m) not in seen]
+        t.signalled += late
+        t.needed_kill += late
+    for m in t.needed_kill:
+        signal_exact(m.pid, m.create_time, signal.SIGKILL)
+    if t.needed_kill:
+        await _wait_gone(t.needed_kill, KILL_WAIT_S, poll)
     t.gone_after_kill = [m for m in t.needed_kill if not alive(m.pid, m.create_time)]
     return t
 
 
-async def _wait_group(group: RunGroup, timeout: float, poll: Callable[[], None] | None) -> bool:
-    deadline = time.monotonic() + timeout
-    delay = 0.005
-    while group.populated():
-        if time.monotonic() >= deadline:
-            return False
-        if poll is not None:
-            poll()
-        await asyncio.sleep(delay)
-        delay = min(delay * 2, 0.05)
-    return True
-
-
 async def _wait_gone(members: list[Member], timeout: float, poll: Callable[[], None] | None) -> list[Member]:
-    """Wait until members are dead (zombies count as dead); return those that went."""
-    deadline = time.monotonic() + timeout
-    pending = list(members)
+    """Wait until members are dead (zombies count as dead); return those that went.
+
+    Event-driven where it can be: a pidfd becomes readable when its process exits, so up to
+    ``PIDFD_WAIT_MAX`` members are waited for through the loop's selector; more are polled.
+    """
+    pending: list[Member] = []
     gone: list[Member] = []
+    for m in members:
+        (pending if alive(m.pid, m.create_time) else gone).append(m)
+    if not pending:
+        return gone
+    if len(pending) <= PIDFD_WAIT_MAX:
+        return gone + await _wait_pidfds(pending, timeout, poll)
+    deadline = time.monotonic() + timeout
     delay = 0.01
     while pending:
-        still: list[Member] = []
-        for m in pending:
-            (still if alive(m.pid, m.create_time) else gone).append(m)
-        pending = still
-        if not pending or time.monotonic() >= deadline:
+        if time.monotonic() >= deadline:
             break
         if poll is not None:
             poll()
         await asyncio.sleep(delay)
         delay = min(delay * 2, 0.1)
+        still: list[Member] = []
+        for m in pending:
+            (still if alive(m.pid, m.create_time) else gone).append(m)
+        pending = still
+    return gone
+
+
+async def _wait_pidfds(pending: list[Member], timeout: float, poll: Callable[[], None] | None) -> list[Member]:
+    loop = asyncio.get_running_loop()
+    fds: dict[int, Member] = {}
+    gone: list[Member] = []
+    exited: asyncio.Queue[int] = asyncio.Queue()
+    try:
+        for m in pending:
+            try:
+                fd = os.pidfd_open(m.pid)
+            except OSError:
+                gone.append(m)
+                continue
+            if not alive(m.pid, m.create_time):  # checked after the open: the fd names the member or it has gone
+                os.close(fd)
+                gone.append(m)
+                continue
+            fds[fd] = m
+            loop.add_reader(fd, exited.put_nowait, fd)
+        deadline = time.monotonic() + timeout
+        while fds:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            try:
+                fd = await asyncio.wait_for(exited.get(), min(left, 0.1))
+            except TimeoutError:
+                if poll is not None:
+                    poll()
+                continue
+            if fd in fds:
+                gone.append(fds.pop(fd))
+                loop.remove_reader(fd)
+                os.close(fd)
+    finally:
+        for fd in fds:
+            loop.remove_reader(fd)
+            os.close(fd)
     return gone
 
 

@@ -12,8 +12,12 @@ Goals (issue 21): containment's launch overhead under 20 ms; a stop of 500
 processes verified within grace + 1 s.
 
 Also the supervision tick's stall of the event loop with that run live:
-``refresh()`` (everything on the loop, as the agent's tick loop calls it
-today) against ``tick()`` (the full scans and the GPU sample in a thread).
+``refresh()`` (everything on the calling thread, as tests call it) against
+``tick()`` (what the agent's tick loop calls: every read in a worker thread,
+the decisions on the loop), each as the worst wall-clock gap between two 1 ms
+beats and as the most CPU the loop's own thread spent within one beat. The
+stop's phases (TERM + grace + kill + wait for ``populated 0``; the GPU
+verification; the rest) are timed by wrapping the stopper's functions.
 
 Usage: python bench/containment.py [--procs 500] [--launches 7] [--grace 2] [--ticks 10]
 """
@@ -22,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import shutil
 import statistics
@@ -33,6 +38,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from gpudeck.agents import stopper
 from gpudeck.agents.containment import detect
 from gpudeck.agents.gpus_sim import SimulatedGpuSampler
 from gpudeck.agents.journal import Journal
@@ -56,26 +62,53 @@ while True:
 """
 
 
-async def loop_stall(coro_fn) -> float:  # type: ignore[no-untyped-def]
-    """The longest the loop went without running a 1 ms ticker while ``coro_fn()`` ran, in ms."""
-    worst = 0.0
+async def loop_stall(coro_fn) -> tuple[float, float]:  # type: ignore[no-untyped-def]
+    """While ``coro_fn()`` runs: the longest the loop went without running a 1 ms ticker (wall, ms), and the most CPU
+    the loop's own thread spent between two beats (ms: work on the loop; the rest of a wall stall is waiting for a
+    CPU or for the GIL held by the tick's worker thread)."""
+    worst = busy = 0.0
     done = False
 
     async def ticker() -> None:
-        nonlocal worst
-        last = time.perf_counter()
+        nonlocal worst, busy
+        last, last_cpu = time.perf_counter(), time.thread_time()
         while not done:
             await asyncio.sleep(0.001)
-            now = time.perf_counter()
+            now, cpu = time.perf_counter(), time.thread_time()
             worst = max(worst, (now - last) * 1000 - 1.0)
-            last = now
+            busy = max(busy, (cpu - last_cpu) * 1000)
+            last, last_cpu = now, cpu
 
     t = asyncio.ensure_future(ticker())
     await asyncio.sleep(0.005)
     await coro_fn()
     done = True
     await t
-    return worst
+    return worst, busy
+
+
+@contextlib.contextmanager
+def phases_timed():  # type: ignore[no-untyped-def]
+    """Wall time of the stop's phases (TERM + grace + kill + wait; the GPU verification), by wrapping the stopper's functions."""
+    phases: dict[str, float] = {}
+    saved = stopper.terminate, stopper.verify_gpu
+
+    def timed(name: str, fn):  # type: ignore[no-untyped-def]
+        async def wrapper(*a, **kw):  # type: ignore[no-untyped-def]
+            t0 = time.monotonic()
+            try:
+                return await fn(*a, **kw)
+            finally:
+                phases[name] = phases.get(name, 0.0) + time.monotonic() - t0
+
+        return wrapper
+
+    stopper.terminate = timed("term+grace+kill+wait", stopper.terminate)  # type: ignore[assignment]
+    stopper.verify_gpu = timed("GPU verification", stopper.verify_gpu)  # type: ignore[assignment]
+    try:
+        yield phases
+    finally:
+        stopper.terminate, stopper.verify_gpu = saved
 
 
 def out(name: str, value: float, unit: str, note: str = "") -> None:
@@ -121,22 +154,32 @@ async def one_level(level: str, args: argparse.Namespace, tmp: Path) -> dict[str
     members = len([m for m in sup.live_runs()[0].members if m.role != "shim"])
     # the tick's cost on the event loop: all of it (refresh, as the agent calls it today) against tick() (scans in a thread)
     for name, fn in (("refresh() on the loop", None), ("tick(), scans off the loop", sup.tick)):
-        stalls = []
+        stalls, busy = [], []
         for _ in range(args.ticks):
             if fn is None:
-                t1 = time.perf_counter()
+                t1, c1 = time.perf_counter(), time.thread_time()
                 sup.refresh()
                 stalls.append((time.perf_counter() - t1) * 1000)
+                busy.append((time.thread_time() - c1) * 1000)
             else:
-                stalls.append(await loop_stall(fn))
+                wall, cpu = await loop_stall(fn)
+                stalls.append(wall)
+                busy.append(cpu)
         out(
             f"{level}: tick {name}, worst loop stall",
             max(stalls),
             "ms",
             f"median {statistics.median(stalls):.2f} ms, n={len(stalls)}, {members} processes in the run, {len(os.listdir('/proc'))} /proc entries",
         )
+        out(
+            f"{level}: tick {name}, loop's own CPU in one beat",
+            max(busy),
+            "ms",
+            f"median {statistics.median(busy):.2f} ms (work on the loop's thread; the wall stall adds the scheduler and the GIL)",
+        )
     t0 = time.monotonic()
-    res = await sup.stop(run.id, grace_s=args.grace)
+    with phases_timed() as phases:
+        res = await sup.stop(run.id, grace_s=args.grace)
     stop_s = time.monotonic() - t0
     ok = res.gpu_verified and not res.survivors
     out(
@@ -150,6 +193,13 @@ async def one_level(level: str, args: argparse.Namespace, tmp: Path) -> dict[str
         stop_s * 1000,
         "ms",
         f"grace {args.grace:g} s; over grace {stop_s - args.grace:+.2f} s; {len(res.needed_kill)} needed kill; verified={ok}; {res.group_note[:80]}",
+    )
+    known = sum(phases.values())
+    print(
+        f"containment {level}: stop phases "
+        + ", ".join(f"{k} {v * 1000:.1f} ms" for k, v in phases.items())
+        + f", the rest (members, classify, journal) {(stop_s - known) * 1000:.1f} ms",
+        flush=True,
     )
     sup.journal.close()
     return {"launch": statistics.median(launch_ms), "stop": stop_s, "verified": float(ok)}

@@ -221,7 +221,7 @@ def test_a_stopped_holder_keeps_its_memory_and_shows_no_load(holders: Holders, p
         os.kill(p.pid, signal.SIGCONT)
 
 
-def test_memory_is_freed_when_the_holder_dies_but_a_zombie_still_holds(holders: Holders, procs: ProcTable) -> None:
+def test_memory_is_freed_when_the_holder_exits_even_before_it_is_reaped(holders: Holders, procs: ProcTable) -> None:
     s = SimulatedGpuSampler("2", procs)
     p, _ = holders.start("0:40,1:8")
     assert s.memory_used() == {0: 40 * GIB, 1: 8 * GIB}
@@ -231,7 +231,9 @@ def test_memory_is_freed_when_the_holder_dies_but_a_zombie_still_holds(holders: 
         time.sleep(0.01)
     assert st is not None and st.status == "zombie"
     g = by_index(s.sample())
-    assert g[0].memory_used == 40 * GIB and g[0].processes[0].pid == p.pid  # not reaped yet: still held
+    # not reaped yet, but exited: a real GPU's driver releases the context at exit and NVML no longer lists it
+    assert g[0].memory_used == 0 and not g[0].processes
+    assert s.memory_used() == {0: 0, 1: 0}
     p.wait()  # reap it, by pid
     assert s.memory_used() == {0: 0, 1: 0}
     assert all(not g.processes for g in s.sample())

@@ -1,0 +1,49 @@
+"""Provides the telemetry fold: a live run's new telemetry read into its summary, and journaled once for history."""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+from gpudeck.agents.liverun import LiveRun
+
+if TYPE_CHECKING:
+    from gpudeck.agents.supervisor import Supervisor
+
+MAX_REJECTIONS_JOURNALED = 20  # per run: the first refused telemetry lines are journaled; later ones are only counted
+STEP_EVENT_EVERY_S = 10.0  # step records reach the journal at most this often per run (all other records always)
+
+
+def poll(sup: Supervisor, lr: LiveRun) -> None:
+    """Fold new telemetry into a live run's summary; journal what history needs, exactly once."""
+    run = lr.info
+    if lr.tail is None:
+        last = sup.journal.last_event(run.id, "telemetry")
+        lr.journaled_offset = int(last.data.get("offset", 0)) if last else 0
+    tail = lr.telemetry_tail()
+    records = tail.poll(final=run.state not in ("starting", "running", "stopping"))
+    run.telemetry = tail.summary
+    items: list[tuple[str, str | None, dict]] = []
+    for rej in tail.take_rejections():
+        tail.summary.last_rejection = rej.describe()
+        if lr.rejections_journaled < MAX_REJECTIONS_JOURNALED:
+            lr.rejections_journaled += 1
+            items.append(("telemetry_rejected", run.id, {"line": rej.line, "offset": rej.offset, "reason": rej.reason[:500]}))
+    if not records and not items:
+        return
+    floor = lr.journaled_offset
+    now = time.monotonic()
+    for rec, offset in records:
+        if offset <= floor or rec.get("type") == "heartbeat":
+            continue
+        if rec.get("type") == "step":
+            if now - lr.last_step_event < STEP_EVENT_EVERY_S:
+                continue
+            lr.last_step_event = now
+        items.append(("telemetry", run.id, {"record": rec, "offset": offset}))
+    if items:
+        for ev in sup.journal.append_many(items):
+            sup._emit(ev)
+        offsets = [d["offset"] for kind, _r, d in items if kind == "telemetry"]
+        if offsets:
+            lr.journaled_offset = offsets[-1]

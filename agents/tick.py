@@ -1,0 +1,247 @@
+"""Provides the supervision tick: a look at every live run, read in a thread, judged on the event loop.
+
+A tick has two halves. :func:`scan` runs in a worker thread and does every read
+whose cost grows with the host or the run: parentage (tag-level runs only), one
+GPU sample with each holder attributed to its run, each member's liveness, and
+one :func:`look` per run (its cgroup's processes, new members' identities, the
+group's kernel figures). :func:`judge` runs on the event loop and only applies
+what was read: members added, ends decided, the health rules, alerts journaled.
+A run whose members changed between the two halves (a request handler ran
+meanwhile) is looked at again on the loop, so nothing stale is applied.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import msgspec
+
+from gpudeck.agents import run_end, telemetry_fold
+from gpudeck.agents.containment import GroupFigures, put_figures
+from gpudeck.agents.health import Baseline, observe
+from gpudeck.agents.liverun import LiveRun
+from gpudeck.agents.membership import Discovery, discover, proc_tree
+from gpudeck.agents.procs import StatLine, alive
+from gpudeck.agents.protocol import Gpu, Member
+
+if TYPE_CHECKING:
+    from gpudeck.agents.supervisor import Supervisor
+
+log = logging.getLogger("gpudeck.agent")
+
+RANK_DEATH_STOP_GRACE_S = 30.0  # --on-rank-death stop: the grace the survivors get to checkpoint
+FRESH_S = 0.05  # a process-table refresh this recent (the agent's sampler thread does one right before the tick) is reused
+
+
+@dataclass
+class Look:
+    """One look at a run's processes, taken against ``members`` (applied only while the run still has that list)."""
+
+    members: list[Member]
+    found: Discovery
+    figures: GroupFigures | None = None
+
+
+@dataclass
+class Scan:
+    """What a tick read off the loop."""
+
+    tree: dict[int, StatLine] | None = None
+    gpus: list[Gpu] | None = None  # attributed
+    alive_now: dict[tuple[int, float], bool] = field(default_factory=dict)
+    looks: dict[str, Look] = field(default_factory=dict)
+
+
+def _watched(sup: Supervisor) -> list[LiveRun]:
+    """The runs a tick judges: live, not launching, not being stopped."""
+    return [
+        lr
+        for lr in sup._live.values()
+        if lr.info.state in ("running", "starting", "stopping") and not lr.launching and lr.id not in sup._stopping
+    ]
+
+
+def look(sup: Supervisor, lr: LiveRun, tree: dict[int, StatLine] | None) -> Look:
+    """Read a run's processes now (safe in a worker thread: it reads, it changes nothing)."""
+    members = lr.info.members
+    if lr.group is None and tree is None:
+        tree = proc_tree()
+    found = discover(lr.info, sup.procs, lr.group, tree, sup.uid)
+    return Look(members=members, found=found, figures=lr.group.figures() if lr.group is not None else None)
+
+
+def apply_look(sup: Supervisor, lr: LiveRun, lk: Look, alive_now: dict[tuple[int, float], bool] | None = None) -> bool:
+    """Fold a look into the run (on the loop): its containment's report, new and updated members journaled."""
+    run = lr.info
+    d = lk.found
+    info = run.containment
+    if info is not None:
+        if lr.group is not None and d.in_group is not None:
+            info.untagged = sorted(set(info.untagged) & d.in_group | set(d.untagged))
+        if lk.figures is not None:
+            put_figures(info, lk.figures)
+        info.outside = d.outside
+        info.other_uid = d.other_uid
+        for r in d.outside + d.other_uid:
+            if r.pid not in lr.reported_pids:
+                lr.reported_pids.add(r.pid)
+                log.warning("run %s: pid %d %s", run.id, r.pid, r.why)
+    if not d.new and not d.updated:
+        return False
+    known = alive_now or {}
+
+    def lives(m: Member) -> bool:
+        got = known.get((m.pid, m.create_time))
+        return alive(m.pid, m.create_time) if got is None else got
+
+    # workers that came and went (shell helpers, finished DataLoader workers) leave the list;
+    # the journal's "members" events keep their history
+    members = [d.replaces.get(id(m), m) for m in run.members if m.role in ("shim", "leader") or lives(m)] + d.new
+
+    def brief(ms: list[Member]) -> list[dict]:
+        out = []
+        for m in ms:
+            b: dict = {"pid": m.pid, "rank": m.rank, "local_rank": m.local_rank, "cmdline": m.cmdline[:8]}
+            if m.found_by:
+                b["found_by"] = m.found_by
+            if not m.tagged:
+                b["tagged"] = False
+            out.append(b)
+        return out
+
+    data = {"added": brief(d.new)}
+    if d.updated:
+        data["updated"] = brief(d.updated)  # members already journaled, now with their rank: replaced, not added
+    sup._set(run, "members", data, members=members)
+    sup._reindex()
+    return True
+
+
+def discover_members(sup: Supervisor, lr: LiveRun, tree: dict[int, StatLine] | None) -> bool:
+    """Look at a run and apply it at once (adoption, stop: where the loop waits for the answer anyway)."""
+    return apply_look(sup, lr, look(sup, lr, tree))
+
+
+def scan(sup: Supervisor, runs: list[LiveRun]) -> Scan:
+    """The reading half of a tick (a worker thread): parentage, the attributed GPU sample, liveness, one look per run."""
+    want_tree = any(lr.group is None and lr.info.state in ("running", "starting") for lr in runs)
+    got = Scan()
+    got.tree = sup._tree.scan() if want_tree else None
+    if runs and sup.gpus.available:
+        got.gpus = sup.attributed_gpus(sup.gpus.sample())
+    got.alive_now = {(m.pid, m.create_time): alive(m.pid, m.create_time) for lr in runs for m in lr.info.members}
+    for lr in runs:
+        got.looks[lr.id] = look(sup, lr, got.tree)
+    return got
+
+
+def judge(sup: Supervisor, got: Scan) -> None:
+    """The deciding half of a tick (on the loop): telemetry folded, members applied, ends decided, health judged."""
+    for lr in list(sup._live.values()):
+        run = lr.info
+        if run.state not in ("running", "starting", "stopping") or run.id not in sup._live:
+            continue
+        telemetry_fold.poll(sup, lr)
+        if run.id in sup._stopping or lr.launching:
+            continue
+        lk = got.looks.get(run.id)
+        if lk is not None and lk.members is run.members:
+            apply_look(sup, lr, lk, got.alive_now)
+        else:  # changed (or started) since the scan: looked at again, here
+            discover_members(sup, lr, got.tree)
+        if not run_alive(lr):
+            run_end.finish(sup, lr)
+            continue
+        check_health(sup, lr, got.gpus or [], got.alive_now)
+    for rid, group in list(sup._ended_groups.items()):
+        if not group.populated():
+            sup._settle_group(rid, group)
+
+
+def refresh(sup: Supervisor) -> None:
+    """One supervision tick, all on the calling thread (tests, benchmarks; the agent uses :func:`tick`)."""
+    sup.procs.refresh()
+    judge(sup, scan(sup, _watched(sup)))
+
+
+def _refreshed_scan(sup: Supervisor, runs: list[LiveRun]) -> Scan:
+    # the agent's sampler thread refreshed the table a moment ago (then this reads nothing again); a caller without
+    # one (tests, benchmarks) pays for the re-check of every tagged process here, in the thread, not on the loop
+    sup.procs.refresh(max_age=FRESH_S)
+    return scan(sup, runs)
+
+
+async def tick(sup: Supervisor) -> None:
+    """One supervision tick: the reading half in a thread, the deciding half back on the loop."""
+    if not sup._live:
+        sup.procs.refresh(max_age=FRESH_S)  # idle: nothing tagged to re-check, and no thread hop for nothing
+        if sup._ended_groups:
+            judge(sup, Scan())
+        return
+    got = await asyncio.to_thread(_refreshed_scan, sup, _watched(sup))
+    judge(sup, got)  # back on the loop: request handlers may have changed runs meanwhile, so judge what is there now
+
+
+def run_alive(lr: LiveRun) -> bool:
+    """Whether the run's shim (or, adopted without it, its leader or any member) still lives."""
+    if lr.shim is not None:
+        return lr.shim.poll() is None
+    m = lr.member("shim") or lr.member("leader")
+    if m is None:  # only tagged workers are known (the agent died while starting it)
+        return any(alive(x.pid, x.create_time) for x in lr.info.members)
+    return alive(m.pid, m.create_time)
+
+
+def poll_shims(sup: Supervisor) -> None:
+    """Reap this agent's own children (the shims) so none lingers as a zombie."""
+    for lr in sup._live.values():
+        if lr.shim is not None:
+            lr.shim.poll()
+
+
+def check_health(sup: Supervisor, lr: LiveRun, gpus: list[Gpu], alive_now: dict[tuple[int, float], bool]) -> None:
+    """The health rules over one observation of the run; alerts journaled; --on-rank-death stop acted on."""
+    run = lr.info
+    health = lr.health_state()
+
+    def is_alive(m: Member) -> bool:
+        known = alive_now.get((m.pid, m.create_time))
+        return alive(m.pid, m.create_time) if known is None else known
+
+    obs = observe(run, time.time(), gpus, is_alive, stopping=run.state == "stopping")
+    lr.last_obs = obs
+    raised = health.update(obs, baseline(sup, lr))
+    cleared = health.cleared_since_last()
+    if raised or cleared:
+        items: list[tuple[str, str | None, dict]] = [("alert", run.id, {"alert": msgspec.to_builtins(a)}) for a in raised]
+        items += [("alert_cleared", run.id, {"alert": msgspec.to_builtins(a)}) for a in cleared]
+        sup._emit_many(items, f"run {run.id}'s {len(items)} alert event(s)")
+        for a in raised:
+            log.warning("run %s: %s", run.id, a.message)
+            if a.kind == "rank_exited" and lr.first_death is None:
+                lr.first_death = a
+    run.alerts = health.active
+    if health.wants_stop and run.id not in sup._stopping:
+        death = lr.first_death
+        why = f"a rank died ({death.message.split(':')[0]})" if death else "a rank died"
+        sup._spawn_bg(
+            sup.stop(
+                run.id, RANK_DEATH_STOP_GRACE_S, reason=f"stopped by gpudeck: {why} and the run was launched with --on-rank-death stop"
+            )
+        )
+
+
+def baseline(sup: Supervisor, lr: LiveRun) -> Baseline | None:
+    """The median throughput of the newest earlier run with the same config (looked up once per run)."""
+    if lr.baseline_known():
+        return lr.baseline_value()
+    tel = lr.info.telemetry
+    if tel is None or not tel.config_hash:
+        return None  # not known yet: look again next tick
+    found = sup.journal.throughput_baseline(tel.config_hash, tel.world_size, exclude=lr.id)
+    lr.baseline = Baseline(run_id=found[0], median_tokens_per_s=found[1], config_hash=tel.config_hash) if found else None
+    return lr.baseline_value()
