@@ -279,7 +279,7 @@ def check_peer(sock: socket.socket | None, path: Path) -> None:
 def spawn_agent(state_dir: Path) -> subprocess.Popen:
     """Start ``python -m gpudeck.agents serve`` detached, in its own session, logging to agent.log."""
     paths.ensure_private_dir(state_dir)
-    log = open(paths.log_path(state_dir), "ab")
+    log = open(paths.private_file(paths.log_path(state_dir)), "ab")
     try:
         return subprocess.Popen(
             [sys.executable, "-m", "gpudeck.agents", "serve", "--state-dir", str(state_dir)],

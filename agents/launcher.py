@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from gpudeck.agents import paths
 from gpudeck.agents.containment import RunGroup
 from gpudeck.agents.errors import BadRequest, LaunchFailed
 from gpudeck.agents.estimate import LaunchArgv
@@ -118,7 +119,9 @@ def check_executable(spec: LaunchSpec, env: dict[str, str], host: str) -> str | 
 def fsync_write(path: Path, data: bytes) -> None:
     """Write a file atomically and durably (temp file, fsync, rename)."""
     tmp = path.with_suffix(path.suffix + ".tmp")
-    with open(tmp, "wb") as fh:
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)  # spec.json holds --env values
+    os.fchmod(fd, 0o600)
+    with open(fd, "wb") as fh:
         fh.write(data)
         fh.flush()
         os.fsync(fh.fileno())
@@ -130,7 +133,7 @@ def spawn(run: RunInfo, env: dict[str, str], group: RunGroup | None) -> tuple[in
     run_dir = Path(run.run_dir or "")
     r, w = os.pipe()
     try:
-        out = open(run_dir / "output.log", "ab", buffering=0)
+        out = open(paths.private_file(run_dir / "output.log"), "ab", buffering=0)
     except OSError as exc:
         os.close(r)
         os.close(w)

@@ -9,6 +9,8 @@ unrecorded; a failed pre-flight starts nothing and is recorded as ``preflight_fa
 from __future__ import annotations
 
 import asyncio
+import errno
+import os
 import shutil
 import time
 from pathlib import Path
@@ -16,7 +18,7 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
-from gpudeck.agents import envs
+from gpudeck.agents import envs, paths
 from gpudeck.agents.containment import RunGroup
 from gpudeck.agents.errors import AgentError, BadRequest, LaunchFailed, StorageError
 from gpudeck.agents.estimate import estimate_or_reason
@@ -127,7 +129,9 @@ async def launch_new(
     run_dir = sup.runs_dir / run_id
     run.run_dir = str(run_dir)
     try:
-        run_dir.mkdir(parents=True, exist_ok=False)
+        if os.path.lexists(run_dir):
+            raise FileExistsError(errno.EEXIST, "a run folder of that id exists already", str(run_dir))
+        paths.ensure_private_dir(run_dir)  # 0700 whatever the umask: spec.json holds the run's --env values
         fsync_write(run_dir / "spec.json", msgspec.json.encode(spec))
     except OSError as exc:
         shutil.rmtree(run_dir, ignore_errors=True)

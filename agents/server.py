@@ -148,7 +148,7 @@ class Agent:
         self.state_dir = Path(state_dir or paths.state_dir())
         self.host = host or hostname()
         paths.ensure_private_dir(self.state_dir)
-        self._lock_fh = open(self.state_dir / "agent.lock", "a+")
+        self._lock_fh = open(paths.private_file(self.state_dir / "agent.lock"), "a+")
         try:
             fcntl.flock(self._lock_fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
@@ -1039,7 +1039,7 @@ def _fd_budget() -> int:
 
 def setup_logging(state_dir: Path) -> None:
     """Log to the agent's log file (stdout may be an SSH channel or nothing)."""
-    handler = logging.FileHandler(paths.log_path(state_dir))
+    handler = logging.FileHandler(paths.private_file(paths.log_path(state_dir)))
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     root = logging.getLogger("gpudeck")
     root.addHandler(handler)

@@ -29,7 +29,9 @@ import time
 
 def _write_exit(path: str, record: dict) -> None:
     tmp = f"{path}.tmp"
-    with open(tmp, "w", encoding="utf-8") as fh:
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)  # 0600 whatever the umask
+    os.fchmod(fd, 0o600)
+    with open(fd, "w", encoding="utf-8") as fh:
         json.dump(record, fh)
         fh.flush()
         os.fsync(fh.fileno())

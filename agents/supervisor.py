@@ -31,7 +31,7 @@ from typing import Any
 
 import msgspec
 
-from gpudeck.agents import adoption, claims, launching, reclaim, run_stop, telemetry_fold
+from gpudeck.agents import adoption, claims, launching, paths, reclaim, run_stop, telemetry_fold
 from gpudeck.agents import tick as ticks
 from gpudeck.agents.attribution import Attribution
 from gpudeck.agents.causes import cause_class
@@ -75,7 +75,7 @@ class Supervisor:
         containment: Containment | None = None,
     ) -> None:
         self.journal = journal
-        self.runs_dir = Path(runs_dir)
+        self.runs_dir = paths.ensure_private_dir(Path(runs_dir))  # 0700, also when an older version made it 0755
         self.host = host
         self.gpus = gpus
         self.procs = procs if procs is not None else ProcTable()

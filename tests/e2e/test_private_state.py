@@ -135,3 +135,30 @@ def test_the_client_sends_nothing_to_a_socket_another_user_owns_or_serves(home: 
         proc.kill()
         proc.wait(10)
         shutil.rmtree(spot, ignore_errors=True)
+
+
+def test_everything_a_real_agent_and_a_run_leave_in_the_state_is_private_under_umask_022(home: Path) -> None:
+    """The run folder, spec.json (it holds the --env values), output.log, exit.json, the journal, the lock and the
+    log: 0700 / 0600 although the agent starts with umask 022 (the folder and files used to be 0755 / 0644)."""
+    from tests.agent_harness import AgentProc, teardown_agent
+
+    old = os.umask(0o022)
+    try:
+        a = AgentProc(home).start()
+    finally:
+        os.umask(old)
+    try:
+        rid = a.cli_json("launch", "--env", "HF_TOKEN=not-for-others", "--", "sh", "-c", "echo hello")["id"]
+        wait_for(lambda: any(r["id"] == rid and r["state"] == "succeeded" for r in a.cli_json("runs")), timeout=60, what="the run to end")
+        run_dir = a.state_dir / "runs" / rid
+        assert {p.name for p in run_dir.iterdir()} >= {"spec.json", "output.log", "exit.json"}
+        loose = []
+        for p in [a.state_dir, *a.state_dir.rglob("*")]:
+            if p.is_symlink() or p.is_socket():
+                continue
+            want = 0o700 if p.is_dir() else 0o600
+            if _mode(p) & 0o077:
+                loose.append(f"{p.relative_to(home)} {oct(_mode(p))} (want {oct(want)})")
+        assert not loose, loose
+    finally:
+        teardown_agent(a)
