@@ -24,8 +24,9 @@ from gpudeck.agents import __version__ as agent_version
 from gpudeck.agents import envs, paths
 from gpudeck.agents.client import AgentClient
 from gpudeck.agents.errors import AgentError
-from gpudeck.agents.protocol import VerifyReply, to_builtins
+from gpudeck.agents.protocol import RunInfo, Snapshot, VerifyReply, to_builtins
 from gpudeck.console import config as cfg
+from gpudeck.console.entry import stdout_gone
 from gpudeck.console.fleet import Fleet, SyncResult
 from gpudeck.console.formats import (
     HostLine,
@@ -65,9 +66,9 @@ from gpudeck.console.ops.resolve import fleet_runs
 from gpudeck.console.ops.stop import StopOutcome, reclaim_targets, stop_run
 from gpudeck.console.ops.stop import reclaim as ops_reclaim
 from gpudeck.console.quarantine import format_problems
-from gpudeck.console.query import QueryError
+from gpudeck.console.query import QueryError, is_negation
 from gpudeck.console.rundiff import diff_runs, format_diff
-from gpudeck.console.sanitize import redact_events, redact_record, redact_run, terminal_text
+from gpudeck.console.sanitize import SECRET_RULE, redact_events, redact_raw_event, redact_record, redact_run, terminal_text
 
 EXIT_ERROR = 1
 EXIT_USAGE = 2
@@ -124,6 +125,14 @@ def unreachable_exit(down: Sequence[tuple[str, str | None]]) -> int:
     return EXIT_UNREACHABLE if down else 0
 
 
+def snapshot_json(snap: Snapshot, show_secrets: bool) -> dict[str, Any]:
+    """A snapshot as ``status --json`` prints it: its live runs' ``--env`` secrets redacted unless ``show_secrets``."""
+    out: dict[str, Any] = to_builtins(snap)
+    if not show_secrets:
+        out["runs"] = [redact_run(r) for r in out.get("runs") or []]
+    return out
+
+
 async def cmd_status(args: argparse.Namespace) -> int:
     if args.host:
         try:
@@ -133,7 +142,7 @@ async def cmd_status(args: argparse.Namespace) -> int:
                 print(json.dumps({"unreachable": [{"host": args.host, "error": exc.message}]}))
             print(terminal_text(f"gpudeck: {exc.message}"), file=sys.stderr)
             return EXIT_UNREACHABLE
-        print(json.dumps(to_builtins(snap)) if args.json else terminal_text(format_status(snap, args.host)))
+        print(json.dumps(snapshot_json(snap, args.show_secrets)) if args.json else terminal_text(format_status(snap, args.host)))
         return 0
 
     async def every(fleet: Fleet) -> list[HostStatus]:
@@ -154,7 +163,9 @@ async def cmd_status(args: argparse.Namespace) -> int:
         print(
             json.dumps(
                 {
-                    "hosts": to_builtins(rows),
+                    "hosts": [
+                        {**to_builtins(r), "snapshot": snapshot_json(r.snapshot, args.show_secrets) if r.snapshot else None} for r in rows
+                    ],
                     "unreachable": [{"host": r.host, "error": r.error} for r in rows if not r.snapshot],
                 }
             )
@@ -199,16 +210,22 @@ def intent_from_args(args: argparse.Namespace) -> LaunchIntent:
     )
 
 
-def _print_launch(result: LaunchResult, as_json: bool) -> int:
+def shown_run(run: RunInfo, host: str, show_secrets: bool) -> dict[str, Any]:
+    """A run as ``--json`` prints it (``run_json`` plus ``host``), its ``--env`` secrets redacted unless ``show_secrets``."""
+    out = {**run_json(run), "host": host}
+    return out if show_secrets else redact_run(out)
+
+
+def _print_launch(result: LaunchResult, as_json: bool, show_secrets: bool = False) -> int:
     """Print a launch's outcome: the run id on stdout; what refused it on stderr."""
     if result.plan.multinode:
-        return _print_multinode(result, as_json)
+        return _print_multinode(result, as_json, show_secrets)
     node = result.nodes[0]
     assert node.reply is not None
     run, host = node.reply.run, node.host
     failed = run.state == "preflight_failed"
     if as_json:
-        print(json.dumps({**run_json(run), "host": host, "duplicate": node.reply.duplicate}))
+        print(json.dumps({**shown_run(run, host, show_secrets), "duplicate": node.reply.duplicate}))
     elif failed:
         print(run.id)
     if failed:
@@ -226,7 +243,7 @@ def _print_launch(result: LaunchResult, as_json: bool) -> int:
     return 0
 
 
-def _print_multinode(result: LaunchResult, as_json: bool) -> int:
+def _print_multinode(result: LaunchResult, as_json: bool, show_secrets: bool) -> int:
     rid, names, ep = result.run_id, result.plan.hosts, result.plan.rdzv_endpoint
     for n in result.failed:
         if n.error is not None:
@@ -251,7 +268,7 @@ def _print_multinode(result: LaunchResult, as_json: bool) -> int:
                     "id": rid,
                     "hosts": names,
                     "rdzv_endpoint": ep,
-                    "nodes": [{**run_json(n.reply.run), "host": n.host} for n in result.nodes if n.reply is not None],
+                    "nodes": [shown_run(n.reply.run, n.host, show_secrets) for n in result.nodes if n.reply is not None],
                 }
             )
         )
@@ -266,11 +283,11 @@ def _print_multinode(result: LaunchResult, as_json: bool) -> int:
 async def cmd_launch(args: argparse.Namespace) -> int:
     p = plan_here(intent_from_args(args))
     result = await _with_fleet(lambda f: ops_launch(f, p, request_id=args.request_id or ""), hosts=p.hosts)
-    return _print_launch(result, args.json)
+    return _print_launch(result, args.json, args.show_secrets)
 
 
 async def cmd_preflight(args: argparse.Namespace) -> int:
-    p = plan_here(intent_from_args(args))
+    p = plan_here(intent_from_args(args), verb="preflight")
     checks = await _with_fleet(lambda f: ops_preflight(f, p), hosts=p.hosts)
     rc = 0
     for c in checks:
@@ -400,7 +417,7 @@ async def _relaunch(args: argparse.Namespace, good_ref: str | None) -> int:
         return await ops_launch(fleet, plan_here(intent))
 
     result = await _with_fleet(go, hosts=hosts)
-    return _print_launch(result, args.json)
+    return _print_launch(result, args.json, args.show_secrets)
 
 
 async def cmd_relaunch(args: argparse.Namespace) -> int:
@@ -584,10 +601,12 @@ async def cmd_history(args: argparse.Namespace) -> int:
             problems = await asyncio.to_thread(history.problems, args.host)
         finally:
             history.close()
+        if not args.show_secrets:
+            problems = [msgspec.structs.replace(p, raw=redact_raw_event(p.raw)) for p in problems]
         print(json.dumps(to_builtins(problems)) if args.json else terminal_text(format_problems(problems)))
         return 0
     try:
-        rows = await asyncio.to_thread(history.query, " ".join(args.query))
+        rows = await asyncio.to_thread(history.query, list(args.query))  # each argument one term: no re-splitting
         down = {h.name for h in await asyncio.to_thread(history.hosts) if h.state not in (None, "up")}
     finally:
         history.close()
@@ -687,6 +706,13 @@ async def cmd_agent_stop(args: argparse.Namespace) -> int:
 
 # ----------------------------------------------------------------------------- parser
 
+SHOW_SECRETS_HELP = f"show --env values whose names look like secrets, redacted by default (the rule: {SECRET_RULE})"
+
+
+def add_show_secrets(p: argparse.ArgumentParser) -> None:
+    """The ``--show-secrets`` option of every command that prints a spec or an environment; its help quotes the rule."""
+    p.add_argument("--show-secrets", action="store_true", help=SHOW_SECRETS_HELP)
+
 
 def build_parser() -> argparse.ArgumentParser:
     """The gpudeck argument parser."""
@@ -701,6 +727,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("status", help="GPUs, who holds them, and live runs: every host, or one with --host")
     p.add_argument("--host", default=None, help=host_help + "; default: every host")
     p.add_argument("--json", action="store_true", help="print the snapshot(s) as JSON")
+    add_show_secrets(p)
     p.set_defaults(func=cmd_status)
 
     spec_args = argparse.ArgumentParser(add_help=False)
@@ -756,7 +783,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "launch", parents=[spec_args], help="pre-flight, then start a run: gpudeck launch [--host H] [--gpus 0,1] -- CMD ARGS..."
     )
-    p.add_argument("--request-id", default=None, help="idempotency key: a retry with the same key starts nothing new")
+    p.add_argument(
+        "--request-id",
+        default=None,
+        help="idempotency key: a retry with the same key and the same launch (every option and the command) starts nothing new; "
+        "the same key with any difference is refused",
+    )
+    add_show_secrets(p)
 
     p.set_defaults(func=cmd_launch)
 
@@ -780,11 +813,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default=None, help=host_help)
     p.add_argument("--limit", type=int, default=1000)
     p.add_argument("--json", action="store_true")
-    p.add_argument(
-        "--show-secrets",
-        action="store_true",
-        help="show --env values whose names look like secrets (*_KEY, *_TOKEN, *_SECRET, *PASSWORD*); redacted by default",
-    )
+    add_show_secrets(p)
     p.set_defaults(func=cmd_runs)
 
     p = sub.add_parser("tail", help="a run's output (stdout and stderr of all its ranks)")
@@ -832,7 +861,10 @@ def build_parser() -> argparse.ArgumentParser:
         "history", parents=[sync_args], help="every run ever started: gpudeck history state:failed host:gpu1 since:7d cause:oom"
     )
     p.add_argument(
-        "query", nargs="*", help="filters (see README: state host kind name id cause operator parent torch alert since until limit)"
+        "query",
+        nargs="*",
+        help="filters, each argument one term (key:value, key:~text, key:a,b, -key:value; see docs/history.md): "
+        "state host kind name id cause operator parent torch alert since until limit",
     )
     p.add_argument("--host", default=None, help="sync only this host first (the query itself takes host:NAME)")
     p.add_argument("--json", action="store_true")
@@ -841,22 +873,14 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="the events the history kept out (quarantined: a value SQLite cannot store, an event that does not decode), raw, with why",
     )
-    p.add_argument(
-        "--show-secrets",
-        action="store_true",
-        help="show --env values whose names look like secrets (*_KEY, *_TOKEN, *_SECRET, *PASSWORD*); redacted by default",
-    )
+    add_show_secrets(p)
     p.set_defaults(func=cmd_history)
 
     p = sub.add_parser("show", parents=[sync_args], help="one run in full from the history: spec, environment, telemetry, timeline")
     p.add_argument("run", help="run id, unique id prefix, or name")
     p.add_argument("--host", default=None, help=host_help)
     p.add_argument("--json", action="store_true")
-    p.add_argument(
-        "--show-secrets",
-        action="store_true",
-        help="show --env values whose names look like secrets (*_KEY, *_TOKEN, *_SECRET, *PASSWORD*); redacted by default",
-    )
+    add_show_secrets(p)
     p.set_defaults(func=cmd_show)
 
     p = sub.add_parser(
@@ -864,14 +888,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("run_a")
     p.add_argument("run_b")
-    p.add_argument("--all", action="store_true", help="show equal rows too")
+    p.add_argument(
+        "--all",
+        action="store_true",
+        help="also show the config and environment rows that are equal (the outcome rows are always all shown)",
+    )
     p.add_argument("--host", default=None, help="sync only this host first")
     p.add_argument("--json", action="store_true")
-    p.add_argument(
-        "--show-secrets",
-        action="store_true",
-        help="show --env values whose names look like secrets (*_KEY, *_TOKEN, *_SECRET, *PASSWORD*); redacted by default",
-    )
+    add_show_secrets(p)
     p.set_defaults(func=cmd_diff)
 
     start_args = argparse.ArgumentParser(add_help=False)
@@ -879,6 +903,7 @@ def build_parser() -> argparse.ArgumentParser:
     start_args.add_argument("--resume", default=None, metavar="N|latest", help="continue from checkpoint step N")
     start_args.add_argument("--host", default=None, help="launch there (default: where the run ran)")
     start_args.add_argument("--json", action="store_true")
+    add_show_secrets(start_args)
 
     p = sub.add_parser(
         "relaunch", parents=[sync_args, start_args], help="run a recorded run's config again: --fresh or --resume N is required"
@@ -918,9 +943,34 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of the ``gpudeck`` command."""
+    """Entry point of the ``gpudeck`` command.
+
+    A reader that goes away (``gpudeck runs --json | head``) ends the command quietly with EXIT_PIPE, as a Unix tool
+    killed by SIGPIPE reports it in the shell; nothing more is written to stdout."""
+    try:
+        rc = _main(argv)
+        sys.stdout.flush()  # inside the try: what is still buffered meets the closed pipe here, not at interpreter exit
+        return rc
+    except BrokenPipeError:
+        return stdout_gone()
+
+
+def negated_filters(argv: list[str]) -> tuple[list[str], list[str]]:
+    """``history``'s ``-key:value`` words (a negated filter of a known key) taken out of its arguments, so argparse does not
+    read them as unknown options: (the arguments without them, the words). Other commands' arguments are left alone."""
+    if argv[:1] != ["history"]:
+        return argv, []
+    end = argv.index("--") if "--" in argv else len(argv)
+    words = [a for a in argv[1:end] if is_negation(a)]
+    return [a for i, a in enumerate(argv) if not (0 < i < end and is_negation(a))], words
+
+
+def _main(argv: list[str] | None) -> int:
     ap = build_parser()
+    argv, negated = negated_filters(sys.argv[1:] if argv is None else list(argv))
     args = ap.parse_args(argv)
+    if negated:
+        args.query = [*args.query, *negated]
     if args.command is None:
         if sys.stdout.isatty() and sys.stdin.isatty():
             from gpudeck.console.app import run_console

@@ -35,6 +35,8 @@ from gpudeck.agents import paths
 LOCAL = "local"
 DEFAULT_DIAL = "gpudeck agent dial"
 _HOST_RE = re.compile(r"^[A-Za-z0-9_.@:\[\]-]{1,253}$")
+# what _HOST_RE accepts, in words (every host-name error quotes it)
+HOST_NAME_RULE = "1-253 characters from letters, digits and . _ - @ : [ ], not starting with - (gpu1, user@gpu1, [fe80::1])"
 _HOST_KEYS = {"command", "rdzv_host", "nccl_socket_ifname", "gloo_socket_ifname", "env"}
 
 
@@ -95,7 +97,7 @@ class Config:
 def check_host_name(name: str) -> str:
     """A host name as it may appear in the config, or ConfigError."""
     if not _HOST_RE.match(name) or name.startswith("-"):
-        raise ConfigError(f"{name!r} is not a host name: use the name of a Host entry in ~/.ssh/config (letters, digits, . - _)")
+        raise ConfigError(f"{name!r} is not a host name: use the name of a Host entry in ~/.ssh/config ({HOST_NAME_RULE})")
     return name
 
 

@@ -7,10 +7,23 @@ everything else is the console's CLI (:mod:`gpudeck.console.cli`).
 
 from __future__ import annotations
 
+import os
 import sys
 
+EXIT_PIPE = 141  # stdout's reader went away (`| head`): 128 + SIGPIPE, what a shell reports for a Unix tool SIGPIPE ended
 # the packages the console and its CLI need beyond the agent's (pyproject.toml's [console] extra)
 CONSOLE_PACKAGES = ("textual", "asyncssh", "sqlite_utils", "rich")
+
+
+def stdout_gone() -> int:
+    """The reader of stdout went away: point stdout at /dev/null (so the interpreter's last flush is silent); EXIT_PIPE."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):
+        pass
+    return EXIT_PIPE
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -19,7 +32,10 @@ def main(argv: list[str] | None = None) -> int:
     if args[:1] == ["--version"]:
         from gpudeck.agents import __version__
 
-        print(f"gpudeck {__version__}")
+        try:
+            print(f"gpudeck {__version__}", flush=True)
+        except BrokenPipeError:
+            return stdout_gone()
         return 0
     if args[:2] in (["agent", "serve"], ["agent", "dial"]):
         from gpudeck.agents.__main__ import main as agent_main

@@ -336,7 +336,7 @@ def format_claims(run_id: str, rows: list[Any], alerts: list[Any]) -> str:
         observed = "-" if r.observed is None else f"{r.observed:,}" if isinstance(r.observed, int) else f"{r.observed:,.4g}"
         body.append([r.what, claimed, observed, mark, r.source or "-", r.detail or ""])
     out.append(
-        table(["WHAT", "CLAIMED", "OBSERVED", "", "CLAIM FROM", "DETAIL"], body)
+        table(["WHAT", "CLAIMED", "OBSERVED", "VERDICT", "CLAIM FROM", "DETAIL"], body)
         if body
         else "  nothing observed yet (no manifest, no ranks)"
     )

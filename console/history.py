@@ -24,6 +24,7 @@ import queue
 import sqlite3
 import threading
 import time
+from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,7 +36,7 @@ from gpudeck.agents import paths
 from gpudeck.agents.causes import cause_class
 from gpudeck.agents.protocol import TERMINAL_STATES, Event
 from gpudeck.console import config, quarantine
-from gpudeck.console.query import compile_query
+from gpudeck.console.query import compile_query, compile_terms
 from gpudeck.console.records import EpochRecord, EventRecord, HostRecord, MetricPoint, Problem, RunRecord, loads
 from gpudeck.console.sqlite_lib import sqlite_utils
 
@@ -546,9 +547,11 @@ class History:
 
     # ------------------------------------------------------------------ queries
 
-    def query(self, text: str = "", now: float | None = None) -> list[RunRecord]:
-        """Runs matching a filter (see console/query.py), newest first, each with its median tokens/s."""
-        sql, params = compile_query(text, now).sql()
+    def query(self, text: str | Sequence[str] = "", now: float | None = None) -> list[RunRecord]:
+        """Runs matching a filter (see console/query.py), newest first, each with its median tokens/s.
+
+        ``text``: typed text (split shell-style), or the words themselves, each one term (the CLI's arguments)."""
+        sql, params = (compile_query(text, now) if isinstance(text, str) else compile_terms(text, now)).sql()
         with self._read_lock:
             return add_tokens_median(self._read_conn, read_runs(self._read_conn.execute(sql, params)))
 

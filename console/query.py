@@ -1,6 +1,8 @@
 """Provides the history filter language, compiled to parameterised SQL over the ``runs`` table.
 
-A query is words separated by spaces (quote a value that holds spaces)::
+A query is words: typed as text (the console's ``/`` filter) they are separated by spaces, shell-style (quote a
+value that holds spaces); from the command line each shell argument is one word as it is (:func:`compile_terms`),
+so ``gpudeck history 'cause:~exit code'`` is one term::
 
     state:failed host:gpu1 kind:dflash since:7d name:~drafter cause:oom
 
@@ -24,6 +26,7 @@ from __future__ import annotations
 import re
 import shlex
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 
@@ -121,13 +124,24 @@ def _term(key: str, value: str, now: float) -> tuple[str, list[object]]:
     return "(" + " OR ".join(parts) + ")", params
 
 
+def is_negation(word: str) -> bool:
+    """Whether a word is a negated filter of a known key (``-state:failed``): what the CLI takes as a query word, not an option."""
+    key, sep, _ = word[1:].partition(":")
+    return word.startswith("-") and bool(sep) and key.lower() in KEYS
+
+
 def compile_query(text: str, now: float | None = None) -> Compiled:
-    """Compile a filter into SQL; QueryError says what is wrong and how to write it."""
-    now = time.time() if now is None else now
+    """Compile a filter typed as text (words split shell-style) into SQL; QueryError says what is wrong and how to write it."""
     try:
         words = shlex.split(text or "")
     except ValueError as exc:
         raise QueryError(f"cannot read the query ({exc}): close the quote") from None
+    return compile_terms(words, now)
+
+
+def compile_terms(words: Sequence[str], now: float | None = None) -> Compiled:
+    """Compile a filter given as its words, each one term as it is (the CLI's arguments), into SQL."""
+    now = time.time() if now is None else now
     clauses: list[str] = []
     params: list[object] = []
     limit = DEFAULT_LIMIT

@@ -12,13 +12,14 @@ bidirectional overrides that reorder what is shown, or secrets passed with
   paragraph separators. An ESC sequence is defused by escaping its ESC; the
   rest of it shows as plain text.
 - :func:`redact_env`, :func:`redact_record` and :func:`redact_run` replace the values of environment
-  variables whose names look like secrets (``*_KEY``, ``*_TOKEN``,
-  ``*_SECRET``, ``*PASSWORD*``, also ``*_KEY_*`` and the like) with
-  ``REDACTED``, for every view, ``--json`` included, unless asked not to.
+  variables whose names look like secrets (:data:`SECRET_RULE`, built from
+  :data:`SECRET_WORDS` and :data:`SECRET_ANYWHERE`) with ``REDACTED``, for
+  every view, ``--json`` included, unless asked not to.
 """
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Mapping
 from typing import Any
@@ -31,7 +32,16 @@ REDACTED = "REDACTED"
 
 # C0 and DEL, C1, bidi embeddings/overrides/isolates, LRM/RLM/ALM, line and paragraph separators, BOM
 _CONTROLS = re.compile("[\x00-\x1f\x7f-\x9f\u061c\u200e\u200f\u2028\u2029\u202a-\u202e\u2066-\u2069\ufeff]")
-_SECRET_NAME = re.compile(r"(^|_)(KEY|TOKEN|SECRET|SECRETS|PASSWD|CREDENTIALS?|APIKEY)($|_)|PASSWORD|PRIVATE", re.IGNORECASE)
+# the one secret-name rule: the matcher, the --show-secrets help and the docs all come from these two tuples
+SECRET_WORDS = ("KEY", "TOKEN", "SECRET", "SECRETS", "PASSWD", "CREDENTIAL", "CREDENTIALS", "APIKEY")  # a whole _-separated word
+SECRET_ANYWHERE = ("PASSWORD", "PRIVATE")  # anywhere in the name
+SECRET_RULE = (
+    f"case-insensitive, a _-separated word {', '.join(SECRET_WORDS[:-1])} or {SECRET_WORDS[-1]} anywhere in the name "
+    f"(HF_TOKEN, AWS_SECRET_ACCESS_KEY, KEY_FILE), or {' or '.join(SECRET_ANYWHERE)} anywhere (MYPASSWORD)"
+)
+_SECRET_NAME = re.compile(
+    rf"(^|_)({'|'.join(map(re.escape, SECRET_WORDS))})($|_)|{'|'.join(map(re.escape, SECRET_ANYWHERE))}", re.IGNORECASE
+)
 
 
 def _visible(m: re.Match[str]) -> str:
@@ -122,3 +132,14 @@ def _redact_event(event: Any) -> Any:
     if isinstance(data.get("spec"), Mapping):
         data["spec"] = redact_run({"spec": data["spec"]})["spec"]
     return {**event, "data": data}
+
+
+def redact_raw_event(raw: str) -> str:
+    """A quarantined event's raw JSON (``history --problems --json``) with the ``--env`` secrets of the spec it carries
+    redacted; unchanged when it holds none (or is not JSON)."""
+    try:
+        event = json.loads(raw)
+    except ValueError:
+        return raw
+    redacted = _redact_event(event)
+    return raw if redacted == event else json.dumps(redacted, ensure_ascii=True)

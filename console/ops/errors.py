@@ -53,8 +53,8 @@ class AmbiguousRun(OpsError):
 
     exit_code = EXIT_USAGE
 
-    def __init__(self, ref: str, candidates: list[Candidate], unanswered: list[str] | None = None) -> None:
-        head = f"{ref!r} matches {len(candidates)} runs: give the full id (or more of it), or --host"
+    def __init__(self, ref: str, candidates: list[Candidate], unanswered: list[str] | None = None, host_given: bool = False) -> None:
+        head = f"{ref!r} matches {len(candidates)} runs: give the full id (or more of it)" + ("" if host_given else ", or --host")
         lines = "\n".join(f"  {c.line()}" for c in candidates)
         more = f"\n{', '.join(unanswered)} did not answer and may hold more" if unanswered else ""
         super().__init__(f"{head}\n  {'HOST':<12} {'ID':<14} {'NAME':<16} {'STATE':<16} STARTED\n{lines}{more}")
@@ -66,10 +66,13 @@ class AmbiguousRun(OpsError):
 class NoSuchRun(OpsError):
     """No run matches a reference on the hosts that answered; the ones that did not are named."""
 
-    def __init__(self, ref: str, where: str, unanswered: list[str] | None = None, listing: str = "gpudeck runs") -> None:
+    def __init__(
+        self, ref: str, where: str, unanswered: list[str] | None = None, listing: str = "gpudeck runs", host_given: bool = False
+    ) -> None:
         msg = f"no run {ref!r} {where}"
         if unanswered:
-            msg += f"; {', '.join(unanswered)} did not answer: give --host or the full id, or try again when it is back"
+            fix = "try again when it is back" if host_given else "give --host or the full id, or try again when it is back"
+            msg += f"; {', '.join(unanswered)} did not answer: {fix}"
         super().__init__(msg + f" (`{listing}` lists them)")
         self.ref = ref
         self.unanswered = unanswered or []

@@ -243,7 +243,7 @@ def check_host(host: str) -> str:
         return cfg.check_host_name(host)
     except cfg.ConfigError:
         raise IntentError(
-            "host", f"{host!r} is not a host name", "give the name of a Host entry in ~/.ssh/config (letters, digits, . - _) or local"
+            "host", f"{host!r} is not a host name", f"give the name of a Host entry in ~/.ssh/config ({cfg.HOST_NAME_RULE}) or local"
         ) from None
 
 

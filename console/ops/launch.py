@@ -137,9 +137,16 @@ def _program(intent: LaunchIntent, start: str | None) -> list[str]:
 
 
 def plan_launch(
-    intent: LaunchIntent, caller: Caller, conf: cfg.Config | None = None, ssh_config_paths: Sequence[str] = (), run_id: str | None = None
+    intent: LaunchIntent,
+    caller: Caller,
+    conf: cfg.Config | None = None,
+    ssh_config_paths: Sequence[str] = (),
+    run_id: str | None = None,
+    verb: str = "launch",
 ) -> LaunchPlan:
-    """Validate every field of ``intent`` and build the spec of every node; IntentError names the field and the fix."""
+    """Validate every field of ``intent`` and build the spec of every node; IntentError names the field and the fix.
+
+    ``verb``: the command that asks (``launch`` or ``preflight``), as the messages name it."""
     kind = check_kind(intent.kind)
     gpus = check_gpus(intent.gpus)
     env = check_env(intent.env)
@@ -159,8 +166,8 @@ def plan_launch(
     if not intent.argv and kind not in TRAINER_MODULES:
         raise IntentError(
             "command",
-            "launch needs a command",
-            "give the command after --, e.g. `gpudeck launch -- python train.py` (or --kind fsdp -- --model-config llama-1b --out DIR)",
+            f"{verb} needs a command",
+            f"give the command after --, e.g. `gpudeck {verb} -- python train.py` (or --kind fsdp -- --model-config llama-1b --out DIR)",
         )
     if nproc is not None and kind not in TRAINER_MODULES and not intent.hosts:
         raise IntentError(
@@ -324,11 +331,12 @@ def _plan_multinode(
     return LaunchPlan(nodes=tuple(nodes), nproc_per_node=n, rdzv_endpoint=f"{rdzv_host}:{rdzv_port}")
 
 
-def plan_here(intent: LaunchIntent, run_id: str | None = None) -> LaunchPlan:
+def plan_here(intent: LaunchIntent, run_id: str | None = None, verb: str = "launch") -> LaunchPlan:
     """:func:`plan_launch` for this process's caller, the fleet's config and the user's SSH config (what the CLI and the console use)."""
     from gpudeck.console.transport import SshOptions
 
-    return plan_launch(intent, Caller.here(), ssh_config_paths=SshOptions().config_paths() if intent.hosts else (), run_id=run_id)
+    paths = SshOptions().config_paths() if intent.hosts else ()
+    return plan_launch(intent, Caller.here(), ssh_config_paths=paths, run_id=run_id, verb=verb)
 
 
 # ----------------------------------------------------------------------------- running
@@ -393,10 +401,34 @@ async def launch(fleet: Fleet, plan: LaunchPlan, request_id: str = "") -> Launch
     return result
 
 
+# what the agent fills in or a new plan draws afresh: never part of a launch's intent
+_NOT_INTENT = ("run_id",)
+
+
+def intent_differences(previous: LaunchSpec, spec: LaunchSpec) -> list[str]:
+    """The fields of two launch specs that differ (the whole launch intent: argv, env, name, cwd, python, hosts, claims,
+    options); a multi-node run's own id, drawn anew by every plan, is left out (also where the argv carries it)."""
+    a, b = msgspec.structs.asdict(previous), msgspec.structs.asdict(spec)
+    if previous.run_id and spec.run_id:
+        a["argv"] = [spec.run_id if x == previous.run_id else x for x in previous.argv]
+    return [f for f in a if f not in _NOT_INTENT and a[f] != b[f]]
+
+
+def _differs(field_name: str, previous: LaunchSpec, spec: LaunchSpec) -> str:
+    """How one field differs, in words; values of --env are never shown (they may be secrets), only the names."""
+    if field_name == "env":
+        a, b = previous.env, spec.env
+        names = sorted({k for k in a.keys() | b.keys() if a.get(k) != b.get(k)})
+        return "env (" + ", ".join(names[:8]) + (", ..." if len(names) > 8 else "") + ")"
+    return f"{field_name} (it was {getattr(previous, field_name)!r}, now {getattr(spec, field_name)!r})"[:200]
+
+
 def refuse_reused_request(previous: LaunchSpec, spec: LaunchSpec, request_id: str) -> None:
-    """A request id names one launch: the same id with a different command is refused, not answered with the first run."""
-    if (previous.argv, previous.kind, previous.gpus) != (spec.argv, spec.kind, spec.gpus):
+    """A request id names one launch: the same id with any difference in the launch is refused, not answered with the first run."""
+    fields = intent_differences(previous, spec)
+    if fields:
         raise OpsError(
-            f"request id: {request_id!r} was already used for another launch ({' '.join(previous.argv)[:120]}): "
-            "a retry must repeat the same command; give a new --request-id for a new launch"
+            f"request id: {request_id!r} was already used for another launch ({' '.join(previous.argv)[:120]}): it differs in "
+            + "; ".join(_differs(f, previous, spec) for f in fields)
+            + ": a retry must repeat the same launch; give a new --request-id for a new launch"
         )

@@ -125,10 +125,10 @@ async def resolve_run(fleet: Fleet, ref: str, host: str | None = None, destructi
     try:
         chosen = pick(ref, [_match(h, r) for (h, _), r in by_key.items()])
     except AmbiguousRun as exc:
-        raise AmbiguousRun(ref, exc.candidates, down) from None
+        raise AmbiguousRun(ref, exc.candidates, down, host_given=host is not None) from None
     where = f"on {host}" if host else "on any host that answered"
     if not chosen:
-        raise NoSuchRun(ref, where, down)
+        raise NoSuchRun(ref, where, down, host_given=host is not None)
     nodes = [(m.host, by_key[(m.host, m.id)]) for m in chosen]
     run = nodes[0][1]
     exact_id = run.id == ref
@@ -137,8 +137,8 @@ async def resolve_run(fleet: Fleet, ref: str, host: str | None = None, destructi
             f"{', '.join(down)} did not answer and may hold another run named {ref!r}: "
             f"give --host or the full id ({run.id} on {nodes[0][0]}) to act on this one"
         )
-    expected = set(run.spec.nodes or [])
-    missing = [h for h in down if h in expected] if expected else ([] if exact_id else list(down))
+    # a silent host is missing only when it is a node of this run: a one-host run (no node list) was found whole
+    missing = [h for h in down if h in set(run.spec.nodes or [])]
     return Resolved(ref=ref, id=run.id, nodes=nodes, missing=missing, unanswered=down)
 
 
@@ -168,9 +168,11 @@ def resolve_record(
     try:
         chosen = pick(ref, [_record_match(r) for r in by_key.values()])
     except AmbiguousRun as exc:
-        raise AmbiguousRun(ref, exc.candidates, list(unanswered)) from None
+        raise AmbiguousRun(ref, exc.candidates, list(unanswered), host_given=host is not None) from None
     if not chosen:
-        raise NoSuchRun(ref, f"in the history{' of ' + host if host else ''}", list(unanswered), listing="gpudeck history")
+        raise NoSuchRun(
+            ref, f"in the history{' of ' + host if host else ''}", list(unanswered), listing="gpudeck history", host_given=host is not None
+        )
     row = by_key[(chosen[0].host, chosen[0].id)]
     if destructive and unanswered and row.id != ref and row.state in LIVE_STATES:
         raise Unanswered(

@@ -5,6 +5,8 @@ answer makes the command exit 3, named on stderr and in --json."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 import sys
 
 from tests.agent_harness import AgentProc, wait_for
@@ -71,3 +73,157 @@ def test_a_host_that_does_not_answer_exits_3_and_is_named(agent: AgentProc) -> N
     agent.cli("hosts", "remove", "ghost.invalid")
     cp = agent.cli("runs", "--json")
     assert isinstance(json.loads(cp.stdout), list)  # every host answered: the plain list, exit 0
+
+
+SLEEPER = "import os, sys, time; print(os.environ.get('HF_TOKEN'), flush=True); time.sleep(int(sys.argv[1]))"
+
+
+def _env_of(run: dict) -> dict:
+    return run["spec"]["env"]
+
+
+def test_launch_relaunch_rollback_and_status_json_redact_env_secrets_unless_show_secrets(agent: AgentProc) -> None:
+    """launch/relaunch/rollback --json share one printing path, status --json carries the live runs' specs: all redacted;
+    --show-secrets shows them; the run itself gets the real value."""
+    env = ["--env", "HF_TOKEN=hf_sekrit", "--env", "KEY_FILE=/keys/k", "--env", "PLAIN=ok"]
+    first = agent.cli_json("launch", *env, "--", sys.executable, "-c", SLEEPER, "0")
+    assert _env_of(first)["HF_TOKEN"] == "REDACTED" and _env_of(first)["KEY_FILE"] == "REDACTED" and _env_of(first)["PLAIN"] == "ok"
+    assert "hf_sekrit" not in json.dumps(first)
+    rid = first["id"]
+    wait_for(lambda: next(r for r in agent.cli_json("runs") if r["id"] == rid)["state"] == "succeeded", timeout=60, what="the run to end")
+    assert "hf_sekrit" in agent.cli("tail", rid, "--raw").stdout  # the run got the real value
+
+    shown = json.loads(agent.cli("launch", "--json", "--show-secrets", *env, "--", sys.executable, "-c", SLEEPER, "0").stdout)
+    assert _env_of(shown)["HF_TOKEN"] == "hf_sekrit"
+
+    again = json.loads(agent.cli("relaunch", rid, "--fresh", "--json").stdout)
+    assert again["id"] != rid and _env_of(again)["HF_TOKEN"] == "REDACTED" and "hf_sekrit" not in json.dumps(again)
+    back = json.loads(agent.cli("rollback", rid, "--to", rid, "--fresh", "--json").stdout)
+    assert _env_of(back)["HF_TOKEN"] == "REDACTED" and "hf_sekrit" not in json.dumps(back)
+    back = json.loads(agent.cli("rollback", rid, "--to", rid, "--fresh", "--json", "--show-secrets").stdout)
+    assert _env_of(back)["HF_TOKEN"] == "hf_sekrit"
+
+    live = agent.cli_json("launch", *env, "--", sys.executable, "-c", SLEEPER, "120")["id"]
+    for args in (["status", "--json"], ["status", "--host", "local", "--json"], ["status"]):
+        out = agent.cli(*args).stdout
+        assert live in out and "hf_sekrit" not in out, args
+    snap = json.loads(agent.cli("status", "--host", "local", "--json").stdout)
+    assert _env_of(next(r for r in snap["runs"] if r["id"] == live))["HF_TOKEN"] == "REDACTED"
+    assert "hf_sekrit" in agent.cli("status", "--host", "local", "--json", "--show-secrets").stdout
+
+
+def _closed_write_end() -> int:
+    """The write end of a pipe whose reader is already gone (what `| head` leaves once it has read enough)."""
+    r, w = os.pipe()
+    os.close(r)
+    return w
+
+
+def _closed_stdout(agent: AgentProc, *args: str) -> subprocess.CompletedProcess:
+    """The CLI writing into a pipe whose reader is already gone."""
+    w = _closed_write_end()
+    try:
+        return subprocess.run(
+            [sys.executable, "-m", "gpudeck.console.cli", *args], env=agent.env, stdout=w, stderr=subprocess.PIPE, text=True, timeout=60
+        )
+    finally:
+        os.close(w)
+
+
+def test_output_into_a_closed_pipe_ends_quietly_with_141(agent: AgentProc) -> None:
+    rid = agent.cli_json("launch", "--name", "piped", "--", sys.executable, "-c", "print('x\\n' * 5000)")["id"]
+    wait_for(lambda: next(r for r in agent.cli_json("runs") if r["id"] == rid)["state"] == "succeeded", timeout=60, what="the run to end")
+    for args in (
+        ["runs", "--json"],
+        ["runs"],
+        ["status"],
+        ["history", "--json"],
+        ["history"],
+        ["show", rid],
+        ["tail", rid, "-n", "-1"],
+        ["hosts"],
+        ["agent", "status"],
+        ["launch", "--json", "--", sys.executable, "-c", "pass"],
+    ):
+        cp = _closed_stdout(agent, *args)
+        assert cp.returncode == 141, (args, cp.returncode, cp.stderr)
+        assert "Traceback" not in cp.stderr and "BrokenPipe" not in cp.stderr and "Exception ignored" not in cp.stderr, (args, cp.stderr)
+    w = _closed_write_end()
+    try:
+        cp = subprocess.run(  # the entry point answers --version itself (it needs no console package)
+            [sys.executable, "-c", "import sys; from gpudeck.console.entry import main; sys.exit(main(['--version']))"],
+            env=agent.env,
+            stdout=w,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=60,
+        )
+    finally:
+        os.close(w)
+    assert cp.returncode == 141 and cp.stderr == "", cp.stderr
+    # a real pipeline: `| head -n 1` gets its line, the shell sees no traceback
+    cp = subprocess.run(
+        ["bash", "-c", f"{sys.executable} -m gpudeck.console.cli tail {rid} -n -1 | head -n 1"],
+        env=agent.env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert cp.stdout == "x\n" and "Traceback" not in cp.stderr, cp
+
+
+def test_a_request_id_covers_the_whole_launch_intent(agent: AgentProc) -> None:
+    """A retry with the same key must repeat the whole launch: a different --env, --name, --cwd or claim is refused (exit 1,
+    naming the field; an env value is never shown), and nothing new starts."""
+    base = ["--request-id", "job-7", "--name", "keyed", "--env", "A=1", "--env", "HF_TOKEN=t1"]
+    cmd = ["--", "sleep", "60"]
+    first = agent.cli_json("launch", *base, *cmd)
+    again = agent.cli_json("launch", *base, *cmd)
+    assert again["id"] == first["id"] and again["duplicate"] is True
+    # every field, one by one: tests/unit/test_ops_parity.py; here end to end, through the agent's record of the first run
+    changes = {
+        "env (HF_TOKEN)": ["--env", "HF_TOKEN=t2"],
+        "env (B)": ["--env", "B=1"],
+        "name (it was 'keyed', now 'other')": ["--name", "other"],
+    }
+    for field, extra in {**changes, "cwd": ["--cwd", "/tmp"], "claims": ["--claim-gpus", "2"]}.items():
+        cp = agent.cli("launch", *base, *extra, *cmd, check=False)
+        assert cp.returncode == 1 and cp.stdout == "", (extra, cp.stdout, cp.stderr)
+        assert "request id: 'job-7' was already used for another launch" in cp.stderr and field in cp.stderr, (extra, cp.stderr)
+        assert "t2" not in cp.stderr and "t1" not in cp.stderr  # names of env variables only, never values
+    assert [r["id"] for r in agent.cli_json("runs")] == [first["id"]]  # nothing else was started
+
+
+def test_history_negation_works_without_double_dash_and_each_argument_is_one_term(agent: AgentProc) -> None:
+    ok = agent.cli_json("launch", "--name", "fine run", "--", sys.executable, "-c", "pass")["id"]
+    bad = agent.cli_json("launch", "--name", "broken", "--", sys.executable, "-c", "raise SystemExit(3)")["id"]
+    wait_for(
+        lambda: {r["id"]: r["state"] for r in agent.cli_json("runs")} == {ok: "succeeded", bad: "failed"}, timeout=60, what="both to end"
+    )
+
+    def ids(*query: str) -> list[str]:
+        return [r["id"] for r in json.loads(agent.cli("history", "--json", *query).stdout)]
+
+    assert ids("-state:failed") == [ok]  # no `--` needed
+    assert ids("-state:failed", "--no-sync") == [ok] and ids("--no-sync", "-name:fine run") == [bad]
+    assert ids("-state:failed", "-state:succeeded") == []
+    assert ids("--", "-state:succeeded") == [bad]  # after `--` as before
+    assert ids("cause:~exit code 3") == [bad]  # one shell argument is one term, its spaces included
+    assert sorted(ids("cause:~exit code")) == sorted([ok, bad])  # 'exit code 0' and 'exit code 3'
+    assert ids("cause:~exit", "code") == []  # two arguments: two terms (the bare word `code` matches no run)
+    assert ids("name:fine run") == [ok] and ids("fine run") == [ok]
+    cp = agent.cli("history", "-bogus:x", check=False)
+    assert cp.returncode == 2 and "unrecognized arguments: -bogus:x" in cp.stderr  # not a known key: argparse's error
+
+
+def test_preflight_names_itself_and_a_bad_host_name_says_what_is_accepted(agent: AgentProc) -> None:
+    from gpudeck.console.config import HOST_NAME_RULE
+
+    cp = agent.cli("preflight", check=False)
+    assert cp.returncode == 2 and "preflight needs a command" in cp.stderr and "gpudeck preflight -- " in cp.stderr, cp.stderr
+    assert "launch" not in cp.stderr
+    for args in (["launch", "--host", "bad host", "--", "true"], ["hosts", "add", "bad host"], ["status", "--host", "bad host"]):
+        cp = agent.cli(*args, check=False)
+        assert cp.returncode == 2 and "'bad host' is not a host name" in cp.stderr and HOST_NAME_RULE in cp.stderr, (args, cp.stderr)
+    agent.cli("hosts", "add", "user@gpu-1.example", "[fe80::1]")  # what the rule says is accepted is accepted
+    agent.cli("hosts", "remove", "user@gpu-1.example", "[fe80::1]")

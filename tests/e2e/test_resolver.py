@@ -4,7 +4,7 @@ Cases from issue 16: three live runs named ``dup`` on two hosts (``stop dup``
 used to stop the one alone on its host, exit 0); ``tail r-`` with many matches
 (it used to print one run's output); three matches on one host (``tail`` /
 ``stop`` / ``verify`` used to say "no run"); an exact id wins; a host that did
-not answer is named, and a destructive command refuses a name then.
+not answer is named (as a node of the run only when it is one), and a destructive command refuses a name then.
 """
 
 from __future__ import annotations
@@ -85,6 +85,14 @@ def test_a_host_that_did_not_answer_is_named_and_a_stop_by_name_refused(two_host
     assert cp.returncode == 2, cp.stderr
     assert "hostb did not answer" in cp.stderr and rid in cp.stderr  # the way forward: the full id or --host
     assert state(c, "hosta", rid) == "running"
+    # a one-host run on a host that answered: hostb is not called a node of it, and the note says how it was resolved
+    cp = c.cli("tail", "solo", check=False, timeout=180)
+    assert cp.returncode == 0, cp.stderr
+    assert "a node of this run" not in cp.stderr and "hostb did not answer; 'solo' was resolved on the hosts that did" in cp.stderr
+    # --host given: the way forward is not "give --host"
+    cp = c.cli("tail", "nosuch", "--host", "hostb", check=False, timeout=180)
+    assert cp.returncode == 1 and "no run 'nosuch' on hostb; hostb did not answer: try again when it is back" in cp.stderr, cp.stderr
+    assert "give --host" not in cp.stderr
     cp = c.cli("stop", rid, "--grace", "1", check=False, timeout=180)
     assert cp.returncode == 0, cp.stderr
     cp = c.cli("tail", "nosuch", check=False, timeout=180)

@@ -324,3 +324,34 @@ def test_a_request_id_reused_for_another_command_is_refused_not_answered_with_th
     with pytest.raises(OpsError, match="request id: 'k1' was already used for another launch") as refused:
         asyncio.run(launch(agents, cli_plan(other), request_id="k1"))  # type: ignore[arg-type]
     assert "give a new --request-id" in refused.value.message and len(agents.started) == len(first.nodes)
+
+
+def test_a_request_id_covers_the_whole_intent_and_a_multi_node_retry_draws_a_new_run_id_harmlessly() -> None:
+    """A retry plans again, so a multi-node run's id (in its spec and its torchrun argv) is new each time: not a difference.
+    Any field of the intent is: env, name, cwd, claims, options; each is named (env by its variable names only)."""
+    import asyncio
+
+    from gpudeck.console.ops import OpsError
+    from gpudeck.console.ops.launch import launch
+
+    def plan(argv: list[str], rid: str) -> LaunchPlan:
+        return plan_launch(intent_from_args(build_parser().parse_args(["launch", *argv])), CALLER, CONF, run_id=rid)
+
+    base = ["--hosts", "gpu1,gpu2", "--kind", "fsdp", "--fresh", "--name", "n", "--env", "A=1", "--env", "HF_TOKEN=t1"]
+    agents = _Agents()
+    first = asyncio.run(launch(agents, plan([*base, "--", "--out", "/o"], "r-00000001"), request_id="k2"))  # type: ignore[arg-type]
+    again = asyncio.run(launch(agents, plan([*base, "--", "--out", "/o"], "r-00000002"), request_id="k2"))  # type: ignore[arg-type]
+    assert [n.reply.run.id for n in again.nodes] == [n.reply.run.id for n in first.nodes] == ["r-00000001"] * 2
+    for extra, field in (
+        (["--env", "A=2"], "env (A)"),
+        (["--env", "HF_TOKEN=t2"], "env (HF_TOKEN)"),
+        (["--name", "m"], "name (it was 'n', now 'm')"),
+        (["--cwd", "/elsewhere"], "cwd"),
+        (["--claim-params", "1B"], "claims"),
+        (["--checkpoint-dir", "/ck"], "checkpoint_dir"),
+        (["--python", "/opt/py/bin/python3"], "python"),
+    ):
+        with pytest.raises(OpsError) as refused:
+            asyncio.run(launch(agents, plan([*base, *extra, "--", "--out", "/o"], "r-00000003"), request_id="k2"))  # type: ignore[arg-type]
+        assert field in refused.value.message and "t1" not in refused.value.message and "t2" not in refused.value.message, extra
+    assert len(agents.started) == 2  # the two nodes of the first launch, nothing more

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from gpudeck.agents.errors import AgentError, AgentUnavailable
+from gpudeck.agents.protocol import LaunchSpec, RunInfo
 from gpudeck.console.ops.errors import AmbiguousRun, NoSuchRun, Unanswered
 from gpudeck.console.ops.resolve import Match, pick, resolve_record
 from gpudeck.console.records import RunRecord
@@ -64,3 +66,57 @@ def test_history_references_follow_the_same_rules() -> None:
         resolve_record([rows[0]], "a", unanswered=["gpu3"], destructive=True)
     assert resolve_record(rows, "b", unanswered=["gpu3"], destructive=True).id == "r-3"
     assert resolve_record(rows, "r-1", unanswered=["gpu3"], destructive=True).id == "r-1"
+
+
+def test_with_host_given_no_message_says_give_host() -> None:
+    rows = [_row("gpu1", "r-1", "a"), _row("gpu1", "r-4", "a")]
+    with pytest.raises(NoSuchRun) as none:
+        resolve_record(rows, "zz", host="gpu3", unanswered=["gpu3"])
+    assert "give --host" not in str(none.value) and "gpu3 did not answer: try again when it is back" in str(none.value)
+    with pytest.raises(AmbiguousRun) as several:
+        resolve_record(rows, "a", host="gpu1")
+    assert "--host" not in str(several.value) and "give the full id (or more of it)" in str(several.value)
+    with pytest.raises(NoSuchRun, match="give --host or the full id"):  # without --host it is still the way forward
+        resolve_record(rows, "zz", unanswered=["gpu3"])
+
+
+class _Fleet:
+    """The three calls the resolver makes of a fleet; ``down`` hosts do not answer."""
+
+    def __init__(self, runs: dict[str, list[RunInfo]], down: set[str]) -> None:
+        self.by_host, self.down = runs, down
+        self.links = {**{h: None for h in runs}, **{h: None for h in down}}
+
+    async def run(self, host: str, ref: str) -> RunInfo:
+        if host in self.down:
+            raise AgentUnavailable(f"host {host} is unreachable: test")
+        for r in self.by_host[host]:
+            if r.id == ref:
+                return r
+        raise AgentError(f"no run {ref}")
+
+    async def runs(self, host: str, limit: int = 0) -> list[RunInfo]:
+        if host in self.down:
+            raise AgentUnavailable(f"host {host} is unreachable: test")
+        return self.by_host[host]
+
+
+def _info(rid: str, name: str, nodes: list[str] | None = None, rank: int = 0) -> RunInfo:
+    spec = LaunchSpec(argv=["sleep", "1"], name=name, nodes=nodes or [], node_rank=rank if nodes else None, run_id=rid if nodes else None)
+    return RunInfo(id=rid, host="x", state="running", spec=spec, name=name, created=1.0)
+
+
+def test_a_silent_host_is_missing_only_when_it_is_a_node_of_the_run() -> None:
+    import asyncio
+
+    from gpudeck.console.ops.resolve import resolve_run
+
+    one = _info("r-0001", "solo")
+    multi = _info("r-0002", "pair", nodes=["gpu1", "gpu2"])
+    fleet = _Fleet({"gpu1": [one, multi]}, down={"gpu2", "gpu3"})
+    for ref in ("solo", "r-0001"):  # a one-host run found whole, by name or by id: no silent host is a node of it
+        found = asyncio.run(resolve_run(fleet, ref))  # type: ignore[arg-type]
+        assert found.missing == [] and sorted(found.unanswered) == ["gpu2", "gpu3"], ref
+    for ref in ("pair", "r-0002"):  # a multi-node run: its silent node is named, the other silent host is not
+        found = asyncio.run(resolve_run(fleet, ref))  # type: ignore[arg-type]
+        assert found.missing == ["gpu2"], ref

@@ -64,3 +64,16 @@ def test_redact_run_covers_the_spec_the_nodes_and_the_events() -> None:
     assert out["events"][0]["data"]["spec"]["env"]["HF_TOKEN"] == REDACTED
     assert run["spec"]["env"]["HF_TOKEN"] == "hf_abc"  # the input is not changed
     assert redact_env({"DB_PASSWORD": ""}) == {"DB_PASSWORD": ""}  # nothing to hide
+
+
+def test_a_quarantined_event_s_raw_json_has_its_spec_secrets_redacted() -> None:
+    import json
+
+    from gpudeck.console.sanitize import redact_raw_event
+
+    raw = json.dumps({"seq": 1, "kind": "run_created", "data": {"spec": {"env": {"HF_TOKEN": "hf_abc", "A": "1"}}}}, ensure_ascii=True)
+    out = json.loads(redact_raw_event(raw))
+    assert out["data"]["spec"]["env"] == {"HF_TOKEN": REDACTED, "A": "1"}
+    plain = json.dumps({"seq": 2, "ts": 1.0, "data": {"record": {"step": 2**64}}})
+    assert redact_raw_event(plain) is plain  # nothing to hide: byte for byte as stored
+    assert redact_raw_event("{not json") == "{not json"
