@@ -62,7 +62,15 @@ class Guarded:
         if screen is None:
             return True
         try:
-            return not screen.is_mounted or not screen.is_attached or screen not in screen.app.screen_stack
+            # is_running is False from the start of the app's shutdown (its screens are pruned while still on the
+            # stack); display is False while the screen itself is closing or being pruned (its widgets go first)
+            return (
+                not screen.app.is_running
+                or not screen.is_mounted
+                or not screen.is_attached
+                or not screen.display
+                or screen not in screen.app.screen_stack
+            )
         except Exception:
             return True
 

@@ -89,3 +89,36 @@ async def test_a_missing_widget_on_a_shown_screen_is_still_an_error() -> None:
             probe.late_worker()
             await pilot.pause(0.5)
     assert "NoMatches" in repr(exc.value) or isinstance(exc.value, NoMatches) or "gone" in str(exc.value)
+
+
+class Witness(Static):
+    """Records, as it is taken down, whether its screen already counts as gone (the window a late worker meets)."""
+
+    def __init__(self, seen: list[bool]) -> None:
+        super().__init__("witness", id="witness")
+        self.seen = seen
+
+    def on_unmount(self) -> None:
+        self.seen.append(self.screen.screen_gone())  # type: ignore[attr-defined]  # Guarded's, on the Probe screen
+
+
+class WitnessProbe(Probe):
+    def __init__(self, gate: asyncio.Event, seen: list[bool]) -> None:
+        super().__init__(gate)
+        self.seen = seen
+
+    def compose(self) -> ComposeResult:
+        yield Witness(self.seen)
+
+
+async def test_while_the_app_shuts_down_its_screens_count_as_gone() -> None:
+    """At shutdown Textual prunes each screen's widgets while the screen is still on the stack: a worker that queries
+    then must end quietly (under a 4x-oversubscribed suite, the Run screen's refresh worker met that window)."""
+    app = ProbeApp()
+    seen: list[bool] = []
+    async with app.run_test() as pilot:
+        probe = WitnessProbe(asyncio.Event(), seen)
+        await app.push_screen(probe)
+        await pilot.pause()
+        assert not probe.screen_gone()
+    assert seen == [True], seen
