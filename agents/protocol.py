@@ -565,6 +565,7 @@ class HelloReply(_Msg, tag="hello_reply", kw_only=True):
     uid: int
     state_dir: str
     gpu_error: str | None = None
+    simulated: bool = False  # GPUDECK_SIMULATE_GPUS: the GPUs this agent reports are simulated, not read through NVML
     containment: str | None = None  # the containment this agent gives its runs (its label)
     journal: str | None = None  # the journal's story when it is not plain: recreated (why, when, moved where), or a problem now
 

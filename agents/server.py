@@ -698,6 +698,7 @@ class _Conn:
                 uid=a.uid,
                 state_dir=str(a.state_dir),
                 gpu_error=a.gpus.error,
+                simulated=a.gpus.simulated,
                 containment=a.supervisor.containment.label,
                 journal=a.journal_note(),
             )

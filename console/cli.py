@@ -659,6 +659,7 @@ async def cmd_agent_status(args: argparse.Namespace) -> int:
             "epoch": h.epoch,
             "state_dir": h.state_dir,
             "gpu_error": h.gpu_error,
+            "simulated": h.simulated,
             "containment": h.containment,
             "journal": h.journal,
         }
@@ -668,7 +669,8 @@ async def cmd_agent_status(args: argparse.Namespace) -> int:
         print(json.dumps(info))
     else:
         print(f"agent: running, pid {info['pid']} on {info['host']}, version {info['version']}, state {info['state_dir']}")
-        print(f"GPUs: {info['gpu_error'] or 'NVML ok'}")
+        gpus = "SIMULATED (GPUDECK_SIMULATE_GPUS is set: no real GPU is read)" if info["simulated"] else "NVML ok"
+        print(f"GPUs: {info['gpu_error'] or gpus}")
         print(f"containment: {info['containment'] or 'not reported (an older agent)'}")
         print(terminal_text(f"journal: {info['journal'] or 'ok'}"))
     return 0

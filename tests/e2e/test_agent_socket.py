@@ -249,3 +249,17 @@ def test_a_held_journal_write_lock_delays_no_ping_or_snapshot_and_the_queued_eve
     seqs = [s for (s,) in db.execute("SELECT seq FROM events ORDER BY seq")]
     db.close()
     assert seqs == list(range(1, len(seqs) + 1))
+
+
+def test_agent_status_says_when_the_gpus_are_simulated(gpudeck_home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`gpudeck agent status` on a host with GPUDECK_SIMULATE_GPUS said "GPUs: NVML ok"; the Hello now says simulated."""
+    from tests.agent_harness import teardown_agent
+
+    monkeypatch.setenv("GPUDECK_SIMULATE_GPUS", "2:H200:141")
+    a = AgentProc(gpudeck_home).start()
+    try:
+        out = a.cli("agent", "status").stdout
+        assert "GPUs: SIMULATED" in out and "NVML ok" not in out, out
+        assert json.loads(a.cli("agent", "status", "--json").stdout)["simulated"] is True
+    finally:
+        teardown_agent(a)
