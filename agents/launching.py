@@ -133,6 +133,11 @@ async def launch_new(
             raise FileExistsError(errno.EEXIST, "a run folder of that id exists already", str(run_dir))
         paths.ensure_private_dir(run_dir)  # 0700 whatever the umask: spec.json holds the run's --env values
         fsync_write(run_dir / "spec.json", msgspec.json.encode(spec))
+    except FileExistsError as exc:  # not removed: it is another run's folder (a reused --run-id, or a node launched twice here)
+        raise StorageError(
+            f"the run folder {run_dir} exists already: run {run_id} was launched on this host before; "
+            "launch again without a fixed run id (a new one is drawn), or remove the folder if that run is gone; nothing was started"
+        ) from exc
     except OSError as exc:
         shutil.rmtree(run_dir, ignore_errors=True)
         raise StorageError(

@@ -280,3 +280,34 @@ def test_runs_caught_between_record_and_start_are_settled_by_evidence(agent: Age
         if worker.poll() is None:
             worker.kill()
             worker.wait()
+
+
+def test_a_launch_whose_run_id_has_a_folder_already_is_refused_and_leaves_that_folder_alone(agent: AgentProc) -> None:
+    """A run folder the journal does not know (left by an epoch whose journal was moved aside) and a launch given that
+    run id: the failing launch used to remove the folder (its spec.json and output.log lost). Now it is refused,
+    typed, saying what to do, and the folder is kept."""
+    import asyncio
+
+    import pytest
+
+    from gpudeck.agents.client import AgentClient
+    from gpudeck.agents.errors import AgentError
+    from gpudeck.agents.protocol import Launch, LaunchSpec
+
+    rid = "r-01d0e90c"
+    folder = agent.state_dir / "runs" / rid
+    folder.mkdir(mode=0o700)
+    (folder / "output.log").write_text("the old epoch's output\n")
+
+    async def launch() -> object:
+        c = await AgentClient.connect_unix(state_dir=agent.state_dir, autostart=False)
+        try:
+            return await c.request(Launch(request_id="reuse-1", spec=LaunchSpec(argv=["true"], run_id=rid, cwd="/")))
+        finally:
+            await c.close()
+
+    with pytest.raises(AgentError) as exc:
+        asyncio.run(launch())
+    print(f"\nrefused: {exc.value.message}")
+    assert "exists already" in exc.value.message and "nothing was started" in exc.value.message
+    assert (folder / "output.log").read_text() == "the old epoch's output\n"
