@@ -561,12 +561,13 @@ class RunScreen(LiveScreen):
     def action_top(self) -> None:
         view = self.query_one("#run-log", OutputView)
         view.follow = False
-        view.scroll_home(animate=False)
+        # immediate: a search submitted right after 'g' reads scroll_offset, which a deferred scroll has not moved yet
+        view.scroll_home(animate=False, immediate=True)
 
     def action_bottom(self) -> None:
         view = self.query_one("#run-log", OutputView)
         view.follow = True
-        view.scroll_end(animate=False)
+        view.scroll_end(animate=False, immediate=True)
 
     def action_search(self) -> None:
         tabs = self.query_one("#run-tabs", TabbedContent)

@@ -21,6 +21,7 @@ import psutil
 import pytest
 
 from tests.agent_harness import ROOT, AgentProc, teardown_agent, wait_for
+from tests.trainer_harness import alive
 
 pytestmark = pytest.mark.slow
 PROGS = Path(__file__).resolve().parent / "progs"
@@ -231,7 +232,8 @@ def test_a_rank_that_dies_while_the_run_goes_on_raises_the_alert_within_10_s(sim
         run = next(x for x in a.cli_json("runs") if x["id"] == rid)
         assert "--on-rank-death stop" in run["cause"] and "rank 1" in run["cause"]
         assert a.cli_json("show", rid)["cause_class"] == "rank_died"
-        assert all(not psutil.pid_exists(m["pid"]) for m in members)
+        # a SIGKILLed rank can linger as a zombie until init reaps it (PID 1 here is no prompt reaper): it holds nothing
+        assert not [m["pid"] for m in members if alive(m["pid"])]
         assert _gpu0_used(a) == 0.0 and all(g["memory_used"] == 0 for g in a.cli_json("status", "--host", "local")["gpus"])
 
 
