@@ -553,21 +553,17 @@ class RunScreen(LiveScreen):
 
     def action_toggle_follow(self) -> None:
         view = self.query_one("#run-log", OutputView)
-        view.follow = not view.follow
         if view.follow:
-            view.scroll_end(animate=False)
+            view.follow = False
+        else:
+            view.go_bottom()
         self.notify(f"follow {'on' if view.follow else 'off'}")
 
     def action_top(self) -> None:
-        view = self.query_one("#run-log", OutputView)
-        view.follow = False
-        # immediate: a search submitted right after 'g' reads scroll_offset, which a deferred scroll has not moved yet
-        view.scroll_home(animate=False, immediate=True)
+        self.query_one("#run-log", OutputView).go_top()
 
     def action_bottom(self) -> None:
-        view = self.query_one("#run-log", OutputView)
-        view.follow = True
-        view.scroll_end(animate=False, immediate=True)
+        self.query_one("#run-log", OutputView).go_bottom()
 
     def action_search(self) -> None:
         tabs = self.query_one("#run-tabs", TabbedContent)

@@ -138,10 +138,22 @@ class OutputView(ScrollView, can_focus=True):
             end = start
         return None
 
+    # force, immediate: a scroll is dropped while the vertical scrollbar the new lines need is not laid out yet
+    # (allow_vertical_scroll is False until the next layout), and a search right after reads scroll_offset
+    def go_top(self) -> None:
+        """To the first line, reading (not following)."""
+        self.follow = False
+        self.scroll_to(x=0, y=0, animate=False, immediate=True, force=True)
+
+    def go_bottom(self) -> None:
+        """To the last line, following from now on."""
+        self.follow = True
+        self.scroll_to(y=self.line_count, animate=False, immediate=True, force=True)
+
     def go_to_line(self, index: int) -> None:
         """Scroll so line ``index`` is in view (and stop following)."""
         self.follow = False
-        self.scroll_to(y=max(0, index - self.size.height // 2), animate=False, force=True)
+        self.scroll_to(y=max(0, index - self.size.height // 2), animate=False, immediate=True, force=True)
 
     def on_unmount(self) -> None:
         self._spool.close()
