@@ -44,7 +44,7 @@ class AgentProc:
             start_new_session=True,
         )
         sock = self.state_dir / "sock" / "agent.sock"
-        deadline = time.monotonic() + 20
+        deadline = time.monotonic() + 120  # a hang limit: an agent's start-up on a 4x oversubscribed machine takes seconds
         while time.monotonic() < deadline:
             if sock.exists() and self._answers():
                 return self

@@ -308,7 +308,8 @@ def test_chunked_loss_matches_plain_and_profile_prints_top_kernels(runs, tmp_pat
     lines = [ln for ln in output.splitlines() if ln.startswith("profile")]
     assert lines[0].startswith("profile: steps 2..2, 1 steps")
     assert any(ln.startswith("profile class gemm") for ln in lines)
-    assert any(ln.startswith("profile top  1") and "aten::" in ln for ln in lines)
+    # the top op by time may be a collective's wait on a loaded machine: an aten kernel is among the top ones
+    assert any(ln.startswith("profile top") and "aten::" in ln for ln in lines), lines
     rc, output, tel2, _ = runs.run(FSDP, [*args, "--loss-impl", "chunked", "--loss-chunk-rows", "100"], tmp_path / "chunked", nproc=2)
     assert rc == 0, output[-3000:]
     assert next(r for r in tel2 if r["type"] == "manifest")["loss_impl"] == "chunked"
