@@ -11,7 +11,8 @@ Then the agent's own CPU at a 1 s snapshot interval, measured from /proc over a 
 Usage: python bench/agent_sample.py [--hold-gib 20] [--cpu-seconds 30] [--extra-procs 5000] [--profile FILE]
 Prints one line per figure; ratios are peer / gpudeck. ``--extra-procs N`` starts N sleeping processes
 for the CPU measurement (stopped by pid afterwards); ``--profile FILE`` runs the measured agent under
-cProfile (thread CPU time) in every thread and prints where its time went (the profile's own cost inflates the CPU figure).
+cProfile (thread CPU time) in every thread, over the measured window only, and prints where its time went (the
+profile's own cost inflates the CPU figure).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import argparse
 import asyncio
 import os
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -237,18 +239,21 @@ def run(self):
         p.disable()
 threading.Thread.run = run
 main = cProfile.Profile(time.thread_time); profiles.append(main); main.enable()
+import signal
+# the benchmark sends SIGUSR2 as its window opens: what start-up cost (imports, the first read of every process) is dropped
+signal.signal(signal.SIGUSR2, lambda *_: [p.clear() for p in profiles])
 from gpudeck.agents.server import serve
-try:
-    serve(Path(sys.argv[2]))
-finally:
+def dump():
+    # serve() calls this on every way out, also its os._exit one (worker threads still busy), which skips finally
     main.disable()
     st = pstats.Stats(profiles[0])
     for p in profiles[1:]:
         try:
             st.add(p)
-        except TypeError:
+        except TypeError:  # a thread that never ran a profiled call
             pass
     st.dump_stats(sys.argv[1])
+serve(Path(sys.argv[2]), on_exit=dump)
 """
 
 
@@ -278,6 +283,8 @@ async def agent_cpu(seconds: float, profile: str | None = None, warmup: float = 
             raise SystemExit(f"agent did not start: {(home / 'agent.stderr').read_text()[-2000:]}")
         await asyncio.sleep(warmup)  # past start-up (reading every process once)
         p = psutil.Process(proc.pid)
+        if profile:
+            os.kill(proc.pid, signal.SIGUSR2)  # the profile covers the window only
         ids0 = _newest_id()
         c0 = p.cpu_times()
         t0 = time.monotonic()
