@@ -965,7 +965,7 @@ def rediscover_runs(journal: Journal, supervisor: Supervisor) -> list[str]:
         if group.populated():
             evidence[rid] = "cgroup"
     me = os.getuid()
-    for e in procs.tagged():
+    for e in procs.tagged(anyone=True):  # runs the journal lost are no run of "ours" to the table's filter
         if e.run_id and (e.uid is None or e.uid == me):
             evidence.setdefault(e.run_id, "tag")
     found = []
@@ -987,7 +987,7 @@ def rediscover_runs(journal: Journal, supervisor: Supervisor) -> list[str]:
         # when it does, and a stop never signals it as a stray
         shims = [
             Member(pid=e.pid, create_time=e.create_time, role="shim", first_seen=now, cmdline=["gpudeck-shim"])
-            for e in procs.tagged(rid)
+            for e in procs.tagged(rid, anyone=True)
             if SHIM in cmdline_of(e.pid)[:4]
         ]
         run = RunInfo(
