@@ -157,7 +157,12 @@ def test_only_the_tags_of_this_agents_runs_are_watched(tmp_path: Path) -> None:
     by_id = _spawn({"GPUDECK_RUN_ID": "r-mine", "GPUDECK_RUN_DIR": "", "RANK": "1"})  # its run folder cleared: the id says
     by_dir = _spawn({"GPUDECK_RUN_ID": "r-lost", "GPUDECK_RUN_DIR": str(runs / "r-lost"), "RANK": "2"})  # a run the journal lost
     try:
-        _wait(lambda: (t.refresh(), t.get(foreign.pid) and t.get(by_id.pid) and t.get(by_dir.pid))[1], "the three processes")
+
+        def read() -> bool:  # each after its exec (one caught before it shows this test's environment: read again)
+            t.refresh()
+            return all((e := t.get(p.pid)) is not None and e.run_id is not None for p in (foreign, by_id, by_dir))
+
+        _wait(read, "the three processes, tagged")
         assert {e.pid for e in t.tagged()} == {by_id.pid, by_dir.pid}
         assert not t.tagged("r-theirs")
         fe = t.get(foreign.pid)
