@@ -3,7 +3,8 @@
 Three levels behind one interface, found once at agent start (:func:`detect`):
 
 1. ``systemd``: a transient scope per run from a systemd manager. Detected and
-   reported; not built yet (a systemd host falls back to cgroupfs, and says so).
+   reported; not built yet (a systemd host falls back to cgroupfs, and says so;
+   ``GPUDECK_CONTAINMENT=systemd`` is refused).
 2. ``cgroupfs``: one cgroup v2 group per run, made directly in the cgroup v2
    file system (found from ``/proc/self/mountinfo``: hybrid hosts mount it at
    ``/sys/fs/cgroup/unified``), under ``gpudeck/<agent>/<run id>``. The run's
@@ -15,7 +16,8 @@ Three levels behind one interface, found once at agent start (:func:`detect`):
    (a child subreaper, so double-forked processes stay under it), its session
    and process group.
 
-``GPUDECK_CONTAINMENT=auto|cgroupfs|tag`` forces a level (tests, benchmarks).
+``GPUDECK_CONTAINMENT=auto|cgroupfs|tag`` forces a level (tests, benchmarks); any other value, ``systemd``
+included, is refused with a typed error (the agent does not start).
 """
 
 from __future__ import annotations
@@ -376,13 +378,16 @@ def _cgroupfs(state_dir: os.PathLike[str] | str) -> CgroupFs | str:
 def detect(state_dir: os.PathLike[str] | str, forced: str | None = None) -> Containment:
     """The strongest level this host allows, or the one ``GPUDECK_CONTAINMENT`` forces."""
     choice = (forced if forced is not None else os.environ.get(CONTAINMENT_ENV, "auto")).strip().lower() or "auto"
-    if choice not in ("auto", "cgroupfs", "tag", "systemd"):
+    if choice == "systemd":  # a level the docs name, not built: refused like any other value, saying why
+        raise BadRequest(
+            f"{CONTAINMENT_ENV}='systemd' cannot be used: gpudeck's systemd-scope level is not built "
+            f"({systemd_unavailable()}); give auto, cgroupfs or tag"
+        )
+    if choice not in ("auto", "cgroupfs", "tag"):
         raise BadRequest(f"{CONTAINMENT_ENV}={choice!r} is not a containment level: give auto, cgroupfs or tag")
     if choice == "tag":
         return Containment(f"forced by {CONTAINMENT_ENV}=tag")
     sysd = systemd_unavailable()
-    if choice == "systemd":
-        return Containment(f"{CONTAINMENT_ENV}=systemd, but {sysd}")
     got = _cgroupfs(state_dir)
     if isinstance(got, str):
         if choice == "cgroupfs":

@@ -334,15 +334,23 @@ def claims_report(obs: Observation, measured_tokens_per_s: float | None = None, 
         gpu_claim, gpu_source = len(run.spec.gpus), "--gpus " + ",".join(str(g) for g in run.spec.gpus)
     held = sorted(obs.run_gpu_memory)
     gpu_obs = len(held) if obs.gpu_util else None  # no GPUs here: nothing to observe
-    gpu_partial = partial and not gpu_source.startswith("--gpus")  # --gpus is this host's own share
+    from_flag = gpu_source.startswith("--gpus")
+    gpu_partial = partial and not from_flag  # --gpus is this host's own share
+    # --gpus makes GPUs visible; a run that holds memory on none of them (a CPU-only program) claims no GPU count
+    # to be wrong about: no verdict (an assigned GPU left unused is gpu_idle's to say)
+    unused = from_flag and gpu_obs == 0
     rows.append(
         ClaimRow(
             "GPUs",
             gpu_claim,
             gpu_obs,
-            None if gpu_claim is None or gpu_obs is None or gpu_partial else gpu_obs == gpu_claim,
+            None if gpu_claim is None or gpu_obs is None or gpu_partial or unused else gpu_obs == gpu_claim,
             gpu_source,
-            _gpu_list(held) if gpu_obs is not None else "no GPUs on this host",
+            "holds no GPU memory (--gpus makes GPUs visible; a CPU-only program uses none)"
+            if unused
+            else _gpu_list(held)
+            if gpu_obs is not None
+            else "no GPUs on this host",
         )
     )
 

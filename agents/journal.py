@@ -112,7 +112,11 @@ BATCH_MAX = 512  # writes folded into one transaction
 RETRY_MAX_S = 0.25  # a failing commit is retried at least this often (and newly queued writes join it)
 DURABLE_TIMEOUT_S = 60.0  # a blocking durable write gives up (StorageError) after this long
 CLOSE_TIMEOUT_S = 10.0  # close() waits this long for queued writes on a failing disk, then drops them (logged)
-CHECK_EVERY_S = 0.5  # the journal's path is probed (deleted? replaced? corrupt?) at least this often, and around every commit
+# The journal's path is looked at (deleted? replaced? changed by someone?) by the agent's tick (check(), two lstat calls)
+# and by the writer before every batch and after every commit; a full probe (a read through a fresh connection: ~150 us)
+# runs only when that look finds the file (or its WAL) changed since the last full probe, and at least every
+# FULL_PROBE_S while nothing changes (the writer sleeps that long when idle: a changed file wakes it through check())
+FULL_PROBE_S = 5.0
 
 
 def _storage_error(exc: sqlite3.Error, path: Path) -> StorageError:
@@ -232,9 +236,12 @@ class Journal:
         self._closed = False
         self._suspect = False  # check() saw the path change: the writer looks at once
         self._probed = time.monotonic()
+        self._probed_sig: tuple[int, ...] | None = None  # the file (and its WAL) as the last clean full probe found them
+        self._path_s, self._wal_s = str(self.path), f"{self.path}-wal"  # _sig's, every tick: no Path built each time
         self.storage_error: str | None = None  # why commits fail right now (None when they succeed)
         self.on_commit: Callable[[int], None] | None = None  # called from the writer thread after each commit
         self.batches_committed = 0
+        self.full_probes = 0  # reads of the file through a fresh connection (tests: an idle journal is not read each tick)
         self._writer = threading.Thread(target=self._write_loop, name="journal-writer", daemon=True)
         self._writer.start()
 
@@ -322,6 +329,36 @@ class Journal:
             what = "a symbolic link" if stat.S_ISLNK(st.st_mode) else "a folder" if stat.S_ISDIR(st.st_mode) else "another file"
             return "replaced", f"{self.path} was replaced by {what}"
         return None
+
+    def _sig(self) -> tuple[int, ...] | None:
+        """What changes whenever anyone writes the file or its WAL (inode, size, mtime; the file's ctime too: not the
+        WAL's, which SQLite's own opening of it changes when run as root, a chown); None when the path cannot be
+        looked at. Two lstat calls: cheap enough for every tick."""
+        out: list[int] = []
+        for path, ctime in ((self._path_s, True), (self._wal_s, False)):
+            try:
+                st = os.lstat(path)
+            except FileNotFoundError:
+                out += (-1, -1, -1, -1)
+                continue
+            except OSError:
+                return None
+            out += (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns if ctime else 0)
+        return tuple(out)
+
+    def _changed(self) -> bool:
+        """Whether the file or its WAL changed since the last clean full probe (then it is probed again)."""
+        return self._probed_sig is None or self._sig() != self._probed_sig
+
+    def _full_probe(self) -> None:
+        """:meth:`_probe` and :meth:`_mend` (writer thread); a clean result remembers the file's signature, so the
+        next look costs two lstat calls until something writes it."""
+        self._probed = time.monotonic()
+        self.full_probes += 1
+        sig = self._sig()  # before the read: a change after it is seen by the next look
+        found = self._probe()
+        self._probed_sig = sig if found is None else None
+        self._mend(found)
 
     def _probe(self) -> tuple[str, str] | None:
         """:meth:`_path_problem`, then a read of the meta table through a fresh connection (the header and page 1)."""
@@ -475,15 +512,16 @@ class Journal:
         return True
 
     def check(self) -> str | None:
-        """From any thread (the agent's tick): what is wrong with the journal's path now, if anything; the writer
-        thread is woken to mend it (it checks on its own every CHECK_EVERY_S too)."""
+        """From any thread (the agent's tick): what is wrong with the journal's path now, if anything. The writer
+        thread is woken to mend it, and to probe the file fully when someone wrote it since its last probe (it
+        looks on its own before every batch and at least every FULL_PROBE_S too)."""
         found = self._path_problem()
-        if found is not None:
+        if found is not None or self._changed():
             with self._cond:
-                self._suspect = True
-                self._cond.notify()
-            return found[1]
-        return self.problem
+                if not self._suspect:
+                    self._suspect = True
+                    self._cond.notify()
+        return found[1] if found is not None else self.problem
 
     # ------------------------------------------------------------------ plumbing
 
@@ -551,11 +589,11 @@ class Journal:
             del self._ov_new[op.new_run]
 
     def _take(self, batch: list[_Op], block: bool) -> bool:
-        """Move queued ops into ``batch``; False when closing and nothing is left. Waits at most CHECK_EVERY_S
-        (the journal's path is probed that often while idle)."""
+        """Move queued ops into ``batch``; False when closing and nothing is left. Waits at most FULL_PROBE_S
+        (the journal is probed fully that often while idle; check() wakes it sooner when the file changed)."""
         with self._cond:
             if block and not self._queue and not self._closing and not self._suspect:
-                self._cond.wait(CHECK_EVERY_S)
+                self._cond.wait(FULL_PROBE_S)
             room = BATCH_MAX - len(batch)
             batch.extend(self._queue[:room])
             del self._queue[:room]
@@ -574,18 +612,18 @@ class Journal:
         """One batch, committed (retried until it is); False once closed and drained. The batch stays in
         ``_inflight`` until it is committed, so an unexpected error loses none of it (the loop calls again).
 
-        Before the batch, the path is checked against the file this journal opened (a full probe every
-        CHECK_EVERY_S); after it too: a commit is done (and so a launch acknowledged) only once it is in the file
-        the path names. A journal found gone, replaced or corrupt is recreated first (:meth:`_recreate`)."""
+        Before the batch, the path is checked against the file this journal opened (a full probe when the file
+        changed since the last one, and every FULL_PROBE_S); after it too: a commit is done (and so a launch
+        acknowledged) only once it is in the file the path names. A journal found gone, replaced or corrupt is
+        recreated first (:meth:`_recreate`)."""
         batch = self._inflight
         if not batch:
             if not self._take(batch, block=True):
                 return False
             with self._plock:
                 suspect, self._suspect = self._suspect, False
-            if suspect or time.monotonic() - self._probed >= CHECK_EVERY_S:
-                self._probed = time.monotonic()
-                self._mend(self._probe())
+            if suspect or time.monotonic() - self._probed >= FULL_PROBE_S or self._changed():
+                self._full_probe()
             if not batch:
                 return True
         elif self._path_problem() is not None:
@@ -596,8 +634,11 @@ class Journal:
                 if not self._inflight_checked():
                     # nothing goes into a file the path no longer names: fail-fast writes fail now, others wait
                     raise sqlite3.OperationalError(self.problem or "the journal's path names no journal")
+                pre = self._sig()
                 self._commit(self._wconn, batch)
                 after = self._path_problem()
+                if after is None and pre is not None and pre == self._probed_sig:
+                    self._probed_sig = self._sig()  # unchanged but for this commit: our own write is no reason to probe
                 if after is not None and after[0] != "unreadable":
                     # committed into a file the path no longer names: the new one has the runs (carried over);
                     # the batch's events go in too, renumbered, before anyone is told it is done

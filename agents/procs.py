@@ -131,6 +131,7 @@ class ProcEntry:
     sim_gpu_mem: SimGpuMem | None = None  # only processes that declare GPUDECK_SIM_GPU_MEM (tests, benchmarks)
     sim_scope: str | None = None  # the simulated machine a holder belongs to (see sim_scope())
     exec_mark: tuple[int, int] = (0, 0)  # read_stat's at the time the environment was read
+    own_dir: bool = False  # its GPUDECK_RUN_DIR lies under the table's runs folder (a run of this agent's)
 
 
 def _int_or_none(value: str | None) -> int | None:
@@ -218,6 +219,7 @@ def read_entry(pid: int, runs_dir: str | None = None, thread_ok: bool = True) ->
     run_dir = env.get("GPUDECK_RUN_DIR")
     if run_id and runs_dir and run_dir and not run_dir.startswith(runs_dir):
         run_id = None
+    own_dir = bool(run_id and runs_dir and run_dir)
     sim = env.get(SIM_GPU_MEM_TAG)
     return ProcEntry(
         pid=pid,
@@ -229,6 +231,7 @@ def read_entry(pid: int, runs_dir: str | None = None, thread_ok: bool = True) ->
         sim_gpu_mem=parse_sim_gpu_mem(sim) if sim is not None else None,
         sim_scope=sim_scope(env) if sim is not None else None,
         exec_mark=st.exec_mark,
+        own_dir=own_dir,
     )
 
 
@@ -286,7 +289,9 @@ class ProcTable:
     cost grows with every process on the host (7 ms of CPU with 5,000), is read only for ``full``, when
     more than ``PROBE_MAX`` ids were handed out, and every ``RELIST_S`` as a safety net. Processes that end
     leave the table at the next listing; tagged ones and simulated-GPU holders are checked at every refresh,
-    so ``tagged()`` and ``sim_holders()`` never name a process that has ended. Entries younger than
+    so ``tagged()`` and ``sim_holders()`` never name a process that has ended. With ``own`` (the agent's: is this
+    run id one of mine?), only the tags of this agent's runs are watched so: a process tagged for another agent's
+    run (a shared host) is read once, kept with its tag for attribution, and costs no refresh after that. Entries younger than
     ``YOUNG_S`` are re-read when they have exec'd since. A plain refresh that finds another one running
     returns at once (the event loop never waits for a scan in the sampler thread).
     """
@@ -294,10 +299,11 @@ class ProcTable:
     RELIST_S = 30.0
     PROBE_MAX = 2048
 
-    def __init__(self, runs_dir: str | os.PathLike[str] | None = None) -> None:
+    def __init__(self, runs_dir: str | os.PathLike[str] | None = None, own: Callable[[str], bool] | None = None) -> None:
         self._entries: dict[int, ProcEntry] = {}
         self._young: dict[int, ProcEntry] = {}
-        self._watched: dict[int, ProcEntry] = {}  # tagged or simulated-GPU holders: checked at every refresh
+        self._watched: dict[int, ProcEntry] = {}  # tagged for our runs, or simulated-GPU holders: checked at every refresh
+        self._own = own
         self._self_pid = os.getpid()
         self._runs_dir = os.path.join(os.fspath(runs_dir), "") if runs_dir is not None else None
         self._lock = threading.Lock()
@@ -326,6 +332,28 @@ class ProcTable:
         finally:
             self._lock.release()
 
+    def watch_own(self, own: Callable[[str], bool]) -> None:
+        """From now on watch only the tags ``own`` says are this agent's runs (the supervisor's run_state: a run its
+        journal knows, created before any of its processes starts), and those whose GPUDECK_RUN_DIR is ours."""
+        with self._lock:
+            self._own = own
+            for pid, e in list(self._watched.items()):
+                if not self._watches(e):
+                    del self._watched[pid]
+
+    def _watches(self, entry: ProcEntry) -> bool:
+        """Whether a refresh re-checks this entry: a simulated-GPU holder, or a tag of this agent's runs."""
+        if entry.sim_gpu_mem is not None:
+            return True
+        if entry.run_id is None:
+            return False
+        if self._own is None or entry.own_dir:
+            return True
+        try:
+            return self._own(entry.run_id)
+        except Exception:  # the journal cannot say (a read failed): watched, as before the filter
+            return True
+
     def _put(self, pid: int, entry: ProcEntry | None, known: ProcEntry | None) -> None:
         if entry is None:
             self._drop(pid)
@@ -337,7 +365,7 @@ class ProcTable:
             self._young[pid] = entry
         else:
             self._young.pop(pid, None)
-        if entry.run_id is not None or entry.sim_gpu_mem is not None:
+        if self._watches(entry):
             self._watched[pid] = entry
         else:
             self._watched.pop(pid, None)
@@ -412,9 +440,11 @@ class ProcTable:
         """Whether the OS shows this pid (checked now, not from the cache)."""
         return os.path.exists(f"/proc/{pid}")
 
-    def tagged(self, run_id: str | None = None) -> list[ProcEntry]:
-        """Entries carrying a run tag (of one run, or of any)."""
-        return [e for e in list(self._watched.values()) if e.run_id is not None and (run_id is None or e.run_id == run_id)]
+    def tagged(self, run_id: str | None = None, *, anyone: bool = False) -> list[ProcEntry]:
+        """Entries carrying the tag of this agent's runs (of one run, or of any); ``anyone``: every tagged entry
+        the table holds, another agent's runs' too, as of the last refresh (a full scan of the table)."""
+        source = self._entries if anyone else self._watched
+        return [e for e in list(source.values()) if e.run_id is not None and (run_id is None or e.run_id == run_id)]
 
     def sim_holders(self) -> list[ProcEntry]:
         """Entries that declare ``GPUDECK_SIM_GPU_MEM`` (parsed or not), as of the last refresh."""

@@ -347,7 +347,7 @@ class StoppedProcess(msgspec.Struct, gc=False, kw_only=True, omit_defaults=True)
     cmdline: list[str] = []
     role: str = "worker"
     how: Literal["exited", "SIGTERM", "SIGKILL", "already_gone", "survived", "zombie"] = "exited"
-    status: str | None = None  # for survivors: psutil status (e.g. disk-sleep)
+    status: str | None = None  # survivors: psutil status (e.g. disk-sleep); stopped: "zombie" while its parent has not reaped it
 
 
 class GpuFreed(msgspec.Struct, gc=False, kw_only=True):

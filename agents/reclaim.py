@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from gpudeck.agents.supervisor import Supervisor
 
 log = logging.getLogger("gpudeck.agent")
+SIGNAL_PROOF = ("zombie", "disk_sleep", "no_such_process")  # leftover kinds whose note says what ends them instead
 
 
 def grouped_leftovers(sup: Supervisor) -> dict[int, str]:
@@ -67,6 +68,18 @@ async def leftovers(sup: Supervisor, include_live: bool = False, host_name: str 
     return found
 
 
+def reclaim_message(result: StopResult, found: dict[int, Leftover]) -> str:
+    """The stop's one line, then what only a leftover's own kind can add: why signals do not end a zombie, a process
+    in disk sleep or one the OS does not show, and what does. An orphan's note is the reclaim just done: never repeated
+    back (one that exited and waits for its parent's wait is stopped, by SIGTERM, not a ``zombie`` leftover)."""
+    notes = [
+        f"pid {s.pid}: {found[s.pid].note}"
+        for s in result.survivors + result.stopped
+        if s.pid in found and found[s.pid].kind in SIGNAL_PROOF
+    ]
+    return stopper.summary(result) + ("; " + "; ".join(notes) if notes else "")
+
+
 async def reclaim(
     sup: Supervisor, pids: list[int], grace_s: float = 10.0, include_live: bool = False, host_name: str | None = None
 ) -> StopResult:
@@ -107,10 +120,7 @@ async def reclaim(
         result.survivors.append(StoppedProcess(pid=lo.pid, cmdline=lo.cmdline, role="leftover", how="survived", status="no such process"))
     await stopper.verify_gpu(sup.gpus, result, targets + [Member(pid=lo.pid, create_time=0.0) for lo in unsignalable], gpu_before)
     result.seconds = round(time.monotonic() - t0, 3)
-    notes = [f"pid {s.pid}: {found[s.pid].note}" for s in result.survivors] + [
-        f"pid {s.pid}: {found[s.pid].note}" for s in result.stopped if s.how == "zombie"
-    ]
-    result.message = stopper.summary(result) + ("; " + "; ".join(notes) if notes else "")
+    result.message = reclaim_message(result, found)
     for rid, group in list(sup._ended_groups.items()):
         if not group.populated():
             sup._settle_group(rid, group)

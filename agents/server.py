@@ -344,6 +344,13 @@ class Agent:
         await asyncio.to_thread(self.journal.close)  # commits what is queued
         self._lock_fh.close()
 
+    def _tick_reads(self) -> str | None:
+        """The tick's reads in the sampler thread: the journal's path (gone, replaced, written by someone? the writer
+        mends it before any commit) and the process table; what is wrong with the journal, if anything."""
+        problem = self.journal.check()
+        self.procs.refresh()
+        return problem
+
     async def _tick_loop(self) -> None:
         # the process scan runs in the sampler thread; the supervisor's own refresh of the table right after
         # finds nothing new (one read of /proc/loadavg), and its scans run in a thread: the tick on the loop
@@ -351,11 +358,11 @@ class Agent:
         loop = asyncio.get_running_loop()
         while True:
             try:
-                problem = await asyncio.to_thread(self.journal.check)  # gone, replaced? the writer mends it before any commit
+                # one hop off the loop for both reads (an idle agent's tick is mostly these two)
+                problem = await loop.run_in_executor(self._sampler, self._tick_reads)
                 if problem is not None and problem != self._journal_seen:
                     log.error("journal: %s", problem)
                 self._journal_seen = problem
-                await loop.run_in_executor(self._sampler, self.procs.refresh)
                 await self.supervisor.tick()  # its full scans, NVML sample and liveness checks run in a thread too
                 self.snapshots.storage_error = None
             except StorageError as exc:  # disk full: keep supervising, say so in every snapshot, retry next tick
@@ -958,7 +965,7 @@ def rediscover_runs(journal: Journal, supervisor: Supervisor) -> list[str]:
         if group.populated():
             evidence[rid] = "cgroup"
     me = os.getuid()
-    for e in procs.tagged():
+    for e in procs.tagged(anyone=True):  # runs the journal lost are no run of "ours" to the table's filter
         if e.run_id and (e.uid is None or e.uid == me):
             evidence.setdefault(e.run_id, "tag")
     found = []
@@ -980,7 +987,7 @@ def rediscover_runs(journal: Journal, supervisor: Supervisor) -> list[str]:
         # when it does, and a stop never signals it as a stray
         shims = [
             Member(pid=e.pid, create_time=e.create_time, role="shim", first_seen=now, cmdline=["gpudeck-shim"])
-            for e in procs.tagged(rid)
+            for e in procs.tagged(rid, anyone=True)
             if SHIM in cmdline_of(e.pid)[:4]
         ]
         run = RunInfo(
@@ -1047,8 +1054,10 @@ def setup_logging(state_dir: Path) -> None:
     root.setLevel(logging.INFO)
 
 
-def serve(state_dir: Path | None = None) -> int:
-    """``gpudeck agent serve``: run the agent in the foreground until SIGTERM."""
+def serve(state_dir: Path | None = None, on_exit: Callable[[], None] | None = None) -> int:
+    """``gpudeck agent serve``: run the agent in the foreground until SIGTERM. ``on_exit`` runs once the loop has
+    stopped serving (also on the ``os._exit`` way out below, which skips a caller's ``finally`` and atexit):
+    a profiler's dump (bench/agent_sample.py --profile)."""
     sd = Path(state_dir or paths.state_dir())
     paths.ensure_private_dir(sd)
     setup_logging(sd)
@@ -1076,8 +1085,12 @@ def serve(state_dir: Path | None = None) -> int:
     busy = [t for t in threading.enumerate() if t is not threading.main_thread() and not t.daemon and t.is_alive()]
     if busy:
         log.info("agent exits with %d worker thread(s) still busy: %s", len(busy), ", ".join(t.name for t in busy[:5]))
+        if on_exit is not None:
+            on_exit()
         logging.shutdown()
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0)  # interpreter shutdown would join them (concurrent.futures waits for its workers)
+    if on_exit is not None:
+        on_exit()
     return 0

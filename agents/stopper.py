@@ -266,8 +266,8 @@ def classify(
                 result.stopped.append(
                     StoppedProcess(pid=m.pid, cmdline=cmd, role=m.role, how="zombie" if st == "zombie" else "already_gone", status=st)
                 )
-        elif k in term_keys:
-            result.stopped.append(StoppedProcess(pid=m.pid, cmdline=cmd, role=m.role, how="zombie" if st == "zombie" else "SIGTERM"))
+        elif k in term_keys:  # ended by the SIGTERM; a zombie now only waits for its parent's wait (it holds nothing)
+            result.stopped.append(StoppedProcess(pid=m.pid, cmdline=cmd, role=m.role, how="SIGTERM", status=st))
         elif k in kill_keys:
             result.stopped.append(StoppedProcess(pid=m.pid, cmdline=cmd, role=m.role, how="SIGKILL"))
         else:

@@ -94,6 +94,9 @@ class Supervisor:
         # fills in a GPU process's attribution (RUN/STALE/FOREIGN/NO_SUCH_PROCESS); set by the agent
         self.attribute: Callable[[GpuProcess], None] = lambda p: None
         log.info("containment: %s", self.containment.label)
+        # the table re-checks at every refresh only the tags of this agent's runs (a run is recorded before any of its
+        # processes starts), not every tagged process on a shared host
+        self.procs.watch_own(lambda rid: self.run_state(rid) is not None)
 
     # ------------------------------------------------------------------ journal helpers
 

@@ -8,10 +8,11 @@ Peers, each measured here on the same host and GPU state:
 gpudeck: ``SnapshotBuilder.build()`` — every GPU, every GPU process attributed to its run.
 Then the agent's own CPU at a 1 s snapshot interval, measured from /proc over a real agent process.
 
-Usage: python bench/agent_sample.py [--hold-gib 20] [--cpu-seconds 30] [--extra-procs 5000] [--profile FILE]
+Usage: python bench/agent_sample.py [--hold-gib 20] [--cpu-seconds 30] [--extra-procs 5000] [--foreign-tagged 500] [--profile FILE]
 Prints one line per figure; ratios are peer / gpudeck. ``--extra-procs N`` starts N sleeping processes
-for the CPU measurement (stopped by pid afterwards); ``--profile FILE`` runs the measured agent under
-cProfile (thread CPU time) in every thread and prints where its time went (the profile's own cost inflates the CPU figure).
+for the CPU measurement (stopped by pid afterwards), ``--foreign-tagged N`` N more tagged for another agent's runs; ``--profile FILE`` runs the measured agent under
+cProfile (thread CPU time) in every thread, over the measured window only, and prints where its time went (the
+profile's own cost inflates the CPU figure).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import argparse
 import asyncio
 import os
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -32,6 +34,7 @@ sys.path.insert(0, str(ROOT))
 
 import psutil
 
+from gpudeck.agents.client import AgentClient
 from gpudeck.agents.gpus import GpuSampler
 from gpudeck.agents.journal import Journal
 from gpudeck.agents.procs import ProcTable
@@ -179,17 +182,25 @@ async def main_async(args: argparse.Namespace) -> None:
     journal.close()
 
     if args.cpu_seconds > 0:
-        extra = start_sleepers(args.extra_procs)
+        extra = start_sleepers(args.extra_procs, args.foreign_tagged)
         try:
             n_host = len([n for n in os.listdir("/proc") if n.isdigit()])
-            cpu_pct = await agent_cpu(args.cpu_seconds, profile=args.profile, warmup=args.warmup)
+            cpu = await agent_cpu(args.cpu_seconds, profile=args.profile, warmup=args.warmup, peer=args.peer_tree)
         finally:
             stop_sleepers(extra)
         print(
-            f"agent_sample agent CPU at 1 s snapshot interval: {cpu_pct:.3f}% of one core over {args.cpu_seconds} s "
+            f"agent_sample agent CPU at 1 s snapshot interval: {cpu['this']:.3f}% of one core over {args.cpu_seconds} s "
             f"({n_host} processes on the host, {len(extra)} of them started by the benchmark)",
             flush=True,
         )
+        if "peer" in cpu:
+            print(
+                f"agent_sample peer agent ({args.peer_tree}) CPU at 1 s snapshot interval, same window: {cpu['peer']:.3f}% of one core "
+                f"({cpu['peer'] / cpu['this']:.2f}x this tree's)"
+                if cpu["this"]
+                else "",
+                flush=True,
+            )
     shutil.rmtree(tmp, ignore_errors=True)
 
 
@@ -200,17 +211,25 @@ def _newest_id() -> int | None:
         return None
 
 
-def start_sleepers(n: int) -> list[subprocess.Popen]:
-    """``n`` idle processes (``sleep``), the host's process count a big machine has."""
+def start_sleepers(n: int, foreign_tagged: int = 0) -> list[subprocess.Popen]:
+    """``n`` idle processes (``sleep``), the host's process count a big machine has; ``foreign_tagged`` more that
+    carry the ``GPUDECK_RUN_ID`` tag of runs the measured agent does not know (another agent's runs on a shared
+    host: 10 runs, no ``GPUDECK_RUN_DIR`` of the agent's)."""
     out: list[subprocess.Popen] = []
+    quiet = {"stdin": subprocess.DEVNULL, "stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
     try:
         for _ in range(n):
-            out.append(subprocess.Popen(["sleep", "3600"], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+            out.append(subprocess.Popen(["sleep", "3600"], **quiet))  # type: ignore[call-overload]
+        for i in range(foreign_tagged):
+            env = {**os.environ, "GPUDECK_RUN_ID": f"r-f0re1gn{i % 10}", "RANK": str(i // 10)}
+            out.append(subprocess.Popen(["sleep", "3600"], env=env, **quiet))  # type: ignore[call-overload]
     except BaseException:
         stop_sleepers(out)
         raise
     if n:
         print(f"agent_sample started {n} sleeping processes", flush=True)
+    if foreign_tagged:
+        print(f"agent_sample started {foreign_tagged} sleeping processes tagged for 10 runs of another agent", flush=True)
     return out
 
 
@@ -237,25 +256,28 @@ def run(self):
         p.disable()
 threading.Thread.run = run
 main = cProfile.Profile(time.thread_time); profiles.append(main); main.enable()
+import signal
+# the benchmark sends SIGUSR2 as its window opens: what start-up cost (imports, the first read of every process) is dropped
+signal.signal(signal.SIGUSR2, lambda *_: [p.clear() for p in profiles])
 from gpudeck.agents.server import serve
-try:
-    serve(Path(sys.argv[2]))
-finally:
+def dump():
+    # serve() calls this on every way out, also its os._exit one (worker threads still busy), which skips finally
     main.disable()
     st = pstats.Stats(profiles[0])
     for p in profiles[1:]:
         try:
             st.add(p)
-        except TypeError:
+        except TypeError:  # a thread that never ran a profiled call
             pass
     st.dump_stats(sys.argv[1])
+serve(Path(sys.argv[2]), on_exit=dump)
 """
 
 
-async def agent_cpu(seconds: float, profile: str | None = None, warmup: float = 2.0) -> float:
-    """CPU share of a real agent process that streams a snapshot every second to one watcher."""
-    home = Path(tempfile.mkdtemp(prefix="gd-cpu-", dir="/tmp"))
-    pythonpath = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+async def _start_agent(label: str, code_root: Path, profile: str | None) -> tuple[subprocess.Popen, Path]:
+    """An agent of the code under ``code_root`` (this tree, or a peer's ``gpudeck/agents``) in its own GPUDECK_HOME."""
+    home = Path(tempfile.mkdtemp(prefix=f"gd-cpu-{label}-", dir="/tmp"))
+    pythonpath = os.pathsep.join(p for p in (str(code_root), os.environ.get("PYTHONPATH", "")) if p)
     env = {**os.environ, "GPUDECK_HOME": str(home), "PYTHONPATH": pythonpath}
     errlog = open(home / "agent.stderr", "wb")
     cmd = (
@@ -263,30 +285,45 @@ async def agent_cpu(seconds: float, profile: str | None = None, warmup: float = 
         if profile
         else [sys.executable, "-m", "gpudeck.agents", "serve", "--state-dir", str(home / "agent")]
     )
-    proc = subprocess.Popen(cmd, env=env, start_new_session=True, stdout=errlog, stderr=errlog)
-    try:
-        from gpudeck.agents.client import AgentClient
+    return subprocess.Popen(cmd, env=env, start_new_session=True, stdout=errlog, stderr=errlog, cwd=str(home)), home
 
-        client = None
-        for _ in range(1200):  # a minute: with thousands of processes (and a profiler) start-up reads each once
-            try:
-                client = await AgentClient.connect_unix(state_dir=home / "agent", autostart=False)
-                break
-            except Exception:
-                await asyncio.sleep(0.05)
-        if client is None:
-            raise SystemExit(f"agent did not start: {(home / 'agent.stderr').read_text()[-2000:]}")
+
+async def _watch(client: AgentClient, seconds: float) -> int:
+    n = 0
+    t0 = time.monotonic()
+    async for _snap in client.stream(WatchSnapshots(interval_s=1.0)):
+        n += 1
+        if time.monotonic() - t0 >= seconds:
+            break
+    return n
+
+
+async def agent_cpu(seconds: float, profile: str | None = None, warmup: float = 2.0, peer: Path | None = None) -> dict[str, float]:
+    """CPU share of a real agent process that streams a snapshot every second to one watcher: this tree's agent
+    and, with ``peer``, the agent of another tree's code measured over the same window (the same host churn)."""
+    agents = {"this": await _start_agent("this", ROOT, profile)}
+    if peer is not None:
+        agents["peer"] = await _start_agent("peer", peer, None)
+    clients: dict[str, AgentClient] = {}
+    try:
+        for label, (_proc, home) in agents.items():
+            for _ in range(1200):  # a minute: with thousands of processes (and a profiler) start-up reads each once
+                try:
+                    clients[label] = await AgentClient.connect_unix(state_dir=home / "agent", autostart=False)
+                    break
+                except Exception:
+                    await asyncio.sleep(0.05)
+            if label not in clients:
+                raise SystemExit(f"{label} agent did not start: {(home / 'agent.stderr').read_text()[-2000:]}")
         await asyncio.sleep(warmup)  # past start-up (reading every process once)
-        p = psutil.Process(proc.pid)
+        ps = {label: psutil.Process(proc.pid) for label, (proc, _home) in agents.items()}
+        if profile:
+            os.kill(agents["this"][0].pid, signal.SIGUSR2)  # the profile covers the window only
         ids0 = _newest_id()
-        c0 = p.cpu_times()
+        c0 = {label: p.cpu_times() for label, p in ps.items()}
         t0 = time.monotonic()
-        n = 0
-        async for _snap in client.stream(WatchSnapshots(interval_s=1.0)):
-            n += 1
-            if time.monotonic() - t0 >= seconds:
-                break
-        c1 = p.cpu_times()
+        sent = await asyncio.gather(*(_watch(c, seconds) for c in clients.values()))
+        c1 = {label: p.cpu_times() for label, p in ps.items()}
         wall = time.monotonic() - t0
         ids1 = _newest_id()
         if ids0 is not None and ids1 is not None:
@@ -295,14 +332,19 @@ async def agent_cpu(seconds: float, profile: str | None = None, warmup: float = 
                 f"agent_sample the host handed out {made} new pids/tids during the window ({made / wall:.1f}/s): the agent reads each once",
                 flush=True,
             )
-        await client.close()
-        used = (c1.user - c0.user) + (c1.system - c0.system)
-        print(f"agent_sample agent sent {n} snapshots in {wall:.1f} s; CPU {used:.3f} s", flush=True)
-        return 100.0 * used / wall
+        out: dict[str, float] = {}
+        for label, n in zip(clients, sent, strict=True):
+            used = (c1[label].user - c0[label].user) + (c1[label].system - c0[label].system)
+            print(f"agent_sample {label} agent sent {n} snapshots in {wall:.1f} s; CPU {used:.3f} s", flush=True)
+            out[label] = 100.0 * used / wall
+        return out
     finally:
-        proc.terminate()
-        proc.wait(30)
-        shutil.rmtree(home, ignore_errors=True)
+        for c in clients.values():
+            await c.close()
+        for proc, home in agents.values():
+            proc.terminate()
+            proc.wait(30)
+            shutil.rmtree(home, ignore_errors=True)
         if profile:
             import pstats
 
@@ -318,6 +360,16 @@ def main() -> None:
     ap.add_argument("--warmup", type=float, default=2.0, help="seconds between the agent answering and the CPU window")
     ap.add_argument(
         "--extra-procs", type=int, default=0, help="sleeping processes to start for the CPU measurement (stopped by pid after it)"
+    )
+    ap.add_argument(
+        "--foreign-tagged", type=int, default=0, help="sleeping processes tagged for runs the agent does not know (another agent's)"
+    )
+    ap.add_argument(
+        "--peer-tree",
+        type=Path,
+        default=None,
+        help="also measure, over the same window, the agent of another version: a folder holding gpudeck/agents "
+        "(e.g. mkdir -p D/gpudeck && git archive REV agents | tar -x -C D/gpudeck)",
     )
     ap.add_argument("--profile", default=None, help="write a cProfile of the measured agent (every thread) here and print its top")
     args = ap.parse_args()

@@ -38,9 +38,10 @@ def main(argv: list[str] | None = None) -> int:
             return stdout_gone()
         return 0
     if args[:2] in (["agent", "serve"], ["agent", "dial"]):
+        from gpudeck.agents.__main__ import COMMAND_PROG
         from gpudeck.agents.__main__ import main as agent_main
 
-        return agent_main(args[1:])
+        return agent_main(args[1:], prog=COMMAND_PROG)
     try:
         from gpudeck.console.cli import main as cli_main
     except ImportError as exc:

@@ -27,6 +27,7 @@ from gpudeck.agents.containment import (
     detect,
     systemd_unavailable,
 )
+from gpudeck.agents.errors import BadRequest
 from gpudeck.agents.procs import create_time_of
 from tests.agent_harness import AgentProc, journal_add_member, teardown_agent, wait_for
 from tests.e2e.test_agent_runs import gone, read_pids
@@ -379,5 +380,5 @@ def test_the_systemd_scope_level_says_why_it_is_not_used() -> None:
     if os.path.isdir("/run/systemd/system"):
         pytest.skip(f"a systemd manager runs here; the systemd scope level is not built: {why}")
     assert "no running systemd manager" in why
-    c = detect(Path("/tmp/gd-probe-systemd"), forced="systemd")
-    assert c.level == "tag" and "GPUDECK_CONTAINMENT=systemd" in c.label and "systemd" in c.reason
+    with pytest.raises(BadRequest, match=r"GPUDECK_CONTAINMENT='systemd' cannot be used: .*no running systemd manager"):
+        detect(Path("/tmp/gd-probe-systemd"), forced="systemd")

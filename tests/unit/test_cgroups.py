@@ -44,6 +44,16 @@ def test_a_bad_forced_level_names_the_variable_and_the_choices(tmp_path: Path) -
         detect(tmp_path, forced="jail")
 
 
+def test_forcing_the_systemd_level_is_refused_naming_what_is_accepted(tmp_path: Path) -> None:
+    # the level is detected and reported, not built: asking for it is refused like any unknown value, never
+    # accepted and quietly run at the tag level
+    with pytest.raises(
+        BadRequest,
+        match=r"GPUDECK_CONTAINMENT='systemd' cannot be used: gpudeck's systemd-scope level is not built .*give auto, cgroupfs or tag",
+    ):
+        detect(tmp_path, forced="systemd")
+
+
 def test_forcing_tag_says_so_in_the_label(tmp_path: Path) -> None:
     c = detect(tmp_path, forced="tag")
     assert c.level == "tag" and not c.has_groups

@@ -24,3 +24,13 @@ def test_a_console_command_on_an_agent_only_install_says_what_to_install() -> No
     cp = _run("from gpudeck.console.entry import main\nraise SystemExit(main(['status']))")
     assert cp.returncode == 2, cp.stderr
     assert "needs the console's packages" in cp.stderr and "[console]" in cp.stderr and "Traceback" not in cp.stderr
+
+
+def test_the_agents_commands_usage_lines_name_the_command_as_typed() -> None:
+    # `gpudeck agent serve --help` printed `usage: python -m gpudeck.agents [-h] [--state-dir STATE_DIR] {serve,dial}`
+    for cmd in ("serve", "dial"):
+        cp = _run(f"from gpudeck.console.entry import main\nraise SystemExit(main(['agent', '{cmd}', '--help']))")
+        assert cp.returncode == 0, cp.stderr
+        assert cp.stdout.startswith(f"usage: gpudeck agent {cmd} [-h] [--state-dir DIR]\n"), cp.stdout
+    cp = _run("from gpudeck.agents.__main__ import main\nraise SystemExit(main(['serve', '--help']))")
+    assert cp.returncode == 0 and cp.stdout.startswith("usage: python -m gpudeck.agents serve [-h] [--state-dir DIR]\n"), cp.stdout

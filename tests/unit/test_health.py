@@ -225,9 +225,8 @@ def test_assigned_gpu_without_the_runs_memory_says_so_and_idle_only_counts_while
     for i in range(0, 100):
         assert h.update(obs(run, T0 + i, gpu_util={1: 0})) == []
     run.state = "running"
-    got = h.update(obs(run, T0 + 100, gpu_util={1: 0}))
-    assert kinds(got) == [("claim_mismatch", None, None)]  # --gpus 1, but the run holds nothing there
-    assert got[0].message.startswith("claimed 1 GPU, observed 0: none (--gpus 1)")
+    # --gpus 1, but the run holds nothing there: not a claim it is wrong about (a CPU-only program), an idle GPU
+    assert h.update(obs(run, T0 + 100, gpu_util={1: 0})) == []
     got = h.update(obs(run, T0 + 161, gpu_util={1: 0}))
     assert kinds(got) == [("gpu_idle", None, 1)]
     assert "GPU 1 idle for 61 s and the run holds no memory there" in got[0].message
@@ -320,6 +319,21 @@ def test_claimed_4_gpus_observed_1() -> None:
     rows = {r.what: r for r in h.claims_report(o)}
     assert rows["GPUs"].claimed == 4 and rows["GPUs"].observed == 1 and rows["GPUs"].ok is False
     assert rows["world size"].claimed == 1 and rows["world size"].source == "manifest" and rows["world size"].ok is True
+
+
+def test_a_cpu_only_program_launched_with_gpus_0_is_no_gpu_claim_mismatch() -> None:
+    # `--gpus 0` makes GPU 0 visible; a program that never touches it claimed no GPU count: no verdict, no alert
+    run = make_run(world_size=1, gpus=[0], ranks_seen={0: T0})
+    run.telemetry.step = 1  # type: ignore[union-attr]
+    o = obs(run, T0 + 120, {0: 4410}, gpu_util={0: 0, 1: 0})
+    row = {r.what: r for r in claims_report(o)}["GPUs"]
+    assert (row.claimed, row.observed, row.ok, row.source) == (1, 0, None, "--gpus 0")
+    assert row.detail.startswith("holds no GPU memory")
+    h = RunHealth(run.id)
+    assert not [a for a in h.update(o) if a.kind == "claim_mismatch"]
+    # an explicit claim of a GPU is still checked against what it holds
+    run.spec.claims = Claims(gpus=1)
+    assert {r.what: r for r in claims_report(o)}["GPUs"].ok is False
 
 
 def test_gpus_claim_from_launch_gpus_and_no_gpu_row_verdict_without_gpus() -> None:

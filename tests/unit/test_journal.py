@@ -371,3 +371,37 @@ def test_the_journal_is_private_whatever_the_umask_and_readers_elsewhere_see_its
             db.close()
     finally:
         j.close()
+
+
+def test_an_idle_journal_is_read_again_only_when_someone_writes_it(tmp_path: Path) -> None:
+    # the agent's tick calls check() every 0.5 s: two lstat calls while nothing changes; a full probe (a read through a
+    # fresh connection) only once the file was written by someone, and that write is then found and mended
+    db = tmp_path / "j.db"
+    j = Journal(db, "h")
+    try:
+        j.append_durable("telemetry", "r", {"record": {"i": 0}, "offset": 0})
+        assert j.check() is None
+        deadline = time.monotonic() + 30
+        while (j._probed_sig is None or j._changed()) and time.monotonic() < deadline:  # the writer's probe after our commit
+            j.check()
+            time.sleep(0.01)
+        probes = j.full_probes
+        for _ in range(20):
+            assert j.check() is None
+        time.sleep(0.2)
+        assert j.full_probes == probes, "an unchanged journal was read again"
+        # our own commit is no reason to read the file again either
+        j.append_durable("telemetry", "r", {"record": {"i": 1}, "offset": 1})
+        assert j.check() is None and j.full_probes == probes
+        epoch = j.epoch
+        with open(db, "r+b") as fh:  # the same inode, its bytes garbage (the WAL gone): only a read tells
+            fh.write(b"\xde\xad\xbe\xef" * 4096)
+        for suffix in ("-wal", "-shm"):
+            Path(f"{db}{suffix}").unlink(missing_ok=True)
+        assert j._changed()
+        j.check()  # wakes the writer: the file changed
+        while j.epoch == epoch and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert j.epoch != epoch and j.full_probes > probes, "a journal overwritten in place was not noticed"
+    finally:
+        j.close()

@@ -144,3 +144,37 @@ def test_a_refresh_in_another_thread_never_makes_the_caller_wait() -> None:
         assert done.wait(10), "a plain refresh waited for the one in progress"
     finally:
         t._lock.release()
+
+
+def test_only_the_tags_of_this_agents_runs_are_watched(tmp_path: Path) -> None:
+    # a shared host: processes tagged for another agent's runs are read once (their tag kept, for attribution) but not
+    # re-checked at every refresh; ours are, whether found by our runs folder or by a run id the agent knows
+    mine = {"r-mine"}
+    runs = tmp_path / "runs"
+    t = ProcTable(runs, own=lambda rid: rid in mine)
+    t.refresh()
+    foreign = _spawn({"GPUDECK_RUN_ID": "r-theirs", "GPUDECK_RUN_DIR": "", "RANK": "0"})
+    by_id = _spawn({"GPUDECK_RUN_ID": "r-mine", "GPUDECK_RUN_DIR": "", "RANK": "1"})  # its run folder cleared: the id says
+    by_dir = _spawn({"GPUDECK_RUN_ID": "r-lost", "GPUDECK_RUN_DIR": str(runs / "r-lost"), "RANK": "2"})  # a run the journal lost
+    try:
+
+        def read() -> bool:  # each after its exec (one caught before it shows this test's environment: read again)
+            t.refresh()
+            return all((e := t.get(p.pid)) is not None and e.run_id is not None for p in (foreign, by_id, by_dir))
+
+        _wait(read, "the three processes, tagged")
+        assert {e.pid for e in t.tagged()} == {by_id.pid, by_dir.pid}
+        assert not t.tagged("r-theirs")
+        fe = t.get(foreign.pid)
+        assert fe is not None and fe.run_id == "r-theirs", "another agent's tag is still known (attribution reports it)"
+        assert {e.pid for e in t.tagged(anyone=True)} >= {foreign.pid, by_id.pid, by_dir.pid}
+        assert foreign.pid not in t._watched, "another agent's tagged process is re-checked at every refresh"
+        # a filter set later (the supervisor's) drops what it does not own from the watch at once
+        t2 = ProcTable(runs)
+        t2.refresh(full=True)
+        assert foreign.pid in t2._watched
+        t2.watch_own(lambda rid: rid in mine)
+        assert foreign.pid not in t2._watched and by_id.pid in t2._watched and by_dir.pid in t2._watched
+    finally:
+        for p in (foreign, by_id, by_dir):
+            _stop(p)
