@@ -665,6 +665,7 @@ def main(argv: list[str] | None = None) -> int:
         read_prepared_manifest,
         split_tokens,
     )
+    from gpudeck.trainers.diagnostics import CollectiveClock, install_stack_dump, maybe_sleep_for_test
     from gpudeck.trainers.flops import MFU_CONVENTION, model_flops, peak_flops
     from gpudeck.trainers.flops import mfu as compute_mfu
     from gpudeck.trainers.profiling import StepProfiler
@@ -688,6 +689,7 @@ def main(argv: list[str] | None = None) -> int:
     tel = Telemetry(rank=ctx.rank)
     register(ctx=ctx, telemetry=tel)
     tel.start_heartbeat()
+    stack_fields = install_stack_dump(ctx.rank)  # every thread's stack into the run's folder on SIGUSR2 (gpudeck triage)
     t_start = time.time()
 
     if plan.archive_existing:
@@ -818,6 +820,7 @@ def main(argv: list[str] | None = None) -> int:
         install_chunked_loss(model, args.loss_chunk_rows)
     prefetch = args.prefetch == "yes" or (args.prefetch == "auto" and on_gpu)
     feeder = BatchFeeder(batches, device, pin=on_gpu, ahead=prefetch)
+    clock = CollectiveClock(on_cuda=on_gpu)  # a step's compute vs collective-wait seconds (CPU: wall time)
     profiler = StepProfiler(args.profile_start, args.profile_steps, on_gpu, ctx.rank)
 
     info = device_info(device)
@@ -877,6 +880,7 @@ def main(argv: list[str] | None = None) -> int:
         torch=torch.__version__,
         transformers=_transformers_version(),
         **par,
+        **stack_fields,
     )
     tel.manifest(**manifest)
     if ctx.rank == 0:
@@ -920,7 +924,9 @@ def main(argv: list[str] | None = None) -> int:
         last_saved = at
 
     while step < args.max_steps:
+        maybe_sleep_for_test(step + 1, ctx.rank)
         t0 = time.perf_counter()
+        waited0 = clock.waited()
         maybe_fail_for_test(step + 1, ctx.rank)
         profiler.before_step(step + 1)
         loss_sum = torch.zeros((), device=device)
@@ -979,6 +985,7 @@ def main(argv: list[str] | None = None) -> int:
             grad_norm=gn_val,
             step_time_s=round(dt, 5),
             tokens=step * tokens_per_step,
+            **clock.split(dt, waited0),
         )
         if ctx.rank == 0 and (step % args.log_every == 0 or step == args.max_steps):
             mfu_s = f"{100 * mfu_val:.1f}%" if mfu_val is not None else "n/a"
