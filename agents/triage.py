@@ -56,6 +56,7 @@ import psutil
 from gpudeck.agents.errors import BadRequest
 from gpudeck.agents.liverun import LiveRun
 from gpudeck.agents.protocol import Alert, Gpu, RankEvidence, RunInfo, Triage
+from gpudeck.trainers.contract import stack_file
 
 if TYPE_CHECKING:
     from gpudeck.agents.supervisor import Supervisor
@@ -241,8 +242,8 @@ def py_spy_dump(pid: int) -> tuple[str | None, str]:
 
 
 def _stack_file(run_dir: str, rank: int | None, pid: int) -> Path:
-    """Where a trainer's faulthandler writes (trainers/runtime.py's install_stack_dump names it the same)."""
-    return Path(run_dir) / "stacks" / f"rank{rank if rank is not None else 0}.{pid}.txt"
+    """Where a trainer's faulthandler writes (the trainers' contract names it for both sides)."""
+    return Path(stack_file(run_dir, rank if rank is not None else 0, pid))
 
 
 def _size(path: Path) -> int:

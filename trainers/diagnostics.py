@@ -40,6 +40,8 @@ import threading
 import time
 from typing import IO, Any
 
+from gpudeck.trainers.contract import stack_file
+
 STACK_SIGNAL = signal.SIGUSR2
 SLEEP_ENV = "GPUDECK_TEST_SLEEP_AT_STEP"
 FR_BUFFER_ENTRIES = 2000  # Flight Recorder entries kept per rank (torch's own default is 0: off)
@@ -51,11 +53,6 @@ def run_dir() -> str | None:
     """The run's folder gpudeck gave this process (the folder of GPUDECK_TELEMETRY), or None."""
     path = os.environ.get("GPUDECK_TELEMETRY")
     return os.path.dirname(os.path.abspath(path)) if path else None
-
-
-def stack_file(folder: str, rank: int, pid: int) -> str:
-    """Where a rank's stacks go (agents/triage.py reads the same path)."""
-    return os.path.join(folder, "stacks", f"rank{rank}.{pid}.txt")
 
 
 def install_stack_dump(rank: int) -> dict[str, Any]:
