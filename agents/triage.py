@@ -67,6 +67,7 @@ CPU_SAMPLE_S = 1.0  # CPU % is measured over this long (and the faulthandler dum
 DUMP_WAIT_S = 5.0  # a faulthandler dump not written by then: py-spy is tried instead
 PY_SPY_TIMEOUT_S = 10.0
 MAX_STACK_BYTES = 64 * 1024  # per rank: what is kept of its stacks
+MAX_TRIAGE_STACK_BYTES = 640 * 1024  # all ranks together: a triage is one journal event and one reply (1 MiB each)
 MAX_SOURCE_BYTES = 4 << 20  # a source file larger than this is not read for the culprit's line
 HANG_STOP_GRACE_S = 30.0  # --on-hang stop: the grace the ranks get (a hung rank will not use it)
 STACK_SIGNALS = {"SIGUSR1": signal.SIGUSR1, "SIGUSR2": signal.SIGUSR2}  # the only signals a manifest may ask for
@@ -502,6 +503,10 @@ async def _gather(sup: Supervisor, lr: LiveRun, reason: str) -> Triage:
     if sup.gpus.available:
         gpus = await asyncio.to_thread(sup.attributed_gpus)
     evs = await asyncio.to_thread(collect, targets, run.run_dir or "", gpus)
+    share = MAX_TRIAGE_STACK_BYTES // max(1, len(evs))
+    for e in evs:
+        if len(e.stacks.encode()) > share:  # the head: the main thread is last, but every thread's top frames come first
+            e.stacks = e.stacks.encode()[:share].decode("utf-8", "ignore") + "\n... (cut: the triage keeps 640 KiB of stacks in all)"
     missing = [f"{_who(e)}: no stacks ({e.method_why})" for e in evs if e.method == "none"]
     t = Triage(
         run_id=run.id,
@@ -537,7 +542,10 @@ def on_alerts(sup: Supervisor, lr: LiveRun, raised: list[Alert]) -> None:
         return
 
     async def act() -> None:
-        await gather(sup, lr, "hang alert")
+        try:
+            await gather(sup, lr, "hang alert")
+        except Exception:  # evidence is a report: a failure is logged, never the end of the agent's loop
+            log.exception("run %s: the triage of its hang failed", lr.id)
         if policy == "stop" and lr.id not in sup._stopping:
             await sup.stop(
                 lr.id,

@@ -114,6 +114,9 @@ from gpudeck.trainers.runtime import (
 # ------------------------------------------------------------------ command line
 
 
+COLLECTIVE_TIMEOUT_S = 300.0  # a collective not done by then fails the run (set after step 1)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m gpudeck.trainers.fsdp_lm",
@@ -998,7 +1001,9 @@ def main(argv: list[str] | None = None) -> int:
             )
         profiler.after_step(step)
         if step == 1:
-            set_collective_timeout(ctx, 100.0)
+            # torchtitan shortens it to 100 s here; gpudeck's hang alert (120 s by default) and its triage
+            # (within 30 s) must come while the ranks are still alive to be looked at
+            set_collective_timeout(ctx, COLLECTIVE_TIMEOUT_S)
         if stop_now or (args.stop_at_step is not None and step >= args.stop_at_step):
             stopped = True
             break
