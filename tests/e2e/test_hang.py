@@ -185,3 +185,16 @@ def test_a_plain_command_that_hangs_is_triaged_with_py_spy(agent: AgentProc) -> 
     assert "not a gpudeck trainer" in t["flight_recorder"]
     assert live_run(a, rid)["state"] == "running"  # type: ignore[index]
     a.cli_json("stop", rid, "--grace", "2")
+
+
+def test_on_hang_stop_triages_first_then_stops_the_run(agent: AgentProc) -> None:
+    a = agent
+    argv = [sys.executable, str(PROGS / "hang_plain.py")]
+    rid = a.cli_json("launch", "--name", "hang-stop", "--hang-after", "2", "--on-hang", "stop", "--", *argv)["id"]
+    wait_for(lambda: _ask(a, GetRun(run_id=rid))["run"]["state"] == "stopped", timeout=90, interval=0.5, what="the run stopped")
+    run = _ask(a, GetRun(run_id=rid))["run"]
+    assert "--on-hang stop" in run["cause"] and run["cause"].startswith("stopped by gpudeck: no step for"), run["cause"]
+    kinds = [e["kind"] for e in events_of(a, rid)]
+    assert "triage" in kinds and kinds.index("triage") < max(i for i, k in enumerate(kinds) if k == "run_state")
+    cp = a.cli("launch", "--on-hang", "panic", "--", "true", check=False)
+    assert cp.returncode == 2 and "on hang: 'panic' is not a choice; choose triage, alert or stop" in cp.stderr
