@@ -430,8 +430,9 @@ def culprit(evs: list[RankEvidence]) -> str:
     if outside and waiting:
         lone = outside[0]
         others = "every other rank waits" if len(waiting) == len(evs) - 1 else f"{_ranks_text(waiting)} wait"
-        stuck = "is stuck" if len(outside) == 1 else f"(and {_ranks_text(outside[1:])}) are outside collectives; it is"
-        return f"{_who(lone)} {stuck} in {lone.where}; {others} in {waits_text}"
+        if len(outside) == 1:
+            return f"{_who(lone)} is stuck in {lone.where}; {others} in {waits_text}"
+        return f"{_ranks_text(outside)} are outside collectives ({_who(lone)} in {lone.where}); {others} in {waits_text}"
     if waiting and not outside:
         missing = [e for e in evs if e.in_collective is None]
         if missing:

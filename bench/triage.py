@@ -10,14 +10,21 @@ collective, so the others wait in FSDP's all-gather. Figures, per rank count:
 - ``gather``: the triage's own ``seconds`` (signals, CPU sampling, the dumps read);
 - whether the culprit line names the sleeping rank, and by which method each rank's stacks came.
 
-Usage: python bench/triage.py [--ranks 4,16] [--hang-after 5]
+And the cost of the compute/wait measurement (``trainers/diagnostics.py``'s timed ``Work.wait``): the
+time one gloo ``all_reduce`` + ``wait`` takes with and without the wrapper (one-rank group, same process,
+alternating blocks), times the waits each step of the benchmarked run made (its ``waits`` field), over
+that step's time (``step_time_s``): the share of a step the measurement costs.
+
+Usage: python bench/triage.py [--ranks 4,16] [--hang-after 5] [--overhead-only]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -44,7 +51,12 @@ def ask(a: AgentProc, msg: Any) -> Any:
     return asyncio.run(go())
 
 
-def one(ranks: int, hang_after: float, sleep_at: int) -> dict[str, Any]:
+def run_dir(a: AgentProc, rid: str) -> str:
+    """The run's folder, as the agent has it."""
+    return str(ask(a, GetRun(run_id=rid))["run"]["run_dir"])
+
+
+def one(ranks: int, hang_after: float, sleep_at: int, per_wait: float) -> dict[str, Any]:
     """Launch, wait for the triage, measure, stop."""
     home = Path(tempfile.mkdtemp(prefix="gdb-", dir="/tmp"))
     a = AgentProc(home).start()
@@ -73,6 +85,10 @@ def one(ranks: int, hang_after: float, sleep_at: int) -> dict[str, Any]:
         alert = hang[0]["data"]["alert"]
         crossed = alert["ts"] - (alert["data"]["seconds"] - alert["data"]["threshold_s"])
         t = tri[0]["data"]["triage"]
+        steps = [json.loads(x) for x in (Path(run_dir(a, rid)) / "telemetry.jsonl").read_text().splitlines() if '"step"' in x]
+        shares = [
+            r["waits"] * per_wait / r["step_time_s"] for r in steps if r.get("type") == "step" and r.get("waits") and r.get("step_time_s")
+        ]
         alive = ask(a, GetRun(run_id=rid))["run"]["state"] == "running"
         a.cli("stop", rid, "--grace", "2", check=False, timeout=300)
         return {
@@ -86,20 +102,61 @@ def one(ranks: int, hang_after: float, sleep_at: int) -> dict[str, Any]:
             "ranks_with_stacks": sum(1 for e in t["ranks"] if e["stacks"]),
             "alive_after": alive,
             "culprit": t["culprit"],
+            "waits": statistics.median(r["waits"] for r in steps if r.get("type") == "step" and r.get("waits")) if shares else None,
+            "overhead_pct": 100 * statistics.median(shares) if shares else None,
         }
     finally:
         teardown_agent(a)
         shutil.rmtree(home, ignore_errors=True)
 
 
+def overhead(n: int = 4000) -> float:
+    """Seconds the timed Work.wait adds to one wait (median of 5 alternating blocks of ``n``)."""
+    import os
+
+    import torch
+    import torch.distributed as dist
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    x = torch.ones(4)
+    original = dist.Work.wait
+
+    def block() -> float:
+        t0 = time.perf_counter()
+        for _ in range(n):
+            dist.all_reduce(x, async_op=True).wait()
+        return (time.perf_counter() - t0) / n
+
+    from gpudeck.trainers.diagnostics import CollectiveClock
+
+    CollectiveClock(on_cuda=False)
+    wrapped = dist.Work.wait
+    plain_t, wrapped_t = [], []
+    for _ in range(5):
+        dist.Work.wait = original  # type: ignore[method-assign]
+        plain_t.append(block())
+        dist.Work.wait = wrapped  # type: ignore[method-assign]
+        wrapped_t.append(block())
+    p, w = statistics.median(plain_t), statistics.median(wrapped_t)
+    dist.destroy_process_group()
+    print(f"all_reduce+wait on a one-rank gloo group: {p * 1e6:.1f} us plain, {w * 1e6:.1f} us timed: {(w - p) * 1e6:+.2f} us per wait")
+    return w - p
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--ranks", default="4,16")
-    ap.add_argument("--hang-after", type=float, default=5.0)
-    ap.add_argument("--sleep-at", type=int, default=4, help="the step the middle rank sleeps before")
+    ap.add_argument("--hang-after", type=float, default=30.0, help="the threshold's floor (short floors misfire on a loaded host)")
+    ap.add_argument("--sleep-at", type=int, default=6, help="the step the middle rank sleeps before")
+    ap.add_argument("--overhead-only", action="store_true")
     args = ap.parse_args()
+    per_wait = overhead()
+    print(f"timed Work.wait: {per_wait * 1e6:+.2f} us per wait (one-rank gloo all_reduce, with vs without, alternating)", flush=True)
+    if args.overhead_only:
+        return
     for n in (int(x) for x in args.ranks.split(",")):
-        r = one(n, args.hang_after, args.sleep_at)
+        r = one(n, args.hang_after, args.sleep_at, per_wait)
         print(
             f"{r['ranks']:>3} ranks: threshold {r['threshold_s']:.1f} s; hang alert {r['alert_s']:+.1f} s after it; "
             f"triage stored {r['stored_s']:+.1f} s after it (gathered in {r['gather_s']:.1f} s); "
@@ -108,6 +165,11 @@ def main() -> None:
             flush=True,
         )
         print(f"     culprit: {r['culprit']}", flush=True)
+        if r["overhead_pct"] is not None:
+            print(
+                f"     compute/wait measurement: {r['waits']:.0f} timed waits a step, {r['overhead_pct']:.4f}% of a step (median)",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

@@ -73,6 +73,7 @@ class CollectiveClock:
 
     _installed = False
     _waited = 0.0
+    _calls = 0  # waits timed (bench/triage.py counts them per step)
 
     def __init__(self, on_cuda: bool) -> None:
         self.measures_wall = not on_cuda
@@ -92,6 +93,7 @@ class CollectiveClock:
         def wait(self: Any, *args: Any, **kwargs: Any) -> Any:
             if threading.get_ident() != main:
                 return original(self, *args, **kwargs)
+            CollectiveClock._calls += 1
             t0 = time.perf_counter()
             try:
                 return original(self, *args, **kwargs)
@@ -101,16 +103,16 @@ class CollectiveClock:
         work.wait = wait  # type: ignore[method-assign]
         cls._installed = True
 
-    def waited(self) -> float:
-        """Seconds waited so far (0.0 when not measured)."""
-        return CollectiveClock._waited if self.measures_wall else 0.0
+    def mark(self) -> tuple[float, int]:
+        """(seconds waited, waits timed) so far: take one at a step's start, give it to :meth:`split` at its end."""
+        return CollectiveClock._waited, CollectiveClock._calls
 
-    def split(self, step_seconds: float, waited_before: float) -> dict[str, float]:
-        """A step's ``compute_s`` and ``wait_s`` for its telemetry record ({} on CUDA: not measured)."""
+    def split(self, step_seconds: float, start: tuple[float, int]) -> dict[str, float | int]:
+        """A step's ``compute_s``, ``wait_s`` and ``waits`` (collective waits timed) for its record ({} on CUDA)."""
         if not self.measures_wall:
             return {}
-        wait = max(0.0, self.waited() - waited_before)
-        return {"compute_s": round(max(0.0, step_seconds - wait), 5), "wait_s": round(wait, 5)}
+        wait = max(0.0, CollectiveClock._waited - start[0])
+        return {"compute_s": round(max(0.0, step_seconds - wait), 5), "wait_s": round(wait, 5), "waits": CollectiveClock._calls - start[1]}
 
 
 def flight_recorder_env(folder: str | None) -> dict[str, str]:

@@ -929,7 +929,7 @@ def main(argv: list[str] | None = None) -> int:
     while step < args.max_steps:
         maybe_sleep_for_test(step + 1, ctx.rank)
         t0 = time.perf_counter()
-        waited0 = clock.waited()
+        clock_start = clock.mark()
         maybe_fail_for_test(step + 1, ctx.rank)
         profiler.before_step(step + 1)
         loss_sum = torch.zeros((), device=device)
@@ -988,7 +988,7 @@ def main(argv: list[str] | None = None) -> int:
             grad_norm=gn_val,
             step_time_s=round(dt, 5),
             tokens=step * tokens_per_step,
-            **clock.split(dt, waited0),
+            **clock.split(dt, clock_start),
         )
         if ctx.rank == 0 and (step % args.log_every == 0 or step == args.max_steps):
             mfu_s = f"{100 * mfu_val:.1f}%" if mfu_val is not None else "n/a"

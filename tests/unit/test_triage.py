@@ -190,3 +190,24 @@ def test_collect_without_a_manifest_uses_py_spy_and_never_signals(tmp_path: Path
     finally:
         os.kill(p.pid, signal.SIGKILL)
         p.wait()
+
+
+def test_collective_clock_times_waits_on_cpu_and_reports_nothing_on_cuda() -> None:
+    import pytest
+
+    torch = pytest.importorskip("torch")
+    import torch.distributed as dist
+
+    from gpudeck.trainers.diagnostics import CollectiveClock
+
+    assert CollectiveClock(on_cuda=True).split(1.0, (0.0, 0)) == {}
+    clock = CollectiveClock(on_cuda=False)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        start = clock.mark()
+        for _ in range(3):
+            dist.all_reduce(torch.ones(2))
+        got = clock.split(0.5, start)
+    finally:
+        dist.destroy_process_group()
+    assert got["waits"] == 3 and 0 <= got["wait_s"] < 0.5 and got["compute_s"] == round(0.5 - got["wait_s"], 5)
