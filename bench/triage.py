@@ -21,7 +21,6 @@ Usage: python bench/triage.py [--ranks 4,16] [--hang-after 5] [--overhead-only]
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import shutil
 import statistics
@@ -34,26 +33,13 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from gpudeck.agents.protocol import GetEvents, GetRun, to_builtins
+from gpudeck.agents.protocol import GetEvents, GetRun
 from tests.agent_harness import AgentProc, teardown_agent
-
-
-def ask(a: AgentProc, msg: Any) -> Any:
-    """One request to the agent's socket."""
-
-    async def go() -> Any:
-        c = await a.client()
-        try:
-            return to_builtins(await c.request(msg, timeout=120))
-        finally:
-            await c.close()
-
-    return asyncio.run(go())
 
 
 def run_dir(a: AgentProc, rid: str) -> str:
     """The run's folder, as the agent has it."""
-    return str(ask(a, GetRun(run_id=rid))["run"]["run_dir"])
+    return str(a.ask(GetRun(run_id=rid))["run"]["run_dir"])
 
 
 def one(ranks: int, hang_after: float, sleep_at: int, per_wait: float) -> dict[str, Any]:
@@ -74,7 +60,7 @@ def one(ranks: int, hang_after: float, sleep_at: int, per_wait: float) -> dict[s
         )["id"]  # fmt: skip
         t0 = time.monotonic()
         while True:
-            evs = [e for e in ask(a, GetEvents(after_seq=0))["events"] if e.get("run_id") == rid]
+            evs = [e for e in a.ask(GetEvents(after_seq=0))["events"] if e.get("run_id") == rid]
             tri = [e for e in evs if e["kind"] == "triage"]
             hang = [e for e in evs if e["kind"] == "alert" and e["data"]["alert"]["kind"] == "hang"]
             if tri and hang:
@@ -89,7 +75,7 @@ def one(ranks: int, hang_after: float, sleep_at: int, per_wait: float) -> dict[s
         shares = [
             r["waits"] * per_wait / r["step_time_s"] for r in steps if r.get("type") == "step" and r.get("waits") and r.get("step_time_s")
         ]
-        alive = ask(a, GetRun(run_id=rid))["run"]["state"] == "running"
+        alive = a.ask(GetRun(run_id=rid))["run"]["state"] == "running"
         a.cli("stop", rid, "--grace", "2", check=False, timeout=300)
         return {
             "ranks": ranks,

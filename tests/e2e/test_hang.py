@@ -9,7 +9,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import os
 import signal
 import sys
@@ -21,7 +20,7 @@ from typing import Any
 import pytest
 
 from gpudeck.agents.procs import alive
-from gpudeck.agents.protocol import GetEvents, GetRun, to_builtins
+from gpudeck.agents.protocol import GetEvents, GetRun
 from tests.agent_harness import ROOT, AgentProc, wait_for
 
 pytest.importorskip("torch")
@@ -61,21 +60,8 @@ def fsdp_argv(out: Path, nproc: int) -> list[str]:
     ]
 
 
-def _ask(a: AgentProc, msg: Any) -> Any:
-    """One request straight to the agent's socket (polling through the CLI costs a Python start each time)."""
-
-    async def go() -> Any:
-        c = await a.client()
-        try:
-            return to_builtins(await c.request(msg, timeout=60))
-        finally:
-            await c.close()
-
-    return asyncio.run(go())
-
-
 def live_run(a: AgentProc, rid: str) -> dict[str, Any] | None:
-    run = _ask(a, GetRun(run_id=rid)).get("run")
+    run = a.ask(GetRun(run_id=rid)).get("run")
     return run if run and run["state"] in ("starting", "running", "stopping") else None
 
 
@@ -85,7 +71,7 @@ def alert_of(a: AgentProc, rid: str, kind: str) -> dict[str, Any] | None:
 
 
 def events_of(a: AgentProc, rid: str) -> list[dict[str, Any]]:
-    return [e for e in _ask(a, GetEvents(after_seq=0))["events"] if e.get("run_id") == rid]
+    return [e for e in a.ask(GetEvents(after_seq=0))["events"] if e.get("run_id") == rid]
 
 
 def triages(a: AgentProc, rid: str) -> list[dict[str, Any]]:
@@ -191,8 +177,8 @@ def test_on_hang_stop_triages_first_then_stops_the_run(agent: AgentProc) -> None
     a = agent
     argv = [sys.executable, str(PROGS / "hang_plain.py")]
     rid = a.cli_json("launch", "--name", "hang-stop", "--hang-after", "2", "--on-hang", "stop", "--", *argv)["id"]
-    wait_for(lambda: _ask(a, GetRun(run_id=rid))["run"]["state"] == "stopped", timeout=90, interval=0.5, what="the run stopped")
-    run = _ask(a, GetRun(run_id=rid))["run"]
+    wait_for(lambda: a.ask(GetRun(run_id=rid))["run"]["state"] == "stopped", timeout=90, interval=0.5, what="the run stopped")
+    run = a.ask(GetRun(run_id=rid))["run"]
     assert "--on-hang stop" in run["cause"] and run["cause"].startswith("stopped by gpudeck: no step for"), run["cause"]
     kinds = [e["kind"] for e in events_of(a, rid)]
     assert "triage" in kinds and kinds.index("triage") < max(i for i, k in enumerate(kinds) if k == "run_state")
