@@ -180,6 +180,7 @@ def test_on_hang_stop_triages_first_then_stops_the_run(agent: AgentProc) -> None
     wait_for(lambda: a.ask(GetRun(run_id=rid))["run"]["state"] == "stopped", timeout=90, interval=0.5, what="the run stopped")
     run = a.ask(GetRun(run_id=rid))["run"]
     assert "--on-hang stop" in run["cause"] and run["cause"].startswith("stopped by gpudeck: no step for"), run["cause"]
+    assert a.cli_json("show", rid)["cause_class"] == "hang"
     kinds = [e["kind"] for e in events_of(a, rid)]
     assert "triage" in kinds and kinds.index("triage") < max(i for i, k in enumerate(kinds) if k == "run_state")
     cp = a.cli("launch", "--on-hang", "panic", "--", "true", check=False)
