@@ -437,7 +437,10 @@ def culprit(evs: list[RankEvidence]) -> str:
         missing = [e for e in evs if e.in_collective is None]
         if missing:
             return f"{_ranks_text(waiting)} wait in {waits_text}; no stacks from {_ranks_text(missing)}: it is the likely culprit"
-        return f"every rank waits in {waits_text}: a rank on another host, or ranks in different collectives (a desync)"
+        return (
+            f"every rank here ({_ranks_text(waiting)}) waits in {waits_text}: the rank they wait for is on another host, "
+            f"or they are in different collectives (a desync)"
+        )
     if outside:
         if len(outside) == 1:
             return f"{_who(outside[0])} is in {outside[0].where}"

@@ -166,7 +166,9 @@ def test_culprit_names_the_rank_outside_the_collective() -> None:
     evs[2] = ev(2, "", False, state="stopped")
     evs[2].in_collective = None
     assert culprit(evs).startswith("rank 2 on h1 is stopped (state T")
-    assert culprit([ev(r, "in all_reduce: x", True) for r in range(2)]).startswith("every rank waits in all_reduce")
+    assert culprit([ev(r, "in all_reduce: x", True) for r in range(2)]).startswith(
+        "every rank here (rank 0 and rank 1) waits in all_reduce: "
+    )
 
 
 def test_collect_without_a_manifest_uses_py_spy_and_never_signals(tmp_path: Path) -> None:
