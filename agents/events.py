@@ -18,7 +18,7 @@ from typing import Any, Union
 import msgspec
 
 from gpudeck.agents.errors import AgentError
-from gpudeck.agents.protocol import Alert, ClaimRow, ContainmentInfo, EnvFingerprint, LaunchSpec, PreflightResult, StopResult
+from gpudeck.agents.protocol import Alert, ClaimRow, ContainmentInfo, EnvFingerprint, LaunchSpec, PreflightResult, StopResult, Triage
 
 TAG = "event_kind"  # the tag field; put next to the payload's own fields only while converting, never stored
 PAYLOAD_VERSION = 1
@@ -109,6 +109,12 @@ class AlertCleared(Payload, tag="alert_cleared"):
     alert: Alert
 
 
+class TriageTaken(Payload, tag="triage"):
+    """Evidence from every rank of a live run (agents/triage.py): on a hang alert, or on demand."""
+
+    triage: Triage
+
+
 class Claims(Payload, tag="claims"):
     rows: list[ClaimRow] = []
 
@@ -177,6 +183,7 @@ EventPayload = Union[
     TelemetryRejected,
     AlertRaised,
     AlertCleared,
+    TriageTaken,
     Claims,
     Preflight,
     EnvFingerprinted,

@@ -19,8 +19,17 @@ Rules (thresholds are the module constants below):
    ``GPU_IDLE_S`` without a break.
 4. ``throughput_drop`` (warning): tokens/s below ``THROUGHPUT_RATIO`` of the
    run's own 10-minute median, or of an earlier run's median with the same
-   config (``Baseline``).
-5. ``claim_mismatch`` (warning): what the operator claims (``LaunchSpec.claims``,
+   config (``Baseline``); it clears once every step for ``THROUGHPUT_RECOVER_S``
+   is back at or above that line.
+5. ``hang`` (critical): the run's steps stopped advancing while it goes on: no
+   step record for ``hang_threshold`` (max(``HANG_STEP_FACTOR`` x its median
+   step time, ``LaunchSpec.hang_after_s`` or ``HANG_AFTER_S``)); clears at the
+   next step. The supervisor acts on ``--on-hang`` (agents/triage.py).
+6. ``straggler`` (warning): a rank whose median compute time (not waiting in
+   collectives) over its last ``straggler_window`` steps is at least
+   ``STRAGGLER_RATIO`` x the median of the other ranks' medians; clears when it
+   is back under that line.
+7. ``claim_mismatch`` (warning): what the operator claims (``LaunchSpec.claims``,
    the run's name and note, ``--gpus``) differs from what is observed.
 
 ``obs.now`` is wall-clock time (``time.time()``): the trainers stamp their
@@ -50,7 +59,12 @@ THROUGHPUT_MIN_SPAN_S = 60.0  # ... spanning this long (the first steps compile 
 # A drop needs this many consecutive slow steps: one slow step (a recompile, the step after a
 # checkpoint, a GC pause) is not a slower run. Recovery needs as many steps back above the line.
 THROUGHPUT_CONFIRM_SAMPLES = 2
+THROUGHPUT_RECOVER_S = 30.0  # a drop clears once throughput has been back above the line this long, every step
 THROUGHPUT_HISTORY_MAX = 4096  # (ts, tokens/s) kept per run; at most 2 new steps a tick are seen anyway
+HANG_AFTER_S = 120.0  # no step record this long (at least) is a hang; LaunchSpec.hang_after_s replaces it
+HANG_STEP_FACTOR = 5.0  # ... or this many median step times, whichever is longer
+STRAGGLER_RATIO = 1.3  # a rank computing this much longer than the median of the others is a straggler
+STRAGGLER_WINDOW = 8  # steps each rank's median compute time is taken over (LaunchSpec.straggler_window replaces it)
 RANK_EXIT_GRACE_S = 1.0  # a rank gone with no known exit code: two ticks, so a run ending normally closes first
 # A rank that exited 0 while its peers go on and the run reported no "done": after this long the
 # peers are waiting for it in a collective that never completes.
@@ -428,6 +442,18 @@ def _exit_text(code: int | None) -> str:
     return f"exited with code {code}"
 
 
+def hang_floor(run: RunInfo) -> float:
+    """The least the hang threshold is: ``--hang-after`` (``LaunchSpec.hang_after_s``), else ``HANG_AFTER_S``."""
+    return run.spec.hang_after_s if run.spec.hang_after_s is not None and run.spec.hang_after_s > 0 else HANG_AFTER_S
+
+
+def hang_threshold(run: RunInfo) -> float:
+    """Seconds without a step record that make a hang: max(5 x the run's median step time, its floor (120 s))."""
+    floor = hang_floor(run)
+    period = run.telemetry.step_period_s if run.telemetry is not None else None
+    return max(HANG_STEP_FACTOR * (period or 0.0), floor)
+
+
 class RunHealth:
     """The health and claims state of one live run; feed it an Observation every tick.
 
@@ -453,6 +479,7 @@ class RunHealth:
         self._tps: deque[tuple[float, float]] = deque(maxlen=THROUGHPUT_HISTORY_MAX)
         self._last_step: int | None = None
         self._reference: dict[str, float] = {}  # frozen reference median while a drop alert stands
+        self._recovered_since: dict[str, float] = {}  # subject -> since when every step is back above the line
         # claims
         self._first_update: float | None = None
 
@@ -472,6 +499,11 @@ class RunHealth:
     def rank_death(self) -> bool:
         """True while a rank has exited and the run goes on (``--on-rank-death stop`` acts on it)."""
         return any(key[0] == "rank_exited" for key in self._active)
+
+    @property
+    def hung(self) -> Alert | None:
+        """The standing hang alert, if any."""
+        return self._active.get(("hang", "run"))
 
     @property
     def wants_stop(self) -> bool:
@@ -542,6 +574,8 @@ class RunHealth:
         self._heartbeats(obs, going_on, raised)
         self._gpus(obs, going_on and run.state == "running", raised)
         self._throughput(obs, going_on, baseline, raised)
+        self._hang(obs, going_on and run.state == "running", raised)
+        self._stragglers(obs, going_on and run.state == "running", raised)
         self._claims(obs, going_on, raised)
         return raised
 
@@ -725,9 +759,12 @@ class RunHealth:
             key = ("throughput_drop", subject)
             if key in self._active:
                 frozen = self._reference.get(subject, median or 0.0)  # a long drop must not become the new normal
-                if all(v >= THROUGHPUT_RATIO * frozen for v in recent):
+                if not all(v >= THROUGHPUT_RATIO * frozen for v in recent):
+                    self._recovered_since.pop(subject, None)
+                elif now - self._recovered_since.setdefault(subject, now) >= THROUGHPUT_RECOVER_S:
                     self._clear(key, now)
                     self._reference.pop(subject, None)
+                    self._recovered_since.pop(subject, None)
                 continue
             if median is None or median <= 0 or not all(v < THROUGHPUT_RATIO * median for v in recent):
                 continue
@@ -742,7 +779,8 @@ class RunHealth:
                     ts=now,
                     message=(
                         f"{latest:,.0f} tok/s is {pct:.0f}% of {what}: look for a lost or slow rank, a throttled GPU "
-                        f"(`gpudeck status`), or data loading (`py-spy dump` on a rank)"
+                        f"(`gpudeck status`), or data loading (`gpudeck triage {obs.run.id}`); it clears after "
+                        f"{THROUGHPUT_RECOVER_S:.0f} s back above {100 * THROUGHPUT_RATIO:.0f}%"
                     ),
                     data={
                         "tokens_per_s": latest,
@@ -753,6 +791,97 @@ class RunHealth:
                     },
                 ),
             )
+
+    def _hang(self, obs: Observation, running: bool, raised: list[Alert]) -> None:
+        now, run, tel = obs.now, obs.run, obs.run.telemetry
+        key = ("hang", "run")
+        if not running or tel is None or tel.last_step_ts is None:
+            return  # no step yet (still starting up), or stopping / done: a standing alert stays until close()
+        age = now - tel.last_step_ts
+        threshold = hang_threshold(run)
+        if age < threshold:
+            self._clear(key, now)  # a step came: the run moves again
+            return
+        period = tel.step_period_s
+        ranks = sorted(obs.live_ranks)
+        how = {
+            "triage": f"gathering every rank's stacks now (`gpudeck triage {run.id}` shows them)",
+            "alert": f"`gpudeck triage {run.id}` gathers every rank's stacks (--on-hang alert: nothing gathered by itself)",
+            "stop": "gathering every rank's stacks, then stopping the run (--on-hang stop)",
+        }[run.spec.on_hang]
+        basis = f"max({HANG_STEP_FACTOR:g} x median step {period or 0:.2f} s, {hang_floor(run):.0f} s)"
+        alive = f"{len(ranks)} rank{'' if len(ranks) == 1 else 's'} alive" if ranks else "its processes alive"
+        self._raise(
+            raised,
+            key,
+            lambda: Alert(
+                kind="hang",
+                severity="critical",
+                ts=now,
+                message=(
+                    f"no step for {age:.0f} s (hang threshold {threshold:.0f} s: {basis}) after step {tel.step} "
+                    f"with {alive}: the run is hung; {how}"
+                ),
+                data={
+                    "seconds": round(age, 1),
+                    "threshold_s": round(threshold, 1),
+                    "step": tel.step,
+                    "step_period_s": period,
+                    "live_ranks": ranks,
+                    "on_hang": run.spec.on_hang,
+                },
+            ),
+        )
+
+    def _stragglers(self, obs: Observation, running: bool, raised: list[Alert]) -> None:
+        now, run, tel = obs.now, obs.run, obs.run.telemetry
+        if not running or tel is None:
+            return
+        window = run.spec.straggler_window if run.spec.straggler_window else STRAGGLER_WINDOW
+        medians: dict[int, float] = {}
+        for rt in tel.ranks.values():
+            if len(rt.compute_recent) >= window and rt.rank in obs.live_ranks:
+                medians[rt.rank] = float(statistics.median(rt.compute_recent[-window:]))
+        slow: set[str] = set()
+        if len(medians) >= 2:
+            by_uuid = {u: i for i, u in obs.gpu_uuids.items()}
+            for rank, mine in sorted(medians.items()):
+                others = float(statistics.median(v for r, v in medians.items() if r != rank))
+                if others <= 0 or mine < STRAGGLER_RATIO * others:
+                    continue
+                slow.add(str(rank))
+                rt = tel.ranks[str(rank)]
+                gpu = by_uuid.get(rt.gpu_uuid or "")
+                host = rt.host or run.host
+                on = f"GPU {gpu}" if gpu is not None else (rt.device or "its device")
+                ratio = mine / others
+                self._raise(
+                    raised,
+                    ("straggler", str(rank)),
+                    lambda: Alert(
+                        kind="straggler",
+                        severity="warning",
+                        ts=now,
+                        rank=rank,
+                        gpu=gpu,
+                        pid=obs.live_ranks.get(rank),
+                        message=(
+                            f"rank {rank} on {host} ({on}) is a straggler: it computes {mine * 1000:.0f} ms a step, "
+                            f"{ratio:.2f}x the {others * 1000:.0f} ms median of the other ranks (median of {window} steps); "
+                            f"every rank runs at its pace — look at its GPU's clocks and temperature (`gpudeck status`) "
+                            f"or its host's load"
+                        ),
+                        data={
+                            "host": host,
+                            "device": rt.device,
+                            "compute_s": round(mine, 4),
+                            "others_compute_s": round(others, 4),
+                            "ratio": round(ratio, 3),
+                            "window": window,
+                        },
+                    ),
+                )
+        self._clear_kind("straggler", slow, now)
 
     def claims_report(self, obs: Observation) -> list[ClaimRow]:
         """Claimed vs observed, with this run's own throughput median when it has one."""

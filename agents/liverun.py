@@ -33,6 +33,7 @@ class LiveRun:
     last_obs: Observation | None = None
     baseline: object = _UNSET  # Baseline | None once looked up
     first_death: Alert | None = None
+    triage_task: asyncio.Task | None = None  # the triage being gathered (agents/triage.py: one at a time)
     reported_pids: set[int] = field(default_factory=set)  # outside/other-uid pids already logged
 
     @property

@@ -169,6 +169,10 @@ class LaunchSpec(msgspec.Struct, gc=False, kw_only=True, omit_defaults=True):
     rdzv_port: int | None = None  # torchrun rendezvous port that must be free
     checkpoint_dir: str | None = None  # where checkpoints go (room checked; --resume N looked up)
     on_rank_death: Literal["alert", "stop"] = "alert"
+    # a live run whose steps stop advancing: triage (evidence, then the alert), alert only, or triage then stop
+    on_hang: Literal["triage", "alert", "stop"] = "triage"
+    straggler_window: int | None = None  # steps each rank's compute time is compared over (None: 8)
+    hang_after_s: float | None = None  # the floor of the hang threshold (None: 120 s); the threshold is max(5 x median step, this)
     expected_ranks: int | None = None  # known from torchrun arguments; the manifest's world size otherwise
     claims: Claims | None = None
     # multi-node: every node has the same run id; node_rank 0 is the rendezvous host
@@ -188,6 +192,10 @@ class RankTelemetry(msgspec.Struct, gc=False, kw_only=True, omit_defaults=True):
     pid: int | None = None
     step: int | None = None
     last_seen: float | None = None
+    host: str | None = None  # from the manifest (multi-node: which host the rank runs on)
+    stack_signal: str | None = None  # the signal its faulthandler dumps all threads' stacks on, into RUN_DIR/stacks
+    compute_recent: list[float] = []  # seconds computing (not waiting in collectives) of its last steps, newest last
+    wait_recent: list[float] = []  # seconds waiting in collectives of the same steps
 
 
 class RunTelemetry(msgspec.Struct, gc=False, kw_only=True, omit_defaults=True):
@@ -214,12 +222,14 @@ class RunTelemetry(msgspec.Struct, gc=False, kw_only=True, omit_defaults=True):
     last_rejection: str | None = None  # the latest, e.g. "telemetry line 812 rejected: nesting deeper than 64"
     tps_history: list[float] = []
     ranks: dict[str, RankTelemetry] = {}
+    last_step_ts: float | None = None  # when the newest step record was written (the trainer's clock)
+    step_period_s: float | None = None  # median seconds per step over the recent steps
 
 
 class Alert(msgspec.Struct, gc=False, kw_only=True, omit_defaults=True):
     """A health or claims problem of a live run (failures 4 and 7); raised once, cleared when it ends."""
 
-    kind: Literal["rank_exited", "heartbeat_lost", "gpu_idle", "throughput_drop", "claim_mismatch", "node_lost"]
+    kind: Literal["rank_exited", "heartbeat_lost", "gpu_idle", "throughput_drop", "claim_mismatch", "node_lost", "hang", "straggler"]
     message: str  # says what happened and what to do
     ts: float
     severity: Literal["warning", "critical"] = "warning"
@@ -338,6 +348,37 @@ class RunInfo(msgspec.Struct, gc=False, kw_only=True, omit_defaults=True):
     preflight: PreflightResult | None = None
     env: EnvFingerprint | None = None
     containment: ContainmentInfo | None = None
+
+
+class RankEvidence(msgspec.Struct, gc=False, kw_only=True, omit_defaults=True):
+    """What a triage found about one rank's process (or, without ranks, one member of the run)."""
+
+    rank: int | None = None
+    pid: int
+    host: str = ""
+    state: str | None = None  # running, sleeping, disk-sleep (D), zombie, stopped ... (psutil's words)
+    cpu_percent: float | None = None  # over the triage's sampling interval
+    gpu: int | None = None
+    gpu_util: int | None = None
+    gpu_memory: int | None = None  # bytes the rank's pid holds on its GPU
+    method: str = ""  # faulthandler | py-spy | none
+    method_why: str = ""  # why that method (or why none could be used)
+    stacks: str = ""  # every thread's Python stack, as the method wrote it (bounded)
+    where: str = ""  # the innermost frame of the main thread: "time.sleep in fsdp_lm.py:123 (maybe_sleep_for_test)"
+    in_collective: bool | None = None  # the main thread is inside torch.distributed / a collective wait
+
+
+class Triage(msgspec.Struct, gc=False, kw_only=True, omit_defaults=True):
+    """Evidence from every rank of a run, gathered when a hang is raised or on demand (``gpudeck triage RUN``)."""
+
+    run_id: str
+    ts: float
+    reason: str  # "hang alert" | "on demand"
+    culprit: str  # one line: who is stuck where, and what the others do
+    seconds: float = 0.0  # how long gathering took
+    ranks: list[RankEvidence] = []
+    flight_recorder: str = ""  # torch's Flight Recorder summary, or why there is none
+    missing: list[str] = []  # what could not be gathered, and why
 
 
 class StoppedProcess(msgspec.Struct, gc=False, kw_only=True, omit_defaults=True):
@@ -530,6 +571,12 @@ class VerifyRun(_Msg, tag="verify_run", kw_only=True):
     run_id: str
 
 
+class TriageRun(_Msg, tag="triage_run", kw_only=True):
+    """Gather a triage of a live run now (stacks, states, CPU, GPU of every rank); stored with the run."""
+
+    run_id: str
+
+
 Request = Union[
     Hello,
     Ping,
@@ -549,6 +596,7 @@ Request = Union[
     Fingerprint,
     RebuildEnv,
     VerifyRun,
+    TriageRun,
 ]
 
 # ----------------------------------------------------------------------------- replies
@@ -659,6 +707,12 @@ class VerifyReply(_Msg, tag="verify_reply", kw_only=True):
     alerts: list[Alert] = []
 
 
+class TriageReply(_Msg, tag="triage_reply", kw_only=True):
+    """Reply to TriageRun."""
+
+    triage: Triage
+
+
 class StreamEnd(_Msg, tag="stream_end", kw_only=True):
     """A stream ended (cancelled, or nothing more will come)."""
 
@@ -687,6 +741,7 @@ Reply = Union[
     LeftoverList,
     FingerprintReply,
     VerifyReply,
+    TriageReply,
     StreamEnd,
     Error,
 ]

@@ -29,7 +29,7 @@ from typing import Any
 
 import msgspec
 
-from gpudeck.agents import __version__, envs, paths
+from gpudeck.agents import __version__, envs, paths, triage
 from gpudeck.agents.errors import AgentError, BadRequest, StorageError, VersionMismatch
 from gpudeck.agents.gpus import make_sampler
 from gpudeck.agents.journal import Journal
@@ -77,6 +77,8 @@ from gpudeck.agents.protocol import (
     Stop,
     StopReply,
     StreamEnd,
+    TriageReply,
+    TriageRun,
     VerifyReply,
     VerifyRun,
     WatchSnapshots,
@@ -814,6 +816,10 @@ class _Conn:
         run, rows = self.agent.supervisor.verify(req.run_id)
         await self.send(VerifyReply(request_id=req.request_id, run_id=run.id, rows=rows, alerts=run.alerts))
 
+    async def _triage_run(self, req: TriageRun) -> None:
+        t = await triage.on_demand(self.agent.supervisor, req.run_id)
+        await self.send(TriageReply(request_id=req.request_id, triage=t))
+
     async def _cancel(self, req: Cancel) -> None:
         task = self.streams.pop(req.target, None)
         if task is None:
@@ -919,6 +925,7 @@ _HANDLERS: dict[type, Callable[[_Conn, Any], Awaitable[None]]] = {
     Fingerprint: _Conn._fingerprint,
     RebuildEnv: _Conn._rebuild_env,
     VerifyRun: _Conn._verify_run,
+    TriageRun: _Conn._triage_run,
     Cancel: _Conn._cancel,
 }
 # requests that open a stream (cancelled with Cancel, or replaced by a new one with the same request_id)

@@ -35,6 +35,7 @@ import errno
 import os
 import re
 import stat
+import statistics
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Annotated, Any
@@ -48,6 +49,7 @@ MAX_LINE = 1 << 20  # bytes in one line
 MAX_DEPTH = 64  # arrays and objects inside each other
 MAX_RANK = 65535
 MAX_RANKS = 4096  # distinct ranks one run's summary keeps
+STEP_WINDOW = 20  # recent steps kept for the step period and each rank's compute / wait times
 MAX_REJECTIONS_KEPT = 100  # pending rejections held for take_rejections(); the count goes on
 INT_MIN, INT_MAX = -(2**63), 2**63 - 1
 
@@ -68,6 +70,8 @@ class TelemetryLine(msgspec.Struct, kw_only=True):
     queue_depth: float | None = None
     mem_peak_gib: float | None = None
     tau: float | None = None
+    compute_s: float | None = None
+    wait_s: float | None = None
     pid: Int64 | None = None
     world_size: Int64 | None = None
     params_total: Int64 | None = None
@@ -191,6 +195,7 @@ class TelemetryTail:
         self._skipping = False  # inside a line longer than MAX_LINE: drop bytes up to its newline
         self._skip_start = (0, 0)
         self._file_refused = False
+        self._periods: list[float] = []  # seconds per step between the recent new steps
 
     def take_rejections(self) -> list[TelemetryRejection]:
         """The lines refused since the last call (at most MAX_REJECTIONS_KEPT; ``rejected`` counts all)."""
@@ -318,6 +323,8 @@ class TelemetryTail:
             s.world_size = rec.get("world_size") if isinstance(rec.get("world_size"), int) else s.world_size
             s.params_total = rec.get("params_total") if isinstance(rec.get("params_total"), int) else s.params_total
             s.params_trainable = rec.get("params_trainable") if isinstance(rec.get("params_trainable"), int) else s.params_trainable
+            r.host = _str(rec.get("host"))
+            r.stack_signal = _str(rec.get("stack_signal"))
             s.start = _str(rec.get("start")) or s.start
             s.config_hash = _str(rec.get("config_hash")) or s.config_hash
             for name in ("dataset_samples", "dataset_tokens"):
@@ -328,6 +335,15 @@ class TelemetryTail:
             step = rec.get("step")
             if isinstance(step, int):
                 r.step = step
+                compute, wait = _num(rec.get("compute_s")), _num(rec.get("wait_s"))
+                if compute is not None and compute >= 0:
+                    r.compute_recent = (r.compute_recent + [compute])[-STEP_WINDOW:]
+                    r.wait_recent = (r.wait_recent + [wait if wait is not None and wait >= 0 else 0.0])[-STEP_WINDOW:]
+                if ts is not None and (s.step is None or step > s.step):
+                    if s.step is not None and s.last_step_ts is not None and ts > s.last_step_ts:
+                        self._periods = (self._periods + [(ts - s.last_step_ts) / (step - s.step)])[-STEP_WINDOW:]
+                        s.step_period_s = round(statistics.median(self._periods), 4)
+                    s.last_step_ts = ts
                 if s.step is None or step >= s.step:
                     new_step = s.step != step
                     s.step = step

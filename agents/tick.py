@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
-from gpudeck.agents import run_end, telemetry_fold
+from gpudeck.agents import run_end, telemetry_fold, triage
 from gpudeck.agents.containment import GroupFigures, put_figures
 from gpudeck.agents.health import Baseline, observe
 from gpudeck.agents.liverun import LiveRun
@@ -225,6 +225,7 @@ def check_health(sup: Supervisor, lr: LiveRun, gpus: list[Gpu], alive_now: dict[
             if a.kind == "rank_exited" and lr.first_death is None:
                 lr.first_death = a
     run.alerts = health.active
+    triage.on_alerts(sup, lr, raised)  # --on-hang: evidence from every rank (then a stop) when a hang is raised
     if health.wants_stop and run.id not in sup._stopping:
         death = lr.first_death
         why = f"a rank died ({death.message.split(':')[0]})" if death else "a rank died"

@@ -24,7 +24,7 @@ from gpudeck.agents import __version__ as agent_version
 from gpudeck.agents import envs, paths
 from gpudeck.agents.client import AgentClient
 from gpudeck.agents.errors import AgentError
-from gpudeck.agents.protocol import RunInfo, Snapshot, VerifyReply, to_builtins
+from gpudeck.agents.protocol import RunInfo, Snapshot, Triage, VerifyReply, to_builtins
 from gpudeck.console import config as cfg
 from gpudeck.console.entry import stdout_gone
 from gpudeck.console.fleet import Fleet, SyncResult
@@ -65,6 +65,7 @@ from gpudeck.console.ops.relaunch import changed_environment, check_environment,
 from gpudeck.console.ops.resolve import fleet_runs
 from gpudeck.console.ops.stop import StopOutcome, reclaim_targets, stop_run
 from gpudeck.console.ops.stop import reclaim as ops_reclaim
+from gpudeck.console.ops.triage import format_triage, triage_run
 from gpudeck.console.quarantine import format_problems
 from gpudeck.console.query import QueryError, is_negation
 from gpudeck.console.rundiff import diff_runs, format_diff
@@ -206,6 +207,8 @@ def intent_from_args(args: argparse.Namespace) -> LaunchIntent:
         rdzv_host=args.rdzv_host,
         checkpoint_dir=args.checkpoint_dir,
         on_rank_death=args.on_rank_death,
+        on_hang=args.on_hang,
+        hang_after_s=args.hang_after,
         expected_ranks=args.expected_ranks,
     )
 
@@ -620,6 +623,22 @@ async def cmd_history(args: argparse.Namespace) -> int:
     return EXIT_UNREACHABLE if missed else 0  # _synced_history named them on stderr
 
 
+async def cmd_triage(args: argparse.Namespace) -> int:
+    async def go(fleet: Fleet) -> tuple[list[tuple[str, Triage]], list[tuple[str, str]]]:
+        return await triage_run(fleet, await _resolve(fleet, args))
+
+    got, failed = await _with_fleet(go, hosts=_host_arg(args))
+    if args.json:
+        print(
+            json.dumps({"triages": [{"host": h, **to_builtins(t)} for h, t in got], "failed": [{"host": h, "error": e} for h, e in failed]})
+        )
+    else:
+        print(terminal_text("\n\n".join(format_triage(t, h) for h, t in got)))
+        for h, e in failed:
+            print(terminal_text(f"gpudeck: {h}: no triage: {e}"), file=sys.stderr)
+    return EXIT_ERROR if failed or not got else 0
+
+
 async def cmd_show(args: argparse.Namespace) -> int:
     history, syncs = await _synced_history(args)
     try:
@@ -762,6 +781,18 @@ def build_parser() -> argparse.ArgumentParser:
         default="alert",
         help="when a rank dies and the run goes on: alert (default) or stop the whole run",
     )
+    spec_args.add_argument(
+        "--on-hang",
+        default="triage",
+        help="when steps stop advancing: triage (default: stacks of every rank, then the alert), alert, or stop",
+    )
+    spec_args.add_argument(
+        "--hang-after",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="hang threshold floor (default 120; the threshold is max(5 x median step, this))",
+    )
     spec_args.add_argument("--expected-ranks", type=int, default=None, help="ranks the run must have (default: the manifest's world size)")
     spec_args.add_argument("--claim-gpus", type=int, default=None, help="GPUs the run is claimed to use (checked against NVML)")
     spec_args.add_argument("--claim-params", default=None, help="parameters claimed, e.g. 1.1B (checked against the manifest)")
@@ -810,6 +841,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default=None, help=host_help + "; default: the host that has the run")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_verify)
+
+    p = sub.add_parser("triage", help="a live run's evidence now: every rank's stacks, state, CPU, GPU and the likely culprit (stored)")
+    p.add_argument("run", help="run id, unique id prefix, or name")
+    p.add_argument("--host", default=None, help=host_help + "; default: the host that has the run")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_triage)
 
     p = sub.add_parser("runs", help="every run the agents have recorded (every host, or one with --host)")
     p.add_argument("--host", default=None, help=host_help)

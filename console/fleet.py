@@ -57,6 +57,8 @@ from gpudeck.agents.protocol import (
     Stop,
     StopReply,
     StopResult,
+    TriageReply,
+    TriageRun,
     VerifyReply,
     VerifyRun,
     WatchSnapshots,
@@ -597,6 +599,12 @@ class Fleet:
         """Claims vs observed for a run."""
         reply = await self._request(host, VerifyRun(run_id=run_id))
         assert isinstance(reply, VerifyReply)
+        return reply
+
+    async def triage(self, host: str, run_id: str) -> TriageReply:
+        """Every rank's evidence of a live run, gathered now and stored with it (agents/triage.py)."""
+        reply = await self._request(host, TriageRun(run_id=run_id))
+        assert isinstance(reply, TriageReply)
         return reply
 
     async def sync_history(self, timeout: float = 20.0, hosts: list[str] | None = None) -> list[SyncResult]:

@@ -12,6 +12,7 @@ from msgspec import UNSET, UnsetType
 from gpudeck.agents.protocol import PreflightResult, RunInfo, Snapshot, StopResult, to_builtins
 from gpudeck.console.fmt import duration, elapsed, gib, when
 from gpudeck.console.ops.figures import RunFigures, run_figures, tokens_text
+from gpudeck.console.ops.triage import show_lines
 from gpudeck.console.records import EventRecord, RunRecord
 
 
@@ -259,6 +260,7 @@ def format_show(run: RunRecord, events: list[EventRecord], figures: RunFigures |
         )
     for a in run.alerts or []:
         lines.append(f"  ALERT {a.get('kind')}: {a.get('message')}")
+    lines += show_lines(events)
     members = run.members or []
     if members:
         lines.append(f"  members ({len(members)}):")

@@ -9,6 +9,8 @@ One table each, read by every side instead of a copy per side:
   and DCP's ``.metadata`` when complete), as ``trainers/checkpoint.py`` writes it;
 - the named model configs (:data:`PRESETS`) and the index-list syntax
   (:func:`parse_index_list`: ``0,1`` / ``0-3``), from ``trainers/presets.py``;
+- :func:`stack_file`: where a trainer rank's faulthandler writes its stacks in
+  the run's folder (``RUN_DIR/stacks/rank<R>.<PID>.txt``), for gpudeck's triage;
 - :data:`TRAINER_ARGS`: the trainer options that pre-flight's memory estimate
   reads, declared once (name, what it takes, default, which trainers have it).
 
@@ -38,6 +40,7 @@ __all__ = [
     "TrainerArg",
     "kind_of_module",
     "parse_index_list",
+    "stack_file",
     "trainer_module",
     "start_argv",
     "step_dirname",
@@ -114,6 +117,12 @@ def start_argv(start: str) -> list[str]:
 
 
 # ----------------------------------------------------------------------------- checkpoints
+
+
+def stack_file(run_dir: str, rank: int, pid: int) -> str:
+    """Where rank ``rank`` (pid ``pid``) of a trainer appends its stacks on the triage's signal (trainers/diagnostics.py)."""
+    return f"{run_dir}/stacks/rank{rank}.{pid}.txt"
+
 
 CHECKPOINTS_DIRNAME = "checkpoints"  # OUT/checkpoints
 CHECKPOINT_MARKER = "gpudeck_checkpoint.json"  # written by rank 0 once every rank finished

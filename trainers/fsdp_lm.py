@@ -114,6 +114,9 @@ from gpudeck.trainers.runtime import (
 # ------------------------------------------------------------------ command line
 
 
+COLLECTIVE_TIMEOUT_S = 300.0  # a collective not done by then fails the run (set after step 1)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m gpudeck.trainers.fsdp_lm",
@@ -665,6 +668,7 @@ def main(argv: list[str] | None = None) -> int:
         read_prepared_manifest,
         split_tokens,
     )
+    from gpudeck.trainers.diagnostics import CollectiveClock, install_stack_dump, maybe_sleep_for_test
     from gpudeck.trainers.flops import MFU_CONVENTION, model_flops, peak_flops
     from gpudeck.trainers.flops import mfu as compute_mfu
     from gpudeck.trainers.profiling import StepProfiler
@@ -688,6 +692,7 @@ def main(argv: list[str] | None = None) -> int:
     tel = Telemetry(rank=ctx.rank)
     register(ctx=ctx, telemetry=tel)
     tel.start_heartbeat()
+    stack_fields = install_stack_dump(ctx.rank)  # every thread's stack into the run's folder on SIGUSR2 (gpudeck triage)
     t_start = time.time()
 
     if plan.archive_existing:
@@ -818,6 +823,7 @@ def main(argv: list[str] | None = None) -> int:
         install_chunked_loss(model, args.loss_chunk_rows)
     prefetch = args.prefetch == "yes" or (args.prefetch == "auto" and on_gpu)
     feeder = BatchFeeder(batches, device, pin=on_gpu, ahead=prefetch)
+    clock = CollectiveClock(on_cuda=on_gpu)  # a step's compute vs collective-wait seconds (CPU: wall time)
     profiler = StepProfiler(args.profile_start, args.profile_steps, on_gpu, ctx.rank)
 
     info = device_info(device)
@@ -877,6 +883,7 @@ def main(argv: list[str] | None = None) -> int:
         torch=torch.__version__,
         transformers=_transformers_version(),
         **par,
+        **stack_fields,
     )
     tel.manifest(**manifest)
     if ctx.rank == 0:
@@ -920,7 +927,9 @@ def main(argv: list[str] | None = None) -> int:
         last_saved = at
 
     while step < args.max_steps:
+        maybe_sleep_for_test(step + 1, ctx.rank)
         t0 = time.perf_counter()
+        clock_start = clock.mark()
         maybe_fail_for_test(step + 1, ctx.rank)
         profiler.before_step(step + 1)
         loss_sum = torch.zeros((), device=device)
@@ -979,6 +988,7 @@ def main(argv: list[str] | None = None) -> int:
             grad_norm=gn_val,
             step_time_s=round(dt, 5),
             tokens=step * tokens_per_step,
+            **clock.split(dt, clock_start),
         )
         if ctx.rank == 0 and (step % args.log_every == 0 or step == args.max_steps):
             mfu_s = f"{100 * mfu_val:.1f}%" if mfu_val is not None else "n/a"
@@ -991,7 +1001,9 @@ def main(argv: list[str] | None = None) -> int:
             )
         profiler.after_step(step)
         if step == 1:
-            set_collective_timeout(ctx, 100.0)
+            # torchtitan shortens it to 100 s here; gpudeck's hang alert (120 s by default) and its triage
+            # (within 30 s) must come while the ranks are still alive to be looked at
+            set_collective_timeout(ctx, COLLECTIVE_TIMEOUT_S)
         if stop_now or (args.stop_at_step is not None and step >= args.stop_at_step):
             stopped = True
             break

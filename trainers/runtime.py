@@ -211,6 +211,9 @@ def init_distributed(device: str = "auto", init_timeout_s: float = 300.0, single
         dev = torch.device("cuda", local_rank)
         backend: str | None = "nccl"
         os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")
+        from gpudeck.trainers.diagnostics import enable_flight_recorder
+
+        enable_flight_recorder()  # NCCL only (gloo has no Flight Recorder): before the process group exists
     else:
         dev = torch.device("cpu")
         backend = "gloo"

@@ -80,6 +80,8 @@ class LaunchIntent:
     rdzv_host: str | None = None
     checkpoint_dir: str | None = None
     on_rank_death: str = "alert"
+    on_hang: str = "triage"
+    hang_after_s: float | None = None
     expected_ranks: int | None = None
     parent: str | None = None
     operator: str | None = None  # None: the caller's

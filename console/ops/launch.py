@@ -157,6 +157,12 @@ def plan_launch(
     check_positive(intent.expected_ranks, "expected ranks", "give the ranks the run must have, or leave it out")
     if intent.on_rank_death not in ("alert", "stop"):
         raise IntentError("on rank death", f"{intent.on_rank_death!r} is not a choice", "choose alert or stop")
+    if intent.on_hang not in ("triage", "alert", "stop"):
+        raise IntentError("on hang", f"{intent.on_hang!r} is not a choice", "choose triage, alert or stop")
+    if intent.hang_after_s is not None and not intent.hang_after_s > 0:
+        raise IntentError(
+            "hang after", f"{intent.hang_after_s} is not a positive number of seconds", "give seconds, e.g. 300, or leave it out (120)"
+        )
     if intent.need_gib is not None and intent.need_gib < 0:
         raise IntentError("need GiB", f"{intent.need_gib} is negative", "give the GiB each GPU needs")
     if intent.rdzv_port is not None and not 0 < intent.rdzv_port < 65536:
@@ -197,6 +203,8 @@ def plan_launch(
         rdzv_port=intent.rdzv_port,
         checkpoint_dir=intent.checkpoint_dir,
         on_rank_death=intent.on_rank_death,  # type: ignore[arg-type]
+        on_hang=intent.on_hang,  # type: ignore[arg-type]
+        hang_after_s=intent.hang_after_s,
         expected_ranks=intent.expected_ranks,
         claims=claims,
     )

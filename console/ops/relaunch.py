@@ -125,6 +125,8 @@ def intent_from_spec(spec: LaunchSpec, host: str, conf: cfg.Config | None = None
         rdzv_host=rdzv_host,
         checkpoint_dir=spec.checkpoint_dir,
         on_rank_death=spec.on_rank_death,
+        on_hang=spec.on_hang,
+        hang_after_s=spec.hang_after_s,
         expected_ranks=spec.expected_ranks if not hosts and trainer_args is None else None,
         operator=spec.operator,
     )

@@ -9,6 +9,7 @@ from gpudeck.agents.health import (
     GPU_IDLE_S,
     HEARTBEAT_LOST_S,
     RANK_CLEAN_EXIT_GRACE_S,
+    THROUGHPUT_RECOVER_S,
     Baseline,
     Observation,
     RunHealth,
@@ -261,8 +262,17 @@ def test_throughput_drop_vs_own_10_min_median() -> None:
     # a long drop does not become the new normal: still active after 10 minutes, not raised again
     assert feed_steps(h, run, T0 + 130, [312.0] * 400, step0=66) == []
     assert len(h.active) == 1
-    assert feed_steps(h, run, T0 + 930, [1200.0, 1200.0], step0=466) == []
-    assert h.active == [] and kinds(h.cleared_since_last()) == [("throughput_drop", None, None)]
+    # recovery clears only once it has held THROUGHPUT_RECOVER_S (30 s), every step above the line
+    assert feed_steps(h, run, T0 + 930, [1200.0] * 10, step0=466) == []  # 18 s back up
+    assert len(h.active) == 1 and h.cleared_since_last() == []
+    assert feed_steps(h, run, T0 + 950, [312.0, 312.0], step0=476) == []  # down again: the recovery starts over
+    assert feed_steps(h, run, T0 + 954, [1200.0] * 16, step0=478) == []  # 30 s back up from T0 + 954
+    assert len(h.active) == 1
+    assert feed_steps(h, run, T0 + 986, [1200.0], step0=494) == []  # 32 s: cleared
+    cleared = h.cleared_since_last()
+    assert h.active == [] and kinds(cleared) == [("throughput_drop", None, None)]
+    assert cleared[0].cleared is not None and cleared[0].cleared - (T0 + 956) >= THROUGHPUT_RECOVER_S
+    assert "it clears after 30 s back above 60%" in cleared[0].message
 
 
 def test_throughput_needs_five_samples_over_a_minute() -> None:

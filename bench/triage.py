@@ -1,0 +1,162 @@
+"""Benchmark: from the hang threshold to a stored triage, for a real torchrun of fsdp_lm on CPU (gloo) at 4 and 16 ranks.
+
+A real agent (tests/agent_harness.py) launches ``fsdp_lm --model-config tiny`` under torchrun with
+``--hang-after H``; the middle rank sleeps before step K (``GPUDECK_TEST_SLEEP_AT_STEP``), outside any
+collective, so the others wait in FSDP's all-gather. Figures, per rank count:
+
+- ``alert``: the hang alert's time minus the moment the threshold was crossed (the last step record's
+  time + the threshold, both as the alert states them): the tick's share (goal: within 10 s);
+- ``stored``: the journal event ``triage``'s time minus that moment (goal: 30 s at 16 ranks);
+- ``gather``: the triage's own ``seconds`` (signals, CPU sampling, the dumps read);
+- whether the culprit line names the sleeping rank, and by which method each rank's stacks came.
+
+And the cost of the compute/wait measurement (``trainers/diagnostics.py``'s timed ``Work.wait``): the
+time one gloo ``all_reduce`` + ``wait`` takes with and without the wrapper (one-rank group, same process,
+alternating blocks), times the waits each step of the benchmarked run made (its ``waits`` field), over
+that step's time (``step_time_s``): the share of a step the measurement costs.
+
+Usage: python bench/triage.py [--ranks 4,16] [--hang-after 5] [--overhead-only]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from gpudeck.agents.protocol import GetEvents, GetRun
+from tests.agent_harness import AgentProc, teardown_agent
+
+
+def run_dir(a: AgentProc, rid: str) -> str:
+    """The run's folder, as the agent has it."""
+    return str(a.ask(GetRun(run_id=rid))["run"]["run_dir"])
+
+
+def one(ranks: int, hang_after: float, sleep_at: int, per_wait: float) -> dict[str, Any]:
+    """Launch, wait for the triage, measure, stop."""
+    home = Path(tempfile.mkdtemp(prefix="gdb-", dir="/tmp"))
+    a = AgentProc(home).start()
+    try:
+        argv = [
+            sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
+            "-m", "gpudeck.trainers.fsdp_lm", "--model-config", "tiny", "--fresh", "--out", str(home / "out"),
+            "--max-steps", "100000", "--batch-size", "1", "--seq-len", "32", "--checkpoint-every", "100000",
+            "--no-final-checkpoint", "--corpus-bytes", "200000", "--no-export", "--device", "cpu",
+        ]  # fmt: skip
+        victim = ranks // 2
+        rid = a.cli_json(
+            "launch", "--name", f"bench-hang-{ranks}", "--cwd", str(ROOT), "--hang-after", str(hang_after),
+            "--env", f"GPUDECK_TEST_SLEEP_AT_STEP={sleep_at}:{victim}:900", "--env", "OMP_NUM_THREADS=1", "--", *argv,
+        )["id"]  # fmt: skip
+        t0 = time.monotonic()
+        while True:
+            evs = [e for e in a.ask(GetEvents(after_seq=0))["events"] if e.get("run_id") == rid]
+            tri = [e for e in evs if e["kind"] == "triage"]
+            hang = [e for e in evs if e["kind"] == "alert" and e["data"]["alert"]["kind"] == "hang"]
+            if tri and hang:
+                break
+            if time.monotonic() - t0 > 900:
+                raise SystemExit(f"{ranks} ranks: no triage after 900 s; agent log: {a.log()}")
+            time.sleep(0.5)
+        alert = hang[0]["data"]["alert"]
+        crossed = alert["ts"] - (alert["data"]["seconds"] - alert["data"]["threshold_s"])
+        t = tri[0]["data"]["triage"]
+        steps = [json.loads(x) for x in (Path(run_dir(a, rid)) / "telemetry.jsonl").read_text().splitlines() if '"step"' in x]
+        shares = [
+            r["waits"] * per_wait / r["step_time_s"] for r in steps if r.get("type") == "step" and r.get("waits") and r.get("step_time_s")
+        ]
+        alive = a.ask(GetRun(run_id=rid))["run"]["state"] == "running"
+        a.cli("stop", rid, "--grace", "2", check=False, timeout=300)
+        return {
+            "ranks": ranks,
+            "threshold_s": alert["data"]["threshold_s"],
+            "alert_s": alert["ts"] - crossed,
+            "stored_s": tri[0]["ts"] - crossed,
+            "gather_s": t["seconds"],
+            "names_victim": t["culprit"].startswith(f"rank {victim} "),
+            "methods": sorted({e["method"] for e in t["ranks"]}),
+            "ranks_with_stacks": sum(1 for e in t["ranks"] if e["stacks"]),
+            "alive_after": alive,
+            "culprit": t["culprit"],
+            "waits": statistics.median(r["waits"] for r in steps if r.get("type") == "step" and r.get("waits")) if shares else None,
+            "overhead_pct": 100 * statistics.median(shares) if shares else None,
+        }
+    finally:
+        teardown_agent(a)
+        shutil.rmtree(home, ignore_errors=True)
+
+
+def overhead(n: int = 4000) -> float:
+    """Seconds the timed Work.wait adds to one wait (median of 5 alternating blocks of ``n``)."""
+    import os
+
+    import torch
+    import torch.distributed as dist
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    x = torch.ones(4)
+    original = dist.Work.wait
+
+    def block() -> float:
+        t0 = time.perf_counter()
+        for _ in range(n):
+            dist.all_reduce(x, async_op=True).wait()
+        return (time.perf_counter() - t0) / n
+
+    from gpudeck.trainers.diagnostics import CollectiveClock
+
+    CollectiveClock(on_cuda=False)
+    wrapped = dist.Work.wait
+    plain_t, wrapped_t = [], []
+    for _ in range(5):
+        dist.Work.wait = original  # type: ignore[method-assign]
+        plain_t.append(block())
+        dist.Work.wait = wrapped  # type: ignore[method-assign]
+        wrapped_t.append(block())
+    p, w = statistics.median(plain_t), statistics.median(wrapped_t)
+    dist.destroy_process_group()
+    print(f"all_reduce+wait on a one-rank gloo group: {p * 1e6:.1f} us plain, {w * 1e6:.1f} us timed: {(w - p) * 1e6:+.2f} us per wait")
+    return w - p
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--ranks", default="4,16")
+    ap.add_argument("--hang-after", type=float, default=30.0, help="the threshold's floor (short floors misfire on a loaded host)")
+    ap.add_argument("--sleep-at", type=int, default=6, help="the step the middle rank sleeps before")
+    ap.add_argument("--overhead-only", action="store_true")
+    args = ap.parse_args()
+    per_wait = overhead()
+    print(f"timed Work.wait: {per_wait * 1e6:+.2f} us per wait (one-rank gloo all_reduce, with vs without, alternating)", flush=True)
+    if args.overhead_only:
+        return
+    for n in (int(x) for x in args.ranks.split(",")):
+        r = one(n, args.hang_after, args.sleep_at, per_wait)
+        print(
+            f"{r['ranks']:>3} ranks: threshold {r['threshold_s']:.1f} s; hang alert {r['alert_s']:+.1f} s after it; "
+            f"triage stored {r['stored_s']:+.1f} s after it (gathered in {r['gather_s']:.1f} s); "
+            f"stacks from {r['ranks_with_stacks']}/{r['ranks']} ranks by {', '.join(r['methods'])}; "
+            f"names the sleeping rank: {r['names_victim']}; run alive after: {r['alive_after']}",
+            flush=True,
+        )
+        print(f"     culprit: {r['culprit']}", flush=True)
+        if r["overhead_pct"] is not None:
+            print(
+                f"     compute/wait measurement: {r['waits']:.0f} timed waits a step, {r['overhead_pct']:.4f}% of a step (median)",
+                flush=True,
+            )
+
+
+if __name__ == "__main__":
+    main()
