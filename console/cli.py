@@ -57,9 +57,10 @@ from gpudeck.console.ops import (
     run_figures,
     start_of,
 )
+from gpudeck.console.ops.holders import ReclaimLaunch, plan_holders, reclaim_and_launch
 from gpudeck.console.ops.intent import check_start, env_items
+from gpudeck.console.ops.launch import LaunchPlan, plan_here
 from gpudeck.console.ops.launch import launch as ops_launch
-from gpudeck.console.ops.launch import plan_here
 from gpudeck.console.ops.launch import preflight as ops_preflight
 from gpudeck.console.ops.relaunch import changed_environment, check_environment, rebuild_environment, recorded_environment
 from gpudeck.console.ops.resolve import fleet_runs
@@ -282,8 +283,41 @@ def _print_multinode(result: LaunchResult, as_json: bool, show_secrets: bool) ->
 
 async def cmd_launch(args: argparse.Namespace) -> int:
     p = plan_here(intent_from_args(args))
+    if args.reclaim_holders:
+        if args.force:
+            raise CliError("--reclaim-holders and --force: choose one (reclaim the holders, or launch past them with --force)")
+        return await _launch_reclaiming(args, p)
     result = await _with_fleet(lambda f: ops_launch(f, p, request_id=args.request_id or ""), hosts=p.hosts)
     return _print_launch(result, args.json, args.show_secrets)
+
+
+def _step(text: str) -> None:
+    """One step of reclaim-and-launch, on stderr (stdout keeps the run id or the JSON)."""
+    print(terminal_text(f"gpudeck: {text}"), file=sys.stderr, flush=True)
+
+
+async def _launch_reclaiming(args: argparse.Namespace, p: LaunchPlan) -> int:
+    """``launch --reclaim-holders``: pre-flight; if only stale/foreign holders of yours refuse it, reclaim exactly those
+    (each step printed), pre-flight again and launch (the console's "Reclaim these and launch" runs the same)."""
+
+    async def go(fleet: Fleet) -> ReclaimLaunch | LaunchResult:
+        _step(f"pre-flight on {', '.join(p.hosts)}")
+        first = await ops_preflight(fleet, p)
+        if all(o.preflight is not None and o.preflight.ok for o in first):
+            _step("pre-flight passed: nothing to reclaim; launching")
+            return await ops_launch(fleet, p, request_id=args.request_id or "")
+        holders = await plan_holders(fleet, p, first)
+        _step(f"pre-flight refused the launch; {len(holders.to_stop)} process(es) to reclaim:")
+        for line in holders.lines():
+            _step(f"  {line}")
+        return await reclaim_and_launch(fleet, p, holders, request_id=args.request_id or "", grace_s=args.grace, step=_step)
+
+    done = await _with_fleet(go, hosts=p.hosts)
+    if isinstance(done, LaunchResult):
+        return _print_launch(done, args.json, args.show_secrets)
+    if done.refused is not None or done.result is None:
+        raise OpsError(f"reclaim-and-launch stopped: {done.refused}")
+    return _print_launch(done.result, args.json, args.show_secrets)
 
 
 async def cmd_preflight(args: argparse.Namespace) -> int:
@@ -792,6 +826,14 @@ def build_parser() -> argparse.ArgumentParser:
         "the same key with any difference is refused",
     )
     add_show_secrets(p)
+    p.add_argument(
+        "--reclaim-holders",
+        action="store_true",
+        help="when pre-flight refuses because stale or foreign processes of yours hold the GPUs: stop exactly those (TERM, "
+        "--grace, KILL, verified), pre-flight again and launch, printing each step; another user's process, a process this host "
+        "cannot see, or a failure reclaiming cannot fix refuses it before anything is stopped",
+    )
+    p.add_argument("--grace", type=float, default=10.0, help="with --reclaim-holders: seconds between SIGTERM and SIGKILL (default 10)")
 
     p.set_defaults(func=cmd_launch)
 
