@@ -68,8 +68,9 @@ from gpudeck.console.ops.stop import StopOutcome, reclaim_targets, stop_run
 from gpudeck.console.ops.stop import reclaim as ops_reclaim
 from gpudeck.console.quarantine import format_problems
 from gpudeck.console.query import QueryError, is_negation
-from gpudeck.console.rundiff import diff_runs, format_diff
+from gpudeck.console.rundiff import format_diff
 from gpudeck.console.sanitize import SECRET_RULE, redact_events, redact_raw_event, redact_record, redact_run, terminal_text
+from gpudeck.console.views import run_diff
 
 EXIT_ERROR = 1
 EXIT_USAGE = 2
@@ -84,14 +85,18 @@ class CliError(Exception):
 # ----------------------------------------------------------------------------- commands
 
 
-async def _with_fleet(fn: Callable[[Fleet], Awaitable[T]], hosts: list[str] | None = None, history: History | None = None) -> T:
+async def _with_fleet(
+    fn: Callable[[Fleet], Awaitable[T]], hosts: list[str] | None = None, history: History | None = None, remember: bool = True
+) -> T:
     """Run ``fn(fleet)`` on a request-only Fleet (the same API the console uses).
 
-    The fleet always has the history, so a stop asked for while a host was
-    cut off is delivered the next time any command reaches that host.
+    The fleet has the history, so a stop asked for while a host was cut off is
+    delivered the next time any command reaches that host; ``remember=False``
+    (a look at a host the config does not name) leaves the history alone, so a
+    typo never becomes a host it remembers as unreachable.
     """
     own = history is None
-    if history is None:
+    if history is None and remember:
         try:
             history = History()
         except HistoryError as exc:
@@ -137,7 +142,8 @@ def snapshot_json(snap: Snapshot, show_secrets: bool) -> dict[str, Any]:
 async def cmd_status(args: argparse.Namespace) -> int:
     if args.host:
         try:
-            snap = await _with_fleet(lambda f: f.snapshot(args.host), hosts=[args.host])
+            known = args.host in cfg.load().names
+            snap = await _with_fleet(lambda f: f.snapshot(args.host), hosts=[args.host], remember=known)
         except AgentError as exc:  # the one host asked for did not answer (or not safely): nothing to show, exit 3
             if args.json:
                 print(json.dumps({"unreachable": [{"host": args.host, "error": exc.message}]}))
@@ -394,7 +400,7 @@ async def cmd_diff(args: argparse.Namespace) -> int:
         history.close()
     if not args.show_secrets:
         a, b = redact_record(a), redact_record(b)
-    d = diff_runs(a, b, ma, mb)
+    d = run_diff(a, b, ma, mb)  # as the console's Diff screen: the command argument by argument too
     if args.json:
         print(
             json.dumps(
@@ -571,10 +577,14 @@ async def cmd_hosts(args: argparse.Namespace) -> int:
         print("check a new host with `gpudeck hosts --check` (it must be reachable as `ssh NAME` and have gpudeck installed)")
         return 0
     if action == "remove":
+        rc = 0
         for name in args.names:
-            removed = cfg.remove_host(name)
-            print(f"{name}: {'removed from' if removed else 'not in'} {cfg.config_path()}")
-        return 0
+            if cfg.remove_host(name):
+                print(f"{name}: removed from {cfg.config_path()}")
+            else:  # a typo must not read as done: a script learns nothing was removed
+                print(terminal_text(f"gpudeck: {name}: not in {cfg.config_path()} (`gpudeck hosts` lists the hosts)"), file=sys.stderr)
+                rc = EXIT_ERROR
+        return rc
     conf = cfg.load()
     rows = [
         HostLine(name=h.name, transport="unix" if h.name == cfg.LOCAL else "ssh", command="-" if h.name == cfg.LOCAL else h.command)

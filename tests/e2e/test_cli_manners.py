@@ -1,0 +1,69 @@
+"""The CLI behaves like the tools beside it: --version, a closed pipe without a traceback, a wrong filter value or host
+refused with a non-zero exit, negation without --, a typo'd --host not remembered, diff argument by argument and
+never cut, and `runs --json` / `history --json` sharing kind, cause_class and alerts (real agent, real SQLite)."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.agent_harness import AgentProc, wait_for
+
+GPUDECK = [sys.executable, "-m", "gpudeck.console.cli"]
+
+
+def _run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([*GPUDECK, *args], capture_output=True, text=True, timeout=60, env=env)
+
+
+def test_version_filters_and_hosts_refuse_like_the_tools_beside_it(gpudeck_home: Path) -> None:
+    cp = _run("--version")
+    assert cp.returncode == 0 and cp.stdout.startswith("gpudeck ")
+    cp = _run("history", "--no-sync", "state:bogus")
+    assert cp.returncode == 2 and "state:bogus: not a state" in cp.stderr and "failed" in cp.stderr
+    assert _run("history", "--no-sync", "state:~fail").returncode == 0  # a substring is still free text
+    cp = _run("history", "--no-sync", "-state:running", "state:ended")
+    assert cp.returncode == 0 and "no runs match" in cp.stdout, cp.stderr
+    cp = _run("hosts", "remove", "nosuch")
+    assert cp.returncode == 1 and "nosuch: not in" in cp.stderr
+    cp = _run("status", "--host", "typo.invalid")
+    assert cp.returncode == 3
+    db = next(gpudeck_home.rglob("history.db"), None)
+    if db is not None:  # the history was made by another command; it must not remember the typo as a host
+        assert not list(sqlite3.connect(db).execute("SELECT name FROM hosts WHERE name='typo.invalid'"))
+
+
+def test_a_closed_pipe_ends_quietly(gpudeck_home: Path) -> None:
+    for args in (["hosts", "list"], ["history", "--no-sync"], ["history", "--no-sync", "--json"]):
+        p = subprocess.Popen([*GPUDECK, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        assert p.stdout is not None and p.stderr is not None
+        p.stdout.close()  # `| head` that has read enough before the command writes
+        err = p.stderr.read()
+        assert p.wait(timeout=60) in (0, 141) and "Traceback" not in err, err
+
+
+def test_diff_is_argument_by_argument_and_never_cut(agent: AgentProc) -> None:
+    long = "x" * 150
+    a = agent.cli("launch", "--name", "a", "--", sys.executable, "-c", "pass", "--lr", "3e-4", long).stdout.strip()
+    b = agent.cli("launch", "--name", "b", "--", sys.executable, "-c", "pass", "--lr", "1e-4", long + "y").stdout.strip()
+    for rid in (a, b):
+        wait_for(lambda rid=rid: next(r for r in agent.cli_json("runs") if r["id"] == rid)["state"] == "succeeded", 30, what=rid)
+    out = agent.cli("diff", a, b).stdout
+    assert "--lr" in out and "3e-4" in out and "1e-4" in out, out
+    assert long + "y" in out  # never cut to a width
+    everything = agent.cli("diff", a, b, "--all").stdout
+    assert "cwd" in everything and "cwd" not in out
+
+
+def test_runs_and_history_json_share_kind_cause_class_and_alerts(agent: AgentProc) -> None:
+    rid = agent.cli("launch", "--name", "shape", "--", sys.executable, "-c", "raise SystemExit(3)").stdout.strip()
+    wait_for(lambda: next(r for r in agent.cli_json("runs") if r["id"] == rid)["state"] == "failed", 30, what="the run to fail")
+    live = next(r for r in agent.cli_json("runs") if r["id"] == rid)
+    hist = next(r for r in json.loads(agent.cli("history", "--json", f"id:{rid}").stdout) if r["id"] == rid)
+    for key in ("id", "host", "name", "kind", "state", "cause", "cause_class", "exit_code", "alerts", "spec", "members"):
+        assert key in live and key in hist, key
+    for key in ("id", "name", "kind", "state", "cause", "cause_class", "exit_code", "alerts"):
+        assert live[key] == hist[key], (key, live[key], hist[key])
