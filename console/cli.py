@@ -59,7 +59,7 @@ from gpudeck.console.ops import (
 )
 from gpudeck.console.ops.holders import ReclaimLaunch, plan_holders, reclaim_and_launch
 from gpudeck.console.ops.intent import check_start, env_items
-from gpudeck.console.ops.launch import LaunchPlan, plan_here
+from gpudeck.console.ops.launch import LaunchPlan, is_trainer, plan_here
 from gpudeck.console.ops.launch import launch as ops_launch
 from gpudeck.console.ops.launch import preflight as ops_preflight
 from gpudeck.console.ops.relaunch import changed_environment, check_environment, rebuild_environment, recorded_environment
@@ -420,7 +420,7 @@ async def cmd_diff(args: argparse.Namespace) -> int:
 
 
 async def _relaunch(args: argparse.Namespace, good_ref: str | None) -> int:
-    start = check_start(start_of(args.fresh, args.resume), needed=True)
+    check_start(start_of(args.fresh, args.resume), needed=False)  # a malformed --resume is refused before any host is asked
     history, syncs = await _synced_history(args)
     down = [r.host for r in syncs if not r.ok]
     try:
@@ -429,6 +429,9 @@ async def _relaunch(args: argparse.Namespace, good_ref: str | None) -> int:
     finally:
         history.close()
     spec = row.launch_spec()
+    # only a trainer has a start to choose (no default); a plain command runs again as it was
+    started = good.launch_spec() if good is not None and args.config_from else spec
+    start = check_start(start_of(args.fresh, args.resume), needed=is_trainer(started.argv, started.kind))
     host = args.host or row.host
     hosts = list(spec.nodes) if len(spec.nodes) > 1 else [host]  # a multi-node run is relaunched on all its hosts
 
@@ -960,7 +963,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_show_secrets(start_args)
 
     p = sub.add_parser(
-        "relaunch", parents=[sync_args, start_args], help="run a recorded run's config again: --fresh or --resume N is required"
+        "relaunch", parents=[sync_args, start_args], help="run a recorded run's config again (a trainer: --fresh or --resume N is required)"
     )
     p.add_argument("run")
     p.set_defaults(func=cmd_relaunch)

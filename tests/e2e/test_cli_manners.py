@@ -67,3 +67,14 @@ def test_runs_and_history_json_share_kind_cause_class_and_alerts(agent: AgentPro
         assert key in live and key in hist, key
     for key in ("id", "name", "kind", "state", "cause", "cause_class", "exit_code", "alerts"):
         assert live[key] == hist[key], (key, live[key], hist[key])
+
+
+def test_relaunch_and_rollback_of_a_plain_command_ask_for_no_start(agent: AgentProc) -> None:
+    rid = agent.cli("launch", "--name", "plain", "--", sys.executable, "-c", "pass").stdout.strip()
+    wait_for(lambda: next(r for r in agent.cli_json("runs") if r["id"] == rid)["state"] == "succeeded", 30, what="the run")
+    again = json.loads(agent.cli("relaunch", rid, "--json").stdout)
+    assert again["spec"]["parent"] == rid and again["spec"]["argv"] == [sys.executable, "-c", "pass"]
+    back = json.loads(agent.cli("rollback", rid, "--to", rid, "--json").stdout)
+    assert back["spec"]["parent"] == rid and back["spec"].get("start") is None
+    cp = agent.cli("relaunch", rid, "--resume", "x", check=False)  # a malformed start is still refused
+    assert cp.returncode == 2 and "not a step" in cp.stderr
