@@ -71,10 +71,13 @@ from gpudeck.console.query import QueryError, is_negation
 from gpudeck.console.rundiff import format_diff
 from gpudeck.console.sanitize import SECRET_RULE, redact_events, redact_raw_event, redact_record, redact_run, terminal_text
 from gpudeck.console.views import run_diff
+from gpudeck.console.waiting import enable as enable_progress
+from gpudeck.console.waiting import waiting
 
 EXIT_ERROR = 1
 EXIT_USAGE = 2
 EXIT_UNREACHABLE = 3  # a host the command needed did not answer: the answer is partial (README, Command line)
+DEFAULT_WATCH_S = 2.0  # status --watch's redraw interval, as watch(1)'s
 T = TypeVar("T")
 
 
@@ -139,33 +142,120 @@ def snapshot_json(snap: Snapshot, show_secrets: bool) -> dict[str, Any]:
     return out
 
 
+def _matches_run(run_id: str | None, name: str | None, ref: str) -> bool:
+    return bool(run_id and run_id.startswith(ref)) or (name is not None and name == ref)
+
+
+def filtered(snap: Snapshot, user: str | None = None, run: str | None = None, pid: int | None = None) -> Snapshot:
+    """The snapshot with only the GPU processes and live runs of ``user``, ``run`` (id prefix or name) and ``pid``
+    (every filter given must hold); the GPUs themselves are all kept."""
+    if user is None and run is None and pid is None:
+        return snap
+    names = {r.id: r.name for r in snap.runs}
+
+    def proc_ok(p: Any) -> bool:
+        return (
+            (user is None or p.user == user)
+            and (run is None or _matches_run(p.run_id, names.get(p.run_id or ""), run))
+            and (pid is None or p.pid == pid)
+        )
+
+    def run_ok(r: RunInfo) -> bool:
+        return (
+            (user is None or r.spec.operator == user)
+            and (run is None or _matches_run(r.id, r.name, run))
+            and (pid is None or any(m.pid == pid for m in r.members))
+        )
+
+    gpus = [msgspec.structs.replace(g, processes=[p for p in g.processes if proc_ok(p)]) for g in snap.gpus]
+    return msgspec.structs.replace(
+        snap, gpus=gpus, runs=[r for r in snap.runs if run_ok(r)], processes=[p for p in snap.processes if proc_ok(p)]
+    )
+
+
+async def _statuses(fleet: Fleet, names: list[str]) -> list[HostStatus]:
+    """Every named host's snapshot now (in parallel); a host that does not answer is a row with its error."""
+    snaps = await asyncio.gather(*(fleet.snapshot(h) for h in names), return_exceptions=True)
+    out = []
+    for h, s in zip(names, snaps):
+        if isinstance(s, AgentError):
+            out.append(HostStatus(h, "unreachable", s.message, None))
+        elif isinstance(s, BaseException):
+            raise s
+        else:
+            out.append(HostStatus(h, "up", None, s))
+    return out
+
+
+async def _watch_status(args: argparse.Namespace) -> int:
+    """``status --watch``: the status every ``-n`` seconds, redrawn in place on a terminal (one frame after another
+    otherwise; one JSON document a line with --json) until Ctrl-C or ``--count`` frames."""
+    if args.interval <= 0:
+        raise CliError(f"-n {args.interval}: give the seconds between redraws, more than 0 (e.g. -n 2)")
+    names = [args.host] if args.host else None
+    remember = args.host is None or args.host in cfg.load().names
+    tty = sys.stdout.isatty() and not args.json
+    shown = ", ".join(f"{k}={v}" for k, v in (("user", args.user), ("run", args.run), ("pid", args.pid)) if v is not None)
+
+    async def loop(fleet: Fleet) -> int:
+        frames = 0
+        rc = 0
+        while args.count is None or frames < args.count:
+            t0 = time.monotonic()
+            rows = await _statuses(fleet, names or list(fleet.links))
+            rc = EXIT_UNREACHABLE if any(r.snapshot is None for r in rows) else 0
+            view = [(r, filtered(r.snapshot, args.user, args.run, args.pid) if r.snapshot else None) for r in rows]
+            if args.json:
+                doc = {
+                    "ts": time.time(),
+                    "hosts": [{"host": r.host, "snapshot": snapshot_json(s, args.show_secrets) if s else None} for r, s in view],
+                    "unreachable": [{"host": r.host, "error": r.error} for r, s in view if s is None],
+                }
+                print(json.dumps(doc), flush=True)
+            else:
+                head = f"every {args.interval:g} s" + (f", only {shown}" if shown else "") + f"  {time.strftime('%H:%M:%S')}"
+                body = "\n\n".join(
+                    format_status(s, r.host) if s else f"host {r.host}  UNREACHABLE: {why_down(r.host, r.error)}" for r, s in view
+                )
+                frame = terminal_text(f"{head}\n{body}")
+                if tty:  # redraw in place: home, each line cleared to its end, the rest of the screen cleared
+                    sys.stdout.write("\x1b[H" + "\n".join(line + "\x1b[K" for line in frame.split("\n")) + "\x1b[J")
+                    sys.stdout.flush()
+                else:
+                    print(frame + "\n", flush=True)
+            frames += 1
+            if args.count is not None and frames >= args.count:
+                break
+            await asyncio.sleep(max(0.0, args.interval - (time.monotonic() - t0)))
+        return rc
+
+    if tty:
+        sys.stdout.write("\x1b[2J")
+    return await _with_fleet(loop, hosts=names, remember=remember)
+
+
 async def cmd_status(args: argparse.Namespace) -> int:
+    if args.watch:
+        return await _watch_status(args)
+    if args.count is not None or args.interval != DEFAULT_WATCH_S:
+        raise CliError("-n and --count go with --watch (e.g. gpudeck status --watch -n 2)")
     if args.host:
         try:
             known = args.host in cfg.load().names
-            snap = await _with_fleet(lambda f: f.snapshot(args.host), hosts=[args.host], remember=known)
+            with waiting(f"connecting to {args.host}"):
+                snap = await _with_fleet(lambda f: f.snapshot(args.host), hosts=[args.host], remember=known)
         except AgentError as exc:  # the one host asked for did not answer (or not safely): nothing to show, exit 3
             if args.json:
                 print(json.dumps({"unreachable": [{"host": args.host, "error": exc.message}]}))
             print(terminal_text(f"gpudeck: {exc.message}"), file=sys.stderr)
             return EXIT_UNREACHABLE
+        snap = filtered(snap, args.user, args.run, args.pid)
         print(json.dumps(snapshot_json(snap, args.show_secrets)) if args.json else terminal_text(format_status(snap, args.host)))
         return 0
 
-    async def every(fleet: Fleet) -> list[HostStatus]:
-        names = list(fleet.links)
-        snaps = await asyncio.gather(*(fleet.snapshot(h) for h in names), return_exceptions=True)
-        out = []
-        for h, s in zip(names, snaps):
-            if isinstance(s, AgentError):
-                out.append(HostStatus(h, "unreachable", s.message, None))
-            elif isinstance(s, BaseException):
-                raise s
-            else:
-                out.append(HostStatus(h, "up", None, s))
-        return out
-
-    rows = await _with_fleet(every)
+    with waiting(f"connecting to {len(cfg.load().names)} host(s)"):
+        rows = await _with_fleet(lambda f: _statuses(f, list(f.links)))
+    rows = [msgspec.structs.replace(r, snapshot=filtered(r.snapshot, args.user, args.run, args.pid)) if r.snapshot else r for r in rows]
     if args.json:
         print(
             json.dumps(
@@ -293,7 +383,8 @@ async def cmd_launch(args: argparse.Namespace) -> int:
         if args.force:
             raise CliError("--reclaim-holders and --force: choose one (reclaim the holders, or launch past them with --force)")
         return await _launch_reclaiming(args, p)
-    result = await _with_fleet(lambda f: ops_launch(f, p, request_id=args.request_id or ""), hosts=p.hosts)
+    with waiting(f"launching on {', '.join(p.hosts)}"):
+        result = await _with_fleet(lambda f: ops_launch(f, p, request_id=args.request_id or ""), hosts=p.hosts)
     return _print_launch(result, args.json, args.show_secrets)
 
 
@@ -454,10 +545,13 @@ async def _relaunch(args: argparse.Namespace, good_ref: str | None) -> int:
                     f"gpudeck: {good.id}'s environment changed ({len(check.changes)} difference(s)); rebuilding it from its recorded freeze on {host} ...",
                     file=sys.stderr,
                 )
-                python, path = await rebuild_environment(fleet, host, recorded)
+                with waiting(f"rebuilding {good.id}'s environment on {host}"):
+                    python, path = await rebuild_environment(fleet, host, recorded)
                 print(f"gpudeck: rebuilt at {path}: matches the recorded fingerprint (freeze {recorded.freeze_hash[:12]})", file=sys.stderr)
             intent = rollback_intent(spec, row.id, good.launch_spec(), host, start, python, args.config_from, good_host=good.host)
-        return await ops_launch(fleet, plan_here(intent))
+        plan = plan_here(intent)
+        with waiting(f"launching on {', '.join(plan.hosts)}"):
+            return await ops_launch(fleet, plan)
 
     result = await _with_fleet(go, hosts=hosts)
     return _print_launch(result, args.json, args.show_secrets)
@@ -472,7 +566,8 @@ async def cmd_rollback(args: argparse.Namespace) -> int:
 
 
 async def cmd_runs(args: argparse.Namespace) -> int:
-    listed = await _with_fleet(lambda f: fleet_runs(f, _host_arg(args), limit=args.limit), hosts=_host_arg(args))
+    with waiting(f"asking {len(_host_arg(args)) or len(cfg.load().names)} host(s) for their runs"):
+        listed = await _with_fleet(lambda f: fleet_runs(f, _host_arg(args), limit=args.limit), hosts=_host_arg(args))
     runs = []
     for h, run in listed.runs:
         run.host = h  # the fleet's name for the host, not the agent's own hostname
@@ -554,7 +649,8 @@ async def cmd_stop(args: argparse.Namespace) -> int:
         async def stop(fleet: Fleet) -> StopOutcome:
             return await stop_run(fleet, await _resolve(fleet, args, destructive=True), args.grace, history)
 
-        done = await _with_fleet(stop, hosts=_host_arg(args), history=history)
+        with waiting(f"stopping {args.run}: SIGTERM sent, SIGKILL after {args.grace:g} s"):
+            done = await _with_fleet(stop, hosts=_host_arg(args), history=history)
     finally:
         history.close()
     out = [{**to_builtins(res), "host": h} for h, res in done.results]
@@ -619,7 +715,8 @@ async def _synced_history(args: argparse.Namespace) -> tuple[History, list[SyncR
     history = History()
     if getattr(args, "no_sync", False):
         return history, []
-    results = await _with_fleet(lambda f: f.sync_history(timeout=args.sync_timeout), hosts=_host_arg(args), history=history)
+    with waiting(f"syncing the history from {len(_host_arg(args)) or len(cfg.load().names)} host(s)"):
+        results = await _with_fleet(lambda f: f.sync_history(timeout=args.sync_timeout), hosts=_host_arg(args), history=history)
     for r in results:
         if not r.ok:
             print(f"gpudeck: {r.host} not reachable, its newest runs may be missing: {r.error}", file=sys.stderr)
@@ -775,7 +872,20 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("status", help="GPUs, who holds them, and live runs: every host, or one with --host")
     p.add_argument("--host", default=None, help=host_help + "; default: every host")
-    p.add_argument("--json", action="store_true", help="print the snapshot(s) as JSON")
+    p.add_argument("--json", action="store_true", help="print the snapshot(s) as JSON (with --watch: one JSON document a line)")
+    p.add_argument("--watch", "-w", action="store_true", help="redraw every -n seconds, in place on a terminal, until Ctrl-C")
+    p.add_argument(
+        "-n",
+        "--interval",
+        type=float,
+        default=DEFAULT_WATCH_S,
+        metavar="SECONDS",
+        help=f"with --watch: seconds between redraws (default {DEFAULT_WATCH_S:g})",
+    )
+    p.add_argument("--count", type=int, default=None, metavar="N", help="with --watch: stop after N redraws (default: until Ctrl-C)")
+    p.add_argument("--user", default=None, help="only the GPU processes and live runs of this user")
+    p.add_argument("--run", default=None, metavar="RUN", help="only this run's GPU processes and run (id prefix or name)")
+    p.add_argument("--pid", type=int, default=None, help="only this GPU process (and the live run it is a member of)")
     add_show_secrets(p)
     p.set_defaults(func=cmd_status)
 
@@ -1034,6 +1144,7 @@ def _main(argv: list[str] | None) -> int:
 
             return run_console()
         args = ap.parse_args(["status"])  # not a terminal (a pipe, a script): print the status instead
+    enable_progress(not getattr(args, "json", False))  # --json is for scripts: nothing but the document
     try:
         if getattr(args, "func", None) is None:
             return int(args.sync(args) or 0)

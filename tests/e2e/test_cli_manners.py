@@ -78,3 +78,47 @@ def test_relaunch_and_rollback_of_a_plain_command_ask_for_no_start(agent: AgentP
     assert back["spec"]["parent"] == rid and back["spec"].get("start") is None
     cp = agent.cli("relaunch", rid, "--resume", "x", check=False)  # a malformed start is still refused
     assert cp.returncode == 2 and "not a step" in cp.stderr
+
+
+def test_status_watch_redraws_with_a_filter_and_json_lines(agent: AgentProc) -> None:
+    rid = agent.cli("launch", "--name", "watched", "--", sys.executable, "-c", "import time; time.sleep(60)").stdout.strip()
+    wait_for(lambda: next(r for r in agent.cli_json("runs") if r["id"] == rid)["state"] == "running", 30, what="the run")
+    out = agent.cli("status", "--host", "local", "--watch", "-n", "0.2", "--count", "2", "--run", "watched").stdout
+    assert out.count("every 0.2 s, only run=watched") == 2 and rid in out and "\x1b[" not in out  # not a terminal: frames
+    none = agent.cli("status", "--host", "local", "--watch", "-n", "0.2", "--count", "1", "--run", "nosuch").stdout
+    assert rid not in none and "no live runs" in none
+    lines = agent.cli("status", "--host", "local", "--watch", "--json", "-n", "0.2", "--count", "2", "--user", "nobody").stdout.splitlines()
+    docs = [json.loads(x) for x in lines]
+    assert len(docs) == 2 and docs[0]["hosts"][0]["host"] == "local" and docs[0]["hosts"][0]["snapshot"]["runs"] == []
+    cp = agent.cli("status", "-n", "1", check=False)
+    assert cp.returncode == 2 and "go with --watch" in cp.stderr
+    agent.cli("stop", rid, "--grace", "1")
+
+
+def test_a_wait_on_a_terminal_shows_progress_on_stderr_and_none_with_json(agent: AgentProc) -> None:
+    import os
+    import pty
+
+    prog = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('up', flush=True); time.sleep(120)"
+    rid = agent.cli("launch", "--name", "stubborn", "--", sys.executable, "-c", prog).stdout.strip()
+    wait_for(lambda: next(r for r in agent.cli_json("runs") if r["id"] == rid)["state"] == "running", 30, what="the run")
+    wait_for(lambda: "up" in agent.cli("tail", rid).stdout, 30, what="its SIGTERM handler")
+    master, slave = pty.openpty()
+    p = subprocess.Popen([*GPUDECK, "stop", rid, "--grace", "3"], env=agent.env, stdout=subprocess.PIPE, stderr=slave)
+    os.close(slave)
+    seen = b""
+    while True:
+        try:
+            chunk = os.read(master, 4096)
+        except OSError:  # the terminal's other end closed: the command is done
+            break
+        if not chunk:
+            break
+        seen += chunk
+    os.close(master)
+    out, _ = p.communicate(timeout=60)
+    text = seen.decode(errors="replace")
+    assert p.returncode == 0 and f"stopping {rid}: SIGTERM sent" in text and "s)" in text, text
+    assert b"SIGKILL" in out  # the verified result on stdout, as without a terminal
+    quiet = agent.cli("status", "--json").stderr
+    assert quiet == ""
