@@ -100,7 +100,7 @@ def form_from(intent: LaunchIntent) -> dict[str, str]:
         "ranks": str(intent.nproc_per_node) if intent.nproc_per_node else "",
         "hosts": ",".join(intent.hosts),
         "python": intent.python or "",
-        "need-gib": f"{intent.need_gib:g}" if intent.need_gib is not None else "",
+        "need_gib": f"{intent.need_gib:g}" if intent.need_gib is not None else "",
     }
 
 
@@ -313,9 +313,9 @@ class LaunchDialog(Guarded, ModalScreen[LaunchOutcome | None]):
                 yield Button("Cancel (esc)", id="cancel")
 
     def on_mount(self) -> None:
-        for field in ("args", "name", "python", "ranks", "hosts", "need-gib"):
+        for field in ("args", "name", "python", "ranks", "hosts", "need_gib"):
             if field in self._prefill:
-                self.query_one(f"#{field}", Input).value = self._prefill[field]
+                self.query_one(f"#{field.replace('_', '-')}", Input).value = self._prefill[field]
         if "kind" in self._prefill:
             self.query_one("#kind", Select).value = self._prefill["kind"]
         self._fill_gpus(str(self.query_one("#host", Select).value))
