@@ -1,10 +1,16 @@
-"""The Launch dialog's "Reclaim these and launch", driven with Pilot against a real agent on SIMULATED GPUs with a real
+"""Reclaim-and-launch against a real agent on SIMULATED GPUs with a real foreign holder process: the CLI's
+``gpudeck launch --reclaim-holders`` (each step printed, another user's holder refused before anything is stopped),
+and the Launch dialog's "Reclaim these and launch", driven with Pilot against a real agent on SIMULATED GPUs with a real
 foreign holder process: pre-flight refuses, the first action names the pid (user, GiB, age), asks once, reclaims it
 with the verified GiB freed, pre-flights again and launches; --force stays the second choice; need-gib is a field."""
 
 from __future__ import annotations
 
 import getpass
+import json
+import os
+import subprocess
+import sys
 
 from textual.widgets import Button, Input, SelectionList, Static
 
@@ -14,7 +20,7 @@ from gpudeck.console.screens.dialogs import ConfirmDialog
 from gpudeck.console.screens.launch import LaunchDialog
 from gpudeck.console.screens.run import RunScreen
 from gpudeck.console.widgets.keyed_table import KeyedTable
-from tests.agent_harness import AgentProc
+from tests.agent_harness import AgentProc, wait_for
 from tests.functional.conftest import Holder
 from tests.functional.helpers import mounted, open_launch, text_of, until
 
@@ -89,3 +95,65 @@ async def test_need_gib_is_checked_as_a_field(sim_agent: AgentProc) -> None:
         panel = dialog.query_one("#preflight", Static)
         await until(lambda: "gpu_memory" in text_of(panel), timeout=30, what="the pre-flight verdict")
         assert "500.0 GiB" in text_of(panel) and "given with --need-gib" in text_of(panel)
+
+
+# ----------------------------------------------------------------------------- the CLI
+
+
+def _held(a: AgentProc, pid: int) -> None:
+    wait_for(
+        lambda: any(p["pid"] == pid for p in a.cli_json("status", "--host", "local")["gpus"][1]["processes"]),
+        20,
+        what="the holder on GPU 1",
+    )
+
+
+def test_reclaim_holders_names_reclaims_verifies_preflights_again_and_launches(sim_agent: AgentProc, foreign_holder: Holder) -> None:
+    a = sim_agent
+    _held(a, foreign_holder.pid)
+    cp = a.cli("launch", "--reclaim-holders", "--grace", "2", "--gpus", "1", "--name", "after", "--", "sleep", "30", check=False)
+    assert cp.returncode == 0, cp.stdout + cp.stderr
+    err = cp.stderr
+    rid = cp.stdout.strip()
+    # each step, in order: the refusal, the list (pid, user, GiB, age), the verified reclaim, pre-flight again, launch
+    order = [
+        "pre-flight on local",
+        "1 process(es) to reclaim",
+        f"local:{foreign_holder.pid}",
+        "reclaiming 1 process",
+        "GPU 1: 20.0 GiB freed",
+    ]
+    order += ["pre-flight again on local", "pre-flight passed; launching"]
+    at = [err.find(s) for s in order]
+    assert all(i >= 0 for i in at) and at == sorted(at), err
+    line = next(x for x in err.splitlines() if f"local:{foreign_holder.pid}" in x)
+    assert f"user {os.environ.get('USER') or ''}".strip() in line and "GPU 1: 20.0 GiB" in line and "age " in line and "foreign" in line
+    assert not foreign_holder.alive()
+    run = next(r for r in a.cli_json("runs") if r["id"] == rid)
+    assert run["state"] in ("starting", "running") and run.get("name") == "after"
+    a.cli("stop", rid, "--grace", "1")
+
+
+def test_a_holder_of_another_user_is_refused_and_nothing_is_stopped(sim_agent: AgentProc, foreign_holder: Holder) -> None:
+    a = sim_agent
+    _held(a, foreign_holder.pid)
+    # the launch is asked for by another operator (getpass reads LOGNAME/USER): the holder is not theirs
+    env = {**a.env, "LOGNAME": "someone-else", "USER": "someone-else"}
+    cp = subprocess.run(
+        [sys.executable, "-m", "gpudeck.console.cli", "launch", "--reclaim-holders", "--gpus", "1", "--", "sleep", "30"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert cp.returncode == 1, cp.stdout + cp.stderr
+    assert f"local:{foreign_holder.pid}" in cp.stderr and "REFUSED" in cp.stderr and "not to you (someone-else)" in cp.stderr
+    assert "reclaim-and-launch stopped" in cp.stderr and "--force" in cp.stderr
+    assert "reclaiming" not in cp.stderr and foreign_holder.alive()
+    assert not [r for r in a.cli_json("runs") if r["state"] in ("starting", "running")]
+
+
+def test_reclaim_holders_and_force_are_one_choice(sim_agent: AgentProc) -> None:
+    cp = sim_agent.cli("launch", "--reclaim-holders", "--force", "--", "sleep", "1", check=False)
+    assert cp.returncode == 2 and "choose one" in cp.stderr
+    assert json.loads(sim_agent.cli("runs", "--json").stdout) == []
