@@ -57,9 +57,10 @@ from gpudeck.console.ops import (
     run_figures,
     start_of,
 )
+from gpudeck.console.ops.holders import ReclaimLaunch, plan_holders, reclaim_and_launch
 from gpudeck.console.ops.intent import check_start, env_items
+from gpudeck.console.ops.launch import LaunchPlan, is_trainer, plan_here
 from gpudeck.console.ops.launch import launch as ops_launch
-from gpudeck.console.ops.launch import plan_here
 from gpudeck.console.ops.launch import preflight as ops_preflight
 from gpudeck.console.ops.relaunch import changed_environment, check_environment, rebuild_environment, recorded_environment
 from gpudeck.console.ops.resolve import fleet_runs
@@ -68,12 +69,16 @@ from gpudeck.console.ops.stop import reclaim as ops_reclaim
 from gpudeck.console.ops.triage import format_triage, triage_run
 from gpudeck.console.quarantine import format_problems
 from gpudeck.console.query import QueryError, is_negation
-from gpudeck.console.rundiff import diff_runs, format_diff
+from gpudeck.console.rundiff import format_diff
 from gpudeck.console.sanitize import SECRET_RULE, redact_events, redact_raw_event, redact_record, redact_run, terminal_text
+from gpudeck.console.views import run_diff
+from gpudeck.console.waiting import enable as enable_progress
+from gpudeck.console.waiting import waiting
 
 EXIT_ERROR = 1
 EXIT_USAGE = 2
 EXIT_UNREACHABLE = 3  # a host the command needed did not answer: the answer is partial (README, Command line)
+DEFAULT_WATCH_S = 2.0  # status --watch's redraw interval, as watch(1)'s
 T = TypeVar("T")
 
 
@@ -84,14 +89,18 @@ class CliError(Exception):
 # ----------------------------------------------------------------------------- commands
 
 
-async def _with_fleet(fn: Callable[[Fleet], Awaitable[T]], hosts: list[str] | None = None, history: History | None = None) -> T:
+async def _with_fleet(
+    fn: Callable[[Fleet], Awaitable[T]], hosts: list[str] | None = None, history: History | None = None, remember: bool = True
+) -> T:
     """Run ``fn(fleet)`` on a request-only Fleet (the same API the console uses).
 
-    The fleet always has the history, so a stop asked for while a host was
-    cut off is delivered the next time any command reaches that host.
+    The fleet has the history, so a stop asked for while a host was cut off is
+    delivered the next time any command reaches that host; ``remember=False``
+    (a look at a host the config does not name) leaves the history alone, so a
+    typo never becomes a host it remembers as unreachable.
     """
     own = history is None
-    if history is None:
+    if history is None and remember:
         try:
             history = History()
         except HistoryError as exc:
@@ -134,32 +143,120 @@ def snapshot_json(snap: Snapshot, show_secrets: bool) -> dict[str, Any]:
     return out
 
 
+def _matches_run(run_id: str | None, name: str | None, ref: str) -> bool:
+    return bool(run_id and run_id.startswith(ref)) or (name is not None and name == ref)
+
+
+def filtered(snap: Snapshot, user: str | None = None, run: str | None = None, pid: int | None = None) -> Snapshot:
+    """The snapshot with only the GPU processes and live runs of ``user``, ``run`` (id prefix or name) and ``pid``
+    (every filter given must hold); the GPUs themselves are all kept."""
+    if user is None and run is None and pid is None:
+        return snap
+    names = {r.id: r.name for r in snap.runs}
+
+    def proc_ok(p: Any) -> bool:
+        return (
+            (user is None or p.user == user)
+            and (run is None or _matches_run(p.run_id, names.get(p.run_id or ""), run))
+            and (pid is None or p.pid == pid)
+        )
+
+    def run_ok(r: RunInfo) -> bool:
+        return (
+            (user is None or r.spec.operator == user)
+            and (run is None or _matches_run(r.id, r.name, run))
+            and (pid is None or any(m.pid == pid for m in r.members))
+        )
+
+    gpus = [msgspec.structs.replace(g, processes=[p for p in g.processes if proc_ok(p)]) for g in snap.gpus]
+    return msgspec.structs.replace(
+        snap, gpus=gpus, runs=[r for r in snap.runs if run_ok(r)], processes=[p for p in snap.processes if proc_ok(p)]
+    )
+
+
+async def _statuses(fleet: Fleet, names: list[str]) -> list[HostStatus]:
+    """Every named host's snapshot now (in parallel); a host that does not answer is a row with its error."""
+    snaps = await asyncio.gather(*(fleet.snapshot(h) for h in names), return_exceptions=True)
+    out = []
+    for h, s in zip(names, snaps):
+        if isinstance(s, AgentError):
+            out.append(HostStatus(h, "unreachable", s.message, None))
+        elif isinstance(s, BaseException):
+            raise s
+        else:
+            out.append(HostStatus(h, "up", None, s))
+    return out
+
+
+async def _watch_status(args: argparse.Namespace) -> int:
+    """``status --watch``: the status every ``-n`` seconds, redrawn in place on a terminal (one frame after another
+    otherwise; one JSON document a line with --json) until Ctrl-C or ``--count`` frames."""
+    if args.interval <= 0:
+        raise CliError(f"-n {args.interval}: give the seconds between redraws, more than 0 (e.g. -n 2)")
+    names = [args.host] if args.host else None
+    remember = args.host is None or args.host in cfg.load().names
+    tty = sys.stdout.isatty() and not args.json
+    shown = ", ".join(f"{k}={v}" for k, v in (("user", args.user), ("run", args.run), ("pid", args.pid)) if v is not None)
+
+    async def loop(fleet: Fleet) -> int:
+        frames = 0
+        rc = 0
+        while args.count is None or frames < args.count:
+            t0 = time.monotonic()
+            rows = await _statuses(fleet, names or list(fleet.links))
+            rc = EXIT_UNREACHABLE if any(r.snapshot is None for r in rows) else 0
+            view = [(r, filtered(r.snapshot, args.user, args.run, args.pid) if r.snapshot else None) for r in rows]
+            if args.json:
+                doc = {
+                    "ts": time.time(),
+                    "hosts": [{"host": r.host, "snapshot": snapshot_json(s, args.show_secrets) if s else None} for r, s in view],
+                    "unreachable": [{"host": r.host, "error": r.error} for r, s in view if s is None],
+                }
+                print(json.dumps(doc), flush=True)
+            else:
+                head = f"every {args.interval:g} s" + (f", only {shown}" if shown else "") + f"  {time.strftime('%H:%M:%S')}"
+                body = "\n\n".join(
+                    format_status(s, r.host) if s else f"host {r.host}  UNREACHABLE: {why_down(r.host, r.error)}" for r, s in view
+                )
+                frame = terminal_text(f"{head}\n{body}")
+                if tty:  # redraw in place: home, each line cleared to its end, the rest of the screen cleared
+                    sys.stdout.write("\x1b[H" + "\n".join(line + "\x1b[K" for line in frame.split("\n")) + "\x1b[J")
+                    sys.stdout.flush()
+                else:
+                    print(frame + "\n", flush=True)
+            frames += 1
+            if args.count is not None and frames >= args.count:
+                break
+            await asyncio.sleep(max(0.0, args.interval - (time.monotonic() - t0)))
+        return rc
+
+    if tty:
+        sys.stdout.write("\x1b[2J")
+    return await _with_fleet(loop, hosts=names, remember=remember)
+
+
 async def cmd_status(args: argparse.Namespace) -> int:
+    if args.watch:
+        return await _watch_status(args)
+    if args.count is not None or args.interval != DEFAULT_WATCH_S:
+        raise CliError("-n and --count go with --watch (e.g. gpudeck status --watch -n 2)")
     if args.host:
         try:
-            snap = await _with_fleet(lambda f: f.snapshot(args.host), hosts=[args.host])
+            known = args.host in cfg.load().names
+            with waiting(f"connecting to {args.host}"):
+                snap = await _with_fleet(lambda f: f.snapshot(args.host), hosts=[args.host], remember=known)
         except AgentError as exc:  # the one host asked for did not answer (or not safely): nothing to show, exit 3
             if args.json:
                 print(json.dumps({"unreachable": [{"host": args.host, "error": exc.message}]}))
             print(terminal_text(f"gpudeck: {exc.message}"), file=sys.stderr)
             return EXIT_UNREACHABLE
+        snap = filtered(snap, args.user, args.run, args.pid)
         print(json.dumps(snapshot_json(snap, args.show_secrets)) if args.json else terminal_text(format_status(snap, args.host)))
         return 0
 
-    async def every(fleet: Fleet) -> list[HostStatus]:
-        names = list(fleet.links)
-        snaps = await asyncio.gather(*(fleet.snapshot(h) for h in names), return_exceptions=True)
-        out = []
-        for h, s in zip(names, snaps):
-            if isinstance(s, AgentError):
-                out.append(HostStatus(h, "unreachable", s.message, None))
-            elif isinstance(s, BaseException):
-                raise s
-            else:
-                out.append(HostStatus(h, "up", None, s))
-        return out
-
-    rows = await _with_fleet(every)
+    with waiting(f"connecting to {len(cfg.load().names)} host(s)"):
+        rows = await _with_fleet(lambda f: _statuses(f, list(f.links)))
+    rows = [msgspec.structs.replace(r, snapshot=filtered(r.snapshot, args.user, args.run, args.pid)) if r.snapshot else r for r in rows]
     if args.json:
         print(
             json.dumps(
@@ -285,8 +382,42 @@ def _print_multinode(result: LaunchResult, as_json: bool, show_secrets: bool) ->
 
 async def cmd_launch(args: argparse.Namespace) -> int:
     p = plan_here(intent_from_args(args))
-    result = await _with_fleet(lambda f: ops_launch(f, p, request_id=args.request_id or ""), hosts=p.hosts)
+    if args.reclaim_holders:
+        if args.force:
+            raise CliError("--reclaim-holders and --force: choose one (reclaim the holders, or launch past them with --force)")
+        return await _launch_reclaiming(args, p)
+    with waiting(f"launching on {', '.join(p.hosts)}"):
+        result = await _with_fleet(lambda f: ops_launch(f, p, request_id=args.request_id or ""), hosts=p.hosts)
     return _print_launch(result, args.json, args.show_secrets)
+
+
+def _step(text: str) -> None:
+    """One step of reclaim-and-launch, on stderr (stdout keeps the run id or the JSON)."""
+    print(terminal_text(f"gpudeck: {text}"), file=sys.stderr, flush=True)
+
+
+async def _launch_reclaiming(args: argparse.Namespace, p: LaunchPlan) -> int:
+    """``launch --reclaim-holders``: pre-flight; if only stale/foreign holders of yours refuse it, reclaim exactly those
+    (each step printed), pre-flight again and launch (the console's "Reclaim these and launch" runs the same)."""
+
+    async def go(fleet: Fleet) -> ReclaimLaunch | LaunchResult:
+        _step(f"pre-flight on {', '.join(p.hosts)}")
+        first = await ops_preflight(fleet, p)
+        if all(o.preflight is not None and o.preflight.ok for o in first):
+            _step("pre-flight passed: nothing to reclaim; launching")
+            return await ops_launch(fleet, p, request_id=args.request_id or "")
+        holders = await plan_holders(fleet, p, first)
+        _step(f"pre-flight refused the launch; {len(holders.to_stop)} process(es) to reclaim:")
+        for line in holders.lines():
+            _step(f"  {line}")
+        return await reclaim_and_launch(fleet, p, holders, request_id=args.request_id or "", grace_s=args.grace, step=_step)
+
+    done = await _with_fleet(go, hosts=p.hosts)
+    if isinstance(done, LaunchResult):
+        return _print_launch(done, args.json, args.show_secrets)
+    if done.refused is not None or done.result is None:
+        raise OpsError(f"reclaim-and-launch stopped: {done.refused}")
+    return _print_launch(done.result, args.json, args.show_secrets)
 
 
 async def cmd_preflight(args: argparse.Namespace) -> int:
@@ -363,7 +494,7 @@ async def cmd_diff(args: argparse.Namespace) -> int:
         history.close()
     if not args.show_secrets:
         a, b = redact_record(a), redact_record(b)
-    d = diff_runs(a, b, ma, mb)
+    d = run_diff(a, b, ma, mb)  # as the console's Diff screen: the command argument by argument too
     if args.json:
         print(
             json.dumps(
@@ -383,7 +514,7 @@ async def cmd_diff(args: argparse.Namespace) -> int:
 
 
 async def _relaunch(args: argparse.Namespace, good_ref: str | None) -> int:
-    start = check_start(start_of(args.fresh, args.resume), needed=True)
+    check_start(start_of(args.fresh, args.resume), needed=False)  # a malformed --resume is refused before any host is asked
     history, syncs = await _synced_history(args)
     down = [r.host for r in syncs if not r.ok]
     try:
@@ -392,6 +523,9 @@ async def _relaunch(args: argparse.Namespace, good_ref: str | None) -> int:
     finally:
         history.close()
     spec = row.launch_spec()
+    # only a trainer has a start to choose (no default); a plain command runs again as it was
+    started = good.launch_spec() if good is not None and args.config_from else spec
+    start = check_start(start_of(args.fresh, args.resume), needed=is_trainer(started.argv, started.kind))
     host = args.host or row.host
     hosts = list(spec.nodes) if len(spec.nodes) > 1 else [host]  # a multi-node run is relaunched on all its hosts
 
@@ -414,10 +548,13 @@ async def _relaunch(args: argparse.Namespace, good_ref: str | None) -> int:
                     f"gpudeck: {good.id}'s environment changed ({len(check.changes)} difference(s)); rebuilding it from its recorded freeze on {host} ...",
                     file=sys.stderr,
                 )
-                python, path = await rebuild_environment(fleet, host, recorded)
+                with waiting(f"rebuilding {good.id}'s environment on {host}"):
+                    python, path = await rebuild_environment(fleet, host, recorded)
                 print(f"gpudeck: rebuilt at {path}: matches the recorded fingerprint (freeze {recorded.freeze_hash[:12]})", file=sys.stderr)
             intent = rollback_intent(spec, row.id, good.launch_spec(), host, start, python, args.config_from, good_host=good.host)
-        return await ops_launch(fleet, plan_here(intent))
+        plan = plan_here(intent)
+        with waiting(f"launching on {', '.join(plan.hosts)}"):
+            return await ops_launch(fleet, plan)
 
     result = await _with_fleet(go, hosts=hosts)
     return _print_launch(result, args.json, args.show_secrets)
@@ -432,7 +569,8 @@ async def cmd_rollback(args: argparse.Namespace) -> int:
 
 
 async def cmd_runs(args: argparse.Namespace) -> int:
-    listed = await _with_fleet(lambda f: fleet_runs(f, _host_arg(args), limit=args.limit), hosts=_host_arg(args))
+    with waiting(f"asking {len(_host_arg(args)) or len(cfg.load().names)} host(s) for their runs"):
+        listed = await _with_fleet(lambda f: fleet_runs(f, _host_arg(args), limit=args.limit), hosts=_host_arg(args))
     runs = []
     for h, run in listed.runs:
         run.host = h  # the fleet's name for the host, not the agent's own hostname
@@ -514,7 +652,8 @@ async def cmd_stop(args: argparse.Namespace) -> int:
         async def stop(fleet: Fleet) -> StopOutcome:
             return await stop_run(fleet, await _resolve(fleet, args, destructive=True), args.grace, history)
 
-        done = await _with_fleet(stop, hosts=_host_arg(args), history=history)
+        with waiting(f"stopping {args.run}: SIGTERM sent, SIGKILL after {args.grace:g} s"):
+            done = await _with_fleet(stop, hosts=_host_arg(args), history=history)
     finally:
         history.close()
     out = [{**to_builtins(res), "host": h} for h, res in done.results]
@@ -540,10 +679,14 @@ async def cmd_hosts(args: argparse.Namespace) -> int:
         print("check a new host with `gpudeck hosts --check` (it must be reachable as `ssh NAME` and have gpudeck installed)")
         return 0
     if action == "remove":
+        rc = 0
         for name in args.names:
-            removed = cfg.remove_host(name)
-            print(f"{name}: {'removed from' if removed else 'not in'} {cfg.config_path()}")
-        return 0
+            if cfg.remove_host(name):
+                print(f"{name}: removed from {cfg.config_path()}")
+            else:  # a typo must not read as done: a script learns nothing was removed
+                print(terminal_text(f"gpudeck: {name}: not in {cfg.config_path()} (`gpudeck hosts` lists the hosts)"), file=sys.stderr)
+                rc = EXIT_ERROR
+        return rc
     conf = cfg.load()
     rows = [
         HostLine(name=h.name, transport="unix" if h.name == cfg.LOCAL else "ssh", command="-" if h.name == cfg.LOCAL else h.command)
@@ -575,7 +718,8 @@ async def _synced_history(args: argparse.Namespace) -> tuple[History, list[SyncR
     history = History()
     if getattr(args, "no_sync", False):
         return history, []
-    results = await _with_fleet(lambda f: f.sync_history(timeout=args.sync_timeout), hosts=_host_arg(args), history=history)
+    with waiting(f"syncing the history from {len(_host_arg(args)) or len(cfg.load().names)} host(s)"):
+        results = await _with_fleet(lambda f: f.sync_history(timeout=args.sync_timeout), hosts=_host_arg(args), history=history)
     for r in results:
         if not r.ok:
             print(f"gpudeck: {r.host} not reachable, its newest runs may be missing: {r.error}", file=sys.stderr)
@@ -747,7 +891,20 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("status", help="GPUs, who holds them, and live runs: every host, or one with --host")
     p.add_argument("--host", default=None, help=host_help + "; default: every host")
-    p.add_argument("--json", action="store_true", help="print the snapshot(s) as JSON")
+    p.add_argument("--json", action="store_true", help="print the snapshot(s) as JSON (with --watch: one JSON document a line)")
+    p.add_argument("--watch", "-w", action="store_true", help="redraw every -n seconds, in place on a terminal, until Ctrl-C")
+    p.add_argument(
+        "-n",
+        "--interval",
+        type=float,
+        default=DEFAULT_WATCH_S,
+        metavar="SECONDS",
+        help=f"with --watch: seconds between redraws (default {DEFAULT_WATCH_S:g})",
+    )
+    p.add_argument("--count", type=int, default=None, metavar="N", help="with --watch: stop after N redraws (default: until Ctrl-C)")
+    p.add_argument("--user", default=None, help="only the GPU processes and live runs of this user")
+    p.add_argument("--run", default=None, metavar="RUN", help="only this run's GPU processes and run (id prefix or name)")
+    p.add_argument("--pid", type=int, default=None, help="only this GPU process (and the live run it is a member of)")
     add_show_secrets(p)
     p.set_defaults(func=cmd_status)
 
@@ -823,6 +980,14 @@ def build_parser() -> argparse.ArgumentParser:
         "the same key with any difference is refused",
     )
     add_show_secrets(p)
+    p.add_argument(
+        "--reclaim-holders",
+        action="store_true",
+        help="when pre-flight refuses because stale or foreign processes of yours hold the GPUs: stop exactly those (TERM, "
+        "--grace, KILL, verified), pre-flight again and launch, printing each step; another user's process, a process this host "
+        "cannot see, or a failure reclaiming cannot fix refuses it before anything is stopped",
+    )
+    p.add_argument("--grace", type=float, default=10.0, help="with --reclaim-holders: seconds between SIGTERM and SIGKILL (default 10)")
 
     p.set_defaults(func=cmd_launch)
 
@@ -945,7 +1110,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_show_secrets(start_args)
 
     p = sub.add_parser(
-        "relaunch", parents=[sync_args, start_args], help="run a recorded run's config again: --fresh or --resume N is required"
+        "relaunch", parents=[sync_args, start_args], help="run a recorded run's config again (a trainer: --fresh or --resume N is required)"
     )
     p.add_argument("run")
     p.set_defaults(func=cmd_relaunch)
@@ -1016,6 +1181,7 @@ def _main(argv: list[str] | None) -> int:
 
             return run_console()
         args = ap.parse_args(["status"])  # not a terminal (a pipe, a script): print the status instead
+    enable_progress(not getattr(args, "json", False))  # --json is for scripts: nothing but the document
     try:
         if getattr(args, "func", None) is None:
             return int(args.sync(args) or 0)

@@ -9,6 +9,7 @@ from typing import Any
 import msgspec
 from msgspec import UNSET, UnsetType
 
+from gpudeck.agents.causes import cause_class
 from gpudeck.agents.protocol import PreflightResult, RunInfo, Snapshot, StopResult, to_builtins
 from gpudeck.console.fmt import duration, elapsed, gib, when
 from gpudeck.console.ops.figures import RunFigures, run_figures, tokens_text
@@ -140,6 +141,8 @@ def run_json(r: RunInfo) -> dict[str, Any]:
     d = to_builtins(r)
     for k in ("exit_code", "signal", "cause", "started", "ended", "name"):
         d.setdefault(k, None)
+    # the keys `history --json` has too (README, "One record shape")
+    d.update(kind=r.spec.kind, cause_class=cause_class(r.state, r.cause), alerts=d.get("alerts") or [])
     return d
 
 

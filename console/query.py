@@ -29,6 +29,9 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
+from typing import get_args
+
+from gpudeck.agents.protocol import RunState
 
 KEYS = ("state", "host", "kind", "name", "id", "cause", "operator", "parent", "torch", "alert", "since", "until", "limit")
 # column each plain key compares against (never interpolated from user input)
@@ -37,6 +40,7 @@ _META_STATES = {
     "live": ("pending", "starting", "running", "stopping"),
     "ended": ("preflight_failed", "succeeded", "failed", "stopped", "lost"),
 }
+STATES = get_args(RunState)  # what state:VALUE may name (and live / ended)
 _SPAN = re.compile(r"^(\d+(?:\.\d+)?)([smhdw])$")
 _UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
 DEFAULT_LIMIT = 200
@@ -90,6 +94,8 @@ def _term(key: str, value: str, now: float) -> tuple[str, list[object]]:
         if key in ("since", "until"):
             parts.append("COALESCE(started, created) >= ?" if key == "since" else "COALESCE(started, created) <= ?")
             params.append(parse_time(text, now))
+        elif key == "state" and not sub and text not in _META_STATES and text not in STATES:
+            raise QueryError(f"state:{text}: not a state: use one of {', '.join(STATES)}, or live / ended (state:~text for a substring)")
         elif key == "state" and not sub and text in _META_STATES:
             states = _META_STATES[text]
             parts.append(f"state IN ({','.join('?' * len(states))})")

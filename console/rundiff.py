@@ -114,7 +114,8 @@ def diff_runs(
 
 
 def format_diff(d: RunDiff, only_changes: bool = False) -> str:
-    """Side-by-side text, differences marked with '*'."""
+    """Side-by-side text, differences marked with '*'; values are never cut (a long left value puts the right one on
+    the next line, under its column)."""
     lines = []
     width = max((len(r.key) for r in (*d.config, *d.environment, *d.outcome)), default=10)
     col = max(24, max((len(r.a) for r in (*d.config, *d.environment, *d.outcome)), default=0))
@@ -127,7 +128,11 @@ def format_diff(d: RunDiff, only_changes: bool = False) -> str:
             lines.append("  (no differences)")
         for r in shown:
             mark = "*" if r.differs else " "
-            lines.append(f"{mark} {r.key:<{width}}  {r.a[:col]:<{col}}  {r.b[:60]}")
+            if len(r.a) > col:
+                lines.append(f"{mark} {r.key:<{width}}  {r.a}")
+                lines.append(f"  {'':<{width}}  {'':<{col}}  {r.b}")
+            else:
+                lines.append(f"{mark} {r.key:<{width}}  {r.a:<{col}}  {r.b}")
 
     lines.append(f"  {'':<{width}}  {d.a_id:<{col}}  {d.b_id}")
     section("config", d.config)

@@ -6,8 +6,14 @@ form becomes a :class:`~gpudeck.console.ops.LaunchIntent` and the operations lay
 plans it (the same spec the CLI builds for the same intent) and launches it.
 ctrl+s first runs pre-flight on the chosen host(s) (nothing starts); the result
 shows in the dialog and the button turns into the final confirm. Changing any
-field afterwards asks for pre-flight again. If only the GPU-holder check
-failed, the confirm becomes "launch with --force" (the agent records it).
+field afterwards asks for pre-flight again. When stale or foreign processes of
+the operator's hold the GPUs (the GPU-holder check, and the memory they hold),
+the first action is "Reclaim these and launch": it lists exactly those pids
+(user, run, GiB, age), asks once, reclaims them (the verified GiB freed per
+GPU), pre-flights again and launches, all through
+:func:`~gpudeck.console.ops.holders.reclaim_and_launch` (what ``gpudeck launch
+--reclaim-holders`` runs). "Launch with --force" (ctrl+f, recorded by the
+agent) is the second choice.
 """
 
 from __future__ import annotations
@@ -31,11 +37,13 @@ from gpudeck.agents.errors import AgentError
 from gpudeck.agents.protocol import Gpu, LaunchSpec, PreflightResult, RunInfo, Snapshot, new_run_id
 from gpudeck.console.fmt import gib
 from gpudeck.console.ops import IntentError, LaunchIntent, LaunchPlan, LaunchResult, OpsError
+from gpudeck.console.ops.holders import HOLDERS_CHECK, HolderPlan, ReclaimLaunch, plan_holders, reclaim_and_launch
 from gpudeck.console.ops.intent import count_text, form_start
 from gpudeck.console.ops.launch import NodeOutcome, plan_here
 from gpudeck.console.ops.launch import launch as ops_launch
 from gpudeck.console.ops.launch import preflight as ops_preflight
 from gpudeck.console.screens.base import Guarded, deck
+from gpudeck.console.screens.dialogs import ConfirmDialog
 from gpudeck.console.views import gpu_free, holder_label
 from gpudeck.console.widgets.cells import SIMULATED, plain_markup
 from gpudeck.console.widgets.progress import ProgressLine
@@ -55,6 +63,7 @@ class LaunchForm:
     python: str = ""
     start: str = ""  # fresh | resume | ''
     resume_step: str = ""
+    need_gib: str = ""  # GiB each GPU needs (what pre-flight checks the free memory against); '' estimates / skips
 
 
 @dataclass(frozen=True)
@@ -91,7 +100,22 @@ def form_from(intent: LaunchIntent) -> dict[str, str]:
         "ranks": str(intent.nproc_per_node) if intent.nproc_per_node else "",
         "hosts": ",".join(intent.hosts),
         "python": intent.python or "",
+        "need_gib": f"{intent.need_gib:g}" if intent.need_gib is not None else "",
     }
+
+
+def need_gib_text(text: str) -> float | None:
+    """The need-GiB field as a number (None when empty); IntentError names the field (the CLI's --need-gib)."""
+    text = text.strip()
+    if not text:
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        raise IntentError("need GiB", f"{text!r} is not a number", "give the GiB each GPU needs, e.g. 40, or leave it empty") from None
+    if value != value or value in (float("inf"), float("-inf")):
+        raise IntentError("need GiB", f"{text!r} is not a number", "give the GiB each GPU needs, e.g. 40, or leave it empty")
+    return value
 
 
 def intent_from_form(form: LaunchForm, base: LaunchIntent | None = None) -> LaunchIntent:
@@ -113,6 +137,7 @@ def intent_from_form(form: LaunchForm, base: LaunchIntent | None = None) -> Laun
         hosts=tuple(h.strip() for h in form.hosts.split(",") if h.strip()),
         python=form.python.strip() or None,
         start=form_start(form.start, form.resume_step),
+        need_gib=need_gib_text(form.need_gib),
     )
 
 
@@ -172,6 +197,21 @@ def preflight_text(result: PreflightResult | None, error: str | None, host: str)
     return t
 
 
+def holders_text(holders: HolderPlan, confirm: bool = False) -> Text:
+    """The processes "Reclaim these and launch" stops (pid, user, run, GiB, age), the refused ones named as such."""
+    t = Text()
+    if confirm:
+        t.append("These processes are stopped (SIGTERM, grace, SIGKILL; NVML verifies the memory came back), then pre-flight runs ")
+        t.append("again and the run launches if it passes:\n")
+    else:
+        t.append(f"GPU holders reclaim-and-launch would stop ({len(holders.to_stop)}):\n", style="bold")
+    for h in holders.holders:
+        t.append(f"  {h.line()}\n", style="bold red" if h.refused else "")
+    if holders.blocked and not confirm:
+        t.append(f"Reclaim-and-launch is not offered: {holders.blocked}\n", style="yellow")
+    return t
+
+
 def only_holders_failed(result: PreflightResult) -> bool:
     """Whether --force would get past this result (only the GPU-holder check may be overridden)."""
     failed = [c for c in result.checks if not c.ok and not c.overridden]
@@ -184,6 +224,7 @@ class LaunchDialog(Guarded, ModalScreen[LaunchOutcome | None]):
     BINDINGS = [
         Binding("escape", "cancel", "Cancel"),
         Binding("ctrl+s", "submit", "Pre-flight / Launch", tooltip="first: pre-flight on the host (nothing starts); then: launch"),
+        Binding("ctrl+f", "force", "Launch with --force", show=False, tooltip="after pre-flight named GPU holders: launch past them"),
         # priority: the next field gets focus before the keys typed after tab are delivered (a fast typist, a paste)
         Binding("tab", "app.focus_next", show=False, priority=True),
         Binding("shift+tab", "app.focus_previous", show=False, priority=True),
@@ -202,6 +243,8 @@ class LaunchDialog(Guarded, ModalScreen[LaunchOutcome | None]):
         self._run_id = new_run_id()  # a multi-node plan keeps its id while the form is checked and confirmed
         self._gpu_host: str | None = None
         self._armed = False
+        self._holders: HolderPlan | None = None  # what "Reclaim these and launch" stops (None: not offered)
+        self._forcible = False  # only the GPU-holder check failed: --force is a choice
 
     def compose(self) -> ComposeResult:
         hosts = list(deck(self).fleet.links)
@@ -242,6 +285,13 @@ class LaunchDialog(Guarded, ModalScreen[LaunchOutcome | None]):
                 yield Input(id="ranks", placeholder="1/GPU", classes="narrow", compact=True)
                 yield Input(id="hosts", placeholder="several hosts for one run: gpu1,gpu2 (the host above is then not used)", compact=True)
             with Horizontal(classes="field"):
+                yield Label("Need GiB")
+                yield Input(
+                    id="need-gib",
+                    placeholder="GiB per GPU (as --need-gib): pre-flight checks the free memory; fsdp/dflash: estimated",
+                    compact=True,
+                )
+            with Horizontal(classes="field"):
                 yield Label("Start")
                 yield Select(
                     [("fresh: step 0, new checkpoints", "fresh"), ("resume at step N", "resume")],
@@ -259,15 +309,17 @@ class LaunchDialog(Guarded, ModalScreen[LaunchOutcome | None]):
             yield ProgressLine(id="launch-progress")
             with Horizontal(classes="dialog-buttons"):
                 yield Button("Pre-flight (ctrl+s)", variant="primary", id="launch")
+                yield Button("Launch with --force (ctrl+f)", variant="error", id="force")
                 yield Button("Cancel (esc)", id="cancel")
 
     def on_mount(self) -> None:
-        for field in ("args", "name", "python", "ranks", "hosts"):
+        for field in ("args", "name", "python", "ranks", "hosts", "need_gib"):
             if field in self._prefill:
-                self.query_one(f"#{field}", Input).value = self._prefill[field]
+                self.query_one(f"#{field.replace('_', '-')}", Input).value = self._prefill[field]
         if "kind" in self._prefill:
             self.query_one("#kind", Select).value = self._prefill["kind"]
         self._fill_gpus(str(self.query_one("#host", Select).value))
+        self.query_one("#force", Button).display = False
         self.query_one("#args", Input).focus()
         self.call_after_refresh(self._arm)
 
@@ -323,6 +375,7 @@ class LaunchDialog(Guarded, ModalScreen[LaunchOutcome | None]):
         if self._checked is not None:
             self._checked = None
             self._result = None
+            self._offer(None, forcible=False)
             self.query_one("#preflight", Static).update(Text("the form changed: ctrl+s runs pre-flight again", style="yellow"))
             self._button("Pre-flight (ctrl+s)", disabled=False)
 
@@ -360,6 +413,7 @@ class LaunchDialog(Guarded, ModalScreen[LaunchOutcome | None]):
             python=val("python"),
             start="" if start == Select.NULL else str(start),
             resume_step=val("resume-step"),
+            need_gib=val("need-gib"),
         )
 
     def plan(self, force: bool = False) -> LaunchPlan:
@@ -379,6 +433,9 @@ class LaunchDialog(Guarded, ModalScreen[LaunchOutcome | None]):
             self.query_one("#launch-error", Static).update(Text(exc.message, style="bold red"))
             return
         key = msgspec.json.encode([list(n) for n in plan.nodes])
+        if self._checked == key and self._holders is not None:
+            self.reclaim_then_launch(plan, self._holders)
+            return
         if self._checked == key:
             results = self._result or []
             bad = [c.preflight for c in results if c.preflight is not None and not c.preflight.ok]
@@ -402,27 +459,41 @@ class LaunchDialog(Guarded, ModalScreen[LaunchOutcome | None]):
         self._button("Pre-flight running ...", disabled=True)
         progress.start(f"pre-flight on {where}", "GPUs, memory, holders, rendezvous port, disk, python, start")
         results = await ops_preflight(deck(self).fleet, plan)
-        took = progress.finish("")
-        if took >= 1:
-            progress.update(Text(f"pre-flight took {took:.1f} s", style="dim"))
-        self._checked = key
-        self._result = results
         text = Text()
         for i, c in enumerate(results):
             if i:
                 text.append("\n")
             text.append_text(preflight_text(c.preflight, c.error, c.host))
+        checked = [c.preflight for c in results if c.preflight is not None]
+        forcible = all(r.ok or only_holders_failed(r) for r in checked)
+        holders = None
+        if not any(c.error is not None for c in results) and any(
+            c.name == HOLDERS_CHECK and not c.ok and not c.overridden and c.details.get("holders") for r in checked for c in r.checks
+        ):
+            progress.note(f"pre-flight on {where}: naming the GPU holders")
+            holders = await plan_holders(deck(self).fleet, plan, results)
+            if holders.holders:
+                text = Text.assemble(text, "\n", holders_text(holders))
+            if holders.blocked:
+                holders = None
+        took = progress.finish("")
+        if took >= 1:
+            progress.update(Text(f"pre-flight took {took:.1f} s", style="dim"))
+        self._checked = key
+        self._result = results
         panel.update(text)
         panel.scroll_visible()
-        checked = [c.preflight for c in results if c.preflight is not None]
         if any(c.error is not None for c in results):
             self._button("Launch anyway (ctrl+s)", variant="warning")
         elif all(r.ok for r in checked):
             self._button("Launch (ctrl+s)", variant="success")
-        elif all(r.ok or only_holders_failed(r) for r in checked):
+        elif holders is not None:
+            self._button("Reclaim these and launch (ctrl+s)", variant="success")
+        elif forcible:
             self._button("Launch with --force (ctrl+s)", variant="error")
         else:
             self._button("Pre-flight failed", disabled=True, variant="error")
+        self._offer(holders, forcible=forcible and holders is not None)
 
     @work(exclusive=True, group="launch-run")
     async def launch(self, plan: LaunchPlan) -> None:
@@ -446,14 +517,75 @@ class LaunchDialog(Guarded, ModalScreen[LaunchOutcome | None]):
         progress.finish(f"{result.run_id}: {result.verdict}")
         self.dismiss(LaunchOutcome(result))
 
+    def _offer(self, holders: HolderPlan | None, forcible: bool) -> None:
+        """What pre-flight leaves to choose: reclaim these holders (first), launch with --force (second)."""
+        self._holders = holders
+        self._forcible = forcible
+        self.query_one("#force", Button).display = forcible
+
+    @work(exclusive=True, group="launch-run")
+    async def reclaim_then_launch(self, plan: LaunchPlan, holders: HolderPlan) -> None:
+        """Ask once with exactly the pids that go, then reclaim (verified), pre-flight again and launch."""
+        ok = await self.app.push_screen_wait(
+            ConfirmDialog(
+                "Reclaim these and launch",
+                holders_text(holders, confirm=True),
+                confirm_label=f"Reclaim {len(holders.to_stop)} and launch",
+            )
+        )
+        if not ok:
+            return
+        progress = self.query_one("#launch-progress", ProgressLine)
+        panel = self.query_one("#preflight", Static)
+        self._button("Reclaiming ...", disabled=True)
+        self.query_one("#force", Button).disabled = True
+        steps = Text()
+
+        def step(line: str) -> None:
+            steps.append(f"{line}\n", style="bold green" if "freed" in line else "")
+            panel.update(steps)
+            progress.note(line)
+
+        progress.start(f"reclaiming {len(holders.to_stop)} process(es)", "SIGTERM, grace, SIGKILL, verify, pre-flight again, launch")
+        done: ReclaimLaunch | None = None
+        try:
+            done = await reclaim_and_launch(deck(self).fleet, plan, holders, request_id=self._request_id, step=step)
+            why = done.refused or ""
+        except (AgentError, OpsError) as exc:
+            why = exc.message
+        self.query_one("#force", Button).disabled = False
+        if done is None or done.result is None or done.result.verdict != "running":
+            progress.finish(f"reclaim and launch stopped: {why or 'the launch did not start'}", style="bold red")
+            self.query_one("#launch-error", Static).update(Text(why or "the launch did not start", style="bold red"))
+            self._checked = None  # what holds the GPUs changed: pre-flight again
+            self._offer(None, forcible=False)
+            self._button("Pre-flight (ctrl+s)")
+            return
+        progress.finish(f"{done.result.run_id}: {done.result.verdict}")
+        self.dismiss(LaunchOutcome(done.result))
+
     def on_button_pressed(self, event: Button.Pressed) -> None:
         if event.button.id == "cancel":
             self.dismiss(None)
+            return
+        if event.button.id == "force":
+            self.action_force()
             return
         self.submit()
 
     def action_submit(self) -> None:
         self.submit()
+
+    def action_force(self) -> None:
+        """The second choice after pre-flight named GPU holders: launch past them with --force (recorded)."""
+        if not self._forcible or self.query_one("#launch-progress", ProgressLine).running:
+            return
+        try:
+            plan = self.plan(force=True)
+        except OpsError as exc:
+            self.query_one("#launch-error", Static).update(Text(exc.message, style="bold red"))
+            return
+        self.launch(plan)
 
     def action_cancel(self) -> None:
         if self.query_one("#launch-progress", ProgressLine).running and self._checked is not None:

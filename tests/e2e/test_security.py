@@ -254,8 +254,11 @@ def test_history_filters_are_parameterised_through_the_cli(fleet) -> None:
     # LIKE wildcards in a value are literal: as wildcards they would also match the decoys 1000x and axb
     assert found("name:~100%") == [(ids["100%"], "100%")]
     assert found("name:~a_b") == [(ids["a_b"], "a_b")]
-    for q in ('host:"sec\' OR 1=1 --"', "state:\"' OR ''='\"", '"\' OR 1=1 --"'):
+    for q in ('host:"sec\' OR 1=1 --"', "state:~\"' OR ''='\"", '"\' OR 1=1 --"'):
         assert found(q) == [], q
+    # a state that is not one is refused before any SQL (exit 2, the states listed)
+    refused = c.cli("history", "--no-sync", "state:\"' OR ''='\"", check=False)
+    assert refused.returncode == 2 and "not a state" in refused.stderr
     # the tables are all still there and nothing was rewritten
     assert found("limit:10000") == everything
     db = c.gpudeck_home / "history.db"

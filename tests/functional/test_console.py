@@ -77,6 +77,7 @@ def test_relaunch_prefill_never_carries_the_old_start() -> None:
         "ranks": "",
         "hosts": "",
         "python": "/venv/bin/python",
+        "need_gib": "",
     }
     assert form_from(relaunch_intent(LaunchSpec(argv=["sleep", "1"]), "r-old", "gpu1", None))["args"] == "sleep 1"
 

@@ -99,6 +99,11 @@ CASES: list[tuple[str, list[str], dict[str, str]]] = [
         dict(host="local", hosts="gpu2,gpu1", kind="dflash", ranks="4", start="resume", resume_step="10", args="--target t"),
     ),
     (
+        "command with the GiB each GPU needs",
+        ["--gpus", "0", "--need-gib", "40.5", "--", "python", "train.py"],
+        dict(host="local", gpus="0", need_gib="40.5", args="python train.py"),
+    ),
+    (
         "command, two hosts, a module",
         ["--hosts", "gpu1,gpu2", "--nproc-per-node", "2", "--", "-m", "mypkg.train", "--x", "1"],
         dict(host="local", hosts="gpu1,gpu2", ranks="2", args="-m mypkg.train --x 1"),
