@@ -69,6 +69,7 @@ from gpudeck.console.quarantine import format_problems
 from gpudeck.console.query import QueryError, is_negation
 from gpudeck.console.rundiff import diff_runs, format_diff
 from gpudeck.console.sanitize import SECRET_RULE, redact_events, redact_raw_event, redact_record, redact_run, terminal_text
+from gpudeck.console.watch.cli import add_parser as add_watch_parser
 
 EXIT_ERROR = 1
 EXIT_USAGE = 2
@@ -941,6 +942,7 @@ def build_parser() -> argparse.ArgumentParser:
     a = asub.add_parser("status", help="is the agent running, and where")
     a.add_argument("--json", action="store_true")
     a.set_defaults(func=cmd_agent_status)
+    add_watch_parser(sub)
     return ap
 
 
