@@ -232,3 +232,25 @@ def test_event_while_watcher_down_is_sent_late(env: tuple[AgentProc, Receiver, W
     wait_for(lambda: caught_up(a.home), 10, what="caught up")
     msg = rec.about(rid)
     assert len(msg) == 1 and msg[0]["title"].startswith("[late] ") and "while gpudeck watch was not running" in msg[0]["message"]
+
+
+def test_check_sends_a_test_notification_to_every_target(env: tuple[AgentProc, Receiver, WatchProc]) -> None:
+    a, rec, w = env
+    before = len(rec.messages)
+    cp = a.cli("watch", "--check")
+    assert "1 [[notify]] rule(s), 1 target(s)" in cp.stdout and "ok" in cp.stdout and f"127.0.0.1:{rec.port}" in cp.stdout
+    assert [m["title"] for m in rec.messages[before:]] == ["gpudeck: test notification"]
+    rec.down = True
+    try:
+        cp = a.cli("watch", "--check", check=False)
+        assert cp.returncode == 1 and "FAILED" in cp.stdout
+    finally:
+        rec.down = False
+    conf = a.home / "config.toml"
+    good = conf.read_text()
+    try:
+        conf.write_text(good.replace('"failed"', '"crashed"'))
+        cp = a.cli("watch", "--check", check=False)
+        assert cp.returncode == 2 and "unknown event 'crashed'" in cp.stderr
+    finally:
+        conf.write_text(good)

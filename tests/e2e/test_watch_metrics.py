@@ -99,6 +99,10 @@ def test_metrics_parse_and_a_real_prometheus_scrapes_them(watched: tuple[AgentPr
     labels = {k for f in fams.values() for s in f.samples for k in s.labels}
     assert labels <= {"host", "gpu", "attribution", "run_id", "kind", "gpudeck_run_state", "gpudeck_host_link_state", "target"}, labels
     assert "m-run" not in get(url)
+    # the Grafana dashboard in the repository asks only for families the endpoint serves
+    dash = (ROOT / "docs" / "grafana" / "gpudeck.json").read_text()
+    wanted = {n.removesuffix("_total") for n in re.findall(r"gpudeck_[a-z_]+", dash)}
+    assert wanted <= set(fams), wanted - set(fams)
 
     prom = shutil.which("prometheus")
     if prom is None:
