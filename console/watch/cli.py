@@ -46,7 +46,9 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--check", action="store_true", help="check the configuration and send a test notification to every target")
     p.add_argument("--status", action="store_true", help="every target: delivered, pending, failing and why")
     p.add_argument("--json", action="store_true", help="--status as JSON")
-    p.add_argument("--interval", type=float, default=1.0, help="snapshot interval of the hosts followed (s)")
+    p.add_argument(
+        "--interval", type=float, default=5.0, help="snapshot interval of the hosts followed, s (default 5: the metrics' resolution)"
+    )
     p.add_argument("--expire-hours", type=float, default=None, help="give up on a notification not delivered within this (default 24)")
     p.set_defaults(func=None, sync=main)
 

@@ -7,7 +7,7 @@ cause or any other text from a host):
 - per GPU ``{host, gpu}``: ``gpudeck_gpu_memory_used_bytes``, ``_memory_total_bytes``, ``_utilization_percent``,
   ``_power_watts``, ``_temperature_celsius``, ``_unaccounted_bytes``, and ``gpudeck_gpu_held_bytes{attribution}``
   (memory held by processes of live runs (RUN), of ended runs (STALE), of no run (FOREIGN), or by pids the OS
-  cannot see (NO_SUCH_PROCESS));
+  cannot see (NO_SUCH_PROCESS); only attributions that hold something: an absent series means 0);
 - per run ``{host, run_id}``: ``gpudeck_run_info{kind}``, ``gpudeck_run_state{gpudeck_run_state}`` (a state set),
   ``_step``, ``_loss``, ``_tokens_per_second``, ``_mfu_ratio``, ``_alerts{kind}`` (alerts not cleared),
   ``_ranks_expected``, ``_ranks_alive``;
@@ -141,12 +141,13 @@ class FleetCollector(Collector):
                 ):
                     if v is not None:
                         g[key].add_metric(lab, float(v))
-                held = dict.fromkeys(_ATTRIBUTIONS, 0.0)
-                for p in gpu.processes:
-                    if p.used_bytes is not None and p.attribution in held:
-                        held[p.attribution] += p.used_bytes
-                for attr, v in held.items():
-                    g["held"].add_metric([*lab, attr], v)
+                if gpu.processes:  # only what is held: an absent series is 0 (a third of the endpoint's series otherwise)
+                    held: dict[str, float] = {}
+                    for p in gpu.processes:
+                        if p.used_bytes is not None and p.attribution in _ATTRIBUTIONS:
+                            held[p.attribution] = held.get(p.attribution, 0.0) + p.used_bytes
+                    for attr, v in held.items():
+                        g["held"].add_metric([*lab, attr], v)
             for r in snap.runs:
                 ranks = {m.rank for m in r.members if m.rank is not None}
                 alive_ranks[(name, r.id)] = len(ranks)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import fcntl
+import gc
 import ipaddress
 import json
 import os
@@ -33,6 +34,12 @@ from gpudeck.console.watch.outbox import Item, Outbox
 from gpudeck.console.watch.rules import Rule, on_word, targets_for
 
 SCAN_BATCH = 1000
+DEFAULT_INTERVAL_S = 5.0  # snapshots as often as Prometheus usually scrapes; events do not wait for them (they are long-polled)
+# once the fleet is connected, what start-up built (links, connections) is frozen out of the cyclic collector's sight and
+# young collections run further apart, as the console does (console/app.py): each scrape builds tens of thousands of
+# short-lived objects that would otherwise set off full collections over everything the watcher holds
+GC_FREEZE_AFTER_S = 60.0
+GC_THRESHOLDS = (50_000, 20, 100)
 SCAN_EVERY_S = 2.0  # the history is read at least this often (and at once after a sync brings events)
 DELIVER_CHECK_S = 5.0
 _KINDS = ("run_state", "alert")
@@ -97,7 +104,7 @@ class WatchOptions:
     config: cfg.Config
     rules: list[Rule]
     metrics: tuple[str, int] | None = None
-    interval_s: float = 1.0
+    interval_s: float = DEFAULT_INTERVAL_S
     expire_s: float | None = None
     ssh: SshOptions | None = None
     state_dir: Path | None = None
@@ -275,6 +282,14 @@ class Watcher:
         log(f"metrics on http://{addr}:{self.metrics_port}/metrics")
         return server
 
+    async def _freeze_gc(self, fleet: Fleet) -> None:
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < GC_FREEZE_AFTER_S and any(ln.status.state == "connecting" for ln in fleet.links.values()):
+            await asyncio.sleep(1.0)
+        gc.collect()
+        gc.freeze()
+        gc.set_threshold(*GC_THRESHOLDS)
+
     async def run(self, stop: asyncio.Event) -> int:
         """Run until ``stop`` is set; 0 on a clean stop."""
         self._take_lock()
@@ -297,11 +312,16 @@ class Watcher:
         log(f"following {len(fleet.links)} host(s), {len(self.opts.rules)} rule(s), {len(targets)} target(s)")
         fleet.start()
         self._scan_wake.set()
-        tasks = [asyncio.ensure_future(self._scan_loop(scan_conn, outbox)), asyncio.ensure_future(self._deliver_loop(outbox))]
+        tasks = [
+            asyncio.ensure_future(self._scan_loop(scan_conn, outbox)),
+            asyncio.ensure_future(self._deliver_loop(outbox)),
+            asyncio.ensure_future(self._freeze_gc(fleet)),
+        ]
         try:
-            done, _ = await asyncio.wait([*tasks, asyncio.ensure_future(stop.wait())], return_when=asyncio.FIRST_COMPLETED)
+            loops = tasks[:2]  # run for ever; the GC freeze ends by itself
+            done, _ = await asyncio.wait([*loops, asyncio.ensure_future(stop.wait())], return_when=asyncio.FIRST_COMPLETED)
             for t in done:
-                if t in tasks and t.exception() is not None:
+                if t in loops and t.exception() is not None:
                     raise t.exception()  # type: ignore[misc]
             return 0
         finally:

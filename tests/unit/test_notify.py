@@ -121,3 +121,15 @@ def test_messages_say_what_to_do_and_carry_no_control_characters() -> None:
     )
     assert late.title.startswith("[late] gpudeck: rank_exited") and "rank 1 died" in late.body and late.notify_type == "failure"
     assert "while gpudeck watch was not running" in late.body
+
+
+def test_metrics_address_is_loopback_unless_one_is_given() -> None:
+    from gpudeck.console.watch.service import WatchError, parse_address
+
+    assert parse_address("9464") == ("127.0.0.1", 9464)
+    assert parse_address(":9500") == ("127.0.0.1", 9500)
+    assert parse_address("10.0.0.5:9464") == ("10.0.0.5", 9464)
+    assert parse_address("[::1]:9464") == ("::1", 9464)
+    for bad in ("localhost:9464", "127.0.0.1:99999", "127.0.0.1:x", ""):
+        with pytest.raises(WatchError, match="--metrics"):
+            parse_address(bad)
