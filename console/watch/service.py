@@ -283,8 +283,9 @@ class Watcher:
         return server
 
     async def _freeze_gc(self, fleet: Fleet) -> None:
-        t0 = time.monotonic()
-        while time.monotonic() - t0 < GC_FREEZE_AFTER_S and any(ln.status.state == "connecting" for ln in fleet.links.values()):
+        for _ in range(int(GC_FREEZE_AFTER_S)):  # a check a second until no link is still connecting
+            if not any(ln.status.state == "connecting" for ln in fleet.links.values()):
+                break
             await asyncio.sleep(1.0)
         gc.collect()
         gc.freeze()
