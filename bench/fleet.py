@@ -59,6 +59,7 @@ import argparse
 import asyncio
 import cProfile
 import gc
+import gzip
 import io
 import json
 import os
@@ -194,19 +195,8 @@ def _profile_text(prof: cProfile.Profile, limit: int = 30) -> str:
     return buf.getvalue()
 
 
-async def worker_gpudeck(spec: FleetSpec, seconds: float, interval: float, profile: Path | None) -> None:
-    """gpudeck's console side: a Fleet with a History following every host; figures over the window."""
-    from gpudeck.console.fleet import Fleet
-    from gpudeck.console.history import History
-
-    hdir = Path(tempfile.mkdtemp(prefix="console-gpudeck-", dir=str(spec.base_dir)))
-    hist = History(hdir / "history.db")
-    fleet = Fleet(config=spec.config(), ssh=spec.ssh_options(), interval_s=interval, history=hist)
-    rec = AgeRecorder()
-    for name, link in fleet.links.items():
-        link.subscribe(rec.callback(name))
-    t0 = time.monotonic()
-    fleet.start()
+async def wait_up(fleet: Any, t0: float) -> None:
+    """Wait until every link of ``fleet`` is up (or UP_TIMEOUT_S from ``t0``), then emit ``up`` with the states and errors."""
     n = len(fleet.links)
     up = 0
     while time.monotonic() - t0 < UP_TIMEOUT_S:
@@ -221,6 +211,23 @@ async def worker_gpudeck(spec: FleetSpec, seconds: float, interval: float, profi
     some = next((ln._ssh_link for ln in fleet.links.values() if ln._ssh_link is not None), None)
     cipher = some.conn.get_extra_info("recv_cipher") if some is not None else None
     emit("up", up=up, n=n, seconds=time.monotonic() - t0, states=states, errors=errors, cipher=cipher)
+
+
+async def worker_gpudeck(spec: FleetSpec, seconds: float, interval: float, profile: Path | None) -> None:
+    """gpudeck's console side: a Fleet with a History following every host; figures over the window."""
+    from gpudeck.console.fleet import Fleet
+    from gpudeck.console.history import History
+
+    hdir = Path(tempfile.mkdtemp(prefix="console-gpudeck-", dir=str(spec.base_dir)))
+    hist = History(hdir / "history.db")
+    fleet = Fleet(config=spec.config(), ssh=spec.ssh_options(), interval_s=interval, history=hist)
+    rec = AgeRecorder()
+    for name, link in fleet.links.items():
+        link.subscribe(rec.callback(name))
+    t0 = time.monotonic()
+    fleet.start()
+    n = len(fleet.links)
+    await wait_up(fleet, t0)
     await asyncio.sleep(WARM_S)
     connects0 = sum(ln.status.connects for ln in fleet.links.values())
     prof = cProfile.Profile() if profile else None
@@ -282,17 +289,7 @@ async def worker_watch(spec: FleetSpec, seconds: float, interval: float, profile
     for name, link in fleet.links.items():
         link.subscribe(rec.callback(name))
     n = len(fleet.links)
-    up = 0
-    while time.monotonic() - t0 < UP_TIMEOUT_S:
-        up = sum(ln.status.state == "up" for ln in fleet.links.values())
-        if up == n:
-            break
-        await asyncio.sleep(0.2)
-    states: dict[str, int] = {}
-    for ln in fleet.links.values():
-        states[ln.status.state] = states.get(ln.status.state, 0) + 1
-    errors = sorted({ln.status.error for ln in fleet.links.values() if ln.status.state != "up" and ln.status.error})[:3]
-    emit("up", up=up, n=n, seconds=time.monotonic() - t0, states=states, errors=errors, cipher=None)
+    await wait_up(fleet, t0)
     await asyncio.sleep(WARM_S)
     connects0 = sum(ln.status.connects for ln in fleet.links.values())
     win = Window()
@@ -321,6 +318,9 @@ async def worker_watch(spec: FleetSpec, seconds: float, interval: float, profile
     await task
 
 
+PROM_ACCEPT = "application/openmetrics-text;version=1.0.0;q=0.5,application/openmetrics-text;version=0.0.1;q=0.4,text/plain;version=0.0.4;q=0.3,*/*;q=0.2"
+
+
 class Scraper:
     """Scrapes a metrics URL every ``every`` seconds on a thread (as Prometheus would): wall time and series of each scrape."""
 
@@ -341,8 +341,11 @@ class Scraper:
         while not self._stop.wait(self.every):
             t0 = time.perf_counter()
             try:
-                with urllib.request.urlopen(self.url, timeout=30) as resp:  # loopback, built by the worker
-                    body = resp.read().decode()
+                # asked as Prometheus asks: OpenMetrics preferred, gzip (the watcher pays for the compression)
+                req = urllib.request.Request(self.url, headers={"Accept": PROM_ACCEPT, "Accept-Encoding": "gzip"})
+                with urllib.request.urlopen(req, timeout=30) as resp:  # loopback, built by the worker
+                    raw = resp.read()
+                    body = (gzip.decompress(raw) if resp.headers.get("Content-Encoding") == "gzip" else raw).decode()
             except OSError as exc:
                 self.errors.append(str(exc))
                 continue

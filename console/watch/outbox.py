@@ -291,3 +291,28 @@ class Outbox:
             sql, params = sql + " WHERE state=?", (state,)
         with self._lock:
             return [tuple(r) for r in self._c.execute(sql + " ORDER BY event_ts, host, epoch, seq", params).fetchall()]
+
+
+def failing_summary(path: Path) -> str | None:
+    """One line naming the failing notification targets of the outbox at ``path`` (for the console's header), or None.
+
+    Reads only: an outbox that does not exist or cannot be read says nothing (the watcher may never have run)."""
+    if not path.exists():
+        return None
+    try:
+        conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=1.0)
+    except sqlite3.Error:
+        return None
+    try:
+        rows = conn.execute("SELECT target, consecutive, last_ok, last_error FROM targets WHERE consecutive > 0").fetchall()
+    except sqlite3.Error:
+        return None
+    finally:
+        conn.close()
+    from gpudeck.console.watch.deliver import redacted
+
+    failing = [r for r in rows if r[1] >= FAILING_AFTER or r[2] is None]
+    if not failing:
+        return None
+    names = ", ".join(redacted(r[0]) for r in failing[:3]) + (f" and {len(failing) - 3} more" if len(failing) > 3 else "")
+    return f"notifications failing to {names}: `gpudeck watch --status` says why"

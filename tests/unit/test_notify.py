@@ -133,3 +133,17 @@ def test_metrics_address_is_loopback_unless_one_is_given() -> None:
     for bad in ("localhost:9464", "127.0.0.1:99999", "127.0.0.1:x", ""):
         with pytest.raises(WatchError, match="--metrics"):
             parse_address(bad)
+
+
+def test_failing_summary_names_failing_targets_only(tmp_path: Path) -> None:
+    path = tmp_path / "watch.db"
+    assert ob.failing_summary(path) is None
+    box = ob.Outbox(path)
+    box.enqueue([item(1), item(1, "json://127.0.0.1:8/ok")], cursor=1, now=1000.0)
+    for it in box.due(now=1000.0):
+        if it.target == URL:
+            box.failed(it, "503", now=1000.0)
+        else:
+            box.delivered(it, now=1000.0)
+    line = ob.failing_summary(path)
+    assert line is not None and "127.0.0.1:9" in line and "8/ok" not in line and "gpudeck watch --status" in line
