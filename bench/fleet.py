@@ -64,6 +64,7 @@ import io
 import json
 import os
 import pstats
+import re
 import resource
 import statistics
 import subprocess
@@ -330,6 +331,7 @@ class Scraper:
         self.url, self.every = url, every
         self.times: list[float] = []
         self.series: list[int] = []
+        self.cpu: list[float] = []
         self.errors: list[str] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -351,6 +353,10 @@ class Scraper:
                 continue
             self.times.append(time.perf_counter() - t0)
             self.series.append(sum(1 for ln in body.splitlines() if ln and not ln.startswith("#")))
+            # the watcher's own figure for the previous scrape: CPU to build and format it (its wall time here waits for the CPU too)
+            m = re.search(r"^gpudeck_watch_scrape_cpu_seconds ([0-9.e+-]+)$", body, re.M)
+            if m and len(self.times) > 1:
+                self.cpu.append(float(m.group(1)))
 
     def stop(self) -> None:
         self._stop.set()
@@ -657,7 +663,7 @@ def run_worker(design: str, fh: FleetHosts, args: argparse.Namespace) -> tuple[d
             result = msg
             if scraper is not None:
                 scraper.stop()
-                result["scrapes"] = (scraper.times, scraper.series, scraper.errors)
+                result["scrapes"] = (scraper.times, scraper.series, scraper.errors, scraper.cpu)
     try:
         proc.wait(120)
     except subprocess.TimeoutExpired:
@@ -798,12 +804,17 @@ def report_watch(n: int, r: dict[str, Any], console: tuple[float, float] | None)
     tag = f"N={n} {'watch':<13}"
     core = 100.0 * r["cpu_s"] / r["wall_s"]
     out(f"{tag} watcher CPU: {core:.2f}% of one core (goal < 5%), scrapes included; {r['events_read']} history events read")
-    times, series, errors = r.get("scrapes", ([], [], []))
+    times, series, errors, cpu = r.get("scrapes", ([], [], [], []))
     if times:
         out(
-            f"{tag} scrape every {len(times) and r['wall_s'] / max(1, len(times)):.1f} s: {len(times)} scrapes, wall p50 {1000 * pct(times, 0.5):.1f} ms, "
+            f"{tag} scrapes: {len(times)} in {r['wall_s']:.0f} s, wall p50 {1000 * pct(times, 0.5):.1f} ms, "
             f"max {1000 * max(times):.1f} ms (goal < 100 ms); {series[-1]} series in the last one; {len(errors)} failed"
         )
+        if cpu:
+            out(
+                f"{tag} scrape CPU (the watcher's gpudeck_watch_scrape_cpu_seconds: build + format, no gzip): p50 {1000 * pct(cpu, 0.5):.1f} ms, "
+                f"max {1000 * max(cpu):.1f} ms (n={len(cpu)})"
+            )
     else:
         out(f"{tag} no scrape succeeded: {errors[:2]}")
     if console is not None and console[0] > 0:

@@ -15,7 +15,8 @@ cause or any other text from a host):
   ``gpudeck_host_snapshot_age_seconds``, ``gpudeck_host_simulated``;
 - the watcher: ``gpudeck_watch_events_read_total``, ``gpudeck_watch_notifications_pending{target}``,
   ``_delivered_total{target}``, ``_failures_total{target}``, ``_expired_total{target}``, ``gpudeck_watch_target_failing{target}``
-  (``target``: the apprise URL with its secrets hidden), ``gpudeck_watch_collect_seconds`` (the previous scrape's build time).
+  (``target``: the apprise URL with its secrets hidden), ``gpudeck_watch_scrape_seconds`` and ``_scrape_cpu_seconds`` (the previous scrape's
+  wall and CPU time to build and format).
 """
 
 from __future__ import annotations
@@ -80,7 +81,8 @@ class FleetCollector(Collector):
         self.conn = history_conn
         self.health = health
         self._lock = threading.Lock()  # the server answers scrapes on threads; one collection at a time
-        self.last_collect_s = 0.0
+        self.last_scrape_s = 0.0
+        self.last_scrape_cpu_s = 0.0
 
     def _runs(self, now: float) -> list[tuple]:
         live = ",".join("?" * len(LIVE_STATES))
@@ -92,11 +94,13 @@ class FleetCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         """Every family, built now."""
+        t0, c0 = time.perf_counter(), time.thread_time()
         with self._lock:
-            t0 = time.perf_counter()
             out = list(self._collect(time.time()))
-            self.last_collect_s = time.perf_counter() - t0
         yield from out
+        # reached once the exposition has formatted every family above: this scrape's cost, shown by the next one
+        self.last_scrape_s = time.perf_counter() - t0
+        self.last_scrape_cpu_s = time.thread_time() - c0
 
     def _collect(self, now: float) -> Iterator[Metric]:
         g = {
@@ -196,7 +200,14 @@ class FleetCollector(Collector):
         h = self.health
         yield CounterMetricFamily("gpudeck_watch_events_read", "history events the watcher read", value=h.events_read)
         yield GaugeMetricFamily("gpudeck_watch_start_time_seconds", "when this watcher started (unix time)", value=h.started)
-        yield GaugeMetricFamily("gpudeck_watch_collect_seconds", "time the previous scrape took to build", value=self.last_collect_s)
+        yield GaugeMetricFamily(
+            "gpudeck_watch_scrape_seconds",
+            "wall time the previous scrape took to build and format (compression not included)",
+            value=self.last_scrape_s,
+        )
+        yield GaugeMetricFamily(
+            "gpudeck_watch_scrape_cpu_seconds", "CPU time the previous scrape took to build and format", value=self.last_scrape_cpu_s
+        )
         lab = ["target"]
         pending = GaugeMetricFamily("gpudeck_watch_notifications_pending", "notifications waiting for their target", labels=lab)
         delivered = CounterMetricFamily("gpudeck_watch_notifications_delivered", "notifications the target accepted", labels=lab)
