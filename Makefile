@@ -24,13 +24,20 @@ $(VENV)/.test-installed: pyproject.toml constraints-dev.txt | $(PY)
 run: $(VENV)/.run-installed
 	$(VENV)/bin/gpudeck
 
-# the SSH and network tests start real OpenSSH servers (loopback, network namespaces) and use iptables
+# the SSH and network tests start real OpenSSH servers (loopback, network namespaces) and use iptables; the watch test runs a real
+# Prometheus on loopback (Debian's prometheus package; the test is skipped, saying why, when it cannot be installed)
 test-deps:
 	@{ test -x /usr/sbin/sshd && command -v iptables >/dev/null; } || { \
 	  echo "installing openssh-server and iptables (the SSH tests run real sshd on loopback and in network namespaces; nothing is started system-wide)"; \
 	  if [ "$$(id -u)" = 0 ]; then SUDO=; else SUDO=sudo; fi; \
 	  $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -q openssh-server iptables >/dev/null 2>&1 || \
 	  { $$SUDO apt-get update -q >/dev/null && $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -q openssh-server iptables >/dev/null; }; }
+	@command -v prometheus >/dev/null || { \
+	  echo "installing prometheus (tests/e2e/test_watch_prometheus.py scrapes gpudeck watch with its own prometheus process on loopback)"; \
+	  if [ "$$(id -u)" = 0 ]; then SUDO=; else SUDO=sudo; fi; \
+	  $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends prometheus >/dev/null 2>&1 || \
+	  { $$SUDO apt-get update -q >/dev/null && $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends prometheus >/dev/null; } || \
+	  echo "prometheus could not be installed: its test will be skipped"; }
 
 # two workers, each file's tests on one of them in order (a file's fixtures and its order stay as written);
 # most e2e tests wait on real processes and timeouts, so two workers halve the wall time on two cores

@@ -41,6 +41,12 @@ costs a host per tick: an exec of ``python -m gpudeck.console.cli status --host 
 cannot run here (it needs NVML); its H200 figure from bench/RESULTS.md is
 printed as a reference, not as a measurement of this run.
 
+**watch** mode (``--designs watch,gpudeck``, issue 19): ``gpudeck watch``'s :class:`Watcher` (the same Fleet and
+history sync, a notification rule, the metrics endpoint on loopback) following every host, scraped every
+``--scrape-every`` seconds (5) by this process over the window: the watcher's CPU (share of one core; the goal is
+under 5%), each scrape's wall time (the goal is under 100 ms) and the series it returned; the ``gpudeck`` design
+(the console's Fleet alone) in the same run is its peer: the ratio says what the watcher adds.
+
 Usage: python bench/fleet.py [--hosts 16,64,256] [--seconds 30] [--gpus 8:H200] [--execs 10]
                              [--ciphers ALG] [--profile | --py-spy PATH]
 (``--profile``: cProfile of each console worker; ``--py-spy``: sampled, GIL-holding stacks summarised by package.)
@@ -53,10 +59,12 @@ import argparse
 import asyncio
 import cProfile
 import gc
+import gzip
 import io
 import json
 import os
 import pstats
+import re
 import resource
 import statistics
 import subprocess
@@ -188,19 +196,8 @@ def _profile_text(prof: cProfile.Profile, limit: int = 30) -> str:
     return buf.getvalue()
 
 
-async def worker_gpudeck(spec: FleetSpec, seconds: float, interval: float, profile: Path | None) -> None:
-    """gpudeck's console side: a Fleet with a History following every host; figures over the window."""
-    from gpudeck.console.fleet import Fleet
-    from gpudeck.console.history import History
-
-    hdir = Path(tempfile.mkdtemp(prefix="console-gpudeck-", dir=str(spec.base_dir)))
-    hist = History(hdir / "history.db")
-    fleet = Fleet(config=spec.config(), ssh=spec.ssh_options(), interval_s=interval, history=hist)
-    rec = AgeRecorder()
-    for name, link in fleet.links.items():
-        link.subscribe(rec.callback(name))
-    t0 = time.monotonic()
-    fleet.start()
+async def wait_up(fleet: Any, t0: float) -> None:
+    """Wait until every link of ``fleet`` is up (or UP_TIMEOUT_S from ``t0``), then emit ``up`` with the states and errors."""
     n = len(fleet.links)
     up = 0
     while time.monotonic() - t0 < UP_TIMEOUT_S:
@@ -215,6 +212,23 @@ async def worker_gpudeck(spec: FleetSpec, seconds: float, interval: float, profi
     some = next((ln._ssh_link for ln in fleet.links.values() if ln._ssh_link is not None), None)
     cipher = some.conn.get_extra_info("recv_cipher") if some is not None else None
     emit("up", up=up, n=n, seconds=time.monotonic() - t0, states=states, errors=errors, cipher=cipher)
+
+
+async def worker_gpudeck(spec: FleetSpec, seconds: float, interval: float, profile: Path | None) -> None:
+    """gpudeck's console side: a Fleet with a History following every host; figures over the window."""
+    from gpudeck.console.fleet import Fleet
+    from gpudeck.console.history import History
+
+    hdir = Path(tempfile.mkdtemp(prefix="console-gpudeck-", dir=str(spec.base_dir)))
+    hist = History(hdir / "history.db")
+    fleet = Fleet(config=spec.config(), ssh=spec.ssh_options(), interval_s=interval, history=hist)
+    rec = AgeRecorder()
+    for name, link in fleet.links.items():
+        link.subscribe(rec.callback(name))
+    t0 = time.monotonic()
+    fleet.start()
+    n = len(fleet.links)
+    await wait_up(fleet, t0)
     await asyncio.sleep(WARM_S)
     connects0 = sum(ln.status.connects for ln in fleet.links.values())
     prof = cProfile.Profile() if profile else None
@@ -252,6 +266,101 @@ async def worker_gpudeck(spec: FleetSpec, seconds: float, interval: float, profi
         profile.write_text(_profile_text(prof))
     await fleet.close()
     hist.close()
+
+
+async def worker_watch(spec: FleetSpec, seconds: float, interval: float, profile: Path | None) -> None:
+    """``gpudeck watch`` (issue 19): the Watcher with a rule and the metrics endpoint, its own GPUDECK_HOME; scraped by the parent."""
+    hdir = Path(tempfile.mkdtemp(prefix="console-watch-", dir=str(spec.base_dir)))
+    os.environ["GPUDECK_HOME"] = str(hdir)
+    from gpudeck.console import config as cfg
+    from gpudeck.console.watch.rules import compile_rules
+    from gpudeck.console.watch.service import Watcher, WatchOptions
+
+    rules = compile_rules((cfg.NotifyRule(to=("json://127.0.0.1:9/never",), on=("failed", "alert")),))
+    w = Watcher(WatchOptions(config=spec.config(), rules=rules, metrics=("127.0.0.1", 0), interval_s=interval, ssh=spec.ssh_options()))
+    stop = asyncio.Event()
+    task = asyncio.ensure_future(w.run(stop))
+    t0 = time.monotonic()
+    while w.fleet is None or w.metrics_port is None:
+        if task.done():
+            task.result()
+        await asyncio.sleep(0.05)
+    fleet = w.fleet
+    rec = AgeRecorder()
+    for name, link in fleet.links.items():
+        link.subscribe(rec.callback(name))
+    n = len(fleet.links)
+    await wait_up(fleet, t0)
+    await asyncio.sleep(WARM_S)
+    connects0 = sum(ln.status.connects for ln in fleet.links.values())
+    win = Window()
+    rec.take()
+    emit("window_start", metrics_url=f"http://127.0.0.1:{w.metrics_port}/metrics")
+    win.start()
+    rec.on = True
+    await asyncio.sleep(seconds)
+    rec.on = False
+    r = win.stop()
+    ages, _ = rec.take()
+    emit(
+        "window_end",
+        **r,
+        n=n,
+        up=sum(ln.status.state == "up" for ln in fleet.links.values()),
+        received=len(ages),
+        expected=n * r["wall_s"] / interval,
+        age_p50=pct(ages, 0.50),
+        age_p99=pct(ages, 0.99),
+        age_max=max(ages) if ages else float("nan"),
+        reconnects=sum(ln.status.connects for ln in fleet.links.values()) - connects0,
+        events_read=w.health.events_read,
+    )
+    stop.set()
+    await task
+
+
+PROM_ACCEPT = "application/openmetrics-text;version=1.0.0;q=0.5,application/openmetrics-text;version=0.0.1;q=0.4,text/plain;version=0.0.4;q=0.3,*/*;q=0.2"
+
+
+class Scraper:
+    """Scrapes a metrics URL every ``every`` seconds on a thread (as Prometheus would): wall time and series of each scrape."""
+
+    def __init__(self, url: str, every: float) -> None:
+        import threading
+
+        self.url, self.every = url, every
+        self.times: list[float] = []
+        self.series: list[int] = []
+        self.cpu: list[float] = []
+        self.errors: list[str] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        import urllib.request
+
+        while not self._stop.wait(self.every):
+            t0 = time.perf_counter()
+            try:
+                # asked as Prometheus asks: OpenMetrics preferred, gzip (the watcher pays for the compression)
+                req = urllib.request.Request(self.url, headers={"Accept": PROM_ACCEPT, "Accept-Encoding": "gzip"})
+                with urllib.request.urlopen(req, timeout=30) as resp:  # loopback, built by the worker
+                    raw = resp.read()
+                    body = (gzip.decompress(raw) if resp.headers.get("Content-Encoding") == "gzip" else raw).decode()
+            except OSError as exc:
+                self.errors.append(str(exc))
+                continue
+            self.times.append(time.perf_counter() - t0)
+            self.series.append(sum(1 for ln in body.splitlines() if ln and not ln.startswith("#")))
+            # the watcher's own figure for the previous scrape: CPU to build and format it (its wall time here waits for the CPU too)
+            m = re.search(r"^gpudeck_watch_scrape_cpu_seconds ([0-9.e+-]+)$", body, re.M)
+            if m and len(self.times) > 1:
+                self.cpu.append(float(m.group(1)))
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(35)
 
 
 async def plain_connections(spec: FleetSpec) -> list:
@@ -514,6 +623,7 @@ def run_worker(design: str, fh: FleetHosts, args: argparse.Namespace) -> tuple[d
     proc = start_worker(argv, fh.base_dir / f"worker-{design}.stderr")
     meter = SideMeter(fh)
     spy: subprocess.Popen | None = None
+    scraper: Scraper | None = None
     spy_path = fh.base_dir / f"pyspy-{design}-{fh.n}.txt"
     result: dict[str, Any] | None = None
     side: Side | None = None
@@ -524,6 +634,8 @@ def run_worker(design: str, fh: FleetHosts, args: argparse.Namespace) -> tuple[d
             out(f"N={fh.n} {design:<13} hosts up: {msg['up']}/{msg['n']} after {msg['seconds']:.1f} s (cipher {msg.get('cipher')}){err}")
         elif ev == "window_start":
             meter.start()
+            if msg.get("metrics_url"):
+                scraper = Scraper(msg["metrics_url"], args.scrape_every)
             if args.py_spy:
                 spy = subprocess.Popen(
                     [
@@ -549,6 +661,9 @@ def run_worker(design: str, fh: FleetHosts, args: argparse.Namespace) -> tuple[d
         elif ev == "window_end":
             side = meter.stop()
             result = msg
+            if scraper is not None:
+                scraper.stop()
+                result["scrapes"] = (scraper.times, scraper.series, scraper.errors, scraper.cpu)
     try:
         proc.wait(120)
     except subprocess.TimeoutExpired:
@@ -684,6 +799,29 @@ def report(design: str, n: int, r: dict[str, Any], side: Side) -> tuple[float, f
     return per_host_s, per_snap
 
 
+def report_watch(n: int, r: dict[str, Any], console: tuple[float, float] | None) -> None:
+    """The watch mode's own lines: the watcher's share of a core, the scrapes, and the ratio to the console's Fleet alone."""
+    tag = f"N={n} {'watch':<13}"
+    core = 100.0 * r["cpu_s"] / r["wall_s"]
+    out(f"{tag} watcher CPU: {core:.2f}% of one core (goal < 5%), scrapes included; {r['events_read']} history events read")
+    times, series, errors, cpu = r.get("scrapes", ([], [], [], []))
+    if times:
+        out(
+            f"{tag} scrapes: {len(times)} in {r['wall_s']:.0f} s, wall p50 {1000 * pct(times, 0.5):.1f} ms, "
+            f"max {1000 * max(times):.1f} ms (goal < 100 ms); {series[-1]} series in the last one; {len(errors)} failed"
+        )
+        if cpu:
+            out(
+                f"{tag} scrape CPU (the watcher's gpudeck_watch_scrape_cpu_seconds: build + format, no gzip): p50 {1000 * pct(cpu, 0.5):.1f} ms, "
+                f"max {1000 * max(cpu):.1f} ms (n={len(cpu)})"
+            )
+    else:
+        out(f"{tag} no scrape succeeded: {errors[:2]}")
+    if console is not None and console[0] > 0:
+        per_host_s = 1000.0 * r["cpu_s"] / (n * r["wall_s"])
+        out(f"{tag} ratio watcher / console Fleet (gpudeck design) CPU per host-second: {per_host_s / console[0]:.2f}x")
+
+
 def host_exec_cost(fh: FleetHosts, n_execs: int) -> tuple[list[float], list[float]] | str:
     """Wall and CPU seconds of `python -m gpudeck.console.cli status --host local --json` against agent 0, run n times."""
     env = fh.agent_env(0)
@@ -732,7 +870,8 @@ def main() -> None:
         metavar="PATH",
         help="sample each console worker with this py-spy binary over its window and print where its CPU goes",
     )
-    ap.add_argument("--worker", choices=["gpudeck", "exec-per-tick", "exec-aligned", "ssh-floor"], help=argparse.SUPPRESS)
+    ap.add_argument("--scrape-every", type=float, default=5.0, help="watch mode: seconds between scrapes of the watcher's metrics")
+    ap.add_argument("--worker", choices=["gpudeck", "exec-per-tick", "exec-aligned", "ssh-floor", "watch"], help=argparse.SUPPRESS)
     ap.add_argument("--spec", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--profile-out", type=Path, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -741,6 +880,8 @@ def main() -> None:
         spec = FleetSpec.load(args.spec)
         if args.worker == "gpudeck":
             asyncio.run(worker_gpudeck(spec, args.seconds, args.interval, args.profile_out))
+        elif args.worker == "watch":
+            asyncio.run(worker_watch(spec, args.seconds, args.interval, args.profile_out))
         elif args.worker == "ssh-floor":
             asyncio.run(worker_floor(spec, args.seconds, args.interval, args.profile_out))
         else:
@@ -782,6 +923,8 @@ def main() -> None:
                     continue
                 results[design] = got
                 per[design] = report(design, n, *got)
+            if "watch" in results:
+                report_watch(n, results["watch"][0], per.get("gpudeck"))
             peers = [d for d in ("exec-per-tick", "exec-aligned") if d in per]
             if "gpudeck" in per and peers and per["gpudeck"][0] > 0:
                 for d in peers:

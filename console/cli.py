@@ -74,6 +74,7 @@ from gpudeck.console.sanitize import SECRET_RULE, redact_events, redact_raw_even
 from gpudeck.console.views import run_diff
 from gpudeck.console.waiting import enable as enable_progress
 from gpudeck.console.waiting import waiting
+from gpudeck.console.watch.cli import add_parser as add_watch_parser
 
 EXIT_ERROR = 1
 EXIT_USAGE = 2
@@ -1143,6 +1144,7 @@ def build_parser() -> argparse.ArgumentParser:
     a = asub.add_parser("status", help="is the agent running, and where")
     a.add_argument("--json", action="store_true")
     a.set_defaults(func=cmd_agent_status)
+    add_watch_parser(sub)
     return ap
 
 

@@ -15,6 +15,11 @@ The config file::
     nccl_socket_ifname = "ib0"
     gloo_socket_ifname = "eth0"
 
+    [[notify]]                        # optional, any number: what `gpudeck watch` sends where (console/watch/)
+    to = ["ntfy://ntfy.example/gpudeck"]            # apprise URLs
+    on = ["failed", "lost", "alert:rank_died"]      # run states and alert kinds
+    match = "host:gpu* kind:fsdp"                   # the history filter language (console/query.py)
+
 ``gpudeck hosts add/remove`` edit the file with tomlkit, so the user's comments
 and layout survive.
 """
@@ -38,6 +43,8 @@ _HOST_RE = re.compile(r"^[A-Za-z0-9_.@:\[\]-]{1,253}$")
 # what _HOST_RE accepts, in words (every host-name error quotes it)
 HOST_NAME_RULE = "1-253 characters from letters, digits and . _ - @ : [ ], not starting with - (gpu1, user@gpu1, [fe80::1])"
 _HOST_KEYS = {"command", "rdzv_host", "nccl_socket_ifname", "gloo_socket_ifname", "env"}
+_NOTIFY_KEYS = {"to", "on", "match"}
+MAX_NOTIFY_RULES = 64
 
 
 class ConfigError(Exception):
@@ -75,11 +82,23 @@ class HostSettings:
 
 
 @dataclass(frozen=True)
+class NotifyRule:
+    """One ``[[notify]]`` table: send events named in ``on`` of runs matching ``match`` to the apprise URLs in ``to``.
+
+    Only the shape is checked here; console/watch/rules.py checks the words of ``on`` and compiles ``match``."""
+
+    to: tuple[str, ...]
+    on: tuple[str, ...]
+    match: str = ""
+
+
+@dataclass(frozen=True)
 class Config:
-    """The fleet: ``local`` first, then the configured hosts in file order."""
+    """The fleet: ``local`` first, then the configured hosts in file order; and the notification rules."""
 
     hosts: tuple[HostSettings, ...]
     path: Path
+    notify: tuple[NotifyRule, ...] = ()
 
     @property
     def names(self) -> list[str]:
@@ -124,7 +143,31 @@ def load(path: Path | None = None, extra_hosts: list[str] | None = None) -> Conf
         check_host_name(n)
         seen.add(n)
         out.append(HostSettings(name=n, **_settings(path, n, tables.get(n, {}))))
-    return Config(hosts=tuple(out), path=path)
+    return Config(hosts=tuple(out), path=path, notify=_notify_rules(path, data.get("notify", [])))
+
+
+def _notify_rules(path: Path, tables: object) -> tuple[NotifyRule, ...]:
+    example = '[[notify]] to = ["ntfy://ntfy.example/gpudeck"] on = ["failed"] match = "host:gpu1"'
+    if not isinstance(tables, list) or not all(isinstance(t, dict) for t in tables):
+        raise ConfigError(f"{path}: notification rules are [[notify]] tables, e.g. {example}")
+    if len(tables) > MAX_NOTIFY_RULES:
+        raise ConfigError(f"{path}: {len(tables)} [[notify]] tables, at most {MAX_NOTIFY_RULES}: merge rules that send the same events")
+    out = []
+    for i, t in enumerate(tables, 1):
+        unknown = set(t) - _NOTIFY_KEYS
+        if unknown:
+            raise ConfigError(f"{path}: [[notify]] number {i} has unknown keys {sorted(unknown)}; known: {sorted(_NOTIFY_KEYS)}")
+        lists = {}
+        for k in ("to", "on"):
+            v = t.get(k)
+            if not isinstance(v, list) or not v or not all(isinstance(x, str) and x for x in v):
+                raise ConfigError(f"{path}: [[notify]] number {i}: `{k}` must be a non-empty list of strings, e.g. {example}")
+            lists[k] = tuple(v)
+        match = t.get("match", "")
+        if not isinstance(match, str):
+            raise ConfigError(f'{path}: [[notify]] number {i}: `match` is a history filter as a string, e.g. "host:gpu1 kind:fsdp"')
+        out.append(NotifyRule(to=lists["to"], on=lists["on"], match=match))
+    return tuple(out)
 
 
 def _settings(path: Path, name: str, table: object) -> dict:

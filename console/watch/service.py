@@ -1,0 +1,338 @@
+"""Provides the watcher: the long-lived process behind ``gpudeck watch``.
+
+It follows the fleet exactly as the console does (one :class:`~gpudeck.console.fleet.Fleet` with the history, so
+every agent's journal is pulled into ``history.db``), reads the history's new events in the order they arrived,
+queues a notification for each (event, target) a rule picks in the outbox (console/watch/outbox.py), delivers
+them through apprise, and serves the metrics endpoint when asked. One watcher per history: a second one is refused.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import fcntl
+import gc
+import ipaddress
+import json
+import os
+import sqlite3
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from gpudeck.agents import paths
+from gpudeck.console import config as cfg
+from gpudeck.console.fleet import Fleet
+from gpudeck.console.history import History
+from gpudeck.console.sanitize import terminal_text
+from gpudeck.console.transport import SshOptions
+from gpudeck.console.watch import deliver
+from gpudeck.console.watch.cli import DEFAULT_METRICS
+from gpudeck.console.watch.metrics import FleetCollector, WatchHealth
+from gpudeck.console.watch.outbox import Item, Outbox
+from gpudeck.console.watch.rules import Rule, on_word, targets_for
+
+SCAN_BATCH = 1000
+DEFAULT_INTERVAL_S = 5.0  # snapshots as often as Prometheus usually scrapes; events do not wait for them (they are long-polled)
+# once the fleet is connected, what start-up built (links, connections) is frozen out of the cyclic collector's sight and
+# young collections run further apart, as the console does (console/app.py): each scrape builds tens of thousands of
+# short-lived objects that would otherwise set off full collections over everything the watcher holds
+GC_FREEZE_AFTER_S = 60.0
+GC_THRESHOLDS = (50_000, 20, 100)
+SCAN_EVERY_S = 2.0  # the history is read at least this often (and at once after a sync brings events)
+DELIVER_CHECK_S = 5.0
+_KINDS = ("run_state", "alert")
+
+
+class WatchError(Exception):
+    """The watcher cannot start or run; the message says what to do."""
+
+
+def outbox_path() -> Path:
+    """The outbox, next to the history."""
+    return cfg.history_path().parent / "watch.db"
+
+
+def lock_path() -> Path:
+    """The file a running watcher holds locked (it holds the watcher's pid)."""
+    return cfg.history_path().parent / "watch.lock"
+
+
+def running_pid() -> int | None:
+    """The pid of the watcher running on this history, or None."""
+    p = lock_path()
+    if not p.exists():
+        return None
+    try:
+        with open(p) as fh:
+            try:
+                fcntl.flock(fh, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except BlockingIOError:
+                txt = fh.read().strip()
+                return int(txt) if txt.isdigit() else -1
+            fcntl.flock(fh, fcntl.LOCK_UN)
+    except OSError:
+        return None
+    return None
+
+
+def parse_address(text: str) -> tuple[str, int]:
+    """``PORT``, ``HOST:PORT`` or ``[V6]:PORT`` as (address, port); WatchError says the form."""
+    host, port = DEFAULT_METRICS[0], text
+    if ":" in text:
+        host, _, port = text.rpartition(":")
+        host = host.strip("[]") or DEFAULT_METRICS[0]
+    if not port.isdigit() or not 0 <= int(port) < 65536:  # 0: any free port (the log line names it)
+        raise WatchError(f"--metrics {text!r}: give PORT or ADDRESS:PORT, e.g. --metrics 127.0.0.1:9464")
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        raise WatchError(f"--metrics {text!r}: {host!r} is not an IP address; give one, e.g. 127.0.0.1:9464") from None
+    return host, int(port)
+
+
+def log(msg: str) -> None:
+    """One line on stderr (the journal, under systemd)."""
+    print(terminal_text(f"gpudeck watch: {msg}"), file=sys.stderr, flush=True)
+
+
+@dataclass
+class WatchOptions:
+    """How to run: rules, where the metrics go (None: no endpoint), the snapshot interval, SSH options."""
+
+    config: cfg.Config
+    rules: list[Rule]
+    metrics: tuple[str, int] | None = None
+    interval_s: float = DEFAULT_INTERVAL_S
+    expire_s: float | None = None
+    ssh: SshOptions | None = None
+    state_dir: Path | None = None
+
+
+class Watcher:
+    """Follows the fleet, queues and delivers notifications, serves metrics."""
+
+    def __init__(self, opts: WatchOptions) -> None:
+        self.opts = opts
+        self.started = time.time()
+        self.health = WatchHealth(started=self.started, redact=deliver.redacted)
+        self._lock_fh: Any = None
+        self._scan_wake = asyncio.Event()
+        self._deliver_wake = asyncio.Event()
+        self._redacted: dict[str, str] = {}
+        self.metrics_port: int | None = None
+        self.fleet: Fleet | None = None  # set once run() has built it (the benchmark follows its links)
+
+    def _take_lock(self) -> None:
+        p = lock_path()
+        paths.ensure_private_dir(p.parent)
+        paths.private_file(p)
+        fh = open(p, "r+")
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            other = fh.read().strip()
+            fh.close()
+            raise WatchError(f"another gpudeck watch (pid {other or '?'}) follows {cfg.history_path()}; one watcher per history") from None
+        fh.truncate(0)
+        fh.write(str(os.getpid()))
+        fh.flush()
+        self._lock_fh = fh
+
+    def redact(self, url: str) -> str:
+        """A target fit for logs and labels (cached: apprise parses the URL)."""
+        if url not in self._redacted:
+            self._redacted[url] = deliver.redacted(url)
+        return self._redacted[url]
+
+    # ------------------------------------------------------------------ reading the history
+
+    def _scan(self, conn: sqlite3.Connection, outbox: Outbox) -> int:
+        """Queue what the history's new events call for; returns how many events were read."""
+        cursor = outbox.cursor() or 0
+        now = time.time()
+        expire_s = outbox.expire_s
+        conn.execute("BEGIN")  # one snapshot of the history: the cursor moves to what these reads saw
+        try:
+            top = conn.execute("SELECT MAX(rowid) FROM events").fetchone()[0] or 0
+            if cursor > top:
+                log(
+                    f"the history {cfg.history_path()} is newer than the outbox's place in it: reading it from the start (delivered events are not sent again)"
+                )
+                cursor = 0
+            kinds = ",".join("?" * len(_KINDS))
+            rows = conn.execute(
+                f"SELECT rowid, host, epoch, seq, ts, kind, run_id, data FROM events WHERE rowid > ? AND rowid <= ? AND kind IN ({kinds})"
+                " ORDER BY rowid LIMIT ?",
+                (cursor, top, *_KINDS, SCAN_BATCH),
+            ).fetchall()
+            new_cursor = rows[-1][0] if len(rows) == SCAN_BATCH else top
+            items: list[Item] = []
+            for _rowid, host, epoch, seq, ts, kind, run_id, data_json in rows:
+                try:
+                    data = json.loads(data_json or "{}")
+                except ValueError:
+                    continue
+                if not isinstance(data, dict) or not run_id:
+                    continue
+                word = on_word(kind, data)
+                if word is None or not isinstance(ts, (int, float)):
+                    continue
+                if now - ts > expire_s:
+                    continue  # older than the expiry: it would be dropped undelivered anyway
+                picks = targets_for(conn, self.opts.rules, word, host, run_id)
+                if not picks:
+                    continue
+                run = self._run_row(conn, host, run_id)
+                late = ts < self.started
+                msg = deliver.compose(word, host, f"{host}/{epoch}/{seq}", run_id, ts, data, run, late)
+                for target, rule in picks:
+                    items.append(Item(host, epoch, seq, target, rule, word, run_id, msg.title, msg.body, msg.notify_type, late, ts))
+        finally:
+            conn.execute("COMMIT")
+        if new_cursor != cursor or items or outbox.cursor() != new_cursor:
+            new = outbox.enqueue(items, new_cursor)
+            if new:
+                log(f"queued {new} notification(s)")
+                self._deliver_wake.set()
+        self.health.events_read += len(rows)
+        return len(rows)
+
+    @staticmethod
+    def _run_row(conn: sqlite3.Connection, host: str, run_id: str) -> dict[str, Any]:
+        cur = conn.execute("SELECT name, kind, state, cause, last_step, last_loss FROM runs WHERE host=? AND id=?", (host, run_id))
+        row = cur.fetchone()
+        return dict(zip([d[0] for d in cur.description], row)) if row else {}
+
+    async def _scan_loop(self, conn: sqlite3.Connection, outbox: Outbox) -> None:
+        while True:
+            try:
+                await asyncio.wait_for(self._scan_wake.wait(), SCAN_EVERY_S)
+                await asyncio.sleep(0.1)  # let a burst of synced batches land: one read for all of them
+            except TimeoutError:
+                pass
+            self._scan_wake.clear()
+            try:
+                while await asyncio.to_thread(self._scan, conn, outbox) == SCAN_BATCH:
+                    pass
+            except sqlite3.Error as exc:
+                log(f"cannot read the history ({exc}); trying again in {SCAN_EVERY_S:.0f} s")
+
+    # ------------------------------------------------------------------ delivery
+
+    async def _send(self, outbox: Outbox, it: Item) -> None:
+        msg = deliver.Message(it.title, it.body, it.notify_type)
+        try:
+            async with asyncio.timeout(deliver.SEND_TIMEOUT_S * 2):
+                why = await asyncio.to_thread(deliver.send, it.target, msg)
+        except deliver.UnusableTarget as exc:
+            await asyncio.to_thread(outbox.expire_item, it, str(exc))
+            log(f"{exc}; event {it.key} dropped for it")
+            return
+        except TimeoutError:
+            why = f"no answer within {deliver.SEND_TIMEOUT_S * 2:.0f} s"
+        if why is None:
+            await asyncio.to_thread(outbox.delivered, it)
+            log(f"delivered {it.word} of {it.run_id} ({it.key}) to {self.redact(it.target)}")
+        else:
+            await asyncio.to_thread(outbox.failed, it, why)
+            log(f"{self.redact(it.target)} failed ({why}); retrying with backoff")
+
+    async def _deliver_loop(self, outbox: Outbox) -> None:
+        last_expire = 0.0
+        while True:
+            now = time.time()
+            if now - last_expire > 60:
+                last_expire = now
+                n = await asyncio.to_thread(outbox.expire, now)
+                if n:
+                    log(f"{n} notification(s) expired undelivered (older than {outbox.expire_s / 3600:.0f} h)")
+            due = await asyncio.to_thread(outbox.due)
+            if due:
+                await asyncio.gather(*(self._send(outbox, it) for it in due))  # one per target at a time, targets in parallel
+            self.health.targets = await asyncio.to_thread(outbox.status)
+            if due:
+                continue
+            nxt = await asyncio.to_thread(outbox.next_due)
+            wait = DELIVER_CHECK_S if nxt is None else min(DELIVER_CHECK_S, max(0.05, nxt - time.time()))
+            try:
+                await asyncio.wait_for(self._deliver_wake.wait(), wait)
+            except TimeoutError:
+                pass
+            self._deliver_wake.clear()
+
+    # ------------------------------------------------------------------ the whole
+
+    def _start_metrics(self, fleet: Fleet, hist_path: Path) -> Any:
+        from prometheus_client import CollectorRegistry, start_http_server
+
+        assert self.opts.metrics is not None
+        addr, port = self.opts.metrics
+        conn = sqlite3.connect(f"file:{hist_path}?mode=ro", uri=True, check_same_thread=False, timeout=10.0)
+        registry = CollectorRegistry(auto_describe=False)
+        registry.register(FleetCollector(fleet, conn, self.health))
+        try:
+            server, _thread = start_http_server(port, addr=addr, registry=registry)
+        except OSError as exc:
+            raise WatchError(f"cannot serve metrics on {addr}:{port} ({exc}): pick another port with --metrics ADDRESS:PORT") from None
+        self.metrics_port = server.server_address[1]
+        if not ipaddress.ip_address(addr).is_loopback:
+            log(f"metrics on {addr}:{port}, NOT loopback: anyone who reaches it sees the fleet's GPUs and runs")
+        log(f"metrics on http://{addr}:{self.metrics_port}/metrics")
+        return server
+
+    async def _freeze_gc(self, fleet: Fleet) -> None:
+        for _ in range(int(GC_FREEZE_AFTER_S)):  # a check a second until no link is still connecting
+            if not any(ln.status.state == "connecting" for ln in fleet.links.values()):
+                break
+            await asyncio.sleep(1.0)
+        gc.collect()
+        gc.freeze()
+        gc.set_threshold(*GC_THRESHOLDS)
+
+    async def run(self, stop: asyncio.Event) -> int:
+        """Run until ``stop`` is set; 0 on a clean stop."""
+        self._take_lock()
+        history = History()
+        outbox = Outbox(outbox_path(), **({"expire_s": self.opts.expire_s} if self.opts.expire_s else {}))
+        hist_path = history.path
+        scan_conn = sqlite3.connect(f"file:{hist_path}?mode=ro", uri=True, isolation_level=None, check_same_thread=False, timeout=10.0)
+        if outbox.cursor() is None:
+            top = scan_conn.execute("SELECT MAX(rowid) FROM events").fetchone()[0] or 0
+            outbox.enqueue([], top)  # a first start follows from the history's end: the past is not announced
+            log("first start: notifying events from now on")
+        fleet = Fleet(
+            config=self.opts.config, history=history, interval_s=self.opts.interval_s, ssh=self.opts.ssh, state_dir=self.opts.state_dir
+        )
+        self.fleet = fleet
+        for link in fleet.links.values():
+            link.on_synced(lambda _host, n: self._scan_wake.set() if n else None)
+        server = self._start_metrics(fleet, hist_path) if self.opts.metrics else None
+        targets = {u for r in self.opts.rules for u in r.to}
+        log(f"following {len(fleet.links)} host(s), {len(self.opts.rules)} rule(s), {len(targets)} target(s)")
+        fleet.start()
+        self._scan_wake.set()
+        tasks = [
+            asyncio.ensure_future(self._scan_loop(scan_conn, outbox)),
+            asyncio.ensure_future(self._deliver_loop(outbox)),
+            asyncio.ensure_future(self._freeze_gc(fleet)),
+        ]
+        try:
+            loops = tasks[:2]  # run for ever; the GC freeze ends by itself
+            done, _ = await asyncio.wait([*loops, asyncio.ensure_future(stop.wait())], return_when=asyncio.FIRST_COMPLETED)
+            for t in done:
+                if t in loops and t.exception() is not None:
+                    raise t.exception()  # type: ignore[misc]
+            return 0
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            if server is not None:
+                server.shutdown()
+            await fleet.close()
+            history.close()
+            outbox.close()
+            scan_conn.close()
+            log("stopped")

@@ -1,0 +1,149 @@
+"""The watcher's pure parts: [[notify]] rules, the on words of events, the outbox's exactly-once bookkeeping, messages."""
+
+from __future__ import annotations
+
+import sqlite3
+import stat
+from pathlib import Path
+
+import pytest
+
+from gpudeck.console import config as cfg
+from gpudeck.console.watch import outbox as ob
+from gpudeck.console.watch.deliver import compose
+from gpudeck.console.watch.rules import RuleError, compile_rules, on_word, targets_for
+
+URL = "json://127.0.0.1:9/hook"
+
+
+def rule(on: list[str], match: str = "", to: list[str] | None = None) -> cfg.NotifyRule:
+    return cfg.NotifyRule(to=tuple(to or [URL]), on=tuple(on), match=match)
+
+
+def test_notify_tables_are_read_and_checked(tmp_path: Path) -> None:
+    p = tmp_path / "config.toml"
+    p.write_text('[[notify]]\nto = ["ntfy://n.example/x"]\non = ["failed", "alert:hang"]\nmatch = "host:gpu1"\n')
+    conf = cfg.load(p)
+    assert conf.notify == (cfg.NotifyRule(to=("ntfy://n.example/x",), on=("failed", "alert:hang"), match="host:gpu1"),)
+    for bad, says in (
+        ('[[notify]]\nto = "x"\non = ["failed"]\n', "`to` must be a non-empty list"),
+        ('[[notify]]\nto = ["a://b"]\non = []\n', "`on` must be a non-empty list"),
+        ('[[notify]]\nto = ["a://b"]\non = ["failed"]\nwhen = 1\n', "unknown keys ['when']"),
+        ('[[notify]]\nto = ["a://b"]\non = ["failed"]\nmatch = 3\n', "`match` is a history filter"),
+        ("notify = 3\n", "[[notify]] tables"),
+    ):
+        p.write_text(bad)
+        with pytest.raises(cfg.ConfigError, match=__import__("re").escape(says)):
+            cfg.load(p)
+
+
+def test_rules_resolve_aliases_and_refuse_what_cannot_work() -> None:
+    (r,) = compile_rules((rule(["failed", "alert:rank_died", "alert:hang"]),))
+    assert r.on == {"failed", "alert:rank_exited", "alert:heartbeat_lost"}
+    assert r.picks("alert:rank_exited") and not r.picks("alert:gpu_idle") and not r.picks("succeeded")
+    assert compile_rules((rule(["alert"]),))[0].picks("alert:gpu_idle")
+    with pytest.raises(RuleError, match="unknown event 'crashed'"):
+        compile_rules((rule(["crashed"]),))
+    with pytest.raises(RuleError, match="unknown alert 'alert:boom'"):
+        compile_rules((rule(["alert:boom"]),))
+    with pytest.raises(RuleError, match="unknown filter 'colour'"):
+        compile_rules((rule(["failed"], match="colour:red"),))
+    with pytest.raises(RuleError, match="is not a URL"):
+        compile_rules((rule(["failed"], to=["not a url"]),))
+
+
+def test_on_words_of_history_events() -> None:
+    assert on_word("run_state", {"state": "failed"}) == "failed"
+    assert on_word("run_state", {"state": "running"}) == "started"
+    assert on_word("run_state", {"state": "stopping"}) is None
+    assert on_word("alert", {"alert": {"kind": "rank_exited"}}) == "alert:rank_exited"
+    assert on_word("alert", {"alert": {"kind": "made_up"}}) is None
+    assert on_word("alert", {"alert": "text"}) is None
+    assert on_word("telemetry", {"state": "failed"}) is None
+
+
+def test_targets_for_evaluates_match_against_the_runs_row() -> None:
+    conn = sqlite3.connect(":memory:")
+    conn.execute("CREATE TABLE runs(host, id, name, kind, state, cause, cause_class, started, created)")
+    conn.execute("INSERT INTO runs(host, id, name, kind, state) VALUES ('gpu1', 'r-1', 'fsdp-a', 'fsdp', 'failed')")
+    conn.execute("INSERT INTO runs(host, id, name, kind, state) VALUES ('gpu2', 'r-2', 'other', 'command', 'failed')")
+    rules = compile_rules((rule(["failed"], match="kind:fsdp host:~gpu"), rule(["failed"], to=[URL, "ntfy://n.example/all"])))
+    assert targets_for(conn, rules, "failed", "gpu1", "r-1") == [(URL, 1), ("ntfy://n.example/all", 2)]  # one URL once, its first rule
+    assert targets_for(conn, rules, "failed", "gpu2", "r-2") == [(URL, 2), ("ntfy://n.example/all", 2)]
+    assert targets_for(conn, rules, "succeeded", "gpu1", "r-1") == []
+
+
+def item(seq: int, target: str = URL) -> ob.Item:
+    return ob.Item("gpu1", "ep", seq, target, 1, "failed", "r-1", "t", "b", "failure", False, 1000.0 + seq)
+
+
+def test_outbox_is_private_and_counts_an_event_once_per_target(tmp_path: Path) -> None:
+    box = ob.Outbox(tmp_path / "watch.db")
+    assert stat.S_IMODE((tmp_path / "watch.db").stat().st_mode) == 0o600
+    assert box.cursor() is None
+    assert box.enqueue([item(1), item(2)], cursor=10) == 2
+    assert box.enqueue([item(1), item(1, "ntfy://n.example/x")], cursor=12) == 1  # read again after a crash: nothing twice
+    assert box.cursor() == 12
+    due = box.due(now=2000.0)
+    assert {(d.target, d.seq) for d in due} == {(URL, 1), ("ntfy://n.example/x", 1)}  # the oldest of each target
+    box.delivered(due[0], now=2000.0)
+    assert box.enqueue([due[0]], cursor=13) == 0  # delivered stays delivered
+    box.close()
+    again = ob.Outbox(tmp_path / "watch.db")
+    assert again.cursor() == 13 and len(again.items("delivered")) == 1 and len(again.items("pending")) == 2
+
+
+def test_a_failing_target_backs_off_then_expires(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(ob.random, "uniform", lambda a, b: b)
+    box = ob.Outbox(tmp_path / "watch.db", expire_s=100.0)
+    box.enqueue([item(1), item(2)], cursor=2, now=1000.0)
+    (first,) = box.due(now=1000.0)
+    box.failed(first, "503", now=1000.0)
+    assert box.due(now=1000.5) == [] and box.next_due() == 1000.0 + ob.BACKOFF_MIN_S
+    box.failed(first, "503", now=1001.0)
+    assert box.next_due() == 1001.0 + 2 * ob.BACKOFF_MIN_S  # doubling
+    (st,) = box.status()
+    assert st.failing and st.pending == 2 and st.consecutive == 2 and st.last_error == "503"
+    assert box.expire(now=1200.0) == 2
+    (st,) = box.status()
+    assert st.expired == 2 and st.pending == 0 and box.due(now=5000.0) == []
+    assert ob.backoff_s(50) == ob.BACKOFF_MAX_S
+
+
+def test_messages_say_what_to_do_and_carry_no_control_characters() -> None:
+    run = {"name": "evil\x1b[31mname", "kind": "fsdp", "state": "failed", "last_step": 120, "last_loss": 2.3456}
+    m = compose("failed", "gpu1", "gpu1/ep/7", "r-1", 1000.0, {"state": "failed", "cause": "x" * 5000, "exit_code": 1}, run, late=False)
+    assert "\x1b" not in m.title + m.body and "\\x1b" in m.title
+    assert "gpudeck show r-1 --host gpu1" in m.body and "event gpu1/ep/7" in m.body and "step 120, loss 2.346" in m.body
+    assert len(m.body) < 1500 and m.notify_type == "failure"
+    late = compose(
+        "alert:rank_exited", "gpu1", "k", "r-1", 0.0, {"alert": {"message": "rank 1 died", "severity": "critical"}}, {}, late=True
+    )
+    assert late.title.startswith("[late] gpudeck: rank_exited") and "rank 1 died" in late.body and late.notify_type == "failure"
+    assert "while gpudeck watch was not running" in late.body
+
+
+def test_metrics_address_is_loopback_unless_one_is_given() -> None:
+    from gpudeck.console.watch.service import WatchError, parse_address
+
+    assert parse_address("9464") == ("127.0.0.1", 9464)
+    assert parse_address(":9500") == ("127.0.0.1", 9500)
+    assert parse_address("10.0.0.5:9464") == ("10.0.0.5", 9464)
+    assert parse_address("[::1]:9464") == ("::1", 9464)
+    for bad in ("localhost:9464", "127.0.0.1:99999", "127.0.0.1:x", ""):
+        with pytest.raises(WatchError, match="--metrics"):
+            parse_address(bad)
+
+
+def test_failing_summary_names_failing_targets_only(tmp_path: Path) -> None:
+    path = tmp_path / "watch.db"
+    assert ob.failing_summary(path) is None
+    box = ob.Outbox(path)
+    box.enqueue([item(1), item(1, "json://127.0.0.1:8/ok")], cursor=1, now=1000.0)
+    for it in box.due(now=1000.0):
+        if it.target == URL:
+            box.failed(it, "503", now=1000.0)
+        else:
+            box.delivered(it, now=1000.0)
+    line = ob.failing_summary(path)
+    assert line is not None and "127.0.0.1:9" in line and "8/ok" not in line and "gpudeck watch --status" in line
