@@ -92,6 +92,9 @@ class HostStatus:
     agent_version: str | None = None
     epoch: str | None = None
     since: float = field(default_factory=time.time)
+    # when the link last stopped working (the first failure, not the latest retry: retries pass through
+    # 'connecting' and set ``since`` again); None while it is up or before its first attempt ended
+    down_since: float | None = None
     transport: str = "ssh"  # "unix" for local
     synced_seq: int = 0  # last event seq held in history for the current epoch
     connects: int = 0
@@ -160,6 +163,10 @@ class HostLink:
     def _set_state(self, state: LinkState, error: str | None = None) -> None:
         if state != self.status.state:
             self.status.since = time.time()
+        if state == "up":
+            self.status.down_since = None
+        elif state != "connecting" and self.status.down_since is None:
+            self.status.down_since = self.status.since
         self.status.state = state
         self.status.error = error
         if state in REFUSED_STATES or (state == "unreachable" and not self.watch):

@@ -14,7 +14,7 @@ from gpudeck.console.fmt import gib
 from gpudeck.console.screens.base import LiveScreen, deck
 from gpudeck.console.screens.fleet import state_cell
 from gpudeck.console.screens.reclaim import ReclaimItem, reclaim_flow
-from gpudeck.console.views import LEFTOVER_HOLDERS, holder_label, since
+from gpudeck.console.views import LEFTOVER_HOLDERS, age, holder_label
 from gpudeck.console.widgets.cells import SIMULATED, attribution_text, mem_bar, pct_bar, plain_markup
 from gpudeck.console.widgets.header import AppHeader
 from gpudeck.console.widgets.keyed_table import Col, KeyedTable
@@ -132,7 +132,7 @@ class HostScreen(LiveScreen):
                     "rank": "-" if p.rank is None else str(p.rank),
                     "user": p.user or "-",
                     "status": p.status or "-",
-                    "age": since(p.create_time) if p.create_time else "-",
+                    "age": age(p.create_time),
                     "cmd": " ".join(p.cmdline)[:120] or "-",
                 }
         self.query_one("#gpu-table", KeyedTable).sync(gpu_rows)

@@ -14,7 +14,7 @@ from gpudeck.agents.protocol import Gpu, Leftover, LeftoverList
 from gpudeck.console.fmt import gib
 from gpudeck.console.screens.base import Guarded, deck
 from gpudeck.console.screens.reclaim import ReclaimItem, reclaim_flow
-from gpudeck.console.views import since
+from gpudeck.console.views import age
 from gpudeck.console.widgets.cells import leftover_text, plain_markup
 from gpudeck.console.widgets.header import AppHeader
 from gpudeck.console.widgets.keyed_table import Col, KeyedTable
@@ -41,7 +41,7 @@ def leftover_cells(lo: Leftover) -> dict[str, object]:
     if lo.run_id:
         run_state = lo.run_state or "?"
         if lo.run_ended:
-            run_state += f", ended {since(lo.run_ended)} ago"
+            run_state += f", ended {age(lo.run_ended)}"
     return {
         "pid": str(lo.pid),
         "kind": leftover_text(lo.kind),
