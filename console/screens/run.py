@@ -595,6 +595,8 @@ class RunScreen(LiveScreen):
             return
         view = self.query_one("#run-log", OutputView)
         view.search_term = event.value or None
+        view.current_match = None
+        self._match_line = None
         event.input.display = False
         view.focus()
         if view.search_term:
@@ -624,12 +626,15 @@ class RunScreen(LiveScreen):
         view = self.query_one("#run-log", OutputView)
         if not view.search_term:
             return
-        found = view.find(view.search_term, start, forward)
+        found = view.find_wrapping(view.search_term, start, forward)
         if found is None:
-            self.app.call_from_thread(self.notify, f"{view.search_term!r} not found {'below' if forward else 'above'}")
+            self.app.call_from_thread(self.notify, f"{view.search_term!r} not found", severity="warning")
             return
-        self._match_line = found
-        self.app.call_from_thread(view.go_to_line, found)
+        line, wrapped = found
+        self._match_line = line
+        self.app.call_from_thread(view.show_match, line)
+        if wrapped:
+            self.app.call_from_thread(self.notify, f"search wrapped to the {'top' if forward else 'bottom'}: line {line + 1}")
 
     # ------------------------------------------------------------------ relaunch and rollback
 
