@@ -17,11 +17,11 @@ from gpudeck.console.widgets.header import AppHeader
 from gpudeck.console.widgets.keyed_table import Col, KeyedTable, fit
 
 COLUMNS = [
-    Col("host", "HOST", 20),
+    Col("host", "HOST", 18),
     Col("state", "STATE", 16),
     Col("since", "SINCE", 12, fold=2),  # when the link state began (unreachable since: the first failure, not the last retry)
-    Col("gpus", "GPUs BUSY", 9),
-    Col("memory", "MEMORY", 30),
+    Col("gpus", "GPUs BUSY", 9, fold=4),
+    Col("memory", "MEMORY", 26),
     Col("util", "UTIL", 10, fold=3),
     Col("runs", "RUNS", 4),
     Col("agent", "AGENT", 8, fold=1),
@@ -73,7 +73,7 @@ def host_cells(st: HostStatus) -> tuple[dict[str, object], HostFigures | None]:
     fig = host_figures(snap)
     if fig.gpus:
         cells["gpus"] = f"{fig.busy}/{fig.gpus}"
-        cells["memory"] = mem_bar(fig.used, fig.total)
+        cells["memory"] = mem_bar(fig.used, fig.total, width=10)
         cells["util"] = pct_bar(fig.util)
     else:
         cells["gpus"] = Text("no GPU", style="dim")

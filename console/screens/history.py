@@ -27,16 +27,16 @@ from gpudeck.console.widgets.keyed_table import Col, KeyedTable, fit
 
 COLUMNS = [
     Col("id", "RUN", 10),
-    Col("name", "NAME", 16),
+    Col("name", "NAME", 16, fold=1),
     Col("host", "HOST", 10),
-    Col("kind", "KIND", 7),
+    Col("kind", "KIND", 7, fold=4),
     Col("state", "STATE", 16),
-    Col("started", "STARTED", 10),
-    Col("elapsed", "ELAPSED", 8),
-    Col("step", "STEP", 6),
+    Col("started", "STARTED", 12),
+    Col("elapsed", "ELAPSED", 8, fold=3),
+    Col("step", "STEP", 6, fold=2),
     Col("loss", "LOSS", 7),
-    Col("tps", "TOK/S", 8),
-    Col("torch", "TORCH", 14),
+    Col("tps", "TOK/S", 8, fold=5),
+    Col("torch", "TORCH", 14, fold=6),
     Col("why", "CAUSE / ALERTS", None),
 ]
 PLACEHOLDER = "filter: state:failed host:gpu1 kind:dflash since:7d name:~drafter cause:oom torch:2.7 alert:any   (enter applies)"

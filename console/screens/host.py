@@ -17,18 +17,18 @@ from gpudeck.console.screens.reclaim import ReclaimItem, reclaim_flow
 from gpudeck.console.views import LEFTOVER_HOLDERS, age, holder_label
 from gpudeck.console.widgets.cells import SIMULATED, attribution_text, mem_bar, pct_bar, plain_markup
 from gpudeck.console.widgets.header import AppHeader
-from gpudeck.console.widgets.keyed_table import Col, KeyedTable
+from gpudeck.console.widgets.keyed_table import Col, KeyedTable, fit
 from gpudeck.console.widgets.progress import ProgressLine
 
 GPU_COLUMNS = [
     Col("idx", "GPU", 4),
-    Col("name", "NAME", 26),
+    Col("name", "NAME", 26, fold=1),
     Col("mem", "MEMORY", 32),
     Col("util", "UTIL", 10),
-    Col("temp", "TEMP", 6),
-    Col("power", "POWER", 12),
-    Col("unacc", "UNACCOUNTED", 12),
-    Col("holders", "HOLDERS", 40),
+    Col("temp", "TEMP", 6, fold=3),
+    Col("power", "POWER", 12, fold=4),
+    Col("unacc", "UNACCOUNTED", 12, fold=2),
+    Col("holders", "HOLDERS", None),
 ]
 PROC_COLUMNS = [
     Col("pid", "PID", 8),
@@ -36,10 +36,10 @@ PROC_COLUMNS = [
     Col("gib", "GiB", 6),
     Col("holder", "HOLDER", 16),
     Col("run", "RUN", 12),
-    Col("rank", "RANK", 5),
+    Col("rank", "RANK", 5, fold=1),
     Col("user", "USER", 10),
-    Col("status", "STATUS", 11),
-    Col("age", "AGE", 8),
+    Col("status", "STATUS", 11, fold=3),
+    Col("age", "AGE", 8, fold=2),
     Col("cmd", "COMMAND", None),
 ]
 
@@ -66,9 +66,9 @@ class HostScreen(LiveScreen):
     def compose(self) -> ComposeResult:
         yield AppHeader()
         yield Static(plain_markup(f"Host {self.host}"), id="host-title", classes="title")
-        yield KeyedTable(GPU_COLUMNS, id="gpu-table", zebra_stripes=False)
+        yield KeyedTable(fit(GPU_COLUMNS, self.app.size.width), id="gpu-table", zebra_stripes=False)
         yield Static("GPU processes  (space/enter: mark, a: mark leftovers, x: reclaim marked)", classes="subtitle")
-        yield KeyedTable(PROC_COLUMNS, id="proc-table", markable=True)
+        yield KeyedTable(fit(PROC_COLUMNS, self.app.size.width, markable=True), id="proc-table", markable=True)
         yield ProgressLine(id="host-progress")
         yield Static("", id="host-note", classes="note")
         yield Footer()

@@ -27,15 +27,15 @@ from gpudeck.console.widgets.progress import ProgressLine
 
 COLUMNS = [
     Col("id", "RUN", 10),
-    Col("name", "NAME", 16),
+    Col("name", "NAME", 16, fold=1),
     Col("host", "HOST(S)", 10),
-    Col("kind", "KIND", 7),
+    Col("kind", "KIND", 7, fold=4),
     Col("state", "STATE", 16),
-    Col("step", "STEP", 6),
+    Col("step", "STEP", 6, fold=2),
     Col("loss", "LOSS", 7),
-    Col("tps", "TOK/S", 20),
-    Col("started", "STARTED", 10),
-    Col("elapsed", "ELAPSED", 8),
+    Col("tps", "TOK/S", 20, fold=5),
+    Col("started", "STARTED", 12),
+    Col("elapsed", "ELAPSED", 8, fold=3),
     Col("why", "ALERTS (live) / CAUSE (ended)", None),  # a live run has alerts, an ended one a cause: one column holds both
 ]
 ENDED_WORDS = frozenset(STATE_WORDS.get(s, s).split(" ")[0] for s in TERMINAL_STATES)
