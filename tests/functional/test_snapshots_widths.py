@@ -5,15 +5,24 @@ Same pinned clock and fixture data as test_snapshots.py; update with ``--snapsho
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
+from gpudeck.console.app import GpudeckApp
 from gpudeck.console.screens.history import HistoryScreen
 from gpudeck.console.screens.leftovers import LeftoversScreen
 from gpudeck.console.screens.runs import RunsScreen
 from gpudeck.console.widgets.keyed_table import KeyedTable
-from tests.functional.fixture_fleet import GOOD
+from tests.functional.fixture_fleet import GOOD, FixtureFleet
 from tests.functional.helpers import mounted, open_host, press_for, until
-from tests.functional.test_snapshots import app, fixed_clock, settle  # noqa: F401  (fixtures)
+from tests.functional.test_snapshots import fixed_clock, settle  # noqa: F401  (fixed_clock: an autouse fixture)
+
+
+@pytest.fixture
+def app(tmp_path: Path) -> GpudeckApp:
+    return GpudeckApp(FixtureFleet(tmp_path / "history.db"))
+
 
 WIDTHS = [pytest.param((100, 32), id="100"), pytest.param((200, 40), id="200")]
 
