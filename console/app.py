@@ -20,7 +20,8 @@ from textual.screen import ModalScreen, Screen
 
 from gpudeck.agents.protocol import RunInfo
 from gpudeck.console.commands import GpudeckCommands
-from gpudeck.console.fleet import Fleet, HostStatus
+from gpudeck.console.config import ConfigError
+from gpudeck.console.fleet import Fleet, HostLink, HostStatus
 from gpudeck.console.history import History
 from gpudeck.console.ops import LaunchIntent
 from gpudeck.console.sanitize import escape_controls
@@ -35,6 +36,7 @@ from gpudeck.console.screens.runs import RunsScreen
 # Host changes reach the screens this often at most. A refresh costs the visible cells that changed
 # (KeyedTable), so frequent small refreshes keep a key press from waiting behind a big one.
 FLUSH_S = 0.25
+CONFIG_POLL_S = 2.0  # how often the console looks whether `gpudeck hosts add/remove` changed the config file
 GC_FREEZE_AFTER_S = 60.0  # freeze the start-up heap once every host has answered, or after this long
 # Young collections this far apart: what a frame or a snapshot builds dies by reference counting before one
 # runs, instead of being promoted to the old generation, whose churn then sets off full collections (one every
@@ -80,19 +82,50 @@ class GpudeckApp(App):
         """The latest state of every host."""
         return {name: link.status for name, link in self.fleet.links.items()}
 
+    def _follow_link(self, name: str, link: HostLink) -> None:
+        def mark_dirty(_st: HostStatus, name: str = name) -> None:
+            self._dirty_hosts.add(name)
+
+        link.subscribe(mark_dirty)
+        link.on_synced(self._synced)
+
     def on_mount(self) -> None:
         self.theme = THEMES[0]
         for name, link in self.fleet.links.items():
-
-            def mark_dirty(_st: HostStatus, name: str = name) -> None:
-                self._dirty_hosts.add(name)
-
-            link.subscribe(mark_dirty)
-            link.on_synced(self._synced)
+            self._follow_link(name, link)
         self.fleet.start()
         self.set_interval(FLUSH_S, self.flush_updates)
+        self._config_mtime = self._config_stamp()
+        self.set_interval(CONFIG_POLL_S, self._check_config)
         self._mounted_at = time.monotonic()
         self.push_screen(FleetScreen())
+
+    def _config_stamp(self) -> float | None:
+        config = getattr(self.fleet, "config", None)  # a fleet built without a config file has nothing to follow
+        try:
+            return config.path.stat().st_mtime_ns if config is not None else None
+        except OSError:
+            return None
+
+    def _check_config(self) -> None:
+        """``gpudeck hosts add/remove`` (or an edit) changed the config file: follow it without a restart."""
+        stamp = self._config_stamp()
+        if stamp == self._config_mtime:
+            return
+        self._config_mtime = stamp
+        try:
+            added, removed = self.fleet.reload_config()
+        except ConfigError as exc:
+            self.notify(str(exc), title="the config file changed and cannot be read", severity="error")
+            return
+        for name in added:
+            self._follow_link(name, self.fleet.links[name])
+        if added or removed:
+            self._dirty_hosts |= {*added, *removed}
+            self.notify(
+                "; ".join([*(["added " + ", ".join(added)] if added else []), *(["removed " + ", ".join(removed)] if removed else [])]),
+                title="hosts changed",
+            )
 
     def _synced(self, host: str, n: int) -> None:
         if n:

@@ -115,6 +115,10 @@ class FleetScreen(LiveScreen):
         """Update (or add) the rows of these hosts only."""
         table = self.query_one("#fleet-table", KeyedTable)
         links = deck(self).fleet.links
+        for name in [n for n in names if n not in links]:  # removed from the config (`gpudeck hosts remove`)
+            table.drop(name)
+            self._figures.pop(name, None)
+            self._states.pop(name, None)
         for name in [n for n in links if n in names]:  # config order for new rows
             st = links[name].status
             cells, fig = host_cells(st)
