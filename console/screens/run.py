@@ -21,7 +21,7 @@ from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.screen import Screen
-from textual.widgets import Footer, Input, Sparkline, Static, TabbedContent, TabPane
+from textual.widgets import Footer, Input, Static, TabbedContent, TabPane
 
 from gpudeck.agents import envs
 from gpudeck.agents.errors import AgentError
@@ -52,6 +52,7 @@ from gpudeck.console.widgets.diff import diff_summary, diff_table
 from gpudeck.console.widgets.header import AppHeader
 from gpudeck.console.widgets.keyed_table import Col, KeyedTable
 from gpudeck.console.widgets.output_view import OutputView
+from gpudeck.console.widgets.plots import MetricPlot, Series
 from gpudeck.console.widgets.progress import ProgressLine
 
 FLUSH_S = 0.1  # output reaches the screen in batches, a few times a second at most
@@ -270,10 +271,10 @@ class RunScreen(LiveScreen):
                 with Horizontal(id="metrics"):
                     with Vertical(classes="metric"):
                         yield Static("loss", id="loss-label", classes="metric-label")
-                        yield Sparkline([], id="loss-spark")
+                        yield MetricPlot(id="loss-plot")
                     with Vertical(classes="metric"):
                         yield Static("tokens/s", id="tps-label", classes="metric-label")
-                        yield Sparkline([], id="tps-spark")
+                        yield MetricPlot(id="tps-plot")
                 yield OutputView(id="run-log")
                 yield Input(id="run-search", placeholder="search the output (enter: find, esc: close)", classes="search")
             with TabPane("Spec (2)", id="tab-spec"):
@@ -496,19 +497,19 @@ class RunScreen(LiveScreen):
                 return
             if steps:
                 panel.display = True
-                self._show_series("loss", "#loss-label", "#loss-spark", steps, loss, "{:.4f}")
-                self._show_series("tokens/s", "#tps-label", "#tps-spark", steps, tps, "{:,.0f}")
+                self._show_series("loss", "#loss-label", "#loss-plot", steps, loss, "{:.4f}")
+                self._show_series("tokens/s", "#tps-label", "#tps-plot", steps, tps, "{:,.0f}")
             ended = self.run is not None and self.run.ended is not None
             await asyncio.sleep(10.0 if ended else 2.0)
 
-    def _show_series(self, name: str, label_id: str, spark_id: str, steps: list[int], values: list[float | None], fmt: str) -> None:
+    def _show_series(self, name: str, label_id: str, plot_id: str, steps: list[int], values: list[float | None], fmt: str) -> None:
         pts = [(s, v) for s, v in zip(steps, values) if v is not None]
         label = self.query_one(label_id, Static)
         if not pts:
             label.update(Text(f"{name}: not reported", style="dim"))
             return
         data = [v for _, v in pts]
-        self.query_one(spark_id, Sparkline).data = data
+        self.query_one(plot_id, MetricPlot).show([Series(name, [float(s) for s, _ in pts], data)], xlabel="step")
         label.update(
             Text.assemble(
                 (f"{name} ", "bold"),
