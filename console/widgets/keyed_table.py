@@ -189,6 +189,8 @@ class KeyedTable(DataTable):
         self._order_due = False
         self.pin_top = False  # a cursor on the first row stays on the first row when the order changes
         self._cells: dict[str, dict[str, object]] = {}
+        self._literals: dict[str, list[object]] = {}  # row key -> its cells escaped for the DataTable (re-adds reuse them)
+        self._order_keys: dict[str, tuple[Any, int]] = {}  # row key -> its place in the table's own order (kept until it changes)
         self._deferred: dict[str, dict[str, object]] = {}  # newer cells of rows out of view
         self._stale: set[tuple[str, str]] = set()  # cells written in place whose renders must be dropped
         self._stale_lines: set[int] = set()
@@ -216,12 +218,15 @@ class KeyedTable(DataTable):
         newest = self.cells_of(key) or old
         if self.sort_column is not None and newest.get(self.sort_column) != cells.get(self.sort_column):
             self._order_later()
-        elif self.sort_column is None and self.order is not None and any(newest.get(c) != cells.get(c) for c in self._order_columns):
-            self._order_later()
+        if self.order is not None and any(newest.get(c) != cells.get(c) for c in self._order_columns):
+            self._order_keys.pop(key, None)
+            if self.sort_column is None:
+                self._order_later()
         if self.filter_text and any(newest.get(c.key) != cells.get(c.key) for c in self.cols):
             self._hay.pop(key, None)
         if key not in self._shown:
             self._cells[key] = dict(cells)
+            self._literals.pop(key, None)
             self._hay.pop(key, None)
             if self.filter_text and self._matches(key):
                 self._order_later()
@@ -229,6 +234,7 @@ class KeyedTable(DataTable):
             return 0
         if self.filter_text and not self._matches(key, cells):
             self._cells[key] = dict(cells)
+            self._literals.pop(key, None)
             self._deferred.pop(key, None)
             self._shown.discard(key)
             self.remove_row(key)
@@ -239,16 +245,57 @@ class KeyedTable(DataTable):
         self._deferred.pop(key, None)
         return self._write(key, old, cells)
 
+    def _row_cells(self, key: str) -> list[object]:
+        """Row ``key``'s cells as the DataTable holds them (escaped once, kept until the row changes)."""
+        row = self._literals.get(key)
+        if row is None:
+            cells = self._cells[key]
+            row = [Text(MARK if key in self.marks else "", style="bold green")] if self.markable else []
+            row.extend(literal(cells.get(c.key, "")) for c in self.cols)
+            self._literals[key] = row
+        return row
+
     def _add(self, key: str) -> int:
-        cells = self._cells[key]
-        row: list[object] = [Text(MARK if key in self.marks else "", style="bold green")] if self.markable else []
-        row.extend(literal(cells.get(c.key, "")) for c in self.cols)
+        row = self._row_cells(key)
         self.add_row(*row, key=key)
         self._shown.add(key)
         self.cells_written += len(row)
         return len(row)
 
+    def _add_many(self, keys: list[str]) -> None:
+        """Show ``keys`` (in this order) in an empty table at once (a filter shows thousands again): DataTable's add_row
+        costs a reactive update and more per row; here its tables are built in one go (Textual 8.2's; add_row when
+        they are not there)."""
+        try:
+            from textual._two_way_dict import TwoWayDict
+            from textual.widgets._data_table import Row, RowKey
+
+            columns = [c.key for c in self.ordered_columns]
+            assert not self._data and not self.rows
+        except (ImportError, AttributeError, AssertionError):
+            for key in keys:
+                self._add(key)
+            return
+        data: dict[Any, dict[Any, object]] = {}
+        rows: dict[Any, Any] = {}
+        for key in keys:
+            rk = RowKey(key)
+            data[rk] = dict(zip(columns, self._row_cells(key)))
+            rows[rk] = Row(rk, 1, None, False)
+        self._data = data
+        self.rows = rows
+        self._row_locations = TwoWayDict({rk: i for i, rk in enumerate(rows)})
+        self._new_rows.update(rows)
+        self._shown.update(keys)
+        self.cells_written += len(keys) * len(columns)
+        self._require_update_dimensions = True
+        self._update_count += 1
+        self.cursor_coordinate = self.cursor_coordinate  # clamped to the new rows
+        self.check_idle()
+        self.refresh()
+
     def _write(self, key: str, old: dict[str, object], cells: Mapping[str, object]) -> int:
+        self._literals.pop(key, None)
         n = 0
         for c in self.cols:
             v = cells.get(c.key, "")
@@ -305,6 +352,14 @@ class KeyedTable(DataTable):
             KeyedTable._targeted = False
             self._update_count += 1  # the safe way: every cache misses once
 
+    def _update_dimensions(self, new_rows: Iterable[Any]) -> None:
+        # DataTable measures every cell of every new row (for auto-width columns and labels): 10,000 rows re-added
+        # by a filter cost seconds. Here every column has a fixed width (fit) and rows have no labels and height 1,
+        # so nothing a measure finds is used: only the virtual size is computed.
+        if all(not column.auto_width for column in self.columns.values()):
+            new_rows = ()
+        super()._update_dimensions(new_rows)
+
     def render_lines(self, crop: Region) -> list[Strip]:
         if self._stale:
             self._drop_stale_renders()
@@ -346,6 +401,8 @@ class KeyedTable(DataTable):
             del self._cells[key]
             self._deferred.pop(key, None)
             self._hay.pop(key, None)
+            self._literals.pop(key, None)
+            self._order_keys.pop(key, None)
             self._seq.pop(key, None)
             self.marks.discard(key)
             if key in self._shown:
@@ -365,6 +422,8 @@ class KeyedTable(DataTable):
         self._deferred.clear()
         self._shown.clear()
         self._hay.clear()
+        self._literals.clear()
+        self._order_keys.clear()
         self._seq.clear()
         self.marks.clear()
         self.clear()
@@ -409,6 +468,7 @@ class KeyedTable(DataTable):
             self.marks.add(key)
         else:
             self.marks.discard(key)
+        self._literals.pop(key, None)
         if key in self._shown:
             self.update_cell(key, MARK_COLUMN, Text(MARK if on else "", style="bold green"))
 
@@ -433,6 +493,13 @@ class KeyedTable(DataTable):
             self.set_marked(k, True)
 
     # ------------------------------------------------------------------ filter and sort
+
+    def _haystack(self, key: str) -> str:
+        hay = self._hay.get(key)
+        if hay is None:
+            newest = self.cells_of(key) or {}
+            hay = self._hay[key] = " ".join(cell_text(newest.get(c.key, "")) for c in self.cols).lower()
+        return hay
 
     def _matches(self, key: str, cells: Mapping[str, object] | None = None) -> bool:
         if not self.filter_text:
@@ -463,8 +530,15 @@ class KeyedTable(DataTable):
                 ordered = [k for k in ordered if by_column(k)[0][0] != 2] + blank[::-1]
             return ordered
         if self.order is not None:
-            order = self.order
-            return sorted(keys, key=lambda k: (order(self.cells_of(k) or {}), self._seq.get(k, 0)))
+            order, cache, seq = self.order, self._order_keys, self._seq
+
+            def natural(k: str) -> tuple[Any, int]:
+                v = cache.get(k)
+                if v is None:
+                    v = cache[k] = (order(self.cells_of(k) or {}), seq.get(k, 0))
+                return v
+
+            return sorted(keys, key=natural)
         return sorted(keys, key=lambda k: self._seq.get(k, 0))
 
     def _order_later(self) -> None:
@@ -502,8 +576,11 @@ class KeyedTable(DataTable):
         narrowing = bool(self.filter_text) and text.lower().startswith(self.filter_text.lower())
         self.filter_text = text
         pool = self._shown if narrowing else self._cells.keys()  # typing on narrows: only shown rows can still match
-        want = [k for k in pool if self._matches(k)]
-        self._rebuild(want)
+        words = text.lower().split()
+        hay = self._haystack
+        want = [k for k in pool if all(w in hay(k) for w in words)]
+        if len(want) != len(self._shown) or not self._shown.issuperset(want):  # the same rows: nothing to redraw
+            self._rebuild(want)
         self._say()
 
     def _rebuild(self, keys: Iterable[str]) -> None:
@@ -511,13 +588,13 @@ class KeyedTable(DataTable):
         cur = self.cursor_key
         for key, cells in list(self._deferred.items()):
             self._cells[key] = {**self._cells.get(key, {}), **cells}
+            self._literals.pop(key, None)
         self._deferred.clear()
         self._stale.clear()
         self._stale_lines.clear()
         self.clear()
         self._shown.clear()
-        for key in self._ordered(keys):
-            self._add(key)
+        self._add_many(self._ordered(keys))
         if cur is not None and cur in self._shown:
             self.call_after_refresh(self.move_cursor_to_key, cur)
 
