@@ -10,17 +10,23 @@ from __future__ import annotations
 
 import gc
 import time
+from collections.abc import Iterable
 from pathlib import Path
 
+import platformdirs
+from rich.terminal_theme import TerminalTheme
 from textual import work
-from textual.app import App
+from textual._ansi_theme import ALABASTER
+from textual.app import App, SystemCommand
 from textual.binding import Binding
 from textual.notifications import SeverityLevel
 from textual.screen import ModalScreen, Screen
 
+from gpudeck.agents import paths
 from gpudeck.agents.protocol import RunInfo
 from gpudeck.console.commands import GpudeckCommands
-from gpudeck.console.fleet import Fleet, HostStatus
+from gpudeck.console.config import ConfigError
+from gpudeck.console.fleet import Fleet, HostLink, HostStatus
 from gpudeck.console.history import History
 from gpudeck.console.ops import LaunchIntent
 from gpudeck.console.sanitize import escape_controls
@@ -35,12 +41,26 @@ from gpudeck.console.screens.runs import RunsScreen
 # Host changes reach the screens this often at most. A refresh costs the visible cells that changed
 # (KeyedTable), so frequent small refreshes keep a key press from waiting behind a big one.
 FLUSH_S = 0.25
+CONFIG_POLL_S = 2.0  # how often the console looks whether `gpudeck hosts add/remove` changed the config file
 GC_FREEZE_AFTER_S = 60.0  # freeze the start-up heap once every host has answered, or after this long
 # Young collections this far apart: what a frame or a snapshot builds dies by reference counting before one
 # runs, instead of being promoted to the old generation, whose churn then sets off full collections (one every
 # couple of seconds while a run's output streams, 50-90 ms each, measured by bench/tui.py).
 GC_THRESHOLDS = (50_000, 20, 100)
 THEMES = ("textual-dark", "textual-light")
+
+
+def _light_ansi() -> TerminalTheme:
+    """Textual's light ANSI palette (Alabaster) with a darker yellow: 'changed' (diffs), 'connecting', FOREIGN are
+    yellow, and Alabaster's rgb(203,144,0) has 2:1 contrast on the light background; this one has over 5:1 (WCAG AA)."""
+    base = ALABASTER
+    colors = [(c[0], c[1], c[2]) for c in base.ansi_colors._colors]  # 8 normal, then 8 bright
+    colors[3] = colors[11] = LIGHT_YELLOW
+    bg, fg = base.background_color, base.foreground_color
+    return TerminalTheme((bg[0], bg[1], bg[2]), (fg[0], fg[1], fg[2]), colors[:8], colors[8:])
+
+
+LIGHT_YELLOW = (115, 78, 0)
 
 
 class GpudeckApp(App):
@@ -69,6 +89,7 @@ class GpudeckApp(App):
         self._gc_frozen = not freeze_gc  # tests and embedders leave their process's collector alone
         self._mounted_at = time.monotonic()
         self.flushes = 0
+        self.last_screenshot: Path | None = None
 
     def notify(
         self, message: str, *, title: str = "", severity: SeverityLevel = "information", timeout: float | None = None, markup: bool = False
@@ -80,19 +101,51 @@ class GpudeckApp(App):
         """The latest state of every host."""
         return {name: link.status for name, link in self.fleet.links.items()}
 
+    def _follow_link(self, name: str, link: HostLink) -> None:
+        def mark_dirty(_st: HostStatus, name: str = name) -> None:
+            self._dirty_hosts.add(name)
+
+        link.subscribe(mark_dirty)
+        link.on_synced(self._synced)
+
     def on_mount(self) -> None:
         self.theme = THEMES[0]
+        self.ansi_theme_light = _light_ansi()
         for name, link in self.fleet.links.items():
-
-            def mark_dirty(_st: HostStatus, name: str = name) -> None:
-                self._dirty_hosts.add(name)
-
-            link.subscribe(mark_dirty)
-            link.on_synced(self._synced)
+            self._follow_link(name, link)
         self.fleet.start()
         self.set_interval(FLUSH_S, self.flush_updates)
+        self._config_mtime = self._config_stamp()
+        self.set_interval(CONFIG_POLL_S, self._check_config)
         self._mounted_at = time.monotonic()
         self.push_screen(FleetScreen())
+
+    def _config_stamp(self) -> float | None:
+        config = getattr(self.fleet, "config", None)  # a fleet built without a config file has nothing to follow
+        try:
+            return config.path.stat().st_mtime_ns if config is not None else None
+        except OSError:
+            return None
+
+    def _check_config(self) -> None:
+        """``gpudeck hosts add/remove`` (or an edit) changed the config file: follow it without a restart."""
+        stamp = self._config_stamp()
+        if stamp == self._config_mtime:
+            return
+        self._config_mtime = stamp
+        try:
+            added, removed = self.fleet.reload_config()
+        except ConfigError as exc:
+            self.notify(str(exc), title="the config file changed and cannot be read", severity="error")
+            return
+        for name in added:
+            self._follow_link(name, self.fleet.links[name])
+        if added or removed:
+            self._dirty_hosts |= {*added, *removed}
+            self.notify(
+                "; ".join([*(["added " + ", ".join(added)] if added else []), *(["removed " + ", ".join(removed)] if removed else [])]),
+                title="hosts changed",
+            )
 
     def _synced(self, host: str, n: int) -> None:
         if n:
@@ -164,6 +217,36 @@ class GpudeckApp(App):
     def open_run(self, host: str, run_id: str, run: RunInfo | None = None) -> None:
         """Show one run's output, facts and actions (``run``: what is known of it already)."""
         self.push_screen(RunScreen(host, run_id, run))
+
+    # ------------------------------------------------------------------ palette and screenshots
+
+    # system commands gpudeck's own palette entries already give (its keys: q, ctrl+t, ?), or that it replaces
+    _SYSTEM_DUPLICATES = frozenset({"Quit", "Theme", "Keys", "Screenshot"})
+
+    def get_system_commands(self, screen: Screen) -> Iterable[SystemCommand]:
+        """Textual's own commands less those gpudeck lists already: the palette names each command once."""
+        for command in super().get_system_commands(screen):
+            if command.title not in self._SYSTEM_DUPLICATES:
+                yield command
+        yield SystemCommand("Screenshot", "Save an SVG of the screen (says where)", self.action_screenshot)
+
+    def action_screenshot(self, filename: str | None = None, path: str | None = None) -> None:
+        """Save an SVG of the screen where it can be written — ``path``, the Downloads folder (created if need be),
+        else the state directory — and say where (Textual's own saves to a Downloads folder that may not exist)."""
+        candidates = [Path(path).expanduser()] if path else []
+        candidates += [Path(platformdirs.user_downloads_dir()), paths.state_dir() / "screenshots"]
+        errors: list[str] = []
+        for folder in candidates:
+            try:
+                folder.mkdir(parents=True, exist_ok=True)
+                saved = self.save_screenshot(filename, str(folder))
+            except OSError as exc:
+                errors.append(f"{folder}: {exc.strerror or exc}")
+                continue
+            self.last_screenshot = Path(saved)
+            self.notify(f"saved to {saved}", title="screenshot")
+            return
+        self.notify("; ".join(errors), title="the screenshot could not be saved", severity="error")
 
     def action_toggle_theme(self) -> None:
         self.theme = THEMES[1] if self.theme == THEMES[0] else THEMES[0]

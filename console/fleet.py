@@ -94,6 +94,9 @@ class HostStatus:
     agent_version: str | None = None
     epoch: str | None = None
     since: float = field(default_factory=time.time)
+    # when the link last stopped working (the first failure, not the latest retry: retries pass through
+    # 'connecting' and set ``since`` again); None while it is up or before its first attempt ended
+    down_since: float | None = None
     transport: str = "ssh"  # "unix" for local
     synced_seq: int = 0  # last event seq held in history for the current epoch
     connects: int = 0
@@ -162,6 +165,10 @@ class HostLink:
     def _set_state(self, state: LinkState, error: str | None = None) -> None:
         if state != self.status.state:
             self.status.since = time.time()
+        if state == "up":
+            self.status.down_since = None
+        elif state != "connecting" and self.status.down_since is None:
+            self.status.down_since = self.status.since
         self.status.state = state
         self.status.error = error
         if state in REFUSED_STATES or (state == "unreachable" and not self.watch):
@@ -421,10 +428,9 @@ class Fleet:
                 hosts=tuple([*config.hosts, *(cfg.HostSettings(name=h) for h in hosts if h not in config.names)]), path=config.path
             )
         self.history = history
-        self.links: dict[str, HostLink] = {
-            s.name: HostLink(s, ssh=ssh, state_dir=state_dir, interval_s=interval_s, watch=watch, history=history)
-            for s in self.config.hosts
-        }
+        self._extra_hosts = list(hosts or [])  # named on the command line: kept when the config file changes
+        self._link_args: dict[str, Any] = dict(ssh=ssh, state_dir=state_dir, interval_s=interval_s, watch=watch, history=history)
+        self.links: dict[str, HostLink] = {s.name: HostLink(s, **self._link_args) for s in self.config.hosts}
         self._watch_tasks: set[asyncio.Task] = set()
         self._acted: set[str] = set()  # multi-node runs the watch already stopped
         if history is not None and watch:
@@ -436,6 +442,24 @@ class Fleet:
         """Connect every host."""
         for link in self.links.values():
             link.start()
+
+    def reload_config(self) -> tuple[list[str], list[str]]:
+        """Read the config file again (``gpudeck hosts add/remove`` changed it): new hosts get a link, started; removed
+        ones are closed. Hosts named on the command line stay. Returns (added, removed); raises cfg.ConfigError."""
+        fresh = cfg.load(self.config.path, extra_hosts=self._extra_hosts)
+        added = [h for h in fresh.hosts if h.name not in self.links]
+        removed = [name for name in self.links if name not in fresh.names]
+        self.config = fresh
+        for settings in added:
+            link = HostLink(settings, **self._link_args)
+            if self.history is not None and link.watch:
+                link.on_events = self._on_events
+                link.subscribe(self._on_link_state)
+            self.links[settings.name] = link
+            link.start()
+        for name in removed:
+            self._spawn(self.links.pop(name).close())
+        return [h.name for h in added], removed
 
     # ------------------------------------------------------------------ multi-node watch (--on-rank-death stop across nodes)
 

@@ -8,6 +8,7 @@ that clock pins every figure on screen.
 
 from __future__ import annotations
 
+import datetime as dt
 import sqlite3
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -31,24 +32,38 @@ def now() -> float:
     return fmt.time.time()
 
 
-def clock(ts: float | None) -> str:
-    """A time as HH:MM:SS when it is within the last day, else the full date ('-' for none)."""
+def stamp(ts: float | None) -> str:
+    """The console's one way to show a time: '21:22:05' today, 'Nov 28 21:22' another day this year,
+    '2025-11-28' before ('-' for none). Local time, as the operator's clock reads."""
     if not ts:
         return "-"
-    full = fmt.when(ts)
-    return full[11:] if abs(now() - ts) < 86400 else full
+    t = dt.datetime.fromtimestamp(ts)
+    today = dt.datetime.fromtimestamp(now()).date()
+    if t.date() == today:
+        return t.strftime("%H:%M:%S")
+    if t.year == today.year:
+        return t.strftime("%b %d %H:%M")
+    return t.strftime("%Y-%m-%d")
 
 
-def short_when(ts: float | None) -> str:
-    """HH:MM:SS within the last day, else the date: fits a narrow column."""
+def age(ts: float | None) -> str:
+    """How long ago, where a relative age reads better than a time: '12s ago', '5m ago', '3h ago', '4d ago'."""
     if not ts:
         return "-"
-    full = fmt.when(ts)
-    return full[11:] if abs(now() - ts) < 86400 else full[:10]
+    s = max(0, int(now() - ts))
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if s >= size:
+            return f"{s // size}{unit} ago"
+    return f"{s}s ago"
+
+
+def stamp_age(ts: float | None) -> str:
+    """Both: 'Nov 28 21:22 (3h ago)'."""
+    return "-" if not ts else f"{stamp(ts)} ({age(ts)})"
 
 
 def since(ts: float | None) -> str:
-    """How long ago, without the word: '5m00s'."""
+    """How long ago, without the word, to the second: '5m00s' (a count that ticks on screen)."""
     return fmt.duration(now() - ts) if ts else "-"
 
 

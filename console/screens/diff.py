@@ -5,6 +5,7 @@ from __future__ import annotations
 from rich.text import Text
 from textual.app import ComposeResult
 from textual.binding import Binding
+from textual.containers import Horizontal
 from textual.screen import Screen
 from textual.widgets import Footer, Static
 
@@ -16,6 +17,7 @@ from gpudeck.console.widgets.cells import shown
 from gpudeck.console.widgets.diff import diff_rows, diff_summary
 from gpudeck.console.widgets.header import AppHeader
 from gpudeck.console.widgets.keyed_table import Col, KeyedTable
+from gpudeck.console.widgets.plots import MetricPlot, Series
 
 
 def columns(width: int) -> list[Col]:
@@ -50,6 +52,9 @@ class DiffScreen(Guarded, Screen):
         yield Static("", id="diff-title", classes="title")
         yield Static("", id="diff-summary", classes="note")
         yield KeyedTable(columns(self.app.size.width), id="diff-table", zebra_stripes=False)
+        with Horizontal(id="diff-plots"):
+            yield MetricPlot(id="diff-loss")
+            yield MetricPlot(id="diff-tps")
         yield Static(
             Text(
                 "● changed and decides whether a known-good setup still works (torch, CUDA, driver, NCCL, cuDNN, transformers, python)   • changed",
@@ -75,6 +80,15 @@ class DiffScreen(Guarded, Screen):
         # a static comparison, not a live table: rebuilt in the diff's order (core first) on every toggle
         table.reset()
         table.sync(diff_rows(diff, self.only_differences, focus=True))  # one-line cells: show where long values differ
+        self._plot(a_label, b_label)
+
+    def _plot(self, a_label: str, b_label: str) -> None:
+        """Loss and tokens/s of both runs by step, overlaid (hidden when neither recorded any)."""
+        runs = [(f"A {a_label}", self.ma or []), (f"B {b_label}", self.mb or [])]
+        self.query_one("#diff-plots").display = any(m for _, m in runs)
+        for plot_id, title, field in (("#diff-loss", "loss", "loss"), ("#diff-tps", "tokens/s", "tokens_per_s")):
+            series = [Series(label, [float(p.step) for p in m], [getattr(p, field) for p in m]) for label, m in runs]
+            self.query_one(plot_id, MetricPlot).show(series, xlabel="step", title=title)
 
     def action_toggle_same(self) -> None:
         self.only_differences = not self.only_differences

@@ -11,35 +11,37 @@ from gpudeck.console.fleet import HostStatus
 from gpudeck.console.fmt import gib
 from gpudeck.console.formats import why_down
 from gpudeck.console.screens.base import LiveScreen, deck
-from gpudeck.console.views import HostFigures, clock, host_figures, since
-from gpudeck.console.widgets.cells import SIMULATED, alerts_text, mem_bar, pct_bar, state_text
+from gpudeck.console.views import HostFigures, age, host_figures, since, stamp
+from gpudeck.console.widgets.cells import SIMULATED, alerts_text, mem_bar, pct_bar, sortable, state_text
 from gpudeck.console.widgets.header import AppHeader
 from gpudeck.console.widgets.keyed_table import Col, KeyedTable, fit
 
 COLUMNS = [
-    Col("host", "HOST", 20),
-    Col("state", "STATE", 36),
-    Col("gpus", "GPUs BUSY", 9),
-    Col("memory", "MEMORY", 30),
-    Col("util", "UTIL", 10),
+    Col("host", "HOST", 18),
+    Col("state", "STATE", 16),
+    Col("since", "SINCE", 12, fold=2),  # when the link state began (unreachable since: the first failure, not the last retry)
+    Col("gpus", "GPUs BUSY", 9, fold=4),
+    Col("memory", "MEMORY", 26),
+    Col("util", "UTIL", 10, fold=3),
     Col("runs", "RUNS", 4),
+    Col("agent", "AGENT", 8, fold=1),
     Col("alerts", "ALERTS / LINK", None),  # what the terminal leaves (fixed when the screen is built: see keyed_table.fit)
 ]
-NOT_UP_REFRESH_S = 1.0  # 'unreachable since ... (5m00s)' and 'connecting ... 3 s' count on screen
+NOT_UP_REFRESH_S = 1.0  # 'unreachable 5m ago' and 'connecting 3s' count on screen
+
+
+def down_since(st: HostStatus) -> float:
+    """When the host stopped answering (the first failure; retries in between do not move it)."""
+    return st.down_since if st.state == "unreachable" and st.down_since else st.since
 
 
 def state_cell(st: HostStatus) -> Text:
-    """The link state as the operator reads it: up, connecting for how long, unreachable since when."""
+    """The link state in a word or two, with how long it has lasted when it is not up: 'unreachable 5m ago'."""
     if st.state == "unreachable":
-        return state_text("unreachable", f"since {clock(st.since)} ({since(st.since)})")
+        return state_text("unreachable", age(down_since(st)).removesuffix(" ago"))
     if st.state == "connecting":
-        return state_text("connecting", f"… {since(st.since)}" + (f" (try {st.connects + 1})" if st.connects else ""))
-    if st.state == "up":
-        t = state_text("up")
-        if st.agent_version:
-            t.append(f"  agent {st.agent_version}", style="dim")
-        return t
-    return state_text(st.state, f"since {clock(st.since)}")
+        return state_text("connecting", f"{since(st.since)}" + (f" #{st.connects + 1}" if st.connects else ""))
+    return state_text(st.state)
 
 
 def host_cells(st: HostStatus) -> tuple[dict[str, object], HostFigures | None]:
@@ -52,6 +54,8 @@ def host_cells(st: HostStatus) -> tuple[dict[str, object], HostFigures | None]:
     cells: dict[str, object] = {
         "host": name,
         "state": state_cell(st),
+        "since": sortable(stamp(down_since(st)), down_since(st)) if st.state != "up" else Text(stamp(st.since), style="dim"),
+        "agent": Text(st.agent_version or "-", style="dim"),
         "gpus": "-",
         "memory": "-",
         "util": "-",
@@ -62,13 +66,14 @@ def host_cells(st: HostStatus) -> tuple[dict[str, object], HostFigures | None]:
         if st.error:
             # host_key and version_mismatch say what to do; unreachable says why
             cells["alerts"] = Text(
-                why_down(st.name, st.error), style="bold magenta" if st.state in ("host_key", "version_mismatch") else "red"
+                (f"since {stamp(down_since(st))}: " if st.state == "unreachable" else "") + why_down(st.name, st.error),
+                style="bold magenta" if st.state in ("host_key", "version_mismatch") else "red",
             )
         return cells, None
     fig = host_figures(snap)
     if fig.gpus:
         cells["gpus"] = f"{fig.busy}/{fig.gpus}"
-        cells["memory"] = mem_bar(fig.used, fig.total)
+        cells["memory"] = mem_bar(fig.used, fig.total, width=10)
         cells["util"] = pct_bar(fig.util)
     else:
         cells["gpus"] = Text("no GPU", style="dim")
@@ -110,6 +115,10 @@ class FleetScreen(LiveScreen):
         """Update (or add) the rows of these hosts only."""
         table = self.query_one("#fleet-table", KeyedTable)
         links = deck(self).fleet.links
+        for name in [n for n in names if n not in links]:  # removed from the config (`gpudeck hosts remove`)
+            table.drop(name)
+            self._figures.pop(name, None)
+            self._states.pop(name, None)
         for name in [n for n in links if n in names]:  # config order for new rows
             st = links[name].status
             cells, fig = host_cells(st)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Mapping
 
 from rich.text import Text
 from textual import on, work
@@ -19,23 +20,23 @@ from gpudeck.console.query import QueryError
 from gpudeck.console.records import RunRecord
 from gpudeck.console.screens.base import LiveScreen, deck
 from gpudeck.console.screens.runs import why_text
-from gpudeck.console.views import history_rows, run_row_from_history, short_when
+from gpudeck.console.views import history_rows, run_row_from_history, stamp
 from gpudeck.console.widgets.cells import sortable, state_text
 from gpudeck.console.widgets.header import AppHeader
 from gpudeck.console.widgets.keyed_table import Col, KeyedTable, fit
 
 COLUMNS = [
     Col("id", "RUN", 10),
-    Col("name", "NAME", 16),
+    Col("name", "NAME", 16, fold=1),
     Col("host", "HOST", 10),
-    Col("kind", "KIND", 7),
+    Col("kind", "KIND", 7, fold=4),
     Col("state", "STATE", 16),
-    Col("started", "STARTED", 10),
-    Col("elapsed", "ELAPSED", 8),
-    Col("step", "STEP", 6),
+    Col("started", "STARTED", 12),
+    Col("elapsed", "ELAPSED", 8, fold=3),
+    Col("step", "STEP", 6, fold=2),
     Col("loss", "LOSS", 7),
-    Col("tps", "TOK/S", 8),
-    Col("torch", "TORCH", 14),
+    Col("tps", "TOK/S", 8, fold=5),
+    Col("torch", "TORCH", 14, fold=6),
     Col("why", "CAUSE / ALERTS", None),
 ]
 PLACEHOLDER = "filter: state:failed host:gpu1 kind:dflash since:7d name:~drafter cause:oom torch:2.7 alert:any   (enter applies)"
@@ -53,7 +54,7 @@ def history_cells(d: RunRecord) -> dict[str, object]:
         "host": r.host,
         "kind": r.kind,
         "state": state_text(r.state),
-        "started": sortable(short_when(r.started or r.created), r.started or r.created),
+        "started": sortable(stamp(r.started or r.created), r.started or r.created),
         "elapsed": duration(fig.elapsed_s) if fig.elapsed_s is not None else "-",
         "step": "-" if fig.last_step is None else str(fig.last_step),
         "loss": "-" if r.loss is None else f"{r.loss:.4f}",
@@ -61,6 +62,11 @@ def history_cells(d: RunRecord) -> dict[str, object]:
         "torch": r.torch or "-",
         "why": why_text(r),
     }
+
+
+def newest_first(cells: Mapping[str, object]) -> float:
+    """The History table's own order: the newest run first."""
+    return -(getattr(cells.get("started"), "sort_value", None) or 0.0)
 
 
 class HistoryScreen(LiveScreen):
@@ -87,12 +93,21 @@ class HistoryScreen(LiveScreen):
         self._loaded_at = 0.0
         self._due = False
         self._typing: Timer | None = None
+        self._took = 0.0
 
     def compose(self) -> ComposeResult:
         yield AppHeader()
         yield Static("History", id="history-title", classes="title")
         yield Input(self.query_text, id="history-filter", placeholder=PLACEHOLDER)
-        yield KeyedTable(fit(COLUMNS, self.app.size.width, markable=True, least=40), id="history-table", markable=True)
+        # its filter is the query box above (the history's own language, run in SQLite); sorting is the tables' own
+        yield KeyedTable(
+            fit(COLUMNS, self.app.size.width, markable=True, least=24),
+            id="history-table",
+            markable=True,
+            filterable=False,
+            order=newest_first,
+            order_columns=("started",),
+        )
         yield Static("", id="history-note", classes="note")
         yield Footer()
 
@@ -152,16 +167,23 @@ class HistoryScreen(LiveScreen):
             return  # an older filter's answer
         table = self.query_one("#history-table", KeyedTable)
         self.rows = {f"{d.host}/{d.id}": d for d in message.rows}
-        before = set(table.keys())
         table.sync({k: history_cells(d) for k, d in self.rows.items()})
-        if set(self.rows) - before:
-            table.sort_by("started", reverse=True)
+        self._took = message.seconds
+        self._note()
+
+    def on_keyed_table_reordered(self, event: KeyedTable.Reordered) -> None:
+        self._note()
+
+    def _note(self) -> None:
+        table = self.query_one("#history-table", KeyedTable)
         t = Text(f"{len(self.rows)} run(s)" + (f" matching {self.query_text!r}" if self.query_text else ""), style="dim")
-        if message.seconds >= 0.5:
-            t.append(f" (the query took {message.seconds:.1f} s)", style="yellow")
+        if self._took >= 0.5:
+            t.append(f" (the query took {self._took:.1f} s)", style="yellow")
+        if table.sort_column:
+            t.append(f"   {table.describe()}", style="bold")
         if table.marks:
             t.append(f"   {len(table.marks)} marked: " + ", ".join(sorted(k.split("/", 1)[1] for k in table.marks)), style="bold")
-        note.update(t)
+        self.query_one("#history-note", Static).update(t)
 
     # ------------------------------------------------------------------ filter
 

@@ -2,33 +2,41 @@
 
 from __future__ import annotations
 
+import time
+from collections import deque
+
 from rich.text import Text
 from textual import work
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.widgets import Footer, Static
 
-from gpudeck.agents.protocol import GpuProcess
+from gpudeck.agents.protocol import GpuProcess, Snapshot
 from gpudeck.console.fleet import HostStatus
 from gpudeck.console.fmt import gib
 from gpudeck.console.screens.base import LiveScreen, deck
 from gpudeck.console.screens.fleet import state_cell
 from gpudeck.console.screens.reclaim import ReclaimItem, reclaim_flow
-from gpudeck.console.views import LEFTOVER_HOLDERS, holder_label, since
+from gpudeck.console.views import LEFTOVER_HOLDERS, age, holder_label
 from gpudeck.console.widgets.cells import SIMULATED, attribution_text, mem_bar, pct_bar, plain_markup
 from gpudeck.console.widgets.header import AppHeader
-from gpudeck.console.widgets.keyed_table import Col, KeyedTable
+from gpudeck.console.widgets.keyed_table import Col, KeyedTable, fit
+from gpudeck.console.widgets.plots import MetricPlot, Series
 from gpudeck.console.widgets.progress import ProgressLine
+
+MEM_WINDOW_S = 600  # the memory plot's last ten minutes
+MEM_POINTS = MEM_WINDOW_S  # snapshots come once a second
+MEM_PLOT_S = 2.0  # the plot is redrawn this often at most (a snapshot comes every second)
 
 GPU_COLUMNS = [
     Col("idx", "GPU", 4),
-    Col("name", "NAME", 26),
+    Col("name", "NAME", 26, fold=1),
     Col("mem", "MEMORY", 32),
     Col("util", "UTIL", 10),
-    Col("temp", "TEMP", 6),
-    Col("power", "POWER", 12),
-    Col("unacc", "UNACCOUNTED", 12),
-    Col("holders", "HOLDERS", 40),
+    Col("temp", "TEMP", 6, fold=3),
+    Col("power", "POWER", 12, fold=4),
+    Col("unacc", "UNACCOUNTED", 12, fold=2),
+    Col("holders", "HOLDERS", None),
 ]
 PROC_COLUMNS = [
     Col("pid", "PID", 8),
@@ -36,10 +44,10 @@ PROC_COLUMNS = [
     Col("gib", "GiB", 6),
     Col("holder", "HOLDER", 16),
     Col("run", "RUN", 12),
-    Col("rank", "RANK", 5),
+    Col("rank", "RANK", 5, fold=1),
     Col("user", "USER", 10),
-    Col("status", "STATUS", 11),
-    Col("age", "AGE", 8),
+    Col("status", "STATUS", 11, fold=3),
+    Col("age", "AGE", 8, fold=2),
     Col("cmd", "COMMAND", None),
 ]
 
@@ -62,13 +70,17 @@ class HostScreen(LiveScreen):
     def __init__(self, host: str) -> None:
         super().__init__()
         self.host = host
+        # GPU index -> (snapshot time, GiB used), the last MEM_WINDOW_S seconds (since the screen opened)
+        self._mem: dict[int, deque[tuple[float, float]]] = {}
+        self._plotted_at = 0.0
 
     def compose(self) -> ComposeResult:
         yield AppHeader()
         yield Static(plain_markup(f"Host {self.host}"), id="host-title", classes="title")
-        yield KeyedTable(GPU_COLUMNS, id="gpu-table", zebra_stripes=False)
+        yield KeyedTable(fit(GPU_COLUMNS, self.app.size.width), id="gpu-table", zebra_stripes=False)
+        yield MetricPlot(id="host-mem-plot")
         yield Static("GPU processes  (space/enter: mark, a: mark leftovers, x: reclaim marked)", classes="subtitle")
-        yield KeyedTable(PROC_COLUMNS, id="proc-table", markable=True)
+        yield KeyedTable(fit(PROC_COLUMNS, self.app.size.width, markable=True), id="proc-table", markable=True)
         yield ProgressLine(id="host-progress")
         yield Static("", id="host-note", classes="note")
         yield Footer()
@@ -132,11 +144,12 @@ class HostScreen(LiveScreen):
                     "rank": "-" if p.rank is None else str(p.rank),
                     "user": p.user or "-",
                     "status": p.status or "-",
-                    "age": since(p.create_time) if p.create_time else "-",
+                    "age": age(p.create_time),
                     "cmd": " ".join(p.cmdline)[:120] or "-",
                 }
         self.query_one("#gpu-table", KeyedTable).sync(gpu_rows)
         self.query_one("#proc-table", KeyedTable).sync(proc_rows)
+        self._plot_memory(snap)
         if snap.gpu_error:
             note.update(Text(f"{len(snap.runs)} live run(s)", style="dim"))
         else:
@@ -145,6 +158,26 @@ class HostScreen(LiveScreen):
             if leftovers:
                 t.append(f"; {leftovers} GPU process(es) belong to no live run: a marks them, x reclaims", style="yellow")
             note.update(t)
+
+    def _plot_memory(self, snap: Snapshot) -> None:
+        """GPU memory used, one line per GPU, over the last minutes (redrawn every MEM_PLOT_S at most)."""
+        for g in snap.gpus:
+            ring = self._mem.setdefault(g.index, deque(maxlen=MEM_POINTS))
+            if not ring or ring[-1][0] != snap.ts:
+                ring.append((snap.ts, g.memory_used / 2**30))
+        plot = self.query_one("#host-mem-plot", MetricPlot)
+        plot.display = bool(snap.gpus)
+        now = time.monotonic()
+        if not snap.gpus or now - self._plotted_at < MEM_PLOT_S:
+            return
+        self._plotted_at = now
+        latest = max((r[-1][0] for r in self._mem.values() if r), default=snap.ts)
+        series = [
+            Series(f"GPU {i}", [(ts - latest) / 60 for ts, _ in ring], [v for _, v in ring])
+            for i, ring in sorted(self._mem.items())
+            if ring
+        ]
+        plot.show(series, xlabel="minutes (0 = now)", title="GPU memory used, GiB")
 
     @staticmethod
     def _holders(procs: list[GpuProcess]) -> Text:

@@ -14,10 +14,10 @@ from gpudeck.agents.protocol import Gpu, Leftover, LeftoverList
 from gpudeck.console.fmt import gib
 from gpudeck.console.screens.base import Guarded, deck
 from gpudeck.console.screens.reclaim import ReclaimItem, reclaim_flow
-from gpudeck.console.views import since
+from gpudeck.console.views import age
 from gpudeck.console.widgets.cells import leftover_text, plain_markup
 from gpudeck.console.widgets.header import AppHeader
-from gpudeck.console.widgets.keyed_table import Col, KeyedTable
+from gpudeck.console.widgets.keyed_table import Col, KeyedTable, fit
 from gpudeck.console.widgets.progress import ProgressLine
 
 COLUMNS = [
@@ -25,10 +25,10 @@ COLUMNS = [
     Col("kind", "KIND", 16),
     Col("gpu", "GPU MEMORY", 18),
     Col("run", "RUN", 12),
-    Col("run_state", "RUN STATE", 26),
-    Col("user", "USER", 10),
-    Col("status", "STATUS", 11),
-    Col("cmd", "COMMAND", 40),
+    Col("run_state", "RUN STATE", 26, fold=3),
+    Col("user", "USER", 10, fold=1),
+    Col("status", "STATUS", 11, fold=4),
+    Col("cmd", "COMMAND", 40, fold=2),
     Col("note", "WHAT TO DO", None),
 ]
 
@@ -41,7 +41,7 @@ def leftover_cells(lo: Leftover) -> dict[str, object]:
     if lo.run_id:
         run_state = lo.run_state or "?"
         if lo.run_ended:
-            run_state += f", ended {since(lo.run_ended)} ago"
+            run_state += f", ended {age(lo.run_ended)}"
     return {
         "pid": str(lo.pid),
         "kind": leftover_text(lo.kind),
@@ -91,7 +91,7 @@ class LeftoversScreen(Guarded, Screen):
     def compose(self) -> ComposeResult:
         yield AppHeader()
         yield Static(plain_markup(f"Leftovers on {self.host}"), id="leftovers-title", classes="title")
-        yield KeyedTable(COLUMNS, id="leftovers-table", markable=True)
+        yield KeyedTable(fit(COLUMNS, self.app.size.width, markable=True), id="leftovers-table", markable=True)
         yield ProgressLine(id="leftovers-progress")
         yield Static("", id="leftovers-note", classes="note")
         yield Footer()

@@ -9,9 +9,9 @@ from textual.containers import Vertical
 from textual.screen import ModalScreen
 from textual.widgets import Static
 
-from gpudeck.console.fmt import when
 from gpudeck.console.records import RunRecord
-from gpudeck.console.widgets.cells import plain_markup, state_text
+from gpudeck.console.views import stamp
+from gpudeck.console.widgets.cells import plain_markup, sortable, state_text
 from gpudeck.console.widgets.keyed_table import Col, KeyedTable
 
 COLUMNS = [
@@ -19,7 +19,7 @@ COLUMNS = [
     Col("name", "NAME", 18),
     Col("host", "HOST", 12),
     Col("state", "STATE", 10),
-    Col("started", "STARTED", 19),
+    Col("started", "STARTED", 12),
     Col("torch", "TORCH", 16),
     Col("cause", "CAUSE", None),
 ]
@@ -51,7 +51,7 @@ class RunPicker(ModalScreen[RunRecord | None]):
                     "name": r.name or "-",
                     "host": r.host,
                     "state": state_text(str(r.state)),
-                    "started": when(r.started or r.created),
+                    "started": sortable(stamp(r.started or r.created), r.started or r.created or 0.0),
                     "torch": r.env_torch or "-",
                     "cause": r.cause or "",
                 }

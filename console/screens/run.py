@@ -20,32 +20,46 @@ from textual import on, work
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical, VerticalScroll
-from textual.widgets import Footer, Input, Sparkline, Static, TabbedContent, TabPane
+from textual.screen import Screen
+from textual.widgets import Footer, Input, Static, TabbedContent, TabPane
 
 from gpudeck.agents import envs
 from gpudeck.agents.errors import AgentError
-from gpudeck.agents.protocol import TERMINAL_STATES, Alert, EnvFingerprint, LaunchSpec, PreflightResult, RunInfo, StopResult, VerifyReply
-from gpudeck.console.fmt import duration, elapsed, gib, when
+from gpudeck.agents.protocol import (
+    TERMINAL_STATES,
+    Alert,
+    EnvFingerprint,
+    LaunchSpec,
+    PreflightResult,
+    RunInfo,
+    Snapshot,
+    StopResult,
+    VerifyReply,
+)
+from gpudeck.console.fmt import duration, elapsed, gib
 from gpudeck.console.messages import RecordLoaded
 from gpudeck.console.ops import OpsError, Resolved, relaunch_intent, resolve_run, rollback_intent
 from gpudeck.console.ops.relaunch import check_environment, rebuild_environment, recorded_environment
 from gpudeck.console.ops.stop import stop_run
 from gpudeck.console.records import RunRecord
-from gpudeck.console.sanitize import redact_env
+from gpudeck.console.sanitize import escape_controls, redact_env
 from gpudeck.console.screens.base import LiveScreen, deck
 from gpudeck.console.screens.dialogs import ChoiceDialog, ConfirmDialog, ResultDialog, stop_result_text
 from gpudeck.console.screens.launch import preflight_text
-from gpudeck.console.views import history_rows, python_of, run_diff, run_from_record, short_when
+from gpudeck.console.views import history_rows, python_of, run_diff, run_from_record, stamp, stamp_age
 from gpudeck.console.widgets.cells import SIMULATED, ok_text, shown, state_text
 from gpudeck.console.widgets.diff import diff_summary, diff_table
 from gpudeck.console.widgets.header import AppHeader
 from gpudeck.console.widgets.keyed_table import Col, KeyedTable
 from gpudeck.console.widgets.output_view import OutputView
+from gpudeck.console.widgets.plots import MetricPlot, Series
 from gpudeck.console.widgets.progress import ProgressLine
 
 FLUSH_S = 0.1  # output reaches the screen in batches, a few times a second at most
 FLUSH_MAX_CHARS = 1 << 20  # per batch: 10 MB/s at most (50,000 log lines a second are ~3.5 MB/s)
 STOP_GRACE_S = 30.0
+STOP_LIST_MAX = 16  # processes the stop confirmation lists by name (the rest are counted)
+STOP_CMD_MAX = 60
 TABS = ("tab-output", "tab-spec", "tab-env", "tab-claims")
 CLAIM_COLUMNS = [
     Col("ok", " ", 1),
@@ -94,7 +108,7 @@ def run_header(r: RunInfo, simulated: bool = False, host: str | None = None) -> 
         t.append_text(SIMULATED)
         t.append("  ")
     t.append_text(state_text(r.state))
-    t.append(f"  started {when(r.started or r.created)}  elapsed {duration(elapsed(r.started or r.created, r.ended))}")
+    t.append(f"  started {stamp_age(r.started or r.created)}  elapsed {duration(elapsed(r.started or r.created, r.ended))}")
     tel = r.telemetry
     if tel is not None and tel.step is not None:
         t.append(f"  step {tel.step}")
@@ -205,7 +219,7 @@ def env_text(env: EnvFingerprint | None, why_none: str = "") -> Text:
         t.append(f"{k:<13}", style="bold")
         t.append(f"{v or '-'}\n")
     t.append(f"{'packages':<13}", style="bold")
-    t.append(f"{len(env.packages)} installed, freeze sha256 {env.freeze_hash[:16] or '-'}, taken {when(env.taken) if env.taken else '-'}\n")
+    t.append(f"{len(env.packages)} installed, freeze sha256 {env.freeze_hash[:16] or '-'}, taken {stamp_age(env.taken)}\n")
     if env.error:
         t.append(f"incomplete: {env.error}\n", style="yellow")
     return t
@@ -257,10 +271,10 @@ class RunScreen(LiveScreen):
                 with Horizontal(id="metrics"):
                     with Vertical(classes="metric"):
                         yield Static("loss", id="loss-label", classes="metric-label")
-                        yield Sparkline([], id="loss-spark")
+                        yield MetricPlot(id="loss-plot")
                     with Vertical(classes="metric"):
                         yield Static("tokens/s", id="tps-label", classes="metric-label")
-                        yield Sparkline([], id="tps-spark")
+                        yield MetricPlot(id="tps-plot")
                 yield OutputView(id="run-log")
                 yield Input(id="run-search", placeholder="search the output (enter: find, esc: close)", classes="search")
             with TabPane("Spec (2)", id="tab-spec"):
@@ -406,12 +420,12 @@ class RunScreen(LiveScreen):
                 or "-"
             )
             rows[f"{a.kind}:{a.ts}"] = {
-                "time": short_when(a.ts),
+                "time": stamp(a.ts),
                 "severity": Text(a.severity, style="bold red" if a.severity == "critical" else "yellow"),
                 "kind": a.kind.replace("_", " "),
                 "where": where,
                 "message": Text(a.message, style="" if a.cleared else "red"),
-                "cleared": short_when(a.cleared) if a.cleared else Text("active", style="bold red"),
+                "cleared": stamp(a.cleared) if a.cleared else Text("active", style="bold red"),
             }
         self.query_one("#alerts-table", KeyedTable).sync(rows)
 
@@ -483,19 +497,19 @@ class RunScreen(LiveScreen):
                 return
             if steps:
                 panel.display = True
-                self._show_series("loss", "#loss-label", "#loss-spark", steps, loss, "{:.4f}")
-                self._show_series("tokens/s", "#tps-label", "#tps-spark", steps, tps, "{:,.0f}")
+                self._show_series("loss", "#loss-label", "#loss-plot", steps, loss, "{:.4f}")
+                self._show_series("tokens/s", "#tps-label", "#tps-plot", steps, tps, "{:,.0f}")
             ended = self.run is not None and self.run.ended is not None
             await asyncio.sleep(10.0 if ended else 2.0)
 
-    def _show_series(self, name: str, label_id: str, spark_id: str, steps: list[int], values: list[float | None], fmt: str) -> None:
+    def _show_series(self, name: str, label_id: str, plot_id: str, steps: list[int], values: list[float | None], fmt: str) -> None:
         pts = [(s, v) for s, v in zip(steps, values) if v is not None]
         label = self.query_one(label_id, Static)
         if not pts:
             label.update(Text(f"{name}: not reported", style="dim"))
             return
         data = [v for _, v in pts]
-        self.query_one(spark_id, Sparkline).data = data
+        self.query_one(plot_id, MetricPlot).show([Series(name, [float(s) for s, _ in pts], data)], xlabel="step")
         label.update(
             Text.assemble(
                 (f"{name} ", "bold"),
@@ -578,6 +592,8 @@ class RunScreen(LiveScreen):
             return
         view = self.query_one("#run-log", OutputView)
         view.search_term = event.value or None
+        view.current_match = None
+        self._match_line = None
         event.input.display = False
         view.focus()
         if view.search_term:
@@ -607,12 +623,15 @@ class RunScreen(LiveScreen):
         view = self.query_one("#run-log", OutputView)
         if not view.search_term:
             return
-        found = view.find(view.search_term, start, forward)
+        found = view.find_wrapping(view.search_term, start, forward)
         if found is None:
-            self.app.call_from_thread(self.notify, f"{view.search_term!r} not found {'below' if forward else 'above'}")
+            self.app.call_from_thread(self.notify, f"{view.search_term!r} not found", severity="warning")
             return
-        self._match_line = found
-        self.app.call_from_thread(view.go_to_line, found)
+        line, wrapped = found
+        self._match_line = line
+        self.app.call_from_thread(view.show_match, line)
+        if wrapped:
+            self.app.call_from_thread(self.notify, f"search wrapped to the {'top' if forward else 'bottom'}: line {line + 1}")
 
     # ------------------------------------------------------------------ relaunch and rollback
 
@@ -620,7 +639,7 @@ class RunScreen(LiveScreen):
         if self.run is None:
             self.notify("the run is not known yet", severity="warning")
             return
-        deck(self).launch_flow(prefill=relaunch_intent(self.run.spec, self.run.id, self.host, None), host=self.host)
+        relaunch(self, self.host, self.run)
 
     def action_rollback(self) -> None:
         self.rollback_flow()
@@ -775,48 +794,71 @@ class RunScreen(LiveScreen):
 
     @work(exclusive=True, group="run-stop")
     async def stop_flow(self) -> None:
-        r = self.run
-        if r is None:
+        if self.run is None:
             return
-        held = 0
-        link = deck(self).fleet.links.get(self.host)
-        snap = link.status.snapshot if link is not None else None
-        if snap is not None:
-            held = sum(p.used_bytes or 0 for g in snap.gpus for p in g.processes if p.run_id == r.id)
-        members = [m for m in r.members if m.role != "shim"]
-        body = Text()
-        body.append(f"Stop run {r.id} on {self.host}?\n\n")
-        if r.state in TERMINAL_STATES:
-            body.append(f"It has ended ({r.state}); this stops whatever of it is still alive (orphans).\n", style="yellow")
-        body.append(f"{len(members)} process(es): SIGTERM now, SIGKILL after {STOP_GRACE_S:.0f} s.\n")
-        body.append(f"GPU memory they hold: {gib(held)} GiB\n" if held else "No GPU memory held by it right now.\n")
-        ok = await self.app.push_screen_wait(ConfirmDialog("Stop run", body))
-        if not ok:
-            return
-        status = self.query_one("#run-status", ProgressLine)
         self._status_used = True
-        status.start(f"stopping {r.id}: SIGTERM sent", f"grace {STOP_GRACE_S:.0f} s for the checkpoint, then SIGKILL, then NVML verifies")
-        fleet = deck(self).fleet
-        try:
-            # every node of the run (a multi-node run is stopped on each host), as `gpudeck stop` does
-            found = await resolve_run(fleet, r.id) if r.spec.nnodes and r.spec.nnodes > 1 else Resolved(r.id, r.id, [(self.host, r)])
-            done = await stop_run(fleet, found, STOP_GRACE_S, fleet.history)
-        except (AgentError, OpsError) as exc:
-            status.finish(f"stop failed: {exc.message}", style="bold red")
-            return
-        if not done.results:
-            status.finish(
-                f"{', '.join(done.pending)} did not answer: the stop is recorded and delivered when it is back", style="bold yellow"
-            )
-            return
-        res = done.results[0][1]
-        more = f"; {', '.join(done.pending)} did not answer: its stop is recorded for later" if done.pending else ""
-        status.finish(
-            f"stop finished in {res.seconds:.1f} s: {res.message or res.state}{more}", style="green" if not done.survivors else "bold red"
-        )
-        body = Text()
-        for i, (h, one) in enumerate(done.results):
-            if len(done.results) > 1:
-                body.append(("\n" if i else "") + f"[{h}]\n", style="bold")
-            body.append_text(stop_result_text(one))
-        await self.app.push_screen_wait(ResultDialog(f"Stopped {r.id}", body))
+        await stop_flow(self, self.host, self.run, self.query_one("#run-status", ProgressLine))
+
+
+def stop_confirm_text(r: RunInfo, host: str, snap: Snapshot | None) -> Text:
+    """What the stop confirmation says: the processes it will signal (pid, user, rank, command) and the memory they hold."""
+    procs = {p.pid: p for g in snap.gpus for p in g.processes} if snap is not None else {}
+    held = sum(p.used_bytes or 0 for g in (snap.gpus if snap is not None else []) for p in g.processes if p.run_id == r.id)
+    members = [m for m in r.members if m.role != "shim"]
+    body = Text()
+    body.append(f"Stop run {r.id} on {host}?\n\n")
+    if r.state in TERMINAL_STATES:
+        body.append(f"It has ended ({r.state}); this stops whatever of it is still alive (orphans).\n", style="yellow")
+    body.append(f"{len(members)} process(es): SIGTERM now, SIGKILL after {STOP_GRACE_S:.0f} s.\n")
+    if members:
+        body.append(f"\n{'PID':>8}  {'USER':<10} {'RANK':>4}  COMMAND\n", style="bold")
+        for m in members[:STOP_LIST_MAX]:
+            p = procs.get(m.pid)
+            user = (p.user if p is not None else None) or "-"
+            rank = "-" if m.rank is None else str(m.rank)
+            body.append(f"{m.pid:>8}  {user[:10]:<10} {rank:>4}  ")
+            body.append(escape_controls(shlex.join(m.cmdline))[:STOP_CMD_MAX] or "-", style="dim")
+            body.append("\n")
+        if len(members) > STOP_LIST_MAX:
+            body.append(f"… and {len(members) - STOP_LIST_MAX} more\n", style="dim")
+        body.append("\n")
+    body.append(f"GPU memory they hold: {gib(held)} GiB\n" if held else "No GPU memory held by it right now.\n")
+    return body
+
+
+async def stop_flow(screen: Screen[Any], host: str, r: RunInfo, status: ProgressLine) -> None:
+    """Confirm (listing the processes), stop the run through ``ops.stop`` (every node of a multi-node run), show the
+    verified result: the one stop flow of the Run and Runs screens."""
+    fleet = deck(screen).fleet
+    link = fleet.links.get(host)
+    snap = link.status.snapshot if link is not None else None
+    ok = await screen.app.push_screen_wait(ConfirmDialog("Stop run", stop_confirm_text(r, host, snap)))
+    if not ok:
+        return
+    status.start(f"stopping {r.id}: SIGTERM sent", f"grace {STOP_GRACE_S:.0f} s for the checkpoint, then SIGKILL, then NVML verifies")
+    try:
+        # every node of the run (a multi-node run is stopped on each host), as `gpudeck stop` does
+        found = await resolve_run(fleet, r.id) if r.spec.nnodes and r.spec.nnodes > 1 else Resolved(r.id, r.id, [(host, r)])
+        done = await stop_run(fleet, found, STOP_GRACE_S, fleet.history)
+    except (AgentError, OpsError) as exc:
+        status.finish(f"stop failed: {exc.message}", style="bold red")
+        return
+    if not done.results:
+        status.finish(f"{', '.join(done.pending)} did not answer: the stop is recorded and delivered when it is back", style="bold yellow")
+        return
+    res = done.results[0][1]
+    more = f"; {', '.join(done.pending)} did not answer: its stop is recorded for later" if done.pending else ""
+    status.finish(
+        f"stop finished in {res.seconds:.1f} s: {res.message or res.state}{more}", style="green" if not done.survivors else "bold red"
+    )
+    body = Text()
+    for i, (h, one) in enumerate(done.results):
+        if len(done.results) > 1:
+            body.append(("\n" if i else "") + f"[{h}]\n", style="bold")
+        body.append_text(stop_result_text(one))
+    await screen.app.push_screen_wait(ResultDialog(f"Stopped {r.id}", body))
+
+
+def relaunch(screen: Screen[Any], host: str, r: RunInfo) -> None:
+    """The launch form filled from ``r`` (``ops.relaunch_intent``): the one relaunch of the Run and Runs screens."""
+    deck(screen).launch_flow(prefill=relaunch_intent(r.spec, r.id, host, None), host=host)

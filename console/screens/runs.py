@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Mapping
 
 from rich.text import Text
 from textual import on, work
@@ -12,28 +13,32 @@ from textual.binding import Binding
 from textual.widgets import Footer, Static
 
 from gpudeck.agents.errors import AgentError
+from gpudeck.agents.protocol import TERMINAL_STATES, RunInfo
 from gpudeck.console.fmt import duration, elapsed
 from gpudeck.console.messages import HistoryLoaded
 from gpudeck.console.query import QueryError
 from gpudeck.console.screens.base import LiveScreen, deck
-from gpudeck.console.views import RunRow, history_rows, merge_rows, run_row_from_history, run_row_from_info, short_when
-from gpudeck.console.widgets.cells import alerts_text, sortable, sparkline, state_text
+from gpudeck.console.screens.run import relaunch, stop_flow
+from gpudeck.console.views import RunRow, history_rows, merge_rows, run_from_record, run_row_from_history, run_row_from_info, stamp
+from gpudeck.console.widgets.cells import STATE_WORDS, alerts_text, sortable, sparkline, state_text
 from gpudeck.console.widgets.header import AppHeader
-from gpudeck.console.widgets.keyed_table import Col, KeyedTable, fit
+from gpudeck.console.widgets.keyed_table import Col, KeyedTable, cell_text, fit
+from gpudeck.console.widgets.progress import ProgressLine
 
 COLUMNS = [
     Col("id", "RUN", 10),
-    Col("name", "NAME", 16),
+    Col("name", "NAME", 16, fold=1),
     Col("host", "HOST(S)", 10),
-    Col("kind", "KIND", 7),
+    Col("kind", "KIND", 7, fold=4),
     Col("state", "STATE", 16),
-    Col("step", "STEP", 6),
+    Col("step", "STEP", 6, fold=2),
     Col("loss", "LOSS", 7),
-    Col("tps", "TOK/S", 20),
-    Col("started", "STARTED", 10),
-    Col("elapsed", "ELAPSED", 8),
+    Col("tps", "TOK/S", 20, fold=5),
+    Col("started", "STARTED", 12),
+    Col("elapsed", "ELAPSED", 8, fold=3),
     Col("why", "ALERTS (live) / CAUSE (ended)", None),  # a live run has alerts, an ended one a cause: one column holds both
 ]
+ENDED_WORDS = frozenset(STATE_WORDS.get(s, s).split(" ")[0] for s in TERMINAL_STATES)
 HISTORY_QUERY = "limit:500"
 HISTORY_MIN_INTERVAL_S = 2.0  # history changes arrive with every synced event; the table is re-read at most this often
 AGENT_POLL_S = 5.0  # without a history: ask the agents for their runs this often
@@ -56,10 +61,17 @@ def run_cells(r: RunRow) -> dict[str, object]:
         "step": "-" if r.step is None else str(r.step),
         "loss": "-" if r.loss is None else f"{r.loss:.4f}",
         "tps": tps,
-        "started": sortable(short_when(r.started or r.created), r.started or r.created),
+        "started": sortable(stamp(r.started or r.created), r.started or r.created),
         "elapsed": duration(elapsed(r.started, r.ended)),
         "why": why_text(r),
     }
+
+
+def runs_order(cells: Mapping[str, object]) -> tuple[bool, float]:
+    """The Runs table's own order: live runs first, then the newest."""
+    state = cell_text(cells.get("state", ""))
+    started = getattr(cells.get("started"), "sort_value", None) or 0.0
+    return (state.split(" ")[0] in ENDED_WORDS, -started)
 
 
 def why_text(r: RunRow) -> Text:
@@ -79,13 +91,21 @@ class RunsScreen(LiveScreen):
     BINDINGS = [
         Binding("enter", "open_run", "Open run"),
         Binding("escape", "app.pop_screen", "Back"),
+        Binding("s", "stop_run", "Stop", tooltip="stop the highlighted run (the Run screen's confirmation: its processes listed)"),
+        Binding("t", "tail", "Tail", tooltip="the highlighted run's output, following its end"),
+        Binding("R", "relaunch", "Relaunch", tooltip="the launch form filled from the highlighted run"),
         Binding("u", "reload", "Refresh", tooltip="read the history (or ask the agents) again now"),
     ]
 
     def compose(self) -> ComposeResult:
         yield AppHeader()
         yield Static("Runs", id="runs-title", classes="title")
-        yield KeyedTable(fit(COLUMNS, self.app.size.width, least=40), id="runs-table")
+        table = KeyedTable(
+            fit(COLUMNS, self.app.size.width, least=24), id="runs-table", order=runs_order, order_columns=("state", "started")
+        )
+        table.pin_top = True  # the cursor starts on the first row (a live run, else the newest) and stays there while rows come in
+        yield table
+        yield ProgressLine(id="runs-progress")
         yield Static("", id="runs-note", classes="note")
         yield Footer()
 
@@ -225,22 +245,20 @@ class RunsScreen(LiveScreen):
 
     def _show(self, ids: set[str]) -> None:
         table = self.query_one("#runs-table", KeyedTable)
-        added = False
         for rid in ids:
             row = self._row(rid)
             if row is None:
                 table.drop(rid)
                 continue
-            added = added or table.cells_of(rid) is None
             table.upsert(rid, run_cells(row))
-        if added:
-            table.sort_by("started", reverse=True)
         self._note()
 
     def _note(self) -> None:
         table = self.query_one("#runs-table", KeyedTable)
         live = sum(len(v) for v in self._live.values())
-        t = Text(f"{table.row_count} run(s), {live} live", style="dim")
+        t = Text(f"{table.total_rows} run(s), {live} live", style="dim")
+        if table.filter_text or table.sort_column:
+            t.append(f"   {table.describe()}", style="bold")
         if table.row_count == 0 and not self._errors:
             t.append(" — none yet: l launches one (pre-flight first, nothing starts until you confirm)", style="dim")
         if self._errors:
@@ -260,3 +278,56 @@ class RunsScreen(LiveScreen):
     def on_data_table_row_selected(self, event: KeyedTable.RowSelected) -> None:
         rid = str(event.row_key.value)
         deck(self).open_run(self.host_of(rid), rid)
+
+    def on_keyed_table_reordered(self, event: KeyedTable.Reordered) -> None:
+        self._note()
+
+    # ------------------------------------------------------------------ actions on the highlighted run
+
+    async def _selected(self) -> tuple[str, RunInfo] | None:
+        """The highlighted run as its agent knows it now (else as the history recorded it)."""
+        rid = self.query_one("#runs-table", KeyedTable).cursor_key
+        if rid is None:
+            self.notify("no run is highlighted", severity="warning")
+            return None
+        host = self.host_of(rid)
+        fleet = deck(self).fleet
+        try:
+            return host, await fleet.run(host, rid)
+        except AgentError as exc:
+            why = exc.message
+        if fleet.history is not None:
+            try:
+                info = run_from_record(await asyncio.to_thread(fleet.history.find, rid, host))
+            except Exception as exc:  # not recorded, or the file cannot be read: say why below
+                info, why = None, f"{why}; history: {exc}"
+            if info is not None:
+                return host, info
+        self.notify(f"{rid}: {why}", title="cannot read the run", severity="error")
+        return None
+
+    def action_stop_run(self) -> None:
+        self.stop_selected()
+
+    @work(exclusive=True, group="runs-stop")
+    async def stop_selected(self) -> None:
+        """Stop the highlighted run: the Run screen's flow (confirmation listing its processes, verified result)."""
+        found = await self._selected()
+        if found is not None:
+            await stop_flow(self, found[0], found[1], self.query_one("#runs-progress", ProgressLine))
+            self.refresh_now()
+
+    def action_relaunch(self) -> None:
+        self.relaunch_selected()
+
+    @work(exclusive=True, group="runs-relaunch")
+    async def relaunch_selected(self) -> None:
+        """The launch form filled from the highlighted run (the Run screen's relaunch)."""
+        found = await self._selected()
+        if found is not None:
+            relaunch(self, found[0], found[1])
+
+    def action_tail(self) -> None:
+        rid = self.query_one("#runs-table", KeyedTable).cursor_key
+        if rid is not None:
+            deck(self).open_run(self.host_of(rid), rid)  # the Run screen opens on its output, following the end

@@ -12,17 +12,31 @@ and are written when the row scrolls into view, so a refresh costs the rows
 the operator can see — on a 256-host fleet, the 40 on screen.
 
 Rows can be *marked* (multi-select): the first column shows ✓ for marked rows.
+
+Every table filters and sorts the same way (one implementation, for every screen): ``/`` opens a filter bar
+above the table (case-insensitive text over every cell; ``esc`` clears it), a click on a column header or
+``>`` / ``<`` sorts (again on the same column: the other way round), and the header of the sorted column and
+the filter bar say what is in force. Rows the filter hides stay in the model and keep receiving updates, so
+clearing the filter shows them as they are now.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+import itertools
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from rich.text import Text
+from textual import on
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import Horizontal
 from textual.geometry import Region
+from textual.message import Message
 from textual.strip import Strip
-from textual.widgets import DataTable
+from textual.widget import Widget
+from textual.widgets import DataTable, Input, Static
 
 from gpudeck.console.widgets.cells import MARK, literal
 
@@ -36,24 +50,113 @@ class Col:
     key: str
     label: str
     width: int | None = None
+    fold: int = 0  # 0: always shown; on a narrow terminal columns fold (are left out) highest ``fold`` first
+
+
+def _used(columns: Sequence[Col], markable: bool) -> int:
+    return sum(c.width or 0 for c in columns) + 2 * len(columns) + (3 if markable else 0) + 2  # cell padding, mark, scrollbar
 
 
 def fit(columns: Sequence[Col], width: int, *, markable: bool = False, least: int = 24) -> list[Col]:
-    """The columns with every auto-width one given a fixed share of what ``width`` leaves (at least ``least``).
+    """The columns that fit ``width``, with every auto-width one given a fixed share of what is left (at least ``least``).
 
-    A live table with hundreds of rows must not have auto-width columns: each cell that shrinks makes
-    DataTable re-measure its whole column, which is O(rows) per cell and O(rows²) per refresh.
+    Columns with a ``fold`` are left out, the highest first, until the fixed ones and ``least`` per auto-width
+    one fit (at 100 columns the least important go; at 200 every one is there). A live table with hundreds of
+    rows must not have auto-width columns: each cell that shrinks makes DataTable re-measure its whole column,
+    which is O(rows) per cell and O(rows²) per refresh.
     """
-    auto = [c for c in columns if c.width is None]
+    cols = list(columns)
+    for level in sorted({c.fold for c in cols if c.fold}, reverse=True):
+        auto_n = sum(1 for c in cols if c.width is None)
+        if _used(cols, markable) + least * auto_n <= width:
+            break
+        cols = [c for c in cols if c.fold != level]
+    auto = [c for c in cols if c.width is None]
     if not auto:
-        return list(columns)
-    used = sum(c.width or 0 for c in columns) + 2 * len(columns) + (3 if markable else 0) + 2  # cell padding, mark, scrollbar
-    share = max(least, (width - used) // len(auto))
-    return [Col(c.key, c.label, share) if c.width is None else c for c in columns]
+        return cols
+    share = max(least, (width - _used(cols, markable)) // len(auto))
+    return [Col(c.key, c.label, share, c.fold) if c.width is None else c for c in cols]
+
+
+def cell_text(value: object) -> str:
+    """A cell's text as the filter reads it."""
+    return value.plain if isinstance(value, Text) else str(value)
+
+
+def sort_key(value: object) -> tuple[int, Any]:
+    """How a cell orders: its ``sort_value`` where it has one, else its number, else its text; '-' and blanks last."""
+    v = getattr(value, "sort_value", None)
+    if v is not None:
+        return (0, v)
+    text = cell_text(value).strip()
+    if text in ("", "-"):
+        return (2, "")
+    try:
+        return (0, float(text.replace(",", "")))
+    except ValueError:
+        return (1, text.lower())
+
+
+class FilterBar(Horizontal):
+    """The bar above a table while it is filtered: the filter text, how many rows match, the sort in force."""
+
+    DEFAULT_CSS = """
+    FilterBar { height: 1; display: none; }
+    FilterBar.-shown { display: block; }
+    FilterBar > .filter-label { width: auto; padding: 0 1 0 0; color: $accent; text-style: bold; }
+    FilterBar > Input { border: none; height: 1; width: 1fr; padding: 0; background: $boost; }
+    FilterBar > .filter-count { width: auto; padding: 0 0 0 1; color: $text-muted; }
+    """
+    BINDINGS = [Binding("escape", "clear", "Clear filter", show=False), Binding("down", "to_table", show=False)]
+
+    def __init__(self, table: KeyedTable) -> None:
+        super().__init__(id=f"{table.id}-filter" if table.id else None)
+        self.table = table
+
+    def compose(self) -> ComposeResult:
+        yield Static("filter /", classes="filter-label")
+        yield Input(placeholder="text in any column (enter: back to the table, esc: clear)")
+        yield Static("", classes="filter-count")
+
+    @on(Input.Changed)
+    def _changed(self, event: Input.Changed) -> None:
+        event.stop()
+        self.table.set_filter(event.value)
+
+    @on(Input.Submitted)
+    def _submitted(self, event: Input.Submitted) -> None:
+        event.stop()
+        self.action_to_table()
+
+    def action_to_table(self) -> None:
+        self.table.focus()
+        self.set_class(bool(self.table.filter_text), "-shown")
+
+    def action_clear(self) -> None:
+        self.table.action_clear_filter()
+
+    def show_count(self, text: str) -> None:
+        """Say how many rows match."""
+        self.query_one(".filter-count", Static).update(text)
 
 
 class KeyedTable(DataTable):
-    """A DataTable updated by row key (never cleared), with optional row marks."""
+    """A DataTable updated by row key (never cleared by a refresh), with optional row marks, a filter and a sort."""
+
+    BINDINGS = [
+        Binding("slash", "filter", "Filter", key_display="/", tooltip="show only rows with this text (esc clears)"),
+        Binding("greater_than_sign", "sort_next", "Sort", key_display=">", tooltip="sort by the next column (< the previous)"),
+        Binding("less_than_sign", "sort_prev", "Sort back", key_display="<", show=False),
+        Binding("exclamation_mark", "sort_invert", "Invert sort", key_display="!", show=False),
+        Binding("escape", "clear_filter", "Clear filter", show=False),
+    ]
+
+    class Reordered(Message):
+        """The filter or the sort changed (the screen may say so)."""
+
+        def __init__(self, table: KeyedTable) -> None:
+            super().__init__()
+            self.table = table
 
     def __init__(
         self,
@@ -63,12 +166,31 @@ class KeyedTable(DataTable):
         id: str | None = None,
         classes: str | None = None,
         zebra_stripes: bool = True,
+        filterable: bool = True,
+        order: Callable[[Mapping[str, object]], Any] | None = None,
+        order_columns: Iterable[str] = (),
     ) -> None:
+        """``order``: the table's own order when no column is chosen (by default: the order rows came in), reading
+        the cells of ``order_columns``."""
         super().__init__(id=id, classes=classes, cursor_type="row", zebra_stripes=zebra_stripes)
         self.cols = list(columns)
         self.markable = markable
+        self.filterable = filterable
         self.marks: set[str] = set()
+        self.filter_text = ""
+        self.sort_column: str | None = None
+        self.sort_reverse = False
+        self.order = order
+        self._order_columns = frozenset(order_columns)
+        self._seq: dict[str, int] = {}
+        self._counter = itertools.count()
+        self._shown: set[str] = set()  # rows in the DataTable (the rest are filtered out)
+        self._hay: dict[str, str] = {}  # row key -> its cells' text, lower case (the filter reads it)
+        self._order_due = False
+        self.pin_top = False  # a cursor on the first row stays on the first row when the order changes
         self._cells: dict[str, dict[str, object]] = {}
+        self._literals: dict[str, list[object]] = {}  # row key -> its cells escaped for the DataTable (re-adds reuse them)
+        self._order_keys: dict[str, tuple[Any, int]] = {}  # row key -> its place in the table's own order (kept until it changes)
         self._deferred: dict[str, dict[str, object]] = {}  # newer cells of rows out of view
         self._stale: set[tuple[str, str]] = set()  # cells written in place whose renders must be dropped
         self._stale_lines: set[int] = set()
@@ -85,19 +207,95 @@ class KeyedTable(DataTable):
         """Show ``cells`` in row ``key`` (added when new); returns the number of cells written."""
         old = self._cells.get(key)
         if old is None:
-            row: list[object] = [Text(MARK if key in self.marks else "", style="bold green")] if self.markable else []
-            row.extend(literal(cells.get(c.key, "")) for c in self.cols)
-            self.add_row(*row, key=key)
             self._cells[key] = dict(cells)
-            self.cells_written += len(row)
-            return len(row)
+            self._seq[key] = next(self._counter)
+            if not self._matches(key):
+                return 0
+            n = self._add(key)
+            if self.sort_column is not None or self.order is not None:
+                self._order_later()
+            return n
+        newest = self.cells_of(key) or old
+        if self.sort_column is not None and newest.get(self.sort_column) != cells.get(self.sort_column):
+            self._order_later()
+        if self.order is not None and any(newest.get(c) != cells.get(c) for c in self._order_columns):
+            self._order_keys.pop(key, None)
+            if self.sort_column is None:
+                self._order_later()
+        if self.filter_text and any(newest.get(c.key) != cells.get(c.key) for c in self.cols):
+            self._hay.pop(key, None)
+        if key not in self._shown:
+            self._cells[key] = dict(cells)
+            self._literals.pop(key, None)
+            self._hay.pop(key, None)
+            if self.filter_text and self._matches(key):
+                self._order_later()
+                return self._add(key)
+            return 0
+        if self.filter_text and not self._matches(key, cells):
+            self._cells[key] = dict(cells)
+            self._literals.pop(key, None)
+            self._deferred.pop(key, None)
+            self._shown.discard(key)
+            self.remove_row(key)
+            return 0
         if not self._in_view(key):
             self._deferred[key] = dict(cells)
             return 0
         self._deferred.pop(key, None)
         return self._write(key, old, cells)
 
+    def _row_cells(self, key: str) -> list[object]:
+        """Row ``key``'s cells as the DataTable holds them (escaped once, kept until the row changes)."""
+        row = self._literals.get(key)
+        if row is None:
+            cells = self._cells[key]
+            row = [Text(MARK if key in self.marks else "", style="bold green")] if self.markable else []
+            row.extend(literal(cells.get(c.key, "")) for c in self.cols)
+            self._literals[key] = row
+        return row
+
+    def _add(self, key: str) -> int:
+        row = self._row_cells(key)
+        self.add_row(*row, key=key)
+        self._shown.add(key)
+        self.cells_written += len(row)
+        return len(row)
+
+    def _add_many(self, keys: list[str]) -> None:
+        """Show ``keys`` (in this order) in an empty table at once (a filter shows thousands again): DataTable's add_row
+        costs a reactive update and more per row; here its tables are built in one go (Textual 8.2's; add_row when
+        they are not there)."""
+        try:
+            from textual._two_way_dict import TwoWayDict
+            from textual.widgets._data_table import Row, RowKey
+
+            columns = [c.key for c in self.ordered_columns]
+            assert not self._data and not self.rows
+        except (ImportError, AttributeError, AssertionError):
+            for key in keys:
+                self._add(key)
+            return
+        data: dict[Any, dict[Any, object]] = {}
+        rows: dict[Any, Any] = {}
+        for key in keys:
+            rk = RowKey(key)
+            data[rk] = dict(zip(columns, self._row_cells(key)))
+            rows[rk] = Row(rk, 1, None, False)
+        self._data = data
+        self.rows = rows
+        self._row_locations = TwoWayDict({rk: i for i, rk in enumerate(rows)})
+        self._new_rows.update(rows)
+        self._shown.update(keys)
+        self.cells_written += len(keys) * len(columns)
+        self._require_update_dimensions = True
+        self._update_count += 1
+        self.cursor_coordinate = self.cursor_coordinate  # clamped to the new rows
+        self.check_idle()
+        self.refresh()
+
     def _write(self, key: str, old: dict[str, object], cells: Mapping[str, object]) -> int:
+        self._literals.pop(key, None)
         n = 0
         for c in self.cols:
             v = cells.get(c.key, "")
@@ -154,6 +352,14 @@ class KeyedTable(DataTable):
             KeyedTable._targeted = False
             self._update_count += 1  # the safe way: every cache misses once
 
+    def _update_dimensions(self, new_rows: Iterable[Any]) -> None:
+        # DataTable measures every cell of every new row (for auto-width columns and labels): 10,000 rows re-added
+        # by a filter cost seconds. Here every column has a fixed width (fit) and rows have no labels and height 1,
+        # so nothing a measure finds is used: only the virtual size is computed.
+        if all(not column.auto_width for column in self.columns.values()):
+            new_rows = ()
+        super()._update_dimensions(new_rows)
+
     def render_lines(self, crop: Region) -> list[Strip]:
         if self._stale:
             self._drop_stale_renders()
@@ -194,8 +400,14 @@ class KeyedTable(DataTable):
         if key in self._cells:
             del self._cells[key]
             self._deferred.pop(key, None)
+            self._hay.pop(key, None)
+            self._literals.pop(key, None)
+            self._order_keys.pop(key, None)
+            self._seq.pop(key, None)
             self.marks.discard(key)
-            self.remove_row(key)
+            if key in self._shown:
+                self._shown.discard(key)
+                self.remove_row(key)
 
     def sync(self, rows: Mapping[str, Mapping[str, object]], *, remove_missing: bool = True) -> int:
         """Make the table show exactly ``rows`` (or at least them, without ``remove_missing``); returns cells written."""
@@ -208,8 +420,18 @@ class KeyedTable(DataTable):
         """Remove every row (for static tables that are rebuilt, such as a diff; never for a live one)."""
         self._cells.clear()
         self._deferred.clear()
+        self._shown.clear()
+        self._hay.clear()
+        self._literals.clear()
+        self._order_keys.clear()
+        self._seq.clear()
         self.marks.clear()
         self.clear()
+
+    @property
+    def total_rows(self) -> int:
+        """Rows in the model, the filtered-out ones included."""
+        return len(self._cells)
 
     def keys(self) -> list[str]:
         """Row keys in display order."""
@@ -232,8 +454,8 @@ class KeyedTable(DataTable):
             return None
 
     def move_cursor_to_key(self, key: str) -> None:
-        """Highlight row ``key`` if it is there."""
-        if key in self._cells:
+        """Highlight row ``key`` if it is shown."""
+        if key in self._shown:
             self.move_cursor(row=self.get_row_index(key), animate=False)
 
     # ------------------------------------------------------------------ marks
@@ -246,7 +468,9 @@ class KeyedTable(DataTable):
             self.marks.add(key)
         else:
             self.marks.discard(key)
-        self.update_cell(key, MARK_COLUMN, Text(MARK if on else "", style="bold green"))
+        self._literals.pop(key, None)
+        if key in self._shown:
+            self.update_cell(key, MARK_COLUMN, Text(MARK if on else "", style="bold green"))
 
     def toggle_mark(self, key: str | None = None) -> None:
         """Flip the mark of ``key`` (the highlighted row by default)."""
@@ -268,11 +492,195 @@ class KeyedTable(DataTable):
         for k in want:
             self.set_marked(k, True)
 
-    def sort_by(self, column: str, reverse: bool = False) -> None:
-        """Sort by a column (its cells' ``sort_value`` where they have one, else their text), keeping the highlighted row."""
-        for key in list(self._deferred):  # sorting moves rows into view: write what they wait for first
-            self._write(key, self._cells[key], self._deferred.pop(key))
-        cur = self.cursor_key
-        self.sort(column, key=lambda v: getattr(v, "sort_value", None) or str(v), reverse=reverse)
+    # ------------------------------------------------------------------ filter and sort
+
+    def _haystack(self, key: str) -> str:
+        hay = self._hay.get(key)
+        if hay is None:
+            newest = self.cells_of(key) or {}
+            hay = self._hay[key] = " ".join(cell_text(newest.get(c.key, "")) for c in self.cols).lower()
+        return hay
+
+    def _matches(self, key: str, cells: Mapping[str, object] | None = None) -> bool:
+        if not self.filter_text:
+            return True
+        if cells is not None:
+            hay = " ".join(cell_text(cells.get(c.key, "")) for c in self.cols).lower()
+            self._hay[key] = hay
+        else:
+            hay = self._hay.get(key) or ""
+            if not hay:
+                newest = self.cells_of(key) or {}
+                hay = self._hay[key] = " ".join(cell_text(newest.get(c.key, "")) for c in self.cols).lower()
+        return all(word in hay for word in self.filter_text.lower().split())
+
+    def _ordered(self, keys: Iterable[str]) -> list[str]:
+        if self.sort_column is not None:
+            col = self.sort_column
+            cells = self._cells
+            deferred = self._deferred
+
+            def by_column(k: str) -> tuple[tuple[int, Any], int]:
+                row = deferred.get(k) or cells[k]
+                return (sort_key(row.get(col, "")), self._seq.get(k, 0))
+
+            ordered = sorted(keys, key=by_column, reverse=self.sort_reverse)
+            if self.sort_reverse:  # blanks stay last either way
+                blank = [k for k in ordered if by_column(k)[0][0] == 2]
+                ordered = [k for k in ordered if by_column(k)[0][0] != 2] + blank[::-1]
+            return ordered
+        if self.order is not None:
+            order, cache, seq = self.order, self._order_keys, self._seq
+
+            def natural(k: str) -> tuple[Any, int]:
+                v = cache.get(k)
+                if v is None:
+                    v = cache[k] = (order(self.cells_of(k) or {}), seq.get(k, 0))
+                return v
+
+            return sorted(keys, key=natural)
+        return sorted(keys, key=lambda k: self._seq.get(k, 0))
+
+    def _order_later(self) -> None:
+        if not self._order_due:
+            self._order_due = True
+            self.call_later(self.apply_order)
+
+    def apply_order(self) -> None:
+        """Put the shown rows in the order in force (the sort, else the table's own order), keeping the highlighted row."""
+        self._order_due = False
+        for key in list(self._deferred):  # ordering moves rows into view: write what they wait for first
+            if key in self._shown:
+                self._write(key, self._cells[key], self._deferred.pop(key))
+        cur = None if self.pin_top and self.cursor_row == 0 else self.cursor_key
+        order = self._ordered(self._shown)
+        try:
+            from textual._two_way_dict import TwoWayDict
+            from textual.widgets._data_table import RowKey
+
+            self._row_locations = TwoWayDict({RowKey(k): i for i, k in enumerate(order)})
+            self._update_count += 1
+            self.refresh()
+        except (ImportError, AttributeError):  # DataTable's internals moved: show the rows again, in order
+            self._rebuild(order)
         if cur is not None:
             self.move_cursor_to_key(cur)
+        elif self.pin_top and self.row_count:
+            self.move_cursor(row=0, animate=False)
+
+    def set_filter(self, text: str) -> None:
+        """Show only the rows whose text has every word of ``text`` (case-insensitive); '' shows every row."""
+        text = text.strip()
+        if text == self.filter_text:
+            return
+        narrowing = bool(self.filter_text) and text.lower().startswith(self.filter_text.lower())
+        self.filter_text = text
+        pool = self._shown if narrowing else self._cells.keys()  # typing on narrows: only shown rows can still match
+        words = text.lower().split()
+        hay = self._haystack
+        want = [k for k in pool if all(w in hay(k) for w in words)]
+        if len(want) != len(self._shown) or not self._shown.issuperset(want):  # the same rows: nothing to redraw
+            self._rebuild(want)
+        self._say()
+
+    def _rebuild(self, keys: Iterable[str]) -> None:
+        """Show exactly ``keys`` in the order in force (a filter change: one clear and one add per row, not O(n²) removes)."""
+        cur = self.cursor_key
+        for key, cells in list(self._deferred.items()):
+            self._cells[key] = {**self._cells.get(key, {}), **cells}
+            self._literals.pop(key, None)
+        self._deferred.clear()
+        self._stale.clear()
+        self._stale_lines.clear()
+        self.clear()
+        self._shown.clear()
+        self._add_many(self._ordered(keys))
+        if cur is not None and cur in self._shown:
+            self.call_after_refresh(self.move_cursor_to_key, cur)
+
+    async def action_filter(self) -> None:
+        bar = await self.filter_bar()
+        bar.add_class("-shown")
+        bar.query_one(Input).focus()
+
+    async def filter_bar(self) -> FilterBar:
+        """The filter bar above this table (mounted the first time it is asked for)."""
+        bars = [b for b in self.screen.query(FilterBar) if b.table is self]
+        if bars:
+            return bars[0]
+        bar = FilterBar(self)
+        parent = self.parent
+        assert isinstance(parent, Widget)  # a table always sits in a screen or a container
+        await parent.mount(bar, before=self)
+        bar.show_count(self.describe())
+        return bar
+
+    def action_clear_filter(self) -> None:
+        bars = [b for b in self.screen.query(FilterBar) if b.table is self]
+        for bar in bars:
+            bar.query_one(Input).value = ""
+            bar.remove_class("-shown")
+        self.set_filter("")
+        self.focus()
+
+    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
+        if action == "filter":
+            return self.filterable
+        if action == "clear_filter":  # esc with no filter in force: the screen's (back)
+            return bool(self.filter_text) or any(b.has_class("-shown") for b in self.screen.query(FilterBar) if b.table is self)
+        return super().check_action(action, parameters)
+
+    def sort_by(self, column: str | None, reverse: bool = False) -> None:
+        """Sort by a column (None: the table's own order), keeping the highlighted row; the header shows it."""
+        self.sort_column, self.sort_reverse = column, reverse
+        for c in self.cols:
+            mark = "" if c.key != column else (" ▼" if reverse else " ▲")
+            try:
+                self.columns[c.key].label = Text(c.label + mark, style="bold" if mark else "")  # type: ignore[index]
+            except KeyError:
+                pass
+        self._require_update_dimensions = True
+        self.apply_order()
+        self._say()
+
+    def _cycle(self, step: int) -> None:
+        keys = [None, *(c.key for c in self.cols)]
+        i = keys.index(self.sort_column) if self.sort_column in keys else 0
+        self.sort_by(keys[(i + step) % len(keys)], self.sort_reverse)
+
+    def action_sort_next(self) -> None:
+        self._cycle(1)
+
+    def action_sort_prev(self) -> None:
+        self._cycle(-1)
+
+    def action_sort_invert(self) -> None:
+        if self.sort_column is not None:
+            self.sort_by(self.sort_column, not self.sort_reverse)
+
+    def on_data_table_header_selected(self, event: DataTable.HeaderSelected) -> None:
+        event.stop()
+        column = str(event.column_key.value)
+        if column == MARK_COLUMN:
+            return
+        if column == self.sort_column:
+            self.sort_by(column, not self.sort_reverse)
+        else:
+            self.sort_by(column)
+
+    def describe(self) -> str:
+        """What is in force: 'sorted by STATE ▼', '12 of 256 rows match'."""
+        parts = []
+        if self.filter_text:
+            parts.append(f"{len(self._shown)} of {len(self._cells)} rows match")
+        if self.sort_column is not None:
+            label = next((c.label for c in self.cols if c.key == self.sort_column), self.sort_column)
+            parts.append(f"sorted by {label} {'▼' if self.sort_reverse else '▲'}")
+        return "  ·  ".join(parts)
+
+    def _say(self) -> None:
+        if self.is_mounted:
+            for bar in self.screen.query(FilterBar):
+                if bar.table is self:
+                    bar.show_count(self.describe())
+            self.post_message(self.Reordered(self))

@@ -29,6 +29,8 @@ CACHE_LINES = 4096
 _NEWLINE = re.compile(b"\n")
 SEARCH_CHUNK = 4 << 20
 MATCH_STYLE = Style(bgcolor="yellow", color="black", bold=True)
+CURRENT_STYLE = Style(bgcolor="magenta", color="white", bold=True, underline=True)  # the match n/N moved to
+CURRENT_GUTTER = Style(color="magenta", bold=True)
 
 
 class OutputView(ScrollView, can_focus=True):
@@ -51,6 +53,7 @@ class OutputView(ScrollView, can_focus=True):
         self._cache: OrderedDict[int, str] = OrderedDict()
         self._io = threading.Lock()  # search reads the spool from a worker thread while appends write it
         self.search_term: str | None = None
+        self.current_match: int | None = None  # the line of the match the search is on (drawn apart from the others)
         self.bytes_received = 0
 
     # ------------------------------------------------------------------ data
@@ -150,6 +153,20 @@ class OutputView(ScrollView, can_focus=True):
         self.follow = True
         self.scroll_to(y=self.line_count, animate=False, immediate=True, force=True)
 
+    def find_wrapping(self, term: str, from_line: int, forward: bool = True) -> tuple[int, bool] | None:
+        """Like :meth:`find`, going on from the other end when nothing is left that way: (line, whether it wrapped)."""
+        found = self.find(term, from_line, forward)
+        if found is not None:
+            return found, False
+        found = self.find(term, -1 if forward else self.line_count, forward)
+        return (found, True) if found is not None else None
+
+    def show_match(self, index: int) -> None:
+        """Make line ``index`` the current match and scroll to it."""
+        self.current_match = index
+        self.go_to_line(index)
+        self.refresh()
+
     def go_to_line(self, index: int) -> None:
         """Scroll so line ``index`` is in view (and stop following)."""
         self.follow = False
@@ -168,9 +185,14 @@ class OutputView(ScrollView, can_focus=True):
         if index >= self.line_count:
             return Strip.blank(width, base)
         text = self.line(index)
+        current = self.search_term is not None and index == self.current_match
         visible = text[scroll_x : scroll_x + width]
         segments: list[Segment] = []
         term = self.search_term
+        hit_style = CURRENT_STYLE if current else MATCH_STYLE
+        if current and visible:  # a bar in the first column: the current match is found at a glance, even scrolled sideways
+            segments.append(Segment("▌", base + CURRENT_GUTTER))
+            visible = visible[1:]
         if term:
             lower = visible.lower()
             t = term.lower()
@@ -181,13 +203,13 @@ class OutputView(ScrollView, can_focus=True):
                     break
                 if hit > pos:
                     segments.append(Segment(visible[pos:hit], base))
-                segments.append(Segment(visible[hit : hit + len(t)], base + MATCH_STYLE))
+                segments.append(Segment(visible[hit : hit + len(t)], base + hit_style))
                 pos = hit + len(t)
             if pos < len(visible):
                 segments.append(Segment(visible[pos:], base))
         else:
             segments.append(Segment(visible, base))
-        pad = width - len(visible)
+        pad = width - len(visible) - (1 if current and text[scroll_x : scroll_x + width] else 0)
         if pad > 0:
             segments.append(Segment(" " * pad, base))
         return Strip(segments, width)

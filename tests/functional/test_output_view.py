@@ -41,3 +41,32 @@ async def test_million_lines_stay_exact_and_searchable() -> None:
         view.go_to_line(500_000)
         await pilot.pause()
         assert view.follow is False and view.scroll_offset.y <= 500_000 < view.scroll_offset.y + view.size.height
+
+
+async def test_search_wraps_around_and_draws_the_current_match_apart() -> None:
+    from gpudeck.console.widgets.output_view import CURRENT_STYLE, MATCH_STYLE
+
+    app = ViewApp()
+    async with app.run_test(size=(60, 10)) as pilot:
+        view = app.query_one(OutputView)
+        view.append("".join(f"line {i}{' target' if i in (3, 40) else ''}\n" for i in range(50)))
+        view.search_term = "target"
+        assert view.find_wrapping("target", 40) == (3, True)  # past the last match: from the top again
+        assert view.find_wrapping("target", 3, forward=False) == (40, True)  # before the first: from the bottom
+        assert view.find_wrapping("target", 0) == (3, False)
+        assert view.find_wrapping("nowhere", 0) is None
+        view.show_match(40)
+        await pilot.pause()
+        y = 40 - view.scroll_offset.y
+        current = view.render_line(y)
+        assert current.text.startswith("▌")
+        assert any(seg.text == "target" and seg.style is not None and seg.style.bgcolor == CURRENT_STYLE.bgcolor for seg in current)
+        view.show_match(3)
+        await pilot.pause()
+        other = view.render_line(3 - view.scroll_offset.y)
+        assert other.text.startswith("▌")
+        view.go_to_line(40)
+        await pilot.pause()
+        plain = view.render_line(40 - view.scroll_offset.y)  # a match, not the current one
+        assert not plain.text.startswith("▌")
+        assert any(seg.text == "target" and seg.style is not None and seg.style.bgcolor == MATCH_STYLE.bgcolor for seg in plain)

@@ -97,8 +97,8 @@ async def test_fleet_shows_link_states_with_their_messages_and_the_simulated_mar
     app = GpudeckApp(fleet)
     async with app.run_test(size=SIZE):
         table = app.screen.query_one("#fleet-table", KeyedTable)
-        assert str(table.get_cell("gpu2", "state")).startswith("unreachable since ")
-        assert "connect timed out" in str(table.get_cell("gpu2", "alerts"))
+        assert str(table.get_cell("gpu2", "state")).startswith("unreachable ")
+        assert str(table.get_cell("gpu2", "alerts")).startswith("since ") and "connect timed out" in str(table.get_cell("gpu2", "alerts"))
         assert str(table.get_cell("gpu3", "state")).startswith("host key refused")
         assert "known_hosts" in str(table.get_cell("gpu3", "alerts"))
         assert "install the same gpudeck" in str(table.get_cell("gpu4", "alerts"))

@@ -1,0 +1,197 @@
+"""Every table filters with '/' and sorts on a header click or '>' (one implementation, in KeyedTable); the Runs
+list acts on its highlighted run (stop, tail, relaunch) through the Run screen's flows."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from textual.widgets import Input, Static
+
+from gpudeck.console.app import GpudeckApp
+from gpudeck.console.screens.dialogs import ConfirmDialog, ResultDialog
+from gpudeck.console.screens.history import HistoryScreen
+from gpudeck.console.screens.launch import LaunchDialog
+from gpudeck.console.screens.leftovers import LeftoversScreen
+from gpudeck.console.screens.run import RunScreen
+from gpudeck.console.screens.runs import RunsScreen
+from gpudeck.console.widgets.keyed_table import Col, FilterBar, KeyedTable, fit, sort_key
+from tests.functional.fixture_fleet import FAILED, GOOD, LIVE, STOPPED, FixtureFleet
+from tests.functional.helpers import mounted, open_host, press_for, text_of, until
+
+SIZE = (180, 50)
+
+
+@pytest.fixture
+def fleet(tmp_path: Path) -> FixtureFleet:
+    return FixtureFleet(tmp_path / "history.db")
+
+
+def bar_of(table: KeyedTable) -> FilterBar:
+    return next(b for b in table.screen.query(FilterBar) if b.table is table)
+
+
+async def type_filter(pilot, table: KeyedTable, text: str) -> FilterBar:  # type: ignore[no-untyped-def]
+    table.focus()
+    await pilot.press("slash")
+    bar = await until(
+        lambda: [b for b in table.screen.query(FilterBar) if b.table is table and b.query_one(Input).has_focus], what="the filter bar"
+    )
+    await pilot.press(*text)
+    return bar[0]
+
+
+async def test_fleet_filters_on_slash_shows_the_count_and_escape_brings_every_row_back(fleet: FixtureFleet) -> None:
+    app = GpudeckApp(fleet)
+    async with app.run_test(size=SIZE) as pilot:
+        table = app.screen.query_one("#fleet-table", KeyedTable)
+        everyone = table.keys()
+        assert len(everyone) == 6
+        bar = await type_filter(pilot, table, "unreach")
+        await until(lambda: table.keys() == ["gpu2"], what="only the unreachable host")
+        assert "1 of 6 rows match" in text_of(bar.query_one(".filter-count", Static))
+        await pilot.press("enter")  # back to the table; the filter stays in force and on show
+        assert table.has_focus and table.keys() == ["gpu2"] and bar.display
+        await pilot.press("escape")  # clears it
+        await until(lambda: table.keys() == everyone, what="every host again")
+        assert not table.filter_text and not bar.display
+        await pilot.press("escape")  # nothing to clear: the screen's escape (the Fleet is the first screen: it stays)
+        assert table.keys() == everyone
+
+
+async def test_a_filtered_out_row_keeps_its_updates_and_a_new_row_that_does_not_match_stays_hidden() -> None:
+    from textual.app import App, ComposeResult
+
+    class One(App[None]):
+        def compose(self) -> ComposeResult:
+            yield KeyedTable([Col("name", "NAME", 10), Col("n", "N", 4)])
+
+    async with One().run_test() as pilot:
+        table = pilot.app.query_one(KeyedTable)
+        table.upsert("a", {"name": "alpha", "n": "1"})
+        table.upsert("b", {"name": "beta", "n": "2"})
+        table.set_filter("alp")
+        assert table.keys() == ["a"] and table.total_rows == 2
+        table.upsert("b", {"name": "beta", "n": "9"})  # hidden: updated in the model only
+        table.upsert("c", {"name": "gamma", "n": "3"})  # new, not matching
+        table.upsert("a", {"name": "zeta", "n": "1"})  # no longer matches: leaves the view
+        await pilot.pause()
+        assert table.keys() == []
+        table.set_filter("")
+        await pilot.pause()
+        assert table.keys() == ["a", "b", "c"] and str(table.get_cell("b", "n")) == "9"
+
+
+async def test_fleet_sorts_on_a_header_click_and_on_the_sort_key_and_shows_it(fleet: FixtureFleet) -> None:
+    app = GpudeckApp(fleet)
+    async with app.run_test(size=SIZE) as pilot:
+        table = app.screen.query_one("#fleet-table", KeyedTable)
+        await pilot.click("#fleet-table", offset=(3, 0))  # the HOST header
+        await pilot.pause()
+        assert table.sort_column == "host" and not table.sort_reverse
+        assert table.keys() == sorted(table.keys())
+        assert "▲" in str(table.columns[table.cols[0].key].label)  # type: ignore[index]
+        await pilot.click("#fleet-table", offset=(3, 0))  # again: the other way round
+        await pilot.pause()
+        assert table.sort_reverse and table.keys() == sorted(table.keys(), reverse=True)
+        assert "sorted by HOST ▼" in table.describe()
+        table.focus()
+        await pilot.press("greater_than_sign")  # the next column
+        await pilot.pause()
+        assert table.sort_column == "state" and "sorted by STATE" in table.describe()
+        assert "▲" not in str(table.columns["host"].label) and "▼" not in str(table.columns["host"].label)  # type: ignore[index]
+
+
+async def test_host_processes_and_leftovers_filter_too(fleet: FixtureFleet) -> None:
+    app = GpudeckApp(fleet)
+    async with app.run_test(size=SIZE) as pilot:
+        host = await open_host(app)
+        procs = host.query_one("#proc-table", KeyedTable)
+        await until(lambda: procs.row_count >= 3, what="the processes")
+        await type_filter(pilot, procs, "4412")
+        await until(lambda: procs.keys() and all("4412" in k for k in procs.keys()), what="pid 4412's rows only")
+        await pilot.press("escape")
+        await until(lambda: len(procs.keys()) >= 3, what="every process again")
+        screen = await press_for(pilot, "L", LeftoversScreen)
+        table = screen.query_one("#leftovers-table", KeyedTable)
+        await until(lambda: table.row_count > 1, what="the leftovers")
+        n = table.row_count
+        await type_filter(pilot, table, "foreign")
+        await until(lambda: 0 < table.row_count < n, what="the foreign leftovers only")
+        await pilot.press("escape", "escape")  # clear, then back to the host
+        await until(lambda: mounted(app, type(host)), what="the host screen again")
+
+
+async def test_history_sorts_by_a_column_and_its_query_box_keeps_slash(fleet: FixtureFleet) -> None:
+    app = GpudeckApp(fleet)
+    async with app.run_test(size=SIZE) as pilot:
+        hist = await press_for(pilot, "h", HistoryScreen)
+        table = hist.query_one("#history-table", KeyedTable)
+        await until(lambda: table.row_count >= 3, what="the history")
+        assert table.keys()[0].endswith(LIVE)  # newest first
+        table.focus()
+        await pilot.press("greater_than_sign")  # RUN
+        await pilot.pause()
+        ids = [k.split("/", 1)[1] for k in table.keys()]
+        assert ids == sorted(ids)
+        assert "sorted by RUN ▲" in text_of(hist.query_one("#history-note", Static))
+        await pilot.press("slash")
+        await until(lambda: hist.query_one("#history-filter", Input).has_focus, what="the history's query box")
+
+
+async def test_runs_lists_live_runs_first_then_the_newest_with_the_cursor_on_the_first(fleet: FixtureFleet) -> None:
+    app = GpudeckApp(fleet)
+    async with app.run_test(size=SIZE) as pilot:
+        runs = await press_for(pilot, "r", RunsScreen)
+        table = runs.query_one("#runs-table", KeyedTable)
+        await until(lambda: GOOD in table.keys(), what="the history's runs")
+        await pilot.pause()
+        keys = table.keys()
+        assert keys[0] == LIVE and keys.index(FAILED) < keys.index(STOPPED) < keys.index(GOOD)
+        assert table.cursor_key == LIVE
+        await type_filter(pilot, table, "drafter")
+        await until(lambda: table.keys() == [FAILED], what="the filtered run")
+        assert "1 of" in text_of(runs.query_one("#runs-note", Static))
+
+
+async def test_runs_stop_from_the_list_lists_the_processes_and_stops_through_the_run_screens_flow(fleet: FixtureFleet) -> None:
+    app = GpudeckApp(fleet)
+    async with app.run_test(size=SIZE) as pilot:
+        runs = await press_for(pilot, "r", RunsScreen)
+        table = runs.query_one("#runs-table", KeyedTable)
+        await until(lambda: table.cursor_key == LIVE, what="the live run highlighted")
+        dialog = await press_for(pilot, "s", ConfirmDialog)
+        body = text_of(dialog.query_one("#confirm-body", Static))
+        assert f"Stop run {LIVE} on gpu1" in body
+        assert "PID" in body and "USER" in body and "RANK" in body and "COMMAND" in body and "4412" in body
+        result = await press_for(pilot, "y", ResultDialog)
+        assert "4412" in text_of(result.query_one("#result-body", Static))
+        await pilot.press("escape")
+        await until(lambda: mounted(app, RunsScreen), what="the Runs screen again")
+
+
+async def test_runs_tail_and_relaunch_from_the_list(fleet: FixtureFleet) -> None:
+    app = GpudeckApp(fleet)
+    async with app.run_test(size=SIZE) as pilot:
+        runs = await press_for(pilot, "r", RunsScreen)
+        table = runs.query_one("#runs-table", KeyedTable)
+        await until(lambda: table.cursor_key == LIVE, what="the live run highlighted")
+        run = await press_for(pilot, "t", RunScreen)
+        assert run.run_id == LIVE and run.query_one("#run-log").follow
+        await pilot.press("escape")
+        await until(lambda: mounted(app, RunsScreen), what="the Runs screen again")
+        table.move_cursor_to_key(FAILED)
+        dialog = await press_for(pilot, "R", LaunchDialog)
+        assert dialog._parent_run == FAILED  # the form is filled from the highlighted run (ops.relaunch_intent)
+
+
+def test_sort_keys_order_numbers_as_numbers_and_blanks_last() -> None:
+    cells = ["10", "9", "-", "1,200", "abc"]
+    assert sorted(cells, key=sort_key) == ["9", "10", "1,200", "abc", "-"]
+
+
+def test_fit_folds_the_least_important_columns_first() -> None:
+    cols = [Col("a", "A", 40), Col("b", "B", 30, fold=1), Col("c", "C", 20, fold=2), Col("d", "D", None)]
+    assert [c.key for c in fit(cols, 200)] == ["a", "b", "c", "d"]
+    assert [c.key for c in fit(cols, 110)] == ["a", "b", "d"]
+    assert [c.key for c in fit(cols, 80)] == ["a", "d"]
