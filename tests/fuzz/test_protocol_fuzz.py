@@ -46,6 +46,7 @@ EXAMPLES: list[msgspec.Struct] = [
     p.Fingerprint(request_id="fp", python="python3"),
     p.RebuildEnv(request_id="rb", env=p.EnvFingerprint(python="python3", freeze=["a==1"])),
     p.VerifyRun(request_id="v", run_id="r-0123abcd"),
+    p.TriageRun(request_id="t", run_id="r-0123abcd"),
 ]
 FRAMES = [encode(m).rstrip(b"\n") for m in EXAMPLES]
 TAGS = {cls: msgspec.inspect.type_info(cls).tag for cls in REQUEST_TYPES}  # type: ignore[attr-defined]
