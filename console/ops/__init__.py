@@ -12,7 +12,7 @@ from gpudeck.console.ops.figures import RunFigures, run_figures
 from gpudeck.console.ops.intent import Caller, ClaimsIntent, LaunchIntent, start_of
 from gpudeck.console.ops.launch import LaunchPlan, LaunchResult, launch, plan_launch, preflight
 from gpudeck.console.ops.relaunch import intent_from_spec, relaunch_intent, rollback_intent
-from gpudeck.console.ops.resolve import Resolved, resolve_record, resolve_run
+from gpudeck.console.ops.resolve import Resolved, nodes_of, resolve_record, resolve_run
 
 __all__ = [
     "AmbiguousRun",
@@ -34,6 +34,7 @@ __all__ = [
     "preflight",
     "relaunch_intent",
     "resolve_record",
+    "nodes_of",
     "resolve_run",
     "rollback_intent",
     "run_figures",

@@ -142,6 +142,13 @@ async def resolve_run(fleet: Fleet, ref: str, host: str | None = None, destructi
     return Resolved(ref=ref, id=run.id, nodes=nodes, missing=missing, unanswered=down)
 
 
+async def nodes_of(fleet: Fleet, host: str, run: RunInfo) -> Resolved:
+    """Every node of a run already found on ``host``: that run alone, or each node of a multi-node run (asked anew)."""
+    if run.spec.nnodes and run.spec.nnodes > 1:
+        return await resolve_run(fleet, run.id)
+    return Resolved(run.id, run.id, [(host, run)])
+
+
 def _is_no_such(exc: AgentError) -> bool:
     """The agent answered (no such run, or several there): the host is reachable."""
     from gpudeck.agents.errors import AgentUnavailable

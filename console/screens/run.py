@@ -38,9 +38,10 @@ from gpudeck.agents.protocol import (
 )
 from gpudeck.console.fmt import duration, elapsed, gib
 from gpudeck.console.messages import RecordLoaded
-from gpudeck.console.ops import OpsError, Resolved, relaunch_intent, resolve_run, rollback_intent
+from gpudeck.console.ops import OpsError, nodes_of, relaunch_intent, rollback_intent
 from gpudeck.console.ops.relaunch import check_environment, rebuild_environment, recorded_environment
 from gpudeck.console.ops.stop import stop_run
+from gpudeck.console.ops.triage import format_triage, triage_run
 from gpudeck.console.records import RunRecord
 from gpudeck.console.sanitize import escape_controls, redact_env
 from gpudeck.console.screens.base import LiveScreen, deck
@@ -234,6 +235,9 @@ class RunScreen(LiveScreen):
         Binding("R", "relaunch", "Relaunch", tooltip="the launch form filled from this run; choose the start again"),
         Binding("b", "rollback", "Roll back", tooltip="relaunch with a known-good run's environment (diff shown first)"),
         Binding("v", "verify", "Verify", tooltip="claimed vs observed: parameters, world size, GPUs, dataset, tokens/s"),
+        Binding(
+            "T", "triage", "Triage", tooltip="every rank's stacks, state, CPU and GPU now, and the likely culprit (nothing is stopped)"
+        ),
         Binding("f", "toggle_follow", "Follow"),
         Binding("g", "top", "Top"),
         Binding("G", "bottom", "Bottom"),
@@ -289,6 +293,9 @@ class RunScreen(LiveScreen):
                 yield Static("", id="claims-note", classes="note")
                 yield Static("alerts", classes="subtitle")
                 yield KeyedTable(ALERT_COLUMNS, id="alerts-table")
+                yield Static("triage (T: gather one now)", classes="subtitle")
+                with VerticalScroll(id="triage-scroll"):
+                    yield Static("", id="triage-text")
         yield ProgressLine(id="run-status")
         yield Footer()
 
@@ -432,6 +439,32 @@ class RunScreen(LiveScreen):
     def action_verify(self) -> None:
         self.verify()
         self.action_tab("tab-claims")
+
+    def action_triage(self) -> None:
+        self.triage()
+        self.action_tab("tab-claims")
+
+    @work(exclusive=True, group="run-triage")
+    async def triage(self) -> None:
+        """Every node's triage of the run now (``gpudeck triage``'s operation), shown as text: never parsed as markup."""
+        box = self.query_one("#triage-text", Static)
+        if self.run is None:
+            box.update(Text("the run is not known yet", style="yellow"))
+            return
+        box.update(Text("gathering every rank's stacks, state, CPU and GPU (up to 30 s) ...", style="dim"))
+        fleet = deck(self).fleet
+        try:
+            got, failed = await triage_run(fleet, await nodes_of(fleet, self.host, self.run))
+        except (AgentError, OpsError) as exc:
+            if self.is_attached:
+                box.update(Text(f"no triage: {exc.message}", style="bold red"))
+            return
+        if not self.is_attached:
+            return
+        body = Text(escape_controls("\n\n".join(format_triage(t, h) for h, t in got), keep="\n"))
+        for h, why in failed:
+            body.append(f"\n{h}: no triage: {escape_controls(why)}", style="bold red")
+        box.update(body)
 
     @work(exclusive=True, group="run-verify")
     async def verify(self) -> None:
@@ -838,7 +871,7 @@ async def stop_flow(screen: Screen[Any], host: str, r: RunInfo, status: Progress
     status.start(f"stopping {r.id}: SIGTERM sent", f"grace {STOP_GRACE_S:.0f} s for the checkpoint, then SIGKILL, then NVML verifies")
     try:
         # every node of the run (a multi-node run is stopped on each host), as `gpudeck stop` does
-        found = await resolve_run(fleet, r.id) if r.spec.nnodes and r.spec.nnodes > 1 else Resolved(r.id, r.id, [(host, r)])
+        found = await nodes_of(fleet, host, r)
         done = await stop_run(fleet, found, STOP_GRACE_S, fleet.history)
     except (AgentError, OpsError) as exc:
         status.finish(f"stop failed: {exc.message}", style="bold red")

@@ -237,3 +237,17 @@ async def test_the_environment_fingerprint_taken_at_launch_is_shown(agent: Agent
         env = run.query_one("#run-env", Static)
         await until(lambda: platform.python_version() in text_of(env), timeout=20, what=f"the fingerprint ({text_of(env)[:200]})")
         assert run.query_one("#env-packages", KeyedTable).row_count > 10
+
+
+async def test_triage_from_the_run_screen_is_the_cli_s_operation(agent: AgentProc) -> None:
+    """T on the Run screen gathers the run's triage through ops.triage (as `gpudeck triage`), shown as text; the run lives on."""
+    app = GpudeckApp(Fleet(state_dir=agent.state_dir, interval_s=0.2))
+    async with app.run_test(size=SIZE) as pilot:
+        run = await _open_cli_run(app, agent, "[bold]triage-me[/]")
+        await until(lambda: run.run is not None and run.run.state == "running", what="the run to be running")
+        await pilot.press("T")
+        box = run.query_one("#triage-text", Static)
+        await until(lambda: "likely culprit" in text_of(box), timeout=120, what=f"the triage ({text_of(box)!r})")
+        assert f"triage of {run.run_id}" in text_of(box) and "stacks by" in text_of(box)
+        assert run.query_one("#run-tabs").active == "tab-claims"
+        assert agent.cli_json("show", run.run_id)["state"] == "running"
