@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from rich.text import Text
+from textual import work
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.widgets import Footer, Static
@@ -12,6 +13,8 @@ from gpudeck.console.fmt import gib
 from gpudeck.console.formats import why_down
 from gpudeck.console.screens.base import LiveScreen, deck
 from gpudeck.console.views import HostFigures, age, host_figures, since, stamp
+from gpudeck.console.watch.outbox import failing_summary
+from gpudeck.console.watch.service import outbox_path
 from gpudeck.console.widgets.cells import SIMULATED, alerts_text, mem_bar, pct_bar, sortable, state_text
 from gpudeck.console.widgets.header import AppHeader
 from gpudeck.console.widgets.keyed_table import Col, KeyedTable, fit
@@ -28,6 +31,7 @@ COLUMNS = [
     Col("alerts", "ALERTS / LINK", None),  # what the terminal leaves (fixed when the screen is built: see keyed_table.fit)
 ]
 NOT_UP_REFRESH_S = 1.0  # 'unreachable 5m ago' and 'connecting 3s' count on screen
+NOTIFY_CHECK_S = 10.0  # how often the Fleet looks at gpudeck watch's outbox for failing notification targets
 
 
 def down_since(st: HostStatus) -> float:
@@ -101,8 +105,19 @@ class FleetScreen(LiveScreen):
     def on_mount(self) -> None:
         self._figures: dict[str, HostFigures | None] = {}
         self._states: dict[str, str] = {}
+        self._notify_note: str | None = None
         self.hosts_changed(set(deck(self).fleet.links))
         self.set_interval(NOT_UP_REFRESH_S, self._tick)
+        self._check_notify()
+        self.set_interval(NOTIFY_CHECK_S, self._check_notify)
+
+    @work(thread=True, exclusive=True, group="notify-check")
+    def _check_notify(self) -> None:
+        """gpudeck watch's failing notification targets (read-only, from its outbox: SQLite, so off the loop)."""
+        note = failing_summary(outbox_path())
+        if note != self._notify_note:
+            self._notify_note = note
+            self.app.call_from_thread(self._summary)
 
     def _tick(self) -> None:
         if self.app.screen is not self:
@@ -149,6 +164,8 @@ class FleetScreen(LiveScreen):
         alerts = sum(len(f.alerts) for f in figs)
         if alerts:
             t.append(f"   ⚠ {alerts} alert(s)", style="bold red")
+        if self._notify_note:
+            t.append(f"\n{self._notify_note}", style="bold yellow")
         self.query_one("#fleet-summary", Static).update(t)
 
     def action_next_alert(self) -> None:
