@@ -64,6 +64,35 @@ DFLASH_SMALL = [
 DFLASH_SPLIT = ["--topology", "split", "--target-ranks", "0,1", "--drafter-ranks", "2", "--queue-depth", "2"]
 
 
+def fsdp_endless_argv(out: Path, nproc: int, *extra: str) -> list[str]:
+    """torchrun of the tiny fsdp_lm on CPU that trains until it is stopped (the supervision, hang and stop tests' run)."""
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        str(nproc),
+        "-m",
+        "gpudeck.trainers.fsdp_lm",
+        "--model-config",
+        "tiny",
+        "--fresh",
+        "--out",
+        str(out),
+        "--max-steps",
+        "100000",
+        "--batch-size",
+        "2",
+        "--seq-len",
+        "64",
+        "--corpus-bytes",
+        "400000",
+        "--no-export",
+        *extra,
+    ]
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -2,43 +2,16 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 from gpudeck.agents.procs import alive
 from tests.agent_harness import ROOT, AgentProc, wait_for
+from tests.trainer_harness import fsdp_endless_argv
 
 
 def test_torchrun_job_is_supervised_end_to_end(agent: AgentProc, tmp_path: Path) -> None:
     out = tmp_path / "run"
-    argv = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        "2",
-        "-m",
-        "gpudeck.trainers.fsdp_lm",
-        "--model-config",
-        "tiny",
-        "--fresh",
-        "--out",
-        str(out),
-        "--max-steps",
-        "100000",
-        "--batch-size",
-        "2",
-        "--seq-len",
-        "64",
-        "--checkpoint-every",
-        "1000",
-        "--corpus-bytes",
-        "400000",
-        "--log-every",
-        "1",
-        "--no-export",
-    ]
+    argv = fsdp_endless_argv(out, 2, "--checkpoint-every", "1000", "--log-every", "1")
     rid = agent.cli_json("launch", "--name", "fsdp-tiny", "--cwd", str(ROOT), "--", *argv)["id"]
 
     def running_ranks() -> dict | None:

@@ -22,6 +22,7 @@ import pytest
 from gpudeck.agents.procs import alive
 from gpudeck.agents.protocol import GetEvents, GetRun
 from tests.agent_harness import ROOT, AgentProc, wait_for
+from tests.trainer_harness import fsdp_endless_argv
 
 pytest.importorskip("torch")
 pytestmark = pytest.mark.slow
@@ -29,35 +30,7 @@ PROGS = Path(__file__).resolve().parent / "progs"
 
 
 def fsdp_argv(out: Path, nproc: int) -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        str(nproc),
-        "-m",
-        "gpudeck.trainers.fsdp_lm",
-        "--model-config",
-        "tiny",
-        "--fresh",
-        "--out",
-        str(out),
-        "--max-steps",
-        "100000",
-        "--batch-size",
-        "2",
-        "--seq-len",
-        "64",
-        "--checkpoint-every",
-        "100000",
-        "--no-final-checkpoint",
-        "--corpus-bytes",
-        "400000",
-        "--no-export",
-        "--device",
-        "cpu",
-    ]
+    return fsdp_endless_argv(out, nproc, "--checkpoint-every", "100000", "--no-final-checkpoint", "--device", "cpu")
 
 
 def live_run(a: AgentProc, rid: str) -> dict[str, Any] | None:
