@@ -33,7 +33,7 @@ test-deps:
 	  $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -q openssh-server iptables >/dev/null 2>&1 || \
 	  { $$SUDO apt-get update -q >/dev/null && $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -q openssh-server iptables >/dev/null; }; }
 	@command -v prometheus >/dev/null || { \
-	  echo "installing prometheus (tests/e2e/test_watch_prometheus.py scrapes gpudeck watch with its own prometheus process on loopback)"; \
+	  echo "installing prometheus (tests/e2e/test_watch_metrics.py scrapes gpudeck watch with its own prometheus process on loopback)"; \
 	  if [ "$$(id -u)" = 0 ]; then SUDO=; else SUDO=sudo; fi; \
 	  $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends prometheus >/dev/null 2>&1 || \
 	  { $$SUDO apt-get update -q >/dev/null && $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends prometheus >/dev/null; } || \
