@@ -182,7 +182,11 @@ def test_launch_dialog_with_the_preflight_result(snap_compare, app) -> None:  # 
         dialog.query_one("#gpus", SelectionList).select(1)
         await pilot.pause()
         await pilot.press("ctrl+s")
-        await until(lambda: "FAILED" in str(dialog.query_one("#preflight").render()) or pilot.app.fleet.preflighted, what="pre-flight")
+        # the verdict drawn and the dialog's progress line stopped (the fleet answering is not yet the dialog showing it)
+        await until(
+            lambda: "FAILED" in str(dialog.query_one("#preflight").render()) and not dialog.query_one("#launch-progress").running,
+            what="the pre-flight verdict",
+        )
         await settle(pilot)
 
     assert snap_compare(app, terminal_size=TALL, run_before=preflight)
