@@ -25,7 +25,7 @@ import sqlite3
 import threading
 import time
 from collections.abc import Sequence
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -332,6 +332,19 @@ class _Batch:
     done: Future
 
 
+def _settle(fut: Future, result: int = 0, exception: BaseException | None = None) -> None:
+    """Give a waiter its answer unless it stopped waiting: a caller that timed out cancels its future (asyncio's
+    wrap_future), and set_result on a cancelled one raises, which ended the writer thread and left every later write
+    of the history waiting forever (found by make test-under-load). The batch itself is committed either way."""
+    try:
+        if exception is not None:
+            fut.set_exception(exception)
+        else:
+            fut.set_result(result)
+    except InvalidStateError:
+        pass
+
+
 class History:
     """The console's history database; safe to use from any thread and from asyncio."""
 
@@ -387,11 +400,10 @@ class History:
                 counts = self._commit(conn, apply, batch)
             except Exception as exc:  # report to every waiter; the writer keeps going
                 for b in batch:
-                    if not b.done.done():
-                        b.done.set_exception(exc)
+                    _settle(b.done, exception=exc)
                 continue
             for b, n in zip(batch, counts):
-                b.done.set_result(n)
+                _settle(b.done, result=n)
         conn.close()
 
     def _commit(self, conn: sqlite3.Connection, apply: _Apply, batch: list[_Batch]) -> list[int]:

@@ -266,3 +266,33 @@ def test_an_event_sqlite_cannot_store_is_quarantined_by_itself_and_the_batch_goe
         assert h.query("") and h.find("r-1").name == "one"
     finally:
         h.close()
+
+
+def test_a_write_whose_waiter_gave_up_is_committed_and_the_writer_goes_on(tmp_path: Path) -> None:
+    """A sync that timed out cancels its future (asyncio.wrap_future); the writer thread used to die on set_result and
+    every later write of the history waited forever (found by make test-under-load in test_faults' history sync)."""
+    import threading
+
+    from gpudeck.agents.protocol import Event
+    from gpudeck.console.history import History
+
+    h = History(tmp_path / "history.db")
+    try:
+        c = h.cursor("gpu1", "ep1")
+        gate = threading.Event()
+        real_commit = h._commit
+
+        def held_commit(*args):  # type: ignore[no-untyped-def]
+            gate.wait(30)  # the writer holds this batch until the waiter has given up
+            return real_commit(*args)
+
+        h._commit = held_commit  # type: ignore[method-assign]
+        first = h.submit(c.host, c.epoch, [Event(seq=1, ts=1.0, kind="run_created", run_id="r-1", data={"state": "starting", "name": "a"})])
+        assert first.cancel(), "the waiter gives up while the batch is still queued or held"
+        gate.set()
+        later = h.submit(c.host, c.epoch, [Event(seq=2, ts=2.0, kind="run_state", run_id="r-1", data={"state": "running"})])
+        assert later.result(timeout=30) == 1, "the writer is still alive"
+        assert h.find("r-1").state == "running"  # the given-up batch went in too
+        assert h._writer is not None and h._writer.is_alive()
+    finally:
+        h.close()
