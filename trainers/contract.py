@@ -11,6 +11,8 @@ One table each, read by every side instead of a copy per side:
   (:func:`parse_index_list`: ``0,1`` / ``0-3``), from ``trainers/presets.py``;
 - :func:`stack_file`: where a trainer rank's faulthandler writes its stacks in
   the run's folder (``RUN_DIR/stacks/rank<R>.<PID>.txt``), for gpudeck's triage;
+  :func:`flight_recorder_request_file` / :func:`flight_recorder_dump_file`: the
+  Flight Recorder request the agent writes and the JSON dump each rank answers with;
 - :data:`TRAINER_ARGS`: the trainer options that pre-flight's memory estimate
   reads, declared once (name, what it takes, default, which trainers have it).
 
@@ -40,6 +42,8 @@ __all__ = [
     "TrainerArg",
     "kind_of_module",
     "parse_index_list",
+    "flight_recorder_dump_file",
+    "flight_recorder_request_file",
     "stack_file",
     "trainer_module",
     "start_argv",
@@ -122,6 +126,16 @@ def start_argv(start: str) -> list[str]:
 def stack_file(run_dir: str, rank: int, pid: int) -> str:
     """Where rank ``rank`` (pid ``pid``) of a trainer appends its stacks on the triage's signal (trainers/diagnostics.py)."""
     return f"{run_dir}/stacks/rank{rank}.{pid}.txt"
+
+
+def flight_recorder_request_file(run_dir: str) -> str:
+    """The file the agent writes a nonce into to ask every trainer rank for a Flight Recorder dump (trainers/diagnostics.py)."""
+    return f"{run_dir}/flight_recorder/request"
+
+
+def flight_recorder_dump_file(run_dir: str, rank: int, pid: int) -> str:
+    """Where rank ``rank`` (pid ``pid``) writes its Flight Recorder dump, JSON, on the agent's request."""
+    return f"{run_dir}/flight_recorder/rank{rank}.{pid}.json"
 
 
 CHECKPOINTS_DIRNAME = "checkpoints"  # OUT/checkpoints

@@ -147,6 +147,7 @@ from pathlib import Path
 from typing import Any
 
 from gpudeck.trainers import runtime
+from gpudeck.trainers.diagnostics import install_flight_recorder_dump, install_stack_dump, step_clock
 from gpudeck.trainers.presets import PRESETS, parse_index_list
 
 ROLE_COLOCATED, ROLE_TARGET, ROLE_DRAFTER = "colocated", "target", "drafter"
@@ -815,6 +816,10 @@ class Trainer:
         runtime.register(ctx=ctx, telemetry=self.tel)
         self.tel.start_heartbeat()
         self.device = ctx.device
+        # gpudeck's triage: every thread's stack on SIGUSR2, the Flight Recorder as JSON on the agent's request
+        self.diag_fields = install_stack_dump(ctx.rank)
+        self.diag_fields.update(install_flight_recorder_dump(ctx.rank))
+        self.clock = step_clock(self.device.type == "cuda")  # a step's compute vs collective-wait seconds
         if args.dtype == "auto":
             self.dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
         else:
@@ -1179,6 +1184,8 @@ class Trainer:
             argv=self.argv,
             start=self.plan.describe(),
             pid=os.getpid(),
+            compute_timing=self.clock.method,
+            **self.diag_fields,
         )
 
     # ---- data flow ---------------------------------------------------
@@ -1452,6 +1459,7 @@ class Trainer:
             self._profile_begin(step)
             self._sync()
             t_step = time.perf_counter()
+            clock_start = self.clock.mark()
             loss_sum, weight_sum, flops, flops_tt, ctx_tokens = 0.0, 0.0, 0.0, 0.0, 0
             queue_depth = None
             t_fwd = 0.0
@@ -1467,8 +1475,9 @@ class Trainer:
                     queue_depth = sum(1 for it in inbox if it[4].is_completed() and it[5].is_completed())
                     s, g, meta, feats, w1, w2 = inbox.popleft()
                     assert s == step, (s, step)
-                    w1.wait()
-                    w2.wait()
+                    with self.clock.stall():
+                        w1.wait()
+                        w2.wait()
                     ids, lm, feats = self._unpack(meta, feats)
                 else:
                     ids, lm = self._next_local_batch()
@@ -1491,15 +1500,16 @@ class Trainer:
             # gradients of sum(w*CE) / sum(w) over every drafter rank and micro-batch (SpecForge's rule);
             # colocated, the stop vote rides on the same all-reduce
             n_group = n_d if self.ctx.distributed else 1
-            loss_val, _, votes = finish_global_mean(
-                self.drafter.parameters(),
-                loss_sum,
-                weight_sum,
-                group=self.drafter_group,
-                world=n_group,
-                extra=[] if split else [1.0 if self.stop.requested else 0.0],
-            )
-            gnorm = torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), args.grad_clip)
+            with self.clock.stall():  # the gradients' and the loss's all-reduces, then the norm's
+                loss_val, _, votes = finish_global_mean(
+                    self.drafter.parameters(),
+                    loss_sum,
+                    weight_sum,
+                    group=self.drafter_group,
+                    world=n_group,
+                    extra=[] if split else [1.0 if self.stop.requested else 0.0],
+                )
+                gnorm = torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), args.grad_clip)
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
             lr = self.scheduler.get_last_lr()[0]
@@ -1511,6 +1521,7 @@ class Trainer:
                 stop_now = votes[0] > 0
             self._sync()
             dt = time.perf_counter() - t_step
+            timing = self.clock.split(dt, clock_start, step)
             self._profile_end(step)
             if split and (self._ckpt_due(step) or stop_now):
                 # everything up to the checkpoint boundary (or the stop) is consumed; re-plan after it
@@ -1534,6 +1545,7 @@ class Trainer:
                 peak_flops=self.peak,
                 role=self.role,
                 **self._mem(),
+                **timing,
             )
             if split:
                 rec["queue_depth"] = queue_depth
@@ -1618,6 +1630,7 @@ class Trainer:
             runtime.maybe_fail_for_test(step, self.ctx.rank)
             self._sync()
             t_step = time.perf_counter()
+            clock_start = self.clock.mark()
             tokens, waited, flops, flops_tt = 0, 0.0, 0.0, 0.0
             for g in self._global_batches(step):
                 t_i, d_i = self._batch_owner(g)
@@ -1628,9 +1641,10 @@ class Trainer:
                     feats = target_features(self.target, ids, self.layer_ids).to(self.dtype)
                 meta, feats = self._pack(ids, lm, feats, cdev)
                 tw = time.perf_counter()
-                while len(pending) >= args.queue_depth:
-                    for w in pending.popleft()[:2]:
-                        w.wait()
+                with self.clock.stall():
+                    while len(pending) >= args.queue_depth:
+                        for w in pending.popleft()[:2]:
+                            w.wait()
                 waited += time.perf_counter() - tw
                 dst = self.drafter_ranks[d_i]
                 w1 = dist.isend(meta, dst, tag=2 * g)
@@ -1640,9 +1654,11 @@ class Trainer:
                 f_causal, f_tt = self.target_flops.batch(*ids.shape)
                 flops, flops_tt = flops + f_causal, flops_tt + f_tt
             if self._ckpt_due(step):
-                drain()
+                with self.clock.stall():
+                    drain()
             self._sync()
             dt = time.perf_counter() - t_step
+            timing = self.clock.split(dt, clock_start, step)
             fpt, fpt_tt = flops / max(1, tokens), flops_tt / max(1, tokens)
             if step % args.log_every == 0 or step == args.max_steps:
                 self.tel.step(
@@ -1659,6 +1675,7 @@ class Trainer:
                     peak_flops=self.peak,
                     queue_depth=len(pending),
                     **self._mem(),
+                    **timing,
                 )
             self.votes.post(step)
             if self.votes.is_last(step):

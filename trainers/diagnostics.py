@@ -10,21 +10,55 @@
     manifest carries ``stack_signal``. Nothing is registered without
     ``GPUDECK_TELEMETRY``.
 
-``CollectiveClock``
+``step_clock(on_cuda)``: a step's ``compute_s`` and ``wait_s``, two methods:
+
+``CollectiveClock`` (CPU, gloo)
     the seconds this process's main thread has spent waiting on
     torch.distributed collectives: ``Work.wait`` (every synchronous collective
     and every ``async_op=True`` handle FSDP waits on goes through it) is timed
     with ``time.perf_counter``. On CPU (gloo) ``wait`` blocks until the peers
     arrive, so a step's ``wait_s`` is the time spent waiting for them and
-    ``compute_s = step wall time - wait_s``. On CUDA (NCCL) ``wait`` does not
-    block the host (it orders streams), so the wall-clock split would be
-    meaningless: ``measures_wall`` is False and the trainers report no
-    ``compute_s`` there (CUDA events around the compute are not implemented yet).
+    ``compute_s = step wall time - wait_s``.
+
+``CudaComputeClock`` (CUDA, NCCL)
+    on CUDA ``Work.wait`` does not block the host (it orders streams), so the
+    wall-clock split would be meaningless, and CUDA events around the whole
+    forward+backward would count the time the compute stream sits stalled
+    behind FSDP's all-gathers and reduce-scatters. Instead two CUDA events on
+    the compute stream bracket the step, and two more bracket every point where
+    the compute stream is made to wait on a collective: FSDP2's
+    ``FSDPParamGroup.wait_for_unshard`` (the all-gather wait before a block's
+    forward and backward, with its copy-out), ``FSDPParamGroup.post_backward``
+    (the wait for the previous reduce-scatter's buffers) and
+    ``FSDPState._root_post_backward_final_callback`` (the wait for the last
+    reduce-scatters), patched at class level while a step is open, plus the
+    trainer's own collectives (the gradient-norm and gradient all-reduces, the
+    split topology's sends and receives) inside :meth:`CudaComputeClock.stall`.
+    Events on one stream complete in order, so each bracket's elapsed time is
+    the stall (plus the small copy-out/in kernels it encloses), and
+    ``compute_s = elapsed(step) - sum(stalls)``, ``wait_s = sum(stalls)``.
+    The events are read a step late (the previous step's, which the host has
+    long passed: ``Event.query`` is True), so measuring adds no synchronisation;
+    the record of step N carries step N-1's figures and says so
+    (``timed_step``). Events come from a pool and are reused.
+    ``GPUDECK_COMPUTE_TIMING=0`` turns either clock off (bench/triage.py's
+    overhead comparison).
+
+``install_flight_recorder_dump(rank) -> dict``
+    torch's Flight Recorder (NCCL, and gloo since torch 2.9) is enabled at
+    ``FR_BUFFER_ENTRIES`` by :func:`enable_flight_recorder`; this starts a
+    daemon thread that polls ``RUN_DIR/flight_recorder/request`` (written by the
+    agent: a nonce) and, on a new nonce, writes this rank's last
+    ``FR_DUMP_ENTRIES`` entries (torch's ``_dump_fr_trace_json``, trimmed to the
+    fields the summary needs) as JSON to ``RUN_DIR/flight_recorder/rank<R>.<PID>.json``
+    (written beside and renamed in). No ptrace, no signal, no help from the main
+    thread: gloo's and NCCL's waits release the GIL. JSON only: the agent never
+    unpickles.
 
 ``flight_recorder_env(run_dir)``
-    the environment that turns on torch's NCCL Flight Recorder at a small
-    buffer (``TORCH_NCCL_TRACE_BUFFER_SIZE``) and has it dump into the run's
-    folder on a collective timeout; set before ``init_process_group``, NCCL only.
+    the environment that turns on the Flight Recorder at a small buffer and has
+    NCCL dump into the run's folder on a collective timeout; set before
+    ``init_process_group``.
 
 ``maybe_sleep_for_test(step, rank)``
     test hook: ``GPUDECK_TEST_SLEEP_AT_STEP=N:R[:SECONDS]`` makes rank R sleep
@@ -33,18 +67,24 @@
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
+import json
 import os
 import signal
 import threading
 import time
-from typing import IO, Any
+from collections.abc import Callable, Iterator
+from typing import IO, Any, Protocol
 
-from gpudeck.trainers.contract import stack_file
+from gpudeck.trainers.contract import flight_recorder_dump_file, flight_recorder_request_file, stack_file
 
 STACK_SIGNAL = signal.SIGUSR2
 SLEEP_ENV = "GPUDECK_TEST_SLEEP_AT_STEP"
 FR_BUFFER_ENTRIES = 2000  # Flight Recorder entries kept per rank (torch's own default is 0: off)
+FR_DUMP_ENTRIES = 256  # the newest entries a dump on request carries (the summary needs the last few per group)
+FR_POLL_S = 0.25  # how often the dump thread looks for the agent's request
+TIMING_ENV = "GPUDECK_COMPUTE_TIMING"  # "0": no compute_s/wait_s (the overhead benchmark's "without")
 
 _dump_file: IO[str] | None = None  # kept open for the process's life: faulthandler writes to its fd
 
@@ -68,6 +108,18 @@ def install_stack_dump(rank: int) -> dict[str, Any]:
     return {"stack_signal": STACK_SIGNAL.name}
 
 
+class StepClock(Protocol):
+    """What the trainers call: ``mark()`` at a step's start, ``stall()`` around their own collectives, ``split()`` at its end."""
+
+    method: str
+
+    def mark(self) -> Any: ...
+
+    def split(self, step_seconds: float, start: Any, step: int | None = None) -> dict[str, float | int]: ...
+
+    def stall(self) -> contextlib.AbstractContextManager[None]: ...
+
+
 class CollectiveClock:
     """Seconds the main thread spent in torch.distributed ``Work.wait`` (see the module docstring)."""
 
@@ -75,7 +127,9 @@ class CollectiveClock:
     _waited = 0.0
     _calls = 0  # waits timed (bench/triage.py counts them per step)
 
-    def __init__(self, on_cuda: bool) -> None:
+    method = "wall time minus torch.distributed Work.wait (CPU)"
+
+    def __init__(self, on_cuda: bool = False) -> None:
         self.measures_wall = not on_cuda
         if self.measures_wall:
             self._install()
@@ -107,29 +161,236 @@ class CollectiveClock:
         """(seconds waited, waits timed) so far: take one at a step's start, give it to :meth:`split` at its end."""
         return CollectiveClock._waited, CollectiveClock._calls
 
-    def split(self, step_seconds: float, start: tuple[float, int]) -> dict[str, float | int]:
+    def split(self, step_seconds: float, start: Any, step: int | None = None) -> dict[str, float | int]:
         """A step's ``compute_s``, ``wait_s`` and ``waits`` (collective waits timed) for its record ({} on CUDA)."""
         if not self.measures_wall:
             return {}
         wait = max(0.0, CollectiveClock._waited - start[0])
         return {"compute_s": round(max(0.0, step_seconds - wait), 5), "wait_s": round(wait, 5), "waits": CollectiveClock._calls - start[1]}
 
+    @contextlib.contextmanager
+    def stall(self) -> Iterator[None]:
+        """A trainer's own collective: on CPU its Work.wait is timed already, nothing to add."""
+        yield
+
+
+class NoClock:
+    """No compute/wait measurement (``GPUDECK_COMPUTE_TIMING=0``): the same calls, nothing recorded."""
+
+    method = "off"
+
+    def mark(self) -> None:
+        """Nothing to mark."""
+
+    def split(self, step_seconds: float, start: Any, step: int | None = None) -> dict[str, float | int]:
+        """No fields."""
+        return {}
+
+    @contextlib.contextmanager
+    def stall(self) -> Iterator[None]:
+        """Nothing to bracket."""
+        yield
+
+
+# FSDP2's points where the compute stream waits on a collective stream: (module, class, method)
+_FSDP_STALL_POINTS = (
+    ("torch.distributed.fsdp._fully_shard._fsdp_param_group", "FSDPParamGroup", "wait_for_unshard"),
+    ("torch.distributed.fsdp._fully_shard._fsdp_param_group", "FSDPParamGroup", "post_backward"),
+    ("torch.distributed.fsdp._fully_shard._fsdp_state", "FSDPState", "_root_post_backward_final_callback"),
+)
+
+
+class CudaComputeClock:
+    """compute_s on CUDA: events bracketing the step on the compute stream, minus the brackets around its stalls."""
+
+    method = "CUDA events on the compute stream: the step minus the stalls at FSDP2's and the trainer's collective waits"
+
+    def __init__(self) -> None:
+        import torch
+
+        self._torch = torch
+        self._pool: list[Any] = []
+        self._open: list[Any] | None = None  # this step's events: [start, (before, after)*, end]
+        self._depth = 0  # nested stall brackets (post_backward inside the final callback) count once
+        self._pending: tuple[int | None, list[Any]] | None = None  # the last closed step, read a step late
+        self._step = 0
+        self.patched = self._patch_fsdp()
+
+    def _event(self) -> Any:
+        ev = self._pool.pop() if self._pool else self._torch.cuda.Event(enable_timing=True)
+        ev.record()
+        return ev
+
+    def _patch_fsdp(self) -> list[str]:
+        import importlib
+
+        done = []
+        for module_name, cls_name, meth in _FSDP_STALL_POINTS:
+            try:
+                cls = getattr(importlib.import_module(module_name), cls_name)
+                original = getattr(cls, meth)
+            except (ImportError, AttributeError):
+                continue  # another torch: that point is not bracketed (the manifest lists those that are)
+            if getattr(original, "_gpudeck_stall", False):
+                done.append(f"{cls_name}.{meth}")
+                continue
+            setattr(cls, meth, self._bracketing(original))
+            done.append(f"{cls_name}.{meth}")
+        return done
+
+    def _bracketing(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        clock = self
+
+        def wrapped(*args: Any, **kwargs: Any) -> Any:
+            with clock.stall():
+                return original(*args, **kwargs)
+
+        wrapped._gpudeck_stall = True  # type: ignore[attr-defined]
+        return wrapped
+
+    @contextlib.contextmanager
+    def stall(self) -> Iterator[None]:
+        """Bracket a wait of the compute stream on a collective (a no-op outside a step)."""
+        if self._open is None or self._depth > 0:
+            self._depth += 1
+            try:
+                yield
+            finally:
+                self._depth -= 1
+            return
+        self._depth += 1
+        self._open.append(self._event())
+        try:
+            yield
+        finally:
+            self._open.append(self._event())
+            self._depth -= 1
+
+    def mark(self) -> None:
+        """Open a step: its start event on the current stream."""
+        self._open = [self._event()]
+        self._depth = 0
+
+    def _read(self, events: list[Any]) -> dict[str, float] | None:
+        if not events[-1].query():
+            return None
+        total = events[0].elapsed_time(events[-1])
+        stalls = sum(events[i].elapsed_time(events[i + 1]) for i in range(1, len(events) - 2, 2))
+        self._pool.extend(events)
+        return {"compute_s": round(max(0.0, total - stalls) / 1000, 5), "wait_s": round(stalls / 1000, 5)}
+
+    def split(self, step_seconds: float, start: Any, step: int | None = None) -> dict[str, float | int]:
+        """Close this step and return the previous step's ``compute_s``/``wait_s`` (``timed_step``: which step), or {}."""
+        if self._open is None:
+            return {}
+        events, self._open = self._open + [self._event()], None
+        if len(events) % 2:  # a bracket left open (an exception inside it): drop the step
+            self._pending = None
+            return {}
+        self._step += 1
+        out: dict[str, float | int] = {}
+        if self._pending is not None:
+            got = self._read(self._pending[1])
+            if got is not None:
+                out = {**got, "timed_step": self._pending[0] if self._pending[0] is not None else self._step - 1}
+                out["stalls"] = (len(self._pending[1]) - 2) // 2
+        self._pending = (step, events)
+        return out
+
+
+def step_clock(on_cuda: bool) -> StepClock:
+    """The clock for this device: CUDA events on CUDA, timed Work.wait on CPU; NoClock with GPUDECK_COMPUTE_TIMING=0."""
+    if os.environ.get(TIMING_ENV, "1") == "0":
+        return NoClock()
+    return CudaComputeClock() if on_cuda else CollectiveClock(on_cuda=False)
+
 
 def flight_recorder_env(folder: str | None) -> dict[str, str]:
-    """Environment for torch's NCCL Flight Recorder: a small buffer, dumped into the run's folder on a timeout."""
-    env = {"TORCH_NCCL_TRACE_BUFFER_SIZE": str(FR_BUFFER_ENTRIES), "TORCH_NCCL_DUMP_ON_TIMEOUT": "1"}
+    """Environment for torch's Flight Recorder: a small buffer (NCCL and gloo), NCCL's dump into the run's folder on a timeout."""
+    size = str(FR_BUFFER_ENTRIES)
+    env = {"TORCH_FR_BUFFER_SIZE": size, "TORCH_NCCL_TRACE_BUFFER_SIZE": size, "TORCH_NCCL_DUMP_ON_TIMEOUT": "1"}
     if folder is not None:
         env["TORCH_FR_DUMP_TEMP_FILE"] = os.path.join(folder, "flight_recorder", "rank_")
     return env
 
 
 def enable_flight_recorder() -> None:
-    """Set Flight Recorder's environment (user settings win); call before init_process_group on CUDA."""
+    """Set Flight Recorder's environment (user settings win); call before init_process_group."""
     folder = run_dir()
     for key, value in flight_recorder_env(folder).items():
         os.environ.setdefault(key, value)
     if folder is not None:
         os.makedirs(os.path.join(folder, "flight_recorder"), mode=0o700, exist_ok=True)
+
+
+_FR_FIELDS = ("collective_seq_id", "p2p_seq_id", "pg_id", "process_group", "profiling_name", "state", "retired", "is_p2p")
+_fr_thread: threading.Thread | None = None
+
+
+def _fr_dump_json() -> Callable[..., Any] | None:
+    """torch's JSON dump of the Flight Recorder (``_dump_fr_trace_json``, or the NCCL-only one of older torch)."""
+    try:
+        import torch._C._distributed_c10d as c10d
+    except ImportError:
+        return None
+    return getattr(c10d, "_dump_fr_trace_json", None) or getattr(c10d, "_dump_nccl_trace_json", None)
+
+
+def flight_recorder_snapshot(rank: int, nonce: str) -> dict[str, Any]:
+    """This rank's newest Flight Recorder entries, trimmed, as the dump file carries them."""
+    dump = _fr_dump_json()
+    if dump is None:
+        return {"nonce": nonce, "rank": rank, "pid": os.getpid(), "error": "this torch has no _dump_fr_trace_json", "entries": []}
+    raw = json.loads(dump(includeCollectives=True, onlyActive=False))
+    entries = raw.get("entries") or []
+    keep = [{k: e.get(k) for k in _FR_FIELDS if k in e} for e in entries[-FR_DUMP_ENTRIES:]]
+    return {"nonce": nonce, "rank": rank, "pid": os.getpid(), "version": str(raw.get("version", "")), "entries": keep}
+
+
+def _read_request(path: str) -> str | None:
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        return os.read(fd, 64).decode("ascii", "replace").strip() or None
+    finally:
+        os.close(fd)
+
+
+def install_flight_recorder_dump(rank: int) -> dict[str, Any]:
+    """Start the thread that dumps the Flight Recorder on the agent's request; the manifest fields that say so."""
+    global _fr_thread
+    folder = run_dir()
+    if folder is None or _fr_dump_json() is None:
+        return {}
+    if _fr_thread is not None:
+        return {"flight_recorder": "request_file"}
+    request = flight_recorder_request_file(folder)
+    target = flight_recorder_dump_file(folder, rank, os.getpid())
+    os.makedirs(os.path.dirname(target), mode=0o700, exist_ok=True)
+    seen = _read_request(request)  # a request from before this rank started is not for it
+
+    def watch() -> None:
+        nonlocal seen
+        while True:
+            time.sleep(FR_POLL_S)
+            nonce = _read_request(request)
+            if nonce is None or nonce == seen:
+                continue
+            seen = nonce
+            try:
+                snap = flight_recorder_snapshot(rank, nonce)
+            except Exception as exc:  # a dump that fails says why instead of ending the thread
+                snap = {"nonce": nonce, "rank": rank, "pid": os.getpid(), "error": f"{type(exc).__name__}: {exc}"[:300], "entries": []}
+            tmp = f"{target}.tmp"
+            with open(tmp, "w", encoding="utf-8") as f:
+                json.dump(snap, f, separators=(",", ":"))
+            os.replace(tmp, target)
+
+    _fr_thread = threading.Thread(target=watch, name="gpudeck-flight-recorder", daemon=True)
+    _fr_thread.start()
+    return {"flight_recorder": "request_file"}
 
 
 def maybe_sleep_for_test(step: int, rank: int) -> None:

@@ -668,7 +668,7 @@ def main(argv: list[str] | None = None) -> int:
         read_prepared_manifest,
         split_tokens,
     )
-    from gpudeck.trainers.diagnostics import CollectiveClock, install_stack_dump, maybe_sleep_for_test
+    from gpudeck.trainers.diagnostics import install_flight_recorder_dump, install_stack_dump, maybe_sleep_for_test, step_clock
     from gpudeck.trainers.flops import MFU_CONVENTION, model_flops, peak_flops
     from gpudeck.trainers.flops import mfu as compute_mfu
     from gpudeck.trainers.profiling import StepProfiler
@@ -693,6 +693,7 @@ def main(argv: list[str] | None = None) -> int:
     register(ctx=ctx, telemetry=tel)
     tel.start_heartbeat()
     stack_fields = install_stack_dump(ctx.rank)  # every thread's stack into the run's folder on SIGUSR2 (gpudeck triage)
+    stack_fields.update(install_flight_recorder_dump(ctx.rank))  # the Flight Recorder as JSON on the agent's request
     t_start = time.time()
 
     if plan.archive_existing:
@@ -823,7 +824,7 @@ def main(argv: list[str] | None = None) -> int:
         install_chunked_loss(model, args.loss_chunk_rows)
     prefetch = args.prefetch == "yes" or (args.prefetch == "auto" and on_gpu)
     feeder = BatchFeeder(batches, device, pin=on_gpu, ahead=prefetch)
-    clock = CollectiveClock(on_cuda=on_gpu)  # a step's compute vs collective-wait seconds (CPU: wall time)
+    clock = step_clock(on_gpu)  # a step's compute vs collective-wait seconds (CUDA events on GPU, wall time on CPU)
     profiler = StepProfiler(args.profile_start, args.profile_steps, on_gpu, ctx.rank)
 
     info = device_info(device)
@@ -884,6 +885,7 @@ def main(argv: list[str] | None = None) -> int:
         transformers=_transformers_version(),
         **par,
         **stack_fields,
+        compute_timing=clock.method,
     )
     tel.manifest(**manifest)
     if ctx.rank == 0:
@@ -949,7 +951,8 @@ def main(argv: list[str] | None = None) -> int:
             del loss
             if micro < args.grad_accum - 1:
                 feeder.prefetch()
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
+        with clock.stall():  # the gradient norm's all-reduce
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         scheduler.step()
@@ -957,7 +960,8 @@ def main(argv: list[str] | None = None) -> int:
         if step < args.max_steps:
             feeder.prefetch()  # the GPU still works through this step's kernels
         # one small all-reduce: mean loss over ranks and "anyone asked to stop"
-        loss_val, stop_now = reduce_mean_and_stop(ctx, loss_sum / args.grad_accum, stop.requested)
+        with clock.stall():
+            loss_val, stop_now = reduce_mean_and_stop(ctx, loss_sum / args.grad_accum, stop.requested)
         gn = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
         gn_val = float(gn)
         dt = time.perf_counter() - t0
@@ -988,7 +992,7 @@ def main(argv: list[str] | None = None) -> int:
             grad_norm=gn_val,
             step_time_s=round(dt, 5),
             tokens=step * tokens_per_step,
-            **clock.split(dt, clock_start),
+            **clock.split(dt, clock_start, step),
         )
         if ctx.rank == 0 and (step % args.log_every == 0 or step == args.max_steps):
             mfu_s = f"{100 * mfu_val:.1f}%" if mfu_val is not None else "n/a"

@@ -204,6 +204,9 @@ def init_distributed(device: str = "auto", init_timeout_s: float = 300.0, single
     world = int(os.environ.get("WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     use_cuda = torch.cuda.is_available() and device != "cpu"
+    from gpudeck.trainers.diagnostics import enable_flight_recorder
+
+    enable_flight_recorder()  # NCCL and gloo (torch >= 2.9): before the process group exists
     if device == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("--device cuda asked for, but torch.cuda.is_available() is False")
     if use_cuda:
@@ -211,9 +214,6 @@ def init_distributed(device: str = "auto", init_timeout_s: float = 300.0, single
         dev = torch.device("cuda", local_rank)
         backend: str | None = "nccl"
         os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")
-        from gpudeck.trainers.diagnostics import enable_flight_recorder
-
-        enable_flight_recorder()  # NCCL only (gloo has no Flight Recorder): before the process group exists
     else:
         dev = torch.device("cpu")
         backend = "gloo"
