@@ -194,6 +194,7 @@ class RankTelemetry(msgspec.Struct, gc=False, kw_only=True, omit_defaults=True):
     last_seen: float | None = None
     host: str | None = None  # from the manifest (multi-node: which host the rank runs on)
     stack_signal: str | None = None  # the signal its faulthandler dumps all threads' stacks on, into RUN_DIR/stacks
+    flight_recorder: str | None = None  # "request_file": it dumps its Flight Recorder as JSON on the agent's request
     compute_recent: list[float] = []  # seconds computing (not waiting in collectives) of its last steps, newest last
     wait_recent: list[float] = []  # seconds waiting in collectives of the same steps
 

@@ -325,6 +325,7 @@ class TelemetryTail:
             s.params_trainable = rec.get("params_trainable") if isinstance(rec.get("params_trainable"), int) else s.params_trainable
             r.host = _str(rec.get("host"))
             r.stack_signal = _str(rec.get("stack_signal"))
+            r.flight_recorder = _str(rec.get("flight_recorder"))
             s.start = _str(rec.get("start")) or s.start
             s.config_hash = _str(rec.get("config_hash")) or s.config_hash
             for name in ("dataset_samples", "dataset_tokens"):

@@ -26,8 +26,11 @@ process) it records:
 
 The culprit is the rank whose main thread is outside any collective while the
 others wait in one ("rank 2 is stuck in `time.sleep(...)` at fsdp_lm.py:123;
-every other rank waits in all_gather_into_tensor"). Torch's Flight Recorder
-records NCCL collectives only: on gloo (CPU) the triage says there is none.
+every other rank waits in all_gather_into_tensor"). For gpudeck's trainers the
+triage also asks every rank of this host for its Flight Recorder (NCCL and
+gloo) through the run's folder and stores the cross-rank summary
+(agents/flight_recorder.py: "rank 2 last completed ... seq 57; ranks 0, 1 and 3
+are in seq 58 ...: rank 2 is behind").
 
 Everything read from the run (stack files, py-spy's output of the run's
 memory, source lines) is bounded: ``MAX_STACK_BYTES`` per rank.
@@ -53,6 +56,7 @@ from typing import TYPE_CHECKING
 import msgspec
 import psutil
 
+from gpudeck.agents import flight_recorder
 from gpudeck.agents.errors import BadRequest
 from gpudeck.agents.liverun import LiveRun
 from gpudeck.agents.protocol import Alert, Gpu, RankEvidence, RunInfo, Triage
@@ -198,6 +202,7 @@ class Target:
     create_time: float | None
     host: str
     stack_signal: str | None = None  # the manifest says this pid dumps its stacks on this signal
+    flight_recorder: bool = False  # the manifest says this pid dumps its Flight Recorder on the request file
     gpu_uuid: str | None = None
 
 
@@ -449,17 +454,14 @@ def culprit(evs: list[RankEvidence]) -> str:
 
 
 def flight_recorder_note(run: RunInfo) -> str:
-    """What torch's Flight Recorder can say about this run (gloo: nothing; it records NCCL collectives only)."""
+    """Why there is no Flight Recorder summary of this run (the summary itself: agents/flight_recorder.py)."""
     tel = run.telemetry
-    devices = {rt.device or "" for rt in (tel.ranks.values() if tel is not None else [])}
-    if not devices or devices == {""}:
+    ranks = list(tel.ranks.values()) if tel is not None else []
+    if not ranks or all(not rt.device for rt in ranks):
         return "no Flight Recorder: the run is not a gpudeck trainer (no manifest)"
-    if all(not d.startswith("cuda") for d in devices):
-        return "no Flight Recorder: the ranks run on CPU with gloo, and torch's Flight Recorder records NCCL collectives only"
-    return (
-        "Flight Recorder: the trainers enable it (TORCH_NCCL_TRACE_BUFFER_SIZE) and torch dumps it to the run's folder "
-        "(TORCH_FR_DUMP_TEMP_FILE) on a collective timeout; a summary on request is not implemented yet"
-    )
+    if not any(rt.flight_recorder for rt in ranks):
+        return "no Flight Recorder: the trainers' manifests offer no dump on request (an older gpudeck, or a torch without _dump_fr_trace_json)"
+    return "no Flight Recorder: no live rank of this host offers a dump on request"
 
 
 # ----------------------------------------------------------------------------- the supervisor's side
@@ -483,6 +485,7 @@ def targets_of(run: RunInfo, live_ranks: dict[int, int], host: str) -> list[Targ
                     create_time=m.create_time if m is not None else None,
                     host=(rt.host if rt is not None and rt.host else host),
                     stack_signal=rt.stack_signal if named and rt is not None else None,
+                    flight_recorder=named and rt is not None and rt.flight_recorder == "request_file",
                     gpu_uuid=rt.gpu_uuid if rt is not None else None,
                 )
             )
@@ -506,7 +509,13 @@ async def _gather(sup: Supervisor, lr: LiveRun, reason: str) -> Triage:
     gpus: list[Gpu] = []
     if sup.gpus.available:
         gpus = await asyncio.to_thread(sup.attributed_gpus)
+    fr_ranks = [(t.rank, t.pid) for t in targets if t.flight_recorder and t.rank is not None]
+    nonce = await asyncio.to_thread(flight_recorder.request, run.run_dir) if fr_ranks and run.run_dir else None
     evs = await asyncio.to_thread(collect, targets, run.run_dir or "", gpus)
+    fr_text = flight_recorder_note(run)
+    if nonce is not None and run.run_dir:  # the ranks answered while the stacks were gathered (they poll every 0.25 s)
+        dumps = await asyncio.to_thread(flight_recorder.collect, run.run_dir, fr_ranks, nonce)
+        fr_text = flight_recorder.summarise(dumps, [r for r, _ in fr_ranks])
     share = MAX_TRIAGE_STACK_BYTES // max(1, len(evs))
     for e in evs:
         if len(e.stacks.encode()) > share:  # the head: the main thread is last, but every thread's top frames come first
@@ -519,7 +528,7 @@ async def _gather(sup: Supervisor, lr: LiveRun, reason: str) -> Triage:
         culprit=culprit(evs),
         seconds=round(time.time() - started, 2),
         ranks=evs,
-        flight_recorder=flight_recorder_note(run),
+        flight_recorder=fr_text,
         missing=missing,
     )
     sup._emit_many([("triage", run.id, {"triage": msgspec.to_builtins(t)})], f"run {run.id}'s triage")

@@ -1,7 +1,8 @@
 """Hangs and stragglers on CPU with real processes: a real torchrun of fsdp_lm (gloo) and a plain command, under the agent.
 
 - rank 2 of a 4-rank run sleeps before step 6 (GPUDECK_TEST_SLEEP_AT_STEP, outside any collective): the hang alert
-  comes, the triage names rank 2 and where it sleeps, all 4 ranks' stacks are stored, the run is still alive;
+  comes, the triage names rank 2 and where it sleeps, all 4 ranks' stacks are stored, the Flight Recorder summary
+  says rank 2 is behind in the collectives, the run is still alive;
 - rank 1 of a 2-rank run is throttled by a SIGSTOP/SIGCONT duty cycle from the test: a straggler alert names it,
   and clears once the duty cycle ends;
 - a plain command that reports steps and then hangs: its stacks come through py-spy, the method stated.
@@ -78,17 +79,20 @@ def test_a_rank_asleep_outside_the_collectives_is_a_hang_triaged_by_name(agent: 
         assert e["method"] == "faulthandler" and "SIGUSR2" in e["method_why"] and "no ptrace needed" in e["method_why"]
         assert "fsdp_lm.py" in e["stacks"] and e["state"] in ("sleeping", "running", "disk-sleep") and e["cpu_percent"] is not None
     assert ranks[2]["in_collective"] is False and all(ranks[r]["in_collective"] for r in (0, 1, 3))
-    assert "gloo" in t["flight_recorder"] and "NCCL" in t["flight_recorder"]  # said, not faked
+    # torch's Flight Recorder (gloo too, torch >= 2.9), dumped by each rank's own thread on the agent's request
+    fr = t["flight_recorder"]
+    assert fr.startswith("Flight Recorder (default_pg): rank 2 last completed ") and "ranks 0, 1 and 3 are in seq " in fr, fr
+    assert fr.endswith(": rank 2 is behind"), fr
     # the run goes on: nothing was stopped or killed
     run = live_run(a, rid)
     assert run is not None and run["state"] == "running"
     assert all(alive(m["pid"], m["create_time"]) for m in run["members"])
     # on demand, stored as well; `gpudeck show` prints the newest
     cp = a.cli("triage", rid)
-    assert "likely culprit: rank 2" in cp.stdout and "stacks by faulthandler" in cp.stdout
+    assert "likely culprit: rank 2" in cp.stdout and "stacks by faulthandler" in cp.stdout and "rank 2 is behind" in cp.stdout
     assert len(triages(a, rid)) == 2
     shown = a.cli("show", rid).stdout
-    assert "TRIAGE" in shown and "likely culprit: rank 2" in shown
+    assert "TRIAGE" in shown and "likely culprit: rank 2" in shown and "rank 2 is behind" in shown
     a.cli_json("stop", rid, "--grace", "3")
 
 

@@ -131,6 +131,10 @@ def test_trainer_runs_on_gpu_and_reports_mfu(tmp_path):
     assert all(r["mem_peak_gib"] > 0 for r in steps)
     assert any(r["type"] == "eval" for r in recs)
     assert all(r["mfu_torchtitan"] is not None and r["mfu_torchtitan"] >= r["mfu"] for r in steps)
+    # compute vs wait from CUDA events, a step late; the stack dump and the Flight Recorder are offered
+    assert man["compute_timing"].startswith("CUDA events") and man["stack_signal"] == "SIGUSR2" and man["flight_recorder"] == "request_file"
+    timed = [r for r in steps if "compute_s" in r]
+    assert len(timed) == 3 and all(r["timed_step"] == r["step"] - 1 and r["compute_s"] > 0 and r["wait_s"] >= 0 for r in timed), timed
 
 
 @pytest.mark.timeout(1200)

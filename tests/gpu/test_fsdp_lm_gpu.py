@@ -86,6 +86,25 @@ def _check_gpu_telemetry(tel: Path, manifest: dict) -> None:
     assert all(r["mem_peak_gib"] > 0 for r in steps)
     if manifest["peak_flops"]:  # known GPU (H100/H200): MFU is reported
         assert all(r["mfu"] is not None and 0 < r["mfu"] < 1 for r in steps)
+    _check_compute_split(manifest, steps)
+
+
+def _check_compute_split(manifest: dict, steps: list[dict]) -> None:
+    """compute_s/wait_s from CUDA events: step N's record carries step N-1's, and they fit in that step's time."""
+    assert manifest["compute_timing"].startswith("CUDA events"), manifest["compute_timing"]
+    by_step = {r["step"]: r for r in steps}
+    timed = [r for r in steps if "compute_s" in r]
+    assert timed and len(timed) >= len(steps) - 1, steps
+    for r in timed:
+        assert r["timed_step"] == r["step"] - 1 and r["compute_s"] > 0 and r["wait_s"] >= 0 and r["stalls"] >= 2, r
+        own = by_step.get(r["timed_step"])
+        if own is not None:
+            wall = own.get("step_time_s") or own.get("step_s")
+            assert r["compute_s"] + r["wait_s"] <= wall * 1.05 + 0.002, (r, own)
+    print(
+        "compute_s/wait_s/step time:",
+        [(r["compute_s"], r["wait_s"], by_step.get(r["timed_step"], {}).get("step_time_s")) for r in timed[:6]],
+    )
 
 
 @pytest.fixture
@@ -218,3 +237,48 @@ def test_gpu_prepared_corpus_validation_chunked_loss_mfu_and_profile(tmp_path, p
         for r in (r for r in plain if r["type"] == "step"):
             # both are rounded in the record (a tiny model's mfu is ~5e-05: 5 decimals are all it keeps)
             assert r["mfu"] == pytest.approx(r["mfu_torchtitan"] * ratio, rel=1e-3, abs=1e-5)
+
+
+def test_gpu_flight_recorder_dump_on_request_is_summarised(tmp_path, procs) -> None:
+    """NCCL, world size 1: the rank's thread answers the agent's request file with JSON the agent's summary reads."""
+    from gpudeck.agents import flight_recorder as fr
+
+    cfg = tmp_path / "model.json"
+    cfg.write_text(json.dumps(CONFIG))
+    tel, log = tmp_path / "fr.jsonl", tmp_path / "fr.log"
+    args = ["--model-config", str(cfg), "--seq-len", "256", "--batch-size", "4", "--max-steps", "100000", "--fresh"]
+    args += [
+        "--out",
+        str(tmp_path / "out"),
+        "--no-export",
+        "--no-final-checkpoint",
+        "--checkpoint-every",
+        "100000",
+        "--corpus-bytes",
+        "400000",
+    ]
+    p = _start(args, tel, log)
+    procs.append(p)
+    deadline = time.time() + 240
+    while time.time() < deadline and sum(1 for r in _records(tel) if r["type"] == "step") < 5:
+        assert p.poll() is None, log.read_text()[-3000:]
+        time.sleep(0.5)
+    manifest = next(r for r in _records(tel) if r["type"] == "manifest")
+    assert manifest["flight_recorder"] == "request_file", manifest
+    nonce = fr.request(str(tmp_path))
+    assert nonce is not None
+    dumps = fr.collect(str(tmp_path), [(0, p.pid)], nonce, wait_s=10.0)
+    assert isinstance(dumps.get(0), fr.FrDump), (dumps, log.read_text()[-2000:])
+    d = dumps[0]
+    print(
+        "flight recorder: version",
+        d.version,
+        len(d.entries),
+        "entries; last",
+        [(e.collective_seq_id, e.profiling_name, e.state, e.retired) for e in d.entries[-3:]],
+    )
+    line = fr.summarise(dumps, [0])
+    print(line)
+    assert not d.error and d.entries and any(e.profiling_name.startswith("nccl:") for e in d.entries), d
+    assert line.startswith("Flight Recorder (") and "rank 0 is at seq " in line, line
+    _check_compute_split(manifest, [r for r in _records(tel) if r["type"] == "step"])

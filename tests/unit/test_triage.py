@@ -10,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 
+from gpudeck.agents import flight_recorder as fr
 from gpudeck.agents.health import HANG_AFTER_S, STRAGGLER_WINDOW, Observation, RunHealth, hang_threshold
 from gpudeck.agents.protocol import LaunchSpec, RankEvidence, RankTelemetry, RunInfo, RunTelemetry
 from gpudeck.agents.telemetry import TelemetryTail
@@ -203,6 +204,13 @@ def test_collective_clock_times_waits_on_cpu_and_reports_nothing_on_cuda() -> No
     from gpudeck.trainers.diagnostics import CollectiveClock
 
     assert CollectiveClock(on_cuda=True).split(1.0, (0.0, 0)) == {}
+    os.environ["GPUDECK_COMPUTE_TIMING"] = "0"
+    try:
+        from gpudeck.trainers.diagnostics import NoClock, step_clock
+
+        assert isinstance(step_clock(False), NoClock)
+    finally:
+        del os.environ["GPUDECK_COMPUTE_TIMING"]
     clock = CollectiveClock(on_cuda=False)
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
@@ -213,3 +221,51 @@ def test_collective_clock_times_waits_on_cpu_and_reports_nothing_on_cuda() -> No
     finally:
         dist.destroy_process_group()
     assert got["waits"] == 3 and 0 <= got["wait_s"] < 0.5 and got["compute_s"] == round(0.5 - got["wait_s"], 5)
+
+
+def _fr_dump(rank: int, pid: int, nonce: str, done: int, inflight: int | None) -> dict:
+    entries = [
+        {"collective_seq_id": i, "pg_id": 0, "process_group": ["0", "default_pg"], "profiling_name": "gloo:all_reduce", "retired": True}
+        for i in range(1, done + 1)
+    ]
+    if inflight is not None:
+        entries.append(
+            {
+                "collective_seq_id": inflight,
+                "pg_id": 0,
+                "process_group": ["0", "default_pg"],
+                "profiling_name": "gloo:all_gather",
+                "retired": False,
+            }
+        )
+    return {"nonce": nonce, "rank": rank, "pid": pid, "entries": entries}
+
+
+def test_flight_recorder_request_read_and_summary_name_the_rank_behind(tmp_path: Path) -> None:
+    folder = tmp_path / "flight_recorder"
+    folder.mkdir()
+    nonce = fr.request(str(tmp_path))
+    assert nonce is not None and (folder / "request").read_text() == nonce
+    for rank in (0, 1, 3):
+        (folder / f"rank{rank}.{100 + rank}.json").write_text(json.dumps(_fr_dump(rank, 100 + rank, nonce, 57, 58)))
+    (folder / "rank2.102.json").write_text(json.dumps(_fr_dump(2, 102, nonce, 57, None)))
+    dumps = fr.collect(str(tmp_path), [(r, 100 + r) for r in range(4)], nonce, wait_s=0.5)
+    line = fr.summarise(dumps, range(4))
+    assert line == (
+        "Flight Recorder (default_pg): rank 2 last completed gloo:all_reduce seq 57; "
+        "ranks 0, 1 and 3 are in seq 58 (gloo:all_gather): rank 2 is behind"
+    ), line
+    # hostile files: a stale nonce, an unknown field, a link, an oversized file: none is taken, each rank is said missing
+    (folder / "rank0.100.json").write_text(json.dumps(_fr_dump(0, 100, "old", 57, 58)))
+    (folder / "rank1.101.json").write_text(json.dumps({**_fr_dump(1, 101, nonce, 1, None), "extra": [[[[1]]]]}))
+    (folder / "rank2.102.json").unlink()
+    (folder / "rank2.102.json").symlink_to(folder / "rank3.103.json")
+    (folder / "rank3.103.json").write_bytes(b" " * (fr.MAX_DUMP_BYTES + 1))
+    dumps = fr.collect(str(tmp_path), [(r, 100 + r) for r in range(4)], nonce, wait_s=0.2)
+    assert list(dumps) == [3] and "over the" in str(dumps[3])
+    assert fr.summarise(dumps, range(4)).startswith("Flight Recorder: no dump from ranks 0, 1 and 2 within")
+    # a request folder that is a link is not written through
+    (tmp_path / "elsewhere").mkdir()
+    folder.rename(tmp_path / "old_fr")
+    folder.symlink_to(tmp_path / "elsewhere")
+    assert fr.request(str(tmp_path)) is None and not (tmp_path / "elsewhere" / "request").exists()
