@@ -15,7 +15,14 @@ time one gloo ``all_reduce`` + ``wait`` takes with and without the wrapper (one-
 alternating blocks), times the waits each step of the benchmarked run made (its ``waits`` field), over
 that step's time (``step_time_s``): the share of a step the measurement costs.
 
-Usage: python bench/triage.py [--ranks 4,16] [--hang-after 5] [--overhead-only]
+And on the accelerator (``--gpu-overhead``): the trainers' tokens/s with and without the compute-time
+measurement (CUDA events, ``GPUDECK_COMPUTE_TIMING=0`` turns it off) and with and without the Flight
+Recorder at its default buffer (``TORCH_FR_BUFFER_SIZE=0`` turns it off): ``fsdp_lm`` on one GPU (a
+~0.4B Llama, bf16, seq 1024), one process per setting in the order off, timing, fr, both, off, each the
+median tokens/s of its steps after the warm-up; each setting against the mean of the two ``off`` runs,
+whose own difference is the noise floor. Goal: <= 1%.
+
+Usage: python bench/triage.py [--ranks 4,16] [--hang-after 5] [--overhead-only] [--gpu-overhead [--gpu-steps N]]
 """
 
 from __future__ import annotations
@@ -130,13 +137,101 @@ def overhead(n: int = 4000) -> float:
     return w - p
 
 
+GPU_MODEL = dict(
+    model_type="llama",
+    hidden_size=1024,
+    intermediate_size=2816,
+    num_hidden_layers=24,
+    num_attention_heads=16,
+    num_key_value_heads=8,
+    vocab_size=32000,
+    max_position_embeddings=2048,
+    rms_norm_eps=1e-5,
+    rope_theta=10000.0,
+    tie_word_embeddings=False,
+)
+GPU_SETTINGS = {  # name -> environment: the measurement and the Flight Recorder on or off
+    "off": {"GPUDECK_COMPUTE_TIMING": "0", "TORCH_FR_BUFFER_SIZE": "0", "TORCH_NCCL_TRACE_BUFFER_SIZE": "0"},
+    "timing": {"GPUDECK_COMPUTE_TIMING": "1", "TORCH_FR_BUFFER_SIZE": "0", "TORCH_NCCL_TRACE_BUFFER_SIZE": "0"},
+    "fr": {"GPUDECK_COMPUTE_TIMING": "0"},
+    "both": {"GPUDECK_COMPUTE_TIMING": "1"},
+}
+
+
+def gpu_run(setting: str, steps: int, warmup: int, work: Path) -> dict[str, Any]:
+    """One fsdp_lm process on the GPU under ``setting``; its median tokens/s after ``warmup`` steps."""
+    import os
+    import subprocess
+
+    cfg = work / "model.json"
+    cfg.write_text(json.dumps(GPU_MODEL))
+    out = work / f"run-{setting}-{time.monotonic_ns()}"
+    out.mkdir()
+    tel = out / "telemetry.jsonl"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCH_FR_", "TORCH_NCCL_TRACE", "GPUDECK_"))}
+    env.update(GPU_SETTINGS[setting], GPUDECK_TELEMETRY=str(tel), PYTHONUNBUFFERED="1")
+    argv = [
+        sys.executable, "-m", "gpudeck.trainers.fsdp_lm", "--model-config", str(cfg), "--fresh", "--out", str(out / "out"),
+        "--max-steps", str(steps), "--batch-size", "8", "--seq-len", "1024", "--checkpoint-every", "100000",
+        "--no-final-checkpoint", "--corpus-bytes", "4000000", "--no-export", "--device", "cuda",
+    ]  # fmt: skip
+    cp = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600, check=False)
+    if cp.returncode != 0:
+        raise SystemExit(f"fsdp_lm ({setting}) failed: {cp.stdout[-2000:]}{cp.stderr[-2000:]}")
+    recs = [json.loads(x) for x in tel.read_text().splitlines()]
+    man = next(r for r in recs if r["type"] == "manifest")
+    st = [r for r in recs if r["type"] == "step" and r["step"] > warmup]
+    timed = [r for r in st if "compute_s" in r]
+    return {
+        "setting": setting,
+        "tps": statistics.median(r["tokens_per_s"] for r in st),
+        "step_ms": 1000 * statistics.median(r["step_time_s"] for r in st),
+        "timing": man.get("compute_timing"),
+        "compute_ms": 1000 * statistics.median(r["compute_s"] for r in timed) if timed else None,
+        "wait_ms": 1000 * statistics.median(r["wait_s"] for r in timed) if timed else None,
+        "stalls": statistics.median(r["stalls"] for r in timed) if timed else None,
+        "gpu": man.get("gpu_name"),
+        "params": man.get("params_total"),
+    }
+
+
+def gpu_overhead(steps: int, warmup: int) -> None:
+    """tokens/s of fsdp_lm with and without the measurement and the Flight Recorder (see the module docstring)."""
+    work = Path(tempfile.mkdtemp(prefix="gdb-gpu-", dir="/tmp"))
+    try:
+        runs = [gpu_run(s, steps, warmup, work) for s in ("off", "timing", "fr", "both", "off")]
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    base = [r["tps"] for r in runs if r["setting"] == "off"]
+    ref = statistics.mean(base)
+    print(
+        f"fsdp_lm on {runs[0]['gpu']}, {runs[0]['params']:,} params, bf16, batch 8 x seq 1024, {steps} steps "
+        f"(median of steps {warmup + 1}..{steps})",
+        flush=True,
+    )
+    for r in runs:
+        extra = ""
+        if r["compute_ms"] is not None:
+            extra = f"; compute {r['compute_ms']:.1f} ms + wait {r['wait_ms']:.1f} ms, {r['stalls']:.0f} stalls bracketed"
+        print(
+            f"RESULT overhead.{r['setting']} {r['tps']:,.0f} tok/s step {r['step_ms']:.1f} ms ({100 * (r['tps'] / ref - 1):+.2f}% vs off){extra}"
+        )
+    print(f"noise: the two 'off' runs differ by {100 * abs(base[0] - base[1]) / ref:.2f}%", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--ranks", default="4,16")
     ap.add_argument("--hang-after", type=float, default=30.0, help="the threshold's floor (short floors misfire on a loaded host)")
     ap.add_argument("--sleep-at", type=int, default=6, help="the step the middle rank sleeps before")
     ap.add_argument("--overhead-only", action="store_true")
+    ap.add_argument("--gpu-overhead", action="store_true", help="only the accelerator's tokens/s with and without (see above)")
+    ap.add_argument("--gpu-steps", type=int, default=40)
+    ap.add_argument("--gpu-warmup", type=int, default=10)
     args = ap.parse_args()
+    if args.gpu_overhead:
+        gpu_overhead(args.gpu_steps, args.gpu_warmup)
+        return
     per_wait = overhead()
     print(f"timed Work.wait: {per_wait * 1e6:+.2f} us per wait (one-rank gloo all_reduce, with vs without, alternating)", flush=True)
     if args.overhead_only:
