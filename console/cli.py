@@ -307,6 +307,7 @@ def intent_from_args(args: argparse.Namespace) -> LaunchIntent:
         on_rank_death=args.on_rank_death,
         on_hang=args.on_hang,
         hang_after_s=args.hang_after,
+        straggler_window=args.straggler_window,
         expected_ranks=args.expected_ranks,
     )
 
@@ -950,6 +951,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="SECONDS",
         help="hang threshold floor (default 120; the threshold is max(5 x median step, this))",
+    )
+    spec_args.add_argument(
+        "--straggler-window",
+        type=int,
+        default=None,
+        metavar="STEPS",
+        help="steps each rank's median compute time is taken over for the straggler alert (default 8)",
     )
     spec_args.add_argument("--expected-ranks", type=int, default=None, help="ranks the run must have (default: the manifest's world size)")
     spec_args.add_argument("--claim-gpus", type=int, default=None, help="GPUs the run is claimed to use (checked against NVML)")

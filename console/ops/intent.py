@@ -82,6 +82,7 @@ class LaunchIntent:
     on_rank_death: str = "alert"
     on_hang: str = "triage"
     hang_after_s: float | None = None
+    straggler_window: int | None = None  # steps each rank's compute time is compared over (None: the agent's 8)
     expected_ranks: int | None = None
     parent: str | None = None
     operator: str | None = None  # None: the caller's

@@ -163,6 +163,11 @@ def plan_launch(
         raise IntentError(
             "hang after", f"{intent.hang_after_s} is not a positive number of seconds", "give seconds, e.g. 300, or leave it out (120)"
         )
+    check_positive(
+        intent.straggler_window,
+        "straggler window",
+        "give the steps each rank's compute time is compared over, e.g. 20, or leave it out (8)",
+    )
     if intent.need_gib is not None and intent.need_gib < 0:
         raise IntentError("need GiB", f"{intent.need_gib} is negative", "give the GiB each GPU needs")
     if intent.rdzv_port is not None and not 0 < intent.rdzv_port < 65536:
@@ -205,6 +210,7 @@ def plan_launch(
         on_rank_death=intent.on_rank_death,  # type: ignore[arg-type]
         on_hang=intent.on_hang,  # type: ignore[arg-type]
         hang_after_s=intent.hang_after_s,
+        straggler_window=intent.straggler_window,
         expected_ranks=intent.expected_ranks,
         claims=claims,
     )

@@ -127,6 +127,7 @@ def intent_from_spec(spec: LaunchSpec, host: str, conf: cfg.Config | None = None
         on_rank_death=spec.on_rank_death,
         on_hang=spec.on_hang,
         hang_after_s=spec.hang_after_s,
+        straggler_window=spec.straggler_window,
         expected_ranks=spec.expected_ranks if not hosts and trainer_args is None else None,
         operator=spec.operator,
     )

@@ -360,3 +360,12 @@ def test_a_request_id_covers_the_whole_intent_and_a_multi_node_retry_draws_a_new
             asyncio.run(launch(agents, plan([*base, *extra, "--", "--out", "/o"], "r-00000003"), request_id="k2"))  # type: ignore[arg-type]
         assert field in refused.value.message and "t1" not in refused.value.message and "t2" not in refused.value.message, extra
     assert len(agents.started) == 2  # the two nodes of the first launch, nothing more
+
+
+def test_straggler_window_is_a_launch_option_kept_by_relaunch_and_checked() -> None:
+    spec = cli_plan(["--straggler-window", "20", "--hang-after", "300", "--", "python", "train.py"]).spec
+    assert spec.straggler_window == 20 and spec.hang_after_s == 300
+    assert plan_launch(relaunch_intent(spec, "r-old", "local", "fresh"), CALLER, CONF).spec.straggler_window == 20
+    assert cli_plan(["--", "python", "train.py"]).spec.straggler_window is None  # the agent's 8
+    with pytest.raises(IntentError, match="straggler window: 0 is not 1 or more"):
+        cli_plan(["--straggler-window", "0", "--", "python", "train.py"])
