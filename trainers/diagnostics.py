@@ -204,6 +204,7 @@ class CudaComputeClock:
     """compute_s on CUDA: events bracketing the step on the compute stream, minus the brackets around its stalls."""
 
     method = "CUDA events on the compute stream: the step minus the stalls at FSDP2's and the trainer's collective waits"
+    current: CudaComputeClock | None = None
 
     def __init__(self) -> None:
         import torch
@@ -215,6 +216,7 @@ class CudaComputeClock:
         self._pending: tuple[int | None, list[Any]] | None = None  # the last closed step, read a step late
         self._step = 0
         self.patched = self._patch_fsdp()
+        CudaComputeClock.current = self  # the patched methods bracket for the newest clock (a trainer has one)
 
     def _event(self) -> Any:
         ev = self._pool.pop() if self._pool else self._torch.cuda.Event(enable_timing=True)
@@ -238,10 +240,12 @@ class CudaComputeClock:
             done.append(f"{cls_name}.{meth}")
         return done
 
-    def _bracketing(self, original: Callable[..., Any]) -> Callable[..., Any]:
-        clock = self
-
+    @staticmethod
+    def _bracketing(original: Callable[..., Any]) -> Callable[..., Any]:
         def wrapped(*args: Any, **kwargs: Any) -> Any:
+            clock = CudaComputeClock.current
+            if clock is None:
+                return original(*args, **kwargs)
             with clock.stall():
                 return original(*args, **kwargs)
 

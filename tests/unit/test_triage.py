@@ -269,3 +269,59 @@ def test_flight_recorder_request_read_and_summary_name_the_rank_behind(tmp_path:
     folder.rename(tmp_path / "old_fr")
     folder.symlink_to(tmp_path / "elsewhere")
     assert fr.request(str(tmp_path)) is None and not (tmp_path / "elsewhere" / "request").exists()
+
+
+class _HostEvent:
+    """A stand-in for torch.cuda.Event on CPU: the host's clock at record(), for the bracket arithmetic."""
+
+    def __init__(self, enable_timing: bool = True) -> None:
+        self.t = 0.0
+
+    def record(self) -> None:
+        self.t = time.perf_counter()
+
+    def query(self) -> bool:
+        return True
+
+    def elapsed_time(self, end: _HostEvent) -> float:
+        return 1000.0 * (end.t - self.t)
+
+
+def test_cuda_compute_clock_subtracts_fsdp_stalls_and_reports_a_step_late(monkeypatch) -> None:
+    """CudaComputeClock's plumbing on CPU: FSDP2's wait points are bracketed (a real 1-rank fully_shard step),
+    a stall's time is wait_s, not compute_s, and step N's record carries step N-1's figures."""
+    import pytest
+
+    torch = pytest.importorskip("torch")
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    from gpudeck.trainers.diagnostics import CudaComputeClock
+
+    monkeypatch.setattr(torch.cuda, "Event", _HostEvent)
+    clock = CudaComputeClock()
+    assert clock.patched == [
+        "FSDPParamGroup.wait_for_unshard",
+        "FSDPParamGroup.post_backward",
+        "FSDPState._root_post_backward_final_callback",
+    ]
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
+        for layer in model:
+            fully_shard(layer)
+        fully_shard(model)
+        got = []
+        for step in (1, 2, 3):
+            clock.mark()
+            model(torch.ones(2, 8)).sum().backward()
+            with clock.stall():
+                time.sleep(0.05)  # a collective wait the trainer brackets itself
+            time.sleep(0.02)  # compute outside any bracket
+            got.append(clock.split(0.0, None, step))
+    finally:
+        dist.destroy_process_group()
+    assert got[0] == {}  # the first step's figures come with the second record
+    for rec, timed in zip(got[1:], (1, 2), strict=True):
+        assert rec["timed_step"] == timed and rec["stalls"] >= 5, rec  # 3 unshard waits (forward) + backward's + the trainer's
+        assert 0.05 <= rec["wait_s"] < 0.5 and 0.02 <= rec["compute_s"] < 0.5, rec
