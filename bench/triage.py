@@ -17,8 +17,8 @@ that step's time (``step_time_s``): the share of a step the measurement costs.
 
 And on the accelerator (``--gpu-overhead``): the trainers' tokens/s with and without the compute-time
 measurement (CUDA events, ``GPUDECK_COMPUTE_TIMING=0`` turns it off) and with and without the Flight
-Recorder at its default buffer (``TORCH_FR_BUFFER_SIZE=0`` turns it off): ``fsdp_lm`` on one GPU (a
-~0.4B Llama, bf16, seq 1024), one process per setting in the order off, timing, fr, both, off, each the
+Recorder at its default buffer (``TORCH_FR_BUFFER_SIZE=0`` turns it off): ``fsdp_lm`` on one GPU (the
+``llama-1b`` preset, bf16, batch 8 x seq 1024), one process per setting in the order off, timing, fr, both, off, each the
 median tokens/s of its steps after the warm-up; each setting against the mean of the two ``off`` runs,
 whose own difference is the noise floor. Goal: <= 1%.
 
@@ -137,19 +137,7 @@ def overhead(n: int = 4000) -> float:
     return w - p
 
 
-GPU_MODEL = dict(
-    model_type="llama",
-    hidden_size=1024,
-    intermediate_size=2816,
-    num_hidden_layers=24,
-    num_attention_heads=16,
-    num_key_value_heads=8,
-    vocab_size=32000,
-    max_position_embeddings=2048,
-    rms_norm_eps=1e-5,
-    rope_theta=10000.0,
-    tie_word_embeddings=False,
-)
+GPU_MODEL = "llama-1b"  # trainers/presets.py: a 1.1B Llama, the size the MFU benchmarks (RESULTS 14) use
 GPU_SETTINGS = {  # name -> environment: the measurement and the Flight Recorder on or off
     "off": {"GPUDECK_COMPUTE_TIMING": "0", "TORCH_FR_BUFFER_SIZE": "0", "TORCH_NCCL_TRACE_BUFFER_SIZE": "0"},
     "timing": {"GPUDECK_COMPUTE_TIMING": "1", "TORCH_FR_BUFFER_SIZE": "0", "TORCH_NCCL_TRACE_BUFFER_SIZE": "0"},
@@ -163,15 +151,13 @@ def gpu_run(setting: str, steps: int, warmup: int, work: Path) -> dict[str, Any]
     import os
     import subprocess
 
-    cfg = work / "model.json"
-    cfg.write_text(json.dumps(GPU_MODEL))
     out = work / f"run-{setting}-{time.monotonic_ns()}"
     out.mkdir()
     tel = out / "telemetry.jsonl"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCH_FR_", "TORCH_NCCL_TRACE", "GPUDECK_"))}
     env.update(GPU_SETTINGS[setting], GPUDECK_TELEMETRY=str(tel), PYTHONUNBUFFERED="1")
     argv = [
-        sys.executable, "-m", "gpudeck.trainers.fsdp_lm", "--model-config", str(cfg), "--fresh", "--out", str(out / "out"),
+        sys.executable, "-m", "gpudeck.trainers.fsdp_lm", "--model-config", GPU_MODEL, "--fresh", "--out", str(out / "out"),
         "--max-steps", str(steps), "--batch-size", "8", "--seq-len", "1024", "--checkpoint-every", "100000",
         "--no-final-checkpoint", "--corpus-bytes", "4000000", "--no-export", "--device", "cuda",
     ]  # fmt: skip
