@@ -237,14 +237,55 @@ def py_spy_dump(pid: int) -> tuple[str | None, str]:
         rule = f"kernel.yama.ptrace_scope={scope}" if scope is not None else "no Yama ptrace restriction"
         who = "root" if os.geteuid() == 0 else "the agent's own user"
         return out, f"py-spy dump (ptrace permitted: {who}, {rule})"
-    err = cp.stderr[-600:].decode("utf-8", "replace").strip().splitlines()
-    last = err[-1] if err else f"exit code {cp.returncode}"
-    hint = (
-        f"kernel.yama.ptrace_scope={scope} refuses it: run the agent as root or with CAP_SYS_PTRACE, or set ptrace_scope to 0/1"
-        if scope is not None and scope >= 2
-        else "ptrace was refused (a container without CAP_SYS_PTRACE, or another user's process): give the agent CAP_SYS_PTRACE"
+    return (
+        None,
+        f"py-spy dump failed: {py_spy_error(cp.stderr[:8000].decode('utf-8', 'replace'), cp.returncode)}; {ptrace_refusal(pid, scope)}",
     )
-    return None, f"py-spy dump failed: {last[:300]}; {hint}"
+
+
+def py_spy_error(stderr: str, returncode: int) -> str:
+    """py-spy's error in one line: its "Error:" line and the first cause (its Rust backtrace left out)."""
+    lines = [x.strip() for x in stderr.split("Stack backtrace:")[0].splitlines() if x.strip()]
+    head = next((x for x in lines if x.startswith("Error:")), lines[-1] if lines else f"exit code {returncode}")
+    cause = next((x.split(":", 1)[1].strip() for x in lines if re.match(r"^\d+: ", x)), "")
+    return (head + (f" ({cause})" if cause else ""))[:300]
+
+
+def has_cap_sys_ptrace() -> bool | None:
+    """Whether this process holds CAP_SYS_PTRACE in its effective set (None: unknown)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("CapEff:"):
+                return bool(int(line.split()[1], 16) >> 19 & 1)  # CAP_SYS_PTRACE is capability 19
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+def ptrace_refusal(pid: int, scope: int | None) -> str:
+    """Why ptrace of ``pid`` was likely refused, from what the agent can see, and what would allow it."""
+    if scope is not None and scope >= 3:
+        return (
+            f"kernel.yama.ptrace_scope={scope} forbids ptrace for everyone, root included: set it to 0-2 (it can be lowered only at boot)"
+        )
+    cap = has_cap_sys_ptrace()
+    try:
+        uid = psutil.Process(pid).uids().real
+    except psutil.Error:
+        uid = None
+    me = os.geteuid()
+    if cap:
+        return "ptrace was refused although the agent holds CAP_SYS_PTRACE (a security module such as AppArmor or SELinux)"
+    if scope is not None and scope >= 2:
+        return f"kernel.yama.ptrace_scope={scope} allows ptrace only with CAP_SYS_PTRACE, which the agent (uid {me}) lacks: give it CAP_SYS_PTRACE"
+    if uid is not None and uid != me:
+        return f"pid {pid} runs as uid {uid} and the agent as uid {me} without CAP_SYS_PTRACE: run the agent as that user, or give it CAP_SYS_PTRACE"
+    if cap is False:
+        return (
+            f"the agent (uid {me}) lacks CAP_SYS_PTRACE, and pid {pid}, although its own user's, is not dumpable "
+            "(it called prctl(PR_SET_DUMPABLE, 0), or runs a setuid or file-capability program): give the agent CAP_SYS_PTRACE"
+        )
+    return "ptrace was refused (a container without CAP_SYS_PTRACE, or another user's process): give the agent CAP_SYS_PTRACE"
 
 
 def _stack_file(run_dir: str, rank: int | None, pid: int) -> Path:

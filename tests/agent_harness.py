@@ -24,10 +24,11 @@ ROOT = Path(__file__).resolve().parent.parent
 class AgentProc:
     """A real ``python -m gpudeck.agents serve`` process on a private GPUDECK_HOME; stopped by pid."""
 
-    def __init__(self, home: Path) -> None:
+    def __init__(self, home: Path, prefix: tuple[str, ...] = ()) -> None:
         self.home = home
         self.state_dir = home / "agent"
         self.proc: subprocess.Popen | None = None
+        self.prefix = prefix  # a command the agent runs under (e.g. setpriv dropping a capability)
 
     @property
     def env(self) -> dict[str, str]:
@@ -38,7 +39,7 @@ class AgentProc:
 
     def start(self) -> AgentProc:
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "gpudeck.agents", "serve", "--state-dir", str(self.state_dir)],
+            [*self.prefix, sys.executable, "-m", "gpudeck.agents", "serve", "--state-dir", str(self.state_dir)],
             env=self.env,
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,

@@ -91,6 +91,10 @@ def test_records_with_a_token_budget_train_and_resume_exactly(tmp_path, runs, se
     straight = {s: r["loss"] for s, r in _steps(tel, 0).items()}
     assert sorted(straight) == [1, 2, 3, 4] and all(v > 0 for v in straight.values())
     assert all(r["loss"] == straight[s] for s, r in _steps(tel, 1).items())  # one global figure
+    # gpudeck's triage: stacks on SIGUSR2, the Flight Recorder on request, compute vs collective wait (CPU: wall time)
+    assert man["stack_signal"] == "SIGUSR2" and man["flight_recorder"] == "request_file" and man["compute_timing"].startswith("wall time")
+    for rank in (0, 1):
+        assert all(r["compute_s"] > 0 and r["wait_s"] >= 0 and r["waits"] > 0 for r in _steps(tel, rank).values())
     saved = json.loads((out / "drafter" / "config.json").read_text())
     assert saved["layer_types"] == ["sliding_attention", "full_attention"] and saved["sliding_window"] == 8
 
@@ -113,3 +117,5 @@ def test_records_with_a_token_budget_in_the_split_topology(tmp_path, runs, setup
     assert rc == 0, output[-4000:]
     steps = _steps(tel, 1)
     assert sorted(steps) == [1, 2, 3] and all(r["loss"] > 0 for r in steps.values())
+    for rank in (0, 1):  # the target rank (sends) and the drafter (receives) both split their steps
+        assert all(r["compute_s"] > 0 and r["wait_s"] >= 0 for r in _steps(tel, rank).values())

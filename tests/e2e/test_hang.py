@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import sys
 import threading
@@ -22,7 +23,7 @@ import pytest
 
 from gpudeck.agents.procs import alive
 from gpudeck.agents.protocol import GetEvents, GetRun
-from tests.agent_harness import ROOT, AgentProc, wait_for
+from tests.agent_harness import ROOT, AgentProc, teardown_agent, wait_for
 from tests.trainer_harness import fsdp_endless_argv
 
 pytest.importorskip("torch")
@@ -148,6 +149,32 @@ def test_a_plain_command_that_hangs_is_triaged_with_py_spy(agent: AgentProc) -> 
     assert "not a gpudeck trainer" in t["flight_recorder"]
     assert live_run(a, rid)["state"] == "running"  # type: ignore[index]
     a.cli_json("stop", rid, "--grace", "2")
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("setpriv") is None, reason="needs root and setpriv to drop CAP_SYS_PTRACE")
+def test_a_plain_command_py_spy_may_not_read_is_triaged_saying_what_is_missing_and_why(tmp_path: Path) -> None:
+    """A real refusal: the agent runs without CAP_SYS_PTRACE (setpriv drops it from its bounding and inheritable sets)
+    and the command makes itself non-dumpable (prctl PR_SET_DUMPABLE 0), so the kernel refuses py-spy's ptrace."""
+    a = AgentProc(tmp_path / "home", prefix=("setpriv", "--bounding-set=-sys_ptrace", "--inh-caps=-sys_ptrace", "--"))
+    a.start()
+    try:
+        argv = [sys.executable, str(PROGS / "hang_plain.py")]
+        rid = a.cli_json("launch", "--name", "no-ptrace", "--hang-after", "2", "--env", "HANG_PLAIN_NONDUMPABLE=1", "--", *argv)["id"]
+        wait_for(lambda: alert_of(a, rid, "hang"), timeout=60, interval=0.5, what="the hang alert")
+        t = wait_for(lambda: triages(a, rid), timeout=60, interval=0.5, what="the stored triage")[0]
+        (e,) = t["ranks"]
+        assert e["method"] == "none" and not e.get("stacks") and e["state"] in ("sleeping", "running"), e
+        why = e["method_why"]
+        assert "not a gpudeck trainer" in why and "py-spy dump failed: Error: " in why and "Permission denied" in why, why
+        assert "lacks CAP_SYS_PTRACE" in why and "not dumpable" in why and "PR_SET_DUMPABLE" in why, why
+        assert t["missing"] == [f"pid {e['pid']} on {e['host']}: no stacks ({why})"], t["missing"]
+        assert t["culprit"].startswith("no stacks could be gathered: pid "), t["culprit"]
+        shown = a.cli("show", rid).stdout
+        assert "MISSING pid" in shown and "lacks CAP_SYS_PTRACE" in shown, shown
+        assert live_run(a, rid)["state"] == "running"  # type: ignore[index]
+        a.cli_json("stop", rid, "--grace", "2")
+    finally:
+        teardown_agent(a)
 
 
 def test_on_hang_stop_triages_first_then_stops_the_run(agent: AgentProc) -> None:

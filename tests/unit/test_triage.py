@@ -325,3 +325,17 @@ def test_cuda_compute_clock_subtracts_fsdp_stalls_and_reports_a_step_late(monkey
     for rec, timed in zip(got[1:], (1, 2), strict=True):
         assert rec["timed_step"] == timed and rec["stalls"] >= 5, rec  # 3 unshard waits (forward) + backward's + the trainer's
         assert 0.05 <= rec["wait_s"] < 0.5 and 0.02 <= rec["compute_s"] < 0.5, rec
+
+
+def test_py_spy_error_is_its_error_line_and_first_cause_without_the_backtrace() -> None:
+    from gpudeck.agents.triage import py_spy_error
+
+    stderr = (
+        "Error: Failed to get process executable name. Check that the process is running.\n\nCaused by:\n"
+        "    0: Permission denied (os error 13)\n    1: Permission denied (os error 13)\n\nStack backtrace:\n"
+        "   0: <E as anyhow::context::ext::StdError>::ext_context\n  10: main\n"
+    )
+    assert py_spy_error(stderr, 1) == (
+        "Error: Failed to get process executable name. Check that the process is running. (Permission denied (os error 13))"
+    )
+    assert py_spy_error("", 3) == "exit code 3"

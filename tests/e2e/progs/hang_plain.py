@@ -5,6 +5,10 @@ import os
 import time
 
 path = os.environ["GPUDECK_TELEMETRY"]
+if os.environ.get("HANG_PLAIN_NONDUMPABLE") == "1":  # prctl(PR_SET_DUMPABLE, 0): only CAP_SYS_PTRACE may read it now
+    import ctypes
+
+    assert ctypes.CDLL(None, use_errno=True).prctl(4, 0, 0, 0, 0) == 0
 
 
 def wait_for_the_lock_forever() -> None:
