@@ -159,12 +159,16 @@ def summarise(dumps: dict[int, FrDump | str], expected: Sequence[int]) -> str:
     usable = {r: d for r, d in got.items() if not d.error}
     if not usable:
         return "Flight Recorder: " + ("; ".join(tail) or "no rank answered")
+
     # the process group with the most collectives recorded: the one every rank steps through
-    counts: dict[int, int] = {}
+    def key(e: FrEntry) -> tuple[int, str]:  # a group's id and its backend: the CPU and NCCL recorders number apart
+        return e.pg_id, e.profiling_name.split(":", 1)[0]
+
+    counts: dict[tuple[int, str], int] = {}
     for d in usable.values():
         for e in d.entries:
             if not e.is_p2p:
-                counts[e.pg_id] = counts.get(e.pg_id, 0) + 1
+                counts[key(e)] = counts.get(key(e), 0) + 1
     if not counts:
         return "Flight Recorder: no collective recorded yet" + (f" ({'; '.join(tail)})" if tail else "")
     pg = max(counts, key=lambda k: counts[k])
@@ -172,7 +176,7 @@ def summarise(dumps: dict[int, FrDump | str], expected: Sequence[int]) -> str:
     done: dict[int, FrEntry | None] = {}
     inflight: dict[int, FrEntry | None] = {}
     for r, d in usable.items():
-        mine = [e for e in d.entries if e.pg_id == pg and not e.is_p2p]
+        mine = [e for e in d.entries if key(e) == pg and not e.is_p2p]
         fin = [e for e in mine if e.retired]
         last = max(fin, key=lambda e: e.collective_seq_id) if fin else None
         after = [e for e in mine if not e.retired and (last is None or e.collective_seq_id > last.collective_seq_id)]
@@ -183,7 +187,7 @@ def summarise(dumps: dict[int, FrDump | str], expected: Sequence[int]) -> str:
         e = inflight[r] or done[r]
         return e.collective_seq_id if e is not None else 0
 
-    pgname = next((e.process_group[1] for d in usable.values() for e in d.entries if e.pg_id == pg and len(e.process_group) > 1), str(pg))
+    pgname = next((e.process_group[1] for d in usable.values() for e in d.entries if key(e) == pg and len(e.process_group) > 1), str(pg[0]))
     low = min(entered(r) for r in usable)
     behind = sorted(r for r in usable if entered(r) == low)
     ahead: dict[int, list[int]] = {}

@@ -49,8 +49,9 @@
     ``FR_BUFFER_ENTRIES`` by :func:`enable_flight_recorder`; this starts a
     daemon thread that polls ``RUN_DIR/flight_recorder/request`` (written by the
     agent: a nonce) and, on a new nonce, writes this rank's last
-    ``FR_DUMP_ENTRIES`` entries (torch's ``_dump_fr_trace_json``, trimmed to the
-    fields the summary needs) as JSON to ``RUN_DIR/flight_recorder/rank<R>.<PID>.json``
+    ``FR_DUMP_ENTRIES`` entries of each recorder (torch keeps two: the CPU one for
+    gloo, ``_dump_fr_trace_json``, and NCCL's, ``_dump_nccl_trace_json``;
+    trimmed to the fields the summary needs) as JSON to ``RUN_DIR/flight_recorder/rank<R>.<PID>.json``
     (written beside and renamed in). No ptrace, no signal, no help from the main
     thread: gloo's and NCCL's waits release the GIL. JSON only: the agent never
     unpickles.
@@ -331,24 +332,32 @@ _FR_FIELDS = ("collective_seq_id", "p2p_seq_id", "pg_id", "process_group", "prof
 _fr_thread: threading.Thread | None = None
 
 
-def _fr_dump_json() -> Callable[..., Any] | None:
-    """torch's JSON dump of the Flight Recorder (``_dump_fr_trace_json``, or the NCCL-only one of older torch)."""
+def _fr_dumps() -> list[Callable[..., Any]]:
+    """torch's JSON dumps of its Flight Recorders: the CPU one (gloo, ``_dump_fr_trace_json``) and, in a CUDA
+    build, NCCL's (``_dump_nccl_trace_json``): two recorders, each dump covers one."""
     try:
         import torch._C._distributed_c10d as c10d
     except ImportError:
-        return None
-    return getattr(c10d, "_dump_fr_trace_json", None) or getattr(c10d, "_dump_nccl_trace_json", None)
+        return []
+    return [f for f in (getattr(c10d, n, None) for n in ("_dump_fr_trace_json", "_dump_nccl_trace_json")) if f is not None]
 
 
 def flight_recorder_snapshot(rank: int, nonce: str) -> dict[str, Any]:
-    """This rank's newest Flight Recorder entries, trimmed, as the dump file carries them."""
-    dump = _fr_dump_json()
-    if dump is None:
-        return {"nonce": nonce, "rank": rank, "pid": os.getpid(), "error": "this torch has no _dump_fr_trace_json", "entries": []}
-    raw = json.loads(dump(includeCollectives=True, onlyActive=False))
-    entries = raw.get("entries") or []
-    keep = [{k: e.get(k) for k in _FR_FIELDS if k in e} for e in entries[-FR_DUMP_ENTRIES:]]
-    return {"nonce": nonce, "rank": rank, "pid": os.getpid(), "version": str(raw.get("version", "")), "entries": keep}
+    """This rank's newest Flight Recorder entries (every recorder's, trimmed), as the dump file carries them."""
+    entries: list[dict[str, Any]] = []
+    versions, errors = [], []
+    for dump in _fr_dumps():
+        try:
+            raw = json.loads(dump(includeCollectives=True, onlyActive=False))
+        except Exception as exc:  # one recorder failing leaves the other's entries
+            errors.append(f"{getattr(dump, '__name__', 'dump')}: {type(exc).__name__}: {exc}"[:180])
+            continue
+        versions.append(str(raw.get("version", "")))
+        entries += [{k: e.get(k) for k in _FR_FIELDS if k in e} for e in (raw.get("entries") or [])[-FR_DUMP_ENTRIES:]]
+    snap: dict[str, Any] = {"nonce": nonce, "rank": rank, "pid": os.getpid(), "version": ",".join(versions), "entries": entries}
+    if not versions:
+        snap["error"] = "; ".join(errors)[:380] or "this torch has no Flight Recorder dump"
+    return snap
 
 
 def _read_request(path: str) -> str | None:
@@ -366,7 +375,7 @@ def install_flight_recorder_dump(rank: int) -> dict[str, Any]:
     """Start the thread that dumps the Flight Recorder on the agent's request; the manifest fields that say so."""
     global _fr_thread
     folder = run_dir()
-    if folder is None or _fr_dump_json() is None:
+    if folder is None or not _fr_dumps():
         return {}
     if _fr_thread is not None:
         return {"flight_recorder": "request_file"}
