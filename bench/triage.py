@@ -18,9 +18,9 @@ that step's time (``step_time_s``): the share of a step the measurement costs.
 And on the accelerator (``--gpu-overhead``): the trainers' tokens/s with and without the compute-time
 measurement (CUDA events, ``GPUDECK_COMPUTE_TIMING=0`` turns it off) and with and without the Flight
 Recorder at its default buffer (``TORCH_FR_BUFFER_SIZE=0`` turns it off): ``fsdp_lm`` on one GPU (the
-``llama-1b`` preset, bf16, batch 8 x seq 1024), one process per setting in the order off, timing, fr, both, off, each the
-median tokens/s of its steps after the warm-up; each setting against the mean of the two ``off`` runs,
-whose own difference is the noise floor. Goal: <= 1%.
+``llama-1b`` preset, bf16, batch 8 x seq 1024), one process per setting in the order off, timing, fr, both, repeated ``--gpu-repeats`` times and
+ended by one more off, each the median tokens/s of its steps after the warm-up; each setting against
+the mean of the ``off`` runs, whose own spread is the noise floor. Goal: <= 1%.
 
 Usage: python bench/triage.py [--ranks 4,16] [--hang-after 5] [--overhead-only] [--gpu-overhead [--gpu-steps N]]
 """
@@ -181,11 +181,12 @@ def gpu_run(setting: str, steps: int, warmup: int, work: Path) -> dict[str, Any]
     }
 
 
-def gpu_overhead(steps: int, warmup: int) -> None:
+def gpu_overhead(steps: int, warmup: int, repeats: int) -> None:
     """tokens/s of fsdp_lm with and without the measurement and the Flight Recorder (see the module docstring)."""
     work = Path(tempfile.mkdtemp(prefix="gdb-gpu-", dir="/tmp"))
+    order = [*(("off", "timing", "fr", "both") * repeats), "off"]
     try:
-        runs = [gpu_run(s, steps, warmup, work) for s in ("off", "timing", "fr", "both", "off")]
+        runs = [gpu_run(s, steps, warmup, work) for s in order]
     finally:
         shutil.rmtree(work, ignore_errors=True)
     base = [r["tps"] for r in runs if r["setting"] == "off"]
@@ -202,7 +203,14 @@ def gpu_overhead(steps: int, warmup: int) -> None:
         print(
             f"RESULT overhead.{r['setting']} {r['tps']:,.0f} tok/s step {r['step_ms']:.1f} ms ({100 * (r['tps'] / ref - 1):+.2f}% vs off){extra}"
         )
-    print(f"noise: the two 'off' runs differ by {100 * abs(base[0] - base[1]) / ref:.2f}%", flush=True)
+    print(f"noise: the {len(base)} 'off' runs span {100 * (max(base) - min(base)) / ref:.2f}%", flush=True)
+    for setting in ("timing", "fr", "both"):
+        tps = [r["tps"] for r in runs if r["setting"] == setting]
+        print(
+            f"RESULT overhead.{setting}.mean {statistics.mean(tps):,.0f} tok/s over {len(tps)} runs: "
+            f"{100 * (1 - statistics.mean(tps) / ref):+.2f}% cost vs the mean of the 'off' runs",
+            flush=True,
+        )
 
 
 def main() -> None:
@@ -214,9 +222,10 @@ def main() -> None:
     ap.add_argument("--gpu-overhead", action="store_true", help="only the accelerator's tokens/s with and without (see above)")
     ap.add_argument("--gpu-steps", type=int, default=40)
     ap.add_argument("--gpu-warmup", type=int, default=10)
+    ap.add_argument("--gpu-repeats", type=int, default=1, help="runs of the off/timing/fr/both cycle (one more 'off' ends it)")
     args = ap.parse_args()
     if args.gpu_overhead:
-        gpu_overhead(args.gpu_steps, args.gpu_warmup)
+        gpu_overhead(args.gpu_steps, args.gpu_warmup, args.gpu_repeats)
         return
     per_wait = overhead()
     print(f"timed Work.wait: {per_wait * 1e6:+.2f} us per wait (one-rank gloo all_reduce, with vs without, alternating)", flush=True)
