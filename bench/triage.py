@@ -20,7 +20,9 @@ measurement (CUDA events, ``GPUDECK_COMPUTE_TIMING=0`` turns it off) and with an
 Recorder at its default buffer (``TORCH_FR_BUFFER_SIZE=0`` turns it off): ``fsdp_lm`` on one GPU (the
 ``llama-1b`` preset, bf16, batch 8 x seq 1024), one process per setting in the order off, timing, fr, both, repeated ``--gpu-repeats`` times and
 ended by one more off, each the median tokens/s of its steps after the warm-up; each setting against
-the mean of the ``off`` runs, whose own spread is the noise floor. Goal: <= 1%.
+the mean of the ``off`` runs, whose own spread is the noise floor. With ``--gpu-ab-steps N``, first one process of N steps with the
+measurement on in alternate blocks of 5 steps (``GPUDECK_COMPUTE_TIMING=ab:5``): timed against untimed
+steps of the same run, free of the between-process noise. Goal: <= 1%.
 
 Usage: python bench/triage.py [--ranks 4,16] [--hang-after 5] [--overhead-only] [--gpu-overhead [--gpu-steps N]]
 """
@@ -138,11 +140,14 @@ def overhead(n: int = 4000) -> float:
 
 
 GPU_MODEL = "llama-1b"  # trainers/presets.py: a 1.1B Llama, the size the MFU benchmarks (RESULTS 14) use
+AB_BLOCK = 5
 GPU_SETTINGS = {  # name -> environment: the measurement and the Flight Recorder on or off
     "off": {"GPUDECK_COMPUTE_TIMING": "0", "TORCH_FR_BUFFER_SIZE": "0", "TORCH_NCCL_TRACE_BUFFER_SIZE": "0"},
     "timing": {"GPUDECK_COMPUTE_TIMING": "1", "TORCH_FR_BUFFER_SIZE": "0", "TORCH_NCCL_TRACE_BUFFER_SIZE": "0"},
     "fr": {"GPUDECK_COMPUTE_TIMING": "0"},
     "both": {"GPUDECK_COMPUTE_TIMING": "1"},
+    # the same-run comparison: the measurement on in alternate blocks of AB_BLOCK steps, Flight Recorder off
+    "ab": {"GPUDECK_COMPUTE_TIMING": f"ab:{AB_BLOCK}", "TORCH_FR_BUFFER_SIZE": "0", "TORCH_NCCL_TRACE_BUFFER_SIZE": "0"},
 }
 
 
@@ -168,6 +173,10 @@ def gpu_run(setting: str, steps: int, warmup: int, work: Path) -> dict[str, Any]
     man = next(r for r in recs if r["type"] == "manifest")
     st = [r for r in recs if r["type"] == "step" and r["step"] > warmup]
     timed = [r for r in st if "compute_s" in r]
+    if setting == "ab":  # step s is the process's (s-1)-th: timed in blocks 0, 2, 4, ... of AB_BLOCK
+        on = [r["tokens_per_s"] for r in st if ((r["step"] - 1) // AB_BLOCK) % 2 == 0]
+        off = [r["tokens_per_s"] for r in st if ((r["step"] - 1) // AB_BLOCK) % 2 == 1]
+        return {"setting": setting, "on": statistics.median(on), "off": statistics.median(off), "n": (len(on), len(off))}
     return {
         "setting": setting,
         "tps": statistics.median(r["tokens_per_s"] for r in st),
@@ -181,11 +190,19 @@ def gpu_run(setting: str, steps: int, warmup: int, work: Path) -> dict[str, Any]
     }
 
 
-def gpu_overhead(steps: int, warmup: int, repeats: int) -> None:
+def gpu_overhead(steps: int, warmup: int, repeats: int, ab_steps: int) -> None:
     """tokens/s of fsdp_lm with and without the measurement and the Flight Recorder (see the module docstring)."""
     work = Path(tempfile.mkdtemp(prefix="gdb-gpu-", dir="/tmp"))
     order = [*(("off", "timing", "fr", "both") * repeats), "off"]
     try:
+        if ab_steps:
+            ab = gpu_run("ab", ab_steps, warmup, work)
+            print(
+                f"RESULT overhead.same_run compute timing on {ab['on']:,.0f} tok/s, off {ab['off']:,.0f} tok/s "
+                f"(median of {ab['n'][0]} and {ab['n'][1]} steps after {warmup}, alternate blocks of {AB_BLOCK} in one "
+                f"process): {100 * (1 - ab['on'] / ab['off']):+.2f}% cost",
+                flush=True,
+            )
         runs = [gpu_run(s, steps, warmup, work) for s in order]
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -223,9 +240,10 @@ def main() -> None:
     ap.add_argument("--gpu-steps", type=int, default=40)
     ap.add_argument("--gpu-warmup", type=int, default=10)
     ap.add_argument("--gpu-repeats", type=int, default=1, help="runs of the off/timing/fr/both cycle (one more 'off' ends it)")
+    ap.add_argument("--gpu-ab-steps", type=int, default=0, help="first, one run of N steps timed in alternate blocks (0: none)")
     args = ap.parse_args()
     if args.gpu_overhead:
-        gpu_overhead(args.gpu_steps, args.gpu_warmup, args.gpu_repeats)
+        gpu_overhead(args.gpu_steps, args.gpu_warmup, args.gpu_repeats, args.gpu_ab_steps)
         return
     per_wait = overhead()
     print(f"timed Work.wait: {per_wait * 1e6:+.2f} us per wait (one-rank gloo all_reduce, with vs without, alternating)", flush=True)

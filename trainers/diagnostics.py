@@ -42,7 +42,10 @@
     the record of step N carries step N-1's figures and says so
     (``timed_step``). Events come from a pool and are reused.
     ``GPUDECK_COMPUTE_TIMING=0`` turns either clock off (bench/triage.py's
-    overhead comparison).
+    overhead comparison); ``GPUDECK_COMPUTE_TIMING=ab:N`` (the benchmark's
+    same-run comparison) times the CUDA steps in alternate blocks of N
+    (blocks 0, 2, 4, ... of the process's steps are timed): between blocks
+    the patched FSDP methods cost one attribute check.
 
 ``install_flight_recorder_dump(rank) -> dict``
     torch's Flight Recorder (NCCL, and gloo since torch 2.9) is enabled at
@@ -216,6 +219,9 @@ class CudaComputeClock:
         self._depth = 0  # nested stall brackets (post_backward inside the final callback) count once
         self._pending: tuple[int | None, list[Any]] | None = None  # the last closed step, read a step late
         self._step = 0
+        self._marks = 0
+        spec = os.environ.get(TIMING_ENV, "")
+        self._ab = int(spec[3:]) if spec.startswith("ab:") and spec[3:].isdigit() and int(spec[3:]) > 0 else 0
         self.patched = self._patch_fsdp()
         CudaComputeClock.current = self  # the patched methods bracket for the newest clock (a trainer has one)
 
@@ -245,7 +251,7 @@ class CudaComputeClock:
     def _bracketing(original: Callable[..., Any]) -> Callable[..., Any]:
         def wrapped(*args: Any, **kwargs: Any) -> Any:
             clock = CudaComputeClock.current
-            if clock is None:
+            if clock is None or clock._open is None:  # no step open: nothing to bracket
                 return original(*args, **kwargs)
             with clock.stall():
                 return original(*args, **kwargs)
@@ -272,9 +278,13 @@ class CudaComputeClock:
             self._depth -= 1
 
     def mark(self) -> None:
-        """Open a step: its start event on the current stream."""
-        self._open = [self._event()]
+        """Open a step: its start event on the current stream (not in the untimed blocks of ``ab:N``)."""
+        k, self._marks = self._marks, self._marks + 1
         self._depth = 0
+        if self._ab and (k // self._ab) % 2:
+            self._open = None
+            return
+        self._open = [self._event()]
 
     def _read(self, events: list[Any]) -> dict[str, float] | None:
         if not events[-1].query():

@@ -239,32 +239,41 @@ def test_gpu_prepared_corpus_validation_chunked_loss_mfu_and_profile(tmp_path, p
             assert r["mfu"] == pytest.approx(r["mfu_torchtitan"] * ratio, rel=1e-3, abs=1e-5)
 
 
+# One rank of NCCL (the accelerator has one GPU) with the trainers' own Flight Recorder set-up and dump thread: fsdp_lm
+# itself issues no NCCL collective at world size 1 (FSDP2 skips the all-gather, the trainer its loss all-reduce), so the
+# dump of a one-GPU fsdp_lm run is empty; this process runs real all_reduces and then waits as a rank stuck would.
+NCCL_RANK = """
+import os, sys, time
+import torch, torch.distributed as dist
+from gpudeck.trainers.diagnostics import enable_flight_recorder, install_flight_recorder_dump
+enable_flight_recorder()
+torch.cuda.set_device(0)
+dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1, device_id=torch.device("cuda", 0))
+man = install_flight_recorder_dump(0)
+x = torch.ones(1 << 20, device="cuda")
+for _ in range(7):
+    dist.all_reduce(x)
+torch.cuda.synchronize()
+print("ready", man, flush=True)
+time.sleep(600)
+"""
+
+
 def test_gpu_flight_recorder_dump_on_request_is_summarised(tmp_path, procs) -> None:
-    """NCCL, world size 1: the rank's thread answers the agent's request file with JSON the agent's summary reads."""
+    """NCCL: the rank's thread answers the agent's request file with JSON that the agent's summary reads."""
     from gpudeck.agents import flight_recorder as fr
 
-    cfg = tmp_path / "model.json"
-    cfg.write_text(json.dumps(CONFIG))
     tel, log = tmp_path / "fr.jsonl", tmp_path / "fr.log"
-    args = ["--model-config", str(cfg), "--seq-len", "256", "--batch-size", "4", "--max-steps", "100000", "--fresh"]
-    args += [
-        "--out",
-        str(tmp_path / "out"),
-        "--no-export",
-        "--no-final-checkpoint",
-        "--checkpoint-every",
-        "100000",
-        "--corpus-bytes",
-        "400000",
-    ]
-    p = _start(args, tel, log)
+    env = dict(os.environ, GPUDECK_TELEMETRY=str(tel), PYTHONUNBUFFERED="1")
+    p = subprocess.Popen(
+        [sys.executable, "-c", NCCL_RANK], cwd=ROOT, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True
+    )
     procs.append(p)
-    deadline = time.time() + 240
-    while time.time() < deadline and sum(1 for r in _records(tel) if r["type"] == "step") < 5:
+    deadline = time.time() + 180
+    while time.time() < deadline and "ready" not in log.read_text():
         assert p.poll() is None, log.read_text()[-3000:]
         time.sleep(0.5)
-    manifest = next(r for r in _records(tel) if r["type"] == "manifest")
-    assert manifest["flight_recorder"] == "request_file", manifest
+    assert "'flight_recorder': 'request_file'" in log.read_text(), log.read_text()[-2000:]
     nonce = fr.request(str(tmp_path))
     assert nonce is not None
     dumps = fr.collect(str(tmp_path), [(0, p.pid)], nonce, wait_s=10.0)
@@ -279,6 +288,22 @@ def test_gpu_flight_recorder_dump_on_request_is_summarised(tmp_path, procs) -> N
     )
     line = fr.summarise(dumps, [0])
     print(line)
-    assert not d.error and d.entries and any(e.profiling_name.startswith("nccl:") for e in d.entries), d
-    assert line.startswith("Flight Recorder (") and "rank 0 is at seq " in line, line
+    nccl = [e for e in d.entries if e.profiling_name.startswith("nccl:all_reduce")]
+    assert not d.error and len(nccl) == 7 and all(e.state == "completed" for e in nccl), d
+    assert line.startswith("Flight Recorder (") and "rank 0 " in line and "7" in line, line
+    assert p.poll() is None  # the dump left the rank running
+
+
+def test_gpu_compute_split_is_reported_on_cuda(tmp_path, procs) -> None:
+    """fsdp_lm on the GPU reports compute_s/wait_s from CUDA events (a step late, with the method in the manifest)."""
+    cfg = tmp_path / "model.json"
+    cfg.write_text(json.dumps(CONFIG))
+    tel, log = tmp_path / "cs.jsonl", tmp_path / "cs.log"
+    args = ["--model-config", str(cfg), "--seq-len", "256", "--batch-size", "4", "--max-steps", "8", "--fresh"]
+    args += ["--out", str(tmp_path / "out"), "--no-export", "--no-final-checkpoint", "--checkpoint-every", "100000"]
+    args += ["--corpus-bytes", "400000"]
+    p = _start(args, tel, log)
+    procs.append(p)
+    assert p.wait(timeout=300) == 0, log.read_text()[-3000:]
+    manifest = next(r for r in _records(tel) if r["type"] == "manifest")
     _check_compute_split(manifest, [r for r in _records(tel) if r["type"] == "step"])
