@@ -29,7 +29,7 @@ from gpudeck.console.sanitize import terminal_text
 from gpudeck.console.transport import SshOptions
 from gpudeck.console.watch import deliver
 from gpudeck.console.watch.cli import DEFAULT_METRICS
-from gpudeck.console.watch.metrics import FleetCollector, WatchHealth
+from gpudeck.console.watch.metrics import FleetCollector, MetricsEndpoint, WatchHealth
 from gpudeck.console.watch.outbox import Item, Outbox
 from gpudeck.console.watch.rules import Rule, on_word, targets_for
 
@@ -264,23 +264,19 @@ class Watcher:
 
     # ------------------------------------------------------------------ the whole
 
-    def _start_metrics(self, fleet: Fleet, hist_path: Path) -> Any:
-        from prometheus_client import CollectorRegistry, start_http_server
-
+    def _start_metrics(self, fleet: Fleet, hist_path: Path) -> MetricsEndpoint:
         assert self.opts.metrics is not None
         addr, port = self.opts.metrics
         conn = sqlite3.connect(f"file:{hist_path}?mode=ro", uri=True, check_same_thread=False, timeout=10.0)
-        registry = CollectorRegistry(auto_describe=False)
-        registry.register(FleetCollector(fleet, conn, self.health))
+        endpoint = MetricsEndpoint(FleetCollector(fleet, conn, self.health))
         try:
-            server, _thread = start_http_server(port, addr=addr, registry=registry)
+            self.metrics_port = endpoint.start(addr, port)
         except OSError as exc:
             raise WatchError(f"cannot serve metrics on {addr}:{port} ({exc}): pick another port with --metrics ADDRESS:PORT") from None
-        self.metrics_port = server.server_address[1]
         if not ipaddress.ip_address(addr).is_loopback:
             log(f"metrics on {addr}:{port}, NOT loopback: anyone who reaches it sees the fleet's GPUs and runs")
         log(f"metrics on http://{addr}:{self.metrics_port}/metrics")
-        return server
+        return endpoint
 
     async def _freeze_gc(self, fleet: Fleet) -> None:
         for _ in range(int(GC_FREEZE_AFTER_S)):  # a check a second until no link is still connecting
