@@ -816,6 +816,7 @@ def report_watch(n: int, r: dict[str, Any], console: tuple[float, float] | None)
             f"max {1000 * max(times):.1f} ms (goal < 100 ms); {series[-1]} series in the last one; {len(errors)} failed"
             + (f" (first: {errors[0][:120]})" if errors else "")
         )
+        out(f"{tag} each scrape's wall, in order (ms): {' '.join(f'{1000 * t:.1f}' for t in times)}")
         if cpu:
             out(
                 f"{tag} render CPU (the watcher's gpudeck_watch_render_cpu_seconds: build + format + gzip, off the scrape path): "

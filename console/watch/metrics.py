@@ -62,6 +62,7 @@ _ATTRIBUTIONS = ("RUN", "STALE", "FOREIGN", "NO_SUCH_PROCESS")
 _RUN_COLS = "host, id, kind, state, last_step, last_loss, tokens_per_s, mfu, alerts, world_size, ranks_seen, spec"
 RENDER_EVERY_S = 5.0  # the exposition is rebuilt this often while scraped (the watcher's snapshots come every 5 s)
 IDLE_AFTER_S = 120.0  # a format nobody asked for in this long is no longer rendered (no scraper, no render CPU)
+PROMETHEUS_ACCEPT = "application/openmetrics-text;version=1.0.0;q=0.5,application/openmetrics-text;version=0.0.1;q=0.4,text/plain;version=0.0.4;q=0.3,*/*;q=0.2"
 GZIP_LEVEL = 6  # zlib's default: 1.4 MB of text (256 hosts) in ~14 ms to ~67 kB; level 9 took 4x the CPU for no gain
 
 
@@ -262,7 +263,7 @@ class MetricsEndpoint:
 
     A ``GET`` is answered with the latest render of the format it negotiates (prometheus_client's
     ``choose_encoder``, gzip when accepted), the same headers and bytes prometheus_client's WSGI app would send; the
-    first ``GET`` of a format renders it at once. The thread renders every format asked within
+    first ``GET`` of a format renders it at once (Prometheus's own format is rendered from the start). The thread renders every format asked within
     :data:`IDLE_AFTER_S` every ``every_s`` seconds (one build, formatted once per format). What the cache does not
     cover (``name[]`` filters, methods other than ``GET``) goes to prometheus_client's own app, built live.
     """
@@ -308,11 +309,13 @@ class MetricsEndpoint:
             self.collector.last_render_cpu_s = time.thread_time() - c0
 
     def _render_loop(self) -> None:
-        while not self._stop.wait(self.every_s):
+        while True:
             try:
                 self.render()
             except Exception as exc:  # a render that fails leaves the previous one served; the next tries again
                 print(f"gpudeck watch: metrics render failed ({type(exc).__name__}: {exc}); serving the previous one", file=sys.stderr)
+            if self._stop.wait(self.every_s):
+                return
 
     # ------------------------------------------------------------------ serving
 
@@ -344,6 +347,11 @@ class MetricsEndpoint:
             address_family = family
 
         self.server = make_server(addr, port, self.app, Server, handler_class=_Quiet)
+        # Prometheus's format (OpenMetrics 1.0, gzip) is rendered from the start, so that its first scrape does not wait
+        # for a render either (it stops like any other format after IDLE_AFTER_S without a scrape)
+        encoder, ctype = choose_encoder(PROMETHEUS_ACCEPT)
+        with self._lock:
+            self._asked[(ctype, True)] = (encoder, time.monotonic())
         self._threads = [
             threading.Thread(target=self.server.serve_forever, name="metrics-serve", daemon=True),
             threading.Thread(target=self._render_loop, name="metrics-render", daemon=True),
