@@ -63,6 +63,7 @@ _RUN_COLS = "host, id, kind, state, last_step, last_loss, tokens_per_s, mfu, ale
 RENDER_EVERY_S = 5.0  # the exposition is rebuilt this often while scraped (the watcher's snapshots come every 5 s)
 IDLE_AFTER_S = 120.0  # a format nobody asked for in this long is no longer rendered (no scraper, no render CPU)
 PROMETHEUS_ACCEPT = "application/openmetrics-text;version=1.0.0;q=0.5,application/openmetrics-text;version=0.0.1;q=0.4,text/plain;version=0.0.4;q=0.3,*/*;q=0.2"
+MAX_FORMATS = 8  # (content type, gzip) pairs rendered at once; a scraper asking for yet another is served live
 GZIP_LEVEL = 6  # zlib's default: 1.4 MB of text (256 hosts) in ~14 ms to ~67 kB; level 9 took 4x the CPU for no gain
 
 
@@ -328,9 +329,18 @@ class MetricsEndpoint:
         encoder, ctype = choose_encoder(environ.get("HTTP_ACCEPT", ""))
         gz = gzip_accepted(environ.get("HTTP_ACCEPT_ENCODING", ""))
         key = (ctype, gz)
+        now = time.monotonic()
         with self._lock:
-            self._asked[key] = (encoder, time.monotonic())
+            if key not in self._asked and len(self._asked) >= MAX_FORMATS:
+                for k in [k for k, (_, asked) in self._asked.items() if now - asked >= IDLE_AFTER_S]:
+                    del self._asked[k]
+                    self._cache.pop(k, None)
+            full = key not in self._asked and len(self._asked) >= MAX_FORMATS
+            if not full:
+                self._asked[key] = (encoder, now)
             body = self._cache.get(key)
+        if full:  # the Accept header names the version: formats kept are bounded, one more is served live
+            return list(self._live(environ, start_response))
         if body is None:  # the first scrape in this format: rendered now, then by the thread
             self.render([key])
             with self._lock:

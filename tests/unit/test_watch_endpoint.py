@@ -114,3 +114,14 @@ def test_a_scrape_does_not_render_and_renders_stop_without_scrapers(
     renders = ep.renders
     real()
     assert ep.renders == renders
+
+
+def test_formats_kept_are_bounded(endpoint: tuple[MetricsEndpoint, SimpleNamespace, str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The Accept header names the version: a scraper cycling through versions gets answers, the render keeps a few."""
+    ep, _f, url = endpoint
+    monkeypatch.setattr("gpudeck.console.watch.metrics.MAX_FORMATS", 3)
+    for minor in range(6):
+        hdrs, text = get(url, f"application/openmetrics-text;version=1.0.{minor}")
+        assert hdrs["Content-Type"].startswith(f"application/openmetrics-text; version=1.0.{minor}")
+        assert "gpudeck_host_up" in {m.name for m in om_families(text)}
+    assert len(ep._asked) == 3 and len(ep._cache) <= 3
