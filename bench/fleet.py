@@ -332,6 +332,7 @@ class Scraper:
         self.times: list[float] = []
         self.series: list[int] = []
         self.cpu: list[float] = []
+        self.ages: list[float] = []
         self.errors: list[str] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -341,7 +342,7 @@ class Scraper:
         import urllib.request
 
         while not self._stop.wait(self.every):
-            t0 = time.perf_counter()
+            t0, t_asked = time.perf_counter(), time.time()
             try:
                 # asked as Prometheus asks: OpenMetrics preferred, gzip (the watcher pays for the compression)
                 req = urllib.request.Request(self.url, headers={"Accept": PROM_ACCEPT, "Accept-Encoding": "gzip"})
@@ -353,10 +354,14 @@ class Scraper:
                 continue
             self.times.append(time.perf_counter() - t0)
             self.series.append(sum(1 for ln in body.splitlines() if ln and not ln.startswith("#")))
-            # the watcher's own figure for the previous scrape: CPU to build and format it (its wall time here waits for the CPU too)
-            m = re.search(r"^gpudeck_watch_scrape_cpu_seconds ([0-9.e+-]+)$", body, re.M)
-            if m and len(self.times) > 1:
+            # the watcher's own figure for its previous render: CPU to build, format and gzip the text, off the scrape path
+            m = re.search(r"^gpudeck_watch_render_cpu_seconds ([0-9.e+-]+)$", body, re.M)
+            if m and float(m.group(1)) > 0:
                 self.cpu.append(float(m.group(1)))
+            # how old the text served was when this scrape asked for it (one machine, one clock)
+            m = re.search(r"^gpudeck_watch_render_timestamp_seconds ([0-9.e+-]+)$", body, re.M)
+            if m:
+                self.ages.append(t_asked - float(m.group(1)))
 
     def stop(self) -> None:
         self._stop.set()
@@ -663,7 +668,7 @@ def run_worker(design: str, fh: FleetHosts, args: argparse.Namespace) -> tuple[d
             result = msg
             if scraper is not None:
                 scraper.stop()
-                result["scrapes"] = (scraper.times, scraper.series, scraper.errors, scraper.cpu)
+                result["scrapes"] = (scraper.times, scraper.series, scraper.errors, scraper.cpu, scraper.ages)
     try:
         proc.wait(120)
     except subprocess.TimeoutExpired:
@@ -804,17 +809,21 @@ def report_watch(n: int, r: dict[str, Any], console: tuple[float, float] | None)
     tag = f"N={n} {'watch':<13}"
     core = 100.0 * r["cpu_s"] / r["wall_s"]
     out(f"{tag} watcher CPU: {core:.2f}% of one core (goal < 5%), scrapes included; {r['events_read']} history events read")
-    times, series, errors, cpu = r.get("scrapes", ([], [], [], []))
+    times, series, errors, cpu, ages = r.get("scrapes", ([], [], [], [], []))
     if times:
         out(
             f"{tag} scrapes: {len(times)} in {r['wall_s']:.0f} s, wall p50 {1000 * pct(times, 0.5):.1f} ms, "
             f"max {1000 * max(times):.1f} ms (goal < 100 ms); {series[-1]} series in the last one; {len(errors)} failed"
+            + (f" (first: {errors[0][:120]})" if errors else "")
         )
+        out(f"{tag} each scrape's wall, in order (ms): {' '.join(f'{1000 * t:.1f}' for t in times)}")
         if cpu:
             out(
-                f"{tag} scrape CPU (the watcher's gpudeck_watch_scrape_cpu_seconds: build + format, no gzip): p50 {1000 * pct(cpu, 0.5):.1f} ms, "
-                f"max {1000 * max(cpu):.1f} ms (n={len(cpu)})"
+                f"{tag} render CPU (the watcher's gpudeck_watch_render_cpu_seconds: build + format + gzip, off the scrape path): "
+                f"p50 {1000 * pct(cpu, 0.5):.1f} ms, max {1000 * max(cpu):.1f} ms (n={len(cpu)})"
             )
+        if ages:
+            out(f"{tag} age of the text served when scraped: p50 {pct(ages, 0.5):.2f} s, max {max(ages):.2f} s (n={len(ages)})")
     else:
         out(f"{tag} no scrape succeeded: {errors[:2]}")
     if console is not None and console[0] > 0:

@@ -8,8 +8,11 @@ when the target accepted it, or → ``expired`` when it could not be delivered w
 (:data:`EXPIRE_S` by default). A failing target is retried with exponential backoff and jitter
 (:data:`BACKOFF_MIN_S` doubling to :data:`BACKOFF_MAX_S`), one attempt at a time, oldest message first.
 
-The one window left: a target that accepted a message whose ``delivered`` mark was then lost (the watcher killed
-between the two) gets it again; every message carries its event key (``host/epoch/seq``) so a receiver can drop it.
+The one window left (delivery is at-least-once there): a target that accepted a message whose ``delivered`` mark
+was not committed yet when the watcher was killed gets it again after the restart. The watcher makes the mark from
+the thread that sent the message as soon as apprise returns (service.Watcher._attempt), so the window is the
+target's reply on its way back plus one commit; every message carries its event key (``host/epoch/seq``) so a
+receiver can drop a repeat.
 """
 
 from __future__ import annotations

@@ -16,6 +16,7 @@ import json
 import os
 import sqlite3
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,7 +30,7 @@ from gpudeck.console.sanitize import terminal_text
 from gpudeck.console.transport import SshOptions
 from gpudeck.console.watch import deliver
 from gpudeck.console.watch.cli import DEFAULT_METRICS
-from gpudeck.console.watch.metrics import FleetCollector, WatchHealth
+from gpudeck.console.watch.metrics import FleetCollector, MetricsEndpoint, WatchHealth
 from gpudeck.console.watch.outbox import Item, Outbox
 from gpudeck.console.watch.rules import Rule, on_word, targets_for
 
@@ -121,6 +122,8 @@ class Watcher:
         self._scan_wake = asyncio.Event()
         self._deliver_wake = asyncio.Event()
         self._redacted: dict[str, str] = {}
+        self._in_flight: set[tuple[str, str]] = set()  # (event key, target) of attempts not answered yet
+        self._flight_lock = threading.Lock()
         self.metrics_port: int | None = None
         self.fleet: Fleet | None = None  # set once run() has built it (the benchmark follows its links)
 
@@ -221,22 +224,48 @@ class Watcher:
 
     # ------------------------------------------------------------------ delivery
 
-    async def _send(self, outbox: Outbox, it: Item) -> None:
+    def _attempt(self, outbox: Outbox, it: Item) -> tuple[str, str | None, float]:
+        """One delivery attempt and its record, in one worker thread: (outcome, why, seconds from apprise's return to the commit).
+
+        The target's answer is written to the outbox as soon as apprise returns it, from the thread that sent it: no hop
+        back to the event loop and no second thread between the two (the duplicate window after a kill -9 is this one
+        commit). An attempt the loop stopped waiting for still records its own answer when it comes."""
         msg = deliver.Message(it.title, it.body, it.notify_type)
         try:
-            async with asyncio.timeout(deliver.SEND_TIMEOUT_S * 2):
-                why = await asyncio.to_thread(deliver.send, it.target, msg)
-        except deliver.UnusableTarget as exc:
-            await asyncio.to_thread(outbox.expire_item, it, str(exc))
-            log(f"{exc}; event {it.key} dropped for it")
-            return
+            try:
+                why = deliver.send(it.target, msg)
+            except deliver.UnusableTarget as exc:
+                outbox.expire_item(it, str(exc))
+                return "unusable", str(exc), 0.0
+            t0 = time.perf_counter()
+            if why is None:
+                outbox.delivered(it)
+                return "delivered", None, time.perf_counter() - t0
+            outbox.failed(it, why)
+            return "failed", why, time.perf_counter() - t0
+        finally:
+            with self._flight_lock:
+                self._in_flight.discard((it.key, it.target))
+
+    async def _send(self, outbox: Outbox, it: Item) -> None:
+        with self._flight_lock:
+            self._in_flight.add((it.key, it.target))
+        task = asyncio.ensure_future(asyncio.to_thread(self._attempt, outbox, it))
+        task.add_done_callback(lambda _t: self._deliver_wake.set())
+        try:
+            outcome, why, record_s = await asyncio.wait_for(asyncio.shield(task), deliver.SEND_TIMEOUT_S * 2)
         except TimeoutError:
-            why = f"no answer within {deliver.SEND_TIMEOUT_S * 2:.0f} s"
-        if why is None:
-            await asyncio.to_thread(outbox.delivered, it)
-            log(f"delivered {it.word} of {it.run_id} ({it.key}) to {self.redact(it.target)}")
+            # not a failure: the attempt goes on in its thread and records what the target answers; the target gets
+            # nothing else until then (marking it failed here would send it again while the first may still arrive)
+            log(f"{self.redact(it.target)} has not answered within {deliver.SEND_TIMEOUT_S * 2:.0f} s; waiting for its answer to {it.key}")
+            return
+        if outcome == "unusable":
+            log(f"{why}; event {it.key} dropped for it")
+        elif outcome == "delivered":
+            log(
+                f"delivered {it.word} of {it.run_id} ({it.key}) to {self.redact(it.target)} (recorded {1000 * record_s:.1f} ms after the answer)"
+            )
         else:
-            await asyncio.to_thread(outbox.failed, it, why)
             log(f"{self.redact(it.target)} failed ({why}); retrying with backoff")
 
     async def _deliver_loop(self, outbox: Outbox) -> None:
@@ -249,6 +278,8 @@ class Watcher:
                 if n:
                     log(f"{n} notification(s) expired undelivered (older than {outbox.expire_s / 3600:.0f} h)")
             due = await asyncio.to_thread(outbox.due)
+            with self._flight_lock:  # an attempt still waiting for its target's answer is not made again
+                due = [it for it in due if (it.key, it.target) not in self._in_flight]
             if due:
                 await asyncio.gather(*(self._send(outbox, it) for it in due))  # one per target at a time, targets in parallel
             self.health.targets = await asyncio.to_thread(outbox.status)
@@ -256,6 +287,8 @@ class Watcher:
                 continue
             nxt = await asyncio.to_thread(outbox.next_due)
             wait = DELIVER_CHECK_S if nxt is None else min(DELIVER_CHECK_S, max(0.05, nxt - time.time()))
+            if self._in_flight:  # what is due may be an attempt still in flight: its answer wakes the loop (no 50 ms polling)
+                wait = max(wait, 1.0)
             try:
                 await asyncio.wait_for(self._deliver_wake.wait(), wait)
             except TimeoutError:
@@ -264,23 +297,19 @@ class Watcher:
 
     # ------------------------------------------------------------------ the whole
 
-    def _start_metrics(self, fleet: Fleet, hist_path: Path) -> Any:
-        from prometheus_client import CollectorRegistry, start_http_server
-
+    def _start_metrics(self, fleet: Fleet, hist_path: Path) -> MetricsEndpoint:
         assert self.opts.metrics is not None
         addr, port = self.opts.metrics
         conn = sqlite3.connect(f"file:{hist_path}?mode=ro", uri=True, check_same_thread=False, timeout=10.0)
-        registry = CollectorRegistry(auto_describe=False)
-        registry.register(FleetCollector(fleet, conn, self.health))
+        endpoint = MetricsEndpoint(FleetCollector(fleet, conn, self.health))
         try:
-            server, _thread = start_http_server(port, addr=addr, registry=registry)
+            self.metrics_port = endpoint.start(addr, port)
         except OSError as exc:
             raise WatchError(f"cannot serve metrics on {addr}:{port} ({exc}): pick another port with --metrics ADDRESS:PORT") from None
-        self.metrics_port = server.server_address[1]
         if not ipaddress.ip_address(addr).is_loopback:
             log(f"metrics on {addr}:{port}, NOT loopback: anyone who reaches it sees the fleet's GPUs and runs")
         log(f"metrics on http://{addr}:{self.metrics_port}/metrics")
-        return server
+        return endpoint
 
     async def _freeze_gc(self, fleet: Fleet) -> None:
         for _ in range(int(GC_FREEZE_AFTER_S)):  # a check a second until no link is still connecting

@@ -79,6 +79,7 @@ class WatchProc:
         self.proc: subprocess.Popen | None = None
 
     def start(self, *args: str) -> WatchProc:
+        seen = self.log.read_text().count("following") if self.log.exists() else 0  # the log is appended to across restarts
         self.fh = open(self.log, "a")
         self.proc = subprocess.Popen(
             [PY, "-m", "gpudeck.console.cli", "watch", *args],
@@ -88,7 +89,7 @@ class WatchProc:
             stderr=self.fh,
             start_new_session=True,
         )
-        wait_for(lambda: "following" in self.log.read_text() or self.proc.poll() is not None, 30, what="the watcher to start")
+        wait_for(lambda: self.log.read_text().count("following") > seen or self.proc.poll() is not None, 30, what="the watcher to start")
         assert self.proc.poll() is None, self.log.read_text()
         return self
 

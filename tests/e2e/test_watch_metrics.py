@@ -148,8 +148,11 @@ def test_metrics_parse_and_a_real_prometheus_scrapes_them(watched: tuple[AgentPr
             interval=0.5,
             what="three scrapes",
         )
+        # the text is rendered off the scrape path: its age when scraped is visible, and bounded by the render period
+        age = float(query("timestamp(gpudeck_watch_render_timestamp_seconds) - gpudeck_watch_render_timestamp_seconds")[0]["value"][1])
+        assert 0 <= age < 15, age
         scrape = float(query('scrape_duration_seconds{job="gpudeck"}')[0]["value"][1])
-        print(f"watch_metrics: Prometheus scraped the watcher in {scrape * 1000:.1f} ms")
+        print(f"watch_metrics: Prometheus scraped the watcher in {scrape * 1000:.1f} ms; the text was {age:.1f} s old")
     finally:
         os.kill(p.pid, signal.SIGTERM)
         p.wait(20)

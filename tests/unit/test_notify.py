@@ -147,3 +147,48 @@ def test_failing_summary_names_failing_targets_only(tmp_path: Path) -> None:
             box.delivered(it, now=1000.0)
     line = ob.failing_summary(path)
     assert line is not None and "127.0.0.1:9" in line and "8/ok" not in line and "gpudeck watch --status" in line
+
+
+def test_an_attempt_that_outlasts_the_wait_is_recorded_by_its_thread_and_not_sent_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The loop stops waiting for a slow target; the send goes on and its answer is recorded: one message, not two."""
+    import asyncio
+    import threading
+    import time
+
+    from gpudeck.console.watch import deliver, service
+
+    box = ob.Outbox(tmp_path / "watch.db")
+    it = ob.Item("h", "e", 1, URL, 0, "failed", "r-1", "t", "b", "failure", False, time.time())
+    box.enqueue([it], 1)
+    sent: list[str] = []
+    answer = threading.Event()
+
+    def slow_send(url: str, msg: deliver.Message) -> str | None:
+        sent.append(msg.title)
+        answer.wait(10)  # the target takes longer than the loop waits, then accepts
+        return None
+
+    monkeypatch.setattr(deliver, "send", slow_send)
+    monkeypatch.setattr(deliver, "SEND_TIMEOUT_S", 0.05)
+    w = service.Watcher(service.WatchOptions(config=cfg.Config(hosts=(), path=tmp_path / "config.toml"), rules=[]))
+
+    async def scenario() -> None:
+        loop = asyncio.ensure_future(w._deliver_loop(box))
+        await asyncio.sleep(2.0)  # past the wait (0.1 s) and past a failure's backoff (at most 1 s)
+        assert box.items("pending"), "an attempt still in flight must not be recorded as anything yet"
+        answer.set()
+        deadline = time.time() + 10
+        while not box.items("delivered") and time.time() < deadline:
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(1.5)
+        loop.cancel()
+        await asyncio.gather(loop, return_exceptions=True)
+
+    asyncio.run(scenario())
+    assert sent == ["t"]
+    assert box.items() == [("h", "e", 1, URL, "delivered")]
+    (st,) = box.status()
+    assert (st.delivered, st.failures) == (1, 0)
+    box.close()
