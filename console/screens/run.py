@@ -21,7 +21,7 @@ from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.screen import Screen
-from textual.widgets import Footer, Input, Static, TabbedContent, TabPane
+from textual.widgets import Input, Static, TabbedContent, TabPane
 
 from gpudeck.agents import envs
 from gpudeck.agents.errors import AgentError
@@ -50,6 +50,7 @@ from gpudeck.console.screens.launch import preflight_text
 from gpudeck.console.views import history_rows, python_of, run_diff, run_from_record, stamp, stamp_age
 from gpudeck.console.widgets.cells import SIMULATED, ok_text, shown, state_text
 from gpudeck.console.widgets.diff import diff_summary, diff_table
+from gpudeck.console.widgets.footer import DeckFooter
 from gpudeck.console.widgets.header import AppHeader
 from gpudeck.console.widgets.keyed_table import Col, KeyedTable
 from gpudeck.console.widgets.output_view import OutputView
@@ -297,7 +298,7 @@ class RunScreen(LiveScreen):
                 with VerticalScroll(id="triage-scroll"):
                     yield Static("", id="triage-text")
         yield ProgressLine(id="run-status")
-        yield Footer()
+        yield DeckFooter()
 
     def on_mount(self) -> None:
         self.set_interval(FLUSH_S, self._flush)

@@ -10,7 +10,7 @@ from rich.text import Text
 from textual import on, work
 from textual.app import ComposeResult
 from textual.binding import Binding
-from textual.widgets import Footer, Static
+from textual.widgets import Static
 
 from gpudeck.agents.errors import AgentError
 from gpudeck.agents.protocol import TERMINAL_STATES, RunInfo
@@ -21,6 +21,7 @@ from gpudeck.console.screens.base import LiveScreen, deck
 from gpudeck.console.screens.run import relaunch, stop_flow
 from gpudeck.console.views import RunRow, history_rows_after, merge_rows, run_from_record, run_row_from_history, run_row_from_info, stamp
 from gpudeck.console.widgets.cells import STATE_WORDS, alerts_text, sortable, sparkline, state_text
+from gpudeck.console.widgets.footer import DeckFooter
 from gpudeck.console.widgets.header import AppHeader
 from gpudeck.console.widgets.keyed_table import Col, KeyedTable, cell_text, fit
 from gpudeck.console.widgets.progress import ProgressLine
@@ -107,7 +108,7 @@ class RunsScreen(LiveScreen):
         yield table
         yield ProgressLine(id="runs-progress")
         yield Static("", id="runs-note", classes="note")
-        yield Footer()
+        yield DeckFooter()
 
     def on_mount(self) -> None:
         self._live: dict[str, dict[str, RunRow]] = {}  # host -> run id -> row, from its latest snapshot

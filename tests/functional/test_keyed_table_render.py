@@ -98,3 +98,28 @@ async def test_upsert_many_and_the_filter_show_what_upsert_one_by_one_shows() ->
             table.set_filter("")
         await pilot.pause()
         assert bulk.keys() == one.keys() and bulk.row_count == 300 and bulk.cursor_key is not None
+
+
+async def test_the_footer_is_rebuilt_once_for_bindings_that_change_together() -> None:
+    """Textual's Footer remounts every key on each bindings signal; DeckFooter once for signals before its rebuild."""
+    from textual.binding import Binding
+
+    from gpudeck.console.widgets.footer import DeckFooter
+
+    class FooterApp(App[None]):
+        BINDINGS = [Binding("x", "bell", "Ring")]
+
+        def compose(self) -> ComposeResult:
+            yield DeckFooter()
+
+    app = FooterApp()
+    async with app.run_test(size=(80, 5)) as pilot:
+        footer = app.query_one(DeckFooter)
+        await pilot.pause()
+        before = footer.rebuilds
+        for _ in range(5):
+            app.screen.refresh_bindings()
+        await pilot.pause()
+        await pilot.pause()
+        assert footer.rebuilds == before + 1
+        assert "Ring" in str(app.export_screenshot())
