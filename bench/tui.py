@@ -362,9 +362,10 @@ def part2(home: Path, rate: int, seconds: float, presses: int, label: str = "") 
         if lat:
             p50, p99, mx = quantiles(lat)
             print(
-                f"tui_bench part2 key-to-screen latency while following {rate:,} lines/s{label}: p50 {p50:.1f} ms, p99 {p99:.1f} ms, max {mx:.1f} ms ({len(lat)}/{presses} presses seen)",
+                f"tui_bench part2 key-to-screen latency while following {rate:,} lines/s{label}: p50 {p50:.1f} ms, p99 {p99:.1f} ms, max {mx:.1f} ms ({len(lat)}/{presses} presses seen; first {lat[0]:.1f} ms; load {os.getloadavg()[0]:.1f})",
                 flush=True,
             )
+            print(f"tui_bench part2 each press (ms, in order): {', '.join(f'{x:.0f}' for x in lat)}", flush=True)
         else:
             print("tui_bench part2: no key press was seen on screen", flush=True)
     finally:
