@@ -10,7 +10,7 @@ from pathlib import Path
 
 import msgspec
 import pytest
-from textual.widgets import Button, SelectionList
+from textual.widgets import Button
 
 from gpudeck.agents.protocol import LaunchSpec, PreflightResult, Snapshot
 from gpudeck.console.app import GpudeckApp
@@ -20,8 +20,8 @@ from gpudeck.console.screens.leftovers import LeftoversScreen
 from gpudeck.console.screens.runs import RunsScreen
 from gpudeck.console.widgets.keyed_table import KeyedTable
 from tests.functional.fixture_fleet import GIB, GOOD, T0, FixtureFleet, fixture_preflight, fixture_snapshot
-from tests.functional.helpers import mounted, open_host, open_launch, press_for, until
-from tests.functional.test_snapshots import PINNED_PYTHON, fixed_clock, settle  # noqa: F401  (fixed_clock: an autouse fixture)
+from tests.functional.helpers import mounted, open_host, press_for, until
+from tests.functional.test_snapshots import fixed_clock, preflight_llama, settle  # noqa: F401  (fixed_clock: an autouse fixture)
 
 
 @pytest.fixture
@@ -136,12 +136,7 @@ def test_reclaim_and_launch_confirmation_at_width(snap_compare, app, size, monke
     fleet.links["gpu1"].status.snapshot = holders_snapshot()
 
     async def confirm(pilot) -> None:  # type: ignore[no-untyped-def]
-        dialog = await open_launch(
-            pilot, python=PINNED_PYTHON, kind="fsdp", args="--model-config llama-1b --lr 3e-4", name="llama-1b", start="fresh"
-        )
-        dialog.query_one("#gpus", SelectionList).select(1)
-        await pilot.pause()
-        await pilot.press("ctrl+s")
+        dialog = await preflight_llama(pilot)
         await until(lambda: "Reclaim these and launch" in str(dialog.query_one("#launch", Button).label), what="the reclaim offer")
         await pilot.press("ctrl+s")
         await until(lambda: mounted(pilot.app, ConfirmDialog), what="the reclaim confirmation")
