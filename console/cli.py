@@ -40,6 +40,7 @@ from gpudeck.console.formats import (
     format_show,
     format_status,
     format_stop,
+    record_shape,
     run_json,
     why_down,
 )
@@ -763,7 +764,7 @@ async def cmd_history(args: argparse.Namespace) -> int:
     rows = rows if args.show_secrets else [redact_record(r) for r in rows]
     missed = [(r.host, r.error or "not reachable") for r in synced if not r.ok]
     if args.json:
-        print(json.dumps(partial_json("runs", [r.as_json() for r in rows], missed), default=str))
+        print(json.dumps(partial_json("runs", [record_shape(r.as_json()) for r in rows], missed), default=str))
     else:
         print(terminal_text(format_history(rows)))
     return EXIT_UNREACHABLE if missed else 0  # _synced_history named them on stderr

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Mapping
 from typing import Any
 
 import msgspec
@@ -144,6 +145,21 @@ def run_json(r: RunInfo) -> dict[str, Any]:
     # the keys `history --json` has too (README, "One record shape")
     d.update(kind=r.spec.kind, cause_class=cause_class(r.state, r.cause), alerts=d.get("alerts") or [])
     return d
+
+
+LIVE_KEYS = ("request_id", "run_dir", "containment")  # what only the agent that runs it knows (null in the history)
+RECORD_KEYS = (*(f for f in RunRecord.__struct_fields__ if f not in ("hosts", "nodes")), *LIVE_KEYS)
+
+
+def record_shape(d: Mapping[str, Any], fill: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """One run as ``runs --json`` and ``history --json`` both print it: every key of RECORD_KEYS, in that order (README,
+    "One record shape"), each from ``d``, else from ``fill``, else null; then a multi-node run's ``hosts`` and ``nodes``."""
+    fill = fill or {}
+    out = {k: d[k] if k in d else fill.get(k) for k in RECORD_KEYS}
+    for k, v in d.items():
+        if k not in out:
+            out[k] = v
+    return out
 
 
 def format_simulated(snap: Snapshot) -> str:

@@ -174,16 +174,16 @@ def group(rows: Sequence[RunRecord], unreachable: set[str] | None = None) -> lis
 def group_runs(runs: Sequence[RunInfo], unreachable: set[str] | None = None) -> list[dict[str, Any]]:
     """``gpudeck runs``: the agents' runs as JSON objects (the printing edge: RunInfo's scripted shape, ``run_json``),
     each multi-node run one object with the combined host, state, cause, ranks seen, times and nodes."""
-    from gpudeck.console.formats import run_json
+    from gpudeck.console.formats import record_shape, run_json
 
     infos = {(r.host, r.id): r for r in runs}
     out: list[dict[str, Any]] = []
     for rs in _by_id([RunRecord.from_info(r) for r in runs]):
         if not _multi(rs):
-            out.append(run_json(infos[(rs[0].host, rs[0].id)]))
+            out.append(record_shape(run_json(infos[(rs[0].host, rs[0].id)]), rs[0].as_json()))  # history's keys from the agent's run
             continue
         c = combine(rs, unreachable)
         lead = run_json(infos[(c.rows[0].host, c.rows[0].id)])
         lead.update(c.combined(), nodes=[msgspec.to_builtins(n) for n in c.nodes])
-        out.append(lead)
+        out.append(record_shape(lead, c.rows[0].as_json()))
     return out

@@ -7,7 +7,7 @@ from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal
 from textual.screen import Screen
-from textual.widgets import Footer, Static
+from textual.widgets import Static
 
 from gpudeck.console.records import MetricPoint, RunRecord
 from gpudeck.console.sanitize import redact_record
@@ -15,6 +15,7 @@ from gpudeck.console.screens.base import Guarded
 from gpudeck.console.views import run_diff
 from gpudeck.console.widgets.cells import shown
 from gpudeck.console.widgets.diff import diff_rows, diff_summary
+from gpudeck.console.widgets.footer import DeckFooter
 from gpudeck.console.widgets.header import AppHeader
 from gpudeck.console.widgets.keyed_table import Col, KeyedTable
 from gpudeck.console.widgets.plots import MetricPlot, Series
@@ -62,7 +63,7 @@ class DiffScreen(Guarded, Screen):
             ),
             classes="note",
         )
-        yield Footer()
+        yield DeckFooter()
 
     def on_mount(self) -> None:
         self._redraw()

@@ -6,7 +6,7 @@ from rich.text import Text
 from textual import work
 from textual.app import ComposeResult
 from textual.binding import Binding
-from textual.widgets import Footer, Static
+from textual.widgets import Static
 
 from gpudeck.console.fleet import HostStatus
 from gpudeck.console.fmt import gib
@@ -16,6 +16,7 @@ from gpudeck.console.views import HostFigures, age, host_figures, since, stamp
 from gpudeck.console.watch.outbox import failing_summary
 from gpudeck.console.watch.service import outbox_path
 from gpudeck.console.widgets.cells import SIMULATED, alerts_text, mem_bar, pct_bar, sortable, state_text
+from gpudeck.console.widgets.footer import DeckFooter
 from gpudeck.console.widgets.header import AppHeader
 from gpudeck.console.widgets.keyed_table import Col, KeyedTable, fit
 
@@ -100,7 +101,7 @@ class FleetScreen(LiveScreen):
         yield AppHeader()
         yield Static("Fleet", id="fleet-summary", classes="title")
         yield KeyedTable(fit(COLUMNS, self.app.size.width), id="fleet-table")
-        yield Footer()
+        yield DeckFooter()
 
     def on_mount(self) -> None:
         self._figures: dict[str, HostFigures | None] = {}

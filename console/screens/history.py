@@ -11,7 +11,7 @@ from textual import on, work
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.timer import Timer
-from textual.widgets import Footer, Input, Static
+from textual.widgets import Input, Static
 
 from gpudeck.console.fmt import duration
 from gpudeck.console.messages import HistoryLoaded
@@ -22,6 +22,7 @@ from gpudeck.console.screens.base import LiveScreen, deck
 from gpudeck.console.screens.runs import why_text
 from gpudeck.console.views import history_rows, run_row_from_history, stamp
 from gpudeck.console.widgets.cells import sortable, state_text
+from gpudeck.console.widgets.footer import DeckFooter
 from gpudeck.console.widgets.header import AppHeader
 from gpudeck.console.widgets.keyed_table import Col, KeyedTable, fit
 
@@ -109,7 +110,7 @@ class HistoryScreen(LiveScreen):
             order_columns=("started",),
         )
         yield Static("", id="history-note", classes="note")
-        yield Footer()
+        yield DeckFooter()
 
     def on_mount(self) -> None:
         self.query_one("#history-table", KeyedTable).focus()

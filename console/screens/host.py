@@ -9,7 +9,7 @@ from rich.text import Text
 from textual import work
 from textual.app import ComposeResult
 from textual.binding import Binding
-from textual.widgets import Footer, Static
+from textual.widgets import Static
 
 from gpudeck.agents.protocol import GpuProcess, Snapshot
 from gpudeck.console.fleet import HostStatus
@@ -19,6 +19,7 @@ from gpudeck.console.screens.fleet import state_cell
 from gpudeck.console.screens.reclaim import ReclaimItem, reclaim_flow
 from gpudeck.console.views import LEFTOVER_HOLDERS, age, holder_label
 from gpudeck.console.widgets.cells import SIMULATED, attribution_text, mem_bar, pct_bar, plain_markup
+from gpudeck.console.widgets.footer import DeckFooter
 from gpudeck.console.widgets.header import AppHeader
 from gpudeck.console.widgets.keyed_table import Col, KeyedTable, fit
 from gpudeck.console.widgets.plots import MetricPlot, Series
@@ -83,7 +84,7 @@ class HostScreen(LiveScreen):
         yield KeyedTable(fit(PROC_COLUMNS, self.app.size.width, markable=True), id="proc-table", markable=True)
         yield ProgressLine(id="host-progress")
         yield Static("", id="host-note", classes="note")
-        yield Footer()
+        yield DeckFooter()
 
     def on_mount(self) -> None:
         self.query_one("#proc-table", KeyedTable).focus()

@@ -7,7 +7,7 @@ from textual import work
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.screen import Screen
-from textual.widgets import Footer, Static
+from textual.widgets import Static
 
 from gpudeck.agents.errors import AgentError
 from gpudeck.agents.protocol import Gpu, Leftover, LeftoverList
@@ -16,6 +16,7 @@ from gpudeck.console.screens.base import Guarded, deck
 from gpudeck.console.screens.reclaim import ReclaimItem, reclaim_flow
 from gpudeck.console.views import age
 from gpudeck.console.widgets.cells import leftover_text, plain_markup
+from gpudeck.console.widgets.footer import DeckFooter
 from gpudeck.console.widgets.header import AppHeader
 from gpudeck.console.widgets.keyed_table import Col, KeyedTable, fit
 from gpudeck.console.widgets.progress import ProgressLine
@@ -94,7 +95,7 @@ class LeftoversScreen(Guarded, Screen):
         yield KeyedTable(fit(COLUMNS, self.app.size.width, markable=True), id="leftovers-table", markable=True)
         yield ProgressLine(id="leftovers-progress")
         yield Static("", id="leftovers-note", classes="note")
-        yield Footer()
+        yield DeckFooter()
 
     def on_mount(self) -> None:
         self.query_one("#leftovers-table", KeyedTable).focus()

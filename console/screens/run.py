@@ -21,7 +21,7 @@ from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.screen import Screen
-from textual.widgets import Footer, Input, Static, TabbedContent, TabPane
+from textual.widgets import Input, Static, TabbedContent, TabPane
 
 from gpudeck.agents import envs
 from gpudeck.agents.errors import AgentError
@@ -50,6 +50,7 @@ from gpudeck.console.screens.launch import preflight_text
 from gpudeck.console.views import history_rows, python_of, run_diff, run_from_record, stamp, stamp_age
 from gpudeck.console.widgets.cells import SIMULATED, ok_text, shown, state_text
 from gpudeck.console.widgets.diff import diff_summary, diff_table
+from gpudeck.console.widgets.footer import DeckFooter
 from gpudeck.console.widgets.header import AppHeader
 from gpudeck.console.widgets.keyed_table import Col, KeyedTable
 from gpudeck.console.widgets.output_view import OutputView
@@ -297,7 +298,7 @@ class RunScreen(LiveScreen):
                 with VerticalScroll(id="triage-scroll"):
                     yield Static("", id="triage-text")
         yield ProgressLine(id="run-status")
-        yield Footer()
+        yield DeckFooter()
 
     def on_mount(self) -> None:
         self.set_interval(FLUSH_S, self._flush)
@@ -836,6 +837,9 @@ class RunScreen(LiveScreen):
 def stop_confirm_text(r: RunInfo, host: str, snap: Snapshot | None) -> Text:
     """What the stop confirmation says: the processes it will signal (pid, user, rank, command) and the memory they hold."""
     procs = {p.pid: p for g in snap.gpus for p in g.processes} if snap is not None else {}
+    # a member's user: from the snapshot's process rows (every live member is there, on a GPU or not), else its GPU process
+    users = {p.pid: p.user for p in snap.processes if p.user} if snap is not None else {}
+    users.update({pid: p.user for pid, p in procs.items() if p.user and pid not in users})
     held = sum(p.used_bytes or 0 for g in (snap.gpus if snap is not None else []) for p in g.processes if p.run_id == r.id)
     members = [m for m in r.members if m.role != "shim"]
     body = Text()
@@ -846,8 +850,7 @@ def stop_confirm_text(r: RunInfo, host: str, snap: Snapshot | None) -> Text:
     if members:
         body.append(f"\n{'PID':>8}  {'USER':<10} {'RANK':>4}  COMMAND\n", style="bold")
         for m in members[:STOP_LIST_MAX]:
-            p = procs.get(m.pid)
-            user = (p.user if p is not None else None) or "-"
+            user = users.get(m.pid) or "-"
             rank = "-" if m.rank is None else str(m.rank)
             body.append(f"{m.pid:>8}  {user[:10]:<10} {rank:>4}  ")
             body.append(escape_controls(shlex.join(m.cmdline))[:STOP_CMD_MAX] or "-", style="dim")

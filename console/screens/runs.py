@@ -10,7 +10,7 @@ from rich.text import Text
 from textual import on, work
 from textual.app import ComposeResult
 from textual.binding import Binding
-from textual.widgets import Footer, Static
+from textual.widgets import Static
 
 from gpudeck.agents.errors import AgentError
 from gpudeck.agents.protocol import TERMINAL_STATES, RunInfo
@@ -19,8 +19,9 @@ from gpudeck.console.messages import HistoryLoaded
 from gpudeck.console.query import QueryError
 from gpudeck.console.screens.base import LiveScreen, deck
 from gpudeck.console.screens.run import relaunch, stop_flow
-from gpudeck.console.views import RunRow, history_rows, merge_rows, run_from_record, run_row_from_history, run_row_from_info, stamp
+from gpudeck.console.views import RunRow, history_rows_after, merge_rows, run_from_record, run_row_from_history, run_row_from_info, stamp
 from gpudeck.console.widgets.cells import STATE_WORDS, alerts_text, sortable, sparkline, state_text
+from gpudeck.console.widgets.footer import DeckFooter
 from gpudeck.console.widgets.header import AppHeader
 from gpudeck.console.widgets.keyed_table import Col, KeyedTable, cell_text, fit
 from gpudeck.console.widgets.progress import ProgressLine
@@ -39,7 +40,7 @@ COLUMNS = [
     Col("why", "ALERTS (live) / CAUSE (ended)", None),  # a live run has alerts, an ended one a cause: one column holds both
 ]
 ENDED_WORDS = frozenset(STATE_WORDS.get(s, s).split(" ")[0] for s in TERMINAL_STATES)
-HISTORY_QUERY = "limit:500"
+HISTORY_QUERY = "limit:100000"  # every run in the history (the filter looks through them all), newest first
 HISTORY_MIN_INTERVAL_S = 2.0  # history changes arrive with every synced event; the table is re-read at most this often
 AGENT_POLL_S = 5.0  # without a history: ask the agents for their runs this often
 AGENT_POLL_CONCURRENCY = 16
@@ -107,7 +108,7 @@ class RunsScreen(LiveScreen):
         yield table
         yield ProgressLine(id="runs-progress")
         yield Static("", id="runs-note", classes="note")
-        yield Footer()
+        yield DeckFooter()
 
     def on_mount(self) -> None:
         self._live: dict[str, dict[str, RunRow]] = {}  # host -> run id -> row, from its latest snapshot
@@ -115,6 +116,7 @@ class RunsScreen(LiveScreen):
         self._errors: dict[str, str] = {}
         self._history_due = True
         self._history_at = 0.0
+        self._history_mark: int | None = None  # the newest history event read (None: read the whole history)
         links = deck(self).fleet.links
         self.hosts_changed(set(links))
         if deck(self).fleet.history is not None:
@@ -165,7 +167,7 @@ class RunsScreen(LiveScreen):
             return
         t0 = time.monotonic()
         try:
-            rows = history_rows(history.path, HISTORY_QUERY)
+            rows, self._history_mark = history_rows_after(history.path, HISTORY_QUERY, self._history_mark)
             self.post_message(HistoryLoaded(HISTORY_QUERY, rows, seconds=time.monotonic() - t0))
         except (QueryError, OSError, Exception) as exc:  # a locked or missing file must not kill the screen
             self.post_message(HistoryLoaded(HISTORY_QUERY, [], error=f"history: {exc}"))
@@ -186,7 +188,7 @@ class RunsScreen(LiveScreen):
                 self._recorded[rid] = row
                 changed.add(rid)
         if changed or message.error:
-            self._show(changed)
+            self._show(changed, bulk=len(changed) > 200)
 
     @work(exclusive=True, group="runs-poll")
     async def poll_agents(self) -> None:
@@ -243,14 +245,20 @@ class RunsScreen(LiveScreen):
         merged = merge_rows([*live, *([rec] if rec else [])])
         return merged[rid]
 
-    def _show(self, ids: set[str]) -> None:
+    def _show(self, ids: set[str], bulk: bool = False) -> None:
         table = self.query_one("#runs-table", KeyedTable)
+        rows: dict[str, dict[str, object]] = {}
         for rid in ids:
             row = self._row(rid)
             if row is None:
                 table.drop(rid)
                 continue
-            table.upsert(rid, run_cells(row))
+            rows[rid] = run_cells(row)
+        if bulk:  # the first read of a large history: the table takes them in one go
+            table.upsert_many(rows)
+        else:
+            for rid, cells in rows.items():
+                table.upsert(rid, cells)
         self._note()
 
     def _note(self) -> None:

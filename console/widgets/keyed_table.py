@@ -27,6 +27,8 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from rich.segment import Segment
+from rich.style import Style
 from rich.text import Text
 from textual import on
 from textual.app import ComposeResult
@@ -191,6 +193,10 @@ class KeyedTable(DataTable):
         self._cells: dict[str, dict[str, object]] = {}
         self._literals: dict[str, list[object]] = {}  # row key -> its cells escaped for the DataTable (re-adds reuse them)
         self._order_keys: dict[str, tuple[Any, int]] = {}  # row key -> its place in the table's own order (kept until it changes)
+        self._order_all: list[str] | None = None  # every row key (shown or not) in the order in force; None: to be sorted again
+        self._packed: dict[
+            str, tuple[list[object], Any, dict[Any, object], Any]
+        ] = {}  # row key -> (its cells, DataTable's RowKey, row dict, Row)
         self._deferred: dict[str, dict[str, object]] = {}  # newer cells of rows out of view
         self._stale: set[tuple[str, str]] = set()  # cells written in place whose renders must be dropped
         self._stale_lines: set[int] = set()
@@ -209,6 +215,7 @@ class KeyedTable(DataTable):
         if old is None:
             self._cells[key] = dict(cells)
             self._seq[key] = next(self._counter)
+            self._order_all = None
             if not self._matches(key):
                 return 0
             n = self._add(key)
@@ -220,10 +227,11 @@ class KeyedTable(DataTable):
             self._order_later()
         if self.order is not None and any(newest.get(c) != cells.get(c) for c in self._order_columns):
             self._order_keys.pop(key, None)
+            self._order_all = None
             if self.sort_column is None:
                 self._order_later()
-        if self.filter_text and any(newest.get(c.key) != cells.get(c.key) for c in self.cols):
-            self._hay.pop(key, None)
+        if any(newest.get(c.key) != cells.get(c.key) for c in self.cols):
+            self._hay.pop(key, None)  # with or without a filter in force: the next filter reads its new text
         if key not in self._shown:
             self._cells[key] = dict(cells)
             self._literals.pop(key, None)
@@ -263,34 +271,48 @@ class KeyedTable(DataTable):
         return len(row)
 
     def _add_many(self, keys: list[str]) -> None:
-        """Show ``keys`` (in this order) in an empty table at once (a filter shows thousands again): DataTable's add_row
-        costs a reactive update and more per row; here its tables are built in one go (Textual 8.2's; add_row when
-        they are not there)."""
+        """Show exactly ``keys`` (in this order) instead of the rows shown now, at once (a filter shows thousands again).
+
+        DataTable's clear() walks every old row and add_row costs a reactive update and more per new row; here its
+        tables are replaced in one go, with each row's RowKey, cells and Row kept between filters, and the row order
+        DataTable would compute on the next paint given to it (Textual 8.2's internals; clear() and add_row when they
+        are not there)."""
         try:
             from textual._two_way_dict import TwoWayDict
+            from textual.coordinate import Coordinate
             from textual.widgets._data_table import Row, RowKey
 
             columns = [c.key for c in self.ordered_columns]
-            assert not self._data and not self.rows
-        except (ImportError, AttributeError, AssertionError):
+            self._clear_caches()
+        except (ImportError, AttributeError):
+            self.clear()
+            self._shown.clear()
             for key in keys:
                 self._add(key)
             return
         data: dict[Any, dict[Any, object]] = {}
         rows: dict[Any, Any] = {}
+        packed = self._packed
         for key in keys:
-            rk = RowKey(key)
-            data[rk] = dict(zip(columns, self._row_cells(key)))
-            rows[rk] = Row(rk, 1, None, False)
+            cells = self._row_cells(key)
+            p = packed.get(key)
+            if p is None or p[0] is not cells:  # new, or its cells changed since
+                rk = RowKey(key)
+                p = packed[key] = (cells, rk, dict(zip(columns, cells)), Row(rk, 1, None, False))
+            data[p[1]] = p[2]
+            rows[p[1]] = p[3]
         self._data = data
         self.rows = rows
         self._row_locations = TwoWayDict({rk: i for i, rk in enumerate(rows)})
         self._new_rows.update(rows)
-        self._shown.update(keys)
+        self._shown = set(keys)
         self.cells_written += len(keys) * len(columns)
         self._require_update_dimensions = True
         self._update_count += 1
-        self.cursor_coordinate = self.cursor_coordinate  # clamped to the new rows
+        self._ordered_row_cache[(len(rows), self._update_count)] = list(rows.values())  # what ordered_rows would build
+        self._offset_cache[self._update_count] = [(rk, 0) for rk in rows]  # and _y_offsets (every row 1 line high)
+        self.cursor_coordinate = Coordinate(0, 0)  # as clear() leaves it (the caller puts it back on its row)
+        self.scroll_x = self.scroll_y = self.scroll_target_x = self.scroll_target_y = 0
         self.check_idle()
         self.refresh()
 
@@ -360,6 +382,77 @@ class KeyedTable(DataTable):
             new_rows = ()
         super()._update_dimensions(new_rows)
 
+    # DataTable renders every cell through Rich's generic pipeline (Styled(Padding(cell)) -> render_lines: measure,
+    # wrap, split, crop, pad), about half a millisecond a cell: a filter that changes the rows shown re-renders the
+    # ~40 x 11 cells on screen, 100-200 ms on a loaded 2-core machine. For the cells these tables hold (one line of
+    # Text, no tab, no newline, no justify, no ellipsis) the same segments are built directly: the text's own
+    # segments, cropped or padded to the column, the padding either side, the row's and the component's styles over
+    # them (tests/unit/test_keyed_table_render.py checks they equal DataTable's, cell by cell). Anything else, or a
+    # Textual whose internals moved, goes through DataTable's own.
+    _fast_cells = True
+
+    def _render_cell(
+        self, row_index: int, column_index: int, base_style: Style, width: int, cursor: bool = False, hover: bool = False
+    ) -> Any:
+        if row_index < 0 or column_index < 0 or not KeyedTable._fast_cells:
+            return super()._render_cell(row_index, column_index, base_style, width, cursor, hover)
+        try:
+            row_key = self._row_locations.get_key(row_index)
+            column_key = self._column_locations.get_key(column_index)
+            key: Any = (
+                row_key,
+                column_key,
+                base_style,
+                cursor,
+                hover,
+                self._show_hover_cursor,
+                self._update_count,
+                self._pseudo_class_state,
+            )
+            cache: Any = self._cell_render_cache  # DataTable's, under DataTable's key: its cache and ours are one
+            if key in cache:
+                return cache[key]
+            row = self.rows[row_key]  # type: ignore[index]
+            cell = self._get_row_renderables(row_index)[1][column_index]
+            pad = self.cell_padding
+            if (
+                row.height != 1
+                or row_index < self.fixed_rows
+                or column_index < self.fixed_columns
+                or not isinstance(cell, Text)
+                or cell.justify not in (None, "default")
+                or cell.overflow not in (None, "fold", "crop")
+                or "\n" in cell.plain
+                or "\t" in cell.plain
+                or width - 2 * pad < 1
+            ):
+                return super()._render_cell(row_index, column_index, base_style, width, cursor, hover)
+            component_style, post_style = self._get_styles_to_render_cell(
+                False,
+                False,
+                False,
+                hover,
+                cursor,
+                self.show_cursor,
+                self._show_hover_cursor,
+                self.cursor_foreground_priority == "css",
+                self.cursor_background_priority == "css",
+            )
+        except (AttributeError, KeyError, TypeError, IndexError):
+            KeyedTable._fast_cells = False
+            return super()._render_cell(row_index, column_index, base_style, width, cursor, hover)
+        console = self.app.console
+        null = Style.null()
+        segments = cell.render(console, end="")  # its spans' styles; the text's own style under them, as Rich's join puts it
+        if cell.style:
+            segments = Segment.apply_style(segments, style=console.get_style(cell.style, default=null))
+        inner = Segment.adjust_line_length(list(segments), width - 2 * pad, style=null)
+        line = [Segment(" " * pad, null), *inner, Segment(" " * pad, null)] if pad else inner
+        pre = base_style + Style.from_meta({"row": row_index, "column": column_index}) + component_style
+        lines = [list(Segment.apply_style(line, style=pre, post_style=post_style))]
+        cache[key] = lines
+        return lines
+
     def render_lines(self, crop: Region) -> list[Strip]:
         if self._stale:
             self._drop_stale_renders()
@@ -402,12 +495,33 @@ class KeyedTable(DataTable):
             self._deferred.pop(key, None)
             self._hay.pop(key, None)
             self._literals.pop(key, None)
+            self._packed.pop(key, None)
             self._order_keys.pop(key, None)
+            self._order_all = None
             self._seq.pop(key, None)
             self.marks.discard(key)
             if key in self._shown:
                 self._shown.discard(key)
                 self.remove_row(key)
+
+    def upsert_many(self, rows: Mapping[str, Mapping[str, object]]) -> None:
+        """``upsert`` for each of ``rows``, the new ones shown in one go (thousands of rows added one by one cost
+        seconds: DataTable's add_row is a reactive update each)."""
+        new = [k for k in rows if k not in self._cells]
+        if len(new) < 100:
+            for k, cells in rows.items():
+                self.upsert(k, cells)
+            return
+        fresh = set(new)
+        for k in new:
+            self._cells[k] = dict(rows[k])
+            self._seq[k] = next(self._counter)
+        self._order_all = None
+        for k, cells in rows.items():
+            if k not in fresh:
+                self.upsert(k, cells)
+        self._rebuild(self._matching(self.filter_text), ordered=True)
+        self._say()
 
     def sync(self, rows: Mapping[str, Mapping[str, object]], *, remove_missing: bool = True) -> int:
         """Make the table show exactly ``rows`` (or at least them, without ``remove_missing``); returns cells written."""
@@ -424,6 +538,8 @@ class KeyedTable(DataTable):
         self._hay.clear()
         self._literals.clear()
         self._order_keys.clear()
+        self._packed.clear()
+        self._order_all = None
         self._seq.clear()
         self.marks.clear()
         self.clear()
@@ -542,6 +658,7 @@ class KeyedTable(DataTable):
         return sorted(keys, key=lambda k: self._seq.get(k, 0))
 
     def _order_later(self) -> None:
+        self._order_all = None
         if not self._order_due:
             self._order_due = True
             self.call_later(self.apply_order)
@@ -569,32 +686,43 @@ class KeyedTable(DataTable):
             self.move_cursor(row=0, animate=False)
 
     def set_filter(self, text: str) -> None:
-        """Show only the rows whose text has every word of ``text`` (case-insensitive); '' shows every row."""
+        """Show only the rows whose text has every word of ``text`` (case-insensitive); '' shows every row.
+
+        One pass over every row's lower-case text, kept between key presses, in the order in force (sorted once until
+        a row or the order changes): no sort and no per-row call on a key press."""
         text = text.strip()
         if text == self.filter_text:
             return
-        narrowing = bool(self.filter_text) and text.lower().startswith(self.filter_text.lower())
         self.filter_text = text
-        pool = self._shown if narrowing else self._cells.keys()  # typing on narrows: only shown rows can still match
-        words = text.lower().split()
-        hay = self._haystack
-        want = [k for k in pool if all(w in hay(k) for w in words)]
+        want = self._matching(text)
         if len(want) != len(self._shown) or not self._shown.issuperset(want):  # the same rows: nothing to redraw
-            self._rebuild(want)
+            self._rebuild(want, ordered=True)
         self._say()
 
-    def _rebuild(self, keys: Iterable[str]) -> None:
-        """Show exactly ``keys`` in the order in force (a filter change: one clear and one add per row, not O(n²) removes)."""
+    def _matching(self, text: str) -> list[str]:
+        """The keys of the rows with every word of ``text``, in the order in force."""
+        if self._order_all is None:
+            self._order_all = self._ordered(self._cells.keys())
+        want = self._order_all
+        hay = self._hay
+        for k in [k for k in want if k not in hay]:
+            self._haystack(k)
+        for word in text.lower().split():
+            want = [k for k in want if word in hay[k]]
+        return want
+
+    def _rebuild(self, keys: Iterable[str], ordered: bool = False) -> None:
+        """Show exactly ``keys`` in the order in force (already in it when ``ordered``): a filter change, one pass, not
+        O(n²) removes."""
         cur = self.cursor_key
         for key, cells in list(self._deferred.items()):
             self._cells[key] = {**self._cells.get(key, {}), **cells}
             self._literals.pop(key, None)
+            self._hay.pop(key, None)
         self._deferred.clear()
         self._stale.clear()
         self._stale_lines.clear()
-        self.clear()
-        self._shown.clear()
-        self._add_many(self._ordered(keys))
+        self._add_many(list(keys) if ordered else self._ordered(keys))
         if cur is not None and cur in self._shown:
             self.call_after_refresh(self.move_cursor_to_key, cur)
 

@@ -67,6 +67,10 @@ def test_runs_and_history_json_share_kind_cause_class_and_alerts(agent: AgentPro
         assert key in live and key in hist, key
     for key in ("id", "name", "kind", "state", "cause", "cause_class", "exit_code", "alerts"):
         assert live[key] == hist[key], (key, live[key], hist[key])
+    # one record shape: the same keys, in the same order (README, "One record shape", documents each)
+    assert list(live) == list(hist), (set(live) ^ set(hist), list(live), list(hist))
+    for key in ("host", "started", "ended", "spec", "argv", "cwd", "operator", "gpus", "env"):
+        assert live[key] == hist[key], (key, live[key], hist[key])
 
 
 def test_relaunch_and_rollback_of_a_plain_command_ask_for_no_start(agent: AgentProc) -> None:

@@ -174,14 +174,20 @@ def test_launch_dialog(snap_compare, app) -> None:  # type: ignore[no-untyped-de
     assert snap_compare(app, terminal_size=TALL, run_before=launch_form)
 
 
+async def preflight_llama(pilot):  # type: ignore[no-untyped-def]
+    """The launch form filled for llama-1b on GPU 1, then ctrl+s (pre-flight); returns the dialog."""
+    dialog = await open_launch(
+        pilot, python=PINNED_PYTHON, kind="fsdp", args="--model-config llama-1b --lr 3e-4", name="llama-1b", start="fresh"
+    )
+    dialog.query_one("#gpus", SelectionList).select(1)
+    await pilot.pause()
+    await pilot.press("ctrl+s")
+    return dialog
+
+
 def test_launch_dialog_with_the_preflight_result(snap_compare, app) -> None:  # type: ignore[no-untyped-def]
     async def preflight(pilot) -> None:  # type: ignore[no-untyped-def]
-        dialog = await open_launch(
-            pilot, python=PINNED_PYTHON, kind="fsdp", args="--model-config llama-1b --lr 3e-4", name="llama-1b", start="fresh"
-        )
-        dialog.query_one("#gpus", SelectionList).select(1)
-        await pilot.pause()
-        await pilot.press("ctrl+s")
+        dialog = await preflight_llama(pilot)
         # the verdict drawn and the dialog's progress line stopped (the fleet answering is not yet the dialog showing it)
         await until(
             lambda: "FAILED" in str(dialog.query_one("#preflight").render()) and not dialog.query_one("#launch-progress").running,

@@ -5,18 +5,23 @@ Same pinned clock and fixture data as test_snapshots.py; update with ``--snapsho
 
 from __future__ import annotations
 
+import types
 from pathlib import Path
 
+import msgspec
 import pytest
+from textual.widgets import Button
 
+from gpudeck.agents.protocol import LaunchSpec, PreflightResult, Snapshot
 from gpudeck.console.app import GpudeckApp
+from gpudeck.console.screens.dialogs import ConfirmDialog
 from gpudeck.console.screens.history import HistoryScreen
 from gpudeck.console.screens.leftovers import LeftoversScreen
 from gpudeck.console.screens.runs import RunsScreen
 from gpudeck.console.widgets.keyed_table import KeyedTable
-from tests.functional.fixture_fleet import GOOD, FixtureFleet
+from tests.functional.fixture_fleet import GIB, GOOD, T0, FixtureFleet, fixture_preflight, fixture_snapshot
 from tests.functional.helpers import mounted, open_host, press_for, until
-from tests.functional.test_snapshots import fixed_clock, settle  # noqa: F401  (fixed_clock: an autouse fixture)
+from tests.functional.test_snapshots import fixed_clock, preflight_llama, settle  # noqa: F401  (fixed_clock: an autouse fixture)
 
 
 @pytest.fixture
@@ -79,3 +84,71 @@ def test_leftovers_at_width(snap_compare, app, size) -> None:  # type: ignore[no
         await settle(pilot)
 
     assert snap_compare(app, terminal_size=size, run_before=leftovers)
+
+
+# ----------------------------------------------------------------------------- reclaim-and-launch's confirmation
+
+
+def holders_preflight(spec: LaunchSpec) -> PreflightResult:
+    """The fixture's verdict with the GPU-holder check naming two processes of the operator (ada) on GPU 1: a stale
+    one of an ended run and a foreign one, as an agent's pre-flight details them (so "Reclaim these and launch" is offered)."""
+    result = fixture_preflight(spec)
+    holders = [
+        {
+            "pid": 3301,
+            "gpu": 1,
+            "attribution": "STALE",
+            "user": "ada",
+            "used_bytes": 21 * GIB,
+            "run_id": "r-1b2c3d4e",
+            "run_ended": T0 - 5100,
+            "cmdline": ["python", "-m", "gpudeck.trainers.dflash", "--target", "llama-1b"],
+        },
+        {"pid": 999, "gpu": 1, "attribution": "FOREIGN", "user": "ada", "used_bytes": 3 * GIB, "cmdline": ["jupyter-kernel"]},
+    ]
+    message = "GPU 1 is held by pid 3301 (STALE: run r-1b2c3d4e, failed 1h25m ago, 21.0 GiB) and pid 999 (FOREIGN, ada, 3.0 GiB) (fixture)"
+    checks = [
+        msgspec.structs.replace(c, message=message, details={"holders": holders}) if c.name == "gpu_holders" else c for c in result.checks
+    ]
+    return msgspec.structs.replace(result, checks=checks)
+
+
+def holders_snapshot() -> Snapshot:
+    """gpu1's snapshot (what the plan reads the holders' ages from), its foreign process ada's as well."""
+    snap = fixture_snapshot()
+    gpus = [
+        msgspec.structs.replace(g, processes=[msgspec.structs.replace(p, user="ada") if p.pid == 999 else p for p in g.processes])
+        for g in snap.gpus
+    ]
+    return msgspec.structs.replace(snap, gpus=gpus)
+
+
+@pytest.mark.parametrize("size", WIDTHS)
+def test_reclaim_and_launch_confirmation_at_width(snap_compare, app, size, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """The Launch dialog's first action after pre-flight named the operator's own holders: the one confirmation, listing
+    exactly the pids that go (user, run, GiB per GPU, age, what each is, its command)."""
+    monkeypatch.setenv("LOGNAME", "ada")  # the operator (getpass reads LOGNAME first)
+    monkeypatch.setenv("USER", "ada")
+    monkeypatch.setattr("gpudeck.console.ops.holders.time", types.SimpleNamespace(time=lambda: T0 + 300.0))  # the ages
+    fleet = app.fleet
+    monkeypatch.setattr(fleet, "preflight", lambda host, spec: _answer(fleet, host, spec))
+    monkeypatch.setattr(fleet, "snapshot", _snapshot)
+    fleet.links["gpu1"].status.snapshot = holders_snapshot()
+
+    async def confirm(pilot) -> None:  # type: ignore[no-untyped-def]
+        dialog = await preflight_llama(pilot)
+        await until(lambda: "Reclaim these and launch" in str(dialog.query_one("#launch", Button).label), what="the reclaim offer")
+        await pilot.press("ctrl+s")
+        await until(lambda: mounted(pilot.app, ConfirmDialog), what="the reclaim confirmation")
+        await settle(pilot)
+
+    assert snap_compare(app, terminal_size=size, run_before=confirm)
+
+
+async def _answer(fleet: FixtureFleet, host: str, spec: LaunchSpec) -> PreflightResult:
+    fleet.preflighted.append((host, spec))
+    return holders_preflight(spec)
+
+
+async def _snapshot(host: str) -> Snapshot:
+    return holders_snapshot()

@@ -170,6 +170,31 @@ async def test_runs_stop_from_the_list_lists_the_processes_and_stops_through_the
         await until(lambda: mounted(app, RunsScreen), what="the Runs screen again")
 
 
+def test_stop_confirmation_names_the_user_of_every_member_not_only_those_on_a_gpu() -> None:
+    """The USER column read only the GPU processes: a member holding no GPU memory (a CPU worker, a run on simulated
+    GPUs) showed '-'. The snapshot's process rows name every live member's user."""
+    import msgspec
+
+    from gpudeck.agents.protocol import Member, ProcInfo
+    from gpudeck.console.screens.run import stop_confirm_text
+    from tests.functional.fixture_fleet import fixture_snapshot
+
+    snap = fixture_snapshot()
+    run = snap.runs[0]
+    run = msgspec.structs.replace(
+        run,
+        members=[
+            Member(pid=4400, create_time=1.0, role="shim"),
+            *run.members,  # 4412: on GPU 0, user ada
+            Member(pid=4413, create_time=2.0, role="worker", rank=1, cmdline=["python", "worker.py"]),
+        ],
+    )
+    snap = msgspec.structs.replace(snap, processes=[ProcInfo(pid=4413, user="grace", create_time=2.0, run_id=run.id)])
+    lines = stop_confirm_text(run, "gpu1", snap).plain.splitlines()
+    row = {ln.split()[0]: ln.split()[1] for ln in lines if ln.strip()[:4].isdigit()}
+    assert row == {"4412": "ada", "4413": "grace"}  # the shim is not listed; no member reads '-'
+
+
 async def test_runs_tail_and_relaunch_from_the_list(fleet: FixtureFleet) -> None:
     app = GpudeckApp(fleet)
     async with app.run_test(size=SIZE) as pilot:

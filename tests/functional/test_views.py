@@ -106,3 +106,27 @@ def test_a_long_value_in_a_diff_cell_starts_near_where_it_differs() -> None:
     )
     assert from_difference(a, b) == ("…g llama-1b --lr 3e-4", "…g llama-1b --lr 1e-4")  # 16 characters before the first difference
     assert from_difference("short a", "short b") == ("short a", "short b")
+
+
+def test_history_rows_after_reads_everything_once_then_only_the_runs_an_event_changed(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """The Runs screen reads the whole history once, then only what changed (by event number, not by the hosts'
+    clocks): a run on another host whose event carries an older time still comes, with every node of its id."""
+    from gpudeck.agents.protocol import Event
+    from gpudeck.console.views import history_rows_after
+
+    fleet = FixtureFleet(tmp_path / "h.db")
+    assert fleet.history is not None
+    try:
+        everything, mark = history_rows_after(fleet.history.path, "limit:100000", None)
+        assert {r.id for r in everything} == {r.id for r in history_rows(fleet.history.path, "limit:100000")} and mark > 0
+        assert history_rows_after(fleet.history.path, "", mark) == ([], mark)  # nothing new: nothing read
+        # the same run id recorded on a second host (a multi-node run), its event stamped long ago
+        fleet.history.cursor("gpu9", "e9")
+        ev = Event(seq=1, ts=1.0, kind="run_created", run_id=LIVE, data={"state": "starting", "spec": {"argv": ["x"], "kind": "fsdp"}})
+        fleet.history.submit("gpu9", "e9", [ev]).result(30)
+        changed, mark2 = history_rows_after(fleet.history.path, "", mark)
+        assert mark2 > mark
+        assert sorted((r.host, r.id) for r in changed) == [("gpu1", LIVE), ("gpu9", LIVE)]
+        assert history_rows_after(fleet.history.path, "", mark2) == ([], mark2)
+    finally:
+        fleet.history.close()

@@ -1,0 +1,125 @@
+"""KeyedTable's own cell render (console/widgets/keyed_table.py, ``_render_cell``) gives exactly DataTable's segments.
+
+The fast path builds a one-line cell's segments directly instead of through Rich's generic pipeline (a filter that
+changes the rows re-renders every cell on screen). Each cell of a table with plain, styled, multi-span, wide,
+cropped, markup-looking and empty cells is rendered both ways, on the cursor row, a hovered row and zebra rows.
+"""
+
+from __future__ import annotations
+
+from rich.text import Text
+from textual.app import App, ComposeResult
+from textual.coordinate import Coordinate
+from textual.widgets import DataTable
+
+from gpudeck.console.widgets.keyed_table import Col, KeyedTable
+
+COLS = [Col("a", "A", 6), Col("b", "B", 12), Col("c", "C", 4), Col("d", "D", 20)]
+
+
+def rows() -> dict[str, dict[str, object]]:
+    styled = Text("fail", style="bold red")
+    spans = Text("12,345 ")
+    spans.append("▁▂▃▅▇", style="cyan")
+    return {
+        "r1": {"a": "plain", "b": "a [b]markup[/b] look", "c": "", "d": styled},
+        "r2": {"a": "toolongforthecolumn", "b": spans, "c": "宽字符", "d": "ends in a wide 字"},
+        "r3": {"a": Text("x", style="on blue"), "b": "-", "c": "1", "d": Text.assemble(("ok", "green"), " then ", ("no", "red"))},
+        "r4": {"a": "é", "b": "tab\tin it", "c": "two\nlines", "d": "x" * 40},
+    }
+
+
+class TableApp(App[None]):
+    def compose(self) -> ComposeResult:
+        yield KeyedTable(COLS, id="t", markable=True)
+
+
+async def test_the_fast_cell_render_gives_datatables_segments() -> None:
+    app = TableApp()
+    async with app.run_test(size=(80, 12)) as pilot:
+        table = app.query_one(KeyedTable)
+        table.sync(rows())
+        table.set_marked("r2", True)
+        await pilot.pause()
+        table.cursor_coordinate = Coordinate(1, 0)
+        table.hover_coordinate = Coordinate(2, 0)
+        await pilot.pause()
+        assert KeyedTable._fast_cells
+        checked = 0
+        for row_index in range(table.row_count):
+            base = table._get_row_style(row_index, table.rich_style)
+            for column_index, column in enumerate(table.ordered_columns):
+                for cursor, hover in ((False, False), (True, False), (False, True)):
+                    table._clear_caches()
+                    mine = table._render_cell(row_index, column_index, base, column.get_render_width(table), cursor, hover)
+                    table._clear_caches()
+                    theirs = DataTable._render_cell(table, row_index, column_index, base, column.get_render_width(table), cursor, hover)
+                    assert mine == theirs, (
+                        row_index,
+                        column.key,
+                        cursor,
+                        hover,
+                        [[(s.text, str(s.style)) for s in ln] for ln in mine],
+                        [[(s.text, str(s.style)) for s in ln] for ln in theirs],
+                    )
+                    checked += 1
+        assert checked == 4 * 5 * 3
+
+
+async def test_upsert_many_and_the_filter_show_what_upsert_one_by_one_shows() -> None:
+    """The bulk add (a large history's first read) and the filter's one-pass re-add give the rows, order, cursor and
+    count that the row-by-row path gives, and a row that changed while no filter was in force is found by its new text."""
+    many = {f"k{i:04d}": {"a": f"n{i % 7}", "b": f"x{i}", "c": "", "d": "new" if i % 3 else "old"} for i in range(300)}
+
+    class Two(App[None]):
+        def compose(self) -> ComposeResult:
+            yield KeyedTable(COLS, id="one", order=lambda c: str(c.get("d")), order_columns=("d",))
+            yield KeyedTable(COLS, id="bulk", order=lambda c: str(c.get("d")), order_columns=("d",))
+
+    app = Two()
+    async with app.run_test(size=(80, 30)) as pilot:
+        one, bulk = app.query_one("#one", KeyedTable), app.query_one("#bulk", KeyedTable)
+        for k, cells in many.items():
+            one.upsert(k, cells)
+        one.apply_order()
+        bulk.upsert_many(many)
+        await pilot.pause()
+        assert bulk.keys() == one.keys() and bulk.row_count == 300 and bulk.keys()[0] == "k0001"  # "new" sorts first
+        for table in (one, bulk):
+            table.upsert("k0003", {**many["k0003"], "b": "renamed"})  # no filter in force
+            table.set_filter("n3 renamed")
+        await pilot.pause()
+        assert bulk.keys() == one.keys() == ["k0003"] and "1 of 300 rows match" in bulk.describe()
+        for table in (one, bulk):
+            table.set_filter("n3")
+        await pilot.pause()
+        assert bulk.keys() == one.keys() and len(bulk.keys()) == len([c for c in many.values() if c["a"] == "n3"])
+        for table in (one, bulk):
+            table.set_filter("")
+        await pilot.pause()
+        assert bulk.keys() == one.keys() and bulk.row_count == 300 and bulk.cursor_key is not None
+
+
+async def test_the_footer_is_rebuilt_once_for_bindings_that_change_together() -> None:
+    """Textual's Footer remounts every key on each bindings signal; DeckFooter once for signals before its rebuild."""
+    from textual.binding import Binding
+
+    from gpudeck.console.widgets.footer import DeckFooter
+
+    class FooterApp(App[None]):
+        BINDINGS = [Binding("x", "bell", "Ring")]
+
+        def compose(self) -> ComposeResult:
+            yield DeckFooter()
+
+    app = FooterApp()
+    async with app.run_test(size=(80, 5)) as pilot:
+        footer = app.query_one(DeckFooter)
+        await pilot.pause()
+        before = footer.rebuilds
+        for _ in range(5):
+            app.screen.refresh_bindings()
+        await pilot.pause()
+        await pilot.pause()
+        assert footer.rebuilds == before + 1
+        assert "Ring" in str(app.export_screenshot())
