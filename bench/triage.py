@@ -21,8 +21,9 @@ Recorder at its default buffer (``TORCH_FR_BUFFER_SIZE=0`` turns it off): ``fsdp
 ``llama-1b`` preset, bf16, batch 8 x seq 1024), one process per setting in the order off, timing, fr, both, repeated ``--gpu-repeats`` times and
 ended by one more off, each the median tokens/s of its steps after the warm-up; each setting against
 the mean of the ``off`` runs, whose own spread is the noise floor. With ``--gpu-ab-steps N``, first one process of N steps with the
-measurement on in alternate blocks of 5 steps (``GPUDECK_COMPUTE_TIMING=ab:5``): timed against untimed
-steps of the same run, free of the between-process noise. Goal: <= 1%.
+measurement on in alternate blocks of 20 steps (``GPUDECK_COMPUTE_TIMING=ab:20``; inside an "on" block
+the trainer times one step in four, as it does by default): the mean step time of the "on" blocks
+against the "off" blocks of the same run, free of the between-process noise. Goal: <= 1%.
 
 Usage: python bench/triage.py [--ranks 4,16] [--hang-after 5] [--overhead-only] [--gpu-overhead [--gpu-steps N]]
 """
@@ -140,7 +141,7 @@ def overhead(n: int = 4000) -> float:
 
 
 GPU_MODEL = "llama-1b"  # trainers/presets.py: a 1.1B Llama, the size the MFU benchmarks (RESULTS 14) use
-AB_BLOCK = 5
+AB_BLOCK = 20  # steps per block: with one step in 4 timed (trainers/diagnostics.py), 5 timed steps in each "on" block
 GPU_SETTINGS = {  # name -> environment: the measurement and the Flight Recorder on or off
     "off": {"GPUDECK_COMPUTE_TIMING": "0", "TORCH_FR_BUFFER_SIZE": "0", "TORCH_NCCL_TRACE_BUFFER_SIZE": "0"},
     "timing": {"GPUDECK_COMPUTE_TIMING": "1", "TORCH_FR_BUFFER_SIZE": "0", "TORCH_NCCL_TRACE_BUFFER_SIZE": "0"},
@@ -174,9 +175,11 @@ def gpu_run(setting: str, steps: int, warmup: int, work: Path) -> dict[str, Any]
     st = [r for r in recs if r["type"] == "step" and r["step"] > warmup]
     timed = [r for r in st if "compute_s" in r]
     if setting == "ab":  # step s is the process's (s-1)-th: timed in blocks 0, 2, 4, ... of AB_BLOCK
-        on = [r["tokens_per_s"] for r in st if ((r["step"] - 1) // AB_BLOCK) % 2 == 0]
-        off = [r["tokens_per_s"] for r in st if ((r["step"] - 1) // AB_BLOCK) % 2 == 1]
-        return {"setting": setting, "on": statistics.median(on), "off": statistics.median(off), "n": (len(on), len(off))}
+        # the mean step time of each class (a cost on one step in four is in the mean, not in a median)
+        on = [r["step_time_s"] for r in st if ((r["step"] - 1) // AB_BLOCK) % 2 == 0]
+        off = [r["step_time_s"] for r in st if ((r["step"] - 1) // AB_BLOCK) % 2 == 1]
+        tokens = st[0]["tokens_per_s"] * st[0]["step_time_s"]
+        return {"setting": setting, "on": tokens / statistics.mean(on), "off": tokens / statistics.mean(off), "n": (len(on), len(off))}
     return {
         "setting": setting,
         "tps": statistics.median(r["tokens_per_s"] for r in st),
@@ -199,7 +202,7 @@ def gpu_overhead(steps: int, warmup: int, repeats: int, ab_steps: int) -> None:
             ab = gpu_run("ab", ab_steps, warmup, work)
             print(
                 f"RESULT overhead.same_run compute timing on {ab['on']:,.0f} tok/s, off {ab['off']:,.0f} tok/s "
-                f"(median of {ab['n'][0]} and {ab['n'][1]} steps after {warmup}, alternate blocks of {AB_BLOCK} in one "
+                f"(mean step time of {ab['n'][0]} and {ab['n'][1]} steps after {warmup}, alternate blocks of {AB_BLOCK} in one "
                 f"process): {100 * (1 - ab['on'] / ab['off']):+.2f}% cost",
                 flush=True,
             )

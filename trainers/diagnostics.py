@@ -37,10 +37,14 @@
     Events on one stream complete in order, so each bracket's elapsed time is
     the stall (plus the small copy-out/in kernels it encloses), and
     ``compute_s = elapsed(step) - sum(stalls)``, ``wait_s = sum(stalls)``.
-    The events are read a step late (the previous step's, which the host has
-    long passed: ``Event.query`` is True), so measuring adds no synchronisation;
-    the record of step N carries step N-1's figures and says so
-    (``timed_step``). Events come from a pool and are reused.
+    One step in ``CUDA_TIMING_EVERY`` (4) is timed: bracketing every step cost
+    2.1% of tokens/s on the H200 (bench/RESULTS.md section 20), one in four
+    costs a quarter of that; ``GPUDECK_COMPUTE_TIMING=every:K`` times one in K.
+    A timed step's events are read at the end of the next step (the host has
+    long passed them: ``Event.query`` is True), so measuring adds no
+    synchronisation; that record carries the timed step's figures and says so
+    (``timed_step``); the other records carry none. Events come from a pool
+    and are reused.
     ``GPUDECK_COMPUTE_TIMING=0`` turns either clock off (bench/triage.py's
     overhead comparison); ``GPUDECK_COMPUTE_TIMING=ab:N`` (the benchmark's
     same-run comparison) times the CUDA steps in alternate blocks of N
@@ -88,6 +92,7 @@ SLEEP_ENV = "GPUDECK_TEST_SLEEP_AT_STEP"
 FR_BUFFER_ENTRIES = 2000  # Flight Recorder entries kept per rank (torch's own default is 0: off)
 FR_DUMP_ENTRIES = 256  # the newest entries a dump on request carries (the summary needs the last few per group)
 FR_POLL_S = 0.25  # how often the dump thread looks for the agent's request
+CUDA_TIMING_EVERY = 4  # on CUDA one step in this many is timed: timing every step cost 2.1% of tokens/s (RESULTS 20)
 TIMING_ENV = "GPUDECK_COMPUTE_TIMING"  # "0": no compute_s/wait_s (the overhead benchmark's "without")
 
 _dump_file: IO[str] | None = None  # kept open for the process's life: faulthandler writes to its fd
@@ -217,11 +222,12 @@ class CudaComputeClock:
         self._pool: list[Any] = []
         self._open: list[Any] | None = None  # this step's events: [start, (before, after)*, end]
         self._depth = 0  # nested stall brackets (post_backward inside the final callback) count once
-        self._pending: tuple[int | None, list[Any]] | None = None  # the last closed step, read a step late
+        self._pending: tuple[int, list[Any]] | None = None  # the last timed step, read at the next step's end
         self._step = 0
         self._marks = 0
         spec = os.environ.get(TIMING_ENV, "")
-        self._ab = int(spec[3:]) if spec.startswith("ab:") and spec[3:].isdigit() and int(spec[3:]) > 0 else 0
+        self._ab = _spec_int(spec, "ab:", 0)  # the benchmark's alternate blocks of steps (0: none)
+        self.every = _spec_int(spec, "every:", CUDA_TIMING_EVERY)  # one step in this many is timed
         self.patched = self._patch_fsdp()
         CudaComputeClock.current = self  # the patched methods bracket for the newest clock (a trainer has one)
 
@@ -281,7 +287,7 @@ class CudaComputeClock:
         """Open a step: its start event on the current stream (not in the untimed blocks of ``ab:N``)."""
         k, self._marks = self._marks, self._marks + 1
         self._depth = 0
-        if self._ab and (k // self._ab) % 2:
+        if (self._ab and (k // self._ab) % 2) or k % self.every:
             self._open = None
             return
         self._open = [self._event()]
@@ -295,22 +301,25 @@ class CudaComputeClock:
         return {"compute_s": round(max(0.0, total - stalls) / 1000, 5), "wait_s": round(stalls / 1000, 5)}
 
     def split(self, step_seconds: float, start: Any, step: int | None = None) -> dict[str, float | int]:
-        """Close this step and return the previous step's ``compute_s``/``wait_s`` (``timed_step``: which step), or {}."""
-        if self._open is None:
-            return {}
-        events, self._open = self._open + [self._event()], None
-        if len(events) % 2:  # a bracket left open (an exception inside it): drop the step
-            self._pending = None
-            return {}
+        """Close this step; return the last timed step's ``compute_s``/``wait_s`` once its events are done (``timed_step``: which step), or {}."""
         self._step += 1
         out: dict[str, float | int] = {}
         if self._pending is not None:
             got = self._read(self._pending[1])
             if got is not None:
-                out = {**got, "timed_step": self._pending[0] if self._pending[0] is not None else self._step - 1}
-                out["stalls"] = (len(self._pending[1]) - 2) // 2
-        self._pending = (step, events)
+                out = {**got, "timed_step": self._pending[0], "stalls": (len(self._pending[1]) - 2) // 2}
+                self._pending = None
+        if self._open is not None:
+            events, self._open = self._open + [self._event()], None
+            if len(events) % 2 == 0:  # an odd count is a bracket left open (an exception inside it): the step is dropped
+                self._pending = (step if step is not None else self._step, events)
         return out
+
+
+def _spec_int(spec: str, prefix: str, default: int) -> int:
+    """N from ``GPUDECK_COMPUTE_TIMING=<prefix>N`` (a positive integer), else ``default``."""
+    tail = spec[len(prefix) :] if spec.startswith(prefix) else ""
+    return int(tail) if tail.isdigit() and int(tail) > 0 else default
 
 
 def step_clock(on_cuda: bool) -> StepClock:

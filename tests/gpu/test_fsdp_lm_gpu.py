@@ -94,7 +94,7 @@ def _check_compute_split(manifest: dict, steps: list[dict]) -> None:
     assert manifest["compute_timing"].startswith("CUDA events"), manifest["compute_timing"]
     by_step = {r["step"]: r for r in steps}
     timed = [r for r in steps if "compute_s" in r]
-    assert timed and len(timed) >= len(steps) - 1, steps
+    assert timed and len(timed) >= (len(steps) - 1) // 4, steps  # one step in four is timed on CUDA
     for r in timed:
         assert r["timed_step"] == r["step"] - 1 and r["compute_s"] > 0 and r["wait_s"] >= 0 and r["stalls"] >= 2, r
         own = by_step.get(r["timed_step"])

@@ -299,6 +299,7 @@ def test_cuda_compute_clock_subtracts_fsdp_stalls_and_reports_a_step_late(monkey
     from gpudeck.trainers.diagnostics import CudaComputeClock
 
     monkeypatch.setattr(torch.cuda, "Event", _HostEvent)
+    monkeypatch.setenv("GPUDECK_COMPUTE_TIMING", "every:1")  # every step timed here (the default is one in four)
     clock = CudaComputeClock()
     assert clock.patched == [
         "FSDPParamGroup.wait_for_unshard",
@@ -325,6 +326,25 @@ def test_cuda_compute_clock_subtracts_fsdp_stalls_and_reports_a_step_late(monkey
     for rec, timed in zip(got[1:], (1, 2), strict=True):
         assert rec["timed_step"] == timed and rec["stalls"] >= 5, rec  # 3 unshard waits (forward) + backward's + the trainer's
         assert 0.05 <= rec["wait_s"] < 0.5 and 0.02 <= rec["compute_s"] < 0.5, rec
+
+
+def test_cuda_compute_clock_times_one_step_in_four_and_reports_it_with_the_next(monkeypatch) -> None:
+    import pytest
+
+    torch = pytest.importorskip("torch")
+    from gpudeck.trainers.diagnostics import CudaComputeClock
+
+    monkeypatch.setattr(torch.cuda, "Event", _HostEvent)
+    monkeypatch.delenv("GPUDECK_COMPUTE_TIMING", raising=False)
+    clock = CudaComputeClock()
+    assert clock.every == 4
+    got = {}
+    for step in range(1, 11):
+        clock.mark()
+        with clock.stall():
+            time.sleep(0.002)
+        got[step] = clock.split(0.0, None, step)
+    assert {s: r["timed_step"] for s, r in got.items() if r} == {2: 1, 6: 5, 10: 9}
 
 
 def test_py_spy_error_is_its_error_line_and_first_cause_without_the_backtrace() -> None:
