@@ -206,9 +206,11 @@ def gpu_overhead(steps: int, warmup: int, repeats: int, ab_steps: int) -> None:
                 f"process): {100 * (1 - ab['on'] / ab['off']):+.2f}% cost",
                 flush=True,
             )
-        runs = [gpu_run(s, steps, warmup, work) for s in order]
+        runs = [gpu_run(s, steps, warmup, work) for s in order] if repeats else []
     finally:
         shutil.rmtree(work, ignore_errors=True)
+    if not runs:
+        return
     base = [r["tps"] for r in runs if r["setting"] == "off"]
     ref = statistics.mean(base)
     print(
