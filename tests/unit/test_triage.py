@@ -359,3 +359,26 @@ def test_py_spy_error_is_its_error_line_and_first_cause_without_the_backtrace() 
         "Error: Failed to get process executable name. Check that the process is running. (Permission denied (os error 13))"
     )
     assert py_spy_error("", 3) == "exit code 3"
+
+
+def test_source_line_reads_only_what_the_runs_user_could_and_follows_no_link(tmp_path) -> None:
+    """A run's stack can name any path; the agent (maybe root) quotes a line only from a file that user may read."""
+    import os
+
+    from gpudeck.agents.triage import source_line
+
+    secret = tmp_path / "secret"
+    secret.write_text("root-only line\n")
+    os.chmod(secret, 0o600)
+    public = tmp_path / "public.py"
+    public.write_text("x = 1\ntime.sleep(seconds)\n")
+    os.chmod(public, 0o644)
+    link = tmp_path / "link.py"
+    link.symlink_to(public)
+    me = os.getuid()
+    assert source_line(str(public), 2, uid=None) == "time.sleep(seconds)"
+    assert source_line(str(secret), 1, uid=me) == "root-only line"  # the run's own file
+    assert source_line(str(secret), 1, uid=me + 12345) is None  # another user's private file
+    assert source_line(str(secret), 1, uid=None) is None
+    assert source_line(str(link), 2, uid=me) is None  # a link is not followed
+    assert source_line("/dev/zero", 1, uid=me) is None  # not a regular file
