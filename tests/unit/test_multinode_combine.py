@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from gpudeck.agents.protocol import LaunchSpec, RunInfo
-from gpudeck.console.formats import run_json
+from gpudeck.console.formats import RECORD_KEYS, record_shape, run_json
 from gpudeck.console.multinode import combine, group_runs
 from gpudeck.console.records import RunRecord
 
@@ -41,7 +41,8 @@ def _info(host: str, rid: str, rank: int | None, state: str) -> RunInfo:
 def test_gpudeck_runs_prints_a_multi_node_run_as_one_object_and_a_lone_run_as_the_agent_said() -> None:
     runs = [_info("nodeb", "r-2", 1, "failed"), _info("nodea", "r-2", 0, "succeeded"), _info("gpu1", "r-1", None, "running")]
     multi, lone = group_runs(runs)
-    assert lone == run_json(runs[2])
-    assert list(multi) == [*run_json(runs[1]), "hosts", "ranks_seen", "nodes"]  # node 0's object, the combined fields in place, then these
+    # one record shape (README): the history's keys in their order, each from the agent's run where it has one
+    assert lone == record_shape(run_json(runs[2]), RunRecord.from_info(runs[2]).as_json())
+    assert list(multi)[: len(RECORD_KEYS)] == list(RECORD_KEYS) and {"hosts", "nodes"} <= set(multi)
     assert (multi["host"], multi["hosts"], multi["state"]) == ("nodea+nodeb", ["nodea", "nodeb"], "failed")
     assert multi["nodes"] == [{"host": "nodea", "state": "succeeded", "cause": None}, {"host": "nodeb", "state": "failed", "cause": None}]
