@@ -20,6 +20,7 @@ seq 58 (gloo:all_gather): rank 2 is behind".
 
 from __future__ import annotations
 
+import errno
 import os
 import secrets
 import stat
@@ -100,8 +101,8 @@ def read_dump(run_dir: str, rank: int, pid: int, nonce: str) -> FrDump | str | N
         return None
     try:
         f = os.open(f"rank{rank}.{pid}.json", os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=fd)
-    except OSError:
-        return None
+    except OSError as exc:
+        return "its dump is a symbolic link (not followed)" if exc.errno == errno.ELOOP else None
     finally:
         os.close(fd)
     try:
@@ -117,25 +118,32 @@ def read_dump(run_dir: str, rank: int, pid: int, nonce: str) -> FrDump | str | N
         os.close(f)
     try:
         dump = _DECODER.decode(data)
-    except msgspec.DecodeError:
-        return None  # written beside and renamed in: an undecodable file is an old or foreign one, not a torn write
+    except msgspec.DecodeError as exc:  # written beside and renamed in: never a torn write, so a malformed dump
+        return f"its dump does not decode ({exc})"[:300]
     if dump.nonce != nonce or dump.rank != rank or dump.pid != pid:
         return None
     return dump
 
 
 def collect(run_dir: str, ranks: Sequence[tuple[int, int]], nonce: str, wait_s: float = WAIT_S) -> dict[int, FrDump | str]:
-    """Every (rank, pid)'s answer, waiting up to ``wait_s`` for those not in yet; a rank without one is left out."""
-    got: dict[int, FrDump | str] = {}
+    """Every (rank, pid)'s answer, waiting up to ``wait_s`` for those not in yet; a rank without one is left out.
+
+    A refused file (a link, too large, malformed) is looked at again until the deadline, since the rank may still
+    write its answer over it; at the deadline the reason stands for that rank."""
+    got: dict[int, FrDump] = {}
+    refused: dict[int, str] = {}
     deadline = time.monotonic() + wait_s
     while True:
         for rank, pid in ranks:
             if rank not in got:
                 d = read_dump(run_dir, rank, pid, nonce)
-                if d is not None:
+                if isinstance(d, FrDump):
                     got[rank] = d
+                    refused.pop(rank, None)
+                elif d is not None:
+                    refused[rank] = d
         if len(got) == len(ranks) or time.monotonic() >= deadline:
-            return got
+            return {**refused, **got}
         time.sleep(0.1)
 
 

@@ -255,15 +255,18 @@ def test_flight_recorder_request_read_and_summary_name_the_rank_behind(tmp_path:
         "Flight Recorder (default_pg): rank 2 last completed gloo:all_reduce seq 57; "
         "ranks 0, 1 and 3 are in seq 58 (gloo:all_gather): rank 2 is behind"
     ), line
-    # hostile files: a stale nonce, an unknown field, a link, an oversized file: none is taken, each rank is said missing
+    # hostile files: a stale nonce, an unknown field, a link, an oversized file: none is taken; each refused one says why
     (folder / "rank0.100.json").write_text(json.dumps(_fr_dump(0, 100, "old", 57, 58)))
     (folder / "rank1.101.json").write_text(json.dumps({**_fr_dump(1, 101, nonce, 1, None), "extra": [[[[1]]]]}))
     (folder / "rank2.102.json").unlink()
     (folder / "rank2.102.json").symlink_to(folder / "rank3.103.json")
     (folder / "rank3.103.json").write_bytes(b" " * (fr.MAX_DUMP_BYTES + 1))
     dumps = fr.collect(str(tmp_path), [(r, 100 + r) for r in range(4)], nonce, wait_s=0.2)
-    assert list(dumps) == [3] and "over the" in str(dumps[3])
-    assert fr.summarise(dumps, range(4)).startswith("Flight Recorder: no dump from ranks 0, 1 and 2 within")
+    assert sorted(dumps) == [1, 2, 3] and "over the" in str(dumps[3]), dumps
+    assert "does not decode" in str(dumps[1]) and "symbolic link" in str(dumps[2]), dumps
+    line = fr.summarise(dumps, range(4))
+    assert line.startswith("Flight Recorder: no dump from rank 0 within"), line
+    assert "rank 1: its dump does not decode" in line and "rank 2: its dump is a symbolic link" in line, line
     # a request folder that is a link is not written through
     (tmp_path / "elsewhere").mkdir()
     folder.rename(tmp_path / "old_fr")
