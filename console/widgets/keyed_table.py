@@ -23,6 +23,7 @@ clearing the filter shows them as they are now.
 from __future__ import annotations
 
 import itertools
+import operator
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -195,11 +196,17 @@ class KeyedTable(DataTable):
         self._order_keys: dict[str, tuple[Any, int]] = {}  # row key -> its place in the table's own order (kept until it changes)
         self._order_all: list[str] | None = None  # every row key (shown or not) in the order in force; None: to be sorted again
         self._packed: dict[
-            str, tuple[list[object], Any, dict[Any, object], Any]
-        ] = {}  # row key -> (its cells, DataTable's RowKey, row dict, Row)
+            str, tuple[list[object], Any, dict[Any, object], Any, tuple[Any, int]]
+        ] = {}  # row key -> (its cells, DataTable's RowKey, row dict, Row, its y offset entry)
         self._deferred: dict[str, dict[str, object]] = {}  # newer cells of rows out of view
         self._stale: set[tuple[str, str]] = set()  # cells written in place whose renders must be dropped
         self._stale_lines: set[int] = set()
+        self._full: tuple[list[Any], dict[Any, Any], dict[Any, Any], dict[Any, int], list[Any], list[Any]] | None = (
+            None  # _add_many's last every-row tables
+        )
+        self._inner: dict[Any, dict[Any, tuple[object, int, list[Segment]]]] = {}  # row -> column -> (cell, width, segments)
+        self._styled: dict[tuple[int, Any], tuple[list[Segment], list[Segment]]] = {}  # those segments under a row's styles
+        self._pass: dict[Any, Style] | None = None  # styles read once per render_lines (DataTable reads them per line)
         self._fixed = {c.key for c in self.cols if c.width is not None}
         self.cells_written = 0  # how many cells the table was asked to redraw (tests keep updates O(changed))
         if markable:
@@ -290,27 +297,39 @@ class KeyedTable(DataTable):
             for key in keys:
                 self._add(key)
             return
-        data: dict[Any, dict[Any, object]] = {}
-        rows: dict[Any, Any] = {}
-        packed = self._packed
+        packed, literals = self._packed, self._literals
+        plist = []
         for key in keys:
-            cells = self._row_cells(key)
+            cells = literals.get(key) or self._row_cells(key)
             p = packed.get(key)
             if p is None or p[0] is not cells:  # new, or its cells changed since
                 rk = RowKey(key)
-                p = packed[key] = (cells, rk, dict(zip(columns, cells)), Row(rk, 1, None, False))
-            data[p[1]] = p[2]
-            rows[p[1]] = p[3]
+                p = packed[key] = (cells, rk, dict(zip(columns, cells)), Row(rk, 1, None, False), (rk, 0))
+            plist.append(p)
+        full = self._full
+        if full is not None and len(full[0]) == len(plist) and all(map(operator.is_, full[0], plist)):
+            # every row again, none changed since (a filter erased): copies of the last full tables, no key hashed again
+            _, data0, rows0, forward0, order0, offsets = full
+            data, rows, forward = dict(data0), dict(rows0), dict(forward0)
+        else:
+            data = {p[1]: p[2] for p in plist}
+            rows = {p[1]: p[3] for p in plist}
+            forward = {p[1]: i for i, p in enumerate(plist)}
+            order0 = list(rows.values())
+            offsets = [p[4] for p in plist]  # kept: a filter allocates no object per row (a young collection would walk them)
+            if len(plist) == len(self._cells) and len(plist) >= 1000:
+                self._full = (plist, dict(data), dict(rows), dict(forward), order0, offsets)
         self._data = data
         self.rows = rows
-        self._row_locations = TwoWayDict({rk: i for i, rk in enumerate(rows)})
-        self._new_rows.update(rows)
+        self._row_locations = TwoWayDict(forward)
+        if any(column.auto_width for column in self.columns.values()):  # else nothing would measure them (_update_dimensions)
+            self._new_rows.update(rows)
         self._shown = set(keys)
         self.cells_written += len(keys) * len(columns)
         self._require_update_dimensions = True
         self._update_count += 1
-        self._ordered_row_cache[(len(rows), self._update_count)] = list(rows.values())  # what ordered_rows would build
-        self._offset_cache[self._update_count] = [(rk, 0) for rk in rows]  # and _y_offsets (every row 1 line high)
+        self._ordered_row_cache[(len(rows), self._update_count)] = order0  # what ordered_rows would build
+        self._offset_cache[self._update_count] = offsets  # and _y_offsets (every row 1 line high)
         self.cursor_coordinate = Coordinate(0, 0)  # as clear() leaves it (the caller puts it back on its row)
         self.scroll_x = self.scroll_y = self.scroll_target_x = self.scroll_target_y = 0
         self.check_idle()
@@ -453,10 +472,158 @@ class KeyedTable(DataTable):
         cache[key] = lines
         return lines
 
+    # A filter that changes the rows shown moves every row on screen to a new index, and DataTable renders each of
+    # them again cell by cell (the cell's meta names its row index, and the zebra stripe follows it). Here a row's
+    # line is put together from each cell's text segments, cropped and padded to the column, kept between renders
+    # under the row and column (dropped when the cell or the width changes), with the row's style, the cursor's or
+    # hover's, and the cell's meta put over them, as DataTable's _render_cell does. Rows with a label, fixed columns,
+    # more than one line, or a cell that is not one line of Text go through DataTable's own (and _render_cell above).
+    _fast_rows = True
+
+    def _render_line_in_row(self, row_key: Any, line_no: int, base_style: Style, cursor_location: Any, hover_location: Any) -> Any:
+        if not KeyedTable._fast_rows or line_no != 0 or self.cursor_type != "row":
+            return super()._render_line_in_row(row_key, line_no, base_style, cursor_location, hover_location)
+        try:
+            cache_key = (
+                row_key,
+                line_no,
+                base_style,
+                cursor_location,
+                hover_location,
+                self.cursor_type,
+                self.show_cursor,
+                self._show_hover_cursor,
+                self._update_count,
+                self._pseudo_class_state,
+            )
+            cache: Any = self._row_render_cache  # DataTable's, under DataTable's key
+            if cache_key in cache:
+                return cache[cache_key]
+            row_index = self._row_locations.get(row_key)
+            if (
+                row_index is None
+                or row_index < self.fixed_rows
+                or self.fixed_columns
+                or (self._labelled_row_exists and self.show_row_labels)
+                or self.rows[row_key].height != 1
+            ):
+                return super()._render_line_in_row(row_key, line_no, base_style, cursor_location, hover_location)
+            data = self._data[row_key]
+            columns = self.ordered_columns
+            pad = self.cell_padding
+            show_cursor = self.show_cursor
+            cursor = cursor_location.row == row_index
+            hover = hover_location.row == row_index
+            component_style, post_style = self._get_styles_to_render_cell(
+                False,
+                False,
+                False,
+                hover,
+                cursor,
+                show_cursor,
+                self._show_hover_cursor,
+                self.cursor_foreground_priority == "css",
+                self.cursor_background_priority == "css",
+            )
+            extend_style, _ = self._get_styles_to_render_cell(
+                False, False, False, hover, cursor, show_cursor, self._show_hover_cursor, False, False
+            )
+            row_style = self._get_row_style(row_index, base_style)
+            widths = [column.get_render_width(self) for column in columns]
+            inner = self._inner.setdefault(row_key, {})
+            cells: list[list[Segment]] = []
+            for column, width in zip(columns, widths):
+                cell = data.get(column.key)
+                kept = inner.get(column.key)
+                if kept is None or kept[0] is not cell or kept[1] != width:
+                    segments = self._cell_segments(cell, width, pad)
+                    if segments is None:
+                        return super()._render_line_in_row(row_key, line_no, base_style, cursor_location, hover_location)
+                    kept = inner[column.key] = (cell, width, segments)
+                cells.append(kept[2])
+        except (AttributeError, KeyError, TypeError, IndexError):
+            KeyedTable._fast_rows = False
+            return super()._render_line_in_row(row_key, line_no, base_style, cursor_location, hover_location)
+        # The cell's meta comes last: it adds no colour, so the order changes nothing. A cell's segments with the row's
+        # styles over them are kept per style (zebra, cursor, hover), merged where their styles are one (as the line's
+        # Strip.simplify would merge them), so only the meta is added per render.
+        row = row_style + component_style
+        styled_key = (row, post_style)
+        scrollable: list[list[Segment]] = []
+        for column_index, segments in enumerate(cells):
+            styled = self._styled.get((id(segments), styled_key))
+            if styled is None or styled[0] is not segments:
+                styled = (segments, list(Segment.simplify(Segment.apply_style(segments, style=row, post_style=post_style))))
+                if len(self._styled) > 20_000:
+                    self._styled.clear()
+                self._styled[(id(segments), styled_key)] = styled
+            meta = Style.from_meta({"row": row_index, "column": column_index})
+            scrollable.append([Segment(t, s + meta if s else meta) for t, s, _c in styled[1]])
+        remaining = max(0, self.size.width - sum(widths) - self._row_label_column_width)
+        extend = row_style + extend_style + Style.from_meta({"row": row_index, "column": 0, "out_of_bounds": True})
+        scrollable.append([Segment(" " * remaining, extend)])
+        pair: tuple[list[list[Segment]], list[list[Segment]]] = ([], scrollable)
+        cache[cache_key] = pair
+        return pair
+
+    def _cell_segments(self, cell: object, width: int, pad: int) -> list[Segment] | None:
+        """A one-line Text (or str) cell's own segments cropped or padded to ``width`` with ``pad`` either side (None: not
+        such a cell)."""
+        if isinstance(cell, str):  # escaped by literal(): DataTable's formatter makes it Text the same way
+            cell = Text.from_markup(cell, end="")
+        if (
+            not isinstance(cell, Text)
+            or cell.justify not in (None, "default")
+            or cell.overflow not in (None, "fold", "crop")
+            or "\n" in cell.plain
+            or "\t" in cell.plain
+            or width - 2 * pad < 1
+        ):
+            return None
+        console = self.app.console
+        null = Style.null()
+        segments = cell.render(console, end="")
+        if cell.style:
+            segments = Segment.apply_style(segments, style=console.get_style(cell.style, default=null))
+        line = [s for s in Segment.adjust_line_length(list(segments), width - 2 * pad, style=null) if s.text]  # '' shows nothing
+        return [Segment(" " * pad, null), *line, Segment(" " * pad, null)] if pad else line
+
+    def notify_style_update(self) -> None:
+        for kept in (getattr(self, "_inner", None), getattr(self, "_styled", None)):  # (DataTable's __init__ may come first)
+            if kept:
+                kept.clear()
+        super().notify_style_update()
+
     def render_lines(self, crop: Region) -> list[Strip]:
         if self._stale:
             self._drop_stale_renders()
-        return super().render_lines(crop)
+        self._pass = {}
+        try:
+            return super().render_lines(crop)
+        finally:
+            self._pass = None
+
+    def render_line(self, y: int) -> Strip:
+        styles = self._pass
+        if styles is None or self.fixed_rows or not KeyedTable._fast_rows:
+            return super().render_line(y)
+        base = styles.get("base")
+        if base is None:
+            base = styles["base"] = self.rich_style
+        scroll_x, scroll_y = self.scroll_offset
+        if y >= (self.header_height if self.show_header else 0):
+            y += scroll_y
+        return self._render_line(y, scroll_x, scroll_x + self.size.width, base)
+
+    def _get_row_style(self, row_index: int, base_style: Style) -> Style:
+        styles = self._pass
+        if styles is None or row_index < max(0, self.fixed_rows) or not self.zebra_stripes:
+            return super()._get_row_style(row_index, base_style)
+        parity = row_index % 2
+        style = styles.get(parity)
+        if style is None:
+            style = styles[parity] = super()._get_row_style(row_index, base_style)
+        return style
 
     def _in_view(self, key: str) -> bool:
         """Whether row ``key`` is on screen (or near it): rows have height 1 in these tables."""
@@ -496,6 +663,8 @@ class KeyedTable(DataTable):
             self._hay.pop(key, None)
             self._literals.pop(key, None)
             self._packed.pop(key, None)
+            self._inner.pop(key, None)
+            self._full = None
             self._order_keys.pop(key, None)
             self._order_all = None
             self._seq.pop(key, None)
@@ -539,6 +708,8 @@ class KeyedTable(DataTable):
         self._literals.clear()
         self._order_keys.clear()
         self._packed.clear()
+        self._inner.clear()
+        self._full = None
         self._order_all = None
         self._seq.clear()
         self.marks.clear()

@@ -7,6 +7,7 @@ cropped, markup-looking and empty cells is rendered both ways, on the cursor row
 
 from __future__ import annotations
 
+from rich.segment import Segment
 from rich.text import Text
 from textual.app import App, ComposeResult
 from textual.coordinate import Coordinate
@@ -123,3 +124,54 @@ async def test_the_footer_is_rebuilt_once_for_bindings_that_change_together() ->
         await pilot.pause()
         assert footer.rebuilds == before + 1
         assert "Ring" in str(app.export_screenshot())
+
+
+async def test_the_fast_row_render_gives_datatables_lines_and_survives_a_filter() -> None:
+    """KeyedTable's row path (``_render_line_in_row``: cell segments kept per row and column, the row's styles and
+    each cell's meta put over them) gives DataTable's own lines, on the cursor row, a hovered row and zebra rows, and
+    again after a filter moved every row to a new index (the kept segments carry no index: the meta is put on anew)."""
+    from textual.strip import Strip
+
+    app = TableApp()
+    async with app.run_test(size=(80, 12)) as pilot:
+        table = app.query_one(KeyedTable)
+        table.sync(rows())
+        table.set_marked("r2", True)
+        await pilot.pause()
+
+        def lines() -> list[list[tuple[str, object]]]:
+            table._clear_caches()
+            table._pseudo_class_state = table.get_pseudo_class_state()
+            out = []
+            for y in range(table.header_height + table.row_count):
+                strip: Strip = table._render_line(y, 0, table.size.width, table.rich_style)
+                out.append([(s.text, s.style) for s in Segment.simplify(list(strip))])
+            return out
+
+        def both() -> tuple[list[list[tuple[str, object]]], list[list[tuple[str, object]]]]:
+            mine = lines()
+            KeyedTable._fast_rows = KeyedTable._fast_cells = False
+            try:
+                theirs = lines()
+            finally:
+                KeyedTable._fast_rows = KeyedTable._fast_cells = True
+            return mine, theirs
+
+        checked = 0
+        for cursor, hover in ((1, 2), (0, 3), (3, 0)):
+            table.cursor_coordinate = Coordinate(cursor, 0)
+            table.hover_coordinate = Coordinate(hover, 0)
+            await pilot.pause()
+            mine, theirs = both()
+            for a, b in zip(mine, theirs):
+                assert a == b, (cursor, hover, [(t, str(s)) for t, s in a], [(t, str(s)) for t, s in b])
+            assert any("row" in (style.meta if style else {}) for _t, style in mine[1])  # the click target is there
+            checked += 1
+        table.set_filter("x")  # r4 ("x" * 40) and r3 ("x"): both move up
+        await pilot.pause()
+        assert table.row_count == 2
+        mine, theirs = both()
+        assert mine == theirs
+        metas = {style.meta.get("row") for line in mine[1:] for _t, style in line if style and style.meta}
+        assert metas == {0, 1}
+        assert KeyedTable._fast_rows and checked == 3
