@@ -64,15 +64,14 @@ DFLASH_SMALL = [
 DFLASH_SPLIT = ["--topology", "split", "--target-ranks", "0,1", "--drafter-ranks", "2", "--queue-depth", "2"]
 
 
-def fsdp_endless_argv(out: Path, nproc: int, *extra: str) -> list[str]:
-    """torchrun of the tiny fsdp_lm on CPU that trains until it is stopped (the supervision, hang and stop tests' run)."""
+def fsdp_lm_argv(
+    out: Path, *extra: str, nproc: int | None = None, batch_size: int = 2, seq_len: int = 64, corpus_bytes: int = 400_000
+) -> list[str]:
+    """The tiny fsdp_lm that trains until it is stopped: under torchrun on ``nproc`` ranks (None: one plain process)."""
+    launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)] if nproc is not None else []
     return [
         sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        str(nproc),
+        *launcher,
         "-m",
         "gpudeck.trainers.fsdp_lm",
         "--model-config",
@@ -83,14 +82,19 @@ def fsdp_endless_argv(out: Path, nproc: int, *extra: str) -> list[str]:
         "--max-steps",
         "100000",
         "--batch-size",
-        "2",
+        str(batch_size),
         "--seq-len",
-        "64",
+        str(seq_len),
         "--corpus-bytes",
-        "400000",
+        str(corpus_bytes),
         "--no-export",
         *extra,
     ]
+
+
+def fsdp_endless_argv(out: Path, nproc: int, *extra: str) -> list[str]:
+    """torchrun of the tiny fsdp_lm on CPU that trains until it is stopped (the supervision, hang and stop tests' run)."""
+    return fsdp_lm_argv(out, *extra, nproc=nproc)
 
 
 def _free_port() -> int:

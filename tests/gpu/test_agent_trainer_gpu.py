@@ -2,37 +2,15 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 from tests.agent_harness import ROOT, AgentProc, wait_for
+from tests.trainer_harness import fsdp_lm_argv
 
 
 def test_trainer_on_gpu_is_attributed_and_stop_frees_its_memory(agent: AgentProc, tmp_path: Path) -> None:
     out = tmp_path / "run"
-    argv = [
-        sys.executable,
-        "-m",
-        "gpudeck.trainers.fsdp_lm",
-        "--model-config",
-        "tiny",
-        "--fresh",
-        "--out",
-        str(out),
-        "--max-steps",
-        "100000",
-        "--batch-size",
-        "8",
-        "--seq-len",
-        "256",
-        "--checkpoint-every",
-        "100000",
-        "--corpus-bytes",
-        "2000000",
-        "--log-every",
-        "1",
-        "--no-export",
-    ]
+    argv = fsdp_lm_argv(out, "--checkpoint-every", "100000", "--log-every", "1", batch_size=8, seq_len=256, corpus_bytes=2_000_000)
     rid = agent.cli_json("launch", "--gpus", "0", "--name", "gpu-tiny", "--cwd", str(ROOT), "--", *argv)["id"]
 
     def ready() -> dict | None:
