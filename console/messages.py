@@ -16,6 +16,7 @@ class HistoryLoaded(Message):
         self.rows = rows
         self.error = error
         self.seconds = seconds
+        self.total: int | None = None  # the runs the whole history holds, where the reader counted them (past its limit)
 
 
 class RecordLoaded(Message):

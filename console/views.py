@@ -288,6 +288,15 @@ def history_rows_after(path: Path, text: str, after: int | None) -> tuple[list[R
         conn.close()
 
 
+def history_run_count(path: Path) -> int:
+    """How many runs (each node of a run a row, as a query's limit counts them) the history holds."""
+    conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=10.0)
+    try:
+        return int(conn.execute("SELECT COUNT(*) FROM runs").fetchone()[0])
+    finally:
+        conn.close()
+
+
 # ----------------------------------------------------------------------------- records
 
 

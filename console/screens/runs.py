@@ -19,7 +19,16 @@ from gpudeck.console.messages import HistoryLoaded
 from gpudeck.console.query import QueryError
 from gpudeck.console.screens.base import LiveScreen, deck
 from gpudeck.console.screens.run import relaunch, stop_flow
-from gpudeck.console.views import RunRow, history_rows_after, merge_rows, run_from_record, run_row_from_history, run_row_from_info, stamp
+from gpudeck.console.views import (
+    RunRow,
+    history_rows_after,
+    history_run_count,
+    merge_rows,
+    run_from_record,
+    run_row_from_history,
+    run_row_from_info,
+    stamp,
+)
 from gpudeck.console.widgets.cells import STATE_WORDS, alerts_text, sortable, sparkline, state_text
 from gpudeck.console.widgets.footer import DeckFooter
 from gpudeck.console.widgets.header import AppHeader
@@ -40,7 +49,8 @@ COLUMNS = [
     Col("why", "ALERTS (live) / CAUSE (ended)", None),  # a live run has alerts, an ended one a cause: one column holds both
 ]
 ENDED_WORDS = frozenset(STATE_WORDS.get(s, s).split(" ")[0] for s in TERMINAL_STATES)
-HISTORY_QUERY = "limit:100000"  # every run in the history (the filter looks through them all), newest first
+HISTORY_LIMIT = 100_000  # the runs the screen holds (the filter looks through them all), newest first; past it: said on screen
+HISTORY_QUERY = f"limit:{HISTORY_LIMIT}"
 HISTORY_MIN_INTERVAL_S = 2.0  # history changes arrive with every synced event; the table is re-read at most this often
 AGENT_POLL_S = 5.0  # without a history: ask the agents for their runs this often
 AGENT_POLL_CONCURRENCY = 16
@@ -117,6 +127,7 @@ class RunsScreen(LiveScreen):
         self._history_due = True
         self._history_at = 0.0
         self._history_mark: int | None = None  # the newest history event read (None: read the whole history)
+        self._history_total: int | None = None  # the runs the history held when it was read whole (read only past the limit)
         links = deck(self).fleet.links
         self.hosts_changed(set(links))
         if deck(self).fleet.history is not None:
@@ -166,11 +177,16 @@ class RunsScreen(LiveScreen):
         if history is None:
             return
         t0 = time.monotonic()
+        query = f"limit:{HISTORY_LIMIT}"
         try:
-            rows, self._history_mark = history_rows_after(history.path, HISTORY_QUERY, self._history_mark)
-            self.post_message(HistoryLoaded(HISTORY_QUERY, rows, seconds=time.monotonic() - t0))
+            first = self._history_mark is None
+            rows, self._history_mark = history_rows_after(history.path, query, self._history_mark)
+            loaded = HistoryLoaded(query, rows, seconds=time.monotonic() - t0)
+            if first and len(rows) >= HISTORY_LIMIT:  # the history may hold more than the screen reads: how many
+                loaded.total = history_run_count(history.path)
+            self.post_message(loaded)
         except (QueryError, OSError, Exception) as exc:  # a locked or missing file must not kill the screen
-            self.post_message(HistoryLoaded(HISTORY_QUERY, [], error=f"history: {exc}"))
+            self.post_message(HistoryLoaded(query, [], error=f"history: {exc}"))
 
     @on(HistoryLoaded)
     def _history_loaded(self, message: HistoryLoaded) -> None:
@@ -181,6 +197,8 @@ class RunsScreen(LiveScreen):
             self._errors["history"] = message.error
         else:
             self._errors.pop("history", None)
+        if message.total is not None:
+            self._history_total = message.total
         changed: set[str] = set()
         fresh = merge_rows(run_row_from_history(d) for d in message.rows)
         for rid, row in fresh.items():
@@ -269,6 +287,12 @@ class RunsScreen(LiveScreen):
             t.append(f"   {table.describe()}", style="bold")
         if table.row_count == 0 and not self._errors:
             t.append(" — none yet: l launches one (pre-flight first, nothing starts until you confirm)", style="dim")
+        if self._history_total is not None and self._history_total > HISTORY_LIMIT:
+            t.append(
+                f"; the history holds {self._history_total:,} runs: the newest {HISTORY_LIMIT:,} are listed here,"
+                " older ones: h (History) with until:DATE, or gpudeck history until:DATE",
+                style="yellow",
+            )
         if self._errors:
             t.append("; " + "; ".join(f"{k}: {v}" for k, v in list(self._errors.items())[:3]), style="red")
         self.query_one("#runs-note", Static).update(t)

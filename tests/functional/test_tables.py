@@ -15,6 +15,7 @@ from gpudeck.console.screens.launch import LaunchDialog
 from gpudeck.console.screens.leftovers import LeftoversScreen
 from gpudeck.console.screens.run import RunScreen
 from gpudeck.console.screens.runs import RunsScreen
+from gpudeck.console.views import history_run_count
 from gpudeck.console.widgets.keyed_table import Col, FilterBar, KeyedTable, fit, sort_key
 from tests.functional.fixture_fleet import FAILED, GOOD, LIVE, STOPPED, FixtureFleet
 from tests.functional.helpers import mounted, open_host, press_for, text_of, until
@@ -220,3 +221,20 @@ def test_fit_folds_the_least_important_columns_first() -> None:
     assert [c.key for c in fit(cols, 200)] == ["a", "b", "c", "d"]
     assert [c.key for c in fit(cols, 110)] == ["a", "b", "d"]
     assert [c.key for c in fit(cols, 80)] == ["a", "d"]
+
+
+async def test_runs_says_on_screen_when_the_history_holds_more_than_it_lists(fleet: FixtureFleet, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """The Runs screen reads the newest HISTORY_LIMIT runs (100,000); past that it says how many the history holds
+    and where the older ones are, instead of silently listing a part (here the limit is made 2)."""
+    from gpudeck.console.screens import runs as runs_module
+
+    assert fleet.history is not None
+    total = history_run_count(fleet.history.path)
+    assert total > 2
+    monkeypatch.setattr(runs_module, "HISTORY_LIMIT", 2)
+    app = GpudeckApp(fleet)
+    async with app.run_test(size=SIZE) as pilot:
+        runs = await press_for(pilot, "r", RunsScreen)
+        note = runs.query_one("#runs-note", Static)
+        await until(lambda: f"the history holds {total:,} runs: the newest 2 are listed here" in text_of(note), what="the note")
+        assert "until:DATE" in text_of(note)
