@@ -23,8 +23,9 @@ pseudo-terminal following all of them over SSH (history sync included).
   (``flush_updates``: every changed host's row handed to the table), how old
   the figures on screen are (agent sample -> row written, rows on screen
   only), and key-to-screen latency (a bench-only key that shows a
-  notification).
-- Run screen, a run on h000 writing 50,000 lines a second whose output comes
+  notification); then with the filter ``h12`` typed into ``/`` (each key timed to the filter bar's new count) and
+  kept in force while the key is timed again.
+- Run screen (its loss and tokens/s plots mounted; the writer run reports no loss, so they are empty), a run on h000 writing 50,000 lines a second whose output comes
   through h000's SSH link: key-to-screen latency (``f``), lines/s reaching the
   view (none lost, in order: the console process checks a sample into a
   stats file), the console's CPU.
@@ -681,6 +682,36 @@ def part3(rate: int, seconds: float, presses: int, hosts: int, gpus: str, nice: 
             dashboard_peer(spec_path, fh.base_dir / "peer.log", others, hosts, seconds, fleet_figures)
 
 
+FLEET_FILTER = "h12"  # typed into the Fleet screen's filter key by key in part 3 (each key narrows the hosts shown)
+
+
+def fleet_filter(term: Term, hosts: int, presses: int, show: Callable[[str, list[float], int], None]) -> None:
+    """Part 3 with a filter in force: ``/`` and FLEET_FILTER typed key by key, each timed from its bytes to the screen bytes
+    of the filter bar's new count ('N of 256 rows match'); then, the filter kept, the ping key timed as before; ``esc``
+    clears it."""
+    term.press(b"/")
+    term.pump(1.0)
+    typed: list[float] = []
+    for ch in FLEET_FILTER:
+        term.buf.clear()
+        t_key = time.monotonic()
+        term.press(ch.encode())
+        seen = term.pump(5.0, f" of {hosts} rows match".encode())
+        if seen is not None:
+            typed.append((seen - t_key) * 1000)
+        term.pump(0.3)
+    show(f"Fleet screen, typing the filter {FLEET_FILTER!r} key by key, {hosts} hosts at 1 Hz", typed, len(FLEET_FILTER))
+    term.press(b"\r")  # back to the table, the filter in force
+    term.pump(1.0)
+    show(
+        f"Fleet screen, filter {FLEET_FILTER!r} in force, {hosts} hosts at 1 Hz",
+        term.latencies(PING_KEY, lambda i: f"bench ping {presses + i + 1}".encode(), presses),
+        presses,
+    )
+    term.press(b"\x1b")  # esc: the filter cleared
+    term.pump(1.0)
+
+
 def console_part(
     term: Term,
     fh,
@@ -770,6 +801,7 @@ def console_part(
     )
     stalls()  # only stalls during the measurement count
     show(f"Fleet screen, {hosts} hosts at 1 Hz", term.latencies(PING_KEY, lambda i: f"bench ping {i + 1}".encode(), presses), presses)
+    fleet_filter(term, hosts, presses, show)
 
     rid = subprocess.run(
         [
