@@ -28,6 +28,7 @@ class LiveRun:
     tail: TelemetryTail | None = None
     journaled_offset: int = 0
     last_step_event: float = -1e9
+    held_step: tuple[dict, int] | None = None  # the newest step record the rate limit left out of the journal (and its offset)
     rejections_journaled: int = 0  # telemetry_rejected events written for this run (capped: the count goes on in bad_lines)
     health: RunHealth | None = None
     last_obs: Observation | None = None

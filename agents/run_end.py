@@ -39,7 +39,7 @@ def read_tail(path: Path, max_bytes: int = 64 * 1024) -> str:
 def finish(sup: Supervisor, lr: LiveRun, *, agent_was_down: bool = False, stopped_cause: str | None = None) -> None:
     """Decide how the run ended and journal it (its last telemetry, figures and claims first)."""
     run = lr.info
-    telemetry_fold.poll(sup, lr)  # the last records (done, error) before the run is closed
+    telemetry_fold.poll(sup, lr, ending=True)  # the last records (done, error, the last step) before the run is closed
     # the shim is let go only once the end is journaled: a journal that cannot be written now (disk full)
     # must not cost the exit code on the next try
     if lr.shim is not None:

@@ -153,7 +153,7 @@ async def stop_run(sup: Supervisor, run: RunInfo, grace_s: float, reason: str = 
         sup._emit(sup.journal.append("reclaimed", run.id, msgspec.to_builtins(result)))
         return result
     assert lr is not None
-    telemetry_fold.poll(sup, lr)
+    telemetry_fold.poll(sup, lr, ending=True)  # its last records and last step, before the stop is recorded
     rec = read_exit_record(run.run_dir)
     code = rec.get("returncode") if rec else None
     sig = rec.get("signal") if rec else None

@@ -14,8 +14,11 @@ MAX_REJECTIONS_JOURNALED = 20  # per run: the first refused telemetry lines are 
 STEP_EVENT_EVERY_S = 10.0  # step records reach the journal at most this often per run (all other records always)
 
 
-def poll(sup: Supervisor, lr: LiveRun) -> None:
-    """Fold new telemetry into a live run's summary; journal what history needs, exactly once."""
+def poll(sup: Supervisor, lr: LiveRun, *, ending: bool = False) -> None:
+    """Fold new telemetry into a live run's summary; journal what history needs, exactly once.
+
+    ``ending``: the run has ended (its last read): its last step record is journaled even within STEP_EVENT_EVERY_S of
+    the one before, so the history's last step and loss are the run's, not those of up to 10 s earlier."""
     run = lr.info
     if lr.tail is None:
         last = sup.journal.last_event(run.id, "telemetry")
@@ -29,21 +32,31 @@ def poll(sup: Supervisor, lr: LiveRun) -> None:
         if lr.rejections_journaled < MAX_REJECTIONS_JOURNALED:
             lr.rejections_journaled += 1
             items.append(("telemetry_rejected", run.id, {"line": rej.line, "offset": rej.offset, "reason": rej.reason[:500]}))
-    if not records and not items:
+    if not records and not items and not (ending and lr.held_step is not None):
         return
     floor = lr.journaled_offset
     now = time.monotonic()
+    held = lr.held_step  # a step record left out: journaled before any later record (offsets stay in order) or at the end
     for rec, offset in records:
         if offset <= floor or rec.get("type") == "heartbeat":
             continue
         if rec.get("type") == "step":
             if now - lr.last_step_event < STEP_EVENT_EVERY_S:
+                held = (rec, offset)
                 continue
             lr.last_step_event = now
+            held = None
+        elif held is not None:
+            items.append(("telemetry", run.id, {"record": held[0], "offset": held[1]}))
+            held = None
         items.append(("telemetry", run.id, {"record": rec, "offset": offset}))
+    if ending and held is not None and held[1] > floor:
+        items.append(("telemetry", run.id, {"record": held[0], "offset": held[1]}))
+        held = None
     if items:
         for ev in sup.journal.append_many(items):
             sup._emit(ev)
         offsets = [d["offset"] for kind, _r, d in items if kind == "telemetry"]
         if offsets:
             lr.journaled_offset = offsets[-1]
+    lr.held_step = held  # (not when the journal refused them: the step is still to be written)
