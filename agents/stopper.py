@@ -320,7 +320,8 @@ async def verify_gpu(gpus: GpuSource, result: StopResult, members: list[Member],
             f"pid {p.pid} on GPU {p.gpu} ({(p.used_bytes or 0) / 2**30:.1f} GiB)" for p in holders
         )
     else:
-        result.gpu_note = f"verified through NVML: no process of the run holds GPU memory; {result.freed_bytes / 2**30:.2f} GiB freed"
+        via = "on the SIMULATED GPUs (memory the processes declared; no NVML here)" if gpus.simulated else "through NVML"
+        result.gpu_note = f"verified {via}: no process of the run holds GPU memory; {result.freed_bytes / 2**30:.2f} GiB freed"
 
 
 def summary(result: StopResult) -> str:

@@ -231,6 +231,7 @@ def test_pid_reuse_during_a_stop_a_stranger_is_neither_signalled_nor_blamed(
         assert stranger.poll() is None, "the stranger was signalled"
         assert stranger.pid not in [p["pid"] for p in res["stopped"] if p["how"] != "already_gone"]
         assert not res.get("still_on_gpu") and res["gpu_verified"] is True, f"the stranger was blamed: {res['gpu_note']}"
+        assert res["gpu_note"].startswith("verified on the SIMULATED GPUs") and "NVML here" in res["gpu_note"]  # never "through NVML"
     finally:
         stranger.kill()
         stranger.wait()
