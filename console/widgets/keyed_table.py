@@ -433,40 +433,17 @@ class KeyedTable(DataTable):
                 return cache[key]
             row = self.rows[row_key]  # type: ignore[index]
             cell = self._get_row_renderables(row_index)[1][column_index]
-            pad = self.cell_padding
-            if (
-                row.height != 1
-                or row_index < self.fixed_rows
-                or column_index < self.fixed_columns
-                or not isinstance(cell, Text)
-                or cell.justify not in (None, "default")
-                or cell.overflow not in (None, "fold", "crop")
-                or "\n" in cell.plain
-                or "\t" in cell.plain
-                or width - 2 * pad < 1
-            ):
-                return super()._render_cell(row_index, column_index, base_style, width, cursor, hover)
-            component_style, post_style = self._get_styles_to_render_cell(
-                False,
-                False,
-                False,
-                hover,
-                cursor,
-                self.show_cursor,
-                self._show_hover_cursor,
-                self.cursor_foreground_priority == "css",
-                self.cursor_background_priority == "css",
+            line = (
+                None
+                if row.height != 1 or row_index < self.fixed_rows or column_index < self.fixed_columns
+                else self._cell_segments(cell, width, self.cell_padding, keep_empty=True)
             )
+            if line is None:
+                return super()._render_cell(row_index, column_index, base_style, width, cursor, hover)
+            component_style, post_style = self._cell_styles(hover, cursor, self.show_cursor)
         except (AttributeError, KeyError, TypeError, IndexError):
             KeyedTable._fast_cells = False
             return super()._render_cell(row_index, column_index, base_style, width, cursor, hover)
-        console = self.app.console
-        null = Style.null()
-        segments = cell.render(console, end="")  # its spans' styles; the text's own style under them, as Rich's join puts it
-        if cell.style:
-            segments = Segment.apply_style(segments, style=console.get_style(cell.style, default=null))
-        inner = Segment.adjust_line_length(list(segments), width - 2 * pad, style=null)
-        line = [Segment(" " * pad, null), *inner, Segment(" " * pad, null)] if pad else inner
         pre = base_style + Style.from_meta({"row": row_index, "column": column_index}) + component_style
         lines = [list(Segment.apply_style(line, style=pre, post_style=post_style))]
         cache[key] = lines
@@ -514,17 +491,7 @@ class KeyedTable(DataTable):
             show_cursor = self.show_cursor
             cursor = cursor_location.row == row_index
             hover = hover_location.row == row_index
-            component_style, post_style = self._get_styles_to_render_cell(
-                False,
-                False,
-                False,
-                hover,
-                cursor,
-                show_cursor,
-                self._show_hover_cursor,
-                self.cursor_foreground_priority == "css",
-                self.cursor_background_priority == "css",
-            )
+            component_style, post_style = self._cell_styles(hover, cursor, show_cursor)
             extend_style, _ = self._get_styles_to_render_cell(
                 False, False, False, hover, cursor, show_cursor, self._show_hover_cursor, False, False
             )
@@ -566,9 +533,23 @@ class KeyedTable(DataTable):
         cache[cache_key] = pair
         return pair
 
-    def _cell_segments(self, cell: object, width: int, pad: int) -> list[Segment] | None:
+    def _cell_styles(self, hover: bool, cursor: bool, show_cursor: bool) -> tuple[Style, Style]:
+        """A body cell's component and post styles (DataTable's, for a cell neither header, label nor fixed)."""
+        return self._get_styles_to_render_cell(
+            False,
+            False,
+            False,
+            hover,
+            cursor,
+            show_cursor,
+            self._show_hover_cursor,
+            self.cursor_foreground_priority == "css",
+            self.cursor_background_priority == "css",
+        )
+
+    def _cell_segments(self, cell: object, width: int, pad: int, keep_empty: bool = False) -> list[Segment] | None:
         """A one-line Text (or str) cell's own segments cropped or padded to ``width`` with ``pad`` either side (None: not
-        such a cell)."""
+        such a cell); ``keep_empty``: with its empty segments, as DataTable's cell render has them (a line drops them)."""
         if isinstance(cell, str):  # escaped by literal(): DataTable's formatter makes it Text the same way
             cell = Text.from_markup(cell, end="")
         if (
@@ -585,7 +566,7 @@ class KeyedTable(DataTable):
         segments = cell.render(console, end="")
         if cell.style:
             segments = Segment.apply_style(segments, style=console.get_style(cell.style, default=null))
-        line = [s for s in Segment.adjust_line_length(list(segments), width - 2 * pad, style=null) if s.text]  # '' shows nothing
+        line = [s for s in Segment.adjust_line_length(list(segments), width - 2 * pad, style=null) if s.text or keep_empty]
         return [Segment(" " * pad, null), *line, Segment(" " * pad, null)] if pad else line
 
     def notify_style_update(self) -> None:

@@ -7,6 +7,8 @@ cropped, markup-looking and empty cells is rendered both ways, on the cursor row
 
 from __future__ import annotations
 
+from typing import Any
+
 from rich.segment import Segment
 from rich.text import Text
 from textual.app import App, ComposeResult
@@ -35,13 +37,19 @@ class TableApp(App[None]):
         yield KeyedTable(COLS, id="t", markable=True)
 
 
+async def filled(app: TableApp, pilot: Any) -> KeyedTable:
+    """The table of ``rows()``, r2 marked."""
+    table = app.query_one(KeyedTable)
+    table.sync(rows())
+    table.set_marked("r2", True)
+    await pilot.pause()
+    return table
+
+
 async def test_the_fast_cell_render_gives_datatables_segments() -> None:
     app = TableApp()
     async with app.run_test(size=(80, 12)) as pilot:
-        table = app.query_one(KeyedTable)
-        table.sync(rows())
-        table.set_marked("r2", True)
-        await pilot.pause()
+        table = await filled(app, pilot)
         table.cursor_coordinate = Coordinate(1, 0)
         table.hover_coordinate = Coordinate(2, 0)
         await pilot.pause()
@@ -134,10 +142,7 @@ async def test_the_fast_row_render_gives_datatables_lines_and_survives_a_filter(
 
     app = TableApp()
     async with app.run_test(size=(80, 12)) as pilot:
-        table = app.query_one(KeyedTable)
-        table.sync(rows())
-        table.set_marked("r2", True)
-        await pilot.pause()
+        table = await filled(app, pilot)
 
         def lines() -> list[list[tuple[str, object]]]:
             table._clear_caches()
