@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from gpudeck.agents.protocol import GetEvents
 from tests.agent_harness import ROOT, wait_for
 from tests.e2e.test_multinode import TRAIN, cluster  # noqa: F401 (the fixture)
 from tests.sshd_harness import ConsoleSide
@@ -31,9 +32,17 @@ def test_a_hang_on_node_b_is_triaged_with_evidence_from_both_nodes(cluster: Cons
     def stored(host: str) -> list[dict]:
         return [e["data"]["triage"] for e in c.cli_json("show", rid, "--host", host)["events"] if e["kind"] == "triage"]
 
-    tb = wait_for(lambda: stored("nodeb"), timeout=420, interval=2.0, what="node b's triage")[0]
+    def triaged(node: int) -> bool:
+        """The node's agent journalled its triage. Asked over the agent's socket: a console `show` is an SSH round and
+        a Python start, seconds of CPU taken from the ranks on 2 cores; what the console shows is checked after."""
+        events = c.hosts[node].agent.ask(GetEvents(after_seq=0))["events"]
+        return any(e["kind"] == "triage" and e.get("run_id") == rid for e in events)
+
+    wait_for(lambda: triaged(1), timeout=420, interval=0.25, what="node b's triage")
+    tb = stored("nodeb")[0]
     assert tb["culprit"].startswith("rank 1 ") and "maybe_sleep_for_test" in tb["culprit"], tb["culprit"]
-    ta = wait_for(lambda: stored("nodea"), timeout=60, interval=2.0, what="node a's triage")[0]
+    wait_for(lambda: triaged(0), timeout=60, interval=0.25, what="node a's triage")
+    ta = stored("nodea")[0]
     assert "rank 0" in ta["culprit"] and "waits in" in ta["culprit"] and "another host" in ta["culprit"], ta["culprit"]
     both = json.loads(c.cli("triage", rid, "--json", timeout=120).stdout)
     assert sorted(t["host"] for t in both["triages"]) == ["nodea", "nodeb"] and both["failed"] == []
