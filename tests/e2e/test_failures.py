@@ -20,6 +20,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from gpudeck.agents.protocol import GetRun
 from tests.agent_harness import ROOT, AgentProc, teardown_agent, wait_for
 from tests.trainer_harness import alive
 
@@ -39,6 +40,12 @@ def sim_agent(gpudeck_home: Path, monkeypatch: pytest.MonkeyPatch):
 
 def _events(agent: AgentProc, rid: str) -> list[dict]:
     return json.loads(agent.cli("show", rid, "--json").stdout)["events"]
+
+
+def _state(agent: AgentProc, rid: str) -> str:
+    """The run's state, asked over the agent's socket: polling through the CLI is a Python start every 50 ms, a core
+    taken from the run being waited for."""
+    return str(agent.ask(GetRun(run_id=rid))["run"]["state"])
 
 
 def _gpu0_used(agent: AgentProc) -> float:
@@ -382,7 +389,7 @@ def test_relaunch_needs_an_explicit_start_and_resume_checks_the_checkpoint(sim_a
         "200000",
         "--no-export",
     )["id"]
-    wait_for(lambda: next(r for r in a.cli_json("runs") if r["id"] == rid)["state"] in ("succeeded", "failed"), 180, what="tiny fsdp run")
+    wait_for(lambda: _state(a, rid) in ("succeeded", "failed"), 180, what="tiny fsdp run")
     run = next(r for r in a.cli_json("runs") if r["id"] == rid)
     assert run["state"] == "succeeded", a.cli("tail", rid, "-n", "30").stdout
     assert run["spec"]["start"] == "fresh" and run["spec"]["argv"][-1] == "--fresh"
@@ -392,27 +399,27 @@ def test_relaunch_needs_an_explicit_start_and_resume_checks_the_checkpoint(sim_a
     assert cp.returncode == 1 and "resume_checkpoint" in cp.stderr and "step_7" in cp.stderr and "step_2" in cp.stderr
     again = a.cli_json("relaunch", rid, "--resume", "2")
     assert again["state"] == "running" and again["spec"]["parent"] == rid and again["spec"]["argv"][-2:] == ["--resume", "2"]
-    wait_for(
-        lambda: next(r for r in a.cli_json("runs") if r["id"] == again["id"])["state"] in ("succeeded", "failed"), 180, what="resumed run"
-    )
+    wait_for(lambda: _state(a, again["id"]) in ("succeeded", "failed"), 180, what="resumed run")
 
 
 @pytest.mark.timeout(900)
 def test_rollback_refuses_a_changed_environment_and_rebuild_env_recreates_it(sim_agent: AgentProc, tmp_path: Path) -> None:
     a = sim_agent
     venv = tmp_path / "envA"
-    subprocess.run([PY, "-m", "venv", str(venv)], check=True, timeout=120)
+    # a venv without pip (as uv makes them), filled by this pip through --python: ensurepip took 3.5 s of the test's
+    # 17; the rebuild below then also removes the pip and setuptools its fresh venv brings, which the record lacks
+    subprocess.run([PY, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
     py = str(venv / "bin" / "python")
-    pip = [py, "-m", "pip", "install", "-q", "--disable-pip-version-check"]
+    pip = [PY, "-m", "pip", "--python", py, "install", "-q", "--disable-pip-version-check"]
     subprocess.run([*pip, "six==1.16.0"], check=True, timeout=300)
     prog = ["-c", "import six; print('six', six.__version__)"]
     good = a.cli_json("launch", "--name", "good", "--python", py, "--", py, *prog)["id"]
-    wait_for(lambda: next(r for r in a.cli_json("runs") if r["id"] == good)["state"] == "succeeded", 60, what="good run")
+    wait_for(lambda: _state(a, good) == "succeeded", 60, what="good run")
     assert a.cli_json("show", good)["env"]["packages"]["six"] == "1.16.0"
 
     subprocess.run([*pip, "six==1.17.0"], check=True, timeout=300)  # the environment moves under the run
     bad = a.cli_json("launch", "--name", "bad", "--python", py, "--", py, *prog)["id"]
-    wait_for(lambda: next(r for r in a.cli_json("runs") if r["id"] == bad)["state"] == "succeeded", 60, what="bad run")
+    wait_for(lambda: _state(a, bad) == "succeeded", 60, what="bad run")
     d = a.cli_json("diff", good, bad)
     changed = [r for r in d["environment"] if r["differs"]]
     assert [(r["key"], r["a"], r["b"]) for r in changed] == [("six (package)", "1.16.0", "1.17.0")], changed
@@ -433,7 +440,7 @@ def test_rollback_refuses_a_changed_environment_and_rebuild_env_recreates_it(sim
     new = json.loads(cp.stdout)
     assert new["spec"]["parent"] == bad and new["spec"]["start"] == "fresh"
     assert new["spec"]["python"].startswith(str(a.state_dir / "envs")) and new["spec"]["argv"][0] == new["spec"]["python"]
-    wait_for(lambda: next(r for r in a.cli_json("runs") if r["id"] == new["id"])["state"] == "succeeded", 60, what="rolled-back run")
+    wait_for(lambda: _state(a, new["id"]) == "succeeded", 60, what="rolled-back run")
     assert "six 1.16.0" in a.cli("tail", new["id"]).stdout
     row = a.cli_json("show", new["id"])
     assert row["env"]["packages"]["six"] == "1.16.0" and row["env_hash"] == a.cli_json("show", good)["env_hash"]
