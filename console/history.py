@@ -231,6 +231,9 @@ class _Apply:
         if state in TERMINAL_STATES:
             fields["ended"] = d.get("ended", ev.ts)
             fields["cause_class"] = d.get("cause_class") or cause_class(state, d.get("cause"))
+            if not d.get("lingering"):  # ended with nothing left behind: a stop waiting for this host has nothing to do
+                # (one delivered by a short-lived `gpudeck` call could end with the process before it was marked done)
+                self.c.execute("DELETE FROM pending_stops WHERE host=? AND run_id=?", (host, ev.run_id or ""))
         if "stop" in d:
             fields["stop"] = _j(d["stop"])
         self._update(host, ev.run_id or "", ev.ts, **fields)

@@ -56,7 +56,7 @@ class SshOptions:
     client_keys: Sequence[Path] | None = None  # None: IdentityFile from the config, else ~/.ssh/id_*
     keepalive_s: float = KEEPALIVE_S
     keepalive_count: int = KEEPALIVE_COUNT
-    connect_timeout_s: float = CONNECT_TIMEOUT_S
+    connect_timeout_s: float | None = None  # None: the host's ConnectTimeout in the ssh config, else CONNECT_TIMEOUT_S
     env: dict[str, str] = field(default_factory=dict)
 
     def config_paths(self) -> list[str]:
@@ -128,16 +128,30 @@ class _HostKeyConfig(asyncssh.config.SSHClientConfig):
     _handlers = {**asyncssh.config.SSHClientConfig._handlers, "checkhostip": ("CheckHostIP", asyncssh.config.SSHConfig._set_bool)}
 
 
-def host_key_settings(name: str, config_paths: Sequence[str]) -> tuple[str | None, bool]:
-    """(``HostKeyAlias``, ``CheckHostIP``) as the user's ssh config sets them for ``name`` (OpenSSH's defaults: none, no)."""
+@dataclass(frozen=True)
+class HostSettings:
+    """What the user's ssh config says of one host that gpudeck reads itself (asyncssh reads the rest)."""
+
+    host_key_alias: str | None = None
+    check_host_ip: bool = False  # OpenSSH's default: no
+    connect_timeout_s: float | None = None  # ConnectTimeout (None: not set, or 0: the system's TCP timeout in OpenSSH)
+
+
+def host_settings(name: str, config_paths: Sequence[str]) -> HostSettings:
+    """``HostKeyAlias``, ``CheckHostIP`` and ``ConnectTimeout`` as the user's ssh config sets them for ``name``."""
     if not config_paths:
-        return None, False
+        return HostSettings()
     try:
         cfg = _HostKeyConfig.load(None, list(config_paths), False, False, False, "", "", name, None)
     except (OSError, asyncssh.Error, ValueError):
-        return None, False
+        return HostSettings()
     alias = cfg.get("HostKeyAlias")
-    return (str(alias) if alias else None), bool(cfg.get("CheckHostIP", False))
+    timeout = cfg.get("ConnectTimeout")
+    return HostSettings(
+        host_key_alias=str(alias) if alias else None,
+        check_host_ip=bool(cfg.get("CheckHostIP", False)),
+        connect_timeout_s=float(timeout) if isinstance(timeout, int | float) and timeout > 0 else None,
+    )
 
 
 def _host_key_error(name: str, kh: _KnownHosts, exc: Exception) -> HostKeyError:
@@ -286,7 +300,16 @@ def _skip_idle_packet_log(chan: asyncssh.SSHClientChannel) -> None:
 
 async def connect_ssh(name: str, command: str, options: SshOptions) -> SshLink:
     """Connect to ``name`` as ``~/.ssh/config`` describes it and start ``command`` (the agent bridge)."""
-    kh = _KnownHosts(options.known_hosts_paths(), *host_key_settings(name, options.config_paths()))
+    settings = host_settings(name, options.config_paths())
+    kh = _KnownHosts(options.known_hosts_paths(), settings.host_key_alias, settings.check_host_ip)
+    # the connect timeout as ssh takes it: the host's ConnectTimeout when the config sets one (gpudeck passing its own
+    # would override it), else gpudeck's; a caller's explicit one first
+    if options.connect_timeout_s is not None:
+        timeout, timeout_from = options.connect_timeout_s, "the caller's limit"
+    elif settings.connect_timeout_s is not None:
+        timeout, timeout_from = settings.connect_timeout_s, f"ConnectTimeout for {name} in the ssh config"
+    else:
+        timeout, timeout_from = CONNECT_TIMEOUT_S, f"gpudeck's default: set ConnectTimeout for {name} in ~/.ssh/config to change it"
     kwargs: dict = dict(
         config=options.config_paths() or None,
         known_hosts=kh,
@@ -294,7 +317,7 @@ async def connect_ssh(name: str, command: str, options: SshOptions) -> SshLink:
         x11_forwarding=False,
         keepalive_interval=options.keepalive_s,
         keepalive_count_max=options.keepalive_count,
-        connect_timeout=options.connect_timeout_s,
+        connect_timeout=timeout,
         login_timeout=LOGIN_TIMEOUT_S,
     )
     algs = encryption_preference(options.config_paths())
@@ -317,7 +340,7 @@ async def connect_ssh(name: str, command: str, options: SshOptions) -> SshLink:
     except asyncssh.DisconnectError as exc:
         raise SshError(f"{name}: SSH connection refused by the server ({exc.reason})") from None
     except TimeoutError:
-        raise SshError(f"{name}: no SSH answer within {options.connect_timeout_s:.0f} s: is the host up and reachable from here?") from None
+        raise SshError(f"{name}: no SSH answer within {timeout:g} s ({timeout_from}): is the host up and reachable from here?") from None
     except ConnectionRefusedError as exc:
         raise SshError(
             f"{name}: nothing accepts SSH connections there ({exc.strerror or exc}): is sshd running, and are HostName and Port for {name} in ~/.ssh/config right?"

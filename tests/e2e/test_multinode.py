@@ -314,6 +314,10 @@ def test_a_node_cut_off_during_the_run_is_reported_then_stopped_when_it_is_back(
     wait_for(lambda: (out / "checkpoints").exists(), timeout=240, interval=0.25, what="training started")
     c.cli("history")  # the history holds both nodes as running
     nodeb = c.hosts[1]
+    # the operator's ssh config gives nodeb a ConnectTimeout, as ssh would take it (gpudeck's own is 15 s): each of
+    # the three CLI calls below waits that long for nodeb before answering without it
+    with open(c.ssh_config, "a") as fh:
+        fh.write(f"Host {nodeb.name}\n    ConnectTimeout 6\n\n")
     nodeb.ns.cut("drop")  # the console's link to nodeb goes silent; the hosts' LAN stays up, so training goes on
     t0 = time.monotonic()
     try:

@@ -296,3 +296,16 @@ def test_a_write_whose_waiter_gave_up_is_committed_and_the_writer_goes_on(tmp_pa
         assert h._writer is not None and h._writer.is_alive()
     finally:
         h.close()
+
+
+def test_a_pending_stop_goes_when_the_history_records_the_run_ended_with_nothing_left(hist: History) -> None:
+    """A stop asked for while a host was cut off waits in the history; once the host's journal says the run ended
+    (by that stop, delivered by a `gpudeck` call that exited before marking it done, or by itself) it is moot, unless
+    the run left processes behind, which the stop would still reclaim."""
+    hist.cursor("nodeb", "e1", "0.1.0", "nodeb")
+    hist.add_pending_stop("nodeb", "r-aaaa1111", 30.0)
+    hist.add_pending_stop("nodeb", "r-bbbb2222", 30.0)
+    evs = [*_events("r-aaaa1111"), *_events("r-bbbb2222", start_seq=7)]
+    evs[-1].data["lingering"] = [4242]  # r-bbbb2222 ended with a process left behind
+    hist.submit("nodeb", "e1", evs).result(10)
+    assert hist.pending_stops("nodeb") == [("r-bbbb2222", 30.0)]

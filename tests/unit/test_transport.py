@@ -73,3 +73,30 @@ async def test_a_name_that_does_not_resolve_or_a_port_nobody_listens_on_says_wha
         await connect_ssh("down", "gpudeck agent dial", opts)
     assert down.value.message.startswith("down: nothing accepts SSH connections there (")
     assert "is sshd running, and are HostName and Port for down in ~/.ssh/config right?" in down.value.message
+
+
+async def test_the_hosts_connect_timeout_in_the_ssh_config_is_the_one_used_and_named(tmp_path: Path) -> None:
+    """ssh takes ConnectTimeout from the config; so does gpudeck (it passed its own 15 s, which overrode the user's).
+    A loopback listener that never answers the SSH banner stands for a host that does not answer."""
+    import time
+
+    from gpudeck.console.transport import CONNECT_TIMEOUT_S, host_settings
+
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(8)  # the kernel completes the TCP handshake; nothing ever speaks SSH
+        port = listener.getsockname()[1]
+        cfg = tmp_path / "config"
+        cfg.write_text(f"Host slow\n    HostName 127.0.0.1\n    Port {port}\n    ConnectTimeout 1\n\nHost plain\n    HostName 127.0.0.1\n")
+        assert host_settings("slow", [str(cfg)]).connect_timeout_s == 1.0
+        assert host_settings("plain", [str(cfg)]).connect_timeout_s is None  # gpudeck's default applies
+        opts = SshOptions(config=[cfg], known_hosts=[tmp_path / "known_hosts"], client_keys=[])
+        t0 = time.monotonic()
+        with pytest.raises(SshError) as slow:
+            await connect_ssh("slow", "gpudeck agent dial", opts)
+        took = time.monotonic() - t0
+    assert (
+        slow.value.message
+        == "slow: no SSH answer within 1 s (ConnectTimeout for slow in the ssh config): is the host up and reachable from here?"
+    )
+    assert took < CONNECT_TIMEOUT_S  # not gpudeck's 15 s (a hang limit, not a speed test: any time under it shows the config won)
