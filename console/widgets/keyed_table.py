@@ -204,8 +204,8 @@ class KeyedTable(DataTable):
         self._full: tuple[list[Any], dict[Any, Any], dict[Any, Any], dict[Any, int], list[Any], list[Any]] | None = (
             None  # _add_many's last every-row tables
         )
-        self._inner: dict[Any, dict[Any, tuple[object, int, list[Segment]]]] = {}  # row -> column -> (cell, width, segments)
-        self._styled: dict[tuple[int, Any], tuple[list[Segment], list[Segment]]] = {}  # those segments under a row's styles
+        # row -> column -> (cell, width, its segments, those segments under each row style they were drawn with)
+        self._inner: dict[Any, dict[Any, tuple[object, int, list[Segment], dict[Any, list[Segment]]]]] = {}
         self._pass: dict[Any, Style] | None = None  # styles read once per render_lines (DataTable reads them per line)
         self._fixed = {c.key for c in self.cols if c.width is not None}
         self.cells_written = 0  # how many cells the table was asked to redraw (tests keep updates O(changed))
@@ -498,7 +498,7 @@ class KeyedTable(DataTable):
             row_style = self._get_row_style(row_index, base_style)
             widths = [column.get_render_width(self) for column in columns]
             inner = self._inner.setdefault(row_key, {})
-            cells: list[list[Segment]] = []
+            cells = []
             for column, width in zip(columns, widths):
                 cell = data.get(column.key)
                 kept = inner.get(column.key)
@@ -506,26 +506,26 @@ class KeyedTable(DataTable):
                     segments = self._cell_segments(cell, width, pad)
                     if segments is None:
                         return super()._render_line_in_row(row_key, line_no, base_style, cursor_location, hover_location)
-                    kept = inner[column.key] = (cell, width, segments)
-                cells.append(kept[2])
+                    kept = inner[column.key] = (cell, width, segments, {})
+                cells.append(kept)
         except (AttributeError, KeyError, TypeError, IndexError):
             KeyedTable._fast_rows = False
             return super()._render_line_in_row(row_key, line_no, base_style, cursor_location, hover_location)
         # The cell's meta comes last: it adds no colour, so the order changes nothing. A cell's segments with the row's
-        # styles over them are kept per style (zebra, cursor, hover), merged where their styles are one (as the line's
-        # Strip.simplify would merge them), so only the meta is added per render.
+        # styles over them are kept with the cell, per style (zebra, cursor, hover: a few), merged where their styles
+        # are one (as the line's Strip.simplify would merge them), so only the meta is added per render; they go with
+        # the cell when it changes (a live table's updates leave nothing behind).
         row = row_style + component_style
         styled_key = (row, post_style)
         scrollable: list[list[Segment]] = []
-        for column_index, segments in enumerate(cells):
-            styled = self._styled.get((id(segments), styled_key))
-            if styled is None or styled[0] is not segments:
-                styled = (segments, list(Segment.simplify(Segment.apply_style(segments, style=row, post_style=post_style))))
-                if len(self._styled) > 20_000:
-                    self._styled.clear()
-                self._styled[(id(segments), styled_key)] = styled
+        for column_index, (_cell, _width, segments, variants) in enumerate(cells):
+            styled = variants.get(styled_key)
+            if styled is None:
+                if len(variants) >= 8:  # a theme change makes new styles: the old ones go
+                    variants.clear()
+                styled = variants[styled_key] = list(Segment.simplify(Segment.apply_style(segments, style=row, post_style=post_style)))
             meta = Style.from_meta({"row": row_index, "column": column_index})
-            scrollable.append([Segment(t, s + meta if s else meta) for t, s, _c in styled[1]])
+            scrollable.append([Segment(t, s + meta if s else meta) for t, s, _c in styled])
         remaining = max(0, self.size.width - sum(widths) - self._row_label_column_width)
         extend = row_style + extend_style + Style.from_meta({"row": row_index, "column": 0, "out_of_bounds": True})
         scrollable.append([Segment(" " * remaining, extend)])
@@ -570,9 +570,9 @@ class KeyedTable(DataTable):
         return [Segment(" " * pad, null), *line, Segment(" " * pad, null)] if pad else line
 
     def notify_style_update(self) -> None:
-        for kept in (getattr(self, "_inner", None), getattr(self, "_styled", None)):  # (DataTable's __init__ may come first)
-            if kept:
-                kept.clear()
+        inner = getattr(self, "_inner", None)  # (DataTable's __init__ may get here before ours has run)
+        if inner:
+            inner.clear()
         super().notify_style_update()
 
     def render_lines(self, crop: Region) -> list[Strip]:
