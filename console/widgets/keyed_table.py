@@ -670,6 +670,8 @@ class KeyedTable(DataTable):
         for k, cells in rows.items():
             if k not in fresh:
                 self.upsert(k, cells)
+        for k in new:  # the filter's text of each new row, now: the first key press would otherwise make them all
+            self._haystack(k)
         self._rebuild(self._matching(self.filter_text), ordered=True)
         self._say()
 
