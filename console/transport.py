@@ -134,7 +134,7 @@ class HostSettings:
 
     host_key_alias: str | None = None
     check_host_ip: bool = False  # OpenSSH's default: no
-    connect_timeout_s: float | None = None  # ConnectTimeout (None: not set, or 0: the system's TCP timeout in OpenSSH)
+    connect_timeout_s: float | None = None  # ConnectTimeout (None: not set; 0 or less is taken as not set: gpudeck's own applies)
 
 
 def host_settings(name: str, config_paths: Sequence[str]) -> HostSettings:

@@ -289,10 +289,10 @@ def history_rows_after(path: Path, text: str, after: int | None) -> tuple[list[R
 
 
 def history_run_count(path: Path) -> int:
-    """How many runs (each node of a run a row, as a query's limit counts them) the history holds."""
+    """How many runs the history holds (a multi-node run once, as the Runs screen lists it)."""
     conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=10.0)
     try:
-        return int(conn.execute("SELECT COUNT(*) FROM runs").fetchone()[0])
+        return int(conn.execute("SELECT COUNT(DISTINCT id) FROM runs").fetchone()[0])
     finally:
         conn.close()
 

@@ -49,8 +49,7 @@ COLUMNS = [
     Col("why", "ALERTS (live) / CAUSE (ended)", None),  # a live run has alerts, an ended one a cause: one column holds both
 ]
 ENDED_WORDS = frozenset(STATE_WORDS.get(s, s).split(" ")[0] for s in TERMINAL_STATES)
-HISTORY_LIMIT = 100_000  # the runs the screen holds (the filter looks through them all), newest first; past it: said on screen
-HISTORY_QUERY = f"limit:{HISTORY_LIMIT}"
+HISTORY_LIMIT = 100_000  # the run records the screen reads (the filter looks through them all), newest first; past it: said on screen
 HISTORY_MIN_INTERVAL_S = 2.0  # history changes arrive with every synced event; the table is re-read at most this often
 AGENT_POLL_S = 5.0  # without a history: ask the agents for their runs this often
 AGENT_POLL_CONCURRENCY = 16
@@ -287,9 +286,9 @@ class RunsScreen(LiveScreen):
             t.append(f"   {table.describe()}", style="bold")
         if table.row_count == 0 and not self._errors:
             t.append(" — none yet: l launches one (pre-flight first, nothing starts until you confirm)", style="dim")
-        if self._history_total is not None and self._history_total > HISTORY_LIMIT:
+        if self._history_total is not None and self._history_total > table.total_rows:
             t.append(
-                f"; the history holds {self._history_total:,} runs: the newest {HISTORY_LIMIT:,} are listed here,"
+                f"; the history holds {self._history_total:,} runs: the newest {table.total_rows:,} are listed here,"
                 " older ones: h (History) with until:DATE, or gpudeck history until:DATE",
                 style="yellow",
             )
