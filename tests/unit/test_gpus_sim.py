@@ -282,7 +282,10 @@ def test_a_worker_thread_sample_sees_the_exit_and_a_new_holder(holders: Holders,
     t = threading.Thread(target=lambda: out.append(s.memory_used()))
     t.start()
     t.join()
-    assert out[-1] == {0: 7 * GIB} and [e.pid for e in procs.sim_holders()] == [q.pid]
+    # the table was refreshed from the thread: it sees the new holder and not the exited one (only this test's
+    # processes are compared: another test's holder, running in parallel on this machine, may be listed too)
+    listed = [e.pid for e in procs.sim_holders()]
+    assert out[-1] == {0: 7 * GIB} and q.pid in listed and p.pid not in listed
 
 
 def test_sample_cost_with_8_gpus_and_a_few_holders(holders: Holders, procs: ProcTable) -> None:
