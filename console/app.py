@@ -15,7 +15,7 @@ from pathlib import Path
 
 import platformdirs
 from rich.terminal_theme import TerminalTheme
-from textual import work
+from textual import events, work
 from textual._ansi_theme import ALABASTER
 from textual.app import App, SystemCommand
 from textual.binding import Binding
@@ -37,17 +37,44 @@ from gpudeck.console.screens.host import HostScreen
 from gpudeck.console.screens.launch import LaunchDialog, LaunchOutcome
 from gpudeck.console.screens.run import RunScreen
 from gpudeck.console.screens.runs import RunsScreen
+from gpudeck.console.textual_fixes import install as install_textual_fixes
+
+install_textual_fixes()  # Strip.divide without its reference cycle: see textual_fixes.py
 
 # Host changes reach the screens this often at most. A refresh costs the visible cells that changed
 # (KeyedTable), so frequent small refreshes keep a key press from waiting behind a big one.
 FLUSH_S = 0.25
 CONFIG_POLL_S = 2.0  # how often the console looks whether `gpudeck hosts add/remove` changed the config file
 GC_FREEZE_AFTER_S = 60.0  # freeze the start-up heap once every host has answered, or after this long
-# Young collections this far apart: what a frame or a snapshot builds dies by reference counting before one
-# runs, instead of being promoted to the old generation, whose churn then sets off full collections (one every
-# couple of seconds while a run's output streams, 50-90 ms each, measured by bench/tui.py).
-GC_THRESHOLDS = (50_000, 20, 100)
+# After the freeze the collector runs young collections by itself, every 10,000 net allocations; the middle and full
+# ones are the console's to start (due_collection), when nobody is pressing keys. Python's default (700, 10, 10) set
+# off a full collection every couple of seconds while a run's output streamed (50-90 ms each). 50,000 young made each
+# young collection a 20-70 ms pause, because what Textual leaves in reference cycles (each layout's map, each
+# toast's nodes) is freed only by the collector: a young pass freed 30,000 objects. At 10,000 they take 5-15 ms of
+# CPU; a middle one, freeing what the young ones promoted, takes 80-105 ms with 256 hosts and a run streaming, and a
+# key press that met one waited that long (bench/tui.py --parts 3, bench/RESULTS.md section 24).
+GC_YOUNG = 10_000
+GC_NEVER = 1 << 30  # the collector's own middle and full collections, as thresholds: never
+GC_MIDDLE_AFTER = 20  # young collections before a middle one is due (Python's default is 10)
+GC_FULL_AFTER = 100  # middle collections before a full one is due (as the collector's threshold was)
+GC_IDLE_S = 1.0  # a due collection waits until no key or click came for this long
+GC_WAIT_LIMIT = 4  # ... or until it is this many times overdue: it waits for an idle moment, never forever
 THEMES = ("textual-dark", "textual-light")
+
+
+def due_collection(counts: tuple[int, int, int], idle_s: float) -> int | None:
+    """The generation to collect now, or None: ``counts`` is ``gc.get_count()`` (the middle and full entries count
+    the collections below them since their own last), ``idle_s`` how long since the last key or click.
+
+    A full collection is due after GC_FULL_AFTER middle ones, a middle one after GC_MIDDLE_AFTER young ones; a due
+    one runs once input has been idle for GC_IDLE_S, or, if input never pauses, at GC_WAIT_LIMIT times its count."""
+    _, young_runs, middle_runs = counts
+    idle = idle_s >= GC_IDLE_S
+    if middle_runs >= GC_FULL_AFTER and (idle or middle_runs >= GC_FULL_AFTER * GC_WAIT_LIMIT):
+        return 2
+    if young_runs >= GC_MIDDLE_AFTER and (idle or young_runs >= GC_MIDDLE_AFTER * GC_WAIT_LIMIT):
+        return 1
+    return None
 
 
 def _light_ansi() -> TerminalTheme:
@@ -88,6 +115,7 @@ class GpudeckApp(App):
         self._history_dirty = False
         self._gc_frozen = not freeze_gc  # tests and embedders leave their process's collector alone
         self._mounted_at = time.monotonic()
+        self._input_at = 0.0
         self.flushes = 0
         self.last_screenshot: Path | None = None
 
@@ -177,7 +205,8 @@ class GpudeckApp(App):
         The widgets, the links, hundreds of SSH connections live as long as the console; a full
         collection walks all of them (170 ms with 256 hosts, measured by bench/tui.py) and a key
         press waits behind it. Frozen objects are still freed by reference counting when they go.
-        Then the collector runs less often (GC_THRESHOLDS): cycles are still found, a little later.
+        Then young collections run every GC_YOUNG allocations, and the middle and full ones when the
+        console starts them (due_collection): cycles are still found, a little later.
         """
         links = self.fleet.links.values()
         settled = all(link.status.state != "connecting" for link in links)
@@ -185,7 +214,18 @@ class GpudeckApp(App):
             self._gc_frozen = True
             gc.collect()
             gc.freeze()
-            gc.set_threshold(*GC_THRESHOLDS)
+            gc.set_threshold(GC_YOUNG, GC_NEVER, GC_NEVER)
+            self.set_interval(FLUSH_S, self._collect_when_idle)
+
+    def _collect_when_idle(self) -> None:
+        gen = due_collection(gc.get_count(), time.monotonic() - self._input_at)
+        if gen is not None:
+            gc.collect(gen)
+
+    async def on_event(self, event: events.Event) -> None:
+        if isinstance(event, (events.Key, events.MouseDown, events.MouseScrollDown, events.MouseScrollUp, events.Paste)):
+            self._input_at = time.monotonic()  # someone is waiting on the screen: collections wait (due_collection)
+        await super().on_event(event)
 
     def visible_screens(self) -> list[Screen]:
         """The top screen, and under a modal dialog the screens it lets show through."""

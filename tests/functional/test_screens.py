@@ -393,16 +393,40 @@ async def test_closing_a_screen_at_once_does_not_end_the_app(fleet: FixtureFleet
 async def test_the_console_freezes_its_start_up_heap_once_the_fleet_has_answered(
     fleet: FixtureFleet, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """Then it leaves the middle and full collections to itself, and runs a due one only when keys stop coming.
+
+    The collector's calls are recorded, not made: this test process's own collector is left as it was."""
     import gc
+    import time
+
+    from gpudeck.console import app as app_module
 
     frozen: list[bool] = []
+    thresholds: list[tuple[int, ...]] = []
+    collected: list[int] = []
+    counts = [(0, 0, 0)]
     monkeypatch.setattr(gc, "freeze", lambda: frozen.append(True))
+    monkeypatch.setattr(gc, "set_threshold", lambda *t: thresholds.append(t))
+    monkeypatch.setattr(gc, "collect", lambda generation=2: collected.append(generation) or 0)
+    monkeypatch.setattr(gc, "get_count", lambda: counts[0])
     fleet.links["gpu5"].status.state = "unreachable"  # every host has answered one way or another
     app = GpudeckApp(fleet, freeze_gc=True)
     async with app.run_test(size=SIZE) as pilot:
         await until(lambda: frozen, what="gc.freeze")
         await pilot.pause(0.6)
         assert frozen == [True]  # once
+        assert thresholds == [(app_module.GC_YOUNG, app_module.GC_NEVER, app_module.GC_NEVER)]
+        collected.clear()  # the one before the freeze
+        before = time.monotonic()
+        await pilot.press("down")
+        assert app._input_at >= before  # a key press is input
+        counts[0] = (0, app_module.GC_MIDDLE_AFTER, 0)  # a middle collection is due
+        app._input_at = time.monotonic() + 3600  # keys keep coming (no wall-clock race on a busy machine)
+        await pilot.pause(3 * app_module.FLUSH_S)
+        assert collected == []
+        app._input_at = 0.0  # they stopped
+        await until(lambda: collected, what="the middle collection once keys stopped")
+        assert collected[0] == 1
     async with GpudeckApp(FixtureFleet()).run_test(size=SIZE) as pilot:  # tests and embedders: never
         await pilot.pause(0.6)
         assert frozen == [True]
