@@ -845,6 +845,12 @@ def to_builtins(msg: Any) -> Any:
     return msgspec.to_builtins(msg)
 
 
+# What is trimmed around a frame: JSON's own whitespace only. bytes.strip() would also drop \x0b and \x0c, which JSON
+# does not allow, and turn a frame that is not JSON (b"\x0b0") into one that is (b"0"): the sender would be told its
+# message had the wrong shape when it was not JSON at all.
+JSON_SPACE = b" \t\r\n"
+
+
 class FrameReader:
     """Splits a byte stream into lines, bounded by ``max_frame``; sans-IO.
 
@@ -861,7 +867,7 @@ class FrameReader:
     def feed(self, data: bytes) -> list[bytes | None]:
         """Add bytes; return complete frames (None marks an oversized frame)."""
         if not self._buf and not self._discarding and data.find(b"\n") == len(data) - 1 and len(data) <= self.max_frame + 1:
-            line = data[:-1].strip()  # the common case: exactly one whole frame (no copy into the buffer)
+            line = data[:-1].strip(JSON_SPACE)  # the common case: exactly one whole frame (no copy into the buffer)
             return [line] if line else []
         out: list[bytes | None] = []
         self._buf += data
@@ -882,7 +888,7 @@ class FrameReader:
             if len(line) > self.max_frame:
                 out.append(None)
                 continue
-            line = line.strip()
+            line = line.strip(JSON_SPACE)
             if line:
                 out.append(line)
 

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import msgspec
 import pytest
-from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import HealthCheck, assume, example, given, settings
 from hypothesis import strategies as st
 
 from gpudeck.agents import protocol as p
@@ -166,9 +166,10 @@ FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCh
 
 @FUZZ
 @given(st.one_of(st.binary(min_size=1, max_size=2000).map(_strip), safe_field_garbage(), mutated().map(_strip)))
+@example(frame=b"\x0b0")  # once answered bad_message: the reader trimmed the vertical tab that JSON does not allow
 def test_every_fuzzed_frame_is_answered_and_the_agent_keeps_serving(live, frame: bytes) -> None:
     a, pinger = live
-    assume(frame.strip() and _safe(frame))
+    assume(frame.strip(p.JSON_SPACE) and _safe(frame))
     replies = exchange(a, frame)
     check_replies(frame, replies)
     assert a.proc is not None and a.proc.poll() is None, "the agent died"
@@ -179,7 +180,7 @@ def test_every_fuzzed_frame_is_answered_and_the_agent_keeps_serving(live, frame:
 @given(mutated(SAFE_FRAMES).map(_strip))
 def test_mutated_safe_requests_are_answered(live, frame: bytes) -> None:
     a, pinger = live
-    assume(frame.strip() and _safe(frame))
+    assume(frame.strip(p.JSON_SPACE) and _safe(frame))
     check_replies(frame, exchange(a, frame))
 
 
@@ -193,7 +194,7 @@ def test_mutated_safe_requests_are_answered(live, frame: bytes) -> None:
 )
 def test_many_fuzzed_frames_pipelined_on_one_connection_are_all_answered(live, frames: list[bytes]) -> None:
     a, _ = live
-    frames = [f for f in frames if f.strip() and _safe(f)]
+    frames = [f for f in frames if f.strip(p.JSON_SPACE) and _safe(f)]
     assume(frames)
     decoded = [decode_request(f) for f in frames]
     bad = sum(1 for d in decoded if isinstance(d, Error))

@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gpudeck.agents import protocol as p
-from gpudeck.agents.protocol import MAX_FRAME, Error, FrameReader, decode_request, encode
+from gpudeck.agents.protocol import JSON_SPACE, MAX_FRAME, Error, FrameReader, decode_request, encode
 
 REQUEST_TYPES: tuple[type, ...] = typing.get_args(p.Request)
 ERROR_CODES = {"bad_json", "bad_message"}
@@ -185,14 +185,14 @@ def test_deeply_nested_json_gets_a_typed_error(depth: int) -> None:
 
 
 def frames_model(stream: bytes, max_frame: int) -> list[bytes | None]:
-    """What FrameReader must yield for a stream, whatever its chunking: one None per oversized line, stripped non-blank lines."""
+    """What FrameReader must yield for a stream, whatever its chunking: one None per oversized line, non-blank lines trimmed of JSON's whitespace."""
     parts = stream.split(b"\n")
     out: list[bytes | None] = []
     for line in parts[:-1]:
         if len(line) > max_frame:
             out.append(None)
-        elif line.strip():
-            out.append(line.strip())
+        elif line.strip(JSON_SPACE):
+            out.append(line.strip(JSON_SPACE))
     if len(parts[-1]) > max_frame:
         out.append(None)  # an unfinished line is reported as soon as it is too long
     return out

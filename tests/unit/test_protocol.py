@@ -7,6 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gpudeck.agents.protocol import (
+    JSON_SPACE,
     MAX_FRAME,
     Error,
     FrameReader,
@@ -78,8 +79,23 @@ def test_frame_reader_splits_and_bounds() -> None:
     assert fr.pending == 0
 
 
+def test_frame_reader_trims_json_whitespace_only() -> None:
+    """A vertical tab or form feed is not JSON whitespace: the frame keeps it and is answered as bad JSON, not as a
+    well-formed value of the wrong shape (found by tests/fuzz/test_agent_fuzz.py with the frame b"\\x0b0")."""
+    fr = FrameReader(max_frame=MAX_FRAME)
+    assert fr.feed(b" \t0\r\n") == [b"0"]
+    assert fr.feed(b"\x0b0\n") == [b"\x0b0"]
+    assert fr.feed(b'\x0c{"type": "ping"}\n\x0b\n') == [b'\x0c{"type": "ping"}', b"\x0b"]
+    for frame in (b"\x0b0", b"\x0b", b'\x0c{"type": "ping"}'):
+        out = decode_request(frame)
+        assert isinstance(out, Error) and out.code == "bad_json", (frame, out)
+
+
 @settings(max_examples=200, deadline=None)
-@given(st.lists(st.binary(min_size=1, max_size=30).filter(lambda b: b"\n" not in b and b.strip() == b), max_size=10), st.integers(1, 7))
+@given(
+    st.lists(st.binary(min_size=1, max_size=30).filter(lambda b: b"\n" not in b and b.strip(JSON_SPACE) == b), max_size=10),
+    st.integers(1, 7),
+)
 def test_frame_reader_any_chunking(lines: list[bytes], step: int) -> None:
     stream = b"".join(ln + b"\n" for ln in lines)
     fr = FrameReader(max_frame=MAX_FRAME)
