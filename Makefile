@@ -39,10 +39,10 @@ test-deps:
 	  { $$SUDO apt-get update -q >/dev/null && $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends prometheus >/dev/null; } || \
 	  echo "prometheus could not be installed: its test will be skipped"; }
 
-# three workers, each file's tests on one of them in order (a file's fixtures and its order stay as written);
-# most e2e tests wait on real processes and timeouts, so on two cores three workers keep both busy: 14 min 23 s
-# with 3 (user+sys 25.5 min of CPU), 15 min 51 s to 16 min 3 s with 2 (2026-12-02)
-TEST_WORKERS ?= 3
+# two workers, each file's tests on one of them in order (a file's fixtures and its order stay as written);
+# most e2e tests wait on real processes and timeouts, so two workers halve the wall time on two cores. Three were
+# tried on 2026-12-02: 14 min 23 s in one run, 16 min 46 s (pytest's own count) on a fresh clone: no clear gain
+TEST_WORKERS ?= 2
 
 test: $(VENV)/.test-installed test-deps
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
