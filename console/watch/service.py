@@ -37,8 +37,10 @@ from gpudeck.console.watch.rules import Rule, on_word, targets_for
 SCAN_BATCH = 1000
 DEFAULT_INTERVAL_S = 5.0  # snapshots as often as Prometheus usually scrapes; events do not wait for them (they are long-polled)
 # once the fleet is connected, what start-up built (links, connections) is frozen out of the cyclic collector's sight and
-# young collections run further apart, as the console does (console/app.py): each scrape builds tens of thousands of
-# short-lived objects that would otherwise set off full collections over everything the watcher holds
+# young collections run further apart: each scrape builds tens of thousands of short-lived objects that would otherwise
+# set off full collections over everything the watcher holds. The console schedules its middle and full collections
+# around key presses instead (console/app.py, due_collection); the watcher has no keys to wait for, so the collector's
+# own thresholds serve it
 GC_FREEZE_AFTER_S = 60.0
 GC_THRESHOLDS = (50_000, 20, 100)
 SCAN_EVERY_S = 2.0  # the history is read at least this often (and at once after a sync brings events)
