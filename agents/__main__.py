@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None, prog: str = MODULE_PROG) -> int:
         from gpudeck.agents.server import serve
 
         return serve(args.state_dir)
-    from gpudeck.agents.dial import dial
+    from gpudeck.agents.wire.dial import dial
 
     return dial(args.state_dir)
 

@@ -19,7 +19,7 @@ from gpudeck.agents.containment import RunGroup
 from gpudeck.agents.liverun import LiveRun
 from gpudeck.agents.membership import proc_tree
 from gpudeck.agents.procs import alive
-from gpudeck.agents.protocol import LIVE_STATES, TERMINAL_STATES, RunInfo
+from gpudeck.agents.wire.protocol import LIVE_STATES, TERMINAL_STATES, RunInfo
 
 if TYPE_CHECKING:
     from gpudeck.agents.supervisor import Supervisor

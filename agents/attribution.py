@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from gpudeck.agents.containment import Containment
 from gpudeck.agents.procs import CT_TOLERANCE, ProcEntry, create_time_of
-from gpudeck.agents.protocol import GpuProcess, Member
+from gpudeck.agents.wire.protocol import GpuProcess, Member
 
 LIVE = ("starting", "running", "stopping")
 

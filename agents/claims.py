@@ -8,11 +8,11 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
-from gpudeck.agents.errors import StorageError
 from gpudeck.agents.health import claims_report, observe
 from gpudeck.agents.liverun import LiveRun
 from gpudeck.agents.procs import alive
-from gpudeck.agents.protocol import LIVE_STATES, ClaimRow, RunInfo
+from gpudeck.agents.wire.errors import StorageError
+from gpudeck.agents.wire.protocol import LIVE_STATES, ClaimRow, RunInfo
 
 if TYPE_CHECKING:
     from gpudeck.agents.supervisor import Supervisor

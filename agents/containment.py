@@ -32,8 +32,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from gpudeck.agents.errors import BadRequest
-from gpudeck.agents.protocol import ContainmentInfo
+from gpudeck.agents.wire.errors import BadRequest
+from gpudeck.agents.wire.protocol import ContainmentInfo
 
 CONTAINMENT_ENV = "GPUDECK_CONTAINMENT"
 GROUP_ROOT = "gpudeck"

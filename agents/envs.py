@@ -23,15 +23,16 @@ import signal
 import subprocess
 import tempfile
 import time
-from collections.abc import Collection, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import IO, Any
 from urllib.parse import unquote, urlsplit
 
 import msgspec
 
-from gpudeck.agents.errors import AgentError
-from gpudeck.agents.protocol import EnvFingerprint
+from gpudeck.agents.wire.envdiff import CUDNN, EDITABLE, NCCL, REBUILD_IGNORES, EnvChange, describe, diff, normalize, parse_freeze_line
+from gpudeck.agents.wire.errors import AgentError
+from gpudeck.agents.wire.protocol import EnvFingerprint
 
 
 class EnvError(AgentError):
@@ -44,26 +45,8 @@ class PythonMissing(EnvError):
     """The interpreter named by a launch or a record does not exist on this host."""
 
 
-class EnvChange(msgspec.Struct, frozen=True):
-    """One difference between two fingerprints: ``key`` went from ``a`` to ``b`` (None: absent)."""
-
-    key: str  # python_version | torch | torch_cuda | torch_git | driver | nccl | cudnn | transformers | python | prefix | package:<name>
-    a: str | None
-    b: str | None
-    core: bool = False  # one of the fields that decide whether a known-good configuration still works
-
-
-# The fields that change what a training run does, in the order diff reports them.
-CORE_KEYS: tuple[str, ...] = ("python_version", "torch", "torch_cuda", "torch_git", "driver", "nccl", "cudnn", "transformers")
-PATH_KEYS: tuple[str, ...] = ("python", "prefix")
-# rebuild compares everything except where the environment lives and the host's driver
-REBUILD_IGNORES: frozenset[str] = frozenset({"python", "prefix", "driver"})
-
 _PROBE_MARK = "GPUDECK-ENV "
 _TORCH_MARK = "GPUDECK-TORCH "
-_EDITABLE = "  # editable"
-_NCCL = re.compile(r"nvidia-nccl(?:-cu(\d+))?")
-_CUDNN = re.compile(r"nvidia-cudnn(?:-cu(\d+))?")
 # torch wheels with these local labels live on download.pytorch.org, not PyPI
 _TORCH_WHEELS = frozenset({"torch", "torchvision", "torchaudio"})
 _TORCH_LABEL = re.compile(r"\+(cu\d+|cpu|rocm[\d.]+|xpu)$")
@@ -190,11 +173,6 @@ class _TorchCheck(msgspec.Struct):
 # ----------------------------------------------------------------------------- fingerprint
 
 
-def normalize(name: str) -> str:
-    """A distribution name normalized per PEP 503 (``Foo_Bar.baz`` -> ``foo-bar-baz``)."""
-    return re.sub(r"[-_.]+", "-", name).lower()
-
-
 def _interpreter(python: str) -> str:
     """The absolute path of ``python`` (a path, or a name on PATH); PythonMissing when there is none."""
     if os.sep not in python:
@@ -238,7 +216,7 @@ def _direct_line(name: str, raw: str) -> str | None:
     if d.subdirectory:
         url += f"#subdirectory={d.subdirectory}"
     editable = d.dir_info is not None and bool(d.dir_info.get("editable"))
-    return f"{name} @ {url}" + (_EDITABLE if editable else "")
+    return f"{name} @ {url}" + (EDITABLE if editable else "")
 
 
 def _pick(packages: Mapping[str, str], pattern: re.Pattern[str], cuda: str | None) -> str | None:
@@ -279,8 +257,8 @@ def _from_probe(python: str, probe: _Probe, driver: str | None) -> EnvFingerprin
         torch=torch.version or packages.get("torch"),
         torch_cuda=torch_cuda,
         torch_git=torch.git,
-        cudnn=_pick(packages, _CUDNN, torch_cuda),
-        nccl=_pick(packages, _NCCL, torch_cuda),
+        cudnn=_pick(packages, CUDNN, torch_cuda),
+        nccl=_pick(packages, NCCL, torch_cuda),
         transformers=packages.get("transformers"),
         driver=driver,
         packages=dict(sorted(packages.items())),
@@ -379,105 +357,6 @@ def check_imports_torch(python: str, timeout: float = 120.0, *, env: Mapping[str
     return True, f"torch {info.version} imports in {took:.1f} s ({cuda})"
 
 
-# ----------------------------------------------------------------------------- diff
-
-
-def _parse_line(line: str) -> tuple[str | None, str | None, bool]:
-    """(name, direct URL or None, editable) of one freeze line."""
-    text = line.strip()
-    editable = text.endswith(_EDITABLE.strip()) or text.startswith("-e ")
-    text = text.split(" #", 1)[0].strip()
-    if text.startswith("-e "):
-        return None, text[3:].strip(), True
-    if " @ " in text:
-        name, url = text.split(" @ ", 1)
-        return normalize(name.strip()), url.strip(), editable
-    name = re.split(r"[=<>!~;\[ ]", text, maxsplit=1)[0]
-    return (normalize(name) if name else None), None, editable
-
-
-def _package_views(fp: EnvFingerprint) -> dict[str, str]:
-    """name -> version, with where it came from for direct-URL installs (so a PyPI 1.0 and a git 1.0 differ)."""
-    views = dict(fp.packages)
-    for line in fp.freeze:
-        name, url, editable = _parse_line(line)
-        if name is not None and url is not None:
-            views[name] = f"{views.get(name, '?')} @ {url}" + (" (editable)" if editable else "")
-    return views
-
-
-def _covered(name: str, a: Mapping[str, str], b: Mapping[str, str]) -> bool:
-    """Whether a package's change is already reported by a core key (torch, transformers, NCCL, cuDNN)."""
-    if name in ("torch", "transformers"):
-        return True
-    # same library name on both sides: the nccl/cudnn key says it; a cu12 -> cu13 swap still shows as -/+
-    return bool(_NCCL.fullmatch(name) or _CUDNN.fullmatch(name)) and name in a and name in b
-
-
-def diff(a: EnvFingerprint, b: EnvFingerprint, *, ignore: Collection[str] = ()) -> list[EnvChange]:
-    """What changed from ``a`` to ``b``: core keys first, then interpreter paths, then packages by name; [] when identical.
-
-    ``ignore`` names keys to leave out (e.g. ``REBUILD_IGNORES`` to compare two copies of one environment).
-    """
-    changes: list[EnvChange] = []
-    for key in CORE_KEYS:
-        if key in ignore:
-            continue
-        if key == "torch_git" and a.torch != b.torch:
-            continue  # a different torch version says more; the git hash matters for two builds of one version
-        va, vb = getattr(a, key), getattr(b, key)
-        if va != vb:
-            changes.append(EnvChange(key, va, vb, core=True))
-    for key in PATH_KEYS:
-        if key not in ignore and getattr(a, key) != getattr(b, key):
-            changes.append(EnvChange(key, getattr(a, key), getattr(b, key)))
-    if a.freeze_hash and a.freeze_hash == b.freeze_hash and a.packages == b.packages:
-        return changes
-    pa, pb = _package_views(a), _package_views(b)
-    for name in sorted(pa.keys() | pb.keys()):
-        key = f"package:{name}"
-        if key in ignore or _covered(name, pa, pb):
-            continue
-        if pa.get(name) != pb.get(name):
-            changes.append(EnvChange(key, pa.get(name), pb.get(name)))
-    return changes
-
-
-_LABELS = {
-    "python_version": "python",
-    "torch": "torch",
-    "torch_cuda": "torch CUDA build",
-    "torch_git": "torch git",
-    "driver": "driver",
-    "nccl": "NCCL",
-    "cudnn": "cuDNN",
-    "transformers": "transformers",
-    "python": "interpreter",
-    "prefix": "environment",
-}
-
-
-def describe(changes: list[EnvChange]) -> list[str]:
-    """One human line per change, e.g. ``torch 2.6.0+cu124 -> 2.7.0+cu128``, ``+ package foo 1.0``."""
-    lines: list[str] = []
-    for c in changes:
-        if c.key.startswith("package:"):
-            name = c.key[len("package:") :]
-            if c.a is None:
-                lines.append(f"+ package {name} {c.b}")
-            elif c.b is None:
-                lines.append(f"- package {name} {c.a}")
-            else:
-                lines.append(f"package {name} {c.a} -> {c.b}")
-        elif c.key == "python" and c.b is None:
-            lines.append(f"interpreter {c.a} no longer exists")
-        else:
-            label = _LABELS.get(c.key, c.key)
-            none = "none (CPU build)" if c.key == "torch_cuda" else "none"
-            lines.append(f"{label} {c.a if c.a is not None else none} -> {c.b if c.b is not None else none}")
-    return lines
-
-
 def verify(recorded: EnvFingerprint, *, driver: str | None = None, timeout: float = 60.0) -> list[EnvChange]:
     """What changed in ``recorded.python``'s environment since it was recorded; [] when it still matches.
 
@@ -497,7 +376,7 @@ def _unreproducible(freeze: list[str]) -> list[str]:
     """The freeze lines an installer cannot reproduce from the record alone: editables and local directories or missing files."""
     bad: list[str] = []
     for line in freeze:
-        name, url, editable = _parse_line(line)
+        name, url, editable = parse_freeze_line(line)
         if editable:
             bad.append(f"{line.split(' #', 1)[0].strip()} (editable)")
         elif url is not None and url.startswith("file:"):

@@ -59,8 +59,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from gpudeck.agents.errors import AgentError
-from gpudeck.agents.protocol import LaunchSpec, MemoryEstimate
+from gpudeck.agents.wire.errors import AgentError
+from gpudeck.agents.wire.protocol import LaunchSpec, MemoryEstimate
 from gpudeck.trainers.contract import PRESETS, TRAINER_MODULES, parse_index_list, trainer_args, trainer_module
 
 GIB = 2**30

@@ -19,7 +19,7 @@ from typing import Any, Literal, Protocol
 
 from gpudeck.agents.gpus_sim import SIMULATE_ENV, SimulatedGpuSampler, SimulatedGpuSpecError, parse_sim_spec
 from gpudeck.agents.procs import ProcTable
-from gpudeck.agents.protocol import Gpu, GpuProcess
+from gpudeck.agents.wire.protocol import Gpu, GpuProcess
 
 __all__ = ["GpuSampler", "GpuSource", "SimulatedGpuSampler", "SimulatedGpuSpecError", "make_sampler"]
 

@@ -42,9 +42,9 @@ import threading
 import time
 from dataclasses import dataclass
 
-from gpudeck.agents.errors import AgentError
 from gpudeck.agents.procs import CT_TOLERANCE, SIM_GPU_MEM_TAG, ProcTable, read_stat, sim_scope
-from gpudeck.agents.protocol import Gpu, GpuProcess
+from gpudeck.agents.wire.errors import AgentError
+from gpudeck.agents.wire.protocol import Gpu, GpuProcess
 
 log = logging.getLogger("gpudeck.agent")
 

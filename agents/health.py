@@ -46,7 +46,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-from gpudeck.agents.protocol import Alert, ClaimRow, Claims, Gpu, Member, RunInfo, RunTelemetry
+from gpudeck.agents.wire.protocol import Alert, ClaimRow, Claims, Gpu, Member, RunInfo, RunTelemetry
 
 # ----------------------------------------------------------------------------- thresholds
 

@@ -30,7 +30,7 @@ Reads see the writer's queue: a run's queued field changes are applied to what
 ``wait=False``) for what was queued before it was called. Reads use their own
 connection, so a commit in progress never holds them up.
 
-Payloads are typed (``agents/events.py``): each is validated against its kind's
+Payloads are typed (``agents/wire/events.py``): each is validated against its kind's
 type when it is queued; the stored JSON is the dict the caller gave.
 """
 
@@ -56,10 +56,10 @@ from typing import Any
 
 import msgspec
 
-from gpudeck.agents import events as payloads
-from gpudeck.agents import paths
-from gpudeck.agents.errors import AgentError, StorageError
-from gpudeck.agents.protocol import (
+from gpudeck.agents.wire import events as payloads
+from gpudeck.agents.wire import paths
+from gpudeck.agents.wire.errors import AgentError, StorageError
+from gpudeck.agents.wire.protocol import (
     Alert,
     EnvFingerprint,
     Event,

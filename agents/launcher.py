@@ -17,12 +17,12 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from gpudeck.agents import paths
 from gpudeck.agents.containment import RunGroup
-from gpudeck.agents.errors import BadRequest, LaunchFailed
 from gpudeck.agents.estimate import LaunchArgv
 from gpudeck.agents.preflight import UNPARSED, Unparsed, parse_launch_argv, run_python
-from gpudeck.agents.protocol import MAX_ARGV, LaunchSpec, RunInfo
+from gpudeck.agents.wire import paths
+from gpudeck.agents.wire.errors import BadRequest, LaunchFailed
+from gpudeck.agents.wire.protocol import MAX_ARGV, LaunchSpec, RunInfo
 
 # run as a script with -I: stdlib only, so the run's own PYTHONPATH and cwd never matter
 SHIM = str(Path(__file__).resolve().with_name("shim.py"))

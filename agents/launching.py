@@ -18,15 +18,16 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
-from gpudeck.agents import envs, paths
+from gpudeck.agents import envs
 from gpudeck.agents.containment import RunGroup
-from gpudeck.agents.errors import AgentError, BadRequest, LaunchFailed, StorageError
 from gpudeck.agents.estimate import estimate_or_reason
 from gpudeck.agents.launcher import LaunchPlan, check_executable, fsync_write
 from gpudeck.agents.liverun import LiveRun
 from gpudeck.agents.preflight import failure_summary, run_preflight
 from gpudeck.agents.procs import create_time_of
-from gpudeck.agents.protocol import EnvFingerprint, LaunchSpec, Member, PreflightResult, RunInfo, new_run_id
+from gpudeck.agents.wire import paths
+from gpudeck.agents.wire.errors import AgentError, BadRequest, LaunchFailed, StorageError
+from gpudeck.agents.wire.protocol import EnvFingerprint, LaunchSpec, Member, PreflightResult, RunInfo, new_run_id
 
 if TYPE_CHECKING:
     from gpudeck.agents.supervisor import Supervisor

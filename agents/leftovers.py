@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from gpudeck.agents.procs import ProcTable, proc_info, read_stat
-from gpudeck.agents.protocol import TERMINAL_STATES, Gpu, Leftover, RunInfo
+from gpudeck.agents.wire.protocol import TERMINAL_STATES, Gpu, Leftover, RunInfo
 
 _NOTES = {
     "orphan": "left by run {run} ({cause}); `gpudeck reclaim {host}:{pid}` stops it",

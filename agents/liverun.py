@@ -9,8 +9,8 @@ from pathlib import Path
 
 from gpudeck.agents.containment import RunGroup
 from gpudeck.agents.health import Baseline, Observation, RunHealth
-from gpudeck.agents.protocol import Alert, ContainmentInfo, Member, RunInfo
 from gpudeck.agents.telemetry import TelemetryTail
+from gpudeck.agents.wire.protocol import Alert, ContainmentInfo, Member, RunInfo
 
 _UNSET = object()
 

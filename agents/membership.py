@@ -26,7 +26,7 @@ from gpudeck.agents.procs import (
     read_entry,
     read_stat,
 )
-from gpudeck.agents.protocol import Member, Reported, RunInfo
+from gpudeck.agents.wire.protocol import Member, Reported, RunInfo
 
 PROC_TREE_ROLES = ("shim", "leader")
 

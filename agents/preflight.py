@@ -3,7 +3,7 @@
 :func:`run_preflight` is logic over facts handed to it (the GPUs, already
 attributed; the ended runs; the memory estimate; a python checker; port and
 disk probes), so it is tested without GPUs. Each check gives one
-:class:`~gpudeck.agents.protocol.PreflightCheck`; a failed check's message says what is
+:class:`~gpudeck.agents.wire.protocol.PreflightCheck`; a failed check's message says what is
 wrong and what to do. A check that does not apply passes with
 ``details["skipped"]`` set and says why.
 
@@ -40,7 +40,7 @@ from gpudeck.agents.estimate import (
     LaunchArgv,
     parse_launch_argv,
 )
-from gpudeck.agents.protocol import Gpu, GpuProcess, LaunchSpec, MemoryEstimate, PreflightCheck, PreflightResult, RunInfo
+from gpudeck.agents.wire.protocol import Gpu, GpuProcess, LaunchSpec, MemoryEstimate, PreflightCheck, PreflightResult, RunInfo
 
 # the checkpoint layout trainers/checkpoint.py writes: OUT/checkpoints/step_<N>/ with both files when complete
 from gpudeck.trainers.contract import CHECKPOINT_MARKER, CHECKPOINT_METADATA, CHECKPOINTS_DIRNAME

@@ -29,7 +29,7 @@ from typing import TypeVar
 
 import psutil
 
-from gpudeck.agents.protocol import ProcInfo
+from gpudeck.agents.wire.protocol import ProcInfo
 
 RUN_TAG = "GPUDECK_RUN_ID"
 SIM_GPU_MEM_TAG = "GPUDECK_SIM_GPU_MEM"  # "<gpu>:<GiB>[,<gpu>:<GiB>...]", read by the simulated GPU sampler

@@ -16,10 +16,10 @@ from typing import TYPE_CHECKING
 import msgspec
 
 from gpudeck.agents import stopper, tick
-from gpudeck.agents.errors import BadRequest, StorageError
 from gpudeck.agents.leftovers import find_leftovers
 from gpudeck.agents.procs import CT_TOLERANCE, alive, read_stat
-from gpudeck.agents.protocol import Leftover, Member, StoppedProcess, StopResult
+from gpudeck.agents.wire.errors import BadRequest, StorageError
+from gpudeck.agents.wire.protocol import Leftover, Member, StoppedProcess, StopResult
 
 if TYPE_CHECKING:
     from gpudeck.agents.supervisor import Supervisor

@@ -11,12 +11,12 @@ from typing import TYPE_CHECKING
 import msgspec
 
 from gpudeck.agents import claims, telemetry_fold
-from gpudeck.agents.causes import classify_output
 from gpudeck.agents.containment import put_figures
 from gpudeck.agents.exit_cause import ExitFacts, decide, read_exit_record, telemetry_evidence
 from gpudeck.agents.liverun import LiveRun
 from gpudeck.agents.procs import alive
-from gpudeck.agents.protocol import Alert, RunInfo
+from gpudeck.agents.wire.causes import classify_output
+from gpudeck.agents.wire.protocol import Alert, RunInfo
 
 if TYPE_CHECKING:
     from gpudeck.agents.supervisor import Supervisor

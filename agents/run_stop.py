@@ -18,12 +18,12 @@ import msgspec
 
 from gpudeck.agents import adoption, claims, stopper, telemetry_fold, tick
 from gpudeck.agents.containment import RunGroup, put_figures
-from gpudeck.agents.errors import BadRequest
 from gpudeck.agents.exit_cause import read_exit_record
 from gpudeck.agents.liverun import LiveRun
 from gpudeck.agents.membership import discover, proc_tree
 from gpudeck.agents.procs import alive, signal_exact
-from gpudeck.agents.protocol import TERMINAL_STATES, Member, RunInfo, StopResult
+from gpudeck.agents.wire.errors import BadRequest
+from gpudeck.agents.wire.protocol import TERMINAL_STATES, Member, RunInfo, StopResult
 
 if TYPE_CHECKING:
     from gpudeck.agents.supervisor import Supervisor

@@ -29,14 +29,18 @@ from typing import Any
 
 import msgspec
 
-from gpudeck.agents import __version__, envs, paths, triage
-from gpudeck.agents.errors import AgentError, BadRequest, StorageError, VersionMismatch
+from gpudeck.agents import __version__, envs, triage
 from gpudeck.agents.gpus import make_sampler
 from gpudeck.agents.journal import Journal
 from gpudeck.agents.launcher import SHIM
 from gpudeck.agents.membership import cmdline_of
 from gpudeck.agents.procs import ProcTable
-from gpudeck.agents.protocol import (
+from gpudeck.agents.snapshot import SnapshotBuilder
+from gpudeck.agents.supervisor import Supervisor, hostname
+from gpudeck.agents.telemetry import step_series
+from gpudeck.agents.wire import paths
+from gpudeck.agents.wire.errors import AgentError, BadRequest, StorageError, VersionMismatch
+from gpudeck.agents.wire.protocol import (
     MAX_OUTPUT_CHUNK,
     PROTOCOL_VERSION,
     TERMINAL_STATES,
@@ -85,9 +89,6 @@ from gpudeck.agents.protocol import (
     decode_request,
     encode,
 )
-from gpudeck.agents.snapshot import SnapshotBuilder
-from gpudeck.agents.supervisor import Supervisor, hostname
-from gpudeck.agents.telemetry import step_series
 
 log = logging.getLogger("gpudeck.agent")
 

@@ -12,8 +12,8 @@ import time
 
 from gpudeck.agents.gpus import GpuSource
 from gpudeck.agents.procs import CT_TOLERANCE, ProcTable, proc_info, read_stat
-from gpudeck.agents.protocol import GpuProcess, ProcInfo, Snapshot
 from gpudeck.agents.supervisor import Supervisor
+from gpudeck.agents.wire.protocol import GpuProcess, ProcInfo, Snapshot
 
 
 class SnapshotBuilder:

@@ -31,7 +31,7 @@ from gpudeck.agents.procs import (
     signal_exact,
     status_of,
 )
-from gpudeck.agents.protocol import GpuFreed, GpuProcess, Member, StoppedProcess, StopResult
+from gpudeck.agents.wire.protocol import GpuFreed, GpuProcess, Member, StoppedProcess, StopResult
 
 KILL_WAIT_S = 5.0  # after SIGKILL, how long to wait for the kernel to take them
 GPU_SETTLE_S = 5.0  # after the processes are gone, how long to wait for NVML to drop them

@@ -31,19 +31,20 @@ from typing import Any
 
 import msgspec
 
-from gpudeck.agents import adoption, claims, launching, paths, reclaim, run_stop, telemetry_fold
+from gpudeck.agents import adoption, claims, launching, reclaim, run_stop, telemetry_fold
 from gpudeck.agents import tick as ticks
 from gpudeck.agents.attribution import Attribution
-from gpudeck.agents.causes import cause_class
 from gpudeck.agents.containment import LABELS, Containment, RunGroup, detect
-from gpudeck.agents.errors import BadRequest, NotFound, StorageError
 from gpudeck.agents.gpus import GpuSource
 from gpudeck.agents.journal import Journal
 from gpudeck.agents.launcher import LaunchPlan, spawn
 from gpudeck.agents.liverun import LiveRun
 from gpudeck.agents.membership import TreeWatch
 from gpudeck.agents.procs import ProcTable
-from gpudeck.agents.protocol import (
+from gpudeck.agents.wire import paths
+from gpudeck.agents.wire.causes import cause_class
+from gpudeck.agents.wire.errors import BadRequest, NotFound, StorageError
+from gpudeck.agents.wire.protocol import (
     TERMINAL_STATES,
     ClaimRow,
     ContainmentInfo,

@@ -42,7 +42,7 @@ from typing import Annotated, Any
 
 import msgspec
 
-from gpudeck.agents.protocol import RankTelemetry, RunTelemetry
+from gpudeck.agents.wire.protocol import RankTelemetry, RunTelemetry
 
 MAX_READ = 4 << 20  # bytes per poll; the rest waits for the next tick
 MAX_LINE = 1 << 20  # bytes in one line

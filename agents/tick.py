@@ -26,7 +26,7 @@ from gpudeck.agents.health import Baseline, observe
 from gpudeck.agents.liverun import LiveRun
 from gpudeck.agents.membership import Discovery, discover, proc_tree
 from gpudeck.agents.procs import StatLine, alive
-from gpudeck.agents.protocol import Gpu, Member
+from gpudeck.agents.wire.protocol import Gpu, Member
 
 if TYPE_CHECKING:
     from gpudeck.agents.supervisor import Supervisor

@@ -57,9 +57,9 @@ import msgspec
 import psutil
 
 from gpudeck.agents import flight_recorder
-from gpudeck.agents.errors import BadRequest
 from gpudeck.agents.liverun import LiveRun
-from gpudeck.agents.protocol import Alert, Gpu, RankEvidence, RunInfo, Triage
+from gpudeck.agents.wire.errors import BadRequest
+from gpudeck.agents.wire.protocol import Alert, Gpu, RankEvidence, RunInfo, Triage
 from gpudeck.trainers.contract import stack_file
 
 if TYPE_CHECKING:

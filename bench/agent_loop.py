@@ -29,8 +29,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from gpudeck.agents.client import AgentClient
-from gpudeck.agents.protocol import GetSnapshot, Launch, LaunchSpec, Ping
+from gpudeck.agents.wire.client import AgentClient
+from gpudeck.agents.wire.protocol import GetSnapshot, Launch, LaunchSpec, Ping
 
 # telemetry as fast as the agent takes it: every record becomes one journal event (eval records are never thinned)
 WRITER = r"""

@@ -34,13 +34,13 @@ sys.path.insert(0, str(ROOT))
 
 import psutil
 
-from gpudeck.agents.client import AgentClient
 from gpudeck.agents.gpus import GpuSampler
 from gpudeck.agents.journal import Journal
 from gpudeck.agents.procs import ProcTable
-from gpudeck.agents.protocol import LaunchSpec, WatchSnapshots
 from gpudeck.agents.snapshot import SnapshotBuilder
 from gpudeck.agents.supervisor import Supervisor
+from gpudeck.agents.wire.client import AgentClient
+from gpudeck.agents.wire.protocol import LaunchSpec, WatchSnapshots
 
 HOLD = (
     "import sys, time, torch\n"

@@ -43,9 +43,9 @@ from gpudeck.agents.containment import detect
 from gpudeck.agents.gpus_sim import SimulatedGpuSampler
 from gpudeck.agents.journal import Journal
 from gpudeck.agents.procs import ProcTable
-from gpudeck.agents.protocol import LaunchSpec
 from gpudeck.agents.snapshot import SnapshotBuilder
 from gpudeck.agents.supervisor import Supervisor
+from gpudeck.agents.wire.protocol import LaunchSpec
 
 # the leader spawns N-1 sleepers (every tenth with SIGTERM ignored), then says how many are up
 TREE = r"""

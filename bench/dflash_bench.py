@@ -234,7 +234,7 @@ def run_trainer(cmd: list[str], out: Path, label: str, args) -> tuple[object, li
 
 def bench_seed(args) -> None:
     from gpudeck.agents.estimate import estimate
-    from gpudeck.agents.protocol import LaunchSpec
+    from gpudeck.agents.wire.protocol import LaunchSpec
 
     out = Path(tempfile.mkdtemp(prefix="dflash_seed_"))
     argv = seed_train_argv(out / "configs", args.seed_target, args.steps, out / "run", not args.no_compile)

@@ -412,7 +412,7 @@ async def worker_floor(spec: FleetSpec, seconds: float, interval: float, profile
     no history. gpudeck's console CPU above this line is gpudeck's own code."""
     import asyncssh
 
-    from gpudeck.agents.protocol import Hello, WatchSnapshots, encode
+    from gpudeck.agents.wire.protocol import Hello, WatchSnapshots, encode
     from gpudeck.console.transport import _skip_idle_packet_log
 
     ok = await plain_connections(spec)

@@ -16,7 +16,7 @@ What is real and what is not, so nobody reads more into a figure than it holds:
   authorised. There is no sshd fork, no login shell and no ``gpudeck``
   process per session: for an exec of ``gpudeck agent dial`` the farm
   bridges the channel to that host's agent socket in-process (bytes both
-  ways unchanged, as agents/dial.py does); for an exec of
+  ways unchanged, as agents/wire/dial.py does); for an exec of
   ``gpudeck status --json`` (the exec-per-tick peer) it connects to that
   host's agent, sends Hello + GetSnapshot, writes the snapshot as one JSON
   line and exits 0 — so the peer's *host-side* exec cost is not in the farm
@@ -566,9 +566,9 @@ class _Farm:
     async def _status(self, process, sock: Path) -> None:  # type: ignore[no-untyped-def]
         import msgspec
 
-        from gpudeck.agents.client import AgentClient
-        from gpudeck.agents.errors import AgentError
-        from gpudeck.agents.protocol import GetSnapshot
+        from gpudeck.agents.wire.client import AgentClient
+        from gpudeck.agents.wire.errors import AgentError
+        from gpudeck.agents.wire.protocol import GetSnapshot
 
         self.status_execs += 1
         try:

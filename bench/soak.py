@@ -158,8 +158,8 @@ class Launcher:
         return max(1, round(self.events_per_s / self.run_rate))
 
     async def _launch_one(self, k: int, dur: float) -> None:
-        from gpudeck.agents.errors import AgentError
-        from gpudeck.agents.protocol import LaunchSpec
+        from gpudeck.agents.wire.errors import AgentError
+        from gpudeck.agents.wire.protocol import LaunchSpec
 
         host = random.choice(self.names)
         # force: the simulated GPUs show every GPUDECK_SIM_GPU_MEM process of this machine, other tests' holders included,

@@ -43,7 +43,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from gpudeck.agents.protocol import GetEvents, GetRun
+from gpudeck.agents.wire.protocol import GetEvents, GetRun
 from tests.agent_harness import AgentProc, teardown_agent
 
 

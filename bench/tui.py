@@ -371,7 +371,7 @@ class Window:
 
 
 async def part1(home: Path, rate: int, total: int) -> None:
-    from gpudeck.agents.protocol import LaunchSpec
+    from gpudeck.agents.wire.protocol import LaunchSpec
     from gpudeck.console.app import GpudeckApp
     from gpudeck.console.fleet import Fleet
     from gpudeck.console.screens.run import RunScreen
@@ -1075,7 +1075,7 @@ def dashboard_peer(spec_path: Path, log_path: Path, others: list[int], hosts: in
 
 
 async def part4(hosts: int) -> None:
-    from gpudeck.agents.protocol import Gpu, GpuProcess, Snapshot
+    from gpudeck.agents.wire.protocol import Gpu, GpuProcess, Snapshot
     from gpudeck.console.app import GpudeckApp
     from gpudeck.console.config import HostSettings
     from gpudeck.console.fleet import Fleet, HostLink
@@ -1235,7 +1235,7 @@ def fill_history(path: Path, runs: int, hosts: int = 256) -> float:
     """A real history.db holding ``runs`` ended runs on ``hosts`` made-up hosts (labelled so), written by the console's
     own writer from the journal events an agent sends (run_created, run_state running, run_state ended); returns the
     newest run's time."""
-    from gpudeck.agents.protocol import Event
+    from gpudeck.agents.wire.protocol import Event
     from gpudeck.console.history import History
 
     now = time.time()

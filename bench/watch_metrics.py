@@ -34,7 +34,7 @@ PROM_ACCEPT = "application/openmetrics-text;version=1.0.0;q=0.5,application/open
 
 def synthetic_fleet(n: int, gpus: int = 8) -> Any:
     """A stand-in Fleet: ``links[name].status`` with ``state`` and a ``snapshot`` of ``gpus`` busy GPUs and one run."""
-    from gpudeck.agents.protocol import Gpu, GpuProcess, Member, Snapshot
+    from gpudeck.agents.wire.protocol import Gpu, GpuProcess, Member, Snapshot
 
     links = {}
     now = time.time()

@@ -22,8 +22,8 @@ from textual.binding import Binding
 from textual.notifications import SeverityLevel
 from textual.screen import ModalScreen, Screen
 
-from gpudeck.agents import paths
-from gpudeck.agents.protocol import RunInfo
+from gpudeck.agents.wire import paths
+from gpudeck.agents.wire.protocol import RunInfo
 from gpudeck.console.commands import GpudeckCommands
 from gpudeck.console.config import ConfigError
 from gpudeck.console.fleet import Fleet, HostLink, HostStatus

@@ -21,10 +21,10 @@ import msgspec
 from msgspec import UNSET
 
 from gpudeck.agents import __version__ as agent_version
-from gpudeck.agents import envs, paths
-from gpudeck.agents.client import AgentClient
-from gpudeck.agents.errors import AgentError
-from gpudeck.agents.protocol import RunInfo, Snapshot, Triage, VerifyReply, to_builtins
+from gpudeck.agents.wire import envdiff, paths
+from gpudeck.agents.wire.client import AgentClient
+from gpudeck.agents.wire.errors import AgentError
+from gpudeck.agents.wire.protocol import RunInfo, Snapshot, Triage, VerifyReply, to_builtins
 from gpudeck.console import config as cfg
 from gpudeck.console.entry import stdout_gone
 from gpudeck.console.fleet import Fleet, SyncResult
@@ -540,7 +540,7 @@ async def _relaunch(args: argparse.Namespace, good_ref: str | None) -> int:
             check = await check_environment(fleet, host, recorded)
             if check.driver:
                 print(
-                    f"gpudeck: note: the NVIDIA driver on {host} differs from {good.id}'s: {envs.describe(check.driver)[0]} (rollback cannot change the driver)",
+                    f"gpudeck: note: the NVIDIA driver on {host} differs from {good.id}'s: {envdiff.describe(check.driver)[0]} (rollback cannot change the driver)",
                     file=sys.stderr,
                 )
             python = recorded.python
@@ -1147,7 +1147,7 @@ def build_parser() -> argparse.ArgumentParser:
     a.set_defaults(func=None, sync=lambda ns: __import__("gpudeck.agents.server", fromlist=["serve"]).serve(ns.state_dir))
     a = asub.add_parser("dial", help="bridge stdin/stdout to the agent (what the console runs over SSH)")
     a.add_argument("--state-dir", type=Path, default=None)
-    a.set_defaults(func=None, sync=lambda ns: __import__("gpudeck.agents.dial", fromlist=["dial"]).dial(ns.state_dir))
+    a.set_defaults(func=None, sync=lambda ns: __import__("gpudeck.agents.wire.dial", fromlist=["dial"]).dial(ns.state_dir))
     a = asub.add_parser("stop", help="stop the agent (runs keep going; the next agent re-adopts them)")
     a.set_defaults(func=cmd_agent_stop)
     a = asub.add_parser("status", help="is the agent running, and where")

@@ -35,7 +35,7 @@ from pathlib import Path
 import platformdirs
 import tomlkit
 
-from gpudeck.agents import paths
+from gpudeck.agents.wire import paths
 
 LOCAL = "local"
 DEFAULT_DIAL = "gpudeck agent dial"

@@ -23,9 +23,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from gpudeck.agents.client import AgentClient
-from gpudeck.agents.errors import AgentError, AgentUnavailable, VersionMismatch
-from gpudeck.agents.protocol import (
+from gpudeck.agents.wire.client import AgentClient
+from gpudeck.agents.wire.errors import AgentError, AgentUnavailable, VersionMismatch
+from gpudeck.agents.wire.protocol import (
     EnvFingerprint,
     Error,
     EventBatch,

@@ -10,8 +10,8 @@ from typing import Any
 import msgspec
 from msgspec import UNSET, UnsetType
 
-from gpudeck.agents.causes import cause_class
-from gpudeck.agents.protocol import PreflightResult, RunInfo, Snapshot, StopResult, to_builtins
+from gpudeck.agents.wire.causes import cause_class
+from gpudeck.agents.wire.protocol import PreflightResult, RunInfo, Snapshot, StopResult, to_builtins
 from gpudeck.console.fmt import duration, elapsed, gib, when
 from gpudeck.console.ops.figures import RunFigures, run_figures, tokens_text
 from gpudeck.console.ops.triage import show_lines

@@ -32,9 +32,9 @@ from typing import Any
 
 import msgspec
 
-from gpudeck.agents import paths
-from gpudeck.agents.causes import cause_class
-from gpudeck.agents.protocol import TERMINAL_STATES, Event
+from gpudeck.agents.wire import paths
+from gpudeck.agents.wire.causes import cause_class
+from gpudeck.agents.wire.protocol import TERMINAL_STATES, Event
 from gpudeck.console import config, quarantine
 from gpudeck.console.query import compile_query, compile_terms
 from gpudeck.console.records import EpochRecord, EventRecord, HostRecord, MetricPoint, Problem, RunRecord, loads

@@ -16,7 +16,7 @@ from typing import Any, TypedDict
 
 import msgspec
 
-from gpudeck.agents.protocol import LIVE_STATES, TERMINAL_STATES, RunInfo
+from gpudeck.agents.wire.protocol import LIVE_STATES, TERMINAL_STATES, RunInfo
 from gpudeck.console.records import NodeState, RunRecord
 
 # ----------------------------------------------------------------------------- one record

@@ -19,7 +19,7 @@ import sqlite3
 import time
 from typing import Any
 
-from gpudeck.agents.protocol import Event
+from gpudeck.agents.wire.protocol import Event
 from gpudeck.console.records import Problem
 
 INT_MIN, INT_MAX = -(2**63), 2**63 - 1

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import get_args
 
-from gpudeck.agents.protocol import RunState
+from gpudeck.agents.wire.protocol import RunState
 
 KEYS = ("state", "host", "kind", "name", "id", "cause", "operator", "parent", "torch", "alert", "since", "until", "limit")
 # column each plain key compares against (never interpolated from user input)

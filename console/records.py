@@ -18,7 +18,7 @@ from typing import Any, TypeAlias
 import msgspec
 from msgspec import UNSET, UnsetType
 
-from gpudeck.agents.protocol import Alert, EnvFingerprint, LaunchSpec, PreflightResult, RunInfo, StopResult, to_builtins
+from gpudeck.agents.wire.protocol import Alert, EnvFingerprint, LaunchSpec, PreflightResult, RunInfo, StopResult, to_builtins
 
 # A JSON object as the agent recorded it: free-form by design (a LaunchSpec or fingerprint of any gpudeck version,
 # a trainer's manifest, a member's cmdline ...). Only the records' raw JSON columns and event payloads use it.
@@ -261,7 +261,7 @@ class EventRecord(msgspec.Struct, frozen=True):
     seq: int
     ts: float
     kind: str
-    data: Recorded  # the event's payload as the agent sent it (free-form per kind: agents/protocol.py's Event)
+    data: Recorded  # the event's payload as the agent sent it (free-form per kind: agents/wire/protocol.py's Event)
 
 
 class MetricPoint(msgspec.Struct, frozen=True):

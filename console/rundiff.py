@@ -2,7 +2,7 @@
 
 Both the CLI (``gpudeck diff``) and the console's History screen show this.
 Inputs are run records (``History.find``); the environment part uses
-:func:`gpudeck.agents.envs.diff`, which orders python, torch and its CUDA build, the
+:func:`gpudeck.agents.envdiff.diff`, which orders python, torch and its CUDA build, the
 driver, NCCL, cuDNN and transformers before leaf packages.
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 import shlex
 from dataclasses import dataclass, field
 
-from gpudeck.agents import envs
+from gpudeck.agents.wire import envdiff
 from gpudeck.console.fmt import duration
 from gpudeck.console.ops.figures import run_figures
 from gpudeck.console.records import MetricPoint, RunRecord
@@ -89,7 +89,7 @@ def diff_runs(
         missing = [r.id for r, f in ((a, fa), (b, fb)) if f is None]
         out.env_note = f"no environment fingerprint recorded for {', '.join(missing)} (not a python run, or recorded before fingerprints)"
     else:
-        for c in envs.diff(fa, fb, ignore=envs.PATH_KEYS):
+        for c in envdiff.diff(fa, fb, ignore=envdiff.PATH_KEYS):
             out.environment.append(Row(c.key.removeprefix("package:") + ("" if c.core else " (package)"), _v(c.a), _v(c.b), core=c.core))
         if not out.environment:
             out.env_note = f"same environment (freeze {fa.freeze_hash[:12]})"

@@ -23,8 +23,8 @@ from pathlib import Path
 
 import asyncssh
 
-from gpudeck.agents.client import AgentClient
-from gpudeck.agents.errors import AgentError, AgentUnavailable
+from gpudeck.agents.wire.client import AgentClient
+from gpudeck.agents.wire.errors import AgentError, AgentUnavailable
 
 KEEPALIVE_S = 10.0
 KEEPALIVE_COUNT = 3

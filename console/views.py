@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import cast, get_args
 
-from gpudeck.agents import envs
-from gpudeck.agents.protocol import TERMINAL_STATES, Alert, EnvFingerprint, Gpu, GpuProcess, LaunchSpec, RunInfo, RunState, Snapshot
+from gpudeck.agents.wire import envdiff
+from gpudeck.agents.wire.protocol import TERMINAL_STATES, Alert, EnvFingerprint, Gpu, GpuProcess, LaunchSpec, RunInfo, RunState, Snapshot
 from gpudeck.console import fmt
 from gpudeck.console.history import add_tokens_median, read_runs
 from gpudeck.console.query import compile_query
@@ -399,7 +399,7 @@ def diff_sections(diff: RunDiff) -> list[tuple[str, list[Row]]]:
 
 def row_label(row: Row) -> str:
     """An environment row's name as people say it ('torch CUDA build' for ``torch_cuda``)."""
-    return envs._LABELS.get(row.key, row.key)
+    return envdiff.LABELS.get(row.key, row.key)
 
 
 def gpu_free(g: Gpu) -> int:

@@ -16,7 +16,7 @@ from typing import Any
 import msgspec
 import psutil
 
-from gpudeck.agents.client import AgentClient
+from gpudeck.agents.wire.client import AgentClient
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from msgspec import UNSET
 
-from gpudeck.agents.causes import cause_class
+from gpudeck.agents.wire.causes import cause_class
 from gpudeck.console import fmt  # the console's one clock (tests pin it)
 from gpudeck.console.records import MetricPoint, RunRecord
 

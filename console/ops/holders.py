@@ -24,8 +24,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from gpudeck.agents.errors import AgentError
-from gpudeck.agents.protocol import Snapshot, StopResult
+from gpudeck.agents.wire.errors import AgentError
+from gpudeck.agents.wire.protocol import Snapshot, StopResult
 from gpudeck.console.fleet import Fleet
 from gpudeck.console.fmt import duration, gib
 from gpudeck.console.ops.errors import OpsError

@@ -1,6 +1,6 @@
 """Provides launch planning and launching: an intent becomes the spec of every node, then runs (all or nothing).
 
-:func:`plan_launch` is the one place a :class:`~gpudeck.agents.protocol.LaunchSpec` is
+:func:`plan_launch` is the one place a :class:`~gpudeck.agents.wire.protocol.LaunchSpec` is
 built. A trainer kind with trainer options becomes ``python -m trainers.X``, or
 ``python -m torch.distributed.run --standalone --nproc-per-node N -m
 trainers.X`` when several ranks are asked for (``--nproc-per-node``, else one
@@ -26,8 +26,8 @@ from pathlib import Path
 
 import msgspec
 
-from gpudeck.agents.errors import AgentError
-from gpudeck.agents.protocol import LaunchReply, LaunchSpec, PreflightResult, new_run_id
+from gpudeck.agents.wire.errors import AgentError
+from gpudeck.agents.wire.protocol import LaunchReply, LaunchSpec, PreflightResult, new_run_id
 from gpudeck.console import config as cfg
 from gpudeck.console.fleet import Fleet
 from gpudeck.console.ops.errors import IntentError, OpsError

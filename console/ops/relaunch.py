@@ -15,8 +15,8 @@ import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
-from gpudeck.agents import envs
-from gpudeck.agents.protocol import EnvFingerprint, LaunchSpec
+from gpudeck.agents.wire import envdiff
+from gpudeck.agents.wire.protocol import EnvFingerprint, LaunchSpec
 from gpudeck.console import config as cfg
 from gpudeck.console.fleet import Fleet
 from gpudeck.console.ops.errors import EXIT_USAGE, OpsError
@@ -177,8 +177,8 @@ class EnvironmentCheck:
     """The known-good environment on the host now, against its record: what changed, and the driver (which rollback cannot change)."""
 
     python: str
-    changes: list[envs.EnvChange]
-    driver: list[envs.EnvChange]
+    changes: list[envdiff.EnvChange]
+    driver: list[envdiff.EnvChange]
 
     @property
     def holds(self) -> bool:
@@ -187,7 +187,7 @@ class EnvironmentCheck:
 
     def describe(self, limit: int = 40) -> list[str]:
         """What changed, meaningful first."""
-        return envs.describe(self.changes)[:limit]
+        return envdiff.describe(self.changes)[:limit]
 
 
 def recorded_environment(good_id: str, env: EnvFingerprint | None) -> EnvFingerprint:
@@ -202,17 +202,17 @@ async def check_environment(fleet: Fleet, host: str, recorded: EnvFingerprint) -
     current = await fleet.fingerprint(host, recorded.python)
     return EnvironmentCheck(
         python=recorded.python,
-        changes=envs.diff(recorded, current, ignore=("driver", "prefix")),
-        driver=[c for c in envs.diff(recorded, current) if c.key == "driver"],
+        changes=envdiff.diff(recorded, current, ignore=("driver", "prefix")),
+        driver=[c for c in envdiff.diff(recorded, current) if c.key == "driver"],
     )
 
 
 async def rebuild_environment(fleet: Fleet, host: str, recorded: EnvFingerprint) -> tuple[str, str]:
     """Recreate the recorded environment from its freeze in a new virtual environment; (python, path) once it matches."""
     rebuilt = await fleet.rebuild_env(host, recorded)
-    again = envs.diff(recorded, rebuilt.env, ignore=envs.REBUILD_IGNORES)
+    again = envdiff.diff(recorded, rebuilt.env, ignore=envdiff.REBUILD_IGNORES)
     if again:
-        raise OpsError(f"the rebuilt environment at {rebuilt.path} still differs: " + "; ".join(envs.describe(again)))
+        raise OpsError(f"the rebuilt environment at {rebuilt.path} still differs: " + "; ".join(envdiff.describe(again)))
     return rebuilt.env.python, rebuilt.path or rebuilt.env.prefix or "(its own prefix)"
 
 

@@ -19,8 +19,8 @@ import asyncio
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from gpudeck.agents.errors import AgentError
-from gpudeck.agents.protocol import LIVE_STATES, RunInfo
+from gpudeck.agents.wire.errors import AgentError
+from gpudeck.agents.wire.protocol import LIVE_STATES, RunInfo
 from gpudeck.console.fleet import Fleet
 from gpudeck.console.ops.errors import AmbiguousRun, Candidate, NoSuchRun, Unanswered
 from gpudeck.console.records import RunRecord
@@ -151,7 +151,7 @@ async def nodes_of(fleet: Fleet, host: str, run: RunInfo) -> Resolved:
 
 def _is_no_such(exc: AgentError) -> bool:
     """The agent answered (no such run, or several there): the host is reachable."""
-    from gpudeck.agents.errors import AgentUnavailable
+    from gpudeck.agents.wire.errors import AgentUnavailable
 
     return not isinstance(exc, AgentUnavailable)
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 
-from gpudeck.agents.errors import AgentError, AgentUnavailable
-from gpudeck.agents.protocol import StopResult
+from gpudeck.agents.wire.errors import AgentError, AgentUnavailable
+from gpudeck.agents.wire.protocol import StopResult
 from gpudeck.console import config as cfg
 from gpudeck.console.fleet import Fleet
 from gpudeck.console.history import History

@@ -11,8 +11,8 @@ from typing import Any
 
 import msgspec
 
-from gpudeck.agents.errors import AgentError
-from gpudeck.agents.protocol import Triage
+from gpudeck.agents.wire.errors import AgentError
+from gpudeck.agents.wire.protocol import Triage
 from gpudeck.console.fleet import Fleet
 from gpudeck.console.ops.resolve import Resolved
 

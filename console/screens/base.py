@@ -21,7 +21,7 @@ from textual.screen import Screen
 from textual.timer import Timer
 
 if TYPE_CHECKING:
-    from gpudeck.agents.protocol import RunInfo
+    from gpudeck.agents.wire.protocol import RunInfo
     from gpudeck.console.fleet import Fleet
     from gpudeck.console.ops import LaunchIntent
 

@@ -10,7 +10,7 @@ from textual.containers import Horizontal, Vertical
 from textual.screen import ModalScreen
 from textual.widgets import Button, Static
 
-from gpudeck.agents.protocol import StopResult
+from gpudeck.agents.wire.protocol import StopResult
 from gpudeck.console.fmt import gib
 from gpudeck.console.widgets.cells import plain_markup
 

@@ -11,7 +11,7 @@ from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.widgets import Static
 
-from gpudeck.agents.protocol import GpuProcess, Snapshot
+from gpudeck.agents.wire.protocol import GpuProcess, Snapshot
 from gpudeck.console.fleet import HostStatus
 from gpudeck.console.fmt import gib
 from gpudeck.console.screens.base import LiveScreen, deck

@@ -33,8 +33,8 @@ from textual.screen import ModalScreen
 from textual.widgets import Button, Input, Label, Select, SelectionList, Static
 from textual.widgets.selection_list import Selection
 
-from gpudeck.agents.errors import AgentError
-from gpudeck.agents.protocol import Gpu, LaunchSpec, PreflightResult, RunInfo, Snapshot, new_run_id
+from gpudeck.agents.wire.errors import AgentError
+from gpudeck.agents.wire.protocol import Gpu, LaunchSpec, PreflightResult, RunInfo, Snapshot, new_run_id
 from gpudeck.console.fmt import gib
 from gpudeck.console.ops import IntentError, LaunchIntent, LaunchPlan, LaunchResult, OpsError
 from gpudeck.console.ops.holders import HOLDERS_CHECK, HolderPlan, ReclaimLaunch, plan_holders, reclaim_and_launch

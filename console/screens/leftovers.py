@@ -9,8 +9,8 @@ from textual.binding import Binding
 from textual.screen import Screen
 from textual.widgets import Static
 
-from gpudeck.agents.errors import AgentError
-from gpudeck.agents.protocol import Gpu, Leftover, LeftoverList
+from gpudeck.agents.wire.errors import AgentError
+from gpudeck.agents.wire.protocol import Gpu, Leftover, LeftoverList
 from gpudeck.console.fmt import gib
 from gpudeck.console.screens.base import Guarded, deck
 from gpudeck.console.screens.reclaim import ReclaimItem, reclaim_flow

@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 from rich.text import Text
 from textual.screen import Screen
 
-from gpudeck.agents.errors import AgentError
-from gpudeck.agents.protocol import Gpu, StopResult
+from gpudeck.agents.wire.errors import AgentError
+from gpudeck.agents.wire.protocol import Gpu, StopResult
 from gpudeck.console.fmt import gib
 from gpudeck.console.screens.base import deck
 from gpudeck.console.screens.dialogs import ConfirmDialog, ResultDialog, stop_result_text

@@ -23,9 +23,9 @@ from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.screen import Screen
 from textual.widgets import Input, Static, TabbedContent, TabPane
 
-from gpudeck.agents import envs
-from gpudeck.agents.errors import AgentError
-from gpudeck.agents.protocol import (
+from gpudeck.agents.wire import envdiff
+from gpudeck.agents.wire.errors import AgentError
+from gpudeck.agents.wire.protocol import (
     TERMINAL_STATES,
     Alert,
     EnvFingerprint,
@@ -792,7 +792,7 @@ class RunScreen(LiveScreen):
             )
             return None
         if check.holds:
-            note = f"; the driver differs: {envs.describe(check.driver)[0]} (rollback cannot change the driver)" if check.driver else ""
+            note = f"; the driver differs: {envdiff.describe(check.driver)[0]} (rollback cannot change the driver)" if check.driver else ""
             status.finish(f"{python} still matches the good run's fingerprint{note}", style="green")
             return python
         status.finish(f"{python} changed since the good run: {len(check.changes)} difference(s)", style="bold yellow")

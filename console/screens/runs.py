@@ -12,8 +12,8 @@ from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.widgets import Static
 
-from gpudeck.agents.errors import AgentError
-from gpudeck.agents.protocol import TERMINAL_STATES, RunInfo
+from gpudeck.agents.wire.errors import AgentError
+from gpudeck.agents.wire.protocol import TERMINAL_STATES, RunInfo
 from gpudeck.console.fmt import duration, elapsed
 from gpudeck.console.messages import HistoryLoaded
 from gpudeck.console.query import QueryError

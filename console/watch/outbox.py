@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
-from gpudeck.agents import paths
+from gpudeck.agents.wire import paths
 
 EXPIRE_S = 24 * 3600.0  # a notification not delivered within a day is dropped (and counted, per target)
 BACKOFF_MIN_S = 1.0

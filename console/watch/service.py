@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gpudeck.agents import paths
+from gpudeck.agents.wire import paths
 from gpudeck.console import config as cfg
 from gpudeck.console.fleet import Fleet
 from gpudeck.console.history import History

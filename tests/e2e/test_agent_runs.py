@@ -251,7 +251,7 @@ def test_runs_caught_between_record_and_start_are_settled_by_evidence(agent: Age
     import time as _time
 
     from gpudeck.agents.journal import Journal
-    from gpudeck.agents.protocol import LaunchSpec, RunInfo
+    from gpudeck.agents.wire.protocol import LaunchSpec, RunInfo
 
     agent.kill9()
     j = Journal(agent.state_dir / "journal.db", "h")
@@ -290,9 +290,9 @@ def test_a_launch_whose_run_id_has_a_folder_already_is_refused_and_leaves_that_f
 
     import pytest
 
-    from gpudeck.agents.client import AgentClient
-    from gpudeck.agents.errors import AgentError
-    from gpudeck.agents.protocol import Launch, LaunchSpec
+    from gpudeck.agents.wire.client import AgentClient
+    from gpudeck.agents.wire.errors import AgentError
+    from gpudeck.agents.wire.protocol import Launch, LaunchSpec
 
     rid = "r-01d0e90c"
     folder = agent.state_dir / "runs" / rid

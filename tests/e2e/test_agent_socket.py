@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from gpudeck.agents.errors import NotFound
-from gpudeck.agents.protocol import GetEvents, GetRun, Launch, LaunchSpec, Ping
+from gpudeck.agents.wire.errors import NotFound
+from gpudeck.agents.wire.protocol import GetEvents, GetRun, Launch, LaunchSpec, Ping
 from tests.agent_harness import ROOT, AgentProc, wait_for
 
 
@@ -190,8 +190,8 @@ def test_agent_stop_leaves_runs_running_for_the_next_agent(agent: AgentProc) -> 
 
 
 def test_every_request_type_has_a_handler_in_the_dispatch_table() -> None:
-    from gpudeck.agents.protocol import Request
     from gpudeck.agents.server import _HANDLERS
+    from gpudeck.agents.wire.protocol import Request
 
     assert set(_HANDLERS) == set(Request.__args__), "a request type without a handler (or a handler for no request)"  # type: ignore[attr-defined]
 
@@ -202,7 +202,7 @@ def test_a_held_journal_write_lock_delays_no_ping_or_snapshot_and_the_queued_eve
     import sqlite3
     import time
 
-    from gpudeck.agents.protocol import GetSnapshot
+    from gpudeck.agents.wire.protocol import GetSnapshot
 
     gate = tmp_path / "go"
     rid = agent.cli_json("launch", "--", "sh", "-c", f"while [ ! -e '{gate}' ]; do sleep 0.05; done; exit 3")["id"]

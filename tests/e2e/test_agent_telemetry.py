@@ -83,7 +83,7 @@ def test_a_stopped_run_records_its_last_step_not_the_last_journaled_one(agent: A
 def test_metrics_series_for_a_finished_run(agent: AgentProc, tmp_path: Path) -> None:
     import asyncio
 
-    from gpudeck.agents.protocol import GetMetrics, Metrics
+    from gpudeck.agents.wire.protocol import GetMetrics, Metrics
 
     gate = tmp_path / "go"
     gate.touch()  # no pause: the writer runs straight through

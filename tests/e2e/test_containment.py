@@ -27,8 +27,8 @@ from gpudeck.agents.containment import (
     detect,
     systemd_unavailable,
 )
-from gpudeck.agents.errors import BadRequest
 from gpudeck.agents.procs import create_time_of
+from gpudeck.agents.wire.errors import BadRequest
 from tests.agent_harness import AgentProc, journal_add_member, teardown_agent, wait_for
 from tests.e2e.test_agent_runs import gone, read_pids
 
@@ -262,8 +262,8 @@ def test_containment_survives_an_agent_kill9_and_the_stop_goes_through_the_group
 def test_agent_kill9_mid_stop_the_restarted_agent_counts_the_grace_already_spent(cagent: AgentProc, level: str, tmp_path: Path) -> None:
     import asyncio
 
-    from gpudeck.agents.errors import AgentUnavailable
-    from gpudeck.agents.protocol import Stop
+    from gpudeck.agents.wire.errors import AgentUnavailable
+    from gpudeck.agents.wire.protocol import Stop
 
     rid, pids, _ = _launch(cagent, tmp_path, "deaf")
     wait_for(lambda: set(pids.values()) <= _members(cagent, rid), timeout=20, what="every member")

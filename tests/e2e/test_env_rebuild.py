@@ -12,8 +12,9 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from gpudeck.agents.envs import REBUILD_IGNORES, EnvChange, EnvError, describe, diff, fingerprint, rebuild, verify
-from gpudeck.agents.protocol import EnvFingerprint
+from gpudeck.agents.envs import EnvError, fingerprint, rebuild, verify
+from gpudeck.agents.wire.envdiff import REBUILD_IGNORES, EnvChange, describe, diff
+from gpudeck.agents.wire.protocol import EnvFingerprint
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 

@@ -20,7 +20,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from gpudeck.agents.protocol import GetRun
+from gpudeck.agents.wire.protocol import GetRun
 from tests.agent_harness import ROOT, AgentProc, teardown_agent, wait_for
 from tests.trainer_harness import alive
 

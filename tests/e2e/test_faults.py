@@ -35,9 +35,9 @@ from typing import Any
 import psutil
 import pytest
 
-from gpudeck.agents.errors import AgentError, AgentUnavailable
 from gpudeck.agents.journal import Journal
-from gpudeck.agents.protocol import Launch, LaunchSpec, Ping, Reclaim, Stop
+from gpudeck.agents.wire.errors import AgentError, AgentUnavailable
+from gpudeck.agents.wire.protocol import Launch, LaunchSpec, Ping, Reclaim, Stop
 from tests.agent_harness import ROOT, AgentProc, kill_tagged, wait_for
 
 pytestmark = pytest.mark.slow
@@ -445,7 +445,7 @@ async def test_agent_kill9_during_heavy_event_writes_loses_no_acknowledged_event
     try:
         c = await a.client()
         got: list = []
-        from gpudeck.agents.protocol import GetEvents
+        from gpudeck.agents.wire.protocol import GetEvents
 
         async def follow() -> None:
             try:
@@ -605,7 +605,7 @@ def test_console_kill9_during_history_sync_catches_up_with_no_duplicates(home: P
         ref = History(ref_path)
         try:
             ref.cursor("local", epoch)
-            from gpudeck.agents.protocol import Event
+            from gpudeck.agents.wire.protocol import Event
 
             evs = [Event(seq=s, ts=0.0, kind=k, run_id=r, data=d) for s, k, r, d in journal_events(state_dir)]
             ts = {r[0]: r[1] for r in _table(state_dir / "journal.db", "SELECT seq, ts FROM events")}

@@ -175,7 +175,7 @@ async def test_a_run_that_ends_while_the_console_is_cut_off_is_recorded_exactly_
 
 
 def _spec(args: list[str]):  # type: ignore[no-untyped-def]
-    from gpudeck.agents.protocol import LaunchSpec
+    from gpudeck.agents.wire.protocol import LaunchSpec
 
     return LaunchSpec(argv=[PY, *args], name="away")
 

@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 
 from gpudeck.agents.procs import alive
-from gpudeck.agents.protocol import GetEvents, GetRun
+from gpudeck.agents.wire.protocol import GetEvents, GetRun
 from tests.agent_harness import ROOT, AgentProc, teardown_agent, wait_for
 from tests.trainer_harness import fsdp_endless_argv
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from gpudeck.agents.protocol import GetEvents
+from gpudeck.agents.wire.protocol import GetEvents
 from tests.agent_harness import ROOT, wait_for
 from tests.e2e.test_multinode import TRAIN, cluster  # noqa: F401 (the fixture)
 from tests.sshd_harness import ConsoleSide

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from gpudeck.agents.protocol import GetEvents, ListRuns
+from gpudeck.agents.wire.protocol import GetEvents, ListRuns
 from tests.agent_harness import AgentProc, wait_for
 
 pytestmark = pytest.mark.slow

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from gpudeck.agents.protocol import GetSnapshot, Launch, LaunchSpec
+from gpudeck.agents.wire.protocol import GetSnapshot, Launch, LaunchSpec
 from tests.agent_harness import AgentProc, wait_for
 
 pytestmark = pytest.mark.slow

@@ -23,7 +23,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from gpudeck.agents.protocol import GetRun
+from gpudeck.agents.wire.protocol import GetRun
 from tests.agent_harness import ROOT, wait_for
 from tests.sshd_harness import ConsoleSide
 from tests.trainer_harness import FSDP_SMALL

@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 
-from gpudeck.agents.protocol import LaunchSpec
+from gpudeck.agents.wire.protocol import LaunchSpec
 from gpudeck.console import config as cfg
 from gpudeck.console.fleet import Fleet
 from gpudeck.console.history import History

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from gpudeck.agents import paths
-from gpudeck.agents.client import AgentClient
-from gpudeck.agents.errors import PermissionDenied
+from gpudeck.agents.wire import paths
+from gpudeck.agents.wire.client import AgentClient
+from gpudeck.agents.wire.errors import PermissionDenied
 from tests.agent_harness import wait_for
 from tests.sshd_harness import short_tmp
 

@@ -227,7 +227,7 @@ def test_shell_metacharacters_in_arguments_env_and_name_are_passed_literally_ove
 
 def test_history_filters_are_parameterised_through_the_cli(fleet) -> None:
     c, h, _ = fleet
-    from gpudeck.agents.protocol import LaunchSpec
+    from gpudeck.agents.wire.protocol import LaunchSpec
     from gpudeck.console import config as cfg
     from gpudeck.console.fleet import Fleet
 
@@ -274,7 +274,7 @@ def test_the_agent_opens_no_tcp_port_while_serving_ssh_launches_and_streams(flee
     async def busy() -> None:
         link = await connect_ssh("sec", "gpudeck agent dial", c.ssh_options())
         try:
-            from gpudeck.agents.protocol import GetEvents, Launch, LaunchSpec, WatchSnapshots
+            from gpudeck.agents.wire.protocol import GetEvents, Launch, LaunchSpec, WatchSnapshots
 
             await link.client.request(Launch(spec=LaunchSpec(argv=["sleep", "1"], name="tcp-probe")), timeout=60)
             snaps = link.client.stream(WatchSnapshots(interval_s=0.1))

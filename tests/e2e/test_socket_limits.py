@@ -24,8 +24,8 @@ from unittest import mock
 import psutil
 import pytest
 
-from gpudeck.agents.errors import AgentError
-from gpudeck.agents.protocol import Launch, LaunchSpec, Ping
+from gpudeck.agents.wire.errors import AgentError
+from gpudeck.agents.wire.protocol import Launch, LaunchSpec, Ping
 from tests.agent_harness import AgentProc, teardown_agent, wait_for
 
 pytestmark = pytest.mark.slow
@@ -213,7 +213,7 @@ def test_a_thousand_idle_connections_under_a_low_nofile_leave_ping_launch_and_ti
 
 
 async def _state(a: AgentProc, rid: str) -> str | None:
-    from gpudeck.agents.protocol import GetRun
+    from gpudeck.agents.wire.protocol import GetRun
 
     for _ in range(3):
         try:

@@ -13,8 +13,8 @@ from typing import Any
 
 import msgspec
 
-from gpudeck.agents.errors import AgentError
-from gpudeck.agents.protocol import (
+from gpudeck.agents.wire.errors import AgentError
+from gpudeck.agents.wire.protocol import (
     Alert,
     ClaimRow,
     EnvFingerprint,

@@ -44,7 +44,7 @@ def test_the_form_requires_an_explicit_start_for_trainers() -> None:
 
 
 def test_relaunch_prefill_never_carries_the_old_start() -> None:
-    from gpudeck.agents.protocol import LaunchSpec
+    from gpudeck.agents.wire.protocol import LaunchSpec
 
     spec = LaunchSpec(
         argv=[

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import pytest
 
-from gpudeck.agents.protocol import LaunchSpec, RunInfo
+from gpudeck.agents.wire.protocol import LaunchSpec, RunInfo
 from gpudeck.console.app import GpudeckApp
 from gpudeck.console.cli import main
 from gpudeck.console.fmt import duration

@@ -18,7 +18,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from gpudeck.agents.protocol import Event, LaunchSpec, RunInfo
+from gpudeck.agents.wire.protocol import Event, LaunchSpec, RunInfo
 from gpudeck.console import fmt
 from gpudeck.console.cli import main
 from gpudeck.console.history import History

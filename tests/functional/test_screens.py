@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 from textual.widgets import Input, OptionList, Select, SelectionList, Static
 
-from gpudeck.agents.errors import BadRequest
-from gpudeck.agents.protocol import Gpu, LaunchSpec, Snapshot
+from gpudeck.agents.wire.errors import BadRequest
+from gpudeck.agents.wire.protocol import Gpu, LaunchSpec, Snapshot
 from gpudeck.console.app import GpudeckApp
 from gpudeck.console.commands import GpudeckCommands
 from gpudeck.console.screens.dialogs import ChoiceDialog, ConfirmDialog, ResultDialog

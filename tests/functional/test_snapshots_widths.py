@@ -12,7 +12,7 @@ import msgspec
 import pytest
 from textual.widgets import Button
 
-from gpudeck.agents.protocol import LaunchSpec, PreflightResult, Snapshot
+from gpudeck.agents.wire.protocol import LaunchSpec, PreflightResult, Snapshot
 from gpudeck.console.app import GpudeckApp
 from gpudeck.console.screens.dialogs import ConfirmDialog
 from gpudeck.console.screens.history import HistoryScreen

@@ -176,7 +176,7 @@ def test_stop_confirmation_names_the_user_of_every_member_not_only_those_on_a_gp
     GPUs) showed '-'. The snapshot's process rows name every live member's user."""
     import msgspec
 
-    from gpudeck.agents.protocol import Member, ProcInfo
+    from gpudeck.agents.wire.protocol import Member, ProcInfo
     from gpudeck.console.screens.run import stop_confirm_text
     from tests.functional.fixture_fleet import fixture_snapshot
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from gpudeck.agents.protocol import LaunchSpec
+from gpudeck.agents.wire.protocol import LaunchSpec
 from gpudeck.console.ops.relaunch import with_python
 from gpudeck.console.records import RunRecord
 from gpudeck.console.views import (
@@ -111,7 +111,7 @@ def test_a_long_value_in_a_diff_cell_starts_near_where_it_differs() -> None:
 def test_history_rows_after_reads_everything_once_then_only_the_runs_an_event_changed(tmp_path) -> None:  # type: ignore[no-untyped-def]
     """The Runs screen reads the whole history once, then only what changed (by event number, not by the hosts'
     clocks): a run on another host whose event carries an older time still comes, with every node of its id."""
-    from gpudeck.agents.protocol import Event
+    from gpudeck.agents.wire.protocol import Event
     from gpudeck.console.views import history_rows_after
 
     fleet = FixtureFleet(tmp_path / "h.db")

@@ -38,7 +38,7 @@ sys.path.insert(0, ROOT)
 with atheris.instrument_imports():
     import sqlite_utils
 
-    from gpudeck.agents import protocol
+    from gpudeck.agents.wire import protocol
     from gpudeck.console.history import ensure_schema
     from gpudeck.console.query import QueryError, compile_query
 

@@ -26,8 +26,8 @@ import pytest
 from hypothesis import HealthCheck, assume, example, given, settings
 from hypothesis import strategies as st
 
-from gpudeck.agents import protocol as p
-from gpudeck.agents.protocol import Error, decode_request
+from gpudeck.agents.wire import protocol as p
+from gpudeck.agents.wire.protocol import Error, decode_request
 from tests.agent_harness import AgentProc
 from tests.fuzz.test_protocol_fuzz import FRAMES, TAGS, json_values, mutated
 from tests.sshd_harness import short_tmp

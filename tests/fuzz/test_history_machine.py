@@ -26,7 +26,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from gpudeck.agents.protocol import TERMINAL_STATES, Event
+from gpudeck.agents.wire.protocol import TERMINAL_STATES, Event
 from gpudeck.console.history import History
 
 HOSTS = ("gpu1", "gpu2", "gpu3")

@@ -17,8 +17,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gpudeck.agents import protocol as p
-from gpudeck.agents.protocol import JSON_SPACE, MAX_FRAME, Error, FrameReader, decode_request, encode
+from gpudeck.agents.wire import protocol as p
+from gpudeck.agents.wire.protocol import JSON_SPACE, MAX_FRAME, Error, FrameReader, decode_request, encode
 
 REQUEST_TYPES: tuple[type, ...] = typing.get_args(p.Request)
 ERROR_CODES = {"bad_json", "bad_message"}

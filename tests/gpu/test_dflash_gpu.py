@@ -144,7 +144,7 @@ def test_seed_drafter_shape_peak_is_within_15_percent_of_the_estimate(tmp_path):
     sys.path.insert(0, str(ROOT))
     from bench.dflash_bench import seed_train_argv
     from gpudeck.agents.estimate import GIB, estimate
-    from gpudeck.agents.protocol import LaunchSpec
+    from gpudeck.agents.wire.protocol import LaunchSpec
 
     target = os.environ.get("DFLASH_SEED_TARGET", "qwen3-14b")
     argv = seed_train_argv(tmp_path / "cfg", target, 6, tmp_path / "out")

@@ -19,9 +19,9 @@ from gpudeck.agents.containment import (
     detect,
     own_cgroup,
 )
-from gpudeck.agents.errors import BadRequest
 from gpudeck.agents.exit_cause import ExitFacts, decide
-from gpudeck.agents.protocol import LaunchSpec, Member, RunInfo
+from gpudeck.agents.wire.errors import BadRequest
+from gpudeck.agents.wire.protocol import LaunchSpec, Member, RunInfo
 
 HYBRID = """\
 31 23 0:28 / /sys/fs/cgroup rw,relatime - tmpfs tmpfs rw,mode=755

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from gpudeck.agents.protocol import ClaimRow
+from gpudeck.agents.wire.protocol import ClaimRow
 from gpudeck.console import config as cfg
 from gpudeck.console.cli import SHOW_SECRETS_HELP, build_parser
 from gpudeck.console.formats import format_claims

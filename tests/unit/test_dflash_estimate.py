@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from gpudeck.agents.estimate import GIB, drafter_params, estimate, model_shape
-from gpudeck.agents.protocol import LaunchSpec
+from gpudeck.agents.wire.protocol import LaunchSpec
 
 SEED_CONFIG = Path(__file__).resolve().parents[1] / "reference" / "qwen3.6-27b-dflash.json"
 # a dense Qwen3 of Qwen3.6-27B's widths (its config.json's text part: 64 layers, hidden 5120, 24 heads of 256,

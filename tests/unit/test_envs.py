@@ -16,19 +16,9 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from gpudeck.agents.envs import (
-    REBUILD_IGNORES,
-    EnvChange,
-    EnvError,
-    PythonMissing,
-    check_imports_torch,
-    describe,
-    diff,
-    fingerprint,
-    normalize,
-    verify,
-)
-from gpudeck.agents.protocol import EnvFingerprint
+from gpudeck.agents.envs import EnvError, PythonMissing, check_imports_torch, fingerprint, verify
+from gpudeck.agents.wire.envdiff import REBUILD_IGNORES, EnvChange, describe, diff, normalize
+from gpudeck.agents.wire.protocol import EnvFingerprint
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,6 @@ from pathlib import Path
 
 import pytest
 
-from gpudeck.agents.errors import AgentError
 from gpudeck.agents.estimate import (
     DFLASH_DEFAULTS,
     FSDP_DEFAULTS,
@@ -23,7 +22,8 @@ from gpudeck.agents.estimate import (
     parse_launch_argv,
     parse_trainer_args,
 )
-from gpudeck.agents.protocol import LaunchSpec
+from gpudeck.agents.wire.errors import AgentError
+from gpudeck.agents.wire.protocol import LaunchSpec
 from gpudeck.trainers.presets import PRESETS
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -17,7 +17,7 @@ from gpudeck.agents.health import (
     observe,
     parse_claims,
 )
-from gpudeck.agents.protocol import (
+from gpudeck.agents.wire.protocol import (
     Claims,
     Gpu,
     GpuProcess,

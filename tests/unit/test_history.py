@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from gpudeck.agents.protocol import Event
+from gpudeck.agents.wire.protocol import Event
 from gpudeck.console.history import History
 from gpudeck.console.ops.errors import AmbiguousRun, NoSuchRun
 from gpudeck.console.query import QueryError, compile_query, parse_time
@@ -239,7 +239,7 @@ def test_the_process_the_agent_started_heads_the_members_and_outlives_the_cap(hi
 def test_an_event_sqlite_cannot_store_is_quarantined_by_itself_and_the_batch_goes_in(tmp_path) -> None:  # type: ignore[no-untyped-def]
     import asyncio
 
-    from gpudeck.agents.protocol import Event
+    from gpudeck.agents.wire.protocol import Event
     from gpudeck.console.history import History
 
     h = History(tmp_path / "history.db")
@@ -273,7 +273,7 @@ def test_a_write_whose_waiter_gave_up_is_committed_and_the_writer_goes_on(tmp_pa
     every later write of the history waited forever (found by make test-under-load in test_faults' history sync)."""
     import threading
 
-    from gpudeck.agents.protocol import Event
+    from gpudeck.agents.wire.protocol import Event
     from gpudeck.console.history import History
 
     h = History(tmp_path / "history.db")

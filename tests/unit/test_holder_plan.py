@@ -3,7 +3,7 @@ user's, an invisible one, or memory the reclaim cannot free refuse the whole act
 
 from __future__ import annotations
 
-from gpudeck.agents.protocol import Gpu, GpuProcess, PreflightCheck, PreflightResult, Snapshot
+from gpudeck.agents.wire.protocol import Gpu, GpuProcess, PreflightCheck, PreflightResult, Snapshot
 from gpudeck.console.ops.holders import holder_plan
 from gpudeck.console.ops.launch import NodeOutcome
 

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from gpudeck.agents.errors import AgentError
 from gpudeck.agents.estimate import EstimateError, estimate
 from gpudeck.agents.exit_cause import ExitFacts, decide, read_exit_record
-from gpudeck.agents.protocol import LaunchSpec, RunInfo
+from gpudeck.agents.wire.errors import AgentError
+from gpudeck.agents.wire.protocol import LaunchSpec, RunInfo
 
 DEEP = b"[" * 100_000 + b"]" * 100_000
 HOSTILE_EXIT = {

@@ -15,11 +15,11 @@ from pathlib import Path
 
 import pytest
 
-from gpudeck.agents import events
-from gpudeck.agents.errors import StorageError
-from gpudeck.agents.events import BadEvent
 from gpudeck.agents.journal import Journal
-from gpudeck.agents.protocol import LaunchSpec, RunInfo
+from gpudeck.agents.wire import events
+from gpudeck.agents.wire.errors import StorageError
+from gpudeck.agents.wire.events import BadEvent
+from gpudeck.agents.wire.protocol import LaunchSpec, RunInfo
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -188,7 +188,7 @@ def test_a_payload_that_does_not_fit_its_kind_is_refused_naming_the_field(tmp_pa
     j = Journal(tmp_path / "j.db", "h")
     with pytest.raises(BadEvent, match=r"added\[0\]\.pid"):
         j.append("members", "r", {"added": [{"pid": "seven"}]})
-    with pytest.raises(BadEvent, match="unknown journal event kind 'nonsense'.*agents/events.py"):
+    with pytest.raises(BadEvent, match="unknown journal event kind 'nonsense'.*agents/wire/events.py"):
         j.append("nonsense", None, {})
     with pytest.raises(BadEvent, match="state"):
         j.update_run("r", "run_state", {"cause": "no state"})
@@ -219,7 +219,7 @@ CREATE TABLE runs (id TEXT PRIMARY KEY, request_id TEXT UNIQUE, host TEXT NOT NU
     members TEXT NOT NULL DEFAULT '[]');
 CREATE TABLE events (seq INTEGER PRIMARY KEY AUTOINCREMENT, ts REAL NOT NULL, kind TEXT NOT NULL, run_id TEXT, data TEXT NOT NULL);
 """
-# every kind the agent wrote before agents/events.py, in the shape it wrote them (json.dumps of the supervisor's dicts)
+# every kind the agent wrote before agents/wire/events.py, in the shape it wrote them (json.dumps of the supervisor's dicts)
 OLD_EVENTS = [
     ("agent_started", None, {"pid": 11, "version": "0.1.0", "gpu_error": "no NVML", "adopted": ["r-old: re-adopted"]}),
     ("run_created", "r-old", {"state": "starting", "spec": {"argv": ["python", "train.py"], "kind": "fsdp", "name": "old"}, "name": "old"}),

@@ -9,8 +9,8 @@ from pathlib import Path
 from gpudeck.agents.gpus_sim import SimulatedGpuSampler
 from gpudeck.agents.journal import Journal
 from gpudeck.agents.procs import ProcTable
-from gpudeck.agents.protocol import LaunchSpec
 from gpudeck.agents.supervisor import Supervisor
+from gpudeck.agents.wire.protocol import LaunchSpec
 
 
 async def test_a_slow_spawn_racing_the_tick_still_ends_as_the_run_really_ended(tmp_path: Path) -> None:

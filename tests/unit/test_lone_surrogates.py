@@ -11,7 +11,7 @@ from pathlib import Path
 import msgspec
 
 from gpudeck.agents.journal import Journal
-from gpudeck.agents.protocol import (
+from gpudeck.agents.wire.protocol import (
     EventBatch,
     Launch,
     LaunchSpec,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from gpudeck.agents.protocol import LaunchSpec, RunInfo
+from gpudeck.agents.wire.protocol import LaunchSpec, RunInfo
 from gpudeck.console.formats import RECORD_KEYS, record_shape, run_json
 from gpudeck.console.multinode import combine, group_runs
 from gpudeck.console.records import RunRecord

@@ -11,8 +11,8 @@ from gpudeck.agents import estimate, launcher, preflight
 from gpudeck.agents.gpus_sim import SimulatedGpuSampler
 from gpudeck.agents.journal import Journal
 from gpudeck.agents.procs import ProcTable
-from gpudeck.agents.protocol import LaunchSpec
 from gpudeck.agents.supervisor import Supervisor
+from gpudeck.agents.wire.protocol import LaunchSpec
 
 
 async def test_a_trainer_launch_parses_its_argv_and_its_trainer_arguments_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

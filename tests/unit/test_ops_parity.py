@@ -15,7 +15,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from gpudeck.agents.protocol import EnvFingerprint, LaunchReply, LaunchSpec, PreflightResult, RunInfo
+from gpudeck.agents.wire.protocol import EnvFingerprint, LaunchReply, LaunchSpec, PreflightResult, RunInfo
 from gpudeck.console import config as cfg
 from gpudeck.console.cli import build_parser, intent_from_args
 from gpudeck.console.ops import Caller, IntentError, LaunchIntent, LaunchPlan, plan_launch, relaunch_intent, rollback_intent

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from gpudeck.agents.estimate import GIB, estimate
 from gpudeck.agents.preflight import CHECK_NAMES, free_bytes_at, port_is_free, run_preflight
-from gpudeck.agents.protocol import Gpu, GpuProcess, LaunchSpec, MemoryEstimate, PreflightCheck, PreflightResult, RunInfo
+from gpudeck.agents.wire.protocol import Gpu, GpuProcess, LaunchSpec, MemoryEstimate, PreflightCheck, PreflightResult, RunInfo
 from gpudeck.console.formats import format_preflight
 
 NOW = 1_800_000_000.0

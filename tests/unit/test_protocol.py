@@ -6,7 +6,7 @@ import msgspec
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gpudeck.agents.protocol import (
+from gpudeck.agents.wire.protocol import (
     JSON_SPACE,
     MAX_FRAME,
     Error,

@@ -9,8 +9,8 @@ import sys
 
 from gpudeck.agents import stopper
 from gpudeck.agents.procs import create_time_of, status_of
-from gpudeck.agents.protocol import Leftover, Member, StoppedProcess, StopResult
 from gpudeck.agents.reclaim import reclaim_message
+from gpudeck.agents.wire.protocol import Leftover, Member, StoppedProcess, StopResult
 
 
 def test_an_orphan_ended_by_sigterm_whose_parent_has_not_reaped_it_is_stopped_by_sigterm() -> None:

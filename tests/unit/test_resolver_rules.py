@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from gpudeck.agents.errors import AgentError, AgentUnavailable
-from gpudeck.agents.protocol import LaunchSpec, RunInfo
+from gpudeck.agents.wire.errors import AgentError, AgentUnavailable
+from gpudeck.agents.wire.protocol import LaunchSpec, RunInfo
 from gpudeck.console.ops.errors import AmbiguousRun, NoSuchRun, Unanswered
 from gpudeck.console.ops.resolve import Match, pick, resolve_record
 from gpudeck.console.records import RunRecord

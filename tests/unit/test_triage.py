@@ -12,9 +12,9 @@ from pathlib import Path
 
 from gpudeck.agents import flight_recorder as fr
 from gpudeck.agents.health import HANG_AFTER_S, STRAGGLER_WINDOW, Observation, RunHealth, hang_threshold
-from gpudeck.agents.protocol import LaunchSpec, RankEvidence, RankTelemetry, RunInfo, RunTelemetry
 from gpudeck.agents.telemetry import TelemetryTail
 from gpudeck.agents.triage import Target, collect, culprit, parse_faulthandler, parse_py_spy
+from gpudeck.agents.wire.protocol import LaunchSpec, RankEvidence, RankTelemetry, RunInfo, RunTelemetry
 
 T0 = 1_700_000_000.0
 

@@ -13,7 +13,7 @@ import pytest
 from prometheus_client.openmetrics.parser import text_string_to_metric_families as om_families
 from prometheus_client.parser import text_string_to_metric_families
 
-from gpudeck.agents.protocol import Gpu, Snapshot
+from gpudeck.agents.wire.protocol import Gpu, Snapshot
 from gpudeck.console.watch.metrics import FleetCollector, MetricsEndpoint, WatchHealth
 
 OPENMETRICS = "application/openmetrics-text;version=1.0.0;q=0.5,text/plain;version=0.0.4;q=0.3,*/*;q=0.2"

@@ -23,9 +23,9 @@ from typing import Any
 
 import msgspec
 
-from gpudeck.agents import paths
-from gpudeck.agents.errors import AgentUnavailable, PermissionDenied, from_wire
-from gpudeck.agents.protocol import (
+from gpudeck.agents.wire import paths
+from gpudeck.agents.wire.errors import AgentUnavailable, PermissionDenied, from_wire
+from gpudeck.agents.wire.protocol import (
     Cancel,
     Error,
     FrameReader,

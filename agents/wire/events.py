@@ -17,8 +17,8 @@ from typing import Any, Union
 
 import msgspec
 
-from gpudeck.agents.errors import AgentError
-from gpudeck.agents.protocol import Alert, ClaimRow, ContainmentInfo, EnvFingerprint, LaunchSpec, PreflightResult, StopResult, Triage
+from gpudeck.agents.wire.errors import AgentError
+from gpudeck.agents.wire.protocol import Alert, ClaimRow, ContainmentInfo, EnvFingerprint, LaunchSpec, PreflightResult, StopResult, Triage
 
 TAG = "event_kind"  # the tag field; put next to the payload's own fields only while converting, never stored
 PAYLOAD_VERSION = 1
@@ -207,13 +207,15 @@ def validate(kind: str, data: dict[str, Any]) -> Payload | Reclaimed:
     """The typed payload of an event about to be appended; BadEvent names the kind, the field and the fix."""
     t = KINDS.get(kind)
     if t is None:
-        raise BadEvent(f"unknown journal event kind {kind!r}: add its payload type to agents/events.py (known: {', '.join(sorted(KINDS))})")
+        raise BadEvent(
+            f"unknown journal event kind {kind!r}: add its payload type to agents/wire/events.py (known: {', '.join(sorted(KINDS))})"
+        )
     if not isinstance(data, dict):
         raise BadEvent(f"event {kind!r}: the payload must be a JSON object, got {type(data).__name__}")
     try:
         p: Payload | Reclaimed = msgspec.convert({**data, TAG: kind}, t, str_keys=True)
     except msgspec.ValidationError as exc:
-        raise BadEvent(f"event {kind!r}: {exc}; see {t.__name__} in agents/events.py for its fields") from None
+        raise BadEvent(f"event {kind!r}: {exc}; see {t.__name__} in agents/wire/events.py for its fields") from None
     _check_version(kind, p)
     return p
 

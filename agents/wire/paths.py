@@ -17,7 +17,7 @@ from pathlib import Path
 
 import platformdirs
 
-from gpudeck.agents.errors import PermissionDenied
+from gpudeck.agents.wire.errors import PermissionDenied
 
 
 class UnsafePath(PermissionDenied):

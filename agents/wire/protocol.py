@@ -824,7 +824,7 @@ def decode_request(line: bytes) -> Request | Error:
     except msgspec.ValidationError as exc:
         rid = _salvage_request_id(line)
         return Error(
-            request_id=rid, code="bad_message", message=f"message not understood: {exc}; see agents/protocol.py for the message types"
+            request_id=rid, code="bad_message", message=f"message not understood: {exc}; see agents/wire/protocol.py for the message types"
         )
     except msgspec.DecodeError as exc:
         fixed = _lenient(line)

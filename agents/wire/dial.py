@@ -15,8 +15,8 @@ import threading
 import time
 from pathlib import Path
 
-from gpudeck.agents import paths
-from gpudeck.agents.client import AGENT_START_TIMEOUT_S, spawn_agent
+from gpudeck.agents.wire import paths
+from gpudeck.agents.wire.client import AGENT_START_TIMEOUT_S, spawn_agent
 
 
 def connect(state_dir: Path, autostart: bool = True) -> socket.socket:
