@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None, prog: str = MODULE_PROG) -> int:
     """Parse and dispatch; ``prog`` is how the usage lines name the command."""
     args = build_parser(prog).parse_args(argv)
     if args.command == "serve":
-        from gpudeck.agents.server import serve
+        from gpudeck.agents.server.daemon import serve
 
         return serve(args.state_dir)
     from gpudeck.agents.wire.dial import dial

@@ -34,11 +34,11 @@ sys.path.insert(0, str(ROOT))
 
 import psutil
 
-from gpudeck.agents.gpus import GpuSampler
-from gpudeck.agents.journal import Journal
-from gpudeck.agents.procs import ProcTable
-from gpudeck.agents.snapshot import SnapshotBuilder
-from gpudeck.agents.supervisor import Supervisor
+from gpudeck.agents.observe.gpus import GpuSampler
+from gpudeck.agents.observe.procs import ProcTable
+from gpudeck.agents.runs.supervisor import Supervisor
+from gpudeck.agents.server.snapshot import SnapshotBuilder
+from gpudeck.agents.storage.journal import Journal
 from gpudeck.agents.wire.client import AgentClient
 from gpudeck.agents.wire.protocol import LaunchSpec, WatchSnapshots
 
@@ -259,7 +259,7 @@ main = cProfile.Profile(time.thread_time); profiles.append(main); main.enable()
 import signal
 # the benchmark sends SIGUSR2 as its window opens: what start-up cost (imports, the first read of every process) is dropped
 signal.signal(signal.SIGUSR2, lambda *_: [p.clear() for p in profiles])
-from gpudeck.agents.server import serve
+from gpudeck.agents.server.daemon import serve
 def dump():
     # serve() calls this on every way out, also its os._exit one (worker threads still busy), which skips finally
     main.disable()

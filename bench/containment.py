@@ -38,13 +38,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from gpudeck.agents import stopper
-from gpudeck.agents.containment import detect
-from gpudeck.agents.gpus_sim import SimulatedGpuSampler
-from gpudeck.agents.journal import Journal
-from gpudeck.agents.procs import ProcTable
-from gpudeck.agents.snapshot import SnapshotBuilder
-from gpudeck.agents.supervisor import Supervisor
+from gpudeck.agents.observe.gpus_sim import SimulatedGpuSampler
+from gpudeck.agents.observe.procs import ProcTable
+from gpudeck.agents.runs import stopper
+from gpudeck.agents.runs.supervisor import Supervisor
+from gpudeck.agents.safety.containment import detect
+from gpudeck.agents.server.snapshot import SnapshotBuilder
+from gpudeck.agents.storage.journal import Journal
 from gpudeck.agents.wire.protocol import LaunchSpec
 
 # the leader spawns N-1 sleepers (every tenth with SIGTERM ignored), then says how many are up

@@ -233,7 +233,7 @@ def run_trainer(cmd: list[str], out: Path, label: str, args) -> tuple[object, li
 
 
 def bench_seed(args) -> None:
-    from gpudeck.agents.estimate import estimate
+    from gpudeck.agents.safety.estimate import estimate
     from gpudeck.agents.wire.protocol import LaunchSpec
 
     out = Path(tempfile.mkdtemp(prefix="dflash_seed_"))

@@ -6,7 +6,7 @@ What is real and what is not, so nobody reads more into a figure than it holds:
   with its own ``GPUDECK_HOME`` (journal, socket, run folders), started in
   batches so the machine is not swamped, each waited for on its socket.
 - **GPUs are SIMULATED**: every agent runs with
-  ``GPUDECK_SIMULATE_GPUS`` (default ``8:H200``, see agents/gpus_sim.py);
+  ``GPUDECK_SIMULATE_GPUS`` (default ``8:H200``, see agents/observe/gpus_sim.py);
   every GPU it reports is labelled ``SIMULATED`` and ``Snapshot.simulated``
   is true. No NVML is involved.
 - **The SSH server side is asyncssh in-process, NOT OpenSSH**: one separate

@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import msgspec
 
-from gpudeck.agents.telemetry import INT_MAX, INT_MIN, LineRejected, decode_line
+from gpudeck.agents.observe.telemetry import INT_MAX, INT_MIN, LineRejected, decode_line
 from gpudeck.agents.wire.protocol import Event
 from gpudeck.console import quarantine
 

@@ -1144,7 +1144,7 @@ def build_parser() -> argparse.ArgumentParser:
     asub = p.add_subparsers(dest="agent_command", metavar="serve|dial|status|stop", required=True)
     a = asub.add_parser("serve", help="run the agent in the foreground")
     a.add_argument("--state-dir", type=Path, default=None)
-    a.set_defaults(func=None, sync=lambda ns: __import__("gpudeck.agents.server", fromlist=["serve"]).serve(ns.state_dir))
+    a.set_defaults(func=None, sync=lambda ns: __import__("gpudeck.agents.server.daemon", fromlist=["serve"]).serve(ns.state_dir))
     a = asub.add_parser("dial", help="bridge stdin/stdout to the agent (what the console runs over SSH)")
     a.add_argument("--state-dir", type=Path, default=None)
     a.set_defaults(func=None, sync=lambda ns: __import__("gpudeck.agents.wire.dial", fromlist=["dial"]).dial(ns.state_dir))

@@ -626,7 +626,7 @@ class Fleet:
         return reply
 
     async def triage(self, host: str, run_id: str) -> TriageReply:
-        """Every rank's evidence of a live run, gathered now and stored with it (agents/triage.py)."""
+        """Every rank's evidence of a live run, gathered now and stored with it (agents/health/triage.py)."""
         reply = await self._request(host, TriageRun(run_id=run_id))
         assert isinstance(reply, TriageReply)
         return reply

@@ -1,7 +1,7 @@
 """Provides what the trainers and the agent share, stdlib only: the named model configs (presets) and the index-list syntax.
 
 Stdlib only: the agent reads this table too (pre-flight memory estimates,
-``agents/estimate.py``), and the agent imports neither torch nor transformers.
+``agents/safety/estimate.py``), and the agent imports neither torch nor transformers.
 Each preset is the keyword arguments of ``AutoConfig.for_model(model_type, ...)``.
 """
 

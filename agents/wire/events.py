@@ -110,7 +110,7 @@ class AlertCleared(Payload, tag="alert_cleared"):
 
 
 class TriageTaken(Payload, tag="triage"):
-    """Evidence from every rank of a live run (agents/triage.py): on a hang alert, or on demand."""
+    """Evidence from every rank of a live run (agents/health/triage.py): on a hang alert, or on demand."""
 
     triage: Triage
 

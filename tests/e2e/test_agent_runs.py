@@ -11,7 +11,7 @@ from pathlib import Path
 
 import psutil
 
-from gpudeck.agents.procs import alive, create_time_of
+from gpudeck.agents.observe.procs import alive, create_time_of
 from tests.agent_harness import AgentProc, journal_add_member, wait_for
 
 PROGS = Path(__file__).parent / "progs"
@@ -169,7 +169,7 @@ def test_run_whose_shim_vanished_is_lost_with_what_is_known(agent: AgentProc) ->
 
 
 def test_pid_reuse_is_never_signalled(agent: AgentProc) -> None:
-    from gpudeck.agents.procs import signal_exact
+    from gpudeck.agents.observe.procs import signal_exact
 
     victim = subprocess.Popen(["sleep", "60"])
     try:
@@ -250,7 +250,7 @@ def test_runs_caught_between_record_and_start_are_settled_by_evidence(agent: Age
     """The agent dies after recording a launch: a started process is adopted, a missing one is recorded as interrupted."""
     import time as _time
 
-    from gpudeck.agents.journal import Journal
+    from gpudeck.agents.storage.journal import Journal
     from gpudeck.agents.wire.protocol import LaunchSpec, RunInfo
 
     agent.kill9()

@@ -190,7 +190,7 @@ def test_agent_stop_leaves_runs_running_for_the_next_agent(agent: AgentProc) -> 
 
 
 def test_every_request_type_has_a_handler_in_the_dispatch_table() -> None:
-    from gpudeck.agents.server import _HANDLERS
+    from gpudeck.agents.server.daemon import _HANDLERS
     from gpudeck.agents.wire.protocol import Request
 
     assert set(_HANDLERS) == set(Request.__args__), "a request type without a handler (or a handler for no request)"  # type: ignore[attr-defined]

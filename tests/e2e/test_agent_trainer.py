@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from gpudeck.agents.procs import alive
+from gpudeck.agents.observe.procs import alive
 from tests.agent_harness import ROOT, AgentProc, wait_for
 from tests.trainer_harness import fsdp_endless_argv
 

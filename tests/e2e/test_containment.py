@@ -20,14 +20,14 @@ from pathlib import Path
 import psutil
 import pytest
 
-from gpudeck.agents.containment import (
+from gpudeck.agents.observe.procs import create_time_of
+from gpudeck.agents.safety.containment import (
     CgroupFs,
     agent_key,
     cgroup2_mount,
     detect,
     systemd_unavailable,
 )
-from gpudeck.agents.procs import create_time_of
 from gpudeck.agents.wire.errors import BadRequest
 from tests.agent_harness import AgentProc, journal_add_member, teardown_agent, wait_for
 from tests.e2e.test_agent_runs import gone, read_pids

@@ -12,7 +12,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from gpudeck.agents.envs import EnvError, fingerprint, rebuild, verify
+from gpudeck.agents.safety.envs import EnvError, fingerprint, rebuild, verify
 from gpudeck.agents.wire.envdiff import REBUILD_IGNORES, EnvChange, describe, diff
 from gpudeck.agents.wire.protocol import EnvFingerprint
 

@@ -35,7 +35,7 @@ from typing import Any
 import psutil
 import pytest
 
-from gpudeck.agents.journal import Journal
+from gpudeck.agents.storage.journal import Journal
 from gpudeck.agents.wire.errors import AgentError, AgentUnavailable
 from gpudeck.agents.wire.protocol import Launch, LaunchSpec, Ping, Reclaim, Stop
 from tests.agent_harness import ROOT, AgentProc, kill_tagged, wait_for

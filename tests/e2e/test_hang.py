@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from gpudeck.agents.procs import alive
+from gpudeck.agents.observe.procs import alive
 from gpudeck.agents.wire.protocol import GetEvents, GetRun
 from tests.agent_harness import ROOT, AgentProc, teardown_agent, wait_for
 from tests.trainer_harness import fsdp_endless_argv

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from gpudeck.agents.containment import CgroupFs, detect
+from gpudeck.agents.safety.containment import CgroupFs, detect
 from tests.agent_harness import AgentProc, teardown_agent, wait_for
 
 HOLD = (

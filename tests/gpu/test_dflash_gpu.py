@@ -143,7 +143,7 @@ def test_seed_drafter_shape_peak_is_within_15_percent_of_the_estimate(tmp_path):
     """SpecForge's Qwen3.6-27B drafter shape at 1024 anchors x block 32, colocated, one GPU (the bench's seed part)."""
     sys.path.insert(0, str(ROOT))
     from bench.dflash_bench import seed_train_argv
-    from gpudeck.agents.estimate import GIB, estimate
+    from gpudeck.agents.safety.estimate import GIB, estimate
     from gpudeck.agents.wire.protocol import LaunchSpec
 
     target = os.environ.get("DFLASH_SEED_TARGET", "qwen3-14b")

@@ -261,7 +261,7 @@ time.sleep(600)
 
 def test_gpu_flight_recorder_dump_on_request_is_summarised(tmp_path, procs) -> None:
     """NCCL: the rank's thread answers the agent's request file with JSON that the agent's summary reads."""
-    from gpudeck.agents import flight_recorder as fr
+    from gpudeck.agents.health import flight_recorder as fr
 
     tel, log = tmp_path / "fr.jsonl", tmp_path / "fr.log"
     env = dict(os.environ, GPUDECK_TELEMETRY=str(tel), PYTHONUNBUFFERED="1")

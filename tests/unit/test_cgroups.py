@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from gpudeck.agents.containment import (
+from gpudeck.agents.runs.exit_cause import ExitFacts, decide
+from gpudeck.agents.safety.containment import (
     CgroupFs,
     Containment,
     RunGroup,
@@ -19,7 +20,6 @@ from gpudeck.agents.containment import (
     detect,
     own_cgroup,
 )
-from gpudeck.agents.exit_cause import ExitFacts, decide
 from gpudeck.agents.wire.errors import BadRequest
 from gpudeck.agents.wire.protocol import LaunchSpec, Member, RunInfo
 

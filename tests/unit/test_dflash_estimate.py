@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from gpudeck.agents.estimate import GIB, drafter_params, estimate, model_shape
+from gpudeck.agents.safety.estimate import GIB, drafter_params, estimate, model_shape
 from gpudeck.agents.wire.protocol import LaunchSpec
 
 SEED_CONFIG = Path(__file__).resolve().parents[1] / "reference" / "qwen3.6-27b-dflash.json"

@@ -16,7 +16,7 @@ def test_version_and_the_agents_commands_need_no_console_package() -> None:
     cp = _run("from gpudeck.console.entry import main\nraise SystemExit(main(['--version']))")
     assert cp.returncode == 0 and cp.stdout.startswith("gpudeck "), cp.stderr
     # what `gpudeck agent dial` and `gpudeck agent serve` import
-    cp = _run("import gpudeck.agents.__main__, gpudeck.agents.wire.dial, gpudeck.agents.server\nprint('ok')")
+    cp = _run("import gpudeck.agents.__main__, gpudeck.agents.wire.dial, gpudeck.agents.server.daemon\nprint('ok')")
     assert cp.returncode == 0 and cp.stdout.strip() == "ok", cp.stderr
 
 

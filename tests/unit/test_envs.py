@@ -16,7 +16,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from gpudeck.agents.envs import EnvError, PythonMissing, check_imports_torch, fingerprint, verify
+from gpudeck.agents.safety.envs import EnvError, PythonMissing, check_imports_torch, fingerprint, verify
 from gpudeck.agents.wire.envdiff import REBUILD_IGNORES, EnvChange, describe, diff, normalize
 from gpudeck.agents.wire.protocol import EnvFingerprint
 

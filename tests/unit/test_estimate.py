@@ -1,4 +1,4 @@
-"""agents/estimate.py: exact parameter counts against transformers, trainer argv parsing, memory vs measured H200 peaks."""
+"""agents/safety/estimate.py: exact parameter counts against transformers, trainer argv parsing, memory vs measured H200 peaks."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from gpudeck.agents.estimate import (
+from gpudeck.agents.safety.estimate import (
     DFLASH_DEFAULTS,
     FSDP_DEFAULTS,
     GIB,
@@ -243,7 +243,7 @@ def test_every_option_with_a_value_is_known(trainer: str) -> None:
     """An option the mirror did not know would leave its value to be misread; so it knows them all."""
     import importlib
 
-    from gpudeck.agents.estimate import _trainer_parser
+    from gpudeck.agents.safety.estimate import _trainer_parser
 
     def value_options(parser) -> set[str]:
         return {s for a in parser._actions if a.nargs != 0 for s in a.option_strings}

@@ -15,9 +15,9 @@ from pathlib import Path
 import psutil
 import pytest
 
-from gpudeck.agents.gpus import GpuSampler, make_sampler
-from gpudeck.agents.gpus_sim import UTIL_WINDOW_S, SimulatedGpuSampler, SimulatedGpuSpecError, parse_sim_spec
-from gpudeck.agents.procs import SIM_GPU_MEM_TAG, ProcTable, parse_sim_gpu_mem, read_stat, signal_exact
+from gpudeck.agents.observe.gpus import GpuSampler, make_sampler
+from gpudeck.agents.observe.gpus_sim import UTIL_WINDOW_S, SimulatedGpuSampler, SimulatedGpuSpecError, parse_sim_spec
+from gpudeck.agents.observe.procs import SIM_GPU_MEM_TAG, ProcTable, parse_sim_gpu_mem, read_stat, signal_exact
 from gpudeck.agents.wire.errors import AgentError
 from gpudeck.agents.wire.protocol import Gpu
 

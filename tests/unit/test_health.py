@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from gpudeck.agents.health import (
+from gpudeck.agents.health.rules import (
     GIB,
     GPU_IDLE_S,
     HEARTBEAT_LOST_S,

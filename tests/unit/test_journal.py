@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from gpudeck.agents.journal import Journal
+from gpudeck.agents.storage.journal import Journal
 from gpudeck.agents.wire import events
 from gpudeck.agents.wire.errors import StorageError
 from gpudeck.agents.wire.events import BadEvent
@@ -60,7 +60,7 @@ def test_epoch_is_stable_and_new_for_a_new_file(tmp_path: Path) -> None:
 WRITER = r"""
 import sys
 from pathlib import Path
-from gpudeck.agents.journal import Journal
+from gpudeck.agents.storage.journal import Journal
 j = Journal(Path(sys.argv[1]), "h")
 i = 0
 while True:

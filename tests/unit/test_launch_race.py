@@ -6,10 +6,10 @@ import asyncio
 import time
 from pathlib import Path
 
-from gpudeck.agents.gpus_sim import SimulatedGpuSampler
-from gpudeck.agents.journal import Journal
-from gpudeck.agents.procs import ProcTable
-from gpudeck.agents.supervisor import Supervisor
+from gpudeck.agents.observe.gpus_sim import SimulatedGpuSampler
+from gpudeck.agents.observe.procs import ProcTable
+from gpudeck.agents.runs.supervisor import Supervisor
+from gpudeck.agents.storage.journal import Journal
 from gpudeck.agents.wire.protocol import LaunchSpec
 
 

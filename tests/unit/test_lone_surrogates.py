@@ -10,7 +10,7 @@ from pathlib import Path
 
 import msgspec
 
-from gpudeck.agents.journal import Journal
+from gpudeck.agents.storage.journal import Journal
 from gpudeck.agents.wire.protocol import (
     EventBatch,
     Launch,

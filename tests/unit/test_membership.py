@@ -7,8 +7,8 @@ import subprocess
 import sys
 import time
 
-from gpudeck.agents.membership import TreeWatch, descendants, partial_tree, proc_tree
-from gpudeck.agents.procs import create_time_of
+from gpudeck.agents.observe.procs import create_time_of
+from gpudeck.agents.safety.membership import TreeWatch, descendants, partial_tree, proc_tree
 
 
 def test_a_grandchild_that_cleared_its_environment_is_found_below_its_root_from_a_partial_tree() -> None:

@@ -7,11 +7,12 @@ from pathlib import Path
 
 import pytest
 
-from gpudeck.agents import estimate, launcher, preflight
-from gpudeck.agents.gpus_sim import SimulatedGpuSampler
-from gpudeck.agents.journal import Journal
-from gpudeck.agents.procs import ProcTable
-from gpudeck.agents.supervisor import Supervisor
+from gpudeck.agents.observe.gpus_sim import SimulatedGpuSampler
+from gpudeck.agents.observe.procs import ProcTable
+from gpudeck.agents.runs import launcher
+from gpudeck.agents.runs.supervisor import Supervisor
+from gpudeck.agents.safety import estimate, preflight
+from gpudeck.agents.storage.journal import Journal
 from gpudeck.agents.wire.protocol import LaunchSpec
 
 

@@ -1,12 +1,12 @@
-"""agents/preflight.py: every check over hand-built GPUs, runs, sockets and checkpoint folders."""
+"""agents/safety/preflight.py: every check over hand-built GPUs, runs, sockets and checkpoint folders."""
 
 from __future__ import annotations
 
 import socket
 from pathlib import Path
 
-from gpudeck.agents.estimate import GIB, estimate
-from gpudeck.agents.preflight import CHECK_NAMES, free_bytes_at, port_is_free, run_preflight
+from gpudeck.agents.safety.estimate import GIB, estimate
+from gpudeck.agents.safety.preflight import CHECK_NAMES, free_bytes_at, port_is_free, run_preflight
 from gpudeck.agents.wire.protocol import Gpu, GpuProcess, LaunchSpec, MemoryEstimate, PreflightCheck, PreflightResult, RunInfo
 from gpudeck.console.formats import format_preflight
 
@@ -465,7 +465,7 @@ def test_every_failure_says_what_to_do(tmp_path: Path) -> None:
 
 def test_the_checkpoint_layout_matches_trainers_checkpoint(tmp_path: Path) -> None:
     """agents may not import gpudeck.trainers.checkpoint, so pre-flight restates its layout; this keeps them equal."""
-    from gpudeck.agents import preflight as pf
+    from gpudeck.agents.safety import preflight as pf
     from gpudeck.trainers import checkpoint as ckpt
 
     assert (pf.CHECKPOINTS_DIRNAME, pf.CHECKPOINT_MARKER) == (ckpt.CHECKPOINTS_DIRNAME, ckpt.MARKER_FILE)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import psutil
 
-from gpudeck.agents.procs import ProcTable, parse_environ, read_entry
+from gpudeck.agents.observe.procs import ProcTable, parse_environ, read_entry
 
 PY = sys.executable
 

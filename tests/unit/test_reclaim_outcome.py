@@ -7,9 +7,9 @@ import asyncio
 import subprocess
 import sys
 
-from gpudeck.agents import stopper
-from gpudeck.agents.procs import create_time_of, status_of
-from gpudeck.agents.reclaim import reclaim_message
+from gpudeck.agents.observe.procs import create_time_of, status_of
+from gpudeck.agents.runs import stopper
+from gpudeck.agents.runs.reclaim import reclaim_message
 from gpudeck.agents.wire.protocol import Leftover, Member, StoppedProcess, StopResult
 
 

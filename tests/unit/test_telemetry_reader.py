@@ -10,7 +10,7 @@ import msgspec
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gpudeck.agents.telemetry import TelemetryRejection, TelemetryTail
+from gpudeck.agents.observe.telemetry import TelemetryRejection, TelemetryTail
 from tests.fuzz.test_protocol_fuzz import json_values
 
 
@@ -153,7 +153,7 @@ def test_a_fifo_or_a_link_in_place_of_the_file_is_refused_without_blocking(tmp_p
 
 
 def test_too_many_ranks_are_refused_past_the_cap(tmp_path: Path) -> None:
-    from gpudeck.agents.telemetry import MAX_RANKS
+    from gpudeck.agents.observe.telemetry import MAX_RANKS
 
     f = tmp_path / "t.jsonl"
     f.write_text("".join(json.dumps({"type": "heartbeat", "rank": r}) + "\n" for r in range(MAX_RANKS + 3)))

@@ -10,10 +10,10 @@ import sys
 import time
 from pathlib import Path
 
-from gpudeck.agents import flight_recorder as fr
-from gpudeck.agents.health import HANG_AFTER_S, STRAGGLER_WINDOW, Observation, RunHealth, hang_threshold
-from gpudeck.agents.telemetry import TelemetryTail
-from gpudeck.agents.triage import Target, collect, culprit, parse_faulthandler, parse_py_spy
+from gpudeck.agents.health import flight_recorder as fr
+from gpudeck.agents.health.rules import HANG_AFTER_S, STRAGGLER_WINDOW, Observation, RunHealth, hang_threshold
+from gpudeck.agents.health.triage import Target, collect, culprit, parse_faulthandler, parse_py_spy
+from gpudeck.agents.observe.telemetry import TelemetryTail
 from gpudeck.agents.wire.protocol import LaunchSpec, RankEvidence, RankTelemetry, RunInfo, RunTelemetry
 
 T0 = 1_700_000_000.0
@@ -351,7 +351,7 @@ def test_cuda_compute_clock_times_one_step_in_four_and_reports_it_with_the_next(
 
 
 def test_py_spy_error_is_its_error_line_and_first_cause_without_the_backtrace() -> None:
-    from gpudeck.agents.triage import py_spy_error
+    from gpudeck.agents.health.triage import py_spy_error
 
     stderr = (
         "Error: Failed to get process executable name. Check that the process is running.\n\nCaused by:\n"
@@ -368,7 +368,7 @@ def test_source_line_reads_only_what_the_runs_user_could_and_follows_no_link(tmp
     """A run's stack can name any path; the agent (maybe root) quotes a line only from a file that user may read."""
     import os
 
-    from gpudeck.agents.triage import source_line
+    from gpudeck.agents.health.triage import source_line
 
     secret = tmp_path / "secret"
     secret.write_text("root-only line\n")

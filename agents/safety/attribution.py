@@ -10,8 +10,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from gpudeck.agents.containment import Containment
-from gpudeck.agents.procs import CT_TOLERANCE, ProcEntry, create_time_of
+from gpudeck.agents.observe.procs import CT_TOLERANCE, ProcEntry, create_time_of
+from gpudeck.agents.safety.containment import Containment
 from gpudeck.agents.wire.protocol import GpuProcess, Member
 
 LIVE = ("starting", "running", "stopping")

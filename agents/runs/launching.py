@@ -1,6 +1,6 @@
 """Provides the launch of a run: pre-flight, the record on disk, the group, the spawn through the shim.
 
-The spec is validated and its argv read once (:class:`~gpudeck.agents.launcher.LaunchPlan`);
+The spec is validated and its argv read once (:class:`~gpudeck.agents.runs.launcher.LaunchPlan`);
 pre-flight, the memory estimate and the environment's fingerprint all use that one
 reading. The run is recorded before anything starts, so a failed start is never
 unrecorded; a failed pre-flight starts nothing and is recorded as ``preflight_failed``.
@@ -18,19 +18,19 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
-from gpudeck.agents import envs
-from gpudeck.agents.containment import RunGroup
-from gpudeck.agents.estimate import estimate_or_reason
-from gpudeck.agents.launcher import LaunchPlan, check_executable, fsync_write
-from gpudeck.agents.liverun import LiveRun
-from gpudeck.agents.preflight import failure_summary, run_preflight
-from gpudeck.agents.procs import create_time_of
+from gpudeck.agents.observe.procs import create_time_of
+from gpudeck.agents.runs.launcher import LaunchPlan, check_executable, fsync_write
+from gpudeck.agents.runs.liverun import LiveRun
+from gpudeck.agents.safety import envs
+from gpudeck.agents.safety.containment import RunGroup
+from gpudeck.agents.safety.estimate import estimate_or_reason
+from gpudeck.agents.safety.preflight import failure_summary, run_preflight
 from gpudeck.agents.wire import paths
 from gpudeck.agents.wire.errors import AgentError, BadRequest, LaunchFailed, StorageError
 from gpudeck.agents.wire.protocol import EnvFingerprint, LaunchSpec, Member, PreflightResult, RunInfo, new_run_id
 
 if TYPE_CHECKING:
-    from gpudeck.agents.supervisor import Supervisor
+    from gpudeck.agents.runs.supervisor import Supervisor
 
 
 async def preflight(sup: Supervisor, spec: LaunchSpec, host_name: str | None = None, plan: LaunchPlan | None = None) -> PreflightResult:

@@ -8,14 +8,14 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
-from gpudeck.agents.health import claims_report, observe
-from gpudeck.agents.liverun import LiveRun
-from gpudeck.agents.procs import alive
+from gpudeck.agents.health.rules import claims_report, observe
+from gpudeck.agents.observe.procs import alive
+from gpudeck.agents.runs.liverun import LiveRun
 from gpudeck.agents.wire.errors import StorageError
 from gpudeck.agents.wire.protocol import LIVE_STATES, ClaimRow, RunInfo
 
 if TYPE_CHECKING:
-    from gpudeck.agents.supervisor import Supervisor
+    from gpudeck.agents.runs.supervisor import Supervisor
 
 log = logging.getLogger("gpudeck.agent")
 

@@ -16,8 +16,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from gpudeck.agents.containment import RunGroup
-from gpudeck.agents.procs import (
+from gpudeck.agents.observe.procs import (
     CT_TOLERANCE,
     YOUNG_S,
     ProcEntry,
@@ -26,6 +25,7 @@ from gpudeck.agents.procs import (
     read_entry,
     read_stat,
 )
+from gpudeck.agents.safety.containment import RunGroup
 from gpudeck.agents.wire.protocol import Member, Reported, RunInfo
 
 PROC_TREE_ROLES = ("shim", "leader")

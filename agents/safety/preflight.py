@@ -33,7 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from gpudeck.agents.estimate import (
+from gpudeck.agents.safety.estimate import (
     CHECKPOINT_BYTES_PER_PARAM,
     TRAINER_MODULES,
     EstimateError,
@@ -724,9 +724,9 @@ def run_preflight(
 
     ``gpus`` are this host's GPUs with their processes attributed; ``ended`` maps run ids to ended
     runs (to say when a STALE holder's run ended); ``estimate`` is the memory each GPU needs
-    (:func:`gpudeck.agents.estimate.estimate`), ``estimate_error`` why there is none; ``python_check``
-    answers whether an interpreter imports torch (``gpudeck.agents.envs.check_imports_torch``);
-    ``parsed``: the launch's argv as its :class:`~gpudeck.agents.launcher.LaunchPlan` read it (once per launch;
+    (:func:`gpudeck.agents.safety.estimate.estimate`), ``estimate_error`` why there is none; ``python_check``
+    answers whether an interpreter imports torch (``gpudeck.agents.safety.envs.check_imports_torch``);
+    ``parsed``: the launch's argv as its :class:`~gpudeck.agents.runs.launcher.LaunchPlan` read it (once per launch;
     :data:`UNPARSED` when it could not be read), else it is read here.
     """
     t0 = time.monotonic()

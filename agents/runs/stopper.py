@@ -21,9 +21,8 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
-from gpudeck.agents.containment import RunGroup
-from gpudeck.agents.gpus import GpuSource
-from gpudeck.agents.procs import (
+from gpudeck.agents.observe.gpus import GpuSource
+from gpudeck.agents.observe.procs import (
     CT_TOLERANCE,
     alive,
     create_time_of,
@@ -31,6 +30,7 @@ from gpudeck.agents.procs import (
     signal_exact,
     status_of,
 )
+from gpudeck.agents.safety.containment import RunGroup
 from gpudeck.agents.wire.protocol import GpuFreed, GpuProcess, Member, StoppedProcess, StopResult
 
 KILL_WAIT_S = 5.0  # after SIGKILL, how long to wait for the kernel to take them

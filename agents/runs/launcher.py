@@ -17,9 +17,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from gpudeck.agents.containment import RunGroup
-from gpudeck.agents.estimate import LaunchArgv
-from gpudeck.agents.preflight import UNPARSED, Unparsed, parse_launch_argv, run_python
+from gpudeck.agents.safety.containment import RunGroup
+from gpudeck.agents.safety.estimate import LaunchArgv
+from gpudeck.agents.safety.preflight import UNPARSED, Unparsed, parse_launch_argv, run_python
 from gpudeck.agents.wire import paths
 from gpudeck.agents.wire.errors import BadRequest, LaunchFailed
 from gpudeck.agents.wire.protocol import MAX_ARGV, LaunchSpec, RunInfo

@@ -14,15 +14,15 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from gpudeck.agents import run_end, tick
-from gpudeck.agents.containment import RunGroup
-from gpudeck.agents.liverun import LiveRun
-from gpudeck.agents.membership import proc_tree
-from gpudeck.agents.procs import alive
+from gpudeck.agents.observe.procs import alive
+from gpudeck.agents.runs import run_end, tick
+from gpudeck.agents.runs.liverun import LiveRun
+from gpudeck.agents.safety.containment import RunGroup
+from gpudeck.agents.safety.membership import proc_tree
 from gpudeck.agents.wire.protocol import LIVE_STATES, TERMINAL_STATES, RunInfo
 
 if TYPE_CHECKING:
-    from gpudeck.agents.supervisor import Supervisor
+    from gpudeck.agents.runs.supervisor import Supervisor
 
 log = logging.getLogger("gpudeck.agent")
 

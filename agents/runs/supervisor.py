@@ -1,19 +1,19 @@
 """Provides the run supervisor: the coordinator that owns every run on this host and hands each step to its module.
 
-Each live run is a :class:`~gpudeck.agents.liverun.LiveRun`. The supervisor holds
+Each live run is a :class:`~gpudeck.agents.runs.liverun.LiveRun`. The supervisor holds
 the runs and their journal records (one place changes a run's state:
 :meth:`Supervisor._set`) and says which run a process belongs to
-(:mod:`gpudeck.agents.attribution`); each step is a module that does what its
+(:mod:`gpudeck.agents.safety.attribution`); each step is a module that does what its
 name says:
 
-- :mod:`gpudeck.agents.launching`: pre-flight, the record, the group, the spawn (the argv read once);
-- :mod:`gpudeck.agents.tick`: the supervision tick, its reads in a thread, its decisions on the loop;
-- :mod:`gpudeck.agents.telemetry_fold`: a run's telemetry folded and journaled;
-- :mod:`gpudeck.agents.claims`: claims against what was observed;
-- :mod:`gpudeck.agents.run_end`: how a run ended (decided by :mod:`gpudeck.agents.exit_cause`), journaled;
-- :mod:`gpudeck.agents.run_stop`: stop one run (the sequence is :mod:`gpudeck.agents.stopper`);
-- :mod:`gpudeck.agents.reclaim`: the leftovers of ended runs, listed and stopped;
-- :mod:`gpudeck.agents.adoption`: runs and groups taken over after an agent restart.
+- :mod:`gpudeck.agents.runs.launching`: pre-flight, the record, the group, the spawn (the argv read once);
+- :mod:`gpudeck.agents.runs.tick`: the supervision tick, its reads in a thread, its decisions on the loop;
+- :mod:`gpudeck.agents.runs.telemetry_fold`: a run's telemetry folded and journaled;
+- :mod:`gpudeck.agents.health.claims`: claims against what was observed;
+- :mod:`gpudeck.agents.runs.run_end`: how a run ended (decided by :mod:`gpudeck.agents.runs.exit_cause`), journaled;
+- :mod:`gpudeck.agents.runs.run_stop`: stop one run (the sequence is :mod:`gpudeck.agents.runs.stopper`);
+- :mod:`gpudeck.agents.runs.reclaim`: the leftovers of ended runs, listed and stopped;
+- :mod:`gpudeck.agents.runs.adoption`: runs and groups taken over after an agent restart.
 
 Members are recorded as ``(pid, create_time)``; nothing is signalled whose create_time no longer matches.
 """
@@ -31,16 +31,17 @@ from typing import Any
 
 import msgspec
 
-from gpudeck.agents import adoption, claims, launching, reclaim, run_stop, telemetry_fold
-from gpudeck.agents import tick as ticks
-from gpudeck.agents.attribution import Attribution
-from gpudeck.agents.containment import LABELS, Containment, RunGroup, detect
-from gpudeck.agents.gpus import GpuSource
-from gpudeck.agents.journal import Journal
-from gpudeck.agents.launcher import LaunchPlan, spawn
-from gpudeck.agents.liverun import LiveRun
-from gpudeck.agents.membership import TreeWatch
-from gpudeck.agents.procs import ProcTable
+from gpudeck.agents.health import claims
+from gpudeck.agents.observe.gpus import GpuSource
+from gpudeck.agents.observe.procs import ProcTable
+from gpudeck.agents.runs import adoption, launching, reclaim, run_stop, telemetry_fold
+from gpudeck.agents.runs import tick as ticks
+from gpudeck.agents.runs.launcher import LaunchPlan, spawn
+from gpudeck.agents.runs.liverun import LiveRun
+from gpudeck.agents.safety.attribution import Attribution
+from gpudeck.agents.safety.containment import LABELS, Containment, RunGroup, detect
+from gpudeck.agents.safety.membership import TreeWatch
+from gpudeck.agents.storage.journal import Journal
 from gpudeck.agents.wire import paths
 from gpudeck.agents.wire.causes import cause_class
 from gpudeck.agents.wire.errors import BadRequest, NotFound, StorageError
@@ -223,7 +224,7 @@ class Supervisor:
     # ------------------------------------------------------------------ the steps, each in its module
 
     async def preflight(self, spec: LaunchSpec, host_name: str | None = None, plan: LaunchPlan | None = None) -> PreflightResult:
-        """Every pre-flight check of ``spec`` here; nothing is started (see :mod:`gpudeck.agents.launching`)."""
+        """Every pre-flight check of ``spec`` here; nothing is started (see :mod:`gpudeck.agents.runs.launching`)."""
         return await launching.preflight(self, spec, host_name, plan)
 
     def fingerprint_for(self, spec: LaunchSpec, plan: LaunchPlan | None = None) -> EnvFingerprint | None:
@@ -243,7 +244,7 @@ class Supervisor:
         ticks.refresh(self)
 
     async def tick(self) -> None:
-        """One supervision tick: its reads in a thread, its decisions on the loop (see :mod:`gpudeck.agents.tick`)."""
+        """One supervision tick: its reads in a thread, its decisions on the loop (see :mod:`gpudeck.agents.runs.tick`)."""
         await ticks.tick(self)
 
     def poll_telemetry(self, run: RunInfo) -> None:
@@ -269,7 +270,7 @@ class Supervisor:
         return await run_stop.stop(self, ref, grace_s, reason)
 
     async def leftovers(self, include_live: bool = False, host_name: str | None = None) -> list[Leftover]:
-        """Every leftover process here (see agents/leftovers.py), with CPU % over a short sample."""
+        """Every leftover process here (see agents/safety/leftovers.py), with CPU % over a short sample."""
         return await reclaim.leftovers(self, include_live, host_name)
 
     async def reclaim(self, pids: list[int], grace_s: float = 10.0, include_live: bool = False, host_name: str | None = None) -> StopResult:

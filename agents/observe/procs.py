@@ -7,7 +7,7 @@ that are new since the last refresh are read, so a refresh costs one
 ``listdir('/proc')`` in the steady state.
 
 A process may also declare GPU memory it holds on *simulated* GPUs through
-``GPUDECK_SIM_GPU_MEM`` (see ``agents/gpus_sim.py``); the declaration is parsed
+``GPUDECK_SIM_GPU_MEM`` (see ``agents/observe/gpus_sim.py``); the declaration is parsed
 in the same single read of the environment.
 
 Processes are identified by ``(pid, create_time)``; anything that signals a

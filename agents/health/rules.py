@@ -24,7 +24,7 @@ Rules (thresholds are the module constants below):
 5. ``hang`` (critical): the run's steps stopped advancing while it goes on: no
    step record for ``hang_threshold`` (max(``HANG_STEP_FACTOR`` x its median
    step time, ``LaunchSpec.hang_after_s`` or ``HANG_AFTER_S``)); clears at the
-   next step. The supervisor acts on ``--on-hang`` (agents/triage.py).
+   next step. The supervisor acts on ``--on-hang`` (agents/health/triage.py).
 6. ``straggler`` (warning): a rank whose median compute time (not waiting in
    collectives) over its last ``straggler_window`` steps is at least
    ``STRAGGLER_RATIO`` x the median of the other ranks' medians; clears when it
@@ -266,7 +266,7 @@ def _manifest(obs: Observation, name: str) -> int | None:
     given = getattr(obs, name)
     if given is not None:
         return given
-    # RunTelemetry carries the manifest's dataset figures once agents/telemetry.py folds them
+    # RunTelemetry carries the manifest's dataset figures once agents/observe/telemetry.py folds them
     value = getattr(obs.run.telemetry, name, None) if obs.run.telemetry is not None else None
     return value if isinstance(value, int) else None
 

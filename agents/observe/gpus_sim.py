@@ -1,7 +1,7 @@
 """Provides the simulated GPU sampler, for machines where no GPU can exist (CI, the fleet benchmark).
 
-It has the interface of :class:`gpudeck.agents.gpus.GpuSampler` and is selected only by
-``GPUDECK_SIMULATE_GPUS=N[:NAME[:GiB]]`` (see :func:`gpudeck.agents.gpus.make_sampler`).
+It has the interface of :class:`gpudeck.agents.observe.gpus.GpuSampler` and is selected only by
+``GPUDECK_SIMULATE_GPUS=N[:NAME[:GiB]]`` (see :func:`gpudeck.agents.observe.gpus.make_sampler`).
 Everything it reports is labelled: every GPU name starts with ``SIMULATED``,
 every uuid with ``GPU-SIM-``, ``driver_version`` is ``"simulated"`` and
 ``simulated`` is True (the agent copies it into ``Snapshot.simulated``).
@@ -27,7 +27,7 @@ run on CPU with real process trees:
   utilisation. They are plausible, not measured.
 
 A sample reads ``/proc/loadavg`` (the newest pid), refreshes the shared
-:class:`~gpudeck.agents.procs.ProcTable` only when a process was created since the last
+:class:`~gpudeck.agents.observe.procs.ProcTable` only when a process was created since the last
 sample (so a new holder is seen in the very next sample), and reads one
 ``/proc/PID/stat`` per holder; it never scans all of ``/proc`` with psutil.
 """
@@ -42,7 +42,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from gpudeck.agents.procs import CT_TOLERANCE, SIM_GPU_MEM_TAG, ProcTable, read_stat, sim_scope
+from gpudeck.agents.observe.procs import CT_TOLERANCE, SIM_GPU_MEM_TAG, ProcTable, read_stat, sim_scope
 from gpudeck.agents.wire.errors import AgentError
 from gpudeck.agents.wire.protocol import Gpu, GpuProcess
 

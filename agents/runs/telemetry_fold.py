@@ -5,10 +5,10 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
-from gpudeck.agents.liverun import LiveRun
+from gpudeck.agents.runs.liverun import LiveRun
 
 if TYPE_CHECKING:
-    from gpudeck.agents.supervisor import Supervisor
+    from gpudeck.agents.runs.supervisor import Supervisor
 
 MAX_REJECTIONS_JOURNALED = 20  # per run: the first refused telemetry lines are journaled; later ones are only counted
 STEP_EVENT_EVERY_S = 10.0  # step records reach the journal at most this often per run (all other records always)

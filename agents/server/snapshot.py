@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import time
 
-from gpudeck.agents.gpus import GpuSource
-from gpudeck.agents.procs import CT_TOLERANCE, ProcTable, proc_info, read_stat
-from gpudeck.agents.supervisor import Supervisor
+from gpudeck.agents.observe.gpus import GpuSource
+from gpudeck.agents.observe.procs import CT_TOLERANCE, ProcTable, proc_info, read_stat
+from gpudeck.agents.runs.supervisor import Supervisor
 from gpudeck.agents.wire.protocol import GpuProcess, ProcInfo, Snapshot
 
 

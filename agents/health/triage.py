@@ -29,7 +29,7 @@ others wait in one ("rank 2 is stuck in `time.sleep(...)` at fsdp_lm.py:123;
 every other rank waits in all_gather_into_tensor"). For gpudeck's trainers the
 triage also asks every rank of this host for its Flight Recorder (NCCL and
 gloo) through the run's folder and stores the cross-rank summary
-(agents/flight_recorder.py: "rank 2 last completed ... seq 57; ranks 0, 1 and 3
+(agents/health/flight_recorder.py: "rank 2 last completed ... seq 57; ranks 0, 1 and 3
 are in seq 58 ...: rank 2 is behind").
 
 Everything read from the run (stack files, py-spy's output of the run's
@@ -56,14 +56,14 @@ from typing import TYPE_CHECKING
 import msgspec
 import psutil
 
-from gpudeck.agents import flight_recorder
-from gpudeck.agents.liverun import LiveRun
+from gpudeck.agents.health import flight_recorder
+from gpudeck.agents.runs.liverun import LiveRun
 from gpudeck.agents.wire.errors import BadRequest
 from gpudeck.agents.wire.protocol import Alert, Gpu, RankEvidence, RunInfo, Triage
 from gpudeck.trainers.contract import stack_file
 
 if TYPE_CHECKING:
-    from gpudeck.agents.supervisor import Supervisor
+    from gpudeck.agents.runs.supervisor import Supervisor
 
 log = logging.getLogger("gpudeck.agent")
 
@@ -507,7 +507,7 @@ def culprit(evs: list[RankEvidence]) -> str:
 
 
 def flight_recorder_note(run: RunInfo) -> str:
-    """Why there is no Flight Recorder summary of this run (the summary itself: agents/flight_recorder.py)."""
+    """Why there is no Flight Recorder summary of this run (the summary itself: agents/health/flight_recorder.py)."""
     tel = run.telemetry
     ranks = list(tel.ranks.values()) if tel is not None else []
     if not ranks or all(not rt.device for rt in ranks):

@@ -2,7 +2,7 @@
 
 A leftover is found by its group where the run had one (anything still in an
 ended run's cgroup, whatever its environment says), else by its tag or as a GPU
-holder of no run (:mod:`gpudeck.agents.leftovers`). A live run's process is
+holder of no run (:mod:`gpudeck.agents.safety.leftovers`). A live run's process is
 reclaimed only when asked; the stop is the stopper's, verified through NVML.
 """
 
@@ -15,14 +15,14 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
-from gpudeck.agents import stopper, tick
-from gpudeck.agents.leftovers import find_leftovers
-from gpudeck.agents.procs import CT_TOLERANCE, alive, read_stat
+from gpudeck.agents.observe.procs import CT_TOLERANCE, alive, read_stat
+from gpudeck.agents.runs import stopper, tick
+from gpudeck.agents.safety.leftovers import find_leftovers
 from gpudeck.agents.wire.errors import BadRequest, StorageError
 from gpudeck.agents.wire.protocol import Leftover, Member, StoppedProcess, StopResult
 
 if TYPE_CHECKING:
-    from gpudeck.agents.supervisor import Supervisor
+    from gpudeck.agents.runs.supervisor import Supervisor
 
 log = logging.getLogger("gpudeck.agent")
 SIGNAL_PROOF = ("zombie", "disk_sleep", "no_such_process")  # leftover kinds whose note says what ends them instead
@@ -45,7 +45,7 @@ def grouped_leftovers(sup: Supervisor) -> dict[int, str]:
 
 
 async def leftovers(sup: Supervisor, include_live: bool = False, host_name: str | None = None) -> list[Leftover]:
-    """Every leftover process here (see agents/leftovers.py), with CPU % over a short sample."""
+    """Every leftover process here (see agents/safety/leftovers.py), with CPU % over a short sample."""
     await asyncio.to_thread(sup.procs.refresh, True)  # a full read of /proc, off the loop
     gpus = await asyncio.to_thread(sup.attributed_gpus) if sup.gpus.available else []
     found = find_leftovers(

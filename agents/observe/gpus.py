@@ -6,7 +6,7 @@ change. Without NVML (no driver, no GPU, as on CI) the sampler reports no GPUs
 and the reason, and everything else in the agent keeps working.
 
 :func:`make_sampler` picks the sampler: this one, or the labelled simulated
-one (``agents/gpus_sim.py``) when ``GPUDECK_SIMULATE_GPUS`` asks for it.
+one (``agents/observe/gpus_sim.py``) when ``GPUDECK_SIMULATE_GPUS`` asks for it.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
-from gpudeck.agents.gpus_sim import SIMULATE_ENV, SimulatedGpuSampler, SimulatedGpuSpecError, parse_sim_spec
-from gpudeck.agents.procs import ProcTable
+from gpudeck.agents.observe.gpus_sim import SIMULATE_ENV, SimulatedGpuSampler, SimulatedGpuSpecError, parse_sim_spec
+from gpudeck.agents.observe.procs import ProcTable
 from gpudeck.agents.wire.protocol import Gpu, GpuProcess
 
 __all__ = ["GpuSampler", "GpuSource", "SimulatedGpuSampler", "SimulatedGpuSpecError", "make_sampler"]

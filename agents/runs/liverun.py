@@ -7,9 +7,9 @@ import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from gpudeck.agents.containment import RunGroup
-from gpudeck.agents.health import Baseline, Observation, RunHealth
-from gpudeck.agents.telemetry import TelemetryTail
+from gpudeck.agents.health.rules import Baseline, Observation, RunHealth
+from gpudeck.agents.observe.telemetry import TelemetryTail
+from gpudeck.agents.safety.containment import RunGroup
 from gpudeck.agents.wire.protocol import Alert, ContainmentInfo, Member, RunInfo
 
 _UNSET = object()
@@ -34,7 +34,7 @@ class LiveRun:
     last_obs: Observation | None = None
     baseline: object = _UNSET  # Baseline | None once looked up
     first_death: Alert | None = None
-    triage_task: asyncio.Task | None = None  # the triage being gathered (agents/triage.py: one at a time)
+    triage_task: asyncio.Task | None = None  # the triage being gathered (agents/health/triage.py: one at a time)
     reported_pids: set[int] = field(default_factory=set)  # outside/other-uid pids already logged
 
     @property

@@ -20,16 +20,17 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
-from gpudeck.agents import run_end, telemetry_fold, triage
-from gpudeck.agents.containment import GroupFigures, put_figures
-from gpudeck.agents.health import Baseline, observe
-from gpudeck.agents.liverun import LiveRun
-from gpudeck.agents.membership import Discovery, discover, proc_tree
-from gpudeck.agents.procs import StatLine, alive
+from gpudeck.agents.health import triage
+from gpudeck.agents.health.rules import Baseline, observe
+from gpudeck.agents.observe.procs import StatLine, alive
+from gpudeck.agents.runs import run_end, telemetry_fold
+from gpudeck.agents.runs.liverun import LiveRun
+from gpudeck.agents.safety.containment import GroupFigures, put_figures
+from gpudeck.agents.safety.membership import Discovery, discover, proc_tree
 from gpudeck.agents.wire.protocol import Gpu, Member
 
 if TYPE_CHECKING:
-    from gpudeck.agents.supervisor import Supervisor
+    from gpudeck.agents.runs.supervisor import Supervisor
 
 log = logging.getLogger("gpudeck.agent")
 

@@ -1,4 +1,4 @@
-"""Provides the end of a run: the facts gathered, the cause decided (:mod:`gpudeck.agents.exit_cause`), the end journaled."""
+"""Provides the end of a run: the facts gathered, the cause decided (:mod:`gpudeck.agents.runs.exit_cause`), the end journaled."""
 
 from __future__ import annotations
 
@@ -10,16 +10,17 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
-from gpudeck.agents import claims, telemetry_fold
-from gpudeck.agents.containment import put_figures
-from gpudeck.agents.exit_cause import ExitFacts, decide, read_exit_record, telemetry_evidence
-from gpudeck.agents.liverun import LiveRun
-from gpudeck.agents.procs import alive
+from gpudeck.agents.health import claims
+from gpudeck.agents.observe.procs import alive
+from gpudeck.agents.runs import telemetry_fold
+from gpudeck.agents.runs.exit_cause import ExitFacts, decide, read_exit_record, telemetry_evidence
+from gpudeck.agents.runs.liverun import LiveRun
+from gpudeck.agents.safety.containment import put_figures
 from gpudeck.agents.wire.causes import classify_output
 from gpudeck.agents.wire.protocol import Alert, RunInfo
 
 if TYPE_CHECKING:
-    from gpudeck.agents.supervisor import Supervisor
+    from gpudeck.agents.runs.supervisor import Supervisor
 
 log = logging.getLogger("gpudeck.agent")
 

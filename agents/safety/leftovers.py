@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from gpudeck.agents.procs import ProcTable, proc_info, read_stat
+from gpudeck.agents.observe.procs import ProcTable, proc_info, read_stat
 from gpudeck.agents.wire.protocol import TERMINAL_STATES, Gpu, Leftover, RunInfo
 
 _NOTES = {

@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from gpudeck.agents.telemetry import LineRejected, decode_line, decode_object
+from gpudeck.agents.observe.telemetry import LineRejected, decode_line, decode_object
 from gpudeck.agents.wire.causes import host_oom_note
 from gpudeck.agents.wire.protocol import Alert, RunInfo
 

@@ -1,4 +1,4 @@
-"""Provides the stop of one run: the stopper's sequence (:mod:`gpudeck.agents.stopper`) applied to a run, its end journaled.
+"""Provides the stop of one run: the stopper's sequence (:mod:`gpudeck.agents.runs.stopper`) applied to a run, its end journaled.
 
 A live run is stopped and recorded as ``stopped`` with what it took (SIGKILLs,
 survivors, the GPU memory freed); an ended run's leftovers are stopped and the
@@ -16,17 +16,18 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
-from gpudeck.agents import adoption, claims, stopper, telemetry_fold, tick
-from gpudeck.agents.containment import RunGroup, put_figures
-from gpudeck.agents.exit_cause import read_exit_record
-from gpudeck.agents.liverun import LiveRun
-from gpudeck.agents.membership import discover, proc_tree
-from gpudeck.agents.procs import alive, signal_exact
+from gpudeck.agents.health import claims
+from gpudeck.agents.observe.procs import alive, signal_exact
+from gpudeck.agents.runs import adoption, stopper, telemetry_fold, tick
+from gpudeck.agents.runs.exit_cause import read_exit_record
+from gpudeck.agents.runs.liverun import LiveRun
+from gpudeck.agents.safety.containment import RunGroup, put_figures
+from gpudeck.agents.safety.membership import discover, proc_tree
 from gpudeck.agents.wire.errors import BadRequest
 from gpudeck.agents.wire.protocol import TERMINAL_STATES, Member, RunInfo, StopResult
 
 if TYPE_CHECKING:
-    from gpudeck.agents.supervisor import Supervisor
+    from gpudeck.agents.runs.supervisor import Supervisor
 
 TAG_LIMIT = (
     "at the tag + ancestry level a process that cleared its environment and left the run's process tree, "

@@ -1,6 +1,6 @@
 """Provides the run shim: starts a run's argv and records how it ended, even if the agent dies.
 
-The agent starts ``python -m gpudeck.agents.shim STATUS_FD EXIT_FILE [CGROUP_PROCS] -- ARGV...``
+The agent starts ``python -m gpudeck.agents.runs.shim STATUS_FD EXIT_FILE [CGROUP_PROCS] -- ARGV...``
 in a new session. The shim starts ARGV (no shell) as its child, writes the child's
 pid (or the reason it could not start) to STATUS_FD, waits, and writes the
 exit status to EXIT_FILE atomically (fsync, rename).
@@ -87,7 +87,7 @@ def main(argv: list[str]) -> int:
         cgroup_procs = argv[2] if argv[2] != "-" else None
         argv = argv[:2] + argv[3:]
     if len(argv) < 4 or argv[2] != "--":
-        print("usage: python -m gpudeck.agents.shim STATUS_FD EXIT_FILE [CGROUP_PROCS] -- ARGV...", file=sys.stderr)
+        print("usage: python -m gpudeck.agents.runs.shim STATUS_FD EXIT_FILE [CGROUP_PROCS] -- ARGV...", file=sys.stderr)
         return 2
     status_fd = int(argv[0])
     exit_file = argv[1]

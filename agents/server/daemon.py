@@ -29,15 +29,17 @@ from typing import Any
 
 import msgspec
 
-from gpudeck.agents import __version__, envs, triage
-from gpudeck.agents.gpus import make_sampler
-from gpudeck.agents.journal import Journal
-from gpudeck.agents.launcher import SHIM
-from gpudeck.agents.membership import cmdline_of
-from gpudeck.agents.procs import ProcTable
-from gpudeck.agents.snapshot import SnapshotBuilder
-from gpudeck.agents.supervisor import Supervisor, hostname
-from gpudeck.agents.telemetry import step_series
+from gpudeck.agents import __version__
+from gpudeck.agents.health import triage
+from gpudeck.agents.observe.gpus import make_sampler
+from gpudeck.agents.observe.procs import ProcTable
+from gpudeck.agents.observe.telemetry import step_series
+from gpudeck.agents.runs.launcher import SHIM
+from gpudeck.agents.runs.supervisor import Supervisor, hostname
+from gpudeck.agents.safety import envs
+from gpudeck.agents.safety.membership import cmdline_of
+from gpudeck.agents.server.snapshot import SnapshotBuilder
+from gpudeck.agents.storage.journal import Journal
 from gpudeck.agents.wire import paths
 from gpudeck.agents.wire.errors import AgentError, BadRequest, StorageError, VersionMismatch
 from gpudeck.agents.wire.protocol import (
