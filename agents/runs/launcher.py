@@ -26,6 +26,9 @@ from gpudeck.agents.wire.protocol import MAX_ARGV, LaunchSpec, RunInfo
 
 # run as a script with -I: stdlib only, so the run's own PYTHONPATH and cwd never matter
 SHIM = str(Path(__file__).resolve().with_name("shim.py"))
+# where the shim lived before agents/ had subpackages (gpudeck 0.1.0 up to the runs/ move): a run launched by
+# such an agent and still alive across the upgrade is that run's shim all the same
+SHIMS = frozenset({SHIM, str(Path(__file__).resolve().parent.parent / "shim.py")})
 SHIM_START_TIMEOUT_S = 15.0
 _RUN_ID_RE = re.compile(r"^r-[0-9a-f]{8}$")
 

@@ -34,7 +34,7 @@ from gpudeck.agents.health import triage
 from gpudeck.agents.observe.gpus import make_sampler
 from gpudeck.agents.observe.procs import ProcTable
 from gpudeck.agents.observe.telemetry import step_series
-from gpudeck.agents.runs.launcher import SHIM
+from gpudeck.agents.runs.launcher import SHIMS
 from gpudeck.agents.runs.supervisor import Supervisor, hostname
 from gpudeck.agents.safety import envs
 from gpudeck.agents.safety.membership import cmdline_of
@@ -998,7 +998,7 @@ def rediscover_runs(journal: Journal, supervisor: Supervisor) -> list[str]:
         shims = [
             Member(pid=e.pid, create_time=e.create_time, role="shim", first_seen=now, cmdline=["gpudeck-shim"])
             for e in procs.tagged(rid, anyone=True)
-            if SHIM in cmdline_of(e.pid)[:4]
+            if SHIMS.intersection(cmdline_of(e.pid)[:4])
         ]
         run = RunInfo(
             id=rid,

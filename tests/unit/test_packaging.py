@@ -24,3 +24,13 @@ def test_every_package_folder_is_installed_under_the_gpudeck_namespace() -> None
 
 def test_one_version_string_from_the_package_metadata() -> None:
     assert gpudeck.agents.__version__ == version("gpudeck")
+
+
+def test_a_run_launched_before_the_runs_move_is_still_recognised_by_its_shim() -> None:
+    """Runs alive across an upgrade were started with agents/shim.py; rediscovery accepts that path too."""
+    from pathlib import Path
+
+    from gpudeck.agents.runs.launcher import SHIM, SHIMS
+
+    assert SHIM.endswith(str(Path("agents", "runs", "shim.py")))
+    assert any(s.endswith(str(Path("agents", "shim.py"))) and "runs" not in Path(s).parts[-2:] for s in SHIMS)
