@@ -36,7 +36,7 @@ with that line.
 
 Host side: the agent's cost per snapshot (the snapshots' own ``sample_ms``,
 and the agents' CPU over the window from psutil) against what exec-per-tick
-costs a host per tick: an exec of ``python -m gpudeck.console.cli status --host local
+costs a host per tick: an exec of ``python -m gpudeck.console.cli.main status --host local
 --json`` against one of the agents (wall time and CPU of the process). gpustat
 cannot run here (it needs NVML); its H200 figure from bench/RESULTS.md is
 printed as a reference, not as a measurement of this run.
@@ -216,8 +216,8 @@ async def wait_up(fleet: Any, t0: float) -> None:
 
 async def worker_gpudeck(spec: FleetSpec, seconds: float, interval: float, profile: Path | None) -> None:
     """gpudeck's console side: a Fleet with a History following every host; figures over the window."""
-    from gpudeck.console.fleet import Fleet
-    from gpudeck.console.history import History
+    from gpudeck.console.fleet.fleet import Fleet
+    from gpudeck.console.history.replica import History
 
     hdir = Path(tempfile.mkdtemp(prefix="console-gpudeck-", dir=str(spec.base_dir)))
     hist = History(hdir / "history.db")
@@ -272,7 +272,7 @@ async def worker_watch(spec: FleetSpec, seconds: float, interval: float, profile
     """``gpudeck watch`` (issue 19): the Watcher with a rule and the metrics endpoint, its own GPUDECK_HOME; scraped by the parent."""
     hdir = Path(tempfile.mkdtemp(prefix="console-watch-", dir=str(spec.base_dir)))
     os.environ["GPUDECK_HOME"] = str(hdir)
-    from gpudeck.console import config as cfg
+    from gpudeck.console.core import config as cfg
     from gpudeck.console.watch.rules import compile_rules
     from gpudeck.console.watch.service import Watcher, WatchOptions
 
@@ -370,11 +370,11 @@ class Scraper:
 
 async def plain_connections(spec: FleetSpec) -> list:
     """One plain asyncssh connection per host (as gpustat-web makes them), in the cipher order gpudeck asks for:
-    the designs differ, not the cipher. Importing gpudeck.console.transport also gives them gpudeck's AES-GCM shim (one
+    the designs differ, not the cipher. Importing gpudeck.console.fleet.transport also gives them gpudeck's AES-GCM shim (one
     AESGCM per key), so the peers pay no more per packet for the cipher than gpudeck does. Emits ``up``."""
     import asyncssh
 
-    from gpudeck.console.transport import encryption_preference
+    from gpudeck.console.fleet.transport import encryption_preference
 
     opts = spec.ssh_options()
     algs = encryption_preference(opts.config_paths())
@@ -413,7 +413,7 @@ async def worker_floor(spec: FleetSpec, seconds: float, interval: float, profile
     import asyncssh
 
     from gpudeck.agents.wire.protocol import Hello, WatchSnapshots, encode
-    from gpudeck.console.transport import _skip_idle_packet_log
+    from gpudeck.console.fleet.transport import _skip_idle_packet_log
 
     ok = await plain_connections(spec)
     n = len(spec.names)
@@ -832,10 +832,10 @@ def report_watch(n: int, r: dict[str, Any], console: tuple[float, float] | None)
 
 
 def host_exec_cost(fh: FleetHosts, n_execs: int) -> tuple[list[float], list[float]] | str:
-    """Wall and CPU seconds of `python -m gpudeck.console.cli status --host local --json` against agent 0, run n times."""
+    """Wall and CPU seconds of `python -m gpudeck.console.cli.main status --host local --json` against agent 0, run n times."""
     env = fh.agent_env(0)
     env.pop("GPUDECK_SIMULATE_GPUS", None)
-    argv = [sys.executable, "-m", "gpudeck.console.cli", "status", "--host", "local", "--json"]
+    argv = [sys.executable, "-m", "gpudeck.console.cli.main", "status", "--host", "local", "--json"]
     walls: list[float] = []
     cpus: list[float] = []
     for _ in range(n_execs + 1):
@@ -973,12 +973,12 @@ def main() -> None:
             if args.execs > 0 and n == sizes[-1]:
                 cost = host_exec_cost(fh, args.execs)
                 if isinstance(cost, str):
-                    out(f"N={n} host exec of `python -m gpudeck.console.cli status --host local --json` FAILED: {cost}")
+                    out(f"N={n} host exec of `python -m gpudeck.console.cli.main status --host local --json` FAILED: {cost}")
                 else:
                     walls, cpus = cost
                     cpu_ms = 1000 * statistics.fmean(cpus)
                     line = (
-                        f"N={n} host exec-per-tick cost, one exec of `python -m gpudeck.console.cli status --host local --json` against an agent: "
+                        f"N={n} host exec-per-tick cost, one exec of `python -m gpudeck.console.cli.main status --host local --json` against an agent: "
                         f"wall mean {1000 * statistics.fmean(walls):.0f} ms, p99 {1000 * pct(walls, 0.99):.0f} ms; CPU mean {cpu_ms:.0f} ms (n={len(walls)})"
                     )
                     if "gpudeck" in results:

@@ -23,7 +23,7 @@ What is real and what is not, so nobody reads more into a figure than it holds:
   and is measured separately by bench/fleet.py. The client side (the
   console) is the real one: asyncssh with a generated ssh config
   (``Host hNNN`` / HostName / Port / User / IdentityFile / IdentitiesOnly)
-  and known_hosts, through :class:`gpudeck.console.transport.SshOptions`.
+  and known_hosts, through :class:`gpudeck.console.fleet.transport.SshOptions`.
 
 :class:`FleetHosts` starts and stops all of it (by pid); :class:`FleetSpec`
 is the part a console process in another process needs (``fleet.json``).
@@ -132,13 +132,13 @@ class FleetSpec:
 
     def ssh_options(self, keepalive_s: float = 10.0):  # type: ignore[no-untyped-def]
         """The console's SSH settings for this fleet (its ssh config and known_hosts, nothing of ~/.ssh)."""
-        from gpudeck.console.transport import SshOptions
+        from gpudeck.console.fleet.transport import SshOptions
 
         return SshOptions(config=[self.ssh_config], known_hosts=[self.known_hosts], keepalive_s=keepalive_s)
 
     def config(self):  # type: ignore[no-untyped-def]
         """A console Config with one HostSettings per host (no ``local``: only the loopback hosts are followed)."""
-        from gpudeck.console import config as cfg
+        from gpudeck.console.core import config as cfg
 
         return cfg.Config(hosts=tuple(cfg.HostSettings(name=n) for n in self.names), path=self.base_dir / "config.toml")
 
@@ -648,8 +648,8 @@ async def _farm_main(spec_path: Path) -> None:
 
 
 async def _smoke(spec: FleetSpec, seconds: float) -> None:
-    from gpudeck.console.fleet import Fleet
-    from gpudeck.console.history import History
+    from gpudeck.console.fleet.fleet import Fleet
+    from gpudeck.console.history.replica import History
 
     hist = History(spec.base_dir / "smoke-history.db")
     fleet = Fleet(config=spec.config(), ssh=spec.ssh_options(), interval_s=1.0, history=hist)

@@ -27,7 +27,7 @@ import msgspec
 
 from gpudeck.agents.observe.telemetry import INT_MAX, INT_MIN, LineRejected, decode_line
 from gpudeck.agents.wire.protocol import Event
-from gpudeck.console import quarantine
+from gpudeck.console.history.replica import quarantine
 
 SEEDS = [
     b'{"ts": 1.5, "rank": 0, "type": "step", "step": 12, "loss": 2.25, "tokens_per_s": 1000.0, "mfu": 0.4}',

@@ -212,8 +212,8 @@ def _history_bytes(path: Path) -> int:
 
 async def soak_worker(spec: FleetSpec, args: argparse.Namespace) -> None:
     """The console side of the soak: a Fleet with a History, launching the load, reporting every interval."""
-    from gpudeck.console.fleet import Fleet
-    from gpudeck.console.history import History
+    from gpudeck.console.fleet.fleet import Fleet
+    from gpudeck.console.history.replica import History
 
     hdir = Path(tempfile.mkdtemp(prefix="console-soak-", dir=str(spec.base_dir)))
     hpath = hdir / "history.db"

@@ -372,10 +372,10 @@ class Window:
 
 async def part1(home: Path, rate: int, total: int) -> None:
     from gpudeck.agents.wire.protocol import LaunchSpec
-    from gpudeck.console.app import GpudeckApp
-    from gpudeck.console.fleet import Fleet
-    from gpudeck.console.screens.run import RunScreen
-    from gpudeck.console.widgets.output_view import OutputView
+    from gpudeck.console.fleet.fleet import Fleet
+    from gpudeck.console.tui.app import GpudeckApp
+    from gpudeck.console.tui.screens.run import RunScreen
+    from gpudeck.console.tui.widgets.output_view import OutputView
 
     app = GpudeckApp(Fleet(state_dir=home / "agent"))
     me = psutil.Process()
@@ -423,7 +423,7 @@ async def part1(home: Path, rate: int, total: int) -> None:
 def part2(home: Path, rate: int, seconds: float, presses: int, label: str = "", niced_agent: int = 0) -> None:
     """niced_agent: the pid of an agent at the lowest priority, whose run is put there too once launched."""
     env = env_for(home)
-    term = Term([sys.executable, "-m", "gpudeck.console.cli", "console"], env)
+    term = Term([sys.executable, "-m", "gpudeck.console.cli.main", "console"], env)
     rid = ""
     try:
         term.pump(8.0, b"Fleet")
@@ -432,7 +432,7 @@ def part2(home: Path, rate: int, seconds: float, presses: int, label: str = "", 
             [
                 sys.executable,
                 "-m",
-                "gpudeck.console.cli",
+                "gpudeck.console.cli.main",
                 "launch",
                 "--name",
                 "tui-keys",
@@ -491,7 +491,7 @@ def part2(home: Path, rate: int, seconds: float, presses: int, label: str = "", 
             print("tui_bench part2: no key press was seen on screen", flush=True)
     finally:
         if rid:
-            subprocess.run([sys.executable, "-m", "gpudeck.console.cli", "stop", rid, "--grace", "2"], env=env, capture_output=True)
+            subprocess.run([sys.executable, "-m", "gpudeck.console.cli.main", "stop", rid, "--grace", "2"], env=env, capture_output=True)
         term.close(wait_s=0.5)
 
 
@@ -531,13 +531,13 @@ def console_child(spec_path: Path, stats_path: Path, total: int) -> None:
     from textual.binding import Binding
 
     from bench.fleet_hosts import FleetSpec
-    from gpudeck.console.app import GpudeckApp
-    from gpudeck.console.fleet import Fleet
-    from gpudeck.console.history import History
-    from gpudeck.console.screens.fleet import FleetScreen
-    from gpudeck.console.screens.run import RunScreen
-    from gpudeck.console.widgets.keyed_table import KeyedTable
-    from gpudeck.console.widgets.output_view import OutputView
+    from gpudeck.console.fleet.fleet import Fleet
+    from gpudeck.console.history.replica import History
+    from gpudeck.console.tui.app import GpudeckApp
+    from gpudeck.console.tui.screens.fleet import FleetScreen
+    from gpudeck.console.tui.screens.run import RunScreen
+    from gpudeck.console.tui.widgets.keyed_table import KeyedTable
+    from gpudeck.console.tui.widgets.output_view import OutputView
 
     spec = FleetSpec.load(spec_path)
     log = Log(stats_path.with_suffix(".log"))
@@ -798,7 +798,9 @@ def part3(rate: int, seconds: float, presses: int, hosts: int, gpus: str, nice: 
         finally:
             if rid:
                 subprocess.run(
-                    [sys.executable, "-m", "gpudeck.console.cli", "stop", rid, "--grace", "2"], env=fh.agent_env(0), capture_output=True
+                    [sys.executable, "-m", "gpudeck.console.cli.main", "stop", rid, "--grace", "2"],
+                    env=fh.agent_env(0),
+                    capture_output=True,
                 )
         if "console" in fleet_figures:
             dashboard_peer(spec_path, fh.base_dir / "peer.log", others, hosts, seconds, fleet_figures)
@@ -926,7 +928,7 @@ def console_part(
         [
             sys.executable,
             "-m",
-            "gpudeck.console.cli",
+            "gpudeck.console.cli.main",
             "launch",
             "--name",
             "tui-256",
@@ -1076,10 +1078,10 @@ def dashboard_peer(spec_path: Path, log_path: Path, others: list[int], hosts: in
 
 async def part4(hosts: int) -> None:
     from gpudeck.agents.wire.protocol import Gpu, GpuProcess, Snapshot
-    from gpudeck.console.app import GpudeckApp
-    from gpudeck.console.config import HostSettings
-    from gpudeck.console.fleet import Fleet, HostLink
-    from gpudeck.console.widgets.keyed_table import KeyedTable
+    from gpudeck.console.core.config import HostSettings
+    from gpudeck.console.fleet.fleet import Fleet, HostLink
+    from gpudeck.console.tui.app import GpudeckApp
+    from gpudeck.console.tui.widgets.keyed_table import KeyedTable
 
     class FedLink(HostLink):
         def start(self) -> None:
@@ -1147,9 +1149,9 @@ async def part5(runs: int) -> None:
     the key to the repainted table (in-process, headless; the rows are made up, labelled so)."""
     from textual.app import App, ComposeResult
 
-    from gpudeck.console.screens.runs import COLUMNS, run_cells, runs_order
-    from gpudeck.console.views import RunRow
-    from gpudeck.console.widgets.keyed_table import KeyedTable, fit
+    from gpudeck.console.present.views import RunRow
+    from gpudeck.console.tui.screens.runs import COLUMNS, run_cells, runs_order
+    from gpudeck.console.tui.widgets.keyed_table import KeyedTable, fit
 
     now = time.time()
     states = ("succeeded", "failed", "stopped", "lost", "running")
@@ -1176,7 +1178,7 @@ async def part5(runs: int) -> None:
 
     import gc
 
-    from gpudeck.console.app import GC_NEVER, GC_YOUNG, due_collection
+    from gpudeck.console.tui.app import GC_NEVER, GC_YOUNG, due_collection
 
     app = RunsTable()
     async with app.run_test(size=(COLS, ROWS)) as pilot:
@@ -1236,7 +1238,7 @@ def fill_history(path: Path, runs: int, hosts: int = 256) -> float:
     own writer from the journal events an agent sends (run_created, run_state running, run_state ended); returns the
     newest run's time."""
     from gpudeck.agents.wire.protocol import Event
-    from gpudeck.console.history import History
+    from gpudeck.console.history.replica import History
 
     now = time.time()
     states = ("succeeded", "failed", "stopped", "lost")
@@ -1267,9 +1269,9 @@ def fill_history(path: Path, runs: int, hosts: int = 256) -> float:
 
 def runs_screen_counts(path: Path, texts: list[str]) -> list[int]:
     """How many of the Runs screen's rows each filter text leaves (the screen's own query, cells and matching)."""
-    from gpudeck.console.screens.runs import COLUMNS, HISTORY_LIMIT, run_cells
-    from gpudeck.console.views import history_rows, merge_rows, run_row_from_history
-    from gpudeck.console.widgets.keyed_table import cell_text
+    from gpudeck.console.present.views import history_rows, merge_rows, run_row_from_history
+    from gpudeck.console.tui.screens.runs import COLUMNS, HISTORY_LIMIT, run_cells
+    from gpudeck.console.tui.widgets.keyed_table import cell_text
 
     rows = merge_rows(run_row_from_history(d) for d in history_rows(path, f"limit:{HISTORY_LIMIT}"))
     hay = [" ".join(cell_text(c.get(col.key, "")) for col in COLUMNS).lower() for c in (run_cells(r) for r in rows.values())]
@@ -1292,7 +1294,7 @@ def part6(runs: int) -> None:
             steps += [(b"\x7f", text[: len(text) - 1 - i]) for i in range(len(text))]
         counts = runs_screen_counts(home / "history.db", [t for _k, t in steps])
         env = env_for(home)
-        term = Term([sys.executable, "-m", "gpudeck.console.cli", "console"], env)
+        term = Term([sys.executable, "-m", "gpudeck.console.cli.main", "console"], env)
         term.pump(15.0, b"Fleet")
         t_open = time.monotonic()
         term.press(b"r")

@@ -2,7 +2,7 @@
 
 A GPU host's agent-only install (``pip install ./gpudeck``, no Textual, no SSH client) still answers
 ``gpudeck agent serve`` and ``gpudeck agent dial`` (what the console runs over SSH) and ``gpudeck --version``;
-everything else is the console's CLI (:mod:`gpudeck.console.cli`).
+everything else is the console's CLI (:mod:`gpudeck.console.cli.main`).
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return agent_main(args[1:], prog=COMMAND_PROG)
     try:
-        from gpudeck.console.cli import main as cli_main
+        from gpudeck.console.cli.main import main as cli_main
     except ImportError as exc:
         if exc.name not in CONSOLE_PACKAGES:
             raise

@@ -112,7 +112,7 @@ class AgentProc:
     def cli(self, *args: str, check: bool = True, timeout: float = 60, stdin: str | None = None) -> subprocess.CompletedProcess:
         """Run the real ``gpudeck`` CLI against this agent."""
         cp = subprocess.run(
-            [sys.executable, "-m", "gpudeck.console.cli", *args],
+            [sys.executable, "-m", "gpudeck.console.cli.main", *args],
             env=self.env,
             capture_output=True,
             text=True,

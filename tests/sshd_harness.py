@@ -245,7 +245,7 @@ class ConsoleSide:
                 fh.write(host.known_hosts_line() + "\n")
 
     def ssh_options(self):  # type: ignore[no-untyped-def]
-        from gpudeck.console.transport import SshOptions
+        from gpudeck.console.fleet.transport import SshOptions
 
         return SshOptions(config=[self.ssh_config], known_hosts=[self.known_hosts], keepalive_s=2.0, keepalive_count=3)
 
@@ -260,7 +260,7 @@ class ConsoleSide:
     def cli(self, *args: str, check: bool = True, timeout: float = 120) -> subprocess.CompletedProcess:
         """The real ``gpudeck`` CLI as the operator runs it (their HOME, their ~/.ssh)."""
         cp = subprocess.run(
-            [sys.executable, "-m", "gpudeck.console.cli", *args], env=self.env, capture_output=True, text=True, timeout=timeout
+            [sys.executable, "-m", "gpudeck.console.cli.main", *args], env=self.env, capture_output=True, text=True, timeout=timeout
         )
         if check and cp.returncode != 0:
             logs = "\n".join(

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from msgspec import UNSET
 
 from gpudeck.agents.wire.causes import cause_class
-from gpudeck.console import fmt  # the console's one clock (tests pin it)
-from gpudeck.console.records import MetricPoint, RunRecord
+from gpudeck.console.core import fmt  # the console's one clock (tests pin it)
+from gpudeck.console.core.records import MetricPoint, RunRecord
 
 
 @dataclass(frozen=True)

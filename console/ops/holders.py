@@ -26,8 +26,8 @@ from typing import Any
 
 from gpudeck.agents.wire.errors import AgentError
 from gpudeck.agents.wire.protocol import Snapshot, StopResult
-from gpudeck.console.fleet import Fleet
-from gpudeck.console.fmt import duration, gib
+from gpudeck.console.core.fmt import duration, gib
+from gpudeck.console.fleet.fleet import Fleet
 from gpudeck.console.ops.errors import OpsError
 from gpudeck.console.ops.launch import LaunchPlan, LaunchResult, NodeOutcome, launch, preflight
 from gpudeck.console.ops.stop import reclaim

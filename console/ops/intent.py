@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Literal, cast
 
 from gpudeck.agents.wire.protocol import Claims
-from gpudeck.console import config as cfg
+from gpudeck.console.core import config as cfg
 from gpudeck.console.ops.errors import IntentError
 from gpudeck.trainers.contract import KINDS, TRAINER_MODULES, parse_index_list
 

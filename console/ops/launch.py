@@ -28,8 +28,8 @@ import msgspec
 
 from gpudeck.agents.wire.errors import AgentError
 from gpudeck.agents.wire.protocol import LaunchReply, LaunchSpec, PreflightResult, new_run_id
-from gpudeck.console import config as cfg
-from gpudeck.console.fleet import Fleet
+from gpudeck.console.core import config as cfg
+from gpudeck.console.fleet.fleet import Fleet
 from gpudeck.console.ops.errors import IntentError, OpsError
 from gpudeck.console.ops.intent import (
     DEFAULT_PYTHON,
@@ -347,7 +347,7 @@ def _plan_multinode(
 
 def plan_here(intent: LaunchIntent, run_id: str | None = None, verb: str = "launch") -> LaunchPlan:
     """:func:`plan_launch` for this process's caller, the fleet's config and the user's SSH config (what the CLI and the console use)."""
-    from gpudeck.console.transport import SshOptions
+    from gpudeck.console.fleet.transport import SshOptions
 
     paths = SshOptions().config_paths() if intent.hosts else ()
     return plan_launch(intent, Caller.here(), ssh_config_paths=paths, run_id=run_id, verb=verb)

@@ -17,8 +17,8 @@ from pathlib import Path
 
 from gpudeck.agents.wire import envdiff
 from gpudeck.agents.wire.protocol import EnvFingerprint, LaunchSpec
-from gpudeck.console import config as cfg
-from gpudeck.console.fleet import Fleet
+from gpudeck.console.core import config as cfg
+from gpudeck.console.fleet.fleet import Fleet
 from gpudeck.console.ops.errors import EXIT_USAGE, OpsError
 from gpudeck.console.ops.intent import CALLER_ENV, LaunchIntent
 from gpudeck.console.ops.launch import is_trainer, node_env

@@ -21,9 +21,9 @@ from dataclasses import dataclass, field
 
 from gpudeck.agents.wire.errors import AgentError
 from gpudeck.agents.wire.protocol import LIVE_STATES, RunInfo
-from gpudeck.console.fleet import Fleet
+from gpudeck.console.core.records import RunRecord
+from gpudeck.console.fleet.fleet import Fleet
 from gpudeck.console.ops.errors import AmbiguousRun, Candidate, NoSuchRun, Unanswered
-from gpudeck.console.records import RunRecord
 
 LIST_LIMIT = 100_000  # runs asked of each host when a reference is not an exact id
 

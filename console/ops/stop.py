@@ -11,9 +11,9 @@ from dataclasses import dataclass, field
 
 from gpudeck.agents.wire.errors import AgentError, AgentUnavailable
 from gpudeck.agents.wire.protocol import StopResult
-from gpudeck.console import config as cfg
-from gpudeck.console.fleet import Fleet
-from gpudeck.console.history import History
+from gpudeck.console.core import config as cfg
+from gpudeck.console.fleet.fleet import Fleet
+from gpudeck.console.history.replica import History
 from gpudeck.console.ops.errors import IntentError
 from gpudeck.console.ops.resolve import Resolved
 

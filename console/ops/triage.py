@@ -13,7 +13,7 @@ import msgspec
 
 from gpudeck.agents.wire.errors import AgentError
 from gpudeck.agents.wire.protocol import Triage
-from gpudeck.console.fleet import Fleet
+from gpudeck.console.fleet.fleet import Fleet
 from gpudeck.console.ops.resolve import Resolved
 
 MAX_STACK_LINES = 40  # per rank in the text (the --json output and the journal keep the whole, bounded by the agent)

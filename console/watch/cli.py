@@ -14,8 +14,8 @@ import sys
 import time
 from typing import Any
 
-from gpudeck.console import config as cfg
-from gpudeck.console.sanitize import terminal_text
+from gpudeck.console.core import config as cfg
+from gpudeck.console.core.sanitize import terminal_text
 from gpudeck.console.watch import deliver
 from gpudeck.console.watch.outbox import Outbox, OutboxError
 from gpudeck.console.watch.rules import RuleError, compile_rules

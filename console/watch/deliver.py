@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from gpudeck.console.sanitize import escape_controls
+from gpudeck.console.core.sanitize import escape_controls
 
 _TYPES = {
     "failed": "failure",

@@ -48,7 +48,7 @@ from prometheus_client.exposition import ThreadingWSGIServer, choose_encoder, gz
 from prometheus_client.registry import Collector
 
 from gpudeck.agents.wire.protocol import LIVE_STATES, TERMINAL_STATES
-from gpudeck.console.fleet import Fleet
+from gpudeck.console.fleet.fleet import Fleet
 from gpudeck.console.watch.outbox import TargetStatus
 from gpudeck.console.watch.rules import ALERT_KINDS
 

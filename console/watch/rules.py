@@ -4,7 +4,7 @@ An event of the history is notifiable when it is a run reaching a state (``run_s
 Its *on word* is the state (``failed``, ``lost``, ``succeeded``, ``stopped``, ``preflight_failed``, ``started``
 for ``running``) or ``alert:KIND`` (``alert:rank_exited``, ...; ``alert`` alone is any alert). A rule picks an
 event when its word is in the rule's ``on`` and the event's run matches the rule's ``match`` (the history filter
-language of console/query.py, evaluated against the run's row in the history).
+language of console/history/query.py, evaluated against the run's row in the history).
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import sqlite3
 from dataclasses import dataclass
 from typing import Any
 
-from gpudeck.console.config import NotifyRule
-from gpudeck.console.query import QueryError, compile_query
+from gpudeck.console.core.config import NotifyRule
+from gpudeck.console.history.query import QueryError, compile_query
 
 STATE_WORDS = ("failed", "lost", "succeeded", "stopped", "preflight_failed", "started")
 ALERT_KINDS = ("rank_exited", "heartbeat_lost", "gpu_idle", "throughput_drop", "claim_mismatch", "node_lost")

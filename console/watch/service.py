@@ -1,6 +1,6 @@
 """Provides the watcher: the long-lived process behind ``gpudeck watch``.
 
-It follows the fleet exactly as the console does (one :class:`~gpudeck.console.fleet.Fleet` with the history, so
+It follows the fleet exactly as the console does (one :class:`~gpudeck.console.fleet.fleet.Fleet` with the history, so
 every agent's journal is pulled into ``history.db``), reads the history's new events in the order they arrived,
 queues a notification for each (event, target) a rule picks in the outbox (console/watch/outbox.py), delivers
 them through apprise, and serves the metrics endpoint when asked. One watcher per history: a second one is refused.
@@ -23,11 +23,11 @@ from pathlib import Path
 from typing import Any
 
 from gpudeck.agents.wire import paths
-from gpudeck.console import config as cfg
-from gpudeck.console.fleet import Fleet
-from gpudeck.console.history import History
-from gpudeck.console.sanitize import terminal_text
-from gpudeck.console.transport import SshOptions
+from gpudeck.console.core import config as cfg
+from gpudeck.console.core.sanitize import terminal_text
+from gpudeck.console.fleet.fleet import Fleet
+from gpudeck.console.fleet.transport import SshOptions
+from gpudeck.console.history.replica import History
 from gpudeck.console.watch import deliver
 from gpudeck.console.watch.cli import DEFAULT_METRICS
 from gpudeck.console.watch.metrics import FleetCollector, MetricsEndpoint, WatchHealth
@@ -39,7 +39,7 @@ DEFAULT_INTERVAL_S = 5.0  # snapshots as often as Prometheus usually scrapes; ev
 # once the fleet is connected, what start-up built (links, connections) is frozen out of the cyclic collector's sight and
 # young collections run further apart: each scrape builds tens of thousands of short-lived objects that would otherwise
 # set off full collections over everything the watcher holds. The console schedules its middle and full collections
-# around key presses instead (console/app.py, due_collection); the watcher has no keys to wait for, so the collector's
+# around key presses instead (console/tui/app.py, due_collection); the watcher has no keys to wait for, so the collector's
 # own thresholds serve it
 GC_FREEZE_AFTER_S = 60.0
 GC_THRESHOLDS = (50_000, 20, 100)

@@ -130,7 +130,7 @@ def test_dial_bridges_and_starts_the_agent(gpudeck_home: Path) -> None:
     env = {**os.environ, "GPUDECK_HOME": str(gpudeck_home), "PYTHONPATH": str(ROOT)}
     requests = b'{"type":"hello","request_id":"h","version":1}\n{"type":"ping","request_id":"p"}\n{"type":"list_runs","request_id":"l"}\n'
     out = subprocess.run(
-        [sys.executable, "-m", "gpudeck.console.cli", "agent", "dial"], input=requests, capture_output=True, env=env, timeout=60
+        [sys.executable, "-m", "gpudeck.console.cli.main", "agent", "dial"], input=requests, capture_output=True, env=env, timeout=60
     )
     assert out.returncode == 0, out.stderr
     replies = [json.loads(ln) for ln in out.stdout.splitlines()]
@@ -139,7 +139,11 @@ def test_dial_bridges_and_starts_the_agent(gpudeck_home: Path) -> None:
     # the agent it started is detached and still serving; stop it by its pid
     try:
         st = subprocess.run(
-            [sys.executable, "-m", "gpudeck.console.cli", "agent", "status", "--json"], capture_output=True, text=True, env=env, timeout=30
+            [sys.executable, "-m", "gpudeck.console.cli.main", "agent", "status", "--json"],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=30,
         )
         assert json.loads(st.stdout)["pid"] == hello["pid"]
     finally:

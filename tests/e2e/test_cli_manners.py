@@ -12,7 +12,7 @@ from pathlib import Path
 
 from tests.agent_harness import AgentProc, wait_for
 
-GPUDECK = [sys.executable, "-m", "gpudeck.console.cli"]
+GPUDECK = [sys.executable, "-m", "gpudeck.console.cli.main"]
 
 
 def _run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:

@@ -574,7 +574,7 @@ def test_console_kill9_during_history_sync_catches_up_with_no_duplicates(home: P
     hist = home / "history.db"
     try:
         env = {**a.env, "HOME": str(home)}
-        argv = [PY, "-m", "gpudeck.console.cli", "history", "--json", "limit:1"]
+        argv = [PY, "-m", "gpudeck.console.cli.main", "history", "--json", "limit:1"]
         t0 = time.monotonic()
         p = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         at_kill = 0
@@ -599,7 +599,7 @@ def test_console_kill9_during_history_sync_catches_up_with_no_duplicates(home: P
             f"history has {len(seqs)} events, the journal {journal_total}; duplicates {len(seqs) - len(set(seqs))}"
         )
         # the runs table after crash + resume equals one built in a single pass from the same journal
-        from gpudeck.console.history import History
+        from gpudeck.console.history.replica import History
 
         ref_path = home / "reference.db"
         ref = History(ref_path)

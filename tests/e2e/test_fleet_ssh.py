@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from gpudeck.console import config as cfg
-from gpudeck.console.fleet import Fleet
-from gpudeck.console.history import History
-from gpudeck.console.transport import HostKeyError, connect_ssh
+from gpudeck.console.core import config as cfg
+from gpudeck.console.fleet.fleet import Fleet
+from gpudeck.console.fleet.transport import HostKeyError, connect_ssh
+from gpudeck.console.history.replica import History
 from tests.agent_harness import stop_runs, wait_for
 from tests.sshd_harness import ConsoleSide, SshHost, keygen
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from gpudeck.console.transport import HostKeyError, SshOptions, connect_ssh
+from gpudeck.console.fleet.transport import HostKeyError, SshOptions, connect_ssh
 from tests.sshd_harness import ConsoleSide, SshHost, keygen
 
 pytestmark = pytest.mark.slow

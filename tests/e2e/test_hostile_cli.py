@@ -124,7 +124,12 @@ def _closed_stdout(agent: AgentProc, *args: str) -> subprocess.CompletedProcess:
     w = _closed_write_end()
     try:
         return subprocess.run(
-            [sys.executable, "-m", "gpudeck.console.cli", *args], env=agent.env, stdout=w, stderr=subprocess.PIPE, text=True, timeout=60
+            [sys.executable, "-m", "gpudeck.console.cli.main", *args],
+            env=agent.env,
+            stdout=w,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=60,
         )
     finally:
         os.close(w)
@@ -163,7 +168,7 @@ def test_output_into_a_closed_pipe_ends_quietly_with_141(agent: AgentProc) -> No
     assert cp.returncode == 141 and cp.stderr == "", cp.stderr
     # a real pipeline: `| head -n 1` gets its line, the shell sees no traceback
     cp = subprocess.run(
-        ["bash", "-c", f"{sys.executable} -m gpudeck.console.cli tail {rid} -n -1 | head -n 1"],
+        ["bash", "-c", f"{sys.executable} -m gpudeck.console.cli.main tail {rid} -n -1 | head -n 1"],
         env=agent.env,
         capture_output=True,
         text=True,
@@ -217,7 +222,7 @@ def test_history_negation_works_without_double_dash_and_each_argument_is_one_ter
 
 
 def test_preflight_names_itself_and_a_bad_host_name_says_what_is_accepted(agent: AgentProc) -> None:
-    from gpudeck.console.config import HOST_NAME_RULE
+    from gpudeck.console.core.config import HOST_NAME_RULE
 
     cp = agent.cli("preflight", check=False)
     assert cp.returncode == 2 and "preflight needs a command" in cp.stderr and "gpudeck preflight -- " in cp.stderr, cp.stderr

@@ -208,7 +208,7 @@ def test_a_two_node_run_trains_stops_resumes_and_is_one_record(cluster: ConsoleS
     final = next(x for x in c.cli_json("runs") if x["id"] == rid2)
     assert final["state"] == "succeeded", c.cli("tail", rid2, "-n", "40").stdout
     # every host's history is complete: gapless, no duplicates
-    from gpudeck.console.history import History
+    from gpudeck.console.history.replica import History
 
     h = History(c.gpudeck_home / "history.db")
     try:
@@ -366,7 +366,7 @@ def test_a_node_cut_off_during_the_run_is_reported_then_stopped_when_it_is_back(
         and hist[0]["nodes"][0]["state"] == "stopped"
         and hist[0]["nodes"][1]["state"] in ("stopped", "succeeded")
     ), hist[0]
-    from gpudeck.console.history import History
+    from gpudeck.console.history.replica import History
 
     h = History(c.gpudeck_home / "history.db")
     try:

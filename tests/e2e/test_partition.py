@@ -1,7 +1,7 @@
 """Partitions for real: two fleet hosts in network namespaces, one cut off or degraded while its agent writes thousands of events.
 
 The console is this test process, in the root namespace, running the real
-:class:`~gpudeck.console.fleet.Fleet` with a real :class:`~gpudeck.console.history.History`;
+:class:`~gpudeck.console.fleet.fleet.Fleet` with a real :class:`~gpudeck.console.history.replica.History`;
 each host is sshd + agent inside its own namespace behind a veth link
 (``tests/netns_harness.py``). After every fault the history must hold each of
 the host's events exactly once, in order, with no gaps, and equal to the
@@ -23,9 +23,9 @@ from typing import Any
 import pytest
 
 from gpudeck.agents.wire.protocol import LaunchSpec
-from gpudeck.console import config as cfg
-from gpudeck.console.fleet import Fleet
-from gpudeck.console.history import History
+from gpudeck.console.core import config as cfg
+from gpudeck.console.fleet.fleet import Fleet
+from gpudeck.console.history.replica import History
 from tests.agent_harness import stop_runs
 from tests.netns_harness import NetnsUnavailable, NsSshHost, netns_pool, require_netns, tcp_sockets
 from tests.sshd_harness import ConsoleSide

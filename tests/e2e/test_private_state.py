@@ -50,7 +50,7 @@ def _mode(p: Path) -> int:
 def test_state_folders_and_the_history_are_private_whatever_the_umask(home: Path) -> None:
     code = (
         "import os; os.umask(0)\n"
-        "from gpudeck.console.history import History\n"
+        "from gpudeck.console.history.replica import History\n"
         "from agents import paths\n"
         "paths.ensure_private_dir(paths.runs_dir() / 'r-1')\n"
         "paths.ensure_private_dir(paths.socket_path().parent)\n"
@@ -76,7 +76,7 @@ def test_a_state_folder_that_is_a_link_is_refused_with_what_to_fix(home: Path, t
     assert not (target / "r-1").exists() and _mode(target) == 0o755  # nothing created or chmod'ed through the link
     hist = home / "history.db"
     hist.symlink_to(tmp_path / "h.db")
-    from gpudeck.console.history import History, HistoryError
+    from gpudeck.console.history.replica import History, HistoryError
 
     with pytest.raises(HistoryError, match="symbolic link"):
         History(hist)
@@ -93,7 +93,7 @@ def test_a_folder_or_file_of_another_user_is_refused(home: Path, other_uid: int)
     theirs = home / "history.db"
     theirs.touch()
     os.chown(theirs, other_uid, -1)
-    from gpudeck.console.history import History, HistoryError
+    from gpudeck.console.history.replica import History, HistoryError
 
     with pytest.raises(HistoryError, match=f"uid {other_uid}"):
         History(theirs)

@@ -28,7 +28,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from gpudeck.console.transport import connect_ssh
+from gpudeck.console.fleet.transport import connect_ssh
 from tests.agent_harness import AgentProc, stop_runs, wait_for
 from tests.netns_harness import tcp_sockets
 from tests.sshd_harness import GPUDECK, ConsoleSide, SshHost, short_tmp
@@ -85,7 +85,11 @@ def dial_processes(h: SshHost, besides: set[int] | None = None) -> list[psutil.P
     for p in psutil.Process(h.proc.pid).children(recursive=True):
         try:
             cmd = p.cmdline()
-            if "dial" in cmd and any(x.endswith("gpudeck") or x == "gpudeck.console.cli" for x in cmd) and p.pid not in (besides or set()):
+            if (
+                "dial" in cmd
+                and any(x.endswith("gpudeck") or x == "gpudeck.console.cli.main" for x in cmd)
+                and p.pid not in (besides or set())
+            ):
                 out.append(p)
         except psutil.Error:
             continue
@@ -228,8 +232,8 @@ def test_shell_metacharacters_in_arguments_env_and_name_are_passed_literally_ove
 def test_history_filters_are_parameterised_through_the_cli(fleet) -> None:
     c, h, _ = fleet
     from gpudeck.agents.wire.protocol import LaunchSpec
-    from gpudeck.console import config as cfg
-    from gpudeck.console.fleet import Fleet
+    from gpudeck.console.core import config as cfg
+    from gpudeck.console.fleet.fleet import Fleet
 
     names = ["x'; DROP TABLE runs; --", "' OR '1'='1", "100%", "1000x", "a_b", "axb", 'q"uote']
 

@@ -82,7 +82,7 @@ class WatchProc:
         seen = self.log.read_text().count("following") if self.log.exists() else 0  # the log is appended to across restarts
         self.fh = open(self.log, "a")
         self.proc = subprocess.Popen(
-            [PY, "-m", "gpudeck.console.cli", "watch", *args],
+            [PY, "-m", "gpudeck.console.cli.main", "watch", *args],
             env=self.agent.env,
             stdin=subprocess.DEVNULL,
             stdout=self.fh,

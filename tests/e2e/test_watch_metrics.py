@@ -49,7 +49,7 @@ def watched(gpudeck_home: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tup
     log = gpudeck_home / "watch.log"
     fh = open(log, "w")
     w = subprocess.Popen(
-        [PY, "-m", "gpudeck.console.cli", "watch", "--metrics", "127.0.0.1:0"],
+        [PY, "-m", "gpudeck.console.cli.main", "watch", "--metrics", "127.0.0.1:0"],
         env=a.env,
         stdin=subprocess.DEVNULL,
         stdout=fh,

@@ -13,7 +13,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from gpudeck.console.history import History
+from gpudeck.console.history.replica import History
 from tests.agent_harness import AgentProc, teardown_agent
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import tempfile
 from pathlib import Path
 
-from gpudeck.console.app import GpudeckApp
+from gpudeck.console.tui.app import GpudeckApp
 from tests.functional.fixture_fleet import FixtureFleet
 
 

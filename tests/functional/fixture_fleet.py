@@ -39,9 +39,9 @@ from gpudeck.agents.wire.protocol import (
     StopResult,
     VerifyReply,
 )
-from gpudeck.console.config import HostSettings
-from gpudeck.console.fleet import Fleet, HostLink
-from gpudeck.console.history import History
+from gpudeck.console.core.config import HostSettings
+from gpudeck.console.fleet.fleet import Fleet, HostLink
+from gpudeck.console.history.replica import History
 
 T0 = 1_790_000_000.0  # a fixed instant, so every rendered time is the same on every run
 GIB = 2**30

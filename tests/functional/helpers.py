@@ -38,7 +38,7 @@ def text_of(widget: Static) -> str:
 
 async def open_host(app, host: str = "gpu1"):  # type: ignore[no-untyped-def]
     """Open ``host``'s screen and wait until it is mounted; returns the screen."""
-    from gpudeck.console.screens.host import HostScreen
+    from gpudeck.console.tui.screens.host import HostScreen
 
     app.open_host(host)
     return await until(lambda: mounted(app, HostScreen), what=f"the host screen of {host}")
@@ -48,7 +48,7 @@ async def open_launch(pilot, **fields: str):  # type: ignore[no-untyped-def]
     """Press l, wait for the launch dialog, fill ``fields`` (widget id -> value; ``resume_step`` is ``#resume-step``)."""
     from textual.widgets import Input, Select
 
-    from gpudeck.console.screens.launch import LaunchDialog
+    from gpudeck.console.tui.screens.launch import LaunchDialog
 
     await pilot.press("l")
     dialog = await until(lambda: mounted(pilot.app, LaunchDialog), what="the launch dialog")

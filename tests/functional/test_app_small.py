@@ -11,9 +11,9 @@ from rich.style import Style
 from textual.color import Color
 from textual.command import CommandList, CommandPalette
 
-from gpudeck.console import views
-from gpudeck.console.app import GpudeckApp
-from gpudeck.console.widgets.diff import DIFF_STYLE
+from gpudeck.console.present import views
+from gpudeck.console.tui.app import GpudeckApp
+from gpudeck.console.tui.widgets.diff import DIFF_STYLE
 from tests.functional.fixture_fleet import FixtureFleet
 from tests.functional.helpers import until
 
@@ -66,7 +66,7 @@ async def test_the_screenshot_creates_its_folder_or_falls_back_to_the_state_dir_
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, gpudeck_home: Path
 ) -> None:
     downloads = tmp_path / "no" / "Downloads"  # does not exist yet: created
-    monkeypatch.setattr("gpudeck.console.app.platformdirs", types.SimpleNamespace(user_downloads_dir=lambda: str(downloads)))
+    monkeypatch.setattr("gpudeck.console.tui.app.platformdirs", types.SimpleNamespace(user_downloads_dir=lambda: str(downloads)))
     app = GpudeckApp(FixtureFleet(tmp_path / "h.db"))
     async with app.run_test(size=(100, 30)) as pilot:
         app.action_screenshot()
@@ -75,7 +75,7 @@ async def test_the_screenshot_creates_its_folder_or_falls_back_to_the_state_dir_
         assert any(str(downloads) in str(n.message) for n in app._notifications)
         blocked = tmp_path / "a-file"
         blocked.write_text("")  # a folder cannot be made under a file (even by root): the state dir takes it
-        monkeypatch.setattr("gpudeck.console.app.platformdirs", types.SimpleNamespace(user_downloads_dir=lambda: str(blocked / "sub")))
+        monkeypatch.setattr("gpudeck.console.tui.app.platformdirs", types.SimpleNamespace(user_downloads_dir=lambda: str(blocked / "sub")))
         app.action_screenshot()
         await pilot.pause()
         shot = app.last_screenshot
@@ -89,7 +89,7 @@ def test_times_show_the_date_when_not_today_and_ages_read_short(monkeypatch: pyt
     monkeypatch.setenv("TZ", "UTC")
     time.tzset()
     now = dt.datetime(2026, 11, 30, 12, 0, 0, tzinfo=dt.UTC).timestamp()
-    monkeypatch.setattr("gpudeck.console.fmt.time", types.SimpleNamespace(time=lambda: now))
+    monkeypatch.setattr("gpudeck.console.core.fmt.time", types.SimpleNamespace(time=lambda: now))
     assert views.stamp(now - 3600) == "11:00:00"
     assert views.stamp(now - 2 * 86400 + 9 * 3600 + 22 * 60) == "Nov 28 21:22"
     assert views.stamp(now - 400 * 86400) == "2025-10-26"

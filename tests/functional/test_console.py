@@ -8,18 +8,18 @@ import sys
 import pytest
 from textual.widgets import Input, Static
 
-from gpudeck.console.app import GpudeckApp
-from gpudeck.console.fleet import Fleet
-from gpudeck.console.history import History
+from gpudeck.console.fleet.fleet import Fleet
+from gpudeck.console.history.replica import History
 from gpudeck.console.ops import Caller, IntentError, plan_launch, relaunch_intent
-from gpudeck.console.screens.dialogs import ConfirmDialog, ResultDialog
-from gpudeck.console.screens.history import HistoryScreen
-from gpudeck.console.screens.launch import LaunchDialog, LaunchForm, form_from, intent_from_form
-from gpudeck.console.screens.leftovers import LeftoversScreen
-from gpudeck.console.screens.run import RunScreen
-from gpudeck.console.screens.runs import RunsScreen
-from gpudeck.console.widgets.keyed_table import KeyedTable
-from gpudeck.console.widgets.output_view import OutputView
+from gpudeck.console.tui.app import GpudeckApp
+from gpudeck.console.tui.screens.dialogs import ConfirmDialog, ResultDialog
+from gpudeck.console.tui.screens.history import HistoryScreen
+from gpudeck.console.tui.screens.launch import LaunchDialog, LaunchForm, form_from, intent_from_form
+from gpudeck.console.tui.screens.leftovers import LeftoversScreen
+from gpudeck.console.tui.screens.run import RunScreen
+from gpudeck.console.tui.screens.runs import RunsScreen
+from gpudeck.console.tui.widgets.keyed_table import KeyedTable
+from gpudeck.console.tui.widgets.output_view import OutputView
 from tests.agent_harness import AgentProc
 from tests.functional.conftest import Holder
 from tests.functional.helpers import mounted, open_host, open_launch, press_for, text_of, until

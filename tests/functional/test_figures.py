@@ -30,17 +30,17 @@ from pathlib import Path
 import pytest
 
 from gpudeck.agents.wire.protocol import LaunchSpec, RunInfo
-from gpudeck.console.app import GpudeckApp
-from gpudeck.console.cli import main
-from gpudeck.console.fmt import duration
-from gpudeck.console.formats import format_history, format_show
-from gpudeck.console.history import History
+from gpudeck.console.cli.main import main
+from gpudeck.console.core.fmt import duration
+from gpudeck.console.history.replica import History
 from gpudeck.console.ops.figures import RunFigures, run_figures
-from gpudeck.console.rundiff import diff_runs
-from gpudeck.console.screens.diff import DiffScreen
-from gpudeck.console.screens.history import HistoryScreen, history_cells
-from gpudeck.console.views import history_rows, run_diff
-from gpudeck.console.widgets.keyed_table import KeyedTable
+from gpudeck.console.present.formats import format_history, format_show
+from gpudeck.console.present.rundiff import diff_runs
+from gpudeck.console.present.views import history_rows, run_diff
+from gpudeck.console.tui.app import GpudeckApp
+from gpudeck.console.tui.screens.diff import DiffScreen
+from gpudeck.console.tui.screens.history import HistoryScreen, history_cells
+from gpudeck.console.tui.widgets.keyed_table import KeyedTable
 from tests.functional.fixture_fleet import FixtureFleet, history_events
 from tests.functional.helpers import mounted, press_for, until
 

@@ -12,15 +12,15 @@ import sys
 from rich.text import Text as RichText
 from textual.widgets import Static
 
-from gpudeck.console.app import GpudeckApp
-from gpudeck.console.fleet import Fleet
-from gpudeck.console.history import History
-from gpudeck.console.screens.diff import DiffScreen
-from gpudeck.console.screens.history import HistoryScreen
-from gpudeck.console.screens.leftovers import LeftoversScreen
-from gpudeck.console.screens.run import RunScreen
-from gpudeck.console.screens.runs import RunsScreen
-from gpudeck.console.widgets.keyed_table import KeyedTable
+from gpudeck.console.fleet.fleet import Fleet
+from gpudeck.console.history.replica import History
+from gpudeck.console.tui.app import GpudeckApp
+from gpudeck.console.tui.screens.diff import DiffScreen
+from gpudeck.console.tui.screens.history import HistoryScreen
+from gpudeck.console.tui.screens.leftovers import LeftoversScreen
+from gpudeck.console.tui.screens.run import RunScreen
+from gpudeck.console.tui.screens.runs import RunsScreen
+from gpudeck.console.tui.widgets.keyed_table import KeyedTable
 from tests.agent_harness import AgentProc
 from tests.functional.helpers import mounted, open_host, press_for, until
 

@@ -19,9 +19,9 @@ import msgspec
 import pytest
 
 from gpudeck.agents.wire.protocol import Event, LaunchSpec, RunInfo
-from gpudeck.console import fmt
-from gpudeck.console.cli import main
-from gpudeck.console.history import History
+from gpudeck.console.cli.main import main
+from gpudeck.console.core import fmt
+from gpudeck.console.history.replica import History
 from tests.functional.fixture_fleet import GOOD, LIVE, T0, fill_history, history_events
 
 GOLDEN = Path(__file__).parent / "golden"

@@ -1,4 +1,4 @@
-"""KeyedTable's own cell render (console/widgets/keyed_table.py, ``_render_cell``) gives exactly DataTable's segments.
+"""KeyedTable's own cell render (console/tui/widgets/keyed_table.py, ``_render_cell``) gives exactly DataTable's segments.
 
 The fast path builds a one-line cell's segments directly instead of through Rich's generic pipeline (a filter that
 changes the rows re-renders every cell on screen). Each cell of a table with plain, styled, multi-span, wide,
@@ -15,7 +15,7 @@ from textual.app import App, ComposeResult
 from textual.coordinate import Coordinate
 from textual.widgets import DataTable
 
-from gpudeck.console.widgets.keyed_table import Col, KeyedTable
+from gpudeck.console.tui.widgets.keyed_table import Col, KeyedTable
 
 COLS = [Col("a", "A", 6), Col("b", "B", 12), Col("c", "C", 4), Col("d", "D", 20)]
 
@@ -113,7 +113,7 @@ async def test_the_footer_is_rebuilt_once_for_bindings_that_change_together() ->
     """Textual's Footer remounts every key on each bindings signal; DeckFooter once for signals before its rebuild."""
     from textual.binding import Binding
 
-    from gpudeck.console.widgets.footer import DeckFooter
+    from gpudeck.console.tui.widgets.footer import DeckFooter
 
     class FooterApp(App[None]):
         BINDINGS = [Binding("x", "bell", "Ring")]

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from gpudeck.console import config as cfg
-from gpudeck.console.app import GpudeckApp
-from gpudeck.console.fleet import Fleet, HostLink
-from gpudeck.console.widgets.keyed_table import KeyedTable
+from gpudeck.console.core import config as cfg
+from gpudeck.console.fleet.fleet import Fleet, HostLink
+from gpudeck.console.tui.app import GpudeckApp
+from gpudeck.console.tui.widgets.keyed_table import KeyedTable
 from tests.agent_harness import AgentProc
 from tests.functional.helpers import until
 
@@ -33,7 +33,7 @@ async def test_hosts_added_and_removed_in_the_config_show_up_in_a_running_consol
 
 def test_unreachable_since_is_the_first_failure_not_the_latest_retry(monkeypatch: pytest.MonkeyPatch) -> None:
     clock = [1000.0]
-    monkeypatch.setattr("gpudeck.console.fleet.time.time", lambda: clock[0])
+    monkeypatch.setattr("gpudeck.console.fleet.fleet.time.time", lambda: clock[0])
     link = HostLink(cfg.HostSettings(name="gpu9"))
     link._set_state("unreachable", "connect timed out")
     for _ in range(3):  # retries: connecting, then unreachable again, a minute later each

@@ -6,7 +6,7 @@ import time
 
 from textual.app import App, ComposeResult
 
-from gpudeck.console.widgets.output_view import OutputView
+from gpudeck.console.tui.widgets.output_view import OutputView
 
 
 class ViewApp(App):
@@ -44,7 +44,7 @@ async def test_million_lines_stay_exact_and_searchable() -> None:
 
 
 async def test_search_wraps_around_and_draws_the_current_match_apart() -> None:
-    from gpudeck.console.widgets.output_view import CURRENT_STYLE, MATCH_STYLE
+    from gpudeck.console.tui.widgets.output_view import CURRENT_STYLE, MATCH_STYLE
 
     app = ViewApp()
     async with app.run_test(size=(60, 10)) as pilot:

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from gpudeck.console.app import GpudeckApp
-from gpudeck.console.screens.diff import DiffScreen
-from gpudeck.console.screens.run import RunScreen
-from gpudeck.console.widgets.plots import MetricPlot, thin
+from gpudeck.console.tui.app import GpudeckApp
+from gpudeck.console.tui.screens.diff import DiffScreen
+from gpudeck.console.tui.screens.run import RunScreen
+from gpudeck.console.tui.widgets.plots import MetricPlot, thin
 from tests.functional.fixture_fleet import GOOD, LIVE, FixtureFleet
 from tests.functional.helpers import mounted, open_host, until
 

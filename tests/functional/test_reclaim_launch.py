@@ -14,12 +14,12 @@ import sys
 
 from textual.widgets import Button, Input, SelectionList, Static
 
-from gpudeck.console.app import GpudeckApp
-from gpudeck.console.fleet import Fleet
-from gpudeck.console.screens.dialogs import ConfirmDialog
-from gpudeck.console.screens.launch import LaunchDialog
-from gpudeck.console.screens.run import RunScreen
-from gpudeck.console.widgets.keyed_table import KeyedTable
+from gpudeck.console.fleet.fleet import Fleet
+from gpudeck.console.tui.app import GpudeckApp
+from gpudeck.console.tui.screens.dialogs import ConfirmDialog
+from gpudeck.console.tui.screens.launch import LaunchDialog
+from gpudeck.console.tui.screens.run import RunScreen
+from gpudeck.console.tui.widgets.keyed_table import KeyedTable
 from tests.agent_harness import AgentProc, wait_for
 from tests.functional.conftest import Holder
 from tests.functional.helpers import mounted, open_launch, text_of, until
@@ -140,7 +140,7 @@ def test_a_holder_of_another_user_is_refused_and_nothing_is_stopped(sim_agent: A
     # the launch is asked for by another operator (getpass reads LOGNAME/USER): the holder is not theirs
     env = {**a.env, "LOGNAME": "someone-else", "USER": "someone-else"}
     cp = subprocess.run(
-        [sys.executable, "-m", "gpudeck.console.cli", "launch", "--reclaim-holders", "--gpus", "1", "--", "sleep", "30"],
+        [sys.executable, "-m", "gpudeck.console.cli.main", "launch", "--reclaim-holders", "--gpus", "1", "--", "sleep", "30"],
         env=env,
         capture_output=True,
         text=True,

@@ -6,9 +6,9 @@ from pathlib import Path
 
 from textual.widgets import Input
 
-from gpudeck.console.app import GpudeckApp
-from gpudeck.console.screens.run import RunScreen
-from gpudeck.console.widgets.output_view import OutputView
+from gpudeck.console.tui.app import GpudeckApp
+from gpudeck.console.tui.screens.run import RunScreen
+from gpudeck.console.tui.widgets.output_view import OutputView
 from tests.functional.fixture_fleet import LIVE, FixtureFleet
 from tests.functional.helpers import mounted, until
 

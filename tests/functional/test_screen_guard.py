@@ -1,4 +1,4 @@
-"""The one guard in console/screens/base.py: work that outlives its screen ends quietly; on a shown screen a missing
+"""The one guard in console/tui/screens/base.py: work that outlives its screen ends quietly; on a shown screen a missing
 widget is still a bug that surfaces."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from textual.message import Message
 from textual.screen import Screen
 from textual.widgets import Static
 
-from gpudeck.console.screens.base import Guarded
+from gpudeck.console.tui.screens.base import Guarded
 from tests.functional.helpers import until
 
 

@@ -9,17 +9,17 @@ from textual.widgets import Input, OptionList, Select, SelectionList, Static
 
 from gpudeck.agents.wire.errors import BadRequest
 from gpudeck.agents.wire.protocol import Gpu, LaunchSpec, Snapshot
-from gpudeck.console.app import GpudeckApp
-from gpudeck.console.commands import GpudeckCommands
-from gpudeck.console.screens.dialogs import ChoiceDialog, ConfirmDialog, ResultDialog
-from gpudeck.console.screens.diff import DiffScreen
-from gpudeck.console.screens.history import HistoryScreen
-from gpudeck.console.screens.launch import LaunchDialog
-from gpudeck.console.screens.leftovers import LeftoversScreen
-from gpudeck.console.screens.picker import RunPicker
-from gpudeck.console.screens.run import RunScreen
-from gpudeck.console.screens.runs import RunsScreen
-from gpudeck.console.widgets.keyed_table import KeyedTable
+from gpudeck.console.tui.app import GpudeckApp
+from gpudeck.console.tui.commands import GpudeckCommands
+from gpudeck.console.tui.screens.dialogs import ChoiceDialog, ConfirmDialog, ResultDialog
+from gpudeck.console.tui.screens.diff import DiffScreen
+from gpudeck.console.tui.screens.history import HistoryScreen
+from gpudeck.console.tui.screens.launch import LaunchDialog
+from gpudeck.console.tui.screens.leftovers import LeftoversScreen
+from gpudeck.console.tui.screens.picker import RunPicker
+from gpudeck.console.tui.screens.run import RunScreen
+from gpudeck.console.tui.screens.runs import RunsScreen
+from gpudeck.console.tui.widgets.keyed_table import KeyedTable
 from tests.functional.fixture_fleet import FAILED, GOOD, LIVE, STOPPED, T0, FixtureFleet, fixture_link
 from tests.functional.helpers import mounted, open_host, open_launch, press_for, text_of, until
 
@@ -399,7 +399,7 @@ async def test_the_console_freezes_its_start_up_heap_once_the_fleet_has_answered
     import gc
     import time
 
-    from gpudeck.console import app as app_module
+    from gpudeck.console.tui import app as app_module
 
     frozen: list[bool] = []
     thresholds: list[tuple[int, ...]] = []
@@ -471,6 +471,6 @@ async def test_the_dialog_says_what_the_cli_says_for_the_same_mistake(fleet: Fix
         assert shown.startswith("arguments: ")
         return
     cp = subprocess.run(
-        [sys.executable, "-m", "gpudeck.console.cli", "preflight", "--host", "gpu1", *cli], capture_output=True, text=True, timeout=60
+        [sys.executable, "-m", "gpudeck.console.cli.main", "preflight", "--host", "gpu1", *cli], capture_output=True, text=True, timeout=60
     )
     assert cp.returncode == 2 and cp.stderr.strip() == f"gpudeck: {shown}", (cp.stderr, shown)

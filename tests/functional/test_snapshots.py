@@ -13,14 +13,14 @@ from pathlib import Path
 import pytest
 from textual.widgets import SelectionList
 
-from gpudeck.console.app import GpudeckApp
-from gpudeck.console.screens.dialogs import ChoiceDialog, ConfirmDialog
-from gpudeck.console.screens.diff import DiffScreen
-from gpudeck.console.screens.history import HistoryScreen
-from gpudeck.console.screens.leftovers import LeftoversScreen
-from gpudeck.console.screens.run import RunScreen
-from gpudeck.console.screens.runs import RunsScreen
-from gpudeck.console.widgets.keyed_table import KeyedTable
+from gpudeck.console.tui.app import GpudeckApp
+from gpudeck.console.tui.screens.dialogs import ChoiceDialog, ConfirmDialog
+from gpudeck.console.tui.screens.diff import DiffScreen
+from gpudeck.console.tui.screens.history import HistoryScreen
+from gpudeck.console.tui.screens.leftovers import LeftoversScreen
+from gpudeck.console.tui.screens.run import RunScreen
+from gpudeck.console.tui.screens.runs import RunsScreen
+from gpudeck.console.tui.widgets.keyed_table import KeyedTable
 from tests.functional.fixture_fleet import FAILED, GOOD, LIVE, FixtureFleet
 from tests.functional.helpers import mounted, open_host, open_launch, press_for, until
 
@@ -40,7 +40,7 @@ def fixed_clock(monkeypatch: pytest.MonkeyPatch) -> None:
 
     monkeypatch.setenv("TZ", "UTC")
     time.tzset()
-    monkeypatch.setattr("gpudeck.console.fmt.time", types.SimpleNamespace(time=lambda: T0 + 300.0))
+    monkeypatch.setattr("gpudeck.console.core.fmt.time", types.SimpleNamespace(time=lambda: T0 + 300.0))
 
 
 @pytest.fixture

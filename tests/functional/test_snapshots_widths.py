@@ -13,12 +13,12 @@ import pytest
 from textual.widgets import Button
 
 from gpudeck.agents.wire.protocol import LaunchSpec, PreflightResult, Snapshot
-from gpudeck.console.app import GpudeckApp
-from gpudeck.console.screens.dialogs import ConfirmDialog
-from gpudeck.console.screens.history import HistoryScreen
-from gpudeck.console.screens.leftovers import LeftoversScreen
-from gpudeck.console.screens.runs import RunsScreen
-from gpudeck.console.widgets.keyed_table import KeyedTable
+from gpudeck.console.tui.app import GpudeckApp
+from gpudeck.console.tui.screens.dialogs import ConfirmDialog
+from gpudeck.console.tui.screens.history import HistoryScreen
+from gpudeck.console.tui.screens.leftovers import LeftoversScreen
+from gpudeck.console.tui.screens.runs import RunsScreen
+from gpudeck.console.tui.widgets.keyed_table import KeyedTable
 from tests.functional.fixture_fleet import GIB, GOOD, T0, FixtureFleet, fixture_preflight, fixture_snapshot
 from tests.functional.helpers import mounted, open_host, press_for, until
 from tests.functional.test_snapshots import fixed_clock, preflight_llama, settle  # noqa: F401  (fixed_clock: an autouse fixture)

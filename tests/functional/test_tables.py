@@ -8,15 +8,15 @@ from pathlib import Path
 import pytest
 from textual.widgets import Input, Static
 
-from gpudeck.console.app import GpudeckApp
-from gpudeck.console.screens.dialogs import ConfirmDialog, ResultDialog
-from gpudeck.console.screens.history import HistoryScreen
-from gpudeck.console.screens.launch import LaunchDialog
-from gpudeck.console.screens.leftovers import LeftoversScreen
-from gpudeck.console.screens.run import RunScreen
-from gpudeck.console.screens.runs import RunsScreen
-from gpudeck.console.views import history_run_count
-from gpudeck.console.widgets.keyed_table import Col, FilterBar, KeyedTable, fit, sort_key
+from gpudeck.console.present.views import history_run_count
+from gpudeck.console.tui.app import GpudeckApp
+from gpudeck.console.tui.screens.dialogs import ConfirmDialog, ResultDialog
+from gpudeck.console.tui.screens.history import HistoryScreen
+from gpudeck.console.tui.screens.launch import LaunchDialog
+from gpudeck.console.tui.screens.leftovers import LeftoversScreen
+from gpudeck.console.tui.screens.run import RunScreen
+from gpudeck.console.tui.screens.runs import RunsScreen
+from gpudeck.console.tui.widgets.keyed_table import Col, FilterBar, KeyedTable, fit, sort_key
 from tests.functional.fixture_fleet import FAILED, GOOD, LIVE, STOPPED, FixtureFleet
 from tests.functional.helpers import mounted, open_host, press_for, text_of, until
 
@@ -177,7 +177,7 @@ def test_stop_confirmation_names_the_user_of_every_member_not_only_those_on_a_gp
     import msgspec
 
     from gpudeck.agents.wire.protocol import Member, ProcInfo
-    from gpudeck.console.screens.run import stop_confirm_text
+    from gpudeck.console.tui.screens.run import stop_confirm_text
     from tests.functional.fixture_fleet import fixture_snapshot
 
     snap = fixture_snapshot()
@@ -226,7 +226,7 @@ def test_fit_folds_the_least_important_columns_first() -> None:
 async def test_runs_says_on_screen_when_the_history_holds_more_than_it_lists(fleet: FixtureFleet, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """The Runs screen reads the newest HISTORY_LIMIT runs (100,000); past that it says how many the history holds
     and where the older ones are, instead of silently listing a part (here the limit is made 2)."""
-    from gpudeck.console.screens import runs as runs_module
+    from gpudeck.console.tui.screens import runs as runs_module
 
     assert fleet.history is not None
     total = history_run_count(fleet.history.path)

@@ -6,9 +6,9 @@ import msgspec
 import pytest
 
 from gpudeck.agents.wire.protocol import LaunchSpec
+from gpudeck.console.core.records import RunRecord
 from gpudeck.console.ops.relaunch import with_python
-from gpudeck.console.records import RunRecord
-from gpudeck.console.views import (
+from gpudeck.console.present.views import (
     argv_flags,
     argv_rows,
     core_changes,
@@ -70,7 +70,7 @@ def test_history_rows_use_the_query_language_and_the_diff_reads_full_rows(tmp_pa
         failed = history_rows(fleet.history.path, "state:failed")
         assert [r.cause for r in failed] == ["exit code 1 (CUDA out of memory)"]
         assert failed[0].env is None  # the light rows never carry the environment
-        from gpudeck.console.query import QueryError
+        from gpudeck.console.history.query import QueryError
 
         with pytest.raises(QueryError, match="unknown filter"):
             history_rows(fleet.history.path, "colour:red")
@@ -98,7 +98,7 @@ def test_python_of_reads_the_fingerprint_then_the_spec_then_argv() -> None:
 
 
 def test_a_long_value_in_a_diff_cell_starts_near_where_it_differs() -> None:
-    from gpudeck.console.widgets.diff import from_difference
+    from gpudeck.console.tui.widgets.diff import from_difference
 
     a, b = (
         "python -m gpudeck.trainers.fsdp_lm --model-config llama-1b --lr 3e-4",
@@ -112,7 +112,7 @@ def test_history_rows_after_reads_everything_once_then_only_the_runs_an_event_ch
     """The Runs screen reads the whole history once, then only what changed (by event number, not by the hosts'
     clocks): a run on another host whose event carries an older time still comes, with every node of its id."""
     from gpudeck.agents.wire.protocol import Event
-    from gpudeck.console.views import history_rows_after
+    from gpudeck.console.present.views import history_rows_after
 
     fleet = FixtureFleet(tmp_path / "h.db")
     assert fleet.history is not None

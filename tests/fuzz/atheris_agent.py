@@ -39,8 +39,8 @@ with atheris.instrument_imports():
     import sqlite_utils
 
     from gpudeck.agents.wire import protocol
-    from gpudeck.console.history import ensure_schema
-    from gpudeck.console.query import QueryError, compile_query
+    from gpudeck.console.history.query import QueryError, compile_query
+    from gpudeck.console.history.replica import ensure_schema
 
 import typing
 

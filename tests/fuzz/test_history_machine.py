@@ -27,7 +27,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from gpudeck.agents.wire.protocol import TERMINAL_STATES, Event
-from gpudeck.console.history import History
+from gpudeck.console.history.replica import History
 
 HOSTS = ("gpu1", "gpu2", "gpu3")
 

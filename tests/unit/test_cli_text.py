@@ -1,4 +1,4 @@
-"""What the CLI's help and tables say matches what the code does: the secret-name rule (one, in console/sanitize.py),
+"""What the CLI's help and tables say matches what the code does: the secret-name rule (one, in console/core/sanitize.py),
 the verify table's columns, diff --all, and the host-name rule."""
 
 from __future__ import annotations
@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 
 from gpudeck.agents.wire.protocol import ClaimRow
-from gpudeck.console import config as cfg
-from gpudeck.console.cli import SHOW_SECRETS_HELP, build_parser
-from gpudeck.console.formats import format_claims
-from gpudeck.console.sanitize import SECRET_ANYWHERE, SECRET_RULE, SECRET_WORDS, is_secret_name
+from gpudeck.console.cli.main import SHOW_SECRETS_HELP, build_parser
+from gpudeck.console.core import config as cfg
+from gpudeck.console.core.sanitize import SECRET_ANYWHERE, SECRET_RULE, SECRET_WORDS, is_secret_name
+from gpudeck.console.present.formats import format_claims
 
 ROOT = Path(__file__).resolve().parents[2]
 # every command that prints a spec or an environment

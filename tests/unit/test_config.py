@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from gpudeck.console import config as cfg
+from gpudeck.console.core import config as cfg
 
 
 def test_add_and_remove_keep_comments_and_tables(tmp_path: Path) -> None:

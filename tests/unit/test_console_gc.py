@@ -1,10 +1,10 @@
-"""due_collection: when the console starts a middle or full collection itself (console/app.py)."""
+"""due_collection: when the console starts a middle or full collection itself (console/tui/app.py)."""
 
 from __future__ import annotations
 
 import pytest
 
-from gpudeck.console.app import GC_FULL_AFTER, GC_IDLE_S, GC_MIDDLE_AFTER, GC_WAIT_LIMIT, due_collection
+from gpudeck.console.tui.app import GC_FULL_AFTER, GC_IDLE_S, GC_MIDDLE_AFTER, GC_WAIT_LIMIT, due_collection
 
 BUSY, IDLE = 0.0, GC_IDLE_S
 

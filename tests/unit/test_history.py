@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 from gpudeck.agents.wire.protocol import Event
-from gpudeck.console.history import History
+from gpudeck.console.history.query import QueryError, compile_query, parse_time
+from gpudeck.console.history.replica import History
 from gpudeck.console.ops.errors import AmbiguousRun, NoSuchRun
-from gpudeck.console.query import QueryError, compile_query, parse_time
 
 T0 = 1_790_000_000.0
 
@@ -203,8 +203,8 @@ def test_a_member_first_read_before_its_exec_is_replaced_when_its_rank_is_known(
 
 
 def test_the_process_the_agent_started_heads_the_members_and_outlives_the_cap(hist: History) -> None:
-    from gpudeck.console.formats import format_show
-    from gpudeck.console.history import MAX_MEMBERS
+    from gpudeck.console.history.replica import MAX_MEMBERS
+    from gpudeck.console.present.formats import format_show
 
     evs = _events()[:2] + [
         Event(
@@ -240,7 +240,7 @@ def test_an_event_sqlite_cannot_store_is_quarantined_by_itself_and_the_batch_goe
     import asyncio
 
     from gpudeck.agents.wire.protocol import Event
-    from gpudeck.console.history import History
+    from gpudeck.console.history.replica import History
 
     h = History(tmp_path / "history.db")
     try:
@@ -274,7 +274,7 @@ def test_a_write_whose_waiter_gave_up_is_committed_and_the_writer_goes_on(tmp_pa
     import threading
 
     from gpudeck.agents.wire.protocol import Event
-    from gpudeck.console.history import History
+    from gpudeck.console.history.replica import History
 
     h = History(tmp_path / "history.db")
     try:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from gpudeck.console import config as cfg
+from gpudeck.console.core import config as cfg
 from gpudeck.console.watch import outbox as ob
 from gpudeck.console.watch.deliver import compose
 from gpudeck.console.watch.rules import RuleError, compile_rules, on_word, targets_for

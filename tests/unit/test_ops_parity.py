@@ -1,7 +1,7 @@
 """Parity: the CLI path and the Launch screen's path give byte-identical specs for every way to ask for a run.
 
-The CLI path parses ``gpudeck launch ...`` into an intent (console/cli.py); the
-screen path turns the dialog's form into one (console/screens/launch.py); both
+The CLI path parses ``gpudeck launch ...`` into an intent (console/cli/main.py); the
+screen path turns the dialog's form into one (console/tui/screens/launch.py); both
 are planned by console/ops. Relaunch and rollback go through the same layer,
 and a relaunch of any recorded spec gives the same argv except the start, in
 the recorded python.
@@ -16,11 +16,11 @@ import msgspec
 import pytest
 
 from gpudeck.agents.wire.protocol import EnvFingerprint, LaunchReply, LaunchSpec, PreflightResult, RunInfo
-from gpudeck.console import config as cfg
-from gpudeck.console.cli import build_parser, intent_from_args
+from gpudeck.console.cli.main import build_parser, intent_from_args
+from gpudeck.console.core import config as cfg
 from gpudeck.console.ops import Caller, IntentError, LaunchIntent, LaunchPlan, plan_launch, relaunch_intent, rollback_intent
 from gpudeck.console.ops.launch import with_start
-from gpudeck.console.screens.launch import LaunchForm, form_from, intent_from_form
+from gpudeck.console.tui.screens.launch import LaunchForm, form_from, intent_from_form
 
 CALLER = Caller(operator="op", cwd="/work/here", env={"PATH": "/usr/bin:/bin", "VIRTUAL_ENV": "/venv"})
 CONF = cfg.Config(
@@ -272,7 +272,7 @@ def test_the_cli_prints_the_operations_layers_message_and_exits_2(
     argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """What the operator sees from `gpudeck launch ...`: the ops message word for word (not argparse's own), exit 2, nothing started."""
-    from gpudeck.console.cli import main
+    from gpudeck.console.cli.main import main
 
     assert main(["launch", *argv]) == 2
     out = capsys.readouterr()

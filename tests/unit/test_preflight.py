@@ -8,7 +8,7 @@ from pathlib import Path
 from gpudeck.agents.safety.estimate import GIB, estimate
 from gpudeck.agents.safety.preflight import CHECK_NAMES, free_bytes_at, port_is_free, run_preflight
 from gpudeck.agents.wire.protocol import Gpu, GpuProcess, LaunchSpec, MemoryEstimate, PreflightCheck, PreflightResult, RunInfo
-from gpudeck.console.formats import format_preflight
+from gpudeck.console.present.formats import format_preflight
 
 NOW = 1_800_000_000.0
 HOST = "gpu1"

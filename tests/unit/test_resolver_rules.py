@@ -6,9 +6,9 @@ import pytest
 
 from gpudeck.agents.wire.errors import AgentError, AgentUnavailable
 from gpudeck.agents.wire.protocol import LaunchSpec, RunInfo
+from gpudeck.console.core.records import RunRecord
 from gpudeck.console.ops.errors import AmbiguousRun, NoSuchRun, Unanswered
 from gpudeck.console.ops.resolve import Match, pick, resolve_record
-from gpudeck.console.records import RunRecord
 
 
 def m(host: str, rid: str, name: str | None = None, state: str = "running", started: float = 0.0, rank: int = 0) -> Match:

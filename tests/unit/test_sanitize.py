@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gpudeck.console.sanitize import REDACTED, escape_controls, escape_tree, is_secret_name, redact_env, redact_run, terminal_text
+from gpudeck.console.core.sanitize import REDACTED, escape_controls, escape_tree, is_secret_name, redact_env, redact_run, terminal_text
 
 
 def test_escape_sequences_c0_c1_and_bidi_controls_become_visible_escapes() -> None:
@@ -69,7 +69,7 @@ def test_redact_run_covers_the_spec_the_nodes_and_the_events() -> None:
 def test_a_quarantined_event_s_raw_json_has_its_spec_secrets_redacted() -> None:
     import json
 
-    from gpudeck.console.sanitize import redact_raw_event
+    from gpudeck.console.core.sanitize import redact_raw_event
 
     raw = json.dumps({"seq": 1, "kind": "run_created", "data": {"spec": {"env": {"HF_TOKEN": "hf_abc", "A": "1"}}}}, ensure_ascii=True)
     out = json.loads(redact_raw_event(raw))

@@ -1,4 +1,4 @@
-"""console/textual_fixes.py: Strip.divide without the reference cycle, answering exactly as upstream does."""
+"""console/tui/compat/textual_fixes.py: Strip.divide without the reference cycle, answering exactly as upstream does."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from rich.segment import Segment
 from rich.style import Style
 from textual.strip import Strip
 
-from gpudeck.console import app as _app  # noqa: F401  (importing the console's app installs the fix)
-from gpudeck.console import textual_fixes
+from gpudeck.console.tui import app as _app  # noqa: F401  (importing the console's app installs the fix)
+from gpudeck.console.tui.compat import textual_fixes
 
 SEGMENTS = [Segment("gpu0 ", Style(bold=True)), Segment("82.1 GiB", Style(color="red")), Segment(" ok")]
 LENGTH = 16
@@ -25,12 +25,12 @@ def test_the_console_runs_with_the_fix_installed() -> None:
 
 
 def test_upstream_still_keeps_a_whole_strip_in_a_cycle_with_itself() -> None:
-    """When this fails, Textual no longer caches [self] in the strip's own cache: delete console/textual_fixes.py."""
+    """When this fails, Textual no longer caches [self] in the strip's own cache: delete console/tui/compat/textual_fixes.py."""
     s = strip()
     parts = textual_fixes.UPSTREAM_DIVIDE(s, [LENGTH])
     assert parts[0] is s
     assert any(s in cached for cached in s._divide_cache._cache.values()), (
-        "Textual's Strip.divide no longer keeps the strip in its own cache; the fix in console/textual_fixes.py can go"
+        "Textual's Strip.divide no longer keeps the strip in its own cache; the fix in console/tui/compat/textual_fixes.py can go"
     )
 
 

@@ -8,7 +8,14 @@ from pathlib import Path
 import asyncssh
 import pytest
 
-from gpudeck.console.transport import PREFERRED_CIPHERS, SshError, SshOptions, _skip_idle_packet_log, connect_ssh, encryption_preference
+from gpudeck.console.fleet.transport import (
+    PREFERRED_CIPHERS,
+    SshError,
+    SshOptions,
+    _skip_idle_packet_log,
+    connect_ssh,
+    encryption_preference,
+)
 
 
 def test_aes_gcm_first_and_every_default_still_allowed(tmp_path: Path) -> None:
@@ -80,7 +87,7 @@ async def test_the_hosts_connect_timeout_in_the_ssh_config_is_the_one_used_and_n
     A loopback listener that never answers the SSH banner stands for a host that does not answer."""
     import time
 
-    from gpudeck.console.transport import CONNECT_TIMEOUT_S, host_settings
+    from gpudeck.console.fleet.transport import CONNECT_TIMEOUT_S, host_settings
 
     with socket.socket() as listener:
         listener.bind(("127.0.0.1", 0))

@@ -1,0 +1,1 @@
+"""Provides the ``gpudeck`` command line: it parses what the operator asks and prints what ``ops`` answers."""

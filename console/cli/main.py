@@ -1,0 +1,1217 @@
+"""Provides the ``gpudeck`` command line: status, launch, runs, tail, stop, hosts, history, show, agent.
+
+Every command returns a structured result or a structured error: with
+``--json`` the result is one JSON document on stdout; errors go to stderr
+with a non-zero exit code and say what to do. Every command reaches hosts
+through the :class:`~gpudeck.console.fleet.fleet.Fleet`, as the console does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from pathlib import Path
+from typing import Any, TypeVar
+
+import msgspec
+from msgspec import UNSET
+
+from gpudeck.agents import __version__ as agent_version
+from gpudeck.agents.wire import envdiff, paths
+from gpudeck.agents.wire.client import AgentClient
+from gpudeck.agents.wire.errors import AgentError
+from gpudeck.agents.wire.protocol import RunInfo, Snapshot, Triage, VerifyReply, to_builtins
+from gpudeck.console.cli.waiting import enable as enable_progress
+from gpudeck.console.cli.waiting import waiting
+from gpudeck.console.core import config as cfg
+from gpudeck.console.core.sanitize import SECRET_RULE, redact_events, redact_raw_event, redact_record, redact_run, terminal_text
+from gpudeck.console.entry import stdout_gone
+from gpudeck.console.fleet.fleet import Fleet, SyncResult
+from gpudeck.console.fleet.multinode import group, group_runs
+from gpudeck.console.history.quarantine import format_problems
+from gpudeck.console.history.query import QueryError, is_negation
+from gpudeck.console.history.replica import History, HistoryError
+from gpudeck.console.ops import (
+    ClaimsIntent,
+    LaunchIntent,
+    LaunchResult,
+    OpsError,
+    Resolved,
+    relaunch_intent,
+    resolve_run,
+    rollback_intent,
+    run_figures,
+    start_of,
+)
+from gpudeck.console.ops.holders import ReclaimLaunch, plan_holders, reclaim_and_launch
+from gpudeck.console.ops.intent import check_start, env_items
+from gpudeck.console.ops.launch import LaunchPlan, is_trainer, plan_here
+from gpudeck.console.ops.launch import launch as ops_launch
+from gpudeck.console.ops.launch import preflight as ops_preflight
+from gpudeck.console.ops.relaunch import changed_environment, check_environment, rebuild_environment, recorded_environment
+from gpudeck.console.ops.resolve import fleet_runs
+from gpudeck.console.ops.stop import StopOutcome, reclaim_targets, stop_run
+from gpudeck.console.ops.stop import reclaim as ops_reclaim
+from gpudeck.console.ops.triage import format_triage, triage_run
+from gpudeck.console.present.formats import (
+    HostLine,
+    HostStatus,
+    format_claims,
+    format_history,
+    format_hosts,
+    format_leftovers,
+    format_preflight,
+    format_runs,
+    format_show,
+    format_status,
+    format_stop,
+    record_shape,
+    run_json,
+    why_down,
+)
+from gpudeck.console.present.rundiff import format_diff
+from gpudeck.console.present.views import run_diff
+from gpudeck.console.watch.cli import add_parser as add_watch_parser
+
+EXIT_ERROR = 1
+EXIT_USAGE = 2
+EXIT_UNREACHABLE = 3  # a host the command needed did not answer: the answer is partial (README, Command line)
+DEFAULT_WATCH_S = 2.0  # status --watch's redraw interval, as watch(1)'s
+T = TypeVar("T")
+
+
+class CliError(Exception):
+    """A user-facing failure of the CLI itself (bad arguments, unknown host)."""
+
+
+# ----------------------------------------------------------------------------- commands
+
+
+async def _with_fleet(
+    fn: Callable[[Fleet], Awaitable[T]], hosts: list[str] | None = None, history: History | None = None, remember: bool = True
+) -> T:
+    """Run ``fn(fleet)`` on a request-only Fleet (the same API the console uses).
+
+    The fleet has the history, so a stop asked for while a host was cut off is
+    delivered the next time any command reaches that host; ``remember=False``
+    (a look at a host the config does not name) leaves the history alone, so a
+    typo never becomes a host it remembers as unreachable.
+    """
+    own = history is None
+    if history is None and remember:
+        try:
+            history = History()
+        except HistoryError as exc:
+            # the history only carries pending stops here: the command still works without it
+            print(f"gpudeck: warning: {exc}", file=sys.stderr)
+    fleet = Fleet(hosts=hosts, watch=False, history=history)
+    try:
+        return await fn(fleet)
+    finally:
+        await fleet.close()
+        if own and history is not None:
+            history.close()
+
+
+def _host_arg(args: argparse.Namespace) -> list[str]:
+    return [args.host] if getattr(args, "host", None) else []
+
+
+def partial_json(key: str, rows: list[dict[str, Any]], down: list[tuple[str, str]]) -> Any:
+    """The rows as they are when every host answered; else ``{key: rows, "unreachable": [{"host", "error"}]}``.
+
+    The printing edge: ``rows`` are the JSON objects ``--json`` prints (``RunRecord.as_json``, ``group_runs``)."""
+    if not down:
+        return rows
+    return {key: rows, "unreachable": [{"host": h, "error": e} for h, e in down]}
+
+
+def unreachable_exit(down: Sequence[tuple[str, str | None]]) -> int:
+    """Name the hosts that did not answer on stderr; EXIT_UNREACHABLE if any, else 0."""
+    for h, e in down:
+        print(terminal_text(f"gpudeck: {h} not reachable, the answer is missing its part: {e}"), file=sys.stderr)
+    return EXIT_UNREACHABLE if down else 0
+
+
+def snapshot_json(snap: Snapshot, show_secrets: bool) -> dict[str, Any]:
+    """A snapshot as ``status --json`` prints it: its live runs' ``--env`` secrets redacted unless ``show_secrets``."""
+    out: dict[str, Any] = to_builtins(snap)
+    if not show_secrets:
+        out["runs"] = [redact_run(r) for r in out.get("runs") or []]
+    return out
+
+
+def _matches_run(run_id: str | None, name: str | None, ref: str) -> bool:
+    return bool(run_id and run_id.startswith(ref)) or (name is not None and name == ref)
+
+
+def filtered(snap: Snapshot, user: str | None = None, run: str | None = None, pid: int | None = None) -> Snapshot:
+    """The snapshot with only the GPU processes and live runs of ``user``, ``run`` (id prefix or name) and ``pid``
+    (every filter given must hold); the GPUs themselves are all kept."""
+    if user is None and run is None and pid is None:
+        return snap
+    names = {r.id: r.name for r in snap.runs}
+
+    def proc_ok(p: Any) -> bool:
+        return (
+            (user is None or p.user == user)
+            and (run is None or _matches_run(p.run_id, names.get(p.run_id or ""), run))
+            and (pid is None or p.pid == pid)
+        )
+
+    def run_ok(r: RunInfo) -> bool:
+        return (
+            (user is None or r.spec.operator == user)
+            and (run is None or _matches_run(r.id, r.name, run))
+            and (pid is None or any(m.pid == pid for m in r.members))
+        )
+
+    gpus = [msgspec.structs.replace(g, processes=[p for p in g.processes if proc_ok(p)]) for g in snap.gpus]
+    return msgspec.structs.replace(
+        snap, gpus=gpus, runs=[r for r in snap.runs if run_ok(r)], processes=[p for p in snap.processes if proc_ok(p)]
+    )
+
+
+async def _statuses(fleet: Fleet, names: list[str]) -> list[HostStatus]:
+    """Every named host's snapshot now (in parallel); a host that does not answer is a row with its error."""
+    snaps = await asyncio.gather(*(fleet.snapshot(h) for h in names), return_exceptions=True)
+    out = []
+    for h, s in zip(names, snaps):
+        if isinstance(s, AgentError):
+            out.append(HostStatus(h, "unreachable", s.message, None))
+        elif isinstance(s, BaseException):
+            raise s
+        else:
+            out.append(HostStatus(h, "up", None, s))
+    return out
+
+
+async def _watch_status(args: argparse.Namespace) -> int:
+    """``status --watch``: the status every ``-n`` seconds, redrawn in place on a terminal (one frame after another
+    otherwise; one JSON document a line with --json) until Ctrl-C or ``--count`` frames."""
+    if args.interval <= 0:
+        raise CliError(f"-n {args.interval}: give the seconds between redraws, more than 0 (e.g. -n 2)")
+    names = [args.host] if args.host else None
+    remember = args.host is None or args.host in cfg.load().names
+    tty = sys.stdout.isatty() and not args.json
+    shown = ", ".join(f"{k}={v}" for k, v in (("user", args.user), ("run", args.run), ("pid", args.pid)) if v is not None)
+
+    async def loop(fleet: Fleet) -> int:
+        frames = 0
+        rc = 0
+        while args.count is None or frames < args.count:
+            t0 = time.monotonic()
+            rows = await _statuses(fleet, names or list(fleet.links))
+            rc = EXIT_UNREACHABLE if any(r.snapshot is None for r in rows) else 0
+            view = [(r, filtered(r.snapshot, args.user, args.run, args.pid) if r.snapshot else None) for r in rows]
+            if args.json:
+                doc = {
+                    "ts": time.time(),
+                    "hosts": [{"host": r.host, "snapshot": snapshot_json(s, args.show_secrets) if s else None} for r, s in view],
+                    "unreachable": [{"host": r.host, "error": r.error} for r, s in view if s is None],
+                }
+                print(json.dumps(doc), flush=True)
+            else:
+                head = f"every {args.interval:g} s" + (f", only {shown}" if shown else "") + f"  {time.strftime('%H:%M:%S')}"
+                body = "\n\n".join(
+                    format_status(s, r.host) if s else f"host {r.host}  UNREACHABLE: {why_down(r.host, r.error)}" for r, s in view
+                )
+                frame = terminal_text(f"{head}\n{body}")
+                if tty:  # redraw in place: home, each line cleared to its end, the rest of the screen cleared
+                    sys.stdout.write("\x1b[H" + "\n".join(line + "\x1b[K" for line in frame.split("\n")) + "\x1b[J")
+                    sys.stdout.flush()
+                else:
+                    print(frame + "\n", flush=True)
+            frames += 1
+            if args.count is not None and frames >= args.count:
+                break
+            await asyncio.sleep(max(0.0, args.interval - (time.monotonic() - t0)))
+        return rc
+
+    if tty:
+        sys.stdout.write("\x1b[2J")
+    return await _with_fleet(loop, hosts=names, remember=remember)
+
+
+async def cmd_status(args: argparse.Namespace) -> int:
+    if args.watch:
+        return await _watch_status(args)
+    if args.count is not None or args.interval != DEFAULT_WATCH_S:
+        raise CliError("-n and --count go with --watch (e.g. gpudeck status --watch -n 2)")
+    if args.host:
+        try:
+            known = args.host in cfg.load().names
+            with waiting(f"connecting to {args.host}"):
+                snap = await _with_fleet(lambda f: f.snapshot(args.host), hosts=[args.host], remember=known)
+        except AgentError as exc:  # the one host asked for did not answer (or not safely): nothing to show, exit 3
+            if args.json:
+                print(json.dumps({"unreachable": [{"host": args.host, "error": exc.message}]}))
+            print(terminal_text(f"gpudeck: {exc.message}"), file=sys.stderr)
+            return EXIT_UNREACHABLE
+        snap = filtered(snap, args.user, args.run, args.pid)
+        print(json.dumps(snapshot_json(snap, args.show_secrets)) if args.json else terminal_text(format_status(snap, args.host)))
+        return 0
+
+    with waiting(f"connecting to {len(cfg.load().names)} host(s)"):
+        rows = await _with_fleet(lambda f: _statuses(f, list(f.links)))
+    rows = [msgspec.structs.replace(r, snapshot=filtered(r.snapshot, args.user, args.run, args.pid)) if r.snapshot else r for r in rows]
+    if args.json:
+        print(
+            json.dumps(
+                {
+                    "hosts": [
+                        {**to_builtins(r), "snapshot": snapshot_json(r.snapshot, args.show_secrets) if r.snapshot else None} for r in rows
+                    ],
+                    "unreachable": [{"host": r.host, "error": r.error} for r in rows if not r.snapshot],
+                }
+            )
+        )
+    else:
+        parts = []
+        for r in rows:
+            if r.snapshot:
+                parts.append(format_status(r.snapshot, r.host))
+            else:
+                parts.append(f"host {r.host}  UNREACHABLE: {why_down(r.host, r.error)}")
+        print(terminal_text("\n\n".join(parts)))
+    return unreachable_exit([(r.host, r.error) for r in rows if not r.snapshot])
+
+
+def intent_from_args(args: argparse.Namespace) -> LaunchIntent:
+    """The launch/preflight options as an intent (every field is checked by the operations layer)."""
+    argv = list(args.argv)
+    if argv and argv[0] == "--":
+        argv = argv[1:]
+    hosts = tuple(h.strip() for h in args.hosts.split(",") if h.strip()) if args.hosts else ()
+    return LaunchIntent(
+        host=args.host or cfg.LOCAL,
+        kind=args.kind,
+        argv=tuple(argv),
+        gpus=args.gpus,
+        nproc_per_node=args.nproc_per_node,
+        start=start_of(args.fresh, args.resume),
+        python=args.python,
+        env=env_items(args.env),
+        name=args.name,
+        cwd=args.cwd,
+        claims=ClaimsIntent(args.claim_gpus, args.claim_params, args.claim_world_size, args.claim_tokens_per_s, args.note),
+        hosts=hosts,
+        need_gib=args.need_gib,
+        force=args.force,
+        rdzv_port=args.rdzv_port,
+        rdzv_host=args.rdzv_host,
+        checkpoint_dir=args.checkpoint_dir,
+        on_rank_death=args.on_rank_death,
+        on_hang=args.on_hang,
+        hang_after_s=args.hang_after,
+        straggler_window=args.straggler_window,
+        expected_ranks=args.expected_ranks,
+    )
+
+
+def shown_run(run: RunInfo, host: str, show_secrets: bool) -> dict[str, Any]:
+    """A run as ``--json`` prints it (``run_json`` plus ``host``), its ``--env`` secrets redacted unless ``show_secrets``."""
+    out = {**run_json(run), "host": host}
+    return out if show_secrets else redact_run(out)
+
+
+def _print_launch(result: LaunchResult, as_json: bool, show_secrets: bool = False) -> int:
+    """Print a launch's outcome: the run id on stdout; what refused it on stderr."""
+    if result.plan.multinode:
+        return _print_multinode(result, as_json, show_secrets)
+    node = result.nodes[0]
+    assert node.reply is not None
+    run, host = node.reply.run, node.host
+    failed = run.state == "preflight_failed"
+    if as_json:
+        print(json.dumps({**shown_run(run, host, show_secrets), "duplicate": node.reply.duplicate}))
+    elif failed:
+        print(run.id)
+    if failed:
+        assert run.preflight is not None
+        print(terminal_text(format_preflight(run.preflight)), file=sys.stderr)
+        print(
+            f"gpudeck: nothing was started on {host}; run {run.id} is recorded as preflight_failed (`gpudeck show {run.id}`)",
+            file=sys.stderr,
+        )
+        return EXIT_ERROR
+    if not as_json:
+        print(run.id)
+        if run.preflight is not None and run.preflight.forced:
+            print("gpudeck: launched with --force past GPU holders (recorded with the run)", file=sys.stderr)
+    return 0
+
+
+def _print_multinode(result: LaunchResult, as_json: bool, show_secrets: bool) -> int:
+    rid, names, ep = result.run_id, result.plan.hosts, result.plan.rdzv_endpoint
+    for n in result.failed:
+        if n.error is not None:
+            print(terminal_text(f"gpudeck: {n.host}: {n.error}"), file=sys.stderr)
+        elif n.preflight is not None:
+            print(terminal_text(format_preflight(n.preflight)), file=sys.stderr)
+        elif n.reply is not None and n.reply.run.preflight is not None:
+            print(terminal_text(f"gpudeck: {n.host}: {format_preflight(n.reply.run.preflight)}"), file=sys.stderr)
+    if result.verdict == "preflight_failed":
+        print(
+            f"gpudeck: pre-flight failed on {', '.join(n.host for n in result.failed)}: nothing was started on any host (run {rid})",
+            file=sys.stderr,
+        )
+        return EXIT_ERROR
+    if result.verdict == "launch_failed":
+        print(f"gpudeck: run {rid} could not start on every host; the nodes that started were stopped", file=sys.stderr)
+        return EXIT_ERROR
+    if as_json:
+        print(
+            json.dumps(
+                {
+                    "id": rid,
+                    "hosts": names,
+                    "rdzv_endpoint": ep,
+                    "nodes": [shown_run(n.reply.run, n.host, show_secrets) for n in result.nodes if n.reply is not None],
+                }
+            )
+        )
+    else:
+        print(rid)
+        print(
+            f"gpudeck: {len(names)} nodes ({', '.join(names)}), {result.plan.nproc_per_node} rank(s) each, rendezvous {ep}", file=sys.stderr
+        )
+    return 0
+
+
+async def cmd_launch(args: argparse.Namespace) -> int:
+    p = plan_here(intent_from_args(args))
+    if args.reclaim_holders:
+        if args.force:
+            raise CliError("--reclaim-holders and --force: choose one (reclaim the holders, or launch past them with --force)")
+        return await _launch_reclaiming(args, p)
+    with waiting(f"launching on {', '.join(p.hosts)}"):
+        result = await _with_fleet(lambda f: ops_launch(f, p, request_id=args.request_id or ""), hosts=p.hosts)
+    return _print_launch(result, args.json, args.show_secrets)
+
+
+def _step(text: str) -> None:
+    """One step of reclaim-and-launch, on stderr (stdout keeps the run id or the JSON)."""
+    print(terminal_text(f"gpudeck: {text}"), file=sys.stderr, flush=True)
+
+
+async def _launch_reclaiming(args: argparse.Namespace, p: LaunchPlan) -> int:
+    """``launch --reclaim-holders``: pre-flight; if only stale/foreign holders of yours refuse it, reclaim exactly those
+    (each step printed), pre-flight again and launch (the console's "Reclaim these and launch" runs the same)."""
+
+    async def go(fleet: Fleet) -> ReclaimLaunch | LaunchResult:
+        _step(f"pre-flight on {', '.join(p.hosts)}")
+        first = await ops_preflight(fleet, p)
+        if all(o.preflight is not None and o.preflight.ok for o in first):
+            _step("pre-flight passed: nothing to reclaim; launching")
+            return await ops_launch(fleet, p, request_id=args.request_id or "")
+        holders = await plan_holders(fleet, p, first)
+        _step(f"pre-flight refused the launch; {len(holders.to_stop)} process(es) to reclaim:")
+        for line in holders.lines():
+            _step(f"  {line}")
+        return await reclaim_and_launch(fleet, p, holders, request_id=args.request_id or "", grace_s=args.grace, step=_step)
+
+    done = await _with_fleet(go, hosts=p.hosts)
+    if isinstance(done, LaunchResult):
+        return _print_launch(done, args.json, args.show_secrets)
+    if done.refused is not None or done.result is None:
+        raise OpsError(f"reclaim-and-launch stopped: {done.refused}")
+    return _print_launch(done.result, args.json, args.show_secrets)
+
+
+async def cmd_preflight(args: argparse.Namespace) -> int:
+    p = plan_here(intent_from_args(args), verb="preflight")
+    checks = await _with_fleet(lambda f: ops_preflight(f, p), hosts=p.hosts)
+    rc = 0
+    for c in checks:
+        if c.error is not None:
+            print(f"gpudeck: {c.host}: {c.error}", file=sys.stderr)
+            rc = EXIT_ERROR
+            continue
+        assert c.preflight is not None
+        if not c.preflight.ok:
+            rc = EXIT_ERROR
+        if not args.json:
+            print(format_preflight(c.preflight))
+    if args.json:
+        results = [to_builtins(c.preflight) for c in checks if c.preflight is not None]
+        print(json.dumps(results[0] if len(results) == 1 and not p.multinode else results))
+    return rc
+
+
+async def cmd_reclaim(args: argparse.Namespace) -> int:
+    listing, pids = reclaim_targets(args.targets)
+    if listing is not None:
+        found = await _with_fleet(lambda f: f.leftovers(listing, include_live=args.include_live), hosts=[listing])
+        if args.json:
+            print(json.dumps({"host": listing, "leftovers": to_builtins(found.leftovers), "gpu_error": found.gpu_error}))
+        else:
+            print(terminal_text(format_leftovers(listing, found.leftovers)))
+        return 0
+    results = await _with_fleet(lambda f: ops_reclaim(f, pids, args.grace, args.include_live), hosts=list(pids))
+    rc = 0
+    out = []
+    for host, res in results:
+        if isinstance(res, str):
+            print(f"gpudeck: {host}: {res}", file=sys.stderr)
+            rc = EXIT_ERROR
+            continue
+        out.append({**to_builtins(res), "host": host})
+        if not args.json:
+            print(terminal_text(f"{host}: " + format_stop(res).replace("run None: ", "")))
+            if res.message:
+                print(f"  {res.message}")
+        if res.survivors:
+            rc = EXIT_ERROR
+    if args.json:
+        print(json.dumps(out))
+    return rc
+
+
+async def cmd_verify(args: argparse.Namespace) -> int:
+    async def verify(fleet: Fleet) -> tuple[str, VerifyReply]:
+        found = await _resolve(fleet, args)
+        return found.host, await fleet.verify(found.host, found.id)
+
+    host, reply = await _with_fleet(verify, hosts=_host_arg(args))
+    if args.json:
+        print(json.dumps({"host": host, **to_builtins(reply)}))
+    else:
+        print(terminal_text(format_claims(reply.run_id, reply.rows, reply.alerts)))
+    return EXIT_ERROR if any(r.ok is False for r in reply.rows) else 0
+
+
+async def cmd_diff(args: argparse.Namespace) -> int:
+    history, syncs = await _synced_history(args)
+    down = [r.host for r in syncs if not r.ok]
+    try:
+        a = await asyncio.to_thread(history.find, args.run_a, None, down)
+        b = await asyncio.to_thread(history.find, args.run_b, None, down)
+        ma = await asyncio.to_thread(history.metrics, a.host, a.id)
+        mb = await asyncio.to_thread(history.metrics, b.host, b.id)
+    finally:
+        history.close()
+    if not args.show_secrets:
+        a, b = redact_record(a), redact_record(b)
+    d = run_diff(a, b, ma, mb)  # as the console's Diff screen: the command argument by argument too
+    if args.json:
+        print(
+            json.dumps(
+                {
+                    "a": d.a_id,
+                    "b": d.b_id,
+                    "config": [vars(r) | {"differs": r.differs} for r in d.config],
+                    "environment": [vars(r) | {"differs": r.differs} for r in d.environment],
+                    "outcome": [vars(r) | {"differs": r.differs} for r in d.outcome],
+                    "env_note": d.env_note,
+                }
+            )
+        )
+    else:
+        print(terminal_text(format_diff(d, only_changes=not args.all)))
+    return 0
+
+
+async def _relaunch(args: argparse.Namespace, good_ref: str | None) -> int:
+    check_start(start_of(args.fresh, args.resume), needed=False)  # a malformed --resume is refused before any host is asked
+    history, syncs = await _synced_history(args)
+    down = [r.host for r in syncs if not r.ok]
+    try:
+        row = await asyncio.to_thread(history.find, args.run, args.host, down, good_ref is not None)  # a rollback is destructive
+        good = await asyncio.to_thread(history.find, good_ref, None, down) if good_ref else None
+    finally:
+        history.close()
+    spec = row.launch_spec()
+    # only a trainer has a start to choose (no default); a plain command runs again as it was
+    started = good.launch_spec() if good is not None and args.config_from else spec
+    start = check_start(start_of(args.fresh, args.resume), needed=is_trainer(started.argv, started.kind))
+    host = args.host or row.host
+    hosts = list(spec.nodes) if len(spec.nodes) > 1 else [host]  # a multi-node run is relaunched on all its hosts
+
+    async def go(fleet: Fleet) -> LaunchResult:
+        if good is None:
+            intent = relaunch_intent(spec, row.id, row.host, start, to_host=host)
+        else:
+            recorded = recorded_environment(good.id, good.env_fingerprint())
+            check = await check_environment(fleet, host, recorded)
+            if check.driver:
+                print(
+                    f"gpudeck: note: the NVIDIA driver on {host} differs from {good.id}'s: {envdiff.describe(check.driver)[0]} (rollback cannot change the driver)",
+                    file=sys.stderr,
+                )
+            python = recorded.python
+            if not check.holds:
+                if not args.rebuild_env:
+                    raise changed_environment(good.id, host, check)
+                print(
+                    f"gpudeck: {good.id}'s environment changed ({len(check.changes)} difference(s)); rebuilding it from its recorded freeze on {host} ...",
+                    file=sys.stderr,
+                )
+                with waiting(f"rebuilding {good.id}'s environment on {host}"):
+                    python, path = await rebuild_environment(fleet, host, recorded)
+                print(f"gpudeck: rebuilt at {path}: matches the recorded fingerprint (freeze {recorded.freeze_hash[:12]})", file=sys.stderr)
+            intent = rollback_intent(spec, row.id, good.launch_spec(), host, start, python, args.config_from, good_host=good.host)
+        plan = plan_here(intent)
+        with waiting(f"launching on {', '.join(plan.hosts)}"):
+            return await ops_launch(fleet, plan)
+
+    result = await _with_fleet(go, hosts=hosts)
+    return _print_launch(result, args.json, args.show_secrets)
+
+
+async def cmd_relaunch(args: argparse.Namespace) -> int:
+    return await _relaunch(args, None)
+
+
+async def cmd_rollback(args: argparse.Namespace) -> int:
+    return await _relaunch(args, args.to)
+
+
+async def cmd_runs(args: argparse.Namespace) -> int:
+    with waiting(f"asking {len(_host_arg(args)) or len(cfg.load().names)} host(s) for their runs"):
+        listed = await _with_fleet(lambda f: fleet_runs(f, _host_arg(args), limit=args.limit), hosts=_host_arg(args))
+    runs = []
+    for h, run in listed.runs:
+        run.host = h  # the fleet's name for the host, not the agent's own hostname
+        runs.append(run)
+    down = list(listed.unanswered.items())
+    rows = group_runs(runs, unreachable={h for h, _e in down})  # JSON objects: what --json prints and the table shows
+    rows = rows if args.show_secrets else [redact_run(r) for r in rows]
+    if args.json:
+        print(json.dumps(partial_json("runs", rows, down)))
+    else:
+        print(terminal_text(format_runs(rows) if rows or not down else f"no runs on the hosts that answered ({len(down)} did not)"))
+    return unreachable_exit(down)
+
+
+async def _resolve(fleet: Fleet, args: argparse.Namespace, destructive: bool = False) -> Resolved:
+    """The run ``args.run`` names (every node of it), by the one resolver; warns about hosts that did not answer."""
+    found = await resolve_run(fleet, args.run, args.host, destructive=destructive)
+    if found.unanswered and found.id != args.run and not found.missing:
+        print(
+            f"gpudeck: note: {', '.join(found.unanswered)} did not answer; {args.run!r} was resolved on the hosts that did", file=sys.stderr
+        )
+    return found
+
+
+async def cmd_tail(args: argparse.Namespace) -> int:
+    out = sys.stdout
+
+    async def tail(fleet: Fleet) -> None:
+        found = await _resolve(fleet, args)
+        nodes, missing = found.nodes, found.missing
+        if args.node is not None:
+            nodes = [(h, r) for h, r in nodes if (r.spec.node_rank or 0) == args.node]
+            if not nodes:
+                raise CliError(f"run {args.run} has no node {args.node}")
+        for h in missing:
+            print(f"gpudeck: {h} (a node of this run) is not reachable: its output is missing", file=sys.stderr)
+        prefix = len(nodes) > 1
+
+        async def one(host: str, rid: str) -> None:
+            # the last N lines: read a window from the end, then follow from its end
+            window = await anext(fleet.output(host, rid, offset=-256 * 1024, follow=False))
+            lines = window.data.splitlines(keepends=True)
+            if args.lines >= 0:
+                lines = lines[-args.lines :] if args.lines else []
+            emit(host, "".join(lines))
+            if args.follow:
+                pending = ""
+                async for chunk in fleet.output(host, rid, offset=window.next_offset, follow=True):
+                    pending += chunk.data
+                    cut = pending.rfind("\n") + 1  # whole lines only, so nodes' lines never mix
+                    if cut:
+                        emit(host, pending[:cut])
+                        pending = pending[cut:]
+                if pending:
+                    emit(host, pending + "\n")
+
+        def emit(host: str, text: str) -> None:
+            if not text:
+                return
+            if prefix:
+                text = "".join(f"[{host}] {ln}" for ln in text.splitlines(keepends=True))
+            out.write(text if args.raw else terminal_text(text))
+            out.flush()
+
+        if args.follow:
+            await asyncio.gather(*(one(h, r.id) for h, r in nodes))
+        else:
+            for h, r in nodes:
+                await one(h, r.id)
+
+    await _with_fleet(tail, hosts=_host_arg(args))
+    return 0
+
+
+async def cmd_stop(args: argparse.Namespace) -> int:
+    history = History()
+    try:
+
+        async def stop(fleet: Fleet) -> StopOutcome:
+            return await stop_run(fleet, await _resolve(fleet, args, destructive=True), args.grace, history)
+
+        with waiting(f"stopping {args.run}: SIGTERM sent, SIGKILL after {args.grace:g} s"):
+            done = await _with_fleet(stop, hosts=_host_arg(args), history=history)
+    finally:
+        history.close()
+    out = [{**to_builtins(res), "host": h} for h, res in done.results]
+    if args.json:
+        print(
+            json.dumps(out[0] if len(out) == 1 and not done.pending else {"run_id": done.run_id, "nodes": out, "unreachable": done.pending})
+        )
+    else:
+        multi = len(done.results) + len(done.pending) > 1
+        for h, res in done.results:
+            print(terminal_text((f"[{h}] " if multi else "") + format_stop(res)))
+        for h in done.pending:
+            print(f"[{h}] UNREACHABLE: not stopped yet; it will be stopped as soon as gpudeck reaches {h} again (recorded in the history)")
+    return EXIT_ERROR if done.pending or done.survivors else 0
+
+
+async def cmd_hosts(args: argparse.Namespace) -> int:
+    action = args.hosts_command or "list"
+    if action == "add":
+        for name in args.names:
+            added = cfg.add_host(name)
+            print(f"{name}: {'added to' if added else 'already in'} {cfg.config_path()}")
+        print("check a new host with `gpudeck hosts --check` (it must be reachable as `ssh NAME` and have gpudeck installed)")
+        return 0
+    if action == "remove":
+        rc = 0
+        for name in args.names:
+            if cfg.remove_host(name):
+                print(f"{name}: removed from {cfg.config_path()}")
+            else:  # a typo must not read as done: a script learns nothing was removed
+                print(terminal_text(f"gpudeck: {name}: not in {cfg.config_path()} (`gpudeck hosts` lists the hosts)"), file=sys.stderr)
+                rc = EXIT_ERROR
+        return rc
+    conf = cfg.load()
+    rows = [
+        HostLine(name=h.name, transport="unix" if h.name == cfg.LOCAL else "ssh", command="-" if h.name == cfg.LOCAL else h.command)
+        for h in conf.hosts
+    ]
+    if args.check:
+
+        async def probe(fleet: Fleet) -> list[HostLine]:
+            async def one(row: HostLine) -> HostLine:
+                link = fleet.link(row.name)
+                try:
+                    c = await link.client(timeout=args.timeout)
+                    return msgspec.structs.replace(row, state="up", agent_version=c.hello.agent_version if c.hello else None, error=None)
+                except AgentError as exc:
+                    return msgspec.structs.replace(row, state=link.status.state, error=exc.message)
+
+            return list(await asyncio.gather(*(one(r) for r in rows)))
+
+        rows = await _with_fleet(probe)
+    if args.json:
+        print(json.dumps({"config": str(conf.path), "hosts": to_builtins(rows)}))
+    else:
+        print(f"config: {conf.path}" + ("" if conf.path.exists() else " (not created yet: `gpudeck hosts add NAME`)"))
+        print(terminal_text(format_hosts(rows)))
+    return 0 if all(r.state in (UNSET, "up") for r in rows) else EXIT_ERROR
+
+
+async def _synced_history(args: argparse.Namespace) -> tuple[History, list[SyncResult]]:
+    history = History()
+    if getattr(args, "no_sync", False):
+        return history, []
+    with waiting(f"syncing the history from {len(_host_arg(args)) or len(cfg.load().names)} host(s)"):
+        results = await _with_fleet(lambda f: f.sync_history(timeout=args.sync_timeout), hosts=_host_arg(args), history=history)
+    for r in results:
+        if not r.ok:
+            print(f"gpudeck: {r.host} not reachable, its newest runs may be missing: {r.error}", file=sys.stderr)
+        elif r.new_epoch and r.epoch and (story := history.recreations(r.host, r.epoch)):
+            s = story[-1]
+            where = f"; the old file is kept on the host as {s['moved_to']}" if s.get("moved_to") else ""
+            print(
+                terminal_text(
+                    f"gpudeck: {r.host}'s agent journal was recreated ({s.get('reason')}: {s.get('detail') or '-'}{where}); "
+                    f"new epoch {r.epoch}, {len(s.get('runs') or [])} live run(s) re-recorded; the history keeps the old runs too"
+                ),
+                file=sys.stderr,
+            )
+        elif r.new_epoch and r.last_seq and r.new_events == r.last_seq and len(history.epochs(r.host)) > 1:
+            print(
+                f"gpudeck: {r.host}'s agent journal was recreated (new epoch {r.epoch}); the history keeps the old runs too",
+                file=sys.stderr,
+            )
+    return history, results
+
+
+async def cmd_history(args: argparse.Namespace) -> int:
+    history, synced = await _synced_history(args)
+    if args.problems:
+        try:
+            problems = await asyncio.to_thread(history.problems, args.host)
+        finally:
+            history.close()
+        if not args.show_secrets:
+            problems = [msgspec.structs.replace(p, raw=redact_raw_event(p.raw)) for p in problems]
+        print(json.dumps(to_builtins(problems)) if args.json else terminal_text(format_problems(problems)))
+        return 0
+    try:
+        rows = await asyncio.to_thread(history.query, list(args.query))  # each argument one term: no re-splitting
+        down = {h.name for h in await asyncio.to_thread(history.hosts) if h.state not in (None, "up")}
+    finally:
+        history.close()
+    rows = group(rows, unreachable=down)
+    rows = rows if args.show_secrets else [redact_record(r) for r in rows]
+    missed = [(r.host, r.error or "not reachable") for r in synced if not r.ok]
+    if args.json:
+        print(json.dumps(partial_json("runs", [record_shape(r.as_json()) for r in rows], missed), default=str))
+    else:
+        print(terminal_text(format_history(rows)))
+    return EXIT_UNREACHABLE if missed else 0  # _synced_history named them on stderr
+
+
+async def cmd_triage(args: argparse.Namespace) -> int:
+    async def go(fleet: Fleet) -> tuple[list[tuple[str, Triage]], list[tuple[str, str]]]:
+        return await triage_run(fleet, await _resolve(fleet, args))
+
+    got, failed = await _with_fleet(go, hosts=_host_arg(args))
+    if args.json:
+        print(
+            json.dumps({"triages": [{"host": h, **to_builtins(t)} for h, t in got], "failed": [{"host": h, "error": e} for h, e in failed]})
+        )
+    else:
+        print(terminal_text("\n\n".join(format_triage(t, h) for h, t in got)))
+        for h, e in failed:
+            print(terminal_text(f"gpudeck: {h}: no triage: {e}"), file=sys.stderr)
+    return EXIT_ERROR if failed or not got else 0
+
+
+async def cmd_show(args: argparse.Namespace) -> int:
+    history, syncs = await _synced_history(args)
+    try:
+        run = await asyncio.to_thread(history.find, args.run, args.host, [r.host for r in syncs if not r.ok])
+        events = await asyncio.to_thread(history.events, run.host, run.id)
+        metrics = await asyncio.to_thread(history.metrics, run.host, run.id)
+    finally:
+        history.close()
+    figures = run_figures(run, metrics)
+    if not args.show_secrets:
+        run, events = redact_record(run), redact_events(events)
+    if args.json:
+        print(json.dumps({**run.as_json(), "figures": vars(figures), "events": to_builtins(events)}, default=str))
+    else:
+        print(terminal_text(format_show(run, events, figures)))
+    return 0
+
+
+async def cmd_agent_status(args: argparse.Namespace) -> int:
+    sd = paths.state_dir()
+    try:
+        c = await AgentClient.connect_unix(autostart=False)
+    except AgentError as exc:
+        if args.json:
+            print(json.dumps({"running": False, "state_dir": str(sd), "error": exc.message}))
+        else:
+            print(f"agent: not running ({exc.message})")
+        return 3
+    try:
+        h = c.hello
+        assert h is not None
+        info = {
+            "running": True,
+            "pid": h.pid,
+            "host": h.host,
+            "version": h.agent_version,
+            "epoch": h.epoch,
+            "state_dir": h.state_dir,
+            "gpu_error": h.gpu_error,
+            "simulated": h.simulated,
+            "containment": h.containment,
+            "journal": h.journal,
+        }
+    finally:
+        await c.close()
+    if args.json:
+        print(json.dumps(info))
+    else:
+        print(f"agent: running, pid {info['pid']} on {info['host']}, version {info['version']}, state {info['state_dir']}")
+        gpus = "SIMULATED (GPUDECK_SIMULATE_GPUS is set: no real GPU is read)" if info["simulated"] else "NVML ok"
+        print(f"GPUs: {info['gpu_error'] or gpus}")
+        print(f"containment: {info['containment'] or 'not reported (an older agent)'}")
+        print(terminal_text(f"journal: {info['journal'] or 'ok'}"))
+    return 0
+
+
+async def cmd_agent_stop(args: argparse.Namespace) -> int:
+    """Stop the agent (SIGTERM by its pid); runs keep going and a new agent re-adopts them."""
+    import signal as _signal
+
+    import psutil
+
+    try:
+        c = await AgentClient.connect_unix(autostart=False)
+    except AgentError as exc:
+        print(f"agent: not running ({exc.message})")
+        return 0
+    assert c.hello is not None
+    pid = c.hello.pid
+    await c.close()
+    p = psutil.Process(pid)
+    p.send_signal(_signal.SIGTERM)
+    deadline = time.monotonic() + 10
+    while True:  # gone, or a zombie its parent has not reaped yet: either way it has exited
+        try:
+            if p.status() == psutil.STATUS_ZOMBIE:
+                break
+        except psutil.NoSuchProcess:
+            break
+        if time.monotonic() > deadline:
+            raise CliError(f"the agent (pid {pid}) did not exit within 10 s of SIGTERM; see {paths.log_path()}")
+        await asyncio.sleep(0.05)
+    print(f"agent {pid} stopped; runs keep going and the next agent re-adopts them")
+    return 0
+
+
+# ----------------------------------------------------------------------------- parser
+
+SHOW_SECRETS_HELP = f"show --env values whose names look like secrets, redacted by default (the rule: {SECRET_RULE})"
+
+
+def add_show_secrets(p: argparse.ArgumentParser) -> None:
+    """The ``--show-secrets`` option of every command that prints a spec or an environment; its help quotes the rule."""
+    p.add_argument("--show-secrets", action="store_true", help=SHOW_SECRETS_HELP)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The gpudeck argument parser."""
+    ap = argparse.ArgumentParser(prog="gpudeck", description="Run and watch PyTorch training on your GPU hosts.")
+    ap.add_argument("--version", action="version", version=f"gpudeck {agent_version}")
+    sub = ap.add_subparsers(dest="command", metavar="COMMAND")
+    host_help = "a host of the fleet (a name from ~/.ssh/config; `local` is this machine)"
+
+    p = sub.add_parser("console", help="open the full-screen console (the default in a terminal)")
+    p.set_defaults(func=None, sync=lambda ns: __import__("gpudeck.console.tui.app", fromlist=["run_console"]).run_console())
+
+    p = sub.add_parser("status", help="GPUs, who holds them, and live runs: every host, or one with --host")
+    p.add_argument("--host", default=None, help=host_help + "; default: every host")
+    p.add_argument("--json", action="store_true", help="print the snapshot(s) as JSON (with --watch: one JSON document a line)")
+    p.add_argument("--watch", "-w", action="store_true", help="redraw every -n seconds, in place on a terminal, until Ctrl-C")
+    p.add_argument(
+        "-n",
+        "--interval",
+        type=float,
+        default=DEFAULT_WATCH_S,
+        metavar="SECONDS",
+        help=f"with --watch: seconds between redraws (default {DEFAULT_WATCH_S:g})",
+    )
+    p.add_argument("--count", type=int, default=None, metavar="N", help="with --watch: stop after N redraws (default: until Ctrl-C)")
+    p.add_argument("--user", default=None, help="only the GPU processes and live runs of this user")
+    p.add_argument("--run", default=None, metavar="RUN", help="only this run's GPU processes and run (id prefix or name)")
+    p.add_argument("--pid", type=int, default=None, help="only this GPU process (and the live run it is a member of)")
+    add_show_secrets(p)
+    p.set_defaults(func=cmd_status)
+
+    spec_args = argparse.ArgumentParser(add_help=False)
+    spec_args.add_argument("--host", default=None, help=host_help + "; default: local")
+    spec_args.add_argument("--name", default=None, help="a name to find the run by")
+    spec_args.add_argument("--gpus", default=None, help="GPU indices (sets CUDA_VISIBLE_DEVICES), e.g. 0,1 or 0-3")
+    spec_args.add_argument(
+        "--kind",
+        default="command",
+        help="command (default), fsdp or dflash (checked by the operations layer, as the console checks it); fsdp/dflash: the "
+        "arguments after -- may be just the trainer's (the command is built, under torchrun for several GPUs)",
+    )
+    spec_args.add_argument(
+        "--python", default=None, help="the run's python interpreter (its environment is fingerprinted and pre-flighted)"
+    )
+    spec_args.add_argument("--fresh", action="store_true", help="trainers: start from step 0 with new checkpoints")
+    spec_args.add_argument("--resume", default=None, metavar="N|latest", help="trainers: continue from checkpoint step N")
+    spec_args.add_argument("--env", action="append", metavar="NAME=VALUE", help="extra environment (repeatable)")
+    spec_args.add_argument("--cwd", default=None, help="working directory (default: here for local, the agent's home elsewhere)")
+    spec_args.add_argument(
+        "--need-gib", type=float, default=None, help="GPU memory each GPU needs (estimated for fsdp/dflash when not given)"
+    )
+    spec_args.add_argument(
+        "--force", action="store_true", help="launch even with FOREIGN/STALE processes on the GPUs (only that check; recorded)"
+    )
+    spec_args.add_argument("--rdzv-port", type=int, default=None, help="the rendezvous port that must be free")
+    spec_args.add_argument("--checkpoint-dir", default=None, help="where checkpoints go (its free space is checked)")
+    spec_args.add_argument(
+        "--on-rank-death",
+        default="alert",
+        help="when a rank dies and the run goes on: alert (default) or stop the whole run",
+    )
+    spec_args.add_argument(
+        "--on-hang",
+        default="triage",
+        help="when steps stop advancing: triage (default: stacks of every rank, then the alert), alert, or stop",
+    )
+    spec_args.add_argument(
+        "--hang-after",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="hang threshold floor (default 120; the threshold is max(5 x median step, this))",
+    )
+    spec_args.add_argument(
+        "--straggler-window",
+        type=int,
+        default=None,
+        metavar="STEPS",
+        help="steps each rank's median compute time is taken over for the straggler alert (default 8)",
+    )
+    spec_args.add_argument("--expected-ranks", type=int, default=None, help="ranks the run must have (default: the manifest's world size)")
+    spec_args.add_argument("--claim-gpus", type=int, default=None, help="GPUs the run is claimed to use (checked against NVML)")
+    spec_args.add_argument("--claim-params", default=None, help="parameters claimed, e.g. 1.1B (checked against the manifest)")
+    spec_args.add_argument("--claim-world-size", type=int, default=None, help="ranks claimed (checked against the rank processes)")
+    spec_args.add_argument("--claim-tokens-per-s", type=float, default=None, help="throughput claimed (checked against the telemetry)")
+    spec_args.add_argument("--note", default=None, help="free text stored with the run (claims in it are checked too)")
+    spec_args.add_argument(
+        "--nproc-per-node", type=int, default=None, help="--kind fsdp/dflash: ranks per host (default: the number of --gpus)"
+    )
+    spec_args.add_argument(
+        "--hosts", default=None, metavar="H1,H2,...", help="one run across these hosts (torchrun c10d; the first host is the rendezvous)"
+    )
+    spec_args.add_argument(
+        "--rdzv-host",
+        default=None,
+        help="multi-node: the address the other hosts reach the first one at (default: its rdzv_host or SSH HostName)",
+    )
+    spec_args.add_argument("--json", action="store_true", help="print the result as JSON")
+    spec_args.add_argument("argv", nargs=argparse.REMAINDER, help="-- then the command and its arguments (never run by a shell)")
+
+    p = sub.add_parser(
+        "launch", parents=[spec_args], help="pre-flight, then start a run: gpudeck launch [--host H] [--gpus 0,1] -- CMD ARGS..."
+    )
+    p.add_argument(
+        "--request-id",
+        default=None,
+        help="idempotency key: a retry with the same key and the same launch (every option and the command) starts nothing new; "
+        "the same key with any difference is refused",
+    )
+    add_show_secrets(p)
+    p.add_argument(
+        "--reclaim-holders",
+        action="store_true",
+        help="when pre-flight refuses because stale or foreign processes of yours hold the GPUs: stop exactly those (TERM, "
+        "--grace, KILL, verified), pre-flight again and launch, printing each step; another user's process, a process this host "
+        "cannot see, or a failure reclaiming cannot fix refuses it before anything is stopped",
+    )
+    p.add_argument("--grace", type=float, default=10.0, help="with --reclaim-holders: seconds between SIGTERM and SIGKILL (default 10)")
+
+    p.set_defaults(func=cmd_launch)
+
+    p = sub.add_parser("preflight", parents=[spec_args], help="only the pre-flight checks of a launch (nothing starts)")
+    p.set_defaults(func=cmd_preflight)
+
+    p = sub.add_parser("reclaim", help="list leftovers (reclaim HOST) or stop them (reclaim HOST:PID ...): TERM, grace, KILL, verify")
+    p.add_argument("targets", nargs="+", metavar="HOST | HOST:PID")
+    p.add_argument("--grace", type=float, default=10.0, help="seconds between SIGTERM and SIGKILL (default 10)")
+    p.add_argument("--include-live", action="store_true", help="also list / allow members of live runs")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_reclaim)
+
+    p = sub.add_parser("verify", help="a run's claims against what is observed: parameters, ranks, GPUs, data, throughput")
+    p.add_argument("run", help="run id, unique id prefix, or name")
+    p.add_argument("--host", default=None, help=host_help + "; default: the host that has the run")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_verify)
+
+    p = sub.add_parser("triage", help="a live run's evidence now: every rank's stacks, state, CPU, GPU and the likely culprit (stored)")
+    p.add_argument("run", help="run id, unique id prefix, or name")
+    p.add_argument("--host", default=None, help=host_help + "; default: the host that has the run")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_triage)
+
+    p = sub.add_parser("runs", help="every run the agents have recorded (every host, or one with --host)")
+    p.add_argument("--host", default=None, help=host_help)
+    p.add_argument("--limit", type=int, default=1000)
+    p.add_argument("--json", action="store_true")
+    add_show_secrets(p)
+    p.set_defaults(func=cmd_runs)
+
+    p = sub.add_parser("tail", help="a run's output (stdout and stderr of all its ranks)")
+    p.add_argument("run", help="run id, unique id prefix, or name")
+    p.add_argument("--host", default=None, help=host_help + "; default: the host that has the run")
+    p.add_argument("-f", "--follow", action="store_true", help="keep printing new output until the run ends (Ctrl-C leaves)")
+    p.add_argument("-n", "--lines", type=int, default=20, help="how many last lines to print first (-1: all of the last 256 KiB)")
+    p.add_argument(
+        "--node",
+        type=int,
+        default=None,
+        help="multi-node runs: only this node's output (default: every node, each line prefixed with its host)",
+    )
+    p.add_argument(
+        "--raw",
+        action="store_true",
+        help="print the output byte for byte (by default control characters and escape sequences are shown as \\x1b-style escapes)",
+    )
+    p.set_defaults(func=cmd_tail)
+
+    p = sub.add_parser("stop", help="stop every process of a run: TERM, grace, KILL, verify")
+    p.add_argument("run", help="run id, unique id prefix, or name")
+    p.add_argument("--host", default=None, help=host_help + "; default: the host that has the run")
+    p.add_argument("--grace", type=float, default=30.0, help="seconds between SIGTERM and SIGKILL (default 30)")
+    p.add_argument("--json", action="store_true", help="print the verification result as JSON")
+    p.set_defaults(func=cmd_stop)
+
+    p = sub.add_parser("hosts", help="the fleet: list hosts (--check probes them), add NAME, remove NAME")
+    p.add_argument("--check", action="store_true", help="connect to every host and show its state")
+    p.add_argument("--timeout", type=float, default=20.0, help="seconds to wait for each host with --check")
+    p.add_argument("--json", action="store_true")
+    hsub = p.add_subparsers(dest="hosts_command", metavar="list|add|remove")
+    hsub.add_parser("list", help="the configured hosts")
+    h = hsub.add_parser("add", help="add hosts (names as in ~/.ssh/config)")
+    h.add_argument("names", nargs="+")
+    h = hsub.add_parser("remove", help="remove hosts")
+    h.add_argument("names", nargs="+")
+    p.set_defaults(func=cmd_hosts)
+
+    sync_args = argparse.ArgumentParser(add_help=False)
+    sync_args.add_argument("--no-sync", action="store_true", help="answer from the history as it is, without asking the hosts first")
+    sync_args.add_argument("--sync-timeout", type=float, default=20.0, help="seconds to wait for each host's new events (default 20)")
+
+    p = sub.add_parser(
+        "history", parents=[sync_args], help="every run ever started: gpudeck history state:failed host:gpu1 since:7d cause:oom"
+    )
+    p.add_argument(
+        "query",
+        nargs="*",
+        help="filters, each argument one term (key:value, key:~text, key:a,b, -key:value; see docs/history.md): "
+        "state host kind name id cause operator parent torch alert since until limit",
+    )
+    p.add_argument("--host", default=None, help="sync only this host first (the query itself takes host:NAME)")
+    p.add_argument("--json", action="store_true")
+    p.add_argument(
+        "--problems",
+        action="store_true",
+        help="the events the history kept out (quarantined: a value SQLite cannot store, an event that does not decode), raw, with why",
+    )
+    add_show_secrets(p)
+    p.set_defaults(func=cmd_history)
+
+    p = sub.add_parser("show", parents=[sync_args], help="one run in full from the history: spec, environment, telemetry, timeline")
+    p.add_argument("run", help="run id, unique id prefix, or name")
+    p.add_argument("--host", default=None, help=host_help)
+    p.add_argument("--json", action="store_true")
+    add_show_secrets(p)
+    p.set_defaults(func=cmd_show)
+
+    p = sub.add_parser(
+        "diff", parents=[sync_args], help="two runs side by side: config, environment (torch/CUDA/driver/NCCL first), outcome"
+    )
+    p.add_argument("run_a")
+    p.add_argument("run_b")
+    p.add_argument(
+        "--all",
+        action="store_true",
+        help="also show the config and environment rows that are equal (the outcome rows are always all shown)",
+    )
+    p.add_argument("--host", default=None, help="sync only this host first")
+    p.add_argument("--json", action="store_true")
+    add_show_secrets(p)
+    p.set_defaults(func=cmd_diff)
+
+    start_args = argparse.ArgumentParser(add_help=False)
+    start_args.add_argument("--fresh", action="store_true", help="start from step 0 with new checkpoints")
+    start_args.add_argument("--resume", default=None, metavar="N|latest", help="continue from checkpoint step N")
+    start_args.add_argument("--host", default=None, help="launch there (default: where the run ran)")
+    start_args.add_argument("--json", action="store_true")
+    add_show_secrets(start_args)
+
+    p = sub.add_parser(
+        "relaunch", parents=[sync_args, start_args], help="run a recorded run's config again (a trainer: --fresh or --resume N is required)"
+    )
+    p.add_argument("run")
+    p.set_defaults(func=cmd_relaunch)
+
+    p = sub.add_parser(
+        "rollback",
+        parents=[sync_args, start_args],
+        help="relaunch RUN in GOOD_RUN's environment: rollback RUN --to GOOD (--fresh | --resume N)",
+    )
+    p.add_argument("run")
+    p.add_argument("--to", required=True, metavar="GOOD_RUN", help="the known-good run whose environment to use")
+    p.add_argument("--config-from", action="store_true", help="use GOOD_RUN's configuration too")
+    p.add_argument(
+        "--rebuild-env",
+        action="store_true",
+        help="when GOOD_RUN's environment changed, recreate it from its recorded freeze (new venv under the agent's state dir)",
+    )
+    p.set_defaults(func=cmd_rollback)
+
+    p = sub.add_parser("agent", help="the host agent: serve, dial, status, stop")
+    asub = p.add_subparsers(dest="agent_command", metavar="serve|dial|status|stop", required=True)
+    a = asub.add_parser("serve", help="run the agent in the foreground")
+    a.add_argument("--state-dir", type=Path, default=None)
+    a.set_defaults(func=None, sync=lambda ns: __import__("gpudeck.agents.server.daemon", fromlist=["serve"]).serve(ns.state_dir))
+    a = asub.add_parser("dial", help="bridge stdin/stdout to the agent (what the console runs over SSH)")
+    a.add_argument("--state-dir", type=Path, default=None)
+    a.set_defaults(func=None, sync=lambda ns: __import__("gpudeck.agents.wire.dial", fromlist=["dial"]).dial(ns.state_dir))
+    a = asub.add_parser("stop", help="stop the agent (runs keep going; the next agent re-adopts them)")
+    a.set_defaults(func=cmd_agent_stop)
+    a = asub.add_parser("status", help="is the agent running, and where")
+    a.add_argument("--json", action="store_true")
+    a.set_defaults(func=cmd_agent_status)
+    add_watch_parser(sub)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``gpudeck`` command.
+
+    A reader that goes away (``gpudeck runs --json | head``) ends the command quietly with EXIT_PIPE, as a Unix tool
+    killed by SIGPIPE reports it in the shell; nothing more is written to stdout."""
+    try:
+        rc = _main(argv)
+        sys.stdout.flush()  # inside the try: what is still buffered meets the closed pipe here, not at interpreter exit
+        return rc
+    except BrokenPipeError:
+        return stdout_gone()
+
+
+def negated_filters(argv: list[str]) -> tuple[list[str], list[str]]:
+    """``history``'s ``-key:value`` words (a negated filter of a known key) taken out of its arguments, so argparse does not
+    read them as unknown options: (the arguments without them, the words). Other commands' arguments are left alone."""
+    if argv[:1] != ["history"]:
+        return argv, []
+    end = argv.index("--") if "--" in argv else len(argv)
+    words = [a for a in argv[1:end] if is_negation(a)]
+    return [a for i, a in enumerate(argv) if not (0 < i < end and is_negation(a))], words
+
+
+def _main(argv: list[str] | None) -> int:
+    ap = build_parser()
+    argv, negated = negated_filters(sys.argv[1:] if argv is None else list(argv))
+    args = ap.parse_args(argv)
+    if negated:
+        args.query = [*args.query, *negated]
+    if args.command is None:
+        if sys.stdout.isatty() and sys.stdin.isatty():
+            from gpudeck.console.tui.app import run_console
+
+            return run_console()
+        args = ap.parse_args(["status"])  # not a terminal (a pipe, a script): print the status instead
+    enable_progress(not getattr(args, "json", False))  # --json is for scripts: nothing but the document
+    try:
+        if getattr(args, "func", None) is None:
+            return int(args.sync(args) or 0)
+        return asyncio.run(args.func(args))
+    except OpsError as exc:
+        print(terminal_text(f"gpudeck: {exc.message}"), file=sys.stderr)
+        return exc.exit_code
+    except (CliError, QueryError, cfg.ConfigError) as exc:
+        print(terminal_text(f"gpudeck: {exc}"), file=sys.stderr)
+        return EXIT_USAGE
+    except HistoryError as exc:
+        print(terminal_text(f"gpudeck: {exc}"), file=sys.stderr)
+        return EXIT_ERROR
+    except AgentError as exc:
+        print(terminal_text(f"gpudeck: {exc.message}"), file=sys.stderr)
+        return EXIT_ERROR
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,386 @@
+"""Provides the console's links to agents: the local Unix socket, or ``gpudeck agent dial`` over SSH.
+
+SSH goes through asyncssh with the user's ``~/.ssh/config`` (HostName, User,
+Port, IdentityFile, ProxyJump) and ``~/.ssh/known_hosts``. Host keys are
+always checked: an unknown key and a changed key are refused with errors that
+say what to do, and there is no option that turns the check off. Agent
+forwarding stays off. Keepalives notice a dead link within about 30 s; the
+fleet's snapshot watchdog usually notices sooner.
+
+Only :mod:`gpudeck.console.fleet.fleet` uses this module; the CLI and the TUI go through the
+Fleet.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import socket
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import asyncssh
+
+from gpudeck.agents.wire.client import AgentClient
+from gpudeck.agents.wire.errors import AgentError, AgentUnavailable
+
+KEEPALIVE_S = 10.0
+KEEPALIVE_COUNT = 3
+CONNECT_TIMEOUT_S = 15.0
+LOGIN_TIMEOUT_S = 30.0
+HELLO_TIMEOUT_S = 30.0  # the far side may have to start its agent first
+
+log = logging.getLogger(__name__)
+
+
+class HostKeyError(AgentError):
+    """The host's SSH key is unknown or changed; nothing was sent to it."""
+
+    code = "host_key"
+
+
+class SshError(AgentError):
+    """The SSH connection could not be made or was refused."""
+
+    code = "ssh"
+
+
+@dataclass(frozen=True)
+class SshOptions:
+    """Where the SSH client settings come from (the user's files unless a test says otherwise)."""
+
+    config: Sequence[Path] | None = None  # None: ~/.ssh/config (if it exists)
+    known_hosts: Sequence[Path] | None = None  # None: ~/.ssh/known_hosts and /etc/ssh/ssh_known_hosts
+    client_keys: Sequence[Path] | None = None  # None: IdentityFile from the config, else ~/.ssh/id_*
+    keepalive_s: float = KEEPALIVE_S
+    keepalive_count: int = KEEPALIVE_COUNT
+    connect_timeout_s: float | None = None  # None: the host's ConnectTimeout in the ssh config, else CONNECT_TIMEOUT_S
+    env: dict[str, str] = field(default_factory=dict)
+
+    def config_paths(self) -> list[str]:
+        if self.config is not None:
+            return [str(p) for p in self.config]
+        p = Path("~/.ssh/config").expanduser()
+        return [str(p)] if p.exists() else []
+
+    def known_hosts_paths(self) -> list[str]:
+        if self.known_hosts is not None:
+            return [str(p) for p in self.known_hosts]
+        return [str(p) for p in (Path("~/.ssh/known_hosts").expanduser(), Path("/etc/ssh/ssh_known_hosts")) if p.exists()]
+
+
+class _KnownHosts:
+    """The known_hosts check OpenSSH makes: the entry for the name (or ``HostKeyAlias``) decides.
+
+    asyncssh's own matcher also trusts a key recorded for the peer's IP address;
+    OpenSSH never does (``CheckHostIP`` only adds a warning when the address's
+    entry differs), so an address entry here never vouches for a name whose own
+    entry is missing or holds another key. With ``HostKeyAlias`` the alias is
+    looked up as it is, without the port, as OpenSSH does. Remembering whether a
+    key *was* recorded lets the console tell a changed key (a possible attack)
+    from a host never seen.
+    """
+
+    def __init__(self, paths: list[str], alias: str | None = None, check_host_ip: bool = False) -> None:
+        self.paths = paths
+        self.alias = alias
+        self.check_host_ip = check_host_ip
+        self.warning: str | None = None
+        self.looked_up: tuple[str, str, int | None] | None = None
+        self.recorded_keys = 0
+
+    def __call__(self, host: str, addr: str, port: int | None):
+        if self.alias:
+            host, port = self.alias, None  # asyncssh passes the alias with the port; OpenSSH looks it up bare
+        self.looked_up = (host, addr, port)
+        keys, cas, revoked = self._lookup(host, port)  # no address: the IP's entry must not match the name
+        self.recorded_keys = len(keys) + len(cas)
+        if self.check_host_ip and addr and addr != host:
+            # CheckHostIP yes: an address entry holding other keys is OpenSSH's "differs from the key for the IP
+            # address" warning; it neither refuses nor vouches (ssh -o BatchMode=yes connects)
+            ip_keys = self._lookup(addr, port)[0]
+            if ip_keys and not any(k in ip_keys for k in keys):
+                self.warning = f"the host key for {host} differs from the key recorded for the IP address {addr}"
+                log.warning("%s", self.warning)
+        return keys, cas, revoked
+
+    def _lookup(self, host: str, port: int | None) -> tuple[list, list, list]:
+        keys: list = []
+        cas: list = []
+        revoked: list = []
+        for p in self.paths:
+            try:
+                kh = asyncssh.read_known_hosts(p)
+            except (OSError, ValueError):
+                continue
+            m = kh.match(host, "", port)
+            keys.extend(m[0])
+            cas.extend(m[1])
+            revoked.extend(m[2])
+        return keys, cas, revoked
+
+
+class _HostKeyConfig(asyncssh.config.SSHClientConfig):
+    """asyncssh's ssh config reader, also reading ``CheckHostIP`` (asyncssh ignores it)."""
+
+    _handlers = {**asyncssh.config.SSHClientConfig._handlers, "checkhostip": ("CheckHostIP", asyncssh.config.SSHConfig._set_bool)}
+
+
+@dataclass(frozen=True)
+class HostSettings:
+    """What the user's ssh config says of one host that gpudeck reads itself (asyncssh reads the rest)."""
+
+    host_key_alias: str | None = None
+    check_host_ip: bool = False  # OpenSSH's default: no
+    connect_timeout_s: float | None = None  # ConnectTimeout (None: not set; 0 or less is taken as not set: gpudeck's own applies)
+
+
+def host_settings(name: str, config_paths: Sequence[str]) -> HostSettings:
+    """``HostKeyAlias``, ``CheckHostIP`` and ``ConnectTimeout`` as the user's ssh config sets them for ``name``."""
+    if not config_paths:
+        return HostSettings()
+    try:
+        cfg = _HostKeyConfig.load(None, list(config_paths), False, False, False, "", "", name, None)
+    except (OSError, asyncssh.Error, ValueError):
+        return HostSettings()
+    alias = cfg.get("HostKeyAlias")
+    timeout = cfg.get("ConnectTimeout")
+    return HostSettings(
+        host_key_alias=str(alias) if alias else None,
+        check_host_ip=bool(cfg.get("CheckHostIP", False)),
+        connect_timeout_s=float(timeout) if isinstance(timeout, int | float) and timeout > 0 else None,
+    )
+
+
+def _host_key_error(name: str, kh: _KnownHosts, exc: Exception) -> HostKeyError:
+    target = kh.looked_up[0] if kh.looked_up else name
+    port = kh.looked_up[2] if kh.looked_up else None
+    where = f"[{target}]:{port}" if port not in (None, 22) else target
+    files = ", ".join(kh.paths) or "~/.ssh/known_hosts (missing)"
+    if kh.recorded_keys:
+        return HostKeyError(
+            f"{name}: the SSH host key of {where} has CHANGED since it was recorded in {files} — this is a possible attack "
+            f"(someone may be intercepting the connection), or the host was reinstalled. Nothing was sent. If you know the "
+            f"host was rebuilt, remove the old key with `ssh-keygen -R '{where}'` and run `ssh {name}` once to check and accept the new one."
+        )
+    return HostKeyError(
+        f"{name}: the SSH host key of {where} is not known (not in {files}); nothing was sent. "
+        f"Run `ssh {name}` once, check the fingerprint, and accept it; then gpudeck will connect. ({exc})"
+    )
+
+
+class _AgentSession(asyncssh.SSHClientSession):
+    """The agent bridge's channel: stdout bytes go straight into the AgentClient from asyncssh's receive path
+    (no stream buffer and no task wake-up per message: with hundreds of hosts that is most of the console's CPU);
+    the last 8 KiB of stderr are kept to explain a bridge that never answered."""
+
+    def __init__(self) -> None:
+        self.client: AgentClient | None = None
+        self.chan: asyncssh.SSHClientChannel | None = None
+        self.stderr: list[bytes] = []
+        self.exit_status: int | None = None
+        self.closed = asyncio.Event()
+        self._can_write = asyncio.Event()
+        self._can_write.set()
+
+    def connection_made(self, chan: asyncssh.SSHClientChannel) -> None:
+        self.chan = chan
+
+    def data_received(self, data: bytes, datatype: asyncssh.DataType) -> None:
+        if datatype == asyncssh.EXTENDED_DATA_STDERR:
+            self.stderr.append(data)
+            while sum(len(c) for c in self.stderr) > 8192:
+                self.stderr.pop(0)
+        elif self.client is not None:
+            self.client.feed(data)
+
+    def eof_received(self) -> bool:
+        if self.client is not None:
+            self.client.feed_eof("the agent closed the connection")
+        return False
+
+    def exit_status_received(self, status: int) -> None:
+        self.exit_status = status
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self.client is not None:
+            self.client.feed_eof(f"connection lost: {exc}" if exc else "the agent closed the connection")
+        self._can_write.set()
+        self.closed.set()
+
+    def pause_writing(self) -> None:
+        self._can_write.clear()
+
+    def resume_writing(self) -> None:
+        self._can_write.set()
+
+
+class _ChannelWriter:
+    """What AgentClient writes through: the channel, with drain honouring SSH flow control."""
+
+    def __init__(self, session: _AgentSession) -> None:
+        self._s = session
+
+    def write(self, data: bytes) -> None:
+        assert self._s.chan is not None
+        self._s.chan.write(data)
+
+    async def drain(self) -> None:
+        if self._s.closed.is_set():
+            raise ConnectionResetError("the SSH channel is closed")
+        await self._s._can_write.wait()
+
+    def write_eof(self) -> None:
+        assert self._s.chan is not None
+        self._s.chan.write_eof()
+
+    def close(self) -> None:
+        if self._s.chan is not None:
+            self._s.chan.close()
+
+
+class SshLink:
+    """One SSH connection running the agent bridge; ``client`` speaks the agent protocol over it."""
+
+    def __init__(self, conn: asyncssh.SSHClientConnection, session: _AgentSession, client: AgentClient) -> None:
+        self.conn = conn
+        self.session = session
+        self.client = client
+
+    async def close(self) -> None:
+        await self.client.close()
+        self.conn.close()
+        try:
+            await asyncio.wait_for(self.conn.wait_closed(), 5.0)
+        except (TimeoutError, Exception):
+            pass
+
+
+# AES-GCM first: hardware AES (AES-NI, ARMv8 crypto) and one AEAD call per packet in asyncssh, where
+# chacha20-poly1305 sets up four cipher contexts per packet. Every algorithm asyncssh allows by default
+# stays allowed (a server offering only chacha20 still works); only the preference order changes, and a
+# `Ciphers` line in the user's ssh config (or an `Include`, which might hold one) wins over it.
+PREFERRED_CIPHERS = ("aes128-gcm@openssh.com", "aes256-gcm@openssh.com")
+_CIPHERS_LINE = re.compile(r"^\s*(ciphers|include)\b", re.IGNORECASE | re.MULTILINE)
+
+
+def encryption_preference(config_paths: Sequence[str]) -> list[str] | None:
+    """The cipher order to ask for, or None to leave it to the user's ssh config (it names Ciphers or Includes)."""
+    for p in config_paths:
+        try:
+            if _CIPHERS_LINE.search(Path(p).read_text(errors="replace")):
+                return None
+        except OSError:
+            continue
+    default = [a.decode() for a in asyncssh.encryption.get_default_encryption_algs()]
+    first = [a for a in PREFERRED_CIPHERS if a in default]
+    return first + [a for a in default if a not in first]
+
+
+# asyncssh's AES-GCM code is used as it is. An earlier shim replaced its GCMCipher class process-wide to keep one
+# AESGCM object per key; measured, that saved about 1 us per 200-byte packet (2.6 -> 1.6 us) and was slower for
+# 32 KiB packets: at 256 hosts and a snapshot a second, 0.03% of one core. A library's crypto is not patched for that.
+
+
+def _skip_idle_packet_log(chan: asyncssh.SSHClientChannel) -> None:
+    """asyncssh formats a log line for every packet a channel receives before its logger checks whether packet
+    logging is on (debug level 3); with a snapshot a second from hundreds of hosts that is a noticeable share of
+    the console's CPU. The channel's hook only calls through when that level is set (or cannot be read)."""
+    real = chan.log_received_packet
+    logger_cls = type(asyncssh.logging.logger)
+
+    def log_received_packet(pkttype: int, pktid: int | None, packet: object, note: str = "") -> None:
+        if getattr(logger_cls, "_debug_level", 3) >= 3:
+            real(pkttype, pktid, packet, note)  # type: ignore[arg-type]
+
+    chan.log_received_packet = log_received_packet  # type: ignore[method-assign]
+
+
+async def connect_ssh(name: str, command: str, options: SshOptions) -> SshLink:
+    """Connect to ``name`` as ``~/.ssh/config`` describes it and start ``command`` (the agent bridge)."""
+    settings = host_settings(name, options.config_paths())
+    kh = _KnownHosts(options.known_hosts_paths(), settings.host_key_alias, settings.check_host_ip)
+    # the connect timeout as ssh takes it: the host's ConnectTimeout when the config sets one (gpudeck passing its own
+    # would override it), else gpudeck's; a caller's explicit one first
+    if options.connect_timeout_s is not None:
+        timeout, timeout_from = options.connect_timeout_s, "the caller's limit"
+    elif settings.connect_timeout_s is not None:
+        timeout, timeout_from = settings.connect_timeout_s, f"ConnectTimeout for {name} in the ssh config"
+    else:
+        timeout, timeout_from = CONNECT_TIMEOUT_S, f"gpudeck's default: set ConnectTimeout for {name} in ~/.ssh/config to change it"
+    kwargs: dict = dict(
+        config=options.config_paths() or None,
+        known_hosts=kh,
+        agent_forwarding=False,
+        x11_forwarding=False,
+        keepalive_interval=options.keepalive_s,
+        keepalive_count_max=options.keepalive_count,
+        connect_timeout=timeout,
+        login_timeout=LOGIN_TIMEOUT_S,
+    )
+    algs = encryption_preference(options.config_paths())
+    if algs is not None:
+        kwargs["encryption_algs"] = algs
+    if options.client_keys is not None:
+        kwargs["client_keys"] = [str(p) for p in options.client_keys]
+    try:
+        conn = await asyncssh.connect(name, **kwargs)
+    except asyncssh.HostKeyNotVerifiable as exc:
+        raise _host_key_error(name, kh, exc) from None
+    except asyncssh.PermissionDenied as exc:
+        raise SshError(
+            f"{name}: SSH authentication failed ({exc.reason}): check User and IdentityFile for {name} in ~/.ssh/config, or `ssh-add` the key"
+        ) from None
+    except asyncssh.ConnectionLost as exc:
+        raise SshError(
+            f"{name}: the SSH connection was lost during the handshake ({exc.reason}): is sshd there overloaded (MaxStartups) or the link dropping?"
+        ) from None
+    except asyncssh.DisconnectError as exc:
+        raise SshError(f"{name}: SSH connection refused by the server ({exc.reason})") from None
+    except TimeoutError:
+        raise SshError(f"{name}: no SSH answer within {timeout:g} s ({timeout_from}): is the host up and reachable from here?") from None
+    except ConnectionRefusedError as exc:
+        raise SshError(
+            f"{name}: nothing accepts SSH connections there ({exc.strerror or exc}): is sshd running, and are HostName and Port for {name} in ~/.ssh/config right?"
+        ) from None
+    except socket.gaierror as exc:
+        raise SshError(f"{name}: cannot resolve its address ({exc.strerror or exc}): check HostName for {name} in ~/.ssh/config") from None
+    except (OSError, asyncssh.Error) as exc:
+        raise SshError(f"{name}: cannot connect over SSH: {exc}") from None
+    try:
+        _chan, session = await conn.create_session(_AgentSession, command, encoding=None, env=options.env or (), term_type=None)  # type: ignore[arg-type]  # asyncssh types env as a Mapping keyed by bytes | str (invariant key), so a dict[str, str] does not match
+    except (asyncssh.ChannelOpenError, asyncssh.Error, OSError) as exc:
+        conn.close()
+        raise SshError(f"{name}: connected, but cannot run `{command}` there: {exc}") from None
+    if not isinstance(session, _AgentSession):  # asyncssh types the session as its base class, not the factory's
+        conn.close()
+        raise TypeError(f"{name}: asyncssh returned a {type(session).__name__} session, not the _AgentSession it was asked for")
+    _skip_idle_packet_log(_chan)
+    client = AgentClient(None, _ChannelWriter(session))
+    session.client = client
+    try:
+        async with asyncio.timeout(HELLO_TIMEOUT_S):
+            await client.say_hello(alias=name)
+    except (AgentError, TimeoutError) as exc:
+        # the bridge never answered: say why, from its exit status and stderr
+        try:
+            await asyncio.wait_for(session.closed.wait(), 2.0)
+        except (TimeoutError, Exception):
+            pass
+        await asyncio.sleep(0)
+        stderr = b"".join(session.stderr).decode("utf-8", "replace").strip()
+        await client.close()
+        conn.close()
+        if isinstance(exc, AgentError) and not isinstance(exc, AgentUnavailable):
+            raise  # a typed refusal from the agent itself (version mismatch, permission)
+        status = session.exit_status
+        detail = stderr.splitlines()[-1] if stderr else (f"exit status {status}" if status is not None else "no answer")
+        hint = (
+            f'install gpudeck on {name}, or set its path in the config: [host.{name}] command = "/path/to/gpudeck agent dial"'
+            if status == 127 or "not found" in stderr
+            else f"see the agent log on {name} (`gpudeck agent status` there)"
+        )
+        raise SshError(f"{name}: `{command}` did not answer the gpudeck protocol ({detail}); {hint}") from None
+    return SshLink(conn, session, client)

@@ -1,0 +1,42 @@
+"""sqlite-utils, imported without its optional pandas and numpy support.
+
+sqlite-utils imports pandas and numpy at import time when they are installed, only
+to map their scalar types to SQLite column types. gpudeck never hands it a
+DataFrame or a numpy value (every row is built from msgspec-decoded events), and
+on a host that has them — the ``train`` extra brings pandas through ``datasets`` —
+the two imports cost about 0.35 s of every CLI call (``python -X importtime -c
+"import gpudeck.console.cli.main"``: 600-790 ms with them, 270-310 ms without, on the
+2-core test machine). So they are hidden for the duration of this one import and
+only when nothing has imported them yet; the entries are removed afterwards, so
+a later ``import pandas`` in the same process works as usual. Nothing inside
+sqlite-utils is changed: it sees what it would see on a host without pandas.
+"""
+
+from __future__ import annotations
+
+import sys
+from types import ModuleType
+from typing import TYPE_CHECKING
+
+__all__ = ["sqlite_utils"]
+
+_OPTIONAL = ("pandas", "numpy")
+
+
+def _import() -> ModuleType:
+    hidden = [name for name in _OPTIONAL if name not in sys.modules]
+    for name in hidden:
+        sys.modules[name] = None  # type: ignore[assignment]  # `import name` raises ImportError while this holds
+    try:
+        import sqlite_utils
+    finally:
+        for name in hidden:
+            if sys.modules.get(name, 0) is None:
+                del sys.modules[name]
+    return sqlite_utils
+
+
+if TYPE_CHECKING:
+    import sqlite_utils
+else:
+    sqlite_utils = _import()

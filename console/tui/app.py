@@ -1,0 +1,330 @@
+"""Provides the gpudeck console: a Textual app over the Fleet (hosts, GPUs, runs, output) and the History.
+
+Host links call back on every snapshot; the app only notes which hosts
+changed and, four times a second, hands the changes to the screens inside one
+``batch_update()`` — 256 hosts at 1 Hz cost a few table cells per tick, not a
+repaint per snapshot. History syncs are noted the same way.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+from collections.abc import Iterable
+from pathlib import Path
+
+import platformdirs
+from rich.terminal_theme import TerminalTheme
+from textual import events, work
+from textual._ansi_theme import ALABASTER
+from textual.app import App, SystemCommand
+from textual.binding import Binding
+from textual.notifications import SeverityLevel
+from textual.screen import ModalScreen, Screen
+
+from gpudeck.agents.wire import paths
+from gpudeck.agents.wire.protocol import RunInfo
+from gpudeck.console.core.config import ConfigError
+from gpudeck.console.core.sanitize import escape_controls
+from gpudeck.console.fleet.fleet import Fleet, HostLink, HostStatus
+from gpudeck.console.history.replica import History
+from gpudeck.console.ops import LaunchIntent
+from gpudeck.console.tui.commands import GpudeckCommands
+from gpudeck.console.tui.compat.textual_fixes import install as install_textual_fixes
+from gpudeck.console.tui.screens.base import LiveScreen
+from gpudeck.console.tui.screens.fleet import FleetScreen
+from gpudeck.console.tui.screens.history import HistoryScreen
+from gpudeck.console.tui.screens.host import HostScreen
+from gpudeck.console.tui.screens.launch import LaunchDialog, LaunchOutcome
+from gpudeck.console.tui.screens.run import RunScreen
+from gpudeck.console.tui.screens.runs import RunsScreen
+
+install_textual_fixes()  # Strip.divide without its reference cycle: see textual_fixes.py
+
+# Host changes reach the screens this often at most. A refresh costs the visible cells that changed
+# (KeyedTable), so frequent small refreshes keep a key press from waiting behind a big one.
+FLUSH_S = 0.25
+CONFIG_POLL_S = 2.0  # how often the console looks whether `gpudeck hosts add/remove` changed the config file
+GC_FREEZE_AFTER_S = 60.0  # freeze the start-up heap once every host has answered, or after this long
+# After the freeze the collector runs young collections by itself, every 10,000 net allocations; the middle and full
+# ones are the console's to start (due_collection), when nobody is pressing keys. Python's default (700, 10, 10) set
+# off a full collection every couple of seconds while a run's output streamed (50-90 ms each). 50,000 young made each
+# young collection a 20-70 ms pause, because what Textual leaves in reference cycles (each layout's map, each
+# toast's nodes) is freed only by the collector: a young pass freed 30,000 objects. At 10,000 they take 5-15 ms of
+# CPU; a middle one, freeing what the young ones promoted, takes 80-105 ms with 256 hosts and a run streaming, and a
+# key press that met one waited that long (bench/tui.py --parts 3, bench/RESULTS.md section 24).
+GC_YOUNG = 10_000
+GC_NEVER = 1 << 30  # the collector's own middle and full collections, as thresholds: never
+GC_MIDDLE_AFTER = 20  # young collections before a middle one is due (Python's default is 10)
+GC_FULL_AFTER = 100  # middle collections before a full one is due (as the collector's threshold was)
+GC_IDLE_S = 1.0  # a due collection waits until no key or click came for this long
+GC_WAIT_LIMIT = 4  # ... or until it is this many times overdue: it waits for an idle moment, never forever
+THEMES = ("textual-dark", "textual-light")
+
+
+def due_collection(counts: tuple[int, int, int], idle_s: float) -> int | None:
+    """The generation to collect now, or None: ``counts`` is ``gc.get_count()`` (the middle and full entries count
+    the collections below them since their own last), ``idle_s`` how long since the last key or click.
+
+    A full collection is due after GC_FULL_AFTER middle ones, a middle one after GC_MIDDLE_AFTER young ones; a due
+    one runs once input has been idle for GC_IDLE_S, or, if input never pauses, at GC_WAIT_LIMIT times its count."""
+    _, young_runs, middle_runs = counts
+    idle = idle_s >= GC_IDLE_S
+    if middle_runs >= GC_FULL_AFTER and (idle or middle_runs >= GC_FULL_AFTER * GC_WAIT_LIMIT):
+        return 2
+    if young_runs >= GC_MIDDLE_AFTER and (idle or young_runs >= GC_MIDDLE_AFTER * GC_WAIT_LIMIT):
+        return 1
+    return None
+
+
+def _light_ansi() -> TerminalTheme:
+    """Textual's light ANSI palette (Alabaster) with a darker yellow: 'changed' (diffs), 'connecting', FOREIGN are
+    yellow, and Alabaster's rgb(203,144,0) has 2:1 contrast on the light background; this one has over 5:1 (WCAG AA)."""
+    base = ALABASTER
+    colors = [(c[0], c[1], c[2]) for c in base.ansi_colors._colors]  # 8 normal, then 8 bright
+    colors[3] = colors[11] = LIGHT_YELLOW
+    bg, fg = base.background_color, base.foreground_color
+    return TerminalTheme((bg[0], bg[1], bg[2]), (fg[0], fg[1], fg[2]), colors[:8], colors[8:])
+
+
+LIGHT_YELLOW = (115, 78, 0)
+
+
+class GpudeckApp(App):
+    """The operator's console."""
+
+    CSS_PATH = Path(__file__).with_name("app.tcss")  # absolute, so a subclass elsewhere (bench/tui.py) finds it
+    TITLE = "gpudeck"
+    SUB_TITLE = "who holds every GPU, every run supervised"
+    COMMANDS = App.COMMANDS | {GpudeckCommands}
+    BINDINGS = [
+        Binding("f", "show_fleet", "Fleet", tooltip="every host"),
+        Binding("r", "show_runs", "Runs", tooltip="every run on every host"),
+        Binding("h", "show_history", "History", tooltip="every recorded run: filter, open, diff two"),
+        Binding("l", "launch", "Launch", tooltip="start a run: pre-flight first, explicit start"),
+        Binding("ctrl+t", "toggle_theme", "Theme", tooltip="dark / light"),
+        Binding("question_mark", "toggle_help", "Help", key_display="?"),
+        Binding("q", "quit", "Quit"),
+    ]
+
+    def __init__(self, fleet: Fleet | None = None, *, freeze_gc: bool = False) -> None:
+        """``freeze_gc``: once connected, keep the start-up heap out of full collections (the real console does)."""
+        super().__init__()
+        self.fleet = fleet or Fleet()
+        self._dirty_hosts: set[str] = set()
+        self._history_dirty = False
+        self._gc_frozen = not freeze_gc  # tests and embedders leave their process's collector alone
+        self._mounted_at = time.monotonic()
+        self._input_at = 0.0
+        self.flushes = 0
+        self.last_screenshot: Path | None = None
+
+    def notify(
+        self, message: str, *, title: str = "", severity: SeverityLevel = "information", timeout: float | None = None, markup: bool = False
+    ) -> None:
+        """A toast; its text often carries run names and agent messages, so it is never parsed as markup by default."""
+        super().notify(escape_controls(message), title=escape_controls(title), severity=severity, timeout=timeout, markup=markup)
+
+    def fleet_status(self) -> dict[str, HostStatus]:
+        """The latest state of every host."""
+        return {name: link.status for name, link in self.fleet.links.items()}
+
+    def _follow_link(self, name: str, link: HostLink) -> None:
+        def mark_dirty(_st: HostStatus, name: str = name) -> None:
+            self._dirty_hosts.add(name)
+
+        link.subscribe(mark_dirty)
+        link.on_synced(self._synced)
+
+    def on_mount(self) -> None:
+        self.theme = THEMES[0]
+        self.ansi_theme_light = _light_ansi()
+        for name, link in self.fleet.links.items():
+            self._follow_link(name, link)
+        self.fleet.start()
+        self.set_interval(FLUSH_S, self.flush_updates)
+        self._config_mtime = self._config_stamp()
+        self.set_interval(CONFIG_POLL_S, self._check_config)
+        self._mounted_at = time.monotonic()
+        self.push_screen(FleetScreen())
+
+    def _config_stamp(self) -> float | None:
+        config = getattr(self.fleet, "config", None)  # a fleet built without a config file has nothing to follow
+        try:
+            return config.path.stat().st_mtime_ns if config is not None else None
+        except OSError:
+            return None
+
+    def _check_config(self) -> None:
+        """``gpudeck hosts add/remove`` (or an edit) changed the config file: follow it without a restart."""
+        stamp = self._config_stamp()
+        if stamp == self._config_mtime:
+            return
+        self._config_mtime = stamp
+        try:
+            added, removed = self.fleet.reload_config()
+        except ConfigError as exc:
+            self.notify(str(exc), title="the config file changed and cannot be read", severity="error")
+            return
+        for name in added:
+            self._follow_link(name, self.fleet.links[name])
+        if added or removed:
+            self._dirty_hosts |= {*added, *removed}
+            self.notify(
+                "; ".join([*(["added " + ", ".join(added)] if added else []), *(["removed " + ", ".join(removed)] if removed else [])]),
+                title="hosts changed",
+            )
+
+    def _synced(self, host: str, n: int) -> None:
+        if n:
+            self._history_dirty = True
+
+    async def on_unmount(self) -> None:
+        await self.fleet.close()
+
+    def flush_updates(self) -> None:
+        """Hand what changed since the last flush to the screens; the visible ones redraw it now, in one batch."""
+        if not self._gc_frozen:
+            self._maybe_freeze_gc()
+        if not self._dirty_hosts and not self._history_dirty:
+            return
+        hosts, self._dirty_hosts = self._dirty_hosts, set()
+        history, self._history_dirty = self._history_dirty, False
+        self.flushes += 1
+        with self.batch_update():
+            for screen in self.screen_stack:
+                if isinstance(screen, LiveScreen):
+                    screen.queue(hosts, history)
+            for screen in self.visible_screens():
+                if isinstance(screen, LiveScreen):
+                    screen.deliver()
+
+    def _maybe_freeze_gc(self) -> None:
+        """Once the fleet is connected, take what start-up built out of the cyclic collector's sight.
+
+        The widgets, the links, hundreds of SSH connections live as long as the console; a full
+        collection walks all of them (170 ms with 256 hosts, measured by bench/tui.py) and a key
+        press waits behind it. Frozen objects are still freed by reference counting when they go.
+        Then young collections run every GC_YOUNG allocations, and the middle and full ones when the
+        console starts them (due_collection): cycles are still found, a little later.
+        """
+        links = self.fleet.links.values()
+        settled = all(link.status.state != "connecting" for link in links)
+        if settled or time.monotonic() - self._mounted_at > GC_FREEZE_AFTER_S:
+            self._gc_frozen = True
+            gc.collect()
+            gc.freeze()
+            gc.set_threshold(GC_YOUNG, GC_NEVER, GC_NEVER)
+            self.set_interval(FLUSH_S, self._collect_when_idle)
+
+    def _collect_when_idle(self) -> None:
+        gen = due_collection(gc.get_count(), time.monotonic() - self._input_at)
+        if gen is not None:
+            gc.collect(gen)
+
+    async def on_event(self, event: events.Event) -> None:
+        if isinstance(event, (events.Key, events.MouseDown, events.MouseScrollDown, events.MouseScrollUp, events.Paste)):
+            self._input_at = time.monotonic()  # someone is waiting on the screen: collections wait (due_collection)
+        await super().on_event(event)
+
+    def visible_screens(self) -> list[Screen]:
+        """The top screen, and under a modal dialog the screens it lets show through."""
+        out: list[Screen] = []
+        for screen in reversed(self.screen_stack):
+            out.append(screen)
+            if not isinstance(screen, ModalScreen):
+                break
+        return out
+
+    # ------------------------------------------------------------------ navigation
+
+    def action_show_fleet(self) -> None:
+        while len(self.screen_stack) > 2:
+            self.pop_screen()
+
+    def action_show_runs(self) -> None:
+        if not isinstance(self.screen, RunsScreen):
+            self.push_screen(RunsScreen())
+
+    def action_show_history(self) -> None:
+        if not isinstance(self.screen, HistoryScreen):
+            self.push_screen(HistoryScreen())
+
+    def open_host(self, host: str) -> None:
+        """Show one host's GPUs and processes."""
+        self.push_screen(HostScreen(host))
+
+    def open_run(self, host: str, run_id: str, run: RunInfo | None = None) -> None:
+        """Show one run's output, facts and actions (``run``: what is known of it already)."""
+        self.push_screen(RunScreen(host, run_id, run))
+
+    # ------------------------------------------------------------------ palette and screenshots
+
+    # system commands gpudeck's own palette entries already give (its keys: q, ctrl+t, ?), or that it replaces
+    _SYSTEM_DUPLICATES = frozenset({"Quit", "Theme", "Keys", "Screenshot"})
+
+    def get_system_commands(self, screen: Screen) -> Iterable[SystemCommand]:
+        """Textual's own commands less those gpudeck lists already: the palette names each command once."""
+        for command in super().get_system_commands(screen):
+            if command.title not in self._SYSTEM_DUPLICATES:
+                yield command
+        yield SystemCommand("Screenshot", "Save an SVG of the screen (says where)", self.action_screenshot)
+
+    def action_screenshot(self, filename: str | None = None, path: str | None = None) -> None:
+        """Save an SVG of the screen where it can be written — ``path``, the Downloads folder (created if need be),
+        else the state directory — and say where (Textual's own saves to a Downloads folder that may not exist)."""
+        candidates = [Path(path).expanduser()] if path else []
+        candidates += [Path(platformdirs.user_downloads_dir()), paths.state_dir() / "screenshots"]
+        errors: list[str] = []
+        for folder in candidates:
+            try:
+                folder.mkdir(parents=True, exist_ok=True)
+                saved = self.save_screenshot(filename, str(folder))
+            except OSError as exc:
+                errors.append(f"{folder}: {exc.strerror or exc}")
+                continue
+            self.last_screenshot = Path(saved)
+            self.notify(f"saved to {saved}", title="screenshot")
+            return
+        self.notify("; ".join(errors), title="the screenshot could not be saved", severity="error")
+
+    def action_toggle_theme(self) -> None:
+        self.theme = THEMES[1] if self.theme == THEMES[0] else THEMES[0]
+
+    def action_toggle_help(self) -> None:
+        from textual.widgets import HelpPanel
+
+        if self.screen.query(HelpPanel):
+            self.action_hide_help_panel()
+        else:
+            self.action_show_help_panel()
+
+    def action_launch(self) -> None:
+        self.launch_flow()
+
+    @work(exclusive=True, group="launch")
+    async def launch_flow(self, prefill: LaunchIntent | None = None, host: str | None = None, title: str | None = None) -> None:
+        """The launch dialog (pre-flight, confirm, launch), then the new run's screen (``prefill``: a relaunch's intent)."""
+        parent = prefill.parent if prefill is not None else None
+        outcome: LaunchOutcome | None = await self.push_screen_wait(LaunchDialog(prefill=prefill, host=host, title=title))
+        if outcome is None:
+            return
+        run = outcome.run
+        what = f" ({outcome.spec.start})" if outcome.spec.start else ""
+        if run.state == "preflight_failed":
+            self.notify(
+                run.cause or "pre-flight failed on the host", title=f"{run.id} refused by {outcome.host}", severity="error", timeout=15
+            )
+        else:
+            self.notify(f"{run.id} started on {outcome.host}{what}" + (f", relaunching {parent}" if parent else ""), title="launched")
+        self.open_run(outcome.host, run.id, run)
+
+
+def run_console() -> int:
+    """Open the console on the fleet (this host, its agent started if needed, plus the configured hosts)."""
+    history = History()
+    try:
+        GpudeckApp(Fleet(history=history), freeze_gc=True).run()
+    finally:
+        history.close()
+    return 0

@@ -1,0 +1,968 @@
+"""Provides KeyedTable: a DataTable kept in step with a keyed model, writing only the cells that changed.
+
+dolphie's rule for live tables: rows have keys, stale rows are removed, new
+rows are added, and an existing row gets ``update_cell`` only for the cells
+whose value changed — the table is never cleared, so the cursor, the scroll
+position and the marks survive every refresh, and a refresh of 256 hosts where
+three changed costs three rows. Columns given a width never re-measure (a
+shrinking auto-width cell makes DataTable re-measure its whole column).
+
+Rows scrolled out of view are not redrawn: their new cells wait (``_deferred``)
+and are written when the row scrolls into view, so a refresh costs the rows
+the operator can see — on a 256-host fleet, the 40 on screen.
+
+Rows can be *marked* (multi-select): the first column shows ✓ for marked rows.
+
+Every table filters and sorts the same way (one implementation, for every screen): ``/`` opens a filter bar
+above the table (case-insensitive text over every cell; ``esc`` clears it), a click on a column header or
+``>`` / ``<`` sorts (again on the same column: the other way round), and the header of the sorted column and
+the filter bar say what is in force. Rows the filter hides stay in the model and keep receiving updates, so
+clearing the filter shows them as they are now.
+"""
+
+from __future__ import annotations
+
+import itertools
+import operator
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from rich.segment import Segment
+from rich.style import Style
+from rich.text import Text
+from textual import on
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import Horizontal
+from textual.geometry import Region
+from textual.message import Message
+from textual.strip import Strip
+from textual.widget import Widget
+from textual.widgets import DataTable, Input, Static
+
+from gpudeck.console.tui.widgets.cells import MARK, literal
+
+MARK_COLUMN = "_mark"
+
+
+@dataclass(frozen=True)
+class Col:
+    """A column: its key, its heading, and a fixed width (None: as wide as its widest cell)."""
+
+    key: str
+    label: str
+    width: int | None = None
+    fold: int = 0  # 0: always shown; on a narrow terminal columns fold (are left out) highest ``fold`` first
+
+
+def _used(columns: Sequence[Col], markable: bool) -> int:
+    return sum(c.width or 0 for c in columns) + 2 * len(columns) + (3 if markable else 0) + 2  # cell padding, mark, scrollbar
+
+
+def fit(columns: Sequence[Col], width: int, *, markable: bool = False, least: int = 24) -> list[Col]:
+    """The columns that fit ``width``, with every auto-width one given a fixed share of what is left (at least ``least``).
+
+    Columns with a ``fold`` are left out, the highest first, until the fixed ones and ``least`` per auto-width
+    one fit (at 100 columns the least important go; at 200 every one is there). A live table with hundreds of
+    rows must not have auto-width columns: each cell that shrinks makes DataTable re-measure its whole column,
+    which is O(rows) per cell and O(rows²) per refresh.
+    """
+    cols = list(columns)
+    for level in sorted({c.fold for c in cols if c.fold}, reverse=True):
+        auto_n = sum(1 for c in cols if c.width is None)
+        if _used(cols, markable) + least * auto_n <= width:
+            break
+        cols = [c for c in cols if c.fold != level]
+    auto = [c for c in cols if c.width is None]
+    if not auto:
+        return cols
+    share = max(least, (width - _used(cols, markable)) // len(auto))
+    return [Col(c.key, c.label, share, c.fold) if c.width is None else c for c in cols]
+
+
+def cell_text(value: object) -> str:
+    """A cell's text as the filter reads it."""
+    return value.plain if isinstance(value, Text) else str(value)
+
+
+def sort_key(value: object) -> tuple[int, Any]:
+    """How a cell orders: its ``sort_value`` where it has one, else its number, else its text; '-' and blanks last."""
+    v = getattr(value, "sort_value", None)
+    if v is not None:
+        return (0, v)
+    text = cell_text(value).strip()
+    if text in ("", "-"):
+        return (2, "")
+    try:
+        return (0, float(text.replace(",", "")))
+    except ValueError:
+        return (1, text.lower())
+
+
+class FilterBar(Horizontal):
+    """The bar above a table while it is filtered: the filter text, how many rows match, the sort in force."""
+
+    DEFAULT_CSS = """
+    FilterBar { height: 1; display: none; }
+    FilterBar.-shown { display: block; }
+    FilterBar > .filter-label { width: auto; padding: 0 1 0 0; color: $accent; text-style: bold; }
+    FilterBar > Input { border: none; height: 1; width: 1fr; padding: 0; background: $boost; }
+    FilterBar > .filter-count { width: auto; padding: 0 0 0 1; color: $text-muted; }
+    """
+    BINDINGS = [Binding("escape", "clear", "Clear filter", show=False), Binding("down", "to_table", show=False)]
+
+    def __init__(self, table: KeyedTable) -> None:
+        super().__init__(id=f"{table.id}-filter" if table.id else None)
+        self.table = table
+
+    def compose(self) -> ComposeResult:
+        yield Static("filter /", classes="filter-label")
+        yield Input(placeholder="text in any column (enter: back to the table, esc: clear)")
+        yield Static("", classes="filter-count")
+
+    @on(Input.Changed)
+    def _changed(self, event: Input.Changed) -> None:
+        event.stop()
+        self.table.set_filter(event.value)
+
+    @on(Input.Submitted)
+    def _submitted(self, event: Input.Submitted) -> None:
+        event.stop()
+        self.action_to_table()
+
+    def action_to_table(self) -> None:
+        self.table.focus()
+        self.set_class(bool(self.table.filter_text), "-shown")
+
+    def action_clear(self) -> None:
+        self.table.action_clear_filter()
+
+    def show_count(self, text: str) -> None:
+        """Say how many rows match."""
+        self.query_one(".filter-count", Static).update(text)
+
+
+class KeyedTable(DataTable):
+    """A DataTable updated by row key (never cleared by a refresh), with optional row marks, a filter and a sort."""
+
+    BINDINGS = [
+        Binding("slash", "filter", "Filter", key_display="/", tooltip="show only rows with this text (esc clears)"),
+        Binding("greater_than_sign", "sort_next", "Sort", key_display=">", tooltip="sort by the next column (< the previous)"),
+        Binding("less_than_sign", "sort_prev", "Sort back", key_display="<", show=False),
+        Binding("exclamation_mark", "sort_invert", "Invert sort", key_display="!", show=False),
+        Binding("escape", "clear_filter", "Clear filter", show=False),
+    ]
+
+    class Reordered(Message):
+        """The filter or the sort changed (the screen may say so)."""
+
+        def __init__(self, table: KeyedTable) -> None:
+            super().__init__()
+            self.table = table
+
+    def __init__(
+        self,
+        columns: Sequence[Col],
+        *,
+        markable: bool = False,
+        id: str | None = None,
+        classes: str | None = None,
+        zebra_stripes: bool = True,
+        filterable: bool = True,
+        order: Callable[[Mapping[str, object]], Any] | None = None,
+        order_columns: Iterable[str] = (),
+    ) -> None:
+        """``order``: the table's own order when no column is chosen (by default: the order rows came in), reading
+        the cells of ``order_columns``."""
+        super().__init__(id=id, classes=classes, cursor_type="row", zebra_stripes=zebra_stripes)
+        self.cols = list(columns)
+        self.markable = markable
+        self.filterable = filterable
+        self.marks: set[str] = set()
+        self.filter_text = ""
+        self.sort_column: str | None = None
+        self.sort_reverse = False
+        self.order = order
+        self._order_columns = frozenset(order_columns)
+        self._seq: dict[str, int] = {}
+        self._counter = itertools.count()
+        self._shown: set[str] = set()  # rows in the DataTable (the rest are filtered out)
+        self._hay: dict[str, str] = {}  # row key -> its cells' text, lower case (the filter reads it)
+        self._order_due = False
+        self.pin_top = False  # a cursor on the first row stays on the first row when the order changes
+        self._cells: dict[str, dict[str, object]] = {}
+        self._literals: dict[str, list[object]] = {}  # row key -> its cells escaped for the DataTable (re-adds reuse them)
+        self._order_keys: dict[str, tuple[Any, int]] = {}  # row key -> its place in the table's own order (kept until it changes)
+        self._order_all: list[str] | None = None  # every row key (shown or not) in the order in force; None: to be sorted again
+        self._packed: dict[
+            str, tuple[list[object], Any, dict[Any, object], Any, tuple[Any, int]]
+        ] = {}  # row key -> (its cells, DataTable's RowKey, row dict, Row, its y offset entry)
+        self._deferred: dict[str, dict[str, object]] = {}  # newer cells of rows out of view
+        self._stale: set[tuple[str, str]] = set()  # cells written in place whose renders must be dropped
+        self._stale_lines: set[int] = set()
+        self._full: tuple[list[Any], dict[Any, Any], dict[Any, Any], dict[Any, int], list[Any], list[Any]] | None = (
+            None  # _add_many's last every-row tables
+        )
+        # row -> column -> (cell, width, its segments, those segments under each row style they were drawn with)
+        self._inner: dict[Any, dict[Any, tuple[object, int, list[Segment], dict[Any, list[Segment]]]]] = {}
+        self._pass: dict[Any, Style] | None = None  # styles read once per render_lines (DataTable reads them per line)
+        self._fixed = {c.key for c in self.cols if c.width is not None}
+        self.cells_written = 0  # how many cells the table was asked to redraw (tests keep updates O(changed))
+        if markable:
+            self.add_column(" ", key=MARK_COLUMN, width=1)
+        for c in self.cols:
+            self.add_column(c.label, key=c.key, width=c.width)
+
+    # ------------------------------------------------------------------ model
+
+    def upsert(self, key: str, cells: Mapping[str, object]) -> int:
+        """Show ``cells`` in row ``key`` (added when new); returns the number of cells written."""
+        old = self._cells.get(key)
+        if old is None:
+            self._cells[key] = dict(cells)
+            self._seq[key] = next(self._counter)
+            self._order_all = None
+            if not self._matches(key):
+                return 0
+            n = self._add(key)
+            if self.sort_column is not None or self.order is not None:
+                self._order_later()
+            return n
+        newest = self.cells_of(key) or old
+        if self.sort_column is not None and newest.get(self.sort_column) != cells.get(self.sort_column):
+            self._order_later()
+        if self.order is not None and any(newest.get(c) != cells.get(c) for c in self._order_columns):
+            self._order_keys.pop(key, None)
+            self._order_all = None
+            if self.sort_column is None:
+                self._order_later()
+        if any(newest.get(c.key) != cells.get(c.key) for c in self.cols):
+            self._hay.pop(key, None)  # with or without a filter in force: the next filter reads its new text
+        if key not in self._shown:
+            self._cells[key] = dict(cells)
+            self._literals.pop(key, None)
+            self._hay.pop(key, None)
+            if self.filter_text and self._matches(key):
+                self._order_later()
+                return self._add(key)
+            return 0
+        if self.filter_text and not self._matches(key, cells):
+            self._cells[key] = dict(cells)
+            self._literals.pop(key, None)
+            self._deferred.pop(key, None)
+            self._shown.discard(key)
+            self.remove_row(key)
+            return 0
+        if not self._in_view(key):
+            self._deferred[key] = dict(cells)
+            return 0
+        self._deferred.pop(key, None)
+        return self._write(key, old, cells)
+
+    def _row_cells(self, key: str) -> list[object]:
+        """Row ``key``'s cells as the DataTable holds them (escaped once, kept until the row changes)."""
+        row = self._literals.get(key)
+        if row is None:
+            cells = self._cells[key]
+            row = [Text(MARK if key in self.marks else "", style="bold green")] if self.markable else []
+            row.extend(literal(cells.get(c.key, "")) for c in self.cols)
+            self._literals[key] = row
+        return row
+
+    def _add(self, key: str) -> int:
+        row = self._row_cells(key)
+        self.add_row(*row, key=key)
+        self._shown.add(key)
+        self.cells_written += len(row)
+        return len(row)
+
+    def _add_many(self, keys: list[str]) -> None:
+        """Show exactly ``keys`` (in this order) instead of the rows shown now, at once (a filter shows thousands again).
+
+        DataTable's clear() walks every old row and add_row costs a reactive update and more per new row; here its
+        tables are replaced in one go, with each row's RowKey, cells and Row kept between filters, and the row order
+        DataTable would compute on the next paint given to it (Textual 8.2's internals; clear() and add_row when they
+        are not there)."""
+        try:
+            from textual._two_way_dict import TwoWayDict
+            from textual.coordinate import Coordinate
+            from textual.widgets._data_table import Row, RowKey
+
+            columns = [c.key for c in self.ordered_columns]
+            self._clear_caches()
+        except (ImportError, AttributeError):
+            self.clear()
+            self._shown.clear()
+            for key in keys:
+                self._add(key)
+            return
+        packed, literals = self._packed, self._literals
+        plist = []
+        for key in keys:
+            cells = literals.get(key) or self._row_cells(key)
+            p = packed.get(key)
+            if p is None or p[0] is not cells:  # new, or its cells changed since
+                rk = RowKey(key)
+                p = packed[key] = (cells, rk, dict(zip(columns, cells)), Row(rk, 1, None, False), (rk, 0))
+            plist.append(p)
+        full = self._full
+        if full is not None and len(full[0]) == len(plist) and all(map(operator.is_, full[0], plist)):
+            # every row again, none changed since (a filter erased): copies of the last full tables, no key hashed again
+            _, data0, rows0, forward0, order0, offsets = full
+            data, rows, forward = dict(data0), dict(rows0), dict(forward0)
+        else:
+            data = {p[1]: p[2] for p in plist}
+            rows = {p[1]: p[3] for p in plist}
+            forward = {p[1]: i for i, p in enumerate(plist)}
+            order0 = list(rows.values())
+            offsets = [p[4] for p in plist]  # kept: a filter allocates no object per row (a young collection would walk them)
+            if len(plist) == len(self._cells) and len(plist) >= 1000:
+                self._full = (plist, dict(data), dict(rows), dict(forward), order0, offsets)
+        self._data = data
+        self.rows = rows
+        self._row_locations = TwoWayDict(forward)
+        if any(column.auto_width for column in self.columns.values()):  # else nothing would measure them (_update_dimensions)
+            self._new_rows.update(rows)
+        self._shown = set(keys)
+        self.cells_written += len(keys) * len(columns)
+        self._require_update_dimensions = True
+        self._update_count += 1
+        self._ordered_row_cache[(len(rows), self._update_count)] = order0  # what ordered_rows would build
+        self._offset_cache[self._update_count] = offsets  # and _y_offsets (every row 1 line high)
+        self.cursor_coordinate = Coordinate(0, 0)  # as clear() leaves it (the caller puts it back on its row)
+        self.scroll_x = self.scroll_y = self.scroll_target_x = self.scroll_target_y = 0
+        self.check_idle()
+        self.refresh()
+
+    def _write(self, key: str, old: dict[str, object], cells: Mapping[str, object]) -> int:
+        self._literals.pop(key, None)
+        n = 0
+        for c in self.cols:
+            v = cells.get(c.key, "")
+            if old.get(c.key) != v:
+                if c.key in self._fixed and self._targeted:
+                    self._set_in_place(key, c.key, literal(v))
+                else:
+                    self.update_cell(key, c.key, literal(v), update_width=c.key not in self._fixed)
+                old[c.key] = v
+                n += 1
+        self.cells_written += n
+        return n
+
+    # DataTable.update_cell bumps one counter that is part of every render cache key, so one changed
+    # cell re-renders every visible row (~40 rows x 7 cells, 50-100 ms on a loaded 2-core machine). For
+    # fixed-width cells the table here writes the value in place, refreshes that row's region only, and
+    # before the next paint drops exactly the cache entries of the cells that changed. This leans on
+    # DataTable's private caches (Textual 8.2); if they are not there, update_cell is used instead.
+    _targeted = True
+
+    def _set_in_place(self, key: str, column: str, value: object) -> None:
+        try:
+            self._data[key][column] = value  # type: ignore[index]  # RowKey/ColumnKey hash and compare as their str
+            index = self._row_locations.get(key)  # type: ignore[arg-type]
+        except (AttributeError, KeyError, TypeError):
+            KeyedTable._targeted = False
+            self.update_cell(key, column, value)
+            return
+        self._stale.add((key, column))
+        if index is not None:
+            self._stale_lines.add(index)
+            self.refresh_row(index)
+
+    def _drop_stale_renders(self) -> None:
+        stale, lines = self._stale, self._stale_lines
+        self._stale, self._stale_lines = set(), set()
+        rows = {k for k, _ in stale}
+        header = self.header_height if self.show_header else 0
+        try:
+            cells = self._cell_render_cache
+            for k in [k for k in cells.keys() if (k[0].value, k[1].value) in stale]:
+                cells.discard(k)
+            row_renders = self._row_render_cache
+            for rk in [rk for rk in row_renders.keys() if rk[0].value in rows]:
+                row_renders.discard(rk)
+            renderables = self._row_renderable_cache
+            for lk in [lk for lk in renderables.keys() if lk[1] in lines]:
+                renderables.discard(lk)
+            line_cache = self._line_cache
+            ys = {i + header for i in lines}
+            for yk in [yk for yk in line_cache.keys() if yk[0] in ys]:
+                line_cache.discard(yk)
+        except AttributeError:
+            KeyedTable._targeted = False
+            self._update_count += 1  # the safe way: every cache misses once
+
+    def _update_dimensions(self, new_rows: Iterable[Any]) -> None:
+        # DataTable measures every cell of every new row (for auto-width columns and labels): 10,000 rows re-added
+        # by a filter cost seconds. Here every column has a fixed width (fit) and rows have no labels and height 1,
+        # so nothing a measure finds is used: only the virtual size is computed.
+        if all(not column.auto_width for column in self.columns.values()):
+            new_rows = ()
+        super()._update_dimensions(new_rows)
+
+    # DataTable renders every cell through Rich's generic pipeline (Styled(Padding(cell)) -> render_lines: measure,
+    # wrap, split, crop, pad), about half a millisecond a cell: a filter that changes the rows shown re-renders the
+    # ~40 x 11 cells on screen, 100-200 ms on a loaded 2-core machine. For the cells these tables hold (one line of
+    # Text, no tab, no newline, no justify, no ellipsis) the same segments are built directly: the text's own
+    # segments, cropped or padded to the column, the padding either side, the row's and the component's styles over
+    # them (tests/unit/test_keyed_table_render.py checks they equal DataTable's, cell by cell). Anything else, or a
+    # Textual whose internals moved, goes through DataTable's own.
+    _fast_cells = True
+
+    def _render_cell(
+        self, row_index: int, column_index: int, base_style: Style, width: int, cursor: bool = False, hover: bool = False
+    ) -> Any:
+        if row_index < 0 or column_index < 0 or not KeyedTable._fast_cells:
+            return super()._render_cell(row_index, column_index, base_style, width, cursor, hover)
+        try:
+            row_key = self._row_locations.get_key(row_index)
+            column_key = self._column_locations.get_key(column_index)
+            key: Any = (
+                row_key,
+                column_key,
+                base_style,
+                cursor,
+                hover,
+                self._show_hover_cursor,
+                self._update_count,
+                self._pseudo_class_state,
+            )
+            cache: Any = self._cell_render_cache  # DataTable's, under DataTable's key: its cache and ours are one
+            if key in cache:
+                return cache[key]
+            row = self.rows[row_key]  # type: ignore[index]
+            cell = self._get_row_renderables(row_index)[1][column_index]
+            line = (
+                None
+                if row.height != 1 or row_index < self.fixed_rows or column_index < self.fixed_columns
+                else self._cell_segments(cell, width, self.cell_padding, keep_empty=True)
+            )
+            if line is None:
+                return super()._render_cell(row_index, column_index, base_style, width, cursor, hover)
+            component_style, post_style = self._cell_styles(hover, cursor, self.show_cursor)
+        except (AttributeError, KeyError, TypeError, IndexError):
+            KeyedTable._fast_cells = False
+            return super()._render_cell(row_index, column_index, base_style, width, cursor, hover)
+        pre = base_style + Style.from_meta({"row": row_index, "column": column_index}) + component_style
+        lines = [list(Segment.apply_style(line, style=pre, post_style=post_style))]
+        cache[key] = lines
+        return lines
+
+    # A filter that changes the rows shown moves every row on screen to a new index, and DataTable renders each of
+    # them again cell by cell (the cell's meta names its row index, and the zebra stripe follows it). Here a row's
+    # line is put together from each cell's text segments, cropped and padded to the column, kept between renders
+    # under the row and column (dropped when the cell or the width changes), with the row's style, the cursor's or
+    # hover's, and the cell's meta put over them, as DataTable's _render_cell does. Rows with a label, fixed columns,
+    # more than one line, or a cell that is not one line of Text go through DataTable's own (and _render_cell above).
+    _fast_rows = True
+
+    def _render_line_in_row(self, row_key: Any, line_no: int, base_style: Style, cursor_location: Any, hover_location: Any) -> Any:
+        if not KeyedTable._fast_rows or line_no != 0 or self.cursor_type != "row":
+            return super()._render_line_in_row(row_key, line_no, base_style, cursor_location, hover_location)
+        try:
+            cache_key = (
+                row_key,
+                line_no,
+                base_style,
+                cursor_location,
+                hover_location,
+                self.cursor_type,
+                self.show_cursor,
+                self._show_hover_cursor,
+                self._update_count,
+                self._pseudo_class_state,
+            )
+            cache: Any = self._row_render_cache  # DataTable's, under DataTable's key
+            if cache_key in cache:
+                return cache[cache_key]
+            row_index = self._row_locations.get(row_key)
+            if (
+                row_index is None
+                or row_index < self.fixed_rows
+                or self.fixed_columns
+                or (self._labelled_row_exists and self.show_row_labels)
+                or self.rows[row_key].height != 1
+            ):
+                return super()._render_line_in_row(row_key, line_no, base_style, cursor_location, hover_location)
+            data = self._data[row_key]
+            columns = self.ordered_columns
+            pad = self.cell_padding
+            show_cursor = self.show_cursor
+            cursor = cursor_location.row == row_index
+            hover = hover_location.row == row_index
+            component_style, post_style = self._cell_styles(hover, cursor, show_cursor)
+            extend_style, _ = self._get_styles_to_render_cell(
+                False, False, False, hover, cursor, show_cursor, self._show_hover_cursor, False, False
+            )
+            row_style = self._get_row_style(row_index, base_style)
+            widths = [column.get_render_width(self) for column in columns]
+            inner = self._inner.setdefault(row_key, {})
+            cells = []
+            for column, width in zip(columns, widths):
+                cell = data.get(column.key)
+                kept = inner.get(column.key)
+                if kept is None or kept[0] is not cell or kept[1] != width:
+                    segments = self._cell_segments(cell, width, pad)
+                    if segments is None:
+                        return super()._render_line_in_row(row_key, line_no, base_style, cursor_location, hover_location)
+                    kept = inner[column.key] = (cell, width, segments, {})
+                cells.append(kept)
+        except (AttributeError, KeyError, TypeError, IndexError):
+            KeyedTable._fast_rows = False
+            return super()._render_line_in_row(row_key, line_no, base_style, cursor_location, hover_location)
+        # The cell's meta comes last: it adds no colour, so the order changes nothing. A cell's segments with the row's
+        # styles over them are kept with the cell, per style (zebra, cursor, hover: a few), merged where their styles
+        # are one (as the line's Strip.simplify would merge them), so only the meta is added per render; they go with
+        # the cell when it changes (a live table's updates leave nothing behind).
+        row = row_style + component_style
+        styled_key = (row, post_style)
+        scrollable: list[list[Segment]] = []
+        for column_index, (_cell, _width, segments, variants) in enumerate(cells):
+            styled = variants.get(styled_key)
+            if styled is None:
+                if len(variants) >= 8:  # a theme change makes new styles: the old ones go
+                    variants.clear()
+                styled = variants[styled_key] = list(Segment.simplify(Segment.apply_style(segments, style=row, post_style=post_style)))
+            meta = Style.from_meta({"row": row_index, "column": column_index})
+            scrollable.append([Segment(t, s + meta if s else meta) for t, s, _c in styled])
+        remaining = max(0, self.size.width - sum(widths) - self._row_label_column_width)
+        extend = row_style + extend_style + Style.from_meta({"row": row_index, "column": 0, "out_of_bounds": True})
+        scrollable.append([Segment(" " * remaining, extend)])
+        pair: tuple[list[list[Segment]], list[list[Segment]]] = ([], scrollable)
+        cache[cache_key] = pair
+        return pair
+
+    def _cell_styles(self, hover: bool, cursor: bool, show_cursor: bool) -> tuple[Style, Style]:
+        """A body cell's component and post styles (DataTable's, for a cell neither header, label nor fixed)."""
+        return self._get_styles_to_render_cell(
+            False,
+            False,
+            False,
+            hover,
+            cursor,
+            show_cursor,
+            self._show_hover_cursor,
+            self.cursor_foreground_priority == "css",
+            self.cursor_background_priority == "css",
+        )
+
+    def _cell_segments(self, cell: object, width: int, pad: int, keep_empty: bool = False) -> list[Segment] | None:
+        """A one-line Text (or str) cell's own segments cropped or padded to ``width`` with ``pad`` either side (None: not
+        such a cell); ``keep_empty``: with its empty segments, as DataTable's cell render has them (a line drops them)."""
+        if isinstance(cell, str):  # escaped by literal(): DataTable's formatter makes it Text the same way
+            cell = Text.from_markup(cell, end="")
+        if (
+            not isinstance(cell, Text)
+            or cell.justify not in (None, "default")
+            or cell.overflow not in (None, "fold", "crop")
+            or "\n" in cell.plain
+            or "\t" in cell.plain
+            or width - 2 * pad < 1
+        ):
+            return None
+        console = self.app.console
+        null = Style.null()
+        segments = cell.render(console, end="")
+        if cell.style:
+            segments = Segment.apply_style(segments, style=console.get_style(cell.style, default=null))
+        line = [s for s in Segment.adjust_line_length(list(segments), width - 2 * pad, style=null) if s.text or keep_empty]
+        return [Segment(" " * pad, null), *line, Segment(" " * pad, null)] if pad else line
+
+    def notify_style_update(self) -> None:
+        inner = getattr(self, "_inner", None)  # (DataTable's __init__ may get here before ours has run)
+        if inner:
+            inner.clear()
+        super().notify_style_update()
+
+    def render_lines(self, crop: Region) -> list[Strip]:
+        if self._stale:
+            self._drop_stale_renders()
+        self._pass = {}
+        try:
+            return super().render_lines(crop)
+        finally:
+            self._pass = None
+
+    def render_line(self, y: int) -> Strip:
+        styles = self._pass
+        if styles is None or self.fixed_rows or not KeyedTable._fast_rows:
+            return super().render_line(y)
+        base = styles.get("base")
+        if base is None:
+            base = styles["base"] = self.rich_style
+        scroll_x, scroll_y = self.scroll_offset
+        if y >= (self.header_height if self.show_header else 0):
+            y += scroll_y
+        return self._render_line(y, scroll_x, scroll_x + self.size.width, base)
+
+    def _get_row_style(self, row_index: int, base_style: Style) -> Style:
+        styles = self._pass
+        if styles is None or row_index < max(0, self.fixed_rows) or not self.zebra_stripes:
+            return super()._get_row_style(row_index, base_style)
+        parity = row_index % 2
+        style = styles.get(parity)
+        if style is None:
+            style = styles[parity] = super()._get_row_style(row_index, base_style)
+        return style
+
+    def _in_view(self, key: str) -> bool:
+        """Whether row ``key`` is on screen (or near it): rows have height 1 in these tables."""
+        if not self.is_mounted or self.size.height == 0:
+            return True
+        try:
+            index = self.get_row_index(key)
+        except Exception:
+            return True
+        top = int(self.scroll_y)
+        return top - 2 <= index <= top + self.size.height + 2
+
+    def flush_deferred(self) -> int:
+        """Write the waiting cells of rows that are now in view; returns cells written."""
+        n = 0
+        for key in [k for k in self._deferred if self._in_view(k)]:
+            cells = self._deferred.pop(key)
+            old = self._cells.get(key)
+            if old is not None:
+                n += self._write(key, old, cells)
+        return n
+
+    def watch_scroll_y(self, old: float, new: float) -> None:
+        super().watch_scroll_y(old, new)
+        if self._deferred:
+            self.call_later(self.flush_deferred)
+
+    def on_resize(self) -> None:
+        if self._deferred:
+            self.call_later(self.flush_deferred)
+
+    def drop(self, key: str) -> None:
+        """Remove row ``key`` if it is there."""
+        if key in self._cells:
+            del self._cells[key]
+            self._deferred.pop(key, None)
+            self._hay.pop(key, None)
+            self._literals.pop(key, None)
+            self._packed.pop(key, None)
+            self._inner.pop(key, None)
+            self._full = None
+            self._order_keys.pop(key, None)
+            self._order_all = None
+            self._seq.pop(key, None)
+            self.marks.discard(key)
+            if key in self._shown:
+                self._shown.discard(key)
+                self.remove_row(key)
+
+    def upsert_many(self, rows: Mapping[str, Mapping[str, object]]) -> None:
+        """``upsert`` for each of ``rows``, the new ones shown in one go (thousands of rows added one by one cost
+        seconds: DataTable's add_row is a reactive update each)."""
+        new = [k for k in rows if k not in self._cells]
+        if len(new) < 100:
+            for k, cells in rows.items():
+                self.upsert(k, cells)
+            return
+        fresh = set(new)
+        for k in new:
+            self._cells[k] = dict(rows[k])
+            self._seq[k] = next(self._counter)
+        self._order_all = None
+        for k, cells in rows.items():
+            if k not in fresh:
+                self.upsert(k, cells)
+        for k in new:  # the filter's text of each new row, now: the first key press would otherwise make them all
+            self._haystack(k)
+        self._rebuild(self._matching(self.filter_text), ordered=True)
+        self._say()
+
+    def sync(self, rows: Mapping[str, Mapping[str, object]], *, remove_missing: bool = True) -> int:
+        """Make the table show exactly ``rows`` (or at least them, without ``remove_missing``); returns cells written."""
+        if remove_missing:
+            for stale in [k for k in self._cells if k not in rows]:
+                self.drop(stale)
+        return sum(self.upsert(k, cells) for k, cells in rows.items())
+
+    def reset(self) -> None:
+        """Remove every row (for static tables that are rebuilt, such as a diff; never for a live one)."""
+        self._cells.clear()
+        self._deferred.clear()
+        self._shown.clear()
+        self._hay.clear()
+        self._literals.clear()
+        self._order_keys.clear()
+        self._packed.clear()
+        self._inner.clear()
+        self._full = None
+        self._order_all = None
+        self._seq.clear()
+        self.marks.clear()
+        self.clear()
+
+    @property
+    def total_rows(self) -> int:
+        """Rows in the model, the filtered-out ones included."""
+        return len(self._cells)
+
+    def keys(self) -> list[str]:
+        """Row keys in display order."""
+        return [str(r.key.value) for r in self.ordered_rows]
+
+    def cells_of(self, key: str) -> dict[str, object] | None:
+        """The newest cells of row ``key`` (including those waiting for it to scroll into view)."""
+        if key in self._deferred:
+            return {**self._cells.get(key, {}), **self._deferred[key]}
+        return self._cells.get(key)
+
+    @property
+    def cursor_key(self) -> str | None:
+        """The key of the highlighted row (None in an empty table)."""
+        if self.row_count == 0:
+            return None
+        try:
+            return str(self.coordinate_to_cell_key(self.cursor_coordinate).row_key.value)
+        except Exception:
+            return None
+
+    def move_cursor_to_key(self, key: str) -> None:
+        """Highlight row ``key`` if it is shown."""
+        if key in self._shown:
+            self.move_cursor(row=self.get_row_index(key), animate=False)
+
+    # ------------------------------------------------------------------ marks
+
+    def set_marked(self, key: str, on: bool) -> None:
+        """Mark or unmark one row."""
+        if not self.markable or key not in self._cells:
+            return
+        if on:
+            self.marks.add(key)
+        else:
+            self.marks.discard(key)
+        self._literals.pop(key, None)
+        if key in self._shown:
+            self.update_cell(key, MARK_COLUMN, Text(MARK if on else "", style="bold green"))
+
+    def toggle_mark(self, key: str | None = None) -> None:
+        """Flip the mark of ``key`` (the highlighted row by default)."""
+        key = key or self.cursor_key
+        if key is not None:
+            self.set_marked(key, key not in self.marks)
+
+    def toggle_mark_and_advance(self) -> None:
+        """Flip the highlighted row's mark and move to the next row (space down a list marks it)."""
+        self.toggle_mark()
+        if self.cursor_row < self.row_count - 1:
+            self.move_cursor(row=self.cursor_row + 1)
+
+    def mark_all(self, keys: Iterable[str]) -> None:
+        """Mark these rows (and only these)."""
+        want = set(keys)
+        for k in list(self.marks - want):
+            self.set_marked(k, False)
+        for k in want:
+            self.set_marked(k, True)
+
+    # ------------------------------------------------------------------ filter and sort
+
+    def _haystack(self, key: str) -> str:
+        hay = self._hay.get(key)
+        if hay is None:
+            newest = self.cells_of(key) or {}
+            hay = self._hay[key] = " ".join(cell_text(newest.get(c.key, "")) for c in self.cols).lower()
+        return hay
+
+    def _matches(self, key: str, cells: Mapping[str, object] | None = None) -> bool:
+        if not self.filter_text:
+            return True
+        if cells is not None:
+            hay = " ".join(cell_text(cells.get(c.key, "")) for c in self.cols).lower()
+            self._hay[key] = hay
+        else:
+            hay = self._hay.get(key) or ""
+            if not hay:
+                newest = self.cells_of(key) or {}
+                hay = self._hay[key] = " ".join(cell_text(newest.get(c.key, "")) for c in self.cols).lower()
+        return all(word in hay for word in self.filter_text.lower().split())
+
+    def _ordered(self, keys: Iterable[str]) -> list[str]:
+        if self.sort_column is not None:
+            col = self.sort_column
+            cells = self._cells
+            deferred = self._deferred
+
+            def by_column(k: str) -> tuple[tuple[int, Any], int]:
+                row = deferred.get(k) or cells[k]
+                return (sort_key(row.get(col, "")), self._seq.get(k, 0))
+
+            ordered = sorted(keys, key=by_column, reverse=self.sort_reverse)
+            if self.sort_reverse:  # blanks stay last either way
+                blank = [k for k in ordered if by_column(k)[0][0] == 2]
+                ordered = [k for k in ordered if by_column(k)[0][0] != 2] + blank[::-1]
+            return ordered
+        if self.order is not None:
+            order, cache, seq = self.order, self._order_keys, self._seq
+
+            def natural(k: str) -> tuple[Any, int]:
+                v = cache.get(k)
+                if v is None:
+                    v = cache[k] = (order(self.cells_of(k) or {}), seq.get(k, 0))
+                return v
+
+            return sorted(keys, key=natural)
+        return sorted(keys, key=lambda k: self._seq.get(k, 0))
+
+    def _order_later(self) -> None:
+        self._order_all = None
+        if not self._order_due:
+            self._order_due = True
+            self.call_later(self.apply_order)
+
+    def apply_order(self) -> None:
+        """Put the shown rows in the order in force (the sort, else the table's own order), keeping the highlighted row."""
+        self._order_due = False
+        for key in list(self._deferred):  # ordering moves rows into view: write what they wait for first
+            if key in self._shown:
+                self._write(key, self._cells[key], self._deferred.pop(key))
+        cur = None if self.pin_top and self.cursor_row == 0 else self.cursor_key
+        order = self._ordered(self._shown)
+        try:
+            from textual._two_way_dict import TwoWayDict
+            from textual.widgets._data_table import RowKey
+
+            self._row_locations = TwoWayDict({RowKey(k): i for i, k in enumerate(order)})
+            self._update_count += 1
+            self.refresh()
+        except (ImportError, AttributeError):  # DataTable's internals moved: show the rows again, in order
+            self._rebuild(order)
+        if cur is not None:
+            self.move_cursor_to_key(cur)
+        elif self.pin_top and self.row_count:
+            self.move_cursor(row=0, animate=False)
+
+    def set_filter(self, text: str) -> None:
+        """Show only the rows whose text has every word of ``text`` (case-insensitive); '' shows every row.
+
+        One pass over every row's lower-case text, kept between key presses, in the order in force (sorted once until
+        a row or the order changes): no sort and no per-row call on a key press."""
+        text = text.strip()
+        if text == self.filter_text:
+            return
+        self.filter_text = text
+        want = self._matching(text)
+        if len(want) != len(self._shown) or not self._shown.issuperset(want):  # the same rows: nothing to redraw
+            self._rebuild(want, ordered=True)
+        self._say()
+
+    def _matching(self, text: str) -> list[str]:
+        """The keys of the rows with every word of ``text``, in the order in force."""
+        if self._order_all is None:
+            self._order_all = self._ordered(self._cells.keys())
+        want = self._order_all
+        hay = self._hay
+        for k in [k for k in want if k not in hay]:
+            self._haystack(k)
+        for word in text.lower().split():
+            want = [k for k in want if word in hay[k]]
+        return want
+
+    def _rebuild(self, keys: Iterable[str], ordered: bool = False) -> None:
+        """Show exactly ``keys`` in the order in force (already in it when ``ordered``): a filter change, one pass, not
+        O(n²) removes."""
+        cur = self.cursor_key
+        for key, cells in list(self._deferred.items()):
+            self._cells[key] = {**self._cells.get(key, {}), **cells}
+            self._literals.pop(key, None)
+            self._hay.pop(key, None)
+        self._deferred.clear()
+        self._stale.clear()
+        self._stale_lines.clear()
+        self._add_many(list(keys) if ordered else self._ordered(keys))
+        if cur is not None and cur in self._shown:
+            self.call_after_refresh(self.move_cursor_to_key, cur)
+
+    async def action_filter(self) -> None:
+        bar = await self.filter_bar()
+        bar.add_class("-shown")
+        bar.query_one(Input).focus()
+
+    async def filter_bar(self) -> FilterBar:
+        """The filter bar above this table (mounted the first time it is asked for)."""
+        bars = [b for b in self.screen.query(FilterBar) if b.table is self]
+        if bars:
+            return bars[0]
+        bar = FilterBar(self)
+        parent = self.parent
+        assert isinstance(parent, Widget)  # a table always sits in a screen or a container
+        await parent.mount(bar, before=self)
+        bar.show_count(self.describe())
+        return bar
+
+    def action_clear_filter(self) -> None:
+        bars = [b for b in self.screen.query(FilterBar) if b.table is self]
+        for bar in bars:
+            bar.query_one(Input).value = ""
+            bar.remove_class("-shown")
+        self.set_filter("")
+        self.focus()
+
+    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
+        if action == "filter":
+            return self.filterable
+        if action == "clear_filter":  # esc with no filter in force: the screen's (back)
+            return bool(self.filter_text) or any(b.has_class("-shown") for b in self.screen.query(FilterBar) if b.table is self)
+        return super().check_action(action, parameters)
+
+    def sort_by(self, column: str | None, reverse: bool = False) -> None:
+        """Sort by a column (None: the table's own order), keeping the highlighted row; the header shows it."""
+        self.sort_column, self.sort_reverse = column, reverse
+        for c in self.cols:
+            mark = "" if c.key != column else (" ▼" if reverse else " ▲")
+            try:
+                self.columns[c.key].label = Text(c.label + mark, style="bold" if mark else "")  # type: ignore[index]
+            except KeyError:
+                pass
+        self._require_update_dimensions = True
+        self.apply_order()
+        self._say()
+
+    def _cycle(self, step: int) -> None:
+        keys = [None, *(c.key for c in self.cols)]
+        i = keys.index(self.sort_column) if self.sort_column in keys else 0
+        self.sort_by(keys[(i + step) % len(keys)], self.sort_reverse)
+
+    def action_sort_next(self) -> None:
+        self._cycle(1)
+
+    def action_sort_prev(self) -> None:
+        self._cycle(-1)
+
+    def action_sort_invert(self) -> None:
+        if self.sort_column is not None:
+            self.sort_by(self.sort_column, not self.sort_reverse)
+
+    def on_data_table_header_selected(self, event: DataTable.HeaderSelected) -> None:
+        event.stop()
+        column = str(event.column_key.value)
+        if column == MARK_COLUMN:
+            return
+        if column == self.sort_column:
+            self.sort_by(column, not self.sort_reverse)
+        else:
+            self.sort_by(column)
+
+    def describe(self) -> str:
+        """What is in force: 'sorted by STATE ▼', '12 of 256 rows match'."""
+        parts = []
+        if self.filter_text:
+            parts.append(f"{len(self._shown)} of {len(self._cells)} rows match")
+        if self.sort_column is not None:
+            label = next((c.label for c in self.cols if c.key == self.sort_column), self.sort_column)
+            parts.append(f"sorted by {label} {'▼' if self.sort_reverse else '▲'}")
+        return "  ·  ".join(parts)
+
+    def _say(self) -> None:
+        if self.is_mounted:
+            for bar in self.screen.query(FilterBar):
+                if bar.table is self:
+                    bar.show_count(self.describe())
+            self.post_message(self.Reordered(self))
