@@ -51,7 +51,7 @@ def test_state_folders_and_the_history_are_private_whatever_the_umask(home: Path
     code = (
         "import os; os.umask(0)\n"
         "from gpudeck.console.history.replica import History\n"
-        "from agents import paths\n"
+        "from gpudeck.agents.wire import paths\n"
         "paths.ensure_private_dir(paths.runs_dir() / 'r-1')\n"
         "paths.ensure_private_dir(paths.socket_path().parent)\n"
         "h = History(); h.ingest; h.close()\n"
