@@ -21,7 +21,8 @@ cause or any other text from a host):
   ``gpudeck_host_snapshot_age_seconds``, ``gpudeck_host_simulated``;
 - the watcher: ``gpudeck_watch_events_read_total``, ``gpudeck_watch_notifications_pending{target}``,
   ``_delivered_total{target}``, ``_failures_total{target}``, ``_expired_total{target}``, ``gpudeck_watch_target_failing{target}``
-  (``target``: the apprise URL with its secrets hidden), ``gpudeck_watch_render_timestamp_seconds`` (when this text
+  (``target``: the target's id, ``t-`` and 8 hex digits of a keyed hash of its URL, as ``gpudeck watch --status`` names
+  it: a label never carries the URL, whose secrets apprise's privacy form may not all hide), ``gpudeck_watch_render_timestamp_seconds`` (when this text
   was built), ``gpudeck_watch_render_seconds`` and ``_render_cpu_seconds`` (the previous render's wall and CPU time
   to build, format and compress).
 """
@@ -74,7 +75,7 @@ class WatchHealth:
     events_read: int = 0
     started: float = field(default_factory=time.time)
     targets: list[TargetStatus] = field(default_factory=list)
-    redact: Callable[[str], str] = str
+    label: Callable[[str], str] = lambda _target: "t-?"  # the target's id (the outbox's keyed hash): never the URL
 
 
 def _num(v: Any) -> float | None:
@@ -235,7 +236,7 @@ class FleetCollector(Collector):
         expired = CounterMetricFamily("gpudeck_watch_notifications_expired", "notifications given up on", labels=lab)
         failing = GaugeMetricFamily("gpudeck_watch_target_failing", "1 when the target's recent attempts failed", labels=lab)
         for t in h.targets:
-            lv = [h.redact(t.target)]
+            lv = [h.label(t.target)]
             pending.add_metric(lv, float(t.pending))
             delivered.add_metric(lv, float(t.delivered))
             failures.add_metric(lv, float(t.failures))
