@@ -22,6 +22,7 @@ from typing import Any
 from urllib.parse import unquote
 
 MAX_CONNECTIONS = 128
+BACKLOG = 1024  # connections the kernel holds until the loop accepts them (no thread, no buffer of ours)
 HEAD_TIMEOUT_S = 10.0  # a request head not complete by then: the connection is closed
 MAX_HEAD = 16 * 1024  # bytes of request line and headers
 WRITE_TIMEOUT_S = 30.0  # a reader that does not take the answer within this is dropped
@@ -46,7 +47,7 @@ class WsgiServer:
     def start(self, addr: str, port: int) -> int:
         """Bind ``addr:port`` (0: any free port; OSError when it cannot) and serve from a thread of its own; the port bound."""
         family = socket.AF_INET6 if ":" in addr else socket.AF_INET
-        sock = socket.create_server((addr, port), family=family, backlog=MAX_CONNECTIONS)
+        sock = socket.create_server((addr, port), family=family, backlog=BACKLOG)
         self.address = (addr, int(sock.getsockname()[1]))
         self._thread = threading.Thread(target=self._run, args=(sock,), name="metrics-serve", daemon=True)
         self._thread.start()
