@@ -112,3 +112,33 @@ def test_watch_check_says_where_the_config_is_wrong_and_exits_2(tmp_path: Path, 
     (tmp_path / "config.toml").write_bytes(b'[[notify]]\nto = ["json://127.0.0.1:9/x"]\non = ["failed"]\nmatch = "name:\xff"\n')
     assert cli.check() == cli.EXIT_CONFIG
     assert f"{tmp_path.resolve() / 'config.toml'}, line 4: byte 0xff is not UTF-8" in capsys.readouterr().err
+
+
+def _toml_values() -> object:
+    from hypothesis import strategies as st
+
+    text = st.text(alphabet=st.sampled_from(list("ab.[]{}#=,\"'\\\n\t é")), max_size=20)
+    scalars = st.one_of(text, st.integers(-(2**63), 2**63 - 1), st.floats(allow_nan=False, allow_infinity=False), st.booleans())
+    keys = st.text(alphabet=st.sampled_from(list('ab.[]#=" ')), min_size=1, max_size=8)
+    return st.recursive(scalars, lambda inner: st.lists(inner, max_size=4) | st.dictionaries(keys, inner, max_size=4), max_leaves=30)
+
+
+def test_the_check_accepts_every_toml_document_within_the_limits(tmp_path: Path) -> None:
+    """Whatever tomlkit writes (strings full of brackets, quotes, dots, escapes; quoted keys; nesting within the limit)
+    the check lets through, and tomllib reads it back as written: the check refuses nothing a user could mean."""
+    import tomllib
+
+    import tomlkit
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    p = tmp_path / "config.toml"
+
+    @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    @given(st.dictionaries(st.text(alphabet=st.sampled_from(list('ab.[]#=" ')), min_size=1, max_size=8), _toml_values(), max_size=6))
+    def check(doc: dict) -> None:
+        text = tomlkit.dumps(doc)
+        p.write_text(text, encoding="utf-8")
+        assert tomllib.loads(cfg.read_config_text(p)) == tomllib.loads(text)
+
+    check()
