@@ -28,7 +28,7 @@ MIN_SECRET = 4  # pieces of a URL shorter than this are not searched for in free
 _SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]{0,31}(?=://)")
 
 
-def scheme_only(url: str) -> str:
+def _scheme_only(url: str) -> str:
     """``scheme://…``: all that is shown of a URL apprise cannot read (``…`` alone when it has no scheme)."""
     m = _SCHEME.match(url)
     return f"{m.group(0).lower()}://{HIDDEN}" if m else HIDDEN
@@ -53,12 +53,12 @@ def privacy_form(url: str) -> str:
     """The target as it may be shown anywhere: apprise's privacy form with its clear pieces hidden (see the module)."""
     private = _apprise_form(url)
     if private is None:
-        return scheme_only(url)
+        return _scheme_only(url)
     try:
         parts = urlsplit(private)
         port = parts.port
     except ValueError:
-        return scheme_only(url)
+        return _scheme_only(url)
     userinfo, at, _ = parts.netloc.rpartition("@")
     user, colon, password = userinfo.partition(":")
     if at:
@@ -75,7 +75,7 @@ def privacy_form(url: str) -> str:
     return text if len(text) <= SHOWN_MAX else text[: SHOWN_MAX - 1] + HIDDEN
 
 
-def secret_pieces(url: str) -> list[str]:
+def _secret_pieces(url: str) -> list[str]:
     """The pieces of ``url`` that :func:`privacy_form` does not show (user info, a token in the host's place, path, query), longest first."""
     try:
         parts = urlsplit(url)
@@ -97,7 +97,7 @@ def secret_pieces(url: str) -> list[str]:
 
 def scrub(text: str, url: str) -> str:
     """``text`` (an error about the target) with every secret piece of ``url`` replaced by ``…``."""
-    for piece in secret_pieces(url):
+    for piece in _secret_pieces(url):
         text = text.replace(piece, HIDDEN)
     return text
 
