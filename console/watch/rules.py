@@ -33,6 +33,9 @@ _URL = re.compile(r"^[a-z][a-z0-9+.-]{0,31}://\S{1,2000}$")
 # deepens it by about one: these bounds keep every rule well inside it (and its evaluation cheap)
 MAX_MATCH_CHARS = 4096
 MAX_MATCH_COMPARISONS = 256
+# what SQLite answers for a statement it cannot take (a tree too deep, too many variables, a missing column): the
+# rule's fault. Busy, locked, I/O or corruption are the history's: the event is read again, no rule is blamed
+_RULE_FAULTS = {sqlite3.SQLITE_ERROR, sqlite3.SQLITE_TOOBIG}
 
 
 class RuleError(Exception):
@@ -151,6 +154,8 @@ def unusable(conn: sqlite3.Connection, rules: list[Rule]) -> dict[int, str]:
         try:
             conn.execute(f"SELECT 1 FROM runs WHERE 0 AND ({where})", params).fetchall()
         except sqlite3.Error as exc:
+            if getattr(exc, "sqlite_errorcode", sqlite3.SQLITE_ERROR) not in _RULE_FAULTS:
+                raise
             out[r.number] = f"SQLite cannot evaluate its `match` ({exc})"
     return out
 

@@ -313,3 +313,23 @@ def test_status_json_says_no_watcher_runs_when_none_ever_ran(tmp_path: Path, mon
     assert cli.status(as_json=True) == cli.EXIT_NOT_RUNNING  # nothing failing, but no watcher: 3
     out = json.loads(capsys.readouterr().out)
     assert out["running"] is False and len(out["targets"]) == len(URLS) and len(out["notifications"]) == len(URLS)
+
+
+def test_a_busy_history_blames_no_rule() -> None:
+    """The history locked while a rule is evaluated is the history's fault: raised (the event is read again), no rule skipped."""
+
+    class Busy(sqlite3.Connection):
+        def execute(self, sql: str, *args: object) -> sqlite3.Cursor:  # type: ignore[override]
+            if "name =" in sql:  # the rule's filter
+                err = sqlite3.OperationalError("database is locked")
+                err.sqlite_errorcode = sqlite3.SQLITE_BUSY  # type: ignore[attr-defined]
+                raise err
+            return super().execute(sql, *args)
+
+    conn = sqlite3.connect(":memory:", factory=Busy)
+    conn.execute("CREATE TABLE runs(host, id, name, kind, state, cause, cause_class, started, created)")
+    rules = compile_rules((rule(["failed"], match="name:a"),))
+    broken: dict[int, str] = {}
+    with pytest.raises(sqlite3.OperationalError, match="locked"):
+        targets_for(conn, rules, "failed", "gpu1", "r-1", broken)
+    assert broken == {}
