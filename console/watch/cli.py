@@ -123,10 +123,10 @@ def status(as_json: bool) -> int:
         try:
             rows = ob.status()
             items = ob.items()
-            ids = {s.target: ob.label(s.target) for s in rows}
+            ids = {t: ob.label(t) for t in {*(s.target for s in rows), *(it[3] for it in items)}}
         finally:
             ob.close()
-    forms = {t: privacy_form(t) for t in {*ids, *(it[3] for it in items)}}  # apprise parses each URL once
+    forms = {t: privacy_form(t) for t in ids}  # apprise parses each URL once
     # errors recorded before their secrets were hidden (or quoting the URL some other way) are scrubbed as they are shown
     errors = {s.target: scrub(s.last_error, s.target) if s.last_error else s.last_error for s in rows}
     if as_json:
@@ -151,7 +151,7 @@ def status(as_json: bool) -> int:
                 }
                 for s in rows
             ],
-            "notifications": [{"key": f"{h}/{e}/{q}", "target": forms[t], "state": st} for h, e, q, t, st in items],
+            "notifications": [{"key": f"{h}/{e}/{q}", "id": ids[t], "target": forms[t], "state": st} for h, e, q, t, st in items],
         }
         print(json.dumps(out, indent=2))
     else:

@@ -313,6 +313,8 @@ def test_status_json_says_no_watcher_runs_when_none_ever_ran(tmp_path: Path, mon
     assert cli.status(as_json=True) == cli.EXIT_NOT_RUNNING  # nothing failing, but no watcher: 3
     out = json.loads(capsys.readouterr().out)
     assert out["running"] is False and len(out["targets"]) == len(URLS) and len(out["notifications"]) == len(URLS)
+    assert {n["id"] for n in out["notifications"]} == {t["id"] for t in out["targets"]}  # one id names a target everywhere
+    assert not leaks(json.dumps(out))
 
 
 def test_a_busy_history_blames_no_rule() -> None:
