@@ -22,6 +22,14 @@ The config file::
 
 ``gpudeck hosts add/remove`` edit the file with tomlkit, so the user's comments
 and layout survive.
+
+Before either parser sees it, the file is checked (:func:`read_config_text`): at most
+:data:`MAX_CONFIG_BYTES` (1 MiB), UTF-8, values nested at most :data:`MAX_NESTING` (16)
+deep, keys of at most :data:`MAX_KEY_PARTS` (16) dotted parts and at most
+:data:`MAX_ITEMS` (10,000) keys, values and tables. Both parsers recurse on nesting
+(a RecursionError traceback) and slow down on long dotted keys (one of 50,000 parts:
+46-97 s); the check is one regular-expression pass that stops at the first excess, and
+each failure is a :class:`ConfigFileError` naming the file and the line.
 """
 
 from __future__ import annotations
@@ -45,10 +53,101 @@ HOST_NAME_RULE = "1-253 characters from letters, digits and . _ - @ : [ ], not s
 _HOST_KEYS = {"command", "rdzv_host", "nccl_socket_ifname", "gloo_socket_ifname", "env"}
 _NOTIFY_KEYS = {"to", "on", "match"}
 MAX_NOTIFY_RULES = 64
+MAX_CONFIG_BYTES = 1 << 20
+MAX_NESTING = 16  # arrays and inline tables inside one another (the config needs 2)
+MAX_KEY_PARTS = 16  # parts of a dotted key (host.gpu1.env.NAME is 4)
+# keys, values, tables and dotted-key parts in all (counted as strings and `=`, `[`, `{`, `,`, `.` outside them): tomlkit
+# takes about 0.1 ms for each, more for many dotted keys of one table. 256 hosts with a table and an env each and 64
+# rules are about 3,500
+MAX_ITEMS = 10_000
+# what the check sees of TOML: strings (an unterminated one runs to the end of its line, for the parser to report),
+# comments, brackets and braces, the separators that end a key, and dots
+_TOKENS = re.compile(
+    r'"""[^"\\]*(?:(?:\\.|"(?!""))[^"\\]*)*(?:"""|\Z)'  # a multi-line basic string (loops unrolled: one step a run)
+    r"|'''[^']*(?:'(?!'')[^']*)*(?:'''|\Z)"  # a multi-line literal string
+    r'|"[^"\\\n]*(?:\\.[^"\\\n]*)*(?:"|$)'  # a basic string
+    r"|'[^'\n]*(?:'|$)"  # a literal string
+    r"|#[^\n]*|[\[{]|[\]}\s]+|[=,]|\.",  # closing brackets and white space in runs (one match for many)
+    re.MULTILINE,
+)
 
 
 class ConfigError(Exception):
     """The config file cannot be read or a host entry is not valid; the message says how to fix it."""
+
+
+class ConfigFileError(ConfigError):
+    """The config file is not one gpudeck reads (too large, not UTF-8, nested too deep, a key too long): which file, which line."""
+
+    def __init__(self, path: Path, line: int | None, problem: str) -> None:
+        self.path = path
+        self.line = line
+        where = f"{path}, line {line}" if line is not None else str(path)
+        super().__init__(f"{where}: {problem}")
+
+
+class ConfigTooLarge(ConfigFileError):
+    """The file is larger than :data:`MAX_CONFIG_BYTES`."""
+
+
+class ConfigNotUtf8(ConfigFileError):
+    """The file is not UTF-8 (TOML is)."""
+
+
+class ConfigTooDeep(ConfigFileError):
+    """Arrays or inline tables nested deeper than :data:`MAX_NESTING`."""
+
+
+class ConfigKeyTooLong(ConfigFileError):
+    """A dotted key of more than :data:`MAX_KEY_PARTS` parts."""
+
+
+class ConfigTooManyItems(ConfigFileError):
+    """More than :data:`MAX_ITEMS` keys, values and tables."""
+
+
+def read_config_text(path: Path) -> str:
+    """The config file's text, checked before a TOML parser sees it (see the module); ConfigFileError says what and where."""
+    try:
+        with open(path, "rb") as fh:
+            data = fh.read(MAX_CONFIG_BYTES + 1)
+    except OSError as exc:
+        raise ConfigError(f"cannot read {path}: {exc.strerror or exc}") from None
+    if len(data) > MAX_CONFIG_BYTES:
+        raise ConfigTooLarge(path, None, f"larger than {MAX_CONFIG_BYTES // (1 << 20)} MiB, the most gpudeck reads: is it the right file?")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data[: exc.start].count(b"\n") + 1
+        raise ConfigNotUtf8(path, line, f"byte {data[exc.start]:#04x} is not UTF-8 (TOML files are UTF-8): save it as UTF-8") from None
+    _check_shape(path, text)
+    return text
+
+
+def _check_shape(path: Path, text: str) -> None:
+    depth = dots = items = 0
+    for m in _TOKENS.finditer(text):
+        tok = m.group()
+        if tok in ("[", "{"):
+            depth += 1
+            if depth > MAX_NESTING:
+                raise ConfigTooDeep(path, _line(text, m), f"arrays or inline tables nested more than {MAX_NESTING} deep: flatten them")
+        elif tok[0] in "]}" or tok[0].isspace():
+            depth = max(0, depth - tok.count("]") - tok.count("}"))
+        elif tok == ".":
+            dots += 1
+            if dots >= MAX_KEY_PARTS:
+                raise ConfigKeyTooLong(path, _line(text, m), f"a dotted key of more than {MAX_KEY_PARTS} parts: use a [table] instead")
+        if tok in ("=", ",", "{") or "\n" in tok or "}" in tok:
+            dots = 0  # a key starts after these (a float's or a table header's dots are counted until then: a few)
+        if tok in ("=", ",", ".", "[", "{") or tok[0] in "\"'":
+            items += 1
+            if items > MAX_ITEMS:
+                raise ConfigTooManyItems(path, _line(text, m), f"more than {MAX_ITEMS:,} keys, values and tables: is it the right file?")
+
+
+def _line(text: str, m: re.Match[str]) -> int:
+    return text.count("\n", 0, m.start()) + 1
 
 
 def home() -> Path | None:
@@ -125,10 +224,13 @@ def load(path: Path | None = None, extra_hosts: list[str] | None = None) -> Conf
     path = path or config_path()
     data: dict = {}
     if path.exists():
+        text = read_config_text(path)
         try:
-            data = tomllib.loads(path.read_text())
-        except (OSError, tomllib.TOMLDecodeError) as exc:
+            data = tomllib.loads(text)
+        except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f'cannot read {path}: {exc}; fix the file (it is TOML: hosts = ["gpu1", ...])') from exc
+        except RecursionError:  # the check above bounds nesting; a parser that still recurses too far is told, not a traceback
+            raise ConfigTooDeep(path, None, f"nested too deep for the TOML parser: flatten it (at most {MAX_NESTING} levels)") from None
     names = data.get("hosts", [])
     if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
         raise ConfigError(f'{path}: `hosts` must be a list of host names, e.g. hosts = ["gpu1", "gpu2"]')
@@ -189,8 +291,11 @@ def _settings(path: Path, name: str, table: object) -> dict:
 def _read_doc(path: Path) -> tomlkit.TOMLDocument:
     if not path.exists():
         return tomlkit.document()
+    text = read_config_text(path)
     try:
-        return tomlkit.parse(path.read_text())
+        return tomlkit.parse(text)
+    except RecursionError:
+        raise ConfigTooDeep(path, None, f"nested too deep for the TOML parser: flatten it (at most {MAX_NESTING} levels)") from None
     except Exception as exc:  # tomlkit raises its own ParseError family
         raise ConfigError(f"cannot read {path}: {exc}; fix the file first") from exc
 

@@ -1,7 +1,7 @@
 """Provides the ``gpudeck watch`` subcommand: run the watcher, ``--check`` the configuration, or show ``--status``.
 
 Exit codes: 0 fine; 1 a target failed (``--check``), is failing (``--status``), or the watcher could not run;
-2 the configuration is wrong (the message says where and how to fix it).
+2 the configuration is wrong (the message says where and how to fix it); 3 (``--status``) no watcher runs.
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ import argparse
 import asyncio
 import json
 import signal
+import sqlite3
 import sys
 import time
 from typing import Any
@@ -17,14 +18,16 @@ from typing import Any
 from gpudeck.console.core import config as cfg
 from gpudeck.console.core.sanitize import terminal_text
 from gpudeck.console.watch import deliver
-from gpudeck.console.watch.outbox import Outbox, OutboxError
-from gpudeck.console.watch.rules import RuleError, compile_rules
+from gpudeck.console.watch.outbox import Outbox, OutboxError, TargetStatus
+from gpudeck.console.watch.rules import Rule, RuleError, compile_rules, unusable
+from gpudeck.console.watch.targets import privacy_form, scrub
 
 # the watcher itself (the Fleet, prometheus_client) is imported when `watch` runs, not by every gpudeck command
 DEFAULT_METRICS = ("127.0.0.1", 9464)
 
 EXIT_FAILING = 1
 EXIT_CONFIG = 2
+EXIT_NOT_RUNNING = 3  # --status: no watcher runs on this history (what its outbox says is printed all the same)
 
 
 def add_parser(sub: Any) -> None:
@@ -53,9 +56,24 @@ def add_parser(sub: Any) -> None:
     p.set_defaults(func=None, sync=main)
 
 
-def _load() -> tuple[cfg.Config, list]:
+def _load() -> tuple[cfg.Config, list[Rule]]:
     conf = cfg.load()
     return conf, compile_rules(conf.notify)
+
+
+def _unusable_rules(rules: list[Rule]) -> dict[int, str]:
+    """The rules the history's SQLite cannot evaluate (none when there is no history yet to try them on)."""
+    path = cfg.history_path()
+    if not path.exists():
+        return {}
+    try:
+        conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=5.0)
+        try:
+            return unusable(conn, rules)
+        finally:
+            conn.close()
+    except sqlite3.Error:
+        return {}  # a history that cannot be read is the watcher's to report
 
 
 def check() -> int:
@@ -64,6 +82,11 @@ def check() -> int:
         conf, rules = _load()
     except (cfg.ConfigError, RuleError) as exc:
         print(terminal_text(f"gpudeck watch: {exc}"), file=sys.stderr)
+        return EXIT_CONFIG
+    bad = _unusable_rules(rules)
+    if bad:
+        for number, reason in sorted(bad.items()):
+            print(f"gpudeck watch: [[notify]] number {number}: {reason}", file=sys.stderr)
         return EXIT_CONFIG
     targets = list(dict.fromkeys(u for r in rules for u in r.to))
     print(f"config {conf.path}: {len(conf.names)} host(s), {len(rules)} [[notify]] rule(s), {len(targets)} target(s)")
@@ -77,36 +100,44 @@ def check() -> int:
             why = deliver.send(url, msg)
         except deliver.UnusableTarget as exc:
             why = str(exc)
-        print(terminal_text(f"  {'ok    ' if why is None else 'FAILED'} {deliver.redacted(url)}" + (f": {why}" if why else "")))
+        print(terminal_text(f"  {'ok    ' if why is None else 'FAILED'} {privacy_form(url)}" + (f": {why}" if why else "")))
         failed += why is not None
     return EXIT_FAILING if failed else 0
 
 
 def status(as_json: bool) -> int:
-    """Print every target's record; 1 when one is failing."""
+    """Print every target's record (JSON with ``as_json``, whatever the state); 1 when one is failing, 3 when no watcher runs."""
     from gpudeck.console.watch.service import outbox_path, running_pid
 
     path = outbox_path()
     pid = running_pid()
-    if not path.exists():
-        print(f"no outbox at {path}: gpudeck watch has not run on this history", file=sys.stderr)
-        return 0
-    try:
-        ob = Outbox(path)
-    except OutboxError as exc:
-        print(terminal_text(f"gpudeck watch: {exc}"), file=sys.stderr)
-        return EXIT_FAILING
-    try:
-        rows = ob.status()
-        items = ob.items()
-    finally:
-        ob.close()
+    rows: list[TargetStatus] = []
+    items: list[tuple] = []
+    ids: dict[str, str] = {}
+    if path.exists():
+        try:
+            ob = Outbox(path)
+        except OutboxError as exc:
+            print(terminal_text(f"gpudeck watch: {exc}"), file=sys.stderr)
+            return EXIT_FAILING
+        try:
+            rows = ob.status()
+            items = ob.items()
+            ids = {t: ob.label(t) for t in {*(s.target for s in rows), *(it[3] for it in items)}}
+        finally:
+            ob.close()
+    forms = {t: privacy_form(t) for t in ids}  # apprise parses each URL once
+    # errors recorded before their secrets were hidden (or quoting the URL some other way) are scrubbed as they are shown
+    errors = {s.target: scrub(s.last_error, s.target) if s.last_error else s.last_error for s in rows}
     if as_json:
         out = {
+            "running": pid is not None,
             "running_pid": pid,
+            "outbox": str(path) if path.exists() else None,
             "targets": [
                 {
-                    "target": deliver.redacted(s.target),
+                    "id": ids[s.target],
+                    "target": forms[s.target],
                     "failing": s.failing,
                     "pending": s.pending,
                     "oldest_pending": s.oldest_pending,
@@ -116,26 +147,29 @@ def status(as_json: bool) -> int:
                     "consecutive_failures": s.consecutive,
                     "last_ok": s.last_ok,
                     "last_fail": s.last_fail,
-                    "last_error": s.last_error,
+                    "last_error": errors[s.target],
                 }
                 for s in rows
             ],
-            "notifications": [{"key": f"{h}/{e}/{q}", "target": deliver.redacted(t), "state": st} for h, e, q, t, st in items],
+            "notifications": [{"key": f"{h}/{e}/{q}", "id": ids[t], "target": forms[t], "state": st} for h, e, q, t, st in items],
         }
         print(json.dumps(out, indent=2))
     else:
-        print(f"watcher: {'running, pid ' + str(pid) if pid else 'not running'}; outbox {path}")
-        if not rows:
+        where = f"outbox {path}" if path.exists() else f"no outbox at {path}: gpudeck watch has not run on this history"
+        print(f"watcher: {'running, pid ' + str(pid) if pid else 'not running'}; {where}")
+        if path.exists() and not rows:
             print("no targets have been used yet")
         now = time.time()
         for s in rows:
             head = "FAILING" if s.failing else "ok"
-            line = f"{head:8} {deliver.redacted(s.target)}: {s.delivered} delivered, {s.pending} pending, {s.expired} expired"
+            line = f"{head:8} {ids[s.target]} {forms[s.target]}: {s.delivered} delivered, {s.pending} pending, {s.expired} expired"
             if s.failing:
                 since = f" (oldest pending {now - s.oldest_pending:.0f} s)" if s.oldest_pending else ""
-                line += f"; {s.consecutive} failed attempt(s) in a row{since}: {s.last_error or '?'}"
+                line += f"; {s.consecutive} failed attempt(s) in a row{since}: {errors[s.target] or '?'}"
             print(terminal_text(line))
-    return EXIT_FAILING if any(s.failing for s in rows) else 0
+    if any(s.failing for s in rows):
+        return EXIT_FAILING
+    return 0 if pid is not None else EXIT_NOT_RUNNING
 
 
 async def _run(opts: Any) -> int:

@@ -9,13 +9,13 @@ key, ``host/epoch/seq``, the key delivery is counted by.
 
 from __future__ import annotations
 
-import logging
 import time
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
 from gpudeck.console.core.sanitize import escape_controls
+from gpudeck.console.watch.targets import privacy_form, scrub
 
 _TYPES = {
     "failed": "failure",
@@ -97,20 +97,6 @@ def test_message(now: float | None = None) -> Message:
     )
 
 
-def redacted(url: str) -> str:
-    """A target URL fit to show: apprise's privacy form (passwords and tokens hidden), else the scheme and host only."""
-    import apprise
-
-    try:
-        plugin = apprise.Apprise.instantiate(url)
-        if plugin:
-            return _clean(plugin.url(privacy=True), 200)
-    except Exception:  # apprise's plugins raise their own errors for URLs they cannot read
-        pass
-    scheme, _, rest = url.partition("://")
-    return _clean(f"{scheme}://{rest.split('/', 1)[0].rpartition('@')[2]}/…", 200)
-
-
 class UnusableTarget(Exception):
     """Apprise cannot use this URL at all (unknown scheme, malformed): retrying will not help."""
 
@@ -122,12 +108,19 @@ def send(url: str, msg: Message) -> str | None:
     ap = apprise.Apprise()
     if not ap.add(url):
         raise UnusableTarget(
-            f"apprise cannot use the URL {redacted(url)}: check its scheme and form (https://github.com/caronc/apprise/wiki)"
+            f"apprise cannot use the URL {privacy_form(url)}: check its scheme and form (https://github.com/caronc/apprise/wiki)"
         )
-    with apprise.LogCapture(level=logging.WARNING) as cap:
-        ok = ap.notify(title=msg.title, body=msg.body, notify_type=msg.notify_type)
-        logs = cap.getvalue() if hasattr(cap, "getvalue") else ""
-    if ok:
+    lines: list[str] = []
+    result: Any = False
+    try:
+        result = ap.notify(title=msg.title, body=msg.body, notify_type=msg.notify_type)
+    except Exception as exc:  # a plugin's own failure is the target failing (retried), told without the URL's secrets
+        result, lines = False, [f"{type(exc).__name__}: {exc}"]
+    if result:
         return None
-    why = " ".join(line.strip() for line in str(logs).splitlines() if line.strip())[-500:]
-    return why or f"{redacted(url)} did not accept the message"
+    # this call's own warnings, as apprise (2.x) keeps them per attempt: a logger-wide capture took those of the sends
+    # to other targets running at the same time too. They may quote the URL's path and query: its secrets are hidden
+    for res in getattr(result, "results", ()):
+        lines += [e.message for at in res.attempts for e in at.logs if e.level in ("WARNING", "ERROR", "CRITICAL")]
+    why = scrub(" ".join(line.strip() for line in lines if line.strip()), url)[-500:]
+    return why or f"{privacy_form(url)} did not accept the message"

@@ -21,7 +21,8 @@ cause or any other text from a host):
   ``gpudeck_host_snapshot_age_seconds``, ``gpudeck_host_simulated``;
 - the watcher: ``gpudeck_watch_events_read_total``, ``gpudeck_watch_notifications_pending{target}``,
   ``_delivered_total{target}``, ``_failures_total{target}``, ``_expired_total{target}``, ``gpudeck_watch_target_failing{target}``
-  (``target``: the apprise URL with its secrets hidden), ``gpudeck_watch_render_timestamp_seconds`` (when this text
+  (``target``: the target's id, ``t-`` and 8 hex digits of a keyed hash of its URL, as ``gpudeck watch --status`` names
+  it: a label never carries the URL, whose secrets apprise's privacy form may not all hide), ``gpudeck_watch_render_timestamp_seconds`` (when this text
   was built), ``gpudeck_watch_render_seconds`` and ``_render_cpu_seconds`` (the previous render's wall and CPU time
   to build, format and compress).
 """
@@ -31,7 +32,6 @@ from __future__ import annotations
 import gzip
 import json
 import re
-import socket
 import sqlite3
 import sys
 import threading
@@ -40,15 +40,15 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import parse_qs
-from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import CollectorRegistry, make_wsgi_app
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric, StateSetMetricFamily
-from prometheus_client.exposition import ThreadingWSGIServer, choose_encoder, gzip_accepted
+from prometheus_client.exposition import choose_encoder, gzip_accepted
 from prometheus_client.registry import Collector
 
 from gpudeck.agents.wire.protocol import LIVE_STATES, TERMINAL_STATES
 from gpudeck.console.fleet.fleet import Fleet
+from gpudeck.console.watch.http_server import WsgiServer
 from gpudeck.console.watch.outbox import TargetStatus
 from gpudeck.console.watch.rules import ALERT_KINDS
 
@@ -74,7 +74,7 @@ class WatchHealth:
     events_read: int = 0
     started: float = field(default_factory=time.time)
     targets: list[TargetStatus] = field(default_factory=list)
-    redact: Callable[[str], str] = str
+    label: Callable[[str], str] = lambda _target: "t-?"  # the target's id (the outbox's keyed hash): never the URL
 
 
 def _num(v: Any) -> float | None:
@@ -235,7 +235,7 @@ class FleetCollector(Collector):
         expired = CounterMetricFamily("gpudeck_watch_notifications_expired", "notifications given up on", labels=lab)
         failing = GaugeMetricFamily("gpudeck_watch_target_failing", "1 when the target's recent attempts failed", labels=lab)
         for t in h.targets:
-            lv = [h.redact(t.target)]
+            lv = [h.label(t.target)]
             pending.add_metric(lv, float(t.pending))
             delivered.add_metric(lv, float(t.delivered))
             failures.add_metric(lv, float(t.failures))
@@ -254,11 +254,6 @@ class _Families:
         return iter(self.families)
 
 
-class _Quiet(WSGIRequestHandler):
-    def log_message(self, format: str, *args: Any) -> None:
-        """Log nothing (the watcher's log is for what it did, not for each scrape)."""
-
-
 class MetricsEndpoint:
     """Serves the collector's exposition as prometheus_client formats it, from bytes rendered in a thread of its own.
 
@@ -266,7 +261,8 @@ class MetricsEndpoint:
     ``choose_encoder``, gzip when accepted), the same headers and bytes prometheus_client's WSGI app would send; the
     first ``GET`` of a format renders it at once (Prometheus's own format is rendered from the start). The thread renders every format asked within
     :data:`IDLE_AFTER_S` every ``every_s`` seconds (one build, formatted once per format). What the cache does not
-    cover (``name[]`` filters, methods other than ``GET``) goes to prometheus_client's own app, built live.
+    cover (``name[]`` filters, methods other than ``GET``) goes to prometheus_client's own app, built live. The HTTP
+    server is console/watch/http_server.py: one thread and a bounded number of connections, however many are opened.
     """
 
     def __init__(self, collector: FleetCollector, every_s: float = RENDER_EVERY_S) -> None:
@@ -282,7 +278,7 @@ class MetricsEndpoint:
         self._render_lock = threading.Lock()  # one render at a time
         self._stop = threading.Event()
         self.renders = 0
-        self.server: WSGIServer | None = None
+        self.server: WsgiServer | None = None
         self._threads: list[threading.Thread] = []
 
     # ------------------------------------------------------------------ rendering
@@ -351,28 +347,20 @@ class MetricsEndpoint:
 
     def start(self, addr: str, port: int) -> int:
         """Serve on ``addr:port`` (0: any free port) and start rendering; the port served. OSError when it cannot bind."""
-        family = socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
-
-        class Server(ThreadingWSGIServer):
-            address_family = family
-
-        self.server = make_server(addr, port, self.app, Server, handler_class=_Quiet)
+        self.server = WsgiServer(self.app)
+        served = self.server.start(addr, port)
         # Prometheus's format (OpenMetrics 1.0, gzip) is rendered from the start, so that its first scrape does not wait
         # for a render either (it stops like any other format after IDLE_AFTER_S without a scrape)
         encoder, ctype = choose_encoder(PROMETHEUS_ACCEPT)
         with self._lock:
             self._asked[(ctype, True)] = (encoder, time.monotonic())
-        self._threads = [
-            threading.Thread(target=self.server.serve_forever, name="metrics-serve", daemon=True),
-            threading.Thread(target=self._render_loop, name="metrics-render", daemon=True),
-        ]
+        self._threads = [threading.Thread(target=self._render_loop, name="metrics-render", daemon=True)]
         for t in self._threads:
             t.start()
-        return int(self.server.server_address[1])
+        return served
 
     def shutdown(self) -> None:
         """Stop serving and rendering."""
         self._stop.set()
         if self.server is not None:
             self.server.shutdown()
-            self.server.server_close()

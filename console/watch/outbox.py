@@ -17,6 +17,7 @@ receiver can drop a repeat.
 
 from __future__ import annotations
 
+import os
 import random
 import sqlite3
 import threading
@@ -27,6 +28,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from gpudeck.agents.wire import paths
+from gpudeck.console.watch import targets
 
 EXPIRE_S = 24 * 3600.0  # a notification not delivered within a day is dropped (and counted, per target)
 BACKOFF_MIN_S = 1.0
@@ -119,11 +121,19 @@ class Outbox:
             self._c.execute("PRAGMA journal_mode=WAL")
             self._c.execute("PRAGMA synchronous=FULL")  # the record of what was sent: a power cut must not forget a delivery
             self._c.executescript(_SCHEMA)
+            # the key of the targets' ids (metrics labels, --status): random per outbox, so an id says nothing of its URL
+            self._c.execute("INSERT OR IGNORE INTO meta(key, value) VALUES ('label_key', ?)", (os.urandom(16).hex(),))
+            (key,) = self._c.execute("SELECT value FROM meta WHERE key='label_key'").fetchone()
+            self._label_key = bytes.fromhex(key)
         except paths.UnsafePath as exc:
             raise OutboxError(f"cannot open the outbox {path}: {exc.message}") from None
         except (sqlite3.Error, OSError) as exc:
             raise OutboxError(f"cannot open the outbox {path} ({exc}): free space in {path.parent} or fix its permissions") from None
         self._lock = threading.Lock()
+
+    def label(self, target: str) -> str:
+        """The target's id (``t-`` and 8 hex digits): the ``target`` label of the metrics, named by ``--status`` too."""
+        return targets.label(target, self._label_key)
 
     def close(self) -> None:
         """Close the database."""
@@ -312,10 +322,8 @@ def failing_summary(path: Path) -> str | None:
         return None
     finally:
         conn.close()
-    from gpudeck.console.watch.deliver import redacted
-
     failing = [r for r in rows if r[1] >= FAILING_AFTER or r[2] is None]
     if not failing:
         return None
-    names = ", ".join(redacted(r[0]) for r in failing[:3]) + (f" and {len(failing) - 3} more" if len(failing) > 3 else "")
+    names = ", ".join(targets.privacy_form(r[0]) for r in failing[:3]) + (f" and {len(failing) - 3} more" if len(failing) > 3 else "")
     return f"notifications failing to {names}: `gpudeck watch --status` says why"

@@ -28,6 +28,14 @@ ALERT_ALIASES = {
     "slow": "throughput_drop",
 }
 _URL = re.compile(r"^[a-z][a-z0-9+.-]{0,31}://\S{1,2000}$")
+# a rule's `match` is evaluated by SQLite for every event the rule's `on` picks. SQLite refuses an expression tree
+# deeper than 1000 ("Expression tree is too large"), and each comparison of the filter (a word, a comma alternative)
+# deepens it by about one: these bounds keep every rule well inside it (and its evaluation cheap)
+MAX_MATCH_CHARS = 4096
+MAX_MATCH_COMPARISONS = 256
+# what SQLite answers for a statement it cannot take (a tree too deep, too many variables, a missing column): the
+# rule's fault. Busy, locked, I/O or corruption are the history's: the event is read again, no rule is blamed
+_RULE_FAULTS = {sqlite3.SQLITE_ERROR, sqlite3.SQLITE_TOOBIG}
 
 
 class RuleError(Exception):
@@ -79,42 +87,101 @@ def _word(rule: int, w: str) -> str:
 
 
 def check_url(rule: int, url: str) -> str:
-    """An apprise URL as given, or RuleError (the URL's scheme is checked by apprise when it is first used)."""
+    """An apprise URL as given, or RuleError (the URL's scheme is checked by apprise when it is first used).
+
+    The error never quotes the URL: what is not a URL may still hold a token; it names the entry by its place."""
     if not _URL.match(url):
+        what = "is empty" if not url.strip() else f"({len(url)} characters) is not a URL"
         raise RuleError(
-            f"[[notify]] number {rule}: {url[:40]!r}... is not a URL; write an apprise URL such as ntfy://host/topic or json://host:port/path"
+            f"[[notify]] number {rule}: a `to` entry {what}; write an apprise URL (at most 2000 characters after ://, no spaces)"
+            " such as ntfy://host/topic or json://host:port/path"
         )
     return url
+
+
+def check_match(rule: int, match: str) -> str:
+    """A rule's ``match`` that SQLite can evaluate, or RuleError naming the bound it passes."""
+    if len(match) > MAX_MATCH_CHARS:
+        raise RuleError(
+            f"[[notify]] number {rule}: `match` has {len(match)} characters, at most {MAX_MATCH_CHARS}: split the rule in several rules"
+        )
+    try:
+        c = compile_query(match)  # compiled again for each event: since:/until: are relative to then
+    except QueryError as exc:
+        raise RuleError(f"[[notify]] number {rule}: match {match[:200]!r}: {exc}") from None
+    n = comparisons(c.where)
+    if n > MAX_MATCH_COMPARISONS:
+        raise RuleError(
+            f"[[notify]] number {rule}: `match` makes {n} comparisons, at most {MAX_MATCH_COMPARISONS} (SQLite evaluates it and refuses"
+            " deeper filters): split the rule in several rules, or match a common part (name:~prefix) instead of listing names"
+        )
+    return match
+
+
+def comparisons(where: str) -> int:
+    """How many comparisons a compiled filter makes (each deepens the expression SQLite evaluates by about one)."""
+    return where.count(" AND ") + where.count(" OR ") + 1
 
 
 def compile_rules(rules: tuple[NotifyRule, ...]) -> list[Rule]:
     """The config's rules checked and compiled; RuleError on the first that cannot work."""
     out = []
     for i, r in enumerate(rules, 1):
-        try:
-            compile_query(r.match)  # compiled again for each event: since:/until: are relative to then
-        except QueryError as exc:
-            raise RuleError(f"[[notify]] number {i}: match {r.match!r}: {exc}") from None
         out.append(
             Rule(
                 number=i,
                 to=tuple(check_url(i, u) for u in r.to),
                 on=frozenset(_word(i, w) for w in r.on),
-                match=r.match,
+                match=check_match(i, r.match),
             )
         )
     return out
 
 
-def targets_for(conn: sqlite3.Connection, rules: list[Rule], word: str, host: str, run_id: str) -> list[tuple[str, int]]:
-    """(target URL, rule number) for every target whose rule picks this event; a URL in several rules once (its first)."""
+def _where(r: Rule) -> tuple[str, list[object]]:
+    c = compile_query(r.match)
+    return c.where, c.params
+
+
+def unusable(conn: sqlite3.Connection, rules: list[Rule]) -> dict[int, str]:
+    """The rules this history's SQLite cannot evaluate (rule number -> why); sqlite3.Error when the history itself cannot be read."""
+    conn.execute("SELECT 1 FROM runs LIMIT 0").fetchall()
+    out = {}
+    for r in rules:
+        if not r.match.strip():
+            continue
+        where, params = _where(r)
+        try:
+            conn.execute(f"SELECT 1 FROM runs WHERE 0 AND ({where})", params).fetchall()
+        except sqlite3.Error as exc:
+            if getattr(exc, "sqlite_errorcode", sqlite3.SQLITE_ERROR) not in _RULE_FAULTS:
+                raise
+            out[r.number] = f"SQLite cannot evaluate its `match` ({exc})"
+    return out
+
+
+def targets_for(
+    conn: sqlite3.Connection, rules: list[Rule], word: str, host: str, run_id: str, broken: dict[int, str] | None = None
+) -> list[tuple[str, int]]:
+    """(target URL, rule number) for every target whose rule picks this event; a URL in several rules once (its first).
+
+    A rule SQLite cannot evaluate is added to ``broken`` (number -> why) and skipped from then on: the other rules go
+    on. An error of the history itself (locked, unreadable) is raised: the event is read again later."""
+    broken = {} if broken is None else broken
     out: dict[str, int] = {}
     for r in rules:
-        if not r.picks(word):
+        if not r.picks(word) or r.number in broken:
             continue
         if r.match.strip():
-            c = compile_query(r.match)
-            row = conn.execute(f"SELECT 1 FROM runs WHERE host=? AND id=? AND ({c.where})", (host, run_id, *c.params)).fetchone()
+            where, params = _where(r)
+            try:
+                row = conn.execute(f"SELECT 1 FROM runs WHERE host=? AND id=? AND ({where})", (host, run_id, *params)).fetchone()
+            except sqlite3.Error:
+                bad = unusable(conn, [r])  # raises when the history cannot be read at all
+                if not bad:
+                    raise
+                broken.update(bad)
+                continue
             if row is None:
                 continue
         for url in r.to:

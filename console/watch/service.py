@@ -32,7 +32,8 @@ from gpudeck.console.watch import deliver
 from gpudeck.console.watch.cli import DEFAULT_METRICS
 from gpudeck.console.watch.metrics import FleetCollector, MetricsEndpoint, WatchHealth
 from gpudeck.console.watch.outbox import Item, Outbox
-from gpudeck.console.watch.rules import Rule, on_word, targets_for
+from gpudeck.console.watch.rules import Rule, on_word, targets_for, unusable
+from gpudeck.console.watch.targets import privacy_form
 
 SCAN_BATCH = 1000
 DEFAULT_INTERVAL_S = 5.0  # snapshots as often as Prometheus usually scrapes; events do not wait for them (they are long-polled)
@@ -119,11 +120,13 @@ class Watcher:
     def __init__(self, opts: WatchOptions) -> None:
         self.opts = opts
         self.started = time.time()
-        self.health = WatchHealth(started=self.started, redact=deliver.redacted)
+        self.health = WatchHealth(started=self.started)
         self._lock_fh: Any = None
         self._scan_wake = asyncio.Event()
         self._deliver_wake = asyncio.Event()
         self._redacted: dict[str, str] = {}
+        self.broken_rules: dict[int, str] = {}  # rules SQLite cannot evaluate (number -> why): skipped, the others go on
+        self._told_broken: set[int] = set()
         self._in_flight: set[tuple[str, str]] = set()  # (event key, target) of attempts not answered yet
         self._flight_lock = threading.Lock()
         self.metrics_port: int | None = None
@@ -146,9 +149,9 @@ class Watcher:
         self._lock_fh = fh
 
     def redact(self, url: str) -> str:
-        """A target fit for logs and labels (cached: apprise parses the URL)."""
+        """A target fit for the log: its privacy form (cached: apprise parses the URL)."""
         if url not in self._redacted:
-            self._redacted[url] = deliver.redacted(url)
+            self._redacted[url] = privacy_form(url)
         return self._redacted[url]
 
     # ------------------------------------------------------------------ reading the history
@@ -186,7 +189,7 @@ class Watcher:
                     continue
                 if now - ts > expire_s:
                     continue  # older than the expiry: it would be dropped undelivered anyway
-                picks = targets_for(conn, self.opts.rules, word, host, run_id)
+                picks = targets_for(conn, self.opts.rules, word, host, run_id, self.broken_rules)
                 if not picks:
                     continue
                 run = self._run_row(conn, host, run_id)
@@ -196,6 +199,7 @@ class Watcher:
                     items.append(Item(host, epoch, seq, target, rule, word, run_id, msg.title, msg.body, msg.notify_type, late, ts))
         finally:
             conn.execute("COMMIT")
+            self._tell_broken()
         if new_cursor != cursor or items or outbox.cursor() != new_cursor:
             new = outbox.enqueue(items, new_cursor)
             if new:
@@ -203,6 +207,12 @@ class Watcher:
                 self._deliver_wake.set()
         self.health.events_read += len(rows)
         return len(rows)
+
+    def _tell_broken(self) -> None:
+        for number, why in self.broken_rules.items():
+            if number not in self._told_broken:
+                self._told_broken.add(number)
+                log(f"[[notify]] number {number} is skipped: {why}; the other rules go on (`gpudeck watch --check` checks the rules)")
 
     @staticmethod
     def _run_row(conn: sqlite3.Connection, host: str, run_id: str) -> dict[str, Any]:
@@ -327,8 +337,14 @@ class Watcher:
         self._take_lock()
         history = History()
         outbox = Outbox(outbox_path(), **({"expire_s": self.opts.expire_s} if self.opts.expire_s else {}))
+        self.health.label = outbox.label
         hist_path = history.path
         scan_conn = sqlite3.connect(f"file:{hist_path}?mode=ro", uri=True, isolation_level=None, check_same_thread=False, timeout=10.0)
+        try:
+            self.broken_rules.update(unusable(scan_conn, self.opts.rules))
+        except sqlite3.Error:
+            pass  # a history not readable yet: the scan says so, and finds a broken rule when it first evaluates it
+        self._tell_broken()
         if outbox.cursor() is None:
             top = scan_conn.execute("SELECT MAX(rowid) FROM events").fetchone()[0] or 0
             outbox.enqueue([], top)  # a first start follows from the history's end: the past is not announced

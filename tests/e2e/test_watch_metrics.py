@@ -25,6 +25,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.agent_harness import ROOT, AgentProc, teardown_agent, wait_for
+from tests.watch_harness import metrics_watcher
 
 pytestmark = pytest.mark.slow
 PROGS = Path(__file__).resolve().parent / "progs"
@@ -46,32 +47,13 @@ def get(url: str, timeout: float = 5.0) -> str:
 def watched(gpudeck_home: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[AgentProc, str, str]]:
     monkeypatch.setenv("GPUDECK_SIMULATE_GPUS", "4:H200:141")
     a = AgentProc(gpudeck_home).start()
-    log = gpudeck_home / "watch.log"
-    fh = open(log, "w")
-    w = subprocess.Popen(
-        [PY, "-m", "gpudeck.console.cli.main", "watch", "--metrics", "127.0.0.1:0"],
-        env=a.env,
-        stdin=subprocess.DEVNULL,
-        stdout=fh,
-        stderr=fh,
-        start_new_session=True,
-    )
     try:
-        m = wait_for(
-            lambda: re.search(r"metrics on (http://127\.0\.0\.1:\d+/metrics)", log.read_text()) or w.poll() is not None,
-            30,
-            what="the endpoint",
-        )
-        assert w.poll() is None, log.read_text()
-        rid = a.cli_json(
-            "launch", "--name", "m-run", "--", PY, str(PROGS / "ranks.py"), str(ROOT), "2", "--sim-gib", "1", "--seconds", "60"
-        )["id"]
-        yield a, m.group(1), rid
+        with metrics_watcher(a, gpudeck_home / "watch.log") as (_w, url):
+            rid = a.cli_json(
+                "launch", "--name", "m-run", "--", PY, str(PROGS / "ranks.py"), str(ROOT), "2", "--sim-gib", "1", "--seconds", "60"
+            )["id"]
+            yield a, url, rid
     finally:
-        if w.poll() is None:
-            os.kill(w.pid, signal.SIGTERM)
-            w.wait(20)
-        fh.close()
         teardown_agent(a)
 
 

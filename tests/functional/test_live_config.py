@@ -44,3 +44,19 @@ def test_unreachable_since_is_the_first_failure_not_the_latest_retry(monkeypatch
     assert link.status.down_since == 1000.0 and link.status.since == clock[0]
     link._set_state("up")
     assert link.status.down_since is None
+
+
+async def test_a_config_edited_into_one_no_parser_should_see_is_refused_and_the_fleet_stays(agent: AgentProc, tmp_path: Path) -> None:
+    """Nested 5000 deep (a RecursionError traceback before): the console says which file and line, and keeps its hosts."""
+    path = tmp_path / "config.toml"
+    cfg.add_host("127.0.0.1", path)
+    fleet = Fleet(config=cfg.load(path), state_dir=agent.state_dir, interval_s=0.2)
+    app = GpudeckApp(fleet)
+    async with app.run_test(size=(150, 30)):
+        table = app.screen.query_one("#fleet-table", KeyedTable)
+        await until(lambda: set(table.keys()) == {"local", "127.0.0.1"}, what="the configured hosts")
+        path.write_text('hosts = ["127.0.0.1", "127.0.0.2"]\nx = ' + "[" * 5000 + "]" * 5000 + "\n")
+        said = lambda: [str(n.message) for n in app._notifications if "nested more than" in str(n.message)]
+        await until(said, timeout=30, what="the console to say why it cannot read the config")
+        assert said()[0].startswith(f"{path}, line 2: arrays or inline tables nested more than {cfg.MAX_NESTING} deep")
+        assert set(table.keys()) == {"local", "127.0.0.1"} and set(fleet.links) == {"local", "127.0.0.1"}

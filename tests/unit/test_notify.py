@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import sqlite3
 import stat
 from pathlib import Path
@@ -12,6 +13,7 @@ from gpudeck.console.core import config as cfg
 from gpudeck.console.watch import outbox as ob
 from gpudeck.console.watch.deliver import compose
 from gpudeck.console.watch.rules import RuleError, compile_rules, on_word, targets_for
+from tests.notify_urls import CLOSED, LOOPBACK, REMOTE, SECRET, URLS, leaks
 
 URL = "json://127.0.0.1:9/hook"
 
@@ -192,3 +194,144 @@ def test_an_attempt_that_outlasts_the_wait_is_recorded_by_its_thread_and_not_sen
     (st,) = box.status()
     assert (st.delivered, st.failures) == (1, 0)
     box.close()
+
+
+# ---------------------------------------------------------------------------------------------- secrets of targets
+
+
+def test_a_target_is_shown_in_apprise_s_privacy_form_with_no_secret_left() -> None:
+    """apprise hides passwords and tokens it knows of; user names given alone, paths and headers it prints: hidden too."""
+    from gpudeck.console.watch.targets import privacy_form
+
+    forms = {u: privacy_form(u) for u in URLS}
+    assert [f for f in forms.values() if leaks(f)] == []
+    assert forms[LOOPBACK[2]] == "ntfy://user:****@127.0.0.1:9/…"  # a user with a password (apprise hid it) stays
+    assert forms[REMOTE[1]].startswith("pover://u...i@")  # apprise's own masks stay: the target stays recognisable
+    assert forms[f"json://{CLOSED}/hook?+Authorization=Bearer%20{SECRET}"] == "json://127.0.0.1:9/…"  # apprise prints headers
+    assert forms[REMOTE[-1]] == "notaservice://…"  # apprise cannot read it: its scheme only, never raw
+    assert privacy_form("no scheme at all " + SECRET) == "…"
+
+
+def test_errors_about_a_target_have_its_secrets_scrubbed() -> None:
+    from gpudeck.console.watch.targets import scrub
+
+    url = f"json://{CLOSED}/hooks/{SECRET}/incoming?+Authorization=Bearer%20{SECRET}"
+    err = f"HTTPConnectionPool(host='127.0.0.1', port=9): Max retries exceeded with url: /hooks/{SECRET}/incoming (Bearer {SECRET})"
+    out = scrub(err, url)
+    assert not leaks(out) and "Max retries exceeded" in out and "127.0.0.1" in out
+    for u in URLS:
+        assert not leaks(scrub(f"could not send to {u}: refused", u)), u
+
+
+def test_a_to_entry_that_is_not_a_url_is_refused_without_quoting_it() -> None:
+    with pytest.raises(RuleError, match="a `to` entry \\(18 characters\\) is not a URL") as exc:
+        compile_rules((rule(["failed"], to=[f"token {SECRET}"]),))
+    assert not leaks(str(exc.value))
+
+
+def test_metrics_labels_are_keyed_ids_stable_per_outbox(tmp_path: Path) -> None:
+    box = ob.Outbox(tmp_path / "watch.db")
+    ids = {box.label(u) for u in URLS}
+    assert len(ids) == len(URLS) and all(re.fullmatch(r"t-[0-9a-f]{8}", i) for i in ids)
+    box.close()
+    again = ob.Outbox(tmp_path / "watch.db")
+    assert {again.label(u) for u in URLS} == ids  # the key lives in the outbox: an id survives restarts
+    other = ob.Outbox(tmp_path / "other.db")
+    assert {other.label(u) for u in URLS}.isdisjoint(ids)  # ... and is random per outbox: an id cannot be looked up
+
+
+def test_the_fleet_header_names_failing_targets_without_secrets(tmp_path: Path) -> None:
+    """The console's Fleet header is failing_summary's line: every URL form, three at a time (the line names three)."""
+    for n in range(0, len(URLS), 3):
+        path = tmp_path / f"watch{n}.db"
+        box = ob.Outbox(path)
+        batch = URLS[n : n + 3]
+        box.enqueue([item(1, u) for u in batch], cursor=1, now=1000.0)
+        for it in box.due(now=1000.0):
+            box.failed(it, f"cannot reach {it.target}", now=1000.0)
+        box.close()
+        line = ob.failing_summary(path)
+        assert line is not None and line.count("://") == len(batch) and not leaks(line), line
+
+
+# ---------------------------------------------------------------------------------------------- rules SQLite cannot evaluate
+
+
+def test_a_match_sqlite_would_refuse_is_refused_at_load_with_the_limit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    """1000 names in one `match` made SQLite answer "Expression tree is too large" for every event: refused by --check."""
+    from gpudeck.console.watch import cli
+    from gpudeck.console.watch.rules import MAX_MATCH_CHARS, MAX_MATCH_COMPARISONS
+
+    many = " ".join(f"-name:run-{i}" for i in range(1000))
+    with pytest.raises(RuleError, match=f"at most {MAX_MATCH_CHARS}"):
+        compile_rules((rule(["failed"], match=many),))
+    alts = "name:" + ",".join(f"r{i}" for i in range(300))  # short, but 300 comparisons
+    with pytest.raises(RuleError, match=f"makes 300 comparisons, at most {MAX_MATCH_COMPARISONS}"):
+        compile_rules((rule(["failed"], match=alts),))
+    assert compile_rules((rule(["failed"], match="name:" + ",".join(f"r{i}" for i in range(MAX_MATCH_COMPARISONS))),))
+
+    monkeypatch.setenv("GPUDECK_HOME", str(tmp_path))
+    (tmp_path / "config.toml").write_text(f'[[notify]]\nto = ["{URL}"]\non = ["failed"]\nmatch = "{alts}"\n')
+    assert cli.check() == cli.EXIT_CONFIG
+    assert f"at most {MAX_MATCH_COMPARISONS}" in capsys.readouterr().err
+
+
+def test_a_rule_sqlite_cannot_evaluate_is_skipped_and_the_others_go_on() -> None:
+    from gpudeck.console.watch.rules import unusable
+
+    conn = sqlite3.connect(":memory:")
+    conn.execute("CREATE TABLE runs(host, id, name, kind, state, cause, cause_class, started, created)")
+    conn.execute("INSERT INTO runs(host, id, name, kind, state) VALUES ('gpu1', 'r-1', 'a', 'fsdp', 'failed')")
+    conn.setlimit(sqlite3.SQLITE_LIMIT_EXPR_DEPTH, 30)  # a SQLite built with a lower limit than the checks assume
+    deep = "name:" + ",".join(f"x{i}" for i in range(40)) + ",a"
+    rules = compile_rules((rule(["failed"], match=deep, to=["ntfy://n.example/deep"]), rule(["failed"], match="kind:fsdp")))
+    assert set(unusable(conn, rules)) == {1}
+    broken: dict[int, str] = {}
+    assert targets_for(conn, rules, "failed", "gpu1", "r-1", broken) == [(URL, 2)]  # rule 2 still notifies
+    assert set(broken) == {1} and "Expression tree is too large" in broken[1]
+    assert targets_for(conn, rules, "failed", "gpu1", "r-1", broken) == [(URL, 2)]  # rule 1 not tried again
+    conn.execute("DROP TABLE runs")  # the history itself unreadable: raised (the event is read again), no rule blamed
+    with pytest.raises(sqlite3.OperationalError):
+        targets_for(conn, rules, "failed", "gpu1", "r-1", {})
+
+
+def test_status_json_says_no_watcher_runs_when_none_ever_ran(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    """--status --json is always one JSON object (it printed nothing on stdout before a watcher had run); exit 3: none runs."""
+    import json
+
+    from gpudeck.console.watch import cli
+
+    monkeypatch.setenv("GPUDECK_HOME", str(tmp_path))
+    assert cli.status(as_json=True) == cli.EXIT_NOT_RUNNING
+    out = json.loads(capsys.readouterr().out)
+    assert out == {"running": False, "running_pid": None, "outbox": None, "targets": [], "notifications": []}
+    assert cli.status(as_json=False) == cli.EXIT_NOT_RUNNING
+    assert "watcher: not running; no outbox at" in capsys.readouterr().out
+    box = ob.Outbox(tmp_path / "watch.db")
+    box.enqueue([item(1, u) for u in URLS], cursor=1, now=1000.0)
+    box.close()
+    assert cli.status(as_json=True) == cli.EXIT_NOT_RUNNING  # nothing failing, but no watcher: 3
+    out = json.loads(capsys.readouterr().out)
+    assert out["running"] is False and len(out["targets"]) == len(URLS) and len(out["notifications"]) == len(URLS)
+    assert {n["id"] for n in out["notifications"]} == {t["id"] for t in out["targets"]}  # one id names a target everywhere
+    assert not leaks(json.dumps(out))
+
+
+def test_a_busy_history_blames_no_rule() -> None:
+    """The history locked while a rule is evaluated is the history's fault: raised (the event is read again), no rule skipped."""
+
+    class Busy(sqlite3.Connection):
+        def execute(self, sql: str, *args: object) -> sqlite3.Cursor:  # type: ignore[override]
+            if "name =" in sql:  # the rule's filter
+                err = sqlite3.OperationalError("database is locked")
+                err.sqlite_errorcode = sqlite3.SQLITE_BUSY  # type: ignore[attr-defined]
+                raise err
+            return super().execute(sql, *args)
+
+    conn = sqlite3.connect(":memory:", factory=Busy)
+    conn.execute("CREATE TABLE runs(host, id, name, kind, state, cause, cause_class, started, created)")
+    rules = compile_rules((rule(["failed"], match="name:a"),))
+    broken: dict[int, str] = {}
+    with pytest.raises(sqlite3.OperationalError, match="locked"):
+        targets_for(conn, rules, "failed", "gpu1", "r-1", broken)
+    assert broken == {}

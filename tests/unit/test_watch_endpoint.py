@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gzip
+import socket
 import sqlite3
 import time
 import urllib.request
@@ -125,3 +126,72 @@ def test_formats_kept_are_bounded(endpoint: tuple[MetricsEndpoint, SimpleNamespa
         assert hdrs["Content-Type"].startswith(f"application/openmetrics-text; version=1.0.{minor}")
         assert "gpudeck_host_up" in {m.name for m in om_families(text)}
     assert len(ep._asked) == 3 and len(ep._cache) <= 3
+
+
+def test_half_open_connections_take_no_thread_and_a_scrape_still_answers(
+    endpoint: tuple[MetricsEndpoint, SimpleNamespace, str],
+) -> None:
+    """950 connections that never finish their request made prometheus_client's server run 957 threads: now one loop
+    thread reads every request head, the open connections are bounded (the longest-waiting is closed) and a scraper is served."""
+    import resource
+    import threading
+    from urllib.parse import urlsplit
+
+    from gpudeck.console.watch import http_server
+
+    ep, _f, url = endpoint
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    n = 950
+    want = min(hard, 4 * n) if hard != resource.RLIM_INFINITY else 4 * n
+    if soft < want:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+    if resource.getrlimit(resource.RLIMIT_NOFILE)[0] < n + http_server.MAX_CONNECTIONS + 64:
+        n = resource.getrlimit(resource.RLIMIT_NOFILE)[0] - http_server.MAX_CONNECTIONS - 64
+    before = threading.active_count()
+    port = urlsplit(url).port
+    half: list[socket.socket] = []
+    try:
+        for _ in range(n):
+            s = socket.create_connection(("127.0.0.1", port), timeout=5)
+            s.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n")  # never the blank line that ends the head
+            half.append(s)
+        time.sleep(0.5)
+        assert threading.active_count() <= before + http_server.APP_THREADS, [t.name for t in threading.enumerate()]
+        assert ep.server is not None and ep.server.open_connections() <= http_server.MAX_CONNECTIONS
+        t0 = time.monotonic()
+        hdrs, text = get(url, OPENMETRICS, gz=True)
+        assert "gpudeck_host_up" in text and time.monotonic() - t0 < 5
+        assert threading.active_count() <= before + http_server.APP_THREADS
+        closed = sum(closed_by_server(s) for s in half[: n // 2])  # the oldest were closed to make room
+        assert closed >= n // 2 - http_server.MAX_CONNECTIONS
+    finally:
+        for s in half:
+            s.close()
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def closed_by_server(s: socket.socket, wait_s: float = 0.01) -> bool:
+    s.settimeout(wait_s)
+    try:
+        return s.recv(1) == b""
+    except ConnectionResetError:
+        return True
+    except TimeoutError:
+        return False
+
+
+def test_a_request_head_not_complete_in_time_is_closed(
+    endpoint: tuple[MetricsEndpoint, SimpleNamespace, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from urllib.parse import urlsplit
+
+    from gpudeck.console.watch import http_server
+
+    monkeypatch.setattr(http_server, "HEAD_TIMEOUT_S", 0.3)
+    _ep, _f, url = endpoint
+    with socket.create_connection(("127.0.0.1", urlsplit(url).port), timeout=5) as s:
+        s.sendall(b"GET /metrics HTTP/1.1\r\n")
+        assert closed_by_server(s, wait_s=5.0)
+    with socket.create_connection(("127.0.0.1", urlsplit(url).port), timeout=5) as s:
+        s.sendall(b"NOT HTTP\r\n\r\n")
+        assert s.recv(100).startswith(b"HTTP/1.1 400")
