@@ -7,20 +7,18 @@ Exit codes: 0 fine; 1 a target failed (``--check``), is failing (``--status``), 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
-import signal
 import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from gpudeck.console.core import config as cfg
 from gpudeck.console.core.sanitize import terminal_text
-from gpudeck.console.watch import deliver
-from gpudeck.console.watch.outbox import Outbox, OutboxError
-from gpudeck.console.watch.rules import RuleError, compile_rules
 
-# the watcher itself (the Fleet, prometheus_client) is imported when `watch` runs, not by every gpudeck command
+if TYPE_CHECKING:
+    from gpudeck.console.core import config as cfg
+
+# every gpudeck command builds this module's parser (add_parser): the watcher itself (the Fleet, prometheus_client),
+# the config, rules, outbox and delivery are imported when `watch` runs, not by every gpudeck command
 DEFAULT_METRICS = ("127.0.0.1", 9464)
 
 EXIT_FAILING = 1
@@ -54,12 +52,19 @@ def add_parser(sub: Any) -> None:
 
 
 def _load() -> tuple[cfg.Config, list]:
+    from gpudeck.console.core import config as cfg
+    from gpudeck.console.watch.rules import compile_rules
+
     conf = cfg.load()
     return conf, compile_rules(conf.notify)
 
 
 def check() -> int:
     """Validate the configuration and send a test notification to every target; 0 when every target accepted it."""
+    from gpudeck.console.core import config as cfg
+    from gpudeck.console.watch import deliver
+    from gpudeck.console.watch.rules import RuleError
+
     try:
         conf, rules = _load()
     except (cfg.ConfigError, RuleError) as exc:
@@ -84,6 +89,8 @@ def check() -> int:
 
 def status(as_json: bool) -> int:
     """Print every target's record; 1 when one is failing."""
+    from gpudeck.console.watch import deliver
+    from gpudeck.console.watch.outbox import Outbox, OutboxError
     from gpudeck.console.watch.service import outbox_path, running_pid
 
     path = outbox_path()
@@ -139,6 +146,9 @@ def status(as_json: bool) -> int:
 
 
 async def _run(opts: Any) -> int:
+    import asyncio
+    import signal
+
     from gpudeck.console.watch.service import Watcher
 
     stop = asyncio.Event()
@@ -154,6 +164,11 @@ def main(args: argparse.Namespace) -> int:
         return status(args.json)
     if args.check:
         return check()
+    import asyncio
+
+    from gpudeck.console.core import config as cfg
+    from gpudeck.console.watch.outbox import OutboxError
+    from gpudeck.console.watch.rules import RuleError
     from gpudeck.console.watch.service import WatchError, WatchOptions, parse_address
 
     try:
