@@ -7,6 +7,7 @@ everything else is the console's CLI (:mod:`gpudeck.console.cli.main`).
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import sys
 
@@ -42,19 +43,35 @@ def main(argv: list[str] | None = None) -> int:
         from gpudeck.agents.__main__ import main as agent_main
 
         return agent_main(args[1:], prog=COMMAND_PROG)
-    try:
-        from gpudeck.console.cli.main import main as cli_main
-    except ImportError as exc:
-        if exc.name not in CONSOLE_PACKAGES:
-            raise
+    missing = next((name for name in CONSOLE_PACKAGES if importlib.util.find_spec(name) is None), None)
+    if missing is not None:  # looked up, not imported: a command imports only what it uses (console/cli/parser.py)
         what = " ".join(args[:2]) or "the console"
         print(
-            f"gpudeck: `gpudeck {what}` needs the console's packages ({exc.name} is not installed): "
+            f"gpudeck: `gpudeck {what}` needs the console's packages ({missing} is not installed): "
             "pip install './gpudeck[console]'. This install (the agent's) runs `gpudeck agent serve` and `gpudeck agent dial`.",
             file=sys.stderr,
         )
         return 2
-    return cli_main(args)
+    return console_main(args)
+
+
+def console_main(args: list[str]) -> int:
+    """A console command: parsed first, so ``--help`` and a usage error import nothing of the commands; then the
+    command module (:mod:`gpudeck.console.cli.main`) runs it.
+
+    A reader that goes away (``gpudeck runs --json | head``) ends the command quietly with EXIT_PIPE, as a Unix tool
+    killed by SIGPIPE reports it in the shell; nothing more is written to stdout."""
+    from gpudeck.console.cli.parser import parse
+
+    try:
+        parsed = parse(args)
+        from gpudeck.console.cli.main import run
+
+        rc = run(parsed)
+        sys.stdout.flush()  # inside the try: what is still buffered meets the closed pipe here, not at interpreter exit
+        return rc
+    except BrokenPipeError:
+        return stdout_gone()
 
 
 if __name__ == "__main__":

@@ -39,11 +39,14 @@ import re
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import platformdirs
-import tomlkit
 
 from gpudeck.agents.wire import paths
+
+if TYPE_CHECKING:  # tomlkit is imported by the commands that write the file (hosts add/remove); reading it is tomllib's
+    import tomlkit
 
 LOCAL = "local"
 DEFAULT_DIAL = "gpudeck agent dial"
@@ -289,6 +292,8 @@ def _settings(path: Path, name: str, table: object) -> dict:
 
 
 def _read_doc(path: Path) -> tomlkit.TOMLDocument:
+    import tomlkit
+
     if not path.exists():
         return tomlkit.document()
     text = read_config_text(path)
@@ -301,6 +306,8 @@ def _read_doc(path: Path) -> tomlkit.TOMLDocument:
 
 
 def _write_doc(path: Path, doc: tomlkit.TOMLDocument) -> None:
+    import tomlkit
+
     # 0700 folder, 0600 file whatever the umask, never written through a link (paths.private_file checks)
     paths.ensure_private_dir(path.parent)
     tmp = paths.private_file(path.with_suffix(".toml.tmp"))
@@ -318,6 +325,8 @@ def add_host(name: str, path: Path | None = None) -> bool:
     doc = _read_doc(path)
     hosts = doc.get("hosts")
     if hosts is None:
+        import tomlkit
+
         hosts = tomlkit.array()
         doc["hosts"] = hosts
     if name in [str(h) for h in hosts]:

@@ -22,11 +22,11 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import msgspec
-
-from gpudeck.console.core.records import EventRecord, RunRecord
+if TYPE_CHECKING:  # records (and msgspec, the wire's protocol with them) are loaded by whoever has one to redact:
+    # the parser quotes SECRET_RULE in its help, and `gpudeck --help` must not pay for them
+    from gpudeck.console.core.records import EventRecord, RunRecord
 
 REDACTED = "REDACTED"
 
@@ -93,16 +93,20 @@ def redact_record(rec: RunRecord) -> RunRecord:
     """A history record with its ``--env`` secrets redacted (the recorded spec's env)."""
     if not isinstance(rec.spec, Mapping) or not isinstance(rec.spec.get("env"), Mapping):
         return rec
-    return msgspec.structs.replace(rec, spec={**rec.spec, "env": redact_env(rec.spec["env"])})
+    from msgspec import structs
+
+    return structs.replace(rec, spec={**rec.spec, "env": redact_env(rec.spec["env"])})
 
 
 def redact_events(events: list[EventRecord]) -> list[EventRecord]:
     """A run's events with the ``--env`` secrets of the specs they carry redacted."""
+    from msgspec import structs
+
     out = []
     for e in events:
         spec = e.data.get("spec") if isinstance(e.data, Mapping) else None
         if isinstance(spec, Mapping) and isinstance(spec.get("env"), Mapping):
-            e = msgspec.structs.replace(e, data={**e.data, "spec": {**spec, "env": redact_env(spec["env"])}})
+            e = structs.replace(e, data={**e.data, "spec": {**spec, "env": redact_env(spec["env"])}})
         out.append(e)
     return out
 

@@ -21,7 +21,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from gpudeck.agents.wire.client import AgentClient
 from gpudeck.agents.wire.errors import AgentError, AgentUnavailable, VersionMismatch
@@ -64,8 +64,11 @@ from gpudeck.agents.wire.protocol import (
     WatchSnapshots,
 )
 from gpudeck.console.core import config as cfg
-from gpudeck.console.fleet.transport import HostKeyError, SshLink, SshOptions, connect_ssh
+from gpudeck.console.fleet.ssh_options import HostKeyError, SshOptions
 from gpudeck.console.history.replica import History
+
+if TYPE_CHECKING:
+    from gpudeck.console.fleet.transport import SshLink
 
 LinkState = Literal["connecting", "up", "unreachable", "version_mismatch", "host_key"]
 BACKOFF_MIN_S = 0.5
@@ -181,6 +184,8 @@ class HostLink:
     async def _connect(self) -> AgentClient:
         if self.is_local:
             return await AgentClient.connect_unix(state_dir=self._state_dir, autostart=True, alias=self.name)
+        from gpudeck.console.fleet.transport import connect_ssh  # asyncssh comes with it: only a remote host needs it
+
         link = await connect_ssh(self.name, self.settings.command, self._ssh)
         self._ssh_link = link
         return link.client

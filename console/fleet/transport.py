@@ -18,57 +18,31 @@ import logging
 import re
 import socket
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import asyncssh
 
 from gpudeck.agents.wire.client import AgentClient
 from gpudeck.agents.wire.errors import AgentError, AgentUnavailable
+from gpudeck.console.fleet.ssh_options import HostKeyError, SshError, SshOptions
 
-KEEPALIVE_S = 10.0
-KEEPALIVE_COUNT = 3
+__all__ = [
+    "CONNECT_TIMEOUT_S",
+    "HostKeyError",
+    "SshError",
+    "SshLink",
+    "SshOptions",
+    "connect_ssh",
+    "encryption_preference",
+    "host_settings",
+]
+
 CONNECT_TIMEOUT_S = 15.0
 LOGIN_TIMEOUT_S = 30.0
 HELLO_TIMEOUT_S = 30.0  # the far side may have to start its agent first
 
 log = logging.getLogger(__name__)
-
-
-class HostKeyError(AgentError):
-    """The host's SSH key is unknown or changed; nothing was sent to it."""
-
-    code = "host_key"
-
-
-class SshError(AgentError):
-    """The SSH connection could not be made or was refused."""
-
-    code = "ssh"
-
-
-@dataclass(frozen=True)
-class SshOptions:
-    """Where the SSH client settings come from (the user's files unless a test says otherwise)."""
-
-    config: Sequence[Path] | None = None  # None: ~/.ssh/config (if it exists)
-    known_hosts: Sequence[Path] | None = None  # None: ~/.ssh/known_hosts and /etc/ssh/ssh_known_hosts
-    client_keys: Sequence[Path] | None = None  # None: IdentityFile from the config, else ~/.ssh/id_*
-    keepalive_s: float = KEEPALIVE_S
-    keepalive_count: int = KEEPALIVE_COUNT
-    connect_timeout_s: float | None = None  # None: the host's ConnectTimeout in the ssh config, else CONNECT_TIMEOUT_S
-    env: dict[str, str] = field(default_factory=dict)
-
-    def config_paths(self) -> list[str]:
-        if self.config is not None:
-            return [str(p) for p in self.config]
-        p = Path("~/.ssh/config").expanduser()
-        return [str(p)] if p.exists() else []
-
-    def known_hosts_paths(self) -> list[str]:
-        if self.known_hosts is not None:
-            return [str(p) for p in self.known_hosts]
-        return [str(p) for p in (Path("~/.ssh/known_hosts").expanduser(), Path("/etc/ssh/ssh_known_hosts")) if p.exists()]
 
 
 class _KnownHosts:

@@ -28,7 +28,7 @@ from collections.abc import Sequence
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
@@ -37,9 +37,11 @@ from gpudeck.agents.wire.causes import cause_class
 from gpudeck.agents.wire.protocol import TERMINAL_STATES, Event
 from gpudeck.console.core import config
 from gpudeck.console.core.records import EpochRecord, EventRecord, HostRecord, MetricPoint, Problem, RunRecord, loads
-from gpudeck.console.history import quarantine
+from gpudeck.console.history import quarantine, sqlite_lib
 from gpudeck.console.history.query import compile_query, compile_terms
-from gpudeck.console.history.sqlite_lib import sqlite_utils
+
+if TYPE_CHECKING:
+    import sqlite_utils
 
 SCHEMA_VERSION = 1
 MAX_MEMBERS = 256  # members kept per run row (the events keep all of them)
@@ -119,6 +121,26 @@ def _connect(path: Path) -> sqlite3.Connection:
     return conn
 
 
+# what ensure_schema makes: the tables, and the indexes (sqlite-utils names each idx_<table>_<columns>)
+_TABLES = ("hosts", "epochs", "events", "runs", "metrics", "meta", "pending_stops", "quarantine")
+_EVENT_INDEX = ["host", "run_id", "seq"]
+_RUN_INDEXES = (["id"], ["state"], ["created"], ["cause_class"], ["config_hash"])
+_INDEXES = tuple(f"idx_{table}_{'_'.join(cols)}" for table, cols in [("events", _EVENT_INDEX), *(("runs", c) for c in _RUN_INDEXES)])
+
+
+def schema_current(conn: sqlite3.Connection) -> bool:
+    """Whether the file already has everything :func:`ensure_schema` makes, so it would change nothing.
+
+    Read with plain sqlite3: a history whose schema is current never imports sqlite-utils (``sqlite_lib``)."""
+    have = {name for (name,) in conn.execute("SELECT name FROM sqlite_master WHERE type IN ('table', 'index')")}
+    if not have.issuperset(_TABLES) or not have.issuperset(_INDEXES):
+        return False
+    columns = {row[1] for row in conn.execute("PRAGMA table_info(runs)")}
+    if not columns.issuperset(_RUN_COLUMNS):
+        return False
+    return conn.execute("SELECT 1 FROM meta WHERE key = 'schema_version'").fetchone() is not None
+
+
 def ensure_schema(db: sqlite_utils.Database) -> None:
     """Create the tables and indexes (idempotent)."""
     db.table("hosts").create(
@@ -143,13 +165,13 @@ def ensure_schema(db: sqlite_utils.Database) -> None:
         pk=("host", "epoch", "seq"),
         if_not_exists=True,
     )
-    db.table("events").create_index(["host", "run_id", "seq"], if_not_exists=True)
+    db.table("events").create_index(_EVENT_INDEX, if_not_exists=True)
     db.table("runs").create(_RUN_COLUMNS, pk=("host", "id"), if_not_exists=True)
     have = set(db["runs"].columns_dict)
     for col, typ in _RUN_COLUMNS.items():  # a history made by an older gpudeck gains the new columns
         if col not in have:
             db.table("runs").add_column(col, typ)
-    for cols in (["id"], ["state"], ["created"], ["cause_class"], ["config_hash"]):
+    for cols in _RUN_INDEXES:
         db.table("runs").create_index(cols, if_not_exists=True)
     db.table("metrics").create(
         {"host": str, "run_id": str, "step": int, "ts": float, "loss": float, "tokens_per_s": float, "mfu": float, "mem_peak_gib": float},
@@ -359,7 +381,8 @@ class History:
             paths.ensure_private_dir(self.path.parent)
             paths.private_file(self.path)
             self._read_conn = _connect(self.path)
-            ensure_schema(sqlite_utils.Database(self._read_conn))
+            if not schema_current(self._read_conn):  # a new file, or one an older gpudeck made
+                ensure_schema(sqlite_lib.load().Database(self._read_conn))
         except paths.UnsafePath as exc:
             raise HistoryError(f"cannot open the history {self.path}: {exc.message}") from None
         except (sqlite3.Error, OSError) as exc:

@@ -1,4 +1,9 @@
-"""sqlite-utils, imported without its optional pandas and numpy support.
+"""sqlite-utils, imported when first asked for (:func:`load`) and without its optional pandas and numpy support.
+
+Importing sqlite-utils costs more than the rest of a CLI call's imports together (its ``db`` module: about 0.14 s of
+``python -X importtime`` on the 2-core test machine), and the console needs it only to create or migrate the
+history's schema; so nothing imports it at module level, and a history whose schema is current never loads it
+(:func:`gpudeck.console.history.replica.schema_current`).
 
 sqlite-utils imports pandas and numpy at import time when they are installed, only
 to map their scalar types to SQLite column types. gpudeck never hands it a
@@ -16,14 +21,17 @@ from __future__ import annotations
 
 import sys
 from types import ModuleType
-from typing import TYPE_CHECKING
 
-__all__ = ["sqlite_utils"]
+__all__ = ["load"]
 
 _OPTIONAL = ("pandas", "numpy")
 
 
-def _import() -> ModuleType:
+def load() -> ModuleType:
+    """The sqlite_utils module (imported on the first call; pandas and numpy kept out as above)."""
+    loaded = sys.modules.get("sqlite_utils")
+    if loaded is not None:
+        return loaded
     hidden = [name for name in _OPTIONAL if name not in sys.modules]
     for name in hidden:
         sys.modules[name] = None  # type: ignore[assignment]  # `import name` raises ImportError while this holds
@@ -34,9 +42,3 @@ def _import() -> ModuleType:
             if sys.modules.get(name, 0) is None:
                 del sys.modules[name]
     return sqlite_utils
-
-
-if TYPE_CHECKING:
-    import sqlite_utils
-else:
-    sqlite_utils = _import()

@@ -7,22 +7,21 @@ Exit codes: 0 fine; 1 a target failed (``--check``), is failing (``--status``), 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
-import signal
-import sqlite3
 import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from gpudeck.console.core import config as cfg
 from gpudeck.console.core.sanitize import terminal_text
-from gpudeck.console.watch import deliver
-from gpudeck.console.watch.outbox import Outbox, OutboxError, TargetStatus
-from gpudeck.console.watch.rules import Rule, RuleError, compile_rules, unusable
-from gpudeck.console.watch.targets import privacy_form, scrub
 
-# the watcher itself (the Fleet, prometheus_client) is imported when `watch` runs, not by every gpudeck command
+if TYPE_CHECKING:
+    from gpudeck.console.core import config as cfg
+    from gpudeck.console.watch.outbox import TargetStatus
+    from gpudeck.console.watch.rules import Rule
+
+# every gpudeck command builds this module's parser (add_parser): the watcher itself (the Fleet, prometheus_client),
+# the config, rules, outbox, delivery and the targets' privacy forms are imported when `watch` runs, not by every
+# gpudeck command
 DEFAULT_METRICS = ("127.0.0.1", 9464)
 
 EXIT_FAILING = 1
@@ -57,12 +56,20 @@ def add_parser(sub: Any) -> None:
 
 
 def _load() -> tuple[cfg.Config, list[Rule]]:
+    from gpudeck.console.core import config as cfg
+    from gpudeck.console.watch.rules import compile_rules
+
     conf = cfg.load()
     return conf, compile_rules(conf.notify)
 
 
 def _unusable_rules(rules: list[Rule]) -> dict[int, str]:
     """The rules the history's SQLite cannot evaluate (none when there is no history yet to try them on)."""
+    import sqlite3
+
+    from gpudeck.console.core import config as cfg
+    from gpudeck.console.watch.rules import unusable
+
     path = cfg.history_path()
     if not path.exists():
         return {}
@@ -78,6 +85,11 @@ def _unusable_rules(rules: list[Rule]) -> dict[int, str]:
 
 def check() -> int:
     """Validate the configuration and send a test notification to every target; 0 when every target accepted it."""
+    from gpudeck.console.core import config as cfg
+    from gpudeck.console.watch import deliver
+    from gpudeck.console.watch.rules import RuleError
+    from gpudeck.console.watch.targets import privacy_form
+
     try:
         conf, rules = _load()
     except (cfg.ConfigError, RuleError) as exc:
@@ -107,7 +119,9 @@ def check() -> int:
 
 def status(as_json: bool) -> int:
     """Print every target's record (JSON with ``as_json``, whatever the state); 1 when one is failing, 3 when no watcher runs."""
+    from gpudeck.console.watch.outbox import Outbox, OutboxError
     from gpudeck.console.watch.service import outbox_path, running_pid
+    from gpudeck.console.watch.targets import privacy_form, scrub
 
     path = outbox_path()
     pid = running_pid()
@@ -173,6 +187,9 @@ def status(as_json: bool) -> int:
 
 
 async def _run(opts: Any) -> int:
+    import asyncio
+    import signal
+
     from gpudeck.console.watch.service import Watcher
 
     stop = asyncio.Event()
@@ -188,6 +205,11 @@ def main(args: argparse.Namespace) -> int:
         return status(args.json)
     if args.check:
         return check()
+    import asyncio
+
+    from gpudeck.console.core import config as cfg
+    from gpudeck.console.watch.outbox import OutboxError
+    from gpudeck.console.watch.rules import RuleError
     from gpudeck.console.watch.service import WatchError, WatchOptions, parse_address
 
     try:

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from gpudeck.agents.wire.protocol import ClaimRow
-from gpudeck.console.cli.main import SHOW_SECRETS_HELP, build_parser
+from gpudeck.console.cli.parser import SHOW_SECRETS_HELP, build_parser
 from gpudeck.console.core import config as cfg
 from gpudeck.console.core.sanitize import SECRET_ANYWHERE, SECRET_RULE, SECRET_WORDS, is_secret_name
 from gpudeck.console.present.formats import format_claims

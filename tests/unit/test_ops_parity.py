@@ -16,7 +16,8 @@ import msgspec
 import pytest
 
 from gpudeck.agents.wire.protocol import EnvFingerprint, LaunchReply, LaunchSpec, PreflightResult, RunInfo
-from gpudeck.console.cli.main import build_parser, intent_from_args
+from gpudeck.console.cli.main import intent_from_args
+from gpudeck.console.cli.parser import build_parser
 from gpudeck.console.core import config as cfg
 from gpudeck.console.ops import Caller, IntentError, LaunchIntent, LaunchPlan, plan_launch, relaunch_intent, rollback_intent
 from gpudeck.console.ops.launch import with_start
