@@ -38,7 +38,7 @@ from gpudeck.agents.wire.protocol import (
 )
 from gpudeck.console.core.fmt import duration, elapsed, gib
 from gpudeck.console.core.records import RunRecord
-from gpudeck.console.core.sanitize import escape_controls, redact_env
+from gpudeck.console.core.sanitize import escape_controls, one_line, redact_env
 from gpudeck.console.ops import OpsError, nodes_of, relaunch_intent, rollback_intent
 from gpudeck.console.ops.relaunch import check_environment, rebuild_environment, recorded_environment
 from gpudeck.console.ops.stop import stop_run
@@ -852,7 +852,7 @@ def stop_confirm_text(r: RunInfo, host: str, snap: Snapshot | None) -> Text:
         for m in members[:STOP_LIST_MAX]:
             user = users.get(m.pid) or "-"
             rank = "-" if m.rank is None else str(m.rank)
-            body.append(f"{m.pid:>8}  {user[:10]:<10} {rank:>4}  ")
+            body.append(f"{m.pid:>8}  {one_line(user, 10):<10} {rank:>4}  ")
             body.append(escape_controls(shlex.join(m.cmdline))[:STOP_CMD_MAX] or "-", style="dim")
             body.append("\n")
         if len(members) > STOP_LIST_MAX:

@@ -8,10 +8,12 @@ import os
 from rich.table import Table
 from rich.text import Text
 
+from gpudeck.console.core.sanitize import one_line
 from gpudeck.console.present.rundiff import Row, RunDiff
 from gpudeck.console.present.views import core_changes, diff_sections, row_label
 from gpudeck.console.tui.widgets.cells import literal
 
+LABEL_LIMIT = 80  # characters of a run's label (name and id) in a diff's headings
 CORE_STYLE = "bold red"
 DIFF_STYLE = "bold yellow"
 
@@ -60,8 +62,8 @@ def diff_table(diff: RunDiff, a_label: str, b_label: str, only_differences: bool
     t.add_column("", width=1)
     t.add_column("", style="dim", no_wrap=True)
     t.add_column("", no_wrap=True)
-    t.add_column(Text(a_label), overflow="fold")  # run names: text, never markup
-    t.add_column(Text(b_label), overflow="fold")
+    t.add_column(Text(one_line(a_label, LABEL_LIMIT)), overflow="fold")  # run names: text, never markup, one row
+    t.add_column(Text(one_line(b_label, LABEL_LIMIT)), overflow="fold")
     rows = list(diff_rows(diff, only_differences).values())
     for c in rows[:limit] if limit else rows:
         t.add_row(*(literal(c[k]) for k in ("mark", "section", "key", "a", "b")))  # type: ignore[arg-type]
