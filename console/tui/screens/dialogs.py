@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from rich.console import RenderableType
 from rich.text import Text
+from textual import events
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
@@ -67,16 +68,17 @@ class ChoiceDialog(ModalScreen[str | None]):
                     yield Button(f"{label} ({key})", id=f"choice-{cid}", variant="primary" if i == 0 else "default")
                 yield Button("Cancel (esc)", id="cancel")
 
-    def on_mount(self) -> None:
+    def on_key(self, event: events.Key) -> None:
+        """A choice's key chooses it (the keys are the caller's, so they are not class BINDINGS)."""
         for cid, _, key in self._choices:
-            self._bindings.bind(key, f"choose('{cid}')", show=False)
+            if event.key == key:
+                event.stop()
+                self.dismiss(cid)
+                return
 
     def on_button_pressed(self, event: Button.Pressed) -> None:
         bid = event.button.id or ""
         self.dismiss(bid[len("choice-") :] if bid.startswith("choice-") else None)
-
-    def action_choose(self, cid: str) -> None:
-        self.dismiss(cid)
 
     def action_cancel(self) -> None:
         self.dismiss(None)
