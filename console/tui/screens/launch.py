@@ -278,6 +278,7 @@ class LaunchDialog(Guarded, ModalScreen[LaunchOutcome | None]):
         self._request_id = f"console-{uuid.uuid4().hex[:12]}"  # a retried launch from this dialog never starts a second run
         self._run_id = new_run_id()  # a multi-node plan keeps its id while the form is checked and confirmed
         self._gpu_host: str | None = None
+        self._gpu_simulated = False
         self._armed = False
         self._holders: HolderPlan | None = None  # what "Reclaim these and launch" stops (None: not offered)
         self._forcible = False  # only the GPU-holder check failed: --force is a choice
@@ -390,12 +391,24 @@ class LaunchDialog(Guarded, ModalScreen[LaunchOutcome | None]):
             return
         picker.display = True
         picker.add_options([Selection(gpu_choice(g, snap.simulated), g.index, g.index in want) for g in snap.gpus])
-        t = Text("none marked: CUDA_VISIBLE_DEVICES is left alone", style="dim")
-        if snap.simulated:
-            t = Text.assemble(
-                SIMULATED, Text(" GPUs of this host are simulated; none marked: CUDA_VISIBLE_DEVICES is left alone", style="dim")
-            )
-        hint.update(t)
+        self._gpu_simulated = snap.simulated
+        self._say_gpus()
+
+    def _say_gpus(self) -> None:
+        """The hint under the GPU list: which GPUs are marked (what CUDA_VISIBLE_DEVICES becomes), SIMULATED where so."""
+        picker = self.query_one("#gpus", SelectionList)
+        if not picker.display:
+            return
+        marked = sorted(picker.selected)
+        t = Text(
+            f"marked: GPU {', '.join(map(str, marked))} (CUDA_VISIBLE_DEVICES={','.join(map(str, marked))})"
+            if marked
+            else "none marked: CUDA_VISIBLE_DEVICES is left alone",
+            style="" if marked else "dim",
+        )
+        if self._gpu_simulated:
+            t = Text.assemble(SIMULATED, Text(" GPUs of this host are simulated; ", style="dim"), t)
+        self.query_one("#gpu-hint", Static).update(t)
 
     def _gpus_text(self) -> str:
         picker = self.query_one("#gpus", SelectionList)
@@ -423,6 +436,7 @@ class LaunchDialog(Guarded, ModalScreen[LaunchOutcome | None]):
         self._edited()
 
     def on_selection_list_selected_changed(self, event: SelectionList.SelectedChanged) -> None:
+        self._say_gpus()
         self._edited()
 
     def _button(self, label: str, disabled: bool = False, variant: str = "primary") -> None:

@@ -139,7 +139,9 @@ def run_header(r: RunInfo, simulated: bool = False, host: str | None = None) -> 
     if extras:
         t.append("   " + "   ".join(extras), style="dim")
     live = [a for a in r.alerts if a.cleared is None]
-    if live:
+    if live and r.state in TERMINAL_STATES:  # what was true while it ran (an idle GPU, a slow rank) is not a warning now
+        t.append(f"\n{len(live)} alert(s) while it ran: Claims & alerts (4)", style="dim")
+    elif live:
         t.append(f"\n⚠ {len(live)} alert(s): ", style="bold red")
         t.append("; ".join(a.message for a in live[:2])[:300], style="red")
     return t
