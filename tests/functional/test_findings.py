@@ -1,17 +1,19 @@
 """Findings of issue 30 on the console's screens, each driven through the app (Pilot) against the fixture fleet:
 GPUs marked in the Launch dialog are named, its buttons stay in view under a long pre-flight, a stopped run shows no
-live-run alert, ..."""
+live-run alert, the table filter shows what is typed, columns fold on resize, ..."""
 
 from __future__ import annotations
 
 import msgspec
-from textual.widgets import Button, SelectionList, Static
+from textual.geometry import Region
+from textual.widget import Widget
+from textual.widgets import Button, Input, SelectionList, Static
 
 from gpudeck.agents.wire.protocol import Alert, LaunchSpec, PreflightCheck, PreflightResult, RunInfo
 from gpudeck.console.tui.app import GpudeckApp
 from gpudeck.console.tui.screens.run import RunScreen
 from gpudeck.console.tui.screens.runs import RunsScreen
-from gpudeck.console.tui.widgets.keyed_table import KeyedTable
+from gpudeck.console.tui.widgets.keyed_table import FilterBar, KeyedTable
 from tests.functional.fixture_fleet import STOPPED, T0, FixtureFleet, fixture_preflight, fixture_runs
 from tests.functional.helpers import mounted, open_launch, press_for, text_of, until
 
@@ -89,3 +91,40 @@ async def test_a_stopped_run_shows_no_gpu_idle_warning() -> None:
         header = screen.query_one("#run-header", Static)
         await until(lambda: "stopped" in text_of(header), what="the run header")
         assert "⚠" not in text_of(header) and "1 alert(s) while it ran" in text_of(header)
+
+
+def drawn_text(widget: Widget) -> str:
+    """What ``widget`` draws, its lines joined."""
+    lines = widget.render_lines(Region(0, 0, widget.size.width, widget.size.height))
+    return "\n".join("".join(seg.text for seg in strip) for strip in lines)
+
+
+async def test_the_filter_text_shows_while_it_is_typed() -> None:
+    app = GpudeckApp(FixtureFleet())
+    async with app.run_test(size=SIZE) as pilot:
+        table = await until(lambda: app.screen.query_one("#fleet-table", KeyedTable), what="the Fleet table")
+        await until(lambda: "gpu1" in table.keys(), what="the fleet's rows")
+        table.focus()
+        await pilot.press("slash", "g", "p", "u", "1")
+        await until(lambda: table.filter_text == "gpu1", what="the filter in force")
+        await pilot.pause()
+        box = app.screen.query_one(FilterBar).query_one(Input)
+        assert box.size.height == 1 and "gpu1" in drawn_text(box)
+
+
+async def test_columns_fold_and_come_back_when_the_terminal_is_resized() -> None:
+    app = GpudeckApp(FixtureFleet())
+    async with app.run_test(size=(200, 50)) as pilot:
+        table = await until(lambda: app.screen.query_one("#fleet-table", KeyedTable), what="the Fleet table")
+        await until(lambda: "gpu1" in table.keys(), what="the fleet's rows")
+        wide = [str(k.value) for k in table.columns]
+        assert "agent" in wide and "gpus" in wide
+        table.move_cursor_to_key("sim1")
+        await pilot.resize_terminal(100, 50)
+        await until(lambda: "agent" not in [str(k.value) for k in table.columns], what="the columns to fold at 100")
+        await pilot.pause()
+        assert "gpu1" in table.keys() and table.cursor_key == "sim1"
+        assert str(table.get_cell("gpu1", "state")) == "up"
+        assert sum(c.get_render_width(table) for c in table.columns.values()) <= 100
+        await pilot.resize_terminal(200, 50)
+        await until(lambda: [str(k.value) for k in table.columns] == wide, what="every column back at 200")

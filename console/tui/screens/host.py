@@ -78,10 +78,10 @@ class HostScreen(LiveScreen):
     def compose(self) -> ComposeResult:
         yield AppHeader()
         yield Static(plain_markup(f"Host {self.host}"), id="host-title", classes="title")
-        yield KeyedTable(fit(GPU_COLUMNS, self.app.size.width), id="gpu-table", zebra_stripes=False)
+        yield KeyedTable(fit(GPU_COLUMNS, self.app.size.width), id="gpu-table", zebra_stripes=False, fold_from=GPU_COLUMNS)
         yield MetricPlot(id="host-mem-plot")
         yield Static("GPU processes  (space/enter: mark, a: mark leftovers, x: reclaim marked)", classes="subtitle")
-        yield KeyedTable(fit(PROC_COLUMNS, self.app.size.width, markable=True), id="proc-table", markable=True)
+        yield KeyedTable(fit(PROC_COLUMNS, self.app.size.width, markable=True), id="proc-table", markable=True, fold_from=PROC_COLUMNS)
         yield ProgressLine(id="host-progress")
         yield Static("", id="host-note", classes="note")
         yield DeckFooter()

@@ -108,7 +108,11 @@ class RunsScreen(LiveScreen):
         yield AppHeader()
         yield Static("Runs", id="runs-title", classes="title")
         table = KeyedTable(
-            fit(COLUMNS, self.app.size.width, least=24), id="runs-table", order=runs_order, order_columns=("state", "started")
+            fit(COLUMNS, self.app.size.width, least=24),
+            id="runs-table",
+            order=runs_order,
+            order_columns=("state", "started"),
+            fold_from=COLUMNS,
         )
         table.pin_top = True  # the cursor starts on the first row (a live run, else the newest) and stays there while rows come in
         yield table

@@ -18,6 +18,9 @@ above the table (case-insensitive text over every cell; ``esc`` clears it), a cl
 ``>`` / ``<`` sorts (again on the same column: the other way round), and the header of the sorted column and
 the filter bar say what is in force. Rows the filter hides stay in the model and keep receiving updates, so
 clearing the filter shows them as they are now.
+
+A table given ``fold_from`` fits its columns to the terminal again on every resize (``fit``: the least important
+fold first), keeping its rows, marks, filter, sort and highlighted row.
 """
 
 from __future__ import annotations
@@ -114,7 +117,8 @@ class FilterBar(Horizontal):
 
     def compose(self) -> ComposeResult:
         yield Static("filter /", classes="filter-label")
-        yield Input(placeholder="text in any column (enter: back to the table, esc: clear)")
+        # compact: no border, one row, focused or not (a focused Input's border left its one row no room: the text was invisible)
+        yield Input(placeholder="text in any column (enter: back to the table, esc: clear)", compact=True)
         yield Static("", classes="filter-count")
 
     @on(Input.Changed)
@@ -168,11 +172,16 @@ class KeyedTable(FastDataTable):
         filterable: bool = True,
         order: Callable[[Mapping[str, object]], Any] | None = None,
         order_columns: Iterable[str] = (),
+        fold_from: Sequence[Col] | None = None,
+        least: int = 24,
     ) -> None:
         """``order``: the table's own order when no column is chosen (by default: the order rows came in), reading
-        the cells of ``order_columns``."""
+        the cells of ``order_columns``. ``fold_from``: every column ``columns`` were fitted from (``fit``, with
+        ``least``); the table fits them again to the terminal's width whenever it is resized."""
         super().__init__(id=id, classes=classes, cursor_type="row", zebra_stripes=zebra_stripes)
         self.cols = list(columns)
+        self.fold_from = list(fold_from) if fold_from is not None else None
+        self.least = least
         self.markable = markable
         self.filterable = filterable
         self.marks: set[str] = set()
@@ -316,8 +325,45 @@ class KeyedTable(FastDataTable):
             self.call_later(self.flush_deferred)
 
     def on_resize(self) -> None:
+        if self.fold_from is not None and self.is_mounted:
+            self.refit(self.app.size.width)
         if self._deferred:
             self.call_later(self.flush_deferred)
+
+    def refit(self, width: int) -> bool:
+        """Fit ``fold_from`` to ``width`` again (columns fold or come back); True when the columns changed."""
+        if self.fold_from is None:
+            return False
+        cols = fit(self.fold_from, width, markable=self.markable, least=self.least)
+        if [(c.key, c.width) for c in cols] == [(c.key, c.width) for c in self.cols]:
+            return False
+        self.set_columns(cols)
+        return True
+
+    def set_columns(self, columns: Sequence[Col]) -> None:
+        """Show ``columns`` instead of the columns shown now, every row kept (its cells, marks, the filter, the sort and
+        the highlighted row): the rows are shown again in one go."""
+        cur = self.cursor_key
+        for key, cells in list(self._deferred.items()):
+            self._cells[key] = {**self._cells.get(key, {}), **cells}
+        self._deferred.clear()
+        self.cols = list(columns)
+        self._fixed = {c.key for c in self.cols if c.width is not None}
+        self._literals.clear()
+        self._hay.clear()  # the filter reads the columns shown
+        self.forget_rows()
+        self.forget_stale()
+        self.clear(columns=True)
+        self._shown.clear()
+        if self.markable:
+            self.add_column(" ", key=MARK_COLUMN, width=1)
+        for c in self.cols:
+            self.add_column(self._heading(c), key=c.key, width=c.width)
+        self._order_all = None
+        self._add_many(self._matching(self.filter_text))
+        if cur is not None and cur in self._shown:
+            self.call_after_refresh(self.move_cursor_to_key, cur)
+        self._say()
 
     def drop(self, key: str) -> None:
         """Remove row ``key`` if it is there."""
@@ -587,14 +633,18 @@ class KeyedTable(FastDataTable):
         """Sort by a column (None: the table's own order), keeping the highlighted row; the header shows it."""
         self.sort_column, self.sort_reverse = column, reverse
         for c in self.cols:
-            mark = "" if c.key != column else (" ▼" if reverse else " ▲")
             try:
-                self.columns[c.key].label = Text(c.label + mark, style="bold" if mark else "")  # type: ignore[index]
+                self.columns[c.key].label = self._heading(c)  # type: ignore[index]
             except KeyError:
                 pass
         self.columns_changed()
         self.apply_order()
         self._say()
+
+    def _heading(self, c: Col) -> Text:
+        """A column's heading, with ▲ / ▼ when the table is sorted by it."""
+        mark = "" if c.key != self.sort_column else (" ▼" if self.sort_reverse else " ▲")
+        return Text(c.label + mark, style="bold" if mark else "")
 
     def _cycle(self, step: int) -> None:
         keys = [None, *(c.key for c in self.cols)]
