@@ -4,6 +4,8 @@ live-run alert, the table filter shows what is typed, columns fold on resize, ..
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import msgspec
 from textual.geometry import Region
 from textual.widget import Widget
@@ -11,10 +13,11 @@ from textual.widgets import Button, Input, SelectionList, Static
 
 from gpudeck.agents.wire.protocol import Alert, LaunchSpec, PreflightCheck, PreflightResult, RunInfo
 from gpudeck.console.tui.app import GpudeckApp
+from gpudeck.console.tui.screens.diff import DiffScreen
 from gpudeck.console.tui.screens.run import RunScreen
 from gpudeck.console.tui.screens.runs import RunsScreen
 from gpudeck.console.tui.widgets.keyed_table import FilterBar, KeyedTable
-from tests.functional.fixture_fleet import STOPPED, T0, FixtureFleet, fixture_preflight, fixture_runs
+from tests.functional.fixture_fleet import GOOD, LIVE, STOPPED, T0, FixtureFleet, fixture_preflight, fixture_runs
 from tests.functional.helpers import mounted, open_launch, press_for, text_of, until
 
 SIZE = (160, 50)
@@ -128,3 +131,22 @@ async def test_columns_fold_and_come_back_when_the_terminal_is_resized() -> None
         assert sum(c.get_render_width(table) for c in table.columns.values()) <= 100
         await pilot.resize_terminal(200, 50)
         await until(lambda: [str(k.value) for k in table.columns] == wide, what="every column back at 200")
+
+
+async def test_the_diff_header_counts_every_row_the_table_marks(tmp_path: Path) -> None:
+    fleet = FixtureFleet(tmp_path / "history.db")
+    assert fleet.history is not None
+    a, b = fleet.history.find(GOOD), fleet.history.find(LIVE)
+    app = GpudeckApp(fleet)
+    async with app.run_test(size=SIZE) as pilot:
+        await app.push_screen(DiffScreen(a, b))
+        screen = await until(lambda: mounted(app, DiffScreen), what="the diff screen")
+        await pilot.pause()
+        table = screen.query_one("#diff-table", KeyedTable)
+        marked = [k for k in table.keys() if str(table.get_cell(k, "mark")).strip()]
+        outcome = [k for k in marked if k.startswith("outcome:")]
+        said = text_of(screen.query_one("#diff-summary", Static))
+        assert outcome, "the fixture's runs differ in outcome (the case that was miscounted)"
+        assert said.startswith(
+            f"{len(marked)} difference(s) ({len(marked) - len(outcome)} in configuration and environment, {len(outcome)} in outcome)"
+        ), said

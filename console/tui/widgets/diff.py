@@ -73,10 +73,15 @@ def diff_table(diff: RunDiff, a_label: str, b_label: str, only_differences: bool
 
 
 def diff_summary(diff: RunDiff) -> Text:
-    """One line: how many differences, the core ones by name, and why the environment could not be compared."""
-    n = diff.differences
+    """One line: how many rows differ (as many as the table marks), the core ones by name, and why the environment could
+    not be compared."""
+    n = diff.differences  # configuration and environment: what decides whether a setup still works
+    outcome = sum(r.differs for r in diff.outcome)
     core = core_changes(diff)
-    t = Text(f"{n} difference(s)", style="bold")
+    # every row the table marks is counted (the outcome's too), and the count says which are which
+    t = Text(f"{n + outcome} difference(s)", style="bold")
+    if outcome:
+        t.append(f" ({n} in configuration and environment, {outcome} in outcome)", style="bold")
     if core:
         t.append(f"; environment changes that matter: {', '.join(row_label(r) for r in core)}", style=CORE_STYLE)
     elif n and not diff.env_note.startswith("no environment"):
