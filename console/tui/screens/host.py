@@ -173,12 +173,14 @@ class HostScreen(LiveScreen):
             return
         self._plotted_at = now
         latest = max((r[-1][0] for r in self._mem.values() if r), default=snap.ts)
-        series = [
-            Series(f"GPU {i}", [(ts - latest) / 60 for ts, _ in ring], [v for _, v in ring])
-            for i, ring in sorted(self._mem.items())
-            if ring
-        ]
-        plot.show(series, xlabel="minutes (0 = now)", title="GPU memory used, GiB")
+        series = []
+        for i, ring in sorted(self._mem.items()):
+            points = [(ts, v) for ts, v in ring if ts >= latest - MEM_WINDOW_S]  # the window's minutes only
+            if points:
+                series.append(Series(f"GPU {i}", [(ts - latest) / 60 for ts, _ in points], [v for _, v in points]))
+        # the axis ends at now: plotext would centre a lone first sample, drawing minutes that have not happened yet
+        first = min((x for s in series for x in s.x), default=0.0)
+        plot.show(series, xlabel="minutes (0 = now)", title="GPU memory used, GiB", xlim=(min(first, -1.0), 0.0))
 
     @staticmethod
     def _holders(procs: list[GpuProcess]) -> Text:
