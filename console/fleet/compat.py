@@ -2,7 +2,7 @@
 
 - ``SSHClientConfig._handlers`` and ``SSHConfig._set_bool``: asyncssh's ssh config reader ignores ``CheckHostIP``;
   :class:`CheckHostIPConfig` adds it to the reader's table of options, parsed as asyncssh parses its own yes/no
-  options. Waits for asyncssh to read the option itself (it does not as of 2.22).
+  options. Waits for asyncssh to read the option itself (2.24.1, the version tested, does not).
 - the logger class's ``_debug_level``: asyncssh formats a log line for every packet a channel receives before its
   logger checks whether packet logging is on; :func:`packet_logging_on` reads that level so the console's hook can
   skip the formatting. Waits for asyncssh to check the level first.
