@@ -36,7 +36,7 @@ from textual.widgets.selection_list import Selection
 from gpudeck.agents.wire.errors import AgentError
 from gpudeck.agents.wire.protocol import Gpu, LaunchSpec, PreflightResult, RunInfo, Snapshot, new_run_id
 from gpudeck.console.core.fmt import gib
-from gpudeck.console.core.sanitize import one_line
+from gpudeck.console.core.sanitize import escape_controls, one_line
 from gpudeck.console.ops import IntentError, LaunchIntent, LaunchPlan, LaunchResult, OpsError
 from gpudeck.console.ops.holders import HOLDERS_CHECK, HolderPlan, ReclaimLaunch, plan_holders, reclaim_and_launch
 from gpudeck.console.ops.intent import count_text, form_start
@@ -125,18 +125,13 @@ def typed_or_recorded(field: str, value: str, prefill: dict[str, str], shown: di
         return value
     if value == shown[field]:
         return prefill[field]
-    if shown[field] != escape_shown(prefill[field]) and "…" in value:
+    if shown[field] != escape_controls(prefill[field]) and "…" in value:  # shown cut, not only escaped
         raise IntentError(
             field.replace("_", " "),
             f"the recorded value is {len(prefill[field])} characters, shown cut at {FIELD_LIMIT}, and was edited",
             "clear the field and type the whole value, or cancel and relaunch to use the recorded one",
         )
     return value
-
-
-def escape_shown(value: str) -> str:
-    """A recorded value as a field would show it uncut (to tell a cut value from an escaped one)."""
-    return one_line(value, limit=len(value) * 6 + 1)  # an escape is at most 6 characters per character: never cut
 
 
 def need_gib_text(text: str) -> float | None:
