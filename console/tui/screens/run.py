@@ -798,12 +798,12 @@ class RunScreen(LiveScreen):
             status.finish(f"{python} still matches the good run's fingerprint{note}", style="green")
             return python
         status.finish(f"{python} changed since the good run: {len(check.changes)} difference(s)", style="bold yellow")
-        lines = "\n".join(check.describe(20))
+        lines = "\n".join(one_line(line) for line in check.describe(20))  # package names and paths: the run's record
         ok = await self.app.push_screen_wait(
             ConfirmDialog(
                 "The good environment changed",
                 Text(
-                    f"{python} no longer matches what the good run recorded:\n\n{lines}\n\nRebuild it from the recorded pip freeze into a new virtual environment (minutes; the result is checked against the record)? Nothing starts in the changed one."
+                    f"{one_line(python)} no longer matches what the good run recorded:\n\n{lines}\n\nRebuild it from the recorded pip freeze into a new virtual environment (minutes; the result is checked against the record)? Nothing starts in the changed one."
                 ),
                 "Rebuild it",
             )
