@@ -11,6 +11,9 @@ bidirectional overrides that reorder what is shown, or secrets passed with
   tab a caller keeps), DEL, C1, the bidirectional controls and the line and
   paragraph separators. An ESC sequence is defused by escaping its ESC; the
   rest of it shows as plain text.
+- :func:`one_line` is the same for a string shown where one row is expected (a dialog's title, a form's field, a
+  line of a list): every control is escaped, line breaks and tabs too, and it is cut at :data:`LINE_LIMIT`
+  characters with an ellipsis.
 - :func:`redact_env`, :func:`redact_record` and :func:`redact_run` replace the values of environment
   variables whose names look like secrets (:data:`SECRET_RULE`, built from
   :data:`SECRET_WORDS` and :data:`SECRET_ANYWHERE`) with ``REDACTED``, for
@@ -54,6 +57,15 @@ def escape_controls(text: str, keep: str = "") -> str:
     if not keep:
         return _CONTROLS.sub(_visible, text)
     return _CONTROLS.sub(lambda m: m.group() if m.group() in keep else _visible(m), text)
+
+
+LINE_LIMIT = 200  # characters of one run-controlled string shown on one row (a name, a command line, a cause)
+
+
+def one_line(text: str, limit: int = LINE_LIMIT) -> str:
+    """``text`` as one row: every control escaped (line breaks and tabs too), cut at ``limit`` characters with '…'."""
+    out = escape_controls(text)
+    return out if len(out) <= limit else out[: max(0, limit - 1)] + "…"
 
 
 def has_controls(text: str) -> bool:

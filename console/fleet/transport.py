@@ -25,6 +25,7 @@ import asyncssh
 
 from gpudeck.agents.wire.client import AgentClient
 from gpudeck.agents.wire.errors import AgentError, AgentUnavailable
+from gpudeck.console.fleet.compat import CheckHostIPConfig, packet_logging_on
 from gpudeck.console.fleet.ssh_options import HostKeyError, SshError, SshOptions
 
 __all__ = [
@@ -96,12 +97,6 @@ class _KnownHosts:
         return keys, cas, revoked
 
 
-class _HostKeyConfig(asyncssh.config.SSHClientConfig):
-    """asyncssh's ssh config reader, also reading ``CheckHostIP`` (asyncssh ignores it)."""
-
-    _handlers = {**asyncssh.config.SSHClientConfig._handlers, "checkhostip": ("CheckHostIP", asyncssh.config.SSHConfig._set_bool)}
-
-
 @dataclass(frozen=True)
 class HostSettings:
     """What the user's ssh config says of one host that gpudeck reads itself (asyncssh reads the rest)."""
@@ -116,7 +111,7 @@ def host_settings(name: str, config_paths: Sequence[str]) -> HostSettings:
     if not config_paths:
         return HostSettings()
     try:
-        cfg = _HostKeyConfig.load(None, list(config_paths), False, False, False, "", "", name, None)
+        cfg = CheckHostIPConfig.load(None, list(config_paths), False, False, False, "", "", name, None)
     except (OSError, asyncssh.Error, ValueError):
         return HostSettings()
     alias = cfg.get("HostKeyAlias")
@@ -190,6 +185,10 @@ class _AgentSession(asyncssh.SSHClientSession):
     def resume_writing(self) -> None:
         self._can_write.set()
 
+    async def writable(self) -> None:
+        """Wait until SSH flow control lets the channel take more."""
+        await self._can_write.wait()
+
 
 class _ChannelWriter:
     """What AgentClient writes through: the channel, with drain honouring SSH flow control."""
@@ -204,7 +203,7 @@ class _ChannelWriter:
     async def drain(self) -> None:
         if self._s.closed.is_set():
             raise ConnectionResetError("the SSH channel is closed")
-        await self._s._can_write.wait()
+        await self._s.writable()
 
     def write_eof(self) -> None:
         assert self._s.chan is not None
@@ -263,10 +262,9 @@ def _skip_idle_packet_log(chan: asyncssh.SSHClientChannel) -> None:
     logging is on (debug level 3); with a snapshot a second from hundreds of hosts that is a noticeable share of
     the console's CPU. The channel's hook only calls through when that level is set (or cannot be read)."""
     real = chan.log_received_packet
-    logger_cls = type(asyncssh.logging.logger)
 
     def log_received_packet(pkttype: int, pktid: int | None, packet: object, note: str = "") -> None:
-        if getattr(logger_cls, "_debug_level", 3) >= 3:
+        if packet_logging_on():
             real(pkttype, pktid, packet, note)  # type: ignore[arg-type]
 
     chan.log_received_packet = log_received_packet  # type: ignore[method-assign]

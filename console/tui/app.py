@@ -16,7 +16,6 @@ from pathlib import Path
 import platformdirs
 from rich.terminal_theme import TerminalTheme
 from textual import events, work
-from textual._ansi_theme import ALABASTER
 from textual.app import App, SystemCommand
 from textual.binding import Binding
 from textual.notifications import SeverityLevel
@@ -30,6 +29,7 @@ from gpudeck.console.fleet.fleet import Fleet, HostLink, HostStatus
 from gpudeck.console.history.replica import History
 from gpudeck.console.ops import LaunchIntent
 from gpudeck.console.tui.commands import GpudeckCommands
+from gpudeck.console.tui.compat.ansi_theme import light_ansi
 from gpudeck.console.tui.compat.textual_fixes import install as install_textual_fixes
 from gpudeck.console.tui.screens.base import LiveScreen
 from gpudeck.console.tui.screens.fleet import FleetScreen
@@ -80,11 +80,9 @@ def due_collection(counts: tuple[int, int, int], idle_s: float) -> int | None:
 def _light_ansi() -> TerminalTheme:
     """Textual's light ANSI palette (Alabaster) with a darker yellow: 'changed' (diffs), 'connecting', FOREIGN are
     yellow, and Alabaster's rgb(203,144,0) has 2:1 contrast on the light background; this one has over 5:1 (WCAG AA)."""
-    base = ALABASTER
-    colors = [(c[0], c[1], c[2]) for c in base.ansi_colors._colors]  # 8 normal, then 8 bright
+    bg, fg, colors = light_ansi()  # 8 normal, then 8 bright
     colors[3] = colors[11] = LIGHT_YELLOW
-    bg, fg = base.background_color, base.foreground_color
-    return TerminalTheme((bg[0], bg[1], bg[2]), (fg[0], fg[1], fg[2]), colors[:8], colors[8:])
+    return TerminalTheme(bg, fg, colors[:8], colors[8:])
 
 
 LIGHT_YELLOW = (115, 78, 0)

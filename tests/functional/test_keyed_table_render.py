@@ -1,4 +1,4 @@
-"""KeyedTable's own cell render (console/tui/widgets/keyed_table.py, ``_render_cell``) gives exactly DataTable's segments.
+"""KeyedTable's own cell render (console/tui/compat/data_table.py, ``_render_cell``) gives exactly DataTable's segments.
 
 The fast path builds a one-line cell's segments directly instead of through Rich's generic pipeline (a filter that
 changes the rows re-renders every cell on screen). Each cell of a table with plain, styled, multi-span, wide,
@@ -15,6 +15,7 @@ from textual.app import App, ComposeResult
 from textual.coordinate import Coordinate
 from textual.widgets import DataTable
 
+from gpudeck.console.tui.compat.data_table import FastDataTable
 from gpudeck.console.tui.widgets.keyed_table import Col, KeyedTable
 
 COLS = [Col("a", "A", 6), Col("b", "B", 12), Col("c", "C", 4), Col("d", "D", 20)]
@@ -53,7 +54,7 @@ async def test_the_fast_cell_render_gives_datatables_segments() -> None:
         table.cursor_coordinate = Coordinate(1, 0)
         table.hover_coordinate = Coordinate(2, 0)
         await pilot.pause()
-        assert KeyedTable._fast_cells
+        assert FastDataTable._fast_cells
         checked = 0
         for row_index in range(table.row_count):
             base = table._get_row_style(row_index, table.rich_style)
@@ -155,11 +156,11 @@ async def test_the_fast_row_render_gives_datatables_lines_and_survives_a_filter(
 
         def both() -> tuple[list[list[tuple[str, object]]], list[list[tuple[str, object]]]]:
             mine = lines()
-            KeyedTable._fast_rows = KeyedTable._fast_cells = False
+            FastDataTable._fast_rows = FastDataTable._fast_cells = False
             try:
                 theirs = lines()
             finally:
-                KeyedTable._fast_rows = KeyedTable._fast_cells = True
+                FastDataTable._fast_rows = FastDataTable._fast_cells = True
             return mine, theirs
 
         checked = 0
@@ -179,4 +180,4 @@ async def test_the_fast_row_render_gives_datatables_lines_and_survives_a_filter(
         assert mine == theirs
         metas = {style.meta.get("row") for line in mine[1:] for _t, style in line if style and style.meta}
         assert metas == {0, 1}
-        assert KeyedTable._fast_rows and checked == 3
+        assert FastDataTable._fast_rows and checked == 3

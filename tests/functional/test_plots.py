@@ -3,6 +3,7 @@ Diff screen, a host's GPU memory over the last minutes in the Host screen."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from gpudeck.console.tui.app import GpudeckApp
@@ -59,3 +60,17 @@ def test_thin_keeps_the_ends_and_the_limit() -> None:
     xs = list(range(10_000))
     tx, ty = thin(xs, [float(x) for x in xs], limit=100)
     assert len(tx) == 100 and tx[0] == 0 and tx[-1] == 9_999
+
+
+async def test_the_host_memory_plot_ends_at_now(tmp_path: Path) -> None:
+    """The first sample alone: plotext centred it, and the x axis ran a minute into the future."""
+    app = GpudeckApp(FixtureFleet(tmp_path / "history.db"))
+    async with app.run_test(size=SIZE) as pilot:
+        host = await open_host(app)
+        plot = host.query_one("#host-mem-plot", MetricPlot)
+        await until(lambda: plot.lines, what="the memory plot")
+        await pilot.pause()
+        lines = plot.render().plain.splitlines()  # type: ignore[union-attr]
+        axis = next(i for i, line in enumerate(lines) if line.lstrip().startswith("└"))
+        ticks = [float(t) for t in re.findall(r"-?\d+\.\d+", lines[axis + 1])]
+        assert ticks and max(ticks) == 0.0 and min(ticks) < 0, lines[axis + 1]

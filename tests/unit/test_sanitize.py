@@ -5,7 +5,17 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gpudeck.console.core.sanitize import REDACTED, escape_controls, escape_tree, is_secret_name, redact_env, redact_run, terminal_text
+from gpudeck.console.core.sanitize import (
+    LINE_LIMIT,
+    REDACTED,
+    escape_controls,
+    escape_tree,
+    is_secret_name,
+    one_line,
+    redact_env,
+    redact_run,
+    terminal_text,
+)
 
 
 def test_escape_sequences_c0_c1_and_bidi_controls_become_visible_escapes() -> None:
@@ -77,3 +87,10 @@ def test_a_quarantined_event_s_raw_json_has_its_spec_secrets_redacted() -> None:
     plain = json.dumps({"seq": 2, "ts": 1.0, "data": {"record": {"step": 2**64}}})
     assert redact_raw_event(plain) is plain  # nothing to hide: byte for byte as stored
     assert redact_raw_event("{not json") == "{not json"
+
+
+def test_one_line_escapes_line_breaks_too_and_cuts_at_the_limit_with_an_ellipsis() -> None:
+    assert one_line("a\nb\tc\x1b[31m") == "a\\x0ab\\x09c\\x1b[31m"
+    long = one_line("Stop " + "x" * 500 + "\nmore")
+    assert len(long) == LINE_LIMIT and long.endswith("…") and "\n" not in long
+    assert one_line("x" * 10, 10) == "x" * 10 and one_line("x" * 11, 10) == "x" * 9 + "…"

@@ -1,1 +1,2 @@
-"""Provides the only place the console touches a library's private names; README.md here lists each one."""
+"""Provides the only place the console touches Textual's private names (asyncssh's: console/fleet/compat.py); README.md
+here lists each one, with its guard test."""

@@ -20,6 +20,8 @@ from textual.dom import DOMNode
 from textual.screen import Screen
 from textual.timer import Timer
 
+from gpudeck.console.tui.compat.messages import MessageGuard
+
 if TYPE_CHECKING:
     from gpudeck.agents.wire.protocol import RunInfo
     from gpudeck.console.fleet.fleet import Fleet
@@ -43,7 +45,7 @@ def deck(node: DOMNode) -> DeckApp:
     return cast(DeckApp, node.app)
 
 
-class Guarded:
+class Guarded(MessageGuard):
     """The one guard between a screen and the work that outlives it (mixed into every console screen).
 
     A worker, a queued message, a timer or a mount handler of a screen can still
@@ -51,7 +53,7 @@ class Guarded:
     composed): then it finds no widget to query. Here, and only here, that ends
     the piece of work quietly: a ``NoMatches`` raised while the screen is not
     mounted or not on the app's stack is swallowed; raised while the screen is
-    shown, it is a bug and propagates. Messages and events (``_on_message``),
+    shown, it is a bug and propagates. Messages and events (compat's MessageGuard),
     ``@work`` workers (``run_worker``), ``set_interval`` and ``set_timer``
     callbacks all pass through it.
     """
@@ -109,13 +111,6 @@ class Guarded:
             if self.screen_gone():
                 return None
             raise
-
-    async def _on_message(self, message: Any) -> None:
-        try:
-            await super()._on_message(message)  # type: ignore[misc]
-        except NoMatches:
-            if not self.screen_gone():
-                raise
 
     def run_worker(self, work: Any, *args: Any, **kwargs: Any) -> Any:
         work = self._guard_awaitable(work) if inspect.isawaitable(work) else self._guard(work)

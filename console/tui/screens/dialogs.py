@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from rich.console import RenderableType
 from rich.text import Text
+from textual import events
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
@@ -12,6 +13,7 @@ from textual.widgets import Button, Static
 
 from gpudeck.agents.wire.protocol import StopResult
 from gpudeck.console.core.fmt import gib
+from gpudeck.console.core.sanitize import one_line
 from gpudeck.console.tui.widgets.cells import plain_markup
 
 
@@ -29,7 +31,7 @@ class ConfirmDialog(ModalScreen[bool]):
 
     def compose(self) -> ComposeResult:
         with Vertical(classes="dialog"):
-            yield Static(plain_markup(self._title), classes="dialog-title")
+            yield Static(plain_markup(one_line(self._title)), classes="dialog-title")
             yield Static(plain_markup(self.body), classes="dialog-body", id="confirm-body")
             with Horizontal(classes="dialog-buttons"):
                 yield Button(f"{self._confirm_label} (y)", variant=self._variant, id="confirm")  # type: ignore[arg-type]
@@ -59,23 +61,24 @@ class ChoiceDialog(ModalScreen[str | None]):
 
     def compose(self) -> ComposeResult:
         with Vertical(classes="dialog wide"):
-            yield Static(plain_markup(self._title), classes="dialog-title")
+            yield Static(plain_markup(one_line(self._title)), classes="dialog-title")
             yield Static(plain_markup(self.body), classes="dialog-body", id="choice-body")
             with Horizontal(classes="dialog-buttons"):
                 for i, (cid, label, key) in enumerate(self._choices):
                     yield Button(f"{label} ({key})", id=f"choice-{cid}", variant="primary" if i == 0 else "default")
                 yield Button("Cancel (esc)", id="cancel")
 
-    def on_mount(self) -> None:
+    def on_key(self, event: events.Key) -> None:
+        """A choice's key chooses it (the keys are the caller's, so they are not class BINDINGS)."""
         for cid, _, key in self._choices:
-            self._bindings.bind(key, f"choose('{cid}')", show=False)
+            if event.key == key:
+                event.stop()
+                self.dismiss(cid)
+                return
 
     def on_button_pressed(self, event: Button.Pressed) -> None:
         bid = event.button.id or ""
         self.dismiss(bid[len("choice-") :] if bid.startswith("choice-") else None)
-
-    def action_choose(self, cid: str) -> None:
-        self.dismiss(cid)
 
     def action_cancel(self) -> None:
         self.dismiss(None)
@@ -87,12 +90,14 @@ def stop_result_text(res: StopResult) -> Text:
     style = "bold green" if not res.survivors else "bold red"
     t.append(f"{res.state} in {res.seconds:.2f} s", style=style)
     if res.message:
-        t.append(f": {res.message}")
+        t.append(f": {one_line(res.message)}")
     t.append("\n")
     for p in res.stopped:
-        t.append(f"  ended    pid {p.pid:<7} {p.how:<12} {' '.join(p.cmdline)[:56]}\n", style="yellow" if p.how == "SIGKILL" else "")
+        t.append(
+            f"  ended    pid {p.pid:<7} {p.how:<12} {one_line(' '.join(p.cmdline), 56)}\n", style="yellow" if p.how == "SIGKILL" else ""
+        )
     for p in res.survivors:
-        t.append(f"  SURVIVED pid {p.pid:<7} {p.status or '?':<12} {' '.join(p.cmdline)[:56]}\n", style="bold red")
+        t.append(f"  SURVIVED pid {p.pid:<7} {p.status or '?':<12} {one_line(' '.join(p.cmdline), 56)}\n", style="bold red")
     for f in res.freed:
         if f.before_bytes == f.after_bytes and not f.freed_bytes:
             continue  # a GPU the stop did not touch
@@ -100,9 +105,9 @@ def stop_result_text(res: StopResult) -> Text:
     if res.freed_bytes:
         t.append(f"  {gib(res.freed_bytes)} GiB freed in all\n", style="bold")
     for g in res.still_on_gpu:
-        t.append(f"  still on GPU {g.gpu}: pid {g.pid} {g.attribution} {gib(g.used_bytes)} GiB\n", style="bold red")
+        t.append(f"  still on GPU {g.gpu}: pid {g.pid} {one_line(g.attribution)} {gib(g.used_bytes)} GiB\n", style="bold red")
     if res.gpu_note and res.gpu_note not in (res.message or ""):
-        t.append(f"  {res.gpu_note}\n", style="green" if res.gpu_verified else "yellow")
+        t.append(f"  {one_line(res.gpu_note)}\n", style="green" if res.gpu_verified else "yellow")
     return t
 
 
@@ -118,7 +123,7 @@ class ResultDialog(ModalScreen[None]):
 
     def compose(self) -> ComposeResult:
         with Vertical(classes="dialog"):
-            yield Static(plain_markup(self._title), classes="dialog-title")
+            yield Static(plain_markup(one_line(self._title)), classes="dialog-title")
             yield Static(plain_markup(self.body), classes="dialog-body", id="result-body")
             with Horizontal(classes="dialog-buttons"):
                 yield Button("Close", id="close", variant="primary")

@@ -10,11 +10,11 @@ from textual.screen import Screen
 from textual.widgets import Static
 
 from gpudeck.console.core.records import MetricPoint, RunRecord
-from gpudeck.console.core.sanitize import redact_record
+from gpudeck.console.core.sanitize import one_line, redact_record
 from gpudeck.console.present.views import run_diff
 from gpudeck.console.tui.screens.base import Guarded
 from gpudeck.console.tui.widgets.cells import shown
-from gpudeck.console.tui.widgets.diff import diff_rows, diff_summary
+from gpudeck.console.tui.widgets.diff import LABEL_LIMIT, diff_rows, diff_summary
 from gpudeck.console.tui.widgets.footer import DeckFooter
 from gpudeck.console.tui.widgets.header import AppHeader
 from gpudeck.console.tui.widgets.keyed_table import Col, KeyedTable
@@ -70,7 +70,7 @@ class DiffScreen(Guarded, Screen):
 
     def _redraw(self) -> None:
         diff = run_diff(self.a, self.b, self.ma, self.mb)
-        a_label, b_label = self.a.label(), self.b.label()
+        a_label, b_label = one_line(self.a.label(), LABEL_LIMIT), one_line(self.b.label(), LABEL_LIMIT)  # run names: one row
         self.query_one("#diff-title", Static).update(
             shown(Text.assemble(("Diff  ", "bold"), ("A ", "dim"), a_label, ("   B ", "dim"), b_label))
         )

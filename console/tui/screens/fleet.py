@@ -29,7 +29,7 @@ COLUMNS = [
     Col("util", "UTIL", 10, fold=3),
     Col("runs", "RUNS", 4),
     Col("agent", "AGENT", 8, fold=1),
-    Col("alerts", "ALERTS / LINK", None),  # what the terminal leaves (fixed when the screen is built: see keyed_table.fit)
+    Col("alerts", "ALERTS / LINK", None),  # what the terminal leaves (fitted again on resize: see keyed_table.fit)
 ]
 NOT_UP_REFRESH_S = 1.0  # 'unreachable 5m ago' and 'connecting 3s' count on screen
 NOTIFY_CHECK_S = 10.0  # how often the Fleet looks at gpudeck watch's outbox for failing notification targets
@@ -100,7 +100,7 @@ class FleetScreen(LiveScreen):
     def compose(self) -> ComposeResult:
         yield AppHeader()
         yield Static("Fleet", id="fleet-summary", classes="title")
-        yield KeyedTable(fit(COLUMNS, self.app.size.width), id="fleet-table")
+        yield KeyedTable(fit(COLUMNS, self.app.size.width), id="fleet-table", fold_from=COLUMNS)
         yield DeckFooter()
 
     def on_mount(self) -> None:

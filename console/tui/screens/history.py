@@ -108,6 +108,7 @@ class HistoryScreen(LiveScreen):
             filterable=False,
             order=newest_first,
             order_columns=("started",),
+            fold_from=COLUMNS,
         )
         yield Static("", id="history-note", classes="note")
         yield DeckFooter()

@@ -78,10 +78,10 @@ class HostScreen(LiveScreen):
     def compose(self) -> ComposeResult:
         yield AppHeader()
         yield Static(plain_markup(f"Host {self.host}"), id="host-title", classes="title")
-        yield KeyedTable(fit(GPU_COLUMNS, self.app.size.width), id="gpu-table", zebra_stripes=False)
+        yield KeyedTable(fit(GPU_COLUMNS, self.app.size.width), id="gpu-table", zebra_stripes=False, fold_from=GPU_COLUMNS)
         yield MetricPlot(id="host-mem-plot")
         yield Static("GPU processes  (space/enter: mark, a: mark leftovers, x: reclaim marked)", classes="subtitle")
-        yield KeyedTable(fit(PROC_COLUMNS, self.app.size.width, markable=True), id="proc-table", markable=True)
+        yield KeyedTable(fit(PROC_COLUMNS, self.app.size.width, markable=True), id="proc-table", markable=True, fold_from=PROC_COLUMNS)
         yield ProgressLine(id="host-progress")
         yield Static("", id="host-note", classes="note")
         yield DeckFooter()
@@ -173,12 +173,14 @@ class HostScreen(LiveScreen):
             return
         self._plotted_at = now
         latest = max((r[-1][0] for r in self._mem.values() if r), default=snap.ts)
-        series = [
-            Series(f"GPU {i}", [(ts - latest) / 60 for ts, _ in ring], [v for _, v in ring])
-            for i, ring in sorted(self._mem.items())
-            if ring
-        ]
-        plot.show(series, xlabel="minutes (0 = now)", title="GPU memory used, GiB")
+        series = []
+        for i, ring in sorted(self._mem.items()):
+            points = [(ts, v) for ts, v in ring if ts >= latest - MEM_WINDOW_S]  # the window's minutes only
+            if points:
+                series.append(Series(f"GPU {i}", [(ts - latest) / 60 for ts, _ in points], [v for _, v in points]))
+        # the axis ends at now: plotext would centre a lone first sample, drawing minutes that have not happened yet
+        first = min((x for s in series for x in s.x), default=0.0)
+        plot.show(series, xlabel="minutes (0 = now)", title="GPU memory used, GiB", xlim=(min(first, -1.0), 0.0))
 
     @staticmethod
     def _holders(procs: list[GpuProcess]) -> Text:

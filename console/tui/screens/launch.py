@@ -36,6 +36,7 @@ from textual.widgets.selection_list import Selection
 from gpudeck.agents.wire.errors import AgentError
 from gpudeck.agents.wire.protocol import Gpu, LaunchSpec, PreflightResult, RunInfo, Snapshot, new_run_id
 from gpudeck.console.core.fmt import gib
+from gpudeck.console.core.sanitize import escape_controls, one_line
 from gpudeck.console.ops import IntentError, LaunchIntent, LaunchPlan, LaunchResult, OpsError
 from gpudeck.console.ops.holders import HOLDERS_CHECK, HolderPlan, ReclaimLaunch, plan_holders, reclaim_and_launch
 from gpudeck.console.ops.intent import count_text, form_start
@@ -102,6 +103,35 @@ def form_from(intent: LaunchIntent) -> dict[str, str]:
         "python": intent.python or "",
         "need_gib": f"{intent.need_gib:g}" if intent.need_gib is not None else "",
     }
+
+
+# A form field filled from a recorded run shows the value as one row (controls escaped, line breaks too) and at most this
+# many characters; left as shown, the recorded value itself is launched (its bytes exactly, not the escapes).
+FIELD_LIMIT = 4096
+FIELD_INPUTS = ("args", "name", "python", "ranks", "hosts", "need_gib")  # the Input fields a prefill fills
+
+
+def shown_fields(prefill: dict[str, str]) -> dict[str, str]:
+    """What each prefilled Input field shows: :func:`one_line` of the recorded value, cut at FIELD_LIMIT."""
+    return {f: one_line(v, FIELD_LIMIT) for f, v in prefill.items() if f in FIELD_INPUTS}
+
+
+def typed_or_recorded(field: str, value: str, prefill: dict[str, str], shown: dict[str, str]) -> str:
+    """The value a field stands for: the recorded one when the field still shows it unchanged, else what was typed.
+
+    A field whose recorded value was cut for showing and then edited, with the cut mark (…) still in it, is refused:
+    launching the cut value would silently drop the rest."""
+    if field not in shown:
+        return value
+    if value == shown[field]:
+        return prefill[field]
+    if shown[field] != escape_controls(prefill[field]) and "…" in value:  # shown cut, not only escaped
+        raise IntentError(
+            field.replace("_", " "),
+            f"the recorded value is {len(prefill[field])} characters, shown cut at {FIELD_LIMIT}, and was edited",
+            "clear the field and type the whole value, or cancel and relaunch to use the recorded one",
+        )
+    return value
 
 
 def need_gib_text(text: str) -> float | None:
@@ -191,7 +221,7 @@ def preflight_text(result: PreflightResult | None, error: str | None, host: str)
         else:
             mark, style = "✓", "green"
         t.append(f"  {mark:<6} {c.name:<18} ", style=style)
-        t.append(f"{c.message}\n", style="red" if not c.ok and not c.overridden else "")
+        t.append(f"{one_line(c.message)}\n", style="red" if not c.ok and not c.overridden else "")
     if result.estimate is not None and result.estimate.method:
         t.append(f"  memory per GPU: {gib(result.estimate.per_gpu_bytes)} GiB — {result.estimate.method}\n", style="dim")
     return t
@@ -234,6 +264,7 @@ class LaunchDialog(Guarded, ModalScreen[LaunchOutcome | None]):
         super().__init__()
         self._base = prefill
         self._prefill = form_from(prefill) if prefill is not None else {}
+        self._shown = shown_fields(self._prefill)  # what the prefilled fields show (run-controlled: escaped, one row)
         self._parent_run = prefill.parent if prefill is not None else None
         self._first_host = host
         self._title = title
@@ -242,6 +273,7 @@ class LaunchDialog(Guarded, ModalScreen[LaunchOutcome | None]):
         self._request_id = f"console-{uuid.uuid4().hex[:12]}"  # a retried launch from this dialog never starts a second run
         self._run_id = new_run_id()  # a multi-node plan keeps its id while the form is checked and confirmed
         self._gpu_host: str | None = None
+        self._gpu_simulated = False
         self._armed = False
         self._holders: HolderPlan | None = None  # what "Reclaim these and launch" stops (None: not offered)
         self._forcible = False  # only the GPU-holder check failed: --force is a choice
@@ -253,7 +285,7 @@ class LaunchDialog(Guarded, ModalScreen[LaunchOutcome | None]):
             hosts.insert(0, self._first_host)
         with VerticalScroll(classes="dialog wide", id="launch-dialog"):
             title = self._title or (f"Relaunch {self._parent_run}: choose the start again" if self._parent_run else "Launch a run")
-            yield Static(plain_markup(f"{title}  (ctrl+s: pre-flight, then launch; esc cancels)"), classes="dialog-title")
+            yield Static(plain_markup(one_line(f"{title}  (ctrl+s: pre-flight, then launch; esc cancels)")), classes="dialog-title")
             with Horizontal(classes="field"):
                 yield Label("Host")
                 yield Select([(h, h) for h in hosts], value=hosts[0], id="host", allow_blank=False, compact=True)
@@ -313,9 +345,8 @@ class LaunchDialog(Guarded, ModalScreen[LaunchOutcome | None]):
                 yield Button("Cancel (esc)", id="cancel")
 
     def on_mount(self) -> None:
-        for field in ("args", "name", "python", "ranks", "hosts", "need_gib"):
-            if field in self._prefill:
-                self.query_one(f"#{field.replace('_', '-')}", Input).value = self._prefill[field]
+        for field, shown in self._shown.items():
+            self.query_one(f"#{field.replace('_', '-')}", Input).value = shown
         if "kind" in self._prefill:
             self.query_one("#kind", Select).value = self._prefill["kind"]
         self._fill_gpus(str(self.query_one("#host", Select).value))
@@ -347,20 +378,32 @@ class LaunchDialog(Guarded, ModalScreen[LaunchOutcome | None]):
             want = set(parse_index_list(self._prefill["gpus"]))
         if snap is None:
             picker.display = False
-            hint.update(Text(f"no snapshot of {host} yet: the run gets the GPUs its command picks", style="dim"))
+            hint.update(Text(one_line(f"no snapshot of {host} yet: the run gets the GPUs its command picks"), style="dim"))
             return
         if not snap.gpus:
             picker.display = False
-            hint.update(Text(f"no GPUs on {host}: {snap.gpu_error}", style="dim"))
+            hint.update(Text(one_line(f"no GPUs on {host}: {snap.gpu_error}"), style="dim"))
             return
         picker.display = True
         picker.add_options([Selection(gpu_choice(g, snap.simulated), g.index, g.index in want) for g in snap.gpus])
-        t = Text("none marked: CUDA_VISIBLE_DEVICES is left alone", style="dim")
-        if snap.simulated:
-            t = Text.assemble(
-                SIMULATED, Text(" GPUs of this host are simulated; none marked: CUDA_VISIBLE_DEVICES is left alone", style="dim")
-            )
-        hint.update(t)
+        self._gpu_simulated = snap.simulated
+        self._say_gpus()
+
+    def _say_gpus(self) -> None:
+        """The hint under the GPU list: which GPUs are marked (what CUDA_VISIBLE_DEVICES becomes), SIMULATED where so."""
+        picker = self.query_one("#gpus", SelectionList)
+        if not picker.display:
+            return
+        marked = sorted(picker.selected)
+        t = Text(
+            f"marked: GPU {', '.join(map(str, marked))} (CUDA_VISIBLE_DEVICES={','.join(map(str, marked))})"
+            if marked
+            else "none marked: CUDA_VISIBLE_DEVICES is left alone",
+            style="" if marked else "dim",
+        )
+        if self._gpu_simulated:
+            t = Text.assemble(SIMULATED, Text(" GPUs of this host are simulated; ", style="dim"), t)
+        self.query_one("#gpu-hint", Static).update(t)
 
     def _gpus_text(self) -> str:
         picker = self.query_one("#gpus", SelectionList)
@@ -388,6 +431,7 @@ class LaunchDialog(Guarded, ModalScreen[LaunchOutcome | None]):
         self._edited()
 
     def on_selection_list_selected_changed(self, event: SelectionList.SelectedChanged) -> None:
+        self._say_gpus()
         self._edited()
 
     def _button(self, label: str, disabled: bool = False, variant: str = "primary") -> None:
@@ -400,7 +444,11 @@ class LaunchDialog(Guarded, ModalScreen[LaunchOutcome | None]):
 
     def form(self) -> LaunchForm:
         """What the fields hold."""
-        val = lambda wid: self.query_one(f"#{wid}", Input).value  # noqa: E731
+
+        def val(wid: str) -> str:
+            field = wid.replace("-", "_")
+            return typed_or_recorded(field, self.query_one(f"#{wid}", Input).value, self._prefill, self._shown)
+
         start = self.query_one("#start", Select).value
         return LaunchForm(
             host=str(self.query_one("#host", Select).value),
@@ -430,7 +478,7 @@ class LaunchDialog(Guarded, ModalScreen[LaunchOutcome | None]):
         try:
             plan = self.plan()
         except OpsError as exc:
-            self.query_one("#launch-error", Static).update(Text(exc.message, style="bold red"))
+            self.query_one("#launch-error", Static).update(plain_markup(Text(exc.message, style="bold red")))
             return
         key = msgspec.json.encode([list(n) for n in plan.nodes])
         if self._checked == key and self._holders is not None:
@@ -481,7 +529,7 @@ class LaunchDialog(Guarded, ModalScreen[LaunchOutcome | None]):
             progress.update(Text(f"pre-flight took {took:.1f} s", style="dim"))
         self._checked = key
         self._result = results
-        panel.update(text)
+        panel.update(plain_markup(text))
         panel.scroll_visible()
         if any(c.error is not None for c in results):
             self._button("Launch anyway (ctrl+s)", variant="warning")
@@ -505,13 +553,13 @@ class LaunchDialog(Guarded, ModalScreen[LaunchOutcome | None]):
             result = await ops_launch(deck(self).fleet, plan, request_id=self._request_id)
         except (AgentError, OpsError) as exc:
             progress.finish(f"launch failed: {exc.message}", style="bold red")
-            self.query_one("#launch-error", Static).update(Text(exc.message, style="bold red"))
+            self.query_one("#launch-error", Static).update(plain_markup(Text(exc.message, style="bold red")))
             self._button("Launch (ctrl+s)")
             return
         if result.verdict != "running" and plan.multinode:
             why = "; ".join(f"{n.host}: {n.error or 'pre-flight failed'}" for n in result.failed)
             progress.finish(f"{result.run_id}: {result.verdict}", style="bold red")
-            self.query_one("#launch-error", Static).update(Text(f"nothing runs on any host: {why}", style="bold red"))
+            self.query_one("#launch-error", Static).update(plain_markup(Text(f"nothing runs on any host: {why}", style="bold red")))
             self._button("Launch (ctrl+s)")
             return
         progress.finish(f"{result.run_id}: {result.verdict}")
@@ -543,7 +591,7 @@ class LaunchDialog(Guarded, ModalScreen[LaunchOutcome | None]):
 
         def step(line: str) -> None:
             steps.append(f"{line}\n", style="bold green" if "freed" in line else "")
-            panel.update(steps)
+            panel.update(plain_markup(steps))
             progress.note(line)
 
         progress.start(f"reclaiming {len(holders.to_stop)} process(es)", "SIGTERM, grace, SIGKILL, verify, pre-flight again, launch")
@@ -556,7 +604,7 @@ class LaunchDialog(Guarded, ModalScreen[LaunchOutcome | None]):
         self.query_one("#force", Button).disabled = False
         if done is None or done.result is None or done.result.verdict != "running":
             progress.finish(f"reclaim and launch stopped: {why or 'the launch did not start'}", style="bold red")
-            self.query_one("#launch-error", Static).update(Text(why or "the launch did not start", style="bold red"))
+            self.query_one("#launch-error", Static).update(plain_markup(Text(why or "the launch did not start", style="bold red")))
             self._checked = None  # what holds the GPUs changed: pre-flight again
             self._offer(None, forcible=False)
             self._button("Pre-flight (ctrl+s)")
@@ -583,7 +631,7 @@ class LaunchDialog(Guarded, ModalScreen[LaunchOutcome | None]):
         try:
             plan = self.plan(force=True)
         except OpsError as exc:
-            self.query_one("#launch-error", Static).update(Text(exc.message, style="bold red"))
+            self.query_one("#launch-error", Static).update(plain_markup(Text(exc.message, style="bold red")))
             return
         self.launch(plan)
 

@@ -92,7 +92,7 @@ class LeftoversScreen(Guarded, Screen):
     def compose(self) -> ComposeResult:
         yield AppHeader()
         yield Static(plain_markup(f"Leftovers on {self.host}"), id="leftovers-title", classes="title")
-        yield KeyedTable(fit(COLUMNS, self.app.size.width, markable=True), id="leftovers-table", markable=True)
+        yield KeyedTable(fit(COLUMNS, self.app.size.width, markable=True), id="leftovers-table", markable=True, fold_from=COLUMNS)
         yield ProgressLine(id="leftovers-progress")
         yield Static("", id="leftovers-note", classes="note")
         yield DeckFooter()

@@ -10,6 +10,7 @@ from textual.screen import ModalScreen
 from textual.widgets import Static
 
 from gpudeck.console.core.records import RunRecord
+from gpudeck.console.core.sanitize import one_line
 from gpudeck.console.present.views import stamp
 from gpudeck.console.tui.widgets.cells import plain_markup, sortable, state_text
 from gpudeck.console.tui.widgets.keyed_table import Col, KeyedTable
@@ -38,7 +39,7 @@ class RunPicker(ModalScreen[RunRecord | None]):
 
     def compose(self) -> ComposeResult:
         with Vertical(classes="dialog wide", id="picker"):
-            yield Static(plain_markup(self._title), classes="dialog-title")
+            yield Static(plain_markup(one_line(self._title)), classes="dialog-title")
             yield Static(Text(self._hint, style="dim"), classes="hint")
             yield KeyedTable(COLUMNS, id="picker-table")
 

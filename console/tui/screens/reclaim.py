@@ -11,6 +11,7 @@ from textual.screen import Screen
 from gpudeck.agents.wire.errors import AgentError
 from gpudeck.agents.wire.protocol import Gpu, StopResult
 from gpudeck.console.core.fmt import gib
+from gpudeck.console.core.sanitize import one_line
 from gpudeck.console.tui.screens.base import deck
 from gpudeck.console.tui.screens.dialogs import ConfirmDialog, ResultDialog, stop_result_text
 from gpudeck.console.tui.widgets.progress import ProgressLine
@@ -55,19 +56,19 @@ def reclaim_body(host: str, items: list[ReclaimItem], gpus: list[Gpu], grace_s: 
         t.append(f"  → frees {gib(freed)} GiB\n", style="bold green")
         for it in by_gpu[g]:
             t.append(
-                f"  pid {it.pid:<8} {it.who:<28.28} {it.user:<8.8} {gib(it.gpu_bytes.get(g)):>6} GiB  {it.command[:26]}\n",
+                f"  pid {it.pid:<8} {one_line(it.who, 28):<28} {one_line(it.user, 8):<8} {gib(it.gpu_bytes.get(g)):>6} GiB  {one_line(it.command, 26)}\n",
                 style="bold red" if it.live_run else "",
             )
     if no_gpu:
         t.append("\nholding no GPU memory\n", style="bold")
         for it in no_gpu:
-            t.append(f"  pid {it.pid:<8} {it.who:<28.28} {it.user:<8.8} {it.command[:40]}\n")
+            t.append(f"  pid {it.pid:<8} {one_line(it.who, 28):<28} {one_line(it.user, 8):<8} {one_line(it.command, 40)}\n")
     t.append(f"\n{gib(total)} GiB should come back in all.\n", style="bold")
     live = sorted({it.live_run for it in items if it.live_run})
     for rid in live:
         pids = ", ".join(str(it.pid) for it in items if it.live_run == rid)
         t.append(
-            f"⚠ pid {pids} belong(s) to live run {rid}: reclaiming breaks that run. To end the run cleanly, stop it instead (s on its Run screen).\n",
+            f"⚠ pid {pids} belong(s) to live run {one_line(rid)}: reclaiming breaks that run. To end the run cleanly, stop it instead (s on its Run screen).\n",
             style="bold red",
         )
     return t

@@ -38,7 +38,7 @@ from gpudeck.agents.wire.protocol import (
 )
 from gpudeck.console.core.fmt import duration, elapsed, gib
 from gpudeck.console.core.records import RunRecord
-from gpudeck.console.core.sanitize import escape_controls, redact_env
+from gpudeck.console.core.sanitize import escape_controls, one_line, redact_env
 from gpudeck.console.ops import OpsError, nodes_of, relaunch_intent, rollback_intent
 from gpudeck.console.ops.relaunch import check_environment, rebuild_environment, recorded_environment
 from gpudeck.console.ops.stop import stop_run
@@ -139,7 +139,9 @@ def run_header(r: RunInfo, simulated: bool = False, host: str | None = None) -> 
     if extras:
         t.append("   " + "   ".join(extras), style="dim")
     live = [a for a in r.alerts if a.cleared is None]
-    if live:
+    if live and r.state in TERMINAL_STATES:  # what was true while it ran (an idle GPU, a slow rank) is not a warning now
+        t.append(f"\n{len(live)} alert(s) while it ran: Claims & alerts (4)", style="dim")
+    elif live:
         t.append(f"\n⚠ {len(live)} alert(s): ", style="bold red")
         t.append("; ".join(a.message for a in live[:2])[:300], style="red")
     return t
@@ -796,12 +798,12 @@ class RunScreen(LiveScreen):
             status.finish(f"{python} still matches the good run's fingerprint{note}", style="green")
             return python
         status.finish(f"{python} changed since the good run: {len(check.changes)} difference(s)", style="bold yellow")
-        lines = "\n".join(check.describe(20))
+        lines = "\n".join(one_line(line) for line in check.describe(20))  # package names and paths: the run's record
         ok = await self.app.push_screen_wait(
             ConfirmDialog(
                 "The good environment changed",
                 Text(
-                    f"{python} no longer matches what the good run recorded:\n\n{lines}\n\nRebuild it from the recorded pip freeze into a new virtual environment (minutes; the result is checked against the record)? Nothing starts in the changed one."
+                    f"{one_line(python)} no longer matches what the good run recorded:\n\n{lines}\n\nRebuild it from the recorded pip freeze into a new virtual environment (minutes; the result is checked against the record)? Nothing starts in the changed one."
                 ),
                 "Rebuild it",
             )
@@ -852,7 +854,7 @@ def stop_confirm_text(r: RunInfo, host: str, snap: Snapshot | None) -> Text:
         for m in members[:STOP_LIST_MAX]:
             user = users.get(m.pid) or "-"
             rank = "-" if m.rank is None else str(m.rank)
-            body.append(f"{m.pid:>8}  {user[:10]:<10} {rank:>4}  ")
+            body.append(f"{m.pid:>8}  {one_line(user, 10):<10} {rank:>4}  ")
             body.append(escape_controls(shlex.join(m.cmdline))[:STOP_CMD_MAX] or "-", style="dim")
             body.append("\n")
         if len(members) > STOP_LIST_MAX:

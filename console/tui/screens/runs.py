@@ -85,14 +85,11 @@ def runs_order(cells: Mapping[str, object]) -> tuple[bool, float]:
 
 
 def why_text(r: RunRow) -> Text:
-    """Alerts of a live run, the cause of an ended one."""
+    """Alerts of a live run, the cause of an ended one (its alerts were about it running: a stopped run's GPUs are idle
+    by design; the Run screen's Alerts tab keeps them)."""
     if not r.ended_state:
         return alerts_text(r.alerts, r.critical, limit=3)
-    t = Text(r.cause or "", style="red" if r.state in ("failed", "lost", "preflight_failed") else "")
-    if r.alerts:
-        t.append("  ")
-        t.append_text(alerts_text(r.alerts, r.critical, limit=1))
-    return t
+    return Text(r.cause or "", style="red" if r.state in ("failed", "lost", "preflight_failed") else "")
 
 
 class RunsScreen(LiveScreen):
@@ -111,7 +108,11 @@ class RunsScreen(LiveScreen):
         yield AppHeader()
         yield Static("Runs", id="runs-title", classes="title")
         table = KeyedTable(
-            fit(COLUMNS, self.app.size.width, least=24), id="runs-table", order=runs_order, order_columns=("state", "started")
+            fit(COLUMNS, self.app.size.width, least=24),
+            id="runs-table",
+            order=runs_order,
+            order_columns=("state", "started"),
+            fold_from=COLUMNS,
         )
         table.pin_top = True  # the cursor starts on the first row (a live run, else the newest) and stays there while rows come in
         yield table

@@ -8,10 +8,12 @@ import os
 from rich.table import Table
 from rich.text import Text
 
+from gpudeck.console.core.sanitize import one_line
 from gpudeck.console.present.rundiff import Row, RunDiff
 from gpudeck.console.present.views import core_changes, diff_sections, row_label
 from gpudeck.console.tui.widgets.cells import literal
 
+LABEL_LIMIT = 80  # characters of a run's label (name and id) in a diff's headings
 CORE_STYLE = "bold red"
 DIFF_STYLE = "bold yellow"
 
@@ -60,8 +62,8 @@ def diff_table(diff: RunDiff, a_label: str, b_label: str, only_differences: bool
     t.add_column("", width=1)
     t.add_column("", style="dim", no_wrap=True)
     t.add_column("", no_wrap=True)
-    t.add_column(Text(a_label), overflow="fold")  # run names: text, never markup
-    t.add_column(Text(b_label), overflow="fold")
+    t.add_column(Text(one_line(a_label, LABEL_LIMIT)), overflow="fold")  # run names: text, never markup, one row
+    t.add_column(Text(one_line(b_label, LABEL_LIMIT)), overflow="fold")
     rows = list(diff_rows(diff, only_differences).values())
     for c in rows[:limit] if limit else rows:
         t.add_row(*(literal(c[k]) for k in ("mark", "section", "key", "a", "b")))  # type: ignore[arg-type]
@@ -71,10 +73,15 @@ def diff_table(diff: RunDiff, a_label: str, b_label: str, only_differences: bool
 
 
 def diff_summary(diff: RunDiff) -> Text:
-    """One line: how many differences, the core ones by name, and why the environment could not be compared."""
-    n = diff.differences
+    """One line: how many rows differ (as many as the table marks), the core ones by name, and why the environment could
+    not be compared."""
+    n = diff.differences  # configuration and environment: what decides whether a setup still works
+    outcome = sum(r.differs for r in diff.outcome)
     core = core_changes(diff)
-    t = Text(f"{n} difference(s)", style="bold")
+    # every row the table marks is counted (the outcome's too), and the count says which are which
+    t = Text(f"{n + outcome} difference(s)", style="bold")
+    if outcome:
+        t.append(f" ({n} in configuration and environment, {outcome} in outcome)", style="bold")
     if core:
         t.append(f"; environment changes that matter: {', '.join(row_label(r) for r in core)}", style=CORE_STYLE)
     elif n and not diff.env_note.startswith("no environment"):

@@ -1,32 +1,10 @@
-"""Provides DeckFooter: Textual's Footer, recomposed once however many times the bindings changed before it got to it.
-
-Textual's Footer remounts every key on each "bindings changed" signal. A screen opening sends several (its focus,
-its tabs, each worker that answers): the Run screen's footer was rebuilt 9 times in its first ~1.5 s, and a key
-pressed then (bench/tui.py part 2: the first press) waited behind those rebuilds. Here a signal that comes while a
-rebuild is already due adds nothing; the rebuild reads the bindings as they are when it runs.
-"""
+"""Provides DeckFooter: the footer every screen uses, rebuilt once per burst of binding changes (compat/footer.py says
+why and how: it sets one of Footer's private fields)."""
 
 from __future__ import annotations
 
-from textual.screen import Screen
-from textual.widgets import Footer
+from gpudeck.console.tui.compat.footer import CoalescedFooter
 
 
-class DeckFooter(Footer):
-    """The footer every screen uses (see the module's doc)."""
-
-    _rebuild_due = False
-    rebuilds = 0  # how many times it was rebuilt (tests)
-
-    def bindings_changed(self, screen: Screen) -> None:
-        self._bindings_ready = True
-        if not screen.app.app_focus:
-            return
-        if self.is_attached and screen is self.screen and not self._rebuild_due:
-            self._rebuild_due = True
-            self.call_after_refresh(self._rebuild)
-
-    async def _rebuild(self) -> None:
-        self._rebuild_due = False
-        self.rebuilds += 1
-        await self.recompose()
+class DeckFooter(CoalescedFooter):
+    """The footer every screen uses."""

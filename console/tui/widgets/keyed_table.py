@@ -18,29 +18,28 @@ above the table (case-insensitive text over every cell; ``esc`` clears it), a cl
 ``>`` / ``<`` sorts (again on the same column: the other way round), and the header of the sorted column and
 the filter bar say what is in force. Rows the filter hides stay in the model and keep receiving updates, so
 clearing the filter shows them as they are now.
+
+A table given ``fold_from`` fits its columns to the terminal again on every resize (``fit``: the least important
+fold first), keeping its rows, marks, filter, sort and highlighted row.
 """
 
 from __future__ import annotations
 
 import itertools
-import operator
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from rich.segment import Segment
-from rich.style import Style
 from rich.text import Text
 from textual import on
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal
-from textual.geometry import Region
 from textual.message import Message
-from textual.strip import Strip
 from textual.widget import Widget
 from textual.widgets import DataTable, Input, Static
 
+from gpudeck.console.tui.compat.data_table import FastDataTable
 from gpudeck.console.tui.widgets.cells import MARK, literal
 
 MARK_COLUMN = "_mark"
@@ -118,7 +117,8 @@ class FilterBar(Horizontal):
 
     def compose(self) -> ComposeResult:
         yield Static("filter /", classes="filter-label")
-        yield Input(placeholder="text in any column (enter: back to the table, esc: clear)")
+        # compact: no border, one row, focused or not (a focused Input's border left its one row no room: the text was invisible)
+        yield Input(placeholder="text in any column (enter: back to the table, esc: clear)", compact=True)
         yield Static("", classes="filter-count")
 
     @on(Input.Changed)
@@ -143,7 +143,7 @@ class FilterBar(Horizontal):
         self.query_one(".filter-count", Static).update(text)
 
 
-class KeyedTable(DataTable):
+class KeyedTable(FastDataTable):
     """A DataTable updated by row key (never cleared by a refresh), with optional row marks, a filter and a sort."""
 
     BINDINGS = [
@@ -172,11 +172,16 @@ class KeyedTable(DataTable):
         filterable: bool = True,
         order: Callable[[Mapping[str, object]], Any] | None = None,
         order_columns: Iterable[str] = (),
+        fold_from: Sequence[Col] | None = None,
+        least: int = 24,
     ) -> None:
         """``order``: the table's own order when no column is chosen (by default: the order rows came in), reading
-        the cells of ``order_columns``."""
+        the cells of ``order_columns``. ``fold_from``: every column ``columns`` were fitted from (``fit``, with
+        ``least``); the table fits them again to the terminal's width whenever it is resized."""
         super().__init__(id=id, classes=classes, cursor_type="row", zebra_stripes=zebra_stripes)
         self.cols = list(columns)
+        self.fold_from = list(fold_from) if fold_from is not None else None
+        self.least = least
         self.markable = markable
         self.filterable = filterable
         self.marks: set[str] = set()
@@ -195,18 +200,7 @@ class KeyedTable(DataTable):
         self._literals: dict[str, list[object]] = {}  # row key -> its cells escaped for the DataTable (re-adds reuse them)
         self._order_keys: dict[str, tuple[Any, int]] = {}  # row key -> its place in the table's own order (kept until it changes)
         self._order_all: list[str] | None = None  # every row key (shown or not) in the order in force; None: to be sorted again
-        self._packed: dict[
-            str, tuple[list[object], Any, dict[Any, object], Any, tuple[Any, int]]
-        ] = {}  # row key -> (its cells, DataTable's RowKey, row dict, Row, its y offset entry)
         self._deferred: dict[str, dict[str, object]] = {}  # newer cells of rows out of view
-        self._stale: set[tuple[str, str]] = set()  # cells written in place whose renders must be dropped
-        self._stale_lines: set[int] = set()
-        self._full: tuple[list[Any], dict[Any, Any], dict[Any, Any], dict[Any, int], list[Any], list[Any]] | None = (
-            None  # _add_many's last every-row tables
-        )
-        # row -> column -> (cell, width, its segments, those segments under each row style they were drawn with)
-        self._inner: dict[Any, dict[Any, tuple[object, int, list[Segment], dict[Any, list[Segment]]]]] = {}
-        self._pass: dict[Any, Style] | None = None  # styles read once per render_lines (DataTable reads them per line)
         self._fixed = {c.key for c in self.cols if c.width is not None}
         self.cells_written = 0  # how many cells the table was asked to redraw (tests keep updates O(changed))
         if markable:
@@ -278,62 +272,16 @@ class KeyedTable(DataTable):
         return len(row)
 
     def _add_many(self, keys: list[str]) -> None:
-        """Show exactly ``keys`` (in this order) instead of the rows shown now, at once (a filter shows thousands again).
-
-        DataTable's clear() walks every old row and add_row costs a reactive update and more per new row; here its
-        tables are replaced in one go, with each row's RowKey, cells and Row kept between filters, and the row order
-        DataTable would compute on the next paint given to it (Textual 8.2's internals; clear() and add_row when they
-        are not there)."""
-        try:
-            from textual._two_way_dict import TwoWayDict
-            from textual.coordinate import Coordinate
-            from textual.widgets._data_table import Row, RowKey
-
-            columns = [c.key for c in self.ordered_columns]
-            self._clear_caches()
-        except (ImportError, AttributeError):
+        """Show exactly ``keys`` (in this order) instead of the rows shown now, at once (a filter shows thousands again):
+        FastDataTable's replace_rows, or clear() and add_row where it cannot."""
+        if not self.replace_rows(keys, lambda key: self._literals.get(key) or self._row_cells(key), total=len(self._cells)):
             self.clear()
             self._shown.clear()
             for key in keys:
                 self._add(key)
             return
-        packed, literals = self._packed, self._literals
-        plist = []
-        for key in keys:
-            cells = literals.get(key) or self._row_cells(key)
-            p = packed.get(key)
-            if p is None or p[0] is not cells:  # new, or its cells changed since
-                rk = RowKey(key)
-                p = packed[key] = (cells, rk, dict(zip(columns, cells)), Row(rk, 1, None, False), (rk, 0))
-            plist.append(p)
-        full = self._full
-        if full is not None and len(full[0]) == len(plist) and all(map(operator.is_, full[0], plist)):
-            # every row again, none changed since (a filter erased): copies of the last full tables, no key hashed again
-            _, data0, rows0, forward0, order0, offsets = full
-            data, rows, forward = dict(data0), dict(rows0), dict(forward0)
-        else:
-            data = {p[1]: p[2] for p in plist}
-            rows = {p[1]: p[3] for p in plist}
-            forward = {p[1]: i for i, p in enumerate(plist)}
-            order0 = list(rows.values())
-            offsets = [p[4] for p in plist]  # kept: a filter allocates no object per row (a young collection would walk them)
-            if len(plist) == len(self._cells) and len(plist) >= 1000:
-                self._full = (plist, dict(data), dict(rows), dict(forward), order0, offsets)
-        self._data = data
-        self.rows = rows
-        self._row_locations = TwoWayDict(forward)
-        if any(column.auto_width for column in self.columns.values()):  # else nothing would measure them (_update_dimensions)
-            self._new_rows.update(rows)
         self._shown = set(keys)
-        self.cells_written += len(keys) * len(columns)
-        self._require_update_dimensions = True
-        self._update_count += 1
-        self._ordered_row_cache[(len(rows), self._update_count)] = order0  # what ordered_rows would build
-        self._offset_cache[self._update_count] = offsets  # and _y_offsets (every row 1 line high)
-        self.cursor_coordinate = Coordinate(0, 0)  # as clear() leaves it (the caller puts it back on its row)
-        self.scroll_x = self.scroll_y = self.scroll_target_x = self.scroll_target_y = 0
-        self.check_idle()
-        self.refresh()
+        self.cells_written += len(keys) * len(self.ordered_columns)
 
     def _write(self, key: str, old: dict[str, object], cells: Mapping[str, object]) -> int:
         self._literals.pop(key, None)
@@ -341,270 +289,14 @@ class KeyedTable(DataTable):
         for c in self.cols:
             v = cells.get(c.key, "")
             if old.get(c.key) != v:
-                if c.key in self._fixed and self._targeted:
-                    self._set_in_place(key, c.key, literal(v))
+                if c.key in self._fixed:
+                    self.write_in_place(key, c.key, literal(v))
                 else:
                     self.update_cell(key, c.key, literal(v), update_width=c.key not in self._fixed)
                 old[c.key] = v
                 n += 1
         self.cells_written += n
         return n
-
-    # DataTable.update_cell bumps one counter that is part of every render cache key, so one changed
-    # cell re-renders every visible row (~40 rows x 7 cells, 50-100 ms on a loaded 2-core machine). For
-    # fixed-width cells the table here writes the value in place, refreshes that row's region only, and
-    # before the next paint drops exactly the cache entries of the cells that changed. This leans on
-    # DataTable's private caches (Textual 8.2); if they are not there, update_cell is used instead.
-    _targeted = True
-
-    def _set_in_place(self, key: str, column: str, value: object) -> None:
-        try:
-            self._data[key][column] = value  # type: ignore[index]  # RowKey/ColumnKey hash and compare as their str
-            index = self._row_locations.get(key)  # type: ignore[arg-type]
-        except (AttributeError, KeyError, TypeError):
-            KeyedTable._targeted = False
-            self.update_cell(key, column, value)
-            return
-        self._stale.add((key, column))
-        if index is not None:
-            self._stale_lines.add(index)
-            self.refresh_row(index)
-
-    def _drop_stale_renders(self) -> None:
-        stale, lines = self._stale, self._stale_lines
-        self._stale, self._stale_lines = set(), set()
-        rows = {k for k, _ in stale}
-        header = self.header_height if self.show_header else 0
-        try:
-            cells = self._cell_render_cache
-            for k in [k for k in cells.keys() if (k[0].value, k[1].value) in stale]:
-                cells.discard(k)
-            row_renders = self._row_render_cache
-            for rk in [rk for rk in row_renders.keys() if rk[0].value in rows]:
-                row_renders.discard(rk)
-            renderables = self._row_renderable_cache
-            for lk in [lk for lk in renderables.keys() if lk[1] in lines]:
-                renderables.discard(lk)
-            line_cache = self._line_cache
-            ys = {i + header for i in lines}
-            for yk in [yk for yk in line_cache.keys() if yk[0] in ys]:
-                line_cache.discard(yk)
-        except AttributeError:
-            KeyedTable._targeted = False
-            self._update_count += 1  # the safe way: every cache misses once
-
-    def _update_dimensions(self, new_rows: Iterable[Any]) -> None:
-        # DataTable measures every cell of every new row (for auto-width columns and labels): 10,000 rows re-added
-        # by a filter cost seconds. Here every column has a fixed width (fit) and rows have no labels and height 1,
-        # so nothing a measure finds is used: only the virtual size is computed.
-        if all(not column.auto_width for column in self.columns.values()):
-            new_rows = ()
-        super()._update_dimensions(new_rows)
-
-    # DataTable renders every cell through Rich's generic pipeline (Styled(Padding(cell)) -> render_lines: measure,
-    # wrap, split, crop, pad), about half a millisecond a cell: a filter that changes the rows shown re-renders the
-    # ~40 x 11 cells on screen, 100-200 ms on a loaded 2-core machine. For the cells these tables hold (one line of
-    # Text, no tab, no newline, no justify, no ellipsis) the same segments are built directly: the text's own
-    # segments, cropped or padded to the column, the padding either side, the row's and the component's styles over
-    # them (tests/unit/test_keyed_table_render.py checks they equal DataTable's, cell by cell). Anything else, or a
-    # Textual whose internals moved, goes through DataTable's own.
-    _fast_cells = True
-
-    def _render_cell(
-        self, row_index: int, column_index: int, base_style: Style, width: int, cursor: bool = False, hover: bool = False
-    ) -> Any:
-        if row_index < 0 or column_index < 0 or not KeyedTable._fast_cells:
-            return super()._render_cell(row_index, column_index, base_style, width, cursor, hover)
-        try:
-            row_key = self._row_locations.get_key(row_index)
-            column_key = self._column_locations.get_key(column_index)
-            key: Any = (
-                row_key,
-                column_key,
-                base_style,
-                cursor,
-                hover,
-                self._show_hover_cursor,
-                self._update_count,
-                self._pseudo_class_state,
-            )
-            cache: Any = self._cell_render_cache  # DataTable's, under DataTable's key: its cache and ours are one
-            if key in cache:
-                return cache[key]
-            row = self.rows[row_key]  # type: ignore[index]
-            cell = self._get_row_renderables(row_index)[1][column_index]
-            line = (
-                None
-                if row.height != 1 or row_index < self.fixed_rows or column_index < self.fixed_columns
-                else self._cell_segments(cell, width, self.cell_padding, keep_empty=True)
-            )
-            if line is None:
-                return super()._render_cell(row_index, column_index, base_style, width, cursor, hover)
-            component_style, post_style = self._cell_styles(hover, cursor, self.show_cursor)
-        except (AttributeError, KeyError, TypeError, IndexError):
-            KeyedTable._fast_cells = False
-            return super()._render_cell(row_index, column_index, base_style, width, cursor, hover)
-        pre = base_style + Style.from_meta({"row": row_index, "column": column_index}) + component_style
-        lines = [list(Segment.apply_style(line, style=pre, post_style=post_style))]
-        cache[key] = lines
-        return lines
-
-    # A filter that changes the rows shown moves every row on screen to a new index, and DataTable renders each of
-    # them again cell by cell (the cell's meta names its row index, and the zebra stripe follows it). Here a row's
-    # line is put together from each cell's text segments, cropped and padded to the column, kept between renders
-    # under the row and column (dropped when the cell or the width changes), with the row's style, the cursor's or
-    # hover's, and the cell's meta put over them, as DataTable's _render_cell does. Rows with a label, fixed columns,
-    # more than one line, or a cell that is not one line of Text go through DataTable's own (and _render_cell above).
-    _fast_rows = True
-
-    def _render_line_in_row(self, row_key: Any, line_no: int, base_style: Style, cursor_location: Any, hover_location: Any) -> Any:
-        if not KeyedTable._fast_rows or line_no != 0 or self.cursor_type != "row":
-            return super()._render_line_in_row(row_key, line_no, base_style, cursor_location, hover_location)
-        try:
-            cache_key = (
-                row_key,
-                line_no,
-                base_style,
-                cursor_location,
-                hover_location,
-                self.cursor_type,
-                self.show_cursor,
-                self._show_hover_cursor,
-                self._update_count,
-                self._pseudo_class_state,
-            )
-            cache: Any = self._row_render_cache  # DataTable's, under DataTable's key
-            if cache_key in cache:
-                return cache[cache_key]
-            row_index = self._row_locations.get(row_key)
-            if (
-                row_index is None
-                or row_index < self.fixed_rows
-                or self.fixed_columns
-                or (self._labelled_row_exists and self.show_row_labels)
-                or self.rows[row_key].height != 1
-            ):
-                return super()._render_line_in_row(row_key, line_no, base_style, cursor_location, hover_location)
-            data = self._data[row_key]
-            columns = self.ordered_columns
-            pad = self.cell_padding
-            show_cursor = self.show_cursor
-            cursor = cursor_location.row == row_index
-            hover = hover_location.row == row_index
-            component_style, post_style = self._cell_styles(hover, cursor, show_cursor)
-            extend_style, _ = self._get_styles_to_render_cell(
-                False, False, False, hover, cursor, show_cursor, self._show_hover_cursor, False, False
-            )
-            row_style = self._get_row_style(row_index, base_style)
-            widths = [column.get_render_width(self) for column in columns]
-            inner = self._inner.setdefault(row_key, {})
-            cells = []
-            for column, width in zip(columns, widths):
-                cell = data.get(column.key)
-                kept = inner.get(column.key)
-                if kept is None or kept[0] is not cell or kept[1] != width:
-                    segments = self._cell_segments(cell, width, pad)
-                    if segments is None:
-                        return super()._render_line_in_row(row_key, line_no, base_style, cursor_location, hover_location)
-                    kept = inner[column.key] = (cell, width, segments, {})
-                cells.append(kept)
-        except (AttributeError, KeyError, TypeError, IndexError):
-            KeyedTable._fast_rows = False
-            return super()._render_line_in_row(row_key, line_no, base_style, cursor_location, hover_location)
-        # The cell's meta comes last: it adds no colour, so the order changes nothing. A cell's segments with the row's
-        # styles over them are kept with the cell, per style (zebra, cursor, hover: a few), merged where their styles
-        # are one (as the line's Strip.simplify would merge them), so only the meta is added per render; they go with
-        # the cell when it changes (a live table's updates leave nothing behind).
-        row = row_style + component_style
-        styled_key = (row, post_style)
-        scrollable: list[list[Segment]] = []
-        for column_index, (_cell, _width, segments, variants) in enumerate(cells):
-            styled = variants.get(styled_key)
-            if styled is None:
-                if len(variants) >= 8:  # a theme change makes new styles: the old ones go
-                    variants.clear()
-                styled = variants[styled_key] = list(Segment.simplify(Segment.apply_style(segments, style=row, post_style=post_style)))
-            meta = Style.from_meta({"row": row_index, "column": column_index})
-            scrollable.append([Segment(t, s + meta if s else meta) for t, s, _c in styled])
-        remaining = max(0, self.size.width - sum(widths) - self._row_label_column_width)
-        extend = row_style + extend_style + Style.from_meta({"row": row_index, "column": 0, "out_of_bounds": True})
-        scrollable.append([Segment(" " * remaining, extend)])
-        pair: tuple[list[list[Segment]], list[list[Segment]]] = ([], scrollable)
-        cache[cache_key] = pair
-        return pair
-
-    def _cell_styles(self, hover: bool, cursor: bool, show_cursor: bool) -> tuple[Style, Style]:
-        """A body cell's component and post styles (DataTable's, for a cell neither header, label nor fixed)."""
-        return self._get_styles_to_render_cell(
-            False,
-            False,
-            False,
-            hover,
-            cursor,
-            show_cursor,
-            self._show_hover_cursor,
-            self.cursor_foreground_priority == "css",
-            self.cursor_background_priority == "css",
-        )
-
-    def _cell_segments(self, cell: object, width: int, pad: int, keep_empty: bool = False) -> list[Segment] | None:
-        """A one-line Text (or str) cell's own segments cropped or padded to ``width`` with ``pad`` either side (None: not
-        such a cell); ``keep_empty``: with its empty segments, as DataTable's cell render has them (a line drops them)."""
-        if isinstance(cell, str):  # escaped by literal(): DataTable's formatter makes it Text the same way
-            cell = Text.from_markup(cell, end="")
-        if (
-            not isinstance(cell, Text)
-            or cell.justify not in (None, "default")
-            or cell.overflow not in (None, "fold", "crop")
-            or "\n" in cell.plain
-            or "\t" in cell.plain
-            or width - 2 * pad < 1
-        ):
-            return None
-        console = self.app.console
-        null = Style.null()
-        segments = cell.render(console, end="")
-        if cell.style:
-            segments = Segment.apply_style(segments, style=console.get_style(cell.style, default=null))
-        line = [s for s in Segment.adjust_line_length(list(segments), width - 2 * pad, style=null) if s.text or keep_empty]
-        return [Segment(" " * pad, null), *line, Segment(" " * pad, null)] if pad else line
-
-    def notify_style_update(self) -> None:
-        inner = getattr(self, "_inner", None)  # (DataTable's __init__ may get here before ours has run)
-        if inner:
-            inner.clear()
-        super().notify_style_update()
-
-    def render_lines(self, crop: Region) -> list[Strip]:
-        if self._stale:
-            self._drop_stale_renders()
-        self._pass = {}
-        try:
-            return super().render_lines(crop)
-        finally:
-            self._pass = None
-
-    def render_line(self, y: int) -> Strip:
-        styles = self._pass
-        if styles is None or self.fixed_rows or not KeyedTable._fast_rows:
-            return super().render_line(y)
-        base = styles.get("base")
-        if base is None:
-            base = styles["base"] = self.rich_style
-        scroll_x, scroll_y = self.scroll_offset
-        if y >= (self.header_height if self.show_header else 0):
-            y += scroll_y
-        return self._render_line(y, scroll_x, scroll_x + self.size.width, base)
-
-    def _get_row_style(self, row_index: int, base_style: Style) -> Style:
-        styles = self._pass
-        if styles is None or row_index < max(0, self.fixed_rows) or not self.zebra_stripes:
-            return super()._get_row_style(row_index, base_style)
-        parity = row_index % 2
-        style = styles.get(parity)
-        if style is None:
-            style = styles[parity] = super()._get_row_style(row_index, base_style)
-        return style
 
     def _in_view(self, key: str) -> bool:
         """Whether row ``key`` is on screen (or near it): rows have height 1 in these tables."""
@@ -633,8 +325,45 @@ class KeyedTable(DataTable):
             self.call_later(self.flush_deferred)
 
     def on_resize(self) -> None:
+        if self.fold_from is not None and self.is_mounted:
+            self.refit(self.app.size.width)
         if self._deferred:
             self.call_later(self.flush_deferred)
+
+    def refit(self, width: int) -> bool:
+        """Fit ``fold_from`` to ``width`` again (columns fold or come back); True when the columns changed."""
+        if self.fold_from is None:
+            return False
+        cols = fit(self.fold_from, width, markable=self.markable, least=self.least)
+        if [(c.key, c.width) for c in cols] == [(c.key, c.width) for c in self.cols]:
+            return False
+        self.set_columns(cols)
+        return True
+
+    def set_columns(self, columns: Sequence[Col]) -> None:
+        """Show ``columns`` instead of the columns shown now, every row kept (its cells, marks, the filter, the sort and
+        the highlighted row): the rows are shown again in one go."""
+        cur = self.cursor_key
+        for key, cells in list(self._deferred.items()):
+            self._cells[key] = {**self._cells.get(key, {}), **cells}
+        self._deferred.clear()
+        self.cols = list(columns)
+        self._fixed = {c.key for c in self.cols if c.width is not None}
+        self._literals.clear()
+        self._hay.clear()  # the filter reads the columns shown
+        self.forget_rows()
+        self.forget_stale()
+        self.clear(columns=True)
+        self._shown.clear()
+        if self.markable:
+            self.add_column(" ", key=MARK_COLUMN, width=1)
+        for c in self.cols:
+            self.add_column(self._heading(c), key=c.key, width=c.width)
+        self._order_all = None
+        self._add_many(self._matching(self.filter_text))
+        if cur is not None and cur in self._shown:
+            self.call_after_refresh(self.move_cursor_to_key, cur)
+        self._say()
 
     def drop(self, key: str) -> None:
         """Remove row ``key`` if it is there."""
@@ -643,9 +372,7 @@ class KeyedTable(DataTable):
             self._deferred.pop(key, None)
             self._hay.pop(key, None)
             self._literals.pop(key, None)
-            self._packed.pop(key, None)
-            self._inner.pop(key, None)
-            self._full = None
+            self.forget_row(key)
             self._order_keys.pop(key, None)
             self._order_all = None
             self._seq.pop(key, None)
@@ -690,9 +417,7 @@ class KeyedTable(DataTable):
         self._hay.clear()
         self._literals.clear()
         self._order_keys.clear()
-        self._packed.clear()
-        self._inner.clear()
-        self._full = None
+        self.forget_rows()
         self._order_all = None
         self._seq.clear()
         self.marks.clear()
@@ -825,14 +550,7 @@ class KeyedTable(DataTable):
                 self._write(key, self._cells[key], self._deferred.pop(key))
         cur = None if self.pin_top and self.cursor_row == 0 else self.cursor_key
         order = self._ordered(self._shown)
-        try:
-            from textual._two_way_dict import TwoWayDict
-            from textual.widgets._data_table import RowKey
-
-            self._row_locations = TwoWayDict({RowKey(k): i for i, k in enumerate(order)})
-            self._update_count += 1
-            self.refresh()
-        except (ImportError, AttributeError):  # DataTable's internals moved: show the rows again, in order
+        if not self.reorder_rows(order):  # DataTable's internals moved: show the rows again, in order
             self._rebuild(order)
         if cur is not None:
             self.move_cursor_to_key(cur)
@@ -874,8 +592,7 @@ class KeyedTable(DataTable):
             self._literals.pop(key, None)
             self._hay.pop(key, None)
         self._deferred.clear()
-        self._stale.clear()
-        self._stale_lines.clear()
+        self.forget_stale()
         self._add_many(list(keys) if ordered else self._ordered(keys))
         if cur is not None and cur in self._shown:
             self.call_after_refresh(self.move_cursor_to_key, cur)
@@ -916,14 +633,18 @@ class KeyedTable(DataTable):
         """Sort by a column (None: the table's own order), keeping the highlighted row; the header shows it."""
         self.sort_column, self.sort_reverse = column, reverse
         for c in self.cols:
-            mark = "" if c.key != column else (" ▼" if reverse else " ▲")
             try:
-                self.columns[c.key].label = Text(c.label + mark, style="bold" if mark else "")  # type: ignore[index]
+                self.columns[c.key].label = self._heading(c)  # type: ignore[index]
             except KeyError:
                 pass
-        self._require_update_dimensions = True
+        self.columns_changed()
         self.apply_order()
         self._say()
+
+    def _heading(self, c: Col) -> Text:
+        """A column's heading, with ▲ / ▼ when the table is sorted by it."""
+        mark = "" if c.key != self.sort_column else (" ▼" if self.sort_reverse else " ▲")
+        return Text(c.label + mark, style="bold" if mark else "")
 
     def _cycle(self, step: int) -> None:
         keys = [None, *(c.key for c in self.cols)]

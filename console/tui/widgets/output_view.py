@@ -33,6 +33,22 @@ CURRENT_STYLE = Style(bgcolor="magenta", color="white", bold=True, underline=Tru
 CURRENT_GUTTER = Style(color="magenta", bold=True)
 
 
+def match_spans(text: str, term: str | None, lo: int, hi: int) -> list[tuple[int, int]]:
+    """Where ``term`` occurs in ``text`` (case-insensitive), clipped to the columns ``lo``..``hi`` and relative to ``lo``:
+    a match cut by the window's edge is drawn as a match for the part that shows."""
+    if not term:
+        return []
+    lower, t = text.lower(), term.lower()
+    spans = []
+    hit = lower.find(t, max(0, lo - len(t) + 1))
+    while 0 <= hit < hi:
+        start, end = max(hit, lo), min(hit + len(t), hi)
+        if end > start:
+            spans.append((start - lo, end - lo))
+        hit = lower.find(t, hit + len(t))
+    return spans
+
+
 class OutputView(ScrollView, can_focus=True):
     """Append-only text view over a spool file with a line-offset index."""
 
@@ -186,30 +202,21 @@ class OutputView(ScrollView, can_focus=True):
             return Strip.blank(width, base)
         text = self.line(index)
         current = self.search_term is not None and index == self.current_match
-        visible = text[scroll_x : scroll_x + width]
-        segments: list[Segment] = []
-        term = self.search_term
+        # a bar in the first column of the current match (found at a glance, even scrolled sideways); it takes a column
+        # of its own, so the line's text starts after it, whole
+        gutter = 1 if current else 0
+        visible = text[scroll_x : scroll_x + max(0, width - gutter)]
+        segments: list[Segment] = [Segment("▌", base + CURRENT_GUTTER)] if current else []
         hit_style = CURRENT_STYLE if current else MATCH_STYLE
-        if current and visible:  # a bar in the first column: the current match is found at a glance, even scrolled sideways
-            segments.append(Segment("▌", base + CURRENT_GUTTER))
-            visible = visible[1:]
-        if term:
-            lower = visible.lower()
-            t = term.lower()
-            pos = 0
-            while True:
-                hit = lower.find(t, pos)
-                if hit < 0:
-                    break
-                if hit > pos:
-                    segments.append(Segment(visible[pos:hit], base))
-                segments.append(Segment(visible[hit : hit + len(t)], base + hit_style))
-                pos = hit + len(t)
-            if pos < len(visible):
-                segments.append(Segment(visible[pos:], base))
-        else:
-            segments.append(Segment(visible, base))
-        pad = width - len(visible) - (1 if current and text[scroll_x : scroll_x + width] else 0)
+        pos = 0
+        for start, end in match_spans(text, self.search_term, scroll_x, scroll_x + len(visible)):
+            if start > pos:
+                segments.append(Segment(visible[pos:start], base))
+            segments.append(Segment(visible[start:end], base + hit_style))
+            pos = end
+        if pos < len(visible):
+            segments.append(Segment(visible[pos:], base))
+        pad = width - gutter - len(visible)
         if pad > 0:
             segments.append(Segment(" " * pad, base))
         return Strip(segments, width)

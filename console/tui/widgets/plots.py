@@ -42,8 +42,11 @@ class MetricPlot(PlotextPlot):
         super().__init__(id=id, classes=classes)
         self.lines: list[Series] = []  # what is drawn (tests and the screens read it)
 
-    def show(self, series: Sequence[Series], *, xlabel: str, ylabel: str = "", title: str = "") -> None:
-        """Draw ``series`` (one line each, a legend when there are several) with ``xlabel`` under the x axis."""
+    def show(
+        self, series: Sequence[Series], *, xlabel: str, ylabel: str = "", title: str = "", xlim: tuple[float, float] | None = None
+    ) -> None:
+        """Draw ``series`` (one line each, a legend when there are several) with ``xlabel`` under the x axis; ``xlim``:
+        the x axis's ends (else plotext's own, which pads a lone point's x both ways)."""
         plt = self.plt
         plt.clear_data()
         drawn: list[Series] = []
@@ -54,6 +57,8 @@ class MetricPlot(PlotextPlot):
             xs, ys = thin([p[0] for p in pts], [float(p[1]) for p in pts])
             plt.plot(xs, ys, label=s.label if len(series) > 1 else "", color=COLORS[i % len(COLORS)], marker="braille")
             drawn.append(Series(s.label, xs, ys))
+        if xlim is not None:
+            plt.xlim(*xlim)
         plt.xlabel(xlabel)
         plt.ylabel(ylabel)
         plt.title(title)
