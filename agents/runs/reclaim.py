@@ -1,9 +1,13 @@
 """Provides reclaim: the leftovers of ended runs (and GPU holders of no run) listed, and exactly the chosen ones stopped.
 
-A leftover is found by its group where the run had one (anything still in an
-ended run's cgroup, whatever its environment says), else by its tag or as a GPU
-holder of no run (:mod:`gpudeck.agents.safety.leftovers`). A live run's process is
-reclaimed only when asked; the stop is the stopper's, verified through NVML.
+A leftover of an ended run is what a ``stop`` of that run would stop: its
+members by :func:`gpudeck.agents.safety.membership.run_members`, the rule the
+stop uses, at the run's level (anything in its cgroup whatever its environment
+says; else its tag and its ancestry: a process that cleared its environment but
+descends from the run, or stays in its shim's session). Besides those, GPU
+holders of no run and tagged processes of runs older than the ones looked at
+(:mod:`gpudeck.agents.safety.leftovers`). A live run's process is reclaimed only
+when asked; the stop is the stopper's, verified through NVML.
 """
 
 from __future__ import annotations
@@ -18,29 +22,56 @@ import msgspec
 from gpudeck.agents.observe.procs import CT_TOLERANCE, alive, read_stat
 from gpudeck.agents.runs import stopper, tick
 from gpudeck.agents.safety.leftovers import find_leftovers
+from gpudeck.agents.safety.membership import may_linger, proc_tree, run_members, session_marks
 from gpudeck.agents.wire.errors import BadRequest, StorageError
-from gpudeck.agents.wire.protocol import Leftover, Member, StoppedProcess, StopResult
+from gpudeck.agents.wire.protocol import TERMINAL_STATES, Leftover, Member, StoppedProcess, StopResult
 
 if TYPE_CHECKING:
     from gpudeck.agents.runs.supervisor import Supervisor
 
 log = logging.getLogger("gpudeck.agent")
 SIGNAL_PROOF = ("zombie", "disk_sleep", "no_such_process")  # leftover kinds whose note says what ends them instead
+ENDED_RUNS_LOOKED_AT = 2000  # the newest ended runs whose processes a listing looks for (adoption settles as many)
 
 
-def grouped_leftovers(sup: Supervisor) -> dict[int, str]:
-    """pid -> run id for every process in the group of an ended run (a leftover whatever its environment says)."""
-    out: dict[int, str] = {}
+def run_processes(sup: Supervisor, include_live: bool = False) -> dict[int, tuple[str, Member]]:
+    """pid -> (run id, member) for every live process of an ended run (and of a live one with ``include_live``), by
+    :func:`~gpudeck.agents.safety.membership.run_members`: what a ``stop`` of that run would stop, at every level.
+
+    Ended runs looked at: those with a group still here, and the newest :data:`ENDED_RUNS_LOOKED_AT` that may still
+    have a process (:func:`~gpudeck.agents.safety.membership.may_linger`). Blocking reads: call it in a thread.
+    """
+    tree = proc_tree()
+    out: dict[int, tuple[str, Member]] = {}
+
+    def take(rid: str, members: list[Member]) -> None:
+        for m in members:
+            st = tree.get(m.pid)
+            if st is None or st.status == "zombie" or abs(st.create_time - m.create_time) > CT_TOLERANCE:
+                continue  # gone, exited (holds nothing), or the pid now names another process
+            out.setdefault(m.pid, (rid, m))
+
+    live = {r.id: r for r in sup.live_runs()}
+    if include_live:
+        for r in live.values():
+            take(r.id, [m for m in r.members if m.role != "shim"])
     groups = dict(sup.containment.groups())
     groups.update(sup._ended_groups)
-    for rid, group in groups.items():
-        if rid in sup._live:
+    runs = {r.id: r for r in sup.journal.list_runs(limit=ENDED_RUNS_LOOKED_AT, states=TERMINAL_STATES)}
+    for rid in groups.keys() - runs.keys() - live.keys():
+        known = sup.journal.get_run(rid)
+        if known is not None:  # an unknown group: reported at adoption, not offered
+            runs[rid] = known
+    tagged = {e.run_id for e in sup.procs.tagged()}
+    marks = session_marks(tree)
+    for run in runs.values():
+        if run.id in live or run.state not in TERMINAL_STATES:
             continue
-        state = sup.run_state(rid)
-        if state is None:
-            continue  # an unknown group: reported at adoption, not offered
-        for pid in group.pids():
-            out[pid] = rid
+        group = groups.get(run.id)
+        if group is None and not may_linger(run, tree, run.id in tagged, marks):
+            continue
+        members, _ = run_members(run, sup.procs, group, tree if group is None else None, sup.uid)
+        take(run.id, members)
     return out
 
 
@@ -55,7 +86,7 @@ async def leftovers(sup: Supervisor, include_live: bool = False, host_name: str 
         sup.run_state,
         sup.journal.get_run,
         include_live=include_live,
-        grouped=grouped_leftovers(sup),
+        members=await asyncio.to_thread(run_processes, sup, include_live),
     )
     before = {lo.pid: read_stat(lo.pid) for lo in found}
     t0 = time.monotonic()

@@ -340,6 +340,7 @@ class Leftover(msgspec.Struct, gc=False, kw_only=True, omit_defaults=True):
     ppid: int | None = None
     cmdline: list[str] = []
     gpu_bytes: dict[int, int] = {}  # GPU index -> bytes NVML says it holds
+    found_by: str = ""  # how it is known to be the run's: "cgroup", "tag", "ancestry" (as for a stop), "" for a GPU holder
     rss: int | None = None
     cpu_percent: float | None = None
     note: str = ""  # what to do about it

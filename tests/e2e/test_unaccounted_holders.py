@@ -3,7 +3,7 @@
 - memory no visible process explains (the simulated GPUs' ``;unaccounted=``) is a holder: ``status`` shows it,
   pre-flight refuses a plain command on that GPU (``--force`` goes past it, recorded), ``reclaim`` lists it as
   nothing here can signal, and ``agent status`` says which PID namespace the agent sees;
-- an agent in its own PID namespace (``unshare --pid``) says so.
+- ``stop`` and ``reclaim`` agree on an ended run's member that cleared its environment (``env -i``), at each level.
 
 The same on a real GPU from inside ``unshare --pid``: tests/gpu/test_unaccounted_gpu.py.
 """
@@ -15,13 +15,17 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import psutil
 import pytest
 
 from gpudeck.agents.wire.protocol import GetRun, ListLeftovers
-from tests.agent_harness import AgentProc, teardown_agent
+from tests.agent_harness import AgentProc, teardown_agent, wait_for
+from tests.e2e.test_agent_runs import gone, read_pids
+from tests.e2e.test_containment import LEVELS, _kill_pids
 
 pytestmark = pytest.mark.slow
 PY = sys.executable
@@ -85,6 +89,38 @@ def test_unaccounted_memory_is_a_holder_in_status_preflight_and_reclaim(hidden_a
     text = a.cli("reclaim", "local").stdout
     assert "no leftovers" not in text and "no leftover process" in text
     assert "outside this agent's PID namespace or by the driver" in text and "run gpudeck on the host" in text
+
+
+@pytest.fixture(params=LEVELS)
+def level_agent(request: pytest.FixtureRequest, gpudeck_home: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[str, AgentProc]]:
+    monkeypatch.setenv("GPUDECK_CONTAINMENT", request.param)
+    for a in _agent(gpudeck_home, monkeypatch, "2:H200:141"):
+        yield request.param, a
+
+
+def test_stop_and_reclaim_agree_on_an_env_cleared_member_of_an_ended_run(level_agent: tuple[str, AgentProc], tmp_path: Path) -> None:
+    level, a = level_agent
+    pidfile = tmp_path / "pid"
+    # the run's only process forks `env -i sleep` (no tag: an empty environment) and exits; the sleep lives on
+    rid = a.cli_json("launch", "--", "sh", "-c", f"env -i sleep 600 & echo envclear $! > {pidfile}.tmp && mv {pidfile}.tmp {pidfile}")["id"]
+    sleeper = wait_for(lambda: pidfile.exists() and read_pids(pidfile), timeout=30, what="the env-cleared child")["envclear"]
+    try:
+        wait_for(lambda: _state(a, rid) == "succeeded", timeout=30, what="the run to end")
+        assert "GPUDECK_RUN_ID" not in psutil.Process(sleeper).environ()
+        time.sleep(0.5)  # the shim is gone too: only the session (or the group) ties the sleeper to the run
+        listed = [lo for lo in _leftovers(a) if lo["run_id"] == rid]
+        assert [(lo["pid"], lo["kind"]) for lo in listed] == [(sleeper, "orphan")], listed
+        assert listed[0]["found_by"] == ("cgroup" if level == "cgroupfs" else "ancestry")
+        human = a.cli("reclaim", "local").stdout
+        assert f"local:{sleeper}" in human and ("in its cgroup" if level == "cgroupfs" else "cleared its environment") in human
+        # the stop of the same ended run stops exactly what reclaim listed
+        res = a.cli_json("stop", rid, "--grace", "1")
+        assert "already ended" in res["message"], res
+        assert {p["pid"] for p in res["stopped"] if p["how"] != "already_gone"} == {lo["pid"] for lo in listed}, res
+        assert gone(sleeper) and not res.get("survivors")
+        assert [lo for lo in _leftovers(a) if lo["run_id"] == rid] == []
+    finally:
+        _kill_pids([sleeper])
 
 
 def test_an_agent_in_its_own_pid_namespace_says_so(gpudeck_home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
