@@ -7,7 +7,10 @@ says; else its tag and its ancestry: a process that cleared its environment but
 descends from the run, or stays in its shim's session). Besides those, GPU
 holders of no run and tagged processes of runs older than the ones looked at
 (:mod:`gpudeck.agents.safety.leftovers`). A live run's process is reclaimed only
-when asked; the stop is the stopper's, verified through NVML.
+when asked; the stop is the stopper's, verified through NVML, and the result
+names exactly what was verified (the processes stopped) and what still holds
+memory: the rest of the same run, others on the same GPUs, and memory no
+visible process explains.
 """
 
 from __future__ import annotations
@@ -19,12 +22,14 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
+from gpudeck.agents.observe import namespace as pid_namespace
 from gpudeck.agents.observe.procs import CT_TOLERANCE, alive, read_stat
 from gpudeck.agents.runs import stopper, tick
+from gpudeck.agents.safety import unaccounted
 from gpudeck.agents.safety.leftovers import find_leftovers
 from gpudeck.agents.safety.membership import may_linger, proc_tree, run_members, session_marks
 from gpudeck.agents.wire.errors import BadRequest, StorageError
-from gpudeck.agents.wire.protocol import TERMINAL_STATES, Leftover, Member, StoppedProcess, StopResult
+from gpudeck.agents.wire.protocol import TERMINAL_STATES, Gpu, GpuProcess, Leftover, Member, StoppedProcess, StopResult
 
 if TYPE_CHECKING:
     from gpudeck.agents.runs.supervisor import Supervisor
@@ -149,7 +154,15 @@ async def reclaim(
     stopper.classify(result, targets, t)
     for lo in unsignalable:
         result.survivors.append(StoppedProcess(pid=lo.pid, cmdline=lo.cmdline, role="leftover", how="survived", status="no such process"))
-    await stopper.verify_gpu(sup.gpus, result, targets + [Member(pid=lo.pid, create_time=0.0) for lo in unsignalable], gpu_before)
+    await stopper.verify_gpu(
+        sup.gpus,
+        result,
+        targets + [Member(pid=lo.pid, create_time=0.0) for lo in unsignalable],
+        gpu_before,
+        verified=verified_words(chosen),
+    )
+    if sup.gpus.available:
+        await _still_held(sup, result, chosen, host)
     result.seconds = round(time.monotonic() - t0, 3)
     result.message = reclaim_message(result, found)
     for rid, group in list(sup._ended_groups.items()):
@@ -164,3 +177,49 @@ async def reclaim(
     except StorageError:
         log.warning("could not journal the reclaim of %s", pids)
     return result
+
+
+def verified_words(chosen: list[Leftover]) -> str:
+    """What the verification covers, exactly: the processes this reclaim stopped, never 'the run'."""
+    pids = ", ".join(str(lo.pid) for lo in chosen[:16]) + (f", … {len(chosen) - 16} more" if len(chosen) > 16 else "")
+    n = len(chosen)
+    return f"the {n} process{'es' if n > 1 else ''} reclaimed (pid{'s' if n > 1 else ''} {pids}) hold{'s' if n == 1 else ''} no GPU memory"
+
+
+async def _still_held(sup: Supervisor, result: StopResult, chosen: list[Leftover], host: str) -> None:
+    """After the stop: what was not stopped and still holds memory, of the same run(s) or on the GPUs the stopped
+    processes held (and memory no visible process explains there), into ``result`` and its GPU note."""
+    runs = {lo.run_id for lo in chosen if lo.run_id}
+    gpus_held = {g for lo in chosen for g in lo.gpu_bytes}
+    chosen_pids = {lo.pid for lo in chosen}
+
+    def look() -> tuple[list[Gpu], dict[int, tuple[str, Member]]]:
+        sup.procs.refresh(True)
+        return sup.attributed_gpus(), run_processes(sup, include_live=True)
+
+    after, owners = await asyncio.to_thread(look)
+    others: list[GpuProcess] = []
+    for g in after:
+        for p in g.processes:
+            if p.pid in chosen_pids:
+                continue  # a stopped process still holding is the verification's (still_on_gpu), not this list's
+            rid = p.run_id or (owners[p.pid][0] if p.pid in owners else None)
+            if (rid is not None and rid in runs) or p.gpu in gpus_held:
+                if rid is not None and p.run_id is None:  # an untagged member, placed as a stop would place it
+                    p.run_id = rid
+                    if p.attribution == "FOREIGN":
+                        p.attribution = "RUN" if sup.run_state(rid) in ("starting", "running", "stopping") else "STALE"
+                others.append(p)
+    result.still_held = others
+    result.unaccounted = [u for u in unaccounted.holders(after, pid_namespace.current(), sup.gpus.simulated) if u.gpu in gpus_held]
+    words = [
+        f"pid {p.pid} ({'run ' + p.run_id if p.run_id else p.attribution.lower().replace('_', ' ')}) "
+        f"{(p.used_bytes or 0) / 2**30:.1f} GiB on GPU {p.gpu}"
+        + (f" (`gpudeck reclaim {host}:{p.pid}`)" if p.attribution in ("STALE", "FOREIGN") else "")
+        for p in others[:16]
+    ]
+    words += [f"GPU {u.gpu}: {u.used_bytes / 2**30:.1f} GiB held by no process visible here" for u in result.unaccounted]
+    if words:
+        result.gpu_note += "; still held, not stopped by this reclaim: " + ", ".join(words)
+    elif runs:
+        result.gpu_note += f"; no other process of run {', '.join(sorted(runs))} holds GPU memory"

@@ -3,6 +3,7 @@
 - memory no visible process explains (the simulated GPUs' ``;unaccounted=``) is a holder: ``status`` shows it,
   pre-flight refuses a plain command on that GPU (``--force`` goes past it, recorded), ``reclaim`` lists it as
   nothing here can signal, and ``agent status`` says which PID namespace the agent sees;
+- a reclaim's verification names the processes it stopped and what of the same run still holds memory;
 - ``stop`` and ``reclaim`` agree on an ended run's member that cleared its environment (``env -i``), at each level.
 
 The same on a real GPU from inside ``unshare --pid``: tests/gpu/test_unaccounted_gpu.py.
@@ -89,6 +90,47 @@ def test_unaccounted_memory_is_a_holder_in_status_preflight_and_reclaim(hidden_a
     text = a.cli("reclaim", "local").stdout
     assert "no leftovers" not in text and "no leftover process" in text
     assert "outside this agent's PID namespace or by the driver" in text and "run gpudeck on the host" in text
+
+
+def _holders_run(a: AgentProc, tmp_path: Path, *gib: int) -> tuple[str, dict[int, int]]:
+    """A run that starts one simulated holder per figure (GPU 0) and ends, leaving them behind with its tag."""
+    pidfile = tmp_path / "holders"
+    code = (
+        "import os, subprocess, sys\n"
+        "lines = []\n"
+        f"for gib in {list(gib)!r}:\n"
+        "    env = dict(os.environ, GPUDECK_SIM_GPU_MEM=f'0:{gib}')\n"
+        f"    p = subprocess.Popen([sys.executable, {HOLDER!r}], env=env, stdout=subprocess.DEVNULL)\n"
+        "    lines.append(f'{gib} {p.pid}\\n')\n"
+        f"open({str(pidfile) + '.tmp'!r}, 'w').write(''.join(lines))\n"
+        f"os.replace({str(pidfile) + '.tmp'!r}, {str(pidfile)!r})\n"
+    )
+    rid = a.cli_json("launch", "--gpus", "0", "--", PY, "-c", code)["id"]
+    pids = wait_for(lambda: pidfile.exists() and read_pids(pidfile), timeout=30, what="the holders")
+    wait_for(lambda: _state(a, rid) == "succeeded", timeout=30, what="the run to end")
+    by_gib = {int(k): v for k, v in pids.items()}
+    wait_for(lambda: {lo["pid"] for lo in _leftovers(a)} >= set(by_gib.values()), timeout=30, what="both leftovers")
+    return rid, by_gib
+
+
+def test_a_reclaim_names_what_it_verified_and_what_of_the_run_still_holds(sim_agent: AgentProc, tmp_path: Path) -> None:
+    a = sim_agent
+    rid, pids = _holders_run(a, tmp_path, 10, 30)
+    try:
+        res = a.cli_json("reclaim", f"local:{pids[10]}", "--grace", "2")[0]
+        note = res["gpu_note"]
+        assert res["gpu_verified"] is True and res["freed_bytes"] == 10 * GIB, res
+        # it verified the one process it stopped, and says so; the run's other leftover still holds 30 GiB
+        assert "no process of the run" not in note, note
+        assert f"the 1 process reclaimed (pid {pids[10]}) holds no GPU memory" in note, note
+        assert f"still held, not stopped by this reclaim: pid {pids[30]} (run {rid}) 30.0 GiB on GPU 0" in note, note
+        assert f"gpudeck reclaim local:{pids[30]}" in note
+        assert [(p["pid"], p["run_id"], p["used_bytes"]) for p in res["still_held"]] == [(pids[30], rid, 30 * GIB)]
+        human = a.cli("reclaim", f"local:{pids[30]}", "--grace", "2").stdout
+        assert f"the 1 process reclaimed (pid {pids[30]}) holds no GPU memory" in human
+        assert f"no other process of run {rid} holds GPU memory" in human
+    finally:
+        _kill_pids(list(pids.values()))
 
 
 @pytest.fixture(params=LEVELS)
