@@ -24,9 +24,9 @@ import psutil
 import pytest
 
 from gpudeck.agents.wire.protocol import GetRun, ListLeftovers
-from tests.agent_harness import AgentProc, teardown_agent, wait_for
+from tests.agent_harness import AgentProc, kill_pids, simulated_agent, wait_for
 from tests.e2e.test_agent_runs import gone, read_pids
-from tests.e2e.test_containment import LEVELS, _kill_pids
+from tests.e2e.test_containment import LEVELS
 
 pytestmark = pytest.mark.slow
 PY = sys.executable
@@ -34,21 +34,14 @@ HOLDER = str(Path(__file__).parent / "progs" / "sim_gpu_holder.py")
 GIB = 2**30
 
 
-def _agent(home: Path, monkeypatch: pytest.MonkeyPatch, spec: str) -> Iterator[AgentProc]:
-    monkeypatch.setenv("GPUDECK_SIMULATE_GPUS", spec)
-    a = AgentProc(home).start()
-    yield a
-    teardown_agent(a)
-
-
 @pytest.fixture
 def hidden_agent(gpudeck_home: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[AgentProc]:
-    yield from _agent(gpudeck_home, monkeypatch, "2:H200:141;unaccounted=0:7.6")
+    yield from simulated_agent(gpudeck_home, monkeypatch, "2:H200:141;unaccounted=0:7.6")
 
 
 @pytest.fixture
 def sim_agent(gpudeck_home: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[AgentProc]:
-    yield from _agent(gpudeck_home, monkeypatch, "2:H200:141")
+    yield from simulated_agent(gpudeck_home, monkeypatch, "2:H200:141")
 
 
 def _state(a: AgentProc, rid: str) -> str:
@@ -130,13 +123,13 @@ def test_a_reclaim_names_what_it_verified_and_what_of_the_run_still_holds(sim_ag
         assert f"the 1 process reclaimed (pid {pids[30]}) holds no GPU memory" in human
         assert f"no other process of run {rid} holds GPU memory" in human
     finally:
-        _kill_pids(list(pids.values()))
+        kill_pids(list(pids.values()))
 
 
 @pytest.fixture(params=LEVELS)
 def level_agent(request: pytest.FixtureRequest, gpudeck_home: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[str, AgentProc]]:
     monkeypatch.setenv("GPUDECK_CONTAINMENT", request.param)
-    for a in _agent(gpudeck_home, monkeypatch, "2:H200:141"):
+    for a in simulated_agent(gpudeck_home, monkeypatch, "2:H200:141"):
         yield request.param, a
 
 
@@ -162,7 +155,7 @@ def test_stop_and_reclaim_agree_on_an_env_cleared_member_of_an_ended_run(level_a
         assert gone(sleeper) and not res.get("survivors")
         assert [lo for lo in _leftovers(a) if lo["run_id"] == rid] == []
     finally:
-        _kill_pids([sleeper])
+        kill_pids([sleeper])
 
 
 def test_an_agent_in_its_own_pid_namespace_says_so(gpudeck_home: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -14,7 +14,7 @@ from gpudeck.console.fleet.fleet import Fleet
 from gpudeck.console.tui.app import GpudeckApp
 from gpudeck.console.tui.screens.leftovers import LeftoversScreen
 from gpudeck.console.tui.widgets.keyed_table import KeyedTable
-from tests.agent_harness import AgentProc, teardown_agent
+from tests.agent_harness import AgentProc, simulated_agent
 from tests.functional.helpers import mounted, open_host, text_of, until
 
 SIZE = (160, 45)
@@ -22,10 +22,7 @@ SIZE = (160, 45)
 
 @pytest.fixture
 def hidden_agent(gpudeck_home: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[AgentProc]:
-    monkeypatch.setenv("GPUDECK_SIMULATE_GPUS", "2:H200:141;unaccounted=0:7.6")
-    a = AgentProc(gpudeck_home).start()
-    yield a
-    teardown_agent(a)
+    yield from simulated_agent(gpudeck_home, monkeypatch, "2:H200:141;unaccounted=0:7.6")
 
 
 async def test_the_host_leftovers_and_fleet_screens_name_unaccounted_memory(hidden_agent: AgentProc) -> None:
