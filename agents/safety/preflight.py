@@ -452,13 +452,13 @@ def _check_holders(
         )
     # memory no visible process explains is a holder too; it has no pid, so it is listed apart ("holders" are pids)
     for u in hidden_holders:
-        items.append(f"GPU {u.gpu}: {u.note}")
+        items.append(f"GPU {u.gpu}: {_gib(u.used_bytes)} {u.note}")
     parts = []
     if blocking:
         n = len(blocking)
         parts.append(f"{n} process{'es' if n > 1 else ''} not of a live run hold{'' if n > 1 else 's'} memory")
     if hidden_holders:
-        parts.append(f"{_gib(sum(u.used_bytes for u in hidden_holders))} is held by no process visible here")
+        parts.append("memory no visible process explains is held")
     body = f"{' and '.join(parts)} on {where}. " + "; ".join(items)
     details: dict[str, object] = {"holders": holders}
     if hidden_holders:

@@ -26,13 +26,10 @@ GIB = 2**30
 UNACCOUNTED_HOLDER_BYTES = GIB  # per GPU; see the module docstring for why 1 GiB
 
 
-def _gib(n: int) -> str:
-    return f"{n / GIB:.1f} GiB"
-
-
 def note_for(gpu: int, used_bytes: int, ns: NamespaceInfo | None, simulated: bool = False, unreported: int = 0) -> str:
-    """Where memory no visible process explains may be held, and what to do; the same words in every view."""
-    what = f"{_gib(used_bytes)} on GPU {gpu} is held by no process visible to this agent"
+    """Where memory no visible process explains may be held, and what to do; the same words in every view (they follow
+    'GPU G: X GiB')."""
+    what = "held by no process visible to this agent"
     if simulated:
         what += " (SIMULATED: declared by GPUDECK_SIMULATE_GPUS)"
     if unreported:
@@ -48,7 +45,7 @@ def note_for(gpu: int, used_bytes: int, ns: NamespaceInfo | None, simulated: boo
         where += " (another container's processes, or a context the driver keeps)"
     return (
         f"{what}: {where}; it cannot be signalled from here — run gpudeck on the host (or where the holder runs) to name "
-        f"and reclaim it, or once the GPU is idle reset it (`nvidia-smi -r -i {gpu}`)"
+        f"and reclaim it, or once GPU {gpu} is idle reset it (`nvidia-smi -r -i {gpu}`)"
     )
 
 

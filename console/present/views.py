@@ -137,7 +137,7 @@ def unaccounted_holders(items: Iterable[UnaccountedMemory]) -> list[UnaccountedM
 
 def unaccounted_line(u: UnaccountedMemory) -> str:
     """One line for memory no visible process explains: the GiB, the GPU, and the agent's note (where, what to do)."""
-    return f"GPU {u.gpu}: {fmt.gib(u.used_bytes)} GiB UNACCOUNTED (cannot be signalled from here): {u.note}"
+    return f"GPU {u.gpu}: {fmt.gib(u.used_bytes)} GiB UNACCOUNTED, {u.note}"
 
 
 def holder_label(p: GpuProcess) -> str:

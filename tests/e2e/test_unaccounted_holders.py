@@ -64,12 +64,12 @@ def test_unaccounted_memory_is_a_holder_in_status_preflight_and_reclaim(hidden_a
     assert snap["simulated"] and snap["gpus"][0]["unaccounted_bytes"] == held and not snap["gpus"][0].get("processes")
     assert [(u["gpu"], u["used_bytes"], u["holder"]) for u in snap["unaccounted"]] == [(0, held, True)]
     human = a.cli("status", "--host", "local").stdout
-    assert "GPU 0: 7.6 GiB UNACCOUNTED (cannot be signalled from here)" in human and "SIMULATED" in human
+    assert "GPU 0: 7.6 GiB UNACCOUNTED, held by no process visible to this agent" in human and "SIMULATED" in human
 
     # a plain command on that GPU is refused before anything starts, naming the memory and where to look
     cp = a.cli("launch", "--name", "plain", "--gpus", "0", "--", "sleep", "30", check=False)
     assert cp.returncode == 1, cp.stdout + cp.stderr
-    assert "nothing was started" in cp.stderr and "7.6 GiB is held by no process visible here on GPU 0" in cp.stderr
+    assert "nothing was started" in cp.stderr and "GPU 0: 7.6 GiB held by no process visible to this agent" in cp.stderr
     assert "outside this agent's PID namespace" in cp.stderr and "--force" in cp.stderr
     # the other GPU is free; --force goes past it and is recorded
     assert a.cli_json("launch", "--gpus", "1", "--", "sleep", "30")["state"] == "running"

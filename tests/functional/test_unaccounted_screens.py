@@ -33,7 +33,7 @@ async def test_the_host_leftovers_and_fleet_screens_name_unaccounted_memory(hidd
         await until(lambda: "7.6 GiB unaccounted on GPU 0" in str(table.get_cell("local", "alerts")), what="the fleet alert")
         host = await open_host(app, "local")
         note = host.query_one("#host-note", Static)
-        await until(lambda: "GPU 0: 7.6 GiB UNACCOUNTED (cannot be signalled from here)" in text_of(note), what="the host note")
+        await until(lambda: "GPU 0: 7.6 GiB UNACCOUNTED, held by no process visible to this agent" in text_of(note), what="the host note")
         assert "outside this agent's PID namespace or by the driver" in text_of(note)
         app.push_screen(LeftoversScreen("local"))
         screen = await until(lambda: mounted(app, LeftoversScreen), what="the leftovers screen")

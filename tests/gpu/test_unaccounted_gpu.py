@@ -82,7 +82,11 @@ def test_memory_held_outside_the_agents_pid_namespace_is_named_by_preflight_and_
     print(f"launch: rc {cp.returncode}; {cp.stderr.strip()[:600]}")
     assert cp.returncode == 1 and "nothing was started" in cp.stderr
     if hidden:
-        assert "held by no process visible here on GPU 0" in cp.stderr and "outside this agent's PID namespace" in cp.stderr
+        assert (
+            "GPU 0: " in cp.stderr
+            and "held by no process visible to this agent" in cp.stderr
+            and "outside this agent's PID namespace" in cp.stderr
+        )
     else:
         assert "NVML reports it, the OS here does not" in cp.stderr
 

@@ -195,7 +195,7 @@ def test_unaccounted_memory_on_a_requested_gpu_refuses_a_plain_command() -> None
     res = preflight(LaunchSpec(argv=["sleep", "30"], gpus=[0]), gpus)
     c = holders_check(res)
     assert not res.ok and not c.ok and not c.overridden
-    assert "7.6 GiB is held by no process visible here on GPU 0" in c.message
+    assert "GPU 0: 7.6 GiB held by no process visible to this agent" in c.message
     assert "outside this agent's PID namespace" in c.message and "--force" in c.message
     assert c.details["unaccounted"] == [{"gpu": 0, "used_bytes": int(7.6 * GIB)}] and c.details["holders"] == []
     # another GPU: nothing to say; no --gpus: the run sees every GPU, so GPU 0 counts
@@ -213,7 +213,7 @@ def test_force_goes_past_unaccounted_memory_and_is_recorded() -> None:
 def test_with_foreign_holders_both_are_named_and_below_the_threshold_it_is_only_mentioned() -> None:
     foreign = GpuProcess(pid=77, gpu=0, used_bytes=3 * GIB, attribution="FOREIGN", user="bob", cmdline=["python"])
     c = holders_check(preflight(LaunchSpec(argv=["x"], gpus=[0]), [gpu(0, used_gib=3, unaccounted_gib=5, procs=[foreign])], ON_HOST))
-    assert "1 process not of a live run holds memory and 5.0 GiB is held by no process visible here" in c.message
+    assert "1 process not of a live run holds memory and memory no visible process explains is held on GPU 0" in c.message
     assert "pid 77" in c.message and c.details["holders"][0]["pid"] == 77
     ok = holders_check(preflight(LaunchSpec(argv=["x"], gpus=[0]), [gpu(0, unaccounted_gib=0.4)]))
     assert ok.ok and "0.4 GiB held by no visible process (under the 1.0 GiB threshold)" in ok.message
@@ -228,7 +228,7 @@ def test_the_reclaim_listing_names_it_and_never_says_no_leftovers() -> None:
     assert isinstance(reply, LeftoverList) and reply.unaccounted == items
     text = format_leftovers(HOST, reply.leftovers, reply.unaccounted)
     assert "no leftovers" not in text and "no leftover process" in text
-    assert "GPU 0: 7.6 GiB UNACCOUNTED (cannot be signalled from here)" in text
+    assert "GPU 0: 7.6 GiB UNACCOUNTED, held by no process visible to this agent" in text
     assert "outside this agent's PID namespace" in text
     assert "no leftovers" in format_leftovers(HOST, [], [])
 
