@@ -737,6 +737,7 @@ class _Conn:
                 snap.compact = True
                 for g in snap.gpus:  # static facts went out with the first snapshot of this stream
                     g.uuid, g.name, g.memory_total, g.power_limit_w = "", "", 0, None
+                snap.namespace = None  # so did the agent's PID namespace
             first = False
             await self.send(snap, droppable=True)
             # a fixed rate on the wall clock's grid (every whole interval), not interval + work: every agent

@@ -31,6 +31,11 @@ async def test_the_host_leftovers_and_fleet_screens_name_unaccounted_memory(hidd
         table = app.screen.query_one("#fleet-table", KeyedTable)
         await until(lambda: "local" in table.keys() and str(table.get_cell("local", "state")).startswith("up"), what="local up")
         await until(lambda: "7.6 GiB unaccounted on GPU 0" in str(table.get_cell("local", "alerts")), what="the fleet alert")
+        # the stream is compact after its first snapshot: the PID namespace, sent once, is refilled like the GPUs' names
+        link = app.fleet.links["local"]
+        await until(lambda: (snap := link.status.snapshot) is not None and snap.compact, what="a compact snapshot")
+        snap = link.status.snapshot
+        assert snap is not None and snap.namespace is not None and snap.namespace.pid_namespace in ("host", "isolated")
         host = await open_host(app, "local")
         note = host.query_one("#host-note", Static)
         await until(lambda: "GPU 0: 7.6 GiB UNACCOUNTED, held by no process visible to this agent" in text_of(note), what="the host note")
