@@ -26,10 +26,11 @@ from gpudeck.agents.observe import namespace as pid_namespace
 from gpudeck.agents.observe.procs import CT_TOLERANCE, alive, read_stat
 from gpudeck.agents.runs import stopper, tick
 from gpudeck.agents.safety import unaccounted
+from gpudeck.agents.safety.containment import RunGroup
 from gpudeck.agents.safety.leftovers import find_leftovers
 from gpudeck.agents.safety.membership import may_linger, proc_tree, run_members, session_marks
 from gpudeck.agents.wire.errors import BadRequest, StorageError
-from gpudeck.agents.wire.protocol import TERMINAL_STATES, Gpu, GpuProcess, Leftover, Member, StoppedProcess, StopResult
+from gpudeck.agents.wire.protocol import TERMINAL_STATES, Gpu, GpuProcess, Leftover, Member, RunInfo, StoppedProcess, StopResult
 
 if TYPE_CHECKING:
     from gpudeck.agents.runs.supervisor import Supervisor
@@ -39,13 +40,23 @@ SIGNAL_PROOF = ("zombie", "disk_sleep", "no_such_process")  # leftover kinds who
 ENDED_RUNS_LOOKED_AT = 2000  # the newest ended runs whose processes a listing looks for (adoption settles as many)
 
 
-def run_processes(sup: Supervisor, include_live: bool = False) -> dict[int, tuple[str, Member]]:
+async def run_processes(sup: Supervisor, include_live: bool = False) -> dict[int, tuple[str, Member]]:
     """pid -> (run id, member) for every live process of an ended run (and of a live one with ``include_live``), by
     :func:`~gpudeck.agents.safety.membership.run_members`: what a ``stop`` of that run would stop, at every level.
 
     Ended runs looked at: those with a group still here, and the newest :data:`ENDED_RUNS_LOOKED_AT` that may still
-    have a process (:func:`~gpudeck.agents.safety.membership.may_linger`). Blocking reads: call it in a thread.
+    have a process (:func:`~gpudeck.agents.safety.membership.may_linger`). What the loop owns (the live runs, the
+    groups) is taken on the loop; the reads of /proc and the journal run in a thread.
     """
+    live = {r.id: r for r in sup.live_runs()}
+    groups = dict(sup.containment.groups())
+    groups.update(sup._ended_groups)
+    return await asyncio.to_thread(_run_processes, sup, live, groups, include_live)
+
+
+def _run_processes(
+    sup: Supervisor, live: dict[str, RunInfo], groups: dict[str, RunGroup], include_live: bool
+) -> dict[int, tuple[str, Member]]:
     tree = proc_tree()
     out: dict[int, tuple[str, Member]] = {}
 
@@ -56,12 +67,9 @@ def run_processes(sup: Supervisor, include_live: bool = False) -> dict[int, tupl
                 continue  # gone, exited (holds nothing), or the pid now names another process
             out.setdefault(m.pid, (rid, m))
 
-    live = {r.id: r for r in sup.live_runs()}
     if include_live:
         for r in live.values():
             take(r.id, [m for m in r.members if m.role != "shim"])
-    groups = dict(sup.containment.groups())
-    groups.update(sup._ended_groups)
     runs = {r.id: r for r in sup.journal.list_runs(limit=ENDED_RUNS_LOOKED_AT, states=TERMINAL_STATES)}
     for rid in groups.keys() - runs.keys() - live.keys():
         known = sup.journal.get_run(rid)
@@ -91,7 +99,7 @@ async def leftovers(sup: Supervisor, include_live: bool = False, host_name: str 
         sup.run_state,
         sup.journal.get_run,
         include_live=include_live,
-        members=await asyncio.to_thread(run_processes, sup, include_live),
+        members=await run_processes(sup, include_live),
     )
     before = {lo.pid: read_stat(lo.pid) for lo in found}
     t0 = time.monotonic()
@@ -193,11 +201,12 @@ async def _still_held(sup: Supervisor, result: StopResult, chosen: list[Leftover
     gpus_held = {g for lo in chosen for g in lo.gpu_bytes}
     chosen_pids = {lo.pid for lo in chosen}
 
-    def look() -> tuple[list[Gpu], dict[int, tuple[str, Member]]]:
+    def look() -> list[Gpu]:
         sup.procs.refresh(True)
-        return sup.attributed_gpus(), run_processes(sup, include_live=True)
+        return sup.attributed_gpus()
 
-    after, owners = await asyncio.to_thread(look)
+    after = await asyncio.to_thread(look)
+    owners = await run_processes(sup, include_live=True)
     others: list[GpuProcess] = []
     for g in after:
         for p in g.processes:
