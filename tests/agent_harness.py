@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -146,6 +147,15 @@ class AgentProc:
         return asyncio.run(go())
 
 
+def simulated_agent(home: Path, monkeypatch: Any, spec: str) -> Iterator[AgentProc]:
+    """A real agent on SIMULATED GPUs (``GPUDECK_SIMULATE_GPUS=spec``, set through the test's ``monkeypatch``) for a
+    fixture to ``yield from``: torn down, its runs stopped, after the test."""
+    monkeypatch.setenv("GPUDECK_SIMULATE_GPUS", spec)
+    a = AgentProc(home).start()
+    yield a
+    teardown_agent(a)
+
+
 def stop_runs(a: AgentProc) -> None:
     """Stop every run a test left on this agent (through the agent, then by tag); never raises."""
     try:
@@ -163,6 +173,15 @@ def teardown_agent(a: AgentProc) -> None:
     stop_runs(a)
     a.stop()
     a.stop_autostarted()
+
+
+def kill_pids(pids: list[int]) -> None:
+    """Teardown safety net: SIGKILL exactly these pids (processes the test started); a gone one is fine."""
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
 def kill_tagged(*run_ids: str) -> None:

@@ -1,7 +1,8 @@
 """Provides the simulated GPU sampler, for machines where no GPU can exist (CI, the fleet benchmark).
 
 It has the interface of :class:`gpudeck.agents.observe.gpus.GpuSampler` and is selected only by
-``GPUDECK_SIMULATE_GPUS=N[:NAME[:GiB]]`` (see :func:`gpudeck.agents.observe.gpus.make_sampler`).
+``GPUDECK_SIMULATE_GPUS=N[:NAME[:GiB]][;unaccounted=G:GiB[,G:GiB...]]`` (see
+:func:`gpudeck.agents.observe.gpus.make_sampler`).
 Everything it reports is labelled: every GPU name starts with ``SIMULATED``,
 every uuid with ``GPU-SIM-``, ``driver_version`` is ``"simulated"`` and
 ``simulated`` is True (the agent copies it into ``Snapshot.simulated``).
@@ -16,6 +17,11 @@ run on CPU with real process trees:
   a zombie not yet reaped by its parent (as on a real GPU: the driver tears the
   context down at exit, and NVML stops listing the process; a zombie holds no
   memory); a pid that is gone, or reused, releases.
+- unaccounted memory: ``;unaccounted=0:7.6`` makes GPU 0 hold 7.6 GiB that no
+  process explains, for as long as the agent runs, as a real GPU does when the
+  holder is in another PID namespace (a container without ``--pid=host``) or is
+  a context the driver keeps: counted in ``memory_used`` and
+  ``unaccounted_bytes``, listed as no process.
 - scope: several simulated machines can share one real one (parallel tests,
   the fleet benchmark's agents). A holder belongs to the machine named by its
   ``GPUDECK_SIM_SCOPE``, else its ``GPUDECK_HOME``; a sampler counts the
@@ -60,7 +66,11 @@ UTIL_WINDOW_S = 0.5
 _GIB_BY_FAMILY = (("B200", 180.0), ("H200", 141.0), ("H100", 80.0), ("A100", 80.0), ("L40", 48.0))
 _POWER_BY_FAMILY = (("B200", 1000.0), ("H200", 700.0), ("H100", 700.0), ("A100", 400.0), ("L40", 350.0))
 _EXITED = ("zombie", "dead")  # an exited process holds no GPU memory (NVML drops it at exit, reaped or not)
-_FORMS = 'N, N:NAME or N:NAME:GiB (e.g. "8", "8:H200:141", "2:A100-80GB:80")'
+_FORMS = (
+    "N, N:NAME or N:NAME:GiB, optionally followed by ;unaccounted=G:GiB[,G:GiB...] "
+    '(e.g. "8", "8:H200:141", "2:A100-80GB:80", "2:H200:141;unaccounted=0:7.6")'
+)
+UNACCOUNTED_KEY = "unaccounted"
 
 
 class SimulatedGpuSpecError(AgentError):
@@ -76,11 +86,13 @@ class SimGpuSpec:
     count: int
     name: str
     memory_gib: float
+    unaccounted: tuple[tuple[int, int], ...] = ()  # (GPU, bytes) held by no process (another PID namespace, the driver)
 
     @property
     def text(self) -> str:
-        """The spec in its ``N:NAME:GiB`` form."""
-        return f"{self.count}:{self.name}:{self.memory_gib:g}"
+        """The spec in its ``N:NAME:GiB[;unaccounted=G:GiB,...]`` form."""
+        extra = ",".join(f"{g}:{b / 2**30:g}" for g, b in self.unaccounted)
+        return f"{self.count}:{self.name}:{self.memory_gib:g}" + (f";{UNACCOUNTED_KEY}={extra}" if extra else "")
 
 
 def _default_gib(name: str) -> float:
@@ -92,14 +104,15 @@ def _default_gib(name: str) -> float:
 
 
 def parse_sim_spec(text: str) -> SimGpuSpec:
-    """Parse ``N[:NAME[:GiB]]``; raises :class:`SimulatedGpuSpecError` naming the accepted forms."""
+    """Parse ``N[:NAME[:GiB]][;unaccounted=G:GiB,...]``; raises :class:`SimulatedGpuSpecError` naming the accepted forms."""
 
     def bad(why: str) -> SimulatedGpuSpecError:
         return SimulatedGpuSpecError(
             f"{SIMULATE_ENV}={text!r} is not a simulated GPU spec ({why}): use {_FORMS}, or unset {SIMULATE_ENV} to use the real GPUs through NVML"
         )
 
-    parts = text.strip().split(":")
+    base, semi, extra = text.strip().partition(";")
+    parts = base.strip().split(":")
     if len(parts) > 3:
         raise bad("more than three ':'-separated parts")
     try:
@@ -120,7 +133,23 @@ def parse_sim_spec(text: str) -> SimGpuSpec:
             raise bad("GiB must be a positive number")
     else:
         gib = _default_gib(name)
-    return SimGpuSpec(count=count, name=name, memory_gib=gib)
+    unaccounted: dict[int, int] = {}
+    if semi:
+        key, eq, value = extra.strip().partition("=")
+        if key.strip() != UNACCOUNTED_KEY or not eq or not value.strip():
+            raise bad(f"after ';' only {UNACCOUNTED_KEY}=G:GiB[,G:GiB...] is understood")
+        for item in value.split(","):
+            g_text, colon, b_text = item.strip().partition(":")
+            try:
+                g, b = int(g_text), float(b_text)
+            except ValueError:
+                raise bad(f"{UNACCOUNTED_KEY} item {item.strip()!r} is not GPU:GiB") from None
+            if not colon or not 0 <= g < count:
+                raise bad(f"{UNACCOUNTED_KEY} names GPU {g_text.strip()!r}; the GPUs are 0-{count - 1}")
+            if not 0 < b <= gib:  # also refuses nan and inf
+                raise bad(f"{UNACCOUNTED_KEY} GiB must be more than 0 and at most the GPU's {gib:g} GiB")
+            unaccounted[g] = unaccounted.get(g, 0) + round(b * 2**30)
+    return SimGpuSpec(count=count, name=name, memory_gib=gib, unaccounted=tuple(sorted(unaccounted.items())))
 
 
 @dataclass(frozen=True)
@@ -163,13 +192,21 @@ class SimulatedGpuSampler:
         self._lock = threading.Lock()
         self._marks: dict[tuple[int, float], _CpuMark] = {}
         self._warned: set[tuple[int, float]] = set()
+        self._hidden = dict(self.spec.unaccounted)  # GPU -> bytes no process explains
 
     @property
     def description(self) -> str:
         """One line for logs and status: what is simulated and from what."""
+        hidden = (
+            "; "
+            + ", ".join(f"GPU {g}: {b / 2**30:g} GiB" for g, b in self.spec.unaccounted)
+            + " held by no process (as if in another PID namespace)"
+            if self.spec.unaccounted
+            else ""
+        )
         return (
             f"{self.spec.count} SIMULATED GPU(s) ({SIMULATE_ENV}={self.spec.text}): memory is what processes declare "
-            f"in {SIM_GPU_MEM_TAG}, utilisation their CPU%, temperature and power are made up"
+            f"in {SIM_GPU_MEM_TAG}, utilisation their CPU%, temperature and power are made up{hidden}"
         )
 
     @property
@@ -237,8 +274,8 @@ class SimulatedGpuSampler:
             )
 
     def memory_used(self) -> dict[int, int]:
-        """Used bytes per simulated GPU (what live holders declare, at most the GPU's total)."""
-        used = dict.fromkeys(range(self.spec.count), 0)
+        """Used bytes per simulated GPU (what live holders declare and the unaccounted memory, at most the GPU's total)."""
+        used = {g: self._hidden.get(g, 0) for g in range(self.spec.count)}
         for h in self._holdings():
             for g, b in h.held:
                 used[g] += b
@@ -260,20 +297,21 @@ class SimulatedGpuSampler:
         for i in range(self.spec.count):
             u = min(100, round(util[i]))
             declared = sum(p.used_bytes or 0 for p in procs[i])
+            # over-declared memory is clamped like a real GPU's total; the holders keep their declarations
+            used = min(declared + self._hidden.get(i, 0), self.memory_total)
             out.append(
                 Gpu(
                     index=i,
                     uuid=self._uuids[i],
                     name=self._name,
-                    # over-declared memory is clamped like a real GPU's total; the holders keep their declarations
-                    memory_used=min(declared, self.memory_total),
+                    memory_used=used,
                     memory_total=self.memory_total,
                     util_gpu=u,
                     util_mem=round(0.4 * u),
                     temperature_c=30 + round(0.45 * u),
                     power_w=round(self.power_limit_w * (0.1 + 0.8 * u / 100), 1),
                     power_limit_w=self.power_limit_w,
-                    unaccounted_bytes=0,
+                    unaccounted_bytes=max(0, used - declared),
                     processes=procs[i],
                 )
             )

@@ -57,6 +57,7 @@ async def preflight(sup: Supervisor, spec: LaunchSpec, host_name: str | None = N
         estimate_error=why,
         python_check=lambda py: envs.check_imports_torch(py, env=run_env),
         parsed=plan.preflight_argv,
+        simulated=sup.gpus.simulated,
     )
 
 

@@ -22,7 +22,7 @@ from gpudeck.agents.runs import adoption, stopper, telemetry_fold, tick
 from gpudeck.agents.runs.exit_cause import read_exit_record
 from gpudeck.agents.runs.liverun import LiveRun
 from gpudeck.agents.safety.containment import RunGroup, put_figures
-from gpudeck.agents.safety.membership import discover, proc_tree
+from gpudeck.agents.safety.membership import proc_tree, run_members
 from gpudeck.agents.wire.errors import BadRequest
 from gpudeck.agents.wire.protocol import TERMINAL_STATES, Member, RunInfo, StopResult
 
@@ -63,8 +63,7 @@ async def members_now(sup: Supervisor, run: RunInfo, group: RunGroup | None, lr:
         else:  # changed meanwhile: looked at again, here
             tick.discover_members(sup, lr, tree)
         return list(run.members)
-    d = await asyncio.to_thread(discover, run, sup.procs, group, tree, sup.uid)
-    run.members = [d.replaces.get(id(m), m) for m in run.members] + d.new
+    run.members, _ = await asyncio.to_thread(run_members, run, sup.procs, group, tree, sup.uid)  # reclaim's rule too
     return list(run.members)
 
 

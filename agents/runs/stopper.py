@@ -275,8 +275,17 @@ def classify(
     result.needed_kill = [m.pid for m in t.needed_kill]
 
 
-async def verify_gpu(gpus: GpuSource, result: StopResult, members: list[Member], before: dict[int, int]) -> None:
-    """Wait for NVML to drop every member, matched by (pid, create_time); record what was freed and who still holds."""
+async def verify_gpu(
+    gpus: GpuSource,
+    result: StopResult,
+    members: list[Member],
+    before: dict[int, int],
+    verified: str = "no process of the run holds GPU memory",
+) -> None:
+    """Wait for NVML to drop every member, matched by (pid, create_time); record what was freed and who still holds.
+
+    ``verified``: what the check covered, in words ("no process of the run holds GPU memory" for a whole run's stop;
+    a reclaim names the processes it stopped)."""
     if not gpus.available:
         result.gpu_verified = False
         result.gpu_note = f"GPU memory not verified: {gpus.error}"
@@ -321,7 +330,7 @@ async def verify_gpu(gpus: GpuSource, result: StopResult, members: list[Member],
         )
     else:
         via = "on the SIMULATED GPUs (memory the processes declared; no NVML here)" if gpus.simulated else "through NVML"
-        result.gpu_note = f"verified {via}: no process of the run holds GPU memory; {result.freed_bytes / 2**30:.2f} GiB freed"
+        result.gpu_note = f"verified {via}: {verified}; {result.freed_bytes / 2**30:.2f} GiB freed"
 
 
 def summary(result: StopResult) -> str:

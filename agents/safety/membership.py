@@ -6,6 +6,11 @@ group is reported, not taken. Without one, the members are the tagged
 processes of this agent's uid plus everything descended from the run's shim
 (a child subreaper) or in its session or process group. A tagged process of
 another uid is reported and never taken.
+
+:func:`run_members` is the one answer to "which processes are this run's now"
+that a stop and a reclaim listing both use, at every level; :func:`may_linger`
+says cheaply whether an ended run can have any left, so a listing does not look
+at every ended run's tree.
 """
 
 from __future__ import annotations
@@ -238,3 +243,35 @@ def discover(run: RunInfo, procs: ProcTable, group: RunGroup | None, tree: dict[
                 continue
             take(pid, st.create_time, e, "ancestry")
     return d
+
+
+def run_members(
+    run: RunInfo, procs: ProcTable, group: RunGroup | None, tree: dict[int, StatLine] | None, uid: int
+) -> tuple[list[Member], Discovery]:
+    """The run's members now, the one rule ``stop`` and ``reclaim`` share: the recorded members (updated where an exec
+    gave a rank) and every process :func:`discover` finds at the run's level (its cgroup; else its tag and its ancestry).
+
+    ``tree`` (:func:`proc_tree`) is needed without a group. The discovery is returned too (what was reported, not taken).
+    """
+    d = discover(run, procs, group, tree, uid)
+    return [d.replaces.get(id(m), m) for m in run.members] + d.new, d
+
+
+def session_marks(tree: dict[int, StatLine]) -> set[int]:
+    """Every session id and process-group id a live process has (for :func:`may_linger`)."""
+    return {st.sid for st in tree.values()} | {st.pgid for st in tree.values()}
+
+
+def may_linger(run: RunInfo, tree: dict[int, StatLine], tagged: bool, marks: set[int]) -> bool:
+    """Whether a run without a group can still have a process: one carries its tag, a recorded member is alive (pid and
+    create_time), or a live process is in the session or process group its shim led (where an untagged descendant
+    that left the tree still is)."""
+    if tagged:
+        return True
+    for m in run.members:
+        st = tree.get(m.pid)
+        if st is not None and abs(st.create_time - m.create_time) <= CT_TOLERANCE:
+            return True
+        if m.role == "shim" and m.pid in marks:
+            return True
+    return False

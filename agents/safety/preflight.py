@@ -11,8 +11,11 @@ wrong and what to do. A check that does not apply passes with
 * ``gpu_memory``: each GPU the run uses has the memory it needs free.
 * ``gpu_holders``: no FOREIGN, STALE or NO_SUCH_PROCESS process holds memory on
   them, each named (pid, user, GiB, its run and when that run ended, command)
-  with the reclaim command. ``--force`` overrides this check, and only this one;
-  it is recorded (``overridden``, ``PreflightResult.forced``).
+  with the reclaim command; nor does memory that no visible process explains
+  (another PID namespace or the driver: :mod:`gpudeck.agents.safety.unaccounted`,
+  1 GiB or more on a GPU), named with the GiB and where to look.
+  ``--force`` overrides this check, and only this one; it is recorded
+  (``overridden``, ``PreflightResult.forced``, ``details["unaccounted"]``).
 * ``rdzv_port``: torchrun's rendezvous port is free on this host.
 * ``checkpoint_room``: the checkpoint folder's filesystem has room for one checkpoint.
 * ``python_env``: the run's interpreter exists and imports torch.
@@ -33,6 +36,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from gpudeck.agents.observe import namespace as pid_namespace
+from gpudeck.agents.safety import unaccounted
 from gpudeck.agents.safety.estimate import (
     CHECKPOINT_BYTES_PER_PARAM,
     TRAINER_MODULES,
@@ -40,7 +45,16 @@ from gpudeck.agents.safety.estimate import (
     LaunchArgv,
     parse_launch_argv,
 )
-from gpudeck.agents.wire.protocol import Gpu, GpuProcess, LaunchSpec, MemoryEstimate, PreflightCheck, PreflightResult, RunInfo
+from gpudeck.agents.wire.protocol import (
+    Gpu,
+    GpuProcess,
+    LaunchSpec,
+    MemoryEstimate,
+    NamespaceInfo,
+    PreflightCheck,
+    PreflightResult,
+    RunInfo,
+)
 
 # the checkpoint layout trainers/checkpoint.py writes: OUT/checkpoints/step_<N>/ with both files when complete
 from gpudeck.trainers.contract import CHECKPOINT_MARKER, CHECKPOINT_METADATA, CHECKPOINTS_DIRNAME
@@ -362,8 +376,10 @@ def _check_gpu_memory(
                 who, remedy = _holder_text(p, host, ended, now)
                 parts.append(f"{who} — {remedy}")
             text += ": " + "; ".join(parts)
-        elif g.unaccounted_bytes:
-            text += f": {_gib(g.unaccounted_bytes)} is held by no visible process (another container?)"
+        if g.unaccounted_bytes:
+            text += (
+                "; " if holders else ": "
+            ) + f"{_gib(g.unaccounted_bytes)} is held by no visible process (another PID namespace or the driver)"
         lines.append(text)
     roomy = [g.index for g in gpus if g.memory_total - g.memory_used >= need]
     fix: list[str] = []
@@ -379,7 +395,15 @@ def _check_gpu_memory(
 
 
 def _check_holders(
-    spec: LaunchSpec, host: str, gpus: list[Gpu], used: list[int], used_note: str, ended: dict[str, RunInfo], now: float
+    spec: LaunchSpec,
+    host: str,
+    gpus: list[Gpu],
+    used: list[int],
+    used_note: str,
+    ended: dict[str, RunInfo],
+    now: float,
+    ns: NamespaceInfo | None,
+    simulated: bool,
 ) -> PreflightCheck:
     name = "gpu_holders"
     used_set = set(used)
@@ -387,12 +411,25 @@ def _check_holders(
     if not on:
         return _skip(name, "no GPU to check")
     blocking = [p for g in on for p in g.processes if p.attribution != "RUN"]
+    hidden = unaccounted.unaccounted(on, ns, simulated)
+    hidden_holders = [u for u in hidden if u.holder]
     live = sorted({p.run_id for g in on for p in g.processes if p.attribution == "RUN" and p.run_id})
     where = f"GPU {_gpu_list([g.index for g in on])}" + (f" ({used_note})" if spec.gpus is None else "")
-    if not blocking:
+    if not blocking and not hidden_holders:
         msg = f"no foreign or stale process on {where}"
         if live:
             msg += f" (live run{'s' if len(live) > 1 else ''} {', '.join(live)} share{'' if len(live) > 1 else 's'} them)"
+        small = [u for u in hidden if not u.holder]
+        if small:
+            msg += "; not counted as holders: " + "; ".join(
+                f"GPU {u.gpu}: {_gib(u.used_bytes)} held by no visible process"
+                + (
+                    f" (under the {_gib(unaccounted.UNACCOUNTED_HOLDER_BYTES)} threshold)"
+                    if u.used_bytes < unaccounted.UNACCOUNTED_HOLDER_BYTES
+                    else " (a listed process's memory is not reported)"
+                )
+                for u in small
+            )
         return PreflightCheck(name=name, ok=True, message=msg, details={"live_runs": live})
     items, holders = [], []
     for p in sorted(blocking, key=lambda p: (p.gpu, -(p.used_bytes or 0))):
@@ -413,21 +450,33 @@ def _check_holders(
                 "status": p.status,
             }
         )
-    n = len(blocking)
-    body = f"{n} process{'es' if n > 1 else ''} not of a live run hold{'' if n > 1 else 's'} memory on {where}. " + "; ".join(items)
+    # memory no visible process explains is a holder too; it has no pid, so it is listed apart ("holders" are pids)
+    for u in hidden_holders:
+        items.append(f"GPU {u.gpu}: {_gib(u.used_bytes)} {u.note}")
+    parts = []
+    if blocking:
+        n = len(blocking)
+        parts.append(f"{n} process{'es' if n > 1 else ''} not of a live run hold{'' if n > 1 else 's'} memory")
+    if hidden_holders:
+        parts.append("memory no visible process explains is held")
+    body = f"{' and '.join(parts)} on {where}. " + "; ".join(items)
+    details: dict[str, object] = {"holders": holders}
+    if hidden_holders:
+        details["unaccounted"] = [{"gpu": u.gpu, "used_bytes": u.used_bytes} for u in hidden_holders]
+    fix = "Reclaim them, pick" if blocking else "Pick"
     if spec.force:
         return PreflightCheck(
             name=name,
             ok=False,
             overridden=True,
             message=f"overridden with --force (recorded): {body}",
-            details={"holders": holders, "forced": True},
+            details={**details, "forced": True},
         )
     return PreflightCheck(
         name=name,
         ok=False,
-        message=f"{body}. Reclaim them, pick other GPUs with --gpus, or launch anyway with --force (recorded)",
-        details={"holders": holders},
+        message=f"{body}. {fix} other GPUs with --gpus, or launch anyway with --force (recorded)",
+        details=details,
     )
 
 
@@ -719,6 +768,8 @@ def run_preflight(
     estimate_error: str | None = None,
     now: float | None = None,
     parsed: LaunchArgv | None | Unparsed = None,
+    namespace: NamespaceInfo | None = None,
+    simulated: bool = False,
 ) -> PreflightResult:
     """Every pre-flight check of ``spec`` on ``host``; nothing may start unless the result is ``ok``.
 
@@ -727,7 +778,8 @@ def run_preflight(
     (:func:`gpudeck.agents.safety.estimate.estimate`), ``estimate_error`` why there is none; ``python_check``
     answers whether an interpreter imports torch (``gpudeck.agents.safety.envs.check_imports_torch``);
     ``parsed``: the launch's argv as its :class:`~gpudeck.agents.runs.launcher.LaunchPlan` read it (once per launch;
-    :data:`UNPARSED` when it could not be read), else it is read here.
+    :data:`UNPARSED` when it could not be read), else it is read here; ``namespace``: the agent's PID namespace
+    (read here when not given), for what the note on unaccounted memory says; ``simulated``: the GPUs are simulated.
     """
     t0 = time.monotonic()
     now = time.time() if now is None else now
@@ -738,7 +790,7 @@ def run_preflight(
     checks = [
         _check_gpus_exist(spec, host, gpus, gpu_error),
         _check_gpu_memory(spec, host, gpus, _memory_gpus(spec, parsed, gpus, used), estimate, estimate_error, ended, now),
-        _check_holders(spec, host, gpus, used, used_note, ended, now),
+        _check_holders(spec, host, gpus, used, used_note, ended, now, namespace or pid_namespace.current(), simulated),
         _check_rdzv_port(spec, host, parsed, port_free),
         _check_checkpoint_room(spec, flags.out, estimate, disk_free),
         _check_python(spec, parsed, python_check),

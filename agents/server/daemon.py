@@ -31,12 +31,13 @@ import msgspec
 
 from gpudeck.agents import __version__
 from gpudeck.agents.health import triage
+from gpudeck.agents.observe import namespace as pid_namespace
 from gpudeck.agents.observe.gpus import make_sampler
 from gpudeck.agents.observe.procs import ProcTable
 from gpudeck.agents.observe.telemetry import step_series
 from gpudeck.agents.runs.launcher import SHIMS
 from gpudeck.agents.runs.supervisor import Supervisor, hostname
-from gpudeck.agents.safety import envs
+from gpudeck.agents.safety import envs, unaccounted
 from gpudeck.agents.safety.membership import cmdline_of
 from gpudeck.agents.server.snapshot import SnapshotBuilder
 from gpudeck.agents.storage.journal import Journal
@@ -288,6 +289,7 @@ class Agent:
         if monitor:
             self._spawn(_loop_monitor(Path(monitor)))
         log.info("agent %s serving %s (GPUs: %s)", os.getpid(), self.socket_path, self.gpus.error or self.gpus.count)
+        log.info("PID namespace: %s", pid_namespace.current().label)
 
     def _record_start_recovery(self, found: list[str]) -> None:
         """A journal recreated at start (corrupt), or one that lacked live runs (deleted while the agent was down):
@@ -713,6 +715,7 @@ class _Conn:
                 simulated=a.gpus.simulated,
                 containment=a.supervisor.containment.label,
                 journal=a.journal_note(),
+                namespace=pid_namespace.current(),
             )
         )
 
@@ -734,6 +737,7 @@ class _Conn:
                 snap.compact = True
                 for g in snap.gpus:  # static facts went out with the first snapshot of this stream
                     g.uuid, g.name, g.memory_total, g.power_limit_w = "", "", 0, None
+                snap.namespace = None  # so did the agent's PID namespace
             first = False
             await self.send(snap, droppable=True)
             # a fixed rate on the wall clock's grid (every whole interval), not interval + work: every agent
@@ -787,12 +791,14 @@ class _Conn:
     async def _list_leftovers(self, req: ListLeftovers) -> None:
         a = self.agent
         found = await a.supervisor.leftovers(include_live=req.include_live, host_name=self.alias or None)
+        gpus = a.supervisor.attributed_gpus() if a.gpus.available else []
         await self.send(
             LeftoverList(
                 request_id=req.request_id,
                 leftovers=found,
-                gpus=a.supervisor.attributed_gpus() if a.gpus.available else [],
+                gpus=gpus,
                 gpu_error=a.gpus.error,
+                unaccounted=unaccounted.holders(gpus, pid_namespace.current(), a.gpus.simulated),
             )
         )
 

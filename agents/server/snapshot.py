@@ -4,15 +4,21 @@ Attribution of a GPU process: ``RUN`` (a member of a live run), ``STALE`` (it
 carries the tag of a run that has ended: an orphan or leftover worker),
 ``FOREIGN`` (no gpudeck run), ``NO_SUCH_PROCESS`` (NVML reports the pid, the
 OS cannot see it: another container's process, or one the driver still holds).
+Memory no listed process explains is in ``Snapshot.unaccounted`` per GPU, with
+whether it counts as a holder and where to look
+(:mod:`gpudeck.agents.safety.unaccounted`); ``Snapshot.namespace`` says which
+PID namespace the agent sees.
 """
 
 from __future__ import annotations
 
 import time
 
+from gpudeck.agents.observe import namespace as pid_namespace
 from gpudeck.agents.observe.gpus import GpuSource
 from gpudeck.agents.observe.procs import CT_TOLERANCE, ProcTable, proc_info, read_stat
 from gpudeck.agents.runs.supervisor import Supervisor
+from gpudeck.agents.safety import unaccounted
 from gpudeck.agents.wire.protocol import GpuProcess, ProcInfo, Snapshot
 
 
@@ -27,6 +33,7 @@ class SnapshotBuilder:
         self.supervisor = supervisor
         self._static: dict[tuple[int, float], tuple[str | None, list[str]]] = {}
         self.storage_error: str | None = None  # set by the agent while the journal cannot be written
+        self.namespace = pid_namespace.current()  # read once: an agent does not change PID namespace
 
     def attribute(self, p: GpuProcess) -> None:
         """Fill in a GPU process's attribution, run, rank, user and command line (the supervisor's one rule)."""
@@ -116,4 +123,6 @@ class SnapshotBuilder:
             processes=procs,
             last_seq=self.supervisor.journal.committed_seq,
             sample_ms=round((time.perf_counter() - t0) * 1000, 3),
+            namespace=self.namespace,
+            unaccounted=unaccounted.unaccounted(gpus, self.namespace, self.gpus.simulated),
         )

@@ -81,6 +81,24 @@ class Gpu(msgspec.Struct, gc=False, kw_only=True, omit_defaults=True):
     processes: list[GpuProcess] = []
 
 
+class UnaccountedMemory(msgspec.Struct, gc=False, kw_only=True):  # every field always on the wire: scripts read "holder"
+    """GPU memory that no process visible to the agent explains: a holder that cannot be signalled from here."""
+
+    gpu: int
+    used_bytes: int
+    holder: bool = True  # at or over the threshold (agents/safety/unaccounted.py): pre-flight and reclaim count it
+    note: str = ""  # where it may be held and what to do
+
+
+class NamespaceInfo(msgspec.Struct, gc=False, kw_only=True, omit_defaults=True):
+    """The PID namespace the agent runs in (NVML lists only that namespace's processes) and the container markers seen."""
+
+    pid_namespace: Literal["host", "isolated", "unknown"] = "unknown"
+    container_markers: list[str] = []  # /.dockerenv, /run/.containerenv, container= in pid 1's environment, /proc/1/cgroup
+    evidence: list[str] = []  # how the PID namespace was told
+    label: str = ""  # one line for `agent status` and the console
+
+
 class ProcInfo(msgspec.Struct, gc=False, kw_only=True, omit_defaults=True):
     """A process of interest: a run member or a GPU holder."""
 
@@ -322,6 +340,7 @@ class Leftover(msgspec.Struct, gc=False, kw_only=True, omit_defaults=True):
     ppid: int | None = None
     cmdline: list[str] = []
     gpu_bytes: dict[int, int] = {}  # GPU index -> bytes NVML says it holds
+    found_by: str = ""  # how it is known to be the run's: "cgroup", "tag", "ancestry" (as for a stop), "" for a GPU holder
     rss: int | None = None
     cpu_percent: float | None = None
     note: str = ""  # what to do about it
@@ -420,6 +439,9 @@ class StopResult(msgspec.Struct, gc=False, kw_only=True, omit_defaults=True):
     group_note: str = ""  # what became of the run's cgroup (emptied and removed, or kept and why)
     reported: list[Reported] = []  # seen and not signalled (outside the group, another uid), or not findable at this level
     resumed_after_s: float | None = None  # a stop an earlier agent began: the seconds already spent when this agent took it over
+    # what was not stopped and still holds memory: the rest of the same run(s), others on the GPUs the stopped ones held
+    still_held: list[GpuProcess] = []
+    unaccounted: list[UnaccountedMemory] = []  # on those GPUs, held by no process visible here
 
 
 class Event(msgspec.Struct, gc=False, kw_only=True, omit_defaults=True):
@@ -448,6 +470,8 @@ class Snapshot(_Msg, tag="snapshot", kw_only=True, omit_defaults=False):  # ever
     last_seq: int = 0
     sample_ms: float = 0.0
     compact: bool = False  # the GPUs' static fields (uuid, name, memory_total, power_limit_w) are those of the stream's first snapshot
+    namespace: NamespaceInfo | None = None  # the agent's PID namespace (None: an older agent)
+    unaccounted: list[UnaccountedMemory] = []  # per GPU, memory no visible process explains (holders and the small rest)
 
 
 # ----------------------------------------------------------------------------- requests
@@ -617,6 +641,7 @@ class HelloReply(_Msg, tag="hello_reply", kw_only=True):
     simulated: bool = False  # GPUDECK_SIMULATE_GPUS: the GPUs this agent reports are simulated, not read through NVML
     containment: str | None = None  # the containment this agent gives its runs (its label)
     journal: str | None = None  # the journal's story when it is not plain: recreated (why, when, moved where), or a problem now
+    namespace: NamespaceInfo | None = None  # the agent's PID namespace and container markers (None: an older agent)
 
 
 class Pong(_Msg, tag="pong", kw_only=True):
@@ -691,6 +716,7 @@ class LeftoverList(_Msg, tag="leftover_list", kw_only=True):
     leftovers: list[Leftover] = []
     gpus: list[Gpu] = []
     gpu_error: str | None = None
+    unaccounted: list[UnaccountedMemory] = []  # held by no process visible here: listed, never signalled
 
 
 class FingerprintReply(_Msg, tag="fingerprint_reply", kw_only=True):

@@ -445,9 +445,18 @@ async def cmd_reclaim(args: argparse.Namespace) -> int:
     if listing is not None:
         found = await _with_fleet(lambda f: f.leftovers(listing, include_live=args.include_live), hosts=[listing])
         if args.json:
-            print(json.dumps({"host": listing, "leftovers": to_builtins(found.leftovers), "gpu_error": found.gpu_error}))
+            print(
+                json.dumps(
+                    {
+                        "host": listing,
+                        "leftovers": to_builtins(found.leftovers),
+                        "gpu_error": found.gpu_error,
+                        "unaccounted": to_builtins(found.unaccounted),
+                    }
+                )
+            )
         else:
-            print(terminal_text(format_leftovers(listing, found.leftovers)))
+            print(terminal_text(format_leftovers(listing, found.leftovers, found.unaccounted)))
         return 0
     results = await _with_fleet(lambda f: ops_reclaim(f, pids, args.grace, args.include_live), hosts=list(pids))
     rc = 0
@@ -841,6 +850,7 @@ async def cmd_agent_status(args: argparse.Namespace) -> int:
             "simulated": h.simulated,
             "containment": h.containment,
             "journal": h.journal,
+            "namespace": to_builtins(h.namespace) if h.namespace is not None else None,
         }
     finally:
         await c.close()
@@ -851,6 +861,7 @@ async def cmd_agent_status(args: argparse.Namespace) -> int:
         gpus = "SIMULATED (GPUDECK_SIMULATE_GPUS is set: no real GPU is read)" if info["simulated"] else "NVML ok"
         print(f"GPUs: {info['gpu_error'] or gpus}")
         print(f"containment: {info['containment'] or 'not reported (an older agent)'}")
+        print(terminal_text(f"PID namespace: {h.namespace.label if h.namespace is not None else 'not reported (an older agent)'}"))
         print(terminal_text(f"journal: {info['journal'] or 'ok'}"))
     return 0
 

@@ -42,6 +42,7 @@ from gpudeck.agents.wire.protocol import (
     ListLeftovers,
     ListRuns,
     Metrics,
+    NamespaceInfo,
     OutputChunk,
     Preflight,
     PreflightReply,
@@ -269,6 +270,7 @@ class HostLink:
         loop = asyncio.get_running_loop()
         ended: asyncio.Future = loop.create_future()
         static: dict[int, tuple[str, str, int, float | None]] = {}
+        namespace: list[NamespaceInfo | None] = [None]  # the agent's PID namespace, also sent once
         self.status.last_seen = time.time()
 
         def on_item(msg: Reply | None) -> None:
@@ -276,9 +278,11 @@ class HostLink:
                 if msg.compact:  # refill what the agent sent once
                     for g in msg.gpus:
                         g.uuid, g.name, g.memory_total, g.power_limit_w = static.get(g.index, ("", "", 0, None))
+                    msg.namespace = msg.namespace or namespace[0]
                 else:
                     static.clear()
                     static.update({g.index: (g.uuid, g.name, g.memory_total, g.power_limit_w) for g in msg.gpus})
+                    namespace[0] = msg.namespace
                 self.status.snapshot = msg
                 self.status.last_seen = time.time()
                 if self.status.state != "up":

@@ -8,6 +8,8 @@ What is reclaimed is what the agent's ``gpu_holders`` check named, nothing else:
 - a process of **another user** (or of an unknown user) is refused: gpudeck does not stop someone else's work
   for you; it is named with its user and the fix is to ask them, pick other GPUs, or ``--force``;
 - a process NVML reports and the OS here cannot see (another container) cannot be reclaimed and is refused;
+- GPU memory no visible process explains (``details["unaccounted"]``: another PID namespace, the driver) has no
+  pid to stop: reclaiming cannot fix it, so nothing is stopped;
 - a process of a **live run** never blocks pre-flight (it is that run's), so it is never in the list; if the memory
   is short because of one, the other failed checks say so and nothing is stopped.
 
@@ -138,6 +140,11 @@ def holder_plan(outcomes: list[NodeOutcome], snapshots: dict[str, Snapshot], ope
                     continue
                 others.append(f"{o.host}: {c.name}: {c.message}")
                 continue
+            for u in c.details.get("unaccounted") or []:  # memory no visible process explains: no pid to stop
+                others.append(
+                    f"{o.host}: GPU {u.get('gpu')}: {gib(int(u.get('used_bytes') or 0))} GiB is held by no process visible there "
+                    "(another PID namespace or the driver): it cannot be reclaimed from here"
+                )
             for d in c.details.get("holders") or []:
                 pid = int(d["pid"])
                 entry = holders.setdefault((o.host, pid), {**d, "gpu_bytes": {}})

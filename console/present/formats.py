@@ -11,11 +11,12 @@ import msgspec
 from msgspec import UNSET, UnsetType
 
 from gpudeck.agents.wire.causes import cause_class
-from gpudeck.agents.wire.protocol import PreflightResult, RunInfo, Snapshot, StopResult, to_builtins
+from gpudeck.agents.wire.protocol import PreflightResult, RunInfo, Snapshot, StopResult, UnaccountedMemory, to_builtins
 from gpudeck.console.core.fmt import duration, elapsed, gib, when
 from gpudeck.console.core.records import EventRecord, RunRecord
 from gpudeck.console.ops.figures import RunFigures, run_figures, tokens_text
 from gpudeck.console.ops.triage import show_lines
+from gpudeck.console.present.views import unaccounted_holders, unaccounted_line
 
 
 def table(headers: list[str], rows: list[list[str]]) -> str:
@@ -39,6 +40,8 @@ def format_status(snap: Snapshot, alias: str | None = None) -> str:
         out.append(f"STORAGE: {snap.storage_error}")
     if snap.journal_note:
         out.append(f"JOURNAL: {snap.journal_note}")
+    if snap.namespace is not None and snap.namespace.pid_namespace != "host":
+        out.append(f"PID NAMESPACE: {snap.namespace.label}")
     if snap.gpu_error:
         out.append(f"GPUs: none ({snap.gpu_error})")
     else:
@@ -55,6 +58,7 @@ def format_status(snap: Snapshot, alias: str | None = None) -> str:
             for g in snap.gpus
         ]
         out.append(table(["GPU", "NAME", "MEMORY", "UTIL", "TEMP", "POWER", "UNACCOUNTED GiB"], rows))
+        out.extend(unaccounted_line(u) for u in unaccounted_holders(snap.unaccounted))
         procs = [p for g in snap.gpus for p in g.processes]
         if procs:
             prow = [
@@ -312,10 +316,17 @@ def _event_summary(e: EventRecord) -> str:
     return json.dumps(d, default=str)[:110]
 
 
-def format_leftovers(host: str, leftovers: list[Any]) -> str:
-    """``gpudeck reclaim HOST``: what could be reclaimed and why, biggest GPU holders first."""
-    if not leftovers:
+def format_leftovers(host: str, leftovers: list[Any], unaccounted: list[UnaccountedMemory] | None = None) -> str:
+    """``gpudeck reclaim HOST``: what could be reclaimed and why, biggest GPU holders first; then the memory no process
+    visible on the host explains (a holder that cannot be signalled from there, and why)."""
+    hidden = unaccounted_holders(unaccounted or [])
+    if not leftovers and not hidden:
         return f"{host}: no leftovers (no process of an ended run is alive, no GPU memory outside a live run)"
+    if not leftovers:
+        return "\n".join(
+            [f"{host}: no leftover process, but GPU memory no process visible there explains (nothing here can stop it):"]
+            + [f"  {unaccounted_line(u)}" for u in hidden]
+        )
     rows = []
     for lo in leftovers:
         gpu = ", ".join(f"GPU {g}: {gib(b)} GiB" for g, b in sorted(lo.gpu_bytes.items())) or "-"
@@ -342,6 +353,8 @@ def format_leftovers(host: str, leftovers: list[Any]) -> str:
     out = [table(["PROCESS", "KIND", "RUN", "USER", "STATUS", "GPU MEMORY", "CPU", "RSS", "COMMAND"], rows), ""]
     for lo in leftovers:
         out.append(f"  {host}:{lo.pid}: {lo.note}")
+    for u in hidden:
+        out.append(f"  {unaccounted_line(u)}")
     out.append("")
     out.append(f"stop them with `gpudeck reclaim {' '.join(f'{host}:{lo.pid}' for lo in leftovers if lo.kind != 'live')}`")
     return "\n".join(out)

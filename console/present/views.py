@@ -16,7 +16,18 @@ from pathlib import Path
 from typing import cast, get_args
 
 from gpudeck.agents.wire import envdiff
-from gpudeck.agents.wire.protocol import TERMINAL_STATES, Alert, EnvFingerprint, Gpu, GpuProcess, LaunchSpec, RunInfo, RunState, Snapshot
+from gpudeck.agents.wire.protocol import (
+    TERMINAL_STATES,
+    Alert,
+    EnvFingerprint,
+    Gpu,
+    GpuProcess,
+    LaunchSpec,
+    RunInfo,
+    RunState,
+    Snapshot,
+    UnaccountedMemory,
+)
 from gpudeck.console.core import fmt
 from gpudeck.console.core.records import MetricPoint, Recorded, RunRecord
 from gpudeck.console.history.query import compile_query
@@ -104,6 +115,9 @@ def host_figures(snap: Snapshot) -> HostFigures:
     if stale:
         held = sum(p.used_bytes or 0 for p in stale)
         alerts.insert(0, f"{len(stale)} stale GPU holder(s) {fmt.gib(held)} GiB")
+    hidden = unaccounted_holders(snap.unaccounted)
+    if hidden:
+        alerts.insert(0, f"{fmt.gib(sum(u.used_bytes for u in hidden))} GiB unaccounted on GPU {','.join(str(u.gpu) for u in hidden)}")
     return HostFigures(
         gpus=len(gpus),
         busy=sum(1 for g in gpus if g.processes),
@@ -114,6 +128,16 @@ def host_figures(snap: Snapshot) -> HostFigures:
         alerts=tuple(alerts),
         critical=critical,
     )
+
+
+def unaccounted_holders(items: Iterable[UnaccountedMemory]) -> list[UnaccountedMemory]:
+    """The entries the agent counts as holders (over its threshold, every listed process's memory reported)."""
+    return [u for u in items if u.holder]
+
+
+def unaccounted_line(u: UnaccountedMemory) -> str:
+    """One line for memory no visible process explains: the GiB, the GPU, and the agent's note (where, what to do)."""
+    return f"GPU {u.gpu}: {fmt.gib(u.used_bytes)} GiB UNACCOUNTED, {u.note}"
 
 
 def holder_label(p: GpuProcess) -> str:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import sqlite3
 import subprocess
 import sys
@@ -29,7 +28,7 @@ from gpudeck.agents.safety.containment import (
     systemd_unavailable,
 )
 from gpudeck.agents.wire.errors import BadRequest
-from tests.agent_harness import AgentProc, journal_add_member, teardown_agent, wait_for
+from tests.agent_harness import AgentProc, journal_add_member, kill_pids, teardown_agent, wait_for
 from tests.e2e.test_agent_runs import gone, read_pids
 
 PROGS = Path(__file__).parent / "progs"
@@ -61,14 +60,6 @@ def _base(home: Path) -> Path | None:
     return Path(mount) / "gpudeck" / agent_key(home / "agent" / "runs") if mount else None
 
 
-def _kill_pids(pids: list[int]) -> None:
-    for pid in pids:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-
-
 @pytest.fixture(params=LEVELS)
 def level(request: pytest.FixtureRequest, gpudeck_home: Path, monkeypatch: pytest.MonkeyPatch) -> str:
     monkeypatch.setenv("GPUDECK_CONTAINMENT", request.param)
@@ -84,7 +75,7 @@ def cagent(level: str, gpudeck_home: Path) -> Iterator[AgentProc]:
     if base is not None and base.is_dir():
         for d in sorted(base.iterdir(), reverse=True):
             if d.is_dir():
-                _kill_pids([int(x) for x in (d / "cgroup.procs").read_text().split()])
+                kill_pids([int(x) for x in (d / "cgroup.procs").read_text().split()])
                 time.sleep(0.1)
                 try:
                     d.rmdir()
@@ -188,7 +179,7 @@ def test_an_env_cleared_process_forked_during_the_grace_is_stopped_through_the_g
             if not gone(late):
                 assert "cannot be found" in res["group_note"] and "cgroup" in res["group_note"]
     finally:
-        _kill_pids([late])
+        kill_pids([late])
 
 
 def test_a_daemon_left_behind_by_a_finished_run_is_a_leftover_of_its_group(cagent: AgentProc, level: str, tmp_path: Path) -> None:
@@ -204,7 +195,7 @@ def test_a_daemon_left_behind_by_a_finished_run_is_a_leftover_of_its_group(cagen
             assert "already ended" in res["message"] and gone(daemon)
             assert not (_base(cagent.home) / rid).exists(), "the ended run's emptied group is removed"
     finally:
-        _kill_pids([daemon])
+        kill_pids([daemon])
 
 
 def test_pid_reuse_during_a_stop_a_stranger_is_neither_signalled_nor_blamed(

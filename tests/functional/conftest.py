@@ -14,16 +14,13 @@ import psutil
 import pytest
 
 from gpudeck.console.history.replica import History
-from tests.agent_harness import AgentProc, teardown_agent
+from tests.agent_harness import AgentProc, simulated_agent
 
 
 @pytest.fixture
 def sim_agent(gpudeck_home: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[AgentProc]:
     """A real agent whose host has two SIMULATED H200s (memory is what processes declare)."""
-    monkeypatch.setenv("GPUDECK_SIMULATE_GPUS", "2:H200")
-    a = AgentProc(gpudeck_home).start()
-    yield a
-    teardown_agent(a)
+    yield from simulated_agent(gpudeck_home, monkeypatch, "2:H200")
 
 
 @pytest.fixture

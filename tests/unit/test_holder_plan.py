@@ -52,3 +52,12 @@ def test_memory_is_weighed_with_what_the_reclaim_frees() -> None:
     assert short.blocked is not None and "GPU 0 would have 126.0 GiB free after the reclaim" in short.blocked
     other = holder_plan([_outcome([_holder(10, "STALE", "op", 20)], other=True)], {}, "op")
     assert other.blocked is not None and "python_env: no torch" in other.blocked
+
+
+def test_memory_held_by_no_visible_process_refuses_the_reclaim_before_anything_is_stopped() -> None:
+    out = _outcome([_holder(10, "STALE", "op", 20)])
+    assert out.preflight is not None
+    out.preflight.checks[0].details["unaccounted"] = [{"gpu": 0, "used_bytes": int(7.5 * GIB)}]
+    plan = holder_plan([out], {}, "op")
+    assert plan.blocked is not None and "GPU 0: 7.5 GiB is held by no process visible there" in plan.blocked
+    assert "cannot be reclaimed from here" in plan.blocked

@@ -46,3 +46,14 @@ def test_a_zombie_holders_advice_is_kept() -> None:
     result = StopResult(run_id=None, state="reclaimed", stopped=[StoppedProcess(pid=41, how="zombie", status="zombie")])
     lo = Leftover(pid=41, kind="zombie", ppid=40, note="has exited; its GPU memory is released when its parent (pid 40) reaps it")
     assert "pid 41: has exited; its GPU memory is released when its parent (pid 40) reaps it" in reclaim_message(result, {41: lo})
+
+
+def test_a_reclaims_verification_names_the_processes_it_stopped_not_the_run() -> None:
+    from gpudeck.agents.runs.reclaim import verified_words
+    from gpudeck.agents.wire.protocol import Leftover
+
+    one = verified_words([Leftover(pid=4412, kind="orphan", run_id="r-1")])
+    assert one == "the 1 process reclaimed (pid 4412) holds no GPU memory"
+    many = verified_words([Leftover(pid=p, kind="orphan", run_id="r-1") for p in range(100, 120)])
+    assert many.startswith("the 20 processes reclaimed (pids 100, 101,") and "… 4 more) hold no GPU memory" in many
+    assert "the run" not in one + many

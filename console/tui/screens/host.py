@@ -14,7 +14,7 @@ from textual.widgets import Static
 from gpudeck.agents.wire.protocol import GpuProcess, Snapshot
 from gpudeck.console.core.fmt import gib
 from gpudeck.console.fleet.fleet import HostStatus
-from gpudeck.console.present.views import LEFTOVER_HOLDERS, age, holder_label
+from gpudeck.console.present.views import LEFTOVER_HOLDERS, age, holder_label, unaccounted_holders, unaccounted_line
 from gpudeck.console.tui.screens.base import LiveScreen, deck
 from gpudeck.console.tui.screens.fleet import state_cell
 from gpudeck.console.tui.screens.reclaim import ReclaimItem, reclaim_flow
@@ -158,6 +158,10 @@ class HostScreen(LiveScreen):
             t = Text(f"sampled in {snap.sample_ms:.2f} ms; {len(snap.runs)} live run(s)", style="dim")
             if leftovers:
                 t.append(f"; {leftovers} GPU process(es) belong to no live run: a marks them, x reclaims", style="yellow")
+            for u in unaccounted_holders(snap.unaccounted):  # Text.append: the agent's words shown as text, never markup
+                t.append("\n" + unaccounted_line(u), style="bold yellow")
+            if snap.namespace is not None and snap.namespace.pid_namespace == "isolated":
+                t.append(f"\nPID namespace: {snap.namespace.label}", style="yellow")
             note.update(t)
 
     def _plot_memory(self, snap: Snapshot) -> None:

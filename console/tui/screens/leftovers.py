@@ -12,7 +12,7 @@ from textual.widgets import Static
 from gpudeck.agents.wire.errors import AgentError
 from gpudeck.agents.wire.protocol import Gpu, Leftover, LeftoverList
 from gpudeck.console.core.fmt import gib
-from gpudeck.console.present.views import age
+from gpudeck.console.present.views import age, unaccounted_holders, unaccounted_line
 from gpudeck.console.tui.screens.base import Guarded, deck
 from gpudeck.console.tui.screens.reclaim import ReclaimItem, reclaim_flow
 from gpudeck.console.tui.widgets.cells import leftover_text, plain_markup
@@ -133,8 +133,15 @@ class LeftoversScreen(Guarded, Screen):
             + (f" (the agent took {took:.1f} s)" if took >= 1 else ""),
             style="bold",
         )
+        hidden = unaccounted_holders(reply.unaccounted)
         if not reply.leftovers:
-            t = Text(f"nothing left over on {self.host}: every process is a member of a live run or holds no GPU", style="green")
+            t = (
+                Text(f"no leftover process on {self.host}", style="bold")
+                if hidden
+                else Text(f"nothing left over on {self.host}: every process is a member of a live run or holds no GPU", style="green")
+            )
+        for u in hidden:  # no row to mark: nothing here can signal it
+            t.append("\n" + unaccounted_line(u), style="bold yellow")
         if reply.gpu_error:
             t.append(f"; no GPUs: {reply.gpu_error}", style="dim")
         note.update(t)
