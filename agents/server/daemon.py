@@ -10,6 +10,7 @@ agent.
 from __future__ import annotations
 
 import asyncio
+import errno
 import faulthandler
 import fcntl
 import logging
@@ -1055,24 +1056,69 @@ def _fd_budget() -> int:
     return max(1, min(MAX_CONNECTIONS, limit - FD_RESERVE - FD_HEADROOM - _fds_open()))
 
 
+class StateDirUnusable(AgentError):
+    """The agent's state folder cannot be written: a read-only filesystem, a full disk, no permission."""
+
+    code = "state_dir_unusable"
+
+
+EXIT_BAD_SETUP = 2  # a setting or the state folder stops the agent at start (README: `gpudeck agent serve` exit codes)
+EXIT_ALREADY_RUNNING = 3
+
+
+def state_dir_error(state_dir: Path, exc: OSError) -> StateDirUnusable:
+    """The typed error for an OSError met while the agent sets up ``state_dir``: what happened and what to do."""
+    where = exc.filename or state_dir
+    fix = {
+        errno.EROFS: "it is on a read-only filesystem: point GPUDECK_HOME or --state-dir at a writable folder",
+        errno.ENOSPC: f"the disk is full: free space there (`df -h {state_dir}`) or point GPUDECK_HOME or --state-dir elsewhere",
+        errno.EDQUOT: "your disk quota is used up: free space (`quota -s`) or point GPUDECK_HOME or --state-dir elsewhere",
+        errno.EACCES: f"uid {os.geteuid()} may not write there: fix its owner or mode, or point GPUDECK_HOME or --state-dir elsewhere",
+        errno.EPERM: f"uid {os.geteuid()} may not write there (an immutable file?): fix it, or point GPUDECK_HOME or --state-dir elsewhere",
+    }.get(exc.errno or 0, "point GPUDECK_HOME or --state-dir at a writable local folder")
+    return StateDirUnusable(f"the state folder {state_dir} cannot be used ({where}: {exc.strerror or exc}): {fix}")
+
+
+class _LogFile(logging.FileHandler):
+    """The agent's log file; a record it cannot write (disk full) is dropped, not printed to stderr as a traceback:
+    snapshots and `agent status` say the state folder cannot be written."""
+
+    def handleError(self, record: logging.LogRecord) -> None:
+        self.dropped = getattr(self, "dropped", 0) + 1
+
+
 def setup_logging(state_dir: Path) -> None:
     """Log to the agent's log file (stdout may be an SSH channel or nothing)."""
-    handler = logging.FileHandler(paths.private_file(paths.log_path(state_dir)))
+    handler = _LogFile(paths.private_file(paths.log_path(state_dir)))
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     root = logging.getLogger("gpudeck")
     root.addHandler(handler)
     root.setLevel(logging.INFO)
 
 
+def _refuse_start(exc: AgentError) -> int:
+    """Say why the agent does not start, on one line (stderr and, where it can be written, the log); the exit code."""
+    if any(isinstance(h, _LogFile) for h in logging.getLogger("gpudeck").handlers):  # else logging would print it again
+        log.error("agent cannot start: %s", exc.message)
+    print(f"gpudeck agent: {exc.message}", file=sys.stderr)
+    return EXIT_ALREADY_RUNNING if isinstance(exc, AlreadyRunning) else EXIT_BAD_SETUP
+
+
 def serve(state_dir: Path | None = None, on_exit: Callable[[], None] | None = None) -> int:
     """``gpudeck agent serve``: run the agent in the foreground until SIGTERM. ``on_exit`` runs once the loop has
     stopped serving (also on the ``os._exit`` way out below, which skips a caller's ``finally`` and atexit):
-    a profiler's dump (bench/agent_sample.py --profile)."""
+    a profiler's dump (bench/agent_sample.py --profile). Exit codes: 0 stopped, 2 a bad setting or a state folder
+    that cannot be written (read-only, full), 3 another agent serves this state folder."""
     sd = Path(state_dir or paths.state_dir())
-    paths.ensure_private_dir(sd)
-    setup_logging(sd)
-    # `kill -USR1 <agent pid>` writes every thread's stack to the agent's log (a stuck agent says where it is)
-    faulthandler.register(signal.SIGUSR1, file=open(paths.log_path(sd), "a"), all_threads=True)
+    try:
+        paths.ensure_private_dir(sd)
+        setup_logging(sd)
+        # `kill -USR1 <agent pid>` writes every thread's stack to the agent's log (a stuck agent says where it is)
+        faulthandler.register(signal.SIGUSR1, file=open(paths.log_path(sd), "a"), all_threads=True)
+    except OSError as exc:
+        return _refuse_start(state_dir_error(sd, exc))
+    except AgentError as exc:  # UnsafePath: a link or another user's file where the state goes
+        return _refuse_start(exc)
 
     async def main() -> None:
         agent = Agent(sd)
@@ -1081,13 +1127,11 @@ def serve(state_dir: Path | None = None, on_exit: Callable[[], None] | None = No
     loop = asyncio.new_event_loop()
     try:
         loop.run_until_complete(main())
-    except AlreadyRunning as exc:
-        print(f"gpudeck agent: {exc.message}", file=sys.stderr)
-        return 3
-    except AgentError as exc:  # a bad setting (e.g. GPUDECK_SIMULATE_GPUS): say it and exit, never start half-configured
-        log.error("agent cannot start: %s", exc.message)
-        print(f"gpudeck agent: {exc.message}", file=sys.stderr)
-        return 2
+    except AgentError as exc:  # a bad setting (e.g. GPUDECK_SIMULATE_GPUS), a full disk: say it, never start half-configured
+        return _refuse_start(exc)
+    except OSError as exc:  # the lock, the journal's folder, the socket: the state folder cannot be written
+        log.debug("start-up failed", exc_info=True)
+        return _refuse_start(state_dir_error(sd, exc))
     finally:
         # not asyncio.run: its shutdown waits for every worker thread still busy (a slow fingerprint, a stat on a
         # hung mount); SIGTERM is answered within a second whatever those do. The journal is closed by now.
