@@ -1,29 +1,20 @@
 """Provides the ``gpudeck`` command's entry point: the agent's own commands run without the console's packages.
 
-A GPU host's agent-only install (``pip install ./gpudeck``, no Textual, no SSH client) still answers
-``gpudeck agent serve`` and ``gpudeck agent dial`` (what the console runs over SSH) and ``gpudeck --version``;
-everything else is the console's CLI (:mod:`gpudeck.console.cli.main`).
+A GPU host's agent-only install (``pip install ./gpudeck``, no Textual, no SSH client) still answers every
+``gpudeck agent ...`` command (serve, dial: what the console runs over SSH, status, stop: the agent's own main,
+:mod:`gpudeck.agents.__main__`) and ``gpudeck --version``; everything else is the console's CLI
+(:mod:`gpudeck.console.cli.main`).
 """
 
 from __future__ import annotations
 
-import os
 import sys
 
-EXIT_PIPE = 141  # stdout's reader went away (`| head`): 128 + SIGPIPE, what a shell reports for a Unix tool SIGPIPE ended
+from gpudeck.agents.__main__ import COMMAND_PROG, stdout_gone
+from gpudeck.agents.__main__ import main as agent_main
+
 # the packages the console and its CLI need beyond the agent's (pyproject.toml's [console] extra)
 CONSOLE_PACKAGES = ("textual", "asyncssh", "sqlite_utils", "rich")
-
-
-def stdout_gone() -> int:
-    """The reader of stdout went away: point stdout at /dev/null (so the interpreter's last flush is silent); EXIT_PIPE."""
-    try:
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
-        os.close(devnull)
-    except (OSError, ValueError):
-        pass
-    return EXIT_PIPE
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -37,10 +28,7 @@ def main(argv: list[str] | None = None) -> int:
         except BrokenPipeError:
             return stdout_gone()
         return 0
-    if args[:2] in (["agent", "serve"], ["agent", "dial"]):
-        from gpudeck.agents.__main__ import COMMAND_PROG
-        from gpudeck.agents.__main__ import main as agent_main
-
+    if args[:1] == ["agent"]:
         return agent_main(args[1:], prog=COMMAND_PROG)
     try:
         from gpudeck.console.cli.main import main as cli_main
@@ -50,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
         what = " ".join(args[:2]) or "the console"
         print(
             f"gpudeck: `gpudeck {what}` needs the console's packages ({exc.name} is not installed): "
-            "pip install './gpudeck[console]'. This install (the agent's) runs `gpudeck agent serve` and `gpudeck agent dial`.",
+            "pip install './gpudeck[console]'. This install (the agent's) runs `gpudeck agent serve|dial|status|stop`.",
             file=sys.stderr,
         )
         return 2

@@ -14,15 +14,15 @@ import json
 import sys
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from pathlib import Path
 from typing import Any, TypeVar
 
 import msgspec
 from msgspec import UNSET
 
 from gpudeck.agents import __version__ as agent_version
-from gpudeck.agents.wire import envdiff, paths
-from gpudeck.agents.wire.client import AgentClient
+from gpudeck.agents.__main__ import COMMAND_PROG as AGENT_PROG
+from gpudeck.agents.__main__ import main as agent_main
+from gpudeck.agents.wire import envdiff
 from gpudeck.agents.wire.errors import AgentError
 from gpudeck.agents.wire.protocol import RunInfo, Snapshot, Triage, VerifyReply, to_builtins
 from gpudeck.console.cli.waiting import enable as enable_progress
@@ -804,74 +804,6 @@ async def cmd_show(args: argparse.Namespace) -> int:
     return 0
 
 
-async def cmd_agent_status(args: argparse.Namespace) -> int:
-    sd = paths.state_dir()
-    try:
-        c = await AgentClient.connect_unix(autostart=False)
-    except AgentError as exc:
-        if args.json:
-            print(json.dumps({"running": False, "state_dir": str(sd), "error": exc.message}))
-        else:
-            print(f"agent: not running ({exc.message})")
-        return 3
-    try:
-        h = c.hello
-        assert h is not None
-        info = {
-            "running": True,
-            "pid": h.pid,
-            "host": h.host,
-            "version": h.agent_version,
-            "epoch": h.epoch,
-            "state_dir": h.state_dir,
-            "gpu_error": h.gpu_error,
-            "simulated": h.simulated,
-            "containment": h.containment,
-            "journal": h.journal,
-        }
-    finally:
-        await c.close()
-    if args.json:
-        print(json.dumps(info))
-    else:
-        print(f"agent: running, pid {info['pid']} on {info['host']}, version {info['version']}, state {info['state_dir']}")
-        gpus = "SIMULATED (GPUDECK_SIMULATE_GPUS is set: no real GPU is read)" if info["simulated"] else "NVML ok"
-        print(f"GPUs: {info['gpu_error'] or gpus}")
-        print(f"containment: {info['containment'] or 'not reported (an older agent)'}")
-        print(terminal_text(f"journal: {info['journal'] or 'ok'}"))
-    return 0
-
-
-async def cmd_agent_stop(args: argparse.Namespace) -> int:
-    """Stop the agent (SIGTERM by its pid); runs keep going and a new agent re-adopts them."""
-    import signal as _signal
-
-    import psutil
-
-    try:
-        c = await AgentClient.connect_unix(autostart=False)
-    except AgentError as exc:
-        print(f"agent: not running ({exc.message})")
-        return 0
-    assert c.hello is not None
-    pid = c.hello.pid
-    await c.close()
-    p = psutil.Process(pid)
-    p.send_signal(_signal.SIGTERM)
-    deadline = time.monotonic() + 10
-    while True:  # gone, or a zombie its parent has not reaped yet: either way it has exited
-        try:
-            if p.status() == psutil.STATUS_ZOMBIE:
-                break
-        except psutil.NoSuchProcess:
-            break
-        if time.monotonic() > deadline:
-            raise CliError(f"the agent (pid {pid}) did not exit within 10 s of SIGTERM; see {paths.log_path()}")
-        await asyncio.sleep(0.05)
-    print(f"agent {pid} stopped; runs keep going and the next agent re-adopts them")
-    return 0
-
-
 # ----------------------------------------------------------------------------- parser
 
 SHOW_SECRETS_HELP = f"show --env values whose names look like secrets, redacted by default (the rule: {SECRET_RULE})"
@@ -1140,19 +1072,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(func=cmd_rollback)
 
-    p = sub.add_parser("agent", help="the host agent: serve, dial, status, stop")
-    asub = p.add_subparsers(dest="agent_command", metavar="serve|dial|status|stop", required=True)
-    a = asub.add_parser("serve", help="run the agent in the foreground")
-    a.add_argument("--state-dir", type=Path, default=None)
-    a.set_defaults(func=None, sync=lambda ns: __import__("gpudeck.agents.server.daemon", fromlist=["serve"]).serve(ns.state_dir))
-    a = asub.add_parser("dial", help="bridge stdin/stdout to the agent (what the console runs over SSH)")
-    a.add_argument("--state-dir", type=Path, default=None)
-    a.set_defaults(func=None, sync=lambda ns: __import__("gpudeck.agents.wire.dial", fromlist=["dial"]).dial(ns.state_dir))
-    a = asub.add_parser("stop", help="stop the agent (runs keep going; the next agent re-adopts them)")
-    a.set_defaults(func=cmd_agent_stop)
-    a = asub.add_parser("status", help="is the agent running, and where")
-    a.add_argument("--json", action="store_true")
-    a.set_defaults(func=cmd_agent_status)
+    # parsed by the agent's own main (an agent-only install runs them too): listed here for --help
+    p = sub.add_parser("agent", help="the host agent: serve, dial, status, stop (`gpudeck agent --help`)", add_help=False)
+    p.add_argument("agent_args", nargs=argparse.REMAINDER)
     add_watch_parser(sub)
     return ap
 
@@ -1181,8 +1103,11 @@ def negated_filters(argv: list[str]) -> tuple[list[str], list[str]]:
 
 
 def _main(argv: list[str] | None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["agent"]:
+        return agent_main(argv[1:], prog=AGENT_PROG)
     ap = build_parser()
-    argv, negated = negated_filters(sys.argv[1:] if argv is None else list(argv))
+    argv, negated = negated_filters(argv)
     args = ap.parse_args(argv)
     if negated:
         args.query = [*args.query, *negated]
