@@ -45,7 +45,6 @@ from gpudeck.agents.wire import paths
 from gpudeck.agents.wire.errors import AgentError, BadRequest, StorageError, VersionMismatch
 from gpudeck.agents.wire.protocol import (
     MAX_OUTPUT_CHUNK,
-    PROTOCOL_VERSION,
     TERMINAL_STATES,
     Cancel,
     Error,
@@ -91,6 +90,8 @@ from gpudeck.agents.wire.protocol import (
     WatchSnapshots,
     decode_request,
     encode,
+    speaks,
+    versions_spoken,
 )
 
 log = logging.getLogger("gpudeck.agent")
@@ -697,13 +698,15 @@ class _Conn:
     async def _hello(self, req: Hello) -> None:
         a = self.agent
         self.alias = req.host_alias[:253]
-        if req.version != PROTOCOL_VERSION:
+        if not speaks(req.version):
             raise VersionMismatch(
-                f"protocol version {req.version} is not spoken here (agent {__version__} speaks {PROTOCOL_VERSION}); install the same gpudeck version on both ends"
+                f"the client speaks protocol version {req.version}; the agent on {a.host} (gpudeck {__version__}) speaks "
+                f"{versions_spoken()}: upgrade the older of the two (`gpudeck --version` on each end)"
             )
         await self.send(
             HelloReply(
                 request_id=req.request_id,
+                version=req.version,  # the connection speaks the client's version
                 agent_version=__version__,
                 host=a.host,
                 epoch=a.journal.epoch,

@@ -24,8 +24,9 @@ from typing import Any
 import msgspec
 
 from gpudeck.agents.wire import paths
-from gpudeck.agents.wire.errors import AgentUnavailable, PermissionDenied, from_wire
+from gpudeck.agents.wire.errors import AgentUnavailable, PermissionDenied, VersionMismatch, from_wire
 from gpudeck.agents.wire.protocol import (
+    PROTOCOL_VERSION,
     Cancel,
     Error,
     FrameReader,
@@ -35,6 +36,8 @@ from gpudeck.agents.wire.protocol import (
     StreamEnd,
     decode_reply,
     encode,
+    speaks,
+    versions_spoken,
 )
 
 AGENT_START_TIMEOUT_S = 20.0
@@ -94,9 +97,23 @@ class AgentClient:
         return client
 
     async def say_hello(self, client_name: str = "gpudeck", alias: str = "") -> HelloReply:
-        """Exchange Hello; raises VersionMismatch when the agent speaks another protocol."""
-        reply = await self.request(Hello(client=client_name, host_alias=alias))
+        """Exchange Hello in PROTOCOL_VERSION, or in the one before when the agent (an older one) refuses that;
+        raises VersionMismatch, naming both sides' versions, when the two share none."""
+        try:
+            reply = await self.request(Hello(client=client_name, host_alias=alias))
+        except VersionMismatch as newest:
+            if not speaks(PROTOCOL_VERSION - 1):
+                raise
+            try:
+                reply = await self.request(Hello(client=client_name, host_alias=alias, version=PROTOCOL_VERSION - 1))
+            except VersionMismatch:
+                raise VersionMismatch(f"{newest.message} (this gpudeck speaks {versions_spoken()}: neither was accepted)") from None
         assert isinstance(reply, HelloReply)
+        if not speaks(reply.version):
+            raise VersionMismatch(
+                f"the agent on {reply.host} (gpudeck {reply.agent_version}) answered in protocol version {reply.version}; "
+                f"this gpudeck speaks {versions_spoken()}: upgrade the older of the two (`gpudeck --version` on each end)"
+            )
         self.hello = reply
         return reply
 
