@@ -9,7 +9,7 @@ import subprocess
 import sys
 
 from tests.agent_harness import AgentProc
-from tests.unit.test_entry import BLOCK, HIDDEN
+from tests.unit.test_entry import BLOCK
 
 # runs `gpudeck.console.entry.main(argv)` (the `gpudeck` script) with the console's packages missing, as in an agent-only
 # install (test_entry's blocker); every one of them it loaded anyway (none may be) is printed last, on stderr
