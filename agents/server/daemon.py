@@ -39,6 +39,7 @@ from gpudeck.agents.runs.launcher import SHIMS
 from gpudeck.agents.runs.supervisor import Supervisor, hostname
 from gpudeck.agents.safety import envs
 from gpudeck.agents.safety.membership import cmdline_of
+from gpudeck.agents.server.peers import ConnBudget, Peer, PeerFinder
 from gpudeck.agents.server.snapshot import SnapshotBuilder
 from gpudeck.agents.storage.journal import Journal
 from gpudeck.agents.wire import paths
@@ -115,6 +116,8 @@ IDLE_EVICT_S = 5.0  # at the cap, a connection with nothing in flight and silent
 FD_RESERVE = 64  # file descriptors never given to clients: the tick, launches and the journal always have these
 FD_HEADROOM = 32  # fds between the connection cap and the reserve: runs' files, journal reopen, the busy replies
 ACCEPT_BATCH = 32  # connections accepted per wake-up of the listening socket
+LINGER_S = 1.0  # a refused connection stays open this long at most for its client to read the refusal
+LINGER_MAX = 32  # refused connections lingering at once (inside FD_HEADROOM); past it one is closed at once
 DRAIN_AT_EOF_S = 30.0  # a client that half-closed gets its in-flight answers for this long at most
 SHUTDOWN_GRACE_S = 0.5  # SIGTERM: what is in flight gets this long, then every connection is cut
 _PEERCRED = struct.Struct("3i")
@@ -182,6 +185,11 @@ class Agent:
         self._conns: set[_Conn] = set()
         self._conn_tasks: set[asyncio.Task] = set()
         self.conn_cap = MAX_CONNECTIONS  # set at start from RLIMIT_NOFILE (see _fd_budget)
+        # how many connections a run's processes may hold (agents/server/peers.py): never the operator's reserve
+        self.budget = ConnBudget(self.conn_cap)
+        self.peers = PeerFinder(self.supervisor.containment.group_of_pid, self._member_pids)
+        self._conn_peers: dict[asyncio.Task, Peer] = {}
+        self._lingering: set[socket.socket] = set()  # refused connections waiting for the client to read why
         self.busy_refused = 0  # connections turned away with `busy` (a figure for tests and the log)
         self.idle_evicted = 0  # idle connections closed at the cap to let a new one in
         self._fd_paused = False
@@ -274,6 +282,7 @@ class Agent:
         if self.socket_path.exists():
             self.socket_path.unlink()  # we hold the lock, so no live agent owns it
         self.conn_cap = _fd_budget()
+        self.budget.cap = self.conn_cap
         lsock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         old_umask = os.umask(0o177)
         try:
@@ -289,7 +298,14 @@ class Agent:
         monitor = os.environ.get(LOOP_MONITOR_ENV)
         if monitor:
             self._spawn(_loop_monitor(Path(monitor)))
-        log.info("agent %s serving %s (GPUs: %s)", os.getpid(), self.socket_path, self.gpus.error or self.gpus.count)
+        log.info(
+            "agent %s serving %s (GPUs: %s; connections: %d at most, %d of them kept for peers in no run)",
+            os.getpid(),
+            self.socket_path,
+            self.gpus.error or self.gpus.count,
+            self.conn_cap,
+            self.budget.reserve,
+        )
 
     def _record_start_recovery(self, found: list[str]) -> None:
         """A journal recreated at start (corrupt), or one that lacked live runs (deleted while the agent was down):
@@ -382,16 +398,13 @@ class Agent:
 
     # ------------------------------------------------------------------ connections
 
+    def _member_pids(self) -> dict[int, str]:
+        """The live runs' member pids, as the supervisor tracks them: pid -> run id."""
+        return {m.pid: r.id for r in self.supervisor.live_runs() for m in r.members}
+
     def _peer_uid(self, writer: asyncio.StreamWriter) -> int | None:
-        sock = writer.get_extra_info("socket")
-        if sock is None:
-            return None
-        try:
-            raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size)
-        except OSError:
-            return None
-        _pid, uid, _gid = _PEERCRED.unpack(raw)
-        return uid
+        cred = _peercred(writer.get_extra_info("socket"))
+        return None if cred is None else cred[1]
 
     def _stop_accepting(self) -> None:
         if self._listener is not None:
@@ -428,12 +441,20 @@ class Agent:
                 self._stop_accepting()
                 self._loop.call_later(0.5, self._resume_accepting)
                 return
+            cred = _peercred(sock)
+            peer = self.peers.peer(*cred) if cred is not None else Peer(pid=0, uid=-1)
+            why = self.budget.refusal(peer, self.host)
+            if why is not None:  # a run's processes at their share: refused whatever the rest of the cap holds
+                self._refuse_limit(sock, peer, why)
+                continue
             if len(self._conn_tasks) >= self.conn_cap and not self._evict_idle():  # tasks: counted from the accept on
                 self._refuse_busy(sock)
                 continue
             sock.setblocking(False)
             task = asyncio.ensure_future(self._open_conn(sock))
             self._conn_tasks.add(task)
+            self.budget.add(peer)
+            self._conn_peers[task] = peer
             task.add_done_callback(self._conn_done)
 
     def _evict_idle(self) -> bool:
@@ -461,7 +482,16 @@ class Agent:
 
     def _conn_done(self, task: asyncio.Task) -> None:
         self._conn_tasks.discard(task)
+        peer = self._conn_peers.pop(task, None)
+        if peer is not None:
+            self.budget.remove(peer)
         self._resume_accepting()
+
+    def _refuse_limit(self, sock: socket.socket, peer: Peer, why: str) -> None:
+        n = self.budget.refused
+        if n in (1, 10, 100, 1000) or n % 10000 == 0:
+            log.warning("connection of %s refused: %s (%d refused so far)", peer.describe(), why, n)
+        self._last_frame(sock, Error(code="connection_limit", message=why))
 
     def _refuse_busy(self, sock: socket.socket) -> None:
         self.busy_refused += 1
@@ -472,19 +502,50 @@ class Agent:
                 self.conn_cap,
                 self.busy_refused,
             )
-        frame = encode(
+        self._last_frame(
+            sock,
             Error(
                 code="busy",
                 message=f"the agent on {self.host} serves {self.conn_cap} connections at most and all are taken; "
                 "close idle consoles or CLIs (`ss -xp | grep agent.sock` shows them) and retry",
-            )
+            ),
         )
+
+    def _last_frame(self, sock: socket.socket, err: Error) -> None:
+        """Send one error frame on a just-accepted socket and end the connection. Our side is shut for writing at
+        once (the client reads the frame, then EOF) and the socket is closed when the client closes its side, or
+        after LINGER_S: closed at once, with the client's Hello unread, the kernel would reset the connection and
+        the client's asyncio stream would drop the frame unread. At most LINGER_MAX linger; past that, closed."""
         try:
             sock.setblocking(False)
-            sock.send(frame)  # one small frame into an empty socket buffer: never blocks
+            sock.send(encode(err))  # one small frame into an empty socket buffer: never blocks
+            if len(self._lingering) >= LINGER_MAX:
+                raise OSError("enough refused connections linger already")
+            sock.shutdown(socket.SHUT_WR)
+            self._loop.add_reader(sock.fileno(), self._drain_refused, sock)
+        except OSError:
+            sock.close()
+            return
+        self._lingering.add(sock)
+        self._loop.call_later(LINGER_S, self._close_refused, sock)
+
+    def _drain_refused(self, sock: socket.socket) -> None:
+        try:
+            if sock.recv(65536):
+                return  # what the client sent before it read the refusal: discarded
+        except (BlockingIOError, InterruptedError):
+            return
         except OSError:
             pass
-        finally:
+        self._close_refused(sock)
+
+    def _close_refused(self, sock: socket.socket) -> None:
+        if sock in self._lingering:
+            self._lingering.discard(sock)
+            try:
+                self._loop.remove_reader(sock.fileno())
+            except (ValueError, OSError):
+                pass
             sock.close()
 
     async def _open_conn(self, sock: socket.socket) -> None:
@@ -937,6 +998,17 @@ _HANDLERS: dict[type, Callable[[_Conn, Any], Awaitable[None]]] = {
 }
 # requests that open a stream (cancelled with Cancel, or replaced by a new one with the same request_id)
 _STREAMS = frozenset({WatchSnapshots, GetEvents, ReadOutput})
+
+
+def _peercred(sock: socket.socket | None) -> tuple[int, int] | None:
+    """(pid, uid) of the process at the other end of a Unix socket, as the kernel recorded them at connect()."""
+    if sock is None:
+        return None
+    try:
+        pid, uid, _gid = _PEERCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
+    except OSError:
+        return None
+    return pid, uid
 
 
 def _read_at(path: Path, offset: int, n: int) -> bytes:

@@ -24,7 +24,7 @@ from typing import Any
 import msgspec
 
 from gpudeck.agents.wire import paths
-from gpudeck.agents.wire.errors import AgentUnavailable, PermissionDenied, VersionMismatch, from_wire
+from gpudeck.agents.wire.errors import AgentError, AgentUnavailable, PermissionDenied, VersionMismatch, from_wire
 from gpudeck.agents.wire.protocol import (
     PROTOCOL_VERSION,
     Cancel,
@@ -66,6 +66,7 @@ class AgentClient:
         self.closed = asyncio.Event()
         self.close_reason = ""
         self.hello: HelloReply | None = None
+        self.refusal: AgentError | None = None  # why the agent refused this connection (connection_limit), when it did
         self._kept: list[asyncio.Task] = []
         self._pump_task: asyncio.Future | None = asyncio.ensure_future(self._pump()) if reader is not None else None
 
@@ -126,8 +127,12 @@ class AgentClient:
                 msg = decode_reply(frame)
             except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
                 continue  # a line we cannot read (a newer agent's message, garbage) is skipped
-            if isinstance(msg, Error) and not msg.request_id and msg.code == "busy":
-                self.close_reason = f"the agent is busy: {msg.message}"  # it closes the connection next
+            if isinstance(msg, Error) and not msg.request_id:  # about the connection: the agent closes it next
+                if msg.code == "busy":
+                    self.close_reason = f"the agent is busy: {msg.message}"
+                else:
+                    self.refusal = from_wire(msg.code, msg.message)  # raised by what waits on the connection
+                    self.close_reason = msg.message
             handler = self._handlers.get(msg.request_id)
             if handler is not None:
                 if isinstance(msg, (StreamEnd, Error)):
@@ -172,9 +177,20 @@ class AgentClient:
     async def _send(self, msg: msgspec.Struct) -> None:
         if self.closed.is_set():
             raise AgentUnavailable(f"the agent connection is closed ({self.close_reason})")
-        async with self._wlock:
-            self._writer.write(encode(msg))
-            await self._writer.drain()
+        try:
+            async with self._wlock:
+                self._writer.write(encode(msg))
+                await self._writer.drain()
+        except (ConnectionError, BrokenPipeError) as exc:
+            # the agent closed the connection: it may have said why first (a refusal), which the reader still has
+            try:
+                async with asyncio.timeout(1.0):
+                    await self.closed.wait()
+            except TimeoutError:
+                pass
+            if self.refusal is not None:
+                raise self.refusal from None
+            raise AgentUnavailable(f"the agent connection closed ({self.close_reason or exc})") from None
 
     async def request(self, msg: Any, timeout: float | None = None) -> Reply:
         """Send one request and return its reply; an Error reply raises the typed error."""
@@ -189,6 +205,8 @@ class AgentClient:
         finally:
             self._waiters.pop(msg.request_id, None)
         if reply is None:
+            if self.refusal is not None:
+                raise self.refusal
             raise AgentUnavailable(f"the agent connection closed before it answered ({self.close_reason})")
         if isinstance(reply, Error):
             raise from_wire(reply.code, reply.message)
