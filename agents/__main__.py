@@ -19,6 +19,7 @@ MODULE_PROG = "python -m gpudeck.agents"
 COMMAND_PROG = "gpudeck agent"  # what `gpudeck agent ...` (gpudeck.console.entry) passes
 EXIT_PIPE = 141  # stdout's reader went away (`| head`): 128 + SIGPIPE, what a shell reports for a Unix tool SIGPIPE ended
 EXIT_NOT_RUNNING = 3  # `status`: no agent answers (`stop` of no agent is no error: 0)
+EXIT_STOP_TIMEOUT = 2  # `stop`: the agent did not exit within STOP_WAIT_S (docs/cli.md's exit codes)
 STOP_WAIT_S = 10.0
 _COMMANDS = (
     ("serve", "run the agent in the foreground until SIGTERM"),
@@ -145,7 +146,7 @@ def stop(state_dir: Path | None) -> int:
                     _shown(f"gpudeck agent: the agent (pid {pid}) did not exit within {STOP_WAIT_S:.0f} s of SIGTERM; see {log}"),
                     file=sys.stderr,
                 )
-                return 1
+                return EXIT_STOP_TIMEOUT
             time.sleep(0.05)
     print(f"agent {pid} stopped; runs keep going and the next agent re-adopts them")
     return 0

@@ -1173,7 +1173,9 @@ def setup_logging(state_dir: Path) -> None:
 
 def _refuse_start(exc: AgentError) -> int:
     """Say why the agent does not start, on one line (stderr and, where it can be written, the log); the exit code."""
-    if any(isinstance(h, _LogFile) for h in logging.getLogger("gpudeck").handlers):  # else logging would print it again
+    # another agent's start-up racing this one (autostart) is no error of the running agent's log; and without the
+    # log file set up, logging would print the line to stderr a second time
+    if not isinstance(exc, AlreadyRunning) and any(isinstance(h, _LogFile) for h in logging.getLogger("gpudeck").handlers):
         log.error("agent cannot start: %s", exc.message)
     print(f"gpudeck agent: {exc.message}", file=sys.stderr)
     return EXIT_ALREADY_RUNNING if isinstance(exc, AlreadyRunning) else EXIT_BAD_SETUP
