@@ -346,6 +346,8 @@ class Agent:
         if self._listener is not None:
             self._listener.close()
             self._listener = None
+        for sock in list(self._lingering):  # refused connections still waiting for their client to read why
+            self._close_refused(sock)
         if self._conn_tasks:
             await asyncio.wait(list(self._conn_tasks), timeout=SHUTDOWN_GRACE_S)
         for conn in list(self._conns):
