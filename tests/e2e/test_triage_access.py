@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import struct
 import subprocess
 import tempfile
 from collections.abc import Iterator
@@ -47,12 +48,21 @@ def tree() -> Iterator[Path]:
     inner = folder("closed_outer", 0o700)
     (inner / "deeper").mkdir(mode=0o755)
     source(inner / "deeper")
+    acl = folder("acl_denies_nobody", 0o755)  # the mode bits say nobody may search it; its ACL says otherwise
+    source(acl)
+    _deny_by_acl(acl, NOBODY)
     (base / "via_closed").symlink_to(base / "closed")  # a link on the way: its target is walked too
     (base / "via_open").symlink_to("search_only")
     try:
         yield base
     finally:
         shutil.rmtree(base)
+
+
+def _deny_by_acl(path: Path, uid: int) -> None:
+    """A POSIX access ACL on ``path``: owner rwx, ``uid`` nothing, group and others r-x (setfacl's binary form)."""
+    entries = [(0x01, 7, 0xFFFFFFFF), (0x02, 0, uid), (0x04, 5, 0xFFFFFFFF), (0x10, 5, 0xFFFFFFFF), (0x20, 5, 0xFFFFFFFF)]
+    os.setxattr(path, "system.posix_acl_access", struct.pack("<I", 2) + b"".join(struct.pack("<HHI", *e) for e in entries))
 
 
 def _kernel_says(path: Path) -> bool:
@@ -72,6 +82,7 @@ def test_a_line_is_quoted_only_where_nobody_itself_could_open_the_file(tree: Pat
             "open_owner_denied": False,
             "open_group_file": True,
             "closed_outer/deeper": False,
+            "acl_denies_nobody": False,  # refused for carrying an ACL at all (mode bits do not describe it)
             "via_closed": False,
             "via_open": True,
         }
