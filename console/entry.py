@@ -1,30 +1,25 @@
 """Provides the ``gpudeck`` command's entry point: the agent's own commands run without the console's packages.
 
-A GPU host's agent-only install (``pip install ./gpudeck``, no Textual, no SSH client) still answers
-``gpudeck agent serve`` and ``gpudeck agent dial`` (what the console runs over SSH) and ``gpudeck --version``;
-everything else is the console's CLI (:mod:`gpudeck.console.cli.main`).
+A GPU host's agent-only install (``pip install ./gpudeck``, no Textual, no SSH client) still answers every
+``gpudeck agent ...`` command (serve, dial: what the console runs over SSH, status, stop: the agent's own main,
+:mod:`gpudeck.agents.__main__`) and ``gpudeck --version``; everything else is the console's CLI
+(:mod:`gpudeck.console.cli.main`). Each branch imports only what it runs.
 """
 
 from __future__ import annotations
 
 import importlib.util
-import os
 import sys
 
-EXIT_PIPE = 141  # stdout's reader went away (`| head`): 128 + SIGPIPE, what a shell reports for a Unix tool SIGPIPE ended
 # the packages the console and its CLI need beyond the agent's (pyproject.toml's [console] extra)
 CONSOLE_PACKAGES = ("textual", "asyncssh", "sqlite_utils", "rich")
 
 
 def stdout_gone() -> int:
-    """The reader of stdout went away: point stdout at /dev/null (so the interpreter's last flush is silent); EXIT_PIPE."""
-    try:
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
-        os.close(devnull)
-    except (OSError, ValueError):
-        pass
-    return EXIT_PIPE
+    """The reader of stdout went away: the agent's own rule (:func:`gpudeck.agents.__main__.stdout_gone`), imported only then."""
+    from gpudeck.agents.__main__ import stdout_gone as gone
+
+    return gone()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -38,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
         except BrokenPipeError:
             return stdout_gone()
         return 0
-    if args[:2] in (["agent", "serve"], ["agent", "dial"]):
+    if args[:1] == ["agent"]:
         from gpudeck.agents.__main__ import COMMAND_PROG
         from gpudeck.agents.__main__ import main as agent_main
 
@@ -48,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
         what = " ".join(args[:2]) or "the console"
         print(
             f"gpudeck: `gpudeck {what}` needs the console's packages ({missing} is not installed): "
-            "pip install './gpudeck[console]'. This install (the agent's) runs `gpudeck agent serve` and `gpudeck agent dial`.",
+            "pip install './gpudeck[console]'. This install (the agent's) runs `gpudeck agent serve|dial|status|stop`.",
             file=sys.stderr,
         )
         return 2

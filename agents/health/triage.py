@@ -57,6 +57,7 @@ import msgspec
 import psutil
 
 from gpudeck.agents.health import flight_recorder
+from gpudeck.agents.health.access import ANYONE, Reader, open_as, reader_of
 from gpudeck.agents.runs.liverun import LiveRun
 from gpudeck.agents.wire.errors import BadRequest
 from gpudeck.agents.wire.protocol import Alert, Gpu, RankEvidence, RunInfo, Triage
@@ -155,23 +156,19 @@ def _collective_name(frames: list[Frame]) -> str:
     return next((f.func for f in frames if "torch/distributed/" in f.file.replace("\\", "/")), frames[0].func if frames else "?")
 
 
-def source_line(path: str, line: int, uid: int | None = None) -> str | None:
+def source_line(path: str, line: int, reader: Reader = ANYONE) -> str | None:
     """Line ``line`` of the file at ``path`` (stripped, at most 120 characters), or None: a regular file only, bounded.
 
     The path comes from the run's own stacks (hostile input: a run can name any file in them), and the agent
-    may be root: the file is read only when the run's user ``uid`` could read it itself (owned by that user
-    with the owner's read bit, or readable by everyone; None: only a file everyone may read), and a path whose
+    may be root: the file is read only when ``reader`` (the rank's own uid and groups; ANYONE: only what everyone
+    may read) could open it itself, every folder on the way included (:func:`access.open_as`), and a path whose
     last component is a symbolic link is not followed. Otherwise the frame is described by its function name.
     """
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOFOLLOW)
-    except OSError:
+    fd = open_as(path, reader)
+    if fd is None:
         return None
     try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_SOURCE_BYTES:
-            return None
-        if not (st.st_mode & stat.S_IROTH or (uid is not None and st.st_uid == uid and st.st_mode & stat.S_IRUSR)):
+        if os.fstat(fd).st_size > MAX_SOURCE_BYTES:
             return None
         data = os.read(fd, MAX_SOURCE_BYTES)
     except OSError:
@@ -184,12 +181,12 @@ def source_line(path: str, line: int, uid: int | None = None) -> str | None:
     return lines[line - 1].decode("utf-8", "replace").strip()[:120] or None
 
 
-def describe_where(frames: list[Frame], uid: int | None = None) -> str:
+def describe_where(frames: list[Frame], reader: Reader = ANYONE) -> str:
     """The innermost frame as "`time.sleep(seconds)` at runtime.py:480 (maybe_sleep_for_test)"."""
     if not frames:
         return "no Python frame"
     f = frames[0]
-    code = source_line(f.file, f.line, uid)
+    code = source_line(f.file, f.line, reader)
     at = f"{os.path.basename(f.file)}:{f.line} ({f.func})"
     return f"`{code}` at {at}" if code else f"{f.func} at {at}"
 
@@ -442,10 +439,8 @@ def collect(targets: list[Target], run_dir: str, gpus: list[Gpu]) -> list[RankEv
                 ev.method, ev.method_why = "none", lead + why
         main = _main_thread(threads)
         if threads:
-            try:
-                owner: int | None = p.uids().real  # source lines are read only as far as the rank's own user could
-            except psutil.Error:
-                owner = None
+            # source lines are read only as far as the rank's own user (and groups) could
+            owner = reader_of(t.pid) or ANYONE
             ev.in_collective = any(_is_collective(f) for f in main)
             ev.where = (f"in {_collective_name(main)}: " if ev.in_collective else "") + describe_where(main, owner)
         out.append(ev)

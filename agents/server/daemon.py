@@ -10,6 +10,7 @@ agent.
 from __future__ import annotations
 
 import asyncio
+import errno
 import faulthandler
 import fcntl
 import logging
@@ -39,13 +40,13 @@ from gpudeck.agents.runs.launcher import SHIMS
 from gpudeck.agents.runs.supervisor import Supervisor, hostname
 from gpudeck.agents.safety import envs, unaccounted
 from gpudeck.agents.safety.membership import cmdline_of
+from gpudeck.agents.server.peers import ConnBudget, Peer, PeerFinder
 from gpudeck.agents.server.snapshot import SnapshotBuilder
 from gpudeck.agents.storage.journal import Journal
 from gpudeck.agents.wire import paths
 from gpudeck.agents.wire.errors import AgentError, BadRequest, StorageError, VersionMismatch
 from gpudeck.agents.wire.protocol import (
     MAX_OUTPUT_CHUNK,
-    PROTOCOL_VERSION,
     TERMINAL_STATES,
     Cancel,
     Error,
@@ -91,6 +92,8 @@ from gpudeck.agents.wire.protocol import (
     WatchSnapshots,
     decode_request,
     encode,
+    speaks,
+    versions_spoken,
 )
 
 log = logging.getLogger("gpudeck.agent")
@@ -114,6 +117,8 @@ IDLE_EVICT_S = 5.0  # at the cap, a connection with nothing in flight and silent
 FD_RESERVE = 64  # file descriptors never given to clients: the tick, launches and the journal always have these
 FD_HEADROOM = 32  # fds between the connection cap and the reserve: runs' files, journal reopen, the busy replies
 ACCEPT_BATCH = 32  # connections accepted per wake-up of the listening socket
+LINGER_S = 1.0  # a refused connection stays open this long at most for its client to read the refusal
+LINGER_MAX = 32  # refused connections lingering at once (inside FD_HEADROOM); past it one is closed at once
 DRAIN_AT_EOF_S = 30.0  # a client that half-closed gets its in-flight answers for this long at most
 SHUTDOWN_GRACE_S = 0.5  # SIGTERM: what is in flight gets this long, then every connection is cut
 _PEERCRED = struct.Struct("3i")
@@ -181,6 +186,11 @@ class Agent:
         self._conns: set[_Conn] = set()
         self._conn_tasks: set[asyncio.Task] = set()
         self.conn_cap = MAX_CONNECTIONS  # set at start from RLIMIT_NOFILE (see _fd_budget)
+        # how many connections a run's processes may hold (agents/server/peers.py): never the operator's reserve
+        self.budget = ConnBudget(self.conn_cap)
+        self.peers = PeerFinder(self.supervisor.containment.group_of_pid, self._member_pids)
+        self._conn_peers: dict[asyncio.Task, Peer] = {}
+        self._lingering: set[socket.socket] = set()  # refused connections waiting for the client to read why
         self.busy_refused = 0  # connections turned away with `busy` (a figure for tests and the log)
         self.idle_evicted = 0  # idle connections closed at the cap to let a new one in
         self._fd_paused = False
@@ -273,6 +283,7 @@ class Agent:
         if self.socket_path.exists():
             self.socket_path.unlink()  # we hold the lock, so no live agent owns it
         self.conn_cap = _fd_budget()
+        self.budget.cap = self.conn_cap
         lsock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         old_umask = os.umask(0o177)
         try:
@@ -288,7 +299,14 @@ class Agent:
         monitor = os.environ.get(LOOP_MONITOR_ENV)
         if monitor:
             self._spawn(_loop_monitor(Path(monitor)))
-        log.info("agent %s serving %s (GPUs: %s)", os.getpid(), self.socket_path, self.gpus.error or self.gpus.count)
+        log.info(
+            "agent %s serving %s (GPUs: %s; connections: %d at most, %d of them kept for peers in no run)",
+            os.getpid(),
+            self.socket_path,
+            self.gpus.error or self.gpus.count,
+            self.conn_cap,
+            self.budget.reserve,
+        )
         log.info("PID namespace: %s", pid_namespace.current().label)
 
     def _record_start_recovery(self, found: list[str]) -> None:
@@ -330,6 +348,8 @@ class Agent:
         if self._listener is not None:
             self._listener.close()
             self._listener = None
+        for sock in list(self._lingering):  # refused connections still waiting for their client to read why
+            self._close_refused(sock)
         if self._conn_tasks:
             await asyncio.wait(list(self._conn_tasks), timeout=SHUTDOWN_GRACE_S)
         for conn in list(self._conns):
@@ -382,16 +402,13 @@ class Agent:
 
     # ------------------------------------------------------------------ connections
 
+    def _member_pids(self) -> dict[int, str]:
+        """The live runs' member pids, as the supervisor tracks them: pid -> run id."""
+        return {m.pid: r.id for r in self.supervisor.live_runs() for m in r.members}
+
     def _peer_uid(self, writer: asyncio.StreamWriter) -> int | None:
-        sock = writer.get_extra_info("socket")
-        if sock is None:
-            return None
-        try:
-            raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size)
-        except OSError:
-            return None
-        _pid, uid, _gid = _PEERCRED.unpack(raw)
-        return uid
+        cred = _peercred(writer.get_extra_info("socket"))
+        return None if cred is None else cred[1]
 
     def _stop_accepting(self) -> None:
         if self._listener is not None:
@@ -428,12 +445,20 @@ class Agent:
                 self._stop_accepting()
                 self._loop.call_later(0.5, self._resume_accepting)
                 return
+            cred = _peercred(sock)
+            peer = self.peers.peer(*cred) if cred is not None else Peer(pid=0, uid=-1)
+            why = self.budget.refusal(peer, self.host)
+            if why is not None:  # a run's processes at their share: refused whatever the rest of the cap holds
+                self._refuse_limit(sock, peer, why)
+                continue
             if len(self._conn_tasks) >= self.conn_cap and not self._evict_idle():  # tasks: counted from the accept on
                 self._refuse_busy(sock)
                 continue
             sock.setblocking(False)
             task = asyncio.ensure_future(self._open_conn(sock))
             self._conn_tasks.add(task)
+            self.budget.add(peer)
+            self._conn_peers[task] = peer
             task.add_done_callback(self._conn_done)
 
     def _evict_idle(self) -> bool:
@@ -461,7 +486,16 @@ class Agent:
 
     def _conn_done(self, task: asyncio.Task) -> None:
         self._conn_tasks.discard(task)
+        peer = self._conn_peers.pop(task, None)
+        if peer is not None:
+            self.budget.remove(peer)
         self._resume_accepting()
+
+    def _refuse_limit(self, sock: socket.socket, peer: Peer, why: str) -> None:
+        n = self.budget.refused
+        if n in (1, 10, 100, 1000) or n % 10000 == 0:
+            log.warning("connection of %s refused: %s (%d refused so far)", peer.describe(), why, n)
+        self._last_frame(sock, Error(code="connection_limit", message=why))
 
     def _refuse_busy(self, sock: socket.socket) -> None:
         self.busy_refused += 1
@@ -472,19 +506,50 @@ class Agent:
                 self.conn_cap,
                 self.busy_refused,
             )
-        frame = encode(
+        self._last_frame(
+            sock,
             Error(
                 code="busy",
                 message=f"the agent on {self.host} serves {self.conn_cap} connections at most and all are taken; "
                 "close idle consoles or CLIs (`ss -xp | grep agent.sock` shows them) and retry",
-            )
+            ),
         )
+
+    def _last_frame(self, sock: socket.socket, err: Error) -> None:
+        """Send one error frame on a just-accepted socket and end the connection. Our side is shut for writing at
+        once (the client reads the frame, then EOF) and the socket is closed when the client closes its side, or
+        after LINGER_S: closed at once, with the client's Hello unread, the kernel would reset the connection and
+        the client's asyncio stream would drop the frame unread. At most LINGER_MAX linger; past that, closed."""
         try:
             sock.setblocking(False)
-            sock.send(frame)  # one small frame into an empty socket buffer: never blocks
+            sock.send(encode(err))  # one small frame into an empty socket buffer: never blocks
+            if len(self._lingering) >= LINGER_MAX:
+                raise OSError("enough refused connections linger already")
+            sock.shutdown(socket.SHUT_WR)
+            self._loop.add_reader(sock.fileno(), self._drain_refused, sock)
+        except OSError:
+            sock.close()
+            return
+        self._lingering.add(sock)
+        self._loop.call_later(LINGER_S, self._close_refused, sock)
+
+    def _drain_refused(self, sock: socket.socket) -> None:
+        try:
+            if sock.recv(65536):
+                return  # what the client sent before it read the refusal: discarded
+        except (BlockingIOError, InterruptedError):
+            return
         except OSError:
             pass
-        finally:
+        self._close_refused(sock)
+
+    def _close_refused(self, sock: socket.socket) -> None:
+        if sock in self._lingering:
+            self._lingering.discard(sock)
+            try:
+                self._loop.remove_reader(sock.fileno())
+            except (ValueError, OSError):
+                pass
             sock.close()
 
     async def _open_conn(self, sock: socket.socket) -> None:
@@ -698,13 +763,15 @@ class _Conn:
     async def _hello(self, req: Hello) -> None:
         a = self.agent
         self.alias = req.host_alias[:253]
-        if req.version != PROTOCOL_VERSION:
+        if not speaks(req.version):
             raise VersionMismatch(
-                f"protocol version {req.version} is not spoken here (agent {__version__} speaks {PROTOCOL_VERSION}); install the same gpudeck version on both ends"
+                f"the client speaks protocol version {req.version}; the agent on {a.host} (gpudeck {__version__}) speaks "
+                f"{versions_spoken()}: upgrade the older of the two (`gpudeck --version` on each end)"
             )
         await self.send(
             HelloReply(
                 request_id=req.request_id,
+                version=req.version,  # the connection speaks the client's version
                 agent_version=__version__,
                 host=a.host,
                 epoch=a.journal.epoch,
@@ -941,6 +1008,17 @@ _HANDLERS: dict[type, Callable[[_Conn, Any], Awaitable[None]]] = {
 _STREAMS = frozenset({WatchSnapshots, GetEvents, ReadOutput})
 
 
+def _peercred(sock: socket.socket | None) -> tuple[int, int] | None:
+    """(pid, uid) of the process at the other end of a Unix socket, as the kernel recorded them at connect()."""
+    if sock is None:
+        return None
+    try:
+        pid, uid, _gid = _PEERCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
+    except OSError:
+        return None
+    return pid, uid
+
+
 def _read_at(path: Path, offset: int, n: int) -> bytes:
     try:
         with open(path, "rb") as fh:
@@ -1061,24 +1139,71 @@ def _fd_budget() -> int:
     return max(1, min(MAX_CONNECTIONS, limit - FD_RESERVE - FD_HEADROOM - _fds_open()))
 
 
+class StateDirUnusable(AgentError):
+    """The agent's state folder cannot be written: a read-only filesystem, a full disk, no permission."""
+
+    code = "state_dir_unusable"
+
+
+EXIT_BAD_SETUP = 2  # a setting or the state folder stops the agent at start (README: `gpudeck agent serve` exit codes)
+EXIT_ALREADY_RUNNING = 3
+
+
+def state_dir_error(state_dir: Path, exc: OSError) -> StateDirUnusable:
+    """The typed error for an OSError met while the agent sets up ``state_dir``: what happened and what to do."""
+    where = exc.filename or state_dir
+    fix = {
+        errno.EROFS: "it is on a read-only filesystem: point GPUDECK_HOME or --state-dir at a writable folder",
+        errno.ENOSPC: f"the disk is full: free space there (`df -h {state_dir}`) or point GPUDECK_HOME or --state-dir elsewhere",
+        errno.EDQUOT: "your disk quota is used up: free space (`quota -s`) or point GPUDECK_HOME or --state-dir elsewhere",
+        errno.EACCES: f"uid {os.geteuid()} may not write there: fix its owner or mode, or point GPUDECK_HOME or --state-dir elsewhere",
+        errno.EPERM: f"uid {os.geteuid()} may not write there (an immutable file?): fix it, or point GPUDECK_HOME or --state-dir elsewhere",
+    }.get(exc.errno or 0, "point GPUDECK_HOME or --state-dir at a writable local folder")
+    return StateDirUnusable(f"the state folder {state_dir} cannot be used ({where}: {exc.strerror or exc}): {fix}")
+
+
+class _LogFile(logging.FileHandler):
+    """The agent's log file; a record it cannot write (disk full) is dropped, not printed to stderr as a traceback:
+    snapshots and `agent status` say the state folder cannot be written."""
+
+    def handleError(self, record: logging.LogRecord) -> None:
+        self.dropped = getattr(self, "dropped", 0) + 1
+
+
 def setup_logging(state_dir: Path) -> None:
     """Log to the agent's log file (stdout may be an SSH channel or nothing)."""
-    handler = logging.FileHandler(paths.private_file(paths.log_path(state_dir)))
+    handler = _LogFile(paths.private_file(paths.log_path(state_dir)))
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     root = logging.getLogger("gpudeck")
     root.addHandler(handler)
     root.setLevel(logging.INFO)
 
 
+def _refuse_start(exc: AgentError) -> int:
+    """Say why the agent does not start, on one line (stderr and, where it can be written, the log); the exit code."""
+    # another agent's start-up racing this one (autostart) is no error of the running agent's log; and without the
+    # log file set up, logging would print the line to stderr a second time
+    if not isinstance(exc, AlreadyRunning) and any(isinstance(h, _LogFile) for h in logging.getLogger("gpudeck").handlers):
+        log.error("agent cannot start: %s", exc.message)
+    print(f"gpudeck agent: {exc.message}", file=sys.stderr)
+    return EXIT_ALREADY_RUNNING if isinstance(exc, AlreadyRunning) else EXIT_BAD_SETUP
+
+
 def serve(state_dir: Path | None = None, on_exit: Callable[[], None] | None = None) -> int:
     """``gpudeck agent serve``: run the agent in the foreground until SIGTERM. ``on_exit`` runs once the loop has
     stopped serving (also on the ``os._exit`` way out below, which skips a caller's ``finally`` and atexit):
-    a profiler's dump (bench/agent_sample.py --profile)."""
+    a profiler's dump (bench/agent_sample.py --profile). Exit codes: 0 stopped, 2 a bad setting or a state folder
+    that cannot be written (read-only, full), 3 another agent serves this state folder."""
     sd = Path(state_dir or paths.state_dir())
-    paths.ensure_private_dir(sd)
-    setup_logging(sd)
-    # `kill -USR1 <agent pid>` writes every thread's stack to the agent's log (a stuck agent says where it is)
-    faulthandler.register(signal.SIGUSR1, file=open(paths.log_path(sd), "a"), all_threads=True)
+    try:
+        paths.ensure_private_dir(sd)
+        setup_logging(sd)
+        # `kill -USR1 <agent pid>` writes every thread's stack to the agent's log (a stuck agent says where it is)
+        faulthandler.register(signal.SIGUSR1, file=open(paths.log_path(sd), "a"), all_threads=True)
+    except OSError as exc:
+        return _refuse_start(state_dir_error(sd, exc))
+    except AgentError as exc:  # UnsafePath: a link or another user's file where the state goes
+        return _refuse_start(exc)
 
     async def main() -> None:
         agent = Agent(sd)
@@ -1087,13 +1212,11 @@ def serve(state_dir: Path | None = None, on_exit: Callable[[], None] | None = No
     loop = asyncio.new_event_loop()
     try:
         loop.run_until_complete(main())
-    except AlreadyRunning as exc:
-        print(f"gpudeck agent: {exc.message}", file=sys.stderr)
-        return 3
-    except AgentError as exc:  # a bad setting (e.g. GPUDECK_SIMULATE_GPUS): say it and exit, never start half-configured
-        log.error("agent cannot start: %s", exc.message)
-        print(f"gpudeck agent: {exc.message}", file=sys.stderr)
-        return 2
+    except AgentError as exc:  # a bad setting (e.g. GPUDECK_SIMULATE_GPUS), a full disk: say it, never start half-configured
+        return _refuse_start(exc)
+    except OSError as exc:  # the lock, the journal's folder, the socket: the state folder cannot be written
+        log.debug("start-up failed", exc_info=True)
+        return _refuse_start(state_dir_error(sd, exc))
     finally:
         # not asyncio.run: its shutdown waits for every worker thread still busy (a slow fingerprint, a stat on a
         # hung mount); SIGTERM is answered within a second whatever those do. The journal is closed by now.

@@ -74,9 +74,9 @@ from gpudeck.agents.wire.protocol import (
 
 log = logging.getLogger("gpudeck.journal")
 
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
-CREATE TABLE IF NOT EXISTS runs (
+_BASE_TABLES = (
+    "CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)",
+    """CREATE TABLE IF NOT EXISTS runs (
     id TEXT PRIMARY KEY,
     request_id TEXT UNIQUE,
     host TEXT NOT NULL,
@@ -91,21 +91,65 @@ CREATE TABLE IF NOT EXISTS runs (
     spec TEXT NOT NULL,
     run_dir TEXT,
     members TEXT NOT NULL DEFAULT '[]'
-);
-CREATE INDEX IF NOT EXISTS runs_state ON runs(state);
-CREATE TABLE IF NOT EXISTS events (
+)""",
+    "CREATE INDEX IF NOT EXISTS runs_state ON runs(state)",
+    """CREATE TABLE IF NOT EXISTS events (
     seq INTEGER PRIMARY KEY AUTOINCREMENT,
     ts REAL NOT NULL,
     kind TEXT NOT NULL,
     run_id TEXT,
     data TEXT NOT NULL
-);
-CREATE INDEX IF NOT EXISTS events_run ON events(run_id, kind, seq);
-"""
+)""",
+    "CREATE INDEX IF NOT EXISTS events_run ON events(run_id, kind, seq)",
+)
 
 _RUN_FIELDS = ("state", "cause", "exit_code", "signal", "started", "ended", "members", "name", "preflight", "env", "alerts")
-# columns added after the first release: (name, SQL type); added in place to older journals
+# columns added to runs before the schema carried a version: (name, SQL type)
 _ADDED_COLUMNS = (("preflight", "TEXT"), ("env", "TEXT"), ("alerts", "TEXT NOT NULL DEFAULT '[]'"))
+
+
+def _to_v1(conn: sqlite3.Connection) -> None:
+    """Version 1: the schema as it stood when versions began (commit 68f3ea7). A new file gets every table; a file
+    an unversioned agent wrote (user_version 0) gets what it lacks: the tables, and the columns added in place
+    since the first release (an older file may lack some)."""
+    for stmt in _BASE_TABLES:
+        conn.execute(stmt)
+    have = {r[1] for r in conn.execute("PRAGMA table_info(runs)")}
+    for col, decl in _ADDED_COLUMNS:
+        if col not in have:
+            conn.execute(f"ALTER TABLE runs ADD COLUMN {col} {decl}")
+
+
+# The journal's schema versions: MIGRATIONS[i] takes a file from version i to i + 1 (``PRAGMA user_version``). A
+# change to the schema is a new function appended here, never an edit of one already released: files written by
+# every earlier agent open (tests/unit/test_journal_schema.py opens the reference files under tests/reference/journal/).
+MIGRATIONS: tuple[Callable[[sqlite3.Connection], None], ...] = (_to_v1,)
+SCHEMA_VERSION = len(MIGRATIONS)
+
+
+class NewerSchema(StorageError):
+    """The journal was written by a newer agent (a schema version this one does not know)."""
+
+
+def _migrate(conn: sqlite3.Connection, path: Path) -> int:
+    """Bring the file at ``conn`` to SCHEMA_VERSION: every migration it lacks, in order, in one transaction (all or
+    none: a crash midway leaves the file as it was). The version it had; NewerSchema for a newer file."""
+    with _transaction(conn):
+        have = int(conn.execute("PRAGMA user_version").fetchone()[0])
+        if have > SCHEMA_VERSION:
+            raise NewerSchema(
+                f"the journal {path} has schema version {have}, written by a newer gpudeck agent; this one ({SCHEMA_VERSION}) "
+                f"cannot read it: install that newer gpudeck on this host, or point GPUDECK_HOME or --state-dir elsewhere"
+            )
+        for step in MIGRATIONS[have:]:
+            step(conn)
+        if have != SCHEMA_VERSION:
+            conn.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
+    if have != SCHEMA_VERSION:
+        log.info("journal %s: schema version %d -> %d", path, have, SCHEMA_VERSION)
+    return have
+
+
 _STRUCT_FIELDS = {"members": list[Member], "preflight": PreflightResult | None, "env": EnvFingerprint | None, "alerts": list[Alert]}
 
 BATCH_MAX = 512  # writes folded into one transaction
@@ -261,11 +305,7 @@ class Journal:
             ok = wconn.execute("PRAGMA quick_check").fetchone()[0]
             if ok != "ok":
                 raise _Corrupt(f"SQLite's quick_check: {str(ok)[:300]}")
-            wconn.executescript(_SCHEMA)
-            have = {r[1] for r in wconn.execute("PRAGMA table_info(runs)")}
-            for col, decl in _ADDED_COLUMNS:
-                if col not in have:
-                    wconn.execute(f"ALTER TABLE runs ADD COLUMN {col} {decl}")
+            _migrate(wconn, self.path)
             wconn.execute("BEGIN IMMEDIATE")
             row = wconn.execute("SELECT value FROM meta WHERE key='epoch'").fetchone()
             if row is None:
@@ -277,7 +317,7 @@ class Journal:
             wconn.execute("COMMIT")
             rconn = _connect(self.path)
             st = os.stat(self.path)
-        except _Corrupt:
+        except (_Corrupt, StorageError):
             if wconn is not None:
                 wconn.close()
             raise

@@ -24,8 +24,9 @@ from typing import Any
 import msgspec
 
 from gpudeck.agents.wire import paths
-from gpudeck.agents.wire.errors import AgentUnavailable, PermissionDenied, from_wire
+from gpudeck.agents.wire.errors import AgentError, AgentUnavailable, PermissionDenied, VersionMismatch, from_wire
 from gpudeck.agents.wire.protocol import (
+    PROTOCOL_VERSION,
     Cancel,
     Error,
     FrameReader,
@@ -35,6 +36,8 @@ from gpudeck.agents.wire.protocol import (
     StreamEnd,
     decode_reply,
     encode,
+    speaks,
+    versions_spoken,
 )
 
 AGENT_START_TIMEOUT_S = 20.0
@@ -63,6 +66,7 @@ class AgentClient:
         self.closed = asyncio.Event()
         self.close_reason = ""
         self.hello: HelloReply | None = None
+        self.refusal: AgentError | None = None  # why the agent refused this connection (connection_limit), when it did
         self._kept: list[asyncio.Task] = []
         self._pump_task: asyncio.Future | None = asyncio.ensure_future(self._pump()) if reader is not None else None
 
@@ -79,24 +83,39 @@ class AgentClient:
         path = Path(sock or paths.socket_path(sd))
         check_socket(path)
         try:
-            reader, writer = await asyncio.open_unix_connection(str(path), limit=1 << 20)
+            proto, writer = await _dial(path)
         except (FileNotFoundError, ConnectionRefusedError) as exc:
             if not autostart:
                 raise AgentUnavailable(f"no agent answers on {path}: start one with `gpudeck agent serve`") from exc
-            reader, writer = await _start_and_connect(sd, path)
+            proto, writer = await _start_and_connect(sd, path)
         try:
             check_peer(writer.get_extra_info("socket"), path)
         except PermissionDenied:
             writer.close()
             raise
-        client = cls(reader, writer)
+        client = cls(None, writer)
+        proto.attach(client)
         await client.say_hello(alias=alias)
         return client
 
     async def say_hello(self, client_name: str = "gpudeck", alias: str = "") -> HelloReply:
-        """Exchange Hello; raises VersionMismatch when the agent speaks another protocol."""
-        reply = await self.request(Hello(client=client_name, host_alias=alias))
+        """Exchange Hello in PROTOCOL_VERSION, or in the one before when the agent (an older one) refuses that;
+        raises VersionMismatch, naming both sides' versions, when the two share none."""
+        try:
+            reply = await self.request(Hello(client=client_name, host_alias=alias))
+        except VersionMismatch as newest:
+            if not speaks(PROTOCOL_VERSION - 1):
+                raise
+            try:
+                reply = await self.request(Hello(client=client_name, host_alias=alias, version=PROTOCOL_VERSION - 1))
+            except VersionMismatch:
+                raise VersionMismatch(f"{newest.message} (this gpudeck speaks {versions_spoken()}: neither was accepted)") from None
         assert isinstance(reply, HelloReply)
+        if not speaks(reply.version):
+            raise VersionMismatch(
+                f"the agent on {reply.host} (gpudeck {reply.agent_version}) answered in protocol version {reply.version}; "
+                f"this gpudeck speaks {versions_spoken()}: upgrade the older of the two (`gpudeck --version` on each end)"
+            )
         self.hello = reply
         return reply
 
@@ -109,8 +128,12 @@ class AgentClient:
                 msg = decode_reply(frame)
             except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
                 continue  # a line we cannot read (a newer agent's message, garbage) is skipped
-            if isinstance(msg, Error) and not msg.request_id and msg.code == "busy":
-                self.close_reason = f"the agent is busy: {msg.message}"  # it closes the connection next
+            if isinstance(msg, Error) and not msg.request_id:  # about the connection: the agent closes it next
+                if msg.code == "busy":
+                    self.close_reason = f"the agent is busy: {msg.message}"
+                else:
+                    self.refusal = from_wire(msg.code, msg.message)  # raised by what waits on the connection
+                    self.close_reason = msg.message
             handler = self._handlers.get(msg.request_id)
             if handler is not None:
                 if isinstance(msg, (StreamEnd, Error)):
@@ -155,9 +178,20 @@ class AgentClient:
     async def _send(self, msg: msgspec.Struct) -> None:
         if self.closed.is_set():
             raise AgentUnavailable(f"the agent connection is closed ({self.close_reason})")
-        async with self._wlock:
-            self._writer.write(encode(msg))
-            await self._writer.drain()
+        try:
+            async with self._wlock:
+                self._writer.write(encode(msg))
+                await self._writer.drain()
+        except (ConnectionError, BrokenPipeError) as exc:
+            # the agent closed the connection: it may have said why first (a refusal), which the reader still has
+            try:
+                async with asyncio.timeout(1.0):
+                    await self.closed.wait()
+            except TimeoutError:
+                pass
+            if self.refusal is not None:
+                raise self.refusal from None
+            raise AgentUnavailable(f"the agent connection closed ({self.close_reason or exc})") from None
 
     async def request(self, msg: Any, timeout: float | None = None) -> Reply:
         """Send one request and return its reply; an Error reply raises the typed error."""
@@ -172,6 +206,8 @@ class AgentClient:
         finally:
             self._waiters.pop(msg.request_id, None)
         if reply is None:
+            if self.refusal is not None:
+                raise self.refusal
             raise AgentUnavailable(f"the agent connection closed before it answered ({self.close_reason})")
         if isinstance(reply, Error):
             raise from_wire(reply.code, reply.message)
@@ -294,14 +330,62 @@ def spawn_agent(state_dir: Path) -> subprocess.Popen:
         log.close()
 
 
-async def _start_and_connect(state_dir: Path, path: Path):
+class _Pushed(asyncio.StreamReaderProtocol):
+    """A Unix connection to the agent whose bytes go from the transport straight to :meth:`AgentClient.feed`, as the
+    SSH session's do: no pump task, so one wake-up of the event loop less per reply (bench/agent_snapshot.py). What
+    arrives before the client is attached (a refusal can come at once) is kept for it."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.reader = asyncio.StreamReader(limit=1 << 20, loop=loop)  # unused: the StreamWriter wants one
+        super().__init__(self.reader, loop=loop)
+        self._client: AgentClient | None = None
+        self._early: list[bytes] = []
+        self._ended: str | None = None
+
+    def attach(self, client: AgentClient) -> None:
+        """From now on, bytes and the end of the connection go to ``client`` (with what came before)."""
+        self._client = client
+        for data in self._early:
+            client.feed(data)
+        self._early = []
+        if self._ended is not None:
+            client.feed_eof(self._ended)
+
+    def data_received(self, data: bytes) -> None:
+        if self._client is None:
+            self._early.append(data)
+        else:
+            self._client.feed(data)
+
+    def eof_received(self) -> bool:
+        self._end("the agent closed the connection")
+        return False  # the transport closes
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        super().connection_lost(exc)
+        self._end(f"connection lost: {exc}" if exc else "the agent closed the connection")
+
+    def _end(self, reason: str) -> None:
+        if self._client is None:
+            self._ended = self._ended or reason
+        else:
+            self._client.feed_eof(reason)
+
+
+async def _dial(path: Path) -> tuple[_Pushed, asyncio.StreamWriter]:
+    loop = asyncio.get_running_loop()
+    transport, proto = await loop.create_unix_connection(lambda: _Pushed(loop), str(path))
+    return proto, asyncio.StreamWriter(transport, proto, proto.reader, loop)
+
+
+async def _start_and_connect(state_dir: Path, path: Path) -> tuple[_Pushed, asyncio.StreamWriter]:
     proc = spawn_agent(state_dir)
     deadline = time.monotonic() + AGENT_START_TIMEOUT_S
     delay = 0.02
     last: Exception | None = None
     while time.monotonic() < deadline:
         try:
-            return await asyncio.open_unix_connection(str(path), limit=1 << 20)
+            return await _dial(path)
         except (FileNotFoundError, ConnectionRefusedError) as exc:
             last = exc
         rc = proc.poll()

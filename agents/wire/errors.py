@@ -55,6 +55,12 @@ class VersionMismatch(AgentError):
     code = "unsupported_version"
 
 
+class ConnectionLimit(AgentError):
+    """A run's processes hold as many connections to the agent as a run may; the message names the limit."""
+
+    code = "connection_limit"
+
+
 class RemoteError(AgentError):
     """An Error reply from an agent, with the agent's code and message."""
 
@@ -65,7 +71,7 @@ class RemoteError(AgentError):
 
 def from_wire(code: str, message: str) -> AgentError:
     """The typed error for an Error reply's code."""
-    for cls in (BadRequest, NotFound, LaunchFailed, PermissionDenied, StorageError, AgentUnavailable, VersionMismatch):
+    for cls in (BadRequest, NotFound, LaunchFailed, PermissionDenied, StorageError, AgentUnavailable, VersionMismatch, ConnectionLimit):
         if cls.code == code:
             return cls(message)
     return RemoteError(code, message)

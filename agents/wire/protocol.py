@@ -17,6 +17,22 @@ from typing import Any, Literal, Union
 import msgspec
 
 PROTOCOL_VERSION = 1
+# The versions spoken: this one and the one before (N-1..N), so hosts and consoles need not upgrade in lock-step. The
+# agent answers a Hello of either with a HelloReply whose ``version`` is the client's (the connection speaks it); a
+# client whose Hello of N is refused by an older agent says Hello again with N-1. Anything else is refused naming both.
+OLDEST_PROTOCOL_VERSION = PROTOCOL_VERSION - 1
+
+
+def speaks(version: int) -> bool:
+    """Whether this side speaks protocol ``version`` (OLDEST_PROTOCOL_VERSION..PROTOCOL_VERSION)."""
+    return OLDEST_PROTOCOL_VERSION <= version <= PROTOCOL_VERSION
+
+
+def versions_spoken() -> str:
+    """The versions this side speaks, for messages: "0 and 1"."""
+    return f"{OLDEST_PROTOCOL_VERSION} and {PROTOCOL_VERSION}"
+
+
 MAX_FRAME = 1 << 20  # bytes in one line, newline excluded
 MAX_ARGV = 4096  # arguments in one launch
 MAX_OUTPUT_CHUNK = 256 * 1024

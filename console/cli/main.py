@@ -19,8 +19,7 @@ from typing import Any, TypeVar
 import msgspec
 from msgspec import UNSET
 
-from gpudeck.agents.wire import envdiff, paths
-from gpudeck.agents.wire.client import AgentClient
+from gpudeck.agents.wire import envdiff
 from gpudeck.agents.wire.errors import AgentError
 from gpudeck.agents.wire.protocol import RunInfo, Snapshot, Triage, VerifyReply, to_builtins
 from gpudeck.console.cli.parser import DEFAULT_WATCH_S, parse
@@ -28,7 +27,7 @@ from gpudeck.console.cli.waiting import enable as enable_progress
 from gpudeck.console.cli.waiting import waiting
 from gpudeck.console.core import config as cfg
 from gpudeck.console.core.sanitize import redact_events, redact_raw_event, redact_record, redact_run, terminal_text
-from gpudeck.console.entry import console_main
+from gpudeck.console.entry import main as entry_main
 from gpudeck.console.fleet.fleet import Fleet, SyncResult
 from gpudeck.console.fleet.multinode import group, group_runs
 from gpudeck.console.history.quarantine import format_problems
@@ -826,76 +825,6 @@ async def cmd_show(args: argparse.Namespace) -> int:
     return 0
 
 
-async def cmd_agent_status(args: argparse.Namespace) -> int:
-    sd = paths.state_dir()
-    try:
-        c = await AgentClient.connect_unix(autostart=False)
-    except AgentError as exc:
-        if args.json:
-            print(json.dumps({"running": False, "state_dir": str(sd), "error": exc.message}))
-        else:
-            print(f"agent: not running ({exc.message})")
-        return 3
-    try:
-        h = c.hello
-        assert h is not None
-        info = {
-            "running": True,
-            "pid": h.pid,
-            "host": h.host,
-            "version": h.agent_version,
-            "epoch": h.epoch,
-            "state_dir": h.state_dir,
-            "gpu_error": h.gpu_error,
-            "simulated": h.simulated,
-            "containment": h.containment,
-            "journal": h.journal,
-            "namespace": to_builtins(h.namespace) if h.namespace is not None else None,
-        }
-    finally:
-        await c.close()
-    if args.json:
-        print(json.dumps(info))
-    else:
-        print(f"agent: running, pid {info['pid']} on {info['host']}, version {info['version']}, state {info['state_dir']}")
-        gpus = "SIMULATED (GPUDECK_SIMULATE_GPUS is set: no real GPU is read)" if info["simulated"] else "NVML ok"
-        print(f"GPUs: {info['gpu_error'] or gpus}")
-        print(f"containment: {info['containment'] or 'not reported (an older agent)'}")
-        print(terminal_text(f"PID namespace: {h.namespace.label if h.namespace is not None else 'not reported (an older agent)'}"))
-        print(terminal_text(f"journal: {info['journal'] or 'ok'}"))
-    return 0
-
-
-async def cmd_agent_stop(args: argparse.Namespace) -> int:
-    """Stop the agent (SIGTERM by its pid); runs keep going and a new agent re-adopts them."""
-    import signal as _signal
-
-    import psutil
-
-    try:
-        c = await AgentClient.connect_unix(autostart=False)
-    except AgentError as exc:
-        print(f"agent: not running ({exc.message})")
-        return 0
-    assert c.hello is not None
-    pid = c.hello.pid
-    await c.close()
-    p = psutil.Process(pid)
-    p.send_signal(_signal.SIGTERM)
-    deadline = time.monotonic() + 10
-    while True:  # gone, or a zombie its parent has not reaped yet: either way it has exited
-        try:
-            if p.status() == psutil.STATUS_ZOMBIE:
-                break
-        except psutil.NoSuchProcess:
-            break
-        if time.monotonic() > deadline:
-            raise CliError(f"the agent (pid {pid}) did not exit within 10 s of SIGTERM; see {paths.log_path()}")
-        await asyncio.sleep(0.05)
-    print(f"agent {pid} stopped; runs keep going and the next agent re-adopts them")
-    return 0
-
-
 # ----------------------------------------------------------------------------- running a parsed command
 
 
@@ -933,8 +862,9 @@ def run(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """The ``gpudeck`` command's console part, as ``python -m gpudeck.console.cli.main`` runs it (the script's own
-    entry, :func:`gpudeck.console.entry.main`, parses before it imports this module)."""
-    return console_main(sys.argv[1:] if argv is None else list(argv))
+    entry, :func:`gpudeck.console.entry.main`, parses before it imports this module); ``agent ...`` goes to the
+    agent's own main there."""
+    return entry_main(sys.argv[1:] if argv is None else list(argv))
 
 
 if __name__ == "__main__":

@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 from gpudeck.console.core.sanitize import SECRET_RULE
@@ -308,19 +307,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(func="cmd_rollback")
 
-    p = sub.add_parser("agent", help="the host agent: serve, dial, status, stop")
-    asub = p.add_subparsers(dest="agent_command", metavar="serve|dial|status|stop", required=True)
-    a = asub.add_parser("serve", help="run the agent in the foreground")
-    a.add_argument("--state-dir", type=Path, default=None)
-    a.set_defaults(func=None, sync=lambda ns: __import__("gpudeck.agents.server.daemon", fromlist=["serve"]).serve(ns.state_dir))
-    a = asub.add_parser("dial", help="bridge stdin/stdout to the agent (what the console runs over SSH)")
-    a.add_argument("--state-dir", type=Path, default=None)
-    a.set_defaults(func=None, sync=lambda ns: __import__("gpudeck.agents.wire.dial", fromlist=["dial"]).dial(ns.state_dir))
-    a = asub.add_parser("stop", help="stop the agent (runs keep going; the next agent re-adopts them)")
-    a.set_defaults(func="cmd_agent_stop")
-    a = asub.add_parser("status", help="is the agent running, and where")
-    a.add_argument("--json", action="store_true")
-    a.set_defaults(func="cmd_agent_status")
+    # parsed by the agent's own main (an agent-only install runs them too; console/entry.py hands them over): listed
+    # here for --help
+    p = sub.add_parser("agent", help="the host agent: serve, dial, status, stop (`gpudeck agent --help`)", add_help=False)
+    p.add_argument("agent_args", nargs=argparse.REMAINDER)
     add_watch_parser(sub)
     return ap
 

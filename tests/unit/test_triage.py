@@ -368,6 +368,7 @@ def test_source_line_reads_only_what_the_runs_user_could_and_follows_no_link(tmp
     """A run's stack can name any path; the agent (maybe root) quotes a line only from a file that user may read."""
     import os
 
+    from gpudeck.agents.health.access import ANYONE, Reader
     from gpudeck.agents.health.triage import source_line
 
     secret = tmp_path / "secret"
@@ -378,10 +379,13 @@ def test_source_line_reads_only_what_the_runs_user_could_and_follows_no_link(tmp
     os.chmod(public, 0o644)
     link = tmp_path / "link.py"
     link.symlink_to(public)
-    me = os.getuid()
-    assert source_line(str(public), 2, uid=None) == "time.sleep(seconds)"
-    assert source_line(str(secret), 1, uid=me) == "root-only line"  # the run's own file
-    assert source_line(str(secret), 1, uid=me + 12345) is None  # another user's private file
-    assert source_line(str(secret), 1, uid=None) is None
-    assert source_line(str(link), 2, uid=me) is None  # a link is not followed
-    assert source_line("/dev/zero", 1, uid=me) is None  # not a regular file
+    os.chmod(tmp_path, 0o755)
+    me = Reader(os.getuid(), os.getgid(), frozenset(os.getgroups()))
+    other = Reader(os.getuid() + 12345, os.getgid() + 12345)
+    assert source_line(str(public), 2, me) == "time.sleep(seconds)"
+    assert source_line(str(secret), 1, me) == "root-only line"  # the run's own file
+    assert source_line(str(secret), 1, other) is None  # another user's private file
+    assert source_line(str(secret), 1, ANYONE) is None
+    assert source_line(str(link), 2, me) is None  # a link is not followed
+    assert source_line("/dev/zero", 1, me) is None  # not a regular file
+    assert source_line("relative/path.py", 1, me) is None
