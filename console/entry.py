@@ -10,7 +10,8 @@ from __future__ import annotations
 import os
 import sys
 
-EXIT_PIPE = 141  # stdout's reader went away (`| head`): 128 + SIGPIPE, what a shell reports for a Unix tool SIGPIPE ended
+from gpudeck.console.core.exitcodes import EXIT_PIPE, EXIT_USAGE
+
 # the packages the console and its CLI need beyond the agent's (pyproject.toml's [console] extra)
 CONSOLE_PACKAGES = ("textual", "asyncssh", "sqlite_utils", "rich")
 
@@ -53,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
             "pip install './gpudeck[console]'. This install (the agent's) runs `gpudeck agent serve` and `gpudeck agent dial`.",
             file=sys.stderr,
         )
-        return 2
+        return EXIT_USAGE
     return cli_main(args)
 
 

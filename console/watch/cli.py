@@ -15,6 +15,7 @@ import time
 from typing import Any
 
 from gpudeck.console.core import config as cfg
+from gpudeck.console.core.exitcodes import EXIT_CONFIG, EXIT_FAILING, EXIT_INTERRUPTED
 from gpudeck.console.core.sanitize import terminal_text
 from gpudeck.console.watch import deliver
 from gpudeck.console.watch.outbox import Outbox, OutboxError
@@ -22,9 +23,6 @@ from gpudeck.console.watch.rules import RuleError, compile_rules
 
 # the watcher itself (the Fleet, prometheus_client) is imported when `watch` runs, not by every gpudeck command
 DEFAULT_METRICS = ("127.0.0.1", 9464)
-
-EXIT_FAILING = 1
-EXIT_CONFIG = 2
 
 
 def add_parser(sub: Any) -> None:
@@ -169,4 +167,4 @@ def main(args: argparse.Namespace) -> int:
         print(terminal_text(f"gpudeck watch: {exc}"), file=sys.stderr)
         return EXIT_FAILING
     except KeyboardInterrupt:
-        return 130
+        return EXIT_INTERRUPTED
