@@ -11,6 +11,8 @@ from __future__ import annotations
 import importlib.util
 import sys
 
+from gpudeck.console.core.exitcodes import EXIT_USAGE
+
 # the packages the console and its CLI need beyond the agent's (pyproject.toml's [console] extra)
 CONSOLE_PACKAGES = ("textual", "asyncssh", "sqlite_utils", "rich")
 
@@ -46,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
             "pip install './gpudeck[console]'. This install (the agent's) runs `gpudeck agent serve|dial|status|stop`.",
             file=sys.stderr,
         )
-        return 2
+        return EXIT_USAGE
     return console_main(args)
 
 

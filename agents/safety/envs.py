@@ -507,7 +507,7 @@ def rebuild(
             "the recorded environment cannot be rebuilt from its record, these were not installed from an index: "
             + "; ".join(bad)
             + ". Reinstall them by hand from their source into an environment and record a new good run, "
-            "or roll back without --rebuild-env"
+            "or roll back to another good run whose environment still matches its record"
         )
     if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
         raise EnvError(f"{dest} already exists and is not empty: remove it or rebuild into a new folder")

@@ -14,18 +14,19 @@ import json
 import sys
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from contextlib import AbstractContextManager
 from typing import Any, TypeVar
 
 import msgspec
 from msgspec import UNSET
 
-from gpudeck.agents.wire import envdiff
 from gpudeck.agents.wire.errors import AgentError
 from gpudeck.agents.wire.protocol import RunInfo, Snapshot, Triage, VerifyReply, to_builtins
 from gpudeck.console.cli.parser import DEFAULT_WATCH_S, parse
 from gpudeck.console.cli.waiting import enable as enable_progress
 from gpudeck.console.cli.waiting import waiting
 from gpudeck.console.core import config as cfg
+from gpudeck.console.core.exitcodes import EXIT_ERROR, EXIT_INTERRUPTED, EXIT_UNREACHABLE, EXIT_USAGE
 from gpudeck.console.core.sanitize import redact_events, redact_raw_event, redact_record, redact_run, terminal_text
 from gpudeck.console.entry import main as entry_main
 from gpudeck.console.fleet.fleet import Fleet, SyncResult
@@ -41,17 +42,20 @@ from gpudeck.console.ops import (
     Resolved,
     relaunch_intent,
     resolve_run,
-    rollback_intent,
     run_figures,
     start_of,
 )
+from gpudeck.console.ops.compare import compare_refs
 from gpudeck.console.ops.holders import ReclaimLaunch, plan_holders, reclaim_and_launch
+from gpudeck.console.ops.hosts import probe_hosts, remove_hosts
 from gpudeck.console.ops.intent import check_start, env_items
 from gpudeck.console.ops.launch import LaunchPlan, is_trainer, plan_here
 from gpudeck.console.ops.launch import launch as ops_launch
 from gpudeck.console.ops.launch import preflight as ops_preflight
-from gpudeck.console.ops.relaunch import changed_environment, check_environment, rebuild_environment, recorded_environment
+from gpudeck.console.ops.readings import host_leftovers, tail_nodes, verify_run
+from gpudeck.console.ops.relaunch import EnvironmentCheck
 from gpudeck.console.ops.resolve import fleet_runs
+from gpudeck.console.ops.rollback import prepare_rollback
 from gpudeck.console.ops.stop import StopOutcome, reclaim_targets, stop_run
 from gpudeck.console.ops.stop import reclaim as ops_reclaim
 from gpudeck.console.ops.triage import format_triage, triage_run
@@ -72,11 +76,9 @@ from gpudeck.console.present.formats import (
     why_down,
 )
 from gpudeck.console.present.rundiff import format_diff
+from gpudeck.console.present.status import CLEAR_SCREEN, StatusFilter, redraw, snapshot_json, watch_frame
 from gpudeck.console.present.views import run_diff
 
-EXIT_ERROR = 1
-EXIT_USAGE = 2
-EXIT_UNREACHABLE = 3  # a host the command needed did not answer: the answer is partial (README, Command line)
 T = TypeVar("T")
 
 
@@ -133,45 +135,6 @@ def unreachable_exit(down: Sequence[tuple[str, str | None]]) -> int:
     return EXIT_UNREACHABLE if down else 0
 
 
-def snapshot_json(snap: Snapshot, show_secrets: bool) -> dict[str, Any]:
-    """A snapshot as ``status --json`` prints it: its live runs' ``--env`` secrets redacted unless ``show_secrets``."""
-    out: dict[str, Any] = to_builtins(snap)
-    if not show_secrets:
-        out["runs"] = [redact_run(r) for r in out.get("runs") or []]
-    return out
-
-
-def _matches_run(run_id: str | None, name: str | None, ref: str) -> bool:
-    return bool(run_id and run_id.startswith(ref)) or (name is not None and name == ref)
-
-
-def filtered(snap: Snapshot, user: str | None = None, run: str | None = None, pid: int | None = None) -> Snapshot:
-    """The snapshot with only the GPU processes and live runs of ``user``, ``run`` (id prefix or name) and ``pid``
-    (every filter given must hold); the GPUs themselves are all kept."""
-    if user is None and run is None and pid is None:
-        return snap
-    names = {r.id: r.name for r in snap.runs}
-
-    def proc_ok(p: Any) -> bool:
-        return (
-            (user is None or p.user == user)
-            and (run is None or _matches_run(p.run_id, names.get(p.run_id or ""), run))
-            and (pid is None or p.pid == pid)
-        )
-
-    def run_ok(r: RunInfo) -> bool:
-        return (
-            (user is None or r.spec.operator == user)
-            and (run is None or _matches_run(r.id, r.name, run))
-            and (pid is None or any(m.pid == pid for m in r.members))
-        )
-
-    gpus = [msgspec.structs.replace(g, processes=[p for p in g.processes if proc_ok(p)]) for g in snap.gpus]
-    return msgspec.structs.replace(
-        snap, gpus=gpus, runs=[r for r in snap.runs if run_ok(r)], processes=[p for p in snap.processes if proc_ok(p)]
-    )
-
-
 async def _statuses(fleet: Fleet, names: list[str]) -> list[HostStatus]:
     """Every named host's snapshot now (in parallel); a host that does not answer is a row with its error."""
     snaps = await asyncio.gather(*(fleet.snapshot(h) for h in names), return_exceptions=True)
@@ -186,7 +149,7 @@ async def _statuses(fleet: Fleet, names: list[str]) -> list[HostStatus]:
     return out
 
 
-async def _watch_status(args: argparse.Namespace) -> int:
+async def _watch_status(args: argparse.Namespace, filt: StatusFilter) -> int:
     """``status --watch``: the status every ``-n`` seconds, redrawn in place on a terminal (one frame after another
     otherwise; one JSON document a line with --json) until Ctrl-C or ``--count`` frames."""
     if args.interval <= 0:
@@ -194,31 +157,27 @@ async def _watch_status(args: argparse.Namespace) -> int:
     names = [args.host] if args.host else None
     remember = args.host is None or args.host in cfg.load().names
     tty = sys.stdout.isatty() and not args.json
-    shown = ", ".join(f"{k}={v}" for k, v in (("user", args.user), ("run", args.run), ("pid", args.pid)) if v is not None)
 
     async def loop(fleet: Fleet) -> int:
         frames = 0
         rc = 0
         while args.count is None or frames < args.count:
             t0 = time.monotonic()
-            rows = await _statuses(fleet, names or list(fleet.links))
+            rows = [_filtered(r, filt) for r in await _statuses(fleet, names or list(fleet.links))]
             rc = EXIT_UNREACHABLE if any(r.snapshot is None for r in rows) else 0
-            view = [(r, filtered(r.snapshot, args.user, args.run, args.pid) if r.snapshot else None) for r in rows]
             if args.json:
                 doc = {
                     "ts": time.time(),
-                    "hosts": [{"host": r.host, "snapshot": snapshot_json(s, args.show_secrets) if s else None} for r, s in view],
-                    "unreachable": [{"host": r.host, "error": r.error} for r, s in view if s is None],
+                    "hosts": [
+                        {"host": r.host, "snapshot": snapshot_json(r.snapshot, args.show_secrets) if r.snapshot else None} for r in rows
+                    ],
+                    "unreachable": [{"host": r.host, "error": r.error} for r in rows if r.snapshot is None],
                 }
                 print(json.dumps(doc), flush=True)
             else:
-                head = f"every {args.interval:g} s" + (f", only {shown}" if shown else "") + f"  {time.strftime('%H:%M:%S')}"
-                body = "\n\n".join(
-                    format_status(s, r.host) if s else f"host {r.host}  UNREACHABLE: {why_down(r.host, r.error)}" for r, s in view
-                )
-                frame = terminal_text(f"{head}\n{body}")
-                if tty:  # redraw in place: home, each line cleared to its end, the rest of the screen cleared
-                    sys.stdout.write("\x1b[H" + "\n".join(line + "\x1b[K" for line in frame.split("\n")) + "\x1b[J")
+                frame = watch_frame(rows, filt, args.interval)
+                if tty:
+                    sys.stdout.write(redraw(frame))
                     sys.stdout.flush()
                 else:
                     print(frame + "\n", flush=True)
@@ -229,13 +188,28 @@ async def _watch_status(args: argparse.Namespace) -> int:
         return rc
 
     if tty:
-        sys.stdout.write("\x1b[2J")
+        sys.stdout.write(CLEAR_SCREEN)
     return await _with_fleet(loop, hosts=names, remember=remember)
 
 
+def _filtered(row: HostStatus, filt: StatusFilter) -> HostStatus:
+    return msgspec.structs.replace(row, snapshot=filt.apply(row.snapshot)) if row.snapshot else row
+
+
+def _nothing_matched(filt: StatusFilter, snaps: list[Snapshot]) -> int:
+    """A filter that matched nothing on the hosts that answered: said on stderr; exit 1 for --run (a run reference that
+    matches nothing), 0 for --user/--pid (nothing of theirs running is an answer)."""
+    said = filt.nothing_matched(snaps)
+    if said is None:
+        return 0
+    print(terminal_text(f"gpudeck: {said}"), file=sys.stderr)
+    return EXIT_ERROR if filt.run is not None else 0
+
+
 async def cmd_status(args: argparse.Namespace) -> int:
+    filt = StatusFilter(args.user, args.run, args.pid)
     if args.watch:
-        return await _watch_status(args)
+        return await _watch_status(args, filt)
     if args.count is not None or args.interval != DEFAULT_WATCH_S:
         raise CliError("-n and --count go with --watch (e.g. gpudeck status --watch -n 2)")
     if args.host:
@@ -248,13 +222,13 @@ async def cmd_status(args: argparse.Namespace) -> int:
                 print(json.dumps({"unreachable": [{"host": args.host, "error": exc.message}]}))
             print(terminal_text(f"gpudeck: {exc.message}"), file=sys.stderr)
             return EXIT_UNREACHABLE
-        snap = filtered(snap, args.user, args.run, args.pid)
+        snap = filt.apply(snap)
         print(json.dumps(snapshot_json(snap, args.show_secrets)) if args.json else terminal_text(format_status(snap, args.host)))
-        return 0
+        return _nothing_matched(filt, [snap])
 
     with waiting(f"connecting to {len(cfg.load().names)} host(s)"):
         rows = await _with_fleet(lambda f: _statuses(f, list(f.links)))
-    rows = [msgspec.structs.replace(r, snapshot=filtered(r.snapshot, args.user, args.run, args.pid)) if r.snapshot else r for r in rows]
+    rows = [_filtered(r, filt) for r in rows]
     if args.json:
         print(
             json.dumps(
@@ -274,7 +248,8 @@ async def cmd_status(args: argparse.Namespace) -> int:
             else:
                 parts.append(f"host {r.host}  UNREACHABLE: {why_down(r.host, r.error)}")
         print(terminal_text("\n\n".join(parts)))
-    return unreachable_exit([(r.host, r.error) for r in rows if not r.snapshot])
+    down = unreachable_exit([(r.host, r.error) for r in rows if not r.snapshot])
+    return down or _nothing_matched(filt, [r.snapshot for r in rows if r.snapshot])
 
 
 def intent_from_args(args: argparse.Namespace) -> LaunchIntent:
@@ -442,7 +417,7 @@ async def cmd_preflight(args: argparse.Namespace) -> int:
 async def cmd_reclaim(args: argparse.Namespace) -> int:
     listing, pids = reclaim_targets(args.targets)
     if listing is not None:
-        found = await _with_fleet(lambda f: f.leftovers(listing, include_live=args.include_live), hosts=[listing])
+        found = await _with_fleet(lambda f: host_leftovers(f, listing, include_live=args.include_live), hosts=[listing])
         if args.json:
             print(
                 json.dumps(
@@ -467,8 +442,9 @@ async def cmd_reclaim(args: argparse.Namespace) -> int:
             continue
         out.append({**to_builtins(res), "host": host})
         if not args.json:
-            print(terminal_text(f"{host}: " + format_stop(res).replace("run None: ", "")))
-            if res.message:
+            text = format_stop(res)
+            print(terminal_text(f"{host}: " + text.replace("run None: ", "")))
+            if res.message and res.message != text:
                 print(f"  {res.message}")
         if res.survivors:
             rc = EXIT_ERROR
@@ -480,7 +456,7 @@ async def cmd_reclaim(args: argparse.Namespace) -> int:
 async def cmd_verify(args: argparse.Namespace) -> int:
     async def verify(fleet: Fleet) -> tuple[str, VerifyReply]:
         found = await _resolve(fleet, args)
-        return found.host, await fleet.verify(found.host, found.id)
+        return found.host, await verify_run(fleet, found.host, found.id)
 
     host, reply = await _with_fleet(verify, hosts=_host_arg(args))
     if args.json:
@@ -493,16 +469,12 @@ async def cmd_verify(args: argparse.Namespace) -> int:
 async def cmd_diff(args: argparse.Namespace) -> int:
     history, syncs = await _synced_history(args)
     down = [r.host for r in syncs if not r.ok]
-    try:
-        a = await asyncio.to_thread(history.find, args.run_a, None, down)
-        b = await asyncio.to_thread(history.find, args.run_b, None, down)
-        ma = await asyncio.to_thread(history.metrics, a.host, a.id)
-        mb = await asyncio.to_thread(history.metrics, b.host, b.id)
+    try:  # the same records and step metrics as the console's Diff screen and Roll back dialog (ops.compare)
+        pair = await compare_refs(history, args.run_a, args.run_b, down)
     finally:
         history.close()
-    if not args.show_secrets:
-        a, b = redact_record(a), redact_record(b)
-    d = run_diff(a, b, ma, mb)  # as the console's Diff screen: the command argument by argument too
+    a, b = (pair.a, pair.b) if args.show_secrets else (redact_record(pair.a), redact_record(pair.b))
+    d = run_diff(a, b, pair.a_metrics, pair.b_metrics)  # as the console's Diff screen: the command argument by argument too
     if args.json:
         print(
             json.dumps(
@@ -521,12 +493,29 @@ async def cmd_diff(args: argparse.Namespace) -> int:
     return 0
 
 
+class _CliRollback:
+    """``gpudeck rollback``'s answers to the rollback flow: --rebuild-env decides, each step on stderr."""
+
+    def __init__(self, rebuild_env: bool) -> None:
+        self.rebuild_env = rebuild_env
+
+    def say(self, text: str, tone: str = "info") -> None:
+        print(terminal_text(f"gpudeck: {'note: ' if tone == 'warn' else ''}{text}"), file=sys.stderr)
+
+    def waiting(self, text: str, detail: str = "") -> AbstractContextManager[object]:
+        return waiting(text)
+
+    async def rebuild(self, good_id: str, host: str, check: EnvironmentCheck) -> bool:
+        return self.rebuild_env
+
+
 async def _relaunch(args: argparse.Namespace, good_ref: str | None) -> int:
     check_start(start_of(args.fresh, args.resume), needed=False)  # a malformed --resume is refused before any host is asked
     history, syncs = await _synced_history(args)
     down = [r.host for r in syncs if not r.ok]
     try:
-        row = await asyncio.to_thread(history.find, args.run, args.host, down, good_ref is not None)  # a rollback is destructive
+        # --host says where to launch, not where to look: the run is found across every host
+        row = await asyncio.to_thread(history.find, args.run, None, down, good_ref is not None)  # a rollback is destructive
         good = await asyncio.to_thread(history.find, good_ref, None, down) if good_ref else None
     finally:
         history.close()
@@ -541,25 +530,7 @@ async def _relaunch(args: argparse.Namespace, good_ref: str | None) -> int:
         if good is None:
             intent = relaunch_intent(spec, row.id, row.host, start, to_host=host)
         else:
-            recorded = recorded_environment(good.id, good.env_fingerprint())
-            check = await check_environment(fleet, host, recorded)
-            if check.driver:
-                print(
-                    f"gpudeck: note: the NVIDIA driver on {host} differs from {good.id}'s: {envdiff.describe(check.driver)[0]} (rollback cannot change the driver)",
-                    file=sys.stderr,
-                )
-            python = recorded.python
-            if not check.holds:
-                if not args.rebuild_env:
-                    raise changed_environment(good.id, host, check)
-                print(
-                    f"gpudeck: {good.id}'s environment changed ({len(check.changes)} difference(s)); rebuilding it from its recorded freeze on {host} ...",
-                    file=sys.stderr,
-                )
-                with waiting(f"rebuilding {good.id}'s environment on {host}"):
-                    python, path = await rebuild_environment(fleet, host, recorded)
-                print(f"gpudeck: rebuilt at {path}: matches the recorded fingerprint (freeze {recorded.freeze_hash[:12]})", file=sys.stderr)
-            intent = rollback_intent(spec, row.id, good.launch_spec(), host, start, python, args.config_from, good_host=good.host)
+            intent = await prepare_rollback(fleet, spec, row.id, good, host, start, args.config_from, _CliRollback(args.rebuild_env))
         plan = plan_here(intent)
         with waiting(f"launching on {', '.join(plan.hosts)}"):
             return await ops_launch(fleet, plan)
@@ -633,37 +604,13 @@ async def cmd_tail(args: argparse.Namespace) -> int:
             print(f"gpudeck: {h} (a node of this run) is not reachable: its output is missing", file=sys.stderr)
         prefix = len(nodes) > 1
 
-        async def one(host: str, rid: str) -> None:
-            # the last N lines: read a window from the end, then follow from its end
-            window = await anext(fleet.output(host, rid, offset=-256 * 1024, follow=False))
-            lines = window.data.splitlines(keepends=True)
-            if args.lines >= 0:
-                lines = lines[-args.lines :] if args.lines else []
-            emit(host, "".join(lines))
-            if args.follow:
-                pending = ""
-                async for chunk in fleet.output(host, rid, offset=window.next_offset, follow=True):
-                    pending += chunk.data
-                    cut = pending.rfind("\n") + 1  # whole lines only, so nodes' lines never mix
-                    if cut:
-                        emit(host, pending[:cut])
-                        pending = pending[cut:]
-                if pending:
-                    emit(host, pending + "\n")
-
         def emit(host: str, text: str) -> None:
-            if not text:
-                return
             if prefix:
                 text = "".join(f"[{host}] {ln}" for ln in text.splitlines(keepends=True))
             out.write(text if args.raw else terminal_text(text))
             out.flush()
 
-        if args.follow:
-            await asyncio.gather(*(one(h, r.id) for h, r in nodes))
-        else:
-            for h, r in nodes:
-                await one(h, r.id)
+        await tail_nodes(fleet, [(h, r.id) for h, r in nodes], args.lines, args.follow, emit)
 
     await _with_fleet(tail, hosts=_host_arg(args))
     return 0
@@ -678,6 +625,16 @@ async def cmd_stop(args: argparse.Namespace) -> int:
 
         with waiting(f"stopping {args.run}: SIGTERM sent, SIGKILL after {args.grace:g} s"):
             done = await _with_fleet(stop, hosts=_host_arg(args), history=history)
+    except (asyncio.CancelledError, KeyboardInterrupt):  # Ctrl-C: the agent does not stop stopping because we stopped waiting
+        print(
+            terminal_text(
+                f"gpudeck: interrupted: the stop of {args.run} continues on the agent once it got the request (SIGTERM, "
+                f"SIGKILL after {args.grace:g} s, then verified); `gpudeck show {args.run}` or `gpudeck runs` shows when it "
+                "has stopped, and `gpudeck stop` again is safe"
+            ),
+            file=sys.stderr,
+        )
+        raise
     finally:
         history.close()
     out = [{**to_builtins(res), "host": h} for h, res in done.results]
@@ -704,11 +661,11 @@ async def cmd_hosts(args: argparse.Namespace) -> int:
         return 0
     if action == "remove":
         rc = 0
-        for name in args.names:
-            if cfg.remove_host(name):
-                print(f"{name}: removed from {cfg.config_path()}")
+        for gone in remove_hosts(args.names):
+            if gone.found:
+                print(terminal_text(gone.line(str(cfg.config_path()))))
             else:  # a typo must not read as done: a script learns nothing was removed
-                print(terminal_text(f"gpudeck: {name}: not in {cfg.config_path()} (`gpudeck hosts` lists the hosts)"), file=sys.stderr)
+                print(terminal_text(f"gpudeck: {gone.line(str(cfg.config_path()))}"), file=sys.stderr)
                 rc = EXIT_ERROR
         return rc
     conf = cfg.load()
@@ -717,19 +674,11 @@ async def cmd_hosts(args: argparse.Namespace) -> int:
         for h in conf.hosts
     ]
     if args.check:
-
-        async def probe(fleet: Fleet) -> list[HostLine]:
-            async def one(row: HostLine) -> HostLine:
-                link = fleet.link(row.name)
-                try:
-                    c = await link.client(timeout=args.timeout)
-                    return msgspec.structs.replace(row, state="up", agent_version=c.hello.agent_version if c.hello else None, error=None)
-                except AgentError as exc:
-                    return msgspec.structs.replace(row, state=link.status.state, error=exc.message)
-
-            return list(await asyncio.gather(*(one(r) for r in rows)))
-
-        rows = await _with_fleet(probe)
+        probes = await _with_fleet(lambda f: probe_hosts(f, [r.name for r in rows], args.timeout))
+        rows = [
+            msgspec.structs.replace(r, state=p.state, error=p.error, **({"agent_version": p.agent_version} if p.state == "up" else {}))
+            for r, p in zip(rows, probes)
+        ]
     if args.json:
         print(json.dumps({"config": str(conf.path), "hosts": to_builtins(rows)}))
     else:
@@ -819,7 +768,9 @@ async def cmd_show(args: argparse.Namespace) -> int:
     if not args.show_secrets:
         run, events = redact_record(run), redact_events(events)
     if args.json:
-        print(json.dumps({**run.as_json(), "figures": vars(figures), "events": to_builtins(events)}, default=str))
+        # the keys `history --json` has, in its order (record_shape), then the figures and the timeline
+        shape = record_shape(run.as_json(), {"tokens_per_s_median": figures.tokens_per_s})  # the median as `history` has it
+        print(json.dumps({**shape, "figures": vars(figures), "events": to_builtins(events)}, default=str))
     else:
         print(terminal_text(format_show(run, events, figures)))
     return 0
@@ -857,7 +808,7 @@ def run(args: argparse.Namespace) -> int:
         print(terminal_text(f"gpudeck: {exc.message}"), file=sys.stderr)
         return EXIT_ERROR
     except KeyboardInterrupt:
-        return 130
+        return EXIT_INTERRUPTED
 
 
 def main(argv: list[str] | None = None) -> int:

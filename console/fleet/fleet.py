@@ -21,13 +21,14 @@ import time
 from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from gpudeck.agents.wire.client import AgentClient
 from gpudeck.agents.wire.errors import AgentError, AgentUnavailable, VersionMismatch
 from gpudeck.agents.wire.protocol import (
     EnvFingerprint,
     Error,
+    Event,
     EventBatch,
     Fingerprint,
     FingerprintReply,
@@ -83,7 +84,16 @@ EVENT_BATCH = 5000
 # coming back empty is pure cost, a request and a reply per host every EVENT_POLL_S (the agent caps it at 300 s).
 EVENT_POLL_S = 300.0
 REFUSED_STATES = ("host_key", "version_mismatch")
-NODE_LOST_S = 30.0  # a multi-node run's host unreachable this long counts as a lost node
+
+
+class FleetWatcher(Protocol):
+    """What follows a watching fleet: each host's new journal events and each link-state change (console/ops/rank_death.py)."""
+
+    def on_events(self, host: str, events: list[Event]) -> None:
+        """New journal events from ``host``, in order."""
+
+    def on_link_state(self, st: HostStatus) -> None:
+        """A host's link changed state."""
 
 
 @dataclass
@@ -420,6 +430,10 @@ class HostLink:
 class Fleet:
     """All hosts the console follows; ``local`` is always there."""
 
+    # the policies following this fleet (console/ops/rank_death.py); an immutable default, so a fleet made without
+    # __init__ (a test's or a benchmark's stand-in) has none rather than no attribute
+    _watchers: tuple[FleetWatcher, ...] = ()
+
     def __init__(
         self,
         hosts: list[str] | None = None,
@@ -441,7 +455,6 @@ class Fleet:
         self._link_args: dict[str, Any] = dict(ssh=ssh, state_dir=state_dir, interval_s=interval_s, watch=watch, history=history)
         self.links: dict[str, HostLink] = {s.name: HostLink(s, **self._link_args) for s in self.config.hosts}
         self._watch_tasks: set[asyncio.Task] = set()
-        self._acted: set[str] = set()  # multi-node runs the watch already stopped
         if history is not None and watch:
             for link in self.links.values():
                 link.on_events = self._on_events
@@ -452,14 +465,19 @@ class Fleet:
         for link in self.links.values():
             link.start()
 
-    def reload_config(self) -> tuple[list[str], list[str]]:
-        """Read the config file again (``gpudeck hosts add/remove`` changed it): new hosts get a link, started; removed
-        ones are closed. Hosts named on the command line stay. Returns (added, removed); raises cfg.ConfigError."""
+    def reload_config(self) -> tuple[list[str], list[str], list[str]]:
+        """Read the config file again (``gpudeck hosts add/remove`` or an edit changed it): new hosts get a link, started;
+        removed ones are closed; a host whose ``[host.NAME]`` settings changed (``command =``, ``env``, ...) gets a new
+        link with them at once (the old one is closed: its retry backoff would keep it down for minutes). Hosts named on
+        the command line stay. Returns (added, removed, changed); raises cfg.ConfigError."""
         fresh = cfg.load(self.config.path, extra_hosts=self._extra_hosts)
+        changed = [h for h in fresh.hosts if h.name in self.links and self.links[h.name].settings != h]
         added = [h for h in fresh.hosts if h.name not in self.links]
         removed = [name for name in self.links if name not in fresh.names]
         self.config = fresh
-        for settings in added:
+        for settings in changed:
+            self.spawn(self.links.pop(settings.name).close())
+        for settings in [*added, *changed]:
             link = HostLink(settings, **self._link_args)
             if self.history is not None and link.watch:
                 link.on_events = self._on_events
@@ -467,64 +485,29 @@ class Fleet:
             self.links[settings.name] = link
             link.start()
         for name in removed:
-            self._spawn(self.links.pop(name).close())
-        return [h.name for h in added], removed
+            self.spawn(self.links.pop(name).close())
+        return [h.name for h in added], removed, [h.name for h in changed]
 
-    # ------------------------------------------------------------------ multi-node watch (--on-rank-death stop across nodes)
+    # ------------------------------------------------------------------ watchers (the policies of console/ops/ that follow the fleet)
 
-    def _spawn(self, coro: Coroutine[Any, Any, object]) -> None:
+    def spawn(self, coro: Coroutine[Any, Any, object]) -> None:
+        """Run ``coro`` as a task the fleet keeps (a reference, so it is not collected) and cancels when it closes."""
         task = asyncio.ensure_future(coro)
         self._watch_tasks.add(task)
         task.add_done_callback(self._watch_tasks.discard)
 
+    def add_watcher(self, watcher: FleetWatcher) -> None:
+        """Tell ``watcher`` every host's new journal events and link states (only a watching fleet with a history
+        follows them: a request-only fleet has nothing to tell)."""
+        self._watchers = (*self._watchers, watcher)
+
     def _on_events(self, host: str, events: list) -> None:
-        for ev in events:
-            data = ev.data or {}
-            ended = ev.kind == "run_state" and data.get("state") in ("failed", "lost")
-            died = ev.kind == "alert" and (data.get("alert") or {}).get("kind") == "rank_exited"
-            if (ended or died) and ev.run_id and ev.run_id not in self._acted:
-                self._spawn(self._stop_other_nodes(ev.run_id, host, f"node {host} {'failed' if ended else 'lost a rank'}"))
+        for w in self._watchers:
+            w.on_events(host, events)
 
     def _on_link_state(self, st: HostStatus) -> None:
-        if st.state == "unreachable" and self.history is not None:
-            self._spawn(self._node_lost(st.name, st.since))
-
-    async def _node_lost(self, host: str, since: float) -> None:
-        await asyncio.sleep(NODE_LOST_S)
-        link = self.links.get(host)
-        if link is None or link.status.state == "up" or link.status.since != since or self.history is None:
-            return
-        rows = await asyncio.to_thread(self.history.query, f"host:{host} state:live")
-        for r in rows:
-            if r.spec_nnodes > 1 and r.id not in self._acted:
-                await self._stop_other_nodes(r.id, host, f"node {host} unreachable for {NODE_LOST_S:.0f} s")
-
-    async def _stop_other_nodes(self, run_id: str, culprit: str, why: str) -> None:
-        """``--on-rank-death stop`` across hosts: when one node fails or is lost, stop the others (and the lost one when it is back)."""
-        assert self.history is not None
-        rows = [r for r in await asyncio.to_thread(self.history.query, f"id:{run_id} limit:64") if r.id == run_id]
-        if not rows:
-            return
-        spec = rows[0].launch_spec_or_none()
-        if rows[0].spec_nnodes < 2 or spec is None or spec.on_rank_death != "stop" or run_id in self._acted:
-            return
-        self._acted.add(run_id)
-        for r in rows:
-            if r.state not in ("starting", "running"):
-                continue
-            link = self.links.get(r.host)
-            if link is None or link.status.state != "up":
-                await asyncio.to_thread(self.history.add_pending_stop, r.host, run_id, 30.0)
-                continue
-            try:
-                await self.stop(
-                    r.host,
-                    run_id,
-                    30.0,
-                    reason=f"a rank died on another node ({why}) and the run was launched with --on-rank-death stop",
-                )
-            except AgentError:
-                await asyncio.to_thread(self.history.add_pending_stop, r.host, run_id, 30.0)
+        for w in self._watchers:
+            w.on_link_state(st)
 
     async def close(self) -> None:
         """Close every link."""

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-EXIT_ERROR = 1
-EXIT_USAGE = 2
+from gpudeck.console.core.exitcodes import EXIT_ERROR, EXIT_USAGE
 
 
 class OpsError(Exception):
@@ -54,7 +53,11 @@ class AmbiguousRun(OpsError):
     exit_code = EXIT_USAGE
 
     def __init__(self, ref: str, candidates: list[Candidate], unanswered: list[str] | None = None, host_given: bool = False) -> None:
-        head = f"{ref!r} matches {len(candidates)} runs: give the full id (or more of it)" + ("" if host_given else ", or --host")
+        # --host helps only when the candidates are on several hosts (and none was given)
+        several_hosts = len({c.host for c in candidates}) > 1
+        head = f"{ref!r} matches {len(candidates)} runs: give the full id (or more of it)" + (
+            ", or --host" if several_hosts and not host_given else ""
+        )
         lines = "\n".join(f"  {c.line()}" for c in candidates)
         more = f"\n{', '.join(unanswered)} did not answer and may hold more" if unanswered else ""
         super().__init__(f"{head}\n  {'HOST':<12} {'ID':<14} {'NAME':<16} {'STATE':<16} STARTED\n{lines}{more}")

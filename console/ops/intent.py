@@ -12,7 +12,7 @@ import getpass
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Literal, cast
+from typing import Any, Literal, cast
 
 from gpudeck.agents.wire.protocol import Claims
 from gpudeck.console.core import config as cfg
@@ -91,6 +91,30 @@ class LaunchIntent:
     def trainer_args(self) -> bool:
         """Whether ``argv`` holds a trainer's options (the command is built), not a whole command."""
         return self.kind in TRAINER_MODULES and (not self.argv or self.argv[0].startswith("-"))
+
+
+# the fields a LaunchSpec and a LaunchIntent share by name and meaning, copied as they are in both directions (a launch
+# records them, a relaunch reads them back): one list, so a field added to both is carried by both without a third copy
+SHARED_FIELDS = (
+    "name",
+    "cwd",
+    "need_gib",
+    "rdzv_port",
+    "checkpoint_dir",
+    "on_rank_death",
+    "on_hang",
+    "hang_after_s",
+    "straggler_window",
+    "expected_ranks",
+    "operator",
+)
+
+
+def shared_fields(source: object, **override: object) -> dict[str, Any]:
+    """The :data:`SHARED_FIELDS` of a LaunchSpec or a LaunchIntent, with ``override`` on top: the one copy between them."""
+    out: dict[str, Any] = {f: getattr(source, f) for f in SHARED_FIELDS}
+    out.update(override)
+    return out
 
 
 # ----------------------------------------------------------------------------- fields

@@ -43,6 +43,7 @@ from gpudeck.console.ops.intent import (
     check_kind,
     check_positive,
     check_start,
+    shared_fields,
 )
 from gpudeck.trainers.contract import TRAINER_MODULES, start_argv, strip_start
 
@@ -194,25 +195,15 @@ def plan_launch(
     program = _program(intent, start)
     base = LaunchSpec(
         argv=[],
-        name=(intent.name or "").strip() or None,
         kind=kind,
         gpus=gpus,
         env=env,
-        cwd=intent.cwd,
-        operator=intent.operator or caller.operator,
         start=start,
         parent=intent.parent,
         python=intent.python,
-        need_gib=intent.need_gib,
         force=intent.force,
-        rdzv_port=intent.rdzv_port,
-        checkpoint_dir=intent.checkpoint_dir,
-        on_rank_death=intent.on_rank_death,  # type: ignore[arg-type]
-        on_hang=intent.on_hang,  # type: ignore[arg-type]
-        hang_after_s=intent.hang_after_s,
-        straggler_window=intent.straggler_window,
-        expected_ranks=intent.expected_ranks,
         claims=claims,
+        **shared_fields(intent, name=(intent.name or "").strip() or None, operator=intent.operator or caller.operator),
     )
     if intent.hosts:
         return _plan_multinode(intent, base, program, python, n, nproc, conf, ssh_config_paths, run_id)

@@ -19,8 +19,8 @@ from gpudeck.agents.wire import envdiff
 from gpudeck.agents.wire.protocol import EnvFingerprint, LaunchSpec
 from gpudeck.console.core import config as cfg
 from gpudeck.console.fleet.fleet import Fleet
-from gpudeck.console.ops.errors import EXIT_USAGE, OpsError
-from gpudeck.console.ops.intent import CALLER_ENV, LaunchIntent
+from gpudeck.console.ops.errors import OpsError
+from gpudeck.console.ops.intent import CALLER_ENV, LaunchIntent, shared_fields
 from gpudeck.console.ops.launch import is_trainer, node_env
 from gpudeck.trainers.contract import TRAINER_MODULES, strip_start
 
@@ -116,20 +116,14 @@ def intent_from_spec(spec: LaunchSpec, host: str, conf: cfg.Config | None = None
         start=None,
         python=python,
         env=env,
-        name=spec.name,
-        cwd=spec.cwd,
         claims=spec.claims,
         hosts=hosts,
-        need_gib=spec.need_gib,
-        rdzv_port=spec.rdzv_port if not hosts else (spec.rdzv_port or None),
         rdzv_host=rdzv_host,
-        checkpoint_dir=spec.checkpoint_dir,
-        on_rank_death=spec.on_rank_death,
-        on_hang=spec.on_hang,
-        hang_after_s=spec.hang_after_s,
-        straggler_window=spec.straggler_window,
-        expected_ranks=spec.expected_ranks if not hosts and trainer_args is None else None,
-        operator=spec.operator,
+        **shared_fields(
+            spec,
+            rdzv_port=spec.rdzv_port if not hosts else (spec.rdzv_port or None),
+            expected_ranks=spec.expected_ranks if not hosts and trainer_args is None else None,
+        ),
     )
 
 
@@ -217,9 +211,8 @@ async def rebuild_environment(fleet: Fleet, host: str, recorded: EnvFingerprint)
 
 
 class EnvironmentChanged(OpsError):
-    """The known-good environment no longer matches its fingerprint and no rebuild was asked for: nothing started."""
-
-    exit_code = EXIT_USAGE
+    """The known-good environment no longer matches its fingerprint and no rebuild was asked for: nothing started (exit 1,
+    an operation refused, as docs/cli.md says; not a usage error: the same command with --rebuild-env may go on)."""
 
 
 def changed_environment(good_id: str, host: str, check: EnvironmentCheck) -> OpsError:

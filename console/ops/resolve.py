@@ -3,7 +3,8 @@
 The rules, the same for the agents' runs and for the history's:
 
 - an exact id wins (the nodes of a multi-node run share it: one run);
-- else a unique id prefix or a unique name, across every host asked;
+- else a unique id prefix or a unique name, across every host asked; a run that never started (``preflight_failed``)
+  yields to the runs of that name that did (a relaunch keeps the name, and a refused attempt is no rival);
 - more than one run matches: :class:`~gpudeck.console.ops.errors.AmbiguousRun` (exit
   code 2) with the candidates (host, id, name, state, started) — never a
   silent pick, never "no run" when there are several;
@@ -26,6 +27,7 @@ from gpudeck.console.fleet.fleet import Fleet
 from gpudeck.console.ops.errors import AmbiguousRun, Candidate, NoSuchRun, Unanswered
 
 LIST_LIMIT = 100_000  # runs asked of each host when a reference is not an exact id
+NEVER_RAN = frozenset({"preflight_failed"})  # states of a run that started nothing: a name or prefix prefers the runs that ran
 
 
 @dataclass(frozen=True)
@@ -44,6 +46,9 @@ def pick(ref: str, matches: Sequence[Match]) -> list[Match]:
     """The matches that ``ref`` names by the rules (every node of the one run); AmbiguousRun when several runs."""
     exact = [m for m in matches if m.id == ref]
     named = exact or [m for m in matches if m.id.startswith(ref) or m.name == ref]
+    if not exact and any(m.state not in NEVER_RAN for m in named):
+        # a relaunch keeps the name: a refused attempt (nothing started) never makes the run that ran ambiguous
+        named = [m for m in named if m.state not in NEVER_RAN]
     ids = list(dict.fromkeys(m.id for m in named))
     if len(ids) > 1:
         firsts: dict[str, Match] = {}

@@ -14,9 +14,19 @@ from gpudeck.agents.wire.causes import cause_class
 from gpudeck.agents.wire.protocol import PreflightResult, RunInfo, Snapshot, StopResult, UnaccountedMemory, to_builtins
 from gpudeck.console.core.fmt import duration, elapsed, gib, when
 from gpudeck.console.core.records import EventRecord, RunRecord
+from gpudeck.console.core.sanitize import escape_controls
 from gpudeck.console.ops.figures import RunFigures, run_figures, tokens_text
 from gpudeck.console.ops.triage import show_lines
 from gpudeck.console.present.views import unaccounted_holders, unaccounted_line
+
+SHOW_COMMAND_MAX = 2000  # characters of a command `gpudeck show` prints (--json has it whole)
+
+
+def command_line(argv: list[str] | None, limit: int) -> str:
+    """A command as one line of a table: its words joined by spaces, every control character (a newline too) escaped, at most ``limit``
+    characters ('…' marks a cut); '-' for none."""
+    text = escape_controls(" ".join(argv or []))
+    return (text[: limit - 1] + "…" if len(text) > limit else text) or "-"
 
 
 def table(headers: list[str], rows: list[list[str]]) -> str:
@@ -70,7 +80,7 @@ def format_status(snap: Snapshot, alias: str | None = None) -> str:
                     p.run_id or "-",
                     "-" if p.rank is None else str(p.rank),
                     p.user or "-",
-                    " ".join(p.cmdline)[:60] or "-",
+                    command_line(p.cmdline, 60),
                 ]
                 for p in procs
             ]
@@ -90,7 +100,7 @@ def format_status(snap: Snapshot, alias: str | None = None) -> str:
                         r.state,
                         str(sum(1 for m in r.members if m.role != "shim")),
                         duration(elapsed(r.started, r.ended)),
-                        " ".join(r.spec.argv)[:50],
+                        command_line(r.spec.argv, 50),
                     ]
                     for r in snap.runs
                 ],
@@ -124,11 +134,13 @@ def format_runs(runs: list[dict[str, Any]]) -> str:
 
 def format_stop(res: StopResult) -> str:
     """Human view of a stop's verification."""
+    if res.message and not res.stopped and not res.survivors:  # nothing was alive (an ended run): say so, not "stopped in"
+        return res.message
     lines = [f"run {res.run_id}: {res.state} in {res.seconds:.2f} s"]
     for p in res.stopped:
-        lines.append(f"  stopped  pid {p.pid:<7} {p.how:<12} {' '.join(p.cmdline)[:70]}")
+        lines.append(f"  stopped  pid {p.pid:<7} {p.how:<12} {command_line(p.cmdline, 70)}")
     for p in res.survivors:
-        lines.append(f"  SURVIVED pid {p.pid:<7} {p.status or '?':<12} {' '.join(p.cmdline)[:70]}")
+        lines.append(f"  SURVIVED pid {p.pid:<7} {p.status or '?':<12} {command_line(p.cmdline, 70)}")
     if res.needed_kill:
         lines.append(f"  needed SIGKILL: {', '.join(map(str, res.needed_kill))}")
     for f in res.freed:
@@ -237,6 +249,22 @@ def _kv(lines: list[str], key: str, value: object) -> None:
         lines.append(f"  {key:<16} {value}")
 
 
+def env_line(env: Mapping[str, Any]) -> str:
+    """A recorded fingerprint in one line; what is absent is named (torch not installed, a CPU build, no driver), never None."""
+    torch, cuda = env.get("torch"), env.get("torch_cuda")
+    if not torch:
+        torch_text = "torch not installed"
+    else:
+        torch_text = f"torch {torch} " + (f"cuda {cuda}" if cuda else "(CPU build)")
+    parts = [f"python {env.get('python_version') or '?'}", torch_text]
+    if env.get("nccl"):
+        parts.append(f"nccl {env['nccl']}")
+    parts.append(f"driver {env['driver']}" if env.get("driver") else "no NVIDIA driver")
+    return escape_controls(
+        " ".join(parts) + f" ({len(env.get('packages') or {})} packages, freeze {str(env.get('freeze_hash') or '-')[:12]})"
+    )
+
+
 def format_show(run: RunRecord, events: list[EventRecord], figures: RunFigures | None = None) -> str:
     """``gpudeck show``: one run in full, with its timeline (the shared figures: console/ops/figures.py)."""
     fig = figures or run_figures(run)
@@ -245,7 +273,7 @@ def format_show(run: RunRecord, events: list[EventRecord], figures: RunFigures |
     _kv(lines, "cause", run.cause)
     _kv(lines, "cause class", fig.cause_class)
     _kv(lines, "kind", run.kind)
-    _kv(lines, "command", " ".join(run.argv or []))
+    _kv(lines, "command", command_line(run.argv, SHOW_COMMAND_MAX) if run.argv else None)
     _kv(lines, "gpus", run.gpus)
     _kv(lines, "start", run.start)
     _kv(lines, "cwd", run.cwd)
@@ -275,12 +303,7 @@ def format_show(run: RunRecord, events: list[EventRecord], figures: RunFigures |
     _kv(lines, "error", run.error)
     env = run.env or {}  # the recorded fingerprint as written (any gpudeck version's): shown field by field
     if env:
-        _kv(
-            lines,
-            "environment",
-            f"python {env.get('python_version')} torch {env.get('torch')} cuda {env.get('torch_cuda')} nccl {env.get('nccl')} "
-            f"driver {env.get('driver')} ({len(env.get('packages') or {})} packages, freeze {str(env.get('freeze_hash'))[:12]})",
-        )
+        _kv(lines, "environment", env_line(env))
     for a in run.alerts or []:
         lines.append(f"  ALERT {a.get('kind')}: {a.get('message')}")
     lines += show_lines(events)
@@ -290,7 +313,7 @@ def format_show(run: RunRecord, events: list[EventRecord], figures: RunFigures |
         for m in members[:32]:
             rank = "" if m.get("rank") is None else f" rank {m['rank']}"
             role = " (leader)" if m.get("role") == "leader" else ""
-            lines.append(f"    pid {m.get('pid')}{role}{rank}: {' '.join(m.get('cmdline') or [])[:90]}")
+            lines.append(f"    pid {m.get('pid')}{role}{rank}: {command_line(m.get('cmdline') or [], 90)}")
         if len(members) > 32:
             lines.append(f"    ... and {len(members) - 32} more (gpudeck show --json lists them)")
     if events:
@@ -347,7 +370,7 @@ def format_leftovers(host: str, leftovers: list[Any], unaccounted: list[Unaccoun
                 gpu,
                 "-" if lo.cpu_percent is None else f"{lo.cpu_percent:.0f}%",
                 "-" if lo.rss is None else f"{lo.rss / 2**20:.0f} MiB",
-                " ".join(lo.cmdline)[:60] or "-",
+                command_line(lo.cmdline, 60),
             ]
         )
     out = [table(["PROCESS", "KIND", "RUN", "USER", "STATUS", "GPU MEMORY", "CPU", "RSS", "COMMAND"], rows), ""]

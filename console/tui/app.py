@@ -28,6 +28,7 @@ from gpudeck.console.core.sanitize import escape_controls
 from gpudeck.console.fleet.fleet import Fleet, HostLink, HostStatus
 from gpudeck.console.history.replica import History
 from gpudeck.console.ops import LaunchIntent
+from gpudeck.console.ops.rank_death import attach as attach_rank_death
 from gpudeck.console.tui.commands import GpudeckCommands
 from gpudeck.console.tui.compat.ansi_theme import light_ansi
 from gpudeck.console.tui.compat.textual_fixes import install as install_textual_fixes
@@ -109,6 +110,7 @@ class GpudeckApp(App):
         """``freeze_gc``: once connected, keep the start-up heap out of full collections (the real console does)."""
         super().__init__()
         self.fleet = fleet or Fleet()
+        attach_rank_death(self.fleet)  # --on-rank-death stop across a multi-node run's hosts (console/ops/rank_death.py)
         self._dirty_hosts: set[str] = set()
         self._history_dirty = False
         self._gc_frozen = not freeze_gc  # tests and embedders leave their process's collector alone
@@ -160,18 +162,16 @@ class GpudeckApp(App):
             return
         self._config_mtime = stamp
         try:
-            added, removed = self.fleet.reload_config()
+            added, removed, changed = self.fleet.reload_config()
         except ConfigError as exc:
             self.notify(str(exc), title="the config file changed and cannot be read", severity="error")
             return
-        for name in added:
+        for name in [*added, *changed]:  # a changed host has a new link (its new settings), followed like a new one
             self._follow_link(name, self.fleet.links[name])
-        if added or removed:
-            self._dirty_hosts |= {*added, *removed}
-            self.notify(
-                "; ".join([*(["added " + ", ".join(added)] if added else []), *(["removed " + ", ".join(removed)] if removed else [])]),
-                title="hosts changed",
-            )
+        if added or removed or changed:
+            self._dirty_hosts |= {*added, *removed, *changed}
+            said = [(added, "added"), (removed, "removed"), (changed, "reconnecting with new settings:")]
+            self.notify("; ".join(f"{word} {', '.join(names)}" for names, word in said if names), title="hosts changed")
 
     def _synced(self, host: str, n: int) -> None:
         if n:

@@ -12,6 +12,7 @@ import sys
 import time
 from typing import TYPE_CHECKING, Any
 
+from gpudeck.console.core.exitcodes import EXIT_CONFIG, EXIT_FAILING, EXIT_INTERRUPTED, EXIT_UNREACHABLE
 from gpudeck.console.core.sanitize import terminal_text
 
 if TYPE_CHECKING:
@@ -24,9 +25,8 @@ if TYPE_CHECKING:
 # gpudeck command
 DEFAULT_METRICS = ("127.0.0.1", 9464)
 
-EXIT_FAILING = 1
-EXIT_CONFIG = 2
-EXIT_NOT_RUNNING = 3  # --status: no watcher runs on this history (what its outbox says is printed all the same)
+# --status: no watcher runs on this history (what its outbox says is printed all the same)
+EXIT_NOT_RUNNING = EXIT_UNREACHABLE
 
 
 def add_parser(sub: Any) -> None:
@@ -225,4 +225,4 @@ def main(args: argparse.Namespace) -> int:
         print(terminal_text(f"gpudeck watch: {exc}"), file=sys.stderr)
         return EXIT_FAILING
     except KeyboardInterrupt:
-        return 130
+        return EXIT_INTERRUPTED

@@ -28,6 +28,7 @@ from gpudeck.console.core.sanitize import terminal_text
 from gpudeck.console.fleet.fleet import Fleet
 from gpudeck.console.fleet.transport import SshOptions
 from gpudeck.console.history.replica import History
+from gpudeck.console.ops.rank_death import attach as attach_rank_death
 from gpudeck.console.watch import deliver
 from gpudeck.console.watch.cli import DEFAULT_METRICS
 from gpudeck.console.watch.metrics import FleetCollector, MetricsEndpoint, WatchHealth
@@ -353,6 +354,7 @@ class Watcher:
             config=self.opts.config, history=history, interval_s=self.opts.interval_s, ssh=self.opts.ssh, state_dir=self.opts.state_dir
         )
         self.fleet = fleet
+        attach_rank_death(fleet)  # --on-rank-death stop across a multi-node run's hosts, as the console does
         for link in fleet.links.values():
             link.on_synced(lambda _host, n: self._scan_wake.set() if n else None)
         server = self._start_metrics(fleet, hist_path) if self.opts.metrics else None

@@ -427,10 +427,10 @@ def test_rollback_refuses_a_changed_environment_and_rebuild_env_recreates_it(sim
 
     n_runs = len(a.cli_json("runs"))
     cp = a.cli("rollback", bad, "--to", good, check=False)  # a plain command has no start to choose: not asked for one
-    assert cp.returncode == 2 and "no longer matches" in cp.stderr and "--fresh" not in cp.stderr, cp.stderr
+    assert cp.returncode == 1 and "no longer matches" in cp.stderr and "--fresh" not in cp.stderr, cp.stderr
     cp = a.cli("rollback", bad, "--to", good, "--fresh", check=False)
     assert (
-        cp.returncode == 2 and "no longer matches" in cp.stderr and "six 1.16.0 -> 1.17.0" in cp.stderr and "--rebuild-env" in cp.stderr
+        cp.returncode == 1 and "no longer matches" in cp.stderr and "six 1.16.0 -> 1.17.0" in cp.stderr and "--rebuild-env" in cp.stderr
     ), cp.stderr
     assert len(a.cli_json("runs")) == n_runs  # nothing started
 

@@ -9,26 +9,9 @@ not answer is named (as a node of the run only when it is one), and a destructiv
 
 from __future__ import annotations
 
-import pytest
-
-from tests.agent_harness import stop_runs
-from tests.sshd_harness import ConsoleSide, SshHost
+from tests.sshd_harness import ConsoleSide
 
 SLEEP = ["--", "sleep", "300"]
-
-
-@pytest.fixture
-def two_hosts():  # type: ignore[no-untyped-def]
-    c = ConsoleSide()
-    try:
-        for name in ("hosta", "hostb"):
-            c.add(SshHost(name, c.pub).start())
-        c.cli("hosts", "add", "hosta", "hostb")
-        yield c
-    finally:
-        for h in c.hosts:
-            stop_runs(h.agent)
-        c.cleanup()
 
 
 def launch(c: ConsoleSide, host: str, name: str) -> str:

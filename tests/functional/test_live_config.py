@@ -60,3 +60,18 @@ async def test_a_config_edited_into_one_no_parser_should_see_is_refused_and_the_
         await until(said, timeout=30, what="the console to say why it cannot read the config")
         assert said()[0].startswith(f"{path}, line 2: arrays or inline tables nested more than {cfg.MAX_NESTING} deep")
         assert set(table.keys()) == {"local", "127.0.0.1"} and set(fleet.links) == {"local", "127.0.0.1"}
+
+
+async def test_a_changed_host_setting_reaches_a_running_console_at_once(agent: AgentProc, tmp_path: Path) -> None:
+    """Fixing `command =` for a host: the console reconnects with it now, not after its old link's backoff (1.5 min)."""
+    path = tmp_path / "config.toml"
+    path.write_text('hosts = ["127.0.0.1"]\n\n[host."127.0.0.1"]\ncommand = "/nonexistent/gpudeck agent dial"\n')
+    fleet = Fleet(config=cfg.load(path), state_dir=agent.state_dir, interval_s=0.2)
+    app = GpudeckApp(fleet)
+    async with app.run_test(size=(150, 30)):
+        old = fleet.links["127.0.0.1"]
+        assert old.settings.command == "/nonexistent/gpudeck agent dial"
+        path.write_text('hosts = ["127.0.0.1"]\n\n[host."127.0.0.1"]\ncommand = "/opt/fixed/gpudeck agent dial"\n')
+        await until(lambda: fleet.links["127.0.0.1"] is not old, timeout=30, what="a new link with the new settings")
+        assert fleet.links["127.0.0.1"].settings.command == "/opt/fixed/gpudeck agent dial"
+        assert "local" in fleet.links

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import Mapping
 
@@ -16,6 +15,7 @@ from textual.widgets import Input, Static
 from gpudeck.console.core.fmt import duration
 from gpudeck.console.core.records import RunRecord
 from gpudeck.console.history.query import QueryError
+from gpudeck.console.ops.compare import compare_runs
 from gpudeck.console.ops.figures import run_figures, tokens_text
 from gpudeck.console.present.views import history_rows, run_row_from_history, stamp
 from gpudeck.console.tui.messages import HistoryLoaded
@@ -256,17 +256,9 @@ class HistoryScreen(LiveScreen):
         """Read both runs' full rows (environment included) in a thread, then show them side by side."""
         from gpudeck.console.tui.screens.diff import DiffScreen
 
-        history = deck(self).fleet.history
-        if history is None:
-            return
-        try:
-            full_a, full_b, ma, mb = await asyncio.gather(
-                asyncio.to_thread(history.find, a.id, a.host),
-                asyncio.to_thread(history.find, b.id, b.host),
-                asyncio.to_thread(history.metrics, a.host, a.id),
-                asyncio.to_thread(history.metrics, b.host, b.id),
-            )
+        try:  # the same records and step metrics as `gpudeck diff` and the Roll back dialog (ops.compare)
+            pair = await compare_runs(deck(self).fleet, (a.host, a.id), (b.host, b.id))
         except Exception as exc:
             self.notify(str(exc), title="cannot diff", severity="error")
             return
-        self.app.push_screen(DiffScreen(full_a, full_b, ma, mb))
+        self.app.push_screen(DiffScreen(pair.a, pair.b, pair.a_metrics, pair.b_metrics))

@@ -8,10 +8,10 @@ from dataclasses import dataclass, field
 from rich.text import Text
 from textual.screen import Screen
 
-from gpudeck.agents.wire.errors import AgentError
 from gpudeck.agents.wire.protocol import Gpu, StopResult
 from gpudeck.console.core.fmt import gib
 from gpudeck.console.core.sanitize import one_line
+from gpudeck.console.ops.stop import reclaim
 from gpudeck.console.tui.screens.base import deck
 from gpudeck.console.tui.screens.dialogs import ConfirmDialog, ResultDialog, stop_result_text
 from gpudeck.console.tui.widgets.progress import ProgressLine
@@ -90,11 +90,11 @@ async def reclaim_flow(
         return None
     pids = sorted({it.pid for it in items})
     progress.start(f"reclaiming {len(pids)} process(es) on {host}: SIGTERM sent", f"SIGKILL after {grace_s:.0f} s, then NVML verifies")
-    try:
-        res = await deck(screen).fleet.reclaim(host, pids, grace_s=grace_s, include_live=include_live)
-    except AgentError as exc:
-        progress.finish(f"reclaim failed: {exc.message}", style="bold red")
-        await screen.app.push_screen_wait(ResultDialog(f"Reclaim on {host} failed", Text(exc.message, style="red")))
+    # the reclaim `gpudeck reclaim HOST:PID ...` runs (ops.stop.reclaim): a host's error comes back as its message
+    [(_host, res)] = await reclaim(deck(screen).fleet, {host: pids}, grace_s, include_live)
+    if isinstance(res, str):
+        progress.finish(f"reclaim failed: {res}", style="bold red")
+        await screen.app.push_screen_wait(ResultDialog(f"Reclaim on {host} failed", Text(res, style="red")))
         return None
     progress.finish(
         f"reclaim on {host}: {res.state}, {gib(res.freed_bytes)} GiB freed in {res.seconds:.2f} s"

@@ -11,6 +11,8 @@ from __future__ import annotations
 import asyncio
 import shlex
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import msgspec
@@ -23,7 +25,6 @@ from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.screen import Screen
 from textual.widgets import Input, Static, TabbedContent, TabPane
 
-from gpudeck.agents.wire import envdiff
 from gpudeck.agents.wire.errors import AgentError
 from gpudeck.agents.wire.protocol import (
     TERMINAL_STATES,
@@ -38,12 +39,15 @@ from gpudeck.agents.wire.protocol import (
 )
 from gpudeck.console.core.fmt import duration, elapsed, gib
 from gpudeck.console.core.records import RunRecord
-from gpudeck.console.core.sanitize import escape_controls, one_line, redact_env
-from gpudeck.console.ops import OpsError, nodes_of, relaunch_intent, rollback_intent
-from gpudeck.console.ops.relaunch import check_environment, rebuild_environment, recorded_environment
+from gpudeck.console.core.sanitize import escape_controls, one_line, redact_env, redact_record
+from gpudeck.console.ops import OpsError, nodes_of, relaunch_intent
+from gpudeck.console.ops.compare import compare_runs
+from gpudeck.console.ops.readings import run_metrics, run_output, verify_run
+from gpudeck.console.ops.relaunch import EnvironmentCheck
+from gpudeck.console.ops.rollback import prepare_rollback, rollback_candidates
 from gpudeck.console.ops.stop import stop_run
 from gpudeck.console.ops.triage import format_triage, triage_run
-from gpudeck.console.present.views import history_rows, python_of, run_diff, run_from_record, stamp, stamp_age
+from gpudeck.console.present.views import python_of, run_diff, run_from_record, stamp, stamp_age
 from gpudeck.console.tui.messages import RecordLoaded
 from gpudeck.console.tui.screens.base import LiveScreen, deck
 from gpudeck.console.tui.screens.dialogs import ChoiceDialog, ConfirmDialog, ResultDialog, stop_result_text
@@ -475,7 +479,7 @@ class RunScreen(LiveScreen):
         note = self.query_one("#claims-note", Static)
         note.update(Text("asking the agent to check the claims ...", style="dim"))
         try:
-            reply = await deck(self).fleet.verify(self.host, self.run_id)
+            reply = await verify_run(deck(self).fleet, self.host, self.run_id)
         except AgentError as exc:
             if self.is_attached:
                 note.update(Text(f"claims could not be checked: {exc.message}", style="yellow"))
@@ -517,18 +521,8 @@ class RunScreen(LiveScreen):
         panel = self.query_one("#metrics")
         panel.display = False
         while True:
-            steps: list[int] = []
-            loss: list[float | None] = []
-            tps: list[float | None] = []
-            try:
-                m = await fleet.metrics(self.host, self.run_id, max_points=200)
-                steps, loss, tps = m.steps, m.loss, m.tokens_per_s
-            except AgentError:
-                if fleet.history is not None:
-                    pts = await asyncio.to_thread(fleet.history.metrics, self.host, self.run_id)
-                    steps = [p.step for p in pts]
-                    loss = [p.loss for p in pts]
-                    tps = [p.tokens_per_s for p in pts]
+            series = await run_metrics(fleet, self.host, self.run_id, max_points=200)  # the agent's, else the history's
+            steps, loss, tps = series.steps, series.loss, series.tokens_per_s
             if not self.is_attached:
                 return
             if steps:
@@ -558,7 +552,7 @@ class RunScreen(LiveScreen):
         fleet = deck(self).fleet
         status = self.query_one("#run-status", ProgressLine)
         try:
-            async for chunk in fleet.output(self.host, self.run_id, offset=0, follow=True):
+            async for chunk in run_output(fleet, self.host, self.run_id, offset=0, follow=True):
                 if chunk.data:
                     self._pending.append(chunk.data)
             self._pending.append("")
@@ -680,148 +674,69 @@ class RunScreen(LiveScreen):
     def action_rollback(self) -> None:
         self.rollback_flow()
 
-    async def _candidates(self) -> list[RunRecord]:
-        """Ended runs of the same kind to roll back to, succeeded first (the history's, else this host's agent's)."""
-        assert self.run is not None
-        fleet = deck(self).fleet
-        kind = self.run.spec.kind
-        rows: list[RunRecord] = []
-        if fleet.history is not None:
-            rows = await asyncio.to_thread(history_rows, fleet.history.path, f"kind:{kind} state:ended limit:200")
-        else:
-            try:
-                rows = [
-                    RunRecord.from_info(r)
-                    for r in await fleet.runs(self.host, limit=500)
-                    if r.spec.kind == kind and r.state in TERMINAL_STATES
-                ]
-            except AgentError as exc:
-                self.notify(exc.message, title="no runs to roll back to", severity="error")
-        rows = [r for r in rows if r.id != self.run.id]
-        rows.sort(key=lambda r: (r.state != "succeeded", -(r.started or r.created or 0)))
-        return rows
-
-    async def _full_record(self, row: RunRecord) -> RunRecord | None:
-        fleet = deck(self).fleet
-        if fleet.history is not None:
-            try:
-                return await asyncio.to_thread(fleet.history.find, row.id, row.host)
-            except Exception:
-                pass
-        try:
-            return RunRecord.from_info(await fleet.run(row.host, row.id))
-        except AgentError as exc:
-            self.notify(exc.message, title=f"cannot read {row.id}", severity="error")
-            return None
-
-    def _current_record(self) -> RunRecord:
-        """This run as a record: the history's, with what its agent says now on top (and the fingerprint either knows)."""
-        assert self.run is not None
-        rec = RunRecord.from_info(self.run)
-        if self.record is not None:
-            rec = self.record.overlaid(rec)
-        env = self._env()
-        if rec.env is None and env is not None:
-            rec = msgspec.structs.replace(rec, env=msgspec.to_builtins(env))
-        return rec
-
     @work(exclusive=True, group="run-rollback")
     async def rollback_flow(self) -> None:
-        """Pick a known-good run, read the diff, check its environment still holds, then relaunch with an explicit start."""
+        """Pick a known-good run, read the diff, then ``ops.prepare_rollback`` (its environment proved or rebuilt) and
+        the launch form with an explicit start: the same flow as ``gpudeck rollback``."""
         from gpudeck.console.tui.screens.picker import RunPicker
 
         if self.run is None:
             self.notify("the run is not known yet", severity="warning")
             return
-        status = self.query_one("#run-status", ProgressLine)
-        candidates = await self._candidates()
+        run = self.run
+        fleet = deck(self).fleet
+        try:
+            candidates = await rollback_candidates(fleet, self.host, run)
+        except OpsError as exc:
+            self.notify(exc.message, title="no runs to roll back to", severity="error")
+            return
         if not candidates:
-            self.notify(f"no ended {self.run.spec.kind} run to roll back to", severity="warning")
+            self.notify(f"no ended {run.spec.kind} run to roll back to", severity="warning")
             return
         pick = await self.app.push_screen_wait(
-            RunPicker(f"Roll back {self.run.id}: pick the known-good run", "succeeded runs first; enter picks, esc cancels", candidates)
+            RunPicker(f"Roll back {run.id}: pick the known-good run", "succeeded runs first; enter picks, esc cancels", candidates)
         )
         if pick is None:
             return
-        good = await self._full_record(pick)
-        if good is None:
+        try:
+            # the same records and step metrics as History -> Diff and `gpudeck diff` (ops.compare)
+            pair = await compare_runs(fleet, (self.host, run.id), (pick.host, pick.id), live_a=run)
+        except OpsError as exc:
+            self.notify(exc.message, title=f"cannot read {pick.id}", severity="error")
             return
-        cur = self._current_record()
-        diff = run_diff(cur, good)
-        good_spec, good_env = good.launch_spec_or_none(), good.env_fingerprint()
-        if good_spec is None:
-            self.notify(f"{good.id} has no recorded spec", severity="error")
-            return
+        cur, good = redact_record(pair.a), pair.b
+        diff = run_diff(cur, redact_record(good), pair.a_metrics, pair.b_metrics)
         body = Group(diff_summary(diff), Text(""), diff_table(diff, cur.label(), good.label(), only_differences=True, limit=30))
         how = await self.app.push_screen_wait(
             ChoiceDialog(
-                f"Roll back {self.run.id} to {good.id}",
+                f"Roll back {run.id} to {good.id}",
                 body,
                 [("env", "Its environment, this run's config", "e"), ("all", "Its environment and config", "c")],
             )
         )
         if how is None:
             return
+        self._status_used = True
         try:
-            recorded = recorded_environment(good.id, good_env)
+            intent = await prepare_rollback(
+                fleet,
+                run.spec,
+                run.id,
+                good,
+                self.host,
+                None,
+                how == "all",
+                _ScreenRollback(self, self.query_one("#run-status", ProgressLine)),
+            )
         except OpsError as exc:
-            self.notify(exc.message, severity="error")
+            self.query_one("#run-status", ProgressLine).finish(exc.message.split("\n", 1)[0], style="bold red")
+            await self.app.push_screen_wait(ResultDialog("Not rolled back", Text(f"{exc.message}\n\nnothing was started", style="red")))
             return
-        python = await self._checked_python(recorded, status)
-        if python is None:
-            return
-        intent = rollback_intent(
-            self.run.spec, self.run.id, good_spec, self.host, None, python, config_from=how == "all", good_host=good.host
-        )
         deck(self).launch_flow(
             prefill=intent,
             host=self.host,
-            title=f"Roll back {self.run.id} to {good.id}'s environment{' and config' if how == 'all' else ''}: choose the start",
+            title=f"Roll back {run.id} to {good.id}'s environment{' and config' if how == 'all' else ''}: choose the start",
         )
-
-    async def _checked_python(self, recorded: EnvFingerprint, status: ProgressLine) -> str | None:
-        """The interpreter to launch in, after proving it still matches its record (or rebuilding it); None: not launched."""
-        fleet = deck(self).fleet
-        python = recorded.python
-        self._status_used = True
-        status.start(f"fingerprinting {python} on {self.host}", "is it still the environment the good run had?")
-        try:
-            check = await check_environment(fleet, self.host, recorded)
-        except AgentError as exc:
-            status.finish(f"could not fingerprint {python}: {exc.message}", style="bold red")
-            await self.app.push_screen_wait(
-                ResultDialog("Cannot check the environment", Text(f"{exc.message}\n\nnothing was started", style="red"))
-            )
-            return None
-        if check.holds:
-            note = f"; the driver differs: {envdiff.describe(check.driver)[0]} (rollback cannot change the driver)" if check.driver else ""
-            status.finish(f"{python} still matches the good run's fingerprint{note}", style="green")
-            return python
-        status.finish(f"{python} changed since the good run: {len(check.changes)} difference(s)", style="bold yellow")
-        lines = "\n".join(one_line(line) for line in check.describe(20))  # package names and paths: the run's record
-        ok = await self.app.push_screen_wait(
-            ConfirmDialog(
-                "The good environment changed",
-                Text(
-                    f"{one_line(python)} no longer matches what the good run recorded:\n\n{lines}\n\nRebuild it from the recorded pip freeze into a new virtual environment (minutes; the result is checked against the record)? Nothing starts in the changed one."
-                ),
-                "Rebuild it",
-            )
-        )
-        if not ok:
-            return None
-        status.start(
-            f"rebuilding the environment on {self.host} from {len(recorded.freeze)} freeze lines",
-            "installing, then checking against the record",
-        )
-        try:
-            python, path = await rebuild_environment(fleet, self.host, recorded)
-        except (AgentError, OpsError) as exc:
-            status.finish(f"rebuild failed: {exc.message}", style="bold red")
-            await self.app.push_screen_wait(ResultDialog("Rebuild failed", Text(exc.message, style="red")))
-            return None
-        status.finish(f"rebuilt at {path}: matches the record", style="green")
-        return python
 
     # ------------------------------------------------------------------ stop
 
@@ -836,6 +751,43 @@ class RunScreen(LiveScreen):
         await stop_flow(self, self.host, self.run, self.query_one("#run-status", ProgressLine))
 
 
+class _ScreenRollback:
+    """The Run screen's answers to the rollback flow: steps on its status line, the rebuild asked in a dialog."""
+
+    TONES = {"ok": "green", "warn": "bold yellow", "error": "bold red", "info": ""}
+
+    def __init__(self, screen: Screen[Any], status: ProgressLine) -> None:
+        self.screen, self.status = screen, status
+
+    def say(self, text: str, tone: str = "info") -> None:
+        self.status.finish(text, style=self.TONES.get(tone, ""))
+
+    @contextmanager
+    def waiting(self, text: str, detail: str = "") -> Iterator[None]:
+        self.status.start(text, detail)
+        yield
+
+    async def rebuild(self, good_id: str, host: str, check: EnvironmentCheck) -> bool:
+        self.status.finish(f"{one_line(check.python)} changed since {good_id}: {len(check.changes)} difference(s)", style="bold yellow")
+        lines = "\n".join(one_line(line) for line in check.describe(20))  # package names and paths: the run's record
+        dialog = ConfirmDialog(
+            "The good environment changed",
+            Text(
+                f"{one_line(check.python)} no longer matches what the good run recorded:\n\n{lines}\n\nRebuild it from the recorded pip "
+                "freeze into a new virtual environment (minutes; the result is checked against the record)? Nothing starts in "
+                "the changed one."
+            ),
+            "Rebuild it",
+        )
+        ok = await self.screen.app.push_screen_wait(dialog)
+        return bool(ok)
+
+
+def _same_start(a: float | None, b: float | None) -> bool:
+    """Whether two readings of a process's start time are the same process (not a reused pid); unknown counts as same."""
+    return a is None or b is None or abs(a - b) < 1.0
+
+
 def stop_confirm_text(r: RunInfo, host: str, snap: Snapshot | None) -> Text:
     """What the stop confirmation says: the processes it will signal (pid, user, rank, command) and the memory they hold."""
     procs = {p.pid: p for g in snap.gpus for p in g.processes} if snap is not None else {}
@@ -847,7 +799,18 @@ def stop_confirm_text(r: RunInfo, host: str, snap: Snapshot | None) -> Text:
     body = Text()
     body.append(f"Stop run {r.id} on {host}?\n\n")
     if r.state in TERMINAL_STATES:
+        # an ended run's recorded members are mostly dead: list only those the host's last snapshot still sees
+        seen: dict[int, float | None] = {
+            p.pid: None for g in (snap.gpus if snap is not None else []) for p in g.processes if p.run_id == r.id
+        }
+        seen.update({p.pid: p.create_time for p in (snap.processes if snap is not None else [])})
+        members = [m for m in members if m.pid in seen and _same_start(seen[m.pid], m.create_time)]
         body.append(f"It has ended ({r.state}); this stops whatever of it is still alive (orphans).\n", style="yellow")
+        if not members:
+            body.append(
+                "None of its processes is alive in the host's last snapshot: nothing is to be signalled (the agent checks again).\n"
+            )
+            return body
     body.append(f"{len(members)} process(es): SIGTERM now, SIGKILL after {STOP_GRACE_S:.0f} s.\n")
     if members:
         body.append(f"\n{'PID':>8}  {'USER':<10} {'RANK':>4}  COMMAND\n", style="bold")
