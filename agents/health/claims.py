@@ -23,7 +23,7 @@ log = logging.getLogger("gpudeck.agent")
 def verify(sup: Supervisor, ref: str) -> tuple[RunInfo, list[ClaimRow]]:
     """Claims vs observed: live from the last observation, or as recorded when the run ended."""
     run = sup.resolve(ref)
-    lr = sup._live.get(run.id)
+    lr = sup.runs.get(run.id)
     if lr is not None and lr.last_obs is not None:
         return run, claims_report(lr.last_obs)
     ev = sup.journal.last_event(run.id, "claims")
@@ -41,6 +41,6 @@ def record(sup: Supervisor, lr: LiveRun | None) -> None:
         return
     try:
         rows = claims_report(lr.last_obs)
-        sup._emit(sup.journal.append("claims", lr.id, {"rows": msgspec.to_builtins(rows)}))
+        sup.runs.append("claims", lr.id, {"rows": msgspec.to_builtins(rows)})
     except (StorageError, Exception):  # the claims are a report; never let them block the end of a run
         log.exception("run %s: claims report failed", lr.id)

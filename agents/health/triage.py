@@ -584,7 +584,7 @@ async def _gather(sup: Supervisor, lr: LiveRun, reason: str) -> Triage:
         flight_recorder=fr_text,
         missing=missing,
     )
-    sup._emit_many([("triage", run.id, {"triage": msgspec.to_builtins(t)})], f"run {run.id}'s triage")
+    sup.runs.emit_many([("triage", run.id, {"triage": msgspec.to_builtins(t)})], f"run {run.id}'s triage")
     log.warning("run %s: triage (%s): %s", run.id, reason, t.culprit)
     return t
 
@@ -592,7 +592,7 @@ async def _gather(sup: Supervisor, lr: LiveRun, reason: str) -> Triage:
 async def on_demand(sup: Supervisor, ref: str) -> Triage:
     """``gpudeck triage RUN``: a live run's triage now (BadRequest for a run that is not live)."""
     run = sup.resolve(ref)
-    lr = sup._live.get(run.id)
+    lr = sup.runs.get(run.id)
     if lr is None or run.state not in ("running", "starting", "stopping"):
         raise BadRequest(
             f"run {run.id} is {run.state}, not live: a triage looks at live processes (`gpudeck show {run.id}` has any stored)"
@@ -612,11 +612,11 @@ def on_alerts(sup: Supervisor, lr: LiveRun, raised: list[Alert]) -> None:
             await gather(sup, lr, "hang alert")
         except Exception:  # evidence is a report: a failure is logged, never the end of the agent's loop
             log.exception("run %s: the triage of its hang failed", lr.id)
-        if policy == "stop" and lr.id not in sup._stopping:
+        if policy == "stop" and not sup.runs.stopping(lr.id):
             await sup.stop(
                 lr.id,
                 HANG_STOP_GRACE_S,
                 reason=f"stopped by gpudeck: {hang.message.split(':')[0]} and the run was launched with --on-hang stop",
             )
 
-    sup._spawn_bg(act())
+    sup.spawn_bg(act())

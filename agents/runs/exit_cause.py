@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gpudeck.agents.observe.telemetry import LineRejected, decode_line, decode_object
+from gpudeck.agents.runs import states
 from gpudeck.agents.wire.causes import host_oom_note
 from gpudeck.agents.wire.protocol import Alert, RunInfo
 
@@ -47,6 +48,7 @@ class ExitCause:
     exit_code: int | None
     signal: str | None
     ended: float
+    evidence: str  # what the end was decided on (agents/runs/states.py)
     node_death: tuple[int, int, float] | None = None  # a multi-node member's first gone rank, for the node alert
 
 
@@ -122,9 +124,11 @@ def _record_from_shim(rc: int) -> dict:
 def decide(run: RunInfo, f: ExitFacts) -> ExitCause:
     """The run's final state, cause, exit code and signal."""
     rec = f.record
+    evidence = states.EXIT_RECORD
     if rec is None and f.shim_returncode is not None and f.shim_returncode != 127:
         # exit.json could not be written (disk full), but this agent reaped the shim: its code is the run's
         rec = _record_from_shim(f.shim_returncode)
+        evidence = states.SHIM_EXIT
     now = time.time()
     node_death = None
     if rec is not None and rec.get("launch_error"):
@@ -144,6 +148,7 @@ def decide(run: RunInfo, f: ExitFacts) -> ExitCause:
             cause += "; ended while the agent was down"
     else:
         code, sig = None, None
+        evidence = states.MEMBERS_GONE
         state = "lost"
         cause = "agent lost track: the run ended while the agent was down and left no exit status"
         if f.telemetry_evidence:
@@ -175,4 +180,4 @@ def decide(run: RunInfo, f: ExitFacts) -> ExitCause:
         cause += f"; {rec['note']} (is the agent's state dir full?)"
     if f.stopped_cause is not None:
         state, cause = "stopped", f"{f.stopped_cause} ({cause})"
-    return ExitCause(state=state, cause=cause, exit_code=code, signal=sig, ended=now, node_death=node_death)
+    return ExitCause(state=state, cause=cause, exit_code=code, signal=sig, ended=now, evidence=evidence, node_death=node_death)

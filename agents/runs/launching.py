@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 import msgspec
 
 from gpudeck.agents.observe.procs import create_time_of
+from gpudeck.agents.runs import states
 from gpudeck.agents.runs.launcher import LaunchPlan, check_executable, fsync_write
 from gpudeck.agents.runs.liverun import LiveRun
 from gpudeck.agents.safety import envs
@@ -77,11 +78,11 @@ async def launch(sup: Supervisor, spec: LaunchSpec, request_id: str = "", host_n
     A failed pre-flight starts nothing; the run is recorded as ``preflight_failed`` with the reasons.
     """
     plan = LaunchPlan.of(spec)  # validated, its argv parsed and its environment built: once
-    async with sup._launch_lock:
+    async with sup.launch_lock:
         if request_id:
             earlier = sup.journal.run_by_request(request_id)
             if earlier is not None:
-                return sup._with_containment(earlier), True
+                return sup.with_containment(earlier), True
         if spec.run_id is not None and sup.journal.get_run(spec.run_id) is not None:
             raise BadRequest(f"run {spec.run_id} already exists on {sup.host}")
         pf = await preflight(sup, spec, host_name, plan)
@@ -109,15 +110,24 @@ async def record_preflight_failed(sup: Supervisor, spec: LaunchSpec, request_id:
     now = time.time()
     cause = failure_summary(pf)
     run = _record(sup, spec, request_id, "preflight_failed", now, cause=cause, ended=now, preflight=pf)
-    sup._emit(await sup.journal.durable_create_run(run))  # on disk before the reply; the loop never waits on the disk
-    sup._emit_many(
+    await sup.runs.create(run, states.PREFLIGHT_REFUSED)  # on disk before the reply; the loop never waits on the disk
+    sup.runs.emit_many(
         [
             ("preflight", run.id, {"result": msgspec.to_builtins(pf)}),
-            ("run_state", run.id, {"state": "preflight_failed", "cause": cause, "ended": now, "cause_class": "preflight"}),
+            (
+                "run_state",
+                run.id,
+                {
+                    "state": "preflight_failed",
+                    "cause": cause,
+                    "ended": now,
+                    "cause_class": "preflight",
+                    "evidence": states.PREFLIGHT_REFUSED,
+                },
+            ),
         ],
         f"run {run.id}'s pre-flight failure",
     )
-    sup._ended_ids.add(run.id)
     return run
 
 
@@ -146,11 +156,11 @@ async def launch_new(
         ) from exc
     # the record exists before anything starts: a failed start is never unrecorded
     try:
-        sup._emit(await sup.journal.durable_create_run(run))  # on disk before anything starts; the loop keeps serving meanwhile
+        await sup.runs.create(run, states.LAUNCHED)  # on disk before anything starts; the loop keeps serving meanwhile
     except StorageError as exc:
         shutil.rmtree(run_dir, ignore_errors=True)
         raise StorageError(f"{exc.message}; nothing was started") from exc
-    lr = sup._live[run_id] = LiveRun(info=run, launching=True)
+    lr = sup.runs.add(LiveRun(info=run, launching=True))
     try:
         return await start_recorded(sup, lr, plan, run_dir, pf, env_fp)
     finally:
@@ -173,13 +183,13 @@ async def start_recorded(
             fail_launch(sup, run, problem)
             raise LaunchFailed(f"{problem}; run {run_id} is recorded as failed") from exc
     lr.group = group
-    run.containment = sup._containment_info(group)
+    run.containment = sup.containment_info(group)
     extra: list[tuple[str, str | None, dict]] = [("containment", run_id, {"containment": msgspec.to_builtins(run.containment)})]
     if pf is not None:
         extra.append(("preflight", run_id, {"result": msgspec.to_builtins(pf)}))
     if env_fp is not None:
         extra.append(("env_fingerprint", run_id, {"env": msgspec.to_builtins(env_fp)}))
-    sup._emit_many(extra, f"run {run_id}'s containment/pre-flight/environment records")
+    sup.runs.emit_many(extra, f"run {run_id}'s containment/pre-flight/environment records")
 
     env = plan.run_env(run_id, run_dir)
     # a cwd on a hung NFS/FUSE mount must not freeze the agent: the checks run off the event loop
@@ -191,7 +201,7 @@ async def start_recorded(
         fail_launch(sup, run, problem)
         raise LaunchFailed(f"{problem}; run {run_id} is recorded as failed")
     try:
-        pid, shim = await asyncio.to_thread(sup._spawn, run, env)
+        pid, shim = await asyncio.to_thread(sup.spawn_shim, run, env)
     except LaunchFailed as exc:
         fail_launch(sup, run, exc.message)
         raise LaunchFailed(f"{exc.message}; run {run_id} is recorded as failed") from exc
@@ -210,17 +220,10 @@ async def start_recorded(
                 found_by="cgroup" if group else "tag",
             )
         )
-    sup._set(run, "run_state", {"state": "running", "pid": pid}, state="running", started=time.time(), members=members)
-    sup._reindex()
+    sup.runs.transition(run, "running", states.SPAWNED, {"pid": pid}, started=time.time(), members=members)
     return run, False
 
 
 def fail_launch(sup: Supervisor, run: RunInfo, cause: str) -> None:
-    sup._set(
-        run,
-        "run_state",
-        {"state": "failed", "cause": f"launch failed: {cause}"},
-        state="failed",
-        cause=f"launch failed: {cause}",
-        ended=time.time(),
-    )
+    why = f"launch failed: {cause}"
+    sup.runs.transition(run, "failed", states.LAUNCH_ERROR, {"cause": why}, cause=why, ended=time.time())

@@ -23,7 +23,6 @@ class LiveRun:
     group: RunGroup | None = None
     shim: subprocess.Popen | None = None  # only when this agent started it
     launching: bool = False  # recorded, not yet spawned: the tick must not judge it (no shim yet)
-    stop_task: asyncio.Task | None = None
     resume_stop_started: float | None = None  # a stop an earlier agent began: when (wall clock), from the journal
     tail: TelemetryTail | None = None
     journaled_offset: int = 0

@@ -32,9 +32,9 @@ def grouped_leftovers(sup: Supervisor) -> dict[int, str]:
     """pid -> run id for every process in the group of an ended run (a leftover whatever its environment says)."""
     out: dict[int, str] = {}
     groups = dict(sup.containment.groups())
-    groups.update(sup._ended_groups)
+    groups.update(sup.runs.ended_groups())
     for rid, group in groups.items():
-        if rid in sup._live:
+        if sup.runs.get(rid) is not None:
             continue
         state = sup.run_state(rid)
         if state is None:
@@ -121,15 +121,13 @@ async def reclaim(
     await stopper.verify_gpu(sup.gpus, result, targets + [Member(pid=lo.pid, create_time=0.0) for lo in unsignalable], gpu_before)
     result.seconds = round(time.monotonic() - t0, 3)
     result.message = reclaim_message(result, found)
-    for rid, group in list(sup._ended_groups.items()):
-        if not group.populated():
-            sup._settle_group(rid, group)
+    sup.runs.settle_emptied_groups()
     by_run: dict[str | None, list[int]] = {}
     for lo in chosen:
         by_run.setdefault(lo.run_id, []).append(lo.pid)
     try:
         for owner, rpids in by_run.items():
-            sup._emit(sup.journal.append("reclaimed", owner, {"pids": rpids, **msgspec.to_builtins(result)}))
+            sup.runs.append("reclaimed", owner, {"pids": rpids, **msgspec.to_builtins(result)})
     except StorageError:
         log.warning("could not journal the reclaim of %s", pids)
     return result

@@ -72,7 +72,7 @@ def finish(sup: Supervisor, lr: LiveRun, *, agent_was_down: bool = False, stoppe
             put_figures(run.containment, figures)
         data["containment"] = msgspec.to_builtins(run.containment)
     claims.record(sup, lr)
-    sup._set(run, "run_state", data, state=end.state, cause=end.cause, exit_code=end.exit_code, signal=end.signal, ended=end.ended)
+    sup.runs.transition(run, end.state, end.evidence, data, cause=end.cause, exit_code=end.exit_code, signal=end.signal, ended=end.ended)
     lr.shim = None
 
 
@@ -91,5 +91,5 @@ def node_death_alert(sup: Supervisor, run: RunInfo, gone: tuple[int, int, float]
         f"`gpudeck stop {run.id}`, then relaunch",
         data={"node_rank": run.spec.node_rank, "gone_since": round(since, 3), "member_ended": True},
     )
-    sup._emit_many([("alert", run.id, {"alert": msgspec.to_builtins(alert)})], f"run {run.id}'s node-death alert")
+    sup.runs.emit_many([("alert", run.id, {"alert": msgspec.to_builtins(alert)})], f"run {run.id}'s node-death alert")
     log.warning("run %s: %s", run.id, alert.message)

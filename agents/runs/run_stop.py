@@ -18,7 +18,7 @@ import msgspec
 
 from gpudeck.agents.health import claims
 from gpudeck.agents.observe.procs import alive, signal_exact
-from gpudeck.agents.runs import adoption, stopper, telemetry_fold, tick
+from gpudeck.agents.runs import adoption, states, stopper, telemetry_fold, tick
 from gpudeck.agents.runs.exit_cause import read_exit_record
 from gpudeck.agents.runs.liverun import LiveRun
 from gpudeck.agents.safety.containment import RunGroup, put_figures
@@ -40,12 +40,7 @@ async def stop(sup: Supervisor, ref: str, grace_s: float = 30.0, reason: str = "
     if grace_s < 0 or grace_s > 3600:
         raise BadRequest(f"grace {grace_s} s is out of range: give 0 to 3600 seconds")
     run = sup.resolve(ref)
-    task = sup._stopping.get(run.id)
-    if task is None:
-        task = asyncio.ensure_future(stop_run(sup, run, grace_s, reason))
-        sup._stopping[run.id] = task
-        rid = run.id
-        task.add_done_callback(lambda _t: sup._stopping.pop(rid, None))
+    task = sup.runs.stop_once(run.id, lambda: stop_run(sup, run, grace_s, reason))
     return await asyncio.shield(task)
 
 
@@ -72,12 +67,12 @@ async def stop_run(sup: Supervisor, run: RunInfo, grace_s: float, reason: str = 
     """TERM, grace, kill, wait, verify one run (see :func:`stop`); every read of its hundreds of processes in a thread."""
     t0 = time.monotonic()
     was_terminal = run.state in TERMINAL_STATES
-    lr = sup._live.get(run.id)
+    lr = sup.runs.get(run.id)
     if lr is None and not was_terminal:
-        lr = sup._live[run.id] = LiveRun(info=run, group=adoption.group_of(sup, run))
-    group = lr.group if lr is not None else (sup._ended_groups.get(run.id) or adoption.group_of(sup, run))
+        lr = sup.runs.add(LiveRun(info=run, group=adoption.group_of(sup, run)))
+    group = lr.group if lr is not None else (sup.runs.ended_group(run.id) or adoption.group_of(sup, run))
     result = StopResult(
-        run_id=run.id, state="stopping", containment=(run.containment.label if run.containment else sup._containment_info(group).label)
+        run_id=run.id, state="stopping", containment=(run.containment.label if run.containment else sup.containment_info(group).label)
     )
     stop_started = time.time()
     grace_left = grace_s
@@ -87,8 +82,8 @@ async def stop_run(sup: Supervisor, run: RunInfo, grace_s: float, reason: str = 
         grace_left = max(0.0, grace_s - spent)
         result.resumed_after_s = round(spent, 3)
         lr.resume_stop_started = None
-    if not was_terminal:
-        sup._set(run, "run_state", {"state": "stopping", "grace_s": grace_s, "stop_started": stop_started}, state="stopping")
+    if not was_terminal and run.state != "stopping":  # (a stop an earlier agent began is journaled as stopping already)
+        sup.runs.transition(run, "stopping", states.STOP_REQUESTED, {"grace_s": grace_s, "stop_started": stop_started})
     # with a group the kernel names the members: no full re-read of every process's identity is needed
     members = await members_now(sup, run, group, lr, full=group is None)
     shim_m = next((m for m in members if m.role == "shim"), None)
@@ -96,7 +91,7 @@ async def stop_run(sup: Supervisor, run: RunInfo, grace_s: float, reason: str = 
     live = await asyncio.to_thread(lambda: [m for m in targets if alive(m.pid, m.create_time)])
     if was_terminal and not live and (group is None or not group.populated()):
         if group is not None:
-            sup._settle_group(run.id, group)
+            sup.runs.settle_group(run.id, group)
         return StopResult(
             run_id=run.id,
             state=run.state,
@@ -129,7 +124,7 @@ async def stop_run(sup: Supervisor, run: RunInfo, grace_s: float, reason: str = 
             if lr is not None and info is not None:
                 put_figures(info, group.figures())
             why = (
-                sup._settle_group(run.id, group) if was_terminal or lr is None else None
+                sup.runs.settle_group(run.id, group) if was_terminal or lr is None else None
             )  # a live run's group goes when its end is journaled
             result.group_note = (
                 f"cgroup {group.path} emptied (populated 0)"
@@ -150,8 +145,8 @@ async def stop_run(sup: Supervisor, run: RunInfo, grace_s: float, reason: str = 
             + stopper.summary(result)
         )
         if group is not None:
-            sup._settle_group(run.id, group)
-        sup._emit(sup.journal.append("reclaimed", run.id, msgspec.to_builtins(result)))
+            sup.runs.settle_group(run.id, group)
+        sup.runs.append("reclaimed", run.id, msgspec.to_builtins(result))
         return result
     assert lr is not None
     telemetry_fold.poll(sup, lr, ending=True)  # its last records and last step, before the stop is recorded
@@ -172,9 +167,9 @@ async def stop_run(sup: Supervisor, run: RunInfo, grace_s: float, reason: str = 
     data: dict = {"state": "stopped", "cause": cause, "stop": msgspec.to_builtins(result)}
     if info is not None:
         data["containment"] = msgspec.to_builtins(info)
-    sup._set(run, "run_state", data, state="stopped", cause=cause, exit_code=code, signal=sig, ended=time.time())
+    sup.runs.transition(run, "stopped", states.STOP_VERIFIED, data, cause=cause, exit_code=code, signal=sig, ended=time.time())
     if group is not None and t.group_empty:
-        # _set removed it with the run's end; say if it could not
+        # the registry removed it with the run's end; say if it could not
         if group.exists():
             result.group_note += f"; {group.path} could not be removed"
         else:

@@ -169,7 +169,7 @@ class Agent:
         self.gpus = make_sampler(self.procs)
         if self.gpus.simulated:
             log.warning("SIMULATED GPUs: %s", getattr(self.gpus, "description", "GPUDECK_SIMULATE_GPUS is set"))
-        self._event_waiters: set[asyncio.Event] = set()  # one per following stream
+        self.event_waiters: set[asyncio.Event] = set()  # one per following stream
         self.supervisor = Supervisor(
             self.journal, paths.runs_dir(self.state_dir), self.host, self.gpus, self.procs, on_event=self._on_event
         )
@@ -231,7 +231,7 @@ class Agent:
         pass  # queued, not yet readable: followers are woken by the journal's commit (_on_commit)
 
     def _wake_followers(self) -> None:
-        for waiter in self._event_waiters:
+        for waiter in self.event_waiters:
             waiter.set()
 
     def _on_commit(self, seq: int) -> None:  # the journal's writer thread
@@ -834,7 +834,7 @@ class _Conn:
         after = max(0, req.after_seq)
         limit = max(1, min(req.limit, 10000))
         wake = asyncio.Event()
-        a._event_waiters.add(wake)
+        a.event_waiters.add(wake)
         waited = False
         try:
             while True:
@@ -865,7 +865,7 @@ class _Conn:
                 except TimeoutError:
                     pass
         finally:
-            a._event_waiters.discard(wake)
+            a.event_waiters.discard(wake)
 
     async def _output(self, req: ReadOutput) -> None:
         a = self.agent
