@@ -1,8 +1,9 @@
 """Provides re-adoption after an agent (re)start: live runs taken over with their groups, ended ones settled, groups tidied.
 
-A run the journal lists as live is taken over when anything of it still lives
-(its group, its shim, its leader), and ended (cause decided as if the agent
-had watched it) when nothing does; a stop an earlier agent began is finished
+A run the journal lists as live is taken over while it lives as the kernel
+sees it (its shim, else its group's members, else its members found by tag +
+ancestry: :func:`gpudeck.agents.runs.run_end.liveness`), and ended (cause decided
+from the evidence it left) when nothing of it does; a stop an earlier agent began is finished
 with the time already spent counted. Groups of ended runs are removed once
 empty; a group the journal does not know is reported, never deleted.
 """
@@ -57,7 +58,10 @@ def adopt(sup: Supervisor) -> list[str]:
         stop_left = run.state == "stopping" and (
             any(alive(m.pid, m.create_time) for m in run.members if m.role != "shim") or (lr.group is not None and lr.group.populated())
         )
-        if stop_left or tick.run_alive(lr) or any(alive(m.pid, m.create_time) for m in run.members if m.role == "leader"):
+        # the kernel judges: the run's group (or its members by tag + ancestry), never its shim alone
+        life = run_end.liveness(lr)
+        if stop_left or life.alive:
+            lr.last_seen_alive = time.time()
             if run.state == "stopping":
                 ev = sup.journal.last_event(run.id, "run_state")
                 data = ev.data if ev is not None and ev.data.get("state") == "stopping" else {}
@@ -75,6 +79,9 @@ def adopt(sup: Supervisor) -> list[str]:
                 else:
                     sup.runs.transition(run, "running", states.ADOPTED, adopted, event="run_adopted")
                 notes.append(f"{run.id}: re-adopted ({run.containment.label if run.containment else 'tag'})")
+                if life.shim_gone is not None:
+                    run_end.note_shim_gone(sup, lr, life)
+                    notes.append(f"{run.id}: {lr.shim_lost}; its {life.members} process(es) are supervised without it")
         else:
             was_stopping = run.state == "stopping"
             run_end.finish(

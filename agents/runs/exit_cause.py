@@ -11,6 +11,7 @@ else from the kernel log.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import stat
 import time
@@ -37,6 +38,9 @@ class ExitFacts:
     first_gone: tuple[int, int, float] | None = None  # (rank, pid, since) from the health state
     group_oom_kills: int | None = None  # memory.events oom_kill of the run's group (None: not counted here)
     stopped_cause: str | None = None
+    shim_gone: str | None = None  # how the shim went without an exit status (killed, or gone while no agent watched)
+    missing_record: str | None = None  # the shim exited by itself without exit.json: what was checked (its message, free space)
+    last_evidence: tuple[float, str] | None = None  # no exit status: the latest moment the run is known alive, and what says so
 
 
 @dataclass(frozen=True)
@@ -49,7 +53,8 @@ class ExitCause:
     signal: str | None
     ended: float
     evidence: str  # what the end was decided on (agents/runs/states.py)
-    node_death: tuple[int, int, float] | None = None  # a multi-node member's first gone rank, for the node alert
+    ended_by: str | None = None  # no exit status: what ``ended`` is (the run's last evidence), said in the event
+    rank_death: tuple[int, int, float] | None = None  # (rank, pid, since): a rank died first and no alert said so yet
 
 
 MAX_EXIT_RECORD = 64 * 1024  # the shim writes ~100 bytes; the run's folder is the run's to write, so anything may be there
@@ -111,26 +116,46 @@ def telemetry_evidence(tail: str) -> str:
     return f"last step reported: {last_step}" if last_step is not None else ""
 
 
-def _record_from_shim(rc: int) -> dict:
+def _record_from_shim(rc: int, why: str | None) -> dict:
     sig_name = None
     if rc > 128:
         try:
             sig_name = signal.Signals(rc - 128).name
         except ValueError:
             sig_name = None
-    return {"returncode": None if sig_name else rc, "signal": sig_name, "ended": time.time(), "note": "exit.json could not be written"}
+    note = "exit.json could not be written (the code is the shim's own)" + (f": {why}" if why else "")
+    return {"returncode": None if sig_name else rc, "signal": sig_name, "ended": time.time(), "note": note}
+
+
+_ROOT_CAUSE = re.compile(
+    r"Root Cause \(first observed failure\):.{0,400}?rank\s*:\s*(\d{1,6}).{0,200}?exitcode\s*:\s*(-?\d{1,4}) \(pid: (\d{1,10})\)", re.S
+)
+
+
+def torchrun_first_failure(tail: str) -> tuple[int, int] | None:
+    """(rank, pid) of torchrun's "Root Cause (first observed failure)" in the run's output, or None (bounded match)."""
+    got = None
+    for m in _ROOT_CAUSE.finditer(tail):
+        got = (int(m.group(1)), int(m.group(3)))
+    return got
+
+
+def _date(ts: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ts)) + f".{int(ts % 1 * 10)}"
 
 
 def decide(run: RunInfo, f: ExitFacts) -> ExitCause:
     """The run's final state, cause, exit code and signal."""
     rec = f.record
     evidence = states.EXIT_RECORD
-    if rec is None and f.shim_returncode is not None and f.shim_returncode != 127:
-        # exit.json could not be written (disk full), but this agent reaped the shim: its code is the run's
-        rec = _record_from_shim(f.shim_returncode)
+    ended_by = None
+    if rec is None and f.shim_returncode is not None and 0 <= f.shim_returncode != 127:
+        # exit.json could not be written (disk full?), but this agent reaped the shim, which exited by itself: its code
+        # is the run's. A shim killed by a signal (a negative code) says nothing of the command, so it is not used.
+        rec = _record_from_shim(f.shim_returncode, f.missing_record)
         evidence = states.SHIM_EXIT
     now = time.time()
-    node_death = None
+    rank_death = None
     if rec is not None and rec.get("launch_error"):
         state, cause, code, sig = "failed", f"launch failed: {rec['launch_error']}", None, None
     elif rec is not None:
@@ -150,19 +175,35 @@ def decide(run: RunInfo, f: ExitFacts) -> ExitCause:
         code, sig = None, None
         evidence = states.MEMBERS_GONE
         state = "lost"
-        cause = "agent lost track: the run ended while the agent was down and left no exit status"
+        if f.shim_gone is not None:
+            cause = f"exit status unknown: {f.shim_gone}, and every process of the run has ended since"
+        else:
+            cause = "agent lost track: the run ended and left no exit status"
+        if f.agent_was_down:
+            cause += " (it ended while the agent was down)"
+        if f.last_evidence is not None:
+            now, ended_by = f.last_evidence
+            cause += f"; ended by {_date(now)} at the latest (the last evidence: {ended_by})"
+        else:
+            ended_by = "when the agent found it ended (no earlier evidence)"
         if f.telemetry_evidence:
             cause += f"; {f.telemetry_evidence}"
         if f.output_reason:
             cause += f"; output shows {f.output_reason}"
     if state == "failed":
         gone = f.first_gone if f.first_death is None else None
+        if gone is None and f.first_death is None:
+            named = torchrun_first_failure(f.output_tail)  # torchrun's own report: the rank it saw fail first
+            if named is not None:
+                gone = (named[0], named[1], now)
         if f.first_death is not None:
             cause += f"; rank {f.first_death.rank} died first ({f.first_death.message.split(':')[0]})"
         elif gone is not None:
             cause += f"; rank {gone[0]} died first (pid {gone[1]}; the others were torn down after it)"
-            if (run.spec.nnodes or 1) > 1:
-                node_death = gone
+            tel = run.telemetry
+            world = run.spec.expected_ranks or (tel.world_size if tel is not None else None) or 1
+            if (run.spec.nnodes or 1) > 1 or world > 1:
+                rank_death = gone
         tail = f.output_tail
         killed = sig == "SIGKILL" or "exitcode: -9" in tail or "Signals.SIGKILL" in tail
         if killed:
@@ -177,7 +218,10 @@ def decide(run: RunInfo, f: ExitFacts) -> ExitCause:
             if oom:
                 cause = f"{cause} (host OOM killer: {oom})"
     if rec is not None and rec.get("note"):
-        cause += f"; {rec['note']} (is the agent's state dir full?)"
+        cause += f"; {rec['note']}"
     if f.stopped_cause is not None:
         state, cause = "stopped", f"{f.stopped_cause} ({cause})"
-    return ExitCause(state=state, cause=cause, exit_code=code, signal=sig, ended=now, evidence=evidence, node_death=node_death)
+        rank_death = None  # an operator's stop ended it, not the rank
+    return ExitCause(
+        state=state, cause=cause, exit_code=code, signal=sig, ended=now, evidence=evidence, ended_by=ended_by, rank_death=rank_death
+    )

@@ -35,6 +35,8 @@ class LiveRun:
     first_death: Alert | None = None
     triage_task: asyncio.Task | None = None  # the triage being gathered (agents/health/triage.py: one at a time)
     reported_pids: set[int] = field(default_factory=set)  # outside/other-uid pids already logged
+    last_seen_alive: float | None = None  # the last tick that saw the run alive (a lost run's end is no later)
+    shim_lost: str | None = None  # how its shim went without an exit status, once journaled (the run lives on without it)
 
     @property
     def id(self) -> str:

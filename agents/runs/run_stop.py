@@ -162,6 +162,8 @@ async def stop_run(sup: Supervisor, run: RunInfo, grace_s: float, reason: str = 
         cause += f"; {len(result.survivors)} process(es) survived SIGKILL ({', '.join(f'{s.pid} {s.status}' for s in result.survivors)})"
     if result.reported:
         cause += f"; {len(result.reported)} process(es) reported and not signalled"
+    if lr.shim_lost is not None:
+        cause += f"; earlier, {lr.shim_lost}: its exit status is not known"
     result.state = "stopped"
     claims.record(sup, lr)
     data: dict = {"state": "stopped", "cause": cause, "stop": msgspec.to_builtins(result)}

@@ -153,9 +153,12 @@ def judge(sup: Supervisor, got: Scan) -> None:
             apply_look(sup, lr, lk, got.alive_now)
         else:  # changed (or started) since the scan: looked at again, here
             discover_members(sup, lr, got.tree)
-        if not run_alive(lr):
+        life = run_end.liveness(lr)
+        if not life.alive:
             run_end.finish(sup, lr)
             continue
+        lr.last_seen_alive = time.time()
+        run_end.note_shim_gone(sup, lr, life)
         check_health(sup, lr, got.gpus or [], got.alive_now)
     sup.runs.settle_emptied_groups()
 
@@ -182,16 +185,6 @@ async def tick(sup: Supervisor) -> None:
         return
     got = await asyncio.to_thread(_refreshed_scan, sup, _watched(sup))
     judge(sup, got)  # back on the loop: request handlers may have changed runs meanwhile, so judge what is there now
-
-
-def run_alive(lr: LiveRun) -> bool:
-    """Whether the run's shim (or, adopted without it, its leader or any member) still lives."""
-    if lr.shim is not None:
-        return lr.shim.poll() is None
-    m = lr.member("shim") or lr.member("leader")
-    if m is None:  # only tagged workers are known (the agent died while starting it)
-        return any(alive(x.pid, x.create_time) for x in lr.info.members)
-    return alive(m.pid, m.create_time)
 
 
 def poll_shims(sup: Supervisor) -> None:
