@@ -2,7 +2,7 @@
 
 A run the journal lists as live is taken over while it lives as the kernel
 sees it (its shim, else its group's members, else its members found by tag +
-ancestry: :func:`gpudeck.agents.runs.run_end.liveness`), and ended (cause decided
+ancestry: :func:`gpudeck.agents.runs.ending.liveness`), and ended (cause decided
 from the evidence it left) when nothing of it does; a stop an earlier agent began is finished
 with the time already spent counted. Groups of ended runs are removed once
 empty; a group the journal does not know is reported, never deleted.
@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from gpudeck.agents.observe.procs import alive
-from gpudeck.agents.runs import run_end, states, tick
+from gpudeck.agents.runs import ending, states, tick
 from gpudeck.agents.runs.liverun import LiveRun
 from gpudeck.agents.safety.containment import RunGroup
 from gpudeck.agents.safety.membership import proc_tree
@@ -59,7 +59,7 @@ def adopt(sup: Supervisor) -> list[str]:
             any(alive(m.pid, m.create_time) for m in run.members if m.role != "shim") or (lr.group is not None and lr.group.populated())
         )
         # the kernel judges: the run's group (or its members by tag + ancestry), never its shim alone
-        life = run_end.liveness(lr)
+        life = ending.liveness(lr)
         if stop_left or life.alive:
             lr.last_seen_alive = time.time()
             if run.state == "stopping":
@@ -80,11 +80,11 @@ def adopt(sup: Supervisor) -> list[str]:
                     sup.runs.transition(run, "running", states.ADOPTED, adopted, event="run_adopted")
                 notes.append(f"{run.id}: re-adopted ({run.containment.label if run.containment else 'tag'})")
                 if life.shim_gone is not None:
-                    run_end.note_shim_gone(sup, lr, life)
+                    ending.note_shim_gone(sup, lr, life)
                     notes.append(f"{run.id}: {lr.shim_lost}; its {life.members} process(es) are supervised without it")
         else:
             was_stopping = run.state == "stopping"
-            run_end.finish(
+            ending.finish(
                 sup,
                 lr,
                 agent_was_down=True,

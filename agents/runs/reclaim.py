@@ -3,7 +3,7 @@
 A leftover is found by its group where the run had one (anything still in an
 ended run's cgroup, whatever its environment says), else by its tag or as a GPU
 holder of no run (:mod:`gpudeck.agents.safety.leftovers`). A live run's process is
-reclaimed only when asked; the stop is the stopper's, verified through NVML.
+reclaimed only when asked; the stop is the stop sequence's (:mod:`gpudeck.agents.runs.stop`), verified through NVML.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import msgspec
 
 from gpudeck.agents.observe.procs import CT_TOLERANCE, alive, read_stat
-from gpudeck.agents.runs import stopper, tick
+from gpudeck.agents.runs import stop, tick
 from gpudeck.agents.safety.leftovers import find_leftovers
 from gpudeck.agents.wire.errors import BadRequest, StorageError
 from gpudeck.agents.wire.protocol import Leftover, Member, StoppedProcess, StopResult
@@ -77,7 +77,7 @@ def reclaim_message(result: StopResult, found: dict[int, Leftover]) -> str:
         for s in result.survivors + result.stopped
         if s.pid in found and found[s.pid].kind in SIGNAL_PROOF
     ]
-    return stopper.summary(result) + ("; " + "; ".join(notes) if notes else "")
+    return stop.summary(result) + ("; " + "; ".join(notes) if notes else "")
 
 
 async def reclaim(
@@ -114,11 +114,11 @@ async def reclaim(
             targets.append(Member(pid=lo.pid, create_time=lo.create_time, role="leftover", rank=lo.rank, cmdline=lo.cmdline[:12]))
     live = [m for m in targets if alive(m.pid, m.create_time)]
     gpu_before = await asyncio.to_thread(sup.gpus.memory_used) if sup.gpus.available else {}
-    t = await stopper.terminate(live, grace_s, poll=lambda: tick.poll_shims(sup))
-    stopper.classify(result, targets, t)
+    t = await stop.terminate(live, grace_s, poll=lambda: tick.poll_shims(sup))
+    stop.classify(result, targets, t)
     for lo in unsignalable:
         result.survivors.append(StoppedProcess(pid=lo.pid, cmdline=lo.cmdline, role="leftover", how="survived", status="no such process"))
-    await stopper.verify_gpu(sup.gpus, result, targets + [Member(pid=lo.pid, create_time=0.0) for lo in unsignalable], gpu_before)
+    await stop.verify_gpu(sup.gpus, result, targets + [Member(pid=lo.pid, create_time=0.0) for lo in unsignalable], gpu_before)
     result.seconds = round(time.monotonic() - t0, 3)
     result.message = reclaim_message(result, found)
     sup.runs.settle_emptied_groups()

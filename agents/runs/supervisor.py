@@ -6,12 +6,12 @@ Every run's life is owned by the registry (:class:`~gpudeck.agents.runs.registry
 says which run a process belongs to (:mod:`gpudeck.agents.safety.attribution`) and
 hands each step to a module that does what its name says, through public methods only:
 
-- :mod:`gpudeck.agents.runs.launching`: pre-flight, the record, the group, the spawn (the argv read once);
+- :mod:`gpudeck.agents.runs.launch`: pre-flight, the record, the group, the spawn (the argv read once);
 - :mod:`gpudeck.agents.runs.tick`: the supervision tick, its reads in a thread, its decisions on the loop;
-- :mod:`gpudeck.agents.runs.telemetry_fold`: a run's telemetry folded and journaled;
+- :mod:`gpudeck.agents.runs.run_telemetry`: a run's telemetry folded and journaled;
 - :mod:`gpudeck.agents.health.claims`: claims against what was observed;
-- :mod:`gpudeck.agents.runs.run_end`: how a run ended (decided by :mod:`gpudeck.agents.runs.exit_cause`), journaled;
-- :mod:`gpudeck.agents.runs.run_stop`: stop one run (the sequence is :mod:`gpudeck.agents.runs.stopper`);
+- :mod:`gpudeck.agents.runs.ending`: whether a run lives (the kernel judges), how it ended, journaled;
+- :mod:`gpudeck.agents.runs.stop`: stop one run (the sequence is shared with reclaim);
 - :mod:`gpudeck.agents.runs.reclaim`: the leftovers of ended runs, listed and stopped;
 - :mod:`gpudeck.agents.runs.adoption`: runs and groups taken over after an agent restart.
 
@@ -34,9 +34,9 @@ import msgspec
 from gpudeck.agents.health import claims
 from gpudeck.agents.observe.gpus import GpuSource
 from gpudeck.agents.observe.procs import ProcTable
-from gpudeck.agents.runs import adoption, launching, reclaim, run_stop, telemetry_fold
+from gpudeck.agents.runs import adoption, launch, reclaim, run_telemetry, stop
 from gpudeck.agents.runs import tick as ticks
-from gpudeck.agents.runs.launcher import LaunchPlan, spawn
+from gpudeck.agents.runs.launch import LaunchPlan, spawn
 from gpudeck.agents.runs.registry import RunRegistry
 from gpudeck.agents.safety.attribution import Attribution
 from gpudeck.agents.safety.containment import LABELS, Containment, RunGroup, detect
@@ -156,16 +156,16 @@ class Supervisor:
     # ------------------------------------------------------------------ the steps, each in its module
 
     async def preflight(self, spec: LaunchSpec, host_name: str | None = None, plan: LaunchPlan | None = None) -> PreflightResult:
-        """Every pre-flight check of ``spec`` here; nothing is started (see :mod:`gpudeck.agents.runs.launching`)."""
-        return await launching.preflight(self, spec, host_name, plan)
+        """Every pre-flight check of ``spec`` here; nothing is started (see :mod:`gpudeck.agents.runs.launch`)."""
+        return await launch.preflight(self, spec, host_name, plan)
 
     def fingerprint_for(self, spec: LaunchSpec, plan: LaunchPlan | None = None) -> EnvFingerprint | None:
         """The run's python environment, fingerprinted (None when the run is not a python program)."""
-        return launching.fingerprint_for(self, spec, plan)
+        return launch.fingerprint_for(self, spec, plan)
 
     async def launch(self, spec: LaunchSpec, request_id: str = "", host_name: str | None = None) -> tuple[RunInfo, bool]:
         """Pre-flight, then start a run; returns (run, duplicate). A known request_id returns its first run."""
-        return await launching.launch(self, spec, request_id, host_name)
+        return await launch.launch(self, spec, request_id, host_name)
 
     def spawn_shim(self, run: RunInfo, env: dict[str, str]) -> tuple[int, subprocess.Popen]:
         """Start the run's shim (in the run's group, if any); returns (the command's pid, the shim)."""
@@ -184,7 +184,7 @@ class Supervisor:
         """Fold new telemetry into a live run's summary; journal what history needs, exactly once."""
         lr = self.runs.get(run.id)
         if lr is not None:
-            telemetry_fold.poll(self, lr)
+            run_telemetry.poll(self, lr)
 
     def verify(self, ref: str) -> tuple[RunInfo, list[ClaimRow]]:
         """Claims vs observed: live from the last observation, or as recorded when the run ended."""
@@ -200,7 +200,7 @@ class Supervisor:
 
     async def stop(self, ref: str, grace_s: float = 30.0, reason: str = "stopped by operator") -> StopResult:
         """Stop one run entirely and verify; concurrent stops of the same run share one result."""
-        return await run_stop.stop(self, ref, grace_s, reason)
+        return await stop.stop(self, ref, grace_s, reason)
 
     async def leftovers(self, include_live: bool = False, host_name: str | None = None) -> list[Leftover]:
         """Every leftover process here (see agents/safety/leftovers.py), with CPU % over a short sample."""

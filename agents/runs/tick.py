@@ -23,7 +23,7 @@ import msgspec
 from gpudeck.agents.health import triage
 from gpudeck.agents.health.rules import Baseline, observe
 from gpudeck.agents.observe.procs import StatLine, alive
-from gpudeck.agents.runs import run_end, telemetry_fold
+from gpudeck.agents.runs import ending, run_telemetry
 from gpudeck.agents.runs.liverun import LiveRun
 from gpudeck.agents.safety.containment import GroupFigures, put_figures
 from gpudeck.agents.safety.membership import Discovery, discover, proc_tree
@@ -145,7 +145,7 @@ def judge(sup: Supervisor, got: Scan) -> None:
         run = lr.info
         if run.state not in ("running", "starting", "stopping") or sup.runs.get(run.id) is not lr:
             continue
-        telemetry_fold.poll(sup, lr)
+        run_telemetry.poll(sup, lr)
         if sup.runs.stopping(run.id) or lr.launching:
             continue
         lk = got.looks.get(run.id)
@@ -153,12 +153,12 @@ def judge(sup: Supervisor, got: Scan) -> None:
             apply_look(sup, lr, lk, got.alive_now)
         else:  # changed (or started) since the scan: looked at again, here
             discover_members(sup, lr, got.tree)
-        life = run_end.liveness(lr)
+        life = ending.liveness(lr)
         if not life.alive:
-            run_end.finish(sup, lr)
+            ending.finish(sup, lr)
             continue
         lr.last_seen_alive = time.time()
-        run_end.note_shim_gone(sup, lr, life)
+        ending.note_shim_gone(sup, lr, life)
         check_health(sup, lr, got.gpus or [], got.alive_now)
     sup.runs.settle_emptied_groups()
 

@@ -34,7 +34,7 @@ from gpudeck.agents.health import triage
 from gpudeck.agents.observe.gpus import make_sampler
 from gpudeck.agents.observe.procs import ProcTable
 from gpudeck.agents.observe.telemetry import step_series
-from gpudeck.agents.runs.launcher import SHIMS
+from gpudeck.agents.runs.launch import SHIMS
 from gpudeck.agents.runs.supervisor import Supervisor, hostname
 from gpudeck.agents.safety import envs
 from gpudeck.agents.safety.membership import cmdline_of

@@ -6,8 +6,7 @@ import time
 from pathlib import Path
 
 from gpudeck.agents.runs import states
-from gpudeck.agents.runs.exit_cause import ExitFacts, decide, torchrun_first_failure
-from gpudeck.agents.runs.run_end import missing_exit_record
+from gpudeck.agents.runs.ending import ExitFacts, decide, missing_exit_record, torchrun_first_failure
 from gpudeck.agents.wire.protocol import LaunchSpec, Member, RunInfo
 
 ROOT_CAUSE = """[rank0]: Traceback (most recent call last):

@@ -1,4 +1,4 @@
-"""Provides the telemetry fold: a live run's new telemetry read into its summary, and journaled once for history."""
+"""Provides a live run's telemetry: its new records folded into its summary, and journaled once for history."""
 
 from __future__ import annotations
 
