@@ -415,7 +415,7 @@ def finish(sup: Supervisor, lr: LiveRun, *, agent_was_down: bool = False, stoppe
         if figures is not None:
             put_figures(run.containment, figures)
         data["containment"] = msgspec.to_builtins(run.containment)
-    claims.record(sup, lr)
+    claims.record(sup.runs.append, lr.id, lr.last_obs)
     sup.runs.transition(run, end.state, end.evidence, data, cause=end.cause, exit_code=end.exit_code, signal=end.signal, ended=end.ended)
     lr.shim = None
 

@@ -494,7 +494,7 @@ async def stop_run(sup: Supervisor, run: RunInfo, grace_s: float, reason: str = 
     if lr.shim_lost is not None:
         cause += f"; earlier, {lr.shim_lost}: its exit status is not known"
     result.state = "stopped"
-    claims.record(sup, lr)
+    claims.record(sup.runs.append, lr.id, lr.last_obs)
     data: dict = {"state": "stopped", "cause": cause, "stop": msgspec.to_builtins(result)}
     if info is not None:
         data["containment"] = msgspec.to_builtins(info)

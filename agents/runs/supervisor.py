@@ -37,6 +37,7 @@ from gpudeck.agents.observe.procs import ProcTable
 from gpudeck.agents.runs import adoption, launch, reclaim, run_telemetry, stop
 from gpudeck.agents.runs import tick as ticks
 from gpudeck.agents.runs.launch import LaunchPlan, spawn
+from gpudeck.agents.runs.liverun import LiveRun
 from gpudeck.agents.runs.registry import RunRegistry
 from gpudeck.agents.safety.attribution import Attribution
 from gpudeck.agents.safety.containment import LABELS, Containment, RunGroup, detect
@@ -188,7 +189,27 @@ class Supervisor:
 
     def verify(self, ref: str) -> tuple[RunInfo, list[ClaimRow]]:
         """Claims vs observed: live from the last observation, or as recorded when the run ended."""
-        return claims.verify(self, ref)
+        run = self.resolve(ref)
+        lr = self.runs.get(run.id)
+        recorded = self.journal.last_event(run.id, "claims") if lr is None or lr.last_obs is None else None
+        rows = claims.report(
+            run, lr.last_obs if lr is not None else None, recorded, lambda: self.attributed_gpus() if self.gpus.available else []
+        )
+        return run, rows
+
+    # ------------------------------------------------------------------ what a triage needs (agents/health/triage.py)
+
+    def live_run(self, run_id: str) -> LiveRun | None:
+        """The live run of this id, or None."""
+        return self.runs.get(run_id)
+
+    def journal_many(self, items: list[tuple[str, str | None, dict]], what: str) -> None:
+        """Journal several events of runs here and hand them on (a journal that cannot be written is logged)."""
+        self.runs.emit_many(items, what)
+
+    def stop_under_way(self, run_id: str) -> bool:
+        """Whether a stop of this run is under way."""
+        return self.runs.stopping(run_id)
 
     def adopt(self) -> list[str]:
         """After an agent (re)start: take over live runs, settle runs that ended meanwhile, tidy this agent's groups."""
