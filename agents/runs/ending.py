@@ -287,8 +287,9 @@ def liveness(lr: LiveRun) -> Liveness:
         how = (
             f"its shim (pid {shim_m.pid}, the parent of the run's command) is gone; how it ended is not known (this agent did not start it)"
         )
-    else:  # adopted without a shim on record (an earlier agent died while starting it)
-        how = "no shim is on record for it (an earlier agent died while starting it)"
+    else:  # adopted without a shim on record (an earlier agent died while starting it): its members say, and
+        # the shim among them (found by its tag) may still write the exit status, so nothing is said to be lost
+        how = None
     if read_exit_record(run.run_dir) is not None:
         return Liveness(False)
     if lr.group is not None:
