@@ -17,7 +17,7 @@ Also the supervision tick's stall of the event loop with that run live:
 the decisions on the loop), each as the worst wall-clock gap between two 1 ms
 beats and as the most CPU the loop's own thread spent within one beat. The
 stop's phases (TERM + grace + kill + wait for ``populated 0``; the GPU
-verification; the rest) are timed by wrapping the stopper's functions.
+verification; the rest) are timed by wrapping the stop sequence's functions.
 
 Usage: python bench/containment.py [--procs 500] [--launches 7] [--grace 2] [--ticks 10]
 """
@@ -40,7 +40,7 @@ sys.path.insert(0, str(ROOT))
 
 from gpudeck.agents.observe.gpus_sim import SimulatedGpuSampler
 from gpudeck.agents.observe.procs import ProcTable
-from gpudeck.agents.runs import stopper
+from gpudeck.agents.runs import stop
 from gpudeck.agents.runs.supervisor import Supervisor
 from gpudeck.agents.safety.containment import detect
 from gpudeck.agents.server.snapshot import SnapshotBuilder
@@ -89,9 +89,9 @@ async def loop_stall(coro_fn) -> tuple[float, float]:  # type: ignore[no-untyped
 
 @contextlib.contextmanager
 def phases_timed():  # type: ignore[no-untyped-def]
-    """Wall time of the stop's phases (TERM + grace + kill + wait; the GPU verification), by wrapping the stopper's functions."""
+    """Wall time of the stop's phases (TERM + grace + kill + wait; the GPU verification), by wrapping the stop sequence's functions."""
     phases: dict[str, float] = {}
-    saved = stopper.terminate, stopper.verify_gpu
+    saved = stop.terminate, stop.verify_gpu
 
     def timed(name: str, fn):  # type: ignore[no-untyped-def]
         async def wrapper(*a, **kw):  # type: ignore[no-untyped-def]
@@ -103,12 +103,12 @@ def phases_timed():  # type: ignore[no-untyped-def]
 
         return wrapper
 
-    stopper.terminate = timed("term+grace+kill+wait", stopper.terminate)  # type: ignore[assignment]
-    stopper.verify_gpu = timed("GPU verification", stopper.verify_gpu)  # type: ignore[assignment]
+    stop.terminate = timed("term+grace+kill+wait", stop.terminate)  # type: ignore[assignment]
+    stop.verify_gpu = timed("GPU verification", stop.verify_gpu)  # type: ignore[assignment]
     try:
         yield phases
     finally:
-        stopper.terminate, stopper.verify_gpu = saved
+        stop.terminate, stop.verify_gpu = saved
 
 
 def out(name: str, value: float, unit: str, note: str = "") -> None:

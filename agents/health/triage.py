@@ -48,23 +48,22 @@ import stat
 import subprocess
 import sys
 import time
+from collections.abc import Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import msgspec
 import psutil
 
 from gpudeck.agents.health import flight_recorder
 from gpudeck.agents.health.access import ANYONE, Reader, open_as, reader_of
-from gpudeck.agents.runs.liverun import LiveRun
+from gpudeck.agents.health.rules import Observation
+from gpudeck.agents.observe.gpus import GpuSource
 from gpudeck.agents.wire.errors import BadRequest
-from gpudeck.agents.wire.protocol import Alert, Gpu, RankEvidence, RunInfo, Triage
+from gpudeck.agents.wire.protocol import Alert, Gpu, RankEvidence, RunInfo, StopResult, Triage
 from gpudeck.trainers.contract import stack_file
-
-if TYPE_CHECKING:
-    from gpudeck.agents.runs.supervisor import Supervisor
 
 log = logging.getLogger("gpudeck.agent")
 
@@ -541,7 +540,39 @@ def targets_of(run: RunInfo, live_ranks: dict[int, int], host: str) -> list[Targ
     return [Target(rank=None, pid=m.pid, create_time=m.create_time, host=host) for m in run.members if m.role != "shim"]
 
 
-async def gather(sup: Supervisor, lr: LiveRun, reason: str) -> Triage:
+class TriagedRun(Protocol):
+    """What a triage needs of a live run (agents/runs/liverun.py's LiveRun is one): health/ never imports runs/."""
+
+    info: RunInfo
+    last_obs: Observation | None
+    triage_task: asyncio.Task[Triage] | None
+
+    @property
+    def id(self) -> str: ...
+
+
+class TriageHost(Protocol):
+    """What a triage needs of the run's supervisor (agents/runs/supervisor.py's Supervisor is one)."""
+
+    host: str
+    gpus: GpuSource
+
+    def attributed_gpus(self, gpus: list[Gpu] | None = None) -> list[Gpu]: ...
+
+    def resolve(self, ref: str) -> RunInfo: ...
+
+    def live_run(self, run_id: str) -> TriagedRun | None: ...
+
+    def journal_many(self, items: list[tuple[str, str | None, dict]], what: str) -> None: ...
+
+    def stop_under_way(self, run_id: str) -> bool: ...
+
+    async def stop(self, ref: str, grace_s: float = 30.0, reason: str = "stopped by operator") -> StopResult: ...
+
+    def spawn_bg(self, coro: Coroutine[Any, Any, Any]) -> None: ...
+
+
+async def gather(sup: TriageHost, lr: TriagedRun, reason: str) -> Triage:
     """Gather, store (journal event ``triage``) and return a triage of a live run; one at a time per run."""
     if lr.triage_task is not None and not lr.triage_task.done():
         return await asyncio.shield(lr.triage_task)
@@ -549,7 +580,7 @@ async def gather(sup: Supervisor, lr: LiveRun, reason: str) -> Triage:
     return await asyncio.shield(lr.triage_task)
 
 
-async def _gather(sup: Supervisor, lr: LiveRun, reason: str) -> Triage:
+async def _gather(sup: TriageHost, lr: TriagedRun, reason: str) -> Triage:
     run = lr.info
     started = time.time()
     live = dict(lr.last_obs.live_ranks) if lr.last_obs is not None else {}
@@ -579,15 +610,15 @@ async def _gather(sup: Supervisor, lr: LiveRun, reason: str) -> Triage:
         flight_recorder=fr_text,
         missing=missing,
     )
-    sup._emit_many([("triage", run.id, {"triage": msgspec.to_builtins(t)})], f"run {run.id}'s triage")
+    sup.journal_many([("triage", run.id, {"triage": msgspec.to_builtins(t)})], f"run {run.id}'s triage")
     log.warning("run %s: triage (%s): %s", run.id, reason, t.culprit)
     return t
 
 
-async def on_demand(sup: Supervisor, ref: str) -> Triage:
+async def on_demand(sup: TriageHost, ref: str) -> Triage:
     """``gpudeck triage RUN``: a live run's triage now (BadRequest for a run that is not live)."""
     run = sup.resolve(ref)
-    lr = sup._live.get(run.id)
+    lr = sup.live_run(run.id)
     if lr is None or run.state not in ("running", "starting", "stopping"):
         raise BadRequest(
             f"run {run.id} is {run.state}, not live: a triage looks at live processes (`gpudeck show {run.id}` has any stored)"
@@ -595,7 +626,7 @@ async def on_demand(sup: Supervisor, ref: str) -> Triage:
     return await gather(sup, lr, "on demand")
 
 
-def on_alerts(sup: Supervisor, lr: LiveRun, raised: list[Alert]) -> None:
+def on_alerts(sup: TriageHost, lr: TriagedRun, raised: list[Alert]) -> None:
     """The supervisor's hook after the health rules: a raised hang is triaged (and the run stopped) per ``--on-hang``."""
     hang = next((a for a in raised if a.kind == "hang"), None)
     policy = lr.info.spec.on_hang
@@ -607,11 +638,11 @@ def on_alerts(sup: Supervisor, lr: LiveRun, raised: list[Alert]) -> None:
             await gather(sup, lr, "hang alert")
         except Exception:  # evidence is a report: a failure is logged, never the end of the agent's loop
             log.exception("run %s: the triage of its hang failed", lr.id)
-        if policy == "stop" and lr.id not in sup._stopping:
+        if policy == "stop" and not sup.stop_under_way(lr.id):
             await sup.stop(
                 lr.id,
                 HANG_STOP_GRACE_S,
                 reason=f"stopped by gpudeck: {hang.message.split(':')[0]} and the run was launched with --on-hang stop",
             )
 
-    sup._spawn_bg(act())
+    sup.spawn_bg(act())

@@ -1,8 +1,9 @@
 """Provides re-adoption after an agent (re)start: live runs taken over with their groups, ended ones settled, groups tidied.
 
-A run the journal lists as live is taken over when anything of it still lives
-(its group, its shim, its leader), and ended (cause decided as if the agent
-had watched it) when nothing does; a stop an earlier agent began is finished
+A run the journal lists as live is taken over while it lives as the kernel
+sees it (its shim, else its group's members, else its members found by tag +
+ancestry: :func:`gpudeck.agents.runs.ending.liveness`), and ended (cause decided
+from the evidence it left) when nothing of it does; a stop an earlier agent began is finished
 with the time already spent counted. Groups of ended runs are removed once
 empty; a group the journal does not know is reported, never deleted.
 """
@@ -15,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from gpudeck.agents.observe.procs import alive
-from gpudeck.agents.runs import run_end, tick
+from gpudeck.agents.runs import ending, states, tick
 from gpudeck.agents.runs.liverun import LiveRun
 from gpudeck.agents.safety.containment import RunGroup
 from gpudeck.agents.safety.membership import proc_tree
@@ -42,20 +43,14 @@ def adopt(sup: Supervisor) -> list[str]:
     notes: list[str] = []
     tree = proc_tree()
     for run in sup.journal.list_runs(limit=100000, states=LIVE_STATES):
-        run = sup._with_containment(run)
-        lr = sup._live[run.id] = LiveRun(info=run, group=group_of(sup, run))
+        run = sup.with_containment(run)
+        lr = sup.runs.add(LiveRun(info=run, group=group_of(sup, run)))
         if run.containment is None:  # a run an older agent started: it has what the tag gives
-            run.containment = sup._containment_info(None) if lr.group is None else sup._containment_info(lr.group)
+            run.containment = sup.containment_info(lr.group)
         if run.state == "starting" and not run.members and not sup.procs.tagged(run.id) and not (lr.group and lr.group.populated()):
             # the agent died between the record and the start, and no process carries the tag
-            sup._set(
-                run,
-                "run_state",
-                {"state": "failed", "cause": "launch interrupted: the agent stopped while starting it"},
-                state="failed",
-                cause="launch interrupted: the agent stopped while starting it; nothing was started",
-                ended=time.time(),
-            )
+            why = "launch interrupted: the agent stopped while starting it; nothing was started"
+            sup.runs.transition(run, "failed", states.LAUNCH_INTERRUPTED, {"cause": why}, cause=why, ended=time.time())
             notes.append(f"{run.id}: launch interrupted")
             continue
         tick.discover_members(sup, lr, tree)
@@ -63,24 +58,33 @@ def adopt(sup: Supervisor) -> list[str]:
         stop_left = run.state == "stopping" and (
             any(alive(m.pid, m.create_time) for m in run.members if m.role != "shim") or (lr.group is not None and lr.group.populated())
         )
-        if stop_left or tick.run_alive(lr) or any(alive(m.pid, m.create_time) for m in run.members if m.role == "leader"):
+        # the kernel judges: the run's group (or its members by tag + ancestry), never its shim alone
+        life = ending.liveness(lr)
+        if stop_left or life.alive:
+            lr.last_seen_alive = time.time()
             if run.state == "stopping":
                 ev = sup.journal.last_event(run.id, "run_state")
                 data = ev.data if ev is not None and ev.data.get("state") == "stopping" else {}
                 lr.resume_stop_started = float(data.get("stop_started") or (ev.ts if ev is not None and data else time.time()))
                 notes.append(f"{run.id}: stop was in progress ({time.time() - lr.resume_stop_started:.1f} s ago); finishing it")
-                sup._set(run, "run_adopted", {"state": run.state, "resume_stop": True, "stop_started": lr.resume_stop_started})
-            else:
-                sup._set(
+                sup.runs.update(
                     run,
                     "run_adopted",
-                    {"state": "running", "containment": run.containment.label if run.containment else None},
-                    state="running",
+                    {"state": run.state, "resume_stop": True, "stop_started": lr.resume_stop_started, "evidence": states.ADOPTED},
                 )
+            else:
+                adopted = {"containment": run.containment.label if run.containment else None}
+                if run.state == "running":  # no change of state: the takeover is journaled, with what it was decided on
+                    sup.runs.update(run, "run_adopted", {"state": "running", "evidence": states.ADOPTED, **adopted})
+                else:
+                    sup.runs.transition(run, "running", states.ADOPTED, adopted, event="run_adopted")
                 notes.append(f"{run.id}: re-adopted ({run.containment.label if run.containment else 'tag'})")
+                if life.shim_gone is not None:
+                    ending.note_shim_gone(sup, lr, life)
+                    notes.append(f"{run.id}: {lr.shim_lost}; its {life.members} process(es) are supervised without it")
         else:
             was_stopping = run.state == "stopping"
-            run_end.finish(
+            ending.finish(
                 sup,
                 lr,
                 agent_was_down=True,
@@ -88,9 +92,9 @@ def adopt(sup: Supervisor) -> list[str]:
             )
             notes.append(f"{run.id}: ended while the agent was down ({run.state})")
     for run in sup.journal.list_runs(limit=2000, states=TERMINAL_STATES):
-        sup._ended_ids.add(run.id)
+        sup.runs.mark_ended(run.id)
     notes += tidy_groups(sup)
-    sup._reindex()
+    sup.runs.reindex()
     sup.adopt_notes = notes
     return notes
 
@@ -99,7 +103,7 @@ def tidy_groups(sup: Supervisor) -> list[str]:
     """Remove the empty groups of ended runs; keep those still holding processes; report, never delete, unknown ones."""
     notes = []
     for rid, group in sup.containment.groups().items():
-        if rid in sup._live:
+        if sup.runs.get(rid) is not None:
             continue
         known = sup.journal.get_run(rid)
         if known is None:
@@ -108,7 +112,7 @@ def tidy_groups(sup: Supervisor) -> list[str]:
             log.warning(msg)
             notes.append(msg)
             continue
-        why = sup._settle_group(rid, group)
+        why = sup.runs.settle_group(rid, group)
         if why is not None:
             notes.append(f"{rid}: {why}")
     return notes

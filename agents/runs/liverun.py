@@ -23,7 +23,6 @@ class LiveRun:
     group: RunGroup | None = None
     shim: subprocess.Popen | None = None  # only when this agent started it
     launching: bool = False  # recorded, not yet spawned: the tick must not judge it (no shim yet)
-    stop_task: asyncio.Task | None = None
     resume_stop_started: float | None = None  # a stop an earlier agent began: when (wall clock), from the journal
     tail: TelemetryTail | None = None
     journaled_offset: int = 0
@@ -36,6 +35,8 @@ class LiveRun:
     first_death: Alert | None = None
     triage_task: asyncio.Task | None = None  # the triage being gathered (agents/health/triage.py: one at a time)
     reported_pids: set[int] = field(default_factory=set)  # outside/other-uid pids already logged
+    last_seen_alive: float | None = None  # the last tick that saw the run alive (a lost run's end is no later)
+    shim_lost: str | None = None  # how its shim went without an exit status, once journaled (the run lives on without it)
 
     @property
     def id(self) -> str:

@@ -24,7 +24,7 @@ import msgspec
 
 from gpudeck.agents.observe import namespace as pid_namespace
 from gpudeck.agents.observe.procs import CT_TOLERANCE, alive, read_stat
-from gpudeck.agents.runs import stopper, tick
+from gpudeck.agents.runs import stop, tick
 from gpudeck.agents.safety import unaccounted
 from gpudeck.agents.safety.containment import RunGroup
 from gpudeck.agents.safety.leftovers import find_leftovers
@@ -50,7 +50,7 @@ async def run_processes(sup: Supervisor, include_live: bool = False) -> dict[int
     """
     live = {r.id: r for r in sup.live_runs()}
     groups = dict(sup.containment.groups())
-    groups.update(sup._ended_groups)
+    groups.update(sup.runs.ended_groups())
     return await asyncio.to_thread(_run_processes, sup, live, groups, include_live)
 
 
@@ -121,7 +121,7 @@ def reclaim_message(result: StopResult, found: dict[int, Leftover]) -> str:
         for s in result.survivors + result.stopped
         if s.pid in found and found[s.pid].kind in SIGNAL_PROOF
     ]
-    return stopper.summary(result) + ("; " + "; ".join(notes) if notes else "")
+    return stop.summary(result) + ("; " + "; ".join(notes) if notes else "")
 
 
 async def reclaim(
@@ -158,11 +158,11 @@ async def reclaim(
             targets.append(Member(pid=lo.pid, create_time=lo.create_time, role="leftover", rank=lo.rank, cmdline=lo.cmdline[:12]))
     live = [m for m in targets if alive(m.pid, m.create_time)]
     gpu_before = await asyncio.to_thread(sup.gpus.memory_used) if sup.gpus.available else {}
-    t = await stopper.terminate(live, grace_s, poll=lambda: tick.poll_shims(sup))
-    stopper.classify(result, targets, t)
+    t = await stop.terminate(live, grace_s, poll=lambda: tick.poll_shims(sup))
+    stop.classify(result, targets, t)
     for lo in unsignalable:
         result.survivors.append(StoppedProcess(pid=lo.pid, cmdline=lo.cmdline, role="leftover", how="survived", status="no such process"))
-    await stopper.verify_gpu(
+    await stop.verify_gpu(
         sup.gpus,
         result,
         targets + [Member(pid=lo.pid, create_time=0.0) for lo in unsignalable],
@@ -173,15 +173,13 @@ async def reclaim(
         await _still_held(sup, result, chosen, host)
     result.seconds = round(time.monotonic() - t0, 3)
     result.message = reclaim_message(result, found)
-    for rid, group in list(sup._ended_groups.items()):
-        if not group.populated():
-            sup._settle_group(rid, group)
+    sup.runs.settle_emptied_groups()
     by_run: dict[str | None, list[int]] = {}
     for lo in chosen:
         by_run.setdefault(lo.run_id, []).append(lo.pid)
     try:
         for owner, rpids in by_run.items():
-            sup._emit(sup.journal.append("reclaimed", owner, {"pids": rpids, **msgspec.to_builtins(result)}))
+            sup.runs.append("reclaimed", owner, {"pids": rpids, **msgspec.to_builtins(result)})
     except StorageError:
         log.warning("could not journal the reclaim of %s", pids)
     return result

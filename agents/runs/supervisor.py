@@ -1,17 +1,17 @@
 """Provides the run supervisor: the coordinator that owns every run on this host and hands each step to its module.
 
-Each live run is a :class:`~gpudeck.agents.runs.liverun.LiveRun`. The supervisor holds
-the runs and their journal records (one place changes a run's state:
-:meth:`Supervisor._set`) and says which run a process belongs to
-(:mod:`gpudeck.agents.safety.attribution`); each step is a module that does what its
-name says:
+Every run's life is owned by the registry (:class:`~gpudeck.agents.runs.registry.RunRegistry`,
+``Supervisor.runs``): the only writer of run state, each change declared in
+:mod:`gpudeck.agents.runs.states` and journaled with its evidence. The supervisor
+says which run a process belongs to (:mod:`gpudeck.agents.safety.attribution`) and
+hands each step to a module that does what its name says, through public methods only:
 
-- :mod:`gpudeck.agents.runs.launching`: pre-flight, the record, the group, the spawn (the argv read once);
+- :mod:`gpudeck.agents.runs.launch`: pre-flight, the record, the group, the spawn (the argv read once);
 - :mod:`gpudeck.agents.runs.tick`: the supervision tick, its reads in a thread, its decisions on the loop;
-- :mod:`gpudeck.agents.runs.telemetry_fold`: a run's telemetry folded and journaled;
+- :mod:`gpudeck.agents.runs.run_telemetry`: a run's telemetry folded and journaled;
 - :mod:`gpudeck.agents.health.claims`: claims against what was observed;
-- :mod:`gpudeck.agents.runs.run_end`: how a run ended (decided by :mod:`gpudeck.agents.runs.exit_cause`), journaled;
-- :mod:`gpudeck.agents.runs.run_stop`: stop one run (the sequence is :mod:`gpudeck.agents.runs.stopper`);
+- :mod:`gpudeck.agents.runs.ending`: whether a run lives (the kernel judges), how it ended, journaled;
+- :mod:`gpudeck.agents.runs.stop`: stop one run (the sequence is shared with reclaim);
 - :mod:`gpudeck.agents.runs.reclaim`: the leftovers of ended runs, listed and stopped;
 - :mod:`gpudeck.agents.runs.adoption`: runs and groups taken over after an agent restart.
 
@@ -34,19 +34,18 @@ import msgspec
 from gpudeck.agents.health import claims
 from gpudeck.agents.observe.gpus import GpuSource
 from gpudeck.agents.observe.procs import ProcTable
-from gpudeck.agents.runs import adoption, launching, reclaim, run_stop, telemetry_fold
+from gpudeck.agents.runs import adoption, launch, reclaim, run_telemetry, stop
 from gpudeck.agents.runs import tick as ticks
-from gpudeck.agents.runs.launcher import LaunchPlan, spawn
+from gpudeck.agents.runs.launch import LaunchPlan, spawn
 from gpudeck.agents.runs.liverun import LiveRun
+from gpudeck.agents.runs.registry import RunRegistry
 from gpudeck.agents.safety.attribution import Attribution
 from gpudeck.agents.safety.containment import LABELS, Containment, RunGroup, detect
 from gpudeck.agents.safety.membership import TreeWatch
 from gpudeck.agents.storage.journal import Journal
 from gpudeck.agents.wire import paths
-from gpudeck.agents.wire.causes import cause_class
-from gpudeck.agents.wire.errors import BadRequest, NotFound, StorageError
+from gpudeck.agents.wire.errors import BadRequest, NotFound
 from gpudeck.agents.wire.protocol import (
-    TERMINAL_STATES,
     ClaimRow,
     ContainmentInfo,
     EnvFingerprint,
@@ -81,18 +80,15 @@ class Supervisor:
         self.host = host
         self.gpus = gpus
         self.procs = procs if procs is not None else ProcTable()
-        self._on_event = on_event or (lambda ev: None)
         self.containment = containment if containment is not None else detect(self.runs_dir)
         self.uid = os.getuid()
-        self._live: dict[str, LiveRun] = {}
-        self._ended_ids: set[str] = set()  # ended runs whose members may linger (STALE)
-        self._ended_groups: dict[str, RunGroup] = {}  # groups of ended runs that still hold processes (leftovers)
-        self._stopping: dict[str, asyncio.Task] = {}  # live and ended runs alike (a stop of an ended run reclaims)
-        self._launch_lock = asyncio.Lock()
-        self._bg: set[asyncio.Task] = set()
         self.attribution = Attribution(self.containment, self.run_state)
+        # the one owner of every run's life: live, stopping and ended runs, and the only writer of their state
+        self.runs = RunRegistry(journal, host, self.containment, on_event or (lambda ev: None), self.attribution.index)
+        self.launch_lock = asyncio.Lock()  # one launch at a time: request ids and run ids are checked, then recorded
+        self._bg: set[asyncio.Task] = set()
         self.adopt_notes: list[str] = []
-        self._tree = TreeWatch()  # the tick's parentage for tag-level runs: what changed, not the whole host
+        self.tree = TreeWatch()  # the tick's parentage for tag-level runs: what changed, not the whole host
         # fills in a GPU process's attribution (RUN/STALE/FOREIGN/NO_SUCH_PROCESS); set by the agent
         self.attribute: Callable[[GpuProcess], None] = lambda p: None
         log.info("containment: %s", self.containment.label)
@@ -100,81 +96,17 @@ class Supervisor:
         # processes starts), not every tagged process on a shared host
         self.procs.watch_own(lambda rid: self.run_state(rid) is not None)
 
-    # ------------------------------------------------------------------ journal helpers
-
-    def _emit(self, ev: Event | None) -> None:
-        if ev is not None:
-            self._on_event(ev)
-
-    def _emit_many(self, items: list[tuple[str, str | None, dict]], what: str) -> None:
-        try:
-            for ev in self.journal.append_many(items):
-                self._emit(ev)
-        except StorageError:
-            log.warning("could not journal %s", what)
-
-    def _set(self, run: RunInfo, event_kind: str | None, event_data: dict | None = None, **fields: object) -> None:
-        new_state = fields.get("state")
-        if run.state in TERMINAL_STATES and new_state is not None and new_state not in TERMINAL_STATES:
-            # an ended run never comes back to life in the journal: that would be a run nobody supervises
-            log.error("run %s: refusing %s -> %s (the run has ended)", run.id, run.state, new_state)
-            return
-        if event_kind == "run_state":
-            # the event carries what a replica (the console's history) needs to rebuild the run row
-            event_data = dict(event_data or {})
-            for key in ("started", "ended"):
-                if fields.get(key) is not None:
-                    event_data.setdefault(key, fields[key])
-            state = str(fields.get("state", run.state))
-            if state in TERMINAL_STATES:
-                event_data.setdefault("cause_class", cause_class(state, str(fields.get("cause", run.cause) or "")))
-        ev = self.journal.update_run(run.id, event_kind, event_data, **fields)
-        for k, v in fields.items():
-            setattr(run, k, v)
-        if run.state in TERMINAL_STATES:
-            lr = self._live.pop(run.id, None)
-            self._ended_ids.add(run.id)
-            if lr is not None and lr.group is not None:
-                self._settle_group(run.id, lr.group)
-            self._reindex()
-        self._emit(ev)
-
-    def _settle_group(self, run_id: str, group: RunGroup) -> str | None:
-        """Remove an ended run's group when empty; keep it (its processes are leftovers) otherwise. None when removed."""
-        if group.populated():
-            self._ended_groups[run_id] = group
-            return f"{group.path} kept: {len(group.pids())} process(es) still in it (leftovers: `gpudeck reclaim {self.host}`)"
-        why = group.remove()
-        if why is None:
-            self._ended_groups.pop(run_id, None)
-            self.containment.release()  # this agent's own group goes with its last run's (refused while any remains)
-        else:
-            self._ended_groups[run_id] = group
-        return why
-
-    def _reindex(self) -> None:
-        self.attribution.index({rid: lr.info.members for rid, lr in self._live.items()})
-
     def live_runs(self) -> list[RunInfo]:
         """Runs that are not over, as the supervisor tracks them."""
-        return [lr.info for lr in self._live.values()]
+        return [lr.info for lr in self.runs.live()]
 
     def run_state(self, run_id: str) -> str | None:
         """State of a run this agent knows; None for an unknown id."""
-        lr = self._live.get(run_id)
-        if lr is not None:
-            return lr.info.state
-        if run_id in self._ended_ids:
-            return "ended"
-        r = self.journal.get_run(run_id)
-        if r is None:
-            return None
-        if r.state in TERMINAL_STATES:
-            self._ended_ids.add(run_id)
-        return r.state
+        return self.runs.run_state(run_id)
 
-    def _with_containment(self, run: RunInfo) -> RunInfo:
-        lr = self._live.get(run.id)
+    def with_containment(self, run: RunInfo) -> RunInfo:
+        """The live run's own record, or ``run`` with its containment read from the journal."""
+        lr = self.runs.get(run.id)
         if lr is not None:
             return lr.info
         if run.containment is None:
@@ -190,14 +122,14 @@ class Supervisor:
         """A run by id, unique id prefix, or name; NotFound/BadRequest say what to do."""
         run = self.journal.get_run(ref)
         if run is not None:
-            return self._with_containment(run)
+            return self.with_containment(run)
         matches = self.journal.find_runs(ref)
         if not matches:
             raise NotFound(f"no run {ref!r} on {self.host}: `gpudeck runs` lists the runs")
         if len(matches) > 1:
             ids = ", ".join(m.id for m in matches[:5])
             raise BadRequest(f"{ref!r} matches {len(matches)} runs ({ids}): give more of the id")
-        return self._with_containment(matches[0])
+        return self.with_containment(matches[0])
 
     # ------------------------------------------------------------------ GPU attribution
 
@@ -214,7 +146,8 @@ class Supervisor:
                 self._attribute(p)
         return gpus
 
-    def _containment_info(self, group: RunGroup | None) -> ContainmentInfo:
+    def containment_info(self, group: RunGroup | None) -> ContainmentInfo:
+        """How a run with this group (or none) is contained."""
         if group is not None:
             return ContainmentInfo(level="cgroupfs", label=LABELS["cgroupfs"], group=str(group.path))
         if self.containment.has_groups:  # adopted from an agent that gave it no group
@@ -224,19 +157,20 @@ class Supervisor:
     # ------------------------------------------------------------------ the steps, each in its module
 
     async def preflight(self, spec: LaunchSpec, host_name: str | None = None, plan: LaunchPlan | None = None) -> PreflightResult:
-        """Every pre-flight check of ``spec`` here; nothing is started (see :mod:`gpudeck.agents.runs.launching`)."""
-        return await launching.preflight(self, spec, host_name, plan)
+        """Every pre-flight check of ``spec`` here; nothing is started (see :mod:`gpudeck.agents.runs.launch`)."""
+        return await launch.preflight(self, spec, host_name, plan)
 
     def fingerprint_for(self, spec: LaunchSpec, plan: LaunchPlan | None = None) -> EnvFingerprint | None:
         """The run's python environment, fingerprinted (None when the run is not a python program)."""
-        return launching.fingerprint_for(self, spec, plan)
+        return launch.fingerprint_for(self, spec, plan)
 
     async def launch(self, spec: LaunchSpec, request_id: str = "", host_name: str | None = None) -> tuple[RunInfo, bool]:
         """Pre-flight, then start a run; returns (run, duplicate). A known request_id returns its first run."""
-        return await launching.launch(self, spec, request_id, host_name)
+        return await launch.launch(self, spec, request_id, host_name)
 
-    def _spawn(self, run: RunInfo, env: dict[str, str]) -> tuple[int, subprocess.Popen]:
-        lr = self._live.get(run.id)
+    def spawn_shim(self, run: RunInfo, env: dict[str, str]) -> tuple[int, subprocess.Popen]:
+        """Start the run's shim (in the run's group, if any); returns (the command's pid, the shim)."""
+        lr = self.runs.get(run.id)
         return spawn(run, env, lr.group if lr is not None else None)
 
     def refresh(self) -> None:
@@ -249,13 +183,33 @@ class Supervisor:
 
     def poll_telemetry(self, run: RunInfo) -> None:
         """Fold new telemetry into a live run's summary; journal what history needs, exactly once."""
-        lr = self._live.get(run.id)
+        lr = self.runs.get(run.id)
         if lr is not None:
-            telemetry_fold.poll(self, lr)
+            run_telemetry.poll(self, lr)
 
     def verify(self, ref: str) -> tuple[RunInfo, list[ClaimRow]]:
         """Claims vs observed: live from the last observation, or as recorded when the run ended."""
-        return claims.verify(self, ref)
+        run = self.resolve(ref)
+        lr = self.runs.get(run.id)
+        recorded = self.journal.last_event(run.id, "claims") if lr is None or lr.last_obs is None else None
+        rows = claims.report(
+            run, lr.last_obs if lr is not None else None, recorded, lambda: self.attributed_gpus() if self.gpus.available else []
+        )
+        return run, rows
+
+    # ------------------------------------------------------------------ what a triage needs (agents/health/triage.py)
+
+    def live_run(self, run_id: str) -> LiveRun | None:
+        """The live run of this id, or None."""
+        return self.runs.get(run_id)
+
+    def journal_many(self, items: list[tuple[str, str | None, dict]], what: str) -> None:
+        """Journal several events of runs here and hand them on (a journal that cannot be written is logged)."""
+        self.runs.emit_many(items, what)
+
+    def stop_under_way(self, run_id: str) -> bool:
+        """Whether a stop of this run is under way."""
+        return self.runs.stopping(run_id)
 
     def adopt(self) -> list[str]:
         """After an agent (re)start: take over live runs, settle runs that ended meanwhile, tidy this agent's groups."""
@@ -263,11 +217,11 @@ class Supervisor:
 
     def pending_stops(self) -> list[RunInfo]:
         """Runs left in ``stopping`` by an earlier agent; the server finishes those stops."""
-        return [lr.info for lr in self._live.values() if lr.info.state == "stopping"]
+        return [lr.info for lr in self.runs.live() if lr.info.state == "stopping"]
 
     async def stop(self, ref: str, grace_s: float = 30.0, reason: str = "stopped by operator") -> StopResult:
         """Stop one run entirely and verify; concurrent stops of the same run share one result."""
-        return await run_stop.stop(self, ref, grace_s, reason)
+        return await stop.stop(self, ref, grace_s, reason)
 
     async def leftovers(self, include_live: bool = False, host_name: str | None = None) -> list[Leftover]:
         """Every leftover process here (see agents/safety/leftovers.py), with CPU % over a short sample."""
@@ -277,7 +231,8 @@ class Supervisor:
         """Stop exactly these leftovers: TERM, grace, KILL, verify through NVML; never a live run's process unless asked."""
         return await reclaim.reclaim(self, pids, grace_s, include_live, host_name)
 
-    def _spawn_bg(self, coro: Coroutine[Any, Any, Any]) -> None:
+    def spawn_bg(self, coro: Coroutine[Any, Any, Any]) -> None:
+        """Run ``coro`` in the background, holding a reference until it is done."""
         task = asyncio.ensure_future(coro)
         self._bg.add(task)
         task.add_done_callback(self._bg.discard)

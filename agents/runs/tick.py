@@ -23,7 +23,7 @@ import msgspec
 from gpudeck.agents.health import triage
 from gpudeck.agents.health.rules import Baseline, observe
 from gpudeck.agents.observe.procs import StatLine, alive
-from gpudeck.agents.runs import run_end, telemetry_fold
+from gpudeck.agents.runs import ending, run_telemetry
 from gpudeck.agents.runs.liverun import LiveRun
 from gpudeck.agents.safety.containment import GroupFigures, put_figures
 from gpudeck.agents.safety.membership import Discovery, discover, proc_tree
@@ -61,8 +61,8 @@ def _watched(sup: Supervisor) -> list[LiveRun]:
     """The runs a tick judges: live, not launching, not being stopped."""
     return [
         lr
-        for lr in sup._live.values()
-        if lr.info.state in ("running", "starting", "stopping") and not lr.launching and lr.id not in sup._stopping
+        for lr in sup.runs.live()
+        if lr.info.state in ("running", "starting", "stopping") and not lr.launching and not sup.runs.stopping(lr.id)
     ]
 
 
@@ -117,8 +117,7 @@ def apply_look(sup: Supervisor, lr: LiveRun, lk: Look, alive_now: dict[tuple[int
     data = {"added": brief(d.new)}
     if d.updated:
         data["updated"] = brief(d.updated)  # members already journaled, now with their rank: replaced, not added
-    sup._set(run, "members", data, members=members)
-    sup._reindex()
+    sup.runs.update(run, "members", data, members=members)
     return True
 
 
@@ -131,7 +130,7 @@ def scan(sup: Supervisor, runs: list[LiveRun]) -> Scan:
     """The reading half of a tick (a worker thread): parentage, the attributed GPU sample, liveness, one look per run."""
     want_tree = any(lr.group is None and lr.info.state in ("running", "starting") for lr in runs)
     got = Scan()
-    got.tree = sup._tree.scan() if want_tree else None
+    got.tree = sup.tree.scan() if want_tree else None
     if runs and sup.gpus.available:
         got.gpus = sup.attributed_gpus(sup.gpus.sample())
     got.alive_now = {(m.pid, m.create_time): alive(m.pid, m.create_time) for lr in runs for m in lr.info.members}
@@ -142,25 +141,26 @@ def scan(sup: Supervisor, runs: list[LiveRun]) -> Scan:
 
 def judge(sup: Supervisor, got: Scan) -> None:
     """The deciding half of a tick (on the loop): telemetry folded, members applied, ends decided, health judged."""
-    for lr in list(sup._live.values()):
+    for lr in sup.runs.live():
         run = lr.info
-        if run.state not in ("running", "starting", "stopping") or run.id not in sup._live:
+        if run.state not in ("running", "starting", "stopping") or sup.runs.get(run.id) is not lr:
             continue
-        telemetry_fold.poll(sup, lr)
-        if run.id in sup._stopping or lr.launching:
+        run_telemetry.poll(sup, lr)
+        if sup.runs.stopping(run.id) or lr.launching:
             continue
         lk = got.looks.get(run.id)
         if lk is not None and lk.members is run.members:
             apply_look(sup, lr, lk, got.alive_now)
         else:  # changed (or started) since the scan: looked at again, here
             discover_members(sup, lr, got.tree)
-        if not run_alive(lr):
-            run_end.finish(sup, lr)
+        life = ending.liveness(lr)
+        if not life.alive:
+            ending.finish(sup, lr)
             continue
+        lr.last_seen_alive = time.time()
+        ending.note_shim_gone(sup, lr, life)
         check_health(sup, lr, got.gpus or [], got.alive_now)
-    for rid, group in list(sup._ended_groups.items()):
-        if not group.populated():
-            sup._settle_group(rid, group)
+    sup.runs.settle_emptied_groups()
 
 
 def refresh(sup: Supervisor) -> None:
@@ -178,28 +178,18 @@ def _refreshed_scan(sup: Supervisor, runs: list[LiveRun]) -> Scan:
 
 async def tick(sup: Supervisor) -> None:
     """One supervision tick: the reading half in a thread, the deciding half back on the loop."""
-    if not sup._live:
+    if not sup.runs.any_live():
         sup.procs.refresh(max_age=FRESH_S)  # idle: nothing tagged to re-check, and no thread hop for nothing
-        if sup._ended_groups:
+        if sup.runs.ended_groups():
             judge(sup, Scan())
         return
     got = await asyncio.to_thread(_refreshed_scan, sup, _watched(sup))
     judge(sup, got)  # back on the loop: request handlers may have changed runs meanwhile, so judge what is there now
 
 
-def run_alive(lr: LiveRun) -> bool:
-    """Whether the run's shim (or, adopted without it, its leader or any member) still lives."""
-    if lr.shim is not None:
-        return lr.shim.poll() is None
-    m = lr.member("shim") or lr.member("leader")
-    if m is None:  # only tagged workers are known (the agent died while starting it)
-        return any(alive(x.pid, x.create_time) for x in lr.info.members)
-    return alive(m.pid, m.create_time)
-
-
 def poll_shims(sup: Supervisor) -> None:
     """Reap this agent's own children (the shims) so none lingers as a zombie."""
-    for lr in sup._live.values():
+    for lr in sup.runs.live():
         if lr.shim is not None:
             lr.shim.poll()
 
@@ -220,17 +210,17 @@ def check_health(sup: Supervisor, lr: LiveRun, gpus: list[Gpu], alive_now: dict[
     if raised or cleared:
         items: list[tuple[str, str | None, dict]] = [("alert", run.id, {"alert": msgspec.to_builtins(a)}) for a in raised]
         items += [("alert_cleared", run.id, {"alert": msgspec.to_builtins(a)}) for a in cleared]
-        sup._emit_many(items, f"run {run.id}'s {len(items)} alert event(s)")
+        sup.runs.emit_many(items, f"run {run.id}'s {len(items)} alert event(s)")
         for a in raised:
             log.warning("run %s: %s", run.id, a.message)
             if a.kind == "rank_exited" and lr.first_death is None:
                 lr.first_death = a
     run.alerts = health.active
     triage.on_alerts(sup, lr, raised)  # --on-hang: evidence from every rank (then a stop) when a hang is raised
-    if health.wants_stop and run.id not in sup._stopping:
+    if health.wants_stop and not sup.runs.stopping(run.id):
         death = lr.first_death
         why = f"a rank died ({death.message.split(':')[0]})" if death else "a rank died"
-        sup._spawn_bg(
+        sup.spawn_bg(
             sup.stop(
                 run.id, RANK_DEATH_STOP_GRACE_S, reason=f"stopped by gpudeck: {why} and the run was launched with --on-rank-death stop"
             )

@@ -777,7 +777,7 @@ def run_preflight(
     runs (to say when a STALE holder's run ended); ``estimate`` is the memory each GPU needs
     (:func:`gpudeck.agents.safety.estimate.estimate`), ``estimate_error`` why there is none; ``python_check``
     answers whether an interpreter imports torch (``gpudeck.agents.safety.envs.check_imports_torch``);
-    ``parsed``: the launch's argv as its :class:`~gpudeck.agents.runs.launcher.LaunchPlan` read it (once per launch;
+    ``parsed``: the launch's argv as its :class:`~gpudeck.agents.runs.launch.LaunchPlan` read it (once per launch;
     :data:`UNPARSED` when it could not be read), else it is read here; ``namespace``: the agent's PID namespace
     (read here when not given), for what the note on unaccounted memory says; ``simulated``: the GPUs are simulated.
     """

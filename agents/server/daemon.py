@@ -36,7 +36,7 @@ from gpudeck.agents.observe import namespace as pid_namespace
 from gpudeck.agents.observe.gpus import make_sampler
 from gpudeck.agents.observe.procs import ProcTable
 from gpudeck.agents.observe.telemetry import step_series
-from gpudeck.agents.runs.launcher import SHIMS
+from gpudeck.agents.runs.launch import SHIMS
 from gpudeck.agents.runs.supervisor import Supervisor, hostname
 from gpudeck.agents.safety import envs, unaccounted
 from gpudeck.agents.safety.membership import cmdline_of
@@ -175,7 +175,7 @@ class Agent:
         self.gpus = make_sampler(self.procs)
         if self.gpus.simulated:
             log.warning("SIMULATED GPUs: %s", getattr(self.gpus, "description", "GPUDECK_SIMULATE_GPUS is set"))
-        self._event_waiters: set[asyncio.Event] = set()  # one per following stream
+        self.event_waiters: set[asyncio.Event] = set()  # one per following stream
         self.supervisor = Supervisor(
             self.journal, paths.runs_dir(self.state_dir), self.host, self.gpus, self.procs, on_event=self._on_event
         )
@@ -242,7 +242,7 @@ class Agent:
         pass  # queued, not yet readable: followers are woken by the journal's commit (_on_commit)
 
     def _wake_followers(self) -> None:
-        for waiter in self._event_waiters:
+        for waiter in self.event_waiters:
             waiter.set()
 
     def _on_commit(self, seq: int) -> None:  # the journal's writer thread
@@ -907,7 +907,7 @@ class _Conn:
         after = max(0, req.after_seq)
         limit = max(1, min(req.limit, 10000))
         wake = asyncio.Event()
-        a._event_waiters.add(wake)
+        a.event_waiters.add(wake)
         waited = False
         try:
             while True:
@@ -938,7 +938,7 @@ class _Conn:
                 except TimeoutError:
                     pass
         finally:
-            a._event_waiters.discard(wake)
+            a.event_waiters.discard(wake)
 
     async def _output(self, req: ReadOutput) -> None:
         a = self.agent

@@ -59,13 +59,25 @@ class RunState(Payload, tag="run_state"):
     containment: ContainmentInfo | None = None  # at the end: the run's containment and the kernel's figures for its group
     stop: StopResult | None = None  # state "stopped": the verified outcome
     lingering: list[int] = []
+    evidence: str | None = None  # what the change was decided on (agents/runs/states.py names each kind)
+    ended_by: str | None = None  # a run ended without an exit status: what its ``ended`` time is (the last evidence)
 
 
 class RunAdopted(Payload, tag="run_adopted"):
     state: str
+    evidence: str | None = None
     resume_stop: bool = False
     stop_started: float | None = None  # a stop an earlier agent began, finished by this one
     containment: str | None = None  # the containment found again (its label)
+
+
+class ShimLost(Payload, tag="shim_lost"):
+    """A live run's shim (the parent of its command) is gone without an exit status while members still run:
+    the run stays live and supervised (the kernel's group, or the tag + ancestry, says it lives)."""
+
+    note: str
+    shim_pid: int | None = None
+    members: int = 0  # processes still in the group (or tagged members alive)
 
 
 class Containment(Payload, tag="containment"):
@@ -177,6 +189,7 @@ EventPayload = Union[
     RunCreated,
     RunState,
     RunAdopted,
+    ShimLost,
     Containment,
     Members,
     Telemetry,

@@ -162,10 +162,15 @@ def test_run_whose_shim_vanished_is_lost_with_what_is_known(agent: AgentProc) ->
     agent.kill9()
     for m in run["members"]:
         os.kill(m["pid"], signal.SIGKILL)  # shim and leader die together: no exit status anywhere
+    t_kill = time.time()
+    time.sleep(1.5)
     agent.start()
     r = next(r for r in agent.cli_json("runs") if r["id"] == rid)
     assert r["state"] == "lost"
-    assert "exit status" in r["cause"] and r["exit_code"] is None
+    assert "exit status unknown" in r["cause"] and "is gone" in r["cause"] and r["exit_code"] is None, r["cause"]
+    # no agent watched the end: it is dated by the run's last evidence (here the last write to its output.log, at its
+    # start), said in the cause, never by when the restarted agent noticed
+    assert r["ended"] <= t_kill and "the last evidence: the last write to its output.log" in r["cause"], r["cause"]
 
 
 def test_pid_reuse_is_never_signalled(agent: AgentProc) -> None:

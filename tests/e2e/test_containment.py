@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sqlite3
 import subprocess
 import sys
@@ -19,7 +20,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from gpudeck.agents.observe.procs import create_time_of
+from gpudeck.agents.observe.procs import alive, create_time_of
 from gpudeck.agents.safety.containment import (
     CgroupFs,
     agent_key,
@@ -374,3 +375,83 @@ def test_the_systemd_scope_level_says_why_it_is_not_used() -> None:
     assert "no running systemd manager" in why
     with pytest.raises(BadRequest, match=r"GPUDECK_CONTAINMENT='systemd' cannot be used: .*no running systemd manager"):
         detect(Path("/tmp/gd-probe-systemd"), forced="systemd")
+
+
+# a run of three processes (the command and two children that inherit its tag), each beating into the run's telemetry
+THREE = (
+    "import json, os, subprocess, sys, time\n"
+    "BEAT = 'import json, os, time\\nwhile True:\\n"
+    '    open(os.environ["GPUDECK_TELEMETRY"], "a").write(json.dumps({"type": "heartbeat", "ts": time.time()}) + "\\\\n")\\n'
+    "    time.sleep(0.2)'\n"
+    "kids = [subprocess.Popen([sys.executable, '-c', BEAT]) for _ in range(2)]\n"
+    "exec(BEAT)\n"
+)
+
+
+def _events(a: AgentProc, rid: str) -> list[dict]:
+    return json.loads(a.cli("show", rid, "--json").stdout)["events"]
+
+
+def _three(a: AgentProc) -> tuple[str, dict, list[dict]]:
+    """Launch THREE; its id, shim member and the three others, once every one is a member."""
+    rid = a.cli_json("launch", "--", PY, "-c", THREE)["id"]
+    run = wait_for(
+        lambda: (r := _run(a, rid)) and len([m for m in r.get("members", []) if m.get("role") != "shim"]) >= 3 and r,
+        timeout=30,
+        what="the run's three processes as members",
+    )
+    shim = next(m for m in run["members"] if m.get("role") == "shim")
+    return rid, shim, [m for m in run["members"] if m.get("role") != "shim"]
+
+
+def test_a_run_whose_shim_is_killed_stays_live_and_stop_ends_it_through_its_members(cagent: AgentProc, level: str) -> None:
+    """Only the shim (the parent of the run's command) is SIGKILLed: the run's processes go on, so the run does too."""
+    rid, shim, others = _three(cagent)
+    os.kill(shim["pid"], signal.SIGKILL)
+    lost = wait_for(lambda: [e for e in _events(cagent, rid) if e["kind"] == "shim_lost"], timeout=30, what="the shim_lost note")
+    note = lost[0]["data"]["note"]
+    assert "was killed (SIGKILL)" in note and lost[0]["data"]["members"] == 3, note
+    assert ("in its group" in note) == (level == "cgroupfs")
+    time.sleep(3)  # several ticks later: still live, still supervised
+    run = _run(cagent, rid)
+    assert run["state"] == "running", run.get("cause")
+    assert all(alive(m["pid"], m["create_time"]) for m in others)
+    assert rid in {r["id"] for r in cagent.cli_json("status", "--host", "local")["runs"]}
+    res = cagent.cli_json("stop", rid, "--grace", "2")
+    assert res["state"] == "stopped"
+    for m in others:
+        assert gone(m["pid"]), f"pid {m['pid']} survived the stop"
+    if level == "cgroupfs":
+        assert "emptied (populated 0)" in res["group_note"]
+    row = next(r for r in cagent.cli_json("runs") if r["id"] == rid)
+    assert row["state"] == "stopped" and "SIGKILL" in row["cause"] and "exit status is not known" in row["cause"], row["cause"]
+    ends = [e for e in _events(cagent, rid) if e["kind"] == "run_state" and e["data"]["state"] == "stopped"]
+    assert ends and ends[0]["data"]["evidence"] == "stop_verified"
+
+
+def test_agent_and_shim_killed_while_the_members_run_the_restarted_agent_adopts_and_supervises_it(cagent: AgentProc, level: str) -> None:
+    """The agent and the shim die while the ranks run: the restarted agent judges by the members (the group, or tag +
+    ancestry), not by the dead shim; and when the members end, the lost run's end is dated by its last evidence."""
+    rid, shim, others = _three(cagent)
+    cagent.kill9()
+    os.kill(shim["pid"], signal.SIGKILL)
+    wait_for(lambda: gone(shim["pid"]), what="the shim to die")
+    cagent.start()
+    time.sleep(3)  # several ticks of the new agent
+    run = _run(cagent, rid)
+    assert run["state"] == "running", run.get("cause")
+    kinds = [e["kind"] for e in _events(cagent, rid)]
+    assert "run_adopted" in kinds and "shim_lost" in kinds, kinds
+    assert not [e for e in _events(cagent, rid) if e["kind"] == "run_state" and e["data"]["state"] == "lost"]
+    # the run's processes end with no exit status anywhere: lost, ended when it was last seen alive, labelled
+    for m in others:
+        os.kill(m["pid"], signal.SIGKILL)
+    t_kill = time.time()
+    row = wait_for(
+        lambda: (r := next(x for x in cagent.cli_json("runs") if x["id"] == rid))["state"] != "running" and r, timeout=30, what="the end"
+    )
+    assert row["state"] == "lost" and "exit status unknown" in row["cause"], row
+    end = next(e for e in _events(cagent, rid) if e["kind"] == "run_state" and e["data"]["state"] == "lost")
+    assert end["data"]["evidence"] == "members_gone" and end["data"]["ended_by"], end
+    assert t_kill - 3.0 <= row["ended"] <= t_kill + 1.0, (row["ended"] - t_kill, end["data"]["ended_by"])
+    assert "the last evidence" in row["cause"]

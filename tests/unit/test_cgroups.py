@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from gpudeck.agents.runs.exit_cause import ExitFacts, decide
+from gpudeck.agents.runs.ending import ExitFacts, decide
 from gpudeck.agents.safety.containment import (
     CgroupFs,
     Containment,

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from gpudeck.agents.runs.exit_cause import ExitFacts, decide, read_exit_record
+from gpudeck.agents.runs.ending import ExitFacts, decide, read_exit_record
 from gpudeck.agents.safety.estimate import EstimateError, estimate
 from gpudeck.agents.wire.errors import AgentError
 from gpudeck.agents.wire.protocol import LaunchSpec, RunInfo

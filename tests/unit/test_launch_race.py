@@ -16,13 +16,13 @@ from gpudeck.agents.wire.protocol import LaunchSpec
 async def test_a_slow_spawn_racing_the_tick_still_ends_as_the_run_really_ended(tmp_path: Path) -> None:
     procs = ProcTable(tmp_path / "runs")
     sup = Supervisor(Journal(tmp_path / "journal.db", "h"), tmp_path / "runs", "h", SimulatedGpuSampler("1", procs), procs)
-    real_spawn = sup._spawn
+    real_spawn = sup.spawn_shim
 
     def slow_spawn(run, env):  # type: ignore[no-untyped-def]
         time.sleep(1.0)  # the thread is slow to report the pid (a loaded machine)
         return real_spawn(run, env)
 
-    sup._spawn = slow_spawn  # type: ignore[method-assign]
+    sup.spawn_shim = slow_spawn  # type: ignore[method-assign]
 
     async def ticks() -> None:
         while True:

@@ -9,7 +9,7 @@ import pytest
 
 from gpudeck.agents.observe.gpus_sim import SimulatedGpuSampler
 from gpudeck.agents.observe.procs import ProcTable
-from gpudeck.agents.runs import launcher
+from gpudeck.agents.runs import launch
 from gpudeck.agents.runs.supervisor import Supervisor
 from gpudeck.agents.safety import estimate, preflight
 from gpudeck.agents.storage.journal import Journal
@@ -28,7 +28,7 @@ async def test_a_trainer_launch_parses_its_argv_and_its_trainer_arguments_once(t
         calls["trainer"] += 1
         return real_trainer(trainer, args)
 
-    for mod in (estimate, preflight, launcher):  # every name the argv parser is reachable by
+    for mod in (estimate, preflight, launch):  # every name the argv parser is reachable by
         monkeypatch.setattr(mod, "parse_launch_argv", count_argv)
     monkeypatch.setattr(estimate, "parse_trainer_args", count_trainer)
     procs = ProcTable(tmp_path / "runs")

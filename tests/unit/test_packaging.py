@@ -30,7 +30,7 @@ def test_a_run_launched_before_the_runs_move_is_still_recognised_by_its_shim() -
     """Runs alive across an upgrade were started with agents/shim.py; rediscovery accepts that path too."""
     from pathlib import Path
 
-    from gpudeck.agents.runs.launcher import SHIM, SHIMS
+    from gpudeck.agents.runs.launch import SHIM, SHIMS
 
     assert SHIM.endswith(str(Path("agents", "runs", "shim.py")))
     assert any(s.endswith(str(Path("agents", "shim.py"))) and "runs" not in Path(s).parts[-2:] for s in SHIMS)

@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 from gpudeck.agents.observe.procs import create_time_of, status_of
-from gpudeck.agents.runs import stopper
+from gpudeck.agents.runs import stop
 from gpudeck.agents.runs.reclaim import reclaim_message
 from gpudeck.agents.wire.protocol import Leftover, Member, StoppedProcess, StopResult
 
@@ -21,10 +21,10 @@ def test_an_orphan_ended_by_sigterm_whose_parent_has_not_reaped_it_is_stopped_by
         ct = create_time_of(p.pid)
         assert ct is not None
         m = Member(pid=p.pid, create_time=ct, role="leftover", cmdline=["python"])
-        t = asyncio.run(stopper.terminate([m], 5.0))
+        t = asyncio.run(stop.terminate([m], 5.0))
         assert status_of(p.pid, ct) == "zombie", "the parent reaped it: the case is not made"
         result = StopResult(run_id=None, state="reclaimed")
-        stopper.classify(result, [m], t)
+        stop.classify(result, [m], t)
         assert [(s.pid, s.how, s.status) for s in result.stopped] == [(p.pid, "SIGTERM", "zombie")] and not result.survivors
         lo = Leftover(
             pid=p.pid,

@@ -1,4 +1,4 @@
-"""Provides the telemetry fold: a live run's new telemetry read into its summary, and journaled once for history."""
+"""Provides a live run's telemetry: its new records folded into its summary, and journaled once for history."""
 
 from __future__ import annotations
 
@@ -55,7 +55,7 @@ def poll(sup: Supervisor, lr: LiveRun, *, ending: bool = False) -> None:
         held = None
     if items:
         for ev in sup.journal.append_many(items):
-            sup._emit(ev)
+            sup.runs.emit(ev)
         offsets = [d["offset"] for kind, _r, d in items if kind == "telemetry"]
         if offsets:
             lr.journaled_offset = offsets[-1]
