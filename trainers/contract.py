@@ -194,7 +194,7 @@ TRAINER_ARGS: tuple[TrainerArg, ...] = (
     ),
     TrainerArg("--device", default="auto"),
     TrainerArg("--dtype", default="auto"),
-    *(TrainerArg(f, "flag", False) for f in ("--fresh", "--new-run-dir", "--compile", "--activation-checkpointing")),
+    *(TrainerArg(f, "flag", False) for f in ("--fresh", "--new-run-dir", "--trust-checkpoint", "--compile", "--activation-checkpointing")),
     TrainerArg("--batch-size", "int", 8, _FSDP),
     TrainerArg("--seq-len", "int", 512, _FSDP),
     TrainerArg("--batch-size", "int", 2, _DFLASH),

@@ -147,6 +147,7 @@ from pathlib import Path
 from typing import Any
 
 from gpudeck.trainers import runtime
+from gpudeck.trainers.checkpoint_trust import CheckpointTrustError
 from gpudeck.trainers.diagnostics import install_flight_recorder_dump, install_stack_dump, step_clock
 from gpudeck.trainers.presets import PRESETS, parse_index_list
 
@@ -865,8 +866,8 @@ class Trainer:
 
         # start plan (read-only; every rank agrees)
         try:
-            self.plan = ckpt.resolve_start(args.out, args.fresh, args.resume, args.new_run_dir)
-        except ckpt.StartError as exc:
+            self.plan = ckpt.resolve_start(args.out, args.fresh, args.resume, args.new_run_dir, trust=args.trust_checkpoint)
+        except (ckpt.StartError, CheckpointTrustError) as exc:
             raise runtime.ExitWith(2, str(exc)) from None
         if self.plan.archive_existing and ctx.rank == 0:
             ckpt.archive_checkpoints(args.out)
@@ -1183,6 +1184,7 @@ class Trainer:
             seq_len=args.seq_len,
             argv=self.argv,
             start=self.plan.describe(),
+            **(self.plan.trust.record() if self.plan.trust is not None else {}),
             pid=os.getpid(),
             compute_timing=self.clock.method,
             **self.diag_fields,
@@ -1284,7 +1286,7 @@ class Trainer:
 
         extra = self._extra(step)
         model = self.drafter if self.drafter is not None else _placeholder()
-        path, secs = ckpt.save_checkpoint(
+        done = ckpt.save_checkpoint(
             self.args.out,
             step,
             model,
@@ -1294,13 +1296,13 @@ class Trainer:
             rank=self.ctx.rank,
             barrier=lambda: runtime.barrier(self.ctx),
         )
-        self.tel.emit("checkpoint", step=step, path=str(path), seconds=round(secs, 3))
+        self.tel.emit("checkpoint", step=step, **done.record())
 
     def load(self, step: int) -> int:
         from gpudeck.trainers import checkpoint as ckpt
 
         model = self.drafter if self.drafter is not None else _placeholder()
-        extra = ckpt.load_checkpoint(self.args.out, step, model, self.optimizer, rank=self.ctx.rank)
+        extra = ckpt.load_checkpoint(self.args.out, step, model, self.optimizer, rank=self.ctx.rank, trust=self.args.trust_checkpoint)
         if int(extra["step"]) != step:
             raise RuntimeError(f"checkpoint step_{step} says step {extra['step']}")
         if extra.get("target_layer_ids") not in (None, self.layer_ids):

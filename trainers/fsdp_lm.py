@@ -635,10 +635,11 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
 
     from gpudeck.trainers.checkpoint import StartError, resolve_start
+    from gpudeck.trainers.checkpoint_trust import CheckpointTrustError
 
     try:
-        plan = resolve_start(out, args.fresh, args.resume, args.new_run_dir)
-    except StartError as exc:
+        plan = resolve_start(out, args.fresh, args.resume, args.new_run_dir, trust=args.trust_checkpoint)
+    except (StartError, CheckpointTrustError) as exc:
         print(f"fsdp_lm: {exc}", file=sys.stderr)
         from gpudeck.trainers.telemetry import Telemetry
 
@@ -811,7 +812,7 @@ def main(argv: list[str] | None = None) -> int:
     if not plan.fresh:
         if plan.step is None:  # resolve_start gives every resume plan its step
             raise RuntimeError(f"resume plan without a checkpoint step: {plan}")
-        extra = load_checkpoint(out, plan.step, model, optimizer, rank=ctx.rank)
+        extra = load_checkpoint(out, plan.step, model, optimizer, rank=ctx.rank, trust=args.trust_checkpoint)
         step = int(extra["step"])
         scheduler.load_state_dict(extra["scheduler"])
         batches.load_state_dict(extra["data"])
@@ -859,6 +860,7 @@ def main(argv: list[str] | None = None) -> int:
         tokenizer=tokenizer.describe(),
         argv=sys.argv,
         start=plan.describe(),
+        **(plan.trust.record() if plan.trust is not None else {}),
         seq_len=args.seq_len,
         batch_size=args.batch_size,
         grad_accum=args.grad_accum,
@@ -923,8 +925,8 @@ def main(argv: list[str] | None = None) -> int:
             "world_size": ctx.world_size,
             "config_hash": manifest["config_hash"],
         }
-        path, seconds = save_checkpoint(out, at, model, optimizer, extra, keep=args.keep, rank=ctx.rank, barrier=lambda: barrier(ctx))
-        tel.emit("checkpoint", step=at, path=str(path), seconds=round(seconds, 3))
+        done = save_checkpoint(out, at, model, optimizer, extra, keep=args.keep, rank=ctx.rank, barrier=lambda: barrier(ctx))
+        tel.emit("checkpoint", step=at, **done.record())
         saved.append(at)
         last_saved = at
 

@@ -5,7 +5,7 @@ Public API (kept stable; dflash imports it):
 Command line
     ``add_common_args(parser)``  adds the options both trainers share:
         --model-config, --init-from, --data, --tokenizer, --data-dtype,
-        --corpus-bytes, --fresh | --resume latest|N, --new-run-dir,
+        --corpus-bytes, --fresh | --resume latest|N, --new-run-dir, --trust-checkpoint,
         --max-steps, --batch-size, --seq-len, --grad-accum, --lr,
         --min-lr-ratio, --warmup-steps, --weight-decay, --grad-clip, --seed,
         --checkpoint-every, --keep, --out DIR, --compile,
@@ -133,6 +133,13 @@ def add_common_args(parser: argparse.ArgumentParser) -> None:
         help="with --fresh: move existing OUT/checkpoints aside to OUT/checkpoints.archived-<UTC time>/ and start a new run there",
     )
 
+    g.add_argument(
+        "--trust-checkpoint",
+        action="store_true",
+        help="with --resume: load a checkpoint another user could have written (their folder, group/other-writable, "
+        "or saved without digests); the run's telemetry records it",
+    )
+
     g = parser.add_argument_group("training")
     g.add_argument("--max-steps", type=_positive_int, default=100)
     g.add_argument("--batch-size", type=_positive_int, default=8, help="sequences per rank per micro-step")
@@ -165,6 +172,8 @@ def check_common_args(parser: argparse.ArgumentParser, args: argparse.Namespace)
         )
     if args.new_run_dir and not args.fresh:
         parser.error("--new-run-dir only goes with --fresh")
+    if args.trust_checkpoint and args.resume is None:
+        parser.error("--trust-checkpoint only goes with --resume")
     if args.checkpoint_every < 0:
         parser.error("--checkpoint-every must be >= 0")
     if args.warmup_steps is not None and args.warmup_steps < 0:

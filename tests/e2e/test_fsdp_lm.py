@@ -19,7 +19,7 @@ pytest.importorskip("transformers")
 
 pytestmark = pytest.mark.slow
 
-from tests.trainer_harness import FSDP_SMALL, Runs, read_telemetry
+from tests.trainer_harness import FSDP_SMALL, Runs, WritesMarker, read_telemetry
 from tests.trainer_harness import alive as _alive
 
 FSDP = "gpudeck.trainers.fsdp_lm"
@@ -123,10 +123,45 @@ def test_failing_rank_stops_all_ranks_then_resume_matches_straight(straight, run
     rc, output, tel2, _ = runs.run(FSDP, [*args, "--resume", "latest"], out, nproc=2)
     assert rc == 0, output[-4000:]
     assert {r["start"] for r in tel2 if r["type"] == "manifest"} == {"resume 4"}
+    # the digest the save recorded is the one the resume verified
+    saved_digest = next(r["metadata_sha256"] for r in tel if r["type"] == "checkpoint" and r["step"] == 4 and r["rank"] == 0)
+    assert {r["checkpoint_metadata_sha256"] for r in tel2 if r["type"] == "manifest"} == {saved_digest}
+    assert {r["checkpoint_trusted_by_flag"] for r in tel2 if r["type"] == "manifest"} == {False}
     resumed = step_losses(tel2)
     assert sorted(resumed) == [5, 6, 7, 8]
     for k in resumed:
         assert resumed[k] == pytest.approx(ref[k], abs=1e-6), (k, resumed[k], ref[k])
+
+
+def test_resume_refuses_a_tampered_metadata_and_never_unpickles_it(straight, runs, tmp_path) -> None:
+    import pickle  # noqa: TID251 - the hostile pickle the trainer must never read
+
+    out = tmp_path / "tampered"
+    shutil.copytree(straight[0] / "checkpoints", out / "checkpoints")
+    marker = tmp_path / "marker"
+    meta = out / "checkpoints" / "step_8" / ".metadata"
+    meta.write_bytes(pickle.dumps(WritesMarker(marker)))
+    for extra in ([], ["--trust-checkpoint"]):
+        rc, output, tel, _ = runs.run(FSDP, [*COMMON, "--max-steps", "12", "--resume", "latest", *extra], out, nproc=None)
+        assert rc == 2, output[-3000:]
+        assert f"{meta} is not the file this checkpoint saved" in output
+        assert "Traceback" not in output and len(output.strip().splitlines()) == 1, output
+        assert [r["type"] for r in tel] == ["error"] and tel[0]["exit_code"] == 2
+        assert not marker.exists()
+
+
+def test_resume_of_a_group_writable_checkpoint_needs_the_flag(straight, runs, tmp_path) -> None:
+    out = tmp_path / "shared"
+    shutil.copytree(straight[0] / "checkpoints", out / "checkpoints")
+    step = out / "checkpoints" / "step_8"
+    step.chmod(0o777)
+    rc, output, _, _ = runs.run(FSDP, [*COMMON, "--max-steps", "9", "--resume", "latest", "--no-export"], out, nproc=None)
+    assert rc == 2 and f"{step} is writable by group" in output and "--trust-checkpoint" in output, output[-3000:]
+    args = [*COMMON, "--max-steps", "9", "--resume", "latest", "--trust-checkpoint", "--no-export", "--no-final-checkpoint"]
+    rc, output, tel, _ = runs.run(FSDP, args, out, nproc=None)
+    assert rc == 0, output[-3000:]
+    manifest = next(r for r in tel if r["type"] == "manifest")
+    assert manifest["checkpoint_trusted_by_flag"] is True and "writable by group" in manifest["checkpoint_foreign"][0]
 
 
 def test_fresh_refuses_folder_with_checkpoints(straight, runs) -> None:
