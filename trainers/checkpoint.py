@@ -56,6 +56,7 @@ from gpudeck.trainers.checkpoint_trust import CheckpointTrustError, TrustVerdict
 from gpudeck.trainers.contract import CHECKPOINT_MARKER as MARKER_FILE
 from gpudeck.trainers.contract import CHECKPOINT_METADATA, CHECKPOINTS_DIRNAME
 from gpudeck.trainers.contract import STEP_RE as _STEP_RE
+from gpudeck.trainers.errors import InputError
 
 
 def checkpoints_dir(out: str | os.PathLike) -> Path:
@@ -83,7 +84,7 @@ def read_marker(out: str | os.PathLike, step: int) -> dict[str, Any]:
     return json.loads((checkpoint_path(out, step) / MARKER_FILE).read_text())
 
 
-class StartError(Exception):
+class StartError(InputError):
     """The requested start (fresh / resume) cannot be honoured; trainers exit 2."""
 
 

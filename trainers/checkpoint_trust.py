@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from gpudeck.trainers.contract import CHECKPOINT_MARKER, CHECKPOINT_METADATA, CHECKPOINTS_DIRNAME
+from gpudeck.trainers.errors import InputError
 
 MANIFEST_FORMAT = 2  # 1: no digests (before checkpoint trust); 2: ``files`` with .metadata's sha256 and every shard's size
 MAX_MANIFEST_BYTES = 1 << 20
@@ -50,7 +51,7 @@ __all__ = [
 ]
 
 
-class CheckpointTrustError(Exception):
+class CheckpointTrustError(InputError):
     """A checkpoint that must not be loaded: ``path`` names the file or folder, the message says what to do."""
 
     def __init__(self, path: Path, message: str) -> None:

@@ -69,17 +69,20 @@ from typing import Any
 
 import numpy as np
 
+from gpudeck.trainers.errors import DataPathError, InputError
+
 BYTE_TOKENIZER_FILE = "gpudeck_byte_tokenizer.json"
 PREPARED_MANIFEST = "gpudeck_prepared.json"
 PREPARED_FORMAT = "gpudeck-prepared/1"
+PREPARED_DTYPES = ("uint16", "uint32")
 DEFAULT_CORPUS_BYTES = 16 * 1024 * 1024
 TEXT_SUFFIXES = (".txt", ".md", ".rst", ".py", ".jsonl", ".json")
 DATASET_SUFFIXES = (".parquet", ".arrow")
 HF_DATASET_MARKERS = ("dataset_dict.json", "state.json", "dataset_info.json")
 
 
-class DataError(ValueError):
-    """Bad ``--data`` (or ``--val-data``): the message names what is wrong and the fix."""
+class DataError(InputError, ValueError):
+    """Bad ``--data`` (or ``--val-data``): the message names what is wrong and the fix (exit 2, one line)."""
 
 
 # ------------------------------------------------------------------ tokenizers
@@ -247,7 +250,7 @@ def _read_text(path: Path) -> str:
 
 
 def iter_jsonl(path: str | os.PathLike) -> Iterator[tuple[int, Any]]:
-    """``(line number, value)`` for each non-blank line of a JSONL file; a bad line raises ValueError naming it."""
+    """``(line number, value)`` for each non-blank line of a JSONL file; a bad line raises DataError naming it."""
     with open(path, encoding="utf-8", errors="replace") as fh:
         for number, line in enumerate(fh, 1):
             line = line.strip()
@@ -256,7 +259,7 @@ def iter_jsonl(path: str | os.PathLike) -> Iterator[tuple[int, Any]]:
             try:
                 yield number, json.loads(line)
             except ValueError as exc:
-                raise ValueError(f"{path}:{number}: not valid JSON ({exc}); each line must be one JSON object") from None
+                raise DataError(f"{path}:{number}: not valid JSON ({exc}); each line must be one JSON object") from None
 
 
 def _jsonl_documents(path: Path, text_column: str | None = None) -> list[str]:
@@ -266,7 +269,7 @@ def _jsonl_documents(path: Path, text_column: str | None = None) -> list[str]:
             docs.append(obj)
             continue
         if not isinstance(obj, dict):
-            raise ValueError(f'{path}:{number}: expected a string or an object with a "text" field, got {type(obj).__name__}')
+            raise DataError(f'{path}:{number}: expected a string or an object with a "text" field, got {type(obj).__name__}')
         if text_column is not None:
             text = obj.get(text_column)
             if text is not None and not isinstance(text, str):
@@ -512,23 +515,56 @@ def read_prepared_manifest(path: str | os.PathLike) -> dict[str, Any]:
         raise DataError(
             f"--data {folder}: unreadable {PREPARED_MANIFEST} ({exc}); prepare it again with python -m gpudeck.trainers.prepare"
         ) from None
-    if manifest.get("format") != PREPARED_FORMAT:
+    if not isinstance(manifest, dict) or manifest.get("format") != PREPARED_FORMAT:
+        got = manifest.get("format") if isinstance(manifest, dict) else type(manifest).__name__
         raise DataError(
-            f"--data {folder}: format {manifest.get('format')!r}, this trainer reads "
-            f"{PREPARED_FORMAT!r}; prepare it again with python -m gpudeck.trainers.prepare"
+            f"--data {folder}: format {got!r}, this trainer reads {PREPARED_FORMAT!r}; prepare it again with python -m gpudeck.trainers.prepare"
+        )
+    if not isinstance(manifest.get("splits"), dict) or manifest.get("dtype") not in PREPARED_DTYPES:
+        raise DataError(
+            f"--data {folder}: {PREPARED_MANIFEST} needs a 'splits' object and a 'dtype' of {', '.join(PREPARED_DTYPES)}; prepare it again"
         )
     return manifest
 
 
-def load_prepared(path: str | os.PathLike, split: str = "train") -> TokenSource:
-    """A prepared split, memory-mapped; the figures come from its files and manifest."""
-    folder = Path(path)
-    manifest = read_prepared_manifest(folder)
+def prepared_file(folder: Path, name: object, field: str) -> Path:
+    """``folder / name`` for a file a prepared manifest names: a plain relative name that stays inside ``folder``, else DataPathError."""
+    if not isinstance(name, str) or not name or Path(name).is_absolute() or ".." in Path(name).parts:
+        raise DataPathError(
+            f"--data {folder}: {PREPARED_MANIFEST}'s {field} {name!r} is not a file name inside the folder "
+            "(absolute paths and '..' are refused); prepare the corpus again"
+        )
+    path = folder / name
+    if not path.resolve().is_relative_to(folder.resolve()):
+        raise DataPathError(f"--data {folder}: {field} {name!r} leads outside the folder (a symlink to {path.resolve()}); prepare it again")
+    return path
+
+
+_SPLIT_COUNTS = ("documents", "tokens", "unique_documents")
+
+
+def _split_info(folder: Path, manifest: dict[str, Any], split: str) -> dict[str, Any]:
     info = manifest["splits"].get(split)
     if info is None:
         raise DataError(f"--data {folder}: no {split!r} split (has {', '.join(manifest['splits'])})")
+    if not isinstance(info, dict):
+        info = {}
+    bad = [k for k in _SPLIT_COUNTS if isinstance(info.get(k), bool) or not isinstance(info.get(k), int) or info[k] < 0]
+    if bad or not isinstance(info.get("sha256"), str):
+        raise DataError(
+            f"--data {folder}: split {split!r} of {PREPARED_MANIFEST} lacks sane {', '.join(bad) or 'sha256'}; prepare it again"
+        )
+    return info
+
+
+def load_prepared(path: str | os.PathLike, split: str = "train") -> TokenSource:
+    """A prepared split, memory-mapped; the figures come from its files and manifest (files confined to the folder)."""
+    folder = Path(path)
+    manifest = read_prepared_manifest(folder)
+    info = _split_info(folder, manifest, split)
     dtype = np.dtype(manifest["dtype"])
-    tok_file = folder / info["tokens_file"]
+    tok_file = prepared_file(folder, info.get("tokens_file"), "tokens_file")
+    index_file = prepared_file(folder, info.get("index_file"), "index_file")
     size = tok_file.stat().st_size if tok_file.is_file() else -1
     if size != info["tokens"] * dtype.itemsize:
         raise DataError(
@@ -537,11 +573,14 @@ def load_prepared(path: str | os.PathLike, split: str = "train") -> TokenSource:
             "prepare it again"
         )
     tokens = np.memmap(str(tok_file), dtype=dtype, mode="r") if size > 0 else np.zeros(0, dtype)
-    offsets = np.load(str(folder / info["index_file"]), mmap_mode="r")
-    if offsets.shape[0] != info["documents"] + 1 or int(offsets[-1]) != info["tokens"]:
+    try:
+        offsets = np.load(str(index_file), mmap_mode="r", allow_pickle=False)
+    except (OSError, ValueError) as exc:
+        raise DataError(f"--data {folder}: {info['index_file']} is not an index prepare wrote ({exc}); prepare it again") from None
+    if offsets.ndim != 1 or offsets.shape[0] != info["documents"] + 1 or int(offsets[-1]) != info["tokens"]:
         raise DataError(f"--data {folder}: {info['index_file']} does not match {info['tokens_file']}; prepare it again")
     desc = (
-        f"prepared {folder} [{split}] ({manifest['source']}): {info['documents']} documents, "
+        f"prepared {folder} [{split}] ({manifest.get('source')}): {info['documents']} documents, "
         f"{info['tokens']} tokens, sha256 {info['sha256'][:12]}"
     )
     return TokenSource(tokens, desc, int(offsets.shape[0] - 1), int(info["unique_documents"]), info["sha256"], offsets, manifest)

@@ -149,6 +149,7 @@ from typing import Any
 from gpudeck.trainers import runtime
 from gpudeck.trainers.checkpoint_trust import CheckpointTrustError
 from gpudeck.trainers.diagnostics import install_flight_recorder_dump, install_stack_dump, step_clock
+from gpudeck.trainers.limits import LIMITS, check_config, read_config_json
 from gpudeck.trainers.presets import PRESETS, parse_index_list
 
 ROLE_COLOCATED, ROLE_TARGET, ROLE_DRAFTER = "colocated", "target", "drafter"
@@ -174,7 +175,7 @@ def _step_span(text: str) -> tuple[int, int]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = runtime.TrainerArgumentParser(
         prog="python -m gpudeck.trainers.dflash",
         description="Train a DFlash drafter on a frozen target's hidden states (colocated or split).",
     )
@@ -270,14 +271,16 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         args.target_config = args.model_config
     if (args.target is None) == (args.target_config is None):
         p.error("give exactly one of --target PATH or --target-config/--model-config")
+    if args.target is not None:  # bounded before transformers builds anything from it (ConfigLimitError, exit 2)
+        read_config_json(args.target, f"--target {args.target}")
     resolve_drafter_config(p, args)
     resolve_saved_shape(p, args)
     if not 1 <= args.drafter_layers <= 8:
         p.error("--drafter-layers must be in 1..8 (DFlash uses 1-5)")
-    if args.block_size < 2:
-        p.error("--block-size must be >= 2")
-    if args.num_anchors < 1:
-        p.error("--num-anchors must be >= 1")
+    if not 2 <= args.block_size <= LIMITS["block_size"]:
+        p.error(f"--block-size must be in 2..{LIMITS['block_size']} (DFlash uses 8-16)")
+    if not 1 <= args.num_anchors <= MAX_ANCHORS:
+        p.error(f"--num-anchors must be in 1..{MAX_ANCHORS} (SpecForge uses 512-1024)")
     from gpudeck.trainers.dflash_loss import GammaError, decay_gamma
 
     try:
@@ -293,6 +296,7 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
 
 
 DEFAULT_BLOCK_SIZE = 16
+MAX_ANCHORS = 16_384  # anchors x block size drafter positions per sample: 16,384 x 16 is 8x SpecForge's largest
 DEFAULT_DRAFTER_LAYERS = 1
 # (argparse dest, option, key in the saved drafter's config.json, default, what it is)
 _SAVED_SHAPE = [
@@ -311,6 +315,7 @@ def read_drafter_config(path: str) -> dict[str, Any]:
         raise ValueError(f"--drafter-config {path}: cannot read it as JSON ({exc})") from None
     if not isinstance(cfg, dict):
         raise ValueError(f"--drafter-config {path}: the file holds a {type(cfg).__name__}, not a config object")
+    check_config(cfg, f"--drafter-config {path}")  # before any list is built from its numbers
     n = cfg.get("num_hidden_layers")
     types = cfg.get("layer_types")
     if n is None and isinstance(types, list):
@@ -427,10 +432,7 @@ def resolve_saved_shape(p: argparse.ArgumentParser, args: argparse.Namespace) ->
                 setattr(args, dest, default)
         return
     cfg_file = Path(args.init_from) / "config.json"
-    try:
-        saved_cfg = json.loads(cfg_file.read_text())
-    except (OSError, ValueError) as exc:
-        p.error(f"--init-from {args.init_from}: cannot read the saved drafter's config.json ({exc})")
+    saved_cfg = read_config_json(cfg_file, f"--init-from {args.init_from} (the saved drafter)")
     for dest, option, key, _, what in _SAVED_SHAPE:
         saved = saved_cfg.get(key)
         if not isinstance(saved, int):
@@ -976,7 +978,7 @@ class Trainer:
         self.target_params_total = count_params(target)[0]
         saved_cfg = args.drafter_cfg
         if args.init_from:
-            saved_cfg = json.loads((Path(args.init_from) / "config.json").read_text())
+            saved_cfg = read_config_json(Path(args.init_from) / "config.json", f"--init-from {args.init_from}")
         tc = target.config.get_text_config() if hasattr(target.config, "get_text_config") else target.config
         try:
             mask_id, self.mask_token_source = resolve_mask_token(args.mask_token_id, saved_cfg, self.tokenizer, int(tc.vocab_size))

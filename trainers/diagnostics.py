@@ -329,10 +329,23 @@ def step_clock(on_cuda: bool) -> StepClock:
     return CudaComputeClock() if on_cuda else CollectiveClock(on_cuda=False)
 
 
+def _torch_before_2_8() -> bool:
+    """Whether the installed torch predates TORCH_FR_BUFFER_SIZE (2.8 reads it, and warns on the old name on every start)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        major, minor = (int(x) for x in version("torch").split(".")[:2])
+    except (PackageNotFoundError, ValueError):
+        return False
+    return (major, minor) < (2, 8)
+
+
 def flight_recorder_env(folder: str | None) -> dict[str, str]:
     """Environment for torch's Flight Recorder: a small buffer (NCCL and gloo), NCCL's dump into the run's folder on a timeout."""
     size = str(FR_BUFFER_ENTRIES)
-    env = {"TORCH_FR_BUFFER_SIZE": size, "TORCH_NCCL_TRACE_BUFFER_SIZE": size, "TORCH_NCCL_DUMP_ON_TIMEOUT": "1"}
+    env = {"TORCH_FR_BUFFER_SIZE": size, "TORCH_NCCL_DUMP_ON_TIMEOUT": "1"}
+    if _torch_before_2_8():  # the name torch read before 2.8
+        env["TORCH_NCCL_TRACE_BUFFER_SIZE"] = size
     if folder is not None:
         env["TORCH_FR_DUMP_TEMP_FILE"] = os.path.join(folder, "flight_recorder", "rank_")
     return env

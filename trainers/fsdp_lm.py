@@ -103,9 +103,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+from gpudeck.trainers.errors import InputError
+from gpudeck.trainers.limits import check_config, read_config_json
 from gpudeck.trainers.presets import PRESETS
 from gpudeck.trainers.runtime import (
     ExitWith,
+    TrainerArgumentParser,
     add_common_args,
     check_common_args,
     run_main,
@@ -118,7 +121,7 @@ COLLECTIVE_TIMEOUT_S = 300.0  # a collective not done by then fails the run (set
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = TrainerArgumentParser(
         prog="python -m gpudeck.trainers.fsdp_lm",
         description="FSDP2 causal-LM pretraining on transformers models (gpudeck).",
     )
@@ -263,28 +266,31 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def build_config(spec: str | None, init_from: str | None):
-    """A transformers config from a preset name, a config.json / folder, or --init-from."""
+    """A transformers config from a preset name, a config.json / folder, or --init-from; bounded before it is built.
+
+    Every JSON config passes :func:`gpudeck.trainers.limits.check_config` before transformers reads it
+    (ConfigLimitError naming the field and the limit, exit 2); a preset or a path that is neither is an InputError.
+    """
     from transformers import AutoConfig
 
     if init_from is not None:
+        read_config_json(init_from, f"--init-from {init_from}")
         return AutoConfig.from_pretrained(init_from)
-    assert spec is not None
+    if spec is None:
+        raise InputError("give --model-config (a preset or a config.json) or --init-from")
     if spec in PRESETS:
-        kw = dict(PRESETS[spec])
+        kw = dict(check_config(dict(PRESETS[spec]), f"preset {spec}"))
         return AutoConfig.for_model(kw.pop("model_type"), **kw)
     path = Path(spec)
-    if path.is_dir() or path.is_file():
-        if path.is_file():
-            return AutoConfig.from_pretrained(str(path.parent)) if path.name == "config.json" else _config_from_json(path)
-        return AutoConfig.from_pretrained(str(path))
-    raise ExitWith(2, f"--model-config {spec!r}: not a preset ({', '.join(PRESETS)}) and no such file or folder")
-
-
-def _config_from_json(path: Path):
-    from transformers import AutoConfig
-
-    kw = json.loads(path.read_text())
-    return AutoConfig.for_model(kw.pop("model_type"), **kw)
+    if path.is_dir() or path.name == "config.json":
+        read_config_json(path, f"--model-config {spec}")
+        return AutoConfig.from_pretrained(str(path if path.is_dir() else path.parent))
+    if path.is_file():
+        kw = read_config_json(path, f"--model-config {spec}")
+        if not isinstance(kw.get("model_type"), str):
+            raise InputError(f'--model-config {spec}: the config has no model_type (e.g. "llama", "qwen3"); add it')
+        return AutoConfig.for_model(kw.pop("model_type"), **kw)
+    raise InputError(f"--model-config {spec!r}: not a preset ({', '.join(PRESETS)}) and no such file or folder")
 
 
 REPEAT_KV_ATTENTION = "sdpa_repeat_kv"

@@ -62,12 +62,13 @@ from gpudeck.trainers.data import (
     DEFAULT_CORPUS_BYTES,
     PREPARED_FORMAT,
     PREPARED_MANIFEST,
-    DataError,
     DocumentSource,
     encode_documents,
     load_tokenizer,
     open_documents,
 )
+from gpudeck.trainers.errors import InputError
+from gpudeck.trainers.runtime import TrainerArgumentParser
 
 CHUNK_DOCS = 256  # documents per task handed to a worker
 
@@ -75,12 +76,12 @@ CHUNK_DOCS = 256  # documents per task handed to a worker
 _WORKER: dict[str, Any] = {}
 
 
-class PrepareError(Exception):
+class PrepareError(InputError):
     """The command line or the output folder is not usable; the message says the fix."""
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = TrainerArgumentParser(
         prog="python -m gpudeck.trainers.prepare", description="Tokenise a corpus once into memory-mapped token files (gpudeck)."
     )
     p.add_argument(
@@ -306,8 +307,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         manifest = prepare(args)
-    except (PrepareError, DataError, FileNotFoundError) as exc:
-        print(f"prepare: {exc}", file=sys.stderr)
+    except (InputError, FileNotFoundError) as exc:
+        print(f"prepare: {' '.join(str(exc).split())}", file=sys.stderr)
         return 2
     for name, info in manifest["splits"].items():
         print(

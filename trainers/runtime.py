@@ -75,8 +75,9 @@ import threading
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
+from gpudeck.trainers.errors import EXIT_BAD_INPUT, InputError
 from gpudeck.trainers.presets import PRESETS
 
 FAIL_ENV = "GPUDECK_TEST_FAIL_AT_STEP"
@@ -101,6 +102,13 @@ def _resume_value(text: str) -> str:
     except ValueError:
         raise argparse.ArgumentTypeError(f"--resume takes 'latest' or a step number, got {text!r}") from None
     return str(int(text))
+
+
+class TrainerArgumentParser(argparse.ArgumentParser):
+    """argparse, except that a bad option is one line on stderr (``prog: error: ...``), not the usage block; exit 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_BAD_INPUT, f"{self.prog}: error: {' '.join(message.split())} (see --help)\n")
 
 
 def add_common_args(parser: argparse.ArgumentParser) -> None:
@@ -320,8 +328,12 @@ def register(ctx: DistContext | None = None, telemetry: Any = None) -> None:
         _REGISTERED["telemetry"] = telemetry
 
 
-def abort_and_exit(ctx: DistContext | None, exc: BaseException, telemetry: Any = None, code: int = 1) -> None:
-    """Error path: telemetry ``error`` record, traceback on stderr, abort, ``os._exit``."""
+def abort_and_exit(ctx: DistContext | None, exc: BaseException, telemetry: Any = None, code: int = 1, bad_input: bool = False) -> None:
+    """Error path: telemetry ``error`` record, the error on stderr, abort, ``os._exit``.
+
+    ``bad_input`` (an :class:`~gpudeck.trainers.errors.InputError` or :class:`ExitWith`): one line, the
+    message that says what to fix, no traceback; otherwise the type, the message and the traceback (a bug).
+    """
     rank = ctx.rank if ctx is not None else int(os.environ.get("RANK", "0"))
     message = f"{type(exc).__name__}: {exc}"
     try:
@@ -330,8 +342,11 @@ def abort_and_exit(ctx: DistContext | None, exc: BaseException, telemetry: Any =
     except Exception:
         pass
     try:
-        sys.stderr.write(f"[rank {rank}] error: {message}\n")
-        traceback.print_exception(type(exc), exc, exc.__traceback__, file=sys.stderr)
+        if bad_input:
+            sys.stderr.write(f"[rank {rank}] error: {' '.join(str(exc).split())}\n")
+        else:
+            sys.stderr.write(f"[rank {rank}] error: {message}\n")
+            traceback.print_exception(type(exc), exc, exc.__traceback__, file=sys.stderr)
         sys.stderr.flush()
         sys.stdout.flush()
     except Exception:
@@ -363,7 +378,10 @@ def run_main(main: Callable[[], int]) -> None:
     except SystemExit:
         raise
     except ExitWith as exc:
-        abort_and_exit(_REGISTERED["ctx"], exc, _REGISTERED["telemetry"], code=exc.code)
+        abort_and_exit(_REGISTERED["ctx"], exc, _REGISTERED["telemetry"], code=exc.code, bad_input=True)
+        return
+    except InputError as exc:
+        abort_and_exit(_REGISTERED["ctx"], exc, _REGISTERED["telemetry"], code=EXIT_BAD_INPUT, bad_input=True)
         return
     except BaseException as exc:
         abort_and_exit(_REGISTERED["ctx"], exc, _REGISTERED["telemetry"], code=1)

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 from gpudeck.trainers import data as D
 from gpudeck.trainers.checkpoint import StartError, resolve_start
+from gpudeck.trainers.checkpoint_trust import CheckpointTrustError, write_manifest
 from gpudeck.trainers.flops import flops_per_token, mfu, peak_flops
 from gpudeck.trainers.runtime import add_common_args, check_common_args
 
@@ -172,6 +173,10 @@ def test_resolve_start_rules(tmp_path) -> None:
     with pytest.raises(StartError, match="refuses"):
         resolve_start(tmp_path, True, None)
     assert resolve_start(tmp_path, True, None, new_run_dir=True).archive_existing
+    with pytest.raises(CheckpointTrustError, match="records no digests"):  # a manifest from before checkpoint trust
+        resolve_start(tmp_path, False, "latest")
+    assert resolve_start(tmp_path, False, "latest", trust=True).trust.trusted_by_flag
+    write_manifest(step, {"step": 5})
     assert resolve_start(tmp_path, False, "latest").describe() == "resume 5"
     with pytest.raises(StartError, match="step_5"):
         resolve_start(tmp_path, False, "3")
