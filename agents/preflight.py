@@ -45,7 +45,7 @@ from gpudeck.agents.estimate import (
 from gpudeck.agents.protocol import Gpu, GpuProcess, LaunchSpec, MemoryEstimate, PreflightCheck, PreflightResult, RunInfo
 from gpudeck.trainers.checkpoint_trust import CheckpointTrustError, verify_checkpoint
 
-# the checkpoint layout trainers/checkpoint.py writes: OUT/checkpoints/step_<N>/ with both files when complete
+# the checkpoint layout trainers/common/checkpoint.py writes: OUT/checkpoints/step_<N>/ with both files when complete
 from gpudeck.trainers.contract import CHECKPOINT_MARKER, CHECKPOINT_METADATA, CHECKPOINTS_DIRNAME
 from gpudeck.trainers.contract import STEP_RE as _STEP_RE
 

@@ -6,7 +6,7 @@ Two parts, one result line per figure (``RESULT <name> <value> <unit> [details]`
           ``--rows`` positions (default 1024 anchors x block 32 = 32,768), hidden 1024, vocab
           151,936, bf16, lm_head frozen (as in DFlash; ``--weight-grad`` also measures with a
           trainable lm_head). Compares the plain version (full logits, fp32 CE) with
-          ``gpudeck.trainers.dflash_loss.chunked_linear_cross_entropy`` in ``fused`` mode (gradient
+          ``gpudeck.trainers.dflash.loss.chunked_linear_cross_entropy`` in ``fused`` mode (gradient
           computed in the forward pass, chunk by chunk) and ``recompute`` mode (checkpointed
           chunks). Extra memory = ``torch.cuda.max_memory_allocated`` after minus before (inputs
           and the weight are allocated before); time = median of ``--iters`` CUDA-event-timed runs.
@@ -60,7 +60,7 @@ def result(name: str, value, unit: str, **details) -> None:
 def bench_loss(args) -> None:
     import torch
 
-    from gpudeck.trainers.dflash_loss import chunked_linear_cross_entropy, plain_linear_cross_entropy
+    from gpudeck.trainers.dflash.loss import chunked_linear_cross_entropy, plain_linear_cross_entropy
 
     dev = torch.device("cuda")
     torch.manual_seed(0)
@@ -83,7 +83,7 @@ def bench_loss(args) -> None:
         loss.backward()
         return loss.detach(), hid.grad
 
-    import gpudeck.trainers.dflash_loss as dl
+    import gpudeck.trainers.dflash.loss as dl
 
     configs = [("plain", 0)]
     for c in args.chunks:

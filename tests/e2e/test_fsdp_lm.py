@@ -49,8 +49,8 @@ def straight(tmp_path_factory, runs):
 def test_straight_run_writes_telemetry_checkpoints_and_result(straight) -> None:
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from gpudeck.trainers.checkpoint import list_checkpoints
-    from gpudeck.trainers.fsdp_lm import PRESETS
+    from gpudeck.trainers.common.checkpoint import list_checkpoints
+    from gpudeck.trainers.fsdp_lm.trainer import PRESETS
 
     out, tel, _ = straight
     assert list_checkpoints(out) == [4, 8]
@@ -86,7 +86,7 @@ def test_straight_run_writes_telemetry_checkpoints_and_result(straight) -> None:
 def test_export_loads_with_from_pretrained(straight) -> None:
     from transformers import AutoModelForCausalLM
 
-    from gpudeck.trainers.data import ByteTokenizer, load_tokenizer
+    from gpudeck.trainers.common.data import ByteTokenizer, load_tokenizer
 
     out, tel, _ = straight
     model = AutoModelForCausalLM.from_pretrained(out / "final")
@@ -194,7 +194,7 @@ def test_new_run_dir_archives_old_checkpoints(straight, runs, tmp_path) -> None:
     assert rc == 0, output[-4000:]
     archived = [p for p in out.iterdir() if p.name.startswith("checkpoints.archived-")]
     assert len(archived) == 1 and (archived[0] / "step_8").is_dir()
-    from gpudeck.trainers.checkpoint import list_checkpoints
+    from gpudeck.trainers.common.checkpoint import list_checkpoints
 
     assert list_checkpoints(out) == [2]
     manifest = next(r for r in tel if r["type"] == "manifest")
@@ -232,7 +232,7 @@ def test_init_from_exported_folder_continues_from_trained_weights(straight, runs
 
 
 def test_sigterm_stops_all_ranks_after_a_checkpoint(runs, tmp_path) -> None:
-    from gpudeck.trainers.checkpoint import list_checkpoints
+    from gpudeck.trainers.common.checkpoint import list_checkpoints
 
     out = tmp_path / "term"
     p, tel = runs.start(FSDP, [*COMMON, "--max-steps", "100000", "--fresh"], out, nproc=2)
@@ -259,8 +259,8 @@ def test_prepare_then_train_with_validation_then_resume_is_exact(runs, tmp_path)
     """A saved dataset -> gpudeck.trainers.prepare (2 processes) -> 2 ranks train from the token file
     (the source deleted: nothing re-tokenises) with val_loss records -> resume is exact."""
     datasets = pytest.importorskip("datasets")
-    from gpudeck.trainers.checkpoint import list_checkpoints
-    from gpudeck.trainers.data import PREPARED_MANIFEST, load_documents
+    from gpudeck.trainers.common.checkpoint import list_checkpoints
+    from gpudeck.trainers.common.data import PREPARED_MANIFEST, load_documents
 
     docs = load_documents(None, max_bytes=600 * 1024)
     src = tmp_path / "corpus"

@@ -1,4 +1,4 @@
-"""Tests of trainers/checkpoint.py's save and load with real torch (one process, no process group): nothing unverified is unpickled."""
+"""Tests of trainers/common/checkpoint.py's save and load with real torch (one process, no process group): nothing unverified is unpickled."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from gpudeck.trainers.checkpoint import load_checkpoint, resolve_start, save_checkpoint
 from gpudeck.trainers.checkpoint_trust import CheckpointTrustError, write_manifest
+from gpudeck.trainers.common.checkpoint import load_checkpoint, resolve_start, save_checkpoint
 from tests.trainer_harness import WritesMarker
 
 

@@ -484,9 +484,9 @@ def test_every_failure_says_what_to_do(tmp_path: Path) -> None:
 
 
 def test_the_checkpoint_layout_matches_trainers_checkpoint(tmp_path: Path) -> None:
-    """agents may not import gpudeck.trainers.checkpoint, so pre-flight restates its layout; this keeps them equal."""
+    """agents may not import gpudeck.trainers.common.checkpoint, so pre-flight restates its layout; this keeps them equal."""
     from gpudeck.agents import preflight as pf
-    from gpudeck.trainers import checkpoint as ckpt
+    from gpudeck.trainers.common import checkpoint as ckpt
 
     assert (pf.CHECKPOINTS_DIRNAME, pf.CHECKPOINT_MARKER) == (ckpt.CHECKPOINTS_DIRNAME, ckpt.MARKER_FILE)
     out = tmp_path / "out"

@@ -1,4 +1,4 @@
-"""Unit tests for real corpora in gpudeck.trainers.data (saved datasets, parquet, arrow) and gpudeck.trainers.prepare.
+"""Unit tests for real corpora in gpudeck.trainers.common.data (saved datasets, parquet, arrow) and gpudeck.trainers.prepare.
 
 The datasets are made here (``datasets`` offline; no hub access).
 """
@@ -13,8 +13,8 @@ import pytest
 pytest.importorskip("torch")
 datasets = pytest.importorskip("datasets")
 
-from gpudeck.trainers import data as D
-from gpudeck.trainers import prepare as P
+from gpudeck.trainers.common import data as D
+from gpudeck.trainers.common import prepare as P
 
 DOCS = [f"document {i}: " + "word " * (i % 7) + "end" for i in range(40)] + ["document 3: end"] * 3
 

@@ -1,4 +1,4 @@
-"""Unit tests for gpudeck.trainers.data (and the pure parts of gpudeck.trainers.checkpoint / flops / runtime)."""
+"""Unit tests for gpudeck.trainers.common.data (and the pure parts of gpudeck.trainers.common.checkpoint / flops / runtime)."""
 
 from __future__ import annotations
 
@@ -13,11 +13,11 @@ torch = pytest.importorskip("torch")
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gpudeck.trainers import data as D
-from gpudeck.trainers.checkpoint import StartError, resolve_start
 from gpudeck.trainers.checkpoint_trust import CheckpointTrustError, write_manifest
-from gpudeck.trainers.flops import flops_per_token, mfu, peak_flops
-from gpudeck.trainers.runtime import add_common_args, check_common_args
+from gpudeck.trainers.common import data as D
+from gpudeck.trainers.common.checkpoint import StartError, resolve_start
+from gpudeck.trainers.common.flops import flops_per_token, mfu, peak_flops
+from gpudeck.trainers.common.runtime import add_common_args, check_common_args
 
 
 @pytest.fixture(scope="module")
@@ -210,7 +210,7 @@ def test_flops_formula_and_peaks() -> None:
 
 
 def test_causal_convention_halves_attention_only() -> None:
-    from gpudeck.trainers.flops import attention_flops, causal_pairs, dense_flops, full_pairs, window_pairs
+    from gpudeck.trainers.common.flops import attention_flops, causal_pairs, dense_flops, full_pairs, window_pairs
 
     n, emb, L, H, d, S = 1_100_048_384, 32000 * 2048, 22, 32, 64, 2048
     titan = flops_per_token(n, emb, L, H, d, S)
@@ -231,7 +231,7 @@ def test_causal_convention_halves_attention_only() -> None:
 def test_model_flops_gives_both_conventions() -> None:
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from gpudeck.trainers.flops import model_flops
+    from gpudeck.trainers.common.flops import model_flops
     from gpudeck.trainers.presets import PRESETS
 
     kw = dict(PRESETS["tiny"])
@@ -247,7 +247,7 @@ def test_model_flops_gives_both_conventions() -> None:
 def test_bad_jsonl_lines_are_named(tmp_path) -> None:
     import pytest
 
-    from gpudeck.trainers.data import load_documents
+    from gpudeck.trainers.common.data import load_documents
 
     f = tmp_path / "d.jsonl"
     f.write_text('{"text": "fine"}\n\n{"text": broken}\n')

@@ -1,4 +1,4 @@
-"""Unit tests of the config bounds (trainers/limits.py, stdlib): refused before transformers or torch allocate."""
+"""Unit tests of the config bounds (trainers/common/limits.py, stdlib): refused before transformers or torch allocate."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from gpudeck.trainers.common.limits import LIMITS, MAX_PARAMS, check_config, estimated_params, read_config_json
 from gpudeck.trainers.errors import ConfigLimitError, InputError
-from gpudeck.trainers.limits import LIMITS, MAX_PARAMS, check_config, estimated_params, read_config_json
 from gpudeck.trainers.presets import PRESETS
 
 

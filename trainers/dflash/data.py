@@ -101,7 +101,7 @@ def has_two_supervised(mask: np.ndarray) -> bool:
 
 def load_records(path: str | Path, tokenizer: Any, seq_len: int, loss_on_prompt: bool = False) -> Records | None:
     """One sample per ``{"prompt", "response"}`` JSONL record (see module docstring); None for other files."""
-    from gpudeck.trainers.data import DataError, iter_jsonl
+    from gpudeck.trainers.common.data import DataError, iter_jsonl
 
     p = Path(path)
     if p.suffix != ".jsonl" or not p.is_file():

@@ -2,7 +2,7 @@
 
 Run under ``torchrun`` (or as one plain process). The recipe is SpecForge's
 ``OnlineDFlashModel`` (shared/research/trainers.md, section A); the drafter lives
-in ``trainers/dflash_model.py`` and the objective in ``trainers/dflash_loss.py``.
+in ``trainers/dflash/model.py`` and the objective in ``trainers/dflash/loss.py``.
 
 Target
     ``--target PATH`` loads ``AutoModelForCausalLM.from_pretrained(PATH)`` (for
@@ -47,7 +47,7 @@ Step
     ``loss_mask`` is all ones for plain text (no prompt/response split, so every
     position is supervised). A ``--data`` JSONL file whose records are
     ``{"prompt": ..., "response": ...}`` is read as the references read theirs
-    (``trainers/dflash_data.py``): one sample per record, truncated to
+    (``trainers/dflash/data.py``): one sample per record, truncated to
     ``--seq-len`` and padded, mask 0 on the prompt (``--loss-on-prompt``: 1) and
     on padding, 1 on the response + EOS; no record is split or packed with
     another. Batches are ``--batch-size`` records padded to ``--seq-len``, or with
@@ -64,7 +64,7 @@ Topologies
     drafter layer and each target decoder layer.
     ``split``: a drafter rank does not load the target: with ``--target PATH`` it reads
     only the embedding and lm_head by tensor name from the target's safetensors
-    (memory-mapped; ``trainers/dflash_weights.py``), so its host RAM holds no
+    (memory-mapped; ``trainers/dflash/weights.py``), so its host RAM holds no
     transformer weights (the manifest's ``target_load`` and ``host_rss_*_mib`` say so).
     ``--target-ranks`` (e.g. ``0,1`` or ``0-1``) only run the target
     and ``--drafter-ranks`` only the drafter (FSDP2 over a ``dist.new_group`` of
@@ -107,7 +107,7 @@ Evaluation (``eval`` records, every ``--eval-every`` steps, at start and end)
     same quantity averaged over every anchor position.
 
 Output
-    ``OUT/checkpoints/step_N`` (gpudeck.trainers.checkpoint; drafter + optimizer +
+    ``OUT/checkpoints/step_N`` (gpudeck.trainers.common.checkpoint; drafter + optimizer +
     scheduler + data position + RNG + step), ``OUT/drafter/`` (save_pretrained,
     config with block_size, target_layer_ids, mask token id; plus ``dflash.py``
     so it loads with trust_remote_code), ``OUT/result.json`` (final_step, stopped,
@@ -146,10 +146,10 @@ from collections import deque
 from pathlib import Path
 from typing import Any
 
-from gpudeck.trainers import runtime
 from gpudeck.trainers.checkpoint_trust import CheckpointTrustError
-from gpudeck.trainers.diagnostics import install_flight_recorder_dump, install_stack_dump, step_clock
-from gpudeck.trainers.limits import LIMITS, check_config, read_config_json
+from gpudeck.trainers.common import runtime
+from gpudeck.trainers.common.diagnostics import install_flight_recorder_dump, install_stack_dump, step_clock
+from gpudeck.trainers.common.limits import LIMITS, check_config, read_config_json
 from gpudeck.trainers.presets import PRESETS, parse_index_list
 
 ROLE_COLOCATED, ROLE_TARGET, ROLE_DRAFTER = "colocated", "target", "drafter"
@@ -281,7 +281,7 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         p.error(f"--block-size must be in 2..{LIMITS['block_size']} (DFlash uses 8-16)")
     if not 1 <= args.num_anchors <= MAX_ANCHORS:
         p.error(f"--num-anchors must be in 1..{MAX_ANCHORS} (SpecForge uses 512-1024)")
-    from gpudeck.trainers.dflash_loss import GammaError, decay_gamma
+    from gpudeck.trainers.dflash.loss import GammaError, decay_gamma
 
     try:
         decay_gamma(args.block_size, args.gamma)
@@ -307,7 +307,7 @@ _SAVED_SHAPE = [
 
 def read_drafter_config(path: str) -> dict[str, Any]:
     """The ``--drafter-config`` file as a dict, checked; ValueError naming the field and the fix."""
-    from gpudeck.trainers.dflash_model import FULL_ATTENTION, LAYER_TYPES, SLIDING_ATTENTION
+    from gpudeck.trainers.dflash.model import FULL_ATTENTION, LAYER_TYPES, SLIDING_ATTENTION
 
     try:
         cfg = json.loads(Path(path).read_text())
@@ -380,7 +380,7 @@ def resolve_drafter_config(p: argparse.ArgumentParser, args: argparse.Namespace)
 
 def drafter_config_from_file(cfg: dict[str, Any], target_config, block_size: int, mask_token_id: int):
     """The drafter's Qwen3Config from a ``--drafter-config`` dict on this target (widths checked)."""
-    from gpudeck.trainers.dflash_model import drafter_config_from_target
+    from gpudeck.trainers.dflash.model import drafter_config_from_target
 
     tc = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
     for key in ("hidden_size", "vocab_size"):
@@ -461,7 +461,7 @@ def _preset_config(spec: str):
 
     Uses fsdp_lm's preset table and config loader (one source of truth for presets).
     """
-    from gpudeck.trainers.fsdp_lm import build_config
+    from gpudeck.trainers.fsdp_lm.trainer import build_config
 
     return build_config(spec, None)
 
@@ -495,7 +495,7 @@ def compile_target(model) -> None:
 
 def target_features(target, input_ids, layer_ids):
     """Concatenated hidden_states[id + 1] of the base model: [b, S, n*H] (no lm_head)."""
-    from gpudeck.trainers.dflash_model import extract_context
+    from gpudeck.trainers.dflash.model import extract_context
 
     out = target.base_model(input_ids=input_ids, output_hidden_states=True, use_cache=False)
     return extract_context(out.hidden_states, layer_ids)
@@ -543,7 +543,7 @@ class TargetFlops:
     """Forward FLOPs of the target layers the drafter's features need (the lm_head is never run)."""
 
     def __init__(self, target, layer_ids: list[int]) -> None:
-        from gpudeck.trainers.flops import attention_dims
+        from gpudeck.trainers.common.flops import attention_dims
 
         layers = list(getattr(target.base_model, "layers", []))
         _, heads, hd = attention_dims(target.config)
@@ -595,8 +595,8 @@ def drafter_step_flops(dcfg, n_layer_params: int, n_fc: int, seq_len: int, ancho
     Attention counts the keys each block query sees: a full layer ``anchor + B``, a sliding
     layer at most its window (``dflash_loss.visible_keys``).
     """
-    from gpudeck.trainers.dflash_loss import visible_keys
-    from gpudeck.trainers.dflash_model import SLIDING_ATTENTION, attention_layout
+    from gpudeck.trainers.dflash.loss import visible_keys
+    from gpudeck.trainers.dflash.model import SLIDING_ATTENTION, attention_layout
 
     bsz, n = anchors.shape
     bs = dcfg.block_size
@@ -620,7 +620,7 @@ def build_eval_set(target, val_tokens, args, device):
     """Prompts from held-out tokens + the target's greedy continuation: (ids [E, P+G], feats)."""
     import torch
 
-    from gpudeck.trainers.data import PackedDataset
+    from gpudeck.trainers.common.data import PackedDataset
 
     p_len, g_len = args.eval_prompt_len, args.eval_gen_len
     ds = PackedDataset(val_tokens, p_len)
@@ -650,7 +650,7 @@ def evaluate_tau(
     """Greedy block verification against the target's greedy sequence (see module docstring)."""
     import torch
 
-    from gpudeck.trainers.dflash_loss import block_inputs
+    from gpudeck.trainers.dflash.loss import block_inputs
 
     e, t = ids.shape
     first, last = prompt_len - 1, t - block_size
@@ -687,7 +687,7 @@ def evaluate_tau(
 
 def _make_mask(anchors, seq_len, block_size, attn, device, sliding_window=None):
     """One layer type's mask: dense bool (SDPA) or a flex BlockMask; a window makes it the sliding one."""
-    from gpudeck.trainers.dflash_loss import build_attention_mask
+    from gpudeck.trainers.dflash.loss import build_attention_mask
 
     if attn != "flex":
         return build_attention_mask(anchors, seq_len, block_size, sliding_window)
@@ -715,7 +715,7 @@ def _make_mask(anchors, seq_len, block_size, attn, device, sliding_window=None):
 
 def make_masks(anchors, seq_len, block_size, attn, device, layer_types, sliding_window):
     """The drafter's attention mask: one mask when every layer is full, else one per layer type."""
-    from gpudeck.trainers.dflash_model import FULL_ATTENTION, SLIDING_ATTENTION
+    from gpudeck.trainers.dflash.model import FULL_ATTENTION, SLIDING_ATTENTION
 
     full = _make_mask(anchors, seq_len, block_size, attn, device)
     if SLIDING_ATTENTION not in layer_types:
@@ -810,8 +810,8 @@ class Trainer:
         import torch
         import torch.distributed as dist
 
-        from gpudeck.trainers import checkpoint as ckpt
-        from gpudeck.trainers.telemetry import Telemetry
+        from gpudeck.trainers.common import checkpoint as ckpt
+        from gpudeck.trainers.common.telemetry import Telemetry
 
         args = self.args
         self.ctx = ctx = runtime.init_distributed(args.device, single_process_group=True)
@@ -887,8 +887,8 @@ class Trainer:
         return self.t_index
 
     def _setup_data(self) -> None:
-        from gpudeck.trainers.data import PackedDataset, ShardedBatches, load_tokenizer, load_tokens, split_tokens
-        from gpudeck.trainers.dflash_data import RecordBatches, load_records, max_batch_tokens
+        from gpudeck.trainers.common.data import PackedDataset, ShardedBatches, load_tokenizer, load_tokens, split_tokens
+        from gpudeck.trainers.dflash.data import RecordBatches, load_records, max_batch_tokens
 
         args = self.args
         tok_spec = args.tokenizer
@@ -951,15 +951,15 @@ class Trainer:
     def _setup_models(self) -> None:
         import torch
 
-        from gpudeck.trainers.dflash_model import DFlashDraftModel, attention_layout, drafter_config_from_target
-        from gpudeck.trainers.flops import count_params
+        from gpudeck.trainers.common.flops import count_params
+        from gpudeck.trainers.dflash.model import DFlashDraftModel, attention_layout, drafter_config_from_target
 
         args = self.args
-        from gpudeck.trainers.dflash_weights import has_safetensors, host_rss_mib, load_embedding_and_head, target_skeleton
+        from gpudeck.trainers.dflash.weights import has_safetensors, host_rss_mib, load_embedding_and_head, target_skeleton
 
         # target ranks load the whole target and run it; a split drafter rank needs only its
         # embedding and lm_head: read by name from the safetensors (a meta-device skeleton gives
-        # the config and counts), never the whole target (trainers/dflash_weights.py)
+        # the config and counts), never the whole target (trainers/dflash/weights.py)
         self.rss_before_models = host_rss_mib()
         self.embed = self.lm_head = None
         if not self.is_target and args.target and has_safetensors(args.target):
@@ -1002,7 +1002,7 @@ class Trainer:
         else:
             self.dcfg = drafter_config_from_target(target.config, args.drafter_layers, args.block_size, self.mask_token_id)
         self.block_size = int(self.dcfg.block_size)
-        from gpudeck.trainers.dflash_loss import decay_gamma
+        from gpudeck.trainers.dflash.loss import decay_gamma
 
         self.gamma = decay_gamma(self.block_size, args.gamma)
         self.layer_types, self.sliding_window = attention_layout(self.dcfg)
@@ -1135,7 +1135,7 @@ class Trainer:
 
     # ---- manifest ----------------------------------------------------
     def manifest(self) -> None:
-        from gpudeck.trainers.runtime import config_hash, device_info
+        from gpudeck.trainers.common.runtime import config_hash, device_info
 
         args = self.args
         info = device_info(self.device)
@@ -1238,7 +1238,7 @@ class Trainer:
         return ids, lm, feats[:n].view(b, length, -1).to(self.device)
 
     def _skip_local_batch(self) -> None:
-        from gpudeck.trainers.dflash_data import RecordBatches
+        from gpudeck.trainers.dflash.data import RecordBatches
 
         if self.loader is None:
             raise RuntimeError(f"rank {self.ctx.rank} has no batch loader: only target ranks read batches")
@@ -1284,7 +1284,7 @@ class Trainer:
         return extra
 
     def save(self, step: int) -> None:
-        from gpudeck.trainers import checkpoint as ckpt
+        from gpudeck.trainers.common import checkpoint as ckpt
 
         extra = self._extra(step)
         model = self.drafter if self.drafter is not None else _placeholder()
@@ -1301,7 +1301,7 @@ class Trainer:
         self.tel.emit("checkpoint", step=step, **done.record())
 
     def load(self, step: int) -> int:
-        from gpudeck.trainers import checkpoint as ckpt
+        from gpudeck.trainers.common import checkpoint as ckpt
 
         model = self.drafter if self.drafter is not None else _placeholder()
         extra = ckpt.load_checkpoint(self.args.out, step, model, self.optimizer, rank=self.ctx.rank, trust=self.args.trust_checkpoint)
@@ -1322,7 +1322,7 @@ class Trainer:
     def drafter_forward_backward(self, ids, lm, feats, scale: float):
         import torch
 
-        from gpudeck.trainers.dflash_loss import block_inputs, dflash_loss, labels_and_weights, sample_anchors
+        from gpudeck.trainers.dflash.loss import block_inputs, dflash_loss, labels_and_weights, sample_anchors
 
         args = self.args
         if self.drafter is None or self.embed is None or self.lm_head is None:
@@ -1394,7 +1394,7 @@ class Trainer:
         return 0
 
     def _peak(self):
-        from gpudeck.trainers.flops import peak_flops
+        from gpudeck.trainers.common.flops import peak_flops
 
         return peak_flops(self.device, "bf16" if "bfloat16" in str(self.dtype) else "fp32")
 
@@ -1423,8 +1423,8 @@ class Trainer:
         import torch
         import torch.distributed as dist
 
-        from gpudeck.trainers.dflash_loss import finish_global_mean
-        from gpudeck.trainers.flops import mfu
+        from gpudeck.trainers.common.flops import mfu
+        from gpudeck.trainers.dflash.loss import finish_global_mean
 
         args = self.args
         if self.drafter is None or self.optimizer is None or self.scheduler is None:
@@ -1618,7 +1618,7 @@ class Trainer:
         import torch
         import torch.distributed as dist
 
-        from gpudeck.trainers.flops import mfu
+        from gpudeck.trainers.common.flops import mfu
 
         args = self.args
         pending: deque = deque()
@@ -1726,7 +1726,7 @@ class Trainer:
         import torch
         import torch.distributed as dist
 
-        from gpudeck.trainers.dflash_model import DFlashDraftModel
+        from gpudeck.trainers.dflash.model import DFlashDraftModel
 
         out = Path(self.args.out)
         files: list[str] = []
@@ -1746,7 +1746,7 @@ class Trainer:
                 if ddir.exists():
                     shutil.rmtree(ddir)
                 plain.save_pretrained(str(ddir))
-                shutil.copy(Path(__file__).with_name("dflash_model.py"), ddir / "dflash.py")
+                shutil.copy(Path(__file__).with_name("model.py"), ddir / "dflash.py")
                 meta = {
                     "target": self.args.target or self.args.target_config,
                     "step": step,
@@ -1780,7 +1780,7 @@ class Trainer:
 def _placeholder():
     """What a split target rank contributes to the (collective) checkpoint: one tiny buffer.
 
-    Adapter: gpudeck.trainers.checkpoint saves model state through get_model_state_dict, which refuses an
+    Adapter: gpudeck.trainers.common.checkpoint saves model state through get_model_state_dict, which refuses an
     empty module; target ranks hold no trainable state, but every rank must join the DCP collective.
     """
     import torch
@@ -1803,7 +1803,3 @@ def main(argv: list[str] | None = None) -> int:
     check_args(parser, args)
     Path(args.out).mkdir(parents=True, exist_ok=True)
     return Trainer(args, [sys.executable, "-m", "gpudeck.trainers.dflash", *argv]).run()
-
-
-if __name__ == "__main__":
-    runtime.run_main(main)

@@ -23,7 +23,7 @@ manifest last)::
     PREP/train.bin               tokens of the train split (uint16, or uint32 for vocabularies > 65535)
     PREP/train.idx.npy           int64 document offsets into train.bin (documents + 1 entries)
     PREP/val.bin, val.idx.npy    the validation split, when --val-fraction or --val-data
-    PREP/tokenizer/              the tokenizer (gpudeck.trainers.data.load_tokenizer reads it)
+    PREP/tokenizer/              the tokenizer (gpudeck.trainers.common.data.load_tokenizer reads it)
 
 Manifest: ``format`` (``gpudeck-prepared/1``), ``source``, ``text_column``,
 ``tokenizer`` (``describe()``), ``dtype``, ``max_token_id``, ``splits``:
@@ -32,7 +32,7 @@ Manifest: ``format`` (``gpudeck-prepared/1``), ``source``, ``text_column``,
 (of the token file)}}, ``val_fraction``, ``val_source``, ``seed``,
 ``num_proc``, ``seconds``, ``created``.
 
-Training ranks memory-map ``train.bin`` (``gpudeck.trainers.data.load_prepared``) and
+Training ranks memory-map ``train.bin`` (``gpudeck.trainers.common.data.load_prepared``) and
 never tokenise; the trainer's manifest takes its dataset figures (samples,
 tokens, documents, unique documents, hash) from these files.
 
@@ -57,7 +57,7 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
-from gpudeck.trainers.data import (
+from gpudeck.trainers.common.data import (
     BYTE_TOKENIZER_FILE,
     DEFAULT_CORPUS_BYTES,
     PREPARED_FORMAT,
@@ -67,8 +67,8 @@ from gpudeck.trainers.data import (
     load_tokenizer,
     open_documents,
 )
+from gpudeck.trainers.common.runtime import TrainerArgumentParser
 from gpudeck.trainers.errors import InputError
-from gpudeck.trainers.runtime import TrainerArgumentParser
 
 CHUNK_DOCS = 256  # documents per task handed to a worker
 
@@ -319,7 +319,3 @@ def main(argv: list[str] | None = None) -> int:
         )
     print(f"prepare: {manifest['num_proc']} processes, {manifest['seconds']:.1f} s", flush=True)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

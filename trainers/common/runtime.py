@@ -221,7 +221,7 @@ def init_distributed(device: str = "auto", init_timeout_s: float = 300.0, single
     world = int(os.environ.get("WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     use_cuda = torch.cuda.is_available() and device != "cpu"
-    from gpudeck.trainers.diagnostics import enable_flight_recorder
+    from gpudeck.trainers.common.diagnostics import enable_flight_recorder
 
     enable_flight_recorder()  # NCCL and gloo (torch >= 2.9): before the process group exists
     if device == "cuda" and not torch.cuda.is_available():

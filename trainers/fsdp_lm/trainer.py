@@ -10,7 +10,7 @@ Run it under torchrun (or alone: world size 1)::
 
 What it does, in order:
 
-1. Parses the shared command line (``gpudeck.trainers.runtime``); exactly one of
+1. Parses the shared command line (``gpudeck.trainers.common.runtime``); exactly one of
    ``--fresh`` / ``--resume latest|N`` is required. ``--fresh`` refuses (exit 2)
    when ``OUT/checkpoints`` already holds checkpoints, unless ``--new-run-dir``
    (which moves them to ``OUT/checkpoints.archived-<UTC time>/``).
@@ -47,7 +47,7 @@ next-token loss over ``--val-batches`` fixed batches per rank goes into a
 ``val_loss`` record (no gradients, no RNG, no data position: resume stays exact).
 
 Telemetry: ``manifest``, ``step``, ``val_loss``, ``heartbeat``, ``checkpoint``,
-``done`` and ``error`` records through ``gpudeck.trainers.telemetry.Telemetry``
+``done`` and ``error`` records through ``gpudeck.trainers.common.telemetry.Telemetry``
 (``GPUDECK_TELEMETRY``). Every rank writes its own records. In ``step`` records
 ``loss`` is the mean over ranks and micro-batches, ``tokens_per_s`` is the whole
 job's (all ranks) over the step's wall time, and ``mfu`` is per GPU:
@@ -67,7 +67,7 @@ over row chunks, no [tokens, vocab] logits kept), ``--optimizer-impl``,
 ``--reduce-dtype``, ``--prefetch`` (next batch pinned and copied while the GPU
 works), ``--sdpa-backend``; ``--profile-steps N`` prints the top kernels of N
 steps from ``--profile-start`` and the time per kernel class
-(``gpudeck.trainers.profiling``).
+(``gpudeck.trainers.common.profiling``).
 
 Batch sizes: ``--batch-size`` sequences of ``--seq-len`` tokens per rank per
 micro-step; one optimizer step sees batch_size x grad_accum x world_size
@@ -75,11 +75,11 @@ sequences.
 
 Output: ``OUT/checkpoints/step_<N>/``, ``OUT/final/`` (config.json,
 model.safetensors, the tokenizer: ``gpudeck_byte_tokenizer.json`` for the byte
-tokenizer, reloadable with ``gpudeck.trainers.data.load_tokenizer(OUT/final)``), and
+tokenizer, reloadable with ``gpudeck.trainers.common.data.load_tokenizer(OUT/final)``), and
 ``OUT/result.json`` (final_step, start, losses per step, final_loss,
 tokens_per_s and mfu means excluding step 1, params, world size, checkpoints).
 
-SIGTERM/SIGINT (``gpudeck.trainers.runtime.install_stop_flag``): the ranks agree (one
+SIGTERM/SIGINT (``gpudeck.trainers.common.runtime.install_stop_flag``): the ranks agree (one
 all-reduce per step, ``reduce_mean_and_stop``) to stop after the current step,
 save a checkpoint, export nothing, and exit 0 with a ``done`` record whose
 ``reason`` is ``"stopped"``. Repeated SIGTERMs are one request; a SIGINT after
@@ -103,16 +103,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-from gpudeck.trainers.errors import InputError
-from gpudeck.trainers.limits import check_config, read_config_json
-from gpudeck.trainers.presets import PRESETS
-from gpudeck.trainers.runtime import (
+from gpudeck.trainers.common.limits import check_config, read_config_json
+from gpudeck.trainers.common.runtime import (
     ExitWith,
     TrainerArgumentParser,
     add_common_args,
     check_common_args,
-    run_main,
 )
+from gpudeck.trainers.errors import InputError
+from gpudeck.trainers.presets import PRESETS
 
 # ------------------------------------------------------------------ command line
 
@@ -268,7 +267,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def build_config(spec: str | None, init_from: str | None):
     """A transformers config from a preset name, a config.json / folder, or --init-from; bounded before it is built.
 
-    Every JSON config passes :func:`gpudeck.trainers.limits.check_config` before transformers reads it
+    Every JSON config passes :func:`gpudeck.trainers.common.limits.check_config` before transformers reads it
     (ConfigLimitError naming the field and the limit, exit 2); a preset or a path that is neither is an InputError.
     """
     from transformers import AutoConfig
@@ -531,7 +530,7 @@ class _ChunkedLossHead:
     """Mixed into the lm_head's class: ``head(hidden, labels)`` is the mean CE, chunked.
 
     Called as a module (so FSDP2's hooks gather the weight); without labels it is the
-    plain linear layer. The chunks are ``gpudeck.trainers.dflash_loss.chunked_linear_cross_entropy``
+    plain linear layer. The chunks are ``gpudeck.trainers.dflash.loss.chunked_linear_cross_entropy``
     (fused mode: each chunk's gradients are computed in the forward, no [tokens, vocab]
     logits are kept).
     """
@@ -543,7 +542,7 @@ class _ChunkedLossHead:
             return super().forward(hidden)
         import torch
 
-        from gpudeck.trainers.dflash_loss import chunked_linear_cross_entropy
+        from gpudeck.trainers.dflash.loss import chunked_linear_cross_entropy
 
         h = hidden.reshape(-1, hidden.shape[-1])
         y = labels.reshape(-1)
@@ -640,14 +639,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     out = Path(args.out)
 
-    from gpudeck.trainers.checkpoint import StartError, resolve_start
     from gpudeck.trainers.checkpoint_trust import CheckpointTrustError
+    from gpudeck.trainers.common.checkpoint import StartError, resolve_start
 
     try:
         plan = resolve_start(out, args.fresh, args.resume, args.new_run_dir, trust=args.trust_checkpoint)
     except (StartError, CheckpointTrustError) as exc:
         print(f"fsdp_lm: {exc}", file=sys.stderr)
-        from gpudeck.trainers.telemetry import Telemetry
+        from gpudeck.trainers.common.telemetry import Telemetry
 
         with Telemetry() as tel:
             tel.emit("error", message=f"StartError: {exc}", exit_code=2)
@@ -657,13 +656,13 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     import torch
 
-    from gpudeck.trainers.checkpoint import (
+    from gpudeck.trainers.common.checkpoint import (
         archive_checkpoints,
         list_checkpoints,
         load_checkpoint,
         save_checkpoint,
     )
-    from gpudeck.trainers.data import (
+    from gpudeck.trainers.common.data import (
         DataError,
         PackedDataset,
         ShardedBatches,
@@ -675,11 +674,11 @@ def main(argv: list[str] | None = None) -> int:
         read_prepared_manifest,
         split_tokens,
     )
-    from gpudeck.trainers.diagnostics import install_flight_recorder_dump, install_stack_dump, maybe_sleep_for_test, step_clock
-    from gpudeck.trainers.flops import MFU_CONVENTION, model_flops, peak_flops
-    from gpudeck.trainers.flops import mfu as compute_mfu
-    from gpudeck.trainers.profiling import StepProfiler
-    from gpudeck.trainers.runtime import (
+    from gpudeck.trainers.common.diagnostics import install_flight_recorder_dump, install_stack_dump, maybe_sleep_for_test, step_clock
+    from gpudeck.trainers.common.flops import MFU_CONVENTION, model_flops, peak_flops
+    from gpudeck.trainers.common.flops import mfu as compute_mfu
+    from gpudeck.trainers.common.profiling import StepProfiler
+    from gpudeck.trainers.common.runtime import (
         barrier,
         config_hash,
         device_info,
@@ -692,7 +691,7 @@ def main(argv: list[str] | None = None) -> int:
         seed_all,
         set_collective_timeout,
     )
-    from gpudeck.trainers.telemetry import Telemetry
+    from gpudeck.trainers.common.telemetry import Telemetry
 
     stop = install_stop_flag()
     ctx = init_distributed(args.device, init_timeout_s=300.0, single_process_group=True)
@@ -1112,7 +1111,7 @@ def _max_token(source) -> int:
 
 
 def _has_tokenizer(folder: Path) -> bool:
-    from gpudeck.trainers.data import BYTE_TOKENIZER_FILE
+    from gpudeck.trainers.common.data import BYTE_TOKENIZER_FILE
 
     return (folder / BYTE_TOKENIZER_FILE).is_file() or (folder / "tokenizer_config.json").is_file() or (folder / "tokenizer.json").is_file()
 
@@ -1125,7 +1124,3 @@ def _transformers_version() -> str:
     import transformers
 
     return transformers.__version__
-
-
-if __name__ == "__main__":
-    run_main(main)

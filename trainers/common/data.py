@@ -130,7 +130,7 @@ class ByteTokenizer:
             "eos_id": self.eos_id,
             "pad_id": self.pad_id,
             "mask_id": self.mask_id,
-            "note": "ids 0-255 are UTF-8 bytes; load with gpudeck.trainers.data.load_tokenizer(folder)",
+            "note": "ids 0-255 are UTF-8 bytes; load with gpudeck.trainers.common.data.load_tokenizer(folder)",
         }
 
     def save(self, folder: str | os.PathLike) -> Path:
