@@ -211,7 +211,8 @@ def _target_continuations(final: Path, corpus_bytes: int, out: Path) -> int:
     import numpy as np
     from transformers import AutoModelForCausalLM
 
-    from gpudeck.trainers.common.data import ByteTokenizer, load_tokens, split_tokens
+    from gpudeck.trainers.common.data import load_tokens, split_tokens
+    from gpudeck.trainers.common.tokenizer import ByteTokenizer
 
     train, _ = split_tokens(load_tokens(None, ByteTokenizer(), max_bytes=corpus_bytes).tokens, 0.02)
     tokens = torch.from_numpy(train.astype(np.int64))

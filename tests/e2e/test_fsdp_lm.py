@@ -86,7 +86,7 @@ def test_straight_run_writes_telemetry_checkpoints_and_result(straight) -> None:
 def test_export_loads_with_from_pretrained(straight) -> None:
     from transformers import AutoModelForCausalLM
 
-    from gpudeck.trainers.common.data import ByteTokenizer, load_tokenizer
+    from gpudeck.trainers.common.tokenizer import ByteTokenizer, load_tokenizer
 
     out, tel, _ = straight
     model = AutoModelForCausalLM.from_pretrained(out / "final")

@@ -22,7 +22,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from gpudeck.trainers.common.data import ByteTokenizer
+from gpudeck.trainers.common.tokenizer import ByteTokenizer
 from gpudeck.trainers.dflash.data import RecordBatches, load_records
 from gpudeck.trainers.dflash.loss import dflash_loss, finish_global_mean
 from gpudeck.trainers.dflash.trainer import resolve_mask_token

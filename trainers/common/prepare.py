@@ -23,7 +23,7 @@ manifest last)::
     PREP/train.bin               tokens of the train split (uint16, or uint32 for vocabularies > 65535)
     PREP/train.idx.npy           int64 document offsets into train.bin (documents + 1 entries)
     PREP/val.bin, val.idx.npy    the validation split, when --val-fraction or --val-data
-    PREP/tokenizer/              the tokenizer (gpudeck.trainers.common.data.load_tokenizer reads it)
+    PREP/tokenizer/              the tokenizer (gpudeck.trainers.common.tokenizer.load_tokenizer reads it)
 
 Manifest: ``format`` (``gpudeck-prepared/1``), ``source``, ``text_column``,
 ``tokenizer`` (``describe()``), ``dtype``, ``max_token_id``, ``splits``:
@@ -58,16 +58,15 @@ from typing import Any, BinaryIO
 import numpy as np
 
 from gpudeck.trainers.common.data import (
-    BYTE_TOKENIZER_FILE,
     DEFAULT_CORPUS_BYTES,
     PREPARED_FORMAT,
     PREPARED_MANIFEST,
     DocumentSource,
     encode_documents,
-    load_tokenizer,
     open_documents,
 )
 from gpudeck.trainers.common.runtime import TrainerArgumentParser
+from gpudeck.trainers.common.tokenizer import BYTE_TOKENIZER_FILE, load_tokenizer
 from gpudeck.trainers.errors import InputError
 
 CHUNK_DOCS = 256  # documents per task handed to a worker

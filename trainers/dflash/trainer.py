@@ -887,12 +887,13 @@ class Trainer:
         return self.t_index
 
     def _setup_data(self) -> None:
-        from gpudeck.trainers.common.data import PackedDataset, ShardedBatches, load_tokenizer, load_tokens, split_tokens
+        from gpudeck.trainers.common.data import PackedDataset, ShardedBatches, load_tokens, split_tokens
+        from gpudeck.trainers.common.tokenizer import has_tokenizer, load_tokenizer
         from gpudeck.trainers.dflash.data import RecordBatches, load_records, max_batch_tokens
 
         args = self.args
         tok_spec = args.tokenizer
-        if tok_spec is None and args.target and _has_tokenizer(args.target):
+        if tok_spec is None and args.target and has_tokenizer(args.target):
             tok_spec = args.target
         self.tokenizer = load_tokenizer(tok_spec)
         self.records = None
@@ -1789,11 +1790,6 @@ def _placeholder():
     m = nn.Module()
     m.register_buffer("split_target_placeholder", torch.zeros(1))
     return m
-
-
-def _has_tokenizer(path: str) -> bool:
-    p = Path(path)
-    return any((p / f).is_file() for f in ("gpudeck_byte_tokenizer.json", "tokenizer.json", "tokenizer_config.json", "tokenizer.model"))
 
 
 def main(argv: list[str] | None = None) -> int:

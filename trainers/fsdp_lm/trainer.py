@@ -75,7 +75,7 @@ sequences.
 
 Output: ``OUT/checkpoints/step_<N>/``, ``OUT/final/`` (config.json,
 model.safetensors, the tokenizer: ``gpudeck_byte_tokenizer.json`` for the byte
-tokenizer, reloadable with ``gpudeck.trainers.common.data.load_tokenizer(OUT/final)``), and
+tokenizer, reloadable with ``gpudeck.trainers.common.tokenizer.load_tokenizer(OUT/final)``), and
 ``OUT/result.json`` (final_step, start, losses per step, final_loss,
 tokens_per_s and mfu means excluding step 1, params, world size, checkpoints).
 
@@ -669,7 +669,6 @@ def main(argv: list[str] | None = None) -> int:
         ValidationBatches,
         is_prepared,
         load_prepared,
-        load_tokenizer,
         load_tokens,
         read_prepared_manifest,
         split_tokens,
@@ -692,6 +691,7 @@ def main(argv: list[str] | None = None) -> int:
         set_collective_timeout,
     )
     from gpudeck.trainers.common.telemetry import Telemetry
+    from gpudeck.trainers.common.tokenizer import has_tokenizer, load_tokenizer, same_tokenizer
 
     stop = install_stop_flag()
     ctx = init_distributed(args.device, init_timeout_s=300.0, single_process_group=True)
@@ -736,10 +736,10 @@ def main(argv: list[str] | None = None) -> int:
             raise ExitWith(2, str(exc)) from None
         if tok_spec is None:  # the tokenizer the corpus was prepared with
             tok_spec = str(Path(args.data) / "tokenizer")
-    if tok_spec is None and args.init_from is not None and _has_tokenizer(Path(args.init_from)):
+    if tok_spec is None and args.init_from is not None and has_tokenizer(args.init_from):
         tok_spec = args.init_from
     tokenizer = load_tokenizer(tok_spec)
-    if prepared is not None and not _same_tokenizer(tokenizer.describe(), prepared["tokenizer"]):
+    if prepared is not None and not same_tokenizer(tokenizer.describe(), prepared["tokenizer"]):
         raise ExitWith(
             2,
             f"--tokenizer {args.tokenizer}: {tokenizer.describe()} is not the tokenizer "
@@ -1097,23 +1097,11 @@ def _sdpa_context(backend: str):
     return ctx
 
 
-def _same_tokenizer(a: dict, b: dict) -> bool:
-    """Same ids for the same text: kind, vocabulary and specials agree (paths may differ)."""
-    keys = ("kind", "vocab_size", "eos_id", "bos_id", "pad_id")
-    return all(a.get(k) == b.get(k) for k in keys)
-
-
 def _max_token(source) -> int:
     """Largest token id of a source (a prepared folder's manifest says it without a scan)."""
     if source.manifest is not None and "max_token_id" in source.manifest:
         return int(source.manifest["max_token_id"])
     return int(source.tokens.max(initial=0))
-
-
-def _has_tokenizer(folder: Path) -> bool:
-    from gpudeck.trainers.common.data import BYTE_TOKENIZER_FILE
-
-    return (folder / BYTE_TOKENIZER_FILE).is_file() or (folder / "tokenizer_config.json").is_file() or (folder / "tokenizer.json").is_file()
 
 
 def _mean(xs: list[float]) -> float | None:
