@@ -103,6 +103,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from gpudeck.trainers.common import compat
 from gpudeck.trainers.common.limits import check_config, read_config_json
 from gpudeck.trainers.common.runtime import (
     ExitWith,
@@ -334,7 +335,7 @@ def build_meta_model(config, attn_implementation: str):
 
     _register_attention(attn_implementation)
 
-    config._attn_implementation = attn_implementation
+    compat.set_attn_implementation(config, attn_implementation)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation)
     model = model.float()
@@ -345,10 +346,6 @@ def decoder_layers(model):
     """The ModuleList of decoder blocks of a transformers causal LM."""
     base = getattr(model, model.base_model_prefix, None) or model.model
     return base.layers
-
-
-def _clean_fqn(name: str) -> str:
-    return name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
 
 
 def _param_seed(seed: int, fqn: str) -> int:
@@ -408,7 +405,7 @@ def materialize(model, device, seed: int, std: float, source_state: dict | None 
     model.to_empty(device=device)
     with torch.no_grad():
         for name, param in model.named_parameters():
-            fqn = _clean_fqn(name)
+            fqn = compat.clean_fqn(name)
             shape = tuple(param.shape)  # global shape for DTensors
             if source_state is not None:
                 if fqn not in source_state:
@@ -433,15 +430,11 @@ def apply_parallelism(model, args, ctx, compute_dtype) -> dict[str, Any]:
 
     layers = decoder_layers(model)
     if args.activation_checkpointing:
-        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-
         for i in range(0, len(layers), args.ac_every):
-            layers[i] = checkpoint_wrapper(layers[i], preserve_rng_state=False)
+            layers[i] = compat.checkpoint_wrapper(layers[i], preserve_rng_state=False)
     if args.compile:
-        import torch._dynamo
-
         # one graph serves every block; leave room in case guards split them
-        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 2 * len(layers) + 8)
+        compat.raise_dynamo_cache_limit(2 * len(layers) + 8)
         for i in range(len(layers)):
             layers[i].compile(dynamic=False, mode=None if args.compile_mode == "default" else args.compile_mode)
     mp = None
@@ -614,7 +607,7 @@ def export_final(model, config, tokenizer, out: Path, ctx, attn_impl: str) -> Pa
     sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     final = out / "final"
     if ctx.rank == 0:
-        sd = {_clean_fqn(k): v for k, v in sd.items()}
+        sd = {compat.clean_fqn(k): v for k, v in sd.items()}
         plain = build_meta_model(config, "sdpa" if attn_impl == REPEAT_KV_ATTENTION else attn_impl)
         plain.to_empty(device="cpu")
         missing, unexpected = plain.load_state_dict(sd, strict=False)
