@@ -21,9 +21,10 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
+from gpudeck.trainers.dflash.config import drafter_config_from_file, read_drafter_config
 from gpudeck.trainers.dflash.loss import block_inputs, build_attention_mask, visible_keys
 from gpudeck.trainers.dflash.model import DFlashDraftModel, attention_layout, drafter_config_from_target
-from gpudeck.trainers.dflash.trainer import drafter_config_from_file, make_masks, read_drafter_config
+from gpudeck.trainers.dflash.trainer import make_masks
 from tests.reference import specforge_dflash as ref
 
 SEED_CONFIG = Path(__file__).resolve().parents[1] / "reference" / "qwen3.6-27b-dflash.json"
