@@ -102,11 +102,52 @@ import time
 from pathlib import Path
 from typing import Any
 
+from gpudeck.trainers.checkpoint_trust import CheckpointTrustError
 from gpudeck.trainers.common import compat
+from gpudeck.trainers.common.checkpoint import (
+    StartError,
+    StartPlan,
+    archive_checkpoints,
+    list_checkpoints,
+    load_checkpoint,
+    resolve_start,
+    save_checkpoint,
+)
+from gpudeck.trainers.common.data import (
+    DataError,
+    PackedDataset,
+    ShardedBatches,
+    ValidationBatches,
+    is_prepared,
+    load_prepared,
+    load_tokens,
+    read_prepared_manifest,
+    split_tokens,
+)
+from gpudeck.trainers.common.diagnostics import install_flight_recorder_dump, install_stack_dump, maybe_sleep_for_test, step_clock
+from gpudeck.trainers.common.flops import MFU_CONVENTION, model_flops, peak_flops
+from gpudeck.trainers.common.flops import mfu as compute_mfu
 from gpudeck.trainers.common.limits import check_config, read_config_json
-from gpudeck.trainers.common.runtime import ExitWith
+from gpudeck.trainers.common.loop import Trainer
+from gpudeck.trainers.common.profiling import StepProfiler
+from gpudeck.trainers.common.runtime import (
+    ExitWith,
+    barrier,
+    config_hash,
+    device_info,
+    finish_ok,
+    init_distributed,
+    install_stop_flag,
+    maybe_fail_for_test,
+    reduce_mean_and_stop,
+    register,
+    seed_all,
+    set_collective_timeout,
+)
+from gpudeck.trainers.common.telemetry import Telemetry
+from gpudeck.trainers.common.tokenizer import has_tokenizer, load_tokenizer, same_tokenizer
 from gpudeck.trainers.errors import InputError
-from gpudeck.trainers.fsdp_lm.config import parse_args
+from gpudeck.trainers.fsdp_lm.config import FsdpLmConfig, parse_args
 from gpudeck.trainers.presets import PRESETS
 
 # ------------------------------------------------------------------ command line
@@ -481,443 +522,474 @@ def export_final(model, config, tokenizer, out: Path, ctx, attn_impl: str) -> Pa
 # ------------------------------------------------------------------ main
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    out = Path(args.out)
+class FsdpLmTrainer(Trainer):
+    """fsdp_lm on the shared loop: FSDP2 causal-LM pretraining (module docstring); the state lives on ``self``."""
 
-    from gpudeck.trainers.checkpoint_trust import CheckpointTrustError
-    from gpudeck.trainers.common.checkpoint import StartError, resolve_start
+    cfg: FsdpLmConfig
 
-    try:
-        plan = resolve_start(out, args.fresh, args.resume, args.new_run_dir, trust=args.trust_checkpoint)
-    except (StartError, CheckpointTrustError) as exc:
-        print(f"fsdp_lm: {exc}", file=sys.stderr)
-        from gpudeck.trainers.common.telemetry import Telemetry
+    def __init__(self, cfg: FsdpLmConfig, plan: StartPlan) -> None:
+        super().__init__(cfg)
+        self.out = Path(cfg.out)
+        self.plan = plan
+        self.losses: dict[int, float] = {}
+        self.val_losses: dict[int, float] = {}
+        self.tps_hist: list[float] = []
+        self.mfu_hist: list[float] = []
+        self.mfu_tt_hist: list[float] = []
+        self.saved: list[int] = []
 
-        with Telemetry() as tel:
-            tel.emit("error", message=f"StartError: {exc}", exit_code=2)
-        return 2
+    def setup(self) -> None:
+        """Processes, device, data, model, optimizer, a resume's checkpoint, the step's tools, the manifest."""
+        self._start()
+        self._set_device()
+        self._setup_data()
+        self._setup_model()
+        self._resume()
+        self._setup_step_tools()
+        self._emit_manifest()
 
-    if args.deterministic:
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    import torch
+    def _start(self) -> None:
+        """Stop flag, process group, telemetry, triage hooks; --new-run-dir moves old checkpoints aside."""
+        self.stop = install_stop_flag()
+        self.ctx = init_distributed(self.cfg.device, init_timeout_s=300.0, single_process_group=True)
+        self.tel = Telemetry(rank=self.ctx.rank)
+        register(ctx=self.ctx, telemetry=self.tel)
+        self.tel.start_heartbeat()
+        self.stack_fields = install_stack_dump(self.ctx.rank)  # every thread's stack into the run's folder on SIGUSR2 (gpudeck triage)
+        self.stack_fields.update(install_flight_recorder_dump(self.ctx.rank))  # the Flight Recorder as JSON on the agent's request
+        self.t_start = time.time()
 
-    from gpudeck.trainers.common.checkpoint import (
-        archive_checkpoints,
-        list_checkpoints,
-        load_checkpoint,
-        save_checkpoint,
-    )
-    from gpudeck.trainers.common.data import (
-        DataError,
-        PackedDataset,
-        ShardedBatches,
-        ValidationBatches,
-        is_prepared,
-        load_prepared,
-        load_tokens,
-        read_prepared_manifest,
-        split_tokens,
-    )
-    from gpudeck.trainers.common.diagnostics import install_flight_recorder_dump, install_stack_dump, maybe_sleep_for_test, step_clock
-    from gpudeck.trainers.common.flops import MFU_CONVENTION, model_flops, peak_flops
-    from gpudeck.trainers.common.flops import mfu as compute_mfu
-    from gpudeck.trainers.common.profiling import StepProfiler
-    from gpudeck.trainers.common.runtime import (
-        barrier,
-        config_hash,
-        device_info,
-        finish_ok,
-        init_distributed,
-        install_stop_flag,
-        maybe_fail_for_test,
-        reduce_mean_and_stop,
-        register,
-        seed_all,
-        set_collective_timeout,
-    )
-    from gpudeck.trainers.common.telemetry import Telemetry
-    from gpudeck.trainers.common.tokenizer import has_tokenizer, load_tokenizer, same_tokenizer
+        if self.plan.archive_existing:
+            barrier(self.ctx)
+            if self.ctx.rank == 0:
+                dest = archive_checkpoints(self.out)
+                print(f"fsdp_lm: --new-run-dir: moved old checkpoints to {dest}", file=sys.stderr)
+            barrier(self.ctx)
+        if self.ctx.rank == 0:
+            self.out.mkdir(parents=True, exist_ok=True)
 
-    stop = install_stop_flag()
-    ctx = init_distributed(args.device, init_timeout_s=300.0, single_process_group=True)
-    tel = Telemetry(rank=ctx.rank)
-    register(ctx=ctx, telemetry=tel)
-    tel.start_heartbeat()
-    stack_fields = install_stack_dump(ctx.rank)  # every thread's stack into the run's folder on SIGUSR2 (gpudeck triage)
-    stack_fields.update(install_flight_recorder_dump(ctx.rank))  # the Flight Recorder as JSON on the agent's request
-    t_start = time.time()
+    def _set_device(self) -> None:
+        """Compute dtype, TF32, determinism, seeds, the SDPA kernel choice."""
+        import torch
 
-    if plan.archive_existing:
-        barrier(ctx)
-        if ctx.rank == 0:
-            dest = archive_checkpoints(out)
-            print(f"fsdp_lm: --new-run-dir: moved old checkpoints to {dest}", file=sys.stderr)
-        barrier(ctx)
-    if ctx.rank == 0:
-        out.mkdir(parents=True, exist_ok=True)
+        self.device = self.ctx.device
+        self.on_gpu = self.device.type == "cuda"
+        if self.cfg.dtype == "auto":
+            self.compute_dtype = torch.bfloat16 if self.on_gpu else torch.float32
+        else:
+            self.compute_dtype = torch.bfloat16 if self.cfg.dtype == "bf16" else torch.float32
+        if self.on_gpu:
+            torch.backends.cuda.matmul.allow_tf32 = True
+            torch.backends.cudnn.allow_tf32 = True
+        if self.cfg.deterministic:
+            torch.use_deterministic_algorithms(True, warn_only=True)
+            torch.backends.cudnn.benchmark = False
+        seed_all(self.cfg.seed)
+        self.sdpa_ctx = _sdpa_context(self.cfg.sdpa_backend if self.on_gpu else "auto")
 
-    device = ctx.device
-    on_gpu = device.type == "cuda"
-    if args.dtype == "auto":
-        compute_dtype = torch.bfloat16 if on_gpu else torch.float32
-    else:
-        compute_dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
-    if on_gpu:
-        torch.backends.cuda.matmul.allow_tf32 = True
-        torch.backends.cudnn.allow_tf32 = True
-    if args.deterministic:
-        torch.use_deterministic_algorithms(True, warn_only=True)
-        torch.backends.cudnn.benchmark = False
-    seed_all(args.seed)
-    sdpa_ctx = _sdpa_context(args.sdpa_backend if on_gpu else "auto")
-
-    # tokenizer and data
-    tok_spec = args.tokenizer
-    prepared = None
-    if args.data is not None and is_prepared(args.data):
-        try:
-            prepared = read_prepared_manifest(args.data)
-        except DataError as exc:
-            raise ExitWith(2, str(exc)) from None
-        if tok_spec is None:  # the tokenizer the corpus was prepared with
-            tok_spec = str(Path(args.data) / "tokenizer")
-    if tok_spec is None and args.init_from is not None and has_tokenizer(args.init_from):
-        tok_spec = args.init_from
-    tokenizer = load_tokenizer(tok_spec)
-    if prepared is not None and not same_tokenizer(tokenizer.describe(), prepared["tokenizer"]):
-        raise ExitWith(
-            2,
-            f"--tokenizer {args.tokenizer}: {tokenizer.describe()} is not the tokenizer "
-            f"{args.data} was prepared with ({prepared['tokenizer']}); drop --tokenizer "
-            "(the prepared one is used) or prepare the corpus again with this one",
-        )
-    config = build_config(args.model_config, args.init_from)
-    if tokenizer.vocab_size > config.vocab_size:
-        raise ExitWith(2, f"tokenizer vocab {tokenizer.vocab_size} does not fit the model's vocab_size {config.vocab_size}")
-    max_pos = getattr(config, "max_position_embeddings", None)
-    if max_pos is not None and args.seq_len > max_pos:
-        raise ExitWith(2, f"--seq-len {args.seq_len} exceeds max_position_embeddings {max_pos}")
-    try:
-        source = load_tokens(
-            args.data, tokenizer, dtype=args.data_dtype, max_bytes=args.corpus_bytes, text_column=args.text_column, split=args.data_split
-        )
-    except (DataError, FileNotFoundError) as exc:
-        raise ExitWith(2, str(exc)) from None
-    top = _max_token(source)
-    if top >= config.vocab_size:
-        raise ExitWith(2, f"data has token id {top} >= vocab_size {config.vocab_size}")
-    train_tokens, val_tokens, val_desc = source.tokens, None, None
-    try:
-        if args.val_data is not None:
-            vsrc = load_tokens(args.val_data, tokenizer, dtype=args.data_dtype, text_column=args.text_column)
-            val_tokens, val_desc = vsrc.tokens, vsrc.description
-        elif args.val_fraction > 0:
-            train_tokens, val_tokens = split_tokens(source.tokens, args.val_fraction)
-            val_desc = f"last {args.val_fraction:g} of --data's tokens"
-        elif prepared is not None and args.data is not None and "val" in prepared["splits"]:
-            vsrc = load_prepared(args.data, "val")
-            val_tokens, val_desc = vsrc.tokens, vsrc.description
-    except (DataError, FileNotFoundError) as exc:
-        raise ExitWith(2, str(exc)) from None
-    dataset = PackedDataset(train_tokens, args.seq_len)
-    batches = ShardedBatches(dataset, args.batch_size, ctx.rank, ctx.world_size, seed=args.seed)
-    val_set = None
-    if val_tokens is not None:
-        if val_desc is None:  # every branch that sets val_tokens names them too
-            raise RuntimeError("validation tokens were loaded without a description")
-        try:
-            val_set = ValidationBatches(
-                PackedDataset(val_tokens, args.seq_len), args.batch_size, args.val_batches, ctx.rank, ctx.world_size, where=val_desc
+    def _setup_data(self) -> None:
+        """Tokenizer, training tokens, validation set (bad data: exit 2 with the fix)."""
+        # tokenizer and data
+        tok_spec = self.cfg.tokenizer
+        self.prepared = None
+        if self.cfg.data is not None and is_prepared(self.cfg.data):
+            try:
+                self.prepared = read_prepared_manifest(self.cfg.data)
+            except DataError as exc:
+                raise ExitWith(2, str(exc)) from None
+            if tok_spec is None:  # the tokenizer the corpus was prepared with
+                tok_spec = str(Path(self.cfg.data) / "tokenizer")
+        if tok_spec is None and self.cfg.init_from is not None and has_tokenizer(self.cfg.init_from):
+            tok_spec = self.cfg.init_from
+        self.tokenizer = load_tokenizer(tok_spec)
+        if self.prepared is not None and not same_tokenizer(self.tokenizer.describe(), self.prepared["tokenizer"]):
+            raise ExitWith(
+                2,
+                f"--tokenizer {self.cfg.tokenizer}: {self.tokenizer.describe()} is not the tokenizer "
+                f"{self.cfg.data} was prepared with ({self.prepared['tokenizer']}); drop --tokenizer "
+                "(the prepared one is used) or prepare the corpus again with this one",
             )
-        except DataError as exc:
+        self.config = build_config(self.cfg.model_config, self.cfg.init_from)
+        if self.tokenizer.vocab_size > self.config.vocab_size:
+            raise ExitWith(2, f"tokenizer vocab {self.tokenizer.vocab_size} does not fit the model's vocab_size {self.config.vocab_size}")
+        max_pos = getattr(self.config, "max_position_embeddings", None)
+        if max_pos is not None and self.cfg.seq_len > max_pos:
+            raise ExitWith(2, f"--seq-len {self.cfg.seq_len} exceeds max_position_embeddings {max_pos}")
+        try:
+            self.source = load_tokens(
+                self.cfg.data,
+                self.tokenizer,
+                dtype=self.cfg.data_dtype,
+                max_bytes=self.cfg.corpus_bytes,
+                text_column=self.cfg.text_column,
+                split=self.cfg.data_split,
+            )
+        except (DataError, FileNotFoundError) as exc:
             raise ExitWith(2, str(exc)) from None
-    val_every = args.val_every
-    if val_every is None:
-        val_every = max(1, args.max_steps // 10) if val_set is not None else 0
+        top = _max_token(self.source)
+        if top >= self.config.vocab_size:
+            raise ExitWith(2, f"data has token id {top} >= vocab_size {self.config.vocab_size}")
+        self.train_tokens, self.val_tokens, self.val_desc = self.source.tokens, None, None
+        try:
+            if self.cfg.val_data is not None:
+                vsrc = load_tokens(self.cfg.val_data, self.tokenizer, dtype=self.cfg.data_dtype, text_column=self.cfg.text_column)
+                self.val_tokens, self.val_desc = vsrc.tokens, vsrc.description
+            elif self.cfg.val_fraction > 0:
+                self.train_tokens, self.val_tokens = split_tokens(self.source.tokens, self.cfg.val_fraction)
+                self.val_desc = f"last {self.cfg.val_fraction:g} of --data's tokens"
+            elif self.prepared is not None and self.cfg.data is not None and "val" in self.prepared["splits"]:
+                vsrc = load_prepared(self.cfg.data, "val")
+                self.val_tokens, self.val_desc = vsrc.tokens, vsrc.description
+        except (DataError, FileNotFoundError) as exc:
+            raise ExitWith(2, str(exc)) from None
+        self.dataset = PackedDataset(self.train_tokens, self.cfg.seq_len)
+        self.batches = ShardedBatches(self.dataset, self.cfg.batch_size, self.ctx.rank, self.ctx.world_size, seed=self.cfg.seed)
+        self.val_set = None
+        if self.val_tokens is not None:
+            if self.val_desc is None:  # every branch that sets val_tokens names them too
+                raise RuntimeError("validation tokens were loaded without a description")
+            try:
+                self.val_set = ValidationBatches(
+                    PackedDataset(self.val_tokens, self.cfg.seq_len),
+                    self.cfg.batch_size,
+                    self.cfg.val_batches,
+                    self.ctx.rank,
+                    self.ctx.world_size,
+                    where=self.val_desc,
+                )
+            except DataError as exc:
+                raise ExitWith(2, str(exc)) from None
+        self.val_every = self.cfg.val_every
+        if self.val_every is None:
+            self.val_every = max(1, self.cfg.max_steps // 10) if self.val_set is not None else 0
 
-    # model
-    model = build_meta_model(config, args.attn_implementation)
-    counts = model_flops(model, config, args.seq_len, training=True)
-    peak, peak_reason = peak_flops(device, "bf16" if compute_dtype == torch.bfloat16 else "fp32")
-    par = apply_parallelism(model, args, ctx, compute_dtype)
-    source_state = None
-    if args.init_from is not None:
-        from transformers import AutoModelForCausalLM
+    def _setup_model(self) -> None:
+        """The model on meta, FLOPs, parallelism, weights (from --init-from or seeded), optimizer, schedule."""
+        import torch
 
-        src_model = AutoModelForCausalLM.from_pretrained(args.init_from, dtype=torch.float32)
-        source_state = {k: v for k, v in src_model.state_dict().items()}
-        del src_model
-    materialize(model, device, args.seed, float(getattr(config, "initializer_range", 0.02)), source_state)
-    del source_state
-    model.train()
+        # model
+        self.model = build_meta_model(self.config, self.cfg.attn_implementation)
+        self.counts = model_flops(self.model, self.config, self.cfg.seq_len, training=True)
+        self.peak, self.peak_reason = peak_flops(self.device, "bf16" if self.compute_dtype == torch.bfloat16 else "fp32")
+        self.par = apply_parallelism(self.model, self.cfg, self.ctx, self.compute_dtype)
+        source_state = None
+        if self.cfg.init_from is not None:
+            from transformers import AutoModelForCausalLM
 
-    opt_kw: dict[str, Any] = dict(lr=args.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=args.weight_decay)
-    opt_impl = args.optimizer_impl if args.optimizer_impl != "auto" else ("fused" if on_gpu else "foreach")
-    opt_kw[opt_impl] = True
-    optimizer = torch.optim.AdamW(model.parameters(), **opt_kw)
-    warmup = args.warmup_steps if args.warmup_steps is not None else max(1, args.max_steps // 20)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda_factory(args.max_steps, warmup, args.min_lr_ratio))
+            src_model = AutoModelForCausalLM.from_pretrained(self.cfg.init_from, dtype=torch.float32)
+            source_state = {k: v for k, v in src_model.state_dict().items()}
+            del src_model
+        materialize(self.model, self.device, self.cfg.seed, float(getattr(self.config, "initializer_range", 0.02)), source_state)
+        del source_state
+        self.model.train()
 
-    step = 0
-    if not plan.fresh:
-        if plan.step is None:  # resolve_start gives every resume plan its step
-            raise RuntimeError(f"resume plan without a checkpoint step: {plan}")
-        extra = load_checkpoint(out, plan.step, model, optimizer, rank=ctx.rank, trust=args.trust_checkpoint)
-        step = int(extra["step"])
-        scheduler.load_state_dict(extra["scheduler"])
-        batches.load_state_dict(extra["data"])
-        recompute_rotary(model, device)
-
-    loss_fn = cross_entropy
-    if args.compile_loss == "yes" or (args.compile_loss == "auto" and args.compile):
-        loss_fn = torch.compile(cross_entropy, dynamic=False)
-    if args.loss_impl == "chunked":
-        install_chunked_loss(model, args.loss_chunk_rows)
-    prefetch = args.prefetch == "yes" or (args.prefetch == "auto" and on_gpu)
-    feeder = BatchFeeder(batches, device, pin=on_gpu, ahead=prefetch)
-    clock = step_clock(on_gpu)  # a step's compute vs collective-wait seconds (CUDA events on GPU, wall time on CPU)
-    profiler = StepProfiler(args.profile_start, args.profile_steps, on_gpu, ctx.rank)
-
-    info = device_info(device)
-    tokens_per_step = args.batch_size * args.seq_len * args.grad_accum * ctx.world_size
-    cfg_dict = config.to_dict()
-    manifest = dict(
-        kind="fsdp",
-        role="trainer",
-        params_total=counts.params_total,
-        params_trainable=counts.params_trainable,
-        params_embedding=counts.params_embedding,
-        config_hash=config_hash(cfg_dict),
-        model=args.model_config or args.init_from,
-        model_type=config.model_type,
-        world_size=ctx.world_size,
-        local_rank=ctx.local_rank,
-        host=socket.gethostname(),
-        pid=os.getpid(),
-        **info,
-        dataset_samples=len(dataset),
-        dataset_tokens=dataset.source_tokens,
-        dataset_sample_tokens=dataset.num_tokens,
-        dataset=source.description,
-        dataset_documents=source.documents,
-        dataset_unique_documents=source.unique_documents,
-        dataset_sha256=source.sha256,
-        dataset_prepared=prepared is not None,
-        val_dataset=val_desc,
-        val_samples=None if val_set is None else len(val_set.dataset),
-        val_tokens_per_eval=None if val_set is None else val_set.tokens_per_rank * ctx.world_size,
-        val_every=val_every if val_set is not None else None,
-        tokenizer=tokenizer.describe(),
-        argv=sys.argv,
-        start=plan.describe(),
-        **(plan.trust.record() if plan.trust is not None else {}),
-        seq_len=args.seq_len,
-        batch_size=args.batch_size,
-        grad_accum=args.grad_accum,
-        tokens_per_step=tokens_per_step,
-        max_steps=args.max_steps,
-        flops_per_token=counts.flops_per_token,
-        flops_per_token_torchtitan=counts.flops_per_token_torchtitan,
-        flops_note=counts.note,
-        mfu_convention=MFU_CONVENTION,
-        peak_flops=peak,
-        mfu_note=peak_reason,
-        dtype=str(compute_dtype).replace("torch.", ""),
-        compile=args.compile,
-        compile_mode=args.compile_mode,
-        activation_checkpointing=args.activation_checkpointing,
-        ac_every=args.ac_every if args.activation_checkpointing else None,
-        loss_impl=args.loss_impl,
-        optimizer_impl=opt_impl,
-        reduce_dtype=args.reduce_dtype,
-        prefetch=prefetch,
-        sdpa_backend=args.sdpa_backend,
-        deterministic=args.deterministic,
-        torch=torch.__version__,
-        transformers=_transformers_version(),
-        **par,
-        **stack_fields,
-        compute_timing=clock.method,
-    )
-    tel.manifest(**manifest)
-    if ctx.rank == 0:
-        print(
-            f"fsdp_lm: {counts.params_total:,} params ({config.model_type}), world {ctx.world_size}, "
-            f"{info['device']}, data {source.description}, {len(dataset):,} samples, "
-            f"start {plan.describe()}",
-            flush=True,
+        opt_kw: dict[str, Any] = dict(lr=self.cfg.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=self.cfg.weight_decay)
+        self.opt_impl = self.cfg.optimizer_impl if self.cfg.optimizer_impl != "auto" else ("fused" if self.on_gpu else "foreach")
+        opt_kw[self.opt_impl] = True
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), **opt_kw)
+        warmup = self.cfg.warmup_steps if self.cfg.warmup_steps is not None else max(1, self.cfg.max_steps // 20)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lr_lambda_factory(self.cfg.max_steps, warmup, self.cfg.min_lr_ratio)
         )
 
-    losses: dict[int, float] = {}
-    val_losses: dict[int, float] = {}
+    def _resume(self) -> None:
+        """A resume's model, optimizer, schedule, data position and RNG."""
+        self.step = 0
+        if not self.plan.fresh:
+            if self.plan.step is None:  # resolve_start gives every resume plan its step
+                raise RuntimeError(f"resume plan without a checkpoint step: {self.plan}")
+            extra = load_checkpoint(
+                self.out, self.plan.step, self.model, self.optimizer, rank=self.ctx.rank, trust=self.cfg.trust_checkpoint
+            )
+            self.step = int(extra["step"])
+            self.last_saved = self.step  # nothing new to save when no step follows
+            self.scheduler.load_state_dict(extra["scheduler"])
+            self.batches.load_state_dict(extra["data"])
+            recompute_rotary(self.model, self.device)
 
-    def do_validation(at: int) -> None:
-        t_val = time.perf_counter()
-        vloss, vtokens = evaluate(model, val_set, ctx, device, sdpa_ctx)
-        val_losses[at] = vloss
-        tel.emit("val_loss", step=at, val_loss=vloss, val_tokens=vtokens, seconds=round(time.perf_counter() - t_val, 3))
-        if ctx.rank == 0:
-            print(f"step {at} val_loss {vloss:.6f} ({vtokens:,} tokens)", flush=True)
+    def _setup_step_tools(self) -> None:
+        """Loss function, batch feeder, step clock, profiler."""
+        import torch
 
-    tps_hist: list[float] = []
-    mfu_hist: list[float] = []
-    mfu_tt_hist: list[float] = []
-    saved: list[int] = []
-    last_saved = step if not plan.fresh else None
-    stopped = False
+        self.loss_fn = cross_entropy
+        if self.cfg.compile_loss == "yes" or (self.cfg.compile_loss == "auto" and self.cfg.compile):
+            self.loss_fn = torch.compile(cross_entropy, dynamic=False)
+        if self.cfg.loss_impl == "chunked":
+            install_chunked_loss(self.model, self.cfg.loss_chunk_rows)
+        self.prefetch = self.cfg.prefetch == "yes" or (self.cfg.prefetch == "auto" and self.on_gpu)
+        self.feeder = BatchFeeder(self.batches, self.device, pin=self.on_gpu, ahead=self.prefetch)
+        self.clock = step_clock(self.on_gpu)  # a step's compute vs collective-wait seconds (CUDA events on GPU, wall time on CPU)
+        self.profiler = StepProfiler(self.cfg.profile_start, self.cfg.profile_steps, self.on_gpu, self.ctx.rank)
 
-    def do_checkpoint(at: int) -> None:
-        nonlocal last_saved
-        extra = {
-            "step": at,
-            "scheduler": scheduler.state_dict(),
-            "data": feeder.state_dict(),
-            "world_size": ctx.world_size,
-            "config_hash": manifest["config_hash"],
-        }
-        done = save_checkpoint(out, at, model, optimizer, extra, keep=args.keep, rank=ctx.rank, barrier=lambda: barrier(ctx))
-        tel.emit("checkpoint", step=at, **done.record())
-        saved.append(at)
-        last_saved = at
+    def _emit_manifest(self) -> None:
+        """The run's manifest record (and its first line on stdout)."""
+        import torch
 
-    while step < args.max_steps:
-        maybe_sleep_for_test(step + 1, ctx.rank)
+        self.info = device_info(self.device)
+        self.tokens_per_step = self.cfg.batch_size * self.cfg.seq_len * self.cfg.grad_accum * self.ctx.world_size
+        cfg_dict = self.config.to_dict()
+        self.manifest = dict(
+            kind="fsdp",
+            role="trainer",
+            params_total=self.counts.params_total,
+            params_trainable=self.counts.params_trainable,
+            params_embedding=self.counts.params_embedding,
+            config_hash=config_hash(cfg_dict),
+            model=self.cfg.model_config or self.cfg.init_from,
+            model_type=self.config.model_type,
+            world_size=self.ctx.world_size,
+            local_rank=self.ctx.local_rank,
+            host=socket.gethostname(),
+            pid=os.getpid(),
+            **self.info,
+            dataset_samples=len(self.dataset),
+            dataset_tokens=self.dataset.source_tokens,
+            dataset_sample_tokens=self.dataset.num_tokens,
+            dataset=self.source.description,
+            dataset_documents=self.source.documents,
+            dataset_unique_documents=self.source.unique_documents,
+            dataset_sha256=self.source.sha256,
+            dataset_prepared=self.prepared is not None,
+            val_dataset=self.val_desc,
+            val_samples=None if self.val_set is None else len(self.val_set.dataset),
+            val_tokens_per_eval=None if self.val_set is None else self.val_set.tokens_per_rank * self.ctx.world_size,
+            val_every=self.val_every if self.val_set is not None else None,
+            tokenizer=self.tokenizer.describe(),
+            argv=sys.argv,
+            start=self.plan.describe(),
+            **(self.plan.trust.record() if self.plan.trust is not None else {}),
+            seq_len=self.cfg.seq_len,
+            batch_size=self.cfg.batch_size,
+            grad_accum=self.cfg.grad_accum,
+            tokens_per_step=self.tokens_per_step,
+            max_steps=self.cfg.max_steps,
+            flops_per_token=self.counts.flops_per_token,
+            flops_per_token_torchtitan=self.counts.flops_per_token_torchtitan,
+            flops_note=self.counts.note,
+            mfu_convention=MFU_CONVENTION,
+            peak_flops=self.peak,
+            mfu_note=self.peak_reason,
+            dtype=str(self.compute_dtype).replace("torch.", ""),
+            compile=self.cfg.compile,
+            compile_mode=self.cfg.compile_mode,
+            activation_checkpointing=self.cfg.activation_checkpointing,
+            ac_every=self.cfg.ac_every if self.cfg.activation_checkpointing else None,
+            loss_impl=self.cfg.loss_impl,
+            optimizer_impl=self.opt_impl,
+            reduce_dtype=self.cfg.reduce_dtype,
+            prefetch=self.prefetch,
+            sdpa_backend=self.cfg.sdpa_backend,
+            deterministic=self.cfg.deterministic,
+            torch=torch.__version__,
+            transformers=_transformers_version(),
+            **self.par,
+            **self.stack_fields,
+            compute_timing=self.clock.method,
+        )
+        self.tel.manifest(**self.manifest)
+        if self.ctx.rank == 0:
+            print(
+                f"fsdp_lm: {self.counts.params_total:,} params ({self.config.model_type}), world {self.ctx.world_size}, "
+                f"{self.info['device']}, data {self.source.description}, {len(self.dataset):,} samples, "
+                f"start {self.plan.describe()}",
+                flush=True,
+            )
+
+    def train_step(self) -> bool:
+        """One optimizer step over --grad-accum micro-batches; True when any rank was asked to stop."""
+        import torch
+
+        maybe_sleep_for_test(self.step + 1, self.ctx.rank)
         t0 = time.perf_counter()
-        clock_start = clock.mark()
-        maybe_fail_for_test(step + 1, ctx.rank)
-        profiler.before_step(step + 1)
-        loss_sum = torch.zeros((), device=device)
-        for micro in range(args.grad_accum):
-            batch = feeder.next()
+        clock_start = self.clock.mark()
+        maybe_fail_for_test(self.step + 1, self.ctx.rank)
+        self.profiler.before_step(self.step + 1)
+        loss_sum = torch.zeros((), device=self.device)
+        for micro in range(self.cfg.grad_accum):
+            batch = self.feeder.next()
             inputs, labels = batch[:, :-1], batch[:, 1:]
-            model.set_requires_gradient_sync(micro == args.grad_accum - 1)
-            with sdpa_ctx():
-                if args.loss_impl == "chunked":
-                    loss = model(input_ids=inputs, labels=labels)
+            self.model.set_requires_gradient_sync(micro == self.cfg.grad_accum - 1)
+            with self.sdpa_ctx():
+                if self.cfg.loss_impl == "chunked":
+                    loss = self.model(input_ids=inputs, labels=labels)
                 else:
-                    logits = model(input_ids=inputs, use_cache=False).logits
-                    loss = loss_fn(logits, labels)
+                    logits = self.model(input_ids=inputs, use_cache=False).logits
+                    loss = self.loss_fn(logits, labels)
                     del logits
-                (loss / args.grad_accum).backward()
+                (loss / self.cfg.grad_accum).backward()
             loss_sum += loss.detach()
             del loss
-            if micro < args.grad_accum - 1:
-                feeder.prefetch()
-        with clock.stall():  # the gradient norm's all-reduce
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        scheduler.step()
-        step += 1
-        if step < args.max_steps:
-            feeder.prefetch()  # the GPU still works through this step's kernels
+            if micro < self.cfg.grad_accum - 1:
+                self.feeder.prefetch()
+        with self.clock.stall():  # the gradient norm's all-reduce
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        self.step += 1
+        if self.step < self.cfg.max_steps:
+            self.feeder.prefetch()  # the GPU still works through this step's kernels
         # one small all-reduce: mean loss over ranks and "anyone asked to stop"
-        with clock.stall():
-            loss_val, stop_now = reduce_mean_and_stop(ctx, loss_sum / args.grad_accum, stop.requested)
+        with self.clock.stall():
+            loss_val, stop_now = reduce_mean_and_stop(self.ctx, loss_sum / self.cfg.grad_accum, self.stop.requested)
         gn = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
         gn_val = float(gn)
         dt = time.perf_counter() - t0
-        tps = tokens_per_step / dt
-        mfu_val = compute_mfu(tps / ctx.world_size, counts.flops_per_token, peak)
-        mfu_tt = compute_mfu(tps / ctx.world_size, counts.flops_per_token_torchtitan, peak)
-        losses[step] = loss_val
-        if step > 1:
-            tps_hist.append(tps)
+        self._report_step(loss_val, gn_val, dt, clock_start)
+        return stop_now
+
+    def _report_step(self, loss_val: float, gn_val: float, dt: float, clock_start: Any) -> None:
+        """Throughput, MFU and memory: the step's record, its line on stdout; the profiler; the collective timeout after step 1."""
+        import torch
+
+        tps = self.tokens_per_step / dt
+        mfu_val = compute_mfu(tps / self.ctx.world_size, self.counts.flops_per_token, self.peak)
+        mfu_tt = compute_mfu(tps / self.ctx.world_size, self.counts.flops_per_token_torchtitan, self.peak)
+        self.losses[self.step] = loss_val
+        if self.step > 1:
+            self.tps_hist.append(tps)
             if mfu_val is not None and mfu_tt is not None:  # both None together: no peak
-                mfu_hist.append(mfu_val)
-                mfu_tt_hist.append(mfu_tt)
+                self.mfu_hist.append(mfu_val)
+                self.mfu_tt_hist.append(mfu_tt)
         mem_alloc = mem_peak = None
-        if on_gpu:
-            mem_alloc = torch.cuda.memory_allocated(device) / 2**30
-            mem_peak = torch.cuda.max_memory_allocated(device) / 2**30
-        tel.step(
-            step,
+        if self.on_gpu:
+            mem_alloc = torch.cuda.memory_allocated(self.device) / 2**30
+            mem_peak = torch.cuda.max_memory_allocated(self.device) / 2**30
+        self.tel.step(
+            self.step,
             loss=loss_val,
             tokens_per_s=round(tps, 2),
             mfu=None if mfu_val is None else round(mfu_val, 5),
             mfu_torchtitan=None if mfu_tt is None else round(mfu_tt, 5),
-            flops_per_token=counts.flops_per_token,
-            peak_flops=peak,
+            flops_per_token=self.counts.flops_per_token,
+            peak_flops=self.peak,
             mem_allocated_gib=None if mem_alloc is None else round(mem_alloc, 3),
             mem_peak_gib=None if mem_peak is None else round(mem_peak, 3),
-            lr=scheduler.get_last_lr()[0],
+            lr=self.scheduler.get_last_lr()[0],
             grad_norm=gn_val,
             step_time_s=round(dt, 5),
-            tokens=step * tokens_per_step,
-            **clock.split(dt, clock_start, step),
+            tokens=self.step * self.tokens_per_step,
+            **self.clock.split(dt, clock_start, self.step),
         )
-        if ctx.rank == 0 and (step % args.log_every == 0 or step == args.max_steps):
+        if self.ctx.rank == 0 and (self.step % self.cfg.log_every == 0 or self.step == self.cfg.max_steps):
             mfu_s = f"{100 * mfu_val:.1f}%" if mfu_val is not None else "n/a"
             if mfu_tt is not None:
                 mfu_s += f" (torchtitan {100 * mfu_tt:.1f}%)"
             print(
-                f"step {step} loss {loss_val:.6f} tok/s {tps:,.0f} mfu {mfu_s} "
-                f"gnorm {gn_val:.3f} lr {scheduler.get_last_lr()[0]:.2e} {dt * 1000:.0f} ms",
+                f"step {self.step} loss {loss_val:.6f} tok/s {tps:,.0f} mfu {mfu_s} "
+                f"gnorm {gn_val:.3f} lr {self.scheduler.get_last_lr()[0]:.2e} {dt * 1000:.0f} ms",
                 flush=True,
             )
-        profiler.after_step(step)
-        if step == 1:
+        self.profiler.after_step(self.step)
+        if self.step == 1:
             # torchtitan shortens it to 100 s here; gpudeck's hang alert (120 s by default) and its triage
             # (within 30 s) must come while the ranks are still alive to be looked at
-            set_collective_timeout(ctx, COLLECTIVE_TIMEOUT_S)
-        if stop_now or (args.stop_at_step is not None and step >= args.stop_at_step):
-            stopped = True
-            break
-        if val_set is not None and ((val_every and step % val_every == 0) or step == args.max_steps):
-            do_validation(step)
-        if args.checkpoint_every and step % args.checkpoint_every == 0:
-            do_checkpoint(step)
+            set_collective_timeout(self.ctx, COLLECTIVE_TIMEOUT_S)
 
-    if last_saved != step and not args.no_final_checkpoint:
-        do_checkpoint(step)
+    def stop_after(self, step: int) -> bool:
+        """--stop-at-step: stop as if asked to (checkpoint, no export)."""
+        return self.cfg.stop_at_step is not None and step >= self.cfg.stop_at_step
 
-    final = None
-    if not stopped and not args.no_export:
-        final = export_final(model, config, tokenizer, out, ctx, args.attn_implementation)
-    result = dict(
-        final_step=step,
-        start=plan.describe(),
-        stopped=stopped,
-        losses={str(k): v for k, v in losses.items()},
-        final_loss=losses.get(step),
-        val_losses={str(k): v for k, v in val_losses.items()},
-        final_val_loss=val_losses.get(step),
-        tokens_per_s=_mean(tps_hist),
-        mfu=_mean(mfu_hist),
-        mfu_torchtitan=_mean(mfu_tt_hist),
-        mfu_convention=MFU_CONVENTION,
-        mfu_note=peak_reason,
-        flops_per_token=counts.flops_per_token,
-        flops_per_token_torchtitan=counts.flops_per_token_torchtitan,
-        peak_flops=peak,
-        params_total=counts.params_total,
-        params_trainable=counts.params_trainable,
-        world_size=ctx.world_size,
-        device=info["device"],
-        dataset_samples=len(dataset),
-        dataset_tokens=dataset.source_tokens,
-        checkpoints=list_checkpoints(out) if ctx.rank == 0 else None,
-        final_dir=str(final) if final else None,
-        seconds=round(time.time() - t_start, 3),
-    )
-    files = []
-    if ctx.rank == 0:
-        (out / "result.json").write_text(json.dumps(result, indent=2) + "\n")
-        files = [str(out / "result.json")] + ([str(final)] if final else [])
-    tel.emit(
-        "done",
-        final_step=step,
-        reason="stopped" if stopped else "max_steps",
-        files=files,
-        tokens_per_s=result["tokens_per_s"],
-        mfu=result["mfu"],
-        mfu_torchtitan=result["mfu_torchtitan"],
-    )
-    barrier(ctx)
-    tel.close()
-    finish_ok(ctx)
-    return 0
+    def validation_due(self, step: int) -> bool:
+        """Every --val-every steps and at the last one, when there is a validation set."""
+        return self.val_set is not None and (bool(self.val_every and step % self.val_every == 0) or step == self.cfg.max_steps)
+
+    def validate(self, step: int) -> None:
+        """Mean next-token loss over the held-out batches of all ranks (a ``val_loss`` record)."""
+        t_val = time.perf_counter()
+        vloss, vtokens = evaluate(self.model, self.val_set, self.ctx, self.device, self.sdpa_ctx)
+        self.val_losses[step] = vloss
+        self.tel.emit("val_loss", step=step, val_loss=vloss, val_tokens=vtokens, seconds=round(time.perf_counter() - t_val, 3))
+        if self.ctx.rank == 0:
+            print(f"step {step} val_loss {vloss:.6f} ({vtokens:,} tokens)", flush=True)
+
+    def save(self, step: int) -> None:
+        """A DCP checkpoint of model, optimizer, schedule, data position and RNG (collective)."""
+        extra = {
+            "step": step,
+            "scheduler": self.scheduler.state_dict(),
+            "data": self.feeder.state_dict(),
+            "world_size": self.ctx.world_size,
+            "config_hash": self.manifest["config_hash"],
+        }
+        ctx = self.ctx
+        done = save_checkpoint(
+            self.out, step, self.model, self.optimizer, extra, keep=self.cfg.keep, rank=ctx.rank, barrier=lambda: barrier(ctx)
+        )
+        self.tel.emit("checkpoint", step=step, **done.record())
+        self.saved.append(step)
+        self.last_saved = step
+
+    def final_checkpoint(self) -> bool:
+        """Not with --no-final-checkpoint (benchmarks)."""
+        return not self.cfg.no_final_checkpoint
+
+    def export(self) -> Path | None:
+        """OUT/final: config, safetensors and tokenizer, loadable with from_pretrained (not with --no-export)."""
+        if self.cfg.no_export:
+            return None
+        return export_final(self.model, self.config, self.tokenizer, self.out, self.ctx, self.cfg.attn_implementation)
+
+    def finish(self, final: Path | None) -> int:
+        """OUT/result.json, the ``done`` record, a clean exit of every rank."""
+        result = dict(
+            final_step=self.step,
+            start=self.plan.describe(),
+            stopped=self.stopped,
+            losses={str(k): v for k, v in self.losses.items()},
+            final_loss=self.losses.get(self.step),
+            val_losses={str(k): v for k, v in self.val_losses.items()},
+            final_val_loss=self.val_losses.get(self.step),
+            tokens_per_s=_mean(self.tps_hist),
+            mfu=_mean(self.mfu_hist),
+            mfu_torchtitan=_mean(self.mfu_tt_hist),
+            mfu_convention=MFU_CONVENTION,
+            mfu_note=self.peak_reason,
+            flops_per_token=self.counts.flops_per_token,
+            flops_per_token_torchtitan=self.counts.flops_per_token_torchtitan,
+            peak_flops=self.peak,
+            params_total=self.counts.params_total,
+            params_trainable=self.counts.params_trainable,
+            world_size=self.ctx.world_size,
+            device=self.info["device"],
+            dataset_samples=len(self.dataset),
+            dataset_tokens=self.dataset.source_tokens,
+            checkpoints=list_checkpoints(self.out) if self.ctx.rank == 0 else None,
+            final_dir=str(final) if final else None,
+            seconds=round(time.time() - self.t_start, 3),
+        )
+        files = []
+        if self.ctx.rank == 0:
+            (self.out / "result.json").write_text(json.dumps(result, indent=2) + "\n")
+            files = [str(self.out / "result.json")] + ([str(final)] if final else [])
+        self.tel.emit(
+            "done",
+            final_step=self.step,
+            reason="stopped" if self.stopped else "max_steps",
+            files=files,
+            tokens_per_s=result["tokens_per_s"],
+            mfu=result["mfu"],
+            mfu_torchtitan=result["mfu_torchtitan"],
+        )
+        barrier(self.ctx)
+        self.tel.close()
+        finish_ok(self.ctx)
+        return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m gpudeck.trainers.fsdp_lm``: check the command line and the start, then run the trainer."""
+    cfg = parse_args(argv)
+    try:
+        plan = resolve_start(cfg.out, cfg.fresh, cfg.resume, cfg.new_run_dir, trust=cfg.trust_checkpoint)
+    except (StartError, CheckpointTrustError) as exc:
+        print(f"fsdp_lm: {' '.join(str(exc).split())}", file=sys.stderr)
+        with Telemetry() as tel:
+            tel.emit("error", message=f"StartError: {exc}", exit_code=2)
+        return 2
+    if cfg.deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    return FsdpLmTrainer(cfg, plan).run()
 
 
 def _sdpa_context(backend: str):
