@@ -654,7 +654,7 @@ class Trainer:
         import torch
 
         from gpudeck.trainers.common.flops import count_params
-        from gpudeck.trainers.dflash.model import DFlashDraftModel, attention_layout, drafter_config_from_target
+        from gpudeck.trainers.dflash.model import attention_layout
 
         args = self.args
         from gpudeck.trainers.dflash.weights import has_safetensors, host_rss_mib, load_embedding_and_head, target_skeleton
@@ -678,36 +678,7 @@ class Trainer:
             )
         self.target_config = target.config
         self.target_params_total = count_params(target)[0]
-        saved_cfg = args.drafter_cfg
-        if args.init_from:
-            saved_cfg = read_config_json(Path(args.init_from) / "config.json", f"--init-from {args.init_from}")
-        tc = target.config.get_text_config() if hasattr(target.config, "get_text_config") else target.config
-        try:
-            mask_id, self.mask_token_source = resolve_mask_token(args.mask_token_id, saved_cfg, self.tokenizer, int(tc.vocab_size))
-        except ValueError as exc:
-            raise runtime.ExitWith(2, str(exc)) from None
-        if (
-            saved_cfg is not None
-            and args.init_from
-            and args.mask_token_id is not None
-            and mask_id != int(saved_cfg["dflash_config"]["mask_token_id"])
-        ):
-            raise runtime.ExitWith(
-                2,
-                f"--mask-token-id {mask_id} differs from the mask token "
-                f"{saved_cfg['dflash_config']['mask_token_id']} the drafter in --init-from "
-                "was trained with; leave it out",
-            )
-        self.mask_token_id = int(mask_id)
-        if args.init_from:
-            self.dcfg = DFlashDraftModel.config_class.from_pretrained(args.init_from)
-        elif args.drafter_cfg is not None:
-            try:
-                self.dcfg = drafter_config_from_file(args.drafter_cfg, target.config, args.block_size, self.mask_token_id)
-            except ValueError as exc:
-                raise runtime.ExitWith(2, str(exc)) from None
-        else:
-            self.dcfg = drafter_config_from_target(target.config, args.drafter_layers, args.block_size, self.mask_token_id)
+        self.dcfg = self._drafter_config(target)
         self.block_size = int(self.dcfg.block_size)
         from gpudeck.trainers.dflash.loss import decay_gamma
 
@@ -740,28 +711,73 @@ class Trainer:
             del target
         self.rss_after_target = host_rss_mib()
 
-        self.drafter = None
-        if self.is_drafter:
-            torch.manual_seed(args.seed)
-            if args.init_from:
-                drafter = DFlashDraftModel.from_pretrained(args.init_from, dtype=torch.float32)
-            else:
-                drafter = DFlashDraftModel(self.dcfg)
-            drafter.to(self.device)
-            drafter.train()
-            self.n_layer_params = sum(p.numel() for p in drafter.layers.parameters())
-            self.n_fc = drafter.fc.weight.numel()
-            self.drafter_params = count_params(drafter)[1]
-            if args.activation_checkpointing:
-                drafter.gradient_checkpointing = True
-            if args.compile:
-                for layer in drafter.layers:
-                    layer.compile()
-            if self.ctx.distributed:
-                self._shard(drafter)
-            self.drafter = drafter
+        self.drafter = self._build_drafter() if self.is_drafter else None
         # the anchor RNG (global CPU RNG) differs per rank; restored exactly by checkpoints
         torch.manual_seed(args.seed * 1000003 + self.ctx.rank + 1)
+
+    def _drafter_config(self, target: Any) -> Any:
+        """The drafter's config: the saved drafter's (--init-from), the --drafter-config file's, or spaced over the target."""
+        from gpudeck.trainers.dflash.model import DFlashDraftModel, drafter_config_from_target
+
+        args = self.args
+        saved_cfg = args.drafter_cfg
+        if args.init_from:
+            saved_cfg = read_config_json(Path(args.init_from) / "config.json", f"--init-from {args.init_from}")
+        tc = target.config.get_text_config() if hasattr(target.config, "get_text_config") else target.config
+        try:
+            mask_id, self.mask_token_source = resolve_mask_token(args.mask_token_id, saved_cfg, self.tokenizer, int(tc.vocab_size))
+        except ValueError as exc:
+            raise runtime.ExitWith(2, str(exc)) from None
+        if (
+            saved_cfg is not None
+            and args.init_from
+            and args.mask_token_id is not None
+            and mask_id != int(saved_cfg["dflash_config"]["mask_token_id"])
+        ):
+            raise runtime.ExitWith(
+                2,
+                f"--mask-token-id {mask_id} differs from the mask token "
+                f"{saved_cfg['dflash_config']['mask_token_id']} the drafter in --init-from "
+                "was trained with; leave it out",
+            )
+        self.mask_token_id = int(mask_id)
+        if args.init_from:
+            dcfg = DFlashDraftModel.config_class.from_pretrained(args.init_from)
+        elif args.drafter_cfg is not None:
+            try:
+                dcfg = drafter_config_from_file(args.drafter_cfg, target.config, args.block_size, self.mask_token_id)
+            except ValueError as exc:
+                raise runtime.ExitWith(2, str(exc)) from None
+        else:
+            dcfg = drafter_config_from_target(target.config, args.drafter_layers, args.block_size, self.mask_token_id)
+        return dcfg
+
+    def _build_drafter(self) -> Any:
+        """The drafter on this rank's device: new or --init-from's, checkpointed, compiled and sharded as asked."""
+        import torch
+
+        from gpudeck.trainers.common.flops import count_params
+        from gpudeck.trainers.dflash.model import DFlashDraftModel
+
+        args = self.args
+        torch.manual_seed(args.seed)
+        if args.init_from:
+            drafter = DFlashDraftModel.from_pretrained(args.init_from, dtype=torch.float32)
+        else:
+            drafter = DFlashDraftModel(self.dcfg)
+        drafter.to(self.device)
+        drafter.train()
+        self.n_layer_params = sum(p.numel() for p in drafter.layers.parameters())
+        self.n_fc = drafter.fc.weight.numel()
+        self.drafter_params = count_params(drafter)[1]
+        if args.activation_checkpointing:
+            drafter.gradient_checkpointing = True
+        if args.compile:
+            for layer in drafter.layers:
+                layer.compile()
+        if self.ctx.distributed:
+            self._shard(drafter)
+        return drafter
 
     def _shard(self, drafter) -> None:
         import torch
@@ -1129,15 +1145,11 @@ class Trainer:
         import torch
         import torch.distributed as dist
 
-        from gpudeck.trainers.common.flops import mfu
-        from gpudeck.trainers.dflash.loss import finish_global_mean
-
         args = self.args
         if self.drafter is None or self.optimizer is None or self.scheduler is None:
             raise RuntimeError(f"rank {self.ctx.rank} has no drafter, optimizer or scheduler: only drafter ranks train")
         split = self.role == ROLE_DRAFTER
         inbox: deque = deque()
-        n_d = len(self.drafter_ranks)
 
         def my_batches(step_from: int, step_to: int):
             for s in range(step_from, step_to + 1):
@@ -1201,34 +1213,13 @@ class Trainer:
                 ctx_tokens += ids.numel()
                 sync = micro == args.grad_accum - 1
                 if self.ctx.distributed and hasattr(self.drafter, "set_requires_gradient_sync"):
-                    self.drafter.set_requires_gradient_sync(sync)  # type: ignore[operator]  # fully_shard makes it an FSDPModule at run time; torch's types still see the nn.Module
+                    self.drafter.set_requires_gradient_sync(sync)
                 part, wpart, fl = self.drafter_forward_backward(ids, lm, feats, 1.0)
                 loss_sum += float(part)
                 weight_sum += float(wpart)
                 flops += fl
                 flops_tt += fl
-            # gradients of sum(w*CE) / sum(w) over every drafter rank and micro-batch (SpecForge's rule);
-            # colocated, the stop vote rides on the same all-reduce
-            n_group = n_d if self.ctx.distributed else 1
-            with self.clock.stall():  # the gradients' and the loss's all-reduces, then the norm's
-                loss_val, _, votes = finish_global_mean(
-                    self.drafter.parameters(),
-                    loss_sum,
-                    weight_sum,
-                    group=self.drafter_group,
-                    world=n_group,
-                    extra=[] if split else [1.0 if self.stop.requested else 0.0],
-                )
-                gnorm = torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), args.grad_clip)
-            self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
-            lr = self.scheduler.get_last_lr()[0]
-            self.scheduler.step()
-            if split:
-                self.votes.post(step)
-                stop_now = self.votes.is_last(step)
-            else:
-                stop_now = votes[0] > 0
+            loss_val, gnorm, lr, stop_now = self._drafter_optimizer_step(loss_sum, weight_sum, split, step)
             self._sync()
             dt = time.perf_counter() - t_step
             timing = self.clock.split(dt, clock_start, step)
@@ -1237,36 +1228,7 @@ class Trainer:
                 # everything up to the checkpoint boundary (or the stop) is consumed; re-plan after it
                 assert not inbox, [it[:2] for it in inbox]
                 pending_iter = None
-            n_rank_tokens = ctx_tokens
-            world_tokens = n_rank_tokens * (n_d if split else self.ctx.world_size)
-            rec = dict(
-                loss=round(loss_val, 6),
-                lr=lr,
-                grad_norm=float(gnorm.full_tensor() if hasattr(gnorm, "full_tensor") else gnorm),
-                tokens_per_s=round(world_tokens / dt, 2),
-                tokens_per_s_rank=round(n_rank_tokens / dt, 2),
-                step_s=round(dt, 4),
-                target_forward_s=(round(t_fwd, 4) if not split else None),
-                flops_per_token=round(flops / max(1, n_rank_tokens), 1),
-                step_flops=flops,
-                flops_per_token_torchtitan=round(flops_tt / max(1, n_rank_tokens), 1),
-                mfu=mfu(n_rank_tokens / dt, flops / max(1, n_rank_tokens), self.peak),
-                mfu_torchtitan=mfu(n_rank_tokens / dt, flops_tt / max(1, n_rank_tokens), self.peak),
-                peak_flops=self.peak,
-                role=self.role,
-                **self._mem(),
-                **timing,
-            )
-            if split:
-                rec["queue_depth"] = queue_depth
-            if step % args.log_every == 0 or step == args.max_steps:
-                self.tel.step(step, **rec)
-                if self.ctx.rank == self.lead_drafter:
-                    m = f"{rec['mfu'] * 100:.1f}%" if rec["mfu"] is not None else "n/a"
-                    print(
-                        f"[dflash] step {step} loss {loss_val:.4f} tok/s {rec['tokens_per_s']:.0f} mfu {m} step {dt * 1000:.0f} ms",
-                        flush=True,
-                    )
+            self._report_drafter_step(step, loss_val, lr, gnorm, dt, t_fwd, (flops, flops_tt, ctx_tokens), timing, queue_depth)
             if step == start + 1 and self.device.type == "cuda":
                 runtime.set_collective_timeout(self.ctx, 120)
             if stop_now:
@@ -1278,6 +1240,87 @@ class Trainer:
             if self._ckpt_due(step):
                 self.save(step)
         return step, stopped
+
+    def _drafter_optimizer_step(self, loss_sum: float, weight_sum: float, split: bool, step: int) -> tuple[float, Any, Any, bool]:
+        """All-reduce the gradients and the loss (and, colocated, the stop vote), clip, step: (loss, grad norm, lr, stop now)."""
+        import torch
+
+        from gpudeck.trainers.dflash.loss import finish_global_mean
+
+        args = self.args
+        if self.drafter is None or self.optimizer is None or self.scheduler is None:
+            raise RuntimeError(f"rank {self.ctx.rank} has no drafter, optimizer or scheduler: only drafter ranks train")
+        # gradients of sum(w*CE) / sum(w) over every drafter rank and micro-batch (SpecForge's rule);
+        # colocated, the stop vote rides on the same all-reduce
+        n_group = len(self.drafter_ranks) if self.ctx.distributed else 1
+        with self.clock.stall():  # the gradients' and the loss's all-reduces, then the norm's
+            loss_val, _, votes = finish_global_mean(
+                self.drafter.parameters(),
+                loss_sum,
+                weight_sum,
+                group=self.drafter_group,
+                world=n_group,
+                extra=[] if split else [1.0 if self.stop.requested else 0.0],
+            )
+            gnorm = torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), args.grad_clip)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        lr = self.scheduler.get_last_lr()[0]
+        self.scheduler.step()
+        if split:
+            self.votes.post(step)
+            stop_now = self.votes.is_last(step)
+        else:
+            stop_now = votes[0] > 0
+        return loss_val, gnorm, lr, stop_now
+
+    def _report_drafter_step(
+        self,
+        step: int,
+        loss_val: float,
+        lr: float,
+        gnorm: Any,
+        dt: float,
+        t_fwd: float,
+        counts: tuple[float, float, int],
+        timing: dict,
+        queue_depth: int | None,
+    ) -> None:
+        """The step's record (throughput, FLOPs, MFU, memory, timing) and the lead drafter's line on stdout."""
+        from gpudeck.trainers.common.flops import mfu
+
+        args = self.args
+        flops, flops_tt, n_rank_tokens = counts
+        split = self.role == ROLE_DRAFTER
+        world_tokens = n_rank_tokens * (len(self.drafter_ranks) if split else self.ctx.world_size)
+        rec = dict(
+            loss=round(loss_val, 6),
+            lr=lr,
+            grad_norm=float(gnorm.full_tensor() if hasattr(gnorm, "full_tensor") else gnorm),
+            tokens_per_s=round(world_tokens / dt, 2),
+            tokens_per_s_rank=round(n_rank_tokens / dt, 2),
+            step_s=round(dt, 4),
+            target_forward_s=(round(t_fwd, 4) if not split else None),
+            flops_per_token=round(flops / max(1, n_rank_tokens), 1),
+            step_flops=flops,
+            flops_per_token_torchtitan=round(flops_tt / max(1, n_rank_tokens), 1),
+            mfu=mfu(n_rank_tokens / dt, flops / max(1, n_rank_tokens), self.peak),
+            mfu_torchtitan=mfu(n_rank_tokens / dt, flops_tt / max(1, n_rank_tokens), self.peak),
+            peak_flops=self.peak,
+            role=self.role,
+            **self._mem(),
+            **timing,
+        )
+        if split:
+            rec["queue_depth"] = queue_depth
+        if step % args.log_every == 0 or step == args.max_steps:
+            self.tel.step(step, **rec)
+            if self.ctx.rank == self.lead_drafter:
+                m = f"{rec['mfu'] * 100:.1f}%" if rec["mfu"] is not None else "n/a"
+                print(
+                    f"[dflash] step {step} loss {loss_val:.4f} tok/s {rec['tokens_per_s']:.0f} mfu {m} step {dt * 1000:.0f} ms",
+                    flush=True,
+                )
 
     def _profile_begin(self, step: int) -> None:
         """``--profile-steps A-B``: start torch.profiler before step A (CPU + CUDA activity)."""

@@ -75,6 +75,12 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["auto", "cudnn", "flash", "efficient"],
         help="preferred scaled-dot-product-attention kernel on GPU (falls back in order cudnn/flash/efficient/math)",
     )
+    _add_performance_args(p)
+    return p
+
+
+def _add_performance_args(p: argparse.ArgumentParser) -> None:
+    """fsdp_lm's performance options (compile, activation checkpointing, loss, optimizer, prefetch, profiling)."""
     g = p.add_argument_group("fsdp_lm performance")
     g.add_argument(
         "--compile-mode",
@@ -153,7 +159,6 @@ def build_parser() -> argparse.ArgumentParser:
         "for bitwise-reproducible GPU resume also pass --attn-implementation "
         "eager (the flash-attention backward is not deterministic)",
     )
-    return p
 
 
 def parse_args(argv: list[str] | None = None) -> FsdpLmConfig:
