@@ -1183,6 +1183,7 @@ class Trainer:
             t_step = time.perf_counter()
             clock_start = self.clock.mark()
             loss_sum, weight_sum, flops, flops_tt, ctx_tokens = 0.0, 0.0, 0.0, 0.0, 0
+            drafter_flops = 0.0  # the drafter's forward + backward alone (SpecForge's trainer-GPU figure)
             queue_depth = None
             t_fwd = 0.0
             for micro in range(args.grad_accum):
@@ -1219,6 +1220,7 @@ class Trainer:
                 weight_sum += float(wpart)
                 flops += fl
                 flops_tt += fl
+                drafter_flops += fl
             loss_val, gnorm, lr, stop_now = self._drafter_optimizer_step(loss_sum, weight_sum, split, step)
             self._sync()
             dt = time.perf_counter() - t_step
@@ -1228,7 +1230,9 @@ class Trainer:
                 # everything up to the checkpoint boundary (or the stop) is consumed; re-plan after it
                 assert not inbox, [it[:2] for it in inbox]
                 pending_iter = None
-            self._report_drafter_step(step, loss_val, lr, gnorm, dt, t_fwd, (flops, flops_tt, ctx_tokens), timing, queue_depth)
+            self._report_drafter_step(
+                step, loss_val, lr, gnorm, dt, t_fwd, (flops, flops_tt, ctx_tokens), timing, queue_depth, drafter_flops
+            )
             if step == start + 1 and self.device.type == "cuda":
                 runtime.set_collective_timeout(self.ctx, 120)
             if stop_now:
@@ -1285,6 +1289,7 @@ class Trainer:
         counts: tuple[float, float, int],
         timing: dict,
         queue_depth: int | None,
+        drafter_flops: float = 0.0,
     ) -> None:
         """The step's record (throughput, FLOPs, MFU, memory, timing) and the lead drafter's line on stdout."""
         from gpudeck.trainers.common.flops import mfu
@@ -1303,6 +1308,7 @@ class Trainer:
             target_forward_s=(round(t_fwd, 4) if not split else None),
             flops_per_token=round(flops / max(1, n_rank_tokens), 1),
             step_flops=flops,
+            drafter_flops=drafter_flops,
             flops_per_token_torchtitan=round(flops_tt / max(1, n_rank_tokens), 1),
             mfu=mfu(n_rank_tokens / dt, flops / max(1, n_rank_tokens), self.peak),
             mfu_torchtitan=mfu(n_rank_tokens / dt, flops_tt / max(1, n_rank_tokens), self.peak),
