@@ -1,6 +1,6 @@
 """fsdp_lm's steps one by one, without main(): set-up, a train step, validation, a checkpoint, the export.
 
-One plain process on CPU (no torchrun, so no process group); the trainer's signal handlers are put back after.
+One plain process on CPU (no torchrun: a one-rank group); the group and the trainer's signal handlers are put back after.
 """
 
 from __future__ import annotations
@@ -29,6 +29,10 @@ def trainer(tmp_path, monkeypatch):
     yield t
     for s, h in handlers.items():
         signal.signal(s, h)
+    import torch.distributed as dist
+
+    if dist.is_initialized():  # set-up made a one-rank group: leave none behind for the next test
+        dist.destroy_process_group()
 
 
 def test_each_step_on_its_own(trainer, tmp_path) -> None:
