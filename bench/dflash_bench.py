@@ -6,7 +6,7 @@ Two parts, one result line per figure (``RESULT <name> <value> <unit> [details]`
           ``--rows`` positions (default 1024 anchors x block 32 = 32,768), hidden 1024, vocab
           151,936, bf16, lm_head frozen (as in DFlash; ``--weight-grad`` also measures with a
           trainable lm_head). Compares the plain version (full logits, fp32 CE) with
-          ``gpudeck.trainers.dflash_loss.chunked_linear_cross_entropy`` in ``fused`` mode (gradient
+          ``gpudeck.trainers.dflash.loss.chunked_linear_cross_entropy`` in ``fused`` mode (gradient
           computed in the forward pass, chunk by chunk) and ``recompute`` mode (checkpointed
           chunks). Extra memory = ``torch.cuda.max_memory_allocated`` after minus before (inputs
           and the weight are allocated before); time = median of ``--iters`` CUDA-event-timed runs.
@@ -26,11 +26,23 @@ Two parts, one result line per figure (``RESULT <name> <value> <unit> [details]`
           fits one H200). Reports tokens/s, ``mfu`` (causal) and ``mfu_torchtitan``, the peak
           memory and pre-flight's estimate for the same command line (ratio).
 
+``specforge``  SpecForge's Domino/DFlash benchmark shape (docs/benchmarks/domino-disaggregated-performance.md):
+          a random-weight Qwen3-8B-shaped target (36 layers, hidden 4096) and SpecForge's
+          ``configs/qwen3-8b-dflash.json`` drafter (5 layers, hidden 4096, intermediate 12288;
+          tests/reference/qwen3-8b-dflash.json) at the doc's MFU microbenchmark shape: 256 anchors x
+          block 16, gamma 7, sequence 768, batch 2 per GPU; colocated on one GPU. Prints samples/s per GPU and MFU for the colocated step
+          and for the drafter part alone (the step minus the target's forward, whose time the
+          trainer measures; the drafter's own FLOPs from its ``drafter_flops`` record), beside
+          SpecForge's per-trainer-GPU figures (50.1 samples/s on 7 trainer GPUs, 43.5% MFU).
+          ``--tiny`` runs the same measurement at a tiny shape on CPU (a smoke test).
+
 Run on the accelerator, e.g.::
 
     python bench/dflash_bench.py --part loss
     python bench/dflash_bench.py --part train --configs sdpa:5:4,flex:5:4 --steps 12
     python bench/dflash_bench.py --part seed --seed-target qwen3-14b --steps 12 --profile
+    python bench/dflash_bench.py --part specforge --steps 12
+    python bench/dflash_bench.py --part specforge --tiny      # CPU smoke test
 """
 
 from __future__ import annotations
@@ -60,7 +72,7 @@ def result(name: str, value, unit: str, **details) -> None:
 def bench_loss(args) -> None:
     import torch
 
-    from gpudeck.trainers.dflash_loss import chunked_linear_cross_entropy, plain_linear_cross_entropy
+    from gpudeck.trainers.dflash.loss import chunked_linear_cross_entropy, plain_linear_cross_entropy
 
     dev = torch.device("cuda")
     torch.manual_seed(0)
@@ -83,7 +95,7 @@ def bench_loss(args) -> None:
         loss.backward()
         return loss.detach(), hid.grad
 
-    import gpudeck.trainers.dflash_loss as dl
+    import gpudeck.trainers.dflash.loss as dl
 
     configs = [("plain", 0)]
     for c in args.chunks:
@@ -135,14 +147,21 @@ def bench_loss(args) -> None:
 # ------------------------------------------------------------------ the seed's drafter shape
 
 SEED_DRAFTER = ROOT / "tests" / "reference" / "qwen3.6-27b-dflash.json"
+SPECFORGE_DRAFTER = ROOT / "tests" / "reference" / "qwen3-8b-dflash.json"
+# SpecForge's Domino/DFlash run on 8xH200 (1 capture GPU + 7 trainer GPUs): per trainer GPU
+SPECFORGE_SAMPLES_PER_S = 50.1
+SPECFORGE_TRAINER_GPUS = 7
+SPECFORGE_MFU = 0.435
+SPECFORGE_TFLOP_PER_SAMPLE = 45.0  # forward + backward of the drafter, torch.utils.flop_counter (their convention)
 # dense Qwen3 targets of the seed drafter's width (hidden 5120), from their published config.json
 SEED_TARGETS = {
+    "qwen3-8b": dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32),
     "qwen3-14b": dict(hidden_size=5120, intermediate_size=17408, num_hidden_layers=40, num_attention_heads=40),
     "qwen3-32b": dict(hidden_size=5120, intermediate_size=25600, num_hidden_layers=64, num_attention_heads=64),
 }
 
 
-def write_seed_configs(folder: Path, target: str = "qwen3-14b") -> tuple[Path, Path]:
+def write_seed_configs(folder: Path, target: str = "qwen3-14b", drafter: Path = SEED_DRAFTER) -> tuple[Path, Path]:
     """(target config.json, drafter config) for the seed's drafter shape on a dense Qwen3 ``target``.
 
     The drafter config is SpecForge's Qwen3.6-27B one without what belongs to that target
@@ -161,11 +180,11 @@ def write_seed_configs(folder: Path, target: str = "qwen3-14b") -> tuple[Path, P
         rope_theta=1000000.0,
         tie_word_embeddings=False,
         torch_dtype="bfloat16",
-        **SEED_TARGETS[target],
     )
+    tcfg.update(SEED_TARGETS[target])
     tpath = folder / f"{target}.json"
     tpath.write_text(json.dumps(tcfg, indent=1))
-    dcfg = json.loads(SEED_DRAFTER.read_text())
+    dcfg = json.loads(drafter.read_text())
     for key in ("vocab_size", "num_target_layers", "dflash_config", "eos_token_id", "pad_token_id", "bos_token_id"):
         dcfg.pop(key, None)
     dpath = folder / "seed-drafter.json"
@@ -276,6 +295,95 @@ def bench_seed(args) -> None:
     )
 
 
+# ------------------------------------------------------------------ specforge
+
+
+TINY_TARGET = dict(
+    hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=320
+)
+
+
+def specforge_argv(folder: Path, steps: int, out: Path, tiny: bool) -> list[str]:
+    """The trainer's command line at SpecForge's Domino/DFlash shape (or, ``tiny``, a CPU-sized one of the same form)."""
+    if tiny:
+        SEED_TARGETS.setdefault("tiny-qwen3", TINY_TARGET)
+        tpath, _ = write_seed_configs(folder, "tiny-qwen3", SPECFORGE_DRAFTER)
+        shape = ["--drafter-layers", "2", "--block-size", "4", "--num-anchors", "8", "--gamma", "2", "--seq-len", "64"]
+        shape += ["--batch-size", "2", "--corpus-bytes", "300000", "--attn", "sdpa", "--device", "cpu"]
+    else:
+        tpath, dpath = write_seed_configs(folder, "qwen3-8b", SPECFORGE_DRAFTER)
+        # the doc's MFU microbenchmark (bench_domino_mfu.py): 256 anchors x block 16, sequence 768, batch 2
+        shape = ["--drafter-config", str(dpath), "--block-size", "16", "--num-anchors", "256", "--gamma", "7"]
+        shape += ["--seq-len", "768", "--batch-size", "2", "--corpus-bytes", str(16 * 1024 * 1024), "--attn", "flex", "--compile"]
+    return ["--target-config", str(tpath), *shape, "--no-eval", "--max-steps", str(steps), "--checkpoint-every", "0"] + [
+        "--warmup-steps",
+        "2",
+        "--fresh",
+        "--out",
+        str(out),
+    ]
+
+
+def bench_specforge(args) -> None:
+    """Samples/s per GPU and MFU, colocated step and drafter part alone, beside SpecForge's per-trainer-GPU figures."""
+    out = Path(tempfile.mkdtemp(prefix="dflash_specforge_"))
+    steps = 4 if args.tiny else args.steps
+    skip = 1 if args.tiny else args.skip
+    argv = specforge_argv(out / "configs", steps, out / "run", args.tiny)
+    label = "specforge" + (".tiny" if args.tiny else "")
+    rc, recs, wall = run_trainer([sys.executable, "-m", "gpudeck.trainers.dflash", *argv], out, label, args)
+    recs_steps = [r for r in recs if r["type"] == "step" and r["step"] > skip and r.get("loss") is not None]
+    if rc != 0 or not recs_steps:
+        result(label, "FAILED", "-", rc=str(rc).replace(" ", "_"), wall_s=f"{wall:.0f}")
+        return
+    man = next(r for r in recs if r["type"] == "manifest")
+    batch = int(argv[argv.index("--batch-size") + 1])
+    step_s = statistics.median(r["step_s"] for r in recs_steps)
+    target_s = statistics.median(r["target_forward_s"] or 0.0 for r in recs_steps)
+    drafter_s = max(step_s - target_s, 1e-9)
+    peak = recs_steps[-1].get("peak_flops")
+    d_flops = statistics.median(r.get("drafter_flops") or 0.0 for r in recs_steps)
+    mfu_step = statistics.median(r["mfu"] for r in recs_steps) if recs_steps[-1].get("mfu") is not None else None
+    mfu_drafter = d_flops / drafter_s / peak if peak else None
+    ref_sps = SPECFORGE_SAMPLES_PER_S / SPECFORGE_TRAINER_GPUS
+
+    def pct(x: float | None) -> str:
+        return "n/a" if x is None else f"{100 * x:.1f}"
+
+    common = dict(steps=len(recs_steps), gpu=man.get("gpu_name") or man.get("device"), drafter_params=man.get("drafter_params_trainable"))
+    result(
+        f"{label}.colocated.samples_per_s_gpu",
+        f"{batch / step_s:.2f}",
+        "samples/s",
+        specforge_per_trainer_gpu=f"{ref_sps:.2f}",
+        ratio=f"{batch / step_s / ref_sps:.2f}",
+        step_ms=f"{step_s * 1000:.1f}",
+        target_fwd_ms=f"{target_s * 1000:.1f}",
+        **common,
+    )
+    result(
+        f"{label}.colocated.mfu", pct(mfu_step), "%", convention="causal, target forward + drafter", specforge=f"{100 * SPECFORGE_MFU:.1f}%"
+    )
+    result(
+        f"{label}.drafter.samples_per_s_gpu",
+        f"{batch / drafter_s:.2f}",
+        "samples/s",
+        specforge_per_trainer_gpu=f"{ref_sps:.2f}",
+        ratio=f"{batch / drafter_s / ref_sps:.2f}",
+        drafter_ms=f"{drafter_s * 1000:.1f}",
+        note="step minus the target's forward",
+    )
+    result(
+        f"{label}.drafter.mfu",
+        pct(mfu_drafter),
+        "%",
+        specforge=f"{100 * SPECFORGE_MFU:.1f}%",
+        ratio="n/a" if mfu_drafter is None else f"{mfu_drafter / SPECFORGE_MFU:.2f}",
+        drafter_tflop_per_sample=f"{d_flops / batch / 1e12:.4g}",
+        specforge_tflop_per_sample=f"{SPECFORGE_TFLOP_PER_SAMPLE:g}",
+    )
+
+
 # ------------------------------------------------------------------ train
 
 
@@ -369,7 +477,8 @@ def bench_train(args) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--part", default="all", choices=["all", "loss", "train", "seed"])
+    ap.add_argument("--part", default="all", choices=["all", "loss", "train", "seed", "specforge"])
+    ap.add_argument("--tiny", action="store_true", help="specforge: a tiny shape on CPU (smoke test; no CUDA needed)")
     ap.add_argument("--seed-target", default="qwen3-14b", choices=sorted(SEED_TARGETS))
     ap.add_argument("--no-compile", action="store_true", help="seed: eager drafter and target")
     ap.add_argument("--profile", action="store_true", help="seed: torch.profiler over the last two steps; prints where the step time goes")
@@ -399,6 +508,9 @@ def main() -> int:
     args = ap.parse_args()
     import torch
 
+    if args.part == "specforge" and args.tiny:
+        bench_specforge(args)
+        return 0
     if not torch.cuda.is_available():
         print("dflash_bench: needs CUDA", file=sys.stderr)
         return 2
@@ -409,6 +521,8 @@ def main() -> int:
         bench_train(args)
     if args.part in ("all", "seed"):
         bench_seed(args)
+    if args.part in ("all", "specforge"):
+        bench_specforge(args)
     return 0
 
 

@@ -5,7 +5,7 @@ world size 1) for a few steps and prints one line::
 
     fsdp_mfu llama-1b B=8 T=2048 compile=1 sdpa=auto: 48.9% MFU causal (trainer) 48.7% (bench), 52.9% torchtitan (trainer) 52.7% (bench) 71,313 tok/s [...]
 
-Two conventions (``gpudeck.trainers.flops``): **causal** — the headline, the
+Two conventions (``gpudeck.trainers.common.flops``): **causal** — the headline, the
 trainer's ``mfu`` — counts attention FLOPs halved for the causal mask,
 6·(N − N_emb) + 6·L·H·d_head·S; **torchtitan** counts full attention,
 6·(N − N_emb) + 12·L·H·d_head·S (the trainer's ``mfu_torchtitan``).
@@ -53,7 +53,7 @@ def bench_flops_per_token(model_spec: str, seq_len: int) -> tuple[float, float, 
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from gpudeck.trainers.fsdp_lm import PRESETS
+    from gpudeck.trainers.fsdp_lm.trainer import PRESETS
 
     kw = dict(PRESETS[model_spec])
     cfg = AutoConfig.for_model(kw.pop("model_type"), **kw)

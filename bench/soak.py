@@ -70,7 +70,7 @@ from bench.fleet_hosts import (
 MIB = 1 << 20
 MAX_LAUNCHES_IN_FLIGHT = 8
 
-# a run: `rate` checkpoint records a second for `seconds`, then `done` (stdlib only, like trainers/telemetry.py)
+# a run: `rate` checkpoint records a second for `seconds`, then `done` (stdlib only, like trainers/common/telemetry.py)
 WRITER = r"""
 import json, os, sys, time
 rate, dur = float(sys.argv[1]), float(sys.argv[2])

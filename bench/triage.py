@@ -10,7 +10,7 @@ collective, so the others wait in FSDP's all-gather. Figures, per rank count:
 - ``gather``: the triage's own ``seconds`` (signals, CPU sampling, the dumps read);
 - whether the culprit line names the sleeping rank, and by which method each rank's stacks came.
 
-And the cost of the compute/wait measurement (``trainers/diagnostics.py``'s timed ``Work.wait``): the
+And the cost of the compute/wait measurement (``trainers/common/diagnostics.py``'s timed ``Work.wait``): the
 time one gloo ``all_reduce`` + ``wait`` takes with and without the wrapper (one-rank group, same process,
 alternating blocks), times the waits each step of the benchmarked run made (its ``waits`` field), over
 that step's time (``step_time_s``): the share of a step the measurement costs.
@@ -124,7 +124,7 @@ def overhead(n: int = 4000) -> float:
             dist.all_reduce(x, async_op=True).wait()
         return (time.perf_counter() - t0) / n
 
-    from gpudeck.trainers.diagnostics import CollectiveClock
+    from gpudeck.trainers.common.diagnostics import CollectiveClock
 
     CollectiveClock(on_cuda=False)
     wrapped = dist.Work.wait
@@ -141,7 +141,7 @@ def overhead(n: int = 4000) -> float:
 
 
 GPU_MODEL = "llama-1b"  # trainers/presets.py: a 1.1B Llama, the size the MFU benchmarks (RESULTS 14) use
-AB_BLOCK = 20  # steps per block: with one step in 4 timed (trainers/diagnostics.py), 5 timed steps in each "on" block
+AB_BLOCK = 20  # steps per block: with one step in 4 timed (trainers/common/diagnostics.py), 5 timed steps in each "on" block
 GPU_SETTINGS = {  # name -> environment: the measurement and the Flight Recorder on or off
     "off": {"GPUDECK_COMPUTE_TIMING": "0", "TORCH_FR_BUFFER_SIZE": "0", "TORCH_NCCL_TRACE_BUFFER_SIZE": "0"},
     "timing": {"GPUDECK_COMPUTE_TIMING": "1", "TORCH_FR_BUFFER_SIZE": "0", "TORCH_NCCL_TRACE_BUFFER_SIZE": "0"},

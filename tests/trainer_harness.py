@@ -64,6 +64,16 @@ DFLASH_SMALL = [
 DFLASH_SPLIT = ["--topology", "split", "--target-ranks", "0,1", "--drafter-ranks", "2", "--queue-depth", "2"]
 
 
+class WritesMarker:
+    """Unpickling this writes ``marker`` (``pathlib`` only: any process can unpickle it): proof that a checkpoint's pickle ran."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.write_text, (self.marker, "pwned"))
+
+
 def fsdp_lm_argv(
     out: Path, *extra: str, nproc: int | None = None, batch_size: int = 2, seq_len: int = 64, corpus_bytes: int = 400_000
 ) -> list[str]:

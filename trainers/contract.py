@@ -6,7 +6,7 @@ One table each, read by every side instead of a copy per side:
 - :data:`START_FLAGS`: the trainers' start options (``--fresh``, ``--resume N``,
   ``--new-run-dir``) and :func:`start_argv` / :func:`strip_start`;
 - the checkpoint folder layout (``OUT/checkpoints/step_<N>/`` with the marker
-  and DCP's ``.metadata`` when complete), as ``trainers/checkpoint.py`` writes it;
+  and DCP's ``.metadata`` when complete), as ``trainers/common/checkpoint.py`` writes it;
 - the named model configs (:data:`PRESETS`) and the index-list syntax
   (:func:`parse_index_list`: ``0,1`` / ``0-3``), from ``trainers/presets.py``;
 - :func:`stack_file`: where a trainer rank's faulthandler writes its stacks in
@@ -68,7 +68,7 @@ def trainer_module(module_or_script: str) -> str | None:
     """The trainer module that ``-m MODULE`` or ``python SCRIPT`` runs, or None for any other program.
 
     Accepts the module name, its pre-namespace name (``trainers.fsdp_lm``) and a path to the file
-    (``trainers/fsdp_lm.py``, ``/src/gpudeck/trainers/dflash.py``).
+    (``trainers/fsdp_lm.py``, ``/src/gpudeck/trainers/dflash.py``: the files before the trainers became packages).
     """
     if module_or_script in TRAINER_MODULES.values():
         return module_or_script
@@ -124,12 +124,12 @@ def start_argv(start: str) -> list[str]:
 
 
 def stack_file(run_dir: str, rank: int, pid: int) -> str:
-    """Where rank ``rank`` (pid ``pid``) of a trainer appends its stacks on the triage's signal (trainers/diagnostics.py)."""
+    """Where rank ``rank`` (pid ``pid``) of a trainer appends its stacks on the triage's signal (trainers/common/diagnostics.py)."""
     return f"{run_dir}/stacks/rank{rank}.{pid}.txt"
 
 
 def flight_recorder_request_file(run_dir: str) -> str:
-    """The file the agent writes a nonce into to ask every trainer rank for a Flight Recorder dump (trainers/diagnostics.py)."""
+    """The file the agent writes a nonce into to ask every trainer rank for a Flight Recorder dump (trainers/common/diagnostics.py)."""
     return f"{run_dir}/flight_recorder/request"
 
 
@@ -194,7 +194,7 @@ TRAINER_ARGS: tuple[TrainerArg, ...] = (
     ),
     TrainerArg("--device", default="auto"),
     TrainerArg("--dtype", default="auto"),
-    *(TrainerArg(f, "flag", False) for f in ("--fresh", "--new-run-dir", "--compile", "--activation-checkpointing")),
+    *(TrainerArg(f, "flag", False) for f in ("--fresh", "--new-run-dir", "--trust-checkpoint", "--compile", "--activation-checkpointing")),
     TrainerArg("--batch-size", "int", 8, _FSDP),
     TrainerArg("--seq-len", "int", 512, _FSDP),
     TrainerArg("--batch-size", "int", 2, _DFLASH),

@@ -1,6 +1,6 @@
 """Provides the agent's side of torch's Flight Recorder: ask a trainer's ranks for a dump, read it, summarise it across ranks.
 
-gpudeck's trainers (``trainers/diagnostics.py``) run a thread that watches
+gpudeck's trainers (``trainers/common/diagnostics.py``) run a thread that watches
 ``RUN_DIR/flight_recorder/request``; :func:`request` writes a fresh nonce
 there, and every rank answers with ``RUN_DIR/flight_recorder/rank<R>.<PID>.json``:
 its newest Flight Recorder entries (collective sequence number, op, retired or

@@ -1,4 +1,4 @@
-"""Provides the agent's reader of run telemetry (the JSON lines trainers append, see trainers/telemetry.py).
+"""Provides the agent's reader of run telemetry (the JSON lines trainers append, see trainers/common/telemetry.py).
 
 The file is read incrementally from the last offset each supervision tick;
 a torn last line waits for the rest (or is read as it is once the run has

@@ -68,14 +68,14 @@ KNOWN_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 # bytes per parameter of what FSDP2 shards: fp32 weights + fp32 grads + AdamW m and v
 SHARDED_STATE_BYTES = 16
-# bytes per parameter of a checkpoint: fp32 weights + AdamW m and v (what gpudeck.trainers.checkpoint saves)
+# bytes per parameter of a checkpoint: fp32 weights + AdamW m and v (what gpudeck.trainers.common.checkpoint saves)
 CHECKPOINT_BYTES_PER_PARAM = 12
 # what per-block torch.compile keeps of the eager activations (calibrated: llama-1b, H200, bench/RESULTS.md)
 COMPILED_ACTIVATION_RATIO = 0.65
 # CUDA context, cuBLAS/NCCL workspaces and allocator slack
 CUDA_SLACK_BYTES = int(0.6 * GIB)
 
-# the trainers' defaults (trainers/runtime.py, trainers/fsdp_lm.py, trainers/dflash.py); a test keeps them in step
+# the trainers' defaults (trainers/common/runtime.py, trainers/fsdp_lm/trainer.py, trainers/dflash/trainer.py); a test keeps them in step
 FSDP_DEFAULTS = {"batch_size": 8, "seq_len": 512}
 DFLASH_DEFAULTS = {"batch_size": 2, "seq_len": 512, "drafter_layers": 1, "block_size": 16}
 
@@ -243,7 +243,7 @@ def param_count(config: dict[str, Any]) -> int:
 def drafter_params(
     target: ModelShape, drafter_layers: int, drafter_config: dict[str, Any] | None = None, n_context_layers: int | None = None
 ) -> int:
-    """Trainable parameters of a DFlash drafter on ``target`` (trainers/dflash_model.py's DFlashDraftModel).
+    """Trainable parameters of a DFlash drafter on ``target`` (trainers/dflash/model.py's DFlashDraftModel).
 
     Qwen3-style blocks of the target's width and heads (q_norm/k_norm, no biases), a final norm,
     ``fc`` from the concatenated target layers (one per drafter layer, or the config's
@@ -473,7 +473,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _trainer_parser(trainer: str) -> argparse.ArgumentParser:
-    """The options of trainers/runtime.py, fsdp_lm.py and dflash.py that shape memory and starts.
+    """The options of trainers/common/runtime.py, fsdp_lm.py and dflash.py that shape memory and starts.
 
     Built from the declared table (:data:`gpudeck.trainers.contract.TRAINER_ARGS`): every option that takes a
     value is declared, so a value is never mistaken for something else; tests/unit/test_estimate.py

@@ -21,7 +21,9 @@ wrong and what to do. A check that does not apply passes with
 * ``python_env``: the run's interpreter exists and imports torch.
 * ``start_explicit``: a trainer run says how it starts, ``fresh`` or ``resume N``;
   there is no default (failure 6).
-* ``resume_checkpoint``: the checkpoint a resume names exists and is complete.
+* ``resume_checkpoint``: the checkpoint a resume names exists, is complete, and passes the trainers' trust
+  check (:func:`gpudeck.trainers.checkpoint_trust.verify_checkpoint`: no folder another user can write,
+  ``.metadata``'s sha256 and the shards' sizes as the manifest recorded), before anything unpickles it.
 """
 
 from __future__ import annotations
@@ -55,8 +57,9 @@ from gpudeck.agents.wire.protocol import (
     PreflightResult,
     RunInfo,
 )
+from gpudeck.trainers.checkpoint_trust import CheckpointTrustError, verify_checkpoint
 
-# the checkpoint layout trainers/checkpoint.py writes: OUT/checkpoints/step_<N>/ with both files when complete
+# the checkpoint layout trainers/common/checkpoint.py writes: OUT/checkpoints/step_<N>/ with both files when complete
 from gpudeck.trainers.contract import CHECKPOINT_MARKER, CHECKPOINT_METADATA, CHECKPOINTS_DIRNAME
 from gpudeck.trainers.contract import STEP_RE as _STEP_RE
 
@@ -224,6 +227,7 @@ class _TrainerFlags:
     out: str | None = None
     start: str | None = None  # "fresh" | "resume X" from --fresh / --resume X
     new_run_dir: bool = False
+    trust_checkpoint: bool = False  # --trust-checkpoint: a foreign checkpoint may be resumed
     error: str | None = None  # the arguments could not be read
 
 
@@ -237,7 +241,7 @@ def _trainer_flags(parsed: LaunchArgv | None) -> _TrainerFlags:
     if a.fresh and a.resume is not None:
         return _TrainerFlags(out=a.out, error="--fresh and --resume are both given; the trainer takes exactly one")
     start = "fresh" if a.fresh else (f"resume {a.resume}" if a.resume is not None else None)
-    return _TrainerFlags(out=a.out, start=start, new_run_dir=bool(a.new_run_dir))
+    return _TrainerFlags(out=a.out, start=start, new_run_dir=bool(a.new_run_dir), trust_checkpoint=bool(a.trust_checkpoint))
 
 
 def _checkpoint_root(spec: LaunchSpec, out: str | None) -> Path | None:
@@ -706,7 +710,7 @@ def _check_start(spec: LaunchSpec, parsed: LaunchArgv | None, flags: _TrainerFla
     return PreflightCheck(name=name, ok=True, message=f"start: {start}"), start
 
 
-def _check_resume(spec: LaunchSpec, out: str | None, start: str | None) -> PreflightCheck:
+def _check_resume(spec: LaunchSpec, out: str | None, start: str | None, trust: bool = False) -> PreflightCheck:
     name = "resume_checkpoint"
     if start is None or not start.startswith("resume"):
         return _skip(name, "not resuming")
@@ -728,7 +732,7 @@ def _check_resume(spec: LaunchSpec, out: str | None, start: str | None) -> Prefl
     )
     if which == "latest":
         if complete:
-            return PreflightCheck(name=name, ok=True, message=f"resume latest: step_{complete[-1]} in {root} is complete", details=details)
+            return _check_trust(root, out, spec, complete[-1], trust, f"resume latest: step_{complete[-1]} in {root} is complete", details)
         return PreflightCheck(
             name=name,
             ok=False,
@@ -738,8 +742,8 @@ def _check_resume(spec: LaunchSpec, out: str | None, start: str | None) -> Prefl
         )
     step = int(which)
     if step in complete:
-        return PreflightCheck(
-            name=name, ok=True, message=f"step_{step} in {root} is complete ({CHECKPOINT_MARKER}, {CHECKPOINT_METADATA})", details=details
+        return _check_trust(
+            root, out, spec, step, trust, f"step_{step} in {root} is complete ({CHECKPOINT_MARKER}, {CHECKPOINT_METADATA})", details
         )
     state = "is incomplete" if step in incomplete else "does not exist"
     pick = f"resume from one of those (`resume at step {complete[-1]}`)" if complete else "start `fresh`"
@@ -748,6 +752,18 @@ def _check_resume(spec: LaunchSpec, out: str | None, start: str | None) -> Prefl
         ok=False,
         message=f"step_{step} {state} in {root}; complete checkpoints there: {_steps(complete)}{partial}; {pick}",
         details=details,
+    )
+
+
+def _check_trust(root: Path, out: str | None, spec: LaunchSpec, step: int, trust: bool, ok_message: str, details: dict) -> PreflightCheck:
+    """The trainers' own check of a complete checkpoint, run before the launch (nothing in it is unpickled here)."""
+    try:
+        verdict = verify_checkpoint(root / f"step_{step}", out=_resolve(out, spec) if out is not None else None, trust=trust)
+    except CheckpointTrustError as exc:
+        return PreflightCheck(name="resume_checkpoint", ok=False, message=str(exc), details={**details, "refused": str(exc.path)})
+    note = f"; foreign, loaded by --trust-checkpoint: {'; '.join(verdict.foreign)}" if verdict.foreign else ""
+    return PreflightCheck(
+        name="resume_checkpoint", ok=True, message=f"{ok_message}, its digests verified{note}", details={**details, **verdict.record()}
     )
 
 
@@ -795,7 +811,7 @@ def run_preflight(
         _check_checkpoint_room(spec, flags.out, estimate, disk_free),
         _check_python(spec, parsed, python_check),
         start_check,
-        _check_resume(spec, flags.out, start),
+        _check_resume(spec, flags.out, start, flags.trust_checkpoint),
     ]
     return PreflightResult(
         ok=all(c.ok or c.overridden for c in checks),

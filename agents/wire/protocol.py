@@ -234,7 +234,7 @@ class RankTelemetry(msgspec.Struct, gc=False, kw_only=True, omit_defaults=True):
 
 
 class RunTelemetry(msgspec.Struct, gc=False, kw_only=True, omit_defaults=True):
-    """The latest of a run's telemetry (trainers/telemetry.py's records, folded)."""
+    """The latest of a run's telemetry (trainers/common/telemetry.py's records, folded)."""
 
     step: int | None = None
     loss: float | None = None

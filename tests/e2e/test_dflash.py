@@ -211,7 +211,8 @@ def _target_continuations(final: Path, corpus_bytes: int, out: Path) -> int:
     import numpy as np
     from transformers import AutoModelForCausalLM
 
-    from gpudeck.trainers.data import ByteTokenizer, load_tokens, split_tokens
+    from gpudeck.trainers.common.data import load_tokens, split_tokens
+    from gpudeck.trainers.common.tokenizer import ByteTokenizer
 
     train, _ = split_tokens(load_tokens(None, ByteTokenizer(), max_bytes=corpus_bytes).tokens, 0.02)
     tokens = torch.from_numpy(train.astype(np.int64))
@@ -339,7 +340,7 @@ def test_fsdp_lm_target_then_dflash_drafter_tau_improves(tmp_path, runs):
     assert man["loss_mask"].startswith("per record: 0 on prompt tokens"), man["loss_mask"]
     assert man["mask_token_source"] == "tokenizer mask token"
 
-    from gpudeck.trainers.dflash_model import DFlashDraftModel
+    from gpudeck.trainers.dflash.model import DFlashDraftModel
 
     d = DFlashDraftModel.from_pretrained(str(out / "drafter"))
     assert d.config.block_size == 8
@@ -356,7 +357,7 @@ def test_fsdp_lm_target_then_dflash_drafter_tau_improves(tmp_path, runs):
 
 @pytest.mark.parametrize("topology", ["colocated", "split"])
 def test_sigterm_to_every_process_stops_at_a_checkpoint_then_resume_continues(tmp_path, runs, topology):
-    from gpudeck.trainers.checkpoint import list_checkpoints
+    from gpudeck.trainers.common.checkpoint import list_checkpoints
 
     nproc, lead = (2, 0) if topology == "colocated" else (3, 2)
     args = [*SMALL, *(DFLASH_SPLIT if topology == "split" else []), "--max-steps", "40"]

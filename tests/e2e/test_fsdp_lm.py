@@ -19,7 +19,7 @@ pytest.importorskip("transformers")
 
 pytestmark = pytest.mark.slow
 
-from tests.trainer_harness import FSDP_SMALL, Runs, read_telemetry
+from tests.trainer_harness import FSDP_SMALL, Runs, WritesMarker, read_telemetry
 from tests.trainer_harness import alive as _alive
 
 FSDP = "gpudeck.trainers.fsdp_lm"
@@ -49,8 +49,8 @@ def straight(tmp_path_factory, runs):
 def test_straight_run_writes_telemetry_checkpoints_and_result(straight) -> None:
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from gpudeck.trainers.checkpoint import list_checkpoints
-    from gpudeck.trainers.fsdp_lm import PRESETS
+    from gpudeck.trainers.common.checkpoint import list_checkpoints
+    from gpudeck.trainers.fsdp_lm.trainer import PRESETS
 
     out, tel, _ = straight
     assert list_checkpoints(out) == [4, 8]
@@ -86,7 +86,7 @@ def test_straight_run_writes_telemetry_checkpoints_and_result(straight) -> None:
 def test_export_loads_with_from_pretrained(straight) -> None:
     from transformers import AutoModelForCausalLM
 
-    from gpudeck.trainers.data import ByteTokenizer, load_tokenizer
+    from gpudeck.trainers.common.tokenizer import ByteTokenizer, load_tokenizer
 
     out, tel, _ = straight
     model = AutoModelForCausalLM.from_pretrained(out / "final")
@@ -123,10 +123,45 @@ def test_failing_rank_stops_all_ranks_then_resume_matches_straight(straight, run
     rc, output, tel2, _ = runs.run(FSDP, [*args, "--resume", "latest"], out, nproc=2)
     assert rc == 0, output[-4000:]
     assert {r["start"] for r in tel2 if r["type"] == "manifest"} == {"resume 4"}
+    # the digest the save recorded is the one the resume verified
+    saved_digest = next(r["metadata_sha256"] for r in tel if r["type"] == "checkpoint" and r["step"] == 4 and r["rank"] == 0)
+    assert {r["checkpoint_metadata_sha256"] for r in tel2 if r["type"] == "manifest"} == {saved_digest}
+    assert {r["checkpoint_trusted_by_flag"] for r in tel2 if r["type"] == "manifest"} == {False}
     resumed = step_losses(tel2)
     assert sorted(resumed) == [5, 6, 7, 8]
     for k in resumed:
         assert resumed[k] == pytest.approx(ref[k], abs=1e-6), (k, resumed[k], ref[k])
+
+
+def test_resume_refuses_a_tampered_metadata_and_never_unpickles_it(straight, runs, tmp_path) -> None:
+    import pickle  # noqa: TID251 - the hostile pickle the trainer must never read
+
+    out = tmp_path / "tampered"
+    shutil.copytree(straight[0] / "checkpoints", out / "checkpoints")
+    marker = tmp_path / "marker"
+    meta = out / "checkpoints" / "step_8" / ".metadata"
+    meta.write_bytes(pickle.dumps(WritesMarker(marker)))
+    for extra in ([], ["--trust-checkpoint"]):
+        rc, output, tel, _ = runs.run(FSDP, [*COMMON, "--max-steps", "12", "--resume", "latest", *extra], out, nproc=None)
+        assert rc == 2, output[-3000:]
+        assert f"{meta} is not the file this checkpoint saved" in output
+        assert "Traceback" not in output and len(output.strip().splitlines()) == 1, output
+        assert [r["type"] for r in tel] == ["error"] and tel[0]["exit_code"] == 2
+        assert not marker.exists()
+
+
+def test_resume_of_a_group_writable_checkpoint_needs_the_flag(straight, runs, tmp_path) -> None:
+    out = tmp_path / "shared"
+    shutil.copytree(straight[0] / "checkpoints", out / "checkpoints")
+    step = out / "checkpoints" / "step_8"
+    step.chmod(0o777)
+    rc, output, _, _ = runs.run(FSDP, [*COMMON, "--max-steps", "9", "--resume", "latest", "--no-export"], out, nproc=None)
+    assert rc == 2 and f"{step} is writable by group" in output and "--trust-checkpoint" in output, output[-3000:]
+    args = [*COMMON, "--max-steps", "9", "--resume", "latest", "--trust-checkpoint", "--no-export", "--no-final-checkpoint"]
+    rc, output, tel, _ = runs.run(FSDP, args, out, nproc=None)
+    assert rc == 0, output[-3000:]
+    manifest = next(r for r in tel if r["type"] == "manifest")
+    assert manifest["checkpoint_trusted_by_flag"] is True and "writable by group" in manifest["checkpoint_foreign"][0]
 
 
 def test_fresh_refuses_folder_with_checkpoints(straight, runs) -> None:
@@ -159,7 +194,7 @@ def test_new_run_dir_archives_old_checkpoints(straight, runs, tmp_path) -> None:
     assert rc == 0, output[-4000:]
     archived = [p for p in out.iterdir() if p.name.startswith("checkpoints.archived-")]
     assert len(archived) == 1 and (archived[0] / "step_8").is_dir()
-    from gpudeck.trainers.checkpoint import list_checkpoints
+    from gpudeck.trainers.common.checkpoint import list_checkpoints
 
     assert list_checkpoints(out) == [2]
     manifest = next(r for r in tel if r["type"] == "manifest")
@@ -197,7 +232,7 @@ def test_init_from_exported_folder_continues_from_trained_weights(straight, runs
 
 
 def test_sigterm_stops_all_ranks_after_a_checkpoint(runs, tmp_path) -> None:
-    from gpudeck.trainers.checkpoint import list_checkpoints
+    from gpudeck.trainers.common.checkpoint import list_checkpoints
 
     out = tmp_path / "term"
     p, tel = runs.start(FSDP, [*COMMON, "--max-steps", "100000", "--fresh"], out, nproc=2)
@@ -224,8 +259,8 @@ def test_prepare_then_train_with_validation_then_resume_is_exact(runs, tmp_path)
     """A saved dataset -> gpudeck.trainers.prepare (2 processes) -> 2 ranks train from the token file
     (the source deleted: nothing re-tokenises) with val_loss records -> resume is exact."""
     datasets = pytest.importorskip("datasets")
-    from gpudeck.trainers.checkpoint import list_checkpoints
-    from gpudeck.trainers.data import PREPARED_MANIFEST, load_documents
+    from gpudeck.trainers.common.checkpoint import list_checkpoints
+    from gpudeck.trainers.common.data import PREPARED_MANIFEST, load_documents
 
     docs = load_documents(None, max_bytes=600 * 1024)
     src = tmp_path / "corpus"

@@ -78,7 +78,7 @@ def test_a_rank_asleep_outside_the_collectives_is_a_hang_triaged_by_name(agent: 
     assert sorted(ranks) == [0, 1, 2, 3]
     for e in ranks.values():  # every rank's stacks, by the trainers' own handler, said so
         assert e["method"] == "faulthandler" and "SIGUSR2" in e["method_why"] and "no ptrace needed" in e["method_why"]
-        assert "fsdp_lm.py" in e["stacks"] and e["state"] in ("sleeping", "running", "disk-sleep") and e["cpu_percent"] is not None
+        assert "fsdp_lm/trainer.py" in e["stacks"] and e["state"] in ("sleeping", "running", "disk-sleep") and e["cpu_percent"] is not None
     assert ranks[2]["in_collective"] is False and all(ranks[r]["in_collective"] for r in (0, 1, 3))
     # torch's Flight Recorder (gloo too, torch >= 2.9), dumped by each rank's own thread on the agent's request
     fr = t["flight_recorder"]

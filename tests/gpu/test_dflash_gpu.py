@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_chunked_ce_matches_plain_and_saves_memory_on_gpu():
-    from gpudeck.trainers.dflash_loss import chunked_linear_cross_entropy, plain_linear_cross_entropy
+    from gpudeck.trainers.dflash.loss import chunked_linear_cross_entropy, plain_linear_cross_entropy
 
     dev = torch.device("cuda")
     g = torch.Generator(device=dev).manual_seed(0)
@@ -59,9 +59,9 @@ def test_chunked_ce_matches_plain_and_saves_memory_on_gpu():
 def test_flex_mask_matches_dense_sdpa_mask(window):
     from transformers import Qwen3Config
 
-    from gpudeck.trainers.dflash import make_masks
-    from gpudeck.trainers.dflash_loss import block_inputs, sample_anchors
-    from gpudeck.trainers.dflash_model import DFlashDraftModel, drafter_config_from_target
+    from gpudeck.trainers.dflash.loss import block_inputs, sample_anchors
+    from gpudeck.trainers.dflash.model import DFlashDraftModel, drafter_config_from_target
+    from gpudeck.trainers.dflash.trainer import make_masks
 
     dev = torch.device("cuda")
     tc = Qwen3Config(

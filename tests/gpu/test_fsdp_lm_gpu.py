@@ -197,7 +197,7 @@ def test_gpu_prepared_corpus_validation_chunked_loss_mfu_and_profile(tmp_path, p
     """prepare -> train on the GPU from the token file with val_loss; --loss-impl chunked gives the
     plain losses (bf16: close, not equal); mfu (causal) / mfu_torchtitan is the FLOP ratio; the
     profile names the kernels."""
-    from gpudeck.trainers.prepare import main as prepare_main
+    from gpudeck.trainers.common.prepare import main as prepare_main
 
     prep = tmp_path / "prep"
     assert prepare_main(["--corpus-bytes", str(4 * 1024 * 1024), "--out", str(prep), "--val-fraction", "0.02", "--num-proc", "4"]) == 0
@@ -245,7 +245,7 @@ def test_gpu_prepared_corpus_validation_chunked_loss_mfu_and_profile(tmp_path, p
 NCCL_RANK = """
 import os, sys, time
 import torch, torch.distributed as dist
-from gpudeck.trainers.diagnostics import enable_flight_recorder, install_flight_recorder_dump
+from gpudeck.trainers.common.diagnostics import enable_flight_recorder, install_flight_recorder_dump
 enable_flight_recorder()
 torch.cuda.set_device(0)
 dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1, device_id=torch.device("cuda", 0))

@@ -42,7 +42,7 @@ def test_start_flags_round_trip() -> None:
 
 def test_checkpoint_layout_is_the_trainers() -> None:
     pytest.importorskip("torch")
-    ckpt = importlib.import_module("gpudeck.trainers.checkpoint")
+    ckpt = importlib.import_module("gpudeck.trainers.common.checkpoint")
     assert ckpt.checkpoint_path("o", 5).name == contract.step_dirname(5)
     assert ckpt.CHECKPOINTS_DIRNAME == contract.CHECKPOINTS_DIRNAME
     assert ckpt.MARKER_FILE == contract.CHECKPOINT_MARKER
@@ -52,7 +52,7 @@ def test_checkpoint_layout_is_the_trainers() -> None:
 def test_declared_defaults_follow_the_trainers(trainer: str) -> None:
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
-    real = importlib.import_module(trainer).build_parser()
+    real = importlib.import_module(trainer + ".config").build_parser()
     by_flag = {s: a for a in real._actions for s in a.option_strings}
     for arg in contract.trainer_args(trainer):
         assert arg.flag in by_flag, arg.flag

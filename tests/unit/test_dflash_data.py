@@ -22,10 +22,10 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from gpudeck.trainers.data import ByteTokenizer
-from gpudeck.trainers.dflash import resolve_mask_token
-from gpudeck.trainers.dflash_data import RecordBatches, load_records
-from gpudeck.trainers.dflash_loss import dflash_loss, finish_global_mean
+from gpudeck.trainers.common.tokenizer import ByteTokenizer
+from gpudeck.trainers.dflash.data import RecordBatches, load_records
+from gpudeck.trainers.dflash.loss import dflash_loss, finish_global_mean
+from gpudeck.trainers.dflash.trainer import resolve_mask_token
 
 EOS = ByteTokenizer.eos_id
 

@@ -98,8 +98,8 @@ def test_the_estimated_drafter_is_the_one_the_trainer_builds_from_the_config():
     pytest.importorskip("transformers")
     from transformers import Qwen3Config
 
-    from gpudeck.trainers.dflash import drafter_config_from_file, read_drafter_config
-    from gpudeck.trainers.dflash_model import DFlashDraftModel
+    from gpudeck.trainers.dflash.config import drafter_config_from_file, read_drafter_config
+    from gpudeck.trainers.dflash.model import DFlashDraftModel
 
     cfg = read_drafter_config(str(SEED_CONFIG))
     target = Qwen3Config(**{k: v for k, v in TARGET_27B.items() if k != "model_type"})
@@ -116,15 +116,16 @@ def test_the_bench_seed_command_is_one_the_trainer_takes_and_its_estimate_counts
     from transformers import AutoModelForCausalLM
 
     from bench.dflash_bench import seed_train_argv
-    from gpudeck.trainers import dflash
-    from gpudeck.trainers.dflash_model import DFlashDraftModel, attention_layout
+    from gpudeck.trainers.dflash import config as dflash
+    from gpudeck.trainers.dflash.model import DFlashDraftModel, attention_layout
+    from gpudeck.trainers.fsdp_lm.trainer import build_config
 
     argv = seed_train_argv(tmp_path / "cfg", target, 4, tmp_path / "out")
     parser = dflash.build_parser()
     args = parser.parse_args(argv)
     dflash.check_args(parser, args)
     assert (args.block_size, args.num_anchors, args.drafter_layers, args.gamma) == (32, 1024, 5, 7.0)
-    tcfg = dflash._preset_config(args.target_config)
+    tcfg = build_config(args.target_config, None)
     with torch.device("meta"):
         t = AutoModelForCausalLM.from_config(tcfg)
     dcfg = dflash.drafter_config_from_file(args.drafter_cfg, tcfg, args.block_size, 151669)

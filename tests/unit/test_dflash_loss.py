@@ -12,7 +12,7 @@ pytest.importorskip("transformers")
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gpudeck.trainers.dflash_loss import (
+from gpudeck.trainers.dflash.loss import (
     block_inputs,
     build_attention_mask,
     chunked_linear_cross_entropy,
@@ -23,7 +23,7 @@ from gpudeck.trainers.dflash_loss import (
     sample_anchors,
     valid_anchor_mask,
 )
-from gpudeck.trainers.dflash_model import (
+from gpudeck.trainers.dflash.model import (
     DFlashDraftModel,
     build_target_layer_ids,
     drafter_config_from_target,
@@ -130,7 +130,7 @@ def test_block_inputs_and_labels():
 
 
 def test_decay_gamma_is_the_published_table_or_given():
-    from gpudeck.trainers.dflash_loss import GammaError
+    from gpudeck.trainers.dflash.loss import GammaError
 
     assert decay_gamma(16) == 7 and decay_gamma(10) == 5 and decay_gamma(8) == 4
     assert decay_gamma(32, 7.0) == 7.0
@@ -279,7 +279,7 @@ def test_drafter_save_and_reload(tmp_path):
 
 
 def test_compilable_chunk_kernel_matches_inplace_kernel():
-    from gpudeck.trainers.dflash_loss import _softmax_ce_grad, _softmax_ce_grad_inplace
+    from gpudeck.trainers.dflash.loss import _softmax_ce_grad, _softmax_ce_grad_inplace
 
     g = torch.Generator().manual_seed(4)
     logits = torch.randn(17, 41, generator=g, dtype=torch.float64)

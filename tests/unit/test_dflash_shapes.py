@@ -21,9 +21,10 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from gpudeck.trainers.dflash import drafter_config_from_file, make_masks, read_drafter_config
-from gpudeck.trainers.dflash_loss import block_inputs, build_attention_mask, visible_keys
-from gpudeck.trainers.dflash_model import DFlashDraftModel, attention_layout, drafter_config_from_target
+from gpudeck.trainers.dflash.config import drafter_config_from_file, read_drafter_config
+from gpudeck.trainers.dflash.loss import block_inputs, build_attention_mask, visible_keys
+from gpudeck.trainers.dflash.model import DFlashDraftModel, attention_layout, drafter_config_from_target
+from gpudeck.trainers.dflash.trainer import make_masks
 from tests.reference import specforge_dflash as ref
 
 SEED_CONFIG = Path(__file__).resolve().parents[1] / "reference" / "qwen3.6-27b-dflash.json"
@@ -98,7 +99,7 @@ def test_dense_masks_equal_specforges(window):
 def _export(d: DFlashDraftModel, folder: Path) -> Path:
     """What Trainer.export writes: save_pretrained plus dflash_model.py as dflash.py."""
     d.save_pretrained(str(folder))
-    shutil.copy(Path(__file__).resolve().parents[2] / "trainers" / "dflash_model.py", folder / "dflash.py")
+    shutil.copy(Path(__file__).resolve().parents[2] / "trainers" / "dflash" / "model.py", folder / "dflash.py")
     return folder
 
 
@@ -155,8 +156,8 @@ def test_an_exported_sliding_window_drafter_matches_specforges_model_in_float64(
 def test_the_target_runs_and_counts_only_the_layers_the_features_need():
     from transformers import AutoModelForCausalLM
 
-    from gpudeck.trainers.dflash import TargetFlops, target_features, truncate_target
-    from gpudeck.trainers.dflash_model import build_target_layer_ids
+    from gpudeck.trainers.dflash.model import build_target_layer_ids
+    from gpudeck.trainers.dflash.trainer import TargetFlops, target_features, truncate_target
 
     tc = _target(layers=10)
     torch.manual_seed(0)

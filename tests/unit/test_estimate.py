@@ -70,7 +70,7 @@ def test_param_count_of_the_presets_as_documented() -> None:
 
 @pytest.mark.parametrize("target,layers", [("qwen3-0.6b", 5), ("qwen3-0.6b", 1), ("tiny", 2)])
 def test_drafter_params_equal_the_dflash_model(target: str, layers: int) -> None:
-    from gpudeck.trainers.dflash_model import DFlashDraftModel, drafter_config_from_target
+    from gpudeck.trainers.dflash.model import DFlashDraftModel, drafter_config_from_target
 
     kw = dict(PRESETS[target])
     tc = transformers.AutoConfig.for_model(kw.pop("model_type"), **kw)
@@ -230,7 +230,7 @@ def test_trainer_args_are_read_as_the_trainer_reads_them(trainer: str, i: int) -
     import importlib
 
     argv = ARGVS[trainer][i]
-    real = importlib.import_module(trainer).build_parser().parse_args(argv)
+    real = importlib.import_module(trainer + ".config").build_parser().parse_args(argv)
     mine = parse_trainer_args(trainer, argv)
     for field in FIELDS + (DFLASH_FIELDS if trainer == "gpudeck.trainers.dflash" else ["reshard_after_forward", "compile_loss"]):
         assert getattr(mine, field) == getattr(real, field), field
@@ -248,14 +248,14 @@ def test_every_option_with_a_value_is_known(trainer: str) -> None:
     def value_options(parser) -> set[str]:
         return {s for a in parser._actions if a.nargs != 0 for s in a.option_strings}
 
-    real = value_options(importlib.import_module(trainer).build_parser())
+    real = value_options(importlib.import_module(trainer + ".config").build_parser())
     assert real, trainer
     assert real <= value_options(_trainer_parser(trainer)), sorted(real - value_options(_trainer_parser(trainer)))
 
 
 def test_defaults_follow_the_trainers() -> None:
-    import gpudeck.trainers.dflash as dflash
-    import gpudeck.trainers.fsdp_lm as fsdp_lm
+    import gpudeck.trainers.dflash.config as dflash
+    import gpudeck.trainers.fsdp_lm.config as fsdp_lm
 
     f = fsdp_lm.build_parser().parse_args(["--fresh", "--out", "o"])
     assert {k: getattr(f, k) for k in FSDP_DEFAULTS} == FSDP_DEFAULTS

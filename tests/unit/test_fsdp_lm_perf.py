@@ -8,9 +8,9 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from gpudeck.trainers import data as D
-from gpudeck.trainers import fsdp_lm as F
-from gpudeck.trainers.profiling import StepProfiler, classify
+from gpudeck.trainers.common import data as D
+from gpudeck.trainers.common.profiling import StepProfiler, classify
+from gpudeck.trainers.fsdp_lm import trainer as F
 
 
 def _tiny(attn: str = "sdpa", seed: int = 0):

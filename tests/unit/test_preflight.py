@@ -9,6 +9,7 @@ from gpudeck.agents.safety.estimate import GIB, estimate
 from gpudeck.agents.safety.preflight import CHECK_NAMES, free_bytes_at, port_is_free, run_preflight
 from gpudeck.agents.wire.protocol import Gpu, GpuProcess, LaunchSpec, MemoryEstimate, PreflightCheck, PreflightResult, RunInfo
 from gpudeck.console.present.formats import format_preflight
+from gpudeck.trainers.checkpoint_trust import write_manifest
 
 NOW = 1_800_000_000.0
 HOST = "gpu1"
@@ -311,7 +312,7 @@ def make_checkpoint(out: Path, step: int, complete: bool = True) -> None:
     (d / ".metadata").write_bytes(b"x")
     (d / "__0_0.distcp").write_bytes(b"x")
     if complete:
-        (d / "gpudeck_checkpoint.json").write_text(f'{{"step": {step}}}')
+        write_manifest(d, {"step": step})
 
 
 def trainer(out: Path, *start: str) -> LaunchSpec:
@@ -336,6 +337,25 @@ def test_resume_n_needs_that_complete_checkpoint(tmp_path: Path) -> None:
     # the spec's start names the step; the folder can come from checkpoint_dir
     spec = LaunchSpec(argv=["python", "x.py"], start="resume 10", checkpoint_dir=str(out))
     assert check(preflight(spec), "resume_checkpoint").ok
+
+
+def test_resume_refuses_a_checkpoint_the_trainer_would_refuse(tmp_path: Path) -> None:
+    """The trainers' trust check runs before the launch: a replaced .metadata, a folder others can write, no digests."""
+    out = tmp_path / "out"
+    make_checkpoint(out, 10)
+    meta = out / "checkpoints" / "step_10" / ".metadata"
+    meta.write_bytes(b"a pickle put here by someone else")
+    r = preflight(trainer(out, "--resume", "latest"))
+    c = check(r, "resume_checkpoint")
+    assert not r.ok and not c.ok and f"{meta} is not the file this checkpoint saved" in c.message
+    assert c.details["refused"] == str(meta)
+    meta.write_bytes(b"x")
+    assert "digests verified" in check(preflight(trainer(out, "--resume", "10")), "resume_checkpoint").message
+    (out / "checkpoints").chmod(0o777)
+    c = check(preflight(trainer(out, "--resume", "10")), "resume_checkpoint")
+    assert not c.ok and "writable by group" in c.message and "--trust-checkpoint" in c.message
+    c = check(preflight(trainer(out, "--resume", "10", "--trust-checkpoint")), "resume_checkpoint")
+    assert c.ok and "foreign, loaded by --trust-checkpoint" in c.message and c.details["checkpoint_trusted_by_flag"]
 
 
 def test_resume_latest_needs_at_least_one(tmp_path: Path) -> None:
@@ -464,9 +484,9 @@ def test_every_failure_says_what_to_do(tmp_path: Path) -> None:
 
 
 def test_the_checkpoint_layout_matches_trainers_checkpoint(tmp_path: Path) -> None:
-    """agents may not import gpudeck.trainers.checkpoint, so pre-flight restates its layout; this keeps them equal."""
+    """agents may not import gpudeck.trainers.common.checkpoint, so pre-flight restates its layout; this keeps them equal."""
     from gpudeck.agents.safety import preflight as pf
-    from gpudeck.trainers import checkpoint as ckpt
+    from gpudeck.trainers.common import checkpoint as ckpt
 
     assert (pf.CHECKPOINTS_DIRNAME, pf.CHECKPOINT_MARKER) == (ckpt.CHECKPOINTS_DIRNAME, ckpt.MARKER_FILE)
     out = tmp_path / "out"

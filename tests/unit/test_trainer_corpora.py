@@ -1,4 +1,4 @@
-"""Unit tests for real corpora in gpudeck.trainers.data (saved datasets, parquet, arrow) and gpudeck.trainers.prepare.
+"""Unit tests for real corpora in gpudeck.trainers.common.data (saved datasets, parquet, arrow) and gpudeck.trainers.prepare.
 
 The datasets are made here (``datasets`` offline; no hub access).
 """
@@ -13,8 +13,9 @@ import pytest
 pytest.importorskip("torch")
 datasets = pytest.importorskip("datasets")
 
-from gpudeck.trainers import data as D
-from gpudeck.trainers import prepare as P
+from gpudeck.trainers.common import data as D
+from gpudeck.trainers.common import prepare as P
+from gpudeck.trainers.common import tokenizer as T
 
 DOCS = [f"document {i}: " + "word " * (i % 7) + "end" for i in range(40)] + ["document 3: end"] * 3
 
@@ -52,7 +53,7 @@ def test_every_dataset_kind_gives_the_same_documents(sources) -> None:
     assert D.load_documents(sources / "arrow") == DOCS  # "text" found without --text-column
     assert D.load_documents(sources / "content.parquet") == DOCS  # the only string column
     assert D.load_documents(sources / "docs.jsonl", text_column="body") == DOCS
-    tok = D.ByteTokenizer()
+    tok = T.ByteTokenizer()
     direct = D.load_tokens(sources / "saved", tok, text_column="body")
     assert direct.documents == len(DOCS)
     assert np.array_equal(direct.tokens, D.load_tokens(sources / "docs.jsonl", tok, text_column="body").tokens)
@@ -93,7 +94,7 @@ def _prepare(src, out, *extra: str) -> dict:
 
 def test_prepare_writes_the_tokens_training_would_make(sources, tmp_path) -> None:
     manifest = _prepare(sources / "saved", tmp_path / "p", "--text-column", "body", "--num-proc", "1")
-    direct = D.load_tokens(sources / "saved", D.ByteTokenizer(), text_column="body")
+    direct = D.load_tokens(sources / "saved", T.ByteTokenizer(), text_column="body")
     prepared = D.load_tokens(tmp_path / "p")  # a prepared folder is a --data like any other
     assert isinstance(prepared.tokens, np.memmap)
     assert np.array_equal(np.asarray(prepared.tokens), direct.tokens)
@@ -108,11 +109,11 @@ def test_prepare_writes_the_tokens_training_would_make(sources, tmp_path) -> Non
     assert train["sha256"] == hashlib.sha256((tmp_path / "p" / "train.bin").read_bytes()).hexdigest()
     # the index: document d is tokens[offsets[d]:offsets[d+1]], ending in EOS
     offs = prepared.offsets
-    tok = D.ByteTokenizer()
+    tok = T.ByteTokenizer()
     for d in (0, 7, len(DOCS) - 1):
         ids = prepared.tokens[offs[d] : offs[d + 1]]
         assert ids[-1] == tok.eos_id and tok.decode(ids[:-1].tolist()) == DOCS[d]
-    assert isinstance(D.load_tokenizer(tmp_path / "p" / "tokenizer"), D.ByteTokenizer)
+    assert isinstance(T.load_tokenizer(tmp_path / "p" / "tokenizer"), T.ByteTokenizer)
 
 
 def test_prepare_in_parallel_equals_serial_and_holds_out_whole_documents(sources, tmp_path) -> None:
@@ -130,7 +131,7 @@ def test_prepare_in_parallel_equals_serial_and_holds_out_whole_documents(sources
     assert val.documents == round(0.2 * len(DOCS)) and train.documents + val.documents == len(DOCS)
 
     def docs(src):
-        tok = D.ByteTokenizer()
+        tok = T.ByteTokenizer()
         return [tok.decode(src.tokens[a : b - 1].tolist()) for a, b in zip(src.offsets[:-1], src.offsets[1:])]
 
     assert sorted(docs(train) + docs(val)) == sorted(DOCS)  # every document once, none split
@@ -189,9 +190,9 @@ def test_prepare_with_a_transformers_tokenizer_in_parallel(sources, tmp_path) ->
         m = _prepare(sources / "docs.jsonl", tmp_path / "p", "--text-column", "body", "--tokenizer", str(tok_dir), "--num-proc", "2")
     finally:
         P.CHUNK_DOCS = old
-    tok = D.load_tokenizer(tok_dir)
+    tok = T.load_tokenizer(tok_dir)
     direct = D.load_tokens(sources / "docs.jsonl", tok, text_column="body")
     assert np.array_equal(np.asarray(D.load_prepared(tmp_path / "p").tokens), direct.tokens)
     assert m["tokenizer"]["kind"] == "hf" and m["tokenizer"]["vocab_size"] == tok.vocab_size
     assert direct.tokens.max() < tok.vocab_size and tok.eos_id in direct.tokens
-    assert D.load_tokenizer(tmp_path / "p" / "tokenizer").encode("document 3: end") == tok.encode("document 3: end")
+    assert T.load_tokenizer(tmp_path / "p" / "tokenizer").encode("document 3: end") == tok.encode("document 3: end")

@@ -1,4 +1,4 @@
-"""Unit tests for gpudeck.trainers.data (and the pure parts of gpudeck.trainers.checkpoint / flops / runtime)."""
+"""Unit tests for gpudeck.trainers.common.data (and the pure parts of gpudeck.trainers.common.checkpoint / flops / runtime)."""
 
 from __future__ import annotations
 
@@ -13,15 +13,17 @@ torch = pytest.importorskip("torch")
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gpudeck.trainers import data as D
-from gpudeck.trainers.checkpoint import StartError, resolve_start
-from gpudeck.trainers.flops import flops_per_token, mfu, peak_flops
-from gpudeck.trainers.runtime import add_common_args, check_common_args
+from gpudeck.trainers.checkpoint_trust import CheckpointTrustError, write_manifest
+from gpudeck.trainers.common import data as D
+from gpudeck.trainers.common import tokenizer as T
+from gpudeck.trainers.common.checkpoint import StartError, resolve_start
+from gpudeck.trainers.common.flops import flops_per_token, mfu, peak_flops
+from gpudeck.trainers.common.runtime import add_common_args, check_common_args
 
 
 @pytest.fixture(scope="module")
 def corpus_tokens() -> np.ndarray:
-    return D.load_tokens(None, D.ByteTokenizer(), max_bytes=2 * 1024 * 1024).tokens
+    return D.load_tokens(None, T.ByteTokenizer(), max_bytes=2 * 1024 * 1024).tokens
 
 
 # ------------------------------------------------------------------ tokenizer
@@ -29,7 +31,7 @@ def corpus_tokens() -> np.ndarray:
 
 @given(st.text(max_size=200))
 def test_byte_tokenizer_round_trip(text: str) -> None:
-    tok = D.ByteTokenizer()
+    tok = T.ByteTokenizer()
     ids = tok.encode(text, add_bos=True, add_eos=True)
     assert ids[0] == tok.bos_id and ids[-1] == tok.eos_id
     assert max(ids) < tok.vocab_size
@@ -38,13 +40,13 @@ def test_byte_tokenizer_round_trip(text: str) -> None:
 
 
 def test_byte_tokenizer_save_and_reload(tmp_path) -> None:
-    tok = D.ByteTokenizer()
+    tok = T.ByteTokenizer()
     tok.save(tmp_path)
-    again = D.load_tokenizer(tmp_path)
-    assert isinstance(again, D.ByteTokenizer)
-    assert json.loads((tmp_path / D.BYTE_TOKENIZER_FILE).read_text())["vocab_size"] == 260
-    assert isinstance(D.load_tokenizer(None), D.ByteTokenizer)
-    assert isinstance(D.load_tokenizer("byte"), D.ByteTokenizer)
+    again = T.load_tokenizer(tmp_path)
+    assert isinstance(again, T.ByteTokenizer)
+    assert json.loads((tmp_path / T.BYTE_TOKENIZER_FILE).read_text())["vocab_size"] == 260
+    assert isinstance(T.load_tokenizer(None), T.ByteTokenizer)
+    assert isinstance(T.load_tokenizer("byte"), T.ByteTokenizer)
 
 
 # ------------------------------------------------------------------ corpus
@@ -59,15 +61,15 @@ def test_builtin_corpus_is_large_varied_and_deterministic(corpus_tokens) -> None
     assert corpus_tokens.shape[0] >= 2 * 1024 * 1024
     # varied: many distinct byte values and many distinct 64-byte lines
     assert len(np.unique(corpus_tokens)) > 90
-    text = D.ByteTokenizer().decode(corpus_tokens[:1_000_000].tolist())
+    text = T.ByteTokenizer().decode(corpus_tokens[:1_000_000].tolist())
     lines = [ln for ln in text.splitlines() if len(ln.strip()) > 20]
     assert len(set(lines)) > 0.5 * len(lines) > 5000
-    again = D.load_tokens(None, D.ByteTokenizer(), max_bytes=2 * 1024 * 1024).tokens
+    again = D.load_tokens(None, T.ByteTokenizer(), max_bytes=2 * 1024 * 1024).tokens
     assert np.array_equal(corpus_tokens, again)
 
 
 def test_text_jsonl_folder_and_bin_sources(tmp_path) -> None:
-    tok = D.ByteTokenizer()
+    tok = T.ByteTokenizer()
     (tmp_path / "a.txt").write_text("hello world")
     (tmp_path / "b.jsonl").write_text(json.dumps({"text": "one"}) + "\n" + json.dumps({"text": "two"}) + "\n")
     src = D.load_tokens(tmp_path / "a.txt", tok)
@@ -172,6 +174,10 @@ def test_resolve_start_rules(tmp_path) -> None:
     with pytest.raises(StartError, match="refuses"):
         resolve_start(tmp_path, True, None)
     assert resolve_start(tmp_path, True, None, new_run_dir=True).archive_existing
+    with pytest.raises(CheckpointTrustError, match="records no digests"):  # a manifest from before checkpoint trust
+        resolve_start(tmp_path, False, "latest")
+    assert resolve_start(tmp_path, False, "latest", trust=True).trust.trusted_by_flag
+    write_manifest(step, {"step": 5})
     assert resolve_start(tmp_path, False, "latest").describe() == "resume 5"
     with pytest.raises(StartError, match="step_5"):
         resolve_start(tmp_path, False, "3")
@@ -205,7 +211,7 @@ def test_flops_formula_and_peaks() -> None:
 
 
 def test_causal_convention_halves_attention_only() -> None:
-    from gpudeck.trainers.flops import attention_flops, causal_pairs, dense_flops, full_pairs, window_pairs
+    from gpudeck.trainers.common.flops import attention_flops, causal_pairs, dense_flops, full_pairs, window_pairs
 
     n, emb, L, H, d, S = 1_100_048_384, 32000 * 2048, 22, 32, 64, 2048
     titan = flops_per_token(n, emb, L, H, d, S)
@@ -226,7 +232,7 @@ def test_causal_convention_halves_attention_only() -> None:
 def test_model_flops_gives_both_conventions() -> None:
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from gpudeck.trainers.flops import model_flops
+    from gpudeck.trainers.common.flops import model_flops
     from gpudeck.trainers.presets import PRESETS
 
     kw = dict(PRESETS["tiny"])
@@ -242,7 +248,7 @@ def test_model_flops_gives_both_conventions() -> None:
 def test_bad_jsonl_lines_are_named(tmp_path) -> None:
     import pytest
 
-    from gpudeck.trainers.data import load_documents
+    from gpudeck.trainers.common.data import load_documents
 
     f = tmp_path / "d.jsonl"
     f.write_text('{"text": "fine"}\n\n{"text": broken}\n')
@@ -253,3 +259,17 @@ def test_bad_jsonl_lines_are_named(tmp_path) -> None:
         load_documents(f)
     f.write_text('"plain"\n{"text": "doc"}\n')
     assert load_documents(f) == ["plain", "doc"]
+
+
+def test_has_tokenizer_is_one_rule_for_both_trainers(tmp_path) -> None:
+    """A model or corpus folder holds a tokenizer when it has any file a saved tokenizer leaves (sentencepiece's too)."""
+    assert not T.has_tokenizer(tmp_path)
+    for name in T.TOKENIZER_FILES:
+        folder = tmp_path / name.replace(".", "_")
+        folder.mkdir()
+        (folder / name).write_text("{}")
+        assert T.has_tokenizer(folder), name
+    T.ByteTokenizer().save(tmp_path / "byte")
+    assert T.has_tokenizer(tmp_path / "byte")
+    with pytest.raises(T.TokenizerError, match="does not exist"):
+        T.load_tokenizer(tmp_path / "missing")

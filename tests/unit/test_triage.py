@@ -201,12 +201,12 @@ def test_collective_clock_times_waits_on_cpu_and_reports_nothing_on_cuda() -> No
     torch = pytest.importorskip("torch")
     import torch.distributed as dist
 
-    from gpudeck.trainers.diagnostics import CollectiveClock
+    from gpudeck.trainers.common.diagnostics import CollectiveClock
 
     assert CollectiveClock(on_cuda=True).split(1.0, (0.0, 0)) == {}
     os.environ["GPUDECK_COMPUTE_TIMING"] = "0"
     try:
-        from gpudeck.trainers.diagnostics import NoClock, step_clock
+        from gpudeck.trainers.common.diagnostics import NoClock, step_clock
 
         assert isinstance(step_clock(False), NoClock)
     finally:
@@ -299,7 +299,7 @@ def test_cuda_compute_clock_subtracts_fsdp_stalls_and_reports_a_step_late(monkey
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
 
-    from gpudeck.trainers.diagnostics import CudaComputeClock
+    from gpudeck.trainers.common.diagnostics import CudaComputeClock
 
     monkeypatch.setattr(torch.cuda, "Event", _HostEvent)
     monkeypatch.setenv("GPUDECK_COMPUTE_TIMING", "every:1")  # every step timed here (the default is one in four)
@@ -335,7 +335,7 @@ def test_cuda_compute_clock_times_one_step_in_four_and_reports_it_with_the_next(
     import pytest
 
     torch = pytest.importorskip("torch")
-    from gpudeck.trainers.diagnostics import CudaComputeClock
+    from gpudeck.trainers.common.diagnostics import CudaComputeClock
 
     monkeypatch.setattr(torch.cuda, "Event", _HostEvent)
     monkeypatch.delenv("GPUDECK_COMPUTE_TIMING", raising=False)

@@ -3,7 +3,7 @@
 ``ranks.py ROOT N [--sim-gib G] [--seconds S] [--tps T]``: starts N rank processes
 (RANK, LOCAL_RANK, WORLD_SIZE set, each in its own session like torchrun's
 workers); each writes a manifest, a step record with tokens/s every 0.2 s and a
-heartbeat, through trainers/telemetry.py. With --sim-gib each rank declares
+heartbeat, through trainers/common/telemetry.py. With --sim-gib each rank declares
 that much simulated GPU memory on GPU <rank>. The parent waits for every rank
 and exits 0; a rank that dies leaves the others running.
 """
@@ -18,7 +18,7 @@ import sys
 RANK_CODE = r"""
 import os, sys, time
 sys.path.insert(0, sys.argv[1])
-from gpudeck.trainers.telemetry import Telemetry
+from gpudeck.trainers.common.telemetry import Telemetry
 rank = int(os.environ["RANK"]); world = int(os.environ["WORLD_SIZE"]); tps = float(sys.argv[3])
 tel = Telemetry()
 tel.manifest(params_total=3_066_112, params_trainable=3_066_112, world_size=world, role="trainer", device=f"cpu:{rank}",

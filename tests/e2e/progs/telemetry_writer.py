@@ -5,7 +5,7 @@ import sys
 import time
 
 sys.path.insert(0, sys.argv[1])
-from gpudeck.trainers.telemetry import Telemetry
+from gpudeck.trainers.common.telemetry import Telemetry
 
 gate = sys.argv[2]
 tel = Telemetry()

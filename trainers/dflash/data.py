@@ -101,7 +101,7 @@ def has_two_supervised(mask: np.ndarray) -> bool:
 
 def load_records(path: str | Path, tokenizer: Any, seq_len: int, loss_on_prompt: bool = False) -> Records | None:
     """One sample per ``{"prompt", "response"}`` JSONL record (see module docstring); None for other files."""
-    from gpudeck.trainers.data import iter_jsonl
+    from gpudeck.trainers.common.data import DataError, iter_jsonl
 
     p = Path(path)
     if p.suffix != ".jsonl" or not p.is_file():
@@ -113,7 +113,7 @@ def load_records(path: str | Path, tokenizer: Any, seq_len: int, loss_on_prompt:
         if not (isinstance(obj, dict) and isinstance(obj.get("prompt"), str) and isinstance(obj.get("response"), str)):
             if n == 0:
                 return None
-            raise ValueError(
+            raise DataError(
                 f"{p}:{number}: record {n + 1} lacks a prompt/response pair (every line needs string fields 'prompt' and 'response')"
             )
         n += 1

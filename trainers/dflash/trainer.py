@@ -2,7 +2,7 @@
 
 Run under ``torchrun`` (or as one plain process). The recipe is SpecForge's
 ``OnlineDFlashModel`` (shared/research/trainers.md, section A); the drafter lives
-in ``trainers/dflash_model.py`` and the objective in ``trainers/dflash_loss.py``.
+in ``trainers/dflash/model.py`` and the objective in ``trainers/dflash/loss.py``.
 
 Target
     ``--target PATH`` loads ``AutoModelForCausalLM.from_pretrained(PATH)`` (for
@@ -47,7 +47,7 @@ Step
     ``loss_mask`` is all ones for plain text (no prompt/response split, so every
     position is supervised). A ``--data`` JSONL file whose records are
     ``{"prompt": ..., "response": ...}`` is read as the references read theirs
-    (``trainers/dflash_data.py``): one sample per record, truncated to
+    (``trainers/dflash/data.py``): one sample per record, truncated to
     ``--seq-len`` and padded, mask 0 on the prompt (``--loss-on-prompt``: 1) and
     on padding, 1 on the response + EOS; no record is split or packed with
     another. Batches are ``--batch-size`` records padded to ``--seq-len``, or with
@@ -64,7 +64,7 @@ Topologies
     drafter layer and each target decoder layer.
     ``split``: a drafter rank does not load the target: with ``--target PATH`` it reads
     only the embedding and lm_head by tensor name from the target's safetensors
-    (memory-mapped; ``trainers/dflash_weights.py``), so its host RAM holds no
+    (memory-mapped; ``trainers/dflash/weights.py``), so its host RAM holds no
     transformer weights (the manifest's ``target_load`` and ``host_rss_*_mib`` say so).
     ``--target-ranks`` (e.g. ``0,1`` or ``0-1``) only run the target
     and ``--drafter-ranks`` only the drafter (FSDP2 over a ``dist.new_group`` of
@@ -107,7 +107,7 @@ Evaluation (``eval`` records, every ``--eval-every`` steps, at start and end)
     same quantity averaged over every anchor position.
 
 Output
-    ``OUT/checkpoints/step_N`` (gpudeck.trainers.checkpoint; drafter + optimizer +
+    ``OUT/checkpoints/step_N`` (gpudeck.trainers.common.checkpoint; drafter + optimizer +
     scheduler + data position + RNG + step), ``OUT/drafter/`` (save_pretrained,
     config with block_size, target_layer_ids, mask token id; plus ``dflash.py``
     so it loads with trust_remote_code), ``OUT/result.json`` (final_step, stopped,
@@ -135,7 +135,6 @@ forward plus input gradient, no weight gradient).
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -146,308 +145,13 @@ from collections import deque
 from pathlib import Path
 from typing import Any
 
-from gpudeck.trainers import runtime
-from gpudeck.trainers.diagnostics import install_flight_recorder_dump, install_stack_dump, step_clock
-from gpudeck.trainers.presets import PRESETS, parse_index_list
+from gpudeck.trainers.checkpoint_trust import CheckpointTrustError
+from gpudeck.trainers.common import runtime
+from gpudeck.trainers.common.diagnostics import install_flight_recorder_dump, install_stack_dump, step_clock
+from gpudeck.trainers.common.limits import read_config_json
+from gpudeck.trainers.dflash.config import DFlashConfig, drafter_config_from_file, parse_args, parse_rank_list
 
 ROLE_COLOCATED, ROLE_TARGET, ROLE_DRAFTER = "colocated", "target", "drafter"
-
-
-# ------------------------------------------------------------------ command line
-
-
-def parse_rank_list(text: str) -> list[int]:
-    """'0,1' / '0-1' / '2' -> sorted unique rank list."""
-    return parse_index_list(text)
-
-
-def _step_span(text: str) -> tuple[int, int]:
-    a, _, b = str(text).partition("-")
-    try:
-        lo, hi = int(a), int(b or a)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: give steps as A-B (e.g. 6-7)") from None
-    if lo < 1 or hi < lo:
-        raise argparse.ArgumentTypeError(f"{text!r}: give a rising span of steps >= 1 (e.g. 6-7)")
-    return lo, hi
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="python -m gpudeck.trainers.dflash",
-        description="Train a DFlash drafter on a frozen target's hidden states (colocated or split).",
-    )
-    runtime.add_common_args(p)
-    g = p.add_argument_group("dflash")
-    g.add_argument("--target", default=None, help="local pretrained target folder (from_pretrained)")
-    g.add_argument(
-        "--target-config",
-        default=None,
-        help=f"random-weight target from a preset ({', '.join(PRESETS)}) or config.json (speed benchmarks); --model-config is an alias",
-    )
-    g.add_argument(
-        "--drafter-config",
-        default=None,
-        help="a drafter config.json of the published shape (SpecForge's configs/*-dflash.json): "
-        "its num_hidden_layers, layer_types, sliding_window, intermediate_size, heads, "
-        "block_size and dflash_config (target_layer_ids, mask_token_id) are used; "
-        "hidden_size and vocab_size, where given, must be the target's",
-    )
-    g.add_argument(
-        "--drafter-layers",
-        type=int,
-        default=None,
-        help="drafter decoder layers, 1-5 (default 1; with --init-from: the saved drafter's, and a different value is refused)",
-    )
-    g.add_argument(
-        "--block-size",
-        type=int,
-        default=None,
-        help="tokens per block (default 16; with --init-from: the saved drafter's, and a different value is refused)",
-    )
-    g.add_argument("--num-anchors", type=int, default=512)
-    g.add_argument(
-        "--gamma",
-        type=float,
-        default=None,
-        help="loss decay gamma (default: the published 4/5/7 for block 8/10/16; other block sizes need it)",
-    )
-    g.add_argument(
-        "--mask-token-id",
-        type=int,
-        default=None,
-        help="block mask token (default, SpecForge's rule: the drafter config's, the tokenizer's "
-        "mask token, the first unused embedding slot len(tokenizer), then pad/eos)",
-    )
-    g.add_argument(
-        "--token-budget",
-        type=int,
-        default=None,
-        help="prompt/response data: batches of whole records with count x padded length <= "
-        "this many tokens (instead of --batch-size records padded to --seq-len)",
-    )
-    g.add_argument(
-        "--loss-on-prompt", action="store_true", help="prompt/response data: supervise the prompt tokens too (default: mask 0 there)"
-    )
-    g.add_argument("--loss-chunk-rows", type=int, default=2048)
-    g.add_argument("--loss-mode", default="fused", choices=["fused", "recompute", "plain"])
-    g.add_argument(
-        "--attn",
-        default="auto",
-        choices=["auto", "sdpa", "flex"],
-        help="drafter attention in training: dense bool mask + SDPA, or flex attention "
-        "with a block mask (CUDA); auto: flex on CUDA, sdpa on CPU. Evaluation "
-        "always uses the dense SDPA mask",
-    )
-    g.add_argument("--topology", default="colocated", choices=["colocated", "split"])
-    g.add_argument("--target-ranks", default=None, help="split: ranks running the target (0,1 or 0-1)")
-    g.add_argument("--drafter-ranks", default=None, help="split: ranks training the drafter")
-    g.add_argument("--queue-depth", type=int, default=2, help="split: batches in flight per rank")
-    g.add_argument("--eval-every", type=int, default=0, help="evaluate tau every N steps (0: start/end only)")
-    g.add_argument("--eval-samples", type=int, default=4)
-    g.add_argument("--eval-prompt-len", type=int, default=64)
-    g.add_argument("--eval-gen-len", type=int, default=64)
-    g.add_argument("--val-fraction", type=float, default=0.02, help="tail of the stream held out for eval")
-    g.add_argument("--no-eval", action="store_true", help="skip tau evaluation (benchmarks)")
-    g.add_argument(
-        "--profile-steps",
-        type=_step_span,
-        default=None,
-        help="A-B: torch.profiler over steps A..B; the table goes to OUT/profile/rank<r>.txt "
-        "(the dflash.* phases and the top ops by device time)",
-    )
-    g.add_argument(
-        "--dtype", default="auto", choices=["auto", "bf16", "fp32"], help="target/compute dtype (auto: bf16 on CUDA, fp32 on CPU)"
-    )
-    p.set_defaults(lr=6e-4, weight_decay=0.0, seq_len=512, batch_size=2, max_steps=100)
-    return p
-
-
-def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    runtime.check_common_args(p, args)
-    if args.target_config is None:
-        args.target_config = args.model_config
-    if (args.target is None) == (args.target_config is None):
-        p.error("give exactly one of --target PATH or --target-config/--model-config")
-    resolve_drafter_config(p, args)
-    resolve_saved_shape(p, args)
-    if not 1 <= args.drafter_layers <= 8:
-        p.error("--drafter-layers must be in 1..8 (DFlash uses 1-5)")
-    if args.block_size < 2:
-        p.error("--block-size must be >= 2")
-    if args.num_anchors < 1:
-        p.error("--num-anchors must be >= 1")
-    from gpudeck.trainers.dflash_loss import GammaError, decay_gamma
-
-    try:
-        decay_gamma(args.block_size, args.gamma)
-    except GammaError as exc:
-        p.error(f"--block-size {args.block_size}: {exc}")
-    if args.token_budget is not None and args.token_budget < 1:
-        p.error("--token-budget must be a positive number of tokens")
-    if args.topology == "split" and (not args.target_ranks or not args.drafter_ranks):
-        p.error("--topology split needs --target-ranks and --drafter-ranks")
-    if args.queue_depth < 1:
-        p.error("--queue-depth must be >= 1")
-
-
-DEFAULT_BLOCK_SIZE = 16
-DEFAULT_DRAFTER_LAYERS = 1
-# (argparse dest, option, key in the saved drafter's config.json, default, what it is)
-_SAVED_SHAPE = [
-    ("block_size", "--block-size", "block_size", DEFAULT_BLOCK_SIZE, "block size"),
-    ("drafter_layers", "--drafter-layers", "num_hidden_layers", DEFAULT_DRAFTER_LAYERS, "number of layers"),
-]
-
-
-def read_drafter_config(path: str) -> dict[str, Any]:
-    """The ``--drafter-config`` file as a dict, checked; ValueError naming the field and the fix."""
-    from gpudeck.trainers.dflash_model import FULL_ATTENTION, LAYER_TYPES, SLIDING_ATTENTION
-
-    try:
-        cfg = json.loads(Path(path).read_text())
-    except (OSError, ValueError) as exc:
-        raise ValueError(f"--drafter-config {path}: cannot read it as JSON ({exc})") from None
-    if not isinstance(cfg, dict):
-        raise ValueError(f"--drafter-config {path}: the file holds a {type(cfg).__name__}, not a config object")
-    n = cfg.get("num_hidden_layers")
-    types = cfg.get("layer_types")
-    if n is None and isinstance(types, list):
-        n = cfg["num_hidden_layers"] = len(types)
-    if not isinstance(n, int) or n < 1:
-        raise ValueError(f"--drafter-config {path}: num_hidden_layers must be a positive integer (got {n!r})")
-    if types is None:
-        types = cfg["layer_types"] = [FULL_ATTENTION] * n
-    if not isinstance(types, list) or len(types) != n or not set(types) <= set(LAYER_TYPES):
-        raise ValueError(
-            f"--drafter-config {path}: layer_types must list {n} entries (num_hidden_layers), each one "
-            f"of {list(LAYER_TYPES)} (got {types!r})"
-        )
-    if SLIDING_ATTENTION in types:
-        w = cfg.get("sliding_window")
-        if not isinstance(w, int) or w <= 0 or cfg.get("use_sliding_window") is False:
-            raise ValueError(
-                f"--drafter-config {path}: sliding_attention layers need a positive sliding_window "
-                f"and use_sliding_window true (got sliding_window={w!r}, "
-                f"use_sliding_window={cfg.get('use_sliding_window')!r})"
-            )
-    block = cfg.get("block_size")
-    if block is not None and (not isinstance(block, int) or block < 2):
-        raise ValueError(f"--drafter-config {path}: block_size must be an integer >= 2 (got {block!r})")
-    dc = cfg.get("dflash_config") or {}
-    if not isinstance(dc, dict):
-        raise ValueError(f"--drafter-config {path}: dflash_config must be an object")
-    ids = dc.get("target_layer_ids")
-    if ids is not None and (not isinstance(ids, list) or not all(isinstance(i, int) and i >= 0 for i in ids) or not ids):
-        raise ValueError(f"--drafter-config {path}: dflash_config.target_layer_ids must be a list of layer indices")
-    return cfg
-
-
-def resolve_drafter_config(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """``--drafter-config``: read it, and take its layer count and block size where none is given."""
-    args.drafter_cfg = None
-    if args.drafter_config is None:
-        return
-    if args.init_from is not None:
-        p.error("give --drafter-config (a new drafter of that shape) or --init-from (continue a saved one), not both")
-    try:
-        cfg = read_drafter_config(args.drafter_config)
-    except ValueError as exc:
-        p.error(str(exc))
-    n = cfg["num_hidden_layers"]
-    if args.drafter_layers is not None and args.drafter_layers != n:
-        p.error(
-            f"--drafter-layers {args.drafter_layers} differs from the {n} layers (layer_types) of "
-            f"--drafter-config {args.drafter_config}; leave out --drafter-layers"
-        )
-    args.drafter_layers = n
-    if args.block_size is None and cfg.get("block_size") is not None:
-        args.block_size = int(cfg["block_size"])
-    elif args.block_size is not None and cfg.get("block_size") not in (None, args.block_size) and os.environ.get("RANK", "0") == "0":
-        print(
-            f"dflash: --block-size {args.block_size} replaces the block_size {cfg['block_size']} of --drafter-config {args.drafter_config}",
-            file=sys.stderr,
-            flush=True,
-        )
-    args.drafter_cfg = cfg
-
-
-def drafter_config_from_file(cfg: dict[str, Any], target_config, block_size: int, mask_token_id: int):
-    """The drafter's Qwen3Config from a ``--drafter-config`` dict on this target (widths checked)."""
-    from gpudeck.trainers.dflash_model import drafter_config_from_target
-
-    tc = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
-    for key in ("hidden_size", "vocab_size"):
-        if cfg.get(key) is not None and int(cfg[key]) != int(getattr(tc, key)):
-            raise ValueError(
-                f"--drafter-config: {key} {cfg[key]} differs from the target's {getattr(tc, key)}; "
-                "the drafter reads the target's embeddings and hidden states at the target's width "
-                f"(remove {key} from the file or use a config made for this target)"
-            )
-    n_target = int(tc.num_hidden_layers)
-    ids = (cfg.get("dflash_config") or {}).get("target_layer_ids")
-    if ids is not None and max(ids) >= n_target:
-        raise ValueError(
-            f"--drafter-config: dflash_config.target_layer_ids {ids} name layers the target does not "
-            f"have (it has {n_target}); remove target_layer_ids to space them over this target"
-        )
-    dcfg = drafter_config_from_target(
-        target_config,
-        cfg["num_hidden_layers"],
-        block_size,
-        mask_token_id,
-        target_layer_ids=ids,
-        layer_types=cfg["layer_types"],
-        sliding_window=cfg.get("sliding_window"),
-        intermediate_size=cfg.get("intermediate_size"),
-    )
-    # the published shape's attention widths and RoPE where the file gives them
-    for key in ("num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps", "max_position_embeddings"):
-        if cfg.get(key) is not None:
-            setattr(dcfg, key, cfg[key])
-    rope = cfg.get("rope_parameters")
-    theta = rope.get("rope_theta") if isinstance(rope, dict) else None
-    theta = theta or cfg.get("rope_theta")
-    if theta:
-        dcfg.rope_parameters = {"rope_type": "default", "rope_theta": float(theta)}
-    return dcfg
-
-
-def resolve_saved_shape(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """Set ``--block-size`` and ``--drafter-layers``: as given, the saved drafter's (``--init-from``), or the defaults.
-
-    A drafter is trained for one shape, so ``--init-from`` with a different value
-    is refused (exit 2) rather than silently replaced; a value left out is taken
-    from the saved drafter and said so on stderr.
-    """
-    if args.init_from is None:
-        for dest, _, _, default, _ in _SAVED_SHAPE:
-            if getattr(args, dest) is None:
-                setattr(args, dest, default)
-        return
-    cfg_file = Path(args.init_from) / "config.json"
-    try:
-        saved_cfg = json.loads(cfg_file.read_text())
-    except (OSError, ValueError) as exc:
-        p.error(f"--init-from {args.init_from}: cannot read the saved drafter's config.json ({exc})")
-    for dest, option, key, _, what in _SAVED_SHAPE:
-        saved = saved_cfg.get(key)
-        if not isinstance(saved, int):
-            p.error(
-                f"--init-from {args.init_from}: {cfg_file} has no {key}; is it a saved drafter (OUT/drafter of gpudeck.trainers.dflash)?"
-            )
-        given = getattr(args, dest)
-        if given is None:
-            setattr(args, dest, saved)
-            if os.environ.get("RANK", "0") == "0":
-                print(f"dflash: --init-from {args.init_from}: using its {what} {saved} (no {option} given)", file=sys.stderr, flush=True)
-        elif given != saved:
-            p.error(
-                f"{option} {given} differs from the {what} {saved} of the drafter in "
-                f"--init-from {args.init_from}; a drafter is trained for one shape: leave out "
-                f"{option} (or pass {option} {saved}) to continue training it, or drop "
-                f"--init-from to train a new drafter with {option} {given}"
-            )
 
 
 # ------------------------------------------------------------------ target
@@ -458,7 +162,7 @@ def _preset_config(spec: str):
 
     Uses fsdp_lm's preset table and config loader (one source of truth for presets).
     """
-    from gpudeck.trainers.fsdp_lm import build_config
+    from gpudeck.trainers.fsdp_lm.trainer import build_config
 
     return build_config(spec, None)
 
@@ -492,7 +196,7 @@ def compile_target(model) -> None:
 
 def target_features(target, input_ids, layer_ids):
     """Concatenated hidden_states[id + 1] of the base model: [b, S, n*H] (no lm_head)."""
-    from gpudeck.trainers.dflash_model import extract_context
+    from gpudeck.trainers.dflash.model import extract_context
 
     out = target.base_model(input_ids=input_ids, output_hidden_states=True, use_cache=False)
     return extract_context(out.hidden_states, layer_ids)
@@ -540,7 +244,7 @@ class TargetFlops:
     """Forward FLOPs of the target layers the drafter's features need (the lm_head is never run)."""
 
     def __init__(self, target, layer_ids: list[int]) -> None:
-        from gpudeck.trainers.flops import attention_dims
+        from gpudeck.trainers.common.flops import attention_dims
 
         layers = list(getattr(target.base_model, "layers", []))
         _, heads, hd = attention_dims(target.config)
@@ -592,8 +296,8 @@ def drafter_step_flops(dcfg, n_layer_params: int, n_fc: int, seq_len: int, ancho
     Attention counts the keys each block query sees: a full layer ``anchor + B``, a sliding
     layer at most its window (``dflash_loss.visible_keys``).
     """
-    from gpudeck.trainers.dflash_loss import visible_keys
-    from gpudeck.trainers.dflash_model import SLIDING_ATTENTION, attention_layout
+    from gpudeck.trainers.dflash.loss import visible_keys
+    from gpudeck.trainers.dflash.model import SLIDING_ATTENTION, attention_layout
 
     bsz, n = anchors.shape
     bs = dcfg.block_size
@@ -613,11 +317,11 @@ def drafter_step_flops(dcfg, n_layer_params: int, n_fc: int, seq_len: int, ancho
 # ------------------------------------------------------------------ evaluation
 
 
-def build_eval_set(target, val_tokens, args, device):
+def build_eval_set(target, val_tokens, args: DFlashConfig, layer_ids: list[int], device):
     """Prompts from held-out tokens + the target's greedy continuation: (ids [E, P+G], feats)."""
     import torch
 
-    from gpudeck.trainers.data import PackedDataset
+    from gpudeck.trainers.common.data import PackedDataset
 
     p_len, g_len = args.eval_prompt_len, args.eval_gen_len
     ds = PackedDataset(val_tokens, p_len)
@@ -637,7 +341,7 @@ def build_eval_set(target, val_tokens, args, device):
             eos_token_id=None,
         )
         gen = gen[:, : p_len + g_len]
-        feats = target_features(target, gen, args._layer_ids)
+        feats = target_features(target, gen, layer_ids)
     return gen.clone(), feats.clone()
 
 
@@ -647,7 +351,7 @@ def evaluate_tau(
     """Greedy block verification against the target's greedy sequence (see module docstring)."""
     import torch
 
-    from gpudeck.trainers.dflash_loss import block_inputs
+    from gpudeck.trainers.dflash.loss import block_inputs
 
     e, t = ids.shape
     first, last = prompt_len - 1, t - block_size
@@ -684,7 +388,7 @@ def evaluate_tau(
 
 def _make_mask(anchors, seq_len, block_size, attn, device, sliding_window=None):
     """One layer type's mask: dense bool (SDPA) or a flex BlockMask; a window makes it the sliding one."""
-    from gpudeck.trainers.dflash_loss import build_attention_mask
+    from gpudeck.trainers.dflash.loss import build_attention_mask
 
     if attn != "flex":
         return build_attention_mask(anchors, seq_len, block_size, sliding_window)
@@ -712,7 +416,7 @@ def _make_mask(anchors, seq_len, block_size, attn, device, sliding_window=None):
 
 def make_masks(anchors, seq_len, block_size, attn, device, layer_types, sliding_window):
     """The drafter's attention mask: one mask when every layer is full, else one per layer type."""
-    from gpudeck.trainers.dflash_model import FULL_ATTENTION, SLIDING_ATTENTION
+    from gpudeck.trainers.dflash.model import FULL_ATTENTION, SLIDING_ATTENTION
 
     full = _make_mask(anchors, seq_len, block_size, attn, device)
     if SLIDING_ATTENTION not in layer_types:
@@ -798,17 +502,18 @@ class _NoVotes:
 
 
 class Trainer:
-    def __init__(self, args: argparse.Namespace, argv: list[str]) -> None:
-        self.args = args
+    def __init__(self, args: DFlashConfig, argv: list[str]) -> None:
+        self.args = args  # typed and frozen: what this trainer derives lives on the trainer (batch_size, attn, layer_ids)
         self.argv = argv
+        self.batch_size = args.batch_size  # a plain-text corpus with --token-budget packs budget // seq_len windows
 
     # ---- setup -------------------------------------------------------
     def setup(self) -> None:
         import torch
         import torch.distributed as dist
 
-        from gpudeck.trainers import checkpoint as ckpt
-        from gpudeck.trainers.telemetry import Telemetry
+        from gpudeck.trainers.common import checkpoint as ckpt
+        from gpudeck.trainers.common.telemetry import Telemetry
 
         args = self.args
         self.ctx = ctx = runtime.init_distributed(args.device, single_process_group=True)
@@ -824,9 +529,8 @@ class Trainer:
             self.dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
         else:
             self.dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
-        if args.attn == "auto":
-            args.attn = "flex" if self.device.type == "cuda" else "sdpa"
-        if args.attn == "flex" and self.device.type != "cuda":
+        self.attn = args.attn if args.attn != "auto" else ("flex" if self.device.type == "cuda" else "sdpa")
+        if self.attn == "flex" and self.device.type != "cuda":
             raise runtime.ExitWith(2, "--attn flex needs CUDA; use --attn sdpa on CPU")
 
         # roles
@@ -836,8 +540,8 @@ class Trainer:
             self.drafter_ranks = list(range(world))
             self.role = ROLE_COLOCATED
         else:
-            self.target_ranks = parse_rank_list(args.target_ranks)
-            self.drafter_ranks = parse_rank_list(args.drafter_ranks)
+            self.target_ranks = parse_rank_list(args.target_ranks or "")  # check_args: split names both
+            self.drafter_ranks = parse_rank_list(args.drafter_ranks or "")
             if set(self.target_ranks) & set(self.drafter_ranks) or sorted(self.target_ranks + self.drafter_ranks) != list(range(world)):
                 raise runtime.ExitWith(
                     2,
@@ -865,8 +569,8 @@ class Trainer:
 
         # start plan (read-only; every rank agrees)
         try:
-            self.plan = ckpt.resolve_start(args.out, args.fresh, args.resume, args.new_run_dir)
-        except ckpt.StartError as exc:
+            self.plan = ckpt.resolve_start(args.out, args.fresh, args.resume, args.new_run_dir, trust=args.trust_checkpoint)
+        except (ckpt.StartError, CheckpointTrustError) as exc:
             raise runtime.ExitWith(2, str(exc)) from None
         if self.plan.archive_existing and ctx.rank == 0:
             ckpt.archive_checkpoints(args.out)
@@ -884,12 +588,13 @@ class Trainer:
         return self.t_index
 
     def _setup_data(self) -> None:
-        from gpudeck.trainers.data import PackedDataset, ShardedBatches, load_tokenizer, load_tokens, split_tokens
-        from gpudeck.trainers.dflash_data import RecordBatches, load_records, max_batch_tokens
+        from gpudeck.trainers.common.data import PackedDataset, ShardedBatches, load_tokens, split_tokens
+        from gpudeck.trainers.common.tokenizer import has_tokenizer, load_tokenizer
+        from gpudeck.trainers.dflash.data import RecordBatches, load_records, max_batch_tokens
 
         args = self.args
         tok_spec = args.tokenizer
-        if tok_spec is None and args.target and _has_tokenizer(args.target):
+        if tok_spec is None and args.target and has_tokenizer(args.target):
             tok_spec = args.target
         self.tokenizer = load_tokenizer(tok_spec)
         self.records = None
@@ -937,26 +642,26 @@ class Trainer:
         self.train_ds = PackedDataset(train_tokens, args.seq_len)
         self.dataset_samples, self.dataset_tokens = len(self.train_ds), self.train_ds.num_tokens
         if args.token_budget:
-            args.batch_size = max(1, args.token_budget // args.seq_len)
-        self.batching_desc = f"{args.batch_size} packed windows of {args.seq_len} tokens per batch"
+            self.batch_size = max(1, args.token_budget // args.seq_len)
+        self.batching_desc = f"{self.batch_size} packed windows of {args.seq_len} tokens per batch"
         self.val_tokens = val
         self.loader = None
         if self.is_target:
-            self.loader = ShardedBatches(self.train_ds, args.batch_size, self._target_index(), n_consumers, seed=args.seed)
-        self.capacity = args.batch_size * args.seq_len
+            self.loader = ShardedBatches(self.train_ds, self.batch_size, self._target_index(), n_consumers, seed=args.seed)
+        self.capacity = self.batch_size * args.seq_len
 
     def _setup_models(self) -> None:
         import torch
 
-        from gpudeck.trainers.dflash_model import DFlashDraftModel, attention_layout, drafter_config_from_target
-        from gpudeck.trainers.flops import count_params
+        from gpudeck.trainers.common.flops import count_params
+        from gpudeck.trainers.dflash.model import attention_layout
 
         args = self.args
-        from gpudeck.trainers.dflash_weights import has_safetensors, host_rss_mib, load_embedding_and_head, target_skeleton
+        from gpudeck.trainers.dflash.weights import has_safetensors, host_rss_mib, load_embedding_and_head, target_skeleton
 
         # target ranks load the whole target and run it; a split drafter rank needs only its
         # embedding and lm_head: read by name from the safetensors (a meta-device skeleton gives
-        # the config and counts), never the whole target (trainers/dflash_weights.py)
+        # the config and counts), never the whole target (trainers/dflash/weights.py)
         self.rss_before_models = host_rss_mib()
         self.embed = self.lm_head = None
         if not self.is_target and args.target and has_safetensors(args.target):
@@ -973,39 +678,14 @@ class Trainer:
             )
         self.target_config = target.config
         self.target_params_total = count_params(target)[0]
-        saved_cfg = args.drafter_cfg
-        if args.init_from:
-            saved_cfg = json.loads((Path(args.init_from) / "config.json").read_text())
-        tc = target.config.get_text_config() if hasattr(target.config, "get_text_config") else target.config
-        try:
-            mask_id, self.mask_token_source = resolve_mask_token(args.mask_token_id, saved_cfg, self.tokenizer, int(tc.vocab_size))
-        except ValueError as exc:
-            raise runtime.ExitWith(2, str(exc)) from None
-        if args.init_from and args.mask_token_id is not None and mask_id != int(saved_cfg["dflash_config"]["mask_token_id"]):
-            raise runtime.ExitWith(
-                2,
-                f"--mask-token-id {mask_id} differs from the mask token "
-                f"{saved_cfg['dflash_config']['mask_token_id']} the drafter in --init-from "
-                "was trained with; leave it out",
-            )
-        self.mask_token_id = int(mask_id)
-        if args.init_from:
-            self.dcfg = DFlashDraftModel.config_class.from_pretrained(args.init_from)
-        elif args.drafter_cfg is not None:
-            try:
-                self.dcfg = drafter_config_from_file(args.drafter_cfg, target.config, args.block_size, self.mask_token_id)
-            except ValueError as exc:
-                raise runtime.ExitWith(2, str(exc)) from None
-        else:
-            self.dcfg = drafter_config_from_target(target.config, args.drafter_layers, args.block_size, self.mask_token_id)
+        self.dcfg = self._drafter_config(target)
         self.block_size = int(self.dcfg.block_size)
-        from gpudeck.trainers.dflash_loss import decay_gamma
+        from gpudeck.trainers.dflash.loss import decay_gamma
 
         self.gamma = decay_gamma(self.block_size, args.gamma)
         self.layer_types, self.sliding_window = attention_layout(self.dcfg)
         self.layer_ids = list(self.dcfg.dflash_config["target_layer_ids"])
         self.mask_token_id = int(self.dcfg.dflash_config["mask_token_id"])
-        args._layer_ids = self.layer_ids
         self.n_ctx = len(self.layer_ids)
         self.hidden = int(self.dcfg.hidden_size)
         self.vocab = int(target.config.vocab_size)
@@ -1031,28 +711,73 @@ class Trainer:
             del target
         self.rss_after_target = host_rss_mib()
 
-        self.drafter = None
-        if self.is_drafter:
-            torch.manual_seed(args.seed)
-            if args.init_from:
-                drafter = DFlashDraftModel.from_pretrained(args.init_from, dtype=torch.float32)
-            else:
-                drafter = DFlashDraftModel(self.dcfg)
-            drafter.to(self.device)
-            drafter.train()
-            self.n_layer_params = sum(p.numel() for p in drafter.layers.parameters())
-            self.n_fc = drafter.fc.weight.numel()
-            self.drafter_params = count_params(drafter)[1]
-            if args.activation_checkpointing:
-                drafter.gradient_checkpointing = True
-            if args.compile:
-                for layer in drafter.layers:
-                    layer.compile()
-            if self.ctx.distributed:
-                self._shard(drafter)
-            self.drafter = drafter
+        self.drafter = self._build_drafter() if self.is_drafter else None
         # the anchor RNG (global CPU RNG) differs per rank; restored exactly by checkpoints
         torch.manual_seed(args.seed * 1000003 + self.ctx.rank + 1)
+
+    def _drafter_config(self, target: Any) -> Any:
+        """The drafter's config: the saved drafter's (--init-from), the --drafter-config file's, or spaced over the target."""
+        from gpudeck.trainers.dflash.model import DFlashDraftModel, drafter_config_from_target
+
+        args = self.args
+        saved_cfg = args.drafter_cfg
+        if args.init_from:
+            saved_cfg = read_config_json(Path(args.init_from) / "config.json", f"--init-from {args.init_from}")
+        tc = target.config.get_text_config() if hasattr(target.config, "get_text_config") else target.config
+        try:
+            mask_id, self.mask_token_source = resolve_mask_token(args.mask_token_id, saved_cfg, self.tokenizer, int(tc.vocab_size))
+        except ValueError as exc:
+            raise runtime.ExitWith(2, str(exc)) from None
+        if (
+            saved_cfg is not None
+            and args.init_from
+            and args.mask_token_id is not None
+            and mask_id != int(saved_cfg["dflash_config"]["mask_token_id"])
+        ):
+            raise runtime.ExitWith(
+                2,
+                f"--mask-token-id {mask_id} differs from the mask token "
+                f"{saved_cfg['dflash_config']['mask_token_id']} the drafter in --init-from "
+                "was trained with; leave it out",
+            )
+        self.mask_token_id = int(mask_id)
+        if args.init_from:
+            dcfg = DFlashDraftModel.config_class.from_pretrained(args.init_from)
+        elif args.drafter_cfg is not None:
+            try:
+                dcfg = drafter_config_from_file(args.drafter_cfg, target.config, args.block_size, self.mask_token_id)
+            except ValueError as exc:
+                raise runtime.ExitWith(2, str(exc)) from None
+        else:
+            dcfg = drafter_config_from_target(target.config, args.drafter_layers, args.block_size, self.mask_token_id)
+        return dcfg
+
+    def _build_drafter(self) -> Any:
+        """The drafter on this rank's device: new or --init-from's, checkpointed, compiled and sharded as asked."""
+        import torch
+
+        from gpudeck.trainers.common.flops import count_params
+        from gpudeck.trainers.dflash.model import DFlashDraftModel
+
+        args = self.args
+        torch.manual_seed(args.seed)
+        if args.init_from:
+            drafter = DFlashDraftModel.from_pretrained(args.init_from, dtype=torch.float32)
+        else:
+            drafter = DFlashDraftModel(self.dcfg)
+        drafter.to(self.device)
+        drafter.train()
+        self.n_layer_params = sum(p.numel() for p in drafter.layers.parameters())
+        self.n_fc = drafter.fc.weight.numel()
+        self.drafter_params = count_params(drafter)[1]
+        if args.activation_checkpointing:
+            drafter.gradient_checkpointing = True
+        if args.compile:
+            for layer in drafter.layers:
+                layer.compile()
+        if self.ctx.distributed:
+            self._shard(drafter)
+        return drafter
 
     def _shard(self, drafter) -> None:
         import torch
@@ -1077,7 +802,7 @@ class Trainer:
         args = self.args
         e_len = args.eval_prompt_len + args.eval_gen_len
         if self.is_target and (self.role == ROLE_COLOCATED or self.ctx.rank == self.target_ranks[0]):
-            ids, feats = build_eval_set(target, self.val_tokens, args, self.device)
+            ids, feats = build_eval_set(target, self.val_tokens, args, self.layer_ids, self.device)
         else:
             ids = feats = None
         if self.role != ROLE_COLOCATED:
@@ -1132,7 +857,7 @@ class Trainer:
 
     # ---- manifest ----------------------------------------------------
     def manifest(self) -> None:
-        from gpudeck.trainers.runtime import config_hash, device_info
+        from gpudeck.trainers.common.runtime import config_hash, device_info
 
         args = self.args
         info = device_info(self.device)
@@ -1179,10 +904,11 @@ class Trainer:
             target_layer_ids=self.layer_ids,
             mask_token_id=self.mask_token_id,
             mask_token_source=self.mask_token_source,
-            batch_size=args.batch_size,
+            batch_size=self.batch_size,
             seq_len=args.seq_len,
             argv=self.argv,
             start=self.plan.describe(),
+            **(self.plan.trust.record() if self.plan.trust is not None else {}),
             pid=os.getpid(),
             compute_timing=self.clock.method,
             **self.diag_fields,
@@ -1234,7 +960,7 @@ class Trainer:
         return ids, lm, feats[:n].view(b, length, -1).to(self.device)
 
     def _skip_local_batch(self) -> None:
-        from gpudeck.trainers.dflash_data import RecordBatches
+        from gpudeck.trainers.dflash.data import RecordBatches
 
         if self.loader is None:
             raise RuntimeError(f"rank {self.ctx.rank} has no batch loader: only target ranks read batches")
@@ -1280,11 +1006,11 @@ class Trainer:
         return extra
 
     def save(self, step: int) -> None:
-        from gpudeck.trainers import checkpoint as ckpt
+        from gpudeck.trainers.common import checkpoint as ckpt
 
         extra = self._extra(step)
         model = self.drafter if self.drafter is not None else _placeholder()
-        path, secs = ckpt.save_checkpoint(
+        done = ckpt.save_checkpoint(
             self.args.out,
             step,
             model,
@@ -1294,13 +1020,13 @@ class Trainer:
             rank=self.ctx.rank,
             barrier=lambda: runtime.barrier(self.ctx),
         )
-        self.tel.emit("checkpoint", step=step, path=str(path), seconds=round(secs, 3))
+        self.tel.emit("checkpoint", step=step, **done.record())
 
     def load(self, step: int) -> int:
-        from gpudeck.trainers import checkpoint as ckpt
+        from gpudeck.trainers.common import checkpoint as ckpt
 
         model = self.drafter if self.drafter is not None else _placeholder()
-        extra = ckpt.load_checkpoint(self.args.out, step, model, self.optimizer, rank=self.ctx.rank)
+        extra = ckpt.load_checkpoint(self.args.out, step, model, self.optimizer, rank=self.ctx.rank, trust=self.args.trust_checkpoint)
         if int(extra["step"]) != step:
             raise RuntimeError(f"checkpoint step_{step} says step {extra['step']}")
         if extra.get("target_layer_ids") not in (None, self.layer_ids):
@@ -1318,7 +1044,7 @@ class Trainer:
     def drafter_forward_backward(self, ids, lm, feats, scale: float):
         import torch
 
-        from gpudeck.trainers.dflash_loss import block_inputs, dflash_loss, labels_and_weights, sample_anchors
+        from gpudeck.trainers.dflash.loss import block_inputs, dflash_loss, labels_and_weights, sample_anchors
 
         args = self.args
         if self.drafter is None or self.embed is None or self.lm_head is None:
@@ -1332,7 +1058,7 @@ class Trainer:
             with torch.no_grad():
                 noise = self.embed(bids)
             pos = torch.cat([torch.arange(seq, device=self.device).unsqueeze(0).expand(bsz, -1), bpos], 1)
-            mask = make_masks(anchors, seq, self.block_size, args.attn, self.device, self.layer_types, self.sliding_window)
+            mask = make_masks(anchors, seq, self.block_size, self.attn, self.device, self.layer_types, self.sliding_window)
         with rf("dflash.drafter_forward"):
             hid = self.drafter(noise, feats, pos, mask)
         labels, weights = labels_and_weights(ids, lm, anchors, keep, self.block_size, self.gamma)
@@ -1390,7 +1116,7 @@ class Trainer:
         return 0
 
     def _peak(self):
-        from gpudeck.trainers.flops import peak_flops
+        from gpudeck.trainers.common.flops import peak_flops
 
         return peak_flops(self.device, "bf16" if "bfloat16" in str(self.dtype) else "fp32")
 
@@ -1419,15 +1145,11 @@ class Trainer:
         import torch
         import torch.distributed as dist
 
-        from gpudeck.trainers.dflash_loss import finish_global_mean
-        from gpudeck.trainers.flops import mfu
-
         args = self.args
         if self.drafter is None or self.optimizer is None or self.scheduler is None:
             raise RuntimeError(f"rank {self.ctx.rank} has no drafter, optimizer or scheduler: only drafter ranks train")
         split = self.role == ROLE_DRAFTER
         inbox: deque = deque()
-        n_d = len(self.drafter_ranks)
 
         def my_batches(step_from: int, step_to: int):
             for s in range(step_from, step_to + 1):
@@ -1461,6 +1183,7 @@ class Trainer:
             t_step = time.perf_counter()
             clock_start = self.clock.mark()
             loss_sum, weight_sum, flops, flops_tt, ctx_tokens = 0.0, 0.0, 0.0, 0.0, 0
+            drafter_flops = 0.0  # the drafter's forward + backward alone (SpecForge's trainer-GPU figure)
             queue_depth = None
             t_fwd = 0.0
             for micro in range(args.grad_accum):
@@ -1491,34 +1214,14 @@ class Trainer:
                 ctx_tokens += ids.numel()
                 sync = micro == args.grad_accum - 1
                 if self.ctx.distributed and hasattr(self.drafter, "set_requires_gradient_sync"):
-                    self.drafter.set_requires_gradient_sync(sync)  # type: ignore[operator]  # fully_shard makes it an FSDPModule at run time; torch's types still see the nn.Module
+                    self.drafter.set_requires_gradient_sync(sync)
                 part, wpart, fl = self.drafter_forward_backward(ids, lm, feats, 1.0)
                 loss_sum += float(part)
                 weight_sum += float(wpart)
                 flops += fl
                 flops_tt += fl
-            # gradients of sum(w*CE) / sum(w) over every drafter rank and micro-batch (SpecForge's rule);
-            # colocated, the stop vote rides on the same all-reduce
-            n_group = n_d if self.ctx.distributed else 1
-            with self.clock.stall():  # the gradients' and the loss's all-reduces, then the norm's
-                loss_val, _, votes = finish_global_mean(
-                    self.drafter.parameters(),
-                    loss_sum,
-                    weight_sum,
-                    group=self.drafter_group,
-                    world=n_group,
-                    extra=[] if split else [1.0 if self.stop.requested else 0.0],
-                )
-                gnorm = torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), args.grad_clip)
-            self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
-            lr = self.scheduler.get_last_lr()[0]
-            self.scheduler.step()
-            if split:
-                self.votes.post(step)
-                stop_now = self.votes.is_last(step)
-            else:
-                stop_now = votes[0] > 0
+                drafter_flops += fl
+            loss_val, gnorm, lr, stop_now = self._drafter_optimizer_step(loss_sum, weight_sum, split, step)
             self._sync()
             dt = time.perf_counter() - t_step
             timing = self.clock.split(dt, clock_start, step)
@@ -1527,36 +1230,9 @@ class Trainer:
                 # everything up to the checkpoint boundary (or the stop) is consumed; re-plan after it
                 assert not inbox, [it[:2] for it in inbox]
                 pending_iter = None
-            n_rank_tokens = ctx_tokens
-            world_tokens = n_rank_tokens * (n_d if split else self.ctx.world_size)
-            rec = dict(
-                loss=round(loss_val, 6),
-                lr=lr,
-                grad_norm=float(gnorm.full_tensor() if hasattr(gnorm, "full_tensor") else gnorm),
-                tokens_per_s=round(world_tokens / dt, 2),
-                tokens_per_s_rank=round(n_rank_tokens / dt, 2),
-                step_s=round(dt, 4),
-                target_forward_s=(round(t_fwd, 4) if not split else None),
-                flops_per_token=round(flops / max(1, n_rank_tokens), 1),
-                step_flops=flops,
-                flops_per_token_torchtitan=round(flops_tt / max(1, n_rank_tokens), 1),
-                mfu=mfu(n_rank_tokens / dt, flops / max(1, n_rank_tokens), self.peak),
-                mfu_torchtitan=mfu(n_rank_tokens / dt, flops_tt / max(1, n_rank_tokens), self.peak),
-                peak_flops=self.peak,
-                role=self.role,
-                **self._mem(),
-                **timing,
+            self._report_drafter_step(
+                step, loss_val, lr, gnorm, dt, t_fwd, (flops, flops_tt, ctx_tokens), timing, queue_depth, drafter_flops
             )
-            if split:
-                rec["queue_depth"] = queue_depth
-            if step % args.log_every == 0 or step == args.max_steps:
-                self.tel.step(step, **rec)
-                if self.ctx.rank == self.lead_drafter:
-                    m = f"{rec['mfu'] * 100:.1f}%" if rec["mfu"] is not None else "n/a"
-                    print(
-                        f"[dflash] step {step} loss {loss_val:.4f} tok/s {rec['tokens_per_s']:.0f} mfu {m} step {dt * 1000:.0f} ms",
-                        flush=True,
-                    )
             if step == start + 1 and self.device.type == "cuda":
                 runtime.set_collective_timeout(self.ctx, 120)
             if stop_now:
@@ -1568,6 +1244,89 @@ class Trainer:
             if self._ckpt_due(step):
                 self.save(step)
         return step, stopped
+
+    def _drafter_optimizer_step(self, loss_sum: float, weight_sum: float, split: bool, step: int) -> tuple[float, Any, Any, bool]:
+        """All-reduce the gradients and the loss (and, colocated, the stop vote), clip, step: (loss, grad norm, lr, stop now)."""
+        import torch
+
+        from gpudeck.trainers.dflash.loss import finish_global_mean
+
+        args = self.args
+        if self.drafter is None or self.optimizer is None or self.scheduler is None:
+            raise RuntimeError(f"rank {self.ctx.rank} has no drafter, optimizer or scheduler: only drafter ranks train")
+        # gradients of sum(w*CE) / sum(w) over every drafter rank and micro-batch (SpecForge's rule);
+        # colocated, the stop vote rides on the same all-reduce
+        n_group = len(self.drafter_ranks) if self.ctx.distributed else 1
+        with self.clock.stall():  # the gradients' and the loss's all-reduces, then the norm's
+            loss_val, _, votes = finish_global_mean(
+                self.drafter.parameters(),
+                loss_sum,
+                weight_sum,
+                group=self.drafter_group,
+                world=n_group,
+                extra=[] if split else [1.0 if self.stop.requested else 0.0],
+            )
+            gnorm = torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), args.grad_clip)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        lr = self.scheduler.get_last_lr()[0]
+        self.scheduler.step()
+        if split:
+            self.votes.post(step)
+            stop_now = self.votes.is_last(step)
+        else:
+            stop_now = votes[0] > 0
+        return loss_val, gnorm, lr, stop_now
+
+    def _report_drafter_step(
+        self,
+        step: int,
+        loss_val: float,
+        lr: float,
+        gnorm: Any,
+        dt: float,
+        t_fwd: float,
+        counts: tuple[float, float, int],
+        timing: dict,
+        queue_depth: int | None,
+        drafter_flops: float = 0.0,
+    ) -> None:
+        """The step's record (throughput, FLOPs, MFU, memory, timing) and the lead drafter's line on stdout."""
+        from gpudeck.trainers.common.flops import mfu
+
+        args = self.args
+        flops, flops_tt, n_rank_tokens = counts
+        split = self.role == ROLE_DRAFTER
+        world_tokens = n_rank_tokens * (len(self.drafter_ranks) if split else self.ctx.world_size)
+        rec = dict(
+            loss=round(loss_val, 6),
+            lr=lr,
+            grad_norm=float(gnorm.full_tensor() if hasattr(gnorm, "full_tensor") else gnorm),
+            tokens_per_s=round(world_tokens / dt, 2),
+            tokens_per_s_rank=round(n_rank_tokens / dt, 2),
+            step_s=round(dt, 4),
+            target_forward_s=(round(t_fwd, 4) if not split else None),
+            flops_per_token=round(flops / max(1, n_rank_tokens), 1),
+            step_flops=flops,
+            drafter_flops=drafter_flops,
+            flops_per_token_torchtitan=round(flops_tt / max(1, n_rank_tokens), 1),
+            mfu=mfu(n_rank_tokens / dt, flops / max(1, n_rank_tokens), self.peak),
+            mfu_torchtitan=mfu(n_rank_tokens / dt, flops_tt / max(1, n_rank_tokens), self.peak),
+            peak_flops=self.peak,
+            role=self.role,
+            **self._mem(),
+            **timing,
+        )
+        if split:
+            rec["queue_depth"] = queue_depth
+        if step % args.log_every == 0 or step == args.max_steps:
+            self.tel.step(step, **rec)
+            if self.ctx.rank == self.lead_drafter:
+                m = f"{rec['mfu'] * 100:.1f}%" if rec["mfu"] is not None else "n/a"
+                print(
+                    f"[dflash] step {step} loss {loss_val:.4f} tok/s {rec['tokens_per_s']:.0f} mfu {m} step {dt * 1000:.0f} ms",
+                    flush=True,
+                )
 
     def _profile_begin(self, step: int) -> None:
         """``--profile-steps A-B``: start torch.profiler before step A (CPU + CUDA activity)."""
@@ -1614,7 +1373,7 @@ class Trainer:
         import torch
         import torch.distributed as dist
 
-        from gpudeck.trainers.flops import mfu
+        from gpudeck.trainers.common.flops import mfu
 
         args = self.args
         pending: deque = deque()
@@ -1722,7 +1481,7 @@ class Trainer:
         import torch
         import torch.distributed as dist
 
-        from gpudeck.trainers.dflash_model import DFlashDraftModel
+        from gpudeck.trainers.dflash.model import DFlashDraftModel
 
         out = Path(self.args.out)
         files: list[str] = []
@@ -1742,7 +1501,7 @@ class Trainer:
                 if ddir.exists():
                     shutil.rmtree(ddir)
                 plain.save_pretrained(str(ddir))
-                shutil.copy(Path(__file__).with_name("dflash_model.py"), ddir / "dflash.py")
+                shutil.copy(Path(__file__).with_name("model.py"), ddir / "dflash.py")
                 meta = {
                     "target": self.args.target or self.args.target_config,
                     "step": step,
@@ -1776,7 +1535,7 @@ class Trainer:
 def _placeholder():
     """What a split target rank contributes to the (collective) checkpoint: one tiny buffer.
 
-    Adapter: gpudeck.trainers.checkpoint saves model state through get_model_state_dict, which refuses an
+    Adapter: gpudeck.trainers.common.checkpoint saves model state through get_model_state_dict, which refuses an
     empty module; target ranks hold no trainable state, but every rank must join the DCP collective.
     """
     import torch
@@ -1787,19 +1546,8 @@ def _placeholder():
     return m
 
 
-def _has_tokenizer(path: str) -> bool:
-    p = Path(path)
-    return any((p / f).is_file() for f in ("gpudeck_byte_tokenizer.json", "tokenizer.json", "tokenizer_config.json", "tokenizer.model"))
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    check_args(parser, args)
+    args = parse_args(argv)
     Path(args.out).mkdir(parents=True, exist_ok=True)
     return Trainer(args, [sys.executable, "-m", "gpudeck.trainers.dflash", *argv]).run()
-
-
-if __name__ == "__main__":
-    runtime.run_main(main)

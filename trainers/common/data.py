@@ -2,17 +2,7 @@
 
 Public API (kept stable; dflash imports it):
 
-Tokenizers — both have ``vocab_size``, ``eos_id``, ``bos_id``, ``pad_id``,
-``encode(text) -> list[int]``, ``decode(ids) -> str``, ``save(folder)``,
-``describe() -> dict``:
-    ``ByteTokenizer``  byte-level, needs no files: ids 0..255 are bytes, 256 BOS,
-        257 EOS, 258 PAD, 259 MASK (vocab 260). ``save`` writes
-        ``gpudeck_byte_tokenizer.json``.
-    ``HFTokenizer(path)``  wraps ``AutoTokenizer.from_pretrained(path)`` (local
-        folder only); ``save`` calls ``save_pretrained``.
-    ``load_tokenizer(spec_or_folder=None)``  None / "byte" -> ByteTokenizer; a
-        folder holding ``gpudeck_byte_tokenizer.json`` -> ByteTokenizer; any
-        other folder -> HFTokenizer.
+Tokenizers: :mod:`gpudeck.trainers.common.tokenizer`.
 
 Corpus and token arrays
     ``builtin_corpus_files(max_bytes) -> list[Path]``  the offline corpus: the
@@ -62,146 +52,27 @@ import json
 import os
 import sys
 import sysconfig
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-BYTE_TOKENIZER_FILE = "gpudeck_byte_tokenizer.json"
+from gpudeck.trainers.common.tokenizer import ByteTokenizer
+from gpudeck.trainers.errors import DataPathError, InputError
+
 PREPARED_MANIFEST = "gpudeck_prepared.json"
 PREPARED_FORMAT = "gpudeck-prepared/1"
+PREPARED_DTYPES = ("uint16", "uint32")
 DEFAULT_CORPUS_BYTES = 16 * 1024 * 1024
 TEXT_SUFFIXES = (".txt", ".md", ".rst", ".py", ".jsonl", ".json")
 DATASET_SUFFIXES = (".parquet", ".arrow")
 HF_DATASET_MARKERS = ("dataset_dict.json", "state.json", "dataset_info.json")
 
 
-class DataError(ValueError):
-    """Bad ``--data`` (or ``--val-data``): the message names what is wrong and the fix."""
-
-
-# ------------------------------------------------------------------ tokenizers
-
-
-def _with_specials(ids: list[int], bos: int | None, eos: int | None) -> list[int]:
-    """``ids`` with a BOS in front and/or an EOS at the end (None: not added)."""
-    if bos is not None:
-        ids.insert(0, bos)
-    if eos is not None:
-        ids.append(eos)
-    return ids
-
-
-class ByteTokenizer:
-    """Byte-level tokenizer: 256 byte ids plus BOS/EOS/PAD/MASK; needs no files."""
-
-    kind = "byte"
-    bos_id = 256
-    eos_id = 257
-    pad_id = 258
-    mask_id = 259
-    vocab_size = 260
-
-    def encode(self, text: str, add_bos: bool = False, add_eos: bool = False) -> list[int]:
-        return _with_specials(list(text.encode("utf-8")), self.bos_id if add_bos else None, self.eos_id if add_eos else None)
-
-    def encode_np(self, text: str) -> np.ndarray:
-        """Fast path: the UTF-8 bytes as a uint16 array (no specials)."""
-        return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.uint16)
-
-    def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
-        """Each text's ids (no specials), as arrays."""
-        return [self.encode_np(t) for t in texts]
-
-    def decode(self, ids: Iterable[int]) -> str:
-        data = bytes(int(i) for i in ids if 0 <= int(i) < 256)
-        return data.decode("utf-8", errors="replace")
-
-    def describe(self) -> dict[str, Any]:
-        return {
-            "kind": "byte",
-            "vocab_size": self.vocab_size,
-            "bos_id": self.bos_id,
-            "eos_id": self.eos_id,
-            "pad_id": self.pad_id,
-            "mask_id": self.mask_id,
-            "note": "ids 0-255 are UTF-8 bytes; load with gpudeck.trainers.data.load_tokenizer(folder)",
-        }
-
-    def save(self, folder: str | os.PathLike) -> Path:
-        path = Path(folder) / BYTE_TOKENIZER_FILE
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(self.describe(), indent=2) + "\n")
-        return path
-
-
-class HFTokenizer:
-    """A local transformers tokenizer folder behind the same small interface."""
-
-    kind = "hf"
-
-    def __init__(self, path: str | os.PathLike) -> None:
-        from transformers import AutoTokenizer
-
-        self.path = str(path)
-        self.tok = AutoTokenizer.from_pretrained(self.path)
-        self.vocab_size = len(self.tok)
-        eos = self.tok.eos_token_id
-        self.eos_id = int(eos) if eos is not None else int(self.tok.sep_token_id or 0)
-        bos = self.tok.bos_token_id
-        self.bos_id = int(bos) if bos is not None else self.eos_id
-        pad = self.tok.pad_token_id
-        self.pad_id = int(pad) if pad is not None else self.eos_id
-        mask = getattr(self.tok, "mask_token_id", None)
-        self.mask_id = int(mask) if mask is not None else None
-
-    def encode(self, text: str, add_bos: bool = False, add_eos: bool = False) -> list[int]:
-        ids = list(self.tok.encode(text, add_special_tokens=False))
-        return _with_specials(ids, self.bos_id if add_bos else None, self.eos_id if add_eos else None)
-
-    def encode_np(self, text: str) -> np.ndarray:
-        return np.asarray(self.encode(text), dtype=np.int64)
-
-    def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
-        """Each text's ids (no specials), as arrays; one batched call to the fast tokenizer."""
-        if not texts:
-            return []
-        ids = self.tok(list(texts), add_special_tokens=False)["input_ids"]
-        return [np.asarray(x, dtype=np.int64) for x in ids]
-
-    def decode(self, ids: Iterable[int]) -> str:
-        text = self.tok.decode([int(i) for i in ids])
-        if not isinstance(text, str):  # one sequence of ids decodes to one string
-            raise TypeError(f"{self.path}: the tokenizer's decode returned {type(text).__name__}, expected str")
-        return text
-
-    def describe(self) -> dict[str, Any]:
-        return {
-            "kind": "hf",
-            "path": self.path,
-            "vocab_size": self.vocab_size,
-            "eos_id": self.eos_id,
-            "bos_id": self.bos_id,
-            "pad_id": self.pad_id,
-        }
-
-    def save(self, folder: str | os.PathLike) -> Path:
-        self.tok.save_pretrained(str(folder))
-        return Path(folder)
-
-
-def load_tokenizer(spec: str | os.PathLike | None = None) -> ByteTokenizer | HFTokenizer:
-    """None or "byte" -> ByteTokenizer; a folder -> its saved tokenizer."""
-    if spec is None or str(spec) == "byte":
-        return ByteTokenizer()
-    path = Path(spec)
-    if (path / BYTE_TOKENIZER_FILE).is_file():
-        return ByteTokenizer()
-    if not path.exists():
-        raise FileNotFoundError(f"tokenizer folder {path} does not exist")
-    return HFTokenizer(path)
+class DataError(InputError, ValueError):
+    """Bad ``--data`` (or ``--val-data``): the message names what is wrong and the fix (exit 2, one line)."""
 
 
 # ------------------------------------------------------------------ corpus
@@ -247,7 +118,7 @@ def _read_text(path: Path) -> str:
 
 
 def iter_jsonl(path: str | os.PathLike) -> Iterator[tuple[int, Any]]:
-    """``(line number, value)`` for each non-blank line of a JSONL file; a bad line raises ValueError naming it."""
+    """``(line number, value)`` for each non-blank line of a JSONL file; a bad line raises DataError naming it."""
     with open(path, encoding="utf-8", errors="replace") as fh:
         for number, line in enumerate(fh, 1):
             line = line.strip()
@@ -256,7 +127,7 @@ def iter_jsonl(path: str | os.PathLike) -> Iterator[tuple[int, Any]]:
             try:
                 yield number, json.loads(line)
             except ValueError as exc:
-                raise ValueError(f"{path}:{number}: not valid JSON ({exc}); each line must be one JSON object") from None
+                raise DataError(f"{path}:{number}: not valid JSON ({exc}); each line must be one JSON object") from None
 
 
 def _jsonl_documents(path: Path, text_column: str | None = None) -> list[str]:
@@ -266,7 +137,7 @@ def _jsonl_documents(path: Path, text_column: str | None = None) -> list[str]:
             docs.append(obj)
             continue
         if not isinstance(obj, dict):
-            raise ValueError(f'{path}:{number}: expected a string or an object with a "text" field, got {type(obj).__name__}')
+            raise DataError(f'{path}:{number}: expected a string or an object with a "text" field, got {type(obj).__name__}')
         if text_column is not None:
             text = obj.get(text_column)
             if text is not None and not isinstance(text, str):
@@ -512,23 +383,56 @@ def read_prepared_manifest(path: str | os.PathLike) -> dict[str, Any]:
         raise DataError(
             f"--data {folder}: unreadable {PREPARED_MANIFEST} ({exc}); prepare it again with python -m gpudeck.trainers.prepare"
         ) from None
-    if manifest.get("format") != PREPARED_FORMAT:
+    if not isinstance(manifest, dict) or manifest.get("format") != PREPARED_FORMAT:
+        got = manifest.get("format") if isinstance(manifest, dict) else type(manifest).__name__
         raise DataError(
-            f"--data {folder}: format {manifest.get('format')!r}, this trainer reads "
-            f"{PREPARED_FORMAT!r}; prepare it again with python -m gpudeck.trainers.prepare"
+            f"--data {folder}: format {got!r}, this trainer reads {PREPARED_FORMAT!r}; prepare it again with python -m gpudeck.trainers.prepare"
+        )
+    if not isinstance(manifest.get("splits"), dict) or manifest.get("dtype") not in PREPARED_DTYPES:
+        raise DataError(
+            f"--data {folder}: {PREPARED_MANIFEST} needs a 'splits' object and a 'dtype' of {', '.join(PREPARED_DTYPES)}; prepare it again"
         )
     return manifest
 
 
-def load_prepared(path: str | os.PathLike, split: str = "train") -> TokenSource:
-    """A prepared split, memory-mapped; the figures come from its files and manifest."""
-    folder = Path(path)
-    manifest = read_prepared_manifest(folder)
+def prepared_file(folder: Path, name: object, field: str) -> Path:
+    """``folder / name`` for a file a prepared manifest names: a plain relative name that stays inside ``folder``, else DataPathError."""
+    if not isinstance(name, str) or not name or Path(name).is_absolute() or ".." in Path(name).parts:
+        raise DataPathError(
+            f"--data {folder}: {PREPARED_MANIFEST}'s {field} {name!r} is not a file name inside the folder "
+            "(absolute paths and '..' are refused); prepare the corpus again"
+        )
+    path = folder / name
+    if not path.resolve().is_relative_to(folder.resolve()):
+        raise DataPathError(f"--data {folder}: {field} {name!r} leads outside the folder (a symlink to {path.resolve()}); prepare it again")
+    return path
+
+
+_SPLIT_COUNTS = ("documents", "tokens", "unique_documents")
+
+
+def _split_info(folder: Path, manifest: dict[str, Any], split: str) -> dict[str, Any]:
     info = manifest["splits"].get(split)
     if info is None:
         raise DataError(f"--data {folder}: no {split!r} split (has {', '.join(manifest['splits'])})")
+    if not isinstance(info, dict):
+        info = {}
+    bad = [k for k in _SPLIT_COUNTS if isinstance(info.get(k), bool) or not isinstance(info.get(k), int) or info[k] < 0]
+    if bad or not isinstance(info.get("sha256"), str):
+        raise DataError(
+            f"--data {folder}: split {split!r} of {PREPARED_MANIFEST} lacks sane {', '.join(bad) or 'sha256'}; prepare it again"
+        )
+    return info
+
+
+def load_prepared(path: str | os.PathLike, split: str = "train") -> TokenSource:
+    """A prepared split, memory-mapped; the figures come from its files and manifest (files confined to the folder)."""
+    folder = Path(path)
+    manifest = read_prepared_manifest(folder)
+    info = _split_info(folder, manifest, split)
     dtype = np.dtype(manifest["dtype"])
-    tok_file = folder / info["tokens_file"]
+    tok_file = prepared_file(folder, info.get("tokens_file"), "tokens_file")
+    index_file = prepared_file(folder, info.get("index_file"), "index_file")
     size = tok_file.stat().st_size if tok_file.is_file() else -1
     if size != info["tokens"] * dtype.itemsize:
         raise DataError(
@@ -537,11 +441,14 @@ def load_prepared(path: str | os.PathLike, split: str = "train") -> TokenSource:
             "prepare it again"
         )
     tokens = np.memmap(str(tok_file), dtype=dtype, mode="r") if size > 0 else np.zeros(0, dtype)
-    offsets = np.load(str(folder / info["index_file"]), mmap_mode="r")
-    if offsets.shape[0] != info["documents"] + 1 or int(offsets[-1]) != info["tokens"]:
+    try:
+        offsets = np.load(str(index_file), mmap_mode="r", allow_pickle=False)
+    except (OSError, ValueError) as exc:
+        raise DataError(f"--data {folder}: {info['index_file']} is not an index prepare wrote ({exc}); prepare it again") from None
+    if offsets.ndim != 1 or offsets.shape[0] != info["documents"] + 1 or int(offsets[-1]) != info["tokens"]:
         raise DataError(f"--data {folder}: {info['index_file']} does not match {info['tokens_file']}; prepare it again")
     desc = (
-        f"prepared {folder} [{split}] ({manifest['source']}): {info['documents']} documents, "
+        f"prepared {folder} [{split}] ({manifest.get('source')}): {info['documents']} documents, "
         f"{info['tokens']} tokens, sha256 {info['sha256'][:12]}"
     )
     return TokenSource(tokens, desc, int(offsets.shape[0] - 1), int(info["unique_documents"]), info["sha256"], offsets, manifest)

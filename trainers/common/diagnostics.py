@@ -85,6 +85,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import IO, Any, Protocol
 
+from gpudeck.trainers.common import compat
 from gpudeck.trainers.contract import flight_recorder_dump_file, flight_recorder_request_file, stack_file
 
 STACK_SIGNAL = signal.SIGUSR2
@@ -201,14 +202,6 @@ class NoClock:
         yield
 
 
-# FSDP2's points where the compute stream waits on a collective stream: (module, class, method)
-_FSDP_STALL_POINTS = (
-    ("torch.distributed.fsdp._fully_shard._fsdp_param_group", "FSDPParamGroup", "wait_for_unshard"),
-    ("torch.distributed.fsdp._fully_shard._fsdp_param_group", "FSDPParamGroup", "post_backward"),
-    ("torch.distributed.fsdp._fully_shard._fsdp_state", "FSDPState", "_root_post_backward_final_callback"),
-)
-
-
 class CudaComputeClock:
     """compute_s on CUDA: events bracketing the step on the compute stream, minus the brackets around its stalls."""
 
@@ -228,30 +221,13 @@ class CudaComputeClock:
         spec = os.environ.get(TIMING_ENV, "")
         self._ab = _spec_int(spec, "ab:", 0)  # the benchmark's alternate blocks of steps (0: none)
         self.every = _spec_int(spec, "every:", CUDA_TIMING_EVERY)  # one step in this many is timed
-        self.patched = self._patch_fsdp()
+        self.patched = compat.patch_fsdp_stalls(self._bracketing)  # the private FSDP2 names: trainers/common/compat.py
         CudaComputeClock.current = self  # the patched methods bracket for the newest clock (a trainer has one)
 
     def _event(self) -> Any:
         ev = self._pool.pop() if self._pool else self._torch.cuda.Event(enable_timing=True)
         ev.record()
         return ev
-
-    def _patch_fsdp(self) -> list[str]:
-        import importlib
-
-        done = []
-        for module_name, cls_name, meth in _FSDP_STALL_POINTS:
-            try:
-                cls = getattr(importlib.import_module(module_name), cls_name)
-                original = getattr(cls, meth)
-            except (ImportError, AttributeError):
-                continue  # another torch: that point is not bracketed (the manifest lists those that are)
-            if getattr(original, "_gpudeck_stall", False):
-                done.append(f"{cls_name}.{meth}")
-                continue
-            setattr(cls, meth, self._bracketing(original))
-            done.append(f"{cls_name}.{meth}")
-        return done
 
     @staticmethod
     def _bracketing(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -262,7 +238,6 @@ class CudaComputeClock:
             with clock.stall():
                 return original(*args, **kwargs)
 
-        wrapped._gpudeck_stall = True  # type: ignore[attr-defined]
         return wrapped
 
     @contextlib.contextmanager
@@ -329,10 +304,23 @@ def step_clock(on_cuda: bool) -> StepClock:
     return CudaComputeClock() if on_cuda else CollectiveClock(on_cuda=False)
 
 
+def _torch_before_2_8() -> bool:
+    """Whether the installed torch predates TORCH_FR_BUFFER_SIZE (2.8 reads it, and warns on the old name on every start)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        major, minor = (int(x) for x in version("torch").split(".")[:2])
+    except (PackageNotFoundError, ValueError):
+        return False
+    return (major, minor) < (2, 8)
+
+
 def flight_recorder_env(folder: str | None) -> dict[str, str]:
     """Environment for torch's Flight Recorder: a small buffer (NCCL and gloo), NCCL's dump into the run's folder on a timeout."""
     size = str(FR_BUFFER_ENTRIES)
-    env = {"TORCH_FR_BUFFER_SIZE": size, "TORCH_NCCL_TRACE_BUFFER_SIZE": size, "TORCH_NCCL_DUMP_ON_TIMEOUT": "1"}
+    env = {"TORCH_FR_BUFFER_SIZE": size, "TORCH_NCCL_DUMP_ON_TIMEOUT": "1"}
+    if _torch_before_2_8():  # the name torch read before 2.8
+        env["TORCH_NCCL_TRACE_BUFFER_SIZE"] = size
     if folder is not None:
         env["TORCH_FR_DUMP_TEMP_FILE"] = os.path.join(folder, "flight_recorder", "rank_")
     return env
@@ -351,21 +339,11 @@ _FR_FIELDS = ("collective_seq_id", "p2p_seq_id", "pg_id", "process_group", "prof
 _fr_thread: threading.Thread | None = None
 
 
-def _fr_dumps() -> list[Callable[..., Any]]:
-    """torch's JSON dumps of its Flight Recorders: the CPU one (gloo, ``_dump_fr_trace_json``) and, in a CUDA
-    build, NCCL's (``_dump_nccl_trace_json``): two recorders, each dump covers one."""
-    try:
-        import torch._C._distributed_c10d as c10d
-    except ImportError:
-        return []
-    return [f for f in (getattr(c10d, n, None) for n in ("_dump_fr_trace_json", "_dump_nccl_trace_json")) if f is not None]
-
-
 def flight_recorder_snapshot(rank: int, nonce: str) -> dict[str, Any]:
     """This rank's newest Flight Recorder entries (every recorder's, trimmed), as the dump file carries them."""
     entries: list[dict[str, Any]] = []
     versions, errors = [], []
-    for dump in _fr_dumps():
+    for dump in compat.flight_recorder_dumps():
         try:
             raw = json.loads(dump(includeCollectives=True, onlyActive=False))
         except Exception as exc:  # one recorder failing leaves the other's entries
@@ -394,7 +372,7 @@ def install_flight_recorder_dump(rank: int) -> dict[str, Any]:
     """Start the thread that dumps the Flight Recorder on the agent's request; the manifest fields that say so."""
     global _fr_thread
     folder = run_dir()
-    if folder is None or not _fr_dumps():
+    if folder is None or not compat.flight_recorder_dumps():
         return {}
     if _fr_thread is not None:
         return {"flight_recorder": "request_file"}

@@ -2,7 +2,11 @@
 
 Layout: ``OUT/checkpoints/step_<N>/`` holds a DCP checkpoint (``.metadata`` +
 ``__*_*.distcp``) and ``gpudeck_checkpoint.json`` (written by rank 0 after every
-rank finished; a folder without it is incomplete and ignored).
+rank finished; a folder without it is incomplete and ignored). The manifest records
+``.metadata``'s sha256 and every shard's size, and nothing is read from a checkpoint
+before :func:`gpudeck.trainers.checkpoint_trust.verify_checkpoint` passed (DCP unpickles
+``.metadata``); non-tensor items are read with ``torch.load(weights_only=True)``
+(a ``DefaultLoadPlanner`` subclass), so a shard cannot run code either.
 
 What a checkpoint holds: the model and optimizer (via
 ``get_state_dict``/``set_state_dict``, so FSDP2-sharded models save their shards
@@ -17,18 +21,20 @@ Public API (kept stable; dflash imports it):
     ``list_checkpoints(out) -> list[int]``      complete checkpoints, ascending
     ``StartError``   (exit code 2 is what trainers use for it)
     ``StartPlan``    fresh: bool, step: int | None; ``describe()`` -> "fresh" | "resume N"
-    ``resolve_start(out, fresh, resume, new_run_dir=False) -> StartPlan``
+    ``resolve_start(out, fresh, resume, new_run_dir=False, trust=False) -> StartPlan``
         read-only and deterministic (call it on every rank before heavy work):
         --fresh with existing checkpoints raises unless new_run_dir;
         --resume latest with none raises; --resume N that does not exist raises
-        listing the ones that do.
+        listing the ones that do; a resume's checkpoint is verified (``plan.trust``,
+        or :class:`~gpudeck.trainers.checkpoint_trust.CheckpointTrustError`).
     ``archive_checkpoints(out) -> Path | None``  moves OUT/checkpoints to
         OUT/checkpoints.archived-<UTC time> (rank 0 only; used for --new-run-dir).
     ``save_checkpoint(out, step, model, optimizer, extra, keep=None, rank=0,
-        barrier=None) -> (path, seconds)``  collective; prunes to the last
-        ``keep`` complete checkpoints afterwards (rank 0).
-    ``load_checkpoint(out, step, model, optimizer, rank=0) -> dict``  collective;
-        restores model, optimizer and this rank's RNG, returns ``extra``.
+        barrier=None) -> Saved``  collective; path, seconds, the manifest's files
+        (rank 0); prunes to the last ``keep`` complete checkpoints afterwards (rank 0).
+    ``load_checkpoint(out, step, model, optimizer, rank=0, trust=False) -> dict``
+        collective; verifies the folder first, restores model, optimizer and this
+        rank's RNG, returns ``extra``.
     ``read_marker(out, step) -> dict``          the marker JSON of a checkpoint.
     ``rng_state() -> dict[str, Tensor]`` / ``set_rng_state(state)``.
 """
@@ -36,6 +42,7 @@ Public API (kept stable; dflash imports it):
 from __future__ import annotations
 
 import datetime as _dt
+import io
 import json
 import os
 import shutil
@@ -43,11 +50,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
+from gpudeck.trainers.checkpoint_trust import CheckpointTrustError, TrustVerdict, harden, verify_checkpoint, write_manifest
 from gpudeck.trainers.contract import CHECKPOINT_MARKER as MARKER_FILE
-from gpudeck.trainers.contract import CHECKPOINTS_DIRNAME
+from gpudeck.trainers.contract import CHECKPOINT_METADATA, CHECKPOINTS_DIRNAME
 from gpudeck.trainers.contract import STEP_RE as _STEP_RE
+from gpudeck.trainers.errors import InputError
 
 
 def checkpoints_dir(out: str | os.PathLike) -> Path:
@@ -75,7 +84,7 @@ def read_marker(out: str | os.PathLike, step: int) -> dict[str, Any]:
     return json.loads((checkpoint_path(out, step) / MARKER_FILE).read_text())
 
 
-class StartError(Exception):
+class StartError(InputError):
     """The requested start (fresh / resume) cannot be honoured; trainers exit 2."""
 
 
@@ -84,6 +93,7 @@ class StartPlan:
     fresh: bool
     step: int | None = None  # the checkpoint step when resuming
     archive_existing: bool = False
+    trust: TrustVerdict | None = None  # what the resume's checkpoint check found
 
     def describe(self) -> str:
         return "fresh" if self.fresh else f"resume {self.step}"
@@ -93,8 +103,10 @@ def _existing_desc(out: str | os.PathLike, steps: list[int]) -> str:
     return ", ".join(f"step_{s}" for s in steps) if steps else "none"
 
 
-def resolve_start(out: str | os.PathLike, fresh: bool, resume: str | int | None, new_run_dir: bool = False) -> StartPlan:
-    """Turn --fresh / --resume into a plan, or raise StartError saying why not."""
+def resolve_start(
+    out: str | os.PathLike, fresh: bool, resume: str | int | None, new_run_dir: bool = False, trust: bool = False
+) -> StartPlan:
+    """Turn --fresh / --resume into a plan, or raise StartError (or CheckpointTrustError) saying why not."""
     if fresh == (resume is not None):
         raise StartError("pick exactly one start: --fresh or --resume latest|N")
     steps = list_checkpoints(out)
@@ -111,11 +123,15 @@ def resolve_start(out: str | os.PathLike, fresh: bool, resume: str | int | None,
     if str(resume) == "latest":
         if not steps:
             raise StartError(f"--resume latest: no complete checkpoint in {root}; use --fresh to start")
-        return StartPlan(fresh=False, step=steps[-1])
-    want = int(resume)  # type: ignore[arg-type]
-    if want not in steps:
-        raise StartError(f"--resume {want}: no complete checkpoint step_{want} in {root}; checkpoints there: {_existing_desc(out, steps)}")
-    return StartPlan(fresh=False, step=want)
+        want = steps[-1]
+    else:
+        want = int(resume)  # type: ignore[arg-type]
+        if want not in steps:
+            raise StartError(
+                f"--resume {want}: no complete checkpoint step_{want} in {root}; checkpoints there: {_existing_desc(out, steps)}"
+            )
+    verdict = verify_checkpoint(checkpoint_path(out, want), out=Path(out), trust=trust)
+    return StartPlan(fresh=False, step=want, trust=verdict)
 
 
 def archive_checkpoints(out: str | os.PathLike) -> Path | None:
@@ -168,6 +184,22 @@ def _app_state(model: Any, optimizer: Any) -> dict[str, Any]:
     return {"model": model_sd, "optim": optim_sd}
 
 
+class Saved(NamedTuple):
+    """A finished save: where, how long, and (rank 0) what its manifest records of its files."""
+
+    path: Path
+    seconds: float
+    files: dict[str, dict[str, Any]]
+
+    def record(self) -> dict[str, Any]:
+        """The telemetry fields of a ``checkpoint`` record: the digest a later resume checks, and the shard sizes."""
+        record: dict[str, Any] = {"path": str(self.path), "seconds": round(self.seconds, 3)}
+        if self.files:  # rank 0 wrote the manifest
+            record["metadata_sha256"] = self.files[CHECKPOINT_METADATA]["sha256"]
+            record["shard_bytes"] = {name: f["bytes"] for name, f in self.files.items() if name != CHECKPOINT_METADATA}
+        return record
+
+
 def save_checkpoint(
     out: str | os.PathLike,
     step: int,
@@ -177,14 +209,17 @@ def save_checkpoint(
     keep: int | None = None,
     rank: int = 0,
     barrier: Callable[[], None] | None = None,
-) -> tuple[Path, float]:
-    """Save (collective on every rank); returns (path, seconds). Prunes old ones."""
+) -> Saved:
+    """Save (collective on every rank); returns where and how long. Prunes old ones."""
     import torch.distributed.checkpoint as dcp
 
     t0 = time.perf_counter()
     path = checkpoint_path(out, step)
-    if rank == 0 and path.exists():  # an incomplete or older save of the same step
-        shutil.rmtree(path)
+    if rank == 0:
+        if path.exists():  # an incomplete or older save of the same step
+            shutil.rmtree(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        harden([path.parent])
     if barrier:
         barrier()
     state = _app_state(model, optimizer)
@@ -194,16 +229,16 @@ def save_checkpoint(
     if barrier:
         barrier()
     seconds = time.perf_counter() - t0
+    files: dict[str, dict[str, Any]] = {}
     if rank == 0:
+        harden([path, *path.iterdir()])  # a resume refuses group- or other-writable files
         marker = {"step": int(step), "saved_at": time.time(), "seconds": seconds, "extra_keys": sorted(extra)}
-        tmp = path / (MARKER_FILE + ".tmp")
-        tmp.write_text(json.dumps(marker, indent=2) + "\n")
-        os.replace(tmp, path / MARKER_FILE)
+        files = write_manifest(path, marker)["files"]
         if keep:
             prune_checkpoints(out, keep)
     if barrier:
         barrier()
-    return path, seconds
+    return Saved(path, seconds, files)
 
 
 def prune_checkpoints(out: str | os.PathLike, keep: int) -> list[int]:
@@ -215,12 +250,52 @@ def prune_checkpoints(out: str | os.PathLike, keep: int) -> list[int]:
     return doomed
 
 
-def load_checkpoint(out: str | os.PathLike, step: int, model: Any, optimizer: Any, rank: int = 0) -> dict[str, Any]:
-    """Load into model/optimizer in place (collective); restores RNG; returns extra."""
+def _plain_data_planner(path: Path) -> Any:
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+
+    class PlainDataLoadPlanner(DefaultLoadPlanner):
+        """DCP's default planner, except that non-tensor items are read with ``weights_only=True`` (plain data only)."""
+
+        def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+            import pickle  # noqa: TID251 - only its error type: the item is read by torch.load(weights_only=True)
+
+            import torch
+
+            try:
+                plain = torch.load(value, weights_only=True)  # raises on anything but tensors and plain containers
+            except pickle.UnpicklingError:
+                item = read_item.dest_index.fqn
+                raise CheckpointTrustError(
+                    path, f"refusing checkpoint {path}: its item {item!r} is not plain data (a pickle that would run code)"
+                ) from None
+            again = io.BytesIO()
+            torch.save(plain, again)
+            again.seek(0)
+            super().load_bytes(read_item, again)
+
+    return PlainDataLoadPlanner()
+
+
+def _dcp_load(state: dict[str, Any], path: Path) -> None:
+    """``dcp.load`` with the plain-data planner; a refused item comes out as the CheckpointTrustError it is."""
+    import torch.distributed.checkpoint as dcp
+
+    try:
+        dcp.load(state, checkpoint_id=str(path), planner=_plain_data_planner(path))
+    except dcp.CheckpointException as exc:
+        refused = [e for e, _ in exc.failures.values() if isinstance(e, CheckpointTrustError)]
+        if refused:
+            raise refused[0] from None
+        raise
+
+
+def load_checkpoint(out: str | os.PathLike, step: int, model: Any, optimizer: Any, rank: int = 0, trust: bool = False) -> dict[str, Any]:
+    """Verify the folder, then load into model/optimizer in place (collective); restores RNG; returns extra."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
 
     path = checkpoint_path(out, step)
+    verify_checkpoint(path, out=Path(out), trust=trust)  # before DCP unpickles .metadata
     state = _app_state(model, optimizer)
     state["extra_json"] = ""
     metadata = dcp.FileSystemReader(str(path)).read_metadata()
@@ -228,7 +303,7 @@ def load_checkpoint(out: str | os.PathLike, step: int, model: Any, optimizer: An
     have_rng = any(k.startswith(rng_key + ".") or k == rng_key for k in metadata.state_dict_metadata)
     if have_rng:
         state[rng_key] = rng_state()
-    dcp.load(state, checkpoint_id=str(path))
+    _dcp_load(state, path)
     if optimizer is None:
         set_model_state_dict(model, state["model"])
     else:

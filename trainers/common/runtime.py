@@ -5,7 +5,7 @@ Public API (kept stable; dflash imports it):
 Command line
     ``add_common_args(parser)``  adds the options both trainers share:
         --model-config, --init-from, --data, --tokenizer, --data-dtype,
-        --corpus-bytes, --fresh | --resume latest|N, --new-run-dir,
+        --corpus-bytes, --fresh | --resume latest|N, --new-run-dir, --trust-checkpoint,
         --max-steps, --batch-size, --seq-len, --grad-accum, --lr,
         --min-lr-ratio, --warmup-steps, --weight-decay, --grad-clip, --seed,
         --checkpoint-every, --keep, --out DIR, --compile,
@@ -75,8 +75,9 @@ import threading
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
+from gpudeck.trainers.errors import EXIT_BAD_INPUT, InputError
 from gpudeck.trainers.presets import PRESETS
 
 FAIL_ENV = "GPUDECK_TEST_FAIL_AT_STEP"
@@ -101,6 +102,13 @@ def _resume_value(text: str) -> str:
     except ValueError:
         raise argparse.ArgumentTypeError(f"--resume takes 'latest' or a step number, got {text!r}") from None
     return str(int(text))
+
+
+class TrainerArgumentParser(argparse.ArgumentParser):
+    """argparse, except that a bad option is one line on stderr (``prog: error: ...``), not the usage block; exit 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_BAD_INPUT, f"{self.prog}: error: {' '.join(message.split())} (see --help)\n")
 
 
 def add_common_args(parser: argparse.ArgumentParser) -> None:
@@ -131,6 +139,13 @@ def add_common_args(parser: argparse.ArgumentParser) -> None:
         "--new-run-dir",
         action="store_true",
         help="with --fresh: move existing OUT/checkpoints aside to OUT/checkpoints.archived-<UTC time>/ and start a new run there",
+    )
+
+    g.add_argument(
+        "--trust-checkpoint",
+        action="store_true",
+        help="with --resume: load a checkpoint another user could have written (their folder, group/other-writable, "
+        "or saved without digests); the run's telemetry records it",
     )
 
     g = parser.add_argument_group("training")
@@ -165,6 +180,8 @@ def check_common_args(parser: argparse.ArgumentParser, args: argparse.Namespace)
         )
     if args.new_run_dir and not args.fresh:
         parser.error("--new-run-dir only goes with --fresh")
+    if args.trust_checkpoint and args.resume is None:
+        parser.error("--trust-checkpoint only goes with --resume")
     if args.checkpoint_every < 0:
         parser.error("--checkpoint-every must be >= 0")
     if args.warmup_steps is not None and args.warmup_steps < 0:
@@ -204,7 +221,7 @@ def init_distributed(device: str = "auto", init_timeout_s: float = 300.0, single
     world = int(os.environ.get("WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     use_cuda = torch.cuda.is_available() and device != "cpu"
-    from gpudeck.trainers.diagnostics import enable_flight_recorder
+    from gpudeck.trainers.common.diagnostics import enable_flight_recorder
 
     enable_flight_recorder()  # NCCL and gloo (torch >= 2.9): before the process group exists
     if device == "cuda" and not torch.cuda.is_available():
@@ -311,8 +328,12 @@ def register(ctx: DistContext | None = None, telemetry: Any = None) -> None:
         _REGISTERED["telemetry"] = telemetry
 
 
-def abort_and_exit(ctx: DistContext | None, exc: BaseException, telemetry: Any = None, code: int = 1) -> None:
-    """Error path: telemetry ``error`` record, traceback on stderr, abort, ``os._exit``."""
+def abort_and_exit(ctx: DistContext | None, exc: BaseException, telemetry: Any = None, code: int = 1, bad_input: bool = False) -> None:
+    """Error path: telemetry ``error`` record, the error on stderr, abort, ``os._exit``.
+
+    ``bad_input`` (an :class:`~gpudeck.trainers.errors.InputError` or :class:`ExitWith`): one line, the
+    message that says what to fix, no traceback; otherwise the type, the message and the traceback (a bug).
+    """
     rank = ctx.rank if ctx is not None else int(os.environ.get("RANK", "0"))
     message = f"{type(exc).__name__}: {exc}"
     try:
@@ -321,8 +342,11 @@ def abort_and_exit(ctx: DistContext | None, exc: BaseException, telemetry: Any =
     except Exception:
         pass
     try:
-        sys.stderr.write(f"[rank {rank}] error: {message}\n")
-        traceback.print_exception(type(exc), exc, exc.__traceback__, file=sys.stderr)
+        if bad_input:
+            sys.stderr.write(f"[rank {rank}] error: {' '.join(str(exc).split())}\n")
+        else:
+            sys.stderr.write(f"[rank {rank}] error: {message}\n")
+            traceback.print_exception(type(exc), exc, exc.__traceback__, file=sys.stderr)
         sys.stderr.flush()
         sys.stdout.flush()
     except Exception:
@@ -354,7 +378,10 @@ def run_main(main: Callable[[], int]) -> None:
     except SystemExit:
         raise
     except ExitWith as exc:
-        abort_and_exit(_REGISTERED["ctx"], exc, _REGISTERED["telemetry"], code=exc.code)
+        abort_and_exit(_REGISTERED["ctx"], exc, _REGISTERED["telemetry"], code=exc.code, bad_input=True)
+        return
+    except InputError as exc:
+        abort_and_exit(_REGISTERED["ctx"], exc, _REGISTERED["telemetry"], code=EXIT_BAD_INPUT, bad_input=True)
         return
     except BaseException as exc:
         abort_and_exit(_REGISTERED["ctx"], exc, _REGISTERED["telemetry"], code=1)

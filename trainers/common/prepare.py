@@ -23,7 +23,7 @@ manifest last)::
     PREP/train.bin               tokens of the train split (uint16, or uint32 for vocabularies > 65535)
     PREP/train.idx.npy           int64 document offsets into train.bin (documents + 1 entries)
     PREP/val.bin, val.idx.npy    the validation split, when --val-fraction or --val-data
-    PREP/tokenizer/              the tokenizer (gpudeck.trainers.data.load_tokenizer reads it)
+    PREP/tokenizer/              the tokenizer (gpudeck.trainers.common.tokenizer.load_tokenizer reads it)
 
 Manifest: ``format`` (``gpudeck-prepared/1``), ``source``, ``text_column``,
 ``tokenizer`` (``describe()``), ``dtype``, ``max_token_id``, ``splits``:
@@ -32,7 +32,7 @@ Manifest: ``format`` (``gpudeck-prepared/1``), ``source``, ``text_column``,
 (of the token file)}}, ``val_fraction``, ``val_source``, ``seed``,
 ``num_proc``, ``seconds``, ``created``.
 
-Training ranks memory-map ``train.bin`` (``gpudeck.trainers.data.load_prepared``) and
+Training ranks memory-map ``train.bin`` (``gpudeck.trainers.common.data.load_prepared``) and
 never tokenise; the trainer's manifest takes its dataset figures (samples,
 tokens, documents, unique documents, hash) from these files.
 
@@ -57,17 +57,17 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
-from gpudeck.trainers.data import (
-    BYTE_TOKENIZER_FILE,
+from gpudeck.trainers.common.data import (
     DEFAULT_CORPUS_BYTES,
     PREPARED_FORMAT,
     PREPARED_MANIFEST,
-    DataError,
     DocumentSource,
     encode_documents,
-    load_tokenizer,
     open_documents,
 )
+from gpudeck.trainers.common.runtime import TrainerArgumentParser
+from gpudeck.trainers.common.tokenizer import BYTE_TOKENIZER_FILE, load_tokenizer
+from gpudeck.trainers.errors import InputError
 
 CHUNK_DOCS = 256  # documents per task handed to a worker
 
@@ -75,12 +75,12 @@ CHUNK_DOCS = 256  # documents per task handed to a worker
 _WORKER: dict[str, Any] = {}
 
 
-class PrepareError(Exception):
+class PrepareError(InputError):
     """The command line or the output folder is not usable; the message says the fix."""
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = TrainerArgumentParser(
         prog="python -m gpudeck.trainers.prepare", description="Tokenise a corpus once into memory-mapped token files (gpudeck)."
     )
     p.add_argument(
@@ -306,8 +306,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         manifest = prepare(args)
-    except (PrepareError, DataError, FileNotFoundError) as exc:
-        print(f"prepare: {exc}", file=sys.stderr)
+    except (InputError, FileNotFoundError) as exc:
+        print(f"prepare: {' '.join(str(exc).split())}", file=sys.stderr)
         return 2
     for name, info in manifest["splits"].items():
         print(
@@ -318,7 +318,3 @@ def main(argv: list[str] | None = None) -> int:
         )
     print(f"prepare: {manifest['num_proc']} processes, {manifest['seconds']:.1f} s", flush=True)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

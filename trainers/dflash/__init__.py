@@ -1,0 +1,1 @@
+"""Provides the DFlash drafter trainer, run as ``python -m gpudeck.trainers.dflash`` (see :mod:`.trainer`)."""
