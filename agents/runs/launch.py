@@ -33,7 +33,7 @@ from gpudeck.agents.safety.estimate import LaunchArgv, estimate_or_reason
 from gpudeck.agents.safety.preflight import UNPARSED, Unparsed, failure_summary, parse_launch_argv, run_preflight, run_python
 from gpudeck.agents.wire import paths
 from gpudeck.agents.wire.errors import AgentError, BadRequest, LaunchFailed, StorageError
-from gpudeck.agents.wire.protocol import MAX_ARGV, EnvFingerprint, LaunchSpec, Member, PreflightResult, RunInfo, new_run_id
+from gpudeck.agents.wire.protocol import MAX_ARGV, MAX_NAME, EnvFingerprint, LaunchSpec, Member, PreflightResult, RunInfo, new_run_id
 
 if TYPE_CHECKING:
     from gpudeck.agents.runs.supervisor import Supervisor
@@ -54,6 +54,8 @@ def validate(spec: LaunchSpec) -> None:
         raise BadRequest("launch needs a command: `gpudeck launch -- python train.py ...`")
     if len(spec.argv) > MAX_ARGV:
         raise BadRequest(f"launch argv has {len(spec.argv)} arguments; the limit is {MAX_ARGV}")
+    if spec.name is not None and len(spec.name) > MAX_NAME:
+        raise BadRequest(f"the run's name has {len(spec.name):,} characters; the limit is {MAX_NAME}: give a shorter --name")
     for a in spec.argv:
         if "\x00" in a:
             raise BadRequest("an argument contains a NUL byte; arguments are passed literally and cannot hold NUL")

@@ -35,6 +35,7 @@ def versions_spoken() -> str:
 
 MAX_FRAME = 1 << 20  # bytes in one line, newline excluded
 MAX_ARGV = 4096  # arguments in one launch
+MAX_NAME = 256  # characters in a run's name (every table line shows it: a 120 KB name made each 120,083 characters wide)
 MAX_OUTPUT_CHUNK = 256 * 1024
 
 RunState = Literal[

@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, cast
 
-from gpudeck.agents.wire.protocol import Claims
+from gpudeck.agents.wire.protocol import MAX_NAME, Claims
 from gpudeck.console.core import config as cfg
 from gpudeck.console.ops.errors import IntentError
 from gpudeck.trainers.contract import KINDS, TRAINER_MODULES, parse_index_list
@@ -177,6 +177,13 @@ def check_gpus(text: str | None) -> list[int] | None:
     if asked != len(gpus):
         raise IntentError("gpus", f"{text!r} names a GPU more than once", "name each GPU once")
     return gpus
+
+
+def check_name(name: str | None) -> str | None:
+    """A run's name as given, within the agent's limit (:data:`~gpudeck.agents.wire.protocol.MAX_NAME` characters)."""
+    if name is not None and len(name) > MAX_NAME:
+        raise IntentError("name", f"{len(name):,} characters is too long", f"give a name of at most {MAX_NAME} characters")
+    return name
 
 
 def check_env(env: Mapping[str, str]) -> dict[str, str]:

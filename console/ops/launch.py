@@ -41,6 +41,7 @@ from gpudeck.console.ops.intent import (
     check_host,
     check_hosts,
     check_kind,
+    check_name,
     check_positive,
     check_start,
     shared_fields,
@@ -151,6 +152,7 @@ def plan_launch(
     kind = check_kind(intent.kind)
     gpus = check_gpus(intent.gpus)
     env = check_env(intent.env)
+    check_name(intent.name)
     claims = check_claims(intent.claims)
     nproc = check_positive(
         intent.nproc_per_node, "ranks per node", "give how many ranks each host starts (1 or more), or leave it out: one per GPU"

@@ -232,3 +232,33 @@ def test_preflight_names_itself_and_a_bad_host_name_says_what_is_accepted(agent:
         assert cp.returncode == 2 and "'bad host' is not a host name" in cp.stderr and HOST_NAME_RULE in cp.stderr, (args, cp.stderr)
     agent.cli("hosts", "add", "user@gpu-1.example", "[fe80::1]")  # what the rule says is accepted is accepted
     agent.cli("hosts", "remove", "user@gpu-1.example", "[fe80::1]")
+
+
+def test_a_run_name_past_the_limit_is_refused_by_the_cli_and_by_the_agent(agent: AgentProc) -> None:
+    """A 120 KB name made every table line 120,083 characters wide: the CLI refuses it before asking (exit 2, the limit
+    named), and the agent refuses it too for a client that skips the CLI's check."""
+    from gpudeck.agents.wire.errors import BadRequest
+    from gpudeck.agents.wire.protocol import MAX_NAME, Launch, LaunchSpec
+
+    long_name = "n" * 120_000
+    cp = agent.cli("launch", "--name", long_name, "--", sys.executable, "-c", "pass", check=False)
+    assert cp.returncode == 2, (cp.returncode, cp.stderr[:300])
+    assert f"at most {MAX_NAME} characters" in cp.stderr and len(cp.stderr) < 500, cp.stderr[:300]
+    assert agent.cli_json("runs") == []  # nothing recorded
+
+    async def direct() -> str:
+        c = await agent.client()
+        try:
+            await c.request(Launch(spec=LaunchSpec(argv=[sys.executable, "-c", "pass"], name="m" * (MAX_NAME + 1))))
+        except BadRequest as exc:
+            return exc.message
+        finally:
+            await c.close()
+        return "accepted"
+
+    import asyncio
+
+    said = asyncio.run(direct())
+    assert f"the limit is {MAX_NAME}" in said and "shorter --name" in said, said
+    ok = agent.cli_json("launch", "--name", "m" * MAX_NAME, "--", sys.executable, "-c", "pass")
+    assert ok["id"].startswith("r-")
