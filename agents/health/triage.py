@@ -550,6 +550,8 @@ class TriagedRun(Protocol):
     @property
     def id(self) -> str: ...
 
+    def set_triage_task(self, task: asyncio.Task[Triage]) -> None: ...
+
 
 class TriageHost(Protocol):
     """What a triage needs of the run's supervisor (agents/runs/supervisor.py's Supervisor is one)."""
@@ -576,8 +578,9 @@ async def gather(sup: TriageHost, lr: TriagedRun, reason: str) -> Triage:
     """Gather, store (journal event ``triage``) and return a triage of a live run; one at a time per run."""
     if lr.triage_task is not None and not lr.triage_task.done():
         return await asyncio.shield(lr.triage_task)
-    lr.triage_task = asyncio.ensure_future(_gather(sup, lr, reason))
-    return await asyncio.shield(lr.triage_task)
+    task = asyncio.ensure_future(_gather(sup, lr, reason))
+    lr.set_triage_task(task)
+    return await asyncio.shield(task)
 
 
 async def _gather(sup: TriageHost, lr: TriagedRun, reason: str) -> Triage:

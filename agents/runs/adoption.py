@@ -61,16 +61,17 @@ def adopt(sup: Supervisor) -> list[str]:
         # the kernel judges: the run's group (or its members by tag + ancestry), never its shim alone
         life = ending.liveness(lr)
         if stop_left or life.alive:
-            lr.last_seen_alive = time.time()
+            lr.mark_seen_alive(time.time())
             if run.state == "stopping":
                 ev = sup.journal.last_event(run.id, "run_state")
                 data = ev.data if ev is not None and ev.data.get("state") == "stopping" else {}
-                lr.resume_stop_started = float(data.get("stop_started") or (ev.ts if ev is not None and data else time.time()))
-                notes.append(f"{run.id}: stop was in progress ({time.time() - lr.resume_stop_started:.1f} s ago); finishing it")
+                stop_started = float(data.get("stop_started") or (ev.ts if ev is not None and data else time.time()))
+                lr.resume_stop(stop_started)
+                notes.append(f"{run.id}: stop was in progress ({time.time() - stop_started:.1f} s ago); finishing it")
                 sup.runs.update(
                     run,
                     "run_adopted",
-                    {"state": run.state, "resume_stop": True, "stop_started": lr.resume_stop_started, "evidence": states.ADOPTED},
+                    {"state": run.state, "resume_stop": True, "stop_started": stop_started, "evidence": states.ADOPTED},
                 )
             else:
                 adopted = {"containment": run.containment.label if run.containment else None}

@@ -310,7 +310,7 @@ def note_shim_gone(sup: Supervisor, lr: LiveRun, life: Liveness) -> None:
     """Journal, once, that the run goes on without its shim: what happened and how many of its processes still run."""
     if life.shim_gone is None or lr.shim_lost is not None:
         return
-    lr.shim_lost = life.shim_gone
+    lr.note_shim_lost(life.shim_gone)
     where = f"in its group {lr.group.path}" if lr.group is not None else "found by its tag and ancestry"
     note = (
         f"{life.shim_gone}; {life.members} process(es) of the run still run {where}: the run stays live and supervised "
@@ -418,7 +418,7 @@ def finish(sup: Supervisor, lr: LiveRun, *, agent_was_down: bool = False, stoppe
         data["containment"] = msgspec.to_builtins(run.containment)
     claims.record(sup.runs.append, lr.id, lr.last_obs)
     sup.runs.transition(run, end.state, end.evidence, data, cause=end.cause, exit_code=end.exit_code, signal=end.signal, ended=end.ended)
-    lr.shim = None
+    lr.release_shim()
 
 
 def rank_death_alert(sup: Supervisor, run: RunInfo, gone: tuple[int, int, float], cause: str) -> None:

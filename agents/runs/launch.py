@@ -344,7 +344,7 @@ async def launch_new(
     try:
         return await start_recorded(sup, lr, plan, run_dir, pf, env_fp)
     finally:
-        lr.launching = False
+        lr.end_launching()
 
 
 async def start_recorded(
@@ -362,7 +362,7 @@ async def start_recorded(
             problem = f"cannot create the run's cgroup under {getattr(sup.containment, 'base', '?')} ({exc.strerror}); set GPUDECK_CONTAINMENT=tag to run without one"
             fail_launch(sup, run, problem)
             raise LaunchFailed(f"{problem}; run {run_id} is recorded as failed") from exc
-    lr.group = group
+    lr.set_group(group)
     run.containment = sup.containment_info(group)
     extra: list[tuple[str, str | None, dict]] = [("containment", run_id, {"containment": msgspec.to_builtins(run.containment)})]
     if pf is not None:
@@ -385,7 +385,7 @@ async def start_recorded(
     except LaunchFailed as exc:
         fail_launch(sup, run, exc.message)
         raise LaunchFailed(f"{exc.message}; run {run_id} is recorded as failed") from exc
-    lr.shim = shim
+    lr.attach_shim(shim)
     now = time.time()
     members = [Member(pid=shim.pid, create_time=create_time_of(shim.pid) or 0.0, role="shim", first_seen=now, cmdline=["gpudeck-shim"])]
     leader_ct = create_time_of(pid)

@@ -71,3 +71,75 @@ class LiveRun:
     def baseline_value(self) -> Baseline | None:
         """The looked-up baseline (None: none, or not yet)."""
         return None if self.baseline is _UNSET else self.baseline  # type: ignore[return-value]
+
+    # The only writers of a LiveRun's fields (tests/unit/test_liverun_owner.py holds every other module to them).
+
+    def set_group(self, group: RunGroup | None) -> None:
+        """The run's cgroup, made at launch (None: the run is contained by tag + ancestry)."""
+        self.group = group
+
+    def attach_shim(self, shim: subprocess.Popen) -> None:
+        """The shim this agent spawned for the run."""
+        self.shim = shim
+
+    def release_shim(self) -> None:
+        """The run has ended: its shim is no longer held."""
+        self.shim = None
+
+    def end_launching(self) -> None:
+        """The launch is over (spawned or failed): the tick may judge the run from now on."""
+        self.launching = False
+
+    def resume_stop(self, started: float) -> None:
+        """A stop an earlier agent began (its wall-clock start, from the journal) is to be finished."""
+        self.resume_stop_started = started
+
+    def take_resumed_stop(self) -> float | None:
+        """When a stop an earlier agent began started (None: none), forgotten once taken: one stop finishes it."""
+        started, self.resume_stop_started = self.resume_stop_started, None
+        return started
+
+    def mark_seen_alive(self, now: float) -> None:
+        """A tick (or the adoption) saw the run alive at ``now`` (wall clock)."""
+        self.last_seen_alive = now
+
+    def note_shim_lost(self, how: str) -> None:
+        """How the run's shim went without an exit status (journaled once; the run lives on)."""
+        self.shim_lost = how
+
+    def start_journal_at(self, offset: int) -> None:
+        """The telemetry offset the journal already holds (read from it when the tail is first opened)."""
+        self.journaled_offset = offset
+
+    def note_journaled(self, offset: int) -> None:
+        """Telemetry up to ``offset`` is in the journal."""
+        self.journaled_offset = offset
+
+    def count_rejection_journaled(self) -> None:
+        """One more telemetry_rejected event was written for the run."""
+        self.rejections_journaled += 1
+
+    def note_step_event(self, now: float) -> None:
+        """A step record was journaled at ``now`` (monotonic): the rate limit counts from here."""
+        self.last_step_event = now
+
+    def hold_step(self, held: tuple[dict, int] | None) -> None:
+        """The newest step record the rate limit left out of the journal, with its offset (None: none)."""
+        self.held_step = held
+
+    def note_observation(self, obs: Observation) -> None:
+        """The health rules' newest observation of the run."""
+        self.last_obs = obs
+
+    def note_rank_death(self, alert: Alert) -> None:
+        """A rank died: the first such alert is kept (the stop's reason names it)."""
+        if self.first_death is None:
+            self.first_death = alert
+
+    def set_baseline(self, baseline: Baseline | None) -> None:
+        """The looked-up throughput baseline (None: there is none); looked up once per run."""
+        self.baseline = baseline
+
+    def set_triage_task(self, task: asyncio.Task) -> None:
+        """The triage being gathered for the run (agents/health/triage.py: one at a time)."""
+        self.triage_task = task

@@ -22,7 +22,7 @@ def poll(sup: Supervisor, lr: LiveRun, *, ending: bool = False) -> None:
     run = lr.info
     if lr.tail is None:
         last = sup.journal.last_event(run.id, "telemetry")
-        lr.journaled_offset = int(last.data.get("offset", 0)) if last else 0
+        lr.start_journal_at(int(last.data.get("offset", 0)) if last else 0)
     tail = lr.telemetry_tail()
     records = tail.poll(final=run.state not in ("starting", "running", "stopping"))
     run.telemetry = tail.summary
@@ -30,7 +30,7 @@ def poll(sup: Supervisor, lr: LiveRun, *, ending: bool = False) -> None:
     for rej in tail.take_rejections():
         tail.summary.last_rejection = rej.describe()
         if lr.rejections_journaled < MAX_REJECTIONS_JOURNALED:
-            lr.rejections_journaled += 1
+            lr.count_rejection_journaled()
             items.append(("telemetry_rejected", run.id, {"line": rej.line, "offset": rej.offset, "reason": rej.reason[:500]}))
     if not records and not items and not (ending and lr.held_step is not None):
         return
@@ -44,7 +44,7 @@ def poll(sup: Supervisor, lr: LiveRun, *, ending: bool = False) -> None:
             if now - lr.last_step_event < STEP_EVENT_EVERY_S:
                 held = (rec, offset)
                 continue
-            lr.last_step_event = now
+            lr.note_step_event(now)
             held = None
         elif held is not None:
             items.append(("telemetry", run.id, {"record": held[0], "offset": held[1]}))
@@ -58,5 +58,5 @@ def poll(sup: Supervisor, lr: LiveRun, *, ending: bool = False) -> None:
             sup.runs.emit(ev)
         offsets = [d["offset"] for kind, _r, d in items if kind == "telemetry"]
         if offsets:
-            lr.journaled_offset = offsets[-1]
-    lr.held_step = held  # (not when the journal refused them: the step is still to be written)
+            lr.note_journaled(offsets[-1])
+    lr.hold_step(held)  # (not when the journal refused them: the step is still to be written)

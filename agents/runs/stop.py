@@ -414,12 +414,12 @@ async def stop_run(sup: Supervisor, run: RunInfo, grace_s: float, reason: str = 
     )
     stop_started = time.time()
     grace_left = grace_s
-    if lr is not None and lr.resume_stop_started is not None:
-        spent = max(0.0, time.time() - lr.resume_stop_started)
-        stop_started = lr.resume_stop_started
+    resumed = lr.take_resumed_stop() if lr is not None else None
+    if resumed is not None:
+        spent = max(0.0, time.time() - resumed)
+        stop_started = resumed
         grace_left = max(0.0, grace_s - spent)
         result.resumed_after_s = round(spent, 3)
-        lr.resume_stop_started = None
     if not was_terminal and run.state != "stopping":  # (a stop an earlier agent began is journaled as stopping already)
         sup.runs.transition(run, "stopping", states.STOP_REQUESTED, {"grace_s": grace_s, "stop_started": stop_started})
     # with a group the kernel names the members: no full re-read of every process's identity is needed

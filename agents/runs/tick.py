@@ -157,7 +157,7 @@ def judge(sup: Supervisor, got: Scan) -> None:
         if not life.alive:
             ending.finish(sup, lr)
             continue
-        lr.last_seen_alive = time.time()
+        lr.mark_seen_alive(time.time())
         ending.note_shim_gone(sup, lr, life)
         check_health(sup, lr, got.gpus or [], got.alive_now)
     sup.runs.settle_emptied_groups()
@@ -204,7 +204,7 @@ def check_health(sup: Supervisor, lr: LiveRun, gpus: list[Gpu], alive_now: dict[
         return alive(m.pid, m.create_time) if known is None else known
 
     obs = observe(run, time.time(), gpus, is_alive, stopping=run.state == "stopping")
-    lr.last_obs = obs
+    lr.note_observation(obs)
     raised = health.update(obs, baseline(sup, lr))
     cleared = health.cleared_since_last()
     if raised or cleared:
@@ -213,8 +213,8 @@ def check_health(sup: Supervisor, lr: LiveRun, gpus: list[Gpu], alive_now: dict[
         sup.runs.emit_many(items, f"run {run.id}'s {len(items)} alert event(s)")
         for a in raised:
             log.warning("run %s: %s", run.id, a.message)
-            if a.kind == "rank_exited" and lr.first_death is None:
-                lr.first_death = a
+            if a.kind == "rank_exited":
+                lr.note_rank_death(a)
     run.alerts = health.active
     triage.on_alerts(sup, lr, raised)  # --on-hang: evidence from every rank (then a stop) when a hang is raised
     if health.wants_stop and not sup.runs.stopping(run.id):
@@ -235,5 +235,5 @@ def baseline(sup: Supervisor, lr: LiveRun) -> Baseline | None:
     if tel is None or not tel.config_hash:
         return None  # not known yet: look again next tick
     found = sup.journal.throughput_baseline(tel.config_hash, tel.world_size, exclude=lr.id)
-    lr.baseline = Baseline(run_id=found[0], median_tokens_per_s=found[1], config_hash=tel.config_hash) if found else None
+    lr.set_baseline(Baseline(run_id=found[0], median_tokens_per_s=found[1], config_hash=tel.config_hash) if found else None)
     return lr.baseline_value()
