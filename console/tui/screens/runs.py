@@ -15,11 +15,10 @@ from textual.widgets import Static
 from gpudeck.agents.wire.errors import AgentError
 from gpudeck.agents.wire.protocol import TERMINAL_STATES, RunInfo
 from gpudeck.console.core.fmt import duration, elapsed
-from gpudeck.console.history.query import QueryError
+from gpudeck.console.ops.readings import history_run_count, runs_changed_since
+from gpudeck.console.ops.resolve import fleet_runs
 from gpudeck.console.present.views import (
     RunRow,
-    history_rows_after,
-    history_run_count,
     merge_rows,
     run_from_record,
     run_row_from_history,
@@ -180,12 +179,12 @@ class RunsScreen(LiveScreen):
         query = f"limit:{HISTORY_LIMIT}"
         try:
             first = self._history_mark is None
-            rows, self._history_mark = history_rows_after(history.path, query, self._history_mark)
+            rows, self._history_mark = runs_changed_since(history.path, query, self._history_mark)
             loaded = HistoryLoaded(query, rows, seconds=time.monotonic() - t0)
             if first and len(rows) >= HISTORY_LIMIT:  # the history may hold more than the screen reads: how many
                 loaded.total = history_run_count(history.path)
             self.post_message(loaded)
-        except (QueryError, OSError, Exception) as exc:  # a locked or missing file must not kill the screen
+        except Exception as exc:  # a locked or missing file (or a refused filter) must not kill the screen
             self.post_message(HistoryLoaded(query, [], error=f"history: {exc}"))
 
     @on(HistoryLoaded)
@@ -216,12 +215,12 @@ class RunsScreen(LiveScreen):
 
         async def one(host: str) -> None:
             async with sem:
-                try:
-                    runs = await fleet.runs(host, limit=500)
-                except AgentError as exc:
-                    self._errors[host] = exc.message
+                listed = await fleet_runs(fleet, [host], limit=500)  # the same read as `gpudeck runs`
+                if host in listed.unanswered:
+                    self._errors[host] = listed.unanswered[host]
                     return
                 self._errors.pop(host, None)
+                runs = [r for _h, r in listed.runs]
                 if not self.is_attached:
                     return
                 changed = set()
