@@ -11,17 +11,32 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from gpudeck.agents.wire.errors import AgentError
-from gpudeck.agents.wire.protocol import LeftoverList, OutputChunk, VerifyReply
+from gpudeck.agents.wire.protocol import LeftoverList, OutputChunk, RunInfo, VerifyReply
 from gpudeck.console.core.records import RunRecord
 from gpudeck.console.fleet.fleet import Fleet
 from gpudeck.console.history.query import Compiled, QueryError, compile_query
 from gpudeck.console.history.replica import History, add_tokens_median, read_runs
-from gpudeck.console.ops.errors import QueryRefused
+from gpudeck.console.ops.errors import OpsError, QueryRefused
 
 
 async def verify_run(fleet: Fleet, host: str, run_id: str) -> VerifyReply:
     """A run's claims against what its agent observes (raises AgentError when the host does not answer)."""
     return await fleet.verify(host, run_id)
+
+
+async def current_run(fleet: Fleet, host: str, run_id: str) -> RunInfo | RunRecord:
+    """A run as its agent knows it now, else as the history recorded it (a record: the caller shapes it); raises
+    :class:`OpsError` saying why neither could be read."""
+    try:
+        return await fleet.run(host, run_id)
+    except AgentError as exc:
+        why = exc.message
+    if fleet.history is not None:
+        try:
+            return await asyncio.to_thread(fleet.history.find, run_id, host)
+        except Exception as exc:  # not recorded, or the file cannot be read: say why
+            why = f"{why}; history: {exc}"
+    raise OpsError(why)
 
 
 async def host_leftovers(fleet: Fleet, host: str, include_live: bool = False) -> LeftoverList:

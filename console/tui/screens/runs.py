@@ -12,10 +12,10 @@ from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.widgets import Static
 
-from gpudeck.agents.wire.errors import AgentError
 from gpudeck.agents.wire.protocol import TERMINAL_STATES, RunInfo
 from gpudeck.console.core.fmt import duration, elapsed
-from gpudeck.console.ops.readings import history_run_count, runs_changed_since
+from gpudeck.console.ops.errors import OpsError
+from gpudeck.console.ops.readings import current_run, history_run_count, runs_changed_since
 from gpudeck.console.ops.resolve import fleet_runs
 from gpudeck.console.present.views import (
     RunRow,
@@ -322,20 +322,18 @@ class RunsScreen(LiveScreen):
             self.notify("no run is highlighted", severity="warning")
             return None
         host = self.host_of(rid)
-        fleet = deck(self).fleet
         try:
-            return host, await fleet.run(host, rid)
-        except AgentError as exc:
-            why = exc.message
-        if fleet.history is not None:
-            try:
-                info = run_from_record(await asyncio.to_thread(fleet.history.find, rid, host))
-            except Exception as exc:  # not recorded, or the file cannot be read: say why below
-                info, why = None, f"{why}; history: {exc}"
-            if info is not None:
-                return host, info
-        self.notify(f"{rid}: {why}", title="cannot read the run", severity="error")
-        return None
+            got = await current_run(deck(self).fleet, host, rid)
+        except OpsError as exc:
+            self.notify(f"{rid}: {exc.message}", title="cannot read the run", severity="error")
+            return None
+        info = got if isinstance(got, RunInfo) else run_from_record(got)
+        if info is None:
+            self.notify(
+                f"{rid}: its agent cannot say and the history recorded no launch spec", title="cannot read the run", severity="error"
+            )
+            return None
+        return host, info
 
     def action_stop_run(self) -> None:
         self.stop_selected()
