@@ -32,7 +32,6 @@ from gpudeck.console.entry import main as entry_main
 from gpudeck.console.fleet.fleet import Fleet, SyncResult
 from gpudeck.console.fleet.multinode import group, group_runs
 from gpudeck.console.history.quarantine import format_problems
-from gpudeck.console.history.query import QueryError
 from gpudeck.console.history.replica import History, HistoryError
 from gpudeck.console.ops import (
     ClaimsIntent,
@@ -52,7 +51,7 @@ from gpudeck.console.ops.intent import check_start, env_items
 from gpudeck.console.ops.launch import LaunchPlan, is_trainer, plan_here
 from gpudeck.console.ops.launch import launch as ops_launch
 from gpudeck.console.ops.launch import preflight as ops_preflight
-from gpudeck.console.ops.readings import host_leftovers, tail_nodes, verify_run
+from gpudeck.console.ops.readings import host_leftovers, query_history, tail_nodes, verify_run
 from gpudeck.console.ops.relaunch import EnvironmentCheck
 from gpudeck.console.ops.resolve import fleet_runs
 from gpudeck.console.ops.rollback import prepare_rollback
@@ -572,7 +571,7 @@ async def _runs_from_history(args: argparse.Namespace) -> int:
     history = History()
     try:
         terms = [*(f"host:{h}" for h in _host_arg(args)), f"limit:{args.limit}"]
-        records = group(await asyncio.to_thread(history.query, terms))
+        records = group(await asyncio.to_thread(query_history, history, terms))
     finally:
         history.close()
     rows = [record_shape((r if args.show_secrets else redact_record(r)).as_json()) for r in records]
@@ -726,7 +725,7 @@ async def cmd_history(args: argparse.Namespace) -> int:
         print(json.dumps(to_builtins(problems)) if args.json else terminal_text(format_problems(problems)))
         return 0
     try:
-        rows = await asyncio.to_thread(history.query, list(args.query))  # each argument one term: no re-splitting
+        rows = await asyncio.to_thread(query_history, history, args.query)  # each argument one term: no re-splitting
         down = {h.name for h in await asyncio.to_thread(history.hosts) if h.state not in (None, "up")}
     finally:
         history.close()
@@ -798,7 +797,7 @@ def run(args: argparse.Namespace) -> int:
     except OpsError as exc:
         print(terminal_text(f"gpudeck: {exc.message}"), file=sys.stderr)
         return exc.exit_code
-    except (CliError, QueryError, cfg.ConfigError) as exc:
+    except (CliError, cfg.ConfigError) as exc:
         print(terminal_text(f"gpudeck: {exc}"), file=sys.stderr)
         return EXIT_USAGE
     except HistoryError as exc:

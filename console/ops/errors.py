@@ -17,6 +17,12 @@ class OpsError(Exception):
         self.message = message
 
 
+class QueryRefused(OpsError):
+    """A history filter the query language does not understand: the message names the word and the words it knows."""
+
+    exit_code = EXIT_USAGE
+
+
 class IntentError(OpsError):
     """A field of an intent is wrong: the message names the field and the fix (the CLI and the console show it as is)."""
 

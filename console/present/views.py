@@ -9,7 +9,6 @@ that clock pins every figure on screen.
 from __future__ import annotations
 
 import datetime as dt
-import sqlite3
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,9 +29,15 @@ from gpudeck.agents.wire.protocol import (
 )
 from gpudeck.console.core import fmt
 from gpudeck.console.core.records import MetricPoint, Recorded, RunRecord
-from gpudeck.console.history.query import compile_query
-from gpudeck.console.history.replica import add_tokens_median, read_runs
+
+# the history's light reads (the Runs and History tables') are ops': the names stay here for present's callers
+from gpudeck.console.ops.readings import LIGHT_COLUMNS as LIGHT_COLUMNS
+from gpudeck.console.ops.readings import find_runs, runs_changed_since
+from gpudeck.console.ops.readings import history_run_count as history_run_count
 from gpudeck.console.present.rundiff import Row, RunDiff, diff_runs
+
+history_rows = find_runs
+history_rows_after = runs_changed_since
 
 LEFTOVER_HOLDERS = frozenset({"STALE", "FOREIGN", "NO_SUCH_PROCESS"})
 ALERT_HOLDERS = frozenset({"STALE", "NO_SUCH_PROCESS"})  # a FOREIGN holder is someone's notebook, not a fault
@@ -263,62 +268,6 @@ def merge_rows(rows: Iterable[RunRow]) -> dict[str, RunRow]:
         base = r if (r.live and not cur.live) else cur
         out[r.id] = RunRow(**{**base.__dict__, "hosts": hosts})
     return out
-
-
-# the columns the Runs and History tables need: never the environment (its freeze list is large)
-LIGHT_COLUMNS = (
-    "host, id, name, kind, state, cause, cause_class, created, started, ended, last_step, final_step, last_loss, tokens_per_s, mfu,"
-    " mem_peak_gib, alert_count, alerts, env_torch, world_size, params_total, parent, start"
-)
-
-
-def history_rows(path: Path, text: str = "", *, when: float | None = None) -> list[RunRecord]:
-    """Runs matching a history filter (console/history/query.py's language), newest first, light columns only.
-
-    Blocking SQLite on a read-only connection of its own: call it from a thread.
-    Raises :class:`gpudeck.console.history.query.QueryError` for a filter the language does not understand.
-    """
-    sql, params = compile_query(text, when).sql(LIGHT_COLUMNS)
-    conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=10.0)
-    try:
-        return add_tokens_median(conn, read_runs(conn.execute(sql, params)))
-    finally:
-        conn.close()
-
-
-def history_rows_after(path: Path, text: str, after: int | None) -> tuple[list[RunRecord], int]:
-    """``after`` None: the runs ``text`` matches (as :func:`history_rows`); else every run (each node of it) that an event
-    newer than event ``after`` changed. With the newest event's number now, for the next call (the Runs screen reads
-    the whole history once, then only what changed: 10,000 runs re-read every few seconds would cost a second of
-    CPU each time). Events number by SQLite rowid, in the order the history stored them, whatever the hosts' clocks
-    (runs change only through events, and events are never deleted).
-    """
-    conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=10.0)
-    try:
-        conn.execute("BEGIN")  # one snapshot: the mark and the rows agree
-        mark = int(conn.execute("SELECT COALESCE(MAX(rowid), 0) FROM events").fetchone()[0])
-        if after is None:
-            sql, params = compile_query(text).sql(LIGHT_COLUMNS)
-        else:
-            sql = (
-                f"SELECT {LIGHT_COLUMNS} FROM runs WHERE id IN (SELECT run_id FROM events WHERE rowid > ? AND run_id IS NOT NULL)"
-                " ORDER BY COALESCE(started, created) DESC, id"
-            )
-            params = [after]
-        rows = add_tokens_median(conn, read_runs(conn.execute(sql, params)))
-        conn.execute("COMMIT")
-        return rows, mark
-    finally:
-        conn.close()
-
-
-def history_run_count(path: Path) -> int:
-    """How many runs the history holds (a multi-node run once, as the Runs screen lists it)."""
-    conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=10.0)
-    try:
-        return int(conn.execute("SELECT COUNT(DISTINCT id) FROM runs").fetchone()[0])
-    finally:
-        conn.close()
 
 
 # ----------------------------------------------------------------------------- records

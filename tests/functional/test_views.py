@@ -70,9 +70,9 @@ def test_history_rows_use_the_query_language_and_the_diff_reads_full_rows(tmp_pa
         failed = history_rows(fleet.history.path, "state:failed")
         assert [r.cause for r in failed] == ["exit code 1 (CUDA out of memory)"]
         assert failed[0].env is None  # the light rows never carry the environment
-        from gpudeck.console.history.query import QueryError
+        from gpudeck.console.ops.errors import QueryRefused
 
-        with pytest.raises(QueryError, match="unknown filter"):
+        with pytest.raises(QueryRefused, match="unknown filter"):
             history_rows(fleet.history.path, "colour:red")
         diff = run_diff(fleet.history.find(LIVE, "gpu1"), fleet.history.find(GOOD, "gpu1"))
         assert [row_label(r) for r in core_changes(diff)] == [

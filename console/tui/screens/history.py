@@ -14,10 +14,11 @@ from textual.widgets import Input, Static
 
 from gpudeck.console.core.fmt import duration
 from gpudeck.console.core.records import RunRecord
-from gpudeck.console.history.query import QueryError
 from gpudeck.console.ops.compare import compare_runs
+from gpudeck.console.ops.errors import QueryRefused
 from gpudeck.console.ops.figures import run_figures, tokens_text
-from gpudeck.console.present.views import history_rows, run_row_from_history, stamp
+from gpudeck.console.ops.readings import find_runs
+from gpudeck.console.present.views import run_row_from_history, stamp
 from gpudeck.console.tui.messages import HistoryLoaded
 from gpudeck.console.tui.screens.base import LiveScreen, deck
 from gpudeck.console.tui.screens.runs import why_text
@@ -147,8 +148,8 @@ class HistoryScreen(LiveScreen):
         assert history is not None  # loads are started only with a history (on_mount)
         t0 = time.monotonic()
         try:
-            rows = history_rows(history.path, text)
-        except QueryError as exc:
+            rows = find_runs(history.path, text)
+        except QueryRefused as exc:
             self.post_message(HistoryLoaded(text, [], error=str(exc)))
             return
         except Exception as exc:  # a missing or locked file: say so, keep the screen

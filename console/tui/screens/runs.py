@@ -12,14 +12,13 @@ from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.widgets import Static
 
-from gpudeck.agents.wire.errors import AgentError
 from gpudeck.agents.wire.protocol import TERMINAL_STATES, RunInfo
 from gpudeck.console.core.fmt import duration, elapsed
-from gpudeck.console.history.query import QueryError
+from gpudeck.console.ops.errors import OpsError
+from gpudeck.console.ops.readings import current_run, history_run_count, runs_changed_since
+from gpudeck.console.ops.resolve import fleet_runs
 from gpudeck.console.present.views import (
     RunRow,
-    history_rows_after,
-    history_run_count,
     merge_rows,
     run_from_record,
     run_row_from_history,
@@ -180,12 +179,12 @@ class RunsScreen(LiveScreen):
         query = f"limit:{HISTORY_LIMIT}"
         try:
             first = self._history_mark is None
-            rows, self._history_mark = history_rows_after(history.path, query, self._history_mark)
+            rows, self._history_mark = runs_changed_since(history.path, query, self._history_mark)
             loaded = HistoryLoaded(query, rows, seconds=time.monotonic() - t0)
             if first and len(rows) >= HISTORY_LIMIT:  # the history may hold more than the screen reads: how many
                 loaded.total = history_run_count(history.path)
             self.post_message(loaded)
-        except (QueryError, OSError, Exception) as exc:  # a locked or missing file must not kill the screen
+        except Exception as exc:  # a locked or missing file (or a refused filter) must not kill the screen
             self.post_message(HistoryLoaded(query, [], error=f"history: {exc}"))
 
     @on(HistoryLoaded)
@@ -216,12 +215,12 @@ class RunsScreen(LiveScreen):
 
         async def one(host: str) -> None:
             async with sem:
-                try:
-                    runs = await fleet.runs(host, limit=500)
-                except AgentError as exc:
-                    self._errors[host] = exc.message
+                listed = await fleet_runs(fleet, [host], limit=500)  # the same read as `gpudeck runs`
+                if host in listed.unanswered:
+                    self._errors[host] = listed.unanswered[host]
                     return
                 self._errors.pop(host, None)
+                runs = [r for _h, r in listed.runs]
                 if not self.is_attached:
                     return
                 changed = set()
@@ -323,20 +322,18 @@ class RunsScreen(LiveScreen):
             self.notify("no run is highlighted", severity="warning")
             return None
         host = self.host_of(rid)
-        fleet = deck(self).fleet
         try:
-            return host, await fleet.run(host, rid)
-        except AgentError as exc:
-            why = exc.message
-        if fleet.history is not None:
-            try:
-                info = run_from_record(await asyncio.to_thread(fleet.history.find, rid, host))
-            except Exception as exc:  # not recorded, or the file cannot be read: say why below
-                info, why = None, f"{why}; history: {exc}"
-            if info is not None:
-                return host, info
-        self.notify(f"{rid}: {why}", title="cannot read the run", severity="error")
-        return None
+            got = await current_run(deck(self).fleet, host, rid)
+        except OpsError as exc:
+            self.notify(f"{rid}: {exc.message}", title="cannot read the run", severity="error")
+            return None
+        info = got if isinstance(got, RunInfo) else run_from_record(got)
+        if info is None:
+            self.notify(
+                f"{rid}: its agent cannot say and the history recorded no launch spec", title="cannot read the run", severity="error"
+            )
+            return None
+        return host, info
 
     def action_stop_run(self) -> None:
         self.stop_selected()
