@@ -1269,11 +1269,12 @@ def fill_history(path: Path, runs: int, hosts: int = 256) -> float:
 
 def runs_screen_counts(path: Path, texts: list[str]) -> list[int]:
     """How many of the Runs screen's rows each filter text leaves (the screen's own query, cells and matching)."""
-    from gpudeck.console.present.views import history_rows, merge_rows, run_row_from_history
+    from gpudeck.console.ops.readings import find_runs
+    from gpudeck.console.present.views import merge_rows, run_row_from_history
     from gpudeck.console.tui.screens.runs import COLUMNS, HISTORY_LIMIT, run_cells
     from gpudeck.console.tui.widgets.keyed_table import cell_text
 
-    rows = merge_rows(run_row_from_history(d) for d in history_rows(path, f"limit:{HISTORY_LIMIT}"))
+    rows = merge_rows(run_row_from_history(d) for d in find_runs(path, f"limit:{HISTORY_LIMIT}"))
     hay = [" ".join(cell_text(c.get(col.key, "")) for col in COLUMNS).lower() for c in (run_cells(r) for r in rows.values())]
     return [sum(1 for h in hay if all(w in h for w in t.lower().split())) if t.strip() else -1 for t in texts]
 

@@ -37,7 +37,7 @@ class RunRecord(msgspec.Struct, kw_only=True, frozen=True):
     """One run on one host as the history's ``runs`` table holds it (a multi-node run: its combined record).
 
     Fields are in the table's column order (``--json`` prints them in it). ``tokens_per_s_median`` is
-    set by the queries that read the metrics (``History.query``, ``views.history_rows``); ``hosts`` and
+    set by the queries that read the metrics (``History.query``, ``ops.readings.find_runs``); ``hosts`` and
     ``nodes`` only on a multi-node run's combined record (console/fleet/multinode.py). Unset fields are left
     out of :meth:`as_json`.
     """

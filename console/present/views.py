@@ -29,15 +29,7 @@ from gpudeck.agents.wire.protocol import (
 )
 from gpudeck.console.core import fmt
 from gpudeck.console.core.records import MetricPoint, Recorded, RunRecord
-
-# the history's light reads (the Runs and History tables') are ops': the names stay here for present's callers
-from gpudeck.console.ops.readings import LIGHT_COLUMNS as LIGHT_COLUMNS
-from gpudeck.console.ops.readings import find_runs, runs_changed_since
-from gpudeck.console.ops.readings import history_run_count as history_run_count
 from gpudeck.console.present.rundiff import Row, RunDiff, diff_runs
-
-history_rows = find_runs
-history_rows_after = runs_changed_since
 
 LEFTOVER_HOLDERS = frozenset({"STALE", "FOREIGN", "NO_SUCH_PROCESS"})
 ALERT_HOLDERS = frozenset({"STALE", "NO_SUCH_PROCESS"})  # a FOREIGN holder is someone's notebook, not a fault

@@ -108,18 +108,32 @@ async def test_relaunch_shows_a_hostile_name_and_argv_escaped_on_one_row_and_lau
 
 
 async def test_an_edited_field_is_launched_as_typed_and_a_cut_one_is_refused(tmp_path: Path) -> None:
-    long_name = "n" * (FIELD_LIMIT + 50)
-    fleet = HostileFleet(name=long_name)
+    # the python path: a field with no limit of its own (a run's name has one, 256 characters, so a longer recorded
+    # name is refused as such, below)
+    long_python = "/opt/" + "p" * (FIELD_LIMIT + 50)
+    fleet = HostileFleet()
+    fleet.hostile = msgspec.structs.replace(fleet.hostile, spec=msgspec.structs.replace(fleet.hostile.spec, python=long_python))
     app = GpudeckApp(fleet)
     async with app.run_test(size=SIZE) as pilot:
         dialog = await on_hostile_run(pilot, "R", LaunchDialog)
-        field = dialog.query_one("#name", Input)
+        field = dialog.query_one("#python", Input)
         assert len(field.value) == FIELD_LIMIT and field.value.endswith("…")
-        assert dialog.plan().spec.name == long_name  # untouched: the recorded name
+        assert dialog.plan().spec.python == long_python  # untouched: the recorded value
         field.value = field.value[:-2] + "x…"
         with pytest.raises(Exception, match="shown cut"):
             dialog.plan()
-        field.value = "plain"
+        field.value = "/usr/bin/python3"
+        assert dialog.plan().spec.python == "/usr/bin/python3"
+
+
+async def test_a_recorded_name_past_the_name_limit_is_refused_until_it_is_shortened(tmp_path: Path) -> None:
+    fleet = HostileFleet(name="n" * 300)
+    app = GpudeckApp(fleet)
+    async with app.run_test(size=SIZE) as pilot:
+        dialog = await on_hostile_run(pilot, "R", LaunchDialog)
+        with pytest.raises(Exception, match="at most 256 characters"):
+            dialog.plan()
+        dialog.query_one("#name", Input).value = "plain"
         assert dialog.plan().spec.name == "plain"
 
 

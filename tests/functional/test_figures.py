@@ -34,9 +34,10 @@ from gpudeck.console.cli.main import main
 from gpudeck.console.core.fmt import duration
 from gpudeck.console.history.replica import History
 from gpudeck.console.ops.figures import RunFigures, run_figures
+from gpudeck.console.ops.readings import find_runs
 from gpudeck.console.present.formats import format_history, format_show
 from gpudeck.console.present.rundiff import diff_runs
-from gpudeck.console.present.views import history_rows, run_diff
+from gpudeck.console.present.views import run_diff
 from gpudeck.console.tui.app import GpudeckApp
 from gpudeck.console.tui.screens.diff import DiffScreen
 from gpudeck.console.tui.screens.history import HistoryScreen, history_cells
@@ -119,7 +120,7 @@ def test_every_view_shows_the_same_figures(history: History) -> None:
         )
         assert out["cause class"] == (fig.cause_class or "-")
     # the History screen's row
-    cells = history_cells(next(r for r in history_rows(history.path, "") if r.id == RID))
+    cells = history_cells(next(r for r in find_runs(history.path, "") if r.id == RID))
     assert (cells["tps"], cells["step"], cells["elapsed"]) == ("275", "100", "1h00m")
 
 

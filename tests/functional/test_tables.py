@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from textual.widgets import Input, Static
 
-from gpudeck.console.present.views import history_run_count
+from gpudeck.console.ops.readings import history_run_count
 from gpudeck.console.tui.app import GpudeckApp
 from gpudeck.console.tui.screens.dialogs import ConfirmDialog, ResultDialog
 from gpudeck.console.tui.screens.history import HistoryScreen

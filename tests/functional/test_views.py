@@ -7,12 +7,12 @@ import pytest
 
 from gpudeck.agents.wire.protocol import LaunchSpec
 from gpudeck.console.core.records import RunRecord
+from gpudeck.console.ops.readings import find_runs
 from gpudeck.console.ops.relaunch import with_python
 from gpudeck.console.present.views import (
     argv_flags,
     argv_rows,
     core_changes,
-    history_rows,
     host_figures,
     merge_rows,
     python_of,
@@ -66,14 +66,14 @@ def test_a_live_run_compares_like_a_recorded_one() -> None:
 def test_history_rows_use_the_query_language_and_the_diff_reads_full_rows(tmp_path) -> None:  # type: ignore[no-untyped-def]
     fleet = FixtureFleet(tmp_path / "h.db")
     try:
-        assert {r.id for r in history_rows(fleet.history.path, "kind:fsdp")} == {LIVE, GOOD}
-        failed = history_rows(fleet.history.path, "state:failed")
+        assert {r.id for r in find_runs(fleet.history.path, "kind:fsdp")} == {LIVE, GOOD}
+        failed = find_runs(fleet.history.path, "state:failed")
         assert [r.cause for r in failed] == ["exit code 1 (CUDA out of memory)"]
         assert failed[0].env is None  # the light rows never carry the environment
         from gpudeck.console.ops.errors import QueryRefused
 
         with pytest.raises(QueryRefused, match="unknown filter"):
-            history_rows(fleet.history.path, "colour:red")
+            find_runs(fleet.history.path, "colour:red")
         diff = run_diff(fleet.history.find(LIVE, "gpu1"), fleet.history.find(GOOD, "gpu1"))
         assert [row_label(r) for r in core_changes(diff)] == [
             "torch",
@@ -112,21 +112,21 @@ def test_history_rows_after_reads_everything_once_then_only_the_runs_an_event_ch
     """The Runs screen reads the whole history once, then only what changed (by event number, not by the hosts'
     clocks): a run on another host whose event carries an older time still comes, with every node of its id."""
     from gpudeck.agents.wire.protocol import Event
-    from gpudeck.console.present.views import history_rows_after
+    from gpudeck.console.ops.readings import runs_changed_since
 
     fleet = FixtureFleet(tmp_path / "h.db")
     assert fleet.history is not None
     try:
-        everything, mark = history_rows_after(fleet.history.path, "limit:100000", None)
-        assert {r.id for r in everything} == {r.id for r in history_rows(fleet.history.path, "limit:100000")} and mark > 0
-        assert history_rows_after(fleet.history.path, "", mark) == ([], mark)  # nothing new: nothing read
+        everything, mark = runs_changed_since(fleet.history.path, "limit:100000", None)
+        assert {r.id for r in everything} == {r.id for r in find_runs(fleet.history.path, "limit:100000")} and mark > 0
+        assert runs_changed_since(fleet.history.path, "", mark) == ([], mark)  # nothing new: nothing read
         # the same run id recorded on a second host (a multi-node run), its event stamped long ago
         fleet.history.cursor("gpu9", "e9")
         ev = Event(seq=1, ts=1.0, kind="run_created", run_id=LIVE, data={"state": "starting", "spec": {"argv": ["x"], "kind": "fsdp"}})
         fleet.history.submit("gpu9", "e9", [ev]).result(30)
-        changed, mark2 = history_rows_after(fleet.history.path, "", mark)
+        changed, mark2 = runs_changed_since(fleet.history.path, "", mark)
         assert mark2 > mark
         assert sorted((r.host, r.id) for r in changed) == [("gpu1", LIVE), ("gpu9", LIVE)]
-        assert history_rows_after(fleet.history.path, "", mark2) == ([], mark2)
+        assert runs_changed_since(fleet.history.path, "", mark2) == ([], mark2)
     finally:
         fleet.history.close()

@@ -13,13 +13,18 @@ from gpudeck.agents.server.peers import OPERATOR_RESERVE, PER_PID, PER_RUN, Conn
 
 
 def _child_of(pid: int) -> int:
+    """The child of ``pid`` once it runs ``sleep``: until `env -i` has exec'd it, the forked child still carries its
+    parent's environment (tag included), and the test would see a tagged process, not a cleared one."""
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
-        kids = psutil.Process(pid).children()
-        if kids:
-            return kids[0].pid
+        for kid in psutil.Process(pid).children():
+            try:
+                if kid.cmdline()[:1] == ["sleep"]:
+                    return kid.pid
+            except psutil.NoSuchProcess:
+                pass
         time.sleep(0.02)
-    raise AssertionError("no child appeared")
+    raise AssertionError("no sleep child appeared")
 
 
 def test_a_peer_is_placed_by_cgroup_tag_member_or_a_tagged_parent() -> None:
