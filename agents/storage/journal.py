@@ -438,6 +438,9 @@ class Journal:
         and every live run as the supervisor holds it; a ``journal_recreated`` event says what happened. Writer thread
         only (the one user of the write connection). Pending writes follow in the new file, renumbered."""
         old_epoch = self.epoch
+        # said until the new file holds its story (self.recreated): the new epoch is visible from _open_file on, and a
+        # status read in between must not show a new epoch with nothing said of the journal
+        self.problem = f"{kind}: {detail}; a new journal is being made"
         salvaged: list[tuple] = []
         salvage_note = ""
         try:
