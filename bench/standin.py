@@ -58,7 +58,14 @@ PROFILES = ("idle", "mixed", "busy")  # idle: as the fleet bench's real agents (
 STEP_EVERY_S = 10.0  # agents/runs/run_telemetry.py STEP_EVENT_EVERY_S: a run's step records reach the journal this often
 CHECKPOINT_EVERY_S = 1800.0
 SLOW_S = 0.8  # a slow host answers and samples this late
+# Real hosts do not send at the same microsecond: each wakes on the whole second by its own clock and CPU, and its
+# snapshot crosses its own network path. One process building every host's snapshot in one pass would hand the
+# console the whole fleet in one burst (fewer wake-ups than it gets from real hosts), so each host keeps a fixed
+# phase in [0, spread) after the whole second. 20 ms is what 64 real agents on this machine spread over (their
+# snapshot age p99, bench/RESULTS.md 28-scale).
+SPREAD_S = 0.020
 SILENT_EVERY_S, SILENT_FOR_S, SILENT_FIRST_S = 120.0, 25.0, 90.0  # a silent host: from 90 s after start, 25 s of silence every 120 s
+BACKLOG_QUEUED_MAX = 50_000  # backlog events queued in journals' writers at once while the stand-in writes them
 RESTART_EVERY_S, RESTART_DOWN_S, RESTART_FIRST_S = 60.0, 2.0, 75.0  # a restarting host: down 2 s every 60 s
 
 
@@ -89,6 +96,7 @@ class StandinHosts:
         profile: str = "mixed",
         failures: bool = True,
         backlog_hours: float = 0.0,
+        spread_s: float = SPREAD_S,
         python: str = sys.executable,
         progress: Callable[[str], None] | None = None,
         keep: bool = False,
@@ -99,7 +107,7 @@ class StandinHosts:
         if profile not in PROFILES:
             raise ValueError(f"profile must be one of {', '.join(PROFILES)}, not {profile!r}")
         self.n, self.gpus, self.profile, self.failures, self.backlog_hours = n, gpus, profile, failures, backlog_hours
-        self.ciphers, self.python, self.keep = ciphers, python, keep
+        self.ciphers, self.python, self.keep, self.spread_s = ciphers, python, keep, spread_s
         self._progress = progress or (lambda _msg: None)
         self._own_dir = base_dir is None
         self.base_dir = Path(base_dir) if base_dir is not None else Path(tempfile.mkdtemp(prefix="gds-", dir="/tmp"))
@@ -175,6 +183,7 @@ class StandinHosts:
             "profile": self.profile,
             "failures": self.failures,
             "backlog_hours": self.backlog_hours,
+            "spread_s": self.spread_s,
             "host_key": str(keys / "host_ed25519"),
             "authorized_keys": str(keys / "authorized_keys"),
             "ready": str(self.base_dir / "standin.ready.json"),
@@ -316,7 +325,9 @@ class _Supervisor:
 class SimHost:
     """One SIMULATED host: the attributes of :class:`gpudeck.agents.server.daemon.Agent` its connections read."""
 
-    def __init__(self, i: int, name: str, home: Path, gpus_spec: str, profile: str, failures: bool, t_start: float) -> None:
+    def __init__(
+        self, i: int, name: str, home: Path, gpus_spec: str, profile: str, failures: bool, t_start: float, spread: float = SPREAD_S
+    ) -> None:
         from gpudeck.agents.observe import namespace as pid_namespace
         from gpudeck.agents.observe.gpus_sim import SimulatedGpuSampler
         from gpudeck.agents.storage.journal import Journal
@@ -345,6 +356,7 @@ class SimHost:
         self.next_step_ev = 0.0
         self.next_ckpt_ev = 0.0
         self.pids = [100000 + i * 16 + r for r in range(10)]
+        self.phase = spread * ((i * 0.6180339887) % 1.0)  # spread evenly, the same for a host every second
         self._loop: asyncio.AbstractEventLoop | None = None
 
     # -- the journal: a SIMULATED run's life, written as the real agent writes it
@@ -355,7 +367,9 @@ class SimHost:
 
         rid = f"sim{self.i:04d}a"
         argv = ["torchrun", "--nproc-per-node", "8", "-m", "gpudeck.trainers.fsdp_lm", "--config", "configs/llama-8b.toml"]
-        spec = LaunchSpec(argv=argv, name=f"{LABEL}-pretrain-{self.name}", kind="fsdp", gpus=list(range(8)), start="fresh", operator="bench")
+        spec = LaunchSpec(
+            argv=argv, name=f"{LABEL}-pretrain-{self.name}", kind="fsdp", gpus=list(range(8)), start="fresh", operator="bench"
+        )
         ct = at - 1.0
         members = [Member(pid=self.pids[0], create_time=ct, role="leader", first_seen=at, cmdline=argv[:8], found_by="tag")]
         members += [
@@ -484,6 +498,8 @@ class SimHost:
 
     async def snapshot(self):  # type: ignore[no-untyped-def]
         await self.gate()
+        if self.phase > 0:
+            await asyncio.sleep(self.phase)
         return self.build()
 
     def build(self):  # type: ignore[no-untyped-def]
@@ -598,7 +614,7 @@ def _conn_class():  # type: ignore[no-untyped-def]
 class _Transport:
     """The writer's transport as the daemon's connection uses it, over an SSH channel."""
 
-    def __init__(self, session: _Session) -> None:
+    def __init__(self, session: Any) -> None:  # the Session of _make_session_class
         self.s = session
 
     def set_write_buffer_limits(self, high: int | None = None, low: int | None = None) -> None:
@@ -622,7 +638,7 @@ class _Transport:
 
 
 class _Writer:
-    def __init__(self, session: _Session) -> None:
+    def __init__(self, session: Any) -> None:  # the Session of _make_session_class
         self.s = session
         self.transport = _Transport(session)
 
@@ -677,7 +693,9 @@ def _make_session_class():  # type: ignore[no-untyped-def]
             assert self.chan is not None
             if self.cmd.endswith(DIAL_COMMAND):
                 if self.host.down:
-                    self.chan.write_stderr(f"gpudeck agent dial: no agent answers on {self.host.state_dir}/sock/agent.sock ({LABEL} restart)\n".encode())
+                    self.chan.write_stderr(
+                        f"gpudeck agent dial: no agent answers on {self.host.state_dir}/sock/agent.sock ({LABEL} restart)\n".encode()
+                    )
                     self.chan.exit(1)
                     return
                 self.conn = self.conn_cls(self.host, self.reader, _Writer(self))
@@ -728,9 +746,9 @@ def _make_session_class():  # type: ignore[no-untyped-def]
 
 
 def _no_ignore_padding() -> None:
-    from bench.fleet_hosts import _no_ignore_padding as patch
-
     import asyncssh
+
+    from bench.fleet_hosts import _no_ignore_padding as patch
 
     patch(asyncssh)
 
@@ -748,9 +766,14 @@ async def _serve_main(spec_path: Path) -> None:
     n = len(spec["hosts"])
     t0 = time.monotonic()
     backlog = 0
+    unflushed: list[tuple[SimHost, int]] = []  # backlogs queued, not yet waited for: bounded, so memory stays flat
     for i, h in enumerate(spec["hosts"]):
-        host = SimHost(i, h["name"], Path(h["home"]), spec["gpus"], spec["profile"], spec["failures"], t_start)
-        backlog += host.write_backlog(float(spec["backlog_hours"]))
+        host = SimHost(i, h["name"], Path(h["home"]), spec["gpus"], spec["profile"], spec["failures"], t_start, float(spec["spread_s"]))
+        queued = host.write_backlog(float(spec["backlog_hours"]))
+        backlog += queued
+        unflushed.append((host, queued))
+        while sum(q for _h, q in unflushed) > BACKLOG_QUEUED_MAX:
+            await asyncio.to_thread(unflushed.pop(0)[0].journal.flush, 600)
         host.hook_journal(loop)
         hosts.append(host)
         if (i + 1) % 64 == 0 or i + 1 == n:
@@ -791,7 +814,9 @@ async def _serve_main(spec_path: Path) -> None:
         host.t_start = time.monotonic()
     ready = Path(spec["ready"])
     tmp = ready.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"pid": os.getpid(), "ports": [a.get_port() for a in acceptors], "backlog_events": backlog, "backlog_s": backlog_s}))
+    tmp.write_text(
+        json.dumps({"pid": os.getpid(), "ports": [a.get_port() for a in acceptors], "backlog_events": backlog, "backlog_s": backlog_s})
+    )
     os.replace(tmp, ready)
     print(f"standin progress: {LABEL} stand-in listening for {n} hosts (daemon connection class {daemon._Conn.__module__})", flush=True)
     stop = asyncio.Event()
@@ -872,7 +897,11 @@ def main(argv: list[str] | None = None) -> int:
     stop_on_signals()
     t0 = time.monotonic()
     with StandinHosts(
-        args.hosts, args.gpus, profile=args.profile, backlog_hours=args.backlog_hours, progress=lambda m: print(m, file=sys.stderr, flush=True)
+        args.hosts,
+        args.gpus,
+        profile=args.profile,
+        backlog_hours=args.backlog_hours,
+        progress=lambda m: print(m, file=sys.stderr, flush=True),
     ) as sh:
         print(f"standin smoke: {args.hosts} {LABEL} hosts up in {time.monotonic() - t0:.1f} s (base {sh.base_dir})", flush=True)
         assert sh.spec is not None
