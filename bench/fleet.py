@@ -487,7 +487,11 @@ async def worker_scale(spec: FleetSpec, seconds: float, interval: float, profile
         history_events=hist.event_count(),
         missing=missing,
         extra=extra,
-        lagging=lagging[:5],
+        lagging=[
+            f"{nm} ({fleet.links[nm].status.state}, {fleet.links[nm].status.connects} connects, synced {fleet.links[nm].status.synced_seq}: "
+            f"{(fleet.links[nm].status.error or '')[:160]})"
+            for nm in lagging[:5]
+        ],
         n_lagging=len(lagging),
         delivered=deliveries.delivered,
         duplicates=deliveries.duplicates,

@@ -361,11 +361,11 @@ class SimHost:
 
     # -- the journal: a SIMULATED run's life, written as the real agent writes it
 
-    def start_run(self, at: float) -> None:
-        """Record a SIMULATED 8-rank fsdp run (created, running, members, manifest), as a launch would."""
+    def start_run(self, at: float, record: bool = True) -> None:
+        """A SIMULATED 8-rank fsdp run; ``record``: journal it (created, running, members, manifest) as a launch would."""
         from gpudeck.agents.wire.protocol import LaunchSpec, Member, RunInfo, RunTelemetry
 
-        rid = f"sim{self.i:04d}a"
+        rid = "sim-run-a"  # the same on every host (a run id is per host): the backlog's template journal holds it
         argv = ["torchrun", "--nproc-per-node", "8", "-m", "gpudeck.trainers.fsdp_lm", "--config", "configs/llama-8b.toml"]
         spec = LaunchSpec(
             argv=argv, name=f"{LABEL}-pretrain-{self.name}", kind="fsdp", gpus=list(range(8)), start="fresh", operator="bench"
@@ -397,12 +397,14 @@ class SimHost:
             members=members,
             telemetry=RunTelemetry(world_size=8, params_total=8_030_261_248, config_hash="sim0000", start="fresh"),
         )
+        self.run = run
+        if not record:
+            return
         self.journal.create_run(msgspec_replace(run, state="starting", members=[]))
         self.journal.update_run(rid, "run_state", {"state": "running", "pid": self.pids[0], "started": at}, state="running", started=at)
         self.journal.append("members", rid, {"members": [_member_dict(m) for m in members]})
         manifest = {"ts": at, "rank": 0, "type": "manifest", "params_total": 8_030_261_248, "world_size": 8, "config_hash": "sim0000"}
         self.journal.append("telemetry", rid, {"record": manifest, "offset": 0})
-        self.run = run
 
     def step_events(self, t: float, offset: int) -> list[tuple[str, str | None, dict[str, Any]]]:
         """The journal items a run's telemetry gives at time ``t``: a step record (and a checkpoint when due)."""
@@ -430,6 +432,15 @@ class SimHost:
             ck = {"ts": t, "rank": 0, "type": "checkpoint", "step": self.step, "path": f"ckpt/step-{self.step}"}
             items.append(("telemetry", self.run.id, {"record": ck, "offset": offset + 1}))
         return items
+
+    def adopt_backlog(self, t0: float, last_step: int) -> int:
+        """The journal is a copy of the template (see :func:`make_template`): the run it records, in memory."""
+        self.start_run(t0, record=False)
+        self.step = last_step
+        assert self.run is not None and self.run.telemetry is not None
+        self.run.telemetry.step = last_step
+        self.next_ckpt_ev = time.time() + CHECKPOINT_EVERY_S
+        return self.journal.committed_seq
 
     def write_backlog(self, hours: float) -> int:
         """``hours`` of journal as the real agent would have written it (queued; the writer thread commits it)."""
@@ -585,6 +596,38 @@ class SimHost:
     def _wake(self) -> None:
         for w in self.event_waiters:
             w.set()
+
+
+def make_template(where: Path, hours: float, gpus: str, t_start: float) -> tuple[Path, float, int] | None:
+    """One busy host's ``hours`` of journal, written once through the real Journal; each busy host gets a copy with
+    its own epoch (writing 2 million events one host at a time took this machine minutes). (path, run start, last step)."""
+    if hours <= 0:
+        return None
+    host = SimHost(0, "template", where, gpus, "busy", False, t_start)
+    host.write_backlog(hours)
+    host.journal.close()  # committed, the WAL folded into the file
+    assert host.run is not None
+    return host.journal.path, host.run.created, host.step
+
+
+def copy_journal(template: Path, state_dir: Path) -> None:
+    """A copy of the template journal as this host's, with an epoch of its own (0600, in a private folder)."""
+    import sqlite3
+    import uuid
+
+    from gpudeck.agents.wire import paths
+
+    paths.ensure_private_dir(state_dir)
+    dest = paths.journal_path(state_dir)
+    paths.ensure_private_dir(dest.parent)
+    shutil.copyfile(template, dest)
+    os.chmod(dest, 0o600)
+    conn = sqlite3.connect(dest)
+    try:
+        with conn:
+            conn.execute("UPDATE meta SET value=? WHERE key='epoch'", (str(uuid.uuid4()),))
+    finally:
+        conn.close()
 
 
 def msgspec_replace(obj: Any, **changes: Any) -> Any:
@@ -759,6 +802,10 @@ async def _serve_main(spec_path: Path) -> None:
     import gpudeck.agents.server.daemon as daemon
 
     _no_ignore_padding()
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)  # about 9 descriptors a host: journal, listener, connection
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
     spec = json.loads(Path(spec_path).read_text())
     t_start = time.monotonic()
     loop = asyncio.get_running_loop()
@@ -766,10 +813,16 @@ async def _serve_main(spec_path: Path) -> None:
     n = len(spec["hosts"])
     t0 = time.monotonic()
     backlog = 0
+    template = make_template(Path(spec_path).parent / "template", float(spec["backlog_hours"]), spec["gpus"], t_start)
     unflushed: list[tuple[SimHost, int]] = []  # backlogs queued, not yet waited for: bounded, so memory stays flat
     for i, h in enumerate(spec["hosts"]):
+        if template is not None and host_kind(i, spec["profile"]):
+            copy_journal(template[0], Path(h["home"]) / "agent")
         host = SimHost(i, h["name"], Path(h["home"]), spec["gpus"], spec["profile"], spec["failures"], t_start, float(spec["spread_s"]))
-        queued = host.write_backlog(float(spec["backlog_hours"]))
+        if template is not None and host.busy:
+            queued = host.adopt_backlog(template[1], template[2])
+        else:
+            queued = host.write_backlog(float(spec["backlog_hours"]))
         backlog += queued
         unflushed.append((host, queued))
         while sum(q for _h, q in unflushed) > BACKLOG_QUEUED_MAX:
