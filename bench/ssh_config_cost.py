@@ -28,6 +28,7 @@ from gpudeck.console.fleet import transport
 
 def main() -> None:
     host_config_paths = getattr(transport, "host_config_paths", lambda _name, paths: list(paths))
+    release = getattr(transport, "release_host_config", lambda _paths: None)
     d = tempfile.mkdtemp()
     key = asyncssh.generate_private_key("ssh-ed25519").export_public_key().decode().strip()
     for n in [int(x) for x in (sys.argv[1:] or ["256", "1024", "2048"])]:
@@ -46,6 +47,7 @@ def main() -> None:
             transport.host_settings(name, paths)
             c = asyncssh.config.SSHClientConfig.load(None, paths, False, False, False, "root", (), name, ())
             assert c.get("Port") == 20000 + i, (c.get("Port"), i)
+            release(paths)  # as connect_ssh does once asyncssh has read them
             k = transport._KnownHosts([kh])
             k("127.0.0.1", "127.0.0.1", 20000 + i)
             assert k.recorded_keys == 1

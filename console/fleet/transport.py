@@ -112,6 +112,7 @@ class _KnownHosts:
 # cannot match its name left out (what asyncssh would skip anyway), written once per host to a private folder.
 _FILE_CACHE: dict[tuple[str, int, int, int], object] = {}
 _HOST_CONFIGS: dict[tuple[str, ...], list[str]] = {}
+_WRITTEN: dict[str, tuple[str, ...]] = {}  # a per-host file -> its key in _HOST_CONFIGS
 _FILTER_DIR: list[str] = []
 _SECTION_START = re.compile(r"^\s*(host|match)(?:\s*=\s*|\s+)(.*)$", re.IGNORECASE)
 _NO_FILTER = re.compile(r"^\s*canonicalizehostname\b", re.IGNORECASE | re.MULTILINE)
@@ -274,8 +275,22 @@ def host_config_paths(name: str, config_paths: Sequence[str]) -> list[str]:
             with os.fdopen(fd, "w") as fh:
                 fh.write(cut.head + "".join(kept))
             done = _HOST_CONFIGS[ck] = [str(dest)]
+            _WRITTEN[str(dest)] = ck
         out.extend(done)
     return out
+
+
+def release_host_config(paths: Sequence[str]) -> None:
+    """Remove the per-host files :func:`host_config_paths` wrote, once asyncssh has read them (its connect, jump hosts
+    included, is over): a killed console leaves an empty folder, not a file per host."""
+    for p in paths:
+        ck = _WRITTEN.pop(p, None)
+        if ck is not None:
+            _HOST_CONFIGS.pop(ck, None)
+            try:
+                os.unlink(p)
+            except OSError:
+                pass
 
 
 @dataclass(frozen=True)
@@ -480,7 +495,10 @@ async def connect_ssh(name: str, command: str, options: SshOptions) -> SshLink:
     if options.client_keys is not None:
         kwargs["client_keys"] = [str(p) for p in options.client_keys]
     try:
-        conn = await asyncssh.connect(name, **kwargs)
+        try:
+            conn = await asyncssh.connect(name, **kwargs)
+        finally:
+            release_host_config(config_paths)
     except asyncssh.HostKeyNotVerifiable as exc:
         raise _host_key_error(name, kh, exc) from None
     except asyncssh.PermissionDenied as exc:
