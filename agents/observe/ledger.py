@@ -376,4 +376,3 @@ class Ledger:
             self.compacted += len(drop)
             log.info("GPU ledger: %d record(s) past the retention compacted", len(drop))
         return len(drop)
-

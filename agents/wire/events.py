@@ -172,7 +172,6 @@ class JournalRecreated(Payload, tag="journal_recreated"):
     at_start: bool = False
 
 
-
 class GpuHold(Payload, tag="gpu_hold"):
     """One change in who holds a GPU's memory: the GPU ledger (agents/observe/ledger.py).
 
