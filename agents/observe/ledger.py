@@ -54,6 +54,7 @@ LEDGER_ENV = "GPUDECK_LEDGER"  # "off": no ledger (bench/agent_sample.py's peer 
 RETENTION_ENV = "GPUDECK_LEDGER_RETENTION_DAYS"
 DEFAULT_RETENTION_DAYS = 30.0
 COMPACT_EVERY_S = 3600.0  # how often the tick asks for a compaction pass
+REATTRIBUTE_S = 30.0  # an idle agent whose GPUs look unchanged attributes its sample in full at least this often
 UNACCOUNTED = "UNACCOUNTED"
 
 Item = tuple[str, str | None, dict[str, Any]]
@@ -194,6 +195,8 @@ class Ledger:
         self._restored: dict[tuple, Hold] | None = None  # open in the journal at start, settled at the first sample
         self._compacted_at = 0.0
         self.sampled_at = 0.0  # monotonic time of the last sample the ledger was given
+        self._quiet_mark: tuple | None = None  # the raw sample an idle agent last attributed (see unchanged())
+        self._quiet_since = 0.0
         if enabled:
             self._restored = self._read_open()
 
@@ -224,7 +227,19 @@ class Ledger:
         """Whether an idle agent should sample for the ledger now (its last sample is ``every_s`` old)."""
         return self.enabled and time.monotonic() - self.sampled_at >= every_s
 
-    def observe(self, gpus: list[Gpu], unaccounted: dict[int, int], now: float | None = None) -> list[Item]:
+    def unchanged(self, raw: list[Gpu]) -> bool:
+        """Whether an idle agent's raw (unattributed) sample is the one it last attributed: the same processes holding
+        the same bytes on the same GPUs (then nothing can have changed for the ledger: attribution changes only when a
+        run ends, and a tick with a live run always attributes). Attributed anyway every REATTRIBUTE_S."""
+        mark = tuple((g.index, g.memory_used, tuple((p.pid, p.used_bytes) for p in g.processes)) for g in raw)
+        now = time.monotonic()
+        if mark == self._quiet_mark and now - self._quiet_since < REATTRIBUTE_S:
+            self.sampled_at = now
+            return True
+        self._quiet_mark, self._quiet_since = mark, now
+        return False
+
+    def observe(self, gpus: list[Gpu], unaccounted: dict[int, int], now: float | None = None, idle: bool = False) -> list[Item]:
         """Compare one attributed sample with the open holds; journal and return what changed (nothing if nothing did).
 
         ``unaccounted``: GPU index -> bytes no visible process explains, for GPUs where that counts as a holder."""
@@ -232,6 +247,8 @@ class Ledger:
             return []
         now = time.time() if now is None else now
         self.sampled_at = time.monotonic()
+        if not idle:
+            self._quiet_mark = None  # a tick with runs: the next idle sample is attributed in full
         items: list[Item] = []
         seen: set[tuple] = set()
         for g in gpus:

@@ -115,3 +115,15 @@ def test_settings_are_read_with_typed_errors() -> None:
 def test_an_off_ledger_records_nothing(journal: Journal) -> None:
     led = Ledger(journal, enabled=False)
     assert led.observe([gpu((10, 2.0))], {}, now=1.0) == [] and records(journal) == []
+
+
+def test_an_idle_sample_that_looks_the_same_is_not_attributed_again_until_a_tick_with_runs(journal: Journal) -> None:
+    led = Ledger(journal)
+    raw = [gpu((10, 2.0))]
+    assert not led.unchanged(raw)  # the first look is attributed
+    led.observe(raw, {}, idle=True)
+    assert led.unchanged([gpu((10, 2.0))])
+    assert not led.unchanged([gpu((10, 3.0))])  # bytes moved: attributed (no record yet: under a step)
+    assert not led.unchanged([gpu((10, 3.0), (11, 1.0))])  # another holder
+    led.observe([gpu((10, 3.0), (11, 1.0))], {}, idle=False)  # a tick with a live run
+    assert not led.unchanged([gpu((10, 3.0), (11, 1.0))])  # after it, the next idle look is attributed in full
