@@ -10,11 +10,12 @@ with or without a zone: without one it is this machine's local time), ``HH:MM`` 
 
 from __future__ import annotations
 
+import asyncio
 import datetime as dt
 import re
 import time
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import msgspec
 
@@ -23,7 +24,20 @@ from gpudeck.console.history.ledger_index import HoldRecord
 from gpudeck.console.history.replica import History
 from gpudeck.console.ops.errors import OpsError
 
-__all__ = ["GpuFootprint", "HoldRecord", "LedgerAnswer", "LedgerQuery", "LedgerQueryError", "ledger_answer", "ledger_query", "parse_time"]
+if TYPE_CHECKING:
+    from gpudeck.console.fleet.fleet import Fleet
+
+__all__ = [
+    "GpuFootprint",
+    "HoldRecord",
+    "LedgerAnswer",
+    "LedgerQuery",
+    "LedgerQueryError",
+    "fleet_ledger",
+    "ledger_answer",
+    "ledger_query",
+    "parse_time",
+]
 
 _AGO = re.compile(r"^-(\d+(?:\.\d+)?)([smhdw])$")
 _CLOCK = re.compile(r"^(\d{1,2}):(\d{2})(?::(\d{2}))?$")
@@ -209,3 +223,11 @@ def ledger_answer(history: History, q: LedgerQuery, now: float | None = None) ->
         holds = [h for h in history.ledger_of_run(q.host, run_id) if q.gpu is None or h.gpu == q.gpu]
     footprint = _footprint(holds, now) if run_id is not None and holds else []
     return LedgerAnswer(query=q, holds=holds, run_id=run_id, footprint=footprint)
+
+
+async def fleet_ledger(fleet: Fleet, q: LedgerQuery) -> LedgerAnswer:
+    """The console's ledger answer: from the history its Fleet keeps in sync (read in a thread); OpsError without one."""
+    if fleet.history is None:
+        raise OpsError("the GPU ledger is read from the history, and this console has none open (`gpudeck ledger` reads it)")
+    history = fleet.history
+    return await asyncio.to_thread(ledger_answer, history, q)
