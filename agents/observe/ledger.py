@@ -227,16 +227,18 @@ class Ledger:
         """Whether an idle agent should sample for the ledger now (its last sample is ``every_s`` old)."""
         return self.enabled and time.monotonic() - self.sampled_at >= every_s
 
-    def unchanged(self, raw: list[Gpu]) -> bool:
+    def unchanged(self, raw: list[Gpu], remember: bool = True) -> bool:
         """Whether an idle agent's raw (unattributed) sample is the one it last attributed: the same processes holding
         the same bytes on the same GPUs (then nothing can have changed for the ledger: attribution changes only when a
-        run ends, and a tick with a live run always attributes). Attributed anyway every REATTRIBUTE_S."""
+        run ends, and a tick with a live run always attributes). Attributed anyway every REATTRIBUTE_S. ``remember``: a
+        sample that differs is the one the caller attributes next (False: a look only, at someone else's sample)."""
         mark = tuple((g.index, g.memory_used, tuple((p.pid, p.used_bytes) for p in g.processes)) for g in raw)
         now = time.monotonic()
         if mark == self._quiet_mark and now - self._quiet_since < REATTRIBUTE_S:
             self.sampled_at = now
             return True
-        self._quiet_mark, self._quiet_since = mark, now
+        if remember:
+            self._quiet_mark, self._quiet_since = mark, now
         return False
 
     def observe(self, gpus: list[Gpu], unaccounted: dict[int, int], now: float | None = None, idle: bool = False) -> list[Item]:

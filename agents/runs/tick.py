@@ -162,9 +162,15 @@ def feed_ledger(sup: Supervisor, gpus: list[Gpu], idle: bool = False) -> None:
 def _ledger_sample(sup: Supervisor) -> None:
     """An idle agent's sample for the ledger (a worker thread): the table refreshed, one attributed GPU sample."""
     sup.procs.refresh(max_age=FRESH_S)
+    # a snapshot a watching console asked for this last second is the look (its pids and bytes: set when it was
+    # sampled, whatever its attribution is doing meanwhile); without one, a sample of our own
+    recent = getattr(sup.gpus, "last_sample", None)
+    raw = recent[1] if recent is not None and time.monotonic() - recent[0] < LEDGER_IDLE_S else None
+    if raw is not None and sup.ledger.unchanged(raw, remember=False):
+        return  # the same processes hold the same bytes: nothing to attribute, nothing to record
     raw = sup.gpus.sample()
     if sup.ledger.unchanged(raw):
-        return  # the same processes hold the same bytes: nothing to attribute, nothing to record
+        return
     feed_ledger(sup, sup.attributed_gpus(raw), idle=True)
 
 

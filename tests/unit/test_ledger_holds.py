@@ -123,6 +123,7 @@ def test_an_idle_sample_that_looks_the_same_is_not_attributed_again_until_a_tick
     assert not led.unchanged(raw)  # the first look is attributed
     led.observe(raw, {}, idle=True)
     assert led.unchanged([gpu((10, 2.0))])
+    assert not led.unchanged([gpu((10, 3.0))], remember=False)  # a look at another's sample: not remembered
     assert not led.unchanged([gpu((10, 3.0))])  # bytes moved: attributed (no record yet: under a step)
     assert not led.unchanged([gpu((10, 3.0), (11, 1.0))])  # another holder
     led.observe([gpu((10, 3.0), (11, 1.0))], {}, idle=False)  # a tick with a live run
