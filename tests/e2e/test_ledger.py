@@ -122,6 +122,8 @@ def test_a_runs_hold_starts_grows_ends_and_the_cli_answers_before_during_after(s
     assert f"{rid} (rank" in text or rid in text
     text = a.cli("ledger", "local:0", "--at", iso(during), "--no-sync").stdout
     print(text)
+    shown = a.cli("show", rid, "--no-sync").stdout  # the run's timeline lists its holds' records
+    assert f"gpu_hold     GPU 0: pid {start['pid']} start 2.0 GiB RUN" in shown and f"pid {start['pid']} level 40.0 GiB" in shown
     assert f"pid {start['pid']}" in text and "RUN" in text
 
 
