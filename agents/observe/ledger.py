@@ -38,7 +38,7 @@ import uuid as uuidlib
 from dataclasses import dataclass
 from typing import Any
 
-from gpudeck.agents.observe.procs import CT_TOLERANCE
+from gpudeck.agents.observe.procs import CT_TOLERANCE, ProcTable
 from gpudeck.agents.storage.journal import Journal
 from gpudeck.agents.wire import events as payloads
 from gpudeck.agents.wire.errors import AgentError
@@ -95,10 +95,14 @@ def level_step(total_bytes: int) -> int:
     return max(LEVEL_MIN_BYTES, int(total_bytes * LEVEL_FRACTION))
 
 
-def container_of(p: GpuProcess) -> str | None:
-    """The container a GPU process runs in, where the process record says (a field not every version has)."""
-    value = getattr(p, "container", None)
-    return value if isinstance(value, str) and value else None
+def container_of(p: GpuProcess, procs: ProcTable | None = None) -> str | None:
+    """The container a GPU process runs in, where its process record says: the GPU process's own field, else the
+    process table's entry (a field being added to both: read with a default until every version has it)."""
+    for record in (p, procs.get(p.pid) if procs is not None else None):
+        value = getattr(record, "container", None)
+        if isinstance(value, str) and value:
+            return value[:256]
+    return None
 
 
 @dataclass
@@ -185,8 +189,15 @@ def _hold_from_record(data: dict[str, Any], ts: float) -> Hold | None:
 class Ledger:
     """The open holds of this host's GPUs and the journal records of their changes (see the module doc)."""
 
-    def __init__(self, journal: Journal, enabled: bool = True, retention_s: float = DEFAULT_RETENTION_DAYS * 86400) -> None:
+    def __init__(
+        self,
+        journal: Journal,
+        enabled: bool = True,
+        retention_s: float = DEFAULT_RETENTION_DAYS * 86400,
+        procs: ProcTable | None = None,
+    ) -> None:
         self.journal = journal
+        self.procs = procs  # where a holder's container is read when its GPU process record does not carry it
         self.enabled = enabled
         self.retention_s = retention_s
         self.holds: dict[tuple, Hold] = {}
@@ -201,9 +212,9 @@ class Ledger:
             self._restored = self._read_open()
 
     @classmethod
-    def from_env(cls, journal: Journal) -> Ledger:
+    def from_env(cls, journal: Journal, procs: ProcTable | None = None) -> Ledger:
         """A ledger set up from the environment (``GPUDECK_LEDGER``, ``GPUDECK_LEDGER_RETENTION_DAYS``)."""
-        return cls(journal, enabled=enabled_from_env(), retention_s=retention_from_env())
+        return cls(journal, enabled=enabled_from_env(), retention_s=retention_from_env(), procs=procs)
 
     def _read_open(self) -> dict[tuple, Hold]:
         """The holds whose latest record in the journal is not an end."""
@@ -329,13 +340,12 @@ class Ledger:
                 return found
         return None
 
-    @staticmethod
-    def _fill(h: Hold, p: GpuProcess | None) -> None:
+    def _fill(self, h: Hold, p: GpuProcess | None) -> None:
         if p is None:
             return
         h.pid, h.create_time = p.pid, (round(p.create_time, 2) if p.create_time is not None else None)
         h.user = p.user or h.user
-        h.container = container_of(p) or h.container
+        h.container = container_of(p, self.procs) or h.container
         h.run = p.run_id or h.run
         h.rank = p.rank if p.rank is not None else h.rank
 

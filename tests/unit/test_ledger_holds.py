@@ -37,7 +37,7 @@ def journal(tmp_path: Path):  # type: ignore[no-untyped-def]
 
 def test_start_level_end_and_nothing_for_an_unchanged_sample(journal: Journal) -> None:
     led = Ledger(journal)
-    assert [d["change"] for d in map(dict, (r[2] for r in led.observe([gpu((10, 2.0))], {}, now=100.0)))] == ["start"]
+    assert [r[2]["change"] for r in led.observe([gpu((10, 2.0))], {}, now=100.0)] == ["start"]
     for t in range(5):  # unchanged, and wobbling by less than a step: no record
         assert led.observe([gpu((10, 2.0 + (t % 2) * 7.5))], {}, now=101.0 + t) == []
     assert [r[2]["change"] for r in led.observe([gpu((10, 10.5))], {}, now=110.0)] == ["level"]
@@ -128,3 +128,19 @@ def test_an_idle_sample_that_looks_the_same_is_not_attributed_again_until_a_tick
     assert not led.unchanged([gpu((10, 3.0), (11, 1.0))])  # another holder
     led.observe([gpu((10, 3.0), (11, 1.0))], {}, idle=False)  # a tick with a live run
     assert not led.unchanged([gpu((10, 3.0), (11, 1.0))])  # after it, the next idle look is attributed in full
+
+
+class _ProcessWithContainer(GpuProcess, kw_only=True):
+    """A GPU process record as it reads once the containers work gives it a ``container`` field."""
+
+    container: str | None = None
+
+
+def test_a_holders_container_is_recorded_when_its_process_record_has_one(journal: Journal) -> None:
+    led = Ledger(journal)
+    p = _ProcessWithContainer(pid=10, gpu=0, used_bytes=2 * GIB, create_time=1010.0, container="docker:0123abcd")
+    g = Gpu(index=0, uuid="GPU-SIM-0", memory_used=0, memory_total=TOTAL, processes=[p])
+    (item,) = led.observe([g], {}, now=1.0)
+    assert item[2]["container"] == "docker:0123abcd"
+    (plain,) = led.observe([g, gpu((11, 2.0), index=1)], {}, now=2.0)  # today's record has none: the field is left out
+    assert "container" not in plain[2]
