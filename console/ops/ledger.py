@@ -37,6 +37,7 @@ __all__ = [
     "ledger_answer",
     "ledger_query",
     "parse_time",
+    "run_footprint",
 ]
 
 _AGO = re.compile(r"^-(\d+(?:\.\d+)?)([smhdw])$")
@@ -169,7 +170,8 @@ class LedgerAnswer:
         return out
 
 
-def _footprint(holds: list[HoldRecord], now: float) -> list[GpuFootprint]:
+def run_footprint(holds: list[HoldRecord], now: float) -> list[GpuFootprint]:
+    """A run's holds as its footprint per (host, GPU): the first and last time it held it, the union of the spans."""
     by_gpu: dict[tuple[str, int], list[HoldRecord]] = {}
     for h in holds:
         by_gpu.setdefault((h.host, h.gpu), []).append(h)
@@ -221,7 +223,7 @@ def ledger_answer(history: History, q: LedgerQuery, now: float | None = None) ->
     else:
         assert run_id is not None
         holds = [h for h in history.ledger_of_run(q.host, run_id) if q.gpu is None or h.gpu == q.gpu]
-    footprint = _footprint(holds, now) if run_id is not None and holds else []
+    footprint = run_footprint(holds, now) if run_id is not None and holds else []
     return LedgerAnswer(query=q, holds=holds, run_id=run_id, footprint=footprint)
 
 
