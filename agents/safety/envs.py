@@ -163,9 +163,10 @@ import sys
 if sys.path and sys.path[0] == "":
     del sys.path[0]  # the current directory must not shadow the installed torch
 import json, os
-out = {"cuda": None, "nccl": None, "libs": [], "env": {}, "errors": []}
+out = {"imported": False, "cuda": None, "nccl": None, "libs": [], "env": {}, "errors": []}
 try:
     import torch
+    out["imported"] = True
     out["cuda"] = getattr(torch.version, "cuda", None)
     if out["cuda"] is not None:
         try:
@@ -206,6 +207,7 @@ NOT_LOADED = "not loaded"
 
 
 class _Loaded(msgspec.Struct):
+    imported: bool = False
     cuda: _Short | None = None
     nccl: _Short | None = None
     libs: Annotated[list[_Path], msgspec.Meta(max_length=16)] = []
@@ -431,6 +433,43 @@ def libnccl_digest(path: str) -> tuple[str | None, str | None]:
     return digest, None
 
 
+# what pre-flight's import check saw (it runs the loaded probe in the same process): the launch's fingerprint a moment
+# later reads it instead of importing torch a second time. (interpreter, environment digest) -> (monotonic time, result)
+_SEEN: dict[tuple[str, str], tuple[float, _Loaded]] = {}
+SEEN_FOR_S = 60.0
+
+
+def _env_key(exe: str, env: Mapping[str, str] | None) -> tuple[str, str]:
+    text = "\0".join(f"{k}={v}" for k, v in sorted((env if env is not None else os.environ).items()))
+    return exe, hashlib.sha256(text.encode(errors="replace")).hexdigest()
+
+
+def _read_loaded(stdout: str) -> _Loaded | str:
+    """The loaded probe's result from a process's output, or why it cannot be read (its line is hostile input)."""
+    line = next((ln for ln in reversed(stdout.splitlines()) if ln.startswith(_LOADED_MARK)), None)
+    if line is None:
+        return "the import-torch probe sent no result"
+    if len(line) > MAX_LOADED_LINE:
+        return f"the import-torch probe sent {len(line):,} characters, over the {MAX_LOADED_LINE:,} read: ignored"
+    try:
+        return msgspec.json.decode(line[len(_LOADED_MARK) :], type=_Loaded)
+    except msgspec.DecodeError as e:
+        return f"the import-torch probe sent an unreadable result ({str(e)[:200]}): ignored"
+
+
+def _run_probe(exe: str, code: str, env: Mapping[str, str] | None, timeout: float) -> subprocess.CompletedProcess[str]:
+    """``exe -c code`` (not isolated: the run's PYTHONPATH counts) under ``env`` (None: this process's), output captured."""
+    return subprocess.run(
+        [exe, "-c", code],
+        capture_output=True,
+        text=True,
+        errors="replace",
+        timeout=timeout,
+        stdin=subprocess.DEVNULL,
+        env=dict(env) if env is not None else None,
+    )
+
+
 def _with_loaded(fp: EnvFingerprint, env: Mapping[str, str] | None, timeout: float) -> EnvFingerprint:
     """``fp`` with what `import torch` loads in its interpreter; a probe that fails leaves those fields None and says why."""
     problems = [fp.error] if fp.error else []
@@ -438,29 +477,23 @@ def _with_loaded(fp: EnvFingerprint, env: Mapping[str, str] | None, timeout: flo
     def failed(why: str) -> EnvFingerprint:
         return msgspec.structs.replace(fp, error="; ".join([*problems, why]))
 
-    try:
-        proc = subprocess.run(
-            [fp.python, "-c", LOADED],
-            capture_output=True,
-            text=True,
-            errors="replace",
-            timeout=timeout,
-            stdin=subprocess.DEVNULL,
-            env=dict(env) if env is not None else None,
-        )
-    except subprocess.TimeoutExpired:
-        return failed(f"import torch in {fp.python} took more than {timeout:.0f} s: the loaded NCCL is unknown")
-    except OSError as e:
-        return failed(f"python {fp.python} cannot be started to import torch: {e}")
-    line = next((ln for ln in reversed(proc.stdout.splitlines()) if ln.startswith(_LOADED_MARK)), None)
-    if proc.returncode != 0 or line is None:
-        return failed(f"the import-torch probe failed (exit {proc.returncode}): {_tail(proc.stderr, lines=2, chars=500) or 'no output'}")
-    if len(line) > MAX_LOADED_LINE:
-        return failed(f"the import-torch probe sent {len(line):,} characters, over the {MAX_LOADED_LINE:,} read: ignored")
-    try:
-        got = msgspec.json.decode(line[len(_LOADED_MARK) :], type=_Loaded)
-    except msgspec.DecodeError as e:
-        return failed(f"the import-torch probe sent an unreadable result ({str(e)[:200]}): ignored")
+    seen = _SEEN.get(_env_key(fp.python, env))
+    if seen is not None and time.monotonic() - seen[0] < SEEN_FOR_S:
+        got: _Loaded | str = seen[1]
+    else:
+        try:
+            proc = _run_probe(fp.python, LOADED, env, timeout)
+        except subprocess.TimeoutExpired:
+            return failed(f"import torch in {fp.python} took more than {timeout:.0f} s: the loaded NCCL is unknown")
+        except OSError as e:
+            return failed(f"python {fp.python} cannot be started to import torch: {e}")
+        if proc.returncode != 0:
+            return failed(
+                f"the import-torch probe failed (exit {proc.returncode}): {_tail(proc.stderr, lines=2, chars=500) or 'no output'}"
+            )
+        got = _read_loaded(proc.stdout)
+    if isinstance(got, str):
+        return failed(got)
     problems += got.errors
     digest: str | None = None
     if got.libs:
@@ -469,8 +502,10 @@ def _with_loaded(fp: EnvFingerprint, env: Mapping[str, str] | None, timeout: flo
         if why:
             problems.append(why)
         libnccl = main.removesuffix(" (deleted)")
-    else:
+    elif got.imported:
         libnccl = CPU_BUILD if got.cuda is None else NOT_LOADED
+    else:
+        libnccl = None  # torch did not import: which build it is, is not known
     return msgspec.structs.replace(
         fp,
         nccl_runtime=got.nccl,
@@ -503,15 +538,7 @@ def check_imports_torch(python: str, timeout: float = 120.0, *, env: Mapping[str
         return False, e.message
     t0 = time.monotonic()
     try:
-        proc = subprocess.run(
-            [exe, "-c", _TORCH_CHECK],
-            capture_output=True,
-            text=True,
-            errors="replace",
-            timeout=timeout,
-            stdin=subprocess.DEVNULL,
-            env=dict(env) if env is not None else None,
-        )
+        proc = _run_probe(exe, _TORCH_CHECK + LOADED, env, timeout)
     except subprocess.TimeoutExpired:
         return False, (
             f"import torch in {exe} took more than {timeout:.0f} s (a slow network filesystem, or CUDA initialisation hanging "
@@ -532,6 +559,10 @@ def check_imports_torch(python: str, timeout: float = 120.0, *, env: Mapping[str
             )
         return False, f"import torch failed in {exe}: {last}; {fix}"
     info = msgspec.json.decode(line[len(_TORCH_MARK) :], type=_TorchCheck)
+    if not isinstance(loaded := _read_loaded(proc.stdout), str):
+        if len(_SEEN) >= _DIGESTS_KEPT:
+            _SEEN.pop(next(iter(_SEEN)))
+        _SEEN[_env_key(exe, env)] = (time.monotonic(), loaded)
     if info.cuda is None:
         cuda = "CPU build, CUDA not available"
     elif info.available:
