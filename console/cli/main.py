@@ -332,6 +332,8 @@ def _print_multinode(result: LaunchResult, as_json: bool, show_secrets: bool) ->
         print(
             terminal_text("\n".join("gpudeck: " + ln if i == 0 else ln for i, ln in enumerate(result.gate.refusal(rid)))), file=sys.stderr
         )
+    if result.gate is not None and result.gate.refused and as_json:  # every node's values (the table shows at most 8)
+        print(json.dumps({"id": rid, "verdict": result.verdict, "hosts": names, "env_gate": to_builtins(result.gate)}))
     if result.verdict == "preflight_failed" and not result.failed:
         return EXIT_ERROR
     if result.verdict == "preflight_failed":
