@@ -185,6 +185,9 @@ GATE_KEYS: tuple[str, ...] = (
 )
 GATE_LABELS = {**LABELS, "gpu": "GPU model"}
 GATE_ENV_PREFIXES = ("NCCL_", "TORCH_")
+# names of each host's own hardware (eth1 on one host is eth2 on the next; a host config's nccl_socket_ifname sets it):
+# they differ by design, so they are not compared
+PER_HOST_ENV = frozenset({"NCCL_SOCKET_IFNAME", "NCCL_IB_HCA"})
 NO_FINGERPRINT = "(no fingerprint)"
 UNSET = "(unset)"
 MAX_GATE_COLUMNS = 8  # nodes shown side by side; the JSON has them all
@@ -216,7 +219,7 @@ def gate_values(fp: EnvFingerprint | None, gpu: str | None, spec_env: Mapping[st
     out["gpu"] = gpu
     env = dict(fp.dist_env) if fp is not None else {}
     env.update({k: shown_env_value(k, v) for k, v in spec_env.items() if k.startswith(GATE_ENV_PREFIXES)})
-    out.update(sorted(env.items()))
+    out.update(sorted((k, v) for k, v in env.items() if k not in PER_HOST_ENV))
     return out
 
 
@@ -275,8 +278,10 @@ class EnvGate(msgspec.Struct, frozen=True):
         """The rows that differ, node by node (at most MAX_GATE_COLUMNS nodes side by side, the odd ones first)."""
         if not self.rows:
             return []
-        odd = set(self.odd_nodes())
-        order = sorted(range(len(self.hosts)), key=lambda i: (self.hosts[i] not in odd, i))[:MAX_GATE_COLUMNS]
+        order = list(range(len(self.hosts)))
+        if len(order) > MAX_GATE_COLUMNS:  # the odd nodes first, so that they are among those shown
+            odd = set(self.odd_nodes())
+            order = sorted(order, key=lambda i: (self.hosts[i] not in odd, i))[:MAX_GATE_COLUMNS]
         header = ["", *(_cell(self.hosts[i]) for i in order)]
         lines = [header]
         for r in self.rows:
