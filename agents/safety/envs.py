@@ -163,11 +163,12 @@ import sys
 if sys.path and sys.path[0] == "":
     del sys.path[0]  # the current directory must not shadow the installed torch
 import json, os
-out = {"imported": False, "cuda": None, "nccl": None, "libs": [], "env": {}, "errors": []}
+out = {"imported": False, "cuda": None, "hip": None, "nccl": None, "libs": [], "env": {}, "errors": []}
 try:
     import torch
     out["imported"] = True
     out["cuda"] = getattr(torch.version, "cuda", None)
+    out["hip"] = getattr(torch.version, "hip", None)
     if out["cuda"] is not None:
         try:
             v = torch.cuda.nccl.version()  # loads and asks the library: no CUDA context is made
@@ -203,12 +204,15 @@ MAX_DIST_ENV = 64
 LIBNCCL_MAX_BYTES = 2 * 2**30
 _LIBNCCL_NAME = re.compile(r"libnccl[A-Za-z0-9_.+-]{0,64}\.so(\.[0-9]+){0,4}")
 CPU_BUILD = "none (CPU build)"
+ROCM_BUILD = "none (ROCm build: RCCL)"
+LINKED_IN = "none (NCCL linked into torch)"  # a CUDA build that reports an NCCL version but maps no libnccl file
 NOT_LOADED = "not loaded"
 
 
 class _Loaded(msgspec.Struct):
     imported: bool = False
     cuda: _Short | None = None
+    hip: _Short | None = None
     nccl: _Short | None = None
     libs: Annotated[list[_Path], msgspec.Meta(max_length=16)] = []
     env: Annotated[dict[_EnvName, _EnvValue], msgspec.Meta(max_length=MAX_DIST_ENV)] = {}
@@ -502,8 +506,12 @@ def _with_loaded(fp: EnvFingerprint, env: Mapping[str, str] | None, timeout: flo
         if why:
             problems.append(why)
         libnccl = main.removesuffix(" (deleted)")
+    elif got.imported and got.hip is not None:
+        libnccl = ROCM_BUILD
+    elif got.imported and got.cuda is None:
+        libnccl = CPU_BUILD
     elif got.imported:
-        libnccl = CPU_BUILD if got.cuda is None else NOT_LOADED
+        libnccl = LINKED_IN if got.nccl is not None else NOT_LOADED
     else:
         libnccl = None  # torch did not import: which build it is, is not known
     return msgspec.structs.replace(

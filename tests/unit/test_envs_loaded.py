@@ -112,6 +112,13 @@ def test_a_hostile_probe_answer_is_bounded_and_named(tmp_path: Path) -> None:
     )
     assert fingerprint(str(cpu_or_not)).libnccl is None  # torch did not say it imported: not taken for a CPU build
 
+    static, _ = fake_torch_venv(
+        tmp_path / "static",
+        init_extra="import sys, json\nsys.stdout.write('GPUDECK-LOADED ' + json.dumps({'imported': True, 'cuda': '11.8', 'nccl': '2.15.5'}) "
+        "+ chr(10))\nsys.exit(0)\n",
+    )
+    assert fingerprint(str(static)).libnccl == "none (NCCL linked into torch)"  # older wheels link NCCL statically
+
     named, _ = fake_torch_venv(
         tmp_path / "named",
         init_extra="import sys, json\nsys.stdout.write('GPUDECK-LOADED ' + json.dumps({'cuda': '12.8', 'libs': ['/etc/passwd']}) + chr(10))\n"
