@@ -243,11 +243,12 @@ async def preflight(sup: Supervisor, spec: LaunchSpec, host_name: str | None = N
 
 def fingerprint_for(sup: Supervisor, spec: LaunchSpec, plan: LaunchPlan | None = None) -> EnvFingerprint | None:
     """The run's python environment, fingerprinted (None when the run is not a python program)."""
-    python = (plan or LaunchPlan.of(spec)).python
+    plan = plan or LaunchPlan.of(spec)
+    python = plan.python
     if python is None:
         return None
-    try:
-        return envs.fingerprint(python, driver=sup.gpus.driver_version)
+    try:  # under the run's environment: its LD_LIBRARY_PATH decides which libnccl `import torch` loads
+        return envs.fingerprint(python, driver=sup.gpus.driver_version, env=plan.base_env)
     except AgentError as exc:
         return EnvFingerprint(python=python, error=exc.message, taken=time.time())
 

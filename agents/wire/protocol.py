@@ -215,6 +215,10 @@ class LaunchSpec(msgspec.Struct, gc=False, kw_only=True, omit_defaults=True):
     nnodes: int | None = None
     node_rank: int | None = None
     nodes: list[str] = []
+    # multi-node: the cross-node environment differences launched past (`--allow-env-diff NAME`, recorded), and the
+    # gate's differing rows as they were at launch ("transformers: nodea 5.25.0 | nodeb 4.57.1")
+    allow_env_diff: list[str] = []
+    env_diffs: list[str] = []
 
 
 class RankTelemetry(msgspec.Struct, gc=False, kw_only=True, omit_defaults=True):
@@ -321,6 +325,11 @@ class EnvFingerprint(msgspec.Struct, gc=False, kw_only=True, omit_defaults=True)
     nccl: str | None = None
     transformers: str | None = None
     driver: str | None = None  # NVIDIA driver version (NVML), None without a GPU
+    # what `import torch` actually loads (the metadata can say another NCCL than the library that is mapped):
+    nccl_runtime: str | None = None  # torch.cuda.nccl.version(), e.g. "2.28.9"; None: not probed or a CPU build
+    libnccl: str | None = None  # path of the libnccl mapped after `import torch`, "none (CPU build)", or "not loaded"
+    libnccl_sha256: str | None = None  # sha256 of that file (None: no file, or too large to hash)
+    dist_env: dict[str, str] = {}  # NCCL_* / TORCH_* variables the probe saw (secret-looking values as a digest)
     packages: dict[str, str] = {}  # distribution name (normalized) -> version
     freeze: list[str] = []  # requirement lines, pip freeze style
     freeze_hash: str = ""  # sha256 of the sorted freeze lines

@@ -20,6 +20,7 @@ from typing import Any, TypeVar
 import msgspec
 from msgspec import UNSET
 
+from gpudeck.agents.wire.envdiff import EnvGate
 from gpudeck.agents.wire.errors import AgentError
 from gpudeck.agents.wire.protocol import RunInfo, Snapshot, Triage, VerifyReply, to_builtins
 from gpudeck.console.cli.parser import DEFAULT_WATCH_S, parse
@@ -45,10 +46,11 @@ from gpudeck.console.ops import (
     start_of,
 )
 from gpudeck.console.ops.compare import compare_refs
+from gpudeck.console.ops.gate import check as gate_check
 from gpudeck.console.ops.holders import ReclaimLaunch, plan_holders, reclaim_and_launch
 from gpudeck.console.ops.hosts import probe_hosts, remove_hosts
 from gpudeck.console.ops.intent import check_start, env_items
-from gpudeck.console.ops.launch import LaunchPlan, is_trainer, plan_here
+from gpudeck.console.ops.launch import LaunchPlan, NodeOutcome, is_trainer, plan_here
 from gpudeck.console.ops.launch import launch as ops_launch
 from gpudeck.console.ops.launch import preflight as ops_preflight
 from gpudeck.console.ops.readings import host_leftovers, query_history, tail_nodes, verify_run
@@ -280,6 +282,7 @@ def intent_from_args(args: argparse.Namespace) -> LaunchIntent:
         hang_after_s=args.hang_after,
         straggler_window=args.straggler_window,
         expected_ranks=args.expected_ranks,
+        allow_env_diff=tuple(args.allow_env_diff),
     )
 
 
@@ -325,6 +328,14 @@ def _print_multinode(result: LaunchResult, as_json: bool, show_secrets: bool) ->
             print(terminal_text(format_preflight(n.preflight)), file=sys.stderr)
         elif n.reply is not None and n.reply.run.preflight is not None:
             print(terminal_text(f"gpudeck: {n.host}: {format_preflight(n.reply.run.preflight)}"), file=sys.stderr)
+    if result.gate is not None and result.gate.refused:
+        print(
+            terminal_text("\n".join("gpudeck: " + ln if i == 0 else ln for i, ln in enumerate(result.gate.refusal(rid)))), file=sys.stderr
+        )
+    if result.gate is not None and result.gate.refused and as_json:  # every node's values (the table shows at most 8)
+        print(json.dumps({"id": rid, "verdict": result.verdict, "hosts": names, "env_gate": to_builtins(result.gate)}))
+    if result.verdict == "preflight_failed" and not result.failed:
+        return EXIT_ERROR
     if result.verdict == "preflight_failed":
         print(
             f"gpudeck: pre-flight failed on {', '.join(n.host for n in result.failed)}: nothing was started on any host (run {rid})",
@@ -349,6 +360,12 @@ def _print_multinode(result: LaunchResult, as_json: bool, show_secrets: bool) ->
         print(rid)
         print(
             f"gpudeck: {len(names)} nodes ({', '.join(names)}), {result.plan.nproc_per_node} rank(s) each, rendezvous {ep}", file=sys.stderr
+        )
+    if result.gate is not None and result.gate.rows:
+        allowed = ", ".join(r.name for r in result.gate.rows)
+        print(
+            terminal_text(f"gpudeck: launched past environment differences in {allowed} (--allow-env-diff, recorded with the run)"),
+            file=sys.stderr,
         )
     return 0
 
@@ -395,8 +412,17 @@ async def _launch_reclaiming(args: argparse.Namespace, p: LaunchPlan) -> int:
 
 async def cmd_preflight(args: argparse.Namespace) -> int:
     p = plan_here(intent_from_args(args), verb="preflight")
-    checks = await _with_fleet(lambda f: ops_preflight(f, p), hosts=p.hosts)
+
+    async def both(f: Fleet) -> tuple[list[NodeOutcome], EnvGate | None]:
+        if not p.multinode:
+            return await ops_preflight(f, p), None
+        return await asyncio.gather(ops_preflight(f, p), gate_check(f, p.nodes))
+
+    checks, gate = await _with_fleet(both, hosts=p.hosts)
     rc = 0
+    if gate is not None and gate.refused:
+        rc = EXIT_ERROR
+        print(terminal_text("\n".join(["gpudeck: the nodes' environments differ:", *gate.refusal()[1:]])), file=sys.stderr)
     for c in checks:
         if c.error is not None:
             print(f"gpudeck: {c.host}: {c.error}", file=sys.stderr)
