@@ -11,6 +11,9 @@ interleaved round by round so that the host's load falls on every figure alike:
     ``connect_unix`` fed it before the transport pushed bytes to it itself);
   * ``snapshot raw``: the same request on a blocking socket, the reply's bytes not decoded (the client's share is
     the difference);
+  * ``snapshot fresh``: ``GetSnapshot(max_age_s=0)`` through ``AgentClient.request``: a sample made for the request
+    (the build in the sampler thread and the hops to it and back; an agent older than ``max_age_s`` ignores the
+    field and samples for every request anyway);
 and in this process, for the snapshot bytes the agent sent: ``decode`` (``decode_reply``) and ``encode`` (the
 agent's ``encode``). The ratios are peer / this tree. One line per figure.
 
@@ -58,7 +61,14 @@ class Agent:
         self.client: AgentClient | None = None
         self.raw: socket.socket | None = None
         self.pumped: AgentClient | None = None
-        self.times: dict[str, list[float]] = {"ping": [], "ping pumped": [], "snapshot": [], "snapshot pumped": [], "snapshot raw": []}
+        self.times: dict[str, list[float]] = {
+            "ping": [],
+            "ping pumped": [],
+            "snapshot": [],
+            "snapshot pumped": [],
+            "snapshot raw": [],
+            "snapshot fresh": [],
+        }
         self.last = b""
 
     async def connect(self) -> None:
@@ -91,7 +101,7 @@ class Agent:
         self.last = self._line()
 
     async def round(self, turn: int) -> None:
-        """The two pings, then the three snapshots, each in an order that rotates with ``turn`` (no figure always goes first)."""
+        """The two pings, then the four snapshots, each in an order that rotates with ``turn`` (no figure always goes first)."""
         assert self.client is not None and self.raw is not None and self.pumped is not None
         pings = [("ping", self.client), ("ping pumped", self.pumped)]
         for name, client in pings[turn % 2 :] + pings[: turn % 2]:
@@ -102,8 +112,9 @@ class Agent:
             ("snapshot", lambda: self.client.request(GetSnapshot())),  # type: ignore[union-attr]
             ("snapshot pumped", lambda: self.pumped.request(GetSnapshot())),  # type: ignore[union-attr]
             ("snapshot raw", self._raw_snapshot),
+            ("snapshot fresh", lambda: self.client.request(GetSnapshot(max_age_s=0))),  # type: ignore[union-attr]
         ]
-        for name, way in ways[turn % 3 :] + ways[: turn % 3]:
+        for name, way in ways[turn % 4 :] + ways[: turn % 4]:
             t0 = time.perf_counter()
             await way()
             self.times[name].append((time.perf_counter() - t0) * 1000)
@@ -168,7 +179,7 @@ async def main_async(args: argparse.Namespace) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("-n", type=int, default=2000, help="rounds (each: a ping, a snapshot, a raw snapshot) per agent")
+    ap.add_argument("-n", type=int, default=2000, help="rounds (each: two pings, four snapshots) per agent")
     ap.add_argument("--gpus", default="8:H200:141", help="GPUDECK_SIMULATE_GPUS of the agents")
     ap.add_argument("--peer-tree", default=None, help="a folder holding gpudeck/agents of another version: measured in the same run")
     asyncio.run(main_async(ap.parse_args()))
