@@ -99,7 +99,7 @@ from gpudeck.agents.wire.protocol import (
 log = logging.getLogger("gpudeck.agent")
 
 TICK_S = 0.5  # supervision tick: member discovery, exit detection
-SNAPSHOT_WARM_S = 10.0  # after a GetSnapshot, every tick samples for the next one this long (SNAPSHOT_MAX_AGE_S > TICK_S)
+SNAPSHOT_WARM_S = 10.0  # a client asking for snapshots at most this far apart finds the next sampled ahead (SnapshotCache.due)
 REPLY_DURABLE_S = 5.0  # a Launch/Stop/Reclaim reply waits this long at most for its journal records to be on disk
 WRITE_BUFFER_LIMIT = 8 << 20  # a slower client than this skips snapshots instead of growing memory
 
@@ -215,7 +215,7 @@ class Agent:
         """The encoded answer to a GetSnapshot: the latest sample when it may answer (SnapshotCache says when; then
         no thread hop, no build, no encode), else a new one made in the sampler thread and kept for the next."""
         cache = self.snapshot_cache
-        cache.asked = time.monotonic()
+        cache.note_request()
         key = cache.state_key()
         got = cache.fresh(max_age_s, key)
         if got is None:
@@ -406,8 +406,8 @@ class Agent:
                 # one hop off the loop for both reads (an idle agent's tick is mostly these two); while clients ask
                 # for snapshots, a sample for them rides along (none when nobody asked: an idle agent pays nothing)
                 cache = self.snapshot_cache
-                wanted = time.monotonic() - cache.asked < SNAPSHOT_WARM_S
-                problem, sample = await loop.run_in_executor(self._sampler, self._tick_reads, cache.state_key() if wanted else None)
+                ahead = cache.state_key() if cache.due(SNAPSHOT_WARM_S) else None
+                problem, sample = await loop.run_in_executor(self._sampler, self._tick_reads, ahead)
                 if sample is not None:
                     cache.keep(sample)
                 if problem is not None and problem != self._journal_seen:

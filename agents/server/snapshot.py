@@ -131,6 +131,7 @@ class SnapshotBuilder:
 
 
 _REPLY_HEAD = b'{"type":"snapshot","request_id":'
+AHEAD_AGE = 0.8  # a sample made ahead is meant to be at most this share of SNAPSHOT_MAX_AGE_S old when asked for
 
 
 class StateKey(NamedTuple):
@@ -185,7 +186,10 @@ class SnapshotCache:
         self.journal_note = journal_note
         self.events = 0  # events emitted (the registry's on_event): a change of any run's state or record
         self.latest: EncodedSnapshot | None = None
-        self.asked = -1e9  # the monotonic time of the last GetSnapshot: the tick keeps a sample ready while clients ask
+        # how clients ask (GetSnapshot): the tick samples ahead for a client that asks at a steady pace
+        self.asked: float | None = None  # the monotonic time of the last request
+        self.gap: float | None = None  # between the last two
+        self.pending = False  # a request came since the tick last sampled ahead
 
     def state_key(self) -> StateKey:
         """What a snapshot shows that must never be older than the request (the rest is a sample of the host)."""
@@ -206,6 +210,29 @@ class SnapshotCache:
         if c is None or max_age_s <= 0 or c.key != key or time.monotonic() - c.taken > min(max_age_s, SNAPSHOT_MAX_AGE_S):
             return None
         return c
+
+    def note_request(self) -> None:
+        """A GetSnapshot came (what :meth:`due` predicts the next one from)."""
+        now = time.monotonic()
+        if self.asked is not None:
+            self.gap = now - self.asked
+        self.asked = now
+        self.pending = True
+
+    def due(self, warm_s: float) -> bool:
+        """Whether the tick should sample ahead now, for the next GetSnapshot: a request came since it last did, the
+        last two came at most ``warm_s`` apart, and the next (expected one gap after the last) would find a sample
+        taken now young enough, with room to spare (else a later tick does it). So a client asking at a steady
+        pace costs one sample a request, as a sample made for each request did, and each finds it ready; one
+        asking faster than ticks come, one a tick; nobody asking, none."""
+        if not self.pending or self.asked is None or self.gap is None or self.gap > warm_s:
+            return False
+        now = time.monotonic()
+        next_at = self.asked + self.gap
+        if next_at - now > AHEAD_AGE * SNAPSHOT_MAX_AGE_S:
+            return False  # taken now, it would be too old by then: a later tick samples (ticks are closer than that)
+        self.pending = False
+        return True
 
     def keep(self, got: EncodedSnapshot) -> None:
         """Hold a new sample for the next requests (never in place of a younger one)."""

@@ -61,3 +61,28 @@ def test_the_latest_sample_answers_only_while_young_and_unchanged(monkeypatch: p
             agent.journal.close()
 
     asyncio.run(go())
+
+
+def test_the_tick_samples_ahead_once_a_request_for_a_client_at_a_steady_pace_and_never_for_nobody(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv("GPUDECK_SIMULATE_GPUS", "1:H200:141")
+
+    async def go() -> None:
+        agent = Agent(tmp_path / "agent")
+        try:
+            cache = agent.snapshot_cache
+            assert not cache.due(10.0), "nobody asked: an idle agent samples nothing ahead"
+            cache.note_request()
+            assert not cache.due(10.0), "one request says nothing of when the next comes"
+            now = time.monotonic()
+            cache.asked, cache.gap, cache.pending = now - 0.1, 1.0, True  # a client asking once a second, 0.1 s ago
+            assert not cache.due(10.0), "sampled now, it would be 0.9 s old when asked for: a later tick does it"
+            cache.asked = now - 0.3
+            assert cache.due(10.0) and not cache.due(10.0), "one sample ahead per request"
+            cache.asked, cache.gap, cache.pending = now - 0.3, 30.0, True
+            assert not cache.due(10.0), "a client asking every 30 s gets a sample made for its request"
+        finally:
+            agent.journal.close()
+
+    asyncio.run(go())
