@@ -162,14 +162,14 @@ class EncodedSnapshot:
         # the tag and request_id lead every Snapshot line (msgspec writes the tag, then the fields in order); were
         # that ever not so, each reply is encoded whole instead (slower, never wrong)
         self.tail: bytes | None = line[len(head) :] if line.startswith(head) else None
-        self.snap = snap
+        self.snap = snap if self.tail is None else None  # kept only for that: it holds the live runs' records
 
     def reply(self, request_id: str) -> bytes:
         """The line that answers ``request_id``."""
-        if self.tail is None:
+        if self.snap is not None:
             self.snap.request_id = request_id
             return encode(self.snap)
-        return _REPLY_HEAD + encode_safe(request_id) + self.tail
+        return _REPLY_HEAD + encode_safe(request_id) + (self.tail or b"")
 
 
 class SnapshotCache:
