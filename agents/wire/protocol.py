@@ -37,6 +37,9 @@ MAX_FRAME = 1 << 20  # bytes in one line, newline excluded
 MAX_ARGV = 4096  # arguments in one launch
 MAX_NAME = 256  # characters in a run's name (every table line shows it: a 120 KB name made each 120,083 characters wide)
 MAX_OUTPUT_CHUNK = 256 * 1024
+# A GetSnapshot is answered from the agent's latest sample while it is at most this old and nothing it shows
+# changed state since (runs, events, the journal); a client that needs a sample made for it asks max_age_s=0
+SNAPSHOT_MAX_AGE_S = 1.0
 
 RunState = Literal[
     "pending",
@@ -516,7 +519,12 @@ class Ping(_Msg, tag="ping", kw_only=True):
 
 
 class GetSnapshot(_Msg, tag="get_snapshot", kw_only=True):
-    """One snapshot now."""
+    """One snapshot: GPUs, processes and run figures sampled at most ``max_age_s`` ago (``ts`` says when); which runs
+    are live, their states and the journal's (``last_seq``, problems) as they are now (a state change or an event since
+    the sample makes the agent sample again). ``max_age_s`` 0 asks for a sample made for this request; a larger bound than SNAPSHOT_MAX_AGE_S is taken as
+    that, a negative one is refused (``bad_request``)."""
+
+    max_age_s: float = SNAPSHOT_MAX_AGE_S
 
 
 class WatchSnapshots(_Msg, tag="watch_snapshots", kw_only=True):
