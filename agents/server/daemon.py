@@ -36,7 +36,7 @@ from gpudeck.agents.observe import namespace as pid_namespace
 from gpudeck.agents.observe.gpus import make_sampler
 from gpudeck.agents.observe.procs import ProcTable
 from gpudeck.agents.observe.telemetry import step_series
-from gpudeck.agents.runs.launch import SHIMS
+from gpudeck.agents.runs.launch import SHIMS, check_env
 from gpudeck.agents.runs.supervisor import Supervisor, hostname
 from gpudeck.agents.safety import envs, unaccounted
 from gpudeck.agents.safety.membership import cmdline_of
@@ -904,7 +904,9 @@ class _Conn:
         await self.send(StopReply(request_id=req.request_id, result=result))
 
     async def _fingerprint(self, req: Fingerprint) -> None:
-        fp = await asyncio.to_thread(envs.fingerprint, req.python, driver=self.agent.gpus.driver_version)
+        check_env(req.env)  # a run's environment on top of the agent's, as a launch gets it (the cross-node gate sends it)
+        env = {**os.environ, **req.env} if req.env else None
+        fp = await asyncio.to_thread(envs.fingerprint, req.python, driver=self.agent.gpus.driver_version, env=env)
         await self.send(FingerprintReply(request_id=req.request_id, env=fp))
 
     async def _rebuild_env(self, req: RebuildEnv) -> None:

@@ -191,6 +191,8 @@ PER_HOST_ENV = frozenset({"NCCL_SOCKET_IFNAME", "NCCL_IB_HCA"})
 NO_FINGERPRINT = "(no fingerprint)"
 UNSET = "(unset)"
 MAX_GATE_COLUMNS = 8  # nodes shown side by side; the JSON has them all
+MAX_RECORDED_ROWS = 64  # rows of a launch past the gate kept in its record (LaunchSpec.env_diffs)
+MAX_RECORDED_ROW_CHARS = 2000  # one recorded row, all its nodes' values (a longer one ends with "...")
 _CELL = 48
 _SECRET_LOOKING = re.compile(r"KEY|TOKEN|SECRET|PASSW|CREDENTIAL|PRIVATE", re.IGNORECASE)
 
@@ -322,10 +324,11 @@ class EnvGate(msgspec.Struct, frozen=True):
 
     def recorded(self) -> list[str]:
         """The rows as the run's record keeps them: ``transformers: nodea 5.25.0 | nodeb 4.57.1``."""
-        return [
+        rows = [
             f"{r.name}: " + " | ".join(f"{h} {v if v is not None else 'none'}"[:300] for h, v in zip(self.hosts, r.values))
             for r in self.rows
-        ][:64]
+        ][:MAX_RECORDED_ROWS]
+        return [row if len(row) <= MAX_RECORDED_ROW_CHARS else row[: MAX_RECORDED_ROW_CHARS - 3] + "..." for row in rows]
 
 
 def _cell(value: str | None, width: int = _CELL) -> str:

@@ -613,9 +613,15 @@ class Reclaim(_Msg, tag="reclaim", kw_only=True):
 
 
 class Fingerprint(_Msg, tag="fingerprint", kw_only=True):
-    """Fingerprint a python environment on the host."""
+    """Fingerprint a python environment on the host.
+
+    ``env`` is put on top of the agent's environment for the probe, as a launch's environment is on top of it for the
+    run: the cross-node gate sends the run's, so an ``LD_LIBRARY_PATH`` given with ``--env`` decides which libnccl the
+    probe finds, as it will for the run. Checked as a launch's environment is (names non-empty, no ``=`` or NUL).
+    """
 
     python: str
+    env: dict[str, str] = {}
 
 
 class RebuildEnv(_Msg, tag="rebuild_env", kw_only=True):

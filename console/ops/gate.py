@@ -56,7 +56,7 @@ def gpu_model(snap: Snapshot | BaseException, gpus: list[int] | None) -> str | N
 async def _node(fleet: Fleet, host: str, spec: LaunchSpec) -> tuple[dict[str, str | None], list[str]]:
     """One node's gate values and what kept its fingerprint incomplete."""
     python = spec.python or spec.argv[0]
-    fp, snap = await asyncio.gather(fleet.fingerprint(host, python), fleet.snapshot(host), return_exceptions=True)
+    fp, snap = await asyncio.gather(fleet.fingerprint(host, python, spec.env), fleet.snapshot(host), return_exceptions=True)
     notes: list[str] = []
     if isinstance(fp, AgentError):
         notes.append(f"{host}: cannot fingerprint {python}: {fp.message}")

@@ -309,3 +309,27 @@ def test_a_snapshot_right_after_a_launch_or_a_stop_shows_it_though_the_last_samp
             await c.close()
 
     asyncio.run(go())
+
+
+def test_a_fingerprint_probes_under_the_environment_the_run_will_get_and_a_bad_one_is_refused(agent: AgentProc) -> None:
+    """The cross-node gate sends the run's environment with Fingerprint: the probe sees it (an LD_LIBRARY_PATH given with
+    --env decides which libnccl it finds, as for the run); a name a process cannot be given is a typed refusal."""
+    from gpudeck.agents.wire.protocol import Fingerprint, FingerprintReply
+
+    async def go() -> None:
+        c = await agent.client()
+        try:
+            got = await c.request(
+                Fingerprint(python=sys.executable, env={"NCCL_DEBUG": "INFO", "TORCH_SHOW_CPP_STACKTRACES": "1"}), timeout=120
+            )
+            assert isinstance(got, FingerprintReply)
+            assert got.env.dist_env.get("NCCL_DEBUG") == "INFO" and got.env.dist_env.get("TORCH_SHOW_CPP_STACKTRACES") == "1"
+            plain = await c.request(Fingerprint(python=sys.executable), timeout=120)
+            assert isinstance(plain, FingerprintReply) and "NCCL_DEBUG" not in plain.env.dist_env
+            with pytest.raises(BadRequest, match="not valid"):
+                await c.request(Fingerprint(python=sys.executable, env={"A=B": "x"}), timeout=30)
+            assert isinstance(await c.request(Ping(), timeout=30), object)  # the connection survives the refusal
+        finally:
+            await c.close()
+
+    asyncio.run(go())

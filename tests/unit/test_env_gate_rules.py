@@ -154,3 +154,23 @@ def test_the_run_diff_shows_the_loaded_libnccl_and_skips_records_older_than_the_
     older = _fp(nccl_runtime=None, libnccl=None, libnccl_sha256=None)  # recorded before the probe existed
     assert diff(older, moved) == [] and diff(moved, older) == []
     assert diff(a, _fp("/elsewhere"), ignore=("python", "prefix")) == []  # same layout in another folder
+
+
+def test_a_launch_naming_too_many_or_too_long_gate_rows_is_refused_by_the_agent_and_recorded_rows_are_bounded() -> None:
+    from gpudeck.agents.runs.launch import MAX_ENV_DIFF_CHARS, MAX_ENV_DIFFS, validate
+    from gpudeck.agents.wire.envdiff import MAX_RECORDED_ROW_CHARS
+    from gpudeck.agents.wire.errors import BadRequest
+    from gpudeck.agents.wire.protocol import LaunchSpec
+
+    validate(LaunchSpec(argv=["true"], allow_env_diff=["transformers"] * MAX_ENV_DIFFS, env_diffs=["x" * MAX_RECORDED_ROW_CHARS]))
+    for spec in (
+        LaunchSpec(argv=["true"], allow_env_diff=["transformers"] * (MAX_ENV_DIFFS + 1)),
+        LaunchSpec(argv=["true"], env_diffs=["x" * (MAX_ENV_DIFF_CHARS + 1)]),
+    ):
+        with pytest.raises(BadRequest, match="limit"):
+            validate(spec)
+    hosts = [f"node-{i:04d}" for i in range(1024)]
+    nodes = [gate_values(_fp(transformers=f"4.{i}.0"), H100, {}) for i in range(1024)]
+    row = env_gate(hosts, nodes).recorded()[0]
+    assert len(row) == MAX_RECORDED_ROW_CHARS and row.endswith("...")
+    validate(LaunchSpec(argv=["true"], env_diffs=env_gate(hosts, nodes).recorded()))  # what the console records passes

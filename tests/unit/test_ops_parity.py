@@ -311,7 +311,9 @@ class _Agents:
     async def stop(self, host: str, run_id: str, grace_s: float) -> None:
         return None
 
-    async def fingerprint(self, host: str, python: str) -> EnvFingerprint:  # the cross-node gate: every node alike
+    async def fingerprint(
+        self, host: str, python: str, env: dict[str, str] | None = None
+    ) -> EnvFingerprint:  # the cross-node gate: every node alike
         return EnvFingerprint(python=python, torch="2.9.0")
 
     async def snapshot(self, host: str) -> Snapshot:
