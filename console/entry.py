@@ -35,6 +35,12 @@ def main(argv: list[str] | None = None) -> int:
         except BrokenPipeError:
             return stdout_gone()
         return 0
+    if args == ["agent", "dial"]:
+        # what the console runs over SSH on every connect (its forced command): the bridge alone, without the agent's
+        # argument parser and asyncio, whose imports the far side's start would otherwise pay each time (issue 30)
+        from gpudeck.agents.wire.dial import dial
+
+        return dial()
     if args[:1] == ["agent"]:
         from gpudeck.agents.__main__ import COMMAND_PROG
         from gpudeck.agents.__main__ import main as agent_main
