@@ -95,7 +95,7 @@ def _import_asyncssh() -> None:
     if blocked:
         sys.modules[X509_MODULE] = None  # type: ignore[assignment]  # the import system's "not there": ImportError
     if not liboqs_loadable():
-        ctypes.util.find_library = _not_liboqs(real_find)
+        ctypes.util.find_library = _not_liboqs(real_find)  # type: ignore[assignment]  # for the import only: put back below
     try:
         import asyncssh  # noqa: F401  # the first import, under the conditions above
     finally:
