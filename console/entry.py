@@ -8,7 +8,6 @@ A GPU host's agent-only install (``pip install ./gpudeck``, no Textual, no SSH c
 
 from __future__ import annotations
 
-import importlib.util
 import sys
 
 from gpudeck.console.core.exitcodes import EXIT_USAGE
@@ -46,6 +45,8 @@ def main(argv: list[str] | None = None) -> int:
         from gpudeck.agents.__main__ import main as agent_main
 
         return agent_main(args[1:], prog=COMMAND_PROG)
+    import importlib.util  # here, not above: the agent's commands (dial on every SSH connect) do not use it
+
     missing = next((name for name in CONSOLE_PACKAGES if importlib.util.find_spec(name) is None), None)
     if missing is not None:  # looked up, not imported: a command imports only what it uses (console/cli/parser.py)
         what = " ".join(args[:2]) or "the console"
