@@ -21,11 +21,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-import asyncssh
-
 from gpudeck.agents.wire.client import AgentClient
 from gpudeck.agents.wire.errors import AgentError, AgentUnavailable
-from gpudeck.console.fleet.compat import CheckHostIPConfig, packet_logging_on
+from gpudeck.console.fleet.compat import CheckHostIPConfig, asyncssh, packet_logging_on  # asyncssh: imported there, at less cost
 from gpudeck.console.fleet.ssh_options import HostKeyError, SshError, SshOptions
 
 __all__ = [
