@@ -144,7 +144,9 @@ class ProcEntry:
         if not self.container_read:
             found = shared_reader().of_pid(self.pid)
             self.container = found if found is None or same_process(self.pid, self.create_time) else None
-            self.container_read = True
+            # a runtime places a process in its group before it executes the container's command: "none" is final
+            # only once the process is past that age (a young one is asked again; exec makes a new entry anyway)
+            self.container_read = self.container is not None or self.create_time < time.time() - YOUNG_S
         return self.container
 
 
