@@ -47,7 +47,8 @@ def _v1_systemd() -> str | None:
     return None
 
 
-def _why_not() -> str | None:
+def why_not() -> str | None:
+    """Why this machine cannot run these tests (not root, no writable cgroup v2), or None."""
     if os.geteuid() != 0:
         return "needs root (the test makes cgroups and moves processes into them)"
     mount = cgroup2_mount()
@@ -62,7 +63,7 @@ def _why_not() -> str | None:
     return None
 
 
-pytestmark = pytest.mark.skipif(_why_not() is not None, reason=str(_why_not()))
+pytestmark = pytest.mark.skipif(why_not() is not None, reason=str(why_not()))
 
 
 class Groups:
