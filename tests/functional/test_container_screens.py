@@ -14,19 +14,12 @@ from gpudeck.console.tui.app import GpudeckApp
 from gpudeck.console.tui.screens.reclaim import reclaim_body
 from gpudeck.console.tui.widgets.keyed_table import KeyedTable, cell_text
 from tests.agent_harness import AgentProc, simulated_agent
-from tests.e2e.test_containers import A, Groups, runtime_root, why_not
+from tests.e2e.test_containers import A, Groups, groups, runtime_root, why_not
 from tests.functional.helpers import open_host, until
 
 SIZE = (200, 45)
 pytestmark = pytest.mark.skipif(why_not() is not None, reason=str(why_not()))
-__all__ = ["runtime_root"]  # the fixture, used by name below
-
-
-@pytest.fixture
-def groups() -> Iterator[Groups]:
-    g = Groups()
-    yield g
-    g.close()
+__all__ = ["groups", "runtime_root"]  # the e2e test's fixtures, used by name below
 
 
 @pytest.fixture
