@@ -309,3 +309,17 @@ def test_status_has_a_container_column_and_reclaim_names_the_container() -> None
     body = reclaim_body("h", [ReclaimItem(pid=7, who="FOREIGN", gpu_bytes={0: 2**31}, container="docker:trainer")], [])
     assert "in container docker:trainer" in body.plain
     assert "in container" not in reclaim_body("h", [ReclaimItem(pid=8, who="FOREIGN", gpu_bytes={0: 1})], []).plain
+
+
+def test_reclaim_and_launch_names_the_container_of_a_holder_it_would_stop() -> None:
+    from gpudeck.agents.wire.protocol import PreflightCheck, PreflightResult
+    from gpudeck.console.ops.holders import holder_plan
+    from gpudeck.console.ops.launch import NodeOutcome
+
+    held = [{"pid": p, "gpu": 0, "attribution": "FOREIGN", "user": "op", "used_bytes": 2**30, "cmdline": ["x"]} for p in (7, 8)]
+    check = PreflightCheck(name="gpu_holders", ok=False, message="held", details={"holders": held})
+    outcome = NodeOutcome("gpu1", preflight=PreflightResult(ok=False, host="gpu1", checks=[check]))
+    procs = [GpuProcess(pid=7, gpu=0, container=Container(runtime="docker", id=A, name="trainer")), GpuProcess(pid=8, gpu=0)]
+    snap = Snapshot(host="gpu1", ts=0.0, epoch="e", gpus=[Gpu(index=0, memory_used=2**31, processes=procs)])
+    lines = holder_plan([outcome], {"gpu1": snap}, "op").lines()
+    assert lines[0].endswith("`x`  in container docker:trainer") and "in container" not in lines[1]
