@@ -66,6 +66,35 @@ class _Msg(msgspec.Struct, gc=False, kw_only=True, tag_field="type", omit_defaul
 # ----------------------------------------------------------------------------- records
 
 
+class Container(msgspec.Struct, gc=False, kw_only=True, omit_defaults=True, frozen=True):
+    """The container a process runs in, as the host's cgroup path names it (``agents/observe/containers.py``).
+
+    Every text field holds only ``[A-Za-z0-9_.-]`` and ``\\xNN`` escapes, bounded: the agent escaped it. ``runtime`` is
+    a plain string, not a closed set, so a newer agent naming a runtime this side does not know still decodes.
+    """
+
+    runtime: str  # docker | podman | lxc | kubernetes
+    id: str  # 64 hex digits (docker, podman, a Kubernetes container; "" for a process in a pod's own group); LXC: its name
+    name: str | None = None  # the runtime's own name for it, from its files (None: not found there); LXC: Proxmox's hostname
+    engine: str | None = None  # kubernetes: containerd | cri-o | docker, where the cgroup path says
+    pod_uid: str | None = None  # kubernetes
+    pod: str | None = None  # kubernetes: the pod's name, from /var/log/pods
+    namespace: str | None = None  # kubernetes: the pod's namespace
+    owner_uid: int | None = None  # its group lies below this user's own systemd instance: a rootless container (that user's claim)
+
+    def label(self) -> str:
+        """One table cell: ``docker:trainer``, ``podman:1a2b3c4d5e6f``, ``lxc:200(trainer)``, ``k8s:ns/pod/ctr``; a
+        rootless one ends in ``@uid1000`` (the user whose session holds it)."""
+        owner = f"@uid{self.owner_uid}" if self.owner_uid is not None else ""
+        if self.runtime == "kubernetes":
+            pod = f"{self.namespace}/{self.pod}" if self.namespace and self.pod else f"pod-{(self.pod_uid or '?')[:8]}"
+            ctr = self.name or self.id[:12]
+            return (f"k8s:{pod}/{ctr}" if ctr else f"k8s:{pod}") + owner
+        if self.runtime == "lxc":
+            return (f"lxc:{self.id}({self.name})" if self.name and self.name != self.id else f"lxc:{self.id}") + owner
+        return f"{self.runtime}:{self.name or self.id[:12]}{owner}"
+
+
 class GpuProcess(msgspec.Struct, gc=False, kw_only=True):  # every field always on the wire: scripts read "attribution"
     """One process NVML reports on a GPU, attributed to a run where possible."""
 
@@ -82,6 +111,7 @@ class GpuProcess(msgspec.Struct, gc=False, kw_only=True):  # every field always 
     status: str | None = None  # psutil status: running, sleeping, zombie, disk-sleep, ...
     create_time: float | None = None
     cmdline: list[str] = []
+    container: Container | None = None  # the container it runs in, seen from the host (None: none, or not told)
 
 
 class Gpu(msgspec.Struct, gc=False, kw_only=True, omit_defaults=True):
@@ -373,6 +403,7 @@ class Leftover(msgspec.Struct, gc=False, kw_only=True, omit_defaults=True):
     rss: int | None = None
     cpu_percent: float | None = None
     note: str = ""  # what to do about it
+    container: Container | None = None  # the container it runs in, seen from the host (None: none, or not told)
 
 
 class RunInfo(msgspec.Struct, gc=False, kw_only=True, omit_defaults=True):

@@ -11,7 +11,7 @@ import msgspec
 from msgspec import UNSET, UnsetType
 
 from gpudeck.agents.wire.causes import cause_class
-from gpudeck.agents.wire.protocol import PreflightResult, RunInfo, Snapshot, StopResult, UnaccountedMemory, to_builtins
+from gpudeck.agents.wire.protocol import Container, PreflightResult, RunInfo, Snapshot, StopResult, UnaccountedMemory, to_builtins
 from gpudeck.console.core.fmt import duration, elapsed, gib, when
 from gpudeck.console.core.records import EventRecord, RunRecord
 from gpudeck.console.core.sanitize import escape_controls
@@ -27,6 +27,12 @@ def command_line(argv: list[str] | None, limit: int) -> str:
     characters ('…' marks a cut); '-' for none."""
     text = escape_controls(" ".join(argv or []))
     return (text[: limit - 1] + "…" if len(text) > limit else text) or "-"
+
+
+def container_cell(c: Container | None, limit: int = 40) -> str:
+    """The CONTAINER cell of a process: ``docker:trainer``, ``k8s:ns/pod/ctr`` (control characters escaped, at most
+    ``limit`` characters, '…' marks a cut); '-' outside any container, or from an agent that does not say."""
+    return "-" if c is None else command_line([c.label()], limit)
 
 
 def table(headers: list[str], rows: list[list[str]]) -> str:
@@ -80,12 +86,13 @@ def format_status(snap: Snapshot, alias: str | None = None) -> str:
                     p.run_id or "-",
                     "-" if p.rank is None else str(p.rank),
                     p.user or "-",
+                    container_cell(p.container),
                     command_line(p.cmdline, 60),
                 ]
                 for p in procs
             ]
             out.append("")
-            out.append(table(["PID", "GPU", "GiB", "HOLDER", "RUN", "RANK", "USER", "COMMAND"], prow))
+            out.append(table(["PID", "GPU", "GiB", "HOLDER", "RUN", "RANK", "USER", "CONTAINER", "COMMAND"], prow))
         else:
             out.append("no GPU processes")
     if snap.runs:
@@ -366,6 +373,7 @@ def format_leftovers(host: str, leftovers: list[Any], unaccounted: list[Unaccoun
                 lo.kind,
                 run,
                 lo.user or "-",
+                container_cell(lo.container),
                 lo.status or "-",
                 gpu,
                 "-" if lo.cpu_percent is None else f"{lo.cpu_percent:.0f}%",
@@ -373,7 +381,7 @@ def format_leftovers(host: str, leftovers: list[Any], unaccounted: list[Unaccoun
                 command_line(lo.cmdline, 60),
             ]
         )
-    out = [table(["PROCESS", "KIND", "RUN", "USER", "STATUS", "GPU MEMORY", "CPU", "RSS", "COMMAND"], rows), ""]
+    out = [table(["PROCESS", "KIND", "RUN", "USER", "CONTAINER", "STATUS", "GPU MEMORY", "CPU", "RSS", "COMMAND"], rows), ""]
     for lo in leftovers:
         out.append(f"  {host}:{lo.pid}: {lo.note}")
     for u in hidden:

@@ -14,6 +14,7 @@ from textual.widgets import Static
 from gpudeck.agents.wire.protocol import GpuProcess, Snapshot
 from gpudeck.console.core.fmt import gib
 from gpudeck.console.fleet.fleet import HostStatus
+from gpudeck.console.present.formats import container_cell
 from gpudeck.console.present.views import LEFTOVER_HOLDERS, age, holder_label, unaccounted_holders, unaccounted_line
 from gpudeck.console.tui.screens.base import LiveScreen, deck
 from gpudeck.console.tui.screens.fleet import state_cell
@@ -146,7 +147,8 @@ class HostScreen(LiveScreen):
                     "user": p.user or "-",
                     "status": p.status or "-",
                     "age": age(p.create_time),
-                    "cmd": " ".join(p.cmdline)[:120] or "-",
+                    # the container (seen from the host) leads the command: a cell only where there is one
+                    "cmd": (f"[{container_cell(p.container)}] " if p.container else "") + (" ".join(p.cmdline)[:120] or "-"),
                 }
         self.query_one("#gpu-table", KeyedTable).sync(gpu_rows)
         self.query_one("#proc-table", KeyedTable).sync(proc_rows)
@@ -243,6 +245,7 @@ class HostScreen(LiveScreen):
                     command=" ".join(p.cmdline),
                     gpu_bytes=held,
                     live_run=p.run_id if p.attribution == "RUN" else None,
+                    container=container_cell(p.container) if p.container else "",
                 )
         return [items[p] for p in sorted(items)]
 

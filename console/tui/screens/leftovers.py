@@ -13,6 +13,7 @@ from gpudeck.agents.wire.errors import AgentError
 from gpudeck.agents.wire.protocol import Gpu, Leftover, LeftoverList
 from gpudeck.console.core.fmt import gib
 from gpudeck.console.ops.readings import host_leftovers
+from gpudeck.console.present.formats import container_cell
 from gpudeck.console.present.views import age, unaccounted_holders, unaccounted_line
 from gpudeck.console.tui.screens.base import Guarded, deck
 from gpudeck.console.tui.screens.reclaim import ReclaimItem, reclaim_flow
@@ -69,6 +70,7 @@ def leftover_item(lo: Leftover) -> ReclaimItem:
         command=" ".join(lo.cmdline),
         gpu_bytes=dict(lo.gpu_bytes),
         live_run=lo.run_id if lo.kind == "live" else None,
+        container=container_cell(lo.container) if lo.container else "",
     )
 
 

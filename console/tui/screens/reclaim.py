@@ -29,6 +29,7 @@ class ReclaimItem:
     command: str = ""
     gpu_bytes: dict[int, int] = field(default_factory=dict)
     live_run: str | None = None  # the live run it belongs to: reclaiming it breaks that run
+    container: str = ""  # the container it runs in, seen from the host ('docker:trainer'); "" for none
 
 
 def reclaim_body(host: str, items: list[ReclaimItem], gpus: list[Gpu], grace_s: float = GRACE_S) -> Text:
@@ -59,10 +60,12 @@ def reclaim_body(host: str, items: list[ReclaimItem], gpus: list[Gpu], grace_s: 
                 f"  pid {it.pid:<8} {one_line(it.who, 28):<28} {one_line(it.user, 8):<8} {gib(it.gpu_bytes.get(g)):>6} GiB  {one_line(it.command, 26)}\n",
                 style="bold red" if it.live_run else "",
             )
+            _container_line(t, it)
     if no_gpu:
         t.append("\nholding no GPU memory\n", style="bold")
         for it in no_gpu:
             t.append(f"  pid {it.pid:<8} {one_line(it.who, 28):<28} {one_line(it.user, 8):<8} {one_line(it.command, 40)}\n")
+            _container_line(t, it)
     t.append(f"\n{gib(total)} GiB should come back in all.\n", style="bold")
     live = sorted({it.live_run for it in items if it.live_run})
     for rid in live:
@@ -72,6 +75,12 @@ def reclaim_body(host: str, items: list[ReclaimItem], gpus: list[Gpu], grace_s: 
             style="bold red",
         )
     return t
+
+
+def _container_line(t: Text, it: ReclaimItem) -> None:
+    """Under a process that runs in a container: which one (the signal goes into it from the host)."""
+    if it.container:
+        t.append(f"             in container {one_line(it.container, 60)}: stopped from the host, inside it\n", style="yellow")
 
 
 async def reclaim_flow(
