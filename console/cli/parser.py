@@ -320,7 +320,7 @@ def negated_filters(argv: list[str]) -> tuple[list[str], list[str]]:
     read them as unknown options: (the arguments without them, the words). Other commands' arguments are left alone."""
     if argv[:1] != ["history"]:
         return argv, []
-    from gpudeck.console.history.query import is_negation  # the query language: only `history` needs it here
+    from gpudeck.console.core.query_words import is_negation  # the query language's word rule: only `history` needs it
 
     end = argv.index("--") if "--" in argv else len(argv)
     words = [a for a in argv[1:end] if is_negation(a)]
