@@ -45,6 +45,7 @@ from gpudeck.console.ops.holders import ReclaimLaunch
 from gpudeck.console.ops.hosts import remove_hosts
 from gpudeck.console.ops.intent import check_start, env_items
 from gpudeck.console.ops.launch import LaunchPlan, is_trainer, plan_here
+from gpudeck.console.ops.readings import StepSeries
 from gpudeck.console.ops.relaunch import EnvironmentCheck
 from gpudeck.console.ops.stop import StopOutcome, reclaim_targets
 from gpudeck.console.ops.triage import format_triage
@@ -58,6 +59,7 @@ from gpudeck.console.present.formats import (
     format_preflight,
     format_problems,
     format_runs,
+    format_series,
     format_show,
     format_status,
     format_stop,
@@ -437,6 +439,22 @@ async def cmd_verify(args: argparse.Namespace) -> int:
     else:
         print(terminal_text(format_claims(reply.run_id, reply.rows, reply.alerts)))
     return EXIT_ERROR if any(r.ok is False for r in reply.rows) else 0
+
+
+async def cmd_metrics(args: argparse.Namespace) -> int:
+    if args.points < 1:
+        raise CliError(f"--points {args.points}: give how many steps to show, 1 or more (e.g. --points 200)")
+
+    async def read(ops: Ops) -> tuple[str, str, StepSeries]:
+        found = await _resolve(ops, args)
+        return found.host, found.id, await ops.metrics(found.host, found.id, max_points=args.points)
+
+    host, rid, series = await _with_ops(read, hosts=_host_arg(args))
+    if args.json:
+        print(json.dumps({"host": host, "run_id": rid, **vars(series)}))
+        return 0
+    print(terminal_text(format_series(rid, host, series)))
+    return 0
 
 
 async def cmd_diff(args: argparse.Namespace) -> int:

@@ -179,6 +179,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p.set_defaults(func="cmd_verify")
 
+    p = sub.add_parser("metrics", help="a run's step metrics: loss and tokens/s (its agent's, else the history's), as the Run screen")
+    p.add_argument("run", help="run id, unique id prefix, or name")
+    p.add_argument("--host", default=None, help=host_help + "; default: the host that has the run")
+    p.add_argument("--points", type=int, default=200, help="at most this many steps, evenly spread (default 200, as the Run screen)")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func="cmd_metrics")
+
     p = sub.add_parser("triage", help="a live run's evidence now: every rank's stacks, state, CPU, GPU and the likely culprit (stored)")
     p.add_argument("run", help="run id, unique id prefix, or name")
     p.add_argument("--host", default=None, help=host_help + "; default: the host that has the run")

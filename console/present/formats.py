@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 from msgspec import UNSET, UnsetType
@@ -18,7 +18,10 @@ from gpudeck.console.core.sanitize import escape_controls
 from gpudeck.console.fleet.multinode import by_run, combine, is_multinode
 from gpudeck.console.ops.figures import RunFigures, run_figures, tokens_text
 from gpudeck.console.ops.triage import show_lines
-from gpudeck.console.present.views import unaccounted_holders, unaccounted_line
+from gpudeck.console.present.views import series_summary, unaccounted_holders, unaccounted_line
+
+if TYPE_CHECKING:
+    from gpudeck.console.ops.readings import StepSeries
 
 SHOW_COMMAND_MAX = 2000  # characters of a command `gpudeck show` prints (--json has it whole)
 
@@ -453,3 +456,15 @@ def group_runs(runs: Sequence[RunInfo], unreachable: set[str] | None = None) -> 
         lead.update(c.combined(), nodes=[msgspec.to_builtins(n) for n in c.nodes])
         out.append(record_shape(lead, c.rows[0].as_json()))
     return out
+
+
+def format_series(run_id: str, host: str, series: StepSeries) -> str:
+    """``gpudeck metrics``: where the step metrics came from, then each figure as the Run screen's label writes it."""
+    where = {"agent": f"from {host}'s agent", "history": "from the history (the agent could not be asked)"}.get(series.source)
+    if where is None or not series.steps:
+        return f"run {run_id} on {host}: no step metrics reported" + ("" if where else " (no agent answered and no history)")
+    lines = [f"run {run_id} on {host}: {len(series.steps)} step(s) {where}"]
+    for name, values in (("loss", series.loss), ("tokens/s", series.tokens_per_s)):
+        summary = series_summary(name, series.steps, values)
+        lines.append(f"{name} {summary.text()}" if summary is not None else f"{name}: not reported")
+    return "\n".join(lines)

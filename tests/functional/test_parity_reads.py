@@ -1,5 +1,6 @@
-"""Parity: `gpudeck triage` and the Run screen's Triage (T), `gpudeck tail` and the Run screen's output reach the same
-result for the same fixture fleet, each through the one entry point of console/ops.
+"""Parity: `gpudeck triage` and the Run screen's Triage (T), `gpudeck tail` and the Run screen's output, `gpudeck metrics`
+and the Run screen's loss and tokens/s reach the same result for the same fixture fleet, each through the one entry
+point of console/ops.
 
 Both front-ends hold an :class:`~gpudeck.console.ops.context.Ops`; the spies here wrap the shared operation (the
 ``Ops`` method, or the readings function under it) and record every call with the front-end that made it: a front-end
@@ -156,3 +157,34 @@ async def test_tail_and_the_run_screen_show_the_same_output_through_readings_run
         shown = [view.line(i) for i in range(view.line_count)]
     assert [r[:3] for r in reads] == [("cli", "gpu1", LIVE), ("screen", "gpu1", LIVE)]
     assert [ln for ln in shown if ln] == cli_lines
+
+
+async def test_metrics_shows_the_same_figures_as_the_run_screen_through_ops_metrics(
+    cli_fleet: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    asked: list[tuple[str, str, str, int]] = []
+    real = Ops.metrics
+
+    async def spy(self: Ops, host: str, run_id: str, max_points: int = 200) -> readings.StepSeries:
+        asked.append((who, host, run_id, max_points))
+        return await real(self, host, run_id, max_points)
+
+    monkeypatch.setattr(Ops, "metrics", spy)
+    who = "cli"
+    rc, text = await asyncio.to_thread(_cli, "metrics", LIVE, "--host", "gpu1")
+    assert rc == 0, text
+    rc, doc = await asyncio.to_thread(_cli, "metrics", LIVE, "--host", "gpu1", "--json")
+    cli = json.loads(doc)
+    assert rc == 0 and cli["source"] == "agent" and len(cli["steps"]) == 120
+    who = "screen"
+    app = GpudeckApp(Ops.console(TriageFleet(tmp_path / "h.db")))
+    async with app.run_test(size=SIZE):
+        screen = await _run_screen(app, "gpu1", LIVE)
+        loss, tps = screen.query_one("#loss-label", Static), screen.query_one("#tps-label", Static)
+        await until(lambda: "step" in text_of(loss) and "step" in text_of(tps), what="the metrics labels")
+        shown = [text_of(loss), text_of(tps)]
+    assert [a[:3] for a in asked] == [("cli", "gpu1", LIVE), ("cli", "gpu1", LIVE), ("screen", "gpu1", LIVE)]
+    assert {a[3] for a in asked} == {200}  # the same number of points asked
+    lines = text.strip().splitlines()
+    assert lines[1:] == shown  # the same figures, written the same way (present.views.series_summary)
+    assert lines[1].startswith("loss step 120: ") and lines[2].startswith("tokens/s step 120: ")

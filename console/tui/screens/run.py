@@ -43,7 +43,7 @@ from gpudeck.console.core.sanitize import escape_controls, one_line, redact_env,
 from gpudeck.console.ops import OpsError, relaunch_intent
 from gpudeck.console.ops.relaunch import EnvironmentCheck
 from gpudeck.console.ops.triage import format_triage
-from gpudeck.console.present.views import python_of, run_diff, run_from_record, stamp, stamp_age
+from gpudeck.console.present.views import python_of, run_diff, run_from_record, series_points, series_summary, stamp, stamp_age
 from gpudeck.console.tui.messages import RecordLoaded
 from gpudeck.console.tui.screens.base import LiveScreen, deck
 from gpudeck.console.tui.screens.dialogs import ChoiceDialog, ConfirmDialog, ResultDialog, stop_result_text
@@ -523,25 +523,21 @@ class RunScreen(LiveScreen):
                 return
             if steps:
                 panel.display = True
-                self._show_series("loss", "#loss-label", "#loss-plot", steps, loss, "{:.4f}")
-                self._show_series("tokens/s", "#tps-label", "#tps-plot", steps, tps, "{:,.0f}")
+                self._show_series("loss", "#loss-label", "#loss-plot", steps, loss)
+                self._show_series("tokens/s", "#tps-label", "#tps-plot", steps, tps)
             ended = self.run is not None and self.run.ended is not None
             await asyncio.sleep(10.0 if ended else 2.0)
 
-    def _show_series(self, name: str, label_id: str, plot_id: str, steps: list[int], values: list[float | None], fmt: str) -> None:
-        pts = [(s, v) for s, v in zip(steps, values) if v is not None]
+    def _show_series(self, name: str, label_id: str, plot_id: str, steps: list[int], values: list[float | None]) -> None:
+        """One figure's plot and label (present.views.series_summary: what `gpudeck metrics` prints)."""
+        summary = series_summary(name, steps, values)
         label = self.query_one(label_id, Static)
-        if not pts:
+        if summary is None:
             label.update(Text(f"{name}: not reported", style="dim"))
             return
-        data = [v for _, v in pts]
-        self.query_one(plot_id, MetricPlot).show([Series(name, [float(s) for s, _ in pts], data)], xlabel="step")
-        label.update(
-            Text.assemble(
-                (f"{name} ", "bold"),
-                f"step {pts[-1][0]}: {fmt.format(data[-1])}   min {fmt.format(min(data))}  max {fmt.format(max(data))}",
-            )
-        )
+        pts = series_points(steps, values)
+        self.query_one(plot_id, MetricPlot).show([Series(name, [float(s) for s, _ in pts], [v for _, v in pts])], xlabel="step")
+        label.update(Text.assemble((f"{name} ", "bold"), summary.text()))
 
     @work(exclusive=True, group="run-output")
     async def follow_output(self) -> None:
