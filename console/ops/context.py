@@ -27,7 +27,7 @@ from gpudeck.agents.wire.protocol import (
     Triage,
     VerifyReply,
 )
-from gpudeck.console.core.records import EpochRecord, EventRecord, HostStatus, MetricPoint, Problem, RunRecord, SyncResult
+from gpudeck.console.core.records import EpochRecord, EventRecord, MetricPoint, Problem, RunRecord, SyncResult
 from gpudeck.console.fleet.fleet import Fleet, HostLink
 from gpudeck.console.fleet.multinode import group
 from gpudeck.console.history.replica import History, HistoryError
@@ -76,16 +76,16 @@ class Ops:
     @classmethod
     @asynccontextmanager
     async def request(
-        cls, hosts: Sequence[str] | None = None, *, history: Ops | None = None, remember: bool = True, need_history: bool = False
+        cls, hosts: Sequence[str] | None = None, *, recorded: Ops | None = None, remember: bool = True, need_history: bool = False
     ) -> AsyncIterator[Ops]:
         """A CLI command's operations on a request-only fleet (the hosts asked for, else every configured host), closed
         when the block ends.
 
         The fleet has the history, so a stop asked for while a host was cut off is delivered the next time any command
-        reaches that host; ``history`` lends the one an :meth:`recorded` block holds; ``remember=False`` (a look at a host
+        reaches that host; ``recorded`` lends the history an :meth:`recorded` block holds; ``remember=False`` (a look at a host
         the config does not name) leaves the history alone, so a typo never becomes a host it remembers as unreachable.
         A history that cannot be opened is a warning on stderr (the command works without it) unless ``need_history``."""
-        lent = history._history if history is not None else None
+        lent = recorded.history if recorded is not None else None
         own: History | None = None
         if lent is None and remember:
             try:
@@ -144,11 +144,6 @@ class Ops:
     def links(self) -> Mapping[str, HostLink]:
         """Every host's link by name (its ``status`` is what the Fleet and Host screens show)."""
         return self.fleet.links
-
-    def host_status(self, host: str) -> HostStatus | None:
-        """A host's link state now (None: not a host of the fleet)."""
-        link = self.fleet.links.get(host)
-        return link.status if link is not None else None
 
     def start(self) -> None:
         """Connect every host (the console's fleet)."""
@@ -310,7 +305,7 @@ class Ops:
         host): one result per host."""
         if self._fleet is not None:
             return await self._fleet.sync_history(timeout=timeout)
-        async with Ops.request(hosts, history=self) as live:
+        async with Ops.request(hosts, recorded=self) as live:
             return await live.fleet.sync_history(timeout=timeout)
 
     async def find(self, ref: str, host: str | None = None, down: Sequence[str] = (), destructive: bool = False) -> RunRecord:
