@@ -20,6 +20,7 @@ from typing import Any, TypeVar
 import msgspec
 from msgspec import UNSET
 
+from gpudeck.agents.wire.envdiff import EnvGate
 from gpudeck.agents.wire.errors import AgentError
 from gpudeck.agents.wire.protocol import RunInfo, Snapshot, Triage, VerifyReply, to_builtins
 from gpudeck.console.cli.parser import DEFAULT_WATCH_S, parse
@@ -44,7 +45,7 @@ from gpudeck.console.ops.context import Ops
 from gpudeck.console.ops.holders import ReclaimLaunch
 from gpudeck.console.ops.hosts import remove_hosts
 from gpudeck.console.ops.intent import check_start, env_items
-from gpudeck.console.ops.launch import LaunchPlan, is_trainer, plan_here
+from gpudeck.console.ops.launch import LaunchPlan, NodeOutcome, is_trainer, plan_here
 from gpudeck.console.ops.readings import StepSeries
 from gpudeck.console.ops.relaunch import EnvironmentCheck
 from gpudeck.console.ops.stop import StopOutcome, reclaim_targets
@@ -256,6 +257,7 @@ def intent_from_args(args: argparse.Namespace) -> LaunchIntent:
         hang_after_s=args.hang_after,
         straggler_window=args.straggler_window,
         expected_ranks=args.expected_ranks,
+        allow_env_diff=tuple(args.allow_env_diff),
     )
 
 
@@ -301,6 +303,14 @@ def _print_multinode(result: LaunchResult, as_json: bool, show_secrets: bool) ->
             print(terminal_text(format_preflight(n.preflight)), file=sys.stderr)
         elif n.reply is not None and n.reply.run.preflight is not None:
             print(terminal_text(f"gpudeck: {n.host}: {format_preflight(n.reply.run.preflight)}"), file=sys.stderr)
+    if result.gate is not None and result.gate.refused:
+        print(
+            terminal_text("\n".join("gpudeck: " + ln if i == 0 else ln for i, ln in enumerate(result.gate.refusal(rid)))), file=sys.stderr
+        )
+    if result.gate is not None and result.gate.refused and as_json:  # every node's values (the table shows at most 8)
+        print(json.dumps({"id": rid, "verdict": result.verdict, "hosts": names, "env_gate": to_builtins(result.gate)}))
+    if result.verdict == "preflight_failed" and not result.failed:
+        return EXIT_ERROR
     if result.verdict == "preflight_failed":
         print(
             f"gpudeck: pre-flight failed on {', '.join(n.host for n in result.failed)}: nothing was started on any host (run {rid})",
@@ -325,6 +335,12 @@ def _print_multinode(result: LaunchResult, as_json: bool, show_secrets: bool) ->
         print(rid)
         print(
             f"gpudeck: {len(names)} nodes ({', '.join(names)}), {result.plan.nproc_per_node} rank(s) each, rendezvous {ep}", file=sys.stderr
+        )
+    if result.gate is not None and result.gate.rows:
+        allowed = ", ".join(r.name for r in result.gate.rows)
+        print(
+            terminal_text(f"gpudeck: launched past environment differences in {allowed} (--allow-env-diff, recorded with the run)"),
+            file=sys.stderr,
         )
     return 0
 
@@ -371,8 +387,17 @@ async def _launch_reclaiming(args: argparse.Namespace, p: LaunchPlan) -> int:
 
 async def cmd_preflight(args: argparse.Namespace) -> int:
     p = plan_here(intent_from_args(args), verb="preflight")
-    checks = await _with_ops(lambda o: o.preflight(p), hosts=p.hosts)
+
+    async def both(ops: Ops) -> tuple[list[NodeOutcome], EnvGate | None]:
+        if not p.multinode:
+            return await ops.preflight(p), None
+        return await asyncio.gather(ops.preflight(p), ops.gate(p.nodes))
+
+    checks, gate = await _with_ops(both, hosts=p.hosts)
     rc = 0
+    if gate is not None and gate.refused:
+        rc = EXIT_ERROR
+        print(terminal_text("\n".join(["gpudeck: the nodes' environments differ:", *gate.refusal()[1:]])), file=sys.stderr)
     for c in checks:
         if c.error is not None:
             print(f"gpudeck: {c.host}: {c.error}", file=sys.stderr)

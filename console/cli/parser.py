@@ -139,6 +139,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="multi-node: the address the other hosts reach the first one at (default: its rdzv_host or SSH HostName)",
     )
+    spec_args.add_argument(
+        "--allow-env-diff",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="multi-node: launch although the nodes differ in NAME, a row of the cross-node gate's table (repeatable; recorded)",
+    )
     spec_args.add_argument("--json", action="store_true", help="print the result as JSON")
     spec_args.add_argument("argv", nargs=argparse.REMAINDER, help="-- then the command and its arguments (never run by a shell)")
 

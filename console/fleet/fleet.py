@@ -565,9 +565,9 @@ class Fleet:
         assert isinstance(reply, StopReply)
         return reply.result
 
-    async def fingerprint(self, host: str, python: str) -> EnvFingerprint:
-        """A python environment on a host, fingerprinted now."""
-        reply = await self._request(host, Fingerprint(python=python))
+    async def fingerprint(self, host: str, python: str, env: dict[str, str] | None = None) -> EnvFingerprint:
+        """A python environment on a host, fingerprinted now (``env`` on top of the agent's, as a run gets it)."""
+        reply = await self._request(host, Fingerprint(python=python, env=env or {}))
         assert isinstance(reply, FingerprintReply)
         return reply.env
 

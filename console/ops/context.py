@@ -17,6 +17,7 @@ from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
 from typing import Any
 
+from gpudeck.agents.wire.envdiff import EnvGate
 from gpudeck.agents.wire.protocol import (
     LaunchSpec,
     LeftoverList,
@@ -41,6 +42,7 @@ from gpudeck.console.ops import stop as _stop
 from gpudeck.console.ops import triage as _triage
 from gpudeck.console.ops.compare import Compared
 from gpudeck.console.ops.errors import HistoryUnavailable, OpsError
+from gpudeck.console.ops.gate import check as gate_check
 from gpudeck.console.ops.holders import GRACE_S, HolderPlan, ReclaimLaunch
 from gpudeck.console.ops.hosts import Probe
 from gpudeck.console.ops.intent import LaunchIntent
@@ -186,6 +188,10 @@ class Ops:
     async def launch(self, plan: LaunchPlan, request_id: str = "") -> LaunchResult:
         """Launch ``plan`` (every node, or none)."""
         return await launch_plan(self.fleet, plan, request_id=request_id)
+
+    async def gate(self, nodes: Sequence[tuple[str, LaunchSpec]]) -> EnvGate:
+        """The cross-node gate: every node's interpreter fingerprinted (together) and compared."""
+        return await gate_check(self.fleet, nodes)
 
     async def plan_holders(self, plan: LaunchPlan, outcomes: list[NodeOutcome]) -> HolderPlan:
         """The processes a refused pre-flight names, and which of them may be reclaimed."""

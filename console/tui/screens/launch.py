@@ -556,6 +556,8 @@ class LaunchDialog(Guarded, ModalScreen[LaunchOutcome | None]):
             return
         if result.verdict != "running" and plan.multinode:
             why = "; ".join(f"{n.host}: {n.error or 'pre-flight failed'}" for n in result.failed)
+            if result.gate is not None and result.gate.refused:  # the cross-node gate: its table, who differs, the way past
+                why = "\n".join(filter(None, [why, *result.gate.refusal()[1:]]))
             progress.finish(f"{result.run_id}: {result.verdict}", style="bold red")
             self.query_one("#launch-error", Static).update(plain_markup(Text(f"nothing runs on any host: {why}", style="bold red")))
             self._button("Launch (ctrl+s)")
