@@ -186,6 +186,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p.set_defaults(func="cmd_verify")
 
+    p = sub.add_parser("metrics", help="a run's step metrics: loss and tokens/s (its agent's, else the history's), as the Run screen")
+    p.add_argument("run", help="run id, unique id prefix, or name")
+    p.add_argument("--host", default=None, help=host_help + "; default: the host that has the run")
+    p.add_argument("--points", type=int, default=200, help="at most this many steps, evenly spread (default 200, as the Run screen)")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func="cmd_metrics")
+
     p = sub.add_parser("triage", help="a live run's evidence now: every rank's stacks, state, CPU, GPU and the likely culprit (stored)")
     p.add_argument("run", help="run id, unique id prefix, or name")
     p.add_argument("--host", default=None, help=host_help + "; default: the host that has the run")
@@ -327,7 +334,7 @@ def negated_filters(argv: list[str]) -> tuple[list[str], list[str]]:
     read them as unknown options: (the arguments without them, the words). Other commands' arguments are left alone."""
     if argv[:1] != ["history"]:
         return argv, []
-    from gpudeck.console.history.query import is_negation  # the query language: only `history` needs it here
+    from gpudeck.console.core.query_words import is_negation  # the query language's word rule: only `history` needs it
 
     end = argv.index("--") if "--" in argv else len(argv)
     words = [a for a in argv[1:end] if is_negation(a)]

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from gpudeck.console.fleet.fleet import Fleet
+from gpudeck.console.ops.context import Ops
 from gpudeck.console.tui.app import GpudeckApp
 from gpudeck.console.tui.screens.reclaim import reclaim_body
 from gpudeck.console.tui.widgets.keyed_table import KeyedTable, cell_text
@@ -29,7 +30,7 @@ def sim_agent(gpudeck_home: Path, monkeypatch: pytest.MonkeyPatch, runtime_root:
 
 async def test_the_host_screen_and_the_reclaim_confirmation_name_the_container(sim_agent: AgentProc, groups: Groups) -> None:
     holder = groups.start(dict(sim_agent.env, GPUDECK_SIM_GPU_MEM="1:20"), groups.make(f"system.slice/docker-{A}.scope"))
-    app = GpudeckApp(Fleet(state_dir=sim_agent.state_dir, interval_s=0.2))
+    app = GpudeckApp(Ops.console(Fleet(state_dir=sim_agent.state_dir, interval_s=0.2)))
     async with app.run_test(size=SIZE):
         host = await open_host(app, "local")
         table = host.query_one("#proc-table", KeyedTable)

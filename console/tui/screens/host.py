@@ -13,7 +13,7 @@ from textual.widgets import Static
 
 from gpudeck.agents.wire.protocol import GpuProcess, Snapshot
 from gpudeck.console.core.fmt import gib
-from gpudeck.console.fleet.fleet import HostStatus
+from gpudeck.console.core.records import HostStatus
 from gpudeck.console.present.formats import container_cell
 from gpudeck.console.present.views import LEFTOVER_HOLDERS, age, holder_label, unaccounted_holders, unaccounted_line
 from gpudeck.console.tui.screens.base import LiveScreen, deck
@@ -93,7 +93,7 @@ class HostScreen(LiveScreen):
 
     @property
     def status(self) -> HostStatus | None:
-        link = deck(self).fleet.links.get(self.host)
+        link = deck(self).ops.links.get(self.host)
         return None if link is None else link.status
 
     def hosts_changed(self, names: set[str]) -> None:

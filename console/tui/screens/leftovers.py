@@ -12,7 +12,6 @@ from textual.widgets import Static
 from gpudeck.agents.wire.errors import AgentError
 from gpudeck.agents.wire.protocol import Gpu, Leftover, LeftoverList
 from gpudeck.console.core.fmt import gib
-from gpudeck.console.ops.readings import host_leftovers
 from gpudeck.console.present.formats import container_cell
 from gpudeck.console.present.views import age, unaccounted_holders, unaccounted_line
 from gpudeck.console.tui.screens.base import Guarded, deck
@@ -119,7 +118,7 @@ class LeftoversScreen(Guarded, Screen):
         note = self.query_one("#leftovers-note", Static)
         progress.start(f"asking {self.host} for its leftovers")
         try:
-            reply = await host_leftovers(deck(self).fleet, self.host, include_live=self.include_live)
+            reply = await deck(self).ops.leftovers(self.host, include_live=self.include_live)
         except AgentError as exc:
             if self.is_attached:
                 progress.finish(f"{self.host} could not list its leftovers: {exc.message}", style="bold red")

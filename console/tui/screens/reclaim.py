@@ -11,7 +11,6 @@ from textual.screen import Screen
 from gpudeck.agents.wire.protocol import Gpu, StopResult
 from gpudeck.console.core.fmt import gib
 from gpudeck.console.core.sanitize import one_line
-from gpudeck.console.ops.stop import reclaim
 from gpudeck.console.tui.screens.base import deck
 from gpudeck.console.tui.screens.dialogs import ConfirmDialog, ResultDialog, stop_result_text
 from gpudeck.console.tui.widgets.progress import ProgressLine
@@ -100,7 +99,7 @@ async def reclaim_flow(
     pids = sorted({it.pid for it in items})
     progress.start(f"reclaiming {len(pids)} process(es) on {host}: SIGTERM sent", f"SIGKILL after {grace_s:.0f} s, then NVML verifies")
     # the reclaim `gpudeck reclaim HOST:PID ...` runs (ops.stop.reclaim): a host's error comes back as its message
-    [(_host, res)] = await reclaim(deck(screen).fleet, {host: pids}, grace_s, include_live)
+    [(_host, res)] = await deck(screen).ops.reclaim({host: pids}, grace_s, include_live)
     if isinstance(res, str):
         progress.finish(f"reclaim failed: {res}", style="bold red")
         await screen.app.push_screen_wait(ResultDialog(f"Reclaim on {host} failed", Text(res, style="red")))
