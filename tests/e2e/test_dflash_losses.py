@@ -65,6 +65,9 @@ def test_plain_text_losses_and_a_resume_are_pinned(tmp_path, runs) -> None:
     assert _losses(tel, 0) == PLAIN
     assert _taus(tel) == PLAIN_TAU
     assert [r["step"] for r in tel if r["type"] == "checkpoint"] == [2, 4]
+    # the records' order as main wrote it: the first eval, the checkpoints, the final eval, done
+    kinds = [(r["type"], r.get("step")) for r in tel if r["type"] in ("manifest", "eval", "checkpoint", "done")]
+    assert kinds == [("manifest", None), ("eval", 0), ("checkpoint", 2), ("checkpoint", 4), ("eval", 4), ("done", None)]
     done = [r for r in tel if r["type"] == "done"]
     assert len(done) == 1 and done[0]["final_step"] == 4 and done[0]["reason"] == "max_steps"
     result = json.loads((out / "result.json").read_text())
