@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 
-import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -24,7 +23,7 @@ pytest.importorskip("transformers")
 
 pytestmark = pytest.mark.slow
 
-from tests.trainer_harness import DFLASH_SMALL, Runs
+from tests.trainer_harness import DFLASH_SMALL, Runs, dflash_records_args
 
 EVAL = ["--eval-prompt-len", "16", "--eval-gen-len", "16", "--eval-samples", "2"]
 
@@ -81,27 +80,7 @@ def test_plain_text_losses_and_a_resume_are_pinned(tmp_path, runs) -> None:
 
 @pytest.fixture()
 def records(tmp_path) -> list[str]:
-    rng = np.random.default_rng(0)
-    words = ["alpha", "beta", "gamma", "delta", "eps", "zeta"]
-    data = tmp_path / "chat.jsonl"
-    with open(data, "w") as fh:
-        for _ in range(400):
-            prompt = " ".join(rng.choice(words, int(rng.integers(1, 6))))
-            response = " ".join(rng.choice(words, int(rng.integers(2, 14))))
-            fh.write(json.dumps({"prompt": prompt, "response": response}) + "\n")
-    dcfg = tmp_path / "drafter.json"
-    dcfg.write_text(
-        json.dumps(
-            {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 8, "use_sliding_window": True, "block_size": 4}
-        )
-    )
-    return ["--target-config", "tiny", "--data", str(data), "--seq-len", "64", "--token-budget", "192", "--num-anchors", "8"] + [
-        "--drafter-config",
-        str(dcfg),
-        "--gamma",
-        "2",
-        "--no-eval",
-    ]
+    return [*dflash_records_args(tmp_path), "--no-eval"]
 
 
 def test_records_losses_are_pinned(tmp_path, runs, records) -> None:

@@ -4,7 +4,7 @@
 
 1. :meth:`~Trainer.setup` (processes, data, model, optimizer, a resume's checkpoint: ``self.step``);
 2. while ``self.step < max_steps``: :meth:`~Trainer.train_step` (one optimizer step over the
-   micro-batches :meth:`~Trainer.batches` gives; it advances ``self.step`` and says whether a stop
+   micro-batches :meth:`~Trainer.micro_batches` gives; it advances ``self.step`` and says whether a stop
    was asked), then stop at :meth:`~Trainer.stop_after`,
    :meth:`~Trainer.validate` when :meth:`~Trainer.validation_due`, :meth:`~Trainer.save` when
    :meth:`~Trainer.checkpoint_due`;
@@ -13,7 +13,7 @@
 
 Each step can be called on its own in a test once :meth:`setup` ran. A trainer overrides what
 differs: fsdp_lm (``fsdp_lm/trainer.py``) its set-up, train step, validation, checkpoint and
-export; dflash (``dflash/trainer.py``) also :meth:`~Trainer.batches`, whose micro-batches carry the
+export; dflash (``dflash/trainer.py``) also :meth:`~Trainer.micro_batches`, whose micro-batches carry the
 frozen target's hidden states (computed on the rank, or received from a target rank).
 """
 
@@ -41,7 +41,7 @@ class Trainer:
         """Everything before the first step; sets ``self.step`` when resuming."""
         raise NotImplementedError
 
-    def batches(self, step: int) -> Iterator[Any]:
+    def micro_batches(self, step: int) -> Iterator[Any]:
         """The micro-batches of optimizer step ``step``, in order (a trainer whose train step reads its own feeder needs none)."""
         raise NotImplementedError
 

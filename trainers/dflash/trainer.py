@@ -524,7 +524,7 @@ class FeatureBatch:
 class DFlashTrainer(Trainer):
     """DFlash on the shared loop (``trainers/common/loop.py``): the steps it overrides read the target's hidden states.
 
-    Set-up builds the roles, data, target, drafter and optimizer and resumes; :meth:`batches` are
+    Set-up builds the roles, data, target, drafter and optimizer and resumes; :meth:`micro_batches` are
     the drafter's micro-batches (the target's features, computed here or received from a target
     rank); :meth:`train_step` is the drafter's step, or on a split target rank the production of its
     batches; :meth:`validate` is the tau evaluation; :meth:`save` the checkpoint; :meth:`export`
@@ -1171,7 +1171,7 @@ class DFlashTrainer(Trainer):
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    def batches(self, step: int) -> Iterator[FeatureBatch]:
+    def micro_batches(self, step: int) -> Iterator[FeatureBatch]:
         """The drafter's ``--grad-accum`` micro-batches of ``step``: the target's features, computed here or received."""
         import torch
 
@@ -1225,7 +1225,7 @@ class DFlashTrainer(Trainer):
         self.inbox.append((s, g, meta, feats, w1, w2))
 
     def _drafter_step(self, step: int) -> bool:
-        """A drafter rank's optimizer step over :meth:`batches`; True when the ranks stop after it."""
+        """A drafter rank's optimizer step over :meth:`micro_batches`; True when the ranks stop after it."""
         cfg = self.cfg
         if self.drafter is None:
             raise RuntimeError(f"rank {self.ctx.rank} has no drafter: only drafter ranks train")
@@ -1244,7 +1244,7 @@ class DFlashTrainer(Trainer):
         drafter_flops = 0.0  # the drafter's forward + backward alone (SpecForge's trainer-GPU figure)
         queue_depth = None
         t_fwd = 0.0
-        for micro, batch in enumerate(self.batches(step)):
+        for micro, batch in enumerate(self.micro_batches(step)):
             flops += batch.target_flops[0]
             flops_tt += batch.target_flops[1]
             t_fwd += batch.target_s
