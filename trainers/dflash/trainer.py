@@ -1,6 +1,10 @@
 """Trains a DFlash block-diffusion drafter on a frozen target's hidden states: ``python -m gpudeck.trainers.dflash``.
 
-Run under ``torchrun`` (or as one plain process). The recipe is SpecForge's
+Run under ``torchrun`` (or as one plain process). :class:`DFlashTrainer` runs on the loop the
+trainers share (``trainers/common/loop.py``): it overrides the set-up, ``micro_batches`` (the
+target's hidden states, computed on the rank or received from a target rank), the train step
+(the drafter's, or a split target rank's production), the eval, the checkpoint, the export and
+the finish. The recipe is SpecForge's
 ``OnlineDFlashModel`` (shared/research/trainers.md, section A); the drafter lives
 in ``trainers/dflash/model.py`` and the objective in ``trainers/dflash/loss.py``.
 
