@@ -22,10 +22,10 @@ from tests.trainer_harness import DFLASH_SMALL, steps_in_this_process
 
 @pytest.fixture
 def trainer(tmp_path, monkeypatch):
-    """A colocated DFlash trainer in this process (one-rank group), 3 steps, 2 micro-batches each, an eval after every step."""
+    """A colocated DFlash trainer in this process (one-rank group), 3 steps, 2 micro-batches each, an eval after every step, step 1 profiled."""
     monkeypatch.delenv("GPUDECK_TELEMETRY", raising=False)
     argv = [*DFLASH_SMALL, "--eval-prompt-len", "16", "--eval-gen-len", "16", "--eval-samples", "2", "--max-steps", "3"]
-    argv += ["--grad-accum", "2", "--eval-every", "1", "--fresh", "--out", str(tmp_path / "o")]
+    argv += ["--grad-accum", "2", "--eval-every", "1", "--profile-steps", "1-1", "--fresh", "--out", str(tmp_path / "o")]
     (tmp_path / "o").mkdir()
     with steps_in_this_process():
         yield dflash_trainer.DFlashTrainer(config.parse_args(argv), ["dflash", *argv])
@@ -45,6 +45,7 @@ def test_each_step_on_its_own(trainer, tmp_path) -> None:
     assert b.target_flops[0] > 0 and b.target_s > 0 and b.ready is None
 
     assert trainer.train_step() is False and trainer.step == 1
+    assert "dflash.drafter_forward" in (tmp_path / "o" / "profile" / "rank0.txt").read_text() and trainer.profiler is None
     assert trainer.validation_due(1) and not trainer.validation_due(3)  # the last step is evaluated by export()
     trainer.validate(1)
     assert trainer.last_eval is not None and trainer.last_eval["step"] == 1

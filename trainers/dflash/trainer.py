@@ -547,6 +547,7 @@ class DFlashTrainer(Trainer):
         self.inbox: deque = deque()  # split drafter rank: the receives posted, oldest first
         self.receive_plan: Iterator[tuple[int, int, int]] | None = None  # split drafter rank: what to receive up to the next boundary
         self.sends: deque = deque()  # split target rank: the sends in flight, oldest first
+        self.profiler: Any = None  # --profile-steps A-B: torch.profiler from step A to step B
 
     # ---- setup -------------------------------------------------------
     def setup(self) -> None:
@@ -1368,17 +1369,17 @@ class DFlashTrainer(Trainer):
             acts = [torch.profiler.ProfilerActivity.CPU]
             if self.device.type == "cuda":
                 acts.append(torch.profiler.ProfilerActivity.CUDA)
-            self._prof: torch.profiler.profile | None = torch.profiler.profile(activities=acts, record_shapes=False)
-            self._prof.__enter__()
+            self.profiler = torch.profiler.profile(activities=acts, record_shapes=False)
+            self.profiler.__enter__()
 
     def _profile_end(self, step: int) -> None:
         """After step B: OUT/profile/rank<r>.txt, the ops and the dflash.* phases by device time."""
         span = self.cfg.profile_steps
-        prof = getattr(self, "_prof", None)
+        prof = self.profiler
         if not span or prof is None or step != span[1]:
             return
         prof.__exit__(None, None, None)
-        self._prof = None
+        self.profiler = None
         cuda = self.device.type == "cuda"
         key = "self_cuda_time_total" if cuda else "self_cpu_time_total"
         avg = prof.key_averages()
