@@ -14,6 +14,7 @@ Fleet.
 from __future__ import annotations
 
 import asyncio
+import getpass
 import logging
 import re
 import socket
@@ -354,3 +355,13 @@ async def connect_ssh(name: str, command: str, options: SshOptions) -> SshLink:
         )
         raise SshError(f"{name}: `{command}` did not answer the gpudeck protocol ({detail}); {hint}") from None
     return SshLink(conn, session, client)
+
+
+def ssh_hostname(name: str, config_paths: Sequence[str]) -> str | None:
+    """The HostName that ``~/.ssh/config`` gives ``name`` (None when the config names none)."""
+    try:
+        conf = asyncssh.config.SSHClientConfig.load(None, list(config_paths), False, False, False, getpass.getuser(), "", name, ())
+    except (OSError, ValueError):
+        return None
+    value = conf.get("Hostname")
+    return str(value) if value else None

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import getpass
 import os
 import uuid
 from collections.abc import Sequence
@@ -231,18 +230,6 @@ def plan_launch(
     return LaunchPlan(nodes=((host, base),), nproc_per_node=n)
 
 
-def ssh_hostname(name: str, config_paths: Sequence[str]) -> str | None:
-    """The HostName that ``~/.ssh/config`` gives ``name`` (None when the config names none)."""
-    from asyncssh.config import SSHClientConfig
-
-    try:
-        conf = SSHClientConfig.load(None, list(config_paths), False, False, False, getpass.getuser(), "", name, ())
-    except (OSError, ValueError):
-        return None
-    value = conf.get("Hostname")
-    return str(value) if value else None
-
-
 def rendezvous_host(first: cfg.HostSettings, config_paths: Sequence[str], override: str | None = None) -> str:
     """The address the other nodes reach the first host at."""
     if override:
@@ -255,6 +242,8 @@ def rendezvous_host(first: cfg.HostSettings, config_paths: Sequence[str], overri
             "the first host is 'local'",
             "give --rdzv-host ADDRESS (how the other hosts reach this machine), or put another host first",
         )
+    from gpudeck.console.fleet.transport import ssh_hostname  # asyncssh comes with it: a multi-node launch only
+
     return ssh_hostname(first.name, config_paths) or first.name
 
 
