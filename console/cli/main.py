@@ -53,6 +53,7 @@ from gpudeck.console.ops.intent import check_start, env_items
 from gpudeck.console.ops.launch import LaunchPlan, NodeOutcome, is_trainer, plan_here
 from gpudeck.console.ops.launch import launch as ops_launch
 from gpudeck.console.ops.launch import preflight as ops_preflight
+from gpudeck.console.ops.ledger import ledger_answer, ledger_query
 from gpudeck.console.ops.readings import host_leftovers, query_history, tail_nodes, verify_run
 from gpudeck.console.ops.relaunch import EnvironmentCheck
 from gpudeck.console.ops.resolve import fleet_runs
@@ -76,6 +77,7 @@ from gpudeck.console.present.formats import (
     run_json,
     why_down,
 )
+from gpudeck.console.present.ledger import format_ledger
 from gpudeck.console.present.rundiff import format_diff
 from gpudeck.console.present.status import CLEAR_SCREEN, StatusFilter, redraw, snapshot_json, watch_frame
 from gpudeck.console.present.views import run_diff
@@ -799,6 +801,20 @@ async def cmd_show(args: argparse.Namespace) -> int:
     else:
         print(terminal_text(format_show(run, events, figures)))
     return 0
+
+
+async def cmd_ledger(args: argparse.Namespace) -> int:
+    query = ledger_query(args.target, args.at, args.since, args.until, args.run)  # bad words: a usage error, nothing synced
+    args.host = query.host
+    history, synced = await _synced_history(args)
+    try:
+        answer = await asyncio.to_thread(ledger_answer, history, query)
+    finally:
+        history.close()
+    missed = [{"host": r.host, "error": r.error or "not reachable"} for r in synced if not r.ok]
+    doc = {**answer.as_json(), **({"unreachable": missed} if missed else {})}
+    print(json.dumps(doc) if args.json else terminal_text(format_ledger(answer)))
+    return EXIT_UNREACHABLE if missed else 0  # _synced_history named them on stderr
 
 
 # ----------------------------------------------------------------------------- running a parsed command
