@@ -56,6 +56,7 @@ from gpudeck.console.ops.launch import preflight as ops_preflight
 from gpudeck.console.ops.ledger import ledger_answer, ledger_query
 from gpudeck.console.ops.readings import host_leftovers, query_history, tail_nodes, verify_run
 from gpudeck.console.ops.relaunch import EnvironmentCheck
+from gpudeck.console.ops.report import gather_report, with_output
 from gpudeck.console.ops.resolve import fleet_runs
 from gpudeck.console.ops.rollback import prepare_rollback
 from gpudeck.console.ops.stop import StopOutcome, reclaim_targets, stop_run
@@ -78,6 +79,7 @@ from gpudeck.console.present.formats import (
     why_down,
 )
 from gpudeck.console.present.ledger import format_ledger
+from gpudeck.console.present.report import report_json, report_markdown
 from gpudeck.console.present.rundiff import format_diff
 from gpudeck.console.present.status import CLEAR_SCREEN, StatusFilter, redraw, snapshot_json, watch_frame
 from gpudeck.console.present.views import run_diff
@@ -815,6 +817,19 @@ async def cmd_ledger(args: argparse.Namespace) -> int:
     doc = {**answer.as_json(), **({"unreachable": missed} if missed else {})}
     print(json.dumps(doc) if args.json else terminal_text(format_ledger(answer)))
     return EXIT_UNREACHABLE if missed else 0  # _synced_history named them on stderr
+
+
+async def cmd_report(args: argparse.Namespace) -> int:
+    history, syncs = await _synced_history(args)
+    down = [r.host for r in syncs if not r.ok]
+    try:
+        rep = await asyncio.to_thread(gather_report, history, args.run, args.host, down)
+    finally:
+        history.close()
+    if not args.no_sync and rep.run.host not in down:  # the run's output size and last lines: its agent's (the history keeps no output)
+        rep = await _with_fleet(lambda fleet: with_output(fleet, rep), hosts=[rep.run.host], remember=False)
+    print(json.dumps(report_json(rep), default=str) if args.json else terminal_text(report_markdown(rep).rstrip("\n")))
+    return EXIT_UNREACHABLE if down else 0  # _synced_history named them on stderr
 
 
 # ----------------------------------------------------------------------------- running a parsed command

@@ -272,6 +272,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func="cmd_show")
 
     p = sub.add_parser(
+        "report",
+        parents=[sync_args],
+        help="a run's post-mortem from evidence: claims vs manifest and GPU ledger, curve, environment, alerts, end, leftovers",
+    )
+    p.add_argument("run", help="run id, unique id prefix, or name")
+    p.add_argument("--host", default=None, help=host_help)
+    p.add_argument("--json", action="store_true", help="the report as JSON (schema gpudeck.report/1) instead of Markdown")
+    p.set_defaults(func="cmd_report")
+
+    p = sub.add_parser(
         "ledger",
         parents=[sync_args],
         help="the GPU ledger: who held a GPU at a time (--at), over a window (--since/--until), or a run's GPU footprint (--run)",
