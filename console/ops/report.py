@@ -161,7 +161,9 @@ class RunReport:
 # ----------------------------------------------------------------------------- gathering
 
 
-def gather_report(history: History, ref: str, host: str | None = None, unanswered: Sequence[str] = (), now: float | None = None) -> RunReport:
+def gather_report(
+    history: History, ref: str, host: str | None = None, unanswered: Sequence[str] = (), now: float | None = None
+) -> RunReport:
     """The report of the run ``ref`` names (id, unique prefix or name; AmbiguousRun / NoSuchRun say what to give), from
     the history alone. Blocking SQLite: call it from a thread."""
     now = time.time() if now is None else now
@@ -245,7 +247,7 @@ def _recorded_claims(events: list[EventRecord]) -> dict[str, ClaimRow]:
 def _claimed(run: RunRecord, row: ClaimRow | None, explicit: str) -> tuple[int | float | None, str]:
     """The claimed figure and where it comes from: the agent's recorded check (it reads the claims, the run's name and
     its note), else the launch's explicit claims."""
-    if row is not None and row.claimed is not None:
+    if row is not None and row.claimed is not None and row.source != "manifest":  # the manifest is evidence, not a claim
         src = row.source or "claims"
         return row.claimed, "launch --claim-*" if src == "claims" else src
     spec = run.launch_spec_or_none()
@@ -289,7 +291,9 @@ def _claims(
     claimed, csrc = _claimed(run, row, "params")
     ev = _int(manifest.get("params_total")) if manifest else None
     out.append(
-        ClaimCheck("params", claimed, csrc, ev, MANIFEST_SOURCE if ev is not None else "", _verdict(claimed, ev, _agent_ok(row, claimed, ev)))
+        ClaimCheck(
+            "params", claimed, csrc, ev, MANIFEST_SOURCE if ev is not None else "", _verdict(claimed, ev, _agent_ok(row, claimed, ev))
+        )
     )
 
     # world size: the manifest's, with the rank processes the agent saw
@@ -299,18 +303,14 @@ def _claims(
     if claimed is None and spec is not None and spec.expected_ranks is not None:
         claimed, csrc = spec.expected_ranks, "launch --expected-ranks"
     ev = _int(manifest.get("world_size")) if manifest else None
-    seen = run.ranks_seen or 0
-    out.append(
-        ClaimCheck(
-            "world size",
-            claimed,
-            csrc,
-            ev,
-            MANIFEST_SOURCE if ev is not None else "",
-            _verdict(claimed, ev, None if claimed is None or ev is None else int(claimed) == ev),
-            f"{seen} rank process(es) seen by the agent (members events)",
-        )
-    )
+    esrc = MANIFEST_SOURCE if ev is not None else ""
+    seen, multi = run.ranks_seen or 0, len(run.spec_nodes) > 1
+    if ev is None and seen and not multi:
+        ev, esrc = seen, "rank processes seen by the agent (members events)"
+    # the manifest says what the trainer believed; the rank processes seen are what ran (one host's share when multi-node)
+    ok = None if claimed is None or ev is None else int(claimed) == ev and (multi or not seen or seen == int(claimed))
+    detail = f"{seen} rank process(es) seen by the agent (members events)" + ("; this node's only (multi-node)" if multi else "")
+    out.append(ClaimCheck("world size", claimed, csrc, ev, esrc, _verdict(claimed, ev, ok), detail))
 
     # GPUs: the GPUs the run's processes held, from the ledger, against the claimed count
     row = rows.get("GPUs")
@@ -509,7 +509,9 @@ def _leftovers(run: RunRecord, events: list[EventRecord], holds: list[HoldRecord
         d = e.data
         pids = [p for p in d.get("pids") or [] if isinstance(p, int)]
         reclaims.append(
-            Reclaim(ts=e.ts, pids=pids, state=str(d.get("state") or ""), message=str(d.get("message") or ""), source=f"reclaimed event #{e.seq}")
+            Reclaim(
+                ts=e.ts, pids=pids, state=str(d.get("state") or ""), message=str(d.get("message") or ""), source=f"reclaimed event #{e.seq}"
+            )
         )
     stale = [h for h in holds if h.attribution == "STALE"]
     return Leftovers(lingering=lingering, stale_holds=stale, stop=run.stop_result(), reclaims=reclaims)

@@ -96,10 +96,23 @@ def report_markdown(rep: RunReport) -> str:
 
 def _claims(rep: RunReport) -> list[str]:
     rows = [
-        [md(c.what), _n(c.claimed), md(c.claim_source) if c.claimed is not None else "-", _n(c.evidence), _src(c.evidence_source), _verdict(c), md(c.detail)]
+        [
+            md(c.what),
+            _n(c.claimed),
+            md(c.claim_source) if c.claimed is not None else "-",
+            _n(c.evidence),
+            _src(c.evidence_source),
+            _verdict(c),
+            md(c.detail),
+        ]
         for c in rep.claims
     ]
-    return ["## Claims against evidence", "", *_table(["What", "Claimed", "Claim from", "Evidence", "Evidence from", "Verdict", "Detail"], rows), ""]
+    return [
+        "## Claims against evidence",
+        "",
+        *_table(["What", "Claimed", "Claim from", "Evidence", "Evidence from", "Verdict", "Detail"], rows),
+        "",
+    ]
 
 
 def _run(rep: RunReport) -> list[str]:
@@ -142,7 +155,17 @@ def _manifest(rep: RunReport) -> list[str]:
         return [*out, "**NO EVIDENCE**: the trainer wrote no manifest (no parameter count, world size or dataset size is recorded).", ""]
     src = f"trainer manifest at {when(rep.manifest_ts)}" if rep.manifest_ts else "trainer manifest"
     rows = []
-    for key in ("params_total", "params_trainable", "world_size", "device", "role", "config_hash", "dataset_samples", "dataset_tokens", "start"):
+    for key in (
+        "params_total",
+        "params_trainable",
+        "world_size",
+        "device",
+        "role",
+        "config_hash",
+        "dataset_samples",
+        "dataset_tokens",
+        "start",
+    ):
         if key in m:
             rows.append([key, _n(m[key]) if isinstance(m[key], (int, float)) else md(m[key]), md(src)])
     return [*out, *_table(["Figure", "Value", "Source"], rows), ""]
@@ -296,7 +319,9 @@ def _leftovers(rep: RunReport) -> list[str]:
         out.append(f"- Alive at the run's end: pid {md(', '.join(map(str, lo.lingering)))} (run_state event).")
     for h in lo.stale_holds:
         end = f"until {when(h.ended)} ({md(h.end_evidence)})" if h.ended else "still held"
-        out.append(f"- pid {_n(h.pid)} held GPU {h.gpu} on {md(h.host)} after the run ended (STALE), peak {gib(h.peak)} GiB, {end} (GPU ledger).")
+        out.append(
+            f"- pid {_n(h.pid)} held GPU {h.gpu} on {md(h.host)} after the run ended (STALE), peak {gib(h.peak)} GiB, {end} (GPU ledger)."
+        )
     if lo.stop is not None:
         s = lo.stop
         out.append(
@@ -304,7 +329,9 @@ def _leftovers(rep: RunReport) -> list[str]:
             f"{gib(s.freed_bytes)} GiB freed, GPU verified: {'yes' if s.gpu_verified else 'no'} {md(s.gpu_note)} (run_state stop result)."
         )
     for rc in lo.reclaims:
-        out.append(f"- Reclaimed at {when(rc.ts)}: pid {md(', '.join(map(str, rc.pids)))}, {md(rc.state)}: {md(rc.message, TEXT_LIMIT)} ({md(rc.source)}).")
+        out.append(
+            f"- Reclaimed at {when(rc.ts)}: pid {md(', '.join(map(str, rc.pids)))}, {md(rc.state)}: {md(rc.message, TEXT_LIMIT)} ({md(rc.source)})."
+        )
     if len(out) == 2:
         out.append("None recorded: no process outlived the run (run_state), the ledger shows no STALE hold, nothing was reclaimed.")
     return [*out, ""]

@@ -63,28 +63,9 @@ def _claim(doc: dict, what: str) -> dict:
 
 def test_claims_that_differ_from_what_the_run_held_are_contradicted_with_both_sources(sim_agent: AgentProc) -> None:
     a = sim_agent
-    rid = a.cli(
-        "launch",
-        "--name",
-        "llama-1b-4gpu",
-        "--claim-gpus",
-        "4",
-        "--claim-params",
-        "1B",
-        "--claim-world-size",
-        "4",
-        "--env",
-        "HF_TOKEN=hf_secret_value_123",
-        "--",
-        PY,
-        RANKS,
-        str(ROOT.parent),
-        "1",
-        "--sim-gib",
-        "6",
-        "--seconds",
-        "4",
-    ).stdout.strip()
+    claims = ["--claim-gpus", "4", "--claim-params", "1B", "--claim-world-size", "4", "--env", "HF_TOKEN=hf_secret_value_123"]
+    one_rank = [PY, RANKS, str(ROOT.parent), "1", "--sim-gib", "6", "--seconds", "4"]  # rank 0 holds 6 GiB on GPU 0
+    rid = a.cli("launch", "--name", "llama-1b-4gpu", *claims, "--", *one_rank).stdout.strip()
     assert _ended(a, rid)["state"] == "succeeded"
     doc = json.loads(a.cli("report", rid, "--json").stdout)
     assert set(doc) == JSON_KEYS and doc["schema"] == "gpudeck.report/1"

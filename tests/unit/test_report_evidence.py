@@ -1,0 +1,207 @@
+"""The run report over a real history file (events as agents journal them, folded by the real replica): rank processes
+that contradict a manifest's world size, a claim with no agent verdict, the environment diff against the parent run
+with a secret in both specs, leftovers (a STALE ledger hold, a reclaim), and the Markdown escaping of hostile values."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from gpudeck.agents.wire.protocol import Event
+from gpudeck.console.history.replica import History
+from gpudeck.console.ops.report import SCHEMA, gather_report
+from gpudeck.console.present.report import md, report_json, report_markdown
+
+GIB = 2**30
+SECRET = "hf_do_not_print_me"
+
+
+def _env(torch: str, nccl_value: str) -> dict:
+    return {
+        "python": "/venv/bin/python",
+        "python_version": "3.11.7",
+        "torch": torch,
+        "torch_cuda": "12.8",
+        "driver": "570.1",
+        "dist_env": {"NCCL_DEBUG": "WARN", "NCCL_IB_KEY": nccl_value},
+        "packages": {"torch": torch},
+        "freeze": [f"torch=={torch}"],
+        "freeze_hash": torch * 4,
+    }
+
+
+def _run_events(rid: str, t0: float, *, parent: str | None, torch: str, name: str, world: int, ranks: int) -> list[Event]:
+    spec = {"argv": ["python", "train.py"], "name": name, "env": {"HF_TOKEN": SECRET}, "claims": {"world_size": 4, "gpus": 2}}
+    if parent:
+        spec["parent"] = parent
+    evs = [
+        Event(seq=1, ts=t0, kind="run_created", run_id=rid, data={"state": "starting", "spec": spec, "name": name}),
+        Event(seq=2, ts=t0 + 1, kind="env_fingerprint", run_id=rid, data={"env": _env(torch, "raw-value")}),
+        Event(seq=3, ts=t0 + 2, kind="run_state", run_id=rid, data={"state": "running", "pid": 100}),
+        Event(
+            seq=4,
+            ts=t0 + 3,
+            kind="members",
+            run_id=rid,
+            data={"added": [{"pid": 101 + r, "rank": r, "cmdline": ["python"]} for r in range(ranks)]},
+        ),
+        Event(
+            seq=5,
+            ts=t0 + 4,
+            kind="telemetry",
+            run_id=rid,
+            data={"record": {"type": "manifest", "ts": t0 + 4, "params_total": 771_000_000, "world_size": world}},
+        ),
+        Event(
+            seq=6, ts=t0 + 5, kind="telemetry", run_id=rid, data={"record": {"type": "step", "step": 1, "loss": 9.0, "tokens_per_s": 10.0}}
+        ),
+        Event(
+            seq=7, ts=t0 + 6, kind="telemetry", run_id=rid, data={"record": {"type": "step", "step": 2, "loss": 4.0, "tokens_per_s": 30.0}}
+        ),
+        Event(
+            seq=8,
+            ts=t0 + 7,
+            kind="gpu_hold",
+            run_id=rid,
+            data={
+                "change": "start",
+                "hold": f"{rid}-h",
+                "gpu": 3,
+                "pid": 101,
+                "run": rid,
+                "rank": 0,
+                "attribution": "RUN",
+                "bytes": 5 * GIB,
+                "peak": 5 * GIB,
+                "started": t0 + 7,
+            },
+        ),
+        Event(
+            seq=9,
+            ts=t0 + 20,
+            kind="run_state",
+            run_id=rid,
+            data={
+                "state": "failed",
+                "cause": "exit code 1; Python exception: boom",
+                "exit_code": 1,
+                "ended": t0 + 20,
+                "evidence": "exit_record",
+                "lingering": [101],
+            },
+        ),
+        Event(
+            seq=10,
+            ts=t0 + 21,
+            kind="gpu_hold",
+            run_id=rid,
+            data={
+                "change": "attribution",
+                "hold": f"{rid}-h",
+                "gpu": 3,
+                "pid": 101,
+                "run": rid,
+                "rank": 0,
+                "attribution": "STALE",
+                "bytes": 5 * GIB,
+                "peak": 5 * GIB,
+                "started": t0 + 7,
+            },
+        ),
+        Event(
+            seq=11,
+            ts=t0 + 30,
+            kind="reclaimed",
+            run_id=rid,
+            data={"run_id": rid, "state": "stopped", "pids": [101], "message": "reclaimed 1 process"},
+        ),
+        Event(
+            seq=12,
+            ts=t0 + 31,
+            kind="gpu_hold",
+            run_id=rid,
+            data={
+                "change": "end",
+                "hold": f"{rid}-h",
+                "gpu": 3,
+                "pid": 101,
+                "run": rid,
+                "rank": 0,
+                "attribution": "STALE",
+                "bytes": 0,
+                "peak": 5 * GIB,
+                "started": t0 + 7,
+                "evidence": "pid 101 no longer holds memory",
+            },
+        ),
+    ]
+    return evs
+
+
+@pytest.fixture
+def history(tmp_path: Path):  # type: ignore[no-untyped-def]
+    h = History(tmp_path / "history.db")
+    asyncio.run(h.ingest("gpu1", "ep-a", _run_events("r-parent01", 1000.0, parent=None, torch="2.7.1", name="good", world=4, ranks=4)))
+    asyncio.run(
+        h.ingest("gpu1", "ep-b", _run_events("r-child002", 2000.0, parent="r-parent01", torch="2.8.0", name="bad|<i>", world=4, ranks=1))
+    )
+    yield h
+    h.close()
+
+
+def test_ranks_seen_contradict_a_manifest_that_agrees_with_the_claim(history: History) -> None:
+    rep = gather_report(history, "r-child002", now=3000.0)
+    world = next(c for c in rep.claims if c.what == "world size")
+    assert (world.claimed, world.evidence, world.verdict) == (4, 4, "CONTRADICTED") and "1 rank process" in world.detail
+    gpus = next(c for c in rep.claims if c.what == "GPUs")
+    assert (gpus.claimed, gpus.evidence, gpus.verdict, gpus.detail) == (2, 1, "CONTRADICTED", "GPU 3")
+    params = next(c for c in rep.claims if c.what == "params")
+    assert (params.claimed, params.evidence, params.verdict) == (None, 771_000_000, "NOT CLAIMED")
+    parent = gather_report(history, "r-parent01", now=3000.0)
+    assert next(c for c in parent.claims if c.what == "world size").verdict == "CONSISTENT"
+
+
+def test_the_parent_diff_the_leftovers_and_no_secret(history: History) -> None:
+    rep = gather_report(history, "r-child002", now=3000.0)
+    text = report_markdown(rep)
+    doc = report_json(rep)
+    assert doc["schema"] == SCHEMA and doc["environment"]["parent"] == "r-parent01"
+    assert any(d["key"] == "torch" and d["parent"] == "2.7.1" and d["run"] == "2.8.0" and d["core"] for d in doc["environment"]["diff"])
+    assert "| torch | 2.7.1 | 2.8.0 | yes |" in text
+    dumped = json.dumps(doc, default=str)
+    for out in (text, dumped):
+        assert SECRET not in out and "raw-value" not in out  # the --env secret redacted, the NCCL_*KEY value digested
+    assert "(value hidden)" in text
+    lo = doc["leftovers"]
+    assert lo["lingering"] == [101] and [h["pid"] for h in lo["stale_holds"]] == [101] and lo["reclaims"][0]["pids"] == [101]
+    assert "- Reclaimed at" in text and "after the run ended (STALE)" in text and "Alive at the run's end: pid 101" in text
+    assert rep.ending.verdict.startswith("FAILED: exit code 1") and rep.curve.loss_min == 4.0 and rep.curve.tokens_per_s_median == 20.0
+    assert "bad\\|&lt;i&gt;" in text and "<i>" not in text
+
+
+@pytest.mark.parametrize(
+    ("raw", "shown"),
+    [
+        ("a|b", "a\\|b"),
+        ("<script>x</script>", "&lt;script&gt;x&lt;/script&gt;"),
+        ("line1\nline2\r\tz", "line1\\\\x0aline2\\\\x0d\\\\x09z"),
+        ("\x1b[31mred\u202e", "\\\\x1b\\[31mred\\\\u202e"),
+        (
+            "[link](http://x) ![i](y) `code` *em* _em_ run_state ~~s~~",
+            "\\[link\\](http://x) !\\[i\\](y) \\`code\\` \\*em\\* \\_em\\_ run_state \\~\\~s\\~\\~",
+        ),
+        ("", "-"),
+        (None, "-"),
+    ],
+)
+def test_md_makes_a_hostile_value_one_inert_line(raw: object, shown: str) -> None:
+    assert md(raw) == shown
+
+
+def test_md_bounds_a_long_value() -> None:
+    out = md("x" * 10_000, 50)
+    assert len(out) <= 50 and out.endswith("…") and not re.search(r"\s", out)
