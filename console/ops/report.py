@@ -212,7 +212,7 @@ async def with_output(fleet: Fleet, rep: RunReport) -> RunReport:
         why = exc.message if isinstance(exc, (AgentError, OpsError)) else str(exc) or type(exc).__name__
         return replace(rep, ending=replace(rep.ending, output_source=f"not read: {run.host}'s agent did not answer ({why})"))
     src = f"{run.host}'s agent (runs/{run.id}/output.log: stdout and stderr of every rank)"
-    lines = chunk.data.splitlines()[-OUTPUT_TAIL_LINES:]
+    lines = [line for line in chunk.data.splitlines() if line.strip()][-OUTPUT_TAIL_LINES:]  # blank lines say nothing
     ending = replace(rep.ending, output_bytes=chunk.next_offset, output_tail=lines, output_source=src)
     return replace(rep, ending=_with_verdict(rep.run, ending))
 
@@ -327,6 +327,8 @@ def _claims(
         ev, esrc, detail = int(row.observed), "the agent's observation at the run's end (claims event)", row.detail
     else:
         ev, esrc, detail = None, "", "the ledger recorded no GPU memory on this host during the run (no GPU, or no ledger then)"
+        if row is not None and row.detail:  # what the agent saw at the run's end ("no GPUs on this host")
+            detail = f"{row.detail} (the agent's check at the run's end); {detail}"
     cpu_only = csrc.startswith("--gpus") and ev == 0  # --gpus makes GPUs visible; a CPU program uses none: no verdict
     verdict: Verdict = "NOT CLAIMED" if cpu_only else _verdict(claimed, ev, None if claimed is None or ev is None else int(claimed) == ev)
     if cpu_only:

@@ -301,7 +301,7 @@ def _ending(rep: RunReport) -> list[str]:
     if e.notes:
         out += ["", *(f"- {md(n, TEXT_LIMIT)}" for n in e.notes)]
     if e.output_tail:
-        out += ["", f"Last {len(e.output_tail)} line(s) of the output:", ""]
+        out += ["", f"Last {len(e.output_tail)} non-blank line(s) of the output:", ""]
         out += [f"- {md(line, CELL_LIMIT)}" for line in e.output_tail]  # escaped like any other value: no raw HTML anywhere
     if rep.preflight is not None:
         failed = [c for c in rep.preflight.checks if not c.ok]
