@@ -105,6 +105,7 @@ class Reclaim:
     state: str
     message: str
     source: str
+    freed_bytes: int | None = None
 
 
 @dataclass(frozen=True)
@@ -352,26 +353,17 @@ def _claims(
     ev = _int(manifest.get("dataset_tokens")) if manifest else None
     out.append(ClaimCheck("dataset tokens", None, "", ev, MANIFEST_SOURCE if ev is not None else "", "NOT CLAIMED"))
 
-    # throughput: the median of every recorded step
+    # throughput: the median of every recorded step; the verdict is the agent's on the same claim (its tolerance), made
+    # on its median of the recent steps it had seen
     row = rows.get("tokens/s")
     claimed, csrc = _claimed(run, row, "tokens_per_s")
     med = median_tokens_per_s(metrics)
-    ok = None
-    if claimed is not None and med is not None:
-        ok = _agent_ok(row, claimed, med)
-        if ok is None and row is not None and row.claimed == claimed and row.ok is not None:
-            ok = row.ok  # the agent's median of its recent steps: the verdict on the same claim
-    out.append(
-        ClaimCheck(
-            "tokens/s",
-            claimed,
-            csrc,
-            med,
-            "median of the recorded steps (history metrics)" if med is not None else "",
-            _verdict(claimed, med, ok),
-            "" if ok is None or _agent_ok(row, claimed, med) is not None else "verdict: the agent's check of its recent steps",
-        )
+    ok = row.ok if row is not None and claimed is not None and row.claimed == claimed else None
+    detail = (
+        f"the agent's verdict on its median of recent steps ({row.observed:,.0f} tok/s)" if ok is not None and row and row.observed else ""
     )
+    src = "median of the recorded steps (history metrics)" if med is not None else ""
+    out.append(ClaimCheck("tokens/s", claimed, csrc, med, src, _verdict(claimed, med, ok), detail))
     return out
 
 
@@ -512,7 +504,12 @@ def _leftovers(run: RunRecord, events: list[EventRecord], holds: list[HoldRecord
         pids = [p for p in d.get("pids") or [] if isinstance(p, int)]
         reclaims.append(
             Reclaim(
-                ts=e.ts, pids=pids, state=str(d.get("state") or ""), message=str(d.get("message") or ""), source=f"reclaimed event #{e.seq}"
+                ts=e.ts,
+                pids=pids,
+                state=str(d.get("state") or ""),
+                message=str(d.get("message") or ""),
+                source=f"reclaimed event #{e.seq}",
+                freed_bytes=_int(d.get("freed_bytes")),
             )
         )
     stale = [h for h in holds if h.attribution == "STALE"]

@@ -330,7 +330,8 @@ def _leftovers(rep: RunReport) -> list[str]:
         )
     for rc in lo.reclaims:
         out.append(
-            f"- Reclaimed at {when(rc.ts)}: pid {md(', '.join(map(str, rc.pids)))}, {md(rc.state)}: {md(rc.message, TEXT_LIMIT)} ({md(rc.source)})."
+            f"- Reclaimed at {when(rc.ts)}: pid {md(', '.join(map(str, rc.pids)))}, {md(rc.state)}, {gib(rc.freed_bytes)} GiB freed: "
+            f"{md(rc.message, TEXT_LIMIT)} ({md(rc.source)})."
         )
     if len(out) == 2:
         out.append("None recorded: no process outlived the run (run_state), the ledger shows no STALE hold, nothing was reclaimed.")

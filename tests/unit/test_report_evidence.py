@@ -205,3 +205,39 @@ def test_md_makes_a_hostile_value_one_inert_line(raw: object, shown: str) -> Non
 def test_md_bounds_a_long_value() -> None:
     out = md("x" * 10_000, 50)
     assert len(out) <= 50 and out.endswith("…") and not re.search(r"\s", out)
+
+
+def _claims_run(h: History, rid: str, rows: list[dict] | None) -> None:
+    spec = {"argv": ["python", "t.py"], "claims": {"params": 1_000_000_000, "tokens_per_s": 5000.0, "dataset_samples": 100}}
+    evs = [
+        Event(seq=1, ts=10.0, kind="run_created", run_id=rid, data={"state": "starting", "spec": spec}),
+        Event(seq=2, ts=11.0, kind="run_state", run_id=rid, data={"state": "running", "pid": 5}),
+        Event(seq=3, ts=12.0, kind="telemetry", run_id=rid, data={"record": {"type": "manifest", "params_total": 1_050_000_000}}),
+        Event(seq=4, ts=13.0, kind="telemetry", run_id=rid, data={"record": {"type": "step", "step": 1, "tokens_per_s": 20.0}}),
+    ]
+    if rows is not None:
+        evs.append(Event(seq=5, ts=14.0, kind="claims", run_id=rid, data={"rows": rows}))
+    evs.append(Event(seq=6, ts=15.0, kind="run_state", run_id=rid, data={"state": "succeeded", "cause": "exit code 0", "exit_code": 0}))
+    asyncio.run(h.ingest("h", f"ep-{rid}", evs))
+
+
+def test_the_agents_verdict_decides_within_its_tolerance_and_without_one_a_claim_is_unchecked(tmp_path: Path) -> None:
+    h = History(tmp_path / "history.db")
+    try:
+        rows = [
+            {"what": "params", "claimed": 1_000_000_000, "observed": 1_050_000_000, "ok": True, "source": "claims"},
+            {"what": "tokens/s", "claimed": 5000.0, "observed": 21.0, "ok": False, "source": "claims"},
+            {"what": "world size", "claimed": 1, "observed": 1, "ok": True, "source": "manifest"},  # no claim: the manifest's own
+        ]
+        _claims_run(h, "r-checked1", rows)
+        _claims_run(h, "r-nocheck1", None)
+        got = {c.what: c for c in gather_report(h, "r-checked1", now=100.0).claims}
+        assert got["params"].verdict == "CONSISTENT" and got["params"].claim_source == "launch --claim-*"
+        assert (got["tokens/s"].evidence, got["tokens/s"].verdict) == (20.0, "CONTRADICTED") and "21 tok/s" in got["tokens/s"].detail
+        assert got["dataset samples"].verdict == "NO EVIDENCE"  # claimed, and no manifest figure to check it against
+        assert got["world size"].verdict == "NOT CLAIMED"
+        got = {c.what: c for c in gather_report(h, "r-nocheck1", now=100.0).claims}
+        assert got["params"].verdict == "UNCHECKED" and got["tokens/s"].verdict == "UNCHECKED"
+        assert gather_report(h, "r-nocheck1", now=100.0).ending.verdict == "SUCCEEDED: exit code 0"  # a manifest and a step: work
+    finally:
+        h.close()
