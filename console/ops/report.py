@@ -14,6 +14,7 @@ check it against is NO EVIDENCE, never a pass. Every string here is the run's an
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
@@ -41,6 +42,7 @@ OUTPUT_TAIL_LINES = 8  # the last lines of the output the report quotes
 _KINDS = ("run_created", "run_state", "claims", "preflight", "env_fingerprint", "triage", "reclaimed", "shim_lost", "run_adopted")
 _HANG_KINDS = ("hang", "heartbeat_lost", "straggler")
 LEDGER_SOURCE = "GPU ledger (gpu_hold events)"
+_DIGESTED = re.compile(r"^sha256:[0-9a-f]{16} \(value hidden\)$")  # what agents.wire.envdiff.shown_env_value records
 MANIFEST_SOURCE = "trainer manifest (telemetry)"
 
 
@@ -406,7 +408,7 @@ def _dist_env(run: RunRecord) -> dict[str, str]:
     fp = run.env_fingerprint()
     if fp is None:
         return {}
-    return {k: v if v.endswith("(value hidden)") else shown_env_value(k, v) for k, v in sorted(fp.dist_env.items())}
+    return {k: v if _DIGESTED.match(v) else shown_env_value(k, v) for k, v in sorted(fp.dist_env.items())}
 
 
 def _env_source(events: list[EventRecord]) -> str:
@@ -435,8 +437,9 @@ def _curve(metrics: list[MetricPoint]) -> Curve:
 
 
 def _last_state(events: list[EventRecord]) -> EventRecord | None:
+    """The newest state change (by time: a recreated journal's epoch does not sort after the old one)."""
     ends = [e for e in events if e.kind == "run_state"]
-    return ends[-1] if ends else None
+    return max(ends, key=lambda e: (e.ts, e.seq)) if ends else None
 
 
 def _ending(run: RunRecord, events: list[EventRecord], metrics: list[MetricPoint]) -> Ending:
