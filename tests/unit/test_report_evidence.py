@@ -241,3 +241,48 @@ def test_the_agents_verdict_decides_within_its_tolerance_and_without_one_a_claim
         assert gather_report(h, "r-nocheck1", now=100.0).ending.verdict == "SUCCEEDED: exit code 0"  # a manifest and a step: work
     finally:
         h.close()
+
+
+def test_rank_deaths_hangs_and_a_stored_triage_are_reported_with_their_source(tmp_path: Path) -> None:
+    h = History(tmp_path / "history.db")
+    try:
+        rid = "r-hung0001"
+        triage = {
+            "run_id": rid,
+            "ts": 30.0,
+            "reason": "hang alert",
+            "culprit": "rank 1 sleeps in time.sleep|<x>",
+            "ranks": [{"pid": 7, "rank": 1}],
+        }
+        evs = [
+            Event(seq=1, ts=10.0, kind="run_created", run_id=rid, data={"state": "starting", "spec": {"argv": ["python"]}}),
+            Event(seq=2, ts=11.0, kind="run_state", run_id=rid, data={"state": "running", "pid": 5}),
+            Event(
+                seq=3,
+                ts=20.0,
+                kind="alert",
+                run_id=rid,
+                data={"alert": {"kind": "rank_exited", "message": "rank 2 exited", "ts": 20.0, "rank": 2, "pid": 8}},
+            ),
+            Event(
+                seq=4,
+                ts=29.0,
+                kind="alert",
+                run_id=rid,
+                data={"alert": {"kind": "hang", "message": "no step for 300 s", "ts": 29.0, "severity": "critical"}},
+            ),
+            Event(seq=5, ts=30.0, kind="triage", run_id=rid, data={"triage": triage}),
+            Event(seq=6, ts=40.0, kind="run_state", run_id=rid, data={"state": "stopped", "cause": "stopped by operator"}),
+        ]
+        asyncio.run(h.ingest("h", "ep", evs))
+        rep = gather_report(h, rid, now=50.0)
+        assert [a.kind for a in rep.rank_deaths] == ["rank_exited"] and [a.kind for a in rep.hangs] == ["hang"]
+        assert [t.culprit for t in rep.triages] == ["rank 1 sleeps in time.sleep|<x>"]
+        text = report_markdown(rep)
+        assert "Rank deaths: 1; hangs and stragglers: 1. Source: alert events." in text
+        assert "likely culprit rank 1 sleeps in time.sleep\\|&lt;x&gt;" in text and "Source: triage events" in text
+        assert rep.ending.verdict == "STOPPED: stopped by operator"
+        doc = report_json(rep)
+        assert doc["incidents"]["rank_deaths"] == 1 and doc["incidents"]["triages"][0]["ranks"] == 1
+    finally:
+        h.close()
