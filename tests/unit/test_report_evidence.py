@@ -34,112 +34,36 @@ def _env(torch: str, nccl_value: str) -> dict:
     }
 
 
+def _hold(rid: str, seq: int, ts: float, change: str, attribution: str, held: int, started: float, **extra: object) -> Event:
+    """One ledger record of the run's rank 0 (pid 101) on GPU 3, as agents/observe/ledger.py journals it."""
+    data = {"change": change, "hold": f"{rid}-h", "gpu": 3, "pid": 101, "run": rid, "rank": 0, "attribution": attribution}
+    return Event(seq=seq, ts=ts, kind="gpu_hold", run_id=rid, data={**data, "bytes": held, "peak": 5 * GIB, "started": started, **extra})
+
+
 def _run_events(rid: str, t0: float, *, parent: str | None, torch: str, name: str, world: int, ranks: int) -> list[Event]:
-    spec = {"argv": ["python", "train.py"], "name": name, "env": {"HF_TOKEN": SECRET}, "claims": {"world_size": 4, "gpus": 2}}
+    spec: dict = {"argv": ["python", "train.py"], "name": name, "env": {"HF_TOKEN": SECRET}, "claims": {"world_size": 4, "gpus": 2}}
     if parent:
         spec["parent"] = parent
-    evs = [
-        Event(seq=1, ts=t0, kind="run_created", run_id=rid, data={"state": "starting", "spec": spec, "name": name}),
-        Event(seq=2, ts=t0 + 1, kind="env_fingerprint", run_id=rid, data={"env": _env(torch, "raw-value")}),
-        Event(seq=3, ts=t0 + 2, kind="run_state", run_id=rid, data={"state": "running", "pid": 100}),
-        Event(
-            seq=4,
-            ts=t0 + 3,
-            kind="members",
-            run_id=rid,
-            data={"added": [{"pid": 101 + r, "rank": r, "cmdline": ["python"]} for r in range(ranks)]},
-        ),
-        Event(
-            seq=5,
-            ts=t0 + 4,
-            kind="telemetry",
-            run_id=rid,
-            data={"record": {"type": "manifest", "ts": t0 + 4, "params_total": 771_000_000, "world_size": world}},
-        ),
-        Event(
-            seq=6, ts=t0 + 5, kind="telemetry", run_id=rid, data={"record": {"type": "step", "step": 1, "loss": 9.0, "tokens_per_s": 10.0}}
-        ),
-        Event(
-            seq=7, ts=t0 + 6, kind="telemetry", run_id=rid, data={"record": {"type": "step", "step": 2, "loss": 4.0, "tokens_per_s": 30.0}}
-        ),
-        Event(
-            seq=8,
-            ts=t0 + 7,
-            kind="gpu_hold",
-            run_id=rid,
-            data={
-                "change": "start",
-                "hold": f"{rid}-h",
-                "gpu": 3,
-                "pid": 101,
-                "run": rid,
-                "rank": 0,
-                "attribution": "RUN",
-                "bytes": 5 * GIB,
-                "peak": 5 * GIB,
-                "started": t0 + 7,
-            },
-        ),
-        Event(
-            seq=9,
-            ts=t0 + 20,
-            kind="run_state",
-            run_id=rid,
-            data={
-                "state": "failed",
-                "cause": "exit code 1; Python exception: boom",
-                "exit_code": 1,
-                "ended": t0 + 20,
-                "evidence": "exit_record",
-                "lingering": [101],
-            },
-        ),
-        Event(
-            seq=10,
-            ts=t0 + 21,
-            kind="gpu_hold",
-            run_id=rid,
-            data={
-                "change": "attribution",
-                "hold": f"{rid}-h",
-                "gpu": 3,
-                "pid": 101,
-                "run": rid,
-                "rank": 0,
-                "attribution": "STALE",
-                "bytes": 5 * GIB,
-                "peak": 5 * GIB,
-                "started": t0 + 7,
-            },
-        ),
-        Event(
-            seq=11,
-            ts=t0 + 30,
-            kind="reclaimed",
-            run_id=rid,
-            data={"run_id": rid, "state": "stopped", "pids": [101], "message": "reclaimed 1 process"},
-        ),
-        Event(
-            seq=12,
-            ts=t0 + 31,
-            kind="gpu_hold",
-            run_id=rid,
-            data={
-                "change": "end",
-                "hold": f"{rid}-h",
-                "gpu": 3,
-                "pid": 101,
-                "run": rid,
-                "rank": 0,
-                "attribution": "STALE",
-                "bytes": 0,
-                "peak": 5 * GIB,
-                "started": t0 + 7,
-                "evidence": "pid 101 no longer holds memory",
-            },
-        ),
+    members = [{"pid": 101 + r, "rank": r, "cmdline": ["python"]} for r in range(ranks)]
+    end = {"state": "failed", "cause": "exit code 1; Python exception: boom", "exit_code": 1, "ended": t0 + 20, "evidence": "exit_record"}
+    kinds_data: list[tuple[str, dict]] = [
+        ("run_created", {"state": "starting", "spec": spec, "name": name}),
+        ("env_fingerprint", {"env": _env(torch, "raw-value")}),
+        ("run_state", {"state": "running", "pid": 100}),
+        ("members", {"added": members}),
+        ("telemetry", {"record": {"type": "manifest", "ts": t0 + 4, "params_total": 771_000_000, "world_size": world}}),
+        ("telemetry", {"record": {"type": "step", "step": 1, "loss": 9.0, "tokens_per_s": 10.0}}),
+        ("telemetry", {"record": {"type": "step", "step": 2, "loss": 4.0, "tokens_per_s": 30.0}}),
     ]
-    return evs
+    evs = [Event(seq=i + 1, ts=t0 + i, kind=k, run_id=rid, data=d) for i, (k, d) in enumerate(kinds_data)]
+    return [
+        *evs,
+        _hold(rid, 8, t0 + 7, "start", "RUN", 5 * GIB, t0 + 7),
+        Event(seq=9, ts=t0 + 20, kind="run_state", run_id=rid, data={**end, "lingering": [101]}),
+        _hold(rid, 10, t0 + 21, "attribution", "STALE", 5 * GIB, t0 + 7),
+        Event(seq=11, ts=t0 + 30, kind="reclaimed", run_id=rid, data={"state": "stopped", "pids": [101], "message": "reclaimed 1 process"}),
+        _hold(rid, 12, t0 + 31, "end", "STALE", 0, t0 + 7, evidence="pid 101 no longer holds memory"),
+    ]
 
 
 @pytest.fixture
