@@ -210,3 +210,41 @@ def test_rank_deaths_hangs_and_a_stored_triage_are_reported_with_their_source(tm
         assert doc["incidents"]["rank_deaths"] == 1 and doc["incidents"]["triages"][0]["ranks"] == 1
     finally:
         h.close()
+
+
+def test_the_json_keys_are_the_schema_s(history: History) -> None:
+    doc = report_json(gather_report(history, "r-child002", now=3000.0))
+    assert set(doc["gpus"]) == {"asked", "footprint", "holds", "note", "source"}
+    assert set(doc["environment"]) == {"fingerprint", "source", "parent", "parent_note", "diff"}
+    assert set(doc["incidents"]) == {"alerts", "rank_deaths", "hangs", "triages"}
+    assert set(doc["leftovers"]) == {"lingering", "stale_holds", "stop", "reclaims"}
+    assert set(doc["run"]) == {
+        "host",
+        "id",
+        "name",
+        "kind",
+        "state",
+        "argv",
+        "gpus",
+        "start",
+        "operator",
+        "parent",
+        "created",
+        "started",
+        "ended",
+        "spec",
+    }
+    assert set(doc["ending"]) >= {
+        "verdict",
+        "state",
+        "cause",
+        "exit_code",
+        "signal",
+        "decided_on",
+        "output_bytes",
+        "output_tail",
+        "output_source",
+        "notes",
+    }
+    assert set(doc["curve"]) >= {"steps", "loss_first", "loss_last", "loss_min", "tokens_per_s_median", "source"}
+    assert json.loads(json.dumps(doc, default=str))["schema"] == SCHEMA
