@@ -75,7 +75,7 @@ def report_markdown(rep: RunReport) -> str:
         out.append(f"> **CONTRADICTED**: the evidence contradicts the claimed {', '.join(md(w) for w in bad)}.")
     if none:
         out.append(f"> **NO EVIDENCE**: nothing recorded backs the claimed {', '.join(md(w) for w in none)}.")
-    out.append(f"> **Ended**: {md(rep.ending.verdict, TEXT_LIMIT)}")
+    out.append(f"> **Outcome**: {md(rep.ending.verdict, TEXT_LIMIT)}")
     out += [
         "",
         f"Written by `gpudeck report` at {when(rep.made)} from the gpudeck history (the replica of {md(r.host)}'s agent journal). "

@@ -111,7 +111,7 @@ def test_a_run_that_ended_with_no_output_says_so(agent: AgentProc) -> None:
     assert end["verdict"].startswith("ENDED WITH NO OUTPUT"), end
     assert _claim(doc, "params")["verdict"] == "NO EVIDENCE" and "params" in doc["no_evidence"]
     md = agent.cli("report", rid).stdout
-    assert "> **Ended**: ENDED WITH NO OUTPUT" in md and "> **NO EVIDENCE**: nothing recorded backs the claimed params" in md
+    assert "> **Outcome**: ENDED WITH NO OUTPUT" in md and "> **NO EVIDENCE**: nothing recorded backs the claimed params" in md
     assert "**NO EVIDENCE**: the trainer wrote no manifest" in md and "no training step was recorded" in md
     # without the agent (--no-sync) the history alone still says there is no evidence of work
     md = agent.cli("report", rid, "--no-sync").stdout

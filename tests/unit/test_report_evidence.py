@@ -248,3 +248,18 @@ def test_the_json_keys_are_the_schema_s(history: History) -> None:
     }
     assert set(doc["curve"]) >= {"steps", "loss_first", "loss_last", "loss_min", "tokens_per_s_median", "source"}
     assert json.loads(json.dumps(doc, default=str))["schema"] == SCHEMA
+
+
+def test_a_live_run_is_reported_as_not_ended(tmp_path: Path) -> None:
+    h = History(tmp_path / "history.db")
+    try:
+        evs = [
+            Event(seq=1, ts=10.0, kind="run_created", run_id="r-live0001", data={"state": "starting", "spec": {"argv": ["sleep", "9"]}}),
+            Event(seq=2, ts=11.0, kind="run_state", run_id="r-live0001", data={"state": "running", "pid": 5}),
+        ]
+        asyncio.run(h.ingest("h", "ep", evs))
+        rep = gather_report(h, "r-live0001", now=20.0)
+        assert rep.ending.verdict == "NOT ENDED: the run is running (this report is of a run in progress)"
+        assert "> **Outcome**: NOT ENDED: the run is running" in report_markdown(rep)
+    finally:
+        h.close()
