@@ -46,6 +46,7 @@ from gpudeck.console.ops.holders import ReclaimLaunch
 from gpudeck.console.ops.hosts import remove_hosts
 from gpudeck.console.ops.intent import check_start, env_items
 from gpudeck.console.ops.launch import LaunchPlan, NodeOutcome, is_trainer, plan_here
+from gpudeck.console.ops.ledger import ledger_query
 from gpudeck.console.ops.readings import StepSeries
 from gpudeck.console.ops.relaunch import EnvironmentCheck
 from gpudeck.console.ops.stop import StopOutcome, reclaim_targets
@@ -69,6 +70,8 @@ from gpudeck.console.present.formats import (
     run_json,
     why_down,
 )
+from gpudeck.console.present.ledger import format_ledger
+from gpudeck.console.present.report import report_json, report_markdown
 from gpudeck.console.present.rundiff import format_diff
 from gpudeck.console.present.status import CLEAR_SCREEN, StatusFilter, redraw, snapshot_json, watch_frame
 from gpudeck.console.present.views import run_diff
@@ -769,6 +772,30 @@ async def cmd_show(args: argparse.Namespace) -> int:
     else:
         print(terminal_text(format_show(run, events, figures)))
     return 0
+
+
+async def cmd_ledger(args: argparse.Namespace) -> int:
+    query = ledger_query(args.target, args.at, args.since, args.until, args.run)  # bad words: a usage error, nothing synced
+    args.host = query.host
+    with Ops.recorded() as ops:
+        synced = await _synced_history(args, ops)
+        answer = await ops.ledger(query)
+    missed = [{"host": r.host, "error": r.error or "not reachable"} for r in synced if not r.ok]
+    doc = {**answer.as_json(), **({"unreachable": missed} if missed else {})}
+    print(json.dumps(doc) if args.json else terminal_text(format_ledger(answer)))
+    return EXIT_UNREACHABLE if missed else 0  # _synced_history named them on stderr
+
+
+async def cmd_report(args: argparse.Namespace) -> int:
+    with Ops.recorded() as recorded:
+        syncs = await _synced_history(args, recorded)
+        down = [r.host for r in syncs if not r.ok]
+        rep = await recorded.report(args.run, args.host, down)
+        if not args.no_sync and rep.run.host not in down:  # the run's output size and last lines: its agent's
+            async with Ops.request([rep.run.host], recorded=recorded, remember=False) as ops:
+                rep = await ops.with_output(rep)
+    print(json.dumps(report_json(rep), default=str) if args.json else terminal_text(report_markdown(rep).rstrip("\n")))
+    return EXIT_UNREACHABLE if down else 0  # _synced_history named them on stderr
 
 
 # ----------------------------------------------------------------------------- running a parsed command

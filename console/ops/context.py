@@ -35,7 +35,9 @@ from gpudeck.console.history.replica import History, HistoryError
 from gpudeck.console.ops import compare as _compare
 from gpudeck.console.ops import holders as _holders
 from gpudeck.console.ops import hosts as _hosts
+from gpudeck.console.ops import ledger as _ledger
 from gpudeck.console.ops import readings as _readings
+from gpudeck.console.ops import report as _report
 from gpudeck.console.ops import resolve as _resolve
 from gpudeck.console.ops import rollback as _rollback
 from gpudeck.console.ops import stop as _stop
@@ -49,8 +51,10 @@ from gpudeck.console.ops.intent import LaunchIntent
 from gpudeck.console.ops.launch import LaunchPlan, LaunchResult, NodeOutcome
 from gpudeck.console.ops.launch import launch as launch_plan
 from gpudeck.console.ops.launch import preflight as preflight_plan
+from gpudeck.console.ops.ledger import LedgerAnswer, LedgerQuery
 from gpudeck.console.ops.rank_death import attach as attach_rank_death
 from gpudeck.console.ops.readings import StepSeries
+from gpudeck.console.ops.report import RunReport
 from gpudeck.console.ops.resolve import LIST_LIMIT, FleetRuns, Resolved
 from gpudeck.console.ops.rollback import RollbackFrontEnd
 from gpudeck.console.ops.stop import StopOutcome
@@ -339,6 +343,20 @@ class Ops:
         host the history last saw unreachable is marked so."""
         rows = await asyncio.to_thread(_readings.query_history, self._db(), terms)
         return group(rows, unreachable=await self.down_hosts() if with_down else None)
+
+    async def ledger(self, query: LedgerQuery) -> LedgerAnswer:
+        """Who held a GPU when, or a run's GPU footprint, from the history's ledger (``gpudeck ledger``)."""
+        return await asyncio.to_thread(_ledger.ledger_answer, self._db(), query)
+
+    async def report(self, ref: str, host: str | None = None, down: Sequence[str] = ()) -> RunReport:
+        """The run report of ``ref`` from the history's evidence alone (``gpudeck report``; :meth:`with_output` adds the
+        run's output from its agent)."""
+        return await asyncio.to_thread(_report.gather_report, self._db(), ref, host, list(down))
+
+    async def with_output(self, rep: RunReport) -> RunReport:
+        """``rep`` with its run's output size and last lines from its agent (the history keeps no output); when the agent
+        cannot be asked, the report says why."""
+        return await _report.with_output(self.fleet, rep)
 
     async def down_hosts(self) -> set[str]:
         """The hosts the history last saw not up."""
