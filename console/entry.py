@@ -8,7 +8,6 @@ A GPU host's agent-only install (``pip install ./gpudeck``, no Textual, no SSH c
 
 from __future__ import annotations
 
-import importlib.util
 import sys
 
 from gpudeck.console.core.exitcodes import EXIT_USAGE
@@ -35,11 +34,19 @@ def main(argv: list[str] | None = None) -> int:
         except BrokenPipeError:
             return stdout_gone()
         return 0
+    if args == ["agent", "dial"]:
+        # what the console runs over SSH on every connect (its forced command): the bridge alone, without the agent's
+        # argument parser and asyncio, whose imports the far side's start would otherwise pay each time (issue 30)
+        from gpudeck.agents.wire.dial import dial
+
+        return dial()
     if args[:1] == ["agent"]:
         from gpudeck.agents.__main__ import COMMAND_PROG
         from gpudeck.agents.__main__ import main as agent_main
 
         return agent_main(args[1:], prog=COMMAND_PROG)
+    import importlib.util  # here, not above: the agent's commands (dial on every SSH connect) do not use it
+
     missing = next((name for name in CONSOLE_PACKAGES if importlib.util.find_spec(name) is None), None)
     if missing is not None:  # looked up, not imported: a command imports only what it uses (console/cli/parser.py)
         what = " ".join(args[:2]) or "the console"

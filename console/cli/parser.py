@@ -139,6 +139,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="multi-node: the address the other hosts reach the first one at (default: its rdzv_host or SSH HostName)",
     )
+    spec_args.add_argument(
+        "--allow-env-diff",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="multi-node: launch although the nodes differ in NAME, a row of the cross-node gate's table (repeatable; recorded)",
+    )
     spec_args.add_argument("--json", action="store_true", help="print the result as JSON")
     spec_args.add_argument("argv", nargs=argparse.REMAINDER, help="-- then the command and its arguments (never run by a shell)")
 
@@ -178,6 +185,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default=None, help=host_help + "; default: the host that has the run")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func="cmd_verify")
+
+    p = sub.add_parser("metrics", help="a run's step metrics: loss and tokens/s (its agent's, else the history's), as the Run screen")
+    p.add_argument("run", help="run id, unique id prefix, or name")
+    p.add_argument("--host", default=None, help=host_help + "; default: the host that has the run")
+    p.add_argument("--points", type=int, default=200, help="at most this many steps, evenly spread (default 200, as the Run screen)")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func="cmd_metrics")
 
     p = sub.add_parser("triage", help="a live run's evidence now: every rank's stacks, state, CPU, GPU and the likely culprit (stored)")
     p.add_argument("run", help="run id, unique id prefix, or name")
@@ -265,6 +279,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func="cmd_show")
 
     p = sub.add_parser(
+        "report",
+        parents=[sync_args],
+        help="a run's post-mortem from evidence: claims vs manifest and GPU ledger, curve, environment, alerts, end, leftovers",
+    )
+    p.add_argument("run", help="run id, unique id prefix, or name")
+    p.add_argument("--host", default=None, help=host_help)
+    p.add_argument("--json", action="store_true", help="the report as JSON (schema gpudeck.report/1) instead of Markdown")
+    p.set_defaults(func="cmd_report")
+
+    p = sub.add_parser(
         "ledger",
         parents=[sync_args],
         help="the GPU ledger: who held a GPU at a time (--at), over a window (--since/--until), or a run's GPU footprint (--run)",
@@ -336,7 +360,7 @@ def negated_filters(argv: list[str]) -> tuple[list[str], list[str]]:
     read them as unknown options: (the arguments without them, the words). Other commands' arguments are left alone."""
     if argv[:1] != ["history"]:
         return argv, []
-    from gpudeck.console.history.query import is_negation  # the query language: only `history` needs it here
+    from gpudeck.console.core.query_words import is_negation  # the query language's word rule: only `history` needs it
 
     end = argv.index("--") if "--" in argv else len(argv)
     words = [a for a in argv[1:end] if is_negation(a)]

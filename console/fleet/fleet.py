@@ -19,9 +19,8 @@ import asyncio
 import random
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from gpudeck.agents.wire.client import AgentClient
 from gpudeck.agents.wire.errors import AgentError, AgentUnavailable, VersionMismatch
@@ -66,13 +65,13 @@ from gpudeck.agents.wire.protocol import (
     WatchSnapshots,
 )
 from gpudeck.console.core import config as cfg
+from gpudeck.console.core.records import HostStatus, LinkState, SyncResult
 from gpudeck.console.fleet.ssh_options import HostKeyError, SshOptions
 from gpudeck.console.history.replica import History
 
 if TYPE_CHECKING:
     from gpudeck.console.fleet.transport import SshLink
 
-LinkState = Literal["connecting", "up", "unreachable", "version_mismatch", "host_key"]
 BACKOFF_MIN_S = 0.5
 BACKOFF_MAX_S = 30.0
 REQUEST_TIMEOUT_S = 60.0  # a request with no answer by then fails (a stop waits its grace on top)
@@ -94,39 +93,6 @@ class FleetWatcher(Protocol):
 
     def on_link_state(self, st: HostStatus) -> None:
         """A host's link changed state."""
-
-
-@dataclass
-class HostStatus:
-    """What the console shows of one host's link."""
-
-    name: str
-    state: LinkState = "connecting"
-    error: str | None = None
-    last_seen: float | None = None
-    snapshot: Snapshot | None = None
-    agent_version: str | None = None
-    epoch: str | None = None
-    since: float = field(default_factory=time.time)
-    # when the link last stopped working (the first failure, not the latest retry: retries pass through
-    # 'connecting' and set ``since`` again); None while it is up or before its first attempt ended
-    down_since: float | None = None
-    transport: str = "ssh"  # "unix" for local
-    synced_seq: int = 0  # last event seq held in history for the current epoch
-    connects: int = 0
-
-
-@dataclass
-class SyncResult:
-    """What one pass of history sync did for one host."""
-
-    host: str
-    ok: bool
-    new_events: int = 0
-    last_seq: int = 0
-    epoch: str | None = None
-    new_epoch: bool = False
-    error: str | None = None
 
 
 class HostLink:
@@ -599,9 +565,9 @@ class Fleet:
         assert isinstance(reply, StopReply)
         return reply.result
 
-    async def fingerprint(self, host: str, python: str) -> EnvFingerprint:
-        """A python environment on a host, fingerprinted now."""
-        reply = await self._request(host, Fingerprint(python=python))
+    async def fingerprint(self, host: str, python: str, env: dict[str, str] | None = None) -> EnvFingerprint:
+        """A python environment on a host, fingerprinted now (``env`` on top of the agent's, as a run gets it)."""
+        reply = await self._request(host, Fingerprint(python=python, env=env or {}))
         assert isinstance(reply, FingerprintReply)
         return reply.env
 

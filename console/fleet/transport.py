@@ -14,6 +14,7 @@ Fleet.
 from __future__ import annotations
 
 import asyncio
+import getpass
 import logging
 import re
 import socket
@@ -21,11 +22,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-import asyncssh
-
 from gpudeck.agents.wire.client import AgentClient
 from gpudeck.agents.wire.errors import AgentError, AgentUnavailable
-from gpudeck.console.fleet.compat import CheckHostIPConfig, packet_logging_on
+from gpudeck.console.fleet.compat import CheckHostIPConfig, asyncssh, packet_logging_on  # asyncssh: imported there, at less cost
 from gpudeck.console.fleet.ssh_options import HostKeyError, SshError, SshOptions
 
 __all__ = [
@@ -356,3 +355,13 @@ async def connect_ssh(name: str, command: str, options: SshOptions) -> SshLink:
         )
         raise SshError(f"{name}: `{command}` did not answer the gpudeck protocol ({detail}); {hint}") from None
     return SshLink(conn, session, client)
+
+
+def ssh_hostname(name: str, config_paths: Sequence[str]) -> str | None:
+    """The HostName that ``~/.ssh/config`` gives ``name`` (None when the config names none)."""
+    try:
+        conf = asyncssh.config.SSHClientConfig.load(None, list(config_paths), False, False, False, getpass.getuser(), "", name, ())
+    except (OSError, ValueError):
+        return None
+    value = conf.get("Hostname")
+    return str(value) if value else None

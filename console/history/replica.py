@@ -618,10 +618,12 @@ class History:
 
         return resolve_record(self.matches(ref, host), ref, host, unanswered or [], destructive)
 
-    def events(self, host: str, run_id: str, limit: int = 10000) -> list[EventRecord]:
-        """A run's events in order."""
+    def events(self, host: str, run_id: str, limit: int = 10000, kinds: Sequence[str] = ()) -> list[EventRecord]:
+        """A run's events in order (only those of ``kinds`` when given: a long run's step telemetry left out)."""
+        only = f" AND kind IN ({','.join('?' * len(kinds))})" if kinds else ""
         rows = self._exec(
-            "SELECT epoch, seq, ts, kind, data FROM events WHERE host=? AND run_id=? ORDER BY epoch, seq LIMIT ?", (host, run_id, limit)
+            f"SELECT epoch, seq, ts, kind, data FROM events WHERE host=? AND run_id=?{only} ORDER BY epoch, seq LIMIT ?",
+            (host, run_id, *kinds, limit),
         )
         return [EventRecord(r[0], r[1], r[2], r[3], loads(r[4], {})) for r in rows]
 

@@ -1,7 +1,8 @@
 """Provides gpudeck's operations layer: every operator action, once, under the CLI and the console.
 
-A front-end fills an intent (:class:`LaunchIntent`), calls an operation here and
-shows what comes back; nothing here prints or touches Textual. Launch planning
+A front-end fills an intent (:class:`LaunchIntent`), calls an operation through
+its :class:`~gpudeck.console.ops.context.Ops` (which owns the fleet and the
+history) and shows what comes back; nothing here prints or touches Textual. Launch planning
 (:mod:`.launch`), relaunch and rollback (:mod:`.relaunch`), the run-reference
 resolver (:mod:`.resolve`) and the shared figures (:mod:`.figures`) live here,
 and nowhere else.

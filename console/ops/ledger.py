@@ -10,12 +10,11 @@ with or without a zone: without one it is this machine's local time), ``HH:MM`` 
 
 from __future__ import annotations
 
-import asyncio
 import datetime as dt
 import re
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 import msgspec
 
@@ -24,16 +23,12 @@ from gpudeck.console.history.ledger_index import HoldRecord
 from gpudeck.console.history.replica import History
 from gpudeck.console.ops.errors import OpsError
 
-if TYPE_CHECKING:
-    from gpudeck.console.fleet.fleet import Fleet
-
 __all__ = [
     "GpuFootprint",
     "HoldRecord",
     "LedgerAnswer",
     "LedgerQuery",
     "LedgerQueryError",
-    "fleet_ledger",
     "ledger_answer",
     "ledger_query",
     "parse_time",
@@ -225,11 +220,3 @@ def ledger_answer(history: History, q: LedgerQuery, now: float | None = None) ->
         holds = [h for h in history.ledger_of_run(q.host, run_id) if q.gpu is None or h.gpu == q.gpu]
     footprint = run_footprint(holds, now) if run_id is not None and holds else []
     return LedgerAnswer(query=q, holds=holds, run_id=run_id, footprint=footprint)
-
-
-async def fleet_ledger(fleet: Fleet, q: LedgerQuery) -> LedgerAnswer:
-    """The console's ledger answer: from the history its Fleet keeps in sync (read in a thread); OpsError without one."""
-    if fleet.history is None:
-        raise OpsError("the GPU ledger is read from the history, and this console has none open (`gpudeck ledger` reads it)")
-    history = fleet.history
-    return await asyncio.to_thread(ledger_answer, history, q)

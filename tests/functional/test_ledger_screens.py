@@ -1,6 +1,6 @@
 """The console shows the GPU ledger (issue 32) from a real agent on SIMULATED GPUs: on the Host screen `w` shows who held
 the highlighted process's GPU over the last 24 h as a timeline; on the Run screen `w` shows the GPUs the run held over
-its life. Both read the history the console keeps in sync, through ops (the same answer as `gpudeck ledger`)."""
+its life. Both read the history the console keeps in sync, through Ops.ledger (the same answer as `gpudeck ledger`)."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from textual.widgets import Static
 
 from gpudeck.console.fleet.fleet import Fleet
 from gpudeck.console.history.replica import History
+from gpudeck.console.ops.context import Ops
 from gpudeck.console.tui.app import GpudeckApp
 from gpudeck.console.tui.screens.dialogs import ResultDialog
 from gpudeck.console.tui.screens.run import RunScreen
@@ -36,7 +37,7 @@ async def test_the_host_and_run_screens_show_the_gpu_ledger(sim_agent: AgentProc
     rid = a.cli_json("launch", "--gpus", "0", "--force", "--env", "GPUDECK_SIM_GPU_MEM=0:30", "--", sys.executable, HOLDER)["id"]
     history = History(gpudeck_home / "history.db")
     try:
-        app = GpudeckApp(Fleet(state_dir=a.state_dir, interval_s=0.2, history=history))
+        app = GpudeckApp(Ops.console(Fleet(state_dir=a.state_dir, interval_s=0.2, history=history)))
         async with app.run_test(size=SIZE) as pilot:
             host = await open_host(app, "local")
             table = host.query_one("#proc-table", KeyedTable)

@@ -107,3 +107,15 @@ async def test_the_hosts_connect_timeout_in_the_ssh_config_is_the_one_used_and_n
         == "slow: no SSH answer within 1 s (ConnectTimeout for slow in the ssh config): is the host up and reachable from here?"
     )
     assert took < CONNECT_TIMEOUT_S  # not gpudeck's 15 s (a hang limit, not a speed test: any time under it shows the config won)
+
+
+def test_ssh_hostname_reads_the_hostname_the_ssh_config_gives_a_host(tmp_path: Path) -> None:
+    """A multi-node launch's rendezvous address: the first host's HostName from the ssh config (asyncssh's reader,
+    imported through fleet/compat like every other use of asyncssh)."""
+    from gpudeck.console.fleet.transport import ssh_hostname
+
+    conf = tmp_path / "config"
+    conf.write_text("Host gpu1\n  HostName 10.0.0.7\n  User ops\n")
+    assert ssh_hostname("gpu1", [str(conf)]) == "10.0.0.7"
+    assert ssh_hostname("gpu2", [str(conf)]) is None
+    assert ssh_hostname("gpu1", [str(tmp_path / "missing")]) is None

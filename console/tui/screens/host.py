@@ -13,10 +13,11 @@ from textual.widgets import Static
 
 from gpudeck.agents.wire.protocol import GpuProcess, Snapshot
 from gpudeck.console.core.fmt import gib
+from gpudeck.console.core.records import HostStatus
 from gpudeck.console.core.sanitize import escape_controls
-from gpudeck.console.fleet.fleet import HostStatus
 from gpudeck.console.ops.errors import OpsError
-from gpudeck.console.ops.ledger import fleet_ledger, ledger_query
+from gpudeck.console.ops.ledger import ledger_query
+from gpudeck.console.present.formats import container_cell
 from gpudeck.console.present.ledger import format_ledger
 from gpudeck.console.present.views import LEFTOVER_HOLDERS, age, holder_label, unaccounted_holders, unaccounted_line
 from gpudeck.console.tui.screens.base import LiveScreen, deck
@@ -98,7 +99,7 @@ class HostScreen(LiveScreen):
 
     @property
     def status(self) -> HostStatus | None:
-        link = deck(self).fleet.links.get(self.host)
+        link = deck(self).ops.links.get(self.host)
         return None if link is None else link.status
 
     def hosts_changed(self, names: set[str]) -> None:
@@ -152,7 +153,8 @@ class HostScreen(LiveScreen):
                     "user": p.user or "-",
                     "status": p.status or "-",
                     "age": age(p.create_time),
-                    "cmd": " ".join(p.cmdline)[:120] or "-",
+                    # the container (seen from the host) leads the command: a cell only where there is one
+                    "cmd": (f"[{container_cell(p.container)}] " if p.container else "") + (" ".join(p.cmdline)[:120] or "-"),
                 }
         self.query_one("#gpu-table", KeyedTable).sync(gpu_rows)
         self.query_one("#proc-table", KeyedTable).sync(proc_rows)
@@ -249,6 +251,7 @@ class HostScreen(LiveScreen):
                     command=" ".join(p.cmdline),
                     gpu_bytes=held,
                     live_run=p.run_id if p.attribution == "RUN" else None,
+                    container=container_cell(p.container) if p.container else "",
                 )
         return [items[p] for p in sorted(items)]
 
@@ -291,7 +294,7 @@ class HostScreen(LiveScreen):
         """Who held the GPU over the last 24 h (``gpudeck ledger HOST:GPU --since -24h``), as a timeline in a dialog."""
         target = self.host if gpu is None else f"{self.host}:{gpu}"
         try:
-            answer = await fleet_ledger(deck(self).fleet, ledger_query(target, since="-24h"))
+            answer = await deck(self).ops.ledger(ledger_query(target, since="-24h"))
         except OpsError as exc:
             self.notify(escape_controls(exc.message), severity="error")
             return
