@@ -38,11 +38,13 @@ import uuid as uuidlib
 from dataclasses import dataclass
 from typing import Any
 
-from gpudeck.agents.observe.procs import CT_TOLERANCE, ProcTable
+import msgspec
+
+from gpudeck.agents.observe.procs import CT_TOLERANCE
 from gpudeck.agents.storage.journal import Journal
 from gpudeck.agents.wire import events as payloads
 from gpudeck.agents.wire.errors import AgentError
-from gpudeck.agents.wire.protocol import Gpu, GpuProcess
+from gpudeck.agents.wire.protocol import Container, Gpu, GpuProcess
 
 log = logging.getLogger("gpudeck.agent")
 
@@ -95,14 +97,11 @@ def level_step(total_bytes: int) -> int:
     return max(LEVEL_MIN_BYTES, int(total_bytes * LEVEL_FRACTION))
 
 
-def container_of(p: GpuProcess, procs: ProcTable | None = None) -> str | None:
-    """The container a GPU process runs in, where its process record says: the GPU process's own field, else the
-    process table's entry (a field being added to both: read with a default until every version has it)."""
-    for record in (p, procs.get(p.pid) if procs is not None else None):
-        value = getattr(record, "container", None)
-        if isinstance(value, str) and value:
-            return value[:256]
-    return None
+def container_of(p: GpuProcess) -> Container | None:
+    """The container a GPU process runs in, as its attribution found it (agents/safety/attribution.py reads it once per
+    process from the table entry); None outside any container, or from a record that does not carry one."""
+    value = getattr(p, "container", None)
+    return value if isinstance(value, Container) else None
 
 
 @dataclass
@@ -118,7 +117,7 @@ class Hold:
     pid: int | None = None
     create_time: float | None = None
     user: str | None = None
-    container: str | None = None
+    container: Container | None = None
     run: str | None = None
     rank: int | None = None
     bytes: int | None = None  # as last journaled
@@ -136,10 +135,12 @@ class Hold:
             "attribution": self.attribution,
             "started": self.started,
         }
-        for k in ("pid", "create_time", "user", "container", "run", "rank"):
+        for k in ("pid", "create_time", "user", "run", "rank"):
             v = getattr(self, k)
             if v is not None:
                 data[k] = v
+        if self.container is not None:
+            data["container"] = msgspec.to_builtins(self.container)
         if self.now_bytes is not None:
             data["bytes"] = self.now_bytes
         if self.peak is not None:
@@ -194,10 +195,8 @@ class Ledger:
         journal: Journal,
         enabled: bool = True,
         retention_s: float = DEFAULT_RETENTION_DAYS * 86400,
-        procs: ProcTable | None = None,
     ) -> None:
         self.journal = journal
-        self.procs = procs  # where a holder's container is read when its GPU process record does not carry it
         self.enabled = enabled
         self.retention_s = retention_s
         self.holds: dict[tuple, Hold] = {}
@@ -212,9 +211,9 @@ class Ledger:
             self._restored = self._read_open()
 
     @classmethod
-    def from_env(cls, journal: Journal, procs: ProcTable | None = None) -> Ledger:
+    def from_env(cls, journal: Journal) -> Ledger:
         """A ledger set up from the environment (``GPUDECK_LEDGER``, ``GPUDECK_LEDGER_RETENTION_DAYS``)."""
-        return cls(journal, enabled=enabled_from_env(), retention_s=retention_from_env(), procs=procs)
+        return cls(journal, enabled=enabled_from_env(), retention_s=retention_from_env())
 
     def _read_open(self) -> dict[tuple, Hold]:
         """The holds whose latest record in the journal is not an end."""
@@ -345,7 +344,7 @@ class Ledger:
             return
         h.pid, h.create_time = p.pid, (round(p.create_time, 2) if p.create_time is not None else None)
         h.user = p.user or h.user
-        h.container = container_of(p, self.procs) or h.container
+        h.container = container_of(p) or h.container
         h.run = p.run_id or h.run
         h.rank = p.rank if p.rank is not None else h.rank
 

@@ -23,7 +23,10 @@ from pathlib import Path
 
 import pytest
 
+from gpudeck.agents.observe import containers
 from tests.agent_harness import AgentProc, kill_pids, simulated_agent, teardown_agent, wait_for
+from tests.e2e.test_containers import Groups
+from tests.e2e.test_containers import why_not as containers_why_not
 
 pytestmark = pytest.mark.slow
 PY = sys.executable
@@ -31,6 +34,7 @@ PROGS = Path(__file__).parent / "progs"
 GROWER = str(PROGS / "sim_gpu_grower.py")
 HOLDER = str(PROGS / "sim_gpu_holder.py")
 GIB = 2**30
+DOCKER_ID = "e5" * 32
 
 
 def stage0(gpu: int, gib: float) -> list[str]:
@@ -232,3 +236,30 @@ def test_retention_compacts_to_start_peak_and_end_and_a_fresh_history_still_has_
 def test_bad_words_are_usage_errors_that_name_the_word(args: list[str], says: str) -> None:
     cp = subprocess.run([PY, "-m", "gpudeck.console.cli.main", "ledger", *args], capture_output=True, text=True, env=dict(os.environ))
     assert cp.returncode == 2 and says in cp.stderr and cp.stdout == "", cp.stderr
+
+
+@pytest.mark.skipif(containers_why_not() is not None, reason=str(containers_why_not()))
+def test_a_holder_in_a_container_is_journaled_with_it_and_the_cli_names_it(
+    gpudeck_home: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A process placed in a real cgroup named as Docker names it (tests/e2e/test_containers.py's Groups) holds
+    simulated memory: its hold's records carry the container, and `gpudeck ledger` shows its label."""
+    root = tmp_path / "root"
+    (root / f"var/lib/docker/containers/{DOCKER_ID}").mkdir(parents=True)
+    (root / f"var/lib/docker/containers/{DOCKER_ID}/config.v2.json").write_text(json.dumps({"ID": DOCKER_ID, "Name": "/trainer"}))
+    monkeypatch.setenv(containers.ROOT_ENV, str(root))
+    monkeypatch.setenv("GPUDECK_SIMULATE_GPUS", "1:H200:141")
+    a = AgentProc(gpudeck_home).start()
+    groups = Groups()
+    try:
+        p = groups.start(dict(a.env, GPUDECK_SIM_GPU_MEM="0:3"), groups.make(f"system.slice/docker-{DOCKER_ID}.scope"))
+        first = wait_for(lambda: [r for r in records(a) if r.get("pid") == p.pid], timeout=60, what="the hold's start")[0]
+        assert first["container"] == {"runtime": "docker", "id": DOCKER_ID, "name": "trainer"}, first
+        got = ledger(a, "local:0")
+        assert [h["container"] for h in got["holds"] if h.get("pid") == p.pid] == ["docker:trainer"]
+        text = a.cli("ledger", "local:0", "--no-sync").stdout
+        print("\n" + text)
+        assert "docker:trainer" in text
+    finally:
+        groups.close()
+        teardown_agent(a)

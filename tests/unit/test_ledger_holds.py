@@ -10,7 +10,7 @@ import pytest
 
 from gpudeck.agents.observe.ledger import GIB, Ledger, LedgerSettingError, enabled_from_env, level_step, retention_from_env
 from gpudeck.agents.storage.journal import Journal
-from gpudeck.agents.wire.protocol import Gpu, GpuProcess
+from gpudeck.agents.wire.protocol import Container, Gpu, GpuProcess
 
 TOTAL = 80 * GIB  # step 8 GiB
 
@@ -130,17 +130,12 @@ def test_an_idle_sample_that_looks_the_same_is_not_attributed_again_until_a_tick
     assert not led.unchanged([gpu((10, 3.0), (11, 1.0))])  # after it, the next idle look is attributed in full
 
 
-class _ProcessWithContainer(GpuProcess, kw_only=True):
-    """A GPU process record as it reads once the containers work gives it a ``container`` field."""
-
-    container: str | None = None
-
-
-def test_a_holders_container_is_recorded_when_its_process_record_has_one(journal: Journal) -> None:
+def test_a_holders_container_is_recorded_from_its_attribution(journal: Journal) -> None:
     led = Ledger(journal)
-    p = _ProcessWithContainer(pid=10, gpu=0, used_bytes=2 * GIB, create_time=1010.0, container="docker:0123abcd")
+    box = Container(runtime="docker", id="0123abcd" * 8, name="trainer")
+    p = GpuProcess(pid=10, gpu=0, used_bytes=2 * GIB, create_time=1010.0, container=box)
     g = Gpu(index=0, uuid="GPU-SIM-0", memory_used=0, memory_total=TOTAL, processes=[p])
     (item,) = led.observe([g], {}, now=1.0)
-    assert item[2]["container"] == "docker:0123abcd"
-    (plain,) = led.observe([g, gpu((11, 2.0), index=1)], {}, now=2.0)  # today's record has none: the field is left out
+    assert item[2]["container"] == {"runtime": "docker", "id": "0123abcd" * 8, "name": "trainer"}
+    (plain,) = led.observe([g, gpu((11, 2.0), index=1)], {}, now=2.0)  # no container: the field is left out
     assert "container" not in plain[2]
