@@ -69,6 +69,12 @@ def console_main(args: list[str]) -> int:
 
     try:
         parsed = parse(args)
+        from gpudeck.console.cli import status_cmd  # `status --host H`: its own path, without every command's imports (issue 30)
+
+        if status_cmd.handles(parsed):
+            rc = status_cmd.run(parsed)
+            sys.stdout.flush()
+            return rc
         from gpudeck.console.cli.main import run
 
         rc = run(parsed)
