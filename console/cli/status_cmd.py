@@ -10,7 +10,6 @@ imported while the far side starts its bridge, the longest wait of an SSH connec
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import sys
 from typing import TYPE_CHECKING
@@ -23,7 +22,7 @@ from gpudeck.console.core.exitcodes import EXIT_ERROR, EXIT_INTERRUPTED, EXIT_UN
 from gpudeck.console.core.sanitize import terminal_text
 
 # the operations layer (asyncio, the fleet, the history), the config reader and the printers are imported where they
-# are used: by then :func:`run` has turned the collector off for them (see there)
+# are used: inside entry.py's collector_off when the `gpudeck` script runs this
 
 if TYPE_CHECKING:
     from gpudeck.agents.wire.protocol import Snapshot
@@ -83,22 +82,9 @@ def nothing_matched(filt: StatusFilter, snaps: list[Snapshot]) -> int:
 
 def run(args: argparse.Namespace) -> int:
     """Run ``status --host H`` as :func:`gpudeck.console.cli.main.run` runs a command: progress off for --json, and the
-    errors a user can act on printed on stderr with their exit code.
-
-    The cyclic garbage collector is off while it runs and what it made is frozen at the end: nearly every object of
-    this short command is a module's, a class's or a function's that lives until the process exits, so the
-    collector's passes during the imports, and the interpreter's own pass over all of them at exit, find nothing to
-    free (together about 50 ms of CPU of a ~220 ms command on the 2-core test machine: bench/RESULTS.md 28-sshspeed2).
-    Everything this command opens it closes itself (the SSH connection, the history, the event loop)."""
-    gc.disable()
-    try:
-        return _run(args)
-    finally:
-        gc.freeze()  # the exit's collection skips what is frozen
-        gc.enable()
-
-
-def _run(args: argparse.Namespace) -> int:
+    errors a user can act on printed on stderr with their exit code. Run from the ``gpudeck`` script, it runs with the
+    cyclic collector off (:func:`gpudeck.console.entry.collector_off`); the operations layer, asyncio and the config
+    reader are imported here, inside that."""
     import asyncio
 
     from gpudeck.console.core import config as cfg
