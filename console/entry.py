@@ -9,6 +9,8 @@ A GPU host's agent-only install (``pip install ./gpudeck``, no Textual, no SSH c
 from __future__ import annotations
 
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from gpudeck.console.core.exitcodes import EXIT_USAGE
 
@@ -37,7 +39,8 @@ def main(argv: list[str] | None = None) -> int:
     if args == ["agent", "dial"]:
         # what the console runs over SSH on every connect (its forced command): the bridge alone, without the agent's
         # argument parser and asyncio, whose imports the far side's start would otherwise pay each time (issue 30)
-        from gpudeck.agents.wire.dial import dial
+        with collector_off(argv is None):  # its imports' objects live until exit; the bridge's own are collected as usual
+            from gpudeck.agents.wire.dial import dial
 
         return dial()
     if args[:1] == ["agent"]:
@@ -56,10 +59,32 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return EXIT_USAGE
-    return console_main(args)
+    return console_main(args, own_process=argv is None)
 
 
-def console_main(args: list[str]) -> int:
+@contextmanager
+def collector_off(own_process: bool) -> Iterator[None]:
+    """The cyclic garbage collector off for the block, and what the block made frozen at its end, when this command is
+    the whole process (``own_process``: the ``gpudeck`` script's own call; not a caller's ``main(argv)``, a test's say).
+
+    Nearly every object such a block makes (imports: modules, classes, functions) lives until the process exits, so
+    the collector's passes during it, and the interpreter's own pass over all of them at exit (frozen objects are
+    skipped), find nothing to free: for ``status --host H`` about 50 ms of its ~220 ms of CPU, for the far side's
+    bridge about 5 ms (bench/RESULTS.md 28-sshspeed2). What the block opens it must close itself, as these do."""
+    if not own_process:
+        yield
+        return
+    import gc
+
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.freeze()
+        gc.enable()
+
+
+def console_main(args: list[str], own_process: bool = False) -> int:
     """A console command: parsed first, so ``--help`` and a usage error import nothing of the commands; then the
     command module (:mod:`gpudeck.console.cli.main`) runs it.
 
@@ -69,6 +94,13 @@ def console_main(args: list[str]) -> int:
 
     try:
         parsed = parse(args)
+        from gpudeck.console.cli import status_cmd  # `status --host H`: its own path, without every command's imports (issue 30)
+
+        if status_cmd.handles(parsed):
+            with collector_off(own_process):  # a short command: see collector_off
+                rc = status_cmd.run(parsed)
+            sys.stdout.flush()
+            return rc
         from gpudeck.console.cli.main import run
 
         rc = run(parsed)

@@ -22,8 +22,9 @@ from msgspec import UNSET
 
 from gpudeck.agents.wire.envdiff import EnvGate
 from gpudeck.agents.wire.errors import AgentError
-from gpudeck.agents.wire.protocol import RunInfo, Snapshot, Triage, VerifyReply, to_builtins
+from gpudeck.agents.wire.protocol import RunInfo, Triage, VerifyReply, to_builtins
 from gpudeck.console.cli.parser import DEFAULT_WATCH_S, parse
+from gpudeck.console.cli.status_cmd import host_status, nothing_matched
 from gpudeck.console.cli.waiting import enable as enable_progress
 from gpudeck.console.cli.waiting import waiting
 from gpudeck.console.core import config as cfg
@@ -175,35 +176,14 @@ def _filtered(row: HostStatus, filt: StatusFilter) -> HostStatus:
     return msgspec.structs.replace(row, snapshot=filt.apply(row.snapshot)) if row.snapshot else row
 
 
-def _nothing_matched(filt: StatusFilter, snaps: list[Snapshot]) -> int:
-    """A filter that matched nothing on the hosts that answered: said on stderr; exit 1 for --run (a run reference that
-    matches nothing), 0 for --user/--pid (nothing of theirs running is an answer)."""
-    said = filt.nothing_matched(snaps)
-    if said is None:
-        return 0
-    print(terminal_text(f"gpudeck: {said}"), file=sys.stderr)
-    return EXIT_ERROR if filt.run is not None else 0
-
-
 async def cmd_status(args: argparse.Namespace) -> int:
     filt = StatusFilter(args.user, args.run, args.pid)
     if args.watch:
         return await _watch_status(args, filt)
     if args.count is not None or args.interval != DEFAULT_WATCH_S:
         raise CliError("-n and --count go with --watch (e.g. gpudeck status --watch -n 2)")
-    if args.host:
-        try:
-            known = args.host in cfg.load().names
-            with waiting(f"connecting to {args.host}"):
-                snap = await _with_ops(lambda o: o.snapshot(args.host), hosts=[args.host], remember=known)
-        except AgentError as exc:  # the one host asked for did not answer (or not safely): nothing to show, exit 3
-            if args.json:
-                print(json.dumps({"unreachable": [{"host": args.host, "error": exc.message}]}))
-            print(terminal_text(f"gpudeck: {exc.message}"), file=sys.stderr)
-            return EXIT_UNREACHABLE
-        snap = filt.apply(snap)
-        print(json.dumps(snapshot_json(snap, args.show_secrets)) if args.json else terminal_text(format_status(snap, args.host)))
-        return _nothing_matched(filt, [snap])
+    if args.host:  # entry.py runs this one through status_cmd.run without importing this module
+        return await host_status(args)
 
     with waiting(f"connecting to {len(cfg.load().names)} host(s)"):
         rows = await _with_ops(lambda o: _statuses(o, list(o.links)))
@@ -228,7 +208,7 @@ async def cmd_status(args: argparse.Namespace) -> int:
                 parts.append(f"host {r.host}  UNREACHABLE: {why_down(r.host, r.error)}")
         print(terminal_text("\n\n".join(parts)))
     down = unreachable_exit([(r.host, r.error) for r in rows if not r.snapshot])
-    return down or _nothing_matched(filt, [r.snapshot for r in rows if r.snapshot])
+    return down or nothing_matched(filt, [r.snapshot for r in rows if r.snapshot])
 
 
 def intent_from_args(args: argparse.Namespace) -> LaunchIntent:

@@ -107,6 +107,7 @@ class HostLink:
         interval_s: float = 1.0,
         watch: bool = True,
         history: History | None = None,
+        meanwhile: Callable[[], object] | None = None,
     ) -> None:
         self.settings = settings
         self.name = settings.name
@@ -115,6 +116,7 @@ class HostLink:
         self.interval_s = interval_s
         self.watch = watch  # False: connect for requests only (the CLI), no snapshot stream
         self.history = history
+        self._meanwhile = meanwhile  # called while an SSH connect waits for the far side to start (connect_ssh)
         self._ssh = ssh or SshOptions()
         self._state_dir = state_dir
         self._client: AgentClient | None = None
@@ -163,7 +165,7 @@ class HostLink:
             return await AgentClient.connect_unix(state_dir=self._state_dir, autostart=True, alias=self.name)
         from gpudeck.console.fleet.transport import connect_ssh  # asyncssh comes with it: only a remote host needs it
 
-        link = await connect_ssh(self.name, self.settings.command, self._ssh)
+        link = await connect_ssh(self.name, self.settings.command, self._ssh, meanwhile=self._meanwhile)
         self._ssh_link = link
         return link.client
 
@@ -410,7 +412,9 @@ class Fleet:
         watch: bool = True,
         history: History | None = None,
         ssh: SshOptions | None = None,
+        meanwhile: Callable[[], object] | None = None,
     ) -> None:
+        """``meanwhile``: called on each SSH connect while the far side starts (see :func:`~gpudeck.console.fleet.transport.connect_ssh`)."""
         self.config = config or cfg.load(extra_hosts=hosts)
         if config is not None and hosts:
             self.config = cfg.Config(
@@ -418,7 +422,9 @@ class Fleet:
             )
         self.history = history
         self._extra_hosts = list(hosts or [])  # named on the command line: kept when the config file changes
-        self._link_args: dict[str, Any] = dict(ssh=ssh, state_dir=state_dir, interval_s=interval_s, watch=watch, history=history)
+        self._link_args: dict[str, Any] = dict(
+            ssh=ssh, state_dir=state_dir, interval_s=interval_s, watch=watch, history=history, meanwhile=meanwhile
+        )
         self.links: dict[str, HostLink] = {s.name: HostLink(s, **self._link_args) for s in self.config.hosts}
         self._watch_tasks: set[asyncio.Task] = set()
         if history is not None and watch:

@@ -18,7 +18,7 @@ import getpass
 import logging
 import re
 import socket
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -269,8 +269,13 @@ def _skip_idle_packet_log(chan: asyncssh.SSHClientChannel) -> None:
     chan.log_received_packet = log_received_packet  # type: ignore[method-assign]
 
 
-async def connect_ssh(name: str, command: str, options: SshOptions) -> SshLink:
-    """Connect to ``name`` as ``~/.ssh/config`` describes it and start ``command`` (the agent bridge)."""
+async def connect_ssh(name: str, command: str, options: SshOptions, meanwhile: Callable[[], object] | None = None) -> SshLink:
+    """Connect to ``name`` as ``~/.ssh/config`` describes it and start ``command`` (the agent bridge).
+
+    ``meanwhile`` is called once the hello is on its way, while the far side starts ``command`` (its shell, Python and
+    the bridge: the longest wait of a connect): work the caller needs anyway, done while it would otherwise wait (the
+    CLI imports its printers there). It blocks the event loop, which has nothing else to do then (the agent's reply
+    waits in the kernel); what it raises is logged and dropped, so the caller meets it again where it does the work."""
     settings = host_settings(name, options.config_paths())
     kh = _KnownHosts(options.known_hosts_paths(), settings.host_key_alias, settings.check_host_ip)
     # the connect timeout as ssh takes it: the host's ConnectTimeout when the config sets one (gpudeck passing its own
@@ -333,7 +338,14 @@ async def connect_ssh(name: str, command: str, options: SshOptions) -> SshLink:
     session.client = client
     try:
         async with asyncio.timeout(HELLO_TIMEOUT_S):
-            await client.say_hello(alias=name)
+            hello = asyncio.ensure_future(client.say_hello(alias=name))
+            if meanwhile is not None:
+                await asyncio.sleep(0)  # the hello is written first (say_hello runs to its wait for the reply)
+                try:
+                    meanwhile()
+                except Exception:
+                    log.debug("%s: the work done while the far side starts failed", name, exc_info=True)
+            await hello
     except (AgentError, TimeoutError) as exc:
         # the bridge never answered: say why, from its exit status and stderr
         try:

@@ -82,7 +82,13 @@ class Ops:
     @classmethod
     @asynccontextmanager
     async def request(
-        cls, hosts: Sequence[str] | None = None, *, recorded: Ops | None = None, remember: bool = True, need_history: bool = False
+        cls,
+        hosts: Sequence[str] | None = None,
+        *,
+        recorded: Ops | None = None,
+        remember: bool = True,
+        need_history: bool = False,
+        meanwhile: Callable[[], object] | None = None,
     ) -> AsyncIterator[Ops]:
         """A CLI command's operations on a request-only fleet (the hosts asked for, else every configured host), closed
         when the block ends.
@@ -90,7 +96,9 @@ class Ops:
         The fleet has the history, so a stop asked for while a host was cut off is delivered the next time any command
         reaches that host; ``recorded`` lends the history an :meth:`recorded` block holds; ``remember=False`` (a look at a host
         the config does not name) leaves the history alone, so a typo never becomes a host it remembers as unreachable.
-        A history that cannot be opened is a warning on stderr (the command works without it) unless ``need_history``."""
+        A history that cannot be opened is a warning on stderr (the command works without it) unless ``need_history``.
+        ``meanwhile`` is called on an SSH connect while the far side starts, the longest wait (the CLI imports its
+        printers there; see :func:`~gpudeck.console.fleet.transport.connect_ssh`)."""
         lent = recorded.history if recorded is not None else None
         own: History | None = None
         if lent is None and remember:
@@ -101,7 +109,7 @@ class Ops:
                     raise HistoryUnavailable(str(exc)) from None
                 print(f"gpudeck: warning: {exc}", file=sys.stderr)
         db = lent or own
-        fleet = Fleet(hosts=list(hosts) if hosts else None, watch=False, history=db)
+        fleet = Fleet(hosts=list(hosts) if hosts else None, watch=False, history=db, meanwhile=meanwhile)
         try:
             yield cls(fleet, db)
         except HistoryError as exc:
