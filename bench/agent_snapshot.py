@@ -11,10 +11,15 @@ interleaved round by round so that the host's load falls on every figure alike:
     ``connect_unix`` fed it before the transport pushed bytes to it itself);
   * ``snapshot raw``: the same request on a blocking socket, the reply's bytes not decoded (the client's share is
     the difference);
-and in this process, for the snapshot bytes the agent sent: ``decode`` (``decode_reply``) and ``encode`` (the
+  * ``snapshot fresh``: ``GetSnapshot(max_age_s=0)`` through ``AgentClient.request``: a sample made for the request
+    (the build in the sampler thread and the hops to it and back; an agent older than ``max_age_s`` ignores the
+    field and samples for every request anyway);
+With ``--poll-seconds S``, then a client that asks each agent for a snapshot once a second (``gpudeck status`` in a
+``watch -n 1``) for S seconds: each agent's CPU over that window (from /proc) and the request's round trip.
+And in this process, for the snapshot bytes the agent sent: ``decode`` (``decode_reply``) and ``encode`` (the
 agent's ``encode``). The ratios are peer / this tree. One line per figure.
 
-Usage: python bench/agent_snapshot.py [-n 2000] [--gpus 8:H200:141] [--peer-tree DIR]
+Usage: python bench/agent_snapshot.py [-n 2000] [--gpus 8:H200:141] [--peer-tree DIR] [--poll-seconds 0]
 """
 
 from __future__ import annotations
@@ -58,7 +63,14 @@ class Agent:
         self.client: AgentClient | None = None
         self.raw: socket.socket | None = None
         self.pumped: AgentClient | None = None
-        self.times: dict[str, list[float]] = {"ping": [], "ping pumped": [], "snapshot": [], "snapshot pumped": [], "snapshot raw": []}
+        self.times: dict[str, list[float]] = {
+            "ping": [],
+            "ping pumped": [],
+            "snapshot": [],
+            "snapshot pumped": [],
+            "snapshot raw": [],
+            "snapshot fresh": [],
+        }
         self.last = b""
 
     async def connect(self) -> None:
@@ -91,7 +103,7 @@ class Agent:
         self.last = self._line()
 
     async def round(self, turn: int) -> None:
-        """The two pings, then the three snapshots, each in an order that rotates with ``turn`` (no figure always goes first)."""
+        """The two pings, then the four snapshots, each in an order that rotates with ``turn`` (no figure always goes first)."""
         assert self.client is not None and self.raw is not None and self.pumped is not None
         pings = [("ping", self.client), ("ping pumped", self.pumped)]
         for name, client in pings[turn % 2 :] + pings[: turn % 2]:
@@ -102,8 +114,9 @@ class Agent:
             ("snapshot", lambda: self.client.request(GetSnapshot())),  # type: ignore[union-attr]
             ("snapshot pumped", lambda: self.pumped.request(GetSnapshot())),  # type: ignore[union-attr]
             ("snapshot raw", self._raw_snapshot),
+            ("snapshot fresh", lambda: self.client.request(GetSnapshot(max_age_s=0))),  # type: ignore[union-attr]
         ]
-        for name, way in ways[turn % 3 :] + ways[: turn % 3]:
+        for name, way in ways[turn % 4 :] + ways[: turn % 4]:
             t0 = time.perf_counter()
             await way()
             self.times[name].append((time.perf_counter() - t0) * 1000)
@@ -121,6 +134,38 @@ class Agent:
             self.proc.kill()
             self.proc.wait()
         shutil.rmtree(self.home, ignore_errors=True)
+
+
+def _cpu_s(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as fh:
+        fields = fh.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime, every thread
+
+
+async def _polled(agents: list[Agent], seconds: float) -> None:
+    """Every agent asked for one snapshot a second, in turns: its CPU over the window and the round trips."""
+    await asyncio.sleep(3.0)  # the warm-up's requests are 3 s past: only the slow poller's pace counts
+    cpu0 = [_cpu_s(a.proc.pid) for a in agents]
+    rtts: list[list[float]] = [[] for _ in agents]
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < seconds:
+        for a, xs in zip(agents, rtts):
+            assert a.client is not None
+            r0 = time.perf_counter()
+            await a.client.request(GetSnapshot())
+            xs.append((time.perf_counter() - r0) * 1000)
+        await asyncio.sleep(1.0)
+    dt = time.monotonic() - t0
+    cpu = [(_cpu_s(a.proc.pid) - c) / dt * 100 for a, c in zip(agents, cpu0)]
+    for i, (a, xs) in enumerate(zip(agents, rtts)):
+        ratio = (
+            f"  ({cpu[i] / cpu[0]:.2f}x / {statistics.median(xs) / statistics.median(rtts[0]):.2f}x this tree's)" if i and cpu[0] else ""
+        )
+        print(
+            f"agent_snapshot {a.label:<12} polled once a second for {dt:.0f} s: CPU {cpu[i]:.3f}% of one core, "
+            f"snapshot p50 {statistics.median(xs):.3f} ms  n={len(xs)}{ratio}",
+            flush=True,
+        )
 
 
 def _timed(fn, n: int) -> float:  # type: ignore[no-untyped-def]
@@ -152,6 +197,8 @@ async def main_async(args: argparse.Namespace) -> None:
                 ratio = f"  ({med / statistics.median(base.times[name]):.2f}x this tree's)" if a is not base else ""
                 p99 = statistics.quantiles(xs, n=100)[98]
                 print(f"agent_snapshot {a.label:<12} {name:<15} p50 {med:7.3f} ms  p99 {p99:7.3f} ms  n={len(xs)}{ratio}", flush=True)
+        if args.poll_seconds > 0:
+            await _polled(agents, args.poll_seconds)
         raw = base.last
         snap = decode_reply(raw)
         assert isinstance(snap, Snapshot)
@@ -168,8 +215,9 @@ async def main_async(args: argparse.Namespace) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("-n", type=int, default=2000, help="rounds (each: a ping, a snapshot, a raw snapshot) per agent")
+    ap.add_argument("-n", type=int, default=2000, help="rounds (each: two pings, four snapshots) per agent")
     ap.add_argument("--gpus", default="8:H200:141", help="GPUDECK_SIMULATE_GPUS of the agents")
+    ap.add_argument("--poll-seconds", type=float, default=0.0, help="then one snapshot a second from each agent this long (CPU, p50)")
     ap.add_argument("--peer-tree", default=None, help="a folder holding gpudeck/agents of another version: measured in the same run")
     asyncio.run(main_async(ap.parse_args()))
 

@@ -22,12 +22,15 @@ installed or once-run gpudeck never does; the warm-up round writes the ``__pycac
 
 To measure another version (the base of a change), run this script with that version's venv python: the commands,
 the remote host's ``gpudeck agent dial`` and the agents are the ones beside ``sys.executable``; ``--nvitop`` names the
-peer's script when that venv has none.
+peer's script when that venv has none. ``--base-bin DIR`` (another version's venv ``bin``) also measures that version's
+``status`` over SSH in the same rounds: a second host, ``bench0``, whose sshd's forced command is that version's
+``gpudeck agent dial`` (its agent is this version's; the wire is the same), so the two SSH figures share every round's
+load.
 
 A command that fails prints its exit code and stderr's last line instead of a figure (e.g. ``--no-sync`` on a
 version of ``runs`` that does not have it).
 
-Usage: python bench/cli.py [--n 10] [--no-ssh] [--only NAME,NAME] [--nvitop PATH]
+Usage: python bench/cli.py [--n 10] [--no-ssh] [--only NAME,NAME] [--nvitop PATH] [--base-bin DIR]
 """
 
 from __future__ import annotations
@@ -51,6 +54,7 @@ from tests.sshd_harness import ConsoleSide, SshHost, keygen
 BIN = Path(sys.executable).parent
 GPUDECK = str(BIN / "gpudeck")
 REMOTE = "bench1"
+BASE_REMOTE = "bench0"  # --base-bin: the same kind of host, its forced command the other version's `gpudeck agent dial`
 
 
 @dataclass
@@ -90,7 +94,7 @@ def run_once(fig: Figure, env: dict[str, str]) -> None:
     fig.cpu.append(cpu)
 
 
-def figures(console: ConsoleSide, peer_key: Path | None, with_ssh: bool, nvitop: str | None) -> list[Figure]:
+def figures(console: ConsoleSide, peer_key: Path | None, with_ssh: bool, nvitop: str | None, base_bin: Path | None = None) -> list[Figure]:
     """Every figure of the run, peers first."""
     out = [Figure("python -c pass", [sys.executable, "-c", "pass"])]
     nvitop = nvitop or shutil.which("nvitop", path=str(BIN)) or shutil.which("nvitop")
@@ -130,6 +134,16 @@ def figures(console: ConsoleSide, peer_key: Path | None, with_ssh: bool, nvitop:
             ),
             Figure("gpudeck runs", [GPUDECK, "runs"]),
         ]
+        if base_bin is not None:
+            out.append(
+                Figure(
+                    f"base status --host {BASE_REMOTE}",
+                    [str(base_bin / "gpudeck"), "status", "--host", BASE_REMOTE],
+                    peer=f"ssh {REMOTE} true",
+                    goal_ms=100,
+                    peer_goal=True,
+                )
+            )
     return out
 
 
@@ -164,11 +178,13 @@ def main() -> int:
     ap.add_argument("--no-ssh", action="store_true", help="leave out the SSH host (status over SSH, ssh true, runs)")
     ap.add_argument("--only", default=None, help="comma-separated figure names to keep (the peers are always kept)")
     ap.add_argument("--nvitop", default=None, help="the nvitop script (default: the one beside this python, else on PATH)")
+    ap.add_argument("--base-bin", type=Path, default=None, help="another version's venv bin: its `status` over SSH in the same rounds")
     args = ap.parse_args()
     os.environ.pop("PYTHONDONTWRITEBYTECODE", None)  # as a user runs it: bytecode cached after the first call
 
     console = ConsoleSide()
     remote: SshHost | None = None
+    base_remote: SshHost | None = None
     try:
         console.gpudeck_home.joinpath("config.toml").write_text(f'hosts = ["{REMOTE}"]\n' if not args.no_ssh else "hosts = []\n")
         os.environ["GPUDECK_SIMULATE_GPUS"] = "2"  # the agents' GPUs: SIMULATED (no GPU here), so status has rows to show
@@ -180,11 +196,16 @@ def main() -> int:
             peer_key = console.ssh_dir / "id_peer"  # a second key, not locked to `gpudeck agent dial`: for `ssh HOST true`
             with open(remote.authorized, "a") as fh:
                 fh.write(keygen(peer_key, "peer") + "\n")
+            if args.base_bin is not None:
+                base_remote = SshHost(BASE_REMOTE, console.pub)
+                base_remote.authorized.write_text(f'restrict,command="{args.base_bin / "gpudeck"} agent dial" {console.pub}\n')
+                base_remote.start()
+                console.add(base_remote)
         env = console.env
-        figs = figures(console, peer_key, not args.no_ssh, args.nvitop)
+        figs = figures(console, peer_key, not args.no_ssh, args.nvitop, args.base_bin)
         if args.only:
             keep = {s.strip() for s in args.only.split(",")}
-            figs = [f for f in figs if f.name in keep or not f.name.startswith("gpudeck")]
+            figs = [f for f in figs if f.name in keep or not f.name.startswith(("gpudeck", "base"))]
         load = os.getloadavg()
         print(
             f"cli {os.cpu_count()} CPUs, load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} at the start; python {sys.version.split()[0]}"
@@ -200,8 +221,9 @@ def main() -> int:
         print(f"cli load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} at the end")
         report(figs)
     finally:
-        if remote is not None:
-            remote.agent.stop()
+        for r in (remote, base_remote):
+            if r is not None:
+                r.agent.stop()
         console.local.stop()
         console.cleanup()
     return 0

@@ -373,14 +373,15 @@ class Window:
 async def part1(home: Path, rate: int, total: int) -> None:
     from gpudeck.agents.wire.protocol import LaunchSpec
     from gpudeck.console.fleet.fleet import Fleet
+    from gpudeck.console.ops.context import Ops
     from gpudeck.console.tui.app import GpudeckApp
     from gpudeck.console.tui.screens.run import RunScreen
     from gpudeck.console.tui.widgets.output_view import OutputView
 
-    app = GpudeckApp(Fleet(state_dir=home / "agent"))
+    app = GpudeckApp(Ops.console(Fleet(state_dir=home / "agent")))
     me = psutil.Process()
     async with app.run_test(size=(140, 40)) as pilot:
-        reply = await app.fleet.launch(
+        reply = await app.ops.fleet.launch(
             "local", LaunchSpec(argv=[sys.executable, "-c", WRITER, str(rate), str(total)], cwd=str(home), name="tui-bench")
         )
         rid = reply.run.id
@@ -533,6 +534,7 @@ def console_child(spec_path: Path, stats_path: Path, total: int) -> None:
     from bench.fleet_hosts import FleetSpec
     from gpudeck.console.fleet.fleet import Fleet
     from gpudeck.console.history.replica import History
+    from gpudeck.console.ops.context import Ops
     from gpudeck.console.tui.app import GpudeckApp
     from gpudeck.console.tui.screens.fleet import FleetScreen
     from gpudeck.console.tui.screens.run import RunScreen
@@ -549,7 +551,9 @@ def console_child(spec_path: Path, stats_path: Path, total: int) -> None:
 
         def __init__(self) -> None:
             super().__init__(
-                Fleet(config=spec.config(), ssh=spec.ssh_options(), interval_s=1.0, history=History(spec.base_dir / "tui-history.db")),
+                Ops.console(
+                    Fleet(config=spec.config(), ssh=spec.ssh_options(), interval_s=1.0, history=History(spec.base_dir / "tui-history.db"))
+                ),
                 freeze_gc=True,
             )
             self.pings = 0
@@ -599,7 +603,7 @@ def console_child(spec_path: Path, stats_path: Path, total: int) -> None:
             top = int(table.scroll_y)
             now = time.time()
             for name in table.keys()[top : top + table.size.height - 1]:
-                snap = self.fleet.links[name].status.snapshot
+                snap = self.ops.links[name].status.snapshot
                 if name in dirty and snap is not None:
                     log.add("age_s", now - snap.ts)
 
@@ -623,7 +627,7 @@ def console_child(spec_path: Path, stats_path: Path, total: int) -> None:
                 step = max(1, total // 1000)
                 sample_ok = all(view.line(i).startswith(f"line {i:09d}") for i in range(0, total, step))
                 self.checked = {"ok": sample_ok and view.line(total - 1).startswith(f"line {total - 1:09d}"), "lines_at_check": lines}
-            up = sum(1 for link in self.fleet.links.values() if link.status.state == "up")
+            up = sum(1 for link in self.ops.links.values() if link.status.state == "up")
             census = os.environ.get("TUI_BENCH_GC_CENSUS")  # what the cyclic collector walks, for whoever tunes it
             if census and time.monotonic() - getattr(self, "_census_at", 0.0) > 10:
                 import collections
@@ -1080,6 +1084,7 @@ async def part4(hosts: int) -> None:
     from gpudeck.agents.wire.protocol import Gpu, GpuProcess, Snapshot
     from gpudeck.console.core.config import HostSettings
     from gpudeck.console.fleet.fleet import Fleet, HostLink
+    from gpudeck.console.ops.context import Ops
     from gpudeck.console.tui.app import GpudeckApp
     from gpudeck.console.tui.widgets.keyed_table import KeyedTable
 
@@ -1120,7 +1125,7 @@ async def part4(hosts: int) -> None:
         return Snapshot(host=name, ts=time.time(), epoch="e", gpus=gpus, simulated=True)
 
     fleet = FedFleet(hosts)
-    app = GpudeckApp(fleet)
+    app = GpudeckApp(Ops.console(fleet))
     async with app.run_test(size=(COLS, ROWS)) as pilot:
         table = app.screen.query_one("#fleet-table", KeyedTable)
         times: list[float] = []

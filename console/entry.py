@@ -8,8 +8,9 @@ A GPU host's agent-only install (``pip install ./gpudeck``, no Textual, no SSH c
 
 from __future__ import annotations
 
-import importlib.util
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from gpudeck.console.core.exitcodes import EXIT_USAGE
 
@@ -35,11 +36,20 @@ def main(argv: list[str] | None = None) -> int:
         except BrokenPipeError:
             return stdout_gone()
         return 0
+    if args == ["agent", "dial"]:
+        # what the console runs over SSH on every connect (its forced command): the bridge alone, without the agent's
+        # argument parser and asyncio, whose imports the far side's start would otherwise pay each time (issue 30)
+        with collector_off(argv is None):  # its imports' objects live until exit; the bridge's own are collected as usual
+            from gpudeck.agents.wire.dial import dial
+
+        return dial()
     if args[:1] == ["agent"]:
         from gpudeck.agents.__main__ import COMMAND_PROG
         from gpudeck.agents.__main__ import main as agent_main
 
         return agent_main(args[1:], prog=COMMAND_PROG)
+    import importlib.util  # here, not above: the agent's commands (dial on every SSH connect) do not use it
+
     missing = next((name for name in CONSOLE_PACKAGES if importlib.util.find_spec(name) is None), None)
     if missing is not None:  # looked up, not imported: a command imports only what it uses (console/cli/parser.py)
         what = " ".join(args[:2]) or "the console"
@@ -49,10 +59,32 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return EXIT_USAGE
-    return console_main(args)
+    return console_main(args, own_process=argv is None)
 
 
-def console_main(args: list[str]) -> int:
+@contextmanager
+def collector_off(own_process: bool) -> Iterator[None]:
+    """The cyclic garbage collector off for the block, and what the block made frozen at its end, when this command is
+    the whole process (``own_process``: the ``gpudeck`` script's own call; not a caller's ``main(argv)``, a test's say).
+
+    Nearly every object such a block makes (imports: modules, classes, functions) lives until the process exits, so
+    the collector's passes during it, and the interpreter's own pass over all of them at exit (frozen objects are
+    skipped), find nothing to free: for ``status --host H`` about 50 ms of its ~220 ms of CPU, for the far side's
+    bridge about 5 ms (bench/RESULTS.md 28-sshspeed2). What the block opens it must close itself, as these do."""
+    if not own_process:
+        yield
+        return
+    import gc
+
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.freeze()
+        gc.enable()
+
+
+def console_main(args: list[str], own_process: bool = False) -> int:
     """A console command: parsed first, so ``--help`` and a usage error import nothing of the commands; then the
     command module (:mod:`gpudeck.console.cli.main`) runs it.
 
@@ -62,6 +94,13 @@ def console_main(args: list[str]) -> int:
 
     try:
         parsed = parse(args)
+        from gpudeck.console.cli import status_cmd  # `status --host H`: its own path, without every command's imports (issue 30)
+
+        if status_cmd.handles(parsed):
+            with collector_off(own_process):  # a short command: see collector_off
+                rc = status_cmd.run(parsed)
+            sys.stdout.flush()
+            return rc
         from gpudeck.console.cli.main import run
 
         rc = run(parsed)

@@ -17,6 +17,8 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -105,6 +107,44 @@ def fsdp_lm_argv(
 def fsdp_endless_argv(out: Path, nproc: int, *extra: str) -> list[str]:
     """torchrun of the tiny fsdp_lm on CPU that trains until it is stopped (the supervision, hang and stop tests' run)."""
     return fsdp_lm_argv(out, *extra, nproc=nproc)
+
+
+def dflash_records_args(folder: Path) -> list[str]:
+    """DFlash on prompt/response records (400, seeded) with a token budget and a sliding-window drafter, files written to ``folder``."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    words = ["alpha", "beta", "gamma", "delta", "eps", "zeta"]
+    data = folder / "chat.jsonl"
+    with open(data, "w") as fh:
+        for _ in range(400):
+            prompt = " ".join(rng.choice(words, int(rng.integers(1, 6))))
+            response = " ".join(rng.choice(words, int(rng.integers(2, 14))))
+            fh.write(json.dumps({"prompt": prompt, "response": response}) + "\n")
+    dcfg = folder / "drafter.json"
+    layout = {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 8, "use_sliding_window": True}
+    dcfg.write_text(json.dumps({**layout, "block_size": 4}))
+    return ["--target-config", "tiny", "--data", str(data), "--seq-len", "64", "--token-budget", "192", "--num-anchors", "8"] + [
+        "--drafter-config",
+        str(dcfg),
+        "--gamma",
+        "2",
+    ]
+
+
+@contextmanager
+def steps_in_this_process() -> Iterator[None]:
+    """A trainer's steps driven in pytest's process: the signal handlers its set-up installs and its one-rank group are undone after."""
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for s, h in handlers.items():
+            signal.signal(s, h)
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def _free_port() -> int:

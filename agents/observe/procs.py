@@ -29,7 +29,8 @@ from typing import TypeVar
 
 import psutil
 
-from gpudeck.agents.wire.protocol import ProcInfo
+from gpudeck.agents.observe.containers import shared_reader
+from gpudeck.agents.wire.protocol import Container, ProcInfo
 
 RUN_TAG = "GPUDECK_RUN_ID"
 SIM_GPU_MEM_TAG = "GPUDECK_SIM_GPU_MEM"  # "<gpu>:<GiB>[,<gpu>:<GiB>...]", read by the simulated GPU sampler
@@ -132,6 +133,21 @@ class ProcEntry:
     sim_scope: str | None = None  # the simulated machine a holder belongs to (see sim_scope())
     exec_mark: tuple[int, int] = (0, 0)  # read_stat's at the time the environment was read
     own_dir: bool = False  # its GPUDECK_RUN_DIR lies under the table's runs folder (a run of this agent's)
+    # the container it runs in, seen from the host: read on first use (a GPU holder, a leftover), then kept with the
+    # entry, so /proc/PID/cgroup is read once per (pid, create_time) and never for a process nothing shows
+    container: Container | None = None
+    container_read: bool = False
+
+    def read_container(self) -> Container | None:
+        """The container this process runs in (agents/observe/containers.py), read once; None outside any container,
+        and when the pid no longer names this process (reused since the entry was made)."""
+        if not self.container_read:
+            found = shared_reader().of_pid(self.pid)
+            self.container = found if found is None or same_process(self.pid, self.create_time) else None
+            # a runtime places a process in its group before it executes the container's command: "none" is final
+            # only once the process is past that age (a young one is asked again; exec makes a new entry anyway)
+            self.container_read = self.container is not None or self.create_time < time.time() - YOUNG_S
+        return self.container
 
 
 def _int_or_none(value: str | None) -> int | None:

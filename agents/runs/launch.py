@@ -48,6 +48,17 @@ SHIM_START_TIMEOUT_S = 15.0
 _RUN_ID_RE = re.compile(r"^r-[0-9a-f]{8}$")
 
 
+MAX_ENV_DIFFS = 256  # the gate's rows a launch may name with --allow-env-diff (and record as env_diffs)
+MAX_ENV_DIFF_CHARS = 4096  # one entry: a name, or a recorded "name: node values" row (envdiff cuts those at 2,000)
+
+
+def check_env(env: dict[str, str]) -> None:
+    """Refuse an environment a process cannot be given: names non-empty, without '=' or NUL; values without NUL."""
+    for k, v in env.items():
+        if not k or "=" in k or "\x00" in k or "\x00" in v:
+            raise BadRequest(f"environment variable {k!r} is not valid: names cannot be empty or hold '=' or NUL")
+
+
 def validate(spec: LaunchSpec) -> None:
     """Refuse a spec that cannot be started as given, naming the field and the fix."""
     if not spec.argv:
@@ -59,9 +70,13 @@ def validate(spec: LaunchSpec) -> None:
     for a in spec.argv:
         if "\x00" in a:
             raise BadRequest("an argument contains a NUL byte; arguments are passed literally and cannot hold NUL")
-    for k, v in spec.env.items():
-        if not k or "=" in k or "\x00" in k or "\x00" in v:
-            raise BadRequest(f"environment variable {k!r} is not valid: names cannot be empty or hold '=' or NUL")
+    check_env(spec.env)
+    for field, names in (("--allow-env-diff", spec.allow_env_diff), ("env_diffs", spec.env_diffs)):
+        if len(names) > MAX_ENV_DIFFS or any(len(n) > MAX_ENV_DIFF_CHARS for n in names):
+            raise BadRequest(
+                f"{field} holds {len(names)} entries (limit {MAX_ENV_DIFFS}, each at most {MAX_ENV_DIFF_CHARS} characters):"
+                " name only the gate's rows that differ"
+            )
     if spec.gpus is not None:
         if any(g < 0 for g in spec.gpus) or len(set(spec.gpus)) != len(spec.gpus):
             raise BadRequest(f"GPU list {spec.gpus} is not valid: give distinct indices such as 0,1")
@@ -243,11 +258,12 @@ async def preflight(sup: Supervisor, spec: LaunchSpec, host_name: str | None = N
 
 def fingerprint_for(sup: Supervisor, spec: LaunchSpec, plan: LaunchPlan | None = None) -> EnvFingerprint | None:
     """The run's python environment, fingerprinted (None when the run is not a python program)."""
-    python = (plan or LaunchPlan.of(spec)).python
+    plan = plan or LaunchPlan.of(spec)
+    python = plan.python
     if python is None:
         return None
-    try:
-        return envs.fingerprint(python, driver=sup.gpus.driver_version)
+    try:  # under the run's environment: its LD_LIBRARY_PATH decides which libnccl `import torch` loads
+        return envs.fingerprint(python, driver=sup.gpus.driver_version, env=plan.base_env)
     except AgentError as exc:
         return EnvFingerprint(python=python, error=exc.message, taken=time.time())
 

@@ -33,6 +33,7 @@ import msgspec
 
 from gpudeck.agents.health import claims
 from gpudeck.agents.observe.gpus import GpuSource
+from gpudeck.agents.observe.ledger import Ledger
 from gpudeck.agents.observe.procs import ProcTable
 from gpudeck.agents.runs import adoption, launch, reclaim, run_telemetry, stop
 from gpudeck.agents.runs import tick as ticks
@@ -88,6 +89,7 @@ class Supervisor:
         self.launch_lock = asyncio.Lock()  # one launch at a time: request ids and run ids are checked, then recorded
         self._bg: set[asyncio.Task] = set()
         self.adopt_notes: list[str] = []
+        self.ledger = Ledger.from_env(journal)  # who held each GPU, journaled as it changes (fed by the tick)
         self.tree = TreeWatch()  # the tick's parentage for tag-level runs: what changed, not the whole host
         # fills in a GPU process's attribution (RUN/STALE/FOREIGN/NO_SUCH_PROCESS); set by the agent
         self.attribute: Callable[[GpuProcess], None] = lambda p: None

@@ -25,8 +25,10 @@ from gpudeck.agents.health.rules import Baseline, observe
 from gpudeck.agents.observe.procs import StatLine, alive
 from gpudeck.agents.runs import ending, run_telemetry
 from gpudeck.agents.runs.liverun import LiveRun
+from gpudeck.agents.safety import unaccounted
 from gpudeck.agents.safety.containment import GroupFigures, put_figures
 from gpudeck.agents.safety.membership import Discovery, discover, proc_tree
+from gpudeck.agents.wire.errors import StorageError
 from gpudeck.agents.wire.protocol import Gpu, Member
 
 if TYPE_CHECKING:
@@ -35,6 +37,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("gpudeck.agent")
 
 RANK_DEATH_STOP_GRACE_S = 30.0  # --on-rank-death stop: the grace the survivors get to checkpoint
+LEDGER_IDLE_S = 1.0  # an agent with no live run samples its GPUs this often for the ledger (with runs: every tick)
 FRESH_S = 0.05  # a process-table refresh this recent (the agent's sampler thread does one right before the tick) is reused
 
 
@@ -131,12 +134,44 @@ def scan(sup: Supervisor, runs: list[LiveRun]) -> Scan:
     want_tree = any(lr.group is None and lr.info.state in ("running", "starting") for lr in runs)
     got = Scan()
     got.tree = sup.tree.scan() if want_tree else None
-    if runs and sup.gpus.available:
+    if sup.gpus.available and (runs or sup.ledger.enabled):  # a run being launched: the ledger's sample still
         got.gpus = sup.attributed_gpus(sup.gpus.sample())
+        feed_ledger(sup, got.gpus)
     got.alive_now = {(m.pid, m.create_time): alive(m.pid, m.create_time) for lr in runs for m in lr.info.members}
     for lr in runs:
         got.looks[lr.id] = look(sup, lr, got.tree)
     return got
+
+
+def feed_ledger(sup: Supervisor, gpus: list[Gpu], idle: bool = False) -> None:
+    """The GPU ledger gets the tick's attributed sample (agents/observe/ledger.py); a failure of it is logged, never
+    the tick's (supervision goes on without the ledger)."""
+    if not sup.ledger.enabled:
+        return
+    try:
+        held = {u.gpu: u.used_bytes for u in unaccounted.holders(gpus, None, sup.gpus.simulated)}
+        sup.ledger.observe(gpus, held, idle=idle)
+        if sup.ledger.compact_due():
+            sup.ledger.compact()
+    except StorageError:
+        raise  # the tick says so in every snapshot and retries
+    except Exception:
+        log.exception("GPU ledger: this sample was not recorded")
+
+
+def _ledger_sample(sup: Supervisor) -> None:
+    """An idle agent's sample for the ledger (a worker thread): the table refreshed, one attributed GPU sample."""
+    sup.procs.refresh(max_age=FRESH_S)
+    # a snapshot a watching console asked for this last second is the look (its pids and bytes: set when it was
+    # sampled, whatever its attribution is doing meanwhile); without one, a sample of our own
+    recent = getattr(sup.gpus, "last_sample", None)
+    raw = recent[1] if recent is not None and time.monotonic() - recent[0] < LEDGER_IDLE_S else None
+    if raw is not None and sup.ledger.unchanged(raw, remember=False):
+        return  # the same processes hold the same bytes: nothing to attribute, nothing to record
+    raw = sup.gpus.sample()
+    if sup.ledger.unchanged(raw):
+        return
+    feed_ledger(sup, sup.attributed_gpus(raw), idle=True)
 
 
 def judge(sup: Supervisor, got: Scan) -> None:
@@ -182,6 +217,8 @@ async def tick(sup: Supervisor) -> None:
         sup.procs.refresh(max_age=FRESH_S)  # idle: nothing tagged to re-check, and no thread hop for nothing
         if sup.runs.ended_groups():
             judge(sup, Scan())
+        if sup.gpus.available and sup.ledger.due(LEDGER_IDLE_S):
+            await asyncio.to_thread(_ledger_sample, sup)
         return
     got = await asyncio.to_thread(_refreshed_scan, sup, _watched(sup))
     judge(sup, got)  # back on the loop: request handlers may have changed runs meanwhile, so judge what is there now

@@ -58,8 +58,11 @@ class Attribution:
         """Fix a GPU process's attribution where the group or a recorded member says more than the tag did.
 
         Only an untagged process is looked up (a tagged one is its tag's run; its group agrees): the
-        tick's cost stays with the processes the tag cannot place.
+        tick's cost stays with the processes the tag cannot place. The container it runs in comes with its
+        table entry (read once per process, agents/observe/containers.py).
         """
+        if entry is not None and p.container is None:
+            p.container = entry.read_container()
         if p.attribution == "NO_SUCH_PROCESS" or (p.attribution in ("RUN", "STALE") and p.run_id):
             return
         own = self.owner(p.pid, p.create_time, entry)

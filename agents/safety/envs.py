@@ -7,6 +7,12 @@ as text. torch itself is never imported here (that takes seconds and may
 initialise CUDA); ``check_imports_torch`` is the separate, slow check that
 pre-flight runs.
 
+When torch is installed, a second probe imports it (``python -c LOADED``, the run's environment) and
+reads what is actually loaded: the NCCL version torch reports, the path of the libnccl mapped into the
+process (``/proc/self/maps``), and the ``NCCL_*`` / ``TORCH_*`` variables the run gets. Package metadata
+can name another NCCL than the library that is mapped (marin-community/marin#7344), so the cross-node
+gate compares what is loaded. The agent hashes the library itself (sha256, bounded, cached by inode).
+
 ``rebuild`` recreates a recorded environment from its freeze in a new virtual
 environment (``uv`` when it is on PATH, else ``python -m venv`` + pip) and
 proves the result matches the record before anyone launches in it.
@@ -20,17 +26,29 @@ import re
 import shlex
 import shutil
 import signal
+import stat
 import subprocess
 import tempfile
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Annotated, Any
 from urllib.parse import unquote, urlsplit
 
 import msgspec
 
-from gpudeck.agents.wire.envdiff import CUDNN, EDITABLE, NCCL, REBUILD_IGNORES, EnvChange, describe, diff, normalize, parse_freeze_line
+from gpudeck.agents.wire.envdiff import (
+    CUDNN,
+    EDITABLE,
+    NCCL,
+    REBUILD_IGNORES,
+    EnvChange,
+    describe,
+    diff,
+    normalize,
+    parse_freeze_line,
+    shown_env_value,
+)
 from gpudeck.agents.wire.errors import AgentError
 from gpudeck.agents.wire.protocol import EnvFingerprint
 
@@ -136,6 +154,69 @@ if has_torch:
         out["errors"].append("cannot read %s: %s" % (path, e))
 sys.stdout.write("GPUDECK-ENV " + json.dumps(out) + "\n")
 """
+
+
+# Runs inside the probed interpreter after the metadata probe, only where torch is installed: imports torch (seconds)
+# with the run's environment and reports what is loaded. Stdlib + torch; Python >= 3.8 syntax.
+LOADED = r"""
+import sys
+if sys.path and sys.path[0] == "":
+    del sys.path[0]  # the current directory must not shadow the installed torch
+import json, os
+out = {"imported": False, "cuda": None, "hip": None, "nccl": None, "libs": [], "env": {}, "errors": []}
+try:
+    import torch
+    out["imported"] = True
+    out["cuda"] = getattr(torch.version, "cuda", None)
+    out["hip"] = getattr(torch.version, "hip", None)
+    if out["cuda"] is not None:
+        try:
+            v = torch.cuda.nccl.version()  # loads and asks the library: no CUDA context is made
+            out["nccl"] = ".".join(str(x) for x in v) if isinstance(v, (tuple, list)) else str(v)
+        except Exception as e:
+            out["errors"].append("torch.cuda.nccl.version() failed: %s: %s" % (type(e).__name__, e))
+except Exception as e:
+    out["errors"].append("import torch failed: %s: %s" % (type(e).__name__, e))
+try:
+    with open("/proc/self/maps") as f:
+        for line in f:
+            parts = line.rstrip("\n").split(None, 5)
+            if len(parts) == 6:
+                path = parts[5]
+                name = os.path.basename(path.replace(" (deleted)", ""))
+                if name.startswith("libnccl") and ".so" in name and path not in out["libs"]:
+                    out["libs"].append(path)
+except OSError as e:
+    out["errors"].append("cannot read /proc/self/maps: %s" % e)
+out["env"] = {k: v for k, v in os.environ.items() if k.startswith(("NCCL_", "TORCH_"))}
+sys.stdout.write("GPUDECK-LOADED " + json.dumps(out) + "\n")
+"""
+
+_LOADED_MARK = "GPUDECK-LOADED "
+# what the loaded probe may send: it runs arbitrary site code (sitecustomize, .pth files), so it is read as hostile
+_Short = Annotated[str, msgspec.Meta(max_length=200)]
+_Path = Annotated[str, msgspec.Meta(max_length=4096)]
+_EnvName = Annotated[str, msgspec.Meta(max_length=128, pattern=r"^(NCCL|TORCH)_[A-Za-z0-9_]*$")]
+_EnvValue = Annotated[str, msgspec.Meta(max_length=1024)]
+MAX_LOADED_LINE = 256 * 1024
+MAX_DIST_ENV = 64
+# a libnccl is 100-400 MB; past this it is not hashed (the row says so) rather than read without end
+LIBNCCL_MAX_BYTES = 2 * 2**30
+_LIBNCCL_NAME = re.compile(r"libnccl[A-Za-z0-9_.+-]{0,64}\.so(\.[0-9]+){0,4}")
+CPU_BUILD = "none (CPU build)"
+ROCM_BUILD = "none (ROCm build: RCCL)"
+LINKED_IN = "none (NCCL linked into torch)"  # a CUDA build that reports an NCCL version but maps no libnccl file
+NOT_LOADED = "not loaded"
+
+
+class _Loaded(msgspec.Struct):
+    imported: bool = False
+    cuda: _Short | None = None
+    hip: _Short | None = None
+    nccl: _Short | None = None
+    libs: Annotated[list[_Path], msgspec.Meta(max_length=16)] = []
+    env: Annotated[dict[_EnvName, _EnvValue], msgspec.Meta(max_length=MAX_DIST_ENV)] = {}
+    errors: Annotated[list[Annotated[str, msgspec.Meta(max_length=2000)]], msgspec.Meta(max_length=8)] = []
 
 
 class _ProbeTorch(msgspec.Struct):
@@ -269,8 +350,19 @@ def _from_probe(python: str, probe: _Probe, driver: str | None) -> EnvFingerprin
     )
 
 
-def fingerprint(python: str, *, driver: str | None = None, timeout: float = 60.0) -> EnvFingerprint:
-    """The fingerprint of the environment of ``python``, read without importing torch; ``driver`` comes from NVML."""
+def fingerprint(
+    python: str,
+    *,
+    driver: str | None = None,
+    timeout: float = 60.0,
+    env: Mapping[str, str] | None = None,
+    loaded: bool = True,
+) -> EnvFingerprint:
+    """The fingerprint of the environment of ``python``; ``driver`` comes from NVML.
+
+    The packages are read without importing torch; with ``loaded`` (and torch installed) a second probe
+    imports it under ``env`` (the run's environment; None: this process's) and records what is loaded.
+    """
     exe = _interpreter(python)
     try:
         proc = subprocess.run(
@@ -294,7 +386,142 @@ def fingerprint(python: str, *, driver: str | None = None, timeout: float = 60.0
         probe = msgspec.json.decode(line[len(_PROBE_MARK) :], type=_Probe)
     except msgspec.DecodeError as e:
         raise EnvError(f"python {exe} sent an unreadable environment probe result ({e}); this is a gpudeck bug, please report it") from None
-    return _from_probe(exe, probe, driver)
+    fp = _from_probe(exe, probe, driver)
+    if loaded and fp.torch is not None:
+        fp = _with_loaded(fp, env, timeout)
+    return fp
+
+
+# ----------------------------------------------------------------------------- what import torch loads
+
+# (st_dev, st_ino, st_size, st_mtime_ns) -> sha256: a 300 MB libnccl is hashed once per agent, not at every launch
+_DIGESTS: dict[tuple[int, int, int, int], str] = {}
+_DIGESTS_KEPT = 32
+
+
+def libnccl_digest(path: str) -> tuple[str | None, str | None]:
+    """(sha256 of the libnccl at ``path``, None) or (None, why not): the name must be libnccl*.so*, a regular file
+    of at most LIBNCCL_MAX_BYTES, opened without following a link in its last component."""
+    if path.endswith(" (deleted)"):
+        return None, (
+            f"the loaded libnccl {path[: -len(' (deleted)')]} was deleted or replaced on disk after it was loaded: "
+            "what runs is not what is installed; reinstall, then fingerprint again"
+        )
+    if not os.path.isabs(path) or not _LIBNCCL_NAME.fullmatch(os.path.basename(path)):
+        return None, f"the loaded library {path[:200]!r} is not an absolute path to a libnccl*.so file: not hashed"
+    try:
+        # O_NONBLOCK: a FIFO put in the library's place never blocks the agent
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as e:
+        return None, f"cannot open the loaded libnccl {path}: {e.strerror or e}"
+    with os.fdopen(fd, "rb") as fh:
+        st = os.fstat(fh.fileno())
+        if not stat.S_ISREG(st.st_mode):
+            return None, f"the loaded libnccl {path} is not a regular file: not hashed"
+        if st.st_size > LIBNCCL_MAX_BYTES:
+            return None, f"the loaded libnccl {path} is {st.st_size:,} bytes, over the {LIBNCCL_MAX_BYTES:,} hashed: not hashed"
+        key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+        if (known := _DIGESTS.get(key)) is not None:
+            return known, None
+        h = hashlib.sha256()
+        left = st.st_size
+        while left > 0 and (chunk := fh.read(min(left, 1 << 20))):
+            h.update(chunk)
+            left -= len(chunk)
+        if left:
+            return None, f"the loaded libnccl {path} shrank while it was hashed: not hashed"
+    digest = h.hexdigest()
+    if len(_DIGESTS) >= _DIGESTS_KEPT:
+        _DIGESTS.pop(next(iter(_DIGESTS)))
+    _DIGESTS[key] = digest
+    return digest, None
+
+
+# what pre-flight's import check saw (it runs the loaded probe in the same process): the launch's fingerprint a moment
+# later reads it instead of importing torch a second time. (interpreter, environment digest) -> (monotonic time, result)
+_SEEN: dict[tuple[str, str], tuple[float, _Loaded]] = {}
+SEEN_FOR_S = 60.0
+
+
+def _env_key(exe: str, env: Mapping[str, str] | None) -> tuple[str, str]:
+    text = "\0".join(f"{k}={v}" for k, v in sorted((env if env is not None else os.environ).items()))
+    return exe, hashlib.sha256(text.encode(errors="replace")).hexdigest()
+
+
+def _read_loaded(stdout: str) -> _Loaded | str:
+    """The loaded probe's result from a process's output, or why it cannot be read (its line is hostile input)."""
+    line = next((ln for ln in reversed(stdout.splitlines()) if ln.startswith(_LOADED_MARK)), None)
+    if line is None:
+        return "the import-torch probe sent no result"
+    if len(line) > MAX_LOADED_LINE:
+        return f"the import-torch probe sent {len(line):,} characters, over the {MAX_LOADED_LINE:,} read: ignored"
+    try:
+        return msgspec.json.decode(line[len(_LOADED_MARK) :], type=_Loaded)
+    except msgspec.DecodeError as e:
+        return f"the import-torch probe sent an unreadable result ({str(e)[:200]}): ignored"
+
+
+def _run_probe(exe: str, code: str, env: Mapping[str, str] | None, timeout: float) -> subprocess.CompletedProcess[str]:
+    """``exe -c code`` (not isolated: the run's PYTHONPATH counts) under ``env`` (None: this process's), output captured."""
+    return subprocess.run(
+        [exe, "-c", code],
+        capture_output=True,
+        text=True,
+        errors="replace",
+        timeout=timeout,
+        stdin=subprocess.DEVNULL,
+        env=dict(env) if env is not None else None,
+    )
+
+
+def _with_loaded(fp: EnvFingerprint, env: Mapping[str, str] | None, timeout: float) -> EnvFingerprint:
+    """``fp`` with what `import torch` loads in its interpreter; a probe that fails leaves those fields None and says why."""
+    problems = [fp.error] if fp.error else []
+
+    def failed(why: str) -> EnvFingerprint:
+        return msgspec.structs.replace(fp, error="; ".join([*problems, why]))
+
+    seen = _SEEN.get(_env_key(fp.python, env))
+    if seen is not None and time.monotonic() - seen[0] < SEEN_FOR_S:
+        got: _Loaded | str = seen[1]
+    else:
+        try:
+            proc = _run_probe(fp.python, LOADED, env, timeout)
+        except subprocess.TimeoutExpired:
+            return failed(f"import torch in {fp.python} took more than {timeout:.0f} s: the loaded NCCL is unknown")
+        except OSError as e:
+            return failed(f"python {fp.python} cannot be started to import torch: {e}")
+        if proc.returncode != 0:
+            return failed(
+                f"the import-torch probe failed (exit {proc.returncode}): {_tail(proc.stderr, lines=2, chars=500) or 'no output'}"
+            )
+        got = _read_loaded(proc.stdout)
+    if isinstance(got, str):
+        return failed(got)
+    problems += got.errors
+    digest: str | None = None
+    if got.libs:
+        main = next((p for p in got.libs if os.path.basename(p).startswith("libnccl.so")), got.libs[0])
+        digest, why = libnccl_digest(main)
+        if why:
+            problems.append(why)
+        libnccl = main.removesuffix(" (deleted)")
+    elif got.imported and got.hip is not None:
+        libnccl = ROCM_BUILD
+    elif got.imported and got.cuda is None:
+        libnccl = CPU_BUILD
+    elif got.imported:
+        libnccl = LINKED_IN if got.nccl is not None else NOT_LOADED
+    else:
+        libnccl = None  # torch did not import: which build it is, is not known
+    return msgspec.structs.replace(
+        fp,
+        nccl_runtime=got.nccl,
+        libnccl=libnccl,
+        libnccl_sha256=digest,
+        dist_env={k: shown_env_value(k, v) for k, v in sorted(got.env.items())},
+        error="; ".join(problems) or None,
+    )
 
 
 # ----------------------------------------------------------------------------- import torch
@@ -319,15 +546,7 @@ def check_imports_torch(python: str, timeout: float = 120.0, *, env: Mapping[str
         return False, e.message
     t0 = time.monotonic()
     try:
-        proc = subprocess.run(
-            [exe, "-c", _TORCH_CHECK],
-            capture_output=True,
-            text=True,
-            errors="replace",
-            timeout=timeout,
-            stdin=subprocess.DEVNULL,
-            env=dict(env) if env is not None else None,
-        )
+        proc = _run_probe(exe, _TORCH_CHECK + LOADED, env, timeout)
     except subprocess.TimeoutExpired:
         return False, (
             f"import torch in {exe} took more than {timeout:.0f} s (a slow network filesystem, or CUDA initialisation hanging "
@@ -348,6 +567,10 @@ def check_imports_torch(python: str, timeout: float = 120.0, *, env: Mapping[str
             )
         return False, f"import torch failed in {exe}: {last}; {fix}"
     info = msgspec.json.decode(line[len(_TORCH_MARK) :], type=_TorchCheck)
+    if not isinstance(loaded := _read_loaded(proc.stdout), str):
+        if len(_SEEN) >= _DIGESTS_KEPT:
+            _SEEN.pop(next(iter(_SEEN)))
+        _SEEN[_env_key(exe, env)] = (time.monotonic(), loaded)
     if info.cuda is None:
         cuda = "CPU build, CUDA not available"
     elif info.available:

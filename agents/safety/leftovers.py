@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from gpudeck.agents.observe.procs import ProcTable, proc_info, read_stat
+from gpudeck.agents.observe.procs import CT_TOLERANCE, ProcTable, proc_info, read_stat
 from gpudeck.agents.wire.protocol import TERMINAL_STATES, Gpu, Leftover, Member, RunInfo
 
 _NOTES = {
@@ -89,6 +89,9 @@ def find_leftovers(
         run = run_of(run_id)
         if info is not None:
             kind = _kind_for_status(info.status, kind)
+        entry = procs.lookup(pid) if info is not None else None
+        same = entry is not None and info is not None and abs(entry.create_time - (info.create_time or 0.0)) <= CT_TOLERANCE
+        container = entry.read_container() if entry is not None and same else None
         lo = Leftover(
             pid=pid,
             create_time=info.create_time if info else None,
@@ -104,6 +107,7 @@ def find_leftovers(
             cmdline=(info.cmdline[:24] if info else []),
             rss=info.rss if info else None,
             found_by=found_by,
+            container=container,
         )
         lo.note = _NOTES[lo.kind].format(
             host=host,
@@ -114,6 +118,8 @@ def find_leftovers(
             ppid=lo.ppid or "?",
             how=_HOW.get(found_by, ""),
         )
+        if container is not None:  # reclaim from the host stops a process inside it: say which container
+            lo.note = f"in container {container.label()}: {lo.note}"
         out[pid] = lo
         return lo
 

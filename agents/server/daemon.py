@@ -36,12 +36,12 @@ from gpudeck.agents.observe import namespace as pid_namespace
 from gpudeck.agents.observe.gpus import make_sampler
 from gpudeck.agents.observe.procs import ProcTable
 from gpudeck.agents.observe.telemetry import step_series
-from gpudeck.agents.runs.launch import SHIMS
+from gpudeck.agents.runs.launch import SHIMS, check_env
 from gpudeck.agents.runs.supervisor import Supervisor, hostname
 from gpudeck.agents.safety import envs, unaccounted
 from gpudeck.agents.safety.membership import cmdline_of
 from gpudeck.agents.server.peers import ConnBudget, Peer, PeerFinder
-from gpudeck.agents.server.snapshot import SnapshotBuilder
+from gpudeck.agents.server.snapshot import EncodedSnapshot, SnapshotBuilder, SnapshotCache, StateKey
 from gpudeck.agents.storage.journal import Journal
 from gpudeck.agents.wire import paths
 from gpudeck.agents.wire.errors import AgentError, BadRequest, StorageError, VersionMismatch
@@ -99,6 +99,7 @@ from gpudeck.agents.wire.protocol import (
 log = logging.getLogger("gpudeck.agent")
 
 TICK_S = 0.5  # supervision tick: member discovery, exit detection
+SNAPSHOT_WARM_S = 10.0  # a client asking for snapshots at most this far apart finds the next sampled ahead (SnapshotCache.due)
 REPLY_DURABLE_S = 5.0  # a Launch/Stop/Reclaim reply waits this long at most for its journal records to be on disk
 WRITE_BUFFER_LIMIT = 8 << 20  # a slower client than this skips snapshots instead of growing memory
 
@@ -181,6 +182,8 @@ class Agent:
         )
         self.snapshots = SnapshotBuilder(self.host, self.journal.epoch, self.gpus, self.procs, self.supervisor)
         self.supervisor.attribute = self.snapshots.attribute
+        # GetSnapshot's answers: the latest sample, encoded once, while young enough and nothing it shows changed
+        self.snapshot_cache = SnapshotCache(self.snapshots, self.journal_note)
         self.socket_path = paths.socket_path(self.state_dir)
         self._listener: socket.socket | None = None
         self._conns: set[_Conn] = set()
@@ -207,6 +210,18 @@ class Agent:
         snap = await asyncio.get_running_loop().run_in_executor(self._sampler, self.snapshots.build)
         snap.journal_note = self.journal_note()
         return snap
+
+    async def snapshot_line(self, request_id: str, max_age_s: float) -> bytes:
+        """The encoded answer to a GetSnapshot: the latest sample when it may answer (SnapshotCache says when; then
+        no thread hop, no build, no encode), else a new one made in the sampler thread and kept for the next."""
+        cache = self.snapshot_cache
+        cache.note_request()
+        key = cache.state_key()
+        got = cache.fresh(max_age_s, key)
+        if got is None:
+            got = await asyncio.get_running_loop().run_in_executor(self._sampler, cache.sample, key)
+            cache.keep(got)
+        return got.reply(request_id)
 
     def journal_note(self) -> str | None:
         """What `agent status`, snapshots and the console say of the journal: a problem now, else its last recreation."""
@@ -239,7 +254,9 @@ class Agent:
     # ------------------------------------------------------------------ lifecycle
 
     def _on_event(self, ev: Event) -> None:
-        pass  # queued, not yet readable: followers are woken by the journal's commit (_on_commit)
+        # queued, not yet readable: followers are woken by the journal's commit (_on_commit); a cached snapshot
+        # shows the state before it, so the next GetSnapshot samples again
+        self.snapshot_cache.events += 1
 
     def _wake_followers(self) -> None:
         for waiter in self.event_waiters:
@@ -371,12 +388,13 @@ class Agent:
         await asyncio.to_thread(self.journal.close)  # commits what is queued
         self._lock_fh.close()
 
-    def _tick_reads(self) -> str | None:
+    def _tick_reads(self, key: StateKey | None) -> tuple[str | None, EncodedSnapshot | None]:
         """The tick's reads in the sampler thread: the journal's path (gone, replaced, written by someone? the writer
-        mends it before any commit) and the process table; what is wrong with the journal, if anything."""
+        mends it before any commit) and the process table; what is wrong with the journal, if anything. With a
+        ``key`` (clients asked for snapshots lately), a sample for the next GetSnapshot too, from that same table."""
         problem = self.journal.check()
         self.procs.refresh()
-        return problem
+        return problem, (self.snapshot_cache.sample(key) if key is not None else None)
 
     async def _tick_loop(self) -> None:
         # the process scan runs in the sampler thread; the supervisor's own refresh of the table right after
@@ -385,8 +403,13 @@ class Agent:
         loop = asyncio.get_running_loop()
         while True:
             try:
-                # one hop off the loop for both reads (an idle agent's tick is mostly these two)
-                problem = await loop.run_in_executor(self._sampler, self._tick_reads)
+                # one hop off the loop for both reads (an idle agent's tick is mostly these two); while clients ask
+                # for snapshots, a sample for them rides along (none when nobody asked: an idle agent pays nothing)
+                cache = self.snapshot_cache
+                ahead = cache.state_key() if cache.due(SNAPSHOT_WARM_S) else None
+                problem, sample = await loop.run_in_executor(self._sampler, self._tick_reads, ahead)
+                if sample is not None:
+                    cache.keep(sample)
                 if problem is not None and problem != self._journal_seen:
                     log.error("journal: %s", problem)
                 self._journal_seen = problem
@@ -643,9 +666,15 @@ class _Conn:
             return
         if droppable and self.writer.transport.get_write_buffer_size() > WRITE_BUFFER_LIMIT:
             return
+        await self.send_line(encode(msg))
+
+    async def send_line(self, line: bytes) -> None:
+        """Write one encoded message (its newline included) and wait for the transport to take it."""
+        if self.closed:
+            return
         async with self._wlock:
             try:
-                self.writer.write(encode(msg))
+                self.writer.write(line)
                 await self.writer.drain()
                 self.last_active = time.monotonic()
             except (ConnectionError, RuntimeError):
@@ -790,9 +819,9 @@ class _Conn:
         await self.send(Pong(request_id=req.request_id, ts=time.time()))
 
     async def _get_snapshot(self, req: GetSnapshot) -> None:
-        snap = await self.agent.snapshot()
-        snap.request_id = req.request_id
-        await self.send(snap)
+        if not req.max_age_s >= 0:  # negative or NaN
+            raise BadRequest(f"max_age_s must be 0 or more (0: a sample made for this request), not {req.max_age_s}")
+        await self.send_line(await self.agent.snapshot_line(req.request_id, req.max_age_s))
 
     async def _watch_snapshots(self, req: WatchSnapshots) -> None:
         interval = max(0.05, min(req.interval_s, 3600.0))
@@ -875,7 +904,9 @@ class _Conn:
         await self.send(StopReply(request_id=req.request_id, result=result))
 
     async def _fingerprint(self, req: Fingerprint) -> None:
-        fp = await asyncio.to_thread(envs.fingerprint, req.python, driver=self.agent.gpus.driver_version)
+        check_env(req.env)  # a run's environment on top of the agent's, as a launch gets it (the cross-node gate sends it)
+        env = {**os.environ, **req.env} if req.env else None
+        fp = await asyncio.to_thread(envs.fingerprint, req.python, driver=self.agent.gpus.driver_version, env=env)
         await self.send(FingerprintReply(request_id=req.request_id, env=fp))
 
     async def _rebuild_env(self, req: RebuildEnv) -> None:

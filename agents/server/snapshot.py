@@ -13,13 +13,15 @@ PID namespace the agent sees.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from typing import NamedTuple
 
 from gpudeck.agents.observe import namespace as pid_namespace
 from gpudeck.agents.observe.gpus import GpuSource
 from gpudeck.agents.observe.procs import CT_TOLERANCE, ProcTable, proc_info, read_stat
 from gpudeck.agents.runs.supervisor import Supervisor
 from gpudeck.agents.safety import unaccounted
-from gpudeck.agents.wire.protocol import GpuProcess, ProcInfo, Snapshot
+from gpudeck.agents.wire.protocol import SNAPSHOT_MAX_AGE_S, GpuProcess, ProcInfo, Snapshot, encode, encode_safe
 
 
 class SnapshotBuilder:
@@ -126,3 +128,120 @@ class SnapshotBuilder:
             namespace=self.namespace,
             unaccounted=unaccounted.unaccounted(gpus, self.namespace, self.gpus.simulated),
         )
+
+
+_REPLY_HEAD = b'{"type":"snapshot","request_id":'
+AHEAD_AGE = 0.8  # a sample made ahead is meant to be at most this share of SNAPSHOT_MAX_AGE_S old when asked for
+
+
+class StateKey(NamedTuple):
+    """What a snapshot showed of the agent's own state; a cached one answers only while this is unchanged."""
+
+    events: int  # events emitted so far (every run created, changed or ended, every alert)
+    last_seq: int  # the journal's committed seq (the snapshot's ``last_seq``)
+    epoch: str
+    storage_error: str | None
+    journal_note: str | None
+    live: tuple[tuple[str, str], ...]  # (run id, state) of every live run
+
+
+class EncodedSnapshot:
+    """One sample, encoded once, answered to any number of requests: the JSON line after the ``request_id``.
+
+    ``key`` is what the snapshot showed of the agent's state when its sample began (:meth:`SnapshotCache.state_key`);
+    ``taken`` the monotonic clock then (its age is measured from before the sample, never from after)."""
+
+    __slots__ = ("key", "taken", "tail", "snap")
+
+    def __init__(self, key: StateKey, taken: float, snap: Snapshot) -> None:
+        self.key = key
+        self.taken = taken
+        snap.request_id = ""
+        line = encode(snap)
+        head = _REPLY_HEAD + b'""'
+        # the tag and request_id lead every Snapshot line (msgspec writes the tag, then the fields in order); were
+        # that ever not so, each reply is encoded whole instead (slower, never wrong)
+        self.tail: bytes | None = line[len(head) :] if line.startswith(head) else None
+        self.snap = snap if self.tail is None else None  # kept only for that: it holds the live runs' records
+
+    def reply(self, request_id: str) -> bytes:
+        """The line that answers ``request_id``."""
+        if self.snap is not None:
+            self.snap.request_id = request_id
+            return encode(self.snap)
+        return _REPLY_HEAD + encode_safe(request_id) + (self.tail or b"")
+
+
+class SnapshotCache:
+    """The agent's latest snapshot, encoded, and when it may answer a ``GetSnapshot`` instead of a new sample.
+
+    It may while it is younger than the request's ``max_age_s`` (at most SNAPSHOT_MAX_AGE_S) and the state it showed
+    is still the state: no event was emitted or committed since, the same runs are live in the same states, the
+    journal's epoch and problems are the same. Anything else samples again, so a reply never shows a run's state, a
+    launch, a stop or an event older than the request. Read and written on the event loop only; the samples are
+    made in the agent's sampler thread (:meth:`sample`)."""
+
+    def __init__(self, builder: SnapshotBuilder, journal_note: Callable[[], str | None]) -> None:
+        self.builder = builder
+        self.journal_note = journal_note
+        self.events = 0  # events emitted (the registry's on_event): a change of any run's state or record
+        self.latest: EncodedSnapshot | None = None
+        # how clients ask (GetSnapshot): the tick samples ahead for a client that asks at a steady pace
+        self.asked: float | None = None  # the monotonic time of the last request
+        self.gap: float | None = None  # between the last two
+        self.pending = False  # a request came since the tick last sampled ahead
+
+    def state_key(self) -> StateKey:
+        """What a snapshot shows that must never be older than the request (the rest is a sample of the host)."""
+        b = self.builder
+        journal = b.supervisor.journal
+        return StateKey(
+            events=self.events,
+            last_seq=journal.committed_seq,
+            epoch=b.epoch,
+            storage_error=b.storage_error or journal.storage_error,
+            journal_note=self.journal_note(),
+            live=tuple((lr.id, lr.info.state) for lr in b.supervisor.runs.live()),
+        )
+
+    def fresh(self, max_age_s: float, key: StateKey) -> EncodedSnapshot | None:
+        """The latest sample if it may answer a request with this bound now, else None."""
+        c = self.latest
+        if c is None or max_age_s <= 0 or c.key != key or time.monotonic() - c.taken > min(max_age_s, SNAPSHOT_MAX_AGE_S):
+            return None
+        return c
+
+    def note_request(self) -> None:
+        """A GetSnapshot came (what :meth:`due` predicts the next one from)."""
+        now = time.monotonic()
+        if self.asked is not None:
+            self.gap = now - self.asked
+        self.asked = now
+        self.pending = True
+
+    def due(self, warm_s: float) -> bool:
+        """Whether the tick should sample ahead now, for the next GetSnapshot: a request came since it last did, the
+        last two came at most ``warm_s`` apart, and the next (expected one gap after the last) would find a sample
+        taken now young enough, with room to spare (else a later tick does it). So a client asking at a steady
+        pace costs one sample a request, as a sample made for each request did, and each finds it ready; one
+        asking faster than ticks come, one a tick; nobody asking, none."""
+        if not self.pending or self.asked is None or self.gap is None or self.gap > warm_s:
+            return False
+        now = time.monotonic()
+        next_at = self.asked + self.gap
+        if next_at - now > AHEAD_AGE * SNAPSHOT_MAX_AGE_S:
+            return False  # taken now, it would be too old by then: a later tick samples (ticks are closer than that)
+        self.pending = False
+        return True
+
+    def keep(self, got: EncodedSnapshot) -> None:
+        """Hold a new sample for the next requests (never in place of a younger one)."""
+        if self.latest is None or got.taken >= self.latest.taken:
+            self.latest = got
+
+    def sample(self, key: StateKey) -> EncodedSnapshot:
+        """A new sample, encoded (in the sampler thread: the build and the encode stay off the event loop)."""
+        taken = time.monotonic()
+        snap = self.builder.build()
+        snap.journal_note = key.journal_note
+        return EncodedSnapshot(key, taken, snap)

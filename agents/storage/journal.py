@@ -123,7 +123,12 @@ def _to_v1(conn: sqlite3.Connection) -> None:
 # The journal's schema versions: MIGRATIONS[i] takes a file from version i to i + 1 (``PRAGMA user_version``). A
 # change to the schema is a new function appended here, never an edit of one already released: files written by
 # every earlier agent open (tests/unit/test_journal_schema.py opens the reference files under tests/reference/journal/).
-MIGRATIONS: tuple[Callable[[sqlite3.Connection], None], ...] = (_to_v1,)
+def _to_v2(conn: sqlite3.Connection) -> None:
+    """Version 2: events found by kind (the GPU ledger's records are read back at start and compacted by kind)."""
+    conn.execute("CREATE INDEX IF NOT EXISTS events_kind ON events(kind, seq)")
+
+
+MIGRATIONS: tuple[Callable[[sqlite3.Connection], None], ...] = (_to_v1, _to_v2)
 SCHEMA_VERSION = len(MIGRATIONS)
 
 
@@ -902,6 +907,27 @@ class Journal:
         )
         r = rows[0] if rows else None
         return Event(seq=r[0], ts=r[1], kind=r[2], run_id=r[3], data=json.loads(r[4])) if r else None
+
+    # ------------------------------------------------------------------ the GPU ledger's records
+
+    def events_of_kind(self, kind: str, after_seq: int = 0, before_ts: float | None = None) -> list[Event]:
+        """Committed events of one kind after ``after_seq`` (and older than ``before_ts``), oldest first."""
+        sql = "SELECT seq, ts, kind, run_id, data FROM events WHERE kind=? AND seq > ?"
+        params: tuple = (kind, after_seq)
+        if before_ts is not None:
+            sql += " AND ts < ?"
+            params += (before_ts,)
+        rows = self._select(sql + " ORDER BY seq", params)
+        return [Event(seq=r[0], ts=r[1], kind=r[2], run_id=r[3], data=json.loads(r[4])) for r in rows]
+
+    def void_events(self, seqs: list[int], reason: str) -> None:
+        """Replace committed events by ``void`` ones in place (the ledger's compaction): the file shrinks and the seqs
+        stay gapless (a replica asks again at a gap). Queued like any write; ``reason`` is what a replica reads."""
+        if not seqs:
+            return
+        data = json.dumps({"reason": reason[:500]})
+        stmts = [("UPDATE events SET kind='void', run_id=NULL, data=? WHERE seq=?", (data, s)) for s in seqs]
+        self._submit(stmts, [])
 
     # ------------------------------------------------------------------ runs
 

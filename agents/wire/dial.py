@@ -16,14 +16,13 @@ import time
 from pathlib import Path
 
 from gpudeck.agents.wire import paths
-from gpudeck.agents.wire.client import AGENT_START_TIMEOUT_S, spawn_agent
 
 
 def connect(state_dir: Path, autostart: bool = True) -> socket.socket:
     """A connected Unix socket to the agent, started (detached) if none answers."""
     path = paths.socket_path(state_dir)
     proc = None
-    deadline = time.monotonic() + AGENT_START_TIMEOUT_S
+    deadline = 0.0
     while True:
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
@@ -34,7 +33,11 @@ def connect(state_dir: Path, autostart: bool = True) -> socket.socket:
             if not autostart:
                 raise SystemExit(f"gpudeck agent dial: no agent answers on {path}: start one with `gpudeck agent serve`") from exc
             if proc is None:
+                # the client's module (asyncio, msgspec) only when the agent must be started: every SSH connect runs this bridge
+                from gpudeck.agents.wire.client import AGENT_START_TIMEOUT_S, spawn_agent
+
                 proc = spawn_agent(state_dir)
+                deadline = time.monotonic() + AGENT_START_TIMEOUT_S
             rc = proc.poll()
             if rc is not None and rc != 3:
                 raise SystemExit(f"gpudeck agent dial: the agent exited at start (code {rc}): see {paths.log_path(state_dir)}") from exc

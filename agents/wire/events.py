@@ -13,12 +13,22 @@ to :class:`Unknown` rather than failing, so an old console reads a newer agent's
 
 from __future__ import annotations
 
-from typing import Any, Union
+from typing import Any, Literal, Union
 
 import msgspec
 
 from gpudeck.agents.wire.errors import AgentError
-from gpudeck.agents.wire.protocol import Alert, ClaimRow, ContainmentInfo, EnvFingerprint, LaunchSpec, PreflightResult, StopResult, Triage
+from gpudeck.agents.wire.protocol import (
+    Alert,
+    ClaimRow,
+    Container,
+    ContainmentInfo,
+    EnvFingerprint,
+    LaunchSpec,
+    PreflightResult,
+    StopResult,
+    Triage,
+)
 
 TAG = "event_kind"  # the tag field; put next to the payload's own fields only while converting, never stored
 PAYLOAD_VERSION = 1
@@ -172,6 +182,35 @@ class JournalRecreated(Payload, tag="journal_recreated"):
     at_start: bool = False
 
 
+class GpuHold(Payload, tag="gpu_hold"):
+    """One change in who holds a GPU's memory: the GPU ledger (agents/observe/ledger.py).
+
+    A hold is one holder on one GPU, from the first sample that shows it to the first that does not: a process
+    (``pid`` and ``create_time``) or the GPU's memory no visible process explains (``attribution`` UNACCOUNTED, no
+    pid). ``change``: ``start``; ``level`` (it moved by a step: 1 GiB or 10 % of the GPU, whichever is larger);
+    ``attribution`` (RUN became STALE: its run ended and it lives on); ``continued`` (an agent restart found it still
+    holding); ``end`` (``evidence`` says what showed it). Every record carries the whole hold (start, peak so far),
+    so any one of them, after compaction, still says who held what since when.
+    """
+
+    change: Literal["start", "level", "attribution", "continued", "end"]
+    hold: str  # the hold's id, the same in each of its records
+    gpu: int
+    uuid: str = ""
+    pid: int | None = None
+    create_time: float | None = None
+    user: str | None = None
+    container: Container | None = None  # the container it runs in, seen from the host (its attribution's)
+    run: str | None = None
+    rank: int | None = None
+    attribution: str = "FOREIGN"  # RUN | STALE | FOREIGN | NO_SUCH_PROCESS | UNACCOUNTED
+    bytes: int | None = None  # held at this record (None: the driver does not say)
+    peak: int | None = None  # the most it held since it started, as sampled
+    started: float = 0.0  # when the hold was first seen (wall clock)
+    evidence: str | None = None  # end and continued: what the change was decided on
+    last_seen: float | None = None  # an end decided after an agent restart: when it was last recorded holding
+
+
 class Void(Payload, tag="void"):
     """Holds the seq of a write that failed after its seq was handed out (seqs have no gaps)."""
 
@@ -204,6 +243,7 @@ EventPayload = Union[
     AgentStarted,
     EnvRebuilt,
     JournalRecreated,
+    GpuHold,
     Void,
 ]
 KINDS: dict[str, type] = {t.__struct_config__.tag: t for t in EventPayload.__args__}  # type: ignore[attr-defined]

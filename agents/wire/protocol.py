@@ -37,6 +37,9 @@ MAX_FRAME = 1 << 20  # bytes in one line, newline excluded
 MAX_ARGV = 4096  # arguments in one launch
 MAX_NAME = 256  # characters in a run's name (every table line shows it: a 120 KB name made each 120,083 characters wide)
 MAX_OUTPUT_CHUNK = 256 * 1024
+# A GetSnapshot is answered from the agent's latest sample while it is at most this old and nothing it shows
+# changed state since (runs, events, the journal); a client that needs a sample made for it asks max_age_s=0
+SNAPSHOT_MAX_AGE_S = 1.0
 
 RunState = Literal[
     "pending",
@@ -63,6 +66,35 @@ class _Msg(msgspec.Struct, gc=False, kw_only=True, tag_field="type", omit_defaul
 # ----------------------------------------------------------------------------- records
 
 
+class Container(msgspec.Struct, gc=False, kw_only=True, omit_defaults=True, frozen=True):
+    """The container a process runs in, as the host's cgroup path names it (``agents/observe/containers.py``).
+
+    Every text field holds only ``[A-Za-z0-9_.-]`` and ``\\xNN`` escapes, bounded: the agent escaped it. ``runtime`` is
+    a plain string, not a closed set, so a newer agent naming a runtime this side does not know still decodes.
+    """
+
+    runtime: str  # docker | podman | lxc | kubernetes
+    id: str  # 64 hex digits (docker, podman, a Kubernetes container; "" for a process in a pod's own group); LXC: its name
+    name: str | None = None  # the runtime's own name for it, from its files (None: not found there); LXC: Proxmox's hostname
+    engine: str | None = None  # kubernetes: containerd | cri-o | docker, where the cgroup path says
+    pod_uid: str | None = None  # kubernetes
+    pod: str | None = None  # kubernetes: the pod's name, from /var/log/pods
+    namespace: str | None = None  # kubernetes: the pod's namespace
+    owner_uid: int | None = None  # its group lies below this user's own systemd instance: a rootless container (that user's claim)
+
+    def label(self) -> str:
+        """One table cell: ``docker:trainer``, ``podman:1a2b3c4d5e6f``, ``lxc:200(trainer)``, ``k8s:ns/pod/ctr``; a
+        rootless one ends in ``@uid1000`` (the user whose session holds it)."""
+        owner = f"@uid{self.owner_uid}" if self.owner_uid is not None else ""
+        if self.runtime == "kubernetes":
+            pod = f"{self.namespace}/{self.pod}" if self.namespace and self.pod else f"pod-{(self.pod_uid or '?')[:8]}"
+            ctr = self.name or self.id[:12]
+            return (f"k8s:{pod}/{ctr}" if ctr else f"k8s:{pod}") + owner
+        if self.runtime == "lxc":
+            return (f"lxc:{self.id}({self.name})" if self.name and self.name != self.id else f"lxc:{self.id}") + owner
+        return f"{self.runtime}:{self.name or self.id[:12]}{owner}"
+
+
 class GpuProcess(msgspec.Struct, gc=False, kw_only=True):  # every field always on the wire: scripts read "attribution"
     """One process NVML reports on a GPU, attributed to a run where possible."""
 
@@ -79,6 +111,7 @@ class GpuProcess(msgspec.Struct, gc=False, kw_only=True):  # every field always 
     status: str | None = None  # psutil status: running, sleeping, zombie, disk-sleep, ...
     create_time: float | None = None
     cmdline: list[str] = []
+    container: Container | None = None  # the container it runs in, seen from the host (None: none, or not told)
 
 
 class Gpu(msgspec.Struct, gc=False, kw_only=True, omit_defaults=True):
@@ -215,6 +248,10 @@ class LaunchSpec(msgspec.Struct, gc=False, kw_only=True, omit_defaults=True):
     nnodes: int | None = None
     node_rank: int | None = None
     nodes: list[str] = []
+    # multi-node: the cross-node environment differences launched past (`--allow-env-diff NAME`, recorded), and the
+    # gate's differing rows as they were at launch ("transformers: nodea 5.25.0 | nodeb 4.57.1")
+    allow_env_diff: list[str] = []
+    env_diffs: list[str] = []
 
 
 class RankTelemetry(msgspec.Struct, gc=False, kw_only=True, omit_defaults=True):
@@ -321,6 +358,11 @@ class EnvFingerprint(msgspec.Struct, gc=False, kw_only=True, omit_defaults=True)
     nccl: str | None = None
     transformers: str | None = None
     driver: str | None = None  # NVIDIA driver version (NVML), None without a GPU
+    # what `import torch` actually loads (the metadata can say another NCCL than the library that is mapped):
+    nccl_runtime: str | None = None  # torch.cuda.nccl.version(), e.g. "2.28.9"; None: not probed or a CPU build
+    libnccl: str | None = None  # path of the libnccl mapped after `import torch`, "none (CPU build)", or "not loaded"
+    libnccl_sha256: str | None = None  # sha256 of that file (None: no file, or too large to hash)
+    dist_env: dict[str, str] = {}  # NCCL_* / TORCH_* variables the probe saw (secret-looking values as a digest)
     packages: dict[str, str] = {}  # distribution name (normalized) -> version
     freeze: list[str] = []  # requirement lines, pip freeze style
     freeze_hash: str = ""  # sha256 of the sorted freeze lines
@@ -361,6 +403,7 @@ class Leftover(msgspec.Struct, gc=False, kw_only=True, omit_defaults=True):
     rss: int | None = None
     cpu_percent: float | None = None
     note: str = ""  # what to do about it
+    container: Container | None = None  # the container it runs in, seen from the host (None: none, or not told)
 
 
 class RunInfo(msgspec.Struct, gc=False, kw_only=True, omit_defaults=True):
@@ -507,7 +550,12 @@ class Ping(_Msg, tag="ping", kw_only=True):
 
 
 class GetSnapshot(_Msg, tag="get_snapshot", kw_only=True):
-    """One snapshot now."""
+    """One snapshot: GPUs, processes and run figures sampled at most ``max_age_s`` ago (``ts`` says when); which runs
+    are live, their states and the journal's (``last_seq``, problems) as they are now (a state change or an event since
+    the sample makes the agent sample again). ``max_age_s`` 0 asks for a sample made for this request; a larger bound than SNAPSHOT_MAX_AGE_S is taken as
+    that, a negative one is refused (``bad_request``)."""
+
+    max_age_s: float = SNAPSHOT_MAX_AGE_S
 
 
 class WatchSnapshots(_Msg, tag="watch_snapshots", kw_only=True):
@@ -596,9 +644,15 @@ class Reclaim(_Msg, tag="reclaim", kw_only=True):
 
 
 class Fingerprint(_Msg, tag="fingerprint", kw_only=True):
-    """Fingerprint a python environment on the host."""
+    """Fingerprint a python environment on the host.
+
+    ``env`` is put on top of the agent's environment for the probe, as a launch's environment is on top of it for the
+    run: the cross-node gate sends the run's, so an ``LD_LIBRARY_PATH`` given with ``--env`` decides which libnccl the
+    probe finds, as it will for the run. Checked as a launch's environment is (names non-empty, no ``=`` or NUL).
+    """
 
     python: str
+    env: dict[str, str] = {}
 
 
 class RebuildEnv(_Msg, tag="rebuild_env", kw_only=True):

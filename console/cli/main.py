@@ -3,7 +3,7 @@
 Every command returns a structured result or a structured error: with
 ``--json`` the result is one JSON document on stdout; errors go to stderr
 with a non-zero exit code and say what to do. Every command reaches hosts
-through the :class:`~gpudeck.console.fleet.fleet.Fleet`, as the console does.
+through :class:`~gpudeck.console.ops.context.Ops`, as the console does.
 """
 
 from __future__ import annotations
@@ -20,19 +20,18 @@ from typing import Any, TypeVar
 import msgspec
 from msgspec import UNSET
 
+from gpudeck.agents.wire.envdiff import EnvGate
 from gpudeck.agents.wire.errors import AgentError
-from gpudeck.agents.wire.protocol import RunInfo, Snapshot, Triage, VerifyReply, to_builtins
+from gpudeck.agents.wire.protocol import RunInfo, Triage, VerifyReply, to_builtins
 from gpudeck.console.cli.parser import DEFAULT_WATCH_S, parse
+from gpudeck.console.cli.status_cmd import host_status, nothing_matched
 from gpudeck.console.cli.waiting import enable as enable_progress
 from gpudeck.console.cli.waiting import waiting
 from gpudeck.console.core import config as cfg
 from gpudeck.console.core.exitcodes import EXIT_ERROR, EXIT_INTERRUPTED, EXIT_UNREACHABLE, EXIT_USAGE
+from gpudeck.console.core.records import SyncResult
 from gpudeck.console.core.sanitize import redact_events, redact_raw_event, redact_record, redact_run, terminal_text
 from gpudeck.console.entry import main as entry_main
-from gpudeck.console.fleet.fleet import Fleet, SyncResult
-from gpudeck.console.fleet.multinode import group, group_runs
-from gpudeck.console.history.quarantine import format_problems
-from gpudeck.console.history.replica import History, HistoryError
 from gpudeck.console.ops import (
     ClaimsIntent,
     LaunchIntent,
@@ -40,24 +39,19 @@ from gpudeck.console.ops import (
     OpsError,
     Resolved,
     relaunch_intent,
-    resolve_run,
     run_figures,
     start_of,
 )
-from gpudeck.console.ops.compare import compare_refs
-from gpudeck.console.ops.holders import ReclaimLaunch, plan_holders, reclaim_and_launch
-from gpudeck.console.ops.hosts import probe_hosts, remove_hosts
+from gpudeck.console.ops.context import Ops
+from gpudeck.console.ops.holders import ReclaimLaunch
+from gpudeck.console.ops.hosts import remove_hosts
 from gpudeck.console.ops.intent import check_start, env_items
-from gpudeck.console.ops.launch import LaunchPlan, is_trainer, plan_here
-from gpudeck.console.ops.launch import launch as ops_launch
-from gpudeck.console.ops.launch import preflight as ops_preflight
-from gpudeck.console.ops.readings import host_leftovers, query_history, tail_nodes, verify_run
+from gpudeck.console.ops.launch import LaunchPlan, NodeOutcome, is_trainer, plan_here
+from gpudeck.console.ops.ledger import ledger_query
+from gpudeck.console.ops.readings import StepSeries
 from gpudeck.console.ops.relaunch import EnvironmentCheck
-from gpudeck.console.ops.resolve import fleet_runs
-from gpudeck.console.ops.rollback import prepare_rollback
-from gpudeck.console.ops.stop import StopOutcome, reclaim_targets, stop_run
-from gpudeck.console.ops.stop import reclaim as ops_reclaim
-from gpudeck.console.ops.triage import format_triage, triage_run
+from gpudeck.console.ops.stop import StopOutcome, reclaim_targets
+from gpudeck.console.ops.triage import format_triage
 from gpudeck.console.present.formats import (
     HostLine,
     HostStatus,
@@ -66,14 +60,19 @@ from gpudeck.console.present.formats import (
     format_hosts,
     format_leftovers,
     format_preflight,
+    format_problems,
     format_runs,
+    format_series,
     format_show,
     format_status,
     format_stop,
+    group_runs,
     record_shape,
     run_json,
     why_down,
 )
+from gpudeck.console.present.ledger import format_ledger
+from gpudeck.console.present.report import report_json, report_markdown
 from gpudeck.console.present.rundiff import format_diff
 from gpudeck.console.present.status import CLEAR_SCREEN, StatusFilter, redraw, snapshot_json, watch_frame
 from gpudeck.console.present.views import run_diff
@@ -88,30 +87,12 @@ class CliError(Exception):
 # ----------------------------------------------------------------------------- commands
 
 
-async def _with_fleet(
-    fn: Callable[[Fleet], Awaitable[T]], hosts: list[str] | None = None, history: History | None = None, remember: bool = True
+async def _with_ops(
+    fn: Callable[[Ops], Awaitable[T]], hosts: list[str] | None = None, remember: bool = True, need_history: bool = False
 ) -> T:
-    """Run ``fn(fleet)`` on a request-only Fleet (the same API the console uses).
-
-    The fleet has the history, so a stop asked for while a host was cut off is
-    delivered the next time any command reaches that host; ``remember=False``
-    (a look at a host the config does not name) leaves the history alone, so a
-    typo never becomes a host it remembers as unreachable.
-    """
-    own = history is None
-    if history is None and remember:
-        try:
-            history = History()
-        except HistoryError as exc:
-            # the history only carries pending stops here: the command still works without it
-            print(f"gpudeck: warning: {exc}", file=sys.stderr)
-    fleet = Fleet(hosts=hosts, watch=False, history=history)
-    try:
-        return await fn(fleet)
-    finally:
-        await fleet.close()
-        if own and history is not None:
-            history.close()
+    """Run ``fn(ops)`` on a request-only :class:`Ops` (the same operations the console calls); see :meth:`Ops.request`."""
+    async with Ops.request(hosts, remember=remember, need_history=need_history) as ops:
+        return await fn(ops)
 
 
 def _host_arg(args: argparse.Namespace) -> list[str]:
@@ -134,9 +115,9 @@ def unreachable_exit(down: Sequence[tuple[str, str | None]]) -> int:
     return EXIT_UNREACHABLE if down else 0
 
 
-async def _statuses(fleet: Fleet, names: list[str]) -> list[HostStatus]:
+async def _statuses(ops: Ops, names: list[str]) -> list[HostStatus]:
     """Every named host's snapshot now (in parallel); a host that does not answer is a row with its error."""
-    snaps = await asyncio.gather(*(fleet.snapshot(h) for h in names), return_exceptions=True)
+    snaps = await asyncio.gather(*(ops.snapshot(h) for h in names), return_exceptions=True)
     out = []
     for h, s in zip(names, snaps):
         if isinstance(s, AgentError):
@@ -157,12 +138,12 @@ async def _watch_status(args: argparse.Namespace, filt: StatusFilter) -> int:
     remember = args.host is None or args.host in cfg.load().names
     tty = sys.stdout.isatty() and not args.json
 
-    async def loop(fleet: Fleet) -> int:
+    async def loop(ops: Ops) -> int:
         frames = 0
         rc = 0
         while args.count is None or frames < args.count:
             t0 = time.monotonic()
-            rows = [_filtered(r, filt) for r in await _statuses(fleet, names or list(fleet.links))]
+            rows = [_filtered(r, filt) for r in await _statuses(ops, names or list(ops.links))]
             rc = EXIT_UNREACHABLE if any(r.snapshot is None for r in rows) else 0
             if args.json:
                 doc = {
@@ -188,21 +169,11 @@ async def _watch_status(args: argparse.Namespace, filt: StatusFilter) -> int:
 
     if tty:
         sys.stdout.write(CLEAR_SCREEN)
-    return await _with_fleet(loop, hosts=names, remember=remember)
+    return await _with_ops(loop, hosts=names, remember=remember)
 
 
 def _filtered(row: HostStatus, filt: StatusFilter) -> HostStatus:
     return msgspec.structs.replace(row, snapshot=filt.apply(row.snapshot)) if row.snapshot else row
-
-
-def _nothing_matched(filt: StatusFilter, snaps: list[Snapshot]) -> int:
-    """A filter that matched nothing on the hosts that answered: said on stderr; exit 1 for --run (a run reference that
-    matches nothing), 0 for --user/--pid (nothing of theirs running is an answer)."""
-    said = filt.nothing_matched(snaps)
-    if said is None:
-        return 0
-    print(terminal_text(f"gpudeck: {said}"), file=sys.stderr)
-    return EXIT_ERROR if filt.run is not None else 0
 
 
 async def cmd_status(args: argparse.Namespace) -> int:
@@ -211,22 +182,11 @@ async def cmd_status(args: argparse.Namespace) -> int:
         return await _watch_status(args, filt)
     if args.count is not None or args.interval != DEFAULT_WATCH_S:
         raise CliError("-n and --count go with --watch (e.g. gpudeck status --watch -n 2)")
-    if args.host:
-        try:
-            known = args.host in cfg.load().names
-            with waiting(f"connecting to {args.host}"):
-                snap = await _with_fleet(lambda f: f.snapshot(args.host), hosts=[args.host], remember=known)
-        except AgentError as exc:  # the one host asked for did not answer (or not safely): nothing to show, exit 3
-            if args.json:
-                print(json.dumps({"unreachable": [{"host": args.host, "error": exc.message}]}))
-            print(terminal_text(f"gpudeck: {exc.message}"), file=sys.stderr)
-            return EXIT_UNREACHABLE
-        snap = filt.apply(snap)
-        print(json.dumps(snapshot_json(snap, args.show_secrets)) if args.json else terminal_text(format_status(snap, args.host)))
-        return _nothing_matched(filt, [snap])
+    if args.host:  # entry.py runs this one through status_cmd.run without importing this module
+        return await host_status(args)
 
     with waiting(f"connecting to {len(cfg.load().names)} host(s)"):
-        rows = await _with_fleet(lambda f: _statuses(f, list(f.links)))
+        rows = await _with_ops(lambda o: _statuses(o, list(o.links)))
     rows = [_filtered(r, filt) for r in rows]
     if args.json:
         print(
@@ -248,7 +208,7 @@ async def cmd_status(args: argparse.Namespace) -> int:
                 parts.append(f"host {r.host}  UNREACHABLE: {why_down(r.host, r.error)}")
         print(terminal_text("\n\n".join(parts)))
     down = unreachable_exit([(r.host, r.error) for r in rows if not r.snapshot])
-    return down or _nothing_matched(filt, [r.snapshot for r in rows if r.snapshot])
+    return down or nothing_matched(filt, [r.snapshot for r in rows if r.snapshot])
 
 
 def intent_from_args(args: argparse.Namespace) -> LaunchIntent:
@@ -280,6 +240,7 @@ def intent_from_args(args: argparse.Namespace) -> LaunchIntent:
         hang_after_s=args.hang_after,
         straggler_window=args.straggler_window,
         expected_ranks=args.expected_ranks,
+        allow_env_diff=tuple(args.allow_env_diff),
     )
 
 
@@ -325,6 +286,14 @@ def _print_multinode(result: LaunchResult, as_json: bool, show_secrets: bool) ->
             print(terminal_text(format_preflight(n.preflight)), file=sys.stderr)
         elif n.reply is not None and n.reply.run.preflight is not None:
             print(terminal_text(f"gpudeck: {n.host}: {format_preflight(n.reply.run.preflight)}"), file=sys.stderr)
+    if result.gate is not None and result.gate.refused:
+        print(
+            terminal_text("\n".join("gpudeck: " + ln if i == 0 else ln for i, ln in enumerate(result.gate.refusal(rid)))), file=sys.stderr
+        )
+    if result.gate is not None and result.gate.refused and as_json:  # every node's values (the table shows at most 8)
+        print(json.dumps({"id": rid, "verdict": result.verdict, "hosts": names, "env_gate": to_builtins(result.gate)}))
+    if result.verdict == "preflight_failed" and not result.failed:
+        return EXIT_ERROR
     if result.verdict == "preflight_failed":
         print(
             f"gpudeck: pre-flight failed on {', '.join(n.host for n in result.failed)}: nothing was started on any host (run {rid})",
@@ -350,6 +319,12 @@ def _print_multinode(result: LaunchResult, as_json: bool, show_secrets: bool) ->
         print(
             f"gpudeck: {len(names)} nodes ({', '.join(names)}), {result.plan.nproc_per_node} rank(s) each, rendezvous {ep}", file=sys.stderr
         )
+    if result.gate is not None and result.gate.rows:
+        allowed = ", ".join(r.name for r in result.gate.rows)
+        print(
+            terminal_text(f"gpudeck: launched past environment differences in {allowed} (--allow-env-diff, recorded with the run)"),
+            file=sys.stderr,
+        )
     return 0
 
 
@@ -360,7 +335,7 @@ async def cmd_launch(args: argparse.Namespace) -> int:
             raise CliError("--reclaim-holders and --force: choose one (reclaim the holders, or launch past them with --force)")
         return await _launch_reclaiming(args, p)
     with waiting(f"launching on {', '.join(p.hosts)}"):
-        result = await _with_fleet(lambda f: ops_launch(f, p, request_id=args.request_id or ""), hosts=p.hosts)
+        result = await _with_ops(lambda o: o.launch(p, request_id=args.request_id or ""), hosts=p.hosts)
     return _print_launch(result, args.json, args.show_secrets)
 
 
@@ -373,19 +348,19 @@ async def _launch_reclaiming(args: argparse.Namespace, p: LaunchPlan) -> int:
     """``launch --reclaim-holders``: pre-flight; if only stale/foreign holders of yours refuse it, reclaim exactly those
     (each step printed), pre-flight again and launch (the console's "Reclaim these and launch" runs the same)."""
 
-    async def go(fleet: Fleet) -> ReclaimLaunch | LaunchResult:
+    async def go(ops: Ops) -> ReclaimLaunch | LaunchResult:
         _step(f"pre-flight on {', '.join(p.hosts)}")
-        first = await ops_preflight(fleet, p)
+        first = await ops.preflight(p)
         if all(o.preflight is not None and o.preflight.ok for o in first):
             _step("pre-flight passed: nothing to reclaim; launching")
-            return await ops_launch(fleet, p, request_id=args.request_id or "")
-        holders = await plan_holders(fleet, p, first)
+            return await ops.launch(p, request_id=args.request_id or "")
+        holders = await ops.plan_holders(p, first)
         _step(f"pre-flight refused the launch; {len(holders.to_stop)} process(es) to reclaim:")
         for line in holders.lines():
             _step(f"  {line}")
-        return await reclaim_and_launch(fleet, p, holders, request_id=args.request_id or "", grace_s=args.grace, step=_step)
+        return await ops.reclaim_and_launch(p, holders, request_id=args.request_id or "", grace_s=args.grace, step=_step)
 
-    done = await _with_fleet(go, hosts=p.hosts)
+    done = await _with_ops(go, hosts=p.hosts)
     if isinstance(done, LaunchResult):
         return _print_launch(done, args.json, args.show_secrets)
     if done.refused is not None or done.result is None:
@@ -395,8 +370,17 @@ async def _launch_reclaiming(args: argparse.Namespace, p: LaunchPlan) -> int:
 
 async def cmd_preflight(args: argparse.Namespace) -> int:
     p = plan_here(intent_from_args(args), verb="preflight")
-    checks = await _with_fleet(lambda f: ops_preflight(f, p), hosts=p.hosts)
+
+    async def both(ops: Ops) -> tuple[list[NodeOutcome], EnvGate | None]:
+        if not p.multinode:
+            return await ops.preflight(p), None
+        return await asyncio.gather(ops.preflight(p), ops.gate(p.nodes))
+
+    checks, gate = await _with_ops(both, hosts=p.hosts)
     rc = 0
+    if gate is not None and gate.refused:
+        rc = EXIT_ERROR
+        print(terminal_text("\n".join(["gpudeck: the nodes' environments differ:", *gate.refusal()[1:]])), file=sys.stderr)
     for c in checks:
         if c.error is not None:
             print(f"gpudeck: {c.host}: {c.error}", file=sys.stderr)
@@ -416,7 +400,7 @@ async def cmd_preflight(args: argparse.Namespace) -> int:
 async def cmd_reclaim(args: argparse.Namespace) -> int:
     listing, pids = reclaim_targets(args.targets)
     if listing is not None:
-        found = await _with_fleet(lambda f: host_leftovers(f, listing, include_live=args.include_live), hosts=[listing])
+        found = await _with_ops(lambda o: o.leftovers(listing, include_live=args.include_live), hosts=[listing])
         if args.json:
             print(
                 json.dumps(
@@ -431,7 +415,7 @@ async def cmd_reclaim(args: argparse.Namespace) -> int:
         else:
             print(terminal_text(format_leftovers(listing, found.leftovers, found.unaccounted)))
         return 0
-    results = await _with_fleet(lambda f: ops_reclaim(f, pids, args.grace, args.include_live), hosts=list(pids))
+    results = await _with_ops(lambda o: o.reclaim(pids, args.grace, args.include_live), hosts=list(pids))
     rc = 0
     out = []
     for host, res in results:
@@ -453,11 +437,11 @@ async def cmd_reclaim(args: argparse.Namespace) -> int:
 
 
 async def cmd_verify(args: argparse.Namespace) -> int:
-    async def verify(fleet: Fleet) -> tuple[str, VerifyReply]:
-        found = await _resolve(fleet, args)
-        return found.host, await verify_run(fleet, found.host, found.id)
+    async def verify(ops: Ops) -> tuple[str, VerifyReply]:
+        found = await _resolve(ops, args)
+        return found.host, await ops.verify(found.host, found.id)
 
-    host, reply = await _with_fleet(verify, hosts=_host_arg(args))
+    host, reply = await _with_ops(verify, hosts=_host_arg(args))
     if args.json:
         print(json.dumps({"host": host, **to_builtins(reply)}))
     else:
@@ -465,13 +449,28 @@ async def cmd_verify(args: argparse.Namespace) -> int:
     return EXIT_ERROR if any(r.ok is False for r in reply.rows) else 0
 
 
+async def cmd_metrics(args: argparse.Namespace) -> int:
+    if args.points < 1:
+        raise CliError(f"--points {args.points}: give how many steps to show, 1 or more (e.g. --points 200)")
+
+    async def read(ops: Ops) -> tuple[str, str, StepSeries]:
+        found = await _resolve(ops, args)
+        return found.host, found.id, await ops.metrics(found.host, found.id, max_points=args.points)
+
+    host, rid, series = await _with_ops(read, hosts=_host_arg(args))
+    if args.json:
+        print(json.dumps({"host": host, "run_id": rid, **vars(series)}))
+        return 0
+    print(terminal_text(format_series(rid, host, series)))
+    return 0
+
+
 async def cmd_diff(args: argparse.Namespace) -> int:
-    history, syncs = await _synced_history(args)
-    down = [r.host for r in syncs if not r.ok]
-    try:  # the same records and step metrics as the console's Diff screen and Roll back dialog (ops.compare)
-        pair = await compare_refs(history, args.run_a, args.run_b, down)
-    finally:
-        history.close()
+    with Ops.recorded() as ops:
+        syncs = await _synced_history(args, ops)
+        down = [r.host for r in syncs if not r.ok]
+        # the same records and step metrics as the console's Diff screen and Roll back dialog (ops.compare)
+        pair = await ops.compare_refs(args.run_a, args.run_b, down)
     a, b = (pair.a, pair.b) if args.show_secrets else (redact_record(pair.a), redact_record(pair.b))
     d = run_diff(a, b, pair.a_metrics, pair.b_metrics)  # as the console's Diff screen: the command argument by argument too
     if args.json:
@@ -510,14 +509,12 @@ class _CliRollback:
 
 async def _relaunch(args: argparse.Namespace, good_ref: str | None) -> int:
     check_start(start_of(args.fresh, args.resume), needed=False)  # a malformed --resume is refused before any host is asked
-    history, syncs = await _synced_history(args)
-    down = [r.host for r in syncs if not r.ok]
-    try:
+    with Ops.recorded() as recorded:
+        syncs = await _synced_history(args, recorded)
+        down = [r.host for r in syncs if not r.ok]
         # --host says where to launch, not where to look: the run is found across every host
-        row = await asyncio.to_thread(history.find, args.run, None, down, good_ref is not None)  # a rollback is destructive
-        good = await asyncio.to_thread(history.find, good_ref, None, down) if good_ref else None
-    finally:
-        history.close()
+        row = await recorded.find(args.run, None, down, good_ref is not None)  # a rollback is destructive
+        good = await recorded.find(good_ref, None, down) if good_ref else None
     spec = row.launch_spec()
     # only a trainer has a start to choose (no default); a plain command runs again as it was
     started = good.launch_spec() if good is not None and args.config_from else spec
@@ -525,16 +522,16 @@ async def _relaunch(args: argparse.Namespace, good_ref: str | None) -> int:
     host = args.host or row.host
     hosts = list(spec.nodes) if len(spec.nodes) > 1 else [host]  # a multi-node run is relaunched on all its hosts
 
-    async def go(fleet: Fleet) -> LaunchResult:
+    async def go(ops: Ops) -> LaunchResult:
         if good is None:
             intent = relaunch_intent(spec, row.id, row.host, start, to_host=host)
         else:
-            intent = await prepare_rollback(fleet, spec, row.id, good, host, start, args.config_from, _CliRollback(args.rebuild_env))
+            intent = await ops.prepare_rollback(spec, row.id, good, host, start, args.config_from, _CliRollback(args.rebuild_env))
         plan = plan_here(intent)
         with waiting(f"launching on {', '.join(plan.hosts)}"):
-            return await ops_launch(fleet, plan)
+            return await ops.launch(plan)
 
-    result = await _with_fleet(go, hosts=hosts)
+    result = await _with_ops(go, hosts=hosts)
     return _print_launch(result, args.json, args.show_secrets)
 
 
@@ -550,12 +547,7 @@ async def cmd_runs(args: argparse.Namespace) -> int:
     if args.no_sync:
         return await _runs_from_history(args)
     with waiting(f"asking {len(_host_arg(args)) or len(cfg.load().names)} host(s) for their runs"):
-        listed = await _with_fleet(lambda f: fleet_runs(f, _host_arg(args), limit=args.limit), hosts=_host_arg(args))
-    runs = []
-    for h, run in listed.runs:
-        run.host = h  # the fleet's name for the host, not the agent's own hostname
-        runs.append(run)
-    down = list(listed.unanswered.items())
+        runs, down = await _with_ops(lambda o: o.live_runs(_host_arg(args), limit=args.limit), hosts=_host_arg(args))
     rows = group_runs(runs, unreachable={h for h, _e in down})  # JSON objects: what --json prints and the table shows
     rows = rows if args.show_secrets else [redact_run(r) for r in rows]
     if args.json:
@@ -568,20 +560,16 @@ async def cmd_runs(args: argparse.Namespace) -> int:
 async def _runs_from_history(args: argparse.Namespace) -> int:
     """``runs --no-sync``: the runs as this machine's history last recorded them, no host asked (the same record shape
     as ``runs``; what changed since the last ``gpudeck history`` or console sync is not there)."""
-    history = History()
-    try:
-        terms = [*(f"host:{h}" for h in _host_arg(args)), f"limit:{args.limit}"]
-        records = group(await asyncio.to_thread(query_history, history, terms))
-    finally:
-        history.close()
+    with Ops.recorded() as ops:
+        records = await ops.recorded_runs([*(f"host:{h}" for h in _host_arg(args)), f"limit:{args.limit}"])
     rows = [record_shape((r if args.show_secrets else redact_record(r)).as_json()) for r in records]
     print(json.dumps(rows, default=str) if args.json else terminal_text(format_runs(rows)))
     return 0
 
 
-async def _resolve(fleet: Fleet, args: argparse.Namespace, destructive: bool = False) -> Resolved:
+async def _resolve(ops: Ops, args: argparse.Namespace, destructive: bool = False) -> Resolved:
     """The run ``args.run`` names (every node of it), by the one resolver; warns about hosts that did not answer."""
-    found = await resolve_run(fleet, args.run, args.host, destructive=destructive)
+    found = await ops.resolve(args.run, args.host, destructive=destructive)
     if found.unanswered and found.id != args.run and not found.missing:
         print(
             f"gpudeck: note: {', '.join(found.unanswered)} did not answer; {args.run!r} was resolved on the hosts that did", file=sys.stderr
@@ -592,8 +580,8 @@ async def _resolve(fleet: Fleet, args: argparse.Namespace, destructive: bool = F
 async def cmd_tail(args: argparse.Namespace) -> int:
     out = sys.stdout
 
-    async def tail(fleet: Fleet) -> None:
-        found = await _resolve(fleet, args)
+    async def tail(ops: Ops) -> None:
+        found = await _resolve(ops, args)
         nodes, missing = found.nodes, found.missing
         if args.node is not None:
             nodes = [(h, r) for h, r in nodes if (r.spec.node_rank or 0) == args.node]
@@ -609,21 +597,20 @@ async def cmd_tail(args: argparse.Namespace) -> int:
             out.write(text if args.raw else terminal_text(text))
             out.flush()
 
-        await tail_nodes(fleet, [(h, r.id) for h, r in nodes], args.lines, args.follow, emit)
+        await ops.tail([(h, r.id) for h, r in nodes], args.lines, args.follow, emit)
 
-    await _with_fleet(tail, hosts=_host_arg(args))
+    await _with_ops(tail, hosts=_host_arg(args))
     return 0
 
 
 async def cmd_stop(args: argparse.Namespace) -> int:
-    history = History()
+    async def stop(ops: Ops) -> StopOutcome:
+        return await ops.stop(await _resolve(ops, args, destructive=True), args.grace)
+
     try:
-
-        async def stop(fleet: Fleet) -> StopOutcome:
-            return await stop_run(fleet, await _resolve(fleet, args, destructive=True), args.grace, history)
-
         with waiting(f"stopping {args.run}: SIGTERM sent, SIGKILL after {args.grace:g} s"):
-            done = await _with_fleet(stop, hosts=_host_arg(args), history=history)
+            # the history records a stop a node did not answer (delivered when it does): it must open
+            done = await _with_ops(stop, hosts=_host_arg(args), need_history=True)
     except (asyncio.CancelledError, KeyboardInterrupt):  # Ctrl-C: the agent does not stop stopping because we stopped waiting
         print(
             terminal_text(
@@ -634,8 +621,6 @@ async def cmd_stop(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         raise
-    finally:
-        history.close()
     out = [{**to_builtins(res), "host": h} for h, res in done.results]
     if args.json:
         print(
@@ -673,7 +658,7 @@ async def cmd_hosts(args: argparse.Namespace) -> int:
         for h in conf.hosts
     ]
     if args.check:
-        probes = await _with_fleet(lambda f: probe_hosts(f, [r.name for r in rows], args.timeout))
+        probes = await _with_ops(lambda o: o.probe_hosts([r.name for r in rows], args.timeout))
         rows = [
             msgspec.structs.replace(r, state=p.state, error=p.error, **({"agent_version": p.agent_version} if p.state == "up" else {}))
             for r, p in zip(rows, probes)
@@ -686,16 +671,17 @@ async def cmd_hosts(args: argparse.Namespace) -> int:
     return 0 if all(r.state in (UNSET, "up") for r in rows) else EXIT_ERROR
 
 
-async def _synced_history(args: argparse.Namespace) -> tuple[History, list[SyncResult]]:
-    history = History()
+async def _synced_history(args: argparse.Namespace, ops: Ops) -> list[SyncResult]:
+    """Bring ``ops``' history up to date (unless --no-sync), saying on stderr which hosts did not answer and whose
+    journal was recreated."""
     if getattr(args, "no_sync", False):
-        return history, []
+        return []
     with waiting(f"syncing the history from {len(_host_arg(args)) or len(cfg.load().names)} host(s)"):
-        results = await _with_fleet(lambda f: f.sync_history(timeout=args.sync_timeout), hosts=_host_arg(args), history=history)
+        results = await ops.sync_history(_host_arg(args), timeout=args.sync_timeout)
     for r in results:
         if not r.ok:
             print(f"gpudeck: {r.host} not reachable, its newest runs may be missing: {r.error}", file=sys.stderr)
-        elif r.new_epoch and r.epoch and (story := history.recreations(r.host, r.epoch)):
+        elif r.new_epoch and r.epoch and (story := ops.recreations(r.host, r.epoch)):
             s = story[-1]
             where = f"; the old file is kept on the host as {s['moved_to']}" if s.get("moved_to") else ""
             print(
@@ -705,31 +691,26 @@ async def _synced_history(args: argparse.Namespace) -> tuple[History, list[SyncR
                 ),
                 file=sys.stderr,
             )
-        elif r.new_epoch and r.last_seq and r.new_events == r.last_seq and len(history.epochs(r.host)) > 1:
+        elif r.new_epoch and r.last_seq and r.new_events == r.last_seq and len(ops.epochs(r.host)) > 1:
             print(
                 f"gpudeck: {r.host}'s agent journal was recreated (new epoch {r.epoch}); the history keeps the old runs too",
                 file=sys.stderr,
             )
-    return history, results
+    return results
 
 
 async def cmd_history(args: argparse.Namespace) -> int:
-    history, synced = await _synced_history(args)
+    with Ops.recorded() as ops:
+        synced = await _synced_history(args, ops)
+        if args.problems:
+            problems = await ops.problems(args.host)
+        else:
+            rows = await ops.recorded_runs(args.query, with_down=True)  # each argument one term: no re-splitting
     if args.problems:
-        try:
-            problems = await asyncio.to_thread(history.problems, args.host)
-        finally:
-            history.close()
         if not args.show_secrets:
             problems = [msgspec.structs.replace(p, raw=redact_raw_event(p.raw)) for p in problems]
         print(json.dumps(to_builtins(problems)) if args.json else terminal_text(format_problems(problems)))
         return 0
-    try:
-        rows = await asyncio.to_thread(query_history, history, args.query)  # each argument one term: no re-splitting
-        down = {h.name for h in await asyncio.to_thread(history.hosts) if h.state not in (None, "up")}
-    finally:
-        history.close()
-    rows = group(rows, unreachable=down)
     rows = rows if args.show_secrets else [redact_record(r) for r in rows]
     missed = [(r.host, r.error or "not reachable") for r in synced if not r.ok]
     if args.json:
@@ -740,10 +721,10 @@ async def cmd_history(args: argparse.Namespace) -> int:
 
 
 async def cmd_triage(args: argparse.Namespace) -> int:
-    async def go(fleet: Fleet) -> tuple[list[tuple[str, Triage]], list[tuple[str, str]]]:
-        return await triage_run(fleet, await _resolve(fleet, args))
+    async def go(ops: Ops) -> tuple[list[tuple[str, Triage]], list[tuple[str, str]]]:
+        return await ops.triage(await _resolve(ops, args))
 
-    got, failed = await _with_fleet(go, hosts=_host_arg(args))
+    got, failed = await _with_ops(go, hosts=_host_arg(args))
     if args.json:
         print(
             json.dumps({"triages": [{"host": h, **to_builtins(t)} for h, t in got], "failed": [{"host": h, "error": e} for h, e in failed]})
@@ -756,13 +737,11 @@ async def cmd_triage(args: argparse.Namespace) -> int:
 
 
 async def cmd_show(args: argparse.Namespace) -> int:
-    history, syncs = await _synced_history(args)
-    try:
-        run = await asyncio.to_thread(history.find, args.run, args.host, [r.host for r in syncs if not r.ok])
-        events = await asyncio.to_thread(history.events, run.host, run.id)
-        metrics = await asyncio.to_thread(history.metrics, run.host, run.id)
-    finally:
-        history.close()
+    with Ops.recorded() as ops:
+        syncs = await _synced_history(args, ops)
+        run = await ops.find(args.run, args.host, [r.host for r in syncs if not r.ok])
+        events = await ops.events(run.host, run.id)
+        metrics = await ops.step_metrics(run.host, run.id)
     figures = run_figures(run, metrics)
     if not args.show_secrets:
         run, events = redact_record(run), redact_events(events)
@@ -773,6 +752,30 @@ async def cmd_show(args: argparse.Namespace) -> int:
     else:
         print(terminal_text(format_show(run, events, figures)))
     return 0
+
+
+async def cmd_ledger(args: argparse.Namespace) -> int:
+    query = ledger_query(args.target, args.at, args.since, args.until, args.run)  # bad words: a usage error, nothing synced
+    args.host = query.host
+    with Ops.recorded() as ops:
+        synced = await _synced_history(args, ops)
+        answer = await ops.ledger(query)
+    missed = [{"host": r.host, "error": r.error or "not reachable"} for r in synced if not r.ok]
+    doc = {**answer.as_json(), **({"unreachable": missed} if missed else {})}
+    print(json.dumps(doc) if args.json else terminal_text(format_ledger(answer)))
+    return EXIT_UNREACHABLE if missed else 0  # _synced_history named them on stderr
+
+
+async def cmd_report(args: argparse.Namespace) -> int:
+    with Ops.recorded() as recorded:
+        syncs = await _synced_history(args, recorded)
+        down = [r.host for r in syncs if not r.ok]
+        rep = await recorded.report(args.run, args.host, down)
+        if not args.no_sync and rep.run.host not in down:  # the run's output size and last lines: its agent's
+            async with Ops.request([rep.run.host], recorded=recorded, remember=False) as ops:
+                rep = await ops.with_output(rep)
+    print(json.dumps(report_json(rep), default=str) if args.json else terminal_text(report_markdown(rep).rstrip("\n")))
+    return EXIT_UNREACHABLE if down else 0  # _synced_history named them on stderr
 
 
 # ----------------------------------------------------------------------------- running a parsed command
@@ -800,9 +803,6 @@ def run(args: argparse.Namespace) -> int:
     except (CliError, cfg.ConfigError) as exc:
         print(terminal_text(f"gpudeck: {exc}"), file=sys.stderr)
         return EXIT_USAGE
-    except HistoryError as exc:
-        print(terminal_text(f"gpudeck: {exc}"), file=sys.stderr)
-        return EXIT_ERROR
     except AgentError as exc:
         print(terminal_text(f"gpudeck: {exc.message}"), file=sys.stderr)
         return EXIT_ERROR

@@ -139,6 +139,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="multi-node: the address the other hosts reach the first one at (default: its rdzv_host or SSH HostName)",
     )
+    spec_args.add_argument(
+        "--allow-env-diff",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="multi-node: launch although the nodes differ in NAME, a row of the cross-node gate's table (repeatable; recorded)",
+    )
     spec_args.add_argument("--json", action="store_true", help="print the result as JSON")
     spec_args.add_argument("argv", nargs=argparse.REMAINDER, help="-- then the command and its arguments (never run by a shell)")
 
@@ -178,6 +185,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default=None, help=host_help + "; default: the host that has the run")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func="cmd_verify")
+
+    p = sub.add_parser("metrics", help="a run's step metrics: loss and tokens/s (its agent's, else the history's), as the Run screen")
+    p.add_argument("run", help="run id, unique id prefix, or name")
+    p.add_argument("--host", default=None, help=host_help + "; default: the host that has the run")
+    p.add_argument("--points", type=int, default=200, help="at most this many steps, evenly spread (default 200, as the Run screen)")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func="cmd_metrics")
 
     p = sub.add_parser("triage", help="a live run's evidence now: every rank's stacks, state, CPU, GPU and the likely culprit (stored)")
     p.add_argument("run", help="run id, unique id prefix, or name")
@@ -265,6 +279,32 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func="cmd_show")
 
     p = sub.add_parser(
+        "report",
+        parents=[sync_args],
+        help="a run's post-mortem from evidence: claims vs manifest and GPU ledger, curve, environment, alerts, end, leftovers",
+    )
+    p.add_argument("run", help="run id, unique id prefix, or name")
+    p.add_argument("--host", default=None, help=host_help)
+    p.add_argument("--json", action="store_true", help="the report as JSON (schema gpudeck.report/1) instead of Markdown")
+    p.set_defaults(func="cmd_report")
+
+    p = sub.add_parser(
+        "ledger",
+        parents=[sync_args],
+        help="the GPU ledger: who held a GPU at a time (--at), over a window (--since/--until), or a run's GPU footprint (--run)",
+    )
+    p.add_argument("target", metavar="HOST[:GPU]", help="a host of the fleet, optionally one GPU index (gpu1:5)")
+    time_help = "an ISO time (2026-12-04T02:14), HH:MM today, a time ago (-2h, -30m, -1d) or now"
+    p.add_argument("--at", default=None, metavar="TIME", help=f"who held it then (default: now): {time_help}")
+    p.add_argument("--since", default=None, metavar="TIME", help="the holds from this time on (a timeline)")
+    p.add_argument("--until", default=None, metavar="TIME", help="with --since: up to this time (default now)")
+    p.add_argument(
+        "--run", default=None, metavar="RUN", help="one run's holds; alone: its GPU footprint over its life (id, prefix or name)"
+    )
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func="cmd_ledger")
+
+    p = sub.add_parser(
         "diff", parents=[sync_args], help="two runs side by side: config, environment (torch/CUDA/driver/NCCL first), outcome"
     )
     p.add_argument("run_a")
@@ -320,17 +360,38 @@ def negated_filters(argv: list[str]) -> tuple[list[str], list[str]]:
     read them as unknown options: (the arguments without them, the words). Other commands' arguments are left alone."""
     if argv[:1] != ["history"]:
         return argv, []
-    from gpudeck.console.history.query import is_negation  # the query language: only `history` needs it here
+    from gpudeck.console.core.query_words import is_negation  # the query language's word rule: only `history` needs it
 
     end = argv.index("--") if "--" in argv else len(argv)
     words = [a for a in argv[1:end] if is_negation(a)]
     return [a for i, a in enumerate(argv) if not (0 < i < end and is_negation(a))], words
 
 
+_LEDGER_TIME_OPTIONS = ("--at", "--since", "--until")
+
+
+def ledger_times(argv: list[str]) -> list[str]:
+    """``ledger --since -2h``: a time ago starts with '-', which argparse reads as an option; joined to its option
+    (``--since=-2h``) so it is read as the option's value."""
+    if not argv or argv[0] != "ledger":
+        return argv
+    out: list[str] = []
+    i = 0
+    while i < len(argv):
+        a = argv[i]
+        if a in _LEDGER_TIME_OPTIONS and i + 1 < len(argv) and argv[i + 1].startswith("-") and argv[i + 1][1:2].isdigit():
+            out.append(f"{a}={argv[i + 1]}")
+            i += 2
+            continue
+        out.append(a)
+        i += 1
+    return out
+
+
 def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """The parsed command line (``sys.argv[1:]`` when ``argv`` is None); ``--help``, ``--version`` and a usage error
     exit here (SystemExit), as argparse does."""
-    args, negated = negated_filters(sys.argv[1:] if argv is None else list(argv))
+    args, negated = negated_filters(ledger_times(sys.argv[1:] if argv is None else list(argv)))
     ns = build_parser().parse_args(args)
     if negated:
         ns.query = [*ns.query, *negated]

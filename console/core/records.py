@@ -13,12 +13,14 @@ through the typed accessors here (:meth:`RunRecord.launch_spec`, ``env_fingerpri
 from __future__ import annotations
 
 import json
-from typing import Any, TypeAlias
+import time
+from dataclasses import dataclass, field
+from typing import Any, Literal, TypeAlias
 
 import msgspec
 from msgspec import UNSET, UnsetType
 
-from gpudeck.agents.wire.protocol import Alert, EnvFingerprint, LaunchSpec, PreflightResult, RunInfo, StopResult, to_builtins
+from gpudeck.agents.wire.protocol import Alert, EnvFingerprint, LaunchSpec, PreflightResult, RunInfo, Snapshot, StopResult, to_builtins
 
 # A JSON object as the agent recorded it: free-form by design (a LaunchSpec or fingerprint of any gpudeck version,
 # a trainer's manifest, a member's cmdline ...). Only the records' raw JSON columns and event payloads use it.
@@ -308,3 +310,41 @@ class Problem(msgspec.Struct, frozen=True):
     error: str
     quarantined: float
     raw: str
+
+
+# ----------------------------------------------------------------------------- a host's link (the fleet keeps them)
+
+LinkState = Literal["connecting", "up", "unreachable", "version_mismatch", "host_key"]
+
+
+@dataclass
+class HostStatus:
+    """What the console shows of one host's link."""
+
+    name: str
+    state: LinkState = "connecting"
+    error: str | None = None
+    last_seen: float | None = None
+    snapshot: Snapshot | None = None
+    agent_version: str | None = None
+    epoch: str | None = None
+    since: float = field(default_factory=time.time)
+    # when the link last stopped working (the first failure, not the latest retry: retries pass through
+    # 'connecting' and set ``since`` again); None while it is up or before its first attempt ended
+    down_since: float | None = None
+    transport: str = "ssh"  # "unix" for local
+    synced_seq: int = 0  # last event seq held in history for the current epoch
+    connects: int = 0
+
+
+@dataclass
+class SyncResult:
+    """What one pass of history sync did for one host."""
+
+    host: str
+    ok: bool
+    new_events: int = 0
+    last_seq: int = 0
+    epoch: str | None = None
+    new_epoch: bool = False
+    error: str | None = None

@@ -19,9 +19,8 @@ import asyncio
 import random
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from gpudeck.agents.wire.client import AgentClient
 from gpudeck.agents.wire.errors import AgentError, AgentUnavailable, VersionMismatch
@@ -66,13 +65,13 @@ from gpudeck.agents.wire.protocol import (
     WatchSnapshots,
 )
 from gpudeck.console.core import config as cfg
+from gpudeck.console.core.records import HostStatus, LinkState, SyncResult
 from gpudeck.console.fleet.ssh_options import HostKeyError, SshOptions
 from gpudeck.console.history.replica import History
 
 if TYPE_CHECKING:
     from gpudeck.console.fleet.transport import SshLink
 
-LinkState = Literal["connecting", "up", "unreachable", "version_mismatch", "host_key"]
 BACKOFF_MIN_S = 0.5
 BACKOFF_MAX_S = 30.0
 REQUEST_TIMEOUT_S = 60.0  # a request with no answer by then fails (a stop waits its grace on top)
@@ -134,39 +133,6 @@ class FleetWatcher(Protocol):
         """A host's link changed state."""
 
 
-@dataclass
-class HostStatus:
-    """What the console shows of one host's link."""
-
-    name: str
-    state: LinkState = "connecting"
-    error: str | None = None
-    last_seen: float | None = None
-    snapshot: Snapshot | None = None
-    agent_version: str | None = None
-    epoch: str | None = None
-    since: float = field(default_factory=time.time)
-    # when the link last stopped working (the first failure, not the latest retry: retries pass through
-    # 'connecting' and set ``since`` again); None while it is up or before its first attempt ended
-    down_since: float | None = None
-    transport: str = "ssh"  # "unix" for local
-    synced_seq: int = 0  # last event seq held in history for the current epoch
-    connects: int = 0
-
-
-@dataclass
-class SyncResult:
-    """What one pass of history sync did for one host."""
-
-    host: str
-    ok: bool
-    new_events: int = 0
-    last_seq: int = 0
-    epoch: str | None = None
-    new_epoch: bool = False
-    error: str | None = None
-
-
 class HostLink:
     """One host: a connection to its agent, kept up, with its latest snapshot."""
 
@@ -179,6 +145,7 @@ class HostLink:
         interval_s: float = 1.0,
         watch: bool = True,
         history: History | None = None,
+        meanwhile: Callable[[], object] | None = None,
     ) -> None:
         self.settings = settings
         self.name = settings.name
@@ -187,6 +154,7 @@ class HostLink:
         self.interval_s = interval_s
         self.watch = watch  # False: connect for requests only (the CLI), no snapshot stream
         self.history = history
+        self._meanwhile = meanwhile  # called while an SSH connect waits for the far side to start (connect_ssh)
         self._ssh = ssh or SshOptions()
         self._state_dir = state_dir
         self._client: AgentClient | None = None
@@ -236,7 +204,7 @@ class HostLink:
             return await AgentClient.connect_unix(state_dir=self._state_dir, autostart=True, alias=self.name)
         from gpudeck.console.fleet.transport import connect_ssh  # asyncssh comes with it: only a remote host needs it
 
-        link = await connect_ssh(self.name, self.settings.command, self._ssh)
+        link = await connect_ssh(self.name, self.settings.command, self._ssh, meanwhile=self._meanwhile)
         self._ssh_link = link
         return link.client
 
@@ -502,7 +470,9 @@ class Fleet:
         watch: bool = True,
         history: History | None = None,
         ssh: SshOptions | None = None,
+        meanwhile: Callable[[], object] | None = None,
     ) -> None:
+        """``meanwhile``: called on each SSH connect while the far side starts (see :func:`~gpudeck.console.fleet.transport.connect_ssh`)."""
         self.config = config or cfg.load(extra_hosts=hosts)
         if config is not None and hosts:
             self.config = cfg.Config(
@@ -510,7 +480,9 @@ class Fleet:
             )
         self.history = history
         self._extra_hosts = list(hosts or [])  # named on the command line: kept when the config file changes
-        self._link_args: dict[str, Any] = dict(ssh=ssh, state_dir=state_dir, interval_s=interval_s, watch=watch, history=history)
+        self._link_args: dict[str, Any] = dict(
+            ssh=ssh, state_dir=state_dir, interval_s=interval_s, watch=watch, history=history, meanwhile=meanwhile
+        )
         self.links: dict[str, HostLink] = {s.name: HostLink(s, **self._link_args) for s in self.config.hosts}
         self._catch_up = asyncio.Semaphore(CATCH_UP_AT_ONCE)
         for link in self.links.values():
@@ -662,9 +634,9 @@ class Fleet:
         assert isinstance(reply, StopReply)
         return reply.result
 
-    async def fingerprint(self, host: str, python: str) -> EnvFingerprint:
-        """A python environment on a host, fingerprinted now."""
-        reply = await self._request(host, Fingerprint(python=python))
+    async def fingerprint(self, host: str, python: str, env: dict[str, str] | None = None) -> EnvFingerprint:
+        """A python environment on a host, fingerprinted now (``env`` on top of the agent's, as a run gets it)."""
+        reply = await self._request(host, Fingerprint(python=python, env=env or {}))
         assert isinstance(reply, FingerprintReply)
         return reply.env
 

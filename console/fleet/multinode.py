@@ -12,11 +12,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypedDict
+from typing import TypedDict
 
 import msgspec
 
-from gpudeck.agents.wire.protocol import LIVE_STATES, TERMINAL_STATES, RunInfo
+from gpudeck.agents.wire.protocol import LIVE_STATES, TERMINAL_STATES
 from gpudeck.console.core.records import NodeState, RunRecord
 
 # ----------------------------------------------------------------------------- one record
@@ -154,7 +154,7 @@ def combine(rows: Sequence[RunRecord], unreachable: set[str] | None = None) -> C
     )
 
 
-def _by_id(rows: Sequence[RunRecord]) -> list[list[RunRecord]]:
+def by_run(rows: Sequence[RunRecord]) -> list[list[RunRecord]]:
     """Records grouped by run id, in the order each id first appears (newest first)."""
     by_id: dict[str, list[RunRecord]] = {}
     for r in rows:
@@ -162,28 +162,11 @@ def _by_id(rows: Sequence[RunRecord]) -> list[list[RunRecord]]:
     return list(by_id.values())
 
 
-def _multi(rs: list[RunRecord]) -> bool:
+def is_multinode(rs: list[RunRecord]) -> bool:
+    """Whether one run's records (:func:`by_run`) are a multi-node run (several nodes, or one node of several)."""
     return len(rs) > 1 or rs[0].spec_nnodes > 1
 
 
 def group(rows: Sequence[RunRecord], unreachable: set[str] | None = None) -> list[RunRecord]:
     """Records with the nodes of each multi-node run folded into one (order kept: newest first)."""
-    return [combine(rs, unreachable).as_record() if _multi(rs) else rs[0] for rs in _by_id(rows)]
-
-
-def group_runs(runs: Sequence[RunInfo], unreachable: set[str] | None = None) -> list[dict[str, Any]]:
-    """``gpudeck runs``: the agents' runs as JSON objects (the printing edge: RunInfo's scripted shape, ``run_json``),
-    each multi-node run one object with the combined host, state, cause, ranks seen, times and nodes."""
-    from gpudeck.console.present.formats import record_shape, run_json
-
-    infos = {(r.host, r.id): r for r in runs}
-    out: list[dict[str, Any]] = []
-    for rs in _by_id([RunRecord.from_info(r) for r in runs]):
-        if not _multi(rs):
-            out.append(record_shape(run_json(infos[(rs[0].host, rs[0].id)]), rs[0].as_json()))  # history's keys from the agent's run
-            continue
-        c = combine(rs, unreachable)
-        lead = run_json(infos[(c.rows[0].host, c.rows[0].id)])
-        lead.update(c.combined(), nodes=[msgspec.to_builtins(n) for n in c.nodes])
-        out.append(record_shape(lead, c.rows[0].as_json()))
-    return out
+    return [combine(rs, unreachable).as_record() if is_multinode(rs) else rs[0] for rs in by_run(rows)]

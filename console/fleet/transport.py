@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import fnmatch
+import getpass
 import hashlib
 import logging
 import os
@@ -24,15 +25,13 @@ import shlex
 import shutil
 import socket
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-import asyncssh
-
 from gpudeck.agents.wire.client import AgentClient
 from gpudeck.agents.wire.errors import AgentError, AgentUnavailable
-from gpudeck.console.fleet.compat import CheckHostIPConfig, packet_logging_on
+from gpudeck.console.fleet.compat import CheckHostIPConfig, asyncssh, packet_logging_on  # asyncssh: imported there, at less cost
 from gpudeck.console.fleet.ssh_options import HostKeyError, SshError, SshOptions
 
 __all__ = [
@@ -468,8 +467,13 @@ def _skip_idle_packet_log(chan: asyncssh.SSHClientChannel) -> None:
     chan.log_received_packet = log_received_packet  # type: ignore[method-assign]
 
 
-async def connect_ssh(name: str, command: str, options: SshOptions) -> SshLink:
-    """Connect to ``name`` as ``~/.ssh/config`` describes it and start ``command`` (the agent bridge)."""
+async def connect_ssh(name: str, command: str, options: SshOptions, meanwhile: Callable[[], object] | None = None) -> SshLink:
+    """Connect to ``name`` as ``~/.ssh/config`` describes it and start ``command`` (the agent bridge).
+
+    ``meanwhile`` is called once the hello is on its way, while the far side starts ``command`` (its shell, Python and
+    the bridge: the longest wait of a connect): work the caller needs anyway, done while it would otherwise wait (the
+    CLI imports its printers there). It blocks the event loop, which has nothing else to do then (the agent's reply
+    waits in the kernel); what it raises is logged and dropped, so the caller meets it again where it does the work."""
     config_paths = host_config_paths(name, options.config_paths())
     settings = host_settings(name, config_paths)
     kh = _KnownHosts(options.known_hosts_paths(), settings.host_key_alias, settings.check_host_ip)
@@ -536,7 +540,14 @@ async def connect_ssh(name: str, command: str, options: SshOptions) -> SshLink:
     session.client = client
     try:
         async with asyncio.timeout(HELLO_TIMEOUT_S):
-            await client.say_hello(alias=name)
+            hello = asyncio.ensure_future(client.say_hello(alias=name))
+            if meanwhile is not None:
+                await asyncio.sleep(0)  # the hello is written first (say_hello runs to its wait for the reply)
+                try:
+                    meanwhile()
+                except Exception:
+                    log.debug("%s: the work done while the far side starts failed", name, exc_info=True)
+            await hello
     except (AgentError, TimeoutError) as exc:
         # the bridge never answered: say why, from its exit status and stderr
         try:
@@ -558,3 +569,13 @@ async def connect_ssh(name: str, command: str, options: SshOptions) -> SshLink:
         )
         raise SshError(f"{name}: `{command}` did not answer the gpudeck protocol ({detail}); {hint}") from None
     return SshLink(conn, session, client)
+
+
+def ssh_hostname(name: str, config_paths: Sequence[str]) -> str | None:
+    """The HostName that ``~/.ssh/config`` gives ``name`` (None when the config names none)."""
+    try:
+        conf = asyncssh.config.SSHClientConfig.load(None, list(config_paths), False, False, False, getpass.getuser(), "", name, ())
+    except (OSError, ValueError):
+        return None
+    value = conf.get("Hostname")
+    return str(value) if value else None

@@ -128,13 +128,3 @@ def rows(conn: sqlite3.Connection, host: str | None = None) -> list[Problem]:
     cols = ("host", "epoch", "seq", "kind", "run_id", "error", "quarantined", "raw")
     sql = f"SELECT {', '.join(cols)} FROM quarantine" + (" WHERE host=?" if host else "") + " ORDER BY quarantined, host, seq"
     return [Problem(*r) for r in conn.execute(sql, (host,) if host else ()).fetchall()]
-
-
-def format_problems(problems: list[Problem]) -> str:
-    """Human view of ``gpudeck history --problems``."""
-    if not problems:
-        return "no problems: every event the agents sent is in the history"
-    lines = [f"{len(problems)} event(s) kept out of the history (raw copies in its quarantine table):"]
-    for p in problems:
-        lines.append(f"  {p.host} epoch {p.epoch[:12]} seq {p.seq} {p.kind}{' run ' + p.run_id if p.run_id else ''}: {p.error}")
-    return "\n".join(lines)

@@ -32,8 +32,8 @@ from datetime import datetime
 from typing import get_args
 
 from gpudeck.agents.wire.protocol import RunState
+from gpudeck.console.core.query_words import KEYS
 
-KEYS = ("state", "host", "kind", "name", "id", "cause", "operator", "parent", "torch", "alert", "since", "until", "limit")
 # column each plain key compares against (never interpolated from user input)
 _COLUMNS = {"state": "state", "host": "host", "kind": "kind", "name": "name", "id": "id", "operator": "operator", "parent": "parent"}
 _META_STATES = {
@@ -128,12 +128,6 @@ def _term(key: str, value: str, now: float) -> tuple[str, list[object]]:
                 parts.append(f"{col} = ?")
                 params.append(text)
     return "(" + " OR ".join(parts) + ")", params
-
-
-def is_negation(word: str) -> bool:
-    """Whether a word is a negated filter of a known key (``-state:failed``): what the CLI takes as a query word, not an option."""
-    key, sep, _ = word[1:].partition(":")
-    return word.startswith("-") and bool(sep) and key.lower() in KEYS
 
 
 def compile_query(text: str, now: float | None = None) -> Compiled:

@@ -37,7 +37,7 @@ from gpudeck.agents.wire.causes import cause_class
 from gpudeck.agents.wire.protocol import TERMINAL_STATES, Event
 from gpudeck.console.core import config
 from gpudeck.console.core.records import EpochRecord, EventRecord, HostRecord, MetricPoint, Problem, RunRecord, loads
-from gpudeck.console.history import quarantine, sqlite_lib
+from gpudeck.console.history import ledger_index, quarantine, sqlite_lib
 from gpudeck.console.history.query import compile_query, compile_terms
 
 if TYPE_CHECKING:
@@ -125,10 +125,13 @@ def _connect(path: Path) -> sqlite3.Connection:
 
 
 # what ensure_schema makes: the tables, and the indexes (sqlite-utils names each idx_<table>_<columns>)
-_TABLES = ("hosts", "epochs", "events", "runs", "metrics", "meta", "pending_stops", "quarantine")
+_TABLES = ("hosts", "epochs", "events", "runs", "metrics", "meta", "pending_stops", "quarantine", *ledger_index.TABLES)
 _EVENT_INDEX = ["host", "run_id", "seq"]
 _RUN_INDEXES = (["id"], ["state"], ["created"], ["cause_class"], ["config_hash"])
-_INDEXES = tuple(f"idx_{table}_{'_'.join(cols)}" for table, cols in [("events", _EVENT_INDEX), *(("runs", c) for c in _RUN_INDEXES)])
+_INDEXES = (
+    *(f"idx_{table}_{'_'.join(cols)}" for table, cols in [("events", _EVENT_INDEX), *(("runs", c) for c in _RUN_INDEXES)]),
+    *ledger_index.INDEXES,
+)
 
 
 def schema_current(conn: sqlite3.Connection) -> bool:
@@ -186,6 +189,7 @@ def ensure_schema(db: sqlite_utils.Database) -> None:
         {"host": str, "run_id": str, "grace_s": float, "requested": float}, pk=("host", "run_id"), if_not_exists=True
     )
     quarantine.create_table(db.conn)
+    ledger_index.create_tables(db.conn)
     db.execute("INSERT OR IGNORE INTO meta(key, value) VALUES ('schema_version', ?)", [str(SCHEMA_VERSION)])
 
 
@@ -196,6 +200,9 @@ class _Apply:
         self.c = conn
 
     def __call__(self, host: str, epoch: str, ev: Event) -> None:
+        if ev.kind == "gpu_hold":  # the GPU ledger: folded into its own index (console/history/ledger_index.py)
+            ledger_index.fold(self.c, host, epoch, ev.ts, ev.data)
+            return
         fn = getattr(self, f"_on_{ev.kind}", None)
         if fn is not None and ev.run_id:
             fn(host, epoch, ev)
@@ -618,12 +625,31 @@ class History:
 
         return resolve_record(self.matches(ref, host), ref, host, unanswered or [], destructive)
 
-    def events(self, host: str, run_id: str, limit: int = 10000) -> list[EventRecord]:
-        """A run's events in order."""
+    def events(self, host: str, run_id: str, limit: int = 10000, kinds: Sequence[str] = ()) -> list[EventRecord]:
+        """A run's events in order (only those of ``kinds`` when given: a long run's step telemetry left out)."""
+        only = f" AND kind IN ({','.join('?' * len(kinds))})" if kinds else ""
         rows = self._exec(
-            "SELECT epoch, seq, ts, kind, data FROM events WHERE host=? AND run_id=? ORDER BY epoch, seq LIMIT ?", (host, run_id, limit)
+            f"SELECT epoch, seq, ts, kind, data FROM events WHERE host=? AND run_id=?{only} ORDER BY epoch, seq LIMIT ?",
+            (host, run_id, *kinds, limit),
         )
         return [EventRecord(r[0], r[1], r[2], r[3], loads(r[4], {})) for r in rows]
+
+    def ledger_at(self, host: str, gpu: int | None, at: float, run: str | None = None) -> list[ledger_index.HoldRecord]:
+        """The GPU ledger: the holds on a host (one GPU, or all) open at ``at``, with what each held then."""
+        with self._read_lock:
+            return ledger_index.held_at(self._read_conn, host, gpu, at, run)
+
+    def ledger_between(
+        self, host: str, gpu: int | None, since: float, until: float, run: str | None = None
+    ) -> list[ledger_index.HoldRecord]:
+        """The GPU ledger: the holds on a host (one GPU, or all) open at some time in ``[since, until]``."""
+        with self._read_lock:
+            return ledger_index.held_between(self._read_conn, host, gpu, since, until, run)
+
+    def ledger_of_run(self, host: str | None, run_id: str) -> list[ledger_index.HoldRecord]:
+        """The GPU ledger: every hold of one run (on one host, or all)."""
+        with self._read_lock:
+            return ledger_index.run_holds(self._read_conn, host, run_id)
 
     def recreations(self, host: str, epoch: str | None = None) -> list[dict[str, Any]]:
         """The host's ``journal_recreated`` events (its agent found its journal deleted, replaced or corrupt), oldest first."""

@@ -17,6 +17,10 @@ class OpsError(Exception):
         self.message = message
 
 
+class HistoryUnavailable(OpsError):
+    """The history cannot be opened or read (its file, its owner, a closed handle): the message says which and why."""
+
+
 class QueryRefused(OpsError):
     """A history filter the query language does not understand: the message names the word and the words it knows."""
 

@@ -52,6 +52,7 @@ class Holder:
     started: float | None = None  # the process's create time (its age), from the host's snapshot
     cmdline: tuple[str, ...] = ()
     refused: str | None = None  # why reclaim-and-launch will not stop it (None: it will)
+    container: str = ""  # the container it runs in, seen from the host ('docker:trainer'), from the host's snapshot
 
     @property
     def held_bytes(self) -> int:
@@ -74,7 +75,7 @@ class Holder:
         text = (
             f"{self.host}:{self.pid:<8} user {self.user or '?':<10} run {self.run_id or '-':<12} {gpus}  age {age}  "
             f"{self.who()}  `{' '.join(self.cmdline)[:60]}`"
-        )
+        ) + (f"  in container {self.container}" if self.container else "")
         return text + (f"  — REFUSED: {self.refused}" if self.refused else "")
 
 
@@ -175,6 +176,7 @@ def holder_plan(outcomes: list[NodeOutcome], snapshots: dict[str, Snapshot], ope
                 started=getattr(proc, "create_time", None),
                 cmdline=tuple(d.get("cmdline") or ()),
                 refused=refused,
+                container=proc.container.label() if proc is not None and proc.container is not None else "",
             )
         )
     out.sort(key=lambda h: (h.host, min(h.gpu_bytes, default=0), -h.held_bytes, h.pid))

@@ -86,6 +86,7 @@ class LaunchIntent:
     expected_ranks: int | None = None
     parent: str | None = None
     operator: str | None = None  # None: the caller's
+    allow_env_diff: tuple[str, ...] = ()  # multi-node: the cross-node gate's rows to launch past (recorded)
 
     @property
     def trainer_args(self) -> bool:

@@ -17,7 +17,7 @@ per GPU). Several hosts become one run with one id, one torchrun node per host:
 from __future__ import annotations
 
 import asyncio
-import getpass
+import dataclasses
 import os
 import uuid
 from collections.abc import Sequence
@@ -26,10 +26,12 @@ from pathlib import Path
 
 import msgspec
 
+from gpudeck.agents.wire.envdiff import EnvGate
 from gpudeck.agents.wire.errors import AgentError
 from gpudeck.agents.wire.protocol import LaunchReply, LaunchSpec, PreflightResult, new_run_id
 from gpudeck.console.core import config as cfg
 from gpudeck.console.fleet.fleet import Fleet
+from gpudeck.console.ops import gate as env_gate
 from gpudeck.console.ops.errors import IntentError, OpsError
 from gpudeck.console.ops.intent import (
     DEFAULT_PYTHON,
@@ -93,6 +95,7 @@ class LaunchResult:
     verdict: str
     plan: LaunchPlan
     nodes: list[NodeOutcome] = field(default_factory=list)
+    gate: EnvGate | None = None  # multi-node: the cross-node comparison (refused: ``gate.refused``)
 
     @property
     def run_id(self) -> str:
@@ -190,6 +193,7 @@ def plan_launch(
             "put torchrun in the command yourself, or choose --kind fsdp/dflash",
         )
     start = check_start(intent.start, needed=intent.trainer_args)
+    allow_env_diff = env_gate.check_allowed(intent.allow_env_diff, bool(intent.hosts))
     if not intent.hosts:
         check_host(intent.host or cfg.LOCAL)
     python = intent.python or DEFAULT_PYTHON
@@ -208,6 +212,7 @@ def plan_launch(
         **shared_fields(intent, name=(intent.name or "").strip() or None, operator=intent.operator or caller.operator),
     )
     if intent.hosts:
+        base.allow_env_diff = allow_env_diff
         return _plan_multinode(intent, base, program, python, n, nproc, conf, ssh_config_paths, run_id)
     host = intent.host or cfg.LOCAL
     if host == cfg.LOCAL:
@@ -225,18 +230,6 @@ def plan_launch(
     return LaunchPlan(nodes=((host, base),), nproc_per_node=n)
 
 
-def ssh_hostname(name: str, config_paths: Sequence[str]) -> str | None:
-    """The HostName that ``~/.ssh/config`` gives ``name`` (None when the config names none)."""
-    from asyncssh.config import SSHClientConfig
-
-    try:
-        conf = SSHClientConfig.load(None, list(config_paths), False, False, False, getpass.getuser(), "", name, ())
-    except (OSError, ValueError):
-        return None
-    value = conf.get("Hostname")
-    return str(value) if value else None
-
-
 def rendezvous_host(first: cfg.HostSettings, config_paths: Sequence[str], override: str | None = None) -> str:
     """The address the other nodes reach the first host at."""
     if override:
@@ -249,6 +242,8 @@ def rendezvous_host(first: cfg.HostSettings, config_paths: Sequence[str], overri
             "the first host is 'local'",
             "give --rdzv-host ADDRESS (how the other hosts reach this machine), or put another host first",
         )
+    from gpudeck.console.fleet.transport import ssh_hostname  # asyncssh comes with it: a multi-node launch only
+
     return ssh_hostname(first.name, config_paths) or first.name
 
 
@@ -377,13 +372,17 @@ async def launch(fleet: Fleet, plan: LaunchPlan, request_id: str = "") -> Launch
             refuse_reused_request(reply.run.spec, spec, request_id)
         verdict = "preflight_failed" if reply.run.state == "preflight_failed" else "running"
         return LaunchResult(verdict, plan, [NodeOutcome(host, reply=reply)])
-    checks = await preflight(fleet, plan)
+    checks, gate = await asyncio.gather(preflight(fleet, plan), env_gate.check(fleet, plan.nodes))
     bad = [c for c in checks if c.error is not None or (c.preflight is not None and not c.preflight.ok)]
     if bad:
         # the failing nodes are recorded as preflight_failed there (the agent runs the same checks again)
         failing = {c.host for c in bad if c.error is None}
         await asyncio.gather(*(fleet.launch(h, sp) for h, sp in plan.nodes if h in failing), return_exceptions=True)
-        return LaunchResult("preflight_failed", plan, checks)
+        return LaunchResult("preflight_failed", plan, checks, gate=gate)
+    if gate.refused:
+        return LaunchResult("preflight_failed", plan, checks, gate=gate)
+    if gate.rows:  # launched past differences --allow-env-diff named: every node's record says which, with the values
+        plan = dataclasses.replace(plan, nodes=env_gate.record(plan.nodes, gate))
     replies = await asyncio.gather(
         *(fleet.launch(h, sp, request_id=f"{request_id}-{i}" if request_id else "") for i, (h, sp) in enumerate(plan.nodes)),
         return_exceptions=True,
@@ -398,7 +397,7 @@ async def launch(fleet: Fleet, plan: LaunchPlan, request_id: str = "") -> Launch
             if r.duplicate:  # node i's key is f"{request_id}-{i}": the same key for another command is refused here too
                 refuse_reused_request(r.run.spec, sp, request_id)
             nodes.append(NodeOutcome(h, reply=r))
-    result = LaunchResult("running", plan, nodes)
+    result = LaunchResult("running", plan, nodes, gate=gate)
     if result.failed:
         # all or nothing: stop the nodes that did start
         rid = plan.spec.run_id or ""

@@ -13,7 +13,8 @@ from collections.abc import Sequence
 
 from gpudeck.agents.wire.errors import AgentError
 from gpudeck.agents.wire.protocol import Event
-from gpudeck.console.fleet.fleet import Fleet, HostStatus
+from gpudeck.console.core.records import HostStatus
+from gpudeck.console.fleet.fleet import Fleet
 
 NODE_LOST_S = 30.0  # a multi-node run's host unreachable this long counts as a lost node
 STOP_GRACE_S = 30.0

@@ -4,20 +4,24 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 from msgspec import UNSET, UnsetType
 
 from gpudeck.agents.wire.causes import cause_class
-from gpudeck.agents.wire.protocol import PreflightResult, RunInfo, Snapshot, StopResult, UnaccountedMemory, to_builtins
+from gpudeck.agents.wire.protocol import Container, PreflightResult, RunInfo, Snapshot, StopResult, UnaccountedMemory, to_builtins
 from gpudeck.console.core.fmt import duration, elapsed, gib, when
-from gpudeck.console.core.records import EventRecord, RunRecord
+from gpudeck.console.core.records import EventRecord, Problem, RunRecord
 from gpudeck.console.core.sanitize import escape_controls
+from gpudeck.console.fleet.multinode import by_run, combine, is_multinode
 from gpudeck.console.ops.figures import RunFigures, run_figures, tokens_text
 from gpudeck.console.ops.triage import show_lines
-from gpudeck.console.present.views import unaccounted_holders, unaccounted_line
+from gpudeck.console.present.views import series_summary, unaccounted_holders, unaccounted_line
+
+if TYPE_CHECKING:
+    from gpudeck.console.ops.readings import StepSeries
 
 SHOW_COMMAND_MAX = 2000  # characters of a command `gpudeck show` prints (--json has it whole)
 
@@ -27,6 +31,12 @@ def command_line(argv: list[str] | None, limit: int) -> str:
     characters ('…' marks a cut); '-' for none."""
     text = escape_controls(" ".join(argv or []))
     return (text[: limit - 1] + "…" if len(text) > limit else text) or "-"
+
+
+def container_cell(c: Container | None, limit: int = 40) -> str:
+    """The CONTAINER cell of a process: ``docker:trainer``, ``k8s:ns/pod/ctr`` (control characters escaped, at most
+    ``limit`` characters, '…' marks a cut); '-' outside any container, or from an agent that does not say."""
+    return "-" if c is None else command_line([c.label()], limit)
 
 
 def table(headers: list[str], rows: list[list[str]]) -> str:
@@ -80,12 +90,13 @@ def format_status(snap: Snapshot, alias: str | None = None) -> str:
                     p.run_id or "-",
                     "-" if p.rank is None else str(p.rank),
                     p.user or "-",
+                    container_cell(p.container),
                     command_line(p.cmdline, 60),
                 ]
                 for p in procs
             ]
             out.append("")
-            out.append(table(["PID", "GPU", "GiB", "HOLDER", "RUN", "RANK", "USER", "COMMAND"], prow))
+            out.append(table(["PID", "GPU", "GiB", "HOLDER", "RUN", "RANK", "USER", "CONTAINER", "COMMAND"], prow))
         else:
             out.append("no GPU processes")
     if snap.runs:
@@ -336,6 +347,10 @@ def _event_summary(e: EventRecord) -> str:
         return f"{t} " + json.dumps({x: y for x, y in rec.items() if x not in ("ts", "type", "argv")}, default=str)[:100]
     if k == "members":
         return f"+{len(d.get('added') or [])} process(es)"
+    if k == "gpu_hold":  # the GPU ledger (`gpudeck ledger`): one change of one hold
+        who = f"pid {d.get('pid')}" if d.get("pid") is not None else "unaccounted memory"
+        held = d.get("bytes")
+        return f"GPU {d.get('gpu')}: {who} {d.get('change')} {gib(held if isinstance(held, int) else None)} GiB {d.get('attribution')}"
     return json.dumps(d, default=str)[:110]
 
 
@@ -366,6 +381,7 @@ def format_leftovers(host: str, leftovers: list[Any], unaccounted: list[Unaccoun
                 lo.kind,
                 run,
                 lo.user or "-",
+                container_cell(lo.container),
                 lo.status or "-",
                 gpu,
                 "-" if lo.cpu_percent is None else f"{lo.cpu_percent:.0f}%",
@@ -373,7 +389,7 @@ def format_leftovers(host: str, leftovers: list[Any], unaccounted: list[Unaccoun
                 command_line(lo.cmdline, 60),
             ]
         )
-    out = [table(["PROCESS", "KIND", "RUN", "USER", "STATUS", "GPU MEMORY", "CPU", "RSS", "COMMAND"], rows), ""]
+    out = [table(["PROCESS", "KIND", "RUN", "USER", "CONTAINER", "STATUS", "GPU MEMORY", "CPU", "RSS", "COMMAND"], rows), ""]
     for lo in leftovers:
         out.append(f"  {host}:{lo.pid}: {lo.note}")
     for u in hidden:
@@ -425,4 +441,42 @@ def format_preflight(result: PreflightResult) -> str:
         lines.append(f"  {mark:<6} {c.name:<{width}}  {c.message}")
     if result.estimate is not None and result.estimate.method:
         lines.append(f"  memory: {result.estimate.method}")
+    return "\n".join(lines)
+
+
+def format_problems(problems: list[Problem]) -> str:
+    """Human view of ``gpudeck history --problems``."""
+    if not problems:
+        return "no problems: every event the agents sent is in the history"
+    lines = [f"{len(problems)} event(s) kept out of the history (raw copies in its quarantine table):"]
+    for p in problems:
+        lines.append(f"  {p.host} epoch {p.epoch[:12]} seq {p.seq} {p.kind}{' run ' + p.run_id if p.run_id else ''}: {p.error}")
+    return "\n".join(lines)
+
+
+def group_runs(runs: Sequence[RunInfo], unreachable: set[str] | None = None) -> list[dict[str, Any]]:
+    """``gpudeck runs``: the agents' runs as JSON objects (the printing edge: RunInfo's scripted shape, ``run_json``),
+    each multi-node run one object with the combined host, state, cause, ranks seen, times and nodes."""
+    infos = {(r.host, r.id): r for r in runs}
+    out: list[dict[str, Any]] = []
+    for rs in by_run([RunRecord.from_info(r) for r in runs]):
+        if not is_multinode(rs):
+            out.append(record_shape(run_json(infos[(rs[0].host, rs[0].id)]), rs[0].as_json()))  # history's keys from the agent's run
+            continue
+        c = combine(rs, unreachable)
+        lead = run_json(infos[(c.rows[0].host, c.rows[0].id)])
+        lead.update(c.combined(), nodes=[msgspec.to_builtins(n) for n in c.nodes])
+        out.append(record_shape(lead, c.rows[0].as_json()))
+    return out
+
+
+def format_series(run_id: str, host: str, series: StepSeries) -> str:
+    """``gpudeck metrics``: where the step metrics came from, then each figure as the Run screen's label writes it."""
+    where = {"agent": f"from {host}'s agent", "history": "from the history (the agent could not be asked)"}.get(series.source)
+    if where is None or not series.steps:
+        return f"run {run_id} on {host}: no step metrics reported" + ("" if where else " (no agent answered and no history)")
+    lines = [f"run {run_id} on {host}: {len(series.steps)} step(s) {where}"]
+    for name, values in (("loss", series.loss), ("tokens/s", series.tokens_per_s)):
+        summary = series_summary(name, series.steps, values)
+        lines.append(f"{name} {summary.text()}" if summary is not None else f"{name}: not reported")
     return "\n".join(lines)

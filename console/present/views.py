@@ -370,3 +370,39 @@ def row_label(row: Row) -> str:
 def gpu_free(g: Gpu) -> int:
     """Bytes free on a GPU."""
     return max(0, g.memory_total - g.memory_used)
+
+
+# ----------------------------------------------------------------------------- a run's step series
+
+# each figure of a run's step metrics as the Run screen's labels and `gpudeck metrics` write it
+SERIES_FORMATS = {"loss": "{:.4f}", "tokens/s": "{:,.0f}"}
+
+
+@dataclass(frozen=True)
+class SeriesSummary:
+    """One figure of a run's step metrics: the last step that reported it, its value there, its least and most."""
+
+    name: str
+    step: int
+    last: float
+    low: float
+    high: float
+
+    def text(self) -> str:
+        """``step 120: 2.3456   min 0.9129  max 10.0000`` (the figure's own format, SERIES_FORMATS)."""
+        f = SERIES_FORMATS.get(self.name, "{:g}")
+        return f"step {self.step}: {f.format(self.last)}   min {f.format(self.low)}  max {f.format(self.high)}"
+
+
+def series_points(steps: Sequence[int], values: Sequence[float | None]) -> list[tuple[int, float]]:
+    """The (step, value) pairs of the steps that reported the figure."""
+    return [(s, v) for s, v in zip(steps, values) if v is not None]
+
+
+def series_summary(name: str, steps: Sequence[int], values: Sequence[float | None]) -> SeriesSummary | None:
+    """The figure's last value, least and most over the steps that reported it; None when none did."""
+    pts = series_points(steps, values)
+    if not pts:
+        return None
+    data = [v for _, v in pts]
+    return SeriesSummary(name, pts[-1][0], data[-1], min(data), max(data))

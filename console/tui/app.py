@@ -1,4 +1,5 @@
-"""Provides the gpudeck console: a Textual app over the Fleet (hosts, GPUs, runs, output) and the History.
+"""Provides the gpudeck console: a Textual app over the operations layer's long-lived :class:`Ops` (hosts, GPUs, runs,
+output, the history).
 
 Host links call back on every snapshot; the app only notes which hosts
 changed and, four times a second, hands the changes to the screens inside one
@@ -24,11 +25,10 @@ from textual.screen import ModalScreen, Screen
 from gpudeck.agents.wire import paths
 from gpudeck.agents.wire.protocol import RunInfo
 from gpudeck.console.core.config import ConfigError
+from gpudeck.console.core.records import HostStatus
 from gpudeck.console.core.sanitize import escape_controls
-from gpudeck.console.fleet.fleet import Fleet, HostLink, HostStatus
-from gpudeck.console.history.replica import History
 from gpudeck.console.ops import LaunchIntent
-from gpudeck.console.ops.rank_death import attach as attach_rank_death
+from gpudeck.console.ops.context import Ops
 from gpudeck.console.tui.commands import GpudeckCommands
 from gpudeck.console.tui.compat.ansi_theme import light_ansi
 from gpudeck.console.tui.compat.textual_fixes import install as install_textual_fixes
@@ -106,11 +106,11 @@ class GpudeckApp(App):
         Binding("q", "quit", "Quit"),
     ]
 
-    def __init__(self, fleet: Fleet | None = None, *, freeze_gc: bool = False) -> None:
-        """``freeze_gc``: once connected, keep the start-up heap out of full collections (the real console does)."""
+    def __init__(self, ops: Ops | None = None, *, freeze_gc: bool = False) -> None:
+        """``ops``: the console's operations (:meth:`Ops.console`; by default every configured host, no history);
+        ``freeze_gc``: once connected, keep the start-up heap out of full collections (the real console does)."""
         super().__init__()
-        self.fleet = fleet or Fleet()
-        attach_rank_death(self.fleet)  # --on-rank-death stop across a multi-node run's hosts (console/ops/rank_death.py)
+        self.ops = ops or Ops.console()
         self._dirty_hosts: set[str] = set()
         self._history_dirty = False
         self._gc_frozen = not freeze_gc  # tests and embedders leave their process's collector alone
@@ -127,9 +127,11 @@ class GpudeckApp(App):
 
     def fleet_status(self) -> dict[str, HostStatus]:
         """The latest state of every host."""
-        return {name: link.status for name, link in self.fleet.links.items()}
+        return {name: link.status for name, link in self.ops.links.items()}
 
-    def _follow_link(self, name: str, link: HostLink) -> None:
+    def _follow_link(self, name: str) -> None:
+        link = self.ops.links[name]
+
         def mark_dirty(_st: HostStatus, name: str = name) -> None:
             self._dirty_hosts.add(name)
 
@@ -139,9 +141,9 @@ class GpudeckApp(App):
     def on_mount(self) -> None:
         self.theme = THEMES[0]
         self.ansi_theme_light = _light_ansi()
-        for name, link in self.fleet.links.items():
-            self._follow_link(name, link)
-        self.fleet.start()
+        for name in self.ops.links:
+            self._follow_link(name)
+        self.ops.start()
         self.set_interval(FLUSH_S, self.flush_updates)
         self._config_mtime = self._config_stamp()
         self.set_interval(CONFIG_POLL_S, self._check_config)
@@ -149,9 +151,9 @@ class GpudeckApp(App):
         self.push_screen(FleetScreen())
 
     def _config_stamp(self) -> float | None:
-        config = getattr(self.fleet, "config", None)  # a fleet built without a config file has nothing to follow
+        path = self.ops.config_path  # a fleet built without a config file has nothing to follow
         try:
-            return config.path.stat().st_mtime_ns if config is not None else None
+            return path.stat().st_mtime_ns if path is not None else None
         except OSError:
             return None
 
@@ -162,12 +164,12 @@ class GpudeckApp(App):
             return
         self._config_mtime = stamp
         try:
-            added, removed, changed = self.fleet.reload_config()
+            added, removed, changed = self.ops.reload_config()
         except ConfigError as exc:
             self.notify(str(exc), title="the config file changed and cannot be read", severity="error")
             return
         for name in [*added, *changed]:  # a changed host has a new link (its new settings), followed like a new one
-            self._follow_link(name, self.fleet.links[name])
+            self._follow_link(name)
         if added or removed or changed:
             self._dirty_hosts |= {*added, *removed, *changed}
             said = [(added, "added"), (removed, "removed"), (changed, "reconnecting with new settings:")]
@@ -178,7 +180,7 @@ class GpudeckApp(App):
             self._history_dirty = True
 
     async def on_unmount(self) -> None:
-        await self.fleet.close()
+        await self.ops.close()
 
     def flush_updates(self) -> None:
         """Hand what changed since the last flush to the screens; the visible ones redraw it now, in one batch."""
@@ -206,7 +208,7 @@ class GpudeckApp(App):
         Then young collections run every GC_YOUNG allocations, and the middle and full ones when the
         console starts them (due_collection): cycles are still found, a little later.
         """
-        links = self.fleet.links.values()
+        links = self.ops.links.values()
         settled = all(link.status.state != "connecting" for link in links)
         if settled or time.monotonic() - self._mounted_at > GC_FREEZE_AFTER_S:
             self._gc_frozen = True
@@ -320,9 +322,9 @@ class GpudeckApp(App):
 
 def run_console() -> int:
     """Open the console on the fleet (this host, its agent started if needed, plus the configured hosts)."""
-    history = History()
+    ops = Ops.console(with_history=True)
     try:
-        GpudeckApp(Fleet(history=history), freeze_gc=True).run()
+        GpudeckApp(ops, freeze_gc=True).run()
     finally:
-        history.close()
+        ops.close_history()
     return 0

@@ -38,9 +38,9 @@ class GpudeckCommands(Provider):
         add_bindings(app, list(getattr(app, "BINDINGS", [])))
         out.append(("Theme: dark", "switch to the dark theme", partial(setattr, app, "theme", "textual-dark")))
         out.append(("Theme: light", "switch to the light theme", partial(setattr, app, "theme", "textual-light")))
-        fleet = getattr(app, "fleet", None)
-        if fleet is not None:
-            for name, link in fleet.links.items():
+        ops = getattr(app, "ops", None)
+        if ops is not None:
+            for name, link in ops.links.items():
                 out.append((f"Open host {name}", f"GPUs and processes of {name} ({link.status.state})", partial(deck(app).open_host, name)))
         return out
 

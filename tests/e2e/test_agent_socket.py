@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from gpudeck.agents.wire.errors import NotFound
-from gpudeck.agents.wire.protocol import GetEvents, GetRun, Launch, LaunchSpec, Ping
+from gpudeck.agents.wire.errors import BadRequest, NotFound
+from gpudeck.agents.wire.protocol import GetEvents, GetRun, GetSnapshot, Launch, LaunchSpec, Ping, Snapshot, Stop
 from tests.agent_harness import ROOT, AgentProc, wait_for
 
 
@@ -267,3 +267,69 @@ def test_agent_status_says_when_the_gpus_are_simulated(gpudeck_home: Path, monke
         assert json.loads(a.cli("agent", "status", "--json").stdout)["simulated"] is True
     finally:
         teardown_agent(a)
+
+
+def test_a_snapshot_right_after_a_launch_or_a_stop_shows_it_though_the_last_sample_is_young(agent: AgentProc) -> None:
+    """GetSnapshot answers from the agent's latest sample while it is young, but never one older than a state change:
+    a launch and a stop are in the very next snapshot; max_age_s=0 gets a sample made for the request."""
+
+    async def snap(c, **kw) -> Snapshot:  # type: ignore[no-untyped-def]
+        got = await c.request(GetSnapshot(**kw), timeout=30)
+        assert isinstance(got, Snapshot)
+        return got
+
+    async def go() -> None:
+        c = await agent.client()
+        try:
+            # a warm cache: two snapshots in a row are one sample (each answered under its own request id)
+            for _ in range(20):
+                a, b = await snap(c, request_id="first"), await snap(c, request_id='second "quoted" é')
+                if a.ts == b.ts:
+                    break
+            assert a.ts == b.ts, "the second snapshot was sampled again though nothing changed"
+            assert (a.request_id, b.request_id) == ("first", 'second "quoted" é')
+            fresh = await snap(c, max_age_s=0)
+            assert fresh.ts > b.ts, "max_age_s=0 was answered from an earlier sample"
+            await snap(c)  # the cache is warm again
+            launched = await c.request(
+                Launch(spec=LaunchSpec(argv=[sys.executable, "-c", "import time; time.sleep(60)"], name="fresh")), timeout=60
+            )
+            rid = launched.run.id  # type: ignore[attr-defined]
+            after = await snap(c)
+            assert any(r.id == rid for r in after.runs), "a snapshot right after a launch did not show the run"
+            assert after.last_seq > b.last_seq, "the launch's committed events are not in the snapshot's last_seq"
+            await snap(c)
+            await c.request(Stop(run_id=rid, grace_s=1), timeout=60)
+            stopped = await snap(c)
+            assert all(r.id != rid for r in stopped.runs), "a snapshot right after a stop still showed the run live"
+            with pytest.raises(BadRequest, match="max_age_s"):
+                await snap(c, max_age_s=-1)
+            assert (await snap(c, request_id="still up")).request_id == "still up"
+        finally:
+            await c.close()
+
+    asyncio.run(go())
+
+
+def test_a_fingerprint_probes_under_the_environment_the_run_will_get_and_a_bad_one_is_refused(agent: AgentProc) -> None:
+    """The cross-node gate sends the run's environment with Fingerprint: the probe sees it (an LD_LIBRARY_PATH given with
+    --env decides which libnccl it finds, as for the run); a name a process cannot be given is a typed refusal."""
+    from gpudeck.agents.wire.protocol import Fingerprint, FingerprintReply
+
+    async def go() -> None:
+        c = await agent.client()
+        try:
+            got = await c.request(
+                Fingerprint(python=sys.executable, env={"NCCL_DEBUG": "INFO", "TORCH_SHOW_CPP_STACKTRACES": "1"}), timeout=120
+            )
+            assert isinstance(got, FingerprintReply)
+            assert got.env.dist_env.get("NCCL_DEBUG") == "INFO" and got.env.dist_env.get("TORCH_SHOW_CPP_STACKTRACES") == "1"
+            plain = await c.request(Fingerprint(python=sys.executable), timeout=120)
+            assert isinstance(plain, FingerprintReply) and "NCCL_DEBUG" not in plain.env.dist_env
+            with pytest.raises(BadRequest, match="not valid"):
+                await c.request(Fingerprint(python=sys.executable, env={"A=B": "x"}), timeout=30)
+            assert isinstance(await c.request(Ping(), timeout=30), object)  # the connection survives the refusal
+        finally:
+            await c.close()
+
+    asyncio.run(go())

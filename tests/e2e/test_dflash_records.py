@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 
-import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -20,7 +19,7 @@ pytest.importorskip("transformers")
 
 pytestmark = pytest.mark.slow
 
-from tests.trainer_harness import Runs
+from tests.trainer_harness import Runs, dflash_records_args
 
 
 @pytest.fixture(scope="module")
@@ -36,43 +35,7 @@ def _steps(tel, rank):
 
 @pytest.fixture()
 def setup(tmp_path):
-    rng = np.random.default_rng(0)
-    words = ["alpha", "beta", "gamma", "delta", "eps", "zeta"]
-    data = tmp_path / "chat.jsonl"
-    with open(data, "w") as fh:
-        for _ in range(400):
-            prompt = " ".join(rng.choice(words, int(rng.integers(1, 6))))
-            response = " ".join(rng.choice(words, int(rng.integers(2, 14))))
-            fh.write(json.dumps({"prompt": prompt, "response": response}) + "\n")
-    dcfg = tmp_path / "drafter.json"
-    dcfg.write_text(
-        json.dumps(
-            {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 8, "use_sliding_window": True, "block_size": 4}
-        )
-    )
-    args = [
-        "--target-config",
-        "tiny",
-        "--data",
-        str(data),
-        "--seq-len",
-        "64",
-        "--token-budget",
-        "192",
-        "--num-anchors",
-        "8",
-        "--drafter-config",
-        str(dcfg),
-        "--gamma",
-        "2",
-        "--eval-prompt-len",
-        "16",
-        "--eval-gen-len",
-        "16",
-        "--eval-samples",
-        "2",
-    ]
-    return args
+    return [*dflash_records_args(tmp_path), "--eval-prompt-len", "16", "--eval-gen-len", "16", "--eval-samples", "2"]
 
 
 def test_records_with_a_token_budget_train_and_resume_exactly(tmp_path, runs, setup):

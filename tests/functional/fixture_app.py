@@ -8,13 +8,14 @@ from __future__ import annotations
 import tempfile
 from pathlib import Path
 
+from gpudeck.console.ops.context import Ops
 from gpudeck.console.tui.app import GpudeckApp
 from tests.functional.fixture_fleet import FixtureFleet
 
 
 def main() -> None:
     with tempfile.TemporaryDirectory(prefix="gd-fixture-") as d:
-        GpudeckApp(FixtureFleet(Path(d) / "history.db")).run()
+        GpudeckApp(Ops.console(FixtureFleet(Path(d) / "history.db"))).run()
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ from rich.style import Style
 from textual.color import Color
 from textual.command import CommandList, CommandPalette
 
+from gpudeck.console.ops.context import Ops
 from gpudeck.console.present import views
 from gpudeck.console.tui.app import GpudeckApp
 from gpudeck.console.tui.widgets.diff import DIFF_STYLE
@@ -35,7 +36,7 @@ def contrast(a: tuple[int, int, int], b: tuple[int, int, int]) -> float:
 
 
 async def test_the_light_themes_changed_colour_passes_wcag_aa(tmp_path: Path) -> None:
-    app = GpudeckApp(FixtureFleet(tmp_path / "h.db"))
+    app = GpudeckApp(Ops.console(FixtureFleet(tmp_path / "h.db")))
     async with app.run_test(size=(120, 30)) as pilot:
         await pilot.press("ctrl+t")
         assert app.theme == "textual-light"
@@ -50,7 +51,7 @@ async def test_the_light_themes_changed_colour_passes_wcag_aa(tmp_path: Path) ->
 
 
 async def test_the_palette_lists_each_command_once(tmp_path: Path) -> None:
-    app = GpudeckApp(FixtureFleet(tmp_path / "h.db"))
+    app = GpudeckApp(Ops.console(FixtureFleet(tmp_path / "h.db")))
     async with app.run_test(size=(120, 40)) as pilot:
         await pilot.press("ctrl+p")
         palette = await until(lambda: isinstance(app.screen, CommandPalette) and app.screen, what="the palette")
@@ -67,7 +68,7 @@ async def test_the_screenshot_creates_its_folder_or_falls_back_to_the_state_dir_
 ) -> None:
     downloads = tmp_path / "no" / "Downloads"  # does not exist yet: created
     monkeypatch.setattr("gpudeck.console.tui.app.platformdirs", types.SimpleNamespace(user_downloads_dir=lambda: str(downloads)))
-    app = GpudeckApp(FixtureFleet(tmp_path / "h.db"))
+    app = GpudeckApp(Ops.console(FixtureFleet(tmp_path / "h.db")))
     async with app.run_test(size=(100, 30)) as pilot:
         app.action_screenshot()
         assert app.last_screenshot is not None and app.last_screenshot.parent == downloads and app.last_screenshot.exists()

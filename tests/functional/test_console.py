@@ -11,6 +11,7 @@ from textual.widgets import Input, Static
 from gpudeck.console.fleet.fleet import Fleet
 from gpudeck.console.history.replica import History
 from gpudeck.console.ops import Caller, IntentError, plan_launch, relaunch_intent
+from gpudeck.console.ops.context import Ops
 from gpudeck.console.tui.app import GpudeckApp
 from gpudeck.console.tui.screens.dialogs import ConfirmDialog, ResultDialog
 from gpudeck.console.tui.screens.history import HistoryScreen
@@ -108,7 +109,7 @@ async def _launch_command(app: GpudeckApp, pilot, argv: str, name: str) -> RunSc
 
 
 async def test_launch_watch_stop_from_the_console_and_find_the_cause_in_history(agent: AgentProc, history: History) -> None:
-    app = GpudeckApp(Fleet(state_dir=agent.state_dir, interval_s=0.2, history=history))
+    app = GpudeckApp(Ops.console(Fleet(state_dir=agent.state_dir, interval_s=0.2, history=history)))
     async with app.run_test(size=SIZE) as pilot:
         await _local_up(app)
         screen = await _launch_command(app, pilot, f'{sys.executable} -u -c "{PROG}"', "console-run")
@@ -151,7 +152,7 @@ async def test_launch_watch_stop_from_the_console_and_find_the_cause_in_history(
 
 
 async def test_launch_dialog_refuses_a_trainer_without_a_start(agent: AgentProc) -> None:
-    app = GpudeckApp(Fleet(state_dir=agent.state_dir, interval_s=0.2))
+    app = GpudeckApp(Ops.console(Fleet(state_dir=agent.state_dir, interval_s=0.2)))
     async with app.run_test(size=SIZE) as pilot:
         dialog = await open_launch(pilot, kind="fsdp", args="--model-config tiny")
         await pilot.pause()
@@ -162,7 +163,7 @@ async def test_launch_dialog_refuses_a_trainer_without_a_start(agent: AgentProc)
 
 
 async def test_simulated_gpus_are_labelled_and_a_foreign_holder_is_attributed(sim_agent: AgentProc, foreign_holder: Holder) -> None:
-    app = GpudeckApp(Fleet(state_dir=sim_agent.state_dir, interval_s=0.2))
+    app = GpudeckApp(Ops.console(Fleet(state_dir=sim_agent.state_dir, interval_s=0.2)))
     async with app.run_test(size=SIZE):
         await _local_up(app)
         table = app.screen.query_one("#fleet-table", KeyedTable)
@@ -176,7 +177,7 @@ async def test_simulated_gpus_are_labelled_and_a_foreign_holder_is_attributed(si
 
 
 async def test_reclaim_a_foreign_holder_from_the_host_screen(sim_agent: AgentProc, foreign_holder: Holder) -> None:
-    app = GpudeckApp(Fleet(state_dir=sim_agent.state_dir, interval_s=0.2))
+    app = GpudeckApp(Ops.console(Fleet(state_dir=sim_agent.state_dir, interval_s=0.2)))
     async with app.run_test(size=SIZE) as pilot:
         await _local_up(app)
         host = await open_host(app, "local")
@@ -194,7 +195,7 @@ async def test_reclaim_a_foreign_holder_from_the_host_screen(sim_agent: AgentPro
 
 
 async def test_leftovers_from_the_real_agent(sim_agent: AgentProc, foreign_holder: Holder) -> None:
-    app = GpudeckApp(Fleet(state_dir=sim_agent.state_dir, interval_s=0.2))
+    app = GpudeckApp(Ops.console(Fleet(state_dir=sim_agent.state_dir, interval_s=0.2)))
     async with app.run_test(size=SIZE):
         await _local_up(app)
         app.push_screen(LeftoversScreen("local"))
@@ -209,7 +210,7 @@ async def test_leftovers_from_the_real_agent(sim_agent: AgentProc, foreign_holde
 
 
 async def test_preflight_verdict_from_the_real_agent(sim_agent: AgentProc) -> None:
-    app = GpudeckApp(Fleet(state_dir=sim_agent.state_dir, interval_s=0.2))
+    app = GpudeckApp(Ops.console(Fleet(state_dir=sim_agent.state_dir, interval_s=0.2)))
     async with app.run_test(size=SIZE) as pilot:
         await _local_up(app)
         dialog = await open_launch(pilot, args="sleep 5")
@@ -220,7 +221,7 @@ async def test_preflight_verdict_from_the_real_agent(sim_agent: AgentProc) -> No
 
 
 async def test_verify_claims_from_the_real_agent(sim_agent: AgentProc) -> None:
-    app = GpudeckApp(Fleet(state_dir=sim_agent.state_dir, interval_s=0.2))
+    app = GpudeckApp(Ops.console(Fleet(state_dir=sim_agent.state_dir, interval_s=0.2)))
     async with app.run_test(size=SIZE):
         run = await _open_cli_run(app, sim_agent, "claims-1b")
         claims = run.query_one("#claims-table", KeyedTable)
@@ -230,7 +231,7 @@ async def test_verify_claims_from_the_real_agent(sim_agent: AgentProc) -> None:
 async def test_the_environment_fingerprint_taken_at_launch_is_shown(agent: AgentProc) -> None:
     import platform
 
-    app = GpudeckApp(Fleet(state_dir=agent.state_dir, interval_s=0.2))
+    app = GpudeckApp(Ops.console(Fleet(state_dir=agent.state_dir, interval_s=0.2)))
     async with app.run_test(size=SIZE) as pilot:
         run = await _open_cli_run(app, agent, "fp")
         await pilot.press("3")
@@ -241,7 +242,7 @@ async def test_the_environment_fingerprint_taken_at_launch_is_shown(agent: Agent
 
 async def test_triage_from_the_run_screen_is_the_cli_s_operation(agent: AgentProc) -> None:
     """T on the Run screen gathers the run's triage through ops.triage (as `gpudeck triage`), shown as text; the run lives on."""
-    app = GpudeckApp(Fleet(state_dir=agent.state_dir, interval_s=0.2))
+    app = GpudeckApp(Ops.console(Fleet(state_dir=agent.state_dir, interval_s=0.2)))
     async with app.run_test(size=SIZE) as pilot:
         run = await _open_cli_run(app, agent, "[bold]triage-me[/]")
         await until(lambda: run.run is not None and run.run.state == "running", what="the run to be running")
@@ -267,7 +268,7 @@ async def test_the_fleet_says_when_gpudeck_watch_fails_to_notify(agent: AgentPro
         for it in box.due(now=1e12):
             box.failed(it, f"503 Service Unavailable from {it.target}", now=1000.0)
     box.close()
-    app = GpudeckApp(Fleet(state_dir=agent.state_dir, interval_s=0.2))
+    app = GpudeckApp(Ops.console(Fleet(state_dir=agent.state_dir, interval_s=0.2)))
     async with app.run_test(size=SIZE):
         await _local_up(app)
         summary = app.screen.query_one("#fleet-summary", Static)

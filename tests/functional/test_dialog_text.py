@@ -14,6 +14,7 @@ from textual.geometry import Region
 from textual.widgets import Input
 
 from gpudeck.agents.wire.protocol import LaunchSpec, RunInfo, StoppedProcess, StopResult
+from gpudeck.console.ops.context import Ops
 from gpudeck.console.tui.app import GpudeckApp
 from gpudeck.console.tui.screens.dialogs import ConfirmDialog, ResultDialog
 from gpudeck.console.tui.screens.launch import FIELD_LIMIT, LaunchDialog
@@ -91,7 +92,7 @@ async def on_hostile_run(pilot, key: str, dialog: type[T]) -> T:  # type: ignore
 @pytest.mark.parametrize("name", [TITLE, RED])
 async def test_relaunch_shows_a_hostile_name_and_argv_escaped_on_one_row_and_launches_the_recorded_ones(tmp_path: Path, name: str) -> None:
     fleet = HostileFleet(name=name)
-    app = GpudeckApp(fleet)
+    app = GpudeckApp(Ops.console(fleet))
     async with app.run_test(size=SIZE) as pilot:
         dialog = await on_hostile_run(pilot, "R", LaunchDialog)
         await pilot.pause()
@@ -113,7 +114,7 @@ async def test_an_edited_field_is_launched_as_typed_and_a_cut_one_is_refused(tmp
     long_python = "/opt/" + "p" * (FIELD_LIMIT + 50)
     fleet = HostileFleet()
     fleet.hostile = msgspec.structs.replace(fleet.hostile, spec=msgspec.structs.replace(fleet.hostile.spec, python=long_python))
-    app = GpudeckApp(fleet)
+    app = GpudeckApp(Ops.console(fleet))
     async with app.run_test(size=SIZE) as pilot:
         dialog = await on_hostile_run(pilot, "R", LaunchDialog)
         field = dialog.query_one("#python", Input)
@@ -128,7 +129,7 @@ async def test_an_edited_field_is_launched_as_typed_and_a_cut_one_is_refused(tmp
 
 async def test_a_recorded_name_past_the_name_limit_is_refused_until_it_is_shortened(tmp_path: Path) -> None:
     fleet = HostileFleet(name="n" * 300)
-    app = GpudeckApp(fleet)
+    app = GpudeckApp(Ops.console(fleet))
     async with app.run_test(size=SIZE) as pilot:
         dialog = await on_hostile_run(pilot, "R", LaunchDialog)
         with pytest.raises(Exception, match="at most 256 characters"):
@@ -139,7 +140,7 @@ async def test_a_recorded_name_past_the_name_limit_is_refused_until_it_is_shorte
 
 async def test_stop_confirm_and_result_dialogs_escape_and_bound_what_the_run_controls(tmp_path: Path) -> None:
     fleet = HostileFleet()
-    app = GpudeckApp(fleet)
+    app = GpudeckApp(Ops.console(fleet))
     async with app.run_test(size=SIZE) as pilot:
         await on_hostile_run(pilot, "s", ConfirmDialog)
         await pilot.pause()

@@ -33,6 +33,7 @@ from gpudeck.agents.wire.protocol import LaunchSpec, RunInfo
 from gpudeck.console.cli.main import main
 from gpudeck.console.core.fmt import duration
 from gpudeck.console.history.replica import History
+from gpudeck.console.ops.context import Ops
 from gpudeck.console.ops.figures import RunFigures, run_figures
 from gpudeck.console.ops.readings import find_runs
 from gpudeck.console.present.formats import format_history, format_show
@@ -214,7 +215,7 @@ async def test_the_cli_the_diff_screen_and_the_history_screen_show_the_same_figu
     seen = await asyncio.to_thread(_cli_figures, tmp_path, monkeypatch)
 
     # the console: the History screen's rows, then the Diff screen of the two runs marked there
-    app = GpudeckApp(fleet)
+    app = GpudeckApp(Ops.console(fleet))
     async with app.run_test(size=(200, 50)) as pilot:
         screen = await press_for(pilot, "h", HistoryScreen)
         table = screen.query_one("#history-table", KeyedTable)

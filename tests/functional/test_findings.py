@@ -12,6 +12,7 @@ from textual.widget import Widget
 from textual.widgets import Button, Input, SelectionList, Static
 
 from gpudeck.agents.wire.protocol import Alert, LaunchSpec, PreflightCheck, PreflightResult, RunInfo
+from gpudeck.console.ops.context import Ops
 from gpudeck.console.tui.app import GpudeckApp
 from gpudeck.console.tui.screens.diff import DiffScreen
 from gpudeck.console.tui.screens.run import RunScreen
@@ -33,7 +34,7 @@ class LongPreflightFleet(FixtureFleet):
 
 
 async def test_gpus_marked_in_the_launch_dialog_are_named_under_the_list() -> None:
-    app = GpudeckApp(FixtureFleet())
+    app = GpudeckApp(Ops.console(FixtureFleet()))
     async with app.run_test(size=SIZE) as pilot:
         dialog = await open_launch(pilot)
         hint = dialog.query_one("#gpu-hint", Static)
@@ -50,7 +51,7 @@ async def test_gpus_marked_in_the_launch_dialog_are_named_under_the_list() -> No
 
 
 async def test_a_long_preflight_scrolls_inside_the_launch_dialog_and_its_buttons_stay_in_view() -> None:
-    app = GpudeckApp(LongPreflightFleet())
+    app = GpudeckApp(Ops.console(LongPreflightFleet()))
     async with app.run_test(size=SIZE) as pilot:
         dialog = await open_launch(pilot, args="sleep 1")
         await pilot.press("ctrl+s")
@@ -63,7 +64,7 @@ async def test_a_long_preflight_scrolls_inside_the_launch_dialog_and_its_buttons
                 assert box.contains_region(b.region), f"{b.id} at {b.region} is outside the dialog {box}"
                 assert b.region.bottom <= SIZE[1]
         await pilot.press("ctrl+s")  # the confirm is reachable by key, as it is on screen
-        await until(lambda: app.fleet.launched, what="the forced launch")  # type: ignore[attr-defined]
+        await until(lambda: app.ops.fleet.launched, what="the forced launch")  # type: ignore[attr-defined]
 
 
 class StoppedWithAlertFleet(FixtureFleet):
@@ -82,7 +83,7 @@ class StoppedWithAlertFleet(FixtureFleet):
 
 
 async def test_a_stopped_run_shows_no_gpu_idle_warning() -> None:
-    app = GpudeckApp(StoppedWithAlertFleet())
+    app = GpudeckApp(Ops.console(StoppedWithAlertFleet()))
     async with app.run_test(size=SIZE) as pilot:
         runs = await press_for(pilot, "r", RunsScreen)
         table = runs.query_one("#runs-table", KeyedTable)
@@ -103,7 +104,7 @@ def drawn_text(widget: Widget) -> str:
 
 
 async def test_the_filter_text_shows_while_it_is_typed() -> None:
-    app = GpudeckApp(FixtureFleet())
+    app = GpudeckApp(Ops.console(FixtureFleet()))
     async with app.run_test(size=SIZE) as pilot:
         table = await until(lambda: app.screen.query_one("#fleet-table", KeyedTable), what="the Fleet table")
         await until(lambda: "gpu1" in table.keys(), what="the fleet's rows")
@@ -116,7 +117,7 @@ async def test_the_filter_text_shows_while_it_is_typed() -> None:
 
 
 async def test_columns_fold_and_come_back_when_the_terminal_is_resized() -> None:
-    app = GpudeckApp(FixtureFleet())
+    app = GpudeckApp(Ops.console(FixtureFleet()))
     async with app.run_test(size=(200, 50)) as pilot:
         table = await until(lambda: app.screen.query_one("#fleet-table", KeyedTable), what="the Fleet table")
         await until(lambda: "gpu1" in table.keys(), what="the fleet's rows")
@@ -137,7 +138,7 @@ async def test_the_diff_header_counts_every_row_the_table_marks(tmp_path: Path) 
     fleet = FixtureFleet(tmp_path / "history.db")
     assert fleet.history is not None
     a, b = fleet.history.find(GOOD), fleet.history.find(LIVE)
-    app = GpudeckApp(fleet)
+    app = GpudeckApp(Ops.console(fleet))
     async with app.run_test(size=SIZE) as pilot:
         await app.push_screen(DiffScreen(a, b))
         screen = await until(lambda: mounted(app, DiffScreen), what="the diff screen")

@@ -14,6 +14,7 @@ from textual.widgets import Static
 
 from gpudeck.console.fleet.fleet import Fleet
 from gpudeck.console.history.replica import History
+from gpudeck.console.ops.context import Ops
 from gpudeck.console.tui.app import GpudeckApp
 from gpudeck.console.tui.screens.diff import DiffScreen
 from gpudeck.console.tui.screens.history import HistoryScreen
@@ -62,7 +63,7 @@ async def test_hostile_names_argv_env_and_output_show_literally_on_every_screen(
             "launch", "--name", n, "--env", "HF_TOKEN=hf_sekrit", "--env", f"NOTE={n}", "--", sys.executable, "-c", PRINT, f"argv {n}"
         )
         ids.append(out.stdout.strip())
-    app = GpudeckApp(Fleet(state_dir=agent.state_dir, interval_s=0.2, history=history))
+    app = GpudeckApp(Ops.console(Fleet(state_dir=agent.state_dir, interval_s=0.2, history=history)))
     async with app.run_test(size=SIZE) as pilot:
         runs = await press_for(pilot, "r", RunsScreen)
         table = runs.query_one("#runs-table", KeyedTable)

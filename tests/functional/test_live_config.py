@@ -9,6 +9,7 @@ import pytest
 
 from gpudeck.console.core import config as cfg
 from gpudeck.console.fleet.fleet import Fleet, HostLink
+from gpudeck.console.ops.context import Ops
 from gpudeck.console.tui.app import GpudeckApp
 from gpudeck.console.tui.widgets.keyed_table import KeyedTable
 from tests.agent_harness import AgentProc
@@ -19,7 +20,7 @@ async def test_hosts_added_and_removed_in_the_config_show_up_in_a_running_consol
     path = tmp_path / "config.toml"
     cfg.add_host("127.0.0.1", path)  # loopback: nothing listens for ssh there in a test, so it is unreachable at once
     fleet = Fleet(config=cfg.load(path), state_dir=agent.state_dir, interval_s=0.2)
-    app = GpudeckApp(fleet)
+    app = GpudeckApp(Ops.console(fleet))
     async with app.run_test(size=(150, 30)):
         table = app.screen.query_one("#fleet-table", KeyedTable)
         await until(lambda: set(table.keys()) == {"local", "127.0.0.1"}, what="the configured hosts")
@@ -51,7 +52,7 @@ async def test_a_config_edited_into_one_no_parser_should_see_is_refused_and_the_
     path = tmp_path / "config.toml"
     cfg.add_host("127.0.0.1", path)
     fleet = Fleet(config=cfg.load(path), state_dir=agent.state_dir, interval_s=0.2)
-    app = GpudeckApp(fleet)
+    app = GpudeckApp(Ops.console(fleet))
     async with app.run_test(size=(150, 30)):
         table = app.screen.query_one("#fleet-table", KeyedTable)
         await until(lambda: set(table.keys()) == {"local", "127.0.0.1"}, what="the configured hosts")
@@ -67,7 +68,7 @@ async def test_a_changed_host_setting_reaches_a_running_console_at_once(agent: A
     path = tmp_path / "config.toml"
     path.write_text('hosts = ["127.0.0.1"]\n\n[host."127.0.0.1"]\ncommand = "/nonexistent/gpudeck agent dial"\n')
     fleet = Fleet(config=cfg.load(path), state_dir=agent.state_dir, interval_s=0.2)
-    app = GpudeckApp(fleet)
+    app = GpudeckApp(Ops.console(fleet))
     async with app.run_test(size=(150, 30)):
         old = fleet.links["127.0.0.1"]
         assert old.settings.command == "/nonexistent/gpudeck agent dial"

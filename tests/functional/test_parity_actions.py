@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 
 from gpudeck.console.cli.main import main as cli_main
+from gpudeck.console.ops.context import Ops
 from gpudeck.console.tui.app import GpudeckApp
 from gpudeck.console.tui.screens.dialogs import ConfirmDialog, ResultDialog
 from gpudeck.console.tui.screens.leftovers import LeftoversScreen
@@ -50,7 +51,7 @@ def cli_fleets(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> list[Counting
         made.append(CountingFleet())
         return made[-1]
 
-    monkeypatch.setattr("gpudeck.console.cli.main.Fleet", fleet)
+    monkeypatch.setattr("gpudeck.console.ops.context.Fleet", fleet)
     return made
 
 
@@ -64,7 +65,7 @@ def _cli(*args: str) -> tuple[int, Any]:
 async def test_verify_shows_the_same_claims_in_both(cli_fleets: list[CountingFleet], tmp_path: Path) -> None:
     rc, cli = await asyncio.to_thread(_cli, "verify", LIVE, "--json")
     assert rc == 1 and cli["host"] == "gpu1"  # a mismatch: exit 1
-    app = GpudeckApp(CountingFleet(tmp_path / "h.db"))
+    app = GpudeckApp(Ops.console(CountingFleet(tmp_path / "h.db")))
     async with app.run_test(size=SIZE):
         app.open_run("gpu1", LIVE)
         run = await until(lambda: mounted(app, RunScreen), what="the run screen")
@@ -78,7 +79,7 @@ async def test_verify_shows_the_same_claims_in_both(cli_fleets: list[CountingFle
 async def test_leftovers_are_the_same_in_both(cli_fleets: list[CountingFleet], tmp_path: Path) -> None:
     rc, cli = await asyncio.to_thread(_cli, "reclaim", "gpu1", "--json")
     assert rc == 0
-    app = GpudeckApp(CountingFleet(tmp_path / "h.db"))
+    app = GpudeckApp(Ops.console(CountingFleet(tmp_path / "h.db")))
     async with app.run_test(size=SIZE) as pilot:
         await open_host(app)
         screen = await press_for(pilot, "L", LeftoversScreen)
@@ -92,7 +93,7 @@ async def test_stop_asks_the_same_of_the_agent_and_shows_the_same_result(cli_fle
     assert rc == 0
     [asked] = [s for f in cli_fleets for s in f.stops]
     fleet = CountingFleet(tmp_path / "h.db")
-    app = GpudeckApp(fleet)
+    app = GpudeckApp(Ops.console(fleet))
     async with app.run_test(size=SIZE) as pilot:
         app.open_run("gpu1", LIVE)
         await until(lambda: (s := mounted(app, RunScreen)) is not None and s.run is not None, what="the run")
@@ -104,7 +105,7 @@ async def test_stop_asks_the_same_of_the_agent_and_shows_the_same_result(cli_fle
 
 
 async def test_reclaim_asks_the_same_of_the_agent(cli_fleets: list[CountingFleet], tmp_path: Path) -> None:
-    app = GpudeckApp(fleet := CountingFleet(tmp_path / "h.db"))
+    app = GpudeckApp(Ops.console(fleet := CountingFleet(tmp_path / "h.db")))
     async with app.run_test(size=SIZE) as pilot:
         await open_host(app)
         screen = await press_for(pilot, "L", LeftoversScreen)

@@ -20,6 +20,7 @@ from rich.console import Console
 from gpudeck.agents.wire.protocol import Event, LaunchSpec, RunInfo, RunTelemetry
 from gpudeck.console.cli.main import main as cli_main
 from gpudeck.console.history.replica import History
+from gpudeck.console.ops.context import Ops
 from gpudeck.console.tui.app import GpudeckApp
 from gpudeck.console.tui.screens.dialogs import ChoiceDialog
 from gpudeck.console.tui.screens.picker import RunPicker
@@ -109,7 +110,7 @@ async def test_the_rollback_dialog_and_gpudeck_diff_show_the_same_rows_and_figur
     outcome = {r["key"]: (r["a"], r["b"]) for r in cli["outcome"]}
     assert outcome["tokens/s (median)"] == ("180.6", "76.79")  # the median of the recorded steps, both sides
     assert not any(r["key"] == "host" and r["differs"] for r in cli["config"])
-    app = GpudeckApp(fleet)
+    app = GpudeckApp(Ops.console(fleet))
     async with app.run_test(size=SIZE) as pilot:
         app.open_run("local", CUR)
         await until(lambda: (s := mounted(app, RunScreen)) is not None and s.run is not None, what="the run")

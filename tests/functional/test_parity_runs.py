@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 
 from gpudeck.console.cli.main import main as cli_main
+from gpudeck.console.ops.context import Ops
 from gpudeck.console.tui.app import GpudeckApp
 from gpudeck.console.tui.screens.runs import RunsScreen
 from gpudeck.console.tui.widgets.keyed_table import KeyedTable
@@ -31,7 +32,7 @@ SIZE = (180, 50)
 def home(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
     """The CLI's home: every fleet it makes is a fixture fleet; its history is the fixture history."""
     monkeypatch.setenv("GPUDECK_HOME", str(tmp_path))
-    monkeypatch.setattr("gpudeck.console.cli.main.Fleet", lambda *_a, **_kw: FixtureFleet())
+    monkeypatch.setattr("gpudeck.console.ops.context.Fleet", lambda *_a, **_kw: FixtureFleet())
     return tmp_path
 
 
@@ -45,7 +46,7 @@ def _cli_ids(*args: str) -> set[str]:
 
 
 async def _screen_ids(fleet: FixtureFleet, expect: int) -> set[str]:
-    app = GpudeckApp(fleet)
+    app = GpudeckApp(Ops.console(fleet))
     async with app.run_test(size=SIZE) as pilot:
         app.action_show_runs()
         screen = await until(lambda: mounted(app, RunsScreen), what="the runs screen")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from gpudeck.console.ops.context import Ops
 from gpudeck.console.tui.app import GpudeckApp
 from gpudeck.console.tui.screens.diff import DiffScreen
 from gpudeck.console.tui.screens.run import RunScreen
@@ -17,7 +18,7 @@ SIZE = (160, 50)
 
 
 async def test_run_screen_plots_loss_and_tokens_per_second_by_step(tmp_path: Path) -> None:
-    app = GpudeckApp(FixtureFleet(tmp_path / "history.db"))
+    app = GpudeckApp(Ops.console(FixtureFleet(tmp_path / "history.db")))
     async with app.run_test(size=SIZE) as pilot:
         app.open_run("gpu1", LIVE)
         screen = await until(lambda: mounted(app, RunScreen), what="the run screen")
@@ -36,7 +37,7 @@ async def test_diff_screen_overlays_both_runs(tmp_path: Path) -> None:
     a, b = fleet.history.find(LIVE, "gpu1"), fleet.history.find(GOOD, "gpu1")
     ma, mb = fleet.history.metrics("gpu1", LIVE), fleet.history.metrics("gpu1", GOOD)
     assert ma and mb
-    app = GpudeckApp(fleet)
+    app = GpudeckApp(Ops.console(fleet))
     async with app.run_test(size=SIZE) as pilot:
         app.push_screen(DiffScreen(a, b, ma, mb))
         diff = await until(lambda: mounted(app, DiffScreen), what="the diff screen")
@@ -47,7 +48,7 @@ async def test_diff_screen_overlays_both_runs(tmp_path: Path) -> None:
 
 async def test_host_screen_plots_gpu_memory_over_time(tmp_path: Path) -> None:
     fleet = FixtureFleet(tmp_path / "history.db")
-    app = GpudeckApp(fleet)
+    app = GpudeckApp(Ops.console(fleet))
     async with app.run_test(size=SIZE):
         host = await open_host(app)
         plot = host.query_one("#host-mem-plot", MetricPlot)
@@ -64,7 +65,7 @@ def test_thin_keeps_the_ends_and_the_limit() -> None:
 
 async def test_the_host_memory_plot_ends_at_now(tmp_path: Path) -> None:
     """The first sample alone: plotext centred it, and the x axis ran a minute into the future."""
-    app = GpudeckApp(FixtureFleet(tmp_path / "history.db"))
+    app = GpudeckApp(Ops.console(FixtureFleet(tmp_path / "history.db")))
     async with app.run_test(size=SIZE) as pilot:
         host = await open_host(app)
         plot = host.query_one("#host-mem-plot", MetricPlot)

@@ -15,6 +15,7 @@ import sys
 from textual.widgets import Button, Input, SelectionList, Static
 
 from gpudeck.console.fleet.fleet import Fleet
+from gpudeck.console.ops.context import Ops
 from gpudeck.console.tui.app import GpudeckApp
 from gpudeck.console.tui.screens.dialogs import ConfirmDialog
 from gpudeck.console.tui.screens.launch import LaunchDialog
@@ -30,7 +31,7 @@ SIZE = (160, 50)
 async def _dialog_on_gpu1(app: GpudeckApp, pilot, holder: Holder, **fields: str) -> LaunchDialog:  # type: ignore[no-untyped-def]
     table = app.screen.query_one("#fleet-table", KeyedTable)
     await until(lambda: "local" in table.keys() and str(table.get_cell("local", "state")).startswith("up"), what="local up")
-    link = app.fleet.links["local"]
+    link = app.ops.fleet.links["local"]
     await until(
         lambda: link.status.snapshot is not None and any(p.pid == holder.pid for p in link.status.snapshot.gpus[1].processes),
         timeout=20,
@@ -42,7 +43,7 @@ async def _dialog_on_gpu1(app: GpudeckApp, pilot, holder: Holder, **fields: str)
 
 
 async def test_reclaim_these_and_launch_is_the_first_action_and_force_the_second(sim_agent: AgentProc, foreign_holder: Holder) -> None:
-    app = GpudeckApp(Fleet(state_dir=sim_agent.state_dir, interval_s=0.2))
+    app = GpudeckApp(Ops.console(Fleet(state_dir=sim_agent.state_dir, interval_s=0.2)))
     async with app.run_test(size=SIZE) as pilot:
         dialog = await _dialog_on_gpu1(app, pilot, foreign_holder, args="sleep 30", name="reclaimed", need_gib="100")
         await pilot.press("ctrl+s")
@@ -70,7 +71,7 @@ async def test_reclaim_these_and_launch_is_the_first_action_and_force_the_second
 async def test_a_refused_holder_is_named_and_only_force_is_offered(sim_agent: AgentProc, foreign_holder: Holder, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     monkeypatch.setenv("LOGNAME", "someone-else")  # the console's operator is not the holder's user
     monkeypatch.setenv("USER", "someone-else")
-    app = GpudeckApp(Fleet(state_dir=sim_agent.state_dir, interval_s=0.2))
+    app = GpudeckApp(Ops.console(Fleet(state_dir=sim_agent.state_dir, interval_s=0.2)))
     async with app.run_test(size=SIZE) as pilot:
         dialog = await _dialog_on_gpu1(app, pilot, foreign_holder, args="sleep 30")
         await pilot.press("ctrl+s")
@@ -83,7 +84,7 @@ async def test_a_refused_holder_is_named_and_only_force_is_offered(sim_agent: Ag
 
 
 async def test_need_gib_is_checked_as_a_field(sim_agent: AgentProc) -> None:
-    app = GpudeckApp(Fleet(state_dir=sim_agent.state_dir, interval_s=0.2))
+    app = GpudeckApp(Ops.console(Fleet(state_dir=sim_agent.state_dir, interval_s=0.2)))
     async with app.run_test(size=SIZE) as pilot:
         dialog = await open_launch(pilot, args="sleep 1", need_gib="lots")
         await pilot.press("ctrl+s")

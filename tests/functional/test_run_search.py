@@ -6,6 +6,7 @@ from pathlib import Path
 
 from textual.widgets import Input
 
+from gpudeck.console.ops.context import Ops
 from gpudeck.console.tui.app import GpudeckApp
 from gpudeck.console.tui.screens.run import RunScreen
 from gpudeck.console.tui.widgets.output_view import OutputView, match_spans
@@ -25,7 +26,7 @@ async def search_box(pilot) -> tuple[RunScreen, OutputView]:  # type: ignore[no-
 
 
 async def test_search_wraps_with_n_and_shift_n_and_marks_the_current_match(tmp_path: Path) -> None:
-    app = GpudeckApp(FixtureFleet(tmp_path / "history.db"))
+    app = GpudeckApp(Ops.console(FixtureFleet(tmp_path / "history.db")))
     async with app.run_test(size=(150, 40)) as pilot:
         screen, view = await search_box(pilot)
         await pilot.press(*"step    3", "enter")  # lines 30..39 ('step {i:5d}')
@@ -39,7 +40,7 @@ async def test_search_wraps_with_n_and_shift_n_and_marks_the_current_match(tmp_p
 
 
 async def test_the_current_match_keeps_its_first_character_and_every_match_is_highlighted(tmp_path: Path) -> None:
-    app = GpudeckApp(FixtureFleet(tmp_path / "history.db"))
+    app = GpudeckApp(Ops.console(FixtureFleet(tmp_path / "history.db")))
     async with app.run_test(size=(150, 40)) as pilot:
         screen, view = await search_box(pilot)
         await pilot.press(*"step", "enter")  # every line starts with it ('step {i:5d} loss ...')

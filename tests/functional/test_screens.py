@@ -9,6 +9,7 @@ from textual.widgets import Input, OptionList, Select, SelectionList, Static
 
 from gpudeck.agents.wire.errors import BadRequest
 from gpudeck.agents.wire.protocol import Gpu, LaunchSpec, Snapshot
+from gpudeck.console.ops.context import Ops
 from gpudeck.console.tui.app import GpudeckApp
 from gpudeck.console.tui.commands import GpudeckCommands
 from gpudeck.console.tui.screens.dialogs import ChoiceDialog, ConfirmDialog, ResultDialog
@@ -52,7 +53,7 @@ class BigFleet(FixtureFleet):
 
 async def test_fleet_of_256_hosts_updates_only_the_rows_that_changed(monkeypatch: pytest.MonkeyPatch) -> None:
     fleet = BigFleet()
-    app = GpudeckApp(fleet)
+    app = GpudeckApp(Ops.console(fleet))
     cleared: list[bool] = []
     monkeypatch.setattr(KeyedTable, "clear", lambda self, columns=False: cleared.append(True))
     async with app.run_test(size=SIZE) as pilot:
@@ -94,7 +95,7 @@ async def test_fleet_of_256_hosts_updates_only_the_rows_that_changed(monkeypatch
 
 
 async def test_fleet_shows_link_states_with_their_messages_and_the_simulated_marker(fleet: FixtureFleet) -> None:
-    app = GpudeckApp(fleet)
+    app = GpudeckApp(Ops.console(fleet))
     async with app.run_test(size=SIZE):
         table = app.screen.query_one("#fleet-table", KeyedTable)
         assert str(table.get_cell("gpu2", "state")).startswith("unreachable ")
@@ -110,7 +111,7 @@ async def test_fleet_shows_link_states_with_their_messages_and_the_simulated_mar
 
 
 async def test_reclaim_marked_leftovers_confirms_per_gpu_then_shows_the_verified_result(fleet: FixtureFleet) -> None:
-    app = GpudeckApp(fleet)
+    app = GpudeckApp(Ops.console(fleet))
     async with app.run_test(size=SIZE) as pilot:
         await open_host(app)
         await pilot.press("a")
@@ -127,7 +128,7 @@ async def test_reclaim_marked_leftovers_confirms_per_gpu_then_shows_the_verified
 
 
 async def test_reclaiming_a_live_run_member_says_it_breaks_the_run(fleet: FixtureFleet) -> None:
-    app = GpudeckApp(fleet)
+    app = GpudeckApp(Ops.console(fleet))
     async with app.run_test(size=SIZE) as pilot:
         await open_host(app)
         await pilot.press("space")  # the first row: pid 4412, rank 0 of the live run
@@ -139,7 +140,7 @@ async def test_reclaiming_a_live_run_member_says_it_breaks_the_run(fleet: Fixtur
 
 
 async def test_leftovers_screen_lists_and_reclaims(fleet: FixtureFleet) -> None:
-    app = GpudeckApp(fleet)
+    app = GpudeckApp(Ops.console(fleet))
     async with app.run_test(size=SIZE) as pilot:
         await open_host(app)
         screen = await press_for(pilot, "L", LeftoversScreen)
@@ -168,7 +169,7 @@ class OldAgentFleet(FixtureFleet):
 
 async def test_requests_the_agent_cannot_answer_show_its_message(tmp_path: Path) -> None:
     fleet = OldAgentFleet(tmp_path / "h.db")
-    app = GpudeckApp(fleet)
+    app = GpudeckApp(Ops.console(fleet))
     async with app.run_test(size=SIZE) as pilot:
         app.push_screen(LeftoversScreen("gpu1"))
         screen = await until(lambda: mounted(app, LeftoversScreen), what="the leftovers screen")
@@ -194,7 +195,7 @@ async def test_requests_the_agent_cannot_answer_show_its_message(tmp_path: Path)
 
 
 async def test_launch_shows_preflight_before_the_final_confirm_and_forces_only_past_holders(fleet: FixtureFleet) -> None:
-    app = GpudeckApp(fleet)
+    app = GpudeckApp(Ops.console(fleet))
     async with app.run_test(size=SIZE) as pilot:
         dialog = await open_launch(pilot, args="python train.py")
         dialog.query_one("#gpus", SelectionList).select(1)
@@ -218,7 +219,7 @@ async def test_launch_shows_preflight_before_the_final_confirm_and_forces_only_p
 
 
 async def test_a_trainer_launch_needs_an_explicit_start(fleet: FixtureFleet) -> None:
-    app = GpudeckApp(fleet)
+    app = GpudeckApp(Ops.console(fleet))
     async with app.run_test(size=SIZE) as pilot:
         dialog = await open_launch(pilot, kind="fsdp", args="--model-config tiny")
         await pilot.press("ctrl+s")
@@ -236,7 +237,7 @@ async def test_a_trainer_launch_needs_an_explicit_start(fleet: FixtureFleet) -> 
 
 
 async def test_runs_screen_merges_live_runs_and_the_history(fleet: FixtureFleet) -> None:
-    app = GpudeckApp(fleet)
+    app = GpudeckApp(Ops.console(fleet))
     async with app.run_test(size=SIZE) as pilot:
         runs = await press_for(pilot, "r", RunsScreen)
         table = runs.query_one("#runs-table", KeyedTable)
@@ -247,7 +248,7 @@ async def test_runs_screen_merges_live_runs_and_the_history(fleet: FixtureFleet)
 
 
 async def test_run_screen_shows_claims_against_observations_and_alerts(fleet: FixtureFleet) -> None:
-    app = GpudeckApp(fleet)
+    app = GpudeckApp(Ops.console(fleet))
     async with app.run_test(size=SIZE) as pilot:
         app.open_run("gpu1", LIVE)
         run = await until(lambda: mounted(app, RunScreen), what="the run screen")
@@ -273,7 +274,7 @@ class QuietFleet(FixtureFleet):
 
 
 async def test_a_run_without_output_says_so_and_a_plain_command_has_no_fingerprint_to_show(tmp_path: Path) -> None:
-    app = GpudeckApp(QuietFleet(tmp_path / "h.db"))
+    app = GpudeckApp(Ops.console(QuietFleet(tmp_path / "h.db")))
     async with app.run_test(size=SIZE) as pilot:
         app.open_run("gpu1", STOPPED)  # `sleep 1000`: a plain command
         run = await until(lambda: (s := mounted(app, RunScreen)) is not None and s.run is not None and s, what="the run")
@@ -283,7 +284,7 @@ async def test_a_run_without_output_says_so_and_a_plain_command_has_no_fingerpri
 
 
 async def test_rollback_shows_the_diff_then_relaunches_in_the_good_environment_with_an_explicit_start(fleet: FixtureFleet) -> None:
-    app = GpudeckApp(fleet)
+    app = GpudeckApp(Ops.console(fleet))
     async with app.run_test(size=SIZE) as pilot:
         app.open_run("gpu1", LIVE)
         await until(lambda: (s := mounted(app, RunScreen)) is not None and s.run is not None, what="the run")
@@ -312,7 +313,7 @@ async def test_rollback_shows_the_diff_then_relaunches_in_the_good_environment_w
 
 
 async def test_history_filters_with_the_query_language_and_diffs_two_runs(fleet: FixtureFleet) -> None:
-    app = GpudeckApp(fleet)
+    app = GpudeckApp(Ops.console(fleet))
     async with app.run_test(size=SIZE) as pilot:
         screen = await press_for(pilot, "h", HistoryScreen)
         table = screen.query_one("#history-table", KeyedTable)
@@ -343,7 +344,7 @@ async def test_history_filters_with_the_query_language_and_diffs_two_runs(fleet:
 
 
 async def test_the_palette_offers_every_action_of_the_screen_and_every_host(fleet: FixtureFleet) -> None:
-    app = GpudeckApp(fleet)
+    app = GpudeckApp(Ops.console(fleet))
     async with app.run_test(size=SIZE) as pilot:
         screen = await open_host(app)
         names = [name for name, _, _ in GpudeckCommands(screen)._commands()]
@@ -365,7 +366,7 @@ async def test_the_palette_offers_every_action_of_the_screen_and_every_host(flee
 async def test_help_toggles_and_the_theme_switches(fleet: FixtureFleet) -> None:
     from textual.widgets import HelpPanel
 
-    app = GpudeckApp(fleet)
+    app = GpudeckApp(Ops.console(fleet))
     async with app.run_test(size=SIZE) as pilot:
         await pilot.press("question_mark")
         await pilot.pause()
@@ -379,7 +380,7 @@ async def test_help_toggles_and_the_theme_switches(fleet: FixtureFleet) -> None:
 
 
 async def test_closing_a_screen_at_once_does_not_end_the_app(fleet: FixtureFleet) -> None:
-    app = GpudeckApp(fleet)
+    app = GpudeckApp(Ops.console(fleet))
     async with app.run_test(size=SIZE) as pilot:
         for _ in range(3):
             app.open_host("gpu1")
@@ -410,7 +411,7 @@ async def test_the_console_freezes_its_start_up_heap_once_the_fleet_has_answered
     monkeypatch.setattr(gc, "collect", lambda generation=2: collected.append(generation) or 0)
     monkeypatch.setattr(gc, "get_count", lambda: counts[0])
     fleet.links["gpu5"].status.state = "unreachable"  # every host has answered one way or another
-    app = GpudeckApp(fleet, freeze_gc=True)
+    app = GpudeckApp(Ops.console(fleet), freeze_gc=True)
     async with app.run_test(size=SIZE) as pilot:
         await until(lambda: frozen, what="gc.freeze")
         await pilot.pause(0.6)
@@ -427,7 +428,7 @@ async def test_the_console_freezes_its_start_up_heap_once_the_fleet_has_answered
         app._input_at = 0.0  # they stopped
         await until(lambda: collected, what="the middle collection once keys stopped")
         assert collected[0] == 1
-    async with GpudeckApp(FixtureFleet()).run_test(size=SIZE) as pilot:  # tests and embedders: never
+    async with GpudeckApp(Ops.console(FixtureFleet())).run_test(size=SIZE) as pilot:  # tests and embedders: never
         await pilot.pause(0.6)
         assert frozen == [True]
 
@@ -460,7 +461,7 @@ async def test_the_dialog_says_what_the_cli_says_for_the_same_mistake(fleet: Fix
     import subprocess
     import sys
 
-    app = GpudeckApp(fleet)
+    app = GpudeckApp(Ops.console(fleet))
     async with app.run_test(size=SIZE) as pilot:
         dialog = await open_launch(pilot, **fields)
         await pilot.press("ctrl+s")

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 from textual.widgets import SelectionList
 
+from gpudeck.console.ops.context import Ops
 from gpudeck.console.tui.app import GpudeckApp
 from gpudeck.console.tui.screens.dialogs import ChoiceDialog, ConfirmDialog
 from gpudeck.console.tui.screens.diff import DiffScreen
@@ -45,7 +46,7 @@ def fixed_clock(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.fixture
 def app(tmp_path: Path) -> GpudeckApp:
-    return GpudeckApp(FixtureFleet(tmp_path / "history.db"))
+    return GpudeckApp(Ops.console(FixtureFleet(tmp_path / "history.db")))
 
 
 async def settle(pilot) -> None:  # type: ignore[no-untyped-def]

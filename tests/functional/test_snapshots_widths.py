@@ -13,6 +13,7 @@ import pytest
 from textual.widgets import Button
 
 from gpudeck.agents.wire.protocol import LaunchSpec, PreflightResult, Snapshot
+from gpudeck.console.ops.context import Ops
 from gpudeck.console.tui.app import GpudeckApp
 from gpudeck.console.tui.screens.dialogs import ConfirmDialog
 from gpudeck.console.tui.screens.history import HistoryScreen
@@ -26,7 +27,7 @@ from tests.functional.test_snapshots import fixed_clock, preflight_llama, settle
 
 @pytest.fixture
 def app(tmp_path: Path) -> GpudeckApp:
-    return GpudeckApp(FixtureFleet(tmp_path / "history.db"))
+    return GpudeckApp(Ops.console(FixtureFleet(tmp_path / "history.db")))
 
 
 WIDTHS = [pytest.param((100, 32), id="100"), pytest.param((200, 40), id="200")]
@@ -130,7 +131,7 @@ def test_reclaim_and_launch_confirmation_at_width(snap_compare, app, size, monke
     monkeypatch.setenv("LOGNAME", "ada")  # the operator (getpass reads LOGNAME first)
     monkeypatch.setenv("USER", "ada")
     monkeypatch.setattr("gpudeck.console.ops.holders.time", types.SimpleNamespace(time=lambda: T0 + 300.0))  # the ages
-    fleet = app.fleet
+    fleet = app.ops.fleet
     monkeypatch.setattr(fleet, "preflight", lambda host, spec: _answer(fleet, host, spec))
     monkeypatch.setattr(fleet, "snapshot", _snapshot)
     fleet.links["gpu1"].status.snapshot = holders_snapshot()

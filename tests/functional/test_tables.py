@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 from textual.widgets import Input, Static
 
+from gpudeck.console.ops.context import Ops
 from gpudeck.console.ops.readings import history_run_count
 from gpudeck.console.tui.app import GpudeckApp
 from gpudeck.console.tui.screens.dialogs import ConfirmDialog, ResultDialog
@@ -43,7 +44,7 @@ async def type_filter(pilot, table: KeyedTable, text: str) -> FilterBar:  # type
 
 
 async def test_fleet_filters_on_slash_shows_the_count_and_escape_brings_every_row_back(fleet: FixtureFleet) -> None:
-    app = GpudeckApp(fleet)
+    app = GpudeckApp(Ops.console(fleet))
     async with app.run_test(size=SIZE) as pilot:
         table = app.screen.query_one("#fleet-table", KeyedTable)
         everyone = table.keys()
@@ -84,7 +85,7 @@ async def test_a_filtered_out_row_keeps_its_updates_and_a_new_row_that_does_not_
 
 
 async def test_fleet_sorts_on_a_header_click_and_on_the_sort_key_and_shows_it(fleet: FixtureFleet) -> None:
-    app = GpudeckApp(fleet)
+    app = GpudeckApp(Ops.console(fleet))
     async with app.run_test(size=SIZE) as pilot:
         table = app.screen.query_one("#fleet-table", KeyedTable)
         await pilot.click("#fleet-table", offset=(3, 0))  # the HOST header
@@ -104,7 +105,7 @@ async def test_fleet_sorts_on_a_header_click_and_on_the_sort_key_and_shows_it(fl
 
 
 async def test_host_processes_and_leftovers_filter_too(fleet: FixtureFleet) -> None:
-    app = GpudeckApp(fleet)
+    app = GpudeckApp(Ops.console(fleet))
     async with app.run_test(size=SIZE) as pilot:
         host = await open_host(app)
         procs = host.query_one("#proc-table", KeyedTable)
@@ -124,7 +125,7 @@ async def test_host_processes_and_leftovers_filter_too(fleet: FixtureFleet) -> N
 
 
 async def test_history_sorts_by_a_column_and_its_query_box_keeps_slash(fleet: FixtureFleet) -> None:
-    app = GpudeckApp(fleet)
+    app = GpudeckApp(Ops.console(fleet))
     async with app.run_test(size=SIZE) as pilot:
         hist = await press_for(pilot, "h", HistoryScreen)
         table = hist.query_one("#history-table", KeyedTable)
@@ -141,7 +142,7 @@ async def test_history_sorts_by_a_column_and_its_query_box_keeps_slash(fleet: Fi
 
 
 async def test_runs_lists_live_runs_first_then_the_newest_with_the_cursor_on_the_first(fleet: FixtureFleet) -> None:
-    app = GpudeckApp(fleet)
+    app = GpudeckApp(Ops.console(fleet))
     async with app.run_test(size=SIZE) as pilot:
         runs = await press_for(pilot, "r", RunsScreen)
         table = runs.query_one("#runs-table", KeyedTable)
@@ -156,7 +157,7 @@ async def test_runs_lists_live_runs_first_then_the_newest_with_the_cursor_on_the
 
 
 async def test_runs_stop_from_the_list_lists_the_processes_and_stops_through_the_run_screens_flow(fleet: FixtureFleet) -> None:
-    app = GpudeckApp(fleet)
+    app = GpudeckApp(Ops.console(fleet))
     async with app.run_test(size=SIZE) as pilot:
         runs = await press_for(pilot, "r", RunsScreen)
         table = runs.query_one("#runs-table", KeyedTable)
@@ -197,7 +198,7 @@ def test_stop_confirmation_names_the_user_of_every_member_not_only_those_on_a_gp
 
 
 async def test_runs_tail_and_relaunch_from_the_list(fleet: FixtureFleet) -> None:
-    app = GpudeckApp(fleet)
+    app = GpudeckApp(Ops.console(fleet))
     async with app.run_test(size=SIZE) as pilot:
         runs = await press_for(pilot, "r", RunsScreen)
         table = runs.query_one("#runs-table", KeyedTable)
@@ -232,7 +233,7 @@ async def test_runs_says_on_screen_when_the_history_holds_more_than_it_lists(fle
     total = history_run_count(fleet.history.path)
     assert total > 2
     monkeypatch.setattr(runs_module, "HISTORY_LIMIT", 2)
-    app = GpudeckApp(fleet)
+    app = GpudeckApp(Ops.console(fleet))
     async with app.run_test(size=SIZE) as pilot:
         runs = await press_for(pilot, "r", RunsScreen)
         note = runs.query_one("#runs-note", Static)

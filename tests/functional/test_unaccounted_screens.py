@@ -11,6 +11,7 @@ import pytest
 from textual.widgets import Static
 
 from gpudeck.console.fleet.fleet import Fleet
+from gpudeck.console.ops.context import Ops
 from gpudeck.console.tui.app import GpudeckApp
 from gpudeck.console.tui.screens.leftovers import LeftoversScreen
 from gpudeck.console.tui.widgets.keyed_table import KeyedTable
@@ -26,13 +27,13 @@ def hidden_agent(gpudeck_home: Path, monkeypatch: pytest.MonkeyPatch) -> Iterato
 
 
 async def test_the_host_leftovers_and_fleet_screens_name_unaccounted_memory(hidden_agent: AgentProc) -> None:
-    app = GpudeckApp(Fleet(state_dir=hidden_agent.state_dir, interval_s=0.2))
+    app = GpudeckApp(Ops.console(Fleet(state_dir=hidden_agent.state_dir, interval_s=0.2)))
     async with app.run_test(size=SIZE):
         table = app.screen.query_one("#fleet-table", KeyedTable)
         await until(lambda: "local" in table.keys() and str(table.get_cell("local", "state")).startswith("up"), what="local up")
         await until(lambda: "7.6 GiB unaccounted on GPU 0" in str(table.get_cell("local", "alerts")), what="the fleet alert")
         # the stream is compact after its first snapshot: the PID namespace, sent once, is refilled like the GPUs' names
-        link = app.fleet.links["local"]
+        link = app.ops.fleet.links["local"]
         await until(lambda: (snap := link.status.snapshot) is not None and snap.compact, what="a compact snapshot")
         snap = link.status.snapshot
         assert snap is not None and snap.namespace is not None and snap.namespace.pid_namespace in ("host", "isolated")

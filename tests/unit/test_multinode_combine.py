@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from gpudeck.agents.wire.protocol import LaunchSpec, RunInfo
 from gpudeck.console.core.records import RunRecord
-from gpudeck.console.fleet.multinode import combine, group_runs
-from gpudeck.console.present.formats import RECORD_KEYS, record_shape, run_json
+from gpudeck.console.fleet.multinode import combine
+from gpudeck.console.present.formats import RECORD_KEYS, group_runs, record_shape, run_json
 
 
 def _row(host: str, node_rank: int, ended: float, alerts: list[dict] | None = None) -> RunRecord:

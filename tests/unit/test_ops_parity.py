@@ -15,7 +15,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from gpudeck.agents.wire.protocol import EnvFingerprint, LaunchReply, LaunchSpec, PreflightResult, RunInfo
+from gpudeck.agents.wire.protocol import EnvFingerprint, LaunchReply, LaunchSpec, PreflightResult, RunInfo, Snapshot
 from gpudeck.console.cli.main import intent_from_args
 from gpudeck.console.cli.parser import build_parser
 from gpudeck.console.core import config as cfg
@@ -310,6 +310,14 @@ class _Agents:
 
     async def stop(self, host: str, run_id: str, grace_s: float) -> None:
         return None
+
+    async def fingerprint(
+        self, host: str, python: str, env: dict[str, str] | None = None
+    ) -> EnvFingerprint:  # the cross-node gate: every node alike
+        return EnvFingerprint(python=python, torch="2.9.0")
+
+    async def snapshot(self, host: str) -> Snapshot:
+        return Snapshot(host=host, ts=0.0, epoch="e")
 
 
 @pytest.mark.parametrize(

@@ -153,3 +153,15 @@ def test_a_small_config_or_one_that_canonicalizes_is_read_whole(tmp_path: Path) 
     canon.write_text("CanonicalizeHostname yes\n" + "".join(f"Host gpu-{i}\n    Port {2200 + i}\n" for i in range(2000)))
     assert host_config_paths("gpu-1", [str(canon)]) == [str(canon)]
     assert host_config_paths("gpu-1", [str(tmp_path / "missing")]) == [str(tmp_path / "missing")]
+
+
+def test_ssh_hostname_reads_the_hostname_the_ssh_config_gives_a_host(tmp_path: Path) -> None:
+    """A multi-node launch's rendezvous address: the first host's HostName from the ssh config (asyncssh's reader,
+    imported through fleet/compat like every other use of asyncssh)."""
+    from gpudeck.console.fleet.transport import ssh_hostname
+
+    conf = tmp_path / "config"
+    conf.write_text("Host gpu1\n  HostName 10.0.0.7\n  User ops\n")
+    assert ssh_hostname("gpu1", [str(conf)]) == "10.0.0.7"
+    assert ssh_hostname("gpu2", [str(conf)]) is None
+    assert ssh_hostname("gpu1", [str(tmp_path / "missing")]) is None

@@ -3,19 +3,25 @@
 :meth:`Trainer.run` is the whole loop, and the only place its order is written:
 
 1. :meth:`~Trainer.setup` (processes, data, model, optimizer, a resume's checkpoint: ``self.step``);
-2. while ``self.step < max_steps``: :meth:`~Trainer.train_step` (one optimizer step; it advances
-   ``self.step`` and says whether a stop was asked), then stop at :meth:`~Trainer.stop_after`,
+2. while ``self.step < max_steps``: :meth:`~Trainer.train_step` (one optimizer step over the
+   micro-batches :meth:`~Trainer.micro_batches` gives; it advances ``self.step`` and says whether a stop
+   was asked), then stop at :meth:`~Trainer.stop_after`,
    :meth:`~Trainer.validate` when :meth:`~Trainer.validation_due`, :meth:`~Trainer.save` when
    :meth:`~Trainer.checkpoint_due`;
 3. the final checkpoint (unless the last step was just saved, or :meth:`~Trainer.final_checkpoint`
    says no), :meth:`~Trainer.export` (not after a stop), :meth:`~Trainer.finish` (result, ``done``).
 
-Each step can be called on its own in a test once :meth:`setup` ran.
+Each step can be called on its own in a test once :meth:`setup` ran. A trainer overrides what
+differs: fsdp_lm (``fsdp_lm/trainer.py``) its set-up, train step, validation, checkpoint and
+export; dflash (``dflash/trainer.py``) also :meth:`~Trainer.micro_batches`, whose micro-batches carry the
+frozen target's hidden states (computed on the rank, or received from a target rank).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 from gpudeck.trainers.common.config import TrainConfig
 
@@ -33,6 +39,10 @@ class Trainer:
 
     def setup(self) -> None:
         """Everything before the first step; sets ``self.step`` when resuming."""
+        raise NotImplementedError
+
+    def micro_batches(self, step: int) -> Iterator[Any]:
+        """The micro-batches of optimizer step ``step``, in order (a trainer whose train step reads its own feeder needs none)."""
         raise NotImplementedError
 
     def train_step(self) -> bool:

@@ -1,6 +1,10 @@
 """Trains a DFlash block-diffusion drafter on a frozen target's hidden states: ``python -m gpudeck.trainers.dflash``.
 
-Run under ``torchrun`` (or as one plain process). The recipe is SpecForge's
+Run under ``torchrun`` (or as one plain process). :class:`DFlashTrainer` runs on the loop the
+trainers share (``trainers/common/loop.py``): it overrides the set-up, ``micro_batches`` (the
+target's hidden states, computed on the rank or received from a target rank), the train step
+(the drafter's, or a split target rank's production), the eval, the checkpoint, the export and
+the finish. The recipe is SpecForge's
 ``OnlineDFlashModel`` (shared/research/trainers.md, section A); the drafter lives
 in ``trainers/dflash/model.py`` and the objective in ``trainers/dflash/loss.py``.
 
@@ -142,6 +146,8 @@ import shutil
 import sys
 import time
 from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -149,6 +155,7 @@ from gpudeck.trainers.checkpoint_trust import CheckpointTrustError
 from gpudeck.trainers.common import runtime
 from gpudeck.trainers.common.diagnostics import install_flight_recorder_dump, install_stack_dump, step_clock
 from gpudeck.trainers.common.limits import read_config_json
+from gpudeck.trainers.common.loop import Trainer
 from gpudeck.trainers.dflash.config import DFlashConfig, drafter_config_from_file, parse_args, parse_rank_list
 
 ROLE_COLOCATED, ROLE_TARGET, ROLE_DRAFTER = "colocated", "target", "drafter"
@@ -501,22 +508,76 @@ class _NoVotes:
 # ------------------------------------------------------------------ the trainer
 
 
-class Trainer:
-    def __init__(self, args: DFlashConfig, argv: list[str]) -> None:
-        self.args = args  # typed and frozen: what this trainer derives lives on the trainer (batch_size, attn, layer_ids)
+@dataclass(frozen=True, slots=True)
+class FeatureBatch:
+    """One drafter micro-batch: the tokens, their loss mask and the target's features for them.
+
+    ``target_flops`` (causal, torchtitan) and ``target_s`` are what the target's forward cost on
+    this rank (colocated; zero when the features came from a target rank); ``ready`` is, on a split
+    drafter rank, how many received batches were complete when this one was taken.
+    """
+
+    ids: Any
+    loss_mask: Any
+    feats: Any
+    target_flops: tuple[float, float] = (0.0, 0.0)
+    target_s: float = 0.0
+    ready: int | None = None
+
+
+class DFlashTrainer(Trainer):
+    """DFlash on the shared loop (``trainers/common/loop.py``): the steps it overrides read the target's hidden states.
+
+    Set-up builds the roles, data, target, drafter and optimizer and resumes; :meth:`micro_batches` are
+    the drafter's micro-batches (the target's features, computed here or received from a target
+    rank); :meth:`train_step` is the drafter's step, or on a split target rank the production of its
+    batches; :meth:`validate` is the tau evaluation; :meth:`save` the checkpoint; :meth:`export`
+    the final evaluation and the drafter; :meth:`finish` ``result.json`` and ``done``.
+    """
+
+    cfg: DFlashConfig
+
+    def __init__(self, cfg: DFlashConfig, argv: list[str]) -> None:
+        super().__init__(cfg)  # typed and frozen: what this trainer derives lives on the trainer (batch_size, attn, layer_ids)
         self.argv = argv
-        self.batch_size = args.batch_size  # a plain-text corpus with --token-budget packs budget // seq_len windows
+        self.batch_size = cfg.batch_size  # a plain-text corpus with --token-budget packs budget // seq_len windows
+        self.start_step = 0  # the step this run started from (a resume's)
+        self.first_eval: dict[str, Any] | None = None
+        self.last_eval: dict[str, Any] | None = None
+        self.inbox: deque = deque()  # split drafter rank: the receives posted, oldest first
+        self.receive_plan: Iterator[tuple[int, int, int]] | None = None  # split drafter rank: what to receive up to the next boundary
+        self.sends: deque = deque()  # split target rank: the sends in flight, oldest first
+        self.profiler: Any = None  # --profile-steps A-B: torch.profiler from step A to step B
 
     # ---- setup -------------------------------------------------------
     def setup(self) -> None:
+        """Processes and roles, the start plan, data, target and drafter, optimizer, a resume's checkpoint, the manifest, the first eval."""
+        # SIGTERM/SIGINT from here on only ask for a stop (checkpoint, done "stopped", exit 0)
+        self.stop = runtime.install_stop_flag()
+        self._start()
+        self._setup_data()
+        self._setup_models()
+        self._setup_optim()
+        if not self.plan.fresh:
+            if self.plan.step is None:
+                raise RuntimeError("the start plan resumes but names no checkpoint step")
+            self.step = self.start_step = self.last_saved = self.load(self.plan.step)
+        self.manifest()
+        self.peak, self.peak_reason = self._peak()
+        self.t0 = time.perf_counter()
+        self.votes.begin(self.step)
+        if self.is_drafter and not self.cfg.no_eval:
+            self.eval(self.step)
+
+    def _start(self) -> None:
+        """Process group, telemetry, triage hooks, dtype and attention, the ranks' roles, the start plan, the seeds."""
         import torch
-        import torch.distributed as dist
 
         from gpudeck.trainers.common import checkpoint as ckpt
         from gpudeck.trainers.common.telemetry import Telemetry
 
-        args = self.args
-        self.ctx = ctx = runtime.init_distributed(args.device, single_process_group=True)
+        cfg = self.cfg
+        self.ctx = ctx = runtime.init_distributed(cfg.device, single_process_group=True)
         self.tel = Telemetry(rank=ctx.rank)
         runtime.register(ctx=ctx, telemetry=self.tel)
         self.tel.start_heartbeat()
@@ -525,23 +586,37 @@ class Trainer:
         self.diag_fields = install_stack_dump(ctx.rank)
         self.diag_fields.update(install_flight_recorder_dump(ctx.rank))
         self.clock = step_clock(self.device.type == "cuda")  # a step's compute vs collective-wait seconds
-        if args.dtype == "auto":
+        if cfg.dtype == "auto":
             self.dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
         else:
-            self.dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
-        self.attn = args.attn if args.attn != "auto" else ("flex" if self.device.type == "cuda" else "sdpa")
+            self.dtype = torch.bfloat16 if cfg.dtype == "bf16" else torch.float32
+        self.attn = cfg.attn if cfg.attn != "auto" else ("flex" if self.device.type == "cuda" else "sdpa")
         if self.attn == "flex" and self.device.type != "cuda":
             raise runtime.ExitWith(2, "--attn flex needs CUDA; use --attn sdpa on CPU")
+        self._assign_roles()
+        # start plan (read-only; every rank agrees)
+        try:
+            self.plan = ckpt.resolve_start(cfg.out, cfg.fresh, cfg.resume, cfg.new_run_dir, trust=cfg.trust_checkpoint)
+        except (ckpt.StartError, CheckpointTrustError) as exc:
+            raise runtime.ExitWith(2, str(exc)) from None
+        if self.plan.archive_existing and ctx.rank == 0:
+            ckpt.archive_checkpoints(cfg.out)
+        runtime.barrier(ctx)
+        runtime.seed_all(cfg.seed)
 
-        # roles
+    def _assign_roles(self) -> None:
+        """Which ranks run the target and which the drafter (colocated: all both), the drafter's group, the stop votes."""
+        import torch.distributed as dist
+
+        cfg, ctx = self.cfg, self.ctx
         world = ctx.world_size
-        if args.topology == "colocated":
+        if cfg.topology == "colocated":
             self.target_ranks = list(range(world))
             self.drafter_ranks = list(range(world))
             self.role = ROLE_COLOCATED
         else:
-            self.target_ranks = parse_rank_list(args.target_ranks or "")  # check_args: split names both
-            self.drafter_ranks = parse_rank_list(args.drafter_ranks or "")
+            self.target_ranks = parse_rank_list(cfg.target_ranks or "")  # check_args: split names both
+            self.drafter_ranks = parse_rank_list(cfg.drafter_ranks or "")
             if set(self.target_ranks) & set(self.drafter_ranks) or sorted(self.target_ranks + self.drafter_ranks) != list(range(world)):
                 raise runtime.ExitWith(
                     2,
@@ -555,31 +630,15 @@ class Trainer:
         self.is_drafter = self.role in (ROLE_COLOCATED, ROLE_DRAFTER)
         self.drafter_group = None
         if ctx.distributed:
-            if args.topology == "split":
+            if cfg.topology == "split":
                 self.drafter_group = dist.new_group(ranks=self.drafter_ranks)
             else:
                 self.drafter_group = dist.group.WORLD
         # split: the stop votes travel on their own gloo group, a few steps behind (_SplitStopVotes)
-        self.votes = (
-            _SplitStopVotes(dist.new_group(backend="gloo"), args.queue_depth, self.stop) if args.topology == "split" else _NoVotes()
-        )
+        self.votes = _SplitStopVotes(dist.new_group(backend="gloo"), cfg.queue_depth, self.stop) if cfg.topology == "split" else _NoVotes()
         self.d_index = self.drafter_ranks.index(ctx.rank) if self.is_drafter else None
         self.t_index = self.target_ranks.index(ctx.rank) if self.is_target else None
         self.lead_drafter = self.drafter_ranks[0]
-
-        # start plan (read-only; every rank agrees)
-        try:
-            self.plan = ckpt.resolve_start(args.out, args.fresh, args.resume, args.new_run_dir, trust=args.trust_checkpoint)
-        except (ckpt.StartError, CheckpointTrustError) as exc:
-            raise runtime.ExitWith(2, str(exc)) from None
-        if self.plan.archive_existing and ctx.rank == 0:
-            ckpt.archive_checkpoints(args.out)
-        runtime.barrier(ctx)
-        runtime.seed_all(args.seed)
-
-        self._setup_data()
-        self._setup_models()
-        self._setup_optim()
 
     def _target_index(self) -> int:
         """This target rank's index among the data consumers; only target ranks read batches."""
@@ -592,63 +651,63 @@ class Trainer:
         from gpudeck.trainers.common.tokenizer import has_tokenizer, load_tokenizer
         from gpudeck.trainers.dflash.data import RecordBatches, load_records, max_batch_tokens
 
-        args = self.args
-        tok_spec = args.tokenizer
-        if tok_spec is None and args.target and has_tokenizer(args.target):
-            tok_spec = args.target
+        cfg = self.cfg
+        tok_spec = cfg.tokenizer
+        if tok_spec is None and cfg.target and has_tokenizer(cfg.target):
+            tok_spec = cfg.target
         self.tokenizer = load_tokenizer(tok_spec)
         self.records = None
         try:
-            records = load_records(args.data, self.tokenizer, args.seq_len, args.loss_on_prompt) if args.data else None
+            records = load_records(cfg.data, self.tokenizer, cfg.seq_len, cfg.loss_on_prompt) if cfg.data else None
         except ValueError as exc:
             raise runtime.ExitWith(2, str(exc)) from None
         n_consumers = len(self.target_ranks)
         if records is not None:
             # one sample per record (the references' treatment): no packing, no context across records
-            train, held = records.split(args.val_fraction)
+            train, held = records.split(cfg.val_fraction)
             self.records = train
             self.val_tokens = held.concatenated()
             self.loss_mask_desc = (
                 "per record: "
-                + ("1 on prompt and response" if args.loss_on_prompt else "0 on prompt tokens, 1 on response tokens + EOS")
+                + ("1 on prompt and response" if cfg.loss_on_prompt else "0 on prompt tokens, 1 on response tokens + EOS")
                 + ", 0 on padding"
             )
             self.data_desc = (
                 f"{records.source}: {len(records)} prompt/response records kept ({records.truncated} "
-                f"truncated to {args.seq_len} tokens, {records.dropped} dropped without two "
+                f"truncated to {cfg.seq_len} tokens, {records.dropped} dropped without two "
                 f"consecutive supervised tokens), {records.num_tokens} tokens, "
                 f"{records.supervised_tokens} supervised"
             )
             self.batching_desc = (
-                f"token budget {args.token_budget}: whole records, count x padded length <= budget"
-                if args.token_budget
-                else f"{args.batch_size} records per batch, padded to {args.seq_len}"
+                f"token budget {cfg.token_budget}: whole records, count x padded length <= budget"
+                if cfg.token_budget
+                else f"{cfg.batch_size} records per batch, padded to {cfg.seq_len}"
             )
             self.dataset_samples, self.dataset_tokens = len(train), train.num_tokens
             self.loader: RecordBatches | ShardedBatches | None = None
             if self.is_target:
                 try:
                     self.loader = RecordBatches(
-                        train, args.batch_size, self._target_index(), n_consumers, seed=args.seed, token_budget=args.token_budget
+                        train, cfg.batch_size, self._target_index(), n_consumers, seed=cfg.seed, token_budget=cfg.token_budget
                     )
                 except ValueError as exc:
                     raise runtime.ExitWith(2, str(exc)) from None
-            self.capacity = max_batch_tokens(args.batch_size, args.seq_len, args.token_budget)
+            self.capacity = max_batch_tokens(cfg.batch_size, cfg.seq_len, cfg.token_budget)
             return
-        src = load_tokens(args.data, self.tokenizer, dtype=args.data_dtype, max_bytes=args.corpus_bytes)
-        train_tokens, val = split_tokens(src.tokens, args.val_fraction)
+        src = load_tokens(cfg.data, self.tokenizer, dtype=cfg.data_dtype, max_bytes=cfg.corpus_bytes)
+        train_tokens, val = split_tokens(src.tokens, cfg.val_fraction)
         self.loss_mask_desc = "all ones (plain text)"
         self.data_desc = src.description
-        self.train_ds = PackedDataset(train_tokens, args.seq_len)
+        self.train_ds = PackedDataset(train_tokens, cfg.seq_len)
         self.dataset_samples, self.dataset_tokens = len(self.train_ds), self.train_ds.num_tokens
-        if args.token_budget:
-            self.batch_size = max(1, args.token_budget // args.seq_len)
-        self.batching_desc = f"{self.batch_size} packed windows of {args.seq_len} tokens per batch"
+        if cfg.token_budget:
+            self.batch_size = max(1, cfg.token_budget // cfg.seq_len)
+        self.batching_desc = f"{self.batch_size} packed windows of {cfg.seq_len} tokens per batch"
         self.val_tokens = val
         self.loader = None
         if self.is_target:
-            self.loader = ShardedBatches(self.train_ds, self.batch_size, self._target_index(), n_consumers, seed=args.seed)
-        self.capacity = self.batch_size * args.seq_len
+            self.loader = ShardedBatches(self.train_ds, self.batch_size, self._target_index(), n_consumers, seed=cfg.seed)
+        self.capacity = self.batch_size * cfg.seq_len
 
     def _setup_models(self) -> None:
         import torch
@@ -656,7 +715,7 @@ class Trainer:
         from gpudeck.trainers.common.flops import count_params
         from gpudeck.trainers.dflash.model import attention_layout
 
-        args = self.args
+        cfg = self.cfg
         from gpudeck.trainers.dflash.weights import has_safetensors, host_rss_mib, load_embedding_and_head, target_skeleton
 
         # target ranks load the whole target and run it; a split drafter rank needs only its
@@ -664,13 +723,13 @@ class Trainer:
         # the config and counts), never the whole target (trainers/dflash/weights.py)
         self.rss_before_models = host_rss_mib()
         self.embed = self.lm_head = None
-        if not self.is_target and args.target and has_safetensors(args.target):
-            target = target_skeleton(args.target, self.dtype)
-            self.embed, self.lm_head = load_embedding_and_head(args.target, target, self.device, self.dtype)
+        if not self.is_target and cfg.target and has_safetensors(cfg.target):
+            target = target_skeleton(cfg.target, self.dtype)
+            self.embed, self.lm_head = load_embedding_and_head(cfg.target, target, self.device, self.dtype)
             self.head_load = "embedding and lm_head only, by tensor name from the target's safetensors (mmap)"
         else:
             where = self.device if self.is_target else torch.device("cpu")
-            target = load_target(args, where, self.dtype)
+            target = load_target(cfg, where, self.dtype)
             self.head_load = (
                 "whole target (a random-weight target is built whole to match the target ranks)"
                 if not self.is_target
@@ -682,7 +741,7 @@ class Trainer:
         self.block_size = int(self.dcfg.block_size)
         from gpudeck.trainers.dflash.loss import decay_gamma
 
-        self.gamma = decay_gamma(self.block_size, args.gamma)
+        self.gamma = decay_gamma(self.block_size, cfg.gamma)
         self.layer_types, self.sliding_window = attention_layout(self.dcfg)
         self.layer_ids = list(self.dcfg.dflash_config["target_layer_ids"])
         self.mask_token_id = int(self.dcfg.dflash_config["mask_token_id"])
@@ -694,7 +753,7 @@ class Trainer:
         # eval set: computed once by a target rank (colocated: every rank; split: the first
         # target rank, sent to the drafters) — the target is frozen, so it never changes
         self.eval_ids = self.eval_feats = None
-        if not args.no_eval:
+        if not cfg.no_eval:
             self._setup_eval(target)
 
         if self.is_drafter and self.embed is None:
@@ -704,7 +763,7 @@ class Trainer:
         if self.is_target:
             # after the eval set (its greedy continuation needs the whole target and its lm_head)
             self.target_layers_run = truncate_target(target, self.layer_ids, self.device)
-            if args.compile:
+            if cfg.compile:
                 compile_target(target)
         self.target = target if self.is_target else None
         if not self.is_target:
@@ -713,25 +772,25 @@ class Trainer:
 
         self.drafter = self._build_drafter() if self.is_drafter else None
         # the anchor RNG (global CPU RNG) differs per rank; restored exactly by checkpoints
-        torch.manual_seed(args.seed * 1000003 + self.ctx.rank + 1)
+        torch.manual_seed(cfg.seed * 1000003 + self.ctx.rank + 1)
 
     def _drafter_config(self, target: Any) -> Any:
         """The drafter's config: the saved drafter's (--init-from), the --drafter-config file's, or spaced over the target."""
         from gpudeck.trainers.dflash.model import DFlashDraftModel, drafter_config_from_target
 
-        args = self.args
-        saved_cfg = args.drafter_cfg
-        if args.init_from:
-            saved_cfg = read_config_json(Path(args.init_from) / "config.json", f"--init-from {args.init_from}")
+        cfg = self.cfg
+        saved_cfg = cfg.drafter_cfg
+        if cfg.init_from:
+            saved_cfg = read_config_json(Path(cfg.init_from) / "config.json", f"--init-from {cfg.init_from}")
         tc = target.config.get_text_config() if hasattr(target.config, "get_text_config") else target.config
         try:
-            mask_id, self.mask_token_source = resolve_mask_token(args.mask_token_id, saved_cfg, self.tokenizer, int(tc.vocab_size))
+            mask_id, self.mask_token_source = resolve_mask_token(cfg.mask_token_id, saved_cfg, self.tokenizer, int(tc.vocab_size))
         except ValueError as exc:
             raise runtime.ExitWith(2, str(exc)) from None
         if (
             saved_cfg is not None
-            and args.init_from
-            and args.mask_token_id is not None
+            and cfg.init_from
+            and cfg.mask_token_id is not None
             and mask_id != int(saved_cfg["dflash_config"]["mask_token_id"])
         ):
             raise runtime.ExitWith(
@@ -741,15 +800,15 @@ class Trainer:
                 "was trained with; leave it out",
             )
         self.mask_token_id = int(mask_id)
-        if args.init_from:
-            dcfg = DFlashDraftModel.config_class.from_pretrained(args.init_from)
-        elif args.drafter_cfg is not None:
+        if cfg.init_from:
+            dcfg = DFlashDraftModel.config_class.from_pretrained(cfg.init_from)
+        elif cfg.drafter_cfg is not None:
             try:
-                dcfg = drafter_config_from_file(args.drafter_cfg, target.config, args.block_size, self.mask_token_id)
+                dcfg = drafter_config_from_file(cfg.drafter_cfg, target.config, cfg.block_size, self.mask_token_id)
             except ValueError as exc:
                 raise runtime.ExitWith(2, str(exc)) from None
         else:
-            dcfg = drafter_config_from_target(target.config, args.drafter_layers, args.block_size, self.mask_token_id)
+            dcfg = drafter_config_from_target(target.config, cfg.drafter_layers, cfg.block_size, self.mask_token_id)
         return dcfg
 
     def _build_drafter(self) -> Any:
@@ -759,10 +818,10 @@ class Trainer:
         from gpudeck.trainers.common.flops import count_params
         from gpudeck.trainers.dflash.model import DFlashDraftModel
 
-        args = self.args
-        torch.manual_seed(args.seed)
-        if args.init_from:
-            drafter = DFlashDraftModel.from_pretrained(args.init_from, dtype=torch.float32)
+        cfg = self.cfg
+        torch.manual_seed(cfg.seed)
+        if cfg.init_from:
+            drafter = DFlashDraftModel.from_pretrained(cfg.init_from, dtype=torch.float32)
         else:
             drafter = DFlashDraftModel(self.dcfg)
         drafter.to(self.device)
@@ -770,9 +829,9 @@ class Trainer:
         self.n_layer_params = sum(p.numel() for p in drafter.layers.parameters())
         self.n_fc = drafter.fc.weight.numel()
         self.drafter_params = count_params(drafter)[1]
-        if args.activation_checkpointing:
+        if cfg.activation_checkpointing:
             drafter.gradient_checkpointing = True
-        if args.compile:
+        if cfg.compile:
             for layer in drafter.layers:
                 layer.compile()
         if self.ctx.distributed:
@@ -799,10 +858,10 @@ class Trainer:
         import torch
         import torch.distributed as dist
 
-        args = self.args
-        e_len = args.eval_prompt_len + args.eval_gen_len
+        cfg = self.cfg
+        e_len = cfg.eval_prompt_len + cfg.eval_gen_len
         if self.is_target and (self.role == ROLE_COLOCATED or self.ctx.rank == self.target_ranks[0]):
-            ids, feats = build_eval_set(target, self.val_tokens, args, self.layer_ids, self.device)
+            ids, feats = build_eval_set(target, self.val_tokens, cfg, self.layer_ids, self.device)
         else:
             ids = feats = None
         if self.role != ROLE_COLOCATED:
@@ -833,19 +892,19 @@ class Trainer:
     def _setup_optim(self) -> None:
         import torch
 
-        args = self.args
+        cfg = self.cfg
         self.optimizer = self.scheduler = None
         if not self.is_drafter:
             return
         if self.drafter is None:
             raise RuntimeError("a drafter rank has no drafter: _setup_models must run before _setup_optim")
         params = [p for p in self.drafter.parameters() if p.requires_grad]
-        kw: dict[str, Any] = {"lr": args.lr, "weight_decay": args.weight_decay, "betas": (0.9, 0.95)}
+        kw: dict[str, Any] = {"lr": cfg.lr, "weight_decay": cfg.weight_decay, "betas": (0.9, 0.95)}
         if self.device.type == "cuda":
             kw["fused"] = True
         self.optimizer = torch.optim.AdamW(params, **kw)
-        warm = args.warmup_steps if args.warmup_steps is not None else max(1, int(0.04 * args.max_steps))
-        total, floor = args.max_steps, args.min_lr_ratio
+        warm = cfg.warmup_steps if cfg.warmup_steps is not None else max(1, int(0.04 * cfg.max_steps))
+        total, floor = cfg.max_steps, cfg.min_lr_ratio
 
         def lr_lambda(step: int) -> float:
             if step < warm:
@@ -859,7 +918,7 @@ class Trainer:
     def manifest(self) -> None:
         from gpudeck.trainers.common.runtime import config_hash, device_info
 
-        args = self.args
+        cfg = self.cfg
         info = device_info(self.device)
         if self.role == ROLE_TARGET:
             total, trainable = self.target_params_total, 0
@@ -868,12 +927,12 @@ class Trainer:
         self.tel.manifest(
             kind="dflash",
             role=self.role,
-            topology=args.topology,
+            topology=cfg.topology,
             params_total=total,
             params_trainable=trainable,
             drafter_params_trainable=(self.drafter_params if self.is_drafter else None),
             target_params_frozen=self.target_params_total,
-            target=args.target or f"random weights from {args.target_config}",
+            target=cfg.target or f"random weights from {cfg.target_config}",
             config_hash=config_hash(self.dcfg.to_dict()),
             world_size=self.ctx.world_size,
             target_ranks=self.target_ranks,
@@ -886,7 +945,7 @@ class Trainer:
             dataset=self.data_desc,
             loss_mask=self.loss_mask_desc,
             batching=self.batching_desc,
-            token_budget=args.token_budget,
+            token_budget=cfg.token_budget,
             loss_normalisation="sum(w*CE) / sum(w) over every drafter rank and micro-batch of the step",
             gamma=self.gamma,
             mfu_convention=MFU_CONVENTION,
@@ -895,17 +954,17 @@ class Trainer:
             block_size=self.block_size,
             drafter_layer_types=self.layer_types,
             drafter_sliding_window=self.sliding_window,
-            drafter_config=args.drafter_config,
+            drafter_config=cfg.drafter_config,
             target_load=self.head_load,
             host_rss_before_models_mib=self.rss_before_models["rss_mib"],
             host_rss_after_target_mib=self.rss_after_target["rss_mib"],
             host_rss_peak_after_target_mib=self.rss_after_target["rss_peak_mib"],
-            num_anchors=args.num_anchors,
+            num_anchors=cfg.num_anchors,
             target_layer_ids=self.layer_ids,
             mask_token_id=self.mask_token_id,
             mask_token_source=self.mask_token_source,
             batch_size=self.batch_size,
-            seq_len=args.seq_len,
+            seq_len=cfg.seq_len,
             argv=self.argv,
             start=self.plan.describe(),
             **(self.plan.trust.record() if self.plan.trust is not None else {}),
@@ -921,7 +980,7 @@ class Trainer:
 
     def _global_batches(self, step: int) -> range:
         """Global batch indices of optimizer step ``step`` (1-based)."""
-        per = self.args.grad_accum * len(self.drafter_ranks)
+        per = self.cfg.grad_accum * len(self.drafter_ranks)
         return range((step - 1) * per, step * per)
 
     def _next_local_batch(self):
@@ -931,7 +990,7 @@ class Trainer:
             ids, lm = self.loader.next_batch()
             return torch.from_numpy(ids).to(self.device), torch.from_numpy(lm).to(self.device)
         idx = self.loader.next_indices()
-        ids = torch.from_numpy(self.train_ds.gather(idx))[:, : self.args.seq_len].to(self.device)
+        ids = torch.from_numpy(self.train_ds.gather(idx))[:, : self.cfg.seq_len].to(self.device)
         return ids, torch.ones_like(ids)
 
     def _pack(self, ids, lm, feats, cdev):
@@ -975,7 +1034,7 @@ class Trainer:
 
     def _fast_forward(self, start_step: int) -> None:
         """Split: advance this target rank's stream past the batches it produced before start_step."""
-        per = self.args.grad_accum * len(self.drafter_ranks)
+        per = self.cfg.grad_accum * len(self.drafter_ranks)
         n_t = len(self.target_ranks)
         produced = sum(1 for g in range(start_step * per) if g % n_t == self.t_index)
         for _ in range(produced):
@@ -989,11 +1048,11 @@ class Trainer:
         data = self.loader.state_dict() if self.loader is not None else None
         extra: dict[str, Any] = {
             "step": step,
-            "topology": self.args.topology,
+            "topology": self.cfg.topology,
             "target_layer_ids": self.layer_ids,
             "block_size": self.block_size,
         }
-        if self.args.topology == "split":
+        if self.cfg.topology == "split":
             objs = [sched]
             dist.broadcast_object_list(objs, src=self.lead_drafter)
             sched = objs[0]
@@ -1011,22 +1070,23 @@ class Trainer:
         extra = self._extra(step)
         model = self.drafter if self.drafter is not None else _placeholder()
         done = ckpt.save_checkpoint(
-            self.args.out,
+            self.cfg.out,
             step,
             model,
             self.optimizer,
             extra,
-            keep=self.args.keep,
+            keep=self.cfg.keep,
             rank=self.ctx.rank,
             barrier=lambda: runtime.barrier(self.ctx),
         )
         self.tel.emit("checkpoint", step=step, **done.record())
+        self.last_saved = step
 
     def load(self, step: int) -> int:
         from gpudeck.trainers.common import checkpoint as ckpt
 
         model = self.drafter if self.drafter is not None else _placeholder()
-        extra = ckpt.load_checkpoint(self.args.out, step, model, self.optimizer, rank=self.ctx.rank, trust=self.args.trust_checkpoint)
+        extra = ckpt.load_checkpoint(self.cfg.out, step, model, self.optimizer, rank=self.ctx.rank, trust=self.cfg.trust_checkpoint)
         if int(extra["step"]) != step:
             raise RuntimeError(f"checkpoint step_{step} says step {extra['step']}")
         if extra.get("target_layer_ids") not in (None, self.layer_ids):
@@ -1034,7 +1094,7 @@ class Trainer:
         if self.scheduler is not None and extra.get("scheduler"):
             self.scheduler.load_state_dict(extra["scheduler"])
         if self.loader is not None:
-            if self.args.topology == "split":
+            if self.cfg.topology == "split":
                 self._fast_forward(step)
             elif extra.get("data"):
                 self.loader.load_state_dict(extra["data"])
@@ -1046,13 +1106,13 @@ class Trainer:
 
         from gpudeck.trainers.dflash.loss import block_inputs, dflash_loss, labels_and_weights, sample_anchors
 
-        args = self.args
+        cfg = self.cfg
         if self.drafter is None or self.embed is None or self.lm_head is None:
             raise RuntimeError(f"rank {self.ctx.rank} has no drafter, embedding or lm_head: only drafter ranks train")
         bsz, seq = ids.shape
         rf = torch.profiler.record_function
         with rf("dflash.anchors_and_masks"):
-            anchors, keep = sample_anchors(lm, args.num_anchors)
+            anchors, keep = sample_anchors(lm, cfg.num_anchors)
             anchors, keep = anchors.to(self.device), keep.to(self.device)
             bids, bpos = block_inputs(ids, anchors, self.block_size, self.mask_token_id)
             with torch.no_grad():
@@ -1065,7 +1125,7 @@ class Trainer:
         # the weighted CE *sum*: normalised once per step by the global weight (finish_global_mean)
         with rf("dflash.lm_head_loss"):
             loss_sum, wsum = dflash_loss(
-                hid, self.lm_head.weight, labels, weights, chunk_rows=args.loss_chunk_rows, mode=args.loss_mode, normalize=False
+                hid, self.lm_head.weight, labels, weights, chunk_rows=cfg.loss_chunk_rows, mode=cfg.loss_mode, normalize=False
             )
         with rf("dflash.drafter_backward"):
             (loss_sum * scale).backward()
@@ -1073,47 +1133,27 @@ class Trainer:
         flops = drafter_step_flops(self.dcfg, self.n_layer_params, self.n_fc, seq, anchors, n_rows, self.vocab)
         return loss_sum.detach(), wsum.detach(), flops
 
-    # ---- loops -------------------------------------------------------
-    def run(self) -> int:
-        import torch
+    # ---- the loop's steps ----------------------------------------------
+    def checkpoint_due(self, step: int) -> bool:
+        """Every ``--checkpoint-every`` steps and at the last one (split: both sides stop at this boundary)."""
+        every = self.cfg.checkpoint_every
+        return step == self.cfg.max_steps or (every > 0 and step % every == 0)
 
-        args = self.args
-        # SIGTERM/SIGINT from here on only ask for a stop (checkpoint, done "stopped", exit 0)
-        self.stop = runtime.install_stop_flag()
-        self.setup()
-        start = 0
-        if not self.plan.fresh:
-            if self.plan.step is None:
-                raise RuntimeError("the start plan resumes but names no checkpoint step")
-            start = self.load(self.plan.step)
-        self.manifest()
-        self.peak, self.peak_reason = self._peak()
-        self.t0 = time.perf_counter()
-        self.votes.begin(start)
-        self.last_eval: dict[str, Any] | None = None
-        self.first_eval: dict[str, Any] | None = None
-        if self.is_drafter and not args.no_eval:
-            self.eval(start)
-        if self.role == ROLE_TARGET:
-            final, stopped = self.target_loop(start)
-        else:
-            final, stopped = self.drafter_loop(start)
-        self.votes.finish()
-        if not stopped and self.is_drafter and not args.no_eval and (self.last_eval is None or self.last_eval["step"] != final):
-            self.eval(final)
-        files = self.export(final, stopped)
-        runtime.barrier(self.ctx)
-        self.tel.emit(
-            "done",
-            final_step=final,
-            reason="stopped" if stopped else "max_steps",
-            result_files=files,
-            wall_s=round(time.perf_counter() - self.t0, 3),
-        )
-        self.tel.close()
-        runtime.finish_ok(self.ctx)
-        del torch
-        return 0
+    def validation_due(self, step: int) -> bool:
+        """Every ``--eval-every`` steps on a drafter rank, but not at the last one (``export`` evaluates it)."""
+        return self.is_drafter and self._eval_due(step) and step != self.cfg.max_steps
+
+    def validate(self, step: int) -> None:
+        """The tau evaluation after ``step`` (:meth:`eval`)."""
+        self.eval(step)
+
+    def train_step(self) -> bool:
+        """One optimizer step: a split target rank produces and sends its batches, a drafter rank trains; True on a stop."""
+        step = self.step + 1
+        runtime.maybe_fail_for_test(step, self.ctx.rank)
+        stop_now = self._target_step(step) if self.role == ROLE_TARGET else self._drafter_step(step)
+        self.step = step
+        return stop_now
 
     def _peak(self):
         from gpudeck.trainers.common.flops import peak_flops
@@ -1136,114 +1176,106 @@ class Trainer:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    def _ckpt_due(self, step: int) -> bool:
-        every = self.args.checkpoint_every
-        return step == self.args.max_steps or (every > 0 and step % every == 0)
+    def micro_batches(self, step: int) -> Iterator[FeatureBatch]:
+        """The drafter's ``--grad-accum`` micro-batches of ``step``: the target's features, computed here or received."""
+        import torch
 
-    def drafter_loop(self, start: int) -> tuple[int, bool]:
-        """Train steps start+1..max_steps; returns (last step, whether it stopped on a signal)."""
+        for _ in range(self.cfg.grad_accum):
+            if self.role == ROLE_DRAFTER:
+                yield self._receive(step)
+                continue
+            ids, lm = self._next_local_batch()
+            tf = time.perf_counter()
+            with torch.no_grad(), torch.profiler.record_function("dflash.target_forward"):
+                feats = target_features(self.target, ids, self.layer_ids)
+            yield FeatureBatch(ids, lm, feats, self.target_flops.batch(*ids.shape), time.perf_counter() - tf)
+
+    def _receive(self, step: int) -> FeatureBatch:
+        """Split drafter rank: the next batch of ``step`` from its target rank, keeping ``--queue-depth`` receives posted."""
+        if self.receive_plan is None:
+            raise RuntimeError("split drafter: no receive schedule was set up for this step")
+        while len(self.inbox) < self.cfg.queue_depth:
+            nxt = next(self.receive_plan, None)
+            if nxt is None:
+                break
+            self._post_receive(*nxt)
+        ready = sum(1 for it in self.inbox if it[4].is_completed() and it[5].is_completed())
+        s, _, meta, feats, w1, w2 = self.inbox.popleft()
+        assert s == step, (s, step)
+        with self.clock.stall():
+            w1.wait()
+            w2.wait()
+        ids, lm, feats = self._unpack(meta, feats)
+        return FeatureBatch(ids, lm, feats, ready=ready)
+
+    def _receives_until(self, step_from: int, step_to: int) -> Iterator[tuple[int, int, int]]:
+        """Split drafter rank: (step, global batch, source rank) of the batches it consumes in steps step_from..step_to."""
+        for s in range(step_from, step_to + 1):
+            if self.votes.is_last(s - 1):
+                return  # the ranks stop after step s-1: post nothing beyond it
+            for g in self._global_batches(s):
+                t_i, d_i = self._batch_owner(g)
+                if d_i == self.d_index:
+                    yield s, g, self.target_ranks[t_i]
+
+    def _post_receive(self, s: int, g: int, src: int) -> None:
         import torch
         import torch.distributed as dist
 
-        args = self.args
-        if self.drafter is None or self.optimizer is None or self.scheduler is None:
-            raise RuntimeError(f"rank {self.ctx.rank} has no drafter, optimizer or scheduler: only drafter ranks train")
+        cdev = self._comm_device()
+        meta = torch.empty((2 * self.capacity + 2,), dtype=torch.long, device=cdev)
+        feats = torch.empty((self.capacity, self.n_ctx * self.hidden), dtype=self.dtype, device=cdev)
+        w1 = dist.irecv(meta, src, tag=2 * g)
+        w2 = dist.irecv(feats, src, tag=2 * g + 1)
+        self.inbox.append((s, g, meta, feats, w1, w2))
+
+    def _drafter_step(self, step: int) -> bool:
+        """A drafter rank's optimizer step over :meth:`micro_batches`; True when the ranks stop after it."""
+        cfg = self.cfg
+        if self.drafter is None:
+            raise RuntimeError(f"rank {self.ctx.rank} has no drafter: only drafter ranks train")
         split = self.role == ROLE_DRAFTER
-        inbox: deque = deque()
-
-        def my_batches(step_from: int, step_to: int):
-            for s in range(step_from, step_to + 1):
-                if self.votes.is_last(s - 1):
-                    return  # the ranks stop after step s-1: post nothing beyond it
-                for g in self._global_batches(s):
-                    t_i, d_i = self._batch_owner(g)
-                    if d_i == self.d_index:
-                        yield s, g, self.target_ranks[t_i]
-
-        def post(s, g, src):
-            cdev = self._comm_device()
-            meta = torch.empty((2 * self.capacity + 2,), dtype=torch.long, device=cdev)
-            feats = torch.empty((self.capacity, self.n_ctx * self.hidden), dtype=self.dtype, device=cdev)
-            w1 = dist.irecv(meta, src, tag=2 * g)
-            w2 = dist.irecv(feats, src, tag=2 * g + 1)
-            inbox.append((s, g, meta, feats, w1, w2))
-
-        pending_iter = None
-        step, stopped = start, False
-        for step in range(start + 1, args.max_steps + 1):
-            runtime.maybe_fail_for_test(step, self.ctx.rank)
-            if split and pending_iter is None:
-                # post receives up to the next checkpoint boundary only
-                stop = step
-                while not self._ckpt_due(stop):
-                    stop += 1
-                pending_iter = my_batches(step, stop)
-            self._profile_begin(step)
-            self._sync()
-            t_step = time.perf_counter()
-            clock_start = self.clock.mark()
-            loss_sum, weight_sum, flops, flops_tt, ctx_tokens = 0.0, 0.0, 0.0, 0.0, 0
-            drafter_flops = 0.0  # the drafter's forward + backward alone (SpecForge's trainer-GPU figure)
-            queue_depth = None
-            t_fwd = 0.0
-            for micro in range(args.grad_accum):
-                if split:
-                    if pending_iter is None:
-                        raise RuntimeError("split drafter: no receive schedule was set up for this step")
-                    while len(inbox) < args.queue_depth:
-                        nxt = next(pending_iter, None)
-                        if nxt is None:
-                            break
-                        post(*nxt)
-                    queue_depth = sum(1 for it in inbox if it[4].is_completed() and it[5].is_completed())
-                    s, g, meta, feats, w1, w2 = inbox.popleft()
-                    assert s == step, (s, step)
-                    with self.clock.stall():
-                        w1.wait()
-                        w2.wait()
-                    ids, lm, feats = self._unpack(meta, feats)
-                else:
-                    ids, lm = self._next_local_batch()
-                    tf = time.perf_counter()
-                    with torch.no_grad(), torch.profiler.record_function("dflash.target_forward"):
-                        feats = target_features(self.target, ids, self.layer_ids)
-                    t_fwd += time.perf_counter() - tf
-                    f_causal, f_tt = self.target_flops.batch(*ids.shape)
-                    flops += f_causal
-                    flops_tt += f_tt
-                ctx_tokens += ids.numel()
-                sync = micro == args.grad_accum - 1
-                if self.ctx.distributed and hasattr(self.drafter, "set_requires_gradient_sync"):
-                    self.drafter.set_requires_gradient_sync(sync)
-                part, wpart, fl = self.drafter_forward_backward(ids, lm, feats, 1.0)
-                loss_sum += float(part)
-                weight_sum += float(wpart)
-                flops += fl
-                flops_tt += fl
-                drafter_flops += fl
-            loss_val, gnorm, lr, stop_now = self._drafter_optimizer_step(loss_sum, weight_sum, split, step)
-            self._sync()
-            dt = time.perf_counter() - t_step
-            timing = self.clock.split(dt, clock_start, step)
-            self._profile_end(step)
-            if split and (self._ckpt_due(step) or stop_now):
-                # everything up to the checkpoint boundary (or the stop) is consumed; re-plan after it
-                assert not inbox, [it[:2] for it in inbox]
-                pending_iter = None
-            self._report_drafter_step(
-                step, loss_val, lr, gnorm, dt, t_fwd, (flops, flops_tt, ctx_tokens), timing, queue_depth, drafter_flops
-            )
-            if step == start + 1 and self.device.type == "cuda":
-                runtime.set_collective_timeout(self.ctx, 120)
-            if stop_now:
-                stopped = True
-                self.save(step)
-                break
-            if self._eval_due(step) and not args.no_eval and step != args.max_steps:
-                self.eval(step)
-            if self._ckpt_due(step):
-                self.save(step)
-        return step, stopped
+        if split and self.receive_plan is None:
+            # post receives up to the next checkpoint boundary only
+            stop = step
+            while not self.checkpoint_due(stop):
+                stop += 1
+            self.receive_plan = self._receives_until(step, stop)
+        self._profile_begin(step)
+        self._sync()
+        t_step = time.perf_counter()
+        clock_start = self.clock.mark()
+        loss_sum, weight_sum, flops, flops_tt, ctx_tokens = 0.0, 0.0, 0.0, 0.0, 0
+        drafter_flops = 0.0  # the drafter's forward + backward alone (SpecForge's trainer-GPU figure)
+        queue_depth = None
+        t_fwd = 0.0
+        for micro, batch in enumerate(self.micro_batches(step)):
+            flops += batch.target_flops[0]
+            flops_tt += batch.target_flops[1]
+            t_fwd += batch.target_s
+            queue_depth = batch.ready
+            ctx_tokens += batch.ids.numel()
+            if self.ctx.distributed and hasattr(self.drafter, "set_requires_gradient_sync"):
+                self.drafter.set_requires_gradient_sync(micro == cfg.grad_accum - 1)
+            part, wpart, fl = self.drafter_forward_backward(batch.ids, batch.loss_mask, batch.feats, 1.0)
+            loss_sum += float(part)
+            weight_sum += float(wpart)
+            flops += fl
+            flops_tt += fl
+            drafter_flops += fl
+        loss_val, gnorm, lr, stop_now = self._drafter_optimizer_step(loss_sum, weight_sum, split, step)
+        self._sync()
+        dt = time.perf_counter() - t_step
+        timing = self.clock.split(dt, clock_start, step)
+        self._profile_end(step)
+        if split and (self.checkpoint_due(step) or stop_now):
+            # everything up to the checkpoint boundary (or the stop) is consumed; re-plan after it
+            assert not self.inbox, [it[:2] for it in self.inbox]
+            self.receive_plan = None
+        self._report_drafter_step(step, loss_val, lr, gnorm, dt, t_fwd, (flops, flops_tt, ctx_tokens), timing, queue_depth, drafter_flops)
+        if step == self.start_step + 1 and self.device.type == "cuda":
+            runtime.set_collective_timeout(self.ctx, 120)
+        return stop_now
 
     def _drafter_optimizer_step(self, loss_sum: float, weight_sum: float, split: bool, step: int) -> tuple[float, Any, Any, bool]:
         """All-reduce the gradients and the loss (and, colocated, the stop vote), clip, step: (loss, grad norm, lr, stop now)."""
@@ -1251,7 +1283,7 @@ class Trainer:
 
         from gpudeck.trainers.dflash.loss import finish_global_mean
 
-        args = self.args
+        cfg = self.cfg
         if self.drafter is None or self.optimizer is None or self.scheduler is None:
             raise RuntimeError(f"rank {self.ctx.rank} has no drafter, optimizer or scheduler: only drafter ranks train")
         # gradients of sum(w*CE) / sum(w) over every drafter rank and micro-batch (SpecForge's rule);
@@ -1266,7 +1298,7 @@ class Trainer:
                 world=n_group,
                 extra=[] if split else [1.0 if self.stop.requested else 0.0],
             )
-            gnorm = torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), args.grad_clip)
+            gnorm = torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), cfg.grad_clip)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         lr = self.scheduler.get_last_lr()[0]
@@ -1294,7 +1326,7 @@ class Trainer:
         """The step's record (throughput, FLOPs, MFU, memory, timing) and the lead drafter's line on stdout."""
         from gpudeck.trainers.common.flops import mfu
 
-        args = self.args
+        cfg = self.cfg
         flops, flops_tt, n_rank_tokens = counts
         split = self.role == ROLE_DRAFTER
         world_tokens = n_rank_tokens * (len(self.drafter_ranks) if split else self.ctx.world_size)
@@ -1319,7 +1351,7 @@ class Trainer:
         )
         if split:
             rec["queue_depth"] = queue_depth
-        if step % args.log_every == 0 or step == args.max_steps:
+        if step % cfg.log_every == 0 or step == cfg.max_steps:
             self.tel.step(step, **rec)
             if self.ctx.rank == self.lead_drafter:
                 m = f"{rec['mfu'] * 100:.1f}%" if rec["mfu"] is not None else "n/a"
@@ -1332,27 +1364,27 @@ class Trainer:
         """``--profile-steps A-B``: start torch.profiler before step A (CPU + CUDA activity)."""
         import torch
 
-        span = self.args.profile_steps
+        span = self.cfg.profile_steps
         if span and step == span[0]:
             acts = [torch.profiler.ProfilerActivity.CPU]
             if self.device.type == "cuda":
                 acts.append(torch.profiler.ProfilerActivity.CUDA)
-            self._prof: torch.profiler.profile | None = torch.profiler.profile(activities=acts, record_shapes=False)
-            self._prof.__enter__()
+            self.profiler = torch.profiler.profile(activities=acts, record_shapes=False)
+            self.profiler.__enter__()
 
     def _profile_end(self, step: int) -> None:
         """After step B: OUT/profile/rank<r>.txt, the ops and the dflash.* phases by device time."""
-        span = self.args.profile_steps
-        prof = getattr(self, "_prof", None)
+        span = self.cfg.profile_steps
+        prof = self.profiler
         if not span or prof is None or step != span[1]:
             return
         prof.__exit__(None, None, None)
-        self._prof = None
+        self.profiler = None
         cuda = self.device.type == "cuda"
         key = "self_cuda_time_total" if cuda else "self_cpu_time_total"
         avg = prof.key_averages()
         phases = [e for e in avg if e.key.startswith("dflash.")]
-        folder = Path(self.args.out) / "profile"
+        folder = Path(self.cfg.out) / "profile"
         folder.mkdir(parents=True, exist_ok=True)
         path = folder / f"rank{self.ctx.rank}.txt"
         n = span[1] - span[0] + 1
@@ -1365,87 +1397,85 @@ class Trainer:
         self.tel.emit("profile", steps=list(span), path=str(path))
 
     def _eval_due(self, step: int) -> bool:
-        every = self.args.eval_every
-        return not self.args.no_eval and every > 0 and step % every == 0
+        every = self.cfg.eval_every
+        return not self.cfg.no_eval and every > 0 and step % every == 0
 
-    def target_loop(self, start: int) -> tuple[int, bool]:
-        """Split target rank: produce and send steps start+1..; returns (last step, stopped)."""
+    def _target_step(self, step: int) -> bool:
+        """Split target rank: produce and send its batches of ``step`` (at most ``--queue-depth`` in flight); True on a stop."""
         import torch
+
+        self._sync()
+        t_step = time.perf_counter()
+        clock_start = self.clock.mark()
+        tokens, waited, flops, flops_tt = 0, 0.0, 0.0, 0.0
+        for g in self._global_batches(step):
+            t_i, d_i = self._batch_owner(g)
+            if t_i != self.t_index:
+                continue
+            ids, lm = self._next_local_batch()
+            with torch.inference_mode():
+                feats = target_features(self.target, ids, self.layer_ids).to(self.dtype)
+            meta, feats = self._pack(ids, lm, feats, self._comm_device())
+            waited += self._send(meta, feats, self.drafter_ranks[d_i], g)
+            tokens += ids.numel()
+            f_causal, f_tt = self.target_flops.batch(*ids.shape)
+            flops, flops_tt = flops + f_causal, flops_tt + f_tt
+        if self.checkpoint_due(step):
+            with self.clock.stall():
+                self._drain_sends()
+        self._sync()
+        dt = time.perf_counter() - t_step
+        self._report_target_step(step, tokens, dt, waited, (flops, flops_tt), self.clock.split(dt, clock_start, step))
+        self.votes.post(step)
+        if self.votes.is_last(step):
+            self._drain_sends()
+            return True
+        return False
+
+    def _send(self, meta, feats, dst: int, g: int) -> float:
+        """Post the sends of global batch ``g`` once fewer than ``--queue-depth`` are in flight; returns the seconds waited."""
         import torch.distributed as dist
 
+        tw = time.perf_counter()
+        with self.clock.stall():
+            while len(self.sends) >= self.cfg.queue_depth:
+                for w in self.sends.popleft()[:2]:
+                    w.wait()
+        waited = time.perf_counter() - tw
+        w1 = dist.isend(meta, dst, tag=2 * g)
+        w2 = dist.isend(feats, dst, tag=2 * g + 1)
+        self.sends.append((w1, w2, meta, feats))
+        return waited
+
+    def _drain_sends(self) -> None:
+        """Split target rank: wait for every send in flight."""
+        while self.sends:
+            for w in self.sends.popleft()[:2]:
+                w.wait()
+
+    def _report_target_step(self, step: int, tokens: int, dt: float, waited: float, counts: tuple[float, float], timing: dict) -> None:
+        """A split target rank's step record: throughput, FLOPs, MFU, the sends in flight, memory, timing."""
         from gpudeck.trainers.common.flops import mfu
 
-        args = self.args
-        pending: deque = deque()
-        cdev = self._comm_device()
-
-        def drain():
-            while pending:
-                for w in pending.popleft()[:2]:
-                    w.wait()
-
-        step, stopped = start, False
-        for step in range(start + 1, args.max_steps + 1):
-            runtime.maybe_fail_for_test(step, self.ctx.rank)
-            self._sync()
-            t_step = time.perf_counter()
-            clock_start = self.clock.mark()
-            tokens, waited, flops, flops_tt = 0, 0.0, 0.0, 0.0
-            for g in self._global_batches(step):
-                t_i, d_i = self._batch_owner(g)
-                if t_i != self.t_index:
-                    continue
-                ids, lm = self._next_local_batch()
-                with torch.inference_mode():
-                    feats = target_features(self.target, ids, self.layer_ids).to(self.dtype)
-                meta, feats = self._pack(ids, lm, feats, cdev)
-                tw = time.perf_counter()
-                with self.clock.stall():
-                    while len(pending) >= args.queue_depth:
-                        for w in pending.popleft()[:2]:
-                            w.wait()
-                waited += time.perf_counter() - tw
-                dst = self.drafter_ranks[d_i]
-                w1 = dist.isend(meta, dst, tag=2 * g)
-                w2 = dist.isend(feats, dst, tag=2 * g + 1)
-                pending.append((w1, w2, meta, feats))
-                tokens += ids.numel()
-                f_causal, f_tt = self.target_flops.batch(*ids.shape)
-                flops, flops_tt = flops + f_causal, flops_tt + f_tt
-            if self._ckpt_due(step):
-                with self.clock.stall():
-                    drain()
-            self._sync()
-            dt = time.perf_counter() - t_step
-            timing = self.clock.split(dt, clock_start, step)
-            fpt, fpt_tt = flops / max(1, tokens), flops_tt / max(1, tokens)
-            if step % args.log_every == 0 or step == args.max_steps:
-                self.tel.step(
-                    step,
-                    loss=None,
-                    role=self.role,
-                    tokens_per_s=round(tokens / dt, 2),
-                    step_s=round(dt, 4),
-                    send_wait_s=round(waited, 4),
-                    flops_per_token=round(fpt, 1),
-                    flops_per_token_torchtitan=round(fpt_tt, 1),
-                    mfu=(mfu(tokens / dt, fpt, self.peak) if tokens else 0.0),
-                    mfu_torchtitan=(mfu(tokens / dt, fpt_tt, self.peak) if tokens else 0.0),
-                    peak_flops=self.peak,
-                    queue_depth=len(pending),
-                    **self._mem(),
-                    **timing,
-                )
-            self.votes.post(step)
-            if self.votes.is_last(step):
-                stopped = True
-                drain()
-                self.save(step)
-                break
-            if self._ckpt_due(step):
-                self.save(step)
-        drain()
-        return step, stopped
+        flops, flops_tt = counts
+        fpt, fpt_tt = flops / max(1, tokens), flops_tt / max(1, tokens)
+        if step % self.cfg.log_every == 0 or step == self.cfg.max_steps:
+            self.tel.step(
+                step,
+                loss=None,
+                role=self.role,
+                tokens_per_s=round(tokens / dt, 2),
+                step_s=round(dt, 4),
+                send_wait_s=round(waited, 4),
+                flops_per_token=round(fpt, 1),
+                flops_per_token_torchtitan=round(fpt_tt, 1),
+                mfu=(mfu(tokens / dt, fpt, self.peak) if tokens else 0.0),
+                mfu_torchtitan=(mfu(tokens / dt, fpt_tt, self.peak) if tokens else 0.0),
+                peak_flops=self.peak,
+                queue_depth=len(self.sends),
+                **self._mem(),
+                **timing,
+            )
 
     def eval(self, step: int) -> None:
         if self.lm_head is None:
@@ -1456,7 +1486,7 @@ class Trainer:
             self.lm_head.weight,
             self.eval_ids,
             self.eval_feats,
-            self.args.eval_prompt_len,
+            self.cfg.eval_prompt_len,
             self.block_size,
             self.mask_token_id,
             "sdpa",
@@ -1472,64 +1502,87 @@ class Trainer:
                 flush=True,
             )
 
-    def export(self, step: int, stopped: bool = False) -> list[str]:
-        """Save the drafter (full weights, save_pretrained) to OUT/drafter and OUT/result.json.
+    def _end_of_steps(self) -> None:
+        """After the last step: the sends and the stop votes still in flight are waited for (idempotent)."""
+        if self.role == ROLE_TARGET:
+            self._drain_sends()
+        self.votes.finish()
 
-        After a stop on a signal only result.json is written (``stopped: true``): the
-        checkpoint holds the state, and the grace period is better spent exiting.
+    def export(self) -> Path | None:
+        """The final eval (unless the last step was just evaluated), then the drafter in OUT/drafter (the lead drafter's path).
+
+        Not called after a stop on a signal: the checkpoint holds the state, and the grace period is
+        better spent exiting (``finish`` still writes result.json, ``stopped: true``).
         """
-        import torch
-        import torch.distributed as dist
+        self._end_of_steps()
+        if self.is_drafter and not self.cfg.no_eval and (self.last_eval is None or self.last_eval["step"] != self.step):
+            self.eval(self.step)
+        return self._save_drafter() if self.is_drafter else None
 
+    def _save_drafter(self) -> Path | None:
+        """Gather the FSDP2 shards over the drafter group (every drafter rank); the lead drafter saves them (save_pretrained)."""
         from gpudeck.trainers.dflash.model import DFlashDraftModel
 
-        out = Path(self.args.out)
+        if self.drafter is None:
+            raise RuntimeError(f"rank {self.ctx.rank} is a drafter rank without a drafter to export")
+        sd = {}
+        for k, v in self.drafter.state_dict().items():
+            full = v.full_tensor() if hasattr(v, "full_tensor") else v
+            sd[k] = full.detach().float().cpu()
+        if self.ctx.rank != self.lead_drafter:
+            return None
+        plain = DFlashDraftModel(self.dcfg)
+        plain.load_state_dict(sd)
+        ddir = Path(self.cfg.out) / "drafter"
+        if ddir.exists():
+            shutil.rmtree(ddir)
+        plain.save_pretrained(str(ddir))
+        shutil.copy(Path(__file__).with_name("model.py"), ddir / "dflash.py")
+        meta = {
+            "target": self.cfg.target or self.cfg.target_config,
+            "step": self.step,
+            "block_size": self.block_size,
+            "target_layer_ids": self.layer_ids,
+            "mask_token_id": self.mask_token_id,
+            "num_target_layers": self.dcfg.num_target_layers,
+        }
+        (ddir / "dflash_train.json").write_text(json.dumps(meta, indent=2) + "\n")
+        return ddir
+
+    def finish(self, exported: Path | None) -> int:
+        """OUT/result.json (final_step, stopped, drafter_dir, eval_first, eval_last, topology, world_size), ``done``, a clean exit."""
+        import torch.distributed as dist
+
+        self._end_of_steps()
+        out = Path(self.cfg.out)
         files: list[str] = []
-        ddir = None
-        if self.is_drafter and not stopped:
-            # gather the FSDP2 shards over the drafter group (every drafter rank, same order)
-            if self.drafter is None:
-                raise RuntimeError(f"rank {self.ctx.rank} is a drafter rank without a drafter to export")
-            sd = {}
-            for k, v in self.drafter.state_dict().items():
-                full = v.full_tensor() if hasattr(v, "full_tensor") else v
-                sd[k] = full.detach().float().cpu()
-            if self.ctx.rank == self.lead_drafter:
-                plain = DFlashDraftModel(self.dcfg)
-                plain.load_state_dict(sd)
-                ddir = out / "drafter"
-                if ddir.exists():
-                    shutil.rmtree(ddir)
-                plain.save_pretrained(str(ddir))
-                shutil.copy(Path(__file__).with_name("model.py"), ddir / "dflash.py")
-                meta = {
-                    "target": self.args.target or self.args.target_config,
-                    "step": step,
-                    "block_size": self.block_size,
-                    "target_layer_ids": self.layer_ids,
-                    "mask_token_id": self.mask_token_id,
-                    "num_target_layers": self.dcfg.num_target_layers,
-                }
-                (ddir / "dflash_train.json").write_text(json.dumps(meta, indent=2) + "\n")
-                files.append(str(ddir))
         if self.ctx.rank == self.lead_drafter:
             result = {
-                "final_step": step,
-                "stopped": stopped,
-                "drafter_dir": str(ddir) if ddir else None,
+                "final_step": self.step,
+                "stopped": self.stopped,
+                "drafter_dir": str(exported) if exported else None,
                 "eval_first": self.first_eval,
                 "eval_last": self.last_eval,
-                "topology": self.args.topology,
+                "topology": self.cfg.topology,
                 "world_size": self.ctx.world_size,
             }
             (out / "result.json").write_text(json.dumps(result, indent=2) + "\n")
-            files.append(str(out / "result.json"))
+            files = ([str(exported)] if exported else []) + [str(out / "result.json")]
         if self.ctx.distributed:
             objs = [files]
             dist.broadcast_object_list(objs, src=self.lead_drafter)
             files = objs[0]
-        del torch
-        return files
+        runtime.barrier(self.ctx)
+        self.tel.emit(
+            "done",
+            final_step=self.step,
+            reason="stopped" if self.stopped else "max_steps",
+            result_files=files,
+            wall_s=round(time.perf_counter() - self.t0, 3),
+        )
+        self.tel.close()
+        runtime.finish_ok(self.ctx)
+        return 0
 
 
 def _placeholder():
@@ -1547,7 +1600,8 @@ def _placeholder():
 
 
 def main(argv: list[str] | None = None) -> int:
+    """``python -m gpudeck.trainers.dflash``: the checked command line, then the trainer on the shared loop."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = parse_args(argv)
-    Path(args.out).mkdir(parents=True, exist_ok=True)
-    return Trainer(args, [sys.executable, "-m", "gpudeck.trainers.dflash", *argv]).run()
+    cfg = parse_args(argv)
+    Path(cfg.out).mkdir(parents=True, exist_ok=True)
+    return DFlashTrainer(cfg, [sys.executable, "-m", "gpudeck.trainers.dflash", *argv]).run()

@@ -24,14 +24,14 @@ from gpudeck.console.tui.compat.messages import MessageGuard
 
 if TYPE_CHECKING:
     from gpudeck.agents.wire.protocol import RunInfo
-    from gpudeck.console.fleet.fleet import Fleet
     from gpudeck.console.ops import LaunchIntent
+    from gpudeck.console.ops.context import Ops
 
 
 class DeckApp(Protocol):
     """What the screens may ask of the gpudeck app (console/tui/app.py implements it)."""
 
-    fleet: Fleet
+    ops: Ops
 
     def open_run(self, host: str, run_id: str, run: RunInfo | None = None) -> None: ...
 

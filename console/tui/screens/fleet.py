@@ -9,7 +9,7 @@ from textual.binding import Binding
 from textual.widgets import Static
 
 from gpudeck.console.core.fmt import gib
-from gpudeck.console.fleet.fleet import HostStatus
+from gpudeck.console.core.records import HostStatus
 from gpudeck.console.present.formats import why_down
 from gpudeck.console.present.views import HostFigures, age, host_figures, since, stamp
 from gpudeck.console.tui.screens.base import LiveScreen, deck
@@ -107,7 +107,7 @@ class FleetScreen(LiveScreen):
         self._figures: dict[str, HostFigures | None] = {}
         self._states: dict[str, str] = {}
         self._notify_note: str | None = None
-        self.hosts_changed(set(deck(self).fleet.links))
+        self.hosts_changed(set(deck(self).ops.links))
         self.set_interval(NOT_UP_REFRESH_S, self._tick)
         self._check_notify()
         self.set_interval(NOTIFY_CHECK_S, self._check_notify)
@@ -130,7 +130,7 @@ class FleetScreen(LiveScreen):
     def hosts_changed(self, names: set[str]) -> None:
         """Update (or add) the rows of these hosts only."""
         table = self.query_one("#fleet-table", KeyedTable)
-        links = deck(self).fleet.links
+        links = deck(self).ops.links
         for name in [n for n in names if n not in links]:  # removed from the config (`gpudeck hosts remove`)
             table.drop(name)
             self._figures.pop(name, None)

@@ -14,7 +14,6 @@ from textual.widgets import Input, Static
 
 from gpudeck.console.core.fmt import duration
 from gpudeck.console.core.records import RunRecord
-from gpudeck.console.ops.compare import compare_runs
 from gpudeck.console.ops.errors import QueryRefused
 from gpudeck.console.ops.figures import run_figures, tokens_text
 from gpudeck.console.ops.readings import find_runs
@@ -116,7 +115,7 @@ class HistoryScreen(LiveScreen):
 
     def on_mount(self) -> None:
         self.query_one("#history-table", KeyedTable).focus()
-        if deck(self).fleet.history is None:
+        if deck(self).ops.history_path is None:
             self.query_one("#history-note", Static).update(
                 Text("this console runs without a history database (`gpudeck` opens one by default)", style="yellow")
             )
@@ -144,11 +143,11 @@ class HistoryScreen(LiveScreen):
 
     @work(thread=True, exclusive=True, group="history-query")
     def _load(self, text: str) -> None:
-        history = deck(self).fleet.history
-        assert history is not None  # loads are started only with a history (on_mount)
+        path = deck(self).ops.history_path
+        assert path is not None  # loads are started only with a history (on_mount)
         t0 = time.monotonic()
         try:
-            rows = find_runs(history.path, text)
+            rows = find_runs(path, text)
         except QueryRefused as exc:
             self.post_message(HistoryLoaded(text, [], error=str(exc)))
             return
@@ -206,7 +205,7 @@ class HistoryScreen(LiveScreen):
     def _apply(self, text: str) -> None:
         if text != self.query_text or not self.rows:
             self.query_text = text
-            if deck(self).fleet.history is not None:
+            if deck(self).ops.history_path is not None:
                 self.reload()
 
     def action_focus_filter(self) -> None:
@@ -258,7 +257,7 @@ class HistoryScreen(LiveScreen):
         from gpudeck.console.tui.screens.diff import DiffScreen
 
         try:  # the same records and step metrics as `gpudeck diff` and the Roll back dialog (ops.compare)
-            pair = await compare_runs(deck(self).fleet, (a.host, a.id), (b.host, b.id))
+            pair = await deck(self).ops.compare_runs((a.host, a.id), (b.host, b.id))
         except Exception as exc:
             self.notify(str(exc), title="cannot diff", severity="error")
             return

@@ -38,11 +38,9 @@ from gpudeck.agents.wire.protocol import Gpu, LaunchSpec, PreflightResult, RunIn
 from gpudeck.console.core.fmt import gib
 from gpudeck.console.core.sanitize import escape_controls, one_line
 from gpudeck.console.ops import IntentError, LaunchIntent, LaunchPlan, LaunchResult, OpsError
-from gpudeck.console.ops.holders import HOLDERS_CHECK, HolderPlan, ReclaimLaunch, plan_holders, reclaim_and_launch
+from gpudeck.console.ops.holders import HOLDERS_CHECK, HolderPlan, ReclaimLaunch
 from gpudeck.console.ops.intent import count_text, form_start
 from gpudeck.console.ops.launch import NodeOutcome, plan_here
-from gpudeck.console.ops.launch import launch as ops_launch
-from gpudeck.console.ops.launch import preflight as ops_preflight
 from gpudeck.console.present.views import gpu_free, holder_label
 from gpudeck.console.tui.screens.base import Guarded, deck
 from gpudeck.console.tui.screens.dialogs import ConfirmDialog
@@ -279,7 +277,7 @@ class LaunchDialog(Guarded, ModalScreen[LaunchOutcome | None]):
         self._forcible = False  # only the GPU-holder check failed: --force is a choice
 
     def compose(self) -> ComposeResult:
-        hosts = list(deck(self).fleet.links)
+        hosts = list(deck(self).ops.links)
         if self._first_host in hosts:
             hosts.remove(self._first_host)
             hosts.insert(0, self._first_host)
@@ -360,7 +358,7 @@ class LaunchDialog(Guarded, ModalScreen[LaunchOutcome | None]):
     # ------------------------------------------------------------------ GPUs
 
     def _snapshot(self, host: str) -> Snapshot | None:
-        link = deck(self).fleet.links.get(host)
+        link = deck(self).ops.links.get(host)
         return None if link is None else link.status.snapshot
 
     def _fill_gpus(self, host: str) -> None:
@@ -506,7 +504,7 @@ class LaunchDialog(Guarded, ModalScreen[LaunchOutcome | None]):
         where = ", ".join(plan.hosts)
         self._button("Pre-flight running ...", disabled=True)
         progress.start(f"pre-flight on {where}", "GPUs, memory, holders, rendezvous port, disk, python, start")
-        results = await ops_preflight(deck(self).fleet, plan)
+        results = await deck(self).ops.preflight(plan)
         text = Text()
         for i, c in enumerate(results):
             if i:
@@ -519,7 +517,7 @@ class LaunchDialog(Guarded, ModalScreen[LaunchOutcome | None]):
             c.name == HOLDERS_CHECK and not c.ok and not c.overridden and c.details.get("holders") for r in checked for c in r.checks
         ):
             progress.note(f"pre-flight on {where}: naming the GPU holders")
-            holders = await plan_holders(deck(self).fleet, plan, results)
+            holders = await deck(self).ops.plan_holders(plan, results)
             if holders.holders:
                 text = Text.assemble(text, "\n", holders_text(holders))
             if holders.blocked:
@@ -550,7 +548,7 @@ class LaunchDialog(Guarded, ModalScreen[LaunchOutcome | None]):
         self._button("Launching ...", disabled=True)
         progress.start(f"launching on {', '.join(plan.hosts)}", "the agent records the spec, checks and starts the processes")
         try:
-            result = await ops_launch(deck(self).fleet, plan, request_id=self._request_id)
+            result = await deck(self).ops.launch(plan, request_id=self._request_id)
         except (AgentError, OpsError) as exc:
             progress.finish(f"launch failed: {exc.message}", style="bold red")
             self.query_one("#launch-error", Static).update(plain_markup(Text(exc.message, style="bold red")))
@@ -558,6 +556,8 @@ class LaunchDialog(Guarded, ModalScreen[LaunchOutcome | None]):
             return
         if result.verdict != "running" and plan.multinode:
             why = "; ".join(f"{n.host}: {n.error or 'pre-flight failed'}" for n in result.failed)
+            if result.gate is not None and result.gate.refused:  # the cross-node gate: its table, who differs, the way past
+                why = "\n".join(filter(None, [why, *result.gate.refusal()[1:]]))
             progress.finish(f"{result.run_id}: {result.verdict}", style="bold red")
             self.query_one("#launch-error", Static).update(plain_markup(Text(f"nothing runs on any host: {why}", style="bold red")))
             self._button("Launch (ctrl+s)")
@@ -597,7 +597,7 @@ class LaunchDialog(Guarded, ModalScreen[LaunchOutcome | None]):
         progress.start(f"reclaiming {len(holders.to_stop)} process(es)", "SIGTERM, grace, SIGKILL, verify, pre-flight again, launch")
         done: ReclaimLaunch | None = None
         try:
-            done = await reclaim_and_launch(deck(self).fleet, plan, holders, request_id=self._request_id, step=step)
+            done = await deck(self).ops.reclaim_and_launch(plan, holders, request_id=self._request_id, step=step)
             why = done.refused or ""
         except (AgentError, OpsError) as exc:
             why = exc.message

@@ -12,7 +12,7 @@ from textual.widgets import Static
 from gpudeck.agents.wire.errors import AgentError
 from gpudeck.agents.wire.protocol import Gpu, Leftover, LeftoverList
 from gpudeck.console.core.fmt import gib
-from gpudeck.console.ops.readings import host_leftovers
+from gpudeck.console.present.formats import container_cell
 from gpudeck.console.present.views import age, unaccounted_holders, unaccounted_line
 from gpudeck.console.tui.screens.base import Guarded, deck
 from gpudeck.console.tui.screens.reclaim import ReclaimItem, reclaim_flow
@@ -69,6 +69,7 @@ def leftover_item(lo: Leftover) -> ReclaimItem:
         command=" ".join(lo.cmdline),
         gpu_bytes=dict(lo.gpu_bytes),
         live_run=lo.run_id if lo.kind == "live" else None,
+        container=container_cell(lo.container) if lo.container else "",
     )
 
 
@@ -117,7 +118,7 @@ class LeftoversScreen(Guarded, Screen):
         note = self.query_one("#leftovers-note", Static)
         progress.start(f"asking {self.host} for its leftovers")
         try:
-            reply = await host_leftovers(deck(self).fleet, self.host, include_live=self.include_live)
+            reply = await deck(self).ops.leftovers(self.host, include_live=self.include_live)
         except AgentError as exc:
             if self.is_attached:
                 progress.finish(f"{self.host} could not list its leftovers: {exc.message}", style="bold red")

@@ -11,7 +11,6 @@ from textual.screen import Screen
 from gpudeck.agents.wire.protocol import Gpu, StopResult
 from gpudeck.console.core.fmt import gib
 from gpudeck.console.core.sanitize import one_line
-from gpudeck.console.ops.stop import reclaim
 from gpudeck.console.tui.screens.base import deck
 from gpudeck.console.tui.screens.dialogs import ConfirmDialog, ResultDialog, stop_result_text
 from gpudeck.console.tui.widgets.progress import ProgressLine
@@ -29,6 +28,7 @@ class ReclaimItem:
     command: str = ""
     gpu_bytes: dict[int, int] = field(default_factory=dict)
     live_run: str | None = None  # the live run it belongs to: reclaiming it breaks that run
+    container: str = ""  # the container it runs in, seen from the host ('docker:trainer'); "" for none
 
 
 def reclaim_body(host: str, items: list[ReclaimItem], gpus: list[Gpu], grace_s: float = GRACE_S) -> Text:
@@ -59,10 +59,12 @@ def reclaim_body(host: str, items: list[ReclaimItem], gpus: list[Gpu], grace_s: 
                 f"  pid {it.pid:<8} {one_line(it.who, 28):<28} {one_line(it.user, 8):<8} {gib(it.gpu_bytes.get(g)):>6} GiB  {one_line(it.command, 26)}\n",
                 style="bold red" if it.live_run else "",
             )
+            _container_line(t, it)
     if no_gpu:
         t.append("\nholding no GPU memory\n", style="bold")
         for it in no_gpu:
             t.append(f"  pid {it.pid:<8} {one_line(it.who, 28):<28} {one_line(it.user, 8):<8} {one_line(it.command, 40)}\n")
+            _container_line(t, it)
     t.append(f"\n{gib(total)} GiB should come back in all.\n", style="bold")
     live = sorted({it.live_run for it in items if it.live_run})
     for rid in live:
@@ -72,6 +74,12 @@ def reclaim_body(host: str, items: list[ReclaimItem], gpus: list[Gpu], grace_s: 
             style="bold red",
         )
     return t
+
+
+def _container_line(t: Text, it: ReclaimItem) -> None:
+    """Under a process that runs in a container: which one (the signal goes into it from the host)."""
+    if it.container:
+        t.append(f"             in container {one_line(it.container, 60)}: stopped from the host, inside it\n", style="yellow")
 
 
 async def reclaim_flow(
@@ -91,7 +99,7 @@ async def reclaim_flow(
     pids = sorted({it.pid for it in items})
     progress.start(f"reclaiming {len(pids)} process(es) on {host}: SIGTERM sent", f"SIGKILL after {grace_s:.0f} s, then NVML verifies")
     # the reclaim `gpudeck reclaim HOST:PID ...` runs (ops.stop.reclaim): a host's error comes back as its message
-    [(_host, res)] = await reclaim(deck(screen).fleet, {host: pids}, grace_s, include_live)
+    [(_host, res)] = await deck(screen).ops.reclaim({host: pids}, grace_s, include_live)
     if isinstance(res, str):
         progress.finish(f"reclaim failed: {res}", style="bold red")
         await screen.app.push_screen_wait(ResultDialog(f"Reclaim on {host} failed", Text(res, style="red")))

@@ -40,14 +40,12 @@ from gpudeck.agents.wire.protocol import (
 from gpudeck.console.core.fmt import duration, elapsed, gib
 from gpudeck.console.core.records import RunRecord
 from gpudeck.console.core.sanitize import escape_controls, one_line, redact_env, redact_record
-from gpudeck.console.ops import OpsError, nodes_of, relaunch_intent
-from gpudeck.console.ops.compare import compare_runs
-from gpudeck.console.ops.readings import run_metrics, run_output, verify_run
+from gpudeck.console.ops import OpsError, relaunch_intent
+from gpudeck.console.ops.ledger import ledger_query
 from gpudeck.console.ops.relaunch import EnvironmentCheck
-from gpudeck.console.ops.rollback import prepare_rollback, rollback_candidates
-from gpudeck.console.ops.stop import stop_run
-from gpudeck.console.ops.triage import format_triage, triage_run
-from gpudeck.console.present.views import python_of, run_diff, run_from_record, stamp, stamp_age
+from gpudeck.console.ops.triage import format_triage
+from gpudeck.console.present.ledger import format_ledger
+from gpudeck.console.present.views import python_of, run_diff, run_from_record, series_points, series_summary, stamp, stamp_age
 from gpudeck.console.tui.messages import RecordLoaded
 from gpudeck.console.tui.screens.base import LiveScreen, deck
 from gpudeck.console.tui.screens.dialogs import ChoiceDialog, ConfirmDialog, ResultDialog, stop_result_text
@@ -245,6 +243,7 @@ class RunScreen(LiveScreen):
         Binding(
             "T", "triage", "Triage", tooltip="every rank's stacks, state, CPU and GPU now, and the likely culprit (nothing is stopped)"
         ),
+        Binding("w", "run_ledger", "GPUs held", tooltip="the GPU ledger: every GPU this run held on this host, peak, for how long"),
         Binding("f", "toggle_follow", "Follow"),
         Binding("g", "top", "Top"),
         Binding("G", "bottom", "Bottom"),
@@ -320,17 +319,17 @@ class RunScreen(LiveScreen):
     # ------------------------------------------------------------------ facts
 
     def _simulated(self) -> bool:
-        link = deck(self).fleet.links.get(self.host)
+        link = deck(self).ops.links.get(self.host)
         snap = link.status.snapshot if link is not None else None
         return bool(snap is not None and snap.simulated)
 
     @work(exclusive=True, group="run-info")
     async def refresh_run(self) -> None:
         """Ask the agent for the run once a second (what the header and tabs show)."""
-        fleet = deck(self).fleet
+        ops = deck(self).ops
         while True:
             try:
-                run = await fleet.run(self.host, self.run_id)
+                run = await ops.run(self.host, self.run_id)
                 self.agent_error = None
                 ended_now = self.run is not None and self.run.state not in TERMINAL_STATES and run.state in TERMINAL_STATES
                 self.run = run
@@ -348,11 +347,11 @@ class RunScreen(LiveScreen):
     @work(thread=True, exclusive=True, group="run-record")
     def load_record(self) -> None:
         """The history's row of this run (a thread: SQLite blocks)."""
-        history = deck(self).fleet.history
-        if history is None:
+        ops = deck(self).ops
+        if ops.history is None:
             return
         try:
-            rec = history.find(self.run_id, self.host)
+            rec = ops.find_now(self.run_id, self.host)
             self.post_message(RecordLoaded(self.host, self.run_id, rec))
         except Exception as exc:  # HistoryError: not recorded (yet); anything else is shown, not raised
             self.post_message(RecordLoaded(self.host, self.run_id, None, str(exc)))
@@ -451,6 +450,18 @@ class RunScreen(LiveScreen):
         self.triage()
         self.action_tab("tab-claims")
 
+    @work(exclusive=True, group="run-ledger")
+    async def action_run_ledger(self) -> None:
+        """The run's GPU footprint over its life on this host (``gpudeck ledger HOST --run RUN``), as a timeline."""
+        try:
+            answer = await deck(self).ops.ledger(ledger_query(self.host, run=self.run_id))
+        except OpsError as exc:
+            self.notify(escape_controls(exc.message), severity="error")
+            return
+        if self.is_attached:
+            title = f"GPU ledger: run {self.run_id} on {self.host}"
+            self.app.push_screen(ResultDialog(title, Text(escape_controls(format_ledger(answer), keep="\n"))))
+
     @work(exclusive=True, group="run-triage")
     async def triage(self) -> None:
         """Every node's triage of the run now (``gpudeck triage``'s operation), shown as text: never parsed as markup."""
@@ -459,9 +470,9 @@ class RunScreen(LiveScreen):
             box.update(Text("the run is not known yet", style="yellow"))
             return
         box.update(Text("gathering every rank's stacks, state, CPU and GPU (up to 30 s) ...", style="dim"))
-        fleet = deck(self).fleet
+        ops = deck(self).ops
         try:
-            got, failed = await triage_run(fleet, await nodes_of(fleet, self.host, self.run))
+            got, failed = await ops.triage(await ops.nodes_of(self.host, self.run))
         except (AgentError, OpsError) as exc:
             if self.is_attached:
                 box.update(Text(f"no triage: {exc.message}", style="bold red"))
@@ -479,7 +490,7 @@ class RunScreen(LiveScreen):
         note = self.query_one("#claims-note", Static)
         note.update(Text("asking the agent to check the claims ...", style="dim"))
         try:
-            reply = await verify_run(deck(self).fleet, self.host, self.run_id)
+            reply = await deck(self).ops.verify(self.host, self.run_id)
         except AgentError as exc:
             if self.is_attached:
                 note.update(Text(f"claims could not be checked: {exc.message}", style="yellow"))
@@ -517,42 +528,38 @@ class RunScreen(LiveScreen):
 
     @work(exclusive=True, group="run-metrics")
     async def refresh_metrics(self) -> None:
-        fleet = deck(self).fleet
+        ops = deck(self).ops
         panel = self.query_one("#metrics")
         panel.display = False
         while True:
-            series = await run_metrics(fleet, self.host, self.run_id, max_points=200)  # the agent's, else the history's
+            series = await ops.metrics(self.host, self.run_id, max_points=200)  # the agent's, else the history's
             steps, loss, tps = series.steps, series.loss, series.tokens_per_s
             if not self.is_attached:
                 return
             if steps:
                 panel.display = True
-                self._show_series("loss", "#loss-label", "#loss-plot", steps, loss, "{:.4f}")
-                self._show_series("tokens/s", "#tps-label", "#tps-plot", steps, tps, "{:,.0f}")
+                self._show_series("loss", "#loss-label", "#loss-plot", steps, loss)
+                self._show_series("tokens/s", "#tps-label", "#tps-plot", steps, tps)
             ended = self.run is not None and self.run.ended is not None
             await asyncio.sleep(10.0 if ended else 2.0)
 
-    def _show_series(self, name: str, label_id: str, plot_id: str, steps: list[int], values: list[float | None], fmt: str) -> None:
-        pts = [(s, v) for s, v in zip(steps, values) if v is not None]
+    def _show_series(self, name: str, label_id: str, plot_id: str, steps: list[int], values: list[float | None]) -> None:
+        """One figure's plot and label (present.views.series_summary: what `gpudeck metrics` prints)."""
+        summary = series_summary(name, steps, values)
         label = self.query_one(label_id, Static)
-        if not pts:
+        if summary is None:
             label.update(Text(f"{name}: not reported", style="dim"))
             return
-        data = [v for _, v in pts]
-        self.query_one(plot_id, MetricPlot).show([Series(name, [float(s) for s, _ in pts], data)], xlabel="step")
-        label.update(
-            Text.assemble(
-                (f"{name} ", "bold"),
-                f"step {pts[-1][0]}: {fmt.format(data[-1])}   min {fmt.format(min(data))}  max {fmt.format(max(data))}",
-            )
-        )
+        pts = series_points(steps, values)
+        self.query_one(plot_id, MetricPlot).show([Series(name, [float(s) for s, _ in pts], [v for _, v in pts])], xlabel="step")
+        label.update(Text.assemble((f"{name} ", "bold"), summary.text()))
 
     @work(exclusive=True, group="run-output")
     async def follow_output(self) -> None:
-        fleet = deck(self).fleet
+        ops = deck(self).ops
         status = self.query_one("#run-status", ProgressLine)
         try:
-            async for chunk in run_output(fleet, self.host, self.run_id, offset=0, follow=True):
+            async for chunk in ops.output(self.host, self.run_id, offset=0, follow=True):
                 if chunk.data:
                     self._pending.append(chunk.data)
             self._pending.append("")
@@ -684,9 +691,9 @@ class RunScreen(LiveScreen):
             self.notify("the run is not known yet", severity="warning")
             return
         run = self.run
-        fleet = deck(self).fleet
+        ops = deck(self).ops
         try:
-            candidates = await rollback_candidates(fleet, self.host, run)
+            candidates = await ops.rollback_candidates(self.host, run)
         except OpsError as exc:
             self.notify(exc.message, title="no runs to roll back to", severity="error")
             return
@@ -700,7 +707,7 @@ class RunScreen(LiveScreen):
             return
         try:
             # the same records and step metrics as History -> Diff and `gpudeck diff` (ops.compare)
-            pair = await compare_runs(fleet, (self.host, run.id), (pick.host, pick.id), live_a=run)
+            pair = await ops.compare_runs((self.host, run.id), (pick.host, pick.id), live_a=run)
         except OpsError as exc:
             self.notify(exc.message, title=f"cannot read {pick.id}", severity="error")
             return
@@ -718,8 +725,7 @@ class RunScreen(LiveScreen):
             return
         self._status_used = True
         try:
-            intent = await prepare_rollback(
-                fleet,
+            intent = await ops.prepare_rollback(
                 run.spec,
                 run.id,
                 good,
@@ -830,8 +836,8 @@ def stop_confirm_text(r: RunInfo, host: str, snap: Snapshot | None) -> Text:
 async def stop_flow(screen: Screen[Any], host: str, r: RunInfo, status: ProgressLine) -> None:
     """Confirm (listing the processes), stop the run through ``ops.stop`` (every node of a multi-node run), show the
     verified result: the one stop flow of the Run and Runs screens."""
-    fleet = deck(screen).fleet
-    link = fleet.links.get(host)
+    ops = deck(screen).ops
+    link = ops.links.get(host)
     snap = link.status.snapshot if link is not None else None
     ok = await screen.app.push_screen_wait(ConfirmDialog("Stop run", stop_confirm_text(r, host, snap)))
     if not ok:
@@ -839,8 +845,8 @@ async def stop_flow(screen: Screen[Any], host: str, r: RunInfo, status: Progress
     status.start(f"stopping {r.id}: SIGTERM sent", f"grace {STOP_GRACE_S:.0f} s for the checkpoint, then SIGKILL, then NVML verifies")
     try:
         # every node of the run (a multi-node run is stopped on each host), as `gpudeck stop` does
-        found = await nodes_of(fleet, host, r)
-        done = await stop_run(fleet, found, STOP_GRACE_S, fleet.history)
+        found = await ops.nodes_of(host, r)
+        done = await ops.stop(found, STOP_GRACE_S)
     except (AgentError, OpsError) as exc:
         status.finish(f"stop failed: {exc.message}", style="bold red")
         return

@@ -15,8 +15,7 @@ from textual.widgets import Static
 from gpudeck.agents.wire.protocol import TERMINAL_STATES, RunInfo
 from gpudeck.console.core.fmt import duration, elapsed
 from gpudeck.console.ops.errors import OpsError
-from gpudeck.console.ops.readings import current_run, history_run_count, runs_changed_since
-from gpudeck.console.ops.resolve import fleet_runs
+from gpudeck.console.ops.readings import history_run_count, runs_changed_since
 from gpudeck.console.present.views import (
     RunRow,
     merge_rows,
@@ -127,9 +126,9 @@ class RunsScreen(LiveScreen):
         self._history_at = 0.0
         self._history_mark: int | None = None  # the newest history event read (None: read the whole history)
         self._history_total: int | None = None  # the runs the history held when it was read whole (read only past the limit)
-        links = deck(self).fleet.links
+        links = deck(self).ops.links
         self.hosts_changed(set(links))
-        if deck(self).fleet.history is not None:
+        if deck(self).ops.history_path is not None:
             self.set_interval(0.5, self._maybe_load_history)
             self._maybe_load_history()
         else:
@@ -139,7 +138,7 @@ class RunsScreen(LiveScreen):
 
     def hosts_changed(self, names: set[str]) -> None:
         """Live runs of these hosts, from their snapshots."""
-        links = deck(self).fleet.links
+        links = deck(self).ops.links
         touched: set[str] = set()
         for name in names:
             link = links.get(name)
@@ -172,17 +171,17 @@ class RunsScreen(LiveScreen):
     @work(thread=True, exclusive=True, group="runs-history")
     def load_history(self) -> None:
         """Read the history's newest runs (a thread: SQLite blocks)."""
-        history = deck(self).fleet.history
-        if history is None:
+        path = deck(self).ops.history_path
+        if path is None:
             return
         t0 = time.monotonic()
         query = f"limit:{HISTORY_LIMIT}"
         try:
             first = self._history_mark is None
-            rows, self._history_mark = runs_changed_since(history.path, query, self._history_mark)
+            rows, self._history_mark = runs_changed_since(path, query, self._history_mark)
             loaded = HistoryLoaded(query, rows, seconds=time.monotonic() - t0)
             if first and len(rows) >= HISTORY_LIMIT:  # the history may hold more than the screen reads: how many
-                loaded.total = history_run_count(history.path)
+                loaded.total = history_run_count(path)
             self.post_message(loaded)
         except Exception as exc:  # a locked or missing file (or a refused filter) must not kill the screen
             self.post_message(HistoryLoaded(query, [], error=f"history: {exc}"))
@@ -210,12 +209,12 @@ class RunsScreen(LiveScreen):
     @work(exclusive=True, group="runs-poll")
     async def poll_agents(self) -> None:
         """Without a history: ask every reachable agent for its runs, a few at a time."""
-        fleet = deck(self).fleet
+        ops = deck(self).ops
         sem = asyncio.Semaphore(AGENT_POLL_CONCURRENCY)
 
         async def one(host: str) -> None:
             async with sem:
-                listed = await fleet_runs(fleet, [host], limit=500)  # the same read as `gpudeck runs`
+                listed = await ops.fleet_runs([host], limit=500)  # the same read as `gpudeck runs`
                 if host in listed.unanswered:
                     self._errors[host] = listed.unanswered[host]
                     return
@@ -233,7 +232,7 @@ class RunsScreen(LiveScreen):
                     self._show(changed)
 
         while True:
-            up = [h for h, link in fleet.links.items() if link.status.state in ("up", "connecting")]
+            up = [h for h, link in ops.links.items() if link.status.state in ("up", "connecting")]
             await asyncio.gather(*(one(h) for h in up))
             if not self.is_attached:
                 return
@@ -241,7 +240,7 @@ class RunsScreen(LiveScreen):
             await asyncio.sleep(AGENT_POLL_S)
 
     def action_reload(self) -> None:
-        if deck(self).fleet.history is not None:
+        if deck(self).ops.history_path is not None:
             self._history_due = True
             self._history_at = 0.0
             self._maybe_load_history()
@@ -323,7 +322,7 @@ class RunsScreen(LiveScreen):
             return None
         host = self.host_of(rid)
         try:
-            got = await current_run(deck(self).fleet, host, rid)
+            got = await deck(self).ops.current_run(host, rid)
         except OpsError as exc:
             self.notify(f"{rid}: {exc.message}", title="cannot read the run", severity="error")
             return None
