@@ -27,6 +27,7 @@ class LiveRun:
     tail: TelemetryTail | None = None
     journaled_offset: int = 0
     last_step_event: float = -1e9
+    step_events: int = 0  # step records journaled for this run (the first STEP_EVENTS_ALL of them are never rate-limited)
     held_step: tuple[dict, int] | None = None  # the newest step record the rate limit left out of the journal (and its offset)
     rejections_journaled: int = 0  # telemetry_rejected events written for this run (capped: the count goes on in bad_lines)
     health: RunHealth | None = None
@@ -122,6 +123,7 @@ class LiveRun:
     def note_step_event(self, now: float) -> None:
         """A step record was journaled at ``now`` (monotonic): the rate limit counts from here."""
         self.last_step_event = now
+        self.step_events += 1
 
     def hold_step(self, held: tuple[dict, int] | None) -> None:
         """The newest step record the rate limit left out of the journal, with its offset (None: none)."""

@@ -11,7 +11,10 @@ if TYPE_CHECKING:
     from gpudeck.agents.runs.supervisor import Supervisor
 
 MAX_REJECTIONS_JOURNALED = 20  # per run: the first refused telemetry lines are journaled; later ones are only counted
-STEP_EVENT_EVERY_S = 10.0  # step records reach the journal at most this often per run (all other records always)
+STEP_EVENT_EVERY_S = 10.0  # step records reach the journal at most this often per run (all other records always) ...
+# ... after the first STEP_EVENTS_ALL of them, which all do: a short run's figures (the tokens/s median over the recorded
+# steps) are over every step, not over its first (warm-up) and last step alone; a long run's are a sample every 10 s
+STEP_EVENTS_ALL = 100
 
 
 def poll(sup: Supervisor, lr: LiveRun, *, ending: bool = False) -> None:
@@ -41,7 +44,7 @@ def poll(sup: Supervisor, lr: LiveRun, *, ending: bool = False) -> None:
         if offset <= floor or rec.get("type") == "heartbeat":
             continue
         if rec.get("type") == "step":
-            if now - lr.last_step_event < STEP_EVENT_EVERY_S:
+            if lr.step_events >= STEP_EVENTS_ALL and now - lr.last_step_event < STEP_EVENT_EVERY_S:
                 held = (rec, offset)
                 continue
             lr.note_step_event(now)
