@@ -319,6 +319,187 @@ async def worker_watch(spec: FleetSpec, seconds: float, interval: float, profile
     await task
 
 
+def journal_seqs(spec: FleetSpec) -> list[tuple[str, int, int]]:
+    """Each host's journal as it is on disk now, read directly (read-only): (epoch, newest seq, event rows)."""
+    import sqlite3
+
+    from gpudeck.agents.wire import paths
+
+    found: list[tuple[str, int, int]] = []
+    for i in range(len(spec.names)):
+        path = paths.journal_path(spec.state_dir(i))
+        try:
+            conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=30)
+            try:
+                epoch = conn.execute("SELECT value FROM meta WHERE key='epoch'").fetchone()
+                top, rows = conn.execute("SELECT COALESCE(MAX(seq), 0), COUNT(*) FROM events").fetchone()
+            finally:
+                conn.close()
+        except sqlite3.Error:
+            found.append(("", 0, 0))
+            continue
+        found.append((str(epoch[0]) if epoch else "", int(top), int(rows)))
+    return found
+
+
+class Deliveries:
+    """A FleetWatcher counting every event the fleet hands its policies, per (host, seq): a second delivery is a duplicate."""
+
+    def __init__(self) -> None:
+        self.seen: dict[str, set[int]] = {}
+        self.duplicates = 0
+        self.delivered = 0
+
+    def on_events(self, host: str, events: list) -> None:
+        got = self.seen.setdefault(host, set())
+        for ev in events:
+            self.delivered += 1
+            if ev.seq in got:
+                self.duplicates += 1
+            got.add(ev.seq)
+
+    def on_link_state(self, st: Any) -> None:
+        pass
+
+
+async def worker_scale(spec: FleetSpec, seconds: float, interval: float, profile: Path | None) -> None:
+    """issue 33: the console's Fleet + History following a (SIMULATED stand-in) fleet from a cold start: time until
+    every host is shown, the history sync of the journals' backlog, then the steady window (CPU, RSS, fds, snapshot
+    ages), then every journal event checked against the history (none lost) and the policies' deliveries (none twice)."""
+    from bench.standin import host_failure
+    from gpudeck.console.fleet.fleet import Fleet
+    from gpudeck.console.history.replica import History
+
+    before = journal_seqs(spec)
+    backlog = sum(top for _e, top, _r in before)
+    hdir = Path(tempfile.mkdtemp(prefix="console-scale-", dir=str(spec.base_dir)))
+    hist = History(hdir / "history.db")
+    fleet = Fleet(config=spec.config(), ssh=spec.ssh_options(), interval_s=interval, history=hist)
+    deliveries = Deliveries()
+    fleet.add_watcher(deliveries)
+    rec = AgeRecorder()
+    shown: dict[str, float] = {}
+    failing = {nm for i, nm in enumerate(spec.names) if host_failure(i, True) != "none"}
+    healthy_ages: list[float] = []
+    n = len(spec.names)
+    t0 = time.monotonic()
+
+    def first_seen(name: str):  # type: ignore[no-untyped-def]
+        inner = rec.callback(name)
+
+        def on_status(status) -> None:  # type: ignore[no-untyped-def]
+            if status.snapshot is not None and name not in shown:
+                shown[name] = time.monotonic() - t0
+            k = len(rec.ages)
+            inner(status)
+            if rec.on and len(rec.ages) > k and name not in failing:
+                healthy_ages.append(rec.ages[-1])
+
+        return on_status
+
+    for name, link in fleet.links.items():
+        link.subscribe(first_seen(name))
+    cpu0 = time.process_time()
+    fleet.start()
+    while len(shown) < n and time.monotonic() - t0 < UP_TIMEOUT_S:
+        await asyncio.sleep(0.05)
+    t_all = time.monotonic() - t0 if len(shown) == n else float("nan")
+    times = sorted(shown.values())
+    emit(
+        "shown",
+        n=n,
+        shown=len(shown),
+        all_s=t_all,
+        p50_s=pct(times, 0.5),
+        within_10s=sum(t <= 10.0 for t in times),
+        cpu_s=time.process_time() - cpu0,
+        states={s: sum(ln.status.state == s for ln in fleet.links.values()) for s in {ln.status.state for ln in fleet.links.values()}},
+    )
+    # the backlog: every host's journal as it was before the console started, into the history
+    t_sync0 = time.monotonic()
+    cpu1 = time.process_time()
+    target = {nm: top for nm, (_e, top, _r) in zip(spec.names, before)}
+    while time.monotonic() - t_sync0 < 900:
+        behind = [nm for nm, ln in fleet.links.items() if ln.status.synced_seq < target[nm]]
+        if len(behind) <= len(failing):
+            if not behind or all(nm in failing for nm in behind):
+                break
+        await asyncio.sleep(0.1)
+    sync_s = time.monotonic() - t0
+    synced = sum(min(ln.status.synced_seq, target[nm]) for nm, ln in fleet.links.items())
+    emit(
+        "synced",
+        backlog=backlog,
+        synced=synced,
+        seconds_from_start=sync_s,
+        seconds_after_shown=time.monotonic() - t_sync0,
+        cpu_s=time.process_time() - cpu1,
+    )
+    await asyncio.sleep(WARM_S)
+    connects0 = sum(ln.status.connects for ln in fleet.links.values())
+    win = Window()
+    rec.take()
+    emit("window_start")
+    win.start()
+    rec.on = True
+    await asyncio.sleep(seconds)
+    rec.on = False
+    w = win.stop()
+    fds = len(os.listdir("/proc/self/fd"))
+    ages, sample_ms = rec.take()
+    connects1 = sum(ln.status.connects for ln in fleet.links.values())
+    up_end = sum(ln.status.state == "up" for ln in fleet.links.values())
+    window = dict(
+        **w,
+        n=n,
+        up=up_end,
+        fds=fds,
+        received=len(ages),
+        expected=n * w["wall_s"] / interval,
+        age_p50=pct(ages, 0.50),
+        age_p99=pct(ages, 0.99),
+        age_max=max(ages) if ages else float("nan"),
+        healthy_p99=pct(healthy_ages, 0.99),
+        healthy_n=n - len(failing),
+        reconnects=connects1 - connects0,
+    )
+    healthy_ages.clear()
+    # none lost, none twice: each journal as it is now, against the history once it has caught up
+    now = journal_seqs(spec)
+    t_check = time.monotonic()
+    while time.monotonic() - t_check < 120:
+        if all(ln.status.synced_seq >= top for ln, (_e, top, _r) in zip(fleet.links.values(), now)):
+            break
+        await asyncio.sleep(0.2)
+    missing = extra = journal_events = 0
+    lagging = []
+    for nm, (epoch, top, rows) in zip(spec.names, now):
+        held = [s for s in hist.seqs(nm, epoch) if s <= top]
+        journal_events += rows
+        missing += len(set(range(1, top + 1)) - set(held))
+        extra += len(held) - len(set(held))
+        if fleet.links[nm].status.synced_seq < top:
+            lagging.append(nm)
+    emit(
+        "window_end",
+        **window,
+        journal_events=journal_events,
+        history_events=hist.event_count(),
+        missing=missing,
+        extra=extra,
+        lagging=[
+            f"{nm} ({fleet.links[nm].status.state}, {fleet.links[nm].status.connects} connects, synced {fleet.links[nm].status.synced_seq}: "
+            f"{(fleet.links[nm].status.error or '')[:160]})"
+            for nm in lagging[:5]
+        ],
+        n_lagging=len(lagging),
+        delivered=deliveries.delivered,
+        duplicates=deliveries.duplicates,
+    )
+    await fleet.close()
+    hist.close()
+
+
 PROM_ACCEPT = "application/openmetrics-text;version=1.0.0;q=0.5,application/openmetrics-text;version=0.0.1;q=0.4,text/plain;version=0.0.4;q=0.3,*/*;q=0.2"
 
 
@@ -568,7 +749,7 @@ class Side:
 class SideMeter:
     """Measures farm, agents, this process and the whole machine between start() and stop()."""
 
-    def __init__(self, fh: FleetHosts) -> None:
+    def __init__(self, fh: Any) -> None:  # FleetHosts or bench.standin.StandinHosts
         self.fh = fh
         self.me = psutil.Process()
 
@@ -607,7 +788,7 @@ def out(text: str) -> None:
     print(f"fleet_bench {text}", flush=True)
 
 
-def run_worker(design: str, fh: FleetHosts, args: argparse.Namespace) -> tuple[dict[str, Any], Side] | None:
+def run_worker(design: str, fh: Any, args: argparse.Namespace) -> tuple[dict[str, Any], Side] | None:
     """Run one console worker in its own process; the window's figures and the machine's over the same window."""
     assert fh.spec is not None
     prof_path = fh.base_dir / f"profile-{design}-{fh.n}.txt" if args.profile else None
@@ -626,17 +807,22 @@ def run_worker(design: str, fh: FleetHosts, args: argparse.Namespace) -> tuple[d
     if prof_path:
         argv += ["--profile-out", str(prof_path)]
     proc = start_worker(argv, fh.base_dir / f"worker-{design}.stderr")
+    extras_timeout = 1800 if design == "scale" else 120
     meter = SideMeter(fh)
     spy: subprocess.Popen | None = None
     scraper: Scraper | None = None
     spy_path = fh.base_dir / f"pyspy-{design}-{fh.n}.txt"
     result: dict[str, Any] | None = None
     side: Side | None = None
+    extras: dict[str, Any] = {}
     for msg in worker_messages(proc):
         ev = msg.get("ev")
         if ev == "up":
             err = f"; not up: {msg['states']} e.g. {msg['errors']}" if msg["up"] < msg["n"] else ""
             out(f"N={fh.n} {design:<13} hosts up: {msg['up']}/{msg['n']} after {msg['seconds']:.1f} s (cipher {msg.get('cipher')}){err}")
+        elif ev in ("shown", "synced"):
+            extras[ev] = msg
+            report_startup(fh.n, ev, msg)
         elif ev == "window_start":
             meter.start()
             if msg.get("metrics_url"):
@@ -670,7 +856,7 @@ def run_worker(design: str, fh: FleetHosts, args: argparse.Namespace) -> tuple[d
                 scraper.stop()
                 result["scrapes"] = (scraper.times, scraper.series, scraper.errors, scraper.cpu, scraper.ages)
     try:
-        proc.wait(120)
+        proc.wait(extras_timeout)
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait(10)
@@ -679,6 +865,7 @@ def run_worker(design: str, fh: FleetHosts, args: argparse.Namespace) -> tuple[d
         out(f"N={fh.n} {design:<13} FAILED: the console worker exited {proc.returncode} without a result: {tail}")
         return None
     result["pid"] = proc.pid
+    result.update(extras)
     if spy is not None:
         spy.wait(60)
         for text in spy_summary(spy_path):
@@ -854,6 +1041,189 @@ def host_exec_cost(fh: FleetHosts, n_execs: int) -> tuple[list[float], list[floa
     return walls[1:], cpus[1:]  # the first exec warms the page cache
 
 
+# ----------------------------------------------------------------------------- issue 33: the stand-in, fidelity and scale
+
+
+def load_line() -> str:
+    """The machine's load average now (every figure is read with it)."""
+    return "load average " + " ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+def report_startup(n: int, ev: str, msg: dict[str, Any]) -> None:
+    """The scale worker's start-up lines: every host shown, the backlog synced."""
+    tag = f"N={n} SIMULATED stand-in"
+    if ev == "shown":
+        out(
+            f"{tag} console start to every host shown (first snapshot of each received): {msg['all_s']:.2f} s "
+            f"(p50 {msg['p50_s']:.2f} s; {msg['within_10s']}/{msg['n']} within 10 s; {msg['shown']}/{msg['n']} shown); "
+            f"console CPU over it {msg['cpu_s']:.1f} s; link states then {msg['states']}; {load_line()}"
+        )
+    else:
+        rate = msg["synced"] / max(msg["seconds_after_shown"], 1e-9)
+        out(
+            f"{tag} history sync of the backlog: {msg['synced']} of {msg['backlog']} journal events in the history {msg['seconds_from_start']:.1f} s "
+            f"after console start ({msg['seconds_after_shown']:.1f} s after every host was shown): {rate:,.0f} events/s after shown; "
+            f"console CPU over it {msg['cpu_s']:.1f} s; {load_line()}"
+        )
+
+
+def report_scale(n: int, r: dict[str, Any], side: Side) -> dict[str, float]:
+    """The steady window's lines for one N; returns the figures the growth table compares."""
+    tag = f"N={n} SIMULATED stand-in"
+    core = r["cpu_s"] / r["wall_s"]
+    per_host_ms = 1000.0 * r["cpu_s"] / (n * r["wall_s"])
+    load = f"load average {side.load[0]:.2f} {side.load[1]:.2f} {side.load[2]:.2f}"
+    out(
+        f"{tag} console CPU: {100 * core:.1f}% of one core, {per_host_ms:.3f} ms per host-second ({r['cpu_s']:.2f} s in {r['wall_s']:.1f} s); "
+        f"its loop waited for a CPU {1000 * r['rq_wait_s'] / r['wall_s']:.0f} ms/s; {load}"
+    )
+    out(
+        f"{tag} console RSS {r['rss'] / MIB:.0f} MiB ({r['rss'] / MIB / n:.2f} MiB per host), peak {r['rss_max'] / MIB:.0f} MiB; "
+        f"{r['fds']} file descriptors ({r['fds'] / n:.2f} per host); {load}"
+    )
+    out(
+        f"{tag} snapshot age at arrival: p50 {1000 * r['age_p50']:.0f} ms, p99 {1000 * r['age_p99']:.0f} ms, max {1000 * r['age_max']:.0f} ms "
+        f"(the {r['healthy_n']} hosts that play no failure: p99 {1000 * r['healthy_p99']:.0f} ms); received {r['received']} of {r['expected']:.0f} expected "
+        f"({100 * r['received'] / max(1, r['expected']):.1f}%); {r['reconnects']} reconnects, {r['up']}/{n} up at the end; {load}"
+    )
+    out(
+        f"{tag} events: journals hold {r['journal_events']}, the history {r['history_events']}; lost (in a journal, not in the history) {r['missing']}, "
+        f"duplicated in the history {r['extra']}; handed to the policies {r['delivered']} times, {r['duplicates']} of them twice; "
+        f"{r['n_lagging']} hosts not caught up at the check {r['lagging']}"
+    )
+    busy = side.machine_busy_s / side.wall_s
+    out(
+        f"{tag} machine over the window: {busy:.2f} of {side.ncpu} cores busy (console {core:.2f}, stand-in {side.farm_cpu_s / side.wall_s:.2f}, "
+        f"everything else {busy - core - side.farm_cpu_s / side.wall_s - side.parent_cpu_s / side.wall_s:.2f}); {load}"
+    )
+    shown, synced = r.get("shown", {}), r.get("synced", {})
+    return {
+        "cpu_core": core,
+        "cpu_per_host_ms": per_host_ms,
+        "rss_mib": r["rss"] / MIB,
+        "fds": float(r["fds"]),
+        "age_p50_ms": 1000 * r["age_p50"],
+        "age_p99_ms": 1000 * r["age_p99"],
+        "shown_s": float(shown.get("all_s", float("nan"))),
+        "sync_eps": synced.get("synced", 0) / max(synced.get("seconds_after_shown", 0.0), 1e-9),
+    }
+
+
+def report_growth(rows: dict[int, dict[str, float]]) -> None:
+    """Each figure at every N, per host, and its ratio to the smallest N."""
+    if not rows:
+        return
+    sizes = sorted(rows)
+    base = sizes[0]
+    per_host = ("cpu_per_host_ms", "rss_mib", "fds")
+    for key in ("cpu_core", "cpu_per_host_ms", "rss_mib", "fds", "age_p50_ms", "age_p99_ms", "shown_s", "sync_eps"):
+        cells = []
+        for n in sizes:
+            v = rows[n][key]
+            cell = f"N={n} {v:.3f}" if key in ("cpu_core", "cpu_per_host_ms") else f"N={n} {v:.1f}"
+            if key in ("rss_mib", "fds"):
+                cell += f" ({v / n:.3f}/host)"
+            cells.append(cell)
+        b = rows[base][key] / (base if key in per_host[1:] else 1)
+        ratios = []
+        for n in sizes[1:]:
+            v = rows[n][key] / (n if key in per_host[1:] else 1)
+            ratios.append(f"{n}/{base}: {v / b:.2f}x" if b else f"{n}/{base}: n/a")
+        what = " (per host)" if key in per_host else ""
+        out(f"growth {key}: {'; '.join(cells)}; ratio{what} {', '.join(ratios)}")
+    # what one more host adds (the fixed part of a process left out): between each N and the next
+    for key, unit in (("rss_mib", "MiB"), ("fds", "fds"), ("cpu_core", "cores")):
+        steps = [
+            f"{a}->{b}: {(rows[b][key] - rows[a][key]) / (b - a) * (1000 if key == 'cpu_core' else 1):.4f} {unit if key != 'cpu_core' else 'ms/s'}"
+            for a, b in zip(sizes, sizes[1:])
+        ]
+        if steps:
+            out(f"growth {key} per added host: {'; '.join(steps)}")
+
+
+def run_scale(sizes: list[int], args: argparse.Namespace) -> None:
+    """issue 33: the console against N SIMULATED stand-in hosts (bench/standin.py), from a cold start with a backlog."""
+    from bench.standin import StandinHosts
+
+    rows: dict[int, dict[str, float]] = {}
+    for n in sizes:
+        try:
+            sh = StandinHosts(
+                n,
+                args.gpus,
+                profile=args.host_profile,
+                failures=not args.no_failures,
+                backlog_hours=args.backlog_hours,
+                spread_s=args.spread_ms / 1000,
+                ciphers=args.ciphers,
+                progress=lambda m: print(f"fleet_bench (progress) {m}", file=sys.stderr, flush=True),
+            )
+        except FleetStartError as exc:
+            out(f"N={n} SIMULATED stand-in COULD NOT BE BROUGHT UP: {exc}")
+            continue
+        try:
+            mem = psutil.virtual_memory()
+            out(
+                f"N={n} SIMULATED stand-in up in {sh.start_seconds:.1f} s ({args.host_profile}, failures {'off' if args.no_failures else 'on: 3 hosts in 256'}; "
+                f"backlog {args.backlog_hours:g} h = {sh.ready.get('backlog_events', 0)} journal events written in {sh.ready.get('backlog_s', 0.0):.1f} s): "
+                f"stand-in RSS {rss_bytes([sh.farm_pid]) / MIB:.0f} MiB; machine memory available {mem.available / 2**30:.1f} GiB; {load_line()}"
+            )
+            got = run_worker("scale", sh, args)
+            if got is not None:
+                rows[n] = report_scale(n, *got)
+                out(
+                    f"N={n} SIMULATED stand-in RSS at the end {rss_bytes([sh.farm_pid]) / MIB:.0f} MiB ({rss_bytes([sh.farm_pid]) / MIB / n:.2f} MiB per host)"
+                )
+        finally:
+            sh.close()
+    report_growth(rows)
+
+
+def run_fidelity(sizes: list[int], args: argparse.Namespace) -> None:
+    """issue 33: the console's cost per host against real agents (FleetHosts) and against the stand-in (idle
+    profile: the same 8 idle SIMULATED GPUs as the real agents, no failures), one after the other in this run."""
+    from bench.standin import StandinHosts
+
+    for n in sizes:
+        figures: dict[str, tuple[float, float]] = {}
+        # the stand-in twice: with its hosts' phases spread (as real hosts' sends are) and all in one burst
+        for kind in ("real agents", "stand-in", "stand-in, no spread"):
+            try:
+                if kind == "real agents":
+                    fh: Any = FleetHosts(n, args.gpus, batch=args.batch, ciphers=args.ciphers)
+                else:
+                    spread = args.spread_ms / 1000 if kind == "stand-in" else 0.0
+                    fh = StandinHosts(n, args.gpus, profile="idle", failures=False, ciphers=args.ciphers, spread_s=spread)
+            except FleetStartError as exc:
+                out(f"N={n} fidelity {kind} COULD NOT BE BROUGHT UP: {exc}")
+                break
+            try:
+                got = run_worker("gpudeck", fh, args)
+            finally:
+                fh.close()
+            if got is None:
+                break
+            r, side = got
+            per_host = 1000.0 * r["cpu_s"] / (n * r["wall_s"])
+            figures[kind] = (per_host, r["rss"] / MIB)
+            out(
+                f"N={n} fidelity {kind}: console CPU {per_host:.3f} ms per host-second ({100 * r['cpu_s'] / r['wall_s']:.2f}% of one core), "
+                f"RSS {r['rss'] / MIB:.1f} MiB, snapshot age p50 {1000 * r['age_p50']:.1f} ms p99 {1000 * r['age_p99']:.1f} ms, "
+                f"received {r['received']} of {r['expected']:.0f}; server side {side.farm_cpu_s / side.wall_s:.2f} + agents {side.agents_cpu_s / side.wall_s:.2f} cores; "
+                f"load average {side.load[0]:.2f} {side.load[1]:.2f} {side.load[2]:.2f}"
+            )
+        if "real agents" in figures and "stand-in" in figures:
+            (c_real, m_real), (c_sim, m_sim) = figures["real agents"], figures["stand-in"]
+            verdict = "within 20%" if abs(c_sim / c_real - 1) <= 0.2 else "NOT within 20%"
+            out(
+                f"N={n} fidelity ratio stand-in (spread {args.spread_ms:g} ms) / real agents: console CPU per host-second {c_sim / c_real:.2f}x ({verdict}), "
+                f"console RSS {m_sim / m_real:.2f}x"
+            )
+        if "stand-in, no spread" in figures and "real agents" in figures:
+            c0 = figures["stand-in, no spread"][0] / figures["real agents"][0]
+            out(f"N={n} fidelity ratio stand-in with every host in one burst / real agents: console CPU per host-second {c0:.2f}x")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--hosts", default="16,64,256", help="fleet sizes, comma-separated")
@@ -880,7 +1250,26 @@ def main() -> None:
         help="sample each console worker with this py-spy binary over its window and print where its CPU goes",
     )
     ap.add_argument("--scrape-every", type=float, default=5.0, help="watch mode: seconds between scrapes of the watcher's metrics")
-    ap.add_argument("--worker", choices=["gpudeck", "exec-per-tick", "exec-aligned", "ssh-floor", "watch"], help=argparse.SUPPRESS)
+    ap.add_argument(
+        "--fleet",
+        choices=["real", "standin"],
+        default="real",
+        help="real: N real agents (bench/fleet_hosts.py); standin: N SIMULATED hosts in one process (bench/standin.py, issue 33)",
+    )
+    ap.add_argument(
+        "--fidelity", action="store_true", help="the console's cost per host against real agents and against the stand-in, each N"
+    )
+    ap.add_argument(
+        "--host-profile", default="mixed", choices=["idle", "mixed", "busy"], help="stand-in: which hosts carry a SIMULATED run"
+    )
+    ap.add_argument("--no-failures", action="store_true", help="stand-in: no silent, restarting or slow hosts")
+    ap.add_argument(
+        "--spread-ms", type=float, default=20.0, help="stand-in: each host's snapshot phase after the whole second, in [0, this)"
+    )
+    ap.add_argument(
+        "--backlog-hours", type=float, default=12.0, help="stand-in: hours of journal each host holds before the console starts"
+    )
+    ap.add_argument("--worker", choices=["gpudeck", "exec-per-tick", "exec-aligned", "ssh-floor", "watch", "scale"], help=argparse.SUPPRESS)
     ap.add_argument("--spec", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--profile-out", type=Path, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -891,6 +1280,8 @@ def main() -> None:
             asyncio.run(worker_gpudeck(spec, args.seconds, args.interval, args.profile_out))
         elif args.worker == "watch":
             asyncio.run(worker_watch(spec, args.seconds, args.interval, args.profile_out))
+        elif args.worker == "scale":
+            asyncio.run(worker_scale(spec, args.seconds, args.interval, args.profile_out))
         elif args.worker == "ssh-floor":
             asyncio.run(worker_floor(spec, args.seconds, args.interval, args.profile_out))
         else:
@@ -906,6 +1297,12 @@ def main() -> None:
         f"ciphers: {args.ciphers or 'gpudeck default order (AES-GCM first), the same for both designs'}; "
         f"load average at start {' '.join(f'{x:.2f}' for x in os.getloadavg())}"
     )
+    if args.fidelity:
+        run_fidelity(sizes, args)
+        return
+    if args.fleet == "standin":
+        run_scale(sizes, args)
+        return
     for n in sizes:
         try:
             fh = FleetHosts(

@@ -82,7 +82,25 @@ EVENT_BATCH = 5000
 # liveness is the snapshot stream's job (a stall drops the link, which ends the pull): an idle host's pull
 # coming back empty is pure cost, a request and a reply per host every EVENT_POLL_S (the agent caps it at 300 s).
 EVENT_POLL_S = 300.0
+# Hosts pulling a backlog (a batch came back full) at once, fleet-wide. A console started after a night away would
+# otherwise hold every host's 5,000-event batch in memory together and decode them all on the event loop while the
+# fleet's connections are still being made (issue 33: at 256 hosts with 12 h of journal each, 776 MiB and 45 s until
+# every host was shown). A caught-up host's long poll never waits for this.
+CATCH_UP_AT_ONCE = 8
 REFUSED_STATES = ("host_key", "version_mismatch")
+
+
+class _NoBound:
+    """``async with`` that bounds nothing (a link outside a Fleet, or a caught-up follower)."""
+
+    async def __aenter__(self) -> None:
+        return None
+
+    async def __aexit__(self, *exc: object) -> None:
+        return None
+
+
+_NO_BOUND = _NoBound()
 
 
 class FleetWatcher(Protocol):
@@ -131,6 +149,7 @@ class HostLink:
         self._listeners: list[Callable[[HostStatus], None]] = []
         self._sync_listeners: list[Callable[[str, int], None]] = []
         self.on_events: Callable[[str, list], None] | None = None  # the Fleet's multi-node watch
+        self.catch_up: asyncio.Semaphore | None = None  # the Fleet's bound on hosts pulling a backlog at once
 
     def subscribe(self, fn: Callable[[HostStatus], None]) -> None:
         """Call ``fn`` on every state change and snapshot."""
@@ -328,9 +347,11 @@ class HostLink:
             await self.sync_events(client, follow=True)
         except asyncio.CancelledError:
             raise
-        except AgentError as exc:
-            # the link's own loop notices a dead connection; a sync failure alone closes it so it is retried
-            self.status.error = f"history sync: {exc.message}"
+        except Exception as exc:  # an agent error, or the history's (SQLite busy, disk full): never silently
+            # the link's own loop notices a dead connection; a sync failure alone closes it so it is retried (before, a
+            # history error ended this task and the host's history stopped while its snapshots went on)
+            why = exc.message if isinstance(exc, AgentError) else f"{type(exc).__name__}: {exc}"
+            self.status.error = f"history sync: {why}"
             if self._client is client:
                 await client.close()
 
@@ -347,30 +368,46 @@ class HostLink:
         result = SyncResult(host=self.name, ok=True, last_seq=cur.last_seq, epoch=hello.epoch, new_epoch=cur.new_epoch)
         after = cur.last_seq
         self.status.synced_seq = after
+        # behind: more may be waiting (at first, and after a full batch): pulled without waiting, and (in a Fleet) at
+        # most CATCH_UP_AT_ONCE hosts at a time; caught up, a follower long-polls outside the bound
+        behind = True
         while True:
-            wait = EVENT_POLL_S if follow else 0.0
-            try:
-                batch = await client.request(GetEvents(after_seq=after, limit=EVENT_BATCH, wait_s=wait), timeout=wait + REQUEST_TIMEOUT_S)
-            except TimeoutError:
-                raise AgentUnavailable(f"no answer to an event pull within {wait + REQUEST_TIMEOUT_S:.0f} s") from None
-            assert isinstance(batch, EventBatch)
-            if batch.epoch != hello.epoch:
-                raise AgentUnavailable(f"the agent's journal epoch changed ({hello.epoch} -> {batch.epoch}): reconnecting")
-            events = batch.events
-            if events and events[0].seq != after + 1:
+            wait = 0.0 if behind or not follow else EVENT_POLL_S
+            async with self.catch_up if behind and self.catch_up is not None else _NO_BOUND:
+                try:
+                    batch = await client.request(
+                        GetEvents(after_seq=after, limit=EVENT_BATCH, wait_s=wait), timeout=wait + REQUEST_TIMEOUT_S
+                    )
+                except TimeoutError:
+                    raise AgentUnavailable(f"no answer to an event pull within {wait + REQUEST_TIMEOUT_S:.0f} s") from None
+                assert isinstance(batch, EventBatch)
+                n_new = await self._take(batch, hello.epoch, after, result)
+            if n_new is None:
                 continue  # a gap: ask again from what we hold
-            if events:
-                n = await self.history.ingest(self.name, hello.epoch, events)
-                if self.on_events is not None and n:
-                    self.on_events(self.name, events)
-                result.new_events += n
-                after = events[-1].seq
-                result.last_seq = after
-                self.status.synced_seq = after
-                for fn in self._sync_listeners:
-                    fn(self.name, n)
-            if not follow and (not events or after >= batch.last_seq):
+            after = result.last_seq
+            behind = len(batch.events) >= EVENT_BATCH
+            if not follow and (not batch.events or after >= batch.last_seq):
                 return result
+
+    async def _take(self, batch: EventBatch, epoch: str, after: int, result: SyncResult) -> int | None:
+        """Put one batch into the history; None when it does not follow what is held (a gap)."""
+        assert self.history is not None
+        if batch.epoch != epoch:
+            raise AgentUnavailable(f"the agent's journal epoch changed ({epoch} -> {batch.epoch}): reconnecting")
+        events = batch.events
+        if events and events[0].seq != after + 1:
+            return None
+        n = 0
+        if events:
+            n = await self.history.ingest(self.name, epoch, events)
+            if self.on_events is not None and n:
+                self.on_events(self.name, events)
+            result.new_events += n
+            result.last_seq = events[-1].seq
+            self.status.synced_seq = result.last_seq
+            for fn in self._sync_listeners:
+                fn(self.name, n)
+        return n
 
     async def client(self, timeout: float = 15.0) -> AgentClient:
         """The live connection; waits for it, or raises AgentError saying why the host is not reachable."""
@@ -401,6 +438,7 @@ class Fleet:
     # the policies following this fleet (console/ops/rank_death.py); an immutable default, so a fleet made without
     # __init__ (a test's or a benchmark's stand-in) has none rather than no attribute
     _watchers: tuple[FleetWatcher, ...] = ()
+    _catch_up: asyncio.Semaphore | None = None
 
     def __init__(
         self,
@@ -426,6 +464,9 @@ class Fleet:
             ssh=ssh, state_dir=state_dir, interval_s=interval_s, watch=watch, history=history, meanwhile=meanwhile
         )
         self.links: dict[str, HostLink] = {s.name: HostLink(s, **self._link_args) for s in self.config.hosts}
+        self._catch_up = asyncio.Semaphore(CATCH_UP_AT_ONCE)
+        for link in self.links.values():
+            link.catch_up = self._catch_up
         self._watch_tasks: set[asyncio.Task] = set()
         if history is not None and watch:
             for link in self.links.values():
@@ -451,6 +492,7 @@ class Fleet:
             self.spawn(self.links.pop(settings.name).close())
         for settings in [*added, *changed]:
             link = HostLink(settings, **self._link_args)
+            link.catch_up = self._catch_up
             if self.history is not None and link.watch:
                 link.on_events = self._on_events
                 link.subscribe(self._on_link_state)

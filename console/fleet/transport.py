@@ -14,10 +14,17 @@ Fleet.
 from __future__ import annotations
 
 import asyncio
+import atexit
+import fnmatch
 import getpass
+import hashlib
 import logging
+import os
 import re
+import shlex
+import shutil
 import socket
+import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -86,7 +93,7 @@ class _KnownHosts:
         revoked: list = []
         for p in self.paths:
             try:
-                kh = asyncssh.read_known_hosts(p)
+                kh = _read_known_hosts(p)
             except (OSError, ValueError):
                 continue
             m = kh.match(host, "", port)
@@ -94,6 +101,141 @@ class _KnownHosts:
             cas.extend(m[1])
             revoked.extend(m[2])
         return keys, cas, revoked
+
+
+# Start-up of a big fleet (issue 33, bench/RESULTS.md 28-scale). asyncssh reads the whole ssh config for every connection
+# (twice: gpudeck's own settings and asyncssh's), and gpudeck read the whole known_hosts for every host-key check: with
+# one `Host` block and one known_hosts line per host, a console start cost O(hosts^2): 80 + 80 + 16 ms a connection at
+# 1,024 hosts, three minutes of CPU before every host was shown. Each file is now read once per version (path, inode,
+# mtime, size): known_hosts parsed once, and each host's connection reads the config with the `Host` sections that
+# cannot match its name left out (what asyncssh would skip anyway), written once per host to a private folder.
+_FILE_CACHE: dict[tuple[str, int, int, int], object] = {}
+_HOST_CONFIGS: dict[tuple[str, ...], list[str]] = {}
+_FILTER_DIR: list[str] = []
+_SECTION_START = re.compile(r"^\s*(host|match)(?:\s*=\s*|\s+)(.*)$", re.IGNORECASE)
+_NO_FILTER = re.compile(r"^\s*canonicalizehostname\b", re.IGNORECASE | re.MULTILINE)
+FILTER_MIN_BYTES = 16384  # a config smaller than this is read as it is: nothing to gain
+
+
+def _file_key(path: str) -> tuple[str, int, int, int]:
+    st = os.stat(path)
+    return (path, st.st_ino, st.st_mtime_ns, st.st_size)
+
+
+def _read_known_hosts(path: str) -> asyncssh.SSHKnownHosts:
+    """A known_hosts file, parsed once per version of it (exact host names are then found by dictionary)."""
+    key = _file_key(path)
+    kh = _FILE_CACHE.get(key)
+    if kh is None:
+        kh = _FILE_CACHE[key] = asyncssh.read_known_hosts(path)
+    assert isinstance(kh, asyncssh.SSHKnownHosts)
+    return kh
+
+
+@dataclass(frozen=True)
+class _ConfigSections:
+    """An ssh config file cut at its ``Host`` / ``Match`` lines, once per version of the file."""
+
+    head: str  # before the first section: applies to every host
+    sections: tuple[tuple[tuple[str, ...] | None, str], ...]  # (a Host line's patterns, or None for Match; the section's text)
+    by_name: dict[str, tuple[int, ...]]  # the sections whose Host line names a host exactly (no wildcard), by that name
+    always: tuple[int, ...]  # the others: Match sections, and Host lines with a wildcard or a negation (checked per host)
+    filterable: bool  # big enough to gain, and no CanonicalizeHostname (the name would change after the filter)
+    names_ciphers: bool  # a Ciphers or Include line (encryption_preference)
+
+
+def _config_sections(path: str) -> _ConfigSections:
+    key = _file_key(path)
+    got = _FILE_CACHE.get(key)
+    if isinstance(got, _ConfigSections):
+        return got
+    text = Path(path).read_text(errors="replace")
+    head: list[str] = []
+    sections: list[tuple[tuple[str, ...] | None, list[str]]] = []
+    for line in text.splitlines(keepends=True):
+        m = _SECTION_START.match(line)
+        if m is not None:
+            patterns: tuple[str, ...] | None = None
+            if m.group(1).lower() == "host":
+                try:
+                    patterns = tuple(shlex.split(m.group(2)))
+                except ValueError:
+                    patterns = ("*",)  # asyncssh will say what is wrong with it: keep the section
+            sections.append((patterns, [line]))
+        elif sections:
+            sections[-1][1].append(line)
+        else:
+            head.append(line)
+    by_name: dict[str, list[int]] = {}
+    always: list[int] = []
+    for i, (pats, _lines) in enumerate(sections):
+        if pats is not None and not any(c in p for p in pats for c in "*?[!"):
+            for p in {p.lower() for p in pats}:
+                by_name.setdefault(p, []).append(i)
+        else:
+            always.append(i)
+    parsed = _ConfigSections(
+        head="".join(head),
+        sections=tuple((pats, "".join(lines)) for pats, lines in sections),
+        by_name={k: tuple(v) for k, v in by_name.items()},
+        always=tuple(always),
+        filterable=len(text) >= FILTER_MIN_BYTES and _NO_FILTER.search(text) is None,
+        names_ciphers=_CIPHERS_LINE.search(text) is not None,
+    )
+    _FILE_CACHE[key] = parsed
+    return parsed
+
+
+def _may_match(patterns: tuple[str, ...], name: str) -> bool:
+    """Whether a ``Host`` line could apply to ``name``: a superset of OpenSSH's match (negations and case ignored)."""
+    low = name.lower()
+    for pat in patterns:
+        pat = pat.lower().removeprefix("!")
+        if "[" in pat or fnmatch.fnmatchcase(low, pat):
+            return True
+    return False
+
+
+def _memory_dir() -> str | None:
+    """A folder in memory for the per-host configs where there is one (a file made on a busy disk took 1.7 ms here)."""
+    for d in (os.environ.get("XDG_RUNTIME_DIR"), "/dev/shm"):
+        if d and os.path.isdir(d) and os.access(d, os.W_OK | os.X_OK):
+            return d
+    return None  # the temporary folder
+
+
+def host_config_paths(name: str, config_paths: Sequence[str]) -> list[str]:
+    """The ssh config files for connecting to ``name``: each big file with the ``Host`` sections that cannot match
+    ``name`` left out (asyncssh skips those lines anyway), so a connection reads its own part of a 1,000-host config
+    rather than all of it. ``Match`` sections, everything before the first section (an ``Include`` there too), and
+    any file with ``CanonicalizeHostname`` are kept as they are; the folder goes when the process exits."""
+    out: list[str] = []
+    for path in config_paths:
+        try:
+            cut = _config_sections(path)
+            key = _file_key(path)
+        except OSError:
+            out.append(path)  # asyncssh says why it cannot be read
+            continue
+        if not cut.filterable:
+            out.append(path)
+            continue
+        ck = (*map(str, key), name)
+        done = _HOST_CONFIGS.get(ck)
+        if done is None:
+            candidates = sorted({*cut.by_name.get(name.lower(), ()), *cut.always})
+            kept = [cut.sections[i][1] for i in candidates if (pats := cut.sections[i][0]) is None or _may_match(pats, name)]
+            if not _FILTER_DIR:
+                _FILTER_DIR.append(tempfile.mkdtemp(prefix="gpudeck-ssh-", dir=_memory_dir()))  # 0700, this user's
+                atexit.register(shutil.rmtree, _FILTER_DIR[0], True)
+            digest = hashlib.sha256("\0".join(ck).encode()).hexdigest()[:24]
+            dest = Path(_FILTER_DIR[0]) / f"{digest}.conf"
+            fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+            with os.fdopen(fd, "w") as fh:
+                fh.write(cut.head + "".join(kept))
+            done = _HOST_CONFIGS[ck] = [str(dest)]
+        out.extend(done)
+    return out
 
 
 @dataclass(frozen=True)
@@ -242,7 +384,7 @@ def encryption_preference(config_paths: Sequence[str]) -> list[str] | None:
     """The cipher order to ask for, or None to leave it to the user's ssh config (it names Ciphers or Includes)."""
     for p in config_paths:
         try:
-            if _CIPHERS_LINE.search(Path(p).read_text(errors="replace")):
+            if _config_sections(p).names_ciphers:
                 return None
         except OSError:
             continue
@@ -276,7 +418,8 @@ async def connect_ssh(name: str, command: str, options: SshOptions, meanwhile: C
     the bridge: the longest wait of a connect): work the caller needs anyway, done while it would otherwise wait (the
     CLI imports its printers there). It blocks the event loop, which has nothing else to do then (the agent's reply
     waits in the kernel); what it raises is logged and dropped, so the caller meets it again where it does the work."""
-    settings = host_settings(name, options.config_paths())
+    config_paths = host_config_paths(name, options.config_paths())
+    settings = host_settings(name, config_paths)
     kh = _KnownHosts(options.known_hosts_paths(), settings.host_key_alias, settings.check_host_ip)
     # the connect timeout as ssh takes it: the host's ConnectTimeout when the config sets one (gpudeck passing its own
     # would override it), else gpudeck's; a caller's explicit one first
@@ -287,7 +430,7 @@ async def connect_ssh(name: str, command: str, options: SshOptions, meanwhile: C
     else:
         timeout, timeout_from = CONNECT_TIMEOUT_S, f"gpudeck's default: set ConnectTimeout for {name} in ~/.ssh/config to change it"
     kwargs: dict = dict(
-        config=options.config_paths() or None,
+        config=config_paths or None,
         known_hosts=kh,
         agent_forwarding=False,
         x11_forwarding=False,

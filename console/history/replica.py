@@ -95,6 +95,9 @@ _RUN_COLUMNS = {
 }
 
 
+WRITE_TXN_EVENTS = 20_000  # events in one write transaction at most (about a second on a loaded 2-core machine)
+
+
 class HistoryError(Exception):
     """The history cannot answer (unknown or ambiguous run); the message says what to do."""
 
@@ -420,8 +423,11 @@ class History:
             if item is None:
                 break
             batch = [item]
-            # whatever else queued up meanwhile goes into the same transaction
-            while len(batch) < 512:
+            # whatever else queued up meanwhile goes into the same transaction, up to WRITE_TXN_EVENTS events: a longer
+            # one holds the write lock past the readers' busy timeout (a host's cursor() at connect), as a console
+            # pulling 512 hosts' 5,000-event batches did (issue 33)
+            events = len(item.events)
+            while len(batch) < 512 and events < WRITE_TXN_EVENTS:
                 try:
                     nxt = self._q.get_nowait()
                 except queue.Empty:
@@ -430,6 +436,7 @@ class History:
                     self._q.put(None)
                     break
                 batch.append(nxt)
+                events += len(nxt.events)
             try:
                 counts = self._commit(conn, apply, batch)
             except Exception as exc:  # report to every waiter; the writer keeps going

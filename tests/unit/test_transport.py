@@ -119,3 +119,38 @@ def test_ssh_hostname_reads_the_hostname_the_ssh_config_gives_a_host(tmp_path: P
     assert ssh_hostname("gpu1", [str(conf)]) == "10.0.0.7"
     assert ssh_hostname("gpu2", [str(conf)]) is None
     assert ssh_hostname("gpu1", [str(tmp_path / "missing")]) is None
+
+
+def _options(paths: list[str], name: str) -> dict:
+    cfg = asyncssh.config.SSHClientConfig.load(None, paths, False, False, False, "me", (), name, ())
+    return {k: cfg.get(k) for k in ("Hostname", "Port", "User", "IdentityFile", "ProxyJump", "ConnectTimeout", "Compression")}
+
+
+def test_a_big_config_is_read_per_host_with_the_same_outcome_as_the_whole_file(tmp_path: Path) -> None:
+    """issue 33: a connection reads only the sections that can apply to its host (a 1,024-host config was read whole
+    for every connection); what asyncssh makes of it is the same as from the whole file."""
+    from gpudeck.console.fleet.transport import FILTER_MIN_BYTES, host_config_paths
+
+    blocks = ["Compression yes\n", "Host gpu-7 !gpu-70\n    ConnectTimeout 7\n", "Match user me\n    ProxyJump bastion\n"]
+    blocks += [f"Host gpu-{i} alias-{i}\n    HostName 10.0.{i // 256}.{i % 256}\n    Port {2200 + i}\n" for i in range(600)]
+    blocks += ["Host gpu-1?\n    User wild\n", 'Host "quoted name"\n    Port 9\n', "Host *\n    IdentityFile ~/.ssh/fleet\n"]
+    cfg = tmp_path / "config"
+    cfg.write_text("\n".join(blocks))
+    assert cfg.stat().st_size >= FILTER_MIN_BYTES
+    for name in ("gpu-0", "gpu-7", "gpu-70", "gpu-13", "alias-599", "quoted name", "GPU-5", "unknown"):
+        part = host_config_paths(name, [str(cfg)])
+        assert part != [str(cfg)] and Path(part[0]).stat().st_size < 1000
+        assert _options(part, name) == _options([str(cfg)], name), name
+    assert host_config_paths("gpu-0", [str(cfg)]) == host_config_paths("gpu-0", [str(cfg)])  # written once
+
+
+def test_a_small_config_or_one_that_canonicalizes_is_read_whole(tmp_path: Path) -> None:
+    from gpudeck.console.fleet.transport import host_config_paths
+
+    small = tmp_path / "small"
+    small.write_text("Host gpu-1\n    Port 2201\n")
+    assert host_config_paths("gpu-1", [str(small)]) == [str(small)]
+    canon = tmp_path / "canon"
+    canon.write_text("CanonicalizeHostname yes\n" + "".join(f"Host gpu-{i}\n    Port {2200 + i}\n" for i in range(2000)))
+    assert host_config_paths("gpu-1", [str(canon)]) == [str(canon)]
+    assert host_config_paths("gpu-1", [str(tmp_path / "missing")]) == [str(tmp_path / "missing")]
