@@ -543,6 +543,8 @@ def console_child(spec_path: Path, stats_path: Path, total: int) -> None:
 
     spec = FleetSpec.load(spec_path)
     log = Log(stats_path.with_suffix(".log"))
+    if os.environ.get("TUI_BENCH_BEFORE"):
+        as_before()
 
     class BenchApp(GpudeckApp):
         """The console as users get it, with one extra key for latency pings, a stats file and a log of update costs."""
@@ -670,6 +672,49 @@ def console_child(spec_path: Path, stats_path: Path, total: int) -> None:
         cProfile.runctx("BenchApp().run()", globals(), locals(), os.environ["TUI_BENCH_PROFILE"])
         return
     BenchApp().run()
+
+
+def as_before() -> None:
+    """The console as it was before the issue-33 changes (main at 007775d, scale merged), for the before of a
+    before/after measured in the same run: every pending host delivered at once, main's merge_rows and Runs-screen
+    _show (their code below, verbatim but for names)."""
+    from gpudeck.console.present import views
+    from gpudeck.console.tui.screens import runs
+    from gpudeck.console.tui.screens.base import LiveScreen
+    from gpudeck.console.tui.widgets.keyed_table import KeyedTable
+
+    def merge_rows(rows):  # type: ignore[no-untyped-def]
+        out: dict = {}
+        for r in rows:
+            cur = out.get(r.id)
+            if cur is None:
+                out[r.id] = r
+                continue
+            hosts = tuple(dict.fromkeys((*cur.hosts, *r.hosts)))
+            base = r if (r.live and not cur.live) else cur
+            out[r.id] = views.RunRow(**{**base.__dict__, "hosts": hosts})
+        return out
+
+    def _show(self, ids: set[str], bulk: bool = False) -> None:  # type: ignore[no-untyped-def]
+        table = self.query_one("#runs-table", KeyedTable)
+        rows: dict[str, dict[str, object]] = {}
+        for rid in ids:
+            row = self._row(rid)
+            if row is None:
+                table.drop(rid)
+                continue
+            rows[rid] = runs.run_cells(row)
+        if bulk:
+            table.upsert_many(rows)
+        else:
+            for rid, cells in rows.items():
+                table.upsert(rid, cells)
+        self._note()
+
+    LiveScreen.DELIVER_SLICE = 0
+    views.merge_rows = merge_rows
+    runs.merge_rows = merge_rows  # type: ignore[attr-defined]
+    runs.RunsScreen._show = _show  # type: ignore[method-assign]
 
 
 async def peer_main(spec_path: Path, log_path: Path) -> None:
@@ -1085,16 +1130,43 @@ RUN_COUNT = re.compile(rb"(\d+) run\(s\), (\d+) live")
 
 
 def part3_standin(
-    sizes: list[int], seconds: float, presses: int, gpus: str, runs_per_host: int, profile: str, nice: bool = True, settle_s: float = 20.0
+    sizes: list[int],
+    seconds: float,
+    presses: int,
+    gpus: str,
+    runs_per_host: int,
+    profile: str,
+    nice: bool = True,
+    settle_s: float = 20.0,
+    ab: int = 0,
 ) -> None:
     """Part 3 against N SIMULATED hosts served by one stand-in process (bench/standin.py) for each N of ``sizes``: the
     Fleet screen and the Runs screen (the history holding ``runs_per_host`` made-up ended runs per host, plus the busy
-    hosts' live run), each with its key-to-screen latency and the console's CPU; then the growth per host count."""
+    hosts' live run), each with its key-to-screen latency and the console's CPU; then the growth per host count.
+    ``ab``: instead, that many rounds per size of the console as main had it (:func:`as_before`) then as it is, alternated."""
+    pairs: dict[tuple[int, str], dict[str, list[float]]] = {}
     rows: dict[int, dict[str, float]] = {}
     for n in sizes:
+        if ab:
+            for rnd in range(ab):
+                for which in ("before", "after"):
+                    print(
+                        f"tui_bench part3 SIMULATED {n} hosts, round {rnd + 1}, {which.upper()} (the console {'as main had it: as_before()' if which == 'before' else 'of this branch'})",
+                        flush=True,
+                    )
+                    got = standin_size(n, seconds, presses, gpus, runs_per_host, profile, nice, settle_s, before=which == "before")
+                    for k, v in got.items():
+                        pairs.setdefault((n, k), {}).setdefault(which, []).append(v)
+            continue
         got = standin_size(n, seconds, presses, gpus, runs_per_host, profile, nice, settle_s)
         if got:
             rows[n] = got
+    for (n, k), by in pairs.items():
+        b, a = by.get("before", []), by.get("after", [])
+        print(
+            f"tui_bench part3 SIMULATED {n} hosts before/after {k}: before {', '.join(f'{v:.1f}' for v in b)}; after {', '.join(f'{v:.1f}' for v in a)}",
+            flush=True,
+        )
     if len(rows) < 2:
         return
     first = min(rows)
@@ -1126,7 +1198,7 @@ def part3_standin(
 
 
 def standin_size(
-    n: int, seconds: float, presses: int, gpus: str, runs_per_host: int, profile: str, nice: bool, settle_s: float
+    n: int, seconds: float, presses: int, gpus: str, runs_per_host: int, profile: str, nice: bool, settle_s: float, before: bool = False
 ) -> dict[str, float]:
     """One host count of :func:`part3_standin`; returns its figures ({} when it got no further than bringing hosts up)."""
     from bench.fleet_hosts import FleetStartError
@@ -1164,11 +1236,36 @@ def standin_size(
                 flush=True,
             )
         child_env = {k: v for k, v in env_for(sh.base_dir / "console-home").items() if not k.startswith("GPUDECK_") or k == "GPUDECK_HOME"}
+        child_env.pop("TUI_BENCH_BEFORE", None)
+        if before:
+            child_env["TUI_BENCH_BEFORE"] = "1"
         term = Term([sys.executable, str(Path(__file__).resolve()), "_console", str(spec_path), str(stats_path), "0"], child_env)
         try:
             return standin_console(term, sh.farm_pid, stats_path, n, made, seconds, presses, nice, settle_s)
         finally:
             term.close()
+
+
+def pyspy(pid: int, name: str, seconds: float) -> subprocess.Popen | None:
+    """With TUI_BENCH_PYSPY=DIR: ``py-spy record`` of the console over a measuring window, as collapsed stacks in
+    DIR/NAME.txt (where its time goes, for whoever tunes it; the sampling costs the console a little CPU)."""
+    where = os.environ.get("TUI_BENCH_PYSPY")
+    spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
+    if not where or not Path(spy).exists():
+        return None
+    Path(where).mkdir(parents=True, exist_ok=True)
+    out = Path(where) / f"{name}.txt"
+    cmd = [spy, "record", "-p", str(pid), "-d", str(int(seconds)), "-r", "100", "-f", "raw", "-o", str(out), "--nonblocking"]
+    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def pyspy_done(spy: subprocess.Popen | None) -> None:
+    if spy is not None:
+        try:
+            spy.wait(30)
+        except subprocess.TimeoutExpired:
+            spy.kill()
+            spy.wait(5)
 
 
 def standin_console(
@@ -1230,8 +1327,10 @@ def standin_console(
         print(f"tui_bench part3 {tag}: the stand-in process: {lowest_priority([farm_pid])}", flush=True)
     term.pump(settle_s)  # the first history sync is over
     w, wo, wt0 = Window(term, [term.pid]), Window(term, [farm_pid]), time.time()
+    spy = pyspy(term.pid, f"fleet-{hosts}", max(10.0, seconds))
     term.pump(max(10.0, seconds))
     cpu, bps, wall = w.stop()
+    pyspy_done(spy)
     flush_ms, ages = Log.read(console_log, "flush_ms", wt0, time.time()), Log.read(console_log, "age_s", wt0, time.time())
     f50, f99, _ = quantiles(flush_ms)
     a50, a99, _ = quantiles(ages)
@@ -1283,8 +1382,10 @@ def standin_console(
         return figures
     term.pump(5.0)
     w, wo = Window(term, [term.pid]), Window(term, [farm_pid])
+    spy = pyspy(term.pid, f"runs-{hosts}", max(10.0, seconds))
     term.pump(max(10.0, seconds))
     cpu, bps, wall = w.stop()
+    pyspy_done(spy)
     figures["runs_cpu"] = 100 * cpu
     print(
         f"tui_bench part3 {tag} console, Runs screen ({listed[0]:,} runs, {listed[1]} live), {wall:.0f} s: CPU {100 * cpu:.1f}% of one core,"
@@ -1629,6 +1730,7 @@ def main() -> None:
     )
     ap.add_argument("--sizes", default="", help="part 3 with --fleet standin: host counts, e.g. 256,512,1024 (default: --hosts)")
     ap.add_argument("--runs-per-host", type=int, default=4, help="part 3 with --fleet standin: made-up ended runs per host in the history")
+    ap.add_argument("--ab", type=int, default=0, help="part 3 with --fleet standin: rounds of before (main's console) / after per size")
     ap.add_argument("--profile", default="mixed", help="part 3 with --fleet standin: the stand-in's host profile (idle, mixed, busy)")
     args = ap.parse_args()
     parts = {int(p) for p in args.parts.split(",") if p}
@@ -1668,7 +1770,7 @@ def main() -> None:
         part6(args.runs)
     if 3 in parts and args.fleet == "standin":
         sizes = [int(x) for x in args.sizes.split(",") if x] or [args.hosts]
-        part3_standin(sizes, args.seconds, args.presses, args.gpus, args.runs_per_host, args.profile, nice=not args.no_nice)
+        part3_standin(sizes, args.seconds, args.presses, args.gpus, args.runs_per_host, args.profile, nice=not args.no_nice, ab=args.ab)
     elif 3 in parts:
         part3(args.rate, args.seconds, args.presses, args.hosts, args.gpus, nice=not args.no_nice)
 
