@@ -676,8 +676,8 @@ def console_child(spec_path: Path, stats_path: Path, total: int) -> None:
 
 def as_before() -> None:
     """The console as it was before the issue-33 changes (main at 007775d, scale merged), for the before of a
-    before/after measured in the same run: every pending host delivered at once, main's merge_rows and Runs-screen
-    _show (their code below, verbatim but for names)."""
+    before/after measured in the same run: every pending host delivered at once, a row's filter text made by the next
+    filter key, main's merge_rows and Runs-screen _show (their code below, verbatim but for names)."""
     from gpudeck.console.present import views
     from gpudeck.console.tui.screens import runs
     from gpudeck.console.tui.screens.base import LiveScreen
@@ -712,6 +712,7 @@ def as_before() -> None:
         self._note()
 
     LiveScreen.DELIVER_SLICE = 0
+    KeyedTable.EAGER_HAY = False
     views.merge_rows = merge_rows
     runs.merge_rows = merge_rows  # type: ignore[attr-defined]
     runs.RunsScreen._show = _show  # type: ignore[method-assign]
@@ -1299,12 +1300,13 @@ def standin_console(
         return p50, p99
 
     def typed(keys: str, total_rows: int) -> list[float]:
-        """Each key of ``keys`` timed from its bytes to the filter bar's count on screen (the filter open)."""
+        """Each key of ``keys`` typed, then as many backspaces, each timed from its bytes to the filter bar's count on
+        screen (the filter open)."""
         out: list[float] = []
-        for ch in keys:
+        for key in [ch.encode() for ch in keys] + [b"\x7f"] * len(keys):
             term.buf.clear()
             t_key = time.monotonic()
-            term.press(ch.encode())
+            term.press(key)
             seen = term.pump(5.0, f" of {total_rows} rows match".encode())
             if seen is not None:
                 out.append((seen - t_key) * 1000)
@@ -1349,9 +1351,9 @@ def standin_console(
     term.press(b"/")
     term.pump(1.0)
     figures["fleet_filter_p99"] = show(
-        f"Fleet screen, typing the filter {STANDIN_FLEET_FILTER!r} key by key",
+        f"Fleet screen, typing the filter {STANDIN_FLEET_FILTER!r} key by key and erasing it",
         typed(STANDIN_FLEET_FILTER, hosts),
-        len(STANDIN_FLEET_FILTER),
+        2 * len(STANDIN_FLEET_FILTER),
     )[1]
     term.press(b"\x1b")  # the filter cleared
     term.pump(1.0)
@@ -1401,7 +1403,9 @@ def standin_console(
     term.press(b"/")
     term.pump(1.0)
     figures["runs_filter_p99"] = show(
-        f"Runs screen ({listed[0]:,} runs), typing the filter {RUNS_FILTER!r} key by key", typed(RUNS_FILTER, listed[0]), len(RUNS_FILTER)
+        f"Runs screen ({listed[0]:,} runs), typing the filter {RUNS_FILTER!r} key by key and erasing it",
+        typed(RUNS_FILTER, listed[0]),
+        2 * len(RUNS_FILTER),
     )[1]
     try:
         figures["rss_mib"] = psutil.Process(term.pid).memory_info().rss / 2**20

@@ -64,3 +64,36 @@ async def test_a_slice_left_when_the_screen_is_covered_waits_until_it_is_shown(t
         assert len(slices) == 1 and fleet_screen._pending_hosts
         await pilot.press("escape")  # the Fleet again: what is left arrives
         await until(lambda: not fleet_screen._pending_hosts, what="the rest delivered on resume")
+
+
+async def test_while_the_filter_bar_is_open_a_changed_rows_filter_text_is_made_with_the_update(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first key typed finds every row's filter text made (issue 33: every host's row changes every second, and the
+    first key made 1,024 of them); the filter still matches the rows' newest text."""
+    from textual.app import App, ComposeResult
+
+    from gpudeck.console.tui.widgets.keyed_table import Col
+
+    monkeypatch.setattr(KeyedTable, "HAY_WARM_SLICE", 7)  # the warm-up in several turns
+
+    class One(App[None]):
+        def compose(self) -> ComposeResult:
+            yield KeyedTable([Col("name", "NAME", 10), Col("n", "N", 6)])
+
+    app = One()
+    async with app.run_test(size=(60, 30)) as pilot:
+        table = app.query_one(KeyedTable)
+        table.upsert_many({f"k{i}": {"name": f"row{i}", "n": i} for i in range(40)})
+        await pilot.pause()
+        table.upsert("k3", {"name": "row3", "n": 99})  # no bar: its text waits for the next filter
+        assert "k3" not in table._hay
+        table.focus()
+        await pilot.press("slash")
+        await until(lambda: all(f"k{i}" in table._hay for i in range(40)), what="every row's filter text, made after the bar opened")
+        table.upsert("k5", {"name": "row5", "n": 12345})  # the bar open: made with the update
+        assert table._hay["k5"] == "row5 12345"
+        await pilot.press("1", "2", "3", "4")
+        await until(lambda: table.keys() == ["k5"], what="the row with the new text")
+        await pilot.press("escape")
+        await until(lambda: len(table.keys()) == 40, what="every row again")
+        table.upsert("k6", {"name": "row6", "n": 7})  # the bar closed: back to making it on the next filter
+        assert "k6" not in table._hay
