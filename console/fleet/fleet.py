@@ -90,6 +90,26 @@ CATCH_UP_AT_ONCE = 8
 REFUSED_STATES = ("host_key", "version_mismatch")
 
 
+FDS_BESIDE_HOSTS = 256  # descriptors the console needs besides one per host: history, terminal, its own files
+
+
+def room_for_hosts(hosts: int) -> None:
+    """Raise the soft RLIMIT_NOFILE towards the hard limit when one descriptor per host would not fit (the agent does the
+    same): a login's soft limit is often 1,024, which a fleet of about 1,000 hosts fills (issue 33, docs/scale.md)."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = hosts + FDS_BESIDE_HOSTS
+    if soft == resource.RLIM_INFINITY or soft >= want:
+        return
+    new = want if hard == resource.RLIM_INFINITY else min(hard, max(want, min(hard, 65536)))
+    if new > soft:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (new, hard))
+        except (ValueError, OSError):
+            pass  # the connections past the limit will say "Too many open files"
+
+
 class _NoBound:
     """``async with`` that bounds nothing (a link outside a Fleet, or a caught-up follower)."""
 
@@ -475,6 +495,7 @@ class Fleet:
 
     def start(self) -> None:
         """Connect every host."""
+        room_for_hosts(len(self.links))
         for link in self.links.values():
             link.start()
 

@@ -111,6 +111,7 @@ class _KnownHosts:
 # cannot match its name left out (what asyncssh would skip anyway), written once per host to a private folder.
 _FILE_CACHE: dict[tuple[str, int, int, int], object] = {}
 _HOST_CONFIGS: dict[tuple[str, ...], list[str]] = {}
+_WRITTEN: dict[str, tuple[str, ...]] = {}  # a per-host file -> its key in _HOST_CONFIGS
 _FILTER_DIR: list[str] = []
 _SECTION_START = re.compile(r"^\s*(host|match)(?:\s*=\s*|\s+)(.*)$", re.IGNORECASE)
 _NO_FILTER = re.compile(r"^\s*canonicalizehostname\b", re.IGNORECASE | re.MULTILINE)
@@ -204,11 +205,47 @@ def _memory_dir() -> str | None:
     return None  # the temporary folder
 
 
+_PROXY_JUMP = re.compile(r"^\s*proxyjump(?:\s*=\s*|\s+)(\S+)", re.IGNORECASE | re.MULTILINE)
+
+
+def _jump_hosts(text: str) -> set[str] | None:
+    """The host names the ``ProxyJump`` lines of ``text`` go through (None: one the filter cannot read, a token)."""
+    names: set[str] = set()
+    for m in _PROXY_JUMP.finditer(text):
+        for hop in m.group(1).split(","):
+            hop = hop.removeprefix("ssh://").rsplit("@", 1)[-1]
+            hop = hop[1:].split("]", 1)[0] if hop.startswith("[") else hop.split(":", 1)[0]
+            if any(c in hop for c in "%$\"'"):
+                return None
+            if hop and hop.lower() != "none":
+                names.add(hop)
+    return names
+
+
+def _sections_for(cut: _ConfigSections, name: str) -> list[int] | None:
+    """The sections that can apply to ``name`` and to every host its ProxyJump goes through (asyncssh reads the same
+    files for the jump host's connection), in file order; None when a jump host cannot be told."""
+    want, seen, keep = {name}, set(), set()
+    while want - seen:
+        host = (want - seen).pop()
+        seen.add(host)
+        for i in {*cut.by_name.get(host.lower(), ()), *cut.always}:
+            pats = cut.sections[i][0]
+            if pats is None or _may_match(pats, host):
+                keep.add(i)
+        jumps = _jump_hosts(cut.head + "".join(cut.sections[i][1] for i in keep))
+        if jumps is None:
+            return None
+        want |= jumps
+    return sorted(keep)
+
+
 def host_config_paths(name: str, config_paths: Sequence[str]) -> list[str]:
     """The ssh config files for connecting to ``name``: each big file with the ``Host`` sections that cannot match
     ``name`` left out (asyncssh skips those lines anyway), so a connection reads its own part of a 1,000-host config
-    rather than all of it. ``Match`` sections, everything before the first section (an ``Include`` there too), and
-    any file with ``CanonicalizeHostname`` are kept as they are; the folder goes when the process exits."""
+    rather than all of it. The sections of the hosts its ``ProxyJump`` goes through are kept too. ``Match`` sections,
+    everything before the first section (an ``Include`` there too), and any file with ``CanonicalizeHostname`` (or a
+    ProxyJump through a token) are kept as they are; the folder goes when the process exits."""
     out: list[str] = []
     for path in config_paths:
         try:
@@ -223,8 +260,11 @@ def host_config_paths(name: str, config_paths: Sequence[str]) -> list[str]:
         ck = (*map(str, key), name)
         done = _HOST_CONFIGS.get(ck)
         if done is None:
-            candidates = sorted({*cut.by_name.get(name.lower(), ()), *cut.always})
-            kept = [cut.sections[i][1] for i in candidates if (pats := cut.sections[i][0]) is None or _may_match(pats, name)]
+            keep = _sections_for(cut, name)
+            if keep is None:  # a ProxyJump the filter cannot follow: the whole file
+                out.append(path)
+                continue
+            kept = [cut.sections[i][1] for i in keep]
             if not _FILTER_DIR:
                 _FILTER_DIR.append(tempfile.mkdtemp(prefix="gpudeck-ssh-", dir=_memory_dir()))  # 0700, this user's
                 atexit.register(shutil.rmtree, _FILTER_DIR[0], True)
@@ -234,8 +274,22 @@ def host_config_paths(name: str, config_paths: Sequence[str]) -> list[str]:
             with os.fdopen(fd, "w") as fh:
                 fh.write(cut.head + "".join(kept))
             done = _HOST_CONFIGS[ck] = [str(dest)]
+            _WRITTEN[str(dest)] = ck
         out.extend(done)
     return out
+
+
+def release_host_config(paths: Sequence[str]) -> None:
+    """Remove the per-host files :func:`host_config_paths` wrote, once asyncssh has read them (its connect, jump hosts
+    included, is over): a killed console leaves an empty folder, not a file per host."""
+    for p in paths:
+        ck = _WRITTEN.pop(p, None)
+        if ck is not None:
+            _HOST_CONFIGS.pop(ck, None)
+            try:
+                os.unlink(p)
+            except OSError:
+                pass
 
 
 @dataclass(frozen=True)
@@ -445,7 +499,10 @@ async def connect_ssh(name: str, command: str, options: SshOptions, meanwhile: C
     if options.client_keys is not None:
         kwargs["client_keys"] = [str(p) for p in options.client_keys]
     try:
-        conn = await asyncssh.connect(name, **kwargs)
+        try:
+            conn = await asyncssh.connect(name, **kwargs)
+        finally:
+            release_host_config(config_paths)
     except asyncssh.HostKeyNotVerifiable as exc:
         raise _host_key_error(name, kh, exc) from None
     except asyncssh.PermissionDenied as exc:

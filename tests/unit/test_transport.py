@@ -129,19 +129,30 @@ def _options(paths: list[str], name: str) -> dict:
 def test_a_big_config_is_read_per_host_with_the_same_outcome_as_the_whole_file(tmp_path: Path) -> None:
     """issue 33: a connection reads only the sections that can apply to its host (a 1,024-host config was read whole
     for every connection); what asyncssh makes of it is the same as from the whole file."""
-    from gpudeck.console.fleet.transport import FILTER_MIN_BYTES, host_config_paths
+    from gpudeck.console.fleet.transport import FILTER_MIN_BYTES, host_config_paths, release_host_config
 
-    blocks = ["Compression yes\n", "Host gpu-7 !gpu-70\n    ConnectTimeout 7\n", "Match user me\n    ProxyJump bastion\n"]
+    blocks = ["Compression yes\n", "Host gpu-7 !gpu-70\n    ConnectTimeout 7\n", "Host gpu-9\n    ProxyJump me@jump-a:2222,jump-b\n"]
+    blocks += ["Host jump-a\n    HostName 192.0.2.1\n    ProxyJump jump-c\n", "Host jump-b jump-c\n    User hop\n    Port 2022\n"]
     blocks += [f"Host gpu-{i} alias-{i}\n    HostName 10.0.{i // 256}.{i % 256}\n    Port {2200 + i}\n" for i in range(600)]
     blocks += ["Host gpu-1?\n    User wild\n", 'Host "quoted name"\n    Port 9\n', "Host *\n    IdentityFile ~/.ssh/fleet\n"]
     cfg = tmp_path / "config"
     cfg.write_text("\n".join(blocks))
     assert cfg.stat().st_size >= FILTER_MIN_BYTES
-    for name in ("gpu-0", "gpu-7", "gpu-70", "gpu-13", "alias-599", "quoted name", "GPU-5", "unknown"):
+    for name in ("gpu-0", "gpu-7", "gpu-70", "gpu-13", "alias-599", "quoted name", "GPU-5", "unknown", "gpu-9"):
         part = host_config_paths(name, [str(cfg)])
         assert part != [str(cfg)] and Path(part[0]).stat().st_size < 1000
         assert _options(part, name) == _options([str(cfg)], name), name
+    # asyncssh reads the same files for each jump host's connection: theirs are in gpu-9's part (jump-c through jump-a)
+    part = host_config_paths("gpu-9", [str(cfg)])
+    for hop in ("jump-a", "jump-b", "jump-c"):
+        assert _options(part, hop) == _options([str(cfg)], hop), hop
+    cfg.write_text(cfg.read_text() + "Host gpu-600\n    ProxyJump %h-bastion\n")
+    assert host_config_paths("gpu-600", [str(cfg)]) == [str(cfg)]  # a token in a jump: the whole file
     assert host_config_paths("gpu-0", [str(cfg)]) == host_config_paths("gpu-0", [str(cfg)])  # written once
+    release_host_config(part := host_config_paths("gpu-0", [str(cfg)]))  # read by asyncssh's connect: removed
+    assert not Path(part[0]).exists()
+    again = host_config_paths("gpu-0", [str(cfg)])  # a reconnect writes it again
+    assert Path(again[0]).exists() and _options(again, "gpu-0") == _options([str(cfg)], "gpu-0")
 
 
 def test_a_small_config_or_one_that_canonicalizes_is_read_whole(tmp_path: Path) -> None:
