@@ -9,10 +9,13 @@ gpudeck: ``SnapshotBuilder.build()`` — every GPU, every GPU process attributed
 Then the agent's own CPU at a 1 s snapshot interval, measured from /proc over a real agent process.
 
 Usage: python bench/agent_sample.py [--hold-gib 20] [--cpu-seconds 30] [--extra-procs 5000] [--foreign-tagged 500] [--profile FILE]
+       [--ledger-peer] [--sim-gpus 8] [--gpu-procs 64]
 Prints one line per figure; ratios are peer / gpudeck. ``--extra-procs N`` starts N sleeping processes
 for the CPU measurement (stopped by pid afterwards), ``--foreign-tagged N`` N more tagged for another agent's runs; ``--profile FILE`` runs the measured agent under
 cProfile (thread CPU time) in every thread, over the measured window only, and prints where its time went (the
-profile's own cost inflates the CPU figure).
+profile's own cost inflates the CPU figure). ``--ledger-peer`` measures, over the same window, this tree's agent
+with the GPU ledger off (``GPUDECK_LEDGER=off``, for this benchmark only), and every agent's journal writes per
+minute; ``--sim-gpus N --gpu-procs M`` runs the measured agents on N SIMULATED GPUs with M processes holding them.
 """
 
 from __future__ import annotations
@@ -182,10 +185,22 @@ async def main_async(args: argparse.Namespace) -> None:
     journal.close()
 
     if args.cpu_seconds > 0:
+        extra_env: dict[str, str] = {}
+        if args.sim_gpus:
+            # the measured agents' simulated machine: holders declared by the benchmark's sleepers, no one else's
+            extra_env = {"GPUDECK_SIMULATE_GPUS": f"{args.sim_gpus}:H100-80GB:80", "GPUDECK_SIM_SCOPE": f"bench-{os.getpid()}"}
         extra = start_sleepers(args.extra_procs, args.foreign_tagged)
+        extra += start_gpu_holders(args.gpu_procs, args.sim_gpus, extra_env.get("GPUDECK_SIM_SCOPE", ""))
         try:
             n_host = len([n for n in os.listdir("/proc") if n.isdigit()])
-            cpu = await agent_cpu(args.cpu_seconds, profile=args.profile, warmup=args.warmup, peer=args.peer_tree)
+            cpu = await agent_cpu(
+                args.cpu_seconds,
+                profile=args.profile,
+                warmup=args.warmup,
+                peer=args.peer_tree,
+                ledger_peer=args.ledger_peer,
+                extra_env=extra_env,
+            )
         finally:
             stop_sleepers(extra)
         print(
@@ -193,6 +208,14 @@ async def main_async(args: argparse.Namespace) -> None:
             f"({n_host} processes on the host, {len(extra)} of them started by the benchmark)",
             flush=True,
         )
+        if "ledger-off" in cpu:
+            print(
+                f"agent_sample ledger off (GPUDECK_LEDGER=off, this tree) CPU at 1 s snapshot interval, same window: "
+                f"{cpu['ledger-off']:.3f}% of one core"
+                + (f" (ledger on / off: {cpu['this'] / cpu['ledger-off']:.2f}x)" if cpu["ledger-off"] else "")
+                + f"; {args.sim_gpus} SIMULATED GPU(s), {args.gpu_procs} GPU process(es)",
+                flush=True,
+            )
         if "peer" in cpu:
             print(
                 f"agent_sample peer agent ({args.peer_tree}) CPU at 1 s snapshot interval, same window: {cpu['peer']:.3f}% of one core "
@@ -230,6 +253,27 @@ def start_sleepers(n: int, foreign_tagged: int = 0) -> list[subprocess.Popen]:
         print(f"agent_sample started {n} sleeping processes", flush=True)
     if foreign_tagged:
         print(f"agent_sample started {foreign_tagged} sleeping processes tagged for 10 runs of another agent", flush=True)
+    return out
+
+
+def start_gpu_holders(n: int, gpus: int, scope: str) -> list[subprocess.Popen]:
+    """``n`` sleeping processes each holding 1 GiB on a simulated GPU (round robin over ``gpus``), in the benchmark's
+    own simulated machine (``GPUDECK_SIM_SCOPE``: no other agent on the host counts them)."""
+    if not n:
+        return []
+    if not gpus or not scope:
+        raise SystemExit("--gpu-procs needs --sim-gpus")
+    out: list[subprocess.Popen] = []
+    quiet = {"stdin": subprocess.DEVNULL, "stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
+    base = {k: v for k, v in os.environ.items() if k != "GPUDECK_HOME"}
+    try:
+        for i in range(n):
+            env = {**base, "GPUDECK_SIM_GPU_MEM": f"{i % gpus}:1", "GPUDECK_SIM_SCOPE": scope}
+            out.append(subprocess.Popen(["sleep", "3600"], env=env, **quiet))  # type: ignore[call-overload]
+    except BaseException:
+        stop_sleepers(out)
+        raise
+    print(f"agent_sample started {n} sleeping processes holding 1 GiB each on {gpus} SIMULATED GPU(s)", flush=True)
     return out
 
 
@@ -274,11 +318,13 @@ serve(Path(sys.argv[2]), on_exit=dump)
 """
 
 
-async def _start_agent(label: str, code_root: Path, profile: str | None) -> tuple[subprocess.Popen, Path]:
+async def _start_agent(
+    label: str, code_root: Path, profile: str | None, extra_env: dict[str, str] | None = None
+) -> tuple[subprocess.Popen, Path]:
     """An agent of the code under ``code_root`` (this tree, or a peer's ``gpudeck/agents``) in its own GPUDECK_HOME."""
     home = Path(tempfile.mkdtemp(prefix=f"gd-cpu-{label}-", dir="/tmp"))
     pythonpath = os.pathsep.join(p for p in (str(code_root), os.environ.get("PYTHONPATH", "")) if p)
-    env = {**os.environ, "GPUDECK_HOME": str(home), "PYTHONPATH": pythonpath}
+    env = {**os.environ, "GPUDECK_HOME": str(home), "PYTHONPATH": pythonpath, **(extra_env or {})}
     errlog = open(home / "agent.stderr", "wb")
     cmd = (
         [sys.executable, "-c", PROFILED_AGENT, profile, str(home / "agent")]
@@ -298,12 +344,34 @@ async def _watch(client: AgentClient, seconds: float) -> int:
     return n
 
 
-async def agent_cpu(seconds: float, profile: str | None = None, warmup: float = 2.0, peer: Path | None = None) -> dict[str, float]:
+def _last_seq(home: Path) -> int:
+    """The newest seq committed to an agent's journal (read-only): events written so far."""
+    import sqlite3
+
+    conn = sqlite3.connect(f"file:{home / 'agent' / 'journal.db'}?mode=ro", uri=True, timeout=10)
+    try:
+        return int(conn.execute("SELECT COALESCE(MAX(seq), 0) FROM events").fetchone()[0])
+    finally:
+        conn.close()
+
+
+async def agent_cpu(
+    seconds: float,
+    profile: str | None = None,
+    warmup: float = 2.0,
+    peer: Path | None = None,
+    ledger_peer: bool = False,
+    extra_env: dict[str, str] | None = None,
+) -> dict[str, float]:
     """CPU share of a real agent process that streams a snapshot every second to one watcher: this tree's agent
-    and, with ``peer``, the agent of another tree's code measured over the same window (the same host churn)."""
-    agents = {"this": await _start_agent("this", ROOT, profile)}
+    and, with ``peer``, the agent of another tree's code measured over the same window (the same host churn); with
+    ``ledger_peer``, this tree's agent with the GPU ledger off (``GPUDECK_LEDGER=off``) over the same window.
+    ``extra_env``: for every agent (simulated GPUs). Prints each agent's journal writes (events) per minute."""
+    agents = {"this": await _start_agent("this", ROOT, profile, extra_env)}
     if peer is not None:
-        agents["peer"] = await _start_agent("peer", peer, None)
+        agents["peer"] = await _start_agent("peer", peer, None, extra_env)
+    if ledger_peer:
+        agents["ledger-off"] = await _start_agent("ledger-off", ROOT, None, {**(extra_env or {}), "GPUDECK_LEDGER": "off"})
     clients: dict[str, AgentClient] = {}
     try:
         for label, (_proc, home) in agents.items():
@@ -320,11 +388,14 @@ async def agent_cpu(seconds: float, profile: str | None = None, warmup: float = 
         if profile:
             os.kill(agents["this"][0].pid, signal.SIGUSR2)  # the profile covers the window only
         ids0 = _newest_id()
+        seq0 = {label: _last_seq(home) for label, (_proc, home) in agents.items()}
         c0 = {label: p.cpu_times() for label, p in ps.items()}
         t0 = time.monotonic()
         sent = await asyncio.gather(*(_watch(c, seconds) for c in clients.values()))
         c1 = {label: p.cpu_times() for label, p in ps.items()}
         wall = time.monotonic() - t0
+        await asyncio.sleep(0.5)  # what the window queued is committed (the writer batches)
+        seq1 = {label: _last_seq(home) for label, (_proc, home) in agents.items()}
         ids1 = _newest_id()
         if ids0 is not None and ids1 is not None:
             made = ids1 - ids0 if ids1 >= ids0 else ids1 + int(Path("/proc/sys/kernel/pid_max").read_text()) - ids0
@@ -336,6 +407,8 @@ async def agent_cpu(seconds: float, profile: str | None = None, warmup: float = 
         for label, n in zip(clients, sent, strict=True):
             used = (c1[label].user - c0[label].user) + (c1[label].system - c0[label].system)
             print(f"agent_sample {label} agent sent {n} snapshots in {wall:.1f} s; CPU {used:.3f} s", flush=True)
+            wrote = seq1[label] - seq0[label]
+            print(f"agent_sample {label} agent journal writes: {wrote} events in {wall:.1f} s ({wrote * 60 / wall:.1f}/min)", flush=True)
             out[label] = 100.0 * used / wall
         return out
     finally:
@@ -371,6 +444,15 @@ def main() -> None:
         help="also measure, over the same window, the agent of another version: a folder holding gpudeck/agents "
         "(e.g. mkdir -p D/gpudeck && git archive REV agents | tar -x -C D/gpudeck)",
     )
+    ap.add_argument(
+        "--ledger-peer",
+        action="store_true",
+        help="also measure this tree's agent with the GPU ledger off (GPUDECK_LEDGER=off), same window",
+    )
+    ap.add_argument(
+        "--sim-gpus", type=int, default=0, help="run the measured agents on this many SIMULATED GPUs (0: NVML, as the host has)"
+    )
+    ap.add_argument("--gpu-procs", type=int, default=0, help="with --sim-gpus: this many sleeping processes holding 1 GiB each on them")
     ap.add_argument("--profile", default=None, help="write a cProfile of the measured agent (every thread) here and print its top")
     args = ap.parse_args()
     asyncio.run(main_async(args))

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
@@ -77,6 +78,7 @@ class GpuSampler:
         self._devices: list[_Device] = []
         self._lock = threading.Lock()
         self._mem_v2 = False
+        self.last_sample: tuple[float, list[Gpu]] | None = None  # (monotonic time, the newest sample), whoever took it
         if pynvml is None:
             self.error = _IMPORT_ERROR
             return
@@ -221,6 +223,7 @@ class GpuSampler:
                         processes=plist_out,
                     )
                 )
+        self.last_sample = (time.monotonic(), out)  # the GPU ledger's idle look reuses it (agents/runs/tick.py)
         return out
 
 

@@ -192,6 +192,7 @@ class SimulatedGpuSampler:
         self._lock = threading.Lock()
         self._marks: dict[tuple[int, float], _CpuMark] = {}
         self._warned: set[tuple[int, float]] = set()
+        self.last_sample: tuple[float, list[Gpu]] | None = None  # (monotonic time, the newest sample), whoever took it
         self._hidden = dict(self.spec.unaccounted)  # GPU -> bytes no process explains
 
     @property
@@ -315,4 +316,5 @@ class SimulatedGpuSampler:
                     processes=procs[i],
                 )
             )
+        self.last_sample = (time.monotonic(), out)  # the GPU ledger's idle look reuses it (agents/runs/tick.py)
         return out

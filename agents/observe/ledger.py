@@ -38,11 +38,13 @@ import uuid as uuidlib
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
+
 from gpudeck.agents.observe.procs import CT_TOLERANCE
 from gpudeck.agents.storage.journal import Journal
 from gpudeck.agents.wire import events as payloads
 from gpudeck.agents.wire.errors import AgentError
-from gpudeck.agents.wire.protocol import Gpu, GpuProcess
+from gpudeck.agents.wire.protocol import Container, Gpu, GpuProcess
 
 log = logging.getLogger("gpudeck.agent")
 
@@ -54,6 +56,7 @@ LEDGER_ENV = "GPUDECK_LEDGER"  # "off": no ledger (bench/agent_sample.py's peer 
 RETENTION_ENV = "GPUDECK_LEDGER_RETENTION_DAYS"
 DEFAULT_RETENTION_DAYS = 30.0
 COMPACT_EVERY_S = 3600.0  # how often the tick asks for a compaction pass
+REATTRIBUTE_S = 30.0  # an idle agent whose GPUs look unchanged attributes its sample in full at least this often
 UNACCOUNTED = "UNACCOUNTED"
 
 Item = tuple[str, str | None, dict[str, Any]]
@@ -94,10 +97,11 @@ def level_step(total_bytes: int) -> int:
     return max(LEVEL_MIN_BYTES, int(total_bytes * LEVEL_FRACTION))
 
 
-def container_of(p: GpuProcess) -> str | None:
-    """The container a GPU process runs in, where the process record says (a field not every version has)."""
+def container_of(p: GpuProcess) -> Container | None:
+    """The container a GPU process runs in, as its attribution found it (agents/safety/attribution.py reads it once per
+    process from the table entry); None outside any container, or from a record that does not carry one."""
     value = getattr(p, "container", None)
-    return value if isinstance(value, str) and value else None
+    return value if isinstance(value, Container) else None
 
 
 @dataclass
@@ -113,7 +117,7 @@ class Hold:
     pid: int | None = None
     create_time: float | None = None
     user: str | None = None
-    container: str | None = None
+    container: Container | None = None
     run: str | None = None
     rank: int | None = None
     bytes: int | None = None  # as last journaled
@@ -131,10 +135,12 @@ class Hold:
             "attribution": self.attribution,
             "started": self.started,
         }
-        for k in ("pid", "create_time", "user", "container", "run", "rank"):
+        for k in ("pid", "create_time", "user", "run", "rank"):
             v = getattr(self, k)
             if v is not None:
                 data[k] = v
+        if self.container is not None:
+            data["container"] = msgspec.to_builtins(self.container)
         if self.now_bytes is not None:
             data["bytes"] = self.now_bytes
         if self.peak is not None:
@@ -184,7 +190,12 @@ def _hold_from_record(data: dict[str, Any], ts: float) -> Hold | None:
 class Ledger:
     """The open holds of this host's GPUs and the journal records of their changes (see the module doc)."""
 
-    def __init__(self, journal: Journal, enabled: bool = True, retention_s: float = DEFAULT_RETENTION_DAYS * 86400) -> None:
+    def __init__(
+        self,
+        journal: Journal,
+        enabled: bool = True,
+        retention_s: float = DEFAULT_RETENTION_DAYS * 86400,
+    ) -> None:
         self.journal = journal
         self.enabled = enabled
         self.retention_s = retention_s
@@ -194,6 +205,8 @@ class Ledger:
         self._restored: dict[tuple, Hold] | None = None  # open in the journal at start, settled at the first sample
         self._compacted_at = 0.0
         self.sampled_at = 0.0  # monotonic time of the last sample the ledger was given
+        self._quiet_mark: tuple | None = None  # the raw sample an idle agent last attributed (see unchanged())
+        self._quiet_since = 0.0
         if enabled:
             self._restored = self._read_open()
 
@@ -224,7 +237,21 @@ class Ledger:
         """Whether an idle agent should sample for the ledger now (its last sample is ``every_s`` old)."""
         return self.enabled and time.monotonic() - self.sampled_at >= every_s
 
-    def observe(self, gpus: list[Gpu], unaccounted: dict[int, int], now: float | None = None) -> list[Item]:
+    def unchanged(self, raw: list[Gpu], remember: bool = True) -> bool:
+        """Whether an idle agent's raw (unattributed) sample is the one it last attributed: the same processes holding
+        the same bytes on the same GPUs (then nothing can have changed for the ledger: attribution changes only when a
+        run ends, and a tick with a live run always attributes). Attributed anyway every REATTRIBUTE_S. ``remember``: a
+        sample that differs is the one the caller attributes next (False: a look only, at someone else's sample)."""
+        mark = tuple((g.index, g.memory_used, tuple((p.pid, p.used_bytes) for p in g.processes)) for g in raw)
+        now = time.monotonic()
+        if mark == self._quiet_mark and now - self._quiet_since < REATTRIBUTE_S:
+            self.sampled_at = now
+            return True
+        if remember:
+            self._quiet_mark, self._quiet_since = mark, now
+        return False
+
+    def observe(self, gpus: list[Gpu], unaccounted: dict[int, int], now: float | None = None, idle: bool = False) -> list[Item]:
         """Compare one attributed sample with the open holds; journal and return what changed (nothing if nothing did).
 
         ``unaccounted``: GPU index -> bytes no visible process explains, for GPUs where that counts as a holder."""
@@ -232,6 +259,8 @@ class Ledger:
             return []
         now = time.time() if now is None else now
         self.sampled_at = time.monotonic()
+        if not idle:
+            self._quiet_mark = None  # a tick with runs: the next idle sample is attributed in full
         items: list[Item] = []
         seen: set[tuple] = set()
         for g in gpus:
@@ -310,8 +339,7 @@ class Ledger:
                 return found
         return None
 
-    @staticmethod
-    def _fill(h: Hold, p: GpuProcess | None) -> None:
+    def _fill(self, h: Hold, p: GpuProcess | None) -> None:
         if p is None:
             return
         h.pid, h.create_time = p.pid, (round(p.create_time, 2) if p.create_time is not None else None)

@@ -134,7 +134,7 @@ def scan(sup: Supervisor, runs: list[LiveRun]) -> Scan:
     want_tree = any(lr.group is None and lr.info.state in ("running", "starting") for lr in runs)
     got = Scan()
     got.tree = sup.tree.scan() if want_tree else None
-    if sup.gpus.available and (runs or sup.ledger.due(LEDGER_IDLE_S)):
+    if sup.gpus.available and (runs or sup.ledger.enabled):  # a run being launched: the ledger's sample still
         got.gpus = sup.attributed_gpus(sup.gpus.sample())
         feed_ledger(sup, got.gpus)
     got.alive_now = {(m.pid, m.create_time): alive(m.pid, m.create_time) for lr in runs for m in lr.info.members}
@@ -143,14 +143,14 @@ def scan(sup: Supervisor, runs: list[LiveRun]) -> Scan:
     return got
 
 
-def feed_ledger(sup: Supervisor, gpus: list[Gpu]) -> None:
+def feed_ledger(sup: Supervisor, gpus: list[Gpu], idle: bool = False) -> None:
     """The GPU ledger gets the tick's attributed sample (agents/observe/ledger.py); a failure of it is logged, never
     the tick's (supervision goes on without the ledger)."""
     if not sup.ledger.enabled:
         return
     try:
         held = {u.gpu: u.used_bytes for u in unaccounted.holders(gpus, None, sup.gpus.simulated)}
-        sup.ledger.observe(gpus, held)
+        sup.ledger.observe(gpus, held, idle=idle)
         if sup.ledger.compact_due():
             sup.ledger.compact()
     except StorageError:
@@ -162,7 +162,16 @@ def feed_ledger(sup: Supervisor, gpus: list[Gpu]) -> None:
 def _ledger_sample(sup: Supervisor) -> None:
     """An idle agent's sample for the ledger (a worker thread): the table refreshed, one attributed GPU sample."""
     sup.procs.refresh(max_age=FRESH_S)
-    feed_ledger(sup, sup.attributed_gpus(sup.gpus.sample()))
+    # a snapshot a watching console asked for this last second is the look (its pids and bytes: set when it was
+    # sampled, whatever its attribution is doing meanwhile); without one, a sample of our own
+    recent = getattr(sup.gpus, "last_sample", None)
+    raw = recent[1] if recent is not None and time.monotonic() - recent[0] < LEDGER_IDLE_S else None
+    if raw is not None and sup.ledger.unchanged(raw, remember=False):
+        return  # the same processes hold the same bytes: nothing to attribute, nothing to record
+    raw = sup.gpus.sample()
+    if sup.ledger.unchanged(raw):
+        return
+    feed_ledger(sup, sup.attributed_gpus(raw), idle=True)
 
 
 def judge(sup: Supervisor, got: Scan) -> None:

@@ -18,7 +18,17 @@ from typing import Any, Literal, Union
 import msgspec
 
 from gpudeck.agents.wire.errors import AgentError
-from gpudeck.agents.wire.protocol import Alert, ClaimRow, ContainmentInfo, EnvFingerprint, LaunchSpec, PreflightResult, StopResult, Triage
+from gpudeck.agents.wire.protocol import (
+    Alert,
+    ClaimRow,
+    Container,
+    ContainmentInfo,
+    EnvFingerprint,
+    LaunchSpec,
+    PreflightResult,
+    StopResult,
+    Triage,
+)
 
 TAG = "event_kind"  # the tag field; put next to the payload's own fields only while converting, never stored
 PAYLOAD_VERSION = 1
@@ -190,7 +200,7 @@ class GpuHold(Payload, tag="gpu_hold"):
     pid: int | None = None
     create_time: float | None = None
     user: str | None = None
-    container: str | None = None
+    container: Container | None = None  # the container it runs in, seen from the host (its attribution's)
     run: str | None = None
     rank: int | None = None
     attribution: str = "FOREIGN"  # RUN | STALE | FOREIGN | NO_SUCH_PROCESS | UNACCOUNTED

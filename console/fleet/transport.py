@@ -225,7 +225,9 @@ def _jump_hosts(text: str) -> set[str] | None:
 def _sections_for(cut: _ConfigSections, name: str) -> list[int] | None:
     """The sections that can apply to ``name`` and to every host its ProxyJump goes through (asyncssh reads the same
     files for the jump host's connection), in file order; None when a jump host cannot be told."""
-    want, seen, keep = {name}, set(), set()
+    want: set[str] = {name}
+    seen: set[str] = set()
+    keep: set[int] = set()
     while want - seen:
         host = (want - seen).pop()
         seen.add(host)

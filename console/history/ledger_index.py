@@ -18,6 +18,8 @@ from typing import Any
 
 import msgspec
 
+from gpudeck.agents.wire.protocol import Container
+
 HOLDS = "ledger_holds"
 POINTS = "ledger_points"
 TABLES = (HOLDS, POINTS)
@@ -47,7 +49,7 @@ class HoldRecord(msgspec.Struct, kw_only=True, omit_defaults=True):
     pid: int | None = None
     create_time: float | None = None
     user: str | None = None
-    container: str | None = None
+    container: str | None = None  # its label (Container.label()): docker:trainer, lxc:200(trainer), k8s:ns/pod/ctr
     run_id: str | None = None
     rank: int | None = None
     attribution: str | None = None
@@ -90,6 +92,17 @@ def _num(d: dict[str, Any], k: str) -> float | None:
     return float(v)
 
 
+def _container(d: dict[str, Any]) -> str | None:
+    """The holder's container as one label (``docker:trainer``, ``k8s:ns/pod/ctr``), from the record's Container."""
+    v = d.get("container")
+    if v is None:
+        return None
+    try:
+        return msgspec.convert(v, Container).label()[:256]
+    except (msgspec.ValidationError, TypeError) as exc:
+        raise ValueError(f"gpu_hold: container is not a container record ({exc})") from None
+
+
 def _str(d: dict[str, Any], k: str) -> str | None:
     v = d.get(k)
     if v is None:
@@ -110,7 +123,7 @@ def fold(conn: sqlite3.Connection, host: str, epoch: str, ts: float, data: dict[
         "pid": _int(data, "pid"),
         "create_time": _num(data, "create_time"),
         "user": _str(data, "user"),
-        "container": _str(data, "container"),
+        "container": _container(data),
         "run_id": _str(data, "run"),
         "rank": _int(data, "rank"),
         "attribution": _str(data, "attribution"),

@@ -15,49 +15,32 @@ import sys
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from gpudeck.agents.wire.envdiff import EnvGate
-from gpudeck.agents.wire.protocol import (
-    LaunchSpec,
-    LeftoverList,
-    OutputChunk,
-    RunInfo,
-    Snapshot,
-    StopResult,
-    Triage,
-    VerifyReply,
-)
 from gpudeck.console.core.records import EpochRecord, EventRecord, MetricPoint, Problem, RunRecord, SyncResult
 from gpudeck.console.fleet.fleet import Fleet, HostLink
 from gpudeck.console.fleet.multinode import group
 from gpudeck.console.history.replica import History, HistoryError
-from gpudeck.console.ops import compare as _compare
-from gpudeck.console.ops import holders as _holders
-from gpudeck.console.ops import hosts as _hosts
-from gpudeck.console.ops import ledger as _ledger
 from gpudeck.console.ops import readings as _readings
-from gpudeck.console.ops import report as _report
 from gpudeck.console.ops import resolve as _resolve
-from gpudeck.console.ops import rollback as _rollback
-from gpudeck.console.ops import stop as _stop
-from gpudeck.console.ops import triage as _triage
-from gpudeck.console.ops.compare import Compared
 from gpudeck.console.ops.errors import HistoryUnavailable, OpsError
-from gpudeck.console.ops.gate import check as gate_check
-from gpudeck.console.ops.holders import GRACE_S, HolderPlan, ReclaimLaunch
-from gpudeck.console.ops.hosts import Probe
-from gpudeck.console.ops.intent import LaunchIntent
-from gpudeck.console.ops.launch import LaunchPlan, LaunchResult, NodeOutcome
-from gpudeck.console.ops.launch import launch as launch_plan
-from gpudeck.console.ops.launch import preflight as preflight_plan
-from gpudeck.console.ops.ledger import LedgerAnswer, LedgerQuery
-from gpudeck.console.ops.rank_death import attach as attach_rank_death
-from gpudeck.console.ops.readings import StepSeries
-from gpudeck.console.ops.report import RunReport
 from gpudeck.console.ops.resolve import LIST_LIMIT, FleetRuns, Resolved
-from gpudeck.console.ops.rollback import RollbackFrontEnd
-from gpudeck.console.ops.stop import StopOutcome
+
+# Each operation's module is imported by the method that runs it, not here: a command pays only for what it runs
+# (`status --host H` connects before most of ops/ is loaded; issue 30). The names below are for the signatures.
+if TYPE_CHECKING:
+    from gpudeck.agents.wire.envdiff import EnvGate
+    from gpudeck.agents.wire.protocol import LaunchSpec, LeftoverList, OutputChunk, RunInfo, Snapshot, StopResult, Triage, VerifyReply
+    from gpudeck.console.ops.compare import Compared
+    from gpudeck.console.ops.holders import HolderPlan, ReclaimLaunch
+    from gpudeck.console.ops.hosts import Probe
+    from gpudeck.console.ops.intent import LaunchIntent
+    from gpudeck.console.ops.launch import LaunchPlan, LaunchResult, NodeOutcome
+    from gpudeck.console.ops.ledger import LedgerAnswer, LedgerQuery
+    from gpudeck.console.ops.readings import StepSeries
+    from gpudeck.console.ops.report import RunReport
+    from gpudeck.console.ops.rollback import RollbackFrontEnd
+    from gpudeck.console.ops.stop import StopOutcome
 
 
 class Ops:
@@ -76,6 +59,8 @@ class Ops:
         ``with_history``), followed by the rank-death policy (console/ops/rank_death.py)."""
         history = History() if fleet is None and with_history else None
         fleet = fleet if fleet is not None else Fleet(history=history)
+        from gpudeck.console.ops.rank_death import attach as attach_rank_death
+
         attach_rank_death(fleet)  # --on-rank-death stop across a multi-node run's hosts
         return cls(fleet, fleet.history, owns_history=history is not None)
 
@@ -189,24 +174,34 @@ class Ops:
 
     async def probe_hosts(self, names: list[str], timeout: float) -> list[Probe]:
         """``hosts --check``: each host's link state, agent version or error."""
+        from gpudeck.console.ops import hosts as _hosts
+
         return await _hosts.probe_hosts(self.fleet, names, timeout)
 
     # ------------------------------------------------------------------ launch, reclaim, stop
 
     async def preflight(self, plan: LaunchPlan) -> list[NodeOutcome]:
         """Every node's pre-flight of ``plan`` (nothing starts)."""
+        from gpudeck.console.ops.launch import preflight as preflight_plan
+
         return await preflight_plan(self.fleet, plan)
 
     async def launch(self, plan: LaunchPlan, request_id: str = "") -> LaunchResult:
         """Launch ``plan`` (every node, or none)."""
+        from gpudeck.console.ops.launch import launch as launch_plan
+
         return await launch_plan(self.fleet, plan, request_id=request_id)
 
     async def gate(self, nodes: Sequence[tuple[str, LaunchSpec]]) -> EnvGate:
         """The cross-node gate: every node's interpreter fingerprinted (together) and compared."""
+        from gpudeck.console.ops.gate import check as gate_check
+
         return await gate_check(self.fleet, nodes)
 
     async def plan_holders(self, plan: LaunchPlan, outcomes: list[NodeOutcome]) -> HolderPlan:
         """The processes a refused pre-flight names, and which of them may be reclaimed."""
+        from gpudeck.console.ops import holders as _holders
+
         return await _holders.plan_holders(self.fleet, plan, outcomes)
 
     async def reclaim_and_launch(
@@ -214,11 +209,14 @@ class Ops:
         plan: LaunchPlan,
         held: HolderPlan,
         request_id: str = "",
-        grace_s: float = GRACE_S,
+        grace_s: float | None = None,  # None: holders.GRACE_S
         step: Callable[[str], None] | None = None,
     ) -> ReclaimLaunch:
         """Reclaim exactly ``held.to_stop``, pre-flight again and launch (``step`` hears each step)."""
-        return await _holders.reclaim_and_launch(self.fleet, plan, held, request_id=request_id, grace_s=grace_s, step=step)
+        from gpudeck.console.ops import holders as _holders
+
+        grace = _holders.GRACE_S if grace_s is None else grace_s
+        return await _holders.reclaim_and_launch(self.fleet, plan, held, request_id=request_id, grace_s=grace, step=step)
 
     async def leftovers(self, host: str, include_live: bool = False) -> LeftoverList:
         """A host's leftovers (stale and foreign GPU holders)."""
@@ -226,10 +224,14 @@ class Ops:
 
     async def reclaim(self, pids: dict[str, list[int]], grace_s: float, include_live: bool = False) -> list[tuple[str, StopResult | str]]:
         """Stop exactly these pids on each host (verified)."""
+        from gpudeck.console.ops import stop as _stop
+
         return await _stop.reclaim(self.fleet, pids, grace_s, include_live)
 
     async def stop(self, found: Resolved, grace_s: float) -> StopOutcome:
         """Stop every node of a run (a node that does not answer: recorded in the history, stopped when it does)."""
+        from gpudeck.console.ops import stop as _stop
+
         return await _stop.stop_run(self.fleet, found, grace_s, self._history)
 
     # ------------------------------------------------------------------ runs: find, read
@@ -270,6 +272,8 @@ class Ops:
 
     async def triage(self, found: Resolved) -> tuple[list[tuple[str, Triage]], list[tuple[str, str]]]:
         """Every node's triage of a run now; the nodes that gave none, with why."""
+        from gpudeck.console.ops import triage as _triage
+
         return await _triage.triage_run(self.fleet, found)
 
     async def metrics(self, host: str, run_id: str, max_points: int = 200) -> StepSeries:
@@ -297,18 +301,26 @@ class Ops:
         ui: RollbackFrontEnd,
     ) -> LaunchIntent:
         """The intent that relaunches ``run_id`` in ``good``'s environment (asking ``ui`` when it needs a choice)."""
+        from gpudeck.console.ops import rollback as _rollback
+
         return await _rollback.prepare_rollback(self.fleet, run_spec, run_id, good, host, start, config_from, ui)
 
     async def rollback_candidates(self, host: str, run: RunInfo) -> list[RunRecord]:
         """The recorded runs ``run`` may be rolled back to."""
+        from gpudeck.console.ops import rollback as _rollback
+
         return await _rollback.rollback_candidates(self.fleet, host, run)
 
     async def compare_runs(self, a: tuple[str, str], b: tuple[str, str], live_a: RunInfo | None = None) -> Compared:
         """Two runs by (host, id), as every diff reads them."""
+        from gpudeck.console.ops import compare as _compare
+
         return await _compare.compare_runs(self.fleet, a, b, live_a=live_a)
 
     async def compare_refs(self, a_ref: str, b_ref: str, unanswered: list[str] | None = None) -> Compared:
         """Two runs by reference from the history: ``gpudeck diff``."""
+        from gpudeck.console.ops import compare as _compare
+
         return await _compare.compare_refs(self._db(), a_ref, b_ref, unanswered)
 
     # ------------------------------------------------------------------ the history
@@ -354,16 +366,22 @@ class Ops:
 
     async def ledger(self, query: LedgerQuery) -> LedgerAnswer:
         """Who held a GPU when, or a run's GPU footprint, from the history's ledger (``gpudeck ledger``)."""
+        from gpudeck.console.ops import ledger as _ledger
+
         return await asyncio.to_thread(_ledger.ledger_answer, self._db(), query)
 
     async def report(self, ref: str, host: str | None = None, down: Sequence[str] = ()) -> RunReport:
         """The run report of ``ref`` from the history's evidence alone (``gpudeck report``; :meth:`with_output` adds the
         run's output from its agent)."""
+        from gpudeck.console.ops import report as _report
+
         return await asyncio.to_thread(_report.gather_report, self._db(), ref, host, list(down))
 
     async def with_output(self, rep: RunReport) -> RunReport:
         """``rep`` with its run's output size and last lines from its agent (the history keeps no output); when the agent
         cannot be asked, the report says why."""
+        from gpudeck.console.ops import report as _report
+
         return await _report.with_output(self.fleet, rep)
 
     async def down_hosts(self) -> set[str]:

@@ -23,7 +23,17 @@ from gpudeck.console.history.ledger_index import HoldRecord
 from gpudeck.console.history.replica import History
 from gpudeck.console.ops.errors import OpsError
 
-__all__ = ["GpuFootprint", "HoldRecord", "LedgerAnswer", "LedgerQuery", "LedgerQueryError", "ledger_answer", "ledger_query", "parse_time"]
+__all__ = [
+    "GpuFootprint",
+    "HoldRecord",
+    "LedgerAnswer",
+    "LedgerQuery",
+    "LedgerQueryError",
+    "ledger_answer",
+    "ledger_query",
+    "parse_time",
+    "run_footprint",
+]
 
 _AGO = re.compile(r"^-(\d+(?:\.\d+)?)([smhdw])$")
 _CLOCK = re.compile(r"^(\d{1,2}):(\d{2})(?::(\d{2}))?$")
@@ -155,7 +165,8 @@ class LedgerAnswer:
         return out
 
 
-def _footprint(holds: list[HoldRecord], now: float) -> list[GpuFootprint]:
+def run_footprint(holds: list[HoldRecord], now: float) -> list[GpuFootprint]:
+    """A run's holds as its footprint per (host, GPU): the first and last time it held it, the union of the spans."""
     by_gpu: dict[tuple[str, int], list[HoldRecord]] = {}
     for h in holds:
         by_gpu.setdefault((h.host, h.gpu), []).append(h)
@@ -207,5 +218,5 @@ def ledger_answer(history: History, q: LedgerQuery, now: float | None = None) ->
     else:
         assert run_id is not None
         holds = [h for h in history.ledger_of_run(q.host, run_id) if q.gpu is None or h.gpu == q.gpu]
-    footprint = _footprint(holds, now) if run_id is not None and holds else []
+    footprint = run_footprint(holds, now) if run_id is not None and holds else []
     return LedgerAnswer(query=q, holds=holds, run_id=run_id, footprint=footprint)

@@ -347,6 +347,10 @@ def _event_summary(e: EventRecord) -> str:
         return f"{t} " + json.dumps({x: y for x, y in rec.items() if x not in ("ts", "type", "argv")}, default=str)[:100]
     if k == "members":
         return f"+{len(d.get('added') or [])} process(es)"
+    if k == "gpu_hold":  # the GPU ledger (`gpudeck ledger`): one change of one hold
+        who = f"pid {d.get('pid')}" if d.get("pid") is not None else "unaccounted memory"
+        held = d.get("bytes")
+        return f"GPU {d.get('gpu')}: {who} {d.get('change')} {gib(held if isinstance(held, int) else None)} GiB {d.get('attribution')}"
     return json.dumps(d, default=str)[:110]
 
 

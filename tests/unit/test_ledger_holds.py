@@ -10,7 +10,7 @@ import pytest
 
 from gpudeck.agents.observe.ledger import GIB, Ledger, LedgerSettingError, enabled_from_env, level_step, retention_from_env
 from gpudeck.agents.storage.journal import Journal
-from gpudeck.agents.wire.protocol import Gpu, GpuProcess
+from gpudeck.agents.wire.protocol import Container, Gpu, GpuProcess
 
 TOTAL = 80 * GIB  # step 8 GiB
 
@@ -37,7 +37,7 @@ def journal(tmp_path: Path):  # type: ignore[no-untyped-def]
 
 def test_start_level_end_and_nothing_for_an_unchanged_sample(journal: Journal) -> None:
     led = Ledger(journal)
-    assert [d["change"] for d in map(dict, (r[2] for r in led.observe([gpu((10, 2.0))], {}, now=100.0)))] == ["start"]
+    assert [r[2]["change"] for r in led.observe([gpu((10, 2.0))], {}, now=100.0)] == ["start"]
     for t in range(5):  # unchanged, and wobbling by less than a step: no record
         assert led.observe([gpu((10, 2.0 + (t % 2) * 7.5))], {}, now=101.0 + t) == []
     assert [r[2]["change"] for r in led.observe([gpu((10, 10.5))], {}, now=110.0)] == ["level"]
@@ -115,3 +115,27 @@ def test_settings_are_read_with_typed_errors() -> None:
 def test_an_off_ledger_records_nothing(journal: Journal) -> None:
     led = Ledger(journal, enabled=False)
     assert led.observe([gpu((10, 2.0))], {}, now=1.0) == [] and records(journal) == []
+
+
+def test_an_idle_sample_that_looks_the_same_is_not_attributed_again_until_a_tick_with_runs(journal: Journal) -> None:
+    led = Ledger(journal)
+    raw = [gpu((10, 2.0))]
+    assert not led.unchanged(raw)  # the first look is attributed
+    led.observe(raw, {}, idle=True)
+    assert led.unchanged([gpu((10, 2.0))])
+    assert not led.unchanged([gpu((10, 3.0))], remember=False)  # a look at another's sample: not remembered
+    assert not led.unchanged([gpu((10, 3.0))])  # bytes moved: attributed (no record yet: under a step)
+    assert not led.unchanged([gpu((10, 3.0), (11, 1.0))])  # another holder
+    led.observe([gpu((10, 3.0), (11, 1.0))], {}, idle=False)  # a tick with a live run
+    assert not led.unchanged([gpu((10, 3.0), (11, 1.0))])  # after it, the next idle look is attributed in full
+
+
+def test_a_holders_container_is_recorded_from_its_attribution(journal: Journal) -> None:
+    led = Ledger(journal)
+    box = Container(runtime="docker", id="0123abcd" * 8, name="trainer")
+    p = GpuProcess(pid=10, gpu=0, used_bytes=2 * GIB, create_time=1010.0, container=box)
+    g = Gpu(index=0, uuid="GPU-SIM-0", memory_used=0, memory_total=TOTAL, processes=[p])
+    (item,) = led.observe([g], {}, now=1.0)
+    assert item[2]["container"] == {"runtime": "docker", "id": "0123abcd" * 8, "name": "trainer"}
+    (plain,) = led.observe([g, gpu((11, 2.0), index=1)], {}, now=2.0)  # no container: the field is left out
+    assert "container" not in plain[2]

@@ -109,18 +109,6 @@ async def test_the_hosts_connect_timeout_in_the_ssh_config_is_the_one_used_and_n
     assert took < CONNECT_TIMEOUT_S  # not gpudeck's 15 s (a hang limit, not a speed test: any time under it shows the config won)
 
 
-def test_ssh_hostname_reads_the_hostname_the_ssh_config_gives_a_host(tmp_path: Path) -> None:
-    """A multi-node launch's rendezvous address: the first host's HostName from the ssh config (asyncssh's reader,
-    imported through fleet/compat like every other use of asyncssh)."""
-    from gpudeck.console.fleet.transport import ssh_hostname
-
-    conf = tmp_path / "config"
-    conf.write_text("Host gpu1\n  HostName 10.0.0.7\n  User ops\n")
-    assert ssh_hostname("gpu1", [str(conf)]) == "10.0.0.7"
-    assert ssh_hostname("gpu2", [str(conf)]) is None
-    assert ssh_hostname("gpu1", [str(tmp_path / "missing")]) is None
-
-
 def _options(paths: list[str], name: str) -> dict:
     cfg = asyncssh.config.SSHClientConfig.load(None, paths, False, False, False, "me", (), name, ())
     return {k: cfg.get(k) for k in ("Hostname", "Port", "User", "IdentityFile", "ProxyJump", "ConnectTimeout", "Compression")}
@@ -165,3 +153,15 @@ def test_a_small_config_or_one_that_canonicalizes_is_read_whole(tmp_path: Path) 
     canon.write_text("CanonicalizeHostname yes\n" + "".join(f"Host gpu-{i}\n    Port {2200 + i}\n" for i in range(2000)))
     assert host_config_paths("gpu-1", [str(canon)]) == [str(canon)]
     assert host_config_paths("gpu-1", [str(tmp_path / "missing")]) == [str(tmp_path / "missing")]
+
+
+def test_ssh_hostname_reads_the_hostname_the_ssh_config_gives_a_host(tmp_path: Path) -> None:
+    """A multi-node launch's rendezvous address: the first host's HostName from the ssh config (asyncssh's reader,
+    imported through fleet/compat like every other use of asyncssh)."""
+    from gpudeck.console.fleet.transport import ssh_hostname
+
+    conf = tmp_path / "config"
+    conf.write_text("Host gpu1\n  HostName 10.0.0.7\n  User ops\n")
+    assert ssh_hostname("gpu1", [str(conf)]) == "10.0.0.7"
+    assert ssh_hostname("gpu2", [str(conf)]) is None
+    assert ssh_hostname("gpu1", [str(tmp_path / "missing")]) is None

@@ -14,9 +14,14 @@ from textual.widgets import Static
 from gpudeck.agents.wire.protocol import GpuProcess, Snapshot
 from gpudeck.console.core.fmt import gib
 from gpudeck.console.core.records import HostStatus
+from gpudeck.console.core.sanitize import escape_controls
+from gpudeck.console.ops.errors import OpsError
+from gpudeck.console.ops.ledger import ledger_query
 from gpudeck.console.present.formats import container_cell
+from gpudeck.console.present.ledger import format_ledger
 from gpudeck.console.present.views import LEFTOVER_HOLDERS, age, holder_label, unaccounted_holders, unaccounted_line
 from gpudeck.console.tui.screens.base import LiveScreen, deck
+from gpudeck.console.tui.screens.dialogs import ResultDialog
 from gpudeck.console.tui.screens.fleet import state_cell
 from gpudeck.console.tui.screens.reclaim import ReclaimItem, reclaim_flow
 from gpudeck.console.tui.widgets.cells import SIMULATED, attribution_text, mem_bar, pct_bar, plain_markup
@@ -67,6 +72,7 @@ class HostScreen(LiveScreen):
             "L", "leftovers", "Leftovers", tooltip="what reclaim offers on this host: orphans of ended runs, foreign and ghost holders"
         ),
         Binding("o", "open_run", "Open run", tooltip="the run of the highlighted process"),
+        Binding("w", "gpu_ledger", "Who held it", tooltip="the GPU ledger of the highlighted process's GPU (else every GPU), last 24 h"),
     ]
 
     def __init__(self, host: str) -> None:
@@ -275,3 +281,22 @@ class HostScreen(LiveScreen):
             self.notify("this process belongs to no run", severity="warning")
             return
         deck(self).open_run(self.host, rid)
+
+    def action_gpu_ledger(self) -> None:
+        table = self.query_one("#proc-table", KeyedTable)
+        key = table.cursor_key
+        cells = table.cells_of(key) if key else None
+        gpu = str(cells.get("gpu", "")) if cells else ""
+        self.gpu_ledger(int(gpu) if gpu.isdigit() else None)
+
+    @work(exclusive=True, group="host-ledger")
+    async def gpu_ledger(self, gpu: int | None) -> None:
+        """Who held the GPU over the last 24 h (``gpudeck ledger HOST:GPU --since -24h``), as a timeline in a dialog."""
+        target = self.host if gpu is None else f"{self.host}:{gpu}"
+        try:
+            answer = await deck(self).ops.ledger(ledger_query(target, since="-24h"))
+        except OpsError as exc:
+            self.notify(escape_controls(exc.message), severity="error")
+            return
+        if self.is_attached:
+            self.app.push_screen(ResultDialog(f"GPU ledger: {target}, last 24 h", Text(escape_controls(format_ledger(answer), keep="\n"))))

@@ -41,8 +41,10 @@ from gpudeck.console.core.fmt import duration, elapsed, gib
 from gpudeck.console.core.records import RunRecord
 from gpudeck.console.core.sanitize import escape_controls, one_line, redact_env, redact_record
 from gpudeck.console.ops import OpsError, relaunch_intent
+from gpudeck.console.ops.ledger import ledger_query
 from gpudeck.console.ops.relaunch import EnvironmentCheck
 from gpudeck.console.ops.triage import format_triage
+from gpudeck.console.present.ledger import format_ledger
 from gpudeck.console.present.views import python_of, run_diff, run_from_record, series_points, series_summary, stamp, stamp_age
 from gpudeck.console.tui.messages import RecordLoaded
 from gpudeck.console.tui.screens.base import LiveScreen, deck
@@ -241,6 +243,7 @@ class RunScreen(LiveScreen):
         Binding(
             "T", "triage", "Triage", tooltip="every rank's stacks, state, CPU and GPU now, and the likely culprit (nothing is stopped)"
         ),
+        Binding("w", "run_ledger", "GPUs held", tooltip="the GPU ledger: every GPU this run held on this host, peak, for how long"),
         Binding("f", "toggle_follow", "Follow"),
         Binding("g", "top", "Top"),
         Binding("G", "bottom", "Bottom"),
@@ -446,6 +449,18 @@ class RunScreen(LiveScreen):
     def action_triage(self) -> None:
         self.triage()
         self.action_tab("tab-claims")
+
+    @work(exclusive=True, group="run-ledger")
+    async def action_run_ledger(self) -> None:
+        """The run's GPU footprint over its life on this host (``gpudeck ledger HOST --run RUN``), as a timeline."""
+        try:
+            answer = await deck(self).ops.ledger(ledger_query(self.host, run=self.run_id))
+        except OpsError as exc:
+            self.notify(escape_controls(exc.message), severity="error")
+            return
+        if self.is_attached:
+            title = f"GPU ledger: run {self.run_id} on {self.host}"
+            self.app.push_screen(ResultDialog(title, Text(escape_controls(format_ledger(answer), keep="\n"))))
 
     @work(exclusive=True, group="run-triage")
     async def triage(self) -> None:
