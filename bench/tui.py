@@ -543,6 +543,8 @@ def console_child(spec_path: Path, stats_path: Path, total: int) -> None:
 
     spec = FleetSpec.load(spec_path)
     log = Log(stats_path.with_suffix(".log"))
+    if os.environ.get("TUI_BENCH_BEFORE"):
+        as_before()
 
     class BenchApp(GpudeckApp):
         """The console as users get it, with one extra key for latency pings, a stats file and a log of update costs."""
@@ -670,6 +672,50 @@ def console_child(spec_path: Path, stats_path: Path, total: int) -> None:
         cProfile.runctx("BenchApp().run()", globals(), locals(), os.environ["TUI_BENCH_PROFILE"])
         return
     BenchApp().run()
+
+
+def as_before() -> None:
+    """The console as it was before the issue-33 changes (main at 007775d, scale merged), for the before of a
+    before/after measured in the same run: every pending host delivered at once, a row's filter text made by the next
+    filter key, main's merge_rows and Runs-screen _show (their code below, verbatim but for names)."""
+    from gpudeck.console.present import views
+    from gpudeck.console.tui.screens import runs
+    from gpudeck.console.tui.screens.base import LiveScreen
+    from gpudeck.console.tui.widgets.keyed_table import KeyedTable
+
+    def merge_rows(rows):  # type: ignore[no-untyped-def]
+        out: dict = {}
+        for r in rows:
+            cur = out.get(r.id)
+            if cur is None:
+                out[r.id] = r
+                continue
+            hosts = tuple(dict.fromkeys((*cur.hosts, *r.hosts)))
+            base = r if (r.live and not cur.live) else cur
+            out[r.id] = views.RunRow(**{**base.__dict__, "hosts": hosts})
+        return out
+
+    def _show(self, ids: set[str], bulk: bool = False) -> None:  # type: ignore[no-untyped-def]
+        table = self.query_one("#runs-table", KeyedTable)
+        rows: dict[str, dict[str, object]] = {}
+        for rid in ids:
+            row = self._row(rid)
+            if row is None:
+                table.drop(rid)
+                continue
+            rows[rid] = runs.run_cells(row)
+        if bulk:
+            table.upsert_many(rows)
+        else:
+            for rid, cells in rows.items():
+                table.upsert(rid, cells)
+        self._note()
+
+    LiveScreen.DELIVER_SLICE = 0
+    KeyedTable.EAGER_HAY = False
+    views.merge_rows = merge_rows
+    runs.merge_rows = merge_rows  # type: ignore[attr-defined]
+    runs.RunsScreen._show = _show  # type: ignore[method-assign]
 
 
 async def peer_main(spec_path: Path, log_path: Path) -> None:
@@ -813,14 +859,14 @@ def part3(rate: int, seconds: float, presses: int, hosts: int, gpus: str, nice: 
 FLEET_FILTER = "h12"  # typed into the Fleet screen's filter key by key in part 3 (each key narrows the hosts shown)
 
 
-def fleet_filter(term: Term, hosts: int, presses: int, show: Callable[[str, list[float], int], None]) -> None:
+def fleet_filter(term: Term, hosts: int, presses: int, show: Callable[[str, list[float], int], None], text: str = FLEET_FILTER) -> None:
     """Part 3 with a filter in force: ``/`` and FLEET_FILTER typed key by key, each timed from its bytes to the screen bytes
     of the filter bar's new count ('N of 256 rows match'); then, the filter kept, the ping key timed as before; ``esc``
     clears it."""
     term.press(b"/")
     term.pump(1.0)
     typed: list[float] = []
-    for ch in FLEET_FILTER:
+    for ch in text:
         term.buf.clear()
         t_key = time.monotonic()
         term.press(ch.encode())
@@ -828,11 +874,11 @@ def fleet_filter(term: Term, hosts: int, presses: int, show: Callable[[str, list
         if seen is not None:
             typed.append((seen - t_key) * 1000)
         term.pump(0.3)
-    show(f"Fleet screen, typing the filter {FLEET_FILTER!r} key by key, {hosts} hosts at 1 Hz", typed, len(FLEET_FILTER))
+    show(f"Fleet screen, typing the filter {text!r} key by key, {hosts} hosts at 1 Hz", typed, len(text))
     term.press(b"\r")  # back to the table, the filter in force
     term.pump(1.0)
     show(
-        f"Fleet screen, filter {FLEET_FILTER!r} in force, {hosts} hosts at 1 Hz",
+        f"Fleet screen, filter {text!r} in force, {hosts} hosts at 1 Hz",
         term.latencies(PING_KEY, lambda i: f"bench ping {presses + i + 1}".encode(), presses),
         presses,
     )
@@ -1077,6 +1123,298 @@ def dashboard_peer(spec_path: Path, log_path: Path, others: list[int], hosts: in
         term.close(quit_key=None)
 
 
+# ---------------------------------------------------------------------------- part 3, SIMULATED: N stand-in hosts (issue 33)
+
+STANDIN_FLEET_FILTER = "s01"  # the stand-in's hosts are s0000, s0001, ...: each key narrows (s: all, s0: 1,000 of 1,024, s01: 100)
+RUNS_FILTER = "exp-4"  # typed into the Runs screen's filter key by key (the made-up runs' names are exp-0 .. exp-96)
+RUN_COUNT = re.compile(rb"(\d+) run\(s\), (\d+) live")
+
+
+def part3_standin(
+    sizes: list[int],
+    seconds: float,
+    presses: int,
+    gpus: str,
+    runs_per_host: int,
+    profile: str,
+    nice: bool = True,
+    settle_s: float = 20.0,
+    ab: int = 0,
+) -> None:
+    """Part 3 against N SIMULATED hosts served by one stand-in process (bench/standin.py) for each N of ``sizes``: the
+    Fleet screen and the Runs screen (the history holding ``runs_per_host`` made-up ended runs per host, plus the busy
+    hosts' live run), each with its key-to-screen latency and the console's CPU; then the growth per host count.
+    ``ab``: instead, that many rounds per size of the console as main had it (:func:`as_before`) then as it is, alternated."""
+    pairs: dict[tuple[int, str], dict[str, list[float]]] = {}
+    rows: dict[int, dict[str, float]] = {}
+    for n in sizes:
+        if ab:
+            for rnd in range(ab):
+                for which in ("before", "after"):
+                    print(
+                        f"tui_bench part3 SIMULATED {n} hosts, round {rnd + 1}, {which.upper()} (the console {'as main had it: as_before()' if which == 'before' else 'of this branch'})",
+                        flush=True,
+                    )
+                    got = standin_size(n, seconds, presses, gpus, runs_per_host, profile, nice, settle_s, before=which == "before")
+                    for k, v in got.items():
+                        pairs.setdefault((n, k), {}).setdefault(which, []).append(v)
+            continue
+        got = standin_size(n, seconds, presses, gpus, runs_per_host, profile, nice, settle_s)
+        if got:
+            rows[n] = got
+    for (n, k), by in pairs.items():
+        b, a = by.get("before", []), by.get("after", [])
+        print(
+            f"tui_bench part3 SIMULATED {n} hosts before/after {k}: before {', '.join(f'{v:.1f}' for v in b)}; after {', '.join(f'{v:.1f}' for v in a)}",
+            flush=True,
+        )
+    if len(rows) < 2:
+        return
+    first = min(rows)
+    labels = {
+        "up_s": "s from start to every host up",
+        "fleet_cpu": "% of a core, Fleet screen",
+        "fleet_p50": "ms p50 Fleet key",
+        "fleet_p99": "ms p99 Fleet key",
+        "fleet_filter_p99": "ms p99 Fleet filter key",
+        "runs_shown_s": "s from r to every run listed",
+        "runs_cpu": "% of a core, Runs screen",
+        "runs_p50": "ms p50 Runs key",
+        "runs_p99": "ms p99 Runs key",
+        "runs_filter_p99": "ms p99 Runs filter key",
+        "rss_mib": "MiB console RSS",
+    }
+    print(
+        f"tui_bench part3 SIMULATED growth ({', '.join(str(n) for n in sorted(rows))} hosts; x = the figure against {first} hosts'):",
+        flush=True,
+    )
+    for key, label in labels.items():
+        vals = [(n, rows[n].get(key, float("nan"))) for n in sorted(rows)]
+        base = rows[first].get(key, float("nan"))
+        cells = "; ".join(f"{n}: {v:.1f} ({v / base:.2f}x)" if base else f"{n}: {v:.1f}" for n, v in vals)
+        per_host = ""
+        if key in ("fleet_cpu", "runs_cpu", "rss_mib"):
+            per_host = "; per host " + ", ".join(f"{n}: {v / n:.4f}" for n, v in vals)
+        print(f"tui_bench part3 SIMULATED growth {label}: {cells}{per_host}", flush=True)
+
+
+def standin_size(
+    n: int, seconds: float, presses: int, gpus: str, runs_per_host: int, profile: str, nice: bool, settle_s: float, before: bool = False
+) -> dict[str, float]:
+    """One host count of :func:`part3_standin`; returns its figures ({} when it got no further than bringing hosts up)."""
+    from bench.fleet_hosts import FleetStartError
+    from bench.standin import LABEL, StandinHosts
+
+    t0 = time.monotonic()
+    try:
+        sh = StandinHosts(
+            n,
+            gpus,
+            profile=profile,
+            failures=False,
+            progress=lambda m: print(f"tui_bench part3 (progress) {m}", file=sys.stderr, flush=True),
+        )
+    except FleetStartError as exc:
+        print(f"tui_bench part3 {LABEL} {n} hosts COULD NOT BE BROUGHT UP: {exc}", flush=True)
+        return {}
+    with sh:
+        assert sh.spec is not None
+        print(
+            f"tui_bench part3 fleet: {n} {LABEL} hosts served by ONE stand-in process (bench/standin.py: the real SSH path, agent protocol and"
+            f" journals; GPUs, runs and processes {LABEL}; profile {profile}, failures off), up in {time.monotonic() - t0:.1f} s;"
+            f" machine memory available {psutil.virtual_memory().available / 2**30:.1f} GiB, load {os.getloadavg()[0]:.1f}",
+            flush=True,
+        )
+        spec_path = sh.spec.save()
+        stats_path = sh.base_dir / "tui-stats.json"
+        made = n * runs_per_host
+        if made:
+            t1 = time.monotonic()
+            fill_history(sh.base_dir / "tui-history.db", made, names=list(sh.names))
+            print(
+                f"tui_bench part3 the console's history.db filled with {made:,} made-up ended runs ({runs_per_host} per host, the console's own"
+                f" history writer) in {time.monotonic() - t1:.1f} s",
+                flush=True,
+            )
+        child_env = {k: v for k, v in env_for(sh.base_dir / "console-home").items() if not k.startswith("GPUDECK_") or k == "GPUDECK_HOME"}
+        child_env.pop("TUI_BENCH_BEFORE", None)
+        if before:
+            child_env["TUI_BENCH_BEFORE"] = "1"
+        term = Term([sys.executable, str(Path(__file__).resolve()), "_console", str(spec_path), str(stats_path), "0"], child_env)
+        try:
+            return standin_console(term, sh.farm_pid, stats_path, n, made, seconds, presses, nice, settle_s)
+        finally:
+            term.close()
+
+
+def pyspy(pid: int, name: str, seconds: float) -> subprocess.Popen | None:
+    """With TUI_BENCH_PYSPY=DIR: ``py-spy record`` of the console over a measuring window, as collapsed stacks in
+    DIR/NAME.txt (where its time goes, for whoever tunes it; the sampling costs the console a little CPU)."""
+    where = os.environ.get("TUI_BENCH_PYSPY")
+    spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
+    if not where or not Path(spy).exists():
+        return None
+    Path(where).mkdir(parents=True, exist_ok=True)
+    out = Path(where) / f"{name}.txt"
+    cmd = [spy, "record", "-p", str(pid), "-d", str(int(seconds)), "-r", "100", "-f", "raw", "-o", str(out), "--nonblocking"]
+    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def pyspy_done(spy: subprocess.Popen | None) -> None:
+    if spy is not None:
+        try:
+            spy.wait(30)
+        except subprocess.TimeoutExpired:
+            spy.kill()
+            spy.wait(5)
+
+
+def standin_console(
+    term: Term, farm_pid: int, stats_path: Path, hosts: int, made: int, seconds: float, presses: int, nice: bool, settle_s: float
+) -> dict[str, float]:
+    """The console on the stand-in: the Fleet screen, then the Runs screen; their figures."""
+    tag = f"SIMULATED {hosts} hosts"
+    figures: dict[str, float] = {}
+    mark = [0]
+    console_log = stats_path.with_suffix(".log")
+
+    def stalls() -> str:
+        st = read_stats(stats_path).get("stalls", [])
+        new = st[mark[0] :]
+        mark[0] = len(st)
+        if not new:
+            return "no event-loop stall over 50 ms"
+        worst = max(new, key=lambda s: s[0])
+        return f"{len(new)} event-loop stall(s) over 50 ms, the longest {worst[0]:.0f} ms (the console's own CPU in it {worst[1]:.0f} ms)"
+
+    def show(what: str, lat: list[float], n: int) -> tuple[float, float]:
+        if not lat:
+            print(f"tui_bench part3 {tag} {what}: no key press was seen on screen", flush=True)
+            return float("nan"), float("nan")
+        p50, p99, mx = quantiles(lat)
+        print(
+            f"tui_bench part3 {tag} key-to-screen latency, {what}: p50 {p50:.1f} ms, p99 {p99:.1f} ms, max {mx:.1f} ms"
+            f" ({len(lat)}/{n} presses seen; {stalls()}; load {os.getloadavg()[0]:.1f})",
+            flush=True,
+        )
+        return p50, p99
+
+    def typed(keys: str, total_rows: int) -> list[float]:
+        """Each key of ``keys`` typed, then as many backspaces, each timed from its bytes to the filter bar's count on
+        screen (the filter open)."""
+        out: list[float] = []
+        for key in [ch.encode() for ch in keys] + [b"\x7f"] * len(keys):
+            term.buf.clear()
+            t_key = time.monotonic()
+            term.press(key)
+            seen = term.pump(5.0, f" of {total_rows} rows match".encode())
+            if seen is not None:
+                out.append((seen - t_key) * 1000)
+            term.pump(0.3)
+        return out
+
+    t_up = time.monotonic()
+    while time.monotonic() - t_up < 300 and read_stats(stats_path).get("up", 0) < hosts and term.alive():
+        term.pump(0.5)
+    up = read_stats(stats_path).get("up", 0)
+    figures["up_s"] = time.monotonic() - t_up
+    print(
+        f"tui_bench part3 {tag}: {up}/{hosts} hosts up on the Fleet screen {figures['up_s']:.1f} s after the console started (load {os.getloadavg()[0]:.1f})",
+        flush=True,
+    )
+    if up < hosts:
+        print(f"tui_bench part3 {tag}: the console did not see every host up; its terminal ended with: {term.tail_text()!r}", flush=True)
+        return {}
+    if nice:
+        print(f"tui_bench part3 {tag}: the stand-in process: {lowest_priority([farm_pid])}", flush=True)
+    term.pump(settle_s)  # the first history sync is over
+    w, wo, wt0 = Window(term, [term.pid]), Window(term, [farm_pid]), time.time()
+    spy = pyspy(term.pid, f"fleet-{hosts}", max(10.0, seconds))
+    term.pump(max(10.0, seconds))
+    cpu, bps, wall = w.stop()
+    pyspy_done(spy)
+    flush_ms, ages = Log.read(console_log, "flush_ms", wt0, time.time()), Log.read(console_log, "age_s", wt0, time.time())
+    f50, f99, _ = quantiles(flush_ms)
+    a50, a99, _ = quantiles(ages)
+    figures["fleet_cpu"] = 100 * cpu
+    print(
+        f"tui_bench part3 {tag} console, Fleet screen, {wall:.0f} s: CPU {100 * cpu:.1f}% of one core, {bps / 1024:.1f} KiB/s to the terminal,"
+        f" update {f50:.1f} ms p50 / {f99:.1f} ms p99 ({len(flush_ms) / wall:.1f} a second), figures on screen {a50:.2f} s old p50 / {a99:.2f} s p99"
+        f" (stand-in {100 * wo.stop()[0]:.0f}%, load {os.getloadavg()[0]:.1f})",
+        flush=True,
+    )
+    stalls()
+    figures["fleet_p50"], figures["fleet_p99"] = show(
+        "Fleet screen, ping key", term.latencies(PING_KEY, lambda i: f"bench ping {i + 1}".encode(), presses), presses
+    )
+    pings = presses
+    term.press(b"/")
+    term.pump(1.0)
+    figures["fleet_filter_p99"] = show(
+        f"Fleet screen, typing the filter {STANDIN_FLEET_FILTER!r} key by key and erasing it",
+        typed(STANDIN_FLEET_FILTER, hosts),
+        2 * len(STANDIN_FLEET_FILTER),
+    )[1]
+    term.press(b"\x1b")  # the filter cleared
+    term.pump(1.0)
+    term.press(b"\x1b")
+    term.pump(1.0)
+
+    # the Runs screen: every run in the history (made + the busy hosts' live run), the live ones updated from snapshots
+    term.buf.clear()
+    t_r = time.monotonic()
+    term.press(b"r")
+    listed = (0, 0)
+    while time.monotonic() - t_r < 120 and listed[0] < made:
+        term.pump(0.5)
+        found = RUN_COUNT.findall(bytes(term.buf[-(1 << 16) :]))
+        if found:
+            listed = (int(found[-1][0]), int(found[-1][1]))
+    figures["runs_shown_s"] = time.monotonic() - t_r
+    print(
+        f"tui_bench part3 {tag} Runs screen: {listed[0]:,} run(s), {listed[1]} live listed {figures['runs_shown_s']:.1f} s after r"
+        f" (load {os.getloadavg()[0]:.1f})",
+        flush=True,
+    )
+    if listed[0] < made or not term.alive():
+        print(
+            f"tui_bench part3 {tag}: the Runs screen did not list the {made:,} runs; its terminal ended with: {term.tail_text()!r}",
+            flush=True,
+        )
+        return figures
+    term.pump(5.0)
+    w, wo = Window(term, [term.pid]), Window(term, [farm_pid])
+    spy = pyspy(term.pid, f"runs-{hosts}", max(10.0, seconds))
+    term.pump(max(10.0, seconds))
+    cpu, bps, wall = w.stop()
+    pyspy_done(spy)
+    figures["runs_cpu"] = 100 * cpu
+    print(
+        f"tui_bench part3 {tag} console, Runs screen ({listed[0]:,} runs, {listed[1]} live), {wall:.0f} s: CPU {100 * cpu:.1f}% of one core,"
+        f" {bps / 1024:.1f} KiB/s to the terminal (stand-in {100 * wo.stop()[0]:.0f}%, load {os.getloadavg()[0]:.1f})",
+        flush=True,
+    )
+    stalls()
+    figures["runs_p50"], figures["runs_p99"] = show(
+        f"Runs screen ({listed[0]:,} runs), ping key",
+        term.latencies(PING_KEY, lambda i: f"bench ping {pings + i + 1}".encode(), presses),
+        presses,
+    )
+    term.press(b"/")
+    term.pump(1.0)
+    figures["runs_filter_p99"] = show(
+        f"Runs screen ({listed[0]:,} runs), typing the filter {RUNS_FILTER!r} key by key and erasing it",
+        typed(RUNS_FILTER, listed[0]),
+        2 * len(RUNS_FILTER),
+    )[1]
+    try:
+        figures["rss_mib"] = psutil.Process(term.pid).memory_info().rss / 2**20
+    except psutil.Error:
+        pass
+    print(f"tui_bench part3 {tag} console RSS {figures.get('rss_mib', float('nan')):.0f} MiB (load {os.getloadavg()[0]:.1f})", flush=True)
+    return figures
+
+
 # ---------------------------------------------------------------------------- part 4: a full 256-host refresh, fed in-process
 
 
@@ -1238,10 +1576,10 @@ async def part5(runs: int) -> None:
 FILTERS6 = ("exp-4", "h25", "fail")  # typed key by key, each then cleared with backspaces
 
 
-def fill_history(path: Path, runs: int, hosts: int = 256) -> float:
+def fill_history(path: Path, runs: int, hosts: int = 256, names: list[str] | None = None) -> float:
     """A real history.db holding ``runs`` ended runs on ``hosts`` made-up hosts (labelled so), written by the console's
     own writer from the journal events an agent sends (run_created, run_state running, run_state ended); returns the
-    newest run's time."""
+    newest run's time. ``names``: the hosts' names (else h000, h001, ...)."""
     from gpudeck.agents.wire.protocol import Event
     from gpudeck.console.history.replica import History
 
@@ -1249,7 +1587,7 @@ def fill_history(path: Path, runs: int, hosts: int = 256) -> float:
     states = ("succeeded", "failed", "stopped", "lost")
     per_host: dict[str, list[Event]] = {}
     for i in range(runs):
-        host = f"h{i % hosts:03d}"
+        host = names[i % len(names)] if names else f"h{i % hosts:03d}"
         evs = per_host.setdefault(host, [])
         rid = f"r-{i:08x}"
         t = now - 600 - i * 60
@@ -1388,6 +1726,16 @@ def main() -> None:
     ap.add_argument("--parts", default="1,2,3,4,5,6")
     ap.add_argument("--runs", type=int, default=10_000, help="parts 5 and 6: runs in the table / in the history")
     ap.add_argument("--no-nice", action="store_true", help="part 3: leave the co-located agents at normal priority")
+    ap.add_argument(
+        "--fleet",
+        default="real",
+        choices=["real", "standin"],
+        help="part 3: real agents (bench/fleet_hosts.py) or SIMULATED hosts served by one stand-in process (bench/standin.py, issue 33)",
+    )
+    ap.add_argument("--sizes", default="", help="part 3 with --fleet standin: host counts, e.g. 256,512,1024 (default: --hosts)")
+    ap.add_argument("--runs-per-host", type=int, default=4, help="part 3 with --fleet standin: made-up ended runs per host in the history")
+    ap.add_argument("--ab", type=int, default=0, help="part 3 with --fleet standin: rounds of before (main's console) / after per size")
+    ap.add_argument("--profile", default="mixed", help="part 3 with --fleet standin: the stand-in's host profile (idle, mixed, busy)")
     args = ap.parse_args()
     parts = {int(p) for p in args.parts.split(",") if p}
     if parts & {1, 2}:
@@ -1424,7 +1772,10 @@ def main() -> None:
         asyncio.run(part5(args.runs))
     if 6 in parts:
         part6(args.runs)
-    if 3 in parts:
+    if 3 in parts and args.fleet == "standin":
+        sizes = [int(x) for x in args.sizes.split(",") if x] or [args.hosts]
+        part3_standin(sizes, args.seconds, args.presses, args.gpus, args.runs_per_host, args.profile, nice=not args.no_nice, ab=args.ab)
+    elif 3 in parts:
         part3(args.rate, args.seconds, args.presses, args.hosts, args.gpus, nice=not args.no_nice)
 
 

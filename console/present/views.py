@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import datetime as dt
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import cast, get_args
 
@@ -250,15 +250,23 @@ def run_row_from_history(d: RunRecord) -> RunRow:
 
 def merge_rows(rows: Iterable[RunRow]) -> dict[str, RunRow]:
     """Runs by id: a multi-node run (one id on several hosts) becomes one row listing its hosts; live beats recorded."""
+    # one pass, one new row per merged id: a run live on N hosts cost N rows built and N tuples of up to N hosts (O(N^2):
+    # 512 hosts of one run, on the Runs screen at every refresh; issue 33)
     out: dict[str, RunRow] = {}
+    hosts: dict[str, dict[str, None]] = {}  # only ids seen more than once: their hosts in first-seen order
     for r in rows:
         cur = out.get(r.id)
         if cur is None:
             out[r.id] = r
             continue
-        hosts = tuple(dict.fromkeys((*cur.hosts, *r.hosts)))
-        base = r if (r.live and not cur.live) else cur
-        out[r.id] = RunRow(**{**base.__dict__, "hosts": hosts})
+        seen = hosts.get(r.id)
+        if seen is None:
+            seen = hosts[r.id] = dict.fromkeys(cur.hosts)
+        seen.update(dict.fromkeys(r.hosts))
+        if r.live and not cur.live:
+            out[r.id] = r
+    for rid, seen in hosts.items():
+        out[rid] = replace(out[rid], hosts=tuple(seen))
     return out
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import msgspec
 import pytest
 
@@ -10,6 +12,7 @@ from gpudeck.console.core.records import RunRecord
 from gpudeck.console.ops.readings import find_runs
 from gpudeck.console.ops.relaunch import with_python
 from gpudeck.console.present.views import (
+    RunRow,
     argv_flags,
     argv_rows,
     core_changes,
@@ -39,6 +42,21 @@ def test_a_multi_node_run_is_one_row_and_live_beats_recorded() -> None:
     rows = merge_rows([recorded, live])
     assert list(rows) == [LIVE]
     assert rows[LIVE].hosts == ("gpu9", "gpu1") and rows[LIVE].state == "running" and rows[LIVE].live
+
+
+def test_a_run_on_many_hosts_merges_in_one_pass_in_first_seen_order() -> None:
+    """issue 33: one id on 2,000 hosts (live rows, then the recorded one) is one row, hosts in first-seen order without
+    repeats, the first live row's figures; ids seen once come back as the very rows given."""
+    live = [RunRow(id="big", hosts=(f"s{i:04d}",), state="running", step=i, live=True) for i in range(2000)]
+    lone = RunRow(id="lone", hosts=("a", "a"), state="failed")
+    recorded = RunRow(id="big", hosts=("s0007", "zz"), state="lost")
+    t0 = time.perf_counter()
+    rows = merge_rows([recorded, *live, lone, live[3]])
+    took = time.perf_counter() - t0
+    assert list(rows) == ["big", "lone"] and rows["lone"] is lone
+    assert rows["big"].hosts == ("s0007", "zz", *(f"s{i:04d}" for i in range(2000) if i != 7))
+    assert rows["big"].live and rows["big"].state == "running" and rows["big"].step == 0
+    assert took < 1.0  # a hang limit, not a speed test (linear: a few ms here)
 
 
 def test_argv_flags_and_argv_rows_show_which_argument_changed() -> None:

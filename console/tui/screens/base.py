@@ -39,6 +39,8 @@ class DeckApp(Protocol):
 
     def launch_flow(self, prefill: LaunchIntent | None = None, host: str | None = None, title: str | None = None) -> Any: ...
 
+    def visible_screens(self) -> list[Screen]: ...
+
 
 def deck(node: DOMNode) -> DeckApp:
     """The gpudeck app a screen or widget runs in, typed (instead of ``self.app`` plus ``type: ignore``)."""
@@ -124,12 +126,19 @@ class Guarded(MessageGuard):
 
 
 class LiveScreen(Guarded, Screen):
-    """A screen that redraws from host and history changes, only while visible."""
+    """A screen that redraws from host and history changes, only while visible.
+
+    A delivery hands the screen at most ``DELIVER_SLICE`` hosts (in the config's order); the rest follow in turns of
+    the event loop of their own, so a key pressed meanwhile is answered between two slices rather than after every
+    host's row (1,024 hosts answering within the same 20 ms are one flush of them all; issue 33). 0: all at once."""
+
+    DELIVER_SLICE = 128
 
     def __init__(self) -> None:
         super().__init__()
         self._pending_hosts: set[str] = set()
         self._pending_history = False
+        self._more_due = False  # the rest of a sliced delivery is queued
 
     def queue(self, hosts: set[str], history: bool) -> None:
         """Remember what changed (called for every screen in the stack)."""
@@ -142,13 +151,34 @@ class LiveScreen(Guarded, Screen):
             return
         try:
             if self._pending_hosts:
-                names, self._pending_hosts = self._pending_hosts, set()
+                names = self._take_slice()
                 self.hosts_changed(names)
             if self._pending_history:
                 self._pending_history = False
                 self.history_changed()
         except NoMatches:
             pass  # the screen is being taken down (popped while the update was on its way)
+
+    def _take_slice(self) -> set[str]:
+        """The pending hosts to deliver now: all of them, or the first DELIVER_SLICE in the config's order (hosts no
+        longer in it first) with the rest queued for a turn of their own."""
+        pending = self._pending_hosts
+        if not self.DELIVER_SLICE or len(pending) <= self.DELIVER_SLICE:
+            self._pending_hosts = set()
+            return pending
+        links = deck(self).ops.links
+        ordered = [n for n in pending if n not in links] + [n for n in links if n in pending]
+        names = set(ordered[: self.DELIVER_SLICE])
+        self._pending_hosts = pending - names
+        if not self._more_due:
+            self._more_due = True
+            self.call_later(self._deliver_more)
+        return names
+
+    def _deliver_more(self) -> None:
+        self._more_due = False
+        if self._pending_hosts and self in deck(self).visible_screens():
+            self.deliver()
 
     def hosts_changed(self, names: set[str]) -> None:
         """These hosts' link state or snapshot changed."""

@@ -134,6 +134,8 @@ class FilterBar(Horizontal):
     def action_to_table(self) -> None:
         self.table.focus()
         self.set_class(bool(self.table.filter_text), "-shown")
+        if not self.table.filter_text:
+            self.table.filter_closed()
 
     def action_clear(self) -> None:
         self.table.action_clear_filter()
@@ -153,6 +155,12 @@ class KeyedTable(FastDataTable):
         Binding("exclamation_mark", "sort_invert", "Invert sort", key_display="!", show=False),
         Binding("escape", "clear_filter", "Clear filter", show=False),
     ]
+
+    # while the filter bar is open, a changed row's filter text is made when the row is updated (in the screen's
+    # sliced delivery) rather than by the next key: 1,024 hosts all change every second, so the first key typed found
+    # every row's text stale and made 1,024 of them (issue 33). False: made by the key, as before.
+    EAGER_HAY = True
+    HAY_WARM_SLICE = 256  # rows whose filter text is made per turn of the event loop when the bar opens
 
     class Reordered(Message):
         """The filter or the sort changed (the screen may say so)."""
@@ -194,6 +202,7 @@ class KeyedTable(FastDataTable):
         self._counter = itertools.count()
         self._shown: set[str] = set()  # rows in the DataTable (the rest are filtered out)
         self._hay: dict[str, str] = {}  # row key -> its cells' text, lower case (the filter reads it)
+        self._hay_eager = False  # the filter bar is open: a changed row's text is made at once (EAGER_HAY)
         self._order_due = False
         self.pin_top = False  # a cursor on the first row stays on the first row when the order changes
         self._cells: dict[str, dict[str, object]] = {}
@@ -232,7 +241,10 @@ class KeyedTable(FastDataTable):
             if self.sort_column is None:
                 self._order_later()
         if any(newest.get(c.key) != cells.get(c.key) for c in self.cols):
-            self._hay.pop(key, None)  # with or without a filter in force: the next filter reads its new text
+            if self._hay_eager and not self.filter_text:  # with a filter in force the upsert below makes it
+                self._hay[key] = self._hay_of(cells)
+            else:
+                self._hay.pop(key, None)  # with or without a filter in force: the next filter reads its new text
         if key not in self._shown:
             self._cells[key] = dict(cells)
             self._literals.pop(key, None)
@@ -489,12 +501,24 @@ class KeyedTable(FastDataTable):
 
     # ------------------------------------------------------------------ filter and sort
 
+    def _hay_of(self, cells: Mapping[str, object]) -> str:
+        return " ".join(cell_text(cells.get(c.key, "")) for c in self.cols).lower()
+
     def _haystack(self, key: str) -> str:
         hay = self._hay.get(key)
         if hay is None:
-            newest = self.cells_of(key) or {}
-            hay = self._hay[key] = " ".join(cell_text(newest.get(c.key, "")) for c in self.cols).lower()
+            hay = self._hay[key] = self._hay_of(self.cells_of(key) or {})
         return hay
+
+    def _warm_hay(self) -> None:
+        """Make the filter text of up to HAY_WARM_SLICE rows that have none, then queue the rest (the bar is open)."""
+        if not self._hay_eager:
+            return
+        missing = [k for k in self._cells if k not in self._hay][: self.HAY_WARM_SLICE]
+        for k in missing:
+            self._haystack(k)
+        if len(missing) == self.HAY_WARM_SLICE:
+            self.call_later(self._warm_hay)
 
     def _matches(self, key: str, cells: Mapping[str, object] | None = None) -> bool:
         if not self.filter_text:
@@ -601,6 +625,9 @@ class KeyedTable(FastDataTable):
         bar = await self.filter_bar()
         bar.add_class("-shown")
         bar.query_one(Input).focus()
+        if self.EAGER_HAY and not self._hay_eager:
+            self._hay_eager = True
+            self.call_after_refresh(self._warm_hay)  # after the bar is on screen
 
     async def filter_bar(self) -> FilterBar:
         """The filter bar above this table (mounted the first time it is asked for)."""
@@ -619,8 +646,13 @@ class KeyedTable(FastDataTable):
         for bar in bars:
             bar.query_one(Input).value = ""
             bar.remove_class("-shown")
+        self.filter_closed()
         self.set_filter("")
         self.focus()
+
+    def filter_closed(self) -> None:
+        """The filter bar is gone: a changed row's filter text waits for the next filter again."""
+        self._hay_eager = False
 
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
         if action == "filter":
