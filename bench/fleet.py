@@ -124,6 +124,11 @@ class AgeRecorder:
     on: bool = False
     ages: list[float] = field(default_factory=list)
     sample_ms: list[float] = field(default_factory=list)
+    # the fidelity check's inputs: each snapshot's send offset after its whole second (its own ``ts``), its arrival
+    # offset after that second (as the console sees it); sizes are read from each host's last snapshot after the
+    # window (encoding every one inside it would add to the console CPU being measured)
+    ts_offsets: list[float] = field(default_factory=list)
+    arrival_offsets: list[float] = field(default_factory=list)
     _last: dict[str, object] = field(default_factory=dict)
 
     def callback(self, name: str):  # type: ignore[no-untyped-def]
@@ -135,8 +140,12 @@ class AgeRecorder:
                 return
             self._last[name] = snap
             if self.on:
-                self.ages.append(time.time() - snap.ts)
+                now = time.time()
+                self.ages.append(now - snap.ts)
                 self.sample_ms.append(snap.sample_ms)
+                second = round(snap.ts)  # the whole second it was sent for (an offset past 0.5 s reads as early)
+                self.ts_offsets.append(snap.ts - second)
+                self.arrival_offsets.append(now - second)
 
         return on_status
 
@@ -145,6 +154,16 @@ class AgeRecorder:
         a, s = self.ages, self.sample_ms
         self.ages, self.sample_ms = [], []
         return a, s
+
+    def take_shape(self) -> dict[str, Any]:
+        """The fidelity inputs recorded so far (offsets in seconds, per snapshot), cleared."""
+        from gpudeck.agents.wire.protocol import encode
+
+        # each host's last snapshot as the console holds it (decoded; compact streams expanded), encoded again
+        shapes = [(len(encode(sn)), len(sn.gpus), len(sn.processes), len(sn.runs)) for sn in self._last.values()]  # type: ignore[attr-defined]
+        got = {"ts_offsets": self.ts_offsets, "arrival_offsets": self.arrival_offsets, "shapes": shapes}
+        self.ts_offsets, self.arrival_offsets = [], []
+        return got
 
 
 class Window:
@@ -234,7 +253,9 @@ async def worker_gpudeck(spec: FleetSpec, seconds: float, interval: float, profi
     prof = cProfile.Profile() if profile else None
     win = Window()
     rec.take()
+    rec.take_shape()
     emit("window_start")
+    events0 = hist.event_count()
     win.start()
     rec.on = True
     if prof:
@@ -244,7 +265,9 @@ async def worker_gpudeck(spec: FleetSpec, seconds: float, interval: float, profi
         prof.disable()
     rec.on = False
     w = win.stop()
+    events1 = hist.event_count()
     ages, sample_ms = rec.take()
+    shape = rec.take_shape()
     connects1 = sum(ln.status.connects for ln in fleet.links.values())
     up_end = sum(ln.status.state == "up" for ln in fleet.links.values())
     emit(
@@ -261,6 +284,8 @@ async def worker_gpudeck(spec: FleetSpec, seconds: float, interval: float, profi
         sample_ms_p99=pct(sample_ms, 0.99),
         reconnects=connects1 - connects0,
         history_events=hist.event_count(),
+        window_events=events1 - events0,
+        **shape,
     )
     if prof and profile:
         profile.write_text(_profile_text(prof))
@@ -1179,49 +1204,91 @@ def run_scale(sizes: list[int], args: argparse.Namespace) -> None:
     report_growth(rows)
 
 
+def _offsets_line(xs: list[float]) -> str:
+    """An offset distribution in ms: percentiles and the mean."""
+    if not xs:
+        return "none"
+    cells = " ".join(f"p{int(q * 100)} {1000 * pct(xs, q):.1f}" for q in (0.10, 0.50, 0.90, 0.99))
+    return f"{cells} max {1000 * max(xs):.1f} mean {1000 * statistics.fmean(xs):.1f} ms ({len(xs)} snapshots)"
+
+
 def run_fidelity(sizes: list[int], args: argparse.Namespace) -> None:
     """issue 33: the console's cost per host against real agents (FleetHosts) and against the stand-in (idle
-    profile: the same 8 idle SIMULATED GPUs as the real agents, no failures), one after the other in this run."""
+    profile: the same 8 idle SIMULATED GPUs as the real agents, no failures), one after the other in this run.
+
+    The real agents go first: their snapshots' send offsets after the whole second (each snapshot's own ``ts``) are
+    recorded as the console receives them, and the stand-in then draws every host's send offset, for every snapshot,
+    from that measured list (``measured``); the fixed phase in [0, --spread-ms) is run too, for comparison. The
+    other inputs of the console's cost are printed side by side: snapshot bytes, GPUs, processes, runs per host, the
+    events per second, the offsets at the console."""
     from bench.standin import StandinHosts
 
     for n in sizes:
         figures: dict[str, tuple[float, float]] = {}
-        # the stand-in twice: with its hosts' phases spread (as real hosts' sends are) and all in one burst
-        for kind in ("real agents", "stand-in", "stand-in, no spread"):
+        shapes: dict[str, dict[str, Any]] = {}
+        measured: list[float] = []
+        for kind in ("real agents", "stand-in, measured offsets", f"stand-in, spread {args.spread_ms:g} ms"):
             try:
                 if kind == "real agents":
                     fh: Any = FleetHosts(n, args.gpus, batch=args.batch, ciphers=args.ciphers)
+                elif kind == "stand-in, measured offsets":
+                    if not measured:
+                        out(f"N={n} fidelity {kind}: no offsets were measured from the real agents; skipped")
+                        continue
+                    fh = StandinHosts(n, args.gpus, profile="idle", failures=False, ciphers=args.ciphers, offsets=measured)
                 else:
-                    spread = args.spread_ms / 1000 if kind == "stand-in" else 0.0
-                    fh = StandinHosts(n, args.gpus, profile="idle", failures=False, ciphers=args.ciphers, spread_s=spread)
+                    fh = StandinHosts(n, args.gpus, profile="idle", failures=False, ciphers=args.ciphers, spread_s=args.spread_ms / 1000)
             except FleetStartError as exc:
                 out(f"N={n} fidelity {kind} COULD NOT BE BROUGHT UP: {exc}")
-                break
+                continue
             try:
                 got = run_worker("gpudeck", fh, args)
             finally:
                 fh.close()
             if got is None:
-                break
+                continue
             r, side = got
             per_host = 1000.0 * r["cpu_s"] / (n * r["wall_s"])
             figures[kind] = (per_host, r["rss"] / MIB)
+            shapes[kind] = r
+            if kind == "real agents":
+                measured = [float(x) for x in r.get("ts_offsets", [])]
+            load = f"load average {side.load[0]:.2f} {side.load[1]:.2f} {side.load[2]:.2f}"
             out(
                 f"N={n} fidelity {kind}: console CPU {per_host:.3f} ms per host-second ({100 * r['cpu_s'] / r['wall_s']:.2f}% of one core), "
                 f"RSS {r['rss'] / MIB:.1f} MiB, snapshot age p50 {1000 * r['age_p50']:.1f} ms p99 {1000 * r['age_p99']:.1f} ms, "
                 f"received {r['received']} of {r['expected']:.0f}; server side {side.farm_cpu_s / side.wall_s:.2f} + agents {side.agents_cpu_s / side.wall_s:.2f} cores; "
-                f"load average {side.load[0]:.2f} {side.load[1]:.2f} {side.load[2]:.2f}"
+                f"{load}"
             )
-        if "real agents" in figures and "stand-in" in figures:
-            (c_real, m_real), (c_sim, m_sim) = figures["real agents"], figures["stand-in"]
-            verdict = "within 20%" if abs(c_sim / c_real - 1) <= 0.2 else "NOT within 20%"
+        # the inputs of the console's cost, side by side
+        for kind, r in shapes.items():
+            sh = r.get("shapes") or []
+            ts_off = [float(x) for x in r.get("ts_offsets", [])]
+            early = sum(x < 0 for x in ts_off)
+
+            def mean(i: int, sh: list[Any] = sh) -> float:
+                return statistics.fmean(x[i] for x in sh) if sh else float("nan")
+
             out(
-                f"N={n} fidelity ratio stand-in (spread {args.spread_ms:g} ms) / real agents: console CPU per host-second {c_sim / c_real:.2f}x ({verdict}), "
-                f"console RSS {m_sim / m_real:.2f}x"
+                f"N={n} fidelity inputs {kind:<27}: send offset (snapshot ts after its whole second) {_offsets_line(ts_off)}, {early} early; "
+                f"arrival offset at the console {_offsets_line([float(x) for x in r.get('arrival_offsets', [])])}"
             )
-        if "stand-in, no spread" in figures and "real agents" in figures:
-            c0 = figures["stand-in, no spread"][0] / figures["real agents"][0]
-            out(f"N={n} fidelity ratio stand-in with every host in one burst / real agents: console CPU per host-second {c0:.2f}x")
+            out(
+                f"N={n} fidelity inputs {kind:<27}: snapshot {mean(0):.0f} bytes per host (re-encoded as the console holds it, {len(sh)} hosts), "
+                f"{mean(1):.1f} GPUs, {mean(2):.1f} processes, {mean(3):.1f} runs; events {r.get('window_events', 0) / r['wall_s']:.2f}/s into the history "
+                f"({r.get('window_events', 0)} in {r['wall_s']:.1f} s)"
+            )
+        if "real agents" in figures:
+            c_real, m_real = figures["real agents"]
+            for kind in figures:
+                if kind == "real agents":
+                    continue
+                c_sim, m_sim = figures[kind]
+                verdict = "within 20%" if abs(c_sim / c_real - 1) <= 0.2 else "NOT within 20%"
+                out(
+                    f"N={n} fidelity ratio {kind} / real agents: console CPU per host-second {c_sim / c_real:.2f}x ({verdict}), "
+                    f"console RSS {m_sim / m_real:.2f}x; {load_line()}"
+                )
 
 
 def main() -> None:

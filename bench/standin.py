@@ -97,6 +97,7 @@ class StandinHosts:
         failures: bool = True,
         backlog_hours: float = 0.0,
         spread_s: float = SPREAD_S,
+        offsets: list[float] | None = None,
         python: str = sys.executable,
         progress: Callable[[str], None] | None = None,
         keep: bool = False,
@@ -108,6 +109,9 @@ class StandinHosts:
             raise ValueError(f"profile must be one of {', '.join(PROFILES)}, not {profile!r}")
         self.n, self.gpus, self.profile, self.failures, self.backlog_hours = n, gpus, profile, failures, backlog_hours
         self.ciphers, self.python, self.keep, self.spread_s = ciphers, python, keep, spread_s
+        # measured send offsets after the whole second (real agents' snapshot ``ts`` - its whole second, seconds):
+        # when given, every host draws its phase from these for every snapshot instead of a fixed phase in [0, spread)
+        self.offsets = [min(max(float(x), 0.0), 0.5) for x in offsets] if offsets else None
         self._progress = progress or (lambda _msg: None)
         self._own_dir = base_dir is None
         self.base_dir = Path(base_dir) if base_dir is not None else Path(tempfile.mkdtemp(prefix="gds-", dir="/tmp"))
@@ -184,6 +188,7 @@ class StandinHosts:
             "failures": self.failures,
             "backlog_hours": self.backlog_hours,
             "spread_s": self.spread_s,
+            "offsets": self.offsets,
             "host_key": str(keys / "host_ed25519"),
             "authorized_keys": str(keys / "authorized_keys"),
             "ready": str(self.base_dir / "standin.ready.json"),
@@ -326,7 +331,16 @@ class SimHost:
     """One SIMULATED host: the attributes of :class:`gpudeck.agents.server.daemon.Agent` its connections read."""
 
     def __init__(
-        self, i: int, name: str, home: Path, gpus_spec: str, profile: str, failures: bool, t_start: float, spread: float = SPREAD_S
+        self,
+        i: int,
+        name: str,
+        home: Path,
+        gpus_spec: str,
+        profile: str,
+        failures: bool,
+        t_start: float,
+        spread: float = SPREAD_S,
+        offsets: list[float] | None = None,
     ) -> None:
         from gpudeck.agents.observe import namespace as pid_namespace
         from gpudeck.agents.observe.gpus_sim import SimulatedGpuSampler
@@ -357,6 +371,7 @@ class SimHost:
         self.next_ckpt_ev = 0.0
         self.pids = [100000 + i * 16 + r for r in range(10)]
         self.phase = spread * ((i * 0.6180339887) % 1.0)  # spread evenly, the same for a host every second
+        self.offsets = offsets  # measured: a fresh phase drawn from these for every snapshot (overrides the fixed one)
         self._loop: asyncio.AbstractEventLoop | None = None
 
     # -- the journal: a SIMULATED run's life, written as the real agent writes it
@@ -509,8 +524,9 @@ class SimHost:
 
     async def snapshot(self):  # type: ignore[no-untyped-def]
         await self.gate()
-        if self.phase > 0:
-            await asyncio.sleep(self.phase)
+        phase = self.rng.choice(self.offsets) if self.offsets else self.phase
+        if phase > 0:
+            await asyncio.sleep(phase)
         return self.build()
 
     def build(self):  # type: ignore[no-untyped-def]
@@ -818,7 +834,17 @@ async def _serve_main(spec_path: Path) -> None:
     for i, h in enumerate(spec["hosts"]):
         if template is not None and host_kind(i, spec["profile"]):
             copy_journal(template[0], Path(h["home"]) / "agent")
-        host = SimHost(i, h["name"], Path(h["home"]), spec["gpus"], spec["profile"], spec["failures"], t_start, float(spec["spread_s"]))
+        host = SimHost(
+            i,
+            h["name"],
+            Path(h["home"]),
+            spec["gpus"],
+            spec["profile"],
+            spec["failures"],
+            t_start,
+            float(spec["spread_s"]),
+            spec.get("offsets"),
+        )
         if template is not None and host.busy:
             queued = host.adopt_backlog(template[1], template[2])
         else:
