@@ -228,6 +228,87 @@ def rss_bytes(pids: list[int]) -> int:
     return total
 
 
+@dataclass
+class LoopbackKeys:
+    """The keys of a loopback SSH server process and of the console that logs in to it (``base_dir/ssh``, 0700)."""
+
+    dir: Path
+    host_key: Any  # asyncssh.SSHKey: its public half goes into known_hosts
+    client_key_path: Path
+
+
+def make_keys(base_dir: Path, comment: str) -> LoopbackKeys:
+    """A generated ed25519 host key (``comment``) and console key, the console's key authorised."""
+    import asyncssh
+
+    keys = base_dir / "ssh"
+    keys.mkdir(exist_ok=True)
+    os.chmod(keys, 0o700)
+    host_key = asyncssh.generate_private_key("ssh-ed25519", comment=comment)
+    host_key.write_private_key(str(keys / "host_ed25519"))
+    client_key = asyncssh.generate_private_key("ssh-ed25519", comment="gpudeck-bench-console")
+    client_key_path = keys / "client_ed25519"
+    client_key.write_private_key(str(client_key_path))
+    os.chmod(client_key_path, 0o600)
+    (keys / "authorized_keys").write_text(client_key.export_public_key().decode())
+    return LoopbackKeys(keys, host_key, client_key_path)
+
+
+def start_server(python: str, script: Path, mode: str, spec: dict, base_dir: Path, name: str) -> subprocess.Popen:
+    """``python script mode SPEC`` (the SSH farm or the stand-in) in its own session, dying with us, ``spec`` written
+    to ``base_dir/NAME.json`` and its output to ``base_dir/NAME.log``; without our GPUDECK_* settings."""
+    spec_path = base_dir / f"{name}.json"
+    spec_path.write_text(json.dumps(spec))
+    log = open(base_dir / f"{name}.log", "wb")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GPUDECK_")}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    try:
+        return subprocess.Popen(
+            [python, str(script), mode, str(spec_path)],
+            env=env,
+            cwd=str(base_dir),
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=log,
+            start_new_session=True,
+            preexec_fn=die_with_parent,
+        )
+    finally:
+        log.close()
+
+
+def client_spec(
+    base_dir: Path, keys: LoopbackKeys, names: list[str], homes: list[Path], ports: list[int], gpus: str, ciphers: str | None
+) -> FleetSpec:
+    """The console's side of a loopback fleet: an ssh config (``Host NAME`` per port) and known_hosts, saved as a
+    :class:`FleetSpec`."""
+    host_pub = keys.host_key.export_public_key().decode().strip()
+    user = getpass.getuser()
+    ssh_config = keys.dir / "config"
+    with open(ssh_config, "w") as fh:
+        for nm, port in zip(names, ports):
+            fh.write(
+                f"Host {nm}\n    HostName 127.0.0.1\n    Port {port}\n    User {user}\n    IdentityFile {keys.client_key_path}\n    IdentitiesOnly yes\n"
+            )
+            if ciphers:
+                fh.write(f"    Ciphers {ciphers}\n")
+            fh.write("\n")
+    known = keys.dir / "known_hosts"
+    known.write_text("".join(f"[127.0.0.1]:{port} {host_pub}\n" for port in ports))
+    spec = FleetSpec(
+        base_dir=base_dir,
+        names=tuple(names),
+        homes=tuple(homes),
+        ports=tuple(ports),
+        ssh_config=ssh_config,
+        known_hosts=known,
+        client_key=keys.client_key_path,
+        gpus=gpus,
+    )
+    spec.save()
+    return spec
+
+
 class FleetHosts:
     """N real agents (SIMULATED GPUs) behind one asyncssh in-process SSH server (not OpenSSH), on loopback.
 
@@ -388,42 +469,14 @@ class FleetHosts:
             time.sleep(0.05)
 
     def _start_farm(self) -> None:
-        import asyncssh
-
-        keys = self.base_dir / "ssh"
-        keys.mkdir(exist_ok=True)
-        os.chmod(keys, 0o700)
-        host_key = asyncssh.generate_private_key("ssh-ed25519", comment="gpudeck-bench-farm")
-        host_key.write_private_key(str(keys / "host_ed25519"))
-        client_key = asyncssh.generate_private_key("ssh-ed25519", comment="gpudeck-bench-console")
-        client_key_path = keys / "client_ed25519"
-        client_key.write_private_key(str(client_key_path))
-        os.chmod(client_key_path, 0o600)
-        (keys / "authorized_keys").write_text(client_key.export_public_key().decode())
+        keys = make_keys(self.base_dir, "gpudeck-bench-farm")
         farm_spec = {
             "hosts": [{"name": nm, "socket": str(h / "agent" / "sock" / "agent.sock")} for nm, h in zip(self.names, self.homes)],
-            "host_key": str(keys / "host_ed25519"),
-            "authorized_keys": str(keys / "authorized_keys"),
+            "host_key": str(keys.dir / "host_ed25519"),
+            "authorized_keys": str(keys.dir / "authorized_keys"),
             "ready": str(self.base_dir / "farm.ready.json"),
         }
-        spec_path = self.base_dir / "farm.json"
-        spec_path.write_text(json.dumps(farm_spec))
-        log = open(self.base_dir / "farm.log", "wb")
-        env = {k: v for k, v in os.environ.items() if not k.startswith("GPUDECK_")}
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
-        try:
-            self.farm = subprocess.Popen(
-                [self.python, str(Path(__file__).resolve()), "farm", str(spec_path)],
-                env=env,
-                cwd=str(self.base_dir),
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=log,
-                start_new_session=True,
-                preexec_fn=die_with_parent,
-            )
-        finally:
-            log.close()
+        self.farm = start_server(self.python, Path(__file__).resolve(), "farm", farm_spec, self.base_dir, "farm")
         ready = Path(farm_spec["ready"])
         deadline = time.monotonic() + FARM_START_TIMEOUT_S
         while not ready.exists():
@@ -435,30 +488,7 @@ class FleetHosts:
                 )
             time.sleep(0.05)
         ports = json.loads(ready.read_text())["ports"]
-        host_pub = host_key.export_public_key().decode().strip()
-        user = getpass.getuser()
-        ssh_config = keys / "config"
-        with open(ssh_config, "w") as fh:
-            for nm, port in zip(self.names, ports):
-                fh.write(
-                    f"Host {nm}\n    HostName 127.0.0.1\n    Port {port}\n    User {user}\n    IdentityFile {client_key_path}\n    IdentitiesOnly yes\n"
-                )
-                if self.ciphers:
-                    fh.write(f"    Ciphers {self.ciphers}\n")
-                fh.write("\n")
-        known = keys / "known_hosts"
-        known.write_text("".join(f"[127.0.0.1]:{port} {host_pub}\n" for port in ports))
-        self.spec = FleetSpec(
-            base_dir=self.base_dir,
-            names=tuple(self.names),
-            homes=tuple(self.homes),
-            ports=tuple(ports),
-            ssh_config=ssh_config,
-            known_hosts=known,
-            client_key=client_key_path,
-            gpus=self.gpus,
-        )
-        self.spec.save()
+        self.spec = client_spec(self.base_dir, keys, list(self.names), list(self.homes), ports, self.gpus, self.ciphers)
         self._progress(f"SSH farm (asyncssh in-process, pid {self.farm.pid}) listening on {len(ports)} ports")
 
     def _stop_leftover_runs(self) -> None:

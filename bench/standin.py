@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import getpass
 import json
 import os
 import random
@@ -50,7 +49,15 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench.fleet_hosts import DIAL_COMMAND, STATUS_COMMAND, FleetSpec, FleetStartError, die_with_parent
+from bench.fleet_hosts import (
+    DIAL_COMMAND,
+    STATUS_COMMAND,
+    FleetSpec,
+    FleetStartError,
+    client_spec,
+    make_keys,
+    start_server,
+)
 
 START_TIMEOUT_S = 600.0  # the stand-in writes every host's backlog before it listens
 LABEL = "SIMULATED"
@@ -169,18 +176,7 @@ class StandinHosts:
         self.close()
 
     def _start(self) -> None:
-        import asyncssh
-
-        keys = self.base_dir / "ssh"
-        keys.mkdir(exist_ok=True)
-        os.chmod(keys, 0o700)
-        host_key = asyncssh.generate_private_key("ssh-ed25519", comment="gpudeck-bench-standin")
-        host_key.write_private_key(str(keys / "host_ed25519"))
-        client_key = asyncssh.generate_private_key("ssh-ed25519", comment="gpudeck-bench-console")
-        client_key_path = keys / "client_ed25519"
-        client_key.write_private_key(str(client_key_path))
-        os.chmod(client_key_path, 0o600)
-        (keys / "authorized_keys").write_text(client_key.export_public_key().decode())
+        keys = make_keys(self.base_dir, "gpudeck-bench-standin")
         spec = {
             "hosts": [{"name": nm, "home": str(h)} for nm, h in zip(self.names, self.homes)],
             "gpus": self.gpus,
@@ -189,28 +185,11 @@ class StandinHosts:
             "backlog_hours": self.backlog_hours,
             "spread_s": self.spread_s,
             "offsets": self.offsets,
-            "host_key": str(keys / "host_ed25519"),
-            "authorized_keys": str(keys / "authorized_keys"),
+            "host_key": str(keys.dir / "host_ed25519"),
+            "authorized_keys": str(keys.dir / "authorized_keys"),
             "ready": str(self.base_dir / "standin.ready.json"),
         }
-        spec_path = self.base_dir / "standin.json"
-        spec_path.write_text(json.dumps(spec))
-        log = open(self.base_dir / "standin.log", "wb")
-        env = {k: v for k, v in os.environ.items() if not k.startswith("GPUDECK_")}
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
-        try:
-            self.farm = subprocess.Popen(
-                [self.python, str(Path(__file__).resolve()), "serve", str(spec_path)],
-                env=env,
-                cwd=str(self.base_dir),
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=log,
-                start_new_session=True,
-                preexec_fn=die_with_parent,
-            )
-        finally:
-            log.close()
+        self.farm = start_server(self.python, Path(__file__).resolve(), "serve", spec, self.base_dir, "standin")
         ready = Path(spec["ready"])
         deadline = time.monotonic() + START_TIMEOUT_S
         last = ""
@@ -226,30 +205,7 @@ class StandinHosts:
             time.sleep(0.2)
         self.ready = json.loads(ready.read_text())
         ports = self.ready["ports"]
-        host_pub = host_key.export_public_key().decode().strip()
-        user = getpass.getuser()
-        ssh_config = keys / "config"
-        with open(ssh_config, "w") as fh:
-            for nm, port in zip(self.names, ports):
-                fh.write(
-                    f"Host {nm}\n    HostName 127.0.0.1\n    Port {port}\n    User {user}\n    IdentityFile {client_key_path}\n    IdentitiesOnly yes\n"
-                )
-                if self.ciphers:
-                    fh.write(f"    Ciphers {self.ciphers}\n")
-                fh.write("\n")
-        known = keys / "known_hosts"
-        known.write_text("".join(f"[127.0.0.1]:{port} {host_pub}\n" for port in ports))
-        self.spec = FleetSpec(
-            base_dir=self.base_dir,
-            names=tuple(self.names),
-            homes=tuple(self.homes),
-            ports=tuple(ports),
-            ssh_config=ssh_config,
-            known_hosts=known,
-            client_key=client_key_path,
-            gpus=self.gpus,
-        )
-        self.spec.save()
+        self.spec = client_spec(self.base_dir, keys, list(self.names), list(self.homes), ports, self.gpus, self.ciphers)
         self._progress(
             f"{LABEL} stand-in (pid {self.farm.pid}) serves {len(ports)} hosts ({self.profile}; failures {'on' if self.failures else 'off'}); "
             f"backlog {self.ready.get('backlog_events', 0)} events written in {self.ready.get('backlog_s', 0):.1f} s"
