@@ -677,7 +677,8 @@ async def _farm_main(spec_path: Path) -> None:
 # ---------------------------------------------------------------------------- smoke check
 
 
-async def _smoke(spec: FleetSpec, seconds: float) -> None:
+async def smoke(spec: FleetSpec, seconds: float, label: str = "fleet_hosts") -> None:
+    """Follow every host of ``spec`` with a real Fleet for ``seconds`` and print what each showed (a quick check)."""
     from gpudeck.console.fleet.fleet import Fleet
     from gpudeck.console.history.replica import History
 
@@ -685,21 +686,24 @@ async def _smoke(spec: FleetSpec, seconds: float) -> None:
     fleet = Fleet(config=spec.config(), ssh=spec.ssh_options(), interval_s=1.0, history=hist)
     fleet.start()
     t0 = time.monotonic()
+    states: list[str] = []
     try:
         while time.monotonic() - t0 < 60:
             states = [ln.status.state for ln in fleet.links.values()]
             if all(s == "up" for s in states):
                 break
             await asyncio.sleep(0.2)
-        print(f"fleet_hosts smoke: {sum(s == 'up' for s in states)}/{len(states)} hosts up after {time.monotonic() - t0:.1f} s", flush=True)
+        print(f"{label} smoke: {sum(s == 'up' for s in states)}/{len(states)} hosts up after {time.monotonic() - t0:.1f} s", flush=True)
         await asyncio.sleep(seconds)
         for name, ln in fleet.links.items():
             snap = ln.status.snapshot
             print(
-                f"fleet_hosts smoke {name}: {ln.status.state} {len(snap.gpus) if snap else 0} GPUs simulated={snap.simulated if snap else None} "
-                f"synced_seq={ln.status.synced_seq} err={ln.status.error}",
+                f"{label} smoke {name}: {ln.status.state} host={snap.host if snap else None} {len(snap.gpus) if snap else 0} GPUs "
+                f"({snap.gpus[0].name if snap and snap.gpus else ''}) simulated={snap.simulated if snap else None} "
+                f"runs={len(snap.runs) if snap else 0} synced_seq={ln.status.synced_seq} err={ln.status.error}",
                 flush=True,
             )
+        print(f"{label} smoke: history holds {hist.event_count()} events", flush=True)
     finally:
         await fleet.close()
         hist.close()
@@ -724,7 +728,7 @@ def main(argv: list[str] | None = None) -> int:
     with FleetHosts(args.hosts, args.gpus, progress=lambda m: print(f"fleet_hosts {m}", file=sys.stderr, flush=True)) as fh:
         print(f"fleet_hosts smoke: {args.hosts} agents + farm up in {time.monotonic() - t0:.1f} s (base {fh.base_dir})", flush=True)
         assert fh.spec is not None
-        asyncio.run(_smoke(fh.spec, args.seconds))
+        asyncio.run(smoke(fh.spec, args.seconds))
     return 0
 
 

@@ -56,6 +56,7 @@ from bench.fleet_hosts import (
     FleetStartError,
     client_spec,
     make_keys,
+    smoke,
     start_server,
 )
 
@@ -880,37 +881,6 @@ async def _serve_main(spec_path: Path) -> None:
 # ---------------------------------------------------------------------------- smoke check
 
 
-async def _smoke(spec: FleetSpec, seconds: float) -> None:
-    from gpudeck.console.fleet.fleet import Fleet
-    from gpudeck.console.history.replica import History
-
-    hist = History(spec.base_dir / "smoke-history.db")
-    fleet = Fleet(config=spec.config(), ssh=spec.ssh_options(), interval_s=1.0, history=hist)
-    fleet.start()
-    t0 = time.monotonic()
-    states: list[str] = []
-    try:
-        while time.monotonic() - t0 < 60:
-            states = [ln.status.state for ln in fleet.links.values()]
-            if all(s == "up" for s in states):
-                break
-            await asyncio.sleep(0.2)
-        print(f"standin smoke: {sum(s == 'up' for s in states)}/{len(states)} hosts up after {time.monotonic() - t0:.1f} s", flush=True)
-        await asyncio.sleep(seconds)
-        for name, ln in fleet.links.items():
-            snap = ln.status.snapshot
-            print(
-                f"standin smoke {name}: {ln.status.state} host={snap.host if snap else None} {len(snap.gpus) if snap else 0} GPUs "
-                f"({snap.gpus[0].name if snap and snap.gpus else ''}) simulated={snap.simulated if snap else None} "
-                f"runs={len(snap.runs) if snap else 0} synced_seq={ln.status.synced_seq} err={ln.status.error}",
-                flush=True,
-            )
-        print(f"standin smoke: history holds {hist.event_count()} events", flush=True)
-    finally:
-        await fleet.close()
-        hist.close()
-
-
 def main(argv: list[str] | None = None) -> int:
     """``serve SPEC`` runs the stand-in (StandinHosts starts it); ``smoke`` brings one up and follows it briefly."""
     ap = argparse.ArgumentParser(description=f"{LABEL} host stand-in: many simulated hosts in one process, over SSH and the agent protocol")
@@ -940,7 +910,7 @@ def main(argv: list[str] | None = None) -> int:
     ) as sh:
         print(f"standin smoke: {args.hosts} {LABEL} hosts up in {time.monotonic() - t0:.1f} s (base {sh.base_dir})", flush=True)
         assert sh.spec is not None
-        asyncio.run(_smoke(sh.spec, args.seconds))
+        asyncio.run(smoke(sh.spec, args.seconds, "standin"))
     return 0
 
 
