@@ -7,7 +7,7 @@ host. What is real and what is SIMULATED, so nobody reads more into a figure tha
 - **Real**: the SSH server (asyncssh, in this process: one listener per host on 127.0.0.1, one generated
   ed25519 host key, the console's generated key authorised, exactly as the fleet bench's farm); the agent
   protocol end to end: every ``gpudeck agent dial`` channel is served by the agent daemon's own connection
-  class (:class:`gpudeck.agents.server.daemon._Conn`: framing, ``Hello`` and its version check, the snapshot
+  class (:class:`gpudeck.agents.server.daemon.Connection`: framing, ``Hello`` and its version check, the snapshot
   stream on the wall clock's grid with compact snapshots, the event long poll, backpressure, typed errors);
   each host's journal is a real :class:`gpudeck.agents.storage.journal.Journal` (SQLite, WAL, its own writer
   thread) in its own ``GPUDECK_HOME/agent``, so the console's history sync reads real journals.
@@ -619,10 +619,10 @@ def _conn_class():  # type: ignore[no-untyped-def]
     """The daemon's own connection class, with the host's failure gate before every request."""
     from gpudeck.agents.server import daemon
 
-    class SimConn(daemon._Conn):
-        async def _handle(self, req):  # type: ignore[no-untyped-def]
+    class SimConn(daemon.Connection):
+        async def handle(self, req):  # type: ignore[no-untyped-def]
             await self.agent.gate()
-            await super()._handle(req)
+            await super().handle(req)
 
     return SimConn
 
@@ -854,7 +854,9 @@ async def _serve_main(spec_path: Path) -> None:
         json.dumps({"pid": os.getpid(), "ports": [a.get_port() for a in acceptors], "backlog_events": backlog, "backlog_s": backlog_s})
     )
     os.replace(tmp, ready)
-    print(f"standin progress: {LABEL} stand-in listening for {n} hosts (daemon connection class {daemon._Conn.__module__})", flush=True)
+    print(
+        f"standin progress: {LABEL} stand-in listening for {n} hosts (daemon connection class {daemon.Connection.__module__})", flush=True
+    )
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)

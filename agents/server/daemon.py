@@ -186,7 +186,7 @@ class Agent:
         self.snapshot_cache = SnapshotCache(self.snapshots, self.journal_note)
         self.socket_path = paths.socket_path(self.state_dir)
         self._listener: socket.socket | None = None
-        self._conns: set[_Conn] = set()
+        self._conns: set[Connection] = set()
         self._conn_tasks: set[asyncio.Task] = set()
         self.conn_cap = MAX_CONNECTIONS  # set at start from RLIMIT_NOFILE (see _fd_budget)
         # how many connections a run's processes may hold (agents/server/peers.py): never the operator's reserve
@@ -588,14 +588,14 @@ class Agent:
         await self._serve_conn(reader, writer)
 
     async def _serve_conn(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        conn = _Conn(self, reader, writer)
+        conn = Connection(self, reader, writer)
         self._conns.add(conn)
         try:
             await self._serve_checked(conn, writer)
         finally:
             self._conns.discard(conn)
 
-    async def _serve_checked(self, conn: _Conn, writer: asyncio.StreamWriter) -> None:
+    async def _serve_checked(self, conn: Connection, writer: asyncio.StreamWriter) -> None:
         uid = self._peer_uid(writer)
         if uid is None or uid not in (self.uid, 0):
             await conn.send(
@@ -609,8 +609,9 @@ class Agent:
         await conn.run()
 
 
-class _Conn:
-    """One client connection: framing, dispatch, streams."""
+class Connection:
+    """One client connection: framing, dispatch, streams (public: the bench's SIMULATED stand-in, bench/standin.py, serves
+    its hosts with it and gates :meth:`handle`)."""
 
     def __init__(self, agent: Agent, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.agent = agent
@@ -762,7 +763,7 @@ class _Conn:
     async def _handle_safely(self, req: Request) -> None:
         rid = req.request_id
         try:
-            await self._handle(req)
+            await self.handle(req)
         except AgentError as exc:
             await self.send(Error(request_id=rid, code=exc.code, message=exc.message))
         except asyncio.CancelledError:
@@ -781,7 +782,7 @@ class _Conn:
             if self.streams.get(rid) is asyncio.current_task():
                 self.streams.pop(rid, None)
 
-    async def _handle(self, req: Request) -> None:
+    async def handle(self, req: Request) -> None:
         handler = _HANDLERS.get(type(req))
         if handler is None:  # pragma: no cover - decode_request only yields known types (a test checks the table is complete)
             raise BadRequest(f"unsupported request {type(req).__name__}")
@@ -1014,26 +1015,26 @@ class _Conn:
 
 
 # the dispatch table: request type -> handler (tests check every Request type has one)
-_HANDLERS: dict[type, Callable[[_Conn, Any], Awaitable[None]]] = {
-    Hello: _Conn._hello,
-    Ping: _Conn._ping,
-    GetSnapshot: _Conn._get_snapshot,
-    WatchSnapshots: _Conn._watch_snapshots,
-    Launch: _Conn._launch,
-    ListRuns: _Conn._list_runs,
-    GetRun: _Conn._get_run,
-    Stop: _Conn._stop,
-    GetEvents: _Conn._events,
-    ReadOutput: _Conn._output,
-    GetMetrics: _Conn._get_metrics,
-    Preflight: _Conn._preflight,
-    ListLeftovers: _Conn._list_leftovers,
-    Reclaim: _Conn._reclaim,
-    Fingerprint: _Conn._fingerprint,
-    RebuildEnv: _Conn._rebuild_env,
-    VerifyRun: _Conn._verify_run,
-    TriageRun: _Conn._triage_run,
-    Cancel: _Conn._cancel,
+_HANDLERS: dict[type, Callable[[Connection, Any], Awaitable[None]]] = {
+    Hello: Connection._hello,
+    Ping: Connection._ping,
+    GetSnapshot: Connection._get_snapshot,
+    WatchSnapshots: Connection._watch_snapshots,
+    Launch: Connection._launch,
+    ListRuns: Connection._list_runs,
+    GetRun: Connection._get_run,
+    Stop: Connection._stop,
+    GetEvents: Connection._events,
+    ReadOutput: Connection._output,
+    GetMetrics: Connection._get_metrics,
+    Preflight: Connection._preflight,
+    ListLeftovers: Connection._list_leftovers,
+    Reclaim: Connection._reclaim,
+    Fingerprint: Connection._fingerprint,
+    RebuildEnv: Connection._rebuild_env,
+    VerifyRun: Connection._verify_run,
+    TriageRun: Connection._triage_run,
+    Cancel: Connection._cancel,
 }
 # requests that open a stream (cancelled with Cancel, or replaced by a new one with the same request_id)
 _STREAMS = frozenset({WatchSnapshots, GetEvents, ReadOutput})
