@@ -26,13 +26,21 @@ def test_the_ledger_and_the_report_of_a_real_cuda_run(agent: AgentProc) -> None:
     held = wait_for(
         lambda: [p for p in gpu_procs(agent, rid) if (p.get("used_bytes") or 0) >= 3 * GIB], timeout=120, what="the holder on GPU 0"
     )
-    time.sleep(3)  # the ledger samples once a tick: the hold is recorded with its level
-    during = datetime.now().astimezone().isoformat(timespec="seconds")
-    time.sleep(1.5)
-    agent.cli_json("stop", rid, "--grace", "10")
-    time.sleep(2)  # the end of the hold is the next sample's
 
-    fp = json.loads(agent.cli("ledger", "local", "--run", rid, "--json").stdout)
+    def footprint() -> dict | None:
+        got = json.loads(agent.cli("ledger", "local", "--run", rid, "--json").stdout)
+        return got if got["footprint"] and got["footprint"][0]["peak"] >= 3 * GIB else None
+
+    wait_for(footprint, timeout=60, what="the hold at its level in the ledger")  # the ledger samples once a tick
+    during = datetime.now().astimezone().isoformat(timespec="seconds")
+    time.sleep(1.1)  # `during` names a whole second the hold spans on both sides
+    agent.cli_json("stop", rid, "--grace", "10")
+
+    def ended() -> dict | None:
+        got = json.loads(agent.cli("ledger", "local", "--run", rid, "--json").stdout)
+        return got if all(h.get("ended") for h in got["holds"]) else None
+
+    fp = wait_for(ended, timeout=60, what="the end of every hold of the run in the ledger")
     print(f"\nledger --run: {json.dumps(fp['footprint'])}")
     print(agent.cli("ledger", "local", "--run", rid, "--no-sync").stdout)
     assert [f["gpu"] for f in fp["footprint"]] == [0], fp
