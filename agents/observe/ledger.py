@@ -10,8 +10,8 @@ holds it has open and journals only what changed:
   1 GiB or 10 % of the GPU's memory, whichever is larger; measured from the last
   record (not from fixed boundaries), so a hold that wobbles at a boundary writes
   nothing;
-- its attribution changes (RUN -> STALE when its run ended and it lives on):
-  ``attribution``;
+- its attribution changes (RUN -> STALE when its run ended and it lives on; or
+  the container it runs in becomes known after its start): ``attribution``;
 - it is gone from the sample: ``end``.
 
 An unchanged sample writes nothing. Every record carries the whole hold (its id,
@@ -317,7 +317,10 @@ class Ledger:
         if used is not None and (h.peak is None or used > h.peak):
             h.peak = used
         attribution = UNACCOUNTED if p is None else p.attribution
-        if attribution != h.attribution:
+        container = container_of(p) if p is not None else None
+        if attribution != h.attribution or (container is not None and container != h.container):
+            # RUN became STALE, or the container it runs in became known after its start (a process that held memory
+            # before its runtime placed it): an attribution record, which readers of every version fold
             h.attribution = attribution
             self._fill(h, p)
             items.append(h.record("attribution"))

@@ -188,8 +188,8 @@ class GpuHold(Payload, tag="gpu_hold"):
     A hold is one holder on one GPU, from the first sample that shows it to the first that does not: a process
     (``pid`` and ``create_time``) or the GPU's memory no visible process explains (``attribution`` UNACCOUNTED, no
     pid). ``change``: ``start``; ``level`` (it moved by a step: 1 GiB or 10 % of the GPU, whichever is larger);
-    ``attribution`` (RUN became STALE: its run ended and it lives on); ``continued`` (an agent restart found it still
-    holding); ``end`` (``evidence`` says what showed it). Every record carries the whole hold (start, peak so far),
+    ``attribution`` (RUN became STALE: its run ended and it lives on; or its container became known after its
+    start); ``continued`` (an agent restart found it still holding); ``end`` (``evidence`` says what showed it). Every record carries the whole hold (start, peak so far),
     so any one of them, after compaction, still says who held what since when.
     """
 

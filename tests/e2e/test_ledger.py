@@ -253,8 +253,13 @@ def test_a_holder_in_a_container_is_journaled_with_it_and_the_cli_names_it(
     groups = Groups()
     try:
         p = groups.start(dict(a.env, GPUDECK_SIM_GPU_MEM="0:3"), groups.make(f"system.slice/docker-{DOCKER_ID}.scope"))
-        first = wait_for(lambda: [r for r in records(a) if r.get("pid") == p.pid], timeout=60, what="the hold's start")[0]
-        assert first["container"] == {"runtime": "docker", "id": DOCKER_ID, "name": "trainer"}, first
+        # the process holds (simulated) memory from its first instant, before the placer moves it into the group: the
+        # start may carry no container; the record that learns it (the start, or an attribution record) carries it
+        placed = wait_for(
+            lambda: [r for r in records(a) if r.get("pid") == p.pid and r.get("container")], timeout=60, what="the hold's container"
+        )[0]
+        assert placed["container"] == {"runtime": "docker", "id": DOCKER_ID, "name": "trainer"}, placed
+        assert placed["change"] in ("start", "attribution"), placed
         got = ledger(a, "local:0")
         assert [h["container"] for h in got["holds"] if h.get("pid") == p.pid] == ["docker:trainer"]
         text = a.cli("ledger", "local:0", "--no-sync").stdout

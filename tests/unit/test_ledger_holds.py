@@ -139,3 +139,25 @@ def test_a_holders_container_is_recorded_from_its_attribution(journal: Journal) 
     assert item[2]["container"] == {"runtime": "docker", "id": "0123abcd" * 8, "name": "trainer"}
     (plain,) = led.observe([g, gpu((11, 2.0), index=1)], {}, now=2.0)  # no container: the field is left out
     assert "container" not in plain[2]
+
+
+def test_a_container_learned_after_the_start_is_journaled_once_as_an_attribution_record(journal: Journal) -> None:
+    """A process that held memory before its runtime placed it (its first samples show no container) gets one
+    attribution record carrying the container when it is learned; later samples that show the same write nothing."""
+    led = Ledger(journal)
+    box = Container(runtime="docker", id="0123abcd" * 8, name="trainer")
+    bare = GpuProcess(pid=10, gpu=0, used_bytes=2 * GIB, create_time=1010.0)
+    placed = GpuProcess(pid=10, gpu=0, used_bytes=2 * GIB, create_time=1010.0, container=box)
+
+    def g(p: GpuProcess) -> Gpu:
+        return Gpu(index=0, uuid="GPU-SIM-0", memory_used=0, memory_total=TOTAL, processes=[p])
+
+    (start,) = led.observe([g(bare)], {}, now=1.0)
+    assert start[2]["change"] == "start" and "container" not in start[2]
+    (learned,) = led.observe([g(placed)], {}, now=2.0)
+    assert learned[2]["change"] == "attribution" and learned[2]["hold"] == start[2]["hold"]
+    assert learned[2]["container"] == {"runtime": "docker", "id": "0123abcd" * 8, "name": "trainer"}
+    assert led.observe([g(placed)], {}, now=3.0) == []
+    assert led.observe([g(bare)], {}, now=4.0) == []  # a sample that lost it does not unlearn it
+    (end,) = led.observe([], {}, now=5.0)
+    assert end[2]["container"]["name"] == "trainer"
