@@ -330,6 +330,8 @@ def bench_specforge(args) -> None:
     steps = 4 if args.tiny else args.steps
     skip = 1 if args.tiny else args.skip
     argv = specforge_argv(out / "configs", steps, out / "run", args.tiny)
+    if args.profile:
+        argv += ["--profile-steps", f"{steps - 1}-{steps}"]
     label = "specforge" + (".tiny" if args.tiny else "")
     rc, recs, wall = run_trainer([sys.executable, "-m", "gpudeck.trainers.dflash", *argv], out, label, args)
     recs_steps = [r for r in recs if r["type"] == "step" and r["step"] > skip and r.get("loss") is not None]
@@ -382,6 +384,9 @@ def bench_specforge(args) -> None:
         drafter_tflop_per_sample=f"{d_flops / batch / 1e12:.4g}",
         specforge_tflop_per_sample=f"{SPECFORGE_TFLOP_PER_SAMPLE:g}",
     )
+    prof = out / "run" / "profile" / "rank0.txt"
+    if prof.is_file():
+        print(prof.read_text()[:8000], flush=True)
 
 
 # ------------------------------------------------------------------ train
@@ -481,7 +486,9 @@ def main() -> int:
     ap.add_argument("--tiny", action="store_true", help="specforge: a tiny shape on CPU (smoke test; no CUDA needed)")
     ap.add_argument("--seed-target", default="qwen3-14b", choices=sorted(SEED_TARGETS))
     ap.add_argument("--no-compile", action="store_true", help="seed: eager drafter and target")
-    ap.add_argument("--profile", action="store_true", help="seed: torch.profiler over the last two steps; prints where the step time goes")
+    ap.add_argument(
+        "--profile", action="store_true", help="seed, specforge: torch.profiler over the last two steps; prints where the step time goes"
+    )
     ap.add_argument("--rows", type=int, default=1024 * 32)
     ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument("--vocab", type=int, default=151936)
