@@ -117,7 +117,11 @@ def test_a_runs_hold_starts_grows_ends_and_the_cli_answers_before_during_after(s
     fp = ledger(a, "local", "--run", rid, "--no-sync")
     assert fp["run"] == rid and [(f["gpu"], f["peak"]) for f in fp["footprint"]] == [(0, 40 * GIB)]
     assert start["pid"] in fp["footprint"][0]["pids"]
-    assert 0 < fp["footprint"][0]["held_s"] <= end["ts"] - start["ts"] + 1
+    # the union of the run's holds on GPU 0 (the grower's and the shim's): at least the grower's own span, at most from
+    # the run's first hold's start to now (the shim's may start before the grower's and end after it; on a loaded
+    # machine the start's record can be journaled a second after its sample)
+    first = min(r["started"] for r in records(a) if r.get("run") == rid and r["gpu"] == 0)
+    assert end["ts"] - start["started"] - 0.01 <= fp["footprint"][0]["held_s"] <= time.time() - first
     text = a.cli("ledger", "local", "--run", rid, "--no-sync").stdout
     print("\n" + text)  # the integrator's record of a real `gpudeck ledger --run` output
     assert f"run {rid} on local: 1 GPU(s) held over its life" in text and "40.0" in text and "#" in text
