@@ -47,6 +47,7 @@ class RunRegistry:
         self._ended_ids: set[str] = set()  # ended runs whose members may linger (STALE)
         self._ended_groups: dict[str, RunGroup] = {}  # groups of ended runs that still hold processes (leftovers)
         self._stopping: dict[str, asyncio.Task[StopResult]] = {}  # live and ended runs alike (a stop of an ended run reclaims)
+        self._grace_ends: dict[str, float] = {}  # run id -> the monotonic time its stop's grace ends (the earliest asked)
         self.refused: list[str] = []  # undeclared transitions asked for (bugs), newest last; tests read it
 
     # ------------------------------------------------------------------ reading
@@ -201,11 +202,31 @@ class RunRegistry:
         """Whether a stop of this run is under way."""
         return run_id in self._stopping
 
-    def stop_once(self, run_id: str, start: Callable[[], Coroutine[Any, Any, StopResult]]) -> asyncio.Task[StopResult]:
-        """The stop under way for this run, or a new one from ``start()``; it leaves the registry when done."""
+    def stop_once(
+        self, run_id: str, start: Callable[[], Coroutine[Any, Any, StopResult]], grace_ends: float | None = None
+    ) -> asyncio.Task[StopResult]:
+        """The stop under way for this run, or a new one from ``start()``; it leaves the registry when done.
+
+        ``grace_ends`` (monotonic): when this request wants the grace over. A stop under way takes the earlier of its
+        own end and this one, so ``stop --grace 0`` during a long grace kills now (see :meth:`grace_end`)."""
+        if grace_ends is not None:
+            self.grace_end(run_id, grace_ends)
         task = self._stopping.get(run_id)
         if task is None:
             task = asyncio.ensure_future(start())
             self._stopping[run_id] = task
-            task.add_done_callback(lambda _t: self._stopping.pop(run_id, None))
+
+            def done(_t: asyncio.Task[StopResult]) -> None:
+                self._stopping.pop(run_id, None)
+                self._grace_ends.pop(run_id, None)
+
+            task.add_done_callback(done)
         return task
+
+    def grace_end(self, run_id: str, wanted: float | None = None) -> float | None:
+        """When the grace of this run's stop ends (monotonic), after taking ``wanted`` into account: the earliest any
+        request asked for; None when no request named one."""
+        if wanted is not None:
+            now = self._grace_ends.get(run_id)
+            self._grace_ends[run_id] = wanted if now is None else min(now, wanted)
+        return self._grace_ends.get(run_id)

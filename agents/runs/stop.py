@@ -94,12 +94,14 @@ async def terminate(
     group: RunGroup | None = None,
     rescan: Callable[[], Awaitable[list[Member]]] | None = None,
     poll: Callable[[], None] | None = None,
+    ends: Callable[[], float] | None = None,
 ) -> Terminated:
     """SIGTERM, the grace (newcomers get SIGTERM too), then kill what is left and wait; see the module docstring.
 
     With a group every wait is on ``cgroup.events`` (the kernel's notification that ``populated`` changed),
     in a thread, so the stop returns as soon as the last process exits and the event loop never reads
-    hundreds of processes' files itself.
+    hundreds of processes' files itself. ``ends``: when the grace ends (monotonic), asked again at every wait, so a
+    later request can shorten it (default: ``grace_s`` from now).
     """
     t = Terminated()
     seen: set[tuple[int, float]] = set()
@@ -113,7 +115,11 @@ async def terminate(
             t.signalled.append(m)
             signal_exact(m.pid, m.create_time, signal.SIGTERM)
 
-    deadline = time.monotonic() + grace_s
+    fixed = time.monotonic() + grace_s
+
+    def deadline() -> float:
+        return ends() if ends is not None else fixed
+
     if group is not None:
 
         def first() -> None:
@@ -131,7 +137,7 @@ async def terminate(
         while True:
             if poll is not None:
                 poll()
-            left = deadline - time.monotonic()
+            left = deadline() - time.monotonic()
             if left <= 0 or await asyncio.to_thread(step, min(left, GROUP_RESCAN_S)):
                 break
 
@@ -168,7 +174,7 @@ async def terminate(
                 break
             term(more)
             continue
-        if time.monotonic() >= deadline:
+        if time.monotonic() >= deadline():
             break
         await asyncio.sleep(delay)
         delay = min(delay * 2, 0.05)
@@ -355,6 +361,8 @@ async def verify_gpu(
 def summary(result: StopResult) -> str:
     """One line: what was stopped, what needed SIGKILL, what survived, the GPU verification."""
     parts = [f"stopped {len(result.stopped)} process(es)"]
+    if result.grace_shortened_s is not None:
+        parts.append(f"the grace was cut to {result.grace_shortened_s:g} s by a later stop that asked for less")
     if result.needed_kill:
         shown = ", ".join(map(str, result.needed_kill[:16])) + (
             f", … {len(result.needed_kill) - 16} more" if len(result.needed_kill) > 16 else ""
@@ -379,7 +387,7 @@ async def stop(sup: Supervisor, ref: str, grace_s: float = 30.0, reason: str = "
     if grace_s < 0 or grace_s > 3600:
         raise BadRequest(f"grace {grace_s} s is out of range: give 0 to 3600 seconds")
     run = sup.resolve(ref)
-    task = sup.runs.stop_once(run.id, lambda: stop_run(sup, run, grace_s, reason))
+    task = sup.runs.stop_once(run.id, lambda: stop_run(sup, run, grace_s, reason), grace_ends=time.monotonic() + grace_s)
     return await asyncio.shield(task)
 
 
@@ -443,7 +451,19 @@ async def stop_run(sup: Supervisor, run: RunInfo, grace_s: float, reason: str = 
         ms = await members_now(sup, run, None, lr, full=False)
         return [m for m in ms if m.role != "shim" and alive(m.pid, m.create_time)]
 
-    t = await terminate(live, grace_left, group=group, rescan=rescan if group is None else None, poll=lambda: tick.poll_shims(sup))
+    # the grace ends at the earliest any stop of this run asked for (a later `stop --grace 0` shortens this one)
+    own_end = time.monotonic() + grace_left
+    ends = sup.runs.grace_end(run.id, own_end)
+
+    def grace_ends() -> float:
+        return sup.runs.grace_end(run.id) or own_end
+
+    t = await terminate(
+        live, grace_left, group=group, rescan=rescan if group is None else None, poll=lambda: tick.poll_shims(sup), ends=grace_ends
+    )
+    applied = grace_ends()
+    if ends is not None and applied < own_end - 0.05:
+        result.grace_shortened_s = round(max(0.0, applied - (own_end - grace_left)), 3)
     # the shim exits by itself once its child is gone; make sure it did
     if shim_m is not None:
         shim_list = [shim_m] if alive(shim_m.pid, shim_m.create_time) else []

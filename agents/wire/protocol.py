@@ -499,6 +499,7 @@ class StopResult(msgspec.Struct, gc=False, kw_only=True, omit_defaults=True):
     group_note: str = ""  # what became of the run's cgroup (emptied and removed, or kept and why)
     reported: list[Reported] = []  # seen and not signalled (outside the group, another uid), or not findable at this level
     resumed_after_s: float | None = None  # a stop an earlier agent began: the seconds already spent when this agent took it over
+    grace_shortened_s: float | None = None  # a later stop asked for a shorter grace: the grace that applied, in seconds
     # what was not stopped and still holds memory: the rest of the same run(s), others on the GPUs the stopped ones held
     still_held: list[GpuProcess] = []
     unaccounted: list[UnaccountedMemory] = []  # on those GPUs, held by no process visible here

@@ -616,7 +616,8 @@ async def cmd_stop(args: argparse.Namespace) -> int:
             terminal_text(
                 f"gpudeck: interrupted: the stop of {args.run} continues on the agent once it got the request (SIGTERM, "
                 f"SIGKILL after {args.grace:g} s, then verified); `gpudeck show {args.run}` or `gpudeck runs` shows when it "
-                "has stopped, and `gpudeck stop` again is safe"
+                "has stopped; `gpudeck stop` again is safe, and `gpudeck stop "
+                f"{args.run} --grace 0` cuts the grace short (SIGKILL now)"
             ),
             file=sys.stderr,
         )

@@ -119,8 +119,11 @@ def test_ctrl_c_during_stop_says_the_stop_goes_on(agent: AgentProc) -> None:
     p.send_signal(signal.SIGINT)
     out, err = p.communicate(timeout=60)
     assert p.returncode == 130, (out, err)
-    assert "continues on the agent" in err and f"gpudeck show {rid}" in err, err
+    assert "continues on the agent" in err and f"gpudeck show {rid}" in err and "--grace 0" in err, err
     assert _state(agent, rid) == "stopping"  # the agent carries it on
+    # a second stop with a shorter grace cuts the one under way short: SIGKILL now, not 60 s after the first
+    done = agent.cli_json("stop", rid, "--grace", "0")
+    assert done["state"] == "stopped" and done["needed_kill"] and done["grace_shortened_s"] < 60, done
 
 
 def test_rollback_by_name_prefers_the_run_that_ran(agent: AgentProc) -> None:
