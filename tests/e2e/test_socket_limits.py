@@ -198,8 +198,7 @@ def test_a_thousand_idle_connections_under_a_low_nofile_leave_ping_launch_and_ti
 
         time.sleep(6.0)
         rid = asyncio.run(launch())
-        # the tick saw it start and end (it opens /proc files, the run's files and the journal: no EMFILE)
-        time.sleep(6.0)
+        # the tick sees it start and end (it opens /proc files, the run's files and the journal: no EMFILE)
         wait_for(lambda: asyncio.run(_state(a, rid)) == "succeeded", timeout=60, interval=1.0, what="the tick to see the run end")
         log = (a.state_dir / "agent.log").read_text()
         print(
