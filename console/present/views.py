@@ -29,6 +29,7 @@ from gpudeck.agents.wire.protocol import (
 )
 from gpudeck.console.core import fmt
 from gpudeck.console.core.records import MetricPoint, Recorded, RunRecord
+from gpudeck.console.ops.figures import run_figures
 from gpudeck.console.present.rundiff import Row, RunDiff, diff_runs
 
 LEFTOVER_HOLDERS = frozenset({"STALE", "FOREIGN", "NO_SUCH_PROCESS"})
@@ -224,19 +225,21 @@ def _alert_kinds(alerts: list[Recorded]) -> tuple[tuple[str, ...], bool]:
 
 
 def run_row_from_history(d: RunRecord) -> RunRow:
-    """A run as the history recorded it."""
+    """A run as the history recorded it: tokens/s and the step as every view shows them (console/ops/figures.py: the
+    median over the recorded steps, the trainer's final step), not the last value the history happened to keep."""
     alerts, critical = _alert_kinds(d.alerts)
     if not alerts and (d.alert_count or 0) > 0:
         alerts = (f"{d.alert_count} alert(s)",)
+    fig = run_figures(d)
     return RunRow(
         id=str(d.id),
         hosts=(str(d.host),),
         state=str(d.state or "pending"),
         kind=str(d.kind or "command"),
         name=d.name,
-        step=d.last_step,
+        step=fig.last_step,
         loss=d.last_loss,
-        tokens_per_s=d.tokens_per_s,
+        tokens_per_s=fig.tokens_per_s,
         created=float(d.created or 0.0),
         started=d.started,
         ended=d.ended,

@@ -16,7 +16,8 @@ elapsed             yes       yes          yes       yes          yes
 cause class         yes       -            yes       yes          -
 ==================  ========  ===========  ========  ===========  ==============
 
-(``-``: that view has no column for the figure.)
+(``-``: that view has no column for the figure.) The Runs screen's row of an ended run shows the same tokens/s and
+step (it showed the last value the history kept: 900, step 98).
 """
 
 from __future__ import annotations
@@ -38,10 +39,11 @@ from gpudeck.console.ops.figures import RunFigures, run_figures
 from gpudeck.console.ops.readings import find_runs
 from gpudeck.console.present.formats import format_history, format_show
 from gpudeck.console.present.rundiff import diff_runs
-from gpudeck.console.present.views import run_diff
+from gpudeck.console.present.views import run_diff, run_row_from_history
 from gpudeck.console.tui.app import GpudeckApp
 from gpudeck.console.tui.screens.diff import DiffScreen
 from gpudeck.console.tui.screens.history import HistoryScreen, history_cells
+from gpudeck.console.tui.screens.runs import run_cells
 from gpudeck.console.tui.widgets.keyed_table import KeyedTable
 from tests.functional.fixture_fleet import FixtureFleet, history_events
 from tests.functional.helpers import mounted, press_for, until
@@ -123,6 +125,9 @@ def test_every_view_shows_the_same_figures(history: History) -> None:
     # the History screen's row
     cells = history_cells(next(r for r in find_runs(history.path, "") if r.id == RID))
     assert (cells["tps"], cells["step"], cells["elapsed"]) == ("275", "100", "1h00m")
+    # the Runs screen's row of the ended run, from the same history read (it showed the last 900 and step 98)
+    runs = run_cells(run_row_from_history(next(r for r in find_runs(history.path, "") if r.id == RID)))
+    assert (str(runs["tps"]).strip(), runs["step"]) == ("275", "100"), runs
 
 
 # ----------------------------------------------------------------------------- every view, as printed and as shown
