@@ -180,6 +180,13 @@ class Ops:
 
     # ------------------------------------------------------------------ launch, reclaim, stop
 
+    def plan(self, intent: LaunchIntent, run_id: str | None = None, verb: str = "launch") -> LaunchPlan:
+        """``intent`` planned against the config this fleet follows (its hosts' settings: env, interfaces, rendezvous
+        addresses), as the CLI plans against the same file; IntentError names the field to fix."""
+        from gpudeck.console.ops.launch import plan_here
+
+        return plan_here(intent, run_id=run_id, verb=verb, conf=getattr(self.fleet, "config", None))
+
     async def preflight(self, plan: LaunchPlan) -> list[NodeOutcome]:
         """Every node's pre-flight of ``plan`` (nothing starts)."""
         from gpudeck.console.ops.launch import preflight as preflight_plan

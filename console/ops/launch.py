@@ -333,12 +333,13 @@ def _plan_multinode(
     return LaunchPlan(nodes=tuple(nodes), nproc_per_node=n, rdzv_endpoint=f"{rdzv_host}:{rdzv_port}")
 
 
-def plan_here(intent: LaunchIntent, run_id: str | None = None, verb: str = "launch") -> LaunchPlan:
-    """:func:`plan_launch` for this process's caller, the fleet's config and the user's SSH config (what the CLI and the console use)."""
+def plan_here(intent: LaunchIntent, run_id: str | None = None, verb: str = "launch", conf: cfg.Config | None = None) -> LaunchPlan:
+    """:func:`plan_launch` for this process's caller, the fleet's config (``conf``: the one a console's fleet follows;
+    None: read the config file) and the user's SSH config (what the CLI and the console use)."""
     from gpudeck.console.fleet.transport import SshOptions
 
     paths = SshOptions().config_paths() if intent.hosts else ()
-    return plan_launch(intent, Caller.here(), ssh_config_paths=paths, run_id=run_id, verb=verb)
+    return plan_launch(intent, Caller.here(), conf=conf, ssh_config_paths=paths, run_id=run_id, verb=verb)
 
 
 # ----------------------------------------------------------------------------- running

@@ -15,6 +15,7 @@ node's record (the agents' and the console's history) keeps what was allowed and
 
 from __future__ import annotations
 
+import asyncio
 import json
 import site
 import subprocess
@@ -159,3 +160,59 @@ def test_the_gate_refuses_different_interpreters_with_one_table_and_allow_env_di
     hist = c.cli_json("history", "name:gate-allowed")
     assert len(hist) == 1 and hist[0]["spec"]["allow_env_diff"] == ["NCCL_DEBUG", "TORCH_NCCL_BLOCKING_WAIT", "transformers"]
     assert any(d.startswith("NCCL_DEBUG: nodea none | nodeb WARN") for d in hist[0]["spec"]["env_diffs"]), hist[0]["spec"]
+
+    # the console's Launch dialog: the same gate refuses with the same table, and ctrl+g launches past exactly its rows
+    got = asyncio.run(_console_launch_past_the_gate(c))
+    print("\nthe Launch dialog after the gate refused:\n" + got["refused"])
+    refused = got["refused"]
+    assert "the nodes' environments differ: nothing was started on any host" in refused and "press ctrl+g" in refused, refused
+    rows = [ln.split() for ln in refused.splitlines() if ln.split()[:1] in (["transformers"], ["NCCL_DEBUG"], ["TORCH_NCCL_BLOCKING_WAIT"])]
+    # the same rows as the CLI's table: the console plans against the config its fleet follows (nodeb's NCCL_DEBUG)
+    assert rows == [
+        ["transformers", real[1], FAKE_TRANSFORMERS],
+        ["NCCL_DEBUG", "(unset)", "WARN"],
+        ["TORCH_NCCL_BLOCKING_WAIT", "(unset)", "1"],
+    ], refused
+    assert got["allow_button"] is True
+    spec = next(r for r in _agent_runs(c)[1] if r["name"] == "gate-console")["spec"]
+    assert spec["allow_env_diff"] == ["NCCL_DEBUG", "TORCH_NCCL_BLOCKING_WAIT", "transformers"], spec
+
+
+async def _console_launch_past_the_gate(c: ConsoleSide) -> dict:
+    """Open the console on both hosts, launch the same two-node run from the Launch dialog: refused by the gate, then
+    ctrl+g. The dialog's error text and whether the way past was offered."""
+    from textual.widgets import Button, Static
+
+    from gpudeck.console.core import config as cfg
+    from gpudeck.console.fleet.fleet import Fleet
+    from gpudeck.console.history.replica import History
+    from gpudeck.console.ops.context import Ops
+    from gpudeck.console.tui.app import GpudeckApp
+    from gpudeck.console.tui.screens.launch import LaunchDialog
+    from gpudeck.console.tui.screens.run import RunScreen
+    from tests.functional.helpers import mounted, open_launch, until
+
+    history = History(c.gpudeck_home / "history-console.db")
+    fleet = Fleet(config=cfg.load(c.gpudeck_home / "config.toml"), ssh=c.ssh_options(), history=history, state_dir=c.gpudeck_home / "agent")
+    app = GpudeckApp(Ops.console(fleet))
+    out: dict = {}
+    try:
+        async with app.run_test(size=(160, 50)) as pilot:
+            await until(lambda: all(fleet.links[h].status.state == "up" for h in ("nodea", "nodeb")), timeout=60, what="both hosts up")
+            dialog = await open_launch(pilot, hosts="nodea,nodeb", python="python3", name="gate-console", args="-m platform")
+            await pilot.press("ctrl+s")  # pre-flight on both
+            button = dialog.query_one("#launch", Button)
+            await until(lambda: "Launch" in str(button.label) and not button.disabled, timeout=240, what="pre-flight on both nodes")
+            await pilot.press("ctrl+s")  # launch: the gate refuses
+            allow = dialog.query_one("#allow-env", Button)
+            await until(lambda: allow.display, timeout=240, what="the gate's refusal and its way past")
+            out["refused"] = str(dialog.query_one("#launch-error", Static).render())
+            out["allow_button"] = bool(allow.display)
+            await pilot.press("ctrl+g")
+            await until(lambda: not mounted(app, LaunchDialog), timeout=240, what="the launch past the gate")
+            await until(lambda: mounted(app, RunScreen), timeout=60, what="the launched run's screen")  # (opened on launch)
+            await pilot.pause()
+    finally:
+        await fleet.close()
+        history.close()
+    return out

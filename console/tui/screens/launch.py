@@ -40,7 +40,7 @@ from gpudeck.console.core.sanitize import escape_controls, one_line
 from gpudeck.console.ops import IntentError, LaunchIntent, LaunchPlan, LaunchResult, OpsError
 from gpudeck.console.ops.holders import HOLDERS_CHECK, HolderPlan, ReclaimLaunch
 from gpudeck.console.ops.intent import count_text, form_start
-from gpudeck.console.ops.launch import NodeOutcome, plan_here
+from gpudeck.console.ops.launch import NodeOutcome
 from gpudeck.console.present.views import gpu_free, holder_label
 from gpudeck.console.tui.screens.base import Guarded, deck
 from gpudeck.console.tui.screens.dialogs import ConfirmDialog
@@ -253,6 +253,13 @@ class LaunchDialog(Guarded, ModalScreen[LaunchOutcome | None]):
         Binding("escape", "cancel", "Cancel"),
         Binding("ctrl+s", "submit", "Pre-flight / Launch", tooltip="first: pre-flight on the host (nothing starts); then: launch"),
         Binding("ctrl+f", "force", "Launch with --force", show=False, tooltip="after pre-flight named GPU holders: launch past them"),
+        Binding(
+            "ctrl+g",
+            "allow_env",
+            "Launch past the nodes' differences",
+            show=False,
+            tooltip="after the cross-node gate refused: launch allowing exactly the rows it named (recorded with the run)",
+        ),
         # priority: the next field gets focus before the keys typed after tab are delivered (a fast typist, a paste)
         Binding("tab", "app.focus_next", show=False, priority=True),
         Binding("shift+tab", "app.focus_previous", show=False, priority=True),
@@ -273,6 +280,7 @@ class LaunchDialog(Guarded, ModalScreen[LaunchOutcome | None]):
         self._gpu_host: str | None = None
         self._gpu_simulated = False
         self._armed = False
+        self._gate_names: tuple[str, ...] = ()  # the rows the cross-node gate refused on, for ctrl+g (--allow-env-diff)
         self._holders: HolderPlan | None = None  # what "Reclaim these and launch" stops (None: not offered)
         self._forcible = False  # only the GPU-holder check failed: --force is a choice
 
@@ -340,6 +348,7 @@ class LaunchDialog(Guarded, ModalScreen[LaunchOutcome | None]):
             with Horizontal(classes="dialog-buttons"):
                 yield Button("Pre-flight (ctrl+s)", variant="primary", id="launch")
                 yield Button("Launch with --force (ctrl+f)", variant="error", id="force")
+                yield Button("Launch past these differences (ctrl+g)", variant="warning", id="allow-env")
                 yield Button("Cancel (esc)", id="cancel")
 
     def on_mount(self) -> None:
@@ -349,6 +358,7 @@ class LaunchDialog(Guarded, ModalScreen[LaunchOutcome | None]):
             self.query_one("#kind", Select).value = self._prefill["kind"]
         self._fill_gpus(str(self.query_one("#host", Select).value))
         self.query_one("#force", Button).display = False
+        self.query_one("#allow-env", Button).display = False
         self.query_one("#args", Input).focus()
         self.call_after_refresh(self._arm)
 
@@ -417,6 +427,7 @@ class LaunchDialog(Guarded, ModalScreen[LaunchOutcome | None]):
             self._checked = None
             self._result = None
             self._offer(None, forcible=False)
+            self._allow_gate(())
             self.query_one("#preflight", Static).update(Text("the form changed: ctrl+s runs pre-flight again", style="yellow"))
             self._button("Pre-flight (ctrl+s)", disabled=False)
 
@@ -462,12 +473,15 @@ class LaunchDialog(Guarded, ModalScreen[LaunchOutcome | None]):
             need_gib=val("need-gib"),
         )
 
-    def plan(self, force: bool = False) -> LaunchPlan:
-        """The form planned by the operations layer; IntentError says which field to fix."""
+    def plan(self, force: bool = False, allow_env_diff: tuple[str, ...] = ()) -> LaunchPlan:
+        """The form planned by the operations layer; IntentError says which field to fix. ``allow_env_diff``: the
+        cross-node gate's rows to launch past (``--allow-env-diff``, recorded with the run)."""
         intent = intent_from_form(self.form(), self._base)
         if force:
             intent = dataclasses.replace(intent, force=True)
-        return plan_here(intent, run_id=self._run_id)
+        if allow_env_diff:
+            intent = dataclasses.replace(intent, allow_env_diff=tuple(sorted({*intent.allow_env_diff, *allow_env_diff})))
+        return deck(self).ops.plan(intent, run_id=self._run_id)
 
     def submit(self) -> None:
         """ctrl+s: pre-flight the form, or launch what pre-flight accepted."""
@@ -556,14 +570,28 @@ class LaunchDialog(Guarded, ModalScreen[LaunchOutcome | None]):
             return
         if result.verdict != "running" and plan.multinode:
             why = "; ".join(f"{n.host}: {n.error or 'pre-flight failed'}" for n in result.failed)
-            if result.gate is not None and result.gate.refused:  # the cross-node gate: its table, who differs, the way past
-                why = "\n".join(filter(None, [why, *result.gate.refusal()[1:]]))
+            gate = result.gate if result.gate is not None and result.gate.refused else None
+            said = f"nothing runs on any host: {why}"
+            if gate is not None:  # the cross-node gate: its headline, table, who differs, the way past (here: ctrl+g too)
+                said = "\n".join(
+                    [
+                        *([said] if why else []),
+                        *gate.refusal(),
+                        "or press ctrl+g here: launch past exactly these rows (recorded with the run on every node)",
+                    ]
+                )
             progress.finish(f"{result.run_id}: {result.verdict}", style="bold red")
-            self.query_one("#launch-error", Static).update(plain_markup(Text(f"nothing runs on any host: {why}", style="bold red")))
+            self.query_one("#launch-error", Static).update(plain_markup(Text(said, style="bold red")))
             self._button("Launch (ctrl+s)")
+            self._allow_gate(tuple(r.name for r in gate.rows) if gate is not None else ())
             return
         progress.finish(f"{result.run_id}: {result.verdict}")
         self.dismiss(LaunchOutcome(result))
+
+    def _allow_gate(self, names: tuple[str, ...]) -> None:
+        """After the cross-node gate refused: offer to launch past exactly its rows (none: the offer goes)."""
+        self._gate_names = names
+        self.query_one("#allow-env", Button).display = bool(names)
 
     def _offer(self, holders: HolderPlan | None, forcible: bool) -> None:
         """What pre-flight leaves to choose: reclaim these holders (first), launch with --force (second)."""
@@ -619,6 +647,9 @@ class LaunchDialog(Guarded, ModalScreen[LaunchOutcome | None]):
         if event.button.id == "force":
             self.action_force()
             return
+        if event.button.id == "allow-env":
+            self.action_allow_env()
+            return
         self.submit()
 
     def action_submit(self) -> None:
@@ -633,6 +664,18 @@ class LaunchDialog(Guarded, ModalScreen[LaunchOutcome | None]):
         except OpsError as exc:
             self.query_one("#launch-error", Static).update(plain_markup(Text(exc.message, style="bold red")))
             return
+        self.launch(plan)
+
+    def action_allow_env(self) -> None:
+        """After the cross-node gate refused: launch allowing exactly the rows it named (``--allow-env-diff``, recorded)."""
+        if not self._gate_names or self.query_one("#launch-progress", ProgressLine).running:
+            return
+        try:
+            plan = self.plan(allow_env_diff=self._gate_names)
+        except OpsError as exc:
+            self.query_one("#launch-error", Static).update(plain_markup(Text(exc.message, style="bold red")))
+            return
+        self._allow_gate(())
         self.launch(plan)
 
     def action_cancel(self) -> None:
