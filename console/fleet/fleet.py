@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import sqlite3
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine
 from pathlib import Path
@@ -67,7 +68,7 @@ from gpudeck.agents.wire.protocol import (
 from gpudeck.console.core import config as cfg
 from gpudeck.console.core.records import HostStatus, LinkState, SyncResult
 from gpudeck.console.fleet.ssh_options import HostKeyError, SshOptions
-from gpudeck.console.history.replica import History
+from gpudeck.console.history.replica import History, HistoryError
 
 if TYPE_CHECKING:
     from gpudeck.console.fleet.transport import SshLink
@@ -274,11 +275,25 @@ class HostLink:
                 msg = exc.message if isinstance(exc, AgentError) else str(exc)
                 await self._drop()
                 self._set_state("unreachable", msg)
+            except Exception as exc:  # a library's error nobody foresaw: this host is retried like any other failure,
+                # never left down for good by a task that ended with the exception unseen
+                await self._drop()
+                self._set_state("unreachable", f"{type(exc).__name__}: {exc}")
             if self.history is not None:
-                await asyncio.to_thread(self.history.note_host, self.name, self.status.state, self.status.error)
+                await self._note_state()
             # exponential backoff with full jitter, so a fleet does not reconnect in lockstep
             await asyncio.sleep(random.uniform(backoff / 2, backoff))
             backoff = min(backoff * 2, BACKOFF_MAX_S)
+
+    async def _note_state(self) -> None:
+        """Record the link's state in the history, best effort: the history may be busy past its timeout (a writer
+        committing a backlog, another process holding the file), and a failed note must not end the reconnect loop
+        (issue 33: a restarting host's link never came back because this raised "database is locked" there)."""
+        assert self.history is not None
+        try:
+            await asyncio.to_thread(self.history.note_host, self.name, self.status.state, self.status.error)
+        except (sqlite3.Error, HistoryError, OSError):
+            pass  # the state is on the link itself; the next change records it again
 
     async def _watch(self, client: AgentClient) -> None:
         """Follow the snapshot stream: items arrive by callback from the reader (no task hop per snapshot); a
