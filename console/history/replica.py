@@ -116,6 +116,24 @@ def _j(value: Any) -> str:
     return json.dumps(value, default=str, separators=(",", ":"))
 
 
+_encode = msgspec.json.Encoder().encode
+
+
+def _data_text(data: dict[str, Any]) -> str:
+    """An event's data as the history stores it, for data that passed :func:`quarantine.check_event`: msgspec's
+    encoder (several times faster than the stdlib's), unless the text is not ASCII, where the stdlib's escapes
+    keep every stored row ASCII as before (no raw control characters of other scripts in a column)."""
+    try:
+        raw = _encode(data)
+    except (msgspec.EncodeError, TypeError, OverflowError, ValueError):
+        return _j(data)
+    return raw.decode() if raw.isascii() else _j(data)
+
+
+# what refuses one event: it is quarantined by itself (console/history/quarantine.py)
+_REFUSED = (quarantine.BadEvent, sqlite3.Error, OverflowError, ValueError, TypeError, AttributeError, KeyError, RecursionError)
+
+
 def _connect(path: Path) -> sqlite3.Connection:
     conn = sqlite3.connect(str(path), isolation_level=None, check_same_thread=False, timeout=10.0)
     conn.execute("PRAGMA busy_timeout=10000")
@@ -193,11 +211,29 @@ def ensure_schema(db: sqlite_utils.Database) -> None:
     db.execute("INSERT OR IGNORE INTO meta(key, value) VALUES ('schema_version', ?)", [str(SCHEMA_VERSION)])
 
 
+@dataclass
+class _RunFold:
+    """A run row's telemetry columns as the events of one batch leave them, written once when the batch ends."""
+
+    telemetry: dict[str, Any]  # the last record of each type
+    mem_peak_gib: float | None
+    fields: dict[str, Any]  # column -> value, the last one set
+    ts: float = 0.0
+
+
 class _Apply:
-    """Folds one newly inserted event into the ``runs`` and ``metrics`` tables."""
+    """Folds one newly inserted event into the ``runs`` and ``metrics`` tables.
+
+    With ``defer`` set (a host's batch going in whole), a run's telemetry (most of a busy host's journal: a step
+    record every 10 s) is folded in memory and its ``runs`` row written once, at :meth:`flush`, instead of read,
+    decoded, encoded and written again for every event (issue 33: that was most of the history writer's time while
+    a fleet's backlog went in). Any other event flushes first, so every handler reads the row as the events before
+    it left it."""
 
     def __init__(self, conn: sqlite3.Connection) -> None:
         self.c = conn
+        self.defer = False
+        self._held: dict[tuple[str, str], _RunFold] = {}
 
     def __call__(self, host: str, epoch: str, ev: Event) -> None:
         if ev.kind == "gpu_hold":  # the GPU ledger: folded into its own index (console/history/ledger_index.py)
@@ -205,7 +241,19 @@ class _Apply:
             return
         fn = getattr(self, f"_on_{ev.kind}", None)
         if fn is not None and ev.run_id:
+            if self._held and ev.kind != "telemetry":
+                self.flush()
             fn(host, epoch, ev)
+
+    def flush(self) -> None:
+        """Write the runs rows whose telemetry is held in memory."""
+        held, self._held = self._held, {}
+        for (host, run_id), fold in held.items():
+            self._update(host, run_id, fold.ts, telemetry=_j(fold.telemetry), **fold.fields)
+
+    def drop(self) -> None:
+        """Forget what is held (the batch it came from was rolled back)."""
+        self._held = {}
 
     def _update(self, host: str, run_id: str, ts: float, **fields: Any) -> None:
         cols = [k for k in fields if k in _RUN_COLUMNS]
@@ -297,12 +345,14 @@ class _Apply:
         rec = ev.data.get("record") or {}
         kind = rec.get("type")
         rid = ev.run_id or ""
-        row = self._row(host, rid, "telemetry, mem_peak_gib")
-        if row is None:
-            return
-        last = loads(row[0], {})
-        last[str(kind)] = rec
-        fields: dict[str, object] = {"telemetry": _j(last)}  # column -> value
+        fold = self._held.get((host, rid))
+        if fold is None:
+            row = self._row(host, rid, "telemetry, mem_peak_gib")
+            if row is None:
+                return
+            fold = _RunFold(loads(row[0], {}), row[1], {})
+        fold.telemetry[str(kind)] = rec
+        fields = fold.fields
         if kind == "manifest":
             for k in ("params_total", "world_size", "config_hash", "dataset_samples", "dataset_tokens"):
                 if rec.get(k) is not None:
@@ -312,7 +362,7 @@ class _Apply:
             fields.update(last_step=step, last_loss=rec.get("loss"), tokens_per_s=rec.get("tokens_per_s"), mfu=rec.get("mfu"))
             peak = rec.get("mem_peak_gib")
             if isinstance(peak, (int, float)):
-                fields["mem_peak_gib"] = max(peak, row[1] or 0.0)
+                fold.mem_peak_gib = fields["mem_peak_gib"] = max(peak, fold.mem_peak_gib or 0.0)
             if isinstance(step, int):
                 self.c.execute(
                     "INSERT OR REPLACE INTO metrics(host, run_id, step, ts, loss, tokens_per_s, mfu, mem_peak_gib) VALUES (?,?,?,?,?,?,?,?)",
@@ -327,7 +377,11 @@ class _Apply:
             fields["final_step"] = rec.get("final_step")
         elif kind == "error":
             fields["error"] = str(rec.get("message"))[:2000]
-        self._update(host, rid, ev.ts, **fields)
+        fold.ts = ev.ts
+        if self.defer:
+            self._held[(host, rid)] = fold
+        else:
+            self._update(host, rid, ev.ts, telemetry=_j(fold.telemetry), **fields)
 
     def _on_alert(self, host: str, epoch: str, ev: Event) -> None:
         row = self._row(host, ev.run_id or "", "alerts")
@@ -452,53 +506,81 @@ class History:
         conn.execute("BEGIN IMMEDIATE")
         try:
             for b in batch:
-                n = 0
-                last = None
-                for ev in b.events:
-                    # each event by itself: one that fails validation, or that SQLite refuses while it is folded into
-                    # the runs table, is quarantined raw and the rest of the batch goes in (console/history/quarantine.py)
-                    conn.execute("SAVEPOINT one_event")
-                    try:
-                        quarantine.check_event(ev)
-                        cur = conn.execute(
-                            "INSERT OR IGNORE INTO events(host, epoch, seq, ts, kind, run_id, data) VALUES (?,?,?,?,?,?,?)",
-                            (b.host, b.epoch, ev.seq, ev.ts, ev.kind, ev.run_id, _j(ev.data)),
-                        )
-                        if cur.rowcount == 1:  # new to the replica: fold it into the run once
-                            n += 1
-                            apply(b.host, b.epoch, ev)
-                    except (
-                        quarantine.BadEvent,
-                        sqlite3.Error,
-                        OverflowError,
-                        ValueError,
-                        TypeError,
-                        AttributeError,
-                        KeyError,
-                        RecursionError,
-                    ) as exc:
-                        conn.execute("ROLLBACK TO one_event")
-                        quarantine.put(
-                            conn,
-                            b.host,
-                            b.epoch,
-                            ev,
-                            f"{type(exc).__name__}: {exc}" if not isinstance(exc, quarantine.BadEvent) else str(exc),
-                        )
-                        self.events_quarantined += 1
-                    conn.execute("RELEASE one_event")
-                    if isinstance(ev.seq, int) and 0 < ev.seq <= quarantine.INT_MAX:
-                        last = ev.seq if last is None else max(last, ev.seq)
+                n, last = self._put_whole(conn, apply, b)
+                if n is None:  # something in it is refused: event by event, the refused ones quarantined
+                    n, last = self._put_each(conn, apply, b)
                 if last is not None:
                     conn.execute("UPDATE epochs SET last_seq=MAX(last_seq, ?) WHERE host=? AND epoch=?", (last, b.host, b.epoch))
                 counts.append(n)
             conn.execute("COMMIT")
         except BaseException:
+            apply.drop()
             conn.execute("ROLLBACK")
             raise
         self.batches_committed += 1
         self.events_inserted += sum(counts)
         return counts
+
+    def _put_whole(self, conn: sqlite3.Connection, apply: _Apply, b: _Batch) -> tuple[int | None, int | None]:
+        """One host's batch in one savepoint, its runs' telemetry folded in memory (see :class:`_Apply`): two
+        statements for a step record instead of six. (None, None) when any event is refused: the savepoint is rolled
+        back and the caller puts the batch in event by event."""
+        conn.execute("SAVEPOINT host_batch")
+        apply.defer = True
+        n = 0
+        last: int | None = None
+        try:
+            for ev in b.events:
+                quarantine.check_event(ev)
+                cur = conn.execute(
+                    "INSERT OR IGNORE INTO events(host, epoch, seq, ts, kind, run_id, data) VALUES (?,?,?,?,?,?,?)",
+                    (b.host, b.epoch, ev.seq, ev.ts, ev.kind, ev.run_id, _data_text(ev.data)),
+                )
+                if cur.rowcount == 1:
+                    n += 1
+                    apply(b.host, b.epoch, ev)
+                last = ev.seq if last is None else max(last, ev.seq)
+            apply.flush()
+        except _REFUSED:
+            apply.drop()
+            conn.execute("ROLLBACK TO host_batch")
+            conn.execute("RELEASE host_batch")
+            return None, None
+        finally:
+            apply.defer = False
+        conn.execute("RELEASE host_batch")
+        return n, last
+
+    def _put_each(self, conn: sqlite3.Connection, apply: _Apply, b: _Batch) -> tuple[int, int | None]:
+        """One host's batch event by event: one that fails validation, or that SQLite refuses while it is folded into
+        the runs table, is quarantined raw and the rest of the batch goes in (console/history/quarantine.py)."""
+        n = 0
+        last: int | None = None
+        for ev in b.events:
+            conn.execute("SAVEPOINT one_event")
+            try:
+                quarantine.check_event(ev)
+                cur = conn.execute(
+                    "INSERT OR IGNORE INTO events(host, epoch, seq, ts, kind, run_id, data) VALUES (?,?,?,?,?,?,?)",
+                    (b.host, b.epoch, ev.seq, ev.ts, ev.kind, ev.run_id, _j(ev.data)),
+                )
+                if cur.rowcount == 1:  # new to the replica: fold it into the run once
+                    n += 1
+                    apply(b.host, b.epoch, ev)
+            except _REFUSED as exc:
+                conn.execute("ROLLBACK TO one_event")
+                quarantine.put(
+                    conn,
+                    b.host,
+                    b.epoch,
+                    ev,
+                    f"{type(exc).__name__}: {exc}" if not isinstance(exc, quarantine.BadEvent) else str(exc),
+                )
+                self.events_quarantined += 1
+            conn.execute("RELEASE one_event")
+            if isinstance(ev.seq, int) and 0 < ev.seq <= quarantine.INT_MAX:
+                last = ev.seq if last is None else max(last, ev.seq)
+        return n, last
 
     def submit(self, host: str, epoch: str, events: list[Event]) -> Future:
         """Queue events for the writer; the future gives how many were new."""
