@@ -24,7 +24,7 @@ import queue
 import sqlite3
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass
 from pathlib import Path
@@ -422,7 +422,19 @@ class _Batch:
     done: Future
 
 
-def _settle(fut: Future, result: int = 0, exception: BaseException | None = None) -> None:
+@dataclass
+class _Job:
+    """A write other than events (a host's cursor, its link state, a pending stop), run by the writer thread between
+    its transactions: the console's writes never wait on one another's SQLite lock. Before, they went through the
+    reader's connection and waited for the writer's lock; with a backlog queued the writer began its next transaction
+    at once, and a host's cursor or link-state note could wait out the 10 s busy timeout ("database is locked":
+    issue 33, the restarting host whose link never came back)."""
+
+    fn: Callable[[sqlite3.Connection], Any]
+    done: Future
+
+
+def _settle(fut: Future, result: Any = 0, exception: BaseException | None = None) -> None:
     """Give a waiter its answer unless it stopped waiting: a caller that timed out cancels its future (asyncio's
     wrap_future), and set_result on a cancelled one raises, which ended the writer thread and left every later write
     of the history waiting forever (found by make test-under-load). The batch itself is committed either way."""
@@ -433,6 +445,33 @@ def _settle(fut: Future, result: int = 0, exception: BaseException | None = None
             fut.set_result(result)
     except InvalidStateError:
         pass
+
+
+def _cursor(c: sqlite3.Connection, host: str, epoch: str, agent_version: str | None, agent_host: str | None) -> Cursor:
+    now = time.time()
+    c.execute("BEGIN IMMEDIATE")
+    try:
+        row = c.execute("SELECT last_seq FROM epochs WHERE host=? AND epoch=?", (host, epoch)).fetchone()
+        prev = c.execute("SELECT epoch FROM hosts WHERE name=?", (host,)).fetchone()
+        new = row is None
+        if new:
+            replaces = prev[0] if prev and prev[0] and prev[0] != epoch else None
+            c.execute("INSERT INTO epochs(host, epoch, first_seen, last_seq, replaces) VALUES (?,?,?,0,?)", (host, epoch, now, replaces))
+        # the epoch table's last_seq can lag a crash; the events themselves are the truth
+        last = c.execute("SELECT MAX(seq) FROM events WHERE host=? AND epoch=?", (host, epoch)).fetchone()[0] or 0
+        held = c.execute("SELECT MAX(seq) FROM quarantine WHERE host=? AND epoch=?", (host, epoch)).fetchone()[0] or 0
+        last = max(last, held)  # a quarantined event is not pulled again
+        c.execute(
+            "INSERT INTO hosts(name, epoch, first_seen, last_seen, agent_version, agent_host, state) VALUES (?,?,?,?,?,?,'up')"
+            " ON CONFLICT(name) DO UPDATE SET epoch=excluded.epoch, last_seen=excluded.last_seen, agent_version=excluded.agent_version,"
+            " agent_host=excluded.agent_host, state='up', error=NULL",
+            (host, epoch, now, now, agent_version, agent_host),
+        )
+        c.execute("COMMIT")
+    except BaseException:
+        c.execute("ROLLBACK")
+        raise
+    return Cursor(host=host, epoch=epoch, last_seq=int(last), new_epoch=new)
 
 
 class History:
@@ -455,7 +494,7 @@ class History:
                 f"(GPUDECK_HOME={config.home() or 'unset'})"
             ) from None
         self._read_lock = threading.Lock()
-        self._q: queue.Queue[_Batch | None] = queue.Queue()
+        self._q: queue.Queue[_Batch | _Job | None] = queue.Queue()
         self._writer: threading.Thread | None = None
         self._closed = False
         self.batches_committed = 0
@@ -472,14 +511,21 @@ class History:
     def _write_loop(self) -> None:
         conn = _connect(self.path)
         apply = _Apply(conn)
+        job: _Job | None = None  # met while gathering a transaction: run right after it
         while True:
-            item = self._q.get()
+            item = job or self._q.get()
+            job = None
             if item is None:
                 break
+            if isinstance(item, _Job):
+                try:
+                    _settle(item.done, result=item.fn(conn))
+                except Exception as exc:  # the caller gets it; the writer keeps going
+                    _settle(item.done, exception=exc)
+                continue
             batch = [item]
             # whatever else queued up meanwhile goes into the same transaction, up to WRITE_TXN_EVENTS events: a longer
-            # one holds the write lock past the readers' busy timeout (a host's cursor() at connect), as a console
-            # pulling 512 hosts' 5,000-event batches did (issue 33)
+            # one holds the write lock past the busy timeout of another process reading or writing the file
             events = len(item.events)
             while len(batch) < 512 and events < WRITE_TXN_EVENTS:
                 try:
@@ -488,6 +534,9 @@ class History:
                     break
                 if nxt is None:
                     self._q.put(None)
+                    break
+                if isinstance(nxt, _Job):
+                    job = nxt
                     break
                 batch.append(nxt)
                 events += len(nxt.events)
@@ -500,6 +549,15 @@ class History:
             for b, n in zip(batch, counts):
                 _settle(b.done, result=n)
         conn.close()
+
+    def _run_job(self, fn: Callable[[sqlite3.Connection], Any]) -> Any:
+        """Run ``fn(connection)`` on the writer thread and return what it returns (raises what it raises)."""
+        if self._closed:
+            raise HistoryError("the history is closed")
+        self._start_writer()
+        fut: Future = Future()
+        self._q.put(_Job(fn, fut))
+        return fut.result()
 
     def _commit(self, conn: sqlite3.Connection, apply: _Apply, batch: list[_Batch]) -> list[int]:
         counts: list[int] = []
@@ -614,50 +672,25 @@ class History:
 
     def cursor(self, host: str, epoch: str, agent_version: str | None = None, agent_host: str | None = None) -> Cursor:
         """Where to resume pulling ``host``'s events; records a new epoch the first time it is seen."""
-        now = time.time()
-        with self._read_lock:
-            c = self._read_conn
-            c.execute("BEGIN IMMEDIATE")
-            try:
-                row = c.execute("SELECT last_seq FROM epochs WHERE host=? AND epoch=?", (host, epoch)).fetchone()
-                prev = c.execute("SELECT epoch FROM hosts WHERE name=?", (host,)).fetchone()
-                new = row is None
-                if new:
-                    replaces = prev[0] if prev and prev[0] and prev[0] != epoch else None
-                    c.execute(
-                        "INSERT INTO epochs(host, epoch, first_seen, last_seq, replaces) VALUES (?,?,?,0,?)", (host, epoch, now, replaces)
-                    )
-                # the epoch table's last_seq can lag a crash; the events themselves are the truth
-                last = c.execute("SELECT MAX(seq) FROM events WHERE host=? AND epoch=?", (host, epoch)).fetchone()[0] or 0
-                held = c.execute("SELECT MAX(seq) FROM quarantine WHERE host=? AND epoch=?", (host, epoch)).fetchone()[0] or 0
-                last = max(last, held)  # a quarantined event is not pulled again
-                c.execute(
-                    "INSERT INTO hosts(name, epoch, first_seen, last_seen, agent_version, agent_host, state) VALUES (?,?,?,?,?,?,'up')"
-                    " ON CONFLICT(name) DO UPDATE SET epoch=excluded.epoch, last_seen=excluded.last_seen, agent_version=excluded.agent_version,"
-                    " agent_host=excluded.agent_host, state='up', error=NULL",
-                    (host, epoch, now, now, agent_version, agent_host),
-                )
-                c.execute("COMMIT")
-            except BaseException:
-                c.execute("ROLLBACK")
-                raise
-        return Cursor(host=host, epoch=epoch, last_seq=int(last), new_epoch=new)
+        return self._run_job(lambda c: _cursor(c, host, epoch, agent_version, agent_host))
 
     def note_host(self, host: str, state: str, error: str | None = None) -> None:
         """Record a host's link state (shown by ``gpudeck history`` for hosts it could not reach)."""
-        with self._read_lock:
-            self._read_conn.execute(
+        self._run_job(
+            lambda c: c.execute(
                 "INSERT INTO hosts(name, first_seen, state, error) VALUES (?,?,?,?) ON CONFLICT(name) DO UPDATE SET state=excluded.state, error=excluded.error",
                 (host, time.time(), state, error),
             )
+        )
 
     def add_pending_stop(self, host: str, run_id: str, grace_s: float) -> None:
         """Remember to stop ``run_id`` on ``host`` when it is reachable again."""
-        with self._read_lock:
-            self._read_conn.execute(
+        self._run_job(
+            lambda c: c.execute(
                 "INSERT OR REPLACE INTO pending_stops(host, run_id, grace_s, requested) VALUES (?,?,?,?)",
                 (host, run_id, grace_s, time.time()),
             )
+        )
 
     def pending_stops(self, host: str) -> list[tuple[str, float]]:
         """(run id, grace) of the stops waiting for ``host``."""
@@ -667,8 +700,7 @@ class History:
 
     def clear_pending_stop(self, host: str, run_id: str) -> None:
         """The stop was delivered."""
-        with self._read_lock:
-            self._read_conn.execute("DELETE FROM pending_stops WHERE host=? AND run_id=?", (host, run_id))
+        self._run_job(lambda c: c.execute("DELETE FROM pending_stops WHERE host=? AND run_id=?", (host, run_id)))
 
     def epochs(self, host: str) -> list[EpochRecord]:
         """Every agent epoch seen for a host, oldest first."""
