@@ -497,6 +497,7 @@ class History:
         self._q: queue.Queue[_Batch | _Job | None] = queue.Queue()
         self._writer: threading.Thread | None = None
         self._closed = False
+        self._put_lock = threading.Lock()  # guards _closed, the writer's start and the queue's end mark
         self.batches_committed = 0
         self.events_inserted = 0
         self.events_quarantined = 0
@@ -552,12 +553,19 @@ class History:
 
     def _run_job(self, fn: Callable[[sqlite3.Connection], Any]) -> Any:
         """Run ``fn(connection)`` on the writer thread and return what it returns (raises what it raises)."""
-        if self._closed:
-            raise HistoryError("the history is closed")
-        self._start_writer()
         fut: Future = Future()
-        self._q.put(_Job(fn, fut))
+        self._enqueue(_Job(fn, fut))
         return fut.result()
+
+    def _enqueue(self, item: _Batch | _Job) -> None:
+        """Queue for the one writer thread, started the first time. Under a lock: jobs come from several threads at
+        once (a fleet's hosts connecting), and nothing may be queued behind close()'s end mark, where no one would
+        ever answer it."""
+        with self._put_lock:
+            if self._closed:
+                raise HistoryError("the history is closed")
+            self._start_writer()
+            self._q.put(item)
 
     def _commit(self, conn: sqlite3.Connection, apply: _Apply, batch: list[_Batch]) -> list[int]:
         counts: list[int] = []
@@ -642,11 +650,8 @@ class History:
 
     def submit(self, host: str, epoch: str, events: list[Event]) -> Future:
         """Queue events for the writer; the future gives how many were new."""
-        if self._closed:
-            raise HistoryError("the history is closed")
-        self._start_writer()
         fut: Future = Future()
-        self._q.put(_Batch(host, epoch, list(events), fut))
+        self._enqueue(_Batch(host, epoch, list(events), fut))
         return fut
 
     async def ingest(self, host: str, epoch: str, events: list[Event]) -> int:
@@ -655,12 +660,15 @@ class History:
 
     def close(self) -> None:
         """Finish queued writes and close."""
-        if self._closed:
-            return
-        self._closed = True
-        if self._writer is not None:
-            self._q.put(None)
-            self._writer.join(30)
+        with self._put_lock:
+            if self._closed:
+                return
+            self._closed = True
+            writer = self._writer
+            if writer is not None:
+                self._q.put(None)
+        if writer is not None:
+            writer.join(30)
         with self._read_lock:
             self._read_conn.close()
 

@@ -379,3 +379,34 @@ def test_a_batch_folded_whole_leaves_the_same_history_as_event_by_event(tmp_path
     finally:
         whole.close()
         each.close()
+
+
+def test_cursors_asked_from_many_threads_at_once_go_through_one_writer(tmp_path: Path) -> None:
+    """A fleet's hosts ask for their cursors from several threads at once (asyncio.to_thread); they are written by the
+    history's one writer thread (issue 33: none waits on another's SQLite lock), and after close() a caller is told
+    at once instead of waiting forever behind the writer's end."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    from gpudeck.console.history.replica import HistoryError
+
+    def writers() -> int:
+        return sum(t.name == "history-writer" for t in threading.enumerate())
+
+    before = writers()
+    h = History(tmp_path / "history.db")
+    try:
+        with ThreadPoolExecutor(16) as pool:
+            cursors = list(pool.map(lambda i: h.cursor(f"h{i:02d}", "ep", "0.1.0", f"node{i}"), range(64)))
+        assert [c.host for c in cursors] == [f"h{i:02d}" for i in range(64)]
+        assert all(c.new_epoch and c.last_seq == 0 for c in cursors)
+        assert writers() == before + 1
+        assert len(h.hosts()) == 64 and h.cursor("h07", "ep").new_epoch is False
+        h.note_host("h07", "unreachable", "no answer")
+        assert next(x for x in h.hosts() if x.name == "h07").state == "unreachable"
+    finally:
+        h.close()
+    with pytest.raises(HistoryError):
+        h.cursor("h07", "ep")
+    with pytest.raises(HistoryError):
+        h.note_host("h07", "up")
