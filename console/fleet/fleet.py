@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import sqlite3
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine
 from pathlib import Path
@@ -67,7 +68,7 @@ from gpudeck.agents.wire.protocol import (
 from gpudeck.console.core import config as cfg
 from gpudeck.console.core.records import HostStatus, LinkState, SyncResult
 from gpudeck.console.fleet.ssh_options import HostKeyError, SshOptions
-from gpudeck.console.history.replica import History
+from gpudeck.console.history.replica import History, HistoryError
 
 if TYPE_CHECKING:
     from gpudeck.console.fleet.transport import SshLink
@@ -274,11 +275,25 @@ class HostLink:
                 msg = exc.message if isinstance(exc, AgentError) else str(exc)
                 await self._drop()
                 self._set_state("unreachable", msg)
+            except Exception as exc:  # a library's error nobody foresaw: this host is retried like any other failure,
+                # never left down for good by a task that ended with the exception unseen
+                await self._drop()
+                self._set_state("unreachable", f"{type(exc).__name__}: {exc}")
             if self.history is not None:
-                await asyncio.to_thread(self.history.note_host, self.name, self.status.state, self.status.error)
+                await self._note_state()
             # exponential backoff with full jitter, so a fleet does not reconnect in lockstep
             await asyncio.sleep(random.uniform(backoff / 2, backoff))
             backoff = min(backoff * 2, BACKOFF_MAX_S)
+
+    async def _note_state(self) -> None:
+        """Record the link's state in the history, best effort: the history may be busy past its timeout (a writer
+        committing a backlog, another process holding the file), and a failed note must not end the reconnect loop
+        (issue 33: a restarting host's link never came back because this raised "database is locked" there)."""
+        assert self.history is not None
+        try:
+            await asyncio.to_thread(self.history.note_host, self.name, self.status.state, self.status.error)
+        except (sqlite3.Error, HistoryError, OSError):
+            pass  # the state is on the link itself; the next change records it again
 
     async def _watch(self, client: AgentClient) -> None:
         """Follow the snapshot stream: items arrive by callback from the reader (no task hop per snapshot); a
@@ -402,11 +417,16 @@ class HostLink:
                     raise AgentUnavailable(f"no answer to an event pull within {wait + REQUEST_TIMEOUT_S:.0f} s") from None
                 assert isinstance(batch, EventBatch)
                 n_new = await self._take(batch, hello.epoch, after, result)
+                got, top = len(batch.events), batch.last_seq
+                # the next pull of a caught-up host is a long poll (minutes): this batch, thousands of decoded events,
+                # must not live that long in the loop's variable (issue 33: with the backlog going in faster, the
+                # busy hosts that had just caught up held theirs together, +120-140 MiB of console RSS)
+                del batch
             if n_new is None:
                 continue  # a gap: ask again from what we hold
             after = result.last_seq
-            behind = len(batch.events) >= EVENT_BATCH
-            if not follow and (not batch.events or after >= batch.last_seq):
+            behind = got >= EVENT_BATCH
+            if not follow and (not got or after >= top):
                 return result
 
     async def _take(self, batch: EventBatch, epoch: str, after: int, result: SyncResult) -> int | None:

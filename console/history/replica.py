@@ -24,7 +24,7 @@ import queue
 import sqlite3
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass
 from pathlib import Path
@@ -116,6 +116,24 @@ def _j(value: Any) -> str:
     return json.dumps(value, default=str, separators=(",", ":"))
 
 
+_encode = msgspec.json.Encoder().encode
+
+
+def _data_text(data: dict[str, Any]) -> str:
+    """An event's data as the history stores it, for data that passed :func:`quarantine.check_event`: msgspec's
+    encoder (several times faster than the stdlib's), unless the text is not ASCII, where the stdlib's escapes
+    keep every stored row ASCII as before (no raw control characters of other scripts in a column)."""
+    try:
+        raw = _encode(data)
+    except (msgspec.EncodeError, TypeError, OverflowError, ValueError):
+        return _j(data)
+    return raw.decode() if raw.isascii() else _j(data)
+
+
+# what refuses one event: it is quarantined by itself (console/history/quarantine.py)
+_REFUSED = (quarantine.BadEvent, sqlite3.Error, OverflowError, ValueError, TypeError, AttributeError, KeyError, RecursionError)
+
+
 def _connect(path: Path) -> sqlite3.Connection:
     conn = sqlite3.connect(str(path), isolation_level=None, check_same_thread=False, timeout=10.0)
     conn.execute("PRAGMA busy_timeout=10000")
@@ -193,11 +211,29 @@ def ensure_schema(db: sqlite_utils.Database) -> None:
     db.execute("INSERT OR IGNORE INTO meta(key, value) VALUES ('schema_version', ?)", [str(SCHEMA_VERSION)])
 
 
+@dataclass
+class _RunFold:
+    """A run row's telemetry columns as the events of one batch leave them, written once when the batch ends."""
+
+    telemetry: dict[str, Any]  # the last record of each type
+    mem_peak_gib: float | None
+    fields: dict[str, Any]  # column -> value, the last one set
+    ts: float = 0.0
+
+
 class _Apply:
-    """Folds one newly inserted event into the ``runs`` and ``metrics`` tables."""
+    """Folds one newly inserted event into the ``runs`` and ``metrics`` tables.
+
+    With ``defer`` set (a host's batch going in whole), a run's telemetry (most of a busy host's journal: a step
+    record every 10 s) is folded in memory and its ``runs`` row written once, at :meth:`flush`, instead of read,
+    decoded, encoded and written again for every event (issue 33: that was most of the history writer's time while
+    a fleet's backlog went in). Any other event flushes first, so every handler reads the row as the events before
+    it left it."""
 
     def __init__(self, conn: sqlite3.Connection) -> None:
         self.c = conn
+        self.defer = False
+        self._held: dict[tuple[str, str], _RunFold] = {}
 
     def __call__(self, host: str, epoch: str, ev: Event) -> None:
         if ev.kind == "gpu_hold":  # the GPU ledger: folded into its own index (console/history/ledger_index.py)
@@ -205,7 +241,19 @@ class _Apply:
             return
         fn = getattr(self, f"_on_{ev.kind}", None)
         if fn is not None and ev.run_id:
+            if self._held and ev.kind != "telemetry":
+                self.flush()
             fn(host, epoch, ev)
+
+    def flush(self) -> None:
+        """Write the runs rows whose telemetry is held in memory."""
+        held, self._held = self._held, {}
+        for (host, run_id), fold in held.items():
+            self._update(host, run_id, fold.ts, telemetry=_j(fold.telemetry), **fold.fields)
+
+    def drop(self) -> None:
+        """Forget what is held (the batch it came from was rolled back)."""
+        self._held = {}
 
     def _update(self, host: str, run_id: str, ts: float, **fields: Any) -> None:
         cols = [k for k in fields if k in _RUN_COLUMNS]
@@ -297,12 +345,14 @@ class _Apply:
         rec = ev.data.get("record") or {}
         kind = rec.get("type")
         rid = ev.run_id or ""
-        row = self._row(host, rid, "telemetry, mem_peak_gib")
-        if row is None:
-            return
-        last = loads(row[0], {})
-        last[str(kind)] = rec
-        fields: dict[str, object] = {"telemetry": _j(last)}  # column -> value
+        fold = self._held.get((host, rid))
+        if fold is None:
+            row = self._row(host, rid, "telemetry, mem_peak_gib")
+            if row is None:
+                return
+            fold = _RunFold(loads(row[0], {}), row[1], {})
+        fold.telemetry[str(kind)] = rec
+        fields = fold.fields
         if kind == "manifest":
             for k in ("params_total", "world_size", "config_hash", "dataset_samples", "dataset_tokens"):
                 if rec.get(k) is not None:
@@ -312,7 +362,7 @@ class _Apply:
             fields.update(last_step=step, last_loss=rec.get("loss"), tokens_per_s=rec.get("tokens_per_s"), mfu=rec.get("mfu"))
             peak = rec.get("mem_peak_gib")
             if isinstance(peak, (int, float)):
-                fields["mem_peak_gib"] = max(peak, row[1] or 0.0)
+                fold.mem_peak_gib = fields["mem_peak_gib"] = max(peak, fold.mem_peak_gib or 0.0)
             if isinstance(step, int):
                 self.c.execute(
                     "INSERT OR REPLACE INTO metrics(host, run_id, step, ts, loss, tokens_per_s, mfu, mem_peak_gib) VALUES (?,?,?,?,?,?,?,?)",
@@ -327,7 +377,11 @@ class _Apply:
             fields["final_step"] = rec.get("final_step")
         elif kind == "error":
             fields["error"] = str(rec.get("message"))[:2000]
-        self._update(host, rid, ev.ts, **fields)
+        fold.ts = ev.ts
+        if self.defer:
+            self._held[(host, rid)] = fold
+        else:
+            self._update(host, rid, ev.ts, telemetry=_j(fold.telemetry), **fields)
 
     def _on_alert(self, host: str, epoch: str, ev: Event) -> None:
         row = self._row(host, ev.run_id or "", "alerts")
@@ -368,7 +422,19 @@ class _Batch:
     done: Future
 
 
-def _settle(fut: Future, result: int = 0, exception: BaseException | None = None) -> None:
+@dataclass
+class _Job:
+    """A write other than events (a host's cursor, its link state, a pending stop), run by the writer thread between
+    its transactions: the console's writes never wait on one another's SQLite lock. Before, they went through the
+    reader's connection and waited for the writer's lock; with a backlog queued the writer began its next transaction
+    at once, and a host's cursor or link-state note could wait out the 10 s busy timeout ("database is locked":
+    issue 33, the restarting host whose link never came back)."""
+
+    fn: Callable[[sqlite3.Connection], Any]
+    done: Future
+
+
+def _settle(fut: Future, result: Any = 0, exception: BaseException | None = None) -> None:
     """Give a waiter its answer unless it stopped waiting: a caller that timed out cancels its future (asyncio's
     wrap_future), and set_result on a cancelled one raises, which ended the writer thread and left every later write
     of the history waiting forever (found by make test-under-load). The batch itself is committed either way."""
@@ -379,6 +445,33 @@ def _settle(fut: Future, result: int = 0, exception: BaseException | None = None
             fut.set_result(result)
     except InvalidStateError:
         pass
+
+
+def _cursor(c: sqlite3.Connection, host: str, epoch: str, agent_version: str | None, agent_host: str | None) -> Cursor:
+    now = time.time()
+    c.execute("BEGIN IMMEDIATE")
+    try:
+        row = c.execute("SELECT last_seq FROM epochs WHERE host=? AND epoch=?", (host, epoch)).fetchone()
+        prev = c.execute("SELECT epoch FROM hosts WHERE name=?", (host,)).fetchone()
+        new = row is None
+        if new:
+            replaces = prev[0] if prev and prev[0] and prev[0] != epoch else None
+            c.execute("INSERT INTO epochs(host, epoch, first_seen, last_seq, replaces) VALUES (?,?,?,0,?)", (host, epoch, now, replaces))
+        # the epoch table's last_seq can lag a crash; the events themselves are the truth
+        last = c.execute("SELECT MAX(seq) FROM events WHERE host=? AND epoch=?", (host, epoch)).fetchone()[0] or 0
+        held = c.execute("SELECT MAX(seq) FROM quarantine WHERE host=? AND epoch=?", (host, epoch)).fetchone()[0] or 0
+        last = max(last, held)  # a quarantined event is not pulled again
+        c.execute(
+            "INSERT INTO hosts(name, epoch, first_seen, last_seen, agent_version, agent_host, state) VALUES (?,?,?,?,?,?,'up')"
+            " ON CONFLICT(name) DO UPDATE SET epoch=excluded.epoch, last_seen=excluded.last_seen, agent_version=excluded.agent_version,"
+            " agent_host=excluded.agent_host, state='up', error=NULL",
+            (host, epoch, now, now, agent_version, agent_host),
+        )
+        c.execute("COMMIT")
+    except BaseException:
+        c.execute("ROLLBACK")
+        raise
+    return Cursor(host=host, epoch=epoch, last_seq=int(last), new_epoch=new)
 
 
 class History:
@@ -401,9 +494,10 @@ class History:
                 f"(GPUDECK_HOME={config.home() or 'unset'})"
             ) from None
         self._read_lock = threading.Lock()
-        self._q: queue.Queue[_Batch | None] = queue.Queue()
+        self._q: queue.Queue[_Batch | _Job | None] = queue.Queue()
         self._writer: threading.Thread | None = None
         self._closed = False
+        self._put_lock = threading.Lock()  # guards _closed, the writer's start and the queue's end mark
         self.batches_committed = 0
         self.events_inserted = 0
         self.events_quarantined = 0
@@ -418,14 +512,21 @@ class History:
     def _write_loop(self) -> None:
         conn = _connect(self.path)
         apply = _Apply(conn)
+        job: _Job | None = None  # met while gathering a transaction: run right after it
         while True:
-            item = self._q.get()
+            item = job or self._q.get()
+            job = None
             if item is None:
                 break
+            if isinstance(item, _Job):
+                try:
+                    _settle(item.done, result=item.fn(conn))
+                except Exception as exc:  # the caller gets it; the writer keeps going
+                    _settle(item.done, exception=exc)
+                continue
             batch = [item]
             # whatever else queued up meanwhile goes into the same transaction, up to WRITE_TXN_EVENTS events: a longer
-            # one holds the write lock past the readers' busy timeout (a host's cursor() at connect), as a console
-            # pulling 512 hosts' 5,000-event batches did (issue 33)
+            # one holds the write lock past the busy timeout of another process reading or writing the file
             events = len(item.events)
             while len(batch) < 512 and events < WRITE_TXN_EVENTS:
                 try:
@@ -434,6 +535,9 @@ class History:
                     break
                 if nxt is None:
                     self._q.put(None)
+                    break
+                if isinstance(nxt, _Job):
+                    job = nxt
                     break
                 batch.append(nxt)
                 events += len(nxt.events)
@@ -447,66 +551,107 @@ class History:
                 _settle(b.done, result=n)
         conn.close()
 
+    def _run_job(self, fn: Callable[[sqlite3.Connection], Any]) -> Any:
+        """Run ``fn(connection)`` on the writer thread and return what it returns (raises what it raises)."""
+        fut: Future = Future()
+        self._enqueue(_Job(fn, fut))
+        return fut.result()
+
+    def _enqueue(self, item: _Batch | _Job) -> None:
+        """Queue for the one writer thread, started the first time. Under a lock: jobs come from several threads at
+        once (a fleet's hosts connecting), and nothing may be queued behind close()'s end mark, where no one would
+        ever answer it."""
+        with self._put_lock:
+            if self._closed:
+                raise HistoryError("the history is closed")
+            self._start_writer()
+            self._q.put(item)
+
     def _commit(self, conn: sqlite3.Connection, apply: _Apply, batch: list[_Batch]) -> list[int]:
         counts: list[int] = []
         conn.execute("BEGIN IMMEDIATE")
         try:
             for b in batch:
-                n = 0
-                last = None
-                for ev in b.events:
-                    # each event by itself: one that fails validation, or that SQLite refuses while it is folded into
-                    # the runs table, is quarantined raw and the rest of the batch goes in (console/history/quarantine.py)
-                    conn.execute("SAVEPOINT one_event")
-                    try:
-                        quarantine.check_event(ev)
-                        cur = conn.execute(
-                            "INSERT OR IGNORE INTO events(host, epoch, seq, ts, kind, run_id, data) VALUES (?,?,?,?,?,?,?)",
-                            (b.host, b.epoch, ev.seq, ev.ts, ev.kind, ev.run_id, _j(ev.data)),
-                        )
-                        if cur.rowcount == 1:  # new to the replica: fold it into the run once
-                            n += 1
-                            apply(b.host, b.epoch, ev)
-                    except (
-                        quarantine.BadEvent,
-                        sqlite3.Error,
-                        OverflowError,
-                        ValueError,
-                        TypeError,
-                        AttributeError,
-                        KeyError,
-                        RecursionError,
-                    ) as exc:
-                        conn.execute("ROLLBACK TO one_event")
-                        quarantine.put(
-                            conn,
-                            b.host,
-                            b.epoch,
-                            ev,
-                            f"{type(exc).__name__}: {exc}" if not isinstance(exc, quarantine.BadEvent) else str(exc),
-                        )
-                        self.events_quarantined += 1
-                    conn.execute("RELEASE one_event")
-                    if isinstance(ev.seq, int) and 0 < ev.seq <= quarantine.INT_MAX:
-                        last = ev.seq if last is None else max(last, ev.seq)
+                n, last = self._put_whole(conn, apply, b)
+                if n is None:  # something in it is refused: event by event, the refused ones quarantined
+                    n, last = self._put_each(conn, apply, b)
                 if last is not None:
                     conn.execute("UPDATE epochs SET last_seq=MAX(last_seq, ?) WHERE host=? AND epoch=?", (last, b.host, b.epoch))
                 counts.append(n)
             conn.execute("COMMIT")
         except BaseException:
+            apply.drop()
             conn.execute("ROLLBACK")
             raise
         self.batches_committed += 1
         self.events_inserted += sum(counts)
         return counts
 
+    def _put_whole(self, conn: sqlite3.Connection, apply: _Apply, b: _Batch) -> tuple[int | None, int | None]:
+        """One host's batch in one savepoint, its runs' telemetry folded in memory (see :class:`_Apply`): two
+        statements for a step record instead of six. (None, None) when any event is refused: the savepoint is rolled
+        back and the caller puts the batch in event by event."""
+        conn.execute("SAVEPOINT host_batch")
+        apply.defer = True
+        n = 0
+        last: int | None = None
+        try:
+            for ev in b.events:
+                quarantine.check_event(ev)
+                cur = conn.execute(
+                    "INSERT OR IGNORE INTO events(host, epoch, seq, ts, kind, run_id, data) VALUES (?,?,?,?,?,?,?)",
+                    (b.host, b.epoch, ev.seq, ev.ts, ev.kind, ev.run_id, _data_text(ev.data)),
+                )
+                if cur.rowcount == 1:
+                    n += 1
+                    apply(b.host, b.epoch, ev)
+                last = ev.seq if last is None else max(last, ev.seq)
+            apply.flush()
+        except _REFUSED:
+            apply.drop()
+            conn.execute("ROLLBACK TO host_batch")
+            conn.execute("RELEASE host_batch")
+            return None, None
+        finally:
+            apply.defer = False
+        conn.execute("RELEASE host_batch")
+        return n, last
+
+    def _put_each(self, conn: sqlite3.Connection, apply: _Apply, b: _Batch) -> tuple[int, int | None]:
+        """One host's batch event by event: one that fails validation, or that SQLite refuses while it is folded into
+        the runs table, is quarantined raw and the rest of the batch goes in (console/history/quarantine.py)."""
+        n = 0
+        last: int | None = None
+        for ev in b.events:
+            conn.execute("SAVEPOINT one_event")
+            try:
+                quarantine.check_event(ev)
+                cur = conn.execute(
+                    "INSERT OR IGNORE INTO events(host, epoch, seq, ts, kind, run_id, data) VALUES (?,?,?,?,?,?,?)",
+                    (b.host, b.epoch, ev.seq, ev.ts, ev.kind, ev.run_id, _j(ev.data)),
+                )
+                if cur.rowcount == 1:  # new to the replica: fold it into the run once
+                    n += 1
+                    apply(b.host, b.epoch, ev)
+            except _REFUSED as exc:
+                conn.execute("ROLLBACK TO one_event")
+                quarantine.put(
+                    conn,
+                    b.host,
+                    b.epoch,
+                    ev,
+                    f"{type(exc).__name__}: {exc}" if not isinstance(exc, quarantine.BadEvent) else str(exc),
+                )
+                self.events_quarantined += 1
+            conn.execute("RELEASE one_event")
+            if isinstance(ev.seq, int) and 0 < ev.seq <= quarantine.INT_MAX:
+                last = ev.seq if last is None else max(last, ev.seq)
+        return n, last
+
     def submit(self, host: str, epoch: str, events: list[Event]) -> Future:
         """Queue events for the writer; the future gives how many were new."""
-        if self._closed:
-            raise HistoryError("the history is closed")
-        self._start_writer()
         fut: Future = Future()
-        self._q.put(_Batch(host, epoch, list(events), fut))
+        self._enqueue(_Batch(host, epoch, list(events), fut))
         return fut
 
     async def ingest(self, host: str, epoch: str, events: list[Event]) -> int:
@@ -515,12 +660,15 @@ class History:
 
     def close(self) -> None:
         """Finish queued writes and close."""
-        if self._closed:
-            return
-        self._closed = True
-        if self._writer is not None:
-            self._q.put(None)
-            self._writer.join(30)
+        with self._put_lock:
+            if self._closed:
+                return
+            self._closed = True
+            writer = self._writer
+            if writer is not None:
+                self._q.put(None)
+        if writer is not None:
+            writer.join(30)
         with self._read_lock:
             self._read_conn.close()
 
@@ -532,50 +680,25 @@ class History:
 
     def cursor(self, host: str, epoch: str, agent_version: str | None = None, agent_host: str | None = None) -> Cursor:
         """Where to resume pulling ``host``'s events; records a new epoch the first time it is seen."""
-        now = time.time()
-        with self._read_lock:
-            c = self._read_conn
-            c.execute("BEGIN IMMEDIATE")
-            try:
-                row = c.execute("SELECT last_seq FROM epochs WHERE host=? AND epoch=?", (host, epoch)).fetchone()
-                prev = c.execute("SELECT epoch FROM hosts WHERE name=?", (host,)).fetchone()
-                new = row is None
-                if new:
-                    replaces = prev[0] if prev and prev[0] and prev[0] != epoch else None
-                    c.execute(
-                        "INSERT INTO epochs(host, epoch, first_seen, last_seq, replaces) VALUES (?,?,?,0,?)", (host, epoch, now, replaces)
-                    )
-                # the epoch table's last_seq can lag a crash; the events themselves are the truth
-                last = c.execute("SELECT MAX(seq) FROM events WHERE host=? AND epoch=?", (host, epoch)).fetchone()[0] or 0
-                held = c.execute("SELECT MAX(seq) FROM quarantine WHERE host=? AND epoch=?", (host, epoch)).fetchone()[0] or 0
-                last = max(last, held)  # a quarantined event is not pulled again
-                c.execute(
-                    "INSERT INTO hosts(name, epoch, first_seen, last_seen, agent_version, agent_host, state) VALUES (?,?,?,?,?,?,'up')"
-                    " ON CONFLICT(name) DO UPDATE SET epoch=excluded.epoch, last_seen=excluded.last_seen, agent_version=excluded.agent_version,"
-                    " agent_host=excluded.agent_host, state='up', error=NULL",
-                    (host, epoch, now, now, agent_version, agent_host),
-                )
-                c.execute("COMMIT")
-            except BaseException:
-                c.execute("ROLLBACK")
-                raise
-        return Cursor(host=host, epoch=epoch, last_seq=int(last), new_epoch=new)
+        return self._run_job(lambda c: _cursor(c, host, epoch, agent_version, agent_host))
 
     def note_host(self, host: str, state: str, error: str | None = None) -> None:
         """Record a host's link state (shown by ``gpudeck history`` for hosts it could not reach)."""
-        with self._read_lock:
-            self._read_conn.execute(
+        self._run_job(
+            lambda c: c.execute(
                 "INSERT INTO hosts(name, first_seen, state, error) VALUES (?,?,?,?) ON CONFLICT(name) DO UPDATE SET state=excluded.state, error=excluded.error",
                 (host, time.time(), state, error),
             )
+        )
 
     def add_pending_stop(self, host: str, run_id: str, grace_s: float) -> None:
         """Remember to stop ``run_id`` on ``host`` when it is reachable again."""
-        with self._read_lock:
-            self._read_conn.execute(
+        self._run_job(
+            lambda c: c.execute(
                 "INSERT OR REPLACE INTO pending_stops(host, run_id, grace_s, requested) VALUES (?,?,?,?)",
                 (host, run_id, grace_s, time.time()),
             )
+        )
 
     def pending_stops(self, host: str) -> list[tuple[str, float]]:
         """(run id, grace) of the stops waiting for ``host``."""
@@ -585,8 +708,7 @@ class History:
 
     def clear_pending_stop(self, host: str, run_id: str) -> None:
         """The stop was delivered."""
-        with self._read_lock:
-            self._read_conn.execute("DELETE FROM pending_stops WHERE host=? AND run_id=?", (host, run_id))
+        self._run_job(lambda c: c.execute("DELETE FROM pending_stops WHERE host=? AND run_id=?", (host, run_id)))
 
     def epochs(self, host: str) -> list[EpochRecord]:
         """Every agent epoch seen for a host, oldest first."""

@@ -265,3 +265,77 @@ def test_the_locked_down_key_runs_the_agent_bridge_and_nothing_else(console_side
     )
     assert json.loads(cp.stdout.splitlines()[0])["code"] == "bad_json", cp.stdout + cp.stderr
     assert os.path.exists(h.home / "agent" / "journal.db")
+
+
+def _journal_seqs(host: SshHost) -> tuple[str, list[int]]:
+    """The agent's own journal, read from its file: (epoch, every seq)."""
+    import sqlite3
+
+    db = sqlite3.connect(host.agent.state_dir / "journal.db", timeout=10)
+    try:
+        epoch = db.execute("SELECT value FROM meta WHERE key='epoch'").fetchone()[0]
+        return epoch, [s for (s,) in db.execute("SELECT seq FROM events ORDER BY seq")]
+    finally:
+        db.close()
+
+
+@pytest.mark.timeout(180)
+async def test_a_restarted_agent_is_reconnected_while_the_history_is_locked_and_nothing_is_lost(console_side: ConsoleSide) -> None:
+    """issue 33: at 1,024 hosts the link of a host that restarts its agent every minute did not come back. When the link
+    dropped, recording its state in history.db met a writer that held the file past the busy timeout ("database is
+    locked"), and the exception ended the link's reconnect loop for good. The rule: a host that comes back is
+    reconnected within its backoff cap, and its sync resumes from the cursor with nothing lost or doubled."""
+    import sqlite3
+
+    from gpudeck.console.fleet.fleet import BACKOFF_MAX_S
+
+    c = console_side
+    host = SshHost("hostr", c.pub).start()
+    c.add(host)
+    history = History(c.gpudeck_home / "history.db")
+    fleet = _fleet(c, history, names=("hostr",))
+    link = fleet.links["hostr"]
+    fleet.start()
+    locker: sqlite3.Connection | None = None
+    try:
+
+        async def until(pred, timeout: float, what: str):  # type: ignore[no-untyped-def]
+            deadline = time.monotonic() + timeout
+            while time.monotonic() < deadline:
+                if pred():
+                    return
+                await asyncio.sleep(0.1)
+            raise AssertionError(f"timed out after {timeout} s: {what} (hostr: {link.status})")
+
+        def caught_up() -> bool:
+            epoch, seqs = _journal_seqs(host)
+            return bool(seqs) and history.seqs("hostr", epoch) == seqs
+
+        await until(lambda: link.status.state == "up", 30, "hostr up")
+        await until(caught_up, 30, "the journal in the history")
+        first_connects = link.status.connects
+        held_before = len(_journal_seqs(host)[1])
+
+        # another writer holds history.db (as the console's own writer does while it commits a night's backlog) past
+        # the history's busy timeout, and the agent restarts meanwhile
+        locker = sqlite3.connect(c.gpudeck_home / "history.db", isolation_level=None, timeout=1)
+        locker.execute("BEGIN IMMEDIATE")
+        await asyncio.to_thread(host.agent.stop)
+        await asyncio.to_thread(host.agent.start)
+        await until(lambda: link.status.state != "up", 30, "the link to notice the restart")
+        await asyncio.sleep(12)  # past the history's 10 s busy timeout: the note of the state change has failed
+        locker.execute("ROLLBACK")
+        locker.close()
+        locker = None
+
+        await until(lambda: link.status.state == "up" and link.status.connects > first_connects, BACKOFF_MAX_S + 30, "hostr back up")
+        await until(caught_up, 30, "the sync to resume from the cursor")
+        epoch, seqs = _journal_seqs(host)
+        held = history.seqs("hostr", epoch)
+        assert held == seqs == list(range(1, len(seqs) + 1)), f"lost or doubled: history {held}, journal {seqs}"
+        assert len(seqs) > held_before  # the restarted agent journaled its start, and the resumed sync pulled it
+    finally:
+        if locker is not None:
+            locker.close()
+        await fleet.close()
+        history.close()

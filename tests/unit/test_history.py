@@ -309,3 +309,104 @@ def test_a_pending_stop_goes_when_the_history_records_the_run_ended_with_nothing
     evs[-1].data["lingering"] = [4242]  # r-bbbb2222 ended with a process left behind
     hist.submit("nodeb", "e1", evs).result(10)
     assert hist.pending_stops("nodeb") == [("r-bbbb2222", 30.0)]
+
+
+def test_a_batch_folded_whole_leaves_the_same_history_as_event_by_event(tmp_path: Path) -> None:
+    """issue 33: a host's batch goes in under one savepoint with its runs' telemetry folded in memory and each runs row
+    written once; a batch with a refused event goes in event by event. Both leave the same runs rows, metrics and
+    events (the second batch differs only by the refused event, kept in the quarantine)."""
+    import asyncio
+    import json
+
+    from gpudeck.agents.wire.protocol import Event
+
+    def journal() -> list[Event]:
+        evs = _events("r-1", "one")[:-1]  # created, running, members, manifest, step 10
+        for i in range(40):
+            step = {
+                "type": "step",
+                "step": 20 + i,
+                "loss": 3.0 - i / 100,
+                "tokens_per_s": 7e4 + i,
+                "mfu": 0.5,
+                "mem_peak_gib": 30.0 + (i % 7),
+            }
+            evs.append(Event(seq=0, ts=T0 + 10 + i, kind="telemetry", run_id="r-1", data={"record": step, "offset": 30 + i}))
+            if i == 15:
+                evs.append(Event(seq=0, ts=T0 + 10 + i, kind="alert", run_id="r-1", data={"alert": {"kind": "idle_gpu", "ts": T0 + 25}}))
+                evs.append(
+                    Event(seq=0, ts=T0 + 10 + i, kind="telemetry", run_id="r-1", data={"record": {"type": "checkpoint", "step": 35}})
+                )
+            if i == 30:
+                evs.append(
+                    Event(seq=0, ts=T0 + 40, kind="telemetry", run_id="r-2", data={"record": {"type": "step", "step": 1}})
+                )  # no such run
+        evs.append(Event(seq=0, ts=T0 + 60, kind="telemetry", run_id="r-1", data={"record": {"type": "done", "final_step": 59}}))
+        evs.append(Event(seq=0, ts=T0 + 61, kind="run_state", run_id="r-1", data={"state": "succeeded", "exit_code": 0}))
+        evs.append(Event(seq=0, ts=T0 + 62, kind="note", run_id=None, data={"text": "caf\u00e9 \x1b[31m", "n": 2**62, "f": 1e16}))
+        for i, e in enumerate(evs):
+            e.seq = i + 1
+        return evs
+
+    def state(h: History) -> tuple:
+        run = h.find("r-1")
+        rows = [(e.seq, e.kind, e.data) for e in h.events("h", "r-1")]
+        return run, h.metrics("h", "r-1"), rows
+
+    whole, each = History(tmp_path / "whole.db"), History(tmp_path / "each.db")
+    try:
+        evs = journal()
+        assert asyncio.run(whole.ingest("h", "ep", evs)) == len(evs)
+        assert whole.problems() == []
+        bad = Event(seq=len(evs) + 1, ts=T0 + 70, kind="telemetry", run_id="r-1", data={"record": {"type": "step", "step": 2**64}})
+        assert asyncio.run(each.ingest("h", "ep", [*evs, bad])) == len(evs)
+        assert [p.seq for p in each.problems()] == [bad.seq]  # the batch went in event by event
+        assert state(whole) == state(each)
+        run = whole.find("r-1")
+        assert run.last_step == 59 and run.final_step == 59 and run.last_checkpoint == 35 and run.mem_peak_gib == 36.8
+        assert run.state == "succeeded" and run.alert_count == 1 and len(whole.metrics("h", "r-1")) == 41
+        assert whole.seqs("h", "ep") == list(range(1, len(evs) + 1))
+        # every stored row is ASCII, and reads back as it was sent
+        db = sqlite3.connect(tmp_path / "whole.db")
+        try:
+            texts = [t for (t,) in db.execute("SELECT data FROM events ORDER BY seq")]
+        finally:
+            db.close()
+        assert all(t.isascii() for t in texts)
+        assert [json.loads(t) for t in texts] == [e.data for e in evs]
+        # again: nothing new, nothing changed
+        assert asyncio.run(whole.ingest("h", "ep", evs)) == 0 and state(whole) == state(each)
+    finally:
+        whole.close()
+        each.close()
+
+
+def test_cursors_asked_from_many_threads_at_once_go_through_one_writer(tmp_path: Path) -> None:
+    """A fleet's hosts ask for their cursors from several threads at once (asyncio.to_thread); they are written by the
+    history's one writer thread (issue 33: none waits on another's SQLite lock), and after close() a caller is told
+    at once instead of waiting forever behind the writer's end."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    from gpudeck.console.history.replica import HistoryError
+
+    def writers() -> int:
+        return sum(t.name == "history-writer" for t in threading.enumerate())
+
+    before = writers()
+    h = History(tmp_path / "history.db")
+    try:
+        with ThreadPoolExecutor(16) as pool:
+            cursors = list(pool.map(lambda i: h.cursor(f"h{i:02d}", "ep", "0.1.0", f"node{i}"), range(64)))
+        assert [c.host for c in cursors] == [f"h{i:02d}" for i in range(64)]
+        assert all(c.new_epoch and c.last_seq == 0 for c in cursors)
+        assert writers() == before + 1
+        assert len(h.hosts()) == 64 and h.cursor("h07", "ep").new_epoch is False
+        h.note_host("h07", "unreachable", "no answer")
+        assert next(x for x in h.hosts() if x.name == "h07").state == "unreachable"
+    finally:
+        h.close()
+    with pytest.raises(HistoryError):
+        h.cursor("h07", "ep")
+    with pytest.raises(HistoryError):
+        h.note_host("h07", "up")
