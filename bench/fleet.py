@@ -1283,6 +1283,7 @@ FIDELITY_KINDS = {
     "real": "real agents",
     "clusters": "stand-in, measured clusters",
     "clusters-uncorked": "stand-in, clusters uncorked",
+    "passes": "stand-in, measured passes",
     "offsets": "stand-in, measured offsets",
 }
 
@@ -1303,7 +1304,7 @@ def run_fidelity(sizes: list[int], args: argparse.Namespace) -> None:
 
     The other inputs of the console's cost are printed side by side: the bunching (clusters and snapshots per
     loop pass), snapshot bytes, GPUs, processes, runs per host, the events per second, the offsets."""
-    from bench.standin import CLUSTER_GAP_S, StandinHosts, arrival_clusters
+    from bench.standin import CLUSTER_GAP_S, StandinHosts, arrival_clusters, loop_passes
 
     gap_s = args.cluster_gap_ms / 1000 if args.cluster_gap_ms else CLUSTER_GAP_S
     spread = f"stand-in, spread {args.spread_ms:g} ms"
@@ -1314,12 +1315,14 @@ def run_fidelity(sizes: list[int], args: argparse.Namespace) -> None:
         shapes: dict[str, dict[str, Any]] = {}
         measured: list[float] = []
         clusters: list[tuple[int, float]] = []
+        passes: list[tuple[int, float]] = []
         for kind in kinds:
             try:
                 if kind == "real agents":
                     fh: Any = FleetHosts(n, args.gpus, batch=args.batch, ciphers=args.ciphers)
-                elif kind in ("stand-in, measured clusters", "stand-in, clusters uncorked"):
-                    if not clusters:
+                elif kind in ("stand-in, measured clusters", "stand-in, clusters uncorked", "stand-in, measured passes"):
+                    groups = passes if kind.endswith("passes") else clusters
+                    if not groups:
                         out(f"N={n} fidelity {kind}: no arrival clusters were measured from the real agents; skipped")
                         continue
                     fh = StandinHosts(
@@ -1328,8 +1331,8 @@ def run_fidelity(sizes: list[int], args: argparse.Namespace) -> None:
                         profile="idle",
                         failures=False,
                         ciphers=args.ciphers,
-                        clusters=clusters,
-                        cork=kind.endswith("clusters"),
+                        clusters=groups,
+                        cork=not kind.endswith("uncorked"),
                     )
                 elif kind == "stand-in, measured offsets":
                     if not measured:
@@ -1358,6 +1361,7 @@ def run_fidelity(sizes: list[int], args: argparse.Namespace) -> None:
             if kind == "real agents":
                 measured = [float(x) for x in r.get("ts_offsets", [])]
                 clusters = arrival_clusters([float(x) for x in r.get("arrivals", [])], gap_s)
+                passes = loop_passes([float(x) for x in r.get("arrivals", [])], [int(k) for k in r.get("wakes", [])])
             load = f"load average {side.load[0]:.2f} {side.load[1]:.2f} {side.load[2]:.2f}"
             out(
                 f"N={n} fidelity {kind}: console CPU {per_host:.3f} ms per host-second ({100 * r['cpu_s'] / r['wall_s']:.2f}% of one core), "
@@ -1452,7 +1456,7 @@ def main() -> None:
     )
     ap.add_argument(
         "--fidelity-kinds",
-        default="real,clusters,offsets,spread",
+        default="real,clusters,passes,offsets,spread",
         help="--fidelity: which consoles to measure, in order (real agents first: the stand-in's models draw from them)",
     )
     ap.add_argument(

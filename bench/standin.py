@@ -109,6 +109,21 @@ def arrival_clusters(arrivals: list[float], gap_s: float = CLUSTER_GAP_S) -> lis
     return clusters
 
 
+def loop_passes(arrivals: list[float], wakes: list[int]) -> list[tuple[int, float]]:
+    """The snapshots a console took in each pass of its event loop (``wakes``: the counts, in order; ``arrivals``:
+    every snapshot's arrival in the order it was taken), as (count, the pass's first arrival's offset after its
+    whole second): the same shape as :func:`arrival_clusters`, cut by the console's own passes instead of a gap."""
+    got: list[tuple[int, float]] = []
+    i = 0
+    for k in wakes:
+        if k < 1 or i >= len(arrivals):
+            continue
+        t = arrivals[i]
+        got.append((k, t - int(t)))
+        i += k
+    return got
+
+
 class GroupClock:
     """The SIMULATED arrival pattern of the measured-clusters model: every second the hosts are dealt (shuffled) into
     groups whose (size, offset after the whole second) pairs are drawn from clusters measured at a console that
