@@ -20,6 +20,12 @@ host. What is real and what is SIMULATED, so nobody reads more into a figure tha
   than hello, snapshots, events, runs and ping get a typed ``Error`` saying the host is a SIMULATED stand-in.
 - **Not per host**: one process, one event loop, one tick for all hosts (a real host has its own CPU); the
   stand-in's CPU shares this machine's cores with the console. Its hello's ``pid`` is this process's.
+- **When snapshots arrive** (SIMULATED, three models): a fixed phase per host in [0, ``spread_s``) after the whole
+  second (the scale runs' default); a send offset drawn per snapshot from measured ones (``offsets``); or the
+  arrival model (``clusters``, what bench/fleet.py --fidelity checks against real agents): the hosts sent in groups
+  whose sizes and offsets are drawn from how real agents' snapshots bunched at a console in the same run
+  (:func:`arrival_clusters`, :class:`GroupClock`). The console's cost per host follows how many snapshots it
+  takes per wake-up (bench/RESULTS.md 30-fid2), so this is part of what the stand-in must imitate.
 
 ``host`` in every snapshot and hello is ``SIMULATED-<name>``. :class:`StandinHosts` has the interface of
 :class:`bench.fleet_hosts.FleetHosts` that bench/fleet.py uses (``spec``, ``farm_pid``, ``agent_pids`` (empty),
@@ -70,7 +76,8 @@ SLOW_S = 0.8  # a slow host answers and samples this late
 # snapshot crosses its own network path. One process building every host's snapshot in one pass would hand the
 # console the whole fleet in one burst (fewer wake-ups than it gets from real hosts), so each host keeps a fixed
 # phase in [0, spread) after the whole second. 20 ms is what 64 real agents on this machine spread over (their
-# snapshot age p99, bench/RESULTS.md 28-scale).
+# snapshot age p99, bench/RESULTS.md 28-scale). It is the dearer setting for the console: real agents' snapshots
+# reach it in bunches (the arrival model below, bench/RESULTS.md 30-fid2: 1.15-1.75x real agents' cost at 16 and 64).
 SPREAD_S = 0.020
 SILENT_EVERY_S, SILENT_FOR_S, SILENT_FIRST_S = 120.0, 25.0, 90.0  # a silent host: from 90 s after start, 25 s of silence every 120 s
 BACKLOG_QUEUED_MAX = 50_000  # backlog events queued in journals' writers at once while the stand-in writes them
