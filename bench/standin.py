@@ -83,7 +83,7 @@ SILENT_EVERY_S, SILENT_FOR_S, SILENT_FIRST_S = 120.0, 25.0, 90.0  # a silent hos
 BACKLOG_QUEUED_MAX = 50_000  # backlog events queued in journals' writers at once while the stand-in writes them
 RESTART_EVERY_S, RESTART_DOWN_S, RESTART_FIRST_S = 60.0, 2.0, 75.0  # a restarting host: down 2 s every 60 s
 # The arrival model (--fidelity's "measured clusters"): snapshots reaching a console less than this apart form one
-# cluster (the console takes them in one or two passes of its loop). A group's hosts build their snapshots this long
+# cluster (the console takes them in one or a few passes of its loop). A group's hosts build their snapshots this long
 # before the group's instant, so at the instant every one of them is only encoded and written.
 CLUSTER_GAP_S = 0.001
 GROUP_PREP_S = 0.003
@@ -174,9 +174,9 @@ class GroupClock:
 
     def _release(self, fut: asyncio.Future, members: list[int]) -> None:
         """The group's instant: its hosts write in the next pass of the loop. With ``cork`` their sockets hold what
-        is written (TCP_CORK) until every one has written, then all are pushed at once: encrypting and writing a
-        group one host after another takes the loop ~0.1 ms a host, long enough for the console to wake for each
-        host apart; corked, the group reaches the console within the few microseconds of the uncorks."""
+        is written (TCP_CORK) until every one has written, then all are pushed at once. Uncorked, the group goes out
+        one host after another (each encoded, encrypted, sent) and the console, on another core, woke for many of
+        them apart (bench/RESULTS.md 30-fid2, run 1); corked, it goes out in one uncork call a host."""
         if fut.done():
             return
         socks = [sk for i in members if i < len(self.hosts) for sk in self.hosts[i].sockets()] if self.cork else []
