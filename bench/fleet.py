@@ -66,6 +66,7 @@ import os
 import pstats
 import re
 import resource
+import shutil
 import statistics
 import subprocess
 import sys
@@ -129,6 +130,11 @@ class AgeRecorder:
     # window (encoding every one inside it would add to the console CPU being measured)
     ts_offsets: list[float] = field(default_factory=list)
     arrival_offsets: list[float] = field(default_factory=list)
+    # how the snapshots bunch at the console: each one's arrival (wall clock, s), and how many were taken in each
+    # event-loop pass (a pass that takes one opens a "wake-up", closed by a call_soon that runs in the next pass)
+    arrivals: list[float] = field(default_factory=list)
+    wakes: list[int] = field(default_factory=list)
+    _wake_open: bool = False
     _last: dict[str, object] = field(default_factory=dict)
 
     def callback(self, name: str):  # type: ignore[no-untyped-def]
@@ -146,8 +152,17 @@ class AgeRecorder:
                 second = round(snap.ts)  # the whole second it was sent for (an offset past 0.5 s reads as early)
                 self.ts_offsets.append(snap.ts - second)
                 self.arrival_offsets.append(now - second)
+                self.arrivals.append(now)
+                if not self._wake_open:
+                    self._wake_open = True
+                    self.wakes.append(0)
+                    asyncio.get_running_loop().call_soon(self._close_wake)
+                self.wakes[-1] += 1
 
         return on_status
+
+    def _close_wake(self) -> None:
+        self._wake_open = False
 
     def take(self) -> tuple[list[float], list[float]]:
         """The ages and sample_ms recorded so far, cleared."""
@@ -161,8 +176,14 @@ class AgeRecorder:
 
         # each host's last snapshot as the console holds it (decoded; compact streams expanded), encoded again
         shapes = [(len(encode(sn)), len(sn.gpus), len(sn.processes), len(sn.runs)) for sn in self._last.values()]  # type: ignore[attr-defined]
-        got = {"ts_offsets": self.ts_offsets, "arrival_offsets": self.arrival_offsets, "shapes": shapes}
-        self.ts_offsets, self.arrival_offsets = [], []
+        got = {
+            "ts_offsets": self.ts_offsets,
+            "arrival_offsets": self.arrival_offsets,
+            "shapes": shapes,
+            "arrivals": self.arrivals,
+            "wakes": self.wakes,
+        }
+        self.ts_offsets, self.arrival_offsets, self.arrivals, self.wakes = [], [], [], []
         return got
 
 
@@ -187,6 +208,7 @@ class Window:
         self.cpu0 = time.process_time()  # every thread of this process, in ns (psutil's cpu_times count 10 ms ticks)
         self.ru0 = resource.getrusage(resource.RUSAGE_SELF)
         self.wait0 = runqueue_wait_s()
+        self.io0 = _proc_io()
         self.t0 = time.monotonic()
         gc.callbacks.append(self._on_gc)
 
@@ -194,9 +216,13 @@ class Window:
         cpu = time.process_time()
         ru = resource.getrusage(resource.RUSAGE_SELF)
         wall = time.monotonic() - self.t0
+        io1 = _proc_io()
         gc.callbacks.remove(self._on_gc)
         rss = self.proc.memory_info().rss
         return {
+            # the kernel's counts over the window: read/write system calls and their bytes (sockets and files),
+            # and how often the process went to sleep (voluntary switches: one per wake-up of an idle loop)
+            "io": {k: io1[k] - self.io0.get(k, 0) for k in io1},
             "cpu_s": cpu - self.cpu0,
             "sys_s": ru.ru_stime - self.ru0.ru_stime,
             "gc_s": self.gc_s,
@@ -205,6 +231,21 @@ class Window:
             "rss": rss,
             "rss_max": max(rss, ru.ru_maxrss * 1024),
         }
+
+
+def _proc_io() -> dict[str, int]:
+    """This process's read/write system calls and bytes (/proc/self/io) and its context switches (all threads)."""
+    got: dict[str, int] = {}
+    try:
+        for line in Path("/proc/self/io").read_text().splitlines():
+            key, _, val = line.partition(":")
+            if key in ("syscr", "syscw", "rchar", "wchar"):
+                got[key] = int(val)
+    except OSError:
+        pass
+    cs = psutil.Process().num_ctx_switches()
+    got["vcs"], got["ivcs"] = cs.voluntary, cs.involuntary
+    return got
 
 
 def _profile_text(prof: cProfile.Profile, limit: int = 30) -> str:
@@ -289,6 +330,7 @@ async def worker_gpudeck(spec: FleetSpec, seconds: float, interval: float, profi
     )
     if prof and profile:
         profile.write_text(_profile_text(prof))
+        prof.dump_stats(str(profile.with_suffix(".pstats")))
     await fleet.close()
     hist.close()
 
@@ -895,6 +937,11 @@ def run_worker(design: str, fh: Any, args: argparse.Namespace) -> tuple[dict[str
         spy.wait(60)
         for text in spy_summary(spy_path):
             out(f"N={fh.n} {design:<13} py-spy {text}")
+    if prof_path and args.profile_keep and prof_path.with_suffix(".pstats").exists():
+        args.profile_keep.mkdir(parents=True, exist_ok=True)
+        kept = args.profile_keep / f"{design}-{fh.n}-{type(fh).__name__}-{int(time.time())}.pstats"
+        shutil.copyfile(prof_path.with_suffix(".pstats"), kept)
+        out(f"N={fh.n} {design:<13} cProfile stats kept in {kept}")
     if prof_path and prof_path.exists():
         print(
             f"fleet_bench N={fh.n} {design} cProfile of the console over the window (CPU figures of a profiled run are inflated):",
@@ -1212,32 +1259,91 @@ def _offsets_line(xs: list[float]) -> str:
     return f"{cells} max {1000 * max(xs):.1f} mean {1000 * statistics.fmean(xs):.1f} ms ({len(xs)} snapshots)"
 
 
+_SIZE_BINS = ((1, 1), (2, 2), (3, 4), (5, 8), (9, 16), (17, 32), (33, 1 << 30))
+
+
+def _sizes_line(sizes: list[int], wall_s: float) -> str:
+    """A distribution of bunch sizes: the share of snapshots in bunches of each size (and of the bunches), the mean."""
+    if not sizes:
+        return "none"
+    total = sum(sizes)
+    cells = []
+    for lo, hi in _SIZE_BINS:
+        ks = [k for k in sizes if lo <= k <= hi]
+        if ks:
+            label = str(lo) if lo == hi else (f"{lo}-{hi}" if hi < 1 << 30 else f"{lo}+")
+            cells.append(f"{label}: {100 * sum(ks) / total:.0f}% ({len(ks)})")
+    return (
+        f"{len(sizes) / wall_s:.1f}/s, mean {total / len(sizes):.2f}, p50 {pct([float(k) for k in sizes], 0.5):.0f}, "
+        f"max {max(sizes)}; snapshots (bunches) by size {', '.join(cells)}"
+    )
+
+
+FIDELITY_KINDS = {
+    "real": "real agents",
+    "clusters": "stand-in, measured clusters",
+    "clusters-uncorked": "stand-in, clusters uncorked",
+    "passes": "stand-in, measured passes",
+    "offsets": "stand-in, measured offsets",
+}
+
+
 def run_fidelity(sizes: list[int], args: argparse.Namespace) -> None:
     """issue 33: the console's cost per host against real agents (FleetHosts) and against the stand-in (idle
     profile: the same 8 idle SIMULATED GPUs as the real agents, no failures), one after the other in this run.
 
-    The real agents go first: their snapshots' send offsets after the whole second (each snapshot's own ``ts``) are
-    recorded as the console receives them, and the stand-in then draws every host's send offset, for every snapshot,
-    from that measured list (``measured``); the fixed phase in [0, --spread-ms) is run too, for comparison. The
-    other inputs of the console's cost are printed side by side: snapshot bytes, GPUs, processes, runs per host, the
-    events per second, the offsets at the console."""
-    from bench.standin import StandinHosts
+    The real agents go first. The console records, for every snapshot in the window, its send offset after the
+    whole second (the snapshot's own ``ts``), its arrival (the console's clock) and how many snapshots each pass
+    of its event loop took. The arrivals cut into clusters (less than --cluster-gap-ms apart) give the measured
+    arrival shape: each cluster's size and its offset after the whole second. The stand-in then runs with
 
+    - ``measured clusters`` (the model): every second its hosts are dealt into groups whose (size, offset) pairs are
+      drawn from the real agents' clusters; a group's snapshots are written in one pass of its loop at the offset;
+    - ``measured offsets`` (the previous model): every host's send offset drawn from the real agents' send offsets;
+    - ``spread`` (the scale runs' setting): a fixed phase per host in [0, --spread-ms).
+
+    The other inputs of the console's cost are printed side by side: the bunching (clusters and snapshots per
+    loop pass), snapshot bytes, GPUs, processes, runs per host, the events per second, the offsets."""
+    from bench.standin import CLUSTER_GAP_S, StandinHosts, arrival_clusters, loop_passes
+
+    gap_s = args.cluster_gap_ms / 1000 if args.cluster_gap_ms else CLUSTER_GAP_S
+    spread = f"stand-in, spread {args.spread_ms:g} ms"
+    chosen = [k.strip() for k in args.fidelity_kinds.split(",") if k.strip()]
+    kinds = [FIDELITY_KINDS.get(k, spread if k == "spread" else k) for k in chosen]
     for n in sizes:
         figures: dict[str, tuple[float, float]] = {}
         shapes: dict[str, dict[str, Any]] = {}
         measured: list[float] = []
-        for kind in ("real agents", "stand-in, measured offsets", f"stand-in, spread {args.spread_ms:g} ms"):
+        clusters: list[tuple[int, float]] = []
+        passes: list[tuple[int, float]] = []
+        for kind in kinds:
             try:
                 if kind == "real agents":
                     fh: Any = FleetHosts(n, args.gpus, batch=args.batch, ciphers=args.ciphers)
+                elif kind in ("stand-in, measured clusters", "stand-in, clusters uncorked", "stand-in, measured passes"):
+                    groups = passes if kind.endswith("passes") else clusters
+                    if not groups:
+                        out(f"N={n} fidelity {kind}: no arrival clusters were measured from the real agents; skipped")
+                        continue
+                    fh = StandinHosts(
+                        n,
+                        args.gpus,
+                        profile="idle",
+                        failures=False,
+                        ciphers=args.ciphers,
+                        clusters=groups,
+                        cork=not kind.endswith("uncorked"),
+                    )
                 elif kind == "stand-in, measured offsets":
                     if not measured:
                         out(f"N={n} fidelity {kind}: no offsets were measured from the real agents; skipped")
                         continue
                     fh = StandinHosts(n, args.gpus, profile="idle", failures=False, ciphers=args.ciphers, offsets=measured)
-                else:
+                elif kind == spread:
                     fh = StandinHosts(n, args.gpus, profile="idle", failures=False, ciphers=args.ciphers, spread_s=args.spread_ms / 1000)
+                else:
+                    out(f"fidelity kind {kind!r} unknown (real, clusters, offsets, spread)")
+                    continue
             except FleetStartError as exc:
                 out(f"N={n} fidelity {kind} COULD NOT BE BROUGHT UP: {exc}")
                 continue
@@ -1251,16 +1357,37 @@ def run_fidelity(sizes: list[int], args: argparse.Namespace) -> None:
             per_host = 1000.0 * r["cpu_s"] / (n * r["wall_s"])
             figures[kind] = (per_host, r["rss"] / MIB)
             shapes[kind] = r
+            r["load"] = side.load
             if kind == "real agents":
                 measured = [float(x) for x in r.get("ts_offsets", [])]
+                clusters = arrival_clusters([float(x) for x in r.get("arrivals", [])], gap_s)
+                passes = loop_passes([float(x) for x in r.get("arrivals", [])], [int(k) for k in r.get("wakes", [])])
             load = f"load average {side.load[0]:.2f} {side.load[1]:.2f} {side.load[2]:.2f}"
             out(
                 f"N={n} fidelity {kind}: console CPU {per_host:.3f} ms per host-second ({100 * r['cpu_s'] / r['wall_s']:.2f}% of one core), "
                 f"RSS {r['rss'] / MIB:.1f} MiB, snapshot age p50 {1000 * r['age_p50']:.1f} ms p99 {1000 * r['age_p99']:.1f} ms, "
                 f"received {r['received']} of {r['expected']:.0f}; server side {side.farm_cpu_s / side.wall_s:.2f} + agents {side.agents_cpu_s / side.wall_s:.2f} cores; "
-                f"{load}"
+                f"{100 * r['sys_s'] / max(r['cpu_s'], 1e-9):.0f}% of its CPU in the kernel, its loop waited for a CPU {1000 * r['rq_wait_s'] / r['wall_s']:.0f} ms/s; {load}"
             )
-        # the inputs of the console's cost, side by side
+        # the inputs of the console's cost, side by side: first how the snapshots bunch at the console
+        for kind, r in shapes.items():
+            cl = arrival_clusters([float(x) for x in r.get("arrivals", [])], gap_s)
+            out(
+                f"N={n} fidelity bunching {kind:<27}: clusters (arrivals < {1000 * gap_s:g} ms apart) {_sizes_line([k for k, _o in cl], r['wall_s'])}"
+            )
+            out(
+                f"N={n} fidelity bunching {kind:<27}: snapshots per console loop pass {_sizes_line([int(k) for k in r.get('wakes', [])], r['wall_s'])}"
+            )
+            out(
+                f"N={n} fidelity bunching {kind:<27}: cluster offset after the whole second {_offsets_line([o for _k, o in cl]).replace('snapshots', 'clusters')}"
+            )
+        for kind, r in shapes.items():
+            io, hs = r.get("io") or {}, n * r["wall_s"]  # socket reads are not in /proc's read counts: switches only
+            if io:
+                out(
+                    f"N={n} fidelity wake-ups {kind:<27}: the console went to sleep {io.get('vcs', 0) / r['wall_s']:.1f} times a second "
+                    f"({io.get('vcs', 0) / hs:.3f} per host-second; voluntary context switches, every thread), was preempted {io.get('ivcs', 0) / r['wall_s']:.1f}/s"
+                )
         for kind, r in shapes.items():
             sh = r.get("shapes") or []
             ts_off = [float(x) for x in r.get("ts_offsets", [])]
@@ -1310,6 +1437,7 @@ def main() -> None:
     )
     ap.add_argument("--batch", type=int, default=16, help="agents started at a time")
     ap.add_argument("--profile", action="store_true", help="cProfile each console worker over its window and print the top functions")
+    ap.add_argument("--profile-keep", type=Path, default=None, help="with --profile: keep each worker's pstats file in this folder")
     ap.add_argument(
         "--py-spy",
         default=None,
@@ -1325,6 +1453,14 @@ def main() -> None:
     )
     ap.add_argument(
         "--fidelity", action="store_true", help="the console's cost per host against real agents and against the stand-in, each N"
+    )
+    ap.add_argument(
+        "--fidelity-kinds",
+        default="real,clusters,passes,offsets,spread",
+        help="--fidelity: which consoles to measure, in order (real agents first: the stand-in's models draw from them)",
+    )
+    ap.add_argument(
+        "--cluster-gap-ms", type=float, default=0.0, help="--fidelity: arrivals closer than this form one cluster (0: the stand-in's 1 ms)"
     )
     ap.add_argument(
         "--host-profile", default="mixed", choices=["idle", "mixed", "busy"], help="stand-in: which hosts carry a SIMULATED run"

@@ -20,6 +20,12 @@ host. What is real and what is SIMULATED, so nobody reads more into a figure tha
   than hello, snapshots, events, runs and ping get a typed ``Error`` saying the host is a SIMULATED stand-in.
 - **Not per host**: one process, one event loop, one tick for all hosts (a real host has its own CPU); the
   stand-in's CPU shares this machine's cores with the console. Its hello's ``pid`` is this process's.
+- **When snapshots arrive** (SIMULATED, three models): a fixed phase per host in [0, ``spread_s``) after the whole
+  second (the scale runs' default); a send offset drawn per snapshot from measured ones (``offsets``); or the
+  arrival model (``clusters``, what bench/fleet.py --fidelity checks against real agents): the hosts sent in groups
+  whose sizes and offsets are drawn from how real agents' snapshots bunched at a console in the same run
+  (:func:`arrival_clusters`, :class:`GroupClock`). The console's cost per host follows how many snapshots it
+  takes per wake-up (bench/RESULTS.md 30-fid2), so this is part of what the stand-in must imitate.
 
 ``host`` in every snapshot and hello is ``SIMULATED-<name>``. :class:`StandinHosts` has the interface of
 :class:`bench.fleet_hosts.FleetHosts` that bench/fleet.py uses (``spec``, ``farm_pid``, ``agent_pids`` (empty),
@@ -70,11 +76,17 @@ SLOW_S = 0.8  # a slow host answers and samples this late
 # snapshot crosses its own network path. One process building every host's snapshot in one pass would hand the
 # console the whole fleet in one burst (fewer wake-ups than it gets from real hosts), so each host keeps a fixed
 # phase in [0, spread) after the whole second. 20 ms is what 64 real agents on this machine spread over (their
-# snapshot age p99, bench/RESULTS.md 28-scale).
+# snapshot age p99, bench/RESULTS.md 28-scale). It is the dearer setting for the console: real agents' snapshots
+# reach it in bunches (the arrival model below, bench/RESULTS.md 30-fid2: 1.15-1.75x real agents' cost at 16 and 64).
 SPREAD_S = 0.020
 SILENT_EVERY_S, SILENT_FOR_S, SILENT_FIRST_S = 120.0, 25.0, 90.0  # a silent host: from 90 s after start, 25 s of silence every 120 s
 BACKLOG_QUEUED_MAX = 50_000  # backlog events queued in journals' writers at once while the stand-in writes them
 RESTART_EVERY_S, RESTART_DOWN_S, RESTART_FIRST_S = 60.0, 2.0, 75.0  # a restarting host: down 2 s every 60 s
+# The arrival model (--fidelity's "measured clusters"): snapshots reaching a console less than this apart form one
+# cluster (the console takes them in one or a few passes of its loop). A group's hosts build their snapshots this long
+# before the group's instant, so at the instant every one of them is only encoded and written.
+CLUSTER_GAP_S = 0.001
+GROUP_PREP_S = 0.003
 
 
 def host_kind(i: int, profile: str) -> bool:
@@ -87,6 +99,106 @@ def host_failure(i: int, failures: bool) -> str:
     if not failures:
         return "none"
     return {37: "silent", 101: "restart", 165: "slow"}.get(i % 256, "none")
+
+
+def arrival_clusters(arrivals: list[float], gap_s: float = CLUSTER_GAP_S) -> list[tuple[int, float]]:
+    """Snapshot arrivals at a console (wall clock, s) cut into clusters: a run of arrivals each less than ``gap_s``
+    after the one before. Each cluster as (its size, its first arrival's offset after that arrival's whole second)."""
+    clusters: list[tuple[int, float]] = []
+    last = float("-inf")
+    for t in sorted(arrivals):
+        if t - last < gap_s:
+            size, off = clusters[-1]
+            clusters[-1] = (size + 1, off)
+        else:
+            clusters.append((1, t - int(t)))
+        last = t
+    return clusters
+
+
+def loop_passes(arrivals: list[float], wakes: list[int]) -> list[tuple[int, float]]:
+    """The snapshots a console took in each pass of its event loop (``wakes``: the counts, in order; ``arrivals``:
+    every snapshot's arrival in the order it was taken), as (count, the pass's first arrival's offset after its
+    whole second): the same shape as :func:`arrival_clusters`, cut by the console's own passes instead of a gap."""
+    got: list[tuple[int, float]] = []
+    i = 0
+    for k in wakes:
+        if k < 1 or i >= len(arrivals):
+            continue
+        t = arrivals[i]
+        got.append((k, t - int(t)))
+        i += k
+    return got
+
+
+class GroupClock:
+    """The SIMULATED arrival pattern of the measured-clusters model: every second the hosts are dealt (shuffled) into
+    groups whose (size, offset after the whole second) pairs are drawn from clusters measured at a console that
+    followed real agents (:func:`arrival_clusters`); a group's hosts are released together at its offset, so their
+    snapshots are written in one pass of the stand-in's loop, as a bunch the console reads in one wake-up."""
+
+    def __init__(self, n: int, clusters: list[tuple[int, float]], seed: int = 33, cork: bool = True) -> None:
+        if not clusters:
+            raise ValueError("the arrival model needs at least one measured cluster")
+        self.n, self.cork = n, cork
+        self.hosts: list[SimHost] = []  # filled by the stand-in once its hosts exist (index = host number)
+        self.clusters = [(max(1, int(k)), min(max(float(off), 0.0), 0.5)) for k, off in clusters]
+        self.rng = random.Random(seed)
+        self.plans: dict[int, list[tuple[float, asyncio.Future]]] = {}
+
+    def slot(self, i: int, second: int) -> tuple[float, asyncio.Future]:
+        """Host ``i``'s instant in ``second`` (wall clock) and the future its group is released by."""
+        plan = self.plans.get(second)
+        if plan is None:
+            plan = self.plans[second] = self._plan(second)
+            for old in [s for s in self.plans if s < second - 2]:
+                del self.plans[old]
+        return plan[i]
+
+    def _plan(self, second: int) -> list[tuple[float, asyncio.Future]]:
+        loop = asyncio.get_running_loop()
+        order = list(range(self.n))
+        self.rng.shuffle(order)
+        plan: list[tuple[float, asyncio.Future] | None] = [None] * self.n
+        j = 0
+        while j < self.n:
+            size, off = self.rng.choice(self.clusters)
+            at = second + off
+            fut = loop.create_future()
+            members = order[j : j + size]
+            loop.call_at(loop.time() + (at - time.time()), self._release, fut, members)
+            for h in members:
+                plan[h] = (at, fut)
+            j += size
+        return plan  # type: ignore[return-value]
+
+    def _release(self, fut: asyncio.Future, members: list[int]) -> None:
+        """The group's instant: its hosts write in the next pass of the loop. With ``cork`` their sockets hold what
+        is written (TCP_CORK) until every one has written, then all are pushed at once. Uncorked, the group goes out
+        one host after another (each encoded, encrypted, sent) and the console, on another core, woke for many of
+        them apart (bench/RESULTS.md 30-fid2, run 1); corked, it goes out in one uncork call a host."""
+        if fut.done():
+            return
+        socks = [sk for i in members if i < len(self.hosts) for sk in self.hosts[i].sockets()] if self.cork else []
+        for sk in socks:
+            _set_cork(sk, True)
+        fut.set_result(None)  # the members' tasks run next, in the order they awaited: before the uncork below
+        if socks:
+            asyncio.get_running_loop().call_soon(_uncork, socks)
+
+
+def _set_cork(sock: Any, on: bool) -> None:
+    import socket
+
+    try:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_CORK, 1 if on else 0)
+    except (OSError, ValueError):
+        pass  # the connection is gone
+
+
+def _uncork(socks: list[Any]) -> None:
+    for sk in socks:
+        _set_cork(sk, False)
 
 
 # ---------------------------------------------------------------------------- the parent side
@@ -106,6 +218,8 @@ class StandinHosts:
         backlog_hours: float = 0.0,
         spread_s: float = SPREAD_S,
         offsets: list[float] | None = None,
+        clusters: list[tuple[int, float]] | None = None,
+        cork: bool = True,
         python: str = sys.executable,
         progress: Callable[[str], None] | None = None,
         keep: bool = False,
@@ -120,6 +234,10 @@ class StandinHosts:
         # measured send offsets after the whole second (real agents' snapshot ``ts`` - its whole second, seconds):
         # when given, every host draws its phase from these for every snapshot instead of a fixed phase in [0, spread)
         self.offsets = [min(max(float(x), 0.0), 0.5) for x in offsets] if offsets else None
+        # measured arrival clusters at a console following real agents, (size, offset after the whole second): when
+        # given, the hosts send in groups drawn from these every second (GroupClock), overriding offsets and spread
+        self.clusters = [(int(k), float(off)) for k, off in clusters] if clusters else None
+        self.cork = cork  # a group's writes held (TCP_CORK) until all are written, then pushed together
         self._progress = progress or (lambda _msg: None)
         self._own_dir = base_dir is None
         self.base_dir = Path(base_dir) if base_dir is not None else Path(tempfile.mkdtemp(prefix="gds-", dir="/tmp"))
@@ -186,6 +304,8 @@ class StandinHosts:
             "backlog_hours": self.backlog_hours,
             "spread_s": self.spread_s,
             "offsets": self.offsets,
+            "clusters": self.clusters,
+            "cork": self.cork,
             "host_key": str(keys.dir / "host_ed25519"),
             "authorized_keys": str(keys.dir / "authorized_keys"),
             "ready": str(self.base_dir / "standin.ready.json"),
@@ -298,6 +418,7 @@ class SimHost:
         t_start: float,
         spread: float = SPREAD_S,
         offsets: list[float] | None = None,
+        clock: GroupClock | None = None,
     ) -> None:
         from gpudeck.agents.observe import namespace as pid_namespace
         from gpudeck.agents.observe.gpus_sim import SimulatedGpuSampler
@@ -318,6 +439,7 @@ class SimHost:
         self.failure = host_failure(i, failures)
         self.t_start = t_start
         self.conns: set[Any] = set()
+        self.sessions: set[Any] = set()  # the SSH sessions serving `agent dial` (their sockets: the arrival model corks them)
         self.down = False  # a restarting host between stop and start: dial finds no agent
         self.silent = asyncio.Event()  # set: answers; clear: stops answering (replies and snapshots wait)
         self.silent.set()
@@ -329,6 +451,7 @@ class SimHost:
         self.pids = [100000 + i * 16 + r for r in range(10)]
         self.phase = spread * ((i * 0.6180339887) % 1.0)  # spread evenly, the same for a host every second
         self.offsets = offsets  # measured: a fresh phase drawn from these for every snapshot (overrides the fixed one)
+        self.clock = clock  # measured clusters: the host sends with its group (overrides both)
         self._loop: asyncio.AbstractEventLoop | None = None
 
     # -- the journal: a SIMULATED run's life, written as the real agent writes it
@@ -470,6 +593,15 @@ class SimHost:
                 self.down = False
                 self.journal.append("agent_started", None, {"pid": os.getpid(), "version": "simulated", "simulated": True, "restart": True})
 
+    def sockets(self) -> list[Any]:
+        """The TCP sockets of this host's open `agent dial` sessions."""
+        got = []
+        for sess in self.sessions:
+            sk = sess.chan.get_extra_info("socket") if sess.chan is not None and not sess.lost else None
+            if sk is not None:
+                got.append(sk)
+        return got
+
     async def gate(self) -> None:
         """A silent host holds every reply here; a slow one answers late."""
         if not self.silent.is_set():
@@ -481,6 +613,14 @@ class SimHost:
 
     async def snapshot(self):  # type: ignore[no-untyped-def]
         await self.gate()
+        if self.clock is not None:
+            now = time.time()
+            at, released = self.clock.slot(self.i, int(now + 0.1))  # the stream wakes just after its whole second
+            if at - GROUP_PREP_S > now:
+                await asyncio.sleep(at - GROUP_PREP_S - now)
+            snap = self.build()
+            await released  # with the rest of its group, in one pass of the loop
+            return snap
         phase = self.rng.choice(self.offsets) if self.offsets else self.phase
         if phase > 0:
             await asyncio.sleep(phase)
@@ -716,6 +856,7 @@ def _make_session_class():  # type: ignore[no-untyped-def]
                     return
                 self.conn = self.conn_cls(self.host, self.reader, _Writer(self))
                 self.host.conns.add(self.conn)
+                self.host.sessions.add(self)
                 self.task = asyncio.ensure_future(self._serve())
             elif self.cmd.endswith(STATUS_COMMAND):
                 self.task = asyncio.ensure_future(self._status())
@@ -746,6 +887,7 @@ def _make_session_class():  # type: ignore[no-untyped-def]
 
         def connection_lost(self, exc: Exception | None) -> None:
             self.lost = True
+            self.host.sessions.discard(self)
             self.can_write.set()
             if not self.reader.at_eof():
                 self.reader.feed_eof()
@@ -787,6 +929,8 @@ async def _serve_main(spec_path: Path) -> None:
     t0 = time.monotonic()
     backlog = 0
     template = make_template(Path(spec_path).parent / "template", float(spec["backlog_hours"]), spec["gpus"], t_start)
+    clusters = [(int(k), float(off)) for k, off in spec.get("clusters") or []]
+    clock = GroupClock(n, clusters, cork=bool(spec.get("cork", True))) if clusters else None
     unflushed: list[tuple[SimHost, int]] = []  # backlogs queued, not yet waited for: bounded, so memory stays flat
     for i, h in enumerate(spec["hosts"]):
         if template is not None and host_kind(i, spec["profile"]):
@@ -801,6 +945,7 @@ async def _serve_main(spec_path: Path) -> None:
             t_start,
             float(spec["spread_s"]),
             spec.get("offsets"),
+            clock,
         )
         if template is not None and host.busy:
             queued = host.adopt_backlog(template[1], template[2])
@@ -812,6 +957,8 @@ async def _serve_main(spec_path: Path) -> None:
             await asyncio.to_thread(unflushed.pop(0)[0].journal.flush, 600)
         host.hook_journal(loop)
         hosts.append(host)
+        if clock is not None:
+            clock.hosts.append(host)
         if (i + 1) % 64 == 0 or i + 1 == n:
             print(f"standin progress: {i + 1}/{n} hosts, {backlog} journal events queued, {time.monotonic() - t0:.1f} s", flush=True)
     for host in hosts:  # every backlog on disk before anyone is served
