@@ -4,9 +4,9 @@
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
-# --no-compile: Python compiles what is imported on first use; compiling every file of torch and transformers at install
-# (most of which nothing imports) took 17 s of a 45 s install here
-PIP    := $(PY) -m pip install -q --disable-pip-version-check --no-compile
+# (not --no-compile: where PYTHONDONTWRITEBYTECODE is set, as on this development machine, nothing would ever write the .pyc
+# files, and every test process compiled torch and transformers from source: the suite took 23 min instead of 15)
+PIP    := $(PY) -m pip install -q --disable-pip-version-check
 
 .PHONY: run test test-under-load lint bench clean test-deps
 
