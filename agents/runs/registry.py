@@ -48,6 +48,7 @@ class RunRegistry:
         self._ended_groups: dict[str, RunGroup] = {}  # groups of ended runs that still hold processes (leftovers)
         self._stopping: dict[str, asyncio.Task[StopResult]] = {}  # live and ended runs alike (a stop of an ended run reclaims)
         self._grace_ends: dict[str, float] = {}  # run id -> the monotonic time its stop's grace ends (the earliest asked)
+        self._grace_cut: set[str] = set()  # runs whose stop under way had its grace cut by a later request
         self.refused: list[str] = []  # undeclared transitions asked for (bugs), newest last; tests read it
 
     # ------------------------------------------------------------------ reading
@@ -209,9 +210,12 @@ class RunRegistry:
 
         ``grace_ends`` (monotonic): when this request wants the grace over. A stop under way takes the earlier of its
         own end and this one, so ``stop --grace 0`` during a long grace kills now (see :meth:`grace_end`)."""
-        if grace_ends is not None:
-            self.grace_end(run_id, grace_ends)
         task = self._stopping.get(run_id)
+        if grace_ends is not None:
+            before = self._grace_ends.get(run_id)
+            self.grace_end(run_id, grace_ends)
+            if task is not None and before is not None and grace_ends < before:
+                self._grace_cut.add(run_id)  # a later request cut the grace of the stop under way
         if task is None:
             task = asyncio.ensure_future(start())
             self._stopping[run_id] = task
@@ -219,6 +223,7 @@ class RunRegistry:
             def done(_t: asyncio.Task[StopResult]) -> None:
                 self._stopping.pop(run_id, None)
                 self._grace_ends.pop(run_id, None)
+                self._grace_cut.discard(run_id)
 
             task.add_done_callback(done)
         return task
@@ -230,3 +235,7 @@ class RunRegistry:
             now = self._grace_ends.get(run_id)
             self._grace_ends[run_id] = wanted if now is None else min(now, wanted)
         return self._grace_ends.get(run_id)
+
+    def grace_cut(self, run_id: str) -> bool:
+        """Whether a later stop request cut the grace of this run's stop under way (see :meth:`stop_once`)."""
+        return run_id in self._grace_cut

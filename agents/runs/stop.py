@@ -452,18 +452,19 @@ async def stop_run(sup: Supervisor, run: RunInfo, grace_s: float, reason: str = 
         return [m for m in ms if m.role != "shim" and alive(m.pid, m.create_time)]
 
     # the grace ends at the earliest any stop of this run asked for (a later `stop --grace 0` shortens this one)
-    own_end = time.monotonic() + grace_left
-    ends = sup.runs.grace_end(run.id, own_end)
+    grace_from = time.monotonic()
+    own_end = grace_from + grace_left
+    sup.runs.grace_end(run.id, own_end)  # (a resumed stop's end is earlier than the one its request registered)
 
     def grace_ends() -> float:
-        return sup.runs.grace_end(run.id) or own_end
+        end = sup.runs.grace_end(run.id)
+        return own_end if end is None else end
 
     t = await terminate(
         live, grace_left, group=group, rescan=rescan if group is None else None, poll=lambda: tick.poll_shims(sup), ends=grace_ends
     )
-    applied = grace_ends()
-    if ends is not None and applied < own_end - 0.05:
-        result.grace_shortened_s = round(max(0.0, applied - (own_end - grace_left)), 3)
+    if sup.runs.grace_cut(run.id):
+        result.grace_shortened_s = round(max(0.0, grace_ends() - grace_from), 3)
     # the shim exits by itself once its child is gone; make sure it did
     if shim_m is not None:
         shim_list = [shim_m] if alive(shim_m.pid, shim_m.create_time) else []

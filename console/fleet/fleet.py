@@ -16,6 +16,7 @@ so runs that started and ended while the console was away are recorded too.
 from __future__ import annotations
 
 import asyncio
+import logging
 import random
 import sqlite3
 import time
@@ -72,6 +73,8 @@ from gpudeck.console.history.replica import History, HistoryError
 
 if TYPE_CHECKING:
     from gpudeck.console.fleet.transport import SshLink
+
+log = logging.getLogger(__name__)
 
 BACKOFF_MIN_S = 0.5
 BACKOFF_MAX_S = 30.0
@@ -292,8 +295,8 @@ class HostLink:
         assert self.history is not None
         try:
             await asyncio.to_thread(self.history.note_host, self.name, self.status.state, self.status.error)
-        except (sqlite3.Error, HistoryError, OSError):
-            pass  # the state is on the link itself; the next change records it again
+        except (sqlite3.Error, HistoryError, OSError) as exc:  # the state is on the link itself; the next change records it again
+            log.debug("%s: the history did not take the link's state (%s): %s", self.name, self.status.state, exc)
 
     async def _watch(self, client: AgentClient) -> None:
         """Follow the snapshot stream: items arrive by callback from the reader (no task hop per snapshot); a

@@ -11,7 +11,7 @@ from gpudeck.agents.runs.liverun import LiveRun
 from gpudeck.agents.runs.registry import RunRegistry
 from gpudeck.agents.safety.containment import Containment
 from gpudeck.agents.storage.journal import Journal
-from gpudeck.agents.wire.protocol import Event, LaunchSpec, Member, RunInfo
+from gpudeck.agents.wire.protocol import Event, LaunchSpec, Member, RunInfo, StopResult
 
 
 def _registry(tmp_path: Path) -> tuple[RunRegistry, list[Event], list[dict]]:
@@ -76,3 +76,28 @@ def test_every_row_of_the_table_names_known_states_and_evidence() -> None:
         assert t.source in known_states and t.target in known_states and t.evidence in evidence, t
     assert len(set(states.TRANSITIONS)) == len(states.TRANSITIONS)
     assert all(t.source not in ("succeeded", "failed", "stopped", "lost", "preflight_failed") for t in states.TRANSITIONS)
+
+
+def test_a_later_stop_with_a_shorter_grace_cuts_the_one_under_way_and_only_that_counts_as_cut(tmp_path: Path) -> None:
+    reg, _, _ = _registry(tmp_path)
+
+    async def go() -> tuple[float | None, bool, bool, float | None]:
+        release = asyncio.Event()
+
+        async def stop_body() -> StopResult:
+            await release.wait()
+            return StopResult(run_id="r-1", state="stopped")
+
+        first = reg.stop_once("r-1", stop_body, grace_ends=100.0)
+        reg.grace_end("r-1", 99.0)  # the stop's own (resumed) end: earlier, but not a later request
+        cut_by_own = reg.grace_cut("r-1")
+        again = reg.stop_once("r-1", stop_body, grace_ends=10.0)  # `stop --grace 0`-like: joins, and cuts the grace
+        assert again is first
+        end, cut = reg.grace_end("r-1"), reg.grace_cut("r-1")
+        release.set()
+        await first
+        await asyncio.sleep(0)
+        return end, cut_by_own, cut, reg.grace_end("r-1")
+
+    end, cut_by_own, cut, after = asyncio.run(go())
+    assert (end, cut_by_own, cut, after) == (10.0, False, True, None)
