@@ -26,6 +26,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, InvalidStateError
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -117,6 +118,7 @@ def _j(value: Any) -> str:
 
 
 _encode = msgspec.json.Encoder().encode
+JOB_TIMEOUT_S = 120.0  # a cursor, link-state note or pending stop queued for the writer: past this, a typed HistoryError
 
 
 def _data_text(data: dict[str, Any]) -> str:
@@ -555,7 +557,13 @@ class History:
         """Run ``fn(connection)`` on the writer thread and return what it returns (raises what it raises)."""
         fut: Future = Future()
         self._enqueue(_Job(fn, fut))
-        return fut.result()
+        try:
+            return fut.result(timeout=JOB_TIMEOUT_S)
+        except FutureTimeout:  # a wedged writer (a disk that stopped answering) must not hang a host's link for good
+            raise HistoryError(
+                f"the history's writer did not get to this within {JOB_TIMEOUT_S:g} s: is the disk of {self.path} answering? "
+                "(the sync goes on from its cursor once it does)"
+            ) from None
 
     def _enqueue(self, item: _Batch | _Job) -> None:
         """Queue for the one writer thread, started the first time. Under a lock: jobs come from several threads at
