@@ -35,8 +35,11 @@ async def test_the_host_screen_and_the_reclaim_confirmation_name_the_container(s
         host = await open_host(app, "local")
         table = host.query_one("#proc-table", KeyedTable)
         key = f"1:{holder.pid}"
+        # the holder is the placer (python) until it executes `sleep`: a snapshot taken before the agent re-read the
+        # exec'd process shows the placer's command line for a tick (fresh-clone CI once caught it there)
         await until(
-            lambda: key in table.keys() and "docker:trainer" in cell_text((table.cells_of(key) or {}).get("cmd", "")), what="the row"
+            lambda: key in table.keys() and "sleep 300" in cell_text((table.cells_of(key) or {}).get("cmd", "")),
+            what="the row, with the command line after the exec",
         )
         assert cell_text((table.cells_of(key) or {})["cmd"]) == "[docker:trainer] sleep 300"
         table.mark_all([key])
