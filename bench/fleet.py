@@ -88,6 +88,8 @@ from bench.fleet_hosts import (
     FleetSpec,
     FleetStartError,
     cpu_seconds,
+    pin,
+    pin_options,
     rss_bytes,
     runqueue_wait_s,
     start_worker,
@@ -874,6 +876,7 @@ def run_worker(design: str, fh: Any, args: argparse.Namespace) -> tuple[dict[str
     if prof_path:
         argv += ["--profile-out", str(prof_path)]
     proc = start_worker(argv, fh.base_dir / f"worker-{design}.stderr")
+    pin(proc.pid, "console")
     extras_timeout = 1800 if design == "scale" else 120
     meter = SideMeter(fh)
     spy: subprocess.Popen | None = None
@@ -1233,6 +1236,7 @@ def run_scale(sizes: list[int], args: argparse.Namespace) -> None:
         except FleetStartError as exc:
             out(f"N={n} SIMULATED stand-in COULD NOT BE BROUGHT UP: {exc}")
             continue
+        pin(sh.farm_pid, "standin")
         try:
             mem = psutil.virtual_memory()
             out(
@@ -1472,6 +1476,16 @@ def main() -> None:
     ap.add_argument(
         "--backlog-hours", type=float, default=12.0, help="stand-in: hours of journal each host holds before the console starts"
     )
+    ap.add_argument(
+        "--console-cpus",
+        default="",
+        help="pin the console worker to these CPUs (taskset's list, e.g. 0-1): an operator's machine of that size",
+    )
+    ap.add_argument(
+        "--standin-cpus",
+        default="",
+        help="pin the stand-in (or the agents and farm) and this driver to these CPUs, so the SIMULATED hosts do not take the console's",
+    )
     ap.add_argument("--worker", choices=["gpudeck", "exec-per-tick", "exec-aligned", "ssh-floor", "watch", "scale"], help=argparse.SUPPRESS)
     ap.add_argument("--spec", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--profile-out", type=Path, default=None, help=argparse.SUPPRESS)
@@ -1494,8 +1508,11 @@ def main() -> None:
     stop_on_signals()
     sizes = [int(x) for x in args.hosts.split(",") if x.strip()]
     designs = [d.strip() for d in args.designs.split(",") if d.strip()]
+    pin_options(ap, args.console_cpus, args.standin_cpus)
     out(
         f"machine: {psutil.cpu_count()} CPUs, {psutil.virtual_memory().total / 2**30:.1f} GiB; python {sys.version.split()[0]}; "
+        f"pinning: console {'on CPUs ' + args.console_cpus if args.console_cpus else 'not pinned'}, "
+        f"SIMULATED hosts and this driver {'on CPUs ' + args.standin_cpus if args.standin_cpus else 'not pinned'}; "
         f"SIMULATED GPUs ({args.gpus} per agent); SSH server side: asyncssh in-process (one farm process, no MSG_IGNORE before every packet, as sshd), not OpenSSH; "
         f"ciphers: {args.ciphers or 'gpudeck default order (AES-GCM first), the same for both designs'}; "
         f"load average at start {' '.join(f'{x:.2f}' for x in os.getloadavg())}"
@@ -1518,6 +1535,8 @@ def main() -> None:
         except FleetStartError as exc:
             out(f"N={n} COULD NOT BE BROUGHT UP: {exc}")
             continue
+        for pid in (fh.farm_pid, *fh.agent_pids):
+            pin(pid, "standin")
         try:
             mem = psutil.virtual_memory()
             out(

@@ -100,6 +100,59 @@ def stop_on_signals() -> None:
     signal.signal(signal.SIGINT, _raise)
 
 
+PIN_ENV = {"console": "BENCH_CONSOLE_CPUS", "standin": "BENCH_STANDIN_CPUS"}
+
+
+def parse_cpus(text: str, check: bool = True) -> set[int]:
+    """``0-1,4`` -> {0, 1, 4}: a CPU list as taskset takes it (ValueError on anything else, and, with ``check``, on
+    a CPU this process may not run on)."""
+    cpus: set[int] = set()
+    for part in text.split(","):
+        lo, _, hi = part.strip().partition("-")
+        if not lo.isdigit() or (hi and not hi.isdigit()):
+            raise ValueError(f"not a CPU list: {text!r} (write it as taskset does, e.g. 0-1 or 0,2-5)")
+        cpus.update(range(int(lo), int(hi or lo) + 1))
+    usable = os.sched_getaffinity(0)
+    if check and not cpus <= usable:
+        raise ValueError(f"CPUs {sorted(cpus - usable)} are not usable here (this process may run on {sorted(usable)})")
+    return cpus
+
+
+def pin_options(ap: argparse.ArgumentParser, console: str, standin: str) -> None:
+    """Check the benches' --console-cpus / --standin-cpus (an argparse error otherwise), hand them to :func:`pin` through
+    the environment, and pin this driver to the stand-in's CPUs (it measures; it stays off the console's)."""
+    for role, text in (("console", console), ("standin", standin)):
+        if text:
+            try:
+                parse_cpus(text)
+            except ValueError as exc:
+                ap.error(f"--{role}-cpus: {exc}")
+            os.environ[PIN_ENV[role]] = text
+    pin(os.getpid(), "standin")
+
+
+def pin(pid: int, role: str) -> str:
+    """Pin ``pid``, every thread of it and every descendant to the CPUs the environment names for ``role``
+    (``console`` or ``standin``: BENCH_CONSOLE_CPUS / BENCH_STANDIN_CPUS, set by the benches' --console-cpus and
+    --standin-cpus); nothing when it names none. Returns a phrase for the bench's header line."""
+    text = os.environ.get(PIN_ENV[role], "")
+    if not text:
+        return f"{role} not pinned"
+    cpus = parse_cpus(text, check=False)  # checked when the option was read, before this driver was pinned
+    procs = [psutil.Process(pid)]
+    try:
+        procs += procs[0].children(recursive=True)
+    except psutil.Error:
+        pass
+    for proc in procs:
+        try:
+            for tid in os.listdir(f"/proc/{proc.pid}/task"):
+                os.sched_setaffinity(int(tid), cpus)
+        except (OSError, psutil.Error):
+            continue  # a thread or process that ended meanwhile
+    return f"{role} on CPUs {text}"
+
+
 class FleetStartError(RuntimeError):
     """The loopback fleet could not be brought up; the message says which part failed and where its log is."""
 

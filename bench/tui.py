@@ -1202,7 +1202,7 @@ def standin_size(
     n: int, seconds: float, presses: int, gpus: str, runs_per_host: int, profile: str, nice: bool, settle_s: float, before: bool = False
 ) -> dict[str, float]:
     """One host count of :func:`part3_standin`; returns its figures ({} when it got no further than bringing hosts up)."""
-    from bench.fleet_hosts import FleetStartError
+    from bench.fleet_hosts import FleetStartError, pin
     from bench.standin import LABEL, StandinHosts
 
     t0 = time.monotonic()
@@ -1241,6 +1241,7 @@ def standin_size(
         if before:
             child_env["TUI_BENCH_BEFORE"] = "1"
         term = Term([sys.executable, str(Path(__file__).resolve()), "_console", str(spec_path), str(stats_path), "0"], child_env)
+        print(f"tui_bench part3 pinning: {pin(term.pid, 'console')}; {pin(sh.farm_pid, 'standin')} (with this driver)", flush=True)
         try:
             return standin_console(term, sh.farm_pid, stats_path, n, made, seconds, presses, nice, settle_s)
         finally:
@@ -1736,7 +1737,16 @@ def main() -> None:
     ap.add_argument("--runs-per-host", type=int, default=4, help="part 3 with --fleet standin: made-up ended runs per host in the history")
     ap.add_argument("--ab", type=int, default=0, help="part 3 with --fleet standin: rounds of before (main's console) / after per size")
     ap.add_argument("--profile", default="mixed", help="part 3 with --fleet standin: the stand-in's host profile (idle, mixed, busy)")
+    ap.add_argument(
+        "--console-cpus", default="", help="part 3 with --fleet standin: pin the console to these CPUs (taskset's list, e.g. 0-1)"
+    )
+    ap.add_argument(
+        "--standin-cpus", default="", help="part 3 with --fleet standin: pin the stand-in and this driver to these CPUs, off the console's"
+    )
     args = ap.parse_args()
+    from bench.fleet_hosts import pin_options
+
+    pin_options(ap, args.console_cpus, args.standin_cpus)
     parts = {int(p) for p in args.parts.split(",") if p}
     if parts & {1, 2}:
         home = Path(tempfile.mkdtemp(prefix="gd-tui-", dir="/tmp"))
