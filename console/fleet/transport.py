@@ -589,6 +589,9 @@ async def open_agent_session(
     except (asyncssh.ChannelOpenError, asyncssh.Error, OSError) as exc:
         conn.close()
         raise SshError(f"{name}: connected, but cannot run `{command}` there: {exc}") from None
+    except asyncio.CancelledError:  # the link is being closed while it waits: the connection goes with it
+        conn.close()
+        raise
     if not isinstance(session, _AgentSession):  # asyncssh types the session as its base class, not the factory's
         conn.close()
         raise TypeError(f"{name}: asyncssh returned a {type(session).__name__} session, not the _AgentSession it was asked for")

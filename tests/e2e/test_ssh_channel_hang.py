@@ -92,3 +92,16 @@ async def test_a_far_side_that_logs_in_and_never_opens_the_session_is_an_error_w
         assert link.client.hello is not None
     finally:
         await link.close()
+
+
+async def test_a_session_open_cancelled_while_the_far_side_hangs_closes_the_connection(wedged: tuple[ConsoleSide, SshHost]) -> None:
+    """A link closed (the console quitting, the CLI done) while its session open waits does not leave the login open."""
+    c, host = wedged
+    async with _logged_in_then_stopped(c, host) as conn:
+        opening = asyncio.ensure_future(open_agent_session(conn, "wedged", "gpudeck agent dial", {}, timeout_s=600))
+        await asyncio.sleep(0.5)
+        assert not opening.done()
+        opening.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await opening
+        await asyncio.wait_for(conn.wait_closed(), 10)
