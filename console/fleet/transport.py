@@ -36,6 +36,7 @@ from gpudeck.console.fleet.ssh_options import HostKeyError, SshError, SshOptions
 
 __all__ = [
     "CONNECT_TIMEOUT_S",
+    "SESSION_TIMEOUT_S",
     "HostKeyError",
     "SshError",
     "SshLink",
@@ -43,10 +44,14 @@ __all__ = [
     "connect_ssh",
     "encryption_preference",
     "host_settings",
+    "open_agent_session",
 ]
 
 CONNECT_TIMEOUT_S = 15.0
 LOGIN_TIMEOUT_S = 30.0
+# after the login, one round trip and a fork on the far side (it just forked for the login): 10 s is generous on a loaded
+# host, and comes before the CLI's 15 s wait for a host and the keepalives' ~40 s, so the error says what hung
+SESSION_TIMEOUT_S = 10.0
 HELLO_TIMEOUT_S = 30.0  # the far side may have to start its agent first
 
 log = logging.getLogger(__name__)
@@ -527,14 +532,7 @@ async def connect_ssh(name: str, command: str, options: SshOptions, meanwhile: C
         raise SshError(f"{name}: cannot resolve its address ({exc.strerror or exc}): check HostName for {name} in ~/.ssh/config") from None
     except (OSError, asyncssh.Error) as exc:
         raise SshError(f"{name}: cannot connect over SSH: {exc}") from None
-    try:
-        _chan, session = await conn.create_session(_AgentSession, command, encoding=None, env=options.env or (), term_type=None)  # type: ignore[arg-type]  # asyncssh types env as a Mapping keyed by bytes | str (invariant key), so a dict[str, str] does not match
-    except (asyncssh.ChannelOpenError, asyncssh.Error, OSError) as exc:
-        conn.close()
-        raise SshError(f"{name}: connected, but cannot run `{command}` there: {exc}") from None
-    if not isinstance(session, _AgentSession):  # asyncssh types the session as its base class, not the factory's
-        conn.close()
-        raise TypeError(f"{name}: asyncssh returned a {type(session).__name__} session, not the _AgentSession it was asked for")
+    _chan, session = await open_agent_session(conn, name, command, options.env)
     _skip_idle_packet_log(_chan)
     client = AgentClient(None, _ChannelWriter(session))
     session.client = client
@@ -569,6 +567,35 @@ async def connect_ssh(name: str, command: str, options: SshOptions, meanwhile: C
         )
         raise SshError(f"{name}: `{command}` did not answer the gpudeck protocol ({detail}); {hint}") from None
     return SshLink(conn, session, client)
+
+
+async def open_agent_session(
+    conn: asyncssh.SSHClientConnection, name: str, command: str, env: dict[str, str], timeout_s: float = SESSION_TIMEOUT_S
+) -> tuple[asyncssh.SSHClientChannel, _AgentSession]:
+    """Open the channel that runs ``command`` (the agent bridge) on the logged-in ``conn``, within ``timeout_s``.
+
+    The wait covers the channel open and the exec request's reply: a far side that took the login and then stops
+    answering (a stopped or wedged sshd process) would otherwise hold the link in "connecting" until the keepalives
+    give up, or for good without them. On any failure ``conn`` is closed and SshError says why."""
+    try:
+        async with asyncio.timeout(timeout_s):
+            chan, session = await conn.create_session(_AgentSession, command, encoding=None, env=env or (), term_type=None)  # type: ignore[arg-type]  # asyncssh types env as a Mapping keyed by bytes | str (invariant key), so a dict[str, str] does not match
+    except TimeoutError:
+        conn.close()
+        raise SshError(
+            f"{name}: the SSH login worked, but the far side did not open a session within {timeout_s:g} s: check sshd on {name} "
+            f"(overloaded? at its MaxSessions? a hung or stopped sshd-session process: `ps -o pid,stat,args -C sshd,sshd-session` there)"
+        ) from None
+    except (asyncssh.ChannelOpenError, asyncssh.Error, OSError) as exc:
+        conn.close()
+        raise SshError(f"{name}: connected, but cannot run `{command}` there: {exc}") from None
+    except asyncio.CancelledError:  # the link is being closed while it waits: the connection goes with it
+        conn.close()
+        raise
+    if not isinstance(session, _AgentSession):  # asyncssh types the session as its base class, not the factory's
+        conn.close()
+        raise TypeError(f"{name}: asyncssh returned a {type(session).__name__} session, not the _AgentSession it was asked for")
+    return chan, session
 
 
 def ssh_hostname(name: str, config_paths: Sequence[str]) -> str | None:
