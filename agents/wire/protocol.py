@@ -959,46 +959,54 @@ class FrameReader:
 
     def __init__(self, max_frame: int = MAX_FRAME) -> None:
         self.max_frame = max_frame
-        self._buf = bytearray()
+        # the unfinished frame's chunks, as they came (joined once, when its newline comes): no buffer grown and cut
+        # back per chunk, which under load cost more than the decoding (bench/RESULTS.md 32-sync)
+        self._parts: list[bytes] = []
+        self._pending = 0
         self._discarding = False
 
     def feed(self, data: bytes) -> list[bytes | None]:
         """Add bytes; return complete frames (None marks an oversized frame)."""
-        if not self._buf and not self._discarding and data.find(b"\n") == len(data) - 1 and len(data) <= self.max_frame + 1:
-            line = data[:-1].strip(JSON_SPACE)  # the common case: exactly one whole frame (no copy into the buffer)
+        if not self._parts and not self._discarding and data.find(b"\n") == len(data) - 1 and len(data) <= self.max_frame + 1:
+            line = data[:-1].strip(JSON_SPACE)  # the common case: exactly one whole frame (no copy)
             return [line] if line else []
         out: list[bytes | None] = []
-        # the buffer holds no newline between calls, so only the new bytes are searched: a frame of F bytes that
-        # arrives in chunks of C is scanned once, not F/C times over (a 2 MB history batch in 16 KB reads)
-        scan_from = len(self._buf)
-        self._buf += data
-        while True:
-            nl = self._buf.find(b"\n", scan_from)
-            scan_from = 0  # what follows a newline is all new
-            if nl < 0:
-                if not self._discarding and len(self._buf) > self.max_frame:
-                    self._discarding = True
-                    out.append(None)
+        start, end = 0, len(data)
+        while start < end:
+            nl = data.find(b"\n", start)
+            if nl < 0:  # the rest is part of a frame still to come
                 if self._discarding:
-                    self._buf.clear()
+                    return out
+                self._pending += end - start
+                if self._pending > self.max_frame:  # reported as soon as it is too long, then dropped up to its newline
+                    self._discarding = True
+                    self._parts.clear()
+                    self._pending = 0
+                    out.append(None)
+                else:
+                    self._parts.append(bytes(data[start:]) if start else bytes(data))
                 return out
-            with memoryview(self._buf) as view:
-                line = bytes(view[:nl])  # one copy, not a bytearray slice and then bytes of it
-            del self._buf[: nl + 1]
             if self._discarding:
                 self._discarding = False
-                continue
-            if len(line) > self.max_frame:
+            elif self._pending + nl - start > self.max_frame:
                 out.append(None)
-                continue
-            line = line.strip(JSON_SPACE)
-            if line:
-                out.append(line)
+            else:
+                line = bytes(data[start:nl])
+                if self._parts:
+                    self._parts.append(line)
+                    line = b"".join(self._parts)
+                line = line.strip(JSON_SPACE)
+                if line:
+                    out.append(line)
+            self._parts.clear()
+            self._pending = 0
+            start = nl + 1
+        return out
 
     @property
     def pending(self) -> int:
         """Bytes buffered without a newline yet."""
-        return len(self._buf)
+        return self._pending
 
 
 def new_run_id() -> str:
