@@ -24,6 +24,7 @@ from textual.screen import ModalScreen, Screen
 
 from gpudeck.agents.wire import paths
 from gpudeck.agents.wire.protocol import RunInfo
+from gpudeck.console.core import gcpolicy
 from gpudeck.console.core.config import ConfigError
 from gpudeck.console.core.records import HostStatus
 from gpudeck.console.core.sanitize import escape_controls
@@ -46,9 +47,8 @@ install_textual_fixes()  # Strip.divide without its reference cycle: see textual
 # (KeyedTable), so frequent small refreshes keep a key press from waiting behind a big one.
 FLUSH_S = 0.25
 CONFIG_POLL_S = 2.0  # how often the console looks whether `gpudeck hosts add/remove` changed the config file
-GC_FREEZE_AFTER_S = 60.0  # freeze the start-up heap once every host has answered, or after this long
-# After the freeze the collector runs young collections by itself, every 10,000 net allocations; the middle and full
-# ones are the console's to start (due_collection), when nobody is pressing keys. Python's default (700, 10, 10) set
+# After the start-up heap is frozen (console/core/gcpolicy.py: once every host has answered, or after FREEZE_AFTER_S)
+# the collector runs young collections by itself, every 10,000 net allocations; the middle and full ones are the console's to start (due_collection), when nobody is pressing keys. Python's default (700, 10, 10) set
 # off a full collection every couple of seconds while a run's output streamed (50-90 ms each). 50,000 young made each
 # young collection a 20-70 ms pause, because what Textual leaves in reference cycles (each layout's map, each
 # toast's nodes) is freed only by the collector: a young pass freed 30,000 objects. At 10,000 they take 5-15 ms of
@@ -210,11 +210,9 @@ class GpudeckApp(App):
         """
         links = self.ops.links.values()
         settled = all(link.status.state != "connecting" for link in links)
-        if settled or time.monotonic() - self._mounted_at > GC_FREEZE_AFTER_S:
+        if settled or time.monotonic() - self._mounted_at > gcpolicy.FREEZE_AFTER_S:
             self._gc_frozen = True
-            gc.collect()
-            gc.freeze()
-            gc.set_threshold(GC_YOUNG, GC_NEVER, GC_NEVER)
+            gcpolicy.freeze_startup_heap((GC_YOUNG, GC_NEVER, GC_NEVER))
             self.set_interval(FLUSH_S, self._collect_when_idle)
 
     def _collect_when_idle(self) -> None:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import fcntl
-import gc
 import ipaddress
 import json
 import os
@@ -24,6 +23,7 @@ from typing import Any
 
 from gpudeck.agents.wire import paths
 from gpudeck.console.core import config as cfg
+from gpudeck.console.core import gcpolicy
 from gpudeck.console.core.sanitize import terminal_text
 from gpudeck.console.fleet.fleet import Fleet
 from gpudeck.console.fleet.transport import SshOptions
@@ -38,13 +38,8 @@ from gpudeck.console.watch.targets import privacy_form
 
 SCAN_BATCH = 1000
 DEFAULT_INTERVAL_S = 5.0  # snapshots as often as Prometheus usually scrapes; events do not wait for them (they are long-polled)
-# once the fleet is connected, what start-up built (links, connections) is frozen out of the cyclic collector's sight and
-# young collections run further apart: each scrape builds tens of thousands of short-lived objects that would otherwise
-# set off full collections over everything the watcher holds. The console schedules its middle and full collections
-# around key presses instead (console/tui/app.py, due_collection); the watcher has no keys to wait for, so the collector's
-# own thresholds serve it
-GC_FREEZE_AFTER_S = 60.0
-GC_THRESHOLDS = (50_000, 20, 100)
+# once the fleet is connected, the start-up heap is frozen and the collector left to its own (larger) thresholds:
+# console/core/gcpolicy.py says why
 SCAN_EVERY_S = 2.0  # the history is read at least this often (and at once after a sync brings events)
 DELIVER_CHECK_S = 5.0
 _KINDS = ("run_state", "alert")
@@ -325,13 +320,11 @@ class Watcher:
         return endpoint
 
     async def _freeze_gc(self, fleet: Fleet) -> None:
-        for _ in range(int(GC_FREEZE_AFTER_S)):  # a check a second until no link is still connecting
+        for _ in range(int(gcpolicy.FREEZE_AFTER_S)):  # a check a second until no link is still connecting
             if not any(ln.status.state == "connecting" for ln in fleet.links.values()):
                 break
             await asyncio.sleep(1.0)
-        gc.collect()
-        gc.freeze()
-        gc.set_threshold(*GC_THRESHOLDS)
+        gcpolicy.freeze_startup_heap(gcpolicy.HEADLESS_THRESHOLDS)
 
     async def run(self, stop: asyncio.Event) -> int:
         """Run until ``stop`` is set; 0 on a clean stop."""
