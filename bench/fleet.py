@@ -436,6 +436,7 @@ async def worker_scale(spec: FleetSpec, seconds: float, interval: float, profile
     every host is shown, the history sync of the journals' backlog, then the steady window (CPU, RSS, fds, snapshot
     ages), then every journal event checked against the history (none lost) and the policies' deliveries (none twice)."""
     from bench.standin import host_failure
+    from gpudeck.console.core import gcpolicy
     from gpudeck.console.fleet.fleet import Fleet
     from gpudeck.console.history.replica import History
 
@@ -484,6 +485,11 @@ async def worker_scale(spec: FleetSpec, seconds: float, interval: float, profile
         cpu_s=time.process_time() - cpu0,
         states={s: sum(ln.status.state == s for ln in fleet.links.values()) for s in {ln.status.state for ln in fleet.links.values()}},
     )
+    # the collector as `gpudeck watch` and the console set it once the fleet is connected (console/watch/service.py,
+    # console/tui/app.py): the start-up heap frozen out of full collections. Without it, this worker's full
+    # collections walk every link's objects, 4x more of them at 4x the hosts, and the sync's cost per event grows
+    # with the fleet for a reason the console does not have (bench/RESULTS.md 32-sync).
+    gcpolicy.freeze_startup_heap(gcpolicy.HEADLESS_THRESHOLDS)
     # the backlog: every host's journal as it was before the console started, into the history
     t_sync0 = time.monotonic()
     cpu1 = time.process_time()
@@ -503,6 +509,7 @@ async def worker_scale(spec: FleetSpec, seconds: float, interval: float, profile
         seconds_from_start=sync_s,
         seconds_after_shown=time.monotonic() - t_sync0,
         cpu_s=time.process_time() - cpu1,
+        cpu_from_start_s=time.process_time() - cpu0,
     )
     await asyncio.sleep(WARM_S)
     connects0 = sum(ln.status.connects for ln in fleet.links.values())
@@ -1135,10 +1142,14 @@ def report_startup(n: int, ev: str, msg: dict[str, Any]) -> None:
         )
     else:
         rate = msg["synced"] / max(msg["seconds_after_shown"], 1e-9)
+        whole = msg["synced"] / max(msg["seconds_from_start"], 1e-9)
+        cpu_all = msg.get("cpu_from_start_s", float("nan"))
         out(
             f"{tag} history sync of the backlog: {msg['synced']} of {msg['backlog']} journal events in the history {msg['seconds_from_start']:.1f} s "
-            f"after console start ({msg['seconds_after_shown']:.1f} s after every host was shown): {rate:,.0f} events/s after shown; "
-            f"console CPU over it {msg['cpu_s']:.1f} s; {load_line()}"
+            f"after console start ({msg['seconds_after_shown']:.1f} s after every host was shown): {whole:,.0f} events/s from console start "
+            f"({rate:,.0f} a second of the time after shown, a figure that flatters a small fleet: more of its pull is over by then); "
+            f"console CPU from start to synced {cpu_all:.1f} s = {1e6 * cpu_all / max(msg['synced'], 1):.1f} us per event, "
+            f"{1000 * cpu_all / n:.1f} ms per host (connect and backlog; {msg['cpu_s']:.1f} s of it after shown); {load_line()}"
         )
 
 
@@ -1180,7 +1191,8 @@ def report_scale(n: int, r: dict[str, Any], side: Side) -> dict[str, float]:
         "age_p50_ms": 1000 * r["age_p50"],
         "age_p99_ms": 1000 * r["age_p99"],
         "shown_s": float(shown.get("all_s", float("nan"))),
-        "sync_eps": synced.get("synced", 0) / max(synced.get("seconds_after_shown", 0.0), 1e-9),
+        "sync_eps": synced.get("synced", 0) / max(synced.get("seconds_from_start", 0.0), 1e-9),
+        "sync_cpu_us_per_event": 1e6 * synced.get("cpu_from_start_s", float("nan")) / max(synced.get("synced", 0), 1),
     }
 
 
@@ -1191,7 +1203,17 @@ def report_growth(rows: dict[int, dict[str, float]]) -> None:
     sizes = sorted(rows)
     base = sizes[0]
     per_host = ("cpu_per_host_ms", "rss_mib", "fds")
-    for key in ("cpu_core", "cpu_per_host_ms", "rss_mib", "fds", "age_p50_ms", "age_p99_ms", "shown_s", "sync_eps"):
+    for key in (
+        "cpu_core",
+        "cpu_per_host_ms",
+        "rss_mib",
+        "fds",
+        "age_p50_ms",
+        "age_p99_ms",
+        "shown_s",
+        "sync_eps",
+        "sync_cpu_us_per_event",
+    ):
         cells = []
         for n in sizes:
             v = rows[n][key]
