@@ -557,6 +557,7 @@ def console_child(spec_path: Path, stats_path: Path, total: int) -> None:
                     Fleet(config=spec.config(), ssh=spec.ssh_options(), interval_s=1.0, history=History(spec.base_dir / "tui-history.db"))
                 ),
                 freeze_gc=True,
+                quit_on_signals=True,
             )
             self.pings = 0
             self.checked: dict[str, object] = {}

@@ -9,7 +9,9 @@ repaint per snapshot. History syncs are noted the same way.
 
 from __future__ import annotations
 
+import asyncio
 import gc
+import signal
 import time
 from collections.abc import Iterable
 from pathlib import Path
@@ -61,6 +63,7 @@ GC_FULL_AFTER = 100  # middle collections before a full one is due (as the colle
 GC_IDLE_S = 1.0  # a due collection waits until no key or click came for this long
 GC_WAIT_LIMIT = 4  # ... or until it is this many times overdue: it waits for an idle moment, never forever
 THEMES = ("textual-dark", "textual-light")
+QUIT_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
 
 
 def due_collection(counts: tuple[int, int, int], idle_s: float) -> int | None:
@@ -106,10 +109,12 @@ class GpudeckApp(App):
         Binding("q", "quit", "Quit"),
     ]
 
-    def __init__(self, ops: Ops | None = None, *, freeze_gc: bool = False) -> None:
+    def __init__(self, ops: Ops | None = None, *, freeze_gc: bool = False, quit_on_signals: bool = False) -> None:
         """``ops``: the console's operations (:meth:`Ops.console`; by default every configured host, no history);
-        ``freeze_gc``: once connected, keep the start-up heap out of full collections (the real console does)."""
+        ``freeze_gc``: once connected, keep the start-up heap out of full collections (the real console does);
+        ``quit_on_signals``: SIGTERM and SIGHUP quit as ``q`` does (the real console, which owns its process)."""
         super().__init__()
+        self._quit_on_signals = quit_on_signals
         self.ops = ops or Ops.console()
         self._dirty_hosts: set[str] = set()
         self._history_dirty = False
@@ -139,6 +144,10 @@ class GpudeckApp(App):
         link.on_synced(self._synced)
 
     def on_mount(self) -> None:
+        if self._quit_on_signals:
+            loop = asyncio.get_running_loop()
+            for sig in QUIT_SIGNALS:
+                loop.add_signal_handler(sig, self._quit_on_signal, sig)
         self.theme = THEMES[0]
         self.ansi_theme_light = _light_ansi()
         for name in self.ops.links:
@@ -179,7 +188,18 @@ class GpudeckApp(App):
         if n:
             self._history_dirty = True
 
+    def _quit_on_signal(self, sig: int) -> None:
+        """SIGTERM (a `kill`, a service stopping) or SIGHUP (the terminal or the SSH session carrying it went away):
+        quit as ``q`` does, so the links close, the history's writer finishes what it holds, the terminal is given
+        back and the per-host SSH config folder is removed; by default Python would die on the spot and leave them.
+        The exit status says which signal (128 + its number, as a shell reports it)."""
+        self.exit(return_code=128 + sig)
+
     async def on_unmount(self) -> None:
+        if self._quit_on_signals:
+            loop = asyncio.get_running_loop()
+            for sig in QUIT_SIGNALS:
+                loop.remove_signal_handler(sig)
         await self.ops.close()
 
     def flush_updates(self) -> None:
@@ -319,10 +339,12 @@ class GpudeckApp(App):
 
 
 def run_console() -> int:
-    """Open the console on the fleet (this host, its agent started if needed, plus the configured hosts)."""
+    """Open the console on the fleet (this host, its agent started if needed, plus the configured hosts); the exit
+    status is 0 after `q`, 128 + the signal's number after SIGTERM or SIGHUP."""
     ops = Ops.console(with_history=True)
+    app = GpudeckApp(ops, freeze_gc=True, quit_on_signals=True)
     try:
-        GpudeckApp(ops, freeze_gc=True).run()
+        app.run()
     finally:
         ops.close_history()
-    return 0
+    return app.return_code or 0
