@@ -103,13 +103,15 @@ def test_the_table_matches_a_full_listing_of_proc() -> None:
     t = ProcTable()
     t.refresh()
     procs = [_spawn({"GPUDECK_RUN_ID": f"r-{i}", "RANK": str(i)}) for i in range(5)]
+    ours = {p.pid for p in procs}
     try:
-        _wait(lambda: (t.refresh(), len(t.tagged()) >= 5)[1], "the new processes")
+        # all five of OURS tagged (seen after their exec): five tagged processes of any test (another xdist worker's)
+        # let an earlier wait end while one of ours was still the pre-exec fork (fresh-clone CI at 87a94dd)
+        _wait(lambda: (t.refresh(), ours <= {e.pid for e in t.tagged()})[1], "the new processes")
         fresh = ProcTable()
         fresh.refresh(full=True)
         # only this test's processes are compared as sets: tagged processes of other tests (another xdist worker,
         # another checkout on the machine) start and end between the two listings; those in both must agree
-        ours = {p.pid for p in procs}
         mine = {(e.pid, e.run_id, e.rank) for e in t.tagged()}
         full = {(e.pid, e.run_id, e.rank) for e in fresh.tagged()}
         assert {x for x in mine if x[0] in ours} == {x for x in full if x[0] in ours} and len(ours) == 5
