@@ -299,9 +299,16 @@ class Netns:
         except Exception:
             pass
         _kill_ns_processes(self.name)
-        _run(["ip", "link", "del", self.host_if], check=False)
-        _run(["ip", "netns", "del", self.name], check=False)
-        _run(["ip", "route", "del", "unreachable", self.subnet, "metric", str(GUARD_METRIC)], check=False)
+        LOCK_PATH.touch(exist_ok=True)
+        with open(LOCK_PATH) as lock:
+            # freeing a slot is one step too, under the lock its creation takes: otherwise another test process could
+            # take the slot once our address is gone and then lose its guard route to our `route del` below, and with
+            # its link down its packets would follow the default route off the namespace (a connect that succeeded
+            # during a "down" cut: tests/e2e/test_partition.py in fresh-clone CI at 1e42541)
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            _run(["ip", "route", "del", "unreachable", self.subnet, "metric", str(GUARD_METRIC)], check=False)
+            _run(["ip", "link", "del", self.host_if], check=False)
+            _run(["ip", "netns", "del", self.name], check=False)
 
 
 class NetnsPool:
