@@ -521,6 +521,8 @@ class History:
             if item is None:
                 break
             if isinstance(item, _Job):
+                if not item.done.set_running_or_notify_cancel():
+                    continue  # its caller gave up waiting and was told it was not written (_run_job): do not write it now
                 try:
                     _settle(item.done, result=item.fn(conn))
                 except Exception as exc:  # the caller gets it; the writer keeps going
@@ -560,9 +562,11 @@ class History:
         try:
             return fut.result(timeout=JOB_TIMEOUT_S)
         except FutureTimeout:  # a wedged writer (a disk that stopped answering) must not hang a host's link for good
+            # not started yet: dropped, so that what the caller is told (not written) stays true; started: it may land
+            fate = "it was not written" if fut.cancel() else "it is being written and may still land"
             raise HistoryError(
-                f"the history's writer did not get to this within {JOB_TIMEOUT_S:g} s: is the disk of {self.path} answering? "
-                "(the sync goes on from its cursor once it does)"
+                f"the history's writer did not get to this within {JOB_TIMEOUT_S:g} s ({fate}): is the disk of {self.path} "
+                "answering, or another process holding history.db? (the sync goes on from its cursor once it does)"
             ) from None
 
     def _enqueue(self, item: _Batch | _Job) -> None:

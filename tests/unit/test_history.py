@@ -410,3 +410,33 @@ def test_cursors_asked_from_many_threads_at_once_go_through_one_writer(tmp_path:
         h.cursor("h07", "ep")
     with pytest.raises(HistoryError):
         h.note_host("h07", "up")
+
+
+def test_a_write_the_writer_cannot_get_to_is_a_typed_error_and_not_written_later(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Another process holds history.db's write lock (a real SQLite lock, past the limit): a host's link-state note
+    waits for it on the writer thread, and a pending stop queued behind it gives up at the limit with a HistoryError
+    that says it was not written, and is not written once the lock goes (what the caller was told stays true)."""
+    from gpudeck.console.history import replica
+    from gpudeck.console.history.replica import HistoryError
+
+    monkeypatch.setattr(replica, "JOB_TIMEOUT_S", 1.0)
+    h = History(tmp_path / "history.db")
+    try:
+        h.note_host("hosta", "up")  # the writer runs, the file is made
+        other = sqlite3.connect(str(tmp_path / "history.db"), isolation_level=None)
+        other.execute("BEGIN EXCLUSIVE")  # the write lock, held longer than the limit
+        try:
+            with pytest.raises(HistoryError) as first:
+                h.note_host("hosta", "unreachable", "lost")  # the writer takes it and waits on the lock (busy timeout)
+            assert "did not get to this within 1 s" in str(first.value)
+            with pytest.raises(HistoryError) as second:
+                h.add_pending_stop("hostb", "r-0000beef", 5.0)  # queued behind it: never started
+            assert "did not get to this within 1 s (it was not written)" in str(second.value)
+            assert str(tmp_path / "history.db") in str(second.value)
+        finally:
+            other.execute("ROLLBACK")
+            other.close()
+        h.note_host("hosta", "up")  # the writer goes on once the lock is gone
+        assert h.pending_stops("hostb") == []
+    finally:
+        h.close()
