@@ -15,9 +15,15 @@ collections run further apart than Python's 700).
 from __future__ import annotations
 
 import gc
+from collections.abc import Iterable
 
 FREEZE_AFTER_S = 60.0  # freeze by then even if some link is still connecting
 HEADLESS_THRESHOLDS = (50_000, 20, 100)
+
+
+def freeze_due(link_states: Iterable[str], running_s: float) -> bool:
+    """Whether start-up is over: no link is still ``connecting``, or the process has run FREEZE_AFTER_S."""
+    return running_s > FREEZE_AFTER_S or all(state != "connecting" for state in link_states)
 
 
 def freeze_startup_heap(thresholds: tuple[int, int, int]) -> None:

@@ -50,8 +50,9 @@ install_textual_fixes()  # Strip.divide without its reference cycle: see textual
 FLUSH_S = 0.25
 CONFIG_POLL_S = 2.0  # how often the console looks whether `gpudeck hosts add/remove` changed the config file
 # After the start-up heap is frozen (console/core/gcpolicy.py: once every host has answered, or after FREEZE_AFTER_S)
-# the collector runs young collections by itself, every 10,000 net allocations; the middle and full ones are the console's to start (due_collection), when nobody is pressing keys. Python's default (700, 10, 10) set
-# off a full collection every couple of seconds while a run's output streamed (50-90 ms each). 50,000 young made each
+# the collector runs young collections by itself, every 10,000 net allocations; the middle and full ones are the
+# console's to start (due_collection), when nobody is pressing keys. Python's default (700, 10, 10) set off a full
+# collection every couple of seconds while a run's output streamed (50-90 ms each). 50,000 young made each
 # young collection a 20-70 ms pause, because what Textual leaves in reference cycles (each layout's map, each
 # toast's nodes) is freed only by the collector: a young pass freed 30,000 objects. At 10,000 they take 5-15 ms of
 # CPU; a middle one, freeing what the young ones promoted, takes 80-105 ms with 256 hosts and a run streaming, and a
@@ -228,9 +229,7 @@ class GpudeckApp(App):
         Then young collections run every GC_YOUNG allocations, and the middle and full ones when the
         console starts them (due_collection): cycles are still found, a little later.
         """
-        links = self.ops.links.values()
-        settled = all(link.status.state != "connecting" for link in links)
-        if settled or time.monotonic() - self._mounted_at > gcpolicy.FREEZE_AFTER_S:
+        if gcpolicy.freeze_due((link.status.state for link in self.ops.links.values()), time.monotonic() - self._mounted_at):
             self._gc_frozen = True
             gcpolicy.freeze_startup_heap((GC_YOUNG, GC_NEVER, GC_NEVER))
             self.set_interval(FLUSH_S, self._collect_when_idle)

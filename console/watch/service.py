@@ -320,8 +320,9 @@ class Watcher:
         return endpoint
 
     async def _freeze_gc(self, fleet: Fleet) -> None:
-        for _ in range(int(gcpolicy.FREEZE_AFTER_S)):  # a check a second until no link is still connecting
-            if not any(ln.status.state == "connecting" for ln in fleet.links.values()):
+        t0 = time.monotonic()
+        for _ in range(int(gcpolicy.FREEZE_AFTER_S) + 1):  # a check a second
+            if gcpolicy.freeze_due((ln.status.state for ln in fleet.links.values()), time.monotonic() - t0):
                 break
             await asyncio.sleep(1.0)
         gcpolicy.freeze_startup_heap(gcpolicy.HEADLESS_THRESHOLDS)
