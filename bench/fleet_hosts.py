@@ -111,6 +111,8 @@ def parse_cpus(text: str, check: bool = True) -> set[int]:
         lo, _, hi = part.strip().partition("-")
         if not lo.isdigit() or (hi and not hi.isdigit()):
             raise ValueError(f"not a CPU list: {text!r} (write it as taskset does, e.g. 0-1 or 0,2-5)")
+        if hi and int(hi) < int(lo):
+            raise ValueError(f"not a CPU list: {text!r} ({part.strip()} runs backwards)")
         cpus.update(range(int(lo), int(hi or lo) + 1))
     usable = os.sched_getaffinity(0)
     if check and not cpus <= usable:
@@ -150,6 +152,9 @@ def pin(pid: int, role: str) -> str:
                 os.sched_setaffinity(int(tid), cpus)
         except (OSError, psutil.Error):
             continue  # a thread or process that ended meanwhile
+    got = os.sched_getaffinity(pid)
+    if got != cpus:  # the header line must not claim a pinning that did not take
+        raise RuntimeError(f"pinning the {role} (pid {pid}) to CPUs {text} did not take: it may run on {sorted(got)}")
     return f"{role} on CPUs {text}"
 
 
