@@ -148,6 +148,8 @@ class GpudeckApp(App):
         if self._quit_on_signals:
             loop = asyncio.get_running_loop()
             for sig in QUIT_SIGNALS:
+                if signal.getsignal(sig) is signal.SIG_IGN:
+                    continue  # started under nohup (or told to ignore it): keep ignoring it
                 loop.add_signal_handler(sig, self._quit_on_signal, sig)
         self.theme = THEMES[0]
         self.ansi_theme_light = _light_ansi()
@@ -200,7 +202,7 @@ class GpudeckApp(App):
         if self._quit_on_signals:
             loop = asyncio.get_running_loop()
             for sig in QUIT_SIGNALS:
-                loop.remove_signal_handler(sig)
+                loop.remove_signal_handler(sig)  # False (nothing done) for one left ignored
         await self.ops.close()
 
     def flush_updates(self) -> None:

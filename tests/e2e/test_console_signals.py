@@ -41,10 +41,12 @@ def one_host():  # type: ignore[no-untyped-def]
     c.cleanup()
 
 
-def _console(env: dict[str, str]) -> tuple[int, int]:
+def _console(env: dict[str, str], ignore_hup: bool = False) -> tuple[int, int]:
     pid, fd = pty.fork()
     if pid == 0:
         try:
+            if ignore_hup:  # as nohup starts it
+                signal.signal(signal.SIGHUP, signal.SIG_IGN)
             fcntl.ioctl(0, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 160, 0, 0))
             os.execve(sys.executable, [sys.executable, "-m", "gpudeck.console.cli.main", "console"], env)
         finally:
@@ -113,3 +115,34 @@ def test_the_console_quits_cleanly_on_a_signal(one_host: ConsoleSide, sig: int) 
         for p in sorted(Path(runtime).glob("**/*"), reverse=True):
             p.unlink() if p.is_file() else p.rmdir()
         runtime.rmdir()
+
+
+def test_a_console_started_under_nohup_keeps_ignoring_sighup(one_host: ConsoleSide) -> None:
+    """nohup's SIG_IGN for SIGHUP is kept (the console does not take it over); SIGTERM still quits it cleanly."""
+    env = {**one_host.env, "TERM": "xterm-256color"}
+    pid, fd = _console(env, ignore_hup=True)
+    try:
+        seen = bytearray()
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline and b"hosta" not in seen:
+            seen += _read(fd, 0.5)
+        assert b"hosta" in seen, f"the console never showed hosta; its screen ended with {bytes(seen[-2000:])!r}"
+        os.kill(pid, signal.SIGHUP)
+        _read(fd, 3.0)
+        assert os.waitpid(pid, os.WNOHANG) == (0, 0), "SIGHUP, which nohup told it to ignore, ended the console"
+        os.kill(pid, signal.SIGTERM)
+        status = None
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 60:
+            _read(fd, 0.2)
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                break
+        assert status is not None and os.WIFEXITED(status) and os.WEXITSTATUS(status) == 128 + signal.SIGTERM
+    finally:
+        try:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+        except (ProcessLookupError, ChildProcessError):
+            pass
+        os.close(fd)
