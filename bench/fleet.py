@@ -71,6 +71,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -136,6 +137,7 @@ class AgeRecorder:
     # event-loop pass (a pass that takes one opens a "wake-up", closed by a call_soon that runs in the next pass)
     arrivals: list[float] = field(default_factory=list)
     wakes: list[int] = field(default_factory=list)
+    seen: int = 0  # new snapshots received, on or not
     _wake_open: bool = False
     _last: dict[str, object] = field(default_factory=dict)
 
@@ -147,6 +149,7 @@ class AgeRecorder:
             if snap is None or self._last.get(name) is snap:
                 return
             self._last[name] = snap
+            self.seen += 1
             if self.on:
                 now = time.time()
                 self.ages.append(now - snap.ts)
@@ -431,6 +434,30 @@ class Deliveries:
         pass
 
 
+class GcClock:
+    """A ``gc.callbacks`` entry: seconds spent in the cyclic collector, and collections, since it was added."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self.collections = 0
+        self._t = 0.0
+
+    def __call__(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._t = time.perf_counter()
+        else:
+            self.seconds += time.perf_counter() - self._t
+            self.collections += 1
+
+
+def writer_cpu_s() -> float:
+    """CPU seconds of the history's writer thread (found by its name; 0 before it starts)."""
+    for t in threading.enumerate():
+        if t.name == "history-writer" and t.ident is not None:
+            return time.clock_gettime(time.pthread_getcpuclockid(t.ident))
+    return 0.0
+
+
 async def worker_scale(spec: FleetSpec, seconds: float, interval: float, profile: Path | None) -> None:
     """issue 33: the console's Fleet + History following a (SIMULATED stand-in) fleet from a cold start: time until
     every host is shown, the history sync of the journals' backlog, then the steady window (CPU, RSS, fds, snapshot
@@ -469,6 +496,8 @@ async def worker_scale(spec: FleetSpec, seconds: float, interval: float, profile
 
     for name, link in fleet.links.items():
         link.subscribe(first_seen(name))
+    gc_clock = GcClock()
+    gc.callbacks.append(gc_clock)
     cpu0 = time.process_time()
     fleet.start()
     while len(shown) < n and time.monotonic() - t0 < UP_TIMEOUT_S:
@@ -493,6 +522,8 @@ async def worker_scale(spec: FleetSpec, seconds: float, interval: float, profile
     # the backlog: every host's journal as it was before the console started, into the history
     t_sync0 = time.monotonic()
     cpu1 = time.process_time()
+    writer_cpu0, gc0, snaps0 = writer_cpu_s(), gc_clock.seconds, rec.seen
+    txns0, inserted0 = hist.batches_committed, hist.events_inserted
     target = {nm: top for nm, (_e, top, _r) in zip(spec.names, before)}
     while time.monotonic() - t_sync0 < 900:
         behind = [nm for nm, ln in fleet.links.items() if ln.status.synced_seq < target[nm]]
@@ -510,6 +541,14 @@ async def worker_scale(spec: FleetSpec, seconds: float, interval: float, profile
         seconds_after_shown=time.monotonic() - t_sync0,
         cpu_s=time.process_time() - cpu1,
         cpu_from_start_s=time.process_time() - cpu0,
+        # where the console's CPU after shown went: the history writer thread, the collector; and the live fleet's
+        # work meanwhile (snapshots received) and the writer's transactions (bench/RESULTS.md 32-sync, 33-sync)
+        writer_cpu_s=writer_cpu_s() - writer_cpu0,
+        gc_s=gc_clock.seconds - gc0,
+        gc_from_start_s=gc_clock.seconds,
+        snapshots=rec.seen - snaps0,
+        txns=hist.batches_committed - txns0,
+        inserted=hist.events_inserted - inserted0,
     )
     await asyncio.sleep(WARM_S)
     connects0 = sum(ln.status.connects for ln in fleet.links.values())
@@ -884,6 +923,7 @@ def run_worker(design: str, fh: Any, args: argparse.Namespace) -> tuple[dict[str
         argv += ["--profile-out", str(prof_path)]
     proc = start_worker(argv, fh.base_dir / f"worker-{design}.stderr")
     pin(proc.pid, "console")
+    farm_cpu0, t_start = cpu_seconds([fh.farm_pid]), time.monotonic()
     extras_timeout = 1800 if design == "scale" else 120
     meter = SideMeter(fh)
     spy: subprocess.Popen | None = None
@@ -898,6 +938,8 @@ def run_worker(design: str, fh: Any, args: argparse.Namespace) -> tuple[dict[str
             err = f"; not up: {msg['states']} e.g. {msg['errors']}" if msg["up"] < msg["n"] else ""
             out(f"N={fh.n} {design:<13} hosts up: {msg['up']}/{msg['n']} after {msg['seconds']:.1f} s (cipher {msg.get('cipher')}){err}")
         elif ev in ("shown", "synced"):
+            # the stand-in's CPU from the console's start: a stand-in that used all of its CPUs sets the pace
+            msg["standin_cpu_s"], msg["standin_wall_s"] = cpu_seconds([fh.farm_pid]) - farm_cpu0, time.monotonic() - t_start
             extras[ev] = msg
             report_startup(fh.n, ev, msg)
         elif ev == "window_start":
@@ -1151,6 +1193,16 @@ def report_startup(n: int, ev: str, msg: dict[str, Any]) -> None:
             f"console CPU from start to synced {cpu_all:.1f} s = {1e6 * cpu_all / max(msg['synced'], 1):.1f} us per event, "
             f"{1000 * cpu_all / n:.1f} ms per host (connect and backlog; {msg['cpu_s']:.1f} s of it after shown); {load_line()}"
         )
+        if "writer_cpu_s" in msg:
+            inserted = max(msg["inserted"], 1)
+            out(
+                f"{tag} history sync, after shown: console CPU {msg['cpu_s']:.1f} s, of it the history writer thread {msg['writer_cpu_s']:.1f} s "
+                f"({1e6 * msg['writer_cpu_s'] / inserted:.1f} us per event written), the rest {msg['cpu_s'] - msg['writer_cpu_s']:.1f} s "
+                f"({1e6 * (msg['cpu_s'] - msg['writer_cpu_s']) / inserted:.1f} us per event); collector {msg['gc_s']:.2f} s "
+                f"({msg['gc_from_start_s']:.2f} s from start); {msg['inserted']} events written in {msg['txns']} transactions; "
+                f"{msg['snapshots']} snapshots received meanwhile; stand-in CPU from console start {msg['standin_cpu_s']:.1f} s "
+                f"in {msg['standin_wall_s']:.1f} s ({100 * msg['standin_cpu_s'] / max(msg['standin_wall_s'], 1e-9):.0f}% of one CPU)"
+            )
 
 
 def report_scale(n: int, r: dict[str, Any], side: Side) -> dict[str, float]:
