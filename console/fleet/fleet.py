@@ -127,6 +127,33 @@ class _NoBound:
 _NO_BOUND = _NoBound()
 
 
+class _Writing:
+    """One host's batch on its way into the history (the writer thread), told to the link once written."""
+
+    def __init__(self, link: HostLink, epoch: str, events: list[Event]) -> None:
+        assert link.history is not None
+        self.link, self.events = link, events
+        self.future = asyncio.wrap_future(link.history.submit(link.name, epoch, events))
+
+    async def done(self, result: SyncResult) -> None:
+        """Wait for the write (raises what the history raised), then tell the policies and listeners."""
+        # shielded: a link cancelled while it waits leaves the write going, and tell_when_written tells it
+        n = await asyncio.shield(self.future)
+        self.link._written(self.events, n, result)
+
+    def tell_when_written(self, result: SyncResult) -> None:
+        """The link stopped waiting (it ended, or it failed): a write that succeeds is still told, once."""
+
+        def told(fut: asyncio.Future) -> None:
+            if not fut.cancelled() and fut.exception() is None:
+                self.link._written(self.events, fut.result(), result)
+
+        if self.future.done():
+            told(self.future)
+        else:
+            self.future.add_done_callback(told)
+
+
 class FleetWatcher(Protocol):
     """What follows a watching fleet: each host's new journal events and each link-state change (console/ops/rank_death.py)."""
 
@@ -396,8 +423,9 @@ class HostLink:
     async def sync_events(self, client: AgentClient, follow: bool = False) -> SyncResult:
         """Pull events after the history's cursor for this host; with ``follow`` keep going.
 
-        One batch is in flight at a time (a long poll when caught up), so a console
-        that falls behind slows the agent's sending instead of queueing replies in memory.
+        One batch is pulled at a time (a long poll when caught up), and while a host is behind the next one is pulled
+        while the history writes the last (at most one written, one on its way: a console that falls behind slows the
+        agent's sending instead of queueing replies in memory).
         """
         assert self.history is not None
         hello = client.hello
@@ -409,48 +437,65 @@ class HostLink:
         # behind: more may be waiting (at first, and after a full batch): pulled without waiting, and (in a Fleet) at
         # most CATCH_UP_AT_ONCE hosts at a time; caught up, a follower long-polls outside the bound
         behind = True
-        while True:
-            wait = 0.0 if behind or not follow else EVENT_POLL_S
-            async with self.catch_up if behind and self.catch_up is not None else _NO_BOUND:
-                try:
-                    batch = await client.request(
-                        GetEvents(after_seq=after, limit=EVENT_BATCH, wait_s=wait), timeout=wait + REQUEST_TIMEOUT_S
-                    )
-                except TimeoutError:
-                    raise AgentUnavailable(f"no answer to an event pull within {wait + REQUEST_TIMEOUT_S:.0f} s") from None
-                assert isinstance(batch, EventBatch)
-                n_new = await self._take(batch, hello.epoch, after, result)
-                got, top = len(batch.events), batch.last_seq
-                # the next pull of a caught-up host is a long poll (minutes): this batch, thousands of decoded events,
-                # must not live that long in the loop's variable (issue 33: with the backlog going in faster, the
-                # busy hosts that had just caught up held theirs together, +120-140 MiB of console RSS)
-                del batch
-            if n_new is None:
-                continue  # a gap: ask again from what we hold
-            after = result.last_seq
-            behind = got >= EVENT_BATCH
-            if not follow and (not got or after >= top):
-                return result
+        writing: _Writing | None = None  # the batch the history is writing while the next one is pulled
+        try:
+            while True:
+                if writing is not None and not behind:
+                    # caught up: what was pulled is written and told before the next pull, a long poll
+                    await writing.done(result)
+                    writing = None
+                wait = 0.0 if behind or not follow else EVENT_POLL_S
+                async with self.catch_up if behind and self.catch_up is not None else _NO_BOUND:
+                    try:
+                        batch = await client.request(
+                            GetEvents(after_seq=after, limit=EVENT_BATCH, wait_s=wait), timeout=wait + REQUEST_TIMEOUT_S
+                        )
+                    except TimeoutError:
+                        raise AgentUnavailable(f"no answer to an event pull within {wait + REQUEST_TIMEOUT_S:.0f} s") from None
+                    assert isinstance(batch, EventBatch)
+                    if writing is not None:  # the one before, written meanwhile: its events go to the policies first
+                        await writing.done(result)
+                        writing = None
+                    events = self._follows(batch, hello.epoch, after)
+                    got, top = len(batch.events), batch.last_seq
+                    # the next pull of a caught-up host is a long poll (minutes): this batch, thousands of decoded events,
+                    # must not live that long in the loop's variable (issue 33: with the backlog going in faster, the
+                    # busy hosts that had just caught up held theirs together, +120-140 MiB of console RSS)
+                    del batch
+                if events is None:
+                    continue  # a gap: ask again from what we hold
+                if events:
+                    writing = _Writing(self, hello.epoch, events)
+                    after = events[-1].seq
+                del events
+                behind = got >= EVENT_BATCH
+                if not follow and (not got or after >= top):
+                    if writing is not None:
+                        await writing.done(result)
+                        writing = None
+                    return result
+        finally:
+            if writing is not None:
+                writing.tell_when_written(result)  # the link ended first: the batch still lands, the policies still hear of it
 
-    async def _take(self, batch: EventBatch, epoch: str, after: int, result: SyncResult) -> int | None:
-        """Put one batch into the history; None when it does not follow what is held (a gap)."""
-        assert self.history is not None
+    def _follows(self, batch: EventBatch, epoch: str, after: int) -> list[Event] | None:
+        """The batch's events when they follow what is held; None when they do not (a gap)."""
         if batch.epoch != epoch:
             raise AgentUnavailable(f"the agent's journal epoch changed ({epoch} -> {batch.epoch}): reconnecting")
         events = batch.events
         if events and events[0].seq != after + 1:
             return None
-        n = 0
-        if events:
-            n = await self.history.ingest(self.name, epoch, events)
-            if self.on_events is not None and n:
-                self.on_events(self.name, events)
-            result.new_events += n
-            result.last_seq = events[-1].seq
-            self.status.synced_seq = result.last_seq
-            for fn in self._sync_listeners:
-                fn(self.name, n)
-        return n
+        return events
+
+    def _written(self, events: list[Event], n: int, result: SyncResult) -> None:
+        """One batch is in the history: ``n`` of its events new there."""
+        if self.on_events is not None and n:
+            self.on_events(self.name, events)
+        result.new_events += n
+        result.last_seq = events[-1].seq
+        self.status.synced_seq = result.last_seq
+        for fn in self._sync_listeners:
+            fn(self.name, n)
 
     async def client(self, timeout: float = 15.0) -> AgentClient:
         """The live connection; waits for it, or raises AgentError saying why the host is not reachable."""

@@ -339,3 +339,98 @@ async def test_a_restarted_agent_is_reconnected_while_the_history_is_locked_and_
             locker.close()
         await fleet.close()
         history.close()
+
+
+class _WatchedHistory(History):
+    """The real history, with each batch handed to its writer noted (host, first seq, last seq); the writer waits for
+    ``gate`` before the first batch."""
+
+    def __init__(self, path: Path) -> None:
+        import threading
+
+        super().__init__(path)
+        self.submitted: list[tuple[str, int, int]] = []
+        self.gate = threading.Event()
+
+    def submit(self, host, epoch, events):  # type: ignore[no-untyped-def]
+        if host == "hostp" and not any(h == "hostp" for h, _a, _b in self.submitted):
+            threading = __import__("threading")
+            holding = threading.Event()
+            threading.Thread(target=self._run_job, args=(lambda conn: holding.set() or self.gate.wait(120),), daemon=True).start()
+            assert holding.wait(30), "the writer did not take the holding job"
+        self.submitted.append((host, events[0].seq, events[-1].seq))
+        return super().submit(host, epoch, events)
+
+
+@pytest.mark.timeout(240)
+async def test_a_backlog_of_several_batches_lands_once_and_the_policies_hear_each_event_once_when_the_link_drops_mid_write(
+    console_side: ConsoleSide,
+) -> None:
+    """A host behind by several batches is pulled while the history writes the batch before (console/fleet/fleet.py
+    sync_events). The link dropping while a batch is being written must lose nothing and tell nothing twice: the batch
+    lands, the policies hear of it once, and the pull after the reconnect starts after it."""
+    from gpudeck.agents.storage.journal import Journal
+    from gpudeck.agents.wire import paths
+    from gpudeck.console.fleet.fleet import EVENT_BATCH
+
+    c = console_side
+    host = SshHost("hostp", c.pub)
+    paths.ensure_private_dir(host.agent.state_dir)
+    journal = Journal(paths.journal_path(host.agent.state_dir), "hostp")
+    n = 2 * EVENT_BATCH + 321
+    rec = {"rank": 0, "type": "step", "loss": 2.5}
+    journal.append_many([("telemetry", "r-backlog", {"record": {**rec, "ts": 1e9 + i, "step": i}, "offset": i}) for i in range(n)])
+    journal.close()
+    host.start()
+    c.add(host)
+    history = _WatchedHistory(c.gpudeck_home / "history.db")
+    fleet = _fleet(c, history, names=("hostp",))
+    link = fleet.links["hostp"]
+    heard: list[int] = []
+
+    class Policy:
+        def on_events(self, name: str, events: list) -> None:  # type: ignore[type-arg]
+            if name == "hostp":
+                heard.extend(e.seq for e in events)
+
+        def on_link_state(self, st: object) -> None:
+            pass
+
+    fleet.add_watcher(Policy())
+    gate = history.gate  # the writer held before the first batch: it waits in the queue while the link pulls the next
+    fleet.start()
+    try:
+
+        async def until(pred, timeout: float, what: str):  # type: ignore[no-untyped-def]
+            deadline = time.monotonic() + timeout
+            while time.monotonic() < deadline:
+                if pred():
+                    return
+                await asyncio.sleep(0.05)
+            raise AssertionError(f"timed out after {timeout} s: {what} (hostp: {link.status}; submitted {history.submitted})")
+
+        await until(lambda: any(h == "hostp" for h, _a, _b in history.submitted), 60, "the first batch handed to the writer")
+        first = [b for b in history.submitted if b[0] == "hostp"][0]
+        assert first == ("hostp", 1, EVENT_BATCH), history.submitted
+        await asyncio.sleep(1.0)  # the next batch's pull meanwhile; nothing is told before it is written
+        assert heard == [] and link.status.synced_seq == 0
+        # the agent killed (and started again) while the batch waits for the writer: the link drops and connects
+        # again, then the batch is written
+        connects = link.status.connects
+        await asyncio.to_thread(host.agent.kill9)
+        await asyncio.to_thread(host.agent.start)
+        await until(lambda: link.status.state != "up" or link.status.connects > connects, 60, "the link to drop")
+        assert heard == []
+        gate.set()
+        await until(lambda: heard[:1] == [1], 30, "the batch written after the link dropped to be told")
+        epoch, seqs = _journal_seqs(host)
+        await until(lambda: history.seqs("hostp", epoch) == seqs, 90, "the whole journal in the history")
+        await until(lambda: heard[-1:] == seqs[-1:], 30, "the policies to hear the last event")
+        assert heard == seqs, "each event told to the policies once, in order"
+        ours = [(a, b) for h, a, b in history.submitted if h == "hostp"]
+        assert ours[0] == (1, EVENT_BATCH) and ours[1][0] == EVENT_BATCH + 1, ours  # after the reconnect: from the cursor
+    finally:
+        gate.set()
+        await fleet.close()
+        history.close()
+        stop_runs(host.agent)
