@@ -439,15 +439,21 @@ class GcClock:
 
     def __init__(self) -> None:
         self.seconds = 0.0
-        self.collections = 0
+        self.by_gen = [[0, 0.0], [0, 0.0], [0, 0.0]]  # per generation: collections, seconds
         self._t = 0.0
 
     def __call__(self, phase: str, info: dict[str, int]) -> None:
         if phase == "start":
             self._t = time.perf_counter()
         else:
-            self.seconds += time.perf_counter() - self._t
-            self.collections += 1
+            dt = time.perf_counter() - self._t
+            self.seconds += dt
+            gen = self.by_gen[min(max(info.get("generation", 0), 0), 2)]
+            gen[0] += 1
+            gen[1] += dt
+
+    def line(self) -> str:
+        return ", ".join(f"gen{g}: {n} in {s:.2f} s" for g, (n, s) in enumerate(self.by_gen))
 
 
 def writer_cpu_s() -> float:
@@ -546,6 +552,7 @@ async def worker_scale(spec: FleetSpec, seconds: float, interval: float, profile
         writer_cpu_s=writer_cpu_s() - writer_cpu0,
         gc_s=gc_clock.seconds - gc0,
         gc_from_start_s=gc_clock.seconds,
+        gc_line=gc_clock.line(),
         snapshots=rec.seen - snaps0,
         txns=hist.batches_committed - txns0,
         inserted=hist.events_inserted - inserted0,
@@ -1199,7 +1206,7 @@ def report_startup(n: int, ev: str, msg: dict[str, Any]) -> None:
                 f"{tag} history sync, after shown: console CPU {msg['cpu_s']:.1f} s, of it the history writer thread {msg['writer_cpu_s']:.1f} s "
                 f"({1e6 * msg['writer_cpu_s'] / inserted:.1f} us per event written), the rest {msg['cpu_s'] - msg['writer_cpu_s']:.1f} s "
                 f"({1e6 * (msg['cpu_s'] - msg['writer_cpu_s']) / inserted:.1f} us per event); collector {msg['gc_s']:.2f} s "
-                f"({msg['gc_from_start_s']:.2f} s from start); {msg['inserted']} events written in {msg['txns']} transactions; "
+                f"({msg['gc_from_start_s']:.2f} s from start: {msg.get('gc_line')}); {msg['inserted']} events written in {msg['txns']} transactions; "
                 f"{msg['snapshots']} snapshots received meanwhile; stand-in CPU from console start {msg['standin_cpu_s']:.1f} s "
                 f"in {msg['standin_wall_s']:.1f} s ({100 * msg['standin_cpu_s'] / max(msg['standin_wall_s'], 1e-9):.0f}% of one CPU)"
             )
