@@ -259,7 +259,7 @@ def test_agent_kill9_mid_stop_the_restarted_agent_counts_the_grace_already_spent
 
     rid, pids, _ = _launch(cagent, tmp_path, "deaf")
     wait_for(lambda: set(pids.values()) <= _members(cagent, rid), timeout=20, what="every member")
-    grace = 12.0
+    grace = 8.0  # 3 s spent before the kill, 5 s left: a restarted agent that waited a new full grace is told apart
 
     async def begin_and_die() -> None:
         c = await cagent.client()

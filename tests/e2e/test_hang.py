@@ -68,10 +68,10 @@ def test_a_rank_asleep_outside_the_collectives_is_a_hang_triaged_by_name(agent: 
         "--",
         *fsdp_argv(tmp_path / "out", 4),
     )["id"]
-    hang = wait_for(lambda: alert_of(a, rid, "hang"), timeout=240, interval=1.0, what="the hang alert")
+    hang = wait_for(lambda: alert_of(a, rid, "hang"), timeout=240, interval=0.25, what="the hang alert")
     assert hang["severity"] == "critical" and "after step 5 with 4 ranks alive" in hang["message"], hang
     assert hang["data"]["seconds"] - hang["data"]["threshold_s"] < 10.0  # raised within 10 s of the threshold
-    t = wait_for(lambda: triages(a, rid), timeout=60, interval=1.0, what="the stored triage")[0]
+    t = wait_for(lambda: triages(a, rid), timeout=60, interval=0.25, what="the stored triage")[0]
     assert t["reason"] == "hang alert" and t["seconds"] < 30
     assert t["culprit"].startswith("rank 2 ") and "maybe_sleep_for_test" in t["culprit"] and "every other rank waits in" in t["culprit"], t
     ranks = {e["rank"]: e for e in t["ranks"]}
@@ -108,7 +108,7 @@ def test_a_throttled_rank_is_a_straggler_until_the_throttle_ends(agent: AgentPro
             return None
         return next((m["pid"] for m in run.get("members", []) if m.get("rank") == 1), None)
 
-    pid = wait_for(rank1, timeout=180, interval=1.0, what="rank 1 stepping")
+    pid = wait_for(rank1, timeout=180, interval=0.25, what="rank 1 stepping")
     stop = threading.Event()
 
     def duty_cycle() -> None:  # stopped two thirds of the time
@@ -121,14 +121,14 @@ def test_a_throttled_rank_is_a_straggler_until_the_throttle_ends(agent: AgentPro
     th = threading.Thread(target=duty_cycle, daemon=True)
     th.start()
     try:
-        al = wait_for(lambda: alert_of(a, rid, "straggler"), timeout=120, interval=1.0, what="the straggler alert")
+        al = wait_for(lambda: alert_of(a, rid, "straggler"), timeout=120, interval=0.25, what="the straggler alert")
     finally:
         stop.set()
         th.join()
         os.kill(pid, signal.SIGCONT)
     assert al["rank"] == 1 and al["pid"] == pid and al["message"].startswith("rank 1 on ") and "(cpu)" in al["message"], al
     assert al["data"]["ratio"] >= 1.3
-    wait_for(lambda: alert_of(a, rid, "straggler") is None, timeout=120, interval=1.0, what="the straggler alert cleared")
+    wait_for(lambda: alert_of(a, rid, "straggler") is None, timeout=120, interval=0.25, what="the straggler alert cleared")
     events = events_of(a, rid)
     assert any(e["kind"] == "alert_cleared" and e["data"]["alert"]["kind"] == "straggler" for e in events)
     a.cli_json("stop", rid, "--grace", "20")
@@ -137,8 +137,8 @@ def test_a_throttled_rank_is_a_straggler_until_the_throttle_ends(agent: AgentPro
 def test_a_plain_command_that_hangs_is_triaged_with_py_spy(agent: AgentProc) -> None:
     a = agent
     rid = a.cli_json("launch", "--name", "plain-hang", "--hang-after", "2", "--", sys.executable, str(PROGS / "hang_plain.py"))["id"]
-    wait_for(lambda: alert_of(a, rid, "hang"), timeout=60, interval=0.5, what="the hang alert")
-    t = wait_for(lambda: triages(a, rid), timeout=60, interval=0.5, what="the stored triage")[0]
+    wait_for(lambda: alert_of(a, rid, "hang"), timeout=60, interval=0.25, what="the hang alert")
+    t = wait_for(lambda: triages(a, rid), timeout=60, interval=0.25, what="the stored triage")[0]
     (e,) = [x for x in t["ranks"] if "hang_plain.py" in x["stacks"]] or t["ranks"][:1]
     assert "not a gpudeck trainer" in e["method_why"]
     if e["method"] == "py-spy":  # where ptrace is permitted (root here, or ptrace_scope 0/1 for the agent's children)
@@ -160,8 +160,8 @@ def test_a_plain_command_py_spy_may_not_read_is_triaged_saying_what_is_missing_a
     try:
         argv = [sys.executable, str(PROGS / "hang_plain.py")]
         rid = a.cli_json("launch", "--name", "no-ptrace", "--hang-after", "2", "--env", "HANG_PLAIN_NONDUMPABLE=1", "--", *argv)["id"]
-        wait_for(lambda: alert_of(a, rid, "hang"), timeout=60, interval=0.5, what="the hang alert")
-        t = wait_for(lambda: triages(a, rid), timeout=60, interval=0.5, what="the stored triage")[0]
+        wait_for(lambda: alert_of(a, rid, "hang"), timeout=60, interval=0.25, what="the hang alert")
+        t = wait_for(lambda: triages(a, rid), timeout=60, interval=0.25, what="the stored triage")[0]
         (e,) = t["ranks"]
         assert e["method"] == "none" and not e.get("stacks") and e["state"] in ("sleeping", "running"), e
         why = e["method_why"]
@@ -181,7 +181,7 @@ def test_on_hang_stop_triages_first_then_stops_the_run(agent: AgentProc) -> None
     a = agent
     argv = [sys.executable, str(PROGS / "hang_plain.py")]
     rid = a.cli_json("launch", "--name", "hang-stop", "--hang-after", "2", "--on-hang", "stop", "--", *argv)["id"]
-    wait_for(lambda: a.ask(GetRun(run_id=rid))["run"]["state"] == "stopped", timeout=90, interval=0.5, what="the run stopped")
+    wait_for(lambda: a.ask(GetRun(run_id=rid))["run"]["state"] == "stopped", timeout=90, interval=0.25, what="the run stopped")
     run = a.ask(GetRun(run_id=rid))["run"]
     assert "--on-hang stop" in run["cause"] and run["cause"].startswith("stopped by gpudeck: no step for"), run["cause"]
     assert a.cli_json("show", rid)["cause_class"] == "hang"

@@ -18,12 +18,14 @@ import socket
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from unittest import mock
 
 import psutil
 import pytest
 
+from gpudeck.agents.wire.client import AgentClient
 from gpudeck.agents.wire.errors import AgentError
 from gpudeck.agents.wire.protocol import Launch, LaunchSpec, Ping
 from tests.agent_harness import AgentProc, teardown_agent, wait_for
@@ -86,6 +88,32 @@ async def _ping(a: AgentProc, timeout: float = 30.0) -> float:
     return time.monotonic() - t0
 
 
+async def _client_given_a_place(a: AgentProc, limit: float = 60.0) -> AgentClient:
+    """A client connected once the agent has a place for it: at the cap, every try before the longest idle connection
+    has been silent IDLE_EVICT_S is refused as busy at Hello (nothing sent yet), so it is tried again. Waiting for
+    that instead of sleeping past IDLE_EVICT_S: the connections opened first are idle that long already when a slow
+    loop of connects ends. ``limit`` is a hang guard only."""
+    deadline = time.monotonic() + limit
+    while True:
+        try:
+            return await a.client()
+        except AgentError:
+            if time.monotonic() > deadline:
+                raise
+            await asyncio.sleep(0.25)
+
+
+async def _ping_given_a_place(a: AgentProc) -> float:
+    """Seconds of a Ping on a client that has found a place (see _client_given_a_place)."""
+    c = await _client_given_a_place(a)
+    try:
+        t0 = time.monotonic()
+        await c.request(Ping(), timeout=30)
+        return time.monotonic() - t0
+    finally:
+        await c.close()
+
+
 def _read_frames(s: socket.socket, timeout: float = 10.0) -> tuple[list[dict], bool]:
     """Frames the agent sends until it closes (or ``timeout``); (frames, closed)."""
     s.settimeout(timeout)
@@ -126,13 +154,19 @@ def _flood(s: socket.socket, rid: str, seconds: float) -> int:
     return sent
 
 
+def _flood_all(hogs: list[socket.socket], rid: str, seconds: float) -> list[int]:
+    """_flood on every socket at once, each for ``seconds`` (one after the other took len(hogs) times as long)."""
+    with ThreadPoolExecutor(max_workers=len(hogs)) as pool:
+        return list(pool.map(lambda s: _flood(s, rid, seconds), hogs))
+
+
 def test_a_client_that_sends_and_never_reads_stalls_only_itself_and_the_agent_stays_small(agent: AgentProc) -> None:
     rid = _output_run(agent)
     base = _rss(agent.pid)
     hogs = [_connect(agent) for _ in range(4)]
-    sent = [_flood(s, rid, 4.0) for s in hogs]
+    sent = _flood_all(hogs, rid, 4.0)
     peak = _rss(agent.pid)
-    more = [_flood(s, rid, 2.0) for s in hogs]  # still stalled: the agent does not read them any more
+    more = _flood_all(hogs, rid, 2.0)  # still stalled: the agent does not read them any more
     peak = max(peak, _rss(agent.pid))
     ping_s = asyncio.run(_ping(agent))
     print(
@@ -163,8 +197,7 @@ def test_connections_past_the_cap_get_a_typed_busy_error_and_idle_ones_make_room
         assert extra and all(f and f[0]["type"] == "error" and f[0]["code"] == "busy" for f in extra), extra[:3]
         assert "connections at most" in extra[0][0]["message"]
         # the served ones are idle: past IDLE_EVICT_S a fresh client takes the place of the longest idle one
-        time.sleep(6.0)
-        ping_s = asyncio.run(_ping(a))
+        ping_s = asyncio.run(_ping_given_a_place(a))
         print(f"a fresh client's ping with the cap taken by idle connections: {ping_s * 1000:.0f} ms")
     finally:
         for s in held:
@@ -185,18 +218,17 @@ def test_a_thousand_idle_connections_under_a_low_nofile_leave_ping_launch_and_ti
         fds = psutil.Process(a.pid).num_fds()
         print(f"\n1000 idle connections, agent RLIMIT_NOFILE 256: the agent holds {fds} fds")
         assert fds <= 256 - 32, "the reserve for supervision is kept"
-        time.sleep(6.0)  # the served connections are idle now: a fresh client may take one's place
-        ping_s = asyncio.run(_ping(a))
+        # once the served connections are idle past IDLE_EVICT_S a fresh client takes one's place
+        ping_s = asyncio.run(_ping_given_a_place(a))
 
         async def launch() -> str:
-            c = await a.client()
+            c = await _client_given_a_place(a)
             try:
                 r = await c.request(Launch(spec=LaunchSpec(argv=[PY, "-c", "import time; time.sleep(0.5)"], name="through")), timeout=60)
                 return r.run.id  # type: ignore[union-attr]
             finally:
                 await c.close()
 
-        time.sleep(6.0)
         rid = asyncio.run(launch())
         # the tick sees it start and end (it opens /proc files, the run's files and the journal: no EMFILE)
         wait_for(lambda: asyncio.run(_state(a, rid)) == "succeeded", timeout=60, interval=1.0, what="the tick to see the run end")
@@ -214,18 +246,12 @@ def test_a_thousand_idle_connections_under_a_low_nofile_leave_ping_launch_and_ti
 async def _state(a: AgentProc, rid: str) -> str | None:
     from gpudeck.agents.wire.protocol import GetRun
 
-    for _ in range(3):
-        try:
-            c = await a.client()
-        except AgentError:
-            await asyncio.sleep(6.0)  # every place is taken by a fresh idle connection: wait until one can be evicted
-            continue
-        try:
-            r = await c.request(GetRun(run_id=rid), timeout=30)
-            return r.run.state  # type: ignore[union-attr]
-        finally:
-            await c.close()
-    return None
+    c = await _client_given_a_place(a)  # every place may be taken by a fresh idle connection until one can be evicted
+    try:
+        r = await c.request(GetRun(run_id=rid), timeout=30)
+        return r.run.state  # type: ignore[union-attr]
+    finally:
+        await c.close()
 
 
 def test_sigterm_is_answered_within_a_second_whatever_the_clients_do_and_memory_stays_bounded(agent: AgentProc) -> None:
@@ -235,8 +261,7 @@ def test_sigterm_is_answered_within_a_second_whatever_the_clients_do_and_memory_
     # the worst mix: readers that never read with requests in flight; connections up to the cap, each with 1 MiB of
     # a frame and no newline; and more connections than the cap
     hogs = [_connect(agent) for _ in range(4)]
-    for s in hogs:
-        _flood(s, rid, 2.0)
+    _flood_all(hogs, rid, 2.0)
     for i in range(300):
         try:
             s = _connect(agent)

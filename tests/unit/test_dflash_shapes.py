@@ -83,6 +83,40 @@ def test_a_drafter_config_of_another_width_or_bad_layout_is_refused_naming_the_f
         read_drafter_config(str(p))
 
 
+def test_the_config_checks_and_the_model_name_the_same_layer_kinds():
+    """config.py spells the layer kinds itself (model.py, copied next to a saved drafter, imports nothing of gpudeck):
+    the two must agree, or a file the check passes would name a kind the model does not build."""
+    from gpudeck.trainers.dflash import config, model
+
+    assert (config.FULL_ATTENTION, config.SLIDING_ATTENTION) == (model.FULL_ATTENTION, model.SLIDING_ATTENTION)
+    assert config.LAYER_TYPES == model.LAYER_TYPES
+
+
+def test_the_argument_checks_import_neither_torch_nor_transformers(tmp_path):
+    """A run refused for its arguments (a drafter config, a block size without a gamma) answers without torch's import."""
+    import subprocess
+    import sys
+
+    cfg = tmp_path / "drafter.json"
+    cfg.write_text(json.dumps({"num_hidden_layers": 2, "layer_types": ["full_attention", "sliding_attention"]}))
+    code = (
+        "import sys\n"
+        "from gpudeck.trainers.dflash.config import parse_args\n"
+        "try:\n"
+        f"    parse_args(['--target-config', 'tiny', '--drafter-config', {str(cfg)!r}, '--block-size', '12', '--fresh', '--out', 'o'])\n"
+        "except SystemExit as exc:\n"
+        "    print(exc.code, 'torch' in sys.modules, 'transformers' in sys.modules)\n"
+    )
+    cp = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    # refused for the sliding layer without a window: read_drafter_config ran, and nothing heavy was imported for it
+    assert cp.stdout.split() == ["2", "False", "False"], (cp.stdout, cp.stderr[-2000:])
+    assert "sliding_window" in cp.stderr, cp.stderr[-2000:]
+    cfg.write_text(json.dumps({"num_hidden_layers": 2}))
+    cp = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert cp.stdout.split() == ["2", "False", "False"], (cp.stdout, cp.stderr[-2000:])
+    assert "no published loss-decay gamma" in cp.stderr, cp.stderr[-2000:]
+
+
 @pytest.mark.parametrize("window", [None, 1, 3, 7, 40])
 def test_dense_masks_equal_specforges(window):
     g = torch.Generator().manual_seed(window or 0)

@@ -68,6 +68,37 @@ def test_builtin_corpus_is_large_varied_and_deterministic(corpus_tokens) -> None
     assert np.array_equal(corpus_tokens, again)
 
 
+def test_builtin_corpus_walk_is_sorted_rglob_in_the_same_order(tmp_path, monkeypatch) -> None:
+    """The lazy walk picks exactly what ``sorted(rglob("*.py"))`` less site-packages and __pycache__ picked, in that
+    order: a folder and a file of the same stem, a symlinked folder (not entered), an unreadable folder, a ``*.py``
+    folder, the excluded folders; then the real standard library."""
+    import os
+
+    root = tmp_path / "lib"
+    for rel in ("a/x.py", "a.py", "a-b.py", "ab/y.py", "B.py", "pkg.py/z.py", "site-packages/s.py", "__pycache__/c.py", "d/e/f.py"):
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text("x = 1\n")
+    (root / "d" / "note.txt").write_text("not python\n")
+    (root / "linked").symlink_to(root / "d", target_is_directory=True)
+    (root / "locked").mkdir()
+    (root / "locked" / "hidden.py").write_text("y = 2\n")
+    (root / "locked").chmod(0)
+
+    def reference(folder):  # what builtin_corpus_files walked before: every path listed, then sorted
+        return sorted(p for p in folder.rglob("*.py") if "site-packages" not in p.parts and "__pycache__" not in p.parts)
+
+    try:
+        assert list(D._sorted_py_files(root)) == reference(root)
+        if os.geteuid() != 0:  # root reads the locked folder anyway: both then list it
+            assert root / "locked" / "hidden.py" not in reference(root)
+    finally:
+        (root / "locked").chmod(0o700)
+    assert list(D._sorted_py_files(D._stdlib_dir())) == reference(D._stdlib_dir())
+    monkeypatch.setattr(D, "_stdlib_dir", lambda: root)
+    monkeypatch.setattr(D, "_site_dirs", lambda: [])
+    assert D.builtin_corpus_files(10**9) == reference(root)
+
+
 def test_text_jsonl_folder_and_bin_sources(tmp_path) -> None:
     tok = T.ByteTokenizer()
     (tmp_path / "a.txt").write_text("hello world")

@@ -91,15 +91,45 @@ def _site_dirs() -> list[Path]:
     return dirs
 
 
+def _sorted_py_files(folder: Path) -> Iterator[Path]:
+    """``sorted(folder.rglob("*.py"))`` less site-packages and __pycache__, walked lazily in the same order.
+
+    A path sorts by its parts, so visiting each folder's entries by name and going depth-first gives sorted
+    order without listing the whole tree first; the corpus takes the first few files, and walking all of the
+    standard library (13,000 entries) for them cost every trainer process 0.4 s at start-up. Like rglob: symlinked
+    folders are not entered, a folder that cannot be read is passed over, any entry named ``*.py`` is yielded.
+    """
+    try:
+        with os.scandir(folder) as it:
+            entries = sorted(it, key=lambda e: e.name)
+    except PermissionError:
+        return
+    for entry in entries:
+        if entry.name in ("site-packages", "__pycache__"):
+            continue
+        if entry.name.endswith(".py"):
+            yield folder / entry.name
+        try:
+            walk = entry.is_dir() and not entry.is_symlink()
+        except OSError:
+            walk = False
+        if walk:
+            yield from _sorted_py_files(folder / entry.name)
+
+
+def _corpus_candidates() -> Iterator[Path]:
+    stdlib = _stdlib_dir()
+    if "site-packages" not in stdlib.parts and "__pycache__" not in stdlib.parts:
+        yield from _sorted_py_files(stdlib)
+    for site in _site_dirs():
+        yield from sorted(site.glob("*.dist-info/METADATA"))
+
+
 def builtin_corpus_files(max_bytes: int = DEFAULT_CORPUS_BYTES) -> list[Path]:
     """Sorted stdlib ``.py`` files, then package METADATA docs, up to ``max_bytes``."""
-    stdlib = _stdlib_dir()
-    candidates: list[Path] = sorted(p for p in stdlib.rglob("*.py") if "site-packages" not in p.parts and "__pycache__" not in p.parts)
-    for site in _site_dirs():
-        candidates.extend(sorted(site.glob("*.dist-info/METADATA")))
     chosen: list[Path] = []
     total = 0
-    for p in candidates:
+    for p in _corpus_candidates():
         try:
             size = p.stat().st_size
         except OSError:

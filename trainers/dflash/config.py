@@ -186,7 +186,7 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         p.error(f"--block-size must be in 2..{LIMITS['block_size']} (DFlash uses 8-16)")
     if not 1 <= args.num_anchors <= MAX_ANCHORS:
         p.error(f"--num-anchors must be in 1..{MAX_ANCHORS} (SpecForge uses 512-1024)")
-    from gpudeck.trainers.dflash.loss import GammaError, decay_gamma
+    from gpudeck.trainers.dflash.gamma import GammaError, decay_gamma  # torch-free: a refusal imports no torch
 
     try:
         decay_gamma(args.block_size, args.gamma)
@@ -210,10 +210,15 @@ _SAVED_SHAPE = [
 ]
 
 
+# the drafter's layer kinds as a config's layer_types names them. trainers/dflash/model.py spells the same two: it is
+# copied next to a saved drafter as dflash.py and so imports nothing of gpudeck, and importing it (transformers, torch)
+# to check a file made a refused run take seconds; tests/unit/test_dflash_shapes.py checks that the two agree
+FULL_ATTENTION, SLIDING_ATTENTION = "full_attention", "sliding_attention"
+LAYER_TYPES = (FULL_ATTENTION, SLIDING_ATTENTION)
+
+
 def read_drafter_config(path: str) -> dict[str, Any]:
     """The ``--drafter-config`` file as a dict, checked; ValueError naming the field and the fix."""
-    from gpudeck.trainers.dflash.model import FULL_ATTENTION, LAYER_TYPES, SLIDING_ATTENTION
-
     try:
         cfg = json.loads(Path(path).read_text())
     except (OSError, ValueError) as exc:

@@ -16,7 +16,8 @@ Follows SpecForge's ``OnlineDFlashModel`` (see shared/research/trainers.md, sect
   slot 0 is the given anchor and carries no loss. Weight ``loss_mask[a+k] *
   exp(-(k-1)/gamma)``; positions past the sequence end get weight 0.
 * ``decay_gamma``: 7 for B=16, 5 for B=10, 4 for B=8 (the published values);
-  any other block size needs an explicit gamma (``GammaError``: no invented default).
+  any other block size needs an explicit gamma (``GammaError``: no invented default). Both live in
+  trainers/dflash/gamma.py (no torch, for the argument checks) and are re-exported here.
 * Normalisation (SpecForge's ``TrainerCore``): each micro-batch backpropagates its
   weighted CE *sum*; once per optimizer step ``finish_global_mean`` all-reduces the
   sums and the weight totals over the drafter ranks and scales the gradients so
@@ -45,30 +46,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-GAMMA_TABLE = {8: 4.0, 10: 5.0, 16: 7.0}
-
-
-class GammaError(ValueError):
-    """A block size outside the published gamma table, and no gamma given."""
-
-
-def decay_gamma(block_size: int, gamma: float | None = None) -> float:
-    """The position-decay gamma: ``gamma`` when given, else the published value for the block size.
-
-    The DFlash paper and SpecForge's recipes publish gamma for B=8 (4), B=10 (5) and B=16 (7)
-    only; for any other block size there is no reference value, so none is invented.
-    """
-    if gamma is not None:
-        if not gamma > 0:
-            raise GammaError(f"gamma must be positive (got {gamma})")
-        return float(gamma)
-    if block_size in GAMMA_TABLE:
-        return GAMMA_TABLE[block_size]
-    raise GammaError(
-        f"block size {block_size} has no published loss-decay gamma (published: "
-        + ", ".join(f"B={b}: {g:g}" for b, g in GAMMA_TABLE.items())
-        + "); give --gamma"
-    )
+from gpudeck.trainers.dflash.gamma import GAMMA_TABLE, GammaError, decay_gamma
 
 
 def valid_anchor_mask(loss_mask: torch.Tensor) -> torch.Tensor:
@@ -437,6 +415,7 @@ def simulated_acceptance(hidden, lm_head_weight, labels, weights, block_size) ->
 
 
 __all__ = [
+    "GAMMA_TABLE",
     "decay_gamma",
     "valid_anchor_mask",
     "sample_anchors",

@@ -165,24 +165,31 @@ def build_config(spec: str | None, init_from: str | None):
     Every JSON config passes :func:`gpudeck.trainers.common.limits.check_config` before transformers reads it
     (ConfigLimitError naming the field and the limit, exit 2); a preset or a path that is neither is an InputError.
     """
-    from transformers import AutoConfig
-
+    # transformers is imported only once the config has passed its checks: a refused one answers without its import
     if init_from is not None:
         read_config_json(init_from, f"--init-from {init_from}")
+        from transformers import AutoConfig
+
         return AutoConfig.from_pretrained(init_from)
     if spec is None:
         raise InputError("give --model-config (a preset or a config.json) or --init-from")
     if spec in PRESETS:
         kw = dict(check_config(dict(PRESETS[spec]), f"preset {spec}"))
+        from transformers import AutoConfig
+
         return AutoConfig.for_model(kw.pop("model_type"), **kw)
     path = Path(spec)
     if path.is_dir() or path.name == "config.json":
         read_config_json(path, f"--model-config {spec}")
+        from transformers import AutoConfig
+
         return AutoConfig.from_pretrained(str(path if path.is_dir() else path.parent))
     if path.is_file():
         kw = read_config_json(path, f"--model-config {spec}")
         if not isinstance(kw.get("model_type"), str):
             raise InputError(f'--model-config {spec}: the config has no model_type (e.g. "llama", "qwen3"); add it')
+        from transformers import AutoConfig
+
         return AutoConfig.for_model(kw.pop("model_type"), **kw)
     raise InputError(f"--model-config {spec!r}: not a preset ({', '.join(PRESETS)}) and no such file or folder")
 
