@@ -12,11 +12,11 @@ pytest.importorskip("transformers")
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from gpudeck.trainers.dflash.gamma import decay_gamma
 from gpudeck.trainers.dflash.loss import (
     block_inputs,
     build_attention_mask,
     chunked_linear_cross_entropy,
-    decay_gamma,
     dflash_loss,
     labels_and_weights,
     plain_linear_cross_entropy,
@@ -130,7 +130,7 @@ def test_block_inputs_and_labels():
 
 
 def test_decay_gamma_is_the_published_table_or_given():
-    from gpudeck.trainers.dflash.loss import GammaError
+    from gpudeck.trainers.dflash.gamma import GammaError
 
     assert decay_gamma(16) == 7 and decay_gamma(10) == 5 and decay_gamma(8) == 4
     assert decay_gamma(32, 7.0) == 7.0

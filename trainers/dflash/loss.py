@@ -17,7 +17,7 @@ Follows SpecForge's ``OnlineDFlashModel`` (see shared/research/trainers.md, sect
   exp(-(k-1)/gamma)``; positions past the sequence end get weight 0.
 * ``decay_gamma``: 7 for B=16, 5 for B=10, 4 for B=8 (the published values);
   any other block size needs an explicit gamma (``GammaError``: no invented default). Both live in
-  trainers/dflash/gamma.py (no torch, for the argument checks) and are re-exported here.
+  trainers/dflash/gamma.py (no torch, for the argument checks).
 * Normalisation (SpecForge's ``TrainerCore``): each micro-batch backpropagates its
   weighted CE *sum*; once per optimizer step ``finish_global_mean`` all-reduces the
   sums and the weight totals over the drafter ranks and scales the gradients so
@@ -46,7 +46,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from gpudeck.trainers.dflash.gamma import GAMMA_TABLE, GammaError, decay_gamma
+from gpudeck.trainers.dflash.gamma import decay_gamma
 
 
 def valid_anchor_mask(loss_mask: torch.Tensor) -> torch.Tensor:
@@ -415,8 +415,6 @@ def simulated_acceptance(hidden, lm_head_weight, labels, weights, block_size) ->
 
 
 __all__ = [
-    "GAMMA_TABLE",
-    "decay_gamma",
     "valid_anchor_mask",
     "sample_anchors",
     "block_inputs",
@@ -427,6 +425,5 @@ __all__ = [
     "plain_linear_cross_entropy",
     "dflash_loss",
     "finish_global_mean",
-    "GammaError",
     "simulated_acceptance",
 ]

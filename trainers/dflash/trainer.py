@@ -739,7 +739,7 @@ class DFlashTrainer(Trainer):
         self.target_params_total = count_params(target)[0]
         self.dcfg = self._drafter_config(target)
         self.block_size = int(self.dcfg.block_size)
-        from gpudeck.trainers.dflash.loss import decay_gamma
+        from gpudeck.trainers.dflash.gamma import decay_gamma
 
         self.gamma = decay_gamma(self.block_size, cfg.gamma)
         self.layer_types, self.sliding_window = attention_layout(self.dcfg)
