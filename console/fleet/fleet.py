@@ -139,14 +139,14 @@ class _Writing:
         """Wait for the write (raises what the history raised), then tell the policies and listeners."""
         # shielded: a link cancelled while it waits leaves the write going, and tell_when_written tells it
         n = await asyncio.shield(self.future)
-        self.link._written(self.events, n, result)
+        self.link.batch_written(self.events, n, result)
 
     def tell_when_written(self, result: SyncResult) -> None:
         """The link stopped waiting (it ended, or it failed): a write that succeeds is still told, once."""
 
         def told(fut: asyncio.Future) -> None:
             if not fut.cancelled() and fut.exception() is None:
-                self.link._written(self.events, fut.result(), result)
+                self.link.batch_written(self.events, fut.result(), result)
 
         if self.future.done():
             told(self.future)
@@ -487,7 +487,7 @@ class HostLink:
             return None
         return events
 
-    def _written(self, events: list[Event], n: int, result: SyncResult) -> None:
+    def batch_written(self, events: list[Event], n: int, result: SyncResult) -> None:
         """One batch is in the history: ``n`` of its events new there."""
         if self.on_events is not None and n:
             self.on_events(self.name, events)
