@@ -31,6 +31,7 @@ import subprocess
 import tempfile
 import time
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Annotated, Any
 from urllib.parse import unquote, urlsplit
@@ -439,10 +440,63 @@ def libnccl_digest(path: str) -> tuple[str | None, str | None]:
     return digest, None
 
 
-# what pre-flight's import check saw (it runs the loaded probe in the same process): the launch's fingerprint a moment
-# later reads it instead of importing torch a second time. (interpreter, environment digest) -> (monotonic time, result)
-_SEEN: dict[tuple[str, str], tuple[float, _Loaded]] = {}
+# What an `import torch` probe saw, kept SEEN_FOR_S (pre-flight's import check runs the loaded probe in the same
+# process): the launch's fingerprint a moment later, and the next launches with the same interpreter and environment,
+# read it instead of importing torch again (1.2-1.6 s each on a 2-core machine), as long as none of the files it
+# rests on changed: the interpreter, torch's __init__.py, the folder torch is installed in (a pip install or
+# uninstall there adds or removes an entry: its mtime moves) and the libraries the import loaded.
+# (interpreter, environment digest) -> _Seen
 SEEN_FOR_S = 60.0
+
+
+@dataclass(frozen=True)
+class _Seen:
+    at: float  # monotonic
+    files: tuple[tuple[str, int, int, int, int], ...]  # (path, st_dev, st_ino, st_size, st_mtime_ns) of each
+    loaded: _Loaded
+    verdict: tuple[bool, str] | None  # check_imports_torch's answer, when it was the one that probed
+
+
+_SEEN: dict[tuple[str, str], _Seen] = {}
+MAX_SEEN_PATH = 4096
+NVIDIA_VERSION_FILE = "/proc/driver/nvidia/version"
+
+
+def _files_sig(paths: list[str]) -> tuple[tuple[str, int, int, int, int], ...] | None:
+    """The identity of each file (None when one cannot be read: nothing is kept, or a kept result is not used)."""
+    out = []
+    for path in paths:
+        if not path or len(path) > MAX_SEEN_PATH or not os.path.isabs(path) or path.endswith(" (deleted)"):
+            return None
+        try:
+            st = os.stat(path)
+        except (OSError, ValueError):
+            return None
+        out.append((path, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns))
+    return tuple(out)
+
+
+def _keep_seen(exe: str, env: Mapping[str, str] | None, torch_file: str | None, loaded: _Loaded, verdict: tuple[bool, str] | None) -> None:
+    if not torch_file or len(torch_file) > MAX_SEEN_PATH:
+        return
+    # the NVIDIA driver's version file too, where there is one: a driver reloaded meanwhile is a new file there
+    driver = [NVIDIA_VERSION_FILE] if os.path.exists(NVIDIA_VERSION_FILE) else []
+    files = _files_sig([exe, torch_file, os.path.dirname(os.path.dirname(torch_file)), *loaded.libs, *driver])
+    if files is None:
+        return
+    if len(_SEEN) >= _DIGESTS_KEPT:
+        _SEEN.pop(next(iter(_SEEN)))
+    _SEEN[_env_key(exe, env)] = _Seen(time.monotonic(), files, loaded, verdict)
+
+
+def _recent(exe: str, env: Mapping[str, str] | None) -> _Seen | None:
+    """What a probe of ``exe`` under ``env`` saw within SEEN_FOR_S, if none of the files it rests on changed since."""
+    seen = _SEEN.get(_env_key(exe, env))
+    if seen is None or time.monotonic() - seen.at >= SEEN_FOR_S:
+        return None
+    if _files_sig([f[0] for f in seen.files]) != seen.files:
+        return None
+    return seen
 
 
 def _env_key(exe: str, env: Mapping[str, str] | None) -> tuple[str, str]:
@@ -483,9 +537,9 @@ def _with_loaded(fp: EnvFingerprint, env: Mapping[str, str] | None, timeout: flo
     def failed(why: str) -> EnvFingerprint:
         return msgspec.structs.replace(fp, error="; ".join([*problems, why]))
 
-    seen = _SEEN.get(_env_key(fp.python, env))
-    if seen is not None and time.monotonic() - seen[0] < SEEN_FOR_S:
-        got: _Loaded | str = seen[1]
+    seen = _recent(fp.python, env)
+    if seen is not None:
+        got: _Loaded | str = seen.loaded
     else:
         try:
             proc = _run_probe(fp.python, LOADED, env, timeout)
@@ -546,6 +600,10 @@ def check_imports_torch(python: str, timeout: float = 120.0, *, env: Mapping[str
         exe = _interpreter(python)
     except EnvError as e:
         return False, e.message
+    seen = _recent(exe, env)
+    if seen is not None and seen.verdict is not None:
+        ok, said = seen.verdict
+        return ok, f"{said}; checked {time.monotonic() - seen.at:.0f} s ago, its files unchanged since"
     t0 = time.monotonic()
     try:
         proc = _run_probe(exe, _TORCH_CHECK + LOADED, env, timeout)
@@ -569,17 +627,16 @@ def check_imports_torch(python: str, timeout: float = 120.0, *, env: Mapping[str
             )
         return False, f"import torch failed in {exe}: {last}; {fix}"
     info = msgspec.json.decode(line[len(_TORCH_MARK) :], type=_TorchCheck)
-    if not isinstance(loaded := _read_loaded(proc.stdout), str):
-        if len(_SEEN) >= _DIGESTS_KEPT:
-            _SEEN.pop(next(iter(_SEEN)))
-        _SEEN[_env_key(exe, env)] = (time.monotonic(), loaded)
     if info.cuda is None:
         cuda = "CPU build, CUDA not available"
     elif info.available:
         cuda = f"CUDA {info.cuda} build, CUDA available with {info.count} GPU(s)"
     else:
         cuda = f"CUDA {info.cuda} build, but CUDA is not available (no driver, or no GPU visible to it)"
-    return True, f"torch {info.version} imports in {took:.1f} s ({cuda})"
+    verdict = (True, f"torch {info.version} imports in {took:.1f} s ({cuda})")
+    if not isinstance(loaded := _read_loaded(proc.stdout), str):
+        _keep_seen(exe, env, info.file, loaded, verdict)
+    return verdict
 
 
 def verify(recorded: EnvFingerprint, *, driver: str | None = None, timeout: float = 60.0) -> list[EnvChange]:

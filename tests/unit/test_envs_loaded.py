@@ -163,3 +163,51 @@ def test_the_digest_is_cached_by_inode_and_follows_a_change(tmp_path: Path) -> N
     lib.write_bytes(b"two!")  # another size (and mtime): hashed again
     assert libnccl_digest(str(lib))[0] == hashlib.sha256(b"two!").hexdigest()
     assert sysconfig.get_paths()["purelib"]  # (the fake venvs above put their site-packages where this Python does)
+
+
+def test_the_next_launchs_import_check_reuses_the_probe_until_a_file_it_rests_on_changes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Launches one after another with the same interpreter and environment import torch once (1.2-1.6 s each on this
+    machine): the next pre-flight says it reused the check, and any change under it (a package installed or removed
+    beside torch, torch's own files, the loaded libnccl replaced) or SEEN_FOR_S passing probes again."""
+    log = tmp_path / "imports.log"
+    python, lib = fake_torch_venv(tmp_path / "fake", init_extra=f"open({str(log)!r}, 'a').write('import' + chr(10))\n")
+    run_env = {"PATH": os.environ["PATH"]}
+
+    def imports() -> int:
+        return log.read_text().count("import")
+
+    ok, first = check_imports_torch(str(python), env=run_env)
+    assert ok and "torch 2.9.0+cu128 imports in" in first and "checked" not in first, first
+    ok, again = check_imports_torch(str(python), env=run_env)  # the next launch
+    assert ok and again.startswith(first) and "s ago, its files unchanged since" in again, again
+    assert fingerprint(str(python), env=run_env).nccl_runtime == "2.28.9"
+    assert imports() == 1
+
+    site = lib.parents[3]
+    (site / "numpy-2.4.0.dist-info").mkdir()  # a pip install beside torch: the folder's entries change
+    ok, text = check_imports_torch(str(python), env=run_env)
+    assert ok and "checked" not in text and imports() == 2, text
+    assert "checked" in check_imports_torch(str(python), env=run_env)[1] and imports() == 2
+
+    init = site / "torch" / "__init__.py"
+    init.write_text(init.read_text() + "# reinstalled\n")  # torch's own files
+    assert "checked" not in check_imports_torch(str(python), env=run_env)[1] and imports() == 3
+
+    lib.unlink()  # the loaded libnccl replaced (a new inode, as an upgrade of the nvidia-nccl wheel makes it)
+    shutil.copy(_json.__file__, lib)
+    assert "checked" not in check_imports_torch(str(python), env=run_env)[1] and imports() == 4
+
+    ok, broken = check_imports_torch(str(python), env={**run_env, "PYTHONPATH": str(tmp_path / "nothing")})  # another env
+    assert ok and "checked" not in broken and imports() == 5
+
+    monkeypatch.setattr(envs, "SEEN_FOR_S", 0.0)  # older than SEEN_FOR_S: probed again
+    assert "checked" not in check_imports_torch(str(python), env=run_env)[1] and imports() == 6
+
+
+def test_a_failed_import_check_is_never_reused(tmp_path: Path) -> None:
+    python, _ = fake_torch_venv(tmp_path / "fake", init_extra="raise ImportError('libcudart.so.12: cannot open shared object file')\n")
+    for _ in range(2):
+        ok, text = check_imports_torch(str(python), env={"PATH": os.environ["PATH"]})
+        assert not ok and "libcudart.so.12" in text and "checked" not in text
