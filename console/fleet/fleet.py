@@ -114,19 +114,6 @@ def room_for_hosts(hosts: int) -> None:
             pass  # the connections past the limit will say "Too many open files"
 
 
-class _NoBound:
-    """``async with`` that bounds nothing (a link outside a Fleet, or a caught-up follower)."""
-
-    async def __aenter__(self) -> None:
-        return None
-
-    async def __aexit__(self, *exc: object) -> None:
-        return None
-
-
-_NO_BOUND = _NoBound()
-
-
 class _Writing:
     """One host's batch on its way into the history (the writer thread), told to the link once written."""
 
@@ -435,33 +422,43 @@ class HostLink:
         after = cur.last_seq
         self.status.synced_seq = after
         # behind: more may be waiting (at first, and after a full batch): pulled without waiting, and (in a Fleet) at
-        # most CATCH_UP_AT_ONCE hosts at a time; caught up, a follower long-polls outside the bound
+        # most CATCH_UP_AT_ONCE hosts catch up at a time, each holding its place until it has caught up and what it pulled
+        # is written (so at most two batches each are decoded in memory: fleet-wide, a bounded amount); caught up, a
+        # follower long-polls outside the bound
         behind = True
+        bound = self.catch_up
+        holding = False  # this host's place among the hosts catching up
         writing: _Writing | None = None  # the batch the history is writing while the next one is pulled
         try:
             while True:
+                if behind and bound is not None and not holding:
+                    await bound.acquire()
+                    holding = True
                 if writing is not None and not behind:
                     # caught up: what was pulled is written and told before the next pull, a long poll
                     await writing.done(result)
                     writing = None
+                if holding and not behind:
+                    assert bound is not None
+                    bound.release()
+                    holding = False
                 wait = 0.0 if behind or not follow else EVENT_POLL_S
-                async with self.catch_up if behind and self.catch_up is not None else _NO_BOUND:
-                    try:
-                        batch = await client.request(
-                            GetEvents(after_seq=after, limit=EVENT_BATCH, wait_s=wait), timeout=wait + REQUEST_TIMEOUT_S
-                        )
-                    except TimeoutError:
-                        raise AgentUnavailable(f"no answer to an event pull within {wait + REQUEST_TIMEOUT_S:.0f} s") from None
-                    assert isinstance(batch, EventBatch)
-                    if writing is not None:  # the one before, written meanwhile: its events go to the policies first
-                        await writing.done(result)
-                        writing = None
-                    events = self._follows(batch, hello.epoch, after)
-                    got, top = len(batch.events), batch.last_seq
-                    # the next pull of a caught-up host is a long poll (minutes): this batch, thousands of decoded events,
-                    # must not live that long in the loop's variable (issue 33: with the backlog going in faster, the
-                    # busy hosts that had just caught up held theirs together, +120-140 MiB of console RSS)
-                    del batch
+                try:
+                    batch = await client.request(
+                        GetEvents(after_seq=after, limit=EVENT_BATCH, wait_s=wait), timeout=wait + REQUEST_TIMEOUT_S
+                    )
+                except TimeoutError:
+                    raise AgentUnavailable(f"no answer to an event pull within {wait + REQUEST_TIMEOUT_S:.0f} s") from None
+                assert isinstance(batch, EventBatch)
+                if writing is not None:  # the one before, written meanwhile: its events go to the policies first
+                    await writing.done(result)
+                    writing = None
+                events = self._follows(batch, hello.epoch, after)
+                got, top = len(batch.events), batch.last_seq
+                # the next pull of a caught-up host is a long poll (minutes): this batch, thousands of decoded events,
+                # must not live that long in the loop's variable (issue 33: with the backlog going in faster, the
+                # busy hosts that had just caught up held theirs together, +120-140 MiB of console RSS)
+                del batch
                 if events is None:
                     continue  # a gap: ask again from what we hold
                 if events:
@@ -475,6 +472,9 @@ class HostLink:
                         writing = None
                     return result
         finally:
+            if holding:
+                assert bound is not None
+                bound.release()
             if writing is not None:
                 writing.tell_when_written(result)  # the link ended first: the batch still lands, the policies still hear of it
 
