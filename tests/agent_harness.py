@@ -209,6 +209,19 @@ def wait_for(pred, timeout: float = 10.0, interval: float = 0.05, what: str = "c
         time.sleep(interval)
 
 
+async def until(pred, timeout: float, what: str, about=None, interval: float = 0.1) -> Any:  # type: ignore[no-untyped-def]
+    """``wait_for`` for a test on an event loop: poll ``pred`` without blocking the loop; on timeout, fail with ``what``
+    and ``about()`` (the state worth reading: a link's status, say)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        v = pred()
+        if v:
+            return v
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s: {what}" + (f" ({about()})" if about is not None else ""))
+        await asyncio.sleep(interval)
+
+
 def journal_add_member(state_dir: Path, run_id: str, member: dict) -> list[dict]:
     """Write one more member into a run's row of a stopped agent's journal (a PID-reuse stand-in); returns the members before."""
     import sqlite3

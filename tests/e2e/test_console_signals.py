@@ -54,6 +54,16 @@ def _console(env: dict[str, str], ignore_hup: bool = False) -> tuple[int, int]:
     return pid, fd
 
 
+def _end(pid: int, fd: int) -> None:
+    """The console this test started, killed by its pid if it still runs and reaped; its terminal closed."""
+    try:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+    except (ProcessLookupError, ChildProcessError):
+        pass
+    os.close(fd)
+
+
 def _read(fd: int, seconds: float) -> bytes:
     out = bytearray()
     end = time.monotonic() + seconds
@@ -106,12 +116,7 @@ def test_the_console_quits_cleanly_on_a_signal(one_host: ConsoleSide, sig: int) 
         assert not list(runtime.glob("gpudeck-ssh-*")), f"left behind: {[p.name for p in runtime.iterdir()]}"
         assert took < 30, f"quitting took {took:.1f} s"
     finally:
-        try:
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
-        except (ProcessLookupError, ChildProcessError):
-            pass
-        os.close(fd)
+        _end(pid, fd)
         for p in sorted(Path(runtime).glob("**/*"), reverse=True):
             p.unlink() if p.is_file() else p.rmdir()
         runtime.rmdir()
@@ -140,9 +145,4 @@ def test_a_console_started_under_nohup_keeps_ignoring_sighup(one_host: ConsoleSi
                 break
         assert status is not None and os.WIFEXITED(status) and os.WEXITSTATUS(status) == 128 + signal.SIGTERM
     finally:
-        try:
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
-        except (ProcessLookupError, ChildProcessError):
-            pass
-        os.close(fd)
+        _end(pid, fd)

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import os
 import shutil
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -19,6 +19,7 @@ from gpudeck.console.fleet.fleet import Fleet
 from gpudeck.console.fleet.transport import HostKeyError, connect_ssh
 from gpudeck.console.history.replica import History
 from tests.agent_harness import stop_runs, wait_for
+from tests.agent_harness import until as wait_until
 from tests.sshd_harness import ConsoleSide, SshHost, keygen
 
 pytestmark = pytest.mark.slow
@@ -118,14 +119,10 @@ async def test_a_run_that_ends_while_the_console_is_cut_off_is_recorded_exactly_
     fleet.start()
     try:
 
-        async def until(pred, timeout: float, what: str):  # type: ignore[no-untyped-def]
-            deadline = time.monotonic() + timeout
-            while time.monotonic() < deadline:
-                v = pred()
-                if v:
-                    return v
-                await asyncio.sleep(0.1)
-            raise AssertionError(f"timed out after {timeout} s: {what} (hostb: {fleet.links['hostb'].status})")
+        def about() -> str:
+            return f"hostb: {fleet.links['hostb'].status}"
+
+        until = functools.partial(wait_until, about=about)
 
         await until(lambda: all(fleet.links[h].status.state == "up" for h in ("hosta", "hostb")), 30, "both hosts up")
         reply = await fleet.launch("hostb", _spec(["-c", "import time; time.sleep(4); raise SystemExit(3)"]))
@@ -299,13 +296,10 @@ async def test_a_restarted_agent_is_reconnected_while_the_history_is_locked_and_
     locker: sqlite3.Connection | None = None
     try:
 
-        async def until(pred, timeout: float, what: str):  # type: ignore[no-untyped-def]
-            deadline = time.monotonic() + timeout
-            while time.monotonic() < deadline:
-                if pred():
-                    return
-                await asyncio.sleep(0.1)
-            raise AssertionError(f"timed out after {timeout} s: {what} (hostr: {link.status})")
+        def about() -> str:
+            return f"hostr: {link.status}"
+
+        until = functools.partial(wait_until, about=about)
 
         def caught_up() -> bool:
             epoch, seqs = _journal_seqs(host)
@@ -401,13 +395,10 @@ async def test_a_backlog_of_several_batches_lands_once_and_the_policies_hear_eac
     fleet.start()
     try:
 
-        async def until(pred, timeout: float, what: str):  # type: ignore[no-untyped-def]
-            deadline = time.monotonic() + timeout
-            while time.monotonic() < deadline:
-                if pred():
-                    return
-                await asyncio.sleep(0.05)
-            raise AssertionError(f"timed out after {timeout} s: {what} (hostp: {link.status}; submitted {history.submitted})")
+        def about() -> str:
+            return f"hostp: {link.status}; submitted {history.submitted}"
+
+        until = functools.partial(wait_until, about=about)
 
         await until(lambda: any(h == "hostp" for h, _a, _b in history.submitted), 60, "the first batch handed to the writer")
         first = [b for b in history.submitted if b[0] == "hostp"][0]

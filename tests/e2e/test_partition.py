@@ -16,7 +16,7 @@ import sqlite3
 import statistics
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +26,7 @@ from gpudeck.agents.wire.protocol import LaunchSpec
 from gpudeck.console.core import config as cfg
 from gpudeck.console.fleet.fleet import Fleet
 from gpudeck.console.history.replica import History
-from tests.agent_harness import stop_runs
+from tests.agent_harness import stop_runs, until
 from tests.netns_harness import NetnsUnavailable, NsSshHost, netns_pool, require_netns, tcp_sockets
 from tests.sshd_harness import ConsoleSide
 
@@ -77,17 +77,6 @@ def fleet_hosts() -> Iterator[tuple[ConsoleSide, list[NsSshHost]]]:
 def _fleet(c: ConsoleSide, history: History, names: tuple[str, ...] = ("hosta", "hostb")) -> Fleet:
     conf = cfg.Config(hosts=tuple(cfg.HostSettings(n) for n in names), path=c.gpudeck_home / "config.toml")
     return Fleet(config=conf, ssh=c.ssh_options(), history=history, interval_s=0.5, state_dir=c.gpudeck_home / "agent")
-
-
-async def until(pred: Callable[[], Any], timeout: float, what: str, interval: float = 0.1) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        v = pred()
-        if v:
-            return v
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s: {what}")
-        await asyncio.sleep(interval)
 
 
 def agent_journal(h: NsSshHost) -> tuple[str, list[tuple[int, str, str | None, Any]]]:
