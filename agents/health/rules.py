@@ -892,8 +892,12 @@ class RunHealth:
         if not going_on or run.state != "running":
             return
         started = run.started if run.started is not None else self._first_update or now
-        # all ranks took part in a first step, or a plain command has had time to spread out
-        settled = (tel is not None and tel.step is not None) or now - started >= CLAIM_SETTLE_S
+        # a first step, and every rank of this node's share of the ranks' own world size seen alive (a rank still
+        # importing torch while rank 0 steps is not a missing rank); or a plain command has had time to spread out
+        world = tel.world_size if tel is not None else None
+        share = -(-world // max(1, run.spec.nnodes or 1)) if world else 0
+        stepped = tel is not None and tel.step is not None and len(self._seen) >= share
+        settled = stepped or now - started >= CLAIM_SETTLE_S
         if not settled:
             return
         # ranks seen at any time: a rank that died is rank_exited's alert, not a world-size claim

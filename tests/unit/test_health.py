@@ -368,6 +368,23 @@ def test_claims_wait_for_the_run_to_settle_and_clear_when_they_match() -> None:
     assert h.active == [] and [a.data["what"] for a in h.cleared_since_last()] == ["world size"]
 
 
+def test_a_rank_still_starting_while_rank_0_steps_is_no_world_size_claim() -> None:
+    # ranks.py under load: rank 0 steps while rank 2 still imports; CI once saw "claimed 3, observed 2" here
+    run = make_run(world_size=3, claims=Claims(world_size=3))
+    run.telemetry.step = 1  # type: ignore[union-attr]
+    h = RunHealth(run.id)
+    assert h.update(obs(run, T0 + 5, {0: 1, 1: 2})) == []
+    assert h.update(obs(run, T0 + 6, {0: 1, 1: 2, 2: 3})) == []  # all there: settled, and the claim holds
+    got = h.update(obs(run, T0 + 8, {0: 1, 2: 3}, exited_ranks={1: (2, -9)}))
+    assert kinds(got) == [("rank_exited", 1, None)]
+    # a rank that never comes is still told, once the settle time has passed
+    late = make_run(world_size=3, claims=Claims(world_size=3))
+    late.telemetry.step = 1  # type: ignore[union-attr]
+    h = RunHealth(late.id)
+    assert h.update(obs(late, T0 + 5, {0: 1, 1: 2})) == []
+    assert [a.data["what"] for a in h.update(obs(late, T0 + 61, {0: 1, 1: 2}))] == ["world size"]
+
+
 def test_a_dead_rank_is_rank_exited_not_a_world_size_claim() -> None:
     run = make_run(world_size=2)
     run.telemetry.step = 1  # type: ignore[union-attr]
