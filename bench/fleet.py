@@ -529,7 +529,7 @@ async def worker_scale(spec: FleetSpec, seconds: float, interval: float, profile
     t_sync0 = time.monotonic()
     cpu1 = time.process_time()
     writer_cpu0, gc0, snaps0 = writer_cpu_s(), gc_clock.seconds, rec.seen
-    txns0, inserted0 = hist.batches_committed, hist.events_inserted
+    txns0, batches0, inserted0 = hist.batches_committed, hist.host_batches, hist.events_inserted
     target = {nm: top for nm, (_e, top, _r) in zip(spec.names, before)}
     while time.monotonic() - t_sync0 < 900:
         behind = [nm for nm, ln in fleet.links.items() if ln.status.synced_seq < target[nm]]
@@ -555,6 +555,7 @@ async def worker_scale(spec: FleetSpec, seconds: float, interval: float, profile
         gc_line=gc_clock.line(),
         snapshots=rec.seen - snaps0,
         txns=hist.batches_committed - txns0,
+        batches=hist.host_batches - batches0,
         inserted=hist.events_inserted - inserted0,
     )
     await asyncio.sleep(WARM_S)
@@ -1206,7 +1207,7 @@ def report_startup(n: int, ev: str, msg: dict[str, Any]) -> None:
                 f"{tag} history sync, after shown: console CPU {msg['cpu_s']:.1f} s, of it the history writer thread {msg['writer_cpu_s']:.1f} s "
                 f"({1e6 * msg['writer_cpu_s'] / inserted:.1f} us per event written), the rest {msg['cpu_s'] - msg['writer_cpu_s']:.1f} s "
                 f"({1e6 * (msg['cpu_s'] - msg['writer_cpu_s']) / inserted:.1f} us per event); collector {msg['gc_s']:.2f} s "
-                f"({msg['gc_from_start_s']:.2f} s from start: {msg.get('gc_line')}); {msg['inserted']} events written in {msg['txns']} transactions; "
+                f"({msg['gc_from_start_s']:.2f} s from start: {msg.get('gc_line')}); {msg['inserted']} events written in {msg['txns']} transactions ({msg.get('batches', 0)} hosts' batches); "
                 f"{msg['snapshots']} snapshots received meanwhile; stand-in CPU from console start {msg['standin_cpu_s']:.1f} s "
                 f"in {msg['standin_wall_s']:.1f} s ({100 * msg['standin_cpu_s'] / max(msg['standin_wall_s'], 1e-9):.0f}% of one CPU)"
             )
@@ -1242,6 +1243,16 @@ def report_scale(n: int, r: dict[str, Any], side: Side) -> dict[str, float]:
         f"everything else {busy - core - side.farm_cpu_s / side.wall_s - side.parent_cpu_s / side.wall_s:.2f}); {load}"
     )
     shown, synced = r.get("shown", {}), r.get("synced", {})
+    # the sync's own cost: the console's CPU after every host was shown, less what the live fleet costs it in the
+    # steady window (its snapshots arrive all through the sync, and a 4x fleet's sync lasts longer, on the same CPU)
+    live_s = core * synced.get("seconds_after_shown", float("nan"))
+    marginal_us = 1e6 * (synced.get("cpu_s", float("nan")) - live_s) / max(synced.get("inserted", 0), 1)
+    if synced:
+        out(
+            f"{tag} history sync, less the live fleet: console CPU after shown {synced['cpu_s']:.1f} s, less the steady window's "
+            f"{100 * core:.1f}% of one core over its {synced['seconds_after_shown']:.1f} s ({live_s:.1f} s) = "
+            f"{synced['cpu_s'] - live_s:.1f} s for {synced['inserted']} events written = {marginal_us:.1f} us per event; {load}"
+        )
     return {
         "cpu_core": core,
         "cpu_per_host_ms": per_host_ms,
@@ -1252,6 +1263,7 @@ def report_scale(n: int, r: dict[str, Any], side: Side) -> dict[str, float]:
         "shown_s": float(shown.get("all_s", float("nan"))),
         "sync_eps": synced.get("synced", 0) / max(synced.get("seconds_from_start", 0.0), 1e-9),
         "sync_cpu_us_per_event": 1e6 * synced.get("cpu_from_start_s", float("nan")) / max(synced.get("synced", 0), 1),
+        "sync_marginal_us_per_event": marginal_us,
     }
 
 
@@ -1272,6 +1284,7 @@ def report_growth(rows: dict[int, dict[str, float]]) -> None:
         "shown_s",
         "sync_eps",
         "sync_cpu_us_per_event",
+        "sync_marginal_us_per_event",
     ):
         cells = []
         for n in sizes:

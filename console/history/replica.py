@@ -500,7 +500,8 @@ class History:
         self._writer: threading.Thread | None = None
         self._closed = False
         self._put_lock = threading.Lock()  # guards _closed, the writer's start and the queue's end mark
-        self.batches_committed = 0
+        self.batches_committed = 0  # transactions
+        self.host_batches = 0  # hosts' batches written (several to a transaction)
         self.events_inserted = 0
         self.events_quarantined = 0
 
@@ -596,6 +597,7 @@ class History:
             conn.execute("ROLLBACK")
             raise
         self.batches_committed += 1
+        self.host_batches += len(batch)
         self.events_inserted += sum(counts)
         return counts
 
