@@ -383,6 +383,12 @@ def test_a_rank_still_starting_while_rank_0_steps_is_no_world_size_claim() -> No
     h = RunHealth(late.id)
     assert h.update(obs(late, T0 + 5, {0: 1, 1: 2})) == []
     assert [a.data["what"] for a in h.update(obs(late, T0 + 61, {0: 1, 1: 2}))] == ["world size"]
+    # a manifest's world size is the run's own word: a huge one only delays the claims to the settle time
+    huge = make_run(world_size=10**9, claims=Claims(world_size=3))
+    huge.telemetry.step = 1  # type: ignore[union-attr]
+    h = RunHealth(huge.id)
+    assert h.update(obs(huge, T0 + 5, {0: 1, 1: 2})) == []
+    assert "world size" in [a.data["what"] for a in h.update(obs(huge, T0 + 61, {0: 1, 1: 2}))]
 
 
 def test_a_dead_rank_is_rank_exited_not_a_world_size_claim() -> None:
