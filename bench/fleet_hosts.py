@@ -74,7 +74,12 @@ def start_worker(argv: list[str], stderr_path: Path) -> subprocess.Popen:
     """A bench worker process (dies with us; stderr to a file) whose stdout is JSON lines."""
     with open(stderr_path, "wb") as errlog:
         return subprocess.Popen(
-            argv, stdout=subprocess.PIPE, stderr=errlog, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)}, preexec_fn=die_with_parent
+            argv,
+            stdout=subprocess.PIPE,
+            stderr=errlog,
+            text=True,
+            env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH", "")]))},
+            preexec_fn=die_with_parent,
         )
 
 

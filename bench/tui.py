@@ -584,6 +584,8 @@ def console_child(spec_path: Path, stats_path: Path, total: int) -> None:
 
             gc.callbacks.append(on_gc)
             self._tick_at = (time.monotonic(), time.process_time())
+            if os.environ.get("TUI_BENCH_STALL_STACKS"):
+                stall_sampler(os.environ["TUI_BENCH_STALL_STACKS"], lambda: self._tick_at[0])
             self.set_interval(0.02, self.tick)
 
         def tick(self) -> None:
@@ -807,11 +809,67 @@ async def peer_main(spec_path: Path, log_path: Path) -> None:
         log.flush()
 
 
+STALL_STACK_S = 0.07  # TUI_BENCH_STALL_STACKS: a loop that has not ticked (every 20 ms) for this long is stalled
+
+
+def stall_sampler(path: str, last_tick: Callable[[], float]) -> None:
+    """TUI_BENCH_STALL_STACKS=FILE (where a long stall is, for whoever tunes it): a thread that samples the main
+    thread's stack every 10 ms while the event loop has not ticked for STALL_STACK_S, and appends each stall's samples
+    to FILE as JSON lines. It holds the GIL to sample, so a stall inside one C call (a collection) shows as the
+    frame that made it, sampled when it returns."""
+    import threading
+    import traceback
+
+    main = threading.main_thread().ident
+
+    def run() -> None:
+        samples: list[list[str]] = []
+        started = 0.0
+        with open(path, "a") as fh:
+            while True:
+                time.sleep(0.01)
+                since = time.monotonic() - last_tick()
+                if since > STALL_STACK_S:
+                    frame = sys._current_frames().get(main)
+                    if frame is not None:
+                        started = started or time.monotonic() - since
+                        samples.append([f"{f.filename}:{f.lineno} {f.name}" for f in traceback.extract_stack(frame)[-25:]])
+                elif samples:
+                    fh.write(json.dumps({"stall_ms": round((time.monotonic() - started) * 1000), "samples": samples}) + "\n")
+                    fh.flush()
+                    samples, started = [], 0.0
+
+    threading.Thread(target=run, name="bench-stall-sampler", daemon=True).start()
+
+
 def read_stats(path: Path) -> dict:
     try:
         return json.loads(path.read_text())
     except (OSError, ValueError):
         return {}
+
+
+def stall_text(stats_path: Path, mark: list[int]) -> str:
+    """The event-loop stalls and the collector's pauses since the last call (``mark``: how many of each were told)."""
+    stats = read_stats(stats_path)
+    st, gcs = stats.get("stalls", []), stats.get("gc", [])
+    new, new_gc = st[mark[0] :], gcs[mark[1] :]
+    mark[0], mark[1] = len(st), len(gcs)
+    if new_gc:
+        g = max(new_gc, key=lambda g: g[1])
+        cpu = f", {g[2]:.0f} ms of it CPU" if len(g) > 2 else ""
+        gc_text = f", Python GC pauses over 10 ms: {len(new_gc)} (longest {g[1]:.0f} ms, generation {g[0]}{cpu})"
+    else:
+        gc_text = ", no GC pause over 10 ms"
+    if not new:
+        return "no event-loop stall over 50 ms" + gc_text
+    worst = max(new, key=lambda s: s[0])
+    # own CPU counts every thread of the console: more than the stall means it was busy, not waiting for a core
+    why = "waiting for a CPU the rest" if worst[1] < worst[0] else "its own work (threads included)"
+    return (
+        f"{len(new)} event-loop stall(s) over 50 ms, the longest {worst[0]:.0f} ms, the console's own CPU in it {worst[1]:.0f} ms ({why})"
+        + gc_text
+    )
 
 
 def part3(rate: int, seconds: float, presses: int, hosts: int, gpus: str, nice: bool = True, settle_s: float = 20.0) -> None:
@@ -905,25 +963,7 @@ def console_part(
     """The console on the fleet: the Fleet screen, then the run on h000; returns the run id ('' when it got no further)."""
 
     def stalls() -> str:
-        stats = read_stats(stats_path)
-        st, gcs = stats.get("stalls", []), stats.get("gc", [])
-        new, new_gc = st[mark[0] :], gcs[mark[1] :]
-        mark[0], mark[1] = len(st), len(gcs)
-        if new_gc:
-            g = max(new_gc, key=lambda g: g[1])
-            cpu = f", {g[2]:.0f} ms of it CPU" if len(g) > 2 else ""
-            gc_text = f", Python GC pauses over 10 ms: {len(new_gc)} (longest {g[1]:.0f} ms, generation {g[0]}{cpu})"
-        else:
-            gc_text = ", no GC pause over 10 ms"
-        if not new:
-            return "no event-loop stall over 50 ms" + gc_text
-        worst = max(new, key=lambda s: s[0])
-        # own CPU counts every thread of the console: more than the stall means it was busy, not waiting for a core
-        why = "waiting for a CPU the rest" if worst[1] < worst[0] else "its own work (threads included)"
-        return (
-            f"{len(new)} event-loop stall(s) over 50 ms, the longest {worst[0]:.0f} ms, the console's own CPU in it {worst[1]:.0f} ms ({why})"
-            + gc_text
-        )
+        return stall_text(stats_path, mark)
 
     mark = [0, 0]
 
@@ -1277,17 +1317,11 @@ def standin_console(
     """The console on the stand-in: the Fleet screen, then the Runs screen; their figures."""
     tag = f"SIMULATED {hosts} hosts"
     figures: dict[str, float] = {}
-    mark = [0]
+    mark = [0, 0]
     console_log = stats_path.with_suffix(".log")
 
     def stalls() -> str:
-        st = read_stats(stats_path).get("stalls", [])
-        new = st[mark[0] :]
-        mark[0] = len(st)
-        if not new:
-            return "no event-loop stall over 50 ms"
-        worst = max(new, key=lambda s: s[0])
-        return f"{len(new)} event-loop stall(s) over 50 ms, the longest {worst[0]:.0f} ms (the console's own CPU in it {worst[1]:.0f} ms)"
+        return stall_text(stats_path, mark)
 
     def show(what: str, lat: list[float], n: int) -> tuple[float, float]:
         if not lat:
