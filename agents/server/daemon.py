@@ -14,6 +14,7 @@ import errno
 import faulthandler
 import fcntl
 import logging
+import math
 import os
 import resource
 import signal
@@ -825,7 +826,12 @@ class Connection:
         await self.send_line(await self.agent.snapshot_line(req.request_id, req.max_age_s))
 
     async def _watch_snapshots(self, req: WatchSnapshots) -> None:
+        if not (math.isfinite(req.interval_s) and math.isfinite(req.phase_s) and req.phase_s >= 0):
+            raise BadRequest(
+                f"interval_s must be a finite number and phase_s a finite number 0 or more, not {req.interval_s} and {req.phase_s}"
+            )
         interval = max(0.05, min(req.interval_s, 3600.0))
+        phase = req.phase_s % interval
         first = True
         while True:
             snap = await self.agent.snapshot()
@@ -837,10 +843,11 @@ class Connection:
                 snap.namespace = None  # so did the agent's PID namespace
             first = False
             await self.send(snap, droppable=True)
-            # a fixed rate on the wall clock's grid (every whole interval), not interval + work: every agent
-            # of a fleet samples at the same instant (one coherent picture of the fleet), and the console
-            # takes the fleet's snapshots in one burst rather than one wake-up per host
-            delay = interval - time.time() % interval
+            # a fixed rate on the wall clock's grid (every whole interval, plus the phase the console asked for), not
+            # interval + work: the agents of one phase sample at the same instant (one coherent picture of them), and
+            # the console takes them in one burst rather than one wake-up per host; a big fleet's console spreads its
+            # hosts over a few phases so that no burst is the whole fleet (console/fleet/fleet.py SNAPSHOT_GROUP)
+            delay = interval - (time.time() - phase) % interval
             await asyncio.sleep(delay if delay > interval / 10 else delay + interval)  # just sent for the coming point
 
     async def _settled(self) -> None:

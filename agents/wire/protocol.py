@@ -560,10 +560,16 @@ class GetSnapshot(_Msg, tag="get_snapshot", kw_only=True):
 
 
 class WatchSnapshots(_Msg, tag="watch_snapshots", kw_only=True):
-    """A snapshot every ``interval_s`` (a fixed rate) until cancelled; ``compact``: static GPU fields only in the first."""
+    """A snapshot every ``interval_s`` (a fixed rate) until cancelled; ``compact``: static GPU fields only in the first.
+
+    ``phase_s``: where in each interval they go out, after every whole ``interval_s`` of the wall clock (taken modulo
+    the interval; negative or not finite is refused). A console following a big fleet spreads its hosts over a few
+    phases, so it never takes every host's snapshot in one turn of its event loop (an agent that predates the field
+    ignores it and sends on the whole interval)."""
 
     interval_s: float = 1.0
     compact: bool = False
+    phase_s: float = 0.0
 
 
 class Launch(_Msg, tag="launch", kw_only=True):

@@ -93,6 +93,11 @@ EVENT_POLL_S = 300.0
 # SIMULATED hosts with 12 h of journal, the console on a CPU of its own): the sync 36,787 -> 44,615 events/s, every host
 # shown in 6.1 s rather than 5.8, console RSS 301 -> 318 MiB; 32 gave 46,140 events/s for 361 MiB and 7.3 s.
 CATCH_UP_AT_ONCE = 16
+# Hosts whose snapshots share one phase of the interval. Every agent sends on the wall clock's grid, so a fleet's
+# snapshots arrive together, and the console's event loop reads them all in one turn: at 1,024 hosts a key press
+# waited behind a thousand SSH reads and decodes (bench/RESULTS.md 35-phase). A fleet bigger than this is spread over
+# ceil(hosts / SNAPSHOT_GROUP) phases, evenly over the interval; a smaller one keeps one picture taken at one instant.
+SNAPSHOT_GROUP = 128
 REFUSED_STATES = ("host_key", "version_mismatch")
 
 
@@ -190,6 +195,7 @@ class HostLink:
         self._sync_listeners: list[Callable[[str, int], None]] = []
         self.on_events: Callable[[str, list], None] | None = None  # the Fleet's multi-node watch
         self.catch_up: asyncio.Semaphore | None = None  # the Fleet's bound on hosts pulling a backlog at once
+        self.phase_s = 0.0  # where in each interval this host's snapshots go out (the Fleet spreads a big fleet)
 
     def subscribe(self, fn: Callable[[HostStatus], None]) -> None:
         """Call ``fn`` on every state change and snapshot."""
@@ -346,7 +352,7 @@ class HostLink:
                     why = f"the agent refused the snapshot stream: {msg.message}"
                 ended.set_exception(AgentUnavailable(why))
 
-        rid = await client.watch(WatchSnapshots(interval_s=self.interval_s, compact=True), on_item)
+        rid = await client.watch(WatchSnapshots(interval_s=self.interval_s, compact=True, phase_s=self.phase_s), on_item)
         # while the stream runs it is the keepalive: a snapshot a second, and a stall noticed within `stall`
         # (sooner than SSH keepalives would, and it proves the agent is alive, not only sshd); asyncssh's own
         # keepalive would re-arm a timer for every packet received
@@ -557,6 +563,7 @@ class Fleet:
         self._catch_up = asyncio.Semaphore(CATCH_UP_AT_ONCE)
         for link in self.links.values():
             link.catch_up = self._catch_up
+        self._spread_phases()
         self._watch_tasks: set[asyncio.Task] = set()
         if history is not None and watch:
             for link in self.links.values():
@@ -591,7 +598,16 @@ class Fleet:
             link.start()
         for name in removed:
             self.spawn(self.links.pop(name).close())
+        self._spread_phases()  # for the links that connect from now on
         return [h.name for h in added], removed, [h.name for h in changed]
+
+    def _spread_phases(self) -> None:
+        """Give each host its snapshot phase: the fleet in config order dealt over ceil(hosts / SNAPSHOT_GROUP) phases,
+        evenly over the interval (one phase, 0, for a fleet of SNAPSHOT_GROUP hosts or fewer). A link asks for its
+        phase when its stream starts, so a changed one applies from its next connection."""
+        phases = -(-len(self.links) // SNAPSHOT_GROUP) or 1
+        for i, link in enumerate(self.links.values()):
+            link.phase_s = (i % phases) * link.interval_s / phases
 
     # ------------------------------------------------------------------ watchers (the policies of console/ops/ that follow the fleet)
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from gpudeck.agents.wire.errors import BadRequest, NotFound
-from gpudeck.agents.wire.protocol import GetEvents, GetRun, GetSnapshot, Launch, LaunchSpec, Ping, Snapshot, Stop
+from gpudeck.agents.wire.protocol import GetEvents, GetRun, GetSnapshot, Launch, LaunchSpec, Ping, Pong, Snapshot, Stop, WatchSnapshots
 from tests.agent_harness import ROOT, AgentProc, wait_for
 
 
@@ -329,6 +329,40 @@ def test_a_fingerprint_probes_under_the_environment_the_run_will_get_and_a_bad_o
             with pytest.raises(BadRequest, match="not valid"):
                 await c.request(Fingerprint(python=sys.executable, env={"A=B": "x"}), timeout=30)
             assert isinstance(await c.request(Ping(), timeout=30), object)  # the connection survives the refusal
+        finally:
+            await c.close()
+
+    asyncio.run(go())
+
+
+def test_a_snapshot_stream_goes_out_at_the_phase_the_console_asked_for_and_a_negative_phase_is_refused(agent: AgentProc) -> None:
+    """WatchSnapshots.phase_s moves the stream's instants off the whole interval (a big fleet's console spreads its
+    hosts over a few phases, console/fleet/fleet.py SNAPSHOT_GROUP): each snapshot is sampled at a whole interval plus
+    the phase. A late wake-up on a busy machine only adds to the offset, so the earliest of several is the one read."""
+
+    async def offsets(c, phase: float) -> list[float]:  # type: ignore[no-untyped-def]
+        got: list[float] = []
+        stream = c.stream(WatchSnapshots(interval_s=0.5, phase_s=phase))
+        try:
+            async for snap in stream:
+                got.append(snap.ts)
+                if len(got) == 6:
+                    break
+        finally:
+            await stream.aclose()
+        # the first goes out at once; the others on the grid: how far each is past a whole 0.5 s plus the phase
+        return sorted((ts - phase) % 0.5 for ts in got[1:])
+
+    async def go() -> None:
+        c = await agent.client()
+        try:
+            for phase in (0.3, 0.05, 1.2):  # 1.2 is taken modulo the interval: 0.2
+                earliest = (await offsets(c, phase))[0]
+                assert earliest < 0.1, f"phase {phase}: every snapshot came {earliest:.3f} s or more past its instant"
+            with pytest.raises(BadRequest, match="phase_s"):
+                async for _ in c.stream(WatchSnapshots(interval_s=0.5, phase_s=-0.1)):
+                    pass
+            assert isinstance(await c.request(Ping(), timeout=30), Pong)  # the connection is still served
         finally:
             await c.close()
 
