@@ -470,8 +470,12 @@ async def worker_scale(spec: FleetSpec, seconds: float, interval: float, profile
     ages), then every journal event checked against the history (none lost) and the policies' deliveries (none twice)."""
     from bench.standin import host_failure
     from gpudeck.console.core import gcpolicy
+    from gpudeck.console.fleet import fleet as fleet_mod
     from gpudeck.console.fleet.fleet import Fleet
     from gpudeck.console.history.replica import History
+
+    if os.environ.get("BENCH_ONE_PHASE"):  # every host's snapshots in one phase of the second, as before 35-phase
+        fleet_mod.SNAPSHOT_GROUP = 1 << 30
 
     before = journal_seqs(spec)
     backlog = sum(top for _e, top, _r in before)

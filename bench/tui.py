@@ -545,6 +545,10 @@ def console_child(spec_path: Path, stats_path: Path, total: int) -> None:
     log = Log(stats_path.with_suffix(".log"))
     if os.environ.get("TUI_BENCH_BEFORE"):
         as_before()
+    if os.environ.get("BENCH_ONE_PHASE"):  # every host's snapshots in one phase of the second, as before 35-phase
+        from gpudeck.console.fleet import fleet as fleet_mod
+
+        fleet_mod.SNAPSHOT_GROUP = 1 << 30
 
     class BenchApp(GpudeckApp):
         """The console as users get it, with one extra key for latency pings, a stats file and a log of update costs."""
