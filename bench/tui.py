@@ -837,7 +837,10 @@ def stall_sampler(path: str, last_tick: Callable[[], float]) -> None:
                     frame = sys._current_frames().get(main)
                     if frame is not None:
                         started = started or time.monotonic() - since
-                        samples.append([f"{f.filename}:{f.lineno} {f.name}" for f in traceback.extract_stack(frame)[-25:]])
+                        # no source lines read (file reads inside the stall), and the frame not kept past the sample
+                        stack = traceback.StackSummary.extract(traceback.walk_stack(frame), limit=25, lookup_lines=False)
+                        samples.append([f"{f.filename}:{f.lineno} {f.name}" for f in reversed(stack)])
+                        del frame, stack
                 elif samples:
                     fh.write(json.dumps({"stall_ms": round((time.monotonic() - started) * 1000), "samples": samples}) + "\n")
                     fh.flush()

@@ -602,9 +602,10 @@ class Fleet:
         return [h.name for h in added], removed, [h.name for h in changed]
 
     def _spread_phases(self) -> None:
-        """Give each host its snapshot phase: the fleet in config order dealt over ceil(hosts / SNAPSHOT_GROUP) phases,
-        evenly over the interval (one phase, 0, for a fleet of SNAPSHOT_GROUP hosts or fewer). A link asks for its
-        phase when its stream starts, so a changed one applies from its next connection."""
+        """Give each host its snapshot phase: the links in their order (the config's at start; hosts added or changed by
+        a reload come last) dealt over ceil(hosts / SNAPSHOT_GROUP) phases, evenly over the interval (one phase, 0, for
+        a fleet of SNAPSHOT_GROUP hosts or fewer). A link asks for its phase when its stream starts, so after a reload
+        a running stream keeps its old phase until it reconnects: the phases spread load, and nothing depends on them."""
         phases = -(-len(self.links) // SNAPSHOT_GROUP) or 1
         for i, link in enumerate(self.links.values()):
             link.phase_s = (i % phases) * link.interval_s / phases
