@@ -97,3 +97,35 @@ async def test_while_the_filter_bar_is_open_a_changed_rows_filter_text_is_made_w
         await until(lambda: len(table.keys()) == 40, what="every row again")
         table.upsert("k6", {"name": "row6", "n": 7})  # the bar closed: back to making it on the next filter
         assert "k6" not in table._hay
+
+
+async def test_the_event_loop_runs_between_two_slices_so_a_key_is_not_held_behind_the_whole_delivery(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Slicing is only worth it if other work gets the loop in between: a key arrives from the driver's thread as a
+    callback on the loop, and the App handles it in its own task. A slice queued as the next message of the screen's
+    own queue runs at once (the pump takes a ready message without yielding), so every slice ran back to back."""
+    import asyncio
+
+    monkeypatch.setattr(LiveScreen, "DELIVER_SLICE", 2)
+    fleet = FixtureFleet(tmp_path / "history.db")
+    app = GpudeckApp(Ops.console(fleet))
+    async with app.run_test(size=SIZE):
+        screen = app.screen
+        assert isinstance(screen, FleetScreen)
+        order = list(fleet.links)
+        await until(lambda: len(screen.query_one("#fleet-table", KeyedTable).keys()) == len(order), what="every host's row")
+        seen: list[str] = []
+        own = screen.hosts_changed
+
+        def spy(names: set[str]) -> None:
+            seen.append("slice")
+            if len(seen) == 1:  # as a key from the input thread would: a callback for the loop, after this slice
+                asyncio.get_running_loop().call_soon(seen.append, "loop")
+            own(names)
+
+        monkeypatch.setattr(screen, "hosts_changed", spy)
+        screen.queue(set(order), False)
+        screen.deliver()
+        await until(lambda: seen.count("slice") == 3, what="every slice")
+        assert seen.index("loop") == 1, f"the loop's other work waited behind the slices: {seen}"

@@ -10,6 +10,7 @@ what is on screen and only for what changed.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import inspect
 from collections.abc import Awaitable, Callable
@@ -175,7 +176,10 @@ class LiveScreen(Guarded, Screen):
             self.call_later(self._deliver_more)
         return names
 
-    def _deliver_more(self) -> None:
+    async def _deliver_more(self) -> None:
+        # the loop's turn first: a callback queued on the screen's own pump runs as its next message without the pump
+        # yielding, so every slice ran back to back and a key waited behind all of them (bench/RESULTS.md 35-phase)
+        await asyncio.sleep(0)
         self._more_due = False
         if self._pending_hosts and self in deck(self).visible_screens():
             self.deliver()
