@@ -58,6 +58,13 @@ CONFIG_POLL_S = 2.0  # how often the console looks whether `gpudeck hosts add/re
 # CPU; a middle one, freeing what the young ones promoted, takes 80-105 ms with 256 hosts and a run streaming, and a
 # key press that met one waited that long (bench/tui.py --parts 3, bench/RESULTS.md section 24).
 GC_YOUNG = 10_000
+# ... and at least this often. The collector counts allocations less deallocations, so a console that replaces as much
+# as it makes (every host's snapshot and cells, every second) can go seconds without a young collection while the
+# young generation fills with everything made since: at 1,024 hosts the slow young collections came 1-10 s apart and
+# walked 40,000-94,000 objects, 12-32 ms here and 40-47 ms on slower cores, and a key that met one waited for it
+# (bench/RESULTS.md 36-young). A young collection is started when none ran for GC_YOUNG_EVERY_S.
+GC_YOUNG_EVERY_S = 0.2
+GC_CHECK_S = 0.1  # how often the console looks whether a collection is due
 GC_NEVER = 1 << 30  # the collector's own middle and full collections, as thresholds: never
 GC_MIDDLE_AFTER = 20  # young collections before a middle one is due (Python's default is 10)
 GC_FULL_AFTER = 100  # middle collections before a full one is due (as the collector's threshold was)
@@ -67,18 +74,22 @@ THEMES = ("textual-dark", "textual-light")
 QUIT_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
 
 
-def due_collection(counts: tuple[int, int, int], idle_s: float) -> int | None:
+def due_collection(counts: tuple[int, int, int], idle_s: float, young_gap_s: float = 0.0) -> int | None:
     """The generation to collect now, or None: ``counts`` is ``gc.get_count()`` (the middle and full entries count
-    the collections below them since their own last), ``idle_s`` how long since the last key or click.
+    the collections below them since their own last), ``idle_s`` how long since the last key or click,
+    ``young_gap_s`` how long since the last collection of any generation.
 
     A full collection is due after GC_FULL_AFTER middle ones, a middle one after GC_MIDDLE_AFTER young ones; a due
-    one runs once input has been idle for GC_IDLE_S, or, if input never pauses, at GC_WAIT_LIMIT times its count."""
+    one runs once input has been idle for GC_IDLE_S, or, if input never pauses, at GC_WAIT_LIMIT times its count.
+    A young one is due when none ran for GC_YOUNG_EVERY_S, keys or not: it is short because it comes often."""
     _, young_runs, middle_runs = counts
     idle = idle_s >= GC_IDLE_S
     if middle_runs >= GC_FULL_AFTER and (idle or middle_runs >= GC_FULL_AFTER * GC_WAIT_LIMIT):
         return 2
     if young_runs >= GC_MIDDLE_AFTER and (idle or young_runs >= GC_MIDDLE_AFTER * GC_WAIT_LIMIT):
         return 1
+    if young_gap_s >= GC_YOUNG_EVERY_S:
+        return 0
     return None
 
 
@@ -199,6 +210,8 @@ class GpudeckApp(App):
         self.exit(return_code=128 + sig)
 
     async def on_unmount(self) -> None:
+        if self._collected in gc.callbacks:
+            gc.callbacks.remove(self._collected)
         if self._quit_on_signals:
             loop = asyncio.get_running_loop()
             for sig in QUIT_SIGNALS:
@@ -234,10 +247,17 @@ class GpudeckApp(App):
         if gcpolicy.freeze_due((link.status.state for link in self.ops.links.values()), time.monotonic() - self._mounted_at):
             self._gc_frozen = True
             gcpolicy.freeze_startup_heap((GC_YOUNG, GC_NEVER, GC_NEVER))
-            self.set_interval(FLUSH_S, self._collect_when_idle)
+            self._collected_at = time.monotonic()
+            gc.callbacks.append(self._collected)
+            self.set_interval(GC_CHECK_S, self._collect_when_due)
 
-    def _collect_when_idle(self) -> None:
-        gen = due_collection(gc.get_count(), time.monotonic() - self._input_at)
+    def _collected(self, phase: str, _info: dict) -> None:
+        if phase == "stop":
+            self._collected_at = time.monotonic()
+
+    def _collect_when_due(self) -> None:
+        now = time.monotonic()
+        gen = due_collection(gc.get_count(), now - self._input_at, now - self._collected_at)
         if gen is not None:
             gc.collect(gen)
 
