@@ -476,6 +476,8 @@ async def worker_scale(spec: FleetSpec, seconds: float, interval: float, profile
 
     if os.environ.get("BENCH_ONE_PHASE"):  # every host's snapshots in one phase of the second, as before 35-phase
         fleet_mod.SNAPSHOT_GROUP = 1 << 30
+    if os.environ.get("BENCH_CATCH_UP"):  # how many hosts pull their journals at once (the console's CATCH_UP_AT_ONCE)
+        fleet_mod.CATCH_UP_AT_ONCE = int(os.environ["BENCH_CATCH_UP"])
 
     before = journal_seqs(spec)
     backlog = sum(top for _e, top, _r in before)

@@ -924,6 +924,10 @@ async def _serve_main(spec_path: Path) -> None:
     spec = json.loads(Path(spec_path).read_text())
     t_start = time.monotonic()
     loop = asyncio.get_running_loop()
+    if os.environ.get("STANDIN_EXECUTOR_THREADS"):  # the threads that read the journals (asyncio's default: cpus + 4, at most 32)
+        from concurrent.futures import ThreadPoolExecutor
+
+        loop.set_default_executor(ThreadPoolExecutor(int(os.environ["STANDIN_EXECUTOR_THREADS"]), thread_name_prefix="standin-read"))
     hosts: list[SimHost] = []
     n = len(spec["hosts"])
     t0 = time.monotonic()

@@ -549,6 +549,10 @@ def console_child(spec_path: Path, stats_path: Path, total: int) -> None:
         from gpudeck.console.fleet import fleet as fleet_mod
 
         fleet_mod.SNAPSHOT_GROUP = 1 << 30
+    if os.environ.get("BENCH_NO_YOUNG_FLOOR"):  # young collections only when the collector starts them, as before 35-phase section 6
+        from gpudeck.console.tui import app as app_mod
+
+        app_mod.GC_YOUNG_EVERY_S = float("inf")
 
     class BenchApp(GpudeckApp):
         """The console as users get it, with one extra key for latency pings, a stats file and a log of update costs."""
@@ -577,14 +581,49 @@ def console_child(spec_path: Path, stats_path: Path, total: int) -> None:
 
             started: dict[str, tuple[float, float]] = {}
 
+            diag_path = os.environ.get("TUI_BENCH_GC_DIAG")
+            diag_out = open(diag_path, "a") if diag_path else None  # open for the child's life
+
+            def young_census() -> dict:
+                """What the young generation holds as a collection starts: counts and container sizes by type (its own
+                cost is not in the pause measured, but it is in the key latencies: a run for diagnosis, not for figures)."""
+                assert diag_out is not None
+                objs = gc.get_objects(0)
+                kinds: dict[str, list[int]] = {}
+                for o in objs:
+                    k = kinds.setdefault(type(o).__qualname__, [0, 0])
+                    k[0] += 1
+                    if isinstance(o, (list, dict, tuple, set, frozenset)):
+                        k[1] += len(o)
+                n = len(objs)
+                if n > 50_000 and not started.get("lists"):  # once: what the young lists hold (their first item's type)
+                    started["lists"] = True
+                    first: dict[str, int] = {}
+                    for o in objs:
+                        if type(o) is list:
+                            k = type(o[0]).__qualname__ if o else "<empty>"
+                            first[k] = first.get(k, 0) + 1
+                    diag_out.write(json.dumps({"young_lists_by_first_item": sorted(first.items(), key=lambda kv: -kv[1])[:15]}) + "\n")
+                del objs
+                top = sorted(kinds.items(), key=lambda kv: -(kv[1][0] + kv[1][1]))[:25]
+                return {"n": n, "top": top}
+
             def on_gc(phase: str, info: dict) -> None:
                 if phase == "start":
+                    census = young_census() if diag_out is not None and info.get("generation") == 0 else None
                     started["t"] = (time.perf_counter(), time.thread_time())
+                    if census is not None:
+                        started["census"] = census
                 elif "t" in started:
                     t, c = started.pop("t")
+                    census = started.pop("census", None)
                     ms = (time.perf_counter() - t) * 1000
                     if ms > 10:
                         self.gc_ms.append((info.get("generation", -1), ms, (time.thread_time() - c) * 1000))
+                    if diag_out is not None and census is not None:
+                        census.update(ms=round(ms, 2), collected=info.get("collected"), at=round(time.monotonic(), 3))
+                        diag_out.write(json.dumps(census if ms > 10 else {k: census[k] for k in ("n", "ms", "collected", "at")}) + "\n")
+                        diag_out.flush()
 
             gc.callbacks.append(on_gc)
             self._tick_at = (time.monotonic(), time.process_time())
