@@ -549,7 +549,7 @@ def console_child(spec_path: Path, stats_path: Path, total: int) -> None:
         from gpudeck.console.fleet import fleet as fleet_mod
 
         fleet_mod.SNAPSHOT_GROUP = 1 << 30
-    if os.environ.get("BENCH_NO_YOUNG_FLOOR"):  # young collections only when the collector starts them, as before 35-phase section 6
+    if os.environ.get("BENCH_NO_YOUNG_FLOOR"):  # young collections only when the collector starts them, as before 36-young
         from gpudeck.console.tui import app as app_mod
 
         app_mod.GC_YOUNG_EVERY_S = float("inf")

@@ -6,8 +6,9 @@ with 256 hosts, bench/tui.py) and finds nothing to free, and with N hosts there 
 of each collection grows with the fleet. Once no link is still connecting (or after FREEZE_AFTER_S), both take it out
 of the collector's sight (:func:`freeze_startup_heap`); frozen objects are still freed by reference counting.
 
-Then each sets its own thresholds: the console runs young collections only and starts the middle and full ones
-around key presses (``due_collection`` in console/tui/app.py); the watcher, with no keys to wait for, leaves them to
+Then each sets its own thresholds: the console's collector runs young collections only, and the console itself starts
+a young one when none ran for 0.2 s and the middle and full ones around key presses (``due_collection`` in
+console/tui/app.py); the watcher, with no keys to wait for, leaves them to
 the collector at HEADLESS_THRESHOLDS (each scrape builds tens of thousands of short-lived objects, so young
 collections run further apart than Python's 700).
 """

@@ -61,7 +61,7 @@ GC_YOUNG = 10_000
 # ... and at least this often. The collector counts allocations less deallocations, so a console that replaces as much
 # as it makes (every host's snapshot and cells, every second) can go seconds without a young collection while the
 # young generation fills with everything made since: at 1,024 hosts the slow young collections came 1-10 s apart and
-# walked 40,000-94,000 objects, 12-32 ms here and 40-47 ms on slower cores, and a key that met one waited for it
+# walked 40,000-94,000 objects, 12-32 ms here and 41-73 ms on the device's slower cores, and a key that met one waited
 # (bench/RESULTS.md 36-young). A young collection is started when none ran for GC_YOUNG_EVERY_S.
 GC_YOUNG_EVERY_S = 0.2
 GC_CHECK_S = 0.1  # how often the console looks whether a collection is due
