@@ -9,7 +9,11 @@ The figures were recorded on main before DFlash moved onto the shared loop
   drafter: steps 1-3;
 * split under torchrun, 1 target rank + 1 drafter rank: the drafter's steps 1-3.
 
-A loss is the telemetry's (rounded to 6 places); a gradient norm is the full float.
+A loss is the telemetry's (rounded to 6 places); a gradient norm is the full float. They are compared to a
+relative 1e-5 (``_pinned``): CPU kernels sum in another order on another CPU model (on an AVX-512 Xeon the records' step 3
+gives a gradient norm of 3.6697555 for the pinned 3.6697590, 3.6697550 with ATEN_CPU_CAPABILITY=avx2, and the last
+digit of a loss moves by one), while a change to what is computed moves them by far more. A resume is compared exactly,
+with the first run on the same machine.
 """
 
 from __future__ import annotations
@@ -50,6 +54,12 @@ def _losses(tel: list[dict], rank: int) -> dict[int, tuple[float, float]]:
     return {r["step"]: (r["loss"], r["grad_norm"]) for r in tel if r["type"] == "step" and r["rank"] == rank}
 
 
+def _pinned(got: dict[int, tuple[float, float]], want: dict[int, tuple[float, float]]) -> None:
+    assert got.keys() == want.keys(), (got, want)
+    for step, (loss, norm) in want.items():
+        assert got[step] == (pytest.approx(loss, rel=1e-5), pytest.approx(norm, rel=1e-5)), (step, got[step], want[step])
+
+
 def _taus(tel: list[dict]) -> dict[int, tuple[float, float]]:
     return {r["step"]: (r["tau"], r["tau_all_anchors"]) for r in tel if r["type"] == "eval"}
 
@@ -61,7 +71,7 @@ def test_plain_text_losses_and_a_resume_are_pinned(tmp_path, runs) -> None:
     assert rc == 0, output[-4000:]
     print("PLAIN", _losses(tel, 0))
     print("PLAIN_TAU", _taus(tel))
-    assert _losses(tel, 0) == PLAIN
+    _pinned(_losses(tel, 0), PLAIN)
     assert _taus(tel) == PLAIN_TAU
     assert [r["step"] for r in tel if r["type"] == "checkpoint"] == [2, 4]
     # the records' order as main wrote it: the first eval, the checkpoints, the final eval, done
@@ -75,7 +85,8 @@ def test_plain_text_losses_and_a_resume_are_pinned(tmp_path, runs) -> None:
 
     rc, output, tel2, _ = runs.run("gpudeck.trainers.dflash", [*args, "--resume", "2"], out)
     assert rc == 0, output[-4000:]
-    assert _losses(tel2, 0) == {s: PLAIN[s] for s in (3, 4)}
+    first = _losses(tel, 0)
+    assert _losses(tel2, 0) == {s: first[s] for s in (3, 4)}  # exactly: the same machine, from the checkpoint
 
 
 @pytest.fixture()
@@ -87,7 +98,7 @@ def test_records_losses_are_pinned(tmp_path, runs, records) -> None:
     rc, output, tel, _ = runs.run("gpudeck.trainers.dflash", [*records, "--max-steps", "3", "--fresh"], tmp_path / "rec")
     assert rc == 0, output[-4000:]
     print("RECORDS", _losses(tel, 0))
-    assert _losses(tel, 0) == RECORDS
+    _pinned(_losses(tel, 0), RECORDS)
 
 
 def test_split_losses_are_pinned(tmp_path, runs) -> None:
@@ -97,5 +108,5 @@ def test_split_losses_are_pinned(tmp_path, runs) -> None:
     )
     assert rc == 0, output[-4000:]
     print("SPLIT", _losses(tel, 1))
-    assert _losses(tel, 1) == SPLIT
+    _pinned(_losses(tel, 1), SPLIT)
     assert all(r["loss"] is None for r in tel if r["type"] == "step" and r["rank"] == 0)
