@@ -532,6 +532,7 @@ def console_child(spec_path: Path, stats_path: Path, total: int) -> None:
     from textual.binding import Binding
 
     from bench.fleet_hosts import FleetSpec
+    from gpudeck.console.core import gcpolicy
     from gpudeck.console.fleet.fleet import Fleet
     from gpudeck.console.history.replica import History
     from gpudeck.console.ops.context import Ops
@@ -550,9 +551,13 @@ def console_child(spec_path: Path, stats_path: Path, total: int) -> None:
 
         fleet_mod.SNAPSHOT_GROUP = 1 << 30
     if os.environ.get("BENCH_NO_YOUNG_FLOOR"):  # young collections only when the collector starts them, as before 36-young
-        from gpudeck.console.tui import app as app_mod
+        gcpolicy.YOUNG_EVERY_S = float("inf")
+    if os.environ.get("BENCH_COUNTED_WAIT"):  # an owed middle or full collection waits 4 times its count, as before 37-cells
+        counted_wait()
+    if os.environ.get("BENCH_NO_CELL_MEMO"):  # every cell built anew on every update, as before 37-cells
+        from gpudeck.console.tui.widgets import cells
 
-        app_mod.GC_YOUNG_EVERY_S = float("inf")
+        cells.MEMO_TEXT_MAX = -1  # every call has a str argument longer than that: built, never kept
 
     class BenchApp(GpudeckApp):
         """The console as users get it, with one extra key for latency pings, a stats file and a log of update costs."""
@@ -583,6 +588,7 @@ def console_child(spec_path: Path, stats_path: Path, total: int) -> None:
 
             diag_path = os.environ.get("TUI_BENCH_GC_DIAG")
             diag_out = open(diag_path, "a") if diag_path else None  # open for the child's life
+            self._diag = diag_out
 
             def young_census() -> dict:
                 """What the young generation holds as a collection starts: counts and container sizes by type (its own
@@ -610,7 +616,23 @@ def console_child(spec_path: Path, stats_path: Path, total: int) -> None:
 
             def on_gc(phase: str, info: dict) -> None:
                 if phase == "start":
-                    census = young_census() if diag_out is not None and info.get("generation") == 0 else None
+                    gen = info.get("generation")
+                    census = None
+                    if diag_out is not None and gen == 0:
+                        census = young_census()
+                    elif diag_out is not None and gen == 1:  # a middle one walks both: how many (and once, of what)
+                        census = {"gen": 1, "n": len(gc.get_objects(0)) + len(gc.get_objects(1))}
+                        if census["n"] > 100_000 and not started.get("middle"):
+                            started["middle"] = True
+                            live = gc.get_objects(0) + gc.get_objects(1)
+                            kinds: dict[str, int] = {}
+                            for o in live:
+                                k = type(o).__qualname__
+                                if type(o) is list:
+                                    k = "list of " + (type(o[0]).__qualname__ if o else "<empty>")
+                                kinds[k] = kinds.get(k, 0) + 1
+                            del live
+                            diag_out.write(json.dumps({"middle_by_type": sorted(kinds.items(), key=lambda kv: -kv[1])[:30]}) + "\n")
                     started["t"] = (time.perf_counter(), time.thread_time())
                     if census is not None:
                         started["census"] = census
@@ -622,14 +644,32 @@ def console_child(spec_path: Path, stats_path: Path, total: int) -> None:
                         self.gc_ms.append((info.get("generation", -1), ms, (time.thread_time() - c) * 1000))
                     if diag_out is not None and census is not None:
                         census.update(ms=round(ms, 2), collected=info.get("collected"), at=round(time.monotonic(), 3))
-                        diag_out.write(json.dumps(census if ms > 10 else {k: census[k] for k in ("n", "ms", "collected", "at")}) + "\n")
+                        keep = census if ms > 10 else {k: census[k] for k in ("gen", "n", "ms", "collected", "at") if k in census}
+                        diag_out.write(json.dumps(keep) + "\n")
                         diag_out.flush()
 
             gc.callbacks.append(on_gc)
+            if diag_out is not None:  # each older collection the console starts, with what decided it
+                decide = gcpolicy.due_collection
+
+                def noted(counts, idle_s, young_gap_s=0.0, owed_for_s=0.0):  # type: ignore[no-untyped-def]
+                    gen = decide(counts, idle_s, young_gap_s, owed_for_s)
+                    if gen:
+                        line = {"due": gen, "idle_s": round(idle_s, 3), "owed_s": round(owed_for_s, 3), "at": round(time.monotonic(), 3)}
+                        diag_out.write(json.dumps(line) + "\n")
+                    return gen
+
+                gcpolicy.due_collection = noted
             self._tick_at = (time.monotonic(), time.process_time())
             if os.environ.get("TUI_BENCH_STALL_STACKS"):
                 stall_sampler(os.environ["TUI_BENCH_STALL_STACKS"], lambda: self._tick_at[0])
             self.set_interval(0.02, self.tick)
+
+        async def on_event(self, event) -> None:  # type: ignore[no-untyped-def]
+            diag = getattr(self, "_diag", None)
+            if diag is not None and type(event).__name__ == "Key":  # each key's arrival, against the collections
+                diag.write(json.dumps({"key": round(time.monotonic(), 3)}) + "\n")
+            await super().on_event(event)
 
         def tick(self) -> None:
             # a stall where the console's own CPU time is small is time it waited for a core, not work it did
@@ -718,6 +758,25 @@ def console_child(spec_path: Path, stats_path: Path, total: int) -> None:
         cProfile.runctx("BenchApp().run()", globals(), locals(), os.environ["TUI_BENCH_PROFILE"])
         return
     BenchApp().run()
+
+
+def counted_wait() -> None:
+    """The console's owed middle and full collections as they waited before 37-cells: for an idle moment, or until 4
+    times their count of collections below had run (main's due_collection, verbatim but for names)."""
+    from gpudeck.console.core import gcpolicy
+
+    def due_collection(counts, idle_s, young_gap_s=0.0, owed_for_s=0.0):  # type: ignore[no-untyped-def]
+        _, young_runs, middle_runs = counts
+        idle = idle_s >= gcpolicy.IDLE_S
+        if middle_runs >= gcpolicy.FULL_AFTER and (idle or middle_runs >= gcpolicy.FULL_AFTER * 4):
+            return 2
+        if young_runs >= gcpolicy.MIDDLE_AFTER and (idle or young_runs >= gcpolicy.MIDDLE_AFTER * 4):
+            return 1
+        if young_gap_s >= gcpolicy.YOUNG_EVERY_S:
+            return 0
+        return None
+
+    gcpolicy.due_collection = due_collection
 
 
 def as_before() -> None:
@@ -1603,7 +1662,7 @@ async def part5(runs: int) -> None:
 
     import gc
 
-    from gpudeck.console.tui.app import GC_NEVER, GC_YOUNG, due_collection
+    from gpudeck.console.core.gcpolicy import NEVER, YOUNG_AT, due_collection
 
     app = RunsTable()
     async with app.run_test(size=(COLS, ROWS)) as pilot:
@@ -1612,9 +1671,9 @@ async def part5(runs: int) -> None:
         table.upsert_many({r.id: run_cells(r) for r in rows})  # as the Runs screen takes a history's first read
         await pilot.pause()
         loaded = time.perf_counter() - t0
-        gc.collect()  # the collector as the console sets it once connected (GpudeckApp._maybe_freeze_gc, due_collection)
+        gc.collect()  # the collector as the console sets it once connected (gcpolicy.KeyAwareCollector, due_collection)
         gc.freeze()
-        gc.set_threshold(GC_YOUNG, GC_NEVER, GC_NEVER)
+        gc.set_threshold(YOUNG_AT, NEVER, NEVER)
         rendered = [0.0]  # when the table last finished a render
         render = table.render_lines
 

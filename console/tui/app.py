@@ -10,7 +10,6 @@ repaint per snapshot. History syncs are noted the same way.
 from __future__ import annotations
 
 import asyncio
-import gc
 import signal
 import time
 from collections.abc import Iterable
@@ -49,48 +48,8 @@ install_textual_fixes()  # Strip.divide without its reference cycle: see textual
 # (KeyedTable), so frequent small refreshes keep a key press from waiting behind a big one.
 FLUSH_S = 0.25
 CONFIG_POLL_S = 2.0  # how often the console looks whether `gpudeck hosts add/remove` changed the config file
-# After the start-up heap is frozen (console/core/gcpolicy.py: once every host has answered, or after FREEZE_AFTER_S)
-# the collector runs young collections by itself, every 10,000 net allocations; the middle and full ones are the
-# console's to start (due_collection), when nobody is pressing keys. Python's default (700, 10, 10) set off a full
-# collection every couple of seconds while a run's output streamed (50-90 ms each). 50,000 young made each
-# young collection a 20-70 ms pause, because what Textual leaves in reference cycles (each layout's map, each
-# toast's nodes) is freed only by the collector: a young pass freed 30,000 objects. At 10,000 they take 5-15 ms of
-# CPU; a middle one, freeing what the young ones promoted, takes 80-105 ms with 256 hosts and a run streaming, and a
-# key press that met one waited that long (bench/tui.py --parts 3, bench/RESULTS.md section 24).
-GC_YOUNG = 10_000
-# ... and at least this often. The collector counts allocations less deallocations, so a console that replaces as much
-# as it makes (every host's snapshot and cells, every second) can go seconds without a young collection while the
-# young generation fills with everything made since: at 1,024 hosts the slow young collections came 1-10 s apart and
-# walked 40,000-94,000 objects, 12-32 ms here and 41-73 ms on the device's slower cores, and a key that met one waited
-# (bench/RESULTS.md 36-young). A young collection is started when none ran for GC_YOUNG_EVERY_S.
-GC_YOUNG_EVERY_S = 0.2
-GC_CHECK_S = 0.1  # how often the console looks whether a collection is due
-GC_NEVER = 1 << 30  # the collector's own middle and full collections, as thresholds: never
-GC_MIDDLE_AFTER = 20  # young collections before a middle one is due (Python's default is 10)
-GC_FULL_AFTER = 100  # middle collections before a full one is due (as the collector's threshold was)
-GC_IDLE_S = 1.0  # a due collection waits until no key or click came for this long
-GC_WAIT_LIMIT = 4  # ... or until it is this many times overdue: it waits for an idle moment, never forever
 THEMES = ("textual-dark", "textual-light")
 QUIT_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
-
-
-def due_collection(counts: tuple[int, int, int], idle_s: float, young_gap_s: float = 0.0) -> int | None:
-    """The generation to collect now, or None: ``counts`` is ``gc.get_count()`` (the middle and full entries count
-    the collections below them since their own last), ``idle_s`` how long since the last key or click,
-    ``young_gap_s`` how long since the last collection of any generation.
-
-    A full collection is due after GC_FULL_AFTER middle ones, a middle one after GC_MIDDLE_AFTER young ones; a due
-    one runs once input has been idle for GC_IDLE_S, or, if input never pauses, at GC_WAIT_LIMIT times its count.
-    A young one is due when none ran for GC_YOUNG_EVERY_S, keys or not: it is short because it comes often."""
-    _, young_runs, middle_runs = counts
-    idle = idle_s >= GC_IDLE_S
-    if middle_runs >= GC_FULL_AFTER and (idle or middle_runs >= GC_FULL_AFTER * GC_WAIT_LIMIT):
-        return 2
-    if young_runs >= GC_MIDDLE_AFTER and (idle or young_runs >= GC_MIDDLE_AFTER * GC_WAIT_LIMIT):
-        return 1
-    if young_gap_s >= GC_YOUNG_EVERY_S:
-        return 0
-    return None
 
 
 def _light_ansi() -> TerminalTheme:
@@ -133,6 +92,7 @@ class GpudeckApp(App):
         self._gc_frozen = not freeze_gc  # tests and embedders leave their process's collector alone
         self._mounted_at = time.monotonic()
         self._input_at = 0.0
+        self._gc = gcpolicy.KeyAwareCollector()
         self.flushes = 0
         self.last_screenshot: Path | None = None
 
@@ -210,8 +170,7 @@ class GpudeckApp(App):
         self.exit(return_code=128 + sig)
 
     async def on_unmount(self) -> None:
-        if self._collected in gc.callbacks:
-            gc.callbacks.remove(self._collected)
+        self._gc.stop()
         if self._quit_on_signals:
             loop = asyncio.get_running_loop()
             for sig in QUIT_SIGNALS:
@@ -241,29 +200,20 @@ class GpudeckApp(App):
         The widgets, the links, hundreds of SSH connections live as long as the console; a full
         collection walks all of them (170 ms with 256 hosts, measured by bench/tui.py) and a key
         press waits behind it. Frozen objects are still freed by reference counting when they go.
-        Then young collections run every GC_YOUNG allocations, and the middle and full ones when the
-        console starts them (due_collection): cycles are still found, a little later.
+        Then collections run as console/core/gcpolicy.py's KeyAwareCollector decides: young ones often,
+        the middle and full ones when keys stop coming. Cycles are still found, a little later.
         """
         if gcpolicy.freeze_due((link.status.state for link in self.ops.links.values()), time.monotonic() - self._mounted_at):
             self._gc_frozen = True
-            gcpolicy.freeze_startup_heap((GC_YOUNG, GC_NEVER, GC_NEVER))
-            self._collected_at = time.monotonic()
-            gc.callbacks.append(self._collected)
-            self.set_interval(GC_CHECK_S, self._collect_when_due)
-
-    def _collected(self, phase: str, _info: dict) -> None:
-        if phase == "stop":
-            self._collected_at = time.monotonic()
+            self._gc.start()
+            self.set_interval(gcpolicy.CHECK_S, self._collect_when_due)
 
     def _collect_when_due(self) -> None:
-        now = time.monotonic()
-        gen = due_collection(gc.get_count(), now - self._input_at, now - self._collected_at)
-        if gen is not None:
-            gc.collect(gen)
+        self._gc.check(self._input_at)
 
     async def on_event(self, event: events.Event) -> None:
         if isinstance(event, (events.Key, events.MouseDown, events.MouseScrollDown, events.MouseScrollUp, events.Paste)):
-            self._input_at = time.monotonic()  # someone is waiting on the screen: collections wait (due_collection)
+            self._input_at = time.monotonic()  # someone is waiting on the screen: collections wait (gcpolicy.due_collection)
         await super().on_event(event)
 
     def visible_screens(self) -> list[Screen]:

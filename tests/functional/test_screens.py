@@ -10,7 +10,7 @@ from textual.widgets import Input, OptionList, Select, SelectionList, Static
 from gpudeck.agents.wire.errors import BadRequest
 from gpudeck.agents.wire.protocol import Gpu, LaunchSpec, Snapshot
 from gpudeck.console.ops.context import Ops
-from gpudeck.console.tui.app import GpudeckApp
+from gpudeck.console.tui.app import FLUSH_S, GpudeckApp
 from gpudeck.console.tui.commands import GpudeckCommands
 from gpudeck.console.tui.screens.dialogs import ChoiceDialog, ConfirmDialog, ResultDialog
 from gpudeck.console.tui.screens.diff import DiffScreen
@@ -395,13 +395,13 @@ async def test_the_console_freezes_its_start_up_heap_once_the_fleet_has_answered
     fleet: FixtureFleet, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Then it leaves the middle and full collections to itself, and runs a due one only when keys stop coming; a
-    young one it starts whenever none ran for GC_YOUNG_EVERY_S, keys or not.
+    young one it starts whenever none ran for gcpolicy.YOUNG_EVERY_S, keys or not.
 
     The collector's calls are recorded, not made: this test process's own collector is left as it was."""
     import gc
     import time
 
-    from gpudeck.console.tui import app as app_module
+    from gpudeck.console.core import gcpolicy
 
     frozen: list[bool] = []
     thresholds: list[tuple[int, ...]] = []
@@ -417,17 +417,17 @@ async def test_the_console_freezes_its_start_up_heap_once_the_fleet_has_answered
         await until(lambda: frozen, what="gc.freeze")
         await pilot.pause(0.6)
         assert frozen == [True]  # once
-        assert thresholds == [(app_module.GC_YOUNG, app_module.GC_NEVER, app_module.GC_NEVER)]
+        assert thresholds == [(gcpolicy.YOUNG_AT, gcpolicy.NEVER, gcpolicy.NEVER)]
         collected.clear()  # the one before the freeze
         before = time.monotonic()
         await pilot.press("down")
         assert app._input_at >= before  # a key press is input
         # no collection has run since (the recorded ones are not made): young ones are started, keys or not
-        await until(lambda: 0 in collected, what="a young collection after GC_YOUNG_EVERY_S without one")
-        counts[0] = (0, app_module.GC_MIDDLE_AFTER, 0)  # a middle collection is due
+        await until(lambda: 0 in collected, what="a young collection after YOUNG_EVERY_S without one")
+        counts[0] = (0, gcpolicy.MIDDLE_AFTER, 0)  # a middle collection is due
         app._input_at = time.monotonic() + 3600  # keys keep coming (no wall-clock race on a busy machine)
         collected.clear()
-        await pilot.pause(3 * app_module.FLUSH_S)
+        await pilot.pause(3 * FLUSH_S)
         assert 1 not in collected and 2 not in collected  # the middle one waits
         collected.clear()
         app._input_at = 0.0  # they stopped
