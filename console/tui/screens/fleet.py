@@ -13,7 +13,7 @@ from gpudeck.console.core.records import HostStatus
 from gpudeck.console.present.formats import why_down
 from gpudeck.console.present.views import HostFigures, age, host_figures, since, stamp
 from gpudeck.console.tui.screens.base import LiveScreen, deck
-from gpudeck.console.tui.widgets.cells import SIMULATED, alerts_text, mem_bar, pct_bar, sortable, state_text
+from gpudeck.console.tui.widgets.cells import SIMULATED, alerts_text, mem_bar, memo, pct_bar, sortable, state_text, styled
 from gpudeck.console.tui.widgets.footer import DeckFooter
 from gpudeck.console.tui.widgets.header import AppHeader
 from gpudeck.console.tui.widgets.keyed_table import Col, KeyedTable, fit
@@ -49,30 +49,37 @@ def state_cell(st: HostStatus) -> Text:
     return state_text(st.state)
 
 
+@memo
+def host_label(name: str, simulated: bool) -> Text:
+    """The host column: its name in bold, SIMULATED after it where the host is (shared: see cells.py's note)."""
+    label = Text(name, style="bold")
+    if simulated:
+        label.append(" ")
+        label.append_text(SIMULATED)
+    return label
+
+
 def host_cells(st: HostStatus) -> tuple[dict[str, object], HostFigures | None]:
-    """The cells of one host's row, and its figures (None when it is not up)."""
+    """The cells of one host's row, and its figures (None when it is not up). Cells that did not change are the
+    same objects as last time (cells.py's ``memo``): a row rebuilt every second makes nothing new for them."""
     snap = st.snapshot
-    name = Text(st.name, style="bold")
-    if snap is not None and snap.simulated:
-        name.append(" ")
-        name.append_text(SIMULATED)
     cells: dict[str, object] = {
-        "host": name,
+        "host": host_label(st.name, snap is not None and snap.simulated),
         "state": state_cell(st),
-        "since": sortable(stamp(down_since(st)), down_since(st)) if st.state != "up" else Text(stamp(st.since), style="dim"),
-        "agent": Text(st.agent_version or "-", style="dim"),
+        "since": sortable(stamp(down_since(st)), down_since(st)) if st.state != "up" else styled(stamp(st.since), "dim"),
+        "agent": styled(st.agent_version or "-", "dim"),
         "gpus": "-",
         "memory": "-",
         "util": "-",
         "runs": "-",
-        "alerts": Text(""),
+        "alerts": styled(""),
     }
     if st.state != "up" or snap is None:
         if st.error:
             # host_key and version_mismatch say what to do; unreachable says why
-            cells["alerts"] = Text(
+            cells["alerts"] = styled(
                 (f"since {stamp(down_since(st))}: " if st.state == "unreachable" else "") + why_down(st.name, st.error),
-                style="bold magenta" if st.state in ("host_key", "version_mismatch") else "red",
+                "bold magenta" if st.state in ("host_key", "version_mismatch") else "red",
             )
         return cells, None
     fig = host_figures(snap)
@@ -81,11 +88,11 @@ def host_cells(st: HostStatus) -> tuple[dict[str, object], HostFigures | None]:
         cells["memory"] = mem_bar(fig.used, fig.total, width=10)
         cells["util"] = pct_bar(fig.util)
     else:
-        cells["gpus"] = Text("no GPU", style="dim")
+        cells["gpus"] = styled("no GPU", "dim")
     cells["runs"] = str(fig.runs)
     cells["alerts"] = alerts_text(fig.alerts, fig.critical)
     if not fig.gpus and not fig.alerts and snap.gpu_error:
-        cells["alerts"] = Text(snap.gpu_error, style="dim")  # why there are no GPUs, in the column that has the room
+        cells["alerts"] = styled(snap.gpu_error, "dim")  # why there are no GPUs, in the column that has the room
     return cells, fig
 
 

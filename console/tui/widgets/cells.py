@@ -1,7 +1,16 @@
-"""Provides cell renderers shared by the tables: memory bars, states, attributions, alerts, sparklines."""
+"""Provides cell renderers shared by the tables: memory bars, states, attributions, alerts, sparklines.
+
+The cells a live table rebuilds every second (a host's state, bars and name; a run's state and start) are made once
+per distinct look and shared: ``memo`` keeps them. A Rich Text is three objects the cyclic collector walks (itself, its
+text list, its spans list), and at 1,024 hosts the Fleet's cells were most of what a middle collection walked
+(bench/RESULTS.md 37-cells). A shared cell is never changed in place: build a new Text (``Text.assemble``,
+``append_text`` onto your own) instead of appending to one of these.
+"""
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import TypeVar, overload
 
 from rich.markup import escape as rich_escape
@@ -40,6 +49,33 @@ LEFTOVER_STYLES = {
 }
 SIMULATED = Text(" SIMULATED ", style="bold black on yellow")
 MARK = "✓"
+MEMO_CELLS = 16_384  # distinct cells kept per builder: more than the rows a live table rebuilds each second (hosts, runs)
+MEMO_TEXT_MAX = 160  # a longer text (an agent's error, a history row's cause) is built each time and not kept: the
+# cache's memory is bounded (16,384 cells of at most 160 characters per builder) whatever a far side sends
+
+_T = TypeVar("_T")
+
+
+def memo(build: Callable[..., _T]) -> Callable[..., _T]:
+    """``build`` (positional arguments only, all hashable) with its results kept and shared, least recently used
+    first out, MEMO_CELLS of them; a call with a str argument over MEMO_TEXT_MAX characters builds and keeps nothing."""
+    cached = functools.lru_cache(maxsize=MEMO_CELLS)(build)
+
+    @functools.wraps(build)
+    def call(*args: object) -> _T:
+        for a in args:  # a loop, not any(...): a generator would be one more object for the collector, per call
+            if type(a) is str and len(a) > MEMO_TEXT_MAX:
+                return build(*args)
+        return cached(*args)
+
+    call.cache_info = cached.cache_info  # type: ignore[attr-defined]  # for tests and benches
+    return call
+
+
+@memo
+def styled(text: str, style: str = "") -> Text:
+    """``text`` in one style, shared (see the module's note)."""
+    return Text(text, style=style)
 
 
 def literal(value: object) -> object:
@@ -95,33 +131,33 @@ def shown(text: Text) -> Text:
     return out
 
 
-def mem_bar(used: int, total: int, width: int = 12) -> Text:
-    """A memory bar with the figures: '█████░░░░░░░  45.0/141.0 GiB'."""
-    frac = 0.0 if total <= 0 else min(1.0, used / total)
-    filled = round(frac * width)
-    style = "green" if frac < 0.6 else "yellow" if frac < 0.9 else "red"
+@memo
+def _bar(block: str, filled: int, width: int, style: str, label: str) -> Text:
     t = Text()
-    t.append("█" * filled, style=style)
+    t.append(block * filled, style=style)
     t.append("░" * (width - filled), style="dim")
-    t.append(f" {gib(used)}/{gib(total)} GiB")
+    t.append(label)
     return t
+
+
+def mem_bar(used: int, total: int, width: int = 12) -> Text:
+    """A memory bar with the figures: '█████░░░░░░░  45.0/141.0 GiB' (shared: see the module's note)."""
+    frac = 0.0 if total <= 0 else min(1.0, used / total)
+    style = "green" if frac < 0.6 else "yellow" if frac < 0.9 else "red"
+    return _bar("█", round(frac * width), width, style, f" {gib(used)}/{gib(total)} GiB")
 
 
 def pct_bar(pct: float | None, width: int = 5) -> Text:
-    """A utilisation figure with a small bar: '▇▇▇░░  62%'."""
+    """A utilisation figure with a small bar: '▇▇▇░░  62%' (shared: see the module's note)."""
     if pct is None:
-        return Text("-", style="dim")
+        return styled("-", "dim")
     frac = max(0.0, min(1.0, pct / 100))
-    filled = round(frac * width)
-    t = Text()
-    t.append("▇" * filled, style="cyan")
-    t.append("░" * (width - filled), style="dim")
-    t.append(f" {pct:3.0f}%")
-    return t
+    return _bar("▇", round(frac * width), width, "cyan", f" {pct:3.0f}%")
 
 
+@memo
 def state_text(state: str, extra: str = "") -> Text:
-    """A state word in its colour."""
+    """A state word in its colour (shared: see the module's note)."""
     word = STATE_WORDS.get(state, state)
     return Text(word + (f" {extra}" if extra else ""), style=STATE_STYLES.get(state, ""))
 
@@ -137,11 +173,11 @@ def leftover_text(kind: str) -> Text:
 
 
 def alerts_text(alerts: tuple[str, ...] | list[str], critical: bool = False, limit: int = 3) -> Text:
-    """Alert summaries joined, red when any is critical ('' when none)."""
+    """Alert summaries joined, red when any is critical ('' when none; shared: see the module's note)."""
     if not alerts:
-        return Text("")
+        return styled("")
     shown = "; ".join(alerts[:limit]) + (f" (+{len(alerts) - limit})" if len(alerts) > limit else "")
-    return Text("⚠ " + shown, style="bold red" if critical else "red")
+    return styled("⚠ " + shown, "bold red" if critical else "red")
 
 
 def ok_text(ok: bool | None) -> Text:
@@ -154,11 +190,16 @@ def ok_text(ok: bool | None) -> Text:
 class SortableText(Text):
     """A cell whose text is for reading and whose ``sort_value`` is for ordering (a time shown as 14:03:20)."""
 
-    sort_value: float = 0.0
+    __slots__ = ("sort_value",)
+
+    def __init__(self, text: str = "", style: str = "") -> None:
+        super().__init__(text, style=style)
+        self.sort_value = 0.0
 
 
+@memo
 def sortable(text: str, value: float, style: str = "") -> SortableText:
-    """A cell that shows ``text`` and sorts by ``value``."""
+    """A cell that shows ``text`` and sorts by ``value`` (shared: see the module's note)."""
     t = SortableText(text, style=style)
     t.sort_value = value
     return t
