@@ -466,7 +466,7 @@ class SimHost:
             argv=argv, name=f"{LABEL}-pretrain-{self.name}", kind="fsdp", gpus=list(range(8)), start="fresh", operator="bench"
         )
         ct = at - 1.0
-        members = [Member(pid=self.pids[0], create_time=ct, role="leader", first_seen=at, cmdline=argv[:8], found_by="tag")]
+        members = [Member(pid=self.pids[0], create_time=ct, role="leader", first_seen=at, cmdline=tuple(argv[:8]), found_by="tag")]
         members += [
             Member(
                 pid=self.pids[1 + r],
@@ -475,7 +475,7 @@ class SimHost:
                 rank=r,
                 local_rank=r,
                 first_seen=at,
-                cmdline=["python", "-m", "gpudeck.trainers.fsdp_lm"],
+                cmdline=("python", "-m", "gpudeck.trainers.fsdp_lm"),
                 found_by="tag",
             )
             for r in range(8)
@@ -644,7 +644,7 @@ class SimHost:
                 g.temperature_c = 30 + round(0.45 * u)
                 g.power_w = round((g.power_limit_w or 700.0) * (0.1 + 0.8 * u / 100), 1)
                 g.unaccounted_bytes = 0
-                g.processes = [
+                g.processes = (
                     GpuProcess(
                         pid=self.pids[1 + g.index],
                         gpu=g.index,
@@ -655,9 +655,9 @@ class SimHost:
                         user="bench",
                         status="running",
                         create_time=ct,
-                        cmdline=["python", "-m", "gpudeck.trainers.fsdp_lm"],
-                    )
-                ]
+                        cmdline=("python", "-m", "gpudeck.trainers.fsdp_lm"),
+                    ),
+                )
                 procs.append(
                     ProcInfo(
                         pid=self.pids[1 + g.index],
@@ -669,7 +669,7 @@ class SimHost:
                         status="running",
                         rss=9 << 30,
                         cpu_seconds=round(time.time() - ct, 2),
-                        cmdline=["python", "-m", "gpudeck.trainers.fsdp_lm"],
+                        cmdline=("python", "-m", "gpudeck.trainers.fsdp_lm"),
                         run_id=run.id,
                         rank=g.index,
                         local_rank=g.index,

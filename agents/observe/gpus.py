@@ -220,7 +220,7 @@ class GpuSampler:
                         power_w=power,
                         power_limit_w=d.power_limit_w,
                         unaccounted_bytes=max(0, int(mem.used) - accounted),
-                        processes=plist_out,
+                        processes=tuple(plist_out),
                     )
                 )
         self.last_sample = (time.monotonic(), out)  # the GPU ledger's idle look reuses it (agents/runs/tick.py)

@@ -313,7 +313,7 @@ class SimulatedGpuSampler:
                     power_w=round(self.power_limit_w * (0.1 + 0.8 * u / 100), 1),
                     power_limit_w=self.power_limit_w,
                     unaccounted_bytes=max(0, used - declared),
-                    processes=procs[i],
+                    processes=tuple(procs[i]),
                 )
             )
         self.last_sample = (time.monotonic(), out)  # the GPU ledger's idle look reuses it (agents/runs/tick.py)

@@ -88,7 +88,9 @@ def detect(root: str | os.PathLike[str] = "/") -> NamespaceInfo:
         m3 = _CGROUP_CONTAINER.search(cg1.decode("utf-8", "replace"))
         if m3:
             markers.append(f"/proc/1/cgroup names {m3.group(1).lower()}")
-    return NamespaceInfo(pid_namespace=_word(isolated), container_markers=markers, evidence=evidence, label=_label(isolated, markers))
+    return NamespaceInfo(
+        pid_namespace=_word(isolated), container_markers=tuple(markers), evidence=tuple(evidence), label=_label(isolated, markers)
+    )
 
 
 def _word(isolated: bool | None) -> Literal["host", "isolated", "unknown"]:

@@ -537,7 +537,7 @@ def proc_info(pid: int, run_id: str | None = None, rank: int | None = None, loca
                 status=p.status(),
                 rss=_safe(lambda: p.memory_info().rss),
                 cpu_seconds=_safe(lambda: p.cpu_times().user + p.cpu_times().system),
-                cmdline=_safe(p.cmdline) or [],
+                cmdline=tuple(_safe(p.cmdline) or ()),
                 run_id=run_id,
                 rank=rank,
                 local_rank=local_rank,

@@ -403,7 +403,7 @@ async def start_recorded(
         raise LaunchFailed(f"{exc.message}; run {run_id} is recorded as failed") from exc
     lr.attach_shim(shim)
     now = time.time()
-    members = [Member(pid=shim.pid, create_time=create_time_of(shim.pid) or 0.0, role="shim", first_seen=now, cmdline=["gpudeck-shim"])]
+    members = [Member(pid=shim.pid, create_time=create_time_of(shim.pid) or 0.0, role="shim", first_seen=now, cmdline=("gpudeck-shim",))]
     leader_ct = create_time_of(pid)
     if leader_ct is not None:
         members.append(
@@ -412,7 +412,7 @@ async def start_recorded(
                 create_time=leader_ct,
                 role="leader",
                 first_seen=now,
-                cmdline=list(spec.argv),
+                cmdline=tuple(spec.argv),
                 found_by="cgroup" if group else "tag",
             )
         )

@@ -155,7 +155,7 @@ async def reclaim(
         if lo.kind == "no_such_process" or lo.create_time is None:
             unsignalable.append(lo)
         else:
-            targets.append(Member(pid=lo.pid, create_time=lo.create_time, role="leftover", rank=lo.rank, cmdline=lo.cmdline[:12]))
+            targets.append(Member(pid=lo.pid, create_time=lo.create_time, role="leftover", rank=lo.rank, cmdline=tuple(lo.cmdline[:12])))
     live = [m for m in targets if alive(m.pid, m.create_time)]
     gpu_before = await asyncio.to_thread(sup.gpus.memory_used) if sup.gpus.available else {}
     t = await stop.terminate(live, grace_s, poll=lambda: tick.poll_shims(sup))

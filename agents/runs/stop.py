@@ -284,7 +284,7 @@ def classify(
     for m in t.signalled:  # processes found during the grace (forked meanwhile, or only in the group)
         by_key.setdefault(_key(m), m)
     for k, m in by_key.items():
-        cmd = m.cmdline[:12]
+        cmd = list(m.cmdline[:12])
         st = status_of(m.pid, m.create_time)
         if k not in signalled:
             if report_gone(m):

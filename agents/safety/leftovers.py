@@ -104,7 +104,7 @@ def find_leftovers(
             user=info.user if info else None,
             status=info.status if info else "no such process",
             ppid=info.ppid if info else None,
-            cmdline=(info.cmdline[:24] if info else []),
+            cmdline=(list(info.cmdline[:24]) if info else []),
             rss=info.rss if info else None,
             found_by=found_by,
             container=container,

@@ -163,7 +163,7 @@ def discover(run: RunInfo, procs: ProcTable, group: RunGroup | None, tree: dict[
                 rank=e.rank if tagged and e else None,
                 local_rank=e.local_rank if tagged and e else None,
                 first_seen=now,
-                cmdline=cmdline_of(pid),
+                cmdline=tuple(cmdline_of(pid)),
                 found_by=found_by,
                 tagged=tagged,
             )

@@ -34,7 +34,7 @@ import re
 import shutil
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -147,7 +147,7 @@ def _gpu_list(indices: list[int]) -> str:
     return ",".join(str(i) for i in indices)
 
 
-def _cmd(cmdline: list[str], limit: int = 160) -> str:
+def _cmd(cmdline: Sequence[str], limit: int = 160) -> str:
     text = " ".join(cmdline) if cmdline else "(command unknown)"
     return text if len(text) <= limit else text[: limit - 3] + "..."
 

@@ -1119,7 +1119,7 @@ def rediscover_runs(journal: Journal, supervisor: Supervisor) -> list[str]:
         # the shim (outside the run's cgroup by design, it writes exit.json) is the run's shim again: the run ends
         # when it does, and a stop never signals it as a stray
         shims = [
-            Member(pid=e.pid, create_time=e.create_time, role="shim", first_seen=now, cmdline=["gpudeck-shim"])
+            Member(pid=e.pid, create_time=e.create_time, role="shim", first_seen=now, cmdline=("gpudeck-shim",))
             for e in procs.tagged(rid, anyone=True)
             if SHIMS.intersection(cmdline_of(e.pid)[:4])
         ]

@@ -33,7 +33,7 @@ class SnapshotBuilder:
         self.gpus = gpus
         self.procs = procs
         self.supervisor = supervisor
-        self._static: dict[tuple[int, float], tuple[str | None, list[str]]] = {}
+        self._static: dict[tuple[int, float], tuple[str | None, tuple[str, ...]]] = {}
         self.storage_error: str | None = None  # set by the agent while the journal cannot be written
         self.namespace = pid_namespace.current()  # read once: an agent does not change PID namespace
 
@@ -53,7 +53,7 @@ class SnapshotBuilder:
         static = self._static.get(key)
         if static is None:
             info = proc_info(p.pid)
-            static = (info.user, info.cmdline[:16])
+            static = (info.user, tuple(info.cmdline[:16]))
             self._static[key] = static
         p.user, p.cmdline = static
         # status is read fresh: a zombie or a disk-sleep process holding GPU memory is what an operator must see
@@ -76,7 +76,7 @@ class SnapshotBuilder:
         static = self._static.get(key)
         if static is None:
             info = proc_info(pid)
-            static = (info.user, info.cmdline[:16])
+            static = (info.user, tuple(info.cmdline[:16]))
             self._static[key] = static
         return ProcInfo(
             pid=pid,

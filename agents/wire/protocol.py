@@ -110,7 +110,7 @@ class GpuProcess(msgspec.Struct, gc=False, kw_only=True):  # every field always 
     user: str | None = None
     status: str | None = None  # psutil status: running, sleeping, zombie, disk-sleep, ...
     create_time: float | None = None
-    cmdline: list[str] = []
+    cmdline: tuple[str, ...] = ()
     container: Container | None = None  # the container it runs in, seen from the host (None: none, or not told)
 
 
@@ -128,7 +128,7 @@ class Gpu(msgspec.Struct, gc=False, kw_only=True, omit_defaults=True):
     power_w: float | None = None
     power_limit_w: float | None = None
     unaccounted_bytes: int | None = None  # used memory that no visible process accounts for
-    processes: list[GpuProcess] = []
+    processes: tuple[GpuProcess, ...] = ()
 
 
 class UnaccountedMemory(msgspec.Struct, gc=False, kw_only=True):  # every field always on the wire: scripts read "holder"
@@ -144,8 +144,8 @@ class NamespaceInfo(msgspec.Struct, gc=False, kw_only=True, omit_defaults=True):
     """The PID namespace the agent runs in (NVML lists only that namespace's processes) and the container markers seen."""
 
     pid_namespace: Literal["host", "isolated", "unknown"] = "unknown"
-    container_markers: list[str] = []  # /.dockerenv, /run/.containerenv, container= in pid 1's environment, /proc/1/cgroup
-    evidence: list[str] = []  # how the PID namespace was told
+    container_markers: tuple[str, ...] = ()  # /.dockerenv, /run/.containerenv, container= in pid 1's environment, /proc/1/cgroup
+    evidence: tuple[str, ...] = ()  # how the PID namespace was told
     label: str = ""  # one line for `agent status` and the console
 
 
@@ -161,7 +161,7 @@ class ProcInfo(msgspec.Struct, gc=False, kw_only=True, omit_defaults=True):
     status: str | None = None
     rss: int | None = None
     cpu_seconds: float | None = None  # user + system CPU time so far
-    cmdline: list[str] = []
+    cmdline: tuple[str, ...] = ()
     run_id: str | None = None
     rank: int | None = None
     local_rank: int | None = None
@@ -176,7 +176,7 @@ class Member(msgspec.Struct, gc=False, kw_only=True, omit_defaults=True):
     rank: int | None = None
     local_rank: int | None = None
     first_seen: float = 0.0
-    cmdline: list[str] = []
+    cmdline: tuple[str, ...] = ()
     # how the agent knows it belongs: "cgroup" (in the run's group), "tag" (GPUDECK_RUN_ID), "ancestry"
     # (a descendant of the run's shim, or in its session / process group, without the tag); "" for the shim
     found_by: str = ""

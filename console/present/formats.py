@@ -26,10 +26,10 @@ if TYPE_CHECKING:
 SHOW_COMMAND_MAX = 2000  # characters of a command `gpudeck show` prints (--json has it whole)
 
 
-def command_line(argv: list[str] | None, limit: int) -> str:
+def command_line(argv: Sequence[str] | None, limit: int) -> str:
     """A command as one line of a table: its words joined by spaces, every control character (a newline too) escaped, at most ``limit``
     characters ('…' marks a cut); '-' for none."""
-    text = escape_controls(" ".join(argv or []))
+    text = escape_controls(" ".join(argv or ()))
     return (text[: limit - 1] + "…" if len(text) > limit else text) or "-"
 
 

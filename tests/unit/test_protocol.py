@@ -108,3 +108,33 @@ def test_frame_reader_any_chunking(lines: list[bytes], step: int) -> None:
 def test_get_events_defaults() -> None:
     e = decode_request(b'{"type": "get_events"}')
     assert isinstance(e, GetEvents) and e.after_seq == 0 and e.follow is False
+
+
+def test_a_decoded_snapshots_leaf_lists_leave_the_collector_after_one_look() -> None:
+    """A console following 1,024 hosts holds every host's latest snapshot: its command lines and per-GPU process lists
+    are tuples, which a young collection stops tracking, so the middle collections do not walk them (bench/RESULTS.md
+    37-cells). An old agent's or journal's arrays decode into them the same way."""
+    import gc
+
+    from gpudeck.agents.wire.protocol import Gpu, GpuProcess, NamespaceInfo, ProcInfo, Snapshot, decode_reply, encode
+
+    snap = Snapshot(
+        host="h",
+        ts=1.0,
+        epoch="e",
+        gpus=[
+            Gpu(index=0, memory_used=1, processes=(GpuProcess(pid=5, gpu=0, cmdline=("python", "train.py")),)),
+            Gpu(index=1, memory_used=0),
+        ],
+        processes=[ProcInfo(pid=5, cmdline=("python", "train.py"))],
+        namespace=NamespaceInfo(evidence=("pid:[1]",)),
+    )
+    got = decode_reply(encode(snap))
+    assert isinstance(got, Snapshot)
+    leaves = [got.gpus[0].processes, got.gpus[0].processes[0].cmdline, got.processes[0].cmdline]
+    assert all(type(x) is tuple for x in leaves) and got.gpus[1].processes == ()
+    assert got.namespace is not None and got.namespace.evidence == ("pid:[1]",)
+    gc.collect(0)
+    assert not any(gc.is_tracked(x) for x in leaves)
+    old = b'{"type":"snapshot","host":"h","ts":1.0,"epoch":"e","gpus":[{"index":0,"memory_used":1,"processes":[{"pid":5,"gpu":0,"cmdline":["a"]}]}]}'
+    assert decode_reply(old).gpus[0].processes[0].cmdline == ("a",)  # type: ignore[union-attr]

@@ -87,7 +87,7 @@ def fake_root(tmp_path: Path, inode: int | None, nspid: str = "4242", files: dic
 
 def test_the_host_pid_namespace_is_told_by_its_fixed_inode(tmp_path: Path) -> None:
     info = namespace.detect(fake_root(tmp_path, namespace.INITIAL_PID_NS_INODE))
-    assert info.pid_namespace == "host" and info.container_markers == []
+    assert info.pid_namespace == "host" and info.container_markers == ()
     assert info.label == "host PID namespace" and "(the host's)" in info.evidence[0]
 
 
@@ -112,12 +112,12 @@ def test_container_markers_are_reported_and_the_namespace_decides(tmp_path: Path
     }
     info = namespace.detect(fake_root(tmp_path, namespace.INITIAL_PID_NS_INODE, files=files))
     assert info.pid_namespace == "host"  # a marker alone is not a PID namespace (an image built by Docker, run in a VM)
-    assert info.container_markers == [
+    assert info.container_markers == (
         "/.dockerenv",
         "/run/.containerenv",
         "container=podman in pid 1's environment",
         "/proc/1/cgroup names kubepods",
-    ]
+    )
     assert "every GPU process is visible" in info.label
 
 
@@ -181,7 +181,7 @@ def test_the_simulated_spec_takes_unaccounted_memory() -> None:
 def test_the_simulated_gpus_report_it_as_held_by_no_process() -> None:
     sampler = SimulatedGpuSampler("2:H200:141;unaccounted=0:7.6", ProcTable())
     g0, g1 = sampler.sample()
-    assert g0.memory_used == int(7.6 * GIB) and g0.unaccounted_bytes == int(7.6 * GIB) and g0.processes == []
+    assert g0.memory_used == int(7.6 * GIB) and g0.unaccounted_bytes == int(7.6 * GIB) and g0.processes == ()
     assert g1.memory_used == 0 and g1.unaccounted_bytes == 0
     assert sampler.memory_used()[0] == int(7.6 * GIB)
     assert "held by no process" in sampler.description and g0.name.startswith("SIMULATED")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Sequence
 
 from rich.text import Text
 from textual import work
@@ -195,7 +196,7 @@ class HostScreen(LiveScreen):
         plot.show(series, xlabel="minutes (0 = now)", title="GPU memory used, GiB", xlim=(min(first, -1.0), 0.0))
 
     @staticmethod
-    def _holders(procs: list[GpuProcess]) -> Text:
+    def _holders(procs: Sequence[GpuProcess]) -> Text:
         if not procs:
             return Text("free", style="dim")
         t = Text()
