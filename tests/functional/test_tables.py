@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from rich.text import Text
 from textual.widgets import Input, Static
 
 from gpudeck.console.ops.context import Ops
@@ -242,3 +243,26 @@ async def test_runs_says_on_screen_when_the_history_holds_more_than_it_lists(fle
         shown = table.total_rows  # the 2 read, and any live run the snapshots add
         assert 2 <= shown < total and f"the newest {shown:,} are listed here" in text_of(note)
         assert "until:DATE" in text_of(note)
+
+
+async def test_the_fleets_shared_cells_are_the_same_after_the_screen_drew_them(fleet: FixtureFleet) -> None:
+    """cells.py's ``memo`` hands the same Text to every row with the same look, and to the next second's rebuild: the
+    table must draw them (and the cursor's and the filter's styles over them) without changing them."""
+    from gpudeck.console.tui.screens.fleet import host_cells
+
+    cells = {name: host_cells(link.status)[0] for name, link in fleet.links.items()}
+    shared = {id(c): c for row in cells.values() for c in row.values() if isinstance(c, Text)}
+    assert len(shared) >= 10  # names, states, bars, alerts of the fixture's hosts
+    before = {k: (c.plain, list(c.spans), c.style, c.no_wrap, c.overflow, c.end) for k, c in shared.items()}
+    app = GpudeckApp(Ops.console(fleet))
+    async with app.run_test(size=(180, 50)) as pilot:
+        await pilot.pause(0.5)
+        await pilot.press("down", "down", "slash", "g")  # the cursor's and the filter's styles over them
+        await pilot.pause(0.3)
+    after = {k: (c.plain, list(c.spans), c.style, c.no_wrap, c.overflow, c.end) for k, c in shared.items()}
+    assert after == before
+    again = {name: host_cells(link.status)[0] for name, link in fleet.links.items()}
+    for name, row in cells.items():  # a rebuild hands the same objects back
+        for key, cell in row.items():
+            if isinstance(cell, Text):
+                assert again[name][key] is cell, (name, key)

@@ -57,3 +57,8 @@ def test_showing_a_shared_cell_leaves_it_as_it_was() -> None:
     shown = literal(cell)
     assert shown is cell  # no control characters: shown as is
     assert isinstance(shown, Text) and cell.plain == plain and cell.spans == spans
+
+
+def test_a_keyword_call_is_kept_and_bounded_like_a_positional_one() -> None:
+    assert styled("kw", style="red") is styled("kw", style="red")
+    assert styled("x" * (MEMO_TEXT_MAX + 1), style="red") is not styled("x" * (MEMO_TEXT_MAX + 1), style="red")

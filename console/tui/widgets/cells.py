@@ -57,16 +57,16 @@ _T = TypeVar("_T")
 
 
 def memo(build: Callable[..., _T]) -> Callable[..., _T]:
-    """``build`` (positional arguments only, all hashable) with its results kept and shared, least recently used
-    first out, MEMO_CELLS of them; a call with a str argument over MEMO_TEXT_MAX characters builds and keeps nothing."""
+    """``build`` (hashable arguments) with its results kept and shared, least recently used first out, MEMO_CELLS of
+    them; a call with a str argument over MEMO_TEXT_MAX characters builds and keeps nothing."""
     cached = functools.lru_cache(maxsize=MEMO_CELLS)(build)
 
     @functools.wraps(build)
-    def call(*args: object) -> _T:
-        for a in args:  # a loop, not any(...): a generator would be one more object for the collector, per call
+    def call(*args: object, **kwargs: object) -> _T:
+        for a in (*args, *kwargs.values()) if kwargs else args:  # a loop, not any(...): no generator object per call
             if type(a) is str and len(a) > MEMO_TEXT_MAX:
-                return build(*args)
-        return cached(*args)
+                return build(*args, **kwargs)
+        return cached(*args, **kwargs)
 
     call.cache_info = cached.cache_info  # type: ignore[attr-defined]  # for tests and benches
     return call
