@@ -202,15 +202,13 @@ def test_a_rank_that_dies_while_the_run_goes_on_raises_the_alert_within_10_s(sim
         "120",
     )
     rid = r["id"]
-    members = wait_for(
-        lambda: [
-            m
-            for m in next(x for x in a.cli_json("status", "--host", "local")["runs"] if x["id"] == rid)["members"]
-            if m.get("rank") is not None and len(_ranks(a, rid)) == 3
-        ],
-        30,
-        what="3 ranks",
-    )
+
+    def three_ranks() -> list[dict] | None:  # from one status: the ranks its members list holds are all three
+        run = next((x for x in a.cli_json("status", "--host", "local")["runs"] if x["id"] == rid), {})
+        ranked = [m for m in run.get("members", []) if m.get("rank") is not None]
+        return ranked if sorted({m["rank"] for m in ranked}) == [0, 1, 2] else None
+
+    members = wait_for(three_ranks, 30, what="3 ranks")
     time.sleep(1.0)
     victim = next(m for m in members if m["rank"] == 1)
     t_kill = time.time()
@@ -242,11 +240,6 @@ def test_a_rank_that_dies_while_the_run_goes_on_raises_the_alert_within_10_s(sim
         # a SIGKILLed rank can linger as a zombie until init reaps it (PID 1 here is no prompt reaper): it holds nothing
         assert not [m["pid"] for m in members if alive(m["pid"])]
         assert _gpu0_used(a) == 0.0 and all(g["memory_used"] == 0 for g in a.cli_json("status", "--host", "local")["gpus"])
-
-
-def _ranks(a: AgentProc, rid: str) -> list[int]:
-    run = next((x for x in a.cli_json("status", "--host", "local")["runs"] if x["id"] == rid), None)
-    return sorted({m["rank"] for m in (run or {}).get("members", []) if m.get("rank") is not None})
 
 
 def test_claims_against_what_is_observed(sim_agent: AgentProc) -> None:
