@@ -311,6 +311,7 @@ class Term:
             t0 = time.monotonic()
             self.press(key)
             t1 = self.pump(5.0, expect(i))
+            note_press(t0, t1)
             if t1 is not None:
                 out.append((t1 - t0) * 1000)
             self.pump(0.15)
@@ -550,6 +551,10 @@ def console_child(spec_path: Path, stats_path: Path, total: int) -> None:
         from gpudeck.console.fleet import fleet as fleet_mod
 
         fleet_mod.SNAPSHOT_GROUP = 1 << 30
+    if os.environ.get("BENCH_SNAPSHOT_GROUP"):  # hosts per phase of the second (console/fleet/fleet.py SNAPSHOT_GROUP)
+        from gpudeck.console.fleet import fleet as fleet_mod
+
+        fleet_mod.SNAPSHOT_GROUP = int(os.environ["BENCH_SNAPSHOT_GROUP"])
     if os.environ.get("BENCH_NO_YOUNG_FLOOR"):  # young collections only when the collector starts them, as before 36-young
         gcpolicy.YOUNG_EVERY_S = float("inf")
     if os.environ.get("BENCH_COUNTED_WAIT"):  # an owed middle or full collection waits 4 times its count, as before 37-cells
@@ -911,7 +916,18 @@ async def peer_main(spec_path: Path, log_path: Path) -> None:
         log.flush()
 
 
-STALL_STACK_S = 0.07  # TUI_BENCH_STALL_STACKS: a loop that has not ticked (every 20 ms) for this long is stalled
+STALL_STACK_S = (
+    float(os.environ.get("TUI_BENCH_STALL_MS", 70)) / 1000
+)  # TUI_BENCH_STALL_STACKS: a loop that has not ticked (every 20 ms) for this long is stalled
+
+
+def note_press(t_key: float, seen: float | None) -> None:
+    """TUI_BENCH_PRESSES=FILE: each timed press's monotonic time and when its bytes were seen (JSON lines), to line up
+    with TUI_BENCH_GC_DIAG's key arrivals and TUI_BENCH_STALL_STACKS's stalls (one clock for all processes)."""
+    path = os.environ.get("TUI_BENCH_PRESSES")
+    if path:
+        with open(path, "a") as fh:
+            fh.write(json.dumps({"press": round(t_key, 4), "seen": None if seen is None else round(seen, 4)}) + "\n")
 
 
 def stall_sampler(path: str, last_tick: Callable[[], float]) -> None:
@@ -940,7 +956,10 @@ def stall_sampler(path: str, last_tick: Callable[[], float]) -> None:
                         samples.append([f"{f.filename}:{f.lineno} {f.name}" for f in reversed(stack)])
                         del frame, stack
                 elif samples:
-                    fh.write(json.dumps({"stall_ms": round((time.monotonic() - started) * 1000), "samples": samples}) + "\n")
+                    fh.write(
+                        json.dumps({"stall_ms": round((time.monotonic() - started) * 1000), "at": round(started, 3), "samples": samples})
+                        + "\n"
+                    )
                     fh.flush()
                     samples, started = [], 0.0
 
@@ -1035,6 +1054,7 @@ def fleet_filter(term: Term, hosts: int, presses: int, show: Callable[[str, list
         t_key = time.monotonic()
         term.press(ch.encode())
         seen = term.pump(5.0, f" of {hosts} rows match".encode())
+        note_press(t_key, seen)
         if seen is not None:
             typed.append((seen - t_key) * 1000)
         term.pump(0.3)
@@ -1449,6 +1469,7 @@ def standin_console(
             t_key = time.monotonic()
             term.press(key)
             seen = term.pump(5.0, f" of {total_rows} rows match".encode())
+            note_press(t_key, seen)
             if seen is not None:
                 out.append((seen - t_key) * 1000)
             term.pump(0.3)
@@ -1491,11 +1512,13 @@ def standin_console(
     pings = presses
     term.press(b"/")
     term.pump(1.0)
+    spy = pyspy(term.pid, f"fleet-filter-{hosts}", 4)
     figures["fleet_filter_p99"] = show(
         f"Fleet screen, typing the filter {STANDIN_FLEET_FILTER!r} key by key and erasing it",
         typed(STANDIN_FLEET_FILTER, hosts),
         2 * len(STANDIN_FLEET_FILTER),
     )[1]
+    pyspy_done(spy)
     term.press(b"\x1b")  # the filter cleared
     term.pump(1.0)
     term.press(b"\x1b")
@@ -1543,11 +1566,13 @@ def standin_console(
     )
     term.press(b"/")
     term.pump(1.0)
+    spy = pyspy(term.pid, f"runs-filter-{hosts}", 5)
     figures["runs_filter_p99"] = show(
         f"Runs screen ({listed[0]:,} runs), typing the filter {RUNS_FILTER!r} key by key and erasing it",
         typed(RUNS_FILTER, listed[0]),
         2 * len(RUNS_FILTER),
     )[1]
+    pyspy_done(spy)
     try:
         figures["rss_mib"] = psutil.Process(term.pid).memory_info().rss / 2**20
     except psutil.Error:
