@@ -18,7 +18,7 @@ from gpudeck.console.tui.screens.launch import LaunchDialog
 from gpudeck.console.tui.screens.leftovers import LeftoversScreen
 from gpudeck.console.tui.screens.run import RunScreen
 from gpudeck.console.tui.screens.runs import RunsScreen
-from gpudeck.console.tui.widgets.keyed_table import Col, FilterBar, KeyedTable, fit, sort_key
+from gpudeck.console.tui.widgets.keyed_table import Col, FilterBar, FilterCount, KeyedTable, fit, sort_key
 from tests.functional.fixture_fleet import FAILED, GOOD, LIVE, STOPPED, FixtureFleet
 from tests.functional.helpers import mounted, open_host, press_for, text_of, until
 
@@ -44,6 +44,37 @@ async def type_filter(pilot, table: KeyedTable, text: str) -> FilterBar:  # type
     return bar[0]
 
 
+async def test_the_filter_count_lays_the_screen_out_again_only_when_it_grows() -> None:
+    """A filter key changes the count; a Static's update asked for a layout of the whole screen each time."""
+    from textual.app import App, ComposeResult
+
+    class One(App[None]):
+        def compose(self) -> ComposeResult:
+            yield FilterCount()
+
+    async with One().run_test() as pilot:
+        count = pilot.app.query_one(FilterCount)
+        asked: list[bool] = []
+        plain = count.refresh
+
+        def refresh(*regions, layout=False, **kw):  # type: ignore[no-untyped-def]
+            asked.append(layout)
+            return plain(*regions, layout=layout, **kw)
+
+        count.refresh = refresh  # type: ignore[method-assign]
+        count.say("412 of 4097 rows match")
+        count.say("41 of 4097 rows match")  # narrower: the widest width is kept, nothing laid out
+        count.say("7 of 4097 rows match")
+        count.say("7 of 4097 rows match")  # the same: nothing at all
+        count.say("4097 of 4097 rows match  ·  sorted by STATE ▲")  # wider: one layout
+        assert asked == [True, False, False, True]
+        assert text_of(count) == "4097 of 4097 rows match  ·  sorted by STATE ▲"
+        count.say("[bold]1[/] of 4097 rows match")  # shown as it is, never as markup
+        assert text_of(count).rstrip() == "[bold]1[/] of 4097 rows match"
+        assert len(text_of(count)) == len("4097 of 4097 rows match  ·  sorted by STATE ▲")
+        await pilot.pause()
+
+
 async def test_fleet_filters_on_slash_shows_the_count_and_escape_brings_every_row_back(fleet: FixtureFleet) -> None:
     app = GpudeckApp(Ops.console(fleet))
     async with app.run_test(size=SIZE) as pilot:
@@ -52,7 +83,7 @@ async def test_fleet_filters_on_slash_shows_the_count_and_escape_brings_every_ro
         assert len(everyone) == 6
         bar = await type_filter(pilot, table, "unreach")
         await until(lambda: table.keys() == ["gpu2"], what="only the unreachable host")
-        assert "1 of 6 rows match" in text_of(bar.query_one(".filter-count", Static))
+        assert "1 of 6 rows match" in text_of(bar.query_one(FilterCount))
         await pilot.press("enter")  # back to the table; the filter stays in force and on show
         assert table.has_focus and table.keys() == ["gpu2"] and bar.display
         await pilot.press("escape")  # clears it
