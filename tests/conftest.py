@@ -29,6 +29,7 @@ def gpudeck_home(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     d = Path(tempfile.mkdtemp(prefix="gd-", dir="/tmp"))
     monkeypatch.setenv("GPUDECK_HOME", str(d))
     yield d
+    shutil.rmtree(d, ignore_errors=True)  # after the fixtures built on it (the agent) are torn down: a suite left ~230 behind
 
 
 @pytest.fixture
