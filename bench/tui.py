@@ -1461,18 +1461,42 @@ def standin_console(
         return p50, p99
 
     def typed(keys: str, total_rows: int) -> list[float]:
-        """Each key of ``keys`` typed, then as many backspaces, each timed from its bytes to the filter bar's count on
-        screen (the filter open)."""
+        """Each key of ``keys`` typed, then as many backspaces, each timed from its bytes to the filter bar's new count
+        on screen (the filter open). A press that leaves the count as it was is not timed: nothing on screen need
+        change, so its bytes come only with some other repaint (a console that laid the whole screen out with every
+        delivery sent them within a delivery, and the bench timed that repaint, not the press). It waits 2 s for them."""
         out: list[float] = []
+        last: bytes | None = None
+        same = unseen = 0
+        count = re.compile(rb"(\d+) of " + str(total_rows).encode() + rb" rows match")
         for key in [ch.encode() for ch in keys] + [b"\x7f"] * len(keys):
             term.buf.clear()
             t_key = time.monotonic()
             term.press(key)
-            seen = term.pump(5.0, f" of {total_rows} rows match".encode())
+            seen, shown_same = None, False
+            while (left := t_key + 2.0 - time.monotonic()) > 0:
+                at = term.pump(left, f" of {total_rows} rows match".encode())
+                found = count.findall(bytes(term.buf))
+                if at is None or not found:
+                    break
+                if found[-1] != last:  # the new count (an old one repainted meanwhile is not it)
+                    seen, last = at, found[-1]
+                    break
+                shown_same = True
+                term.buf.clear()
             note_press(t_key, seen)
             if seen is not None:
                 out.append((seen - t_key) * 1000)
+            elif shown_same:
+                same += 1
+            else:
+                unseen += 1
             term.pump(0.3)
+        print(
+            f"tui_bench part3 {tag} filter {keys!r} typed and erased: {len(out)} presses changed the count and were timed,"
+            f" {same} left it as it was (not timed), {unseen} showed no count within 2 s",
+            flush=True,
+        )
         return out
 
     t_up = time.monotonic()
