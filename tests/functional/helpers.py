@@ -7,7 +7,7 @@ from collections.abc import Callable
 from typing import TypeVar
 
 from rich.text import Text
-from textual.widgets import Static
+from textual.widget import Widget
 
 T = TypeVar("T")
 
@@ -30,7 +30,7 @@ def mounted(app, cls):  # type: ignore[no-untyped-def]
     return screen if isinstance(screen, cls) and screen.is_mounted else None
 
 
-def text_of(widget: Static) -> str:
+def text_of(widget: Widget) -> str:
     """What a Static shows, as plain text."""
     r = widget.render()
     return r.plain if isinstance(r, Text) else str(r)

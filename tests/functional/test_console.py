@@ -21,6 +21,7 @@ from gpudeck.console.tui.screens.run import RunScreen
 from gpudeck.console.tui.screens.runs import RunsScreen
 from gpudeck.console.tui.widgets.keyed_table import KeyedTable
 from gpudeck.console.tui.widgets.output_view import OutputView
+from gpudeck.console.tui.widgets.steady import SteadyText
 from tests.agent_harness import AgentProc
 from tests.functional.conftest import Holder
 from tests.functional.helpers import mounted, open_host, open_launch, press_for, text_of, until
@@ -271,6 +272,6 @@ async def test_the_fleet_says_when_gpudeck_watch_fails_to_notify(agent: AgentPro
     app = GpudeckApp(Ops.console(Fleet(state_dir=agent.state_dir, interval_s=0.2)))
     async with app.run_test(size=SIZE):
         await _local_up(app)
-        summary = app.screen.query_one("#fleet-summary", Static)
+        summary = app.screen.query_one("#fleet-summary", SteadyText)
         await until(lambda: "notifications failing" in text_of(summary), what=f"the failing target ({text_of(summary)!r})")
         assert text_of(summary).count("127.0.0.1:9") == 3 and not leaks(text_of(summary)), text_of(summary)

@@ -21,6 +21,7 @@ from gpudeck.console.tui.screens.picker import RunPicker
 from gpudeck.console.tui.screens.run import RunScreen
 from gpudeck.console.tui.screens.runs import RunsScreen
 from gpudeck.console.tui.widgets.keyed_table import KeyedTable
+from gpudeck.console.tui.widgets.steady import SteadyText
 from tests.functional.fixture_fleet import FAILED, GOOD, LIVE, STOPPED, T0, FixtureFleet, fixture_link
 from tests.functional.helpers import mounted, open_host, open_launch, press_for, text_of, until
 
@@ -90,7 +91,7 @@ async def test_fleet_of_256_hosts_updates_only_the_rows_that_changed(monkeypatch
         assert "70.0/282.0" in table.render_line(row).text
         assert table.cells_written - written == 4
         assert table.row_count == 256 and not cleared
-        summary = text_of(app.screen.query_one("#fleet-summary", Static))
+        summary = text_of(app.screen.query_one("#fleet-summary", SteadyText))
         assert "256 host(s)" in summary and "256 up" in summary and "210.0/72192.0 GiB" in summary
 
 

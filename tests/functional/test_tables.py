@@ -18,7 +18,8 @@ from gpudeck.console.tui.screens.launch import LaunchDialog
 from gpudeck.console.tui.screens.leftovers import LeftoversScreen
 from gpudeck.console.tui.screens.run import RunScreen
 from gpudeck.console.tui.screens.runs import RunsScreen
-from gpudeck.console.tui.widgets.keyed_table import Col, FilterBar, FilterCount, KeyedTable, fit, sort_key
+from gpudeck.console.tui.widgets.keyed_table import Col, FilterBar, KeyedTable, fit, sort_key
+from gpudeck.console.tui.widgets.steady import SteadyText
 from tests.functional.fixture_fleet import FAILED, GOOD, LIVE, STOPPED, FixtureFleet
 from tests.functional.helpers import mounted, open_host, press_for, text_of, until
 
@@ -44,34 +45,70 @@ async def type_filter(pilot, table: KeyedTable, text: str) -> FilterBar:  # type
     return bar[0]
 
 
+def _asked(widget: SteadyText) -> list[bool]:
+    """The ``layout`` of every refresh ``widget`` asks for from now on."""
+    asked: list[bool] = []
+    plain = widget.refresh
+
+    def refresh(*regions, layout=False, **kw):  # type: ignore[no-untyped-def]
+        asked.append(layout)
+        return plain(*regions, layout=layout, **kw)
+
+    widget.refresh = refresh  # type: ignore[method-assign]
+    return asked
+
+
 async def test_the_filter_count_lays_the_screen_out_again_only_when_it_grows() -> None:
     """A filter key changes the count; a Static's update asked for a layout of the whole screen each time."""
     from textual.app import App, ComposeResult
 
     class One(App[None]):
+        CSS = "SteadyText { width: auto; }"  # as the filter bar's count
+
         def compose(self) -> ComposeResult:
-            yield FilterCount()
+            yield SteadyText()
 
     async with One().run_test() as pilot:
-        count = pilot.app.query_one(FilterCount)
-        asked: list[bool] = []
-        plain = count.refresh
-
-        def refresh(*regions, layout=False, **kw):  # type: ignore[no-untyped-def]
-            asked.append(layout)
-            return plain(*regions, layout=layout, **kw)
-
-        count.refresh = refresh  # type: ignore[method-assign]
-        count.say("412 of 4097 rows match")
-        count.say("41 of 4097 rows match")  # narrower: the widest width is kept, nothing laid out
-        count.say("7 of 4097 rows match")
-        count.say("7 of 4097 rows match")  # the same: nothing at all
-        count.say("4097 of 4097 rows match  ·  sorted by STATE ▲")  # wider: one layout
+        count = pilot.app.query_one(SteadyText)
+        asked = _asked(count)
+        count.show("412 of 4097 rows match")
+        count.show("41 of 4097 rows match")  # narrower: the widest width is kept, nothing laid out
+        count.show("7 of 4097 rows match")
+        count.show("7 of 4097 rows match")  # the same: nothing at all
+        count.show("4097 of 4097 rows match  ·  sorted by STATE ▲")  # wider: one layout
         assert asked == [True, False, False, True]
         assert text_of(count) == "4097 of 4097 rows match  ·  sorted by STATE ▲"
-        count.say("[bold]1[/] of 4097 rows match")  # shown as it is, never as markup
+        count.show("[bold]1[/] of 4097 rows match")  # shown as it is, never as markup
         assert text_of(count).rstrip() == "[bold]1[/] of 4097 rows match"
         assert len(text_of(count)) == len("4097 of 4097 rows match  ·  sorted by STATE ▲")
+        await pilot.pause()
+
+
+async def test_a_screen_wide_steady_text_lays_out_only_when_its_line_count_may_change() -> None:
+    """The Fleet's summary and the Runs note change with every delivery; a layout each time cost a screen reflow."""
+    from textual.app import App, ComposeResult
+
+    class One(App[None]):
+        def compose(self) -> ComposeResult:
+            yield SteadyText("Fleet")
+
+    async with One().run_test(size=(60, 10)) as pilot:
+        note = pilot.app.query_one(SteadyText)
+        await pilot.pause()
+        asked = _asked(note)
+        note.show("Fleet: 4 host(s)  4 up")
+        note.show(Text("Fleet: 4 host(s)  3 up", style="bold"))  # same size, new look: a repaint
+        note.show(Text("Fleet: 4 host(s)  3 up", style="bold"))  # the same look: nothing
+        note.show(Text("Fleet: 4 host(s)  3 up", style="red"))  # only the style differs: a repaint (Text's == ignores it)
+        note.show("Fleet: 4 host(s)\nnotifications failing: 1")  # a second line: a layout
+        note.show("x" * 100)  # wider than the 58 columns it has: may wrap, a layout
+        note.show("y" * 100)  # still too wide: a layout again (the wrap decides its height)
+        note.show("short")  # back from a wrapped one: a layout
+        assert asked == [False, False, False, True, True, True, True]
+        assert text_of(note) == "short"
+        note.show("bell\x07 and [red]markup[/]")
+        # no control character reaches the screen; markup is shown as it is
+        assert "\x07" not in text_of(note) and text_of(note).endswith(" and [red]markup[/]")
         await pilot.pause()
 
 
@@ -83,7 +120,7 @@ async def test_fleet_filters_on_slash_shows_the_count_and_escape_brings_every_ro
         assert len(everyone) == 6
         bar = await type_filter(pilot, table, "unreach")
         await until(lambda: table.keys() == ["gpu2"], what="only the unreachable host")
-        assert "1 of 6 rows match" in text_of(bar.query_one(FilterCount))
+        assert "1 of 6 rows match" in text_of(bar.query_one(SteadyText))
         await pilot.press("enter")  # back to the table; the filter stays in force and on show
         assert table.has_focus and table.keys() == ["gpu2"] and bar.display
         await pilot.press("escape")  # clears it
@@ -185,7 +222,7 @@ async def test_runs_lists_live_runs_first_then_the_newest_with_the_cursor_on_the
         assert table.cursor_key == LIVE
         await type_filter(pilot, table, "drafter")
         await until(lambda: table.keys() == [FAILED], what="the filtered run")
-        assert "1 of" in text_of(runs.query_one("#runs-note", Static))
+        assert "1 of" in text_of(runs.query_one("#runs-note", SteadyText))
 
 
 async def test_runs_stop_from_the_list_lists_the_processes_and_stops_through_the_run_screens_flow(fleet: FixtureFleet) -> None:
@@ -268,7 +305,7 @@ async def test_runs_says_on_screen_when_the_history_holds_more_than_it_lists(fle
     app = GpudeckApp(Ops.console(fleet))
     async with app.run_test(size=SIZE) as pilot:
         runs = await press_for(pilot, "r", RunsScreen)
-        note = runs.query_one("#runs-note", Static)
+        note = runs.query_one("#runs-note", SteadyText)
         table = runs.query_one("#runs-table", KeyedTable)
         await until(lambda: f"the history holds {total:,} runs: the newest " in text_of(note), what="the note")
         shown = table.total_rows  # the 2 read, and any live run the snapshots add

@@ -6,7 +6,6 @@ from rich.text import Text
 from textual import work
 from textual.app import ComposeResult
 from textual.binding import Binding
-from textual.widgets import Static
 
 from gpudeck.console.core.fmt import gib
 from gpudeck.console.core.records import HostStatus
@@ -17,6 +16,7 @@ from gpudeck.console.tui.widgets.cells import SIMULATED, alerts_text, mem_bar, m
 from gpudeck.console.tui.widgets.footer import DeckFooter
 from gpudeck.console.tui.widgets.header import AppHeader
 from gpudeck.console.tui.widgets.keyed_table import Col, KeyedTable, fit
+from gpudeck.console.tui.widgets.steady import SteadyText
 from gpudeck.console.watch.outbox import failing_summary
 from gpudeck.console.watch.service import outbox_path
 
@@ -106,7 +106,7 @@ class FleetScreen(LiveScreen):
 
     def compose(self) -> ComposeResult:
         yield AppHeader()
-        yield Static("Fleet", id="fleet-summary", classes="title")
+        yield SteadyText("Fleet", id="fleet-summary", classes="title")  # changes with every delivery: lays out only when its size may
         yield KeyedTable(fit(COLUMNS, self.app.size.width), id="fleet-table", fold_from=COLUMNS)
         yield DeckFooter()
 
@@ -174,7 +174,7 @@ class FleetScreen(LiveScreen):
             t.append(f"   ⚠ {alerts} alert(s)", style="bold red")
         if self._notify_note:
             t.append(f"\n{self._notify_note}", style="bold yellow")
-        self.query_one("#fleet-summary", Static).update(t)
+        self.query_one("#fleet-summary", SteadyText).show(t)
 
     def action_next_alert(self) -> None:
         table = self.query_one("#fleet-table", KeyedTable)

@@ -32,6 +32,7 @@ from gpudeck.console.tui.widgets.footer import DeckFooter
 from gpudeck.console.tui.widgets.header import AppHeader
 from gpudeck.console.tui.widgets.keyed_table import Col, KeyedTable, cell_text, fit
 from gpudeck.console.tui.widgets.progress import ProgressLine
+from gpudeck.console.tui.widgets.steady import SteadyText
 
 COLUMNS = [
     Col("id", "RUN", 10),
@@ -115,7 +116,7 @@ class RunsScreen(LiveScreen):
         table.pin_top = True  # the cursor starts on the first row (a live run, else the newest) and stays there while rows come in
         yield table
         yield ProgressLine(id="runs-progress")
-        yield Static("", id="runs-note", classes="note")
+        yield SteadyText(id="runs-note", classes="note")  # changes with every delivery: lays out only when its size may
         yield DeckFooter()
 
     def on_mount(self) -> None:
@@ -302,7 +303,7 @@ class RunsScreen(LiveScreen):
             )
         if self._errors:
             t.append("; " + "; ".join(f"{k}: {v}" for k, v in list(self._errors.items())[:3]), style="red")
-        self.query_one("#runs-note", Static).update(t)
+        self.query_one("#runs-note", SteadyText).show(t)
 
     def host_of(self, rid: str) -> str:
         """The host to open a run on."""

@@ -30,7 +30,6 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from rich.cells import cell_len
 from rich.text import Text
 from textual import on
 from textual.app import ComposeResult
@@ -42,6 +41,7 @@ from textual.widgets import DataTable, Input, Static
 
 from gpudeck.console.tui.compat.data_table import FastDataTable
 from gpudeck.console.tui.widgets.cells import MARK, literal
+from gpudeck.console.tui.widgets.steady import SteadyText
 
 MARK_COLUMN = "_mark"
 
@@ -100,33 +100,6 @@ def sort_key(value: object) -> tuple[int, Any]:
         return (1, text.lower())
 
 
-class FilterCount(Widget):
-    """The filter bar's "12 of 4097 rows match": as wide as the widest text it has shown, so a key that changes the
-    count repaints this one row and lays nothing out again (a Static's update lays the whole screen out: at 4,097
-    runs that was one of the two layouts each filter key cost, bench/RESULTS.md 39-filter)."""
-
-    def __init__(self, classes: str | None = None) -> None:
-        super().__init__(classes=classes)
-        self._text = ""
-        self._width = 0
-
-    def say(self, text: str) -> None:
-        if text == self._text:
-            return
-        self._text = text
-        width = cell_len(text)
-        grew = width > self._width
-        self._width = max(width, self._width)
-        self.refresh(layout=grew)
-
-    @property
-    def text(self) -> str:
-        return self._text
-
-    def render(self) -> Text:
-        return Text(self._text.ljust(self._width - cell_len(self._text) + len(self._text)), no_wrap=True, overflow="crop")
-
-
 class FilterBar(Horizontal):
     """The bar above a table while it is filtered: the filter text, how many rows match, the sort in force."""
 
@@ -147,7 +120,7 @@ class FilterBar(Horizontal):
         yield Static("filter /", classes="filter-label")
         # compact: no border, one row, focused or not (a focused Input's border left its one row no room: the text was invisible)
         yield Input(placeholder="text in any column (enter: back to the table, esc: clear)", compact=True)
-        yield FilterCount(classes="filter-count")
+        yield SteadyText(classes="filter-count")  # a count that changes with every key lays nothing else out
 
     @on(Input.Changed)
     def _changed(self, event: Input.Changed) -> None:
@@ -170,7 +143,7 @@ class FilterBar(Horizontal):
 
     def show_count(self, text: str) -> None:
         """Say how many rows match."""
-        self.query_one(FilterCount).say(text)
+        self.query_one(SteadyText).show(text)
 
 
 class KeyedTable(FastDataTable):
