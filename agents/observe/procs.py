@@ -524,6 +524,38 @@ def signal_exact(pid: int, create_time: float, sig: int) -> bool:
         os.close(fd)
 
 
+class StaticFacts:
+    """A process's user and command line, read once per program it runs (the snapshot's cache).
+
+    Keyed by ``(pid, create_time, exec_mark)``: an exec keeps the pid and the create_time, so a process first read
+    between fork and exec (the parent's command line) is read again once it runs its own program. Where the exec
+    mark is hidden (another uid's process, read without ptrace rights), a process younger than ``young_s`` is read
+    afresh at every call instead, so its exec is not missed either.
+    """
+
+    def __init__(self, limit: int = 4096, young_s: float = 5.0) -> None:
+        self.limit = limit
+        self.young_s = young_s
+        self._facts: dict[tuple[int, float, tuple[int, int]], tuple[str | None, tuple[str, ...]]] = {}
+        self.reads = 0  # proc_info calls made, for tests and benchmarks
+
+    def get(self, pid: int, create_time: float, st: StatLine | None) -> tuple[str | None, tuple[str, ...]]:
+        """``(user, cmdline[:16])`` of the process ``st`` was read from (``st`` None: the process has gone)."""
+        mark = st.exec_mark if st is not None else (0, 0)
+        key = (pid, create_time, mark)
+        facts = self._facts.get(key)
+        if facts is not None:
+            return facts
+        info = proc_info(pid)
+        self.reads += 1
+        facts = (info.user, tuple(info.cmdline[:16]))
+        if mark[0] or time.time() - create_time >= self.young_s:
+            if len(self._facts) >= self.limit:
+                self._facts.clear()
+            self._facts[key] = facts
+        return facts
+
+
 def proc_info(pid: int, run_id: str | None = None, rank: int | None = None, local_rank: int | None = None) -> ProcInfo:
     """Everything an operator wants to see of one process (NO_SUCH_PROCESS gives just the pid)."""
     try:

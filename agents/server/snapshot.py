@@ -18,7 +18,7 @@ from typing import NamedTuple
 
 from gpudeck.agents.observe import namespace as pid_namespace
 from gpudeck.agents.observe.gpus import GpuSource
-from gpudeck.agents.observe.procs import CT_TOLERANCE, ProcTable, proc_info, read_stat
+from gpudeck.agents.observe.procs import CT_TOLERANCE, ProcTable, StaticFacts, read_stat
 from gpudeck.agents.runs.supervisor import Supervisor
 from gpudeck.agents.safety import unaccounted
 from gpudeck.agents.wire.protocol import SNAPSHOT_MAX_AGE_S, GpuProcess, ProcInfo, Snapshot, encode, encode_safe
@@ -33,7 +33,7 @@ class SnapshotBuilder:
         self.gpus = gpus
         self.procs = procs
         self.supervisor = supervisor
-        self._static: dict[tuple[int, float], tuple[str | None, tuple[str, ...]]] = {}
+        self.static = StaticFacts()  # user and command line, read again after an exec
         self.storage_error: str | None = None  # set by the agent while the journal cannot be written
         self.namespace = pid_namespace.current()  # read once: an agent does not change PID namespace
 
@@ -49,16 +49,12 @@ class SnapshotBuilder:
             p.attribution = "NO_SUCH_PROCESS"
             return
         p.create_time = entry.create_time
-        key = (entry.pid, entry.create_time)
-        static = self._static.get(key)
-        if static is None:
-            info = proc_info(p.pid)
-            static = (info.user, tuple(info.cmdline[:16]))
-            self._static[key] = static
-        p.user, p.cmdline = static
         # status is read fresh: a zombie or a disk-sleep process holding GPU memory is what an operator must see
         st = read_stat(p.pid)
-        p.status = st.status if st is not None and abs(st.create_time - entry.create_time) <= CT_TOLERANCE else "gone"
+        if st is not None and abs(st.create_time - entry.create_time) > CT_TOLERANCE:
+            st = None
+        p.user, p.cmdline = self.static.get(p.pid, entry.create_time, st)
+        p.status = st.status if st is not None else "gone"
         if entry.run_id is None:
             p.attribution = "FOREIGN"
             return
@@ -72,12 +68,7 @@ class SnapshotBuilder:
         st = read_stat(pid)
         if st is None or abs(st.create_time - create_time) > CT_TOLERANCE:
             return None
-        key = (pid, create_time)
-        static = self._static.get(key)
-        if static is None:
-            info = proc_info(pid)
-            static = (info.user, tuple(info.cmdline[:16]))
-            self._static[key] = static
+        static = self.static.get(pid, create_time, st)
         return ProcInfo(
             pid=pid,
             ppid=st.ppid,
@@ -111,8 +102,6 @@ class SnapshotBuilder:
                     info = self._member_info(m.pid, m.create_time, run.id, m.rank, m.local_rank)
                     if info is not None:
                         procs.append(info)
-        if len(self._static) > 4096:
-            self._static.clear()
         return Snapshot(
             host=self.host,
             ts=time.time(),

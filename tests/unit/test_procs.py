@@ -3,6 +3,7 @@ ended members dropped, and the same table as a full listing gives."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -11,8 +12,9 @@ import time
 from pathlib import Path
 
 import psutil
+import pytest
 
-from gpudeck.agents.observe.procs import ProcTable, parse_environ, read_entry
+from gpudeck.agents.observe.procs import ProcTable, StaticFacts, StatLine, parse_environ, read_entry, read_stat
 
 PY = sys.executable
 
@@ -95,6 +97,32 @@ def test_a_process_read_between_fork_and_exec_is_read_again_after_its_exec(tmp_p
         assert e.rank is None
         gate.touch()
         _wait(lambda: (t.refresh(), [x for x in t.tagged("r-exec") if x.rank == 5])[1], "the rank after exec")
+    finally:
+        _stop(p)
+
+
+@pytest.mark.parametrize("mark", ["seen", "hidden"])
+def test_the_command_line_of_a_process_first_read_before_its_exec_is_read_again_after_it(tmp_path: Path, mark: str) -> None:
+    """The snapshot's static cache: an exec keeps pid and create_time, and the row must not keep the placer's
+    command line (fresh-clone CI once showed it for a whole minute under load). Seen: the exec mark tells; hidden
+    (another uid's process, no ptrace rights): a young process is read afresh every time."""
+    gate = tmp_path / "go"
+    code = f"import os, sys, time\nwhile not os.path.exists({str(gate)!r}): time.sleep(0.01)\nos.execv('/bin/sleep', ['sleep', '61'])\n"
+    facts = StaticFacts(young_s=0.0 if mark == "seen" else 60.0)
+
+    def stat(pid: int) -> StatLine | None:
+        st = read_stat(pid)
+        return st if st is None or mark == "seen" else dataclasses.replace(st, exec_mark=(0, 0))
+
+    p = _spawn({}, code)
+    try:
+        ct = psutil.Process(p.pid).create_time()
+        before = facts.get(p.pid, ct, stat(p.pid))
+        assert before[1][:2] == (PY, "-c") and facts.get(p.pid, ct, stat(p.pid)) == before
+        assert facts.reads == (1 if mark == "seen" else 2), "an old process is read once per program it runs"
+        gate.touch()
+        after = _wait(lambda: (f := facts.get(p.pid, ct, stat(p.pid)))[1] == ("sleep", "61") and f, "the exec'd command line")
+        assert after == (before[0], ("sleep", "61"))
     finally:
         _stop(p)
 
