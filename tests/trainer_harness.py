@@ -199,6 +199,7 @@ class Runs:
             cmd = [sys.executable, "-m", module, *args, "--out", str(out)]
         else:
             e["OMP_NUM_THREADS"] = "1"  # two ranks on two cores
+            e.setdefault("PET_LOG_DIR", str(out.parent / f"{out.name}-{run_id}-torchelastic"))  # not a /tmp/torchelastic_* left behind
             entry = ["-m", module]
             if exit_codes is not None:
                 exit_codes.mkdir(parents=True, exist_ok=True)

@@ -127,6 +127,9 @@ class LaunchPlan:
         env["GPUDECK_RUN_DIR"] = str(run_dir)
         env["GPUDECK_TELEMETRY"] = str(run_dir / "telemetry.jsonl")
         env.setdefault("PYTHONUNBUFFERED", "1")
+        # torchrun's per-attempt logs and its workers' error files go in the run's folder (torchrun reads --log-dir
+        # from PET_LOG_DIR); without it each torchrun made a /tmp/torchelastic_* folder that outlived its run
+        env.setdefault("PET_LOG_DIR", str(run_dir / "torchelastic"))
         if self.spec.gpus is not None:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in self.spec.gpus)
             env.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")  # match NVML's numbering

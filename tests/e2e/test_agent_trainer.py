@@ -40,3 +40,6 @@ def test_torchrun_job_is_supervised_end_to_end(agent: AgentProc, tmp_path: Path)
     # SIGTERM gave the trainer its checkpoint: a later --resume has somewhere to start
     assert any((out / "checkpoints").glob("step_*")), "no checkpoint written on SIGTERM"
     assert len(workers) == 2
+    # torchrun's own logs are the run's, in its folder, not a /tmp/torchelastic_* folder left behind
+    attempts = list(Path(final["run_dir"], "torchelastic").glob("*/attempt_*"))
+    assert attempts, f"no torchrun attempt folder in {final['run_dir']}/torchelastic"
