@@ -23,7 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from tests.agent_harness import AgentProc
+from tests.agent_harness import AgentProc, wait_exited
 
 SSHD = "/usr/sbin/sshd"
 GPUDECK = str(Path(sys.executable).with_name("gpudeck"))
@@ -172,7 +172,7 @@ class SshHost:
                 p.terminate()
             except psutil.Error:
                 pass
-        _gone, alive = psutil.wait_procs(procs, timeout=5)
+        alive = wait_exited(procs, 5)  # the sessions' processes are init's once the listener is gone
         for p in alive:
             try:
                 p.kill()
