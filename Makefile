@@ -43,16 +43,27 @@ test-deps:
 
 # two workers, each file's tests on one of them in order (a file's fixtures and its order stay as written);
 # most e2e tests wait on real processes and timeouts, so two workers halve the wall time on two cores. Three were
-# tried on 2026-12-02: 14 min 23 s in one run, 16 min 46 s (pytest's own count) on a fresh clone: no clear gain
+# tried on 2026-12-02: 14 min 23 s in one run, 16 min 46 s (pytest's own count) on a fresh clone: no clear gain.
+# --no-loadscope-reorder: files are handed out in collection order (tests/e2e first, the short tests/unit files
+# last) instead of by their number of tests, which sent one-test files of 20-30 s (test_env_gate, test_hang_multinode,
+# test_hostile_names) out last, one worker finishing 20-25 s after the other
 TEST_WORKERS ?= 2
+PYTEST_XDIST := -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
+
+# the checkout's own modules compiled once: where PYTHONDONTWRITEBYTECODE is set, nothing writes their .pyc, and each
+# of the suite's thousands of Python processes (CLI calls, agents, trainers) compiled what it imports of gpudeck
+# (a `gpudeck --help` 0.21 s instead of 0.13 s on a fresh clone)
+COMPILE := $(PY) -m compileall -q console agents trainers tests
 
 test: $(VENV)/.test-installed test-deps
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+	$(COMPILE)
+	$(PY) -m pytest -q $(PYTEST_XDIST)
 
 # the suite while the machine is 4x oversubscribed (stress-ng --cpu 8 on 2 cores): time limits in tests are for
 # hangs, never for speed. stress-ng is installed when missing; it is started and stopped by its pid.
 STRESS_CPUS ?= 8
 test-under-load: $(VENV)/.test-installed test-deps
+	$(COMPILE)
 	@command -v stress-ng >/dev/null || { \
 	  echo "installing stress-ng (the load generator for test-under-load)"; \
 	  if [ "$$(id -u)" = 0 ]; then SUDO=; else SUDO=sudo; fi; \
@@ -61,7 +72,7 @@ test-under-load: $(VENV)/.test-installed test-deps
 	@stress-ng --cpu $(STRESS_CPUS) --timeout 0 --quiet & pid=$$!; \
 	  echo "stress-ng --cpu $(STRESS_CPUS) running as pid $$pid; load: $$(cut -d' ' -f1-3 /proc/loadavg)"; \
 	  trap 'kill -TERM $$pid 2>/dev/null; wait $$pid 2>/dev/null' EXIT INT TERM; \
-	  $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile; rc=$$?; \
+	  $(PY) -m pytest -q $(PYTEST_XDIST); rc=$$?; \
 	  echo "load at the end: $$(cut -d' ' -f1-3 /proc/loadavg)"; exit $$rc
 
 # ruff (format check + rules), mypy on the three packages, import-linter's contracts for the rooms
