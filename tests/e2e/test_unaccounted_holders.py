@@ -174,4 +174,12 @@ def test_an_agent_in_its_own_pid_namespace_says_so(gpudeck_home: Path, monkeypat
         assert "this agent runs in its own PID namespace" in snap["unaccounted"][0]["note"]
         assert "PID NAMESPACE: own PID namespace" in a.cli("status", "--host", "local").stdout
     finally:
-        a.stop()  # unshare, by its pid; --kill-child takes the agent (pid 1 of the namespace) with it
+        # unshare blocks SIGTERM while its child runs (util-linux 2.38: SigBlk has SIGINT and SIGTERM), so a.stop()'s
+        # SIGTERM alone waited its 10 s for the SIGKILL that --kill-child passes on: the agent (pid 1 of the namespace,
+        # unshare's child) is asked to stop by its pid first, and unshare ends with it
+        try:
+            for child in psutil.Process(a.pid).children():
+                child.terminate()
+        except psutil.Error:
+            pass
+        a.stop()  # unshare, by its pid; --kill-child takes the agent with it if it is still there
