@@ -29,7 +29,7 @@ import psutil
 import pytest
 
 from gpudeck.console.fleet.transport import connect_ssh
-from tests.agent_harness import AgentProc, stop_runs, wait_for
+from tests.agent_harness import AgentProc, stop_runs, wait_exited, wait_for
 from tests.netns_harness import tcp_sockets
 from tests.sshd_harness import GPUDECK, ConsoleSide, SshHost, short_tmp
 
@@ -109,7 +109,7 @@ def _end_session(ctl: subprocess.Popen, h: SshHost, before: set[int]) -> None:
     bridges = dial_processes(h, before)
     ctl.kill()
     ctl.wait(10)
-    _gone, alive = psutil.wait_procs(bridges, timeout=10)
+    alive = wait_exited(bridges, 10)  # a re-parented bridge is init's: psutil's wait would also wait out init's reaping
     for p in alive:
         p.kill()
 
@@ -348,7 +348,7 @@ def test_the_console_never_forwards_the_users_ssh_agent(monkeypatch: pytest.Monk
                 return dials[0].environ()
             finally:
                 await link.close()
-                psutil.wait_procs(dial_processes(h, t0), timeout=10)
+                wait_exited(dial_processes(h, t0), 10)
 
         env = asyncio.run(console_env())
         assert "SSH_AUTH_SOCK" not in env, "the console forwarded the operator's ssh-agent"
