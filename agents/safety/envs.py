@@ -170,6 +170,7 @@ out = {"imported": False, "cuda": None, "hip": None, "nccl": None, "libs": [], "
 try:
     torch = importlib.import_module("torch")
     out["imported"] = True
+    out["file"] = getattr(torch, "__file__", None)
     out["cuda"] = getattr(torch.version, "cuda", None)
     out["hip"] = getattr(torch.version, "hip", None)
     if out["cuda"] is not None:
@@ -214,6 +215,7 @@ NOT_LOADED = "not loaded"
 
 class _Loaded(msgspec.Struct):
     imported: bool = False
+    file: _Path | None = None  # torch's __init__.py, which a kept probe rests on
     cuda: _Short | None = None
     hip: _Short | None = None
     nccl: _Short | None = None
@@ -441,10 +443,11 @@ def libnccl_digest(path: str) -> tuple[str | None, str | None]:
 
 
 # What an `import torch` probe saw, kept SEEN_FOR_S (pre-flight's import check runs the loaded probe in the same
-# process): the launch's fingerprint a moment later, and the next launches with the same interpreter and environment,
-# read it instead of importing torch again (1.2-1.6 s each on a 2-core machine), as long as none of the files it
-# rests on changed: the interpreter, torch's __init__.py, the folder torch is installed in (a pip install or
-# uninstall there adds or removes an entry: its mtime moves) and the libraries the import loaded.
+# process; a plain python run, which pre-flight does not check, runs it for its fingerprint): the launch's fingerprint
+# a moment later, and the next launches with the same interpreter and environment, read it instead of importing torch
+# again (1.2-1.6 s each on a 2-core machine), as long as none of the files it rests on changed: the interpreter,
+# torch's __init__.py, the folder torch is installed in (a pip install or uninstall there adds or removes an entry:
+# its mtime moves) and the libraries the import loaded. Only the import check's own probe gives its verdict.
 # (interpreter, environment digest) -> _Seen
 SEEN_FOR_S = 60.0
 
@@ -552,6 +555,8 @@ def _with_loaded(fp: EnvFingerprint, env: Mapping[str, str] | None, timeout: flo
                 f"the import-torch probe failed (exit {proc.returncode}): {_tail(proc.stderr, lines=2, chars=500) or 'no output'}"
             )
         got = _read_loaded(proc.stdout)
+        if not isinstance(got, str) and got.imported:
+            _keep_seen(fp.python, env, got.file, got, None)  # the next launch of this python reads it (a plain python run too)
     if isinstance(got, str):
         return failed(got)
     problems += got.errors

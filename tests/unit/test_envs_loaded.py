@@ -14,6 +14,7 @@ import sys
 import sysconfig
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from gpudeck.agents.safety import envs
@@ -211,3 +212,30 @@ def test_a_failed_import_check_is_never_reused(tmp_path: Path) -> None:
     for _ in range(2):
         ok, text = check_imports_torch(str(python), env={"PATH": os.environ["PATH"]})
         assert not ok and "libcudart.so.12" in text and "checked" not in text
+
+
+def test_a_plain_python_runs_fingerprint_keeps_its_probe_for_the_next_launch(tmp_path: Path) -> None:
+    """A plain python run is not import-checked by pre-flight; its fingerprint imports torch to see what loads, and
+    the next launch of the same interpreter and environment reads that (its files unchanged) instead of importing
+    torch again. The import check still probes for its own verdict, and a torch that fails to import is not kept."""
+    log = tmp_path / "imports.log"
+    python, lib = fake_torch_venv(tmp_path / "fake", init_extra=f"open({str(log)!r}, 'a').write('import' + chr(10))\n")
+    run_env = {"PATH": os.environ["PATH"]}
+
+    def imports() -> int:
+        return log.read_text().count("import")
+
+    first = fingerprint(str(python), env=run_env)
+    assert first.nccl_runtime == "2.28.9" and first.libnccl == str(lib) and imports() == 1
+    second = fingerprint(str(python), env=run_env)  # the next launch
+    assert msgspec.structs.replace(second, taken=first.taken) == first and imports() == 1
+    init = lib.parents[3] / "torch" / "__init__.py"
+    init.write_text(init.read_text() + "# reinstalled\n")  # a file it rests on changed: probed again
+    assert fingerprint(str(python), env=run_env).nccl_runtime == "2.28.9" and imports() == 2
+    ok, text = check_imports_torch(str(python), env=run_env)  # no verdict was kept: the import check probes
+    assert ok and "checked" not in text and imports() == 3
+
+    broken, _ = fake_torch_venv(tmp_path / "broken", init_extra="raise ImportError('libcudart.so.12: cannot open shared object file')\n")
+    for _ in range(2):
+        assert "import torch failed: ImportError: libcudart.so.12" in (fingerprint(str(broken), env=run_env).error or "")
+        assert envs._recent(str(broken), run_env) is None
