@@ -12,7 +12,7 @@ from pathlib import Path
 import psutil
 
 from gpudeck.agents.observe.procs import alive, create_time_of
-from tests.agent_harness import AgentProc, journal_add_member, wait_for
+from tests.agent_harness import AgentProc, journal_add_member, run_state, wait_for
 
 PROGS = Path(__file__).parent / "progs"
 
@@ -121,7 +121,7 @@ def test_a_request_id_reused_with_another_command_is_refused(agent: AgentProc) -
 def test_arguments_are_never_given_to_a_shell(agent: AgentProc, tmp_path: Path) -> None:
     marker = tmp_path / "pwned"
     rid = agent.cli_json("launch", "--", "echo", f"; touch {marker}", "$(id)")["id"]
-    wait_for(lambda: agent.cli_json("runs")[0]["state"] == "succeeded", what="echo to finish")
+    wait_for(lambda: run_state(agent, rid) == "succeeded", what="echo to finish")
     assert agent.cli("tail", rid).stdout == f"; touch {marker} $(id)\n"
     assert not marker.exists()
 
@@ -209,7 +209,7 @@ def test_tail_follow_streams_until_the_run_ends(agent: AgentProc) -> None:
 
 def test_stop_of_an_ended_run_reports_and_touches_nothing(agent: AgentProc) -> None:
     rid = agent.cli_json("launch", "--", "true")["id"]
-    wait_for(lambda: agent.cli_json("runs")[0]["state"] == "succeeded", what="true to end")
+    wait_for(lambda: run_state(agent, rid) == "succeeded", what="true to end")
     res = agent.cli_json("stop", rid)
     assert res["state"] == "succeeded" and "already ended" in res["message"]
 

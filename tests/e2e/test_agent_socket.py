@@ -15,7 +15,7 @@ import pytest
 
 from gpudeck.agents.wire.errors import BadRequest, NotFound, RemoteError
 from gpudeck.agents.wire.protocol import GetEvents, GetRun, GetSnapshot, Launch, LaunchSpec, Ping, Pong, Snapshot, Stop, WatchSnapshots
-from tests.agent_harness import ROOT, AgentProc, wait_for
+from tests.agent_harness import ROOT, AgentProc, run_state, wait_for
 
 
 def raw_conn(agent: AgentProc) -> socket.socket:
@@ -210,7 +210,7 @@ def test_a_held_journal_write_lock_delays_no_ping_or_snapshot_and_the_queued_eve
 
     gate = tmp_path / "go"
     rid = agent.cli_json("launch", "--", "sh", "-c", f"while [ ! -e '{gate}' ]; do sleep 0.05; done; exit 3")["id"]
-    wait_for(lambda: next(r for r in agent.cli_json("runs") if r["id"] == rid)["state"] == "running", timeout=30, what="the run to start")
+    wait_for(lambda: run_state(agent, rid) == "running", timeout=30, what="the run to start")
     held = sqlite3.connect(agent.state_dir / "journal.db", isolation_level=None, timeout=10)
     held.execute("BEGIN IMMEDIATE")
     released = False

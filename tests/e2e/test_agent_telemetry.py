@@ -7,7 +7,7 @@ import sqlite3
 import sys
 from pathlib import Path
 
-from tests.agent_harness import ROOT, AgentProc, wait_for
+from tests.agent_harness import ROOT, AgentProc, run_state, wait_for
 
 PROG = Path(__file__).parent / "progs" / "telemetry_writer.py"
 
@@ -41,7 +41,7 @@ def test_telemetry_is_live_and_journaled_once(agent: AgentProc, tmp_path: Path) 
     agent.kill9()  # records already journaled must not be journaled again
     agent.start()
     gate.touch()
-    wait_for(lambda: next(r for r in agent.cli_json("runs") if r["id"] == rid)["state"] == "succeeded", what="the run to finish")
+    wait_for(lambda: run_state(agent, rid) == "succeeded", what="the run to finish")
     kinds = [r["type"] for r in telemetry_events(agent, rid)]
     assert kinds.count("manifest") == 1
     assert kinds.count("checkpoint") == 1
@@ -76,7 +76,7 @@ def test_a_stopped_run_records_its_last_step_not_the_last_journaled_one(agent: A
     tel = agent.state_dir / "runs" / rid / "telemetry.jsonl"
     wait_for(lambda: tel.exists() and tel.read_text().count("\n") >= 160, what="160 steps")
     agent.cli("stop", rid, "--grace", "5")
-    wait_for(lambda: next(r for r in agent.cli_json("runs") if r["id"] == rid)["state"] == "stopped", what="the stop")
+    wait_for(lambda: run_state(agent, rid) == "stopped", what="the stop")
     written = [json.loads(line) for line in tel.read_text().splitlines()]
     steps = [r for r in telemetry_events(agent, rid) if r["type"] == "step"]
     assert [r["step"] for r in steps[:100]] == list(range(1, 101))  # the first 100: every one
@@ -92,7 +92,7 @@ def test_metrics_series_for_a_finished_run(agent: AgentProc, tmp_path: Path) -> 
     gate = tmp_path / "go"
     gate.touch()  # no pause: the writer runs straight through
     rid = agent.cli_json("launch", "--", sys.executable, str(PROG), str(ROOT), str(gate))["id"]
-    wait_for(lambda: next(r for r in agent.cli_json("runs") if r["id"] == rid)["state"] == "succeeded", what="the run to finish")
+    wait_for(lambda: run_state(agent, rid) == "succeeded", what="the run to finish")
 
     async def fetch(points: int) -> Metrics:
         c = await agent.client()

@@ -20,7 +20,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.agent_harness import AgentProc, wait_for
+from tests.agent_harness import AgentProc, run_state, wait_for
 from tests.sshd_harness import ConsoleSide
 
 PY = sys.executable
@@ -31,13 +31,13 @@ def _state(a: AgentProc, rid: str) -> str:
 
 
 def _ended(a: AgentProc, rid: str, timeout: float = 60) -> None:
-    wait_for(lambda: _state(a, rid) in ("succeeded", "failed", "stopped"), timeout, what=f"{rid} to end")
+    wait_for(lambda: run_state(a, rid) in ("succeeded", "failed", "stopped"), timeout, what=f"{rid} to end")
 
 
 def test_relaunch_with_host_launches_there(two_hosts: ConsoleSide) -> None:
     c = two_hosts
     rid = c.cli("launch", "--host", "hosta", "--name", "moved", "--", "sleep", "0").stdout.strip()
-    wait_for(lambda: c.cli_json("runs", "--host", "hosta")[0]["state"] == "succeeded", 60, what="the run on hosta")
+    wait_for(lambda: run_state(c.hosts[0].agent, rid) == "succeeded", 60, what="the run on hosta")  # hosta's agent, over its socket
     new = c.cli_json("relaunch", rid, "--host", "hostb")  # --host says where to launch, not where to look
     assert new["host"] == "hostb" and new["spec"]["parent"] == rid, new
     assert new["id"] in [r["id"] for r in c.cli_json("runs", "--host", "hostb")]
@@ -107,7 +107,7 @@ def test_rollback_refused_for_a_changed_environment_exits_1_and_advises_what_can
 def test_ctrl_c_during_stop_says_the_stop_goes_on(agent: AgentProc) -> None:
     # a run that ignores SIGTERM: the stop waits its whole grace, and Ctrl-C comes during it
     rid = agent.cli("launch", "--", "sh", "-c", "trap '' TERM; sleep 120").stdout.strip()
-    wait_for(lambda: _state(agent, rid) == "running", 60, what="the run")
+    wait_for(lambda: run_state(agent, rid) == "running", 60, what="the run")
     # started as a terminal starts it: SIGINT at its default. A child inherits an ignored SIGINT (and a CLI started so,
     # like a background job of a script, rightly keeps ignoring Ctrl-C). In full runs this test's xdist worker sometimes
     # had SIGINT and SIGQUIT ignored when it started the CLI (its SigIgn was 0x81001006; both together is what a C
@@ -120,7 +120,7 @@ def test_ctrl_c_during_stop_says_the_stop_goes_on(agent: AgentProc) -> None:
         stderr=subprocess.PIPE,
         text=True,
     )
-    wait_for(lambda: _state(agent, rid) == "stopping", 60, what="the stop to begin")
+    wait_for(lambda: run_state(agent, rid) == "stopping", 60, what="the stop to begin")
     # how the CLI holds SIGINT (blocked, ignored, caught), for a failure to name
     masks = [ln for ln in Path(f"/proc/{p.pid}/status").read_text().splitlines() if ln.startswith(("SigBlk", "SigIgn", "SigCgt"))]
     p.send_signal(signal.SIGINT)
@@ -166,7 +166,7 @@ def test_status_of_a_run_that_matches_nothing_says_so(agent: AgentProc) -> None:
 
 def test_a_multi_line_argv_stays_on_one_line(agent: AgentProc) -> None:
     rid = agent.cli("launch", "--name", "ml", "--", "sh", "-c", "sleep 120\necho INJECTED", "x\ny").stdout.strip()
-    wait_for(lambda: _state(agent, rid) == "running", 60, what="the run")
+    wait_for(lambda: run_state(agent, rid) == "running", 60, what="the run")
     status = agent.cli("status", "--host", "local").stdout
     show = agent.cli("show", rid).stdout
     stop = agent.cli("stop", rid, "--grace", "1").stdout

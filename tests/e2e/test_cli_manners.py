@@ -10,7 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.agent_harness import AgentProc, wait_for
+from tests.agent_harness import AgentProc, run_state, wait_for
 
 GPUDECK = [sys.executable, "-m", "gpudeck.console.cli.main"]
 
@@ -50,7 +50,7 @@ def test_diff_is_argument_by_argument_and_never_cut(agent: AgentProc) -> None:
     a = agent.cli("launch", "--name", "a", "--", sys.executable, "-c", "pass", "--lr", "3e-4", long).stdout.strip()
     b = agent.cli("launch", "--name", "b", "--", sys.executable, "-c", "pass", "--lr", "1e-4", long + "y").stdout.strip()
     for rid in (a, b):
-        wait_for(lambda rid=rid: next(r for r in agent.cli_json("runs") if r["id"] == rid)["state"] == "succeeded", 30, what=rid)
+        wait_for(lambda rid=rid: run_state(agent, rid) == "succeeded", 30, what=rid)
     out = agent.cli("diff", a, b).stdout
     assert "--lr" in out and "3e-4" in out and "1e-4" in out, out
     assert long + "y" in out  # never cut to a width
@@ -60,7 +60,7 @@ def test_diff_is_argument_by_argument_and_never_cut(agent: AgentProc) -> None:
 
 def test_runs_and_history_json_share_kind_cause_class_and_alerts(agent: AgentProc) -> None:
     rid = agent.cli("launch", "--name", "shape", "--", sys.executable, "-c", "raise SystemExit(3)").stdout.strip()
-    wait_for(lambda: next(r for r in agent.cli_json("runs") if r["id"] == rid)["state"] == "failed", 30, what="the run to fail")
+    wait_for(lambda: run_state(agent, rid) == "failed", 30, what="the run to fail")
     live = next(r for r in agent.cli_json("runs") if r["id"] == rid)
     hist = next(r for r in json.loads(agent.cli("history", "--json", f"id:{rid}").stdout) if r["id"] == rid)
     for key in ("id", "host", "name", "kind", "state", "cause", "cause_class", "exit_code", "alerts", "spec", "members"):
@@ -75,7 +75,7 @@ def test_runs_and_history_json_share_kind_cause_class_and_alerts(agent: AgentPro
 
 def test_relaunch_and_rollback_of_a_plain_command_ask_for_no_start(agent: AgentProc) -> None:
     rid = agent.cli("launch", "--name", "plain", "--", sys.executable, "-c", "pass").stdout.strip()
-    wait_for(lambda: next(r for r in agent.cli_json("runs") if r["id"] == rid)["state"] == "succeeded", 30, what="the run")
+    wait_for(lambda: run_state(agent, rid) == "succeeded", 30, what="the run")
     again = json.loads(agent.cli("relaunch", rid, "--json").stdout)
     assert again["spec"]["parent"] == rid and again["spec"]["argv"] == [sys.executable, "-c", "pass"]
     back = json.loads(agent.cli("rollback", rid, "--to", rid, "--json").stdout)
@@ -86,7 +86,7 @@ def test_relaunch_and_rollback_of_a_plain_command_ask_for_no_start(agent: AgentP
 
 def test_status_watch_redraws_with_a_filter_and_json_lines(agent: AgentProc) -> None:
     rid = agent.cli("launch", "--name", "watched", "--", sys.executable, "-c", "import time; time.sleep(60)").stdout.strip()
-    wait_for(lambda: next(r for r in agent.cli_json("runs") if r["id"] == rid)["state"] == "running", 30, what="the run")
+    wait_for(lambda: run_state(agent, rid) == "running", 30, what="the run")
     out = agent.cli("status", "--host", "local", "--watch", "-n", "0.2", "--count", "2", "--run", "watched").stdout
     assert out.count("every 0.2 s, only run=watched") == 2 and rid in out and "\x1b[" not in out  # not a terminal: frames
     none = agent.cli("status", "--host", "local", "--watch", "-n", "0.2", "--count", "1", "--run", "nosuch").stdout
@@ -105,7 +105,7 @@ def test_a_wait_on_a_terminal_shows_progress_on_stderr_and_none_with_json(agent:
 
     prog = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('up', flush=True); time.sleep(120)"
     rid = agent.cli("launch", "--name", "stubborn", "--", sys.executable, "-c", prog).stdout.strip()
-    wait_for(lambda: next(r for r in agent.cli_json("runs") if r["id"] == rid)["state"] == "running", 30, what="the run")
+    wait_for(lambda: run_state(agent, rid) == "running", 30, what="the run")
     wait_for(lambda: "up" in agent.cli("tail", rid).stdout, 30, what="its SIGTERM handler")
     master, slave = pty.openpty()
     p = subprocess.Popen([*GPUDECK, "stop", rid, "--grace", "3"], env=agent.env, stdout=subprocess.PIPE, stderr=slave)

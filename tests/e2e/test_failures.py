@@ -21,7 +21,7 @@ import psutil
 import pytest
 
 from gpudeck.agents.wire.protocol import GetRun
-from tests.agent_harness import ROOT, AgentProc, teardown_agent, wait_for
+from tests.agent_harness import ROOT, AgentProc, run_state, teardown_agent, wait_for
 from tests.trainer_harness import alive
 
 pytestmark = pytest.mark.slow
@@ -71,7 +71,7 @@ def test_a_stale_holder_blocks_the_launch_by_name_and_reclaim_frees_it(sim_agent
         "--child-seconds",
         "120",
     )["id"]
-    wait_for(lambda: next(r for r in a.cli_json("runs") if r["id"] == r1)["state"] == "succeeded", 20, what="run 1 to end")
+    wait_for(lambda: run_state(a, r1) == "succeeded", 20, what="run 1 to end")
     snap = a.cli_json("status", "--host", "local")
     assert snap["simulated"] is True
     stale = [p for p in snap["gpus"][0]["processes"] if p["attribution"] == "STALE"]
@@ -155,7 +155,7 @@ def test_killing_the_launcher_leaves_orphans_that_reclaim_finds_and_stops(sim_ag
     )
     leader = next(m["pid"] for m in r["members"] if m["role"] == "leader")
     os.kill(leader, signal.SIGKILL)  # like killing torchrun: the ranks are in their own sessions and live on
-    wait_for(lambda: next(x for x in a.cli_json("runs") if x["id"] == rid)["state"] == "failed", 15, what="run ended")
+    wait_for(lambda: run_state(a, rid) == "failed", 15, what="run ended")
     run = next(x for x in a.cli_json("runs") if x["id"] == rid)
     assert run["cause"].startswith("killed by SIGKILL") and run["cause"] and "signal" == a.cli_json("show", rid)["cause_class"]
     left = a.cli_json("reclaim", "local")["leftovers"]
@@ -233,7 +233,7 @@ def test_a_rank_that_dies_while_the_run_goes_on_raises_the_alert_within_10_s(sim
         assert ev and ev[0]["data"]["alert"]["kind"] == "rank_exited"
         assert a.cli_json("history", "alert:rank_exited")[0]["id"] == rid
     else:
-        wait_for(lambda: next(x for x in a.cli_json("runs") if x["id"] == rid)["state"] == "stopped", 20, what="the whole run stopped")
+        wait_for(lambda: run_state(a, rid) == "stopped", 20, what="the whole run stopped")
         run = next(x for x in a.cli_json("runs") if x["id"] == rid)
         assert "--on-rank-death stop" in run["cause"] and "rank 1" in run["cause"]
         assert a.cli_json("show", rid)["cause_class"] == "rank_died"

@@ -9,7 +9,7 @@ import os
 import subprocess
 import sys
 
-from tests.agent_harness import AgentProc, wait_for
+from tests.agent_harness import AgentProc, run_state, wait_for
 
 EVIL = "\x1b]0;pwned\x07\x1b[2J\x1b]52;c;ZXZpbA==\x07\x9b31m\u202e"
 PRINT = "import os, sys; print(sys.argv[1] + os.environ['HF_TOKEN'], flush=True)"
@@ -25,7 +25,7 @@ def test_hostile_name_argv_and_output_are_escaped_and_secrets_redacted(agent: Ag
     rid = agent.cli_json(
         "launch", "--name", name, "--env", "HF_TOKEN=hf_sekrit", "--env", f"PLAIN=ok{EVIL}", "--", sys.executable, "-c", PRINT, f"out{EVIL}"
     )["id"]
-    wait_for(lambda: next(r for r in agent.cli_json("runs") if r["id"] == rid)["state"] == "succeeded", timeout=60, what="the run to end")
+    wait_for(lambda: run_state(agent, rid) == "succeeded", timeout=60, what="the run to end")
 
     for args in (["runs"], ["history"], ["show", rid], ["tail", rid], ["diff", rid, rid], ["status"]):
         cp = agent.cli(*args)
@@ -90,7 +90,7 @@ def test_launch_relaunch_rollback_and_status_json_redact_env_secrets_unless_show
     assert _env_of(first)["HF_TOKEN"] == "REDACTED" and _env_of(first)["KEY_FILE"] == "REDACTED" and _env_of(first)["PLAIN"] == "ok"
     assert "hf_sekrit" not in json.dumps(first)
     rid = first["id"]
-    wait_for(lambda: next(r for r in agent.cli_json("runs") if r["id"] == rid)["state"] == "succeeded", timeout=60, what="the run to end")
+    wait_for(lambda: run_state(agent, rid) == "succeeded", timeout=60, what="the run to end")
     assert "hf_sekrit" in agent.cli("tail", rid, "--raw").stdout  # the run got the real value
 
     shown = json.loads(agent.cli("launch", "--json", "--show-secrets", *env, "--", sys.executable, "-c", SLEEPER, "0").stdout)
@@ -137,7 +137,7 @@ def _closed_stdout(agent: AgentProc, *args: str) -> subprocess.CompletedProcess:
 
 def test_output_into_a_closed_pipe_ends_quietly_with_141(agent: AgentProc) -> None:
     rid = agent.cli_json("launch", "--name", "piped", "--", sys.executable, "-c", "print('x\\n' * 5000)")["id"]
-    wait_for(lambda: next(r for r in agent.cli_json("runs") if r["id"] == rid)["state"] == "succeeded", timeout=60, what="the run to end")
+    wait_for(lambda: run_state(agent, rid) == "succeeded", timeout=60, what="the run to end")
     for args in (
         ["runs", "--json"],
         ["runs"],

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from gpudeck.agents.wire.protocol import GetEvents, ListRuns
-from tests.agent_harness import AgentProc, wait_for
+from tests.agent_harness import AgentProc, run_state, wait_for
 
 pytestmark = pytest.mark.slow
 PY = sys.executable
@@ -65,7 +65,7 @@ def test_a_run_whose_name_output_and_telemetry_hold_lone_surrogates_is_supervise
     cli_rid = agent.cli_json("launch", "--name", "cli\udcffname", "--", PY, "-c", "print('\\udcff'.encode('utf-8', 'surrogateescape'))")[
         "id"
     ]
-    wait_for(lambda: all(_runs(agent)[r]["state"] == "succeeded" for r in (rid, cli_rid)), timeout=60, what="both runs to end")
+    wait_for(lambda: all(run_state(agent, r) == "succeeded" for r in (rid, cli_rid)), timeout=60, what="both runs to end")
     runs = _runs(agent)
     print(f"\nruns: {runs[rid]['name']!r} {runs[rid]['state']}; {runs[cli_rid]['name']!r} {runs[cli_rid]['state']}")
     assert runs[cli_rid]["name"] == f"cli{FFFD}name"
@@ -121,7 +121,7 @@ def test_runs_whose_exit_json_is_hostile_get_a_sane_cause_and_supervision_goes_o
     ids = {}
     for name in HOSTILE_EXIT:
         ids[name] = agent.cli_json("launch", "--name", name, "--", PY, "-c", wait_go, str(go))["id"]
-    wait_for(lambda: all(_runs(agent)[r]["state"] == "running" for r in ids.values()), timeout=60, what="the runs to run")
+    wait_for(lambda: all(run_state(agent, r) == "running" for r in ids.values()), timeout=60, what="the runs to run")
     agent.stop()  # runs outlive the agent; they end while it is down
     go.write_text("")
     for name, rid in ids.items():
@@ -132,9 +132,7 @@ def test_runs_whose_exit_json_is_hostile_get_a_sane_cause_and_supervision_goes_o
     for name, rid in ids.items():
         (agent.state_dir / "runs" / rid / "exit.json").write_bytes(HOSTILE_EXIT[name])  # the run's folder is the run's
     agent.start()
-    wait_for(
-        lambda: all(_runs(agent)[r]["state"] in ("failed", "lost", "succeeded") for r in ids.values()), timeout=60, what="every run to end"
-    )
+    wait_for(lambda: all(run_state(agent, r) in ("failed", "lost", "succeeded") for r in ids.values()), timeout=60, what="every run to end")
     runs = _runs(agent)
     for name, rid in ids.items():
         r = runs[rid]
@@ -145,6 +143,6 @@ def test_runs_whose_exit_json_is_hostile_get_a_sane_cause_and_supervision_goes_o
     assert runs[ids["partly_typed"]]["state"] == "failed" and runs[ids["partly_typed"]]["exit_code"] == 3
     # supervision goes on: a new run is launched, watched and ended as usual
     after = agent.cli_json("launch", "--name", "after", "--", PY, "-c", "pass")["id"]
-    wait_for(lambda: _runs(agent)[after]["state"] == "succeeded", timeout=60, what="a later run to end")
+    wait_for(lambda: run_state(agent, after) == "succeeded", timeout=60, what="a later run to end")
     log = (agent.state_dir / "agent.log").read_text()
     assert "Traceback" not in log and "supervision tick failed" not in log, log[-3000:]

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from gpudeck.agents.wire.protocol import GetSnapshot, Launch, LaunchSpec
-from tests.agent_harness import AgentProc, wait_for
+from tests.agent_harness import AgentProc, run_state, wait_for
 
 pytestmark = pytest.mark.slow
 PY = sys.executable
@@ -83,7 +83,7 @@ def test_a_journal_deleted_or_replaced_under_the_agent_is_recreated_and_no_live_
     db = a.state_dir / "journal.db"
     try:
         first, _ = asyncio.run(_launch(a, "before"))
-        wait_for(lambda: _runs(a)[first]["state"] == "running", timeout=30, what="the first run to run")
+        wait_for(lambda: run_state(a, first) == "running", timeout=30, what="the first run to run")
         epoch0 = _status(a)["epoch"]
         for suffix in ("", "-wal", "-shm"):
             p = Path(str(db) + suffix)
@@ -167,9 +167,9 @@ def test_a_corrupt_journal_at_start_is_moved_aside_and_live_runs_are_found_again
     try:
         # enough history that a truncation cuts into real pages
         ended = a.cli_json("launch", "--name", "short", "--", PY, "-c", "print('x' * 100000)")["id"]
-        wait_for(lambda: _runs(a)[ended]["state"] == "succeeded", timeout=60, what="the short run to end")
+        wait_for(lambda: run_state(a, ended) == "succeeded", timeout=60, what="the short run to end")
         live = a.cli_json("launch", "--name", "survivor", "--", *SLEEPER)["id"]
-        wait_for(lambda: _runs(a)[live]["state"] == "running", timeout=30, what="the run to run")
+        wait_for(lambda: run_state(a, live) == "running", timeout=30, what="the run to run")
         a.cli_json("history")  # the console holds the old epoch
         a.stop()  # runs outlive the agent; the journal is checkpointed into journal.db
         assert not Path(str(db) + "-wal").exists() or Path(str(db) + "-wal").stat().st_size == 0
@@ -212,7 +212,7 @@ def test_a_journal_overwritten_in_place_while_the_agent_runs_is_moved_aside_and_
     db = a.state_dir / "journal.db"
     try:
         live = a.cli_json("launch", "--name", "survivor", "--", *SLEEPER)["id"]
-        wait_for(lambda: _runs(a)[live]["state"] == "running", timeout=30, what="the run to run")
+        wait_for(lambda: run_state(a, live) == "running", timeout=30, what="the run to run")
         epoch0 = _status(a)["epoch"]
         # the same inode, its bytes garbage (and the WAL gone, so no reader can fall back on it)
         with open(db, "r+b") as fh:

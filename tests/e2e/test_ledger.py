@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from gpudeck.agents.observe import containers
-from tests.agent_harness import AgentProc, kill_pids, simulated_agent, teardown_agent, wait_for
+from tests.agent_harness import AgentProc, kill_pids, run_state, simulated_agent, teardown_agent, wait_for
 from tests.e2e.test_containers import Groups
 from tests.e2e.test_containers import why_not as containers_why_not
 
@@ -197,7 +197,7 @@ def test_retention_compacts_to_start_peak_and_end_and_a_fresh_history_still_has_
             # a run: ticks sample every 0.5 s while it lives (its shim holds 2 GiB too: the grower is the one that grew)
             grow = [PY, GROWER, "--stages", "2,20,40", "--after", "1.2", "--seconds", "1.5"]
             rid = a.cli_json("launch", "--gpus", "0", "--force", *stage0(0, 2), "--", *grow)["id"]
-            wait_for(lambda: a.cli_json("runs")[0]["state"] not in ("starting", "running"), timeout=60, what="the run's end")
+            wait_for(lambda: run_state(a, rid) not in ("starting", "running"), timeout=60, what="the run's end")
             ends = wait_for(
                 lambda: [r for r in records(a) if r.get("run") == rid and r["change"] == "end" and r["peak"] > 2 * GIB], timeout=60
             )

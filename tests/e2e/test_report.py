@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.agent_harness import ROOT, AgentProc, simulated_agent, wait_for
+from tests.agent_harness import ROOT, AgentProc, run_state, simulated_agent, wait_for
 
 pytestmark = pytest.mark.slow
 PY = sys.executable
@@ -50,11 +50,9 @@ def sim_agent(gpudeck_home: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[A
 
 
 def _ended(a: AgentProc, rid: str, timeout: float = 90) -> dict:
-    def done() -> dict | None:
-        run = next((r for r in a.cli_json("runs") if r["id"] == rid), None)
-        return run if run is not None and run["state"] in ("succeeded", "failed", "stopped", "lost") else None
-
-    return wait_for(done, timeout, interval=0.5, what=f"{rid} to end")  # type: ignore[no-any-return]
+    ended = ("succeeded", "failed", "stopped", "lost")
+    wait_for(lambda: run_state(a, rid) in ended, timeout, interval=0.5, what=f"{rid} to end")  # over the socket: no CLI per poll
+    return next(r for r in a.cli_json("runs") if r["id"] == rid)  # the run as the CLI shows it
 
 
 def _claim(doc: dict, what: str) -> dict:

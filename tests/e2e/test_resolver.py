@@ -19,7 +19,7 @@ def launch(c: ConsoleSide, host: str, name: str) -> str:
 
 
 def state(c: ConsoleSide, host: str, rid: str) -> str:
-    return c.cli_json("runs", "--host", host)[[r["id"] for r in c.cli_json("runs", "--host", host)].index(rid)]["state"]
+    return next(r["state"] for r in c.cli_json("runs", "--host", host) if r["id"] == rid)  # one CLI call (an SSH round), not two
 
 
 def test_a_name_of_three_runs_on_two_hosts_is_refused_with_the_candidates(two_hosts: ConsoleSide) -> None:

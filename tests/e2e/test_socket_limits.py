@@ -28,7 +28,7 @@ import pytest
 from gpudeck.agents.wire.client import AgentClient
 from gpudeck.agents.wire.errors import AgentError
 from gpudeck.agents.wire.protocol import Launch, LaunchSpec, Ping
-from tests.agent_harness import AgentProc, teardown_agent, wait_for
+from tests.agent_harness import AgentProc, run_state, teardown_agent, wait_for
 
 pytestmark = pytest.mark.slow
 PY = sys.executable
@@ -134,7 +134,7 @@ def _read_frames(s: socket.socket, timeout: float = 10.0) -> tuple[list[dict], b
 def _output_run(a: AgentProc) -> str:
     """A finished run with 4 MiB of output: every ReadOutput of it is a 256 KiB reply."""
     rid = a.cli_json("launch", "--name", "loud", "--", PY, "-c", "import sys; sys.stdout.write('y' * (4 << 20))")["id"]
-    wait_for(lambda: next(r for r in a.cli_json("runs") if r["id"] == rid)["state"] == "succeeded", timeout=60, what="the loud run")
+    wait_for(lambda: run_state(a, rid) == "succeeded", timeout=60, what="the loud run")
     return rid
 
 
